@@ -1,0 +1,1 @@
+"""mmdist: plan, simulate and run distributed training of multimodal models."""

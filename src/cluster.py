@@ -1,0 +1,147 @@
+"""Where a model trains: devices, nodes, links, and the cost model's per-hardware constants.
+
+Ranks are numbered node-major: rank r lives on node r // devices_per_node. Every number
+comes from a preset in conf/cluster/, which says where it comes from; nothing here has a
+default for an unknown device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+from src.errors import ConfigError
+
+GIB = 1024 ** 3
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """A cluster preset. Bandwidths are bytes/s in one direction; latencies seconds.
+
+    intra_bandwidth: per device, over NVLink/NVSwitch/Infinity Fabric.
+    inter_bandwidth: per node, the sum of its NICs.
+    gemm_max_efficiency, gemm_half_dim: achieved fraction of peak for a GEMM is
+      max_efficiency * prod_d d/(d + half_dim) over its m, n, k: large GEMMs approach the
+      maximum, thin ones (small per-device batch, over-partitioned TP) fall off.
+    memory_efficiency: achieved fraction of HBM bandwidth for bandwidth-bound kernels.
+    intra_efficiency, inter_efficiency: achieved fraction of the link bandwidth by
+      collectives and transfers inside a node and across nodes.
+    kernel_overhead_s: fixed cost per kernel launch.
+    reserved_memory_gib: memory a framework cannot use (context, allocator, workspace).
+    """
+
+    name: str
+    device: str
+    nodes: int
+    devices_per_node: int
+    peak_flops: dict[str, float]
+    memory_gib: float
+    memory_bandwidth: float
+    intra_bandwidth: float
+    intra_latency: float
+    inter_bandwidth: float
+    inter_latency: float
+    gemm_max_efficiency: float
+    gemm_half_dim: float
+    memory_efficiency: float
+    intra_efficiency: float
+    inter_efficiency: float
+    kernel_overhead_s: float
+    reserved_memory_gib: float
+    default_precision: str
+    sources: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def devices(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    @property
+    def usable_memory_bytes(self) -> float:
+        return (self.memory_gib - self.reserved_memory_gib) * GIB
+
+    def peak(self, precision: str) -> float:
+        if precision not in self.peak_flops:
+            raise ConfigError(
+                f"device {self.device} of cluster {self.name} has no {precision} peak; "
+                f"train.precision must be one of {sorted(self.peak_flops)}")
+        return self.peak_flops[precision]
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.devices_per_node
+
+    def spans_nodes(self, ranks: Iterable[int]) -> bool:
+        nodes = {self.node_of(r) for r in ranks}
+        return len(nodes) > 1
+
+    def bandwidth(self, ranks: Sequence[int], sharing: int = 1) -> float:
+        """Achieved bandwidth of a ring over `ranks`: NVLink inside a node; across nodes
+        the node's NICs split among the `sharing` rings crossing them at once."""
+        if not self.spans_nodes(ranks):
+            return self.intra_bandwidth * self.intra_efficiency
+        per_ring = self.inter_bandwidth * self.inter_efficiency / max(1, sharing)
+        return min(self.intra_bandwidth * self.intra_efficiency, per_ring)
+
+    def latency(self, ranks: Sequence[int]) -> float:
+        return self.inter_latency if self.spans_nodes(ranks) else self.intra_latency
+
+
+FLOAT_FIELDS = ("memory_gib", "memory_bandwidth", "intra_bandwidth", "intra_latency", "inter_bandwidth",
+                "inter_latency", "gemm_max_efficiency", "gemm_half_dim", "memory_efficiency",
+                "intra_efficiency", "inter_efficiency", "kernel_overhead_s", "reserved_memory_gib")
+
+
+def cluster_from_config(cfg: Mapping[str, Any]) -> ClusterSpec:
+    """Build and validate a ClusterSpec from the `cluster` config group."""
+    name = cfg.get("name", "?")
+    for key in ("nodes", "devices_per_node"):
+        value = cfg.get(key)
+        if not isinstance(value, int) or value <= 0:
+            raise ConfigError(f"cluster.{key} must be a positive integer, got {value!r} (cluster {name})")
+    for key in FLOAT_FIELDS:
+        value = cfg.get(key)
+        if value is None:
+            raise ConfigError(f"cluster {name} has no {key}: every preset must state it")
+        if float(value) < 0 or (float(value) == 0 and key not in ("intra_latency", "inter_latency",
+                                                                      "kernel_overhead_s", "reserved_memory_gib")):
+            raise ConfigError(f"cluster.{key} must be positive, got {value} (cluster {name})")
+    peaks = {str(k): float(v) for k, v in dict(cfg.get("peak_flops") or {}).items()}
+    if not peaks or any(v <= 0 for v in peaks.values()):
+        raise ConfigError(f"cluster {name} must list positive peak_flops per precision, got {peaks}")
+    devices = cfg.get("devices")
+    total = cfg["nodes"] * cfg["devices_per_node"]
+    if devices is not None and devices != total:
+        raise ConfigError(f"cluster.devices={devices} but nodes x devices_per_node = "
+                          f"{cfg['nodes']} x {cfg['devices_per_node']} = {total}")
+    for key in ("gemm_max_efficiency", "memory_efficiency", "intra_efficiency", "inter_efficiency"):
+        if float(cfg[key]) > 1:
+            raise ConfigError(f"cluster.{key} is a fraction of peak, got {cfg[key]} (cluster {name})")
+    if cfg.get("default_precision") not in peaks:
+        raise ConfigError(f"cluster {name}: default_precision {cfg.get('default_precision')!r} "
+                          f"has no peak in {sorted(peaks)}")
+    if float(cfg["reserved_memory_gib"]) >= float(cfg["memory_gib"]):
+        raise ConfigError(f"cluster {name}: reserved_memory_gib {cfg['reserved_memory_gib']} "
+                          f">= memory_gib {cfg['memory_gib']}")
+    return ClusterSpec(
+        name=str(name), device=str(cfg.get("device")), nodes=int(cfg["nodes"]),
+        devices_per_node=int(cfg["devices_per_node"]), peak_flops=peaks,
+        default_precision=str(cfg["default_precision"]),
+        sources={str(k): str(v) for k, v in dict(cfg.get("sources") or {}).items()},
+        **{key: float(cfg[key]) for key in FLOAT_FIELDS},
+    )
+
+
+def family_sharing(cluster: ClusterSpec, groups: Sequence[Sequence[int]]) -> int:
+    """How many groups of one family cross the busiest node's links at once.
+
+    A ring that leaves a node uses its NICs once however many of its members the node
+    holds, so the count is the number of node-spanning groups with a member there (this is
+    Par4D eq. 10's min(G_node, prod G_j) for grid groups).
+    """
+    per_node: dict[int, int] = {}
+    for group in groups:
+        nodes = {cluster.node_of(r) for r in group}
+        if len(nodes) < 2:
+            continue
+        for node in nodes:
+            per_node[node] = per_node.get(node, 0) + 1
+    return max(per_node.values(), default=1)

@@ -1,0 +1,146 @@
+"""Compute time of kernels, layers and Work items on one device.
+
+A GEMM runs at peak x efficiency, where the efficiency saturates in each of its
+dimensions (cluster.gemm_half_dim): a thin GEMM (small per-device batch, a dimension cut
+by an over-large TP degree) is slow, as DistMM §3.2 argues. Every kernel is also bounded
+below by the bytes it moves over HBM, and pays a launch overhead. All constants come from
+the cluster preset; nothing here is specific to a strategy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from src.cluster import ClusterSpec
+from src.models.spec import Kernel, LayerSpec, ModelSpec, UnitSpec
+from src.program import Work
+
+# The optimizer step of mixed-precision Adam touches, per parameter: fp32 gradient (read 4),
+# fp32 master weight (read + write 8), two fp32 moments (read + write 16), 16-bit weight
+# (write 2). It is bandwidth-bound.
+ADAM_BYTES_PER_PARAM = 30.0
+
+
+@dataclass(frozen=True)
+class LayerTimes:
+    """Seconds for one layer and one micro-batch: forward, input-gradient and
+    weight-gradient parts of backward, and the forward of the attention core alone (what
+    selective recomputation re-runs)."""
+
+    fwd: float
+    bwd_input: float
+    bwd_weight: float
+    core_fwd: float = 0.0
+
+    def recompute(self, mode: str) -> float:
+        return {"none": 0.0, "selective": self.core_fwd, "full": self.fwd}[mode]
+
+
+class ComputeModel:
+    """Prices kernels on one cluster at one precision, caching by (layer, shape)."""
+
+    def __init__(self, cluster: ClusterSpec, precision: str):
+        self.cluster = cluster
+        self.peak = cluster.peak(precision)
+        self.hbm = cluster.memory_bandwidth * cluster.memory_efficiency
+        self.bytes_per_elem = 4 if precision == "fp32" else 2
+        self._layer_cache: dict[tuple, LayerTimes] = {}
+        self._work_cache: dict[Work, float] = {}
+
+    def efficiency(self, m: float, n: float, k: float) -> float:
+        half = self.cluster.gemm_half_dim
+        sat = (m / (m + half)) * (n / (n + half)) * (k / (k + half))
+        return self.cluster.gemm_max_efficiency * sat
+
+    def gemm_time(self, m: float, n: float, k: float, batch: float = 1.0) -> float:
+        if m <= 0 or n <= 0 or k <= 0 or batch <= 0:
+            return 0.0
+        flops = 2.0 * m * n * k * batch
+        compute = flops / (self.peak * self.efficiency(m, n, k))
+        traffic = self.bytes_per_elem * (m * k + k * n + m * n) * batch / self.hbm
+        return max(compute, traffic) + self.cluster.kernel_overhead_s
+
+    def memory_time(self, nbytes: float) -> float:
+        if nbytes <= 0:
+            return 0.0
+        return nbytes / self.hbm + self.cluster.kernel_overhead_s
+
+    def kernel_times(self, kernel: Kernel, rows: float, tp: int, sequence_parallel: bool,
+                     contrastive_batch: int) -> LayerTimes:
+        """Times of one kernel over `rows` samples' worth of input on one TP rank."""
+        if kernel.kind == "memory":
+            split = tp if (kernel.tp_split != "none" or sequence_parallel) else 1
+            fwd = self.memory_time(kernel.bytes * rows / split)
+            # Backward reads the saved input and the output gradient, writes the input gradient.
+            return LayerTimes(fwd, 2.0 * fwd, 0.0, fwd if kernel.attention_core else 0.0)
+        m = kernel.m * rows
+        n = contrastive_batch if kernel.n_contrastive else kernel.n
+        k, batch = kernel.k, kernel.batch
+        if kernel.tp_split == "n":
+            n = n / tp
+        elif kernel.tp_split == "k":
+            k = k / tp
+        elif kernel.tp_split == "batch":
+            batch = batch / tp
+        fwd = self.gemm_time(m, n, k, batch)
+        # dX = dY @ W^T is an (m x n)@(n x k) product; dW = X^T @ dY is (k x m)@(m x n).
+        bwd_input = self.gemm_time(m, k, n, batch)
+        bwd_weight = self.gemm_time(k, n, m, batch) if kernel.has_weight else 0.0
+        if not kernel.has_weight:
+            # A product of two activations (attention) has two input gradients.
+            bwd_input *= 2.0
+        return LayerTimes(fwd, bwd_input, bwd_weight, fwd if kernel.attention_core else 0.0)
+
+    def layer_times(self, layer: LayerSpec, samples: float, tp: int, sequence_parallel: bool = False,
+                    contrastive_batch: int = 1, kernels: tuple[int, int] | None = None) -> LayerTimes:
+        key = (layer, samples, tp, sequence_parallel, contrastive_batch, kernels)
+        cached = self._layer_cache.get(key)
+        if cached is not None:
+            return cached
+        selected = layer.kernels if kernels is None else layer.kernels[kernels[0]:kernels[1]]
+        fwd = bwd_in = bwd_w = core = 0.0
+        for kernel in selected:
+            t = self.kernel_times(kernel, samples, tp, sequence_parallel, contrastive_batch)
+            fwd += t.fwd
+            bwd_in += t.bwd_input
+            bwd_w += t.bwd_weight
+            core += t.core_fwd
+        times = LayerTimes(fwd, bwd_in, bwd_w, core)
+        self._layer_cache[key] = times
+        return times
+
+    def work_time(self, work: Work, model: ModelSpec) -> float:
+        """Seconds of one Work item on one device."""
+        cached = self._work_cache.get(work)
+        if cached is not None:
+            return cached
+        unit = model.unit(work.unit)
+        seconds = self._price(work, unit, model) * work.load
+        self._work_cache[work] = seconds
+        return seconds
+
+    def _price(self, work: Work, unit: UnitSpec, model: ModelSpec) -> float:
+        start, end = work.layers
+        layers = unit.layers[start:end]
+        if work.phase == "optimizer":
+            params = sum(layer.params for layer in layers) / (work.tp * work.shard)
+            return 0.0 if unit.frozen else self.memory_time(params * ADAM_BYTES_PER_PARAM)
+        rows = work.samples * work.fraction
+        trains_weights = not unit.frozen
+        needs_input_grad = model.needs_backward(work.unit)
+        total = 0.0
+        for index, layer in enumerate(layers):
+            kernels = work.kernels if (work.kernels is not None and index == 0) else None
+            t = self.layer_times(layer, rows, work.tp, work.sequence_parallel, work.contrastive_batch, kernels)
+            bwd_input = t.bwd_input if needs_input_grad else 0.0
+            bwd_weight = t.bwd_weight if trains_weights else 0.0
+            if work.phase == "fwd":
+                total += t.fwd
+            elif work.phase == "bwd":
+                total += bwd_input + bwd_weight + t.recompute(work.recompute)
+            elif work.phase == "bwd_input":
+                total += bwd_input + t.recompute(work.recompute)
+            elif work.phase == "bwd_weight":
+                total += bwd_weight
+            elif work.phase == "interaction":
+                total += t.fwd + bwd_input + bwd_weight
+        return total

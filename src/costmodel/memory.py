@@ -1,0 +1,113 @@
+"""Device memory of one rank: model states by precision and ZeRO stage, and the
+activations its schedule keeps alive at once, read off its instruction order."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from typing import Mapping
+
+from src.models.spec import ModelSpec
+from src.program import Compute, RankProgram, UnitPlan
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per parameter of each model state (mixed-precision Adam, Megatron-style)."""
+
+    weights: float
+    grads: float
+    optimizer: float
+
+
+def grad_bytes(precision: str) -> int:
+    """Bytes per gradient element as kept and reduced: Megatron-LM accumulates and
+    all-reduces bf16 models' gradients in fp32 (it forces this for bf16), fp16 models'
+    in fp16 (its default), fp32 models' in fp32."""
+    return 2 if precision == "fp16" else 4
+
+
+def state_bytes(precision: str, frozen: bool) -> StateBytes:
+    """16-bit training keeps 16-bit weights, gradients as grad_bytes() says, and fp32
+    master weights + two Adam moments; fp32 training keeps fp32 weights and gradients and
+    two moments. A frozen unit keeps only its weights."""
+    weights = 4.0 if precision == "fp32" else 2.0
+    if frozen:
+        return StateBytes(weights, 0.0, 0.0)
+    if precision == "fp32":
+        return StateBytes(4.0, 4.0, 8.0)
+    return StateBytes(weights, float(grad_bytes(precision)), 12.0)
+
+
+def model_state_bytes(params: float, precision: str, frozen: bool, zero_stage: int, dp: int) -> dict[str, float]:
+    """Per-device bytes of weights, gradients and optimizer state for `params` parameters
+    held by one model-parallel shard replicated `dp` times. ZeRO-1 (Megatron's distributed
+    optimizer) shards the optimizer state over dp, ZeRO-2 also the gradients, ZeRO-3 also
+    the weights."""
+    per = state_bytes(precision, frozen)
+    return {
+        "weights": params * per.weights / (dp if zero_stage >= 3 else 1),
+        "grads": params * per.grads / (dp if zero_stage >= 2 else 1),
+        "optimizer": params * per.optimizer / (dp if zero_stage >= 1 else 1),
+    }
+
+
+def work_activation_bytes(model: ModelSpec, compute: Compute, recompute: str) -> float:
+    """Activations one forward Work leaves alive until its backward."""
+    work = compute.work
+    unit = model.unit(work.unit)
+    start, end = work.layers
+    per_sample = sum(layer.activations.per_device(work.tp, work.sequence_parallel, recompute)
+                     for layer in unit.layers[start:end])
+    return per_sample * work.samples * work.fraction * work.load
+
+
+def peak_activation_bytes(rank_program: RankProgram, model: ModelSpec, recompute: Mapping[str, str]) -> float:
+    """Peak of live activations over the rank's instruction order: a forward adds its
+    activations, the matching backward frees them. Under full recompute a backward also
+    rematerialises its largest layer's full activations for a moment. `recompute` maps
+    each unit to its mode (none, selective, full)."""
+    live = 0.0
+    peak = 0.0
+    alive: dict[tuple, float] = {}
+    for instruction in rank_program.instructions:
+        if not isinstance(instruction, Compute):
+            continue
+        work = instruction.work
+        key = (work.unit, work.layers, instruction.chunk, instruction.microbatch)
+        if work.phase == "fwd" and model.needs_backward(work.unit):
+            size = work_activation_bytes(model, instruction, recompute.get(work.unit, "none"))
+            alive[key] = alive.get(key, 0.0) + size
+            live += size
+            peak = max(peak, live)
+        elif work.phase in ("bwd", "bwd_input"):
+            if recompute.get(work.unit, "none") == "full":
+                unit = model.unit(work.unit)
+                start, end = work.layers
+                rematerialised = max(
+                    (layer.activations.per_device(work.tp, work.sequence_parallel, "none")
+                     for layer in unit.layers[start:end]), default=0.0)
+                peak = max(peak, live + rematerialised * work.samples * work.fraction * work.load)
+            live -= alive.pop(key, 0.0)
+    return peak
+
+
+def rank_memory(rank_program: RankProgram, units: Mapping[str, UnitPlan], model: ModelSpec,
+                precision: str) -> dict[str, float]:
+    """Bytes one rank of a class needs: the model states of every layer range it computes
+    (sharded by its unit's TP, and by DP under ZeRO) and its peak live activations."""
+    held: dict[tuple[str, tuple[int, int]], int] = {}
+    for instruction in rank_program.instructions:
+        if isinstance(instruction, Compute) and instruction.work.phase in ("fwd", "interaction"):
+            held[(instruction.work.unit, instruction.work.layers)] = instruction.work.tp
+    out = {"weights": 0.0, "grads": 0.0, "optimizer": 0.0}
+    for (name, (start, end)), tp in held.items():
+        unit = model.unit(name)
+        plan = units[name]
+        params = sum(layer.params for layer in unit.layers[start:end]) / tp
+        states = model_state_bytes(params, precision, unit.frozen, int(plan.details.get("zero_stage", 0)), plan.dp)
+        for key, value in states.items():
+            out[key] += value
+    recompute = {name: str(plan.details.get("recompute", "none")) for name, plan in units.items()}
+    out["activations"] = peak_activation_bytes(rank_program, model, recompute)
+    out["total"] = sum(out.values())
+    return out

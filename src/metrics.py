@@ -1,0 +1,104 @@
+"""FLOPs, MFU and the run summary: one definition for every strategy and backend.
+
+Model FLOPs of an iteration = forward + backward matmul and attention FLOPs of every unit
+for the samples it really processes; recomputation is not counted (it is in the hardware
+FLOPs, HFU); a frozen unit has no weight-gradient FLOPs and, when nothing upstream of it
+trains, no backward at all. MFU = model FLOPs / (iteration time x devices x peak).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from src.cluster import GIB, ClusterSpec
+from src.config import TrainSpec
+from src.costmodel.memory import rank_memory
+from src.models.spec import ModelSpec, UnitSpec
+from src.program import Plan
+from src.timeline import BREAKDOWN_CATEGORIES, Timeline
+
+
+@dataclass(frozen=True)
+class UnitFlops:
+    """Per-sample matmul FLOPs of one unit: forward, backward, and what recomputation
+    adds in each mode."""
+
+    fwd: float
+    bwd: float
+    recompute_full: float
+    recompute_selective: float
+
+
+def unit_flops(model: ModelSpec, unit: UnitSpec, contrastive_batch: int = 1) -> UnitFlops:
+    fwd = bwd = core = 0.0
+    needs_backward = model.needs_backward(unit.name)
+    for layer in unit.layers:
+        for kernel in layer.kernels:
+            flops = kernel.flops(contrastive_batch)
+            fwd += flops
+            if kernel.attention_core:
+                core += flops
+            if needs_backward:
+                bwd += flops if kernel.has_weight else 2 * flops
+            if kernel.has_weight and not unit.frozen:
+                bwd += flops
+    return UnitFlops(fwd, bwd, recompute_full=fwd, recompute_selective=core)
+
+
+def iteration_flops(model: ModelSpec, plan: Plan, train: TrainSpec) -> tuple[float, float]:
+    """(model FLOPs, hardware FLOPs) of one iteration: every unit sees the global batch;
+    an interaction unit's similarity products span its contrastive batch."""
+    model_flops = hardware = 0.0
+    for unit_plan in plan.units:
+        unit = model.unit(unit_plan.unit)
+        contrastive = train.contrastive_batch if unit.name == model.interaction else 1
+        per_sample = unit_flops(model, unit, contrastive)
+        samples = unit_plan.dp * unit_plan.batch_per_replica
+        recompute = str(unit_plan.details.get("recompute", "none"))
+        extra = {"full": per_sample.recompute_full, "selective": per_sample.recompute_selective}.get(recompute, 0.0)
+        if not model.needs_backward(unit.name):
+            extra = 0.0
+        model_flops += samples * (per_sample.fwd + per_sample.bwd)
+        hardware += samples * (per_sample.fwd + per_sample.bwd + extra)
+    return model_flops, hardware
+
+
+def attach_memory(timeline: Timeline, plan: Plan, model: ModelSpec, precision: str) -> None:
+    """Fill each rank class's memory from the plan (both backends report the estimate;
+    the real backend adds what it measured)."""
+    units = {u.unit: u for u in plan.units}
+    for rank_timeline, rank_program in zip(timeline.ranks, plan.program.classes):
+        memory = rank_memory(rank_program, units, model, precision)
+        rank_timeline.memory = {k: v / GIB for k, v in memory.items()}
+        rank_timeline.peak_memory_bytes = memory["total"]
+
+
+def build_summary(names: dict[str, str], plan: Plan, timeline: Timeline, model: ModelSpec,
+                  cluster: ClusterSpec, train: TrainSpec) -> dict[str, Any]:
+    """The figures of the output contract (DESIGN.md), JSON-ready."""
+    seconds = timeline.iteration_time
+    devices = plan.devices
+    peak = cluster.peak(train.precision)
+    model_flops, hardware_flops = iteration_flops(model, plan, train)
+    worst = max(timeline.ranks, key=lambda r: r.peak_memory_bytes)
+    return {
+        **names,
+        "devices": devices,
+        "global_batch": train.global_batch,
+        "contrastive_batch": train.contrastive_batch,
+        "precision": train.precision,
+        "peak_flops_per_device": peak,
+        "iteration_time_s": seconds,
+        "mfu": model_flops / (seconds * devices * peak),
+        "hfu": hardware_flops / (seconds * devices * peak),
+        "throughput_samples_per_s": train.global_batch / seconds,
+        "tflops_per_device": model_flops / seconds / devices / 1e12,
+        "model_flops_per_iteration": model_flops,
+        "model_params": model.params,
+        "breakdown_s": {k: timeline.mean_breakdown()[k] for k in BREAKDOWN_CATEGORIES},
+        "breakdown_by_unit_s": timeline.unit_breakdown(),
+        "peak_memory_gib": worst.peak_memory_bytes / GIB,
+        "memory_gib": {"ranks": worst.label, **worst.memory},
+        "plan": plan.as_dict(),
+        "events": timeline.events,
+    }

@@ -1,0 +1,164 @@
+"""Builders for the layers every model family is made of, counted per sample.
+
+Activations are 16-bit (2 bytes); memory-bound kernels are charged the bytes they read and
+write. Activation bytes follow Korthikanti et al., "Reducing Activation Recomputation in
+Large Transformer Models" (2022): 34·s·h + 5·a·s² bytes per layer for a GPT block, of which
+10·s·h are replicated across TP ranks, 24·s·h are split, 5·a·s² are attention scores.
+"""
+from __future__ import annotations
+
+from src.models.spec import ActivationBytes, Kernel, LayerSpec, TPSplit
+
+ACT_BYTES = 2  # bf16/fp16 activations
+
+
+def gemm(name: str, m: int, k: int, n: int, split: TPSplit, weight: bool = True, batch: int = 1,
+         core: bool = False) -> Kernel:
+    """An (m x k) @ (k x n) product, `batch` times; `weight` = a trainable weight operand."""
+    return Kernel(name, "gemm", m=m, n=n, k=k, batch=batch, tp_split=split, has_weight=weight,
+                  attention_core=core)
+
+
+def memory(name: str, elems: float, split: TPSplit = "none", passes: int = 2, core: bool = False) -> Kernel:
+    """A bandwidth-bound kernel reading and writing `elems` 16-bit values (`passes` moves)."""
+    return Kernel(name, "memory", bytes=elems * ACT_BYTES * passes, tp_split=split, attention_core=core)
+
+
+def _attention(prefix: str, seq: int, kv_seq: int, hidden: int, heads: int, kv_dim: int,
+               kv_hidden: int, self_attention: bool) -> list[Kernel]:
+    head_dim = hidden // heads
+    if self_attention:
+        projections = [gemm(f"{prefix}qkv", seq, hidden, hidden + 2 * kv_dim, "n")]
+    else:
+        projections = [gemm(f"{prefix}q", seq, hidden, hidden, "n"),
+                       gemm(f"{prefix}kv", kv_seq, kv_hidden, 2 * kv_dim, "n")]
+    return projections + [
+        gemm(f"{prefix}scores", seq, head_dim, kv_seq, "batch", weight=False, batch=heads, core=True),
+        memory(f"{prefix}softmax", heads * seq * kv_seq, "batch", core=True),
+        gemm(f"{prefix}context", seq, kv_seq, head_dim, "batch", weight=False, batch=heads, core=True),
+        gemm(f"{prefix}proj", seq, hidden, hidden, "k"),
+        memory(f"{prefix}residual", 1.5 * seq * hidden),
+    ]
+
+
+def transformer_layer(seq: int, hidden: int, heads: int, ffn: int | None = None, *,
+                      kv_heads: int | None = None, gated: bool = False, bias: bool = True,
+                      cross_seq: int | None = None, cross_hidden: int | None = None,
+                      dropout: bool = False, name: str = "block") -> LayerSpec:
+    """A pre-norm transformer block: self-attention, optional cross-attention, MLP.
+
+    gated=True is a SwiGLU MLP (Llama); kv_heads < heads is grouped-query attention.
+    Causal masking does not change the count (the usual MFU convention counts s² fully).
+    dropout=True keeps Korthikanti's dropout masks and attention-dropout output (34sh +
+    5as² for a GPT block, Megatron's default); without dropout (CLIP, ViT, Llama) a block
+    keeps 32sh + 2as² (the softmax output only).
+    """
+    if hidden % heads:
+        raise ValueError(f"hidden {hidden} is not divisible by heads {heads}")
+    ffn = ffn if ffn is not None else 4 * hidden
+    kv_heads = kv_heads or heads
+    kv_dim = kv_heads * (hidden // heads)
+    up = 2 * ffn if gated else ffn
+    b = 1 if bias else 0
+
+    kernels: list[Kernel] = [memory("ln1", seq * hidden)]
+    kernels += _attention("attn_", seq, seq, hidden, heads, kv_dim, hidden, True)
+    params = hidden * (hidden + 2 * kv_dim) + b * (hidden + 2 * kv_dim) + hidden * hidden + b * hidden
+    norms = 2
+    # Two dropout masks (after attention, after the MLP) are replicated; attention dropout
+    # adds a mask (as²) and its output (2as²) to the softmax output (2as²).
+    mask = 1 if dropout else 0
+    replicated = (8 + 2 * mask) * seq * hidden
+    split = ACT_BYTES * (2 * seq * hidden + 2 * seq * kv_dim)
+    attention = (2 + 3 * mask) * heads * seq * seq
+    allreduces = 2
+
+    if cross_seq is not None:
+        cross_hidden = cross_hidden or hidden
+        kernels.append(memory("ln_cross", seq * hidden))
+        kernels += _attention("xattn_", seq, cross_seq, hidden, heads, hidden, cross_hidden, False)
+        params += hidden * hidden + cross_hidden * 2 * hidden + hidden * hidden + b * 4 * hidden
+        norms += 1
+        replicated += (4 + mask) * seq * hidden
+        split += ACT_BYTES * (2 * seq * hidden + 2 * cross_seq * hidden)
+        attention += (2 + 3 * mask) * heads * seq * cross_seq
+        allreduces += 1
+
+    kernels += [
+        memory("ln2", seq * hidden),
+        gemm("fc1", seq, hidden, up, "n"),
+        memory("act", seq * (up + ffn) / 2, "n"),
+        gemm("fc2", seq, ffn, hidden, "k"),
+        memory("mlp_residual", 1.5 * seq * hidden),
+    ]
+    params += hidden * up + b * up + ffn * hidden + b * hidden + norms * 2 * hidden
+    split += ACT_BYTES * (seq * up + seq * ffn)
+
+    return LayerSpec(
+        name=name,
+        kernels=tuple(kernels),
+        params=params,
+        activations=ActivationBytes(replicated=replicated, split=split, attention=attention,
+                                    checkpoint=ACT_BYTES * seq * hidden),
+        tp_allreduces=allreduces,
+        tp_comm_elems=seq * hidden,
+    )
+
+
+def embedding_layer(vocab: int, hidden: int, seq: int, positions: int = 0, name: str = "embedding") -> LayerSpec:
+    """Token (and learned position) embedding: a lookup, no matmul FLOPs."""
+    return LayerSpec(
+        name=name,
+        kernels=(memory("lookup", seq * hidden, "none", passes=1),),
+        params=vocab * hidden + positions * hidden,
+        activations=ActivationBytes(replicated=ACT_BYTES * seq * hidden, checkpoint=ACT_BYTES * seq * hidden),
+    )
+
+
+def patch_embedding_layer(image: int, patch: int, hidden: int, channels: int = 3,
+                          cls_token: bool = True, name: str = "patch_embedding") -> LayerSpec:
+    """ViT patchify: a (patches x c·p²) @ (c·p² x h) GEMM plus position embeddings."""
+    patches = (image // patch) ** 2
+    tokens = patches + (1 if cls_token else 0)
+    return LayerSpec(
+        name=name,
+        kernels=(gemm("patchify", patches, channels * patch * patch, hidden, "none"),),
+        params=channels * patch * patch * hidden + hidden + tokens * hidden + (hidden if cls_token else 0),
+        activations=ActivationBytes(replicated=ACT_BYTES * channels * image * image,
+                                    checkpoint=ACT_BYTES * tokens * hidden),
+    )
+
+
+def head_layer(seq: int, hidden: int, out: int, *, tied: bool = False, norm: bool = True,
+               loss_elems: int | None = None, name: str = "head") -> LayerSpec:
+    """Final norm and an output projection (LM logits or a feature projection).
+
+    tied=True shares the weight with the embedding: FLOPs count, parameters do not.
+    The fp32 logits and the loss are charged as activations split by TP (vocab-parallel).
+    """
+    loss_elems = seq * out if loss_elems is None else loss_elems
+    kernels = ([memory("final_norm", seq * hidden)] if norm else []) + [
+        gemm("projection", seq, hidden, out, "n"),
+        memory("loss", loss_elems, "n"),
+    ]
+    return LayerSpec(
+        name=name,
+        kernels=tuple(kernels),
+        params=(0 if tied else hidden * out) + (2 * hidden if norm else 0),
+        activations=ActivationBytes(replicated=ACT_BYTES * seq * hidden, split=4 * loss_elems,
+                                    checkpoint=ACT_BYTES * seq * hidden),
+    )
+
+
+def contrastive_layer(embed_dim: int, name: str = "contrastive") -> LayerSpec:
+    """The contrastive loss over a batch: similarity of each local sample's embedding with
+    every embedding of the other modality in the contrastive batch, then softmax-CE."""
+    return LayerSpec(
+        name=name,
+        kernels=(
+            Kernel("similarity", "gemm", m=1, n=0, k=embed_dim, tp_split="none", n_contrastive=True),
+            Kernel("softmax_ce", "memory", bytes=0.0),
+        ),
+        params=1,  # the learned temperature
+        activations=ActivationBytes(split=ACT_BYTES * embed_dim, checkpoint=ACT_BYTES * embed_dim),
+    )

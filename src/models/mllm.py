@@ -1,0 +1,102 @@
+"""DistTrain's multimodal LLMs: MLLM-9B, MLLM-15B, MLLM-72B (DistTrain §8).
+
+Units, in data order: `encoder` (ViT-Huge, 0.63B, + the input projector), `llm` (the
+Llama backbone of Table 1), `generator` (the output projector + Stable Diffusion 2.1).
+
+Per-sample conventions (a sample means something different in each unit, see
+extras["per_sample"]): the LLM's sample is one 8192-token interleaved sequence; the
+encoder's and the generator's sample is ONE image. How many images a sequence holds is
+data (skewed, DistTrain Fig. 5) and belongs to the data module. Each encoded image
+becomes `image_tokens` LLM tokens; each generated image is conditioned on `cond_tokens`
+LLM hidden states, mapped by the output projector to SD's 77x1024 condition.
+
+Choices DistTrain leaves open, and ours:
+- Table 1 is named "Llama3" but its shapes are Llama 2's (FFN 11008/13824, no GQA below
+  70B); the tokenizer is "the Llama tokenizer" (§2.3): we use Llama 2's 32000 tokens.
+  RMSNorm, RoPE, SwiGLU, no biases, untied output layer.
+- ViT-Huge/14 (google/vit-huge-patch14-224-in21k, the paper's reference [45]): 32 layers,
+  1280 hidden, 16 heads, 5120 MLP, 224x224 input = 16x16 patches, matching §2.3 ("each
+  image is segmented into 16x16 patches, each patch one image token"). The 512/1024
+  resolution of §8 is the generated image's (`image_size`); `encoder_image_size` is a
+  separate knob.
+- Projectors are LLaVA-1.5-style two-layer GELU MLPs whose inner width is the LLM's:
+  input 1280 -> h -> h on the 256 patch tokens (CLS dropped), output h -> h -> 1024.
+- SD 2.1 = U-Net + the frozen VAE encoder that makes the training latents (sd21.py);
+  `vae_encode: false` models latents precomputed offline. The VAE kernels carry no
+  trainable weight; extras["forward_only_layers"] names them, since no gradient has to
+  flow through them either.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+from src.models.blocks import DecoderPreset, decoder_unit, mlp_projector, vit_layers
+from src.models.options import Options, divisible
+from src.models.sd21 import CONTEXT_DIM, UNET_CHANNELS, UNET_HEAD_DIM, VAE_FACTOR, sd_unet_layers, vae_encoder_layers
+from src.models.spec import ModelSpec, UnitSpec
+
+LLAMA_VOCAB = 32000
+MLLM_SEQ_LEN = 8192
+
+# DistTrain Table 1: layers, hidden, heads, FFN, KV groups.
+LLMS: dict[str, DecoderPreset] = {
+    "mllm_9b": DecoderPreset(32, 4096, 32, LLAMA_VOCAB, "llama", ffn=11008, kv_heads=32),   # Llama3-7B
+    "mllm_15b": DecoderPreset(40, 5120, 40, LLAMA_VOCAB, "llama", ffn=13824, kv_heads=40),  # Llama3-13B
+    "mllm_72b": DecoderPreset(80, 8192, 64, LLAMA_VOCAB, "llama", ffn=28672, kv_heads=8),   # Llama3-70B
+}
+# Generated image side (DistTrain §8: 1024x1024 for MLLM-72B, 512x512 for the others).
+IMAGE_SIZE = {"mllm_9b": 512, "mllm_15b": 512, "mllm_72b": 1024}
+
+VIT_HUGE = {"layers": 32, "hidden": 1280, "heads": 16}
+ENCODER_IMAGE_SIZE = 224
+PATCH_SIZE = 14
+COND_TOKENS = 77
+# The latent is image/8 and the U-Net halves it three times.
+IMAGE_MULTIPLE = VAE_FACTOR * 2 ** (len(UNET_CHANNELS) - 1)
+
+
+def build_mllm(model: str, opts: Options, seq_len: int | None) -> ModelSpec:
+    llm_preset = LLMS[model]
+    hidden = llm_preset.hidden
+    image = opts.positive_int("image_size", IMAGE_SIZE[model])
+    encoder_image = opts.positive_int("encoder_image_size", ENCODER_IMAGE_SIZE)
+    patch = opts.positive_int("patch_size", PATCH_SIZE)
+    cond_tokens = opts.positive_int("cond_tokens", COND_TOKENS)
+    vae_encode = opts.flag("vae_encode", True)
+    divisible(opts, "encoder_image_size", encoder_image, "model.patch_size", patch)
+    divisible(opts, "image_size", image, "the VAE and U-Net downsampling", IMAGE_MULTIPLE)
+    seq = MLLM_SEQ_LEN if seq_len is None else seq_len
+
+    image_tokens = (encoder_image // patch) ** 2
+    encoder = UnitSpec(
+        name="encoder",
+        layers=tuple(vit_layers(encoder_image, patch, **VIT_HUGE)
+                     + [mlp_projector(image_tokens, VIT_HUGE["hidden"], hidden, hidden, "input_projector")]),
+        hidden=VIT_HUGE["hidden"], heads=VIT_HUGE["heads"], seq_len=image_tokens + 1,
+        output_elems=image_tokens * hidden,
+    )
+    llm = decoder_unit(llm_preset, seq, output_elems=cond_tokens * hidden)
+    vae = vae_encoder_layers(image) if vae_encode else []
+    latent = image // VAE_FACTOR
+    generator = UnitSpec(
+        name="generator",
+        layers=tuple([mlp_projector(cond_tokens, hidden, hidden, CONTEXT_DIM, "output_projector")]
+                     + vae + sd_unet_layers(latent, cond_tokens)),
+        hidden=UNET_CHANNELS[0], heads=UNET_CHANNELS[0] // UNET_HEAD_DIM, seq_len=latent * latent,
+        output_elems=0, kind="unet",
+    )
+    return ModelSpec(
+        name=model, units=(encoder, llm, generator),
+        flows=(("encoder", "llm"), ("llm", "generator")),
+        description=f"{model}: ViT-Huge/{patch} at {encoder_image}px + Llama {llm_preset.layers}x{hidden} "
+                    f"on {seq} tokens + SD-2.1 at {image}px",
+        extras={
+            "per_sample": {"encoder": "image", "llm": "sequence", "generator": "image"},
+            "image_tokens": image_tokens,
+            "cond_tokens": cond_tokens,
+            "forward_only_layers": {"generator": tuple(layer.name for layer in vae)},
+        },
+    )
+
+
+MLLM_BUILDERS = {model: partial(build_mllm, model) for model in LLMS}

@@ -1,0 +1,83 @@
+"""Optimus's MLLMs: one or two ViT encoders feeding an LLM backbone (Optimus Appendix A).
+
+Units: `encoder` (or `encoder0`, `encoder1` with two encoders) and `llm`; every encoder
+flows into the LLM. Encoders are ViTs of Table 8 with a two-layer GELU MLP projector to
+the LLM width as their last layer (Optimus does not describe its projector; the same
+LLaVA-1.5-style projector as mllm.py). LLMs are Table 9's, on 2048-token sequences
+("In all experiments, we use sequence length 2048").
+
+Optimus does not give the image resolution: we use ViT-22B's own (224x224, patch 14:
+256 patch tokens + CLS), and one image per sequence (`images_per_sample`, recorded in
+extras for the planners; an encoder's sample is one image, the LLM's one sequence).
+
+Naming: Table 8 calls the 4096-wide ViT "ViT-10B" while §5 and Tables 3/6 call it
+"ViT-11B"; the key is `vit_11b` (what the experiments use), its size is Table 8's 10B.
+"""
+from __future__ import annotations
+
+from src.errors import ConfigError
+from src.models.blocks import DecoderPreset, decoder_unit, mlp_projector, vit_layers
+from src.models.gpt import GPT_PRESETS, GPT_VOCAB
+from src.models.options import Options, divisible
+from src.models.spec import ModelSpec, UnitSpec
+
+
+# Table 8: width, depth, MLP dimension, heads (head dim 128).
+ENCODERS: dict[str, dict[str, int]] = {
+    "vit_3b": {"hidden": 2304, "layers": 48, "ffn": 9216, "heads": 18},
+    "vit_5b": {"hidden": 3072, "layers": 48, "ffn": 12288, "heads": 24},
+    "vit_11b": {"hidden": 4096, "layers": 48, "ffn": 16384, "heads": 32},
+    "vit_22b": {"hidden": 6144, "layers": 48, "ffn": 24576, "heads": 48},
+}
+# Table 9: width, depth, heads (head dim 128). GPT-11B is a Megatron GPT like gpt.py's;
+# Table 9 gives LLAMA-70B only width/depth/heads: FFN 28672, 8 KV groups and the 32000
+# vocabulary are Llama 2 70B's (Touvron et al. 2023), the same as DistTrain Table 1's 70B.
+LLMS: dict[str, DecoderPreset] = {
+    "gpt_11b": DecoderPreset(80, 3072, 24, GPT_VOCAB),
+    "llama_70b": DecoderPreset(80, 8192, 64, 32000, "llama", ffn=28672, kv_heads=8),
+    "gpt_175b": GPT_PRESETS["gpt_175b"],
+}
+OPTIMUS_SEQ_LEN = 2048
+IMAGE_SIZE = 224
+PATCH_SIZE = 14
+MAX_ENCODERS = 2  # Optimus evaluates single- and dual-encoder MLLMs (Table 6)
+
+
+def build_optimus(opts: Options, seq_len: int | None) -> ModelSpec:
+    names = opts.names("encoders", ["vit_22b"])
+    if not 1 <= len(names) <= MAX_ENCODERS:
+        raise ConfigError(f"model.encoders={names} must name 1 to {MAX_ENCODERS} encoders "
+                          f"from: {', '.join(ENCODERS)}")
+    for name in names:
+        if name not in ENCODERS:
+            raise ConfigError(f"model.encoders contains {name!r}, not one of: {', '.join(ENCODERS)}")
+    llm_name = opts.choice("llm", LLMS, "gpt_175b")
+    llm_preset = LLMS[llm_name]
+    image = opts.positive_int("image_size", IMAGE_SIZE)
+    patch = opts.positive_int("patch_size", PATCH_SIZE)
+    images_per_sample = opts.positive_int("images_per_sample", 1)
+    divisible(opts, "image_size", image, "model.patch_size", patch)
+    seq = OPTIMUS_SEQ_LEN if seq_len is None else seq_len
+
+    image_tokens = (image // patch) ** 2
+    unit_names = ["encoder"] if len(names) == 1 else [f"encoder{i}" for i in range(len(names))]
+    encoders = []
+    for unit_name, name in zip(unit_names, names):
+        vit = ENCODERS[name]
+        layers = vit_layers(image, patch, vit["layers"], vit["hidden"], vit["heads"], vit["ffn"])
+        layers.append(mlp_projector(image_tokens, vit["hidden"], llm_preset.hidden, llm_preset.hidden, "projector"))
+        encoders.append(UnitSpec(name=unit_name, layers=tuple(layers), hidden=vit["hidden"], heads=vit["heads"],
+                                 seq_len=image_tokens + 1, output_elems=image_tokens * llm_preset.hidden))
+    llm = decoder_unit(llm_preset, seq, output_elems=0)
+    return ModelSpec(
+        name="optimus", units=(*encoders, llm),
+        flows=tuple((unit_name, "llm") for unit_name in unit_names),
+        description=f"Optimus MLLM: {' + '.join(names)} at {image}px/{patch} -> "
+                    f"{llm_name} on {seq} tokens",
+        extras={
+            "encoders": dict(zip(unit_names, names)),
+            "images_per_sample": images_per_sample,
+            "image_tokens": image_tokens,
+            "per_sample": {**{unit_name: "image" for unit_name in unit_names}, "llm": "sequence"},
+        },
+    )

@@ -1,0 +1,168 @@
+"""What is trained: units made of layers made of kernels, all counted per sample.
+
+A ModelSpec is pure data. The cost model prices its kernels, the memory model reads its
+parameter and activation counts, and metrics count its matmul FLOPs. Every count here is
+for ONE sample (one image, one text sequence, one 8K-token LLM sequence) and one forward
+pass; the micro-batch size and the tensor-parallel degree are applied by the consumers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+KernelKind = Literal["gemm", "memory"]
+TPSplit = Literal["n", "k", "batch", "none"]
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel of a layer's forward pass, for one sample.
+
+    gemm: an (m x k) @ (k x n) product repeated `batch` times (attention heads).
+      `m` is rows per sample (tokens); `n_contrastive=True` means n is the contrastive
+      batch seen by the loss (a similarity matrix), supplied when the kernel is priced.
+    memory: a bandwidth-bound kernel moving `bytes` per sample (normalisation, softmax,
+      activations, residual adds), forward.
+    tp_split: which dimension tensor parallelism divides ('n' column-parallel, 'k'
+      row-parallel, 'batch' heads, 'none' replicated on every TP rank).
+    has_weight: the product involves a trainable weight, so backward has a weight-gradient
+      GEMM besides the input-gradient GEMM (a frozen unit skips the former).
+    attention_core: part of softmax(QK^T)V, whose activations selective recomputation
+      drops and whose forward it re-runs in backward.
+    """
+
+    name: str
+    kind: KernelKind
+    m: int = 0
+    n: int = 0
+    k: int = 0
+    batch: int = 1
+    bytes: float = 0.0
+    tp_split: TPSplit = "none"
+    has_weight: bool = False
+    n_contrastive: bool = False
+    attention_core: bool = False
+
+    def flops(self, contrastive_batch: int = 1) -> float:
+        """Forward FLOPs for one sample (0 for memory-bound kernels)."""
+        if self.kind != "gemm":
+            return 0.0
+        n = contrastive_batch if self.n_contrastive else self.n
+        return 2.0 * self.m * n * self.k * self.batch
+
+
+@dataclass(frozen=True)
+class ActivationBytes:
+    """Activation bytes one sample leaves in memory for the backward pass of one layer.
+
+    Split as in Korthikanti et al. (2022) so TP, sequence parallelism and recomputation can
+    be applied: `replicated` is held whole by every TP rank (sharded by sequence
+    parallelism), `split` is divided by TP, `attention` is the s^2 score tensors (divided
+    by TP, dropped by selective recompute) and `checkpoint` is what full recompute keeps.
+    """
+
+    replicated: float = 0.0
+    split: float = 0.0
+    attention: float = 0.0
+    checkpoint: float = 0.0
+
+    def per_device(self, tp: int, sequence_parallel: bool, recompute: str) -> float:
+        if recompute == "full":
+            return self.checkpoint / (tp if sequence_parallel else 1)
+        replicated = self.replicated / tp if sequence_parallel else self.replicated
+        attention = 0.0 if recompute == "selective" else self.attention / tp
+        return replicated + self.split / tp + attention
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One layer: its kernels, parameters, activations and TP communication.
+
+    tp_allreduces: how many activation all-reduces Megatron-style TP needs in the forward
+    pass (2 for a transformer block: after attention and after the MLP), each of
+    `tp_comm_elems` elements per sample; backward has as many.
+    """
+
+    name: str
+    kernels: tuple[Kernel, ...]
+    params: int
+    activations: ActivationBytes
+    tp_allreduces: int = 0
+    tp_comm_elems: int = 0
+
+    def matmul_flops(self, contrastive_batch: int = 1) -> float:
+        return sum(kern.flops(contrastive_batch) for kern in self.kernels)
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    """A separately parallelisable part of a model: a tower, a backbone, a generator.
+
+    `layers` may repeat the same LayerSpec object; consumers cache by identity.
+    `output_elems` is the per-sample size of what the unit hands to the next unit (or to
+    the interaction); `seq_len` its tokens per sample; `heads` bounds its TP degree.
+    """
+
+    name: str
+    layers: tuple[LayerSpec, ...]
+    hidden: int
+    heads: int
+    seq_len: int
+    output_elems: int
+    frozen: bool = False
+    kind: str = "transformer"
+
+    @property
+    def params(self) -> int:
+        return sum(layer.params for layer in self.layers)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def matmul_flops(self, contrastive_batch: int = 1) -> float:
+        return sum(layer.matmul_flops(contrastive_batch) for layer in self.layers)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A whole model: its units and which unit feeds which.
+
+    `flows` lists (producer, consumer) pairs. `interaction` names the unit that sees every
+    modality at once (a contrastive loss), if any: it needs the contrastive batch.
+    """
+
+    name: str
+    units: tuple[UnitSpec, ...]
+    flows: tuple[tuple[str, str], ...] = ()
+    interaction: str | None = None
+    description: str = ""
+    extras: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def unit(self, name: str) -> UnitSpec:
+        for unit in self.units:
+            if unit.name == name:
+                return unit
+        raise KeyError(f"model {self.name} has no unit {name!r}; units: {[u.name for u in self.units]}")
+
+    @property
+    def params(self) -> int:
+        return sum(unit.params for unit in self.units)
+
+    def upstream(self, name: str) -> list[str]:
+        """Every unit whose output reaches `name`, directly or not."""
+        seen: list[str] = []
+        frontier = [name]
+        while frontier:
+            current = frontier.pop()
+            for producer, consumer in self.flows:
+                if consumer == current and producer not in seen:
+                    seen.append(producer)
+                    frontier.append(producer)
+        return seen
+
+    def needs_backward(self, name: str) -> bool:
+        """A unit runs backward if it trains, or if a trainable unit feeds it."""
+        if not self.unit(name).frozen:
+            return True
+        return any(not self.unit(up).frozen for up in self.upstream(name))

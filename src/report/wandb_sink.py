@@ -1,0 +1,160 @@
+"""Weights & Biases: one more copy of a run's records, never the only one and never a
+reason for a run to fail. Any exception from wandb (missing package, unwritable
+directory, network, login) prints one warning line and turns this sink into a no-op; the
+run's own files are written regardless."""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    """Where this run sits in Hydra (run.py fills it from HydraConfig).
+
+    sweep_name: the multirun's sweep directory name, None for a single run.
+    override_dirname: the job's overrides, e.g. "strategy=distmm,train.global_batch=1024".
+    """
+
+    run_name: str
+    sweep_name: str | None = None
+    override_dirname: str | None = None
+
+
+class WandbSink:
+    def __init__(self, run_dir: Path, config: Mapping[str, Any], job: JobInfo) -> None:
+        self._run: Any = None
+        self._last_step: int | None = None
+        try:
+            self._run = _start(Path(run_dir), config, job)
+        except Exception as exc:  # noqa: BLE001 - whatever wandb raises only costs us W&B
+            self._disable(exc)
+
+    @property
+    def active(self) -> bool:
+        return self._run is not None
+
+    def log_step(self, record: Mapping[str, Any]) -> None:
+        if self._run is None:
+            return
+        try:
+            metrics = {k: v for k, v in record.items() if k != "step"}
+            if "step" in record:
+                self._last_step = int(record["step"])
+            self._run.log(metrics, step=self._last_step)
+        except Exception as exc:  # noqa: BLE001
+            self._disable(exc)
+
+    def finish(self, summary: Mapping[str, Any], trace_path: Path | None = None) -> None:
+        """Final figures into run.summary, the breakdown as a table and a bar chart, the
+        trace attached; then close the W&B run (a multirun's next job starts a new one)."""
+        if self._run is None:
+            return
+        try:
+            import wandb
+
+            self._run.summary.update(_scalars(summary))
+            tables = _breakdown_tables(wandb, summary)
+            if tables:
+                # At the last step, so the tables do not add a step to the history.
+                self._run.log(tables, step=self._last_step)
+            if trace_path is not None and Path(trace_path).exists():
+                # wandb.save works offline (the file is synced with the run later);
+                # "now" because the file is complete.
+                self._run.save(str(trace_path), base_path=str(Path(trace_path).parent),
+                               policy="now")
+            self._run.finish()
+            self._run = None
+        except Exception as exc:  # noqa: BLE001
+            self._disable(exc)
+
+    def abort(self) -> None:
+        """Close the W&B run as failed: the run raised before finish()."""
+        if self._run is None:
+            return
+        try:
+            self._run.finish(exit_code=1)
+            self._run = None
+        except Exception as exc:  # noqa: BLE001
+            self._disable(exc)
+
+    def _disable(self, exc: BaseException) -> None:
+        reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        print(f"wandb: disabled for this run: {reason}", file=sys.stderr, flush=True)
+        run, self._run = self._run, None
+        if run is not None:
+            # Close a half-broken run so that the next job of a multirun can start one.
+            try:
+                run.finish(exit_code=1)
+            except Exception:  # noqa: BLE001 - already reported; the run goes on
+                pass
+
+
+def _start(run_dir: Path, config: Mapping[str, Any], job: JobInfo) -> Any:
+    logger = config.get("logger") or {}
+    # wandb's banners and sync hints are noise in our output; a user's own WANDB_SILENT wins.
+    os.environ.setdefault("WANDB_SILENT", "true")
+    # The run dir keeps W&B's files beside ours unless the user chose a WANDB_DIR. Passed
+    # as dir=, not set in os.environ, so the next job of a multirun gets its own run dir.
+    wandb_dir = Path(os.environ.get("WANDB_DIR") or run_dir)
+    # wandb itself silently falls back to /tmp when it cannot write its directory; we
+    # would rather say so and go on without it.
+    wandb_dir.mkdir(parents=True, exist_ok=True)
+    if not os.access(wandb_dir, os.W_OK):
+        raise PermissionError(f"cannot write to WANDB_DIR {wandb_dir}")
+
+    import wandb
+
+    name = job.run_name
+    if job.sweep_name is not None and job.override_dirname:
+        name = f"{name} {job.override_dirname}"  # jobs of one sweep differ by their overrides
+    backend = (config.get("backend") or {}).get("name")
+    settings = wandb.Settings(
+        silent=True,
+        # Our stdout already goes to the terminal and the job log; the step records
+        # reach W&B as metrics, so capturing the console would only duplicate them.
+        console="off",
+        # System metrics of the machine that runs the simulator say nothing about the
+        # simulated cluster.
+        x_disable_stats=backend == "sim",
+    )
+    return wandb.init(
+        project=logger.get("project"), entity=logger.get("entity"),
+        group=logger.get("group") or job.sweep_name, name=name,
+        tags=list(logger.get("tags") or []), config=dict(config), dir=str(wandb_dir),
+        mode=logger.get("mode") or "offline", settings=settings,
+    )
+
+
+def _scalars(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Every scalar leaf of the summary, nested keys joined by '/' (W&B's grouping), so
+    runs can be compared by any figure in the W&B runs table. Lists are left out."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            out.update(_scalars(value, f"{prefix}{key}/"))
+        elif isinstance(value, (int, float, str, bool)):
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _breakdown_tables(wandb: Any, summary: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    mean = summary.get("breakdown_s")
+    if isinstance(mean, Mapping) and mean:
+        iteration = summary.get("iteration_time_s") or 0.0
+        table = wandb.Table(columns=["category", "seconds", "percent"], data=[
+            [cat, seconds, 100 * seconds / iteration if iteration else None]
+            for cat, seconds in mean.items()])
+        out["breakdown"] = table
+        out["breakdown_chart"] = wandb.plot.bar(table, "category", "seconds",
+                                                title="time breakdown (s, mean over ranks)")
+    by_unit = summary.get("breakdown_by_unit_s")
+    if isinstance(by_unit, Mapping) and by_unit:
+        rows = [[unit, cat, seconds]
+                for unit, cats in by_unit.items() for cat, seconds in cats.items()]
+        out["breakdown_by_unit"] = wandb.Table(columns=["unit", "category", "seconds"], data=rows)
+    return out

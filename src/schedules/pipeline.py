@@ -1,0 +1,99 @@
+"""Pipeline schedules as per-stage operation orders: GPipe, 1F1B, interleaved 1F1B.
+
+A schedule says, for each pipeline stage, the order of its forward and backward passes
+over (virtual chunk, micro-batch). Planners turn these orders into instructions; the
+simulator and the runtime execute the same instructions, so there is one implementation
+of each schedule.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from src.errors import ConfigError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+@dataclass(frozen=True, slots=True)
+class PipeOp:
+    kind: Literal["F", "B"]
+    chunk: int
+    microbatch: int
+
+
+def gpipe(stages: int, microbatches: int) -> list[list[PipeOp]]:
+    """All forwards, then all backwards in reverse micro-batch order: the last
+    micro-batch is the last to finish its forward, so the last stage starts backward on
+    it without waiting."""
+    order = [PipeOp("F", 0, j) for j in range(microbatches)] + \
+            [PipeOp("B", 0, j) for j in reversed(range(microbatches))]
+    return [list(order) for _ in range(stages)]
+
+
+def one_f_one_b(stages: int, microbatches: int) -> list[list[PipeOp]]:
+    """PipeDream-flush 1F1B: stage s runs min(p-s-1, m) warm-up forwards, then alternates
+    one forward and one backward, then drains the remaining backwards."""
+    orders = []
+    for stage in range(stages):
+        warmup = min(stages - stage - 1, microbatches)
+        order = [PipeOp("F", 0, j) for j in range(warmup)]
+        next_b = 0
+        for j in range(warmup, microbatches):
+            order.append(PipeOp("F", 0, j))
+            order.append(PipeOp("B", 0, next_b))
+            next_b += 1
+        order += [PipeOp("B", 0, j) for j in range(next_b, microbatches)]
+        orders.append(order)
+    return orders
+
+
+def interleaved(stages: int, microbatches: int, chunks: int) -> list[list[PipeOp]]:
+    """Megatron's interleaved 1F1B (Narayanan et al. 2021): each stage holds `chunks`
+    virtual stages; micro-batches advance through the chunks in groups of `stages`."""
+    if chunks == 1:
+        return one_f_one_b(stages, microbatches)
+    if microbatches % stages:
+        raise ConfigError(f"interleaved schedule needs micro-batches ({microbatches}) divisible by "
+                          f"pipeline stages ({stages})")
+    total = microbatches * chunks
+
+    def virtual(k: int, forward: bool) -> tuple[int, int]:
+        group, within = divmod(k, stages * chunks)
+        chunk = within // stages
+        microbatch = group * stages + within % stages
+        return (chunk if forward else chunks - 1 - chunk), microbatch
+
+    orders = []
+    for stage in range(stages):
+        warmup = min((stages - stage - 1) * 2 + (chunks - 1) * stages, total)
+        order = [PipeOp("F", *virtual(k, True)) for k in range(warmup)]
+        next_b = 0
+        for k in range(warmup, total):
+            order.append(PipeOp("F", *virtual(k, True)))
+            order.append(PipeOp("B", *virtual(next_b, False)))
+            next_b += 1
+        order += [PipeOp("B", *virtual(k, False)) for k in range(next_b, total)]
+        orders.append(order)
+    return orders
+
+
+def build_schedule(name: str, stages: int, microbatches: int, chunks: int = 1) -> list[list[PipeOp]]:
+    if name not in SCHEDULES:
+        raise ConfigError(f"unknown schedule {name!r}; choose one of {list(SCHEDULES)}")
+    if name != "interleaved" and chunks != 1:
+        raise ConfigError(f"virtual pipeline chunks (vpp={chunks}) need schedule=interleaved, not {name}")
+    if name == "gpipe":
+        return gpipe(stages, microbatches)
+    if name == "1f1b":
+        return one_f_one_b(stages, microbatches)
+    return interleaved(stages, microbatches, chunks)
+
+
+def in_flight(order: list[PipeOp]) -> int:
+    """Most forwards whose backward has not run yet, along one stage's order."""
+    live = peak = 0
+    for op in order:
+        live += 1 if op.kind == "F" else -1
+        peak = max(peak, live)
+    return peak

@@ -1,0 +1,208 @@
+"""Programs of the Megatron-LM baseline for one fixed choice of degrees.
+
+Two shapes, as the papers describe Megatron-LM on multimodal models:
+- a pipeline (GPT/LLM units; MLLMs with the encoder and generator as extra stages or
+  merged into the first/last stage), TP inside every stage, DP over replicas;
+- colocated towers (CLIP/CoCa/LiT): every device runs both towers with the same TP and DP,
+  and the contrastive loss all-gathers both modalities' features over DP (DistMM §7.1).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from src.cluster import ClusterSpec, family_sharing
+from src.costmodel.memory import grad_bytes
+from src.models.spec import ModelSpec
+from src.program import (BatchSync, Collective, Instruction, Program, RankProgram, Recv, Send, UnitPlan,
+                         Work)
+from src.schedules.pipeline import PipeOp, build_schedule
+from src.strategies.emit import TPConfig, iteration_tail, segment_pass
+from src.strategies.layout import Grid, make_group
+from src.strategies.stages import Segment, boundary_elems, pipeline_segments, unit_order
+
+
+
+@dataclass(frozen=True)
+class Degrees:
+    tp: int
+    pp: int
+    dp: int
+    vpp: int
+    micro_batch: int
+
+
+@dataclass(frozen=True)
+class MegatronSettings:
+    schedule: str
+    recompute: str
+    sequence_parallel: bool
+    zero_stage: int
+    overlap_grad_reduce: bool
+    modality_stages: str
+    uneven_pp: bool
+
+
+def _act_bytes(precision: str) -> int:
+    return 4 if precision == "fp32" else 2
+
+
+def pipeline_program(model: ModelSpec, cluster: ClusterSpec, global_batch: int, precision: str,
+                     deg: Degrees, cfg: MegatronSettings) -> tuple[Program, list[UnitPlan], list[list[Segment]]]:
+    virtual = pipeline_segments(model, deg.pp, deg.vpp, cfg.modality_stages, cfg.uneven_pp)
+    pp, vpp = deg.pp, deg.vpp
+    grid = Grid(deg.tp, deg.dp, pp)
+    batch_per_replica = global_batch // deg.dp
+    microbatches = batch_per_replica // deg.micro_batch
+    orders = build_schedule(cfg.schedule, pp, microbatches, vpp)
+    act_bytes = _act_bytes(precision)
+    program = Program(world_size=grid.size, classes=[])
+    pairs = grid.pp_pairs()
+    p2p_sharing = family_sharing(cluster, pairs) if pairs else 1
+    tp_family, dp_family = grid.tp_family(), grid.dp_family()
+    needs_bwd = [any(model.needs_backward(seg.unit) for seg in segs) for segs in virtual]
+
+    for stage in range(pp):
+        tp_name = f"tp.s{stage}" if deg.tp > 1 else None
+        dp_name = f"dp.s{stage}" if deg.dp > 1 else None
+        if tp_name:
+            program.add_group(make_group(cluster, tp_name, grid.tp_group(0, stage), tp_family))
+        if dp_name:
+            program.add_group(make_group(cluster, dp_name, grid.dp_group(0, stage), dp_family))
+        tpc = TPConfig(deg.tp, tp_name, cfg.sequence_parallel, cfg.recompute, act_bytes)
+        me = grid.rank(0, 0, stage)
+        prev_rank = grid.rank(0, 0, (stage - 1) % pp)
+        next_rank = grid.rank(0, 0, (stage + 1) % pp)
+        order = orders[stage]
+        last_b = {op.chunk: i for i, op in enumerate(order) if op.kind == "B"}
+        instructions: list[Instruction] = []
+        pending: list[str] = []
+        for index, op in enumerate(order):
+            v = op.chunk * pp + stage
+            if op.kind == "F":
+                instructions += _forward(model, virtual, v, op, deg, tpc, act_bytes, prev_rank, next_rank, p2p_sharing)
+            elif needs_bwd[v]:
+                overlap = (cfg.overlap_grad_reduce and dp_name is not None and index == last_b[op.chunk])
+                instructions += _backward(model, virtual, v, op, deg, tpc, act_bytes, prev_rank, next_rank,
+                                          p2p_sharing, needs_bwd, dp_name if overlap else None,
+                                          cfg.zero_stage, grad_bytes(precision), pending)
+        own = [seg for c in range(vpp) for seg in virtual[c * pp + stage]]
+        instructions += iteration_tail(model, own, deg.tp, dp_name, deg.dp, cfg.zero_stage, grad_bytes(precision),
+                                       act_bytes, pending)
+        units = tuple(dict.fromkeys(seg.unit for seg in own))
+        program.classes.append(RankProgram(ranks=grid.stage_ranks(stage), instructions=instructions,
+                                           label=f"stage {stage}", units=units, pipelined=pp > 1))
+
+    unit_plans = []
+    for name in unit_order(model):
+        stages = sorted({v % pp for v, segs in enumerate(virtual) for s in segs if s.unit == name})
+        ranges = tuple(s.layers for segs in virtual for s in segs if s.unit == name)
+        ranks = tuple(r for st in stages for r in grid.stage_ranks(st))
+        unit_plans.append(UnitPlan(unit=name, dp=deg.dp, tp=deg.tp, pp=len(stages), vpp=vpp, ranks=ranks,
+                                   micro_batch=deg.micro_batch, num_microbatches=microbatches,
+                                   batch_per_replica=batch_per_replica, stage_layers=ranges,
+                                   details={"pipeline_stages": stages, "zero_stage": cfg.zero_stage,
+                                            "recompute": cfg.recompute}))
+    return program, unit_plans, virtual
+
+
+def _forward(model, virtual, v, op: PipeOp, deg: Degrees, tpc: TPConfig, act_bytes, prev_rank, next_rank,
+             sharing) -> list[Instruction]:
+    out: list[Instruction] = []
+    mb = deg.micro_batch
+    if v > 0:
+        last = virtual[v - 1][-1]
+        elems = boundary_elems(model.unit(last.unit), last.layers[1])
+        out.append(Recv(prev_rank, f"act.v{v}.mb{op.microbatch}", elems * mb * act_bytes, "pp"))
+    for segment in virtual[v]:
+        out += segment_pass(model, segment, "fwd", mb, op.microbatch, tpc, chunk=op.chunk)
+    if v < len(virtual) - 1:
+        last = virtual[v][-1]
+        elems = boundary_elems(model.unit(last.unit), last.layers[1])
+        out.append(Send(next_rank, f"act.v{v + 1}.mb{op.microbatch}", elems * mb * act_bytes, "pp", sharing=sharing))
+    return out
+
+
+def _backward(model, virtual, v, op: PipeOp, deg: Degrees, tpc: TPConfig, act_bytes, prev_rank, next_rank,
+              sharing, needs_bwd, overlap_group, zero_stage, grad_size: int, pending: list[str]) -> list[Instruction]:
+    out: list[Instruction] = []
+    mb = deg.micro_batch
+    if v < len(virtual) - 1 and needs_bwd[v + 1]:
+        last = virtual[v][-1]
+        elems = boundary_elems(model.unit(last.unit), last.layers[1])
+        out.append(Recv(next_rank, f"grad.v{v}.mb{op.microbatch}", elems * mb * act_bytes, "pp"))
+    for segment in reversed(virtual[v]):
+        if not model.needs_backward(segment.unit):
+            continue
+        if overlap_group is None:
+            out += segment_pass(model, segment, "bwd", mb, op.microbatch, tpc, chunk=op.chunk)
+            continue
+        # The last micro-batch's backward finishes each layer's gradient: reduce it at
+        # once on the DP stream while the earlier layers' backward runs (Megatron's
+        # --overlap-grad-reduce, one bucket per layer).
+        unit = model.unit(segment.unit)
+        for layer in reversed(range(*segment.layers)):
+            out += segment_pass(model, Segment(segment.unit, (layer, layer + 1)), "bwd", mb, op.microbatch,
+                                tpc, chunk=op.chunk)
+            params = unit.layers[layer].params / deg.tp
+            if params and not unit.frozen:
+                handle = f"grad.{segment.unit}.{layer}"
+                out.append(Collective("reduce_scatter" if zero_stage >= 1 else "all_reduce", overlap_group,
+                                      params * grad_size, "dp", stream="dp", blocking=False, handle=handle))
+                pending.append(handle)
+    if v > 0 and needs_bwd[v - 1]:
+        first = virtual[v - 1][-1]
+        elems = boundary_elems(model.unit(first.unit), first.layers[1])
+        out.append(Send(prev_rank, f"grad.v{v - 1}.mb{op.microbatch}", elems * mb * act_bytes, "pp", sharing=sharing))
+    return out
+
+
+def colocated_program(model: ModelSpec, cluster: ClusterSpec, global_batch: int, precision: str,
+                      deg: Degrees, cfg: MegatronSettings) -> tuple[Program, list[UnitPlan], list[list[Segment]]]:
+    """Both towers on every device, same TP and DP; the contrastive loss sees the features
+    of all DP replicas (all-gather over DP, reduce-scatter of their gradients back)."""
+    grid = Grid(deg.tp, deg.dp, 1)
+    act_bytes = _act_bytes(precision)
+    batch_per_replica = global_batch // deg.dp
+    microbatches = batch_per_replica // deg.micro_batch
+    mb = deg.micro_batch
+    program = Program(world_size=grid.size, classes=[])
+    tp_name = "tp" if deg.tp > 1 else None
+    dp_name = "dp" if deg.dp > 1 else None
+    if tp_name:
+        program.add_group(make_group(cluster, tp_name, grid.tp_group(0, 0), grid.tp_family()))
+    if dp_name:
+        program.add_group(make_group(cluster, dp_name, grid.dp_group(0, 0), grid.dp_family()))
+    tpc = TPConfig(deg.tp, tp_name, cfg.sequence_parallel, cfg.recompute, act_bytes)
+    interaction = model.unit(model.interaction)
+    towers = [name for name in unit_order(model) if name != model.interaction]
+    segments = [Segment(name, (0, model.unit(name).num_layers)) for name in towers]
+    feature_elems = sum(model.unit(name).output_elems for name in towers)
+    instructions: list[Instruction] = []
+    for j in range(microbatches):
+        for segment in segments:
+            instructions += segment_pass(model, segment, "fwd", mb, j, tpc)
+        # Each device scores its local samples of BOTH modalities against the gathered
+        # other modality: two similarity products, hence 2·mb rows.
+        work = Work(interaction.name, "interaction", len(towers) * mb, (0, interaction.num_layers),
+                    contrastive_batch=mb * deg.dp)
+        gather = (Collective("all_gather", dp_name, feature_elems * mb * deg.dp * act_bytes, "interaction")
+                  if dp_name else None)
+        instructions.append(BatchSync((j,), work, gather))
+        if dp_name:
+            instructions.append(Collective("reduce_scatter", dp_name, feature_elems * mb * deg.dp * act_bytes,
+                                           "interaction"))
+        for segment in reversed(segments):
+            if model.needs_backward(segment.unit):
+                instructions += segment_pass(model, segment, "bwd", mb, j, tpc)
+    everything = segments + [Segment(interaction.name, (0, interaction.num_layers))]
+    instructions += iteration_tail(model, everything, deg.tp, dp_name, deg.dp, cfg.zero_stage, grad_bytes(precision),
+                                   act_bytes)
+    program.classes.append(RankProgram(ranks=grid.ranks, instructions=instructions, label="all ranks",
+                                       units=tuple(towers) + (interaction.name,), pipelined=False))
+    unit_plans = [UnitPlan(unit=s.unit, dp=deg.dp, tp=deg.tp, pp=1, ranks=grid.ranks, micro_batch=mb,
+                           num_microbatches=microbatches, batch_per_replica=batch_per_replica,
+                           stage_layers=(s.layers,), details={"zero_stage": cfg.zero_stage, "recompute": cfg.recompute,
+                                                              "placement": "colocated"})
+                  for s in everything]
+    return program, unit_plans, [everything]
+

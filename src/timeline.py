@@ -1,0 +1,74 @@
+"""What a backend returns: when every instruction of every rank class ran, and why each
+rank's compute stream was idle. Both the simulator and the real runtime produce this."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Breakdown categories, in the order reports show them. They add up to the iteration
+# time on every rank: compute + exposed communication by kind + bubbles + idle.
+BUBBLE_CATEGORIES = ("bubble_warmup", "bubble_cooldown", "bubble_imbalance")
+BREAKDOWN_CATEGORIES = ("compute", "comm_tp", "comm_pp", "comm_dp", "comm_interaction",
+                        "comm_broker") + BUBBLE_CATEGORIES + ("idle",)
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """One instruction's execution on one stream. `category` is 'compute' for compute
+    work, 'comm_<kind>' for communication."""
+
+    stream: str
+    start: float
+    end: float
+    name: str
+    category: str
+    unit: str = ""
+    microbatch: int = -1
+
+
+@dataclass
+class RankTimeline:
+    """The timeline of one class of interchangeable ranks (see program.RankProgram)."""
+
+    ranks: tuple[int, ...]
+    label: str
+    units: tuple[str, ...]
+    spans: list[Span]
+    breakdown: dict[str, float]
+    end: float
+    peak_memory_bytes: float = 0.0
+    memory: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Timeline:
+    iteration_time: float
+    ranks: list[RankTimeline]
+    backend: str = "sim"
+    events: int = 0
+
+    def mean_breakdown(self) -> dict[str, float]:
+        """Breakdown averaged over all ranks (each class weighted by its rank count)."""
+        total = sum(len(r.ranks) for r in self.ranks)
+        out = {cat: 0.0 for cat in BREAKDOWN_CATEGORIES}
+        for rank_timeline in self.ranks:
+            weight = len(rank_timeline.ranks) / total
+            for cat, seconds in rank_timeline.breakdown.items():
+                out[cat] += weight * seconds
+        return out
+
+    def unit_breakdown(self) -> dict[str, dict[str, float]]:
+        """Breakdown averaged over the ranks of each unit."""
+        per_unit: dict[str, dict[str, float]] = {}
+        counts: dict[str, int] = {}
+        for rank_timeline in self.ranks:
+            for unit in rank_timeline.units:
+                acc = per_unit.setdefault(unit, {cat: 0.0 for cat in BREAKDOWN_CATEGORIES})
+                n = len(rank_timeline.ranks)
+                counts[unit] = counts.get(unit, 0) + n
+                for cat, seconds in rank_timeline.breakdown.items():
+                    acc[cat] += n * seconds
+        return {unit: {cat: v / counts[unit] for cat, v in acc.items()} for unit, acc in per_unit.items()}
+
+    @property
+    def peak_memory_bytes(self) -> float:
+        return max((r.peak_memory_bytes for r in self.ranks), default=0.0)
