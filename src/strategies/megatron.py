@@ -238,17 +238,18 @@ def plan_megatron(request: PlanRequest) -> Plan:
         if not searched:
             raise PlanError(rejected[0])
         raise PlanError(f"no Megatron-LM plan fits ({len(rejected)} candidates rejected); closest: {_closest(rejected)}")
-    for candidate in tried:
-        candidate.time = simulate(candidate.plan.program, request.model, request.cluster,
-                                  request.train.precision).iteration_time
-    best = min(tried, key=lambda c: (c.time, c.degrees.tp, c.degrees.pp))
+    if len(tried) > 1:
+        for candidate in tried:
+            candidate.time = simulate(candidate.plan.program, request.model, request.cluster,
+                                      request.train.precision).iteration_time
+    best = min(tried, key=lambda c: (c.time or 0.0, c.degrees.tp, c.degrees.pp))
     best.plan.details["search"] = {
         "searched": searched,
         "candidates_fitting": len(tried),
         "candidates_rejected": len(rejected),
         "ranking": [{"tp": c.degrees.tp, "pp": c.degrees.pp, "dp": c.degrees.dp, "micro_batch": c.degrees.micro_batch,
                      "recompute": c.settings.recompute, "zero_stage": c.settings.zero_stage,
-                     "iteration_time_s": c.time} for c in sorted(tried, key=lambda c: c.time)[:5]],
+                     "iteration_time_s": c.time} for c in sorted(tried, key=lambda c: c.time or 0.0)[:5]],
     }
     best.plan.details["memory_gib"] = {rp.label: round(m["total"] / GIB, 3)
                                        for rp, m in zip(best.plan.program.classes, best.memory)}

@@ -1,0 +1,216 @@
+"""Run a figure's sweep and write its table and plot, with the paper's values beside ours.
+
+    python -m src.sweep sweeps/par4d_table3_megatron.yaml [--out DIR]
+
+A sweep file names groups (the x axis: a model, a scale) and series (the bars: a
+strategy), each a list of Hydra overrides; every (group, series) pair is one run of the
+front door, composed with Hydra and written to its own run directory. The paper's values
+are reference data in the sweep file; nothing reads them but this report.
+
+Sweep file keys: name, title, source, metric (a summary.json key, dotted for nesting),
+metric_label, normalize (optional: {by: <series>, invert: bool} reports each series
+relative to that series in the same group; invert gives speed-ups from times),
+base (overrides of every run), series ({name: overrides}), groups (list of {label,
+overrides, paper: {series: value or [low, high]}}), notes (why the settings are what
+they are).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from src.errors import ConfigError
+from src.report import JobInfo
+from src.run import execute
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+@dataclass
+class SweepSpec:
+    name: str
+    title: str
+    source: str
+    metric: str
+    metric_label: str
+    base: list[str]
+    series: dict[str, list[str]]
+    groups: list[dict[str, Any]]
+    normalize: dict[str, Any] | None = None
+    notes: str = ""
+    extra_metrics: list[str] = field(default_factory=list)
+
+
+def load_sweep(path: Path) -> SweepSpec:
+    raw = yaml.safe_load(path.read_text())
+    required = ("name", "title", "source", "metric", "series", "groups")
+    missing = [k for k in required if k not in raw]
+    if missing:
+        raise ConfigError(f"sweep {path} lacks {missing}")
+    spec = SweepSpec(name=raw["name"], title=raw["title"], source=raw["source"], metric=raw["metric"],
+                     metric_label=raw.get("metric_label", raw["metric"]), base=list(raw.get("base", [])),
+                     series={k: list(v or []) for k, v in raw["series"].items()}, groups=list(raw["groups"]),
+                     normalize=raw.get("normalize"), notes=raw.get("notes", ""),
+                     extra_metrics=list(raw.get("extra_metrics", [])))
+    if spec.normalize and spec.normalize.get("by") not in spec.series:
+        raise ConfigError(f"sweep {spec.name}: normalize.by={spec.normalize.get('by')!r} is not a series "
+                          f"({sorted(spec.series)})")
+    return spec
+
+
+def lookup(summary: dict[str, Any], dotted: str) -> Any:
+    value: Any = summary
+    for part in dotted.split("."):
+        value = value[part]
+    return value
+
+
+def run_one(overrides: list[str], run_dir: Path) -> dict[str, Any]:
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose(config_name="config", overrides=overrides)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    job = JobInfo(run_name=config["run"]["name"], sweep_name=run_dir.parent.name,
+                  override_dirname=",".join(overrides))
+    return execute(config, run_dir, job)
+
+
+def _paper_text(value: Any) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, (list, tuple)):
+        return f"{value[0]:.3g}–{value[1]:.3g}"
+    return f"{value:.3g}"
+
+
+def _paper_mid(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        return (value[0] + value[1]) / 2
+    return float(value)
+
+
+def run_sweep(spec: SweepSpec, out: Path) -> dict[str, Any]:
+    results: dict[str, Any] = {"name": spec.name, "title": spec.title, "source": spec.source,
+                               "metric": spec.metric, "rows": []}
+    raw: dict[tuple[str, str], dict[str, Any]] = {}
+    for index, group in enumerate(spec.groups):
+        for series, series_overrides in spec.series.items():
+            overrides = spec.base + list(group.get("overrides", [])) + series_overrides
+            run_dir = out / "runs" / f"{index:02d}_{series}"
+            print(f"[{spec.name}] {group['label']} / {series}: {' '.join(overrides)}", file=sys.stderr)
+            try:
+                summary = run_one(overrides, run_dir)
+            except ConfigError as err:
+                summary = {"error": str(err)}
+                print(f"[{spec.name}]   could not run: {err}", file=sys.stderr)
+            raw[(group["label"], series)] = summary
+    for group in spec.groups:
+        for series in spec.series:
+            summary = raw[(group["label"], series)]
+            row: dict[str, Any] = {"group": group["label"], "series": series,
+                                   "paper": (group.get("paper") or {}).get(series)}
+            if "error" in summary:
+                row.update(value=None, error=summary["error"])
+            else:
+                value = float(lookup(summary, spec.metric))
+                if spec.normalize:
+                    base = raw[(group["label"], spec.normalize["by"])]
+                    base_value = None if "error" in base else float(lookup(base, spec.metric))
+                    if base_value is None:
+                        value = None
+                    else:
+                        value = base_value / value if spec.normalize.get("invert") else value / base_value
+                row["value"] = value
+                for key in spec.extra_metrics:
+                    row[key] = lookup(summary, key)
+                row["plan"] = {u: {k: p[k] for k in ("dp", "tp", "pp", "micro_batch") if k in p}
+                               for u, p in summary["plan"]["units"].items()}
+            results["rows"].append(row)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2, sort_keys=True))
+    (out / "results.md").write_text(markdown_table(spec, results))
+    plot(spec, results, out / f"{spec.name}.png")
+    return results
+
+
+def markdown_table(spec: SweepSpec, results: dict[str, Any]) -> str:
+    extra = spec.extra_metrics
+    lines = [f"# {spec.title}", "", f"Source: {spec.source}", "",
+             "| " + " | ".join(["group", "series", f"ours: {spec.metric_label}", "paper", "gap"] + extra + ["plan"]) + " |",
+             "|" + "---|" * (6 + len(extra))]
+    for row in results["rows"]:
+        paper = _paper_mid(row["paper"])
+        value = row["value"]
+        if value is None:
+            ours, gap = f"not run: {row.get('error', 'baseline failed')}", "–"
+        else:
+            ours = f"{value:.3g}"
+            gap = "–" if paper is None else f"{(value - paper) / paper * 100:+.0f}%"
+        plan = "; ".join(f"{u}: " + " ".join(f"{k}{v}" for k, v in p.items()) for u, p in row.get("plan", {}).items())
+        extras = [f"{row[k]:.3g}" if isinstance(row.get(k), float) else str(row.get(k, "–")) for k in extra]
+        lines.append("| " + " | ".join([row["group"], row["series"], ours, _paper_text(row["paper"]), gap]
+                                       + extras + [plan]) + " |")
+    if spec.notes:
+        lines += ["", "## Notes", "", spec.notes.strip()]
+    return "\n".join(lines) + "\n"
+
+
+def plot(spec: SweepSpec, results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = [g["label"] for g in spec.groups]
+    series = list(spec.series)
+    width = 0.8 / max(1, len(series))
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups)), 4))
+    for s_index, name in enumerate(series):
+        rows = [r for r in results["rows"] if r["series"] == name]
+        xs = [g_index + (s_index - (len(series) - 1) / 2) * width for g_index in range(len(groups))]
+        values = [r["value"] if r["value"] is not None else 0.0 for r in rows]
+        ax.bar(xs, values, width=width * 0.9, label=f"ours: {name}")
+        for x, row in zip(xs, rows):
+            paper = row["paper"]
+            if isinstance(paper, (list, tuple)):
+                ax.plot([x, x], paper, color="black", linewidth=2)
+            elif paper is not None:
+                ax.plot([x - width * 0.4, x + width * 0.4], [paper, paper], color="black", linewidth=2)
+    ax.plot([], [], color="black", linewidth=2, label="paper")
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels(groups, rotation=15, ha="right")
+    ax.set_ylabel(spec.metric_label)
+    ax.set_title(spec.title, fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("sweep", type=Path, help="a sweep file in sweeps/")
+    parser.add_argument("--out", type=Path, default=None, help="output directory (default outputs/sweeps/<name>)")
+    args = parser.parse_args(argv)
+    try:
+        spec = load_sweep(args.sweep)
+    except (ConfigError, OSError, yaml.YAMLError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    out = args.out or Path("outputs") / "sweeps" / spec.name
+    run_sweep(spec, out)
+    print((out / "results.md").read_text())
+    print(f"wrote {out / 'results.md'} and {out / (spec.name + '.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
