@@ -36,6 +36,8 @@ def unit_flops(model: ModelSpec, unit: UnitSpec, contrastive_batch: int = 1) -> 
         for kernel in layer.kernels:
             flops = kernel.flops(contrastive_batch)
             fwd += flops
+            if layer.forward_only:
+                continue
             if kernel.attention_core:
                 core += flops
             if needs_backward:

@@ -144,11 +144,12 @@ def test_mllm_structure() -> None:
     block = next(layer for layer in llm.layers if layer.name == "block")
     qkv = next(kern for kern in block.kernels if kern.name == "attn_qkv")
     assert qkv.n == 8192 + 2 * 8 * 128  # GQA: 8 KV groups of head dim 128
-    forward_only = spec.extras["forward_only_layers"]["generator"]
-    assert forward_only and all(not kern.has_weight for layer in spec.unit("generator").layers
-                                if layer.name in forward_only for kern in layer.kernels)
+    generator = spec.unit("generator")
+    vae = [layer for layer in generator.layers if layer.forward_only]
+    assert vae and all(layer.name.startswith("vae.") for layer in vae)
+    assert generator.trainable_params() == generator.params - sum(layer.params for layer in vae)
     no_vae = build_model({"name": "mllm_72b", "vae_encode": False})
-    assert no_vae.extras["forward_only_layers"]["generator"] == ()
+    assert not any(layer.forward_only for layer in no_vae.unit("generator").layers)
     assert build_model({"name": "mllm_9b"}).unit("generator").seq_len == 64 * 64
 
 

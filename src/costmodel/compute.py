@@ -44,7 +44,8 @@ class ComputeModel:
         self.hbm = cluster.memory_bandwidth * cluster.memory_efficiency
         self.bytes_per_elem = 4 if precision == "fp32" else 2
         self._layer_cache: dict[tuple, LayerTimes] = {}
-        self._work_cache: dict[Work, float] = {}
+        self._work_cache: dict[tuple[int, Work], float] = {}
+        self._models: dict[int, ModelSpec] = {}
 
     def efficiency(self, m: float, n: float, k: float) -> float:
         half = self.cluster.gemm_half_dim
@@ -110,20 +111,21 @@ class ComputeModel:
 
     def work_time(self, work: Work, model: ModelSpec) -> float:
         """Seconds of one Work item on one device."""
-        cached = self._work_cache.get(work)
+        key = (id(model), work)
+        cached = self._work_cache.get(key)
         if cached is not None:
             return cached
-        unit = model.unit(work.unit)
-        seconds = self._price(work, unit, model) * work.load
-        self._work_cache[work] = seconds
+        self._models[id(model)] = model  # keeps the id in the key from being reused
+        seconds = self._price(work, model.unit(work.unit), model) * work.load
+        self._work_cache[key] = seconds
         return seconds
 
     def _price(self, work: Work, unit: UnitSpec, model: ModelSpec) -> float:
         start, end = work.layers
         layers = unit.layers[start:end]
         if work.phase == "optimizer":
-            params = sum(layer.params for layer in layers) / (work.tp * work.shard)
-            return 0.0 if unit.frozen else self.memory_time(params * ADAM_BYTES_PER_PARAM)
+            params = unit.trainable_params(start, end) / (work.tp * work.shard)
+            return self.memory_time(params * ADAM_BYTES_PER_PARAM)
         rows = work.samples * work.fraction
         trains_weights = not unit.frozen
         needs_input_grad = model.needs_backward(work.unit)
@@ -131,6 +133,9 @@ class ComputeModel:
         for index, layer in enumerate(layers):
             kernels = work.kernels if (work.kernels is not None and index == 0) else None
             t = self.layer_times(layer, rows, work.tp, work.sequence_parallel, work.contrastive_batch, kernels)
+            if layer.forward_only:
+                total += t.fwd if work.phase in ("fwd", "interaction") else 0.0
+                continue
             bwd_input = t.bwd_input if needs_input_grad else 0.0
             bwd_weight = t.bwd_weight if trains_weights else 0.0
             if work.phase == "fwd":

@@ -57,7 +57,7 @@ def work_activation_bytes(model: ModelSpec, compute: Compute, recompute: str) ->
     unit = model.unit(work.unit)
     start, end = work.layers
     per_sample = sum(layer.activations.per_device(work.tp, work.sequence_parallel, recompute)
-                     for layer in unit.layers[start:end])
+                     for layer in unit.layers[start:end] if not layer.forward_only)
     return per_sample * work.samples * work.fraction * work.load
 
 
@@ -103,10 +103,12 @@ def rank_memory(rank_program: RankProgram, units: Mapping[str, UnitPlan], model:
     for (name, (start, end)), tp in held.items():
         unit = model.unit(name)
         plan = units[name]
-        params = sum(layer.params for layer in unit.layers[start:end]) / tp
-        states = model_state_bytes(params, precision, unit.frozen, int(plan.details.get("zero_stage", 0)), plan.dp)
-        for key, value in states.items():
-            out[key] += value
+        zero = int(plan.details.get("zero_stage", 0))
+        trainable = unit.trainable_params(start, end) / tp
+        fixed = sum(layer.params for layer in unit.layers[start:end]) / tp - trainable
+        for params, frozen in ((trainable, False), (fixed, True)):
+            for key, value in model_state_bytes(params, precision, frozen, zero, plan.dp).items():
+                out[key] += value
     recompute = {name: str(plan.details.get("recompute", "none")) for name, plan in units.items()}
     out["activations"] = peak_activation_bytes(rank_program, model, recompute)
     out["total"] = sum(out.values())

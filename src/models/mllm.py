@@ -22,9 +22,8 @@ Choices DistTrain leaves open, and ours:
 - Projectors are LLaVA-1.5-style two-layer GELU MLPs whose inner width is the LLM's:
   input 1280 -> h -> h on the 256 patch tokens (CLS dropped), output h -> h -> 1024.
 - SD 2.1 = U-Net + the frozen VAE encoder that makes the training latents (sd21.py);
-  `vae_encode: false` models latents precomputed offline. The VAE kernels carry no
-  trainable weight; extras["forward_only_layers"] names them, since no gradient has to
-  flow through them either.
+  `vae_encode: false` models latents precomputed offline. The VAE layers are
+  forward_only: no gradient flows through them.
 """
 from __future__ import annotations
 
@@ -94,7 +93,6 @@ def build_mllm(model: str, opts: Options, seq_len: int | None) -> ModelSpec:
             "per_sample": {"encoder": "image", "llm": "sequence", "generator": "image"},
             "image_tokens": image_tokens,
             "cond_tokens": cond_tokens,
-            "forward_only_layers": {"generator": tuple(layer.name for layer in vae)},
         },
     )
 

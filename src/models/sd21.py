@@ -90,8 +90,8 @@ def sd_unet_layers(latent: int, context_tokens: int) -> list[LayerSpec]:
 
 
 def _frozen(layer: LayerSpec) -> LayerSpec:
-    """The same layer with frozen weights: no weight-gradient GEMMs."""
-    return replace(layer, name=f"vae.{layer.name}",
+    """The same layer, frozen and run forward only (it encodes the training image)."""
+    return replace(layer, name=f"vae.{layer.name}", forward_only=True,
                    kernels=tuple(replace(kern, has_weight=False) for kern in layer.kernels))
 
 

@@ -81,6 +81,9 @@ class LayerSpec:
     tp_allreduces: how many activation all-reduces Megatron-style TP needs in the forward
     pass (2 for a transformer block: after attention and after the MLP), each of
     `tp_comm_elems` elements per sample; backward has as many.
+    forward_only: a frozen feature extractor of the unit's raw input (SD's VAE encoder
+    inside the generator): no backward at all, no gradients or optimizer state, no
+    activations kept.
     """
 
     name: str
@@ -89,6 +92,7 @@ class LayerSpec:
     activations: ActivationBytes
     tp_allreduces: int = 0
     tp_comm_elems: int = 0
+    forward_only: bool = False
 
     def matmul_flops(self, contrastive_batch: int = 1) -> float:
         return sum(kern.flops(contrastive_batch) for kern in self.kernels)
@@ -115,6 +119,12 @@ class UnitSpec:
     @property
     def params(self) -> int:
         return sum(layer.params for layer in self.layers)
+
+    def trainable_params(self, start: int = 0, end: int | None = None) -> int:
+        """Parameters of layers [start, end) that receive gradients."""
+        if self.frozen:
+            return 0
+        return sum(layer.params for layer in self.layers[start:end] if not layer.forward_only)
 
     @property
     def num_layers(self) -> int:

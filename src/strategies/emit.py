@@ -45,12 +45,7 @@ def segment_pass(model: ModelSpec, segment: Segment, phase: str, samples: int, m
 
 def trainable_params(model: ModelSpec, segments: list[Segment], tp: int) -> float:
     """Parameters of the trainable segments held by one TP rank."""
-    total = 0.0
-    for segment in segments:
-        unit = model.unit(segment.unit)
-        if not unit.frozen:
-            total += sum(layer.params for layer in unit.layers[segment.layers[0]:segment.layers[1]]) / tp
-    return total
+    return sum(model.unit(s.unit).trainable_params(*s.layers) for s in segments) / tp
 
 
 def iteration_tail(model: ModelSpec, segments: list[Segment], tp: int, dp_group: str | None, dp: int,

@@ -84,7 +84,7 @@ def _tp_choices(request: PlanRequest, opts: MegatronOptions, across_nodes: bool)
     when nothing fits there, degrees that span nodes (DistMM §7.1: CoCa(13B,13B) at 16)."""
     if opts.tp is not None:
         return [opts.tp]
-    heads = [u.heads for u in request.model.units if u.heads > 1]
+    heads = [u.heads for u in request.model.units if u.kind == "transformer" and u.heads > 1]
     node = request.cluster.devices_per_node
     return [t for t in _powers_of_two(request.cluster.devices) if all(h % t == 0 for h in heads)
             and (t > node) == across_nodes]
@@ -105,8 +105,12 @@ def _pp_choices(request: PlanRequest, opts: MegatronOptions, contrastive: bool) 
 def _check_degrees(request: PlanRequest, opts: MegatronOptions, tp: int, pp: int) -> int:
     """Validate one (tp, pp) choice against the model and cluster; return dp."""
     devices = request.cluster.devices
+    # Transformer units split attention heads across TP ranks. A U-Net's TP splits its
+    # convolutions' output channels; its few attention heads (5 in SD-2.1's first level)
+    # are priced as an even split of the attention work, as a spatially split attention
+    # would run.
     for unit in request.model.units:
-        if unit.heads > 1 and unit.heads % tp:
+        if unit.kind == "transformer" and unit.heads > 1 and unit.heads % tp:
             raise ConfigError(f"tp={tp} does not divide the {unit.heads} attention heads of unit {unit.name}")
     if devices % (tp * pp):
         raise ConfigError(f"tp x pp = {tp} x {pp} = {tp * pp} does not divide the cluster's {devices} devices")

@@ -143,8 +143,8 @@ def _backward(model, virtual, v, op: PipeOp, deg: Degrees, tpc: TPConfig, act_by
         for layer in reversed(range(*segment.layers)):
             out += segment_pass(model, Segment(segment.unit, (layer, layer + 1)), "bwd", mb, op.microbatch,
                                 tpc, chunk=op.chunk)
-            params = unit.layers[layer].params / deg.tp
-            if params and not unit.frozen:
+            params = unit.trainable_params(layer, layer + 1) / deg.tp
+            if params:
                 handle = f"grad.{segment.unit}.{layer}"
                 out.append(Collective("reduce_scatter" if zero_stage >= 1 else "all_reduce", overlap_group,
                                       params * grad_size, "dp", stream="dp", blocking=False, handle=handle))

@@ -1,0 +1,244 @@
+"""The DistMM planner (Huang et al., NSDI'24): its four components, each switchable.
+
+1. Modality-aware partitioner (distmm_towers.partition): per tower DP, TP in a node, or
+   PP across nodes, whichever is the least that holds one replica.
+2. Data load balancer (distmm_balance.balance): device counts and per-replica batches
+   minimising the slowest tower's estimated time under memory (`strategy.balance=dp`);
+   `even` splits the devices equally (the "without load balancing" ablation).
+3. Heterogeneity-aware placement (distmm_programs): towers on separate nodes with TP
+   inside nodes (`separate`), or every tower on every device (`naive`, the baseline's).
+4. Pipeline executor: batch-sync groups of the contrastive batch, scheduled by
+   DistMM-Pipe (`distmm_pipe`) or GPipe with batch-sync (`gpipe_sync`).
+
+A tower's degrees can be fixed by hand (strategy.vision.tp=4 strategy.text.dp=16); the
+memory-saving settings (recompute, ZeRO-1) are chosen per tower, cheapest first, exactly
+as far as memory requires, as the Megatron baseline chooses them for the whole model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from src.cluster import GIB
+from src.config import options_from
+from src.costmodel.memory import rank_memory
+from src.errors import ConfigError, PlanError
+from src.models.spec import ModelSpec
+from src.program import Plan, Program, UnitPlan
+from src.schedules.distmm_pipe import SYNC_SCHEDULES
+from src.strategies.base import PlanRequest
+from src.strategies.distmm_balance import Choice, balance
+from src.strategies.distmm_programs import colocated_program, cross_inputs, place, separate_program, unit_plans
+from src.strategies.distmm_towers import SETTINGS, Degrees, TowerCosts, TowerPlan, blocks_of, partition, \
+    stage_ranges
+from src.strategies.stages import unit_order
+
+BALANCE = ("dp", "even")
+PLACEMENT = ("separate", "naive")
+RECOMPUTE = ("none", "selective", "full")
+TOWER_KEYS = ("tp", "pp", "dp")
+
+
+@dataclass(frozen=True)
+class DistMMOptions:
+    balance: str = "dp"
+    placement: str = "separate"
+    pipeline: str = "distmm_pipe"
+    use_all_devices: bool = True
+    recompute: str | None = None
+    zero_stage: int | None = None
+    vision: Mapping[str, Any] | None = field(default=None)
+    text: Mapping[str, Any] | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        for key, allowed in (("balance", BALANCE), ("placement", PLACEMENT), ("pipeline", SYNC_SCHEDULES)):
+            if getattr(self, key) not in allowed:
+                raise ConfigError(f"strategy.{key}={getattr(self, key)!r}; choose one of {list(allowed)}")
+        if not isinstance(self.use_all_devices, bool):
+            raise ConfigError(f"strategy.use_all_devices={self.use_all_devices!r} must be true or false")
+        if self.recompute is not None and self.recompute not in RECOMPUTE:
+            raise ConfigError(f"strategy.recompute={self.recompute!r}; choose one of {list(RECOMPUTE)} or null")
+        if self.zero_stage not in (None, 0, 1):
+            raise ConfigError(f"strategy.zero_stage={self.zero_stage!r}; DistMM shards the optimizer as the "
+                              f"baseline does: 0 or 1 (null = 1 only where 0 does not fit)")
+
+    def fixed(self, tower: str) -> dict[str, int | None]:
+        """A tower's hand-set degrees (None = planned)."""
+        given = dict(getattr(self, tower, None) or {})
+        unknown = sorted(set(given) - set(TOWER_KEYS))
+        if unknown:
+            raise ConfigError(f"strategy.{tower} has unknown key(s) {unknown}; valid: {list(TOWER_KEYS)}")
+        for key, value in given.items():
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise ConfigError(f"strategy.{tower}.{key} must be a positive integer or null, got {value!r}")
+        return {key: given.get(key) for key in TOWER_KEYS}
+
+    def settings(self) -> tuple[tuple[str, int], ...]:
+        return tuple((r, z) for r, z in SETTINGS if self.recompute in (None, r) and self.zero_stage in (None, z))
+
+
+def _towers(model: ModelSpec, opts: DistMMOptions) -> list[str]:
+    if model.interaction is None:
+        raise PlanError(f"distmm plans towers around a contrastive interaction; model {model.name} has none")
+    towers = [name for name in unit_order(model) if name != model.interaction]
+    for name in ("vision", "text"):
+        if getattr(opts, name) and name not in towers:
+            raise ConfigError(f"strategy.{name} is set but model {model.name} has no tower {name!r}: {towers}")
+    return towers
+
+
+def _degrees(request: PlanRequest, tower: str, fixed: dict[str, int | None]) -> Degrees:
+    unit = request.model.unit(tower)
+    node = request.cluster.devices_per_node
+    tp, pp = fixed["tp"], fixed["pp"]
+    if tp is not None and (unit.heads % tp or tp > node):
+        raise ConfigError(f"strategy.{tower}.tp={tp} must divide the {unit.heads} heads of {tower} and stay inside "
+                          f"a node of {node} devices")
+    if pp is not None and pp > blocks_of(unit):
+        raise ConfigError(f"strategy.{tower}.pp={pp} exceeds the {blocks_of(unit)} blocks of {tower}")
+    return partition(unit, request.cluster, request.train.precision, tp, pp)
+
+
+def _choices(request: PlanRequest, costs: TowerCosts, tower: str, degrees: Degrees, dp: int | None,
+             groups: int, schedule: str, settings: tuple[tuple[str, int], ...]
+             ) -> tuple[list[Choice[TowerPlan]], list[str]]:
+    """Every device count of the tower whose replicas divide the batch and fit memory."""
+    batch, devices = request.train.global_batch, request.cluster.devices
+    choices, skipped = [], []
+    for n in range(degrees.devices, devices + 1, degrees.devices):
+        replicas = n // degrees.devices
+        if dp is not None and replicas != dp:
+            continue
+        if batch % replicas or (batch // replicas) % groups:
+            skipped.append(f"{replicas} replicas do not divide {groups} batch-sync group(s) of the batch {batch}")
+            continue
+        best = costs.best(tower, degrees, replicas, batch // replicas, groups, schedule, settings)
+        if best is None:
+            skipped.append(_short(request, costs, tower, degrees, replicas, batch // replicas, groups, schedule))
+            continue
+        choices.append(Choice(n, best[1], best[0]))
+    return choices, skipped
+
+
+def _short(request: PlanRequest, costs: TowerCosts, tower: str, degrees: Degrees, replicas: int, batch: int,
+           groups: int, schedule: str) -> str:
+    """Why a tower size does not fit: its memory with the most saving settings."""
+    stages = stage_ranges(request.model.unit(tower), degrees.pp)
+    share = batch // groups
+    plan = TowerPlan(tower, degrees.tp, degrees.pp, replicas, batch, groups, share if degrees.pp > 1 else 1,
+                     "full", 1, stages, schedule)
+    need, usable = costs.memory(plan), request.cluster.usable_memory_bytes
+    return (f"tower {tower} at tp={degrees.tp} pp={degrees.pp} with {replicas} replicas of {batch} samples needs "
+            f"{need / GIB:.1f} GiB per device even with full recompute and ZeRO-1; {usable / GIB:.1f} GiB usable, "
+            f"short by {(need - usable) / GIB:.1f} GiB")
+
+
+def _even(choices: list[Choice[TowerPlan]], share: int) -> Choice[TowerPlan] | None:
+    """Without load balancing: the largest feasible size within an equal device share."""
+    within = [c for c in choices if c.devices <= share]
+    return max(within, key=lambda c: c.devices) if within else None
+
+
+def _separate(request: PlanRequest, opts: DistMMOptions, towers: list[str], groups: int) -> tuple[list[TowerPlan],
+                                                                                                   dict[str, float]]:
+    costs = TowerCosts(request.model, request.cluster, request.train.precision, request.train.contrastive_batch)
+    linked = {name for cross in cross_inputs(request.model, towers) for name in (cross.producer, cross.consumer)}
+    per_tower = []
+    for tower in towers:
+        fixed = opts.fixed(tower)
+        # DistMM-Pipe runs a tower's next group ahead of its backwards; a tower that feeds
+        # another tower's layers (CoCa's image tokens) would then wait on itself through the
+        # consumer: towers linked that way run GPipe with batch-sync.
+        schedule = "gpipe_sync" if tower in linked else opts.pipeline
+        choices, skipped = _choices(request, costs, tower, _degrees(request, tower, fixed), fixed["dp"], groups,
+                                    schedule, opts.settings())
+        if not choices:
+            why = skipped[-1] if skipped else "no replica count is possible"
+            raise PlanError(f"distmm: no size of tower {tower} fits on {request.cluster.devices} devices: {why}")
+        per_tower.append(choices)
+    if opts.balance == "dp":
+        picked = balance(per_tower, request.cluster.devices, exact=opts.use_all_devices)
+    else:
+        share = request.cluster.devices // len(towers)
+        even = [_even(c, share) for c in per_tower]
+        picked = None if any(c is None for c in even) else even
+    if picked is None:
+        smallest = " + ".join(f"{t} {min(c.devices for c in cs)}" for t, cs in zip(towers, per_tower))
+        whole = " exactly" if opts.use_all_devices and opts.balance == "dp" else ""
+        raise PlanError(f"distmm: no sizes of the towers (at least {smallest} devices) fill{whole} the "
+                        f"{request.cluster.devices} devices of {request.cluster.name} with replica counts dividing "
+                        f"the batch {request.train.global_batch} ({opts.balance} balance)")
+    return [c.payload for c in picked], {t: c.time for t, c in zip(towers, picked)}
+
+
+def _colocated(request: PlanRequest, opts: DistMMOptions, towers: list[str], groups: int) -> tuple[list[TowerPlan],
+                                                                                                   Program]:
+    """Every tower on every device: replicas = devices / tp; the first settings that fit."""
+    devices, batch = request.cluster.devices, request.train.global_batch
+    degrees = {}
+    for tower in towers:
+        fixed = opts.fixed(tower)
+        degrees[tower] = _degrees(request, tower, fixed)
+        if degrees[tower].pp > 1:
+            raise PlanError(f"distmm: placement=naive colocates the towers on every device without a pipeline, but "
+                            f"tower {tower} needs pp={degrees[tower].pp}; use placement=separate")
+        replicas = devices // degrees[tower].tp
+        if batch % replicas or (batch // replicas) % groups:
+            raise ConfigError(f"global batch {batch} is not divisible by {tower}'s {replicas} replicas x {groups} "
+                              f"batch-sync group(s)")
+    last = ""
+    for recompute, zero in opts.settings():
+        plans = [TowerPlan(t, degrees[t].tp, 1, devices // degrees[t].tp, batch // (devices // degrees[t].tp),
+                           groups, 1, recompute, zero, ((0, request.model.unit(t).num_layers),)) for t in towers]
+        program = colocated_program(request.model, request.cluster, request.train.precision,
+                                    request.train.contrastive_batch, plans)
+        need = _peak_memory(request, program, plans, colocated=True)
+        if need <= request.cluster.usable_memory_bytes:
+            return plans, program
+        last = (f"needs {need / GIB:.1f} GiB per device with recompute={recompute} zero_stage={zero}, "
+                f"{request.cluster.usable_memory_bytes / GIB:.1f} GiB usable")
+    raise PlanError(f"distmm: placement=naive does not fit: every device holds all towers and {last}")
+
+
+def _peak_memory(request: PlanRequest, program: Program, plans: list[TowerPlan], colocated: bool) -> float:
+    units = {u.unit: u for u in _unit_plans(request, plans, colocated)}
+    return max(rank_memory(rp, units, request.model, request.train.precision)["total"] for rp in program.classes)
+
+
+def _unit_plans(request: PlanRequest, plans: list[TowerPlan], colocated: bool) -> list[UnitPlan]:
+    return unit_plans(request.model, request.cluster, request.train.contrastive_batch, place(plans), colocated)
+
+
+def plan_distmm(request: PlanRequest) -> Plan:
+    opts = options_from(DistMMOptions, request.options)
+    towers = _towers(request.model, opts)
+    batch, rbs = request.train.global_batch, request.train.contrastive_batch
+    if batch % rbs:
+        raise ConfigError(f"global batch {batch} is not a multiple of the contrastive batch {rbs}: DistMM runs "
+                          f"batch/contrastive batch-syncs of {rbs} samples each")
+    groups = batch // rbs
+    estimates: dict[str, float] = {}
+    colocated = opts.placement == "naive"
+    if colocated:
+        plans, program = _colocated(request, opts, towers, groups)
+    else:
+        plans, estimates = _separate(request, opts, towers, groups)
+        program = separate_program(request.model, request.cluster, request.train.precision, rbs, place(plans))
+    units = _unit_plans(request, plans, colocated)
+    for unit in units:
+        if unit.unit in estimates:
+            unit.details["balancer_time_s"] = round(estimates[unit.unit], 6)
+    by_name = {u.unit: u for u in units}
+    memory = {rp.label: rank_memory(rp, by_name, request.model, request.train.precision)["total"]
+              for rp in program.classes}
+    worst = max(memory, key=memory.get)
+    if memory[worst] > request.cluster.usable_memory_bytes:
+        raise PlanError(f"distmm: {worst} needs {memory[worst] / GIB:.1f} GiB but a {request.cluster.device} has "
+                        f"{request.cluster.usable_memory_bytes / GIB:.1f} GiB usable (the balancer's estimate "
+                        f"disagrees with the Program)")
+    used = sum(p.devices for p in plans) if not colocated else request.cluster.devices
+    return Plan(strategy="distmm", devices=request.cluster.devices, units=units, program=program,
+                details={"balance": opts.balance if not colocated else "none (colocated)",
+                         "placement": opts.placement, "pipeline": opts.pipeline, "batch_sync_groups": groups,
+                         "contrastive_batch": rbs, "idle_devices": request.cluster.devices - used,
+                         "memory_gib": {k: round(v / GIB, 3) for k, v in memory.items()}})
