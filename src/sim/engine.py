@@ -2,14 +2,18 @@
 
 Every rank class runs its instruction list in issue order; each stream executes its
 instructions in order; a communication instruction on a side stream starts once the data
-it carries is ready on the compute stream. Cross-rank events are a collective (it starts
-when every participating class has issued it and its stream is free) and a message (an
-eager send; the receive completes when it has arrived). Classes run until they block on
-such an event and are woken when it happens, so each instruction is processed once.
+it carries is ready on the compute stream and the stream's previous operation is done.
+Cross-rank events are a collective (it starts when every participating class has issued
+it and is ready) and a message (an eager send; the receive completes when it has
+arrived). A class runs until an instruction needs an event that has not happened (a
+blocking operation, a Wait, a message not yet sent) and is woken when it happens;
+asynchronous operations queue on their stream without stopping the class, so each
+instruction is processed once.
 
-Why the compute stream waits is recorded as it happens: the part of a wait during which
-the awaited transfer was moving data is exposed communication of its kind; the part spent
-waiting for a peer to issue it (or for a sender to produce the data) is a bubble.
+Why the compute stream waits is recorded as it happens: while the awaited transfer moves
+data the wait is exposed communication of its kind; while it waits for a peer to issue it
+(or a sender to produce the data) it is a bubble; while it waits behind an earlier
+operation on the same stream, the wait is charged to that operation, and so on back.
 """
 from __future__ import annotations
 
@@ -32,23 +36,31 @@ class SimulationError(RuntimeError):
     """A Program that cannot run: a deadlock, a receive with no send, a bad group."""
 
 
-@dataclass
+@dataclass(eq=False)
 class _Op:
-    """A communication operation as seen by one rank class."""
+    """A communication operation as one rank class sees it.
+
+    ready: when this class could have started it (its data and its stream were ready);
+    start, end: when it really ran (a collective starts when all participants are ready;
+    a receive's transfer is the sender's); prev: the operation before it on its stream.
+    """
 
     kind: str
+    stream: str
+    ready: float | None = None
     start: float = 0.0
     end: float = 0.0
     resolved: bool = False
-    peer_delayed: bool = False
+    prev: "_Op | None" = None
+    next: "_Op | None" = field(default=None, repr=False)
+    compute_ready: float = 0.0
 
 
 @dataclass
 class _Arrival:
-    """One collective instance: which classes have issued it, and when each was ready."""
+    """One collective instance: the classes that issued it, and their operations."""
 
     instruction: Collective
-    ready: dict[int, float] = field(default_factory=dict)
     ops: dict[int, _Op] = field(default_factory=dict)
 
 
@@ -59,7 +71,8 @@ class _ClassState:
     instructions: list[Instruction]
     ip: int = 0
     free: dict[str, float] = field(default_factory=lambda: {COMPUTE_STREAM: 0.0})
-    pending: dict[str, _Op] = field(default_factory=dict)
+    tail: dict[str, _Op] = field(default_factory=dict)
+    blocker: _Op | None = None
     handles: dict[str, _Op] = field(default_factory=dict)
     collective_seq: dict[str, int] = field(default_factory=dict)
     segments: list[tuple[float, float, str]] = field(default_factory=list)
@@ -70,6 +83,9 @@ class _ClassState:
 
     def stream_free(self, stream: str) -> float:
         return self.free.get(stream, 0.0)
+
+    def last_on(self, stream: str) -> _Op | None:
+        return self.tail.get(stream)
 
 
 def _expand(instructions: list[Instruction]) -> list[Instruction]:
@@ -101,7 +117,10 @@ class Simulator:
                 self.class_of_rank[rank] = state.index
         self.participants: dict[str, tuple[int, ...]] = {}
         self.arrivals: dict[tuple[str, int], _Arrival] = {}
-        self.messages: dict[str, _Op] = {}
+        self.arrival_of: dict[int, tuple[str, int]] = {}
+        self.messages: dict[str, tuple[_Op, Send]] = {}
+        self.received: set[str] = set()
+        self.posted_recvs: dict[str, tuple[int, _Op, Recv]] = {}
         self.waiting_for_message: dict[str, list[int]] = {}
         self.waiting_for_op: dict[int, list[int]] = {}
         self.ready: deque[int] = deque()
@@ -122,11 +141,27 @@ class Simulator:
                     break
                 state.ip += 1
                 self.events += 1
+            if state.ip == len(state.instructions) and state.blocker is not None:
+                self._flush_blocker(state)
+        self._check_finished()
+        return self._timeline()
+
+    def _check_finished(self) -> None:
         stuck = [s for s in self.states if s.ip < len(s.instructions)]
         if stuck:
             details = "; ".join(f"{s.program.label or s.index} at #{s.ip} {s.instructions[s.ip]!r}" for s in stuck[:4])
             raise SimulationError(f"deadlock: {len(stuck)} rank classes cannot proceed: {details}")
-        return self._timeline()
+        if self.arrivals:
+            (group, seq), arrival = next(iter(self.arrivals.items()))
+            missing = sorted(set(self._participants(group)) - set(arrival.ops))
+            labels = [self.states[i].program.label or str(i) for i in missing]
+            raise SimulationError(f"{len(self.arrivals)} collectives never completed: {arrival.instruction.op} "
+                                  f"#{seq} on group {group} was never issued by {labels}")
+        if self.posted_recvs:
+            raise SimulationError(f"receives with no matching send: {sorted(self.posted_recvs)[:4]}")
+        unreceived = sorted(set(self.messages) - self.received)
+        if unreceived:
+            raise SimulationError(f"{len(unreceived)} messages sent but never received: {unreceived[:4]}")
 
     def _wake(self, index: int) -> None:
         state = self.states[index]
@@ -134,9 +169,25 @@ class Simulator:
             state.queued = True
             self.ready.append(index)
 
+    def _wait_on(self, op: _Op, state: _ClassState) -> bool:
+        self.waiting_for_op.setdefault(id(op), []).append(state.index)
+        return False
+
     # ---- one instruction ----------------------------------------------------------------
+    def _flush_blocker(self, state: _ClassState) -> bool:
+        """The compute stream waits for the blocking operation it issued last; False if
+        that operation has not happened yet."""
+        blocker = state.blocker
+        if not blocker.resolved:
+            return self._wait_on(blocker, state)
+        state.blocker = None
+        self._record_wait(state, state.stream_free(COMPUTE_STREAM), blocker)
+        return True
+
     def _step(self, state: _ClassState, instruction: Instruction) -> bool:
         """Execute one instruction; False if it must wait for another class."""
+        if state.blocker is not None and not self._flush_blocker(state):
+            return False
         if isinstance(instruction, Compute):
             return self._compute(state, instruction)
         if isinstance(instruction, Collective):
@@ -149,17 +200,7 @@ class Simulator:
             return self._wait(state, instruction)
         raise SimulationError(f"unknown instruction {instruction!r}")
 
-    def _blocked_on_streams(self, state: _ClassState, *streams: str) -> bool:
-        for stream in streams:
-            op = state.pending.get(stream)
-            if op is not None:
-                self.waiting_for_op.setdefault(id(op), []).append(state.index)
-                return True
-        return False
-
     def _compute(self, state: _ClassState, instruction: Compute) -> bool:
-        if self._blocked_on_streams(state, COMPUTE_STREAM):
-            return False
         work = instruction.work
         start = state.stream_free(COMPUTE_STREAM)
         end = start + self.compute.work_time(work, self.model)
@@ -173,28 +214,45 @@ class Simulator:
             state.last_forward = end
         return True
 
+    def _issue(self, state: _ClassState, kind: str, stream: str) -> _Op:
+        """A new operation on `stream`, queued behind the stream's previous operation."""
+        compute_ready = state.stream_free(COMPUTE_STREAM)
+        op = _Op(kind=kind, stream=stream, compute_ready=compute_ready)
+        if stream != COMPUTE_STREAM:
+            op.prev = state.last_on(stream)
+            if op.prev is not None:
+                op.prev.next = op
+            if op.prev is None or op.prev.resolved:
+                op.ready = max(compute_ready, state.stream_free(stream))
+        else:
+            op.ready = compute_ready
+        state.tail[stream] = op
+        return op
+
     def _collective(self, state: _ClassState, instruction: Collective) -> bool:
-        stream = instruction.stream
-        if self._blocked_on_streams(state, stream, COMPUTE_STREAM):
-            return False
         group = self.program.groups.get(instruction.group)
         if group is None:
             raise SimulationError(f"collective on unknown group {instruction.group!r}")
         seq = state.collective_seq.get(group.name, 0)
         state.collective_seq[group.name] = seq + 1
-        arrival = self.arrivals.setdefault((group.name, seq), _Arrival(instruction))
-        ready = max(state.stream_free(stream), state.stream_free(COMPUTE_STREAM))
-        op = _Op(kind=instruction.kind)
-        arrival.ready[state.index] = ready
+        key = (group.name, seq)
+        arrival = self.arrivals.get(key)
+        if arrival is None:
+            arrival = self.arrivals[key] = _Arrival(instruction)
+        elif (arrival.instruction.op, arrival.instruction.bytes, arrival.instruction.count) != \
+                (instruction.op, instruction.bytes, instruction.count):
+            first = arrival.instruction
+            raise SimulationError(f"collective #{seq} on group {group.name} does not match across ranks: "
+                                  f"{first.op} of {first.bytes:g} B x{first.count} vs {instruction.op} of "
+                                  f"{instruction.bytes:g} B x{instruction.count} ({state.program.label})")
+        op = self._issue(state, instruction.kind, instruction.stream)
         arrival.ops[state.index] = op
+        self.arrival_of[id(op)] = key
         if instruction.handle:
             state.handles[instruction.handle] = op
-        state.pending[stream] = op
-        if instruction.blocking:
-            state.pending[COMPUTE_STREAM] = op
-        if len(arrival.ready) == len(self._participants(group.name)):
-            self._resolve_collective(group.name, arrival)
-            del self.arrivals[(group.name, seq)]
+        if instruction.blocking or instruction.stream == COMPUTE_STREAM:
+            state.blocker = op
+        self._try_resolve(key)
         return True
 
     def _participants(self, group_name: str) -> tuple[int, ...]:
@@ -208,101 +266,144 @@ class Simulator:
             self.participants[group_name] = cached
         return cached
 
-    def _resolve_collective(self, group_name: str, arrival: _Arrival) -> None:
+    def _try_resolve(self, key: tuple[str, int]) -> None:
+        """Resolve a collective once every participant issued it and is ready."""
+        arrival = self.arrivals.get(key)
+        if arrival is None or len(arrival.ops) < len(self._participants(key[0])):
+            return
+        for op in arrival.ops.values():
+            if op.ready is None:
+                if not op.prev.resolved:
+                    return
+                op.ready = max(op.compute_ready, op.prev.end)
+        del self.arrivals[key]
+        for op in arrival.ops.values():
+            del self.arrival_of[id(op)]
         instruction = arrival.instruction
-        group = self.program.groups[group_name]
-        start = max(arrival.ready.values())
-        key = (instruction.op, group_name, instruction.bytes)
-        one = self.collective_cost.get(key)
+        group = self.program.groups[key[0]]
+        cost_key = (instruction.op, group.name, instruction.bytes)
+        one = self.collective_cost.get(cost_key)
         if one is None:
-            one = self.collective_cost[key] = self.comm.collective_time(instruction.op, group.ranks,
-                                                                        instruction.bytes, group.sharing)
-        duration = instruction.count * one
-        end = start + duration
+            one = self.collective_cost[cost_key] = self.comm.collective_time(instruction.op, group.ranks,
+                                                                             instruction.bytes, group.sharing)
+        start = max(op.ready for op in arrival.ops.values())
+        end = start + instruction.count * one
         for index, op in arrival.ops.items():
             state = self.states[index]
             op.start, op.end, op.resolved = start, end, True
-            op.peer_delayed = start > arrival.ready[index] + EPS
-            stream = instruction.stream
-            state.spans.append(Span(stream, start, end, f"{instruction.op} {group_name}", f"comm_{instruction.kind}"))
-            if state.pending.get(COMPUTE_STREAM) is op:
-                # Blocking: the compute stream waits from where it stood when it issued the op.
-                del state.pending[COMPUTE_STREAM]
-                self._record_wait(state, state.stream_free(COMPUTE_STREAM), op)
-            if state.pending.get(stream) is op:
-                del state.pending[stream]
-            state.free[stream] = end
+            self._advance_stream(state, op)
+            state.spans.append(Span(op.stream, start, end, f"{instruction.op} {group.name}", f"comm_{instruction.kind}"))
             self._release(op)
+
+    @staticmethod
+    def _advance_stream(state: _ClassState, op: _Op) -> None:
+        """A side stream is busy until its operation ends. The compute stream is advanced
+        by the wait that blocks on the operation, which also says why it waited."""
+        if op.stream != COMPUTE_STREAM:
+            state.free[op.stream] = max(state.stream_free(op.stream), op.end)
+
+    def _release(self, op: _Op) -> None:
+        for waiter in self.waiting_for_op.pop(id(op), []):
+            self._wake(waiter)
+        # A collective queued behind this operation on its stream may now be ready.
+        queued = op.next
+        if queued is not None and id(queued) in self.arrival_of:
+            self._try_resolve(self.arrival_of[id(queued)])
 
     def _send(self, state: _ClassState, instruction: Send) -> bool:
         stream = instruction.stream
-        if self._blocked_on_streams(state, stream, COMPUTE_STREAM):
-            return False
+        last = state.last_on(stream)
+        if last is not None and not last.resolved:
+            return self._wait_on(last, state)
         if instruction.key in self.messages:
             raise SimulationError(f"message key {instruction.key!r} sent twice")
         src = state.program.ranks[0]
-        start = max(state.stream_free(stream), state.stream_free(COMPUTE_STREAM))
-        key = (src, instruction.dst, instruction.bytes, instruction.sharing)
-        cost = self.p2p_cost.get(key)
+        op = self._issue(state, instruction.kind, stream)
+        cost_key = (src, instruction.dst, instruction.bytes, instruction.sharing)
+        cost = self.p2p_cost.get(cost_key)
         if cost is None:
-            cost = self.p2p_cost[key] = self.comm.p2p_time(src, instruction.dst, instruction.bytes, instruction.sharing)
-        end = start + cost
-        state.free[stream] = end
-        state.spans.append(Span(stream, start, end, f"send {instruction.key}", f"comm_{instruction.kind}"))
-        self.messages[instruction.key] = _Op(instruction.kind, start, end, resolved=True)
+            cost = self.p2p_cost[cost_key] = self.comm.p2p_time(src, instruction.dst, instruction.bytes,
+                                                                instruction.sharing)
+        op.start, op.end, op.resolved = op.ready, op.ready + cost, True
+        state.free[stream] = op.end
+        state.spans.append(Span(stream, op.start, op.end, f"send {instruction.key}", f"comm_{instruction.kind}"))
+        if stream == COMPUTE_STREAM:
+            state.segments.append((op.start, op.end, f"comm_{instruction.kind}"))
+        self.messages[instruction.key] = (op, instruction)
+        posted = self.posted_recvs.pop(instruction.key, None)
+        if posted is not None:
+            index, recv_op, recv = posted
+            self._complete_recv(self.states[index], recv_op, recv, op, instruction)
         for waiter in self.waiting_for_message.pop(instruction.key, []):
             self._wake(waiter)
         return True
 
     def _recv(self, state: _ClassState, instruction: Recv) -> bool:
         stream = instruction.stream
-        needed = (stream, COMPUTE_STREAM) if instruction.blocking else (stream,)
-        if self._blocked_on_streams(state, *needed):
-            return False
+        last = state.last_on(stream)
+        if last is not None and not last.resolved:
+            return self._wait_on(last, state)
         message = self.messages.get(instruction.key)
-        if message is None:
+        if message is None and (instruction.blocking or stream == COMPUTE_STREAM):
             self.waiting_for_message.setdefault(instruction.key, []).append(state.index)
             return False
-        posted = state.stream_free(stream)
-        op = _Op(instruction.kind, start=message.start, end=max(posted, message.end), resolved=True, peer_delayed=True)
-        state.free[stream] = op.end
-        state.spans.append(Span(stream, max(posted, message.start), op.end, f"recv {instruction.key}", f"comm_{instruction.kind}"))
+        op = self._issue(state, instruction.kind, stream)
         if instruction.handle:
             state.handles[instruction.handle] = op
-        if instruction.blocking:
-            self._compute_waits_for(state, op)
+        if message is None:
+            # Posted before its send (an irecv): it completes when the message lands.
+            if instruction.key in self.posted_recvs:
+                raise SimulationError(f"message key {instruction.key!r} received twice")
+            self.posted_recvs[instruction.key] = (state.index, op, instruction)
+            return True
+        self._complete_recv(state, op, instruction, *message)
+        if instruction.blocking or stream == COMPUTE_STREAM:
+            state.blocker = op
         return True
 
+    def _complete_recv(self, state: _ClassState, op: _Op, recv: Recv, sent: _Op, send: Send) -> None:
+        if recv.key in self.received:
+            raise SimulationError(f"message key {recv.key!r} received twice")
+        if recv.bytes != send.bytes:
+            raise SimulationError(f"message {recv.key!r}: sent {send.bytes:g} B but received {recv.bytes:g} B")
+        self.received.add(recv.key)
+        op.start, op.end, op.resolved = sent.start, max(op.ready, sent.end), True
+        self._advance_stream(state, op)
+        state.spans.append(Span(op.stream, max(op.ready, sent.start), op.end, f"recv {recv.key}", f"comm_{recv.kind}"))
+        self._release(op)
+
     def _wait(self, state: _ClassState, instruction: Wait) -> bool:
-        if self._blocked_on_streams(state, COMPUTE_STREAM):
-            return False
         op = state.handles.get(instruction.handle)
         if op is None:
             raise SimulationError(f"wait on unknown handle {instruction.handle!r} in {state.program.label}")
         if not op.resolved:
-            self.waiting_for_op.setdefault(id(op), []).append(state.index)
-            return False
-        self._compute_waits_for(state, op)
+            return self._wait_on(op, state)
+        self._record_wait(state, state.stream_free(COMPUTE_STREAM), op)
         return True
 
-    def _release(self, op: _Op) -> None:
-        for waiter in self.waiting_for_op.pop(id(op), []):
-            self._wake(waiter)
-
     # ---- why the compute stream waited --------------------------------------------------
-    def _compute_waits_for(self, state: _ClassState, op: _Op) -> None:
-        """The compute stream waits until `op` ends (a Wait, or a blocking side-stream op)."""
-        self._record_wait(state, state.stream_free(COMPUTE_STREAM), op)
-
     def _record_wait(self, state: _ClassState, since: float, op: _Op) -> None:
-        if op.end <= since:
-            state.free[COMPUTE_STREAM] = max(state.stream_free(COMPUTE_STREAM), since)
-            return
-        transfer_from = max(since, op.start)
-        if transfer_from > since:
-            state.segments.append((since, transfer_from, PEER_WAIT if op.peer_delayed else f"comm_{op.kind}"))
-        state.segments.append((transfer_from, op.end, f"comm_{op.kind}"))
-        state.free[COMPUTE_STREAM] = op.end
+        """The compute stream, free since `since`, waits until `op` ends. Walk back along
+        the stream's queue: the transfer of each operation is communication of its kind,
+        its wait for peers a bubble, its wait for the previous operation that operation's."""
+        until = op.end
+        current: _Op | None = op
+        while current is not None and until > since + EPS:
+            transfer_from = max(since, current.start)
+            if until > transfer_from:
+                state.segments.append((transfer_from, until, f"comm_{current.kind}"))
+            until = min(until, current.start)
+            if until <= since:
+                break
+            ready = current.ready if current.ready is not None else since
+            peer_from = max(since, ready)
+            if until > peer_from:
+                state.segments.append((peer_from, until, PEER_WAIT))
+            until = min(until, ready)
+            current = current.prev
+        if until > since + EPS:
+            state.segments.append((since, until, f"comm_{op.kind}"))
+        state.free[COMPUTE_STREAM] = max(since, op.end)
 
     # ---- results ------------------------------------------------------------------------
     def _timeline(self) -> Timeline:
