@@ -90,21 +90,30 @@ FLOAT_FIELDS = ("memory_gib", "memory_bandwidth", "intra_bandwidth", "intra_late
                 "intra_efficiency", "inter_efficiency", "kernel_overhead_s", "reserved_memory_gib")
 
 
+def _number(value: Any, key: str, cluster: str) -> float:
+    if value is None:
+        raise ConfigError(f"cluster {cluster} has no {key}: every preset must state it")
+    if isinstance(value, bool):
+        raise ConfigError(f"{key} must be a number, got {value!r} (cluster {cluster})")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key} must be a number, got {value!r} (cluster {cluster})") from None
+
+
 def cluster_from_config(cfg: Mapping[str, Any]) -> ClusterSpec:
     """Build and validate a ClusterSpec from the `cluster` config group."""
     name = cfg.get("name", "?")
     for key in ("nodes", "devices_per_node"):
         value = cfg.get(key)
-        if not isinstance(value, int) or value <= 0:
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ConfigError(f"cluster.{key} must be a positive integer, got {value!r} (cluster {name})")
     for key in FLOAT_FIELDS:
-        value = cfg.get(key)
-        if value is None:
-            raise ConfigError(f"cluster {name} has no {key}: every preset must state it")
-        if float(value) < 0 or (float(value) == 0 and key not in ("intra_latency", "inter_latency",
-                                                                      "kernel_overhead_s", "reserved_memory_gib")):
+        value = _number(cfg.get(key), f"cluster.{key}", name)
+        if value < 0 or (value == 0 and key not in ("intra_latency", "inter_latency", "kernel_overhead_s",
+                                                     "reserved_memory_gib")):
             raise ConfigError(f"cluster.{key} must be positive, got {value} (cluster {name})")
-    peaks = {str(k): float(v) for k, v in dict(cfg.get("peak_flops") or {}).items()}
+    peaks = {str(k): _number(v, f"cluster.peak_flops.{k}", name) for k, v in dict(cfg.get("peak_flops") or {}).items()}
     if not peaks or any(v <= 0 for v in peaks.values()):
         raise ConfigError(f"cluster {name} must list positive peak_flops per precision, got {peaks}")
     devices = cfg.get("devices")

@@ -24,6 +24,7 @@ from src.models.registry import build_model
 from src.models.spec import ModelSpec
 from src.program import Plan
 from src.report import JobInfo, open_sinks
+from src.report.files import SUMMARY_FILE
 from src.sim.engine import SimulationError, simulate
 from src.strategies import PlanRequest, planner_for
 
@@ -62,6 +63,8 @@ def plan_run(setup: Setup) -> Plan:
 
 def execute(config: dict[str, Any], run_dir: Path, job: JobInfo) -> dict[str, Any]:
     run_dir.mkdir(parents=True, exist_ok=True)
+    # A reused run directory must not keep an earlier run's results if this one fails.
+    (run_dir / SUMMARY_FILE).unlink(missing_ok=True)
     (run_dir / "resolved.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     setup = validate(config)
     plan = plan_run(setup)

@@ -102,11 +102,12 @@ def _expand(instructions: list[Instruction]) -> list[Instruction]:
 
 
 class Simulator:
-    def __init__(self, program: Program, model: ModelSpec, cluster: ClusterSpec, precision: str):
+    def __init__(self, program: Program, model: ModelSpec, cluster: ClusterSpec, precision: str,
+                 compute: ComputeModel | None = None):
         self.program = program
         self.model = model
         self.cluster = cluster
-        self.compute = ComputeModel(cluster, precision)
+        self.compute = compute or ComputeModel(cluster, precision)
         self.comm = CommModel(cluster)
         self.states = [_ClassState(i, rp, _expand(rp.instructions)) for i, rp in enumerate(program.classes)]
         self.class_of_rank: dict[int, int] = {}
@@ -445,5 +446,21 @@ class Simulator:
         return "bubble_imbalance"
 
 
-def simulate(program: Program, model: ModelSpec, cluster: ClusterSpec, precision: str) -> Timeline:
-    return Simulator(program, model, cluster, precision).run()
+def simulate(program: Program, model: ModelSpec, cluster: ClusterSpec, precision: str,
+             compute: ComputeModel | None = None) -> Timeline:
+    """Simulate one iteration. Pass a ComputeModel to share its price cache across the
+    many Programs of a planner's search."""
+    return Simulator(program, model, cluster, precision, compute).run()
+
+
+def compute_lower_bound(program: Program, model: ModelSpec, compute: ComputeModel) -> float:
+    """No rank can finish before its compute stream has run all its work: the busiest
+    rank's compute time bounds the iteration time from below."""
+    busiest = 0.0
+    for rank_program in program.classes:
+        total = 0.0
+        for instruction in _expand(rank_program.instructions):
+            if isinstance(instruction, Compute):
+                total += compute.work_time(instruction.work, model)
+        busiest = max(busiest, total)
+    return busiest

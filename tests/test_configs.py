@@ -1,0 +1,230 @@
+"""Every config option composes and validates (lightning-hydra-template style).
+
+With Hydra's compose API, each option of each group (model/*, strategy/*, cluster/*,
+backend/*, logger/*) is composed into the full config and validated by the code the run
+uses: cluster presets through `cluster_from_config`, models through `build_model`,
+(model, cluster) pairs through `train_from_config`, strategies through their planner's
+options. Cluster presets are also read as plain YAML: every field stated (no silent
+default), the numbers positive, the sources given.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import importlib
+import inspect
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from src.cluster import FLOAT_FIELDS, ClusterSpec, cluster_from_config
+from src.config import PRECISIONS, TrainSpec, options_from, train_from_config
+from src.models.registry import MODEL_NAMES, build_model
+from src.models.spec import ModelSpec
+from src.run import validate
+from src.strategies import STRATEGIES, planner_for
+
+CONF = Path(__file__).resolve().parent.parent / "conf"
+GROUPS = ("model", "strategy", "cluster", "backend", "logger")
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+@functools.lru_cache(maxsize=None)
+def _composed(overrides: tuple[str, ...]) -> dict[str, Any]:
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        cfg = compose(config_name="config", overrides=list(overrides))
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def compose_config(*overrides: str) -> dict[str, Any]:
+    """The run's config as a plain dict, resolved, exactly as run.py gets it (a fresh
+    copy of a cached composition: composing is the slow part of these tests)."""
+    return copy.deepcopy(_composed(tuple(overrides)))
+
+
+def strategy_options(name: str) -> type:
+    """The options dataclass of strategy `name`: by convention the one dataclass named
+    `*Options` in the planner's module src/strategies/<name>.py (MegatronOptions, ...)."""
+    module = importlib.import_module(f"src.strategies.{name}")
+    found = [obj for obj in vars(module).values()
+             if inspect.isclass(obj) and dataclasses.is_dataclass(obj) and obj.__name__.endswith("Options")
+             and obj.__module__ == module.__name__]
+    assert len(found) == 1, f"src/strategies/{name}.py should define one *Options dataclass, found {found}"
+    return found[0]
+
+
+ALL_OPTIONS = [(group, name) for group in GROUPS for name in options(group)]
+CLUSTER_SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(ClusterSpec))
+# Stated in every preset though not a ClusterSpec field: the optional size check.
+CLUSTER_EXTRA_FIELDS = ("devices",)
+BANDWIDTHS = ("memory_bandwidth", "intra_bandwidth", "inter_bandwidth")
+
+
+def test_every_group_has_options() -> None:
+    for group in GROUPS:
+        assert options(group), f"conf/{group}/ has no options"
+    # The README's list of groups and their options.
+    assert set(options("model")) >= {"clip", "coca", "lit", "mllm_9b", "mllm_15b", "mllm_72b", "optimus", "gpt",
+                                      "unet"}
+    assert set(options("cluster")) >= {"p3_16xlarge", "a800", "hopper", "perlmutter", "frontier", "dgx_a100",
+                                       "local"}
+    assert set(options("logger")) >= {"wandb", "none"}
+
+
+# --------------------------------------------------------------------------- each option
+
+
+@pytest.mark.parametrize("group,name", ALL_OPTIONS, ids=[f"{g}={n}" for g, n in ALL_OPTIONS])
+def test_option_composes(group: str, name: str) -> None:
+    config = compose_config(f"{group}={name}")
+    for g in GROUPS + ("train", "run"):
+        assert g in config, f"{group}={name}: the composed config lacks {g}"
+    assert config[group]["name"] == name, f"conf/{group}/{name}.yaml has name {config[group].get('name')!r}"
+    # ${model.name}-${strategy.name}-${cluster.name}
+    assert config["run"]["name"] == f"{config['model']['name']}-{config['strategy']['name']}-" \
+                                    f"{config['cluster']['name']}"
+
+
+@pytest.mark.parametrize("name", options("cluster"))
+def test_cluster_preset_builds(name: str) -> None:
+    config = compose_config(f"cluster={name}")
+    cluster = cluster_from_config(config["cluster"])
+    assert isinstance(cluster, ClusterSpec)
+    assert cluster.name == name
+    assert cluster.devices == cluster.nodes * cluster.devices_per_node > 0
+    peak = cluster.peak(cluster.default_precision)
+    assert math.isfinite(peak) and peak > 0
+    assert cluster.default_precision in PRECISIONS
+    assert cluster.sources, f"cluster {name} has no sources entry"
+    assert all(str(v).strip() for v in cluster.sources.values()), cluster.sources
+    assert cluster.usable_memory_bytes > 0
+
+
+@pytest.mark.parametrize("name", options("model"))
+def test_model_builds(name: str) -> None:
+    config = compose_config(f"model={name}")
+    assert name in MODEL_NAMES
+    model = build_model(config["model"], config["train"]["seq_len"])
+    assert isinstance(model, ModelSpec)
+    assert model.name == name
+    assert model.units, f"model {name} has no units"
+    assert model.params > 0
+
+
+@pytest.mark.parametrize("name", options("strategy"))
+def test_strategy_options_validate(name: str) -> None:
+    config = compose_config(f"strategy={name}")
+    assert name in STRATEGIES
+    assert callable(planner_for(name))
+    # Every key of the yaml is an option the planner reads (unknown keys are errors), and
+    # the defaults pass the options' own validation.
+    options_from(strategy_options(name), config["strategy"])
+
+
+@pytest.mark.parametrize("name", options("backend"))
+def test_backend_is_available(name: str) -> None:
+    config = compose_config(f"backend={name}")
+    assert config["backend"]["name"] == name
+    # The run's own door check (src/run.py validate): an unknown backend is a ConfigError.
+    setup = validate(config)
+    assert setup.config["backend"]["name"] == name
+
+
+@pytest.mark.parametrize("name", options("logger"))
+def test_logger_option(name: str) -> None:
+    config = compose_config(f"logger={name}")
+    assert config["logger"]["name"] in ("wandb", "none")
+    if name == "wandb":
+        # Offline unless asked: a run must never need a network or a login.
+        assert config["logger"]["mode"] == "offline"
+
+
+def test_default_config_is_clip_megatron_on_p3() -> None:
+    config = compose_config()
+    assert (config["model"]["name"], config["strategy"]["name"], config["cluster"]["name"],
+            config["backend"]["name"]) == ("clip", "megatron", "p3_16xlarge", "sim")
+
+
+# --------------------------------------------------------------------------- (model, cluster) pairs
+
+PAIRS = [(m, c) for m in options("model") for c in options("cluster")]
+
+
+def pair_config(model: str, cluster: str) -> dict[str, Any]:
+    """The config of `model=<model> cluster=<cluster>`: groups compose independently, so
+    the model's composition with the cluster's group swapped in (composing all pairs costs
+    0.2 s each; test_pair_config_equals_composition checks the shortcut)."""
+    config = compose_config(f"model={model}")
+    config["cluster"] = compose_config(f"cluster={cluster}")["cluster"]
+    config["run"]["name"] = f"{config['model']['name']}-{config['strategy']['name']}-{config['cluster']['name']}"
+    return config
+
+
+@pytest.mark.parametrize("model,cluster", [("gpt", "perlmutter"), ("mllm_72b", "hopper"), ("clip", "local")])
+def test_pair_config_equals_composition(model: str, cluster: str) -> None:
+    assert pair_config(model, cluster) == compose_config(f"model={model}", f"cluster={cluster}")
+
+
+@pytest.mark.parametrize("model,cluster", PAIRS, ids=[f"{m}-{c}" for m, c in PAIRS])
+def test_train_spec_builds_for_every_model_and_cluster(model: str, cluster: str) -> None:
+    config = pair_config(model, cluster)
+    spec = cluster_from_config(config["cluster"])
+    train = train_from_config(config["train"], spec)
+    assert isinstance(train, TrainSpec)
+    assert train.precision == spec.default_precision  # precision: auto
+    assert train.global_batch > 0 and train.steps > 0
+    assert 0 < train.contrastive_batch <= train.global_batch
+    build_model(config["model"], train.seq_len)
+
+
+# --------------------------------------------------------------------------- cluster yaml files
+
+
+def _raw_cluster(name: str) -> dict[str, Any]:
+    # Read as Hydra reads it: OmegaConf's YAML loader takes `15.7e12` as a float, where
+    # PyYAML's YAML 1.1 resolver would leave it a string.
+    return OmegaConf.to_container(OmegaConf.load(CONF / "cluster" / f"{name}.yaml"))
+
+
+@pytest.mark.parametrize("name", options("cluster"))
+def test_cluster_yaml_states_every_field(name: str) -> None:
+    raw = _raw_cluster(name)
+    missing = [f for f in CLUSTER_SPEC_FIELDS + CLUSTER_EXTRA_FIELDS if f not in raw]
+    assert not missing, f"conf/cluster/{name}.yaml does not state {missing}"
+    unknown = sorted(set(raw) - set(CLUSTER_SPEC_FIELDS) - set(CLUSTER_EXTRA_FIELDS))
+    assert not unknown, f"conf/cluster/{name}.yaml has keys nothing reads (typo?): {unknown}"
+    nulls = [f for f in CLUSTER_SPEC_FIELDS if raw[f] is None]
+    assert not nulls, f"conf/cluster/{name}.yaml leaves {nulls} null"
+    assert raw["name"] == name
+    assert isinstance(raw["device"], str) and raw["device"].strip()
+    assert isinstance(raw["sources"], dict) and raw["sources"]
+
+
+@pytest.mark.parametrize("name", options("cluster"))
+def test_cluster_yaml_numbers_are_positive(name: str) -> None:
+    raw = _raw_cluster(name)
+    for key in ("nodes", "devices_per_node"):
+        assert isinstance(raw[key], int) and not isinstance(raw[key], bool) and raw[key] > 0, (key, raw[key])
+    peaks = raw["peak_flops"]
+    assert isinstance(peaks, dict) and peaks
+    for precision, value in peaks.items():
+        assert isinstance(value, (int, float)) and value > 0, (precision, value)
+    assert raw["default_precision"] in peaks
+    for key in BANDWIDTHS:
+        assert isinstance(raw[key], (int, float)) and raw[key] > 0, (key, raw[key])
+    for key in FLOAT_FIELDS:
+        assert isinstance(raw[key], (int, float)) and not isinstance(raw[key], bool), (key, raw[key])
+        assert raw[key] >= 0, (key, raw[key])
+    for key in ("gemm_max_efficiency", "memory_efficiency", "intra_efficiency", "inter_efficiency"):
+        assert 0 < raw[key] <= 1, (key, raw[key])
+    assert 0 <= raw["reserved_memory_gib"] < raw["memory_gib"]
+    if raw["devices"] is not None:
+        assert raw["devices"] == raw["nodes"] * raw["devices_per_node"]
