@@ -54,13 +54,10 @@ def pipeline_program(model: ModelSpec, cluster: ClusterSpec, global_batch: int, 
     batch_per_replica = global_batch // deg.dp
     microbatches = batch_per_replica // deg.micro_batch
     orders = build_schedule(cfg.schedule, pp, microbatches, vpp)
-    act_bytes = _act_bytes(precision)
     program = Program(world_size=grid.size, classes=[])
     pairs = grid.pp_pairs()
     p2p_sharing = family_sharing(cluster, pairs) if pairs else 1
     tp_family, dp_family = grid.tp_family(), grid.dp_family()
-    needs_bwd = [any(model.needs_backward(seg.unit) for seg in segs) for segs in virtual]
-
     for stage in range(pp):
         tp_name = f"tp.s{stage}" if deg.tp > 1 else None
         dp_name = f"dp.s{stage}" if deg.dp > 1 else None
@@ -68,29 +65,8 @@ def pipeline_program(model: ModelSpec, cluster: ClusterSpec, global_batch: int, 
             program.add_group(make_group(cluster, tp_name, grid.tp_group(0, stage), tp_family))
         if dp_name:
             program.add_group(make_group(cluster, dp_name, grid.dp_group(0, stage), dp_family))
-        tpc = TPConfig(deg.tp, tp_name, cfg.sequence_parallel, cfg.recompute, act_bytes)
-        me = grid.rank(0, 0, stage)
-        prev_rank = grid.rank(0, 0, (stage - 1) % pp)
-        next_rank = grid.rank(0, 0, (stage + 1) % pp)
-        order = orders[stage]
-        last_b = {op.chunk: i for i, op in enumerate(order) if op.kind == "B"}
-        instructions: list[Instruction] = []
-        pending: list[str] = []
-        for index, op in enumerate(order):
-            v = op.chunk * pp + stage
-            if op.kind == "F":
-                instructions += _forward(model, virtual, v, op, deg, tpc, act_bytes, prev_rank, next_rank, p2p_sharing)
-            elif needs_bwd[v]:
-                overlap = (cfg.overlap_grad_reduce and dp_name is not None and index == last_b[op.chunk])
-                instructions += _backward(model, virtual, v, op, deg, tpc, act_bytes, prev_rank, next_rank,
-                                          p2p_sharing, needs_bwd, dp_name if overlap else None,
-                                          cfg.zero_stage, grad_bytes(precision), pending)
-        own = [seg for c in range(vpp) for seg in virtual[c * pp + stage]]
-        instructions += iteration_tail(model, own, deg.tp, dp_name, deg.dp, cfg.zero_stage, grad_bytes(precision),
-                                       act_bytes, pending)
-        units = tuple(dict.fromkeys(seg.unit for seg in own))
-        program.classes.append(RankProgram(ranks=grid.stage_ranks(stage), instructions=instructions,
-                                           label=f"stage {stage}", units=units, pipelined=pp > 1))
+        emitter = _StageEmitter(model, virtual, deg, cfg, precision, stage, grid, tp_name, dp_name, p2p_sharing)
+        program.classes.append(emitter.rank_program(orders[stage]))
 
     unit_plans = []
     for name in unit_order(model):
@@ -105,55 +81,86 @@ def pipeline_program(model: ModelSpec, cluster: ClusterSpec, global_batch: int, 
     return program, unit_plans, virtual
 
 
-def _forward(model, virtual, v, op: PipeOp, deg: Degrees, tpc: TPConfig, act_bytes, prev_rank, next_rank,
-             sharing) -> list[Instruction]:
-    out: list[Instruction] = []
-    mb = deg.micro_batch
-    if v > 0:
-        last = virtual[v - 1][-1]
-        elems = boundary_elems(model.unit(last.unit), last.layers[1])
-        out.append(Recv(prev_rank, f"act.v{v}.mb{op.microbatch}", elems * mb * act_bytes, "pp"))
-    for segment in virtual[v]:
-        out += segment_pass(model, segment, "fwd", mb, op.microbatch, tpc, chunk=op.chunk)
-    if v < len(virtual) - 1:
-        last = virtual[v][-1]
-        elems = boundary_elems(model.unit(last.unit), last.layers[1])
-        out.append(Send(next_rank, f"act.v{v + 1}.mb{op.microbatch}", elems * mb * act_bytes, "pp", sharing=sharing))
-    return out
+class _StageEmitter:
+    """Turns one pipeline stage's schedule order into its instruction list: receive,
+    compute with TP collectives, send, per (chunk, micro-batch); then the iteration's end."""
 
+    def __init__(self, model: ModelSpec, virtual: list[list[Segment]], deg: Degrees, cfg: MegatronSettings,
+                 precision: str, stage: int, grid: Grid, tp_group: str | None, dp_group: str | None, sharing: int):
+        self.model, self.virtual, self.deg, self.cfg = model, virtual, deg, cfg
+        self.stage, self.grid, self.dp_group, self.sharing = stage, grid, dp_group, sharing
+        self.act_bytes = _act_bytes(precision)
+        self.grad_bytes = grad_bytes(precision)
+        self.tpc = TPConfig(deg.tp, tp_group, cfg.sequence_parallel, cfg.recompute, self.act_bytes)
+        self.prev_rank = grid.rank(0, 0, (stage - 1) % deg.pp)
+        self.next_rank = grid.rank(0, 0, (stage + 1) % deg.pp)
+        self.needs_bwd = [any(model.needs_backward(seg.unit) for seg in segs) for segs in virtual]
+        self.pending: list[str] = []
 
-def _backward(model, virtual, v, op: PipeOp, deg: Degrees, tpc: TPConfig, act_bytes, prev_rank, next_rank,
-              sharing, needs_bwd, overlap_group, zero_stage, grad_size: int, pending: list[str]) -> list[Instruction]:
-    out: list[Instruction] = []
-    mb = deg.micro_batch
-    if v < len(virtual) - 1 and needs_bwd[v + 1]:
-        last = virtual[v][-1]
-        elems = boundary_elems(model.unit(last.unit), last.layers[1])
-        out.append(Recv(next_rank, f"grad.v{v}.mb{op.microbatch}", elems * mb * act_bytes, "pp"))
-    for segment in reversed(virtual[v]):
-        if not model.needs_backward(segment.unit):
-            continue
-        if overlap_group is None:
-            out += segment_pass(model, segment, "bwd", mb, op.microbatch, tpc, chunk=op.chunk)
-            continue
-        # The last micro-batch's backward finishes each layer's gradient: reduce it at
-        # once on the DP stream while the earlier layers' backward runs (Megatron's
-        # --overlap-grad-reduce, one bucket per layer).
-        unit = model.unit(segment.unit)
-        for layer in reversed(range(*segment.layers)):
-            out += segment_pass(model, Segment(segment.unit, (layer, layer + 1)), "bwd", mb, op.microbatch,
-                                tpc, chunk=op.chunk)
-            params = unit.trainable_params(layer, layer + 1) / deg.tp
-            if params:
-                handle = f"grad.{segment.unit}.{layer}"
-                out.append(Collective("reduce_scatter" if zero_stage >= 1 else "all_reduce", overlap_group,
-                                      params * grad_size, "dp", stream="dp", blocking=False, handle=handle))
-                pending.append(handle)
-    if v > 0 and needs_bwd[v - 1]:
-        first = virtual[v - 1][-1]
-        elems = boundary_elems(model.unit(first.unit), first.layers[1])
-        out.append(Send(prev_rank, f"grad.v{v - 1}.mb{op.microbatch}", elems * mb * act_bytes, "pp", sharing=sharing))
-    return out
+    def rank_program(self, order: list[PipeOp]) -> RankProgram:
+        pp = self.deg.pp
+        last_backward = {op.chunk: i for i, op in enumerate(order) if op.kind == "B"}
+        instructions: list[Instruction] = []
+        for index, op in enumerate(order):
+            v = op.chunk * pp + self.stage
+            if op.kind == "F":
+                instructions += self._forward(v, op)
+            elif self.needs_bwd[v]:
+                final = index == last_backward[op.chunk]
+                overlap = self.cfg.overlap_grad_reduce and self.dp_group is not None and final
+                instructions += self._backward(v, op, overlap)
+        own = [seg for c in range(self.deg.vpp) for seg in self.virtual[c * pp + self.stage]]
+        instructions += iteration_tail(self.model, own, self.deg.tp, self.dp_group, self.deg.dp, self.cfg.zero_stage,
+                                       self.grad_bytes, self.act_bytes, self.pending)
+        return RankProgram(ranks=self.grid.stage_ranks(self.stage), instructions=instructions,
+                           label=f"stage {self.stage}", units=tuple(dict.fromkeys(seg.unit for seg in own)),
+                           pipelined=pp > 1)
+
+    def _boundary_bytes(self, v: int) -> float:
+        """Bytes of one micro-batch leaving virtual stage v."""
+        last = self.virtual[v][-1]
+        return boundary_elems(self.model.unit(last.unit), last.layers[1]) * self.deg.micro_batch * self.act_bytes
+
+    def _forward(self, v: int, op: PipeOp) -> list[Instruction]:
+        out: list[Instruction] = []
+        if v > 0:
+            out.append(Recv(self.prev_rank, f"act.v{v}.mb{op.microbatch}", self._boundary_bytes(v - 1), "pp"))
+        for segment in self.virtual[v]:
+            out += segment_pass(self.model, segment, "fwd", self.deg.micro_batch, op.microbatch, self.tpc, chunk=op.chunk)
+        if v < len(self.virtual) - 1:
+            out.append(Send(self.next_rank, f"act.v{v + 1}.mb{op.microbatch}", self._boundary_bytes(v), "pp",
+                            sharing=self.sharing))
+        return out
+
+    def _backward(self, v: int, op: PipeOp, overlap: bool) -> list[Instruction]:
+        out: list[Instruction] = []
+        mb = self.deg.micro_batch
+        if v < len(self.virtual) - 1 and self.needs_bwd[v + 1]:
+            out.append(Recv(self.next_rank, f"grad.v{v}.mb{op.microbatch}", self._boundary_bytes(v), "pp"))
+        for segment in reversed(self.virtual[v]):
+            if not self.model.needs_backward(segment.unit):
+                continue
+            if not overlap:
+                out += segment_pass(self.model, segment, "bwd", mb, op.microbatch, self.tpc, chunk=op.chunk)
+                continue
+            # The last micro-batch's backward finishes each layer's gradient: reduce it at
+            # once on the DP stream while the earlier layers' backward runs (Megatron's
+            # --overlap-grad-reduce, one bucket per layer).
+            unit = self.model.unit(segment.unit)
+            for layer in reversed(range(*segment.layers)):
+                out += segment_pass(self.model, Segment(segment.unit, (layer, layer + 1)), "bwd", mb, op.microbatch,
+                                    self.tpc, chunk=op.chunk)
+                params = unit.trainable_params(layer, layer + 1) / self.deg.tp
+                if params:
+                    handle = f"grad.{segment.unit}.{layer}"
+                    op_name = "reduce_scatter" if self.cfg.zero_stage >= 1 else "all_reduce"
+                    out.append(Collective(op_name, self.dp_group, params * self.grad_bytes, "dp", stream="dp",
+                                          blocking=False, handle=handle))
+                    self.pending.append(handle)
+        if v > 0 and self.needs_bwd[v - 1]:
+            out.append(Send(self.prev_rank, f"grad.v{v - 1}.mb{op.microbatch}", self._boundary_bytes(v - 1), "pp",
+                            sharing=self.sharing))
+        return out
 
 
 def colocated_program(model: ModelSpec, cluster: ClusterSpec, global_batch: int, precision: str,
