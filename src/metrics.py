@@ -65,6 +65,31 @@ def iteration_flops(model: ModelSpec, plan: Plan, train: TrainSpec) -> tuple[flo
     return model_flops, hardware
 
 
+def unit_model_flops(model: ModelSpec, plan: Plan, train: TrainSpec) -> dict[str, float]:
+    """Model FLOPs of one iteration per unit (the terms iteration_flops adds up)."""
+    out = {}
+    for unit_plan in plan.units:
+        unit = model.unit(unit_plan.unit)
+        contrastive = train.contrastive_batch if unit.name == model.interaction else 1
+        per_sample = unit_flops(model, unit, contrastive)
+        out[unit.name] = unit_plan.dp * unit_plan.batch_per_replica * (per_sample.fwd + per_sample.bwd)
+    return out
+
+
+def unit_utilisation(model: ModelSpec, plan: Plan, timeline: Timeline, train: TrainSpec,
+                     peak: float) -> dict[str, float]:
+    """Per unit, the GPU utilisation while it computes (DistMM §7.2, Figures 8-9): its model
+    FLOPs over peak x the device-seconds its forward, backward and interaction work took
+    (every rank of a class counted; optimizer steps excluded)."""
+    seconds: dict[str, float] = {}
+    for rank_timeline in timeline.ranks:
+        for span in rank_timeline.spans:
+            if span.category == "compute" and span.unit and not span.name.startswith("optimizer"):
+                seconds[span.unit] = seconds.get(span.unit, 0.0) + (span.end - span.start) * len(rank_timeline.ranks)
+    flops = unit_model_flops(model, plan, train)
+    return {unit: flops[unit] / (busy * peak) for unit, busy in seconds.items() if busy > 0 and unit in flops}
+
+
 def attach_memory(timeline: Timeline, plan: Plan, model: ModelSpec, precision: str) -> None:
     """Fill each rank class's memory from the plan (both backends report the estimate;
     the real backend adds what it measured)."""
@@ -99,6 +124,8 @@ def build_summary(names: dict[str, str], plan: Plan, timeline: Timeline, model: 
         "model_params": model.params,
         "breakdown_s": {k: timeline.mean_breakdown()[k] for k in BREAKDOWN_CATEGORIES},
         "breakdown_by_unit_s": timeline.unit_breakdown(),
+        "unit_utilisation": unit_utilisation(model, plan, timeline, train, peak),
+        "comm_share": sum(v for k, v in timeline.mean_breakdown().items() if k.startswith("comm_")) / seconds,
         "peak_memory_gib": worst.peak_memory_bytes / GIB,
         "memory_gib": {"ranks": worst.label, **worst.memory},
         "plan": plan.as_dict(),

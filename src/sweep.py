@@ -11,8 +11,9 @@ Sweep file keys: name, title, source, metric (a summary.json key, dotted for nes
 metric_label, normalize (optional: {by: <series>, invert: bool} reports each series
 relative to that series in the same group; invert gives speed-ups from times),
 base (overrides of every run), series ({name: overrides}), groups (list of {label,
-overrides, paper: {series: value or [low, high]}}), notes (why the settings are what
-they are).
+overrides, paper: {series: value or [low, high]}, paper_extra (optional): {extra metric:
+{series: value}}}), extra_metrics (optional: more summary keys shown per row), notes (why
+the settings are what they are).
 """
 from __future__ import annotations
 
@@ -117,7 +118,9 @@ def run_sweep(spec: SweepSpec, out: Path) -> dict[str, Any]:
         for series in spec.series:
             summary = raw[(group["label"], series)]
             row: dict[str, Any] = {"group": group["label"], "series": series,
-                                   "paper": (group.get("paper") or {}).get(series)}
+                                   "paper": (group.get("paper") or {}).get(series),
+                                   "paper_extra": {key: values[series] for key, values
+                                                   in (group.get("paper_extra") or {}).items() if series in values}}
             if "error" in summary:
                 row.update(value=None, error=summary["error"])
             else:
@@ -156,7 +159,9 @@ def markdown_table(spec: SweepSpec, results: dict[str, Any]) -> str:
             ours = f"{value:.3g}"
             gap = "–" if paper is None else f"{(value - paper) / paper * 100:+.0f}%"
         plan = "; ".join(f"{u}: " + " ".join(f"{k}{v}" for k, v in p.items()) for u, p in row.get("plan", {}).items())
-        extras = [f"{row[k]:.3g}" if isinstance(row.get(k), float) else str(row.get(k, "–")) for k in extra]
+        extras = [(f"{row[k]:.3g}" if isinstance(row.get(k), float) else str(row.get(k, "–")))
+                  + (f" (paper {_paper_text(row['paper_extra'][k])})" if k in row.get("paper_extra", {}) else "")
+                  for k in extra]
         lines.append("| " + " | ".join([row["group"], row["series"], ours, _paper_text(row["paper"]), gap]
                                        + extras + [plan]) + " |")
     if spec.notes:

@@ -25,12 +25,12 @@ from src.costmodel.memory import rank_memory
 from src.errors import ConfigError, PlanError
 from src.models.spec import ModelSpec
 from src.program import Plan, Program, UnitPlan
-from src.schedules.distmm_pipe import SYNC_SCHEDULES
+from src.schedules.distmm_pipe import SYNC_SCHEDULES, max_contrastive_batch
 from src.strategies.base import PlanRequest
 from src.strategies.distmm_balance import Choice, balance
 from src.strategies.distmm_programs import colocated_program, cross_inputs, place, separate_program, unit_plans
-from src.strategies.distmm_towers import SETTINGS, Degrees, TowerCosts, TowerPlan, blocks_of, partition, \
-    stage_ranges
+from src.strategies.distmm_towers import (SETTINGS, Degrees, TowerCosts, TowerPlan, activation_per_sample, blocks_of,
+                                          partition, replica_state_bytes, stage_ranges)
 from src.strategies.stages import unit_order
 
 BALANCE = ("dp", "even")
@@ -45,6 +45,7 @@ class DistMMOptions:
     placement: str = "separate"
     pipeline: str = "distmm_pipe"
     use_all_devices: bool = True
+    microbatches: int | None = None
     recompute: str | None = None
     zero_stage: int | None = None
     vision: Mapping[str, Any] | None = field(default=None)
@@ -54,6 +55,9 @@ class DistMMOptions:
         for key, allowed in (("balance", BALANCE), ("placement", PLACEMENT), ("pipeline", SYNC_SCHEDULES)):
             if getattr(self, key) not in allowed:
                 raise ConfigError(f"strategy.{key}={getattr(self, key)!r}; choose one of {list(allowed)}")
+        if self.microbatches is not None and (isinstance(self.microbatches, bool)
+                                              or not isinstance(self.microbatches, int) or self.microbatches <= 0):
+            raise ConfigError(f"strategy.microbatches must be a positive integer or null, got {self.microbatches!r}")
         if not isinstance(self.use_all_devices, bool):
             raise ConfigError(f"strategy.use_all_devices={self.use_all_devices!r} must be true or false")
         if self.recompute is not None and self.recompute not in RECOMPUTE:
@@ -99,24 +103,41 @@ def _degrees(request: PlanRequest, tower: str, fixed: dict[str, int | None]) -> 
     return partition(unit, request.cluster, request.train.precision, tp, pp)
 
 
-def _choices(request: PlanRequest, costs: TowerCosts, tower: str, degrees: Degrees, dp: int | None,
-             groups: int, schedule: str, settings: tuple[tuple[str, int], ...]
+def _depths(request: PlanRequest, tower: str, degrees: Degrees, fixed: dict[str, int | None]) -> list[Degrees]:
+    """The partitioner's degrees and, for a pipelined tower whose pp is not fixed, the
+    deeper pipelines, shallowest first: a batch-sync group's activations stay resident
+    until its barrier, and more stages hold a larger contrastive batch
+    ((M·P - M_s)/(2·M_a), §5.4)."""
+    if degrees.pp == 1 or fixed["pp"] is not None:
+        return [degrees]
+    deepest = min(blocks_of(request.model.unit(tower)), request.cluster.devices // degrees.tp)
+    return [Degrees(degrees.tp, pp) for pp in range(degrees.pp, deepest + 1)]
+
+
+def _choices(request: PlanRequest, costs: TowerCosts, tower: str, depths: list[Degrees], dp: int | None,
+             groups: int, schedule: str, settings: tuple[tuple[str, int], ...], microbatches: int | None
              ) -> tuple[list[Choice[TowerPlan]], list[str]]:
-    """Every device count of the tower whose replicas divide the batch and fit memory."""
+    """Every device count of the tower whose replicas divide the batch and fit memory, at
+    the partitioner's pipeline depth or, only if no size fits there, the shallowest
+    deeper one at which some size fits."""
     batch, devices = request.train.global_batch, request.cluster.devices
-    choices, skipped = [], []
-    for n in range(degrees.devices, devices + 1, degrees.devices):
-        replicas = n // degrees.devices
-        if dp is not None and replicas != dp:
-            continue
-        if batch % replicas or (batch // replicas) % groups:
-            skipped.append(f"{replicas} replicas do not divide {groups} batch-sync group(s) of the batch {batch}")
-            continue
-        best = costs.best(tower, degrees, replicas, batch // replicas, groups, schedule, settings)
-        if best is None:
-            skipped.append(_short(request, costs, tower, degrees, replicas, batch // replicas, groups, schedule))
-            continue
-        choices.append(Choice(n, best[1], best[0]))
+    choices: list[Choice[TowerPlan]] = []
+    skipped: list[str] = []
+    for degrees in depths:
+        for n in range(degrees.devices, devices + 1, degrees.devices):
+            replicas = n // degrees.devices
+            if dp is not None and replicas != dp:
+                continue
+            if batch % replicas or (batch // replicas) % groups:
+                skipped.append(f"{replicas} replicas do not divide {groups} batch-sync group(s) of the batch {batch}")
+                continue
+            found = costs.best(tower, degrees, replicas, batch // replicas, groups, schedule, settings, microbatches)
+            if found is None:
+                skipped.append(_short(request, costs, tower, degrees, replicas, batch // replicas, groups, schedule))
+            else:
+                choices.append(Choice(n, found[1], found[0]))
+        if choices:
+            break
     return choices, skipped
 
 
@@ -128,9 +149,17 @@ def _short(request: PlanRequest, costs: TowerCosts, tower: str, degrees: Degrees
     plan = TowerPlan(tower, degrees.tp, degrees.pp, replicas, batch, groups, share if degrees.pp > 1 else 1,
                      "full", 1, stages, schedule)
     need, usable = costs.memory(plan), request.cluster.usable_memory_bytes
+    bound = ""
+    if degrees.pp > 1:
+        unit = request.model.unit(tower)
+        whole = (0, unit.num_layers)
+        static = replica_state_bytes(unit, whole, degrees.tp, request.train.precision)
+        samples = max_contrastive_batch(usable, static, activation_per_sample(unit, whole, degrees.tp, "full"),
+                                        degrees.pp)
+        bound = f" (DistMM-Pipe's (M·P - M_s)/(2·M_a) allows about {max(0, int(samples))} samples per group here)"
     return (f"tower {tower} at tp={degrees.tp} pp={degrees.pp} with {replicas} replicas of {batch} samples needs "
             f"{need / GIB:.1f} GiB per device even with full recompute and ZeRO-1; {usable / GIB:.1f} GiB usable, "
-            f"short by {(need - usable) / GIB:.1f} GiB")
+            f"short by {(need - usable) / GIB:.1f} GiB{bound}")
 
 
 def _even(choices: list[Choice[TowerPlan]], share: int) -> Choice[TowerPlan] | None:
@@ -150,24 +179,24 @@ def _separate(request: PlanRequest, opts: DistMMOptions, towers: list[str], grou
         # another tower's layers (CoCa's image tokens) would then wait on itself through the
         # consumer: towers linked that way run GPipe with batch-sync.
         schedule = "gpipe_sync" if tower in linked else opts.pipeline
-        choices, skipped = _choices(request, costs, tower, _degrees(request, tower, fixed), fixed["dp"], groups,
-                                    schedule, opts.settings())
+        depths = _depths(request, tower, _degrees(request, tower, fixed), fixed)
+        choices, skipped = _choices(request, costs, tower, depths, fixed["dp"], groups, schedule, opts.settings(),
+                                    opts.microbatches)
         if not choices:
             why = skipped[-1] if skipped else "no replica count is possible"
             raise PlanError(f"distmm: no size of tower {tower} fits on {request.cluster.devices} devices: {why}")
         per_tower.append(choices)
     if opts.balance == "dp":
-        picked = balance(per_tower, request.cluster.devices, exact=opts.use_all_devices)
+        picked = balance(per_tower, request.cluster.devices, fill=opts.use_all_devices)
     else:
         share = request.cluster.devices // len(towers)
         even = [_even(c, share) for c in per_tower]
         picked = None if any(c is None for c in even) else even
     if picked is None:
         smallest = " + ".join(f"{t} {min(c.devices for c in cs)}" for t, cs in zip(towers, per_tower))
-        whole = " exactly" if opts.use_all_devices and opts.balance == "dp" else ""
-        raise PlanError(f"distmm: no sizes of the towers (at least {smallest} devices) fill{whole} the "
-                        f"{request.cluster.devices} devices of {request.cluster.name} with replica counts dividing "
-                        f"the batch {request.train.global_batch} ({opts.balance} balance)")
+        raise PlanError(f"distmm: the towers need at least {smallest} devices with replica counts dividing the batch "
+                        f"{request.train.global_batch} ({opts.balance} balance) but cluster {request.cluster.name} "
+                        f"has {request.cluster.devices}")
     return [c.payload for c in picked], {t: c.time for t, c in zip(towers, picked)}
 
 

@@ -9,9 +9,11 @@ programming. The recurrence (ALGORITHMS.md §2.2, reconstructed):
     OPT[k][n] = min over feasible n_k <= n of max(OPT[k-1][n - n_k], T_k(n_k))
 
 over each tower's feasible choices (device count n_k, time T_k). As reconstructed, the
-base case OPT[0][n] = 0 for every n lets devices stay unused; with `exact` only
-OPT[0][0] = 0, so the towers share out the whole cluster, as in the paper's examples
-(Figure 2; CoCa's 16 + 48 of 64 GPUs, §7.2.2). Cost O(K · N · choices).
+base case OPT[0][n] = 0 for every n lets devices stay unused. With `fill`, only
+OPT[0][0] = 0 (each row then says what the towers achieve on exactly n devices) and the
+answer is the largest n the towers can fill, all N whenever replica counts allow: the
+towers share out the whole cluster, as in the paper's examples (Figure 2; CoCa's 16 + 48
+of 64 GPUs, §7.2.2). Cost O(K · N · choices).
 """
 from __future__ import annotations
 
@@ -31,31 +33,35 @@ class Choice(Generic[Payload]):
     payload: Payload
 
 
-def _min_max(choices: Sequence[Sequence[Choice[Payload]]], devices: int, exact: bool) -> float:
-    """OPT[K][devices]: the least possible time of the slowest tower."""
+def _min_max(choices: Sequence[Sequence[Choice[Payload]]], devices: int, exact: bool) -> list[float]:
+    """OPT[K][n] for n = 0..devices: the least possible time of the slowest tower."""
     opt = [0.0 if n == 0 or not exact else INF for n in range(devices + 1)]
     for options in choices:
         opt = [min((max(opt[n - c.devices], c.time) for c in options if c.devices <= n), default=INF)
                for n in range(devices + 1)]
-    return opt[devices]
+    return opt
 
 
 def balance(choices: Sequence[Sequence[Choice[Payload]]], devices: int,
-            exact: bool = False) -> list[Choice[Payload]] | None:
+            fill: bool = False) -> list[Choice[Payload]] | None:
     """One choice per tower minimising the slowest tower's time on at most `devices`
-    devices (exactly `devices` with `exact`); None if no combination fits.
+    devices (with `fill`: on exactly the most devices some choices add up to); None if
+    no combination fits.
 
     Many combinations share that optimum (the slowest tower is the same in all of them),
     so a second pass of the same dynamic program keeps every tower at or under it and
     minimises the towers' summed time, then the devices used: towers that are not the
     bottleneck still get the devices that make them faster instead of leaving them idle.
     """
-    bound = _min_max(choices, devices, exact)
+    row = _min_max(choices, devices, fill)
+    if fill:
+        devices = max((n for n, t in enumerate(row) if t < INF), default=0)
+    bound = row[devices]
     if bound == INF:
         return None
-    # best[n] = ((summed time, devices used), picks) on n devices (at most n unless exact).
+    # best[n] = ((summed time, devices used), picks) on n devices (at most n unless fill).
     best: list[tuple[tuple[float, int], tuple[int, ...]]] = [
-        ((0.0 if n == 0 or not exact else INF, 0), ()) for n in range(devices + 1)]
+        ((0.0 if n == 0 or not fill else INF, 0), ()) for n in range(devices + 1)]
     for options in choices:
         nxt: list[tuple[tuple[float, int], tuple[int, ...]]] = [((INF, 0), ())] * (devices + 1)
         for n in range(devices + 1):

@@ -260,29 +260,32 @@ class _Emitter:
                      "broker", sharing=sharing)]
 
     def _recv_tokens(self, cross: CrossInput, op: SyncOp) -> list[Instruction]:
-        """The consumer waits for the producer micro-batch that completes its samples
-        (only when that is a new one)."""
+        """Before a consumer micro-batch, receive every producer micro-batch of the group
+        that it is the first to need."""
         src, dst, nbytes, _ = self._transfer(cross, backward=False)
-        k_src, k_dst = src.plan.microbatches, dst.plan.microbatches
-        local = op.microbatch - op.group * k_dst
-        need = _needed(local, k_dst, k_src)
-        if local > 0 and need == _needed(local - 1, k_dst, k_src):
-            return []
-        key = f"{cross.producer}>{cross.consumer}.x.mb{op.group * k_src + need}"
-        return [Recv(src.last_stage_rank(), key, nbytes, "broker")]
+        return [Recv(src.last_stage_rank(), f"{cross.producer}>{cross.consumer}.x.mb{index}", nbytes, "broker")
+                for index in self._newly_needed(op, dst.plan.microbatches, src.plan.microbatches)]
 
     def _recv_grads(self, unit: str, op: SyncOp) -> list[Instruction]:
+        """Before a producer backward, receive every consumer gradient message of the group
+        that it is the first to need."""
         out: list[Instruction] = []
-        for cross in (c for c in self.cross if c.producer == unit):
+        for cross in (c for c in self.cross if c.producer == unit and self.model.needs_backward(unit)):
             src, dst, nbytes, _ = self._transfer(cross, backward=True)
-            k_src, k_dst = src.plan.microbatches, dst.plan.microbatches
-            local = op.microbatch - op.group * k_src
-            need = _needed(local, k_src, k_dst)
-            if local > 0 and need == _needed(local - 1, k_src, k_dst):
-                continue
-            out.append(Recv(self._cross_rank(dst, cross.layer), f"{cross.producer}>{cross.consumer}.g.mb"
-                            f"{op.group * k_dst + need}", nbytes, "broker"))
+            out += [Recv(self._cross_rank(dst, cross.layer), f"{cross.producer}>{cross.consumer}.g.mb{index}", nbytes,
+                         "broker")
+                    for index in self._newly_needed(op, src.plan.microbatches, dst.plan.microbatches)]
         return out
+
+    @staticmethod
+    def _newly_needed(op: SyncOp, mine: int, theirs: int) -> range:
+        """The other tower's micro-batches (global indices) that my micro-batch `op` needs
+        and my previous micro-batch of the group did not; the last of the group takes any
+        remainder, so every message is received once."""
+        local = op.microbatch - op.group * mine
+        first = 0 if local == 0 else _needed(local - 1, mine, theirs) + 1
+        last = theirs - 1 if local == mine - 1 else _needed(local, mine, theirs)
+        return range(op.group * theirs + first, op.group * theirs + last + 1)
 
 
 def separate_program(model: ModelSpec, cluster: ClusterSpec, precision: str, contrastive_batch: int,

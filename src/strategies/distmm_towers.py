@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 from src.cluster import GIB, ClusterSpec, family_sharing
 from src.costmodel.comm import CommModel
@@ -19,7 +19,7 @@ from src.costmodel.memory import grad_bytes, model_state_bytes
 from src.errors import PlanError
 from src.models.spec import ModelSpec, UnitSpec
 from src.program import Work
-from src.schedules.distmm_pipe import SyncOp, build_sync_schedule, resident
+from src.schedules.distmm_pipe import build_sync_schedule, resident
 from src.strategies.layout import Grid
 from src.strategies.stages import block_cuts, boundary_elems
 
@@ -128,10 +128,22 @@ def partition(unit: UnitSpec, cluster: ClusterSpec, precision: str, tp: int | No
             return degrees
     total = replica_state_bytes(unit, (0, unit.num_layers), 1, precision)
     have = usable * cluster.devices
-    raise PlanError(f"distmm: tower {unit.name} ({unit.params / 1e9:.2f}B parameters) needs {total / GIB:.1f} GiB "
-                    f"of model states but fits no tp x pp on {cluster.devices} devices of {usable / GIB:.1f} GiB "
-                    f"({have / GIB:.1f} GiB in all), short by {max(0.0, total - have) / GIB:.1f} GiB "
-                    f"or more per stage than a device holds")
+    if total > have:
+        raise PlanError(f"distmm: tower {unit.name} ({unit.params / 1e9:.2f}B parameters) needs {total / GIB:.1f} GiB "
+                        f"of model states, more than the {have / GIB:.1f} GiB of all {cluster.devices} devices of "
+                        f"cluster {cluster.name}: short by {(total - have) / GIB:.1f} GiB")
+    finest = candidates[-1]
+    need = max(replica_state_bytes(unit, r, finest.tp, precision) + activation_per_sample(unit, r, finest.tp, "none")
+               for r in stage_ranges(unit, finest.pp))
+    raise PlanError(f"distmm: tower {unit.name} fits no tp x pp on cluster {cluster.name}: even at tp={finest.tp} "
+                    f"pp={finest.pp} its fullest stage needs {need / GIB:.1f} GiB, a device has {usable / GIB:.1f} GiB "
+                    f"usable, short by {(need - usable) / GIB:.1f} GiB")
+
+
+@lru_cache(maxsize=None)
+def _resident(schedule: str, stages: int, groups: int, k: int) -> tuple[int, ...]:
+    """Micro-batches each stage keeps alive under the schedule (the balancer asks often)."""
+    return tuple(resident(order) for order in build_sync_schedule(schedule, stages, groups, k))
 
 
 @dataclass
@@ -155,9 +167,6 @@ class TowerCosts:
     def act_bytes(self) -> int:
         return 4 if self.precision == "fp32" else 2
 
-    @staticmethod
-    def order(plan: TowerPlan, stage: int) -> list[SyncOp]:
-        return build_sync_schedule(plan.schedule, plan.pp, plan.groups, plan.microbatches)[stage]
 
     def memory(self, plan: TowerPlan) -> float:
         """Bytes of the fullest device of the tower: its stage's states (ZeRO-1 shards
@@ -171,7 +180,7 @@ class TowerCosts:
                                            plan.replicas).values())
             activations = 0.0
             if self.model.needs_backward(unit.name):
-                live = resident(self.order(plan, stage))
+                live = _resident(plan.schedule, plan.pp, plan.groups, plan.microbatches)[stage]
                 activations = live * plan.micro_batch * activation_per_sample(unit, layers, plan.tp, plan.recompute)
                 if plan.recompute == "full":
                     activations += plan.micro_batch * max(
@@ -253,13 +262,19 @@ class TowerCosts:
         return worst
 
     def best(self, unit: str, degrees: Degrees, replicas: int, batch: int, groups: int, schedule: str,
-             settings: tuple[tuple[str, int], ...] = SETTINGS) -> tuple[TowerPlan, float] | None:
+             settings: tuple[tuple[str, int], ...] = SETTINGS,
+             microbatches: int | None = None) -> tuple[TowerPlan, float] | None:
         """The fastest plan of a tower at this size that fits memory: the cheapest
-        memory-saving settings that fit, and (pipelined towers) the micro-batch count.
-        None if nothing fits."""
+        memory-saving settings that fit, and (pipelined towers) the micro-batch count per
+        batch-sync group unless `microbatches` fixes it. None if nothing fits."""
         share = batch // groups
         stages = stage_ranges(self.model.unit(unit), degrees.pp)
-        counts = [1] if degrees.pp == 1 else [k for k in range(1, share + 1) if share % k == 0]
+        if degrees.pp == 1:
+            counts = [1]  # every forward of a group stays resident until its batch-sync anyway
+        elif microbatches is not None:
+            counts = [microbatches] if share % microbatches == 0 else []
+        else:
+            counts = [k for k in range(1, share + 1) if share % k == 0]
         usable = self.cluster.usable_memory_bytes
         for recompute, zero in settings:
             best: tuple[TowerPlan, float] | None = None

@@ -1,0 +1,52 @@
+"""Benchmark: DistMM planning time on the 64-GPU testbed (8 x p3.16xlarge), balancer included.
+
+Plans every model of DistMM Figure 7 (CLIP, CoCa, LiT at three scales, with the sweep's
+batches) from a fresh planner each time (no warm caches), best of three. Target: at most
+1 s per plan on a 2-core machine.
+
+    python benchmarks/bench_distmm_plan.py
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from src.run import plan_run, validate
+
+SCALES = {
+    "single_device": ["train.global_batch=576"],
+    "single_node": ["train.global_batch=192"],
+    "multi_node": ["train.global_batch=48", "train.contrastive_batch=24"],
+}
+WIDE_HEADS = {"clip": ["model.vision.heads=80"], "coca": ["model.vision.heads=80", "model.text.heads=80"],
+              "lit": ["model.text.heads=80"]}
+TARGET_S = 1.0
+
+
+def main() -> None:
+    conf = Path(__file__).resolve().parent.parent / "conf"
+    worst = 0.0
+    print(f"{'model':6s} {'scale':14s} {'plan (s)':>9s}  towers")
+    for scale, batch in SCALES.items():
+        for model in ("clip", "coca", "lit"):
+            overrides = ["strategy=distmm", "logger=none", f"model={model}", f"model.scale={scale}", *batch]
+            overrides += WIDE_HEADS[model] if scale == "multi_node" else []
+            with initialize_config_dir(config_dir=str(conf), version_base=None):
+                config = OmegaConf.to_container(compose(config_name="config", overrides=overrides), resolve=True)
+            times = []
+            for _ in range(3):
+                setup = validate(config)  # a new ModelSpec: no cost-model cache survives
+                start = time.perf_counter()
+                plan = plan_run(setup)
+                times.append(time.perf_counter() - start)
+            worst = max(worst, min(times))
+            towers = ", ".join(f"{u.unit} tp{u.tp} pp{u.pp} dp{u.dp}" for u in plan.units if u.unit != "interaction")
+            print(f"{model:6s} {scale:14s} {min(times):9.3f}  {towers}")
+    print(f"slowest 64-GPU DistMM plan: {worst:.3f} s (target <= {TARGET_S:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()
