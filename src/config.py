@@ -28,7 +28,10 @@ def _positive_int(cfg: Mapping[str, Any], key: str, prefix: str) -> int:
     return value
 
 
-def train_from_config(cfg: Mapping[str, Any], cluster: ClusterSpec) -> TrainSpec:
+def train_from_config(cfg: Mapping[str, Any], cluster: ClusterSpec, default_batch: int | None = None) -> TrainSpec:
+    """`default_batch` (the model's) stands in for a null train.global_batch."""
+    if cfg.get("global_batch") is None and default_batch is not None:
+        cfg = {**cfg, "global_batch": default_batch}
     global_batch = _positive_int(cfg, "global_batch", "train")
     contrastive = cfg.get("contrastive_batch")
     if contrastive is None:

@@ -43,8 +43,8 @@ class Setup:
 
 def validate(config: dict[str, Any]) -> Setup:
     cluster = cluster_from_config(config["cluster"])
-    train = train_from_config(config["train"], cluster)
-    model = build_model(config["model"], train.seq_len)
+    model = build_model(config["model"], config["train"].get("seq_len"))
+    train = train_from_config(config["train"], cluster, model.default_global_batch)
     backend = config["backend"]["name"]
     if backend not in BACKENDS:
         raise ConfigError(f"backend {backend!r} is not available; choose one of {list(BACKENDS)}")

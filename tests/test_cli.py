@@ -252,14 +252,14 @@ BAD_INPUTS = {
         [r"\bpp=5\b", r"does not divide", r"\b24\b", r"blocks|layers"]),
     # Every dp on 64 devices is a power of two, and so is 512: 3 never divides.
     "batch_not_divisible_by_dp_x_micro_batch": (
-        ["strategy.micro_batch_size=3"],
+        ["train.global_batch=512", "strategy.micro_batch_size=3"],
         [r"\b512\b", r"not divisible", r"micro-batch", r"\b3\b"]),
     "devices_not_nodes_x_devices_per_node": (
         ["cluster.devices=10"],
         [r"cluster\.devices=10", r"8 x 8 = 64"]),
     # CLIP multi_node on V100s with tp fixed at 1: the weights alone exceed 16 GiB.
     "plan_does_not_fit_memory": (
-        ["model=clip", "model.scale=multi_node", "strategy.tp=1"],
+        ["model=clip", "model.scale=multi_node", "strategy.tp=1", "train.global_batch=512"],
         [r"tp=1", r"[\d.]+ GiB", r"V100", r"short by [\d.]+ GiB"]),
     "global_batch_zero": (
         ["train.global_batch=0"],

@@ -177,12 +177,12 @@ def test_pair_config_equals_composition(model: str, cluster: str) -> None:
 def test_train_spec_builds_for_every_model_and_cluster(model: str, cluster: str) -> None:
     config = pair_config(model, cluster)
     spec = cluster_from_config(config["cluster"])
-    train = train_from_config(config["train"], spec)
+    model_spec = build_model(config["model"], config["train"]["seq_len"])
+    train = train_from_config(config["train"], spec, model_spec.default_global_batch)
     assert isinstance(train, TrainSpec)
     assert train.precision == spec.default_precision  # precision: auto
-    assert train.global_batch > 0 and train.steps > 0
-    assert 0 < train.contrastive_batch <= train.global_batch
-    build_model(config["model"], train.seq_len)
+    assert train.global_batch == model_spec.default_global_batch  # global_batch: null
+    assert train.steps > 0 and 0 < train.contrastive_batch <= train.global_batch
 
 
 # --------------------------------------------------------------------------- cluster yaml files

@@ -10,11 +10,13 @@ sizes (Brown et al. 2020, Table 2.1: 350M = 24x1024, 760M = 24x1536, 2.7B = 32x2
 embeddings, even for vision towers, which have no token embedding. A ViT with those
 layers is therefore smaller than its label (760M -> 0.68B); the tests compare the paper
 with the part it counted. Table 2's "5140" (GPT-3's 13B width) is divisible by no
-sensible head count (5140 = 4·5·257): we use 5120 (40 heads of 128).
+sensible head count (5140 = 4·5·257): we use 5120.
 
 Inputs follow DistMM §7: 336x336 images with patch 14 (CLIP ViT-L/14@336: 576 patches
-+ CLS), 77-token text, CLIP's 49408-token BPE vocabulary. Heads follow the usual
-convention: head dim 64 below 4096 hidden, 128 from 4096 (GPT-3 6.7B/13B, Llama).
++ CLS), 77-token text, CLIP's 49408-token BPE vocabulary. Heads: head dim 128 at 4096
+hidden (GPT-3 6.7B's 32 heads), 64 otherwise, so 5120-wide towers have 80 heads: DistMM
+§7.1 runs CoCa(13B,13B) with TP 16, which needs a head count divisible by 16 (GPT-3 13B's
+40 heads are not).
 The contrastive embedding defaults to the text tower's width (CLIP's convention, e.g.
 RN50x64 1024/1024, ViT-L/14 768/768).
 """
@@ -61,6 +63,13 @@ TOWERS: dict[str, dict[str, tuple[Tower, Tower]]] = {
 }
 
 
+# The global batch per scale when train.global_batch is null. DistMM does not state its
+# batch; these are the values our Figure 7 sweep argues for (sweeps/distmm_fig7_*.yaml's
+# notes): 9 samples per V100 at single-device scale (divisible by 48 and 16 replicas), the
+# most Megatron-LM fits for CoCa at single-node scale, and at multi-node scale.
+DEFAULT_BATCH = {"single_device": 576, "single_node": 192, "multi_node": 48, "tiny": 16}
+
+
 @dataclass(frozen=True)
 class Inputs:
     image_size: int
@@ -75,8 +84,8 @@ TINY_HEADS = 4
 
 
 def default_heads(hidden: int) -> int:
-    """Head dim 64 below 4096 hidden, 128 from 4096."""
-    return hidden // (64 if hidden < 4096 else 128)
+    """Head dim 128 at 4096 hidden, 64 otherwise (see the module docstring)."""
+    return hidden // (128 if hidden == 4096 else 64)
 
 
 def _tower(opts: Options, preset: Tower, tiny: bool) -> tuple[int, int, int]:
@@ -126,6 +135,7 @@ def _build(family: str, opts: Options, seq_len: int | None) -> ModelSpec:
                            heads=1, seq_len=1, output_elems=0, kind="contrastive")
     return ModelSpec(
         name=family, units=(vision, text, interaction), flows=tuple(flows), interaction="interaction",
+        default_global_batch=DEFAULT_BATCH[scale],
         description=f"{family} ({scale}): vision {v_layers}x{v_hidden} on {image}px/{patch}, "
                     f"text {t_layers}x{t_hidden} on {text_len} tokens, embed {embed_dim}",
         extras=extras,

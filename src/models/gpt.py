@@ -27,6 +27,7 @@ GPT_PRESETS: dict[str, DecoderPreset] = {
     "gpt_175b": DecoderPreset(96, 12288, 96, GPT_VOCAB),
 }
 DEFAULT_PRESET = "gpt_5b"
+GPT_DEFAULT_BATCH = 2048  # Par4D §VI: batches of 4M tokens = 2048 sequences of 2048
 CUSTOM_KEYS = ("layers", "hidden", "heads", "vocab")
 
 
@@ -46,6 +47,7 @@ def build_gpt(opts: Options, seq_len: int | None) -> ModelSpec:
     unit = decoder_unit(preset, seq, output_elems=0)
     return ModelSpec(
         name="gpt", units=(unit,),
+        default_global_batch=GPT_DEFAULT_BATCH,
         description=f"GPT ({name or 'custom'}): {preset.layers} layers, hidden {preset.hidden}, "
                     f"{preset.heads} heads, vocab {preset.vocab}, seq {seq}",
         extras={"preset": name},

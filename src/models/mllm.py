@@ -45,6 +45,8 @@ LLMS: dict[str, DecoderPreset] = {
 }
 # Generated image side (DistTrain §8: 1024x1024 for MLLM-72B, 512x512 for the others).
 IMAGE_SIZE = {"mllm_9b": 512, "mllm_15b": 512, "mllm_72b": 1024}
+# DistTrain §8's microbenchmarks (up to 98 GPUs): batch 128 / 64 / 40.
+DEFAULT_BATCH = {"mllm_9b": 128, "mllm_15b": 64, "mllm_72b": 40}
 
 VIT_HUGE = {"layers": 32, "hidden": 1280, "heads": 16}
 ENCODER_IMAGE_SIZE = 224
@@ -86,6 +88,7 @@ def build_mllm(model: str, opts: Options, seq_len: int | None) -> ModelSpec:
     )
     return ModelSpec(
         name=model, units=(encoder, llm, generator),
+        default_global_batch=DEFAULT_BATCH[model],
         flows=(("encoder", "llm"), ("llm", "generator")),
         description=f"{model}: ViT-Huge/{patch} at {encoder_image}px + Llama {llm_preset.layers}x{hidden} "
                     f"on {seq} tokens + SD-2.1 at {image}px",

@@ -71,6 +71,7 @@ def build_optimus(opts: Options, seq_len: int | None) -> ModelSpec:
     llm = decoder_unit(llm_preset, seq, output_elems=0)
     return ModelSpec(
         name="optimus", units=(*encoders, llm),
+        default_global_batch=1536,  # Optimus Table 5's strong-scaling batch
         flows=tuple((unit_name, "llm") for unit_name in unit_names),
         description=f"Optimus MLLM: {' + '.join(names)} at {image}px/{patch} -> "
                     f"{llm_name} on {seq} tokens",

@@ -140,6 +140,8 @@ class ModelSpec:
 
     `flows` lists (producer, consumer) pairs. `interaction` names the unit that sees every
     modality at once (a contrastive loss), if any: it needs the contrastive batch.
+    `default_global_batch`: the batch a run uses when train.global_batch is null; each
+    family says where its value comes from.
     """
 
     name: str
@@ -147,6 +149,7 @@ class ModelSpec:
     flows: tuple[tuple[str, str], ...] = ()
     interaction: str | None = None
     description: str = ""
+    default_global_batch: int | None = None
     extras: dict = field(default_factory=dict, compare=False, hash=False)
 
     def unit(self, name: str) -> UnitSpec:

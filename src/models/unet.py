@@ -98,6 +98,7 @@ def build_unet(opts: Options, seq_len: int | None) -> ModelSpec:
                     seq_len=image * image, output_elems=0, kind="unet")
     return ModelSpec(
         name="unet", units=(unit,),
+        default_global_batch=2048,  # Par4D Table II: batch 2048
         description=f"Par4D U-Net ({preset or 'custom'}): {channels} base channels, "
                     f"mult {tuple(mult)}, {res_blocks} res blocks/level, {image}x{image} images",
         extras={"preset": preset},
