@@ -133,6 +133,9 @@ class Group:
     name: str
     ranks: tuple[int, ...]
     sharing: int = 1
+    # Every group of this group's family (this one included), when the group is written
+    # for a class's first rank: the real backend finds each rank's own member here.
+    family: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass
@@ -171,6 +174,32 @@ class Program:
     @property
     def num_instructions(self) -> int:
         return sum(len(c.instructions) for c in self.classes)
+
+    # A class program is written for its first rank; the real backend runs it on every
+    # rank of the class, so it needs each rank's own group and peers.
+    def group_for(self, name: str, rank: int) -> tuple[int, ...]:
+        """The ranks of group `name` as `rank` sees it: the group itself if `rank` is a
+        member, else the member of its family that holds `rank`."""
+        group = self.groups.get(name)
+        if group is None:
+            raise KeyError(f"the Program has no group {name!r}")
+        if rank in group.ranks:
+            return group.ranks
+        for member in group.family:
+            if rank in member:
+                return tuple(member)
+        raise KeyError(f"rank {rank} is in no group of the family of {name!r}")
+
+    def peer_for(self, rank: int, written: int) -> int:
+        """The peer of `rank` for a Send/Recv written (for the class's first rank) with
+        peer `written`: ranks correspond by position in their classes, as Megatron's
+        stage_ranks order every stage the same way."""
+        mine = self.class_of(rank).ranks
+        theirs = self.class_of(written).ranks
+        if len(mine) != len(theirs):
+            raise KeyError(f"rank {rank}'s class has {len(mine)} ranks but peer {written}'s has {len(theirs)}: "
+                           f"no position correspondence")
+        return theirs[(theirs.index(written) + mine.index(rank)) % len(theirs)]
 
 
 @dataclass

@@ -25,10 +25,11 @@ from src.models.spec import ModelSpec
 from src.program import Plan
 from src.report import JobInfo, open_sinks
 from src.report.files import SUMMARY_FILE
+from src.runtime.errors import WorkerFailure
 from src.sim.engine import SimulationError, simulate
 from src.strategies import PlanRequest, planner_for
 
-BACKENDS = ("sim",)
+BACKENDS = ("sim", "torch")
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,10 @@ def execute(config: dict[str, Any], run_dir: Path, job: JobInfo) -> dict[str, An
     (run_dir / "resolved.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     setup = validate(config)
     plan = plan_run(setup)
+    if config["backend"]["name"] == "torch":
+        from src.runtime.backend import run_torch  # torch.distributed and DeepSpeed load only here
+
+        return run_torch(config, plan, run_dir, job)
     timeline = simulate(plan.program, setup.model, setup.cluster, setup.train.precision)
     attach_memory(timeline, plan, setup.model, setup.train.precision)
     names = {"model": setup.model.name, "strategy": config["strategy"]["name"], "cluster": setup.cluster.name,
@@ -97,6 +102,9 @@ def main(cfg: DictConfig) -> None:
     except (ConfigError, SimulationError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except WorkerFailure as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 from src.errors import ConfigError
 from src.strategies.base import Planner, PlanRequest
+from src.strategies.ddp import plan_ddp
 from src.strategies.distmm import plan_distmm
 from src.strategies.megatron import plan_megatron
 
 STRATEGIES: dict[str, Planner] = {
     "megatron": plan_megatron,
     "distmm": plan_distmm,
+    "ddp": plan_ddp,
 }
 
 

@@ -53,4 +53,4 @@ class Grid:
 def make_group(cluster: ClusterSpec, name: str, ranks: tuple[int, ...],
                family: list[tuple[int, ...]]) -> Group:
     """A group whose bandwidth share is computed over its whole family."""
-    return Group(name, ranks, sharing=family_sharing(cluster, family))
+    return Group(name, ranks, sharing=family_sharing(cluster, family), family=tuple(family))

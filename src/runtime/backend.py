@@ -1,0 +1,46 @@
+"""The real backend behind the front door: check the plan fits the local workers, build
+DeepSpeed's op once, start the workers (which report to the run directory's sinks
+themselves, so the same worker entry also reports under torchrun), return the summary."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from src.errors import ConfigError
+from src.program import Plan
+from src.report import JobInfo
+from src.report.files import SUMMARY_FILE
+from src.runtime.driver import launch
+
+
+# Strategies whose Programs the executor has been checked against (loss equality with
+# one process). DistMM's towers on disjoint groups are not wired up yet.
+RUNNABLE = ("ddp", "megatron")
+
+
+def check_workers(plan: Plan, backend: dict[str, Any]) -> None:
+    workers = backend.get("workers")
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers <= 0:
+        raise ConfigError(f"backend.workers must be a positive integer, got {workers!r}")
+    if plan.devices > workers:
+        raise ConfigError(f"the {plan.strategy} plan needs {plan.devices} workers but backend.workers={workers}")
+
+
+def run_torch(config: dict[str, Any], plan: Plan, run_dir: Path, job: JobInfo) -> dict[str, Any]:
+    backend = config["backend"]
+    if plan.strategy not in RUNNABLE:
+        raise ConfigError(f"backend=torch does not run strategy={plan.strategy} yet; it runs {list(RUNNABLE)}")
+    check_workers(plan, backend)
+    if backend.get("launch", "local") != "local":
+        raise ConfigError(f"backend.launch={backend.get('launch')!r}: only 'local' starts workers from here; "
+                          f"use launchers/torchrun.sh for external launches")
+    if backend["dist_backend"] != "nccl":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed's first import: no accelerator probe
+    from src.runtime.engines import prebuild_ops
+
+    prebuild_ops()
+    launch([run_dir], plan.devices, backend, [{"run_name": job.run_name, "sweep_name": job.sweep_name,
+                                               "override_dirname": job.override_dirname}])
+    return json.loads((run_dir / SUMMARY_FILE).read_text())

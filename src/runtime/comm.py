@@ -1,0 +1,44 @@
+"""Collectives the runtime's layers issue, timed by kind.
+
+Communication that happens inside a compute instruction (a TP layer's all-reduce, the
+batch-sync all-gather's backward) is timed here, so the executor can split the
+instruction's wall time into compute and exposed communication of the right kind.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+
+class CommClock:
+    """Seconds spent in collectives per kind since the last `take()`."""
+
+    def __init__(self) -> None:
+        self._seconds: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def timed(self, kind: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._seconds[kind] += time.perf_counter() - start
+
+    def take(self) -> dict[str, float]:
+        out = dict(self._seconds)
+        self._seconds.clear()
+        return out
+
+
+CLOCK = CommClock()
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, kind: str) -> torch.Tensor:
+    with CLOCK.timed(kind):
+        dist.all_reduce(tensor, group=group)
+    return tensor

@@ -1,0 +1,111 @@
+"""DeepSpeed glue: one engine per group of units that share a data-parallel group.
+
+The engine owns gradient reduction and the optimizer (ZeRO 0-3 over the unit's DP group).
+It runs in DeepSpeed's unmanaged gradient-accumulation mode: the executor calls
+`backward` once per instruction (micro-batch, stage, batch-sync) with losses it has
+already scaled, and `step` once at the Program's optimizer instruction, which reduces the
+accumulated gradients (ZeRO-0/1; ZeRO-2/3 reduce during backward) and updates.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """What DeepSpeed calls an mpu: this rank's data- and model-parallel groups."""
+
+    dp: dist.ProcessGroup
+    dp_ranks: tuple[int, ...]
+    tp: dist.ProcessGroup | None
+    tp_ranks: tuple[int, ...]
+
+    def get_data_parallel_group(self) -> dist.ProcessGroup:
+        return self.dp
+
+    def get_data_parallel_rank(self) -> int:
+        return self.dp_ranks.index(dist.get_rank())
+
+    def get_data_parallel_world_size(self) -> int:
+        return len(self.dp_ranks)
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return list(self.dp_ranks)
+
+    # DeepSpeed's "model parallel" is what is not data parallel: here the TP group (a
+    # pipeline's stages hold different parameters and never reduce together).
+    def get_model_parallel_group(self) -> dist.ProcessGroup | None:
+        return self.tp
+
+    def get_model_parallel_rank(self) -> int:
+        return self.tp_ranks.index(dist.get_rank()) if self.tp is not None else 0
+
+    def get_model_parallel_world_size(self) -> int:
+        return len(self.tp_ranks) if self.tp is not None else 1
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        return self.tp_ranks[0] if self.tp is not None else dist.get_rank()
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    zero_stage: int
+    micro_batch: int
+    accumulation: int  # backward calls of one micro-batch's worth per step (for DeepSpeed's batch bookkeeping)
+    lr: float
+    weight_decay: float
+
+
+def deepspeed_config(settings: EngineSettings, dp: int) -> dict:
+    """A plain dict (never OmegaConf): DeepSpeed inspects the type."""
+    zero: dict = {"stage": settings.zero_stage}
+    if settings.zero_stage == 3:
+        # Partition every parameter, however small: the tiny models would otherwise be
+        # kept whole on every rank and ZeRO-3 would not be exercised.
+        zero["stage3_param_persistence_threshold"] = 0
+    return {
+        "train_micro_batch_size_per_gpu": settings.micro_batch,
+        "gradient_accumulation_steps": settings.accumulation,
+        "train_batch_size": settings.micro_batch * settings.accumulation * dp,
+        "managed_gradient_accumulation": False,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": 0.0,
+        "steps_per_print": 2**31,
+        "wall_clock_breakdown": False,
+    }
+
+
+def make_engine(module: nn.Module, groups: ParallelGroups, settings: EngineSettings):
+    import deepspeed
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    params = [p for p in module.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, mpu=groups,
+                                           config=deepspeed_config(settings, len(groups.dp_ranks)))
+    return engine
+
+
+def prebuild_ops() -> None:
+    """Compile (or load from the extensions cache) the op DeepSpeed builds at its first
+    start on CPU, once, before workers start: concurrent first builds race."""
+    # DeepSpeed probes compilers through logging; Hydra's root logger would print every call.
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.WARNING)
+    try:
+        # `import deepspeed.comm.torch as m` would bind torch itself (deepspeed.comm re-exports it).
+        importlib.import_module("deepspeed.comm.torch").build_shm_op()
+    finally:
+        root.setLevel(level)

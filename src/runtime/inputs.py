@@ -1,0 +1,74 @@
+"""Each unit's micro-batches for one step, cut from the global batch of that step.
+
+Step s uses global samples [s·B, (s+1)·B); data-parallel replica d of a unit takes its
+`batch_per_replica` rows in replica order and micro-batch j the j-th slice of those. Any
+plan thus trains on the very samples of a 1-process run.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from src.data.shards import TarShards
+from src.data.synthetic import SyntheticImageText, SyntheticTokens, collate
+from src.models.spec import ModelSpec
+from src.program import UnitPlan
+from src.runtime.modules.units import image_geometry, vocab_size
+
+IGNORE = -100  # cross_entropy's ignore_index
+
+
+def dataset_for(model: ModelSpec, seed: int, source: str) -> Any:
+    names = [u.name for u in model.units]
+    if "vision" in names and "text" in names:
+        image, _ = image_geometry(model.unit("vision"))
+        text = model.unit("text")
+        if source == "synthetic":
+            return SyntheticImageText(seed, image, text.seq_len, vocab_size(text))
+        return TarShards(source, image, text.seq_len, vocab_size(text))
+    if names == ["llm"]:
+        llm = model.unit("llm")
+        return SyntheticTokens(seed, llm.seq_len, vocab_size(llm))
+    raise ValueError(f"the real backend has no data for model {model.name} (units {names})")
+
+
+def unit_fields(model: ModelSpec, unit: str, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What a unit reads: images (a ViT), token ids, and next-token targets when it ends
+    in a language-model head (GPT; CoCa's captioner: the caption shifted by one)."""
+    spec = model.unit(unit)
+    if spec.layers[0].name == "patch_embedding":
+        return {"images": batch["images"]}
+    if spec.kind == "contrastive":
+        return {}
+    out = {"ids": batch["ids"]}
+    if spec.layers[-1].name in ("head", "caption_head"):
+        if "targets" in batch:
+            out["targets"] = batch["targets"]
+        else:
+            ids = batch["ids"]
+            out["targets"] = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], IGNORE)], dim=1)
+    return out
+
+
+class Batches:
+    def __init__(self, model: ModelSpec, dataset: Any, global_batch: int, units: Mapping[str, UnitPlan],
+                 replica: Mapping[str, int]) -> None:
+        self.model, self.dataset, self.global_batch = model, dataset, global_batch
+        self.units, self.replica = units, replica
+        self.step = 0
+        self._cache: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+
+    def start_step(self, step: int) -> None:
+        self.step = step
+        self._cache.clear()
+
+    def __call__(self, unit: str, microbatch: int) -> dict[str, torch.Tensor]:
+        key = (unit, microbatch)
+        if key not in self._cache:
+            plan = self.units[unit]
+            first = (self.step * self.global_batch + self.replica[unit] * plan.batch_per_replica
+                     + microbatch * plan.micro_batch)
+            batch = collate([self.dataset[i] for i in range(first, first + plan.micro_batch)])
+            self._cache[key] = unit_fields(self.model, unit, batch)
+        return self._cache[key]

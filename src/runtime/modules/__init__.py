@@ -1,0 +1,1 @@
+"""Real torch modules for the model families' units, built from the ModelSpec's dimensions."""

@@ -1,0 +1,145 @@
+"""Transformer layers, nanoGPT style. Every layer maps a state dict to a state dict, so a
+unit is a plain list of layers that a pipeline stage can cut anywhere the ModelSpec can:
+
+  images/ids -> embedding -> x -> blocks -> x -> head -> feature (or loss)
+
+State keys: images, ids, targets (inputs); x (token states); memory (another unit's token
+states, for cross-attention); feature (the pooled, projected embedding); tokens (a
+tower's final token states, handed to another unit); loss.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from src.runtime.modules.parallel import TP, ColumnParallelLinear, RowParallelLinear, head_rows
+
+State = dict[str, torch.Tensor]
+
+
+class Attention(nn.Module):
+    """Multi-head attention; with `kv_dim` it is cross-attention over `memory`. TP splits
+    the heads (q/k/v column-parallel by head, output projection row-parallel)."""
+
+    def __init__(self, hidden: int, heads: int, tp: TP, causal: bool, kv_dim: int | None = None) -> None:
+        super().__init__()
+        if heads % tp.size:
+            raise ValueError(f"tp={tp.size} does not divide {heads} heads")
+        self.heads, self.head_dim, self.causal, self.cross = heads // tp.size, hidden // heads, causal, kv_dim
+        if kv_dim is None:
+            self.qkv = ColumnParallelLinear(hidden, 3 * hidden, tp, head_rows(heads, self.head_dim, 3, tp))
+        else:
+            self.q = ColumnParallelLinear(hidden, hidden, tp, head_rows(heads, self.head_dim, 1, tp))
+            self.kv = ColumnParallelLinear(kv_dim, 2 * hidden, tp, head_rows(heads, self.head_dim, 2, tp))
+        local = torch.arange(tp.rank * self.heads * self.head_dim, (tp.rank + 1) * self.heads * self.head_dim)
+        self.proj = RowParallelLinear(hidden, hidden, tp, local)
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor | None = None) -> torch.Tensor:
+        b, t, _ = x.shape
+        if self.cross is None:
+            q, k, v = self.qkv(x).split(self.heads * self.head_dim, dim=-1)
+        else:
+            q = self.q(x)
+            k, v = self.kv(memory).split(self.heads * self.head_dim, dim=-1)
+        q, k, v = (z.reshape(b, z.shape[1], self.heads, self.head_dim).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal and self.cross is None)
+        return self.proj(y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, tp: TP) -> None:
+        super().__init__()
+        self.fc1 = ColumnParallelLinear(hidden, 4 * hidden, tp)
+        self.fc2 = RowParallelLinear(4 * hidden, hidden, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Block(nn.Module):
+    """Pre-norm block; with `cross_dim` it also cross-attends to state['memory'] (CoCa's
+    multimodal decoder layers)."""
+
+    def __init__(self, hidden: int, heads: int, tp: TP, causal: bool, cross_dim: int | None = None) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(hidden)
+        self.attn = Attention(hidden, heads, tp, causal)
+        if cross_dim is not None:
+            self.ln_cross = nn.LayerNorm(hidden)
+            self.cross = Attention(hidden, heads, tp, causal=False, kv_dim=cross_dim)
+        self.ln2 = nn.LayerNorm(hidden)
+        self.mlp = MLP(hidden, tp)
+
+    def forward(self, state: State) -> State:
+        x = state["x"]
+        x = x + self.attn(self.ln1(x))
+        if hasattr(self, "cross"):
+            x = x + self.cross(self.ln_cross(x), state["memory"])
+        x = x + self.mlp(self.ln2(x))
+        return {**state, "x": x}
+
+
+class PatchEmbedding(nn.Module):
+    """ViT patchify + CLS token + learned positions."""
+
+    def __init__(self, image: int, patch: int, hidden: int, channels: int = 3) -> None:
+        super().__init__()
+        self.patch = patch
+        self.proj = nn.Linear(channels * patch * patch, hidden)
+        self.cls = nn.Parameter(torch.randn(1, 1, hidden) * 0.02)
+        self.pos = nn.Parameter(torch.randn(1, (image // patch) ** 2 + 1, hidden) * 0.02)
+
+    def forward(self, state: State) -> State:
+        images = state["images"]
+        b, c, _, _ = images.shape
+        p = self.patch
+        patches = images.unfold(2, p, p).unfold(3, p, p).permute(0, 2, 3, 1, 4, 5).reshape(b, -1, c * p * p)
+        x = torch.cat([self.cls.expand(b, -1, -1), self.proj(patches)], dim=1) + self.pos
+        return {**state, "x": x}
+
+
+class TokenEmbedding(nn.Module):
+    def __init__(self, vocab: int, hidden: int, seq: int) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, hidden)
+        self.pos = nn.Parameter(torch.randn(1, seq, hidden) * 0.02)
+
+    def forward(self, state: State) -> State:
+        return {**state, "x": self.tokens(state["ids"]) + self.pos}
+
+
+class FeatureHead(nn.Module):
+    """Final norm and projection of the pooled token (first: CLS; last: EOS) to the
+    contrastive embedding. `keep_x`: the token states flow on (CoCa's decoder continues
+    after its unimodal half); otherwise they are handed on as state['tokens']."""
+
+    def __init__(self, hidden: int, embed_dim: int, pool: str, keep_x: bool = False) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(hidden)
+        self.proj = nn.Linear(hidden, embed_dim)
+        self.index = 0 if pool == "first" else -1
+        self.keep_x = keep_x
+
+    def forward(self, state: State) -> State:
+        x = state["x"]
+        out = {**state, "feature": self.proj(self.ln(x[:, self.index]))}
+        if not self.keep_x:
+            out["tokens"] = out.pop("x")
+        return out
+
+
+class LMHead(nn.Module):
+    """Final norm, vocabulary projection and next-token cross-entropy (mean over tokens).
+    Untied from the embedding: the two sit on different pipeline stages."""
+
+    def __init__(self, hidden: int, vocab: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(hidden)
+        self.proj = nn.Linear(hidden, vocab)
+
+    def forward(self, state: State) -> State:
+        logits = self.proj(self.ln(state["x"]))
+        # Targets of -100 (CoCa's last caption position) are ignored.
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), state["targets"].reshape(-1))
+        return {**state, "loss": loss}

@@ -1,0 +1,117 @@
+"""Megatron-style tensor-parallel linear layers, one autograd Function each (AxoNN style).
+
+Column-parallel: each TP rank holds a slice of the output features; its input is
+replicated, so the input's gradient is the sum over ranks (all-reduce in backward).
+Row-parallel: each rank holds a slice of the input features; the partial products are
+summed (all-reduce in forward) and the bias added once after the sum.
+
+Weights are initialised whole, from the global RNG, and then sliced: every TP degree
+consumes the RNG identically, so a TP run starts from the very weights of a 1-rank run.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from src.runtime.comm import all_reduce
+
+
+@dataclass(frozen=True)
+class TP:
+    """This rank's place in its unit's TP group (size 1: no group, no communication)."""
+
+    size: int = 1
+    rank: int = 0
+    group: dist.ProcessGroup | None = None
+
+
+def _full_linear(d_in: int, d_out: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """nn.Linear's default initialisation, whole."""
+    weight = torch.empty(d_out, d_in)
+    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+    bound = 1 / math.sqrt(d_in)
+    bias = torch.empty(d_out).uniform_(-bound, bound)
+    return weight, bias
+
+
+class _ColumnParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, tp: TP) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.tp = tp
+        return torch.nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad_x = grad @ weight
+        if ctx.tp.size > 1:
+            all_reduce(grad_x, ctx.tp.group, "tp")
+        grad_w = grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+        return grad_x, grad_w, grad.reshape(-1, grad.shape[-1]).sum(0), None
+
+
+class _RowParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, tp: TP) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        out = x @ weight.t()
+        if tp.size > 1:
+            all_reduce(out, tp.group, "tp")
+        return out + bias
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad_w = grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+        return grad @ weight, grad_w, grad.reshape(-1, grad.shape[-1]).sum(0), None
+
+
+class ColumnParallelLinear(nn.Module):
+    """Output features split over TP. `rows` picks this rank's output rows of the whole
+    weight (default: the rank's contiguous block; attention passes its heads' rows)."""
+
+    def __init__(self, d_in: int, d_out: int, tp: TP, rows: torch.Tensor | None = None) -> None:
+        super().__init__()
+        weight, bias = _full_linear(d_in, d_out)
+        if rows is None:
+            rows = torch.arange(d_out).chunk(tp.size)[tp.rank]
+        self.weight = nn.Parameter(weight[rows].clone())
+        self.bias = nn.Parameter(bias[rows].clone())
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        return _ColumnParallel.apply(x, self.weight, self.bias, self.tp)
+
+
+class RowParallelLinear(nn.Module):
+    """Input features split over TP (contiguous blocks, or `cols`); bias replicated."""
+
+    def __init__(self, d_in: int, d_out: int, tp: TP, cols: torch.Tensor | None = None) -> None:
+        super().__init__()
+        weight, bias = _full_linear(d_in, d_out)
+        if cols is None:
+            cols = torch.arange(d_in).chunk(tp.size)[tp.rank]
+        self.weight = nn.Parameter(weight[:, cols].clone())
+        self.bias = nn.Parameter(bias)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        return _RowParallel.apply(x, self.weight, self.bias, self.tp)
+
+
+def head_rows(heads: int, head_dim: int, parts: int, tp: TP) -> torch.Tensor:
+    """Rows of a fused projection of `parts` blocks (q, k, v) of `heads` heads each that
+    belong to this rank's heads: head-aligned TP keeps each head whole on one rank."""
+    local = heads // tp.size
+    first = tp.rank * local * head_dim
+    block = torch.arange(first, first + local * head_dim)
+    return torch.cat([block + p * heads * head_dim for p in range(parts)])

@@ -1,0 +1,73 @@
+"""A unit's real layers, one module per LayerSpec, built from the ModelSpec's dimensions:
+the runtime trains exactly the shapes the simulator prices, and Work.layers index both.
+
+Every rank builds every unit whole, in model order, from one seed, then keeps what it
+computes (TP slices the weights): any plan starts from the weights of a 1-process run.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from src.models.spec import Kernel, LayerSpec, ModelSpec, UnitSpec
+from src.runtime.modules.blocks import Block, FeatureHead, LMHead, PatchEmbedding, TokenEmbedding
+from src.runtime.modules.contrastive import ContrastiveLoss
+from src.runtime.modules.parallel import TP
+
+
+def _kernel(layer: LayerSpec, name: str) -> Kernel:
+    for kernel in layer.kernels:
+        if kernel.name == name:
+            return kernel
+    raise ValueError(f"layer {layer.name} has no kernel {name!r}")
+
+
+def image_geometry(unit: UnitSpec) -> tuple[int, int]:
+    """(image size, patch size) of a ViT unit, read off its patchify GEMM."""
+    patchify = _kernel(unit.layers[0], "patchify")
+    patch = math.isqrt(patchify.k // 3)
+    return math.isqrt(patchify.m) * patch, patch
+
+
+def vocab_size(unit: UnitSpec) -> int:
+    """Vocabulary of a unit that starts with a token + position embedding."""
+    return unit.layers[0].params // unit.hidden - unit.seq_len
+
+
+def _layer(model: ModelSpec, unit: UnitSpec, index: int, tp: TP) -> nn.Module:
+    layer = unit.layers[index]
+    causal = unit.name != "vision"
+    last = index == unit.num_layers - 1
+    if layer.name == "patch_embedding":
+        image, patch = image_geometry(unit)
+        return PatchEmbedding(image, patch, unit.hidden)
+    if layer.name == "embedding":
+        return TokenEmbedding(vocab_size(unit), unit.hidden, unit.seq_len)
+    if layer.name == "block":
+        return Block(unit.hidden, unit.heads, tp, causal)
+    if layer.name == "xblock":
+        return Block(unit.hidden, unit.heads, tp, causal, cross_dim=_kernel(layer, "xattn_kv").k)
+    if layer.name == "projection":
+        return FeatureHead(unit.hidden, _kernel(layer, "projection").n, "last" if causal else "first", keep_x=not last)
+    if layer.name in ("head", "caption_head"):
+        return LMHead(unit.hidden, _kernel(layer, "projection").n)
+    if layer.name == "contrastive":
+        return ContrastiveLoss()
+    raise ValueError(f"the real backend has no module for layer {layer.name!r} of unit {unit.name} ({model.name})")
+
+
+def build_units(model: ModelSpec, seed: int, tp: dict[str, TP], keep: dict[str, set[int]]) -> nn.ModuleDict:
+    """Each unit in `keep` as a ModuleList indexed like its LayerSpecs, holding only the
+    layers in `keep[unit]` (None elsewhere). Everything is built first, whatever this
+    rank keeps, so that every plan draws the same weights from the RNG."""
+    torch.manual_seed(seed)
+    units = nn.ModuleDict()
+    for unit in model.units:
+        layers = [_layer(model, unit, i, tp.get(unit.name, TP())) for i in range(unit.num_layers)]
+        if unit.name not in keep:
+            continue
+        units[unit.name] = nn.ModuleList([m if i in keep[unit.name] else None for i, m in enumerate(layers)])
+        units[unit.name].requires_grad_(not unit.frozen)
+    return units

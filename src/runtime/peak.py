@@ -1,0 +1,29 @@
+"""Peak FLOP/s of one worker, measured: the MFU denominator of a real run.
+
+On CPU there is no datasheet figure for "one worker's share of this machine", so every
+worker times a square fp32 GEMM at once (sharing the cores as training does) and the
+run uses the mean. On a GPU it is the same micro-benchmark on the worker's device.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+GEMM_N = 512
+
+
+def gemm_flops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = GEMM_N,
+               min_seconds: float = 0.2) -> float:
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    torch.matmul(a, b)  # warm-up: first call allocates and picks kernels
+    reps, elapsed = 0, 0.0
+    start = time.perf_counter()
+    while elapsed < min_seconds:
+        torch.matmul(a, b)
+        reps += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elapsed = time.perf_counter() - start
+    return 2.0 * n ** 3 * reps / elapsed

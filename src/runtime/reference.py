@@ -1,0 +1,51 @@
+"""The single-process reference: the same modules, data and optimizer in a plain loop.
+
+What every parallel plan must reproduce: with the same seed, initial weights and global
+batch, its losses equal these (the loss-equality tests, within float reduction order).
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from src.models.spec import ModelSpec
+from src.runtime.inputs import Batches, dataset_for
+from src.runtime.modules.units import build_units
+from src.strategies.stages import unit_order
+
+
+def reference_losses(model: ModelSpec, seed: int, global_batch: int, steps: int, lr: float,
+                     weight_decay: float = 0.0, data: str = "synthetic") -> list[float]:
+    units = build_units(model, seed, {}, {u.name: set(range(u.num_layers)) for u in model.units})
+    params = [p for p in units.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    whole = SimpleNamespace(batch_per_replica=global_batch, micro_batch=global_batch)
+    batches = Batches(model, dataset_for(model, seed, data), global_batch, {u.name: whole for u in model.units},
+                      {u.name: 0 for u in model.units})
+    losses = []
+    for step in range(steps):
+        batches.start_step(step)
+        finals: dict[str, dict[str, torch.Tensor]] = {}
+        loss = torch.zeros(())
+        for name in unit_order(model):
+            if name == model.interaction:
+                vision, text = (p for p, c in model.flows if c == name)
+                a, b = finals[vision]["feature"], finals[text]["feature"]
+                loss = loss + units[name][0](a, b, a, b, 0).squeeze()
+                continue
+            state = dict(batches(name, 0))
+            for producer, consumer in model.flows:
+                if consumer == name and "tokens" in finals.get(producer, {}):
+                    state["memory"] = finals[producer]["tokens"]
+            with torch.set_grad_enabled(model.needs_backward(name)):
+                for layer in units[name]:
+                    state = layer(state)
+            finals[name] = state
+            if "loss" in state:
+                loss = loss + state["loss"]
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses

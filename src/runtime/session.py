@@ -1,0 +1,158 @@
+"""One worker's run: build what this rank holds, train, and (rank 0) report.
+
+Every worker plans the run itself from the driver's resolved config (planning is a pure
+function, so all workers get the same Plan), builds its units' modules from the seed,
+wraps them in DeepSpeed engines on their data-parallel groups, and executes its
+instruction list once per step. Only rank 0 writes: one line and one metrics record per
+step, then the summary, to the same sinks as the simulator.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import resource
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from src.metrics import attach_memory, build_summary
+from src.program import Plan
+from src.report import JobInfo, open_sinks
+from src.runtime.engines import EngineSettings, ParallelGroups, make_engine
+from src.runtime.executor import Executor
+from src.runtime.groups import ProcessGroups
+from src.runtime.inputs import Batches, dataset_for
+from src.runtime.modules.parallel import TP
+from src.runtime.modules.units import build_units
+from src.runtime.peak import GEMM_N, gemm_flops
+from src.runtime.placement import UnitPlacement, placements
+from src.runtime.timing import StepTimer
+from src.runtime.worker import JOB_FILE
+from src.timeline import RankTimeline, Span, Timeline
+
+
+def _engines(plan: Plan, places: dict[str, UnitPlacement], units: torch.nn.ModuleDict, groups: ProcessGroups,
+             backend: dict[str, Any]) -> dict[str, Any]:
+    """One DeepSpeed engine per data-parallel group: units that share it share an engine."""
+    by_group: dict[tuple, list[str]] = {}
+    for name, place in places.items():
+        if any(p.requires_grad for p in units[name].parameters()):
+            by_group.setdefault((place.dp_ranks, place.tp_ranks), []).append(name)
+    engines: dict[str, Any] = {}
+    for (dp_ranks, tp_ranks), names in by_group.items():
+        first = plan.unit(names[0])
+        zero = int(first.details.get("zero_stage") or 0)
+        settings = EngineSettings(zero_stage=zero, micro_batch=first.micro_batch,
+                                  accumulation=first.num_microbatches, lr=float(backend["lr"]),
+                                  weight_decay=float(backend["weight_decay"]))
+        parallel = ParallelGroups(groups.get(dp_ranks), dp_ranks, groups.get(tp_ranks) if tp_ranks else None,
+                                  tp_ranks)
+        module = torch.nn.ModuleDict({n: units[n] for n in names})
+        engine = make_engine(module, parallel, settings)
+        engines.update({n: engine for n in names})
+    return engines
+
+
+def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) -> None:
+    from src.run import plan_run, validate  # the same validation and planning as the driver
+
+    setup = validate(config)
+    plan = plan_run(setup)
+    backend = config["backend"]
+    places = placements(plan, rank)
+    needs_singletons = any(u.dp == 1 for u in plan.units) and world > 1
+    groups = ProcessGroups(plan.program, float(backend["timeout_s"]), needs_singletons)
+    tp = {name: TP(p.tp, p.tp_ranks.index(rank), groups.get(p.tp_ranks)) if p.tp > 1 else TP()
+          for name, p in places.items()}
+    units = build_units(setup.model, setup.train.seed, tp, {n: p.layers for n, p in places.items()})
+    engines = _engines(plan, places, units, groups, backend)
+    batches = Batches(setup.model, dataset_for(setup.model, setup.train.seed, str(backend["data"])),
+                      setup.train.global_batch, {u.unit: u for u in plan.units},
+                      {n: p.dp_ranks.index(rank) for n, p in places.items()})
+    executor = Executor(plan, setup.model, rank, units, engines, groups, batches)
+    rank_program = plan.program.class_of(rank)
+    timer = StepTimer(rank_program.instructions, rank_program.pipelined)
+    peak = _measured_peak(world)
+    cluster = dataclasses.replace(setup.cluster, peak_flops={setup.train.precision: peak})
+
+    sinks = open_sinks(run_dir, config, _job(run_dir, config)) if rank == 0 else None
+    try:
+        losses, times, breakdowns = [], [], []
+        for step in range(setup.train.steps):
+            batches.start_step(step)
+            dist.barrier()
+            timer.reset(time.perf_counter())
+            loss, holds = executor.run_step(timer)
+            stats = torch.tensor([loss if holds else 0.0, 1.0 if holds else 0.0, timer.end], dtype=torch.float64)
+            longest = stats[2:].clone()
+            dist.all_reduce(stats[:2])
+            dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+            losses.append(float(stats[0] / stats[1]))
+            times.append(float(longest))
+            breakdowns.append(timer.finish(times[-1]))
+            if sinks is not None:
+                sinks.log_step({"step": step, "loss": losses[-1], "step_time_s": times[-1]})
+        mine = {"rank": rank, "breakdowns": breakdowns, "spans": [dataclasses.astuple(s) for s in timer.spans],
+                "rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+        gathered = [None] * world if rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+        if sinks is not None:
+            timeline = _timeline(plan, gathered, times)
+            attach_memory(timeline, plan, setup.model, setup.train.precision)
+            for rank_timeline in timeline.ranks:
+                rank_timeline.memory["measured_rss_gib"] = max(gathered[r]["rss_gib"] for r in rank_timeline.ranks)
+            names = {"model": setup.model.name, "strategy": plan.strategy, "cluster": setup.cluster.name,
+                     "backend": "torch"}
+            summary = build_summary(names, plan, timeline, setup.model, cluster, setup.train)
+            summary.update({
+                "peak_flops_source": f"measured: {GEMM_N}x{GEMM_N} {setup.train.precision} GEMM on all {world} "
+                                     f"workers at once, mean per worker",
+                "dist_backend": dist.get_backend(),
+                "measured": {"loss": losses, "step_time_s": times},
+            })
+            sinks.finish(summary, timeline)
+    except BaseException:
+        if sinks is not None:
+            sinks.abort()
+        raise
+
+
+def _measured_peak(world: int) -> float:
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    flops = torch.tensor([gemm_flops(device)], dtype=torch.float64)
+    dist.all_reduce(flops)
+    return float(flops) / world
+
+
+def _job(run_dir: Path, config: dict[str, Any]) -> JobInfo:
+    path = run_dir / JOB_FILE
+    if path.exists():
+        return JobInfo(**json.loads(path.read_text()))
+    return JobInfo(run_name=config["run"]["name"], sweep_name=None, override_dirname=None)
+
+
+def _timeline(plan: Plan, per_rank: list[dict], times: list[float]) -> Timeline:
+    """One RankTimeline per rank class, as the simulator reports: the spans of the class's
+    first rank in the last step, the breakdown averaged over its ranks and over the
+    steps after the first (which pays for warm-up: allocation, DeepSpeed's first step)."""
+    measured = slice(1, None) if len(times) > 1 else slice(None)
+    iteration = statistics.fmean(times[measured])
+    ranks = []
+    for rank_program in plan.program.classes:
+        members = [per_rank[r] for r in rank_program.ranks]
+        breakdown: dict[str, float] = {}
+        for member in members:
+            steps = member["breakdowns"][measured]
+            for category in steps[0]:
+                breakdown[category] = breakdown.get(category, 0.0) + (
+                    statistics.fmean(s[category] for s in steps) / len(members))
+        busy = sum(v for k, v in breakdown.items() if k != "idle")
+        breakdown["idle"] = max(0.0, iteration - busy)
+        spans = [Span(*s) for s in members[0]["spans"]]
+        ranks.append(RankTimeline(ranks=rank_program.ranks, label=rank_program.label, units=rank_program.units,
+                                  spans=spans, breakdown=breakdown, end=iteration))
+    return Timeline(iteration_time=iteration, ranks=ranks, backend="torch", events=len(plan.program.classes))

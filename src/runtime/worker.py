@@ -1,0 +1,73 @@
+"""The worker entry: `python -m src.runtime.worker RUN_DIR [RUN_DIR ...]`.
+
+It reads RUN_DIR/resolved.yaml (never Hydra) and its rank from the environment
+(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK), as both the local driver and
+torchrun set them, so it runs unchanged under torchrun on several nodes. A failure is one
+line on stderr and in RUN_DIR/errors/rank<r>.txt, for the driver to report; the process
+group is destroyed on every exit (gloo aborts a process that exits with one alive).
+Several run directories (same world size) run back to back in one process group, paying
+the start-up (imports, rendezvous) once: small sweeps and the tests use this.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import yaml
+
+ERRORS_DIR = "errors"
+JOB_FILE = "job.json"  # the driver's Hydra job info, for the W&B sink
+
+
+def dist_backend(requested: str) -> str:
+    import torch
+
+    if requested == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return requested
+
+
+def main(run_dirs: list[Path]) -> int:
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    run_dir = run_dirs[0]
+    try:
+        config = yaml.safe_load((run_dir / "resolved.yaml").read_text())
+        backend = config["backend"]
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(int(backend["threads_per_worker"]))
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(dist_backend(str(backend["dist_backend"])),
+                                timeout=timedelta(seconds=float(backend["timeout_s"])))
+        try:
+            from src.runtime.session import run_session
+
+            for run_dir in run_dirs:
+                config = yaml.safe_load((run_dir / "resolved.yaml").read_text())
+                run_session(config, run_dir, rank, world)
+        finally:
+            dist.destroy_process_group()
+    except KeyboardInterrupt:
+        return 130
+    except BaseException as err:  # one line for the driver; the traceback for whoever reads the log
+        line = f"rank {rank}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        traceback.print_exc()
+        errors = run_dir / ERRORS_DIR
+        errors.mkdir(exist_ok=True)
+        (errors / f"rank{rank}.txt").write_text(line + "\n")
+        print(line, file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        print("usage: python -m src.runtime.worker RUN_DIR [RUN_DIR ...]", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(main([Path(arg) for arg in sys.argv[1:]]))
