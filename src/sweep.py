@@ -200,8 +200,10 @@ def plot(spec: SweepSpec, results: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def sweep_from_command_line(argv: list[str] | None, description: str) -> tuple[SweepSpec, Path] | None:
+    """Parse `<sweep.yaml> [--out DIR]`, load the sweep and run it; None (after one error
+    line) if the sweep file is bad."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("sweep", type=Path, help="a sweep file in sweeps/")
     parser.add_argument("--out", type=Path, default=None, help="output directory (default outputs/sweeps/<name>)")
     args = parser.parse_args(argv)
@@ -209,10 +211,18 @@ def main(argv: list[str] | None = None) -> int:
         spec = load_sweep(args.sweep)
     except (ConfigError, OSError, yaml.YAMLError) as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return None
     out = args.out or Path("outputs") / "sweeps" / spec.name
     run_sweep(spec, out)
     print((out / "results.md").read_text())
+    return spec, out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ran = sweep_from_command_line(argv, __doc__.splitlines()[0])
+    if ran is None:
+        return 2
+    spec, out = ran
     print(f"wrote {out / 'results.md'} and {out / (spec.name + '.png')}")
     return 0
 

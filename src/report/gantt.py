@@ -9,14 +9,13 @@ trace.json, the simulator's Chrome trace, one panel per run, into <out>/<name>_g
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 from src.program import COMPUTE_STREAM
 from src.report.sinks import TRACE_FILE
-from src.sweep import load_sweep, run_sweep
+from src.sweep import sweep_from_command_line
 from src.timeline import RankTimeline, Span, Timeline
 
 # Bars by the phase that starts a compute span's name (engine: "<phase> <unit> L<a>-<b>").
@@ -86,13 +85,10 @@ def render(panels: list[tuple[str, Timeline]], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("sweep", type=Path, help="a sweep file in sweeps/")
-    parser.add_argument("--out", type=Path, default=None, help="output directory (default outputs/sweeps/<name>)")
-    args = parser.parse_args(argv)
-    spec = load_sweep(args.sweep)
-    out = args.out or Path("outputs") / "sweeps" / spec.name
-    run_sweep(spec, out)
+    ran = sweep_from_command_line(argv, __doc__.splitlines()[0])
+    if ran is None:
+        return 2
+    spec, out = ran
     panels = []
     for index, group in enumerate(spec.groups):
         for series in spec.series:
@@ -101,7 +97,6 @@ def main(argv: list[str] | None = None) -> int:
                 panels.append((f"{group['label']}, {series}", load_trace(trace)))
     path = out / f"{spec.name}_gantt.png"
     render(panels, path)
-    print((out / "results.md").read_text())
     print(f"wrote {out / 'results.md'}, {out / (spec.name + '.png')} and {path}")
     return 0
 
