@@ -16,8 +16,8 @@ from src.runtime.driver import launch
 
 
 # Strategies whose Programs the executor has been checked against (loss equality with
-# one process). DistMM's towers on disjoint groups are not wired up yet.
-RUNNABLE = ("ddp", "megatron")
+# one process).
+RUNNABLE = ("ddp", "megatron", "distmm")
 
 
 def check_workers(plan: Plan, backend: dict[str, Any]) -> None:
@@ -28,11 +28,24 @@ def check_workers(plan: Plan, backend: dict[str, Any]) -> None:
         raise ConfigError(f"the {plan.strategy} plan needs {plan.devices} workers but backend.workers={workers}")
 
 
+def check_program(config: dict[str, Any], plan: Plan) -> None:
+    """What the executor cannot run, refused before any worker starts (every class's
+    first rank stands for its class)."""
+    from src.run import validate
+    from src.runtime.executor import links
+
+    setup = validate(config)
+    for rank_program in plan.program.classes:
+        if rank_program.ranks:
+            links(plan, setup.model, rank_program.ranks[0], setup.train.global_batch)
+
+
 def run_torch(config: dict[str, Any], plan: Plan, run_dir: Path, job: JobInfo) -> dict[str, Any]:
     backend = config["backend"]
     if plan.strategy not in RUNNABLE:
         raise ConfigError(f"backend=torch does not run strategy={plan.strategy} yet; it runs {list(RUNNABLE)}")
     check_workers(plan, backend)
+    check_program(config, plan)
     if backend.get("launch", "local") != "local":
         raise ConfigError(f"backend.launch={backend.get('launch')!r}: only 'local' starts workers from here; "
                           f"use launchers/torchrun.sh for external launches")

@@ -35,8 +35,6 @@ def worker_env(rank: int, world: int, port: int, backend: dict[str, Any]) -> dic
     env.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                 "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                 "OMP_NUM_THREADS": str(backend["threads_per_worker"])})
-    if backend["dist_backend"] != "nccl":
-        env.setdefault("DS_ACCELERATOR", "cpu")  # silences DeepSpeed's accelerator probe
     return env
 
 

@@ -64,6 +64,7 @@ class EngineSettings:
     accumulation: int  # backward calls of one micro-batch's worth per step (for DeepSpeed's batch bookkeeping)
     lr: float
     weight_decay: float
+    eps: float
 
 
 def deepspeed_config(settings: EngineSettings, dp: int) -> dict:
@@ -91,7 +92,7 @@ def make_engine(module: nn.Module, groups: ParallelGroups, settings: EngineSetti
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
     params = [p for p in module.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
+    optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay, eps=settings.eps)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, mpu=groups,
                                            config=deepspeed_config(settings, len(groups.dp_ranks)))
     return engine

@@ -1,8 +1,12 @@
 """Each unit's micro-batches for one step, cut from the global batch of that step.
 
-Step s uses global samples [s·B, (s+1)·B); data-parallel replica d of a unit takes its
-`batch_per_replica` rows in replica order and micro-batch j the j-th slice of those. Any
-plan thus trains on the very samples of a 1-process run.
+Step s uses global samples [s·B, (s+1)·B), cut into the step's batch-sync groups (DistMM's
+contrastive batches; elsewhere one group per micro-batch index): group g is the g-th
+contiguous slice of B/G samples, data-parallel replica d takes the d-th share of each
+group, and the group's micro-batches cut that share in order. Every unit thus sees the
+samples of a batch-sync at the same step positions whatever its replicas and
+micro-batches (towers of different dp pair up row by row), and any plan trains on the
+very samples of a 1-process run.
 """
 from __future__ import annotations
 
@@ -51,6 +55,15 @@ def unit_fields(model: ModelSpec, unit: str, batch: Mapping[str, torch.Tensor]) 
     return out
 
 
+def first_sample(plan: UnitPlan, global_batch: int, replica: int, microbatch: int) -> int:
+    """Position in the step's batch of the first sample of `replica`'s micro-batch."""
+    groups = int(plan.details.get("batch_sync_groups", plan.num_microbatches))
+    per_group = plan.num_microbatches // groups
+    group, local = divmod(microbatch, per_group)
+    share = plan.batch_per_replica // groups
+    return group * (global_batch // groups) + replica * share + local * plan.micro_batch
+
+
 class Batches:
     def __init__(self, model: ModelSpec, dataset: Any, global_batch: int, units: Mapping[str, UnitPlan],
                  replica: Mapping[str, int]) -> None:
@@ -67,8 +80,8 @@ class Batches:
         key = (unit, microbatch)
         if key not in self._cache:
             plan = self.units[unit]
-            first = (self.step * self.global_batch + self.replica[unit] * plan.batch_per_replica
-                     + microbatch * plan.micro_batch)
+            first = self.step * self.global_batch + first_sample(plan, self.global_batch, self.replica[unit],
+                                                                  microbatch)
             batch = collate([self.dataset[i] for i in range(first, first + plan.micro_batch)])
             self._cache[key] = unit_fields(self.model, unit, batch)
         return self._cache[key]

@@ -3,7 +3,8 @@ computes, and each unit's TP and DP groups as this rank sees them.
 
 The groups come from the Program's own collectives: a unit's TP group is the group of the
 tp collectives that follow its compute; its DP group is the group of the dp collective
-that precedes its optimizer step (a unit with dp=1 has none: its DP group is the rank).
+that precedes its optimizer step (a unit with dp=1 has none: its DP group is the rank;
+a frozen unit has none either: its replicas are those of its class).
 """
 from __future__ import annotations
 
@@ -47,20 +48,23 @@ def placements(plan: Plan, rank: int) -> dict[str, UnitPlacement]:
                 last_dp = ranks
     for place in out.values():
         if not place.dp_ranks:
-            place.dp_ranks = _dp_without_optimizer(plan, out, place.unit, rank)
+            place.dp_ranks = _dp_without_optimizer(plan, place.unit, rank)
         if place.tp > 1 and len(place.tp_ranks) != place.tp:
             raise ConfigError(f"unit {place.unit} runs with tp={place.tp} on rank {rank} but its tp collectives "
                               f"are over {len(place.tp_ranks)} ranks")
     return out
 
 
-def _dp_without_optimizer(plan: Plan, out: dict[str, UnitPlacement], unit: str, rank: int) -> tuple[int, ...]:
-    """A unit with no dp collective before an optimizer step: dp=1, or frozen (LiT's
-    tower), whose replicas are those of a trained unit placed on the same ranks."""
+def _dp_without_optimizer(plan: Plan, unit: str, rank: int) -> tuple[int, ...]:
+    """A unit with no dp collective before an optimizer step (dp=1, or frozen: LiT's
+    tower): its replicas are read off the rank's class, which lists the ranks of one
+    pipeline stage TP-fastest, then by replica (the order Program.peer_for relies on)."""
     unit_plan = plan.unit(unit)
     if unit_plan.dp == 1:
         return (rank,)
-    for other, place in out.items():
-        if place.dp_ranks and plan.unit(other).ranks == unit_plan.ranks and plan.unit(other).dp == unit_plan.dp:
-            return place.dp_ranks
-    raise ConfigError(f"unit {unit} has dp={unit_plan.dp} but rank {rank}'s Program names no dp group for it")
+    ranks = plan.program.class_of(rank).ranks
+    replicas = ranks[ranks.index(rank) % unit_plan.tp::unit_plan.tp]
+    if len(replicas) != unit_plan.dp:
+        raise ConfigError(f"unit {unit} has dp={unit_plan.dp} but rank {rank}'s class holds {len(replicas)} "
+                          f"replicas of it and its Program names no dp group for it")
+    return replicas

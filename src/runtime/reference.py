@@ -16,11 +16,16 @@ from src.strategies.stages import unit_order
 
 
 def reference_losses(model: ModelSpec, seed: int, global_batch: int, steps: int, lr: float,
-                     weight_decay: float = 0.0, data: str = "synthetic") -> list[float]:
+                     weight_decay: float = 0.0, data: str = "synthetic", contrastive_batch: int | None = None,
+                     eps: float = 1e-8) -> list[float]:
+    """Losses of `steps` steps. The contrastive loss is the mean over the step's
+    consecutive slices of `contrastive_batch` samples (default: the whole batch), each
+    scored against itself only, as the parallel plans' batch-syncs score them."""
+    rbs = contrastive_batch or global_batch
     units = build_units(model, seed, {}, {u.name: set(range(u.num_layers)) for u in model.units})
     params = [p for p in units.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    whole = SimpleNamespace(batch_per_replica=global_batch, micro_batch=global_batch)
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, eps=eps)
+    whole = SimpleNamespace(batch_per_replica=global_batch, micro_batch=global_batch, num_microbatches=1, details={})
     batches = Batches(model, dataset_for(model, seed, data), global_batch, {u.name: whole for u in model.units},
                       {u.name: 0 for u in model.units})
     losses = []
@@ -31,8 +36,8 @@ def reference_losses(model: ModelSpec, seed: int, global_batch: int, steps: int,
         for name in unit_order(model):
             if name == model.interaction:
                 vision, text = (p for p, c in model.flows if c == name)
-                a, b = finals[vision]["feature"], finals[text]["feature"]
-                loss = loss + units[name][0](a, b, a, b, 0).squeeze()
+                for a, b in zip(finals[vision]["feature"].split(rbs), finals[text]["feature"].split(rbs)):
+                    loss = loss + units[name][0](a, b, a, b, 0) / global_batch
                 continue
             state = dict(batches(name, 0))
             for producer, consumer in model.flows:

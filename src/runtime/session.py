@@ -48,7 +48,7 @@ def _engines(plan: Plan, places: dict[str, UnitPlacement], units: torch.nn.Modul
         zero = int(first.details.get("zero_stage") or 0)
         settings = EngineSettings(zero_stage=zero, micro_batch=first.micro_batch,
                                   accumulation=first.num_microbatches, lr=float(backend["lr"]),
-                                  weight_decay=float(backend["weight_decay"]))
+                                  weight_decay=float(backend["weight_decay"]), eps=float(backend["adam_eps"]))
         parallel = ParallelGroups(groups.get(dp_ranks), dp_ranks, groups.get(tp_ranks) if tp_ranks else None,
                                   tp_ranks)
         module = torch.nn.ModuleDict({n: units[n] for n in names})
@@ -73,7 +73,7 @@ def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) ->
     batches = Batches(setup.model, dataset_for(setup.model, setup.train.seed, str(backend["data"])),
                       setup.train.global_batch, {u.unit: u for u in plan.units},
                       {n: p.dp_ranks.index(rank) for n, p in places.items()})
-    executor = Executor(plan, setup.model, rank, units, engines, groups, batches)
+    executor = Executor(plan, setup.model, rank, units, engines, groups, batches, setup.train.global_batch)
     rank_program = plan.program.class_of(rank)
     timer = StepTimer(rank_program.instructions, rank_program.pipelined)
     peak = _measured_peak(world)
@@ -86,12 +86,11 @@ def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) ->
             batches.start_step(step)
             dist.barrier()
             timer.reset(time.perf_counter())
-            loss, holds = executor.run_step(timer)
-            stats = torch.tensor([loss if holds else 0.0, 1.0 if holds else 0.0, timer.end], dtype=torch.float64)
-            longest = stats[2:].clone()
-            dist.all_reduce(stats[:2])
+            loss = torch.tensor([executor.run_step(timer)], dtype=torch.float64)
+            longest = torch.tensor([timer.end], dtype=torch.float64)
+            dist.all_reduce(loss)  # every rank holds its share of the loss
             dist.all_reduce(longest, op=dist.ReduceOp.MAX)
-            losses.append(float(stats[0] / stats[1]))
+            losses.append(float(loss))
             times.append(float(longest))
             breakdowns.append(timer.finish(times[-1]))
             if sinks is not None:

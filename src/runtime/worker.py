@@ -2,7 +2,8 @@
 
 It reads RUN_DIR/resolved.yaml (never Hydra) and its rank from the environment
 (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK), as both the local driver and
-torchrun set them, so it runs unchanged under torchrun on several nodes. A failure is one
+torchrun set them, so it runs unchanged under torchrun or srun on several nodes (see
+launchers/; src/runtime/prepare.py writes the run directory there). A failure is one
 line on stderr and in RUN_DIR/errors/rank<r>.txt, for the driver to report; the process
 group is destroyed on every exit (gloo aborts a process that exits with one alive).
 Several run directories (same world size) run back to back in one process group, paying
@@ -40,14 +41,24 @@ def main(run_dirs: list[Path]) -> int:
         import torch
         import torch.distributed as dist
 
+        name = dist_backend(str(backend["dist_backend"]))
+        if name != "nccl":
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed's first import: no accelerator probe
         torch.set_num_threads(int(backend["threads_per_worker"]))
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
         if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(dist_backend(str(backend["dist_backend"])),
-                                timeout=timedelta(seconds=float(backend["timeout_s"])))
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group(name, timeout=timedelta(seconds=float(backend["timeout_s"])))
         try:
+            from src.runtime.engines import prebuild_ops
             from src.runtime.session import run_session
 
+            # Under torchrun or srun no driver has built DeepSpeed's op: one worker per node
+            # builds it (or loads it from the cache) while the others wait, as concurrent
+            # first builds race.
+            if local_rank == 0:
+                prebuild_ops()
+            dist.barrier()
             for run_dir in run_dirs:
                 config = yaml.safe_load((run_dir / "resolved.yaml").read_text())
                 run_session(config, run_dir, rank, world)

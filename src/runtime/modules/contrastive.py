@@ -1,8 +1,11 @@
 """The contrastive loss (CLIP's symmetric InfoNCE) over a batch spread over ranks.
 
-Each rank scores its local images against every text of the contrastive batch and its
-local texts against every image; the mean of these local losses over ranks is exactly
-the loss of one process holding the whole batch.
+A rank scores the rows it holds (queries) against every row of the other modality in the
+contrastive batch (keys): its images against all texts, its texts against all images.
+It returns half the SUMMED cross-entropy of its rows, so the caller normalises by what
+the whole batch has: a rank holding both modalities of its rows (data parallel) divides
+by its rows and averages over ranks; a rank holding one modality (DistMM's separate
+towers) divides by the contrastive batch, and the ranks' values add up to the loss.
 """
 from __future__ import annotations
 
@@ -19,13 +22,18 @@ class ContrastiveLoss(nn.Module):
         # CLIP's initial temperature; shape (1,), since DeepSpeed cannot broadcast a 0-dim parameter.
         self.logit_scale = nn.Parameter(torch.full((1,), math.log(1 / 0.07)))
 
-    def forward(self, image: torch.Tensor, text: torch.Tensor, all_image: torch.Tensor, all_text: torch.Tensor,
-                offset: int) -> torch.Tensor:
-        """image/text: this rank's rows; all_*: the whole contrastive batch, in which this
-        rank's rows start at `offset`."""
-        image, text = F.normalize(image, dim=-1), F.normalize(text, dim=-1)
-        all_image, all_text = F.normalize(all_image, dim=-1), F.normalize(all_text, dim=-1)
+    def forward(self, image: torch.Tensor | None, text: torch.Tensor | None, all_image: torch.Tensor | None,
+                all_text: torch.Tensor | None, offset: int) -> torch.Tensor:
+        """image/text: this rank's rows of a modality (None: it holds none); all_*: the
+        whole contrastive batch of the modality its rows are scored against (needed
+        only for the other modality of the rows it holds); this rank's rows start at
+        `offset` of the batch."""
         scale = self.logit_scale.exp()
-        labels = torch.arange(offset, offset + image.shape[0])
-        return (F.cross_entropy(scale * image @ all_text.t(), labels)
-                + F.cross_entropy(scale * text @ all_image.t(), labels)) / 2
+        total = scale.new_zeros(())
+        for queries, keys in ((image, all_text), (text, all_image)):
+            if queries is None:
+                continue
+            labels = torch.arange(offset, offset + queries.shape[0])
+            logits = scale * F.normalize(queries, dim=-1) @ F.normalize(keys, dim=-1).t()
+            total = total + F.cross_entropy(logits, labels, reduction="sum")
+        return total / 2

@@ -1,0 +1,80 @@
+"""Prepare a real run for an external launcher (torchrun, srun), start nothing:
+
+    python -m src.runtime.prepare backend=torch model=clip ... hydra.run.dir=/shared/run
+
+Composes, validates and plans exactly as the front door, then writes the run directory
+the workers read: resolved.yaml, job.json (Hydra's job info, for the W&B sink) and
+launch.env (how many nodes and workers per node torchrun must start: the plan's ranks fill
+whole nodes of the cluster, in rank order, as the cost model places them). Prints the run
+directory as the last line of stdout. The launcher then runs the worker entry,
+`python -m src.runtime.worker RUN_DIR`, on every node; its rank 0 reports.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+import yaml
+from omegaconf import DictConfig, OmegaConf
+
+from src.errors import ConfigError
+from src.program import Plan
+from src.report import JobInfo
+from src.report.files import SUMMARY_FILE
+from src.run import _job_info, plan_run, validate
+from src.runtime.backend import RUNNABLE, check_program
+from src.runtime.worker import JOB_FILE
+
+LAUNCH_FILE = "launch.env"  # shell-sourceable: the wrappers in launchers/ read it without Python
+
+
+def layout(plan: Plan, devices_per_node: int) -> tuple[int, int]:
+    """(nodes, workers per node): torchrun starts the same number of workers on each node."""
+    if plan.devices <= devices_per_node:
+        return 1, plan.devices
+    if plan.devices % devices_per_node:
+        raise ConfigError(f"the {plan.strategy} plan uses {plan.devices} devices, which do not fill whole nodes of "
+                          f"{devices_per_node}; torchrun starts as many workers on every node")
+    return plan.devices // devices_per_node, devices_per_node
+
+
+def prepare(config: dict[str, Any], run_dir: Path, job: JobInfo) -> tuple[int, int]:
+    """Write the run directory of a torch run; returns (nodes, workers per node)."""
+    if config["backend"]["name"] != "torch":
+        raise ConfigError(f"only backend=torch runs are prepared for a launcher, got backend={config['backend']['name']}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # A reused run directory must not keep an earlier run's results if this one fails.
+    (run_dir / SUMMARY_FILE).unlink(missing_ok=True)
+    (run_dir / "resolved.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    setup = validate(config)
+    plan = plan_run(setup)
+    # What the front door refuses before starting workers, refused here too.
+    if plan.strategy not in RUNNABLE:
+        raise ConfigError(f"backend=torch does not run strategy={plan.strategy} yet; it runs {list(RUNNABLE)}")
+    check_program(config, plan)
+    nodes, per_node = layout(plan, setup.cluster.devices_per_node)
+    (run_dir / JOB_FILE).write_text(json.dumps(dataclasses.asdict(job)))
+    (run_dir / LAUNCH_FILE).write_text(f"NNODES={nodes}\nNPROC_PER_NODE={per_node}\nWORLD={plan.devices}\n")
+    return nodes, per_node
+
+
+@hydra.main(version_base=None, config_path="../../conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    config = OmegaConf.to_container(cfg, resolve=True)
+    run_dir, job = _job_info(config)
+    try:
+        nodes, per_node = prepare(config, run_dir, job)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    print(f"prepared: {nodes} node(s) x {per_node} worker(s); on each node: "
+          f"launchers/torchrun.sh {run_dir} HOST:PORT", file=sys.stderr)
+    print(run_dir)
+
+
+if __name__ == "__main__":
+    main()
