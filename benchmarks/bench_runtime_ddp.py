@@ -165,7 +165,7 @@ def plain_worker(run_dir: Path) -> None:
                                                              if zero == 3 else {})},  # as the harness: every param
                      "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0, "steps_per_print": 2**31}
         optimizer = torch.optim.AdamW(clip.parameters(), lr=float(backend["lr"]),
-                                      weight_decay=float(backend["weight_decay"]))
+                                      weight_decay=float(backend["weight_decay"]), eps=float(backend["adam_eps"]))
         engine, *_ = deepspeed.initialize(model=clip, optimizer=optimizer, config=ds_config)
         data = dataset_for(model, seed, "synthetic")
         for step in range(setup.train.steps):

@@ -62,17 +62,22 @@ def plan_run(setup: Setup) -> Plan:
     return plan
 
 
-def execute(config: dict[str, Any], run_dir: Path, job: JobInfo) -> dict[str, Any]:
+def start_run_dir(config: dict[str, Any], run_dir: Path) -> None:
+    """Write the composed config; a reused run directory must not keep an earlier run's
+    results if this one fails."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    # A reused run directory must not keep an earlier run's results if this one fails.
     (run_dir / SUMMARY_FILE).unlink(missing_ok=True)
     (run_dir / "resolved.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def execute(config: dict[str, Any], run_dir: Path, job: JobInfo) -> dict[str, Any]:
+    start_run_dir(config, run_dir)
     setup = validate(config)
     plan = plan_run(setup)
     if config["backend"]["name"] == "torch":
         from src.runtime.backend import run_torch  # torch.distributed and DeepSpeed load only here
 
-        return run_torch(config, plan, run_dir, job)
+        return run_torch(setup, plan, run_dir, job)
     timeline = simulate(plan.program, setup.model, setup.cluster, setup.train.precision)
     attach_memory(timeline, plan, setup.model, setup.train.precision)
     names = {"model": setup.model.name, "strategy": config["strategy"]["name"], "cluster": setup.cluster.name,
@@ -84,7 +89,8 @@ def execute(config: dict[str, Any], run_dir: Path, job: JobInfo) -> dict[str, An
     return summary
 
 
-def _job_info(config: dict[str, Any]) -> tuple[Path, JobInfo]:
+def job_info(config: dict[str, Any]) -> tuple[Path, JobInfo]:
+    """The run directory and names of the Hydra job running now."""
     hydra_cfg = HydraConfig.get()
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     sweep = Path(hydra_cfg.sweep.dir).name if multirun else None
@@ -96,7 +102,7 @@ def _job_info(config: dict[str, Any]) -> tuple[Path, JobInfo]:
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     config = OmegaConf.to_container(cfg, resolve=True)
-    run_dir, job = _job_info(config)
+    run_dir, job = job_info(config)
     try:
         execute(config, run_dir, job)
     except (ConfigError, SimulationError) as err:

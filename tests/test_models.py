@@ -109,7 +109,7 @@ def test_disttrain_llm_backbones() -> None:
 @pytest.mark.parametrize("model", ["mllm_9b", "mllm_15b", "mllm_72b"])
 def test_disttrain_encoder_generator_and_total(model: str) -> None:
     spec = build_model({"name": model})
-    encoder, llm, generator = spec.unit("encoder"), spec.unit("llm"), spec.unit("generator")
+    encoder, generator = spec.unit("encoder"), spec.unit("generator")
     # ViT-Huge "0.63B" (§8): the encoder without the input projector.
     assert near(params_of(encoder, exclude_prefix=("input_projector",)), 0.63e9)
     assert encoder.layers[-1].name == "input_projector"

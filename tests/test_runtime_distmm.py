@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 from src.errors import ConfigError
 from src.models.registry import build_model
 from src.run import plan_run, validate
-from src.runtime.backend import check_program
+from src.runtime.backend import check_runnable
 from src.runtime.driver import free_port, launch
 from src.runtime.exchange import Layout, Rows, sync_gradients
 from src.runtime.modules.contrastive import ContrastiveLoss
@@ -157,4 +157,5 @@ def test_a_program_the_executor_cannot_run_is_refused_before_any_worker_starts()
     config = composed(FOUR_WORKERS + ["model=coca", "strategy.vision.dp=2", "strategy.text.pp=2"])
     with pytest.raises(ConfigError, match=r"rank 3 runs a batch-sync of text whose feature \(layer 2\) is computed "
                                           r"on another pipeline stage"):
-        check_program(config, plan_run(validate(config)))
+        setup = validate(config)
+        check_runnable(setup, plan_run(setup))

@@ -13,7 +13,7 @@ from src.program import (COMM_KINDS, BatchSync, Collective, Compute, Group, Prog
                          Wait, Work)
 from src.sim.engine import SimulationError, simulate
 from src.timeline import BREAKDOWN_CATEGORIES
-from tests.test_sim_programs import (CLUSTER, DMM_BATCH, EMBED, INTRA_BW, INTRA_LAT, MODEL, MS, PEAK, PRECISION,
+from tests.test_sim_programs import (DMM_BATCH, EMBED, INTRA_BW, INTRA_LAT, MODEL, MS, PEAK, PRECISION,
                                      REL, all_reduce_s, assert_breakdown, build_distmm, build_disttrain,
                                      build_megatron, build_optimus, build_par4d, gemm_s, make_cluster, p2p_s, run,
                                      timeline_of)

@@ -1,18 +1,20 @@
-"""The real backend behind the front door: check the plan fits the local workers, build
-DeepSpeed's op once, start the workers (which report to the run directory's sinks
-themselves, so the same worker entry also reports under torchrun), return the summary."""
+"""The real backend behind the front door: check the plan fits the local workers, start
+the workers (which report to the run directory's sinks themselves, so the same worker
+entry also reports under torchrun), return the summary."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from src.errors import ConfigError
 from src.program import Plan
 from src.report import JobInfo
 from src.report.files import SUMMARY_FILE
 from src.runtime.driver import launch
+
+if TYPE_CHECKING:
+    from src.run import Setup
 
 
 # Strategies whose Programs the executor has been checked against (loss equality with
@@ -28,32 +30,24 @@ def check_workers(plan: Plan, backend: dict[str, Any]) -> None:
         raise ConfigError(f"the {plan.strategy} plan needs {plan.devices} workers but backend.workers={workers}")
 
 
-def check_program(config: dict[str, Any], plan: Plan) -> None:
+def check_runnable(setup: Setup, plan: Plan) -> None:
     """What the executor cannot run, refused before any worker starts (every class's
     first rank stands for its class)."""
-    from src.run import validate
     from src.runtime.executor import links
 
-    setup = validate(config)
+    if plan.strategy not in RUNNABLE:
+        raise ConfigError(f"backend=torch does not run strategy={plan.strategy} yet; it runs {list(RUNNABLE)}")
     for rank_program in plan.program.classes:
         if rank_program.ranks:
             links(plan, setup.model, rank_program.ranks[0], setup.train.global_batch)
 
 
-def run_torch(config: dict[str, Any], plan: Plan, run_dir: Path, job: JobInfo) -> dict[str, Any]:
-    backend = config["backend"]
-    if plan.strategy not in RUNNABLE:
-        raise ConfigError(f"backend=torch does not run strategy={plan.strategy} yet; it runs {list(RUNNABLE)}")
+def run_torch(setup: Setup, plan: Plan, run_dir: Path, job: JobInfo) -> dict[str, Any]:
+    """Start the local workers (each builds DeepSpeed's op on its node's first rank) and
+    return the summary rank 0 wrote."""
+    backend = setup.config["backend"]
+    check_runnable(setup, plan)
     check_workers(plan, backend)
-    check_program(config, plan)
-    if backend.get("launch", "local") != "local":
-        raise ConfigError(f"backend.launch={backend.get('launch')!r}: only 'local' starts workers from here; "
-                          f"use launchers/torchrun.sh for external launches")
-    if backend["dist_backend"] != "nccl":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed's first import: no accelerator probe
-    from src.runtime.engines import prebuild_ops
-
-    prebuild_ops()
     launch([run_dir], plan.devices, backend, [{"run_name": job.run_name, "sweep_name": job.sweep_name,
                                                "override_dirname": job.override_dirname}])
     return json.loads((run_dir / SUMMARY_FILE).read_text())

@@ -73,15 +73,19 @@ class Batches:
         self._cache: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
 
     def start_step(self, step: int) -> None:
+        """Make every micro-batch of the step before its timed window opens; units that
+        read the same samples (two towers) share one collated batch."""
         self.step = step
         self._cache.clear()
+        rows: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        for unit, replica in self.replica.items():
+            plan = self.units[unit]
+            for microbatch in range(plan.num_microbatches):
+                first = step * self.global_batch + first_sample(plan, self.global_batch, replica, microbatch)
+                key = (first, plan.micro_batch)
+                if key not in rows:
+                    rows[key] = collate([self.dataset[i] for i in range(first, first + plan.micro_batch)])
+                self._cache[(unit, microbatch)] = unit_fields(self.model, unit, rows[key])
 
     def __call__(self, unit: str, microbatch: int) -> dict[str, torch.Tensor]:
-        key = (unit, microbatch)
-        if key not in self._cache:
-            plan = self.units[unit]
-            first = self.step * self.global_batch + first_sample(plan, self.global_batch, self.replica[unit],
-                                                                  microbatch)
-            batch = collate([self.dataset[i] for i in range(first, first + plan.micro_batch)])
-            self._cache[key] = unit_fields(self.model, unit, batch)
-        return self._cache[key]
+        return self._cache[(unit, microbatch)]

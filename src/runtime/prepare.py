@@ -18,15 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from src.errors import ConfigError
 from src.program import Plan
 from src.report import JobInfo
-from src.report.files import SUMMARY_FILE
-from src.run import _job_info, plan_run, validate
-from src.runtime.backend import RUNNABLE, check_program
+from src.run import job_info, plan_run, start_run_dir, validate
+from src.runtime.backend import check_runnable
 from src.runtime.worker import JOB_FILE
 
 LAUNCH_FILE = "launch.env"  # shell-sourceable: the wrappers in launchers/ read it without Python
@@ -46,16 +44,10 @@ def prepare(config: dict[str, Any], run_dir: Path, job: JobInfo) -> tuple[int, i
     """Write the run directory of a torch run; returns (nodes, workers per node)."""
     if config["backend"]["name"] != "torch":
         raise ConfigError(f"only backend=torch runs are prepared for a launcher, got backend={config['backend']['name']}")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    # A reused run directory must not keep an earlier run's results if this one fails.
-    (run_dir / SUMMARY_FILE).unlink(missing_ok=True)
-    (run_dir / "resolved.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    start_run_dir(config, run_dir)
     setup = validate(config)
     plan = plan_run(setup)
-    # What the front door refuses before starting workers, refused here too.
-    if plan.strategy not in RUNNABLE:
-        raise ConfigError(f"backend=torch does not run strategy={plan.strategy} yet; it runs {list(RUNNABLE)}")
-    check_program(config, plan)
+    check_runnable(setup, plan)  # what the front door refuses before starting workers
     nodes, per_node = layout(plan, setup.cluster.devices_per_node)
     (run_dir / JOB_FILE).write_text(json.dumps(dataclasses.asdict(job)))
     (run_dir / LAUNCH_FILE).write_text(f"NNODES={nodes}\nNPROC_PER_NODE={per_node}\nWORLD={plan.devices}\n")
@@ -65,7 +57,7 @@ def prepare(config: dict[str, Any], run_dir: Path, job: JobInfo) -> tuple[int, i
 @hydra.main(version_base=None, config_path="../../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     config = OmegaConf.to_container(cfg, resolve=True)
-    run_dir, job = _job_info(config)
+    run_dir, job = job_info(config)
     try:
         nodes, per_node = prepare(config, run_dir, job)
     except ConfigError as err:
