@@ -232,8 +232,7 @@ def report(runs: dict[str, list[Measured]], args: argparse.Namespace, overrides:
         print(f"{label:34s} {figure['harness'] * 1e3:9.2f} {figure['plain'] * 1e3:9.2f} "
               f"{figure['harness'] / figure['plain']:6.3f}")
     batch_s = statistics.median(t for m in runs["plain"] for t in m.batch_s[WARMUP:])
-    print(f"making one step's batch (plain loop, before its timed step; the harness makes it inside): "
-          f"{batch_s * 1e3:.2f} ms")
+    print(f"making one step's batch (both loops, before their timed step): {batch_s * 1e3:.2f} ms")
     print(f"losses of the two loops: max relative difference {worst:.1e} over {len(first['plain'])} steps")
     print(f"step-time ratio, median over rounds: {ratio:.3f}: {'within' if ratio <= TARGET else 'OVER'} "
           f"the {TARGET:.2f}x target")
