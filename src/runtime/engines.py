@@ -3,18 +3,26 @@
 The engine owns gradient reduction and the optimizer (ZeRO 0-3 over the unit's DP group).
 It runs in DeepSpeed's unmanaged gradient-accumulation mode: the executor calls
 `backward` once per instruction (micro-batch, stage, batch-sync) with losses it has
-already scaled, and `step` once at the Program's optimizer instruction, which reduces the
-accumulated gradients (ZeRO-0/1; ZeRO-2/3 reduce during backward) and updates.
+already scaled, and `step` once at the Program's optimizer instruction, which updates.
+ZeRO-0's gradient all-reduce is taken out of `step` and run by `reduce_gradients` just
+before it, so that the executor can time it as DP communication; ZeRO-1 reduces inside
+`step`, ZeRO-2/3 during backward.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
+import io
 import logging
+import sys
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from src.runtime.comm import CLOCK
 
 
 @dataclass(frozen=True)
@@ -93,9 +101,24 @@ def make_engine(module: nn.Module, groups: ParallelGroups, settings: EngineSetti
     deepspeed.utils.logger.setLevel(logging.WARNING)
     params = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay, eps=settings.eps)
-    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, mpu=groups,
-                                           config=deepspeed_config(settings, len(groups.dp_ranks)))
+    # The first initialize in a process starts DeepSpeed's communication, which loads the shm op.
+    with _without_load_notice():
+        engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, mpu=groups,
+                                               config=deepspeed_config(settings, len(groups.dp_ranks)))
+    if settings.zero_stage == 0:
+        # reduce_gradients does it: inside step() its time would be counted as compute.
+        engine.enable_backward_allreduce = False
     return engine
+
+
+def reduce_gradients(engine) -> None:
+    """Call just before `step`. ZeRO-0: what `step` would do first at the accumulation
+    boundary, DeepSpeed's own bucketed all-reduce (average) of every gradient over the
+    engine's DP group, timed as DP communication. Other stages reduce on their own
+    (make_engine leaves their automatic reduction on): nothing to do or time."""
+    if engine.zero_optimization_stage() == 0:
+        with CLOCK.timed("dp"):
+            engine.buffered_allreduce_fallback()
 
 
 def prebuild_ops() -> None:
@@ -107,6 +130,24 @@ def prebuild_ops() -> None:
     root.setLevel(logging.WARNING)
     try:
         # `import deepspeed.comm.torch as m` would bind torch itself (deepspeed.comm re-exports it).
-        importlib.import_module("deepspeed.comm.torch").build_shm_op()
+        with _without_load_notice():
+            importlib.import_module("deepspeed.comm.torch").build_shm_op()
     finally:
         root.setLevel(level)
+
+
+LOAD_NOTICE = "deepspeed_shm_comm_op built successfully"
+
+
+@contextlib.contextmanager
+def _without_load_notice() -> Iterator[None]:
+    """DeepSpeed prints LOAD_NOTICE every time a process loads its shm op, even from the
+    cache: once per worker and run. Drop that line, pass on whatever else was printed
+    (a failed build raises, and the compiler writes to the file descriptors directly)."""
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(captured):
+            yield
+    finally:
+        sys.stdout.write("".join(line for line in captured.getvalue().splitlines(keepends=True)
+                                 if LOAD_NOTICE not in line))

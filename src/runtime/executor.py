@@ -15,9 +15,9 @@ the features of the contrastive batch with an all-gather that carries gradients 
 holding both towers) or exchanges them with the other tower's ranks (DistMM's separate
 towers, runtime.exchange); broker Send/Recv carry one tower's tokens to another's
 cross-attention (runtime.broker). TP collectives run inside the parallel layers and DP
-collectives inside DeepSpeed, so the Program's tp/dp instructions are markers here (their
-time is measured where it happens); a collective of any other kind has no tensor to carry
-and is refused up front.
+collectives inside DeepSpeed (ZeRO-0's all-reduce at the optimizer instruction), so the
+Program's tp/dp instructions are markers here (their time is measured where it happens);
+a collective of any other kind has no tensor to carry and is refused up front.
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ from src.models.spec import ModelSpec
 from src.program import BatchSync, Collective, Compute, Instruction, Plan, Recv, Send, Wait, Work
 from src.runtime.broker import Broker
 from src.runtime.comm import CLOCK, all_reduce
+from src.runtime.engines import reduce_gradients
 from src.runtime.exchange import Layout, layout, sync_gradients
 from src.runtime.gather import gather_with_grad
 from src.runtime.groups import ProcessGroups
@@ -262,6 +263,7 @@ class Executor:
         engine = self.engines[unit]
         if id(engine) not in self.s.stepped:  # units sharing an engine step once
             self.s.stepped.add(id(engine))
+            reduce_gradients(engine)
             engine.step()
 
     # ---- the interaction ----------------------------------------------------------------

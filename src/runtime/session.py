@@ -112,12 +112,23 @@ def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) ->
                                      f"workers at once, mean per worker",
                 "dist_backend": dist.get_backend(),
                 "measured": {"loss": losses, "step_time_s": times},
+                "measured_notes": _notes(plan),
             })
             sinks.finish(summary, timeline)
     except BaseException:
         if sinks is not None:
             sinks.abort()
         raise
+
+
+def _notes(plan: Plan) -> list[str]:
+    """What the measured breakdown leaves out, so that no reader takes it for measured."""
+    stages = sorted({int(u.details.get("zero_stage") or 0) for u in plan.units if u.dp > 1} - {0})
+    if not stages:
+        return []
+    return [f"comm_dp leaves out the DP communication of ZeRO-{'/'.join(map(str, stages))} (gradient reduction, "
+            f"parameter all-gathers): DeepSpeed runs it inside step() and backward, interleaved with its "
+            f"bookkeeping, and it is counted as compute"]
 
 
 def _measured_peak(world: int) -> float:

@@ -7,8 +7,11 @@ rank's first backward, cool-down after its last forward, imbalance between), as 
 simulator classifies it; elsewhere it is communication. Time between instructions and
 after the rank's last one until the slowest rank finishes is idle.
 
-DeepSpeed reduces gradients inside `engine.step()` (ZeRO-0/1) or inside backward
-(ZeRO-2/3): that time is part of the optimizer's or backward's compute here.
+ZeRO-0's gradient all-reduce, run and timed just before `engine.step()`, is comm_dp
+(runtime.engines.reduce_gradients). With ZeRO-1/2/3 DeepSpeed reduces gradients (and
+gathers parameters) inside `step()` and backward, interleaved with its own bookkeeping:
+that time is part of the optimizer's or backward's compute here, as the summary's
+measured_notes says.
 """
 from __future__ import annotations
 
