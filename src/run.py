@@ -111,6 +111,10 @@ def main(cfg: DictConfig) -> None:
     except WorkerFailure as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt:
+        # The driver has already stopped every worker it started.
+        print("error: interrupted; all workers stopped", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,17 @@
 """The real backend through the front door, as a user runs it: a training run end to end,
-a worker that fails, a plan that needs more workers than there are."""
+a worker that fails, Ctrl-C, a plan that needs more workers than there are."""
 from __future__ import annotations
 
 import io
 import json
+import os
+import signal
+import subprocess
+import sys
 import tarfile
 import time
 
-from tests.conftest import run_cli
+from tests.conftest import REPO_ROOT, cli_env, run_cli
 from tests.test_runtime_support import CLIP, TWO_WORKERS, build_deepspeed_ops
 
 
@@ -64,3 +68,35 @@ def test_a_plan_needing_more_workers_is_refused_before_anything_starts(tmp_path)
     assert result.returncode == 2
     assert result.stderr.strip() == "error: the ddp plan needs 4 workers but backend.workers=2"
     assert not (tmp_path / "errors").exists()
+
+
+def _workers_of(run_dir) -> list[str]:
+    listing = subprocess.run(["ps", "-eww", "-o", "args"], capture_output=True, text=True).stdout.splitlines()
+    return [line for line in listing if "src.runtime.worker" in line and str(run_dir) in line]
+
+
+def test_ctrl_c_stops_every_worker_and_exits_130(tmp_path):
+    build_deepspeed_ops()
+    # Ctrl-C in a terminal sends SIGINT to the whole foreground process group: the driver's.
+    # The child restores Python's SIGINT handler in case this test runs where SIGINT is ignored.
+    start = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+             "sys.argv = ['src.run'] + sys.argv[1:]; runpy.run_module('src.run', run_name='__main__')")
+    driver = subprocess.Popen([sys.executable, "-c", start, *TWO_WORKERS, *CLIP, "strategy=ddp", "train.steps=100000",
+                               "logger=none", f"hydra.run.dir={tmp_path}"], cwd=REPO_ROOT, env=cli_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        metrics = tmp_path / "metrics.jsonl"
+        while not (metrics.exists() and '"step"' in metrics.read_text()):
+            assert driver.poll() is None and time.monotonic() < deadline, "the run never reached its first step"
+            time.sleep(0.5)
+        assert _workers_of(tmp_path)
+        os.killpg(driver.pid, signal.SIGINT)
+        _, stderr = driver.communicate(timeout=60)
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+    assert driver.returncode == 130
+    assert stderr.strip().splitlines()[-1] == "error: interrupted; all workers stopped"
+    assert "Traceback" not in stderr
+    assert not _workers_of(tmp_path) and not (tmp_path / "summary.json").exists()
