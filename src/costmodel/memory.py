@@ -10,6 +10,17 @@ from src.models.spec import ModelSpec
 from src.program import Compute, RankProgram, UnitPlan
 
 
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+def memory_ladder(recompute: str | None = None, zero_stage: int | None = None) -> tuple[tuple[str, int], ...]:
+    """Memory-saving settings (recompute mode, ZeRO stage) to try, cheapest first: the
+    distributed optimizer before recomputation, selective before full. Every strategy
+    turns them on only as far as memory requires; a value fixed by the user pins it."""
+    return tuple((r, z) for r in RECOMPUTE_MODES for z in (0, 1)
+                 if recompute in (None, r) and zero_stage in (None, z))
+
+
 @dataclass(frozen=True)
 class StateBytes:
     """Bytes per parameter of each model state (mixed-precision Adam, Megatron-style)."""

@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 from src.cluster import GIB
 from src.config import options_from
-from src.costmodel.memory import rank_memory
+from src.costmodel.memory import RECOMPUTE_MODES, memory_ladder, rank_memory
 from src.errors import ConfigError, PlanError
 from src.models.spec import ModelSpec
 from src.program import Plan, Program, UnitPlan
@@ -29,13 +29,12 @@ from src.schedules.distmm_pipe import SYNC_SCHEDULES, max_contrastive_batch
 from src.strategies.base import PlanRequest
 from src.strategies.distmm_balance import Choice, balance
 from src.strategies.distmm_programs import colocated_program, cross_inputs, place, separate_program, unit_plans
-from src.strategies.distmm_towers import (SETTINGS, Degrees, TowerCosts, TowerPlan, activation_per_sample, blocks_of,
+from src.strategies.distmm_towers import (Degrees, TowerCosts, TowerPlan, activation_per_sample, blocks_of,
                                           partition, replica_state_bytes, stage_ranges)
 from src.strategies.stages import unit_order
 
 BALANCE = ("dp", "even")
 PLACEMENT = ("separate", "naive")
-RECOMPUTE = ("none", "selective", "full")
 TOWER_KEYS = ("tp", "pp", "dp")
 
 
@@ -60,8 +59,8 @@ class DistMMOptions:
             raise ConfigError(f"strategy.microbatches must be a positive integer or null, got {self.microbatches!r}")
         if not isinstance(self.use_all_devices, bool):
             raise ConfigError(f"strategy.use_all_devices={self.use_all_devices!r} must be true or false")
-        if self.recompute is not None and self.recompute not in RECOMPUTE:
-            raise ConfigError(f"strategy.recompute={self.recompute!r}; choose one of {list(RECOMPUTE)} or null")
+        if self.recompute is not None and self.recompute not in RECOMPUTE_MODES:
+            raise ConfigError(f"strategy.recompute={self.recompute!r}; choose one of {list(RECOMPUTE_MODES)} or null")
         if self.zero_stage not in (None, 0, 1):
             raise ConfigError(f"strategy.zero_stage={self.zero_stage!r}; DistMM shards the optimizer as the "
                               f"baseline does: 0 or 1 (null = 1 only where 0 does not fit)")
@@ -78,7 +77,7 @@ class DistMMOptions:
         return {key: given.get(key) for key in TOWER_KEYS}
 
     def settings(self) -> tuple[tuple[str, int], ...]:
-        return tuple((r, z) for r, z in SETTINGS if self.recompute in (None, r) and self.zero_stage in (None, z))
+        return memory_ladder(self.recompute, self.zero_stage)
 
 
 def _towers(model: ModelSpec, opts: DistMMOptions) -> list[str]:

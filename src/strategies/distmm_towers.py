@@ -15,17 +15,13 @@ from functools import cached_property, lru_cache
 from src.cluster import GIB, ClusterSpec, family_sharing
 from src.costmodel.comm import CommModel
 from src.costmodel.compute import ComputeModel
-from src.costmodel.memory import grad_bytes, model_state_bytes
+from src.costmodel.memory import grad_bytes, memory_ladder, model_state_bytes
 from src.errors import PlanError
 from src.models.spec import ModelSpec, UnitSpec
 from src.program import Work
 from src.schedules.distmm_pipe import build_sync_schedule, resident
 from src.strategies.layout import Grid
 from src.strategies.stages import block_cuts, boundary_elems
-
-# Memory-saving settings, cheapest first, as the Megatron baseline tries them: the
-# distributed optimizer (ZeRO-1) before recomputation, selective before full.
-SETTINGS: tuple[tuple[str, int], ...] = tuple((r, z) for r in ("none", "selective", "full") for z in (0, 1))
 
 
 @dataclass(frozen=True)
@@ -262,7 +258,7 @@ class TowerCosts:
         return worst
 
     def best(self, unit: str, degrees: Degrees, replicas: int, batch: int, groups: int, schedule: str,
-             settings: tuple[tuple[str, int], ...] = SETTINGS,
+             settings: tuple[tuple[str, int], ...] = memory_ladder(),
              microbatches: int | None = None) -> tuple[TowerPlan, float] | None:
         """The fastest plan of a tower at this size that fits memory: the cheapest
         memory-saving settings that fit, and (pipelined towers) the micro-batch count per

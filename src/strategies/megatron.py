@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from src.config import options_from
-from src.costmodel.memory import rank_memory
+from src.costmodel.memory import RECOMPUTE_MODES, memory_ladder, rank_memory
 from src.cluster import GIB
 from src.errors import ConfigError, PlanError
 from src.program import Plan
@@ -21,7 +21,6 @@ from src.strategies.base import PlanRequest
 from src.strategies.megatron_programs import Degrees, MegatronSettings, colocated_program, pipeline_program
 from src.strategies.stages import main_unit
 
-RECOMPUTE = ("none", "selective", "full")
 # Pipelines want many micro-batches; larger ones only help GEMM efficiency, which saturates.
 MAX_PIPELINE_MICRO_BATCH = 8
 
@@ -52,8 +51,8 @@ class MegatronOptions:
             raise ConfigError(f"strategy.schedule={self.schedule!r}; choose one of {list(SCHEDULES)}")
         if self.vpp > 1 and self.schedule != "interleaved":
             raise ConfigError(f"strategy.vpp={self.vpp} needs strategy.schedule=interleaved, not {self.schedule}")
-        if self.recompute is not None and self.recompute not in RECOMPUTE:
-            raise ConfigError(f"strategy.recompute={self.recompute!r}; choose one of {list(RECOMPUTE)}")
+        if self.recompute is not None and self.recompute not in RECOMPUTE_MODES:
+            raise ConfigError(f"strategy.recompute={self.recompute!r}; choose one of {list(RECOMPUTE_MODES)}")
         if self.zero_stage not in (None, 0, 1):
             raise ConfigError(f"strategy.zero_stage={self.zero_stage}: Megatron-LM's distributed optimizer is "
                               f"ZeRO stage 1; use 0 or 1 (stages 2-3 belong to strategy=ddp)")
@@ -61,11 +60,9 @@ class MegatronOptions:
     def settings(self) -> list[MegatronSettings]:
         """Memory-saving settings to try, cheapest first: recomputation and the
         distributed optimizer are turned on only as far as memory requires."""
-        recomputes = [self.recompute] if self.recompute is not None else list(RECOMPUTE)
-        zeros = [self.zero_stage] if self.zero_stage is not None else [0, 1]
         return [MegatronSettings(self.schedule, recompute, self.sequence_parallel, zero, self.overlap_grad_reduce,
                                  self.modality_stages, self.uneven_pp)
-                for recompute in recomputes for zero in zeros]
+                for recompute, zero in memory_ladder(self.recompute, self.zero_stage)]
 
 
 def _powers_of_two(limit: int) -> list[int]:
