@@ -11,11 +11,14 @@ before it, so that the executor can time it as DP communication; ZeRO-1 reduces 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import importlib
 import io
 import logging
 import sys
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator
 
 import torch
@@ -121,17 +124,24 @@ def reduce_gradients(engine) -> None:
             engine.buffered_allreduce_fallback()
 
 
+BUILD_LOCK = Path(tempfile.gettempdir()) / "mmdist-deepspeed-op.lock"
+
+
 def prebuild_ops() -> None:
     """Compile (or load from the extensions cache) the op DeepSpeed builds at its first
-    start on CPU, once, before workers start: concurrent first builds race."""
+    start on CPU. Concurrent first builds race, so the processes of one machine take turns
+    under a file lock: the first builds (minutes on a fresh machine), the others then load
+    the cache. Call it before joining a process group, whose timeouts a build would outlast."""
     # DeepSpeed probes compilers through logging; Hydra's root logger would print every call.
     root = logging.getLogger()
     level = root.level
     root.setLevel(logging.WARNING)
     try:
-        # `import deepspeed.comm.torch as m` would bind torch itself (deepspeed.comm re-exports it).
-        with _without_load_notice():
-            importlib.import_module("deepspeed.comm.torch").build_shm_op()
+        with open(BUILD_LOCK, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            # `import deepspeed.comm.torch as m` would bind torch itself (deepspeed.comm re-exports it).
+            with _without_load_notice():
+                importlib.import_module("deepspeed.comm.torch").build_shm_op()
     finally:
         root.setLevel(level)
 

@@ -48,17 +48,13 @@ def main(run_dirs: list[Path]) -> int:
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         if torch.cuda.is_available():
             torch.cuda.set_device(local_rank)
+        from src.runtime.engines import prebuild_ops
+        from src.runtime.session import run_session
+
+        # Before joining the group: a first build outlasts any collective's timeout.
+        prebuild_ops()
         dist.init_process_group(name, timeout=timedelta(seconds=float(backend["timeout_s"])))
         try:
-            from src.runtime.engines import prebuild_ops
-            from src.runtime.session import run_session
-
-            # Under torchrun or srun no driver has built DeepSpeed's op: one worker per node
-            # builds it (or loads it from the cache) while the others wait, as concurrent
-            # first builds race.
-            if local_rank == 0:
-                prebuild_ops()
-            dist.barrier()
             for run_dir in run_dirs:
                 config = yaml.safe_load((run_dir / "resolved.yaml").read_text())
                 run_session(config, run_dir, rank, world)
