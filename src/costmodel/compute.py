@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from src.cluster import ClusterSpec
+from src.costmodel.memory import element_bytes
 from src.models.spec import Kernel, LayerSpec, ModelSpec, UnitSpec
 from src.program import Work
 
@@ -42,7 +43,7 @@ class ComputeModel:
         self.cluster = cluster
         self.peak = cluster.peak(precision)
         self.hbm = cluster.memory_bandwidth * cluster.memory_efficiency
-        self.bytes_per_elem = 4 if precision == "fp32" else 2
+        self.bytes_per_elem = element_bytes(precision)
         self._layer_cache: dict[tuple, LayerTimes] = {}
         self._work_cache: dict[tuple[int, Work], float] = {}
         self._models: dict[int, ModelSpec] = {}

@@ -6,11 +6,21 @@ from dataclasses import dataclass
 
 from typing import Mapping
 
+from src.errors import ConfigError
 from src.models.spec import ModelSpec
 from src.program import Compute, RankProgram, UnitPlan
 
 
 RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+def check_memory_options(recompute: str | None, zero_stage: int | None, zero_note: str) -> None:
+    """The memory options a planner accepts: a recompute mode and ZeRO 0 or 1 (null:
+    searched along memory_ladder); `zero_note` says why stages 2-3 are not offered."""
+    if recompute is not None and recompute not in RECOMPUTE_MODES:
+        raise ConfigError(f"strategy.recompute={recompute!r}; choose one of {list(RECOMPUTE_MODES)} or null")
+    if zero_stage not in (None, 0, 1):
+        raise ConfigError(f"strategy.zero_stage={zero_stage!r}: {zero_note}; use 0, 1 or null")
 
 
 def memory_ladder(recompute: str | None = None, zero_stage: int | None = None) -> tuple[tuple[str, int], ...]:
@@ -30,6 +40,11 @@ class StateBytes:
     optimizer: float
 
 
+def element_bytes(precision: str) -> int:
+    """Bytes of one activation or 16/32-bit weight element at a training precision."""
+    return 4 if precision == "fp32" else 2
+
+
 def grad_bytes(precision: str) -> int:
     """Bytes per gradient element as kept and reduced: Megatron-LM accumulates and
     all-reduces bf16 models' gradients in fp32 (it forces this for bf16), fp16 models'
@@ -41,7 +56,7 @@ def state_bytes(precision: str, frozen: bool) -> StateBytes:
     """16-bit training keeps 16-bit weights, gradients as grad_bytes() says, and fp32
     master weights + two Adam moments; fp32 training keeps fp32 weights and gradients and
     two moments. A frozen unit keeps only its weights."""
-    weights = 4.0 if precision == "fp32" else 2.0
+    weights = float(element_bytes(precision))
     if frozen:
         return StateBytes(weights, 0.0, 0.0)
     if precision == "fp32":

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from src.config import options_from
-from src.costmodel.memory import grad_bytes
+from src.costmodel.memory import element_bytes, grad_bytes
 from src.errors import ConfigError
 from src.models.spec import ModelSpec
 from src.program import BatchSync, Collective, Compute, Instruction, Plan, Program, RankProgram, UnitPlan, Work
@@ -53,10 +53,6 @@ def _micro_batch(request: PlanRequest, opts: DDPOptions, dp: int) -> int:
     return mb
 
 
-def _param_bytes(precision: str) -> int:
-    return 4 if precision == "fp32" else 2
-
-
 def _layer_pass(model: ModelSpec, unit: str, phase: str, mb: int, j: int, zero_stage: int, dp: int,
                 param_bytes: int) -> list[Instruction]:
     """One unit's forward or backward for micro-batch j: one Compute, or under ZeRO-3 one
@@ -87,7 +83,7 @@ def _tail(model: ModelSpec, units: list[str], zero_stage: int, dp: int, precisio
     out += [Compute(Work(s.unit, "optimizer", 0, s.layers, shard=shard)) for s in segments
             if not model.unit(s.unit).frozen]
     if zero_stage in (1, 2) and dp > 1:
-        out.append(Collective("all_gather", DP_GROUP, params * _param_bytes(precision), "dp"))
+        out.append(Collective("all_gather", DP_GROUP, params * element_bytes(precision), "dp"))
     return out
 
 
@@ -102,7 +98,7 @@ def plan_ddp(request: PlanRequest) -> Plan:
     program = Program(world_size=dp, classes=[])
     if dp > 1:
         program.add_group(make_group(request.cluster, DP_GROUP, grid.ranks, [grid.ranks]))
-    pbytes = _param_bytes(precision)
+    pbytes = element_bytes(precision)
     towers = [u for u in unit_order(model) if u != model.interaction]
     instructions: list[Instruction] = []
     for j in range(microbatches):

@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 from src.cluster import GIB
 from src.config import options_from
-from src.costmodel.memory import RECOMPUTE_MODES, memory_ladder, rank_memory
+from src.costmodel.memory import check_memory_options, memory_ladder, rank_memory
 from src.errors import ConfigError, PlanError
 from src.models.spec import ModelSpec
 from src.program import Plan, Program, UnitPlan
@@ -59,11 +59,7 @@ class DistMMOptions:
             raise ConfigError(f"strategy.microbatches must be a positive integer or null, got {self.microbatches!r}")
         if not isinstance(self.use_all_devices, bool):
             raise ConfigError(f"strategy.use_all_devices={self.use_all_devices!r} must be true or false")
-        if self.recompute is not None and self.recompute not in RECOMPUTE_MODES:
-            raise ConfigError(f"strategy.recompute={self.recompute!r}; choose one of {list(RECOMPUTE_MODES)} or null")
-        if self.zero_stage not in (None, 0, 1):
-            raise ConfigError(f"strategy.zero_stage={self.zero_stage!r}; DistMM shards the optimizer as the "
-                              f"baseline does: 0 or 1 (null = 1 only where 0 does not fit)")
+        check_memory_options(self.recompute, self.zero_stage, "DistMM shards the optimizer as the baseline does")
 
     def fixed(self, tower: str) -> dict[str, int | None]:
         """A tower's hand-set degrees (None = planned)."""

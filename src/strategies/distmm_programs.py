@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 
 from src.cluster import ClusterSpec, family_sharing
-from src.costmodel.memory import grad_bytes
+from src.costmodel.memory import element_bytes, grad_bytes
 from src.models.spec import ModelSpec
 from src.program import (BatchSync, Collective, Instruction, Program, RankProgram, Recv, Send, UnitPlan, Work,
                          compress_ranks)
@@ -102,7 +102,7 @@ class _Emitter:
         self.model, self.cluster, self.precision = model, cluster, precision
         self.rbs = contrastive_batch
         self.placed = {p.plan.unit: p for p in placed}
-        self.act_bytes = 4 if precision == "fp32" else 2
+        self.act_bytes = element_bytes(precision)
         self.inter = model.unit(model.interaction)
         towers = list(self.placed)
         self.cross = cross_inputs(model, towers)
@@ -297,7 +297,7 @@ def colocated_program(model: ModelSpec, cluster: ClusterSpec, precision: str, co
                       plans: list[TowerPlan]) -> Program:
     """Every device runs every tower (each with its own TP degree over all devices, no
     pipeline); the interaction gathers both modalities' features, as the baseline does."""
-    act_bytes = 4 if precision == "fp32" else 2
+    act_bytes = element_bytes(precision)
     inter = model.unit(model.interaction)
     program = Program(world_size=cluster.devices, classes=[])
     ranks = tuple(range(cluster.devices))

@@ -15,7 +15,7 @@ from functools import cached_property, lru_cache
 from src.cluster import GIB, ClusterSpec, family_sharing
 from src.costmodel.comm import CommModel
 from src.costmodel.compute import ComputeModel
-from src.costmodel.memory import grad_bytes, memory_ladder, model_state_bytes
+from src.costmodel.memory import element_bytes, grad_bytes, memory_ladder, model_state_bytes
 from src.errors import PlanError
 from src.models.spec import ModelSpec, UnitSpec
 from src.program import Work
@@ -161,7 +161,7 @@ class TowerCosts:
 
     @property
     def act_bytes(self) -> int:
-        return 4 if self.precision == "fp32" else 2
+        return element_bytes(self.precision)
 
 
     def memory(self, plan: TowerPlan) -> float:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from src.config import options_from
-from src.costmodel.memory import RECOMPUTE_MODES, memory_ladder, rank_memory
+from src.costmodel.memory import check_memory_options, memory_ladder, rank_memory
 from src.cluster import GIB
 from src.errors import ConfigError, PlanError
 from src.program import Plan
@@ -51,11 +51,8 @@ class MegatronOptions:
             raise ConfigError(f"strategy.schedule={self.schedule!r}; choose one of {list(SCHEDULES)}")
         if self.vpp > 1 and self.schedule != "interleaved":
             raise ConfigError(f"strategy.vpp={self.vpp} needs strategy.schedule=interleaved, not {self.schedule}")
-        if self.recompute is not None and self.recompute not in RECOMPUTE_MODES:
-            raise ConfigError(f"strategy.recompute={self.recompute!r}; choose one of {list(RECOMPUTE_MODES)}")
-        if self.zero_stage not in (None, 0, 1):
-            raise ConfigError(f"strategy.zero_stage={self.zero_stage}: Megatron-LM's distributed optimizer is "
-                              f"ZeRO stage 1; use 0 or 1 (stages 2-3 belong to strategy=ddp)")
+        check_memory_options(self.recompute, self.zero_stage, "Megatron-LM's distributed optimizer is ZeRO "
+                             "stage 1 (stages 2-3 belong to strategy=ddp)")
 
     def settings(self) -> list[MegatronSettings]:
         """Memory-saving settings to try, cheapest first: recomputation and the

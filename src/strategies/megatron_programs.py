@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from src.cluster import ClusterSpec, family_sharing
-from src.costmodel.memory import grad_bytes
+from src.costmodel.memory import element_bytes, grad_bytes
 from src.models.spec import ModelSpec
 from src.program import (BatchSync, Collective, Instruction, Program, RankProgram, Recv, Send, UnitPlan,
                          Work)
@@ -40,10 +40,6 @@ class MegatronSettings:
     overlap_grad_reduce: bool
     modality_stages: str
     uneven_pp: bool
-
-
-def _act_bytes(precision: str) -> int:
-    return 4 if precision == "fp32" else 2
 
 
 def pipeline_program(model: ModelSpec, cluster: ClusterSpec, global_batch: int, precision: str,
@@ -89,7 +85,7 @@ class _StageEmitter:
                  precision: str, stage: int, grid: Grid, tp_group: str | None, dp_group: str | None, sharing: int):
         self.model, self.virtual, self.deg, self.cfg = model, virtual, deg, cfg
         self.stage, self.grid, self.dp_group, self.sharing = stage, grid, dp_group, sharing
-        self.act_bytes = _act_bytes(precision)
+        self.act_bytes = element_bytes(precision)
         self.grad_bytes = grad_bytes(precision)
         self.tpc = TPConfig(deg.tp, tp_group, cfg.sequence_parallel, cfg.recompute, self.act_bytes)
         self.prev_rank = grid.rank(0, 0, (stage - 1) % deg.pp)
@@ -168,7 +164,7 @@ def colocated_program(model: ModelSpec, cluster: ClusterSpec, global_batch: int,
     """Both towers on every device, same TP and DP; the contrastive loss sees the features
     of all DP replicas (all-gather over DP, reduce-scatter of their gradients back)."""
     grid = Grid(deg.tp, deg.dp, 1)
-    act_bytes = _act_bytes(precision)
+    act_bytes = element_bytes(precision)
     batch_per_replica = global_batch // deg.dp
     microbatches = batch_per_replica // deg.micro_batch
     mb = deg.micro_batch
