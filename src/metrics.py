@@ -48,16 +48,17 @@ def unit_flops(model: ModelSpec, unit: UnitSpec, contrastive_batch: int = 1) -> 
 
 
 def iteration_flops(model: ModelSpec, plan: Plan, train: TrainSpec) -> tuple[float, float]:
-    """(model FLOPs, hardware FLOPs) of one iteration: every unit sees the global batch;
-    an interaction unit's similarity products span its contrastive batch."""
+    """(model FLOPs, hardware FLOPs) of one iteration: every unit processes every sample
+    of the global batch once; an interaction unit's similarity products span its
+    contrastive batch."""
     model_flops = hardware = 0.0
     for unit_plan in plan.units:
         unit = model.unit(unit_plan.unit)
         contrastive = train.contrastive_batch if unit.name == model.interaction else 1
         per_sample = unit_flops(model, unit, contrastive)
-        samples = unit_plan.dp * unit_plan.batch_per_replica
-        recompute = str(unit_plan.details.get("recompute", "none"))
-        extra = {"full": per_sample.recompute_full, "selective": per_sample.recompute_selective}.get(recompute, 0.0)
+        samples = train.global_batch
+        extra = {"full": per_sample.recompute_full,
+                 "selective": per_sample.recompute_selective}.get(unit_plan.recompute, 0.0)
         if not model.needs_backward(unit.name):
             extra = 0.0
         model_flops += samples * (per_sample.fwd + per_sample.bwd)
@@ -72,7 +73,7 @@ def unit_model_flops(model: ModelSpec, plan: Plan, train: TrainSpec) -> dict[str
         unit = model.unit(unit_plan.unit)
         contrastive = train.contrastive_batch if unit.name == model.interaction else 1
         per_sample = unit_flops(model, unit, contrastive)
-        out[unit.name] = unit_plan.dp * unit_plan.batch_per_replica * (per_sample.fwd + per_sample.bwd)
+        out[unit.name] = train.global_batch * (per_sample.fwd + per_sample.bwd)
     return out
 
 

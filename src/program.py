@@ -2,9 +2,17 @@
 
 A Program gives every rank an ordered instruction list. Ranks that are interchangeable by
 symmetry (the TP peers and DP replicas of one pipeline stage, say) share one list: a
-RankProgram covers a class of ranks and is written for its first rank, so the simulator
-prices GPT-175B on 3072 GPUs by running 8 classes, not 3072 lists. A hand-built Program
-simply gives every rank its own class.
+RankProgram covers a class of ranks. Every name in a list is the same on every rank of
+its class: payloads are named in the rank's own micro-batch numbering, collectives name a
+group whose family holds each rank's own member, and Send/Recv name a route whose table
+says, for every rank, which rows go to which rank. So the simulator prices GPT-175B on
+3072 GPUs by running 8 classes, and the runtime runs each rank's list as written.
+
+Data flow is explicit. A Compute names the payloads it consumes and produces; a Send or
+Recv names the payload it moves over a route (runtime and simulator never infer what
+travels from instruction order). A Collective without payloads is one that the runtime
+performs inside the preceding Compute's parallel layers (tp) or inside the optimizer
+engine (dp): its time is priced here and measured there.
 
 Streams: every rank has a `compute` stream and any number of communication streams,
 each executing its instructions in issue order. A communication instruction issued on a
@@ -14,14 +22,55 @@ operation; otherwise it returns a handle that a later Wait consumes.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal, Union
+from dataclasses import dataclass, field, replace
+from typing import Iterator, Literal, Union
+
+from src.mesh import Mesh, Sharding
 
 Phase = Literal["fwd", "bwd", "bwd_input", "bwd_weight", "optimizer", "interaction"]
 CommKind = Literal["tp", "pp", "dp", "interaction", "broker"]
 CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"]
 COMM_KINDS: tuple[str, ...] = ("tp", "pp", "dp", "interaction", "broker")
 COMPUTE_STREAM = "compute"
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+@dataclass(frozen=True, slots=True)
+class Payload:
+    """A tensor one rank holds during a step, named the same on every rank of its class.
+
+    unit, layer: the tensor at layer boundary `layer` of `unit` (0: what enters its first
+    layer, num_layers: what leaves its last). tensor: which one ('x' token states,
+    'feature' the pooled embedding, 'tokens' final states another unit reads). microbatch:
+    in the numbering of the holder's Work that produces or consumes it (an interaction
+    unit numbers its contrastive batches). grad: its gradient. rows: [start, end) of its
+    samples, or None for all of them.
+    """
+
+    unit: str
+    layer: int
+    microbatch: int
+    tensor: str = "x"
+    grad: bool = False
+    rows: tuple[int, int] | None = None
+
+    @property
+    def whole(self) -> Payload:
+        return self if self.rows is None else replace(self, rows=None)
+
+    def gradient(self) -> Payload:
+        return replace(self, grad=True)
+
+    def value(self) -> Payload:
+        """The tensor whose gradient this is (itself if it is no gradient)."""
+        return replace(self, grad=False, rows=None)
+
+    def part(self, start: int, end: int) -> Payload:
+        return replace(self, rows=(start, end))
+
+    def __str__(self) -> str:
+        rows = "" if self.rows is None else f"[{self.rows[0]}:{self.rows[1]}]"
+        return f"{'d' if self.grad else ''}{self.unit}.{self.tensor}@{self.layer}.mb{self.microbatch}{rows}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +84,7 @@ class Work:
     bwd_weight separately; optimizer (the update of the layers' local parameter shard,
     `shard` = how many ranks share the optimizer state);
     interaction (forward + backward of an interaction unit on a gathered batch).
+    sharding: how the layers' tensors are split over this device's tensor-parallel axes.
     load: relative size of this micro-batch's input against the nominal sample (data
     heterogeneity); time and FLOPs scale with it.
     fraction: this is one chunk of the work (1/n of its GEMM rows), for overlap.
@@ -44,8 +94,7 @@ class Work:
     phase: Phase
     samples: int
     layers: tuple[int, int]
-    tp: int = 1
-    sequence_parallel: bool = False
+    sharding: Sharding = Sharding()
     recompute: str = "none"
     contrastive_batch: int = 1
     kernels: tuple[int, int] | None = None
@@ -59,6 +108,8 @@ class Compute:
     work: Work
     microbatch: int = 0
     chunk: int = 0
+    inputs: tuple[Payload, ...] = ()
+    outputs: tuple[Payload, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +117,9 @@ class Collective:
     """A collective over a named group. `bytes` is each rank's full buffer: the tensor
     reduced (all_reduce), the gathered output (all_gather) or the input to scatter
     (reduce_scatter). `count` repeats it back to back (e.g. the TP all-reduces of many
-    layers priced as one instruction)."""
+    layers priced as one instruction). `inputs`/`outputs`: the payloads it carries, when
+    it moves model tensors between instructions (a batch's features gathered for a
+    contrastive loss); without them it is a layer's (tp) or the optimizer's (dp) own."""
 
     op: CollectiveOp
     group: str
@@ -76,28 +129,27 @@ class Collective:
     blocking: bool = True
     handle: str | None = None
     count: int = 1
+    inputs: tuple[Payload, ...] = ()
+    outputs: tuple[Payload, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class Send:
-    """Point-to-point send, eager: it starts as soon as its data and stream are ready.
-    `key` names the message uniquely in the Program; the matching Recv uses the same key.
-    `sharing`: how many transfers of this kind share the node's network links at once."""
+    """Send the rows of `payload` that the route's table gives this rank, eagerly: it
+    starts as soon as its data and stream are ready."""
 
-    dst: int
-    key: str
-    bytes: float
-    kind: CommKind
+    route: str
+    payload: Payload
     stream: str = "send"
-    sharing: int = 1
 
 
 @dataclass(frozen=True, slots=True)
 class Recv:
-    src: int
-    key: str
-    bytes: float
-    kind: CommKind
+    """Receive the rows of `payload` that the route's table sends this rank (summed where
+    the route reduces)."""
+
+    route: str
+    payload: Payload
     stream: str = "recv"
     blocking: bool = True
     handle: str | None = None
@@ -110,19 +162,7 @@ class Wait:
     handle: str
 
 
-@dataclass(frozen=True, slots=True)
-class BatchSync:
-    """DistMM's batch-sync: gather the features of K micro-batches (the `gather`
-    collective, if the interaction is distributed), run the interaction unit's forward and
-    backward once on the whole contrastive batch (`work`), scatter K gradients back.
-    It is a barrier between the K forwards and the K backwards."""
-
-    microbatches: tuple[int, ...]
-    work: Work
-    gather: Collective | None = None
-
-
-Instruction = Union[Compute, Collective, Send, Recv, Wait, BatchSync]
+Instruction = Union[Compute, Collective, Send, Recv, Wait]
 
 
 @dataclass(frozen=True)
@@ -134,13 +174,124 @@ class Group:
     ranks: tuple[int, ...]
     sharing: int = 1
     # Every group of this group's family (this one included), when the group is written
-    # for a class's first rank: the real backend finds each rank's own member here.
+    # for a class's first rank: each rank of the class finds its own member here.
     family: tuple[tuple[int, ...], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One point-to-point transfer of a route: rows of the sender's payload that become
+    rows of the receiver's (src == dst: a local copy)."""
+
+    src: int
+    dst: int
+    sent: Payload
+    received: Payload
+    bytes: float
+
+
+class Route:
+    """Who sends which rows of which payload to whom (Megatron-Core's bridge
+    communicators' RankCommInfo, made explicit per rank). `sharing`: how many of the
+    route's messages cross the busiest node's links at once. `reduce`: messages that land
+    on the same rows of a payload are summed (a gradient flowing back over a broadcast)."""
+
+    name: str
+    kind: CommKind
+    sharing: int
+    reduce: bool
+
+    def sends(self, rank: int, payload: Payload) -> tuple[Message, ...]:
+        raise NotImplementedError
+
+    def receives(self, rank: int, payload: Payload) -> tuple[Message, ...]:
+        raise NotImplementedError
+
+    def messages(self) -> Iterator[Message]:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Hop(Route):
+    """Between two equally long rank lists, in both directions: position i of one side
+    sends its whole payload to position i of the other, under the same name (pipeline
+    neighbours: Megatron's stages order their ranks alike). Every message is `bytes`."""
+
+    name: str
+    kind: CommKind
+    a: tuple[int, ...]
+    b: tuple[int, ...]
+    bytes: float
+    sharing: int = 1
+    reduce: bool = False
+    _peer: dict[int, int] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if len(self.a) != len(self.b):
+            raise ValueError(f"route {self.name}: {len(self.a)} ranks on one side, {len(self.b)} on the other")
+        self._peer.update(zip(self.a, self.b))
+        self._peer.update(zip(self.b, self.a))
+
+    def _one(self, src: int, dst: int, payload: Payload) -> tuple[Message, ...]:
+        return (Message(src, dst, payload.whole, payload.whole, self.bytes),)
+
+    def sends(self, rank: int, payload: Payload) -> tuple[Message, ...]:
+        return self._one(rank, self.peer(rank), payload)
+
+    def receives(self, rank: int, payload: Payload) -> tuple[Message, ...]:
+        return self._one(self.peer(rank), rank, payload)
+
+    def peer(self, rank: int) -> int:
+        try:
+            return self._peer[rank]
+        except KeyError:
+            raise KeyError(f"rank {rank} is on neither side of route {self.name}") from None
+
+    def messages(self) -> Iterator[Message]:
+        placeholder = Payload("?", 0, 0)
+        for src, dst in list(zip(self.a, self.b)) + list(zip(self.b, self.a)):
+            yield Message(src, dst, placeholder, placeholder, self.bytes)
+
+
+@dataclass(frozen=True)
+class Table(Route):
+    """A route given message by message (fan-in and fan-out between units of different
+    sizes, brokers, a batch-sync's exchange). Messages of one sender keep their order
+    here, which is the order they are sent in."""
+
+    name: str
+    kind: CommKind
+    table: tuple[Message, ...]
+    sharing: int = 1
+    reduce: bool = False
+    _by_sender: dict = field(default_factory=dict, repr=False, compare=False)
+    _by_receiver: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for message in self.table:
+            self._by_sender.setdefault((message.src, message.sent.whole), []).append(message)
+            self._by_receiver.setdefault((message.dst, message.received.whole), []).append(message)
+
+    def sends(self, rank: int, payload: Payload) -> tuple[Message, ...]:
+        return tuple(self._by_sender.get((rank, payload.whole), ()))
+
+    def receives(self, rank: int, payload: Payload) -> tuple[Message, ...]:
+        return tuple(self._by_receiver.get((rank, payload.whole), ()))
+
+    def messages(self) -> Iterator[Message]:
+        return iter(self.table)
+
+    def transposed(self, name: str) -> Table:
+        """The route the gradients take back: every message reversed, carrying the
+        gradient of what it carried; rows that went to several ranks come back summed."""
+        back = tuple(Message(m.dst, m.src, m.received.gradient(), m.sent.gradient(), m.bytes) for m in self.table)
+        fanned_out = len({(m.src, m.sent) for m in self.table}) < len(self.table)
+        return Table(name, self.kind, back, self.sharing, reduce=self.reduce or fanned_out)
 
 
 @dataclass
 class RankProgram:
-    """The instruction list of one class of interchangeable ranks, written for ranks[0].
+    """The instruction list of one class of interchangeable ranks.
 
     pipelined: waiting on peers is a pipeline bubble (warm-up/cool-down) rather than
     load imbalance; units: the units whose work these ranks do.
@@ -158,9 +309,15 @@ class Program:
     world_size: int
     classes: list[RankProgram]
     groups: dict[str, Group] = field(default_factory=dict)
+    routes: dict[str, Route] = field(default_factory=dict)
 
     def add_group(self, group: Group) -> None:
         self.groups[group.name] = group
+
+    def add_route(self, route: Route) -> None:
+        if route.name in self.routes:
+            raise ValueError(f"the Program already has a route {route.name!r}")
+        self.routes[route.name] = route
 
     def class_of(self, rank: int) -> RankProgram:
         for rank_program in self.classes:
@@ -175,8 +332,6 @@ class Program:
     def num_instructions(self) -> int:
         return sum(len(c.instructions) for c in self.classes)
 
-    # A class program is written for its first rank; the real backend runs it on every
-    # rank of the class, so it needs each rank's own group and peers.
     def group_for(self, name: str, rank: int) -> tuple[int, ...]:
         """The ranks of group `name` as `rank` sees it: the group itself if `rank` is a
         member, else the member of its family that holds `rank`."""
@@ -190,41 +345,77 @@ class Program:
                 return tuple(member)
         raise KeyError(f"rank {rank} is in no group of the family of {name!r}")
 
-    def peer_for(self, rank: int, written: int) -> int:
-        """The peer of `rank` for a Send/Recv written (for the class's first rank) with
-        peer `written`: ranks correspond by position in their classes, as Megatron's
-        stage_ranks order every stage the same way."""
-        mine = self.class_of(rank).ranks
-        theirs = self.class_of(written).ranks
-        if len(mine) != len(theirs):
-            raise KeyError(f"rank {rank}'s class has {len(mine)} ranks but peer {written}'s has {len(theirs)}: "
-                           f"no position correspondence")
-        return theirs[(theirs.index(written) + mine.index(rank)) % len(theirs)]
+    def route(self, name: str) -> Route:
+        route = self.routes.get(name)
+        if route is None:
+            raise KeyError(f"the Program has no route {name!r}")
+        return route
 
 
 @dataclass
 class UnitPlan:
-    """How one unit is parallelised: its degrees, ranks, and micro-batching.
+    """How one unit is parallelised: its device mesh, micro-batching and memory options.
 
-    stage_layers: the [start, end) layer range of every (virtual) pipeline stage, in
-    model order (stage s, chunk v is entry v*pp + s). batch_per_replica: samples each
-    data-parallel replica processes per iteration.
+    Everything a backend, the memory model or the metrics read is a field here; `details`
+    is for display only. mesh: the unit's devices by axis (tp, dp, pp; x, y, z for a 3D
+    tensor grid). stage_layers: the [start, end) layer range of every (virtual) pipeline
+    stage, in model order (stage s, chunk v is entry v*pp + s). batch_per_replica: samples
+    each data-parallel replica processes per iteration. sample_groups: the step's batch is
+    cut into this many contiguous groups, each split over the replicas and then into
+    micro-batches in order (DistMM's contrastive batches; elsewhere one group per
+    micro-batch index).
     """
 
     unit: str
-    dp: int
-    tp: int
-    pp: int
-    ranks: tuple[int, ...]
+    mesh: Mesh
     micro_batch: int
     num_microbatches: int
     batch_per_replica: int
     stage_layers: tuple[tuple[int, int], ...]
+    sample_groups: int
     vpp: int = 1
+    zero_stage: int = 0
+    recompute: str = "none"
+    sequence_parallel: bool = False
     details: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"unit {self.unit}: recompute {self.recompute!r} is not one of {RECOMPUTE_MODES}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"unit {self.unit}: zero_stage {self.zero_stage!r} is not 0-3")
+        if self.num_microbatches % self.sample_groups:
+            raise ValueError(f"unit {self.unit}: {self.num_microbatches} micro-batches do not split into "
+                             f"{self.sample_groups} sample groups")
+        if len(self.stage_layers) != self.pp * self.vpp:
+            raise ValueError(f"unit {self.unit}: {len(self.stage_layers)} stage layer ranges for pp={self.pp} x "
+                             f"vpp={self.vpp}")
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return self.mesh.ranks
+
+    @property
+    def dp(self) -> int:
+        return self.mesh.degree("dp")
+
+    @property
+    def tp(self) -> int:
+        return self.mesh.degree("tp")
+
+    @property
+    def pp(self) -> int:
+        return self.mesh.degree("pp")
+
+    def layers_on(self, rank: int) -> set[int]:
+        """The unit's layers that `rank` computes (every chunk of its pipeline stage)."""
+        stage = self.mesh.coords(rank).get("pp", 0)
+        return {layer for chunk in range(self.vpp)
+                for layer in range(*self.stage_layers[chunk * self.pp + stage])}
 
     def as_dict(self) -> dict:
         return {
+            "mesh": {name: degree for name, degree in self.mesh.axes},
             "dp": self.dp, "tp": self.tp, "pp": self.pp, "vpp": self.vpp,
             "devices": len(self.ranks),
             "ranks": compress_ranks(self.ranks),
@@ -232,6 +423,9 @@ class UnitPlan:
             "num_microbatches": self.num_microbatches,
             "batch_per_replica": self.batch_per_replica,
             "stage_layers": [list(r) for r in self.stage_layers],
+            "zero_stage": self.zero_stage,
+            "recompute": self.recompute,
+            "sequence_parallel": self.sequence_parallel,
             **self.details,
         }
 
@@ -249,6 +443,9 @@ class Plan:
             if unit_plan.unit == name:
                 return unit_plan
         raise KeyError(name)
+
+    def units_on(self, rank: int) -> list[UnitPlan]:
+        return [u for u in self.units if rank in u.mesh]
 
     def as_dict(self) -> dict:
         return {"strategy": self.strategy, "devices": self.devices,

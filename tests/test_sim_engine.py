@@ -9,25 +9,28 @@ import random
 
 import pytest
 
-from src.program import (COMM_KINDS, BatchSync, Collective, Compute, Group, Program, RankProgram, Recv, Send,
-                         Wait, Work)
+from src.mesh import tensor_parallel
+from src.program import COMM_KINDS, Collective, Compute, Group, Program, RankProgram, Wait, Work
 from src.sim.engine import SimulationError, simulate
 from src.timeline import BREAKDOWN_CATEGORIES
-from tests.test_sim_programs import (DMM_BATCH, EMBED, INTRA_BW, INTRA_LAT, MODEL, MS, PEAK, PRECISION,
-                                     REL, all_reduce_s, assert_breakdown, build_distmm, build_disttrain,
-                                     build_megatron, build_optimus, build_par4d, gemm_s, make_cluster, p2p_s, run,
-                                     timeline_of)
+from tests.test_sim_programs import (INTRA_BW, INTRA_LAT, MODEL, MS, PEAK, PRECISION, REL, all_reduce_s,
+                                     assert_breakdown, build_distmm, build_disttrain, build_megatron, build_optimus,
+                                     build_par4d, link, make_cluster, p2p_s, recv, run, send, timeline_of)
 
 F1 = Work("llm", "fwd", 1, (0, 1))          # one (1000 x 1000)@(1000 x 1000) GEMM: 2 ms
 T_F1 = 2 * MS
 
 
-def two_ranks(a: list, b: list, groups: tuple[Group, ...] = (), pipelined: bool = False) -> Program:
+def two_ranks(a: list, b: list, groups: tuple[Group, ...] = (), pipelined: bool = False,
+              messages: tuple[tuple[str, int, int], ...] = ()) -> Program:
+    """Ranks 0 ('left') and 1 ('right'); `messages`: (key, src, dst) routes of 1e6 bytes."""
     program = Program(world_size=2, classes=[
         RankProgram(ranks=(0,), instructions=a, label="left", pipelined=pipelined),
         RankProgram(ranks=(1,), instructions=b, label="right", pipelined=pipelined)])
     for group in groups:
         program.add_group(group)
+    for key, src, dst in messages:
+        link(program, key, src, dst, 1e6, "pp")
     return program
 
 
@@ -74,11 +77,11 @@ def random_program(seed: int, ranks: int = 6, steps: int = 70) -> Program:
         elif x < 0.85:
             src, dst = rng.sample(range(ranks), 2)
             nbytes, kind = rng.choice([0.0, 1e5, 4e6, 3e7]), rng.choice(COMM_KINDS)
-            lists[src].append(Send(dst, f"m{step}", nbytes, kind, stream=rng.choice(["send", "send2"]),
-                                   sharing=rng.randint(1, 4)))
+            link(program, f"m{step}", src, dst, nbytes, kind, sharing=rng.randint(1, 4))
+            lists[src].append(send(f"m{step}", stream=rng.choice(["send", "send2"])))
             blocking = rng.random() < 0.6
-            lists[dst].append(Recv(src, f"m{step}", nbytes, kind, stream=rng.choice(["recv", "recv2"]),
-                                   blocking=blocking, handle=None if blocking else f"m{step}"))
+            lists[dst].append(recv(f"m{step}", stream=rng.choice(["recv", "recv2"]), blocking=blocking,
+                                   handle=None if blocking else f"m{step}"))
             if not blocking:
                 handles[dst].append(f"m{step}")
         else:
@@ -148,8 +151,7 @@ def test_random_programs_are_not_trivial():
 
 # ---- errors ------------------------------------------------------------------------------
 def test_deadlock_names_the_stuck_classes():
-    program = two_ranks([Recv(1, "a", 1e6, "pp"), Send(1, "b", 1e6, "pp")],
-                        [Recv(0, "b", 1e6, "pp"), Send(0, "a", 1e6, "pp")])
+    program = two_ranks([recv("a"), send("b")], [recv("b"), send("a")], messages=(("a", 1, 0), ("b", 0, 1)))
     with pytest.raises(SimulationError, match="deadlock") as err:
         run(program)
     assert "left" in str(err.value) and "right" in str(err.value)
@@ -157,7 +159,7 @@ def test_deadlock_names_the_stuck_classes():
 
 
 def test_recv_without_send_raises():
-    program = two_ranks([Compute(F1), Recv(1, "ghost", 1e6, "pp")], [Compute(F1)])
+    program = two_ranks([Compute(F1), recv("ghost")], [Compute(F1)], messages=(("ghost", 1, 0),))
     with pytest.raises(SimulationError, match="deadlock") as err:
         run(program)
     assert "left" in str(err.value) and "ghost" in str(err.value) and "right" not in str(err.value)
@@ -202,8 +204,18 @@ def test_rank_in_two_classes_raises():
 
 
 def test_message_sent_twice_raises():
-    with pytest.raises(SimulationError, match="sent twice"):
-        run(two_ranks([Send(1, "k", 1e6, "pp"), Send(1, "k", 1e6, "pp")], [Recv(0, "k", 1e6, "pp")]))
+    with pytest.raises(SimulationError, match="twice"):
+        run(two_ranks([send("k"), send("k")], [recv("k")], messages=(("k", 0, 1),)))
+
+
+def test_message_never_received_raises():
+    with pytest.raises(SimulationError, match="never received"):
+        run(two_ranks([send("k")], [], messages=(("k", 0, 1),)))
+
+
+def test_unknown_route_raises():
+    with pytest.raises(SimulationError, match="unknown route 'k'"):
+        run(two_ranks([send("k")], []))
 
 
 # ---- rank classes ------------------------------------------------------------------------
@@ -283,12 +295,6 @@ def test_collective_count_repeats_back_to_back():
     assert timeline.iteration_time == pytest.approx(3 * one, rel=REL)
 
 
-def test_batch_sync_without_gather_is_its_interaction_work():
-    work = Work("contrastive", "interaction", 4, (0, 1), contrastive_batch=DMM_BATCH)
-    program = Program(world_size=1, classes=[RankProgram(ranks=(0,), instructions=[BatchSync((0, 1), work)])])
-    assert run(program).iteration_time == pytest.approx(3 * gemm_s(4, DMM_BATCH, EMBED), rel=REL)
-
-
 @pytest.mark.parametrize("overrides, expected", [
     # efficiency 0.5 · (1000/2000)(500/1500)(1000/2000) = 1/24 of peak, plus one launch
     (dict(gemm_max_efficiency=0.5, gemm_half_dim=1000.0, kernel_overhead_s=1e-6),
@@ -300,7 +306,7 @@ def test_compute_price_formula(overrides, expected):
     """One column-parallel GEMM (m=1000, n=1000/tp, k=1000, tp=2) through the engine."""
     cluster = make_cluster(**overrides)
     program = Program(world_size=1, classes=[RankProgram(ranks=(0,), instructions=[
-        Compute(Work("llm", "fwd", 1, (0, 1), tp=2))])])
+        Compute(Work("llm", "fwd", 1, (0, 1), sharding=tensor_parallel(2)))])])
     assert simulate(program, MODEL, cluster, PRECISION).iteration_time == pytest.approx(expected, rel=REL)
 
 
@@ -325,8 +331,9 @@ def test_deterministic_and_independent_of_class_order(name):
 def test_send_recv_on_compute_stream_add_up():
     """A blocking send/recv expressed by putting it on the compute stream."""
     d = p2p_s(4e6, INTRA_BW, INTRA_LAT)
-    program = two_ranks([Compute(F1), Send(1, "m", 4e6, "pp", stream="compute"), Compute(F1)],
-                        [Recv(0, "m", 4e6, "pp", stream="compute"), Compute(F1)])
+    program = two_ranks([Compute(F1), send("m", stream="compute"), Compute(F1)],
+                        [recv("m", stream="compute"), Compute(F1)])
+    link(program, "m", 0, 1, 4e6, "pp")
     timeline = run(program)
     iteration = 2 * T_F1 + d
     assert timeline.iteration_time == pytest.approx(iteration, rel=REL)
@@ -340,11 +347,13 @@ def test_preposted_irecv_exchange_runs():
     isend/irecv backend completes."""
     d = p2p_s(4e6, INTRA_BW, INTRA_LAT)
 
-    def side(peer: int, out: str, inbound: str) -> list:
-        return [Compute(F1), Recv(peer, inbound, 4e6, "pp", blocking=False, handle="h"),
-                Send(peer, out, 4e6, "pp"), Wait("h")]
+    def side(out: str, inbound: str) -> list:
+        return [Compute(F1), recv(inbound, blocking=False, handle="h"), send(out), Wait("h")]
 
-    timeline = run(two_ranks(side(1, "a", "b"), side(0, "b", "a")))
+    program = two_ranks(side("a", "b"), side("b", "a"))
+    link(program, "a", 0, 1, 4e6, "pp")
+    link(program, "b", 1, 0, 4e6, "pp")
+    timeline = run(program)
     assert timeline.iteration_time == pytest.approx(T_F1 + d, rel=REL)
     for rank_timeline in timeline.ranks:
         assert_breakdown(rank_timeline, T_F1 + d, compute=T_F1, comm_pp=d)
@@ -360,13 +369,14 @@ def test_async_collective_on_busy_stream_does_not_block_the_class():
         RankProgram(ranks=(0,), label="A", instructions=[
             Collective("all_reduce", "ab", 1e6, "dp", stream="comm", blocking=False, handle="h1"),
             Collective("all_reduce", "ac", 1e6, "dp", stream="comm", blocking=False, handle="h2"),
-            Send(1, "m", 1e6, "pp"), Wait("h1"), Wait("h2")]),
+            send("m"), Wait("h1"), Wait("h2")]),
         RankProgram(ranks=(1,), label="B", instructions=[
-            Recv(0, "m", 1e6, "pp"), Collective("all_reduce", "ab", 1e6, "dp")]),
+            recv("m"), Collective("all_reduce", "ab", 1e6, "dp")]),
         RankProgram(ranks=(2,), label="C", instructions=[Collective("all_reduce", "ac", 1e6, "dp")]),
     ])
     program.add_group(Group("ab", (0, 1)))
     program.add_group(Group("ac", (0, 2)))
+    link(program, "m", 0, 1, 1e6, "pp")
     timeline = run(program)
     # the send leaves at 0 and lands at d; "ab" runs [d, d+t]; "ac" queues behind it
     assert timeline.iteration_time == pytest.approx(d + 2 * t, rel=REL)

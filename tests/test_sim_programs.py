@@ -29,8 +29,9 @@ from src.cluster import ClusterSpec, family_sharing
 from src.costmodel.comm import CommModel
 from src.models.layers import contrastive_layer, gemm
 from src.models.spec import ActivationBytes, LayerSpec, ModelSpec, UnitSpec
-from src.program import (BatchSync, Collective, Compute, Group, Program, RankProgram, Recv, Send, Wait,
-                         Work)
+from src.mesh import tensor_parallel
+from src.program import (Collective, Compute, Group, Hop, Message, Payload, Program, RankProgram, Recv, Send, Table,
+                         Wait, Work)
 from src.schedules.pipeline import one_f_one_b
 from src.sim.engine import simulate
 from src.timeline import BREAKDOWN_CATEGORIES
@@ -119,6 +120,24 @@ def run(program: Program):
     return simulate(program, MODEL, CLUSTER, PRECISION)
 
 
+def msg(key: str) -> Payload:
+    """A payload standing for one message of a hand-built Program."""
+    return Payload(key, 0, 0)
+
+
+def link(program: Program, key: str, src: int, dst: int, nbytes: float, kind: str, sharing: int = 1) -> None:
+    """A route of one message from `src` to `dst`, named and carrying `key`."""
+    program.add_route(Table(key, kind, (Message(src, dst, msg(key), msg(key), nbytes),), sharing))
+
+
+def send(key: str, **kwargs) -> Send:
+    return Send(key, msg(key), **kwargs)
+
+
+def recv(key: str, **kwargs) -> Recv:
+    return Recv(key, msg(key), **kwargs)
+
+
 def assert_breakdown(rank_timeline, iteration: float, **expected: float) -> None:
     """Every category named in `expected` has that value; every other one is 0; and the
     whole breakdown adds up to the iteration time."""
@@ -162,33 +181,37 @@ def meg_pp_sharing() -> int:
     return family_sharing(CLUSTER, pairs)
 
 
-def _megatron_list(p: int, tp_group: str, dp_group: str, t: int, d: int, tag: str, s_act: float) -> list:
-    prev_rank, next_rank = meg_rank(t, d, p - 1), meg_rank(t, d, p + 1)
+def _megatron_list(p: int, tp_group: str, dp_group: str, hop: str) -> list:
     out: list = []
+    act = lambda j: Payload("llm", 1, j)  # noqa: E731 - the stage boundary's activation
     for kind, j in MEG_ORDERS[p]:
         if kind == "F":
             if p == 1:
-                out.append(Recv(prev_rank, f"act{tag}.mb{j}", s_act, "pp"))
-            out.append(Compute(Work("llm", "fwd", MEG_MB, (p, p + 1), tp=MEG_TP), microbatch=j))
+                out.append(Recv(hop, act(j)))
+            out.append(Compute(Work("llm", "fwd", MEG_MB, (p, p + 1), sharding=tensor_parallel(MEG_TP)), microbatch=j))
             out.append(Collective("all_reduce", tp_group, S_TP, "tp", stream="compute", count=2))
             if p == 0:
-                out.append(Send(next_rank, f"act{tag}.mb{j}", s_act, "pp", sharing=4))
+                out.append(Send(hop, act(j)))
         else:
             if p == 0:
-                out.append(Recv(next_rank, f"grad{tag}.mb{j}", s_act, "pp"))
-            out.append(Compute(Work("llm", "bwd", MEG_MB, (p, p + 1), tp=MEG_TP), microbatch=j))
+                out.append(Recv(hop, act(j).gradient()))
+            out.append(Compute(Work("llm", "bwd", MEG_MB, (p, p + 1), sharding=tensor_parallel(MEG_TP)), microbatch=j))
             out.append(Collective("all_reduce", tp_group, S_TP, "tp", stream="compute", count=2))
             if p == 1:
-                out.append(Send(prev_rank, f"grad{tag}.mb{j}", s_act, "pp", sharing=4))
+                out.append(Send(hop, act(j).gradient()))
     out.append(Collective("all_reduce", dp_group, S_DP, "dp"))
     return out
 
 
 def build_megatron(per_rank: bool = True, s_act: float = S_ACT) -> Program:
     """per_rank=True: every one of the 8 ranks has its own instruction list (labels
-    's{p}.t{t}.d{d}'). per_rank=False: one class per stage covering its 4 ranks (TP peers
-    and DP replicas), written for its first rank (labels 'stage {p}')."""
+    's{p}.t{t}.d{d}') and its own route to its pipeline peer. per_rank=False: one class
+    per stage covering its 4 ranks (TP peers and DP replicas) and one route between the
+    stages (labels 'stage {p}')."""
     program = Program(world_size=MEG_TP * MEG_DP * MEG_PP, classes=[])
+    stage_ranks = [tuple(meg_rank(t, d, p) for d in range(MEG_DP) for t in range(MEG_TP)) for p in range(MEG_PP)]
+    if not per_rank:
+        program.add_route(Hop("hop", "pp", stage_ranks[0], stage_ranks[1], s_act, sharing=4))
     for p in range(MEG_PP):
         if per_rank:
             for d in range(MEG_DP):
@@ -197,16 +220,22 @@ def build_megatron(per_rank: bool = True, s_act: float = S_ACT) -> Program:
                 program.add_group(Group(f"dp.p{p}.t{t}", tuple(meg_rank(t, d, p) for d in range(MEG_DP))))
             for d in range(MEG_DP):
                 for t in range(MEG_TP):
+                    hop = f"hop.t{t}.d{d}"
+                    if p == 0:
+                        program.add_route(Hop(hop, "pp", (meg_rank(t, d, 0),), (meg_rank(t, d, 1),), s_act, sharing=4))
                     program.classes.append(RankProgram(
                         ranks=(meg_rank(t, d, p),), label=f"s{p}.t{t}.d{d}", units=("llm",), pipelined=True,
-                        instructions=_megatron_list(p, f"tp.p{p}.d{d}", f"dp.p{p}.t{t}", t, d, f".t{t}.d{d}", s_act)))
+                        instructions=_megatron_list(p, f"tp.p{p}.d{d}", f"dp.p{p}.t{t}", hop)))
         else:
-            program.add_group(Group(f"tp.p{p}", tuple(meg_rank(t, 0, p) for t in range(MEG_TP))))
-            program.add_group(Group(f"dp.p{p}", tuple(meg_rank(0, d, p) for d in range(MEG_DP))))
-            ranks = tuple(meg_rank(t, d, p) for d in range(MEG_DP) for t in range(MEG_TP))
+            program.add_group(Group(f"tp.p{p}", tuple(meg_rank(t, 0, p) for t in range(MEG_TP)),
+                                    family=tuple(tuple(meg_rank(t, d, p) for t in range(MEG_TP))
+                                                 for d in range(MEG_DP))))
+            program.add_group(Group(f"dp.p{p}", tuple(meg_rank(0, d, p) for d in range(MEG_DP)),
+                                    family=tuple(tuple(meg_rank(t, d, p) for d in range(MEG_DP))
+                                                 for t in range(MEG_TP))))
             program.classes.append(RankProgram(
-                ranks=ranks, label=f"stage {p}", units=("llm",), pipelined=True,
-                instructions=_megatron_list(p, f"tp.p{p}", f"dp.p{p}", 0, 0, "", s_act)))
+                ranks=stage_ranks[p], label=f"stage {p}", units=("llm",), pipelined=True,
+                instructions=_megatron_list(p, f"tp.p{p}", f"dp.p{p}", "hop")))
     return program
 
 
@@ -288,11 +317,10 @@ def build_distmm() -> Program:
         per_replica = DMM_BATCH // len(ranks)
         mb = per_replica // DMM_K
         instructions: list = [Compute(Work(unit, "fwd", mb, (0, 1)), microbatch=j) for j in range(DMM_K)]
-        # The interaction scores this replica's K·mb local samples against the whole
-        # gathered batch of the other modality.
+        # The batch-sync: gather the features, then the interaction scores this replica's
+        # K·mb local samples against the whole gathered batch of the other modality.
         interaction = Work("contrastive", "interaction", per_replica, (0, 1), contrastive_batch=DMM_BATCH)
-        instructions.append(BatchSync(tuple(range(DMM_K)), interaction,
-                                      gather=Collective("all_gather", "world", S_GATHER, "interaction")))
+        instructions += [Collective("all_gather", "world", S_GATHER, "interaction"), Compute(interaction)]
         instructions += [Compute(Work(unit, "bwd", mb, (0, 1)), microbatch=j) for j in reversed(range(DMM_K))]
         return RankProgram(ranks=ranks, instructions=instructions + tail, label=unit, units=(unit, "contrastive"))
 
@@ -346,21 +374,23 @@ def build_disttrain(recv_order: tuple[int, int] = (0, 1)) -> Program:
     program = Program(world_size=3, classes=[])
     program.add_group(Group("dp.encoder", (0, 1)))
     for r in (0, 1):
+        link(program, f"enc.fwd.r{r}", r, 2, S_BROKER, "broker")
+        link(program, f"enc.bwd.r{r}", 2, r, S_BROKER, "broker")
         program.classes.append(RankProgram(ranks=(r,), label=f"encoder{r}", units=("encoder",), pipelined=True,
                                            instructions=[
             Compute(Work("encoder", "fwd", DT_SAMPLES, (0, 1), load=DT_LOAD[r])),
-            Send(2, f"enc.fwd.r{r}", S_BROKER, "broker"),
-            Recv(2, f"enc.bwd.r{r}", S_BROKER, "broker"),
+            send(f"enc.fwd.r{r}"),
+            recv(f"enc.bwd.r{r}"),
             Compute(Work("encoder", "bwd", DT_SAMPLES, (0, 1), load=DT_LOAD[r])),
             Collective("all_reduce", "dp.encoder", S_DP_ENC, "dp"),
         ]))
     llm_samples = DT_SAMPLES * 2
     program.classes.append(RankProgram(ranks=(2,), label="llm", units=("llm",), pipelined=True, instructions=[
-        *[Recv(r, f"enc.fwd.r{r}", S_BROKER, "broker") for r in recv_order],
+        *[recv(f"enc.fwd.r{r}") for r in recv_order],
         Compute(Work("llm", "fwd", llm_samples, (0, 2))),
         Compute(Work("llm", "bwd", llm_samples, (0, 2))),
-        Send(0, "enc.bwd.r0", S_BROKER, "broker"),      # fan-out, one send stream: 0 then 1
-        Send(1, "enc.bwd.r1", S_BROKER, "broker"),
+        send("enc.bwd.r0"),      # fan-out, one send stream: 0 then 1
+        send("enc.bwd.r1"),
     ]))
     return program
 
@@ -417,18 +447,19 @@ def build_optimus(placement: str) -> Program:
     enc_b = Compute(Work("encoder", "fwd", 1, (0, 1), kernels=(2, 3)))
     llm_a = Compute(Work("llm", "fwd", 1, (0, 1)))
     llm_b = Compute(Work("llm", "fwd", 1, (1, 2)))
-    recv = Recv(1, "x", S_OPT, "pp")
     if placement == "bubble":
-        rank0 = [llm_a, enc_a, recv, llm_b, enc_b]
+        rank0 = [llm_a, enc_a, recv("x"), llm_b, enc_b]
     else:
-        rank0 = [llm_a, recv, llm_b, enc_a, enc_b]
-    return Program(world_size=2, classes=[
+        rank0 = [llm_a, recv("x"), llm_b, enc_a, enc_b]
+    program = Program(world_size=2, classes=[
         RankProgram(ranks=(0,), instructions=rank0, label="colocated", units=("llm", "encoder"), pipelined=True),
         RankProgram(ranks=(1,), label="sender", units=("llm",), pipelined=True, instructions=[
             Compute(Work("llm", "fwd", 2, (0, 2))),
-            Send(0, "x", S_OPT, "pp"),
+            send("x"),
         ]),
     ])
+    link(program, "x", 1, 0, S_OPT, "pp")
+    return program
 
 
 def test_optimus_encoder_kernels_fill_the_llm_bubble():

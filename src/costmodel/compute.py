@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from src.cluster import ClusterSpec
 from src.costmodel.memory import element_bytes
+from src.mesh import Sharding
 from src.models.spec import Kernel, LayerSpec, ModelSpec, UnitSpec
 from src.program import Work
 
@@ -66,23 +67,16 @@ class ComputeModel:
             return 0.0
         return nbytes / self.hbm + self.cluster.kernel_overhead_s
 
-    def kernel_times(self, kernel: Kernel, rows: float, tp: int, sequence_parallel: bool,
-                     contrastive_batch: int) -> LayerTimes:
-        """Times of one kernel over `rows` samples' worth of input on one TP rank."""
+    def kernel_times(self, kernel: Kernel, rows: float, sharding: Sharding, contrastive_batch: int) -> LayerTimes:
+        """Times of one kernel over `rows` samples' worth of input on one device."""
         if kernel.kind == "memory":
-            split = tp if (kernel.tp_split != "none" or sequence_parallel) else 1
-            fwd = self.memory_time(kernel.bytes * rows / split)
+            fwd = self.memory_time(kernel.bytes * rows / sharding.memory_divisor(kernel.tp_split))
             # Backward reads the saved input and the output gradient, writes the input gradient.
             return LayerTimes(fwd, 2.0 * fwd, 0.0, fwd if kernel.attention_core else 0.0)
-        m = kernel.m * rows
-        n = contrastive_batch if kernel.n_contrastive else kernel.n
-        k, batch = kernel.k, kernel.batch
-        if kernel.tp_split == "n":
-            n = n / tp
-        elif kernel.tp_split == "k":
-            k = k / tp
-        elif kernel.tp_split == "batch":
-            batch = batch / tp
+        m_div, n_div, k_div, batch_div = sharding.gemm_divisors(kernel.tp_split)
+        m = kernel.m * rows / m_div
+        n = (contrastive_batch if kernel.n_contrastive else kernel.n) / n_div
+        k, batch = kernel.k / k_div, kernel.batch / batch_div
         fwd = self.gemm_time(m, n, k, batch)
         # dX = dY @ W^T is an (m x n)@(n x k) product; dW = X^T @ dY is (k x m)@(m x n).
         bwd_input = self.gemm_time(m, k, n, batch)
@@ -92,16 +86,16 @@ class ComputeModel:
             bwd_input *= 2.0
         return LayerTimes(fwd, bwd_input, bwd_weight, fwd if kernel.attention_core else 0.0)
 
-    def layer_times(self, layer: LayerSpec, samples: float, tp: int, sequence_parallel: bool = False,
+    def layer_times(self, layer: LayerSpec, samples: float, sharding: Sharding = Sharding(),
                     contrastive_batch: int = 1, kernels: tuple[int, int] | None = None) -> LayerTimes:
-        key = (layer, samples, tp, sequence_parallel, contrastive_batch, kernels)
+        key = (layer, samples, sharding, contrastive_batch, kernels)
         cached = self._layer_cache.get(key)
         if cached is not None:
             return cached
         selected = layer.kernels if kernels is None else layer.kernels[kernels[0]:kernels[1]]
         fwd = bwd_in = bwd_w = core = 0.0
         for kernel in selected:
-            t = self.kernel_times(kernel, samples, tp, sequence_parallel, contrastive_batch)
+            t = self.kernel_times(kernel, samples, sharding, contrastive_batch)
             fwd += t.fwd
             bwd_in += t.bwd_input
             bwd_w += t.bwd_weight
@@ -125,7 +119,7 @@ class ComputeModel:
         start, end = work.layers
         layers = unit.layers[start:end]
         if work.phase == "optimizer":
-            params = unit.trainable_params(start, end) / (work.tp * work.shard)
+            params = unit.trainable_params(start, end) / (work.sharding.devices * work.shard)
             return self.memory_time(params * ADAM_BYTES_PER_PARAM)
         rows = work.samples * work.fraction
         trains_weights = not unit.frozen
@@ -133,7 +127,7 @@ class ComputeModel:
         total = 0.0
         for index, layer in enumerate(layers):
             kernels = work.kernels if (work.kernels is not None and index == 0) else None
-            t = self.layer_times(layer, rows, work.tp, work.sequence_parallel, work.contrastive_batch, kernels)
+            t = self.layer_times(layer, rows, work.sharding, work.contrastive_batch, kernels)
             if layer.forward_only:
                 total += t.fwd if work.phase in ("fwd", "interaction") else 0.0
                 continue

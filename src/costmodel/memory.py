@@ -8,10 +8,7 @@ from typing import Mapping
 
 from src.errors import ConfigError
 from src.models.spec import ModelSpec
-from src.program import Compute, RankProgram, UnitPlan
-
-
-RECOMPUTE_MODES = ("none", "selective", "full")
+from src.program import RECOMPUTE_MODES, Compute, RankProgram, UnitPlan
 
 
 def check_memory_options(recompute: str | None, zero_stage: int | None, zero_note: str) -> None:
@@ -82,7 +79,7 @@ def work_activation_bytes(model: ModelSpec, compute: Compute, recompute: str) ->
     work = compute.work
     unit = model.unit(work.unit)
     start, end = work.layers
-    per_sample = sum(layer.activations.per_device(work.tp, work.sequence_parallel, recompute)
+    per_sample = sum(layer.activations.per_device(work.sharding, recompute)
                      for layer in unit.layers[start:end] if not layer.forward_only)
     return per_sample * work.samples * work.fraction * work.load
 
@@ -110,7 +107,7 @@ def peak_activation_bytes(rank_program: RankProgram, model: ModelSpec, recompute
                 unit = model.unit(work.unit)
                 start, end = work.layers
                 rematerialised = max(
-                    (layer.activations.per_device(work.tp, work.sequence_parallel, "none")
+                    (layer.activations.per_device(work.sharding, "none")
                      for layer in unit.layers[start:end]), default=0.0)
                 peak = max(peak, live + rematerialised * work.samples * work.fraction * work.load)
             live -= alive.pop(key, 0.0)
@@ -124,18 +121,17 @@ def rank_memory(rank_program: RankProgram, units: Mapping[str, UnitPlan], model:
     held: dict[tuple[str, tuple[int, int]], int] = {}
     for instruction in rank_program.instructions:
         if isinstance(instruction, Compute) and instruction.work.phase in ("fwd", "interaction"):
-            held[(instruction.work.unit, instruction.work.layers)] = instruction.work.tp
+            held[(instruction.work.unit, instruction.work.layers)] = instruction.work.sharding.devices
     out = {"weights": 0.0, "grads": 0.0, "optimizer": 0.0}
-    for (name, (start, end)), tp in held.items():
+    for (name, (start, end)), shards in held.items():
         unit = model.unit(name)
         plan = units[name]
-        zero = int(plan.details.get("zero_stage", 0))
-        trainable = unit.trainable_params(start, end) / tp
-        fixed = sum(layer.params for layer in unit.layers[start:end]) / tp - trainable
+        trainable = unit.trainable_params(start, end) / shards
+        fixed = sum(layer.params for layer in unit.layers[start:end]) / shards - trainable
         for params, frozen in ((trainable, False), (fixed, True)):
-            for key, value in model_state_bytes(params, precision, frozen, zero, plan.dp).items():
+            for key, value in model_state_bytes(params, precision, frozen, plan.zero_stage, plan.dp).items():
                 out[key] += value
-    recompute = {name: str(plan.details.get("recompute", "none")) for name, plan in units.items()}
+    recompute = {name: plan.recompute for name, plan in units.items()}
     out["activations"] = peak_activation_bytes(rank_program, model, recompute)
     out["total"] = sum(out.values())
     return out

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from src.mesh import Sharding
+
 KernelKind = Literal["gemm", "memory"]
 TPSplit = Literal["n", "k", "batch", "none"]
 
@@ -66,12 +68,14 @@ class ActivationBytes:
     attention: float = 0.0
     checkpoint: float = 0.0
 
-    def per_device(self, tp: int, sequence_parallel: bool, recompute: str) -> float:
+    def per_device(self, sharding: Sharding, recompute: str) -> float:
+        """Bytes one device keeps under `sharding` (Megatron TP: `replicated` is divided
+        only under sequence parallelism)."""
+        replicated_div, split_div = sharding.activation_divisors()
         if recompute == "full":
-            return self.checkpoint / (tp if sequence_parallel else 1)
-        replicated = self.replicated / tp if sequence_parallel else self.replicated
-        attention = 0.0 if recompute == "selective" else self.attention / tp
-        return replicated + self.split / tp + attention
+            return self.checkpoint / replicated_div
+        attention = 0.0 if recompute == "selective" else self.attention / split_div
+        return self.replicated / replicated_div + self.split / split_div + attention
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,9 @@ def main(run_dirs: list[Path]) -> int:
             for run_dir in run_dirs:
                 config = yaml.safe_load((run_dir / "resolved.yaml").read_text())
                 run_session(config, run_dir, rank, world)
+            # gloo aborts a process whose peers tear down while its last sends are still
+            # in flight ("terminate called without an active exception"): leave together.
+            dist.barrier()
         finally:
             dist.destroy_process_group()
     except KeyboardInterrupt:

@@ -38,6 +38,11 @@ class SyncOp:
     group: int
     microbatch: int
 
+    @property
+    def chunk(self) -> int:
+        """Towers run no virtual stages: every operation is on chunk 0."""
+        return 0
+
 
 def _check(stages: int, groups: int, k: int) -> None:
     for name, value in (("pipeline stages", stages), ("batch-sync groups", groups), ("micro-batches per group", k)):

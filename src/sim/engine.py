@@ -20,12 +20,12 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from src.cluster import ClusterSpec
 from src.costmodel.comm import CommModel
 from src.costmodel.compute import ComputeModel
 from src.models.spec import ModelSpec
-from src.program import (COMPUTE_STREAM, BatchSync, Collective, Compute, Instruction, Program,
-                         RankProgram, Recv, Send, Wait)
+from src.cluster import ClusterSpec
+from src.program import (COMPUTE_STREAM, Collective, Compute, Hop, Instruction, Payload, Program, RankProgram,
+                         Recv, Route, Send, Wait)
 from src.timeline import BREAKDOWN_CATEGORIES, RankTimeline, Span, Timeline
 
 EPS = 1e-12
@@ -65,6 +65,96 @@ class _Arrival:
 
 
 @dataclass
+class _PostedRecv:
+    """A receive issued before all its messages were sent (an irecv)."""
+
+    index: int
+    op: _Op
+    instruction: Recv
+    entries: dict[tuple[str, int, Payload], tuple[float, float]]
+
+
+class _RoutePrices:
+    """What a route costs a class, message by message on the links each message crosses.
+
+    A class's Send keeps its send stream busy for the slowest of its ranks: each rank
+    sends its messages of the payload one after the other. A class's Recv completes when
+    the last message to any of its ranks has arrived: a message arrives when its sender's
+    class started the Send, plus the sender's earlier messages of that payload, plus its
+    own transfer."""
+
+    def __init__(self, program: Program, comm: CommModel, class_of_rank: dict[int, int]) -> None:
+        self.program, self.comm, self.class_of_rank = program, comm, class_of_rank
+        self._hop: dict[str, float] = {}
+        self._send: dict[tuple[str, int, Payload], float] = {}
+        self._recv: dict[tuple[str, int, Payload], dict] = {}
+
+    def route(self, name: str) -> Route:
+        route = self.program.routes.get(name)
+        if route is None:
+            raise SimulationError(f"send/receive on unknown route {name!r}")
+        return route
+
+    def _cost(self, route: Route, src: int, dst: int, nbytes: float) -> float:
+        return self.comm.p2p_time(src, dst, nbytes, route.sharing)
+
+    def _hop_cost(self, route: Hop) -> float:
+        cost = self._hop.get(route.name)
+        if cost is None:
+            # The pairs of a hop move at once; the slowest one bounds the stage.
+            cost = self._hop[route.name] = max((self._cost(route, a, b, route.bytes) for a, b in zip(route.a, route.b)),
+                                               default=0.0)
+        return cost
+
+    def _sender_class(self, route: Route, rank: int) -> int:
+        index = self.class_of_rank.get(rank)
+        if index is None:
+            raise SimulationError(f"route {route.name} sends from rank {rank}, which no instruction list covers")
+        return index
+
+    def send_time(self, route: Route, state: "_ClassState", payload: Payload) -> float:
+        if isinstance(route, Hop):
+            return self._hop_cost(route)
+        key = (route.name, state.index, payload)
+        cached = self._send.get(key)
+        if cached is None:
+            cached = self._send[key] = max(
+                (sum(self._cost(route, m.src, m.dst, m.bytes) for m in route.sends(rank, payload))
+                 for rank in state.program.ranks), default=0.0)
+        return cached
+
+    def receive_entries(self, route: Route, state: "_ClassState",
+                        payload: Payload) -> dict[tuple[str, int, Payload], tuple[float, float]]:
+        """For every send the class waits on, keyed (route, sender class, payload): when
+        its last message to the class lands after that send starts, and that message's
+        own transfer time."""
+        if isinstance(route, Hop):
+            peer = route.peer(state.program.ranks[0])
+            cost = self._hop_cost(route)
+            return {(route.name, self._sender_class(route, peer), payload): (cost, cost)}
+        key = (route.name, state.index, payload)
+        cached = self._recv.get(key)
+        if cached is None:
+            cached = {}
+            for rank in state.program.ranks:
+                for message in route.receives(rank, payload):
+                    offset = 0.0
+                    for earlier in route.sends(message.src, message.sent):
+                        cost = self._cost(route, earlier.src, earlier.dst, earlier.bytes)
+                        offset += cost
+                        if earlier is message:
+                            break
+                    send_key = (route.name, self._sender_class(route, message.src), message.sent.whole)
+                    if offset >= cached.get(send_key, (-1.0, 0.0))[0]:
+                        cached[send_key] = (offset, cost)
+            if not cached:
+                raise SimulationError(f"{state.program.label or state.index} receives {payload} over route "
+                                      f"{route.name}, which sends none of its ranks anything of it")
+            self._recv[key] = cached
+        return cached
+
+
+@dataclass
 class _ClassState:
     index: int
     program: RankProgram
@@ -88,19 +178,6 @@ class _ClassState:
         return self.tail.get(stream)
 
 
-def _expand(instructions: list[Instruction]) -> list[Instruction]:
-    """A BatchSync is its blocking gather followed by the interaction's compute."""
-    out: list[Instruction] = []
-    for instruction in instructions:
-        if isinstance(instruction, BatchSync):
-            if instruction.gather is not None:
-                out.append(instruction.gather)
-            out.append(Compute(instruction.work, microbatch=instruction.microbatches[0]))
-        else:
-            out.append(instruction)
-    return out
-
-
 class Simulator:
     def __init__(self, program: Program, model: ModelSpec, cluster: ClusterSpec, precision: str,
                  compute: ComputeModel | None = None):
@@ -109,7 +186,7 @@ class Simulator:
         self.cluster = cluster
         self.compute = compute or ComputeModel(cluster, precision)
         self.comm = CommModel(cluster)
-        self.states = [_ClassState(i, rp, _expand(rp.instructions)) for i, rp in enumerate(program.classes)]
+        self.states = [_ClassState(i, rp, rp.instructions) for i, rp in enumerate(program.classes)]
         self.class_of_rank: dict[int, int] = {}
         for state in self.states:
             for rank in state.program.ranks:
@@ -119,14 +196,15 @@ class Simulator:
         self.participants: dict[str, tuple[int, ...]] = {}
         self.arrivals: dict[tuple[str, int], _Arrival] = {}
         self.arrival_of: dict[int, tuple[str, int]] = {}
-        self.messages: dict[str, tuple[_Op, Send]] = {}
-        self.received: set[str] = set()
-        self.posted_recvs: dict[str, tuple[int, _Op, Recv]] = {}
-        self.waiting_for_message: dict[str, list[int]] = {}
+        # Point-to-point traffic, keyed (route, sender class, sender's payload).
+        self.sent: dict[tuple[str, int, Payload], _Op] = {}
+        self.received: set[tuple[str, int, Payload]] = set()
+        self.posted_recvs: dict[tuple[str, int, Payload], _PostedRecv] = {}
+        self.waiting_for_send: dict[tuple[str, int, Payload], list[int]] = {}
         self.waiting_for_op: dict[int, list[int]] = {}
         self.ready: deque[int] = deque()
         self.collective_cost: dict[tuple, float] = {}
-        self.p2p_cost: dict[tuple, float] = {}
+        self.routes = _RoutePrices(program, self.comm, self.class_of_rank)
         self.events = 0
 
     # ---- driver -------------------------------------------------------------------------
@@ -159,10 +237,27 @@ class Simulator:
             raise SimulationError(f"{len(self.arrivals)} collectives never completed: {arrival.instruction.op} "
                                   f"#{seq} on group {group} was never issued by {labels}")
         if self.posted_recvs:
-            raise SimulationError(f"receives with no matching send: {sorted(self.posted_recvs)[:4]}")
-        unreceived = sorted(set(self.messages) - self.received)
+            keys = [f"{payload} over {route}" for route, _, payload in list(self.posted_recvs)[:4]]
+            raise SimulationError(f"receives with no matching send: {keys}")
+        unreceived = self._unreceived()
         if unreceived:
-            raise SimulationError(f"{len(unreceived)} messages sent but never received: {unreceived[:4]}")
+            raise SimulationError(f"{len(unreceived)} sends never received: {unreceived[:4]}")
+
+    def _unreceived(self) -> list[str]:
+        """Sends with a message to a class that never received that payload."""
+        out = []
+        for route_name, index, payload in self.sent:
+            route = self.program.routes[route_name]
+            senders = self.states[index].program.ranks
+            if isinstance(route, Hop):
+                senders = senders[:1]
+            for rank in senders:
+                for message in route.sends(rank, payload):
+                    receiver = self.class_of_rank.get(message.dst)
+                    if (route_name, receiver, message.received.whole) not in self.received:
+                        out.append(f"{payload} from rank {rank} to rank {message.dst} over {route_name}")
+                        break
+        return out
 
     def _wake(self, index: int) -> None:
         state = self.states[index]
@@ -316,27 +411,25 @@ class Simulator:
         last = state.last_on(stream)
         if last is not None and not last.resolved:
             return self._wait_on(last, state)
-        if instruction.key in self.messages:
-            raise SimulationError(f"message key {instruction.key!r} sent twice")
-        src = state.program.ranks[0]
-        op = self._issue(state, instruction.kind, stream)
-        cost_key = (src, instruction.dst, instruction.bytes, instruction.sharing)
-        cost = self.p2p_cost.get(cost_key)
-        if cost is None:
-            cost = self.p2p_cost[cost_key] = self.comm.p2p_time(src, instruction.dst, instruction.bytes,
-                                                                instruction.sharing)
-        op.start, op.end, op.resolved = op.ready, op.ready + cost, True
+        route = self.routes.route(instruction.route)
+        key = (route.name, state.index, instruction.payload.whole)
+        if key in self.sent:
+            raise SimulationError(f"{state.program.label} sends {instruction.payload} over {route.name} twice")
+        op = self._issue(state, route.kind, stream)
+        op.start, op.resolved = op.ready, True
+        op.end = op.ready + self.routes.send_time(route, state, instruction.payload.whole)
         state.free[stream] = op.end
-        state.spans.append(Span(stream, op.start, op.end, f"send {instruction.key}", f"comm_{instruction.kind}"))
+        state.spans.append(Span(stream, op.start, op.end, f"send {instruction.payload}", f"comm_{route.kind}"))
         if stream == COMPUTE_STREAM:
-            state.segments.append((op.start, op.end, f"comm_{instruction.kind}"))
-        self.messages[instruction.key] = (op, instruction)
-        posted = self.posted_recvs.pop(instruction.key, None)
-        if posted is not None:
-            index, recv_op, recv = posted
-            self._complete_recv(self.states[index], recv_op, recv, op, instruction)
-        for waiter in self.waiting_for_message.pop(instruction.key, []):
+            state.segments.append((op.start, op.end, f"comm_{route.kind}"))
+        self.sent[key] = op
+        for waiter in self.waiting_for_send.pop(key, []):
             self._wake(waiter)
+        for recv_key in [k for k, posted in self.posted_recvs.items() if key in posted.entries]:
+            posted = self.posted_recvs[recv_key]
+            if all(k in self.sent for k in posted.entries):
+                del self.posted_recvs[recv_key]
+                self._complete_recv(self.states[posted.index], posted.op, posted.instruction, posted.entries)
         return True
 
     def _recv(self, state: _ClassState, instruction: Recv) -> bool:
@@ -344,33 +437,38 @@ class Simulator:
         last = state.last_on(stream)
         if last is not None and not last.resolved:
             return self._wait_on(last, state)
-        message = self.messages.get(instruction.key)
-        if message is None and (instruction.blocking or stream == COMPUTE_STREAM):
-            self.waiting_for_message.setdefault(instruction.key, []).append(state.index)
+        route = self.routes.route(instruction.route)
+        payload = instruction.payload.whole
+        entries = self.routes.receive_entries(route, state, payload)
+        missing = [key for key in entries if key not in self.sent]
+        blocking = instruction.blocking or stream == COMPUTE_STREAM
+        if missing and blocking:
+            self.waiting_for_send.setdefault(missing[0], []).append(state.index)
             return False
-        op = self._issue(state, instruction.kind, stream)
+        recv_key = (route.name, state.index, payload)
+        if recv_key in self.received or recv_key in self.posted_recvs:
+            raise SimulationError(f"{state.program.label} receives {payload} over {route.name} twice")
+        op = self._issue(state, route.kind, stream)
         if instruction.handle:
             state.handles[instruction.handle] = op
-        if message is None:
-            # Posted before its send (an irecv): it completes when the message lands.
-            if instruction.key in self.posted_recvs:
-                raise SimulationError(f"message key {instruction.key!r} received twice")
-            self.posted_recvs[instruction.key] = (state.index, op, instruction)
+        if missing:
+            # Posted before its sends (an irecv): it completes when the last one lands.
+            self.posted_recvs[recv_key] = _PostedRecv(state.index, op, instruction, entries)
             return True
-        self._complete_recv(state, op, instruction, *message)
-        if instruction.blocking or stream == COMPUTE_STREAM:
+        self._complete_recv(state, op, instruction, entries)
+        if blocking:
             state.blocker = op
         return True
 
-    def _complete_recv(self, state: _ClassState, op: _Op, recv: Recv, sent: _Op, send: Send) -> None:
-        if recv.key in self.received:
-            raise SimulationError(f"message key {recv.key!r} received twice")
-        if recv.bytes != send.bytes:
-            raise SimulationError(f"message {recv.key!r}: sent {send.bytes:g} B but received {recv.bytes:g} B")
-        self.received.add(recv.key)
-        op.start, op.end, op.resolved = sent.start, max(op.ready, sent.end), True
+    def _complete_recv(self, state: _ClassState, op: _Op, recv: Recv,
+                       entries: dict[tuple[str, int, Payload], tuple[float, float]]) -> None:
+        """The receive ends when its last message lands; that message's transfer is the
+        communication, the wait before it is the sender's (a bubble)."""
+        self.received.add((recv.route, state.index, recv.payload.whole))
+        land, cost = max((self.sent[key].start + offset, cost) for key, (offset, cost) in entries.items())
+        op.start, op.end, op.resolved = land - cost, max(op.ready, land), True
         self._advance_stream(state, op)
-        state.spans.append(Span(op.stream, max(op.ready, sent.start), op.end, f"recv {recv.key}", f"comm_{recv.kind}"))
+        state.spans.append(Span(op.stream, max(op.ready, op.start), op.end, f"recv {recv.payload}", f"comm_{op.kind}"))
         self._release(op)
 
     def _wait(self, state: _ClassState, instruction: Wait) -> bool:
@@ -459,7 +557,7 @@ def compute_lower_bound(program: Program, model: ModelSpec, compute: ComputeMode
     busiest = 0.0
     for rank_program in program.classes:
         total = 0.0
-        for instruction in _expand(rank_program.instructions):
+        for instruction in rank_program.instructions:
             if isinstance(instruction, Compute):
                 total += compute.work_time(instruction.work, model)
         busiest = max(busiest, total)

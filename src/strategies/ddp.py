@@ -13,16 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from src.config import options_from
-from src.costmodel.memory import element_bytes, grad_bytes
 from src.errors import ConfigError
-from src.models.spec import ModelSpec
-from src.program import BatchSync, Collective, Compute, Instruction, Plan, Program, RankProgram, UnitPlan, Work
+from src.mesh import Mesh
+from src.program import Instruction, Plan, Program, UnitPlan
 from src.strategies.base import PlanRequest
-from src.strategies.emit import trainable_params
-from src.strategies.layout import Grid, make_group
-from src.strategies.stages import Segment, unit_order
-
-DP_GROUP = "dp"
+from src.strategies.colocated import ColocatedEmitter, ColocatedUnit
+from src.strategies.stages import unit_order
 
 
 @dataclass(frozen=True)
@@ -53,78 +49,32 @@ def _micro_batch(request: PlanRequest, opts: DDPOptions, dp: int) -> int:
     return mb
 
 
-def _layer_pass(model: ModelSpec, unit: str, phase: str, mb: int, j: int, zero_stage: int, dp: int,
-                param_bytes: int) -> list[Instruction]:
-    """One unit's forward or backward for micro-batch j: one Compute, or under ZeRO-3 one
-    parameter all-gather + Compute per layer (backward in reverse layer order)."""
-    spec = model.unit(unit)
-    if zero_stage < 3 or dp == 1:
-        return [Compute(Work(unit, phase, mb, (0, spec.num_layers)), microbatch=j)]
-    out: list[Instruction] = []
-    layers = range(spec.num_layers)
-    for layer in (layers if phase == "fwd" else reversed(layers)):
-        params = spec.layers[layer].params
-        if params:
-            out.append(Collective("all_gather", DP_GROUP, params * param_bytes, "dp"))
-        out.append(Compute(Work(unit, phase, mb, (layer, layer + 1)), microbatch=j))
-    return out
-
-
-def _tail(model: ModelSpec, units: list[str], zero_stage: int, dp: int, precision: str) -> list[Instruction]:
-    segments = [Segment(u, (0, model.unit(u).num_layers)) for u in units]
-    params = trainable_params(model, segments, 1)
-    if params == 0:
-        return []
-    out: list[Instruction] = []
-    if dp > 1:
-        op = "all_reduce" if zero_stage == 0 else "reduce_scatter"
-        out.append(Collective(op, DP_GROUP, params * grad_bytes(precision), "dp"))
-    shard = dp if zero_stage >= 1 else 1
-    out += [Compute(Work(s.unit, "optimizer", 0, s.layers, shard=shard)) for s in segments
-            if not model.unit(s.unit).frozen]
-    if zero_stage in (1, 2) and dp > 1:
-        out.append(Collective("all_gather", DP_GROUP, params * element_bytes(precision), "dp"))
-    return out
-
-
 def plan_ddp(request: PlanRequest) -> Plan:
     opts = options_from(DDPOptions, request.options)
-    model, precision = request.model, request.train.precision
+    model = request.model
     dp = request.cluster.devices
     mb = _micro_batch(request, opts, dp)
     per_replica = request.train.global_batch // dp
     microbatches = per_replica // mb
-    grid = Grid(1, dp, 1)
+    mesh = Mesh.contiguous((("dp", dp),))
     program = Program(world_size=dp, classes=[])
-    if dp > 1:
-        program.add_group(make_group(request.cluster, DP_GROUP, grid.ranks, [grid.ranks]))
-    pbytes = element_bytes(precision)
-    towers = [u for u in unit_order(model) if u != model.interaction]
+    names = unit_order(model)
+    emitter = ColocatedEmitter(model, request.cluster, request.train.precision, program,
+                               [ColocatedUnit(name, mesh, "none", opts.zero_stage) for name in names])
+    towers = emitter.towers()
+    contrastive = model.interaction is not None
+    if contrastive:
+        emitter.query_routes(microbatches, {t: mb for t in towers}, {t: mb for t in towers}, with_keys=dp == 1)
     instructions: list[Instruction] = []
     for j in range(microbatches):
-        for unit in towers:
-            instructions += _layer_pass(model, unit, "fwd", mb, j, opts.zero_stage, dp, pbytes)
-        if model.interaction is not None:
-            interaction = model.unit(model.interaction)
-            feature_elems = sum(model.unit(u).output_elems for u in towers)
-            volume = feature_elems * mb * dp * pbytes
-            gather = Collective("all_gather", DP_GROUP, volume, "interaction") if dp > 1 else None
-            work = Work(interaction.name, "interaction", len(towers) * mb, (0, interaction.num_layers),
-                        contrastive_batch=mb * dp)
-            instructions.append(BatchSync((j,), work, gather))
-            if dp > 1:
-                instructions.append(Collective("reduce_scatter", DP_GROUP, volume, "interaction"))
-        for unit in reversed(towers):
-            if model.needs_backward(unit):
-                instructions += _layer_pass(model, unit, "bwd", mb, j, opts.zero_stage, dp, pbytes)
-    units = towers + ([model.interaction] if model.interaction else [])
-    instructions += _tail(model, units, opts.zero_stage, dp, precision)
-    program.classes.append(RankProgram(ranks=grid.ranks, instructions=instructions, label="all ranks",
-                                       units=tuple(units)))
-    unit_plans = [UnitPlan(unit=u, dp=dp, tp=1, pp=1, ranks=grid.ranks, micro_batch=mb,
-                           num_microbatches=microbatches, batch_per_replica=per_replica,
-                           stage_layers=((0, model.unit(u).num_layers),),
-                           details={"zero_stage": opts.zero_stage, "recompute": "none"})
-                  for u in units]
+        interaction = (emitter.contrastive(j, emitter.dp_group[towers[0]], mb * dp, len(towers) * mb, mb * dp)
+                       if contrastive else [])
+        instructions += emitter.microbatch(j, {t: mb for t in towers}, interaction)
+    instructions += emitter.tail()
+    program.classes.append(emitter.rank_program(instructions))
+    unit_plans = [UnitPlan(unit=name, mesh=mesh, micro_batch=mb, num_microbatches=microbatches,
+                           batch_per_replica=per_replica, stage_layers=((0, model.unit(name).num_layers),),
+                           sample_groups=microbatches, zero_stage=opts.zero_stage)
+                  for name in names]
     return Plan(strategy="ddp", devices=dp, units=unit_plans, program=program,
                 details={"dp": dp, "micro_batch": mb, "zero_stage": opts.zero_stage})

@@ -28,7 +28,7 @@ from src.program import Plan, Program, UnitPlan
 from src.schedules.distmm_pipe import SYNC_SCHEDULES, max_contrastive_batch
 from src.strategies.base import PlanRequest
 from src.strategies.distmm_balance import Choice, balance
-from src.strategies.distmm_programs import colocated_program, cross_inputs, place, separate_program, unit_plans
+from src.strategies.distmm_programs import colocated_program, cross_flows, place, separate_program, unit_plans
 from src.strategies.distmm_towers import (Degrees, TowerCosts, TowerPlan, activation_per_sample, blocks_of,
                                           partition, replica_state_bytes, stage_ranges)
 from src.strategies.stages import unit_order
@@ -166,7 +166,7 @@ def _even(choices: list[Choice[TowerPlan]], share: int) -> Choice[TowerPlan] | N
 def _separate(request: PlanRequest, opts: DistMMOptions, towers: list[str], groups: int) -> tuple[list[TowerPlan],
                                                                                                    dict[str, float]]:
     costs = TowerCosts(request.model, request.cluster, request.train.precision, request.train.contrastive_batch)
-    linked = {name for cross in cross_inputs(request.model, towers) for name in (cross.producer, cross.consumer)}
+    linked = {name for flow in cross_flows(request.model, towers) for name in (flow.producer, flow.consumer)}
     per_tower = []
     for tower in towers:
         fixed = opts.fixed(tower)

@@ -2,52 +2,63 @@
 
 Separate placement: every tower takes a contiguous block of ranks, widest TP first, so
 TP groups stay inside nodes and towers land on different nodes when their device counts
-allow; each device holds one tower's partition plus a shard of the interaction (its
-local samples' rows of the similarity matrix). At each batch-sync the towers' last
-stages all-gather the OPPOSITE modality's features (one product per device, §5.3.2)
-and reduce-scatter their gradients back. Each tower reduces gradients over its own
-replicas only (M_g1 and M_g2 on disjoint links instead of M_g1 + M_g2 everywhere).
+allow; each tower is a pipeline of its own (strategies.pipeline) run in a batch-sync
+schedule. Each device of a tower's last stage scores its share of the contrastive batch
+(its rows, split over its TP ranks) against the OTHER modality's whole batch (one product
+per device, §5.3.2): at each batch-sync a route sends every scorer's rows to every scorer
+of the other tower, and the gradient route returns each row's gradient, summed over its
+scorers. Each tower reduces gradients over its own replicas only (M_g1 and M_g2 on
+disjoint links instead of M_g1 + M_g2 everywhere); the interaction's own parameter is
+reduced over all its scorers.
 
 Colocated placement (the baseline's, `strategy.placement=naive`): every device runs
 every tower with the tower's own TP degree, and gathers both modalities' features.
 
 A tower whose layers read another tower's output (CoCa's text decoder cross-attends to
-the image tokens) receives it per micro-batch from the producer's last stage and sends
-the gradient back ("broker" communication): separate placement pays for it, colocated
-placement does not.
+the image tokens) receives it per micro-batch from the producer's last stage over a
+route, by sample (a consumer micro-batch takes rows of several producer micro-batches,
+or part of one), and sends the gradient back ("broker" communication): separate
+placement pays for it, colocated placement does not.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from src.cluster import ClusterSpec, family_sharing
+from src.cluster import ClusterSpec
 from src.costmodel.memory import element_bytes, grad_bytes
+from src.mesh import Mesh, Sharding
+from src.models.flows import Flow, flows_of
 from src.models.spec import ModelSpec
-from src.program import (BatchSync, Collective, Instruction, Program, RankProgram, Recv, Send, UnitPlan, Work,
+from src.program import (Collective, Instruction, Message, Payload, Program, RankProgram, Recv, Send, UnitPlan,
                          compress_ranks)
 from src.schedules.distmm_pipe import SyncOp, build_sync_schedule
+from src.strategies.bridge import Side, bridge
+from src.strategies.colocated import ColocatedEmitter, ColocatedUnit
+from src.strategies.contrastive import Holder, exchange, interaction_compute, keys, queries
 from src.strategies.distmm_towers import TowerPlan
-from src.strategies.emit import TPConfig, iteration_tail, segment_pass
-from src.strategies.layout import Grid, make_group
-from src.strategies.stages import Segment, boundary_elems
+from src.strategies.emit import iteration_tail
+from src.strategies.layout import make_group, megatron_mesh, table
+from src.strategies.pipeline import PipelineEmitter, PipelineSettings
+from src.strategies.stages import Segment
 
 INTERACTION_GROUP = "interaction"
+EXCHANGE = "batch_sync"
 
 
 @dataclass(frozen=True)
 class Placed:
-    """A tower plan at its ranks: grid order TP fastest, then replicas, then stages."""
+    """A tower plan at its ranks: mesh order TP fastest, then replicas, then stages."""
 
     plan: TowerPlan
     offset: int
 
     @property
-    def grid(self) -> Grid:
-        return Grid(self.plan.tp, self.plan.replicas, self.plan.pp, self.offset)
+    def mesh(self) -> Mesh:
+        return megatron_mesh(self.plan.tp, self.plan.replicas, self.plan.pp, self.offset)
 
-    def last_stage_rank(self) -> int:
-        return self.grid.rank(0, 0, self.plan.pp - 1)
+    def stage_ranks(self, stage: int) -> tuple[int, ...]:
+        return self.mesh.slice(pp=stage)
 
 
 def place(plans: list[TowerPlan]) -> list[Placed]:
@@ -64,38 +75,13 @@ def nodes_of(cluster: ClusterSpec, ranks: tuple[int, ...]) -> str:
     return compress_ranks(tuple(sorted({cluster.node_of(r) for r in ranks})))
 
 
-@dataclass(frozen=True)
-class CrossInput:
-    """`consumer`'s layers from `layer` on read `producer`'s final hidden states
-    (`elems` per sample)."""
-
-    producer: str
-    consumer: str
-    layer: int
-    elems: int
+def cross_flows(model: ModelSpec, towers: list[str]) -> list[Flow]:
+    """Tower-to-tower flows (a consumer cross-attending to a producer's tokens)."""
+    return [f for f in flows_of(model) if f.kind == "cross" and f.producer in towers and f.consumer in towers]
 
 
-def cross_inputs(model: ModelSpec, towers: list[str]) -> list[CrossInput]:
-    """Tower-to-tower flows; the consumer's first cross-attention layer is where it needs
-    the producer's tokens (kernels named xattn_* by models.layers)."""
-    out = []
-    for producer, consumer in model.flows:
-        if producer in towers and consumer in towers:
-            unit, source = model.unit(consumer), model.unit(producer)
-            layer = next((i for i, lay in enumerate(unit.layers) if any(k.name.startswith("xattn_")
-                                                                          for k in lay.kernels)), 0)
-            out.append(CrossInput(producer, consumer, layer, source.seq_len * source.hidden))
-    return out
-
-
-def _needed(index: int, mine: int, theirs: int) -> int:
-    """The other tower's micro-batch (within the group) whose completion covers my
-    micro-batch `index` of `mine`, when the other splits the same samples into `theirs`."""
-    return math.ceil((index + 1) * theirs / mine) - 1
-
-
-class _Emitter:
-    """Builds the separate-placement Program, one RankProgram per (tower, stage)."""
+class _Separate:
+    """Builds the separate-placement Program: one pipeline per tower, linked by routes."""
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, precision: str, contrastive_batch: int,
                  placed: list[Placed]):
@@ -104,237 +90,201 @@ class _Emitter:
         self.placed = {p.plan.unit: p for p in placed}
         self.act_bytes = element_bytes(precision)
         self.inter = model.unit(model.interaction)
-        towers = list(self.placed)
-        self.cross = cross_inputs(model, towers)
-        # Each device gathers the features of the towers it does not hold.
-        widest = max(sum(model.unit(o).output_elems for o in towers if o != t) for t in towers)
-        self.gather_bytes = self.rbs * widest * self.act_bytes
+        self.cross = cross_flows(model, list(self.placed))
+        first = next(iter(self.placed.values())).plan
+        self.global_batch = first.batch * first.replicas
+        self.groups = first.groups
 
     def program(self, world: int) -> Program:
         program = Program(world_size=world, classes=[])
-        holders = tuple(sorted(r for p in self.placed.values() for r in p.grid.stage_ranks(p.plan.pp - 1)))
+        holders = self.holders()
         program.add_group(make_group(self.cluster, INTERACTION_GROUP, holders, [holders]))
+        self._exchange_routes(program)
+        for flow in self.cross:
+            self._cross_routes(program, flow)
         for placed in self.placed.values():
-            for stage in range(placed.plan.pp):
-                program.classes.append(self._stage(program, placed, stage))
+            plan = placed.plan
+            emitter = PipelineEmitter(self.model, self.cluster, self.precision, program, placed.mesh,
+                                      self._virtual(plan),
+                                      PipelineSettings(plan.micro_batch, plan.recompute, False, plan.zero_stage),
+                                      prefix=f"{plan.unit}.", links=_TowerLinks(self, plan))
+            orders = build_sync_schedule(plan.schedule, plan.pp, plan.groups, plan.microbatches)
+            for stage in range(plan.pp):
+                built = emitter.stage(stage, orders[stage], other=lambda op, p=plan: self._batch_sync(p, op))
+                last = stage == plan.pp - 1
+                if last:
+                    built.tail += self._interaction_tail()
+                label = plan.unit if plan.pp == 1 else f"{plan.unit} stage {stage}"
+                program.classes.append(emitter.rank_program(built, label, (self.inter.name,) if last else ()))
         used = {r for c in program.classes for r in c.ranks}
         idle = tuple(r for r in range(world) if r not in used)
         if idle:
             program.classes.append(RankProgram(ranks=idle, instructions=[], label="idle"))
         return program
 
-    # ---- one (tower, stage) ---------------------------------------------------------------
-    def _stage(self, program: Program, placed: Placed, stage: int) -> RankProgram:
-        plan, grid = placed.plan, placed.grid
-        unit = self.model.unit(plan.unit)
-        tp_name = dp_name = None
-        if plan.tp > 1:
-            tp_name = f"{unit.name}.tp.s{stage}"
-            program.add_group(make_group(self.cluster, tp_name, grid.tp_group(0, stage), grid.tp_family()))
-        if plan.replicas > 1:
-            dp_name = f"{unit.name}.dp.s{stage}"
-            program.add_group(make_group(self.cluster, dp_name, grid.dp_group(0, stage), grid.dp_family()))
-        tpc = TPConfig(plan.tp, tp_name, False, plan.recompute, self.act_bytes)
-        last = stage == plan.pp - 1
-        instructions: list[Instruction] = []
-        for op in build_sync_schedule(plan.schedule, plan.pp, plan.groups, plan.microbatches)[stage]:
-            if op.kind == "F":
-                instructions += self._forward(placed, stage, op, tpc)
-            elif op.kind == "S":
-                instructions += self._batch_sync(plan, op)
-            elif self.model.needs_backward(unit.name):
-                instructions += self._backward(placed, stage, op, tpc)
-        segments = [Segment(unit.name, plan.stages[stage])]
-        if last:
-            segments.append(Segment(self.inter.name, (0, self.inter.num_layers)))
-        instructions += iteration_tail(self.model, segments, plan.tp, dp_name, plan.replicas, plan.zero_stage,
-                                       grad_bytes(self.precision), self.act_bytes)
-        units = (unit.name, self.inter.name) if last else (unit.name,)
-        label = unit.name if plan.pp == 1 else f"{unit.name} stage {stage}"
-        return RankProgram(ranks=grid.stage_ranks(stage), instructions=instructions, label=label, units=units,
-                           pipelined=plan.pp > 1)
+    def holders(self) -> tuple[int, ...]:
+        return tuple(sorted(r for p in self.placed.values() for r in p.stage_ranks(p.plan.pp - 1)))
 
-    def _segments(self, plan: TowerPlan, stage: int) -> tuple[list[Segment], CrossInput | None]:
-        """The stage's layers, cut where a cross input enters (if it enters here)."""
-        start, end = plan.stages[stage]
-        for cross in self.cross:
-            if cross.consumer == plan.unit and start <= cross.layer < end:
-                cut = [Segment(plan.unit, r) for r in ((start, cross.layer), (cross.layer, end)) if r[0] < r[1]]
-                return cut, cross
-        return [Segment(plan.unit, (start, end))], None
-
-    def _hop(self, placed: Placed, stage: int, micro_batch: int) -> tuple[float, int]:
-        unit = self.model.unit(placed.plan.unit)
-        elems = boundary_elems(unit, placed.plan.stages[stage][1])
-        return elems * micro_batch * self.act_bytes, family_sharing(self.cluster, placed.grid.pp_pairs())
-
-    def _forward(self, placed: Placed, stage: int, op: SyncOp, tpc: TPConfig) -> list[Instruction]:
-        plan, grid = placed.plan, placed.grid
-        mb, name = plan.micro_batch, plan.unit
-        out: list[Instruction] = []
-        if stage > 0:
-            nbytes, _ = self._hop(placed, stage - 1, mb)
-            out.append(Recv(grid.rank(0, 0, stage - 1), f"{name}.act.s{stage}.mb{op.microbatch}", nbytes, "pp"))
-        segments, cross = self._segments(plan, stage)
-        for segment in segments:
-            if cross is not None and segment.layers[0] == cross.layer:
-                out += self._recv_tokens(cross, op)
-            out += segment_pass(self.model, segment, "fwd", mb, op.microbatch, tpc)
-        if stage < plan.pp - 1:
-            nbytes, sharing = self._hop(placed, stage, mb)
-            out.append(Send(grid.rank(0, 0, stage + 1), f"{name}.act.s{stage + 1}.mb{op.microbatch}", nbytes, "pp",
-                            sharing=sharing))
-        else:
-            out += self._send_tokens(name, op)
+    def _virtual(self, plan: TowerPlan) -> list[list[Segment]]:
+        """A tower's pipeline stages, each cut where a cross input enters it, so the
+        tokens are received right before the layers that read them."""
+        out = []
+        for start, end in plan.stages:
+            cuts = sorted({start, end} | {f.layer for f in self.cross if f.consumer == plan.unit and start < f.layer < end})
+            out.append([Segment(plan.unit, (a, b)) for a, b in zip(cuts, cuts[1:])])
         return out
 
-    def _backward(self, placed: Placed, stage: int, op: SyncOp, tpc: TPConfig) -> list[Instruction]:
-        plan, grid = placed.plan, placed.grid
-        mb, name = plan.micro_batch, plan.unit
-        out: list[Instruction] = []
-        if stage == plan.pp - 1:
-            out += self._recv_grads(name, op)
-        else:
-            nbytes, _ = self._hop(placed, stage, mb)
-            out.append(Recv(grid.rank(0, 0, stage + 1), f"{name}.grad.s{stage}.mb{op.microbatch}", nbytes, "pp"))
-        segments, cross = self._segments(plan, stage)
-        for segment in reversed(segments):
-            out += segment_pass(self.model, segment, "bwd", mb, op.microbatch, tpc)
-            if cross is not None and segment.layers[0] == cross.layer:
-                out += self._send_grads(cross, op)
-        if stage > 0:
-            nbytes, sharing = self._hop(placed, stage - 1, mb)
-            out.append(Send(grid.rank(0, 0, stage - 1), f"{name}.grad.s{stage - 1}.mb{op.microbatch}", nbytes, "pp",
-                            sharing=sharing))
-        return out
+    # ---- the batch-sync ----------------------------------------------------------------------
+    def _scorers(self, group: int) -> list[Holder]:
+        """Who scores which rows of contrastive batch `group`: replica d of a tower holds
+        rows [d·share, (d+1)·share), its TP ranks split them."""
+        holders = []
+        for tower, placed in self.placed.items():
+            plan = placed.plan
+            per_rank = math.ceil(plan.share / plan.tp)
+            for replica in range(plan.replicas):
+                pieces = tuple((group * plan.microbatches + i, replica * plan.share + i * plan.micro_batch,
+                                plan.micro_batch) for i in range(plan.microbatches))
+                lead = placed.mesh.rank(dp=replica, pp=plan.pp - 1)
+                for t in range(plan.tp):
+                    start = min(plan.share, t * per_rank)
+                    end = min(plan.share, start + per_rank)
+                    rank = placed.mesh.rank(tp=t, dp=replica, pp=plan.pp - 1)
+                    holders.append(Holder(rank, tower, replica * plan.share + start, replica * plan.share + end,
+                                          pieces, lead))
+        return holders
+
+    def _exchange_routes(self, program: Program) -> None:
+        forward: list[Message] = []
+        backward: list[Message] = []
+        for group in range(self.groups):
+            f, b = exchange(self.model, group, self._scorers(group), self.act_bytes)
+            forward += f
+            backward += b
+        program.add_route(table(self.cluster, EXCHANGE, "interaction", forward))
+        program.add_route(table(self.cluster, f"{EXCHANGE}.grad", "interaction", backward, reduce=True))
+
+    def shared(self, unit: str, stage: int, payload: Payload, nbytes: float, kind: str,
+               op: str = "broadcast") -> list[Instruction]:
+        """What one rank of a replica received (or summed), made every TP rank's."""
+        if self.placed[unit].plan.tp == 1:
+            return []
+        return [Collective(op, f"{unit}.tp.s{stage}", nbytes, kind, inputs=(payload,), outputs=(payload,))]
 
     def _batch_sync(self, plan: TowerPlan, op: SyncOp) -> list[Instruction]:
-        """Gather the group's features of the other modality, run the interaction's
-        forward and backward once on this device's rows (its samples, split over its TP
-        ranks) against the whole contrastive batch, reduce-scatter the gradients back."""
-        k = plan.microbatches
-        rows = math.ceil(plan.share / plan.tp)
-        work = Work(self.inter.name, "interaction", rows, (0, self.inter.num_layers), contrastive_batch=self.rbs)
-        gather = Collective("all_gather", INTERACTION_GROUP, self.gather_bytes, "interaction")
-        return [BatchSync(tuple(range(op.group * k, (op.group + 1) * k)), work, gather),
-                Collective("reduce_scatter", INTERACTION_GROUP, self.gather_bytes, "interaction")]
-
-    # ---- tower-to-tower inputs (CoCa) -----------------------------------------------------
-    def _transfer(self, cross: CrossInput, backward: bool) -> tuple[Placed, Placed, float, int]:
-        """Producer, consumer, bytes of one message, and how many such messages cross the
-        busier node's network links at once. Forward, every producer replica sends one
-        micro-batch's output and each consumer replica takes in those of r_p/r_c
-        producers (fan-in); backward, every consumer replica returns one micro-batch's
-        gradients and each producer replica takes in its own samples' share."""
-        src, dst = self.placed[cross.producer], self.placed[cross.consumer]
-        node = self.cluster.devices_per_node
-        # One rank per TP group moves the data; its peers share it over NVLink.
-        src_node = max(1, min(src.plan.replicas, node // src.plan.tp))
-        dst_node = max(1, min(dst.plan.replicas, node // dst.plan.tp))
-        src_mb, dst_mb = src.plan.micro_batch, dst.plan.micro_batch
-        if backward:
-            sharing = max(dst_node, math.ceil(src_node * src_mb / dst_mb))
-            return src, dst, cross.elems * dst_mb * self.act_bytes, sharing
-        sharing = max(src_node, math.ceil(dst_node * src.plan.replicas / dst.plan.replicas))
-        return src, dst, cross.elems * src_mb * self.act_bytes, sharing
-
-    def _cross_rank(self, placed: Placed, unit_layer: int) -> int:
-        stage = next(s for s, (a, b) in enumerate(placed.plan.stages) if a <= unit_layer < b)
-        return placed.grid.rank(0, 0, stage)
-
-    def _send_tokens(self, unit: str, op: SyncOp) -> list[Instruction]:
-        """A producer's last stage, after a forward, sends its output to each consumer."""
-        out: list[Instruction] = []
-        for cross in (c for c in self.cross if c.producer == unit):
-            _, dst, nbytes, sharing = self._transfer(cross, backward=False)
-            out.append(Send(self._cross_rank(dst, cross.layer), f"{cross.producer}>{cross.consumer}.x.mb{op.microbatch}",
-                            nbytes, "broker", sharing=sharing))
+        """Receive this rank's rows and the other modality's whole batch (its replica's
+        lead receives it, its TP ranks share it), score them (this device's rows against
+        the whole contrastive batch), and return every gradient to its rows' holders."""
+        others = [t for t in self.placed if t != plan.unit]
+        inter, last = self.inter.name, plan.pp - 1
+        mine = queries(inter, plan.unit, op.group)
+        theirs = [keys(inter, t, op.group) for t in others]
+        out: list[Instruction] = [Recv(EXCHANGE, mine)]
+        for tower, payload in zip(others, theirs):
+            nbytes = self.rbs * self.model.unit(tower).output_elems * self.act_bytes
+            out += [Recv(EXCHANGE, payload)] + self.shared(plan.unit, last, payload, nbytes, "interaction")
+        reads = (mine, *theirs)
+        out.append(interaction_compute(self.model, reads, op.group, math.ceil(plan.share / plan.tp), self.rbs))
+        for tower, payload in zip(others, theirs):
+            if self.model.needs_backward(tower):
+                nbytes = self.rbs * self.model.unit(tower).output_elems * self.act_bytes
+                out += self.shared(plan.unit, last, payload.gradient(), nbytes, "interaction", op="all_reduce")
+                out.append(Send(f"{EXCHANGE}.grad", payload.gradient()))
+        if self.model.needs_backward(plan.unit):
+            out.append(Send(f"{EXCHANGE}.grad", mine.gradient()))
         return out
 
-    def _send_grads(self, cross: CrossInput, op: SyncOp) -> list[Instruction]:
-        """The consumer's cross stage, after a backward, returns the input's gradient."""
-        if not self.model.needs_backward(cross.producer):
-            return []
-        src, _, nbytes, sharing = self._transfer(cross, backward=True)
-        return [Send(src.last_stage_rank(), f"{cross.producer}>{cross.consumer}.g.mb{op.microbatch}", nbytes,
-                     "broker", sharing=sharing)]
+    def _interaction_tail(self) -> list[Instruction]:
+        """The interaction's parameter: every scorer holds it, each computed a part of its
+        gradient, so it is reduced over all of them before the step."""
+        whole = Segment(self.inter.name, (0, self.inter.num_layers))
+        holders = len(self.holders())
+        return iteration_tail(self.model, [whole], Sharding(), INTERACTION_GROUP if holders > 1 else None, holders,
+                              0, grad_bytes(self.precision), self.act_bytes)
 
-    def _recv_tokens(self, cross: CrossInput, op: SyncOp) -> list[Instruction]:
-        """Before a consumer micro-batch, receive every producer micro-batch of the group
-        that it is the first to need."""
-        src, dst, nbytes, _ = self._transfer(cross, backward=False)
-        return [Recv(src.last_stage_rank(), f"{cross.producer}>{cross.consumer}.x.mb{index}", nbytes, "broker")
-                for index in self._newly_needed(op, dst.plan.microbatches, src.plan.microbatches)]
+    # ---- tower-to-tower inputs (CoCa) ---------------------------------------------------------
+    def _cross_routes(self, program: Program, flow: Flow) -> None:
+        """The producer's last stage sends its tokens to the consumer's cross stage, by
+        sample (strategies.bridge); each side's TP ranks share what their lead received."""
+        src, dst = self.placed[flow.producer], self.placed[flow.consumer]
+        cross_stage = next(s for s, (a, b) in enumerate(dst.plan.stages) if a <= flow.layer < b)
+        tokens = Payload(flow.producer, self.model.unit(flow.producer).num_layers, 0, "tokens")
+        ends = [Side(_stage_mesh(placed, stage), placed.plan.micro_batch, placed.plan.microbatches,
+                     placed.plan.groups, tokens)
+                for placed, stage in ((src, src.plan.pp - 1), (dst, cross_stage))]
+        for route in bridge(self.cluster, f"{flow.producer}>{flow.consumer}", "broker", *ends, self.global_batch,
+                            flow.elems * self.act_bytes):
+            program.add_route(route)
 
-    def _recv_grads(self, unit: str, op: SyncOp) -> list[Instruction]:
-        """Before a producer backward, receive every consumer gradient message of the group
-        that it is the first to need."""
-        out: list[Instruction] = []
-        for cross in (c for c in self.cross if c.producer == unit and self.model.needs_backward(unit)):
-            src, dst, nbytes, _ = self._transfer(cross, backward=True)
-            out += [Recv(self._cross_rank(dst, cross.layer), f"{cross.producer}>{cross.consumer}.g.mb{index}", nbytes,
-                         "broker")
-                    for index in self._newly_needed(op, src.plan.microbatches, dst.plan.microbatches)]
-        return out
 
-    @staticmethod
-    def _newly_needed(op: SyncOp, mine: int, theirs: int) -> range:
-        """The other tower's micro-batches (global indices) that my micro-batch `op` needs
-        and my previous micro-batch of the group did not; the last of the group takes any
-        remainder, so every message is received once."""
-        local = op.microbatch - op.group * mine
-        first = 0 if local == 0 else _needed(local - 1, mine, theirs) + 1
-        last = theirs - 1 if local == mine - 1 else _needed(local, mine, theirs)
-        return range(op.group * theirs + first, op.group * theirs + last + 1)
+def _stage_mesh(placed: Placed, stage: int) -> Mesh:
+    """A tower's ranks at one pipeline stage, as a (tp, dp) mesh."""
+    plan = placed.plan
+    return Mesh((("tp", plan.tp), ("dp", plan.replicas)), placed.stage_ranks(stage))
+
+
+class _TowerLinks:
+    """A tower pipeline's payloads that leave it: its features (to the batch-sync), its
+    tokens (to a cross-attending tower) and the tokens it reads, with their gradients.
+    One rank of a replica receives; its TP ranks share what it received."""
+
+    def __init__(self, builder: "_Separate", plan: TowerPlan) -> None:
+        self.builder, self.plan = builder, plan
+
+    def _route(self, payload: Payload) -> tuple[str, str, int, float]:
+        """Route, kind, stage and bytes of a payload (at this tower's micro-batch)."""
+        model, plan = self.builder.model, self.plan
+        act = self.builder.act_bytes
+        if payload.tensor == "feature":
+            elems = model.unit(plan.unit).output_elems
+            return EXCHANGE, "interaction", plan.pp - 1, plan.micro_batch * elems * act
+        flow = next(f for f in self.builder.cross if f.producer == payload.unit)
+        stage = plan.pp - 1 if flow.producer == plan.unit else \
+            next(s for s, (a, b) in enumerate(plan.stages) if a <= flow.layer < b)
+        return f"{flow.producer}>{flow.consumer}", "broker", stage, plan.micro_batch * flow.elems * act
+
+    def receive(self, payload: Payload) -> list[Instruction]:
+        route, kind, stage, nbytes = self._route(payload)
+        received = Recv(f"{route}.grad" if payload.grad else route, payload)
+        return [received] + self.builder.shared(self.plan.unit, stage, payload, nbytes, kind)
+
+    def send(self, payload: Payload) -> list[Instruction]:
+        route, *_ = self._route(payload)
+        return [Send(f"{route}.grad" if payload.grad else route, payload)]
 
 
 def separate_program(model: ModelSpec, cluster: ClusterSpec, precision: str, contrastive_batch: int,
                      placed: list[Placed]) -> Program:
-    return _Emitter(model, cluster, precision, contrastive_batch, placed).program(cluster.devices)
+    return _Separate(model, cluster, precision, contrastive_batch, placed).program(cluster.devices)
 
 
 def colocated_program(model: ModelSpec, cluster: ClusterSpec, precision: str, contrastive_batch: int,
                       plans: list[TowerPlan]) -> Program:
     """Every device runs every tower (each with its own TP degree over all devices, no
     pipeline); the interaction gathers both modalities' features, as the baseline does."""
-    act_bytes = element_bytes(precision)
-    inter = model.unit(model.interaction)
     program = Program(world_size=cluster.devices, classes=[])
     ranks = tuple(range(cluster.devices))
     program.add_group(make_group(cluster, INTERACTION_GROUP, ranks, [ranks]))
-    tpcs, dps = {}, {}
-    for plan in plans:
-        grid = Grid(plan.tp, plan.replicas, 1)
-        tp_name = f"{plan.unit}.tp" if plan.tp > 1 else None
-        dps[plan.unit] = f"{plan.unit}.dp" if plan.replicas > 1 else None
-        if tp_name:
-            program.add_group(make_group(cluster, tp_name, grid.tp_group(0, 0), grid.tp_family()))
-        if dps[plan.unit]:
-            program.add_group(make_group(cluster, dps[plan.unit], grid.dp_group(0, 0), grid.dp_family()))
-        tpcs[plan.unit] = TPConfig(plan.tp, tp_name, False, plan.recompute, act_bytes)
-    gather_bytes = contrastive_batch * sum(model.unit(p.unit).output_elems for p in plans) * act_bytes
+    units = [ColocatedUnit(p.unit, _colocated_mesh(p, cluster.devices), p.recompute, p.zero_stage,
+                           group_prefix=f"{p.unit}.") for p in plans]
+    # The interaction's parameter steps with the last tower's.
+    units.append(ColocatedUnit(model.interaction, units[-1].mesh, plans[-1].recompute, plans[-1].zero_stage,
+                               group_prefix=f"{plans[-1].unit}."))
+    emitter = ColocatedEmitter(model, cluster, precision, program, units)
+    share = {p.unit: p.share for p in plans}
+    emitter.query_routes(plans[0].groups, share, share, with_keys=False)
     rows = sum(math.ceil(p.share / p.tp) for p in plans)
     instructions: list[Instruction] = []
     for g in range(plans[0].groups):
-        for plan in plans:
-            instructions += segment_pass(model, Segment(plan.unit, (0, model.unit(plan.unit).num_layers)), "fwd",
-                                         plan.share, g, tpcs[plan.unit])
-        work = Work(inter.name, "interaction", rows, (0, inter.num_layers), contrastive_batch=contrastive_batch)
-        instructions += [BatchSync((g,), work, Collective("all_gather", INTERACTION_GROUP, gather_bytes, "interaction")),
-                         Collective("reduce_scatter", INTERACTION_GROUP, gather_bytes, "interaction")]
-        for plan in reversed(plans):
-            if model.needs_backward(plan.unit):
-                instructions += segment_pass(model, Segment(plan.unit, (0, model.unit(plan.unit).num_layers)), "bwd",
-                                             plan.share, g, tpcs[plan.unit])
-    for plan in plans:
-        segments = [Segment(plan.unit, (0, model.unit(plan.unit).num_layers))]
-        if plan is plans[-1]:
-            segments.append(Segment(inter.name, (0, inter.num_layers)))
-        instructions += iteration_tail(model, segments, plan.tp, dps[plan.unit], plan.replicas, plan.zero_stage,
-                                       grad_bytes(precision), act_bytes)
-    program.classes.append(RankProgram(ranks=ranks, instructions=instructions, label="all ranks",
-                                       units=tuple(p.unit for p in plans) + (inter.name,)))
+        interaction = emitter.contrastive(g, INTERACTION_GROUP, contrastive_batch, rows, contrastive_batch)
+        instructions += emitter.microbatch(g, share, interaction)
+    instructions += emitter.tail()
+    program.classes.append(emitter.rank_program(instructions))
     return program
+
+
+def _colocated_mesh(plan: TowerPlan, devices: int) -> Mesh:
+    return Mesh.contiguous((("tp", plan.tp), ("dp", devices // plan.tp)))
 
 
 def unit_plans(model: ModelSpec, cluster: ClusterSpec, contrastive_batch: int, placed: list[Placed],
@@ -343,23 +293,25 @@ def unit_plans(model: ModelSpec, cluster: ClusterSpec, contrastive_batch: int, p
     out = []
     for p in placed:
         plan = p.plan
-        ranks = tuple(range(cluster.devices)) if colocated else p.grid.ranks
-        out.append(UnitPlan(unit=plan.unit, dp=plan.replicas, tp=plan.tp, pp=plan.pp, ranks=ranks,
-                            micro_batch=plan.micro_batch, num_microbatches=plan.groups * plan.microbatches,
-                            batch_per_replica=plan.batch, stage_layers=plan.stages,
-                            details={"nodes": nodes_of(cluster, ranks), "placement": "colocated" if colocated
-                                     else "separate", "batch_sync_groups": plan.groups,
-                                     "schedule": plan.schedule if plan.pp > 1 else "batch_sync",
-                                     "recompute": plan.recompute, "zero_stage": plan.zero_stage}))
+        mesh = _colocated_mesh(plan, cluster.devices) if colocated else p.mesh
+        out.append(UnitPlan(unit=plan.unit, mesh=mesh, micro_batch=plan.micro_batch,
+                            num_microbatches=plan.groups * plan.microbatches,
+                            batch_per_replica=plan.batch, stage_layers=plan.stages, sample_groups=plan.groups,
+                            recompute=plan.recompute, zero_stage=plan.zero_stage,
+                            details={"nodes": nodes_of(cluster, mesh.ranks),
+                                     "placement": "colocated" if colocated else "separate",
+                                     "schedule": plan.schedule if plan.pp > 1 else "batch_sync"}))
     inter = model.unit(model.interaction)
-    holders = tuple(sorted({r for u in out for r in u.ranks} if colocated else
-                           {r for p in placed for r in p.grid.stage_ranks(p.plan.pp - 1)}))
     global_batch = placed[0].plan.batch * placed[0].plan.replicas
-    # The interaction's model FLOPs are those of one similarity matrix over the global
-    # batch (metrics counts dp x batch_per_replica samples): one "replica" of it.
-    out.append(UnitPlan(unit=inter.name, dp=1, tp=1, pp=1, ranks=holders, micro_batch=contrastive_batch,
-                        num_microbatches=placed[0].plan.groups, batch_per_replica=global_batch,
-                        stage_layers=((0, inter.num_layers),),
-                        details={"nodes": nodes_of(cluster, holders), "shards": len(holders),
+    groups = placed[0].plan.groups
+    if colocated:
+        mesh = out[-1].mesh
+    else:
+        holders = tuple(sorted(r for p in placed for r in p.stage_ranks(p.plan.pp - 1)))
+        mesh = Mesh((("dp", len(holders)),), holders)
+    # Every scorer holds the interaction's parameter: its replicas are its scorers.
+    out.append(UnitPlan(unit=inter.name, mesh=mesh, micro_batch=contrastive_batch, num_microbatches=groups,
+                        batch_per_replica=global_batch, stage_layers=((0, inter.num_layers),), sample_groups=groups,
+                        details={"nodes": nodes_of(cluster, mesh.ranks), "shards": len(mesh.ranks),
                                  "placement": "colocated" if colocated else "separate"}))
     return out

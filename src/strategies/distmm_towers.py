@@ -18,9 +18,10 @@ from src.costmodel.compute import ComputeModel
 from src.costmodel.memory import element_bytes, grad_bytes, memory_ladder, model_state_bytes
 from src.errors import PlanError
 from src.models.spec import ModelSpec, UnitSpec
+from src.mesh import tensor_parallel
 from src.program import Work
 from src.schedules.distmm_pipe import build_sync_schedule, resident
-from src.strategies.layout import Grid
+from src.strategies.layout import megatron_mesh, pipeline_pairs
 from src.strategies.stages import block_cuts, boundary_elems
 
 
@@ -95,7 +96,8 @@ def replica_state_bytes(unit: UnitSpec, layers: tuple[int, int], tp: int, precis
 
 
 def activation_per_sample(unit: UnitSpec, layers: tuple[int, int], tp: int, recompute: str) -> float:
-    return sum(layer.activations.per_device(tp, False, recompute) for layer in unit.layers[layers[0]:layers[1]])
+    sharding = tensor_parallel(tp)
+    return sum(layer.activations.per_device(sharding, recompute) for layer in unit.layers[layers[0]:layers[1]])
 
 
 def _fits(unit: UnitSpec, degrees: Degrees, precision: str, usable: float) -> bool:
@@ -180,7 +182,7 @@ class TowerCosts:
                 activations = live * plan.micro_batch * activation_per_sample(unit, layers, plan.tp, plan.recompute)
                 if plan.recompute == "full":
                     activations += plan.micro_batch * max(
-                        layer.activations.per_device(plan.tp, False, "none")
+                        layer.activations.per_device(tensor_parallel(plan.tp), "none")
                         for layer in unit.layers[layers[0]:layers[1]])
             worst = max(worst, states + activations)
         return worst
@@ -189,7 +191,7 @@ class TowerCosts:
         unit = self.model.unit(plan.unit)
         if phase == "bwd" and not self.model.needs_backward(unit.name):
             return 0.0
-        work = Work(unit.name, phase, plan.micro_batch, layers, tp=plan.tp,
+        work = Work(unit.name, phase, plan.micro_batch, layers, sharding=tensor_parallel(plan.tp),
                     recompute=plan.recompute if phase == "bwd" else "none")
         seconds = self.compute.work_time(work, self.model)
         if plan.tp > 1:
@@ -217,10 +219,10 @@ class TowerCosts:
         bwd = [self._pass(plan, r, "bwd") for r in plan.stages]
         hop = 0.0
         if plan.pp > 1:
-            grid = Grid(plan.tp, plan.replicas, plan.pp)
+            mesh = megatron_mesh(plan.tp, plan.replicas, plan.pp)
             elems = boundary_elems(unit, plan.stages[0][1]) * plan.micro_batch * self.act_bytes
-            hop = self.comm.p2p_time(grid.rank(0, 0, 0), grid.rank(0, 0, 1), elems,
-                                     family_sharing(self.cluster, grid.pp_pairs()))
+            hop = self.comm.p2p_time(mesh.rank(pp=0), mesh.rank(pp=1), elems,
+                                     family_sharing(self.cluster, pipeline_pairs(mesh)))
         fill = sum(fwd) + sum(bwd) + 2 * hop * (plan.pp - 1)
         steady = max(f + b for f, b in zip(fwd, bwd))
         k, g = plan.microbatches, plan.groups
@@ -236,12 +238,12 @@ class TowerCosts:
         unit = self.model.unit(plan.unit)
         if unit.frozen:
             return 0.0
-        grid = Grid(plan.tp, plan.replicas, plan.pp)
-        sharing = family_sharing(self.cluster, grid.dp_family())
+        mesh = megatron_mesh(plan.tp, plan.replicas, plan.pp)
+        sharing = family_sharing(self.cluster, mesh.family("dp"))
         worst = 0.0
         for stage, layers in enumerate(plan.stages):
             params = sum(layer.params for layer in unit.layers[layers[0]:layers[1]]) / plan.tp
-            group = grid.dp_group(0, stage)
+            group = mesh.group("dp", mesh.rank(pp=stage))
             seconds = 0.0
             if plan.replicas > 1:
                 if plan.zero_stage >= 1:
@@ -252,8 +254,8 @@ class TowerCosts:
                     seconds += self.comm.collective_time("all_reduce", group, params * grad_bytes(self.precision),
                                                          sharing)
             shard = plan.replicas if plan.zero_stage >= 1 else 1
-            seconds += self.compute.work_time(Work(unit.name, "optimizer", 0, layers, tp=plan.tp, shard=shard),
-                                              self.model)
+            seconds += self.compute.work_time(Work(unit.name, "optimizer", 0, layers,
+                                                   sharding=tensor_parallel(plan.tp), shard=shard), self.model)
             worst = max(worst, seconds)
         return worst
 

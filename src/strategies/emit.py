@@ -1,38 +1,81 @@
-"""Instruction patterns shared by planners: a segment's compute with its TP collectives,
-and the end of an iteration (gradient reduction, optimizer step, parameter gather)."""
+"""Instruction patterns shared by planners: what a segment consumes and produces, its
+compute with its TP collectives, and the end of an iteration (gradient reduction,
+optimizer step, parameter gather)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from src.mesh import Sharding
+from src.models.flows import flows_of, outputs_of
 from src.models.spec import ModelSpec
-from src.program import Collective, Compute, Instruction, Wait, Work
+from src.program import Collective, Compute, Instruction, Payload, Wait, Work
 from src.strategies.stages import Segment
 
 
 @dataclass(frozen=True)
 class TPConfig:
-    """How one unit's layers run on one rank: TP degree, its group, and memory options."""
+    """How one unit's layers run on one rank: its sharding, the group of its TP
+    collectives, and its recompute mode."""
 
-    tp: int
+    sharding: Sharding
     group: str | None
-    sequence_parallel: bool
     recompute: str
     act_bytes: int
 
 
-def segment_pass(model: ModelSpec, segment: Segment, phase: str, samples: int, microbatch: int,
-                 tp: TPConfig, chunk: int = 0, contrastive_batch: int = 1) -> list[Instruction]:
-    """The forward or backward of one segment for one micro-batch: its compute and the
-    TP activation all-reduces its layers need (Megatron: 2 per block each way; with
-    sequence parallelism a reduce-scatter + all-gather pair of the same volume). The
-    all-reduces block the compute stream, so pricing them as one instruction after the
-    compute gives the same time as interleaving them layer by layer."""
+def produced(model: ModelSpec, segment: Segment, microbatch: int) -> tuple[Payload, ...]:
+    """What a segment's forward hands on: its last layer's token states, or at the end of
+    its unit what the unit's consumers read (a feature, tokens, or nothing after a loss)."""
     unit = model.unit(segment.unit)
-    work = Work(unit.name, phase, samples, segment.layers, tp=tp.tp, sequence_parallel=tp.sequence_parallel,
-                recompute=tp.recompute if phase in ("bwd", "bwd_input") else "none",
-                contrastive_batch=contrastive_batch)
-    out: list[Instruction] = [Compute(work, microbatch=microbatch, chunk=chunk)]
-    if tp.tp > 1 and tp.group is not None:
+    end = segment.layers[1]
+    if end < unit.num_layers:
+        return (Payload(segment.unit, end, microbatch),)
+    return tuple(Payload(segment.unit, end, microbatch, tensor) for tensor in outputs_of(model, segment.unit))
+
+
+def consumed(model: ModelSpec, segment: Segment, microbatch: int) -> tuple[Payload, ...]:
+    """What a segment's forward reads besides the step's data: the token states entering
+    its first layer (a previous segment's, or the outputs of the units chained before
+    it) and the tokens of any unit its layers cross-attend to."""
+    start, end = segment.layers
+    out: list[Payload] = []
+    if start > 0:
+        out.append(Payload(segment.unit, start, microbatch))
+    for flow in flows_of(model):
+        if flow.consumer != segment.unit:
+            continue
+        producer_end = model.unit(flow.producer).num_layers
+        if (flow.kind == "chain" and start == 0) or (flow.kind == "cross" and start <= flow.layer < end):
+            out.append(Payload(flow.producer, producer_end, microbatch, flow.tensor))
+    return tuple(out)
+
+
+def backward_io(model: ModelSpec, segment: Segment, microbatch: int) -> tuple[tuple[Payload, ...], tuple[Payload, ...]]:
+    """(gradients a segment's backward reads, gradients it writes): those of what its
+    forward produced, and of what it consumed from units that train or feed one."""
+    inputs = tuple(p.gradient() for p in produced(model, segment, microbatch))
+    outputs = tuple(p.gradient() for p in consumed(model, segment, microbatch) if model.needs_backward(p.unit))
+    return inputs, outputs
+
+
+def segment_pass(model: ModelSpec, segment: Segment, phase: str, samples: int, microbatch: int, tp: TPConfig,
+                 chunk: int = 0, contrastive_batch: int = 1) -> list[Instruction]:
+    """The forward or backward of one segment for one micro-batch: its compute (with the
+    payloads it reads and writes) and the TP activation all-reduces its layers need
+    (Megatron: 2 per block each way; with sequence parallelism a reduce-scatter +
+    all-gather pair of the same volume). The all-reduces block the compute stream, so
+    pricing them as one instruction after the compute gives the same time as
+    interleaving them layer by layer."""
+    unit = model.unit(segment.unit)
+    backward = phase in ("bwd", "bwd_input")
+    work = Work(unit.name, phase, samples, segment.layers, sharding=tp.sharding,
+                recompute=tp.recompute if backward else "none", contrastive_batch=contrastive_batch)
+    if backward:
+        inputs, outputs = backward_io(model, segment, microbatch)
+    else:
+        inputs, outputs = consumed(model, segment, microbatch), produced(model, segment, microbatch)
+    out: list[Instruction] = [Compute(work, microbatch=microbatch, chunk=chunk, inputs=inputs, outputs=outputs)]
+    if tp.sharding.degree("tp") > 1 and tp.group is not None:
         by_size: dict[int, int] = {}
         for layer in unit.layers[segment.layers[0]:segment.layers[1]]:
             if layer.tp_allreduces:
@@ -43,20 +86,20 @@ def segment_pass(model: ModelSpec, segment: Segment, phase: str, samples: int, m
     return out
 
 
-def trainable_params(model: ModelSpec, segments: list[Segment], tp: int) -> float:
-    """Parameters of the trainable segments held by one TP rank."""
-    return sum(model.unit(s.unit).trainable_params(*s.layers) for s in segments) / tp
+def trainable_params(model: ModelSpec, segments: list[Segment], shards: int) -> float:
+    """Parameters of the trainable segments held by one of `shards` tensor-parallel ranks."""
+    return sum(model.unit(s.unit).trainable_params(*s.layers) for s in segments) / shards
 
 
-def iteration_tail(model: ModelSpec, segments: list[Segment], tp: int, dp_group: str | None, dp: int,
+def iteration_tail(model: ModelSpec, segments: list[Segment], sharding: Sharding, dp_group: str | None, dp: int,
                    zero_stage: int, grad_bytes: int, param_bytes: int,
                    pending: list[str] = ()) -> list[Instruction]:
     """Finish an iteration: wait for asynchronous gradient reductions (`pending`
     handles), reduce the rest (all-reduce; reduce-scatter under the distributed
     optimizer), step the optimizer on the local shard, and all-gather the updated
-    16-bit parameters when the optimizer state is sharded."""
+    16-bit parameters when the optimizer state (not the parameters) is sharded."""
     out: list[Instruction] = [Wait(h) for h in pending]
-    params = trainable_params(model, segments, tp)
+    params = trainable_params(model, segments, sharding.devices)
     if params == 0:
         return out
     reduce_now = dp > 1 and dp_group is not None and not pending
@@ -66,7 +109,8 @@ def iteration_tail(model: ModelSpec, segments: list[Segment], tp: int, dp_group:
     shard = dp if zero_stage >= 1 else 1
     for segment in segments:
         if not model.unit(segment.unit).frozen:
-            out.append(Compute(Work(segment.unit, "optimizer", 0, segment.layers, tp=tp, shard=shard)))
-    if zero_stage >= 1 and dp > 1 and dp_group is not None:
+            out.append(Compute(Work(segment.unit, "optimizer", 0, segment.layers, sharding=sharding, shard=shard)))
+    # ZeRO-1/2 gather the updated parameters; ZeRO-3 gathers each layer's before it runs.
+    if zero_stage in (1, 2) and dp > 1 and dp_group is not None:
         out.append(Collective("all_gather", dp_group, params * param_bytes, "dp"))
     return out

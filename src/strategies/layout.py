@@ -1,56 +1,60 @@
-"""Where a unit's ranks sit: the (tp, dp, pp) rank grid and its process-group families."""
+"""Where a unit's ranks sit, and the groups and routes that connect them.
+
+Megatron-LM's rank order is a (tp, dp, pp) mesh: TP fastest (inside a node), then DP,
+then PP. Groups are made per mesh axis with their whole family (so every rank of a class
+finds its own member, and the family's NIC sharing is known); routes are made from the
+messages they carry.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import defaultdict
+from typing import Iterable
 
 from src.cluster import ClusterSpec, family_sharing
-from src.program import Group
+from src.mesh import Mesh
+from src.program import CommKind, Group, Message, Program, Table
 
 
-@dataclass(frozen=True)
-class Grid:
-    """Megatron's rank order: TP fastest (inside a node), then DP, then PP, starting at
-    `offset`: rank = offset + t + tp·(d + dp·p)."""
-
-    tp: int
-    dp: int
-    pp: int
-    offset: int = 0
-
-    @property
-    def size(self) -> int:
-        return self.tp * self.dp * self.pp
-
-    def rank(self, t: int, d: int, p: int) -> int:
-        return self.offset + t + self.tp * (d + self.dp * p)
-
-    @property
-    def ranks(self) -> tuple[int, ...]:
-        return tuple(range(self.offset, self.offset + self.size))
-
-    def stage_ranks(self, p: int) -> tuple[int, ...]:
-        return tuple(self.rank(t, d, p) for d in range(self.dp) for t in range(self.tp))
-
-    def tp_group(self, d: int, p: int) -> tuple[int, ...]:
-        return tuple(self.rank(t, d, p) for t in range(self.tp))
-
-    def dp_group(self, t: int, p: int) -> tuple[int, ...]:
-        return tuple(self.rank(t, d, p) for d in range(self.dp))
-
-    def tp_family(self) -> list[tuple[int, ...]]:
-        return [self.tp_group(d, p) for p in range(self.pp) for d in range(self.dp)]
-
-    def dp_family(self) -> list[tuple[int, ...]]:
-        return [self.dp_group(t, p) for p in range(self.pp) for t in range(self.tp)]
-
-    def pp_pairs(self) -> list[tuple[int, int]]:
-        """Every (sender, receiver) pair of neighbouring stages, both directions counted
-        once: they run at the same time in a pipeline's steady state."""
-        return [(self.rank(t, d, p), self.rank(t, d, p + 1))
-                for p in range(self.pp - 1) for d in range(self.dp) for t in range(self.tp)]
+def megatron_mesh(tp: int, dp: int, pp: int, offset: int = 0) -> Mesh:
+    return Mesh.contiguous((("tp", tp), ("dp", dp), ("pp", pp)), offset)
 
 
 def make_group(cluster: ClusterSpec, name: str, ranks: tuple[int, ...],
                family: list[tuple[int, ...]]) -> Group:
     """A group whose bandwidth share is computed over its whole family."""
     return Group(name, ranks, sharing=family_sharing(cluster, family), family=tuple(family))
+
+
+def axis_group(program: Program, cluster: ClusterSpec, name: str, mesh: Mesh, axis: str, through: int) -> str | None:
+    """Add the group along `axis` of `mesh` through rank `through` (its family: every
+    such group of the mesh); None when the axis has degree 1."""
+    if mesh.degree(axis) == 1:
+        return None
+    if name not in program.groups:
+        program.add_group(make_group(cluster, name, mesh.group(axis, through), mesh.family(axis)))
+    return name
+
+
+def pipeline_pairs(mesh: Mesh) -> list[tuple[int, int]]:
+    """Every (sender, receiver) pair of neighbouring stages, both directions counted
+    once: they run at the same time in a pipeline's steady state."""
+    pp = mesh.degree("pp")
+    return [pair for p in range(pp - 1) for pair in zip(mesh.slice(pp=p), mesh.slice(pp=p + 1))]
+
+
+def route_sharing(cluster: ClusterSpec, messages: Iterable[Message]) -> int:
+    """How many transfers cross the busiest node's links at once when every rank sends
+    (and receives) its messages one after another: the ranks of a node that send, or
+    that receive, across nodes."""
+    senders: dict[int, set[int]] = defaultdict(set)
+    receivers: dict[int, set[int]] = defaultdict(set)
+    for message in messages:
+        src, dst = cluster.node_of(message.src), cluster.node_of(message.dst)
+        if src != dst:
+            senders[src].add(message.src)
+            receivers[dst].add(message.dst)
+    return max([len(s) for s in senders.values()] + [len(r) for r in receivers.values()] + [1])
+
+
+def table(cluster: ClusterSpec, name: str, kind: CommKind, messages: list[Message], reduce: bool = False) -> Table:
+    return Table(name, kind, tuple(messages), route_sharing(cluster, messages), reduce)
