@@ -7,8 +7,8 @@ trains, no backward at all. MFU = model FLOPs / (iteration time x devices x peak
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 from src.cluster import GIB, ClusterSpec
 from src.config import TrainSpec
@@ -16,6 +16,9 @@ from src.costmodel.memory import rank_memory
 from src.models.spec import ModelSpec, UnitSpec
 from src.program import Plan
 from src.timeline import BREAKDOWN_CATEGORIES, Timeline
+
+if TYPE_CHECKING:
+    from src.setup import Setup
 
 
 @dataclass(frozen=True)
@@ -132,3 +135,18 @@ def build_summary(names: dict[str, str], plan: Plan, timeline: Timeline, model: 
         "plan": plan.as_dict(),
         "events": timeline.events,
     }
+
+
+def summarize(setup: Setup, plan: Plan, timeline: Timeline, peak_flops: float | None = None,
+              extras: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The run's summary, for every backend: the plan's memory attached to the timeline,
+    the figures of the output contract, and what the backend adds (measured values, how
+    it measured them). `peak_flops` replaces the cluster preset's per-device peak (a
+    measured one)."""
+    attach_memory(timeline, plan, setup.model, setup.train.precision)
+    cluster = setup.cluster
+    if peak_flops is not None:
+        cluster = replace(cluster, peak_flops={setup.train.precision: peak_flops})
+    names = {"model": setup.model.name, "strategy": plan.strategy, "cluster": setup.cluster.name,
+             "backend": timeline.backend}
+    return {**build_summary(names, plan, timeline, setup.model, cluster, setup.train), **(extras or {})}

@@ -45,6 +45,7 @@ class Timeline:
     ranks: list[RankTimeline]
     backend: str = "sim"
     events: int = 0
+    p2p_bytes: float = 0.0   # bytes all ranks' point-to-point messages put on links
 
     def mean_breakdown(self) -> dict[str, float]:
         """Breakdown averaged over all ranks (each class weighted by its rank count)."""

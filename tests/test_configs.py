@@ -26,7 +26,7 @@ from src.cluster import FLOAT_FIELDS, ClusterSpec, cluster_from_config
 from src.config import PRECISIONS, TrainSpec, options_from, train_from_config
 from src.models.registry import MODEL_NAMES, build_model
 from src.models.spec import ModelSpec
-from src.run import validate
+from src.setup import validate
 from src.strategies import STRATEGIES, planner_for
 
 CONF = Path(__file__).resolve().parent.parent / "conf"

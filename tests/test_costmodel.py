@@ -8,6 +8,7 @@ import pytest
 
 from src.cluster import ClusterSpec, family_sharing
 from src.costmodel.comm import CommModel
+from src.mesh import tensor_parallel
 from src.costmodel.compute import ComputeModel
 from src.costmodel.memory import model_state_bytes
 from src.models.layers import transformer_layer
@@ -33,8 +34,8 @@ def test_large_gemm_approaches_max_efficiency_and_thin_ones_fall_off() -> None:
 def test_over_partitioned_tp_is_less_efficient_per_flop() -> None:
     compute = ComputeModel(CLUSTER, "bf16")
     layer = transformer_layer(77, 1024, 16)
-    t1 = compute.layer_times(layer, 8, tp=1).fwd
-    t8 = compute.layer_times(layer, 8, tp=8).fwd
+    t1 = compute.layer_times(layer, 8, tensor_parallel(1)).fwd
+    t8 = compute.layer_times(layer, 8, tensor_parallel(8)).fwd
     # Perfect scaling would be t1 / 8; a small text tower split 8 ways is far from it.
     assert t8 > 1.5 * t1 / 8
 
@@ -113,7 +114,7 @@ def test_work_prices_recompute_and_frozen_units() -> None:
     model = ModelSpec("m", (unit,))
     frozen = ModelSpec("m", (replace(unit, frozen=True),))
     compute = ComputeModel(CLUSTER, "bf16")
-    times = compute.layer_times(layer, 2, 1)
+    times = compute.layer_times(layer, 2)
     fwd = compute.work_time(Work("tower", "fwd", 2, (0, 4)), model)
     bwd = compute.work_time(Work("tower", "bwd", 2, (0, 4)), model)
     full = compute.work_time(Work("tower", "bwd", 2, (0, 4), recompute="full"), model)

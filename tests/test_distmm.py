@@ -11,8 +11,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from src.errors import ConfigError, PlanError
-from src.program import BatchSync
-from src.run import Setup, plan_run, validate
+from src.program import Compute, Recv
+from src.setup import Setup, plan_run, validate
 from src.sim.engine import simulate
 from src.strategies.distmm_towers import partition
 
@@ -86,19 +86,22 @@ def test_fixed_degrees_are_kept() -> None:
         plan_run(setup("model=clip", "+strategy.text.vpp=2"))
 
 
-def gathers(plan) -> list[float]:
-    out = []
-    for rank_program in plan.program.classes:
-        for instruction in rank_program.instructions:
-            if isinstance(instruction, BatchSync):
-                out.append(instruction.gather.bytes)
-    return out
+def interactions(plan) -> list[Compute]:
+    return [i for rp in plan.program.classes for i in rp.instructions
+            if isinstance(i, Compute) and i.work.phase == "interaction"]
 
 
-def test_separate_placement_gathers_one_modality_and_naive_both() -> None:
+def test_separate_placement_scores_against_one_modality_and_naive_both() -> None:
     separate = plan_run(setup("model=clip", "train.global_batch=576"))
     naive = plan_run(setup("model=clip", "train.global_batch=576", "strategy.placement=naive"))
-    assert set(gathers(naive)) == {2 * g for g in set(gathers(separate))}
+    # A scorer of separate towers reads its own rows and the OTHER modality's batch only.
+    for compute in interactions(separate):
+        (mine,) = [p for p in compute.inputs if p.tensor.endswith(".q")]
+        (theirs,) = [p for p in compute.inputs if p.tensor.endswith(".k")]
+        assert mine.tensor.split(".")[0] != theirs.tensor.split(".")[0]
+    # Naive placement gathers both modalities' features on every device.
+    for compute in interactions(naive):
+        assert sorted(p.tensor for p in compute.inputs if p.tensor.endswith(".k")) == ["text.k", "vision.k"]
     assert naive.details["placement"] == "naive"
     assert all(len(u.ranks) == 64 for u in naive.units)
     with pytest.raises(PlanError, match="pp=2"):
@@ -122,16 +125,17 @@ def test_pipeline_never_shrinks_the_contrastive_batch() -> None:
         plan = plan_run(s)
         for unit in towers(plan).values():
             assert unit.pp == 2
-        syncs = 0
-        for rank_program in plan.program.classes:
-            unit = next((u for u in towers(plan).values() if rank_program.ranks[0] in u.ranks), None)
-            for instruction in rank_program.instructions:
-                if isinstance(instruction, BatchSync):
-                    syncs += 1
-                    assert instruction.work.contrastive_batch == 8
-                    # The group's micro-batches of all replicas make up the whole Rbs.
-                    assert len(instruction.microbatches) * unit.micro_batch * unit.dp == 8
-        assert syncs == 2 * 4  # two towers' last stages, four groups each
+        computes = interactions(plan)
+        assert all(c.work.contrastive_batch == 8 for c in computes)
+        assert len(computes) == 2 * 4  # two towers' last stages, four groups each
+        # Every key batch a scorer receives is the whole contrastive batch of its group.
+        route = plan.program.route("batch_sync")
+        for rp in plan.program.classes:
+            for recv in (i for i in rp.instructions if isinstance(i, Recv) and i.payload.tensor.endswith(".k")):
+                for rank in rp.ranks:
+                    rows = sorted(m.received.rows for m in route.receives(rank, recv.payload))
+                    assert rows[0][0] == 0 and rows[-1][1] == 8
+                    assert all(a[1] == b[0] for a, b in zip(rows, rows[1:]))
 
 
 def test_distmm_pipe_removes_the_barrier_idle_time() -> None:
@@ -144,8 +148,7 @@ def test_distmm_pipe_removes_the_barrier_idle_time() -> None:
 def test_coca_moves_image_tokens_between_towers() -> None:
     s = setup("model=coca", "train.global_batch=576")
     plan = plan_run(s)
-    kinds = {getattr(i, "kind", None) for rp in plan.program.classes for i in rp.instructions}
-    assert "broker" in kinds
+    assert {route.kind for route in plan.program.routes.values()} == {"interaction", "broker"}
     timeline = simulate(plan.program, s.model, s.cluster, s.train.precision)
     assert timeline.mean_breakdown()["comm_broker"] > 0
 

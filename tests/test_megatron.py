@@ -37,7 +37,8 @@ def test_fixed_degrees_are_respected_and_the_program_is_a_pipeline() -> None:
     assert stage0.ranks == tuple(range(8)) and stage1.ranks == tuple(range(8, 16))
     sends = [i for i in stage0.instructions if isinstance(i, Send)]
     recvs = [i for i in stage1.instructions if isinstance(i, Recv)]
-    assert len(sends) == len(recvs) == 8 and {s.key for s in sends} == {r.key for r in recvs}
+    assert len(sends) == len(recvs) == 8 and {s.payload for s in sends} == {r.payload for r in recvs}
+    assert {s.route for s in sends} == {"hop.v0"}
     tp_ops = [i for i in stage0.instructions if isinstance(i, Collective) and i.kind == "tp"]
     # Two all-reduces per block each way, 4 blocks, 8 micro-batches, forward and backward.
     assert sum(op.count for op in tp_ops) == 2 * 4 * 8 * 2

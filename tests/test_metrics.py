@@ -5,6 +5,7 @@ import pytest
 
 from src.config import TrainSpec
 from src.metrics import build_summary, iteration_flops, unit_flops
+from src.mesh import Mesh
 from src.models.registry import build_model
 from src.program import Plan, Program, UnitPlan
 from src.timeline import BREAKDOWN_CATEGORIES, RankTimeline, Timeline
@@ -12,9 +13,10 @@ from tests.test_costmodel import CLUSTER
 
 
 def _plan(model, batch: int, recompute: str = "none") -> Plan:
-    units = [UnitPlan(u.name, dp=4, tp=1, pp=1, ranks=(0, 1, 2, 3), micro_batch=1, num_microbatches=batch // 4,
-                      batch_per_replica=batch // 4, stage_layers=((0, u.num_layers),),
-                      details={"recompute": recompute}) for u in model.units]
+    mesh = Mesh.contiguous((("dp", 4),))
+    units = [UnitPlan(u.name, mesh, micro_batch=1, num_microbatches=batch // 4, batch_per_replica=batch // 4,
+                      stage_layers=((0, u.num_layers),), sample_groups=batch // 4, recompute=recompute)
+             for u in model.units]
     return Plan("test", devices=4, units=units, program=Program(world_size=4, classes=[]))
 
 

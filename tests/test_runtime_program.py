@@ -8,6 +8,7 @@ from src.cluster import cluster_from_config
 from src.config import train_from_config
 from src.errors import ConfigError
 from src.models.registry import build_model
+from src.program import Payload
 from src.runtime.placement import placements
 from src.sim.engine import simulate
 from src.strategies import PlanRequest, planner_for
@@ -34,8 +35,9 @@ def test_every_rank_of_a_class_maps_groups_and_peers_onto_itself():
     assert program.group_for("tp.s0", 3) == (2, 3)
     assert program.group_for("dp.s0", 3) == (1, 3)
     assert program.group_for("dp.s1", 6) == (4, 6)
-    assert program.peer_for(3, 4) == 7  # rank 3 (t=1, d=1, stage 0) talks to t=1, d=1 of stage 1
-    assert program.peer_for(7, 0) == 3
+    hop = program.route("hop.v0")
+    assert [m.dst for m in hop.sends(3, Payload("llm", 3, 0))] == [7]  # t=1, d=1 of stage 1
+    assert [m.src for m in hop.receives(3, Payload("llm", 3, 0, grad=True))] == [7]
     place = placements(plan, 7)["llm"]
     assert place.tp_ranks == (6, 7) and place.dp_ranks == (5, 7) and max(place.layers) == plan.unit("llm").stage_layers[1][1] - 1
 

@@ -15,7 +15,7 @@ from src.sim.engine import SimulationError, simulate
 from src.timeline import BREAKDOWN_CATEGORIES
 from tests.test_sim_programs import (INTRA_BW, INTRA_LAT, MODEL, MS, PEAK, PRECISION, REL, all_reduce_s,
                                      assert_breakdown, build_distmm, build_disttrain, build_megatron, build_optimus,
-                                     build_par4d, link, make_cluster, p2p_s, recv, run, send, timeline_of)
+                                     build_par4d, build_par4d_mesh, link, make_cluster, p2p_s, recv, run, send, timeline_of)
 
 F1 = Work("llm", "fwd", 1, (0, 1))          # one (1000 x 1000)@(1000 x 1000) GEMM: 2 ms
 T_F1 = 2 * MS
@@ -106,6 +106,7 @@ def every_program() -> dict[str, Program]:
         "optimus/after": build_optimus("after"),
         "par4d/hidden": build_par4d(1e8),
         "par4d/exposed": build_par4d(3e8),
+        "par4d/mesh": build_par4d_mesh()[0],
     }
     for seed in range(12):
         programs[f"random/{seed}"] = random_program(seed)

@@ -29,7 +29,7 @@ from src.cluster import ClusterSpec, family_sharing
 from src.costmodel.comm import CommModel
 from src.models.layers import contrastive_layer, gemm
 from src.models.spec import ActivationBytes, LayerSpec, ModelSpec, UnitSpec
-from src.mesh import tensor_parallel
+from src.mesh import Mesh, Sharding, tensor_parallel
 from src.program import (Collective, Compute, Group, Hop, Message, Payload, Program, RankProgram, Recv, Send, Table,
                          Wait, Work)
 from src.schedules.pipeline import one_f_one_b
@@ -604,3 +604,54 @@ def test_par4d_layer_overlaps_async_all_reduce_with_weight_gradient(ar_x_bytes):
         assert exposed_x == 0.0
     else:
         assert exposed_x == pytest.approx(1.02 * MS)
+
+
+# =========================================================================================
+# 5b. Par4D on a named 2x2x2 mesh: the layer's GEMM sharded by the grid, the collectives'
+#     buffers from Par4D's message sizes (eqs. 4-7), every group made from the mesh
+# =========================================================================================
+def build_par4d_mesh() -> tuple[Program, dict[str, float]]:
+    mesh = Mesh.contiguous((("x", 2), ("y", 2), ("z", 2)))
+    gx, gy, gz = (mesh.degree(a) for a in "xyz")
+    m = k = n = 1000
+    elem = 2  # bf16
+    sizes = {"ag_z": k * n / (gx * gy) * elem,      # the gathered weight block W_{j,i}
+             "ar_y": m * n / (gz * gx) * elem,      # the partial output O_{k,i}
+             "ar_x": m * k / (gz * gy) * elem,      # the input gradient dI_{k,j}
+             "rs_z": k * n / (gx * gy) * elem}      # the weight gradient before its scatter
+    program = Program(world_size=8, classes=[])
+    for axis in "xyz":
+        family = mesh.family(axis)
+        sharing = family_sharing(CLUSTER, family)
+        program.add_group(Group(axis, mesh.group(axis, 0), sharing=sharing, family=tuple(family)))
+    sharding = Sharding((("x", gx), ("y", gy), ("z", gz)))
+    program.classes.append(RankProgram(ranks=mesh.ranks, label="grid", units=("fc",), instructions=[
+        Collective("all_gather", "z", sizes["ag_z"], "tp", stream="z", blocking=False, handle="ag_z"),
+        Wait("ag_z"),
+        Compute(Work("fc", "fwd", 1, (0, 1), sharding=sharding)),
+        Collective("all_reduce", "y", sizes["ar_y"], "tp", stream="compute"),
+        Compute(Work("fc", "bwd_input", 1, (0, 1), sharding=sharding)),
+        Collective("all_reduce", "x", sizes["ar_x"], "tp", stream="x", blocking=False, handle="ar_x"),
+        Compute(Work("fc", "bwd_weight", 1, (0, 1), sharding=sharding)),
+        Wait("ar_x"),
+        Collective("reduce_scatter", "z", sizes["rs_z"], "tp", stream="z", blocking=False, handle="rs_z"),
+        Wait("rs_z"),
+    ]))
+    return program, sizes
+
+
+def test_par4d_layer_on_a_named_mesh_prices_to_the_grid_shapes():
+    program, sizes = build_par4d_mesh()
+    F = gemm_s(1000 / 2, 1000 / 2, 1000 / 2)                     # (m/z x k/y) @ (k/y x n/x): 0.25 ms
+    z_bw = min(INTRA_BW, INTER_BW / 4)                           # the 4 z rings of a node share its NICs
+    t_ag = gather_s(2, sizes["ag_z"], z_bw, INTER_LAT)
+    t_ary = all_reduce_s(2, sizes["ar_y"], INTRA_BW, INTRA_LAT)
+    t_arx = all_reduce_s(2, sizes["ar_x"], INTRA_BW, INTRA_LAT)
+    t_rs = gather_s(2, sizes["rs_z"], z_bw, INTER_LAT)
+    assert F == pytest.approx(0.25 * MS) and t_ag == pytest.approx(0.125 * MS) and t_arx < F
+    iteration = t_ag + F + t_ary + F + F + t_rs                 # the x all-reduce hides under dW
+    timeline = run(program)
+    assert timeline.iteration_time == pytest.approx(iteration, rel=REL)
+    (grid,) = timeline.ranks
+    assert grid.ranks == tuple(range(8))
+    assert_breakdown(grid, iteration, compute=3 * F, comm_tp=t_ag + t_ary + t_rs)

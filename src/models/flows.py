@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from src.models.spec import ModelSpec
+from src.errors import ConfigError
+from src.models.spec import ModelSpec, UnitSpec
 
 FlowKind = Literal["interaction", "cross", "chain"]
 TENSOR = {"interaction": "feature", "cross": "tokens", "chain": "x"}
@@ -26,28 +27,53 @@ class Flow:
     kind: FlowKind
     layer: int    # the consumer's layer where it enters
     elems: int    # elements per sample
+    source: int   # the producer's layer boundary where it leaves
 
     @property
     def tensor(self) -> str:
         return TENSOR[self.kind]
 
 
+def feature_boundary(unit: UnitSpec) -> int:
+    """Where a tower's contrastive feature leaves it: after its projection head, which is
+    its last layer (CLIP) or sits between its unimodal and multimodal layers (CoCa's text)."""
+    return next((i + 1 for i, layer in enumerate(unit.layers) if layer.name == "projection"), unit.num_layers)
+
+
 def flows_of(model: ModelSpec) -> list[Flow]:
     out = []
     for producer, consumer in model.flows:
         source, sink = model.unit(producer), model.unit(consumer)
+        end = source.num_layers
         if consumer == model.interaction:
-            out.append(Flow(producer, consumer, "interaction", 0, source.output_elems))
+            out.append(Flow(producer, consumer, "interaction", 0, source.output_elems, feature_boundary(source)))
             continue
         cross = next((i for i, layer in enumerate(sink.layers)
                       if any(k.name.startswith("xattn_") for k in layer.kernels)), None)
         if cross is not None:
-            out.append(Flow(producer, consumer, "cross", cross, source.seq_len * source.hidden))
+            out.append(Flow(producer, consumer, "cross", cross, source.seq_len * source.hidden, end))
         else:
-            out.append(Flow(producer, consumer, "chain", 0, source.output_elems))
+            out.append(Flow(producer, consumer, "chain", 0, source.output_elems, end))
     return out
 
 
-def outputs_of(model: ModelSpec, unit: str) -> tuple[str, ...]:
-    """The tensors a unit's last layer hands on (none for a unit ending in its loss)."""
-    return tuple(dict.fromkeys(f.tensor for f in flows_of(model) if f.producer == unit))
+def outputs_of(model: ModelSpec, unit: str) -> list[tuple[int, str]]:
+    """(layer boundary, tensor) of what a unit hands on (nothing for a unit ending in its loss)."""
+    return list(dict.fromkeys((f.source, f.tensor) for f in flows_of(model) if f.producer == unit))
+
+
+def unit_order(model: ModelSpec) -> list[str]:
+    """Units in data-flow order (producers first), model order among equals."""
+    names = [u.name for u in model.units]
+    order: list[str] = []
+    remaining = list(names)
+    while remaining:
+        for name in remaining:
+            producers = [p for p, c in model.flows if c == name]
+            if all(p in order for p in producers):
+                order.append(name)
+                remaining.remove(name)
+                break
+        else:
+            raise ConfigError(f"model {model.name} has a cycle in its unit flows {model.flows}")
+    return order

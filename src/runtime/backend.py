@@ -11,15 +11,11 @@ from src.errors import ConfigError
 from src.program import Plan
 from src.report import JobInfo
 from src.report.files import SUMMARY_FILE
+from src.runtime.checks import check_runnable
 from src.runtime.driver import launch
 
 if TYPE_CHECKING:
-    from src.run import Setup
-
-
-# Strategies whose Programs the executor has been checked against (loss equality with
-# one process).
-RUNNABLE = ("ddp", "megatron", "distmm")
+    from src.setup import Setup
 
 
 def check_workers(plan: Plan, backend: dict[str, Any]) -> None:
@@ -28,18 +24,6 @@ def check_workers(plan: Plan, backend: dict[str, Any]) -> None:
         raise ConfigError(f"backend.workers must be a positive integer, got {workers!r}")
     if plan.devices > workers:
         raise ConfigError(f"the {plan.strategy} plan needs {plan.devices} workers but backend.workers={workers}")
-
-
-def check_runnable(setup: Setup, plan: Plan) -> None:
-    """What the executor cannot run, refused before any worker starts (every class's
-    first rank stands for its class)."""
-    from src.runtime.executor import links
-
-    if plan.strategy not in RUNNABLE:
-        raise ConfigError(f"backend=torch does not run strategy={plan.strategy} yet; it runs {list(RUNNABLE)}")
-    for rank_program in plan.program.classes:
-        if rank_program.ranks:
-            links(plan, setup.model, rank_program.ranks[0], setup.train.global_batch)
 
 
 def run_torch(setup: Setup, plan: Plan, run_dir: Path, job: JobInfo) -> dict[str, Any]:

@@ -119,6 +119,11 @@ def reduce_gradients(engine) -> None:
     boundary, DeepSpeed's own bucketed all-reduce (average) of every gradient over the
     engine's DP group, timed as DP communication. Other stages reduce on their own
     (make_engine leaves their automatic reduction on): nothing to do or time."""
+    # DeepSpeed's reduction reads the data-parallel group of the LAST engine initialised
+    # in the process (a module global): point it at this engine's before it runs.
+    from deepspeed.utils import groups
+
+    groups.mpu = engine.mpu
     if engine.zero_optimization_stage() == 0:
         with CLOCK.timed("dp"):
             engine.buffered_allreduce_fallback()

@@ -1,28 +1,25 @@
 """Runs one rank's instruction list with real tensors: the very Program the simulator prices.
 
-Every Work boundary is a detach point: a forward Work's inputs become leaves, so its
-backward Work runs alone (through the unit's DeepSpeed engine, with the surrogate loss
-sum(output · incoming gradient), which gives exact gradients) and leaves the gradient of
-its inputs for whoever produced them: the previous local Work, a pipeline peer (Send), or
-an upstream unit (CoCa's text decoder hands the image tokens' gradient back to the ViT).
+Data flow is what the instructions name. A Compute reads its input payloads from the
+rank's store and writes its outputs there; a Send sends the rows of a payload that the
+route's table gives this rank, a Recv puts the rows it receives into its payload (summing
+a gradient's rows that arrive twice); a Collective that carries payloads moves them (the
+features of a contrastive batch gathered over replicas, a tensor shared over TP peers).
+Collectives without payloads are a layer's own (TP, inside the parallel layers) or the
+optimizer's (DP, inside DeepSpeed): their time is measured where they happen.
 
-Gradient scale: DeepSpeed averages a unit's gradients over its replicas, so every unit's
-backward is run on (its dp) x (its replica's share of the loss); what passes between units
-of different dp (DistMM's towers: features, CoCa's image tokens) is rescaled on the way.
+Every Compute is a detach point: a forward's inputs become leaves, so its backward runs
+alone, with the surrogate loss sum(output · incoming gradient) that gives exact
+gradients, and writes the gradients of its inputs for whoever produced them.
 
-Communication: pipeline Send/Recv are real point-to-point transfers; a BatchSync gathers
-the features of the contrastive batch with an all-gather that carries gradients (a rank
-holding both towers) or exchanges them with the other tower's ranks (DistMM's separate
-towers, runtime.exchange); broker Send/Recv carry one tower's tokens to another's
-cross-attention (runtime.broker). TP collectives run inside the parallel layers and DP
-collectives inside DeepSpeed (ZeRO-0's all-reduce at the optimizer instruction), so the
-Program's tp/dp instructions are markers here (their time is measured where it happens);
-a collective of any other kind has no tensor to carry and is refused up front.
+Gradient scale: a gradient payload is always the gradient of the step's whole loss.
+DeepSpeed averages a unit's parameter gradients over its data-parallel replicas, so a
+unit's backward runs on (its dp) x (its part of the loss), and the input gradients it
+writes are divided by its dp again; units of different dp then meet without rescaling.
 """
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -31,233 +28,151 @@ import torch.distributed as dist
 
 from src.errors import ConfigError
 from src.models.spec import ModelSpec
-from src.program import BatchSync, Collective, Compute, Instruction, Plan, Recv, Send, Wait, Work
-from src.runtime.broker import Broker
+from src.program import Collective, Compute, Instruction, Payload, Plan, Recv, Route, Send, Wait
 from src.runtime.comm import CLOCK, all_reduce
 from src.runtime.engines import reduce_gradients
-from src.runtime.exchange import Layout, layout, sync_gradients
-from src.runtime.gather import gather_with_grad
 from src.runtime.groups import ProcessGroups
-from src.runtime.placement import placements
-from src.runtime.roster import Roster
+from src.runtime.placement import placements, tensor_replicas
+from src.runtime.store import PayloadStore, row_shape
 from src.runtime.timing import StepTimer
-from src.strategies.distmm_programs import CrossInput
 
 State = dict[str, torch.Tensor]
-# What a Work hands to other instructions besides its token states, by name.
-PRODUCTS = ("feature", "tokens")
 
 
 @dataclass
 class _Saved:
-    """What a forward Work leaves for its backward."""
+    """What a forward leaves for its backward."""
 
-    leaves: State
+    leaves: dict[Payload, torch.Tensor]
     outputs: State
-    x_from_peer: bool
-    memory_from: str | None
-    memory_link: CrossInput | None  # the memory came from another rank (broker)
 
 
 @dataclass
 class _StepState:
-    boundary: dict[tuple, State] = field(default_factory=dict)   # (unit, mb, chunk, layer) -> input of next local Work
+    store: PayloadStore = field(default_factory=PayloadStore)
     saved: dict[tuple, _Saved] = field(default_factory=dict)
-    finals: dict[tuple, State] = field(default_factory=dict)     # (unit, mb) -> the unit's features and tokens
-    grads: dict[tuple, torch.Tensor] = field(default_factory=dict)
-    cross_grads: dict[tuple, torch.Tensor] = field(default_factory=dict)  # (consumer, mb) -> tokens' gradient
-    received: deque = field(default_factory=deque)
-    product: torch.Tensor | None = None                           # what the next pipeline Send carries
-    last: Compute | None = None                                   # the last compute, which a broker Send follows
-    handles: dict[str, Any] = field(default_factory=dict)
+    local: dict[tuple[str, Payload], list] = field(default_factory=dict)   # local messages, by route and payload
+    pending: dict[str, tuple[str, list]] = field(default_factory=dict)      # handle -> (kind, posted receives)
     sends: list = field(default_factory=list)
     loss: float = 0.0
     stepped: set = field(default_factory=set)
 
 
-def towers_of(model: ModelSpec, sync: BatchSync) -> list[str]:
-    return [p for p, c in model.flows if c == sync.work.unit]
-
-
-def links(plan: Plan, model: ModelSpec, rank: int, global_batch: int) -> tuple[Broker | None, dict[str, Layout]]:
-    """What ties `rank` to the units on other ranks (separate towers: the broker and the
-    row layout of each batch-sync group where it holds one tower only), after checking
-    that the executor can run its instruction list. Pure: the backend runs it for every
-    class before any worker starts, so a Program it cannot run is refused in one line."""
-    instructions = plan.program.instructions_for(rank)
-    after_sync = False
-    for instruction in instructions:
-        if isinstance(instruction, Collective) and instruction.kind not in ("tp", "dp"):
-            # The reduce-scatter right after a batch-sync is its gather's backward.
-            if not (after_sync and instruction.kind == "interaction"):
-                raise ConfigError(f"the real backend cannot run a standalone {instruction.op} of kind "
-                                  f"{instruction.kind} on group {instruction.group}: no tensor of the model "
-                                  f"travels in it")
-        after_sync = isinstance(instruction, BatchSync)
-    if not any(u.details.get("placement") == "separate" for u in plan.units):
-        return None, {}
-    roster, places = Roster(plan), placements(plan, rank)
-    layouts: dict[str, Layout] = {}
-    for sync in (i for i in instructions if isinstance(i, BatchSync) and i.gather is not None):
-        towers = towers_of(model, sync)
-        held = [t for t in towers if t in places]
-        if len(held) == len(towers) or sync.gather.group in layouts:
-            continue
-        feature = next(i for i, layer in enumerate(model.unit(held[0]).layers) if layer.name == "projection")
-        if feature not in places[held[0]].layers:
-            raise ConfigError(f"rank {rank} runs a batch-sync of {held[0]} whose feature (layer {feature}) is "
-                              f"computed on another pipeline stage; the real backend carries only token states "
-                              f"between stages")
-        layouts[sync.gather.group] = layout(plan, model, roster, plan.program.group_for(sync.gather.group, rank),
-                                            rank)
-    return Broker(plan, model, roster, rank, global_batch), layouts
+def input_key(work_unit: str, payload: Payload) -> str:
+    """The module-state key a Compute's input payload binds to: the unit's own token
+    states enter as 'x'; another unit's tokens are the cross-attention 'memory'."""
+    if payload.unit == work_unit and payload.tensor == "x":
+        return "x"
+    if payload.unit != work_unit and payload.tensor == "tokens":
+        return "memory"
+    raise ConfigError(f"the real backend has no module input for {payload} in a Work of unit {work_unit}")
 
 
 class Executor:
     def __init__(self, plan: Plan, model: ModelSpec, rank: int, units: torch.nn.ModuleDict,
                  engines: dict[str, Any], groups: ProcessGroups, batch_for: Callable[[str, int], State],
-                 global_batch: int) -> None:
-        self.plan, self.model, self.rank = plan, model, rank
+                 device: torch.device) -> None:
+        self.plan, self.model, self.rank, self.device = plan, model, rank, device
         self.program = plan.program
         rank_program = self.program.class_of(rank)
         self.instructions: list[Instruction] = rank_program.instructions
-        self.pipelined = rank_program.pipelined
-        # A loss computed by every rank of the class (each replica's, repeated over TP) is
-        # reported as the mean over the class: each rank adds its 1/len share.
-        self.share = 1.0 / len(rank_program.ranks)
         self.units, self.engines, self.groups, self.batch_for = units, engines, groups, batch_for
         self.places = placements(plan, rank)
-        self.batch_syncs = sum(isinstance(i, BatchSync) for i in self.instructions)
-        self.broker, self.layouts = links(plan, model, rank, global_batch)
 
     def _dp(self, unit: str) -> int:
-        return len(self.places[unit].dp_ranks)
+        return self.places[unit].dp
 
     # ---- one step ---------------------------------------------------------------------
     def run_step(self, timer: StepTimer) -> float:
         """Run the instruction list once; returns this rank's share of the step's loss
         (the shares of all ranks add up to it)."""
         self.s = _StepState()
-        for index, instruction in enumerate(self.instructions):
+        for instruction in self.instructions:
             start = time.perf_counter()
             CLOCK.take()
-            category = self._run(index, instruction)
+            category = self._run(instruction)
             timer.record(instruction, start, time.perf_counter(), category, CLOCK.take())
-        pending = self.broker.start_step() if self.broker else []
-        for work in self.s.sends + [w for w, _ in pending]:
+        for work, _ in self.s.sends:
             work.wait()
         return self.s.loss
 
-    def _run(self, index: int, instruction: Instruction) -> str:
+    def _run(self, instruction: Instruction) -> str:
         if isinstance(instruction, Compute):
-            work = instruction.work
-            if work.phase == "fwd":
+            phase = instruction.work.phase
+            if phase == "fwd":
                 self._forward(instruction)
-            elif work.phase == "bwd":
+            elif phase == "bwd":
                 self._backward(instruction)
-            elif work.phase == "optimizer":
-                self._optimizer(work.unit)
+            elif phase == "interaction":
+                self._interaction(instruction)
+            elif phase == "optimizer":
+                self._optimizer(instruction.work.unit)
             else:
-                raise ConfigError(f"the real backend does not run {work.phase} Work yet ({work.unit})")
-            self.s.last = instruction
+                raise ConfigError(f"the real backend does not run {phase} Work ({instruction.work.unit})")
             return "compute"
-        if isinstance(instruction, BatchSync):
-            self._batch_sync(instruction)
-            return "compute"
+        if isinstance(instruction, Collective):
+            if not (instruction.inputs or instruction.outputs):
+                return "marker"  # a layer's (tp) or the optimizer's (dp) own: measured where it happens
+            self._collective(instruction)
+            return f"comm_{instruction.kind}"
         if isinstance(instruction, Send):
             self._send(instruction)
-            return f"comm_{instruction.kind}"
+            return f"comm_{self.program.route(instruction.route).kind}"
         if isinstance(instruction, Recv):
-            self._recv(index, instruction)
-            return "wait"
+            route = self.program.route(instruction.route)
+            self._recv(instruction, route)
+            return f"wait:{route.kind}"
         if isinstance(instruction, Wait):
-            self.s.handles.pop(instruction.handle).wait()
-            return "wait"
-        return "marker"  # tp/dp collectives: done inside the layers and DeepSpeed
+            kind, posted = self.s.pending.pop(instruction.handle)
+            self._finish_receives(posted)
+            return f"wait:{kind}"
+        raise ConfigError(f"the real backend cannot run {instruction!r}")
 
     # ---- forward and backward -----------------------------------------------------------
-    def _microbatches(self, unit: str) -> int:
-        return self.plan.unit(unit).num_microbatches
-
-    def _inputs(self, compute: Compute) -> tuple[State, bool, str | None, CrossInput | None]:
-        """The state a forward Work starts from, whether its x came from a peer, which
-        upstream unit's token states it cross-attends to, and over which broker link."""
-        work, j = compute.work, compute.microbatch
-        state = dict(self.batch_for(work.unit, j))
-        memory_from = None
-        for producer, consumer in self.model.flows:
-            if consumer == work.unit and "tokens" in self.s.finals.get((producer, j), {}):
-                state["memory"], memory_from = self.s.finals[(producer, j)]["tokens"], producer
-        link = self.broker.consumes(work.unit, work.layers) if self.broker else None
-        if link is not None:
-            state["memory"], memory_from = self.broker.memory(link, j), link.producer
-        if work.layers[0] == 0:
-            return state, False, memory_from, link
-        local = self.s.boundary.pop((work.unit, j, compute.chunk, work.layers[0]), None)
-        if local is not None:
-            return {**state, **local}, False, memory_from, link
-        if not self.s.received:
-            raise ConfigError(f"rank {self.rank}: forward of {work.unit} layers {work.layers} mb {j} has no input")
-        return {**state, "x": self.s.received.popleft()}, True, memory_from, link
-
     def _forward(self, compute: Compute) -> None:
         work, j = compute.work, compute.microbatch
-        layers = self.units[work.unit]
-        state, from_peer, memory_from, link = self._inputs(compute)
+        state = dict(self.batch_for(work.unit, j))
+        leaves = {}
+        for payload in compute.inputs:
+            leaf = self.s.store.tensor(payload).detach().requires_grad_(self.model.needs_backward(payload.unit))
+            leaves[payload] = leaf
+            state[input_key(work.unit, payload)] = leaf
         trains = self.model.needs_backward(work.unit)
-        leaves = {k: state[k].detach().requires_grad_(trains) for k in ("x", "memory") if k in state}
-        state.update(leaves)
+        layers = self.units[work.unit]
         with torch.set_grad_enabled(trains):
             for i in range(*work.layers):
                 state = layers[i](state)
         if "loss" in state:
-            self.s.loss += float(state["loss"].detach()) / self._microbatches(work.unit) * self.share
+            # This micro-batch's part of the step's loss: the mean over its replica's
+            # micro-batches and over the replicas.
+            share = state["loss"] / (self.plan.unit(work.unit).num_microbatches * self._dp(work.unit))
+            state["loss_share"] = share
+            self.s.loss += float(share.detach()) / tensor_replicas(self.plan, work.unit)
+        for payload in compute.outputs:
+            self.s.store.put(payload, state[payload.tensor])
         if trains:
-            self.s.saved[(work.unit, j, compute.chunk, work.layers)] = _Saved(leaves, state, from_peer, memory_from,
-                                                                               link)
-        # A Work's inputs never carry features or tokens: those in its state are its own.
-        products = {k: state[k] for k in PRODUCTS if k in state}
-        if products:
-            self.s.finals.setdefault((work.unit, j), {}).update(products)
-        if work.layers[1] < self.model.unit(work.unit).num_layers:
-            self.s.boundary[(work.unit, j, compute.chunk, work.layers[1])] = {"x": state["x"]}
-            self.s.product = state["x"]
-
-    def _product_grad(self, work: Work, j: int, name: str) -> torch.Tensor | None:
-        """The gradient of a feature or tokens this Work produced, at this unit's scale."""
-        link = self.broker.produces(work.unit, work.layers) if self.broker and name == "tokens" else None
-        if link is not None:
-            return self.broker.grad(link, j) * self._dp(work.unit)
-        return self.s.grads.pop((work.unit, j, name), None)
+            self.s.saved[(work.unit, work.layers, j, compute.chunk)] = _Saved(leaves, state)
 
     def _backward(self, compute: Compute) -> None:
         work, j = compute.work, compute.microbatch
-        saved = self.s.saved.pop((work.unit, j, compute.chunk, work.layers))
-        terms = []
-        if work.layers[1] < self.model.unit(work.unit).num_layers:
-            grad = self.s.grads.pop((work.unit, j, compute.chunk, work.layers[1]), None)
-            if grad is None:
-                grad = self.s.received.popleft()
-            terms.append((saved.outputs["x"] * grad).sum())
-        for name in PRODUCTS:
-            grad = self._product_grad(work, j, name) if name in saved.outputs else None
-            if grad is not None:
-                terms.append((saved.outputs[name] * grad).sum())
-        if "loss" in saved.outputs:
-            terms.append(saved.outputs["loss"] / self._microbatches(work.unit))
-        self.engines[work.unit].backward(sum(terms), scale_wrt_gas=False)
-        x = saved.leaves.get("x")
-        if x is not None and x.grad is not None:
-            if saved.x_from_peer:
-                self.s.product = x.grad
-            else:
-                self.s.grads[(work.unit, j, compute.chunk, work.layers[0])] = x.grad
-        memory = saved.leaves.get("memory")
-        if memory is not None and memory.grad is not None and self.model.needs_backward(saved.memory_from):
-            if saved.memory_link is not None:  # the loss's own gradient: the producer rescales it
-                self.s.cross_grads[(work.unit, j)] = memory.grad / self._dp(work.unit)
-            else:
-                self.s.grads[(saved.memory_from, j, "tokens")] = memory.grad
+        saved = self.s.saved.pop((work.unit, work.layers, j, compute.chunk))
+        terms = [(saved.outputs[grad.tensor] * self.s.store.tensor(grad)).sum() for grad in compute.inputs]
+        if "loss_share" in saved.outputs:
+            terms.append(saved.outputs["loss_share"])
+        self._backpropagate(work.unit, sum(terms))
+        for grad in compute.outputs:
+            leaf = saved.leaves[grad.value()]
+            self.s.store.put(grad, leaf.grad / self._dp(work.unit))
+
+    def _backpropagate(self, unit: str, loss: torch.Tensor) -> None:
+        """Gradients of `loss` (this rank's part of the step's loss) into the unit's
+        parameters, at DeepSpeed's scale, and into the leaves."""
+        scaled = loss * self._dp(unit)
+        engine = self.engines.get(unit)
+        if engine is not None:
+            engine.backward(scaled, scale_wrt_gas=False)
+        else:
+            scaled.backward()
 
     def _optimizer(self, unit: str) -> None:
         engine = self.engines[unit]
@@ -266,122 +181,127 @@ class Executor:
             reduce_gradients(engine)
             engine.step()
 
-    # ---- the interaction ----------------------------------------------------------------
-    def _batch_sync(self, sync: BatchSync) -> None:
-        if sync.gather is not None and sync.gather.group in self.layouts:
-            self._separate_sync(sync)
-            return
-        towers = towers_of(self.model, sync)
-        local: dict[str, torch.Tensor] = {}
-        leaves: dict[str, torch.Tensor] = {}
-        for tower in towers:
-            features = torch.cat([self.s.finals[(tower, j)]["feature"] for j in sync.microbatches])
-            leaves[tower] = features.detach().requires_grad_(self.model.needs_backward(tower))
-            local[tower] = leaves[tower]
-        gathered, offset = dict(local), 0
-        if sync.gather is not None:
-            ranks = self.program.group_for(sync.gather.group, self.rank)
-            group = self.groups.get(ranks)
-            for tower in towers:
-                gathered[tower] = gather_with_grad(local[tower], group, len(ranks))
-            offset = ranks.index(self.rank) * local[towers[0]].shape[0]
+    # ---- the interaction -----------------------------------------------------------------
+    def _interaction(self, compute: Compute) -> None:
+        """Score the query rows this rank holds against the other modality's batch: the
+        loss's part is the rows' summed cross-entropy over the step's rows of all
+        contrastive batches."""
+        work = compute.work
+        towers = [p for p, c in self.model.flows if c == work.unit]
+        queries: dict[str, tuple[int, torch.Tensor]] = {}
+        keys: dict[str, torch.Tensor] = {}
+        leaves = {}
+        for payload in compute.inputs:
+            tower, role = payload.tensor.rsplit(".", 1)
+            start, tensor = self.s.store.read(payload)
+            leaf = tensor.detach().requires_grad_(self.model.needs_backward(tower))
+            leaves[payload] = leaf
+            if role == "q":
+                queries[tower] = (start, leaf)
+            else:
+                if leaf.shape[0] != work.contrastive_batch:
+                    raise ConfigError(f"rank {self.rank}: {payload} holds {leaf.shape[0]} rows, not the contrastive "
+                                      f"batch of {work.contrastive_batch}")
+                keys[tower] = leaf
         image, text = towers  # the contrastive pair, in model order (vision, text)
-        module = self.units[sync.work.unit][0]
-        loss = module(local[image], local[text], gathered[image], gathered[text], offset) / local[image].shape[0]
-        self.s.loss += float(loss.detach()) / self.batch_syncs * self.share
-        self.engines[sync.work.unit].backward(loss / self.batch_syncs, scale_wrt_gas=False)
-        for tower in towers:
-            if leaves[tower].grad is not None:
-                self._scatter(sync, tower, leaves[tower].grad)
+        module = self.units[work.unit][0]
+        batches = self.plan.unit(work.unit).num_microbatches
+        share = module(queries.get(image), queries.get(text), keys.get(image), keys.get(text)) / (
+            work.contrastive_batch * batches)
+        self.s.loss += float(share.detach()) / tensor_replicas(self.plan, work.unit)
+        self._backpropagate(work.unit, share)
+        for grad in compute.outputs:
+            leaf = leaves[next(p for p in leaves if p.tensor == grad.tensor)]
+            start = self.s.store.read(grad.value())[0]
+            self.s.store.put(grad.part(start, start + leaf.shape[0]), leaf.grad / self._dp(work.unit))
 
-    def _separate_sync(self, sync: BatchSync) -> None:
-        """One tower's features here, the other's on other ranks (runtime.exchange): the
-        interaction's parameters get the gradient of the whole batch-sync on every rank,
-        the features that of the whole loss, scaled to the tower's replicas."""
-        where = self.layouts[sync.gather.group]
-        tower, towers = where.me.tower, towers_of(self.model, sync)
-        group = self.groups.get(self.program.group_for(sync.gather.group, self.rank))
-        features = torch.cat([self.s.finals[(tower, j)]["feature"] for j in sync.microbatches])
-        module = self.units[sync.work.unit][0]
-        loss, param_grads, feature_grad = sync_gradients(module, features, tower == towers[0], where, group,
-                                                         sync.work.contrastive_batch * self.batch_syncs)
-        self.s.loss += loss
-        params = [p for p in module.parameters() if p.requires_grad]
-        self.engines[sync.work.unit].backward(sum((p * g).sum() for p, g in zip(params, param_grads)),
-                                              scale_wrt_gas=False)
-        if not self.model.needs_backward(tower):
-            return
-        place = self.places[tower]
-        if place.tp > 1:  # TP peers scored different rows of the same features
-            all_reduce(feature_grad, self.groups.get(place.tp_ranks), "tp")
-        self._scatter(sync, tower, feature_grad * self._dp(tower))
+    # ---- collectives that carry payloads --------------------------------------------------
+    def _collective(self, collective: Collective) -> None:
+        ranks = self.program.group_for(collective.group, self.rank)
+        group = self.groups.get(ranks)
+        if len(collective.inputs) != len(collective.outputs):
+            raise ConfigError(f"{collective.op} on {collective.group} pairs {len(collective.inputs)} inputs with "
+                              f"{len(collective.outputs)} outputs")
+        for source, target in zip(collective.inputs, collective.outputs):
+            if collective.op == "all_gather":
+                local = self.s.store.tensor(source).detach().contiguous()
+                parts = [torch.empty_like(local) for _ in ranks]
+                with CLOCK.timed(collective.kind):
+                    dist.all_gather(parts, local, group=group)
+                self.s.store.put(target, torch.cat(parts))
+            elif collective.op == "reduce_scatter":
+                # gloo has no reduce-scatter: all-reduce, then keep this rank's rows.
+                total = self.s.store.tensor(source).detach().clone()
+                all_reduce(total, group, collective.kind)
+                rows = total.shape[0] // len(ranks)
+                index = ranks.index(self.rank)
+                self.s.store.put(target, total[index * rows:(index + 1) * rows])
+            elif collective.op == "all_reduce":
+                start, total = self.s.store.read(source)
+                total = total.detach().clone()
+                all_reduce(total, group, collective.kind)
+                self.s.store.replace(target.part(start, start + total.shape[0]), total)
+            elif collective.op == "broadcast":
+                self._broadcast(collective, source, target, ranks, group)
+            else:
+                raise ConfigError(f"the real backend does not carry payloads in a {collective.op}")
 
-    def _scatter(self, sync: BatchSync, tower: str, grad: torch.Tensor) -> None:
-        sizes = [self.s.finals[(tower, j)]["feature"].shape[0] for j in sync.microbatches]
-        for j, part in zip(sync.microbatches, grad.split(sizes)):
-            self.s.grads[(tower, j, "feature")] = part
+    def _broadcast(self, collective: Collective, source: Payload, target: Payload, ranks: tuple[int, ...],
+                   group: dist.ProcessGroup) -> None:
+        """The group's first rank shares what it holds; the others size their buffer from
+        the collective's bytes (its rows of the payload's row shape)."""
+        if self.rank == ranks[0]:
+            start, tensor = self.s.store.read(source)
+            tensor = tensor.detach().contiguous()
+        else:
+            shape = row_shape(self.model, source)
+            row_bytes = torch.Size(shape).numel() * torch.tensor([], dtype=self._dtype()).element_size()
+            start, tensor = 0, torch.empty((round(collective.bytes / row_bytes),) + shape, dtype=self._dtype(),
+                                           device=self.device)
+        with CLOCK.timed(collective.kind):
+            dist.broadcast(tensor, src=ranks[0], group=group)
+        if self.rank != ranks[0]:
+            self.s.store.put(target.part(start, start + tensor.shape[0]), tensor)
+
+    def _dtype(self) -> torch.dtype:
+        return torch.float32
 
     # ---- point to point -----------------------------------------------------------------
     def _send(self, send: Send) -> None:
-        if send.kind == "broker":
-            self._broker_send(send)
-            return
-        if self.s.product is None:
-            raise ConfigError(f"rank {self.rank}: Send {send.key} has nothing to send")
-        peer = self.program.peer_for(self.rank, send.dst)
-        self.s.sends.append(dist.isend(self.s.product.detach().contiguous(), peer))
-        self.s.product = None
+        route = self.program.route(send.route)
+        for message in route.sends(self.rank, send.payload):
+            tensor = self.s.store.tensor(message.sent if message.sent.rows is not None else send.payload)
+            tensor = tensor.detach().contiguous()
+            if message.dst == self.rank:
+                self.s.local.setdefault((route.name, message.received.whole), []).append((message, tensor.clone()))
+            else:
+                self.s.sends.append((dist.isend(tensor, message.dst, group=self.groups.route(route.name)), tensor))
 
-    def _broker_send(self, send: Send) -> None:
-        """After a forward, the tokens it produced; after a backward, its memory's gradient."""
-        last = self.s.last
-        work = last.work if last is not None else None
-        if self.broker is not None and work is not None and work.phase == "fwd":
-            link = self.broker.produces(work.unit, work.layers)
-            if link is not None:
-                self.broker.send_tokens(link, last.microbatch, self.s.finals[(work.unit, last.microbatch)]["tokens"])
-                return
-        if self.broker is not None and work is not None and work.phase == "bwd":
-            link = self.broker.consumes(work.unit, work.layers)
-            if link is not None:
-                self.broker.send_grad(link, last.microbatch, self.s.cross_grads.pop((work.unit, last.microbatch)))
-                return
-        raise ConfigError(f"rank {self.rank}: broker Send {send.key} follows no Work that hands anything on")
-
-    def _recv(self, index: int, recv: Recv) -> None:
-        if recv.kind == "broker":
-            self._broker_recv(index, recv)
-            return
-        peer = self.program.peer_for(self.rank, recv.src)
-        buffer = torch.empty(self._incoming_shape(index, recv))
+    def _recv(self, recv: Recv, route: Route) -> None:
+        posted = []
+        for message in route.receives(self.rank, recv.payload):
+            if message.src == self.rank:
+                continue
+            rows = message.received.rows
+            count = rows[1] - rows[0] if rows is not None else self.plan.unit(message.received.unit).micro_batch
+            buffer = torch.empty((count,) + row_shape(self.model, message.received), dtype=self._dtype(),
+                                 device=self.device)
+            group = self.groups.route(route.name)
+            if recv.blocking:
+                with CLOCK.timed(route.kind):
+                    dist.recv(buffer, message.src, group=group)
+                posted.append((None, message, buffer))
+            else:
+                posted.append((dist.irecv(buffer, message.src, group=group), message, buffer))
+        for message, tensor in self.s.local.pop((route.name, recv.payload.whole), []):
+            self.s.store.put(message.received, tensor)
         if recv.blocking:
-            dist.recv(buffer, peer)
+            self._finish_receives(posted)
         else:
-            self.s.handles[recv.handle] = dist.irecv(buffer, peer)
-        self.s.received.append(buffer)
+            self.s.pending[recv.handle] = (route.kind, posted)
 
-    def _broker_recv(self, index: int, recv: Recv) -> None:
-        """Receive what the next compute reads from another tower (kept for it)."""
-        compute = self._next_compute(index, recv)
-        work = compute.work
-        consumes = self.broker.consumes(work.unit, work.layers) if self.broker else None
-        produces = self.broker.produces(work.unit, work.layers) if self.broker else None
-        if work.phase == "fwd" and consumes is not None:
-            self.broker.memory(consumes, compute.microbatch)
-        elif work.phase == "bwd" and produces is not None:
-            self.broker.grad(produces, compute.microbatch)
-        else:
-            raise ConfigError(f"rank {self.rank}: broker Recv {recv.key} precedes no Work that reads it")
-
-    def _next_compute(self, index: int, recv: Recv) -> Compute:
-        for instruction in self.instructions[index + 1:]:
-            if isinstance(instruction, Compute):
-                return instruction
-        raise ConfigError(f"rank {self.rank}: Recv {recv.key} is followed by no compute")
-
-    def _incoming_shape(self, index: int, recv: Recv) -> tuple[int, ...]:
-        """A pipeline message is the token states (samples, seq, hidden) at the boundary
-        of the next Work of this rank."""
-        work = self._next_compute(index, recv).work
-        unit = self.model.unit(work.unit)
-        return (work.samples, unit.seq_len, unit.hidden)
+    def _finish_receives(self, posted: list) -> None:
+        for work, message, buffer in posted:
+            if work is not None:
+                work.wait()
+            self.s.store.put(message.received, buffer)

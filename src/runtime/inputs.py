@@ -57,7 +57,7 @@ def unit_fields(model: ModelSpec, unit: str, batch: Mapping[str, torch.Tensor]) 
 
 def first_sample(plan: UnitPlan, global_batch: int, replica: int, microbatch: int) -> int:
     """Position in the step's batch of the first sample of `replica`'s micro-batch."""
-    groups = int(plan.details.get("batch_sync_groups", plan.num_microbatches))
+    groups = plan.sample_groups
     per_group = plan.num_microbatches // groups
     group, local = divmod(microbatch, per_group)
     share = plan.batch_per_replica // groups

@@ -23,8 +23,8 @@ from omegaconf import DictConfig, OmegaConf
 from src.errors import ConfigError
 from src.program import Plan
 from src.report import JobInfo
-from src.run import job_info, plan_run, start_run_dir, validate
-from src.runtime.backend import check_runnable
+from src.setup import job_info, plan_run, start_run_dir, validate
+from src.runtime.checks import check_runnable
 from src.runtime.worker import JOB_FILE
 
 LAUNCH_FILE = "launch.env"  # shell-sourceable: the wrappers in launchers/ read it without Python

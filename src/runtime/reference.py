@@ -12,7 +12,7 @@ import torch
 from src.models.spec import ModelSpec
 from src.runtime.inputs import Batches, dataset_for
 from src.runtime.modules.units import build_units
-from src.strategies.stages import unit_order
+from src.models.flows import unit_order
 
 
 def reference_losses(model: ModelSpec, seed: int, global_batch: int, steps: int, lr: float,
@@ -25,7 +25,8 @@ def reference_losses(model: ModelSpec, seed: int, global_batch: int, steps: int,
     units = build_units(model, seed, {}, {u.name: set(range(u.num_layers)) for u in model.units})
     params = [p for p in units.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, eps=eps)
-    whole = SimpleNamespace(batch_per_replica=global_batch, micro_batch=global_batch, num_microbatches=1, details={})
+    whole = SimpleNamespace(batch_per_replica=global_batch, micro_batch=global_batch, num_microbatches=1,
+                            sample_groups=1)
     batches = Batches(model, dataset_for(model, seed, data), global_batch, {u.name: whole for u in model.units},
                       {u.name: 0 for u in model.units})
     losses = []
@@ -37,7 +38,7 @@ def reference_losses(model: ModelSpec, seed: int, global_batch: int, steps: int,
             if name == model.interaction:
                 vision, text = (p for p, c in model.flows if c == name)
                 for a, b in zip(finals[vision]["feature"].split(rbs), finals[text]["feature"].split(rbs)):
-                    loss = loss + units[name][0](a, b, a, b, 0) / global_batch
+                    loss = loss + units[name][0]((0, a), (0, b), a, b) / global_batch
                 continue
             state = dict(batches(name, 0))
             for producer, consumer in model.flows:

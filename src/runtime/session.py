@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from src.metrics import attach_memory, build_summary
+from src.metrics import summarize
 from src.program import Plan
 from src.report import JobInfo, open_sinks
 from src.runtime.engines import EngineSettings, ParallelGroups, make_engine
@@ -32,6 +32,7 @@ from src.runtime.peak import GEMM_N, gemm_flops
 from src.runtime.placement import UnitPlacement, placements
 from src.runtime.timing import StepTimer
 from src.runtime.worker import JOB_FILE
+from src.setup import plan_run, validate
 from src.timeline import RankTimeline, Span, Timeline
 
 
@@ -45,11 +46,10 @@ def _engines(plan: Plan, places: dict[str, UnitPlacement], units: torch.nn.Modul
     engines: dict[str, Any] = {}
     for (dp_ranks, tp_ranks), names in by_group.items():
         first = plan.unit(names[0])
-        zero = int(first.details.get("zero_stage") or 0)
-        settings = EngineSettings(zero_stage=zero, micro_batch=first.micro_batch,
+        settings = EngineSettings(zero_stage=first.zero_stage, micro_batch=first.micro_batch,
                                   accumulation=first.num_microbatches, lr=float(backend["lr"]),
                                   weight_decay=float(backend["weight_decay"]), eps=float(backend["adam_eps"]))
-        parallel = ParallelGroups(groups.get(dp_ranks), dp_ranks, groups.get(tp_ranks) if tp_ranks else None,
+        parallel = ParallelGroups(groups.get(dp_ranks), dp_ranks, groups.get(tp_ranks) if len(tp_ranks) > 1 else None,
                                   tp_ranks)
         module = torch.nn.ModuleDict({n: units[n] for n in names})
         engine = make_engine(module, parallel, settings)
@@ -58,26 +58,22 @@ def _engines(plan: Plan, places: dict[str, UnitPlacement], units: torch.nn.Modul
 
 
 def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) -> None:
-    from src.run import plan_run, validate  # the same validation and planning as the driver
-
     setup = validate(config)
     plan = plan_run(setup)
     backend = config["backend"]
     places = placements(plan, rank)
-    needs_singletons = any(u.dp == 1 for u in plan.units) and world > 1
-    groups = ProcessGroups(plan.program, float(backend["timeout_s"]), needs_singletons)
+    groups = ProcessGroups(plan, float(backend["timeout_s"]))
     tp = {name: TP(p.tp, p.tp_ranks.index(rank), groups.get(p.tp_ranks)) if p.tp > 1 else TP()
           for name, p in places.items()}
-    units = build_units(setup.model, setup.train.seed, tp, {n: p.layers for n, p in places.items()})
+    units = build_units(setup.model, setup.train.seed, tp, {n: set(p.layers) for n, p in places.items()})
     engines = _engines(plan, places, units, groups, backend)
     batches = Batches(setup.model, dataset_for(setup.model, setup.train.seed, str(backend["data"])),
                       setup.train.global_batch, {u.unit: u for u in plan.units},
                       {n: p.dp_ranks.index(rank) for n, p in places.items()})
-    executor = Executor(plan, setup.model, rank, units, engines, groups, batches, setup.train.global_batch)
+    executor = Executor(plan, setup.model, rank, units, engines, groups, batches, torch.device("cpu"))
     rank_program = plan.program.class_of(rank)
     timer = StepTimer(rank_program.instructions, rank_program.pipelined)
     peak = _measured_peak(world)
-    cluster = dataclasses.replace(setup.cluster, peak_flops={setup.train.precision: peak})
 
     sinks = open_sinks(run_dir, config, _job(run_dir, config)) if rank == 0 else None
     try:
@@ -101,19 +97,17 @@ def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) ->
         dist.gather_object(mine, gathered, dst=0)
         if sinks is not None:
             timeline = _timeline(plan, gathered, times)
-            attach_memory(timeline, plan, setup.model, setup.train.precision)
-            for rank_timeline in timeline.ranks:
-                rank_timeline.memory["measured_rss_gib"] = max(gathered[r]["rss_gib"] for r in rank_timeline.ranks)
-            names = {"model": setup.model.name, "strategy": plan.strategy, "cluster": setup.cluster.name,
-                     "backend": "torch"}
-            summary = build_summary(names, plan, timeline, setup.model, cluster, setup.train)
-            summary.update({
+            extras = {
                 "peak_flops_source": f"measured: {GEMM_N}x{GEMM_N} {setup.train.precision} GEMM on all {world} "
                                      f"workers at once, mean per worker",
                 "dist_backend": dist.get_backend(),
                 "measured": {"loss": losses, "step_time_s": times},
                 "measured_notes": _notes(plan),
-            })
+            }
+            summary = summarize(setup, plan, timeline, peak_flops=peak, extras=extras)
+            for rank_timeline in timeline.ranks:
+                rank_timeline.memory["measured_rss_gib"] = max(gathered[r]["rss_gib"] for r in rank_timeline.ranks)
+            summary["memory_gib"]["measured_rss_gib"] = max(g["rss_gib"] for g in gathered)
             sinks.finish(summary, timeline)
     except BaseException:
         if sinks is not None:
@@ -123,7 +117,7 @@ def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) ->
 
 def _notes(plan: Plan) -> list[str]:
     """What the measured breakdown leaves out, so that no reader takes it for measured."""
-    stages = sorted({int(u.details.get("zero_stage") or 0) for u in plan.units if u.dp > 1} - {0})
+    stages = sorted({u.zero_stage for u in plan.units if u.dp > 1} - {0})
     if not stages:
         return []
     return [f"comm_dp leaves out the DP communication of ZeRO-{'/'.join(map(str, stages))} (gradient reduction, "

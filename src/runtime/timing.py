@@ -15,7 +15,7 @@ measured_notes says.
 """
 from __future__ import annotations
 
-from src.program import Compute, Instruction, Recv, Wait
+from src.program import Compute, Instruction, Recv, Send, Wait
 from src.timeline import BREAKDOWN_CATEGORIES, Span
 
 
@@ -55,15 +55,15 @@ class StepTimer:
             name = f"{work.phase} {work.unit} L{work.layers[0]}-{work.layers[1]}" if work else "compute"
             self.spans.append(Span("compute", start, end, name, "compute", work.unit if work else "", microbatch))
             return
-        if category == "wait":
-            category = self._wait_category(instruction)
+        if category.startswith("wait:"):
+            category = self._wait_category(category.split(":", 1)[1])
         self.breakdown[category] += seconds
         stream = getattr(instruction, "stream", "compute")
         self.spans.append(Span(stream, start, end, _name(instruction), category))
 
-    def _wait_category(self, instruction: Instruction) -> str:
+    def _wait_category(self, kind: str) -> str:
         if not self.pipelined:
-            return f"comm_{getattr(instruction, 'kind', 'pp')}"
+            return f"comm_{kind}"
         if not self.seen_backward:
             return "bubble_warmup"
         if self.index > self.last_forward:
@@ -79,7 +79,9 @@ class StepTimer:
 
 def _name(instruction: Instruction) -> str:
     if isinstance(instruction, Recv):
-        return f"recv {instruction.key}"
+        return f"recv {instruction.payload}"
+    if isinstance(instruction, Send):
+        return f"send {instruction.payload}"
     if isinstance(instruction, Wait):
         return f"wait {instruction.handle}"
-    return f"send {getattr(instruction, 'key', '')}"
+    return f"{instruction.op} {instruction.group}"

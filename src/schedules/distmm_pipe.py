@@ -15,9 +15,10 @@ batch-sync sees is a whole group; no schedule here splits a group.
   the gradients of the group behind the barrier. At most two groups are resident, which
   is why DistMM-Pipe's largest contrastive batch is (M·P - M_s)/(2·M_a) (§5.4).
 
-S appears only in the last stage's order (it holds the features); stages before it see
-the barrier as gradients that arrive late. With one group there is nothing to interleave
-and both schedules are the same.
+S appears only in the order of the stage holding the features (the last, unless the
+tower's projection sits between its layers, as CoCa's text tower's does); stages before
+it see the barrier as gradients that arrive late. With one group there is nothing to
+interleave and both schedules are the same.
 """
 from __future__ import annotations
 
@@ -50,9 +51,9 @@ def _check(stages: int, groups: int, k: int) -> None:
             raise ConfigError(f"{name} must be at least 1, got {value}")
 
 
-def _with_syncs(order: list[SyncOp], k: int, last: bool) -> list[SyncOp]:
-    """Insert each group's S right after its last forward (last stage only)."""
-    if not last:
+def _with_syncs(order: list[SyncOp], k: int, holds_features: bool) -> list[SyncOp]:
+    """Insert each group's S right after its last forward (on the stage holding the features)."""
+    if not holds_features:
         return order
     out: list[SyncOp] = []
     for op in order:
@@ -62,7 +63,7 @@ def _with_syncs(order: list[SyncOp], k: int, last: bool) -> list[SyncOp]:
     return out
 
 
-def gpipe_sync(stages: int, groups: int, k: int) -> list[list[SyncOp]]:
+def gpipe_sync(stages: int, groups: int, k: int, sync_stage: int | None = None) -> list[list[SyncOp]]:
     _check(stages, groups, k)
     orders = []
     for stage in range(stages):
@@ -70,11 +71,11 @@ def gpipe_sync(stages: int, groups: int, k: int) -> list[list[SyncOp]]:
         for g in range(groups):
             order += [SyncOp("F", g, g * k + j) for j in range(k)]
             order += [SyncOp("B", g, g * k + j) for j in range(k)]
-        orders.append(_with_syncs(order, k, stage == stages - 1))
+        orders.append(_with_syncs(order, k, stage == (stages - 1 if sync_stage is None else sync_stage)))
     return orders
 
 
-def distmm_pipe(stages: int, groups: int, k: int) -> list[list[SyncOp]]:
+def distmm_pipe(stages: int, groups: int, k: int, sync_stage: int | None = None) -> list[list[SyncOp]]:
     _check(stages, groups, k)
     total = groups * k
     orders = []
@@ -85,20 +86,21 @@ def distmm_pipe(stages: int, groups: int, k: int) -> list[list[SyncOp]]:
             order.append(SyncOp("B", j // k, j))
             if lead + j < total:
                 order.append(SyncOp("F", (lead + j) // k, lead + j))
-        orders.append(_with_syncs(order, k, stage == stages - 1))
+        orders.append(_with_syncs(order, k, stage == (stages - 1 if sync_stage is None else sync_stage)))
     return orders
 
 
-SYNC_BUILDERS: dict[str, Callable[[int, int, int], list[list[SyncOp]]]] = {
+SYNC_BUILDERS: dict[str, Callable[..., list[list[SyncOp]]]] = {
     "distmm_pipe": distmm_pipe,
     "gpipe_sync": gpipe_sync,
 }
 
 
-def build_sync_schedule(name: str, stages: int, groups: int, k: int) -> list[list[SyncOp]]:
+def build_sync_schedule(name: str, stages: int, groups: int, k: int, sync_stage: int | None = None) -> list[list[SyncOp]]:
+    """`sync_stage`: the stage holding the features (default: the last)."""
     if name not in SYNC_BUILDERS:
         raise ConfigError(f"unknown batch-sync schedule {name!r}; choose one of {list(SYNC_BUILDERS)}")
-    return SYNC_BUILDERS[name](stages, groups, k)
+    return SYNC_BUILDERS[name](stages, groups, k, sync_stage)
 
 
 def resident(order: list[SyncOp]) -> int:

@@ -112,15 +112,19 @@ class _RoutePrices:
             raise SimulationError(f"route {route.name} sends from rank {rank}, which no instruction list covers")
         return index
 
-    def send_time(self, route: Route, state: "_ClassState", payload: Payload) -> float:
+    def send(self, route: Route, state: "_ClassState", payload: Payload) -> tuple[float, float]:
+        """(seconds the class's send stream is busy, bytes its ranks put on links)."""
+        ranks = state.program.ranks
         if isinstance(route, Hop):
-            return self._hop_cost(route)
+            return self._hop_cost(route), route.bytes * len(ranks)
         key = (route.name, state.index, payload)
         cached = self._send.get(key)
         if cached is None:
-            cached = self._send[key] = max(
-                (sum(self._cost(route, m.src, m.dst, m.bytes) for m in route.sends(rank, payload))
-                 for rank in state.program.ranks), default=0.0)
+            per_rank = [route.sends(rank, payload) for rank in ranks]
+            seconds = max((sum(self._cost(route, m.src, m.dst, m.bytes) for m in sends) for sends in per_rank),
+                          default=0.0)
+            nbytes = sum(m.bytes for sends in per_rank for m in sends if m.src != m.dst)
+            cached = self._send[key] = (seconds, nbytes)
         return cached
 
     def receive_entries(self, route: Route, state: "_ClassState",
@@ -206,6 +210,7 @@ class Simulator:
         self.collective_cost: dict[tuple, float] = {}
         self.routes = _RoutePrices(program, self.comm, self.class_of_rank)
         self.events = 0
+        self.p2p_bytes = 0.0
 
     # ---- driver -------------------------------------------------------------------------
     def run(self) -> Timeline:
@@ -417,7 +422,9 @@ class Simulator:
             raise SimulationError(f"{state.program.label} sends {instruction.payload} over {route.name} twice")
         op = self._issue(state, route.kind, stream)
         op.start, op.resolved = op.ready, True
-        op.end = op.ready + self.routes.send_time(route, state, instruction.payload.whole)
+        seconds, nbytes = self.routes.send(route, state, instruction.payload.whole)
+        op.end = op.ready + seconds
+        self.p2p_bytes += nbytes
         state.free[stream] = op.end
         state.spans.append(Span(stream, op.start, op.end, f"send {instruction.payload}", f"comm_{route.kind}"))
         if stream == COMPUTE_STREAM:
@@ -511,7 +518,8 @@ class Simulator:
                               units=s.program.units, spans=s.spans,
                               breakdown=self._breakdown(s, iteration), end=max(s.free.values()))
                  for s in self.states]
-        return Timeline(iteration_time=iteration, ranks=ranks, backend="sim", events=self.events)
+        return Timeline(iteration_time=iteration, ranks=ranks, backend="sim", events=self.events,
+                        p2p_bytes=self.p2p_bytes)
 
     def _breakdown(self, state: _ClassState, iteration: float) -> dict[str, float]:
         out = {cat: 0.0 for cat in BREAKDOWN_CATEGORIES}

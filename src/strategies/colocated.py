@@ -19,7 +19,8 @@ from src.program import Collective, Instruction, Message, Program, RankProgram
 from src.strategies.contrastive import Holder, gathered_batch, local_queries, local_routes
 from src.strategies.emit import TPConfig, iteration_tail, segment_pass
 from src.strategies.layout import axis_group
-from src.strategies.stages import Segment, unit_order
+from src.models.flows import unit_order
+from src.strategies.stages import Segment
 
 QUERY_ROUTE = "interaction.queries"
 

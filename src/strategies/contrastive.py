@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from src.cluster import ClusterSpec
+from src.models.flows import feature_boundary
 from src.models.spec import ModelSpec
 from src.program import Collective, Compute, Instruction, Message, Payload, Recv, Send, Table, Work
 from src.strategies.layout import table
@@ -33,7 +34,7 @@ def keys(interaction: str, tower: str, batch: int) -> Payload:
 
 
 def feature(model: ModelSpec, tower: str, microbatch: int) -> Payload:
-    return Payload(tower, model.unit(tower).num_layers, microbatch, "feature")
+    return Payload(tower, feature_boundary(model.unit(tower)), microbatch, "feature")
 
 
 def interaction_compute(model: ModelSpec, reads: tuple[Payload, ...], batch: int, rows: int,
@@ -42,7 +43,13 @@ def interaction_compute(model: ModelSpec, reads: tuple[Payload, ...], batch: int
     `reads` are the queries and keys this rank holds; it writes their gradients."""
     inter = model.unit(model.interaction)
     work = Work(inter.name, "interaction", rows, (0, inter.num_layers), contrastive_batch=contrastive_batch)
-    return Compute(work, microbatch=batch, inputs=reads, outputs=tuple(p.gradient() for p in reads))
+    trained = tuple(p.gradient() for p in reads if model.needs_backward(tower_of(p)))
+    return Compute(work, microbatch=batch, inputs=reads, outputs=trained)
+
+
+def tower_of(payload: Payload) -> str:
+    """The tower whose features an interaction payload holds."""
+    return payload.tensor.rsplit(".", 1)[0]
 
 
 @dataclass(frozen=True)
@@ -121,26 +128,29 @@ def gathered_batch(model: ModelSpec, towers: list[str], microbatch: int, group: 
                    route: str, rows_scored: int, contrastive_batch: int, act_bytes: int) -> list[Instruction]:
     """Colocated towers' interaction for one micro-batch: all-gather the features over
     `group` (rows of the whole contrastive batch), copy the own rows into the queries
-    over the local `route`, score, reduce-scatter the keys' gradients back, and copy the
-    queries' gradients back. Without a group (one replica) the keys are copied too."""
+    over the local `route`, score, reduce-scatter the keys' gradients back (of the towers
+    that train), and copy the queries' gradients back. Without a group (one replica) the
+    keys are copied too."""
     inter = model.interaction
-    volume = sum(model.unit(t).output_elems for t in towers) * rows * act_bytes
+    trained = [t for t in towers if model.needs_backward(t)]
     feats = tuple(feature(model, t, microbatch) for t in towers)
     copied = (queries, keys) if group is None else (queries,)
     out: list[Instruction] = []
     if group is not None:
+        volume = sum(model.unit(t).output_elems for t in towers) * rows * act_bytes
         out.append(Collective("all_gather", group, volume, "interaction", inputs=feats,
                               outputs=tuple(keys(inter, t, microbatch) for t in towers)))
     out += [Send(route, f) for f in feats]
     out += [Recv(route, name(inter, t, microbatch)) for t in towers for name in copied]
     reads = tuple(name(inter, t, microbatch) for t in towers for name in (queries, keys))
     out.append(interaction_compute(model, reads, microbatch, rows_scored, contrastive_batch))
-    if group is not None:
+    if group is not None and trained:
+        volume = sum(model.unit(t).output_elems for t in trained) * rows * act_bytes
         out.append(Collective("reduce_scatter", group, volume, "interaction",
-                              inputs=tuple(keys(inter, t, microbatch).gradient() for t in towers),
-                              outputs=tuple(f.gradient() for f in feats)))
-    out += [Send(f"{route}.grad", name(inter, t, microbatch).gradient()) for t in towers for name in copied]
-    out += [Recv(f"{route}.grad", f.gradient()) for f in feats]
+                              inputs=tuple(keys(inter, t, microbatch).gradient() for t in trained),
+                              outputs=tuple(feature(model, t, microbatch).gradient() for t in trained)))
+    out += [Send(f"{route}.grad", name(inter, t, microbatch).gradient()) for t in trained for name in copied]
+    out += [Recv(f"{route}.grad", feature(model, t, microbatch).gradient()) for t in trained]
     return out
 
 

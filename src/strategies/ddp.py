@@ -18,7 +18,7 @@ from src.mesh import Mesh
 from src.program import Instruction, Plan, Program, UnitPlan
 from src.strategies.base import PlanRequest
 from src.strategies.colocated import ColocatedEmitter, ColocatedUnit
-from src.strategies.stages import unit_order
+from src.models.flows import unit_order
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from src.strategies.distmm_balance import Choice, balance
 from src.strategies.distmm_programs import colocated_program, cross_flows, place, separate_program, unit_plans
 from src.strategies.distmm_towers import (Degrees, TowerCosts, TowerPlan, activation_per_sample, blocks_of,
                                           partition, replica_state_bytes, stage_ranges)
-from src.strategies.stages import unit_order
+from src.models.flows import unit_order
 
 BALANCE = ("dp", "even")
 PLACEMENT = ("separate", "naive")

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from src.cluster import ClusterSpec
 from src.costmodel.memory import element_bytes, grad_bytes
 from src.mesh import Mesh, Sharding
-from src.models.flows import Flow, flows_of
+from src.models.flows import Flow, feature_boundary, flows_of
 from src.models.spec import ModelSpec
 from src.program import (Collective, Instruction, Message, Payload, Program, RankProgram, Recv, Send, UnitPlan,
                          compress_ranks)
@@ -60,6 +60,11 @@ class Placed:
     def stage_ranks(self, stage: int) -> tuple[int, ...]:
         return self.mesh.slice(pp=stage)
 
+    def feature_stage(self, model: ModelSpec) -> int:
+        """The stage whose layers make the tower's contrastive feature (it scores its rows)."""
+        layer = feature_boundary(model.unit(self.plan.unit)) - 1
+        return next(s for s, (a, b) in enumerate(self.plan.stages) if a <= layer < b)
+
 
 def place(plans: list[TowerPlan]) -> list[Placed]:
     """Contiguous blocks, widest TP first: every block then starts at a multiple of the
@@ -73,6 +78,11 @@ def place(plans: list[TowerPlan]) -> list[Placed]:
 
 def nodes_of(cluster: ClusterSpec, ranks: tuple[int, ...]) -> str:
     return compress_ranks(tuple(sorted({cluster.node_of(r) for r in ranks})))
+
+
+def scorers(model: ModelSpec, placed: list[Placed]) -> tuple[int, ...]:
+    """The ranks that score rows of the contrastive batch: each tower's feature stage."""
+    return tuple(sorted(r for p in placed for r in p.stage_ranks(p.feature_stage(model))))
 
 
 def cross_flows(model: ModelSpec, towers: list[str]) -> list[Flow]:
@@ -108,14 +118,15 @@ class _Separate:
                                       self._virtual(plan),
                                       PipelineSettings(plan.micro_batch, plan.recompute, False, plan.zero_stage),
                                       prefix=f"{plan.unit}.", links=_TowerLinks(self, plan))
-            orders = build_sync_schedule(plan.schedule, plan.pp, plan.groups, plan.microbatches)
+            scoring = placed.feature_stage(self.model)
+            orders = build_sync_schedule(plan.schedule, plan.pp, plan.groups, plan.microbatches, scoring)
             for stage in range(plan.pp):
-                built = emitter.stage(stage, orders[stage], other=lambda op, p=plan: self._batch_sync(p, op))
-                last = stage == plan.pp - 1
-                if last:
+                built = emitter.stage(stage, orders[stage], other=lambda op, p=placed: self._batch_sync(p, op))
+                if stage == scoring:
                     built.tail += self._interaction_tail()
                 label = plan.unit if plan.pp == 1 else f"{plan.unit} stage {stage}"
-                program.classes.append(emitter.rank_program(built, label, (self.inter.name,) if last else ()))
+                program.classes.append(emitter.rank_program(built, label,
+                                                            (self.inter.name,) if stage == scoring else ()))
         used = {r for c in program.classes for r in c.ranks}
         idle = tuple(r for r in range(world) if r not in used)
         if idle:
@@ -123,7 +134,7 @@ class _Separate:
         return program
 
     def holders(self) -> tuple[int, ...]:
-        return tuple(sorted(r for p in self.placed.values() for r in p.stage_ranks(p.plan.pp - 1)))
+        return scorers(self.model, list(self.placed.values()))
 
     def _virtual(self, plan: TowerPlan) -> list[list[Segment]]:
         """A tower's pipeline stages, each cut where a cross input enters it, so the
@@ -145,11 +156,12 @@ class _Separate:
             for replica in range(plan.replicas):
                 pieces = tuple((group * plan.microbatches + i, replica * plan.share + i * plan.micro_batch,
                                 plan.micro_batch) for i in range(plan.microbatches))
-                lead = placed.mesh.rank(dp=replica, pp=plan.pp - 1)
+                stage = placed.feature_stage(self.model)
+                lead = placed.mesh.rank(dp=replica, pp=stage)
                 for t in range(plan.tp):
                     start = min(plan.share, t * per_rank)
                     end = min(plan.share, start + per_rank)
-                    rank = placed.mesh.rank(tp=t, dp=replica, pp=plan.pp - 1)
+                    rank = placed.mesh.rank(tp=t, dp=replica, pp=stage)
                     holders.append(Holder(rank, tower, replica * plan.share + start, replica * plan.share + end,
                                           pieces, lead))
         return holders
@@ -171,12 +183,13 @@ class _Separate:
             return []
         return [Collective(op, f"{unit}.tp.s{stage}", nbytes, kind, inputs=(payload,), outputs=(payload,))]
 
-    def _batch_sync(self, plan: TowerPlan, op: SyncOp) -> list[Instruction]:
+    def _batch_sync(self, placed: Placed, op: SyncOp) -> list[Instruction]:
         """Receive this rank's rows and the other modality's whole batch (its replica's
         lead receives it, its TP ranks share it), score them (this device's rows against
         the whole contrastive batch), and return every gradient to its rows' holders."""
+        plan = placed.plan
         others = [t for t in self.placed if t != plan.unit]
-        inter, last = self.inter.name, plan.pp - 1
+        inter, last = self.inter.name, placed.feature_stage(self.model)
         mine = queries(inter, plan.unit, op.group)
         theirs = [keys(inter, t, op.group) for t in others]
         out: list[Instruction] = [Recv(EXCHANGE, mine)]
@@ -237,7 +250,8 @@ class _TowerLinks:
         act = self.builder.act_bytes
         if payload.tensor == "feature":
             elems = model.unit(plan.unit).output_elems
-            return EXCHANGE, "interaction", plan.pp - 1, plan.micro_batch * elems * act
+            stage = self.builder.placed[plan.unit].feature_stage(model)
+            return EXCHANGE, "interaction", stage, plan.micro_batch * elems * act
         flow = next(f for f in self.builder.cross if f.producer == payload.unit)
         stage = plan.pp - 1 if flow.producer == plan.unit else \
             next(s for s, (a, b) in enumerate(plan.stages) if a <= flow.layer < b)
@@ -307,7 +321,7 @@ def unit_plans(model: ModelSpec, cluster: ClusterSpec, contrastive_batch: int, p
     if colocated:
         mesh = out[-1].mesh
     else:
-        holders = tuple(sorted(r for p in placed for r in p.stage_ranks(p.plan.pp - 1)))
+        holders = scorers(model, placed)
         mesh = Mesh((("dp", len(holders)),), holders)
     # Every scorer holds the interaction's parameter: its replicas are its scorers.
     out.append(UnitPlan(unit=inter.name, mesh=mesh, micro_batch=contrastive_batch, num_microbatches=groups,

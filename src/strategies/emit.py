@@ -24,13 +24,15 @@ class TPConfig:
 
 
 def produced(model: ModelSpec, segment: Segment, microbatch: int) -> tuple[Payload, ...]:
-    """What a segment's forward hands on: its last layer's token states, or at the end of
-    its unit what the unit's consumers read (a feature, tokens, or nothing after a loss)."""
+    """What a segment's forward hands on: its last layer's token states (unless it ends
+    its unit), and what the unit's consumers read that leaves inside its layers (a
+    feature, tokens; nothing after a loss)."""
     unit = model.unit(segment.unit)
-    end = segment.layers[1]
-    if end < unit.num_layers:
-        return (Payload(segment.unit, end, microbatch),)
-    return tuple(Payload(segment.unit, end, microbatch, tensor) for tensor in outputs_of(model, segment.unit))
+    start, end = segment.layers
+    out = [Payload(segment.unit, end, microbatch)] if end < unit.num_layers else []
+    out += [Payload(segment.unit, boundary, microbatch, tensor) for boundary, tensor in outputs_of(model, segment.unit)
+            if start < boundary <= end]
+    return tuple(out)
 
 
 def consumed(model: ModelSpec, segment: Segment, microbatch: int) -> tuple[Payload, ...]:
@@ -44,9 +46,8 @@ def consumed(model: ModelSpec, segment: Segment, microbatch: int) -> tuple[Paylo
     for flow in flows_of(model):
         if flow.consumer != segment.unit:
             continue
-        producer_end = model.unit(flow.producer).num_layers
         if (flow.kind == "chain" and start == 0) or (flow.kind == "cross" and start <= flow.layer < end):
-            out.append(Payload(flow.producer, producer_end, microbatch, flow.tensor))
+            out.append(Payload(flow.producer, flow.source, microbatch, flow.tensor))
     return tuple(out)
 
 

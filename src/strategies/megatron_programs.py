@@ -18,7 +18,8 @@ from src.schedules.pipeline import build_schedule
 from src.strategies.colocated import ColocatedEmitter, ColocatedUnit
 from src.strategies.layout import megatron_mesh
 from src.strategies.pipeline import PipelineEmitter, PipelineSettings
-from src.strategies.stages import Segment, pipeline_segments, unit_order
+from src.models.flows import unit_order
+from src.strategies.stages import Segment, pipeline_segments
 
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from src.errors import ConfigError
+from src.models.flows import unit_order
 from src.models.spec import ModelSpec, UnitSpec
 
 
@@ -18,23 +19,6 @@ class Segment:
 
     unit: str
     layers: tuple[int, int]
-
-
-def unit_order(model: ModelSpec) -> list[str]:
-    """Units in data-flow order (producers first), model order among equals."""
-    names = [u.name for u in model.units]
-    order: list[str] = []
-    remaining = list(names)
-    while remaining:
-        for name in remaining:
-            producers = [p for p, c in model.flows if c == name]
-            if all(p in order for p in producers):
-                order.append(name)
-                remaining.remove(name)
-                break
-        else:
-            raise ConfigError(f"model {model.name} has a cycle in its unit flows {model.flows}")
-    return order
 
 
 def main_unit(model: ModelSpec) -> UnitSpec:

@@ -22,18 +22,18 @@ class ContrastiveLoss(nn.Module):
         # CLIP's initial temperature; shape (1,), since DeepSpeed cannot broadcast a 0-dim parameter.
         self.logit_scale = nn.Parameter(torch.full((1,), math.log(1 / 0.07)))
 
-    def forward(self, image: torch.Tensor | None, text: torch.Tensor | None, all_image: torch.Tensor | None,
-                all_text: torch.Tensor | None, offset: int) -> torch.Tensor:
-        """image/text: this rank's rows of a modality (None: it holds none); all_*: the
-        whole contrastive batch of the modality its rows are scored against (needed
-        only for the other modality of the rows it holds); this rank's rows start at
-        `offset` of the batch."""
+    def forward(self, image: tuple[int, torch.Tensor] | None, text: tuple[int, torch.Tensor] | None,
+                all_image: torch.Tensor | None, all_text: torch.Tensor | None) -> torch.Tensor:
+        """image/text: this rank's rows of a modality and where they start in the batch
+        (None: it scores none); all_*: the whole contrastive batch of the modality its rows
+        are scored against (needed only for the other modality of the rows it scores)."""
         scale = self.logit_scale.exp()
         total = scale.new_zeros(())
-        for queries, keys in ((image, all_text), (text, all_image)):
-            if queries is None:
+        for query, keys in ((image, all_text), (text, all_image)):
+            if query is None:
                 continue
-            labels = torch.arange(offset, offset + queries.shape[0])
-            logits = scale * F.normalize(queries, dim=-1) @ F.normalize(keys, dim=-1).t()
+            offset, rows = query
+            labels = torch.arange(offset, offset + rows.shape[0], device=rows.device)
+            logits = scale * F.normalize(rows, dim=-1) @ F.normalize(keys, dim=-1).t()
             total = total + F.cross_entropy(logits, labels, reduction="sum")
         return total / 2

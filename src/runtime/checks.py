@@ -1,0 +1,100 @@
+"""What the real backend runs, checked before any worker starts: a plan field it cannot
+honour is refused in one line, never run under a label it did not earn.
+
+Every rank class's first rank stands for its class for instruction kinds; routes are
+checked message by message for every rank: over one route, two ranks must send and
+receive the messages between them in the same order (NCCL matches point-to-point messages
+by order only; each route has its own group).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from src.errors import ConfigError
+from src.program import Collective, Compute, Plan, Recv, Send, Wait
+from src.runtime.executor import input_key
+from src.runtime.inputs import dataset_for
+
+if TYPE_CHECKING:
+    from src.setup import Setup
+
+PHASES = ("fwd", "bwd", "optimizer", "interaction")
+PAYLOAD_COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+
+
+def check_runnable(setup: Setup, plan: Plan) -> None:
+    if setup.train.precision != "fp32":
+        raise ConfigError(f"train.precision={setup.train.precision}: the real backend runs fp32 only so far "
+                          f"(use train.precision=fp32)")
+    dataset_for(setup.model, setup.train.seed, str(setup.config["backend"]["data"]))
+    for unit in plan.units:
+        if unit.recompute != "none":
+            raise ConfigError(f"unit {unit.unit} recomputes ({unit.recompute}): the real backend does not "
+                              f"recompute yet (strategy.recompute=none)")
+        if unit.sequence_parallel:
+            raise ConfigError(f"unit {unit.unit} uses sequence parallelism, which the real backend does not run "
+                              f"yet (strategy.sequence_parallel=false)")
+    for rank_program in plan.program.classes:
+        handles: set[str] = set()
+        for instruction in rank_program.instructions:
+            _check_instruction(instruction, handles, rank_program.label)
+    check_message_order(plan)
+
+
+def _check_instruction(instruction, handles: set[str], label: str) -> None:
+    if isinstance(instruction, Compute):
+        work = instruction.work
+        if work.phase not in PHASES:
+            raise ConfigError(f"{label}: the real backend does not run {work.phase} Work ({work.unit})")
+        if work.kernels is not None or work.fraction != 1.0 or work.load != 1.0:
+            raise ConfigError(f"{label}: the real backend runs whole layers of nominal samples, not kernels, "
+                              f"chunks or loads ({work.unit} layers {work.layers})")
+        if work.sharding.grid:
+            raise ConfigError(f"{label}: the real backend has no 3D tensor-parallel layers yet ({work.unit})")
+        if work.phase == "fwd":
+            for payload in instruction.inputs:
+                input_key(work.unit, payload)
+    elif isinstance(instruction, Collective):
+        if instruction.inputs or instruction.outputs:
+            if instruction.op not in PAYLOAD_COLLECTIVES:
+                raise ConfigError(f"{label}: the real backend carries no payloads in a {instruction.op}")
+        elif instruction.kind not in ("tp", "dp"):
+            raise ConfigError(f"{label}: the real backend cannot run a standalone {instruction.op} of kind "
+                              f"{instruction.kind} on group {instruction.group}: no tensor of the model travels in it")
+        elif not instruction.blocking:
+            raise ConfigError(f"{label}: asynchronous {instruction.kind} {instruction.op} on {instruction.group}: the "
+                              f"real backend does not overlap gradient reduction yet "
+                              f"(strategy.overlap_grad_reduce=false)")
+    elif isinstance(instruction, Recv) and not instruction.blocking:
+        handles.add(instruction.handle)
+    elif isinstance(instruction, Wait) and instruction.handle not in handles:
+        raise ConfigError(f"{label}: wait on {instruction.handle!r}, which no asynchronous receive returned")
+
+
+def check_message_order(plan: Plan) -> None:
+    """For every route and pair of ranks, the messages one sends the other over it come in
+    the order the other receives them."""
+    program = plan.program
+    sent: dict[tuple[int, int], list] = {}
+    received: dict[tuple[int, int], list] = {}
+    for rank in range(program.world_size):
+        for instruction in program.instructions_for(rank) if _covered(program, rank) else []:
+            if isinstance(instruction, Send):
+                for m in program.route(instruction.route).sends(rank, instruction.payload):
+                    if m.dst != rank:
+                        sent.setdefault((instruction.route, rank, m.dst), []).append((m.sent, m.received))
+            elif isinstance(instruction, Recv):
+                for m in program.route(instruction.route).receives(rank, instruction.payload):
+                    if m.src != rank:
+                        received.setdefault((instruction.route, m.src, rank), []).append((m.sent, m.received))
+    for pair in set(sent) | set(received):
+        a, b = sent.get(pair, []), received.get(pair, [])
+        if a != b:
+            first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            what = a[first] if first < len(a) else b[first]
+            raise ConfigError(f"rank {pair[1]} sends rank {pair[2]} {len(a)} messages over route {pair[0]} and it "
+                              f"receives {len(b)}, in another order from message {first} ({what[0]})")
+
+
+def _covered(program, rank: int) -> bool:
+    return any(rank in c.ranks for c in program.classes)

@@ -1,0 +1,92 @@
+"""The payloads one rank holds during a step, by name, assembled from their rows.
+
+A payload arrives whole (a Compute's output) or in pieces (rows a route delivered, a
+gathered batch). Pieces of a gradient that land on the same rows are summed, as the
+chain rule sums the gradients of a tensor used several times; pieces of a value must not
+overlap. Reading a payload returns its rows from the first held to the last, and where
+they start.
+"""
+from __future__ import annotations
+
+import torch
+
+from src.errors import ConfigError
+from src.models.spec import ModelSpec
+from src.program import Payload
+
+
+def row_shape(model: ModelSpec, payload: Payload) -> tuple[int, ...]:
+    """The shape of one sample's row of a payload."""
+    if payload.unit == model.interaction:
+        tower = payload.tensor.rsplit(".", 1)[0]
+        return (model.unit(tower).output_elems,)
+    unit = model.unit(payload.unit)
+    if payload.tensor == "feature":
+        return (unit.output_elems,)
+    return (unit.seq_len, unit.hidden)
+
+
+class PayloadStore:
+    def __init__(self) -> None:
+        self._pieces: dict[Payload, list[tuple[int, torch.Tensor]]] = {}
+        self._whole: dict[Payload, tuple[int, torch.Tensor]] = {}
+
+    def clear(self) -> None:
+        self._pieces.clear()
+        self._whole.clear()
+
+    def put(self, payload: Payload, tensor: torch.Tensor) -> None:
+        """Hold `tensor` as the rows `payload.rows` (all from row 0 if None) of its payload."""
+        key = payload.whole
+        start = payload.rows[0] if payload.rows is not None else 0
+        if payload.rows is not None and payload.rows[1] - start != tensor.shape[0]:
+            raise ConfigError(f"{payload} holds {payload.rows[1] - start} rows but {tensor.shape[0]} arrived")
+        self._whole.pop(key, None)
+        self._pieces.setdefault(key, []).append((start, tensor))
+
+    def replace(self, payload: Payload, tensor: torch.Tensor) -> None:
+        """Hold `tensor` as the whole payload, dropping what was held (an all-reduce's result)."""
+        self._pieces.pop(payload.whole, None)
+        self._whole.pop(payload.whole, None)
+        self.put(payload, tensor)
+
+    def __contains__(self, payload: Payload) -> bool:
+        return payload.whole in self._pieces
+
+    def read(self, payload: Payload) -> tuple[int, torch.Tensor]:
+        """(first row held, the rows held from there on) of a payload; a payload with rows
+        set reads just those rows."""
+        key = payload.whole
+        if key not in self._whole:
+            pieces = self._pieces.get(key)
+            if not pieces:
+                raise ConfigError(f"{key} is read before anything produced or received it")
+            self._whole[key] = self._assemble(key, pieces)
+        start, tensor = self._whole[key]
+        if payload.rows is None:
+            return start, tensor
+        lo, hi = payload.rows
+        if lo < start or hi > start + tensor.shape[0]:
+            raise ConfigError(f"{payload} reads rows outside the {tensor.shape[0]} held from row {start}")
+        return lo, tensor[lo - start:hi - start]
+
+    def tensor(self, payload: Payload) -> torch.Tensor:
+        return self.read(payload)[1]
+
+    @staticmethod
+    def _assemble(key: Payload, pieces: list[tuple[int, torch.Tensor]]) -> tuple[int, torch.Tensor]:
+        if len(pieces) == 1:
+            return pieces[0]
+        first = min(start for start, _ in pieces)
+        last = max(start + t.shape[0] for start, t in pieces)
+        sample = pieces[0][1]
+        out = sample.new_zeros((last - first,) + tuple(sample.shape[1:]))
+        covered = torch.zeros(last - first, dtype=torch.int32)
+        for start, tensor in pieces:
+            out[start - first:start - first + tensor.shape[0]] += tensor
+            covered[start - first:start - first + tensor.shape[0]] += 1
+        if not key.grad and bool((covered > 1).any()):
+            raise ConfigError(f"{key}: rows arrived twice")
+        if bool((covered == 0).any()):
+            raise ConfigError(f"{key}: rows {first}-{last} have a gap")
+        return first, out
