@@ -127,7 +127,7 @@ def plain_worker(run_dir: Path) -> None:
     import torch.distributed as dist
 
     from src.data.synthetic import collate
-    from src.run import validate
+    from src.setup import validate
     from src.runtime.gather import gather_with_grad
     from src.runtime.inputs import dataset_for, unit_fields
     from src.runtime.modules.units import build_units

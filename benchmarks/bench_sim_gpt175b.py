@@ -14,7 +14,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from src.run import plan_run, validate
+from src.setup import plan_run, validate
 from src.sim.engine import simulate
 
 OVERRIDES = [
