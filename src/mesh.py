@@ -164,8 +164,15 @@ class Mesh:
 
     def slice(self, **fixed: int) -> tuple[int, ...]:
         """The ranks whose coordinates on the given axes are fixed, in mesh order."""
-        return tuple(r for r in self.ranks if all(self.coords(r)[name] == value for name, value in fixed.items())) \
-            if fixed else self.ranks
+        strides = self._strides()
+        unknown = set(fixed) - set(strides)
+        if unknown:
+            raise KeyError(f"mesh {self.shape()} has no axis {sorted(unknown)}")
+        indices = [sum(value * strides[name] for name, value in fixed.items())]
+        for name, degree in self.axes:  # innermost first: it varies fastest
+            if name not in fixed:
+                indices = [i + v * strides[name] for v in range(degree) for i in indices]
+        return tuple(self.ranks[i] for i in indices)
 
     def group(self, axis: str, rank: int) -> tuple[int, ...]:
         """The ranks along `axis` through `rank` (itself alone if the mesh has no such axis)."""
