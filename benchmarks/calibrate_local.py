@@ -2,7 +2,8 @@
 
 Starts `--workers` gloo processes, the way the real backend does, and measures together
 (sharing the cores as training does):
-- each worker's fp32 GEMM rate (the same micro-benchmark as the runtime's MFU peak);
+- each worker's best GEMM rate in fp32 and bf16 (the same micro-benchmark as the runtime's MFU
+  peak in each precision);
 - ring all-reduce times over message sizes, fitted to the cost model's ring formula
   t = 2(g-1)·latency + 2(g-1)/g · bytes / bandwidth (least squares).
 Prints the fitted numbers as preset lines; the preset states them with efficiency 1.0,
@@ -22,7 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from src.runtime.driver import free_port
-from src.runtime.peak import gemm_flops
+from src.runtime.peak import peak_gemm_flops
 
 SIZES = [2 ** k for k in range(10, 25, 2)]  # 1 KiB .. 16 MiB of fp32
 REPEATS = 15
@@ -33,7 +34,8 @@ def _worker(rank: int, world: int, port: int, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        flops = gemm_flops(torch.device("cpu"), min_seconds=1.0)
+        flops = {name: peak_gemm_flops(torch.device("cpu"), dtype)
+                 for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
         times = {}
         for nbytes in SIZES:
             tensor = torch.ones(nbytes // 4)
@@ -70,14 +72,15 @@ def main() -> None:
     manager = mp.get_context("spawn").Manager()
     results = manager.dict()
     mp.start_processes(_worker, args=(args.workers, free_port(), results), nprocs=args.workers, start_method="spawn")
-    flops = statistics.mean(results[r][0] for r in range(args.workers))
+    flops = {name: statistics.mean(results[r][0][name] for r in range(args.workers)) for name in ("fp32", "bf16")}
     slowest = {s: max(results[r][1][s] for r in range(args.workers)) for s in SIZES}
     latency, bandwidth = fit(slowest, args.workers)
     print(f"{args.workers} gloo workers on {os.cpu_count()} cores")
     for nbytes, seconds in slowest.items():
         print(f"  all_reduce {nbytes / 2 ** 10:8.0f} KiB: {seconds * 1e3:8.3f} ms")
     print("preset lines (conf/cluster/local.yaml):")
-    print(f"  peak_flops.fp32: {flops:.3e}")
+    for name, value in flops.items():
+        print(f"  peak_flops.{name}: {value:.3e}")
     print(f"  intra_latency: {latency:.3e}")
     print(f"  intra_bandwidth: {bandwidth:.3e}")
 

@@ -14,19 +14,25 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from src.runtime.device import synchronize
+
 
 class CommClock:
-    """Seconds spent in collectives per kind since the last `take()`."""
+    """Seconds spent in collectives per kind since the last `take()`. On a GPU the device
+    is synchronised around each, so the seconds are the collective's own."""
 
     def __init__(self) -> None:
         self._seconds: dict[str, float] = defaultdict(float)
+        self.device = torch.device("cpu")
 
     @contextmanager
     def timed(self, kind: str) -> Iterator[None]:
+        synchronize(self.device)
         start = time.perf_counter()
         try:
             yield
         finally:
+            synchronize(self.device)
             self._seconds[kind] += time.perf_counter() - start
 
     def take(self) -> dict[str, float]:

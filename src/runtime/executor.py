@@ -30,6 +30,7 @@ from src.errors import ConfigError
 from src.models.spec import ModelSpec
 from src.program import Collective, Compute, Instruction, Payload, Plan, Recv, Route, Send, Wait
 from src.runtime.comm import CLOCK, all_reduce
+from src.runtime.device import DTYPES, computing, synchronize
 from src.runtime.engines import reduce_gradients
 from src.runtime.groups import ProcessGroups
 from src.runtime.placement import placements, tensor_replicas
@@ -54,7 +55,7 @@ class _StepState:
     local: dict[tuple[str, Payload], list] = field(default_factory=dict)   # local messages, by route and payload
     pending: dict[str, tuple[str, list]] = field(default_factory=dict)      # handle -> (kind, posted receives)
     sends: list = field(default_factory=list)
-    loss: float = 0.0
+    loss: torch.Tensor | None = None
     stepped: set = field(default_factory=set)
 
 
@@ -71,8 +72,9 @@ def input_key(work_unit: str, payload: Payload) -> str:
 class Executor:
     def __init__(self, plan: Plan, model: ModelSpec, rank: int, units: torch.nn.ModuleDict,
                  engines: dict[str, Any], groups: ProcessGroups, batch_for: Callable[[str, int], State],
-                 device: torch.device) -> None:
+                 device: torch.device, precision: str) -> None:
         self.plan, self.model, self.rank, self.device = plan, model, rank, device
+        self.precision, self.dtype = precision, DTYPES[precision]
         self.program = plan.program
         rank_program = self.program.class_of(rank)
         self.instructions: list[Instruction] = rank_program.instructions
@@ -86,15 +88,16 @@ class Executor:
     def run_step(self, timer: StepTimer) -> float:
         """Run the instruction list once; returns this rank's share of the step's loss
         (the shares of all ranks add up to it)."""
-        self.s = _StepState()
+        self.s = _StepState(loss=torch.zeros((), dtype=torch.float64, device=self.device))
         for instruction in self.instructions:
             start = time.perf_counter()
             CLOCK.take()
             category = self._run(instruction)
+            synchronize(self.device)
             timer.record(instruction, start, time.perf_counter(), category, CLOCK.take())
         for work, _ in self.s.sends:
             work.wait()
-        return self.s.loss
+        return float(self.s.loss)
 
     def _run(self, instruction: Instruction) -> str:
         if isinstance(instruction, Compute):
@@ -139,15 +142,15 @@ class Executor:
             state[input_key(work.unit, payload)] = leaf
         trains = self.model.needs_backward(work.unit)
         layers = self.units[work.unit]
-        with torch.set_grad_enabled(trains):
+        with torch.set_grad_enabled(trains), computing(self.device, self.precision):
             for i in range(*work.layers):
                 state = layers[i](state)
         if "loss" in state:
             # This micro-batch's part of the step's loss: the mean over its replica's
             # micro-batches and over the replicas.
-            share = state["loss"] / (self.plan.unit(work.unit).num_microbatches * self._dp(work.unit))
+            share = state["loss"].float() / (self.plan.unit(work.unit).num_microbatches * self._dp(work.unit))
             state["loss_share"] = share
-            self.s.loss += float(share.detach()) / tensor_replicas(self.plan, work.unit)
+            self.s.loss += share.detach() / tensor_replicas(self.plan, work.unit)
         for payload in compute.outputs:
             self.s.store.put(payload, state[payload.tensor])
         if trains:
@@ -206,9 +209,10 @@ class Executor:
         image, text = towers  # the contrastive pair, in model order (vision, text)
         module = self.units[work.unit][0]
         batches = self.plan.unit(work.unit).num_microbatches
-        share = module(queries.get(image), queries.get(text), keys.get(image), keys.get(text)) / (
-            work.contrastive_batch * batches)
-        self.s.loss += float(share.detach()) / tensor_replicas(self.plan, work.unit)
+        with computing(self.device, self.precision):
+            loss = module(queries.get(image), queries.get(text), keys.get(image), keys.get(text))
+        share = loss.float() / (work.contrastive_batch * batches)
+        self.s.loss += share.detach() / tensor_replicas(self.plan, work.unit)
         self._backpropagate(work.unit, share)
         for grad in compute.outputs:
             leaf = leaves[next(p for p in leaves if p.tensor == grad.tensor)]
@@ -224,21 +228,21 @@ class Executor:
                               f"{len(collective.outputs)} outputs")
         for source, target in zip(collective.inputs, collective.outputs):
             if collective.op == "all_gather":
-                local = self.s.store.tensor(source).detach().contiguous()
+                local = self.s.store.tensor(source).detach().to(self.dtype).contiguous()
                 parts = [torch.empty_like(local) for _ in ranks]
                 with CLOCK.timed(collective.kind):
                     dist.all_gather(parts, local, group=group)
                 self.s.store.put(target, torch.cat(parts))
             elif collective.op == "reduce_scatter":
                 # gloo has no reduce-scatter: all-reduce, then keep this rank's rows.
-                total = self.s.store.tensor(source).detach().clone()
+                total = self.s.store.tensor(source).detach().to(self.dtype, copy=True)
                 all_reduce(total, group, collective.kind)
                 rows = total.shape[0] // len(ranks)
                 index = ranks.index(self.rank)
                 self.s.store.put(target, total[index * rows:(index + 1) * rows])
             elif collective.op == "all_reduce":
                 start, total = self.s.store.read(source)
-                total = total.detach().clone()
+                total = total.detach().to(self.dtype, copy=True)
                 all_reduce(total, group, collective.kind)
                 self.s.store.replace(target.part(start, start + total.shape[0]), total)
             elif collective.op == "broadcast":
@@ -252,26 +256,23 @@ class Executor:
         the collective's bytes (its rows of the payload's row shape)."""
         if self.rank == ranks[0]:
             start, tensor = self.s.store.read(source)
-            tensor = tensor.detach().contiguous()
+            tensor = tensor.detach().to(self.dtype).contiguous()
         else:
             shape = row_shape(self.model, source)
-            row_bytes = torch.Size(shape).numel() * torch.tensor([], dtype=self._dtype()).element_size()
-            start, tensor = 0, torch.empty((round(collective.bytes / row_bytes),) + shape, dtype=self._dtype(),
+            row_bytes = torch.Size(shape).numel() * torch.tensor([], dtype=self.dtype).element_size()
+            start, tensor = 0, torch.empty((round(collective.bytes / row_bytes),) + shape, dtype=self.dtype,
                                            device=self.device)
         with CLOCK.timed(collective.kind):
             dist.broadcast(tensor, src=ranks[0], group=group)
         if self.rank != ranks[0]:
             self.s.store.put(target.part(start, start + tensor.shape[0]), tensor)
 
-    def _dtype(self) -> torch.dtype:
-        return torch.float32
-
     # ---- point to point -----------------------------------------------------------------
     def _send(self, send: Send) -> None:
         route = self.program.route(send.route)
         for message in route.sends(self.rank, send.payload):
             tensor = self.s.store.tensor(message.sent if message.sent.rows is not None else send.payload)
-            tensor = tensor.detach().contiguous()
+            tensor = tensor.detach().to(self.dtype).contiguous()
             if message.dst == self.rank:
                 self.s.local.setdefault((route.name, message.received.whole), []).append((message, tensor.clone()))
             else:
@@ -284,7 +285,7 @@ class Executor:
                 continue
             rows = message.received.rows
             count = rows[1] - rows[0] if rows is not None else self.plan.unit(message.received.unit).micro_batch
-            buffer = torch.empty((count,) + row_shape(self.model, message.received), dtype=self._dtype(),
+            buffer = torch.empty((count,) + row_shape(self.model, message.received), dtype=self.dtype,
                                  device=self.device)
             group = self.groups.route(route.name)
             if recv.blocking:

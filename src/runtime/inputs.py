@@ -66,9 +66,9 @@ def first_sample(plan: UnitPlan, global_batch: int, replica: int, microbatch: in
 
 class Batches:
     def __init__(self, model: ModelSpec, dataset: Any, global_batch: int, units: Mapping[str, UnitPlan],
-                 replica: Mapping[str, int]) -> None:
+                 replica: Mapping[str, int], device: torch.device = torch.device("cpu")) -> None:
         self.model, self.dataset, self.global_batch = model, dataset, global_batch
-        self.units, self.replica = units, replica
+        self.units, self.replica, self.device = units, replica, device
         self.step = 0
         self._cache: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
 
@@ -84,7 +84,8 @@ class Batches:
                 first = step * self.global_batch + first_sample(plan, self.global_batch, replica, microbatch)
                 key = (first, plan.micro_batch)
                 if key not in rows:
-                    rows[key] = collate([self.dataset[i] for i in range(first, first + plan.micro_batch)])
+                    batch = collate([self.dataset[i] for i in range(first, first + plan.micro_batch)])
+                    rows[key] = {name: tensor.to(self.device) for name, tensor in batch.items()}
                 self._cache[(unit, microbatch)] = unit_fields(self.model, unit, rows[key])
 
     def __call__(self, unit: str, microbatch: int) -> dict[str, torch.Tensor]:

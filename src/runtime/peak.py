@@ -1,8 +1,10 @@
 """Peak FLOP/s of one worker, measured: the MFU denominator of a real run.
 
 On CPU there is no datasheet figure for "one worker's share of this machine", so every
-worker times a square fp32 GEMM at once (sharing the cores as training does) and the
-run uses the mean. On a GPU it is the same micro-benchmark on the worker's device.
+worker times square GEMMs in the run's precision at once (sharing the cores as training
+does) and the run uses the mean of each worker's best size: a CPU without bf16 matrix units
+runs small bf16 GEMMs faster than large ones. On a GPU the MFU denominator is the
+datasheet peak of the cluster preset; the same micro-benchmark is recorded beside it.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import time
 import torch
 
 GEMM_N = 512
+GEMM_SIZES = (128, GEMM_N)
 
 
 def gemm_flops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = GEMM_N,
@@ -27,3 +30,8 @@ def gemm_flops(device: torch.device, dtype: torch.dtype = torch.float32, n: int 
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start
     return 2.0 * n ** 3 * reps / elapsed
+
+
+def peak_gemm_flops(device: torch.device, dtype: torch.dtype) -> float:
+    """The best FLOP/s of square GEMMs of GEMM_SIZES in `dtype`."""
+    return max(gemm_flops(device, dtype, n, min_seconds=0.1) for n in GEMM_SIZES)

@@ -10,17 +10,21 @@ from types import SimpleNamespace
 import torch
 
 from src.models.spec import ModelSpec
+from src.runtime.device import computing
 from src.runtime.inputs import Batches, dataset_for
 from src.runtime.modules.units import build_units
 from src.models.flows import unit_order
 
+CPU = torch.device("cpu")
+
 
 def reference_losses(model: ModelSpec, seed: int, global_batch: int, steps: int, lr: float,
                      weight_decay: float = 0.0, data: str = "synthetic", contrastive_batch: int | None = None,
-                     eps: float = 1e-8) -> list[float]:
+                     eps: float = 1e-8, precision: str = "fp32") -> list[float]:
     """Losses of `steps` steps. The contrastive loss is the mean over the step's
     consecutive slices of `contrastive_batch` samples (default: the whole batch), each
-    scored against itself only, as the parallel plans' batch-syncs score them."""
+    scored against itself only, as the parallel plans' batch-syncs score them. `precision`:
+    the GEMMs' (runtime.device.computing)."""
     rbs = contrastive_batch or global_batch
     units = build_units(model, seed, {}, {u.name: set(range(u.num_layers)) for u in model.units})
     params = [p for p in units.parameters() if p.requires_grad]
@@ -38,18 +42,19 @@ def reference_losses(model: ModelSpec, seed: int, global_batch: int, steps: int,
             if name == model.interaction:
                 vision, text = (p for p, c in model.flows if c == name)
                 for a, b in zip(finals[vision]["feature"].split(rbs), finals[text]["feature"].split(rbs)):
-                    loss = loss + units[name][0]((0, a), (0, b), a, b) / global_batch
+                    with computing(CPU, precision):
+                        loss = loss + units[name][0]((0, a), (0, b), a, b).float() / global_batch
                 continue
             state = dict(batches(name, 0))
             for producer, consumer in model.flows:
                 if consumer == name and "tokens" in finals.get(producer, {}):
                     state["memory"] = finals[producer]["tokens"]
-            with torch.set_grad_enabled(model.needs_backward(name)):
+            with torch.set_grad_enabled(model.needs_backward(name)), computing(CPU, precision):
                 for layer in units[name]:
                     state = layer(state)
             finals[name] = state
             if "loss" in state:
-                loss = loss + state["loss"]
+                loss = loss + state["loss"].float()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

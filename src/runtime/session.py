@@ -22,13 +22,15 @@ import torch.distributed as dist
 from src.metrics import summarize
 from src.program import Plan
 from src.report import JobInfo, open_sinks
+from src.runtime.comm import CLOCK
+from src.runtime.device import DTYPES, worker_device
 from src.runtime.engines import EngineSettings, ParallelGroups, make_engine
 from src.runtime.executor import Executor
 from src.runtime.groups import ProcessGroups
 from src.runtime.inputs import Batches, dataset_for
 from src.runtime.modules.parallel import TP
 from src.runtime.modules.units import build_units
-from src.runtime.peak import GEMM_N, gemm_flops
+from src.runtime.peak import GEMM_SIZES, peak_gemm_flops
 from src.runtime.placement import UnitPlacement, placements
 from src.runtime.timing import StepTimer
 from src.runtime.worker import JOB_FILE
@@ -61,19 +63,25 @@ def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) ->
     setup = validate(config)
     plan = plan_run(setup)
     backend = config["backend"]
+    precision = setup.train.precision
+    device = worker_device(dist.get_backend())
+    CLOCK.device = device
     places = placements(plan, rank)
     groups = ProcessGroups(plan, float(backend["timeout_s"]))
     tp = {name: TP(p.tp, p.tp_ranks.index(rank), groups.get(p.tp_ranks)) if p.tp > 1 else TP()
           for name, p in places.items()}
-    units = build_units(setup.model, setup.train.seed, tp, {n: set(p.layers) for n, p in places.items()})
+    units = build_units(setup.model, setup.train.seed, tp, {n: set(p.layers) for n, p in places.items()}).to(device)
     engines = _engines(plan, places, units, groups, backend)
     batches = Batches(setup.model, dataset_for(setup.model, setup.train.seed, str(backend["data"])),
                       setup.train.global_batch, {u.unit: u for u in plan.units},
-                      {n: p.dp_ranks.index(rank) for n, p in places.items()})
-    executor = Executor(plan, setup.model, rank, units, engines, groups, batches, torch.device("cpu"))
+                      {n: p.dp_ranks.index(rank) for n, p in places.items()}, device)
+    executor = Executor(plan, setup.model, rank, units, engines, groups, batches, device, precision)
     rank_program = plan.program.class_of(rank)
     timer = StepTimer(rank_program.instructions, rank_program.pipelined)
-    peak = _measured_peak(world)
+    measured_peak = _measured_peak(world, device, precision)
+    # On a GPU the MFU denominator is the datasheet peak in the run's precision (the
+    # cluster preset's); on a CPU there is none, so it is what the workers measure.
+    peak = setup.cluster.peak(precision) if device.type == "cuda" else measured_peak
 
     sinks = open_sinks(run_dir, config, _job(run_dir, config)) if rank == 0 else None
     try:
@@ -97,9 +105,13 @@ def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) ->
         dist.gather_object(mine, gathered, dst=0)
         if sinks is not None:
             timeline = _timeline(plan, gathered, times)
+            measured = (f"best of {'/'.join(map(str, GEMM_SIZES))}-cubed {precision} GEMMs on all {world} workers "
+                        f"at once, mean per worker: {measured_peak:.4g} FLOP/s")
             extras = {
-                "peak_flops_source": f"measured: {GEMM_N}x{GEMM_N} {setup.train.precision} GEMM on all {world} "
-                                     f"workers at once, mean per worker",
+                "peak_flops_source": (f"cluster preset {setup.cluster.name} ({setup.cluster.device} datasheet); "
+                                      f"measured {measured}" if device.type == "cuda" else f"measured: {measured}"),
+                "measured_gemm_flops_per_device": measured_peak,
+                "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
                 "dist_backend": dist.get_backend(),
                 "measured": {"loss": losses, "step_time_s": times},
                 "measured_notes": _notes(plan),
@@ -125,9 +137,8 @@ def _notes(plan: Plan) -> list[str]:
             f"bookkeeping, and it is counted as compute"]
 
 
-def _measured_peak(world: int) -> float:
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    flops = torch.tensor([gemm_flops(device)], dtype=torch.float64)
+def _measured_peak(world: int, device: torch.device, precision: str) -> float:
+    flops = torch.tensor([peak_gemm_flops(device, DTYPES[precision])], dtype=torch.float64, device=device)
     dist.all_reduce(flops)
     return float(flops) / world
 
