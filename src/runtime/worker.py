@@ -51,8 +51,10 @@ def main(run_dirs: list[Path]) -> int:
         from src.runtime.engines import prebuild_ops
         from src.runtime.session import run_session
 
-        # Before joining the group: a first build outlasts any collective's timeout.
-        prebuild_ops()
+        if name != "nccl":
+            # DeepSpeed's CPU communication op, before joining the group: a first build
+            # outlasts any collective's timeout.
+            prebuild_ops()
         dist.init_process_group(name, timeout=timedelta(seconds=float(backend["timeout_s"])))
         try:
             for run_dir in run_dirs:

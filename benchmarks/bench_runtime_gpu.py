@@ -1,0 +1,118 @@
+"""On one GPU: the real backend's strategies, and its step against a plain PyTorch loop.
+
+1. Every strategy that fits one GPU (ddp with ZeRO 0-3, megatron tp=1 pp=1) trains tiny
+   CLIP for 5 steps in fp32 and in bf16 through the front door (NCCL, cluster=hopper with
+   one device): each must finish and write its summary.
+2. CLIP at single-device scale (ViT-L/14 at 336 px + its text tower), bf16, one GPU: the
+   harness's step time and MFU against a plain PyTorch loop of the same modules, data and
+   optimizer (AdamW, autocast bf16, fp32 weights), median over the steps after warm-up.
+   MFU = the harness's model FLOPs per iteration / (step time x the preset's datasheet
+   peak); the goal is the loop's step time or better, MFU >= 40 %.
+
+    python benchmarks/bench_runtime_gpu.py [--batch 64] [--steps 8] [--out results.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+ONE_GPU = ["backend=torch", "cluster=hopper", "cluster.nodes=1", "cluster.devices_per_node=1", "logger=none"]
+TINY = ["model=clip", "model.scale=tiny", "train.global_batch=8", "train.steps=5"]
+STRATEGIES = {f"ddp zero{z}": ["strategy=ddp", f"strategy.zero_stage={z}"] for z in range(4)}
+STRATEGIES["megatron tp1 pp1"] = ["strategy=megatron", "strategy.tp=1", "strategy.pp=1", "strategy.recompute=none",
+                                  "strategy.zero_stage=0", "strategy.micro_batch_size=8"]
+
+
+def front_door(overrides: list[str], run_dir: Path) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "src.run", *overrides, f"hydra.run.dir={run_dir}"], cwd=REPO,
+                          capture_output=True, text=True, env={**os.environ, "WANDB_MODE": "offline"})
+    if proc.returncode != 0:
+        return {"error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def plain_loop(batch: int, steps: int) -> list[float]:
+    """Step times of a plain PyTorch bf16 loop over the same CLIP modules and data."""
+    import torch
+
+    from src.models.registry import build_model
+    from src.runtime.inputs import dataset_for, unit_fields
+    from src.runtime.modules.units import build_units
+    from src.data.synthetic import collate
+
+    device = torch.device("cuda")
+    model = build_model({"name": "clip", "scale": "single_device"})
+    units = build_units(model, 0, {}, {u.name: set(range(u.num_layers)) for u in model.units}).to(device)
+    optimizer = torch.optim.AdamW([p for p in units.parameters() if p.requires_grad], lr=1e-4)
+    dataset = dataset_for(model, 0, "synthetic")
+    times = []
+    for step in range(steps):
+        rows = collate([dataset[i] for i in range(step * batch, (step + 1) * batch)])
+        rows = {k: v.to(device) for k, v in rows.items()}
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            features = {}
+            for name in ("vision", "text"):
+                state = unit_fields(model, name, rows)
+                for layer in units[name]:
+                    state = layer(state)
+                features[name] = state["feature"]
+            v, t = features["vision"], features["text"]
+            loss = units["interaction"][0]((0, v), (0, t), v, t) / batch
+        loss.float().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    results: dict = {"strategies": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, overrides in STRATEGIES.items():
+            for precision in ("fp32", "bf16"):
+                summary = front_door(ONE_GPU + TINY + overrides + [f"train.precision={precision}"],
+                                     Path(tmp) / f"{name.replace(' ', '_')}_{precision}")
+                row = summary if "error" in summary else {
+                    "losses": summary["measured"]["loss"], "step_time_s": summary["iteration_time_s"],
+                    "mfu": summary["mfu"], "dist_backend": summary["dist_backend"], "device": summary.get("device")}
+                results["strategies"][f"{name} {precision}"] = row
+                print(f"{name:18s} {precision}: {row}", flush=True)
+        clip = ["model=clip", "model.scale=single_device", f"train.global_batch={args.batch}",
+                f"train.steps={args.steps}", "train.precision=bf16", "strategy=ddp", "strategy.zero_stage=0"]
+        harness = front_door(ONE_GPU + clip, Path(tmp) / "clip_single_device")
+    if "error" in harness:
+        print(f"harness CLIP run failed: {harness['error']}")
+        results["clip"] = harness
+    else:
+        loop = plain_loop(args.batch, args.steps)
+        plain = statistics.median(loop[1:])
+        flops, peak = harness["model_flops_per_iteration"], harness["peak_flops_per_device"]
+        results["clip"] = {
+            "batch": args.batch, "harness_step_s": harness["iteration_time_s"], "harness_mfu": harness["mfu"],
+            "harness_losses": harness["measured"]["loss"], "plain_step_s": plain,
+            "plain_mfu": flops / (plain * peak), "ratio_harness_over_plain": harness["iteration_time_s"] / plain,
+            "peak_flops": peak, "measured_gemm_flops": harness.get("measured_gemm_flops_per_device"),
+            "device": harness.get("device"), "breakdown_s": harness["breakdown_s"]}
+        print(json.dumps(results["clip"], indent=1))
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
