@@ -9,16 +9,13 @@
    MFU = the harness's model FLOPs per iteration / (step time x the preset's datasheet
    peak); the goal is the loop's step time or better, MFU >= 40 %.
 
-    python benchmarks/bench_runtime_gpu.py [--batch 64] [--steps 8] [--out results.json]
+    WANDB_MODE=offline python benchmarks/bench_runtime_gpu.py [--batch 64] [--steps 8] [--out results.json]
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,12 +28,27 @@ STRATEGIES["megatron tp1 pp1"] = ["strategy=megatron", "strategy.tp=1", "strateg
                                   "strategy.zero_stage=0", "strategy.micro_batch_size=8"]
 
 
-def front_door(overrides: list[str], run_dir: Path) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "src.run", *overrides, f"hydra.run.dir={run_dir}"], cwd=REPO,
-                          capture_output=True, text=True, env={**os.environ, "WANDB_MODE": "offline"})
-    if proc.returncode != 0:
-        return {"error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
-    return json.loads((run_dir / "summary.json").read_text())
+def run_all(named: dict[str, list[str]], root: Path) -> dict[str, dict]:
+    """Every configuration back to back in ONE launch of one worker (start-up paid once),
+    as the front door would run each; a failed launch is reported for every run."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from src.runtime.driver import launch
+    from src.runtime.errors import WorkerFailure
+    from src.setup import start_run_dir
+
+    dirs = {}
+    for name, overrides in named.items():
+        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+            config = OmegaConf.to_container(compose(config_name="config", overrides=overrides), resolve=True)
+        dirs[name] = root / name.replace(" ", "_")
+        start_run_dir(config, dirs[name])
+    try:
+        launch(list(dirs.values()), 1, config["backend"], [{"run_name": n} for n in dirs])
+    except WorkerFailure as err:
+        return {name: {"error": str(err)} for name in dirs}
+    return {name: json.loads((d / "summary.json").read_text()) for name, d in dirs.items()}
 
 
 def plain_loop(batch: int, steps: int) -> list[float]:
@@ -83,19 +95,20 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     results: dict = {"strategies": {}}
+    named = {f"{name} {precision}": ONE_GPU + TINY + overrides + [f"train.precision={precision}"]
+             for name, overrides in STRATEGIES.items() for precision in ("fp32", "bf16")}
+    named["clip single_device"] = ONE_GPU + ["model=clip", "model.scale=single_device",
+                                             f"train.global_batch={args.batch}", f"train.steps={args.steps}",
+                                             "train.precision=bf16", "strategy=ddp", "strategy.zero_stage=0"]
     with tempfile.TemporaryDirectory() as tmp:
-        for name, overrides in STRATEGIES.items():
-            for precision in ("fp32", "bf16"):
-                summary = front_door(ONE_GPU + TINY + overrides + [f"train.precision={precision}"],
-                                     Path(tmp) / f"{name.replace(' ', '_')}_{precision}")
-                row = summary if "error" in summary else {
-                    "losses": summary["measured"]["loss"], "step_time_s": summary["iteration_time_s"],
-                    "mfu": summary["mfu"], "dist_backend": summary["dist_backend"], "device": summary.get("device")}
-                results["strategies"][f"{name} {precision}"] = row
-                print(f"{name:18s} {precision}: {row}", flush=True)
-        clip = ["model=clip", "model.scale=single_device", f"train.global_batch={args.batch}",
-                f"train.steps={args.steps}", "train.precision=bf16", "strategy=ddp", "strategy.zero_stage=0"]
-        harness = front_door(ONE_GPU + clip, Path(tmp) / "clip_single_device")
+        summaries = run_all(named, Path(tmp))
+    harness = summaries.pop("clip single_device")
+    for name, summary in summaries.items():
+        row = summary if "error" in summary else {
+            "losses": summary["measured"]["loss"], "step_time_s": summary["iteration_time_s"],
+            "mfu": summary["mfu"], "dist_backend": summary["dist_backend"], "device": summary.get("device")}
+        results["strategies"][name] = row
+        print(f"{name:22s}: {row}", flush=True)
     if "error" in harness:
         print(f"harness CLIP run failed: {harness['error']}")
         results["clip"] = harness

@@ -90,8 +90,8 @@ def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) ->
             batches.start_step(step)
             dist.barrier()
             timer.reset(time.perf_counter())
-            loss = torch.tensor([executor.run_step(timer)], dtype=torch.float64)
-            longest = torch.tensor([timer.end], dtype=torch.float64)
+            loss = torch.tensor([executor.run_step(timer)], dtype=torch.float64, device=device)
+            longest = torch.tensor([timer.end], dtype=torch.float64, device=device)
             dist.all_reduce(loss)  # every rank holds its share of the loss
             dist.all_reduce(longest, op=dist.ReduceOp.MAX)
             losses.append(float(loss))
