@@ -48,7 +48,14 @@ def run_all(named: dict[str, list[str]], root: Path) -> dict[str, dict]:
         launch(list(dirs.values()), 1, config["backend"], [{"run_name": n} for n in dirs])
     except WorkerFailure as err:
         return {name: {"error": str(err)} for name in dirs}
-    return {name: json.loads((d / "summary.json").read_text()) for name, d in dirs.items()}
+    out = {}
+    for name, d in dirs.items():
+        out[name] = json.loads((d / "summary.json").read_text())
+        # The last step's spans of rank 0, by instruction: where the step's time went.
+        events = json.loads((d / "trace.json").read_text())["traceEvents"]
+        out[name]["instructions_s"] = [(e["name"], e["dur"] / 1e6) for e in events
+                                       if e.get("ph") == "X" and e.get("dur", 0) > 500]
+    return out
 
 
 def plain_loop(batch: int, steps: int) -> list[float]:
@@ -65,12 +72,13 @@ def plain_loop(batch: int, steps: int) -> list[float]:
     units = build_units(model, 0, {}, {u.name: set(range(u.num_layers)) for u in model.units}).to(device)
     optimizer = torch.optim.AdamW([p for p in units.parameters() if p.requires_grad], lr=1e-4)
     dataset = dataset_for(model, 0, "synthetic")
-    times = []
+    times, phases = [], []
     for step in range(steps):
         rows = collate([dataset[i] for i in range(step * batch, (step + 1) * batch)])
         rows = {k: v.to(device) for k, v in rows.items()}
         torch.cuda.synchronize()
         start = time.perf_counter()
+        marks = [start]
         with torch.autocast("cuda", dtype=torch.bfloat16):
             features = {}
             for name in ("vision", "text"):
@@ -80,12 +88,18 @@ def plain_loop(batch: int, steps: int) -> list[float]:
                 features[name] = state["feature"]
             v, t = features["vision"], features["text"]
             loss = units["interaction"][0]((0, v), (0, t), v, t) / batch
+        torch.cuda.synchronize()
+        marks.append(time.perf_counter())
         loss.float().backward()
+        torch.cuda.synchronize()
+        marks.append(time.perf_counter())
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return times
+        marks.append(time.perf_counter())
+        times.append(marks[-1] - start)
+        phases.append({p: b - a for p, a, b in zip(("forward", "backward", "optimizer"), marks, marks[1:])})
+    return times, phases
 
 
 def main() -> None:
@@ -113,7 +127,7 @@ def main() -> None:
         print(f"harness CLIP run failed: {harness['error']}")
         results["clip"] = harness
     else:
-        loop = plain_loop(args.batch, args.steps)
+        loop, phases = plain_loop(args.batch, args.steps)
         plain = statistics.median(loop[1:])
         flops, peak = harness["model_flops_per_iteration"], harness["peak_flops_per_device"]
         results["clip"] = {
@@ -121,7 +135,9 @@ def main() -> None:
             "harness_losses": harness["measured"]["loss"], "plain_step_s": plain,
             "plain_mfu": flops / (plain * peak), "ratio_harness_over_plain": harness["iteration_time_s"] / plain,
             "peak_flops": peak, "measured_gemm_flops": harness.get("measured_gemm_flops_per_device"),
-            "device": harness.get("device"), "breakdown_s": harness["breakdown_s"]}
+            "device": harness.get("device"), "breakdown_s": harness["breakdown_s"],
+            "plain_phases_s": {p: statistics.median(x[p] for x in phases[1:]) for p in phases[0]},
+            "harness_instructions_s": harness["instructions_s"]}
         print(json.dumps(results["clip"], indent=1))
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))

@@ -124,7 +124,7 @@ def reduce_gradients(engine) -> None:
     from deepspeed.utils import groups
 
     groups.mpu = engine.mpu
-    if engine.zero_optimization_stage() == 0:
+    if engine.zero_optimization_stage() == 0 and engine.dp_world_size > 1:
         with CLOCK.timed("dp"):
             engine.buffered_allreduce_fallback()
 

@@ -11,11 +11,10 @@ import time
 
 import torch
 
-GEMM_N = 512
-GEMM_SIZES = (128, GEMM_N)
+GEMM_SIZES = {"cpu": (128, 512), "cuda": (4096, 8192)}
 
 
-def gemm_flops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = GEMM_N,
+def gemm_flops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 512,
                min_seconds: float = 0.2) -> float:
     # F.linear, as the model's layers run their GEMMs: on a CPU without bf16 matrix units
     # it takes a faster bf16 kernel than torch.matmul does.
@@ -34,5 +33,5 @@ def gemm_flops(device: torch.device, dtype: torch.dtype = torch.float32, n: int 
 
 
 def peak_gemm_flops(device: torch.device, dtype: torch.dtype) -> float:
-    """The best FLOP/s of square GEMMs of GEMM_SIZES in `dtype`."""
-    return max(gemm_flops(device, dtype, n, min_seconds=0.1) for n in GEMM_SIZES)
+    """The best FLOP/s of the device type's GEMM_SIZES (square) in `dtype`."""
+    return max(gemm_flops(device, dtype, n, min_seconds=0.1) for n in GEMM_SIZES[device.type])

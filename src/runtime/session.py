@@ -105,8 +105,9 @@ def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) ->
         dist.gather_object(mine, gathered, dst=0)
         if sinks is not None:
             timeline = _timeline(plan, gathered, times)
-            measured = (f"best of {'/'.join(map(str, GEMM_SIZES))}-cubed {precision} GEMMs on all {world} workers "
-                        f"at once, mean per worker: {measured_peak:.4g} FLOP/s")
+            sizes = "/".join(map(str, GEMM_SIZES[device.type]))
+            measured = (f"best of {sizes}-cubed {precision} GEMMs on all {world} workers at once, mean per worker: "
+                        f"{measured_peak:.4g} FLOP/s")
             extras = {
                 "peak_flops_source": (f"cluster preset {setup.cluster.name} ({setup.cluster.device} datasheet); "
                                       f"measured {measured}" if device.type == "cuda" else f"measured: {measured}"),
