@@ -9,7 +9,8 @@
    MFU = the harness's model FLOPs per iteration / (step time x the preset's datasheet
    peak); the goal is the loop's step time or better, MFU >= 40 %.
 
-    WANDB_MODE=offline python benchmarks/bench_runtime_gpu.py [--batch 64] [--steps 8] [--out results.json]
+    WANDB_MODE=offline python benchmarks/bench_runtime_gpu.py [--batch 64 128] [--steps 8] [--clip-only]
+        [--out results.json]
 """
 from __future__ import annotations
 
@@ -99,46 +100,58 @@ def plain_loop(batch: int, steps: int) -> list[float]:
         marks.append(time.perf_counter())
         times.append(marks[-1] - start)
         phases.append({p: b - a for p, a, b in zip(("forward", "backward", "optimizer"), marks, marks[1:])})
+    phases[-1]["device_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    del units, optimizer
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
     return times, phases
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--batch", type=int, nargs="+", default=[64])
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--clip-only", action="store_true", help="skip the tiny runs of every strategy")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    results: dict = {"strategies": {}}
-    named = {f"{name} {precision}": ONE_GPU + TINY + overrides + [f"train.precision={precision}"]
-             for name, overrides in STRATEGIES.items() for precision in ("fp32", "bf16")}
-    named["clip single_device"] = ONE_GPU + ["model=clip", "model.scale=single_device",
-                                             f"train.global_batch={args.batch}", f"train.steps={args.steps}",
-                                             "train.precision=bf16", "strategy=ddp", "strategy.zero_stage=0"]
+    results: dict = {"strategies": {}, "clip": {}}
+    named = {} if args.clip_only else {
+        f"{name} {precision}": ONE_GPU + TINY + overrides + [f"train.precision={precision}"]
+        for name, overrides in STRATEGIES.items() for precision in ("fp32", "bf16")}
+    for batch in args.batch:
+        named[f"clip batch {batch}"] = ONE_GPU + ["model=clip", "model.scale=single_device",
+                                                  f"train.global_batch={batch}", f"train.steps={args.steps}",
+                                                  "train.precision=bf16", "strategy=ddp", "strategy.zero_stage=0"]
     with tempfile.TemporaryDirectory() as tmp:
         summaries = run_all(named, Path(tmp))
-    harness = summaries.pop("clip single_device")
     for name, summary in summaries.items():
+        if name.startswith("clip"):
+            continue
         row = summary if "error" in summary else {
             "losses": summary["measured"]["loss"], "step_time_s": summary["iteration_time_s"],
             "mfu": summary["mfu"], "dist_backend": summary["dist_backend"], "device": summary.get("device")}
         results["strategies"][name] = row
         print(f"{name:22s}: {row}", flush=True)
-    if "error" in harness:
-        print(f"harness CLIP run failed: {harness['error']}")
-        results["clip"] = harness
-    else:
-        loop, phases = plain_loop(args.batch, args.steps)
+    for batch in args.batch:
+        harness = summaries[f"clip batch {batch}"]
+        if "error" in harness:
+            results["clip"][batch] = harness
+            continue
+        loop, phases = plain_loop(batch, args.steps)
         plain = statistics.median(loop[1:])
         flops, peak = harness["model_flops_per_iteration"], harness["peak_flops_per_device"]
-        results["clip"] = {
-            "batch": args.batch, "harness_step_s": harness["iteration_time_s"], "harness_mfu": harness["mfu"],
+        results["clip"][batch] = {
+            "harness_step_s": harness["iteration_time_s"], "harness_mfu": harness["mfu"],
             "harness_losses": harness["measured"]["loss"], "plain_step_s": plain,
             "plain_mfu": flops / (plain * peak), "ratio_harness_over_plain": harness["iteration_time_s"] / plain,
             "peak_flops": peak, "measured_gemm_flops": harness.get("measured_gemm_flops_per_device"),
             "device": harness.get("device"), "breakdown_s": harness["breakdown_s"],
+            "harness_device_peak_gib": harness["memory_gib"].get("measured_device_peak_gib"),
+            "plain_device_peak_gib": phases[-1].pop("device_peak_gib"),
             "plain_phases_s": {p: statistics.median(x[p] for x in phases[1:]) for p in phases[0]},
             "harness_instructions_s": harness["instructions_s"]}
-        print(json.dumps(results["clip"], indent=1))
+        print(json.dumps({batch: {k: v for k, v in results["clip"][batch].items() if k != "harness_losses"}},
+                         indent=1), flush=True)
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
 

@@ -100,7 +100,8 @@ def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) ->
             if sinks is not None:
                 sinks.log_step({"step": step, "loss": losses[-1], "step_time_s": times[-1]})
         mine = {"rank": rank, "breakdowns": breakdowns, "spans": [dataclasses.astuple(s) for s in timer.spans],
-                "rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+                "rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+                "device_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0}
         gathered = [None] * world if rank == 0 else None
         dist.gather_object(mine, gathered, dst=0)
         if sinks is not None:
@@ -121,6 +122,8 @@ def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) ->
             for rank_timeline in timeline.ranks:
                 rank_timeline.memory["measured_rss_gib"] = max(gathered[r]["rss_gib"] for r in rank_timeline.ranks)
             summary["memory_gib"]["measured_rss_gib"] = max(g["rss_gib"] for g in gathered)
+            if device.type == "cuda":
+                summary["memory_gib"]["measured_device_peak_gib"] = max(g["device_gib"] for g in gathered)
             sinks.finish(summary, timeline)
     except BaseException:
         if sinks is not None:
