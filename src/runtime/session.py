@@ -9,6 +9,7 @@ step, then the summary, to the same sinks as the simulator.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import resource
 import statistics
@@ -129,6 +130,14 @@ def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) ->
         if sinks is not None:
             sinks.abort()
         raise
+    finally:
+        # Several runs may share this process (runtime.worker): give the next one the
+        # device memory of this one (DeepSpeed's hooks make reference cycles).
+        del executor, engines, units
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
 
 
 def _notes(plan: Plan) -> list[str]:
