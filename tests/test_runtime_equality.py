@@ -34,6 +34,8 @@ CASES = {
                                 "strategy.micro_batch_size=2", "strategy.schedule=1f1b"],
     "megatron_pp2_gpipe": GPT + ["strategy=megatron", "strategy.tp=1", "strategy.pp=2",
                                  "strategy.micro_batch_size=2", "strategy.schedule=gpipe"],
+    "megatron_pp2_recompute": GPT + ["strategy=megatron", "strategy.tp=1", "strategy.pp=2",
+                                     "strategy.micro_batch_size=2", "strategy.recompute=full"],
     # bf16 GEMMs (autocast, fp32 master weights and gradients); activations cross the
     # pipeline stage in bf16.
     "ddp_zero1_bf16": GPT + ["strategy=ddp", "strategy.zero_stage=1", "train.precision=bf16"],

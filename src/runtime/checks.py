@@ -27,9 +27,6 @@ def check_runnable(setup: Setup, plan: Plan) -> None:
         raise ConfigError("train.precision=fp16: the real backend has no fp16 loss scaling yet; use bf16 or fp32")
     dataset_for(setup.model, setup.train.seed, str(setup.config["backend"]["data"]))
     for unit in plan.units:
-        if unit.recompute != "none":
-            raise ConfigError(f"unit {unit.unit} recomputes ({unit.recompute}): the real backend does not "
-                              f"recompute yet (strategy.recompute=none)")
         if unit.sequence_parallel:
             raise ConfigError(f"unit {unit.unit} uses sequence parallelism, which the real backend does not run "
                               f"yet (strategy.sequence_parallel=false)")

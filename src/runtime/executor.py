@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 from src.errors import ConfigError
 from src.models.spec import ModelSpec
@@ -142,9 +143,11 @@ class Executor:
             state[input_key(work.unit, payload)] = leaf
         trains = self.model.needs_backward(work.unit)
         layers = self.units[work.unit]
+        # Full recomputation keeps each layer's input only and re-runs the layer in backward.
+        full = trains and self.plan.unit(work.unit).recompute == "full"
         with torch.set_grad_enabled(trains), computing(self.device, self.precision):
             for i in range(*work.layers):
-                state = layers[i](state)
+                state = checkpoint(layers[i], state, use_reentrant=False) if full else layers[i](state)
         if "loss" in state:
             # This micro-batch's part of the step's loss: the mean over its replica's
             # micro-batches and over the replicas.

@@ -71,7 +71,8 @@ def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) ->
     groups = ProcessGroups(plan, float(backend["timeout_s"]))
     tp = {name: TP(p.tp, p.tp_ranks.index(rank), groups.get(p.tp_ranks)) if p.tp > 1 else TP()
           for name, p in places.items()}
-    units = build_units(setup.model, setup.train.seed, tp, {n: set(p.layers) for n, p in places.items()}).to(device)
+    units = build_units(setup.model, setup.train.seed, tp, {n: set(p.layers) for n, p in places.items()},
+                        {u.unit: u.recompute for u in plan.units}).to(device)
     engines = _engines(plan, places, units, groups, backend)
     batches = Batches(setup.model, dataset_for(setup.model, setup.train.seed, str(backend["data"])),
                       setup.train.global_batch, {u.unit: u for u in plan.units},

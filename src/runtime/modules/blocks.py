@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from src.runtime.modules.parallel import TP, ColumnParallelLinear, RowParallelLinear, head_rows
 
@@ -34,6 +35,7 @@ class Attention(nn.Module):
             self.kv = ColumnParallelLinear(kv_dim, 2 * hidden, tp, head_rows(heads, self.head_dim, 2, tp))
         local = torch.arange(tp.rank * self.heads * self.head_dim, (tp.rank + 1) * self.heads * self.head_dim)
         self.proj = RowParallelLinear(hidden, hidden, tp, local)
+        self.recompute_core = False
 
     def forward(self, x: torch.Tensor, memory: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x.shape
@@ -43,7 +45,12 @@ class Attention(nn.Module):
             q = self.q(x)
             k, v = self.kv(memory).split(self.heads * self.head_dim, dim=-1)
         q, k, v = (z.reshape(b, z.shape[1], self.heads, self.head_dim).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal and self.cross is None)
+        causal = self.causal and self.cross is None
+        if self.recompute_core and torch.is_grad_enabled():
+            # Selective recomputation (Korthikanti et al.): keep q, k, v, re-run the core in backward.
+            y = checkpoint(F.scaled_dot_product_attention, q, k, v, is_causal=causal, use_reentrant=False)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         return self.proj(y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
 

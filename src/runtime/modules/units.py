@@ -1,18 +1,19 @@
 """A unit's real layers, one module per LayerSpec, built from the ModelSpec's dimensions:
 the runtime trains exactly the shapes the simulator prices, and Work.layers index both.
 
-Every rank builds every unit whole, in model order, from one seed, then keeps what it
-computes (TP slices the weights): any plan starts from the weights of a 1-process run.
+Every layer is seeded on its own (layer_seed), so a rank builds only the layers it
+computes (TP slices their weights) and any plan starts from the weights of a 1-process run.
 """
 from __future__ import annotations
 
 import math
+import zlib
 
 import torch
 from torch import nn
 
 from src.models.spec import Kernel, LayerSpec, ModelSpec, UnitSpec
-from src.runtime.modules.blocks import Block, FeatureHead, LMHead, PatchEmbedding, TokenEmbedding
+from src.runtime.modules.blocks import Attention, Block, FeatureHead, LMHead, PatchEmbedding, TokenEmbedding
 from src.runtime.modules.contrastive import ContrastiveLoss
 from src.runtime.modules.parallel import TP
 
@@ -58,16 +59,33 @@ def _layer(model: ModelSpec, unit: UnitSpec, index: int, tp: TP) -> nn.Module:
     raise ValueError(f"the real backend has no module for layer {layer.name!r} of unit {unit.name} ({model.name})")
 
 
-def build_units(model: ModelSpec, seed: int, tp: dict[str, TP], keep: dict[str, set[int]]) -> nn.ModuleDict:
+def layer_seed(seed: int, unit: str, index: int) -> int:
+    """Each layer draws its weights from its own seed: a rank builds only its layers, with
+    the very values a whole-model build gives them."""
+    return zlib.crc32(f"{seed}:{unit}:{index}".encode())
+
+
+def build_units(model: ModelSpec, seed: int, tp: dict[str, TP], keep: dict[str, set[int]],
+                recompute: dict[str, str] | None = None) -> nn.ModuleDict:
     """Each unit in `keep` as a ModuleList indexed like its LayerSpecs, holding only the
-    layers in `keep[unit]` (None elsewhere). Everything is built first, whatever this
-    rank keeps, so that every plan draws the same weights from the RNG."""
-    torch.manual_seed(seed)
+    layers in `keep[unit]` (None elsewhere); only those are ever built (a TP layer
+    draws its whole weight, then keeps its slice). `recompute`: a unit's mode;
+    'selective' re-runs its attention cores in backward."""
     units = nn.ModuleDict()
     for unit in model.units:
-        layers = [_layer(model, unit, i, tp.get(unit.name, TP())) for i in range(unit.num_layers)]
         if unit.name not in keep:
             continue
-        units[unit.name] = nn.ModuleList([m if i in keep[unit.name] else None for i, m in enumerate(layers)])
+        layers = []
+        for i in range(unit.num_layers):
+            if i not in keep[unit.name]:
+                layers.append(None)
+                continue
+            torch.manual_seed(layer_seed(seed, unit.name, i))
+            layers.append(_layer(model, unit, i, tp.get(unit.name, TP())))
+        units[unit.name] = nn.ModuleList(layers)
         units[unit.name].requires_grad_(not unit.frozen)
+        if (recompute or {}).get(unit.name) == "selective":
+            for module in units[unit.name].modules():
+                if isinstance(module, Attention):
+                    module.recompute_core = True
     return units
