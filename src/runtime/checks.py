@@ -34,7 +34,27 @@ def check_runnable(setup: Setup, plan: Plan) -> None:
         handles: set[str] = set()
         for instruction in rank_program.instructions:
             _check_instruction(instruction, handles, rank_program.label)
+        if rank_program.ranks:
+            _check_gathered_batches(plan, rank_program.ranks[0], rank_program.instructions)
     check_message_order(plan)
+
+
+def _check_gathered_batches(plan: Plan, rank: int, instructions: list) -> None:
+    """A batch all-gathered for an interaction must hold its contrastive batch: ranks that
+    hold the same rows (TP peers of a tower) would bring them twice."""
+    rows: dict = {}
+    for instruction in instructions:
+        if isinstance(instruction, Collective) and instruction.op == "all_gather" and instruction.outputs:
+            size = len(plan.program.group_for(instruction.group, rank))
+            for source, target in zip(instruction.inputs, instruction.outputs):
+                rows[target] = (size, size * plan.unit(source.unit).micro_batch, instruction.group)
+        if isinstance(instruction, Compute) and instruction.work.phase == "interaction":
+            for payload in instruction.inputs:
+                if payload in rows and rows[payload][1] != instruction.work.contrastive_batch:
+                    size, held, group = rows[payload]
+                    raise ConfigError(f"{payload} gathered over the {size} ranks of group {group} holds {held} rows, "
+                                      f"not the contrastive batch of {instruction.work.contrastive_batch}: its ranks "
+                                      f"hold the same rows more than once (a tower with TP on every device)")
 
 
 def _check_instruction(instruction, handles: set[str], label: str) -> None:
