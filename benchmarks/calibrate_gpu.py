@@ -1,0 +1,126 @@
+"""Measure what a GPU cluster preset states about its device: the GEMM efficiency curve,
+the HBM bandwidth and the per-kernel overhead (the `hopper` preset's were fitted with it).
+
+On the one visible CUDA device, with CUDA events, warm-ups and the median of repeats:
+- GEMMs in `--dtype` over square and skinny shapes: achieved FLOP/s and the fraction of
+  the datasheet peak; the cost model's curve max_eff · Π_d d/(d + h) over (m, n, k) is
+  fitted to them (h by a search, max_eff in closed form by least squares on the log);
+- a large device-to-device copy (bytes read + written per second) against the datasheet
+  HBM bandwidth;
+- the time of a tiny kernel (the fixed cost per launch).
+Prints a table and the preset lines; `--out` writes everything as JSON. Only torch and the
+standard library: it runs on a bare GPU machine.
+
+    python benchmarks/calibrate_gpu.py [--peak 989e12] [--hbm 3350e9] [--out results.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+
+import torch
+
+SQUARE = [128, 256, 512, 1024, 2048, 4096, 8192, 12288, 16384]
+THIN = [64, 128, 256, 512, 1024, 2048]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def shapes() -> list[tuple[int, int, int]]:
+    out = [(n, n, n) for n in SQUARE]
+    for t in THIN:  # one dimension thin, the others 8192: small batches, over-split TP
+        out += [(t, 8192, 8192), (8192, t, 8192), (8192, 8192, t)]
+    return out
+
+
+def timed(fn, repeats: int) -> float:
+    """Median seconds of `fn` over `repeats`, after warm-ups, timed with CUDA events."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def gemm(m: int, n: int, k: int, dtype: torch.dtype) -> float:
+    a = torch.randn(m, k, device="cuda", dtype=dtype)
+    b = torch.randn(k, n, device="cuda", dtype=dtype)
+    seconds = timed(lambda: a @ b, repeats=10 if m * n * k > 2 ** 36 else 30)
+    return 2.0 * m * n * k / seconds
+
+
+def fit(points: list[tuple[tuple[int, int, int], float]]) -> tuple[float, float, list[float]]:
+    """(max_eff, half_dim, relative time errors): least squares on log efficiency."""
+    best = None
+    for h in [float(x) for x in range(0, 2049, 8)]:
+        logs = [math.log(e) - sum(math.log(d / (d + h)) for d in shape) for shape, e in points]
+        log_max = statistics.fmean(logs)
+        residual = sum((x - log_max) ** 2 for x in logs)
+        if best is None or residual < best[0]:
+            best = (residual, math.exp(log_max), h)
+    _, max_eff, half = best
+    errors = [abs(max_eff * math.prod(d / (d + half) for d in shape) / e - 1) for shape, e in points]
+    return max_eff, half, errors
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    parser.add_argument("--peak", type=float, default=989e12, help="datasheet dense peak in --dtype (H100 SXM)")
+    parser.add_argument("--hbm", type=float, default=3350e9, help="datasheet HBM bandwidth, bytes/s (H100 SXM)")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("error: calibrate_gpu needs a CUDA device, and none is visible", file=sys.stderr)
+        sys.exit(2)
+    dtype = DTYPES[args.dtype]
+    props = torch.cuda.get_device_properties(0)
+    print(f"{props.name}: {props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB, torch {torch.__version__}")
+    points = []
+    print(f"{'m':>6} {'n':>6} {'k':>6} {'TFLOP/s':>9} {'of peak':>8}")
+    for m, n, k in shapes():
+        flops = gemm(m, n, k, dtype)
+        points.append(((m, n, k), flops / args.peak))
+        print(f"{m:6d} {n:6d} {k:6d} {flops / 1e12:9.1f} {flops / args.peak:8.3f}", flush=True)
+    max_eff, half, errors = fit(points)
+    nbytes = 4 * 2 ** 30
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy = 2 * nbytes / timed(lambda: dst.copy_(src), repeats=10)
+    one = torch.zeros(1, device="cuda")
+    launches = 1000
+
+    def many() -> None:
+        for _ in range(launches):
+            one.add_(1)
+
+    overhead = timed(many, repeats=5) / launches
+    result = {
+        "device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+        "cuda": torch.version.cuda, "dtype": args.dtype, "datasheet_peak": args.peak, "datasheet_hbm": args.hbm,
+        "gemms": [{"m": m, "n": n, "k": k, "efficiency": e} for (m, n, k), e in points],
+        "fit": {"gemm_max_efficiency": max_eff, "gemm_half_dim": half, "method": "least squares on log efficiency",
+                "median_relative_time_error": statistics.median(errors), "max_relative_time_error": max(errors)},
+        "copy_bytes_per_s": copy, "memory_efficiency": copy / args.hbm, "kernel_overhead_s": overhead,
+    }
+    print(f"fit: max_eff {max_eff:.3f}, half_dim {half:.0f} (time error median {statistics.median(errors):.1%}, "
+          f"max {max(errors):.1%})")
+    print(f"HBM copy {copy / 1e12:.2f} TB/s = {copy / args.hbm:.3f} of the datasheet; kernel overhead {overhead * 1e6:.1f} us")
+    print("preset lines:")
+    print(f"  gemm_max_efficiency: {max_eff:.3f}\n  gemm_half_dim: {half:.0f}\n  memory_efficiency: {copy / args.hbm:.3f}\n"
+          f"  kernel_overhead_s: {overhead:.2e}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
