@@ -113,8 +113,8 @@ def test_measured_summary_adds_up_and_shows_the_communication_of_each_plan(runs)
     assert json.loads((runs["megatron_tp2"] / "summary.json").read_text())["breakdown_s"]["comm_tp"] > 0
     zero0 = json.loads((runs["ddp_zero0"] / "summary.json").read_text())
     assert zero0["breakdown_s"]["comm_dp"] > 0 and zero0["measured_notes"] == []
-    # DeepSpeed's reduction under ZeRO-2 is not separated: none is claimed, and the summary says so.
+    # DeepSpeed's reductions inside backward under ZeRO-2 are timed by its comms logger.
     zero2 = json.loads((runs["ddp_zero2"] / "summary.json").read_text())
-    assert zero2["breakdown_s"]["comm_dp"] == 0 and "ZeRO-2" in zero2["measured_notes"][0]
+    assert zero2["breakdown_s"]["comm_dp"] > 0 and zero2["measured_notes"] == []
     pipeline = json.loads((runs["megatron_pp2_1f1b"] / "summary.json").read_text())["breakdown_s"]
     assert pipeline["bubble_warmup"] + pipeline["bubble_cooldown"] > 0

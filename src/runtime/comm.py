@@ -1,15 +1,16 @@
 """Collectives the runtime's layers issue, timed by kind.
 
 Communication that happens inside a compute instruction (a TP layer's all-reduce, the
-batch-sync all-gather's backward) is timed here, so the executor can split the
-instruction's wall time into compute and exposed communication of the right kind.
+batch-sync all-gather's backward, DeepSpeed's ZeRO collectives) is timed here, so the
+executor can split the instruction's wall time into compute and exposed communication of
+the right kind.
 """
 from __future__ import annotations
 
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,15 @@ class CommClock:
     def __init__(self) -> None:
         self._seconds: dict[str, float] = defaultdict(float)
         self.device = torch.device("cpu")
+        self._sources: dict[str, tuple[Callable[[], float], float]] = {}
+
+    def add_source(self, kind: str, total: Callable[[], float]) -> None:
+        """Collectives timed by someone else (DeepSpeed's comms logger): `total()` is their
+        running sum of seconds, and `take()` charges its growth to `kind`."""
+        self._sources[kind] = (total, total())
+
+    def clear_sources(self) -> None:
+        self._sources.clear()
 
     @contextmanager
     def timed(self, kind: str) -> Iterator[None]:
@@ -36,7 +46,11 @@ class CommClock:
             self._seconds[kind] += time.perf_counter() - start
 
     def take(self) -> dict[str, float]:
-        out = dict(self._seconds)
+        for kind, (total, last) in self._sources.items():
+            now = total()
+            self._seconds[kind] += now - last
+            self._sources[kind] = (total, now)
+        out = {kind: seconds for kind, seconds in self._seconds.items() if seconds > 0}
         self._seconds.clear()
         return out
 

@@ -4,9 +4,9 @@ The engine owns gradient reduction and the optimizer (ZeRO 0-3 over the unit's D
 It runs in DeepSpeed's unmanaged gradient-accumulation mode: the executor calls
 `backward` once per instruction (micro-batch, stage, batch-sync) with losses it has
 already scaled, and `step` once at the Program's optimizer instruction, which updates.
-ZeRO-0's gradient all-reduce is taken out of `step` and run by `reduce_gradients` just
-before it, so that the executor can time it as DP communication; ZeRO-1 reduces inside
-`step`, ZeRO-2/3 during backward.
+ZeRO-0/1 reduce gradients inside `step`, ZeRO-2/3 during backward. Wherever DeepSpeed
+communicates, its comms logger times each collective (`deepspeed_comm_seconds`), and the
+executor charges that time to DP communication instead of to the compute around it.
 """
 from __future__ import annotations
 
@@ -19,13 +19,12 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from src.runtime.comm import CLOCK
 
 
 @dataclass(frozen=True)
@@ -108,25 +107,33 @@ def make_engine(module: nn.Module, groups: ParallelGroups, settings: EngineSetti
     with _without_load_notice():
         engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, mpu=groups,
                                                config=deepspeed_config(settings, len(groups.dp_ranks)))
-    if settings.zero_stage == 0:
-        # reduce_gradients does it: inside step() its time would be counted as compute.
-        engine.enable_backward_allreduce = False
     return engine
 
 
-def reduce_gradients(engine) -> None:
-    """Call just before `step`. ZeRO-0: what `step` would do first at the accumulation
-    boundary, DeepSpeed's own bucketed all-reduce (average) of every gradient over the
-    engine's DP group, timed as DP communication. Other stages reduce on their own
-    (make_engine leaves their automatic reduction on): nothing to do or time."""
-    # DeepSpeed's reduction reads the data-parallel group of the LAST engine initialised
-    # in the process (a module global): point it at this engine's before it runs.
+def deepspeed_comm_seconds() -> Callable[[], float]:
+    """Turn on DeepSpeed's comms logger for every collective it issues and return the
+    running sum of their seconds. The logger synchronises the device around each op, so
+    an op's time is its own; an asynchronous op's is the time to issue it, its wait being
+    DeepSpeed's and not told apart from compute."""
+    import deepspeed.comm as ds_comm
+    from deepspeed.comm.comm import timers
+
+    ds_comm.configure(enabled=True, prof_all=True, verbose=False, debug=False)
+
+    def total() -> float:
+        # elapsed(reset=False) is a timer's sum over its start/stop pairs, in ms.
+        return sum(timer.elapsed(reset=False) for timer in timers.timers.values()) / 1e3
+
+    return total
+
+
+def point_reduction_at(engine) -> None:
+    """Call just before `step`, which reduces gradients (ZeRO-0/1; ZeRO-2/3 reduced during
+    backward). DeepSpeed's reduction reads the data-parallel group of the LAST engine
+    initialised in the process (a module global): point it at this engine's."""
     from deepspeed.utils import groups
 
     groups.mpu = engine.mpu
-    if engine.zero_optimization_stage() == 0 and engine.dp_world_size > 1:
-        with CLOCK.timed("dp"):
-            engine.buffered_allreduce_fallback()
 
 
 BUILD_LOCK = Path(tempfile.gettempdir()) / "mmdist-deepspeed-op.lock"

@@ -32,7 +32,7 @@ from src.models.spec import ModelSpec
 from src.program import Collective, Compute, Instruction, Payload, Plan, Recv, Route, Send, Wait
 from src.runtime.comm import CLOCK, all_reduce
 from src.runtime.device import DTYPES, computing, synchronize
-from src.runtime.engines import reduce_gradients
+from src.runtime.engines import point_reduction_at
 from src.runtime.groups import ProcessGroups
 from src.runtime.placement import placements, tensor_replicas
 from src.runtime.store import PayloadStore, row_shape
@@ -184,7 +184,7 @@ class Executor:
         engine = self.engines[unit]
         if id(engine) not in self.s.stepped:  # units sharing an engine step once
             self.s.stepped.add(id(engine))
-            reduce_gradients(engine)
+            point_reduction_at(engine)
             engine.step()
 
     # ---- the interaction -----------------------------------------------------------------

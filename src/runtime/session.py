@@ -25,7 +25,7 @@ from src.program import Plan
 from src.report import JobInfo, open_sinks
 from src.runtime.comm import CLOCK
 from src.runtime.device import DTYPES, worker_device
-from src.runtime.engines import EngineSettings, ParallelGroups, make_engine
+from src.runtime.engines import EngineSettings, ParallelGroups, deepspeed_comm_seconds, make_engine
 from src.runtime.executor import Executor
 from src.runtime.groups import ProcessGroups
 from src.runtime.inputs import Batches, dataset_for
@@ -74,6 +74,8 @@ def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) ->
     units = build_units(setup.model, setup.train.seed, tp, {n: set(p.layers) for n, p in places.items()},
                         {u.unit: u.recompute for u in plan.units}).to(device)
     engines = _engines(plan, places, units, groups, backend)
+    if engines:
+        CLOCK.add_source("dp", deepspeed_comm_seconds())
     batches = Batches(setup.model, dataset_for(setup.model, setup.train.seed, str(backend["data"])),
                       setup.train.global_batch, {u.unit: u for u in plan.units},
                       {n: p.dp_ranks.index(rank) for n, p in places.items()}, device)
@@ -134,6 +136,7 @@ def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) ->
     finally:
         # Several runs may share this process (runtime.worker): give the next one the
         # device memory of this one (DeepSpeed's hooks make reference cycles).
+        CLOCK.clear_sources()
         del executor, engines, units
         gc.collect()
         if device.type == "cuda":
@@ -143,12 +146,11 @@ def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) ->
 
 def _notes(plan: Plan) -> list[str]:
     """What the measured breakdown leaves out, so that no reader takes it for measured."""
-    stages = sorted({u.zero_stage for u in plan.units if u.dp > 1} - {0})
-    if not stages:
+    if not any(u.zero_stage == 3 and u.dp > 1 for u in plan.units):
         return []
-    return [f"comm_dp leaves out the DP communication of ZeRO-{'/'.join(map(str, stages))} (gradient reduction, "
-            f"parameter all-gathers): DeepSpeed runs it inside step() and backward, interleaved with its "
-            f"bookkeeping, and it is counted as compute"]
+    return ["comm_dp counts ZeRO-3's parameter all-gathers from their issue to their return: DeepSpeed "
+            "issues them asynchronously and waits for them inside forward and backward, where the wait "
+            "is counted as compute"]
 
 
 def _measured_peak(world: int, device: torch.device, precision: str) -> float:

@@ -7,11 +7,10 @@ rank's first backward, cool-down after its last forward, imbalance between), as 
 simulator classifies it; elsewhere it is communication. Time between instructions and
 after the rank's last one until the slowest rank finishes is idle.
 
-ZeRO-0's gradient all-reduce, run and timed just before `engine.step()`, is comm_dp
-(runtime.engines.reduce_gradients). With ZeRO-1/2/3 DeepSpeed reduces gradients (and
-gathers parameters) inside `step()` and backward, interleaved with its own bookkeeping:
-that time is part of the optimizer's or backward's compute here, as the summary's
-measured_notes says.
+DeepSpeed's collectives (gradient reductions and parameter gathers, inside
+`engine.step()` and backward) are timed one by one by
+its comms logger (runtime.engines.deepspeed_comm_seconds) and charged to comm_dp; only
+the wait of an asynchronous ZeRO-3 all-gather stays inside compute, as measured_notes says.
 """
 from __future__ import annotations
 
