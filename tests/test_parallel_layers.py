@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -89,3 +90,20 @@ def test_tensor_parallel_layers_equal_their_sequential_selves(tmp_path: Path) ->
     # The output projection's weight-gradient columns of each rank's heads add up to the whole.
     proj = [part["attention"]["params"]["proj.weight"] for part in parts]
     torch.testing.assert_close(torch.cat(proj, dim=1), whole["attention"]["params"]["proj.weight"])
+
+
+def test_a_shard_is_drawn_alone_with_the_values_of_the_whole_weight() -> None:
+    # No process group: building a shard needs none, and never draws the whole weight.
+    whole = _layers(TP())
+    for rank in range(2):
+        part = _layers(TP(2, rank, None))
+        cols = _column_slice(rank)
+        assert torch.equal(part["column"].weight, whole["column"].weight[cols])
+        assert torch.equal(part["column"].bias, whole["column"].bias[cols])
+        assert torch.equal(part["row"].weight, whole["row"].weight[:, cols])
+        assert torch.equal(part["row"].bias, whole["row"].bias)
+    # nn.Linear's distribution: uniform within +-1/sqrt(fan_in), spread over the range.
+    weight = ColumnParallelLinear(256, 512, TP()).weight
+    bound = 1 / 256**0.5
+    assert weight.abs().max() <= bound and weight.abs().max() > 0.99 * bound
+    assert abs(float(weight.mean())) < 0.01 * bound and float(weight.std()) == pytest.approx(bound / 3**0.5, rel=0.02)

@@ -126,6 +126,7 @@ def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) ->
             for rank_timeline in timeline.ranks:
                 rank_timeline.memory["measured_rss_gib"] = max(gathered[r]["rss_gib"] for r in rank_timeline.ranks)
             summary["memory_gib"]["measured_rss_gib"] = max(g["rss_gib"] for g in gathered)
+            summary["memory_gib"]["measured_rss_gib_by_rank"] = [g["rss_gib"] for g in gathered]
             if device.type == "cuda":
                 summary["memory_gib"]["measured_device_peak_gib"] = max(g["device_gib"] for g in gathered)
             sinks.finish(summary, timeline)

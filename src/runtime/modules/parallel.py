@@ -5,8 +5,9 @@ replicated, so the input's gradient is the sum over ranks (all-reduce in backwar
 Row-parallel: each rank holds a slice of the input features; the partial products are
 summed (all-reduce in forward) and the bias added once after the sum.
 
-Weights are initialised whole, from the global RNG, and then sliced: every TP degree
-consumes the RNG identically, so a TP run starts from the very weights of a 1-rank run.
+Only a rank's shard of a weight is ever materialised: each row is drawn from its own
+seed (taken off the global RNG, which every TP degree consumes identically), so a shard
+holds the very values of the same rows of a 1-rank run's whole weight.
 """
 from __future__ import annotations
 
@@ -29,13 +30,19 @@ class TP:
     group: dist.ProcessGroup | None = None
 
 
-def _full_linear(d_in: int, d_out: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """nn.Linear's default initialisation, whole."""
-    weight = torch.empty(d_out, d_in)
-    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+def _linear_shard(d_in: int, d_out: int, rows: torch.Tensor, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows x cols of nn.Linear's initialisation (weight and bias uniform in +-1/sqrt(d_in),
+    as kaiming_uniform with a=sqrt(5) gives), materialising one whole row at a time."""
     bound = 1 / math.sqrt(d_in)
-    bias = torch.empty(d_out).uniform_(-bound, bound)
-    return weight, bias
+    seed = int(torch.randint(2**62, ()))
+    generator = torch.Generator()
+    weight = torch.empty(len(rows), len(cols))
+    for i, row in enumerate(rows.tolist()):
+        generator.manual_seed(seed + row)
+        weight[i] = torch.rand(d_in, generator=generator)[cols]
+    generator.manual_seed(seed + d_out)
+    bias = torch.rand(d_out, generator=generator)[rows]
+    return weight.mul_(2 * bound).sub_(bound), bias.mul_(2 * bound).sub_(bound)
 
 
 class _ColumnParallel(torch.autograd.Function):
@@ -77,11 +84,11 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, d_in: int, d_out: int, tp: TP, rows: torch.Tensor | None = None) -> None:
         super().__init__()
-        weight, bias = _full_linear(d_in, d_out)
         if rows is None:
             rows = torch.arange(d_out).chunk(tp.size)[tp.rank]
-        self.weight = nn.Parameter(weight[rows].clone())
-        self.bias = nn.Parameter(bias[rows].clone())
+        weight, bias = _linear_shard(d_in, d_out, rows, torch.arange(d_in))
+        self.weight = nn.Parameter(weight)
+        self.bias = nn.Parameter(bias)
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -95,10 +102,10 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, d_in: int, d_out: int, tp: TP, cols: torch.Tensor | None = None) -> None:
         super().__init__()
-        weight, bias = _full_linear(d_in, d_out)
         if cols is None:
             cols = torch.arange(d_in).chunk(tp.size)[tp.rank]
-        self.weight = nn.Parameter(weight[:, cols].clone())
+        weight, bias = _linear_shard(d_in, d_out, torch.arange(d_out), cols)
+        self.weight = nn.Parameter(weight)
         self.bias = nn.Parameter(bias)
         self.tp = tp
 
