@@ -1,5 +1,6 @@
 """The real backend through the front door, as a user runs it: a training run end to end,
-a worker that fails, Ctrl-C, a plan that needs more workers than there are."""
+a worker that fails, a worker killed outright, Ctrl-C, a plan that needs more workers than
+there are."""
 from __future__ import annotations
 
 import io
@@ -75,7 +76,8 @@ def _workers_of(run_dir) -> list[str]:
     return [line for line in listing if "src.runtime.worker" in line and str(run_dir) in line]
 
 
-def test_ctrl_c_stops_every_worker_and_exits_130(tmp_path):
+def _long_run_at_its_first_step(tmp_path) -> subprocess.Popen:
+    """The front door on a run of many steps, returned once its workers train."""
     build_deepspeed_ops()
     # Ctrl-C in a terminal sends SIGINT to the whole foreground process group: the driver's.
     # The child restores Python's SIGINT handler in case this test runs where SIGINT is ignored.
@@ -84,19 +86,42 @@ def test_ctrl_c_stops_every_worker_and_exits_130(tmp_path):
     driver = subprocess.Popen([sys.executable, "-c", start, *TWO_WORKERS, *CLIP, "strategy=ddp", "train.steps=100000",
                                "logger=none", f"hydra.run.dir={tmp_path}"], cwd=REPO_ROOT, env=cli_env(),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    metrics = tmp_path / "metrics.jsonl"
+    while not (metrics.exists() and '"step"' in metrics.read_text()):
+        if driver.poll() is not None or time.monotonic() > deadline:
+            os.killpg(driver.pid, signal.SIGKILL)
+            raise AssertionError("the run never reached its first step")
+        time.sleep(0.5)
+    assert _workers_of(tmp_path)
+    return driver
+
+
+def _finish(driver: subprocess.Popen) -> str:
     try:
-        deadline = time.monotonic() + 120
-        metrics = tmp_path / "metrics.jsonl"
-        while not (metrics.exists() and '"step"' in metrics.read_text()):
-            assert driver.poll() is None and time.monotonic() < deadline, "the run never reached its first step"
-            time.sleep(0.5)
-        assert _workers_of(tmp_path)
-        os.killpg(driver.pid, signal.SIGINT)
         _, stderr = driver.communicate(timeout=60)
     finally:
         if driver.poll() is None:
             os.killpg(driver.pid, signal.SIGKILL)
+    return stderr
+
+
+def test_ctrl_c_stops_every_worker_and_exits_130(tmp_path):
+    driver = _long_run_at_its_first_step(tmp_path)
+    os.killpg(driver.pid, signal.SIGINT)
+    stderr = _finish(driver)
     assert driver.returncode == 130
     assert stderr.strip().splitlines()[-1] == "error: interrupted; all workers stopped"
     assert "Traceback" not in stderr
+    assert not _workers_of(tmp_path) and not (tmp_path / "summary.json").exists()
+
+
+def test_a_killed_worker_is_named_first_not_the_peers_it_broke(tmp_path):
+    driver = _long_run_at_its_first_step(tmp_path)
+    pids = subprocess.run(["pgrep", "-f", f"src.runtime.worker {tmp_path}"], capture_output=True, text=True).stdout
+    rank1 = [pid for pid in map(int, pids.split()) if b"RANK=1\0" in open(f"/proc/{pid}/environ", "rb").read()]
+    os.kill(rank1[0], signal.SIGKILL)  # as the OOM killer would: no error line of its own
+    stderr = _finish(driver)
+    assert driver.returncode == 1
+    assert stderr.strip().splitlines()[-1] == "error: rank 1: worker killed by signal SIGKILL (exit code -9)"
     assert not _workers_of(tmp_path) and not (tmp_path / "summary.json").exists()

@@ -1,8 +1,9 @@
 """The local driver: start N worker processes on this machine, watch them, tear down.
 
 Workers rendezvous through the environment (MASTER_ADDR/PORT on localhost), exactly as
-under torchrun. If one fails, the others are stopped at once and its error line is
-raised; Ctrl-C stops every worker. Each worker runs in its own session so that stopping
+under torchrun. If one fails, the others are stopped at once and the error line of the
+rank that failed first is raised (its peers' failures are consequences); Ctrl-C stops
+every worker. Each worker runs in its own session so that stopping
 it stops whatever it started.
 """
 from __future__ import annotations
@@ -50,10 +51,9 @@ def launch(run_dirs: list[Path], world: int, backend: dict[str, Any], jobs: list
     try:
         while True:
             codes = [p.poll() for p in procs]
-            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
+            if any(c not in (None, 0) for c in codes):
                 stop(procs)
-                raise WorkerFailure(_error_line(run_dirs, failed[0], codes[failed[0]]))
+                raise WorkerFailure(_first_failure(run_dirs, codes))
             if all(c == 0 for c in codes):
                 return
             time.sleep(POLL_S)
@@ -83,9 +83,25 @@ def _signal(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def _error_line(run_dirs: list[Path], rank: int, code: int) -> str:
+def _first_failure(run_dirs: list[Path], codes: list[int | None]) -> str:
+    """The error line of the rank that failed first, from the exit codes seen before the
+    driver stopped anyone. A worker killed by a signal wrote nothing, and its peers fail
+    on the broken connection after it: it comes first. Else the earliest error file (a
+    worker writes its line as it fails)."""
+    for rank, code in enumerate(codes):
+        if code is not None and code < 0 and _error_file(run_dirs, rank) is None:
+            return f"rank {rank}: worker killed by signal {signal.Signals(-code).name} (exit code {code})"
+    written = [(path.stat().st_mtime, rank, path) for rank in range(len(codes))
+               if (path := _error_file(run_dirs, rank)) is not None]
+    if written:
+        return min(written)[2].read_text().strip()
+    rank = next(r for r, c in enumerate(codes) if c not in (None, 0))
+    return f"rank {rank}: worker exited with code {codes[rank]}"
+
+
+def _error_file(run_dirs: list[Path], rank: int) -> Path | None:
     for run_dir in run_dirs:
         path = run_dir / ERRORS_DIR / f"rank{rank}.txt"
         if path.exists():
-            return path.read_text().strip()
-    return f"rank {rank}: worker exited with code {code}"
+            return path
+    return None
