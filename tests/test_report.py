@@ -134,6 +134,22 @@ def test_chrome_trace(tmp_path: Path) -> None:
     assert threads[(text_pid, "compute")] < threads[(text_pid, "comm")]
 
 
+def test_chrome_trace_spans_back_to_back_never_overlap(tmp_path: Path) -> None:
+    # Boundaries whose start and duration round apart in opposite directions (as GPT-175B's did).
+    bounds = [0.0]
+    for i in range(200):
+        bounds.append(bounds[-1] + 1e-6 * (1.0004 + 0.0003 * (i % 7)) + 3.7e-10)
+    spans = [Span("compute", a, b, f"op{i}", "compute") for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+    timeline = Timeline(iteration_time=bounds[-1], ranks=[RankTimeline(
+        ranks=(0,), label="", units=(), end=bounds[-1], breakdown=dict.fromkeys(BREAKDOWN_CATEGORIES, 0.0),
+        spans=spans)], events=len(spans))
+    write_chrome_trace(timeline, tmp_path / "trace.json")
+    events = [e for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    ns = [(round(e["ts"] * 1e3), round((e["ts"] + e["dur"]) * 1e3)) for e in events]
+    assert all(end <= next_start for (_, end), (next_start, _) in zip(ns, ns[1:]))
+    assert ns[-1][1] == round(bounds[-1] * 1e9)
+
+
 def test_console_table_and_step_line() -> None:
     text = format_summary(make_summary())
     assert "41.23 %" in text  # MFU
