@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -189,7 +190,9 @@ def test_wandb_offline_logs_without_error(tmp_path: Path, monkeypatch: pytest.Mo
     assert "wandb: disabled" not in capsys.readouterr().err
     (init,) = calls["init"]
     assert init["dir"] == str(tmp_path / "wandb_home") and init["mode"] == "offline"
-    assert calls["log"][0] == {"iteration_time_s": 1.0, "mfu": 0.4123}
+    assert init["job_type"] == CONFIG_NONE["backend"]["name"]
+    assert init["tags"][-1] == "unit-test" and CONFIG_NONE["strategy"]["name"] in init["tags"]
+    assert calls["log"][0] == {"step": 0, "iteration_time_s": 1.0, "mfu": 0.4123}  # step: the x axis
     assert {"breakdown", "breakdown_chart", "breakdown_by_unit"} <= set(calls["log"][-1])
     assert calls["finish"] == [{}]
     assert json.loads((run_dir / "summary.json").read_text())["mfu"] == 0.4123
@@ -225,6 +228,23 @@ def test_wandb_failure_warns_and_run_goes_on(breakage: str, tmp_path: Path,
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("wandb")]
     assert len(warnings) == 1 and warnings[0].startswith("wandb: disabled for this run: ")
     assert (run_dir / "summary.json").exists() and (run_dir / "trace.json").exists()
+
+
+def test_wandb_unreachable_server_costs_seconds_then_the_run_logs_offline(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # nothing listens on the discard port
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_home"))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    start = time.monotonic()
+    run_all(run_dir, wandb_config("online"))
+    assert time.monotonic() - start < 20
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("wandb")]
+    assert len(warnings) == 1 and "server unreachable" in warnings[0] and "wandb sync " in warnings[0]
+    assert list((tmp_path / "wandb_home" / "wandb").glob("offline-run-*"))
+    assert (run_dir / "summary.json").exists()
 
 
 def test_reused_run_dir_starts_afresh(tmp_path: Path) -> None:

@@ -40,7 +40,8 @@ def format_step(record: Mapping[str, Any]) -> str:
             parts.append(f"{_num(rest.pop(key), '.3f')} s")
     if "mfu" in rest:
         parts.append(f"MFU {_pct(rest.pop('mfu'))}")
-    parts += [f"{key} {_num(value, '.4g')}" for key, value in rest.items()]
+    # Nested records (a step's breakdown) are for the files and W&B, not the terminal.
+    parts += [f"{key} {_num(value, '.4g')}" for key, value in rest.items() if not isinstance(value, Mapping)]
     return " | ".join(parts)
 
 

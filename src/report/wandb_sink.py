@@ -1,7 +1,12 @@
 """Weights & Biases: one more copy of a run's records, never the only one and never a
 reason for a run to fail. Any exception from wandb (missing package, unwritable
-directory, network, login) prints one warning line and turns this sink into a no-op; the
-run's own files are written regardless."""
+directory, login) prints one warning line and turns this sink into a no-op; the run's own
+files are written regardless. A server that cannot be reached costs at most INIT_TIMEOUT_S:
+the run then logs offline and one line says how to sync it later.
+
+A run is named by its job, tagged by model, strategy, cluster and backend, grouped by
+its sweep, with job_type the backend (sim or torch); every step metric is plotted
+against `step`; summary.json and trace.json are attached as an Artifact."""
 from __future__ import annotations
 
 import os
@@ -9,6 +14,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
+
+INIT_TIMEOUT_S = 12  # wandb's own default waits 90 s for an unreachable server
 
 
 @dataclass(frozen=True)
@@ -41,10 +48,9 @@ class WandbSink:
         if self._run is None:
             return
         try:
-            metrics = {k: v for k, v in record.items() if k != "step"}
             if "step" in record:
                 self._last_step = int(record["step"])
-            self._run.log(metrics, step=self._last_step)
+            self._run.log(dict(_scalars(record)), step=self._last_step)
         except Exception as exc:  # noqa: BLE001
             self._disable(exc)
 
@@ -61,11 +67,13 @@ class WandbSink:
             if tables:
                 # At the last step, so the tables do not add a step to the history.
                 self._run.log(tables, step=self._last_step)
-            if trace_path is not None and Path(trace_path).exists():
-                # wandb.save works offline (the file is synced with the run later);
-                # "now" because the file is complete.
-                self._run.save(str(trace_path), base_path=str(Path(trace_path).parent),
-                               policy="now")
+            if trace_path is not None:
+                # An Artifact works offline too: it is uploaded when the run is synced.
+                artifact = wandb.Artifact(f"results-{self._run.id}", type="run-results")
+                for path in (Path(trace_path), Path(trace_path).with_name("summary.json")):
+                    if path.exists():
+                        artifact.add_file(str(path))
+                self._run.log_artifact(artifact)
             self._run.finish()
             self._run = None
         except Exception as exc:  # noqa: BLE001
@@ -112,7 +120,8 @@ def _start(run_dir: Path, config: Mapping[str, Any], job: JobInfo) -> Any:
     if job.sweep_name is not None and job.override_dirname:
         name = f"{name} {job.override_dirname}"  # jobs of one sweep differ by their overrides
     backend = (config.get("backend") or {}).get("name")
-    settings = wandb.Settings(
+    names = [_name_of(config.get(group)) for group in ("model", "strategy", "cluster")]
+    settings = dict(
         silent=True,
         # Our stdout already goes to the terminal and the job log; the step records
         # reach W&B as metrics, so capturing the console would only duplicate them.
@@ -120,13 +129,29 @@ def _start(run_dir: Path, config: Mapping[str, Any], job: JobInfo) -> Any:
         # System metrics of the machine that runs the simulator say nothing about the
         # simulated cluster.
         x_disable_stats=backend == "sim",
+        init_timeout=INIT_TIMEOUT_S,
     )
-    return wandb.init(
-        project=logger.get("project"), entity=logger.get("entity"),
-        group=logger.get("group") or job.sweep_name, name=name,
-        tags=list(logger.get("tags") or []), config=dict(config), dir=str(wandb_dir),
-        mode=logger.get("mode") or "offline", settings=settings,
-    )
+    init = dict(project=logger.get("project"), entity=logger.get("entity"),
+                group=logger.get("group") or job.sweep_name, name=name, job_type=backend,
+                tags=[*dict.fromkeys([*filter(None, [*names, backend]), *(logger.get("tags") or [])])],
+                config=dict(config), dir=str(wandb_dir))
+    mode = logger.get("mode") or "offline"
+    try:
+        run = wandb.init(**init, mode=mode, settings=wandb.Settings(**settings))
+    except wandb.errors.CommError as exc:
+        if mode != "online":
+            raise
+        run = wandb.init(**init, mode="offline", settings=wandb.Settings(**settings))
+        reason = str(exc).splitlines()[0]
+        print(f"wandb: server unreachable ({reason}); logging offline: sync later with "
+              f"`wandb sync {run.dir.removesuffix('/files')}`", file=sys.stderr, flush=True)
+    run.define_metric("step")
+    run.define_metric("*", step_metric="step")
+    return run
+
+
+def _name_of(group: Any) -> str | None:
+    return group.get("name") if isinstance(group, Mapping) else None
 
 
 def _scalars(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from src.metrics import summarize
+from src.metrics import iteration_flops, summarize
 from src.program import Plan
 from src.report import JobInfo, open_sinks
 from src.runtime.comm import CLOCK
@@ -86,6 +86,7 @@ def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) ->
     # On a GPU the MFU denominator is the datasheet peak in the run's precision (the
     # cluster preset's); on a CPU there is none, so it is what the workers measure.
     peak = setup.cluster.peak(precision) if device.type == "cuda" else measured_peak
+    flops, _ = iteration_flops(setup.model, plan, setup.train)
 
     sinks = open_sinks(run_dir, config, _job(run_dir, config)) if rank == 0 else None
     try:
@@ -102,7 +103,8 @@ def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) ->
             times.append(float(longest))
             breakdowns.append(timer.finish(times[-1]))
             if sinks is not None:
-                sinks.log_step({"step": step, "loss": losses[-1], "step_time_s": times[-1]})
+                sinks.log_step({"step": step, "loss": losses[-1], "step_time_s": times[-1],
+                                "mfu": flops / (times[-1] * world * peak), "rank0_breakdown_s": breakdowns[-1]})
         mine = {"rank": rank, "breakdowns": breakdowns, "spans": [dataclasses.astuple(s) for s in timer.spans],
                 "rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
                 "device_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0}
