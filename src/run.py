@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,8 @@ from src.report import JobInfo
 from src.runtime.errors import WorkerFailure
 from src.setup import job_info, plan_run, start_run_dir, validate
 from src.sim.engine import SimulationError
+
+log = logging.getLogger("src.run")
 
 
 def execute(config: dict[str, Any], run_dir: Path, job: JobInfo) -> dict[str, Any]:
@@ -34,14 +37,14 @@ def main(cfg: DictConfig) -> None:
     try:
         execute(config, run_dir, job)
     except (ConfigError, SimulationError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        log.error(f"error: {err}")
         sys.exit(2)
     except WorkerFailure as err:
-        print(f"error: {err}", file=sys.stderr)
+        log.error(f"error: {err}")
         sys.exit(1)
     except KeyboardInterrupt:
         # The driver has already stopped every worker it started.
-        print("error: interrupted; all workers stopped", file=sys.stderr)
+        log.error("error: interrupted; all workers stopped")
         sys.exit(130)
 
 

@@ -56,7 +56,10 @@ def test_clip_megatron_exits_zero_quickly_without_errors(clip_run) -> None:
 
 
 def test_clip_megatron_writes_the_run_directory(clip_run) -> None:
-    _, run_dir, _, _ = clip_run
+    proc, run_dir, _, _ = clip_run
+    # run.log keeps what the console showed, stamped.
+    log = (run_dir / "run.log").read_text()
+    assert "iteration time" in log and proc.stdout.splitlines()[0] in log
     for name in RUN_FILES:
         assert (run_dir / name).is_file(), f"{name} missing from {sorted(p.name for p in run_dir.iterdir())}"
         assert (run_dir / name).stat().st_size > 0, f"{name} is empty"
@@ -237,6 +240,8 @@ def assert_one_line_error(proc, run_dir: Path, *needles: str) -> str:
     for needle in needles:
         assert re.search(needle, line), f"{needle!r} not in {line!r}"
     assert not (run_dir / "summary.json").exists(), "a failed run left summary.json behind"
+    if (run_dir / "run.log").exists():  # absent only where Hydra refused the overrides
+        assert (run_dir / "run.log").read_text().rstrip().endswith(line), "run.log lacks the error line"
     return line
 
 

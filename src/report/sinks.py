@@ -5,9 +5,13 @@ Usage in run.py:
         ... sinks.log_step(record) per step ...
         sinks.finish(summary, timeline)
 An exception inside the block closes the W&B run as failed and writes no summary.json.
+What the console shows (step lines, the summary table) goes to stdout and, through the
+`results` logger, to the run's run.log: Hydra's logging config gives that logger its
+file; a process without one (a real-backend worker) gets one for the run's lifetime.
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Mapping
@@ -19,6 +23,8 @@ from src.report.wandb_sink import JobInfo, WandbSink
 from src.timeline import Timeline
 
 TRACE_FILE = "trace.json"
+LOG_FILE = "run.log"
+RESULTS = logging.getLogger("results")
 
 
 class Sinks:
@@ -26,9 +32,20 @@ class Sinks:
         self.run_dir = Path(run_dir)
         self._files = files
         self._wandb = wandb
+        self._own_log: logging.Handler | None = None
+        if not RESULTS.handlers:
+            self._own_log = logging.FileHandler(self.run_dir / LOG_FILE)
+            self._own_log.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+            RESULTS.addHandler(self._own_log)
+            RESULTS.setLevel(logging.INFO)
+            RESULTS.propagate = False
+
+    def _show(self, text: str) -> None:
+        print(text, flush=True)
+        RESULTS.info(text)
 
     def log_step(self, record: Mapping[str, Any]) -> None:
-        print(format_step(record), flush=True)
+        self._show(format_step(record))
         self._files.log_step(record)
         if self._wandb is not None:
             self._wandb.log_step(record)
@@ -37,7 +54,7 @@ class Sinks:
         trace_path = self.run_dir / TRACE_FILE
         write_chrome_trace(timeline, trace_path)
         self._files.finish(summary)  # summary.json is the last of our files
-        print(format_summary(summary), flush=True)
+        self._show(format_summary(summary))
         if self._wandb is not None:
             self._wandb.finish(summary, trace_path)
 
@@ -52,6 +69,13 @@ class Sinks:
                  tb: TracebackType | None) -> None:
         if exc_type is not None:
             self.abort()
+        self.close()
+
+    def close(self) -> None:
+        if self._own_log is not None:
+            RESULTS.removeHandler(self._own_log)
+            self._own_log.close()
+            self._own_log = None
 
 
 def open_sinks(run_dir: Path, config: Mapping[str, Any], job_info: JobInfo) -> Sinks:

@@ -137,6 +137,8 @@ def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) ->
             sinks.abort()
         raise
     finally:
+        if sinks is not None:
+            sinks.close()
         # Several runs may share this process (runtime.worker): give the next one the
         # device memory of this one (DeepSpeed's hooks make reference cycles).
         CLOCK.clear_sources()
