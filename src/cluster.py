@@ -6,6 +6,8 @@ default for an unknown device.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -104,6 +106,10 @@ def _number(value: Any, key: str, cluster: str) -> float:
 def cluster_from_config(cfg: Mapping[str, Any]) -> ClusterSpec:
     """Build and validate a ClusterSpec from the `cluster` config group."""
     name = cfg.get("name", "?")
+    allowed = {f.name for f in dataclasses.fields(ClusterSpec)} | {"devices"}
+    unknown = sorted(set(cfg) - allowed)
+    if unknown:
+        raise ConfigError(f"unknown cluster key(s) {unknown} (cluster {name}); valid: {sorted(allowed)}")
     for key in ("nodes", "devices_per_node"):
         value = cfg.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:

@@ -21,6 +21,21 @@ class TrainSpec:
     seed: int
 
 
+TOP_LEVEL = ("model", "strategy", "cluster", "backend", "logger", "train", "run")
+TRAIN_KEYS = ("global_batch", "contrastive_batch", "seq_len", "precision", "steps", "seed")
+RUN_KEYS = ("name", "out_root")
+LOGGER_KEYS = {"none": ("name",), "wandb": ("name", "mode", "project", "entity", "group", "tags")}
+WANDB_MODES = ("offline", "online", "disabled")
+DIST_BACKENDS = ("gloo", "nccl", "auto")
+
+
+def reject_unknown(cfg: Mapping[str, Any], allowed: Any, what: str) -> None:
+    """A key nobody reads is a typo: it must not silently fall back to a default."""
+    unknown = sorted(set(cfg) - set(allowed))
+    if unknown:
+        raise ConfigError(f"unknown {what} {unknown}; valid: {sorted(allowed)}")
+
+
 def _positive_int(cfg: Mapping[str, Any], key: str, prefix: str) -> int:
     value = cfg.get(key)
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -30,6 +45,7 @@ def _positive_int(cfg: Mapping[str, Any], key: str, prefix: str) -> int:
 
 def train_from_config(cfg: Mapping[str, Any], cluster: ClusterSpec, default_batch: int | None = None) -> TrainSpec:
     """`default_batch` (the model's) stands in for a null train.global_batch."""
+    reject_unknown(cfg, TRAIN_KEYS, "train key(s)")
     if cfg.get("global_batch") is None and default_batch is not None:
         cfg = {**cfg, "global_batch": default_batch}
     global_batch = _positive_int(cfg, "global_batch", "train")
@@ -49,9 +65,68 @@ def train_from_config(cfg: Mapping[str, Any], cluster: ClusterSpec, default_batc
     if precision not in PRECISIONS:
         raise ConfigError(f"train.precision={precision!r}; choose one of {list(PRECISIONS)} or auto")
     cluster.peak(precision)
+    seed = cfg.get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ConfigError(f"train.seed must be a non-negative integer, got {seed!r}")
     return TrainSpec(global_batch=global_batch, contrastive_batch=contrastive, seq_len=seq_len,
-                     precision=precision, steps=_positive_int(cfg, "steps", "train"),
-                     seed=int(cfg.get("seed", 0)))
+                     precision=precision, steps=_positive_int(cfg, "steps", "train"), seed=seed)
+
+
+@dataclass(frozen=True)
+class TorchBackendSpec:
+    """The real backend's settings, checked at the door before any worker starts."""
+
+    workers: int
+    dist_backend: str
+    timeout_s: float
+    threads_per_worker: int
+    data: str
+    lr: float
+    weight_decay: float
+    adam_eps: float
+
+
+def _number(cfg: Mapping[str, Any], key: str, prefix: str, minimum: float, strict: bool) -> float:
+    value = cfg.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum or (
+            strict and value == minimum):
+        bound = f"{'>' if strict else '>='} {minimum:g}"
+        raise ConfigError(f"{prefix}.{key} must be a number {bound}, got {value!r}")
+    return float(value)
+
+
+def backend_from_config(cfg: Mapping[str, Any]) -> TorchBackendSpec | None:
+    """The torch backend's settings (None for the simulator, which has none)."""
+    if cfg.get("name") != "torch":
+        reject_unknown(cfg, ("name",), f"backend={cfg.get('name')} key(s)")
+        return None
+    fields = [f.name for f in dataclasses.fields(TorchBackendSpec)]
+    reject_unknown(cfg, ["name", *fields], "backend key(s)")
+    if cfg.get("dist_backend") not in DIST_BACKENDS:
+        raise ConfigError(f"backend.dist_backend={cfg.get('dist_backend')!r}; choose one of {list(DIST_BACKENDS)}")
+    if not isinstance(cfg.get("data"), str) or not cfg["data"]:
+        raise ConfigError(f"backend.data must be 'synthetic' or a glob of tar shards, got {cfg.get('data')!r}")
+    return TorchBackendSpec(
+        workers=_positive_int(cfg, "workers", "backend"), dist_backend=cfg["dist_backend"],
+        timeout_s=_number(cfg, "timeout_s", "backend", 0, strict=True),
+        threads_per_worker=_positive_int(cfg, "threads_per_worker", "backend"), data=cfg["data"],
+        lr=_number(cfg, "lr", "backend", 0, strict=True),
+        weight_decay=_number(cfg, "weight_decay", "backend", 0, strict=False),
+        adam_eps=_number(cfg, "adam_eps", "backend", 0, strict=True))
+
+
+def check_logger_and_run(logger: Mapping[str, Any], run: Mapping[str, Any]) -> None:
+    name = logger.get("name")
+    if name not in LOGGER_KEYS:
+        raise ConfigError(f"logger={name!r}; choose one of {sorted(LOGGER_KEYS)}")
+    reject_unknown(logger, LOGGER_KEYS[name], f"logger={name} key(s)")
+    if name == "wandb":
+        if logger.get("mode") not in WANDB_MODES:
+            raise ConfigError(f"logger.mode={logger.get('mode')!r}; choose one of {list(WANDB_MODES)}")
+        tags = logger.get("tags") or []
+        if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+            raise ConfigError(f"logger.tags must be a list of strings, got {tags!r}")
+    reject_unknown(run, RUN_KEYS, "run key(s)")
 
 
 Options = TypeVar("Options")
@@ -61,7 +136,5 @@ def options_from(cls: type[Options], cfg: Mapping[str, Any], prefix: str = "stra
     """Fill a strategy's options dataclass from its config group; unknown keys are errors
     (a typo must not silently fall back to a default)."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(cfg) - set(fields) - {"name"})
-    if unknown:
-        raise ConfigError(f"unknown {prefix} option(s) {unknown}; valid: {sorted(fields)}")
+    reject_unknown({k: v for k, v in cfg.items() if k != "name"}, fields, f"{prefix} option(s)")
     return cls(**{k: v for k, v in cfg.items() if k in fields})

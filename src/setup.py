@@ -10,7 +10,8 @@ import yaml
 
 from src.backends import BACKENDS
 from src.cluster import ClusterSpec, cluster_from_config
-from src.config import TrainSpec, train_from_config
+from src.config import (TOP_LEVEL, TrainSpec, backend_from_config, check_logger_and_run, reject_unknown,
+                        train_from_config)
 from src.errors import ConfigError
 from src.models.registry import build_model
 from src.models.spec import ModelSpec
@@ -31,12 +32,15 @@ class Setup:
 
 
 def validate(config: dict[str, Any]) -> Setup:
+    reject_unknown(config, TOP_LEVEL, "top-level config key(s)")
     cluster = cluster_from_config(config["cluster"])
     model = build_model(config["model"], config["train"].get("seq_len"))
     train = train_from_config(config["train"], cluster, model.default_global_batch)
     backend = config["backend"]["name"]
     if backend not in BACKENDS:
         raise ConfigError(f"backend {backend!r} is not available; choose one of {list(BACKENDS)}")
+    backend_from_config(config["backend"])
+    check_logger_and_run(config.get("logger") or {"name": "none"}, config.get("run") or {})
     return Setup(config, model, cluster, train)
 
 

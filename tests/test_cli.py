@@ -288,6 +288,18 @@ BAD_INPUTS = {
     "strategy_tp_zero": (
         ["strategy.tp=0"],
         [r"strategy\.tp", r"positive", r"\b0\b"]),
+    # Typos and bad types in every group, answered at the door (no worker started).
+    "train_key_typo": (["+train.stepz=5"], [r"unknown train key", r"stepz", r"steps"]),
+    "cluster_key_typo": (["+cluster.x=1"], [r"unknown cluster key", r"'x'"]),
+    "backend_key_typo": (["+backend.x=1"], [r"unknown backend=sim key", r"'x'"]),
+    "unknown_group": (["+experiment=anything"], [r"unknown top-level", r"experiment"]),
+    "seed_not_a_number": (["train.seed=abc"], [r"train\.seed", r"integer", r"abc"]),
+    "torch_backend_workers_not_a_number": (
+        ["backend=torch", "cluster=local", "model.scale=tiny", "strategy=ddp", "backend.workers=abc"],
+        [r"backend\.workers", r"positive integer", r"abc"]),
+    "torch_backend_unknown_dist_backend": (
+        ["backend=torch", "cluster=local", "model.scale=tiny", "strategy=ddp", "backend.dist_backend=mpi"],
+        [r"backend\.dist_backend", r"mpi", r"gloo"]),
 }
 
 
