@@ -21,6 +21,35 @@ from src.setup import job_info, plan_run, start_run_dir, validate
 from src.sim.engine import SimulationError
 
 log = logging.getLogger("src.run")
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+def refuse_bad_overrides(args: list[str]) -> None:
+    """Compose a single run's overrides before Hydra runs them, so that a key or option
+    Hydra cannot compose is one line and exit 2 (Hydra itself prints several lines and
+    exits 1). Multiruns, sweeps and Hydra's own flags are left to Hydra."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    if any(arg.startswith("-") for arg in args):
+        return
+    try:
+        if any(o.is_sweep_override() for o in OverridesParser.create().parse_overrides(args)):
+            return
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            compose(config_name="config", overrides=args)
+    except HydraException as err:
+        print(f"error: {_one_line(str(err))}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _one_line(message: str) -> str:
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if len(lines) > 1 and lines[1].startswith("Available options"):
+        options = lines[2:lines.index("Config search path:")] if "Config search path:" in lines else lines[2:]
+        return f"{lines[0]}; choose one of {', '.join(options)}"
+    return "; ".join(line.rstrip(".") for line in lines[:3])
 
 
 def execute(config: dict[str, Any], run_dir: Path, job: JobInfo) -> dict[str, Any]:
@@ -49,4 +78,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    refuse_bad_overrides(sys.argv[1:])
     main()

@@ -293,6 +293,8 @@ BAD_INPUTS = {
     "cluster_key_typo": (["+cluster.x=1"], [r"unknown cluster key", r"'x'"]),
     "backend_key_typo": (["+backend.x=1"], [r"unknown backend=sim key", r"'x'"]),
     "unknown_group": (["+experiment=anything"], [r"unknown top-level", r"experiment"]),
+    "key_not_in_the_group": (["model=gpt", "model.scale=tiny"], [r"Could not override 'model\.scale'", r"\+model"]),
+    "option_not_in_the_group": (["model=nope"], [r"model/nope", r"choose one of", r"\bclip\b"]),
     "seed_not_a_number": (["train.seed=abc"], [r"train\.seed", r"integer", r"abc"]),
     "torch_backend_workers_not_a_number": (
         ["backend=torch", "cluster=local", "model.scale=tiny", "strategy=ddp", "backend.workers=abc"],
