@@ -217,17 +217,6 @@ def test_wandb_offline_sink_does_not_break_the_run(cli, tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- bad input
 
 
-def test_unknown_config_option_lists_the_valid_choices(cli, tmp_path: Path) -> None:
-    # Hydra's own behaviour: its message, its exit code (non-zero).
-    proc = _run(cli, tmp_path, "model=nope")
-    assert proc.returncode != 0
-    assert "model/nope" in proc.stderr
-    assert "Available options in 'model'" in proc.stderr
-    for name in ("clip", "coca", "lit", "gpt"):
-        assert re.search(rf"^\s+{name}\s*$", proc.stderr, re.M), name
-    assert not (tmp_path / "summary.json").exists()
-
-
 def assert_one_line_error(proc, run_dir: Path, *needles: str) -> str:
     """Exit code 2, exactly one stderr line `error: ...` containing every needle (regexes),
     no traceback, no summary.json (resolved.yaml may be there)."""
