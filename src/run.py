@@ -17,7 +17,7 @@ from src.backends import backend_for
 from src.errors import ConfigError
 from src.report import JobInfo
 from src.runtime.errors import WorkerFailure
-from src.setup import job_info, plan_run, start_run_dir, validate
+from src.setup import ERROR_FILE, job_info, plan_run, start_run_dir, validate
 from src.sim.engine import SimulationError
 
 log = logging.getLogger("src.run")
@@ -66,15 +66,23 @@ def main(cfg: DictConfig) -> None:
     try:
         execute(config, run_dir, job)
     except (ConfigError, SimulationError) as err:
-        log.error(f"error: {err}")
-        sys.exit(2)
+        fail(run_dir, job, f"error: {err}", 2)
     except WorkerFailure as err:
-        log.error(f"error: {err}")
-        sys.exit(1)
+        fail(run_dir, job, f"error: {err}", 1)
     except KeyboardInterrupt:
         # The driver has already stopped every worker it started.
         log.error("error: interrupted; all workers stopped")
         sys.exit(130)
+
+
+def fail(run_dir: Path, job: JobInfo, line: str, code: int) -> None:
+    """One line on stderr and in the run's error file. A single run exits with `code`; a
+    multirun's job returns, so that the other jobs go on (the error file records it)."""
+    log.error(line)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / ERROR_FILE).write_text(line.removeprefix("error: ") + "\n")
+    if job.sweep_name is None:
+        sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ from src.report import JobInfo
 from src.report.files import SUMMARY_FILE
 from src.strategies import PlanRequest, planner_for
 
+ERROR_FILE = "error.txt"  # a failed run's one-line reason (a multirun's other jobs go on)
+
 
 @dataclass(frozen=True)
 class Setup:
@@ -59,6 +61,7 @@ def start_run_dir(config: dict[str, Any], run_dir: Path) -> None:
     results if this one fails."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / SUMMARY_FILE).unlink(missing_ok=True)
+    (run_dir / ERROR_FILE).unlink(missing_ok=True)
     (run_dir / "resolved.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
 
 

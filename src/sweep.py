@@ -1,11 +1,15 @@
-"""Run a figure's sweep and write its table and plot, with the paper's values beside ours.
+"""A paper figure: its sweep file, its jobs, and its table and plot with the paper's values
+beside ours.
 
-    python -m src.sweep sweeps/par4d_table3_megatron.yaml [--out DIR]
+    python -m src.run -m +experiment=par4d_table3_megatron   # the figure as a Hydra multirun
+    python -m src.sweep sweeps/par4d_table3_megatron.yaml [--out DIR] [overrides]  # the same
 
 A sweep file names groups (the x axis: a model, a scale) and series (the bars: a
-strategy), each a list of Hydra overrides; every (group, series) pair is one run of the
-front door, composed with Hydra and written to its own run directory. The paper's values
-are reference data in the sweep file; nothing reads them but this report.
+strategy), each a list of Hydra overrides; every (group, series) pair is one job of the
+front door, in its own directory `<job>_<series>` of the sweep directory. Hydra's figure
+sweeper (hydra_plugins/mmdist_figures) launches the jobs and calls write_report when they
+are done; `python -m src.sweep` is a thin wrapper that starts that multirun. The paper's
+values are reference data in the sweep file; nothing reads them but this report.
 
 Sweep file keys: name, title, source, metric (a summary.json key, dotted for nesting),
 metric_label, normalize (optional: {by: <series>, invert: bool} reports each series
@@ -19,20 +23,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 from src.errors import ConfigError
-from src.report import JobInfo
-from src.run import execute
+from src.report.files import SUMMARY_FILE
+from src.setup import ERROR_FILE
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+REPO = Path(__file__).resolve().parent.parent
 
 
 @dataclass
@@ -74,13 +77,38 @@ def lookup(summary: dict[str, Any], dotted: str) -> Any:
     return value
 
 
-def run_one(overrides: list[str], run_dir: Path) -> dict[str, Any]:
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        cfg = compose(config_name="config", overrides=overrides)
-    config = OmegaConf.to_container(cfg, resolve=True)
-    job = JobInfo(run_name=config["run"]["name"], sweep_name=run_dir.parent.name,
-                  override_dirname=",".join(overrides))
-    return execute(config, run_dir, job)
+@dataclass(frozen=True)
+class FigureJob:
+    group: str
+    series: str
+    overrides: list[str]
+    subdir: str  # short and unique: the job's index and its series
+
+
+def figure_jobs(spec: SweepSpec) -> list[FigureJob]:
+    jobs = []
+    for group in spec.groups:
+        for series, series_overrides in spec.series.items():
+            overrides = spec.base + list(group.get("overrides", [])) + series_overrides
+            jobs.append(FigureJob(group["label"], series, overrides, f"{len(jobs):02d}_{series}"))
+    return jobs
+
+
+def find_sweep_file(figure: str) -> Path:
+    """A sweep file by path, from the working directory or the repository."""
+    for path in (Path(figure), REPO / figure):
+        if path.is_file():
+            return path
+    raise ConfigError(f"no sweep file {figure!r} (looked in the working directory and {REPO.name}/)")
+
+
+def outcome_of(job_dir: Path) -> dict[str, Any] | None:
+    """A finished job's summary, or its one-line failure; None if it has not finished."""
+    if (job_dir / SUMMARY_FILE).exists():
+        return json.loads((job_dir / SUMMARY_FILE).read_text())
+    if (job_dir / ERROR_FILE).exists():
+        return {"error": (job_dir / ERROR_FILE).read_text().strip()}
+    return None
 
 
 def _paper_text(value: Any) -> str:
@@ -99,21 +127,12 @@ def _paper_mid(value: Any) -> float | None:
     return float(value)
 
 
-def run_sweep(spec: SweepSpec, out: Path) -> dict[str, Any]:
+def write_report(spec: SweepSpec, outcomes: dict[tuple[str, str], dict[str, Any] | None], out: Path) -> str:
+    """results.json, results.md and the plot of a figure from its jobs' outcomes (a
+    summary, an error, or None for a job that never finished); returns the table."""
+    raw = {key: outcome if outcome is not None else {"error": "did not finish"} for key, outcome in outcomes.items()}
     results: dict[str, Any] = {"name": spec.name, "title": spec.title, "source": spec.source,
                                "metric": spec.metric, "rows": []}
-    raw: dict[tuple[str, str], dict[str, Any]] = {}
-    for index, group in enumerate(spec.groups):
-        for series, series_overrides in spec.series.items():
-            overrides = spec.base + list(group.get("overrides", [])) + series_overrides
-            run_dir = out / "runs" / f"{index:02d}_{series}"
-            print(f"[{spec.name}] {group['label']} / {series}: {' '.join(overrides)}", file=sys.stderr)
-            try:
-                summary = run_one(overrides, run_dir)
-            except ConfigError as err:
-                summary = {"error": str(err)}
-                print(f"[{spec.name}]   could not run: {err}", file=sys.stderr)
-            raw[(group["label"], series)] = summary
     for group in spec.groups:
         for series in spec.series:
             summary = raw[(group["label"], series)]
@@ -139,10 +158,11 @@ def run_sweep(spec: SweepSpec, out: Path) -> dict[str, Any]:
                                for u, p in summary["plan"]["units"].items()}
             results["rows"].append(row)
     out.mkdir(parents=True, exist_ok=True)
+    table = markdown_table(spec, results)
     (out / "results.json").write_text(json.dumps(results, indent=2, sort_keys=True))
-    (out / "results.md").write_text(markdown_table(spec, results))
+    (out / "results.md").write_text(table)
     plot(spec, results, out / f"{spec.name}.png")
-    return results
+    return table
 
 
 def markdown_table(spec: SweepSpec, results: dict[str, Any]) -> str:
@@ -201,20 +221,24 @@ def plot(spec: SweepSpec, results: dict[str, Any], path: Path) -> None:
 
 
 def sweep_from_command_line(argv: list[str] | None, description: str) -> tuple[SweepSpec, Path] | None:
-    """Parse `<sweep.yaml> [--out DIR]`, load the sweep and run it; None (after one error
-    line) if the sweep file is bad."""
+    """Parse `<sweep.yaml> [--out DIR] [overrides]` and run the figure as a Hydra multirun
+    of the front door; None (after one error line) if the sweep file is bad or the
+    multirun failed."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("sweep", type=Path, help="a sweep file in sweeps/")
     parser.add_argument("--out", type=Path, default=None, help="output directory (default outputs/sweeps/<name>)")
-    args = parser.parse_args(argv)
+    args, overrides = parser.parse_known_args(argv)
     try:
         spec = load_sweep(args.sweep)
     except (ConfigError, OSError, yaml.YAMLError) as err:
         print(f"error: {err}", file=sys.stderr)
         return None
-    out = args.out or Path("outputs") / "sweeps" / spec.name
-    run_sweep(spec, out)
-    print((out / "results.md").read_text())
+    out = (args.out or Path("outputs") / "sweeps" / spec.name).resolve()
+    command = [sys.executable, "-m", "src.run", "-m", "hydra/sweeper=figure",
+               f"hydra.sweeper.figure={args.sweep.resolve()}", f"hydra.sweep.dir={out}", *overrides]
+    if subprocess.run(command, cwd=REPO).returncode != 0:
+        print(f"error: the multirun of {spec.name} failed (its output is above)", file=sys.stderr)
+        return None
     return spec, out
 
 

@@ -181,6 +181,16 @@ def test_same_config_twice_gives_byte_identical_summary(cli, clip_run, tmp_path:
 # --------------------------------------------------------------------------- multirun, W&B
 
 
+def test_multirun_failing_job_is_recorded_and_the_rest_go_on(cli, tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    # tp=3 does not divide CLIP's heads; a value with a slash must not nest job directories.
+    proc = cli("-m", "strategy.tp=3,1", "run.name=a/b", "logger=none", f"hydra.sweep.dir={sweep}")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1"]
+    assert "does not divide" in (sweep / "0" / "error.txt").read_text()
+    assert not (sweep / "0" / "summary.json").exists() and (sweep / "1" / "summary.json").exists()
+
+
 def test_multirun_three_models(cli, tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     proc = cli("-m", "model=clip,coca,lit", "strategy=megatron", "logger=none", f"hydra.sweep.dir={sweep}")

@@ -27,6 +27,7 @@ from src.config import PRECISIONS, TrainSpec, options_from, train_from_config
 from src.models.registry import MODEL_NAMES, build_model
 from src.models.spec import ModelSpec
 from src.setup import validate
+from src.sweep import figure_jobs, find_sweep_file, load_sweep
 from src.strategies import STRATEGIES, planner_for
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
@@ -145,6 +146,25 @@ def test_logger_option(name: str) -> None:
     if name == "wandb":
         # Offline unless asked: a run must never need a network or a login.
         assert config["logger"]["mode"] == "offline"
+
+
+@pytest.mark.parametrize("name", options("experiment"))
+def test_experiment_preset_composes_a_figure_and_its_jobs(name: str) -> None:
+    # An experiment is a Hydra preset over the sweeper: its figure's sweep file loads, and
+    # every job of the figure composes and validates as the multirun will run it.
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        cfg = compose(config_name="config", overrides=[f"+experiment={name}"], return_hydra_config=True)
+        assert cfg.hydra.sweeper._target_.endswith("FigureSweeper")
+        spec = load_sweep(find_sweep_file(cfg.hydra.sweeper.figure))
+        assert spec.name == name and cfg.hydra.sweep.dir.endswith(f"figures/{name}")
+        for job in figure_jobs(spec):
+            job_cfg = compose(config_name="config", overrides=[f"+experiment={name}", *job.overrides])
+            validate(OmegaConf.to_container(job_cfg, resolve=True))
+
+
+def test_every_figure_has_an_experiment_preset() -> None:
+    figures = sorted(load_sweep(path).name for path in (CONF.parent / "sweeps").glob("*.yaml"))
+    assert figures == options("experiment")
 
 
 def test_default_config_is_clip_megatron_on_p3() -> None:

@@ -1,4 +1,5 @@
-"""The figure runner: runs every (group, series), puts the paper's values beside ours."""
+"""A figure as a Hydra multirun: every (group, series) one job, the paper's values beside
+ours, a failing job recorded while the others go on, an interrupted figure resumed."""
 from __future__ import annotations
 
 import json
@@ -31,10 +32,28 @@ def test_sweep_writes_table_plot_and_normalised_values(tmp_path: Path) -> None:
     results = json.loads((out / "results.json").read_text())
     rows = {(r["group"], r["series"]): r for r in results["rows"]}
     assert rows[("mb1", "tp1")]["value"] == 1.0  # the baseline against itself
-    summaries = {s: json.loads((out / "runs" / f"00_{s}" / "summary.json").read_text()) for s in ("tp1", "tp2")}
+    summaries = {s: json.loads((out / f"{i:02d}_{s}" / "summary.json").read_text()) for i, s in enumerate(("tp1", "tp2"))}
     assert rows[("mb1", "tp2")]["value"] == summaries["tp1"]["iteration_time_s"] / summaries["tp2"]["iteration_time_s"]
     assert rows[("bad", "tp2")]["value"] is None and "micro-batch" in rows[("bad", "tp2")]["error"]
     table = (out / "results.md").read_text()
     assert "| mb1 | tp2 |" in table and "| 1.5 |" in table and "0.5–0.9" in table and "not run:" in table
     assert "why these settings" in table
     assert (out / "tiny.png").stat().st_size > 1000
+
+
+def test_a_figure_resumes_skipping_the_jobs_that_have_a_summary(tmp_path: Path) -> None:
+    sweep = {"name": "resume", "title": "resume", "source": "a test", "metric": "iteration_time_s",
+             "base": TINY_GPT + ["strategy.tp=1", "strategy.pp=1"],
+             "series": {"mb1": ["strategy.micro_batch_size=1"], "mb2": ["strategy.micro_batch_size=2"]},
+             "groups": [{"label": "g", "overrides": []}]}
+    path = tmp_path / "resume.yaml"
+    path.write_text(yaml.safe_dump(sweep))
+    out = tmp_path / "out"
+    assert main([str(path), "--out", str(out)]) == 0
+    first = (out / "00_mb1" / "summary.json").stat().st_mtime_ns
+    (out / "01_mb2" / "summary.json").unlink()  # as if interrupted before the second job finished
+    assert main([str(path), "--out", str(out)]) == 0
+    assert (out / "00_mb1" / "summary.json").stat().st_mtime_ns == first  # not run again
+    assert (out / "01_mb2" / "summary.json").exists()
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert all(row["value"] > 0 for row in rows)

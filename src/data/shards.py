@@ -72,7 +72,7 @@ class TarShards:
         return len(self._samples)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        from PIL import Image  # Pillow comes with matplotlib; only shard runs need it
+        from PIL import Image  # only shard runs need it
 
         sample = self._samples[index % len(self._samples)]  # epochs wrap around
         with tarfile.open(sample.shard) as tar:

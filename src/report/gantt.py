@@ -15,7 +15,7 @@ from pathlib import Path
 
 from src.program import COMPUTE_STREAM
 from src.report.sinks import TRACE_FILE
-from src.sweep import sweep_from_command_line
+from src.sweep import figure_jobs, sweep_from_command_line
 from src.timeline import RankTimeline, Span, Timeline
 
 # Bars by the phase that starts a compute span's name (engine: "<phase> <unit> L<a>-<b>").
@@ -89,12 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     if ran is None:
         return 2
     spec, out = ran
-    panels = []
-    for index, group in enumerate(spec.groups):
-        for series in spec.series:
-            trace = out / "runs" / f"{index:02d}_{series}" / TRACE_FILE
-            if trace.exists():
-                panels.append((f"{group['label']}, {series}", load_trace(trace)))
+    panels = [(f"{job.group}, {job.series}", load_trace(out / job.subdir / TRACE_FILE))
+              for job in figure_jobs(spec) if (out / job.subdir / TRACE_FILE).exists()]
     path = out / f"{spec.name}_gantt.png"
     render(panels, path)
     print(f"wrote {out / 'results.md'}, {out / (spec.name + '.png')} and {path}")
