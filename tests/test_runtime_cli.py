@@ -3,6 +3,8 @@ a worker that fails, a worker killed outright, Ctrl-C, a plan that needs more wo
 there are."""
 from __future__ import annotations
 
+import pytest
+
 import io
 import json
 import os
@@ -14,6 +16,8 @@ import time
 
 from tests.conftest import REPO_ROOT, cli_env, run_cli
 from tests.test_runtime_support import CLIP, TWO_WORKERS, build_deepspeed_ops
+
+pytestmark = pytest.mark.slow  # starts worker processes
 
 
 def test_a_tiny_clip_trains_for_real_and_reports_like_the_simulator(tmp_path):

@@ -33,6 +33,8 @@ from src.runtime.reference import reference_losses
 from src.timeline import BREAKDOWN_CATEGORIES
 from tests.test_runtime_support import build_deepspeed_ops, composed, prepare_run_dir
 
+pytestmark = pytest.mark.slow  # starts worker processes
+
 STEPS, BATCH, CONTRASTIVE = 5, 12, 6  # two batch-sync groups per step
 LR, EPS = 1.0, 1.0
 FOUR_WORKERS = ["backend=torch", "cluster=local", "cluster.devices_per_node=4", "logger=none", "strategy=distmm",

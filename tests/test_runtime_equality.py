@@ -18,6 +18,8 @@ from src.runtime.reference import reference_losses
 from src.timeline import BREAKDOWN_CATEGORIES
 from tests.test_runtime_support import CLIP, GPT, TWO_WORKERS, build_deepspeed_ops, prepare_run_dir
 
+pytestmark = pytest.mark.slow  # starts worker processes
+
 STEPS = 5
 # With AdamW's usual eps the first updates are nearly sign(gradient), blind to a wrong
 # gradient scale; eps = 1 and lr = 1 make updates proportional to the gradients.

@@ -15,6 +15,8 @@ from src.runtime.timing import StepTimer
 from src.setup import plan_run, validate
 from tests.test_runtime_support import GPT, composed
 
+pytestmark = pytest.mark.slow  # starts worker processes
+
 ONE_RANK = ["cluster=local", "cluster.devices_per_node=1", "backend=torch", "logger=none", "strategy=megatron",
             "strategy.tp=1", "strategy.pp=1", "strategy.micro_batch_size=8", "strategy.zero_stage=0"]
 BLOCKS = 4  # GPT's model.layers
