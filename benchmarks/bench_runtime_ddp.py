@@ -203,6 +203,8 @@ def plain_worker(run_dir: Path) -> None:
             if rank == 0:
                 print(f"step {step} | loss {float(total) / world:.6f} | {float(slowest):.6f} s | batch {batch_s:.6f} s",
                       flush=True)
+        # gloo aborts a process whose peer tears down while its last sends are in flight.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

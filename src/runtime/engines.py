@@ -116,13 +116,18 @@ def deepspeed_comm_seconds() -> Callable[[], float]:
     an op's time is its own; an asynchronous op's is the time to issue it, its wait being
     DeepSpeed's and not told apart from compute."""
     import deepspeed.comm as ds_comm
-    from deepspeed.comm.comm import timers
+    from deepspeed.comm.comm import comms_logger, timers
 
     ds_comm.configure(enabled=True, prof_all=True, verbose=False, debug=False)
+    seconds = 0.0
 
     def total() -> float:
-        # elapsed(reset=False) is a timer's sum over its start/stop pairs, in ms.
-        return sum(timer.elapsed(reset=False) for timer in timers.timers.values()) / 1e3
+        nonlocal seconds
+        # Each op's timer keeps its start/stop pairs and the logger a record per op: take
+        # and drop them, so that a long run neither slows down nor grows.
+        seconds += sum(timer.elapsed(reset=True) for timer in timers.timers.values()) / 1e3
+        comms_logger.comms_dict.clear()
+        return seconds
 
     return total
 
