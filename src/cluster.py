@@ -78,13 +78,19 @@ class ClusterSpec:
     def bandwidth(self, ranks: Sequence[int], sharing: int = 1) -> float:
         """Achieved bandwidth of a ring over `ranks`: NVLink inside a node; across nodes
         the node's NICs split among the `sharing` rings crossing them at once."""
-        if not self.spans_nodes(ranks):
+        return self.link_bandwidth(self.spans_nodes(ranks), sharing)
+
+    def latency(self, ranks: Sequence[int]) -> float:
+        return self.link_latency(self.spans_nodes(ranks))
+
+    def link_bandwidth(self, crosses_nodes: bool, sharing: int = 1) -> float:
+        if not crosses_nodes:
             return self.intra_bandwidth * self.intra_efficiency
         per_ring = self.inter_bandwidth * self.inter_efficiency / max(1, sharing)
         return min(self.intra_bandwidth * self.intra_efficiency, per_ring)
 
-    def latency(self, ranks: Sequence[int]) -> float:
-        return self.inter_latency if self.spans_nodes(ranks) else self.intra_latency
+    def link_latency(self, crosses_nodes: bool) -> float:
+        return self.inter_latency if crosses_nodes else self.intra_latency
 
 
 FLOAT_FIELDS = ("memory_gib", "memory_bandwidth", "intra_bandwidth", "intra_latency", "inter_bandwidth",

@@ -187,3 +187,11 @@ def test_a_tower_larger_than_the_cluster_exits_2_with_one_line(tmp_path: Path) -
     assert len(lines) == 1
     assert "tower vision" in lines[0] and "short by" in lines[0]
     assert not (tmp_path / "summary.json").exists()
+
+
+def test_an_exchange_too_large_to_price_is_refused_before_it_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    from src.strategies import distmm_programs
+
+    monkeypatch.setattr(distmm_programs, "MAX_EXCHANGE_MESSAGES", 100)
+    with pytest.raises(PlanError, match=r"batch-sync exchange on 64 devices is [\d,]+ messages.*above the 100"):
+        plan_run(setup())

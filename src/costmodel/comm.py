@@ -35,5 +35,5 @@ class CommModel:
     def p2p_time(self, src: int, dst: int, nbytes: float, sharing: int = 1) -> float:
         if nbytes <= 0 or src == dst:
             return 0.0
-        pair = (src, dst)
-        return self.cluster.latency(pair) + nbytes / self.cluster.bandwidth(pair, sharing)
+        crosses = self.cluster.node_of(src) != self.cluster.node_of(dst)  # called per message: no sets
+        return self.cluster.link_latency(crosses) + nbytes / self.cluster.link_bandwidth(crosses, sharing)

@@ -24,8 +24,8 @@ from src.costmodel.comm import CommModel
 from src.costmodel.compute import ComputeModel
 from src.models.spec import ModelSpec
 from src.cluster import ClusterSpec
-from src.program import (COMPUTE_STREAM, Collective, Compute, Hop, Instruction, Payload, Program, RankProgram,
-                         Recv, Route, Send, Wait)
+from src.program import (COMPUTE_STREAM, Collective, Compute, Hop, Instruction, Message, Payload, Program,
+                         RankProgram, Recv, Route, Send, Table, Wait)
 from src.timeline import BREAKDOWN_CATEGORIES, RankTimeline, Span, Timeline
 
 EPS = 1e-12
@@ -88,6 +88,7 @@ class _RoutePrices:
         self._hop: dict[str, float] = {}
         self._send: dict[tuple[str, int, Payload], float] = {}
         self._recv: dict[tuple[str, int, Payload], dict] = {}
+        self._offsets: dict[tuple[str, int, Payload], dict[int, tuple[float, float]]] = {}
 
     def route(self, name: str) -> Route:
         route = self.program.routes.get(name)
@@ -127,6 +128,20 @@ class _RoutePrices:
             cached = self._send[key] = (seconds, nbytes)
         return cached
 
+    def _landing(self, route: Table, message: Message) -> tuple[float, float]:
+        """(when the message lands after its send starts, its own transfer time): a
+        sender's messages of one payload leave one after another, in the route's order."""
+        key = (route.name, message.src, message.sent.whole)  # the sends() list, computed once
+        offsets = self._offsets.get(key)
+        if offsets is None:
+            offsets, clock = {}, 0.0
+            for sent in route.sends(message.src, message.sent):
+                cost = self._cost(route, sent.src, sent.dst, sent.bytes)
+                clock += cost
+                offsets[id(sent)] = (clock, cost)
+            self._offsets[key] = offsets
+        return offsets[id(message)]
+
     def receive_entries(self, route: Route, state: "_ClassState",
                         payload: Payload) -> dict[tuple[str, int, Payload], tuple[float, float]]:
         """For every send the class waits on, keyed (route, sender class, payload): when
@@ -142,12 +157,7 @@ class _RoutePrices:
             cached = {}
             for rank in state.program.ranks:
                 for message in route.receives(rank, payload):
-                    offset = 0.0
-                    for earlier in route.sends(message.src, message.sent):
-                        cost = self._cost(route, earlier.src, earlier.dst, earlier.bytes)
-                        offset += cost
-                        if earlier is message:
-                            break
+                    offset, cost = self._landing(route, message)
                     send_key = (route.name, self._sender_class(route, message.src), message.sent.whole)
                     if offset >= cached.get(send_key, (-1.0, 0.0))[0]:
                         cached[send_key] = (offset, cost)

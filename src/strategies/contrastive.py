@@ -95,6 +95,19 @@ def local_queries(model: ModelSpec, batch: int, holders: list[Holder], act_bytes
     return out
 
 
+def exchange_size(holders: list[Holder]) -> int:
+    """How many messages `exchange` makes of one contrastive batch, without making them:
+    every piece of every holder goes to each lead of the other towers and comes back."""
+    leads: dict[str, set[int]] = {}
+    for h in holders:
+        leads.setdefault(h.tower, set()).add(h.lead)
+    total = 0
+    for h in holders:
+        others = sum(len(ranks) for tower, ranks in leads.items() if tower != h.tower)
+        total += len(_pieces(h, h.start, h.end)) * (2 * others + 2)
+    return total
+
+
 def exchange(model: ModelSpec, batch: int, holders: list[Holder], act_bytes: int) -> tuple[list[Message], list[Message]]:
     """Separate towers: (forward messages, gradient messages) of one contrastive batch.
 

@@ -35,7 +35,8 @@ from src.program import (Collective, Instruction, Message, Payload, Program, Ran
 from src.schedules.distmm_pipe import SyncOp, build_sync_schedule
 from src.strategies.bridge import Side, bridge
 from src.strategies.colocated import ColocatedEmitter, ColocatedUnit
-from src.strategies.contrastive import Holder, exchange, interaction_compute, keys, queries
+from src.errors import PlanError
+from src.strategies.contrastive import Holder, exchange, exchange_size, interaction_compute, keys, queries
 from src.strategies.distmm_towers import TowerPlan
 from src.strategies.emit import iteration_tail
 from src.strategies.layout import make_group, megatron_mesh, table
@@ -44,6 +45,9 @@ from src.strategies.stages import Segment
 
 INTERACTION_GROUP = "interaction"
 EXCHANGE = "batch_sync"
+# The exchange is priced message by message and grows with devices squared: beyond this
+# (about 30 s of planning and simulation on one core) a plan is refused, not left running.
+MAX_EXCHANGE_MESSAGES = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -167,6 +171,11 @@ class _Separate:
         return holders
 
     def _exchange_routes(self, program: Program) -> None:
+        size = sum(exchange_size(self._scorers(group)) for group in range(self.groups))
+        if size > MAX_EXCHANGE_MESSAGES:
+            raise PlanError(f"DistMM's batch-sync exchange on {program.world_size} devices is {size:,} messages "
+                            f"(every feature piece to every replica lead of the other tower), above the "
+                            f"{MAX_EXCHANGE_MESSAGES:,} the simulator prices in seconds; use fewer devices")
         forward: list[Message] = []
         backward: list[Message] = []
         for group in range(self.groups):
