@@ -50,7 +50,9 @@ def _check_instruction(instruction, handles: set[str], label: str) -> None:
             raise ConfigError(f"{label}: the real backend runs whole layers of nominal samples, not kernels, "
                               f"chunks or loads ({work.unit} layers {work.layers})")
         if work.sharding.grid:
-            raise ConfigError(f"{label}: the real backend has no 3D tensor-parallel layers yet ({work.unit})")
+            raise ConfigError(f"{label}: the real backend has no 3D tensor-parallel model yet ({work.unit}): "
+                              f"strategy=par4d runs in the simulator only, whatever its grid, model, top_k, overlap, "
+                              f"micro_batch_size or recompute")
         if work.phase == "fwd":
             for payload in instruction.inputs:
                 input_key(work.unit, payload)
@@ -63,8 +65,9 @@ def _check_instruction(instruction, handles: set[str], label: str) -> None:
                               f"{instruction.kind} on group {instruction.group}: no tensor of the model travels in it")
         elif not instruction.blocking:
             raise ConfigError(f"{label}: asynchronous {instruction.kind} {instruction.op} on {instruction.group}: the "
-                              f"real backend does not overlap gradient reduction yet "
-                              f"(strategy.overlap_grad_reduce=false)")
+                              f"real backend does not overlap gradient reduction or parameter prefetch yet "
+                              f"(megatron: strategy.overlap_grad_reduce=false; ddp: strategy.overlap_comm=false, "
+                              f"whose prefetch_bucket_size then does nothing)")
     elif isinstance(instruction, Recv) and not instruction.blocking:
         handles.add(instruction.handle)
     elif isinstance(instruction, Wait) and instruction.handle not in handles:
