@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 
 PHASES = ("fwd", "bwd", "optimizer", "interaction")
 PAYLOAD_COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+NO_GRID = ("the real backend has no 3D tensor-parallel model yet: strategy=par4d runs in the simulator only, "
+           "whatever its grid, model, top_k, overlap, micro_batch_size or recompute")
 
 
 def check_runnable(setup: Setup, plan: Plan) -> None:
@@ -28,6 +30,8 @@ def check_runnable(setup: Setup, plan: Plan) -> None:
                           f"(use train.precision=fp32)")
     dataset_for(setup.model, setup.train.seed, str(setup.config["backend"]["data"]))
     for unit in plan.units:
+        if any(axis in ("x", "y", "z") for axis, _ in unit.mesh.axes):
+            raise ConfigError(f"unit {unit.unit} lies on a Par4D grid ({unit.mesh.shape()}): {NO_GRID}")
         if unit.recompute != "none":
             raise ConfigError(f"unit {unit.unit} recomputes ({unit.recompute}): the real backend does not "
                               f"recompute yet (strategy.recompute=none)")
@@ -50,9 +54,7 @@ def _check_instruction(instruction, handles: set[str], label: str) -> None:
             raise ConfigError(f"{label}: the real backend runs whole layers of nominal samples, not kernels, "
                               f"chunks or loads ({work.unit} layers {work.layers})")
         if work.sharding.grid:
-            raise ConfigError(f"{label}: the real backend has no 3D tensor-parallel model yet ({work.unit}): "
-                              f"strategy=par4d runs in the simulator only, whatever its grid, model, top_k, overlap, "
-                              f"micro_batch_size or recompute")
+            raise ConfigError(f"{label}: {NO_GRID} ({work.unit})")
         if work.phase == "fwd":
             for payload in instruction.inputs:
                 input_key(work.unit, payload)
