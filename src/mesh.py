@@ -8,9 +8,20 @@ layers all read it.
 A Sharding says how one device's share of a layer is cut from the whole, per
 tensor-parallel axis. `tp` is Megatron's: each kernel divides the dimension its tp_split
 names (column-parallel n, row-parallel k, attention heads). `x`, `y`, `z` are Par4D's 3D
-grid: a layer O = I·W runs on (m/z x k/y) @ (k/y x n/x) blocks; a transposed layer (and a
-row-parallel kernel, which follows a column-parallel one) swaps x and y. The cost model's
-compute and activation terms and the runtime's layers read the same Sharding.
+grid (Algorithm 1): an FC layer O = I·W runs on (m/z x k/y) @ (k/y x n/x) blocks and its
+output O is (m/z x n/x), whole on every rank of its y group. The next FC reads that as its
+input, so it is "transposed" (x and y swap roles). Inside a layer this alternation follows
+the Megatron split of each weight GEMM: a column-parallel kernel (n) is one orientation, a
+row-parallel one (k) the other; `transposed` flips the whole layer (the next layer after
+an odd number of FCs, as in a U-Net's chain of convolutions). So a transformer block runs
+qkv and fc1 as (x columns, y rows) and proj and fc2 transposed; what lies between them
+lives on the layout the last FC left:
+- the residual stream and what reads it (layer norms, residual adds; tp_split 'none'):
+  rows over z, hidden columns over y ("b", the row axis of the next FC), copies over x;
+- an FC's output before the next one (attention heads, the MLP's activation; 'n' and
+  'batch'): rows over z, columns over x ("a"), copies over y.
+Rows (tokens, pixels) are split over z by whole samples. The cost model's compute,
+activation and memory terms and the runtime's layers read the same Sharding.
 """
 from __future__ import annotations
 
@@ -50,34 +61,47 @@ class Sharding:
     def grid(self) -> bool:
         return any(name in ("x", "y", "z") for name, _ in self.axes)
 
+    def _columns_rows(self) -> tuple[int, int]:
+        """(a, b): the degrees of the axes splitting a column-parallel FC's output
+        columns and input columns in this layer (x and y, swapped when transposed)."""
+        x, y = self.degree("x"), self.degree("y")
+        return (y, x) if self.transposed else (x, y)
+
     def gemm_divisors(self, tp_split: str) -> tuple[int, int, int, int]:
         """Divisors of a GEMM's (m, n, k, batch) on one device, for a kernel whose
         Megatron split is `tp_split` (n, k, batch or none)."""
         if not self.grid:
             tp = self.degree("tp")
             return (1, tp if tp_split == "n" else 1, tp if tp_split == "k" else 1, tp if tp_split == "batch" else 1)
-        x, y, z = self.degree("x"), self.degree("y"), self.degree("z")
-        if self.transposed != (tp_split == "k"):
-            x, y = y, x
-        if tp_split == "batch":  # attention: heads split like the producing layer's columns
-            return (z, 1, 1, x)
-        return (z, x, y, 1)
+        z = self.degree("z")
+        a, b = self._columns_rows()
+        if tp_split == "n":        # (m/z x k/b) @ (k/b x n/a)
+            return (z, a, b, 1)
+        if tp_split == "k":        # transposed: (m/z x k/a) @ (k/a x n/b)
+            return (z, b, a, 1)
+        if tp_split == "batch":    # attention heads, split like the producing FC's columns
+            return (z, 1, 1, a)
+        return (z, 1, 1, 1)        # replicated on the grid: only the rows are split
 
     def memory_divisor(self, tp_split: str) -> int:
         """How many devices share a bandwidth-bound kernel's bytes."""
         if not self.grid:
             split = tp_split != "none" or self.sequence_parallel
             return self.degree("tp") if split else 1
-        # Activations are split over rows (z) and columns (x); y holds copies.
-        return self.degree("z") * self.degree("x")
+        a, b = self._columns_rows()
+        return self.degree("z") * (b if tp_split == "none" else a)
 
     def activation_divisors(self) -> tuple[int, int]:
-        """(divisor of the replicated activations, divisor of the split ones)."""
+        """(divisor of the replicated activations, divisor of the split ones). On the
+        grid, Korthikanti's 'replicated' tensors (layer-norm inputs and outputs, dropout
+        masks, the inputs of qkv and fc1) lie on the residual layout (z x b); the 'split'
+        ones and the attention scores on an FC's output layout (z x a)."""
         if not self.grid:
             tp = self.degree("tp")
             return (tp if self.sequence_parallel else 1), tp
-        rows = self.degree("z")
-        return rows * self.degree("x"), rows * self.degree("x")
+        a, b = self._columns_rows()
+        z = self.degree("z")
+        return z * b, z * a
 
     def label(self) -> str:
         return "x".join(f"{name}{degree}" for name, degree in self.axes) or "1"

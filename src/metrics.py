@@ -130,6 +130,7 @@ def build_summary(names: dict[str, str], plan: Plan, timeline: Timeline, model: 
         "breakdown_by_unit_s": timeline.unit_breakdown(),
         "unit_utilisation": unit_utilisation(model, plan, timeline, train, peak),
         "comm_share": sum(v for k, v in timeline.mean_breakdown().items() if k.startswith("comm_")) / seconds,
+        "exposed_comm_s": sum(v for k, v in timeline.mean_breakdown().items() if k.startswith("comm_")),
         "peak_memory_gib": worst.peak_memory_bytes / GIB,
         "memory_gib": {"ranks": worst.label, **worst.memory},
         "plan": plan.as_dict(),

@@ -365,7 +365,9 @@ class UnitPlan:
     each data-parallel replica processes per iteration. sample_groups: the step's batch is
     cut into this many contiguous groups, each split over the replicas and then into
     micro-batches in order (DistMM's contrastive batches; elsewhere one group per
-    micro-batch index).
+    micro-batch index). gathered_params: parameters a rank holds gathered (16-bit) beyond
+    its own shard at its peak: ZeRO-3's live layers, Par4D's all-gathered weight blocks
+    kept for the backward or cached for recomputation.
     """
 
     unit: str
@@ -379,6 +381,7 @@ class UnitPlan:
     zero_stage: int = 0
     recompute: str = "none"
     sequence_parallel: bool = False
+    gathered_params: float = 0.0
     details: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -428,6 +431,7 @@ class UnitPlan:
             "zero_stage": self.zero_stage,
             "recompute": self.recompute,
             "sequence_parallel": self.sequence_parallel,
+            **({"gathered_params": self.gathered_params} if self.gathered_params else {}),
             **self.details,
         }
 

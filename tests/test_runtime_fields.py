@@ -25,6 +25,9 @@ MEGATRON = WORKERS + GPT + ["strategy=megatron", "strategy.tp=1", "strategy.pp=2
 DISTMM = WORKERS + ["model=clip", "model.scale=tiny", "train.global_batch=16", "train.contrastive_batch=8",
                     "strategy=distmm", "strategy.vision.dp=2", "strategy.text.dp=2"]
 DDP = WORKERS + CLIP + ["strategy=ddp"]
+PAR4D = WORKERS + GPT + ["strategy=par4d", "strategy.recompute=none"]
+DS3D = WORKERS + GPT + ["strategy=deepspeed3d", "strategy.tp=1", "strategy.pp=2", "strategy.micro_batch_size=2",
+                        "strategy.recompute=none"]
 EQUALITY, DISTMM_RUNS = "test_runtime_equality", "test_runtime_distmm"
 
 # (strategy, option): (the plan's base overrides, the sample setting, verdict, where it runs for real)
@@ -59,6 +62,23 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
     ("distmm", "text.dp"): (DISTMM, ["strategy.text.dp=1"], "run", DISTMM_RUNS),
     ("ddp", "zero_stage"): (DDP, ["strategy.zero_stage=3"], "run", EQUALITY),
     ("ddp", "micro_batch_size"): (DDP, ["strategy.micro_batch_size=2"], "run", EQUALITY),
+    ("ddp", "recompute"): (DDP, ["strategy.recompute=selective"], "run", EQUALITY),
+    ("ddp", "overlap_comm"): (DDP, ["strategy.zero_stage=3", "strategy.overlap_comm=true"], "refused", ""),
+    ("ddp", "prefetch_bucket_size"): (DDP, ["strategy.zero_stage=3", "strategy.overlap_comm=true",
+                                           "strategy.prefetch_bucket_size=1000"], "refused", ""),
+    # Par4D runs in the simulator only: the real backend refuses its grid, naming every option.
+    ("par4d", "grid"): (PAR4D, ["strategy.grid=[2,1,2,1]"], "refused", ""),
+    ("par4d", "model"): (PAR4D, ["strategy.model=agnostic"], "refused", ""),
+    ("par4d", "top_k"): (PAR4D, ["strategy.top_k=1"], "refused", ""),
+    ("par4d", "overlap"): (PAR4D, ["strategy.overlap=[]"], "refused", ""),
+    ("par4d", "micro_batch_size"): (PAR4D, ["strategy.micro_batch_size=2"], "refused", ""),
+    ("par4d", "recompute"): (PAR4D, ["strategy.recompute=none"], "refused", ""),
+    ("deepspeed3d", "tp"): (DS3D, ["strategy.tp=2", "strategy.pp=1"], "run", EQUALITY),
+    ("deepspeed3d", "pp"): (DS3D, ["strategy.pp=2"], "run", EQUALITY),
+    ("deepspeed3d", "dp"): (DS3D, ["strategy.dp=2"], "run", EQUALITY),
+    ("deepspeed3d", "micro_batch_size"): (DS3D, ["strategy.micro_batch_size=4"], "run", EQUALITY),
+    ("deepspeed3d", "recompute"): (DS3D, ["strategy.recompute=full"], "run", EQUALITY),
+    ("deepspeed3d", "uneven_pp"): (DS3D, ["strategy.uneven_pp=false"], "run", EQUALITY),
 }
 PRECISIONS = {"fp32": "run", "bf16": "run", "fp16": "refused"}
 
@@ -106,3 +126,9 @@ def test_a_precision_runs_for_real_or_is_refused_naming_it(precision):
         return
     with pytest.raises(ConfigError, match=f"precision={precision}"):
         _check(overrides)
+
+
+def test_zero3_with_gradient_accumulation_is_refused_naming_the_fix():
+    # A batch of 8 on 4 workers: 2 samples per replica, in 2 micro-batches of 1.
+    with pytest.raises(ConfigError, match=r"ZeRO-3 with 2 micro-batches.*micro_batch_size=2\)"):
+        _check(WORKERS + GPT + ["strategy=ddp", "strategy.zero_stage=3", "strategy.micro_batch_size=1"])

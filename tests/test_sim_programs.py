@@ -99,7 +99,9 @@ ENC_LAYER = _layer("enc_block", gemm("k0", 1000, 1000, 1000, "n"), gemm("k1", 10
 VISION_LAYER = _layer("vision_block", gemm("fc", 1000, 1000, 1000, "n"))
 TEXT_LAYER = _layer("text_block", gemm("fc", 500, 1000, 1000, "n"))
 EMBED = 100_000
-FC_LAYER = _layer("par4d_fc", gemm("fc", 1000, 1000, 1000, "none"))
+# A column-parallel weight GEMM: on a Par4D grid it is an FC layer of Algorithm 1 (a kernel
+# replicated on the tensor grid, split 'none', would only have its rows split over z).
+FC_LAYER = _layer("par4d_fc", gemm("fc", 1000, 1000, 1000, "n"))
 
 MODEL = ModelSpec(
     name="toy",
@@ -655,3 +657,64 @@ def test_par4d_layer_on_a_named_mesh_prices_to_the_grid_shapes():
     (grid,) = timeline.ranks
     assert grid.ranks == tuple(range(8))
     assert_breakdown(grid, iteration, compute=3 * F, comm_tp=t_ag + t_ary + t_rs)
+
+
+
+# =========================================================================================
+# 5c. Par4D's planner Program: two FC layers on a (2, 2, 2, 1) grid (8 ranks, 2 nodes of 4),
+#     the overlaps switched one by one, priced by hand
+# =========================================================================================
+PAR4D_LAYER = _layer("par4d_fc", gemm("fc", 1000, 1000, 1000, "n"))
+PAR4D_MODEL = ModelSpec(name="par4d_toy", units=(_unit("fc2", (PAR4D_LAYER, PAR4D_LAYER)),))
+
+
+def build_par4d_planned(overlap: tuple[str, ...], recompute: str, cached: int) -> Program:
+    from src.strategies.par4d_layout import Grid, UnitGrid
+    from src.strategies.par4d_programs import Par4DSettings, par4d_program
+
+    grid = Grid(2, 2, 2, 1)
+    unit = PAR4D_MODEL.unit("fc2")
+    layouts = UnitGrid(unit).layout(grid)
+    # The second layer reads the first's output: it is transposed (x and y swap roles).
+    assert [lay.fcs[0].transposed for lay in layouts] == [False, True]
+    settings = Par4DSettings(micro_batch=2, recompute=recompute, overlap=frozenset(overlap), cached_layers=cached)
+    program, _ = par4d_program(PAR4D_MODEL, CLUSTER, PRECISION, 2, grid, layouts, settings, "fc2")
+    return program
+
+
+# Per FC, by hand: 2 samples of 1000 rows split over z=2 -> 1000 rows a rank; the GEMM is
+# (1000 x 1000/b) @ (1000/b x 1000/a) with a = b = 2.
+P4_F = gemm_s(1000, 500, 500)                                     # 0.5 ms, each of fwd, dX, dW
+P4_AG = gather_s(2, 1000 * 1000 / 4 * 2, min(INTRA_BW, INTER_BW / 4), INTER_LAT)   # z spans the 2 nodes: 0.125 ms
+P4_RS = P4_AG
+P4_AR = all_reduce_s(2, 1000 * 500 * 2, INTRA_BW, INTRA_LAT)     # x and y stay in a node: 0.03 ms
+P4_OPT = 2 * 1e6 / 8 * 30 / 1e18                                 # Adam on each rank's 1/8 of the weights (HBM-bound)
+
+
+@pytest.mark.parametrize("overlap, recompute, cached, expected", [
+    # No overlap: per layer AG + F + AR forward; dX + AR + dW + RS backward.
+    ((), "none", 0, 2 * (P4_AG + P4_F + P4_AR) + 2 * (P4_F + P4_AR + P4_F + P4_RS)),
+    # B + C: layer 1's gather hides under layer 0's GEMM; layer 1's reduce-scatter under
+    # layer 0's backward; layer 0's is waited at the end.
+    (("reduce_scatter", "all_gather"), "none", 0, P4_AG + 2 * (P4_F + P4_AR) + 2 * (2 * P4_F + P4_AR) + P4_RS),
+    # A + B under full recompute: each backward gathers its weights again (layer 0's
+    # queued behind layer 1's reduce-scatter on the z stream), re-runs the forward and its
+    # all-reduce; dX's all-reduce hides under dW.
+    (("all_reduce", "reduce_scatter"), "full", 0,
+     2 * (P4_AG + P4_F + P4_AR) + (P4_AG + P4_AR + 3 * P4_F) + (P4_RS + P4_AG + P4_AR + 3 * P4_F) + P4_RS),
+    # + D: both layers' gathered weights are cached, the recompute gathers nothing.
+    (("all_reduce", "reduce_scatter", "cache"), "full", 2,
+     2 * (P4_AG + P4_F + P4_AR) + 2 * (P4_AR + 3 * P4_F) + P4_RS),
+    # All four: C prefetches the recompute's gathers too, so caching saves no time here.
+    (("all_reduce", "reduce_scatter", "all_gather", "cache"), "full", 2,
+     P4_AG + 2 * (P4_F + P4_AR) + 2 * (P4_AR + 3 * P4_F) + P4_RS),
+])
+def test_par4d_planned_program_prices_each_overlap_by_hand(overlap, recompute, cached, expected):
+    assert P4_F == pytest.approx(0.5 * MS) and P4_AG == pytest.approx(0.125 * MS) and P4_AR == pytest.approx(0.03 * MS)
+    timeline = simulate(build_par4d_planned(overlap, recompute, cached), PAR4D_MODEL, CLUSTER, PRECISION)
+    expected += P4_OPT
+    assert timeline.iteration_time == pytest.approx(expected, rel=REL)
+    (ranks,) = timeline.ranks
+    assert ranks.ranks == tuple(range(8))
+    compute = 2 * 3 * P4_F + (2 * P4_F if recompute == "full" else 0.0) + P4_OPT
+    assert_breakdown(ranks, expected, compute=compute, comm_tp=expected - compute)

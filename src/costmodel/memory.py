@@ -75,8 +75,11 @@ def model_state_bytes(params: float, precision: str, frozen: bool, zero_stage: i
 
 
 def work_activation_bytes(model: ModelSpec, compute: Compute, recompute: str) -> float:
-    """Activations one forward Work leaves alive until its backward."""
+    """Activations one forward Work leaves alive until its backward. A layer run as
+    several kernel ranges keeps its activations once, counted on the range that starts it."""
     work = compute.work
+    if work.kernels is not None and work.kernels[0] > 0:
+        return 0.0
     unit = model.unit(work.unit)
     start, end = work.layers
     per_sample = sum(layer.activations.per_device(work.sharding, recompute)
@@ -131,6 +134,9 @@ def rank_memory(rank_program: RankProgram, units: Mapping[str, UnitPlan], model:
         for params, frozen in ((trainable, False), (fixed, True)):
             for key, value in model_state_bytes(params, precision, frozen, plan.zero_stage, plan.dp).items():
                 out[key] += value
+    gathered = sum(units[name].gathered_params for name in {name for name, _ in held})
+    if gathered:
+        out["gathered"] = gathered * element_bytes(precision)
     recompute = {name: plan.recompute for name, plan in units.items()}
     out["activations"] = peak_activation_bytes(rank_program, model, recompute)
     out["total"] = sum(out.values())

@@ -17,11 +17,12 @@ _PLAN_COLUMNS = (
     ("batch_per_replica", "batch/replica"), ("devices", "devices"), ("ranks", "ranks"),
 )
 _SCALARS = (int, float, str, bool)
+_RANKING_ROWS = 10
 
 
 def format_summary(summary: Mapping[str, Any]) -> str:
     """The end-of-run table: who ran, the plan per unit, the figures, the breakdown."""
-    sections = [_header(summary), _plan(summary.get("plan")), _figures(summary),
+    sections = [_header(summary), _plan(summary.get("plan")), _ranking(summary.get("plan")), _figures(summary),
                 _breakdown(summary)]
     return "\n\n".join(s for s in sections if s)
 
@@ -73,6 +74,25 @@ def _plan(plan: Any) -> str:
     if plan.get("strategy") is not None and plan.get("devices") is not None:
         title += f" ({plan['strategy']} on {plan['devices']} devices)"
     return title + "\n" + _table(rows, header=True)
+
+
+def _ranking(plan: Any) -> str:
+    """A planner's search, best-ranked first (its `search.ranking` rows), when it made one."""
+    search = plan.get("search") if isinstance(plan, Mapping) else None
+    rows = search.get("ranking") if isinstance(search, Mapping) else None
+    if not rows or not all(isinstance(r, Mapping) for r in rows):
+        return ""
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    table = [columns] + [[_ranked(row.get(key)) for key in columns] for row in rows[:_RANKING_ROWS]]
+    facts = ", ".join(f"{key} {value}" for key, value in search.items()
+                      if key != "ranking" and isinstance(value, _SCALARS))
+    return f"search ({facts})\n" + _table(table, header=True)
+
+
+def _ranked(value: Any) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def _figures(summary: Mapping[str, Any]) -> str:

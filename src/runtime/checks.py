@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 
 PHASES = ("fwd", "bwd", "optimizer", "interaction")
 PAYLOAD_COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+NO_GRID = ("the real backend has no 3D tensor-parallel model yet: strategy=par4d runs in the simulator only, "
+           "whatever its grid, model, top_k, overlap, micro_batch_size or recompute")
 
 
 def check_runnable(setup: Setup, plan: Plan) -> None:
@@ -27,6 +29,13 @@ def check_runnable(setup: Setup, plan: Plan) -> None:
         raise ConfigError("train.precision=fp16: the real backend has no fp16 loss scaling yet; use bf16 or fp32")
     dataset_for(setup.model, setup.train.seed, str(setup.config["backend"]["data"]))
     for unit in plan.units:
+        if any(axis in ("x", "y", "z") for axis, _ in unit.mesh.axes):
+            raise ConfigError(f"unit {unit.unit} lies on a Par4D grid ({unit.mesh.shape()}): {NO_GRID}")
+        if unit.zero_stage == 3 and unit.num_microbatches > 1:
+            raise ConfigError(f"unit {unit.unit}: ZeRO-3 with {unit.num_microbatches} micro-batches per step does not "
+                              f"yet train like one process on the real backend (its gradients accumulate wrong "
+                              f"across the separate backward calls); use strategy.zero_stage<=2 or one micro-batch "
+                              f"per step (strategy.micro_batch_size={unit.batch_per_replica})")
         if unit.sequence_parallel:
             raise ConfigError(f"unit {unit.unit} uses sequence parallelism, which the real backend does not run "
                               f"yet (strategy.sequence_parallel=false)")
@@ -66,7 +75,7 @@ def _check_instruction(instruction, handles: set[str], label: str) -> None:
             raise ConfigError(f"{label}: the real backend runs whole layers of nominal samples, not kernels, "
                               f"chunks or loads ({work.unit} layers {work.layers})")
         if work.sharding.grid:
-            raise ConfigError(f"{label}: the real backend has no 3D tensor-parallel layers yet ({work.unit})")
+            raise ConfigError(f"{label}: {NO_GRID} ({work.unit})")
         if work.phase == "fwd":
             for payload in instruction.inputs:
                 input_key(work.unit, payload)
@@ -79,8 +88,9 @@ def _check_instruction(instruction, handles: set[str], label: str) -> None:
                               f"{instruction.kind} on group {instruction.group}: no tensor of the model travels in it")
         elif not instruction.blocking:
             raise ConfigError(f"{label}: asynchronous {instruction.kind} {instruction.op} on {instruction.group}: the "
-                              f"real backend does not overlap gradient reduction yet "
-                              f"(strategy.overlap_grad_reduce=false)")
+                              f"real backend does not overlap gradient reduction or parameter prefetch yet "
+                              f"(megatron: strategy.overlap_grad_reduce=false; ddp: strategy.overlap_comm=false, "
+                              f"whose prefetch_bucket_size then does nothing)")
     elif isinstance(instruction, Recv) and not instruction.blocking:
         handles.add(instruction.handle)
     elif isinstance(instruction, Wait) and instruction.handle not in handles:

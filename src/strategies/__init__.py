@@ -4,13 +4,17 @@ from __future__ import annotations
 from src.errors import ConfigError
 from src.strategies.base import Planner, PlanRequest
 from src.strategies.ddp import plan_ddp
+from src.strategies.deepspeed3d import plan_deepspeed3d
 from src.strategies.distmm import plan_distmm
 from src.strategies.megatron import plan_megatron
+from src.strategies.par4d import plan_par4d
 
 STRATEGIES: dict[str, Planner] = {
     "megatron": plan_megatron,
     "distmm": plan_distmm,
     "ddp": plan_ddp,
+    "par4d": plan_par4d,
+    "deepspeed3d": plan_deepspeed3d,
 }
 
 

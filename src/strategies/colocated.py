@@ -15,7 +15,7 @@ from src.cluster import ClusterSpec
 from src.costmodel.memory import element_bytes, grad_bytes
 from src.mesh import Mesh, tensor_parallel
 from src.models.spec import ModelSpec
-from src.program import Collective, Instruction, Message, Program, RankProgram
+from src.program import Collective, Compute, Instruction, Message, Program, RankProgram, Wait, Work
 from src.strategies.contrastive import Holder, gathered_batch, local_queries, local_routes
 from src.strategies.emit import TPConfig, iteration_tail, segment_pass
 from src.strategies.layout import axis_group
@@ -27,7 +27,12 @@ QUERY_ROUTE = "interaction.queries"
 
 @dataclass(frozen=True)
 class ColocatedUnit:
-    """A unit's layout over all ranks: a (tp, dp) mesh, its memory settings."""
+    """A unit's layout over all ranks: a (tp, dp) mesh, its memory settings.
+
+    Under ZeRO-3, overlap_comm (DeepSpeed's name) reduce-scatters each layer's gradients
+    asynchronously during the backward and prefetches up to `prefetch_params` parameters
+    of the next layer while the current one computes (DeepSpeed's
+    stage3_prefetch_bucket_size); without it every gather and reduction blocks."""
 
     unit: str
     mesh: Mesh
@@ -35,6 +40,8 @@ class ColocatedUnit:
     zero_stage: int
     sequence_parallel: bool = False
     group_prefix: str = ""
+    overlap_comm: bool = False
+    prefetch_params: float = 0.0
 
 
 class ColocatedEmitter:
@@ -43,6 +50,7 @@ class ColocatedEmitter:
         self.model, self.cluster, self.program = model, cluster, program
         self.units = {u.unit: u for u in units}
         self.act_bytes, self.grad_bytes = element_bytes(precision), grad_bytes(precision)
+        self.pending: list[str] = []
         self.tp_group, self.dp_group = {}, {}
         for u in units:
             first = u.mesh.ranks[0]
@@ -55,22 +63,62 @@ class ColocatedEmitter:
                         self.act_bytes)
 
     def _pass(self, unit: str, phase: str, samples: int, microbatch: int) -> list[Instruction]:
-        """A unit's forward or backward; under ZeRO-3 with replicas, layer by layer, each
-        after all-gathering that layer's parameters."""
+        """A unit's forward or backward; under ZeRO-3 with replicas, layer by layer: each
+        layer's parameters all-gathered before it runs, its gradients reduce-scattered
+        after its backward (every micro-batch: ZeRO-3 keeps no whole gradients), in the
+        model's 16-bit type (DeepSpeed's default communication_data_type)."""
         spec, u = self.model.unit(unit), self.units[unit]
         dp = u.mesh.degree("dp")
         if u.zero_stage < 3 or dp == 1:
             return segment_pass(self.model, Segment(unit, (0, spec.num_layers)), phase, samples, microbatch,
                                 self._tp(unit))
+        backward = phase != "fwd"
+        order = [i for i in (reversed(range(spec.num_layers)) if backward else range(spec.num_layers))]
+        params = [spec.layers[i].params / u.mesh.degree("tp") for i in order]
+        group = self.dp_group[unit]
         out: list[Instruction] = []
-        layers = range(spec.num_layers)
-        for layer in (layers if phase == "fwd" else reversed(layers)):
-            params = spec.layers[layer].params / u.mesh.degree("tp")
-            if params:
-                out.append(Collective("all_gather", self.dp_group[unit], params * self.act_bytes, "dp"))
+        for index, layer in enumerate(order):
+            out += self._gather(unit, phase, microbatch, order, params, index)
             out += segment_pass(self.model, Segment(unit, (layer, layer + 1)), phase, samples, microbatch,
                                 self._tp(unit))
+            trainable = spec.trainable_params(layer, layer + 1) / u.mesh.degree("tp")
+            if backward and trainable:
+                if u.overlap_comm:
+                    handle = f"rs.{unit}.mb{microbatch}.L{layer}"
+                    out.append(Collective("reduce_scatter", group, trainable * self.act_bytes, "dp", stream="dp",
+                                          blocking=False, handle=handle))
+                    self.pending.append(handle)
+                else:
+                    out.append(Collective("reduce_scatter", group, trainable * self.act_bytes, "dp"))
         return out
+
+    def _gather(self, unit: str, phase: str, microbatch: int, order: list[int], params: list[float],
+                index: int) -> list[Instruction]:
+        """The all-gather of layer order[index]'s parameters: the part prefetched during
+        the previous layer is waited for, the rest gathered now; then the next layer's
+        prefetch is issued."""
+        u, group = self.units[unit], self.dp_group[unit]
+        prefetched = min(params[index], u.prefetch_params) if (u.overlap_comm and index > 0) else 0.0
+        out: list[Instruction] = []
+        if prefetched:
+            out.append(Wait(f"ag.{unit}.{phase}.mb{microbatch}.{index}"))
+        if params[index] > prefetched:
+            out.append(Collective("all_gather", group, (params[index] - prefetched) * self.act_bytes, "dp"))
+        if u.overlap_comm and index + 1 < len(order):
+            ahead = min(params[index + 1], u.prefetch_params)
+            if ahead:
+                out.append(Collective("all_gather", group, ahead * self.act_bytes, "dp", stream="dp",
+                                      blocking=False, handle=f"ag.{unit}.{phase}.mb{microbatch}.{index + 1}"))
+        return out
+
+    def gathered_params(self, unit: str) -> float:
+        """ZeRO-3's live parameters at the peak: the layer running (and the next one's
+        prefetched part), per rank."""
+        spec, u = self.model.unit(unit), self.units[unit]
+        if u.zero_stage < 3 or u.mesh.degree("dp") == 1:
+            return 0.0
+        largest = max(layer.params for layer in spec.layers) / u.mesh.degree("tp")
+        return largest + (min(largest, u.prefetch_params) if u.overlap_comm else 0.0)
 
     def microbatch(self, microbatch: int, samples: dict[str, int], interaction: list[Instruction]) -> list[Instruction]:
         """One micro-batch: forwards, the interaction's instructions, backwards."""
@@ -114,14 +162,21 @@ class ColocatedEmitter:
 
     def tail(self, pending: list[str] = ()) -> list[Instruction]:
         """Each unit's gradient reduction and optimizer step; units sharing a DP group
-        reduce together."""
-        out: list[Instruction] = []
+        reduce together. ZeRO-3 units reduced layer by layer in their backward: they wait
+        for the asynchronous reductions and step."""
+        out: list[Instruction] = [Wait(h) for h in self.pending]
         by_group: dict[tuple, list[str]] = {}
         for unit, u in self.units.items():
             by_group.setdefault((u.mesh, self.dp_group[unit]), []).append(unit)
         for (mesh, _), names in by_group.items():
             u = self.units[names[0]]
             segments = [Segment(n, (0, self.model.unit(n).num_layers)) for n in names]
+            layered = u.zero_stage >= 3 and mesh.degree("dp") > 1
+            shard = mesh.degree("dp") if u.zero_stage >= 1 else 1
+            if layered:
+                out += [Compute(Work(s.unit, "optimizer", 0, s.layers, sharding=tensor_parallel(mesh.degree("tp")),
+                                     shard=shard)) for s in segments if not self.model.unit(s.unit).frozen]
+                continue
             out += iteration_tail(self.model, segments, tensor_parallel(mesh.degree("tp")), self.dp_group[names[0]],
                                   mesh.degree("dp"), u.zero_stage, self.grad_bytes, self.act_bytes, pending)
         return out

@@ -6,61 +6,90 @@ micro-batches through all units; a contrastive model's loss sees every replica's
 towers do). The end of an iteration reduces gradients (all-reduce at ZeRO-0, reduce-scatter
 from ZeRO-1), steps the optimizer on the local shard and all-gathers the updated
 parameters (ZeRO-1/2). ZeRO-3 holds only a shard of the weights, so it all-gathers each
-layer's parameters before that layer's forward and again before its backward.
+layer's parameters before that layer's forward and again before its backward, and
+reduce-scatters each layer's gradients after its backward (with `overlap_comm`, DeepSpeed's
+stage-3 behaviour: asynchronously, with the next layer's parameters prefetched up to
+`prefetch_bucket_size`).
+
+Memory is checked: the micro-batch (the whole per-replica batch unless fixed or too big)
+and recomputation (none, selective, full) are the least memory-saving that fit, as the
+other planners choose them; a plan that fits nowhere is refused with its numbers.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from src.cluster import GIB
 from src.config import options_from
-from src.errors import ConfigError
+from src.costmodel.memory import rank_memory
+from src.errors import ConfigError, PlanError
 from src.mesh import Mesh
-from src.program import Instruction, Plan, Program, UnitPlan
+from src.program import RECOMPUTE_MODES, Instruction, Plan, Program, UnitPlan
 from src.strategies.base import PlanRequest
 from src.strategies.colocated import ColocatedEmitter, ColocatedUnit
 from src.models.flows import unit_order
+
+# DeepSpeed's default stage3_prefetch_bucket_size (parameters).
+DEEPSPEED_PREFETCH_BUCKET = 50_000_000
 
 
 @dataclass(frozen=True)
 class DDPOptions:
     zero_stage: int = 0
-    micro_batch_size: int | None = None  # null: the whole per-replica batch at once
+    micro_batch_size: int | None = None  # null: the whole per-replica batch at once, unless it does not fit
+    recompute: str | None = None         # none | selective | full; null: the least that fits
+    overlap_comm: bool = False           # ZeRO-3: asynchronous reduce-scatters and parameter prefetch
+    prefetch_bucket_size: int = DEEPSPEED_PREFETCH_BUCKET
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"strategy.zero_stage={self.zero_stage!r}; choose 0, 1, 2 or 3")
-        mb = self.micro_batch_size
-        if mb is not None and (isinstance(mb, bool) or not isinstance(mb, int) or mb <= 0):
-            raise ConfigError(f"strategy.micro_batch_size must be a positive integer or null, got {mb!r}")
+        for key in ("micro_batch_size", "prefetch_bucket_size"):
+            value = getattr(self, key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise ConfigError(f"strategy.{key} must be a positive integer"
+                                  f"{' or null' if key == 'micro_batch_size' else ''}, got {value!r}")
+        if self.recompute is not None and self.recompute not in RECOMPUTE_MODES:
+            raise ConfigError(f"strategy.recompute={self.recompute!r}; choose one of {list(RECOMPUTE_MODES)} or null")
+        if not isinstance(self.overlap_comm, bool):
+            raise ConfigError(f"strategy.overlap_comm must be true or false, got {self.overlap_comm!r}")
 
 
-def _micro_batch(request: PlanRequest, opts: DDPOptions, dp: int) -> int:
+def _micro_batches(request: PlanRequest, opts: DDPOptions, dp: int) -> list[int]:
+    """Micro-batch sizes to try, largest first: the fixed one, or the whole per-replica
+    batch and then its divisors (those the contrastive batch allows)."""
     train = request.train
     if train.global_batch % dp:
         raise ConfigError(f"global batch {train.global_batch} is not divisible by dp={dp} devices")
     per_replica = train.global_batch // dp
-    mb = opts.micro_batch_size or per_replica
-    if per_replica % mb:
-        raise ConfigError(f"per-replica batch {per_replica} (global {train.global_batch} / dp {dp}) is not "
-                          f"divisible by strategy.micro_batch_size={mb}")
-    if request.model.interaction is not None and mb * dp < train.contrastive_batch:
-        raise ConfigError(f"micro-batch {mb} x dp {dp} = {mb * dp} samples per loss is below the contrastive "
-                          f"batch {train.contrastive_batch}")
-    return mb
+    if opts.micro_batch_size is not None:
+        mb = opts.micro_batch_size
+        if per_replica % mb:
+            raise ConfigError(f"per-replica batch {per_replica} (global {train.global_batch} / dp {dp}) is not "
+                              f"divisible by strategy.micro_batch_size={mb}")
+        choices = [mb]
+    else:
+        choices = [m for m in range(per_replica, 0, -1) if per_replica % m == 0]
+    if request.model.interaction is not None:
+        fitting = [m for m in choices if m * dp >= train.contrastive_batch]
+        if not fitting:
+            raise ConfigError(f"micro-batch {choices[0]} x dp {dp} = {choices[0] * dp} samples per loss is below the "
+                              f"contrastive batch {train.contrastive_batch}")
+        choices = fitting
+    return choices
 
 
-def plan_ddp(request: PlanRequest) -> Plan:
-    opts = options_from(DDPOptions, request.options)
+def _build(request: PlanRequest, opts: DDPOptions, dp: int, mb: int, recompute: str) -> tuple[Plan, dict[str, float]]:
     model = request.model
-    dp = request.cluster.devices
-    mb = _micro_batch(request, opts, dp)
     per_replica = request.train.global_batch // dp
     microbatches = per_replica // mb
     mesh = Mesh.contiguous((("dp", dp),))
     program = Program(world_size=dp, classes=[])
     names = unit_order(model)
+    prefetch = float(opts.prefetch_bucket_size)
     emitter = ColocatedEmitter(model, request.cluster, request.train.precision, program,
-                               [ColocatedUnit(name, mesh, "none", opts.zero_stage) for name in names])
+                               [ColocatedUnit(name, mesh, recompute, opts.zero_stage, overlap_comm=opts.overlap_comm,
+                                              prefetch_params=prefetch) for name in names])
     towers = emitter.towers()
     contrastive = model.interaction is not None
     if contrastive:
@@ -74,7 +103,33 @@ def plan_ddp(request: PlanRequest) -> Plan:
     program.classes.append(emitter.rank_program(instructions))
     unit_plans = [UnitPlan(unit=name, mesh=mesh, micro_batch=mb, num_microbatches=microbatches,
                            batch_per_replica=per_replica, stage_layers=((0, model.unit(name).num_layers),),
-                           sample_groups=microbatches, zero_stage=opts.zero_stage)
+                           sample_groups=microbatches, zero_stage=opts.zero_stage, recompute=recompute,
+                           gathered_params=emitter.gathered_params(name))
                   for name in names]
-    return Plan(strategy="ddp", devices=dp, units=unit_plans, program=program,
-                details={"dp": dp, "micro_batch": mb, "zero_stage": opts.zero_stage})
+    plan = Plan(strategy="ddp", devices=dp, units=unit_plans, program=program,
+                details={"dp": dp, "micro_batch": mb, "zero_stage": opts.zero_stage, "recompute": recompute,
+                         "overlap_comm": opts.overlap_comm})
+    memory = rank_memory(program.classes[0], {u.unit: u for u in unit_plans}, model, request.train.precision)
+    return plan, memory
+
+
+def plan_ddp(request: PlanRequest) -> Plan:
+    opts = options_from(DDPOptions, request.options)
+    dp = request.cluster.devices
+    usable = request.cluster.usable_memory_bytes
+    closest: tuple[float, str] | None = None
+    for mb in _micro_batches(request, opts, dp):
+        for recompute in (r for r in RECOMPUTE_MODES if opts.recompute in (None, r)):
+            plan, memory = _build(request, opts, dp, mb, recompute)
+            if memory["total"] <= usable:
+                plan.details["memory_gib"] = round(memory["total"] / GIB, 3)
+                return plan
+            short = memory["total"] - usable
+            if closest is None or short < closest[0]:
+                parts = ", ".join(f"{k} {memory[k] / GIB:.1f}" for k in ("weights", "grads", "optimizer", "gathered",
+                                                                          "activations") if k in memory)
+                closest = (short, f"ddp zero_stage={opts.zero_stage} dp={dp} micro-batch={mb} recompute={recompute}: "
+                                  f"a rank needs {memory['total'] / GIB:.1f} GiB ({parts}) but a "
+                                  f"{request.cluster.device} has {usable / GIB:.1f} GiB usable, short by "
+                                  f"{short / GIB:.1f} GiB")
+    raise PlanError(closest[1])

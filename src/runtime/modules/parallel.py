@@ -30,7 +30,7 @@ class TP:
     group: dist.ProcessGroup | None = None
 
 
-def _linear_shard(d_in: int, d_out: int, rows: torch.Tensor, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def linear_shard(d_in: int, d_out: int, rows: torch.Tensor, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows x cols of nn.Linear's initialisation (weight and bias uniform in +-1/sqrt(d_in),
     as kaiming_uniform with a=sqrt(5) gives), materialising one whole row at a time."""
     bound = 1 / math.sqrt(d_in)
@@ -86,7 +86,7 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         if rows is None:
             rows = torch.arange(d_out).chunk(tp.size)[tp.rank]
-        weight, bias = _linear_shard(d_in, d_out, rows, torch.arange(d_in))
+        weight, bias = linear_shard(d_in, d_out, rows, torch.arange(d_in))
         self.weight = nn.Parameter(weight)
         self.bias = nn.Parameter(bias)
         self.tp = tp
@@ -104,7 +104,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         if cols is None:
             cols = torch.arange(d_in).chunk(tp.size)[tp.rank]
-        weight, bias = _linear_shard(d_in, d_out, torch.arange(d_out), cols)
+        weight, bias = linear_shard(d_in, d_out, torch.arange(d_out), cols)
         self.weight = nn.Parameter(weight)
         self.bias = nn.Parameter(bias)
         self.tp = tp

@@ -1,0 +1,273 @@
+"""Par4D's 3D-parallel linear layer (Algorithm 1), one autograd Function per layer.
+
+A rank g(i, j, k) of a (G_x, G_y, G_z) tensor grid holds, for O = I·W with W (k x n):
+the weight block W[j, i] (rows split over y, columns over x), itself sharded over z so
+each rank stores one unique piece Ŵ (rows of the block split over z). The input
+I[k, j] has its rows split over z and its columns over y; the output O[k, i] its rows
+over z and its columns over x. A transposed layer swaps the roles of x and y, so a layer
+reads the layout the previous one wrote.
+
+Forward: W = all-gather_z(Ŵ); O = all-reduce_y(I·W) (+ bias, once after the sum).
+Backward: dI = all-reduce_x(dO·Wᵀ); dŴ = reduce-scatter_z(Iᵀ·dO).
+The four overlaps (`Grid3D.overlap`): all_reduce (A) issues dI's all-reduce before the
+weight-gradient GEMM and waits after it; reduce_scatter (B) leaves dŴ's reduce-scatter
+in flight until `Grid3D.finish_backward()`; all_gather (C) prefetches the next layer's
+weights during this layer's forward; cache (D) keeps the gathered weights from the
+forward for a recomputed forward (activation checkpointing) instead of gathering again.
+Data parallelism (`dp` group) all-reduces the unique shards' gradients in
+`finish_backward()`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from src.runtime.comm import CLOCK
+from src.runtime.modules.parallel import linear_shard
+
+OVERLAPS = ("all_reduce", "reduce_scatter", "all_gather", "cache")
+
+
+@dataclass(frozen=True)
+class Axis:
+    """This rank's place along one grid axis (size 1: no group, no communication)."""
+
+    size: int = 1
+    rank: int = 0
+    group: dist.ProcessGroup | None = None
+
+
+@dataclass
+class Grid3D:
+    """This rank's groups on the (x, y, z, data) grid, the overlaps that are on, and the
+    collectives left in flight until the end of the backward."""
+
+    x: Axis = Axis()
+    y: Axis = Axis()
+    z: Axis = Axis()
+    dp: Axis = Axis()
+    overlap: frozenset[str] = frozenset()
+    pending: list = field(default_factory=list)
+    gathers: int = 0   # z all-gathers issued, for tests of prefetching and caching
+
+    @classmethod
+    def build(cls, degrees: tuple[int, int, int, int], overlap: frozenset[str] = frozenset()) -> Grid3D:
+        """Every group of the grid (X innermost, then Y, Z, data: rank = i + G_x(j + G_y(k +
+        G_z d))), made collectively by every rank; this rank's own axes."""
+        unknown = set(overlap) - set(OVERLAPS)
+        if unknown:
+            raise ValueError(f"unknown overlaps {sorted(unknown)}; choose from {list(OVERLAPS)}")
+        rank, strides = dist.get_rank(), []
+        stride = 1
+        for degree in degrees:
+            strides.append(stride)
+            stride *= degree
+        if stride != dist.get_world_size():
+            raise ValueError(f"grid {degrees} holds {stride} ranks but the world has {dist.get_world_size()}")
+        axes = []
+        for degree, stride in zip(degrees, strides):
+            mine = Axis()
+            for start in range(dist.get_world_size()):
+                if (start // stride) % degree:   # not the group's first member
+                    continue
+                members = [start + stride * t for t in range(degree)]
+                group = dist.new_group(members) if degree > 1 else None
+                if rank in members:
+                    mine = Axis(degree, members.index(rank), group)
+            axes.append(mine)
+        return cls(*axes, overlap=frozenset(overlap))
+
+    def with_overlap(self, overlap: frozenset[str]) -> Grid3D:
+        """The same groups with other overlaps on (nothing in flight, no gathers counted)."""
+        return Grid3D(self.x, self.y, self.z, self.dp, frozenset(overlap))
+
+    def axis(self, name: str) -> Axis:
+        return getattr(self, name)
+
+    def finish_backward(self, modules: list[nn.Module]) -> None:
+        """Wait for the reduce-scatters left in flight (B) and all-reduce the unique
+        shards' gradients over data parallelism; drop any weights a recomputation
+        prefetched (C) but did not use, so the next step gathers the updated ones."""
+        for module in modules:
+            for layer in module.modules():
+                if isinstance(layer, Linear3D):
+                    layer.drop_prefetch()
+        for inflight, param in self.pending:
+            _accumulate(param, inflight.result())
+        self.pending.clear()
+        if self.dp.size == 1:
+            return
+        params = {id(p): p for module in modules for p in module.parameters() if p.grad is not None}
+        with CLOCK.timed("dp"):
+            for param in params.values():
+                dist.all_reduce(param.grad, group=self.dp.group)
+
+
+def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
+    param.grad = grad if param.grad is None else param.grad + grad
+
+
+class _InFlight:
+    """A collective issued asynchronously and how to read its result once waited."""
+
+    def __init__(self, handle, finish) -> None:
+        self.handle, self.finish = handle, finish
+
+    def result(self) -> torch.Tensor:
+        if self.handle is not None:
+            with CLOCK.timed("tp"):
+                self.handle.wait()
+        return self.finish()
+
+
+def _nccl(axis: Axis) -> bool:
+    return dist.get_backend(axis.group) == "nccl"
+
+
+def _gather(shard: torch.Tensor, axis: Axis) -> _InFlight:
+    """Start the z all-gather of a weight shard (rows concatenated)."""
+    local = shard.detach().contiguous()
+    if axis.size == 1:
+        return _InFlight(None, lambda: local)
+    if _nccl(axis):
+        out = torch.empty((axis.size * local.shape[0],) + tuple(local.shape[1:]), dtype=local.dtype,
+                          device=local.device)
+        return _InFlight(dist.all_gather_into_tensor(out, local, group=axis.group, async_op=True), lambda: out)
+    parts = [torch.empty_like(local) for _ in range(axis.size)]
+    return _InFlight(dist.all_gather(parts, local, group=axis.group, async_op=True), lambda: torch.cat(parts))
+
+
+def _reduce_scatter(full: torch.Tensor, axis: Axis, async_op: bool) -> _InFlight:
+    """Start the z reduce-scatter of a weight gradient (this rank keeps its rows)."""
+    full = full.contiguous()
+    rows = full.shape[0] // axis.size
+    if _nccl(axis):
+        out = torch.empty((rows,) + tuple(full.shape[1:]), dtype=full.dtype, device=full.device)
+        handle = dist.reduce_scatter_tensor(out, full, group=axis.group, async_op=async_op)
+        return _InFlight(handle if async_op else None, lambda: out)
+    # gloo has no reduce-scatter: all-reduce, then keep this rank's rows.
+    handle = dist.all_reduce(full, group=axis.group, async_op=async_op)
+    return _InFlight(handle if async_op else None, lambda: full[axis.rank * rows:(axis.rank + 1) * rows])
+
+
+class _Linear3D(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, shard: torch.Tensor, bias: torch.Tensor | None,
+                layer: Linear3D) -> torch.Tensor:
+        weight = layer.gathered_weight()
+        ctx.save_for_backward(x, weight)
+        ctx.layer, ctx.has_bias = layer, bias is not None
+        out = x @ weight
+        rows = layer.grid.axis(layer.rows_axis)
+        if rows.size > 1:
+            with CLOCK.timed("tp"):
+                dist.all_reduce(out, group=rows.group)
+        return out + bias if bias is not None else out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        layer: Linear3D = ctx.layer
+        grid = layer.grid
+        cols = grid.axis(layer.cols_axis)
+        grad_x = grad @ weight.t()
+        handle = None
+        if cols.size > 1:
+            with CLOCK.timed("tp"):
+                handle = dist.all_reduce(grad_x, group=cols.group, async_op="all_reduce" in grid.overlap)
+        flat_x, flat_grad = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
+        grad_w = flat_x.t() @ flat_grad   # overlapped with dI's all-reduce under A
+        if handle is not None and "all_reduce" in grid.overlap:
+            with CLOCK.timed("tp"):
+                handle.wait()
+        grad_bias = None
+        if ctx.has_bias:
+            grad_bias = flat_grad.sum(0)
+            if grid.z.size > 1:
+                with CLOCK.timed("tp"):
+                    dist.all_reduce(grad_bias, group=grid.z.group)
+        layer.reduce_weight_grad(grad_w)
+        layer.release()
+        return grad_x, None, grad_bias, None
+
+
+class Linear3D(nn.Module):
+    """nn.Linear(d_in, d_out) on a 3D grid. Initialised whole from the global RNG (as
+    nn.Linear) and then sliced, so every grid starts from the weights of one process."""
+
+    def __init__(self, d_in: int, d_out: int, grid: Grid3D, transposed: bool = False, bias: bool = True) -> None:
+        super().__init__()
+        self.grid, self.transposed = grid, transposed
+        # cols_axis splits the output columns (n), rows_axis the input columns (k).
+        self.cols_axis, self.rows_axis = ("y", "x") if transposed else ("x", "y")
+        cols, rows, z = grid.axis(self.cols_axis), grid.axis(self.rows_axis), grid.z
+        if d_out % cols.size or d_in % (rows.size * z.size):
+            raise ValueError(f"Linear3D({d_in}, {d_out}) on G_{self.cols_axis}={cols.size}, "
+                             f"G_{self.rows_axis}={rows.size}, G_z={z.size}: the grid does not divide it")
+        # Only this rank's block is drawn: its output features (cols), and of its input
+        # features (rows) its z part.
+        inputs = torch.arange(d_in)[_part(d_in, rows)]
+        weight, full_bias = linear_shard(d_in, d_out, torch.arange(d_out)[_part(d_out, cols)],
+                                         inputs[_part(len(inputs), z)])
+        self.shard = nn.Parameter(weight.t().contiguous())
+        self.bias = nn.Parameter(full_bias) if bias else None
+        self.next: Linear3D | None = None   # the layer whose weights C prefetches (see prefetches())
+        self._inflight: _InFlight | None = None
+        self._cached: torch.Tensor | None = None
+
+    def prefetches(self, layer: Linear3D) -> None:
+        """Make `layer` the one whose weights this layer's forward prefetches (C); kept out
+        of the module tree, so neither its parameters nor its state repeat under this one."""
+        object.__setattr__(self, "next", layer)
+
+    def prefetch(self) -> None:
+        if self._inflight is None and self._cached is None:
+            self._inflight = _gather(self.shard, self.grid.z)
+            self.grid.gathers += self.grid.z.size > 1
+
+    def gathered_weight(self) -> torch.Tensor:
+        """This rank's whole block W[j, i]: cached (D), prefetched (C) or gathered now."""
+        if self._cached is not None:
+            weight = self._cached
+        else:
+            self.prefetch()
+            weight = self._inflight.result()
+            self._inflight = None
+            if "cache" in self.grid.overlap:
+                self._cached = weight
+        if "all_gather" in self.grid.overlap and self.next is not None:
+            self.next.prefetch()
+        return weight
+
+    def drop_prefetch(self) -> None:
+        if self._inflight is not None:
+            self._inflight.result()
+        self._inflight, self._cached = None, None
+
+    def release(self) -> None:
+        """The backward is done with the gathered weights."""
+        self._cached = None
+
+    def reduce_weight_grad(self, grad_w: torch.Tensor) -> None:
+        z = self.grid.z
+        if z.size == 1:
+            _accumulate(self.shard, grad_w)
+            return
+        overlapped = "reduce_scatter" in self.grid.overlap
+        with CLOCK.timed("tp"):
+            inflight = _reduce_scatter(grad_w, z, overlapped)
+        if overlapped:
+            self.grid.pending.append((inflight, self.shard))
+        else:
+            _accumulate(self.shard, inflight.result())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Linear3D.apply(x, self.shard, self.bias, self)
+
+
+def _part(size: int, axis: Axis) -> slice:
+    step = size // axis.size
+    return slice(axis.rank * step, (axis.rank + 1) * step)

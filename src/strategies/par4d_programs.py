@@ -1,0 +1,256 @@
+"""The Par4D Program for one grid: Algorithm 1 per FC, its four overlaps, data parallelism.
+
+Every rank runs the same list (one rank class): per micro-batch the forward, layer by
+layer and FC by FC, then the backward in reverse; then the data-parallel all-reduce of the
+unique weight shards and the optimizer step. Per FC (par4d_layout.FC, axes a/b = x/y, or
+y/x when transposed):
+
+  forward   all-gather Ŵ over z (the k·n/(a·b) block), GEMM, all-reduce O over b
+  backward  [full recompute: gather Ŵ again unless cached, re-run the forward and its
+            all-reduce over b] input-gradient GEMM, all-reduce dI over a, weight-gradient
+            GEMM, reduce-scatter dW over z
+
+Overlaps (§IV), each one switchable:
+  all_reduce      (A) the all-reduce over a is issued asynchronously and waited after the
+                  weight-gradient GEMM, which it overlaps;
+  reduce_scatter  (B) reduce-scatters are asynchronous and waited once the micro-batch's
+                  whole backward is done;
+  all_gather      (C) each weight all-gather is issued while the previous FC computes
+                  (topological order, recomputation included), and waited before its GEMM;
+  cache           (D) under full recomputation the forward's gathered weights of the first
+                  `cached_layers` layers stay in memory, so their recompute needs no gather.
+Without an overlap the collective blocks the compute stream where it is issued. Each axis
+has one communication stream (NCCL runs a communicator's collectives in order).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from src.cluster import ClusterSpec
+from src.costmodel.memory import element_bytes, grad_bytes
+from src.models.spec import ModelSpec
+from src.program import Collective, Compute, Instruction, Program, RankProgram, UnitPlan, Wait, Work
+from src.strategies.emit import consumed, produced
+from src.strategies.layout import axis_group
+from src.strategies.par4d_layout import FC, Grid, LayerLayout
+from src.strategies.stages import Segment
+
+OVERLAPS = ("all_reduce", "reduce_scatter", "all_gather", "cache")
+
+
+@dataclass(frozen=True)
+class Par4DSettings:
+    micro_batch: int                  # samples per data-parallel replica per micro-batch
+    recompute: str                    # none | selective | full
+    overlap: frozenset[str]
+    cached_layers: int = 0            # layers whose gathered weights the recompute reuses (D)
+
+
+@dataclass(frozen=True)
+class _Gather:
+    """One all-gather of weights over z: for layer `layer`'s kernel range `item`."""
+
+    layer: int
+    item: int
+    bytes: float
+    handle: str
+
+
+class Par4DEmitter:
+    def __init__(self, model: ModelSpec, cluster: ClusterSpec, precision: str, program: Program, grid: Grid,
+                 layouts: list[LayerLayout], settings: Par4DSettings, unit: str) -> None:
+        self.model, self.grid, self.layouts, self.cfg, self.unit = model, grid, layouts, settings, unit
+        self.spec = model.unit(unit)
+        self.act_bytes = element_bytes(precision)
+        self.grad_bytes = grad_bytes(precision)
+        mesh = grid.mesh()
+        self.groups = {axis: axis_group(program, cluster, axis, mesh, axis, mesh.ranks[0])
+                       for axis in ("x", "y", "z", "dp")}
+        self.cached = {lay.index for lay in layouts if self._gathers(lay)}
+        self.cached = set(sorted(self.cached)[:settings.cached_layers]) if "cache" in settings.overlap else set()
+        self._issued: set[str] = set()
+        self._pending_rs: list[str] = []
+
+    # ---- sizes -----------------------------------------------------------------------------
+    def _degree(self, axis: str) -> int:
+        return getattr(self.grid, axis)
+
+    def _gathers(self, layout: LayerLayout) -> bool:
+        return self.grid.z > 1 and layout.params > 0
+
+    def _weight_bytes(self, layout: LayerLayout, item: int) -> float:
+        """Bytes of the weight block range `item` of a layer gathers (16-bit)."""
+        fc = layout.fcs[item]
+        if fc is not None:
+            return fc.k * fc.n / (self.grid.x * self.grid.y) * self.act_bytes
+        return layout.gathered_params(self.grid) * self.act_bytes if item == len(layout.fcs) - 1 else 0.0
+
+    def _rows(self, fc: FC) -> float:
+        return fc.m * self.cfg.micro_batch / self.grid.z
+
+    def _gather_list(self, layouts: list[LayerLayout], j: int, phase: str) -> list[_Gather]:
+        out = []
+        for layout in layouts:
+            if not self._gathers(layout):
+                continue
+            for item in range(len(layout.fcs)):
+                nbytes = self._weight_bytes(layout, item)
+                if nbytes:
+                    out.append(_Gather(layout.index, item, nbytes, f"ag.{phase}.mb{j}.L{layout.index}.{item}"))
+        return out
+
+    # ---- one micro-batch ---------------------------------------------------------------------
+    def _recompute_gathers(self, j: int) -> list[_Gather]:
+        if self.cfg.recompute != "full":
+            return []
+        return [g for g in self._gather_list(list(reversed(self.layouts)), j, "re") if g.layer not in self.cached]
+
+    def microbatch(self, j: int, last: bool) -> list[Instruction]:
+        # Gathers in the order they are needed, into the next micro-batch's first: the
+        # prefetch (C) walks this list one ahead.
+        sequence = self._gather_list(self.layouts, j, "fwd") + self._recompute_gathers(j)
+        if not last:
+            sequence += self._gather_list(self.layouts, j + 1, "fwd")[:1]
+        position = {g.handle: i for i, g in enumerate(sequence)}
+        out: list[Instruction] = []
+        for layout in self.layouts:
+            out += self._forward_layer(layout, j, sequence, position)
+        for layout in reversed(self.layouts):
+            out += self._backward_layer(layout, j, sequence, position)
+        out += [Wait(h) for h in self._pending_rs]
+        self._pending_rs = []
+        return out
+
+    def _gather(self, gather: _Gather, sequence: list[_Gather], position: dict[str, int]) -> list[Instruction]:
+        """The all-gather of `gather`'s weights before its GEMM: blocking, or (C) waited
+        after the previous FC's compute, with the next one issued now."""
+        group = self.groups["z"]
+        if "all_gather" not in self.cfg.overlap:
+            return [Collective("all_gather", group, gather.bytes, "tp", stream="z")]
+        out: list[Instruction] = []
+        index = position[gather.handle]
+        for ahead in sequence[index:index + 2]:
+            if ahead.handle not in self._issued:
+                self._issued.add(ahead.handle)
+                out.append(Collective("all_gather", group, ahead.bytes, "tp", stream="z", blocking=False,
+                                      handle=ahead.handle))
+        out.append(Wait(gather.handle))
+        return out
+
+    def _work(self, layout: LayerLayout, phase: str, item: int, recompute: str = "none") -> Work:
+        return Work(self.unit, phase, self.cfg.micro_batch, (layout.index, layout.index + 1),
+                    sharding=layout.sharding, recompute=recompute, kernels=layout.ranges[item])
+
+    def _forward_layer(self, layout: LayerLayout, j: int, sequence, position) -> list[Instruction]:
+        segment = Segment(self.unit, (layout.index, layout.index + 1))
+        gathers = {g.item: g for g in sequence if g.layer == layout.index and g.handle.startswith("ag.fwd")}
+        out: list[Instruction] = []
+        last = len(layout.fcs) - 1
+        for item, fc in enumerate(layout.fcs):
+            if item in gathers:
+                out += self._gather(gathers[item], sequence, position)
+            out.append(Compute(self._work(layout, "fwd", item), microbatch=j,
+                               inputs=consumed(self.model, segment, j) if item == 0 else (),
+                               outputs=produced(self.model, segment, j) if item == last else ()))
+            out += self._output_all_reduce(fc)
+        return out
+
+    def _output_all_reduce(self, fc: FC | None) -> list[Instruction]:
+        if fc is None:
+            return []
+        a, b = fc.axes()
+        if self.groups[b] is None:
+            return []
+        return [Collective("all_reduce", self.groups[b], self._rows(fc) * fc.n / self._degree(a) * self.act_bytes,
+                           "tp", stream=b)]
+
+    def _backward_layer(self, layout: LayerLayout, j: int, sequence, position) -> list[Instruction]:
+        out: list[Instruction] = []
+        recompute = self.cfg.recompute
+        if recompute == "full":
+            # The layer's forward runs again (priced inside its backward Works): its weights
+            # gathered again unless cached, its output all-reduces again.
+            gathers = [g for g in sequence if g.layer == layout.index and g.handle.startswith("ag.re")]
+            for gather in gathers:
+                out += self._gather(gather, sequence, position)
+            for fc in layout.fcs:
+                out += self._output_all_reduce(fc)
+        for item in reversed(range(len(layout.fcs))):
+            fc = layout.fcs[item]
+            out.append(Compute(self._work(layout, "bwd_input", item, recompute), microbatch=j))
+            handle = None
+            if fc is not None:
+                a, b = fc.axes()
+                group = self.groups[a]
+                if group is not None:
+                    nbytes = self._rows(fc) * fc.k / self._degree(b) * self.act_bytes
+                    if "all_reduce" in self.cfg.overlap:
+                        handle = f"ar.mb{j}.L{layout.index}.{item}"
+                        out.append(Collective("all_reduce", group, nbytes, "tp", stream=a, blocking=False,
+                                              handle=handle))
+                    else:
+                        out.append(Collective("all_reduce", group, nbytes, "tp", stream=a))
+                out.append(Compute(self._work(layout, "bwd_weight", item), microbatch=j))
+            if handle:
+                out.append(Wait(handle))
+            out += self._reduce_scatter(layout, item, j)
+        return out
+
+    def _reduce_scatter(self, layout: LayerLayout, item: int, j: int) -> list[Instruction]:
+        if not self._gathers(layout) or self.spec.frozen:
+            return []
+        nbytes = self._weight_bytes(layout, item)
+        if not nbytes:
+            return []
+        if "reduce_scatter" not in self.cfg.overlap:
+            return [Collective("reduce_scatter", self.groups["z"], nbytes, "tp", stream="z")]
+        handle = f"rs.mb{j}.L{layout.index}.{item}"
+        self._pending_rs.append(handle)
+        return [Collective("reduce_scatter", self.groups["z"], nbytes, "tp", stream="z", blocking=False,
+                           handle=handle)]
+
+    # ---- the end of the iteration -------------------------------------------------------------
+    def tail(self) -> list[Instruction]:
+        """The data-parallel all-reduce of each rank's unique weight shard, then the
+        optimizer step on it."""
+        params = self.spec.trainable_params() / self.grid.tensor
+        if params == 0:
+            return []
+        out: list[Instruction] = []
+        if self.groups["dp"] is not None:
+            out.append(Collective("all_reduce", self.groups["dp"], params * self.grad_bytes, "dp", stream="dp"))
+        out.append(Compute(Work(self.unit, "optimizer", 0, (0, self.spec.num_layers), sharding=self.grid.sharding())))
+        return out
+
+    def gathered_params(self) -> float:
+        """Weights held gathered at the peak: every layer's when the backward reuses the
+        forward's (no full recomputation: Algorithm 1 keeps W), else the cached layers'
+        plus the two blocks in flight (the one computing and the one prefetched)."""
+        sizes = {lay.index: lay.gathered_params(self.grid) for lay in self.layouts if self._gathers(lay)}
+        if not sizes:
+            return 0.0
+        if self.cfg.recompute != "full":
+            return sum(sizes.values())
+        return sum(sizes[i] for i in self.cached) + 2 * max(sizes.values())
+
+
+def par4d_program(model: ModelSpec, cluster: ClusterSpec, precision: str, global_batch: int, grid: Grid,
+                  layouts: list[LayerLayout], settings: Par4DSettings, unit: str) -> tuple[Program, UnitPlan]:
+    program = Program(world_size=grid.devices, classes=[])
+    emitter = Par4DEmitter(model, cluster, precision, program, grid, layouts, settings, unit)
+    per_replica = global_batch // grid.dp
+    microbatches = per_replica // settings.micro_batch
+    instructions: list[Instruction] = []
+    for j in range(microbatches):
+        instructions += emitter.microbatch(j, last=j == microbatches - 1)
+    instructions += emitter.tail()
+    program.classes.append(RankProgram(ranks=tuple(range(grid.devices)), instructions=instructions,
+                                       label="all ranks", units=(unit,)))
+    spec = model.unit(unit)
+    plan = UnitPlan(unit=unit, mesh=grid.mesh(), micro_batch=settings.micro_batch, num_microbatches=microbatches,
+                    batch_per_replica=per_replica, stage_layers=((0, spec.num_layers),),
+                    sample_groups=microbatches, recompute=settings.recompute,
+                    gathered_params=emitter.gathered_params(),
+                    details={"grid": grid.label(), "grid_x": grid.x, "grid_y": grid.y, "grid_z": grid.z,
+                             "overlap": sorted(settings.overlap), "cached_layers": len(emitter.cached)})
+    return program, plan
