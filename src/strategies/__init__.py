@@ -6,11 +6,13 @@ from src.strategies.base import Planner, PlanRequest
 from src.strategies.ddp import plan_ddp
 from src.strategies.distmm import plan_distmm
 from src.strategies.megatron import plan_megatron
+from src.strategies.optimus import plan_optimus
 
 STRATEGIES: dict[str, Planner] = {
     "megatron": plan_megatron,
     "distmm": plan_distmm,
     "ddp": plan_ddp,
+    "optimus": plan_optimus,
 }
 
 
