@@ -30,10 +30,11 @@ from src.cluster import GIB, family_sharing
 from src.config import options_from
 from src.costmodel.comm import CommModel
 from src.costmodel.compute import ComputeModel
-from src.costmodel.memory import memory_ladder, model_state_bytes, rank_memory
+from src.costmodel.memory import memory_ladder, model_state_bytes, rank_memory, work_activation_bytes
+from src.mesh import tensor_parallel
 from src.errors import ConfigError, PlanError
 from src.models.spec import ModelSpec
-from src.program import Collective, Compute, Plan, Program, RankProgram, UnitPlan
+from src.program import Collective, Compute, Plan, Program, RankProgram, UnitPlan, Work
 from src.schedules.pipeline import build_schedule, interleaved
 from src.strategies.base import PlanRequest
 from src.strategies.layout import megatron_mesh
@@ -132,13 +133,31 @@ def plan_optimus(request: PlanRequest) -> Plan:
                 rejected.append(problem)
             else:
                 candidates.append(_schedule(request, opts, base, layout, encoders, compute, comm))
-        if candidates:
-            break
-    else:
-        raise PlanError(min(rejected)[1] if rejected else llm_rejected)
-    best = min(candidates, key=lambda c: (c.schedule.latency, -c.plan.pp * c.plan.tp))
-    scheduler_seconds = time.perf_counter() - started
-    return _emit(request, opts, base, best, encoders, candidates, rejected, scheduler_seconds)
+        if not candidates:
+            continue
+        best = min(candidates, key=lambda c: (c.schedule.latency, -c.plan.pp * c.plan.tp))
+        plan = _emit(request, opts, base, best, encoders, candidates, rejected, time.perf_counter() - started)
+        problem = _program_memory_problem(request, plan)
+        if problem is None:
+            return plan
+        rejected.append(problem)
+    raise PlanError(min(rejected)[1] if rejected else llm_rejected)
+
+
+def _program_memory_problem(request: PlanRequest, plan: Plan) -> tuple[float, str] | None:
+    """The emitted schedule's memory as the simulator counts it (an uneven split holds
+    more encoder activations than the pruning's even one)."""
+    units = {u.unit: u for u in plan.units}
+    usable = request.cluster.usable_memory_bytes
+    need, label = max((rank_memory(c, units, request.model, request.train.precision)["total"], c.label)
+                      for c in plan.program.classes)
+    if need <= usable:
+        return None
+    d = plan.details
+    return (need - usable) / GIB, (
+        f"encoder pp={d['encoder']['pp']} tp={d['encoder']['tp']}, LLM recompute={d['llm']['recompute']} "
+        f"zero_stage={d['llm']['zero_stage']}, partition {d['partition']}: {label} needs {need / GIB:.1f} GiB but a "
+        f"{request.cluster.device} has {usable / GIB:.1f} GiB usable, short by {(need - usable) / GIB:.1f} GiB")
 
 
 # ---- the LLM ---------------------------------------------------------------------------------
@@ -242,6 +261,18 @@ def _encoder_state_bytes(request: PlanRequest, layout: Layout, encoders: list[st
     return total
 
 
+def _encoder_activation_bytes(request: PlanRequest, layout: Layout, encoders: list[str], microbatches: int,
+                             samples: int, stage: int, layers: dict[str, list[tuple[int, int]]]) -> float:
+    """An encoder stage's activations for its share of an even split of the micro-batches:
+    the coarse schedule holds every forward's until the backwards after the LLM. (Optimus's
+    MEM_model leaves encoder activations out; the simulator holds them, so we count them.)"""
+    share = -(-microbatches // layout.pipelines)
+    sharding = tensor_parallel(layout.plan.tp)
+    return share * sum(work_activation_bytes(request.model, Compute(Work(u, "fwd", samples, layers[u][stage],
+                                                                        sharding=sharding)), "none")
+                       for u in encoders if request.model.needs_backward(u))
+
+
 def _encoder_plan_problem(request: PlanRequest, layout: Layout, base: LLMBase, encoders: list[str],
                           opts: OptimusOptions) -> tuple[float, str] | None:
     plan, n_mb = layout.plan, base.plan.num_microbatches
@@ -255,14 +286,17 @@ def _encoder_plan_problem(request: PlanRequest, layout: Layout, base: LLMBase, e
     layers = {u: encoder_stages(request.model.unit(u), plan.pp) for u in encoders}
     usable = request.cluster.usable_memory_bytes
     worst = max(range(base.plan.pp), key=lambda s: base.memory[s] + _encoder_state_bytes(
-        request, layout, encoders, opts, s % plan.pp, layers))
+        request, layout, encoders, opts, s % plan.pp, layers) + _encoder_activation_bytes(
+        request, layout, encoders, n_mb, base.plan.micro_batch, s % plan.pp, layers))
     llm = base.memory[worst]
     enc = _encoder_state_bytes(request, layout, encoders, opts, worst % plan.pp, layers)
-    if llm + enc > usable:
-        short = (llm + enc - usable) / GIB
+    acts = _encoder_activation_bytes(request, layout, encoders, n_mb, base.plan.micro_batch, worst % plan.pp, layers)
+    if llm + enc + acts > usable:
+        short = (llm + enc + acts - usable) / GIB
         return short, (f"{label}, LLM recompute={base.plan.recompute} zero_stage={base.plan.zero_stage}: "
-                       f"LLM stage {worst} needs {(llm + enc) / GIB:.1f} GiB (LLM states and activations "
-                f"{llm / GIB:.1f}, encoder states {enc / GIB:.1f}) but a {request.cluster.device} has "
+                       f"LLM stage {worst} needs {(llm + enc + acts) / GIB:.1f} GiB (LLM states and activations "
+                       f"{llm / GIB:.1f}, encoder states {enc / GIB:.1f}, encoder activations {acts / GIB:.1f}) "
+                       f"but a {request.cluster.device} has "
                 f"{usable / GIB:.1f} GiB usable, short by {short:.1f} GiB")
     return None
 
