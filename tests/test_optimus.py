@@ -161,3 +161,11 @@ def test_cli_bad_input_is_one_line_exit_2(cli, tmp_path: Path) -> None:
     assert result.returncode == 2, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and "strategy.encoder.tp=3" in result.stderr
     assert not (tmp_path / "summary.json").exists()
+
+
+def test_interleaved_llm_schedule_is_priced_as_estimated() -> None:
+    s = setup(*SMALL, "strategy.llm.schedule=interleaved", "strategy.llm.vpp=2")
+    plan = plan_run(s)
+    assert plan.details["llm"]["vpp"] == 2 and plan.details["kernels_in_bubbles"] > 0
+    simulated = simulate(plan.program, s.model, s.cluster, s.train.precision).iteration_time
+    assert simulated == pytest.approx(plan.details["estimated_iteration_s"], rel=0.02)
