@@ -42,7 +42,7 @@ def candidate(s: Setup, pp: int, tp: int):
     opts = options_from(OptimusOptions, s.config["strategy"])
     compute, comm = ComputeModel(s.cluster, s.train.precision), CommModel(s.cluster)
     encoders = _llm_and_encoders(s.model)[1]
-    base = _llm_base(request, opts, encoders, compute, comm, "none", 0)
+    base = _llm_base(request, opts, encoders, compute, comm, {"recompute": "none", "zero_stage": 0})
     layout = Layout(base.plan.mesh, EncoderPlan(pp, tp))
     return base, _schedule(request, opts, base, layout, encoders, compute, comm)
 

@@ -119,12 +119,20 @@ def plan_optimus(request: PlanRequest) -> Plan:
     llm_rejected = f"no LLM plan for {model.name}"
     # The LLM's memory savings go as far as the colocated encoder states need, cheapest
     # first (the LLM alone would take the least that fits without them).
+    # Megatron-LM's search runs once, on the first rung where the LLM alone fits; later
+    # rungs keep its degrees (more recomputation or sharding does not change them much,
+    # and each search simulates every candidate).
+    searched: dict[str, Any] = {}
     for recompute, zero in memory_ladder(given.get("recompute"), given.get("zero_stage")):
         try:
-            base = _llm_base(request, opts, encoders, compute, comm, recompute, zero)
+            base = _llm_base(request, opts, encoders, compute, comm, {**searched, "recompute": recompute,
+                                                                       "zero_stage": zero})
         except PlanError as err:
             llm_rejected = str(err)
             continue
+        p = base.plan
+        searched = {"tp": p.tp, "pp": p.pp, "dp": p.dp, "vpp": p.vpp, "micro_batch_size": p.micro_batch,
+                    "schedule": base.plan.details["schedule"]}
         candidates = []
         for enc_plan in _encoder_plans(request, opts, base.plan, encoders):
             layout = Layout(base.plan.mesh, enc_plan)
@@ -172,12 +180,12 @@ def _llm_and_encoders(model: ModelSpec) -> tuple[str, list[str]]:
 
 
 def _llm_base(request: PlanRequest, opts: OptimusOptions, encoders: list[str], compute: ComputeModel,
-              comm: CommModel, recompute: str, zero_stage: int) -> LLMBase:
+              comm: CommModel, pinned: Mapping[str, Any]) -> LLMBase:
     model, cluster, train = request.model, request.cluster, request.train
     llm = model.unit(_llm_and_encoders(model)[0])
     llm_model = replace(model, name=f"{model.name}-llm", units=(llm,), flows=())
     given = {k: v for k, v in (opts.llm or {}).items() if v is not None}
-    given.update(recompute=recompute, zero_stage=zero_stage)
+    given.update(pinned)
     llm_plan = plan_megatron(PlanRequest(llm_model, cluster, train, {"name": "megatron", **given}))
     d = llm_plan.details
     unit_plan = llm_plan.unit(llm.name)
