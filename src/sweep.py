@@ -15,9 +15,10 @@ Sweep file keys: name, title, source, metric (a summary.json key, dotted for nes
 metric_label, normalize (optional: {by: <series>, invert: bool} reports each series
 relative to that series in the same group; invert gives speed-ups from times),
 base (overrides of every run), series ({name: overrides}), groups (list of {label,
-overrides, paper: {series: value or [low, high]}, paper_extra (optional): {extra metric:
-{series: value}}}), extra_metrics (optional: more summary keys shown per row), notes (why
-the settings are what they are).
+overrides, series_overrides (optional): {series: overrides of that series in this group only},
+paper: {series: value or [low, high]}, paper_extra (optional): {extra metric: {series: value}}}),
+extra_metrics (optional: more summary keys shown per row), notes (why the settings are what
+they are).
 """
 from __future__ import annotations
 
@@ -89,7 +90,8 @@ def figure_jobs(spec: SweepSpec) -> list[FigureJob]:
     jobs = []
     for group in spec.groups:
         for series, series_overrides in spec.series.items():
-            overrides = spec.base + list(group.get("overrides", [])) + series_overrides
+            overrides = (spec.base + list(group.get("overrides", [])) + series_overrides
+                         + list((group.get("series_overrides") or {}).get(series, [])))
             jobs.append(FigureJob(group["label"], series, overrides, f"{len(jobs):02d}_{series}"))
     return jobs
 

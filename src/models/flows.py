@@ -40,7 +40,20 @@ def feature_boundary(unit: UnitSpec) -> int:
     return next((i + 1 for i, layer in enumerate(unit.layers) if layer.name == "projection"), unit.num_layers)
 
 
+_FLOWS: dict[int, tuple[ModelSpec, list[Flow]]] = {}
+
+
 def flows_of(model: ModelSpec) -> list[Flow]:
+    """The model's flows (cached per model object: emitters ask once per operation)."""
+    cached = _FLOWS.get(id(model))
+    if cached is None or cached[0] is not model:
+        if len(_FLOWS) > 64:
+            _FLOWS.clear()
+        cached = _FLOWS[id(model)] = (model, _flows(model))
+    return list(cached[1])
+
+
+def _flows(model: ModelSpec) -> list[Flow]:
     out = []
     for producer, consumer in model.flows:
         source, sink = model.unit(producer), model.unit(consumer)

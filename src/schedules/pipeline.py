@@ -8,7 +8,7 @@ of each schedule.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Sequence
 
 from src.errors import ConfigError
 
@@ -31,12 +31,12 @@ def gpipe(stages: int, microbatches: int) -> list[list[PipeOp]]:
     return [list(order) for _ in range(stages)]
 
 
-def one_f_one_b(stages: int, microbatches: int) -> list[list[PipeOp]]:
-    """PipeDream-flush 1F1B: stage s runs min(p-s-1, m) warm-up forwards, then alternates
-    one forward and one backward, then drains the remaining backwards."""
+def one_f_one_b(stages: int, microbatches: int, warmups: Sequence[int] | None = None) -> list[list[PipeOp]]:
+    """PipeDream-flush 1F1B: stage s runs min(p-s-1, m) warm-up forwards (or warmups[s]),
+    then alternates one forward and one backward, then drains the remaining backwards."""
     orders = []
     for stage in range(stages):
-        warmup = min(stages - stage - 1, microbatches)
+        warmup = _warmup(warmups, stage, min(stages - stage - 1, microbatches), 0, microbatches)
         order = [PipeOp("F", 0, j) for j in range(warmup)]
         next_b = 0
         for j in range(warmup, microbatches):
@@ -48,11 +48,16 @@ def one_f_one_b(stages: int, microbatches: int) -> list[list[PipeOp]]:
     return orders
 
 
-def interleaved(stages: int, microbatches: int, chunks: int) -> list[list[PipeOp]]:
+def interleaved(stages: int, microbatches: int, chunks: int,
+                warmups: Sequence[int] | None = None) -> list[list[PipeOp]]:
     """Megatron's interleaved 1F1B (Narayanan et al. 2021): each stage holds `chunks`
-    virtual stages; micro-batches advance through the chunks in groups of `stages`."""
+    virtual stages; micro-batches advance through the chunks in groups of `stages`.
+
+    `warmups` replaces Megatron's warm-up forward counts per stage (Optimus §4.3 defers
+    the first stage's last chunk-0 forwards this way); a stage needs at least the
+    (chunks-1)·stages forwards that reach its last chunk before its first backward."""
     if chunks == 1:
-        return one_f_one_b(stages, microbatches)
+        return one_f_one_b(stages, microbatches, warmups)
     if microbatches % stages:
         raise ConfigError(f"interleaved schedule needs micro-batches ({microbatches}) divisible by "
                           f"pipeline stages ({stages})")
@@ -66,7 +71,8 @@ def interleaved(stages: int, microbatches: int, chunks: int) -> list[list[PipeOp
 
     orders = []
     for stage in range(stages):
-        warmup = min((stages - stage - 1) * 2 + (chunks - 1) * stages, total)
+        warmup = _warmup(warmups, stage, min((stages - stage - 1) * 2 + (chunks - 1) * stages, total),
+                         (chunks - 1) * stages, total)
         order = [PipeOp("F", *virtual(k, True)) for k in range(warmup)]
         next_b = 0
         for k in range(warmup, total):
@@ -76,6 +82,14 @@ def interleaved(stages: int, microbatches: int, chunks: int) -> list[list[PipeOp
         order += [PipeOp("B", *virtual(k, False)) for k in range(next_b, total)]
         orders.append(order)
     return orders
+
+
+def _warmup(warmups: Sequence[int] | None, stage: int, default: int, least: int, total: int) -> int:
+    if warmups is None:
+        return default
+    if not least <= warmups[stage] <= total:
+        raise ConfigError(f"stage {stage}: {warmups[stage]} warm-up forwards, outside [{least}, {total}]")
+    return warmups[stage]
 
 
 def build_schedule(name: str, stages: int, microbatches: int, chunks: int = 1) -> list[list[PipeOp]]:

@@ -7,6 +7,7 @@ from src.strategies.ddp import plan_ddp
 from src.strategies.deepspeed3d import plan_deepspeed3d
 from src.strategies.distmm import plan_distmm
 from src.strategies.megatron import plan_megatron
+from src.strategies.optimus import plan_optimus
 from src.strategies.par4d import plan_par4d
 
 STRATEGIES: dict[str, Planner] = {
@@ -15,6 +16,7 @@ STRATEGIES: dict[str, Planner] = {
     "ddp": plan_ddp,
     "par4d": plan_par4d,
     "deepspeed3d": plan_deepspeed3d,
+    "optimus": plan_optimus,
 }
 
 
