@@ -5,12 +5,14 @@ from src.errors import ConfigError
 from src.strategies.base import Planner, PlanRequest
 from src.strategies.ddp import plan_ddp
 from src.strategies.distmm import plan_distmm
+from src.strategies.disttrain import plan_disttrain
 from src.strategies.megatron import plan_megatron
 
 STRATEGIES: dict[str, Planner] = {
     "megatron": plan_megatron,
     "distmm": plan_distmm,
     "ddp": plan_ddp,
+    "disttrain": plan_disttrain,
 }
 
 
