@@ -264,15 +264,14 @@ class Orchestrator:
                              np.broadcast_to(warm, full), float(k), float(self.N))
 
     def _recover(self, blocks) -> tuple[Orchestration, int] | None:
-        order = []
-        for index, (_, _, _, _, values, _) in enumerate(blocks):
-            flat = values.ravel()
-            finite = np.nonzero(np.isfinite(flat))[0]
-            order += zip(flat[finite].tolist(), [index] * len(finite), finite.tolist())
-        order.sort()
+        values = np.concatenate([b[4].ravel() for b in blocks])
+        which = np.concatenate([np.full(b[4].size, i) for i, b in enumerate(blocks)])
+        within = np.concatenate([np.arange(b[4].size) for b in blocks])
+        finite = np.nonzero(np.isfinite(values))[0]
+        order = finite[np.argsort(values[finite], kind="stable")]
         best: tuple[float, tuple[tuple, ...], int, float] | None = None
         recovered = 0
-        for relaxed, index, flat in order:
+        for relaxed, index, flat in zip(values[order].tolist(), which[order].tolist(), within[order].tolist()):
             if best is not None and relaxed * (1 + TOLERANCE) >= best[0]:
                 break
             dp_lm, enc, llm, gen, values, taus = blocks[index]
