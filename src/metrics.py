@@ -34,18 +34,18 @@ class UnitFlops:
 
 def unit_flops(model: ModelSpec, unit: UnitSpec, contrastive_batch: int = 1) -> UnitFlops:
     fwd = bwd = core = 0.0
-    needs_backward = model.needs_backward(unit.name)
-    for layer in unit.layers:
+    for index, layer in enumerate(unit.layers):
+        input_grad = model.needs_input_grad(unit.name, index)
         for kernel in layer.kernels:
             flops = kernel.flops(contrastive_batch)
             fwd += flops
             if layer.forward_only:
                 continue
-            if kernel.attention_core:
+            if kernel.attention_core and (input_grad or unit.trains(layer)):
                 core += flops
-            if needs_backward:
+            if input_grad:
                 bwd += flops if kernel.has_weight else 2 * flops
-            if kernel.has_weight and not unit.frozen:
+            if kernel.has_weight and unit.trains(layer):
                 bwd += flops
     return UnitFlops(fwd, bwd, recompute_full=fwd, recompute_selective=core)
 

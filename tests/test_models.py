@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 from src.errors import ConfigError
 from src.models import MODEL_NAMES, build_model
 from src.models.layers import transformer_layer
+from src.metrics import unit_flops
 from src.models.spec import ModelSpec, UnitSpec
 
 CONF_MODEL = Path(__file__).resolve().parent.parent / "conf" / "model"
@@ -342,3 +343,32 @@ def test_bad_configs_raise_one_line(cfg: dict, seq_len: int | None, words: list[
     assert "\n" not in message
     for word in words:
         assert word in message, message
+
+
+def test_mllm_images_per_sequence_scale_encoder_and_generator_work_not_weights() -> None:
+    one, four = build_model({"name": "mllm_9b"}), build_model({"name": "mllm_9b", "images_per_sequence": 4})
+    for name in ("encoder", "generator"):
+        assert four.unit(name).params == one.unit(name).params
+        assert unit_flops(four, four.unit(name)).fwd == pytest.approx(4 * unit_flops(one, one.unit(name)).fwd)
+    assert unit_flops(four, four.unit("llm")).fwd == unit_flops(one, one.unit("llm")).fwd
+    assert four.unit("encoder").output_elems == 4 * one.unit("encoder").output_elems
+    assert four.unit("llm").output_elems == 4 * one.unit("llm").output_elems
+
+
+def test_frozen_mllm_units_keep_their_projectors_training() -> None:
+    spec = build_model({"name": "mllm_9b", "frozen": ["encoder", "llm", "generator"], "train_projectors": True})
+    encoder, llm, generator = (spec.unit(n) for n in ("encoder", "llm", "generator"))
+    assert encoder.trainable_params() == encoder.layers[-1].params  # only the input projector
+    assert generator.trainable_params() == generator.layers[0].params  # only the output projector
+    assert llm.frozen and spec.needs_backward("llm")  # the input projector's gradient crosses the LLM
+    # The frozen ViT before the trained projector runs no backward; the frozen U-Net after
+    # the output projector passes input gradients back to it but computes no weight gradient.
+    assert not spec.needs_input_grad("encoder", 5) and spec.needs_input_grad("encoder", encoder.num_layers - 1)
+    assert spec.needs_input_grad("generator", generator.num_layers - 1)
+    full = build_model({"name": "mllm_9b"})
+    for name, unit in (("encoder", encoder), ("generator", generator)):
+        frozen_bwd, trained_bwd = unit_flops(spec, unit).bwd, unit_flops(full, full.unit(name)).bwd
+        assert 0 < frozen_bwd < trained_bwd
+    assert unit_flops(spec, encoder).bwd < 0.1 * unit_flops(full, full.unit("encoder")).bwd
+    # Without train_projectors a frozen unit is frozen whole, as for every other model.
+    assert build_model({"name": "mllm_9b", "frozen": ["encoder"]}).unit("encoder").frozen

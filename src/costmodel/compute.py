@@ -122,8 +122,6 @@ class ComputeModel:
             params = unit.trainable_params(start, end) / (work.sharding.devices * work.shard)
             return self.memory_time(params * ADAM_BYTES_PER_PARAM)
         rows = work.samples * work.fraction
-        trains_weights = not unit.frozen
-        needs_input_grad = model.needs_backward(work.unit)
         total = 0.0
         for index, layer in enumerate(layers):
             kernels = work.kernels if (work.kernels is not None and index == 0) else None
@@ -131,14 +129,19 @@ class ComputeModel:
             if layer.forward_only:
                 total += t.fwd if work.phase in ("fwd", "interaction") else 0.0
                 continue
+            needs_input_grad = model.needs_input_grad(work.unit, start + index)
+            trains_weights = unit.trains(layer)
             bwd_input = t.bwd_input if needs_input_grad else 0.0
             bwd_weight = t.bwd_weight if trains_weights else 0.0
+            # A layer with no backward at all (a frozen ViT under a trained projector)
+            # keeps nothing to recompute.
+            recompute = t.recompute(work.recompute) if needs_input_grad or trains_weights else 0.0
             if work.phase == "fwd":
                 total += t.fwd
             elif work.phase == "bwd":
-                total += bwd_input + bwd_weight + t.recompute(work.recompute)
+                total += bwd_input + bwd_weight + recompute
             elif work.phase == "bwd_input":
-                total += bwd_input + t.recompute(work.recompute)
+                total += bwd_input + recompute
             elif work.phase == "bwd_weight":
                 total += bwd_weight
             elif work.phase == "interaction":

@@ -83,7 +83,8 @@ def work_activation_bytes(model: ModelSpec, compute: Compute, recompute: str) ->
     unit = model.unit(work.unit)
     start, end = work.layers
     per_sample = sum(layer.activations.per_device(work.sharding, recompute)
-                     for layer in unit.layers[start:end] if not layer.forward_only)
+                     for index, layer in enumerate(unit.layers[start:end], start)
+                     if not layer.forward_only and (unit.trains(layer) or model.needs_input_grad(work.unit, index)))
     return per_sample * work.samples * work.fraction * work.load
 
 

@@ -3,7 +3,7 @@
 Three kinds of flow (producer -> consumer):
 - interaction: a tower's pooled feature feeds a contrastive loss (CLIP's towers);
 - cross: the consumer's layers from `layer` on cross-attend to the producer's final token
-  states (CoCa's text decoder reads the image tokens; kernels named xattn_*);
+  states (CoCa's text decoder reads the image tokens: its xattn_kv kernels project them);
 - chain: the producer's output is the consumer's input (an MLLM's encoder feeds the LLM).
 The payload names the Programs use follow from these: a unit ends in a 'feature' for an
 interaction, in 'tokens' for a cross-attending consumer, in 'x' for a chain.
@@ -61,13 +61,20 @@ def _flows(model: ModelSpec) -> list[Flow]:
         if consumer == model.interaction:
             out.append(Flow(producer, consumer, "interaction", 0, source.output_elems, feature_boundary(source)))
             continue
-        cross = next((i for i, layer in enumerate(sink.layers)
-                      if any(k.name.startswith("xattn_") for k in layer.kernels)), None)
+        cross = next((i for i, layer in enumerate(sink.layers) if _reads_tokens(layer, source)), None)
         if cross is not None:
             out.append(Flow(producer, consumer, "cross", cross, source.seq_len * source.hidden, end))
         else:
             out.append(Flow(producer, consumer, "chain", 0, source.output_elems, end))
     return out
+
+
+def _reads_tokens(layer, producer: UnitSpec) -> bool:
+    """A layer cross-attends to the producer's final token states if its cross-attention
+    keys and values are projected from them (CoCa's decoder reads the image tokens); an
+    MLLM's U-Net cross-attends to its own projected condition instead, which its first
+    layer makes from the LLM's output (a chain)."""
+    return any(k.name == "xattn_kv" and k.m == producer.seq_len and k.k == producer.hidden for k in layer.kernels)
 
 
 def outputs_of(model: ModelSpec, unit: str) -> list[tuple[int, str]]:

@@ -3,12 +3,14 @@
 Units, in data order: `encoder` (ViT-Huge, 0.63B, + the input projector), `llm` (the
 Llama backbone of Table 1), `generator` (the output projector + Stable Diffusion 2.1).
 
-Per-sample conventions (a sample means something different in each unit, see
-extras["per_sample"]): the LLM's sample is one 8192-token interleaved sequence; the
-encoder's and the generator's sample is ONE image. How many images a sequence holds is
-data (skewed, DistTrain Fig. 5) and belongs to the data module. Each encoded image
-becomes `image_tokens` LLM tokens; each generated image is conditioned on `cond_tokens`
-LLM hidden states, mapped by the output projector to SD's 77x1024 condition.
+Per-sample conventions (see extras["per_sample"]): the LLM's sample is one 8192-token
+interleaved sequence; the encoder's and the generator's sample is that sequence's images,
+`images_per_sequence` of them (default 1: one image in, one image out). Their layers are
+built for that many images, so every planner prices the same mean work per sequence; how
+the count and sizes vary from sequence to sequence (skewed, DistTrain Fig. 5) is the data
+module's (src/data/interleaved.py), priced as Work.load. Each encoded image becomes
+`image_tokens` LLM tokens; each generated image is conditioned on `cond_tokens` LLM hidden
+states, mapped by the output projector to SD's 77x1024 condition.
 
 Choices DistTrain leaves open, and ours:
 - Table 1 is named "Llama3" but its shapes are Llama 2's (FFN 11008/13824, no GQA below
@@ -24,15 +26,19 @@ Choices DistTrain leaves open, and ours:
 - SD 2.1 = U-Net + the frozen VAE encoder that makes the training latents (sd21.py);
   `vae_encode: false` models latents precomputed offline. The VAE layers are
   forward_only: no gradient flows through them.
+- `train_projectors: true` keeps the projectors training when their unit is in
+  `model.frozen` (DistTrain §8.3's frozen settings: "We keep training the projectors"):
+  the unit's other layers are frozen layer by layer instead of the whole unit.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 
 from src.models.blocks import DecoderPreset, decoder_unit, mlp_projector, vit_layers
 from src.models.options import Options, divisible
 from src.models.sd21 import CONTEXT_DIM, UNET_CHANNELS, UNET_HEAD_DIM, VAE_FACTOR, sd_unet_layers, vae_encoder_layers
-from src.models.spec import ModelSpec, UnitSpec
+from src.models.spec import ActivationBytes, LayerSpec, ModelSpec, UnitSpec
 
 LLAMA_VOCAB = 32000
 MLLM_SEQ_LEN = 8192
@@ -54,6 +60,20 @@ PATCH_SIZE = 14
 COND_TOKENS = 77
 # The latent is image/8 and the U-Net halves it three times.
 IMAGE_MULTIPLE = VAE_FACTOR * 2 ** (len(UNET_CHANNELS) - 1)
+PROJECTORS = {"encoder": ("input_projector",), "generator": ("output_projector",)}
+
+
+def per_images(layer: LayerSpec, images: int) -> LayerSpec:
+    """A per-image layer run on `images` images at once: every kernel's rows, every
+    moved byte and every kept activation scale; the parameters do not."""
+    if images == 1:
+        return layer
+    kernels = tuple(replace(k, m=k.m * images) if k.kind == "gemm" else replace(k, bytes=k.bytes * images)
+                    for k in layer.kernels)
+    a = layer.activations
+    activations = ActivationBytes(a.replicated * images, a.split * images, a.attention * images,
+                                  a.checkpoint * images)
+    return replace(layer, kernels=kernels, activations=activations, tp_comm_elems=layer.tp_comm_elems * images)
 
 
 def build_mllm(model: str, opts: Options, seq_len: int | None) -> ModelSpec:
@@ -64,26 +84,29 @@ def build_mllm(model: str, opts: Options, seq_len: int | None) -> ModelSpec:
     patch = opts.positive_int("patch_size", PATCH_SIZE)
     cond_tokens = opts.positive_int("cond_tokens", COND_TOKENS)
     vae_encode = opts.flag("vae_encode", True)
+    images = opts.positive_int("images_per_sequence", 1)
+    train_projectors = opts.flag("train_projectors", False)
     divisible(opts, "encoder_image_size", encoder_image, "model.patch_size", patch)
     divisible(opts, "image_size", image, "the VAE and U-Net downsampling", IMAGE_MULTIPLE)
     seq = MLLM_SEQ_LEN if seq_len is None else seq_len
 
     image_tokens = (encoder_image // patch) ** 2
+    scale = partial(_scaled, images=images)
     encoder = UnitSpec(
         name="encoder",
-        layers=tuple(vit_layers(encoder_image, patch, **VIT_HUGE)
+        layers=scale(vit_layers(encoder_image, patch, **VIT_HUGE)
                      + [mlp_projector(image_tokens, VIT_HUGE["hidden"], hidden, hidden, "input_projector")]),
-        hidden=VIT_HUGE["hidden"], heads=VIT_HUGE["heads"], seq_len=image_tokens + 1,
-        output_elems=image_tokens * hidden,
+        hidden=VIT_HUGE["hidden"], heads=VIT_HUGE["heads"], seq_len=images * (image_tokens + 1),
+        output_elems=images * image_tokens * hidden,
     )
-    llm = decoder_unit(llm_preset, seq, output_elems=cond_tokens * hidden)
+    llm = decoder_unit(llm_preset, seq, output_elems=images * cond_tokens * hidden)
     vae = vae_encoder_layers(image) if vae_encode else []
     latent = image // VAE_FACTOR
     generator = UnitSpec(
         name="generator",
-        layers=tuple([mlp_projector(cond_tokens, hidden, hidden, CONTEXT_DIM, "output_projector")]
+        layers=scale([mlp_projector(cond_tokens, hidden, hidden, CONTEXT_DIM, "output_projector")]
                      + vae + sd_unet_layers(latent, cond_tokens)),
-        hidden=UNET_CHANNELS[0], heads=UNET_CHANNELS[0] // UNET_HEAD_DIM, seq_len=latent * latent,
+        hidden=UNET_CHANNELS[0], heads=UNET_CHANNELS[0] // UNET_HEAD_DIM, seq_len=images * latent * latent,
         output_elems=0, kind="unet",
     )
     return ModelSpec(
@@ -91,13 +114,23 @@ def build_mllm(model: str, opts: Options, seq_len: int | None) -> ModelSpec:
         default_global_batch=DEFAULT_BATCH[model],
         flows=(("encoder", "llm"), ("llm", "generator")),
         description=f"{model}: ViT-Huge/{patch} at {encoder_image}px + Llama {llm_preset.layers}x{hidden} "
-                    f"on {seq} tokens + SD-2.1 at {image}px",
+                    f"on {seq} tokens + SD-2.1 at {image}px, {images} image(s) per sequence",
         extras={
-            "per_sample": {"encoder": "image", "llm": "sequence", "generator": "image"},
+            "per_sample": {"encoder": "sequence's images", "llm": "sequence", "generator": "sequence's images"},
+            "images_per_sequence": images,
             "image_tokens": image_tokens,
             "cond_tokens": cond_tokens,
+            # model.frozen freezes these units layer by layer, keeping the projectors trained.
+            "trained_when_frozen": PROJECTORS if train_projectors else {},
         },
     )
+
+
+def _scaled(layers: list[LayerSpec], images: int) -> tuple[LayerSpec, ...]:
+    """Per-image layers built for `images` images, keeping repeated layers one object
+    (the cost model caches by identity)."""
+    made: dict[int, LayerSpec] = {}
+    return tuple(made.setdefault(id(layer), per_images(layer, images)) for layer in layers)
 
 
 MLLM_BUILDERS = {model: partial(build_mllm, model) for model in LLMS}

@@ -16,7 +16,7 @@ from src.models.gpt import build_gpt
 from src.models.mllm import MLLM_BUILDERS
 from src.models.optimus import build_optimus
 from src.models.options import Options
-from src.models.spec import ModelSpec
+from src.models.spec import LayerSpec, ModelSpec, UnitSpec
 from src.models.unet import build_unet
 
 Builder = Callable[[Options, int | None], ModelSpec]
@@ -46,9 +46,23 @@ def build_model(model_cfg: Mapping[str, Any], seq_len: int | None = None) -> Mod
 
 
 def _freeze(spec: ModelSpec, frozen: list[str]) -> ModelSpec:
-    """Freeze exactly the listed units (an explicit list replaces the family default)."""
+    """Freeze exactly the listed units (an explicit list replaces the family default).
+    A unit whose family keeps some layers trained when it is frozen
+    (extras["trained_when_frozen"]: unit -> layer names, e.g. an MLLM's projectors)
+    has every other layer frozen instead."""
     units = [unit.name for unit in spec.units]
     for name in frozen:
         if name not in units:
             raise ConfigError(f"model.frozen contains {name!r}, not a unit of {spec.name}: {', '.join(units)}")
-    return replace(spec, units=tuple(replace(unit, frozen=unit.name in frozen) for unit in spec.units))
+    kept = spec.extras.get("trained_when_frozen", {})
+    return replace(spec, units=tuple(_frozen_unit(unit, kept.get(unit.name)) if unit.name in frozen
+                                     else replace(unit, frozen=False) for unit in spec.units))
+
+
+def _frozen_unit(unit: UnitSpec, kept: tuple[str, ...] | None) -> UnitSpec:
+    if not kept:
+        return replace(unit, frozen=True)
+    made: dict[int, LayerSpec] = {}  # repeated layers stay one object (the cost model caches by identity)
+    layers = tuple(layer if layer.name in kept else made.setdefault(id(layer), replace(layer, frozen=True))
+                   for layer in unit.layers)
+    return replace(unit, layers=layers, frozen=False)

@@ -88,6 +88,9 @@ class LayerSpec:
     forward_only: a frozen feature extractor of the unit's raw input (SD's VAE encoder
     inside the generator): no backward at all, no gradients or optimizer state, no
     activations kept.
+    frozen: its weights do not train (no weight gradient, no optimizer state) while other
+    layers of its unit do (a frozen ViT under a trained projector); an input gradient
+    still flows through it to any trained layer before it.
     """
 
     name: str
@@ -97,6 +100,7 @@ class LayerSpec:
     tp_allreduces: int = 0
     tp_comm_elems: int = 0
     forward_only: bool = False
+    frozen: bool = False
 
     def matmul_flops(self, contrastive_batch: int = 1) -> float:
         return sum(kern.flops(contrastive_batch) for kern in self.kernels)
@@ -128,7 +132,15 @@ class UnitSpec:
         """Parameters of layers [start, end) that receive gradients."""
         if self.frozen:
             return 0
-        return sum(layer.params for layer in self.layers[start:end] if not layer.forward_only)
+        return sum(layer.params for layer in self.layers[start:end] if self.trains(layer))
+
+    def trains(self, layer: LayerSpec) -> bool:
+        """Whether a layer of this unit computes weight gradients."""
+        return not (self.frozen or layer.forward_only or layer.frozen)
+
+    def first_trained_layer(self) -> int:
+        """Index of the unit's first layer whose weights train (num_layers if none)."""
+        return next((i for i, layer in enumerate(self.layers) if self.trains(layer)), self.num_layers)
 
     @property
     def num_layers(self) -> int:
@@ -183,3 +195,13 @@ class ModelSpec:
         if not self.unit(name).frozen:
             return True
         return any(not self.unit(up).frozen for up in self.upstream(name))
+
+    def needs_input_grad(self, name: str, layer: int) -> bool:
+        """Whether layer `layer` of unit `name` runs its input-gradient pass: an upstream
+        unit trains, or the layer is at or after its unit's first trained layer (the
+        layers of a frozen ViT under a trained projector run no backward at all)."""
+        if not self.needs_backward(name):
+            return False
+        if any(not self.unit(up).frozen for up in self.upstream(name)):
+            return True
+        return layer >= self.unit(name).first_trained_layer()

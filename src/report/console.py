@@ -73,7 +73,16 @@ def _plan(plan: Any) -> str:
     title = "plan"
     if plan.get("strategy") is not None and plan.get("devices") is not None:
         title += f" ({plan['strategy']} on {plan['devices']} devices)"
-    return title + "\n" + _table(rows, header=True)
+    return title + "\n" + _table(rows, header=True) + _brokers(plan.get("brokers"))
+
+
+def _brokers(brokers: Any) -> str:
+    """Where units of different DP meet (DistTrain's brokers): one line per hand-off."""
+    if not isinstance(brokers, Sequence) or not brokers:
+        return ""
+    lines = [f"  {b['route']}: {b['count']} broker(s) at ranks {b['ranks']}" for b in brokers
+             if isinstance(b, Mapping) and {"route", "count", "ranks"} <= set(b)]
+    return "\nbrokers\n" + "\n".join(lines) if lines else ""
 
 
 def _ranking(plan: Any) -> str:

@@ -6,6 +6,7 @@ from src.strategies.base import Planner, PlanRequest
 from src.strategies.ddp import plan_ddp
 from src.strategies.deepspeed3d import plan_deepspeed3d
 from src.strategies.distmm import plan_distmm
+from src.strategies.disttrain import plan_disttrain
 from src.strategies.megatron import plan_megatron
 from src.strategies.optimus import plan_optimus
 from src.strategies.par4d import plan_par4d
@@ -17,6 +18,7 @@ STRATEGIES: dict[str, Planner] = {
     "par4d": plan_par4d,
     "deepspeed3d": plan_deepspeed3d,
     "optimus": plan_optimus,
+    "disttrain": plan_disttrain,
 }
 
 

@@ -3,7 +3,7 @@ compute with its TP collectives, and the end of an iteration (gradient reduction
 optimizer step, parameter gather)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from src.mesh import Sharding
 from src.models.flows import flows_of, outputs_of
@@ -15,12 +15,15 @@ from src.strategies.stages import Segment
 @dataclass(frozen=True)
 class TPConfig:
     """How one unit's layers run on one rank: its sharding, the group of its TP
-    collectives, and its recompute mode."""
+    collectives, and its recompute mode. overlap_chunks > 1 splits each pass into that
+    many row chunks whose TP collectives run asynchronously under the next chunk's GEMMs
+    (DistTrain §7's StepCCL)."""
 
     sharding: Sharding
     group: str | None
     recompute: str
     act_bytes: int
+    overlap_chunks: int = 1
 
 
 def produced(model: ModelSpec, segment: Segment, microbatch: int) -> tuple[Payload, ...]:
@@ -75,16 +78,41 @@ def segment_pass(model: ModelSpec, segment: Segment, phase: str, samples: int, m
         inputs, outputs = backward_io(model, segment, microbatch)
     else:
         inputs, outputs = consumed(model, segment, microbatch), produced(model, segment, microbatch)
-    out: list[Instruction] = [Compute(work, microbatch=microbatch, chunk=chunk, inputs=inputs, outputs=outputs)]
+    by_size: dict[int, int] = {}
     if tp.sharding.degree("tp") > 1 and tp.group is not None:
-        by_size: dict[int, int] = {}
         for layer in unit.layers[segment.layers[0]:segment.layers[1]]:
             if layer.tp_allreduces:
                 by_size[layer.tp_comm_elems] = by_size.get(layer.tp_comm_elems, 0) + layer.tp_allreduces
-        for elems, count in sorted(by_size.items()):
-            out.append(Collective("all_reduce", tp.group, elems * samples * tp.act_bytes, "tp", stream="compute",
-                                  count=count))
+    if by_size and tp.overlap_chunks > 1:
+        return _overlapped_pass(work, microbatch, chunk, inputs, outputs, tp, by_size)
+    out: list[Instruction] = [Compute(work, microbatch=microbatch, chunk=chunk, inputs=inputs, outputs=outputs)]
+    for elems, count in sorted(by_size.items()):
+        out.append(Collective("all_reduce", tp.group, elems * samples * tp.act_bytes, "tp", stream="compute",
+                              count=count))
     return out
+
+
+def _overlapped_pass(work: Work, microbatch: int, chunk: int, inputs: tuple[Payload, ...],
+                     outputs: tuple[Payload, ...], tp: TPConfig,
+                     by_size: dict[int, int]) -> list[Instruction]:
+    """StepCCL's overlap: the pass runs as `overlap_chunks` row chunks; each chunk's TP
+    collectives start on their own stream when the chunk's GEMMs end, under the next
+    chunk's GEMMs, and the pass ends when the last one has landed. Pricing a whole
+    segment this way exposes the same last-chunk communication per layer as chunking
+    layer by layer does, for layers alike; smaller chunks run less efficient GEMMs."""
+    n = tp.overlap_chunks
+    part = replace(work, fraction=work.fraction / n)
+    out: list[Instruction] = []
+    handles: list[str] = []
+    for c in range(n):
+        out.append(Compute(part, microbatch=microbatch, chunk=chunk, inputs=inputs if c == 0 else (),
+                           outputs=outputs if c == n - 1 else ()))
+        for elems, count in sorted(by_size.items()):
+            handle = f"tp.{work.unit}.{work.phase}.{microbatch}.{chunk}.{c}.{elems}"
+            out.append(Collective("all_reduce", tp.group, elems * work.samples * tp.act_bytes / n, "tp", stream="tp",
+                                  blocking=False, handle=handle, count=count))
+            handles.append(handle)
+    return out + [Wait(h) for h in handles]
 
 
 def trainable_params(model: ModelSpec, segments: list[Segment], shards: int) -> float:

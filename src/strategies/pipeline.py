@@ -54,6 +54,7 @@ class PipelineSettings:
     sequence_parallel: bool
     zero_stage: int
     overlap_grad_reduce: bool = False
+    tp_overlap_chunks: int = 1
 
 
 @dataclass
@@ -109,7 +110,8 @@ class PipelineEmitter:
         self.pending: dict[int, list[str]] = {stage: [] for stage in range(self.pp)}
 
     def _tp(self, stage: int) -> TPConfig:
-        return TPConfig(self.sharding, self.tp_groups[stage], self.cfg.recompute, self.act_bytes)
+        return TPConfig(self.sharding, self.tp_groups[stage], self.cfg.recompute, self.act_bytes,
+                        self.cfg.tp_overlap_chunks)
 
     def stage(self, stage: int, order: list, other: Callable[[object], list[Instruction]] | None = None) -> Stage:
         """A stage's instructions for its schedule `order` (ops with kind F or B, chunk,

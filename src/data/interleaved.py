@@ -1,0 +1,128 @@
+"""Synthetic LAION-like interleaved image-text sequences (DistTrain §2.3 Fig. 5, §8 Datasets).
+
+A sample is one `seq_len`-token sequence (8192 in DistTrain) of interleaved (image,
+caption) subsequences, zero-padded at the end. Its layout is a pure function of (seed,
+index), drawn with Python's own generator, so the simulator and the real backend see the
+same batches. The distribution (DistTrain plots its three marginals, all skewed, but
+gives no parameters; ours are stated here and are the only place they live):
+
+- image count n = 1 + Poisson(lam), lam = (mean_images - 1) * Exponential(1): a
+  Gamma-Poisson (geometric) mixture of mean `mean_images`; most sequences hold few
+  images, a long tail many (Fig. 5(c)). mean_images = 1 gives one image per sequence.
+- image side in patches: round(base * exp(N(0, 0.3))) clipped to [base/2, 2*base],
+  `base` = the encoder's nominal side (16 patches: ViT-Huge/14 at 224 px). An image is
+  side^2 patch tokens (+ CLS in the encoder): median 256 tokens, 64 to 1024 (Fig. 5(b)).
+- caption tokens: round(exp(N(ln 20, 0.8))) clipped to [2, 200] (LAION captions are
+  short with a long tail, Fig. 5(a)).
+- pairs are dropped from the end while the sequence would overflow `seq_len` (one image
+  always stays; its caption is cut if it alone overflows).
+
+Costs: a sequence's encoder work is the FLOPs of its images at their own sizes (linear
+plus attention terms in the image's tokens); its generator work is one generated image
+per image at the model's fixed generation resolution (DistTrain §8); the LLM's work is
+fixed (the sequence length is). `relative_loads` turns costs into Work.load factors
+against the batch's mean sequence: the model's images_per_sequence sets the mean work
+every strategy prices, the data decides how it is spread over the batch.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Sequence
+
+IMAGE_SPREAD = 0.3        # sigma of log(image side)
+CAPTION_MEDIAN = 20       # tokens
+CAPTION_SPREAD = 0.8      # sigma of log(caption tokens)
+CAPTION_RANGE = (2, 200)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One sequence: its images' sides (in patches) and their captions' tokens, in order."""
+
+    image_sides: tuple[int, ...]
+    caption_tokens: tuple[int, ...]
+    seq_len: int
+
+    @property
+    def images(self) -> int:
+        return len(self.image_sides)
+
+    @property
+    def image_tokens(self) -> int:
+        return sum(side * side for side in self.image_sides)
+
+    @property
+    def text_tokens(self) -> int:
+        return sum(self.caption_tokens)
+
+    @property
+    def padding(self) -> int:
+        return self.seq_len - self.image_tokens - self.text_tokens
+
+
+@dataclass(frozen=True)
+class InterleavedData:
+    seed: int
+    seq_len: int
+    mean_images: float
+    base_side: int   # patches per side of the encoder's nominal image
+
+    def __post_init__(self) -> None:
+        if self.mean_images < 1:
+            raise ValueError(f"mean_images={self.mean_images}: every sequence holds at least one image")
+        if self.base_side * self.base_side + CAPTION_RANGE[0] > self.seq_len:
+            raise ValueError(f"a {self.base_side}x{self.base_side}-patch image does not fit a {self.seq_len}-token "
+                             f"sequence")
+
+    def layout(self, index: int) -> Layout:
+        rng = random.Random(self.seed * 1_000_003 + index)
+        lam = (self.mean_images - 1) * rng.expovariate(1.0)
+        count = 1 + _poisson(rng, lam)
+        low, high = max(1, self.base_side // 2), 2 * self.base_side
+        sides = [min(high, max(low, round(self.base_side * math.exp(rng.gauss(0.0, IMAGE_SPREAD)))))
+                 for _ in range(count)]
+        captions = [min(CAPTION_RANGE[1], max(CAPTION_RANGE[0],
+                                              round(math.exp(rng.gauss(math.log(CAPTION_MEDIAN), CAPTION_SPREAD)))))
+                    for _ in range(count)]
+        while len(sides) > 1 and sum(s * s for s in sides) + sum(captions) > self.seq_len:
+            sides.pop()
+            captions.pop()
+        sides[0] = min(sides[0], math.isqrt(self.seq_len - CAPTION_RANGE[0]))
+        captions[0] = min(captions[0], self.seq_len - sides[0] * sides[0])
+        return Layout(tuple(sides), tuple(captions), self.seq_len)
+
+    def batch(self, size: int, step: int = 0) -> list[Layout]:
+        """The `size` sequences of global batch `step`, in data order."""
+        return [self.layout(step * size + i) for i in range(size)]
+
+
+def _poisson(rng: random.Random, lam: float) -> int:
+    """Poisson draw by inversion (lam is at most a few tens here)."""
+    if lam <= 0:
+        return 0
+    k, p = 0, math.exp(-lam)
+    cumulative, u = p, rng.random()
+    while u > cumulative and k < 10_000:
+        k += 1
+        p *= lam / k
+        cumulative += p
+    return k
+
+
+def encoder_cost(layout: Layout, per_token: float, per_token_squared: float) -> float:
+    """A sequence's encoder FLOPs: each image of t tokens (+ CLS) costs per_token * t +
+    per_token_squared * t^2 (its attention scores)."""
+    return sum(per_token * (s * s + 1) + per_token_squared * (s * s + 1) ** 2 for s in layout.image_sides)
+
+
+def generator_cost(layout: Layout) -> float:
+    """Every image of the sequence is generated at the model's fixed resolution."""
+    return float(layout.images)
+
+
+def relative_loads(costs: Sequence[float]) -> list[float]:
+    """Costs relative to their mean (a batch whose sequences are alike has every load 1)."""
+    mean = sum(costs) / len(costs)
+    return [c / mean for c in costs]

@@ -1,0 +1,88 @@
+"""Which sequence each position of DistTrain's global batch holds, and the loads that follow.
+
+Position p = j * DP_lm + r is LLM replica r's micro-batch j (micro-batches of one
+sequence); encoder replica e's micro-batch j holds positions j * DP_lm + e * b_me ...
++ b_me - 1 (b_me = DP_lm / DP_me), the generator's likewise. A reordering permutes the
+batch's sequences over these positions only (§6), so every sequence is still trained on
+once per step.
+
+- none: the data order (the layouts are drawn independently, so it is random).
+- intra (Algorithm 2): equal-count LPT gives every LLM replica m sequences of balanced
+  total size (a sequence's size is its encoder plus generator seconds); the encoder's and
+  generator's replicas, unions of consecutive LLM replicas, are balanced with them. A
+  replica keeps its sequences in data order.
+- inter (Algorithm 3): LLM replicas joined through a shared encoder or generator replica
+  form one pipeline (lcm(b_me, b_mg) consecutive replicas); its micro-batch slots (one
+  sequence per member replica, members' sequences sorted by size so that a slot holds
+  like sizes) are ordered by Algorithm 3 on the slots' stage times, a slot's encoder
+  and generator stages taking its slowest replica's load.
+- both: intra, then inter.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from src.data.reorder import StageTimes, inter_reorder, lpt
+
+REORDERS = ("none", "intra", "inter", "both")
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """positions[p] = the index (in data order) of the sequence at position p."""
+
+    positions: tuple[int, ...]
+    dp_lm: int
+
+    def sequences(self, microbatch: int, first: int, count: int) -> tuple[int, ...]:
+        start = microbatch * self.dp_lm + first
+        return self.positions[start:start + count]
+
+
+def unit_loads(assignment: Assignment, loads: Sequence[float], dp: int, microbatches: int) -> tuple[tuple[float, ...], ...]:
+    """loads[replica][microbatch] of a unit with `dp` replicas: the mean load of the
+    sequences its micro-batch holds."""
+    b = assignment.dp_lm // dp
+    return tuple(tuple(sum(loads[s] for s in assignment.sequences(j, d * b, b)) / b for j in range(microbatches))
+                 for d in range(dp))
+
+
+def assign(reorder: str, sizes: Sequence[float], enc: Sequence[float], gen: Sequence[float], dp_lm: int,
+           dp_me: int, dp_mg: int, slot_times: Callable[[float, float], StageTimes]) -> Assignment:
+    """The positions of a batch's sequences under a reordering. sizes: a sequence's
+    encoder + generator seconds; enc, gen: its loads; slot_times(enc load, gen load):
+    a micro-batch slot's stage times."""
+    count = len(sizes)
+    m = count // dp_lm
+    if reorder in ("intra", "both"):
+        groups = [sorted(g) for g in lpt(sizes, dp_lm, equal_count=True)]
+    else:
+        groups = [list(range(r, count, dp_lm)) for r in range(dp_lm)]  # replica r's data-order sequences
+    if reorder in ("inter", "both"):
+        groups = _inter(groups, sizes, enc, gen, dp_lm, dp_me, dp_mg, slot_times)
+    positions = [0] * count
+    for r, members in enumerate(groups):
+        for j, sequence in enumerate(members):
+            positions[j * dp_lm + r] = sequence
+    return Assignment(tuple(positions), dp_lm)
+
+
+def _inter(groups: list[list[int]], sizes: Sequence[float], enc: Sequence[float], gen: Sequence[float],
+           dp_lm: int, dp_me: int, dp_mg: int, slot_times: Callable[[float, float], StageTimes]) -> list[list[int]]:
+    b_me, b_mg = dp_lm // dp_me, dp_lm // dp_mg
+    width = b_me * b_mg // math.gcd(b_me, b_mg)
+    out = [list(g) for g in groups]
+    for first in range(0, dp_lm, width):
+        members = [sorted(out[r], key=lambda s: (-sizes[s], s)) for r in range(first, first + width)]
+        slots = list(zip(*members))
+
+        def worst(slot: tuple[int, ...], loads: Sequence[float], b: int) -> float:
+            return max(sum(loads[s] for s in slot[i:i + b]) / b for i in range(0, width, b))
+
+        times = [slot_times(worst(slot, enc, b_me), worst(slot, gen, b_mg)) for slot in slots]
+        order = inter_reorder(times)
+        for k, r in enumerate(range(first, first + width)):
+            out[r] = [slots[i][k] for i in order]
+    return out

@@ -1,0 +1,74 @@
+"""DistTrain's data side: the interleaved-sequence distribution and the reordering
+algorithms, against the test vectors of ALGORITHMS.md §1.8."""
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from src.data.interleaved import InterleavedData, encoder_cost, generator_cost, relative_loads
+from src.data.reorder import StageTimes, group_loads, interval_volumes, inter_reorder, lpt
+
+
+def test_lpt_matches_the_spec_vectors() -> None:
+    sizes = [1, 2, 3, 3, 5, 9, 9]
+    halves = lpt(sizes, 2)
+    assert [[sizes[i] for i in g] for g in halves] == [[9, 5, 2], [9, 3, 3, 1]]
+    assert group_loads(sizes, halves) == [16, 16]
+    thirds = lpt(sizes, 3)
+    assert [[sizes[i] for i in g] for g in thirds] == [[9, 2], [9, 1], [5, 3, 3]]
+    assert group_loads(sizes, thirds) == [11, 10, 11]
+
+
+def test_equal_count_lpt_caps_every_group() -> None:
+    sizes = [10] + [1] * 9
+    capped, plain = lpt(sizes, 2), lpt(sizes, 2, equal_count=False)
+    assert group_loads(sizes, capped) == [14, 5] and [len(g) for g in capped] == [5, 5]
+    assert group_loads(sizes, plain) == [10, 9] and [len(g) for g in plain] == [1, 9]
+
+
+def _toy(size: float) -> StageTimes:
+    """ALGORITHMS.md §1.8's toy pipeline: stage costs [s, 2, 2, s/2], backward twice forward."""
+    fwd = (size, 2.0, 2.0, 0.5 * size)
+    return StageTimes(fwd, tuple(2 * f for f in fwd))
+
+
+TOY_SIZES = [1, 3, 0.5, 2, 1.5, 0.8, 2.5, 1.2]
+
+
+def test_interval_volumes_follow_the_1f1b_recurrence() -> None:
+    volumes, makespan = interval_volumes([_toy(s) for s in TOY_SIZES])
+    assert volumes == pytest.approx([15, 4, 0, 5, 2, 3, 4.4, -1])
+    assert makespan == pytest.approx(60.2)
+
+
+def test_inter_reorder_matches_the_spec_order_and_beats_the_input_order() -> None:
+    order = inter_reorder([_toy(s) for s in TOY_SIZES])
+    assert [TOY_SIZES[i] for i in order] == [0.5, 3, 2.5, 2, 1.5, 0.8, 1, 1.2]
+    assert interval_volumes([_toy(TOY_SIZES[i]) for i in order])[1] == pytest.approx(58.7)
+    descending = inter_reorder([_toy(s) for s in TOY_SIZES], descending_tail=True)
+    assert interval_volumes([_toy(TOY_SIZES[i]) for i in descending])[1] == pytest.approx(58.3)
+    assert sorted(order) == list(range(len(TOY_SIZES)))
+
+
+def test_interleaved_layouts_are_seeded_skewed_and_fit_the_sequence() -> None:
+    data = InterleavedData(seed=0, seq_len=8192, mean_images=8, base_side=16)
+    batch = data.batch(1000)
+    assert batch == InterleavedData(0, 8192, 8, 16).batch(1000)
+    assert batch != InterleavedData(1, 8192, 8, 16).batch(1000)
+    assert all(layout.padding >= 0 and layout.images >= 1 for layout in batch)
+    counts = [layout.images for layout in batch]
+    assert statistics.median(counts) < statistics.mean(counts) < 8.5  # skewed right; overflow trims the mean
+    assert max(counts) > 3 * statistics.median(counts)
+    sizes = [side * side for layout in batch for side in layout.image_sides]
+    assert statistics.median(sizes) == 256 and min(sizes) >= 64 and max(sizes) <= 1024
+    assert {layout.images for layout in InterleavedData(0, 8192, 1, 16).batch(50)} == {1}
+
+
+def test_loads_are_relative_to_the_batch_mean() -> None:
+    batch = InterleavedData(seed=3, seq_len=8192, mean_images=4, base_side=16).batch(64)
+    for costs in ([encoder_cost(layout, 1.0, 0.01) for layout in batch], [generator_cost(layout) for layout in batch]):
+        loads = relative_loads(costs)
+        assert statistics.mean(loads) == pytest.approx(1.0) and statistics.pstdev(loads) > 0.3
+    one = InterleavedData(seed=3, seq_len=8192, mean_images=4, base_side=16).layout(0)
+    assert encoder_cost(one, 1.0, 0.0) == sum(s * s + 1 for s in one.image_sides)
