@@ -19,8 +19,7 @@ from src.strategies.colocated import ColocatedEmitter, ColocatedUnit
 from src.strategies.layout import megatron_mesh
 from src.strategies.pipeline import PipelineEmitter, PipelineSettings
 from src.models.flows import unit_order
-from src.strategies.stages import Segment, pipeline_segments
-
+from src.strategies.stages import Segment
 
 
 @dataclass(frozen=True)
@@ -44,8 +43,8 @@ class MegatronSettings:
 
 
 def pipeline_program(model: ModelSpec, cluster: ClusterSpec, global_batch: int, precision: str,
-                     deg: Degrees, cfg: MegatronSettings) -> tuple[Program, list[UnitPlan], list[list[Segment]]]:
-    virtual = pipeline_segments(model, deg.pp, deg.vpp, cfg.modality_stages, cfg.uneven_pp)
+                     deg: Degrees, cfg: MegatronSettings, virtual: list[list[Segment]]) -> tuple[Program, list[UnitPlan]]:
+    """`virtual`: the pp x vpp virtual stages (stages.pipeline_segments, or a balanced cut)."""
     pp, vpp = deg.pp, deg.vpp
     mesh = megatron_mesh(deg.tp, deg.dp, pp)
     batch_per_replica = global_batch // deg.dp
@@ -70,11 +69,11 @@ def pipeline_program(model: ModelSpec, cluster: ClusterSpec, global_batch: int, 
                                    vpp=vpp if len(ranges) > len(stages) else 1, zero_stage=cfg.zero_stage,
                                    recompute=cfg.recompute, sequence_parallel=cfg.sequence_parallel,
                                    details={"pipeline_stages": stages}))
-    return program, unit_plans, virtual
+    return program, unit_plans
 
 
 def colocated_program(model: ModelSpec, cluster: ClusterSpec, global_batch: int, precision: str,
-                      deg: Degrees, cfg: MegatronSettings) -> tuple[Program, list[UnitPlan], list[list[Segment]]]:
+                      deg: Degrees, cfg: MegatronSettings) -> tuple[Program, list[UnitPlan]]:
     """Both towers on every device, same TP and DP; the contrastive loss sees the features
     of all DP replicas (all-gather over DP, reduce-scatter of their gradients back)."""
     mesh = Mesh.contiguous((("tp", deg.tp), ("dp", deg.dp)))
@@ -101,4 +100,4 @@ def colocated_program(model: ModelSpec, cluster: ClusterSpec, global_batch: int,
                            sample_groups=microbatches, zero_stage=cfg.zero_stage, recompute=cfg.recompute,
                            sequence_parallel=cfg.sequence_parallel)
                   for name in names]
-    return program, unit_plans, [[Segment(name, (0, model.unit(name).num_layers)) for name in names]]
+    return program, unit_plans
