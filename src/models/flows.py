@@ -40,7 +40,24 @@ def feature_boundary(unit: UnitSpec) -> int:
     return next((i + 1 for i, layer in enumerate(unit.layers) if layer.name == "projection"), unit.num_layers)
 
 
-def flows_of(model: ModelSpec) -> list[Flow]:
+# Emitters ask for a model's flows once per instruction; finding a cross flow scans the
+# consumer's kernels. Keyed by identity: hashing a ModelSpec walks all its layers.
+_FLOWS: dict[int, tuple[ModelSpec, tuple[Flow, ...]]] = {}
+_FLOWS_KEPT = 16
+
+
+def flows_of(model: ModelSpec) -> tuple[Flow, ...]:
+    cached = _FLOWS.get(id(model))
+    if cached is not None and cached[0] is model:
+        return cached[1]
+    flows = _find_flows(model)
+    if len(_FLOWS) >= _FLOWS_KEPT:
+        del _FLOWS[next(iter(_FLOWS))]
+    _FLOWS[id(model)] = (model, flows)
+    return flows
+
+
+def _find_flows(model: ModelSpec) -> tuple[Flow, ...]:
     out = []
     for producer, consumer in model.flows:
         source, sink = model.unit(producer), model.unit(consumer)
@@ -54,7 +71,7 @@ def flows_of(model: ModelSpec) -> list[Flow]:
             out.append(Flow(producer, consumer, "cross", cross, source.seq_len * source.hidden, end))
         else:
             out.append(Flow(producer, consumer, "chain", 0, source.output_elems, end))
-    return out
+    return tuple(out)
 
 
 def outputs_of(model: ModelSpec, unit: str) -> list[tuple[int, str]]:

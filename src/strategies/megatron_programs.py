@@ -61,15 +61,34 @@ def pipeline_program(model: ModelSpec, cluster: ClusterSpec, global_batch: int, 
     for name in unit_order(model):
         stages = sorted({v % pp for v, segs in enumerate(virtual) for s in segs if s.unit == name})
         ranges = tuple(s.layers for segs in virtual for s in segs if s.unit == name)
+        chunks = 1
+        if len(ranges) > len(stages):
+            # Some stage holds several chunks of the unit: it spans the whole interleaved
+            # pipeline, with an empty range where a virtual stage holds none of it (a
+            # balanced cut's encoder-only stage).
+            stages, ranges, chunks = list(range(pp)), _every_virtual_stage(name, virtual), vpp
         ranks = tuple(r for st in stages for r in mesh.slice(pp=st))
         unit_mesh = Mesh((("tp", deg.tp), ("dp", deg.dp), ("pp", len(stages))), ranks)
         unit_plans.append(UnitPlan(unit=name, mesh=unit_mesh, micro_batch=deg.micro_batch,
                                    num_microbatches=microbatches, batch_per_replica=batch_per_replica,
-                                   stage_layers=ranges, sample_groups=microbatches,
-                                   vpp=vpp if len(ranges) > len(stages) else 1, zero_stage=cfg.zero_stage,
-                                   recompute=cfg.recompute, sequence_parallel=cfg.sequence_parallel,
-                                   details={"pipeline_stages": stages}))
+                                   stage_layers=ranges, sample_groups=microbatches, vpp=chunks,
+                                   zero_stage=cfg.zero_stage, recompute=cfg.recompute,
+                                   sequence_parallel=cfg.sequence_parallel, details={"pipeline_stages": stages}))
     return program, unit_plans
+
+
+def _every_virtual_stage(unit: str, virtual: list[list[Segment]]) -> tuple[tuple[int, int], ...]:
+    """The unit's layer range on every virtual stage; (k, k) where it has none, k being
+    where its layers stand at that point of the chain."""
+    out, cursor = [], 0
+    for segments in virtual:
+        held = [s.layers for s in segments if s.unit == unit]
+        if held:
+            cursor = held[-1][1]
+            out.append((held[0][0], cursor))
+        else:
+            out.append((cursor, cursor))
+    return tuple(out)
 
 
 def colocated_program(model: ModelSpec, cluster: ClusterSpec, global_batch: int, precision: str,

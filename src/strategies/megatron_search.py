@@ -27,13 +27,13 @@ from src.sim.engine import compute_lower_bound, simulate
 from src.strategies.base import PlanRequest
 from src.strategies.megatron_estimate import MemoryTable, Passes, PipelineEstimator
 from src.strategies.megatron_programs import MegatronSettings, colocated_program, pipeline_program
-from src.strategies.megatron_space import Shape, Space
+from src.strategies.megatron_space import MAX_MICROBATCHES, MAX_PIPELINE_MICRO_BATCH, Shape, Space
 from src.strategies.stages import Segment, balanced_cuts, chain_segments, linear_chain, pipeline_segments
 
 if TYPE_CHECKING:
     from src.strategies.megatron import MegatronOptions
 
-PROGRESS_EVERY_S = 3.0
+PROGRESS_EVERY_S = 1.0
 RANKING_SIZE = 5
 # How far a candidate's time is known: the levels of bound tightened one after another.
 WORK, STAGES, PATH = 0, 1, 2
@@ -84,10 +84,12 @@ class SearchStats:
 
 @dataclass
 class Progress:
-    """One line on stderr every few seconds, once a search has run that long."""
+    """One line on stderr every second once a search has run that long, and a last one
+    when it ends."""
 
     start: float = field(default_factory=time.perf_counter)
     last: float = 0.0
+    shown: bool = False
 
     def __post_init__(self) -> None:
         self.last = self.start
@@ -96,10 +98,15 @@ class Progress:
         now = time.perf_counter()
         if now - self.last < PROGRESS_EVERY_S:
             return
-        self.last = now
+        self.last, self.shown = now, True
         lead = f"best so far {best.time:.3f} s ({best.describe()})" if best and best.time else "no plan yet"
         print(f"megatron search [{now - self.start:.0f} s]: {phase} {done}/{total}, {lead}", file=sys.stderr,
               flush=True)
+
+    def end(self, stats: SearchStats, fitting: int, best: Candidate) -> None:
+        if self.shown:
+            print(f"megatron search [{stats.wall_time_s:.0f} s]: done: {stats.shapes} shapes, {fitting} fit, "
+                  f"{stats.simulated} simulated; best {best.describe()}", file=sys.stderr, flush=True)
 
 
 class MegatronSearch:
@@ -120,6 +127,8 @@ class MegatronSearch:
         self.ranked: list[Candidate] = []    # path-bounded next best, not simulated
         self.chain = linear_chain(self.model) if opts.balance else None
         self.even_cuts: dict[tuple[int, int], list[list[Segment]]] = {}
+        self.chain_times: dict[tuple, tuple[float, ...]] = {}
+        self.balanced: dict[tuple, list[list[Segment]]] = {}
 
     # ---- memory: one candidate per shape ----------------------------------------------------
     def candidates(self, space: Space) -> list[Candidate]:
@@ -199,17 +208,30 @@ class MegatronSearch:
                 self.even_cuts[key] = pipeline_segments(self.model, deg.pp, deg.vpp, settings.modality_stages,
                                                         settings.uneven_pp)
             return self.even_cuts[key]
-        times = self.estimator.layer_times(self.chain, deg, settings)
-        return chain_segments(self.chain, balanced_cuts(times, deg.pp * deg.vpp))
+        # The cut depends on the layers' times (TP, its price, micro-batch, sequence
+        # parallelism, recomputation) and the number of virtual stages only.
+        key = (deg.tp, deg.dp, deg.pp, deg.micro_batch, settings.sequence_parallel, settings.recompute)
+        times = self.chain_times.get(key)
+        if times is None:
+            times = self.chain_times[key] = tuple(self.estimator.layer_times(self.chain, deg, settings))
+        cut_key = (times, deg.pp * deg.vpp)
+        if cut_key not in self.balanced:
+            self.balanced[cut_key] = chain_segments(self.chain, balanced_cuts(times, deg.pp * deg.vpp))
+        return self.balanced[cut_key]
 
     def memory_problem(self, candidate: Candidate) -> str:
         usable = self.cluster.usable_memory_bytes
         worst = max(range(len(candidate.memory)), key=lambda i: candidate.memory[i]["total"])
         need = candidate.memory[worst]
         parts = ", ".join(f"{k} {need[k] / GIB:.1f}" for k in ("weights", "grads", "optimizer", "activations"))
+        why = ""
+        if self.opts.micro_batch_size is None and not self.contrastive and \
+                candidate.shape.degrees.micro_batch > MAX_PIPELINE_MICRO_BATCH:
+            why = (f" (micro-batches of {candidate.shape.degrees.micro_batch}: the planner builds at most "
+                   f"{MAX_MICROBATCHES} per iteration)")
         return (f"megatron {candidate.describe()}: {candidate.labels[worst]} needs "
                 f"{need['total'] / GIB:.1f} GiB ({parts}) but a {self.cluster.device} has "
-                f"{usable / GIB:.1f} GiB usable, short by {(need['total'] - usable) / GIB:.1f} GiB")
+                f"{usable / GIB:.1f} GiB usable, short by {(need['total'] - usable) / GIB:.1f} GiB{why}")
 
     def closest_memory_problem(self) -> str | None:
         """Of the settings that did not fit, the one short by the least."""
@@ -300,13 +322,14 @@ class MegatronSearch:
                                        "placement": "colocated" if self.contrastive else "pipeline"})
 
     # ---- the record ----------------------------------------------------------------------
-    def record(self, candidates: list[Candidate]) -> dict:
+    def record(self, candidates: list[Candidate], best: Candidate) -> dict:
         """plan.search: the space, what each stage of the search did, its wall time, and
         the best candidates (simulated, or else known by their path bound, a lower bound
         that the simulation reached within rounding in every case we checked)."""
         self.stats.wall_time_s = time.perf_counter() - self.progress.start
         known = [c for c in candidates if c.time is not None] + self.ranked
         known.sort(key=lambda c: (c.time if c.time is not None else c.path_bound, c.order()))
+        self.progress.end(self.stats, len(candidates), best)
         return {
             "searched": self.searched,
             **{key: (round(value, 3) if isinstance(value, float) else value)

@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 
 # Pipelines want many micro-batches; larger ones only help GEMM efficiency, which saturates.
 MAX_PIPELINE_MICRO_BATCH = 8
+# A Program holds every micro-batch of the iteration: beyond this many per pipeline
+# (Megatron-LM runs tens to hundreds) building and simulating one takes minutes.
+MAX_MICROBATCHES = 1024
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,15 @@ def powers_of_two(limit: int) -> list[int]:
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """Ascending; O(sqrt n), so an absurd batch costs nothing here."""
+    small, large, d = [], [], 1
+    while d * d <= n:
+        if n % d == 0:
+            small.append(d)
+            if d * d != n:
+                large.append(n // d)
+        d += 1
+    return small + large[::-1]
 
 
 def pipeline_blocks(model: ModelSpec) -> int:
@@ -167,15 +178,22 @@ def check_degrees(request: PlanRequest, opts: MegatronOptions, tp: int, pp: int)
 
 def _micro_batch_choices(request: PlanRequest, opts: MegatronOptions, dp: int, contrastive: bool) -> list[int]:
     per_replica = request.train.global_batch // dp
+    least = -(-per_replica // MAX_MICROBATCHES)   # the smallest micro-batch a Program can hold
     if opts.micro_batch_size is not None:
         if per_replica % opts.micro_batch_size:
             raise ConfigError(f"global batch {request.train.global_batch} is not divisible by dp x micro-batch = "
                               f"{dp} x {opts.micro_batch_size} = {dp * opts.micro_batch_size}")
+        if opts.micro_batch_size < least:
+            raise ConfigError(f"global batch {request.train.global_batch} over dp={dp} in micro-batches of "
+                              f"{opts.micro_batch_size} is {per_replica // opts.micro_batch_size} micro-batches "
+                              f"per iteration; the planner builds at most {MAX_MICROBATCHES}")
         choices = [opts.micro_batch_size]
     else:
         # Largest first: for contrastive models the whole replica batch is one micro-batch
-        # unless memory forces accumulation.
-        choices = [m for m in reversed(divisors(per_replica)) if contrastive or m <= MAX_PIPELINE_MICRO_BATCH]
+        # unless memory forces accumulation. A batch too large for micro-batches of at most
+        # MAX_PIPELINE_MICRO_BATCH gets the smallest size that keeps the count in bounds.
+        sizes = [m for m in divisors(per_replica) if m >= least]
+        choices = [m for m in reversed(sizes) if contrastive or m <= MAX_PIPELINE_MICRO_BATCH] or sizes[:1]
     if contrastive:
         rbs = request.train.contrastive_batch
         fitting = [m for m in choices if m * dp >= rbs]
