@@ -309,6 +309,10 @@ def test_balanced_plan_cuts_encoder_and_llm_no_slower_than_the_even_cut() -> Non
     assert plan.details["balance"] and plan.details["schedule"] == "interleaved"
     encoder, llm = plan.unit("encoder"), plan.unit("llm")
     assert encoder.stage_layers[0][0] == 0 and llm.stage_layers[-1][1] == req.model.unit("llm").num_layers
+    for unit in (encoder, llm):  # in model order, the ranges cover the unit once (empty where a stage has none)
+        assert len(unit.stage_layers) == unit.pp * unit.vpp
+        assert all(a[1] == b[0] for a, b in zip(unit.stage_layers, unit.stage_layers[1:]))
+        assert unit.stage_layers[-1][1] == req.model.unit(unit.unit).num_layers
     # The balanced cut moves LLM layers off the stage that also runs the encoder.
     even = pipeline_segments(req.model, 2, 4, "merged", False)
     cfg = MegatronSettings("interleaved", plan.details["recompute"], plan.details["sequence_parallel"],
@@ -334,3 +338,10 @@ def test_balance_needs_a_linear_chain_of_units() -> None:
         planner_for("megatron")(request({"name": "mllm_9b"}, "a800", 8, 64, balance=True))
     with pytest.raises(ConfigError, match="does not pipeline"):
         planner_for("megatron")(request({"name": "clip"}, "p3_16xlarge", 8, 512, balance=True))
+
+
+def test_an_absurd_batch_is_refused_without_building_its_micro_batches() -> None:
+    with pytest.raises(ConfigError, match=r"is 262144 micro-batches per iteration; the planner builds at most 1024"):
+        planner_for("megatron")(request(GPT_SMALL, "perlmutter", 1, 2 ** 20, tp=1, pp=1, micro_batch_size=1))
+    with pytest.raises(PlanError, match=r"micro-batches of \d+: the planner builds at most 1024 per iteration"):
+        planner_for("megatron")(request(GPT_SMALL, "perlmutter", 1, 10 ** 9))
