@@ -182,7 +182,7 @@ def test_pruned_search_finds_what_simulating_every_fitting_candidate_finds(model
     helper = MegatronSearch(req, opts, contrastive=False, searched=True)
     best, simulated = None, 0
     for shape in enumerate_space(req, opts, False, False, True).shapes:
-        for recompute, zero in memory_ladder():
+        for step, (recompute, zero) in enumerate(memory_ladder()):
             cfg = MegatronSettings(shape.schedule, recompute, shape.sequence_parallel, zero, False, "extra", False)
             program, units = pipeline_program(req.model, req.cluster, batch, req.train.precision, shape.degrees, cfg,
                                               helper.virtual_stages(shape, cfg))
@@ -192,11 +192,10 @@ def test_pruned_search_finds_what_simulating_every_fitting_candidate_finds(model
                 continue
             time = simulate(program, req.model, req.cluster, req.train.precision).iteration_time
             d = shape.degrees
-            key = (time, d.tp, d.pp, d.vpp, d.micro_batch, not shape.sequence_parallel)
+            key = (time, d.tp, d.pp, d.vpp, d.micro_batch, shape.sequence_parallel, step)
             if best is None or key < best[0]:
                 best = (key, shape, recompute, zero)
             simulated += 1
-            break
     (time, *_), shape, recompute, zero = best
     d = shape.degrees
     assert (plan.details["tp"], plan.details["pp"], plan.details["vpp"], plan.details["micro_batch"],

@@ -2,7 +2,8 @@
 branch and bound over simulations.
 
 For every shape of the space (megatron_space), the memory ladder is walked cheapest
-first and the first setting that fits is the shape's candidate. Pipeline candidates are
+first: the least recomputation that fits, with and without the distributed optimizer
+where both fit, are the shape's candidates. Pipeline candidates are
 checked and priced without a Program (megatron_estimate: the memory rank_memory would
 read off it, and a lower bound on its simulated time); colocated (contrastive)
 candidates are few and are built. Candidates are then simulated in order of their bound
@@ -142,15 +143,22 @@ class MegatronSearch:
             self.progress.tick("memory checks of shapes", index, len(space.shapes), None)
             if self.contrastive and shape.degrees.tp in fitted_tp:
                 continue  # the largest micro-batch that fits: accumulation only costs time here
-            candidate = self._first_fitting(shape)
-            if candidate is not None:
-                out.append(candidate)
+            fitting = self._fitting(shape)
+            if fitting:
+                out += fitting
                 fitted_tp.add(shape.degrees.tp)
         return out
 
-    def _first_fitting(self, shape: Shape) -> Candidate | None:
+    def _fitting(self, shape: Shape) -> list[Candidate]:
+        """The shape under the least recomputation that fits, with and without the
+        distributed optimizer where both fit. More recomputation adds compute to the
+        same Program and never wins; the distributed optimizer moves fewer bytes and
+        steps a shard of the optimizer, so it may."""
         tables: dict[tuple, MemoryTable] = {}
+        out: list[Candidate] = []
         for step, (recompute, zero) in enumerate(self.ladder):
+            if out and recompute != out[0].settings.recompute:
+                break
             settings = MegatronSettings(shape.schedule, recompute, shape.sequence_parallel, zero,
                                         self.opts.overlap_grad_reduce, self.opts.modality_stages,
                                         self.opts.uneven_pp)
@@ -161,11 +169,11 @@ class MegatronSearch:
                     raise
                 self.invalid.append(str(err))
                 self.stats.invalid += 1
-                return None
+                return []
             if candidate is not None:
                 self._price(candidate)
-                return candidate
-        return None
+                out.append(candidate)
+        return out
 
     def _check(self, shape: Shape, settings: MegatronSettings, step: int,
                tables: dict[tuple, MemoryTable]) -> Candidate | None:
