@@ -40,6 +40,8 @@ CASES = {
                                      "strategy.micro_batch_size=2", "strategy.recompute=full"],
     "ddp_zero3_recompute": GPT + ["strategy=ddp", "strategy.zero_stage=3", "strategy.recompute=selective"],
 
+    "megatron_pp2_balanced": GPT + ["strategy=megatron", "strategy.tp=1", "strategy.pp=2", "strategy.vpp=1",
+                                    "strategy.micro_batch_size=2", "strategy.balance=true"],
     "deepspeed3d_tp2": GPT + ["strategy=deepspeed3d", "strategy.tp=2", "strategy.pp=1", "strategy.micro_batch_size=2"],
     # bf16 GEMMs (autocast, fp32 master weights and gradients); activations cross the
     # pipeline stage in bf16.

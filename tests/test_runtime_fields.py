@@ -21,7 +21,7 @@ from tests.test_runtime_support import CLIP, GPT, composed
 CONF = Path(__file__).resolve().parent.parent / "conf" / "strategy"
 WORKERS = ["backend=torch", "cluster=local", "cluster.devices_per_node=4", "logger=none"]
 MEGATRON = WORKERS + GPT + ["strategy=megatron", "strategy.tp=1", "strategy.pp=2", "strategy.micro_batch_size=2",
-                            "strategy.recompute=none", "strategy.zero_stage=0"]
+                            "strategy.recompute=none", "strategy.zero_stage=0", "strategy.vpp=1"]
 DISTMM = WORKERS + ["model=clip", "model.scale=tiny", "train.global_batch=16", "train.contrastive_batch=8",
                     "strategy=distmm", "strategy.vision.dp=2", "strategy.text.dp=2"]
 DDP = WORKERS + CLIP + ["strategy=ddp"]
@@ -32,7 +32,7 @@ EQUALITY, DISTMM_RUNS = "test_runtime_equality", "test_runtime_distmm"
 
 # (strategy, option): (the plan's base overrides, the sample setting, verdict, where it runs for real)
 FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
-    ("megatron", "tp"): (MEGATRON, ["strategy.tp=2"], "run", EQUALITY),
+    ("megatron", "tp"): (MEGATRON, ["strategy.tp=2", "strategy.sequence_parallel=false"], "run", EQUALITY),
     ("megatron", "pp"): (MEGATRON, ["strategy.pp=1"], "run", EQUALITY),
     ("megatron", "dp"): (MEGATRON, ["strategy.dp=2"], "run", EQUALITY),
     ("megatron", "vpp"): (MEGATRON, ["strategy.vpp=2", "strategy.schedule=interleaved"], "run", EQUALITY),
@@ -45,6 +45,7 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
     ("megatron", "overlap_grad_reduce"): (MEGATRON, ["strategy.overlap_grad_reduce=true"], "refused", ""),
     ("megatron", "modality_stages"): (MEGATRON, ["strategy.modality_stages=merged"], "run", EQUALITY),
     ("megatron", "uneven_pp"): (MEGATRON, ["strategy.uneven_pp=true"], "run", EQUALITY),
+    ("megatron", "balance"): (MEGATRON, ["strategy.balance=true"], "run", EQUALITY),
     ("distmm", "balance"): (DISTMM, ["strategy.balance=even"], "run", DISTMM_RUNS),
     ("distmm", "placement"): (DISTMM, ["strategy.placement=naive", "strategy.vision.dp=null",
                                        "strategy.text.dp=null"], "run", DISTMM_RUNS),

@@ -30,7 +30,8 @@ GPT = ["model=gpt", "model.preset=null", "model.layers=4", "model.hidden=64", "m
 
 def test_every_rank_of_a_class_maps_groups_and_peers_onto_itself():
     # tp=2 x dp=2 x pp=2: rank = t + 2·(d + 2·p); the class "stage 0" is written for rank 0.
-    plan, *_ = _plan(GPT + ["strategy=megatron", "strategy.tp=2", "strategy.pp=2", "strategy.micro_batch_size=2"])
+    plan, *_ = _plan(GPT + ["strategy=megatron", "strategy.tp=2", "strategy.pp=2", "strategy.vpp=1",
+                          "strategy.micro_batch_size=2"])
     program = plan.program
     assert program.group_for("tp.s0", 3) == (2, 3)
     assert program.group_for("dp.s0", 3) == (1, 3)

@@ -114,8 +114,22 @@ def peak_activation_bytes(rank_program: RankProgram, model: ModelSpec, recompute
                     (layer.activations.per_device(work.sharding, "none")
                      for layer in unit.layers[start:end]), default=0.0)
                 peak = max(peak, live + rematerialised * work.samples * work.fraction * work.load)
-            live -= alive.pop(key, 0.0)
+            live -= _free(alive, key, model, instruction, recompute.get(work.unit, "none"))
     return peak
+
+
+def _free(alive: dict[tuple, float], key: tuple, model: ModelSpec, backward: Compute, recompute: str) -> float:
+    """Activations a backward frees: its forward's, or, for a backward split layer by layer
+    (overlap_grad_reduce's last micro-batch), its layers' share of the forward covering them."""
+    if key in alive:
+        return alive.pop(key)
+    unit, (start, end), chunk, microbatch = key
+    for (held_unit, (first, last), held_chunk, held_mb), held in alive.items():
+        if (held_unit, held_chunk, held_mb) == (unit, chunk, microbatch) and first <= start and end <= last:
+            part = min(held, work_activation_bytes(model, backward, recompute))
+            alive[(held_unit, (first, last), held_chunk, held_mb)] = held - part
+            return part
+    return 0.0
 
 
 def rank_memory(rank_program: RankProgram, units: Mapping[str, UnitPlan], model: ModelSpec,

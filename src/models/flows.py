@@ -40,20 +40,24 @@ def feature_boundary(unit: UnitSpec) -> int:
     return next((i + 1 for i, layer in enumerate(unit.layers) if layer.name == "projection"), unit.num_layers)
 
 
-_FLOWS: dict[int, tuple[ModelSpec, list[Flow]]] = {}
+# Emitters ask for a model's flows once per instruction; finding a cross flow scans the
+# consumer's kernels. Keyed by identity: hashing a ModelSpec walks all its layers.
+_FLOWS: dict[int, tuple[ModelSpec, tuple[Flow, ...]]] = {}
+_FLOWS_KEPT = 16
 
 
-def flows_of(model: ModelSpec) -> list[Flow]:
-    """The model's flows (cached per model object: emitters ask once per operation)."""
+def flows_of(model: ModelSpec) -> tuple[Flow, ...]:
     cached = _FLOWS.get(id(model))
-    if cached is None or cached[0] is not model:
-        if len(_FLOWS) > 64:
-            _FLOWS.clear()
-        cached = _FLOWS[id(model)] = (model, _flows(model))
-    return list(cached[1])
+    if cached is not None and cached[0] is model:
+        return cached[1]
+    flows = _find_flows(model)
+    if len(_FLOWS) >= _FLOWS_KEPT:
+        del _FLOWS[next(iter(_FLOWS))]
+    _FLOWS[id(model)] = (model, flows)
+    return flows
 
 
-def _flows(model: ModelSpec) -> list[Flow]:
+def _find_flows(model: ModelSpec) -> tuple[Flow, ...]:
     out = []
     for producer, consumer in model.flows:
         source, sink = model.unit(producer), model.unit(consumer)
@@ -66,7 +70,7 @@ def _flows(model: ModelSpec) -> list[Flow]:
             out.append(Flow(producer, consumer, "cross", cross, source.seq_len * source.hidden, end))
         else:
             out.append(Flow(producer, consumer, "chain", 0, source.output_elems, end))
-    return out
+    return tuple(out)
 
 
 def _reads_tokens(layer, producer: UnitSpec) -> bool:

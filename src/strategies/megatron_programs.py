@@ -19,8 +19,7 @@ from src.strategies.colocated import ColocatedEmitter, ColocatedUnit
 from src.strategies.layout import megatron_mesh
 from src.strategies.pipeline import PipelineEmitter, PipelineSettings
 from src.models.flows import unit_order
-from src.strategies.stages import Segment, pipeline_segments
-
+from src.strategies.stages import Segment
 
 
 @dataclass(frozen=True)
@@ -44,8 +43,8 @@ class MegatronSettings:
 
 
 def pipeline_program(model: ModelSpec, cluster: ClusterSpec, global_batch: int, precision: str,
-                     deg: Degrees, cfg: MegatronSettings) -> tuple[Program, list[UnitPlan], list[list[Segment]]]:
-    virtual = pipeline_segments(model, deg.pp, deg.vpp, cfg.modality_stages, cfg.uneven_pp)
+                     deg: Degrees, cfg: MegatronSettings, virtual: list[list[Segment]]) -> tuple[Program, list[UnitPlan]]:
+    """`virtual`: the pp x vpp virtual stages (stages.pipeline_segments, or a balanced cut)."""
     pp, vpp = deg.pp, deg.vpp
     mesh = megatron_mesh(deg.tp, deg.dp, pp)
     batch_per_replica = global_batch // deg.dp
@@ -62,19 +61,38 @@ def pipeline_program(model: ModelSpec, cluster: ClusterSpec, global_batch: int, 
     for name in unit_order(model):
         stages = sorted({v % pp for v, segs in enumerate(virtual) for s in segs if s.unit == name})
         ranges = tuple(s.layers for segs in virtual for s in segs if s.unit == name)
+        chunks = 1
+        if len(ranges) > len(stages):
+            # Some stage holds several chunks of the unit: it spans the whole interleaved
+            # pipeline, with an empty range where a virtual stage holds none of it (a
+            # balanced cut's encoder-only stage).
+            stages, ranges, chunks = list(range(pp)), _every_virtual_stage(name, virtual), vpp
         ranks = tuple(r for st in stages for r in mesh.slice(pp=st))
         unit_mesh = Mesh((("tp", deg.tp), ("dp", deg.dp), ("pp", len(stages))), ranks)
         unit_plans.append(UnitPlan(unit=name, mesh=unit_mesh, micro_batch=deg.micro_batch,
                                    num_microbatches=microbatches, batch_per_replica=batch_per_replica,
-                                   stage_layers=ranges, sample_groups=microbatches,
-                                   vpp=vpp if len(ranges) > len(stages) else 1, zero_stage=cfg.zero_stage,
-                                   recompute=cfg.recompute, sequence_parallel=cfg.sequence_parallel,
-                                   details={"pipeline_stages": stages}))
-    return program, unit_plans, virtual
+                                   stage_layers=ranges, sample_groups=microbatches, vpp=chunks,
+                                   zero_stage=cfg.zero_stage, recompute=cfg.recompute,
+                                   sequence_parallel=cfg.sequence_parallel, details={"pipeline_stages": stages}))
+    return program, unit_plans
+
+
+def _every_virtual_stage(unit: str, virtual: list[list[Segment]]) -> tuple[tuple[int, int], ...]:
+    """The unit's layer range on every virtual stage; (k, k) where it has none, k being
+    where its layers stand at that point of the chain."""
+    out, cursor = [], 0
+    for segments in virtual:
+        held = [s.layers for s in segments if s.unit == unit]
+        if held:
+            cursor = held[-1][1]
+            out.append((held[0][0], cursor))
+        else:
+            out.append((cursor, cursor))
+    return tuple(out)
 
 
 def colocated_program(model: ModelSpec, cluster: ClusterSpec, global_batch: int, precision: str,
-                      deg: Degrees, cfg: MegatronSettings) -> tuple[Program, list[UnitPlan], list[list[Segment]]]:
+                      deg: Degrees, cfg: MegatronSettings) -> tuple[Program, list[UnitPlan]]:
     """Both towers on every device, same TP and DP; the contrastive loss sees the features
     of all DP replicas (all-gather over DP, reduce-scatter of their gradients back)."""
     mesh = Mesh.contiguous((("tp", deg.tp), ("dp", deg.dp)))
@@ -101,4 +119,4 @@ def colocated_program(model: ModelSpec, cluster: ClusterSpec, global_batch: int,
                            sample_groups=microbatches, zero_stage=cfg.zero_stage, recompute=cfg.recompute,
                            sequence_parallel=cfg.sequence_parallel)
                   for name in names]
-    return program, unit_plans, [[Segment(name, (0, model.unit(name).num_layers)) for name in names]]
+    return program, unit_plans

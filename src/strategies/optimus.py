@@ -171,6 +171,9 @@ def _program_memory_problem(request: PlanRequest, plan: Plan) -> tuple[float, st
 # ---- the LLM ---------------------------------------------------------------------------------
 def _llm_and_encoders(model: ModelSpec) -> tuple[str, list[str]]:
     """The LLM is the unit every other unit feeds (chain flows); the others are encoders."""
+    if model.interaction is not None:
+        raise PlanError(f"optimus schedules encoders into an LLM's pipeline bubbles; {model.name} is a contrastive "
+                        f"model (its towers meet in {model.interaction}, which has no pipeline): use distmm")
     consumers = {c for _, c in model.flows}
     encoders = [p for p, _ in model.flows]
     if len(consumers) != 1 or sorted(encoders + list(consumers)) != sorted(u.name for u in model.units):

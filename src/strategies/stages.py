@@ -6,10 +6,12 @@ divisibility rule counts blocks, as Megatron's --num-layers does.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Sequence
 
 from src.errors import ConfigError
-from src.models.flows import unit_order
+from src.models.flows import flows_of, unit_order
 from src.models.spec import ModelSpec, UnitSpec
 
 
@@ -85,6 +87,98 @@ def pipeline_segments(model: ModelSpec, pp: int, vpp: int, modality_stages: str,
     stages = [[Segment(main.name, r)] for r in block_cuts(main, virtual, uneven, what)]
     stages[0] = [Segment(u.name, (0, u.num_layers)) for u in before] + stages[0]
     stages[-1] = stages[-1] + [Segment(u.name, (0, u.num_layers)) for u in after]
+    return stages
+
+
+def balanced_cuts(times: Sequence[float], parts: int) -> list[tuple[int, int]]:
+    """Optimus Appendix B ("Megatron-LM balanced"): cut layers with these times, in
+    order, into `parts` contiguous non-empty ranges [start, end) so that the slowest
+    range is as fast as possible: F(L, parts) of the DP F(l, s) = min over j < l of
+    max(F(j, s-1), t_{j+1} + ... + t_l).
+
+    The same optimum is found without the O(L^2 x parts) table, which the search would
+    fill for every candidate: packing layers greedily into ranges of at most B needs no
+    more than `parts` ranges exactly when B >= F(L, parts), so F is the least range sum
+    at which packing succeeds; bisection finds it, then steps down range sum by range sum
+    until no smaller one packs. Range sums are prefix differences throughout, so the
+    comparisons are exact. Of the cuts that reach the optimum, the one packed from the
+    last layer back is taken: ties then leave the early stages, which hold the most
+    micro-batches in flight under 1F1B, the lighter ones."""
+    count = len(times)
+    if not 1 <= parts <= count:
+        raise ConfigError(f"cannot cut {count} layers into {parts} non-empty stages")
+    prefix = [0.0]
+    for t in reversed(times):
+        prefix.append(prefix[-1] + t)
+    largest = max(b - a for a, b in zip(prefix, prefix[1:]))
+
+    def pack(limit: float) -> list[int] | None:
+        """Range starts packing every range up to `limit`, cutting early only where the
+        layers left are just enough for the ranges left; None if `parts` do not suffice."""
+        if largest > limit:
+            return None
+        starts = [0]
+        for layer in range(1, count):
+            if prefix[layer + 1] - prefix[starts[-1]] > limit or count - layer == parts - len(starts):
+                starts.append(layer)
+                if len(starts) > parts:
+                    return None
+        return starts
+
+    def slowest(starts: list[int]) -> float:
+        return max(prefix[b] - prefix[a] for a, b in zip(starts, starts[1:] + [count]))
+
+    # Below the slowest layer, or below an even share of the total, nothing packs.
+    low, high = math.nextafter(max(largest, prefix[-1] / parts), -math.inf), prefix[-1]
+    while True:
+        middle = (low + high) / 2
+        if not low < middle < high:
+            break
+        if pack(middle) is None:
+            low = middle
+        else:
+            high = middle
+    starts = pack(high)
+    assert starts is not None
+    while True:
+        below = pack(math.nextafter(slowest(starts), -math.inf))
+        if below is None:
+            break
+        starts = below
+    return [(count - end, count - start) for start, end in reversed(list(zip(starts, starts[1:] + [count])))]
+
+
+def linear_chain(model: ModelSpec) -> list[UnitSpec]:
+    """The model's units when they form one chain (each unit's whole output is the next
+    unit's input); the balanced cut needs one, as Optimus Appendix B says."""
+    order = unit_order(model)
+    flows = flows_of(model)
+    producers = {name: [f for f in flows if f.consumer == name] for name in order}
+    for name in order:
+        if len(producers[name]) > 1:
+            raise ConfigError(f"strategy.balance=true (Megatron-LM balanced, Optimus Appendix B) takes a single "
+                              f"encoder, but {model.name} has {len(producers[name])} encoders feeding {name} "
+                              f"({', '.join(f.producer for f in producers[name])})")
+    for previous, name in zip(order, order[1:]):
+        flow = producers[name][0] if producers[name] else None
+        if flow is None or flow.producer != previous or flow.kind != "chain":
+            how = "nothing" if flow is None else f"a {flow.kind} flow from {flow.producer}"
+            raise ConfigError(f"strategy.balance=true cuts a linear chain of units (Optimus Appendix B), but "
+                              f"{name} of {model.name} takes {how}, not {previous}'s output as its input")
+    return [model.unit(name) for name in order]
+
+
+def chain_segments(units: Sequence[UnitSpec], ranges: Sequence[tuple[int, int]]) -> list[list[Segment]]:
+    """Virtual stages from [start, end) ranges over the chain's layers numbered end to end."""
+    offsets, total = [], 0
+    for unit in units:
+        offsets.append(total)
+        total += unit.num_layers
+    stages = []
+    for start, end in ranges:
+        stages.append([Segment(unit.name, (max(start - offset, 0), min(end - offset, unit.num_layers)))
+                       for unit, offset in zip(units, offsets)
+                       if start < offset + unit.num_layers and end > offset])
     return stages
 
 
