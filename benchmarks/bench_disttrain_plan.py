@@ -8,7 +8,6 @@ at most 100 ms on a 2-core machine. Paper (Table 2, CVXPY): 922 / 641 / 441 / 13
 """
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir

@@ -14,7 +14,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from src.errors import ConfigError, PlanError
+from src.errors import ConfigError
 from src.program import Compute, Table
 from src.setup import Setup, plan_run, validate
 from src.sim.engine import simulate

@@ -20,18 +20,12 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from src.errors import ConfigError
 from src.models.registry import build_model
-from src.setup import plan_run, validate
-from src.runtime.backend import check_runnable
-from src.runtime.driver import free_port, launch
+from src.runtime.driver import launch
 from src.runtime.reference import reference_losses
 from src.timeline import BREAKDOWN_CATEGORIES
-from tests.test_runtime_support import build_deepspeed_ops, composed, prepare_run_dir
+from tests.test_runtime_support import build_deepspeed_ops, prepare_run_dir
 
 pytestmark = pytest.mark.slow  # starts worker processes
 

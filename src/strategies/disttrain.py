@@ -22,7 +22,6 @@ from src.costmodel.memory import check_memory_options, rank_memory
 from src.data.interleaved import InterleavedData, encoder_cost, generator_cost, relative_loads
 from src.data.reorder import StageTimes
 from src.errors import ConfigError, PlanError
-from src.mesh import Mesh
 from src.models.spec import ModelSpec
 from src.program import Plan, UnitPlan, compress_ranks
 from src.strategies.base import PlanRequest

@@ -55,7 +55,6 @@ def assign(reorder: str, sizes: Sequence[float], enc: Sequence[float], gen: Sequ
     encoder + generator seconds; enc, gen: its loads; slot_times(enc load, gen load):
     a micro-batch slot's stage times."""
     count = len(sizes)
-    m = count // dp_lm
     if reorder in ("intra", "both"):
         groups = [sorted(g) for g in lpt(sizes, dp_lm, equal_count=True)]
     else:
