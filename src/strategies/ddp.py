@@ -26,6 +26,7 @@ from src.errors import ConfigError, PlanError
 from src.mesh import Mesh
 from src.program import RECOMPUTE_MODES, Instruction, Plan, Program, UnitPlan
 from src.strategies.base import PlanRequest
+from src.strategies.megatron_space import MAX_MICROBATCHES, divisors
 from src.strategies.colocated import ColocatedEmitter, ColocatedUnit
 from src.models.flows import unit_order
 
@@ -67,9 +68,13 @@ def _micro_batches(request: PlanRequest, opts: DDPOptions, dp: int) -> list[int]
         if per_replica % mb:
             raise ConfigError(f"per-replica batch {per_replica} (global {train.global_batch} / dp {dp}) is not "
                               f"divisible by strategy.micro_batch_size={mb}")
+        if per_replica // mb > MAX_MICROBATCHES:
+            raise ConfigError(f"per-replica batch {per_replica} in micro-batches of {mb} is {per_replica // mb} "
+                              f"micro-batches per iteration; the planner builds at most {MAX_MICROBATCHES}")
         choices = [mb]
     else:
-        choices = [m for m in range(per_replica, 0, -1) if per_replica % m == 0]
+        # Largest first, and no more micro-batches than a Program is built with.
+        choices = [m for m in reversed(divisors(per_replica)) if per_replica // m <= MAX_MICROBATCHES]
     if request.model.interaction is not None:
         fitting = [m for m in choices if m * dp >= train.contrastive_batch]
         if not fitting:
