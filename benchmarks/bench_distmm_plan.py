@@ -9,10 +9,13 @@ batches) from a fresh planner each time (no warm caches), best of three. Target:
 from __future__ import annotations
 
 import time
+import sys
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere: this repository's src
 
 from src.setup import plan_run, validate
 

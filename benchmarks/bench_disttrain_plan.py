@@ -8,10 +8,13 @@ at most 100 ms on a 2-core machine. Paper (Table 2, CVXPY): 922 / 641 / 441 / 13
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere: this repository's src
 
 from src.setup import validate
 from src.strategies.disttrain import DistTrainOptions

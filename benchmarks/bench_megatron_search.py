@@ -13,10 +13,13 @@ taken, Programs built and simulated), its wall time and the plan it picked.
 from __future__ import annotations
 
 import time
+import sys
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere: this repository's src
 
 from src.errors import ConfigError, PlanError
 from src.setup import plan_run, validate

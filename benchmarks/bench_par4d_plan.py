@@ -11,10 +11,13 @@ Best of three each.
 from __future__ import annotations
 
 import time
+import sys
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere: this repository's src
 
 from src.costmodel.memory import element_bytes
 from src.setup import plan_run, validate
