@@ -19,8 +19,8 @@ from src.program import Compute, Table
 from src.setup import Setup, plan_run, validate
 from src.sim.engine import simulate
 from src.strategies.disttrain import DistTrainOptions
-from src.strategies.disttrain_orchestration import (TOLERANCE, UNITS, Fixed, Orchestrator, UnitChoice, divisors,
-                                                     solve_relaxed)
+from src.strategies.base import divisors
+from src.strategies.disttrain_orchestration import TOLERANCE, UNITS, Fixed, Orchestrator, UnitChoice, solve_relaxed
 from src.strategies.disttrain_profile import Profiler
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -21,3 +21,19 @@ class PlanRequest:
 
 
 Planner = Callable[[PlanRequest], Plan]
+
+# A Program holds every micro-batch of the iteration: beyond this many per pipeline
+# (Megatron-LM runs tens to hundreds) building and simulating one takes minutes.
+MAX_MICROBATCHES = 1024
+
+
+def divisors(n: int) -> list[int]:
+    """Ascending; O(sqrt n), so an absurd batch costs nothing here."""
+    small, large, d = [], [], 1
+    while d * d <= n:
+        if n % d == 0:
+            small.append(d)
+            if d * d != n:
+                large.append(n // d)
+        d += 1
+    return small + large[::-1]

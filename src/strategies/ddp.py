@@ -25,8 +25,7 @@ from src.costmodel.memory import rank_memory
 from src.errors import ConfigError, PlanError
 from src.mesh import Mesh
 from src.program import RECOMPUTE_MODES, Instruction, Plan, Program, UnitPlan
-from src.strategies.base import PlanRequest
-from src.strategies.megatron_space import MAX_MICROBATCHES, divisors
+from src.strategies.base import MAX_MICROBATCHES, PlanRequest, divisors
 from src.strategies.colocated import ColocatedEmitter, ColocatedUnit
 from src.models.flows import unit_order
 

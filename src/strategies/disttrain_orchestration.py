@@ -49,6 +49,7 @@ from src.cluster import GIB
 from src.errors import ConfigError, PlanError
 from src.metrics import unit_flops
 from src.program import RECOMPUTE_MODES
+from src.strategies.base import divisors
 from src.strategies.disttrain_profile import Profiler
 
 UNITS = ("encoder", "llm", "generator")
@@ -112,10 +113,6 @@ class _Option:
 def _dominates(a: _Option, b: _Option) -> bool:
     return (a.F <= b.F and a.a <= b.a and a.low <= b.low and a.high >= b.high and a.beta <= b.beta
             and (a.F, a.a, a.low, a.high, a.beta) != (b.F, b.a, b.low, b.high, b.beta))
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 class Orchestrator:

@@ -28,7 +28,8 @@ from src.sim.engine import compute_lower_bound, simulate
 from src.strategies.base import PlanRequest
 from src.strategies.megatron_estimate import MemoryTable, Passes, PipelineEstimator
 from src.strategies.megatron_programs import MegatronSettings, colocated_program, pipeline_program
-from src.strategies.megatron_space import MAX_MICROBATCHES, MAX_PIPELINE_MICRO_BATCH, Shape, Space
+from src.strategies.base import MAX_MICROBATCHES
+from src.strategies.megatron_space import MAX_PIPELINE_MICRO_BATCH, Shape, Space
 from src.strategies.stages import Segment, balanced_cuts, chain_segments, linear_chain, pipeline_segments
 
 if TYPE_CHECKING:

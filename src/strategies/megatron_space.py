@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from src.errors import ConfigError
 from src.models.spec import ModelSpec
-from src.strategies.base import PlanRequest
+from src.strategies.base import MAX_MICROBATCHES, PlanRequest, divisors
 from src.strategies.megatron_programs import Degrees
 from src.strategies.stages import main_unit
 
@@ -24,9 +24,6 @@ if TYPE_CHECKING:
 
 # Pipelines want many micro-batches; larger ones only help GEMM efficiency, which saturates.
 MAX_PIPELINE_MICRO_BATCH = 8
-# A Program holds every micro-batch of the iteration: beyond this many per pipeline
-# (Megatron-LM runs tens to hundreds) building and simulating one takes minutes.
-MAX_MICROBATCHES = 1024
 
 
 @dataclass(frozen=True)
@@ -57,18 +54,6 @@ def powers_of_two(limit: int) -> list[int]:
         out.append(value)
         value *= 2
     return out
-
-
-def divisors(n: int) -> list[int]:
-    """Ascending; O(sqrt n), so an absurd batch costs nothing here."""
-    small, large, d = [], [], 1
-    while d * d <= n:
-        if n % d == 0:
-            small.append(d)
-            if d * d != n:
-                large.append(n // d)
-        d += 1
-    return small + large[::-1]
 
 
 def pipeline_blocks(model: ModelSpec) -> int:

@@ -36,7 +36,7 @@ from src.errors import ConfigError, PlanError
 from src.models.spec import ModelSpec
 from src.program import Collective, Compute, Plan, Program, RankProgram, UnitPlan, Work
 from src.schedules.pipeline import build_schedule, interleaved
-from src.strategies.base import PlanRequest
+from src.strategies.base import PlanRequest, divisors
 from src.strategies.layout import megatron_mesh
 from src.strategies.megatron import plan_megatron
 from src.strategies.optimus_encoder import EncoderCosts, EncoderPlan, Layout, encoder_costs, encoder_stages
@@ -235,10 +235,6 @@ def _seconds(instructions: list, program: Program, model: ModelSpec, compute: Co
 
 
 # ---- encoder plans ---------------------------------------------------------------------------
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _encoder_plans(request: PlanRequest, opts: OptimusOptions, llm: UnitPlan, encoders: list[str]) -> list[EncoderPlan]:
     given = dict(opts.encoder or {})
     for key, degree in (("pp", llm.pp), ("tp", llm.tp)):
@@ -247,13 +243,13 @@ def _encoder_plans(request: PlanRequest, opts: OptimusOptions, llm: UnitPlan, en
             raise ConfigError(f"strategy.encoder.{key}={value} does not divide the LLM's {key}={degree} "
                               f"(Optimus needs PP_enc | PP_llm and TP_enc | TP_llm)")
     heads = [request.model.unit(u).heads for u in encoders]
-    tps = [given["tp"]] if given.get("tp") else [t for t in _divisors(llm.tp) if all(h % t == 0 for h in heads)]
+    tps = [given["tp"]] if given.get("tp") else [t for t in divisors(llm.tp) if all(h % t == 0 for h in heads)]
     for t in tps:
         bad = [u for u, h in zip(encoders, heads) if h % t]
         if bad:
             raise ConfigError(f"strategy.encoder.tp={t} does not divide the heads of {bad}: "
                               f"{[request.model.unit(u).heads for u in bad]}")
-    pps = [given["pp"]] if given.get("pp") else _divisors(llm.pp)
+    pps = [given["pp"]] if given.get("pp") else divisors(llm.pp)
     return [EncoderPlan(p, t) for p in pps for t in tps]
 
 
