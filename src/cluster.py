@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
-from src.errors import ConfigError
+from src.errors import ConfigError, reject_unknown
 
 GIB = 1024 ** 3
 
@@ -112,10 +112,7 @@ def _number(value: Any, key: str, cluster: str) -> float:
 def cluster_from_config(cfg: Mapping[str, Any]) -> ClusterSpec:
     """Build and validate a ClusterSpec from the `cluster` config group."""
     name = cfg.get("name", "?")
-    allowed = {f.name for f in dataclasses.fields(ClusterSpec)} | {"devices"}
-    unknown = sorted(set(cfg) - allowed)
-    if unknown:
-        raise ConfigError(f"unknown cluster key(s) {unknown} (cluster {name}); valid: {sorted(allowed)}")
+    reject_unknown(cfg, [f.name for f in dataclasses.fields(ClusterSpec)] + ["devices"], "cluster key(s)")
     for key in ("nodes", "devices_per_node"):
         value = cfg.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:

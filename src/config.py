@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, TypeVar
 
 from src.cluster import ClusterSpec
-from src.errors import ConfigError
+from src.errors import ConfigError, reject_unknown
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 
@@ -27,13 +27,6 @@ RUN_KEYS = ("name", "out_root")
 LOGGER_KEYS = {"none": ("name",), "wandb": ("name", "mode", "project", "entity", "group", "tags")}
 WANDB_MODES = ("offline", "online", "disabled")
 DIST_BACKENDS = ("gloo", "nccl", "auto")
-
-
-def reject_unknown(cfg: Mapping[str, Any], allowed: Any, what: str) -> None:
-    """A key nobody reads is a typo: it must not silently fall back to a default."""
-    unknown = sorted(set(cfg) - set(allowed))
-    if unknown:
-        raise ConfigError(f"unknown {what} {unknown}; valid: {sorted(allowed)}")
 
 
 def _positive_int(cfg: Mapping[str, Any], key: str, prefix: str) -> int:

@@ -1,4 +1,7 @@
 """Errors a user can fix: the entry point prints their one-line message and exits 2."""
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
 
 
 class ConfigError(ValueError):
@@ -7,3 +10,11 @@ class ConfigError(ValueError):
 
 class PlanError(ConfigError):
     """A strategy cannot produce a plan for this model on this cluster (e.g. memory)."""
+
+
+def reject_unknown(cfg: Mapping[str, Any], allowed: Iterable[str], what: str) -> None:
+    """A key nobody reads is a typo: it must not silently fall back to a default."""
+    allowed = set(allowed)
+    unknown = sorted(set(cfg) - allowed)
+    if unknown:
+        raise ConfigError(f"unknown {what} {unknown}; valid: {sorted(allowed)}")

@@ -10,9 +10,8 @@ import yaml
 
 from src.backends import BACKENDS
 from src.cluster import ClusterSpec, cluster_from_config
-from src.config import (TOP_LEVEL, TrainSpec, backend_from_config, check_logger_and_run, reject_unknown,
-                        train_from_config)
-from src.errors import ConfigError
+from src.config import TOP_LEVEL, TrainSpec, backend_from_config, check_logger_and_run, train_from_config
+from src.errors import ConfigError, reject_unknown
 from src.models.registry import build_model
 from src.models.spec import ModelSpec
 from src.program import Plan
