@@ -3,7 +3,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Mapping, TypeVar
+from typing import TYPE_CHECKING, Any, Mapping, TypeVar, cast
+
+from omegaconf import DictConfig, OmegaConf
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 from src.cluster import ClusterSpec
 from src.errors import ConfigError, reject_unknown
@@ -122,7 +127,7 @@ def check_logger_and_run(logger: Mapping[str, Any], run: Mapping[str, Any]) -> N
     reject_unknown(run, RUN_KEYS, "run key(s)")
 
 
-Options = TypeVar("Options")
+Options = TypeVar("Options", bound="DataclassInstance")
 
 
 def options_from(cls: type[Options], cfg: Mapping[str, Any], prefix: str = "strategy") -> Options:
@@ -131,3 +136,9 @@ def options_from(cls: type[Options], cfg: Mapping[str, Any], prefix: str = "stra
     fields = {f.name: f for f in dataclasses.fields(cls)}
     reject_unknown({k: v for k, v in cfg.items() if k != "name"}, fields, f"{prefix} option(s)")
     return cls(**{k: v for k, v in cfg.items() if k in fields})
+
+
+def plain_config(cfg: DictConfig) -> dict[str, Any]:
+    """A composed config as plain dicts and lists with interpolations resolved: what the
+    validators, the workers and DeepSpeed take."""
+    return cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))

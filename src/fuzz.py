@@ -27,7 +27,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from src.errors import ConfigError
 from src.report import JobInfo
@@ -63,12 +63,13 @@ def options(group: str) -> list[str]:
 @functools.lru_cache(maxsize=None)
 def _composed(model: str, strategy: str, cluster: str) -> dict[str, Any]:
     from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
+
+    from src.config import plain_config
 
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         cfg = compose(config_name="config", overrides=[f"model={model}", f"strategy={strategy}",
                                                        f"cluster={cluster}", "logger=none"])
-    return OmegaConf.to_container(cfg, resolve=True)
+    return plain_config(cfg)
 
 
 def draw(rng: random.Random) -> tuple[dict[str, Any], list[str]]:
@@ -76,10 +77,11 @@ def draw(rng: random.Random) -> tuple[dict[str, Any], list[str]]:
     model, strategy, cluster = (rng.choice(options(g)) for g in ("model", "strategy", "cluster"))
     config = copy.deepcopy(_composed(model, strategy, cluster))
     overrides = [f"model={model}", f"strategy={strategy}", f"cluster={cluster}"]
-    knobs = [("cluster", "nodes", NODES), ("train", "global_batch", BATCHES), ("train", "precision", PRECISIONS)]
+    knobs: list[tuple[str, str, Sequence[Any]]] = [
+        ("cluster", "nodes", NODES), ("train", "global_batch", BATCHES), ("train", "precision", PRECISIONS)]
     knobs += [("strategy", key, values) for key, values in KNOBS.items() if key in config["strategy"]]
     for group, key, values in rng.sample(knobs, k=rng.randint(0, min(3, len(knobs)))):
-        value = rng.choice(values)
+        value: Any = rng.choice(values)
         config[group][key] = value
         overrides.append(f"{group}.{key}={'null' if value is None else value}")
     config["run"]["name"] = f"{model}-{strategy}-{cluster}"

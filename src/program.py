@@ -462,13 +462,14 @@ def compress_ranks(ranks: tuple[int, ...]) -> str:
     """'0-7,16-23': rank lists of thousands of entries stay readable in summaries."""
     parts: list[str] = []
     ordered = sorted(ranks)
-    start = prev = ordered[0] if ordered else None
+    if not ordered:
+        return ""
+    start = prev = ordered[0]
     for rank in ordered[1:]:
         if rank == prev + 1:
             prev = rank
             continue
         parts.append(f"{start}-{prev}" if start != prev else f"{start}")
         start = prev = rank
-    if start is not None:
-        parts.append(f"{start}-{prev}" if start != prev else f"{start}")
+    parts.append(f"{start}-{prev}" if start != prev else f"{start}")
     return ",".join(parts)

@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from src.backends import backend_for
+from src.config import plain_config
 from src.errors import ConfigError
 from src.report import JobInfo
 from src.runtime.errors import WorkerFailure
@@ -61,7 +62,7 @@ def execute(config: dict[str, Any], run_dir: Path, job: JobInfo) -> dict[str, An
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    config = OmegaConf.to_container(cfg, resolve=True)
+    config = plain_config(cfg)
     run_dir, job = job_info(config)
     try:
         execute(config, run_dir, job)

@@ -87,7 +87,7 @@ class FigureJob:
 
 
 def figure_jobs(spec: SweepSpec) -> list[FigureJob]:
-    jobs = []
+    jobs: list[FigureJob] = []
     for group in spec.groups:
         for series, series_overrides in spec.series.items():
             overrides = (spec.base + list(group.get("overrides", [])) + series_overrides
@@ -132,7 +132,8 @@ def _paper_mid(value: Any) -> float | None:
 def write_report(spec: SweepSpec, outcomes: dict[tuple[str, str], dict[str, Any] | None], out: Path) -> str:
     """results.json, results.md and the plot of a figure from its jobs' outcomes (a
     summary, an error, or None for a job that never finished); returns the table."""
-    raw = {key: outcome if outcome is not None else {"error": "did not finish"} for key, outcome in outcomes.items()}
+    raw: dict[tuple[str, str], dict[str, Any]] = {key: outcome if outcome is not None else {"error": "did not finish"}
+                                                  for key, outcome in outcomes.items()}
     results: dict[str, Any] = {"name": spec.name, "title": spec.title, "source": spec.source,
                                "metric": spec.metric, "rows": []}
     for group in spec.groups:
@@ -145,11 +146,11 @@ def write_report(spec: SweepSpec, outcomes: dict[tuple[str, str], dict[str, Any]
             if "error" in summary:
                 row.update(value=None, error=summary["error"])
             else:
-                value = float(lookup(summary, spec.metric))
+                value: float | None = float(lookup(summary, spec.metric))
                 if spec.normalize:
                     base = raw[(group["label"], spec.normalize["by"])]
                     base_value = None if "error" in base else float(lookup(base, spec.metric))
-                    if base_value is None:
+                    if base_value is None or value is None:
                         value = None
                     else:
                         value = base_value / value if spec.normalize.get("invert") else value / base_value

@@ -118,7 +118,10 @@ def interval_volumes(times: Sequence[StageTimes]) -> tuple[list[float], float]:
     sim = IntervalSim(len(times[0].fwd), len(times))
     for t in times:
         sim.place(t)
-    return [sim.volume(k) for k in range(len(times))], sim.makespan
+    volumes = [sim.volume(k) for k in range(len(times))]
+    known = [v for v in volumes if v is not None]
+    assert len(known) == len(volumes), "a complete order has every volume"
+    return known, sim.makespan
 
 
 def round_trip(times: StageTimes) -> float:

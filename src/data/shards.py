@@ -46,6 +46,13 @@ def _index_shard(path: Path) -> list[_Sample]:
     return samples
 
 
+def _member(tar: tarfile.TarFile, name: str) -> bytes:
+    """A regular member's bytes (the index keeps regular files only)."""
+    handle = tar.extractfile(name)
+    assert handle is not None, f"{name} is not a regular file"
+    return handle.read()
+
+
 def tokenize(text: str, length: int, vocab: int) -> torch.Tensor:
     """Byte-level tokens (1 + byte, folded into the vocabulary; 0 pads)."""
     ids = [1 + (b % (vocab - 1)) for b in text.encode("utf-8")][:length]
@@ -76,8 +83,8 @@ class TarShards:
 
         sample = self._samples[index % len(self._samples)]  # epochs wrap around
         with tarfile.open(sample.shard) as tar:
-            image_bytes = tar.extractfile(sample.image).read()
-            caption = tar.extractfile(sample.caption).read().decode("utf-8", errors="replace")
+            image_bytes = _member(tar, sample.image)
+            caption = _member(tar, sample.caption).decode("utf-8", errors="replace")
         image = Image.open(io.BytesIO(image_bytes)).convert("RGB").resize((self.image_size, self.image_size))
         pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).float()
         pixels = pixels.reshape(self.image_size, self.image_size, 3).permute(2, 0, 1) / 255.0

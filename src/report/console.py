@@ -88,7 +88,9 @@ def _brokers(brokers: Any) -> str:
 def _ranking(plan: Any) -> str:
     """A planner's search, best-ranked first (its `search.ranking` rows), when it made one."""
     search = plan.get("search") if isinstance(plan, Mapping) else None
-    rows = search.get("ranking") if isinstance(search, Mapping) else None
+    if not isinstance(search, Mapping):
+        return ""
+    rows = search.get("ranking")
     if not rows or not all(isinstance(r, Mapping) for r in rows):
         return ""
     columns = list(dict.fromkeys(key for row in rows for key in row))

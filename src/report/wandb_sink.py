@@ -121,7 +121,7 @@ def _start(run_dir: Path, config: Mapping[str, Any], job: JobInfo) -> Any:
         name = f"{name} {job.override_dirname}"  # jobs of one sweep differ by their overrides
     backend = (config.get("backend") or {}).get("name")
     names = [_name_of(config.get(group)) for group in ("model", "strategy", "cluster")]
-    settings = dict(
+    settings: dict[str, Any] = dict(
         silent=True,
         # Our stdout already goes to the terminal and the job log; the step records
         # reach W&B as metrics, so capturing the console would only duplicate them.
@@ -131,17 +131,16 @@ def _start(run_dir: Path, config: Mapping[str, Any], job: JobInfo) -> Any:
         x_disable_stats=backend == "sim",
         init_timeout=INIT_TIMEOUT_S,
     )
-    init = dict(project=logger.get("project"), entity=logger.get("entity"),
+    init: dict[str, Any] = dict(project=logger.get("project"), entity=logger.get("entity"),
                 group=logger.get("group") or job.sweep_name, name=name, job_type=backend,
                 tags=[*dict.fromkeys([*filter(None, [*names, backend]), *(logger.get("tags") or [])])],
-                config=dict(config), dir=str(wandb_dir))
-    mode = logger.get("mode") or "offline"
+                config=dict(config), dir=str(wandb_dir), mode=logger.get("mode") or "offline")
     try:
-        run = wandb.init(**init, mode=mode, settings=wandb.Settings(**settings))
+        run = wandb.init(**init, settings=wandb.Settings(**settings))
     except wandb.errors.CommError as exc:
-        if mode != "online":
+        if init["mode"] != "online":
             raise
-        run = wandb.init(**init, mode="offline", settings=wandb.Settings(**settings))
+        run = wandb.init(**{**init, "mode": "offline"}, settings=wandb.Settings(**settings))
         reason = str(exc).splitlines()[0]
         print(f"wandb: server unreachable ({reason}); logging offline: sync later with "
               f"`wandb sync {run.dir.removesuffix('/files')}`", file=sys.stderr, flush=True)

@@ -91,7 +91,7 @@ def _check_instruction(instruction, handles: set[str], label: str) -> None:
                               f"real backend does not overlap gradient reduction or parameter prefetch yet "
                               f"(megatron: strategy.overlap_grad_reduce=false; ddp: strategy.overlap_comm=false, "
                               f"whose prefetch_bucket_size then does nothing)")
-    elif isinstance(instruction, Recv) and not instruction.blocking:
+    elif isinstance(instruction, Recv) and not instruction.blocking and instruction.handle is not None:
         handles.add(instruction.handle)
     elif isinstance(instruction, Wait) and instruction.handle not in handles:
         raise ConfigError(f"{label}: wait on {instruction.handle!r}, which no asynchronous receive returned")
@@ -101,8 +101,8 @@ def check_message_order(plan: Plan) -> None:
     """For every route and pair of ranks, the messages one sends the other over it come in
     the order the other receives them."""
     program = plan.program
-    sent: dict[tuple[int, int], list] = {}
-    received: dict[tuple[int, int], list] = {}
+    sent: dict[tuple[str, int, int], list] = {}
+    received: dict[tuple[str, int, int], list] = {}
     for rank in range(program.world_size):
         for instruction in program.instructions_for(rank) if _covered(program, rank) else []:
             if isinstance(instruction, Send):

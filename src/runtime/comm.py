@@ -58,7 +58,7 @@ class CommClock:
 CLOCK = CommClock()
 
 
-def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, kind: str) -> torch.Tensor:
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, kind: str) -> torch.Tensor:
     with CLOCK.timed(kind):
         dist.all_reduce(tensor, group=group)
     return tensor

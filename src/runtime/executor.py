@@ -19,6 +19,8 @@ writes are divided by its dp again; units of different dp then meet without resc
 """
 from __future__ import annotations
 
+import functools
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -29,11 +31,12 @@ from torch.utils.checkpoint import checkpoint
 
 from src.errors import ConfigError
 from src.models.spec import ModelSpec
-from src.program import Collective, Compute, Instruction, Payload, Plan, Recv, Route, Send, Wait
+from src.program import Collective, Compute, Instruction, Message, Payload, Plan, Recv, Route, Send, Wait
 from src.runtime.comm import CLOCK, all_reduce
 from src.runtime.device import DTYPES, computing, synchronize
 from src.runtime.engines import point_reduction_at
 from src.runtime.groups import ProcessGroups
+from src.runtime.modules.units import unit_layers
 from src.runtime.placement import placements, tensor_replicas
 from src.runtime.store import PayloadStore, row_shape
 from src.runtime.timing import StepTimer
@@ -56,8 +59,14 @@ class _StepState:
     local: dict[tuple[str, Payload], list] = field(default_factory=dict)   # local messages, by route and payload
     pending: dict[str, tuple[str, list]] = field(default_factory=dict)      # handle -> (kind, posted receives)
     sends: list = field(default_factory=list)
-    loss: torch.Tensor | None = None
+    loss: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
     stepped: set = field(default_factory=set)
+
+
+def _grad(leaf: torch.Tensor) -> torch.Tensor:
+    """A leaf's gradient; every leaf that reaches the graph's loss gets one."""
+    assert leaf.grad is not None, "a leaf the loss does not depend on has no gradient to send back"
+    return leaf.grad
 
 
 def input_key(work_unit: str, payload: Payload) -> str:
@@ -142,7 +151,7 @@ class Executor:
             leaves[payload] = leaf
             state[input_key(work.unit, payload)] = leaf
         trains = self.model.needs_backward(work.unit)
-        layers = self.units[work.unit]
+        layers = unit_layers(self.units, work.unit)
         # Full recomputation keeps each layer's input only and re-runs the layer in backward.
         full = trains and self.plan.unit(work.unit).recompute == "full"
         with torch.set_grad_enabled(trains), computing(self.device, self.precision):
@@ -165,10 +174,10 @@ class Executor:
         terms = [(saved.outputs[grad.tensor] * self.s.store.tensor(grad)).sum() for grad in compute.inputs]
         if "loss_share" in saved.outputs:
             terms.append(saved.outputs["loss_share"])
-        self._backpropagate(work.unit, sum(terms))
+        self._backpropagate(work.unit, functools.reduce(operator.add, terms))
         for grad in compute.outputs:
             leaf = saved.leaves[grad.value()]
-            self.s.store.put(grad, leaf.grad / self._dp(work.unit))
+            self.s.store.put(grad, _grad(leaf) / self._dp(work.unit))
 
     def _backpropagate(self, unit: str, loss: torch.Tensor) -> None:
         """Gradients of `loss` (this rank's part of the step's loss) into the unit's
@@ -210,7 +219,7 @@ class Executor:
                                       f"batch of {work.contrastive_batch}")
                 keys[tower] = leaf
         image, text = towers  # the contrastive pair, in model order (vision, text)
-        module = self.units[work.unit][0]
+        module = unit_layers(self.units, work.unit)[0]
         batches = self.plan.unit(work.unit).num_microbatches
         with computing(self.device, self.precision):
             loss = module(queries.get(image), queries.get(text), keys.get(image), keys.get(text))
@@ -220,7 +229,7 @@ class Executor:
         for grad in compute.outputs:
             leaf = leaves[next(p for p in leaves if p.tensor == grad.tensor)]
             start = self.s.store.read(grad.value())[0]
-            self.s.store.put(grad.part(start, start + leaf.shape[0]), leaf.grad / self._dp(work.unit))
+            self.s.store.put(grad.part(start, start + leaf.shape[0]), _grad(leaf) / self._dp(work.unit))
 
     # ---- collectives that carry payloads --------------------------------------------------
     def _collective(self, collective: Collective) -> None:
@@ -282,7 +291,7 @@ class Executor:
                 self.s.sends.append((dist.isend(tensor, message.dst, group=self.groups.route(route.name)), tensor))
 
     def _recv(self, recv: Recv, route: Route) -> None:
-        posted = []
+        posted: list[tuple[dist.Work | None, Message, torch.Tensor]] = []
         for message in route.receives(self.rank, recv.payload):
             if message.src == self.rank:
                 continue
@@ -302,6 +311,7 @@ class Executor:
         if recv.blocking:
             self._finish_receives(posted)
         else:
+            assert recv.handle is not None, "an asynchronous receive names its handle"
             self.s.pending[recv.handle] = (route.kind, posted)
 
     def _finish_receives(self, posted: list) -> None:

@@ -10,6 +10,7 @@ keeps its order (runtime.checks), while two routes between the same ranks need n
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Sequence
 
 import torch.distributed as dist
 
@@ -28,7 +29,8 @@ class ProcessGroups:
         self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         timeout = timedelta(seconds=timeout_s)
         program = plan.program
-        families = [program.groups[name].family or (program.groups[name].ranks,) for name in sorted(program.groups)]
+        families: list[Sequence[tuple[int, ...]]] = [program.groups[name].family or (program.groups[name].ranks,)
+                                                     for name in sorted(program.groups)]
         for unit_plan in plan.units:
             families += [unit_plan.mesh.family("tp"), unit_plan.mesh.family("dp")]
         for family in families:

@@ -10,6 +10,7 @@ very samples of a 1-process run.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
@@ -21,6 +22,17 @@ from src.program import UnitPlan
 from src.runtime.modules.units import image_geometry, vocab_size
 
 IGNORE = -100  # cross_entropy's ignore_index
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How a unit's batch is split when no plan splits it (the single-process reference
+    takes the whole batch as one micro-batch); the fields are a UnitPlan's namesakes."""
+
+    batch_per_replica: int
+    micro_batch: int
+    num_microbatches: int
+    sample_groups: int
 
 
 def dataset_for(model: ModelSpec, seed: int, source: str) -> Any:
@@ -55,7 +67,7 @@ def unit_fields(model: ModelSpec, unit: str, batch: Mapping[str, torch.Tensor]) 
     return out
 
 
-def first_sample(plan: UnitPlan, global_batch: int, replica: int, microbatch: int) -> int:
+def first_sample(plan: UnitPlan | Batching, global_batch: int, replica: int, microbatch: int) -> int:
     """Position in the step's batch of the first sample of `replica`'s micro-batch."""
     groups = plan.sample_groups
     per_group = plan.num_microbatches // groups
@@ -65,7 +77,7 @@ def first_sample(plan: UnitPlan, global_batch: int, replica: int, microbatch: in
 
 
 class Batches:
-    def __init__(self, model: ModelSpec, dataset: Any, global_batch: int, units: Mapping[str, UnitPlan],
+    def __init__(self, model: ModelSpec, dataset: Any, global_batch: int, units: Mapping[str, UnitPlan | Batching],
                  replica: Mapping[str, int], device: torch.device = torch.device("cpu")) -> None:
         self.model, self.dataset, self.global_batch = model, dataset, global_batch
         self.units, self.replica, self.device = units, replica, device

@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
+from src.config import plain_config
 from src.errors import ConfigError
 from src.program import Plan
 from src.report import JobInfo
@@ -56,7 +57,7 @@ def prepare(config: dict[str, Any], run_dir: Path, job: JobInfo) -> tuple[int, i
 
 @hydra.main(version_base=None, config_path="../../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    config = OmegaConf.to_container(cfg, resolve=True)
+    config = plain_config(cfg)
     run_dir, job = job_info(config)
     try:
         nodes, per_node = prepare(config, run_dir, job)

@@ -5,14 +5,13 @@ batch, its losses equal these (the loss-equality tests, within float reduction o
 """
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import torch
 
 from src.models.spec import ModelSpec
 from src.runtime.device import computing
-from src.runtime.inputs import Batches, dataset_for
-from src.runtime.modules.units import build_units
+from src.runtime.inputs import Batches, Batching, dataset_for
+from src.runtime.modules.units import build_units, unit_layers
 from src.models.flows import unit_order
 
 CPU = torch.device("cpu")
@@ -29,8 +28,7 @@ def reference_losses(model: ModelSpec, seed: int, global_batch: int, steps: int,
     units = build_units(model, seed, {}, {u.name: set(range(u.num_layers)) for u in model.units})
     params = [p for p in units.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, eps=eps)
-    whole = SimpleNamespace(batch_per_replica=global_batch, micro_batch=global_batch, num_microbatches=1,
-                            sample_groups=1)
+    whole = Batching(batch_per_replica=global_batch, micro_batch=global_batch, num_microbatches=1, sample_groups=1)
     batches = Batches(model, dataset_for(model, seed, data), global_batch, {u.name: whole for u in model.units},
                       {u.name: 0 for u in model.units})
     losses = []
@@ -43,14 +41,14 @@ def reference_losses(model: ModelSpec, seed: int, global_batch: int, steps: int,
                 vision, text = (p for p, c in model.flows if c == name)
                 for a, b in zip(finals[vision]["feature"].split(rbs), finals[text]["feature"].split(rbs)):
                     with computing(CPU, precision):
-                        loss = loss + units[name][0]((0, a), (0, b), a, b).float() / global_batch
+                        loss = loss + unit_layers(units, name)[0]((0, a), (0, b), a, b).float() / global_batch
                 continue
             state = dict(batches(name, 0))
             for producer, consumer in model.flows:
                 if consumer == name and "tokens" in finals.get(producer, {}):
                     state["memory"] = finals[producer]["tokens"]
             with torch.set_grad_enabled(model.needs_backward(name)), computing(CPU, precision):
-                for layer in units[name]:
+                for layer in unit_layers(units, name):
                     state = layer(state)
             finals[name] = state
             if "loss" in state:

@@ -108,9 +108,10 @@ def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) ->
         mine = {"rank": rank, "breakdowns": breakdowns, "spans": [dataclasses.astuple(s) for s in timer.spans],
                 "rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
                 "device_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0}
-        gathered = [None] * world if rank == 0 else None
+        gathered: list[Any] | None = [None] * world if rank == 0 else None
         dist.gather_object(mine, gathered, dst=0)
         if sinks is not None:
+            assert gathered is not None, "rank 0 writes the results, and gathers"
             timeline = _timeline(plan, gathered, times)
             sizes = "/".join(map(str, GEMM_SIZES[device.type]))
             measured = (f"best of {sizes}-cubed {precision} GEMMs on all {world} workers at once, mean per worker: "

@@ -14,7 +14,7 @@ the wait of an asynchronous ZeRO-3 all-gather stays inside compute, as measured_
 """
 from __future__ import annotations
 
-from src.program import Compute, Instruction, Recv, Send, Wait
+from src.program import Collective, Compute, Instruction, Recv, Send, Wait
 from src.timeline import BREAKDOWN_CATEGORIES, Span
 
 
@@ -83,4 +83,5 @@ def _name(instruction: Instruction) -> str:
         return f"send {instruction.payload}"
     if isinstance(instruction, Wait):
         return f"wait {instruction.handle}"
+    assert isinstance(instruction, Collective)
     return f"{instruction.op} {instruction.group}"

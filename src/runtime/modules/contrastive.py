@@ -33,6 +33,7 @@ class ContrastiveLoss(nn.Module):
             if query is None:
                 continue
             offset, rows = query
+            assert keys is not None, "rows are scored against the other modality's batch"
             labels = torch.arange(offset, offset + rows.shape[0], device=rows.device)
             logits = scale * F.normalize(rows, dim=-1) @ F.normalize(keys, dim=-1).t()
             total = total + F.cross_entropy(logits, labels, reduction="sum")

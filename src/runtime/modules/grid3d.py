@@ -78,7 +78,8 @@ class Grid3D:
                 if rank in members:
                     mine = Axis(degree, members.index(rank), group)
             axes.append(mine)
-        return cls(*axes, overlap=frozenset(overlap))
+        x, y, z, dp = axes
+        return cls(x, y, z, dp, frozenset(overlap))
 
     def with_overlap(self, overlap: frozenset[str]) -> Grid3D:
         """The same groups with other overlaps on (nothing in flight, no gathers counted)."""
@@ -234,6 +235,7 @@ class Linear3D(nn.Module):
             weight = self._cached
         else:
             self.prefetch()
+            assert self._inflight is not None
             weight = self._inflight.result()
             self._inflight = None
             if "cache" in self.grid.overlap:

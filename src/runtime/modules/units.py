@@ -75,17 +75,24 @@ def build_units(model: ModelSpec, seed: int, tp: dict[str, TP], keep: dict[str, 
     for unit in model.units:
         if unit.name not in keep:
             continue
-        layers = []
+        layers = nn.ModuleList()
         for i in range(unit.num_layers):
             if i not in keep[unit.name]:
-                layers.append(None)
+                layers.add_module(str(i), None)
                 continue
             torch.manual_seed(layer_seed(seed, unit.name, i))
             layers.append(_layer(model, unit, i, tp.get(unit.name, TP())))
-        units[unit.name] = nn.ModuleList(layers)
+        units[unit.name] = layers
         units[unit.name].requires_grad_(not unit.frozen)
         if (recompute or {}).get(unit.name) == "selective":
             for module in units[unit.name].modules():
                 if isinstance(module, Attention):
                     module.recompute_core = True
     return units
+
+
+def unit_layers(units: nn.ModuleDict, unit: str) -> nn.ModuleList:
+    """A unit's layers as build_units made them (a ModuleList indexed like its LayerSpecs)."""
+    layers = units[unit]
+    assert isinstance(layers, nn.ModuleList)
+    return layers
