@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from src.cluster import GIB, cluster_from_config
+from src import progress
 from src.config import train_from_config
 from src.costmodel.memory import memory_ladder, rank_memory
 from src.errors import ConfigError, PlanError
@@ -16,7 +17,7 @@ from src.models.registry import build_model
 from src.program import Collective, Compute, Recv, Send
 from src.schedules.pipeline import build_schedule
 from src.sim.engine import simulate
-from src.strategies import PlanRequest, megatron_search, planner_for
+from src.strategies import PlanRequest, planner_for
 from src.strategies.megatron import MegatronOptions
 from src.strategies.megatron_estimate import live_counts, steady_microbatches
 from src.strategies.megatron_programs import Degrees, MegatronSettings, pipeline_program
@@ -270,10 +271,10 @@ def test_long_schedules_hold_the_in_flight_counts_of_their_first_rounds() -> Non
 
 
 def test_long_searches_report_progress_on_stderr(monkeypatch, capsys) -> None:
-    monkeypatch.setattr(megatron_search, "PROGRESS_EVERY_S", 0.0)
+    monkeypatch.setattr(progress, "EVERY_S", 0.0)
     planner_for("megatron")(request(GPT_SMALL, "perlmutter", 4, 64))
-    lines = capsys.readouterr().err.splitlines()
-    assert lines and all(line.startswith("megatron search [") for line in lines)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("megatron search [")]
+    assert len(lines) > 2
     assert lines[-1].split(": ", 1)[1].startswith("done: ") and "best tp=" in lines[-1]
 
 

@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+from src import progress
 from src.mesh import tensor_parallel
 from src.program import COMM_KINDS, Collective, Compute, Group, Program, RankProgram, Wait, Work
 from src.sim.engine import SimulationError, simulate
@@ -401,3 +402,19 @@ def test_wait_behind_earlier_collective_is_charged_to_its_kind():
     assert timeline.iteration_time == pytest.approx(t_dp + t_tp, rel=REL)
     for rank_timeline in timeline.ranks:
         assert_breakdown(rank_timeline, t_dp + t_tp, comm_dp=t_dp, comm_tp=t_tp)
+
+
+def test_long_simulations_report_progress_on_stderr(monkeypatch, capsys) -> None:
+    import src.sim.engine as engine
+
+    monkeypatch.setattr(progress, "EVERY_S", 0.0)
+    monkeypatch.setattr(engine, "PROGRESS_EVENTS", 1)
+    program = random_program(3)
+    quiet = run(random_program(3))
+    capsys.readouterr()
+    timeline = run(program)
+    lines = capsys.readouterr().err.splitlines()
+    total = sum(len(c.instructions) for c in program.classes)
+    assert len(lines) > 2 and all(line.startswith("simulation [") for line in lines)
+    assert lines[-2].endswith(f"{total}/{total} instructions") and lines[-1].endswith(f"done: {total} instructions")
+    assert timeline.iteration_time == quiet.iteration_time  # looking at the clock changes nothing

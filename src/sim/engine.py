@@ -24,11 +24,13 @@ from src.costmodel.comm import CommModel
 from src.costmodel.compute import ComputeModel
 from src.models.spec import ModelSpec
 from src.cluster import ClusterSpec
+from src.progress import Progress
 from src.program import (COMPUTE_STREAM, Collective, Compute, Hop, Instruction, Message, Payload, Program,
                          RankProgram, Recv, Route, Send, Table, Wait)
 from src.timeline import BREAKDOWN_CATEGORIES, RankTimeline, Span, Timeline
 
 EPS = 1e-12
+PROGRESS_EVENTS = 4096  # instructions between looks at the clock
 PEER_WAIT = "peer_wait"
 
 
@@ -221,6 +223,8 @@ class Simulator:
         self.routes = _RoutePrices(program, self.comm, self.class_of_rank)
         self.events = 0
         self.p2p_bytes = 0.0
+        self.total_events = sum(len(state.instructions) for state in self.states)
+        self.progress = Progress("simulation")
 
     # ---- driver -------------------------------------------------------------------------
     def run(self) -> Timeline:
@@ -235,9 +239,12 @@ class Simulator:
                     break
                 state.ip += 1
                 self.events += 1
+                if self.events % PROGRESS_EVENTS == 0 and self.progress.due():
+                    self.progress.show(f"{self.events}/{self.total_events} instructions")
             if state.ip == len(state.instructions) and state.blocker is not None:
                 self._flush_blocker(state)
         self._check_finished()
+        self.progress.end(f"done: {self.events} instructions")
         return self._timeline()
 
     def _check_finished(self) -> None:

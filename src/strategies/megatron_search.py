@@ -14,9 +14,7 @@ that could win are built. Searches longer than a few seconds report progress on 
 from __future__ import annotations
 
 import heapq
-import sys
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from src.cluster import GIB
@@ -24,6 +22,7 @@ from src.costmodel.compute import ComputeModel
 from src.costmodel.memory import memory_ladder, rank_memory
 from src.errors import ConfigError
 from src.program import Plan
+from src.progress import Progress
 from src.sim.engine import compute_lower_bound, simulate
 from src.strategies.base import PlanRequest
 from src.strategies.megatron_estimate import MemoryTable, Passes, PipelineEstimator
@@ -35,7 +34,6 @@ from src.strategies.stages import Segment, balanced_cuts, chain_segments, linear
 if TYPE_CHECKING:
     from src.strategies.megatron import MegatronOptions
 
-PROGRESS_EVERY_S = 1.0
 RANKING_SIZE = 5
 # How far a candidate's time is known: the levels of bound tightened one after another.
 WORK, STAGES, PATH = 0, 1, 2
@@ -84,31 +82,8 @@ class SearchStats:
     wall_time_s: float = 0.0
 
 
-@dataclass
-class Progress:
-    """One line on stderr every second once a search has run that long, and a last one
-    when it ends."""
-
-    start: float = field(default_factory=time.perf_counter)
-    last: float = 0.0
-    shown: bool = False
-
-    def __post_init__(self) -> None:
-        self.last = self.start
-
-    def tick(self, phase: str, done: int, total: int, best: Candidate | None) -> None:
-        now = time.perf_counter()
-        if now - self.last < PROGRESS_EVERY_S:
-            return
-        self.last, self.shown = now, True
-        lead = f"best so far {best.time:.3f} s ({best.describe()})" if best and best.time else "no plan yet"
-        print(f"megatron search [{now - self.start:.0f} s]: {phase} {done}/{total}, {lead}", file=sys.stderr,
-              flush=True)
-
-    def end(self, stats: SearchStats, fitting: int, best: Candidate) -> None:
-        if self.shown:
-            print(f"megatron search [{stats.wall_time_s:.0f} s]: done: {stats.shapes} shapes, {fitting} fit, "
-                  f"{stats.simulated} simulated; best {best.describe()}", file=sys.stderr, flush=True)
+def _lead(best: Candidate | None) -> str:
+    return f"best so far {best.time:.3f} s ({best.describe()})" if best and best.time else "no plan yet"
 
 
 class MegatronSearch:
@@ -123,7 +98,7 @@ class MegatronSearch:
                                            self.compute)
         self.ladder = memory_ladder(opts.recompute, opts.zero_stage)
         self.stats = SearchStats()
-        self.progress = Progress()
+        self.progress = Progress("megatron search")
         self.invalid: list[str] = []
         self.closest: tuple[float, Candidate] | None = None
         self.ranked: list[Candidate] = []    # path-bounded next best, not simulated
@@ -141,7 +116,8 @@ class MegatronSearch:
         out: list[Candidate] = []
         fitted_tp: set[int] = set()
         for index, shape in enumerate(space.shapes):
-            self.progress.tick("memory checks of shapes", index, len(space.shapes), None)
+            if self.progress.due():
+                self.progress.show(f"memory checks of shapes {index}/{len(space.shapes)}, no plan yet")
             if self.contrastive and shape.degrees.tp in fitted_tp:
                 continue  # the largest micro-batch that fits: accumulation only costs time here
             fitting = self._fitting(shape)
@@ -266,7 +242,9 @@ class MegatronSearch:
             heap = [(c.bound, c.order(), WORK, i) for i, c in enumerate(candidates)]
             heapq.heapify(heap)
             while heap and (best is None or heap[0][0] <= best.time):
-                self.progress.tick("bounds and simulations: candidates left", len(heap), len(candidates), best)
+                if self.progress.due():
+                    self.progress.show(f"bounds and simulations: candidates left {len(heap)}/{len(candidates)}, "
+                                       f"{_lead(best)}")
                 _, _, level, index = heapq.heappop(heap)
                 candidate = candidates[index]
                 if level < PATH and candidate.virtual is not None:
@@ -335,10 +313,11 @@ class MegatronSearch:
         """plan.search: the space, what each stage of the search did, its wall time, and
         the best candidates (simulated, or else known by their path bound, a lower bound
         that the simulation reached within rounding in every case we checked)."""
-        self.stats.wall_time_s = time.perf_counter() - self.progress.start
+        self.stats.wall_time_s = self.progress.elapsed_s
         known = [c for c in candidates if c.time is not None] + self.ranked
         known.sort(key=lambda c: (c.time if c.time is not None else c.path_bound, c.order()))
-        self.progress.end(self.stats, len(candidates), best)
+        self.progress.end(f"done: {self.stats.shapes} shapes, {len(candidates)} fit, {self.stats.simulated} simulated; "
+                          f"best {best.describe()}")
         return {
             "searched": self.searched,
             **{key: (round(value, 3) if isinstance(value, float) else value)
