@@ -1,0 +1,181 @@
+"""The simulator against real runs of the same Program, on this machine.
+
+    python -m src.validate [--out validation] [--steps 6] [--only megatron]
+
+Each case of the grid (every strategy the real backend runs, on 2 and 4 workers, two model
+sizes) runs twice through the front door: `backend=torch` measures it, `backend=sim` prices
+the very same plan on the `local` preset. The table gives the measured and predicted
+iteration times with their error and, per breakdown category, the measured and predicted
+seconds; the MAPE closes it. Writes validation.json, validation.md and validation.png
+under --out. The `local` preset's figures come from `python -m src.calibrate`.
+
+Timings are this machine's: run it when nothing else loads the cores.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from src.timeline import BREAKDOWN_CATEGORIES
+
+# Two sizes of one GPT (a transformer's GEMMs and collectives; custom sizes need no preset).
+GPT_SIZES = {
+    "gpt-s": ["model=gpt", "model.preset=null", "model.layers=4", "model.hidden=128", "model.heads=4",
+              "model.vocab=512", "train.seq_len=64", "train.global_batch=16"],
+    "gpt-m": ["model=gpt", "model.preset=null", "model.layers=4", "model.hidden=384", "model.heads=6",
+              "model.vocab=1024", "train.seq_len=128", "train.global_batch=16"],
+}
+CLIP = ["model=clip", "model.scale=tiny"]
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    workers: int
+    overrides: tuple[str, ...]
+
+
+def grid() -> list[Case]:
+    cases = []
+    for size, model in GPT_SIZES.items():
+        for workers in (2, 4):
+            strategies = {
+                "ddp-z0": ["strategy=ddp", "strategy.zero_stage=0"],
+                "ddp-z2": ["strategy=ddp", "strategy.zero_stage=2"],
+                "megatron-tp": ["strategy=megatron", f"strategy.tp={workers}", "strategy.pp=1",
+                                "strategy.sequence_parallel=false"],  # the real backend runs no SP
+                # pp 2, and dp 2 on 4 workers
+                "megatron-pp": ["strategy=megatron", "strategy.tp=1", "strategy.pp=2", "strategy.micro_batch_size=2",
+                                "strategy.schedule=1f1b"],
+            }
+            for label, strategy in strategies.items():
+                cases.append(Case(f"{size}/{label}", workers, tuple(model + strategy)))
+    for workers in (2, 4):
+        cases.append(Case("clip-tiny/distmm", workers, tuple(CLIP + ["strategy=distmm"])))
+    return cases
+
+
+def _front_door(overrides: list[str], run_dir: Path) -> tuple[dict[str, Any] | None, str]:
+    """The summary of one run, or None with the run's last line."""
+    command = [sys.executable, "-m", "src.run", *overrides, "logger=none", f"hydra.run.dir={run_dir}"]
+    done = subprocess.run(command, capture_output=True, text=True)
+    summary = run_dir / "summary.json"
+    if done.returncode != 0 or not summary.exists():
+        lines = (done.stderr or done.stdout).strip().splitlines()
+        return None, lines[-1] if lines else f"exit {done.returncode}"
+    return json.loads(summary.read_text()), ""
+
+
+def _categories(summary: dict[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in summary["breakdown_s"].items() if k in BREAKDOWN_CATEGORIES}
+
+
+def validate_case(case: Case, out: Path, steps: int) -> dict[str, Any]:
+    common = [*case.overrides, "cluster=local", f"cluster.devices_per_node={case.workers}"]
+    row: dict[str, Any] = {"case": case.name, "workers": case.workers}
+    where = out / case.name / f"{case.workers}w"
+    measured, why = _front_door([*common, "backend=torch", f"train.steps={steps}"], where / "torch")
+    if measured is None:
+        return {**row, "error": f"torch: {why}"}
+    predicted, why = _front_door([*common, "backend=sim"], where / "sim")
+    if predicted is None:
+        return {**row, "error": f"sim: {why}"}
+    m, p = measured["iteration_time_s"], predicted["iteration_time_s"]
+    return {**row, "measured_s": m, "predicted_s": p, "error_pct": 100.0 * (p - m) / m,
+            "measured_breakdown_s": _categories(measured), "predicted_breakdown_s": _categories(predicted)}
+
+
+def mape(rows: list[dict[str, Any]]) -> float | None:
+    errors = [abs(r["error_pct"]) for r in rows if "error_pct" in r]
+    return statistics.fmean(errors) if errors else None
+
+
+def _shown_categories(rows: list[dict[str, Any]]) -> list[str]:
+    """The categories some case spends time in, in the breakdown's order."""
+    used = {k for r in rows for side in ("measured_breakdown_s", "predicted_breakdown_s")
+            for k, v in r.get(side, {}).items() if v > 0}
+    return [k for k in BREAKDOWN_CATEGORIES if k in used]
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    categories = _shown_categories(rows)
+    header = ["case", "workers", "measured ms", "predicted ms", "error %"] + [f"{c} ms (meas/pred)" for c in categories]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['case']} | {r['workers']} | failed: {r['error']} |" + " |" * (len(header) - 3))
+            continue
+        cells = [r["case"], str(r["workers"]), f"{1e3 * r['measured_s']:.1f}", f"{1e3 * r['predicted_s']:.1f}",
+                 f"{r['error_pct']:+.1f}"]
+        cells += [f"{1e3 * r['measured_breakdown_s'].get(c, 0.0):.1f} / {1e3 * r['predicted_breakdown_s'].get(c, 0.0):.1f}"
+                  for c in categories]
+        lines.append("| " + " | ".join(cells) + " |")
+    score = mape(rows)
+    lines.append("")
+    lines.append(f"iteration-time MAPE: {score:.1f} % over {sum('error_pct' in r for r in rows)} cases"
+                 if score is not None else "iteration-time MAPE: no case finished")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [r for r in rows if "error_pct" in r]
+    if not done:
+        return
+    fig, ax = plt.subplots(figsize=(6, 6))
+    for workers, marker in ((2, "o"), (4, "s")):
+        mine = [r for r in done if r["workers"] == workers]
+        ax.scatter([1e3 * r["measured_s"] for r in mine], [1e3 * r["predicted_s"] for r in mine], marker=marker,
+                   label=f"{workers} workers")
+        for r in mine:
+            ax.annotate(r["case"], (1e3 * r["measured_s"], 1e3 * r["predicted_s"]), fontsize=6)
+    top = 1.1e3 * max(max(r["measured_s"], r["predicted_s"]) for r in done)
+    ax.plot([0, top], [0, top], color="grey", linewidth=0.8, label="predicted = measured")
+    ax.fill_between([0, top], [0, 0.9 * top], [0, 1.1 * top], color="grey", alpha=0.15, label="±10 %")
+    ax.set_xlabel("measured iteration time (ms)")
+    ax.set_ylabel("predicted iteration time (ms)")
+    ax.set_title(f"simulator vs real backend (MAPE {mape(done):.1f} %)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("validation"))
+    parser.add_argument("--steps", type=int, default=6, help="real steps per case (the first is warm-up)")
+    parser.add_argument("--only", default="", help="run the cases whose name contains this")
+    args = parser.parse_args()
+    if args.steps < 2:
+        parser.error(f"--steps {args.steps}: at least 2 (the first step is warm-up and not measured)")
+    cases = [c for c in grid() if args.only in c.name]
+    if not cases:
+        parser.error(f"--only {args.only!r} matches no case of {[c.name for c in grid()]}")
+    rows = []
+    for index, case in enumerate(cases):
+        row = validate_case(case, args.out, args.steps)
+        rows.append(row)
+        shown = row.get("error") or f"measured {1e3 * row['measured_s']:.1f} ms, predicted {1e3 * row['predicted_s']:.1f} ms " \
+                                    f"({row['error_pct']:+.1f} %)"
+        print(f"[{index + 1}/{len(cases)}] {case.name} on {case.workers} workers: {shown}", file=sys.stderr, flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "validation.json").write_text(json.dumps({"rows": rows, "mape_pct": mape(rows)}, indent=2) + "\n")
+    text = table(rows)
+    (args.out / "validation.md").write_text(text + "\n")
+    plot(rows, args.out / "validation.png")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
