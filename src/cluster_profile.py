@@ -1,0 +1,39 @@
+"""Measured profiles of a cluster preset's host (`python -m src.calibrate` writes them).
+
+A profile holds the figures of one CPU model; the `local` preset takes them on a host of
+that model and keeps its own elsewhere, saying so, since a profile measured on another
+CPU would price this one's workers wrongly.
+"""
+from __future__ import annotations
+
+import platform
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+PROFILE_DIR = Path(__file__).resolve().parent.parent / "conf" / "cluster" / "profiles"
+
+
+def host_cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def profile_path(preset: str = "local", cpu_model: str | None = None) -> Path:
+    slug = re.sub(r"[^a-z0-9]+", "-", (cpu_model or host_cpu_model()).lower()).strip("-")
+    return PROFILE_DIR / f"{preset}-{slug}.yaml"
+
+
+def host_profile(preset: str) -> dict[str, Any] | None:
+    """The preset figures measured on this host's CPU model, if a profile has them."""
+    path = profile_path(preset)
+    if not path.exists():
+        return None
+    return yaml.safe_load(path.read_text())["preset"]
