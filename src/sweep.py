@@ -129,6 +129,12 @@ def _paper_mid(value: Any) -> float | None:
     return float(value)
 
 
+def _plan_facts(unit: dict[str, Any]) -> dict[str, Any]:
+    """A unit's degrees as its strategy states them: Par4D's (x, y, z, dp) grid, else dp/tp/pp."""
+    keys = ("grid", "micro_batch") if "grid" in unit else ("dp", "tp", "pp", "micro_batch")
+    return {k: unit[k] for k in keys if k in unit}
+
+
 def write_report(spec: SweepSpec, outcomes: dict[tuple[str, str], dict[str, Any] | None], out: Path) -> str:
     """results.json, results.md and the plot of a figure from its jobs' outcomes (a
     summary, an error, or None for a job that never finished); returns the table."""
@@ -157,8 +163,7 @@ def write_report(spec: SweepSpec, outcomes: dict[tuple[str, str], dict[str, Any]
                 row["value"] = value
                 for key in spec.extra_metrics:
                     row[key] = lookup(summary, key)
-                row["plan"] = {u: {k: p[k] for k in ("dp", "tp", "pp", "micro_batch") if k in p}
-                               for u, p in summary["plan"]["units"].items()}
+                row["plan"] = {u: _plan_facts(p) for u, p in summary["plan"]["units"].items()}
             results["rows"].append(row)
     out.mkdir(parents=True, exist_ok=True)
     table = markdown_table(spec, results)

@@ -57,3 +57,12 @@ def test_a_figure_resumes_skipping_the_jobs_that_have_a_summary(tmp_path: Path) 
     assert (out / "01_mb2" / "summary.json").exists()
     rows = json.loads((out / "results.json").read_text())["rows"]
     assert all(row["value"] > 0 for row in rows)
+
+
+def test_plan_column_gives_par4d_its_grid_and_others_their_degrees() -> None:
+    from src.sweep import _plan_facts
+
+    par4d = {"dp": 1, "tp": 1, "pp": 1, "grid": "(1,1,64,1)", "micro_batch": 128, "zero_stage": 0}
+    assert _plan_facts(par4d) == {"grid": "(1,1,64,1)", "micro_batch": 128}
+    megatron = {"dp": 2, "tp": 4, "pp": 8, "micro_batch": 4, "zero_stage": 1}
+    assert _plan_facts(megatron) == {"dp": 2, "tp": 4, "pp": 8, "micro_batch": 4}
