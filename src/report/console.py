@@ -22,8 +22,8 @@ _RANKING_ROWS = 10
 
 def format_summary(summary: Mapping[str, Any]) -> str:
     """The end-of-run table: who ran, the plan per unit, the figures, the breakdown."""
-    sections = [_header(summary), _plan(summary.get("plan")), _ranking(summary.get("plan")), _figures(summary),
-                _breakdown(summary)]
+    sections = [_header(summary), _auto(summary.get("plan")), _plan(summary.get("plan")), _ranking(summary.get("plan")),
+                _figures(summary), _breakdown(summary)]
     return "\n\n".join(s for s in sections if s)
 
 
@@ -83,6 +83,18 @@ def _brokers(brokers: Any) -> str:
     lines = [f"  {b['route']}: {b['count']} broker(s) at ranks {b['ranks']}" for b in brokers
              if isinstance(b, Mapping) and {"route", "count", "ranks"} <= set(b)]
     return "\nbrokers\n" + "\n".join(lines) if lines else ""
+
+
+def _auto(plan: Any) -> str:
+    """strategy=auto's choice: the winner, the runner-up and the margin, what was refused."""
+    auto = plan.get("auto") if isinstance(plan, Mapping) else None
+    if not isinstance(auto, Mapping):
+        return ""
+    line = f"auto: {auto['winner']} wins ({auto['winner_iteration_time_s']:.4g} s)"
+    if "runner_up" in auto:
+        line += f"; runner-up {auto['runner_up']} ({auto['runner_up_iteration_time_s']:.4g} s, +{auto['margin_pct']:.1f} %)"
+    refused = auto.get("refused") or {}
+    return line + "".join(f"\n  not run: {label}: {reason}" for label, reason in refused.items())
 
 
 def _ranking(plan: Any) -> str:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from src.errors import ConfigError
+from src.strategies.auto import plan_auto
 from src.strategies.base import Planner, PlanRequest
 from src.strategies.ddp import plan_ddp
 from src.strategies.deepspeed3d import plan_deepspeed3d
@@ -19,6 +20,7 @@ STRATEGIES: dict[str, Planner] = {
     "deepspeed3d": plan_deepspeed3d,
     "optimus": plan_optimus,
     "disttrain": plan_disttrain,
+    "auto": plan_auto,
 }
 
 

@@ -1,0 +1,119 @@
+"""Every strategy on one model and cluster, priced by the simulator; `strategy=auto` runs
+the fastest.
+
+The contenders are the systems this harness reproduces, each with its own config group's
+defaults (every option left to its planner's search) and the variants the papers compare
+against: Megatron-LM and its balanced pipeline (Optimus App. B), ZeRO-3/FSDP, DeepSpeed's
+3D parallelism, DistMM (contrastive models), DistTrain and Optimus (MLLMs), Par4D. A
+contender whose planner refuses the model (it does not apply) or finds no plan that fits
+is listed with its one-line reason.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from src.config import options_from
+from src.errors import ConfigError, PlanError
+from src.program import Plan
+from src.timeline import Timeline
+from src.strategies.base import PlanRequest
+
+STRATEGY_CONF = Path(__file__).resolve().parent.parent.parent / "conf" / "strategy"
+
+
+@dataclass(frozen=True)
+class Contender:
+    label: str
+    strategy: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+CONTENDERS = (
+    Contender("megatron", "megatron"),
+    Contender("megatron-balanced", "megatron", {"balance": True}),
+    # DeepSpeed's stage-3 default overlaps the per-layer reduce-scatter and the prefetch.
+    Contender("zero3", "ddp", {"zero_stage": 3, "overlap_comm": True}),
+    Contender("deepspeed3d", "deepspeed3d"),
+    Contender("distmm", "distmm"),
+    Contender("disttrain", "disttrain"),
+    Contender("optimus", "optimus"),
+    Contender("par4d", "par4d"),
+)
+
+
+def contender_options(contender: Contender) -> dict[str, Any]:
+    """The contender's strategy group as composed with no overrides, plus its variant."""
+    defaults = yaml.safe_load((STRATEGY_CONF / f"{contender.strategy}.yaml").read_text())
+    return {**defaults, **contender.options}
+
+
+@dataclass(frozen=True)
+class AutoOptions:
+    """contenders: the labels to compare (null: all of CONTENDERS)."""
+
+    contenders: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        labels = [c.label for c in CONTENDERS]
+        if self.contenders is not None:
+            unknown = [c for c in self.contenders if c not in labels]
+            if unknown or not self.contenders:
+                raise ConfigError(f"strategy.contenders={self.contenders}: choose among {labels} (null: all)")
+
+    def chosen(self) -> list[Contender]:
+        return [c for c in CONTENDERS if self.contenders is None or c.label in self.contenders]
+
+
+@dataclass
+class Priced:
+    label: str
+    plan: Plan | None = None
+    timeline: Timeline | None = None
+    reason: str = ""
+
+    @property
+    def iteration_time_s(self) -> float:
+        assert self.timeline is not None
+        return self.timeline.iteration_time
+
+
+def price(contender: Contender, request: PlanRequest) -> Priced:
+    """Plan and simulate one contender (its refusal is an outcome, not an error)."""
+    from src.sim.engine import SimulationError, simulate
+    from src.strategies import planner_for
+
+    try:
+        if contender.label == "megatron-balanced" and len(request.model.units) == 1:
+            raise PlanError("one unit: balancing the pipeline is Megatron-LM's own stage cut")
+        plan = planner_for(contender.strategy)(PlanRequest(request.model, request.cluster, request.train,
+                                                           contender_options(contender)))
+        if plan.devices > request.cluster.devices:
+            raise PlanError(f"plan uses {plan.devices} devices but the cluster has {request.cluster.devices}")
+        timeline = simulate(plan.program, request.model, request.cluster, request.train.precision)
+    except (ConfigError, SimulationError) as err:
+        return Priced(contender.label, reason=str(err))
+    return Priced(contender.label, plan, timeline)
+
+
+def plan_auto(request: PlanRequest) -> Plan:
+    opts = options_from(AutoOptions, request.options)
+    priced = [price(contender, request) for contender in opts.chosen()]
+    ranked = sorted((p for p in priced if p.plan is not None), key=lambda p: p.iteration_time_s)
+    if not ranked:
+        raise PlanError("no strategy has a plan for this model on this cluster: "
+                        + "; ".join(f"{p.label}: {p.reason}" for p in priced))
+    winner = ranked[0]
+    assert winner.plan is not None
+    choice: dict[str, Any] = {"winner": winner.label, "winner_iteration_time_s": winner.iteration_time_s}
+    if len(ranked) > 1:
+        runner_up = ranked[1]
+        choice.update(runner_up=runner_up.label, runner_up_iteration_time_s=runner_up.iteration_time_s,
+                      margin_pct=100.0 * (runner_up.iteration_time_s / winner.iteration_time_s - 1.0))
+    choice["ranking"] = [{"strategy": p.label, "iteration_time_s": p.iteration_time_s} for p in ranked]
+    choice["refused"] = {p.label: p.reason for p in priced if p.plan is None}
+    winner.plan.details["auto"] = choice
+    return winner.plan

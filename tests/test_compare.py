@@ -1,0 +1,75 @@
+"""strategy=auto and src.compare: every contender priced on one model and cluster, the
+fastest chosen, the refusals named."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from src.compare import ScalingReport, compare, table
+from src.config import plain_config
+from src.errors import ConfigError
+from src.setup import plan_run, validate
+
+CONF = Path(__file__).resolve().parent.parent / "conf"
+ROOT = CONF.parent
+SMALL_GPT = ["model=gpt", "model.preset=null", "model.layers=8", "model.hidden=1024", "model.heads=16", "model.vocab=32000",
+             "cluster=perlmutter", "cluster.nodes=2", "train.global_batch=64"]
+
+
+def composed(name: str, *overrides: str) -> dict:
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        return plain_config(compose(config_name=name, overrides=list(overrides)))
+
+
+def test_auto_runs_the_fastest_contender_and_names_the_runner_up() -> None:
+    plan = plan_run(validate(composed("config", *SMALL_GPT, "strategy=auto", "logger=none")))
+    auto = plan.details["auto"]
+    ranking = auto["ranking"]
+    times = [r["iteration_time_s"] for r in ranking]
+    assert times == sorted(times) and len(ranking) >= 3  # megatron, zero3, deepspeed3d, par4d apply to a GPT
+    assert auto["winner"] == ranking[0]["strategy"] and auto["runner_up"] == ranking[1]["strategy"]
+    assert auto["margin_pct"] == pytest.approx(100 * (times[1] / times[0] - 1))
+    assert {"distmm", "disttrain", "optimus"} <= set(auto["refused"])  # no towers, no MLLM
+    assert "contrastive" in auto["refused"]["distmm"]
+
+
+def test_auto_rejects_unknown_contenders() -> None:
+    with pytest.raises(ConfigError, match="strategy.contenders"):
+        plan_run(validate(composed("config", *SMALL_GPT, "strategy=auto", "strategy.contenders=[megatorn]",
+                                   "logger=none")))
+
+
+def test_compare_ranks_priced_contenders_then_lists_refusals() -> None:
+    config = composed("compare", *SMALL_GPT, "strategy.contenders=[megatron,par4d,distmm]")
+    outcomes = compare(config)
+    assert [o["strategy"] for o in outcomes][-1] == "distmm" and "reason" in outcomes[-1]
+    priced = [o["summary"]["iteration_time_s"] for o in outcomes if "summary" in o]
+    assert len(priced) == 2 and priced == sorted(priced)
+    text = table(outcomes, "t")
+    assert "| 1 |" in text and "| 2 |" in text and "- distmm: " in text
+
+
+def test_compare_refuses_a_single_strategy_in_one_line() -> None:
+    done = subprocess.run([sys.executable, "-m", "src.compare", "strategy=megatron", "hydra.run.dir=/tmp/unused-compare"],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "error: src.compare prices every strategy; strategy=megatron picks one (choose some with strategy.contenders=[...])"]
+
+
+def test_scaling_report_charts_each_strategy_over_device_counts(tmp_path: Path) -> None:
+    for job, devices in enumerate((8, 16)):
+        outcomes = [{"strategy": "megatron", "summary": {"throughput_samples_per_s": devices * 1.0}},
+                    {"strategy": "distmm", "reason": "no towers"}]
+        (tmp_path / str(job)).mkdir()
+        (tmp_path / str(job) / "compare.json").write_text(json.dumps({"devices": devices, "outcomes": outcomes}))
+    ScalingReport().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}}))
+    text = (tmp_path / "scaling.md").read_text()
+    assert "| 8 | 8 |" in text and "| 16 | 16 |" in text and "distmm" not in text
+    assert (tmp_path / "scaling.png").stat().st_size > 0
