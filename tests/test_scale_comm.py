@@ -201,3 +201,17 @@ def test_ddp_plan_far_beyond_memory_exits_2_with_one_line(cli, tmp_path: Path) -
     assert len(lines) == 1 and "Traceback" not in proc.stderr
     assert "needs 1291.6 GiB" in lines[0] and "38.5 GiB usable" in lines[0]
     assert not (tmp_path / "summary.json").exists()
+
+
+def test_zero3_overlap_reduces_on_a_stream_beside_the_prefetching_gathers() -> None:
+    overrides = ["model=gpt", "model.preset=null", "model.layers=4", "model.hidden=1024", "model.heads=16",
+                 "model.vocab=32000", "train.seq_len=512", "cluster=perlmutter", "cluster.nodes=4",
+                 "train.global_batch=16", "strategy=ddp", "strategy.zero_stage=3", "strategy.overlap_comm=true",
+                 "logger=none"]
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        config = OmegaConf.to_container(compose(config_name="config", overrides=overrides), resolve=True)
+    plan = plan_run(validate(config))
+    asynchronous = [i for i in plan.program.classes[0].instructions if isinstance(i, Collective) and not i.blocking]
+    prefetch = {i.stream for i in asynchronous if i.op == "all_gather"}
+    reduce = {i.stream for i in asynchronous if i.op == "reduce_scatter"}
+    assert len(prefetch) == 1 and len(reduce) == 1 and prefetch != reduce
