@@ -12,9 +12,10 @@ instruction is processed once.
 
 Two resources are shared between a rank's streams. Its share of its node's NICs: the
 rings of one family that cross a node's NICs at once are already in the group's
-bandwidth (Group.sharing); a node-crossing transfer of another family (DP gradient
-reduction under the pipeline's sends, say) that overlaps one already priced gets half
-the NICs while they overlap (two flows sharing a link fairly). And a communication
+bandwidth (Group.sharing); a node-crossing transfer that overlaps one already priced
+on another of the rank's streams (DP gradient reduction under the pipeline's sends,
+ZeRO-3's reduce-scatters under its parameter gathers) gets half the NICs while they
+overlap (two flows sharing a link fairly). And a communication
 kernel holds SMs while it runs (ClusterSpec.collective_sm_fraction, p2p_sm_fraction):
 compute that overlaps it runs on the rest and takes longer. Both are decided when an
 operation is priced, from the operations already priced: one priced later does not
