@@ -22,6 +22,8 @@ class ClusterSpec:
 
     intra_bandwidth: per device, over NVLink/NVSwitch/Infinity Fabric.
     inter_bandwidth: per node, the sum of its NICs.
+    intra_latency, inter_latency: what one step of a ring (or one message) pays over
+      NVLink and over the network (NCCL's per-hop latencies, src/graph/tuning.cc).
     gemm_max_efficiency, gemm_half_dim: achieved fraction of peak for a GEMM is
       max_efficiency * prod_d d/(d + half_dim) over its m, n, k: large GEMMs approach the
       maximum, thin ones (small per-device batch, over-partitioned TP) fall off.
@@ -29,6 +31,9 @@ class ClusterSpec:
     intra_efficiency, inter_efficiency: achieved fraction of the link bandwidth by
       collectives and transfers inside a node and across nodes.
     kernel_overhead_s: fixed cost per kernel launch.
+    collective_sm_fraction, p2p_sm_fraction: fraction of the device's SMs a collective's
+      (resp. a send's or receive's) kernels hold while they run: NCCL runs one CTA per
+      channel, each on an SM of its own, so compute overlapping them runs on the rest.
     reserved_memory_gib: memory a framework cannot use (context, allocator, workspace).
     """
 
@@ -51,6 +56,9 @@ class ClusterSpec:
     kernel_overhead_s: float
     reserved_memory_gib: float
     default_precision: str
+    # Every preset states these (cluster_from_config); a spec built by hand takes no SMs.
+    collective_sm_fraction: float = 0.0
+    p2p_sm_fraction: float = 0.0
     sources: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -75,6 +83,14 @@ class ClusterSpec:
         nodes = {self.node_of(r) for r in ranks}
         return len(nodes) > 1
 
+    def nodes_spanned(self, ranks: Sequence[int]) -> int:
+        """How many nodes hold a member of `ranks` (distinct ranks; ranks are node-major,
+        so a contiguous block is counted without a set)."""
+        low, high = min(ranks), max(ranks)
+        if len(ranks) == high - low + 1:
+            return self.node_of(high) - self.node_of(low) + 1
+        return len({self.node_of(r) for r in ranks})
+
     def bandwidth(self, ranks: Sequence[int], sharing: int = 1) -> float:
         """Achieved bandwidth of a ring over `ranks`: NVLink inside a node; across nodes
         the node's NICs split among the `sharing` rings crossing them at once."""
@@ -95,7 +111,11 @@ class ClusterSpec:
 
 FLOAT_FIELDS = ("memory_gib", "memory_bandwidth", "intra_bandwidth", "intra_latency", "inter_bandwidth",
                 "inter_latency", "gemm_max_efficiency", "gemm_half_dim", "memory_efficiency",
-                "intra_efficiency", "inter_efficiency", "kernel_overhead_s", "reserved_memory_gib")
+                "intra_efficiency", "inter_efficiency", "kernel_overhead_s", "reserved_memory_gib",
+                "collective_sm_fraction", "p2p_sm_fraction")
+# May be zero: a latency or overhead too small to state, or no SMs taken by communication.
+MAY_BE_ZERO = ("intra_latency", "inter_latency", "kernel_overhead_s", "reserved_memory_gib",
+               "collective_sm_fraction", "p2p_sm_fraction")
 
 
 def _number(value: Any, key: str, cluster: str) -> float:
@@ -119,8 +139,7 @@ def cluster_from_config(cfg: Mapping[str, Any]) -> ClusterSpec:
             raise ConfigError(f"cluster.{key} must be a positive integer, got {value!r} (cluster {name})")
     for key in FLOAT_FIELDS:
         value = _number(cfg.get(key), f"cluster.{key}", name)
-        if value < 0 or (value == 0 and key not in ("intra_latency", "inter_latency", "kernel_overhead_s",
-                                                     "reserved_memory_gib")):
+        if value < 0 or (value == 0 and key not in MAY_BE_ZERO):
             raise ConfigError(f"cluster.{key} must be positive, got {value} (cluster {name})")
     peaks = {str(k): _number(v, f"cluster.peak_flops.{k}", name) for k, v in dict(cfg.get("peak_flops") or {}).items()}
     if not peaks or any(v <= 0 for v in peaks.values()):
@@ -133,6 +152,10 @@ def cluster_from_config(cfg: Mapping[str, Any]) -> ClusterSpec:
     for key in ("gemm_max_efficiency", "memory_efficiency", "intra_efficiency", "inter_efficiency"):
         if float(cfg[key]) > 1:
             raise ConfigError(f"cluster.{key} is a fraction of peak, got {cfg[key]} (cluster {name})")
+    for key in ("collective_sm_fraction", "p2p_sm_fraction"):
+        if float(cfg[key]) >= 1:
+            raise ConfigError(f"cluster.{key} is the fraction of a device's SMs that communication holds, "
+                              f"below 1; got {cfg[key]} (cluster {name})")
     if cfg.get("default_precision") not in peaks:
         raise ConfigError(f"cluster {name}: default_precision {cfg.get('default_precision')!r} "
                           f"has no peak in {sorted(peaks)}")

@@ -10,6 +10,19 @@ blocking operation, a Wait, a message not yet sent) and is woken when it happens
 asynchronous operations queue on their stream without stopping the class, so each
 instruction is processed once.
 
+Two resources are shared between a rank's streams. Its share of its node's NICs: the
+rings of one family that cross a node's NICs at once are already in the group's
+bandwidth (Group.sharing); a node-crossing transfer that overlaps one already priced
+on another of the rank's streams (DP gradient reduction under the pipeline's sends,
+ZeRO-3's reduce-scatters under its parameter gathers) gets half the NICs while they
+overlap (two flows sharing a link fairly). And a communication
+kernel holds SMs while it runs (ClusterSpec.collective_sm_fraction, p2p_sm_fraction):
+compute that overlaps it runs on the rest and takes longer. Both are decided when an
+operation is priced, from the operations already priced: one priced later does not
+re-time it, so the earlier of two overlapping transfers keeps the whole link, and compute
+priced before a collective is (one whose other participants are classes that have not
+issued it yet) runs beside it at full speed.
+
 Why the compute stream waits is recorded as it happens: while the awaited transfer moves
 data the wait is exposed communication of its kind; while it waits for a peer to issue it
 (or a sender to produce the data) it is a bubble; while it waits behind an earlier
@@ -27,11 +40,14 @@ from src.cluster import ClusterSpec
 from src.progress import Progress
 from src.program import (COMPUTE_STREAM, Collective, Compute, Hop, Instruction, Message, Payload, Program,
                          RankProgram, Recv, Route, Send, Table, Wait)
+from src.sim.intervals import Intervals
 from src.timeline import BREAKDOWN_CATEGORIES, RankTimeline, Span, Timeline
 
 EPS = 1e-12
 PROGRESS_EVENTS = 4096  # instructions between looks at the clock
 PEER_WAIT = "peer_wait"
+# Two transfers on one link at once each get half of it.
+SHARED_LINK_RATE = 0.5
 
 
 class SimulationError(RuntimeError):
@@ -45,6 +61,8 @@ class _Op:
     ready: when this class could have started it (its data and its stream were ready);
     start, end: when it really ran (a collective starts when all participants are ready;
     a receive's transfer is the sender's); prev: the operation before it on its stream.
+    nic_from: when a send really started, if it shared the node's NICs with another
+    transfer and is priced as starting late at the full rate (None otherwise).
     """
 
     kind: str
@@ -56,6 +74,7 @@ class _Op:
     prev: "_Op | None" = None
     next: "_Op | None" = field(default=None, repr=False)
     compute_ready: float = 0.0
+    nic_from: float | None = None
 
 
 @dataclass
@@ -88,7 +107,8 @@ class _RoutePrices:
     def __init__(self, program: Program, comm: CommModel, class_of_rank: dict[int, int]) -> None:
         self.program, self.comm, self.class_of_rank = program, comm, class_of_rank
         self._hop: dict[str, float] = {}
-        self._send: dict[tuple[str, int, Payload], float] = {}
+        self._hop_crosses: dict[str, bool] = {}
+        self._send: dict[tuple[str, int, Payload], tuple[float, float, bool]] = {}
         self._recv: dict[tuple[str, int, Payload], dict] = {}
         self._offsets: dict[tuple[str, int, Payload], dict[int, tuple[float, float]]] = {}
 
@@ -115,11 +135,16 @@ class _RoutePrices:
             raise SimulationError(f"route {route.name} sends from rank {rank}, which no instruction list covers")
         return index
 
-    def send(self, route: Route, state: "_ClassState", payload: Payload) -> tuple[float, float]:
-        """(seconds the class's send stream is busy, bytes its ranks put on links)."""
+    def send(self, route: Route, state: "_ClassState", payload: Payload) -> tuple[float, float, bool]:
+        """(seconds the class's send stream is busy, bytes its ranks put on links, whether
+        any of them leaves its node)."""
         ranks = state.program.ranks
+        node_of = self.comm.cluster.node_of
         if isinstance(route, Hop):
-            return self._hop_cost(route), route.bytes * len(ranks)
+            crosses = self._hop_crosses.get(route.name)
+            if crosses is None:
+                crosses = self._hop_crosses[route.name] = any(node_of(a) != node_of(b) for a, b in zip(route.a, route.b))
+            return self._hop_cost(route), route.bytes * len(ranks), crosses
         key = (route.name, state.index, payload)
         cached = self._send.get(key)
         if cached is None:
@@ -127,7 +152,8 @@ class _RoutePrices:
             seconds = max((sum(self._cost(route, m.src, m.dst, m.bytes) for m in sends) for sends in per_rank),
                           default=0.0)
             nbytes = sum(m.bytes for sends in per_rank for m in sends if m.src != m.dst)
-            cached = self._send[key] = (seconds, nbytes)
+            crosses = any(node_of(m.src) != node_of(m.dst) for sends in per_rank for m in sends)
+            cached = self._send[key] = (seconds, nbytes, crosses)
         return cached
 
     def _landing(self, route: Table, message: Message) -> tuple[float, float]:
@@ -186,6 +212,11 @@ class _ClassState:
     first_backward: float | None = None
     last_forward: float | None = None
     queued: bool = False
+    # The rank's share of its node's NICs (node-crossing transfers); SMs held by
+    # collectives and by sends/receives.
+    nic: Intervals = field(default_factory=Intervals)
+    collective_busy: Intervals = field(default_factory=Intervals)
+    p2p_busy: Intervals = field(default_factory=Intervals)
 
     def stream_free(self, stream: str) -> float:
         return self.free.get(stream, 0.0)
@@ -219,7 +250,10 @@ class Simulator:
         self.waiting_for_send: dict[tuple[str, int, Payload], list[int]] = {}
         self.waiting_for_op: dict[int, list[int]] = {}
         self.ready: deque[int] = deque()
-        self.collective_cost: dict[tuple, float] = {}
+        self.collective_cost: dict[tuple, tuple[float, float]] = {}
+        self.crosses_nodes: dict[str, bool] = {}
+        self.collective_rate = 1.0 - cluster.collective_sm_fraction
+        self.p2p_rate = 1.0 - cluster.p2p_sm_fraction
         self.routes = _RoutePrices(program, self.comm, self.class_of_rank)
         self.events = 0
         self.p2p_bytes = 0.0
@@ -322,6 +356,10 @@ class Simulator:
         work = instruction.work
         start = state.stream_free(COMPUTE_STREAM)
         end = start + self.compute.work_time(work, self.model)
+        if self.collective_rate < 1.0:
+            end = state.collective_busy.stretched_end(start, end - start, self.collective_rate)
+        if self.p2p_rate < 1.0:
+            end = state.p2p_busy.stretched_end(start, end - start, self.p2p_rate)
         state.free[COMPUTE_STREAM] = end
         state.segments.append((start, end, "compute"))
         state.spans.append(Span(COMPUTE_STREAM, start, end, f"{work.phase} {work.unit} L{work.layers[0]}-{work.layers[1]}",
@@ -400,15 +438,26 @@ class Simulator:
         instruction = arrival.instruction
         group = self.program.groups[key[0]]
         cost_key = (instruction.op, group.name, instruction.bytes)
-        one = self.collective_cost.get(cost_key)
-        if one is None:
-            one = self.collective_cost[cost_key] = self.comm.collective_time(instruction.op, group.ranks,
-                                                                             instruction.bytes, group.sharing)
+        parts = self.collective_cost.get(cost_key)
+        if parts is None:
+            parts = self.collective_cost[cost_key] = self.comm.collective_parts(instruction.op, group.ranks,
+                                                                                instruction.bytes, group.sharing)
+        latency, transfer = parts[0] * instruction.count, parts[1] * instruction.count
         start = max(op.ready for op in arrival.ops.values())
-        end = start + instruction.count * one
-        for index, op in arrival.ops.items():
-            state = self.states[index]
+        crosses = self.crosses_nodes.get(group.name)
+        if crosses is None:
+            crosses = self.crosses_nodes[group.name] = self.cluster.spans_nodes(group.ranks)
+        states = [self.states[index] for index in arrival.ops]
+        moved = start + transfer
+        if crosses and transfer > 0:
+            moved = max(state.nic.stretched_end(start, transfer, SHARED_LINK_RATE) for state in states)
+        end = moved + latency
+        for state, op in zip(states, arrival.ops.values()):
             op.start, op.end, op.resolved = start, end, True
+            if crosses and transfer > 0:
+                state.nic.add(start, moved)
+            if op.stream != COMPUTE_STREAM:
+                state.collective_busy.add(start, end)
             self._advance_stream(state, op)
             state.spans.append(Span(op.stream, start, end, f"{instruction.op} {group.name}", f"comm_{instruction.kind}"))
             self._release(op)
@@ -438,14 +487,22 @@ class Simulator:
         if key in self.sent:
             raise SimulationError(f"{state.program.label} sends {instruction.payload} over {route.name} twice")
         op = self._issue(state, route.kind, stream)
-        op.start, op.resolved = op.ready, True
-        seconds, nbytes = self.routes.send(route, state, instruction.payload.whole)
-        op.end = op.ready + seconds
+        seconds, nbytes, crosses = self.routes.send(route, state, instruction.payload.whole)
+        op.start, op.end, op.resolved = op.ready, op.ready + seconds, True
+        if crosses and seconds > 0:
+            op.end = state.nic.stretched_end(op.ready, seconds, SHARED_LINK_RATE)
+            state.nic.add(op.ready, op.end)
+            # Its messages land as if it had started late at the full rate: its last
+            # one lands when it ends.
+            op.start = op.end - seconds
+            if op.start > op.ready:
+                op.nic_from = op.ready
+        state.p2p_busy.add(op.ready, op.end)
         self.p2p_bytes += nbytes
         state.free[stream] = op.end
         state.spans.append(Span(stream, op.start, op.end, f"send {instruction.payload}", f"comm_{route.kind}"))
         if stream == COMPUTE_STREAM:
-            state.segments.append((op.start, op.end, f"comm_{route.kind}"))
+            state.segments.append((op.ready, op.end, f"comm_{route.kind}"))
         self.sent[key] = op
         for waiter in self.waiting_for_send.pop(key, []):
             self._wake(waiter)
@@ -491,6 +548,7 @@ class Simulator:
         self.received.add((recv.route, state.index, recv.payload.whole))
         land, cost = max((self.sent[key].start + offset, cost) for key, (offset, cost) in entries.items())
         op.start, op.end, op.resolved = land - cost, max(op.ready, land), True
+        state.p2p_busy.add(max(op.ready, op.start), op.end)
         self._advance_stream(state, op)
         state.spans.append(Span(op.stream, max(op.ready, op.start), op.end, f"recv {recv.payload}", f"comm_{op.kind}"))
         self._release(op)
@@ -518,6 +576,12 @@ class Simulator:
             until = min(until, current.start)
             if until <= since:
                 break
+            if current.nic_from is not None and until > max(since, current.nic_from):
+                # Sharing the NICs with another family's transfer: communication.
+                state.segments.append((max(since, current.nic_from), until, f"comm_{current.kind}"))
+                until = max(since, current.nic_from)
+                if until <= since:
+                    break
             ready = current.ready if current.ready is not None else since
             peer_from = max(since, ready)
             if until > peer_from:

@@ -23,6 +23,10 @@ from src.models.flows import unit_order
 from src.strategies.stages import Segment
 
 QUERY_ROUTE = "interaction.queries"
+# ZeRO-3's asynchronous gradient reduce-scatters run on a stream of their own, beside the
+# prefetching all-gathers (DeepSpeed's reduce-and-partition stream; FSDP's reduce-scatter
+# stream), sharing the node's NICs with them.
+REDUCE_STREAM = "dp_reduce"
 
 
 @dataclass(frozen=True)
@@ -85,8 +89,8 @@ class ColocatedEmitter:
             if backward and trainable:
                 if u.overlap_comm:
                     handle = f"rs.{unit}.mb{microbatch}.L{layer}"
-                    out.append(Collective("reduce_scatter", group, trainable * self.act_bytes, "dp", stream="dp",
-                                          blocking=False, handle=handle))
+                    out.append(Collective("reduce_scatter", group, trainable * self.act_bytes, "dp",
+                                          stream=REDUCE_STREAM, blocking=False, handle=handle))
                     self.pending.append(handle)
                 else:
                     out.append(Collective("reduce_scatter", group, trainable * self.act_bytes, "dp"))
