@@ -35,6 +35,9 @@ class ClusterSpec:
       (resp. a send's or receive's) kernels hold while they run: NCCL runs one CTA per
       channel, each on an SM of its own, so compute overlapping them runs on the rest.
     reserved_memory_gib: memory a framework cannot use (context, allocator, workspace).
+    oversubscription: a device's compute rate when k devices of a node compute at once,
+      relative to one alone ({k: fraction}); for CPU workers sharing a host's cores (the
+      `local` preset). Empty: devices do not share compute (GPUs). peak() applies it.
     """
 
     name: str
@@ -59,6 +62,7 @@ class ClusterSpec:
     # Every preset states these (cluster_from_config); a spec built by hand takes no SMs.
     collective_sm_fraction: float = 0.0
     p2p_sm_fraction: float = 0.0
+    oversubscription: dict[int, float] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -74,7 +78,20 @@ class ClusterSpec:
             raise ConfigError(
                 f"device {self.device} of cluster {self.name} has no {precision} peak; "
                 f"train.precision must be one of {sorted(self.peak_flops)}")
-        return self.peak_flops[precision]
+        return self.peak_flops[precision] * self.compute_share()
+
+    def compute_share(self) -> float:
+        """Each device's share of its rate alone while all devices of a node compute; past
+        the largest measured count the cores split further in proportion."""
+        if not self.oversubscription:
+            return 1.0
+        k = self.devices_per_node
+        if k in self.oversubscription:
+            return self.oversubscription[k]
+        measured = max(self.oversubscription)
+        if k > measured:
+            return self.oversubscription[measured] * measured / k
+        return self.oversubscription[max(c for c in self.oversubscription if c <= k)]
 
     def node_of(self, rank: int) -> int:
         return rank // self.devices_per_node
@@ -132,7 +149,8 @@ def _number(value: Any, key: str, cluster: str) -> float:
 def cluster_from_config(cfg: Mapping[str, Any]) -> ClusterSpec:
     """Build and validate a ClusterSpec from the `cluster` config group."""
     name = cfg.get("name", "?")
-    reject_unknown(cfg, [f.name for f in dataclasses.fields(ClusterSpec)] + ["devices"], "cluster key(s)")
+    reject_unknown(cfg, [f.name for f in dataclasses.fields(ClusterSpec)] + ["devices", "profile"], "cluster key(s)")
+    cfg, profile_note = with_host_profile(cfg)
     for key in ("nodes", "devices_per_node"):
         value = cfg.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -162,13 +180,47 @@ def cluster_from_config(cfg: Mapping[str, Any]) -> ClusterSpec:
     if float(cfg["reserved_memory_gib"]) >= float(cfg["memory_gib"]):
         raise ConfigError(f"cluster {name}: reserved_memory_gib {cfg['reserved_memory_gib']} "
                           f">= memory_gib {cfg['memory_gib']}")
+    sources = {str(k): str(v) for k, v in dict(cfg.get("sources") or {}).items()}
+    if profile_note:
+        sources["profile"] = profile_note
     return ClusterSpec(
         name=str(name), device=str(cfg.get("device")), nodes=int(cfg["nodes"]),
         devices_per_node=int(cfg["devices_per_node"]), peak_flops=peaks,
-        default_precision=str(cfg["default_precision"]),
-        sources={str(k): str(v) for k, v in dict(cfg.get("sources") or {}).items()},
+        default_precision=str(cfg["default_precision"]), sources=sources,
+        oversubscription=_oversubscription(cfg.get("oversubscription"), name),
         **{key: float(cfg[key]) for key in FLOAT_FIELDS},
     )
+
+
+def _oversubscription(table: Any, cluster: str) -> dict[int, float]:
+    if table is None:
+        return {}
+    if not isinstance(table, Mapping):
+        raise ConfigError(f"cluster.oversubscription maps a count of devices computing at once to their rate "
+                          f"relative to one alone, got {table!r} (cluster {cluster})")
+    out = {}
+    for k, v in table.items():
+        count, share = int(k), _number(v, f"cluster.oversubscription.{k}", cluster)
+        if count <= 0 or not 0 < share <= 1:
+            raise ConfigError(f"cluster.oversubscription.{k}={v}: counts are positive and rates in (0, 1] "
+                              f"(cluster {cluster})")
+        out[count] = share
+    return out
+
+
+def with_host_profile(cfg: Mapping[str, Any]) -> tuple[Mapping[str, Any], str]:
+    """A preset with `profile: <name>` takes the figures `python -m src.calibrate` measured
+    on this host's CPU model, if a profile has them; the note says which were used."""
+    from src.cluster_profile import host_cpu_model, host_profile, profile_path
+
+    name = cfg.get("profile")
+    if name is None:
+        return cfg, ""
+    measured = host_profile(str(name))
+    if measured is None:
+        return cfg, (f"no profile for this host's CPU ({host_cpu_model()}): the preset's own figures; "
+                     f"`python -m src.calibrate` writes {profile_path(str(name)).name}")
+    return {**cfg, **measured}, f"measured on this CPU model: conf/cluster/profiles/{profile_path(str(name)).name}"
 
 
 def family_sharing(cluster: ClusterSpec, groups: Sequence[Sequence[int]]) -> int:

@@ -147,7 +147,8 @@ def summarize(setup: Setup, plan: Plan, timeline: Timeline, peak_flops: float | 
     attach_memory(timeline, plan, setup.model, setup.train.precision)
     cluster = setup.cluster
     if peak_flops is not None:
-        cluster = replace(cluster, peak_flops={setup.train.precision: peak_flops})
+        # Measured with every worker computing at once: already each one's share.
+        cluster = replace(cluster, peak_flops={setup.train.precision: peak_flops}, oversubscription={})
     names = {"model": setup.model.name, "strategy": plan.strategy, "cluster": setup.cluster.name,
              "backend": timeline.backend}
     return {**build_summary(names, plan, timeline, setup.model, cluster, setup.train), **(extras or {})}

@@ -64,8 +64,8 @@ def strategy_options(name: str) -> type:
 
 ALL_OPTIONS = [(group, name) for group in GROUPS for name in options(group)]
 CLUSTER_SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(ClusterSpec))
-# Stated in every preset though not a ClusterSpec field: the optional size check.
-CLUSTER_EXTRA_FIELDS = ("devices",)
+# Stated in every preset though not ClusterSpec fields: the optional size check, the host profile.
+CLUSTER_EXTRA_FIELDS = ("devices", "profile")
 BANDWIDTHS = ("memory_bandwidth", "intra_bandwidth", "inter_bandwidth")
 
 

@@ -1,0 +1,64 @@
+"""src.calibrate's fits recover known figures, and the `local` preset takes a host
+profile's figures only on a host of that CPU model."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+import src.cluster_profile as cluster_profile
+from src.calibrate import fit_gemm_curve, fit_p2p, fit_ring
+from src.cluster import cluster_from_config
+from src.errors import ConfigError
+
+LOCAL = yaml.safe_load((Path(__file__).resolve().parent.parent / "conf" / "cluster" / "local.yaml").read_text())
+
+
+def test_gemm_curve_fit_recovers_efficiency_and_half_dimension() -> None:
+    peak, efficiency, half = 80e9, 0.9, 32.0
+    shapes = [(n, n, n) for n in (32, 64, 128, 512, 2048)] + [(8, 512, 512), (4096, 64, 64)]
+    points = [(m, n, k, peak * efficiency * math.prod(d / (d + half) for d in (m, n, k))) for m, n, k in shapes]
+    fitted_peak, fitted_eff, fitted_half = fit_gemm_curve(points)
+    # The fit's peak is the best measured rate; efficiency is relative to it.
+    best = max(rate for *_, rate in points)
+    assert fitted_peak == best
+    assert fitted_half == pytest.approx(half, rel=0.05)
+    assert fitted_peak * fitted_eff == pytest.approx(peak * efficiency, rel=0.05)
+
+
+def test_link_fits_recover_latency_and_bandwidth() -> None:
+    latency, bandwidth = 2e-4, 1.5e9
+    ring = [(g, n, 2 * (g - 1) * latency + 2 * (g - 1) / g * n / bandwidth) for g in (2, 4) for n in (1e3, 1e5, 1e7)]
+    assert fit_ring(ring) == pytest.approx((latency, bandwidth), rel=1e-6)
+    p2p = [(n, 1e-3 + n / 3e9) for n in (1e3, 1e6, 1e7)]
+    assert fit_p2p(p2p) == pytest.approx((1e-3, 3e9), rel=1e-6)
+
+
+def test_noise_without_a_bandwidth_term_is_refused() -> None:
+    with pytest.raises(RuntimeError, match="no bandwidth term"):
+        fit_p2p([(1e3, 2e-3), (1e6, 1e-3), (1e7, 5e-4)])
+
+
+def test_local_takes_the_profile_of_this_cpu_model_only(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(cluster_profile, "PROFILE_DIR", tmp_path)
+    fallback = cluster_from_config(LOCAL)
+    assert "no profile for this host's CPU" in fallback.sources["profile"]
+    measured = {"peak_flops": {"fp32": 90e9, "bf16": 200e9}, "oversubscription": {1: 1.0, 2: 0.95, 4: 0.5},
+                "gemm_max_efficiency": 0.8, "gemm_half_dim": 8.0, "intra_latency": 3e-4, "intra_bandwidth": 2e9}
+    cluster_profile.profile_path("local").write_text(yaml.safe_dump({"preset": measured}))
+    cluster = cluster_from_config(LOCAL)  # 4 workers per node
+    assert cluster.sources["profile"].startswith("measured on this CPU model")
+    assert cluster.peak("fp32") == pytest.approx(0.5 * 90e9)  # four workers share the cores
+    assert cluster.intra_bandwidth == 2e9 and cluster.gemm_half_dim == 8.0
+    two = cluster_from_config({**LOCAL, "devices_per_node": 2})
+    assert two.peak("fp32") == pytest.approx(0.95 * 90e9)
+    eight = cluster_from_config({**LOCAL, "devices_per_node": 8})
+    assert eight.peak("fp32") == pytest.approx(0.5 * 4 / 8 * 90e9)  # past the measured counts, in proportion
+    assert cluster_from_config({**LOCAL, "profile": None}).peak("fp32") == fallback.peak("fp32")
+
+
+def test_bad_oversubscription_is_one_line() -> None:
+    with pytest.raises(ConfigError, match=r"cluster.oversubscription.4=1.5"):
+        cluster_from_config({**LOCAL, "profile": None, "oversubscription": {4: 1.5}})
