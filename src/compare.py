@@ -119,7 +119,8 @@ def write(outcomes: list[dict[str, Any]], config: dict[str, Any], out: Path) -> 
              + (f" ({devices} devices)" if devices else "") + ", global batch "
              + str(next((o["summary"]["global_batch"] for o in outcomes if "summary" in o), config["train"]["global_batch"])))
     out.mkdir(parents=True, exist_ok=True)
-    (out / RESULTS).write_text(json.dumps({"title": title, "devices": devices, "outcomes": outcomes}, indent=1) + "\n")
+    (out / RESULTS).write_text(json.dumps({"title": title, "model": config["model"]["name"], "cluster": cluster["name"],
+                                           "devices": devices, "outcomes": outcomes}, indent=1) + "\n")
     text = table(outcomes, title)
     (out / "compare.md").write_text(text + "\n")
     bar_chart(outcomes, title, out / "compare.png")
@@ -127,7 +128,8 @@ def write(outcomes: list[dict[str, Any]], config: dict[str, Any], out: Path) -> 
 
 
 class ScalingReport(Callback):
-    """At the end of a multirun: each strategy's throughput over the jobs' device counts."""
+    """At the end of a multirun: each strategy's throughput per job (scaling.md) and, when
+    the jobs differ only in size, over the device count (scaling.png)."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep = Path(config.hydra.sweep.dir)
@@ -135,38 +137,36 @@ class ScalingReport(Callback):
         results = [r for r in results if r["devices"]]
         if len(results) < 2:
             return
-        results.sort(key=lambda r: r["devices"])
+        results.sort(key=lambda r: (r["model"], r["cluster"], r["devices"]))
         strategies = list(dict.fromkeys(o["strategy"] for r in results for o in r["outcomes"] if "summary" in o))
-        rows = ["| devices | " + " | ".join(strategies) + " |", "|---|" + "---|" * len(strategies)]
-        series: dict[str, list[tuple[int, float]]] = {s: [] for s in strategies}
+        rows = ["| job | " + " | ".join(strategies) + " |", "|---|" + "---|" * len(strategies)]
         for r in results:
-            by = {o["strategy"]: o for o in r["outcomes"]}
-            cells = []
-            for s in strategies:
-                summary = by.get(s, {}).get("summary")
-                cells.append(f"{summary['throughput_samples_per_s']:.4g}" if summary else "–")
-                if summary:
-                    series[s].append((r["devices"], summary["throughput_samples_per_s"]))
-            rows.append(f"| {r['devices']} | " + " | ".join(cells) + " |")
-        text = "# Throughput (samples/s) by device count\n\n" + "\n".join(rows)
+            by = {o["strategy"]: o.get("summary") for o in r["outcomes"]}
+            cells = [f"{by[s]['throughput_samples_per_s']:.4g}" if by.get(s) else "–" for s in strategies]
+            rows.append(f"| {r['title']} | " + " | ".join(cells) + " |")
+        text = "# Throughput (samples/s, simulated) per job\n\n" + "\n".join(rows)
         (sweep / "scaling.md").write_text(text + "\n")
-        self._plot(series, sweep / "scaling.png")
         log.info(text)
+        one_setting = len({(r["model"], r["cluster"]) for r in results}) == 1
+        if one_setting and len({r["devices"] for r in results}) == len(results):
+            self._plot(results, strategies, sweep / "scaling.png")
 
     @staticmethod
-    def _plot(series: dict[str, list[tuple[int, float]]], path: Path) -> None:
+    def _plot(results: list[dict[str, Any]], strategies: list[str], path: Path) -> None:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        for name, points in series.items():
-            if points:
-                ax.plot([d for d, _ in points], [t for _, t in points], marker="o", label=name)
+        for name in strategies:
+            points = [(r["devices"], o["summary"]["throughput_samples_per_s"]) for r in results for o in r["outcomes"]
+                      if o["strategy"] == name and "summary" in o]
+            ax.plot([d for d, _ in points], [t for _, t in points], marker="o", label=name)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("devices")
         ax.set_ylabel("throughput (samples/s), simulated")
+        ax.set_title(f"{results[0]['model']} on {results[0]['cluster']}", fontsize=9)
         ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(path, dpi=120)

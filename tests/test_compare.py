@@ -68,8 +68,11 @@ def test_scaling_report_charts_each_strategy_over_device_counts(tmp_path: Path) 
         outcomes = [{"strategy": "megatron", "summary": {"throughput_samples_per_s": devices * 1.0}},
                     {"strategy": "distmm", "reason": "no towers"}]
         (tmp_path / str(job)).mkdir()
-        (tmp_path / str(job) / "compare.json").write_text(json.dumps({"devices": devices, "outcomes": outcomes}))
+        result = {"title": f"gpt on perlmutter ({devices} devices)", "model": "gpt", "cluster": "perlmutter",
+                  "devices": devices, "outcomes": outcomes}
+        (tmp_path / str(job) / "compare.json").write_text(json.dumps(result))
     ScalingReport().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}}))
     text = (tmp_path / "scaling.md").read_text()
-    assert "| 8 | 8 |" in text and "| 16 | 16 |" in text and "distmm" not in text
+    assert "| gpt on perlmutter (8 devices) | 8 |" in text and "| gpt on perlmutter (16 devices) | 16 |" in text
+    assert "distmm" not in text
     assert (tmp_path / "scaling.png").stat().st_size > 0

@@ -32,6 +32,9 @@ EQUALITY, DISTMM_RUNS = "test_runtime_equality", "test_runtime_distmm"
 
 # (strategy, option): (the plan's base overrides, the sample setting, verdict, where it runs for real)
 FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
+    # auto runs the winner's plan, whose own fields are classified under its strategy.
+    ("auto", "contenders"): (WORKERS + CLIP + ["strategy=auto"], ["strategy.contenders=[megatron]"], "run",
+                             "test_compare"),
     ("megatron", "tp"): (MEGATRON, ["strategy.tp=2", "strategy.sequence_parallel=false"], "run", EQUALITY),
     ("megatron", "pp"): (MEGATRON, ["strategy.pp=1"], "run", EQUALITY),
     ("megatron", "dp"): (MEGATRON, ["strategy.dp=2"], "run", EQUALITY),
