@@ -66,3 +66,20 @@ def test_plan_column_gives_par4d_its_grid_and_others_their_degrees() -> None:
     assert _plan_facts(par4d) == {"grid": "(1,1,64,1)", "micro_batch": 128}
     megatron = {"dp": 2, "tp": 4, "pp": 8, "micro_batch": 4, "zero_stage": 1}
     assert _plan_facts(megatron) == {"dp": 2, "tp": 4, "pp": 8, "micro_batch": 4}
+
+
+def test_figure_diff_gives_before_after_change_and_paper(tmp_path) -> None:
+    import json
+
+    from src.figure_diff import figure_table
+
+    def results(value: float | None) -> dict:
+        return {"metric": "speedup", "rows": [{"group": "g", "series": "distmm", "value": value, "paper": [1.2, 1.4]},
+                                              {"group": "g", "series": "megatron", "value": 1.0, "paper": None}]}
+
+    before, after = tmp_path / "before.json", tmp_path / "after.json"
+    before.write_text(json.dumps(results(1.0)))
+    after.write_text(json.dumps(results(1.25)))
+    text = figure_table("fig", before, after)
+    assert "| g | distmm | 1 | 1.25 | +25.0% | 1.2–1.4 |" in text
+    assert "| g | megatron | 1 | 1 | +0.0% | – |" in text
