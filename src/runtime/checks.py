@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from src.errors import ConfigError
 from src.program import Collective, Compute, Plan, Recv, Send, Wait
+from src.runtime.batch_rows import placed_by_rows
 from src.runtime.executor import input_key
 from src.runtime.inputs import dataset_for
 
@@ -44,16 +45,18 @@ def check_runnable(setup: Setup, plan: Plan) -> None:
         for instruction in rank_program.instructions:
             _check_instruction(instruction, handles, rank_program.label)
         if rank_program.ranks:
-            _check_gathered_batches(plan, rank_program.ranks[0], rank_program.instructions)
+            _check_gathered_batches(plan, setup.model.interaction, rank_program.ranks[0], rank_program.instructions)
     check_message_order(plan)
 
 
-def _check_gathered_batches(plan: Plan, rank: int, instructions: list) -> None:
+def _check_gathered_batches(plan: Plan, interaction: str | None, rank: int, instructions: list) -> None:
     """A batch all-gathered for an interaction must hold its contrastive batch: ranks that
-    hold the same rows (TP peers of a tower) would bring them twice."""
+    hold the same rows (TP peers of a tower) would bring them twice. (A gather by rows
+    places each rank's rows where they belong; the store refuses rows brought twice.)"""
     rows: dict = {}
     for instruction in instructions:
-        if isinstance(instruction, Collective) and instruction.op == "all_gather" and instruction.outputs:
+        if (isinstance(instruction, Collective) and instruction.op == "all_gather" and instruction.outputs
+                and not placed_by_rows(instruction, interaction)):
             size = len(plan.program.group_for(instruction.group, rank))
             for source, target in zip(instruction.inputs, instruction.outputs):
                 rows[target] = (size, size * plan.unit(source.unit).micro_batch, instruction.group)

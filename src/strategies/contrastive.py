@@ -10,9 +10,14 @@ gradients. How they get there is the planner's choice:
 - colocated towers (Megatron-LM's and ZeRO's baselines): every rank all-gathers the
   features over its data-parallel group (keys) and copies its own rows into its queries;
   the keys' gradients come back by a reduce-scatter, the queries' by the copy reversed;
-- separate towers (DistMM): a route sends each rank's scored rows to every rank of the
-  other tower (its keys) and to itself (its queries); the gradient route returns every
-  row's gradient, summed over whoever scored against it, to every TP rank holding it.
+- separate towers (DistMM): each rank copies the rows it scores into its queries; one
+  all-gather over every scorer of every tower brings each the whole batch of both towers
+  (keys), each rank's rows placed at their rows of the batch (ranks contribute unequal
+  numbers of rows: the towers have different replica counts and TP degrees); one
+  reduce-scatter returns each row's key gradients, summed over every scorer, to the rank
+  scoring that row, and a route gives the row's gradient to every TP rank holding it.
+  Both collectives are O(devices) to emit and to price, where point-to-point messages
+  from every scorer to every replica of the other tower were O(devices squared).
 """
 from __future__ import annotations
 
@@ -95,46 +100,54 @@ def local_queries(model: ModelSpec, batch: int, holders: list[Holder], act_bytes
     return out
 
 
-def exchange_size(holders: list[Holder]) -> int:
-    """How many messages `exchange` makes of one contrastive batch, without making them:
-    every piece of every holder goes to each lead of the other towers and comes back."""
-    leads: dict[str, set[int]] = {}
-    for h in holders:
-        leads.setdefault(h.tower, set()).add(h.lead)
-    total = 0
-    for h in holders:
-        others = sum(len(ranks) for tower, ranks in leads.items() if tower != h.tower)
-        total += len(_pieces(h, h.start, h.end)) * (2 * others + 2)
-    return total
-
-
-def exchange(model: ModelSpec, batch: int, holders: list[Holder], act_bytes: int) -> tuple[list[Message], list[Message]]:
-    """Separate towers: (forward messages, gradient messages) of one contrastive batch.
-
-    Forward: every scorer copies its rows into its queries, and sends them to the lead
-    of every replica of the other towers (whose TP ranks then share them: a broadcast).
-    Backward: a replica's lead (its TP ranks' key gradients already summed) returns each
-    row's key gradient to the lead of the row's replica, and every scorer returns its
-    query gradient there too; the lead sums them (and shares the sum with its TP ranks)."""
+def batch_sync_gather(model: ModelSpec, group: str, tower: str, towers: list[str], batch: int,
+                      contrastive_batch: int, act_bytes: int) -> Collective:
+    """Separate towers, forward: one all-gather over every scorer of every tower. Each
+    contributes its query rows (as many as it scores, possibly none), placed at their rows
+    of the batch; each receives every tower's whole contrastive batch (its keys): "each
+    submodule gathers activations from submodules with different modalities and itself"
+    (DistMM §4). Each rank's buffer is the whole gathered batch of all towers."""
     inter = model.interaction
-    forward = local_queries(model, batch, holders, act_bytes)
-    backward: list[Message] = []
-    leads = {}
+    volume = contrastive_batch * sum(model.unit(t).output_elems for t in towers) * act_bytes
+    return Collective("all_gather", group, volume, "interaction", inputs=(queries(inter, tower, batch),),
+                      outputs=tuple(keys(inter, t, batch) for t in towers))
+
+
+def batch_sync_scatter(model: ModelSpec, group: str, tower: str, towers: list[str], batch: int,
+                       contrastive_batch: int, act_bytes: int) -> Collective | None:
+    """Separate towers, backward: one reduce-scatter over the same group. Each rank brings
+    the gradients of the other towers' keys it scored against (of the towers that train);
+    each receives the sum over all scorers for its own query rows, added to the gradient
+    its own scoring gave them. None if no tower trains."""
+    inter = model.interaction
+    trained = [t for t in towers if model.needs_backward(t)]
+    if not trained:
+        return None
+    volume = contrastive_batch * sum(model.unit(t).output_elems for t in trained) * act_bytes
+    mine = (queries(inter, tower, batch).gradient(),) if tower in trained else ()
+    return Collective("reduce_scatter", group, volume, "interaction",
+                      inputs=tuple(keys(inter, t, batch).gradient() for t in trained if t != tower), outputs=mine)
+
+
+def query_gradients(model: ModelSpec, batch: int, holders: list[Holder], act_bytes: int) -> list[Message]:
+    """Separate towers, backward: each holder returns its query rows' gradient (summed by
+    the reduce-scatter) to its features, on itself and on every TP peer of its replica
+    (they hold the same features, so they need every row's gradient)."""
+    inter = model.interaction
+    peers: dict[int, list[int]] = {}
     for h in holders:
-        leads.setdefault(h.tower, set()).add(h.lead)
+        peers.setdefault(h.lead, []).append(h.rank)
+    out = []
     for h in holders:
+        if not model.needs_backward(h.tower):
+            continue
         elems = model.unit(h.tower).output_elems
-        others = sorted(lead for tower, ranks in leads.items() if tower != h.tower for lead in ranks)
         for microbatch, at, rows in _pieces(h, h.start, h.end):
             first = next(f for m, f, _ in h.microbatches if m == microbatch) + at
-            piece = feature(model, h.tower, microbatch).part(at, at + rows)
-            nbytes = rows * elems * act_bytes
-            key_rows = keys(inter, h.tower, batch).part(first, first + rows)
-            forward += [Message(h.rank, lead, piece, key_rows, nbytes) for lead in others]
-            backward += [Message(lead, h.lead, key_rows.gradient(), piece.gradient(), nbytes) for lead in others]
-            backward.append(Message(h.rank, h.lead, queries(inter, h.tower, batch).part(first, first + rows).gradient(),
-                                    piece.gradient(), nbytes))
-    return forward, backward
+            sent = queries(inter, h.tower, batch).part(first, first + rows).gradient()
+            received = feature(model, h.tower, microbatch).part(at, at + rows).gradient()
+            out += [Message(h.rank, peer, sent, received, rows * elems * act_bytes) for peer in peers[h.lead]]
+    return out
 
 
 def gathered_batch(model: ModelSpec, towers: list[str], microbatch: int, group: str | None, rows: int,
