@@ -23,7 +23,7 @@ from src.runtime.modules.contrastive import ContrastiveLoss
 from src.runtime.store import PayloadStore
 from src.sim.engine import simulate
 from src.strategies.bridge import Side, bridge, pieces
-from src.strategies.contrastive import (Holder, batch_sync_gather, batch_sync_scatter, feature, keys, local_queries,
+from src.strategies.contrastive import (Holder, batch_sync_features, batch_sync_gradients, feature, keys, local_queries,
                                         queries, query_gradients)
 from tests.test_sim_programs import MODEL, PRECISION, make_cluster
 
@@ -128,13 +128,14 @@ def test_batch_sync_collectives_give_the_gradients_of_one_contrastive_loss():
     for m in local_queries(CLIP, 0, holders, act_bytes=4):
         assert m.src == m.dst  # the rows a rank scores are its own
         stores[m.dst].put(m.received, stores[m.src].tensor(m.sent))
-    gathers = {h.rank: batch_sync_gather(CLIP, "interaction", h.tower, towers, 0, RBS, 4) for h in holders}
-    for h in holders:  # the all-gather: every rank's query rows at their rows of every rank's keys
+    exchanges = {h.rank: batch_sync_features(CLIP, "interaction", h.tower, towers, 0, RBS, 4) for h in holders}
+    for h in holders:  # the all-to-all: the other tower's query rows at their rows of this rank's keys
+        (target,) = exchanges[h.rank].outputs
         for other in holders:
-            source = gathers[other.rank].inputs[0]
-            start, rows = stores[other.rank].read(source)
-            target = next(p for p in gathers[h.rank].outputs if p.tensor == f"{other.tower}.k")
-            stores[h.rank].put(target.part(start, start + rows.shape[0]), rows)
+            (source,) = exchanges[other.rank].inputs
+            if target.tensor == f"{other.tower}.k":
+                start, rows = stores[other.rank].read(source)
+                stores[h.rank].put(target.part(start, start + rows.shape[0]), rows)
 
     module = ContrastiveLoss()
     total, scale_grads = 0.0, []
@@ -151,13 +152,13 @@ def test_batch_sync_collectives_give_the_gradients_of_one_contrastive_loss():
         scale_grads.append(module.logit_scale.grad.clone())
         stores[h.rank].put(queries("interaction", h.tower, 0).part(start, start + q.shape[0]).gradient(), q.grad)
         stores[h.rank].put(keys("interaction", other, 0).gradient(), k.grad)
-    scatters = {h.rank: batch_sync_scatter(CLIP, "interaction", h.tower, towers, 0, RBS, 4) for h in holders}
-    summed = {t: torch.zeros(RBS, dim) for t in towers}  # the reduce-scatter: sum every rank's key gradients ...
+    returns = {h.rank: batch_sync_gradients(CLIP, "interaction", h.tower, towers, 0, RBS, 4) for h in holders}
+    summed = {t: torch.zeros(RBS, dim) for t in towers}  # the reverse all-to-all: every key gradient ...
     for h in holders:
-        for payload in scatters[h.rank].inputs:
+        for payload in returns[h.rank].inputs:
             summed[payload.tensor.split(".")[0]] += stores[h.rank].tensor(payload)
-    for h in holders:  # ... and give each rank its own rows, added to its query gradient
-        (target,) = scatters[h.rank].outputs
+    for h in holders:  # ... back to its rows' scorer, summed there into its query gradient
+        (target,) = returns[h.rank].outputs
         start, rows = stores[h.rank].read(target.value())
         stores[h.rank].put(target.part(start, start + rows.shape[0]), summed[h.tower][start:start + rows.shape[0]])
     for m in query_gradients(CLIP, 0, holders, act_bytes=4):

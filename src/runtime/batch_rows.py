@@ -1,19 +1,19 @@
-"""The batch-sync collectives of separate towers (DistMM) on the real backend.
+"""The batch-sync all-to-alls of separate towers (DistMM) on the real backend.
 
-Every scorer of every tower takes part, each with the rows it scores: unequal numbers of
-rows (the towers have different replica counts and TP degrees, and a TP rank may score
-none), of different towers. So each first tells the group which rows of which tower it
-holds (a small all-gather), then:
+Every scorer of every tower takes part with the rows it scores: unequal numbers of rows
+(the towers have different replica counts and TP degrees, and a TP rank may score none).
+So each first tells the group which tower it scores, which rows, and which towers' keys
+it wants (a small all-gather); then one all-to-all, every piece padded to the longest
+(gloo's all-to-all takes equal pieces only):
 
-- all-gather: every rank contributes its query rows, padded to the longest contribution;
-  every rank puts every contribution at its rows of its tower's keys;
-- reduce-scatter: every rank adds the key gradients it holds into one buffer of all the
-  trained towers' batches; the buffers are summed (gloo has no reduce-scatter: an
-  all-reduce) and every rank takes the rows of the query gradients it needs.
+- forward: every rank sends its query rows to every rank that wants its tower's keys,
+  which puts them at their rows of those keys;
+- backward: every rank sends, from the key gradients it holds, each scorer of that tower
+  the gradient of the scorer's rows; the scorer adds up what arrives into its query
+  gradient.
 
 A collective takes this path when all its payloads are in the interaction's numbering
-(its queries and keys), which holds on every rank of the group alike; a colocated
-baseline's gather (tower features to keys) keeps the equal-sized one.
+(its queries and keys), which holds on every rank of the group alike.
 """
 from __future__ import annotations
 
@@ -22,14 +22,15 @@ import torch.distributed as dist
 
 from src.models.spec import ModelSpec
 from src.program import Collective, Payload
-from src.runtime.comm import CLOCK, all_reduce
+from src.runtime.comm import CLOCK
 from src.runtime.store import PayloadStore, row_shape
+
+NONE = -1
 
 
 def placed_by_rows(collective: Collective, interaction: str | None) -> bool:
     payloads = collective.inputs + collective.outputs
-    return (collective.op in ("all_gather", "reduce_scatter") and bool(payloads)
-            and all(p.unit == interaction for p in payloads))
+    return collective.op == "all_to_all" and bool(payloads) and all(p.unit == interaction for p in payloads)
 
 
 def _tower(payload: Payload) -> str:
@@ -45,71 +46,84 @@ def _held(store: PayloadStore, payload: Payload) -> tuple[int, torch.Tensor] | N
     return store.read(payload) if payload in store else None
 
 
-def _elems(model: ModelSpec, tower: str) -> int:
-    return model.unit(tower).output_elems
+class _Exchange:
+    """One all-to-all of rows over a group: who scores which rows of which tower."""
+
+    def __init__(self, model: ModelSpec, ranks: tuple[int, ...], group: dist.ProcessGroup, kind: str,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.model, self.ranks, self.group, self.kind = model, ranks, group, kind
+        self.dtype, self.device = dtype, device
+        self.towers = _towers(model)
+
+    def elems(self, tower: str) -> int:
+        return self.model.unit(tower).output_elems
+
+    def layout(self, own: str | None, rows: tuple[int, int], wanted: set[str]) -> list[tuple[int, int, int, int]]:
+        """Every rank's (tower index or NONE, first row, end row, mask of the towers it wants)."""
+        mask = sum(1 << i for i, t in enumerate(self.towers) if t in wanted)
+        mine = torch.tensor([self.towers.index(own) if own is not None else NONE, rows[0], rows[1], mask],
+                            dtype=torch.int64, device=self.device)
+        everyone = [torch.empty_like(mine) for _ in self.ranks]
+        with CLOCK.timed(self.kind):
+            dist.all_gather(everyone, mine, group=self.group)
+        return [(int(t), int(a), int(b), int(m)) for t, a, b, m in (e.tolist() for e in everyone)]
+
+    def swap(self, pieces: list[torch.Tensor | None], longest: int) -> list[torch.Tensor]:
+        """Send pieces[j] (None: nothing) to rank j of the group; returns what each sent here."""
+        send = []
+        for piece in pieces:
+            padded = torch.zeros(longest, dtype=self.dtype, device=self.device)
+            if piece is not None:
+                padded[:piece.numel()] = piece.detach().to(self.dtype).reshape(-1)
+            send.append(padded)
+        received = [torch.empty(longest, dtype=self.dtype, device=self.device) for _ in self.ranks]
+        with CLOCK.timed(self.kind):
+            dist.all_to_all(received, send, group=self.group)
+        return received
 
 
-def gather_rows(model: ModelSpec, store: PayloadStore, collective: Collective, ranks: tuple[int, ...],
-                group: dist.ProcessGroup, dtype: torch.dtype, device: torch.device) -> None:
-    towers = _towers(model)
-    extents = torch.zeros((len(towers), 2), dtype=torch.int64, device=device)
-    pieces = []
-    for payload in sorted(collective.inputs, key=lambda p: towers.index(_tower(p))):
-        held = _held(store, payload)
-        if held is not None:
-            start, tensor = held
-            i = towers.index(_tower(payload))
-            extents[i, 0], extents[i, 1] = start, start + tensor.shape[0]
-            pieces.append(tensor.detach().to(dtype).reshape(-1))
-    with CLOCK.timed(collective.kind):
-        everyone = [torch.empty_like(extents) for _ in ranks]
-        dist.all_gather(everyone, extents, group=group)
-        sizes = [sum(int(e[i, 1] - e[i, 0]) * _elems(model, t) for i, t in enumerate(towers)) for e in everyone]
-        local = torch.zeros(max(sizes), dtype=dtype, device=device)
-        if pieces:
-            flat = torch.cat(pieces)
-            local[:flat.numel()] = flat
-        parts = [torch.empty_like(local) for _ in ranks]
-        dist.all_gather(parts, local, group=group)
+def exchange_rows(model: ModelSpec, store: PayloadStore, collective: Collective, ranks: tuple[int, ...],
+                  group: dist.ProcessGroup, dtype: torch.dtype, device: torch.device) -> None:
+    """Forward or backward all-to-all of a batch-sync (a backward carries gradients)."""
+    x = _Exchange(model, ranks, group, collective.kind, dtype, device)
+    backward = any(p.grad for p in collective.inputs + collective.outputs)
+    (_returned if backward else _sent)(x, store, collective)
+
+
+def _sent(x: _Exchange, store: PayloadStore, collective: Collective) -> None:
+    (source,) = collective.inputs
+    own = _tower(source)
+    held = _held(store, source)
+    rows = (held[0], held[0] + held[1].shape[0]) if held is not None else (0, 0)
     targets = {_tower(p): p for p in collective.outputs}
-    for rows, part in zip(everyone, parts):
-        offset = 0
-        for i, tower in enumerate(towers):
-            start, end = int(rows[i, 0]), int(rows[i, 1])
-            count = (end - start) * _elems(model, tower)
-            if count and tower in targets:
-                shape = (end - start,) + row_shape(model, targets[tower])
-                store.put(targets[tower].part(start, end), part[offset:offset + count].view(shape))
-            offset += count
+    layout = x.layout(own, rows, set(targets))
+    longest = max(((b - a) * x.elems(x.towers[t]) for t, a, b, _ in layout if t != NONE), default=0)
+    if longest == 0:
+        return
+    mine = x.towers.index(own)
+    pieces = [held[1] if held is not None and mask >> mine & 1 else None for _, _, _, mask in layout]
+    for (t, a, b, _), buffer in zip(layout, x.swap(pieces, longest)):
+        tower = x.towers[t] if t != NONE else None
+        if tower in targets and b > a:
+            target = targets[tower]
+            store.put(target.part(a, b), buffer[:(b - a) * x.elems(tower)].view((b - a,) + row_shape(x.model, target)))
 
 
-def scatter_rows(model: ModelSpec, store: PayloadStore, collective: Collective, ranks: tuple[int, ...],
-                 group: dist.ProcessGroup, dtype: torch.dtype, device: torch.device) -> None:
-    towers = _towers(model)
-    inputs = [(p, _held(store, p)) for p in collective.inputs]
-    outputs = [(p, _held(store, p.value())) for p in collective.outputs]
-    ends = torch.zeros(len(towers), dtype=torch.int64, device=device)
-    for payload, held in inputs + outputs:
-        if held is not None:
-            i = towers.index(_tower(payload))
-            ends[i] = max(int(ends[i]), held[0] + held[1].shape[0])
-    with CLOCK.timed(collective.kind):
-        dist.all_reduce(ends, op=dist.ReduceOp.MAX, group=group)
-    offsets = [0]
-    for i, tower in enumerate(towers):
-        offsets.append(offsets[-1] + int(ends[i]) * _elems(model, tower))
-    total = torch.zeros(offsets[-1], dtype=dtype, device=device)
-    for payload, held in inputs:
-        if held is not None:
-            start, tensor = held
-            i = towers.index(_tower(payload))
-            at = offsets[i] + start * _elems(model, _tower(payload))
-            total[at:at + tensor.numel()] += tensor.detach().to(dtype).reshape(-1)
-    all_reduce(total, group, collective.kind)
-    for payload, held in outputs:
-        if held is not None:
-            start, count = held[0], held[1].shape[0]
-            tower = _tower(payload)
-            at = offsets[towers.index(tower)] + start * _elems(model, tower)
-            rows = total[at:at + count * _elems(model, tower)].view((count,) + row_shape(model, payload))
-            store.put(payload.part(start, start + count), rows)
+def _returned(x: _Exchange, store: PayloadStore, collective: Collective) -> None:
+    target = collective.outputs[0] if collective.outputs else None
+    held = _held(store, target.value()) if target is not None else None
+    rows = (held[0], held[0] + held[1].shape[0]) if held is not None else (0, 0)
+    layout = x.layout(_tower(target) if target is not None else None, rows, set())
+    longest = max(((b - a) * x.elems(x.towers[t]) for t, a, b, _ in layout if t != NONE), default=0)
+    if longest == 0:
+        return
+    grads = {_tower(p): _held(store, p) for p in collective.inputs}
+    pieces = []
+    for t, a, b, _ in layout:
+        grad = grads.get(x.towers[t]) if t != NONE else None
+        pieces.append(grad[1][a - grad[0]:b - grad[0]] if grad is not None and b > a else None)
+    received = x.swap(pieces, longest)
+    if target is not None and held is not None and rows[1] > rows[0]:
+        count = rows[1] - rows[0]
+        summed = torch.stack([r[:count * x.elems(_tower(target))] for r in received]).sum(0)
+        store.put(target.part(*rows), summed.view((count,) + row_shape(x.model, target)))

@@ -43,20 +43,18 @@ def check_runnable(setup: Setup, plan: Plan) -> None:
     for rank_program in plan.program.classes:
         handles: set[str] = set()
         for instruction in rank_program.instructions:
-            _check_instruction(instruction, handles, rank_program.label)
+            _check_instruction(instruction, handles, rank_program.label, setup.model.interaction)
         if rank_program.ranks:
-            _check_gathered_batches(plan, setup.model.interaction, rank_program.ranks[0], rank_program.instructions)
+            _check_gathered_batches(plan, rank_program.ranks[0], rank_program.instructions)
     check_message_order(plan)
 
 
-def _check_gathered_batches(plan: Plan, interaction: str | None, rank: int, instructions: list) -> None:
+def _check_gathered_batches(plan: Plan, rank: int, instructions: list) -> None:
     """A batch all-gathered for an interaction must hold its contrastive batch: ranks that
-    hold the same rows (TP peers of a tower) would bring them twice. (A gather by rows
-    places each rank's rows where they belong; the store refuses rows brought twice.)"""
+    hold the same rows (TP peers of a tower) would bring them twice."""
     rows: dict = {}
     for instruction in instructions:
-        if (isinstance(instruction, Collective) and instruction.op == "all_gather" and instruction.outputs
-                and not placed_by_rows(instruction, interaction)):
+        if isinstance(instruction, Collective) and instruction.op == "all_gather" and instruction.outputs:
             size = len(plan.program.group_for(instruction.group, rank))
             for source, target in zip(instruction.inputs, instruction.outputs):
                 rows[target] = (size, size * plan.unit(source.unit).micro_batch, instruction.group)
@@ -69,7 +67,7 @@ def _check_gathered_batches(plan: Plan, interaction: str | None, rank: int, inst
                                       f"hold the same rows more than once (a tower with TP on every device)")
 
 
-def _check_instruction(instruction, handles: set[str], label: str) -> None:
+def _check_instruction(instruction, handles: set[str], label: str, interaction: str | None) -> None:
     if isinstance(instruction, Compute):
         work = instruction.work
         if work.phase not in PHASES:
@@ -84,7 +82,7 @@ def _check_instruction(instruction, handles: set[str], label: str) -> None:
                 input_key(work.unit, payload)
     elif isinstance(instruction, Collective):
         if instruction.inputs or instruction.outputs:
-            if instruction.op not in PAYLOAD_COLLECTIVES:
+            if instruction.op not in PAYLOAD_COLLECTIVES and not placed_by_rows(instruction, interaction):
                 raise ConfigError(f"{label}: the real backend carries no payloads in a {instruction.op}")
         elif instruction.kind not in ("tp", "dp"):
             raise ConfigError(f"{label}: the real backend cannot run a standalone {instruction.op} of kind "

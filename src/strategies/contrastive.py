@@ -11,13 +11,13 @@ gradients. How they get there is the planner's choice:
   features over its data-parallel group (keys) and copies its own rows into its queries;
   the keys' gradients come back by a reduce-scatter, the queries' by the copy reversed;
 - separate towers (DistMM): each rank copies the rows it scores into its queries; one
-  all-gather over every scorer of every tower brings each the whole batch of both towers
-  (keys), each rank's rows placed at their rows of the batch (ranks contribute unequal
-  numbers of rows: the towers have different replica counts and TP degrees); one
-  reduce-scatter returns each row's key gradients, summed over every scorer, to the rank
-  scoring that row, and a route gives the row's gradient to every TP rank holding it.
-  Both collectives are O(devices) to emit and to price, where point-to-point messages
-  from every scorer to every replica of the other tower were O(devices squared).
+  all-to-all over every scorer of every tower sends them to every scorer of the other
+  towers (its keys), placed at their rows of the batch (ranks send unequal numbers of
+  rows: the towers have different replica counts and TP degrees); the reverse all-to-all
+  returns each row's key gradients to the rank scoring that row, summed there, and a
+  route gives the row's gradient to every TP rank holding it. Both collectives are
+  O(devices) to emit and to price, where point-to-point messages from every scorer to
+  every replica of the other tower were O(devices squared).
 """
 from __future__ import annotations
 
@@ -100,33 +100,41 @@ def local_queries(model: ModelSpec, batch: int, holders: list[Holder], act_bytes
     return out
 
 
-def batch_sync_gather(model: ModelSpec, group: str, tower: str, towers: list[str], batch: int,
+def batch_sync_features(model: ModelSpec, group: str, tower: str, towers: list[str], batch: int,
                       contrastive_batch: int, act_bytes: int) -> Collective:
-    """Separate towers, forward: one all-gather over every scorer of every tower. Each
-    contributes its query rows (as many as it scores, possibly none), placed at their rows
-    of the batch; each receives every tower's whole contrastive batch (its keys): "each
-    submodule gathers activations from submodules with different modalities and itself"
-    (DistMM §4). Each rank's buffer is the whole gathered batch of all towers."""
+    """Separate towers, forward: one all-to-all over every scorer of every tower. Each
+    sends its query rows (as many as it scores, possibly none) to every scorer of the
+    other towers, which place them at their rows of that tower's keys: each receives the
+    other modality's whole batch only, half of what a gather of both modalities moves
+    (DistMM §5.3: non-colocated placement "halves the communication volume of modality
+    interaction"). Each rank's buffer is what it receives."""
     inter = model.interaction
-    volume = contrastive_batch * sum(model.unit(t).output_elems for t in towers) * act_bytes
-    return Collective("all_gather", group, volume, "interaction", inputs=(queries(inter, tower, batch),),
-                      outputs=tuple(keys(inter, t, batch) for t in towers))
+    volume = _busiest(model, towers, towers, contrastive_batch, act_bytes)
+    return Collective("all_to_all", group, volume, "interaction", inputs=(queries(inter, tower, batch),),
+                      outputs=tuple(keys(inter, t, batch) for t in towers if t != tower))
 
 
-def batch_sync_scatter(model: ModelSpec, group: str, tower: str, towers: list[str], batch: int,
+def batch_sync_gradients(model: ModelSpec, group: str, tower: str, towers: list[str], batch: int,
                        contrastive_batch: int, act_bytes: int) -> Collective | None:
-    """Separate towers, backward: one reduce-scatter over the same group. Each rank brings
-    the gradients of the other towers' keys it scored against (of the towers that train);
-    each receives the sum over all scorers for its own query rows, added to the gradient
-    its own scoring gave them. None if no tower trains."""
+    """Separate towers, backward: the all-to-all reversed. Each rank returns the gradients
+    of the other towers' keys it scored against (of the towers that train) to the rows'
+    scorers, which sum what arrives for their rows into the gradient their own scoring
+    gave them. None if no tower trains."""
     inter = model.interaction
     trained = [t for t in towers if model.needs_backward(t)]
     if not trained:
         return None
-    volume = contrastive_batch * sum(model.unit(t).output_elems for t in trained) * act_bytes
+    volume = _busiest(model, towers, trained, contrastive_batch, act_bytes)
     mine = (queries(inter, tower, batch).gradient(),) if tower in trained else ()
-    return Collective("reduce_scatter", group, volume, "interaction",
+    return Collective("all_to_all", group, volume, "interaction",
                       inputs=tuple(keys(inter, t, batch).gradient() for t in trained if t != tower), outputs=mine)
+
+
+def _busiest(model: ModelSpec, towers: list[str], moved: list[str], contrastive_batch: int, act_bytes: int) -> float:
+    """Bytes of the busiest scorer's part of a batch-sync all-to-all (every rank of the
+    collective is priced alike): the other towers' whole batches, of the towers in `moved`."""
+    return max(contrastive_batch * sum(model.unit(t).output_elems for t in moved if t != tower) * act_bytes
+               for tower in towers)
 
 
 def query_gradients(model: ModelSpec, batch: int, holders: list[Holder], act_bytes: int) -> list[Message]:

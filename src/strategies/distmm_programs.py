@@ -5,10 +5,10 @@ TP groups stay inside nodes and towers land on different nodes when their device
 allow; each tower is a pipeline of its own (strategies.pipeline) run in a batch-sync
 schedule. Each device of a tower's last stage scores its share of the contrastive batch
 (its rows, split over its TP ranks) against the OTHER modality's whole batch (one product
-per device, §5.3.2): at each batch-sync one all-gather over every scorer of both towers
-gathers the whole contrastive batch of each (the paper's "all-gather communication for
-distributed modality interaction", §7.2.3), and one reduce-scatter returns each row's
-gradient, summed over its scorers (strategies.contrastive). Each tower reduces gradients over its own replicas only (M_g1 and M_g2 on
+per device, §5.3.2): at each batch-sync one all-to-all over every scorer of both towers
+brings each the other modality's whole contrastive batch, and the reverse all-to-all
+returns each row's gradient to its scorer, where the gradients are summed
+(strategies.contrastive). Each tower reduces gradients over its own replicas only (M_g1 and M_g2 on
 disjoint links instead of M_g1 + M_g2 everywhere); the interaction's own parameter is
 reduced over all its scorers.
 
@@ -36,7 +36,7 @@ from src.program import (Collective, Instruction, Message, Payload, Program, Ran
 from src.schedules.distmm_pipe import SyncOp, build_sync_schedule
 from src.strategies.bridge import Side, bridge
 from src.strategies.colocated import ColocatedEmitter, ColocatedUnit
-from src.strategies.contrastive import (Holder, batch_sync_gather, batch_sync_scatter, interaction_compute, keys,
+from src.strategies.contrastive import (Holder, batch_sync_features, batch_sync_gradients, interaction_compute, keys,
                                         local_queries, queries, query_gradients)
 from src.strategies.distmm_towers import TowerPlan
 from src.strategies.emit import iteration_tail
@@ -189,10 +189,10 @@ class _Separate:
         return [Collective(op, f"{unit}.tp.s{stage}", nbytes, kind, inputs=(payload,), outputs=(payload,))]
 
     def _batch_sync(self, placed: Placed, op: SyncOp) -> list[Instruction]:
-        """Take this rank's rows into its queries, gather every tower's whole contrastive
-        batch over all scorers, score this rank's rows against the other towers' batches,
-        reduce-scatter the key gradients back to the rows' scorers and return the rows'
-        gradient to the features (on this rank and its TP peers)."""
+        """Take this rank's rows into its queries, exchange them for the other towers'
+        whole contrastive batches (all-to-all over all scorers), score this rank's rows
+        against them, return the key gradients to the rows' scorers (the reverse
+        all-to-all) and the rows' gradient to the features (on this rank and its TP peers)."""
         plan = placed.plan
         towers = list(self.placed)
         inter = self.inter.name
@@ -200,9 +200,9 @@ class _Separate:
         theirs = tuple(keys(inter, t, op.group) for t in towers if t != plan.unit)
         out: list[Instruction] = [
             Recv(EXCHANGE, mine),
-            batch_sync_gather(self.model, INTERACTION_GROUP, plan.unit, towers, op.group, self.rbs, self.act_bytes),
+            batch_sync_features(self.model, INTERACTION_GROUP, plan.unit, towers, op.group, self.rbs, self.act_bytes),
             interaction_compute(self.model, (mine, *theirs), op.group, math.ceil(plan.share / plan.tp), self.rbs)]
-        scatter = batch_sync_scatter(self.model, INTERACTION_GROUP, plan.unit, towers, op.group, self.rbs,
+        scatter = batch_sync_gradients(self.model, INTERACTION_GROUP, plan.unit, towers, op.group, self.rbs,
                                      self.act_bytes)
         if scatter is not None:
             out.append(scatter)
