@@ -61,8 +61,8 @@ def tower_of(payload: Payload) -> str:
 class Holder:
     """A rank that scores rows of one tower: rows [start, end) of the contrastive batch,
     its features' micro-batches covering them (micro-batch, first row within the batch,
-    rows), and `lead`: the rank of its replica that exchanges for the replica's TP
-    ranks (which hold the same features)."""
+    rows), and `lead`: the first rank of its replica, which names the replica: its TP
+    ranks hold the same features."""
 
     rank: int
     tower: str
