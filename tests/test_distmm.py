@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from src.errors import ConfigError, PlanError
-from src.program import Compute, Recv
+from src.program import Collective, Compute, Recv
 from src.setup import Setup, plan_run, validate
 from src.sim.engine import simulate
 from src.strategies.distmm_towers import partition
@@ -189,9 +189,20 @@ def test_a_tower_larger_than_the_cluster_exits_2_with_one_line(tmp_path: Path) -
     assert not (tmp_path / "summary.json").exists()
 
 
-def test_an_exchange_too_large_to_price_is_refused_before_it_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
-    from src.strategies import distmm_programs
-
-    monkeypatch.setattr(distmm_programs, "MAX_EXCHANGE_MESSAGES", 100)
-    with pytest.raises(PlanError, match=r"batch-sync exchange on 64 devices is [\d,]+ messages.*above the 100"):
-        plan_run(setup())
+def test_the_batch_sync_grows_linearly_with_the_devices() -> None:
+    # Two all-to-alls over every scorer per batch-sync group (features, gradients), and
+    # routes that only reach a scorer's TP peers: O(devices), not every scorer to every
+    # replica of the other tower.
+    sizes = {}
+    for nodes in (4, 16):
+        s = setup("model=clip", "cluster=dgx_a100", f"cluster.nodes={nodes}", "train.global_batch=576")
+        plan = plan_run(s)
+        scorers = len(plan.unit("interaction").ranks)
+        messages = sum(len(plan.program.route(name).table) for name in ("batch_sync", "batch_sync.grad"))
+        assert messages <= 2 * scorers  # one local copy and one gradient per scorer (tp 1, one group)
+        collectives = [i for rp in plan.program.classes for i in rp.instructions
+                       if isinstance(i, Collective) and i.group == "interaction" and i.op != "all_reduce"]
+        assert {i.op for i in collectives} == {"all_to_all"}
+        sizes[nodes] = scorers
+        assert iteration(s, plan) > 0
+    assert sizes[16] > 2 * sizes[4]

@@ -10,31 +10,33 @@ import pytest
 from src.errors import ConfigError
 from src.schedules.distmm_pipe import (build_sync_schedule, distmm_pipe, gpipe_sync, max_contrastive_batch,
                                        max_pipeline_batch, resident)
-from src.strategies.distmm_balance import Choice, balance
+from src.strategies.distmm_balance import Choice, aligned_time, balance
+from src.strategies.distmm_towers import phase_weights
 
 
 def per_sample_choices(devices: int, batch: int, units_per_sample: float) -> list[Choice[int]]:
     """A tower with d = 1 whose time is proportional to its per-replica batch."""
-    return [Choice(n, units_per_sample * batch / n, n) for n in range(1, devices + 1) if batch % n == 0]
+    return [Choice(n, (units_per_sample * batch / n,), n) for n in range(1, devices + 1) if batch % n == 0]
 
 
 @pytest.mark.parametrize("fill", [False, True])
 def test_balancer_toy_of_the_spec(fill: bool) -> None:
     # ALGORITHMS.md §2.6 [D]: 8 GPUs, B = 24, vision 3 units/sample, text 1 -> vision 6 GPUs
-    # (b = 4), text 2 GPUs (b = 12), slowest tower 12.
+    # (b = 4), text 2 GPUs (b = 12), slowest tower 12. One phase: the paper's min-max.
     vision, text = balance([per_sample_choices(8, 24, 3.0), per_sample_choices(8, 24, 1.0)], 8, fill=fill)
     assert (vision.devices, 24 // vision.devices) == (6, 4)
     assert (text.devices, 24 // text.devices) == (2, 12)
-    assert max(vision.time, text.time) == pytest.approx(12.0)
+    assert max(vision.phases + text.phases) == pytest.approx(12.0)
 
 
-def brute_force(choices: list[list[Choice[int]]], devices: int, fill: bool) -> tuple[float, int]:
+def brute_force(choices: list[list[Choice[int]]], devices: int, weights: tuple[float, ...],
+                fill: bool) -> tuple[float, int]:
     combos = [c for c in itertools.product(*choices) if sum(x.devices for x in c) <= devices]
     if fill:
         most = max(sum(x.devices for x in c) for c in combos)
         combos = [c for c in combos if sum(x.devices for x in c) == most]
-    best = min(combos, key=lambda c: max(x.time for x in c))
-    return max(x.time for x in best), sum(x.devices for x in best)
+    best = min(combos, key=lambda c: aligned_time([x.phases for x in c], weights))
+    return aligned_time([x.phases for x in best], weights), sum(x.devices for x in best)
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -42,24 +44,42 @@ def test_balancer_matches_brute_force(seed: int) -> None:
     rng = random.Random(seed)
     devices = rng.randint(4, 12)
     towers = rng.randint(2, 3)
-    choices = [[Choice(n, rng.uniform(1, 10), n) for n in sorted(rng.sample(range(1, devices + 1), rng.randint(1, 4)))]
+    groups = rng.randint(1, 4)
+    weights = phase_weights(groups)
+    choices = [[Choice(n, tuple(rng.uniform(0, 5) for _ in weights), n)
+                for n in sorted(rng.sample(range(1, devices + 1), rng.randint(1, 4)))]
                for _ in range(towers)]
     for fill in (False, True):
         if min(sum(c) for c in itertools.product(*[[x.devices for x in o] for o in choices])) > devices:
-            assert balance(choices, devices, fill=fill) is None
+            assert balance(choices, devices, weights, fill=fill) is None
             continue
-        picked = balance(choices, devices, fill=fill)
-        time, used = brute_force(choices, devices, fill)
-        assert max(c.time for c in picked) == pytest.approx(time)
+        picked = balance(choices, devices, weights, fill=fill)
+        time, used = brute_force(choices, devices, weights, fill)
+        assert aligned_time([c.phases for c in picked], weights) == pytest.approx(time)
         assert sum(c.devices for c in picked) <= devices
         if fill:
             assert sum(c.devices for c in picked) == used
 
 
+def test_balancer_aligns_the_towers_at_the_batch_sync() -> None:
+    # Phases (before the batch-sync, batch-sync, between two, after), one group. A frozen
+    # tower (LiT's) only runs forwards; the trained one runs its backward and gradient
+    # reduction after the barrier, and the aligned run waits for the slower side of each.
+    weights = phase_weights(1)
+    frozen = [Choice(2, (7.0, 0.0, 0.0, 0.0), "frozen2"), Choice(4, (4.0, 0.0, 0.0, 0.0), "frozen4")]
+    trained = [Choice(4, (4.0, 0.0, 0.0, 4.0), "trained4"), Choice(6, (2.0, 0.0, 0.0, 5.0), "trained6")]
+    picked = balance([frozen, trained], 8, weights)
+    assert [c.payload for c in picked] == ["frozen4", "trained4"]
+    assert aligned_time([c.phases for c in picked], weights) == pytest.approx(8.0)
+    # Minimising the slowest tower's own time (7 and 7 against 4 and 8) would pick 2 + 6,
+    # which aligns to 7 + 5 = 12.
+    assert aligned_time([frozen[0].phases, trained[1].phases], weights) == pytest.approx(12.0)
+
+
 def test_balancer_gives_spare_devices_to_towers_that_are_not_the_bottleneck() -> None:
     # Tower A is the bottleneck whatever it gets beyond 4 devices; B gets faster with more.
-    a = [Choice(4, 10.0, "a4"), Choice(6, 10.0, "a6")]
-    b = [Choice(1, 8.0, "b1"), Choice(4, 2.0, "b4")]
+    a = [Choice(4, (10.0,), "a4"), Choice(6, (10.0,), "a6")]
+    b = [Choice(1, (8.0,), "b1"), Choice(4, (2.0,), "b4")]
     picked = balance([a, b], 8)
     assert [c.payload for c in picked] == ["a4", "b4"]
 

@@ -3,9 +3,10 @@
 - A bridge between two units of random (dp, tp) sends every row of every producer payload
   exactly once, to the rank that consumes it, with the samples it must carry; its
   gradient route is its transpose; the simulator puts exactly the route's bytes on links.
-- A batch-sync's exchange and gradient routes (DistMM's separate towers), executed
-  message by message with the runtime's payload store, give each feature the gradient of
-  one contrastive loss over the whole batch (the oracle), with uneven TP row splits.
+- A batch-sync's collectives and local routes (DistMM's separate towers), carried out as
+  the runtime does (runtime.batch_rows) with its payload store, give each feature the
+  gradient of one contrastive loss over the whole batch (the oracle), with uneven TP row
+  splits.
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from src.runtime.modules.contrastive import ContrastiveLoss
 from src.runtime.store import PayloadStore
 from src.sim.engine import simulate
 from src.strategies.bridge import Side, bridge, pieces
-from src.strategies.contrastive import Holder, exchange, feature, keys, queries
+from src.strategies.contrastive import (Holder, batch_sync_features, batch_sync_gradients, feature, keys, local_queries,
+                                        queries, query_gradients)
 from tests.test_sim_programs import MODEL, PRECISION, make_cluster
 
 CLUSTER = make_cluster(nodes=32, devices_per_node=4)
@@ -113,27 +115,30 @@ def _holders() -> list[Holder]:
     return out
 
 
-def test_batch_sync_routes_give_the_gradients_of_one_contrastive_loss():
+def test_batch_sync_collectives_give_the_gradients_of_one_contrastive_loss():
     generator = torch.Generator().manual_seed(1)
     dim = CLIP.unit("vision").output_elems
     images, texts = torch.randn(RBS, dim, generator=generator), torch.randn(RBS, dim, generator=generator)
     holders = _holders()
-    forward, backward = exchange(CLIP, 0, holders, act_bytes=4)
+    towers = ["vision", "text"]
     stores = {h.rank: PayloadStore() for h in holders}
-    replicas = {h.rank: [o.rank for o in holders if o.lead == h.lead] for h in holders}
     for h in holders:  # each rank holds its replica's features (TP peers hold the same)
         rows = images[h.microbatches[0][1]:h.microbatches[0][1] + 3] if h.tower == "vision" else texts
         stores[h.rank].put(feature(CLIP, h.tower, 0), rows)
-    for m in forward:
+    for m in local_queries(CLIP, 0, holders, act_bytes=4):
+        assert m.src == m.dst  # the rows a rank scores are its own
         stores[m.dst].put(m.received, stores[m.src].tensor(m.sent))
-    for h in holders:  # a replica's lead shares the keys it received with its TP peers
-        other = "text" if h.tower == "vision" else "vision"
-        if h.rank != h.lead:
-            stores[h.rank].put(keys("interaction", other, 0), stores[h.lead].tensor(keys("interaction", other, 0)))
+    exchanges = {h.rank: batch_sync_features(CLIP, "interaction", h.tower, towers, 0, RBS, 4) for h in holders}
+    for h in holders:  # the all-to-all: the other tower's query rows at their rows of this rank's keys
+        (target,) = exchanges[h.rank].outputs
+        for other in holders:
+            (source,) = exchanges[other.rank].inputs
+            if target.tensor == f"{other.tower}.k":
+                start, rows = stores[other.rank].read(source)
+                stores[h.rank].put(target.part(start, start + rows.shape[0]), rows)
 
     module = ContrastiveLoss()
     total, scale_grads = 0.0, []
-    key_grads: dict[int, torch.Tensor] = {}
     for h in holders:
         other = "text" if h.tower == "vision" else "vision"
         start, rows = stores[h.rank].read(queries("interaction", h.tower, 0))
@@ -146,12 +151,17 @@ def test_batch_sync_routes_give_the_gradients_of_one_contrastive_loss():
         total += float(loss.detach())
         scale_grads.append(module.logit_scale.grad.clone())
         stores[h.rank].put(queries("interaction", h.tower, 0).part(start, start + q.shape[0]).gradient(), q.grad)
-        key_grads[h.rank] = k.grad
-    for h in holders:  # the TP ranks of a replica sum their key gradients before the lead sends them
-        other = "text" if h.tower == "vision" else "vision"
-        summed = sum(key_grads[r] for r in replicas[h.rank])
-        stores[h.rank].put(keys("interaction", other, 0).gradient(), summed)
-    for m in backward:
+        stores[h.rank].put(keys("interaction", other, 0).gradient(), k.grad)
+    returns = {h.rank: batch_sync_gradients(CLIP, "interaction", h.tower, towers, 0, RBS, 4) for h in holders}
+    summed = {t: torch.zeros(RBS, dim) for t in towers}  # the reverse all-to-all: every key gradient ...
+    for h in holders:
+        for payload in returns[h.rank].inputs:
+            summed[payload.tensor.split(".")[0]] += stores[h.rank].tensor(payload)
+    for h in holders:  # ... back to its rows' scorer, summed there into its query gradient
+        (target,) = returns[h.rank].outputs
+        start, rows = stores[h.rank].read(target.value())
+        stores[h.rank].put(target.part(start, start + rows.shape[0]), summed[h.tower][start:start + rows.shape[0]])
+    for m in query_gradients(CLIP, 0, holders, act_bytes=4):
         stores[m.dst].put(m.received, stores[m.src].tensor(m.sent))
 
     oracle_images, oracle_texts = images.clone().requires_grad_(), texts.clone().requires_grad_()
@@ -160,7 +170,8 @@ def test_batch_sync_routes_give_the_gradients_of_one_contrastive_loss():
     expected.backward()
     assert total == pytest.approx(float(expected.detach()), rel=1e-6)
     torch.testing.assert_close(sum(scale_grads), oracle.logit_scale.grad)
-    for replica in range(2):
-        got = stores[2 * replica].tensor(feature(CLIP, "vision", 0).gradient())
-        torch.testing.assert_close(got, oracle_images.grad[3 * replica:3 * replica + 3])
-    torch.testing.assert_close(stores[4].tensor(feature(CLIP, "text", 0).gradient()), oracle_texts.grad)
+    for h in holders:  # every TP rank of a replica holds its features' whole gradient
+        got = stores[h.rank].tensor(feature(CLIP, h.tower, 0).gradient())
+        first = h.microbatches[0][1]
+        expected_rows = oracle_images.grad[first:first + 3] if h.tower == "vision" else oracle_texts.grad
+        torch.testing.assert_close(got, expected_rows)

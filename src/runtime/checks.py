@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from src.errors import ConfigError
 from src.program import Collective, Compute, Plan, Recv, Send, Wait
+from src.runtime.batch_rows import placed_by_rows
 from src.runtime.executor import input_key
 from src.runtime.inputs import dataset_for
 
@@ -42,7 +43,7 @@ def check_runnable(setup: Setup, plan: Plan) -> None:
     for rank_program in plan.program.classes:
         handles: set[str] = set()
         for instruction in rank_program.instructions:
-            _check_instruction(instruction, handles, rank_program.label)
+            _check_instruction(instruction, handles, rank_program.label, setup.model.interaction)
         if rank_program.ranks:
             _check_gathered_batches(plan, rank_program.ranks[0], rank_program.instructions)
     check_message_order(plan)
@@ -66,7 +67,7 @@ def _check_gathered_batches(plan: Plan, rank: int, instructions: list) -> None:
                                       f"hold the same rows more than once (a tower with TP on every device)")
 
 
-def _check_instruction(instruction, handles: set[str], label: str) -> None:
+def _check_instruction(instruction, handles: set[str], label: str, interaction: str | None) -> None:
     if isinstance(instruction, Compute):
         work = instruction.work
         if work.phase not in PHASES:
@@ -81,7 +82,7 @@ def _check_instruction(instruction, handles: set[str], label: str) -> None:
                 input_key(work.unit, payload)
     elif isinstance(instruction, Collective):
         if instruction.inputs or instruction.outputs:
-            if instruction.op not in PAYLOAD_COLLECTIVES:
+            if instruction.op not in PAYLOAD_COLLECTIVES and not placed_by_rows(instruction, interaction):
                 raise ConfigError(f"{label}: the real backend carries no payloads in a {instruction.op}")
         elif instruction.kind not in ("tp", "dp"):
             raise ConfigError(f"{label}: the real backend cannot run a standalone {instruction.op} of kind "

@@ -4,7 +4,8 @@ Data flow is what the instructions name. A Compute reads its input payloads from
 rank's store and writes its outputs there; a Send sends the rows of a payload that the
 route's table gives this rank, a Recv puts the rows it receives into its payload (summing
 a gradient's rows that arrive twice); a Collective that carries payloads moves them (the
-features of a contrastive batch gathered over replicas, a tensor shared over TP peers).
+features of a contrastive batch gathered over replicas, or exchanged by rows between
+the scorers of separate towers (runtime.batch_rows), a tensor shared over TP peers).
 Collectives without payloads are a layer's own (TP, inside the parallel layers) or the
 optimizer's (DP, inside DeepSpeed): their time is measured where they happen.
 
@@ -32,6 +33,7 @@ from torch.utils.checkpoint import checkpoint
 from src.errors import ConfigError
 from src.models.spec import ModelSpec
 from src.program import Collective, Compute, Instruction, Message, Payload, Plan, Recv, Route, Send, Wait
+from src.runtime.batch_rows import exchange_rows, placed_by_rows
 from src.runtime.comm import CLOCK, all_reduce
 from src.runtime.device import DTYPES, computing, synchronize
 from src.runtime.engines import point_reduction_at
@@ -235,6 +237,9 @@ class Executor:
     def _collective(self, collective: Collective) -> None:
         ranks = self.program.group_for(collective.group, self.rank)
         group = self.groups.get(ranks)
+        if placed_by_rows(collective, self.model.interaction):
+            exchange_rows(self.model, self.s.store, collective, ranks, group, self.dtype, self.device)
+            return
         if len(collective.inputs) != len(collective.outputs):
             raise ConfigError(f"{collective.op} on {collective.group} pairs {len(collective.inputs)} inputs with "
                               f"{len(collective.outputs)} outputs")

@@ -10,9 +10,14 @@ gradients. How they get there is the planner's choice:
 - colocated towers (Megatron-LM's and ZeRO's baselines): every rank all-gathers the
   features over its data-parallel group (keys) and copies its own rows into its queries;
   the keys' gradients come back by a reduce-scatter, the queries' by the copy reversed;
-- separate towers (DistMM): a route sends each rank's scored rows to every rank of the
-  other tower (its keys) and to itself (its queries); the gradient route returns every
-  row's gradient, summed over whoever scored against it, to every TP rank holding it.
+- separate towers (DistMM): each rank copies the rows it scores into its queries; one
+  all-to-all over every scorer of every tower sends them to every scorer of the other
+  towers (its keys), placed at their rows of the batch (ranks send unequal numbers of
+  rows: the towers have different replica counts and TP degrees); the reverse all-to-all
+  returns each row's key gradients to the rank scoring that row, summed there, and a
+  route gives the row's gradient to every TP rank holding it. Both collectives are
+  O(devices) to emit and to price, where point-to-point messages from every scorer to
+  every replica of the other tower were O(devices squared).
 """
 from __future__ import annotations
 
@@ -56,8 +61,8 @@ def tower_of(payload: Payload) -> str:
 class Holder:
     """A rank that scores rows of one tower: rows [start, end) of the contrastive batch,
     its features' micro-batches covering them (micro-batch, first row within the batch,
-    rows), and `lead`: the rank of its replica that exchanges for the replica's TP
-    ranks (which hold the same features)."""
+    rows), and `lead`: the first rank of its replica, which names the replica: its TP
+    ranks hold the same features."""
 
     rank: int
     tower: str
@@ -95,46 +100,62 @@ def local_queries(model: ModelSpec, batch: int, holders: list[Holder], act_bytes
     return out
 
 
-def exchange_size(holders: list[Holder]) -> int:
-    """How many messages `exchange` makes of one contrastive batch, without making them:
-    every piece of every holder goes to each lead of the other towers and comes back."""
-    leads: dict[str, set[int]] = {}
-    for h in holders:
-        leads.setdefault(h.tower, set()).add(h.lead)
-    total = 0
-    for h in holders:
-        others = sum(len(ranks) for tower, ranks in leads.items() if tower != h.tower)
-        total += len(_pieces(h, h.start, h.end)) * (2 * others + 2)
-    return total
-
-
-def exchange(model: ModelSpec, batch: int, holders: list[Holder], act_bytes: int) -> tuple[list[Message], list[Message]]:
-    """Separate towers: (forward messages, gradient messages) of one contrastive batch.
-
-    Forward: every scorer copies its rows into its queries, and sends them to the lead
-    of every replica of the other towers (whose TP ranks then share them: a broadcast).
-    Backward: a replica's lead (its TP ranks' key gradients already summed) returns each
-    row's key gradient to the lead of the row's replica, and every scorer returns its
-    query gradient there too; the lead sums them (and shares the sum with its TP ranks)."""
+def batch_sync_features(model: ModelSpec, group: str, tower: str, towers: list[str], batch: int,
+                      contrastive_batch: int, act_bytes: int) -> Collective:
+    """Separate towers, forward: one all-to-all over every scorer of every tower. Each
+    sends its query rows (as many as it scores, possibly none) to every scorer of the
+    other towers, which place them at their rows of that tower's keys: each receives the
+    other modality's whole batch only, half of what a gather of both modalities moves
+    (DistMM §5.3: non-colocated placement "halves the communication volume of modality
+    interaction"). Each rank's buffer is what it receives."""
     inter = model.interaction
-    forward = local_queries(model, batch, holders, act_bytes)
-    backward: list[Message] = []
-    leads = {}
+    volume = _busiest(model, towers, towers, contrastive_batch, act_bytes)
+    return Collective("all_to_all", group, volume, "interaction", inputs=(queries(inter, tower, batch),),
+                      outputs=tuple(keys(inter, t, batch) for t in towers if t != tower))
+
+
+def batch_sync_gradients(model: ModelSpec, group: str, tower: str, towers: list[str], batch: int,
+                       contrastive_batch: int, act_bytes: int) -> Collective | None:
+    """Separate towers, backward: the all-to-all reversed. Each rank returns the gradients
+    of the other towers' keys it scored against (of the towers that train) to the rows'
+    scorers, which sum what arrives for their rows into the gradient their own scoring
+    gave them. None if no tower trains."""
+    inter = model.interaction
+    trained = [t for t in towers if model.needs_backward(t)]
+    if not trained:
+        return None
+    volume = _busiest(model, towers, trained, contrastive_batch, act_bytes)
+    mine = (queries(inter, tower, batch).gradient(),) if tower in trained else ()
+    return Collective("all_to_all", group, volume, "interaction",
+                      inputs=tuple(keys(inter, t, batch).gradient() for t in trained if t != tower), outputs=mine)
+
+
+def _busiest(model: ModelSpec, towers: list[str], moved: list[str], contrastive_batch: int, act_bytes: int) -> float:
+    """Bytes of the busiest scorer's part of a batch-sync all-to-all (every rank of the
+    collective is priced alike): the other towers' whole batches, of the towers in `moved`."""
+    return max(contrastive_batch * sum(model.unit(t).output_elems for t in moved if t != tower) * act_bytes
+               for tower in towers)
+
+
+def query_gradients(model: ModelSpec, batch: int, holders: list[Holder], act_bytes: int) -> list[Message]:
+    """Separate towers, backward: each holder returns its query rows' gradient (summed by
+    the reduce-scatter) to its features, on itself and on every TP peer of its replica
+    (they hold the same features, so they need every row's gradient)."""
+    inter = model.interaction
+    peers: dict[int, list[int]] = {}
     for h in holders:
-        leads.setdefault(h.tower, set()).add(h.lead)
+        peers.setdefault(h.lead, []).append(h.rank)
+    out = []
     for h in holders:
+        if not model.needs_backward(h.tower):
+            continue
         elems = model.unit(h.tower).output_elems
-        others = sorted(lead for tower, ranks in leads.items() if tower != h.tower for lead in ranks)
         for microbatch, at, rows in _pieces(h, h.start, h.end):
             first = next(f for m, f, _ in h.microbatches if m == microbatch) + at
-            piece = feature(model, h.tower, microbatch).part(at, at + rows)
-            nbytes = rows * elems * act_bytes
-            key_rows = keys(inter, h.tower, batch).part(first, first + rows)
-            forward += [Message(h.rank, lead, piece, key_rows, nbytes) for lead in others]
-            backward += [Message(lead, h.lead, key_rows.gradient(), piece.gradient(), nbytes) for lead in others]
-            backward.append(Message(h.rank, h.lead, queries(inter, h.tower, batch).part(first, first + rows).gradient(),
-                                    piece.gradient(), nbytes))
-    return forward, backward
+            sent = queries(inter, h.tower, batch).part(first, first + rows).gradient()
+            received = feature(model, h.tower, microbatch).part(at, at + rows).gradient()
+            out += [Message(h.rank, peer, sent, received, rows * elems * act_bytes) for peer in peers[h.lead]]
+    return out
 
 
 def gathered_batch(model: ModelSpec, towers: list[str], microbatch: int, group: str | None, rows: int,

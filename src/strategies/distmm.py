@@ -3,7 +3,8 @@
 1. Modality-aware partitioner (distmm_towers.partition): per tower DP, TP in a node, or
    PP across nodes, whichever is the least that holds one replica.
 2. Data load balancer (distmm_balance.balance): device counts and per-replica batches
-   minimising the slowest tower's estimated time under memory (`strategy.balance=dp`);
+   minimising the estimated iteration of the towers aligned at every batch-sync, under
+   memory (`strategy.balance=dp`);
    `even` splits the devices equally (the "without load balancing" ablation).
 3. Heterogeneity-aware placement (distmm_programs): towers on separate nodes with TP
    inside nodes (`separate`), or every tower on every device (`naive`, the baseline's).
@@ -27,15 +28,16 @@ from src.models.spec import ModelSpec
 from src.program import Plan, Program, UnitPlan
 from src.schedules.distmm_pipe import SYNC_SCHEDULES, max_contrastive_batch
 from src.strategies.base import PlanRequest
-from src.strategies.distmm_balance import Choice, balance
+from src.strategies.distmm_balance import Choice, aligned_time, balance, own_time
 from src.strategies.distmm_programs import colocated_program, cross_flows, place, separate_program, unit_plans
 from src.strategies.distmm_towers import (Degrees, TowerCosts, TowerPlan, activation_per_sample, blocks_of,
-                                          partition, replica_state_bytes, stage_ranges)
+                                          partition, phase_weights, replica_state_bytes, stage_ranges)
 from src.models.flows import unit_order
 
 BALANCE = ("dp", "even")
 PLACEMENT = ("separate", "naive")
 TOWER_KEYS = ("tp", "pp", "dp")
+ALIGNED = "aligned"
 
 
 @dataclass(frozen=True)
@@ -130,7 +132,7 @@ def _choices(request: PlanRequest, costs: TowerCosts, tower: str, depths: list[D
             if found is None:
                 skipped.append(_short(request, costs, tower, degrees, replicas, batch // replicas, groups, schedule))
             else:
-                choices.append(Choice(n, found[1], found[0]))
+                choices.append(Choice(n, costs.phases(found[0]), found[0]))
         if choices:
             break
     return choices, skipped
@@ -181,8 +183,9 @@ def _separate(request: PlanRequest, opts: DistMMOptions, towers: list[str], grou
             why = skipped[-1] if skipped else "no replica count is possible"
             raise PlanError(f"distmm: no size of tower {tower} fits on {request.cluster.devices} devices: {why}")
         per_tower.append(choices)
+    weights = phase_weights(groups)
     if opts.balance == "dp":
-        picked = balance(per_tower, request.cluster.devices, fill=opts.use_all_devices)
+        picked = balance(per_tower, request.cluster.devices, weights, fill=opts.use_all_devices)
     else:
         share = request.cluster.devices // len(towers)
         even = [_even(c, share) for c in per_tower]
@@ -192,7 +195,9 @@ def _separate(request: PlanRequest, opts: DistMMOptions, towers: list[str], grou
         raise PlanError(f"distmm: the towers need at least {smallest} devices with replica counts dividing the batch "
                         f"{request.train.global_batch} ({opts.balance} balance) but cluster {request.cluster.name} "
                         f"has {request.cluster.devices}")
-    return [c.payload for c in picked], {t: c.time for t, c in zip(towers, picked)}
+    estimates = {t: own_time(c, weights) for t, c in zip(towers, picked)}
+    estimates[ALIGNED] = aligned_time([c.phases for c in picked], weights)
+    return [c.payload for c in picked], estimates
 
 
 def _colocated(request: PlanRequest, opts: DistMMOptions, towers: list[str], groups: int) -> tuple[list[TowerPlan],
@@ -261,8 +266,10 @@ def plan_distmm(request: PlanRequest) -> Plan:
                         f"{request.cluster.usable_memory_bytes / GIB:.1f} GiB usable (the balancer's estimate "
                         f"disagrees with the Program)")
     used = sum(p.devices for p in plans) if not colocated else request.cluster.devices
-    return Plan(strategy="distmm", devices=request.cluster.devices, units=units, program=program,
-                details={"balance": opts.balance if not colocated else "none (colocated)",
-                         "placement": opts.placement, "pipeline": opts.pipeline, "batch_sync_groups": groups,
-                         "contrastive_batch": rbs, "idle_devices": request.cluster.devices - used,
-                         "memory_gib": {k: round(v / GIB, 3) for k, v in memory.items()}})
+    details = {"balance": opts.balance if not colocated else "none (colocated)", "placement": opts.placement,
+               "pipeline": opts.pipeline, "batch_sync_groups": groups, "contrastive_batch": rbs,
+               "idle_devices": request.cluster.devices - used,
+               "memory_gib": {k: round(v / GIB, 3) for k, v in memory.items()}}
+    if ALIGNED in estimates:
+        details["balancer_aligned_s"] = round(estimates[ALIGNED], 6)
+    return Plan(strategy="distmm", devices=request.cluster.devices, units=units, program=program, details=details)

@@ -5,9 +5,10 @@ TP groups stay inside nodes and towers land on different nodes when their device
 allow; each tower is a pipeline of its own (strategies.pipeline) run in a batch-sync
 schedule. Each device of a tower's last stage scores its share of the contrastive batch
 (its rows, split over its TP ranks) against the OTHER modality's whole batch (one product
-per device, §5.3.2): at each batch-sync a route sends every scorer's rows to every scorer
-of the other tower, and the gradient route returns each row's gradient, summed over its
-scorers. Each tower reduces gradients over its own replicas only (M_g1 and M_g2 on
+per device, §5.3.2): at each batch-sync one all-to-all over every scorer of both towers
+brings each the other modality's whole contrastive batch, and the reverse all-to-all
+returns each row's gradient to its scorer, where the gradients are summed
+(strategies.contrastive). Each tower reduces gradients over its own replicas only (M_g1 and M_g2 on
 disjoint links instead of M_g1 + M_g2 everywhere); the interaction's own parameter is
 reduced over all its scorers.
 
@@ -35,8 +36,8 @@ from src.program import (Collective, Instruction, Message, Payload, Program, Ran
 from src.schedules.distmm_pipe import SyncOp, build_sync_schedule
 from src.strategies.bridge import Side, bridge
 from src.strategies.colocated import ColocatedEmitter, ColocatedUnit
-from src.errors import PlanError
-from src.strategies.contrastive import Holder, exchange, exchange_size, interaction_compute, keys, queries
+from src.strategies.contrastive import (Holder, batch_sync_features, batch_sync_gradients, interaction_compute, keys,
+                                        local_queries, queries, query_gradients)
 from src.strategies.distmm_towers import TowerPlan
 from src.strategies.emit import iteration_tail
 from src.strategies.layout import make_group, megatron_mesh, table
@@ -45,9 +46,6 @@ from src.strategies.stages import Segment
 
 INTERACTION_GROUP = "interaction"
 EXCHANGE = "batch_sync"
-# The exchange is priced message by message and grows with devices squared: beyond this
-# (about 30 s of planning and simulation on one core) a plan is refused, not left running.
-MAX_EXCHANGE_MESSAGES = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -171,19 +169,17 @@ class _Separate:
         return holders
 
     def _exchange_routes(self, program: Program) -> None:
-        size = sum(exchange_size(self._scorers(group)) for group in range(self.groups))
-        if size > MAX_EXCHANGE_MESSAGES:
-            raise PlanError(f"DistMM's batch-sync exchange on {program.world_size} devices is {size:,} messages "
-                            f"(every feature piece to every replica lead of the other tower), above the "
-                            f"{MAX_EXCHANGE_MESSAGES:,} the simulator prices in seconds; use fewer devices")
+        """The batch-sync's local routes (the collectives do the rest): each scorer copies
+        its rows into its queries, and returns their summed gradient to its features on
+        itself and its TP peers."""
         forward: list[Message] = []
         backward: list[Message] = []
         for group in range(self.groups):
-            f, b = exchange(self.model, group, self._scorers(group), self.act_bytes)
-            forward += f
-            backward += b
+            holders = self._scorers(group)
+            forward += local_queries(self.model, group, holders, self.act_bytes)
+            backward += query_gradients(self.model, group, holders, self.act_bytes)
         program.add_route(table(self.cluster, EXCHANGE, "interaction", forward))
-        program.add_route(table(self.cluster, f"{EXCHANGE}.grad", "interaction", backward, reduce=True))
+        program.add_route(table(self.cluster, f"{EXCHANGE}.grad", "interaction", backward))
 
     def shared(self, unit: str, stage: int, payload: Payload, nbytes: float, kind: str,
                op: str = "broadcast") -> list[Instruction]:
@@ -193,25 +189,23 @@ class _Separate:
         return [Collective(op, f"{unit}.tp.s{stage}", nbytes, kind, inputs=(payload,), outputs=(payload,))]
 
     def _batch_sync(self, placed: Placed, op: SyncOp) -> list[Instruction]:
-        """Receive this rank's rows and the other modality's whole batch (its replica's
-        lead receives it, its TP ranks share it), score them (this device's rows against
-        the whole contrastive batch), and return every gradient to its rows' holders."""
+        """Take this rank's rows into its queries, exchange them for the other towers'
+        whole contrastive batches (all-to-all over all scorers), score this rank's rows
+        against them, return the key gradients to the rows' scorers (the reverse
+        all-to-all) and the rows' gradient to the features (on this rank and its TP peers)."""
         plan = placed.plan
-        others = [t for t in self.placed if t != plan.unit]
-        inter, last = self.inter.name, placed.feature_stage(self.model)
+        towers = list(self.placed)
+        inter = self.inter.name
         mine = queries(inter, plan.unit, op.group)
-        theirs = [keys(inter, t, op.group) for t in others]
-        out: list[Instruction] = [Recv(EXCHANGE, mine)]
-        for tower, payload in zip(others, theirs):
-            nbytes = self.rbs * self.model.unit(tower).output_elems * self.act_bytes
-            out += [Recv(EXCHANGE, payload)] + self.shared(plan.unit, last, payload, nbytes, "interaction")
-        reads = (mine, *theirs)
-        out.append(interaction_compute(self.model, reads, op.group, math.ceil(plan.share / plan.tp), self.rbs))
-        for tower, payload in zip(others, theirs):
-            if self.model.needs_backward(tower):
-                nbytes = self.rbs * self.model.unit(tower).output_elems * self.act_bytes
-                out += self.shared(plan.unit, last, payload.gradient(), nbytes, "interaction", op="all_reduce")
-                out.append(Send(f"{EXCHANGE}.grad", payload.gradient()))
+        theirs = tuple(keys(inter, t, op.group) for t in towers if t != plan.unit)
+        out: list[Instruction] = [
+            Recv(EXCHANGE, mine),
+            batch_sync_features(self.model, INTERACTION_GROUP, plan.unit, towers, op.group, self.rbs, self.act_bytes),
+            interaction_compute(self.model, (mine, *theirs), op.group, math.ceil(plan.share / plan.tp), self.rbs)]
+        scatter = batch_sync_gradients(self.model, INTERACTION_GROUP, plan.unit, towers, op.group, self.rbs,
+                                     self.act_bytes)
+        if scatter is not None:
+            out.append(scatter)
         if self.model.needs_backward(plan.unit):
             out.append(Send(f"{EXCHANGE}.grad", mine.gradient()))
         return out
@@ -269,6 +263,8 @@ class _TowerLinks:
     def receive(self, payload: Payload) -> list[Instruction]:
         route, kind, stage, nbytes = self._route(payload)
         received = Recv(f"{route}.grad" if payload.grad else route, payload)
+        if payload.tensor == "feature":
+            return [received]  # every TP rank receives its features' gradient itself
         return [received] + self.builder.shared(self.plan.unit, stage, payload, nbytes, kind)
 
     def send(self, payload: Payload) -> list[Instruction]:

@@ -138,6 +138,12 @@ def partition(unit: UnitSpec, cluster: ClusterSpec, precision: str, tp: int | No
                     f"usable, short by {(need - usable) / GIB:.1f} GiB")
 
 
+def phase_weights(groups: int) -> tuple[float, float, float, float]:
+    """How often each phase of `TowerCosts.phases` occurs in an iteration of `groups`
+    batch-sync groups: once before, g batch-syncs, g - 1 periods between them, once after."""
+    return (1.0, float(groups), float(groups - 1), 1.0)
+
+
 @lru_cache(maxsize=None)
 def _resident(schedule: str, stages: int, groups: int, k: int) -> tuple[int, ...]:
     """Micro-batches each stage keeps alive under the schedule (the balancer asks often)."""
@@ -210,10 +216,14 @@ class TowerCosts:
         work = Work(inter.name, "interaction", rows, (0, inter.num_layers), contrastive_batch=self.contrastive_batch)
         return self.compute.work_time(work, self.model)
 
-    def time(self, plan: TowerPlan) -> float:
-        """Seconds of one iteration of the tower alone: its pipeline (fill, steady state
-        and drain of the schedule), its batch-syncs, the gradient reduction over its
-        replicas and the optimizer step, at a placement starting on a node boundary."""
+    def phases(self, plan: TowerPlan) -> tuple[float, float, float, float]:
+        """The tower's iteration cut where the towers align (`phase_weights`): before the
+        first batch-sync, one batch-sync (its shard of the interaction), one period between
+        two batch-syncs, after the last one (drain, gradient reduction, optimizer step).
+        Its pipeline (fill, steady state and drain of the schedule) is priced at a
+        placement starting on a node boundary; the edge of the schedule (what is not a
+        repeated period) is split before/after the barrier in the proportion of forward to
+        backward work, exact without a pipeline (one forward before, one backward after)."""
         unit = self.model.unit(plan.unit)
         fwd = [self._pass(plan, r, "fwd") for r in plan.stages]
         bwd = [self._pass(plan, r, "bwd") for r in plan.stages]
@@ -225,12 +235,17 @@ class TowerCosts:
                                      family_sharing(self.cluster, pipeline_pairs(mesh)))
         fill = sum(fwd) + sum(bwd) + 2 * hop * (plan.pp - 1)
         steady = max(f + b for f, b in zip(fwd, bwd))
-        k, g = plan.microbatches, plan.groups
-        if plan.schedule == "gpipe_sync" or plan.pp == 1:
-            pipeline = g * (fill + (k - 1) * steady)
-        else:
-            pipeline = fill + (g * k - 1) * steady
-        return pipeline + g * self.interaction_time(plan) + self.tail_time(plan)
+        edge = fill + (plan.microbatches - 1) * steady
+        # gpipe_sync drains the pipeline at every barrier: each period is a whole edge;
+        # DistMM-Pipe keeps it full: a period is k steady steps.
+        period = edge if plan.schedule == "gpipe_sync" or plan.pp == 1 else plan.microbatches * steady
+        forward = sum(fwd) / (sum(fwd) + sum(bwd)) if sum(fwd) + sum(bwd) > 0 else 1.0
+        return (forward * edge, self.interaction_time(plan), period,
+                (1 - forward) * edge + self.tail_time(plan))
+
+    def time(self, plan: TowerPlan) -> float:
+        """Seconds of one iteration of the tower alone (no waiting on other towers)."""
+        return sum(w * p for w, p in zip(phase_weights(plan.groups), self.phases(plan)))
 
     def tail_time(self, plan: TowerPlan) -> float:
         """Gradient reduce (+ parameter all-gather under ZeRO-1) and optimizer step of the
