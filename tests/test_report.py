@@ -253,3 +253,36 @@ def test_reused_run_dir_starts_afresh(tmp_path: Path) -> None:
     RunFiles(tmp_path).finish({"mfu": 0.5})  # a second run in the same dir starts afresh
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["type"] for line in lines] == ["summary"]
+
+
+def test_a_figure_is_logged_as_one_wandb_run_with_table_plot_and_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    wandb = pytest.importorskip("wandb")
+    from src.report.wandb_sink import log_figure
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_home"))
+    calls: dict[str, list] = {"init": [], "log": [], "artifact": []}
+    real_init = wandb.init
+
+    def spy_init(**kwargs):
+        calls["init"].append(kwargs)
+        run = real_init(**kwargs)
+        real_log, real_artifact = run.log, run.log_artifact
+        monkeypatch.setattr(run, "log", lambda data, **kw: (calls["log"].append(data), real_log(data, **kw))[1])
+        monkeypatch.setattr(run, "log_artifact", lambda a, **kw: (calls["artifact"].append(a), real_artifact(a, **kw))[1])
+        return run
+
+    monkeypatch.setattr(wandb, "init", spy_init)
+    out = tmp_path / "fig"
+    out.mkdir()
+    (out / "results.json").write_text(json.dumps({"rows": [{"group": "g", "series": "s", "value": 1.5, "paper": 2}]}))
+    (out / "results.md").write_text("| g | s |\n")
+    log_figure({"logger": {"name": "none"}}, out, "fig")
+    assert calls["init"] == []  # no W&B unless the multirun logs to it
+    log_figure(wandb_config("offline"), out, "fig")
+    assert "wandb:" not in capsys.readouterr().err
+    (init,) = calls["init"]
+    assert init["job_type"] == "figure" and init["group"] == "fig"
+    assert calls["log"][0]["results"].data == [["g", "s", 1.5, "2"]]
+    assert "figure-results" in [a.type for a in calls["artifact"]]  # (W&B logs the table as one of its own)

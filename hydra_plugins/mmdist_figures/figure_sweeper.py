@@ -24,7 +24,7 @@ from typing import Any
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,9 @@ class FigureSweeper(Sweeper):
             hydra_context=hydra_context, task_function=task_function, config=config)
 
     def sweep(self, arguments: list[str]) -> Any:
+        from src.config import plain_config
         from src.errors import ConfigError
+        from src.report.wandb_sink import log_figure
         from src.sweep import figure_jobs, find_sweep_file, load_sweep, outcome_of, write_report
 
         assert self.config is not None and self.launcher is not None
@@ -62,4 +64,7 @@ class FigureSweeper(Sweeper):
         returns = self.launcher.launch(batch, initial_job_idx=0) if batch else []
         report = write_report(spec, {(job.group, job.series): outcome_of(out / job.subdir) for job in jobs}, out)
         log.info(report)
+        # The jobs' own config (the hydra node resolves only inside a job).
+        log_figure(plain_config(OmegaConf.masked_copy(self.config, [k for k in self.config if k != "hydra"])),
+                   out, spec.name)
         return returns

@@ -6,7 +6,8 @@ the run then logs offline and one line says how to sync it later.
 
 A run is named by its job, tagged by model, strategy, cluster and backend, grouped by
 its sweep, with job_type the backend (sim or torch); every step metric is plotted
-against `step`; summary.json and trace.json are attached as an Artifact."""
+against `step`; summary.json and trace.json are attached as an Artifact. A paper figure's
+multirun adds one run of job_type 'figure' with its table, plot and files (log_figure)."""
 from __future__ import annotations
 
 import os
@@ -99,6 +100,37 @@ class WandbSink:
                 run.finish(exit_code=1)
             except Exception:  # noqa: BLE001 - already reported; the run goes on
                 pass
+
+
+def log_figure(config: Mapping[str, Any], out: Path, figure: str) -> None:
+    """A paper figure's results as one W&B run (job_type 'figure', grouped with its jobs):
+    the table with the paper's values beside ours, the plot, and results.json/md/png as an
+    Artifact. Nothing happens unless the multirun logs to W&B; a failure costs only W&B."""
+    if (config.get("logger") or {}).get("name") != "wandb":
+        return
+    try:
+        import json
+
+        import wandb
+
+        run = _start(out, {**config, "backend": {"name": "figure"}}, JobInfo(run_name=figure, sweep_name=out.name))
+        results = json.loads((out / "results.json").read_text())
+        columns = ["group", "series", "value", "paper"]
+        rows = [[r["group"], r["series"], r.get("value"), json.dumps(r.get("paper"))] for r in results["rows"]]
+        logged: dict[str, Any] = {"results": wandb.Table(columns=columns, data=rows)}
+        plot = out / f"{figure}.png"
+        if plot.exists():
+            logged["figure"] = wandb.Image(str(plot))
+        run.log(logged)
+        artifact = wandb.Artifact(f"figure-{figure}-{run.id}", type="figure-results")
+        for path in (out / "results.json", out / "results.md", plot):
+            if path.exists():
+                artifact.add_file(str(path))
+        run.log_artifact(artifact)
+        run.finish()
+    except Exception as exc:  # noqa: BLE001 - whatever wandb raises only costs us W&B
+        print(f"wandb: figure {figure} not logged: {f'{type(exc).__name__}: {exc}'.splitlines()[0]}",
+              file=sys.stderr, flush=True)
 
 
 def _start(run_dir: Path, config: Mapping[str, Any], job: JobInfo) -> Any:

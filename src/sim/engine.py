@@ -77,6 +77,12 @@ class _Op:
     nic_from: float | None = None
 
 
+def _ready(op: _Op) -> float:
+    """When an operation could start: known once it was issued behind a resolved one."""
+    assert op.ready is not None, "an operation is priced only once its stream is ready"
+    return op.ready
+
+
 @dataclass
 class _Arrival:
     """One collective instance: the classes that issued it, and their operations."""
@@ -182,6 +188,7 @@ class _RoutePrices:
         key = (route.name, state.index, payload)
         cached = self._recv.get(key)
         if cached is None:
+            assert isinstance(route, Table), "a Hop was priced above"
             cached = {}
             for rank in state.program.ranks:
                 for message in route.receives(rank, payload):
@@ -330,6 +337,7 @@ class Simulator:
         """The compute stream waits for the blocking operation it issued last; False if
         that operation has not happened yet."""
         blocker = state.blocker
+        assert blocker is not None
         if not blocker.resolved:
             return self._wait_on(blocker, state)
         state.blocker = None
@@ -429,6 +437,7 @@ class Simulator:
             return
         for op in arrival.ops.values():
             if op.ready is None:
+                assert op.prev is not None, "an operation without a predecessor is ready when issued"
                 if not op.prev.resolved:
                     return
                 op.ready = max(op.compute_ready, op.prev.end)
@@ -443,7 +452,7 @@ class Simulator:
             parts = self.collective_cost[cost_key] = self.comm.collective_parts(instruction.op, group.ranks,
                                                                                 instruction.bytes, group.sharing)
         latency, transfer = parts[0] * instruction.count, parts[1] * instruction.count
-        start = max(op.ready for op in arrival.ops.values())
+        start = max(_ready(op) for op in arrival.ops.values())
         crosses = self.crosses_nodes.get(group.name)
         if crosses is None:
             crosses = self.crosses_nodes[group.name] = self.cluster.spans_nodes(group.ranks)
@@ -487,22 +496,23 @@ class Simulator:
         if key in self.sent:
             raise SimulationError(f"{state.program.label} sends {instruction.payload} over {route.name} twice")
         op = self._issue(state, route.kind, stream)
+        ready = _ready(op)
         seconds, nbytes, crosses = self.routes.send(route, state, instruction.payload.whole)
-        op.start, op.end, op.resolved = op.ready, op.ready + seconds, True
+        op.start, op.end, op.resolved = ready, ready + seconds, True
         if crosses and seconds > 0:
-            op.end = state.nic.stretched_end(op.ready, seconds, SHARED_LINK_RATE)
-            state.nic.add(op.ready, op.end)
+            op.end = state.nic.stretched_end(ready, seconds, SHARED_LINK_RATE)
+            state.nic.add(ready, op.end)
             # Its messages land as if it had started late at the full rate: its last
             # one lands when it ends.
             op.start = op.end - seconds
-            if op.start > op.ready:
-                op.nic_from = op.ready
-        state.p2p_busy.add(op.ready, op.end)
+            if op.start > ready:
+                op.nic_from = ready
+        state.p2p_busy.add(ready, op.end)
         self.p2p_bytes += nbytes
         state.free[stream] = op.end
         state.spans.append(Span(stream, op.start, op.end, f"send {instruction.payload}", f"comm_{route.kind}"))
         if stream == COMPUTE_STREAM:
-            state.segments.append((op.ready, op.end, f"comm_{route.kind}"))
+            state.segments.append((ready, op.end, f"comm_{route.kind}"))
         self.sent[key] = op
         for waiter in self.waiting_for_send.pop(key, []):
             self._wake(waiter)
@@ -547,10 +557,11 @@ class Simulator:
         communication, the wait before it is the sender's (a bubble)."""
         self.received.add((recv.route, state.index, recv.payload.whole))
         land, cost = max((self.sent[key].start + offset, cost) for key, (offset, cost) in entries.items())
-        op.start, op.end, op.resolved = land - cost, max(op.ready, land), True
-        state.p2p_busy.add(max(op.ready, op.start), op.end)
+        ready = _ready(op)
+        op.start, op.end, op.resolved = land - cost, max(ready, land), True
+        state.p2p_busy.add(max(ready, op.start), op.end)
         self._advance_stream(state, op)
-        state.spans.append(Span(op.stream, max(op.ready, op.start), op.end, f"recv {recv.payload}", f"comm_{op.kind}"))
+        state.spans.append(Span(op.stream, max(ready, op.start), op.end, f"recv {recv.payload}", f"comm_{op.kind}"))
         self._release(op)
 
     def _wait(self, state: _ClassState, instruction: Wait) -> bool:
