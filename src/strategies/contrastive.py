@@ -38,6 +38,12 @@ def keys(interaction: str, tower: str, batch: int) -> Payload:
     return Payload(interaction, 0, batch, f"{tower}.k")
 
 
+def interaction_of(model: ModelSpec) -> str:
+    """The unit scoring the towers' features (the planners refuse models without one)."""
+    assert model.interaction is not None, f"model {model.name} has no interaction unit"
+    return model.interaction
+
+
 def feature(model: ModelSpec, tower: str, microbatch: int) -> Payload:
     return Payload(tower, feature_boundary(model.unit(tower)), microbatch, "feature")
 
@@ -46,7 +52,7 @@ def interaction_compute(model: ModelSpec, reads: tuple[Payload, ...], batch: int
                         contrastive_batch: int) -> Compute:
     """Score `rows` query rows against the contrastive batch, forward and backward:
     `reads` are the queries and keys this rank holds; it writes their gradients."""
-    inter = model.unit(model.interaction)
+    inter = model.unit(interaction_of(model))
     work = Work(inter.name, "interaction", rows, (0, inter.num_layers), contrastive_batch=contrastive_batch)
     trained = tuple(p.gradient() for p in reads if model.needs_backward(tower_of(p)))
     return Compute(work, microbatch=batch, inputs=reads, outputs=trained)
@@ -87,7 +93,7 @@ def local_queries(model: ModelSpec, batch: int, holders: list[Holder], act_bytes
                   with_keys: bool = False) -> list[Message]:
     """Each holder copies its scored rows from its features into its queries (and, when
     it holds the whole batch alone, into its keys)."""
-    inter = model.interaction
+    inter = interaction_of(model)
     out = []
     for h in holders:
         elems = model.unit(h.tower).output_elems
@@ -108,7 +114,7 @@ def batch_sync_features(model: ModelSpec, group: str, tower: str, towers: list[s
     other modality's whole batch only, half of what a gather of both modalities moves
     (DistMM §5.3: non-colocated placement "halves the communication volume of modality
     interaction"). Each rank's buffer is what it receives."""
-    inter = model.interaction
+    inter = interaction_of(model)
     volume = _busiest(model, towers, towers, contrastive_batch, act_bytes)
     return Collective("all_to_all", group, volume, "interaction", inputs=(queries(inter, tower, batch),),
                       outputs=tuple(keys(inter, t, batch) for t in towers if t != tower))
@@ -120,7 +126,7 @@ def batch_sync_gradients(model: ModelSpec, group: str, tower: str, towers: list[
     of the other towers' keys it scored against (of the towers that train) to the rows'
     scorers, which sum what arrives for their rows into the gradient their own scoring
     gave them. None if no tower trains."""
-    inter = model.interaction
+    inter = interaction_of(model)
     trained = [t for t in towers if model.needs_backward(t)]
     if not trained:
         return None
@@ -141,7 +147,7 @@ def query_gradients(model: ModelSpec, batch: int, holders: list[Holder], act_byt
     """Separate towers, backward: each holder returns its query rows' gradient (summed by
     the reduce-scatter) to its features, on itself and on every TP peer of its replica
     (they hold the same features, so they need every row's gradient)."""
-    inter = model.interaction
+    inter = interaction_of(model)
     peers: dict[int, list[int]] = {}
     for h in holders:
         peers.setdefault(h.lead, []).append(h.rank)
@@ -165,7 +171,7 @@ def gathered_batch(model: ModelSpec, towers: list[str], microbatch: int, group: 
     over the local `route`, score, reduce-scatter the keys' gradients back (of the towers
     that train), and copy the queries' gradients back. Without a group (one replica) the
     keys are copied too."""
-    inter = model.interaction
+    inter = interaction_of(model)
     trained = [t for t in towers if model.needs_backward(t)]
     feats = tuple(feature(model, t, microbatch) for t in towers)
     copied = (queries, keys) if group is None else (queries,)

@@ -188,8 +188,8 @@ def _separate(request: PlanRequest, opts: DistMMOptions, towers: list[str], grou
         picked = balance(per_tower, request.cluster.devices, weights, fill=opts.use_all_devices)
     else:
         share = request.cluster.devices // len(towers)
-        even = [_even(c, share) for c in per_tower]
-        picked = None if any(c is None for c in even) else even
+        even = [c for c in (_even(c, share) for c in per_tower) if c is not None]
+        picked = even if len(even) == len(per_tower) else None
     if picked is None:
         smallest = " + ".join(f"{t} {min(c.devices for c in cs)}" for t, cs in zip(towers, per_tower))
         raise PlanError(f"distmm: the towers need at least {smallest} devices with replica counts dividing the batch "
@@ -260,7 +260,7 @@ def plan_distmm(request: PlanRequest) -> Plan:
     by_name = {u.unit: u for u in units}
     memory = {rp.label: rank_memory(rp, by_name, request.model, request.train.precision)["total"]
               for rp in program.classes}
-    worst = max(memory, key=memory.get)
+    worst = max(memory, key=lambda label: memory[label])
     if memory[worst] > request.cluster.usable_memory_bytes:
         raise PlanError(f"distmm: {worst} needs {memory[worst] / GIB:.1f} GiB but a {request.cluster.device} has "
                         f"{request.cluster.usable_memory_bytes / GIB:.1f} GiB usable (the balancer's estimate "

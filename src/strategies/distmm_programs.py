@@ -23,6 +23,7 @@ placement pays for it, colocated placement does not.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -31,12 +32,12 @@ from src.costmodel.memory import element_bytes, grad_bytes
 from src.mesh import Mesh, Sharding
 from src.models.flows import Flow, feature_boundary, flows_of
 from src.models.spec import ModelSpec
-from src.program import (Collective, Instruction, Message, Payload, Program, RankProgram, Recv, Send, UnitPlan,
-                         compress_ranks)
+from src.program import (Collective, CollectiveOp, CommKind, Instruction, Message, Payload, Program, RankProgram, Recv,
+                         Send, UnitPlan, compress_ranks)
 from src.schedules.distmm_pipe import SyncOp, build_sync_schedule
 from src.strategies.bridge import Side, bridge
 from src.strategies.colocated import ColocatedEmitter, ColocatedUnit
-from src.strategies.contrastive import (Holder, batch_sync_features, batch_sync_gradients, interaction_compute, keys,
+from src.strategies.contrastive import (Holder, batch_sync_features, batch_sync_gradients, interaction_compute, interaction_of, keys,
                                         local_queries, queries, query_gradients)
 from src.strategies.distmm_towers import TowerPlan
 from src.strategies.emit import iteration_tail
@@ -101,7 +102,7 @@ class _Separate:
         self.rbs = contrastive_batch
         self.placed = {p.plan.unit: p for p in placed}
         self.act_bytes = element_bytes(precision)
-        self.inter = model.unit(model.interaction)
+        self.inter = model.unit(interaction_of(model))
         self.cross = cross_flows(model, list(self.placed))
         first = next(iter(self.placed.values())).plan
         self.global_batch = first.batch * first.replicas
@@ -123,7 +124,7 @@ class _Separate:
             scoring = placed.feature_stage(self.model)
             orders = build_sync_schedule(plan.schedule, plan.pp, plan.groups, plan.microbatches, scoring)
             for stage in range(plan.pp):
-                built = emitter.stage(stage, orders[stage], other=lambda op, p=placed: self._batch_sync(p, op))
+                built = emitter.stage(stage, orders[stage], other=functools.partial(self._batch_sync, placed))
                 if stage == scoring:
                     built.tail += self._interaction_tail()
                 label = plan.unit if plan.pp == 1 else f"{plan.unit} stage {stage}"
@@ -181,8 +182,8 @@ class _Separate:
         program.add_route(table(self.cluster, EXCHANGE, "interaction", forward))
         program.add_route(table(self.cluster, f"{EXCHANGE}.grad", "interaction", backward))
 
-    def shared(self, unit: str, stage: int, payload: Payload, nbytes: float, kind: str,
-               op: str = "broadcast") -> list[Instruction]:
+    def shared(self, unit: str, stage: int, payload: Payload, nbytes: float, kind: CommKind,
+               op: CollectiveOp = "broadcast") -> list[Instruction]:
         """What one rank of a replica received (or summed), made every TP rank's."""
         if self.placed[unit].plan.tp == 1:
             return []
@@ -228,8 +229,9 @@ class _Separate:
         ends = [Side(_stage_mesh(placed, stage), placed.plan.micro_batch, placed.plan.microbatches,
                      placed.plan.groups, tokens)
                 for placed, stage in ((src, src.plan.pp - 1), (dst, cross_stage))]
-        for route in bridge(self.cluster, f"{flow.producer}>{flow.consumer}", "broker", *ends, self.global_batch,
-                            flow.elems * self.act_bytes):
+        sender, receiver = ends
+        for route in bridge(self.cluster, f"{flow.producer}>{flow.consumer}", "broker", sender, receiver,
+                            self.global_batch, flow.elems * self.act_bytes):
             program.add_route(route)
 
 
@@ -247,7 +249,7 @@ class _TowerLinks:
     def __init__(self, builder: "_Separate", plan: TowerPlan) -> None:
         self.builder, self.plan = builder, plan
 
-    def _route(self, payload: Payload) -> tuple[str, str, int, float]:
+    def _route(self, payload: Payload) -> tuple[str, CommKind, int, float]:
         """Route, kind, stage and bytes of a payload (at this tower's micro-batch)."""
         model, plan = self.builder.model, self.plan
         act = self.builder.act_bytes
@@ -262,10 +264,10 @@ class _TowerLinks:
 
     def receive(self, payload: Payload) -> list[Instruction]:
         route, kind, stage, nbytes = self._route(payload)
-        received = Recv(f"{route}.grad" if payload.grad else route, payload)
+        received: list[Instruction] = [Recv(f"{route}.grad" if payload.grad else route, payload)]
         if payload.tensor == "feature":
-            return [received]  # every TP rank receives its features' gradient itself
-        return [received] + self.builder.shared(self.plan.unit, stage, payload, nbytes, kind)
+            return received  # every TP rank receives its features' gradient itself
+        return received + self.builder.shared(self.plan.unit, stage, payload, nbytes, kind)
 
     def send(self, payload: Payload) -> list[Instruction]:
         route, *_ = self._route(payload)
@@ -287,7 +289,7 @@ def colocated_program(model: ModelSpec, cluster: ClusterSpec, precision: str, co
     units = [ColocatedUnit(p.unit, _colocated_mesh(p, cluster.devices), p.recompute, p.zero_stage,
                            group_prefix=f"{p.unit}.") for p in plans]
     # The interaction's parameter steps with the last tower's.
-    units.append(ColocatedUnit(model.interaction, units[-1].mesh, plans[-1].recompute, plans[-1].zero_stage,
+    units.append(ColocatedUnit(interaction_of(model), units[-1].mesh, plans[-1].recompute, plans[-1].zero_stage,
                                group_prefix=f"{plans[-1].unit}."))
     emitter = ColocatedEmitter(model, cluster, precision, program, units)
     share = {p.unit: p.share for p in plans}
@@ -320,7 +322,7 @@ def unit_plans(model: ModelSpec, cluster: ClusterSpec, contrastive_batch: int, p
                             details={"nodes": nodes_of(cluster, mesh.ranks),
                                      "placement": "colocated" if colocated else "separate",
                                      "schedule": plan.schedule if plan.pp > 1 else "batch_sync"}))
-    inter = model.unit(model.interaction)
+    inter = model.unit(interaction_of(model))
     global_batch = placed[0].plan.batch * placed[0].plan.replicas
     groups = placed[0].plan.groups
     if colocated:

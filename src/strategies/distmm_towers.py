@@ -19,8 +19,9 @@ from src.costmodel.memory import element_bytes, grad_bytes, memory_ladder, model
 from src.errors import PlanError
 from src.models.spec import ModelSpec, UnitSpec
 from src.mesh import tensor_parallel
-from src.program import Work
+from src.program import Phase, Work
 from src.schedules.distmm_pipe import build_sync_schedule, resident
+from src.strategies.contrastive import interaction_of
 from src.strategies.layout import megatron_mesh, pipeline_pairs
 from src.strategies.stages import block_cuts, boundary_elems
 
@@ -193,7 +194,7 @@ class TowerCosts:
             worst = max(worst, states + activations)
         return worst
 
-    def _pass(self, plan: TowerPlan, layers: tuple[int, int], phase: str) -> float:
+    def _pass(self, plan: TowerPlan, layers: tuple[int, int], phase: Phase) -> float:
         unit = self.model.unit(plan.unit)
         if phase == "bwd" and not self.model.needs_backward(unit.name):
             return 0.0
@@ -211,7 +212,7 @@ class TowerCosts:
     def interaction_time(self, plan: TowerPlan) -> float:
         """The tower's shard of one batch-sync: its local rows (split over its TP ranks)
         against the whole contrastive batch."""
-        inter = self.model.unit(self.model.interaction)
+        inter = self.model.unit(interaction_of(self.model))
         rows = math.ceil(plan.share / plan.tp)
         work = Work(inter.name, "interaction", rows, (0, inter.num_layers), contrastive_batch=self.contrastive_batch)
         return self.compute.work_time(work, self.model)
