@@ -75,13 +75,33 @@ def test_a_plan_needing_more_workers_is_refused_before_anything_starts(tmp_path)
     assert not (tmp_path / "errors").exists()
 
 
-def _workers_of(run_dir) -> list[str]:
-    listing = subprocess.run(["ps", "-eww", "-o", "args"], capture_output=True, text=True).stdout.splitlines()
-    return [line for line in listing if "src.runtime.worker" in line and str(run_dir) in line]
+def _workers_of(driver_pid: int) -> dict[int, int]:
+    """rank -> pid of the workers the driver started (named mmdist-rank<r>), wherever in its
+    process tree they are (forked from its forkserver, or its children)."""
+    rows = subprocess.run(["ps", "-eo", "pid=,ppid=,comm="], capture_output=True, text=True).stdout.splitlines()
+    children: dict[int, list[tuple[int, str]]] = {}
+    for row in rows:
+        pid, ppid, comm = row.split(None, 2)
+        children.setdefault(int(ppid), []).append((int(pid), comm.strip()))
+    workers, todo = {}, [driver_pid]
+    while todo:
+        for pid, comm in children.get(todo.pop(), []):
+            todo.append(pid)
+            if comm.startswith("mmdist-rank"):
+                workers[int(comm.removeprefix("mmdist-rank"))] = pid
+    return workers
 
 
-def _long_run_at_its_first_step(tmp_path) -> subprocess.Popen:
-    """The front door on a run of many steps, returned once its workers train."""
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ", 1)[1][0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def _long_run_at_its_first_step(tmp_path) -> tuple[subprocess.Popen, dict[int, int]]:
+    """The front door on a run of many steps, once its workers train, and their pids by rank."""
     build_deepspeed_ops()
     # Ctrl-C in a terminal sends SIGINT to the whole foreground process group: the driver's.
     # The child restores Python's SIGINT handler in case this test runs where SIGINT is ignored.
@@ -97,8 +117,9 @@ def _long_run_at_its_first_step(tmp_path) -> subprocess.Popen:
             os.killpg(driver.pid, signal.SIGKILL)
             raise AssertionError("the run never reached its first step")
         time.sleep(0.5)
-    assert _workers_of(tmp_path)
-    return driver
+    workers = _workers_of(driver.pid)
+    assert sorted(workers) == [0, 1]
+    return driver, workers
 
 
 def _finish(driver: subprocess.Popen) -> str:
@@ -111,21 +132,19 @@ def _finish(driver: subprocess.Popen) -> str:
 
 
 def test_ctrl_c_stops_every_worker_and_exits_130(tmp_path):
-    driver = _long_run_at_its_first_step(tmp_path)
+    driver, workers = _long_run_at_its_first_step(tmp_path)
     os.killpg(driver.pid, signal.SIGINT)
     stderr = _finish(driver)
     assert driver.returncode == 130
     assert stderr.strip().splitlines()[-1] == "error: interrupted; all workers stopped"
     assert "Traceback" not in stderr
-    assert not _workers_of(tmp_path) and not (tmp_path / "summary.json").exists()
+    assert not any(map(_alive, workers.values())) and not (tmp_path / "summary.json").exists()
 
 
 def test_a_killed_worker_is_named_first_not_the_peers_it_broke(tmp_path):
-    driver = _long_run_at_its_first_step(tmp_path)
-    pids = subprocess.run(["pgrep", "-f", f"src.runtime.worker {tmp_path}"], capture_output=True, text=True).stdout
-    rank1 = [pid for pid in map(int, pids.split()) if b"RANK=1\0" in open(f"/proc/{pid}/environ", "rb").read()]
-    os.kill(rank1[0], signal.SIGKILL)  # as the OOM killer would: no error line of its own
+    driver, workers = _long_run_at_its_first_step(tmp_path)
+    os.kill(workers[1], signal.SIGKILL)  # as the OOM killer would: no error line of its own
     stderr = _finish(driver)
     assert driver.returncode == 1
     assert stderr.strip().splitlines()[-1] == "error: rank 1: worker killed by signal SIGKILL (exit code -9)"
-    assert not _workers_of(tmp_path) and not (tmp_path / "summary.json").exists()
+    assert not any(map(_alive, workers.values())) and not (tmp_path / "summary.json").exists()

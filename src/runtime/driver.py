@@ -1,14 +1,18 @@
 """The local driver: start N worker processes on this machine, watch them, tear down.
 
 Workers rendezvous through the environment (MASTER_ADDR/PORT on localhost), exactly as
-under torchrun. If one fails, the others are stopped at once and the error line of the
-rank that failed first is raised (its peers' failures are consequences); Ctrl-C stops
-every worker. Each worker runs in its own session so that stopping
-it stops whatever it started.
+under torchrun. CPU (gloo) workers are forked from a forkserver that imported torch and
+DeepSpeed once (src/runtime/preload.py): on a few cores, each worker importing them
+itself costs seconds of start-up. GPU workers start as fresh processes (`python -m
+src.runtime.worker`), since CUDA must not be touched in a process that forks.
+If one worker fails, the others are stopped at once and the error line of the rank that
+failed first is raised (its peers' failures are consequences); Ctrl-C stops every
+worker. Each worker runs in its own session so that stopping it stops whatever it started.
 """
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 import socket
@@ -39,15 +43,63 @@ def worker_env(rank: int, world: int, port: int, backend: dict[str, Any]) -> dic
     return env
 
 
+class ForkedWorker:
+    """A worker forked from the preloaded forkserver, with the Popen calls the driver uses."""
+
+    def __init__(self, run_dirs: list[Path], env: dict[str, str]) -> None:
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["src.runtime.preload"])
+        self._process = context.Process(target=_forked_worker, args=(run_dirs, env), daemon=False)
+        self._process.start()
+        assert self._process.pid is not None
+        self.pid: int = self._process.pid
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired("worker", timeout or 0.0)
+        return self._process.exitcode
+
+
+def _forked_worker(run_dirs: list[Path], env: dict[str, str]) -> None:
+    """In the child: the process a fresh `python -m src.runtime.worker` would be (its own
+    session, the worker's environment, default signal handling), then the worker."""
+    os.setsid()
+    os.environ.clear()
+    os.environ.update(env)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+    from src.runtime.worker import main
+
+    sys.exit(main(run_dirs))
+
+
+def _cpu_workers(backend: dict[str, Any]) -> bool:
+    """Whether the workers will run gloo on CPUs, told without importing torch here: with
+    dist_backend=auto, a machine without an NVIDIA or AMD GPU driver has no CUDA device."""
+    requested = backend["dist_backend"]
+    if requested != "auto":
+        return requested == "gloo"
+    return not any(os.path.exists(path) for path in ("/proc/driver/nvidia/gpus", "/dev/kfd"))
+
+
+def start_worker(run_dirs: list[Path], env: dict[str, str], backend: dict[str, Any]) -> ForkedWorker | subprocess.Popen:
+    if _cpu_workers(backend):
+        return ForkedWorker(run_dirs, env)
+    return subprocess.Popen([sys.executable, "-m", "src.runtime.worker", *map(str, run_dirs)], env=env,
+                            start_new_session=True)
+
+
 def launch(run_dirs: list[Path], world: int, backend: dict[str, Any], jobs: list[dict[str, Any]]) -> None:
     """Run `world` workers on this machine until all finish (over each run directory in
     turn); raise WorkerFailure if one fails."""
     for run_dir, job in zip(run_dirs, jobs):
         (run_dir / JOB_FILE).write_text(json.dumps(job))
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "src.runtime.worker", *map(str, run_dirs)],
-                              env=worker_env(r, world, port, backend), start_new_session=True)
-             for r in range(world)]
+    procs = [start_worker(run_dirs, worker_env(r, world, port, backend), backend) for r in range(world)]
     try:
         while True:
             codes = [p.poll() for p in procs]
@@ -62,7 +114,7 @@ def launch(run_dirs: list[Path], world: int, backend: dict[str, Any], jobs: list
         raise
 
 
-def stop(procs: list[subprocess.Popen]) -> None:
+def stop(procs: list[ForkedWorker | subprocess.Popen]) -> None:
     """SIGTERM every live worker's process group, SIGKILL what is left after a grace."""
     for proc in procs:
         if proc.poll() is None:
@@ -76,7 +128,7 @@ def stop(procs: list[subprocess.Popen]) -> None:
             proc.wait()
 
 
-def _signal(proc: subprocess.Popen, sig: int) -> None:
+def _signal(proc: ForkedWorker | subprocess.Popen, sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)
     except ProcessLookupError:

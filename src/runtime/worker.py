@@ -7,7 +7,8 @@ launchers/; src/runtime/prepare.py writes the run directory there). A failure is
 line on stderr and in RUN_DIR/errors/rank<r>.txt, for the driver to report; the process
 group is destroyed on every exit (gloo aborts a process that exits with one alive).
 Several run directories (same world size) run back to back in one process group, paying
-the start-up (imports, rendezvous) once: small sweeps and the tests use this.
+the start-up (imports, rendezvous) once: small sweeps and the tests use this. A worker is
+named `mmdist-rank<r>` in ps and pgrep.
 """
 from __future__ import annotations
 
@@ -31,9 +32,20 @@ def dist_backend(requested: str) -> str:
     return requested
 
 
+def name_process(rank: int) -> None:
+    """`mmdist-rank<r>` in ps/top/pgrep (Linux), however the worker was started (forked
+    workers share their forkserver's command line)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_NAME = 15
+        ctypes.CDLL(None).prctl(PR_SET_NAME, f"mmdist-rank{rank}".encode()[:15], 0, 0, 0)
+
+
 def main(run_dirs: list[Path]) -> int:
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
+    name_process(rank)
     run_dir = run_dirs[0]
     try:
         config = yaml.safe_load((run_dir / "resolved.yaml").read_text())

@@ -1,0 +1,18 @@
+"""What every CPU worker imports, imported once: the local driver's forkserver runs this
+before it forks the workers (src/runtime/driver.py), so 4 workers on 2 cores do not each
+pay seconds of torch, DeepSpeed and torch._dynamo imports (an optimizer's first
+construction imports torch._dynamo, about a second on its own)."""
+from __future__ import annotations
+
+import os
+
+# Before DeepSpeed's first import: gloo workers use no accelerator (no probe).
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import torch._dynamo  # noqa: E402,F401  (torch.optim constructors import it lazily)
+
+import src.runtime.session  # noqa: E402,F401  (torch, DeepSpeed, our modules)
+from src.runtime.engines import prebuild_ops  # noqa: E402
+
+# DeepSpeed's CPU op, built (or loaded from the cache) once, before any worker joins a group.
+prebuild_ops()
