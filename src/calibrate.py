@@ -10,7 +10,9 @@ runs them (spawned processes, gloo, F.linear):
 - oversubscription: the per-worker rate of a large GEMM when 1, 2, ... workers compute at
   once (past the core count each gets a share of a core);
 - gloo all-reduce time by message size and group size, and point-to-point ping-pong time
-  by size: latency and bandwidth fits of the cost model's formulas.
+  by size: latency and bandwidth fits of the cost model's formulas; all-gather and
+  reduce-scatter times by size, as the fraction of the fitted ring's rate they achieve
+  (gloo's reduce-scatter falls far short of it).
 
 The profile (raw measurements and the fitted preset figures) is written to
 conf/cluster/profiles/local-<cpu model>.yaml; `cluster=local` takes its figures on a host
@@ -93,9 +95,10 @@ def _links(rank: int, world: int) -> dict[str, list]:
 
     pair = dist.new_group([0, 1])
     in_pair = rank <= 1
-    measured: dict[str, list] = {"all_reduce": [], "p2p": []}
+    measured: dict[str, list] = {"all_reduce": [], "p2p": [], "all_gather": [], "reduce_scatter": []}
     for nbytes in MESSAGE_BYTES:
-        tensor = torch.ones(nbytes // 4)
+        tensor = torch.ones(nbytes // 4 // world * world)
+        shard = torch.empty(tensor.numel() // world)
 
         def ping_pong() -> None:
             peer = 1 - rank
@@ -108,6 +111,8 @@ def _links(rank: int, world: int) -> dict[str, list]:
             if in_pair:
                 measured["all_reduce"].append((2, nbytes, seconds))
         measured["all_reduce"].append((world, nbytes, _timed(lambda: dist.all_reduce(tensor))))
+        measured["all_gather"].append((world, nbytes, _timed(lambda: dist.all_gather_into_tensor(tensor, shard))))
+        measured["reduce_scatter"].append((world, nbytes, _timed(lambda: dist.reduce_scatter_tensor(shard, tensor))))
         seconds = _timed(ping_pong if in_pair else lambda: None)
         if in_pair:
             measured["p2p"].append((nbytes, seconds / 2))
@@ -150,6 +155,15 @@ def fit_ring(points: list[tuple[int, int, float]]) -> tuple[float, float]:
     return _least_squares(xs, ys, [t for *_, t in points])
 
 
+def fit_efficiency(points: list[tuple[int, int, float]], latency: float, bandwidth: float) -> float:
+    """The fraction of the ring's data rate a one-pass collective (all-gather,
+    reduce-scatter: (g-1) steps, (g-1)/g of the bytes) achieves, from its largest messages,
+    where the data term dominates."""
+    largest = sorted(points, key=lambda p: p[1])[-3:]
+    ratios = [((g - 1) / g * n / bandwidth) / max(t - (g - 1) * latency, 1e-12) for g, n, t in largest]
+    return min(1.0, statistics.median(ratios))
+
+
 def fit_p2p(points: list[tuple[int, float]]) -> tuple[float, float]:
     """Latency and bandwidth of t = latency + bytes/bandwidth."""
     return _least_squares([1.0] * len(points), [float(n) for n, _ in points], [t for _, t in points])
@@ -184,13 +198,17 @@ def calibrate(workers: int) -> dict[str, Any]:
     preset["gemm_half_dim"] = round(curves["fp32"][1], 1)
     for k, rates in concurrent.items():
         preset["oversubscription"][k] = round(statistics.fmean(rates[r]["fp32"] for r in rates) / alone["fp32"], 3)
-    slowest = {}  # every rank of a collective waits for the slowest
+    slowest: dict[tuple[int, int], float] = {}  # every rank of a collective waits for the slowest
     for r in links:
         for size, nbytes, seconds in links[r]["all_reduce"]:
             slowest[(size, nbytes)] = max(slowest.get((size, nbytes), 0.0), seconds)
     latency, bandwidth = fit_ring([(g, n, t) for (g, n), t in slowest.items()])
     p2p_latency, p2p_bandwidth = fit_p2p(links[0]["p2p"])
     preset.update(intra_latency=float(f"{latency:.4g}"), intra_bandwidth=float(f"{bandwidth:.4g}"))
+    one_pass = {op: [max((links[r][op][i] for r in links), key=lambda p: p[2]) for i in range(len(MESSAGE_BYTES))]
+                for op in ("all_gather", "reduce_scatter")}
+    preset["collective_efficiency"] = {op: round(fit_efficiency(points, latency, bandwidth), 3)
+                                       for op, points in one_pass.items()}
     import torch
 
     return {
@@ -205,6 +223,7 @@ def calibrate(workers: int) -> dict[str, Any]:
                                 for k, rates in concurrent.items()},
             "all_reduce": [{"group": g, "bytes": n, "seconds": t} for (g, n), t in sorted(slowest.items())],
             "p2p": [{"bytes": n, "seconds": t} for n, t in links[0]["p2p"]],
+            **{op: [{"group": g, "bytes": n, "seconds": t} for g, n, t in points] for op, points in one_pass.items()},
         },
     }
 

@@ -35,6 +35,10 @@ class ClusterSpec:
       (resp. a send's or receive's) kernels hold while they run: NCCL runs one CTA per
       channel, each on an SM of its own, so compute overlapping them runs on the rest.
     reserved_memory_gib: memory a framework cannot use (context, allocator, workspace).
+    collective_efficiency: the achieved fraction of the ring formula's data rate, per
+      collective op, where the communication library falls short of it ({op: fraction});
+      gloo's reduce-scatter is an order of magnitude slower than its all-reduce on the same
+      bytes. Empty: the library achieves the formula (NCCL).
     oversubscription: a device's compute rate when k devices of a node compute at once,
       relative to one alone ({k: fraction}); for CPU workers sharing a host's cores (the
       `local` preset). Empty: devices do not share compute (GPUs). peak() applies it.
@@ -63,6 +67,7 @@ class ClusterSpec:
     collective_sm_fraction: float = 0.0
     p2p_sm_fraction: float = 0.0
     oversubscription: dict[int, float] = field(default_factory=dict)
+    collective_efficiency: dict[str, float] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -188,6 +193,7 @@ def cluster_from_config(cfg: Mapping[str, Any]) -> ClusterSpec:
         devices_per_node=int(cfg["devices_per_node"]), peak_flops=peaks,
         default_precision=str(cfg["default_precision"]), sources=sources,
         oversubscription=_oversubscription(cfg.get("oversubscription"), name),
+        collective_efficiency=_collective_efficiency(cfg.get("collective_efficiency"), name),
         **{key: float(cfg[key]) for key in FLOAT_FIELDS},
     )
 
@@ -205,6 +211,24 @@ def _oversubscription(table: Any, cluster: str) -> dict[int, float]:
             raise ConfigError(f"cluster.oversubscription.{k}={v}: counts are positive and rates in (0, 1] "
                               f"(cluster {cluster})")
         out[count] = share
+    return out
+
+
+COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
+
+
+def _collective_efficiency(table: Any, cluster: str) -> dict[str, float]:
+    if table is None:
+        return {}
+    if not isinstance(table, Mapping) or set(table) - set(COLLECTIVE_OPS):
+        raise ConfigError(f"cluster.collective_efficiency maps collective ops {list(COLLECTIVE_OPS)} to the fraction "
+                          f"of the ring formula's rate they achieve, got {table!r} (cluster {cluster})")
+    out = {}
+    for op, v in table.items():
+        share = _number(v, f"cluster.collective_efficiency.{op}", cluster)
+        if not 0 < share <= 1:
+            raise ConfigError(f"cluster.collective_efficiency.{op}={v}: a fraction in (0, 1] (cluster {cluster})")
+        out[str(op)] = share
     return out
 
 

@@ -62,3 +62,24 @@ def test_local_takes_the_profile_of_this_cpu_model_only(tmp_path: Path, monkeypa
 def test_bad_oversubscription_is_one_line() -> None:
     with pytest.raises(ConfigError, match=r"cluster.oversubscription.4=1.5"):
         cluster_from_config({**LOCAL, "profile": None, "oversubscription": {4: 1.5}})
+
+
+def test_one_pass_collective_efficiency_is_its_share_of_the_ring_rate() -> None:
+    from src.calibrate import fit_efficiency
+
+    latency, bandwidth, g = 1e-3, 1e9, 4
+    points = [(g, n, (g - 1) * latency + (g - 1) / g * n / (bandwidth * 0.125)) for n in (1e4, 1e6, 1e7, 1e8)]
+    assert fit_efficiency(points, latency, bandwidth) == pytest.approx(0.125)
+
+
+def test_collective_efficiency_slows_that_op_only() -> None:
+    from src.costmodel.comm import CommModel
+
+    base = cluster_from_config({**LOCAL, "profile": None})
+    slow = cluster_from_config({**LOCAL, "profile": None, "collective_efficiency": {"reduce_scatter": 0.25}})
+    ranks = (0, 1, 2, 3)
+    for op, factor in (("reduce_scatter", 4.0), ("all_gather", 1.0), ("all_reduce", 1.0)):
+        assert CommModel(slow).collective_parts(op, ranks, 1e8)[1] == pytest.approx(
+            factor * CommModel(base).collective_parts(op, ranks, 1e8)[1])
+    with pytest.raises(ConfigError, match="collective_efficiency"):
+        cluster_from_config({**LOCAL, "profile": None, "collective_efficiency": {"reduce": 0.5}})

@@ -44,7 +44,8 @@ class CommModel:
         if g <= 1 or nbytes <= 0:
             return 0.0, 0.0
         n = self.cluster.nodes_spanned(ranks)
-        bandwidth = self.cluster.bandwidth(ranks, sharing)
+        # The library's shortfall from the formula for this op (gloo's reduce-scatter), if any.
+        bandwidth = self.cluster.bandwidth(ranks, sharing) * self.cluster.collective_efficiency.get(op, 1.0)
         intra, inter = self.cluster.intra_latency, self.cluster.inter_latency
         steps, fraction = (g - 1) - (n - 1), (g - 1) / g  # intra-node steps of a one-pass ring
         if op == "all_reduce":
