@@ -176,6 +176,7 @@ class ScalingReport(Callback):
 @hydra.main(version_base=None, config_path="../conf", config_name="compare")
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
     config = plain_config(cfg)
     out = Path(HydraConfig.get().runtime.output_dir)
@@ -183,7 +184,7 @@ def main(cfg: DictConfig) -> None:
         outcomes = compare(config)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
-        if HydraConfig.get().mode.name != "MULTIRUN":
+        if HydraConfig.get().mode != RunMode.MULTIRUN:
             sys.exit(2)
         return
     print(write(outcomes, config, out))

@@ -133,7 +133,8 @@ def plan_ddp(request: PlanRequest) -> Plan:
                 parts = ", ".join(f"{k} {memory[k] / GIB:.1f}" for k in ("weights", "grads", "optimizer", "gathered",
                                                                           "activations") if k in memory)
                 closest = (short, f"ddp zero_stage={opts.zero_stage} dp={dp} micro-batch={mb} recompute={recompute}: "
-                                  f"a rank needs {memory['total'] / GIB:.1f} GiB ({parts}) but a "
+                                  f"a rank needs {memory['total'] / GIB:.1f} GiB ({parts}) but each "
                                   f"{request.cluster.device} has {usable / GIB:.1f} GiB usable, short by "
                                   f"{short / GIB:.1f} GiB")
+    assert closest is not None, "_micro_batches yields a size or refuses the batch"
     raise PlanError(closest[1])
