@@ -30,10 +30,11 @@ class UnitFlops:
     bwd: float
     recompute_full: float
     recompute_selective: float
+    backward_recompute: float = 0.0  # FlashAttention's QK^T re-run in backward (hardware FLOPs only)
 
 
 def unit_flops(model: ModelSpec, unit: UnitSpec, contrastive_batch: int = 1) -> UnitFlops:
-    fwd = bwd = core = 0.0
+    fwd = bwd = core = rerun = 0.0
     for index, layer in enumerate(unit.layers):
         input_grad = model.needs_input_grad(unit.name, index)
         for kernel in layer.kernels:
@@ -43,11 +44,13 @@ def unit_flops(model: ModelSpec, unit: UnitSpec, contrastive_batch: int = 1) -> 
                 continue
             if kernel.attention_core and (input_grad or unit.trains(layer)):
                 core += flops
+            if kernel.backward_recompute and (input_grad or unit.trains(layer)):
+                rerun += flops
             if input_grad:
                 bwd += flops if kernel.has_weight else 2 * flops
             if kernel.has_weight and unit.trains(layer):
                 bwd += flops
-    return UnitFlops(fwd, bwd, recompute_full=fwd, recompute_selective=core)
+    return UnitFlops(fwd, bwd, recompute_full=fwd, recompute_selective=core, backward_recompute=rerun)
 
 
 def iteration_flops(model: ModelSpec, plan: Plan, train: TrainSpec) -> tuple[float, float]:
@@ -62,6 +65,7 @@ def iteration_flops(model: ModelSpec, plan: Plan, train: TrainSpec) -> tuple[flo
         samples = train.global_batch
         extra = {"full": per_sample.recompute_full,
                  "selective": per_sample.recompute_selective}.get(unit_plan.recompute, 0.0)
+        extra += per_sample.backward_recompute
         if not model.needs_backward(unit.name):
             extra = 0.0
         model_flops += samples * (per_sample.fwd + per_sample.bwd)

@@ -35,7 +35,8 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
     # auto runs the winner's plan, whose own fields are classified under its strategy.
     ("auto", "contenders"): (WORKERS + CLIP + ["strategy=auto"], ["strategy.contenders=[megatron]"], "run",
                              "test_compare"),
-    ("megatron", "tp"): (MEGATRON, ["strategy.tp=2", "strategy.sequence_parallel=false"], "run", EQUALITY),
+    ("megatron", "tp"): (MEGATRON, ["strategy.tp=2", "strategy.sequence_parallel=false", "strategy.scatter_gather=false"],
+                         "run", EQUALITY),
     ("megatron", "pp"): (MEGATRON, ["strategy.pp=1"], "run", EQUALITY),
     ("megatron", "dp"): (MEGATRON, ["strategy.dp=2"], "run", EQUALITY),
     ("megatron", "vpp"): (MEGATRON, ["strategy.vpp=2", "strategy.schedule=interleaved"], "run", EQUALITY),
@@ -49,6 +50,8 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
     ("megatron", "modality_stages"): (MEGATRON, ["strategy.modality_stages=merged"], "run", EQUALITY),
     ("megatron", "uneven_pp"): (MEGATRON, ["strategy.uneven_pp=true"], "run", EQUALITY),
     ("megatron", "balance"): (MEGATRON, ["strategy.balance=true"], "run", EQUALITY),
+    ("megatron", "scatter_gather"): (MEGATRON, ["strategy.tp=2", "strategy.sequence_parallel=false",
+                                                "strategy.scatter_gather=true"], "refused", ""),
     ("distmm", "balance"): (DISTMM, ["strategy.balance=even"], "run", DISTMM_RUNS),
     ("distmm", "placement"): (DISTMM, ["strategy.placement=naive", "strategy.vision.dp=null",
                                        "strategy.text.dp=null"], "run", DISTMM_RUNS),

@@ -84,6 +84,9 @@ class ComputeModel:
         if not kernel.has_weight:
             # A product of two activations (attention) has two input gradients.
             bwd_input *= 2.0
+        if kernel.backward_recompute:
+            # FlashAttention's backward first recomputes the scores it did not keep.
+            bwd_input += fwd
         return LayerTimes(fwd, bwd_input, bwd_weight, fwd if kernel.attention_core else 0.0)
 
     def layer_times(self, layer: LayerSpec, samples: float, sharding: Sharding = Sharding(),

@@ -4,24 +4,29 @@ Activations are 16-bit (2 bytes); memory-bound kernels are charged the bytes the
 write. Activation bytes follow Korthikanti et al., "Reducing Activation Recomputation in
 Large Transformer Models" (2022): 34·s·h + 5·a·s² bytes per layer for a GPT block, of which
 10·s·h are replicated across TP ranks, 24·s·h are split, 5·a·s² are attention scores.
+Under FlashAttention (src/models/attention.py) the scores are never stored: a block keeps
+fp32 softmax statistics (a log-sum-exp per head and query, FLASH_STATS_BYTES each) instead.
 """
 from __future__ import annotations
 
 from src.models.spec import ActivationBytes, Kernel, LayerSpec, TPSplit
 
 ACT_BYTES = 2  # bf16/fp16 activations
+FLASH_STATS_BYTES = 4  # FlashAttention's fp32 log-sum-exp per head and query row
 
 
 def gemm(name: str, m: int, k: int, n: int, split: TPSplit, weight: bool = True, batch: int = 1,
-         core: bool = False) -> Kernel:
+         core: bool = False, scores: bool = False) -> Kernel:
     """An (m x k) @ (k x n) product, `batch` times; `weight` = a trainable weight operand."""
     return Kernel(name, "gemm", m=m, n=n, k=k, batch=batch, tp_split=split, has_weight=weight,
-                  attention_core=core)
+                  attention_core=core, attention_scores=scores)
 
 
-def memory(name: str, elems: float, split: TPSplit = "none", passes: int = 2, core: bool = False) -> Kernel:
+def memory(name: str, elems: float, split: TPSplit = "none", passes: int = 2, core: bool = False,
+           scores: bool = False) -> Kernel:
     """A bandwidth-bound kernel reading and writing `elems` 16-bit values (`passes` moves)."""
-    return Kernel(name, "memory", bytes=elems * ACT_BYTES * passes, tp_split=split, attention_core=core)
+    return Kernel(name, "memory", bytes=elems * ACT_BYTES * passes, tp_split=split, attention_core=core,
+                  attention_scores=scores)
 
 
 def _attention(prefix: str, seq: int, kv_seq: int, hidden: int, heads: int, kv_dim: int,
@@ -33,8 +38,9 @@ def _attention(prefix: str, seq: int, kv_seq: int, hidden: int, heads: int, kv_d
         projections = [gemm(f"{prefix}q", seq, hidden, hidden, "n"),
                        gemm(f"{prefix}kv", kv_seq, kv_hidden, 2 * kv_dim, "n")]
     return projections + [
-        gemm(f"{prefix}scores", seq, head_dim, kv_seq, "batch", weight=False, batch=heads, core=True),
-        memory(f"{prefix}softmax", heads * seq * kv_seq, "batch", core=True),
+        gemm(f"{prefix}scores", seq, head_dim, kv_seq, "batch", weight=False, batch=heads, core=True,
+             scores=True),
+        memory(f"{prefix}softmax", heads * seq * kv_seq, "batch", core=True, scores=True),
         gemm(f"{prefix}context", seq, kv_seq, head_dim, "batch", weight=False, batch=heads, core=True),
         gemm(f"{prefix}proj", seq, hidden, hidden, "k"),
         memory(f"{prefix}residual", 1.5 * seq * hidden),
@@ -71,6 +77,7 @@ def transformer_layer(seq: int, hidden: int, heads: int, ffn: int | None = None,
     replicated = (8 + 2 * mask) * seq * hidden
     split = ACT_BYTES * (2 * seq * hidden + 2 * seq * kv_dim)
     attention = (2 + 3 * mask) * heads * seq * seq
+    flash = FLASH_STATS_BYTES * heads * seq
     allreduces = 2
 
     if cross_seq is not None:
@@ -82,6 +89,7 @@ def transformer_layer(seq: int, hidden: int, heads: int, ffn: int | None = None,
         replicated += (4 + mask) * seq * hidden
         split += ACT_BYTES * (2 * seq * hidden + 2 * cross_seq * hidden)
         attention += (2 + 3 * mask) * heads * seq * cross_seq
+        flash += FLASH_STATS_BYTES * heads * seq
         allreduces += 1
 
     kernels += [
@@ -99,7 +107,7 @@ def transformer_layer(seq: int, hidden: int, heads: int, ffn: int | None = None,
         kernels=tuple(kernels),
         params=params,
         activations=ActivationBytes(replicated=replicated, split=split, attention=attention,
-                                    checkpoint=ACT_BYTES * seq * hidden),
+                                    checkpoint=ACT_BYTES * seq * hidden, flash_attention=flash),
         tp_allreduces=allreduces,
         tp_comm_elems=seq * hidden,
     )

@@ -72,7 +72,7 @@ def per_images(layer: LayerSpec, images: int) -> LayerSpec:
                     for k in layer.kernels)
     a = layer.activations
     activations = ActivationBytes(a.replicated * images, a.split * images, a.attention * images,
-                                  a.checkpoint * images)
+                                  a.checkpoint * images, a.flash_attention * images)
     return replace(layer, kernels=kernels, activations=activations, tp_comm_elems=layer.tp_comm_elems * images)
 
 

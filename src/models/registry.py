@@ -2,7 +2,8 @@
 
 Every builder takes the config's Options and the training sequence length (train.seq_len,
 None = the model's default; only models with an LLM unit accept one). The registry then
-applies `model.frozen`, which works for every model, and rejects keys nobody read.
+applies `model.attention` and `model.frozen`, which work for every model, and rejects keys
+nobody read.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dataclasses import replace
 from typing import Any
 
 from src.errors import ConfigError
+from src.models.attention import ATTENTION_MODES, default_attention, with_attention
 from src.models.contrastive import build_clip, build_coca, build_lit
 from src.models.gpt import build_gpt
 from src.models.mllm import MLLM_BUILDERS
@@ -33,15 +35,18 @@ MODEL_BUILDERS: dict[str, Builder] = {
 MODEL_NAMES: tuple[str, ...] = tuple(MODEL_BUILDERS)
 
 
-def build_model(model_cfg: Mapping[str, Any], seq_len: int | None = None) -> ModelSpec:
-    """Build the ModelSpec the Hydra `model` group describes (as a plain dict)."""
+def build_model(model_cfg: Mapping[str, Any], seq_len: int | None = None, device: str | None = None) -> ModelSpec:
+    """Build the ModelSpec the Hydra `model` group describes (as a plain dict); `device`
+    (cluster.device) picks the default of model.attention."""
     opts = Options(model_cfg)
     name = opts.choice("name", MODEL_NAMES)
     if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0):
         raise ConfigError(f"train.seq_len={seq_len!r} must be a positive integer or null")
     spec = MODEL_BUILDERS[name](opts, seq_len)
+    attention = opts.choice("attention", ATTENTION_MODES, default_attention(device))
     frozen = opts.names("frozen")
     opts.finish(name)
+    spec = with_attention(spec, attention)
     return spec if frozen is None else _freeze(spec, frozen)
 
 

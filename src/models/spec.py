@@ -31,6 +31,9 @@ class Kernel:
       GEMM besides the input-gradient GEMM (a frozen unit skips the former).
     attention_core: part of softmax(QK^T)V, whose activations selective recomputation
       drops and whose forward it re-runs in backward.
+    attention_scores: computes or normalises the s x s scores (QK^T, softmax), the tensors
+      FlashAttention keeps in on-chip memory (src/models/attention.py).
+    backward_recompute: backward re-runs this kernel's forward (FlashAttention's QK^T).
     """
 
     name: str
@@ -44,6 +47,8 @@ class Kernel:
     has_weight: bool = False
     n_contrastive: bool = False
     attention_core: bool = False
+    attention_scores: bool = False
+    backward_recompute: bool = False
 
     def flops(self, contrastive_batch: int = 1) -> float:
         """Forward FLOPs for one sample (0 for memory-bound kernels)."""
@@ -59,14 +64,18 @@ class ActivationBytes:
 
     Split as in Korthikanti et al. (2022) so TP, sequence parallelism and recomputation can
     be applied: `replicated` is held whole by every TP rank (sharded by sequence
-    parallelism), `split` is divided by TP, `attention` is the s^2 score tensors (divided
-    by TP, dropped by selective recompute) and `checkpoint` is what full recompute keeps.
+    parallelism), `split` is divided by TP, `attention` is what the attention core keeps
+    (divided by TP, dropped by selective recompute) and `checkpoint` is what full
+    recompute keeps. `attention` is the s^2 score tensors of eager attention; `flash_attention`
+    is what FlashAttention keeps instead (fp32 softmax statistics, O(s)), which
+    src/models/attention.py moves into `attention` when a model runs it.
     """
 
     replicated: float = 0.0
     split: float = 0.0
     attention: float = 0.0
     checkpoint: float = 0.0
+    flash_attention: float = 0.0
 
     def per_device(self, sharding: Sharding, recompute: str) -> float:
         """Bytes one device keeps under `sharding` (Megatron TP: `replicated` is divided

@@ -85,8 +85,12 @@ def _check_instruction(instruction, handles: set[str], label: str, interaction: 
             if instruction.op not in PAYLOAD_COLLECTIVES and not placed_by_rows(instruction, interaction):
                 raise ConfigError(f"{label}: the real backend carries no payloads in a {instruction.op}")
         elif instruction.kind not in ("tp", "dp"):
+            hint = ""
+            if instruction.kind == "pp":  # a pipeline transfer's scatter/gather
+                hint = " (it sends whole activations between stages; megatron: strategy.scatter_gather=false)"
             raise ConfigError(f"{label}: the real backend cannot run a standalone {instruction.op} of kind "
-                              f"{instruction.kind} on group {instruction.group}: no tensor of the model travels in it")
+                              f"{instruction.kind} on group {instruction.group}: no tensor of the model travels in "
+                              f"it{hint}")
         elif not instruction.blocking:
             raise ConfigError(f"{label}: asynchronous {instruction.kind} {instruction.op} on {instruction.group}: the "
                               f"real backend does not overlap gradient reduction or parameter prefetch yet "

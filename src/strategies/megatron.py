@@ -37,6 +37,7 @@ class MegatronOptions:
     modality_stages: str = "extra"
     uneven_pp: bool = False
     balance: bool = False
+    scatter_gather: bool = True
 
     def __post_init__(self) -> None:
         for key in ("tp", "pp", "dp", "vpp", "micro_batch_size"):
@@ -48,7 +49,7 @@ class MegatronOptions:
         if self.vpp is not None and self.vpp > 1 and self.schedule in ("gpipe", "1f1b"):
             raise ConfigError(f"strategy.vpp={self.vpp} needs the interleaved schedule, not "
                               f"strategy.schedule={self.schedule}")
-        for key in ("sequence_parallel", "overlap_grad_reduce", "uneven_pp", "balance"):
+        for key in ("sequence_parallel", "overlap_grad_reduce", "uneven_pp", "balance", "scatter_gather"):
             value = getattr(self, key)
             if not isinstance(value, bool) and not (key == "sequence_parallel" and value is None):
                 raise ConfigError(f"strategy.{key} must be true or false, got {value!r}")

@@ -41,7 +41,7 @@ from src.program import Work
 from src.schedules.pipeline import PipeOp, build_schedule
 from src.strategies.layout import megatron_mesh, pipeline_pairs
 from src.strategies.megatron_programs import Degrees, MegatronSettings
-from src.strategies.stages import Segment, boundary_elems
+from src.strategies.stages import Segment, StageTransfer, boundary_elems, stage_transfer
 
 # Rounding: the simulator adds the same prices in another order.
 BOUND_SLACK = 1e-9
@@ -125,10 +125,16 @@ class _MeshCosts:
     def dp(self, stage: int, op: str, nbytes: float) -> float:
         return self._collective(op, self.dp_ranks[stage], self.dp_sharing, nbytes)
 
-    def hop(self, stage: int, nbytes: float) -> float:
-        key = ("hop", stage, nbytes)
+    def hop(self, stage: int, transfer: StageTransfer) -> float:
+        """Hop `stage` -> `stage`+1: the send, then the receiving stage's TP all-gather."""
+        key = ("hop", stage, transfer)
         if key not in self._cache:
-            self._cache[key] = self.comm.p2p_time(*self.hop_pair[stage], nbytes, self.hop_sharing)
+            seconds = self.comm.p2p_time(*self.hop_pair[stage], transfer.send_bytes, self.hop_sharing)
+            if transfer.gather_bytes:
+                receiver = (stage + 1) % len(self.tp_ranks)
+                seconds += self._collective("all_gather", self.tp_ranks[receiver], self.tp_sharing,
+                                            transfer.gather_bytes)
+            self._cache[key] = seconds
         return self._cache[key]
 
     def _collective(self, op: str, ranks: tuple[int, ...], sharing: int, nbytes: float) -> float:
@@ -375,7 +381,7 @@ class PipelineEstimator:
             if v < len(virtual) - 1:
                 last = segments[-1]
                 nbytes = boundary_elems(self.model.unit(last.unit), last.layers[1]) * mb * self.act_bytes
-                hop.append(mesh.hop(stage, nbytes))
+                hop.append(mesh.hop(stage, stage_transfer(nbytes, deg.tp, cfg.sequence_parallel, cfg.scatter_gather)))
         tail = [self._tail(virtual, stage, deg, cfg, sharding, mesh) for stage in range(pp)]
         return Passes(fwd, bwd, hop, grads_back, tail, self.microbatches(deg))
 

@@ -40,6 +40,7 @@ class MegatronSettings:
     overlap_grad_reduce: bool
     modality_stages: str
     uneven_pp: bool
+    scatter_gather: bool = True  # pipeline sends of 1/tp plus a TP all-gather (stages.stage_transfer)
 
 
 def pipeline_program(model: ModelSpec, cluster: ClusterSpec, global_batch: int, precision: str,
@@ -52,7 +53,7 @@ def pipeline_program(model: ModelSpec, cluster: ClusterSpec, global_batch: int, 
     orders = build_schedule(cfg.schedule, pp, microbatches, vpp)
     program = Program(world_size=mesh.size, classes=[])
     settings = PipelineSettings(deg.micro_batch, cfg.recompute, cfg.sequence_parallel, cfg.zero_stage,
-                                cfg.overlap_grad_reduce)
+                                cfg.overlap_grad_reduce, scatter_gather=cfg.scatter_gather)
     emitter = PipelineEmitter(model, cluster, precision, program, mesh, virtual, settings)
     for stage in range(pp):
         program.classes.append(emitter.rank_program(emitter.stage(stage, orders[stage]), f"stage {stage}"))

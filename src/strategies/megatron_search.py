@@ -138,7 +138,7 @@ class MegatronSearch:
                 break
             settings = MegatronSettings(shape.schedule, recompute, shape.sequence_parallel, zero,
                                         self.opts.overlap_grad_reduce, self.opts.modality_stages,
-                                        self.opts.uneven_pp)
+                                        self.opts.uneven_pp, self.opts.scatter_gather)
             try:
                 candidate = self._check(shape, settings, step, tables)
             except ConfigError as err:

@@ -26,7 +26,7 @@ from src.models.spec import ModelSpec
 from src.program import Collective, Hop, Instruction, Payload, Program, RankProgram, Recv, Send
 from src.strategies.emit import TPConfig, backward_io, consumed, iteration_tail, produced, segment_pass
 from src.strategies.layout import axis_group, pipeline_pairs
-from src.strategies.stages import Segment, boundary_elems
+from src.strategies.stages import Segment, StageTransfer, boundary_elems, stage_transfer
 
 
 class Links(Protocol):
@@ -55,6 +55,7 @@ class PipelineSettings:
     zero_stage: int
     overlap_grad_reduce: bool = False
     tp_overlap_chunks: int = 1
+    scatter_gather: bool = False  # Megatron-LM's pipeline scatter/gather (stages.stage_transfer)
 
 
 @dataclass
@@ -100,11 +101,14 @@ class PipelineEmitter:
         pairs = pipeline_pairs(mesh)
         sharing = family_sharing(cluster, pairs) if pairs else 1
         self.hops: list[str] = []
+        self.transfers: list[StageTransfer] = []
         for v in range(len(virtual) - 1):
             last = virtual[v][-1]
             nbytes = boundary_elems(model.unit(last.unit), last.layers[1]) * settings.micro_batch * self.act_bytes
+            transfer = stage_transfer(nbytes, mesh.degree("tp"), settings.sequence_parallel, settings.scatter_gather)
             route = Hop(f"{prefix}hop.v{v}", "pp", mesh.slice(pp=v % self.pp), mesh.slice(pp=(v + 1) % self.pp),
-                        nbytes, sharing)
+                        transfer.send_bytes, sharing)
+            self.transfers.append(transfer)
             program.add_route(route)
             self.hops.append(route.name)
         self.pending: dict[int, list[str]] = {stage: [] for stage in range(self.pp)}
@@ -160,7 +164,7 @@ class PipelineEmitter:
         for segment in self.virtual[v]:
             for payload in consumed(self.model, segment, j):
                 if payload not in made_here:
-                    out += [Recv(self.hops[v - 1], payload)] if payload in inbound else self.links.receive(payload)
+                    out += self._receive(v - 1, payload, stage) if payload in inbound else self.links.receive(payload)
             out += segment_pass(self.model, segment, "fwd", self.cfg.micro_batch, j, self._tp(stage), chunk=op.chunk)
             for payload in produced(self.model, segment, j):
                 made_here.add(payload)
@@ -180,7 +184,7 @@ class PipelineEmitter:
             grads_in, grads_out = backward_io(self.model, segment, j)
             for grad in grads_in:
                 if grad.value() in outbound:
-                    out.append(Recv(self.hops[v], grad))
+                    out += self._receive(v, grad, stage)
                 elif grad.value() not in inside:
                     out += self.links.receive(grad)
             out += self._segment_backward(segment, j, op.chunk, stage, overlap)
@@ -189,6 +193,15 @@ class PipelineEmitter:
                     out.append(Send(self.hops[v - 1], grad))
                 elif grad.value() not in made_here:
                     out += self.links.send(grad)
+        return out
+
+    def _receive(self, hop: int, payload: Payload, stage: int) -> list[Instruction]:
+        """A payload (or its gradient) over hop `hop`: each rank's share, then the TP
+        all-gather that rebuilds it where the transfer was scattered."""
+        out: list[Instruction] = [Recv(self.hops[hop], payload)]
+        gather = self.transfers[hop].gather_bytes
+        if gather and self.tp_groups[stage] is not None:
+            out.append(Collective("all_gather", self.tp_groups[stage], gather, "pp", stream="compute"))
         return out
 
     def _segment_backward(self, segment: Segment, j: int, chunk: int, stage: int, overlap: bool) -> list[Instruction]:

@@ -185,3 +185,29 @@ def chain_segments(units: Sequence[UnitSpec], ranges: Sequence[tuple[int, int]])
 def boundary_elems(unit: UnitSpec, layer_end: int) -> int:
     """Elements per sample leaving a segment that ends at `layer_end`."""
     return unit.output_elems if layer_end >= unit.num_layers else unit.seq_len * unit.hidden
+
+
+@dataclass(frozen=True)
+class StageTransfer:
+    """What one TP rank sends across a pipeline boundary per micro-batch (`send_bytes`),
+    and what the receiving stage then all-gathers over its TP group (`gather_bytes`, the
+    whole tensor; 0 when nothing is gathered)."""
+
+    send_bytes: float
+    gather_bytes: float = 0.0
+
+
+def stage_transfer(nbytes: float, tp: int, sequence_parallel: bool, scatter_gather: bool) -> StageTransfer:
+    """How Megatron-LM moves an `nbytes` activation (or its gradient) between stages
+    (megatron/p2p_communication.py, _communicate). Under sequence parallelism each TP rank
+    holds and sends only its s/tp tokens, and the next stage starts sequence-parallel: no
+    gather. Without it every TP rank holds the whole tensor; with the scatter/gather
+    optimisation (on by default, off with --no-scatter-gather-tensors-in-pipeline) each
+    sends 1/tp of it and the receiving stage all-gathers over TP; without, each sends it whole."""
+    if tp == 1:
+        return StageTransfer(nbytes)
+    if sequence_parallel:
+        return StageTransfer(nbytes / tp)
+    if scatter_gather:
+        return StageTransfer(nbytes / tp, nbytes)
+    return StageTransfer(nbytes)

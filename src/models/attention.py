@@ -1,0 +1,65 @@
+"""How the attention core runs: FlashAttention or eager (model.attention).
+
+eager: QK^T is written to HBM, normalised by a separate softmax kernel, and the s x s
+scores (with dropout, its mask and output) stay alive until backward (Korthikanti et al.
+2022, the 5·a·s² bytes of layers.py). This is what a plain PyTorch/Megatron run without
+fused attention does.
+
+flash: FlashAttention (Dao et al. 2022; FlashAttention-2, Dao 2023) tiles QK^T, softmax
+and the product with V in on-chip memory: the scores never reach HBM (no softmax traffic)
+and are not kept for backward, only the fp32 log-sum-exp per head and query row; backward
+recomputes QK^T (one more forward of the scores GEMM, hardware FLOPs that the model FLOPs
+of MFU do not count). Megatron-LM (--use-flash-attn, then Transformer Engine's fused
+attention by default) and torchtitan (PyTorch SDPA) train this way on Ampere and Hopper.
+
+The default follows the device: FlashAttention-2 runs on Ampere, Ada and Hopper GPUs
+(its README's requirements), so A100/A800/H100 clusters default to flash; V100 (DistMM's
+p3.16xlarge), MI250X (Frontier) and CPU workers default to eager. What the papers used is
+not stated by any of them (DistMM: PyTorch 2.0.1 on V100, where FlashAttention does not
+run; DistTrain: not stated; Optimus: not stated; Par4D: not stated, it turns on activation
+checkpointing for GPT), so figure runs on Ampere/Hopper presets price FlashAttention, as a
+Megatron-LM run on those GPUs does today; model.attention=eager reproduces the older model.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from src.models.spec import ActivationBytes, Kernel, LayerSpec, ModelSpec
+
+ATTENTION_MODES = ("flash", "eager")
+# Device names (cluster.device) of the GPU generations FlashAttention-2 supports.
+FLASH_DEVICES = ("A100", "A800", "H100", "H800", "H200")
+
+
+def default_attention(device: str | None) -> str:
+    """flash on Ampere/Hopper devices, eager elsewhere (and when no device is known)."""
+    return "flash" if device and device.upper().startswith(FLASH_DEVICES) else "eager"
+
+
+def with_attention(spec: ModelSpec, mode: str) -> ModelSpec:
+    """The model with every attention core run as `mode` (the builders make eager layers).
+    Repeated layers stay one object: consumers cache by identity."""
+    if mode == "eager":
+        return spec
+    made: dict[int, LayerSpec] = {}
+    units = tuple(replace(unit, layers=tuple(made.setdefault(id(layer), _flash_layer(layer))
+                                             for layer in unit.layers))
+                  for unit in spec.units)
+    return replace(spec, units=units)
+
+
+def _flash_layer(layer: LayerSpec) -> LayerSpec:
+    if not any(kernel.attention_scores for kernel in layer.kernels):
+        return layer
+    a: ActivationBytes = layer.activations
+    return replace(layer, kernels=tuple(_flash_kernel(kernel) for kernel in layer.kernels),
+                   activations=replace(a, attention=a.flash_attention))
+
+
+def _flash_kernel(kernel: Kernel) -> Kernel:
+    """The scores GEMM is recomputed in backward; the softmax moves nothing through HBM."""
+    if not kernel.attention_scores:
+        return kernel
+    if kernel.kind == "gemm":
+        return replace(kernel, backward_recompute=True)
+    return replace(kernel, bytes=0.0)
