@@ -86,6 +86,7 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
     ("deepspeed3d", "micro_batch_size"): (DS3D, ["strategy.micro_batch_size=4"], "run", EQUALITY),
     ("deepspeed3d", "recompute"): (DS3D, ["strategy.recompute=full"], "run", EQUALITY),
     ("deepspeed3d", "uneven_pp"): (DS3D, ["strategy.uneven_pp=false"], "run", EQUALITY),
+    ("deepspeed3d", "scatter_gather"): (DS3D, ["strategy.tp=2", "strategy.scatter_gather=true"], "refused", ""),
 }
 PRECISIONS = {"fp32": "run", "bf16": "run", "fp16": "refused"}
 # Strategies the real backend refuses as a whole (every option with them), each with a

@@ -87,7 +87,7 @@ def _check_instruction(instruction, handles: set[str], label: str, interaction: 
         elif instruction.kind not in ("tp", "dp"):
             hint = ""
             if instruction.kind == "pp":  # a pipeline transfer's scatter/gather
-                hint = " (it sends whole activations between stages; megatron: strategy.scatter_gather=false)"
+                hint = " (it sends whole activations between stages: strategy.scatter_gather=false)"
             raise ConfigError(f"{label}: the real backend cannot run a standalone {instruction.op} of kind "
                               f"{instruction.kind} on group {instruction.group}: no tensor of the model travels in "
                               f"it{hint}")

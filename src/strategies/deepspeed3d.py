@@ -29,11 +29,14 @@ class DeepSpeed3DOptions:
     micro_batch_size: int | None = None
     recompute: str | None = None
     uneven_pp: bool = True
+    # DeepSpeed's pipeline engine partitions activations across the TP ranks it sends them
+    # from (is_pipe_partitioned) and gathers them on arrival, as Megatron's scatter/gather.
+    scatter_gather: bool = True
 
     def megatron_options(self) -> dict:
         return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "vpp": 1, "micro_batch_size": self.micro_batch_size,
                 "schedule": "1f1b", "recompute": self.recompute, "sequence_parallel": False, "zero_stage": 1,
-                "overlap_grad_reduce": False, "uneven_pp": self.uneven_pp}
+                "overlap_grad_reduce": False, "uneven_pp": self.uneven_pp, "scatter_gather": self.scatter_gather}
 
 
 def plan_deepspeed3d(request: PlanRequest) -> Plan:
