@@ -65,6 +65,6 @@ class FigureSweeper(Sweeper):
         report = write_report(spec, {(job.group, job.series): outcome_of(out / job.subdir) for job in jobs}, out)
         log.info(report)
         # The jobs' own config (the hydra node resolves only inside a job).
-        log_figure(plain_config(OmegaConf.masked_copy(self.config, [k for k in self.config if k != "hydra"])),
+        log_figure(plain_config(OmegaConf.masked_copy(self.config, [str(k) for k in self.config if k != "hydra"])),
                    out, spec.name)
         return returns

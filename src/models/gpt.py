@@ -60,7 +60,7 @@ def build_gpt(opts: Options, seq_len: int | None) -> ModelSpec:
     kv_heads = opts.positive_int("kv_heads", heads if base is None or base.kv_heads is None else base.kv_heads)
     divisible(opts, "hidden", hidden, opts.key("heads"), heads)
     divisible(opts, "heads", heads, opts.key("kv_heads"), kv_heads)
-    preset = DecoderPreset(layers, hidden, heads, vocab, style, ffn, kv_heads)
+    preset = DecoderPreset(layers, hidden, heads, vocab, "llama" if style == "llama" else "gpt", ffn, kv_heads)
     seq = seq_len or PRESET_SEQ_LEN.get(name or "", GPT_SEQ_LEN)
     unit = decoder_unit(preset, seq, output_elems=0)
     return ModelSpec(

@@ -78,7 +78,7 @@ def unet_layers(image: int, channels: int, mult: list[int], res_blocks: int,
 def build_unet(opts: Options, seq_len: int | None) -> ModelSpec:
     no_seq_len("unet", seq_len, "model.image_size")
     preset = opts.preset("preset", UNET_CHANNELS, DEFAULT_PRESET)
-    channels = opts.positive_int("channels", UNET_CHANNELS.get(preset))
+    channels = opts.positive_int("channels", None if preset is None else UNET_CHANNELS[preset])
     image = opts.positive_int("image_size", 32)
     res_blocks = opts.positive_int("res_blocks", 3)
     heads = opts.positive_int("heads", 4)

@@ -115,7 +115,7 @@ def log_figure(config: Mapping[str, Any], out: Path, figure: str) -> None:
 
         run = _start(out, {**config, "backend": {"name": "figure"}}, JobInfo(run_name=figure, sweep_name=out.name))
         results = json.loads((out / "results.json").read_text())
-        columns = ["group", "series", "value", "paper"]
+        columns: list[str | int] = ["group", "series", "value", "paper"]
         rows = [[r["group"], r["series"], r.get("value"), json.dumps(r.get("paper"))] for r in results["rows"]]
         logged: dict[str, Any] = {"results": wandb.Table(columns=columns, data=rows)}
         plot = out / f"{figure}.png"

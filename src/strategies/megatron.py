@@ -88,6 +88,7 @@ def plan_megatron(request: PlanRequest) -> Plan:
         raise PlanError(_nothing_fits(request, search, searched))
     best = search.fastest(fitting)
     plan = best.plan
+    assert plan is not None, "the fastest candidate was built"
     plan.details["search"] = search.record(fitting, best)
     units = {u.unit: u for u in plan.units}
     plan.details["memory_gib"] = {rp.label: round(rank_memory(rp, units, request.model,

@@ -276,8 +276,9 @@ class PipelineEstimator:
             return peak
         peak = max((sum(n * a for n, a in zip(counts, sizes)) for counts in live.after_forward), default=0.0)
         for counts, chunk in live.before_backward:
-            if extras[chunk] is not None:
-                peak = max(peak, sum(n * a for n, a in zip(counts, sizes)) + extras[chunk])
+            extra = extras[chunk]
+            if extra is not None:
+                peak = max(peak, sum(n * a for n, a in zip(counts, sizes)) + extra)
         return peak
 
     def _activation_prefixes(self, sharding: Sharding, recompute: str) -> dict[str, list[float]]:
