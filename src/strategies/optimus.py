@@ -206,7 +206,8 @@ def _llm_base(request: PlanRequest, opts: OptimusOptions, encoders: list[str], c
     if opts.defer_warmup and d["schedule"] != "gpipe":
         warmups = deferred_warmups(n_mb, vpp, tables, default)
         orders = interleaved(pp, n_mb, vpp, warmups)
-        stages = [emitter.stage(s, orders[s]) for s in range(pp)]
+        if orders != default:     # often no warm-up can be deferred: the stages stand
+            stages = [emitter.stage(s, orders[s]) for s in range(pp)]
     times = time_pipeline(orders, costs_of(orders, tables))
     forward, backward = dependency_points(orders, times[0], n_mb)
     tails = ([_seconds(st.tail, program, model, compute, comm, kind) for st in stages]

@@ -32,17 +32,19 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+import operator
 from dataclasses import dataclass, field
 
 from src.strategies.optimus_encoder import EncoderCosts, Item, Layout
 from src.strategies.optimus_timeline import EPS, LLMTimeline
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Placed:
     """An encoder item placed in the LLM's bubbles of rank class `klass`: a kernel in the
     gap before LLM operation `op` (kind 'gap') or in one of its TP bins ('tp'), or an
-    all-reduce issued before its compute ('issue')."""
+    all-reduce issued before its compute ('issue'). (Not frozen: a schedule places
+    millions, and a frozen dataclass is several times slower to build.)"""
 
     klass: int
     kind: str
@@ -74,34 +76,48 @@ class Schedule:
     fine_backward: set[tuple[int, int]] = field(default_factory=set)
     used: list[list[float]] = field(default_factory=list)
     issued: list[list[float]] = field(default_factory=list)
+    # Per class: a slot's next candidate for a kernel (itself unless it is full: too
+    # little room left for the stage's shortest kernel), and one past the last slot.
+    skip: list[list[int]] = field(default_factory=list)
     placed: list[Placed] = field(default_factory=list)
     delta: float = 0.0
     latency: float = math.inf
     mapping: dict[tuple[int, int], int] = field(default_factory=dict)
 
 
-
 class Journal:
-    """What one move changed, to take it back when the move fails."""
+    """What one move changed (the bubble cells it filled, the micro-batch it moved), to
+    take it back when the move fails."""
 
-    def __init__(self, schedule: Schedule) -> None:
+    def __init__(self, schedule: Schedule, pipeline: int) -> None:
         self.schedule = schedule
-        self.pre = list(schedule.pre)
-        self.fine_forward = dict(schedule.fine_forward)
-        self.fine_backward = set(schedule.fine_backward)
+        self.pipeline = pipeline
+        self.pre = schedule.pre[pipeline]
+        self.moved: tuple[int, int] | None = None
         self.placed = len(schedule.placed)
         self.cells: list[tuple[list[float], int, float]] = []
 
-    def set(self, cells: list[float], index: int, value: float) -> None:
-        self.cells.append((cells, index, cells[index]))
-        cells[index] = value
-
     def undo(self) -> None:
         s = self.schedule
-        s.pre, s.fine_forward, s.fine_backward = self.pre, self.fine_forward, self.fine_backward
+        s.pre[self.pipeline] = self.pre
+        if self.moved is not None:
+            s.fine_forward.pop(self.moved, None)
+            s.fine_backward.discard(self.moved)
         del s.placed[self.placed:]
         for cells, index, value in reversed(self.cells):
             cells[index] = value
+        if self.cells:      # slots it filled have room again
+            s.skip = [list(range(len(used) + 1)) for used in s.used]
+
+
+@dataclass(frozen=True)
+class ForwardSide:
+    """What the encoder forwards decide: the LLM's shift Δ, which encoder output feeds
+    which LLM micro-batch, and how far each pipeline's forwards hold the LLM back."""
+
+    delta: float
+    mapping: dict[tuple[int, int], int]
+    pressure: list[float]
 
 
 @dataclass(frozen=True)
@@ -111,8 +127,31 @@ class Evaluation:
     mapping: dict[tuple[int, int], int]
     forward_pressure: list[float]    # per pipeline: how far its forwards hold the LLM back
     backward_end: list[float]        # per pipeline: when its last post-bubble backward ends
-    pre_busy: list[list[tuple[float, float, float]]]    # per class: (start, end, compute share)
-    post_busy: list[list[tuple[float, float, float]]]
+    waiting: list[list[tuple[float, int]]]   # per pipeline: its post-bubble backwards, (B_i, local) in order
+    forward: ForwardSide
+
+
+@dataclass
+class BackwardChains:
+    """One pipeline's post-bubble backwards as last priced: Δ, each job's start at the
+    last encoder stage, and per encoder stage its end before any job, then after each."""
+
+    delta: float
+    arrivals: list[float]
+    ends: list[list[float]]
+
+    @property
+    def finals(self) -> list[float]:
+        return [chain[-1] for chain in self.ends]
+
+    def unchanged_jobs(self, arrivals: list[float]) -> int:
+        """How many leading jobs of `arrivals` end where they did: those whose start is
+        the same, or that both times waited for the job before them."""
+        top = self.ends[-1]
+        for k, (new, old) in enumerate(zip(arrivals, self.arrivals)):
+            if new != old and (new > top[k] or old > top[k]):
+                return k
+        return min(len(arrivals), len(self.arrivals))
 
 
 class BubbleScheduler:
@@ -121,6 +160,7 @@ class BubbleScheduler:
         self.microbatches = len(timeline.forward_points)
         self.pp = layout.plan.pp
         self.stage_of_class = [layout.position(g)[0] for g in range(layout.classes)]
+        self.encoder_stage_of_class = [layout.position(g)[2] for g in range(layout.classes)]
         self.classes_of = [[layout.klass(j, e) for e in range(self.pp)] for j in range(layout.pipelines)]
         self.fwd = [w.seconds(w.forward) for w in costs.stages]
         self.bwd = [w.seconds(w.backward) for w in costs.stages]
@@ -130,11 +170,20 @@ class BubbleScheduler:
         self.first = [st.first for st in timeline.stages]
         self.last = [st.last for st in timeline.stages]
         self.ends = [timeline.slots[s].ends for s in range(timeline.pp)]
+        self.limits = [[end + EPS for end in ends] for ends in self.ends]    # a kernel fits if it ends by these
+        self.shortest = [min((i.seconds for i in w.forward + w.backward if not i.is_comm), default=math.inf)
+                         for w in costs.stages]
         self.f_points, self.b_points = timeline.forward_points, timeline.backward_points
         # The LLM alone: its start after the all-gather, its end of iteration.
         self.delta0 = max(0.0, max(g - f for g, f in zip(tails.llm_gather, self.first)))
         self.llm_end = max(self.delta0 + last + rs + opt for last, rs, opt in
                            zip(self.last, tails.llm_reduce, tails.llm_optimizer))
+        # Every pipeline's pre-bubble forwards start at 0 and cost the same per encoder
+        # stage, so the t-th forward's times are one table for all pipelines.
+        self.pre_begin, self.pre_end, self.pre_arrive = self._forward_chain(self.microbatches)
+        # Per pipeline: the last post-bubble chain priced (Δ, B_i in order) and its ends,
+        # which most moves leave as they were.
+        self._backward_memo: list[BackwardChains | None] = [None] * layout.pipelines
 
     # ---- schedules -----------------------------------------------------------------------
     def initial(self, counts: list[int]) -> Schedule:
@@ -142,20 +191,24 @@ class BubbleScheduler:
         slots = self.t.slots
         schedule = Schedule(list(counts), list(counts),
                             used=[[0.0] * len(slots[s].start) for s in self.stage_of_class],
-                            issued=[[0.0] * len(slots[s].issue_time) for s in self.stage_of_class])
+                            issued=[[0.0] * len(slots[s].issue_time) for s in self.stage_of_class],
+                            skip=[list(range(len(slots[s].start) + 1)) for s in self.stage_of_class])
         self._settle(schedule, self.evaluate(schedule))
         return schedule
 
     def optimize(self, schedule: Schedule, mode: str) -> Schedule:
-        """OptimizeSchedule: move one micro-batch of the critical pipeline at a time."""
+        """OptimizeSchedule: move one micro-batch of the critical pipeline at a time.
+        Backward moves leave the forwards, hence Δ and the mapping, as they are."""
         current = self.evaluate(schedule)
+        move = self._move_forward if mode == "fwd" else self._move_backward
         while True:
             pipeline = self._critical(schedule, current, mode)
             if pipeline is None:
                 return schedule
-            journal = Journal(schedule)
-            move = self._move_forward if mode == "fwd" else self._move_backward
-            evaluation = self.evaluate(schedule) if move(schedule, pipeline, current, journal) else None
+            journal = Journal(schedule, pipeline)
+            evaluation = None
+            if move(schedule, pipeline, current, journal):
+                evaluation = self.evaluate(schedule, current.forward if mode == "bwd" else None)
             if evaluation is None or not self.check(evaluation, current):
                 journal.undo()
                 return schedule
@@ -187,8 +240,7 @@ class BubbleScheduler:
             candidates = [j for j in range(self.layout.pipelines) if schedule.pre[j] > 0]
             key = evaluation.forward_pressure
         else:
-            candidates = [j for j in range(self.layout.pipelines)
-                          if any((j, t) not in schedule.fine_backward for t in range(schedule.counts[j]))]
+            candidates = [j for j in range(self.layout.pipelines) if evaluation.waiting[j]]
             key = evaluation.backward_end
         return max(candidates, key=lambda j: (key[j], schedule.counts[j], -j), default=None)
 
@@ -203,143 +255,197 @@ class BubbleScheduler:
             if end is None:
                 return False
             ready = end + (self.costs.hops[e] if e < self.pp - 1 else self.costs.to_llm)
+        journal.moved = (pipeline, local)
         schedule.pre[pipeline] -= 1
         schedule.fine_forward[(pipeline, local)] = ready
         return True
 
     def _move_backward(self, schedule: Schedule, pipeline: int, evaluation: Evaluation, journal: Journal) -> bool:
-        waiting = [t for t in range(schedule.counts[pipeline]) if (pipeline, t) not in schedule.fine_backward]
-        local = min(waiting, key=lambda t: self.b_points[evaluation.mapping[(pipeline, t)]])
-        ready = self.b_points[evaluation.mapping[(pipeline, local)]] + self.costs.to_llm
+        point, local = evaluation.waiting[pipeline][0]     # the gradient that comes first
+        ready = point + self.costs.to_llm
         for e in reversed(range(self.pp)):
             end = self._pack(schedule, journal, self.classes_of[pipeline][e], self.costs.stages[e].backward, ready,
                              math.inf, pipeline, local, "bwd")
             if end is None:
                 return False
             ready = end + (self.costs.hops[e - 1] if e > 0 else 0.0)
+        journal.moved = (pipeline, local)
         schedule.fine_backward.add((pipeline, local))
         return True
 
     def _pack(self, schedule: Schedule, journal: Journal, klass: int, items: list[Item], ready: float,
               deadline: float, pipeline: int, local: int, phase: str) -> float | None:
         """Place one stage's items for one micro-batch, first fit in time order from
-        `ready`; the end of its last kernel, or None (the journal takes it back)."""
+        `ready`; the end of its last kernel, or None (the journal takes it back). The
+        hottest loop of the planner: attribute look-ups hoisted out of it."""
         stage = self.stage_of_class[klass]
         slots = self.t.slots[stage]
-        ends = self.ends[stage]
-        used, issued = schedule.used[klass], schedule.issued[klass]
-        n = len(ends)
-        slot = bisect.bisect_right(ends, ready + EPS)
+        ends, limits = self.ends[stage], self.limits[stage]
+        starts, kinds, ops = slots.start, slots.kind, slots.op
+        issue_capacity = slots.issue_capacity
+        used, issued, skip = schedule.used[klass], schedule.issued[klass], schedule.skip[klass]
+        shortest = self.shortest[self.encoder_stage_of_class[klass]]
+        cells, placed = journal.cells, schedule.placed
+        n, n_issue = len(ends), len(issued)
+        slot = _next_open(skip, bisect.bisect_right(ends, ready + EPS))
         for item in items:
-            if item.is_comm:
+            seconds = item.seconds
+            if item.kernel < 0:      # an all-reduce: issued with an LLM compute it overlaps
                 x = slots.first_issue_at(ready)
-                while x < len(issued) and issued[x] + item.seconds > slots.issue_capacity[x] + EPS:
+                while x < n_issue and issued[x] + seconds > issue_capacity[x] + EPS:
                     x += 1
-                if x >= len(issued):
+                if x >= n_issue:
                     return None
-                journal.set(issued, x, issued[x] + item.seconds)
-                schedule.placed.append(Placed(klass, "issue", x, slots.issue_time[x], item, pipeline, local, phase))
+                cells.append((issued, x, issued[x]))
+                issued[x] += seconds
+                placed.append(Placed(klass, "issue", x, slots.issue_time[x], item, pipeline, local, phase))
                 ready = slots.compute_end[x]
-                slot = bisect.bisect_right(ends, ready + EPS)
+                slot = _next_open(skip, bisect.bisect_right(ends, ready + EPS))
                 continue
             while True:
                 if slot >= n:
                     return None
-                begin = max(slots.start[slot] + used[slot], ready)
-                if begin + item.seconds <= ends[slot] + EPS:
+                begin = starts[slot] + used[slot]
+                if begin < ready:
+                    begin = ready
+                if begin + seconds <= limits[slot]:
                     break
-                slot += 1
-            if begin + item.seconds > deadline:
+                slot = _next_open(skip, slot + 1)
+            ready = begin + seconds
+            if ready > deadline:
                 return None
-            journal.set(used, slot, begin + item.seconds - slots.start[slot])
-            schedule.placed.append(Placed(klass, slots.kind[slot], slots.op[slot], begin, item, pipeline, local, phase))
-            ready = begin + item.seconds
+            cells.append((used, slot, used[slot]))
+            used[slot] = ready - starts[slot]
+            placed.append(Placed(klass, kinds[slot], ops[slot], begin, item, pipeline, local, phase))
+            # Full: no kernel fits after its last (rounding is monotone, so this is exact).
+            if starts[slot] + used[slot] + shortest > limits[slot]:
+                skip[slot] = slot + 1
         return ready
 
     # ---- estimates -------------------------------------------------------------------------
-    def evaluate(self, schedule: Schedule) -> Evaluation:
-        layout, tails = self.layout, self.tails
-        classes = layout.classes
-        pre_busy: list[list[tuple[float, float, float]]] = [[] for _ in range(classes)]
-        pre_end = [0.0] * classes
-        pre_ef: list[tuple[float, int, int]] = []
-        for j in range(layout.pipelines):
-            previous = [0.0] * self.pp
-            for t in range(schedule.pre[j]):
-                arrive = 0.0
-                for e in range(self.pp):
-                    g = self.classes_of[j][e]
-                    begin = max(previous[e], arrive)
-                    end = begin + self.fwd[e]
-                    pre_busy[g].append((begin, end, self.fwd_compute[e] / self.fwd[e] if self.fwd[e] else 0.0))
-                    previous[e] = end
-                    arrive = end + (self.costs.hops[e] if e < self.pp - 1 else self.costs.to_llm)
-                pre_ef.append((arrive, j, t))
+    def _forward_chain(self, count: int) -> tuple[list[list[float]], list[list[float]], list[float]]:
+        """A pipeline's first `count` forwards back to back, stage after stage: per forward,
+        its begin and end on each encoder stage and its output's arrival at the LLM."""
+        begins, ends, arrivals = [], [], []
+        previous = [0.0] * self.pp
+        for _ in range(count):
+            arrive = 0.0
+            begin_t = []
             for e in range(self.pp):
-                pre_end[self.classes_of[j][e]] = previous[e]
-        delta = self.delta0
-        for g in range(classes):
-            delta = max(delta, pre_end[g] - self.first[self.stage_of_class[g]])
-        fine = sorted((ef, j, t) for (j, t), ef in schedule.fine_forward.items())
-        delta = self._dependency_delta(sorted(pre_ef), fine, delta)
+                begin = max(previous[e], arrive)
+                begin_t.append(begin)
+                previous[e] = begin + self.fwd[e]
+                arrive = previous[e] + (self.costs.hops[e] if e < self.pp - 1 else self.costs.to_llm)
+            begins.append(begin_t)
+            ends.append(list(previous))
+            arrivals.append(arrive)
+        return begins, ends, arrivals
+
+    def _pre_end(self, schedule: Schedule, j: int, e: int) -> float:
+        """When pipeline j's pre-bubble forwards end on encoder stage e."""
+        return self.pre_end[schedule.pre[j] - 1][e] if schedule.pre[j] else 0.0
+
+    def _backward_chain(self, j: int, delta: float, points: list[float],
+                        busy: list[list[tuple[float, float, float]]] | None = None) -> list[float]:
+        """Pipeline j's post-bubble backwards, in the order their gradients arrive (B_i),
+        last encoder stage first; each stage's end. Stage after stage: the same sums as
+        job after job. The jobs before the first whose start differs from the previous
+        call's are not priced again (a job queued behind the one before it starts when
+        that one ends, whatever its own B_i). With `busy`, each backward's (begin, end,
+        compute share) is kept."""
+        arrivals = [delta + point + self.costs.to_llm for point in points]
+        classes, memo = self.classes_of[j], self._backward_memo[j]
+        if busy is None and memo is not None and memo.delta == delta:
+            first, ends = memo.unchanged_jobs(arrivals), memo.ends
+        else:
+            first, ends = 0, [[delta + self.last[self.stage_of_class[g]]] for g in classes]
+        chains = [[] for _ in range(self.pp)]
+        stage_arrivals = arrivals[first:]
+        for e in reversed(range(self.pp)):
+            seconds = self.bwd[e]
+            chain = ends[e][:first + 1]
+            chain += itertools.accumulate(stage_arrivals, lambda prev, a: (a if a > prev else prev) + seconds,
+                                          initial=chain[-1])
+            del chain[first + 1]     # accumulate repeats its initial value
+            chains[e] = chain
+            if busy is not None:
+                share = self.bwd_compute[e] / seconds if seconds else 0.0
+                busy[classes[e]] += [(a if a > prev else prev, end, share)
+                                     for prev, a, end in zip(chain, stage_arrivals, chain[1:])]
+            if e > 0:
+                hop = self.costs.hops[e - 1]
+                stage_arrivals = [end + hop for end in chain[first + 1:]]
+        memo = BackwardChains(delta, arrivals, chains)
+        self._backward_memo[j] = memo
+        return memo.finals
+
+    def evaluate(self, schedule: Schedule, forward: ForwardSide | None = None) -> Evaluation:
+        """Estimate a schedule; `forward`: its forward side when only backwards changed."""
+        layout, tails = self.layout, self.tails
+        if forward is None:
+            forward = self._forward_side(schedule)
+        delta, mapping = forward.delta, forward.mapping
+        pipelines = range(layout.pipelines)
         if not math.isfinite(delta):
             return Evaluation(math.inf, math.inf, {}, [0.0] * layout.pipelines, [0.0] * layout.pipelines,
-                              pre_busy, [[] for _ in range(classes)])
-        merged = sorted([(ef, 0, j, t) for ef, j, t in pre_ef] + [(ef + delta, 1, j, t) for ef, j, t in fine])
-        mapping = {(j, t): i for i, (_, _, j, t) in enumerate(merged)}
-        pressure = [0.0] * layout.pipelines
-        for j in range(layout.pipelines):
-            pressure[j] = max(pre_end[g] - self.first[self.stage_of_class[g]] for g in self.classes_of[j])
-        for i, (ef, kind, j, t) in enumerate(merged):
-            if kind == 0:
-                pressure[j] = max(pressure[j], ef - self.f_points[i])
+                              [[] for _ in pipelines], forward)
         # Backwards after the LLM, in the order their gradients arrive.
-        post_busy: list[list[tuple[float, float, float]]] = [[] for _ in range(classes)]
-        post_end = [0.0] * classes
+        post_end = [0.0] * layout.classes
         backward_end = [0.0] * layout.pipelines
-        for j in range(layout.pipelines):
-            waiting = sorted((self.b_points[mapping[(j, t)]], t) for t in range(schedule.counts[j])
-                             if (j, t) not in schedule.fine_backward)
-            if not waiting or not self.trains:
+        waiting = []
+        for j in pipelines:
+            waiting.append(sorted((self.b_points[mapping[(j, t)]], t) for t in range(schedule.counts[j])
+                                  if (j, t) not in schedule.fine_backward))
+            if not waiting[j] or not self.trains:
                 continue
-            previous = [delta + self.last[self.stage_of_class[self.classes_of[j][e]]] for e in range(self.pp)]
-            for point, t in waiting:
-                arrive = delta + point + self.costs.to_llm
-                for e in reversed(range(self.pp)):
-                    g = self.classes_of[j][e]
-                    begin = max(previous[e], arrive)
-                    end = begin + self.bwd[e]
-                    post_busy[g].append((begin, end, self.bwd_compute[e] / self.bwd[e] if self.bwd[e] else 0.0))
-                    previous[e] = end
-                    arrive = end + (self.costs.hops[e - 1] if e > 0 else 0.0)
+            finals = self._backward_chain(j, delta, [point for point, _ in waiting[j]])
             for e in range(self.pp):
-                post_end[self.classes_of[j][e]] = previous[e]
-            backward_end[j] = max(previous)
+                post_end[self.classes_of[j][e]] = finals[e]
+            backward_end[j] = max(finals)
         latency = 0.0
         encoder_ready = [0.0] * self.pp
-        for g in range(classes):
+        for g in range(layout.classes):
             s = self.stage_of_class[g]
             done = max(delta + self.last[s] + tails.llm_reduce[s], post_end[g]) + tails.llm_optimizer[s]
             latency = max(latency, done)
-            e = layout.position(g)[2]
+            e = self.encoder_stage_of_class[g]
             encoder_ready[e] = max(encoder_ready[e], done)
         for e in range(self.pp):
             latency = max(latency, encoder_ready[e] + tails.encoder[e])
-        return Evaluation(delta, latency, mapping, pressure, backward_end, pre_busy, post_busy)
+        return Evaluation(delta, latency, mapping, forward.pressure, backward_end, waiting, forward)
 
-    def _dependency_delta(self, pre: list[tuple[float, int, int]], fine: list[tuple[float, int, int]],
-                          least: float) -> float:
+    def _forward_side(self, schedule: Schedule) -> ForwardSide:
+        pipelines = range(self.layout.pipelines)
+        # Pre-bubble outputs in arrival order (the t-th forwards of all pipelines arrive together).
+        pre_ef = sorted((arrive, j, t) for t, arrive in enumerate(self.pre_arrive[:max(schedule.pre, default=0)])
+                        for j in pipelines if t < schedule.pre[j])
+        hold = [max(self._pre_end(schedule, j, e) - self.first[self.stage_of_class[self.classes_of[j][e]]]
+                    for e in range(self.pp)) for j in pipelines]
+        delta = max([self.delta0, *hold])
+        fine = sorted((ef, j, t) for (j, t), ef in schedule.fine_forward.items())
+        delta = self._dependency_delta([ef for ef, _, _ in pre_ef], [ef for ef, _, _ in fine], delta)
+        if not math.isfinite(delta):
+            return ForwardSide(math.inf, {}, [0.0] * self.layout.pipelines)
+        merged = sorted([(ef, 0, j, t) for ef, j, t in pre_ef] + [(ef + delta, 1, j, t) for ef, j, t in fine])
+        mapping = {(j, t): i for i, (_, _, j, t) in enumerate(merged)}
+        pressure = hold
+        for i, (ef, kind, j, t) in enumerate(merged):
+            if kind == 0:
+                pressure[j] = max(pressure[j], ef - self.f_points[i])
+        return ForwardSide(delta, mapping, pressure)
+
+    def _dependency_delta(self, pre: list[float], fine: list[float], least: float) -> float:
         """The least shift Δ ≥ `least` of the LLM for which the k-th encoder output to
-        arrive is ready by F_k + Δ; inf if none exists."""
+        arrive is ready by F_k + Δ; inf if none exists. `pre`, `fine`: the pre-bubble
+        outputs' and the fine-grained ones' ready times, each in order."""
         f = self.f_points
         # However late the LLM starts, the encoder outputs placed in its bubbles keep
         # their place against it: they must fit after every pre-bubble output.
-        for k, (ef, _, _) in enumerate(fine):
-            if ef > f[len(pre) + k] + EPS:
-                return math.inf
+        if not all(map(operator.le, fine, [point + EPS for point in f[len(pre):]])):
+            return math.inf
         if self._fits(pre, fine, least):
             return least
-        low, high = least, max(least, max(ef for ef, _, _ in pre) - f[0]) + EPS
+        low, high = least, max(least, max(pre) - f[0]) + EPS
         for _ in range(60):
             mid = (low + high) / 2
             if self._fits(pre, fine, mid):
@@ -350,30 +456,44 @@ class BubbleScheduler:
                 break
         return high
 
-    def _fits(self, pre: list[tuple[float, int, int]], fine: list[tuple[float, int, int]], delta: float) -> bool:
-        f = self.f_points
-        merged = sorted([ef for ef, _, _ in pre] + [ef + delta for ef, _, _ in fine])
-        return all(ef <= f[i] + delta + EPS for i, ef in enumerate(merged))
+    def _fits(self, pre: list[float], fine: list[float], delta: float) -> bool:
+        merged = sorted(pre + [ef + delta for ef in fine])
+        return all(map(operator.le, merged, [point + delta + EPS for point in self.f_points]))
 
     # ---- efficiency ------------------------------------------------------------------------
     def efficiency(self, schedule: Schedule) -> float:
         """Share of the encoder's compute inside the LLM-only timeline's bubbles."""
         evaluation = self.evaluate(schedule)
+        post_busy: list[list[tuple[float, float, float]]] = [[] for _ in range(self.layout.classes)]
+        if self.trains and math.isfinite(evaluation.delta):
+            for j, waiting in enumerate(evaluation.waiting):
+                if waiting:
+                    self._backward_chain(j, evaluation.delta, [point for point, _ in waiting], post_busy)
         total = inside = 0.0
         shift = evaluation.delta - self.delta0
         for g in range(self.layout.classes):
             s, j, e = self.layout.position(g)
             total += schedule.counts[j] * (self.fwd_compute[e] + (self.bwd_compute[e] if self.trains else 0.0))
             pre_bubble = self.delta0 + self.first[s]
-            for begin, end, share in evaluation.pre_busy[g]:
+            share = self.fwd_compute[e] / self.fwd[e] if self.fwd[e] else 0.0
+            for t in range(schedule.pre[j]):
+                begin, end = self.pre_begin[t][e], self.pre_end[t][e]
                 inside += share * max(0.0, min(end, pre_bubble) - begin)
             post_from = self.delta0 + self.last[s]
             post_to = self.llm_end - self.tails.llm_optimizer[s]
-            for begin, end, share in evaluation.post_busy[g]:
+            for begin, end, share in post_busy[g]:
                 b, f = begin - shift, end - shift
                 inside += share * max(0.0, min(f, post_to) - max(b, post_from))
         inside += sum(p.item.seconds for p in schedule.placed if not p.item.is_comm)
         return inside / total if total else 1.0
+
+
+def _next_open(skip: list[int], slot: int) -> int:
+    """The first slot from `slot` on that is not full (skip pointers, path-halved)."""
+    while skip[slot] != slot:
+        skip[slot] = skip[skip[slot]]
+        slot = skip[slot]
+    return slot
 
 
 # ---- micro-batch partitions ------------------------------------------------------------------

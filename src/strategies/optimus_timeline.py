@@ -100,13 +100,18 @@ class StageTimes:
 
 def time_pipeline(orders: list[list[PipeOp]], costs: list[list[OpCost]]) -> list[StageTimes]:
     """Time the schedule as a dependency graph: a forward of virtual stage v waits for v-1's
-    forward of its micro-batch plus the hop, a backward for v+1's backward plus the hop."""
+    forward of its micro-batch plus the hop, a backward for v+1's backward plus the hop.
+    (Run for every warm-up count GetEncLLMDep tries: each operation's input is looked up
+    once, and the sweep over the stages only reads lists.)"""
     pp = len(orders)
     where: dict[tuple[str, int, int], tuple[int, int]] = {}
     for s, order in enumerate(orders):
         for x, op in enumerate(order):
             where[(op.kind, op.chunk * pp + s, op.microbatch)] = (s, x)
     virtual = max((op.chunk for order in orders for op in order), default=0) * pp + pp
+    sources = [[_source(op, op.chunk * pp + s, virtual, where) for op in order] for s, order in enumerate(orders)]
+    totals = [[cost.total for cost in stage] for stage in costs]
+    hops = [[cost.hop for cost in stage] for stage in costs]
     start = [[0.0] * len(order) for order in orders]
     end = [[-1.0] * len(order) for order in orders]
     position = [0] * pp
@@ -114,23 +119,18 @@ def time_pipeline(orders: list[list[PipeOp]], costs: list[list[OpCost]]) -> list
     while remaining:
         progressed = False
         for s in range(pp):
-            order, x = orders[s], position[s]
-            while x < len(order):
-                op = order[x]
-                v = op.chunk * pp + s
-                ready = end[s][x - 1] if x else 0.0
-                source = None
-                if op.kind == "F" and v > 0:
-                    source = where[("F", v - 1, op.microbatch)]
-                elif op.kind == "B" and v < virtual - 1:
-                    source = where[("B", v + 1, op.microbatch)]
+            x, n = position[s], len(orders[s])
+            stage_start, stage_end, stage_sources = start[s], end[s], sources[s]
+            while x < n:
+                ready = stage_end[x - 1] if x else 0.0
+                source = stage_sources[x]
                 if source is not None:
                     arrived = end[source[0]][source[1]]
                     if arrived < 0:
                         break
-                    ready = max(ready, arrived + costs[s][x].hop)
-                start[s][x] = ready
-                end[s][x] = ready + costs[s][x].total
+                    ready = max(ready, arrived + hops[s][x])
+                stage_start[x] = ready
+                stage_end[x] = ready + totals[s][x]
                 x += 1
                 remaining -= 1
                 progressed = True
@@ -138,6 +138,15 @@ def time_pipeline(orders: list[list[PipeOp]], costs: list[list[OpCost]]) -> list
         if not progressed:
             raise ValueError("the pipeline schedule deadlocks")
     return [StageTimes(start[s], end[s], costs[s]) for s in range(pp)]
+
+
+def _source(op: PipeOp, v: int, virtual: int, where: dict[tuple[str, int, int], tuple[int, int]]) -> tuple[int, int] | None:
+    """The (stage, position) of the operation whose output `op` of virtual stage v reads."""
+    if op.kind == "F" and v > 0:
+        return where[("F", v - 1, op.microbatch)]
+    if op.kind == "B" and v < virtual - 1:
+        return where[("B", v + 1, op.microbatch)]
+    return None
 
 
 def makespan(times: list[StageTimes]) -> float:
