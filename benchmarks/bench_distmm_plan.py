@@ -9,6 +9,7 @@ every scorer, O(devices) to emit and to price. Target: a few seconds each.
 
     python benchmarks/bench_distmm_plan.py
 """
+
 from __future__ import annotations
 
 import time
@@ -28,8 +29,11 @@ SCALES = {
     "single_node": ["train.global_batch=192"],
     "multi_node": ["train.global_batch=48", "train.contrastive_batch=24"],
 }
-WIDE_HEADS = {"clip": ["model.vision.heads=80"], "coca": ["model.vision.heads=80", "model.text.heads=80"],
-              "lit": ["model.text.heads=80"]}
+WIDE_HEADS = {
+    "clip": ["model.vision.heads=80"],
+    "coca": ["model.vision.heads=80", "model.text.heads=80"],
+    "lit": ["model.text.heads=80"],
+}
 TARGET_S = 1.0
 SCALE_NODES = (128, 384)  # 1024 and 3072 GPUs of 8 per node
 SCALE_TARGET_S = 5.0
@@ -45,8 +49,7 @@ def at_scale(conf: Path) -> float:
     worst = 0.0
     print(f"\n{'GPUs':>5s} {'plan (s)':>9s} {'sim (s)':>8s} {'iteration (s)':>14s}  towers")
     for nodes in SCALE_NODES:
-        setup = validate(_config(conf, ["strategy=distmm", "logger=none", "model=clip", "cluster=dgx_a100",
-                                        f"cluster.nodes={nodes}"]))
+        setup = validate(_config(conf, ["strategy=distmm", "logger=none", "model=clip", "cluster=dgx_a100", f"cluster.nodes={nodes}"]))
         start = time.perf_counter()
         plan = plan_run(setup)
         planned = time.perf_counter() - start

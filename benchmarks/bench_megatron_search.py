@@ -10,6 +10,7 @@ taken, Programs built and simulated), its wall time and the plan it picked.
 
     python benchmarks/bench_megatron_search.py
 """
+
 from __future__ import annotations
 
 import time
@@ -25,14 +26,34 @@ from src.errors import ConfigError, PlanError
 from src.setup import plan_run, validate
 
 CASES = {
-    "GPT-175B, 1024 GPUs, batch 1536": (5.0, [
-        "model=gpt", "model.preset=gpt_175b", "cluster=dgx_a100", "cluster.nodes=128", "train.global_batch=1536",
-        "train.seq_len=2048"]),
-    "MLLM-15B, 3072 GPUs, batch 10^9 (issue 13)": (60.0, [
-        "model=mllm_15b", "cluster=dgx_a100", "strategy.schedule=interleaved", "train.global_batch=1000000000"]),
-    "GPT-175B, 128 H100s, batch 1024, vpp 3, micro-batch 1 (issue 13)": (60.0, [
-        "model=gpt", "model.preset=gpt_175b", "cluster=hopper", "cluster.nodes=16", "train.global_batch=1024",
-        "strategy.schedule=interleaved", "strategy.vpp=3", "strategy.micro_batch_size=1"]),
+    "GPT-175B, 1024 GPUs, batch 1536": (
+        5.0,
+        [
+            "model=gpt",
+            "model.preset=gpt_175b",
+            "cluster=dgx_a100",
+            "cluster.nodes=128",
+            "train.global_batch=1536",
+            "train.seq_len=2048",
+        ],
+    ),
+    "MLLM-15B, 3072 GPUs, batch 10^9 (issue 13)": (
+        60.0,
+        ["model=mllm_15b", "cluster=dgx_a100", "strategy.schedule=interleaved", "train.global_batch=1000000000"],
+    ),
+    "GPT-175B, 128 H100s, batch 1024, vpp 3, micro-batch 1 (issue 13)": (
+        60.0,
+        [
+            "model=gpt",
+            "model.preset=gpt_175b",
+            "cluster=hopper",
+            "cluster.nodes=16",
+            "train.global_batch=1024",
+            "strategy.schedule=interleaved",
+            "strategy.vpp=3",
+            "strategy.micro_batch_size=1",
+        ],
+    ),
 }
 
 
@@ -40,8 +61,9 @@ def main() -> None:
     conf = Path(__file__).resolve().parent.parent / "conf"
     for name, (target, overrides) in CASES.items():
         with initialize_config_dir(config_dir=str(conf), version_base=None):
-            config = OmegaConf.to_container(compose(config_name="config", overrides=[
-                "strategy=megatron", "logger=none", *overrides]), resolve=True)
+            config = OmegaConf.to_container(
+                compose(config_name="config", overrides=["strategy=megatron", "logger=none", *overrides]), resolve=True
+            )
         setup = validate(config)
         start, start_cpu = time.perf_counter(), time.process_time()
         try:
@@ -58,11 +80,15 @@ def main() -> None:
         print(f"  stage / path bounds taken             : {s['stage_bounds']} / {s['path_bounds']}")
         print(f"  built / simulated                     : {s['built']} / {s['simulated']}")
         print(f"  search wall time                      : {s['wall_time_s']:.3f} s")
-        print(f"  plan total                            : {wall:.3f} s wall, {cpu:.3f} s CPU  "
-              f"(target: <= {target:g} s; wall counts other processes' load)")
-        print(f"  best: tp {d['tp']} pp {d['pp']} vpp {d['vpp']} dp {d['dp']} micro-batch {d['micro_batch']} "
-              f"sp {d['sequence_parallel']} recompute {d['recompute']} zero {d['zero_stage']}: "
-              f"{s['ranking'][0]['iteration_time_s']:.3f} s per iteration")
+        print(
+            f"  plan total                            : {wall:.3f} s wall, {cpu:.3f} s CPU  "
+            f"(target: <= {target:g} s; wall counts other processes' load)"
+        )
+        print(
+            f"  best: tp {d['tp']} pp {d['pp']} vpp {d['vpp']} dp {d['dp']} micro-batch {d['micro_batch']} "
+            f"sp {d['sequence_parallel']} recompute {d['recompute']} zero {d['zero_stage']}: "
+            f"{s['ranking'][0]['iteration_time_s']:.3f} s per iteration"
+        )
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ emitted Program), the scheduler's share of it, and both efficiencies, beside Tab
 
     python benchmarks/bench_optimus_scheduler.py
 """
+
 from __future__ import annotations
 
 import time
@@ -24,18 +25,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 from src.setup import plan_run, validate
 
-BASE = ["model=optimus", "strategy=optimus", "cluster=hopper", "logger=none", "train.global_batch=1536",
-        "strategy.llm.tp=8", "strategy.llm.pp=8", "strategy.llm.micro_batch_size=2"]
+BASE = [
+    "model=optimus",
+    "strategy=optimus",
+    "cluster=hopper",
+    "logger=none",
+    "train.global_batch=1536",
+    "strategy.llm.tp=8",
+    "strategy.llm.pp=8",
+    "strategy.llm.micro_batch_size=2",
+]
 # GPUs -> (LLM DP, micro-batches per pipeline, Table 7: Eff_coarse, Eff_fine, runtime s)
-SETTINGS = {1536: (24, 32, 0.343, 0.575, 322.2), 2048: (32, 24, 0.458, 0.693, 89.6),
-            3072: (48, 16, 0.687, 0.850, 15.1)}
+SETTINGS = {1536: (24, 32, 0.343, 0.575, 322.2), 2048: (32, 24, 0.458, 0.693, 89.6), 3072: (48, 16, 0.687, 0.850, 15.1)}
 TARGET_S, TARGET_EFF = 10.0, 0.575
 
 
 def main() -> None:
     conf = Path(__file__).resolve().parent.parent / "conf"
-    print(f"{'GPUs':>5s} {'#mb':>4s} {'plan (s)':>9s} {'sched (s)':>9s} {'Eff_coarse':>10s} {'Eff_fine':>9s}  "
-          f"{'paper coarse/fine/runtime':>26s}  encoder plan, partition")
+    print(
+        f"{'GPUs':>5s} {'#mb':>4s} {'plan (s)':>9s} {'sched (s)':>9s} {'Eff_coarse':>10s} {'Eff_fine':>9s}  "
+        f"{'paper coarse/fine/runtime':>26s}  encoder plan, partition"
+    )
     verdict = None
     for gpus, (dp, mbs, p_coarse, p_fine, p_runtime) in SETTINGS.items():
         overrides = BASE + [f"cluster.nodes={gpus // 8}", f"strategy.llm.dp={dp}"]
@@ -47,9 +57,11 @@ def main() -> None:
         wall = time.perf_counter() - start
         d = plan.details
         enc = d["encoder"]
-        print(f"{gpus:5d} {mbs:4d} {wall:9.2f} {d['scheduler_s']:9.2f} {d['eff_coarse']:10.1%} {d['eff_fine']:9.1%}  "
-              f"{p_coarse:8.1%} {p_fine:6.1%} {p_runtime:7.1f} s   pp={enc['pp']} tp={enc['tp']} "
-              f"x{enc['pipelines']}, {d['partition']}")
+        print(
+            f"{gpus:5d} {mbs:4d} {wall:9.2f} {d['scheduler_s']:9.2f} {d['eff_coarse']:10.1%} {d['eff_fine']:9.1%}  "
+            f"{p_coarse:8.1%} {p_fine:6.1%} {p_runtime:7.1f} s   pp={enc['pp']} tp={enc['tp']} "
+            f"x{enc['pipelines']}, {d['partition']}"
+        )
         if gpus == 1536:
             verdict = wall <= TARGET_S and d["eff_fine"] >= TARGET_EFF
     print(f"1536-GPU target (<= {TARGET_S:.0f} s, Eff_fine >= {TARGET_EFF:.1%}): {'met' if verdict else 'NOT met'}")

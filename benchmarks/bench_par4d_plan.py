@@ -8,6 +8,7 @@ Best of three each.
 
     python -m benchmarks.bench_par4d_plan
 """
+
 from __future__ import annotations
 
 import time
@@ -24,8 +25,15 @@ from src.setup import plan_run, validate
 from src.strategies.par4d_layout import UnitGrid
 from src.strategies.par4d_model import rank_grids, valid_grids
 
-OVERRIDES = ["model=gpt", "model.preset=gpt_80b", "cluster=perlmutter", "strategy=par4d", "logger=none",
-             "train.global_batch=2048", "strategy.recompute=full"]
+OVERRIDES = [
+    "model=gpt",
+    "model.preset=gpt_80b",
+    "cluster=perlmutter",
+    "strategy=par4d",
+    "logger=none",
+    "train.global_batch=2048",
+    "strategy.recompute=full",
+]
 RANK_TARGET_S = 0.050
 PLAN_TARGET_S = 5.0
 
@@ -47,12 +55,16 @@ def main() -> None:
         start = time.perf_counter()
         plan = plan_run(setup)
         plan_times.append(time.perf_counter() - start)
-    print(f"ranked {len(ranked)} grids ({len(rejected)} rejected) of {cluster.devices} GPUs in "
-          f"{min(rank_times) * 1e3:.1f} ms (target <= {RANK_TARGET_S * 1e3:.0f} ms); best {ranked[0].grid.label()}")
+    print(
+        f"ranked {len(ranked)} grids ({len(rejected)} rejected) of {cluster.devices} GPUs in "
+        f"{min(rank_times) * 1e3:.1f} ms (target <= {RANK_TARGET_S * 1e3:.0f} ms); best {ranked[0].grid.label()}"
+    )
     search = plan.details["search"]
-    print(f"par4d plan of GPT-80B on {plan.devices} GPUs: {min(plan_times):.3f} s (target <= {PLAN_TARGET_S:.1f} s); "
-          f"{search['grids_simulated']} grids simulated, chosen {plan.details['grid']}, "
-          f"{plan.program.num_instructions} instructions")
+    print(
+        f"par4d plan of GPT-80B on {plan.devices} GPUs: {min(plan_times):.3f} s (target <= {PLAN_TARGET_S:.1f} s); "
+        f"{search['grids_simulated']} grids simulated, chosen {plan.details['grid']}, "
+        f"{plan.program.num_instructions} instructions"
+    )
 
 
 if __name__ == "__main__":

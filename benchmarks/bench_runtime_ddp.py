@@ -23,6 +23,7 @@ lines, everything done per step included: batch, logging, loss reduction) and th
 average are printed beside it. Target: harness / plain <= 1.05, in fp32 and in bf16
 (`train.precision=bf16`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,8 +44,7 @@ sys.path.insert(0, str(REPO))  # run as a script from anywhere: `src` is the rep
 
 from src.runtime.driver import free_port, stop, worker_env  # noqa: E402
 
-RUN = ["backend=torch", "cluster=local", "cluster.devices_per_node=2", "logger=none", "model=clip",
-       "model.scale=tiny", "strategy=ddp"]
+RUN = ["backend=torch", "cluster=local", "cluster.devices_per_node=2", "logger=none", "model=clip", "model.scale=tiny", "strategy=ddp"]
 WARMUP = 10
 TARGET = 1.05
 STEP_LINE = re.compile(r"^step (\d+) \| loss ([0-9.eE+-]+) \| ([0-9.]+) s(?: \| batch ([0-9.]+) s)?")
@@ -52,9 +52,9 @@ STEP_LINE = re.compile(r"^step (\d+) \| loss ([0-9.eE+-]+) \| ([0-9.]+) s(?: \| 
 
 @dataclass
 class Measured:
-    times: list[float]    # step times (s), slowest rank
+    times: list[float]  # step times (s), slowest rank
     losses: list[float]
-    period: float         # mean seconds between rank 0's step lines after the warm-up
+    period: float  # mean seconds between rank 0's step lines after the warm-up
     batch_s: list[float] = field(default_factory=list)  # plain loop only: making the step's batch
 
 
@@ -96,9 +96,14 @@ def _wait(procs: list[subprocess.Popen], lines: Lines, what: str) -> None:
 
 def run_harness(run_dir: Path, overrides: list[str], steps: int) -> Measured:
     """One run through the front door; its figures from its own summary."""
-    proc = subprocess.Popen([sys.executable, "-m", "src.run", *RUN, *overrides, f"train.steps={steps}",
-                             f"hydra.run.dir={run_dir}"], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "src.run", *RUN, *overrides, f"train.steps={steps}", f"hydra.run.dir={run_dir}"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     lines = Lines(proc)
     _wait([proc], lines, "the harness run")
     summary = yaml.safe_load((run_dir / "summary.json").read_text())  # JSON is YAML
@@ -109,16 +114,22 @@ def run_plain(run_dir: Path) -> Measured:
     """The plain loop on the harness run's own resolved config, 2 processes."""
     config = yaml.safe_load((run_dir / "resolved.yaml").read_text())
     world, port = int(config["cluster"]["devices_per_node"]), free_port()
-    procs = [subprocess.Popen([sys.executable, __file__, "--plain", str(run_dir)], cwd=REPO,
-                              env=worker_env(rank, world, port, config["backend"]), start_new_session=True,
-                              stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
-                              stderr=subprocess.STDOUT if rank == 0 else subprocess.DEVNULL, text=True)
-             for rank in range(world)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--plain", str(run_dir)],
+            cwd=REPO,
+            env=worker_env(rank, world, port, config["backend"]),
+            start_new_session=True,
+            stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
+            stderr=subprocess.STDOUT if rank == 0 else subprocess.DEVNULL,
+            text=True,
+        )
+        for rank in range(world)
+    ]
     lines = Lines(procs[0])
     _wait(procs, lines, "the plain DeepSpeed loop")
     matches = [match for match, _ in lines.steps]
-    return Measured([float(m[3]) for m in matches], [float(m[2]) for m in matches], lines.period(),
-                    [float(m[4]) for m in matches])
+    return Measured([float(m[3]) for m in matches], [float(m[2]) for m in matches], lines.period(), [float(m[4]) for m in matches])
 
 
 # ---- the plain loop (in each of its worker processes) ------------------------------------
@@ -155,7 +166,7 @@ def plain_worker(run_dir: Path) -> None:
         def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
             grad = grad.contiguous()
             dist.all_reduce(grad)
-            return grad[rank * local:(rank + 1) * local]
+            return grad[rank * local : (rank + 1) * local]
 
     class Clip(torch.nn.Module):
         def __init__(self) -> None:
@@ -178,12 +189,20 @@ def plain_worker(run_dir: Path) -> None:
     try:
         clip = Clip()
         zero = int(config["strategy"]["zero_stage"])
-        ds_config = {"train_micro_batch_size_per_gpu": local, "gradient_accumulation_steps": 1,
-                     "zero_optimization": {"stage": zero, **({"stage3_param_persistence_threshold": 0}
-                                                             if zero == 3 else {})},  # as the harness: every param
-                     "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0, "steps_per_print": 2**31}
-        optimizer = torch.optim.AdamW(clip.parameters(), lr=float(backend["lr"]),
-                                      weight_decay=float(backend["weight_decay"]), eps=float(backend["adam_eps"]))
+        ds_config = {
+            "train_micro_batch_size_per_gpu": local,
+            "gradient_accumulation_steps": 1,
+            "zero_optimization": {
+                "stage": zero,
+                **({"stage3_param_persistence_threshold": 0} if zero == 3 else {}),
+            },  # as the harness: every param
+            "zero_allow_untested_optimizer": True,
+            "gradient_clipping": 0.0,
+            "steps_per_print": 2**31,
+        }
+        optimizer = torch.optim.AdamW(
+            clip.parameters(), lr=float(backend["lr"]), weight_decay=float(backend["weight_decay"]), eps=float(backend["adam_eps"])
+        )
         engine, *_ = deepspeed.initialize(model=clip, optimizer=optimizer, config=ds_config)
         data = dataset_for(model, seed, "synthetic")
         for step in range(setup.train.steps):
@@ -201,8 +220,7 @@ def plain_worker(run_dir: Path) -> None:
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             dist.all_reduce(total)
             if rank == 0:
-                print(f"step {step} | loss {float(total) / world:.6f} | {float(slowest):.6f} s | batch {batch_s:.6f} s",
-                      flush=True)
+                print(f"step {step} | loss {float(total) / world:.6f} | {float(slowest):.6f} s | batch {batch_s:.6f} s", flush=True)
         # gloo aborts a process whose peer tears down while its last sends are in flight.
         dist.barrier()
     finally:
@@ -229,34 +247,33 @@ def main() -> None:
         runs["harness"].append(run_harness(run_dir, overrides, args.steps))
         runs["plain"].append(run_plain(run_dir))
         h, p = (statistics.median(runs[n][-1].times[WARMUP:]) for n in ("harness", "plain"))
-        print(f"round {r}: median step harness {h * 1e3:6.2f} ms, plain {p * 1e3:6.2f} ms, ratio {h / p:.3f}",
-              flush=True)
+        print(f"round {r}: median step harness {h * 1e3:6.2f} ms, plain {p * 1e3:6.2f} ms, ratio {h / p:.3f}", flush=True)
     report(runs, args, overrides, (load, os.getloadavg()[0]))
 
 
-def report(runs: dict[str, list[Measured]], args: argparse.Namespace, overrides: list[str],
-           load: tuple[float, float]) -> None:
+def report(runs: dict[str, list[Measured]], args: argparse.Namespace, overrides: list[str], load: tuple[float, float]) -> None:
     config = yaml.safe_load((args.out / "round0" / "resolved.yaml").read_text())
     batch = yaml.safe_load((args.out / "round0" / "summary.json").read_text())["global_batch"]
     step = {n: statistics.median(t for m in ms for t in m.times[WARMUP:]) for n, ms in runs.items()}
-    ratio = statistics.median(statistics.median(h.times[WARMUP:]) / statistics.median(p.times[WARMUP:])
-                              for h, p in zip(runs["harness"], runs["plain"]))
+    ratio = statistics.median(
+        statistics.median(h.times[WARMUP:]) / statistics.median(p.times[WARMUP:]) for h, p in zip(runs["harness"], runs["plain"])
+    )
     period = {n: statistics.median(m.period for m in ms) for n, ms in runs.items()}
     first = {n: ms[0].losses for n, ms in runs.items()}
     worst = max(abs(a - b) / abs(b) for a, b in zip(first["harness"], first["plain"]))
-    print(f"\ntiny CLIP, ddp ZeRO-{config['strategy']['zero_stage']}, 2 CPU workers (gloo), global batch {batch}"
-          f"{' ' + ' '.join(overrides) if overrides else ''}; {args.rounds} rounds x {args.steps} steps, "
-          f"first {WARMUP} of each run dropped; load average {load[0]:.1f} before, {load[1]:.1f} after "
-          f"({os.cpu_count()} cores)")
+    print(
+        f"\ntiny CLIP, ddp ZeRO-{config['strategy']['zero_stage']}, 2 CPU workers (gloo), global batch {batch}"
+        f"{' ' + ' '.join(overrides) if overrides else ''}; {args.rounds} rounds x {args.steps} steps, "
+        f"first {WARMUP} of each run dropped; load average {load[0]:.1f} before, {load[1]:.1f} after "
+        f"({os.cpu_count()} cores)"
+    )
     print(f"{'':34s} {'harness':>9s} {'plain DS':>9s} {'ratio':>6s}")
     for label, figure in (("step time, median of all (ms)", step), ("loop period, median of runs (ms)", period)):
-        print(f"{label:34s} {figure['harness'] * 1e3:9.2f} {figure['plain'] * 1e3:9.2f} "
-              f"{figure['harness'] / figure['plain']:6.3f}")
+        print(f"{label:34s} {figure['harness'] * 1e3:9.2f} {figure['plain'] * 1e3:9.2f} {figure['harness'] / figure['plain']:6.3f}")
     batch_s = statistics.median(t for m in runs["plain"] for t in m.batch_s[WARMUP:])
     print(f"making one step's batch (both loops, before their timed step): {batch_s * 1e3:.2f} ms")
     print(f"losses of the two loops: max relative difference {worst:.1e} over {len(first['plain'])} steps")
-    print(f"step-time ratio, median over rounds: {ratio:.3f}: {'within' if ratio <= TARGET else 'OVER'} "
-          f"the {TARGET:.2f}x target")
+    print(f"step-time ratio, median over rounds: {ratio:.3f}: {'within' if ratio <= TARGET else 'OVER'} the {TARGET:.2f}x target")
 
 
 if __name__ == "__main__":

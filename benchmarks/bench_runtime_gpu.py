@@ -12,6 +12,7 @@
     WANDB_MODE=offline python benchmarks/bench_runtime_gpu.py [--batch 64 128] [--steps 8] [--clip-only]
         [--out results.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,14 @@ REPO = Path(__file__).resolve().parent.parent
 ONE_GPU = ["backend=torch", "cluster=hopper", "cluster.nodes=1", "cluster.devices_per_node=1", "logger=none"]
 TINY = ["model=clip", "model.scale=tiny", "train.global_batch=8", "train.steps=5"]
 STRATEGIES = {f"ddp zero{z}": ["strategy=ddp", f"strategy.zero_stage={z}"] for z in range(4)}
-STRATEGIES["megatron tp1 pp1"] = ["strategy=megatron", "strategy.tp=1", "strategy.pp=1", "strategy.recompute=none",
-                                  "strategy.zero_stage=0", "strategy.micro_batch_size=8"]
+STRATEGIES["megatron tp1 pp1"] = [
+    "strategy=megatron",
+    "strategy.tp=1",
+    "strategy.pp=1",
+    "strategy.recompute=none",
+    "strategy.zero_stage=0",
+    "strategy.micro_batch_size=8",
+]
 
 
 def run_all(named: dict[str, list[str]], root: Path) -> dict[str, dict]:
@@ -54,8 +61,7 @@ def run_all(named: dict[str, list[str]], root: Path) -> dict[str, dict]:
         out[name] = json.loads((d / "summary.json").read_text())
         # The last step's spans of rank 0, by instruction: where the step's time went.
         events = json.loads((d / "trace.json").read_text())["traceEvents"]
-        out[name]["instructions_s"] = [(e["name"], e["dur"] / 1e6) for e in events
-                                       if e.get("ph") == "X" and e.get("dur", 0) > 500]
+        out[name]["instructions_s"] = [(e["name"], e["dur"] / 1e6) for e in events if e.get("ph") == "X" and e.get("dur", 0) > 500]
     return out
 
 
@@ -115,21 +121,41 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     results: dict = {"strategies": {}, "clip": {}}
-    named = {} if args.clip_only else {
-        f"{name} {precision}": ONE_GPU + TINY + overrides + [f"train.precision={precision}"]
-        for name, overrides in STRATEGIES.items() for precision in ("fp32", "bf16")}
+    named = (
+        {}
+        if args.clip_only
+        else {
+            f"{name} {precision}": ONE_GPU + TINY + overrides + [f"train.precision={precision}"]
+            for name, overrides in STRATEGIES.items()
+            for precision in ("fp32", "bf16")
+        }
+    )
     for batch in args.batch:
-        named[f"clip batch {batch}"] = ONE_GPU + ["model=clip", "model.scale=single_device",
-                                                  f"train.global_batch={batch}", f"train.steps={args.steps}",
-                                                  "train.precision=bf16", "strategy=ddp", "strategy.zero_stage=0"]
+        named[f"clip batch {batch}"] = ONE_GPU + [
+            "model=clip",
+            "model.scale=single_device",
+            f"train.global_batch={batch}",
+            f"train.steps={args.steps}",
+            "train.precision=bf16",
+            "strategy=ddp",
+            "strategy.zero_stage=0",
+        ]
     with tempfile.TemporaryDirectory() as tmp:
         summaries = run_all(named, Path(tmp))
     for name, summary in summaries.items():
         if name.startswith("clip"):
             continue
-        row = summary if "error" in summary else {
-            "losses": summary["measured"]["loss"], "step_time_s": summary["iteration_time_s"],
-            "mfu": summary["mfu"], "dist_backend": summary["dist_backend"], "device": summary.get("device")}
+        row = (
+            summary
+            if "error" in summary
+            else {
+                "losses": summary["measured"]["loss"],
+                "step_time_s": summary["iteration_time_s"],
+                "mfu": summary["mfu"],
+                "dist_backend": summary["dist_backend"],
+                "device": summary.get("device"),
+            }
+        )
         results["strategies"][name] = row
         print(f"{name:22s}: {row}", flush=True)
     for batch in args.batch:
@@ -141,17 +167,22 @@ def main() -> None:
         plain = statistics.median(loop[1:])
         flops, peak = harness["model_flops_per_iteration"], harness["peak_flops_per_device"]
         results["clip"][batch] = {
-            "harness_step_s": harness["iteration_time_s"], "harness_mfu": harness["mfu"],
-            "harness_losses": harness["measured"]["loss"], "plain_step_s": plain,
-            "plain_mfu": flops / (plain * peak), "ratio_harness_over_plain": harness["iteration_time_s"] / plain,
-            "peak_flops": peak, "measured_gemm_flops": harness.get("measured_gemm_flops_per_device"),
-            "device": harness.get("device"), "breakdown_s": harness["breakdown_s"],
+            "harness_step_s": harness["iteration_time_s"],
+            "harness_mfu": harness["mfu"],
+            "harness_losses": harness["measured"]["loss"],
+            "plain_step_s": plain,
+            "plain_mfu": flops / (plain * peak),
+            "ratio_harness_over_plain": harness["iteration_time_s"] / plain,
+            "peak_flops": peak,
+            "measured_gemm_flops": harness.get("measured_gemm_flops_per_device"),
+            "device": harness.get("device"),
+            "breakdown_s": harness["breakdown_s"],
             "harness_device_peak_gib": harness["memory_gib"].get("measured_device_peak_gib"),
             "plain_device_peak_gib": phases[-1].pop("device_peak_gib"),
             "plain_phases_s": {p: statistics.median(x[p] for x in phases[1:]) for p in phases[0]},
-            "harness_instructions_s": harness["instructions_s"]}
-        print(json.dumps({batch: {k: v for k, v in results["clip"][batch].items() if k != "harness_losses"}},
-                         indent=1), flush=True)
+            "harness_instructions_s": harness["instructions_s"],
+        }
+        print(json.dumps({batch: {k: v for k, v in results["clip"][batch].items() if k != "harness_losses"}}, indent=1), flush=True)
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
 

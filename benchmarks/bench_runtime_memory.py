@@ -15,6 +15,7 @@ Beyond that, ZeRO-0's reduction flattens the gradients into one more buffer. Nee
 4 x (shard x 20 B + 0.5 GiB) of free memory: about 19 GiB at the default size (0.94 B
 parameters); use --layers 8 on a smaller machine.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,26 +41,44 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as run_dir:
-        command = [sys.executable, "-m", "src.run", "backend=torch", "cluster=local", "logger=none", "model=gpt",
-                   "model.preset=null", f"model.layers={args.layers}", f"model.hidden={args.hidden}",
-                   f"model.heads={args.heads}", f"model.vocab={args.vocab}", f"train.seq_len={args.seq}",
-                   "train.global_batch=2", f"train.steps={args.steps}", "strategy=megatron", "strategy.tp=2",
-                   "strategy.pp=2", "strategy.micro_batch_size=1", "strategy.recompute=none",
-                   f"hydra.run.dir={run_dir}"]
+        command = [
+            sys.executable,
+            "-m",
+            "src.run",
+            "backend=torch",
+            "cluster=local",
+            "logger=none",
+            "model=gpt",
+            "model.preset=null",
+            f"model.layers={args.layers}",
+            f"model.hidden={args.hidden}",
+            f"model.heads={args.heads}",
+            f"model.vocab={args.vocab}",
+            f"train.seq_len={args.seq}",
+            "train.global_batch=2",
+            f"train.steps={args.steps}",
+            "strategy=megatron",
+            "strategy.tp=2",
+            "strategy.pp=2",
+            "strategy.micro_batch_size=1",
+            "strategy.recompute=none",
+            f"hydra.run.dir={run_dir}",
+        ]
         done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
         if done.returncode != 0:
             sys.exit(f"the run failed (exit {done.returncode}): {done.stderr.strip().splitlines()[-1:]}")
         summary = json.loads((Path(run_dir) / "summary.json").read_text())
     params = summary["model_params"]
     whole = params * 4 / GIB
-    print(f"GPT {args.layers} layers x hidden {args.hidden}, vocab {args.vocab}: {params / 1e9:.3f} B parameters, "
-          f"{whole:.2f} GiB of fp32 weights whole ({4 * whole:.2f} GiB with gradients and Adam moments)")
+    print(
+        f"GPT {args.layers} layers x hidden {args.hidden}, vocab {args.vocab}: {params / 1e9:.3f} B parameters, "
+        f"{whole:.2f} GiB of fp32 weights whole ({4 * whole:.2f} GiB with gradients and Adam moments)"
+    )
     print("4 CPU workers, megatron tp=2 pp=2, fp32")
     print(f"{'rank':>4} {'peak RSS GiB':>13} {'/ whole weights':>16} {'/ whole training state':>23}")
     for rank, rss in enumerate(summary["memory_gib"]["measured_rss_gib_by_rank"]):
         print(f"{rank:>4} {rss:>13.2f} {rss / whole:>16.2f} {rss / (4 * whole):>23.2f}")
-    print(f"the plan's own estimate per rank (weights+grads+optimizer+activations): "
-          f"{summary['memory_gib']['total']:.2f} GiB")
+    print(f"the plan's own estimate per rank (weights+grads+optimizer+activations): {summary['memory_gib']['total']:.2f} GiB")
 
 
 if __name__ == "__main__":

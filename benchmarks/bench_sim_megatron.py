@@ -12,6 +12,7 @@ events per second.
 
     python benchmarks/bench_sim_megatron.py
 """
+
 from __future__ import annotations
 
 import time
@@ -26,18 +27,48 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 from src.setup import plan_run, validate
 from src.sim.engine import simulate
 
-MEGATRON = ["strategy=megatron", "strategy.tp=8", "strategy.pp=8", "strategy.schedule=interleaved",
-            "strategy.micro_batch_size=1", "strategy.recompute=full", "strategy.zero_stage=1", "logger=none",
-            "cluster=dgx_a100", "train.seq_len=2048"]
+MEGATRON = [
+    "strategy=megatron",
+    "strategy.tp=8",
+    "strategy.pp=8",
+    "strategy.schedule=interleaved",
+    "strategy.micro_batch_size=1",
+    "strategy.recompute=full",
+    "strategy.zero_stage=1",
+    "logger=none",
+    "cluster=dgx_a100",
+    "train.seq_len=2048",
+]
 CASES = {
     # Sequence parallelism came after this run (Korthikanti et al. 2022); MegaScale uses it.
-    "GPT-175B, 3072 GPUs, vpp 12, batch 1536": (1.0, MEGATRON + [
-        "model=gpt", "model.preset=gpt_175b", "cluster.nodes=384", "train.global_batch=1536", "strategy.vpp=12",
-        "strategy.sequence_parallel=false"]),
-    "MegaScale 175B, 12288 GPUs, vpp 6, batch 6144": (2.0, MEGATRON + [
-        "model=gpt", "model.preset=null", "model.layers=96", "model.hidden=12288", "model.heads=128",
-        "model.vocab=64000", "cluster.nodes=1536", "train.global_batch=6144", "strategy.vpp=6",
-        "strategy.sequence_parallel=true"]),
+    "GPT-175B, 3072 GPUs, vpp 12, batch 1536": (
+        1.0,
+        MEGATRON
+        + [
+            "model=gpt",
+            "model.preset=gpt_175b",
+            "cluster.nodes=384",
+            "train.global_batch=1536",
+            "strategy.vpp=12",
+            "strategy.sequence_parallel=false",
+        ],
+    ),
+    "MegaScale 175B, 12288 GPUs, vpp 6, batch 6144": (
+        2.0,
+        MEGATRON
+        + [
+            "model=gpt",
+            "model.preset=null",
+            "model.layers=96",
+            "model.hidden=12288",
+            "model.heads=128",
+            "model.vocab=64000",
+            "cluster.nodes=1536",
+            "train.global_batch=6144",
+            "strategy.vpp=6",
+            "strategy.sequence_parallel=true",
+        ],
+    ),
 }
 
 

@@ -15,6 +15,7 @@ standard library: it runs on a bare GPU machine.
 
     python benchmarks/calibrate_gpu.py [--peak 989e12] [--hbm 3350e9] [--out results.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,12 +57,13 @@ def timed(fn, repeats: int) -> float:
 def gemm(m: int, n: int, k: int, dtype: torch.dtype) -> float:
     a = torch.randn(m, k, device="cuda", dtype=dtype)
     b = torch.randn(k, n, device="cuda", dtype=dtype)
-    seconds = timed(lambda: a @ b, repeats=10 if m * n * k > 2 ** 36 else 30)
+    seconds = timed(lambda: a @ b, repeats=10 if m * n * k > 2**36 else 30)
     return 2.0 * m * n * k / seconds
 
 
-def model_time(shape: tuple[int, int, int], max_eff: float, half: float, peak: float, hbm: float,
-               overhead: float, element: int) -> float:
+def model_time(
+    shape: tuple[int, int, int], max_eff: float, half: float, peak: float, hbm: float, overhead: float, element: int
+) -> float:
     """The cost model's GEMM time (src/costmodel/compute.py: gemm_time)."""
     m, n, k = shape
     compute = 2.0 * m * n * k / (peak * max_eff * math.prod(d / (d + half) for d in shape))
@@ -69,8 +71,9 @@ def model_time(shape: tuple[int, int, int], max_eff: float, half: float, peak: f
     return max(compute, traffic) + overhead
 
 
-def fit(points: list[tuple[tuple[int, int, int], float]], peak: float, hbm: float, overhead: float,
-        element: int) -> tuple[float, float, list[float]]:
+def fit(
+    points: list[tuple[tuple[int, int, int], float]], peak: float, hbm: float, overhead: float, element: int
+) -> tuple[float, float, list[float]]:
     """(max_eff, half_dim, relative time errors) minimising the squared log error of the
     cost model's time (with the measured HBM bandwidth and launch overhead) against the
     measured times, over a grid of both."""
@@ -78,13 +81,14 @@ def fit(points: list[tuple[tuple[int, int, int], float]], peak: float, hbm: floa
     best = None
     for half in range(0, 2049, 8):
         for max_eff in [x / 1000 for x in range(500, 1001, 5)]:
-            error = sum((math.log(model_time(shape, max_eff, half, peak, hbm, overhead, element)) - math.log(t)) ** 2
-                        for (shape, _), t in zip(points, measured))
+            error = sum(
+                (math.log(model_time(shape, max_eff, half, peak, hbm, overhead, element)) - math.log(t)) ** 2
+                for (shape, _), t in zip(points, measured)
+            )
             if best is None or error < best[0]:
                 best = (error, max_eff, float(half))
     _, max_eff, half = best
-    errors = [abs(model_time(shape, max_eff, half, peak, hbm, overhead, element) / t - 1)
-              for (shape, _), t in zip(points, measured)]
+    errors = [abs(model_time(shape, max_eff, half, peak, hbm, overhead, element) / t - 1) for (shape, _), t in zip(points, measured)]
     return max_eff, half, errors
 
 
@@ -107,7 +111,7 @@ def main() -> None:
         flops = gemm(m, n, k, dtype)
         points.append(((m, n, k), flops / args.peak))
         print(f"{m:6d} {n:6d} {k:6d} {flops / 1e12:9.1f} {flops / args.peak:8.3f}", flush=True)
-    nbytes = 4 * 2 ** 30
+    nbytes = 4 * 2**30
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     copy = 2 * nbytes / timed(lambda: dst.copy_(src), repeats=10)
@@ -124,21 +128,36 @@ def main() -> None:
     fitted = [(shape, e) for shape, e in points if 2.0 * math.prod(shape) / (e * args.peak) > FIT_ABOVE_S]
     max_eff, half, errors = fit(fitted, args.peak, copy, overhead, torch.tensor([], dtype=dtype).element_size())
     result = {
-        "device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
-        "cuda": torch.version.cuda, "dtype": args.dtype, "datasheet_peak": args.peak, "datasheet_hbm": args.hbm,
+        "device": props.name,
+        "sms": props.multi_processor_count,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "dtype": args.dtype,
+        "datasheet_peak": args.peak,
+        "datasheet_hbm": args.hbm,
         "gemms": [{"m": m, "n": n, "k": k, "efficiency": e} for (m, n, k), e in points],
-        "fit": {"gemm_max_efficiency": max_eff, "gemm_half_dim": half,
-                "method": "grid search minimising the squared log error of the cost model's GEMM time",
-                "fitted_shapes": len(fitted), "fitted_above_s": FIT_ABOVE_S,
-                "median_relative_time_error": statistics.median(errors), "max_relative_time_error": max(errors)},
-        "copy_bytes_per_s": copy, "memory_efficiency": copy / args.hbm, "kernel_overhead_s": overhead,
+        "fit": {
+            "gemm_max_efficiency": max_eff,
+            "gemm_half_dim": half,
+            "method": "grid search minimising the squared log error of the cost model's GEMM time",
+            "fitted_shapes": len(fitted),
+            "fitted_above_s": FIT_ABOVE_S,
+            "median_relative_time_error": statistics.median(errors),
+            "max_relative_time_error": max(errors),
+        },
+        "copy_bytes_per_s": copy,
+        "memory_efficiency": copy / args.hbm,
+        "kernel_overhead_s": overhead,
     }
-    print(f"fit: max_eff {max_eff:.3f}, half_dim {half:.0f} (time error median {statistics.median(errors):.1%}, "
-          f"max {max(errors):.1%})")
+    print(
+        f"fit: max_eff {max_eff:.3f}, half_dim {half:.0f} (time error median {statistics.median(errors):.1%}, max {max(errors):.1%})"
+    )
     print(f"HBM copy {copy / 1e12:.2f} TB/s = {copy / args.hbm:.3f} of the datasheet; kernel overhead {overhead * 1e6:.1f} us")
     print("preset lines:")
-    print(f"  gemm_max_efficiency: {max_eff:.3f}\n  gemm_half_dim: {half:.0f}\n  memory_efficiency: {copy / args.hbm:.3f}\n"
-          f"  kernel_overhead_s: {overhead:.2e}")
+    print(
+        f"  gemm_max_efficiency: {max_eff:.3f}\n  gemm_half_dim: {half:.0f}\n  memory_efficiency: {copy / args.hbm:.3f}\n"
+        f"  kernel_overhead_s: {overhead:.2e}"
+    )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

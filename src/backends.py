@@ -2,6 +2,7 @@
 directory, job) -> the run's summary. Each writes the run directory and its sinks through
 metrics.summarize and report.open_sinks. A backend's module is imported only when it runs
 (torch.distributed and DeepSpeed load only for `torch`)."""
+
 from __future__ import annotations
 
 import importlib

@@ -18,6 +18,7 @@ The profile (raw measurements and the fitted preset figures) is written to
 conf/cluster/profiles/local-<cpu model>.yaml; `cluster=local` takes its figures on a host
 of that CPU model, the preset's own elsewhere.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,7 +37,7 @@ from src.cluster_profile import PROFILE_DIR, host_cpu_model, profile_path
 SQUARES = (64, 128, 256, 512, 1024)
 THIN = ((16, 512, 512), (64, 2048, 512), (256, 128, 1024), (2048, 64, 64))  # (m, n, k): small batches, narrow heads
 OVERSUBSCRIBED_N = 512
-MESSAGE_BYTES = tuple(4 ** k for k in range(5, 13))  # 1 KiB .. 16 MiB
+MESSAGE_BYTES = tuple(4**k for k in range(5, 13))  # 1 KiB .. 16 MiB
 REPEATS = 11
 DTYPES = ("fp32", "bf16")
 
@@ -177,8 +178,9 @@ def _least_squares(xs: list[float], ys: list[float], ts: list[float]) -> tuple[f
     latency = max((sxt * syy - syt * sxy) / det, 0.0)
     per_byte = (sxx * syt - sxy * sxt) / det
     if per_byte <= 0:
-        raise RuntimeError(f"the link fit found no bandwidth term (seconds per byte {per_byte:.3g}): "
-                           f"measurements too noisy; rerun on an idle machine")
+        raise RuntimeError(
+            f"the link fit found no bandwidth term (seconds per byte {per_byte:.3g}): measurements too noisy; rerun on an idle machine"
+        )
     return latency, 1.0 / per_byte
 
 
@@ -205,22 +207,29 @@ def calibrate(workers: int) -> dict[str, Any]:
     latency, bandwidth = fit_ring([(g, n, t) for (g, n), t in slowest.items()])
     p2p_latency, p2p_bandwidth = fit_p2p(links[0]["p2p"])
     preset.update(intra_latency=float(f"{latency:.4g}"), intra_bandwidth=float(f"{bandwidth:.4g}"))
-    one_pass = {op: [max((links[r][op][i] for r in links), key=lambda p: p[2]) for i in range(len(MESSAGE_BYTES))]
-                for op in ("all_gather", "reduce_scatter")}
-    preset["collective_efficiency"] = {op: round(fit_efficiency(points, latency, bandwidth), 3)
-                                       for op, points in one_pass.items()}
+    one_pass = {
+        op: [max((links[r][op][i] for r in links), key=lambda p: p[2]) for i in range(len(MESSAGE_BYTES))]
+        for op in ("all_gather", "reduce_scatter")
+    }
+    preset["collective_efficiency"] = {op: round(fit_efficiency(points, latency, bandwidth), 3) for op, points in one_pass.items()}
     import torch
 
     return {
-        "host": {"cpu_model": host_cpu_model(), "cores": os.cpu_count(), "torch": str(torch.__version__),
-                 "date": datetime.date.today().isoformat(), "workers": workers},
+        "host": {
+            "cpu_model": host_cpu_model(),
+            "cores": os.cpu_count(),
+            "torch": str(torch.__version__),
+            "date": datetime.date.today().isoformat(),
+            "workers": workers,
+        },
         "preset": preset,
-        "fits": {"gemm": {d: {"max_efficiency": curves[d][0], "half_dim": curves[d][1]} for d in DTYPES},
-                 "p2p": {"latency": p2p_latency, "bandwidth": p2p_bandwidth}},
+        "fits": {
+            "gemm": {d: {"max_efficiency": curves[d][0], "half_dim": curves[d][1]} for d in DTYPES},
+            "p2p": {"latency": p2p_latency, "bandwidth": p2p_bandwidth},
+        },
         "measured": {
             "gemm_alone": [{"m": m, "n": n, "k": k, "dtype": d, "flops": rate} for m, n, k, d, rate in shapes],
-            "gemm_concurrent": {k: {d: [rates[r][d] for r in sorted(rates)] for d in DTYPES}
-                                for k, rates in concurrent.items()},
+            "gemm_concurrent": {k: {d: [rates[r][d] for r in sorted(rates)] for d in DTYPES} for k, rates in concurrent.items()},
             "all_reduce": [{"group": g, "bytes": n, "seconds": t} for (g, n), t in sorted(slowest.items())],
             "p2p": [{"bytes": n, "seconds": t} for n, t in links[0]["p2p"]],
             **{op: [{"group": g, "bytes": n, "seconds": t} for g, n, t in points] for op, points in one_pass.items()},
@@ -238,8 +247,10 @@ def main() -> None:
     profile = calibrate(args.workers)
     path = args.out or profile_path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    header = (f"# `local` preset profile, measured by `python -m src.calibrate --workers {args.workers}` on "
-              f"{profile['host']['cpu_model']} ({profile['host']['cores']} cores).\n")
+    header = (
+        f"# `local` preset profile, measured by `python -m src.calibrate --workers {args.workers}` on "
+        f"{profile['host']['cpu_model']} ({profile['host']['cores']} cores).\n"
+    )
     path.write_text(header + yaml.safe_dump(profile, sort_keys=False))
     print(f"wrote {path}")
     print(yaml.safe_dump({"preset": profile["preset"], "fits": profile["fits"]}, sort_keys=False))

@@ -4,6 +4,7 @@ Ranks are numbered node-major: rank r lives on node r // devices_per_node. Every
 comes from a preset in conf/cluster/, which says where it comes from; nothing here has a
 default for an unknown device.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +14,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from src.errors import ConfigError, reject_unknown
 
-GIB = 1024 ** 3
+GIB = 1024**3
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,8 @@ class ClusterSpec:
         if precision not in self.peak_flops:
             raise ConfigError(
                 f"device {self.device} of cluster {self.name} has no {precision} peak; "
-                f"train.precision must be one of {sorted(self.peak_flops)}")
+                f"train.precision must be one of {sorted(self.peak_flops)}"
+            )
         return self.peak_flops[precision] * self.compute_share()
 
     def compute_share(self) -> float:
@@ -131,13 +133,32 @@ class ClusterSpec:
         return self.inter_latency if crosses_nodes else self.intra_latency
 
 
-FLOAT_FIELDS = ("memory_gib", "memory_bandwidth", "intra_bandwidth", "intra_latency", "inter_bandwidth",
-                "inter_latency", "gemm_max_efficiency", "gemm_half_dim", "memory_efficiency",
-                "intra_efficiency", "inter_efficiency", "kernel_overhead_s", "reserved_memory_gib",
-                "collective_sm_fraction", "p2p_sm_fraction")
+FLOAT_FIELDS = (
+    "memory_gib",
+    "memory_bandwidth",
+    "intra_bandwidth",
+    "intra_latency",
+    "inter_bandwidth",
+    "inter_latency",
+    "gemm_max_efficiency",
+    "gemm_half_dim",
+    "memory_efficiency",
+    "intra_efficiency",
+    "inter_efficiency",
+    "kernel_overhead_s",
+    "reserved_memory_gib",
+    "collective_sm_fraction",
+    "p2p_sm_fraction",
+)
 # May be zero: a latency or overhead too small to state, or no SMs taken by communication.
-MAY_BE_ZERO = ("intra_latency", "inter_latency", "kernel_overhead_s", "reserved_memory_gib",
-               "collective_sm_fraction", "p2p_sm_fraction")
+MAY_BE_ZERO = (
+    "intra_latency",
+    "inter_latency",
+    "kernel_overhead_s",
+    "reserved_memory_gib",
+    "collective_sm_fraction",
+    "p2p_sm_fraction",
+)
 
 
 def _number(value: Any, key: str, cluster: str) -> float:
@@ -170,28 +191,32 @@ def cluster_from_config(cfg: Mapping[str, Any]) -> ClusterSpec:
     devices = cfg.get("devices")
     total = cfg["nodes"] * cfg["devices_per_node"]
     if devices is not None and devices != total:
-        raise ConfigError(f"cluster.devices={devices} but nodes x devices_per_node = "
-                          f"{cfg['nodes']} x {cfg['devices_per_node']} = {total}")
+        raise ConfigError(
+            f"cluster.devices={devices} but nodes x devices_per_node = {cfg['nodes']} x {cfg['devices_per_node']} = {total}"
+        )
     for key in ("gemm_max_efficiency", "memory_efficiency", "intra_efficiency", "inter_efficiency"):
         if float(cfg[key]) > 1:
             raise ConfigError(f"cluster.{key} is a fraction of peak, got {cfg[key]} (cluster {name})")
     for key in ("collective_sm_fraction", "p2p_sm_fraction"):
         if float(cfg[key]) >= 1:
-            raise ConfigError(f"cluster.{key} is the fraction of a device's SMs that communication holds, "
-                              f"below 1; got {cfg[key]} (cluster {name})")
+            raise ConfigError(
+                f"cluster.{key} is the fraction of a device's SMs that communication holds, below 1; got {cfg[key]} (cluster {name})"
+            )
     if cfg.get("default_precision") not in peaks:
-        raise ConfigError(f"cluster {name}: default_precision {cfg.get('default_precision')!r} "
-                          f"has no peak in {sorted(peaks)}")
+        raise ConfigError(f"cluster {name}: default_precision {cfg.get('default_precision')!r} has no peak in {sorted(peaks)}")
     if float(cfg["reserved_memory_gib"]) >= float(cfg["memory_gib"]):
-        raise ConfigError(f"cluster {name}: reserved_memory_gib {cfg['reserved_memory_gib']} "
-                          f">= memory_gib {cfg['memory_gib']}")
+        raise ConfigError(f"cluster {name}: reserved_memory_gib {cfg['reserved_memory_gib']} >= memory_gib {cfg['memory_gib']}")
     sources = {str(k): str(v) for k, v in dict(cfg.get("sources") or {}).items()}
     if profile_note:
         sources["profile"] = profile_note
     return ClusterSpec(
-        name=str(name), device=str(cfg.get("device")), nodes=int(cfg["nodes"]),
-        devices_per_node=int(cfg["devices_per_node"]), peak_flops=peaks,
-        default_precision=str(cfg["default_precision"]), sources=sources,
+        name=str(name),
+        device=str(cfg.get("device")),
+        nodes=int(cfg["nodes"]),
+        devices_per_node=int(cfg["devices_per_node"]),
+        peak_flops=peaks,
+        default_precision=str(cfg["default_precision"]),
+        sources=sources,
         oversubscription=_oversubscription(cfg.get("oversubscription"), name),
         collective_efficiency=_collective_efficiency(cfg.get("collective_efficiency"), name),
         **{key: float(cfg[key]) for key in FLOAT_FIELDS},
@@ -202,14 +227,15 @@ def _oversubscription(table: Any, cluster: str) -> dict[int, float]:
     if table is None:
         return {}
     if not isinstance(table, Mapping):
-        raise ConfigError(f"cluster.oversubscription maps a count of devices computing at once to their rate "
-                          f"relative to one alone, got {table!r} (cluster {cluster})")
+        raise ConfigError(
+            f"cluster.oversubscription maps a count of devices computing at once to their rate "
+            f"relative to one alone, got {table!r} (cluster {cluster})"
+        )
     out = {}
     for k, v in table.items():
         count, share = int(k), _number(v, f"cluster.oversubscription.{k}", cluster)
         if count <= 0 or not 0 < share <= 1:
-            raise ConfigError(f"cluster.oversubscription.{k}={v}: counts are positive and rates in (0, 1] "
-                              f"(cluster {cluster})")
+            raise ConfigError(f"cluster.oversubscription.{k}={v}: counts are positive and rates in (0, 1] (cluster {cluster})")
         out[count] = share
     return out
 
@@ -221,8 +247,10 @@ def _collective_efficiency(table: Any, cluster: str) -> dict[str, float]:
     if table is None:
         return {}
     if not isinstance(table, Mapping) or set(table) - set(COLLECTIVE_OPS):
-        raise ConfigError(f"cluster.collective_efficiency maps collective ops {list(COLLECTIVE_OPS)} to the fraction "
-                          f"of the ring formula's rate they achieve, got {table!r} (cluster {cluster})")
+        raise ConfigError(
+            f"cluster.collective_efficiency maps collective ops {list(COLLECTIVE_OPS)} to the fraction "
+            f"of the ring formula's rate they achieve, got {table!r} (cluster {cluster})"
+        )
     out = {}
     for op, v in table.items():
         share = _number(v, f"cluster.collective_efficiency.{op}", cluster)
@@ -242,8 +270,10 @@ def with_host_profile(cfg: Mapping[str, Any]) -> tuple[Mapping[str, Any], str]:
         return cfg, ""
     measured = host_profile(str(name))
     if measured is None:
-        return cfg, (f"no profile for this host's CPU ({host_cpu_model()}): the preset's own figures; "
-                     f"`python -m src.calibrate` writes {profile_path(str(name)).name}")
+        return cfg, (
+            f"no profile for this host's CPU ({host_cpu_model()}): the preset's own figures; "
+            f"`python -m src.calibrate` writes {profile_path(str(name)).name}"
+        )
     return {**cfg, **measured}, f"measured on this CPU model: conf/cluster/profiles/{profile_path(str(name)).name}"
 
 

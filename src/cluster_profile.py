@@ -4,6 +4,7 @@ A profile holds the figures of one CPU model; the `local` preset takes them on a
 that model and keeps its own elsewhere, saying so, since a profile measured on another
 CPU would price this one's workers wrongly.
 """
+
 from __future__ import annotations
 
 import platform

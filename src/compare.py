@@ -10,6 +10,7 @@ time, MFU, throughput, peak memory, breakdown, plan; then the contenders that do
 or do not fit, with their one-line reason), compare.json and compare.png. A multirun adds
 scaling.md and scaling.png over its jobs in the sweep directory.
 """
+
 from __future__ import annotations
 
 import json
@@ -52,8 +53,10 @@ def compare(config: dict[str, Any]) -> list[dict[str, Any]]:
     from joblib import Parallel, delayed
 
     if config["strategy"]["name"] != "auto":
-        raise ConfigError(f"src.compare prices every strategy; strategy={config['strategy']['name']} picks one "
-                          f"(choose some with strategy.contenders=[...])")
+        raise ConfigError(
+            f"src.compare prices every strategy; strategy={config['strategy']['name']} picks one "
+            f"(choose some with strategy.contenders=[...])"
+        )
     from src.setup import validate
 
     validate(config)  # a bad model, cluster or batch is one line here, not one per contender
@@ -71,21 +74,26 @@ def _exposed(breakdown: dict[str, float], total: float) -> str:
 
 
 def table(outcomes: list[dict[str, Any]], title: str) -> str:
-    lines = [f"# {title}", "",
-             "| rank | strategy | iteration s | vs best | MFU | samples/s | peak memory GiB | compute % | exposed comm "
-             "(% of iteration) | bubbles % | plan |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# {title}",
+        "",
+        "| rank | strategy | iteration s | vs best | MFU | samples/s | peak memory GiB | compute % | exposed comm "
+        "(% of iteration) | bubbles % | plan |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     best = next((o["summary"]["iteration_time_s"] for o in outcomes if "summary" in o), None)
     for rank, outcome in enumerate((o for o in outcomes if "summary" in o), start=1):
         s = outcome["summary"]
         total = s["iteration_time_s"]
         breakdown = s["breakdown_s"]
         bubbles = sum(breakdown.get(k, 0.0) for k in BUBBLES)
-        plan = "; ".join(f"{u}: " + " ".join(f"{k}{v}" for k, v in _plan_facts(p).items())
-                         for u, p in s["plan"]["units"].items())
-        lines.append(f"| {rank} | {outcome['strategy']} | {total:.4g} | {total / best:.2f}x | {100 * s['mfu']:.1f} % | "
-                     f"{s['throughput_samples_per_s']:.4g} | {s['peak_memory_gib']:.1f} | "
-                     f"{100 * breakdown.get('compute', 0.0) / total:.0f} | {_exposed(breakdown, total)} | "
-                     f"{100 * bubbles / total:.0f} | {plan} |")
+        plan = "; ".join(f"{u}: " + " ".join(f"{k}{v}" for k, v in _plan_facts(p).items()) for u, p in s["plan"]["units"].items())
+        lines.append(
+            f"| {rank} | {outcome['strategy']} | {total:.4g} | {total / best:.2f}x | {100 * s['mfu']:.1f} % | "
+            f"{s['throughput_samples_per_s']:.4g} | {s['peak_memory_gib']:.1f} | "
+            f"{100 * breakdown.get('compute', 0.0) / total:.0f} | {_exposed(breakdown, total)} | "
+            f"{100 * bubbles / total:.0f} | {plan} |"
+        )
     refused = [o for o in outcomes if "summary" not in o]
     if refused:
         lines += ["", "Not run:", ""] + [f"- {o['strategy']}: {o['reason']}" for o in refused]
@@ -115,12 +123,20 @@ def bar_chart(outcomes: list[dict[str, Any]], title: str, path: Path) -> None:
 def write(outcomes: list[dict[str, Any]], config: dict[str, Any], out: Path) -> str:
     cluster = config["cluster"]
     devices = next((o["summary"]["devices"] for o in outcomes if "summary" in o), None)
-    title = (f"{config['model']['name']} on {cluster['name']}"
-             + (f" ({devices} devices)" if devices else "") + ", global batch "
-             + str(next((o["summary"]["global_batch"] for o in outcomes if "summary" in o), config["train"]["global_batch"])))
+    title = (
+        f"{config['model']['name']} on {cluster['name']}"
+        + (f" ({devices} devices)" if devices else "")
+        + ", global batch "
+        + str(next((o["summary"]["global_batch"] for o in outcomes if "summary" in o), config["train"]["global_batch"]))
+    )
     out.mkdir(parents=True, exist_ok=True)
-    (out / RESULTS).write_text(json.dumps({"title": title, "model": config["model"]["name"], "cluster": cluster["name"],
-                                           "devices": devices, "outcomes": outcomes}, indent=1) + "\n")
+    (out / RESULTS).write_text(
+        json.dumps(
+            {"title": title, "model": config["model"]["name"], "cluster": cluster["name"], "devices": devices, "outcomes": outcomes},
+            indent=1,
+        )
+        + "\n"
+    )
     text = table(outcomes, title)
     (out / "compare.md").write_text(text + "\n")
     bar_chart(outcomes, title, out / "compare.png")
@@ -160,8 +176,12 @@ class ScalingReport(Callback):
 
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for name in strategies:
-            points = [(r["devices"], o["summary"]["throughput_samples_per_s"]) for r in results for o in r["outcomes"]
-                      if o["strategy"] == name and "summary" in o]
+            points = [
+                (r["devices"], o["summary"]["throughput_samples_per_s"])
+                for r in results
+                for o in r["outcomes"]
+                if o["strategy"] == name and "summary" in o
+            ]
             ax.plot([d for d, _ in points], [t for _, t in points], marker="o", label=name)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("devices")

@@ -1,4 +1,5 @@
 """Typed run configuration, built and validated once at the door."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -66,8 +67,14 @@ def train_from_config(cfg: Mapping[str, Any], cluster: ClusterSpec, default_batc
     seed = cfg.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ConfigError(f"train.seed must be a non-negative integer, got {seed!r}")
-    return TrainSpec(global_batch=global_batch, contrastive_batch=contrastive, seq_len=seq_len,
-                     precision=precision, steps=_positive_int(cfg, "steps", "train"), seed=seed)
+    return TrainSpec(
+        global_batch=global_batch,
+        contrastive_batch=contrastive,
+        seq_len=seq_len,
+        precision=precision,
+        steps=_positive_int(cfg, "steps", "train"),
+        seed=seed,
+    )
 
 
 @dataclass(frozen=True)
@@ -86,8 +93,7 @@ class TorchBackendSpec:
 
 def _number(cfg: Mapping[str, Any], key: str, prefix: str, minimum: float, strict: bool) -> float:
     value = cfg.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum or (
-            strict and value == minimum):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum or (strict and value == minimum):
         bound = f"{'>' if strict else '>='} {minimum:g}"
         raise ConfigError(f"{prefix}.{key} must be a number {bound}, got {value!r}")
     return float(value)
@@ -105,12 +111,15 @@ def backend_from_config(cfg: Mapping[str, Any]) -> TorchBackendSpec | None:
     if not isinstance(cfg.get("data"), str) or not cfg["data"]:
         raise ConfigError(f"backend.data must be 'synthetic' or a glob of tar shards, got {cfg.get('data')!r}")
     return TorchBackendSpec(
-        workers=_positive_int(cfg, "workers", "backend"), dist_backend=cfg["dist_backend"],
+        workers=_positive_int(cfg, "workers", "backend"),
+        dist_backend=cfg["dist_backend"],
         timeout_s=_number(cfg, "timeout_s", "backend", 0, strict=True),
-        threads_per_worker=_positive_int(cfg, "threads_per_worker", "backend"), data=cfg["data"],
+        threads_per_worker=_positive_int(cfg, "threads_per_worker", "backend"),
+        data=cfg["data"],
         lr=_number(cfg, "lr", "backend", 0, strict=True),
         weight_decay=_number(cfg, "weight_decay", "backend", 0, strict=False),
-        adam_eps=_number(cfg, "adam_eps", "backend", 0, strict=True))
+        adam_eps=_number(cfg, "adam_eps", "backend", 0, strict=True),
+    )
 
 
 def check_logger_and_run(logger: Mapping[str, Any], run: Mapping[str, Any]) -> None:

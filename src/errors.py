@@ -1,4 +1,5 @@
 """Errors a user can fix: the entry point prints their one-line message and exits 2."""
+
 from __future__ import annotations
 
 from typing import Any, Iterable, Mapping

@@ -7,6 +7,7 @@ results.json the figure's multirun wrote, e.g. `python -m src.run -m +experiment
 hydra.sweep.dir=BEFORE/NAME`). Prints, per figure, each (group, series) value before and
 after, the change, and the paper's value.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,8 +54,9 @@ def main() -> None:
     missing = [n for n in names if not (args.before / n / "results.json").exists()]
     if not names:
         parser.error(f"{args.after} holds no <figure>/results.json")
-    text = "\n\n".join(figure_table(n, args.before / n / "results.json", args.after / n / "results.json")
-                       for n in names if n not in missing)
+    text = "\n\n".join(
+        figure_table(n, args.before / n / "results.json", args.after / n / "results.json") for n in names if n not in missing
+    )
     if missing:
         text += "\n\nOnly after: " + ", ".join(missing)
     if args.out:

@@ -12,6 +12,7 @@ every rank, and whose plan fits the devices' memory; nothing else escapes (a tra
 and nothing runs past `limit_s`. The test suite runs a few hundred draws; this script
 runs thousands.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,9 +42,15 @@ PRECISIONS = ["auto", "fp32", "bf16", "fp16", "int4"]
 DEGREES = [None, 1, 2, 4, 8, 3, 0, -1, "two", 10**6]
 # Strategy knobs a user types, with the values to draw (others keep their defaults).
 KNOBS: dict[str, list[Any]] = {
-    "tp": DEGREES, "pp": DEGREES, "dp": DEGREES, "vpp": DEGREES, "micro_batch_size": DEGREES,
-    "zero_stage": [0, 1, 2, 3, 4, -1, "x"], "recompute": [None, "none", "selective", "full", "some"],
-    "schedule": ["1f1b", "gpipe", "interleaved", "zigzag"], "sequence_parallel": [True, False, "yes"],
+    "tp": DEGREES,
+    "pp": DEGREES,
+    "dp": DEGREES,
+    "vpp": DEGREES,
+    "micro_batch_size": DEGREES,
+    "zero_stage": [0, 1, 2, 3, 4, -1, "x"],
+    "recompute": [None, "none", "selective", "full", "some"],
+    "schedule": ["1f1b", "gpipe", "interleaved", "zigzag"],
+    "sequence_parallel": [True, False, "yes"],
 }
 EXIT_REFUSED = (ConfigError, SimulationError)
 
@@ -51,7 +58,7 @@ EXIT_REFUSED = (ConfigError, SimulationError)
 @dataclass
 class Outcome:
     overrides: list[str]
-    status: str         # ok | refused | broken | slow
+    status: str  # ok | refused | broken | slow
     seconds: float
     detail: str = ""
 
@@ -67,8 +74,7 @@ def _composed(model: str, strategy: str, cluster: str) -> dict[str, Any]:
     from src.config import plain_config
 
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        cfg = compose(config_name="config", overrides=[f"model={model}", f"strategy={strategy}",
-                                                       f"cluster={cluster}", "logger=none"])
+        cfg = compose(config_name="config", overrides=[f"model={model}", f"strategy={strategy}", f"cluster={cluster}", "logger=none"])
     return plain_config(cfg)
 
 
@@ -78,7 +84,10 @@ def draw(rng: random.Random) -> tuple[dict[str, Any], list[str]]:
     config = copy.deepcopy(_composed(model, strategy, cluster))
     overrides = [f"model={model}", f"strategy={strategy}", f"cluster={cluster}"]
     knobs: list[tuple[str, str, Sequence[Any]]] = [
-        ("cluster", "nodes", NODES), ("train", "global_batch", BATCHES), ("train", "precision", PRECISIONS)]
+        ("cluster", "nodes", NODES),
+        ("train", "global_batch", BATCHES),
+        ("train", "precision", PRECISIONS),
+    ]
     knobs += [("strategy", key, values) for key, values in KNOBS.items() if key in config["strategy"]]
     for group, key, values in rng.sample(knobs, k=rng.randint(0, min(3, len(knobs)))):
         value: Any = rng.choice(values)
@@ -156,8 +165,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     outcomes = fuzz(args.draws, args.seed, args.limit_s, progress=True)
     counts = {s: sum(o.status == s for o in outcomes) for s in ("ok", "refused", "broken", "slow")}
-    print(f"{args.draws} draws (seed {args.seed}): " + ", ".join(f"{n} {s}" for s, n in counts.items())
-          + f"; slowest {max(o.seconds for o in outcomes):.1f} s")
+    print(
+        f"{args.draws} draws (seed {args.seed}): "
+        + ", ".join(f"{n} {s}" for s, n in counts.items())
+        + f"; slowest {max(o.seconds for o in outcomes):.1f} s"
+    )
     for outcome in outcomes:
         if outcome.status in ("broken", "slow"):
             print(f"\n[{outcome.status}] python -m src.run {' '.join(outcome.overrides)}\n{outcome.detail}")

@@ -23,6 +23,7 @@ lives on the layout the last FC left:
 Rows (tokens, pixels) are split over z by whole samples. The cost model's compute,
 activation and memory terms and the runtime's layers read the same Sharding.
 """
+
 from __future__ import annotations
 
 import math
@@ -75,13 +76,13 @@ class Sharding:
             return (1, tp if tp_split == "n" else 1, tp if tp_split == "k" else 1, tp if tp_split == "batch" else 1)
         z = self.degree("z")
         a, b = self._columns_rows()
-        if tp_split == "n":        # (m/z x k/b) @ (k/b x n/a)
+        if tp_split == "n":  # (m/z x k/b) @ (k/b x n/a)
             return (z, a, b, 1)
-        if tp_split == "k":        # transposed: (m/z x k/a) @ (k/a x n/b)
+        if tp_split == "k":  # transposed: (m/z x k/a) @ (k/a x n/b)
             return (z, b, a, 1)
-        if tp_split == "batch":    # attention heads, split like the producing FC's columns
+        if tp_split == "batch":  # attention heads, split like the producing FC's columns
             return (z, 1, 1, a)
-        return (z, 1, 1, 1)        # replicated on the grid: only the rows are split
+        return (z, 1, 1, 1)  # replicated on the grid: only the rows are split
 
     def memory_divisor(self, tp_split: str) -> int:
         """How many devices share a bandwidth-bound kernel's bytes."""

@@ -5,6 +5,7 @@ for the samples it really processes; recomputation is not counted (it is in the 
 FLOPs, HFU); a frozen unit has no weight-gradient FLOPs and, when nothing upstream of it
 trains, no backward at all. MFU = model FLOPs / (iteration time x devices x peak).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -63,8 +64,7 @@ def iteration_flops(model: ModelSpec, plan: Plan, train: TrainSpec) -> tuple[flo
         contrastive = train.contrastive_batch if unit.name == model.interaction else 1
         per_sample = unit_flops(model, unit, contrastive)
         samples = train.global_batch
-        extra = {"full": per_sample.recompute_full,
-                 "selective": per_sample.recompute_selective}.get(unit_plan.recompute, 0.0)
+        extra = {"full": per_sample.recompute_full, "selective": per_sample.recompute_selective}.get(unit_plan.recompute, 0.0)
         extra += per_sample.backward_recompute
         if not model.needs_backward(unit.name):
             extra = 0.0
@@ -84,8 +84,7 @@ def unit_model_flops(model: ModelSpec, plan: Plan, train: TrainSpec) -> dict[str
     return out
 
 
-def unit_utilisation(model: ModelSpec, plan: Plan, timeline: Timeline, train: TrainSpec,
-                     peak: float) -> dict[str, float]:
+def unit_utilisation(model: ModelSpec, plan: Plan, timeline: Timeline, train: TrainSpec, peak: float) -> dict[str, float]:
     """Per unit, the GPU utilisation while it computes (DistMM §7.2, Figures 8-9): its model
     FLOPs over peak x the device-seconds its forward, backward and interaction work took
     (every rank of a class counted; optimizer steps excluded)."""
@@ -108,8 +107,9 @@ def attach_memory(timeline: Timeline, plan: Plan, model: ModelSpec, precision: s
         rank_timeline.peak_memory_bytes = memory["total"]
 
 
-def build_summary(names: dict[str, str], plan: Plan, timeline: Timeline, model: ModelSpec,
-                  cluster: ClusterSpec, train: TrainSpec) -> dict[str, Any]:
+def build_summary(
+    names: dict[str, str], plan: Plan, timeline: Timeline, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
+) -> dict[str, Any]:
     """The figures of the output contract (DESIGN.md), JSON-ready."""
     seconds = timeline.iteration_time
     devices = plan.devices
@@ -142,8 +142,9 @@ def build_summary(names: dict[str, str], plan: Plan, timeline: Timeline, model: 
     }
 
 
-def summarize(setup: Setup, plan: Plan, timeline: Timeline, peak_flops: float | None = None,
-              extras: dict[str, Any] | None = None) -> dict[str, Any]:
+def summarize(
+    setup: Setup, plan: Plan, timeline: Timeline, peak_flops: float | None = None, extras: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The run's summary, for every backend: the plan's memory attached to the timeline,
     the figures of the output contract, and what the backend adds (measured values, how
     it measured them). `peak_flops` replaces the cluster preset's per-device peak (a
@@ -153,6 +154,5 @@ def summarize(setup: Setup, plan: Plan, timeline: Timeline, peak_flops: float | 
     if peak_flops is not None:
         # Measured with every worker computing at once: already each one's share.
         cluster = replace(cluster, peak_flops={setup.train.precision: peak_flops}, oversubscription={})
-    names = {"model": setup.model.name, "strategy": plan.strategy, "cluster": setup.cluster.name,
-             "backend": timeline.backend}
+    names = {"model": setup.model.name, "strategy": plan.strategy, "cluster": setup.cluster.name, "backend": timeline.backend}
     return {**build_summary(names, plan, timeline, setup.model, cluster, setup.train), **(extras or {})}

@@ -20,6 +20,7 @@ side stream starts after everything issued before it on the compute stream (the 
 sends was produced there). `blocking=True` makes the compute stream wait for the
 operation; otherwise it returns a handle that a later Wait consumes.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -390,11 +391,11 @@ class UnitPlan:
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"unit {self.unit}: zero_stage {self.zero_stage!r} is not 0-3")
         if self.num_microbatches % self.sample_groups:
-            raise ValueError(f"unit {self.unit}: {self.num_microbatches} micro-batches do not split into "
-                             f"{self.sample_groups} sample groups")
+            raise ValueError(
+                f"unit {self.unit}: {self.num_microbatches} micro-batches do not split into {self.sample_groups} sample groups"
+            )
         if len(self.stage_layers) != self.pp * self.vpp:
-            raise ValueError(f"unit {self.unit}: {len(self.stage_layers)} stage layer ranges for pp={self.pp} x "
-                             f"vpp={self.vpp}")
+            raise ValueError(f"unit {self.unit}: {len(self.stage_layers)} stage layer ranges for pp={self.pp} x vpp={self.vpp}")
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -415,13 +416,15 @@ class UnitPlan:
     def layers_on(self, rank: int) -> set[int]:
         """The unit's layers that `rank` computes (every chunk of its pipeline stage)."""
         stage = self.mesh.coords(rank).get("pp", 0)
-        return {layer for chunk in range(self.vpp)
-                for layer in range(*self.stage_layers[chunk * self.pp + stage])}
+        return {layer for chunk in range(self.vpp) for layer in range(*self.stage_layers[chunk * self.pp + stage])}
 
     def as_dict(self) -> dict:
         return {
             "mesh": {name: degree for name, degree in self.mesh.axes},
-            "dp": self.dp, "tp": self.tp, "pp": self.pp, "vpp": self.vpp,
+            "dp": self.dp,
+            "tp": self.tp,
+            "pp": self.pp,
+            "vpp": self.vpp,
             "devices": len(self.ranks),
             "ranks": compress_ranks(self.ranks),
             "micro_batch": self.micro_batch,
@@ -454,8 +457,7 @@ class Plan:
         return [u for u in self.units if rank in u.mesh]
 
     def as_dict(self) -> dict:
-        return {"strategy": self.strategy, "devices": self.devices,
-                "units": {u.unit: u.as_dict() for u in self.units}, **self.details}
+        return {"strategy": self.strategy, "devices": self.devices, "units": {u.unit: u.as_dict() for u in self.units}, **self.details}
 
 
 def compress_ranks(ranks: tuple[int, ...]) -> str:

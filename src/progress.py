@@ -4,6 +4,7 @@ Lines, not redrawn bars: runs land in log files, Slurm outputs and Hydra multiru
 often as on a terminal, where a carriage-return bar turns into one unreadable line. A
 task that finishes within a second prints nothing.
 """
+
 from __future__ import annotations
 
 import sys

@@ -1,8 +1,9 @@
 """The front door: compose the config, plan, execute, report.
 
-    python -m src.run model=clip strategy=megatron
-    python -m src.run -m model=clip,coca,lit strategy=megatron
+python -m src.run model=clip strategy=megatron
+python -m src.run -m model=clip,coca,lit strategy=megatron
 """
+
 from __future__ import annotations
 
 import logging
@@ -48,7 +49,7 @@ def refuse_bad_overrides(args: list[str]) -> None:
 def _one_line(message: str) -> str:
     lines = [line.strip() for line in message.splitlines() if line.strip()]
     if len(lines) > 1 and lines[1].startswith("Available options"):
-        options = lines[2:lines.index("Config search path:")] if "Config search path:" in lines else lines[2:]
+        options = lines[2 : lines.index("Config search path:")] if "Config search path:" in lines else lines[2:]
         return f"{lines[0]}; choose one of {', '.join(options)}"
     return "; ".join(line.rstrip(".") for line in lines[:3])
 

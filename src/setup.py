@@ -1,5 +1,6 @@
 """A run's validated inputs and its plan: what the front door, the workers and the
 launchers share (none of them runs Hydra to get here but the front door)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -50,8 +51,7 @@ def plan_run(setup: Setup) -> Plan:
     planner = planner_for(strategy["name"])
     plan = planner(PlanRequest(setup.model, setup.cluster, setup.train, strategy))
     if plan.devices > setup.cluster.devices:
-        raise ConfigError(f"plan uses {plan.devices} devices but cluster {setup.cluster.name} has "
-                          f"{setup.cluster.devices}")
+        raise ConfigError(f"plan uses {plan.devices} devices but cluster {setup.cluster.name} has {setup.cluster.devices}")
     return plan
 
 
@@ -72,6 +72,5 @@ def job_info(config: dict[str, Any]) -> tuple[Path, JobInfo]:
     hydra_cfg = HydraConfig.get()
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     sweep = Path(hydra_cfg.sweep.dir).name if multirun else None
-    job = JobInfo(run_name=config["run"]["name"], sweep_name=sweep,
-                  override_dirname=hydra_cfg.job.override_dirname or None)
+    job = JobInfo(run_name=config["run"]["name"], sweep_name=sweep, override_dirname=hydra_cfg.job.override_dirname or None)
     return Path(hydra_cfg.runtime.output_dir), job

@@ -20,6 +20,7 @@ paper: {series: value or [low, high]}, paper_extra (optional): {extra metric: {s
 extra_metrics (optional: more summary keys shown per row), notes (why the settings are what
 they are).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,14 +61,21 @@ def load_sweep(path: Path) -> SweepSpec:
     missing = [k for k in required if k not in raw]
     if missing:
         raise ConfigError(f"sweep {path} lacks {missing}")
-    spec = SweepSpec(name=raw["name"], title=raw["title"], source=raw["source"], metric=raw["metric"],
-                     metric_label=raw.get("metric_label", raw["metric"]), base=list(raw.get("base", [])),
-                     series={k: list(v or []) for k, v in raw["series"].items()}, groups=list(raw["groups"]),
-                     normalize=raw.get("normalize"), notes=raw.get("notes", ""),
-                     extra_metrics=list(raw.get("extra_metrics", [])))
+    spec = SweepSpec(
+        name=raw["name"],
+        title=raw["title"],
+        source=raw["source"],
+        metric=raw["metric"],
+        metric_label=raw.get("metric_label", raw["metric"]),
+        base=list(raw.get("base", [])),
+        series={k: list(v or []) for k, v in raw["series"].items()},
+        groups=list(raw["groups"]),
+        normalize=raw.get("normalize"),
+        notes=raw.get("notes", ""),
+        extra_metrics=list(raw.get("extra_metrics", [])),
+    )
     if spec.normalize and spec.normalize.get("by") not in spec.series:
-        raise ConfigError(f"sweep {spec.name}: normalize.by={spec.normalize.get('by')!r} is not a series "
-                          f"({sorted(spec.series)})")
+        raise ConfigError(f"sweep {spec.name}: normalize.by={spec.normalize.get('by')!r} is not a series ({sorted(spec.series)})")
     return spec
 
 
@@ -90,8 +98,12 @@ def figure_jobs(spec: SweepSpec) -> list[FigureJob]:
     jobs: list[FigureJob] = []
     for group in spec.groups:
         for series, series_overrides in spec.series.items():
-            overrides = (spec.base + list(group.get("overrides", [])) + series_overrides
-                         + list((group.get("series_overrides") or {}).get(series, [])))
+            overrides = (
+                spec.base
+                + list(group.get("overrides", []))
+                + series_overrides
+                + list((group.get("series_overrides") or {}).get(series, []))
+            )
             jobs.append(FigureJob(group["label"], series, overrides, f"{len(jobs):02d}_{series}"))
     return jobs
 
@@ -138,17 +150,19 @@ def _plan_facts(unit: dict[str, Any]) -> dict[str, Any]:
 def write_report(spec: SweepSpec, outcomes: dict[tuple[str, str], dict[str, Any] | None], out: Path) -> str:
     """results.json, results.md and the plot of a figure from its jobs' outcomes (a
     summary, an error, or None for a job that never finished); returns the table."""
-    raw: dict[tuple[str, str], dict[str, Any]] = {key: outcome if outcome is not None else {"error": "did not finish"}
-                                                  for key, outcome in outcomes.items()}
-    results: dict[str, Any] = {"name": spec.name, "title": spec.title, "source": spec.source,
-                               "metric": spec.metric, "rows": []}
+    raw: dict[tuple[str, str], dict[str, Any]] = {
+        key: outcome if outcome is not None else {"error": "did not finish"} for key, outcome in outcomes.items()
+    }
+    results: dict[str, Any] = {"name": spec.name, "title": spec.title, "source": spec.source, "metric": spec.metric, "rows": []}
     for group in spec.groups:
         for series in spec.series:
             summary = raw[(group["label"], series)]
-            row: dict[str, Any] = {"group": group["label"], "series": series,
-                                   "paper": (group.get("paper") or {}).get(series),
-                                   "paper_extra": {key: values[series] for key, values
-                                                   in (group.get("paper_extra") or {}).items() if series in values}}
+            row: dict[str, Any] = {
+                "group": group["label"],
+                "series": series,
+                "paper": (group.get("paper") or {}).get(series),
+                "paper_extra": {key: values[series] for key, values in (group.get("paper_extra") or {}).items() if series in values},
+            }
             if "error" in summary:
                 row.update(value=None, error=summary["error"])
             else:
@@ -175,9 +189,14 @@ def write_report(spec: SweepSpec, outcomes: dict[tuple[str, str], dict[str, Any]
 
 def markdown_table(spec: SweepSpec, results: dict[str, Any]) -> str:
     extra = spec.extra_metrics
-    lines = [f"# {spec.title}", "", f"Source: {spec.source}", "",
-             "| " + " | ".join(["group", "series", f"ours: {spec.metric_label}", "paper", "gap"] + extra + ["plan"]) + " |",
-             "|" + "---|" * (6 + len(extra))]
+    lines = [
+        f"# {spec.title}",
+        "",
+        f"Source: {spec.source}",
+        "",
+        "| " + " | ".join(["group", "series", f"ours: {spec.metric_label}", "paper", "gap"] + extra + ["plan"]) + " |",
+        "|" + "---|" * (6 + len(extra)),
+    ]
     for row in results["rows"]:
         paper = _paper_mid(row["paper"])
         value = row["value"]
@@ -187,11 +206,12 @@ def markdown_table(spec: SweepSpec, results: dict[str, Any]) -> str:
             ours = f"{value:.3g}"
             gap = "–" if paper is None else f"{(value - paper) / paper * 100:+.0f}%"
         plan = "; ".join(f"{u}: " + " ".join(f"{k}{v}" for k, v in p.items()) for u, p in row.get("plan", {}).items())
-        extras = [(f"{row[k]:.3g}" if isinstance(row.get(k), float) else str(row.get(k, "–")))
-                  + (f" (paper {_paper_text(row['paper_extra'][k])})" if k in row.get("paper_extra", {}) else "")
-                  for k in extra]
-        lines.append("| " + " | ".join([row["group"], row["series"], ours, _paper_text(row["paper"]), gap]
-                                       + extras + [plan]) + " |")
+        extras = [
+            (f"{row[k]:.3g}" if isinstance(row.get(k), float) else str(row.get(k, "–")))
+            + (f" (paper {_paper_text(row['paper_extra'][k])})" if k in row.get("paper_extra", {}) else "")
+            for k in extra
+        ]
+        lines.append("| " + " | ".join([row["group"], row["series"], ours, _paper_text(row["paper"]), gap] + extras + [plan]) + " |")
     if spec.notes:
         lines += ["", "## Notes", "", spec.notes.strip()]
     return "\n".join(lines) + "\n"
@@ -199,6 +219,7 @@ def markdown_table(spec: SweepSpec, results: dict[str, Any]) -> str:
 
 def plot(spec: SweepSpec, results: dict[str, Any], path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -242,8 +263,16 @@ def sweep_from_command_line(argv: list[str] | None, description: str) -> tuple[S
         print(f"error: {err}", file=sys.stderr)
         return None
     out = (args.out or Path("outputs") / "sweeps" / spec.name).resolve()
-    command = [sys.executable, "-m", "src.run", "-m", "hydra/sweeper=figure",
-               f"hydra.sweeper.figure={args.sweep.resolve()}", f"hydra.sweep.dir={out}", *overrides]
+    command = [
+        sys.executable,
+        "-m",
+        "src.run",
+        "-m",
+        "hydra/sweeper=figure",
+        f"hydra.sweeper.figure={args.sweep.resolve()}",
+        f"hydra.sweep.dir={out}",
+        *overrides,
+    ]
     if subprocess.run(command, cwd=REPO).returncode != 0:
         print(f"error: the multirun of {spec.name} failed (its output is above)", file=sys.stderr)
         return None

@@ -1,5 +1,6 @@
 """What a backend returns: when every instruction of every rank class ran, and why each
 rank's compute stream was idle. Both the simulator and the real runtime produce this."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -7,8 +8,7 @@ from dataclasses import dataclass, field
 # Breakdown categories, in the order reports show them. They add up to the iteration
 # time on every rank: compute + exposed communication by kind + bubbles + idle.
 BUBBLE_CATEGORIES = ("bubble_warmup", "bubble_cooldown", "bubble_imbalance")
-BREAKDOWN_CATEGORIES = ("compute", "comm_tp", "comm_pp", "comm_dp", "comm_interaction",
-                        "comm_broker") + BUBBLE_CATEGORIES + ("idle",)
+BREAKDOWN_CATEGORIES = ("compute", "comm_tp", "comm_pp", "comm_dp", "comm_interaction", "comm_broker") + BUBBLE_CATEGORIES + ("idle",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +45,7 @@ class Timeline:
     ranks: list[RankTimeline]
     backend: str = "sim"
     events: int = 0
-    p2p_bytes: float = 0.0   # bytes all ranks' point-to-point messages put on links
+    p2p_bytes: float = 0.0  # bytes all ranks' point-to-point messages put on links
 
     def mean_breakdown(self) -> dict[str, float]:
         """Breakdown averaged over all ranks (each class weighted by its rank count)."""

@@ -11,6 +11,7 @@ under --out. The `local` preset's figures come from `python -m src.calibrate`.
 
 Timings are this machine's: run it when nothing else loads the cores.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,10 +27,26 @@ from src.timeline import BREAKDOWN_CATEGORIES
 
 # Two sizes of one GPT (a transformer's GEMMs and collectives; custom sizes need no preset).
 GPT_SIZES = {
-    "gpt-s": ["model=gpt", "model.preset=null", "model.layers=4", "model.hidden=128", "model.heads=4",
-              "model.vocab=512", "train.seq_len=64", "train.global_batch=16"],
-    "gpt-m": ["model=gpt", "model.preset=null", "model.layers=4", "model.hidden=384", "model.heads=6",
-              "model.vocab=1024", "train.seq_len=128", "train.global_batch=16"],
+    "gpt-s": [
+        "model=gpt",
+        "model.preset=null",
+        "model.layers=4",
+        "model.hidden=128",
+        "model.heads=4",
+        "model.vocab=512",
+        "train.seq_len=64",
+        "train.global_batch=16",
+    ],
+    "gpt-m": [
+        "model=gpt",
+        "model.preset=null",
+        "model.layers=4",
+        "model.hidden=384",
+        "model.heads=6",
+        "model.vocab=1024",
+        "train.seq_len=128",
+        "train.global_batch=16",
+    ],
 }
 CLIP = ["model=clip", "model.scale=tiny"]
 
@@ -48,11 +65,20 @@ def grid() -> list[Case]:
             strategies = {
                 "ddp-z0": ["strategy=ddp", "strategy.zero_stage=0"],
                 "ddp-z2": ["strategy=ddp", "strategy.zero_stage=2"],
-                "megatron-tp": ["strategy=megatron", f"strategy.tp={workers}", "strategy.pp=1",
-                                "strategy.sequence_parallel=false"],  # the real backend runs no SP
+                "megatron-tp": [
+                    "strategy=megatron",
+                    f"strategy.tp={workers}",
+                    "strategy.pp=1",
+                    "strategy.sequence_parallel=false",
+                ],  # the real backend runs no SP
                 # pp 2, and dp 2 on 4 workers
-                "megatron-pp": ["strategy=megatron", "strategy.tp=1", "strategy.pp=2", "strategy.micro_batch_size=2",
-                                "strategy.schedule=1f1b"],
+                "megatron-pp": [
+                    "strategy=megatron",
+                    "strategy.tp=1",
+                    "strategy.pp=2",
+                    "strategy.micro_batch_size=2",
+                    "strategy.schedule=1f1b",
+                ],
             }
             for label, strategy in strategies.items():
                 cases.append(Case(f"{size}/{label}", workers, tuple(model + strategy)))
@@ -87,8 +113,14 @@ def validate_case(case: Case, out: Path, steps: int) -> dict[str, Any]:
     if predicted is None:
         return {**row, "error": f"sim: {why}"}
     m, p = measured["iteration_time_s"], predicted["iteration_time_s"]
-    return {**row, "measured_s": m, "predicted_s": p, "error_pct": 100.0 * (p - m) / m,
-            "measured_breakdown_s": _categories(measured), "predicted_breakdown_s": _categories(predicted)}
+    return {
+        **row,
+        "measured_s": m,
+        "predicted_s": p,
+        "error_pct": 100.0 * (p - m) / m,
+        "measured_breakdown_s": _categories(measured),
+        "predicted_breakdown_s": _categories(predicted),
+    }
 
 
 def mape(rows: list[dict[str, Any]]) -> float | None:
@@ -98,8 +130,7 @@ def mape(rows: list[dict[str, Any]]) -> float | None:
 
 def _shown_categories(rows: list[dict[str, Any]]) -> list[str]:
     """The categories some case spends time in, in the breakdown's order."""
-    used = {k for r in rows for side in ("measured_breakdown_s", "predicted_breakdown_s")
-            for k, v in r.get(side, {}).items() if v > 0}
+    used = {k for r in rows for side in ("measured_breakdown_s", "predicted_breakdown_s") for k, v in r.get(side, {}).items() if v > 0}
     return [k for k in BREAKDOWN_CATEGORIES if k in used]
 
 
@@ -111,15 +142,25 @@ def table(rows: list[dict[str, Any]]) -> str:
         if "error" in r:
             lines.append(f"| {r['case']} | {r['workers']} | failed: {r['error']} |" + " |" * (len(header) - 3))
             continue
-        cells = [r["case"], str(r["workers"]), f"{1e3 * r['measured_s']:.1f}", f"{1e3 * r['predicted_s']:.1f}",
-                 f"{r['error_pct']:+.1f}"]
-        cells += [f"{1e3 * r['measured_breakdown_s'].get(c, 0.0):.1f} / {1e3 * r['predicted_breakdown_s'].get(c, 0.0):.1f}"
-                  for c in categories]
+        cells = [
+            r["case"],
+            str(r["workers"]),
+            f"{1e3 * r['measured_s']:.1f}",
+            f"{1e3 * r['predicted_s']:.1f}",
+            f"{r['error_pct']:+.1f}",
+        ]
+        cells += [
+            f"{1e3 * r['measured_breakdown_s'].get(c, 0.0):.1f} / {1e3 * r['predicted_breakdown_s'].get(c, 0.0):.1f}"
+            for c in categories
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     score = mape(rows)
     lines.append("")
-    lines.append(f"iteration-time MAPE: {score:.1f} % over {sum('error_pct' in r for r in rows)} cases"
-                 if score is not None else "iteration-time MAPE: no case finished")
+    lines.append(
+        f"iteration-time MAPE: {score:.1f} % over {sum('error_pct' in r for r in rows)} cases"
+        if score is not None
+        else "iteration-time MAPE: no case finished"
+    )
     return "\n".join(lines)
 
 
@@ -135,8 +176,9 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 6))
     for workers, marker in ((2, "o"), (4, "s")):
         mine = [r for r in done if r["workers"] == workers]
-        ax.scatter([1e3 * r["measured_s"] for r in mine], [1e3 * r["predicted_s"] for r in mine], marker=marker,
-                   label=f"{workers} workers")
+        ax.scatter(
+            [1e3 * r["measured_s"] for r in mine], [1e3 * r["predicted_s"] for r in mine], marker=marker, label=f"{workers} workers"
+        )
         for r in mine:
             ax.annotate(r["case"], (1e3 * r["measured_s"], 1e3 * r["predicted_s"]), fontsize=6)
     top = 1.1e3 * max(max(r["measured_s"], r["predicted_s"]) for r in done)
@@ -166,8 +208,10 @@ def main() -> None:
     for index, case in enumerate(cases):
         row = validate_case(case, args.out, args.steps)
         rows.append(row)
-        shown = row.get("error") or f"measured {1e3 * row['measured_s']:.1f} ms, predicted {1e3 * row['predicted_s']:.1f} ms " \
-                                    f"({row['error_pct']:+.1f} %)"
+        shown = (
+            row.get("error")
+            or f"measured {1e3 * row['measured_s']:.1f} ms, predicted {1e3 * row['predicted_s']:.1f} ms ({row['error_pct']:+.1f} %)"
+        )
         print(f"[{index + 1}/{len(cases)}] {case.name} on {case.workers} workers: {shown}", file=sys.stderr, flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "validation.json").write_text(json.dumps({"rows": rows, "mape_pct": mape(rows)}, indent=2) + "\n")

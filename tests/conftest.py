@@ -1,5 +1,6 @@
 """Shared fixtures: the repository's paths and a runner for the front door
 (`python -m src.run ...`) in a subprocess, as a user would invoke it."""
+
 from __future__ import annotations
 
 import os
@@ -27,8 +28,9 @@ def cli_env() -> dict[str, str]:
 
 def run_cli(*overrides: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """`python -m src.run <overrides>` from the repository root; stdout/stderr captured."""
-    return subprocess.run([sys.executable, "-m", "src.run", *overrides], cwd=REPO_ROOT, env=cli_env(),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "src.run", *overrides], cwd=REPO_ROOT, env=cli_env(), capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
 """model.attention: FlashAttention keeps O(s) softmax statistics instead of the s x s
 scores and recomputes QK^T in backward; eager keeps the scores (Korthikanti et al.)."""
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -21,14 +22,22 @@ LONG_GPT = {"name": "gpt", "preset": None, "layers": 8, "hidden": 1024, "heads":
 def long_request(attention: str, **options):
     """8 blocks of 32768 tokens on one H100 node at TP 8: the eager scores alone are
     5·16·32768² bytes per block / 8 = 10.7 GB, 86 GB for the 8 blocks."""
-    req = request(LONG_GPT, "hopper", 1, 8, tp=8, pp=1, vpp=1, micro_batch_size=1, sequence_parallel=True,
-                  zero_stage=0, **options)
+    req = request(LONG_GPT, "hopper", 1, 8, tp=8, pp=1, vpp=1, micro_batch_size=1, sequence_parallel=True, zero_stage=0, **options)
     return replace(req, model=build_model({**LONG_GPT, "attention": attention}, SEQ))
 
 
-@pytest.mark.parametrize("device,mode", [("H100-SXM5-80GB", "flash"), ("A100-SXM4-40GB", "flash"),
-                                         ("A800-SXM4-80GB", "flash"), ("V100-SXM2-16GB", "eager"),
-                                         ("MI250X-GCD", "eager"), ("cpu-worker", "eager"), (None, "eager")])
+@pytest.mark.parametrize(
+    "device,mode",
+    [
+        ("H100-SXM5-80GB", "flash"),
+        ("A100-SXM4-40GB", "flash"),
+        ("A800-SXM4-80GB", "flash"),
+        ("V100-SXM2-16GB", "eager"),
+        ("MI250X-GCD", "eager"),
+        ("cpu-worker", "eager"),
+        (None, "eager"),
+    ],
+)
 def test_the_default_follows_the_device(device: str | None, mode: str) -> None:
     block = build_model(LONG_GPT, 4096, device).unit("llm").layers[1]
     heads, seq = 16, 4096

@@ -1,5 +1,6 @@
 """src.calibrate's fits recover known figures, and the `local` preset takes a host
 profile's figures only on a host of that CPU model."""
+
 from __future__ import annotations
 
 import math
@@ -45,8 +46,14 @@ def test_local_takes_the_profile_of_this_cpu_model_only(tmp_path: Path, monkeypa
     monkeypatch.setattr(cluster_profile, "PROFILE_DIR", tmp_path)
     fallback = cluster_from_config(LOCAL)
     assert "no profile for this host's CPU" in fallback.sources["profile"]
-    measured = {"peak_flops": {"fp32": 90e9, "bf16": 200e9}, "oversubscription": {1: 1.0, 2: 0.95, 4: 0.5},
-                "gemm_max_efficiency": 0.8, "gemm_half_dim": 8.0, "intra_latency": 3e-4, "intra_bandwidth": 2e9}
+    measured = {
+        "peak_flops": {"fp32": 90e9, "bf16": 200e9},
+        "oversubscription": {1: 1.0, 2: 0.95, 4: 0.5},
+        "gemm_max_efficiency": 0.8,
+        "gemm_half_dim": 8.0,
+        "intra_latency": 3e-4,
+        "intra_bandwidth": 2e9,
+    }
     cluster_profile.profile_path("local").write_text(yaml.safe_dump({"preset": measured}))
     cluster = cluster_from_config(LOCAL)  # 4 workers per node
     assert cluster.sources["profile"].startswith("measured on this CPU model")
@@ -80,6 +87,7 @@ def test_collective_efficiency_slows_that_op_only() -> None:
     ranks = (0, 1, 2, 3)
     for op, factor in (("reduce_scatter", 4.0), ("all_gather", 1.0), ("all_reduce", 1.0)):
         assert CommModel(slow).collective_parts(op, ranks, 1e8)[1] == pytest.approx(
-            factor * CommModel(base).collective_parts(op, ranks, 1e8)[1])
+            factor * CommModel(base).collective_parts(op, ranks, 1e8)[1]
+        )
     with pytest.raises(ConfigError, match="collective_efficiency"):
         cluster_from_config({**LOCAL, "profile": None, "collective_efficiency": {"reduce": 0.5}})

@@ -7,6 +7,7 @@ traceback and no summary.json.
 
 Runs use `logger=none` (fast) except the one that checks the W&B offline sink.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,9 +21,20 @@ import yaml
 
 from src.timeline import BREAKDOWN_CATEGORIES
 
-REQUIRED_SUMMARY_KEYS = ("model", "strategy", "cluster", "backend", "devices", "iteration_time_s", "mfu",
-                         "throughput_samples_per_s", "tflops_per_device", "breakdown_s", "peak_memory_gib",
-                         "plan")
+REQUIRED_SUMMARY_KEYS = (
+    "model",
+    "strategy",
+    "cluster",
+    "backend",
+    "devices",
+    "iteration_time_s",
+    "mfu",
+    "throughput_samples_per_s",
+    "tflops_per_device",
+    "breakdown_s",
+    "peak_memory_gib",
+    "plan",
+)
 RUN_FILES = ("resolved.yaml", "summary.json", "metrics.jsonl", "trace.json")
 
 
@@ -252,47 +264,34 @@ def assert_one_line_error(proc, run_dir: Path, *needles: str) -> str:
 
 BAD_INPUTS = {
     # id: (overrides, regexes the one error line must contain)
-    "tp_not_dividing_heads": (
-        ["strategy.tp=3"],
-        [r"\btp=3\b", r"does not divide", r"\b16\b", r"heads"]),
+    "tp_not_dividing_heads": (["strategy.tp=3"], [r"\btp=3\b", r"does not divide", r"\b16\b", r"heads"]),
     # GPT-5B has 24 blocks; 5 nodes x 4 A100 = 20 devices, so tp x pp = 1 x 5 divides the
     # devices (dp=4, 512 % 4 == 0) and only the layers do not divide.
     "pp_not_dividing_layers": (
         ["model=gpt", "strategy.pp=5", "strategy.tp=1", "cluster=perlmutter", "cluster.nodes=5"],
-        [r"\bpp=5\b", r"does not divide", r"\b24\b", r"blocks|layers"]),
+        [r"\bpp=5\b", r"does not divide", r"\b24\b", r"blocks|layers"],
+    ),
     # Every dp on 64 devices is a power of two, and so is 512: 3 never divides.
     "batch_not_divisible_by_dp_x_micro_batch": (
         ["train.global_batch=512", "strategy.micro_batch_size=3"],
-        [r"\b512\b", r"not divisible", r"micro-batch", r"\b3\b"]),
-    "devices_not_nodes_x_devices_per_node": (
-        ["cluster.devices=10"],
-        [r"cluster\.devices=10", r"8 x 8 = 64"]),
+        [r"\b512\b", r"not divisible", r"micro-batch", r"\b3\b"],
+    ),
+    "devices_not_nodes_x_devices_per_node": (["cluster.devices=10"], [r"cluster\.devices=10", r"8 x 8 = 64"]),
     # CLIP multi_node on V100s with tp fixed at 1: the weights alone exceed 16 GiB.
     "plan_does_not_fit_memory": (
         ["model=clip", "model.scale=multi_node", "strategy.tp=1", "train.global_batch=512"],
-        [r"tp=1", r"[\d.]+ GiB", r"V100", r"short by [\d.]+ GiB"]),
-    "global_batch_zero": (
-        ["train.global_batch=0"],
-        [r"train\.global_batch", r"positive", r"\b0\b"]),
+        [r"tp=1", r"[\d.]+ GiB", r"V100", r"short by [\d.]+ GiB"],
+    ),
+    "global_batch_zero": (["train.global_batch=0"], [r"train\.global_batch", r"positive", r"\b0\b"]),
     "gpt_custom_layers_negative": (
-        ["model=gpt", "model.preset=null", "model.layers=-1", "model.hidden=1024", "model.heads=16",
-         "model.vocab=51200"],
-        [r"model\.layers=-1", r"positive"]),
-    "gpt_preset_layers_negative": (
-        ["model=gpt", "model.layers=-1"],
-        [r"model\.layers=-1", r"positive"]),
-    "cluster_nodes_zero": (
-        ["cluster.nodes=0"],
-        [r"cluster\.nodes", r"positive", r"\b0\b"]),
-    "cluster_devices_per_node_zero": (
-        ["cluster.devices_per_node=0"],
-        [r"cluster\.devices_per_node", r"positive", r"\b0\b"]),
-    "train_steps_zero": (
-        ["train.steps=0"],
-        [r"train\.steps", r"positive", r"\b0\b"]),
-    "strategy_tp_zero": (
-        ["strategy.tp=0"],
-        [r"strategy\.tp", r"positive", r"\b0\b"]),
+        ["model=gpt", "model.preset=null", "model.layers=-1", "model.hidden=1024", "model.heads=16", "model.vocab=51200"],
+        [r"model\.layers=-1", r"positive"],
+    ),
+    "gpt_preset_layers_negative": (["model=gpt", "model.layers=-1"], [r"model\.layers=-1", r"positive"]),
+    "cluster_nodes_zero": (["cluster.nodes=0"], [r"cluster\.nodes", r"positive", r"\b0\b"]),
+    "cluster_devices_per_node_zero": (["cluster.devices_per_node=0"], [r"cluster\.devices_per_node", r"positive", r"\b0\b"]),
+    "train_steps_zero": (["train.steps=0"], [r"train\.steps", r"positive", r"\b0\b"]),
+    "strategy_tp_zero": (["strategy.tp=0"], [r"strategy\.tp", r"positive", r"\b0\b"]),
     # Typos and bad types in every group, answered at the door (no worker started).
     "train_key_typo": (["+train.stepz=5"], [r"unknown train key", r"stepz", r"steps"]),
     "cluster_key_typo": (["+cluster.x=1"], [r"unknown cluster key", r"'x'"]),
@@ -304,10 +303,12 @@ BAD_INPUTS = {
     "seed_not_a_number": (["train.seed=abc"], [r"train\.seed", r"integer", r"abc"]),
     "torch_backend_workers_not_a_number": (
         ["backend=torch", "cluster=local", "model.scale=tiny", "strategy=ddp", "backend.workers=abc"],
-        [r"backend\.workers", r"positive integer", r"abc"]),
+        [r"backend\.workers", r"positive integer", r"abc"],
+    ),
     "torch_backend_unknown_dist_backend": (
         ["backend=torch", "cluster=local", "model.scale=tiny", "strategy=ddp", "backend.dist_backend=mpi"],
-        [r"backend\.dist_backend", r"mpi", r"gloo"]),
+        [r"backend\.dist_backend", r"mpi", r"gloo"],
+    ),
 }
 
 

@@ -1,5 +1,6 @@
 """strategy=auto and src.compare: every contender priced on one model and cluster, the
 fastest chosen, the refusals named."""
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,17 @@ from src.setup import plan_run, validate
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 ROOT = CONF.parent
-SMALL_GPT = ["model=gpt", "model.preset=null", "model.layers=8", "model.hidden=1024", "model.heads=16", "model.vocab=32000",
-             "cluster=perlmutter", "cluster.nodes=2", "train.global_batch=64"]
+SMALL_GPT = [
+    "model=gpt",
+    "model.preset=null",
+    "model.layers=8",
+    "model.hidden=1024",
+    "model.heads=16",
+    "model.vocab=32000",
+    "cluster=perlmutter",
+    "cluster.nodes=2",
+    "train.global_batch=64",
+]
 
 
 def composed(name: str, *overrides: str) -> dict:
@@ -41,8 +51,7 @@ def test_auto_runs_the_fastest_contender_and_names_the_runner_up() -> None:
 
 def test_auto_rejects_unknown_contenders() -> None:
     with pytest.raises(ConfigError, match="strategy.contenders"):
-        plan_run(validate(composed("config", *SMALL_GPT, "strategy=auto", "strategy.contenders=[megatorn]",
-                                   "logger=none")))
+        plan_run(validate(composed("config", *SMALL_GPT, "strategy=auto", "strategy.contenders=[megatorn]", "logger=none")))
 
 
 def test_compare_ranks_priced_contenders_then_lists_refusals() -> None:
@@ -56,20 +65,32 @@ def test_compare_ranks_priced_contenders_then_lists_refusals() -> None:
 
 
 def test_compare_refuses_a_single_strategy_in_one_line() -> None:
-    done = subprocess.run([sys.executable, "-m", "src.compare", "strategy=megatron", "hydra.run.dir=/tmp/unused-compare"],
-                          cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "src.compare", "strategy=megatron", "hydra.run.dir=/tmp/unused-compare"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        "error: src.compare prices every strategy; strategy=megatron picks one (choose some with strategy.contenders=[...])"]
+        "error: src.compare prices every strategy; strategy=megatron picks one (choose some with strategy.contenders=[...])"
+    ]
 
 
 def test_scaling_report_charts_each_strategy_over_device_counts(tmp_path: Path) -> None:
     for job, devices in enumerate((8, 16)):
-        outcomes = [{"strategy": "megatron", "summary": {"throughput_samples_per_s": devices * 1.0}},
-                    {"strategy": "distmm", "reason": "no towers"}]
+        outcomes = [
+            {"strategy": "megatron", "summary": {"throughput_samples_per_s": devices * 1.0}},
+            {"strategy": "distmm", "reason": "no towers"},
+        ]
         (tmp_path / str(job)).mkdir()
-        result = {"title": f"gpt on perlmutter ({devices} devices)", "model": "gpt", "cluster": "perlmutter",
-                  "devices": devices, "outcomes": outcomes}
+        result = {
+            "title": f"gpt on perlmutter ({devices} devices)",
+            "model": "gpt",
+            "cluster": "perlmutter",
+            "devices": devices,
+            "outcomes": outcomes,
+        }
         (tmp_path / str(job) / "compare.json").write_text(json.dumps(result))
     ScalingReport().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}}))
     text = (tmp_path / "scaling.md").read_text()

@@ -7,6 +7,7 @@ uses: cluster presets through `cluster_from_config`, models through `build_model
 options. Cluster presets are also read as plain YAML: every field stated (no silent
 default), the numbers positive, the sources given.
 """
+
 from __future__ import annotations
 
 import copy
@@ -55,9 +56,14 @@ def strategy_options(name: str) -> type:
     """The options dataclass of strategy `name`: by convention the one dataclass named
     `*Options` in the planner's module src/strategies/<name>.py (MegatronOptions, ...)."""
     module = importlib.import_module(f"src.strategies.{name}")
-    found = [obj for obj in vars(module).values()
-             if inspect.isclass(obj) and dataclasses.is_dataclass(obj) and obj.__name__.endswith("Options")
-             and obj.__module__ == module.__name__]
+    found = [
+        obj
+        for obj in vars(module).values()
+        if inspect.isclass(obj)
+        and dataclasses.is_dataclass(obj)
+        and obj.__name__.endswith("Options")
+        and obj.__module__ == module.__name__
+    ]
     assert len(found) == 1, f"src/strategies/{name}.py should define one *Options dataclass, found {found}"
     return found[0]
 
@@ -73,10 +79,8 @@ def test_every_group_has_options() -> None:
     for group in GROUPS:
         assert options(group), f"conf/{group}/ has no options"
     # The README's list of groups and their options.
-    assert set(options("model")) >= {"clip", "coca", "lit", "mllm_9b", "mllm_15b", "mllm_72b", "optimus", "gpt",
-                                      "unet"}
-    assert set(options("cluster")) >= {"p3_16xlarge", "a800", "hopper", "perlmutter", "frontier", "dgx_a100",
-                                       "local"}
+    assert set(options("model")) >= {"clip", "coca", "lit", "mllm_9b", "mllm_15b", "mllm_72b", "optimus", "gpt", "unet"}
+    assert set(options("cluster")) >= {"p3_16xlarge", "a800", "hopper", "perlmutter", "frontier", "dgx_a100", "local"}
     assert set(options("logger")) >= {"wandb", "none"}
 
 
@@ -90,8 +94,7 @@ def test_option_composes(group: str, name: str) -> None:
         assert g in config, f"{group}={name}: the composed config lacks {g}"
     assert config[group]["name"] == name, f"conf/{group}/{name}.yaml has name {config[group].get('name')!r}"
     # ${model.name}-${strategy.name}-${cluster.name}
-    assert config["run"]["name"] == f"{config['model']['name']}-{config['strategy']['name']}-" \
-                                    f"{config['cluster']['name']}"
+    assert config["run"]["name"] == f"{config['model']['name']}-{config['strategy']['name']}-{config['cluster']['name']}"
 
 
 @pytest.mark.parametrize("name", options("cluster"))
@@ -169,8 +172,12 @@ def test_every_figure_has_an_experiment_preset() -> None:
 
 def test_default_config_is_clip_megatron_on_p3() -> None:
     config = compose_config()
-    assert (config["model"]["name"], config["strategy"]["name"], config["cluster"]["name"],
-            config["backend"]["name"]) == ("clip", "megatron", "p3_16xlarge", "sim")
+    assert (config["model"]["name"], config["strategy"]["name"], config["cluster"]["name"], config["backend"]["name"]) == (
+        "clip",
+        "megatron",
+        "p3_16xlarge",
+        "sim",
+    )
 
 
 # --------------------------------------------------------------------------- (model, cluster) pairs

@@ -5,6 +5,7 @@
 - the runtime never imports the front door (src.run), so no import cycle;
 - a named mesh lays out ranks, groups and families for any number of axes.
 """
+
 from __future__ import annotations
 
 import ast
@@ -44,9 +45,7 @@ def test_backends_know_no_strategy(path):
 
 def test_the_runtime_never_imports_the_front_door():
     modules = [f"src.runtime.{p.stem}" for p in (SRC / "runtime").glob("*.py") if p.stem != "__init__"]
-    code = ("import importlib, sys\n"
-            f"for m in {modules!r}: importlib.import_module(m)\n"
-            "print('src.run' in sys.modules)")
+    code = f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\nprint('src.run' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=SRC.parent, check=True)
     assert out.stdout.strip() == "False"
 
@@ -80,11 +79,15 @@ def test_a_mesh_over_given_ranks_and_its_errors():
 
 def test_a_sharding_divides_each_gemm_as_its_layout_says():
     megatron = tensor_parallel(4)
-    assert [megatron.gemm_divisors(split) for split in ("n", "k", "batch", "none")] == \
-        [(1, 4, 1, 1), (1, 1, 4, 1), (1, 1, 1, 4), (1, 1, 1, 1)]
+    assert [megatron.gemm_divisors(split) for split in ("n", "k", "batch", "none")] == [
+        (1, 4, 1, 1),
+        (1, 1, 4, 1),
+        (1, 1, 1, 4),
+        (1, 1, 1, 1),
+    ]
     grid = Sharding((("x", 2), ("y", 4), ("z", 8)))
-    assert grid.gemm_divisors("n") == (8, 2, 4, 1)          # (m/z x k/y) @ (k/y x n/x)
-    assert grid.gemm_divisors("k") == (8, 4, 2, 1)          # the next layer is transposed: x and y swap
+    assert grid.gemm_divisors("n") == (8, 2, 4, 1)  # (m/z x k/y) @ (k/y x n/x)
+    assert grid.gemm_divisors("k") == (8, 4, 2, 1)  # the next layer is transposed: x and y swap
     transposed = Sharding((("x", 2), ("y", 4), ("z", 8)), transposed=True)
     assert transposed.gemm_divisors("n") == (8, 4, 2, 1)
     assert grid.devices == 64 and tensor_parallel(1).devices == 1

@@ -1,4 +1,5 @@
 """The cost model: GEMM efficiency, ring collectives, link sharing, memory of model states."""
+
 from __future__ import annotations
 
 import math
@@ -16,15 +17,31 @@ from src.models.spec import ModelSpec, UnitSpec
 from src.program import Work
 
 CLUSTER = ClusterSpec(
-    name="test", device="dev", nodes=2, devices_per_node=4, peak_flops={"bf16": 100e12}, memory_gib=40,
-    memory_bandwidth=1e12, intra_bandwidth=100e9, intra_latency=1e-6, inter_bandwidth=50e9, inter_latency=5e-6,
-    gemm_max_efficiency=0.8, gemm_half_dim=128, memory_efficiency=1.0, intra_efficiency=1.0, inter_efficiency=1.0,
-    kernel_overhead_s=0.0, reserved_memory_gib=1.0, default_precision="bf16")
+    name="test",
+    device="dev",
+    nodes=2,
+    devices_per_node=4,
+    peak_flops={"bf16": 100e12},
+    memory_gib=40,
+    memory_bandwidth=1e12,
+    intra_bandwidth=100e9,
+    intra_latency=1e-6,
+    inter_bandwidth=50e9,
+    inter_latency=5e-6,
+    gemm_max_efficiency=0.8,
+    gemm_half_dim=128,
+    memory_efficiency=1.0,
+    intra_efficiency=1.0,
+    inter_efficiency=1.0,
+    kernel_overhead_s=0.0,
+    reserved_memory_gib=1.0,
+    default_precision="bf16",
+)
 
 
 def test_large_gemm_approaches_max_efficiency_and_thin_ones_fall_off() -> None:
     compute = ComputeModel(CLUSTER, "bf16")
-    big = 2 * 8192 ** 3 / compute.gemm_time(8192, 8192, 8192) / 100e12
+    big = 2 * 8192**3 / compute.gemm_time(8192, 8192, 8192) / 100e12
     assert big == pytest.approx(0.8 * (8192 / (8192 + 128)) ** 3)
     # The same FLOPs as a thin GEMM (a small per-device batch) run slower.
     thin = 2 * 64 * 8192 * 8192 * 128 / (128 * compute.gemm_time(64, 8192, 8192)) / 100e12
@@ -43,8 +60,9 @@ def test_over_partitioned_tp_is_less_efficient_per_flop() -> None:
 def test_gemm_time_is_memory_bound_below_the_roofline() -> None:
     compute = ComputeModel(CLUSTER, "bf16")
     m, n, k = 1, 16384, 16384
-    assert compute.gemm_time(m, n, k) == pytest.approx(max(2 * m * n * k / (100e12 * compute.efficiency(m, n, k)),
-                                                           2 * (m * k + k * n + m * n) / 1e12))
+    assert compute.gemm_time(m, n, k) == pytest.approx(
+        max(2 * m * n * k / (100e12 * compute.efficiency(m, n, k)), 2 * (m * k + k * n + m * n) / 1e12)
+    )
 
 
 def test_ring_collectives_follow_the_alpha_beta_formulas() -> None:
@@ -56,8 +74,7 @@ def test_ring_collectives_follow_the_alpha_beta_formulas() -> None:
     assert comm.collective_time("reduce_scatter", inside, size) == comm.collective_time("all_gather", inside, size)
     across = (0, 4)
     # Across nodes the ring is limited by the node's NICs, split among the rings sharing them.
-    assert comm.collective_time("all_reduce", across, size, sharing=4) == pytest.approx(
-        2 * 1 * 5e-6 + 2 * 0.5 * size / (50e9 / 4))
+    assert comm.collective_time("all_reduce", across, size, sharing=4) == pytest.approx(2 * 1 * 5e-6 + 2 * 0.5 * size / (50e9 / 4))
     assert comm.collective_time("all_reduce", (3,), size) == 0.0
     assert comm.p2p_time(0, 4, size) == pytest.approx(5e-6 + size / 50e9)
 
@@ -78,12 +95,15 @@ def _par4d_groups(gx: int, gy: int, gz: int, gd: int, axis: int) -> list[tuple[i
     return [tuple(g) for g in groups.values()]
 
 
-@pytest.mark.parametrize("grid,expected", [
-    # ALGORITHMS.md §4.3 (derived): placement-aware beta with G_node = 4 and beta_inter = 1.
-    ((2, 2, 2, 2), (None, None, 4, 4)),
-    ((1, 1, 8, 2), (None, None, 1, 4)),
-    ((8, 1, 1, 2), (1, 4, 4, 4)),
-])
+@pytest.mark.parametrize(
+    "grid,expected",
+    [
+        # ALGORITHMS.md §4.3 (derived): placement-aware beta with G_node = 4 and beta_inter = 1.
+        ((2, 2, 2, 2), (None, None, 4, 4)),
+        ((1, 1, 8, 2), (None, None, 1, 4)),
+        ((8, 1, 1, 2), (1, 4, 4, 4)),
+    ],
+)
 def test_family_sharing_reproduces_par4d_eq10(grid, expected) -> None:
     cluster = replace(CLUSTER, nodes=4, devices_per_node=4)
     for axis, want in enumerate(expected):

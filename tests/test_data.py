@@ -1,5 +1,6 @@
 """Training data: synthetic samples are a function of (seed, index); tar shards read back
 what was written."""
+
 from __future__ import annotations
 
 import io

@@ -1,5 +1,6 @@
 """The DistMM planner end to end: partitioner, balancer, placement and pipelines on the
 paper's models, its switches, and the errors a user gets."""
+
 from __future__ import annotations
 
 import subprocess
@@ -19,8 +20,15 @@ from src.strategies.distmm_towers import partition
 ROOT = Path(__file__).resolve().parent.parent
 # A tiny pipelined case that runs in milliseconds: both towers cut in two stages, four
 # batch-sync groups of 8 samples.
-TINY_PIPE = ["model=clip", "model.scale=tiny", "cluster=local", "strategy.vision.pp=2", "strategy.text.pp=2",
-             "train.global_batch=32", "train.contrastive_batch=8"]
+TINY_PIPE = [
+    "model=clip",
+    "model.scale=tiny",
+    "cluster=local",
+    "strategy.vision.pp=2",
+    "strategy.text.pp=2",
+    "train.global_batch=32",
+    "train.contrastive_batch=8",
+]
 
 
 def setup(*overrides: str) -> Setup:
@@ -76,8 +84,7 @@ def test_balancer_beats_an_even_split() -> None:
 
 
 def test_fixed_degrees_are_kept() -> None:
-    s = setup("model=clip", "model.scale=single_node", "train.global_batch=192", "strategy.text.tp=8",
-              "strategy.text.dp=2")
+    s = setup("model=clip", "model.scale=single_node", "train.global_batch=192", "strategy.text.tp=8", "strategy.text.dp=2")
     text = towers(plan_run(s))["text"]
     assert (text.tp, text.dp) == (8, 2)
     with pytest.raises(ConfigError, match="heads"):
@@ -87,8 +94,7 @@ def test_fixed_degrees_are_kept() -> None:
 
 
 def interactions(plan) -> list[Compute]:
-    return [i for rp in plan.program.classes for i in rp.instructions
-            if isinstance(i, Compute) and i.work.phase == "interaction"]
+    return [i for rp in plan.program.classes for i in rp.instructions if isinstance(i, Compute) and i.work.phase == "interaction"]
 
 
 def test_separate_placement_scores_against_one_modality_and_naive_both() -> None:
@@ -105,17 +111,18 @@ def test_separate_placement_scores_against_one_modality_and_naive_both() -> None
     assert naive.details["placement"] == "naive"
     assert all(len(u.ranks) == 64 for u in naive.units)
     with pytest.raises(PlanError, match="pp=2"):
-        plan_run(setup("model=clip", "model.scale=multi_node", "train.global_batch=48",
-                       "strategy.placement=naive"))
+        plan_run(setup("model=clip", "model.scale=multi_node", "train.global_batch=48", "strategy.placement=naive"))
 
 
 def test_separate_placement_reduces_gradient_traffic() -> None:
     # §5.3.2: each node's links carry one tower's gradients instead of both towers'.
     separate = setup("model=coca", "train.global_batch=576", "strategy.balance=even")
     naive = setup("model=coca", "train.global_batch=576", "strategy.placement=naive")
+
     def comm_dp(s: Setup) -> float:
         plan = plan_run(s)
         return simulate(plan.program, s.model, s.cluster, s.train.precision).mean_breakdown()["comm_dp"]
+
     assert comm_dp(separate) < comm_dp(naive)
 
 
@@ -179,9 +186,22 @@ def test_global_batch_must_hold_whole_contrastive_batches() -> None:
 
 def test_a_tower_larger_than_the_cluster_exits_2_with_one_line(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "src.run", "model=clip", "model.scale=multi_node", "cluster=local",
-         "strategy=distmm", "logger=none", f"hydra.run.dir={tmp_path}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60)
+        [
+            sys.executable,
+            "-m",
+            "src.run",
+            "model=clip",
+            "model.scale=multi_node",
+            "cluster=local",
+            "strategy=distmm",
+            "logger=none",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1
@@ -200,8 +220,12 @@ def test_the_batch_sync_grows_linearly_with_the_devices() -> None:
         scorers = len(plan.unit("interaction").ranks)
         messages = sum(len(plan.program.route(name).table) for name in ("batch_sync", "batch_sync.grad"))
         assert messages <= 2 * scorers  # one local copy and one gradient per scorer (tp 1, one group)
-        collectives = [i for rp in plan.program.classes for i in rp.instructions
-                       if isinstance(i, Collective) and i.group == "interaction" and i.op != "all_reduce"]
+        collectives = [
+            i
+            for rp in plan.program.classes
+            for i in rp.instructions
+            if isinstance(i, Collective) and i.group == "interaction" and i.op != "all_reduce"
+        ]
         assert {i.op for i in collectives} == {"all_to_all"}
         sizes[nodes] = scorers
         assert iteration(s, plan) > 0

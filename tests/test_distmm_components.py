@@ -1,5 +1,6 @@
 """DistMM's components on small hand-checked cases: the balancer's dynamic program, the
 batch-sync schedules and the pipeline's batch-size bounds (ALGORITHMS.md §2.2-2.6)."""
+
 from __future__ import annotations
 
 import itertools
@@ -8,8 +9,7 @@ import random
 import pytest
 
 from src.errors import ConfigError
-from src.schedules.distmm_pipe import (build_sync_schedule, distmm_pipe, gpipe_sync, max_contrastive_batch,
-                                       max_pipeline_batch, resident)
+from src.schedules.distmm_pipe import build_sync_schedule, distmm_pipe, gpipe_sync, max_contrastive_batch, max_pipeline_batch, resident
 from src.strategies.distmm_balance import Choice, aligned_time, balance
 from src.strategies.distmm_towers import phase_weights
 
@@ -29,8 +29,7 @@ def test_balancer_toy_of_the_spec(fill: bool) -> None:
     assert max(vision.phases + text.phases) == pytest.approx(12.0)
 
 
-def brute_force(choices: list[list[Choice[int]]], devices: int, weights: tuple[float, ...],
-                fill: bool) -> tuple[float, int]:
+def brute_force(choices: list[list[Choice[int]]], devices: int, weights: tuple[float, ...], fill: bool) -> tuple[float, int]:
     combos = [c for c in itertools.product(*choices) if sum(x.devices for x in c) <= devices]
     if fill:
         most = max(sum(x.devices for x in c) for c in combos)
@@ -46,9 +45,10 @@ def test_balancer_matches_brute_force(seed: int) -> None:
     towers = rng.randint(2, 3)
     groups = rng.randint(1, 4)
     weights = phase_weights(groups)
-    choices = [[Choice(n, tuple(rng.uniform(0, 5) for _ in weights), n)
-                for n in sorted(rng.sample(range(1, devices + 1), rng.randint(1, 4)))]
-               for _ in range(towers)]
+    choices = [
+        [Choice(n, tuple(rng.uniform(0, 5) for _ in weights), n) for n in sorted(rng.sample(range(1, devices + 1), rng.randint(1, 4)))]
+        for _ in range(towers)
+    ]
     for fill in (False, True):
         if min(sum(c) for c in itertools.product(*[[x.devices for x in o] for o in choices])) > devices:
             assert balance(choices, devices, weights, fill=fill) is None
@@ -156,15 +156,16 @@ def test_gantt_reads_back_the_simulator_trace(tmp_path) -> None:
     from src.report.trace import write_chrome_trace
     from src.timeline import RankTimeline, Span, Timeline
 
-    spans = [Span("compute", 0.0, 0.002, "fwd vision L0-3", "compute", "vision", 0),
-             Span("compute", 0.002, 0.003, "interaction interaction L0-1", "compute", "interaction", 0),
-             Span("comm", 0.003, 0.004, "all_gather interaction", "comm_interaction")]
+    spans = [
+        Span("compute", 0.0, 0.002, "fwd vision L0-3", "compute", "vision", 0),
+        Span("compute", 0.002, 0.003, "interaction interaction L0-1", "compute", "interaction", 0),
+        Span("comm", 0.003, 0.004, "all_gather interaction", "comm_interaction"),
+    ]
     timeline = Timeline(0.004, [RankTimeline((0, 1), "vision stage 0", ("vision",), spans, {}, 0.004)])
     write_chrome_trace(timeline, tmp_path / "trace.json")
     back = load_trace(tmp_path / "trace.json")
     assert back.iteration_time == pytest.approx(0.004)
-    assert [(s.name, s.stream, s.microbatch) for s in back.ranks[0].spans] == \
-        [(s.name, s.stream, s.microbatch) for s in spans]
+    assert [(s.name, s.stream, s.microbatch) for s in back.ranks[0].spans] == [(s.name, s.stream, s.microbatch) for s in spans]
     assert back.ranks[0].label.startswith("vision stage 0")
     render([("example", back)], tmp_path / "gantt.png")
     assert (tmp_path / "gantt.png").stat().st_size > 1000

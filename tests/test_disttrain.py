@@ -1,6 +1,7 @@
 """The DistTrain planner end to end: the orchestration's relaxation and integer recovery
 against brute force, the brokers (ALGORITHMS.md §1.5), the Program's routes, its switches,
 and the errors a user gets."""
+
 from __future__ import annotations
 
 import itertools
@@ -88,7 +89,7 @@ def test_orchestration_is_within_tolerance_of_brute_force() -> None:
         for unit in UNITS:
             choices = []
             for tp in profiler.tp_degrees(unit):
-                for dp in ([dp_lm] if unit == "llm" else divisors(dp_lm)):
+                for dp in [dp_lm] if unit == "llm" else divisors(dp_lm):
                     for pp in range(1, min(profiler.blocks(unit), n // (tp * dp)) + 1):
                         for recompute in orchestrator.modes:
                             choices.append(UnitChoice(unit, tp, dp, pp, recompute, dp_lm // dp))
@@ -116,14 +117,21 @@ def test_ratio_orchestration_is_no_better_than_algorithm_1() -> None:
 
 # ---- the Program ---------------------------------------------------------------------------
 def test_units_are_disjoint_and_brokers_are_gcd_of_the_dps() -> None:
-    s = setup("model=mllm_9b", "cluster=a800", "cluster.nodes=2", "train.global_batch=8",
-              "strategy.encoder.dp=2", "strategy.llm.dp=4", "strategy.llm.tp=2", "strategy.generator.dp=1")
+    s = setup(
+        "model=mllm_9b",
+        "cluster=a800",
+        "cluster.nodes=2",
+        "train.global_batch=8",
+        "strategy.encoder.dp=2",
+        "strategy.llm.dp=4",
+        "strategy.llm.tp=2",
+        "strategy.generator.dp=1",
+    )
     plan = plan_run(s)
     units = by_unit(plan)
     ranks = [set(units[u].mesh.ranks) for u in UNITS]
     assert all(a.isdisjoint(b) for a, b in itertools.combinations(ranks, 2))
-    assert (units["encoder"].mesh.degree("dp"), units["llm"].mesh.degree("dp"),
-            units["generator"].mesh.degree("dp")) == (2, 4, 1)
+    assert (units["encoder"].mesh.degree("dp"), units["llm"].mesh.degree("dp"), units["generator"].mesh.degree("dp")) == (2, 4, 1)
     brokers = {b["route"]: b["count"] for b in plan.details["brokers"]}
     assert brokers == {"encoder>llm": math.gcd(2, 4), "llm>generator": math.gcd(4, 1)}
     # The micro-batch of a unit is DP_lm / DP_u sequences (§1.1).
@@ -131,8 +139,15 @@ def test_units_are_disjoint_and_brokers_are_gcd_of_the_dps() -> None:
 
 
 def test_broker_routes_carry_every_sequence_once_each_way() -> None:
-    s = setup("model=mllm_9b", "cluster=a800", "cluster.nodes=2", "train.global_batch=8",
-              "strategy.encoder.dp=2", "strategy.llm.dp=4", "strategy.generator.dp=1")
+    s = setup(
+        "model=mllm_9b",
+        "cluster=a800",
+        "cluster.nodes=2",
+        "train.global_batch=8",
+        "strategy.encoder.dp=2",
+        "strategy.llm.dp=4",
+        "strategy.generator.dp=1",
+    )
     plan = plan_run(s)
     tables = {name: route for name, route in plan.program.routes.items() if isinstance(route, Table)}
     for flow in ("encoder>llm", "llm>generator"):
@@ -146,12 +161,20 @@ def test_broker_routes_carry_every_sequence_once_each_way() -> None:
 
 
 def test_data_heterogeneity_and_reordering() -> None:
-    base = ["model=mllm_9b", "cluster=a800", "cluster.nodes=2", "train.global_batch=16", "strategy.encoder.dp=2", "strategy.llm.dp=4",
-            "strategy.generator.dp=2"]
+    base = [
+        "model=mllm_9b",
+        "cluster=a800",
+        "cluster.nodes=2",
+        "train.global_batch=16",
+        "strategy.encoder.dp=2",
+        "strategy.llm.dp=4",
+        "strategy.generator.dp=2",
+    ]
     s = setup(*base, "strategy.reorder=none")
     plan = plan_run(s)
-    loads = {c.work.load for rp in plan.program.classes for c in rp.instructions
-             if isinstance(c, Compute) and c.work.unit == "encoder"}
+    loads = {
+        c.work.load for rp in plan.program.classes for c in rp.instructions if isinstance(c, Compute) and c.work.unit == "encoder"
+    }
     assert len(loads) > 1  # sequences of different image counts load the encoder differently
     times = {}
     for reorder in ("none", "intra", "inter", "both"):
@@ -159,20 +182,29 @@ def test_data_heterogeneity_and_reordering() -> None:
         times[reorder] = simulate(plan_run(rs).program, rs.model, rs.cluster, rs.train.precision).iteration_time
     assert times["both"] <= times["none"]
     uniform = setup(*base, "strategy.data=uniform")
-    loads = {c.work.load for rp in plan_run(uniform).program.classes for c in rp.instructions
-             if isinstance(c, Compute)}
+    loads = {c.work.load for rp in plan_run(uniform).program.classes for c in rp.instructions if isinstance(c, Compute)}
     assert loads == {1.0}
 
 
 def test_tp_overlap_chunks_split_the_tp_collectives() -> None:
-    fixed = ["model=mllm_9b", "cluster=a800", "cluster.nodes=2", "train.global_batch=4", "strategy.llm.tp=4",
-             "strategy.llm.dp=1", "strategy.data=uniform"]
+    fixed = [
+        "model=mllm_9b",
+        "cluster=a800",
+        "cluster.nodes=2",
+        "train.global_batch=4",
+        "strategy.llm.tp=4",
+        "strategy.llm.dp=1",
+        "strategy.data=uniform",
+    ]
     plain = setup(*fixed, "strategy.tp_overlap_chunks=1")
     overlapped = setup(*fixed, "strategy.tp_overlap_chunks=4")
-    times = [simulate(plan_run(x).program, x.model, x.cluster, x.train.precision).iteration_time
-             for x in (plain, overlapped)]
-    asynchronous = [c for rp in plan_run(overlapped).program.classes for c in rp.instructions
-                    if getattr(c, "kind", None) == "tp" and not c.blocking]
+    times = [simulate(plan_run(x).program, x.model, x.cluster, x.train.precision).iteration_time for x in (plain, overlapped)]
+    asynchronous = [
+        c
+        for rp in plan_run(overlapped).program.classes
+        for c in rp.instructions
+        if getattr(c, "kind", None) == "tp" and not c.blocking
+    ]
     assert asynchronous
     assert times[1] < times[0]
 
@@ -184,11 +216,14 @@ def test_frozen_units_plan_and_simulate() -> None:
 
 
 # ---- options and errors ---------------------------------------------------------------------
-@pytest.mark.parametrize("options, match", [
-    ({"orchestration": "magic"}, "strategy.orchestration"),
-    ({"reorder": "sideways"}, "strategy.reorder"),
-    ({"tp_overlap_chunks": 0}, "tp_overlap_chunks"),
-])
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"orchestration": "magic"}, "strategy.orchestration"),
+        ({"reorder": "sideways"}, "strategy.reorder"),
+        ({"tp_overlap_chunks": 0}, "tp_overlap_chunks"),
+    ],
+)
 def test_bad_options_are_named(options, match) -> None:
     with pytest.raises(ConfigError, match=match):
         DistTrainOptions(**options)
@@ -210,16 +245,33 @@ def test_other_models_are_refused() -> None:
 
 
 def _run_cli(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "src.run", "strategy=disttrain", "logger=none",
-                           f"hydra.run.dir={tmp_path}", *overrides],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "src.run", "strategy=disttrain", "logger=none", f"hydra.run.dir={tmp_path}", *overrides],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
-@pytest.mark.parametrize("overrides, words", [
-    (("model=mllm_72b", "cluster=a800", "cluster.nodes=1", "train.global_batch=4"), ("GPUs are fewer", "minimum")),
-    (("model=mllm_9b", "cluster=a800", "cluster.nodes=1", "train.global_batch=4", "strategy.llm.dp=2",
-      "strategy.llm.tp=4", "strategy.llm.pp=1"), ("no orchestration", "fixed degrees")),
-])
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (("model=mllm_72b", "cluster=a800", "cluster.nodes=1", "train.global_batch=4"), ("GPUs are fewer", "minimum")),
+        (
+            (
+                "model=mllm_9b",
+                "cluster=a800",
+                "cluster.nodes=1",
+                "train.global_batch=4",
+                "strategy.llm.dp=2",
+                "strategy.llm.tp=4",
+                "strategy.llm.pp=1",
+            ),
+            ("no orchestration", "fixed degrees"),
+        ),
+    ],
+)
 def test_impossible_plans_exit_2_with_one_line(tmp_path: Path, overrides, words) -> None:
     result = _run_cli(tmp_path, *overrides)
     assert result.returncode == 2, result.stderr

@@ -1,5 +1,6 @@
 """DistTrain's data side: the interleaved-sequence distribution and the reordering
 algorithms, against the test vectors of ALGORITHMS.md §1.8."""
+
 from __future__ import annotations
 
 import statistics

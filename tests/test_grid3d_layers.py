@@ -3,6 +3,7 @@ G_data) = (2,2,2,1) and (2,2,1,2), two chained layers (the second transposed, re
 first's output layout) give each rank its slice of the whole outputs, input gradients and
 weight and bias gradients, with every overlap on and off; under activation checkpointing
 caching the gathered weights (D) halves the z all-gathers."""
+
 from __future__ import annotations
 
 import torch
@@ -43,8 +44,9 @@ def _check(grid: Grid3D, recompute: bool) -> None:
     torch.manual_seed(0)
     with torch.no_grad():
         for layer in reference:
-            weight, bias = linear_shard(layer.in_features, layer.out_features, torch.arange(layer.out_features),
-                                        torch.arange(layer.in_features))
+            weight, bias = linear_shard(
+                layer.in_features, layer.out_features, torch.arange(layer.out_features), torch.arange(layer.in_features)
+            )
             layer.weight.copy_(weight)
             layer.bias.copy_(bias)
     torch.manual_seed(0)

@@ -4,6 +4,7 @@ multiruns through hydra-submitit-launcher.
 
 Every process starts in its own session and is stopped with its children on failure or
 timeout (torchrun's and submitit's children included)."""
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,15 @@ TIMEOUT_S = 120
 
 
 def _start(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-    return subprocess.Popen(args, cwd=REPO_ROOT, env={**cli_env(), **(env or {})}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen(
+        args,
+        cwd=REPO_ROOT,
+        env={**cli_env(), **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def _finish(procs: list[subprocess.Popen]) -> list[tuple[int, str]]:
@@ -41,8 +49,14 @@ def _finish(procs: list[subprocess.Popen]) -> list[tuple[int, str]]:
 
 
 def _prepare(*overrides: str) -> tuple[int, str, str]:
-    proc = subprocess.run([sys.executable, "-m", "src.runtime.prepare", *overrides], cwd=REPO_ROOT, env=cli_env(),
-                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    proc = subprocess.run(
+        [sys.executable, "-m", "src.runtime.prepare", *overrides],
+        cwd=REPO_ROOT,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
     return proc.returncode, proc.stdout, proc.stderr
 
 
@@ -88,9 +102,20 @@ def test_two_torchrun_nodes_train_like_the_driver(prepared, driver_losses):
 def test_srun_tasks_train_like_the_driver(prepared, driver_losses):
     run_dir = _copy(prepared, "srun")
     port = str(free_port())
-    procs = [_start(["bash", "launchers/srun.sh", str(run_dir)],
-                    {"SLURM_PROCID": str(r), "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_JOB_ID": "7",
-                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}) for r in range(2)]
+    procs = [
+        _start(
+            ["bash", "launchers/srun.sh", str(run_dir)],
+            {
+                "SLURM_PROCID": str(r),
+                "SLURM_NTASKS": "2",
+                "SLURM_LOCALID": "0",
+                "SLURM_JOB_ID": "7",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+            },
+        )
+        for r in range(2)
+    ]
     for code, output in _finish(procs):
         assert code == 0, output[-3000:]
     assert _summary(run_dir)["measured"]["loss"] == pytest.approx(driver_losses, rel=1e-4)
@@ -98,11 +123,11 @@ def test_srun_tasks_train_like_the_driver(prepared, driver_losses):
 
 def test_srun_refuses_a_task_count_the_plan_does_not_use(prepared):
     env = {**cli_env(), "SLURM_PROCID": "0", "SLURM_NTASKS": "3", "SLURM_LOCALID": "0"}
-    proc = subprocess.run(["bash", "launchers/srun.sh", str(prepared)], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        ["bash", "launchers/srun.sh", str(prepared)], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=30
+    )
     assert proc.returncode == 2
-    assert proc.stderr.strip() == ("error: the plan needs 2 workers but srun started 3 tasks "
-                                   "(use --nodes=2 --ntasks-per-node=1)")
+    assert proc.stderr.strip() == ("error: the plan needs 2 workers but srun started 3 tasks (use --nodes=2 --ntasks-per-node=1)")
 
 
 def test_prepare_refuses_a_simulator_run(tmp_path):
@@ -120,10 +145,26 @@ def test_torchrun_starts_as_many_workers_on_every_node():
 
 def test_a_multirun_through_the_submitit_local_launcher_writes_one_summary_per_job(tmp_path):
     # hydra.launcher.timeout_min: submitit stops a stuck job itself.
-    [(code, output)] = _finish([_start([sys.executable, "-m", "src.run", "-m", "hydra/launcher=submitit_local",
-                                        "hydra.launcher.timeout_min=2", "model=clip,lit", "model.scale=tiny",
-                                        "cluster=local", "strategy=ddp", "logger=none",
-                                        f"hydra.sweep.dir={tmp_path}"])])
+    [(code, output)] = _finish(
+        [
+            _start(
+                [
+                    sys.executable,
+                    "-m",
+                    "src.run",
+                    "-m",
+                    "hydra/launcher=submitit_local",
+                    "hydra.launcher.timeout_min=2",
+                    "model=clip,lit",
+                    "model.scale=tiny",
+                    "cluster=local",
+                    "strategy=ddp",
+                    "logger=none",
+                    f"hydra.sweep.dir={tmp_path}",
+                ]
+            )
+        ]
+    )
     assert code == 0, output[-3000:]
     assert (tmp_path / ".submitit").is_dir()  # the jobs ran as submitit jobs, not in this process
     models = sorted(_summary(p.parent)["model"] for p in tmp_path.glob("*/summary.json"))
@@ -136,8 +177,7 @@ def test_the_slurm_launcher_preset_runs_one_front_door_per_job():
     from tests.conftest import CONF_DIR
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        cfg = compose(config_name="config", overrides=["hydra/launcher=slurm", "backend=torch"],
-                      return_hydra_config=True)
+        cfg = compose(config_name="config", overrides=["hydra/launcher=slurm", "backend=torch"], return_hydra_config=True)
     launcher = cfg.hydra.launcher
     assert launcher._target_.endswith("SlurmLauncher")
     assert (launcher.nodes, launcher.tasks_per_node, launcher.cpus_per_task) == (1, 1, cfg.backend.workers)

@@ -1,4 +1,5 @@
 """The Megatron-LM baseline planner: fixed and searched plans, memory, multimodal stages."""
+
 from __future__ import annotations
 
 import itertools
@@ -29,8 +30,7 @@ CONF = Path(__file__).resolve().parent.parent / "conf"
 
 
 def request(model: dict, cluster: str, nodes: int, batch: int, **options) -> PlanRequest:
-    cluster_spec = cluster_from_config({**yaml.safe_load((CONF / "cluster" / f"{cluster}.yaml").read_text()),
-                                        "nodes": nodes})
+    cluster_spec = cluster_from_config({**yaml.safe_load((CONF / "cluster" / f"{cluster}.yaml").read_text()), "nodes": nodes})
     train = train_from_config({"global_batch": batch, "steps": 1}, cluster_spec)
     return PlanRequest(build_model(model), cluster_spec, train, {"name": "megatron", **options})
 
@@ -39,8 +39,21 @@ GPT_SMALL = {"name": "gpt", "preset": None, "layers": 8, "hidden": 1024, "heads"
 
 
 def test_fixed_degrees_are_respected_and_the_program_is_a_pipeline() -> None:
-    plan = planner_for("megatron")(request(GPT_SMALL, "perlmutter", 4, 64, tp=2, pp=2, vpp=1, micro_batch_size=2,
-                                           recompute="none", zero_stage=0, sequence_parallel=False))
+    plan = planner_for("megatron")(
+        request(
+            GPT_SMALL,
+            "perlmutter",
+            4,
+            64,
+            tp=2,
+            pp=2,
+            vpp=1,
+            micro_batch_size=2,
+            recompute="none",
+            zero_stage=0,
+            sequence_parallel=False,
+        )
+    )
     llm = plan.unit("llm")
     assert (llm.tp, llm.pp, llm.dp, llm.micro_batch, llm.num_microbatches) == (2, 2, 4, 2, 8)
     assert llm.stage_layers == ((0, 5), (5, 10))  # embedding + 4 blocks | 4 blocks + head
@@ -67,33 +80,44 @@ def test_search_returns_the_fastest_plan_that_fits_and_records_the_search() -> N
     times = [c["iteration_time_s"] for c in search["ranking"]]
     assert len(times) == 5 and times == sorted(times) and search["ranking"][0]["simulated"]
     best = search["ranking"][0]
-    assert (plan.details["tp"], plan.details["pp"], plan.details["vpp"], plan.details["micro_batch"],
-            plan.details["sequence_parallel"]) == (best["tp"], best["pp"], best["vpp"], best["micro_batch"],
-                                                   best["sequence_parallel"])
+    assert (
+        plan.details["tp"],
+        plan.details["pp"],
+        plan.details["vpp"],
+        plan.details["micro_batch"],
+        plan.details["sequence_parallel"],
+    ) == (best["tp"], best["pp"], best["vpp"], best["micro_batch"], best["sequence_parallel"])
     assert max(plan.details["memory_gib"].values()) <= 40 - 1.5
 
 
 def test_memory_follows_the_schedule_and_the_memory_options() -> None:
     def peak(**options) -> float:
-        return max(planner_for("megatron")(request(GPT_SMALL, "perlmutter", 4, 64, tp=1, pp=4, micro_batch_size=1,
-                                                   **options)).details["memory_gib"].values())
+        return max(
+            planner_for("megatron")(request(GPT_SMALL, "perlmutter", 4, 64, tp=1, pp=4, micro_batch_size=1, **options))
+            .details["memory_gib"]
+            .values()
+        )
+
     one_f_one_b = peak(recompute="none", zero_stage=0, schedule="1f1b")
     gpipe = peak(recompute="none", zero_stage=0, schedule="gpipe")
     assert gpipe > one_f_one_b  # GPipe holds all 16 micro-batches, 1F1B at most 4
-    assert peak(recompute="full", zero_stage=0, schedule="1f1b") < \
-        peak(recompute="selective", zero_stage=0, schedule="1f1b") < one_f_one_b
+    assert (
+        peak(recompute="full", zero_stage=0, schedule="1f1b")
+        < peak(recompute="selective", zero_stage=0, schedule="1f1b")
+        < one_f_one_b
+    )
     assert peak(recompute="none", zero_stage=1, schedule="1f1b") < one_f_one_b
 
 
 def test_mllm_encoder_and_generator_are_extra_stages_or_merged() -> None:
     model = {"name": "mllm_9b"}
-    extra = planner_for("megatron")(request(model, "a800", 8, 64, tp=8, pp=4, micro_batch_size=1,
-                                            recompute="selective", zero_stage=1))
+    extra = planner_for("megatron")(request(model, "a800", 8, 64, tp=8, pp=4, micro_batch_size=1, recompute="selective", zero_stage=1))
     assert extra.unit("encoder").details["pipeline_stages"] == [0]
     assert extra.unit("llm").details["pipeline_stages"] == [1, 2]
     assert extra.unit("generator").details["pipeline_stages"] == [3]
-    merged = planner_for("megatron")(request(model, "a800", 8, 64, tp=8, pp=2, micro_batch_size=1,
-                                             recompute="selective", zero_stage=1, modality_stages="merged"))
+    merged = planner_for("megatron")(
+        request(model, "a800", 8, 64, tp=8, pp=2, micro_batch_size=1, recompute="selective", zero_stage=1, modality_stages="merged")
+    )
     assert merged.unit("encoder").details["pipeline_stages"] == [0]
     assert merged.unit("llm").details["pipeline_stages"] == [0, 1]
     assert merged.unit("generator").details["pipeline_stages"] == [1]
@@ -129,15 +153,27 @@ def test_errors_name_the_constraint_and_numbers() -> None:
     with pytest.raises(ConfigError, match=r"dp x micro-batch = 16 x 3 = 48"):
         planner_for("megatron")(request(GPT_SMALL, "perlmutter", 4, 64, tp=1, pp=1, micro_batch_size=3))
     with pytest.raises(PlanError, match="short by"):
-        planner_for("megatron")(request({"name": "gpt", "preset": "gpt_80b"}, "perlmutter", 4, 64, tp=4, pp=2,
-                                        micro_batch_size=1, recompute="full", zero_stage=1))
+        planner_for("megatron")(
+            request(
+                {"name": "gpt", "preset": "gpt_80b"},
+                "perlmutter",
+                4,
+                64,
+                tp=4,
+                pp=2,
+                micro_batch_size=1,
+                recompute="full",
+                zero_stage=1,
+            )
+        )
     with pytest.raises(ConfigError, match="unknown strategy option"):
         planner_for("megatron")(request(GPT_SMALL, "perlmutter", 4, 64, tensor_parallel=2))
 
 
 def test_uneven_stages_differ_by_at_most_one_block() -> None:
-    plan = planner_for("megatron")(request(GPT_SMALL, "perlmutter", 3, 48, tp=1, pp=3, micro_batch_size=1,
-                                           uneven_pp=True, recompute="none", zero_stage=0))
+    plan = planner_for("megatron")(
+        request(GPT_SMALL, "perlmutter", 3, 48, tp=1, pp=3, micro_batch_size=1, uneven_pp=True, recompute="none", zero_stage=0)
+    )
     blocks = [end - start for start, end in plan.unit("llm").stage_layers]
     assert sum(blocks) == 10  # 8 blocks + embedding + head
     assert blocks == [3, 4, 3]  # the middle stage takes the extra block; ends carry embedding/head
@@ -154,8 +190,7 @@ def test_vpp_and_sequence_parallelism_are_searched_and_kept_when_set() -> None:
     fixed = planner_for("megatron")(request(GPT_WIDE, "perlmutter", 2, 16, vpp=1, sequence_parallel=False, **SHORT))
     assert (fixed.details["vpp"], fixed.details["sequence_parallel"], fixed.details["schedule"]) == (1, False, "1f1b")
     assert not fixed.unit("llm").sequence_parallel
-    assert fixed.details["search"]["ranking"][0]["iteration_time_s"] > searched.details["search"]["ranking"][0][
-        "iteration_time_s"]
+    assert fixed.details["search"]["ranking"][0]["iteration_time_s"] > searched.details["search"]["ranking"][0]["iteration_time_s"]
     with pytest.raises(ConfigError, match="vpp=2 needs the interleaved schedule"):
         planner_for("megatron")(request(GPT_WIDE, "perlmutter", 2, 16, vpp=2, schedule="1f1b"))
 
@@ -168,14 +203,12 @@ GPT_TIGHT = {"name": "gpt", "preset": None, "layers": 8, "hidden": 8192, "heads"
 
 
 def _wide_request(model: dict, nodes: int, batch: int, seq: int, **options) -> PlanRequest:
-    cluster_spec = cluster_from_config({**yaml.safe_load((CONF / "cluster" / "perlmutter.yaml").read_text()),
-                                        "nodes": nodes})
+    cluster_spec = cluster_from_config({**yaml.safe_load((CONF / "cluster" / "perlmutter.yaml").read_text()), "nodes": nodes})
     train = train_from_config({"global_batch": batch, "steps": 1, "seq_len": seq}, cluster_spec)
     return PlanRequest(build_model(model, seq), cluster_spec, train, {"name": "megatron", **options})
 
 
-@pytest.mark.parametrize("model,nodes,batch,seq", [(GPT_WIDE, 2, 16, 2048), (GPT_TIGHT, 1, 8, 4096)],
-                         ids=["interleaved", "recompute"])
+@pytest.mark.parametrize("model,nodes,batch,seq", [(GPT_WIDE, 2, 16, 2048), (GPT_TIGHT, 1, 8, 4096)], ids=["interleaved", "recompute"])
 def test_pruned_search_finds_what_simulating_every_fitting_candidate_finds(model, nodes, batch, seq) -> None:
     req = _wide_request(model, nodes, batch, seq)
     plan = planner_for("megatron")(req)
@@ -185,11 +218,14 @@ def test_pruned_search_finds_what_simulating_every_fitting_candidate_finds(model
     for shape in enumerate_space(req, opts, False, False, True).shapes:
         for step, (recompute, zero) in enumerate(memory_ladder()):
             cfg = MegatronSettings(shape.schedule, recompute, shape.sequence_parallel, zero, False, "extra", False)
-            program, units = pipeline_program(req.model, req.cluster, batch, req.train.precision, shape.degrees, cfg,
-                                              helper.virtual_stages(shape, cfg))
+            program, units = pipeline_program(
+                req.model, req.cluster, batch, req.train.precision, shape.degrees, cfg, helper.virtual_stages(shape, cfg)
+            )
             by_unit = {u.unit: u for u in units}
-            if max(rank_memory(rp, by_unit, req.model, req.train.precision)["total"]
-                   for rp in program.classes) > req.cluster.usable_memory_bytes:
+            if (
+                max(rank_memory(rp, by_unit, req.model, req.train.precision)["total"] for rp in program.classes)
+                > req.cluster.usable_memory_bytes
+            ):
                 continue
             time = simulate(program, req.model, req.cluster, req.train.precision).iteration_time
             d = shape.degrees
@@ -199,9 +235,15 @@ def test_pruned_search_finds_what_simulating_every_fitting_candidate_finds(model
             simulated += 1
     (time, *_), shape, recompute, zero = best
     d = shape.degrees
-    assert (plan.details["tp"], plan.details["pp"], plan.details["vpp"], plan.details["micro_batch"],
-            plan.details["sequence_parallel"], plan.details["recompute"], plan.details["zero_stage"]) == \
-        (d.tp, d.pp, d.vpp, d.micro_batch, shape.sequence_parallel, recompute, zero)
+    assert (
+        plan.details["tp"],
+        plan.details["pp"],
+        plan.details["vpp"],
+        plan.details["micro_batch"],
+        plan.details["sequence_parallel"],
+        plan.details["recompute"],
+        plan.details["zero_stage"],
+    ) == (d.tp, d.pp, d.vpp, d.micro_batch, shape.sequence_parallel, recompute, zero)
     assert plan.details["search"]["ranking"][0]["iteration_time_s"] == pytest.approx(time, rel=1e-12)
     assert plan.details["search"]["simulated"] < simulated / 5  # the bounds spared most simulations
 
@@ -216,8 +258,12 @@ def _sample_candidates():
     gpt = request(GPT_SMALL, "perlmutter", 4, 64)
     mllm = request({"name": "mllm_9b"}, "a800", 8, 16)
     cases = [
-        (gpt, {}, every, [(2, 2, 4, 1, 2, "1f1b"), (2, 2, 4, 2, 1, "interleaved"), (1, 4, 4, 2, 1, "interleaved"),
-                          (2, 2, 4, 1, 2, "gpipe")]),
+        (
+            gpt,
+            {},
+            every,
+            [(2, 2, 4, 1, 2, "1f1b"), (2, 2, 4, 2, 1, "interleaved"), (1, 4, 4, 2, 1, "interleaved"), (2, 2, 4, 1, 2, "gpipe")],
+        ),
         (request(GPT_SMALL, "perlmutter", 3, 48), {"uneven_pp": True}, every, [(1, 3, 4, 1, 1, "1f1b")]),
         (mllm, {}, some, [(8, 4, 2, 1, 1, "1f1b")]),
         (mllm, {"modality_stages": "merged"}, some, [(8, 2, 4, 2, 1, "interleaved")]),
@@ -241,8 +287,7 @@ def test_estimated_memory_and_bounds_agree_with_the_built_program() -> None:
     for req, search, shape, cfg in _sample_candidates():
         deg = shape.degrees
         virtual = search.virtual_stages(shape, cfg)
-        program, units = pipeline_program(req.model, req.cluster, req.train.global_batch, req.train.precision, deg,
-                                          cfg, virtual)
+        program, units = pipeline_program(req.model, req.cluster, req.train.global_batch, req.train.precision, deg, cfg, virtual)
         by_unit = {u.unit: u for u in units}
         built = [rank_memory(rp, by_unit, req.model, req.train.precision) for rp in program.classes]
         estimated = search.estimator.memory(deg, cfg, virtual)
@@ -264,8 +309,7 @@ def test_long_schedules_hold_the_in_flight_counts_of_their_first_rounds() -> Non
         for microbatches in range(pp, 12 * pp + 1, pp):
             steady = steady_microbatches(schedule, pp, microbatches, vpp)
             assert steady <= microbatches
-            for long, short in zip(build_schedule(schedule, pp, microbatches, vpp),
-                                   build_schedule(schedule, pp, steady, vpp)):
+            for long, short in zip(build_schedule(schedule, pp, microbatches, vpp), build_schedule(schedule, pp, steady, vpp)):
                 a, b = live_counts(long, vpp), live_counts(short, vpp)
                 assert (set(a.after_forward), set(a.before_backward)) == (set(b.after_forward), set(b.before_backward))
 
@@ -298,8 +342,10 @@ def test_balanced_cut_meets_the_spec_vectors_and_brute_force() -> None:
         ranges = balanced_cuts(times, parts)
         assert len(ranges) == parts and ranges[0][0] == 0 and ranges[-1][1] == len(times)
         assert all(a < b for a, b in ranges) and all(r[1] == s[0] for r, s in zip(ranges, ranges[1:]))
-        best = min(_bottleneck(times, list(zip((0,) + cuts, cuts + (len(times),))))
-                   for cuts in itertools.combinations(range(1, len(times)), parts - 1))
+        best = min(
+            _bottleneck(times, list(zip((0,) + cuts, cuts + (len(times),))))
+            for cuts in itertools.combinations(range(1, len(times)), parts - 1)
+        )
         assert _bottleneck(times, ranges) == (best if exact else pytest.approx(best, rel=1e-12))
 
 
@@ -315,8 +361,9 @@ def test_balanced_plan_cuts_encoder_and_llm_no_slower_than_the_even_cut() -> Non
         assert unit.stage_layers[-1][1] == req.model.unit(unit.unit).num_layers
     # The balanced cut moves LLM layers off the stage that also runs the encoder.
     even = pipeline_segments(req.model, 2, 4, "merged", False)
-    cfg = MegatronSettings("interleaved", plan.details["recompute"], plan.details["sequence_parallel"],
-                           plan.details["zero_stage"], False, "merged", False)
+    cfg = MegatronSettings(
+        "interleaved", plan.details["recompute"], plan.details["sequence_parallel"], plan.details["zero_stage"], False, "merged", False
+    )
     search = MegatronSearch(req, MegatronOptions(balance=True), contrastive=False, searched=False)
     deg = Degrees(2, 2, 2, 4, 1)
     times = search.estimator.layer_times(linear_chain(req.model), deg, cfg)
@@ -340,6 +387,6 @@ def test_balance_needs_a_linear_chain_of_units() -> None:
 
 def test_an_absurd_batch_is_refused_without_building_its_micro_batches() -> None:
     with pytest.raises(ConfigError, match=r"is 262144 micro-batches per iteration; the planner builds at most 1024"):
-        planner_for("megatron")(request(GPT_SMALL, "perlmutter", 1, 2 ** 20, tp=1, pp=1, micro_batch_size=1))
+        planner_for("megatron")(request(GPT_SMALL, "perlmutter", 1, 2**20, tp=1, pp=1, micro_batch_size=1))
     with pytest.raises(PlanError, match=r"micro-batches of \d+: the planner builds at most 1024 per iteration"):
-        planner_for("megatron")(request(GPT_SMALL, "perlmutter", 1, 10 ** 9))
+        planner_for("megatron")(request(GPT_SMALL, "perlmutter", 1, 10**9))

@@ -1,4 +1,5 @@
 """One FLOPs definition: model FLOPs, hardware FLOPs with recomputation, frozen units, MFU."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,15 +15,24 @@ from tests.test_costmodel import CLUSTER
 
 def _plan(model, batch: int, recompute: str = "none") -> Plan:
     mesh = Mesh.contiguous((("dp", 4),))
-    units = [UnitPlan(u.name, mesh, micro_batch=1, num_microbatches=batch // 4, batch_per_replica=batch // 4,
-                      stage_layers=((0, u.num_layers),), sample_groups=batch // 4, recompute=recompute)
-             for u in model.units]
+    units = [
+        UnitPlan(
+            u.name,
+            mesh,
+            micro_batch=1,
+            num_microbatches=batch // 4,
+            batch_per_replica=batch // 4,
+            stage_layers=((0, u.num_layers),),
+            sample_groups=batch // 4,
+            recompute=recompute,
+        )
+        for u in model.units
+    ]
     return Plan("test", devices=4, units=units, program=Program(world_size=4, classes=[]))
 
 
 def _train(batch: int, contrastive: int | None = None) -> TrainSpec:
-    return TrainSpec(global_batch=batch, contrastive_batch=contrastive or batch, seq_len=None, precision="bf16",
-                     steps=1, seed=0)
+    return TrainSpec(global_batch=batch, contrastive_batch=contrastive or batch, seq_len=None, precision="bf16", steps=1, seed=0)
 
 
 def test_gpt_model_flops_are_three_forward_passes_of_the_standard_count() -> None:
@@ -60,8 +70,9 @@ def test_summary_figures_are_consistent() -> None:
     plan = _plan(model, 8)
     seconds = 0.5
     breakdown = {cat: 0.0 for cat in BREAKDOWN_CATEGORIES} | {"compute": 0.4, "comm_dp": 0.1}
-    timeline = Timeline(seconds, [RankTimeline((0, 1, 2, 3), "all", ("llm",), [], breakdown, seconds,
-                                               peak_memory_bytes=2 ** 30, memory={"total": 1.0})])
+    timeline = Timeline(
+        seconds, [RankTimeline((0, 1, 2, 3), "all", ("llm",), [], breakdown, seconds, peak_memory_bytes=2**30, memory={"total": 1.0})]
+    )
     summary = build_summary({"model": "gpt"}, plan, timeline, model, CLUSTER, _train(8))
     flops, _ = iteration_flops(model, plan, _train(8))
     assert summary["mfu"] == pytest.approx(flops / (seconds * 4 * 100e12))

@@ -5,6 +5,7 @@ paper's size cannot be reached by the architecture it describes, the test compar
 paper with the part it evidently counted and pins the rest separately; each such gap is
 explained where it is asserted.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -27,12 +28,14 @@ def near(ours: float, paper: float, rel: float = 0.05) -> bool:
     return abs(ours - paper) <= rel * paper
 
 
-def params_of(unit: UnitSpec, *, named: str | None = None, prefix: str | None = None,
-              exclude_prefix: tuple[str, ...] = ()) -> int:
-    return sum(layer.params for layer in unit.layers
-               if (named is None or layer.name == named)
-               and (prefix is None or layer.name.startswith(prefix))
-               and not layer.name.startswith(exclude_prefix))
+def params_of(unit: UnitSpec, *, named: str | None = None, prefix: str | None = None, exclude_prefix: tuple[str, ...] = ()) -> int:
+    return sum(
+        layer.params
+        for layer in unit.layers
+        if (named is None or layer.name == named)
+        and (prefix is None or layer.name.startswith(prefix))
+        and not layer.name.startswith(exclude_prefix)
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -91,8 +94,7 @@ def test_coca_cross_attention_is_the_uncounted_extra(scale: str) -> None:
     # q and output projections, k/v from the vision width, their biases, one more norm.
     assert cross.params - plain.params == 2 * h * h + 2 * hv * h + 4 * h + 2 * h
     names = [layer.name for layer in text.layers]
-    assert names.count("block") + names.count("xblock") == {"single_device": 24, "single_node": 32,
-                                                            "multi_node": 40, "tiny": 2}[scale]
+    assert names.count("block") + names.count("xblock") == {"single_device": 24, "single_node": 32, "multi_node": 40, "tiny": 2}[scale]
     assert names.count("xblock") == names.count("block")
     assert names.index("projection") < names.index("xblock") < names.index("caption_head")
     assert ("vision", "text") in spec.flows
@@ -156,9 +158,15 @@ def test_mllm_structure() -> None:
 
 # ---------------------------------------------------------------------------------------
 # Optimus Tables 8 and 9.
-@pytest.mark.parametrize("encoder,paper", [("vit_3b", 3e9), ("vit_5b", 5.5e9),
-                                           ("vit_11b", 10e9),  # Table 8's "ViT-10B" row
-                                           ("vit_22b", 22e9)])
+@pytest.mark.parametrize(
+    "encoder,paper",
+    [
+        ("vit_3b", 3e9),
+        ("vit_5b", 5.5e9),
+        ("vit_11b", 10e9),  # Table 8's "ViT-10B" row
+        ("vit_22b", 22e9),
+    ],
+)
 def test_optimus_table8_encoders(encoder: str, paper: float) -> None:
     unit = build_model({"name": "optimus", "encoders": [encoder]}).unit("encoder")
     assert near(params_of(unit, exclude_prefix=("projector",)), paper)
@@ -174,7 +182,7 @@ def test_optimus_gpt_11b_gap() -> None:
     # 9.06B of blocks + 0.16B of embeddings; 11B would need e.g. 96 layers (10.9B). We keep
     # the table's shape and pin the gap (-16%) rather than change it.
     llm = build_model({"name": "optimus", "llm": "gpt_11b"}).unit("llm")
-    blocks = 12 * 80 * 3072 ** 2 + 13 * 80 * 3072
+    blocks = 12 * 80 * 3072**2 + 13 * 80 * 3072
     assert near(llm.params, blocks + (51200 + 2048) * 3072, rel=0.001)
     assert 0.82 < llm.params / 11e9 < 0.86
 
@@ -190,8 +198,9 @@ def test_optimus_dual_encoder() -> None:
 
 # ---------------------------------------------------------------------------------------
 # Par4D Tables I and II.
-@pytest.mark.parametrize("preset,paper", [("gpt_5b", 5e9), ("gpt_10b", 10e9), ("gpt_20b", 20e9),
-                                          ("gpt_40b", 40e9), ("gpt_80b", 80e9), ("gpt_175b", 175e9)])
+@pytest.mark.parametrize(
+    "preset,paper", [("gpt_5b", 5e9), ("gpt_10b", 10e9), ("gpt_20b", 20e9), ("gpt_40b", 40e9), ("gpt_80b", 80e9), ("gpt_175b", 175e9)]
+)
 def test_par4d_table1_gpts(preset: str, paper: float) -> None:
     spec = build_model({"name": "gpt", "preset": preset})
     assert near(spec.params, paper)
@@ -203,8 +212,13 @@ def test_par4d_table1_gpts(preset: str, paper: float) -> None:
 # is Nichol et al.'s CIFAR-10 configuration at 128 channels: 52.5M, stated as a round
 # 50M (+5.1%, hence 6%). Table II then varies only the width, so params grow as C²;
 # against the labels that gives 0.84x (250M, 1B, 4B), 1.11x (500M) and 0.94x (2B).
-UNET_TABLE2 = {"unet_250m": (256, 250e6), "unet_500m": (416, 500e6), "unet_1b": (512, 1e9),
-               "unet_2b": (768, 2e9), "unet_4b": (1024, 4e9)}
+UNET_TABLE2 = {
+    "unet_250m": (256, 250e6),
+    "unet_500m": (416, 500e6),
+    "unet_1b": (512, 1e9),
+    "unet_2b": (768, 2e9),
+    "unet_4b": (1024, 4e9),
+}
 
 
 def test_par4d_unet_sizes() -> None:
@@ -212,7 +226,7 @@ def test_par4d_unet_sizes() -> None:
     assert near(small, 50e6, rel=0.06)
     for preset, (channels, label) in UNET_TABLE2.items():
         params = build_model({"name": "unet", "preset": preset}).params
-        assert near(params / channels ** 2, small / 128 ** 2, rel=0.02)
+        assert near(params / channels**2, small / 128**2, rel=0.02)
         assert near(params, label, rel=0.17)
 
 
@@ -231,13 +245,11 @@ def test_unet_convolutions_are_implicit_gemms() -> None:
 
 # ---------------------------------------------------------------------------------------
 # FLOPs: a plain GPT layer is 24·s·h² + 4·s²·h forward per sample.
-@pytest.mark.parametrize("seq,hidden,heads", [(2048, 4096, 32), (512, 1024, 16), (77, 1536, 24),
-                                              (8192, 12288, 96), (1, 64, 4)])
+@pytest.mark.parametrize("seq,hidden,heads", [(2048, 4096, 32), (512, 1024, 16), (77, 1536, 24), (8192, 12288, 96), (1, 64, 4)])
 def test_gpt_layer_flops(seq: int, hidden: int, heads: int) -> None:
-    expected = 24 * seq * hidden ** 2 + 4 * seq ** 2 * hidden
+    expected = 24 * seq * hidden**2 + 4 * seq**2 * hidden
     assert transformer_layer(seq, hidden, heads).matmul_flops() == expected
-    spec = build_model({"name": "gpt", "preset": None, "layers": 2, "hidden": hidden, "heads": heads,
-                        "vocab": 1000}, seq_len=seq)
+    spec = build_model({"name": "gpt", "preset": None, "layers": 2, "hidden": hidden, "heads": heads, "vocab": 1000}, seq_len=seq)
     block = next(layer for layer in spec.unit("llm").layers if layer.name == "block")
     assert block.matmul_flops() == expected
 
@@ -263,13 +275,12 @@ def test_every_registered_model_has_a_config() -> None:
 def test_every_scale_builds_and_tiny_keeps_the_structure(family: str) -> None:
     specs = {scale: build_model({"name": family, "scale": scale}) for scale in SCALES}
     tiny = specs["tiny"]
-    assert tiny.params * 4 < 10 * 2 ** 20
+    assert tiny.params * 4 < 10 * 2**20
     for spec in specs.values():
         assert [u.name for u in spec.units] == ["vision", "text", "interaction"]
         assert spec.flows == tiny.flows and spec.interaction == "interaction"
         assert [u.frozen for u in spec.units] == [u.frozen for u in tiny.units]
-        assert {layer.name for u in spec.units for layer in u.layers} == \
-               {layer.name for u in tiny.units for layer in u.layers}
+        assert {layer.name for u in spec.units for layer in u.layers} == {layer.name for u in tiny.units for layer in u.layers}
         assert spec.unit("interaction").seq_len == 1
         embed = spec.unit("interaction").hidden
         assert spec.unit("vision").output_elems == spec.unit("text").output_elems == embed
@@ -283,7 +294,7 @@ def test_distmm_inputs_and_heads() -> None:
     assert spec.unit("text").seq_len == 77 and spec.unit("text").heads == 32
     assert build_model({"name": "clip", "scale": "single_device"}).unit("vision").heads == 24
     bigger = build_model({"name": "clip", "image_size": 448})
-    assert bigger.unit("vision").seq_len == 32 ** 2 + 1
+    assert bigger.unit("vision").seq_len == 32**2 + 1
 
 
 def test_lit_vision_frozen_by_default() -> None:
@@ -311,31 +322,34 @@ def test_seq_len_overrides_llm_units_only() -> None:
     assert build_model({"name": "optimus"}, seq_len=1024).unit("llm").seq_len == 1024
 
 
-@pytest.mark.parametrize("cfg,seq_len,words", [
-    ({"name": "bert"}, None, ["model.name", "'bert'", "clip"]),
-    ({"name": "clip", "scale": "huge"}, None, ["model.scale", "'huge'", "single_device", "tiny"]),
-    ({"name": "coca", "vision": {"hidden": 1000}}, None, ["model.vision.hidden=1000", "model.vision.heads=15"]),
-    ({"name": "clip", "text": {"hidden": 1024, "heads": 7}}, None, ["model.text.hidden=1024", "heads=7"]),
-    ({"name": "lit", "text": {"layers": 0}}, None, ["model.text.layers=0", "positive"]),
-    ({"name": "clip", "vision": {"layers": -2}}, None, ["model.vision.layers=-2"]),
-    ({"name": "lit", "frozen": ["image"]}, None, ["model.frozen", "'image'", "vision, text, interaction"]),
-    ({"name": "clip", "image_size": 300}, None, ["model.image_size=300", "model.patch_size=14"]),
-    ({"name": "clip", "imagesize": 224}, None, ["model.imagesize", "clip"]),
-    ({"name": "clip"}, 2048, ["train.seq_len=2048", "model.text_len"]),
-    ({"name": "gpt"}, 0, ["train.seq_len=0"]),
-    ({"name": "gpt", "preset": "gpt_7b"}, None, ["model.preset", "'gpt_7b'", "gpt_80b"]),
-    ({"name": "gpt", "preset": None, "layers": 4}, None, ["model.preset=null", "model.hidden", "model.vocab"]),
-    ({"name": "gpt", "hidden": 4100}, None, ["model.hidden=4100", "model.heads=32"]),
-    ({"name": "optimus", "encoders": ["vit_1b"]}, None, ["model.encoders", "'vit_1b'", "vit_22b"]),
-    ({"name": "optimus", "encoders": ["vit_3b"] * 3}, None, ["model.encoders", "1 to 2"]),
-    ({"name": "optimus", "llm": "gpt_3"}, None, ["model.llm", "'gpt_3'", "llama_70b"]),
-    ({"name": "mllm_72b", "image_size": 1000}, None, ["model.image_size=1000", "64"]),
-    ({"name": "mllm_9b", "frozen": ["vision"]}, None, ["model.frozen", "encoder, llm, generator"]),
-    ({"name": "unet", "preset": "unet_3b"}, None, ["model.preset", "'unet_3b'", "unet_4b"]),
-    ({"name": "unet", "channels": 100}, None, ["model.channels=100", "32"]),
-    ({"name": "unet", "channel_mult": []}, None, ["model.channel_mult"]),
-    ({"name": "unet", "preset": None}, None, ["model.channels", "required"]),
-])
+@pytest.mark.parametrize(
+    "cfg,seq_len,words",
+    [
+        ({"name": "bert"}, None, ["model.name", "'bert'", "clip"]),
+        ({"name": "clip", "scale": "huge"}, None, ["model.scale", "'huge'", "single_device", "tiny"]),
+        ({"name": "coca", "vision": {"hidden": 1000}}, None, ["model.vision.hidden=1000", "model.vision.heads=15"]),
+        ({"name": "clip", "text": {"hidden": 1024, "heads": 7}}, None, ["model.text.hidden=1024", "heads=7"]),
+        ({"name": "lit", "text": {"layers": 0}}, None, ["model.text.layers=0", "positive"]),
+        ({"name": "clip", "vision": {"layers": -2}}, None, ["model.vision.layers=-2"]),
+        ({"name": "lit", "frozen": ["image"]}, None, ["model.frozen", "'image'", "vision, text, interaction"]),
+        ({"name": "clip", "image_size": 300}, None, ["model.image_size=300", "model.patch_size=14"]),
+        ({"name": "clip", "imagesize": 224}, None, ["model.imagesize", "clip"]),
+        ({"name": "clip"}, 2048, ["train.seq_len=2048", "model.text_len"]),
+        ({"name": "gpt"}, 0, ["train.seq_len=0"]),
+        ({"name": "gpt", "preset": "gpt_7b"}, None, ["model.preset", "'gpt_7b'", "gpt_80b"]),
+        ({"name": "gpt", "preset": None, "layers": 4}, None, ["model.preset=null", "model.hidden", "model.vocab"]),
+        ({"name": "gpt", "hidden": 4100}, None, ["model.hidden=4100", "model.heads=32"]),
+        ({"name": "optimus", "encoders": ["vit_1b"]}, None, ["model.encoders", "'vit_1b'", "vit_22b"]),
+        ({"name": "optimus", "encoders": ["vit_3b"] * 3}, None, ["model.encoders", "1 to 2"]),
+        ({"name": "optimus", "llm": "gpt_3"}, None, ["model.llm", "'gpt_3'", "llama_70b"]),
+        ({"name": "mllm_72b", "image_size": 1000}, None, ["model.image_size=1000", "64"]),
+        ({"name": "mllm_9b", "frozen": ["vision"]}, None, ["model.frozen", "encoder, llm, generator"]),
+        ({"name": "unet", "preset": "unet_3b"}, None, ["model.preset", "'unet_3b'", "unet_4b"]),
+        ({"name": "unet", "channels": 100}, None, ["model.channels=100", "32"]),
+        ({"name": "unet", "channel_mult": []}, None, ["model.channel_mult"]),
+        ({"name": "unet", "preset": None}, None, ["model.channels", "required"]),
+    ],
+)
 def test_bad_configs_raise_one_line(cfg: dict, seq_len: int | None, words: list[str]) -> None:
     with pytest.raises(ConfigError) as err:
         build_model(cfg, seq_len)

@@ -1,5 +1,6 @@
 """Optimus: the model planner, the bubble scheduler's invariants, the Program it emits and
 the errors a user gets."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -25,14 +26,22 @@ from src.config import options_from
 ROOT = Path(__file__).resolve().parent.parent
 # 64 H100s, GPT-11B + ViT-3B, the LLM's plan by hand (Table 11's model A shape): 32
 # micro-batches per pipeline, eight encoder pipelines (PP_enc 4, TP_enc 1) per LLM pipeline.
-SMALL = ["cluster=hopper", "cluster.nodes=8", "model.llm=gpt_11b", "model.encoders=[vit_3b]", "strategy.llm.tp=8",
-         "strategy.llm.pp=4", "strategy.llm.dp=2", "strategy.llm.micro_batch_size=2", "train.global_batch=128"]
+SMALL = [
+    "cluster=hopper",
+    "cluster.nodes=8",
+    "model.llm=gpt_11b",
+    "model.encoders=[vit_3b]",
+    "strategy.llm.tp=8",
+    "strategy.llm.pp=4",
+    "strategy.llm.dp=2",
+    "strategy.llm.micro_batch_size=2",
+    "train.global_batch=128",
+]
 
 
 def setup(*overrides: str) -> Setup:
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        cfg = compose(config_name="config", overrides=["model=optimus", "strategy=optimus", "logger=none",
-                                                       *overrides])
+        cfg = compose(config_name="config", overrides=["model=optimus", "strategy=optimus", "logger=none", *overrides])
     return validate(OmegaConf.to_container(cfg, resolve=True))
 
 
@@ -92,16 +101,21 @@ def test_scheduler_invariants() -> None:
             assert p.kind == "issue" and p.item.seconds <= slots.issue_capacity[p.op] + EPS
             continue
         assert p.kind in ("gap", "tp")
-        index = next(n for n, (k, o) in enumerate(zip(slots.kind, slots.op))
-                     if k == p.kind and o == p.op and slots.start[n] <= p.start + EPS
-                     and p.start + p.item.seconds <= slots.start[n] + slots.length[n] + EPS)
-        assert p.item.seconds <= slots.length[index] + EPS   # no kernel in a bubble shorter than it
+        index = next(
+            n
+            for n, (k, o) in enumerate(zip(slots.kind, slots.op))
+            if k == p.kind
+            and o == p.op
+            and slots.start[n] <= p.start + EPS
+            and p.start + p.item.seconds <= slots.start[n] + slots.length[n] + EPS
+        )
+        assert p.item.seconds <= slots.length[index] + EPS  # no kernel in a bubble shorter than it
     mapping = schedule.mapping
     for p in schedule.placed:
         i = mapping[(p.pipeline, p.local)]
-        if p.phase == "fwd":   # the encoder output is ready before the LLM reads it
+        if p.phase == "fwd":  # the encoder output is ready before the LLM reads it
             assert p.start + p.item.seconds <= timeline.forward_points[i] + schedule.delta + EPS
-        else:                  # the encoder backward starts after the LLM's gradient
+        else:  # the encoder backward starts after the LLM's gradient
             assert p.start >= timeline.backward_points[i] - EPS
     assert 0.0 <= best.eff_coarse <= 1.0 and 0.0 <= best.eff_fine <= 1.0
 
@@ -109,8 +123,9 @@ def test_scheduler_invariants() -> None:
 def test_frozen_encoder_has_no_backward() -> None:
     s = setup(*SMALL, "model.frozen=[encoder]")
     plan = plan_run(s)
-    phases = {i.work.phase for c in plan.program.classes for i in c.instructions
-              if isinstance(i, Compute) and i.work.unit == "encoder"}
+    phases = {
+        i.work.phase for c in plan.program.classes for i in c.instructions if isinstance(i, Compute) and i.work.unit == "encoder"
+    }
     assert phases == {"fwd"}
     assert plan.details["fine_backward_microbatches"] == 0
 
@@ -130,7 +145,7 @@ def test_partitions_by_hand() -> None:
     assert sorted(partitions(4, 2, 1, 100)) == [[1, 3], [2, 2], [3, 1]]
     # Two columns per block share its micro-batches evenly.
     assert spread([5, 3], 2) == [3, 2, 2, 1]
-    assert partitions(40, 8, 1, 10) is None   # too many: the local search takes over
+    assert partitions(40, 8, 1, 10) is None  # too many: the local search takes over
 
 
 def test_deferred_warmups_in_the_schedule() -> None:
@@ -138,13 +153,16 @@ def test_deferred_warmups_in_the_schedule() -> None:
     orders = interleaved(4, 8, 1, [1, 1, 1, 0])
     assert warmup_counts(orders) == [1, 1, 1, 0]
     with pytest.raises(ConfigError):
-        interleaved(4, 8, 2, [1, 6, 5, 4])   # stage 0 needs 4 forwards before its last chunk
+        interleaved(4, 8, 2, [1, 6, 5, 4])  # stage 0 needs 4 forwards before its last chunk
 
 
-@pytest.mark.parametrize("override, needle", [
-    ("strategy.encoder.tp=3", "does not divide the LLM's tp=8"),
-    ("strategy.encoder.pp=3", "does not divide the LLM's pp=4"),
-])
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("strategy.encoder.tp=3", "does not divide the LLM's tp=8"),
+        ("strategy.encoder.pp=3", "does not divide the LLM's pp=4"),
+    ],
+)
 def test_encoder_plan_not_dividing_the_llm_is_refused(override: str, needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):
         plan_run(setup(*SMALL, override))
@@ -157,8 +175,7 @@ def test_no_encoder_plan_fits_memory() -> None:
 
 
 def test_cli_bad_input_is_one_line_exit_2(cli, tmp_path: Path) -> None:
-    result = cli("model=optimus", "strategy=optimus", "logger=none", f"hydra.run.dir={tmp_path}", *SMALL,
-                 "strategy.encoder.tp=3")
+    result = cli("model=optimus", "strategy=optimus", "logger=none", f"hydra.run.dir={tmp_path}", *SMALL, "strategy.encoder.tp=3")
     assert result.returncode == 2, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and "strategy.encoder.tp=3" in result.stderr
     assert not (tmp_path / "summary.json").exists()

@@ -1,6 +1,7 @@
 """The bubble scheduler's shortcuts change nothing: its incremental estimates equal a pricing
 of the whole schedule from scratch (the scheduler's original, quadratic code), and skipping
 full bubbles keeps first fit."""
+
 from __future__ import annotations
 
 import math
@@ -38,8 +39,7 @@ def from_scratch(sch: BubbleScheduler, schedule: Schedule) -> tuple[float, float
     mapping = {(j, t): i for i, (_, _, j, t) in enumerate(merged)}
     post_end = [0.0] * layout.classes
     for j in range(layout.pipelines):
-        waiting = sorted(sch.b_points[mapping[(j, t)]] for t in range(schedule.counts[j])
-                         if (j, t) not in schedule.fine_backward)
+        waiting = sorted(sch.b_points[mapping[(j, t)]] for t in range(schedule.counts[j]) if (j, t) not in schedule.fine_backward)
         if not waiting or not sch.trains:
             continue
         previous = [delta + sch.last[sch.stage_of_class[sch.classes_of[j][e]]] for e in range(pp)]
@@ -115,8 +115,12 @@ def test_backward_chains_reprice_every_job_whose_start_changed() -> None:
     sch = candidate(s, 4, 1)[1].scheduler
     rng = random.Random(0)
     horizon = 1.5 * max(sch.last)
-    variants = [lambda p: p[1:], lambda p: p[:-1], lambda p: sorted(p + [rng.uniform(0, horizon)]),
-                lambda p: sorted(p[:-2] + [rng.uniform(p[-2], horizon)] * 2)]
+    variants = [
+        lambda p: p[1:],
+        lambda p: p[:-1],
+        lambda p: sorted(p + [rng.uniform(0, horizon)]),
+        lambda p: sorted(p[:-2] + [rng.uniform(p[-2], horizon)] * 2),
+    ]
     for _ in range(300):
         j, delta = rng.randrange(sch.layout.pipelines), rng.choice([0.0, 0.02])
         points = sorted(rng.uniform(0, horizon) for _ in range(rng.randint(3, 12)))

@@ -1,6 +1,7 @@
 """Par4D in the simulator: the communication model against ALGORITHMS.md §4.4's vectors,
 the grid's layouts and shardings, the planner's search and its bad inputs; and the
 baselines it is compared with (ZeRO-3 with recompute and a memory check, DeepSpeed-3D)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,10 +19,27 @@ from src.strategies.par4d_model import fc_comm, placement_bandwidths, rank_grids
 from tests.test_cli import assert_one_line_error
 from tests.test_configs import compose_config
 
-GPT20_16 = ["model=gpt", "model.preset=gpt_20b", "cluster=perlmutter", "cluster.nodes=4", "train.global_batch=16",
-            "strategy=par4d", "strategy.recompute=full"]
-TINY_GPT = ["model=gpt", "model.preset=null", "model.layers=2", "model.hidden=64", "model.heads=4",
-            "model.vocab=128", "train.seq_len=16", "train.global_batch=16", "cluster=perlmutter", "cluster.nodes=2"]
+GPT20_16 = [
+    "model=gpt",
+    "model.preset=gpt_20b",
+    "cluster=perlmutter",
+    "cluster.nodes=4",
+    "train.global_batch=16",
+    "strategy=par4d",
+    "strategy.recompute=full",
+]
+TINY_GPT = [
+    "model=gpt",
+    "model.preset=null",
+    "model.layers=2",
+    "model.hidden=64",
+    "model.heads=4",
+    "model.vocab=128",
+    "train.seq_len=16",
+    "train.global_batch=16",
+    "cluster=perlmutter",
+    "cluster.nodes=2",
+]
 
 
 def _setup(*overrides: str):
@@ -49,12 +67,15 @@ def test_a_transposed_layer_swaps_x_and_y_and_their_bandwidths():
     assert plain.ar_y == 2 * (1 / 2) * 100 * 300 / 4 / 3.0 and plain.ar_x == 2 * (3 / 4) * 100 * 200 / 2
 
 
-@pytest.mark.parametrize("grid, betas", [
-    # ALGORITHMS.md §4.4, G_node = 4, β_inter = 1.
-    ((2, 2, 2, 2), ("intra", "intra", 1 / 4, 1 / 4)),
-    ((1, 1, 8, 2), ("intra", "intra", 1, 1 / 4)),
-    ((8, 1, 1, 2), (1, 1 / 4, 1 / 4, 1 / 4)),
-])
+@pytest.mark.parametrize(
+    "grid, betas",
+    [
+        # ALGORITHMS.md §4.4, G_node = 4, β_inter = 1.
+        ((2, 2, 2, 2), ("intra", "intra", 1 / 4, 1 / 4)),
+        ((1, 1, 8, 2), ("intra", "intra", 1, 1 / 4)),
+        ((8, 1, 1, 2), (1, 1 / 4, 1 / 4, 1 / 4)),
+    ],
+)
 def test_eq10_placement_aware_bandwidths(grid, betas):
     want = tuple(100.0 if b == "intra" else b for b in betas)
     assert placement_bandwidths(Grid(*grid), 4, intra=100.0, inter=1.0) == pytest.approx(want)
@@ -107,8 +128,8 @@ def test_unet_convolutions_alternate_by_layer_and_the_stem_runs_replicated():
     grid = Grid(4, 4, 1, 1)
     layouts = UnitGrid(model.units[0]).layout(grid)
     stem, out = layouts[1], layouts[-1]
-    assert stem.sharding == grid.replicated() and stem.fcs == (None,)   # 3 x 3 x 3 input columns
-    assert out.sharding == grid.replicated()                             # 6 output channels
+    assert stem.sharding == grid.replicated() and stem.fcs == (None,)  # 3 x 3 x 3 input columns
+    assert out.sharding == grid.replicated()  # 6 output channels
     assert UnitGrid(model.units[0]).layout(Grid(2, 1, 1, 1))[-1].fcs[0] is not None  # 2 divides 6
     flags = [lay.sharding.transposed for lay in layouts[2:5]]
     assert flags == [False, True, False]  # consecutive residual blocks alternate
@@ -116,8 +137,7 @@ def test_unet_convolutions_alternate_by_layer_and_the_stem_runs_replicated():
 
 def test_grid_sharding_divides_each_kernel_as_par4d_lays_it_out():
     grid = Sharding((("x", 2), ("y", 4), ("z", 8)))
-    assert [grid.gemm_divisors(s) for s in ("n", "k", "batch", "none")] == \
-        [(8, 2, 4, 1), (8, 4, 2, 1), (8, 1, 1, 2), (8, 1, 1, 1)]
+    assert [grid.gemm_divisors(s) for s in ("n", "k", "batch", "none")] == [(8, 2, 4, 1), (8, 4, 2, 1), (8, 1, 1, 2), (8, 1, 1, 1)]
     # Residual stream (layer norms) on z x y; an FC's output (activation, softmax) on z x x.
     assert grid.memory_divisor("none") == 32 and grid.memory_divisor("n") == 16 and grid.memory_divisor("batch") == 16
     assert grid.activation_divisors() == (32, 16)
@@ -146,21 +166,27 @@ def test_a_fixed_grid_plans_algorithm_1_with_its_overlaps():
     assert not any(i.op == "all_gather" and i.blocking for i in instructions if isinstance(i, Collective))
     # D: the layers that fit keep their gathered weights (the paper: 28 of GPT-20B's 32).
     assert 0 < plan.details["cached_layers"] <= 34 and unit.gathered_params > 0
-    assert plan.details["memory_gib"] * 2 ** 30 <= setup.cluster.usable_memory_bytes
+    assert plan.details["memory_gib"] * 2**30 <= setup.cluster.usable_memory_bytes
 
 
 def test_each_overlap_lowers_the_iteration_time_on_gpt20b():
     times = []
-    for overlap in ("[]", "[all_reduce]", "[all_reduce,reduce_scatter]", "[all_reduce,reduce_scatter,all_gather]",
-                    "[all_reduce,reduce_scatter,all_gather,cache]"):
+    for overlap in (
+        "[]",
+        "[all_reduce]",
+        "[all_reduce,reduce_scatter]",
+        "[all_reduce,reduce_scatter,all_gather]",
+        "[all_reduce,reduce_scatter,all_gather,cache]",
+    ):
         plan, setup = _plan(*GPT20_16, "strategy.grid=[2,2,4,1]", f"strategy.overlap={overlap}")
         times.append(simulate(plan.program, setup.model, setup.cluster, setup.train.precision).iteration_time)
     assert all(later < earlier for earlier, later in zip(times, times[1:])), times
 
 
 def test_the_search_simulates_the_top_k_and_keeps_the_fastest():
-    plan, setup = _plan(*GPT20_16[:-2], "cluster.nodes=8", "train.global_batch=32", "strategy=par4d",
-                        "strategy.recompute=full", "strategy.top_k=3")
+    plan, setup = _plan(
+        *GPT20_16[:-2], "cluster.nodes=8", "train.global_batch=32", "strategy=par4d", "strategy.recompute=full", "strategy.top_k=3"
+    )
     search = plan.details["search"]
     simulated = [r for r in search["ranking"] if r["iteration_time_s"] is not None]
     assert len(simulated) == search["grids_simulated"] == 3
@@ -174,16 +200,31 @@ def test_the_search_simulates_the_top_k_and_keeps_the_fastest():
 
 
 # ---- bad input: one line with the numbers ------------------------------------------------------
-@pytest.mark.parametrize("overrides, needles", [
-    (["strategy.grid=[2,2,4,2]"], [r"strategy\.grid=\[2, 2, 4, 2\]", r"= 32 devices", r"has 16"]),
-    (["strategy.grid=[3,1,1,1]", "cluster.nodes=1", "cluster.devices_per_node=3"],
-     [r"G_x=3 does not divide", r"\b(7168|21504)\b"]),
-    (["model.preset=null", "model.layers=2", "model.hidden=1536", "model.heads=24", "model.vocab=51200",
-      "strategy.grid=[16,1,1,1]"], [r"G_x=16 does not divide the 24 attention heads"]),
-    (["strategy.grid=[1,1,1,16]"], [r"\(1,1,1,16\)", r"[\d.]+ GiB", r"A100", r"short by [\d.]+ GiB"]),
-])
+@pytest.mark.parametrize(
+    "overrides, needles",
+    [
+        (["strategy.grid=[2,2,4,2]"], [r"strategy\.grid=\[2, 2, 4, 2\]", r"= 32 devices", r"has 16"]),
+        (
+            ["strategy.grid=[3,1,1,1]", "cluster.nodes=1", "cluster.devices_per_node=3"],
+            [r"G_x=3 does not divide", r"\b(7168|21504)\b"],
+        ),
+        (
+            [
+                "model.preset=null",
+                "model.layers=2",
+                "model.hidden=1536",
+                "model.heads=24",
+                "model.vocab=51200",
+                "strategy.grid=[16,1,1,1]",
+            ],
+            [r"G_x=16 does not divide the 24 attention heads"],
+        ),
+        (["strategy.grid=[1,1,1,16]"], [r"\(1,1,1,16\)", r"[\d.]+ GiB", r"A100", r"short by [\d.]+ GiB"]),
+    ],
+)
 def test_bad_par4d_input_is_one_line_with_its_numbers(overrides, needles):
     import re
+
     with pytest.raises(ConfigError) as err:
         _plan(*GPT20_16, *overrides)
     for needle in needles:
@@ -191,19 +232,25 @@ def test_bad_par4d_input_is_one_line_with_its_numbers(overrides, needles):
     assert "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("overrides, needles", [
-    (["strategy.grid=[2,2,4,2]"], [r"= 32 devices", r"has 16"]),
-    (["strategy.grid=[1,1,1,16]"], [r"short by [\d.]+ GiB"]),
-])
+@pytest.mark.parametrize(
+    "overrides, needles",
+    [
+        (["strategy.grid=[2,2,4,2]"], [r"= 32 devices", r"has 16"]),
+        (["strategy.grid=[1,1,1,16]"], [r"short by [\d.]+ GiB"]),
+    ],
+)
 def test_bad_par4d_input_exits_2_from_the_front_door(cli, tmp_path: Path, overrides, needles):
     proc = cli(*GPT20_16, *overrides, "logger=none", f"hydra.run.dir={tmp_path}")
     assert_one_line_error(proc, tmp_path, *needles)
 
 
 def test_bad_par4d_options_are_refused():
-    for overrides, needle in ((["strategy.grid=[2,2,4]"], "four positive integers"),
-                              (["strategy.model=exact"], "aware"), (["strategy.overlap=[prefetch]"], "prefetch"),
-                              (["strategy.top_k=0"], "top_k")):
+    for overrides, needle in (
+        (["strategy.grid=[2,2,4]"], "four positive integers"),
+        (["strategy.model=exact"], "aware"),
+        (["strategy.overlap=[prefetch]"], "prefetch"),
+        (["strategy.top_k=0"], "top_k"),
+    ):
         with pytest.raises(ConfigError, match=needle):
             _plan(*GPT20_16, *overrides)
 
@@ -221,7 +268,7 @@ def test_zero3_recomputes_and_shrinks_micro_batches_only_as_far_as_memory_requir
     plan, setup = _plan(*GPT80_64, "strategy.zero_stage=3")
     unit = plan.units[0]
     assert unit.recompute == "full" and unit.micro_batch < unit.batch_per_replica
-    assert plan.details["memory_gib"] * 2 ** 30 <= setup.cluster.usable_memory_bytes
+    assert plan.details["memory_gib"] * 2**30 <= setup.cluster.usable_memory_bytes
     small, _ = _plan(*TINY_GPT, "strategy=ddp", "strategy.zero_stage=3")
     assert small.units[0].recompute == "none" and small.units[0].num_microbatches == 1
 
@@ -236,8 +283,7 @@ def test_zero3_overlap_comm_prefetches_and_reduces_asynchronously():
         assert len(scatters) == layers and all(i.blocking == blocking for i in scatters)
     waits = [i for i in overlapped.program.classes[0].instructions if isinstance(i, Wait)]
     assert len(waits) >= layers  # the reductions, and the prefetched gathers
-    times = [simulate(p.program, setup.model, setup.cluster, setup.train.precision).iteration_time
-             for p in (plain, overlapped)]
+    times = [simulate(p.program, setup.model, setup.cluster, setup.train.precision).iteration_time for p in (plain, overlapped)]
     assert times[1] < times[0]
 
 

@@ -2,6 +2,7 @@
 layers): on two processes, the column-parallel and row-parallel linears and the
 head-parallel attention give the outputs, input gradients and weight-gradient slices of
 the same layer run whole in one process, from the same seed."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,8 +21,11 @@ HIDDEN, HEADS, TOKENS, BATCH = 8, 4, 5, 3
 
 def _layers(tp: TP) -> dict[str, torch.nn.Module]:
     torch.manual_seed(0)
-    return {"column": ColumnParallelLinear(HIDDEN, 2 * HIDDEN, tp), "row": RowParallelLinear(2 * HIDDEN, HIDDEN, tp),
-            "attention": Attention(HIDDEN, HEADS, tp, causal=True)}
+    return {
+        "column": ColumnParallelLinear(HIDDEN, 2 * HIDDEN, tp),
+        "row": RowParallelLinear(2 * HIDDEN, HIDDEN, tp),
+        "attention": Attention(HIDDEN, HEADS, tp, causal=True),
+    }
 
 
 def _inputs() -> dict[str, torch.Tensor]:

@@ -1,6 +1,7 @@
 """Pipeline transfers under TP (stages.stage_transfer): Megatron-LM's scatter/gather sends
 1/tp of a stage's activation per TP rank and all-gathers it on the receiving stage;
 under sequence parallelism each rank sends its own s/tp tokens and nothing is gathered."""
+
 from __future__ import annotations
 
 import pytest
@@ -24,22 +25,39 @@ def test_stage_transfer_follows_megatron() -> None:
 
 
 def plan(sequence_parallel: bool, scatter_gather: bool):
-    return planner_for("megatron")(request(GPT_SMALL, "perlmutter", 4, 64, tp=4, pp=2, vpp=1, micro_batch_size=MICRO,
-                                           recompute="none", zero_stage=0, sequence_parallel=sequence_parallel,
-                                           scatter_gather=scatter_gather))
+    return planner_for("megatron")(
+        request(
+            GPT_SMALL,
+            "perlmutter",
+            4,
+            64,
+            tp=4,
+            pp=2,
+            vpp=1,
+            micro_batch_size=MICRO,
+            recompute="none",
+            zero_stage=0,
+            sequence_parallel=sequence_parallel,
+            scatter_gather=scatter_gather,
+        )
+    )
 
 
 def gathers(rank_program) -> list[Collective]:
     return [i for i in rank_program.instructions if isinstance(i, Collective) and i.kind == "pp"]
 
 
-@pytest.mark.parametrize("sequence_parallel,scatter_gather,sent,gathered", [
-    (False, True, FULL / 4, FULL),   # Megatron-LM's default without sequence parallelism
-    (False, False, FULL, 0),         # --no-scatter-gather-tensors-in-pipeline
-    (True, True, FULL / 4, 0),       # sequence parallel: each rank's s/tp tokens, nothing to gather
-])
-def test_each_tp_rank_sends_its_share_and_the_receiver_gathers(sequence_parallel: bool, scatter_gather: bool,
-                                                              sent: float, gathered: float) -> None:
+@pytest.mark.parametrize(
+    "sequence_parallel,scatter_gather,sent,gathered",
+    [
+        (False, True, FULL / 4, FULL),  # Megatron-LM's default without sequence parallelism
+        (False, False, FULL, 0),  # --no-scatter-gather-tensors-in-pipeline
+        (True, True, FULL / 4, 0),  # sequence parallel: each rank's s/tp tokens, nothing to gather
+    ],
+)
+def test_each_tp_rank_sends_its_share_and_the_receiver_gathers(
+    sequence_parallel: bool, scatter_gather: bool, sent: float, gathered: float
+) -> None:
     built = plan(sequence_parallel, scatter_gather)
     assert built.program.routes["hop.v0"].bytes == sent
     stage0, stage1 = built.program.classes

@@ -1,4 +1,5 @@
 """The sinks of a run's results, on a small hand-built Timeline and summary."""
+
 from __future__ import annotations
 
 import json
@@ -8,13 +9,23 @@ from pathlib import Path
 
 import pytest
 
-from src.report import (JobInfo, RunFiles, format_step, format_summary, open_sinks,
-                        write_chrome_trace)
+from src.report import JobInfo, RunFiles, format_step, format_summary, open_sinks, write_chrome_trace
 from src.timeline import BREAKDOWN_CATEGORIES, RankTimeline, Span, Timeline
 
-REQUIRED = ("model", "strategy", "cluster", "backend", "devices", "iteration_time_s", "mfu",
-            "throughput_samples_per_s", "tflops_per_device", "breakdown_s", "peak_memory_gib",
-            "plan")
+REQUIRED = (
+    "model",
+    "strategy",
+    "cluster",
+    "backend",
+    "devices",
+    "iteration_time_s",
+    "mfu",
+    "throughput_samples_per_s",
+    "tflops_per_device",
+    "breakdown_s",
+    "peak_memory_gib",
+    "plan",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -30,50 +41,101 @@ def make_timeline() -> Timeline:
         return out
 
     vision = RankTimeline(
-        ranks=tuple(range(0, 8)) + tuple(range(64, 72)), label="vision stage 0",
-        units=("vision",), end=1.0, breakdown=breakdown(0.75, 0.05, 0.2),
-        spans=[Span("compute", 0.0, 0.25, "fwd", "compute", "vision", 0),
-               Span("compute", 0.25, 0.75, "bwd", "compute", "vision", 0),
-               Span("comm", 0.75, 0.8, "reduce_scatter", "comm_dp", "vision"),
-               Span("compute", 0.8, 1.0, "optimizer", "compute", "vision")])
+        ranks=tuple(range(0, 8)) + tuple(range(64, 72)),
+        label="vision stage 0",
+        units=("vision",),
+        end=1.0,
+        breakdown=breakdown(0.75, 0.05, 0.2),
+        spans=[
+            Span("compute", 0.0, 0.25, "fwd", "compute", "vision", 0),
+            Span("compute", 0.25, 0.75, "bwd", "compute", "vision", 0),
+            Span("comm", 0.75, 0.8, "reduce_scatter", "comm_dp", "vision"),
+            Span("compute", 0.8, 1.0, "optimizer", "compute", "vision"),
+        ],
+    )
     text = RankTimeline(
-        ranks=tuple(range(8, 16)), label="", units=("text",), end=1.0,
+        ranks=tuple(range(8, 16)),
+        label="",
+        units=("text",),
+        end=1.0,
         breakdown=breakdown(0.5, 0.25, 0.25),
-        spans=[Span("comm", 0.5, 0.75, "all_reduce", "comm_dp", "text"),
-               Span("compute", 0.25, 0.5, "fwd", "compute", "text", 1)])
+        spans=[Span("comm", 0.5, 0.75, "all_reduce", "comm_dp", "text"), Span("compute", 0.25, 0.5, "fwd", "compute", "text", 1)],
+    )
     return Timeline(iteration_time=1.0, ranks=[vision, text], events=6)
 
 
 def make_summary() -> dict:
     timeline = make_timeline()
     return {
-        "model": "clip", "strategy": "distmm", "cluster": "p3_16xlarge", "backend": "sim",
-        "devices": 24, "global_batch": 512, "precision": "fp16", "iteration_time_s": 1.0,
-        "mfu": 0.4123, "hfu": 0.45, "throughput_samples_per_s": 512.0,
-        "tflops_per_device": 51.3, "model_flops_per_iteration": 1.2e15,
+        "model": "clip",
+        "strategy": "distmm",
+        "cluster": "p3_16xlarge",
+        "backend": "sim",
+        "devices": 24,
+        "global_batch": 512,
+        "precision": "fp16",
+        "iteration_time_s": 1.0,
+        "mfu": 0.4123,
+        "hfu": 0.45,
+        "throughput_samples_per_s": 512.0,
+        "tflops_per_device": 51.3,
+        "model_flops_per_iteration": 1.2e15,
         "breakdown_s": timeline.mean_breakdown(),
         "breakdown_by_unit_s": timeline.unit_breakdown(),
-        "peak_memory_gib": 12.5, "memory_gib": {"params": 1.5, "activations": 11.0},
-        "plan": {"strategy": "distmm", "devices": 24, "units": {
-            "vision": {"dp": 2, "tp": 8, "pp": 1, "vpp": 1, "devices": 16,
-                       "ranks": "0-7,64-71", "micro_batch": 8, "num_microbatches": 4,
-                       "batch_per_replica": 32, "stage_layers": [[0, 24]], "grid_x": 2},
-            "text": {"dp": 8, "tp": 1, "pp": 1, "vpp": 1, "devices": 8, "ranks": "8-15",
-                     "micro_batch": 16, "num_microbatches": 4, "batch_per_replica": 64,
-                     "stage_layers": [[0, 12]]}}},
-        "events": 6, "an_unknown_key": {"nested": [1, 2]},
+        "peak_memory_gib": 12.5,
+        "memory_gib": {"params": 1.5, "activations": 11.0},
+        "plan": {
+            "strategy": "distmm",
+            "devices": 24,
+            "units": {
+                "vision": {
+                    "dp": 2,
+                    "tp": 8,
+                    "pp": 1,
+                    "vpp": 1,
+                    "devices": 16,
+                    "ranks": "0-7,64-71",
+                    "micro_batch": 8,
+                    "num_microbatches": 4,
+                    "batch_per_replica": 32,
+                    "stage_layers": [[0, 24]],
+                    "grid_x": 2,
+                },
+                "text": {
+                    "dp": 8,
+                    "tp": 1,
+                    "pp": 1,
+                    "vpp": 1,
+                    "devices": 8,
+                    "ranks": "8-15",
+                    "micro_batch": 16,
+                    "num_microbatches": 4,
+                    "batch_per_replica": 64,
+                    "stage_layers": [[0, 12]],
+                },
+            },
+        },
+        "events": 6,
+        "an_unknown_key": {"nested": [1, 2]},
     }
 
 
-CONFIG_NONE = {"model": {"name": "clip"}, "strategy": {"name": "distmm"},
-               "cluster": {"name": "p3_16xlarge"}, "backend": {"name": "sim"},
-               "logger": {"name": "none"}, "train": {"global_batch": 512},
-               "run": {"name": "clip-distmm-p3_16xlarge"}}
+CONFIG_NONE = {
+    "model": {"name": "clip"},
+    "strategy": {"name": "distmm"},
+    "cluster": {"name": "p3_16xlarge"},
+    "backend": {"name": "sim"},
+    "logger": {"name": "none"},
+    "train": {"global_batch": 512},
+    "run": {"name": "clip-distmm-p3_16xlarge"},
+}
 
 
 def wandb_config(mode: str = "offline") -> dict:
-    return {**CONFIG_NONE, "logger": {"name": "wandb", "mode": mode, "project": "test",
-                                      "entity": None, "group": None, "tags": ["unit-test"]}}
+    return {
+        **CONFIG_NONE,
+        "logger": {"name": "wandb", "mode": mode, "project": "test", "entity": None, "group": None, "tags": ["unit-test"]},
+    }
 
 
 def run_all(run_dir: Path, config: dict, job: JobInfo | None = None) -> None:
@@ -129,8 +191,7 @@ def test_chrome_trace(tmp_path: Path) -> None:
     assert (bwd["ts"], bwd["dur"], bwd["cat"]) == (250000.0, 500000.0, "compute")
     assert bwd["args"] == {"unit": "vision", "microbatch": 0}
     # compute is the first thread of every process, even where it is not the first span
-    threads = {(e["pid"], e["args"]["name"]): e["tid"] for e in events
-               if e["name"] == "thread_name"}
+    threads = {(e["pid"], e["args"]["name"]): e["tid"] for e in events if e["name"] == "thread_name"}
     text_pid = next(pid for pid, name in names.items() if name == "ranks 8-15")
     assert threads[(text_pid, "compute")] < threads[(text_pid, "comm")]
 
@@ -141,9 +202,15 @@ def test_chrome_trace_spans_back_to_back_never_overlap(tmp_path: Path) -> None:
     for i in range(200):
         bounds.append(bounds[-1] + 1e-6 * (1.0004 + 0.0003 * (i % 7)) + 3.7e-10)
     spans = [Span("compute", a, b, f"op{i}", "compute") for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
-    timeline = Timeline(iteration_time=bounds[-1], ranks=[RankTimeline(
-        ranks=(0,), label="", units=(), end=bounds[-1], breakdown=dict.fromkeys(BREAKDOWN_CATEGORIES, 0.0),
-        spans=spans)], events=len(spans))
+    timeline = Timeline(
+        iteration_time=bounds[-1],
+        ranks=[
+            RankTimeline(
+                ranks=(0,), label="", units=(), end=bounds[-1], breakdown=dict.fromkeys(BREAKDOWN_CATEGORIES, 0.0), spans=spans
+            )
+        ],
+        events=len(spans),
+    )
     write_chrome_trace(timeline, tmp_path / "trace.json")
     events = [e for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"] if e["ph"] == "X"]
     ns = [(round(e["ts"] * 1e3), round((e["ts"] + e["dur"]) * 1e3)) for e in events]
@@ -160,12 +227,10 @@ def test_console_table_and_step_line() -> None:
     assert "comm_tp" not in rows  # zero rows are hidden
     assert rows["total"][1:3] == ["1.0000", "100.0"]
     assert rows["vision"][1:4] == ["2", "8", "1"] and "grid_x" in text
-    assert format_step({"step": 3, "loss": 1.23454, "step_time_s": 0.4123}) == \
-        "step 3 | loss 1.2345 | 0.412 s"
+    assert format_step({"step": 3, "loss": 1.23454, "step_time_s": 0.4123}) == "step 3 | loss 1.2345 | 0.412 s"
 
 
-def test_wandb_offline_logs_without_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                          capsys: pytest.CaptureFixture[str]) -> None:
+def test_wandb_offline_logs_without_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     wandb = pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_home"))
@@ -177,10 +242,8 @@ def test_wandb_offline_logs_without_error(tmp_path: Path, monkeypatch: pytest.Mo
         calls["init"].append(kwargs)
         run = real_init(**kwargs)
         real_log, real_finish = run.log, run.finish
-        monkeypatch.setattr(run, "log", lambda data, **kw: (calls["log"].append(data),
-                                                            real_log(data, **kw))[1])
-        monkeypatch.setattr(run, "finish", lambda **kw: (calls["finish"].append(kw),
-                                                         real_finish(**kw))[1])
+        monkeypatch.setattr(run, "log", lambda data, **kw: (calls["log"].append(data), real_log(data, **kw))[1])
+        monkeypatch.setattr(run, "finish", lambda **kw: (calls["finish"].append(kw), real_finish(**kw))[1])
         return run
 
     monkeypatch.setattr(wandb, "init", spy_init)
@@ -198,15 +261,13 @@ def test_wandb_offline_logs_without_error(tmp_path: Path, monkeypatch: pytest.Mo
     assert json.loads((run_dir / "summary.json").read_text())["mfu"] == 0.4123
 
 
-def test_wandb_name_group_and_dir_in_a_multirun(tmp_path: Path,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_wandb_name_group_and_dir_in_a_multirun(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     wandb = pytest.importorskip("wandb")
     monkeypatch.delenv("WANDB_DIR", raising=False)
     seen: list[dict] = []
     real_init = wandb.init
     monkeypatch.setattr(wandb, "init", lambda **kw: (seen.append(kw), real_init(**kw))[1])
-    job = JobInfo("clip-distmm", sweep_name="2025-01-01_00-00-00",
-                  override_dirname="train.global_batch=1024")
+    job = JobInfo("clip-distmm", sweep_name="2025-01-01_00-00-00", override_dirname="train.global_batch=1024")
     run_all(tmp_path, wandb_config("disabled"), job)  # disabled: no W&B process needed
     assert seen[0]["name"] == "clip-distmm train.global_batch=1024"
     assert seen[0]["group"] == "2025-01-01_00-00-00"
@@ -214,9 +275,9 @@ def test_wandb_name_group_and_dir_in_a_multirun(tmp_path: Path,
 
 
 @pytest.mark.parametrize("breakage", ["unwritable_dir", "no_package"])
-def test_wandb_failure_warns_and_run_goes_on(breakage: str, tmp_path: Path,
-                                             monkeypatch: pytest.MonkeyPatch,
-                                             capsys: pytest.CaptureFixture[str]) -> None:
+def test_wandb_failure_warns_and_run_goes_on(
+    breakage: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     if breakage == "unwritable_dir":
         (tmp_path / "a_file").write_text("")
         monkeypatch.setenv("WANDB_DIR", str(tmp_path / "a_file" / "wandb"))
@@ -231,7 +292,8 @@ def test_wandb_failure_warns_and_run_goes_on(breakage: str, tmp_path: Path,
 
 
 def test_wandb_unreachable_server_costs_seconds_then_the_run_logs_offline(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
     monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # nothing listens on the discard port
@@ -255,8 +317,9 @@ def test_reused_run_dir_starts_afresh(tmp_path: Path) -> None:
     assert [json.loads(line)["type"] for line in lines] == ["summary"]
 
 
-def test_a_figure_is_logged_as_one_wandb_run_with_table_plot_and_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_figure_is_logged_as_one_wandb_run_with_table_plot_and_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     wandb = pytest.importorskip("wandb")
     from src.report.wandb_sink import log_figure
 

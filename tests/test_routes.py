@@ -8,6 +8,7 @@
   gradient of one contrastive loss over the whole batch (the oracle), with uneven TP row
   splits.
 """
+
 from __future__ import annotations
 
 import math
@@ -23,8 +24,16 @@ from src.runtime.modules.contrastive import ContrastiveLoss
 from src.runtime.store import PayloadStore
 from src.sim.engine import simulate
 from src.strategies.bridge import Side, bridge, pieces
-from src.strategies.contrastive import (Holder, batch_sync_features, batch_sync_gradients, feature, keys, local_queries,
-                                        queries, query_gradients)
+from src.strategies.contrastive import (
+    Holder,
+    batch_sync_features,
+    batch_sync_gradients,
+    feature,
+    keys,
+    local_queries,
+    queries,
+    query_gradients,
+)
 from tests.test_sim_programs import MODEL, PRECISION, make_cluster
 
 CLUSTER = make_cluster(nodes=32, devices_per_node=4)
@@ -69,10 +78,8 @@ def test_bridge_sends_every_row_once_to_where_it_is_consumed(seed):
             landed[c0 + c + row] = landed.get(c0 + c + row, 0) + 1
     assert sent == landed == {sample: 1 for sample in range(batch)}
     # The gradient route is the transpose, message by message.
-    back = {(m.dst, m.src, m.received.value(), m.sent.value(), m.received.rows, m.sent.rows)
-            for m in backward.messages()}
-    fwd = {(m.src, m.dst, m.sent.value(), m.received.value(), m.sent.rows, m.received.rows)
-           for m in forward.messages()}
+    back = {(m.dst, m.src, m.received.value(), m.sent.value(), m.received.rows, m.sent.rows) for m in backward.messages()}
+    fwd = {(m.src, m.dst, m.sent.value(), m.received.value(), m.sent.rows, m.received.rows) for m in forward.messages()}
     assert back == fwd and all(m.sent.grad and m.received.grad for m in backward.messages())
     assert len(pieces(src, dst, batch)) == len(list(forward.messages()))
 
@@ -109,8 +116,7 @@ def _holders() -> list[Holder]:
     for replica in range(2):
         lead = 2 * replica
         for t, (start, end) in enumerate(((0, 2), (2, 3))):
-            out.append(Holder(2 * replica + t, "vision", 3 * replica + start, 3 * replica + end,
-                              ((0, 3 * replica, 3),), lead))
+            out.append(Holder(2 * replica + t, "vision", 3 * replica + start, 3 * replica + end, ((0, 3 * replica, 3),), lead))
     out.append(Holder(4, "text", 0, 6, ((0, 0, 6),), 4))
     return out
 
@@ -123,7 +129,7 @@ def test_batch_sync_collectives_give_the_gradients_of_one_contrastive_loss():
     towers = ["vision", "text"]
     stores = {h.rank: PayloadStore() for h in holders}
     for h in holders:  # each rank holds its replica's features (TP peers hold the same)
-        rows = images[h.microbatches[0][1]:h.microbatches[0][1] + 3] if h.tower == "vision" else texts
+        rows = images[h.microbatches[0][1] : h.microbatches[0][1] + 3] if h.tower == "vision" else texts
         stores[h.rank].put(feature(CLIP, h.tower, 0), rows)
     for m in local_queries(CLIP, 0, holders, act_bytes=4):
         assert m.src == m.dst  # the rows a rank scores are its own
@@ -160,7 +166,7 @@ def test_batch_sync_collectives_give_the_gradients_of_one_contrastive_loss():
     for h in holders:  # ... back to its rows' scorer, summed there into its query gradient
         (target,) = returns[h.rank].outputs
         start, rows = stores[h.rank].read(target.value())
-        stores[h.rank].put(target.part(start, start + rows.shape[0]), summed[h.tower][start:start + rows.shape[0]])
+        stores[h.rank].put(target.part(start, start + rows.shape[0]), summed[h.tower][start : start + rows.shape[0]])
     for m in query_gradients(CLIP, 0, holders, act_bytes=4):
         stores[m.dst].put(m.received, stores[m.src].tensor(m.sent))
 
@@ -173,5 +179,5 @@ def test_batch_sync_collectives_give_the_gradients_of_one_contrastive_loss():
     for h in holders:  # every TP rank of a replica holds its features' whole gradient
         got = stores[h.rank].tensor(feature(CLIP, h.tower, 0).gradient())
         first = h.microbatches[0][1]
-        expected_rows = oracle_images.grad[first:first + 3] if h.tower == "vision" else oracle_texts.grad
+        expected_rows = oracle_images.grad[first : first + 3] if h.tower == "vision" else oracle_texts.grad
         torch.testing.assert_close(got, expected_rows)

@@ -1,6 +1,7 @@
 """The real backend through the front door, as a user runs it: a training run end to end,
 a worker that fails, a worker killed outright, Ctrl-C, a plan that needs more workers than
 there are."""
+
 from __future__ import annotations
 
 import pytest
@@ -58,8 +59,7 @@ def test_a_failing_worker_stops_the_run_with_its_error_line(tmp_path):
     build_deepspeed_ops()
     _shard_with_a_broken_second_half(tmp_path / "shard-0.tar")
     start = time.monotonic()
-    result = run_cli(*TWO_WORKERS, *CLIP, "strategy=ddp", f"backend.data={tmp_path}/shard-*.tar",
-                     f"hydra.run.dir={tmp_path}/run")
+    result = run_cli(*TWO_WORKERS, *CLIP, "strategy=ddp", f"backend.data={tmp_path}/shard-*.tar", f"hydra.run.dir={tmp_path}/run")
     # Rank 0 is blocked in the feature all-gather when rank 1 fails: the driver stops it.
     assert time.monotonic() - start < 60
     assert result.returncode == 1
@@ -68,8 +68,7 @@ def test_a_failing_worker_stops_the_run_with_its_error_line(tmp_path):
 
 
 def test_a_plan_needing_more_workers_is_refused_before_anything_starts(tmp_path):
-    result = run_cli("backend=torch", "cluster=local", "backend.workers=2", *CLIP, "strategy=ddp",
-                     f"hydra.run.dir={tmp_path}")
+    result = run_cli("backend=torch", "cluster=local", "backend.workers=2", *CLIP, "strategy=ddp", f"hydra.run.dir={tmp_path}")
     assert result.returncode == 2
     assert result.stderr.strip() == "error: the ddp plan needs 4 workers but backend.workers=2"
     assert not (tmp_path / "errors").exists()
@@ -105,11 +104,29 @@ def _long_run_at_its_first_step(tmp_path) -> tuple[subprocess.Popen, dict[int, i
     build_deepspeed_ops()
     # Ctrl-C in a terminal sends SIGINT to the whole foreground process group: the driver's.
     # The child restores Python's SIGINT handler in case this test runs where SIGINT is ignored.
-    start = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
-             "sys.argv = ['src.run'] + sys.argv[1:]; runpy.run_module('src.run', run_name='__main__')")
-    driver = subprocess.Popen([sys.executable, "-c", start, *TWO_WORKERS, *CLIP, "strategy=ddp", "train.steps=100000",
-                               "logger=none", f"hydra.run.dir={tmp_path}"], cwd=REPO_ROOT, env=cli_env(),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    start = (
+        "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "sys.argv = ['src.run'] + sys.argv[1:]; runpy.run_module('src.run', run_name='__main__')"
+    )
+    driver = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            start,
+            *TWO_WORKERS,
+            *CLIP,
+            "strategy=ddp",
+            "train.steps=100000",
+            "logger=none",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        cwd=REPO_ROOT,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 120
     metrics = tmp_path / "metrics.jsonl"
     while not (metrics.exists() and '"step"' in metrics.read_text()):

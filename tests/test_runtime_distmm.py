@@ -13,6 +13,7 @@ gradients (with the usual eps=1e-8 they are nearly their signs, and a tower whos
 gradients were off by its dp degree would still match the reference within 1e-4), so
 equal losses mean equal gradients, scale included.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,9 +32,18 @@ pytestmark = pytest.mark.slow  # starts worker processes
 
 STEPS, BATCH, CONTRASTIVE = 5, 12, 6  # two batch-sync groups per step
 LR, EPS = 1.0, 1.0
-FOUR_WORKERS = ["backend=torch", "cluster=local", "cluster.devices_per_node=4", "logger=none", "strategy=distmm",
-                "model.scale=tiny", f"train.global_batch={BATCH}", f"train.contrastive_batch={CONTRASTIVE}",
-                f"backend.lr={LR}", f"backend.adam_eps={EPS}"]
+FOUR_WORKERS = [
+    "backend=torch",
+    "cluster=local",
+    "cluster.devices_per_node=4",
+    "logger=none",
+    "strategy=distmm",
+    "model.scale=tiny",
+    f"train.global_batch={BATCH}",
+    f"train.contrastive_batch={CONTRASTIVE}",
+    f"backend.lr={LR}",
+    f"backend.adam_eps={EPS}",
+]
 PIPELINED = ["strategy.vision.pp=2", "strategy.text.pp=2", "strategy.microbatches=2"]
 CASES = {
     "clip_3+1": ["model=clip", "strategy.vision.dp=3", "strategy.text.dp=1"],
@@ -41,11 +51,15 @@ CASES = {
     "clip_2+2_distmm_pipe": ["model=clip", *PIPELINED, "strategy.pipeline=distmm_pipe"],
     "clip_2+2_gpipe_sync": ["model=clip", *PIPELINED, "strategy.pipeline=gpipe_sync"],
     "clip_vision_tp2": ["model=clip", "strategy.vision.tp=2", "strategy.text.dp=2"],
-    "coca_3+1": ["model=coca", "strategy.vision.dp=3", "strategy.text.dp=1"],            # fan-in of image tokens
-    "coca_vision_pp2": ["model=coca", "strategy.vision.pp=2", "strategy.text.dp=2",      # fan-out, pipelined producer
-                        "strategy.microbatches=2"],
-    "lit_2+2": ["model=lit", "strategy.vision.dp=2", "strategy.text.dp=2"],               # frozen image tower
-    "coca_text_pp2": ["model=coca", "strategy.vision.dp=2", "strategy.text.pp=2"],        # feature mid-pipeline
+    "coca_3+1": ["model=coca", "strategy.vision.dp=3", "strategy.text.dp=1"],  # fan-in of image tokens
+    "coca_vision_pp2": [
+        "model=coca",
+        "strategy.vision.pp=2",
+        "strategy.text.dp=2",  # fan-out, pipelined producer
+        "strategy.microbatches=2",
+    ],
+    "lit_2+2": ["model=lit", "strategy.vision.dp=2", "strategy.text.dp=2"],  # frozen image tower
+    "coca_text_pp2": ["model=coca", "strategy.vision.dp=2", "strategy.text.pp=2"],  # feature mid-pipeline
 }
 
 
@@ -65,9 +79,12 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def references() -> dict[str, list[float]]:
-    return {name: reference_losses(build_model({"name": name, "scale": "tiny"}), 0, BATCH, STEPS, LR,
-                                   contrastive_batch=CONTRASTIVE, eps=EPS)
-            for name in ("clip", "coca", "lit")}
+    return {
+        name: reference_losses(
+            build_model({"name": name, "scale": "tiny"}), 0, BATCH, STEPS, LR, contrastive_batch=CONTRASTIVE, eps=EPS
+        )
+        for name in ("clip", "coca", "lit")
+    }
 
 
 def _model(case: str) -> str:

@@ -4,6 +4,7 @@ With the same seed, initial weights and global batch, the first 5 losses of each
 equal the single-process reference within 1e-4 relative. All plans run back to back in
 ONE launch of two workers (start-up, the slow part on 2 cores, is paid once).
 """
+
 from __future__ import annotations
 
 import json
@@ -30,24 +31,30 @@ CASES = {
     "ddp_zero2": CLIP + ["strategy=ddp", "strategy.zero_stage=2"],
     "ddp_zero3": CLIP + ["strategy=ddp", "strategy.zero_stage=3"],
     "coca_ddp_zero1": CLIP + ["model=coca", "strategy=ddp", "strategy.zero_stage=1"],  # + captioning loss
-    "lit_ddp_zero2": CLIP + ["model=lit", "strategy=ddp", "strategy.zero_stage=2"],    # frozen image tower
+    "lit_ddp_zero2": CLIP + ["model=lit", "strategy=ddp", "strategy.zero_stage=2"],  # frozen image tower
     "megatron_tp2": CLIP + ["strategy=megatron", "strategy.tp=2"],
-    "megatron_pp2_1f1b": GPT + ["strategy=megatron", "strategy.tp=1", "strategy.pp=2",
-                                "strategy.micro_batch_size=2", "strategy.schedule=1f1b"],
-    "megatron_pp2_gpipe": GPT + ["strategy=megatron", "strategy.tp=1", "strategy.pp=2",
-                                 "strategy.micro_batch_size=2", "strategy.schedule=gpipe"],
-    "megatron_pp2_recompute": GPT + ["strategy=megatron", "strategy.tp=1", "strategy.pp=2",
-                                     "strategy.micro_batch_size=2", "strategy.recompute=full"],
+    "megatron_pp2_1f1b": GPT
+    + ["strategy=megatron", "strategy.tp=1", "strategy.pp=2", "strategy.micro_batch_size=2", "strategy.schedule=1f1b"],
+    "megatron_pp2_gpipe": GPT
+    + ["strategy=megatron", "strategy.tp=1", "strategy.pp=2", "strategy.micro_batch_size=2", "strategy.schedule=gpipe"],
+    "megatron_pp2_recompute": GPT
+    + ["strategy=megatron", "strategy.tp=1", "strategy.pp=2", "strategy.micro_batch_size=2", "strategy.recompute=full"],
     "ddp_zero3_recompute": GPT + ["strategy=ddp", "strategy.zero_stage=3", "strategy.recompute=selective"],
-
-    "megatron_pp2_balanced": GPT + ["strategy=megatron", "strategy.tp=1", "strategy.pp=2", "strategy.vpp=1",
-                                    "strategy.micro_batch_size=2", "strategy.balance=true"],
+    "megatron_pp2_balanced": GPT
+    + [
+        "strategy=megatron",
+        "strategy.tp=1",
+        "strategy.pp=2",
+        "strategy.vpp=1",
+        "strategy.micro_batch_size=2",
+        "strategy.balance=true",
+    ],
     "deepspeed3d_tp2": GPT + ["strategy=deepspeed3d", "strategy.tp=2", "strategy.pp=1", "strategy.micro_batch_size=2"],
     # bf16 GEMMs (autocast, fp32 master weights and gradients); activations cross the
     # pipeline stage in bf16.
     "ddp_zero1_bf16": GPT + ["strategy=ddp", "strategy.zero_stage=1", "train.precision=bf16"],
-    "megatron_pp2_bf16": GPT + ["strategy=megatron", "strategy.tp=1", "strategy.pp=2",
-                                "strategy.micro_batch_size=2", "train.precision=bf16"],
+    "megatron_pp2_bf16": GPT
+    + ["strategy=megatron", "strategy.tp=1", "strategy.pp=2", "strategy.micro_batch_size=2", "train.precision=bf16"],
 }
 # The bf16 runs against a bf16 single-process reference: rounding the payloads that cross
 # ranks to bf16 (which the reference never does) may move the losses by about 1e-4 here.
@@ -81,12 +88,13 @@ def _losses(run_dir: Path) -> list[float]:
 @pytest.fixture(scope="module")
 def references() -> dict[str, list[float]]:
     models = {name: build_model({"name": name, "scale": "tiny"}) for name in ("clip", "coca", "lit")}
-    models["gpt"] = build_model({"name": "gpt", "preset": None, "layers": 4, "hidden": 64, "heads": 4,
-                                 "vocab": 128}, 16)
-    return {(name, precision): reference_losses(model, 0, 8, STEPS, 1.0, eps=1.0, precision=precision)
-            for name, model in models.items() for precision in ("fp32", "bf16")
-            if precision == "fp32" or any(_setting(c, "model") == name and _setting(c, "train.precision") == precision
-                                          for c in CASES)}
+    models["gpt"] = build_model({"name": "gpt", "preset": None, "layers": 4, "hidden": 64, "heads": 4, "vocab": 128}, 16)
+    return {
+        (name, precision): reference_losses(model, 0, 8, STEPS, 1.0, eps=1.0, precision=precision)
+        for name, model in models.items()
+        for precision in ("fp32", "bf16")
+        if precision == "fp32" or any(_setting(c, "model") == name and _setting(c, "train.precision") == precision for c in CASES)
+    }
 
 
 def _setting(case: str, key: str, default: str = "fp32") -> str:

@@ -5,6 +5,7 @@ Each option of conf/strategy/<name>.yaml (and the run's precision) has a sample 
 and a verdict here; an option nobody classified fails the test. "run" verdicts name the
 test that trains with the option and compares the losses with one process.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,45 +21,80 @@ from tests.test_runtime_support import CLIP, GPT, composed
 
 CONF = Path(__file__).resolve().parent.parent / "conf" / "strategy"
 WORKERS = ["backend=torch", "cluster=local", "cluster.devices_per_node=4", "logger=none"]
-MEGATRON = WORKERS + GPT + ["strategy=megatron", "strategy.tp=1", "strategy.pp=2", "strategy.micro_batch_size=2",
-                            "strategy.recompute=none", "strategy.zero_stage=0", "strategy.vpp=1"]
-DISTMM = WORKERS + ["model=clip", "model.scale=tiny", "train.global_batch=16", "train.contrastive_batch=8",
-                    "strategy=distmm", "strategy.vision.dp=2", "strategy.text.dp=2"]
+MEGATRON = (
+    WORKERS
+    + GPT
+    + [
+        "strategy=megatron",
+        "strategy.tp=1",
+        "strategy.pp=2",
+        "strategy.micro_batch_size=2",
+        "strategy.recompute=none",
+        "strategy.zero_stage=0",
+        "strategy.vpp=1",
+    ]
+)
+DISTMM = WORKERS + [
+    "model=clip",
+    "model.scale=tiny",
+    "train.global_batch=16",
+    "train.contrastive_batch=8",
+    "strategy=distmm",
+    "strategy.vision.dp=2",
+    "strategy.text.dp=2",
+]
 DDP = WORKERS + CLIP + ["strategy=ddp"]
 PAR4D = WORKERS + GPT + ["strategy=par4d", "strategy.recompute=none"]
-DS3D = WORKERS + GPT + ["strategy=deepspeed3d", "strategy.tp=1", "strategy.pp=2", "strategy.micro_batch_size=2",
-                        "strategy.recompute=none"]
+DS3D = (
+    WORKERS
+    + GPT
+    + ["strategy=deepspeed3d", "strategy.tp=1", "strategy.pp=2", "strategy.micro_batch_size=2", "strategy.recompute=none"]
+)
 EQUALITY, DISTMM_RUNS = "test_runtime_equality", "test_runtime_distmm"
 
 # (strategy, option): (the plan's base overrides, the sample setting, verdict, where it runs for real)
 FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
     # auto runs the winner's plan, whose own fields are classified under its strategy.
-    ("auto", "contenders"): (WORKERS + CLIP + ["strategy=auto"], ["strategy.contenders=[megatron]"], "run",
-                             "test_compare"),
-    ("megatron", "tp"): (MEGATRON, ["strategy.tp=2", "strategy.sequence_parallel=false", "strategy.scatter_gather=false"],
-                         "run", EQUALITY),
+    ("auto", "contenders"): (WORKERS + CLIP + ["strategy=auto"], ["strategy.contenders=[megatron]"], "run", "test_compare"),
+    ("megatron", "tp"): (
+        MEGATRON,
+        ["strategy.tp=2", "strategy.sequence_parallel=false", "strategy.scatter_gather=false"],
+        "run",
+        EQUALITY,
+    ),
     ("megatron", "pp"): (MEGATRON, ["strategy.pp=1"], "run", EQUALITY),
     ("megatron", "dp"): (MEGATRON, ["strategy.dp=2"], "run", EQUALITY),
     ("megatron", "vpp"): (MEGATRON, ["strategy.vpp=2", "strategy.schedule=interleaved"], "run", EQUALITY),
     ("megatron", "micro_batch_size"): (MEGATRON, ["strategy.micro_batch_size=4"], "run", EQUALITY),
     ("megatron", "schedule"): (MEGATRON, ["strategy.schedule=gpipe"], "run", EQUALITY),
     ("megatron", "recompute"): (MEGATRON, ["strategy.recompute=full"], "run", EQUALITY),
-    ("megatron", "sequence_parallel"): (MEGATRON, ["strategy.tp=2", "strategy.sequence_parallel=true"],
-                                        "refused", ""),
+    ("megatron", "sequence_parallel"): (MEGATRON, ["strategy.tp=2", "strategy.sequence_parallel=true"], "refused", ""),
     ("megatron", "zero_stage"): (MEGATRON, ["strategy.zero_stage=1"], "run", EQUALITY),
     ("megatron", "overlap_grad_reduce"): (MEGATRON, ["strategy.overlap_grad_reduce=true"], "refused", ""),
     ("megatron", "modality_stages"): (MEGATRON, ["strategy.modality_stages=merged"], "run", EQUALITY),
     ("megatron", "uneven_pp"): (MEGATRON, ["strategy.uneven_pp=true"], "run", EQUALITY),
     ("megatron", "balance"): (MEGATRON, ["strategy.balance=true"], "run", EQUALITY),
-    ("megatron", "scatter_gather"): (MEGATRON, ["strategy.tp=2", "strategy.sequence_parallel=false",
-                                                "strategy.scatter_gather=true"], "refused", ""),
+    ("megatron", "scatter_gather"): (
+        MEGATRON,
+        ["strategy.tp=2", "strategy.sequence_parallel=false", "strategy.scatter_gather=true"],
+        "refused",
+        "",
+    ),
     ("distmm", "balance"): (DISTMM, ["strategy.balance=even"], "run", DISTMM_RUNS),
-    ("distmm", "placement"): (DISTMM, ["strategy.placement=naive", "strategy.vision.dp=null",
-                                       "strategy.text.dp=null"], "run", DISTMM_RUNS),
+    ("distmm", "placement"): (
+        DISTMM,
+        ["strategy.placement=naive", "strategy.vision.dp=null", "strategy.text.dp=null"],
+        "run",
+        DISTMM_RUNS,
+    ),
     ("distmm", "pipeline"): (DISTMM, ["strategy.pipeline=gpipe_sync"], "run", DISTMM_RUNS),
     ("distmm", "use_all_devices"): (DISTMM, ["strategy.use_all_devices=false"], "run", DISTMM_RUNS),
-    ("distmm", "microbatches"): (DISTMM, ["strategy.vision.pp=2", "strategy.text.pp=2", "strategy.vision.dp=1",
-                                          "strategy.text.dp=1", "strategy.microbatches=2"], "run", DISTMM_RUNS),
+    ("distmm", "microbatches"): (
+        DISTMM,
+        ["strategy.vision.pp=2", "strategy.text.pp=2", "strategy.vision.dp=1", "strategy.text.dp=1", "strategy.microbatches=2"],
+        "run",
+        DISTMM_RUNS,
+    ),
     ("distmm", "recompute"): (DISTMM, ["strategy.recompute=selective"], "run", "test_runtime_recompute"),
     ("distmm", "zero_stage"): (DISTMM, ["strategy.zero_stage=1"], "run", DISTMM_RUNS),
     ("distmm", "vision.tp"): (DISTMM, ["strategy.vision.tp=2", "strategy.vision.dp=1"], "run", DISTMM_RUNS),
@@ -71,8 +107,12 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
     ("ddp", "micro_batch_size"): (DDP, ["strategy.micro_batch_size=2"], "run", EQUALITY),
     ("ddp", "recompute"): (DDP, ["strategy.recompute=selective"], "run", EQUALITY),
     ("ddp", "overlap_comm"): (DDP, ["strategy.zero_stage=3", "strategy.overlap_comm=true"], "refused", ""),
-    ("ddp", "prefetch_bucket_size"): (DDP, ["strategy.zero_stage=3", "strategy.overlap_comm=true",
-                                           "strategy.prefetch_bucket_size=1000"], "refused", ""),
+    ("ddp", "prefetch_bucket_size"): (
+        DDP,
+        ["strategy.zero_stage=3", "strategy.overlap_comm=true", "strategy.prefetch_bucket_size=1000"],
+        "refused",
+        "",
+    ),
     # Par4D runs in the simulator only: the real backend refuses its grid, naming every option.
     ("par4d", "grid"): (PAR4D, ["strategy.grid=[2,1,2,1]"], "refused", ""),
     ("par4d", "model"): (PAR4D, ["strategy.model=agnostic"], "refused", ""),
@@ -99,6 +139,7 @@ SIMULATOR_ONLY = {
 
 def _options(strategy: str) -> list[str]:
     """The option keys of a strategy's config, nested ones dotted (vision.tp)."""
+
     def flat(prefix: str, node: dict) -> list[str]:
         out = []
         for key, value in node.items():
@@ -107,6 +148,7 @@ def _options(strategy: str) -> list[str]:
             elif key != "name":
                 out.append(f"{prefix}{key}")
         return out
+
     return flat("", yaml.safe_load((CONF / f"{strategy}.yaml").read_text()))
 
 
@@ -140,8 +182,7 @@ def test_a_simulator_only_strategy_is_refused_before_any_worker_starts(strategy)
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 def test_a_precision_runs_for_real_or_is_refused_naming_it(precision):
     # A cluster whose device has a peak in every precision: the runtime, not the preset, decides.
-    overrides = MEGATRON + ["cluster=hopper", "cluster.nodes=1", "cluster.devices_per_node=4",
-                            f"train.precision={precision}"]
+    overrides = MEGATRON + ["cluster=hopper", "cluster.nodes=1", "cluster.devices_per_node=4", f"train.precision={precision}"]
     if PRECISIONS[precision] == "run":
         _check(overrides)
         return

@@ -1,5 +1,6 @@
 """Without processes: how a rank sees its class's program (groups, peers), what it
 places, and that the ddp planner plans in the simulator."""
+
 from __future__ import annotations
 
 import pytest
@@ -24,14 +25,23 @@ def _plan(overrides: list[str]):
     return plan, model, cluster, train
 
 
-GPT = ["model=gpt", "model.preset=null", "model.layers=4", "model.hidden=64", "model.heads=4", "model.vocab=128",
-       "train.seq_len=16", "cluster=local", "cluster.devices_per_node=8", "train.global_batch=16"]
+GPT = [
+    "model=gpt",
+    "model.preset=null",
+    "model.layers=4",
+    "model.hidden=64",
+    "model.heads=4",
+    "model.vocab=128",
+    "train.seq_len=16",
+    "cluster=local",
+    "cluster.devices_per_node=8",
+    "train.global_batch=16",
+]
 
 
 def test_every_rank_of_a_class_maps_groups_and_peers_onto_itself():
     # tp=2 x dp=2 x pp=2: rank = t + 2·(d + 2·p); the class "stage 0" is written for rank 0.
-    plan, *_ = _plan(GPT + ["strategy=megatron", "strategy.tp=2", "strategy.pp=2", "strategy.vpp=1",
-                          "strategy.micro_batch_size=2"])
+    plan, *_ = _plan(GPT + ["strategy=megatron", "strategy.tp=2", "strategy.pp=2", "strategy.vpp=1", "strategy.micro_batch_size=2"])
     program = plan.program
     assert program.group_for("tp.s0", 3) == (2, 3)
     assert program.group_for("dp.s0", 3) == (1, 3)
@@ -48,8 +58,7 @@ def test_ddp_plans_in_the_simulator_with_zero3_gathering_every_layer():
     times = {}
     for zero in (0, 3):
         plan, model, cluster, train = _plan(base + [f"strategy.zero_stage={zero}"])
-        gathers = [i for i in plan.program.classes[0].instructions
-                   if getattr(i, "op", None) == "all_gather" and i.kind == "dp"]
+        gathers = [i for i in plan.program.classes[0].instructions if getattr(i, "op", None) == "all_gather" and i.kind == "dp"]
         layers = sum(u.num_layers for u in model.units if u.name != "interaction")
         assert len(gathers) == (2 * layers if zero == 3 else 0)  # before each layer's forward and backward
         times[zero] = simulate(plan.program, model, cluster, train.precision).iteration_time

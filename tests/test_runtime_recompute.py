@@ -1,6 +1,7 @@
 """Recomputation runs for real on the real backend: under `full` every layer's forward runs
 again in backward, under `selective` every attention core does, and the gradients are the
 same as without recomputation. One process, the executor on a one-rank Megatron plan."""
+
 from __future__ import annotations
 
 import pytest
@@ -17,8 +18,17 @@ from tests.test_runtime_support import GPT, composed
 
 pytestmark = pytest.mark.slow  # starts worker processes
 
-ONE_RANK = ["cluster=local", "cluster.devices_per_node=1", "backend=torch", "logger=none", "strategy=megatron",
-            "strategy.tp=1", "strategy.pp=1", "strategy.micro_batch_size=8", "strategy.zero_stage=0"]
+ONE_RANK = [
+    "cluster=local",
+    "cluster.devices_per_node=1",
+    "backend=torch",
+    "logger=none",
+    "strategy=megatron",
+    "strategy.tp=1",
+    "strategy.pp=1",
+    "strategy.micro_batch_size=8",
+    "strategy.zero_stage=0",
+]
 BLOCKS = 4  # GPT's model.layers
 
 
@@ -41,10 +51,8 @@ def _step(recompute: str) -> dict[str, torch.Tensor]:
     setup = validate(composed(GPT + ONE_RANK + [f"strategy.recompute={recompute}"]))
     plan = plan_run(setup)
     assert plan.unit("llm").recompute == recompute
-    units = build_units(setup.model, 0, {}, {"llm": set(range(setup.model.unit("llm").num_layers))},
-                        {"llm": recompute})
-    batches = Batches(setup.model, dataset_for(setup.model, 0, "synthetic"), 8, {u.unit: u for u in plan.units},
-                      {"llm": 0})
+    units = build_units(setup.model, 0, {}, {"llm": set(range(setup.model.unit("llm").num_layers))}, {"llm": recompute})
+    batches = Batches(setup.model, dataset_for(setup.model, 0, "synthetic"), 8, {u.unit: u for u in plan.units}, {"llm": 0})
     batches.start_step(0)
     executor = Executor(plan, setup.model, 0, units, {"llm": _Engine()}, None, batches, torch.device("cpu"), "fp32")
     instructions = plan.program.class_of(0).instructions
@@ -52,10 +60,10 @@ def _step(recompute: str) -> dict[str, torch.Tensor]:
     return {name: p.grad for name, p in units.named_parameters()}
 
 
-@pytest.mark.parametrize("recompute, blocks_run, cores_run", [
-    ("none", BLOCKS, BLOCKS), ("selective", BLOCKS, 2 * BLOCKS), ("full", 2 * BLOCKS, 2 * BLOCKS)])
-def test_recomputation_reruns_what_it_says_and_gives_the_same_gradients(monkeypatch, recompute, blocks_run,
-                                                                       cores_run):
+@pytest.mark.parametrize(
+    "recompute, blocks_run, cores_run", [("none", BLOCKS, BLOCKS), ("selective", BLOCKS, 2 * BLOCKS), ("full", 2 * BLOCKS, 2 * BLOCKS)]
+)
+def test_recomputation_reruns_what_it_says_and_gives_the_same_gradients(monkeypatch, recompute, blocks_run, cores_run):
     calls = {"block": 0, "core": 0}
     block_forward, core = blocks.Block.forward, F.scaled_dot_product_attention
 

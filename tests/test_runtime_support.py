@@ -1,5 +1,6 @@
 """Helpers of the runtime tests (no tests here): compose a run's config as the front door would,
 and the DeepSpeed op build that must happen once before any workers start."""
+
 from __future__ import annotations
 
 import os
@@ -14,8 +15,16 @@ CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 # Two tiny CPU workers: what CI's 2 cores can run.
 TWO_WORKERS = ["backend=torch", "cluster=local", "cluster.devices_per_node=2", "logger=none"]
 CLIP = ["model=clip", "model.scale=tiny", "train.global_batch=8"]
-GPT = ["model=gpt", "model.preset=null", "model.layers=4", "model.hidden=64", "model.heads=4", "model.vocab=128",
-       "train.seq_len=16", "train.global_batch=8"]
+GPT = [
+    "model=gpt",
+    "model.preset=null",
+    "model.layers=4",
+    "model.hidden=64",
+    "model.heads=4",
+    "model.vocab=128",
+    "train.seq_len=16",
+    "train.global_batch=8",
+]
 
 
 def composed(overrides: list[str]) -> dict[str, Any]:

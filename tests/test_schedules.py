@@ -1,4 +1,5 @@
 """Pipeline schedules: every pass once, dependencies respected, warm-up depths as published."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,9 +8,16 @@ from src.errors import ConfigError
 from src.schedules.pipeline import build_schedule, in_flight, interleaved, one_f_one_b
 
 
-@pytest.mark.parametrize("name,stages,mbs,chunks", [
-    ("gpipe", 4, 6, 1), ("1f1b", 4, 6, 1), ("1f1b", 4, 2, 1), ("interleaved", 4, 8, 2), ("interleaved", 2, 4, 3),
-])
+@pytest.mark.parametrize(
+    "name,stages,mbs,chunks",
+    [
+        ("gpipe", 4, 6, 1),
+        ("1f1b", 4, 6, 1),
+        ("1f1b", 4, 2, 1),
+        ("interleaved", 4, 8, 2),
+        ("interleaved", 2, 4, 3),
+    ],
+)
 def test_every_pass_runs_once_and_backward_follows_forward(name, stages, mbs, chunks) -> None:
     for order in build_schedule(name, stages, mbs, chunks):
         forwards = [(op.chunk, op.microbatch) for op in order if op.kind == "F"]
@@ -34,8 +42,7 @@ def test_interleaved_warmup_matches_megatron() -> None:
         first_backward = next(i for i, op in enumerate(order) if op.kind == "B")
         assert first_backward == (stages - stage - 1) * 2 + (chunks - 1) * stages + 1
     # Micro-batches advance through chunk 0 in groups of `stages` before chunk 1.
-    assert [(op.chunk, op.microbatch) for op in orders[0][:8]] == [(0, 0), (0, 1), (0, 2), (0, 3),
-                                                                   (1, 0), (1, 1), (1, 2), (1, 3)]
+    assert [(op.chunk, op.microbatch) for op in orders[0][:8]] == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2), (1, 3)]
 
 
 def test_schedule_errors_name_the_numbers() -> None:

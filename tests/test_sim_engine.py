@@ -2,6 +2,7 @@
 rank classes are a pure compression, asynchronous collectives overlap, runs are
 deterministic. Expected times are hand computations with the toy cluster of
 tests/test_sim_programs.py (efficiency 1, no saturation, no kernel overhead)."""
+
 from __future__ import annotations
 
 import copy
@@ -14,20 +15,46 @@ from src.mesh import tensor_parallel
 from src.program import COMM_KINDS, Collective, Compute, Group, Program, RankProgram, Wait, Work
 from src.sim.engine import SimulationError, simulate
 from src.timeline import BREAKDOWN_CATEGORIES
-from tests.test_sim_programs import (INTRA_BW, INTRA_LAT, MODEL, MS, PEAK, PRECISION, REL, all_reduce_s,
-                                     assert_breakdown, build_distmm, build_disttrain, build_megatron, build_optimus,
-                                     build_par4d, build_par4d_mesh, link, make_cluster, p2p_s, recv, run, send, timeline_of)
+from tests.test_sim_programs import (
+    INTRA_BW,
+    INTRA_LAT,
+    MODEL,
+    MS,
+    PEAK,
+    PRECISION,
+    REL,
+    all_reduce_s,
+    assert_breakdown,
+    build_distmm,
+    build_disttrain,
+    build_megatron,
+    build_optimus,
+    build_par4d,
+    build_par4d_mesh,
+    link,
+    make_cluster,
+    p2p_s,
+    recv,
+    run,
+    send,
+    timeline_of,
+)
 
-F1 = Work("llm", "fwd", 1, (0, 1))          # one (1000 x 1000)@(1000 x 1000) GEMM: 2 ms
+F1 = Work("llm", "fwd", 1, (0, 1))  # one (1000 x 1000)@(1000 x 1000) GEMM: 2 ms
 T_F1 = 2 * MS
 
 
-def two_ranks(a: list, b: list, groups: tuple[Group, ...] = (), pipelined: bool = False,
-              messages: tuple[tuple[str, int, int], ...] = ()) -> Program:
+def two_ranks(
+    a: list, b: list, groups: tuple[Group, ...] = (), pipelined: bool = False, messages: tuple[tuple[str, int, int], ...] = ()
+) -> Program:
     """Ranks 0 ('left') and 1 ('right'); `messages`: (key, src, dst) routes of 1e6 bytes."""
-    program = Program(world_size=2, classes=[
-        RankProgram(ranks=(0,), instructions=a, label="left", pipelined=pipelined),
-        RankProgram(ranks=(1,), instructions=b, label="right", pipelined=pipelined)])
+    program = Program(
+        world_size=2,
+        classes=[
+            RankProgram(ranks=(0,), instructions=a, label="left", pipelined=pipelined),
+            RankProgram(ranks=(1,), instructions=b, label="right", pipelined=pipelined),
+        ],
+    )
     for group in groups:
         program.add_group(group)
     for key, src, dst in messages:
@@ -67,10 +94,16 @@ def random_program(seed: int, ranks: int = 6, steps: int = 70) -> Program:
             blocking = rng.random() < 0.5
             stream = rng.choice(["compute", "comm", "comm2"]) if blocking else rng.choice(["comm", "comm2"])
             handle = None if blocking else f"c{step}"
-            instruction = Collective(rng.choice(["all_reduce", "all_gather", "reduce_scatter", "broadcast",
-                                                 "all_to_all"]),
-                                     f"g{gi}", rng.choice([0.0, 1e5, 1e6, 3e7]), rng.choice(COMM_KINDS),
-                                     stream=stream, blocking=blocking, handle=handle, count=rng.randint(1, 3))
+            instruction = Collective(
+                rng.choice(["all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"]),
+                f"g{gi}",
+                rng.choice([0.0, 1e5, 1e6, 3e7]),
+                rng.choice(COMM_KINDS),
+                stream=stream,
+                blocking=blocking,
+                handle=handle,
+                count=rng.randint(1, 3),
+            )
             for r in RANDOM_GROUPS[gi]:
                 lists[r].append(instruction)
                 if handle:
@@ -81,8 +114,9 @@ def random_program(seed: int, ranks: int = 6, steps: int = 70) -> Program:
             link(program, f"m{step}", src, dst, nbytes, kind, sharing=rng.randint(1, 4))
             lists[src].append(send(f"m{step}", stream=rng.choice(["send", "send2"])))
             blocking = rng.random() < 0.6
-            lists[dst].append(recv(f"m{step}", stream=rng.choice(["recv", "recv2"]), blocking=blocking,
-                                   handle=None if blocking else f"m{step}"))
+            lists[dst].append(
+                recv(f"m{step}", stream=rng.choice(["recv", "recv2"]), blocking=blocking, handle=None if blocking else f"m{step}")
+            )
             if not blocking:
                 handles[dst].append(f"m{step}")
         else:
@@ -90,8 +124,9 @@ def random_program(seed: int, ranks: int = 6, steps: int = 70) -> Program:
                 while handles[r] and rng.random() < 0.5:
                     lists[r].append(Wait(handles[r].pop(rng.randrange(len(handles[r])))))
     for r in range(ranks):
-        program.classes.append(RankProgram(ranks=(r,), instructions=lists[r], label=f"r{r}",
-                                           units=("llm",), pipelined=rng.random() < 0.5))
+        program.classes.append(
+            RankProgram(ranks=(r,), instructions=lists[r], label=f"r{r}", units=("llm",), pipelined=rng.random() < 0.5)
+        )
     return program
 
 
@@ -168,8 +203,7 @@ def test_recv_without_send_raises():
 
 
 def test_collective_missing_a_participant_deadlocks():
-    program = two_ranks([Collective("all_reduce", "g", 1e6, "dp"), Compute(F1)], [Compute(F1)],
-                        (Group("g", (0, 1)),))
+    program = two_ranks([Collective("all_reduce", "g", 1e6, "dp"), Compute(F1)], [Compute(F1)], (Group("g", (0, 1)),))
     with pytest.raises(SimulationError, match="deadlock") as err:
         run(program)
     assert "left" in str(err.value)
@@ -199,8 +233,7 @@ def test_group_with_an_uncovered_rank_raises():
 
 
 def test_rank_in_two_classes_raises():
-    program = Program(world_size=2, classes=[RankProgram(ranks=(0, 1), instructions=[]),
-                                             RankProgram(ranks=(1,), instructions=[])])
+    program = Program(world_size=2, classes=[RankProgram(ranks=(0, 1), instructions=[]), RankProgram(ranks=(1,), instructions=[])])
     with pytest.raises(SimulationError, match="rank 1 appears in two"):
         run(program)
 
@@ -245,8 +278,14 @@ def test_rank_classes_equal_one_list_per_rank_distmm():
     split = Program(world_size=4, classes=[], groups=dict(merged.groups))
     for rank_program in merged.classes:
         for rank in rank_program.ranks:
-            split.classes.append(RankProgram(ranks=(rank,), instructions=list(rank_program.instructions),
-                                             label=f"{rank_program.label}{rank}", units=rank_program.units))
+            split.classes.append(
+                RankProgram(
+                    ranks=(rank,),
+                    instructions=list(rank_program.instructions),
+                    label=f"{rank_program.label}{rank}",
+                    units=rank_program.units,
+                )
+            )
     a, b = run(merged), run(split)
     assert a.iteration_time == pytest.approx(b.iteration_time, rel=REL)
     vision = timeline_of(a, "vision")
@@ -260,7 +299,7 @@ def test_rank_classes_equal_one_list_per_rank_distmm():
 def test_async_collective_overlaps_compute(nbytes, wait_first):
     """An asynchronous all-reduce on a side stream runs during the compute that follows it;
     only the part that outlasts the compute is exposed. Waiting right away exposes it all."""
-    t_ar = all_reduce_s(2, nbytes, INTRA_BW, INTRA_LAT)      # ranks 0, 1: one node
+    t_ar = all_reduce_s(2, nbytes, INTRA_BW, INTRA_LAT)  # ranks 0, 1: one node
     ar = Collective("all_reduce", "g", nbytes, "dp", stream="dp", blocking=False, handle="h")
     body = [ar, Wait("h"), Compute(F1)] if wait_first else [ar, Compute(F1), Wait("h")]
     timeline = run(two_ranks(list(body), list(body), (Group("g", (0, 1)),)))
@@ -297,24 +336,27 @@ def test_collective_count_repeats_back_to_back():
     assert timeline.iteration_time == pytest.approx(3 * one, rel=REL)
 
 
-@pytest.mark.parametrize("overrides, expected", [
-    # efficiency 0.5 · (1000/2000)(500/1500)(1000/2000) = 1/24 of peak, plus one launch
-    (dict(gemm_max_efficiency=0.5, gemm_half_dim=1000.0, kernel_overhead_s=1e-6),
-     2 * 1000 * 500 * 1000 / (PEAK / 24) + 1e-6),
-    # memory-bound: 2 bytes · (m·k + k·n + m·n) over 1 GB/s beats the 1 ms of FLOPs
-    (dict(memory_bandwidth=1e9), 2 * (1000 * 1000 + 1000 * 500 + 1000 * 500) / 1e9),
-])
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        # efficiency 0.5 · (1000/2000)(500/1500)(1000/2000) = 1/24 of peak, plus one launch
+        (dict(gemm_max_efficiency=0.5, gemm_half_dim=1000.0, kernel_overhead_s=1e-6), 2 * 1000 * 500 * 1000 / (PEAK / 24) + 1e-6),
+        # memory-bound: 2 bytes · (m·k + k·n + m·n) over 1 GB/s beats the 1 ms of FLOPs
+        (dict(memory_bandwidth=1e9), 2 * (1000 * 1000 + 1000 * 500 + 1000 * 500) / 1e9),
+    ],
+)
 def test_compute_price_formula(overrides, expected):
     """One column-parallel GEMM (m=1000, n=1000/tp, k=1000, tp=2) through the engine."""
     cluster = make_cluster(**overrides)
-    program = Program(world_size=1, classes=[RankProgram(ranks=(0,), instructions=[
-        Compute(Work("llm", "fwd", 1, (0, 1), sharding=tensor_parallel(2)))])])
+    program = Program(
+        world_size=1,
+        classes=[RankProgram(ranks=(0,), instructions=[Compute(Work("llm", "fwd", 1, (0, 1), sharding=tensor_parallel(2)))])],
+    )
     assert simulate(program, MODEL, cluster, PRECISION).iteration_time == pytest.approx(expected, rel=REL)
 
 
 # ---- determinism -------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["megatron/per-rank", "distmm", "disttrain/01", "par4d/exposed", "random/3",
-                                  "random/7"])
+@pytest.mark.parametrize("name", ["megatron/per-rank", "distmm", "disttrain/01", "par4d/exposed", "random/3", "random/7"])
 def test_deterministic_and_independent_of_class_order(name):
     program = PROGRAMS[name]
     first, second = run(program), run(copy.deepcopy(program))
@@ -333,15 +375,13 @@ def test_deterministic_and_independent_of_class_order(name):
 def test_send_recv_on_compute_stream_add_up():
     """A blocking send/recv expressed by putting it on the compute stream."""
     d = p2p_s(4e6, INTRA_BW, INTRA_LAT)
-    program = two_ranks([Compute(F1), send("m", stream="compute"), Compute(F1)],
-                        [recv("m", stream="compute"), Compute(F1)])
+    program = two_ranks([Compute(F1), send("m", stream="compute"), Compute(F1)], [recv("m", stream="compute"), Compute(F1)])
     link(program, "m", 0, 1, 4e6, "pp")
     timeline = run(program)
     iteration = 2 * T_F1 + d
     assert timeline.iteration_time == pytest.approx(iteration, rel=REL)
     assert_breakdown(timeline_of(timeline, "left"), iteration, compute=2 * T_F1, comm_pp=d)
-    assert_breakdown(timeline_of(timeline, "right"), iteration, compute=T_F1, comm_pp=d,
-                     bubble_imbalance=T_F1)
+    assert_breakdown(timeline_of(timeline, "right"), iteration, compute=T_F1, comm_pp=d, bubble_imbalance=T_F1)
 
 
 def test_preposted_irecv_exchange_runs():
@@ -367,15 +407,24 @@ def test_async_collective_on_busy_stream_does_not_block_the_class():
     On a real backend both collectives are merely enqueued and the send goes out."""
     t = all_reduce_s(2, 1e6, INTRA_BW, INTRA_LAT)
     d = p2p_s(1e6, INTRA_BW, INTRA_LAT)
-    program = Program(world_size=3, classes=[
-        RankProgram(ranks=(0,), label="A", instructions=[
-            Collective("all_reduce", "ab", 1e6, "dp", stream="comm", blocking=False, handle="h1"),
-            Collective("all_reduce", "ac", 1e6, "dp", stream="comm", blocking=False, handle="h2"),
-            send("m"), Wait("h1"), Wait("h2")]),
-        RankProgram(ranks=(1,), label="B", instructions=[
-            recv("m"), Collective("all_reduce", "ab", 1e6, "dp")]),
-        RankProgram(ranks=(2,), label="C", instructions=[Collective("all_reduce", "ac", 1e6, "dp")]),
-    ])
+    program = Program(
+        world_size=3,
+        classes=[
+            RankProgram(
+                ranks=(0,),
+                label="A",
+                instructions=[
+                    Collective("all_reduce", "ab", 1e6, "dp", stream="comm", blocking=False, handle="h1"),
+                    Collective("all_reduce", "ac", 1e6, "dp", stream="comm", blocking=False, handle="h2"),
+                    send("m"),
+                    Wait("h1"),
+                    Wait("h2"),
+                ],
+            ),
+            RankProgram(ranks=(1,), label="B", instructions=[recv("m"), Collective("all_reduce", "ab", 1e6, "dp")]),
+            RankProgram(ranks=(2,), label="C", instructions=[Collective("all_reduce", "ac", 1e6, "dp")]),
+        ],
+    )
     program.add_group(Group("ab", (0, 1)))
     program.add_group(Group("ac", (0, 2)))
     link(program, "m", 0, 1, 1e6, "pp")
@@ -385,8 +434,7 @@ def test_async_collective_on_busy_stream_does_not_block_the_class():
 
 
 def test_mismatched_collective_raises():
-    program = two_ranks([Collective("all_reduce", "g", 1e6, "dp")],
-                        [Collective("all_gather", "g", 4e8, "dp")], (Group("g", (0, 1)),))
+    program = two_ranks([Collective("all_reduce", "g", 1e6, "dp")], [Collective("all_gather", "g", 4e8, "dp")], (Group("g", (0, 1)),))
     with pytest.raises(SimulationError):
         run(program)
 
@@ -396,8 +444,11 @@ def test_wait_behind_earlier_collective_is_charged_to_its_kind():
     stream: the compute stream waits for both; each is exposed communication of its own kind."""
     t_dp = all_reduce_s(2, 3e8, INTRA_BW, INTRA_LAT)
     t_tp = all_reduce_s(2, 1e6, INTRA_BW, INTRA_LAT)
-    body = [Collective("all_reduce", "g", 3e8, "dp", stream="comm", blocking=False, handle="h"),
-            Collective("all_reduce", "g", 1e6, "tp", stream="comm"), Wait("h")]
+    body = [
+        Collective("all_reduce", "g", 3e8, "dp", stream="comm", blocking=False, handle="h"),
+        Collective("all_reduce", "g", 1e6, "tp", stream="comm"),
+        Wait("h"),
+    ]
     timeline = run(two_ranks(list(body), list(body), (Group("g", (0, 1)),)))
     assert timeline.iteration_time == pytest.approx(t_dp + t_tp, rel=REL)
     for rank_timeline in timeline.ranks:

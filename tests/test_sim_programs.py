@@ -19,6 +19,7 @@ cluster chosen so the formulas are exact:
 Nothing here uses ComputeModel.work_time or CommModel to produce an expected value.
 The builders are imported by tests/test_sim_engine.py.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -30,18 +31,17 @@ from src.costmodel.comm import CommModel
 from src.models.layers import contrastive_layer, gemm
 from src.models.spec import ActivationBytes, LayerSpec, ModelSpec, UnitSpec
 from src.mesh import Mesh, Sharding, tensor_parallel
-from src.program import (Collective, Compute, Group, Hop, Message, Payload, Program, RankProgram, Recv, Send, Table,
-                         Wait, Work)
+from src.program import Collective, Compute, Group, Hop, Message, Payload, Program, RankProgram, Recv, Send, Table, Wait, Work
 from src.schedules.pipeline import one_f_one_b
 from src.sim.engine import simulate
 from src.timeline import BREAKDOWN_CATEGORIES
 
 # ---- the toy hardware -------------------------------------------------------------------
-PEAK = 1e12            # FLOP/s, bf16
-INTRA_BW = 100e9       # B/s per device (NVLink)
-INTRA_LAT = 1e-5       # s
-INTER_BW = 40e9        # B/s per node (sum of its NICs)
-INTER_LAT = 1e-4       # s
+PEAK = 1e12  # FLOP/s, bf16
+INTRA_BW = 100e9  # B/s per device (NVLink)
+INTRA_LAT = 1e-5  # s
+INTER_BW = 40e9  # B/s per node (sum of its NICs)
+INTER_LAT = 1e-4  # s
 DEVICES_PER_NODE = 4
 PRECISION = "bf16"
 MS = 1e-3
@@ -50,13 +50,26 @@ REL = 1e-9
 
 def make_cluster(nodes: int = 4, devices_per_node: int = DEVICES_PER_NODE, **overrides) -> ClusterSpec:
     fields = dict(
-        name="toy", device="toy", nodes=nodes, devices_per_node=devices_per_node,
-        peak_flops={"bf16": PEAK}, memory_gib=80.0, memory_bandwidth=1e18,
-        intra_bandwidth=INTRA_BW, intra_latency=INTRA_LAT,
-        inter_bandwidth=INTER_BW, inter_latency=INTER_LAT,
-        gemm_max_efficiency=1.0, gemm_half_dim=0.0, memory_efficiency=1.0,
-        intra_efficiency=1.0, inter_efficiency=1.0, kernel_overhead_s=0.0,
-        reserved_memory_gib=0.0, default_precision="bf16")
+        name="toy",
+        device="toy",
+        nodes=nodes,
+        devices_per_node=devices_per_node,
+        peak_flops={"bf16": PEAK},
+        memory_gib=80.0,
+        memory_bandwidth=1e18,
+        intra_bandwidth=INTRA_BW,
+        intra_latency=INTRA_LAT,
+        inter_bandwidth=INTER_BW,
+        inter_latency=INTER_LAT,
+        gemm_max_efficiency=1.0,
+        gemm_half_dim=0.0,
+        memory_efficiency=1.0,
+        intra_efficiency=1.0,
+        inter_efficiency=1.0,
+        kernel_overhead_s=0.0,
+        reserved_memory_gib=0.0,
+        default_precision="bf16",
+    )
     fields.update(overrides)
     return ClusterSpec(**fields)
 
@@ -94,8 +107,7 @@ def _unit(name: str, layers: tuple[LayerSpec, ...]) -> UnitSpec:
 # llm: 2 layers, one column-parallel (1000 x 1000)@(1000 x 1000) GEMM per sample each.
 LLM_LAYER = _layer("llm_block", gemm("fc", 1000, 1000, 1000, "n"))
 # encoder: one layer of three GEMMs: k0 1000x1000x1000, k1 n=500, k2 1000x1000x1000.
-ENC_LAYER = _layer("enc_block", gemm("k0", 1000, 1000, 1000, "n"), gemm("k1", 1000, 1000, 500, "n"),
-                   gemm("k2", 1000, 1000, 1000, "n"))
+ENC_LAYER = _layer("enc_block", gemm("k0", 1000, 1000, 1000, "n"), gemm("k1", 1000, 1000, 500, "n"), gemm("k2", 1000, 1000, 1000, "n"))
 VISION_LAYER = _layer("vision_block", gemm("fc", 1000, 1000, 1000, "n"))
 TEXT_LAYER = _layer("text_block", gemm("fc", 500, 1000, 1000, "n"))
 EMBED = 100_000
@@ -162,9 +174,9 @@ def timeline_of(timeline, label: str):
 # 1. Megatron-LM: 2-stage pipeline, 1F1B over 4 micro-batches, TP=2, DP=2
 # =========================================================================================
 MEG_TP, MEG_DP, MEG_PP, MEG_M, MEG_MB = 2, 2, 2, 4, 1
-S_TP = 2e6        # bytes of one TP activation all-reduce (two per pass: count=2)
-S_ACT = 2e6       # bytes of one pipeline activation / gradient message
-S_DP = 4e6        # bytes of each stage's gradient all-reduce over DP
+S_TP = 2e6  # bytes of one TP activation all-reduce (two per pass: count=2)
+S_ACT = 2e6  # bytes of one pipeline activation / gradient message
+S_DP = 4e6  # bytes of each stage's gradient all-reduce over DP
 # 1F1B by hand (warm-up p-s-1 forwards, then one forward one backward, then drain).
 MEG_ORDERS = {
     0: [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3)],
@@ -225,35 +237,54 @@ def build_megatron(per_rank: bool = True, s_act: float = S_ACT) -> Program:
                     hop = f"hop.t{t}.d{d}"
                     if p == 0:
                         program.add_route(Hop(hop, "pp", (meg_rank(t, d, 0),), (meg_rank(t, d, 1),), s_act, sharing=4))
-                    program.classes.append(RankProgram(
-                        ranks=(meg_rank(t, d, p),), label=f"s{p}.t{t}.d{d}", units=("llm",), pipelined=True,
-                        instructions=_megatron_list(p, f"tp.p{p}.d{d}", f"dp.p{p}.t{t}", hop)))
+                    program.classes.append(
+                        RankProgram(
+                            ranks=(meg_rank(t, d, p),),
+                            label=f"s{p}.t{t}.d{d}",
+                            units=("llm",),
+                            pipelined=True,
+                            instructions=_megatron_list(p, f"tp.p{p}.d{d}", f"dp.p{p}.t{t}", hop),
+                        )
+                    )
         else:
-            program.add_group(Group(f"tp.p{p}", tuple(meg_rank(t, 0, p) for t in range(MEG_TP)),
-                                    family=tuple(tuple(meg_rank(t, d, p) for t in range(MEG_TP))
-                                                 for d in range(MEG_DP))))
-            program.add_group(Group(f"dp.p{p}", tuple(meg_rank(0, d, p) for d in range(MEG_DP)),
-                                    family=tuple(tuple(meg_rank(t, d, p) for d in range(MEG_DP))
-                                                 for t in range(MEG_TP))))
-            program.classes.append(RankProgram(
-                ranks=stage_ranks[p], label=f"stage {p}", units=("llm",), pipelined=True,
-                instructions=_megatron_list(p, f"tp.p{p}", f"dp.p{p}", "hop")))
+            program.add_group(
+                Group(
+                    f"tp.p{p}",
+                    tuple(meg_rank(t, 0, p) for t in range(MEG_TP)),
+                    family=tuple(tuple(meg_rank(t, d, p) for t in range(MEG_TP)) for d in range(MEG_DP)),
+                )
+            )
+            program.add_group(
+                Group(
+                    f"dp.p{p}",
+                    tuple(meg_rank(0, d, p) for d in range(MEG_DP)),
+                    family=tuple(tuple(meg_rank(t, d, p) for d in range(MEG_DP)) for t in range(MEG_TP)),
+                )
+            )
+            program.classes.append(
+                RankProgram(
+                    ranks=stage_ranks[p],
+                    label=f"stage {p}",
+                    units=("llm",),
+                    pipelined=True,
+                    instructions=_megatron_list(p, f"tp.p{p}", f"dp.p{p}", "hop"),
+                )
+            )
     return program
 
 
 def megatron_expected() -> dict[str, float]:
-    F = gemm_s(1000 * MEG_MB, 1000 / MEG_TP, 1000)          # 1 ms
-    B = 2 * F                                               # dX + dW GEMMs
-    t_tp = 2 * all_reduce_s(2, S_TP, INTRA_BW, INTRA_LAT)   # count=2, TP peers share a node
+    F = gemm_s(1000 * MEG_MB, 1000 / MEG_TP, 1000)  # 1 ms
+    B = 2 * F  # dX + dW GEMMs
+    t_tp = 2 * all_reduce_s(2, S_TP, INTRA_BW, INTRA_LAT)  # count=2, TP peers share a node
     # stage 0 on node 0, stage 1 on node 1: 4 pipeline pairs leave each node at once
     d = p2p_s(S_ACT, min(INTRA_BW, INTER_BW / 4), INTER_LAT)
-    t_dp = all_reduce_s(2, S_DP, INTRA_BW, INTRA_LAT)        # DP replicas of a stage share a node
+    t_dp = all_reduce_s(2, S_DP, INTRA_BW, INTRA_LAT)  # DP replicas of a stage share a node
     return dict(F=F, B=B, t_tp=t_tp, d=d, t_dp=t_dp, Fp=F + t_tp, Bp=B + t_tp)
 
 
 def test_megatron_orders_are_1f1b():
-    assert [[(op.kind, op.microbatch) for op in order] for order in one_f_one_b(2, 4)] == \
-        [MEG_ORDERS[0], MEG_ORDERS[1]]
+    assert [[(op.kind, op.microbatch) for op in order] for order in one_f_one_b(2, 4)] == [MEG_ORDERS[0], MEG_ORDERS[1]]
 
 
 def test_megatron_1f1b_pipeline_tp_dp():
@@ -274,15 +305,30 @@ def test_megatron_1f1b_pipeline_tp_dp():
             # Stage 0: waits for B0's gradient after F0, F1 (warm-up: (p-1)·B' plus the
             # message's way there), drains with B2, B3 waiting on stage 1 (cool-down:
             # (p-1)·F'); the three gradient messages it waits on are exposed pp comm.
-            assert_breakdown(timeline_of(timeline, f"s0.t{t}.d{dd}"), iteration,
-                             compute=m * (F + B), comm_tp=2 * m * t_tp, comm_dp=t_dp, comm_pp=3 * d,
-                             bubble_warmup=Bp + d, bubble_cooldown=Fp)
+            assert_breakdown(
+                timeline_of(timeline, f"s0.t{t}.d{dd}"),
+                iteration,
+                compute=m * (F + B),
+                comm_tp=2 * m * t_tp,
+                comm_dp=t_dp,
+                comm_pp=3 * d,
+                bubble_warmup=Bp + d,
+                bubble_cooldown=Fp,
+            )
             # Stage 1: waits F' for its first input (warm-up), once d for F2's input
             # in the steady state (imbalance: after its first backward, before its last
             # forward), and finishes B' + d before stage 0 (cool-down tail).
-            assert_breakdown(timeline_of(timeline, f"s1.t{t}.d{dd}"), iteration,
-                             compute=m * (F + B), comm_tp=2 * m * t_tp, comm_dp=t_dp, comm_pp=2 * d,
-                             bubble_warmup=Fp, bubble_imbalance=d, bubble_cooldown=Bp + d)
+            assert_breakdown(
+                timeline_of(timeline, f"s1.t{t}.d{dd}"),
+                iteration,
+                compute=m * (F + B),
+                comm_tp=2 * m * t_tp,
+                comm_dp=t_dp,
+                comm_pp=2 * d,
+                bubble_warmup=Fp,
+                bubble_imbalance=d,
+                bubble_cooldown=Bp + d,
+            )
     # Bubbles of each stage add up to the classic (p - 1)(F' + B') plus message waits.
     s0 = timeline_of(timeline, "s0.t0.d0").breakdown
     assert s0["bubble_warmup"] + s0["bubble_cooldown"] == pytest.approx((p - 1) * (Fp + Bp) + d)
@@ -293,8 +339,7 @@ def test_megatron_without_messages_is_the_classic_formula():
     (m + p - 1)(F' + B') + t_dp, and each stage's bubble is (p - 1)(F' + B')."""
     timeline = run(build_megatron(per_rank=True, s_act=0.0))
     e = megatron_expected()
-    assert timeline.iteration_time == pytest.approx((MEG_M + MEG_PP - 1) * (e["Fp"] + e["Bp"]) + e["t_dp"],
-                                                    rel=REL)
+    assert timeline.iteration_time == pytest.approx((MEG_M + MEG_PP - 1) * (e["Fp"] + e["Bp"]) + e["t_dp"], rel=REL)
     s0 = timeline_of(timeline, "s0.t0.d0").breakdown
     assert s0["bubble_warmup"] == pytest.approx(e["Bp"]) and s0["bubble_cooldown"] == pytest.approx(e["Fp"])
     s1 = timeline_of(timeline, "s1.t0.d0").breakdown
@@ -305,8 +350,8 @@ def test_megatron_without_messages_is_the_classic_formula():
 # 2. DistMM: towers on disjoint ranks with different dp, a batch-sync over K=2 micro-batches
 # =========================================================================================
 DMM_BATCH, DMM_K = 12, 2
-DMM_VISION_RANKS, DMM_TEXT_RANKS = (0, 1, 2), (3,)      # vision dp=3, text dp=1
-S_GATHER = 8e6       # both modalities' features of the whole batch
+DMM_VISION_RANKS, DMM_TEXT_RANKS = (0, 1, 2), (3,)  # vision dp=3, text dp=1
+S_GATHER = 8e6  # both modalities' features of the whole batch
 S_DP_VISION = 3e6
 
 
@@ -327,33 +372,39 @@ def build_distmm() -> Program:
         return RankProgram(ranks=ranks, instructions=instructions + tail, label=unit, units=(unit, "contrastive"))
 
     # The three vision replicas are interchangeable: one class covers them.
-    program.classes.append(tower("vision", DMM_VISION_RANKS,
-                                 [Collective("all_reduce", "dp.vision", S_DP_VISION, "dp")]))
+    program.classes.append(tower("vision", DMM_VISION_RANKS, [Collective("all_reduce", "dp.vision", S_DP_VISION, "dp")]))
     program.classes.append(tower("text", DMM_TEXT_RANKS, []))
     return program
 
 
 def test_distmm_batch_sync_waits_for_the_slower_tower():
     # vision: 4 images per replica, micro-batches of 2; text: 12 texts, micro-batches of 6
-    Fv, Ft = gemm_s(1000 * 2, 1000, 1000), gemm_s(500 * 6, 1000, 1000)   # 4 ms, 6 ms
+    Fv, Ft = gemm_s(1000 * 2, 1000, 1000), gemm_s(500 * 6, 1000, 1000)  # 4 ms, 6 ms
     Bv, Bt = 2 * Fv, 2 * Ft
     # interaction: similarity (R x EMBED)@(EMBED x 12) forward, two input gradients (no weight)
     Iv, It = 3 * gemm_s(4, DMM_BATCH, EMBED), 3 * gemm_s(12, DMM_BATCH, EMBED)
-    t_gather = gather_s(4, S_GATHER, INTRA_BW, INTRA_LAT)   # ranks 0-3: one node
+    t_gather = gather_s(4, S_GATHER, INTRA_BW, INTRA_LAT)  # ranks 0-3: one node
     t_dp = all_reduce_s(3, S_DP_VISION, INTRA_BW, INTRA_LAT)
     assert (Fv, Ft) == (pytest.approx(4 * MS), pytest.approx(6 * MS))
     assert t_gather == pytest.approx(0.09 * MS) and t_dp == pytest.approx(0.08 * MS)
 
     timeline = run(build_distmm())
-    sync = DMM_K * Ft                       # the gather starts when the slower tower is done
+    sync = DMM_K * Ft  # the gather starts when the slower tower is done
     text_end = sync + t_gather + It + DMM_K * Bt
     vision_end = sync + t_gather + Iv + DMM_K * Bv + t_dp
     assert vision_end < text_end
     assert timeline.iteration_time == pytest.approx(text_end, rel=REL)
     vision, text = timeline_of(timeline, "vision"), timeline_of(timeline, "text")
     # The faster tower's wait for the slower one is load imbalance, not communication.
-    assert_breakdown(vision, text_end, compute=DMM_K * (Fv + Bv) + Iv, bubble_imbalance=DMM_K * (Ft - Fv),
-                     comm_interaction=t_gather, comm_dp=t_dp, idle=text_end - vision_end)
+    assert_breakdown(
+        vision,
+        text_end,
+        compute=DMM_K * (Fv + Bv) + Iv,
+        bubble_imbalance=DMM_K * (Ft - Fv),
+        comm_interaction=t_gather,
+        comm_dp=t_dp,
+        idle=text_end - vision_end,
+    )
     assert_breakdown(text, text_end, compute=DMM_K * (Ft + Bt) + It, comm_interaction=t_gather)
     # The gather span is where it should be on both towers.
     for rank_timeline in (vision, text):
@@ -368,8 +419,8 @@ def test_distmm_batch_sync_waits_for_the_slower_tower():
 # =========================================================================================
 S_BROKER = 4e6
 S_DP_ENC = 2e6
-DT_SAMPLES = 2                      # per encoder replica
-DT_LOAD = {0: 1.0, 1: 1.5}          # data heterogeneity: rank 1's images are 1.5x larger
+DT_SAMPLES = 2  # per encoder replica
+DT_LOAD = {0: 1.0, 1: 1.5}  # data heterogeneity: rank 1's images are 1.5x larger
 
 
 def build_disttrain(recv_order: tuple[int, int] = (0, 1)) -> Program:
@@ -378,31 +429,46 @@ def build_disttrain(recv_order: tuple[int, int] = (0, 1)) -> Program:
     for r in (0, 1):
         link(program, f"enc.fwd.r{r}", r, 2, S_BROKER, "broker")
         link(program, f"enc.bwd.r{r}", 2, r, S_BROKER, "broker")
-        program.classes.append(RankProgram(ranks=(r,), label=f"encoder{r}", units=("encoder",), pipelined=True,
-                                           instructions=[
-            Compute(Work("encoder", "fwd", DT_SAMPLES, (0, 1), load=DT_LOAD[r])),
-            send(f"enc.fwd.r{r}"),
-            recv(f"enc.bwd.r{r}"),
-            Compute(Work("encoder", "bwd", DT_SAMPLES, (0, 1), load=DT_LOAD[r])),
-            Collective("all_reduce", "dp.encoder", S_DP_ENC, "dp"),
-        ]))
+        program.classes.append(
+            RankProgram(
+                ranks=(r,),
+                label=f"encoder{r}",
+                units=("encoder",),
+                pipelined=True,
+                instructions=[
+                    Compute(Work("encoder", "fwd", DT_SAMPLES, (0, 1), load=DT_LOAD[r])),
+                    send(f"enc.fwd.r{r}"),
+                    recv(f"enc.bwd.r{r}"),
+                    Compute(Work("encoder", "bwd", DT_SAMPLES, (0, 1), load=DT_LOAD[r])),
+                    Collective("all_reduce", "dp.encoder", S_DP_ENC, "dp"),
+                ],
+            )
+        )
     llm_samples = DT_SAMPLES * 2
-    program.classes.append(RankProgram(ranks=(2,), label="llm", units=("llm",), pipelined=True, instructions=[
-        *[recv(f"enc.fwd.r{r}") for r in recv_order],
-        Compute(Work("llm", "fwd", llm_samples, (0, 2))),
-        Compute(Work("llm", "bwd", llm_samples, (0, 2))),
-        send("enc.bwd.r0"),      # fan-out, one send stream: 0 then 1
-        send("enc.bwd.r1"),
-    ]))
+    program.classes.append(
+        RankProgram(
+            ranks=(2,),
+            label="llm",
+            units=("llm",),
+            pipelined=True,
+            instructions=[
+                *[recv(f"enc.fwd.r{r}") for r in recv_order],
+                Compute(Work("llm", "fwd", llm_samples, (0, 2))),
+                Compute(Work("llm", "bwd", llm_samples, (0, 2))),
+                send("enc.bwd.r0"),  # fan-out, one send stream: 0 then 1
+                send("enc.bwd.r1"),
+            ],
+        )
+    )
     return program
 
 
 @pytest.mark.parametrize("recv_order", [(0, 1), (1, 0)])
 def test_disttrain_broker_fan_in_starts_at_the_later_arrival(recv_order):
     enc_fwd = DT_SAMPLES * (gemm_s(1000, 1000, 1000) + gemm_s(1000, 500, 1000) + gemm_s(1000, 1000, 1000))
-    E = {r: enc_fwd * DT_LOAD[r] for r in (0, 1)}                        # 10 ms, 15 ms
-    d = p2p_s(S_BROKER, INTRA_BW, INTRA_LAT)                             # ranks 0-2: one node
-    L_f = 2 * 4 * gemm_s(1000, 1000, 1000)                               # 2 layers x 4 samples
+    E = {r: enc_fwd * DT_LOAD[r] for r in (0, 1)}  # 10 ms, 15 ms
+    d = p2p_s(S_BROKER, INTRA_BW, INTRA_LAT)  # ranks 0-2: one node
+    L_f = 2 * 4 * gemm_s(1000, 1000, 1000)  # 2 layers x 4 samples
     L_b = 2 * L_f
     t_dp = all_reduce_s(2, S_DP_ENC, INTRA_BW, INTRA_LAT)
     assert E[0] == pytest.approx(10 * MS) and E[1] == pytest.approx(15 * MS) and d == pytest.approx(0.05 * MS)
@@ -413,7 +479,7 @@ def test_disttrain_broker_fan_in_starts_at_the_later_arrival(recv_order):
     llm_start = max(arrivals.values())
     (fwd,) = [s for s in llm.spans if s.unit == "llm" and s.name.startswith("fwd")]
     assert fwd.start == pytest.approx(llm_start, rel=REL)
-    T = llm_start + L_f + L_b                       # the LLM's gradients leave at T
+    T = llm_start + L_f + L_b  # the LLM's gradients leave at T
     # fan-out on one send stream: rank 0's gradient leaves at T, rank 1's at T + d
     enc0_ready, enc1_ready = T + d + 2 * E[0], T + 2 * d + 2 * E[1]
     iteration = max(enc0_ready, enc1_ready) + t_dp
@@ -423,15 +489,29 @@ def test_disttrain_broker_fan_in_starts_at_the_later_arrival(recv_order):
     # time it sees is broker comm (both arrivals if it waits on rank 0 first, only the
     # later one otherwise); after its backward it is in cool-down until the end.
     exposed_broker = 2 * d if recv_order == (0, 1) else d
-    assert_breakdown(llm, iteration, compute=L_f + L_b, comm_broker=exposed_broker,
-                     bubble_warmup=llm_start - exposed_broker, bubble_cooldown=iteration - T)
+    assert_breakdown(
+        llm,
+        iteration,
+        compute=L_f + L_b,
+        comm_broker=exposed_broker,
+        bubble_warmup=llm_start - exposed_broker,
+        bubble_cooldown=iteration - T,
+    )
     # Encoders: the wait between their forward and backward is both after the last
     # forward and before the first backward: imbalance. Rank 0 waits for the slower
     # rank 1 at the DP all-reduce: cool-down.
-    assert_breakdown(timeline_of(timeline, "encoder0"), iteration, compute=3 * E[0], comm_broker=d,
-                     comm_dp=t_dp, bubble_imbalance=T - E[0], bubble_cooldown=enc1_ready - enc0_ready)
-    assert_breakdown(timeline_of(timeline, "encoder1"), iteration, compute=3 * E[1], comm_broker=d,
-                     comm_dp=t_dp, bubble_imbalance=T + d - E[1])
+    assert_breakdown(
+        timeline_of(timeline, "encoder0"),
+        iteration,
+        compute=3 * E[0],
+        comm_broker=d,
+        comm_dp=t_dp,
+        bubble_imbalance=T - E[0],
+        bubble_cooldown=enc1_ready - enc0_ready,
+    )
+    assert_breakdown(
+        timeline_of(timeline, "encoder1"), iteration, compute=3 * E[1], comm_broker=d, comm_dp=t_dp, bubble_imbalance=T + d - E[1]
+    )
 
 
 # =========================================================================================
@@ -453,25 +533,34 @@ def build_optimus(placement: str) -> Program:
         rank0 = [llm_a, enc_a, recv("x"), llm_b, enc_b]
     else:
         rank0 = [llm_a, recv("x"), llm_b, enc_a, enc_b]
-    program = Program(world_size=2, classes=[
-        RankProgram(ranks=(0,), instructions=rank0, label="colocated", units=("llm", "encoder"), pipelined=True),
-        RankProgram(ranks=(1,), label="sender", units=("llm",), pipelined=True, instructions=[
-            Compute(Work("llm", "fwd", 2, (0, 2))),
-            send("x"),
-        ]),
-    ])
+    program = Program(
+        world_size=2,
+        classes=[
+            RankProgram(ranks=(0,), instructions=rank0, label="colocated", units=("llm", "encoder"), pipelined=True),
+            RankProgram(
+                ranks=(1,),
+                label="sender",
+                units=("llm",),
+                pipelined=True,
+                instructions=[
+                    Compute(Work("llm", "fwd", 2, (0, 2))),
+                    send("x"),
+                ],
+            ),
+        ],
+    )
     link(program, "x", 1, 0, S_OPT, "pp")
     return program
 
 
 def test_optimus_encoder_kernels_fill_the_llm_bubble():
-    L = gemm_s(1000, 1000, 1000)                                  # one LLM layer, one sample: 2 ms
-    enc_a = gemm_s(1000, 1000, 1000) + gemm_s(1000, 500, 1000)    # kernels k0, k1: 3 ms
-    enc_b = gemm_s(1000, 1000, 1000)                              # kernel k2: 2 ms
-    sender = 2 * 2 * L                                            # 8 ms
+    L = gemm_s(1000, 1000, 1000)  # one LLM layer, one sample: 2 ms
+    enc_a = gemm_s(1000, 1000, 1000) + gemm_s(1000, 500, 1000)  # kernels k0, k1: 3 ms
+    enc_b = gemm_s(1000, 1000, 1000)  # kernel k2: 2 ms
+    sender = 2 * 2 * L  # 8 ms
     d = p2p_s(S_OPT, INTRA_BW, INTRA_LAT)
     arrival = sender + d
-    assert L + enc_a < sender                                     # enc_a fits in the bubble
+    assert L + enc_a < sender  # enc_a fits in the bubble
 
     inside, after = run(build_optimus("bubble")), run(build_optimus("after"))
     assert inside.iteration_time == pytest.approx(arrival + L + enc_b, rel=REL)
@@ -481,13 +570,14 @@ def test_optimus_encoder_kernels_fill_the_llm_bubble():
     rank0 = timeline_of(inside, "colocated")
     enc_spans = [s for s in rank0.spans if s.unit == "encoder"]
     assert [(s.start, s.end) for s in enc_spans] == [
-        (pytest.approx(L), pytest.approx(L + enc_a)),                       # inside the bubble
-        (pytest.approx(arrival + L), pytest.approx(arrival + L + enc_b))]
+        (pytest.approx(L), pytest.approx(L + enc_a)),  # inside the bubble
+        (pytest.approx(arrival + L), pytest.approx(arrival + L + enc_b)),
+    ]
     # The bubble shrank by exactly the encoder kernels placed in it.
-    assert_breakdown(rank0, inside.iteration_time, compute=2 * L + enc_a + enc_b, comm_pp=d,
-                     bubble_warmup=sender - L - enc_a)
-    assert_breakdown(timeline_of(after, "colocated"), after.iteration_time, compute=2 * L + enc_a + enc_b,
-                     comm_pp=d, bubble_warmup=sender - L)
+    assert_breakdown(rank0, inside.iteration_time, compute=2 * L + enc_a + enc_b, comm_pp=d, bubble_warmup=sender - L - enc_a)
+    assert_breakdown(
+        timeline_of(after, "colocated"), after.iteration_time, compute=2 * L + enc_a + enc_b, comm_pp=d, bubble_warmup=sender - L
+    )
 
 
 # =========================================================================================
@@ -534,22 +624,29 @@ def build_par4d(ar_x_bytes: float) -> Program:
     wgrad = Work("fc", "bwd_weight", 1, (0, 1))
     for r in range(8):
         gx, gy, gz = names[(r, "x")], names[(r, "y")], names[(r, "z")]
-        program.classes.append(RankProgram(ranks=(r,), label=f"r{r}", units=("fc",), instructions=[
-            # forward: gather the weight shard over z (asynchronous, then wait), GEMM,
-            # all-reduce the partial outputs over y
-            Collective("all_gather", gz, S_AG_Z, "tp", stream="z", blocking=False, handle="ag_z"),
-            Wait("ag_z"),
-            Compute(fwd),
-            Collective("all_reduce", gy, S_AR_Y, "tp", stream="compute"),
-            # backward: input gradient, its all-reduce over x overlapped with the weight
-            # gradient, then reduce-scatter of the weight gradient over z
-            Compute(dgrad),
-            Collective("all_reduce", gx, ar_x_bytes, "tp", stream="x", blocking=False, handle="ar_x"),
-            Compute(wgrad),
-            Wait("ar_x"),
-            Collective("reduce_scatter", gz, S_RS_Z, "tp", stream="z", blocking=False, handle="rs_z"),
-            Wait("rs_z"),
-        ]))
+        program.classes.append(
+            RankProgram(
+                ranks=(r,),
+                label=f"r{r}",
+                units=("fc",),
+                instructions=[
+                    # forward: gather the weight shard over z (asynchronous, then wait), GEMM,
+                    # all-reduce the partial outputs over y
+                    Collective("all_gather", gz, S_AG_Z, "tp", stream="z", blocking=False, handle="ag_z"),
+                    Wait("ag_z"),
+                    Compute(fwd),
+                    Collective("all_reduce", gy, S_AR_Y, "tp", stream="compute"),
+                    # backward: input gradient, its all-reduce over x overlapped with the weight
+                    # gradient, then reduce-scatter of the weight gradient over z
+                    Compute(dgrad),
+                    Collective("all_reduce", gx, ar_x_bytes, "tp", stream="x", blocking=False, handle="ar_x"),
+                    Compute(wgrad),
+                    Wait("ar_x"),
+                    Collective("reduce_scatter", gz, S_RS_Z, "tp", stream="z", blocking=False, handle="rs_z"),
+                    Wait("rs_z"),
+                ],
+            )
+        )
     return program
 
 
@@ -561,12 +658,15 @@ def test_par4d_family_sharing_of_the_grid():
     assert all(CLUSTER.spans_nodes(g) for g in grid_family(2, grid4))
 
 
-@pytest.mark.parametrize("grid, betas", [
-    # ALGORITHMS.md §4.4 "Placement-aware β with G_node = 4 and β_inter = 1" (Par4D eq. 10)
-    ((2, 2, 2, 2), ("intra", "intra", 1 / 4, 1 / 4)),
-    ((1, 1, 8, 2), ("intra", "intra", 1, 1 / 4)),
-    ((8, 1, 1, 2), (1, 1 / 4, 1 / 4, 1 / 4)),
-])
+@pytest.mark.parametrize(
+    "grid, betas",
+    [
+        # ALGORITHMS.md §4.4 "Placement-aware β with G_node = 4 and β_inter = 1" (Par4D eq. 10)
+        ((2, 2, 2, 2), ("intra", "intra", 1 / 4, 1 / 4)),
+        ((1, 1, 8, 2), ("intra", "intra", 1, 1 / 4)),
+        ((8, 1, 1, 2), (1, 1 / 4, 1 / 4, 1 / 4)),
+    ],
+)
 def test_par4d_placement_aware_bandwidth(grid, betas):
     intra = 100.0
     cluster = make_cluster(nodes=4, devices_per_node=4, intra_bandwidth=intra, inter_bandwidth=1.0)
@@ -585,8 +685,8 @@ def test_par4d_placement_aware_bandwidth(grid, betas):
 @pytest.mark.parametrize("ar_x_bytes", [1e8, 3e8])
 def test_par4d_layer_overlaps_async_all_reduce_with_weight_gradient(ar_x_bytes):
     F = gemm_s(1000, 1000, 1000)
-    B_in = B_w = F                                                 # 2 ms each
-    z_bw = min(INTRA_BW, INTER_BW / 4)                             # 4 z rings share node 0's NICs
+    B_in = B_w = F  # 2 ms each
+    z_bw = min(INTRA_BW, INTER_BW / 4)  # 4 z rings share node 0's NICs
     t_ag = gather_s(2, S_AG_Z, z_bw, INTER_LAT)
     t_ary = all_reduce_s(2, S_AR_Y, INTRA_BW, INTRA_LAT)
     t_arx = all_reduce_s(2, ar_x_bytes, INTRA_BW, INTRA_LAT)
@@ -597,11 +697,10 @@ def test_par4d_layer_overlaps_async_all_reduce_with_weight_gradient(ar_x_bytes):
     assert timeline.iteration_time == pytest.approx(iteration, rel=REL)
     exposed_x = max(0.0, t_arx - B_w)
     for rank_timeline in timeline.ranks:
-        assert_breakdown(rank_timeline, iteration, compute=F + B_in + B_w,
-                         comm_tp=t_ag + t_ary + exposed_x + t_rs)
+        assert_breakdown(rank_timeline, iteration, compute=F + B_in + B_w, comm_tp=t_ag + t_ary + exposed_x + t_rs)
         (arx,) = [s for s in rank_timeline.spans if s.stream == "x"]
         (wgrad,) = [s for s in rank_timeline.spans if s.name.startswith("bwd_weight")]
-        assert arx.start == pytest.approx(wgrad.start)             # issued right before it: overlap
+        assert arx.start == pytest.approx(wgrad.start)  # issued right before it: overlap
     if ar_x_bytes == 1e8:
         assert exposed_x == 0.0
     else:
@@ -617,47 +716,55 @@ def build_par4d_mesh() -> tuple[Program, dict[str, float]]:
     gx, gy, gz = (mesh.degree(a) for a in "xyz")
     m = k = n = 1000
     elem = 2  # bf16
-    sizes = {"ag_z": k * n / (gx * gy) * elem,      # the gathered weight block W_{j,i}
-             "ar_y": m * n / (gz * gx) * elem,      # the partial output O_{k,i}
-             "ar_x": m * k / (gz * gy) * elem,      # the input gradient dI_{k,j}
-             "rs_z": k * n / (gx * gy) * elem}      # the weight gradient before its scatter
+    sizes = {
+        "ag_z": k * n / (gx * gy) * elem,  # the gathered weight block W_{j,i}
+        "ar_y": m * n / (gz * gx) * elem,  # the partial output O_{k,i}
+        "ar_x": m * k / (gz * gy) * elem,  # the input gradient dI_{k,j}
+        "rs_z": k * n / (gx * gy) * elem,
+    }  # the weight gradient before its scatter
     program = Program(world_size=8, classes=[])
     for axis in "xyz":
         family = mesh.family(axis)
         sharing = family_sharing(CLUSTER, family)
         program.add_group(Group(axis, mesh.group(axis, 0), sharing=sharing, family=tuple(family)))
     sharding = Sharding((("x", gx), ("y", gy), ("z", gz)))
-    program.classes.append(RankProgram(ranks=mesh.ranks, label="grid", units=("fc",), instructions=[
-        Collective("all_gather", "z", sizes["ag_z"], "tp", stream="z", blocking=False, handle="ag_z"),
-        Wait("ag_z"),
-        Compute(Work("fc", "fwd", 1, (0, 1), sharding=sharding)),
-        Collective("all_reduce", "y", sizes["ar_y"], "tp", stream="compute"),
-        Compute(Work("fc", "bwd_input", 1, (0, 1), sharding=sharding)),
-        Collective("all_reduce", "x", sizes["ar_x"], "tp", stream="x", blocking=False, handle="ar_x"),
-        Compute(Work("fc", "bwd_weight", 1, (0, 1), sharding=sharding)),
-        Wait("ar_x"),
-        Collective("reduce_scatter", "z", sizes["rs_z"], "tp", stream="z", blocking=False, handle="rs_z"),
-        Wait("rs_z"),
-    ]))
+    program.classes.append(
+        RankProgram(
+            ranks=mesh.ranks,
+            label="grid",
+            units=("fc",),
+            instructions=[
+                Collective("all_gather", "z", sizes["ag_z"], "tp", stream="z", blocking=False, handle="ag_z"),
+                Wait("ag_z"),
+                Compute(Work("fc", "fwd", 1, (0, 1), sharding=sharding)),
+                Collective("all_reduce", "y", sizes["ar_y"], "tp", stream="compute"),
+                Compute(Work("fc", "bwd_input", 1, (0, 1), sharding=sharding)),
+                Collective("all_reduce", "x", sizes["ar_x"], "tp", stream="x", blocking=False, handle="ar_x"),
+                Compute(Work("fc", "bwd_weight", 1, (0, 1), sharding=sharding)),
+                Wait("ar_x"),
+                Collective("reduce_scatter", "z", sizes["rs_z"], "tp", stream="z", blocking=False, handle="rs_z"),
+                Wait("rs_z"),
+            ],
+        )
+    )
     return program, sizes
 
 
 def test_par4d_layer_on_a_named_mesh_prices_to_the_grid_shapes():
     program, sizes = build_par4d_mesh()
-    F = gemm_s(1000 / 2, 1000 / 2, 1000 / 2)                     # (m/z x k/y) @ (k/y x n/x): 0.25 ms
-    z_bw = min(INTRA_BW, INTER_BW / 4)                           # the 4 z rings of a node share its NICs
+    F = gemm_s(1000 / 2, 1000 / 2, 1000 / 2)  # (m/z x k/y) @ (k/y x n/x): 0.25 ms
+    z_bw = min(INTRA_BW, INTER_BW / 4)  # the 4 z rings of a node share its NICs
     t_ag = gather_s(2, sizes["ag_z"], z_bw, INTER_LAT)
     t_ary = all_reduce_s(2, sizes["ar_y"], INTRA_BW, INTRA_LAT)
     t_arx = all_reduce_s(2, sizes["ar_x"], INTRA_BW, INTRA_LAT)
     t_rs = gather_s(2, sizes["rs_z"], z_bw, INTER_LAT)
     assert F == pytest.approx(0.25 * MS) and t_ag == pytest.approx(0.125 * MS) and t_arx < F
-    iteration = t_ag + F + t_ary + F + F + t_rs                 # the x all-reduce hides under dW
+    iteration = t_ag + F + t_ary + F + F + t_rs  # the x all-reduce hides under dW
     timeline = run(program)
     assert timeline.iteration_time == pytest.approx(iteration, rel=REL)
     (grid,) = timeline.ranks
     assert grid.ranks == tuple(range(8))
     assert_breakdown(grid, iteration, compute=3 * F, comm_tp=t_ag + t_ary + t_rs)
-
 
 
 # =========================================================================================
@@ -684,31 +791,41 @@ def build_par4d_planned(overlap: tuple[str, ...], recompute: str, cached: int) -
 
 # Per FC, by hand: 2 samples of 1000 rows split over z=2 -> 1000 rows a rank; the GEMM is
 # (1000 x 1000/b) @ (1000/b x 1000/a) with a = b = 2.
-P4_F = gemm_s(1000, 500, 500)                                     # 0.5 ms, each of fwd, dX, dW
-P4_AG = gather_s(2, 1000 * 1000 / 4 * 2, min(INTRA_BW, INTER_BW / 4), INTER_LAT)   # z spans the 2 nodes: 0.125 ms
+P4_F = gemm_s(1000, 500, 500)  # 0.5 ms, each of fwd, dX, dW
+P4_AG = gather_s(2, 1000 * 1000 / 4 * 2, min(INTRA_BW, INTER_BW / 4), INTER_LAT)  # z spans the 2 nodes: 0.125 ms
 P4_RS = P4_AG
-P4_AR = all_reduce_s(2, 1000 * 500 * 2, INTRA_BW, INTRA_LAT)     # x and y stay in a node: 0.03 ms
-P4_OPT = 2 * 1e6 / 8 * 30 / 1e18                                 # Adam on each rank's 1/8 of the weights (HBM-bound)
+P4_AR = all_reduce_s(2, 1000 * 500 * 2, INTRA_BW, INTRA_LAT)  # x and y stay in a node: 0.03 ms
+P4_OPT = 2 * 1e6 / 8 * 30 / 1e18  # Adam on each rank's 1/8 of the weights (HBM-bound)
 
 
-@pytest.mark.parametrize("overlap, recompute, cached, expected", [
-    # No overlap: per layer AG + F + AR forward; dX + AR + dW + RS backward.
-    ((), "none", 0, 2 * (P4_AG + P4_F + P4_AR) + 2 * (P4_F + P4_AR + P4_F + P4_RS)),
-    # B + C: layer 1's gather hides under layer 0's GEMM; layer 1's reduce-scatter under
-    # layer 0's backward; layer 0's is waited at the end.
-    (("reduce_scatter", "all_gather"), "none", 0, P4_AG + 2 * (P4_F + P4_AR) + 2 * (2 * P4_F + P4_AR) + P4_RS),
-    # A + B under full recompute: each backward gathers its weights again (layer 0's
-    # queued behind layer 1's reduce-scatter on the z stream), re-runs the forward and its
-    # all-reduce; dX's all-reduce hides under dW.
-    (("all_reduce", "reduce_scatter"), "full", 0,
-     2 * (P4_AG + P4_F + P4_AR) + (P4_AG + P4_AR + 3 * P4_F) + (P4_RS + P4_AG + P4_AR + 3 * P4_F) + P4_RS),
-    # + D: both layers' gathered weights are cached, the recompute gathers nothing.
-    (("all_reduce", "reduce_scatter", "cache"), "full", 2,
-     2 * (P4_AG + P4_F + P4_AR) + 2 * (P4_AR + 3 * P4_F) + P4_RS),
-    # All four: C prefetches the recompute's gathers too, so caching saves no time here.
-    (("all_reduce", "reduce_scatter", "all_gather", "cache"), "full", 2,
-     P4_AG + 2 * (P4_F + P4_AR) + 2 * (P4_AR + 3 * P4_F) + P4_RS),
-])
+@pytest.mark.parametrize(
+    "overlap, recompute, cached, expected",
+    [
+        # No overlap: per layer AG + F + AR forward; dX + AR + dW + RS backward.
+        ((), "none", 0, 2 * (P4_AG + P4_F + P4_AR) + 2 * (P4_F + P4_AR + P4_F + P4_RS)),
+        # B + C: layer 1's gather hides under layer 0's GEMM; layer 1's reduce-scatter under
+        # layer 0's backward; layer 0's is waited at the end.
+        (("reduce_scatter", "all_gather"), "none", 0, P4_AG + 2 * (P4_F + P4_AR) + 2 * (2 * P4_F + P4_AR) + P4_RS),
+        # A + B under full recompute: each backward gathers its weights again (layer 0's
+        # queued behind layer 1's reduce-scatter on the z stream), re-runs the forward and its
+        # all-reduce; dX's all-reduce hides under dW.
+        (
+            ("all_reduce", "reduce_scatter"),
+            "full",
+            0,
+            2 * (P4_AG + P4_F + P4_AR) + (P4_AG + P4_AR + 3 * P4_F) + (P4_RS + P4_AG + P4_AR + 3 * P4_F) + P4_RS,
+        ),
+        # + D: both layers' gathered weights are cached, the recompute gathers nothing.
+        (("all_reduce", "reduce_scatter", "cache"), "full", 2, 2 * (P4_AG + P4_F + P4_AR) + 2 * (P4_AR + 3 * P4_F) + P4_RS),
+        # All four: C prefetches the recompute's gathers too, so caching saves no time here.
+        (
+            ("all_reduce", "reduce_scatter", "all_gather", "cache"),
+            "full",
+            2,
+            P4_AG + 2 * (P4_F + P4_AR) + 2 * (P4_AR + 3 * P4_F) + P4_RS,
+        ),
+    ],
+)
 def test_par4d_planned_program_prices_each_overlap_by_hand(overlap, recompute, cached, expected):
     assert P4_F == pytest.approx(0.5 * MS) and P4_AG == pytest.approx(0.125 * MS) and P4_AR == pytest.approx(0.03 * MS)
     timeline = simulate(build_par4d_planned(overlap, recompute, cached), PAR4D_MODEL, CLUSTER, PRECISION)

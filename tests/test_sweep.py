@@ -1,5 +1,6 @@
 """A figure as a Hydra multirun: every (group, series) one job, the paper's values beside
 ours, a failing job recorded while the others go on, an interrupted figure resumed."""
+
 from __future__ import annotations
 
 import json
@@ -9,20 +10,38 @@ import yaml
 
 from src.sweep import main
 
-TINY_GPT = ["model=gpt", "model.preset=null", "model.layers=2", "model.hidden=256", "model.heads=4",
-            "model.vocab=1000", "train.seq_len=128", "cluster=perlmutter", "cluster.nodes=2", "logger=none",
-            "train.global_batch=16", "strategy.recompute=none", "strategy.zero_stage=0"]
+TINY_GPT = [
+    "model=gpt",
+    "model.preset=null",
+    "model.layers=2",
+    "model.hidden=256",
+    "model.heads=4",
+    "model.vocab=1000",
+    "train.seq_len=128",
+    "cluster=perlmutter",
+    "cluster.nodes=2",
+    "logger=none",
+    "train.global_batch=16",
+    "strategy.recompute=none",
+    "strategy.zero_stage=0",
+]
 
 
 def test_sweep_writes_table_plot_and_normalised_values(tmp_path: Path) -> None:
     sweep = {
-        "name": "tiny", "title": "tiny sweep", "source": "a test", "metric": "iteration_time_s",
-        "metric_label": "speed-up over tp1", "normalize": {"by": "tp1", "invert": True},
+        "name": "tiny",
+        "title": "tiny sweep",
+        "source": "a test",
+        "metric": "iteration_time_s",
+        "metric_label": "speed-up over tp1",
+        "normalize": {"by": "tp1", "invert": True},
         "base": TINY_GPT,
         "series": {"tp1": ["strategy.tp=1", "strategy.pp=1"], "tp2": ["strategy.tp=2", "strategy.pp=1"]},
-        "groups": [{"label": "mb1", "overrides": ["strategy.micro_batch_size=1"], "paper": {"tp2": 1.5}},
-                   {"label": "mb2", "overrides": ["strategy.micro_batch_size=2"], "paper": {"tp2": [0.5, 0.9]}},
-                   {"label": "bad", "overrides": ["strategy.micro_batch_size=3"]}],
+        "groups": [
+            {"label": "mb1", "overrides": ["strategy.micro_batch_size=1"], "paper": {"tp2": 1.5}},
+            {"label": "mb2", "overrides": ["strategy.micro_batch_size=2"], "paper": {"tp2": [0.5, 0.9]}},
+            {"label": "bad", "overrides": ["strategy.micro_batch_size=3"]},
+        ],
         "notes": "why these settings",
     }
     path = tmp_path / "tiny.yaml"
@@ -42,10 +61,15 @@ def test_sweep_writes_table_plot_and_normalised_values(tmp_path: Path) -> None:
 
 
 def test_a_figure_resumes_skipping_the_jobs_that_have_a_summary(tmp_path: Path) -> None:
-    sweep = {"name": "resume", "title": "resume", "source": "a test", "metric": "iteration_time_s",
-             "base": TINY_GPT + ["strategy.tp=1", "strategy.pp=1"],
-             "series": {"mb1": ["strategy.micro_batch_size=1"], "mb2": ["strategy.micro_batch_size=2"]},
-             "groups": [{"label": "g", "overrides": []}]}
+    sweep = {
+        "name": "resume",
+        "title": "resume",
+        "source": "a test",
+        "metric": "iteration_time_s",
+        "base": TINY_GPT + ["strategy.tp=1", "strategy.pp=1"],
+        "series": {"mb1": ["strategy.micro_batch_size=1"], "mb2": ["strategy.micro_batch_size=2"]},
+        "groups": [{"label": "g", "overrides": []}],
+    }
     path = tmp_path / "resume.yaml"
     path.write_text(yaml.safe_dump(sweep))
     out = tmp_path / "out"
@@ -74,8 +98,13 @@ def test_figure_diff_gives_before_after_change_and_paper(tmp_path) -> None:
     from src.figure_diff import figure_table
 
     def results(value: float | None) -> dict:
-        return {"metric": "speedup", "rows": [{"group": "g", "series": "distmm", "value": value, "paper": [1.2, 1.4]},
-                                              {"group": "g", "series": "megatron", "value": 1.0, "paper": None}]}
+        return {
+            "metric": "speedup",
+            "rows": [
+                {"group": "g", "series": "distmm", "value": value, "paper": [1.2, 1.4]},
+                {"group": "g", "series": "megatron", "value": 1.0, "paper": None},
+            ],
+        }
 
     before, after = tmp_path / "before.json", tmp_path / "after.json"
     before.write_text(json.dumps(results(1.0)))

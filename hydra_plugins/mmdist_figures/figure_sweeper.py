@@ -15,6 +15,7 @@ sweep directory.
 Hydra loads sweepers only from the `hydra_plugins` package: this module is the harness's
 plugin; the figure logic itself is src.sweep's.
 """
+
 from __future__ import annotations
 
 import logging
@@ -40,7 +41,8 @@ class FigureSweeper(Sweeper):
 
         self.config = config
         self.launcher = Plugins.instance().instantiate_launcher(
-            hydra_context=hydra_context, task_function=task_function, config=config)
+            hydra_context=hydra_context, task_function=task_function, config=config
+        )
 
     def sweep(self, arguments: list[str]) -> Any:
         from src.config import plain_config
@@ -51,8 +53,9 @@ class FigureSweeper(Sweeper):
         assert self.config is not None and self.launcher is not None
         swept = [o.input_line for o in OverridesParser.create().parse_overrides(arguments) if o.is_sweep_override()]
         if swept:
-            raise ConfigError(f"a figure's jobs are its sweep file's; {swept} would sweep inside it: "
-                              f"run the figure once per value instead")
+            raise ConfigError(
+                f"a figure's jobs are its sweep file's; {swept} would sweep inside it: run the figure once per value instead"
+            )
         spec = load_sweep(find_sweep_file(self.figure))
         out = Path(self.config.hydra.sweep.dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -65,6 +68,5 @@ class FigureSweeper(Sweeper):
         report = write_report(spec, {(job.group, job.series): outcome_of(out / job.subdir) for job in jobs}, out)
         log.info(report)
         # The jobs' own config (the hydra node resolves only inside a job).
-        log_figure(plain_config(OmegaConf.masked_copy(self.config, [str(k) for k in self.config if k != "hydra"])),
-                   out, spec.name)
+        log_figure(plain_config(OmegaConf.masked_copy(self.config, [str(k) for k in self.config if k != "hydra"])), out, spec.name)
         return returns

@@ -20,6 +20,7 @@ Which link the ring crosses and how many rings share a node's NICs come from
 ClusterSpec.bandwidth (Par4D eq. 10); transfers of other families that share those NICs
 at the same time are the simulator's to account for (src/sim/engine.py).
 """
+
 from __future__ import annotations
 
 import math
@@ -36,8 +37,7 @@ class CommModel:
         latency, transfer = self.collective_parts(op, ranks, nbytes, sharing)
         return latency + transfer
 
-    def collective_parts(self, op: str, ranks: Sequence[int], nbytes: float,
-                         sharing: int = 1) -> tuple[float, float]:
+    def collective_parts(self, op: str, ranks: Sequence[int], nbytes: float, sharing: int = 1) -> tuple[float, float]:
         """(latency, transfer) seconds of a collective: its steps' link latencies, and the
         time its data keeps the links busy."""
         g = len(ranks)

@@ -6,6 +6,7 @@ by an over-large TP degree) is slow, as DistMM §3.2 argues. Every kernel is als
 below by the bytes it moves over HBM, and pays a launch overhead. All constants come from
 the cluster preset; nothing here is specific to a strategy.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -89,13 +90,19 @@ class ComputeModel:
             bwd_input += fwd
         return LayerTimes(fwd, bwd_input, bwd_weight, fwd if kernel.attention_core else 0.0)
 
-    def layer_times(self, layer: LayerSpec, samples: float, sharding: Sharding = Sharding(),
-                    contrastive_batch: int = 1, kernels: tuple[int, int] | None = None) -> LayerTimes:
+    def layer_times(
+        self,
+        layer: LayerSpec,
+        samples: float,
+        sharding: Sharding = Sharding(),
+        contrastive_batch: int = 1,
+        kernels: tuple[int, int] | None = None,
+    ) -> LayerTimes:
         key = (layer, samples, sharding, contrastive_batch, kernels)
         cached = self._layer_cache.get(key)
         if cached is not None:
             return cached
-        selected = layer.kernels if kernels is None else layer.kernels[kernels[0]:kernels[1]]
+        selected = layer.kernels if kernels is None else layer.kernels[kernels[0] : kernels[1]]
         fwd = bwd_in = bwd_w = core = 0.0
         for kernel in selected:
             t = self.kernel_times(kernel, samples, sharding, contrastive_batch)

@@ -1,5 +1,6 @@
 """Device memory of one rank: model states by precision and ZeRO stage, and the
 activations its schedule keeps alive at once, read off its instruction order."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,8 +25,7 @@ def memory_ladder(recompute: str | None = None, zero_stage: int | None = None) -
     """Memory-saving settings (recompute mode, ZeRO stage) to try, cheapest first: the
     distributed optimizer before recomputation, selective before full. Every strategy
     turns them on only as far as memory requires; a value fixed by the user pins it."""
-    return tuple((r, z) for r in RECOMPUTE_MODES for z in (0, 1)
-                 if recompute in (None, r) and zero_stage in (None, z))
+    return tuple((r, z) for r in RECOMPUTE_MODES for z in (0, 1) if recompute in (None, r) and zero_stage in (None, z))
 
 
 @dataclass(frozen=True)
@@ -82,9 +82,11 @@ def work_activation_bytes(model: ModelSpec, compute: Compute, recompute: str) ->
         return 0.0
     unit = model.unit(work.unit)
     start, end = work.layers
-    per_sample = sum(layer.activations.per_device(work.sharding, recompute)
-                     for index, layer in enumerate(unit.layers[start:end], start)
-                     if not layer.forward_only and (unit.trains(layer) or model.needs_input_grad(work.unit, index)))
+    per_sample = sum(
+        layer.activations.per_device(work.sharding, recompute)
+        for index, layer in enumerate(unit.layers[start:end], start)
+        if not layer.forward_only and (unit.trains(layer) or model.needs_input_grad(work.unit, index))
+    )
     return per_sample * work.samples * work.fraction * work.load
 
 
@@ -111,8 +113,8 @@ def peak_activation_bytes(rank_program: RankProgram, model: ModelSpec, recompute
                 unit = model.unit(work.unit)
                 start, end = work.layers
                 rematerialised = max(
-                    (layer.activations.per_device(work.sharding, "none")
-                     for layer in unit.layers[start:end]), default=0.0)
+                    (layer.activations.per_device(work.sharding, "none") for layer in unit.layers[start:end]), default=0.0
+                )
                 peak = max(peak, live + rematerialised * work.samples * work.fraction * work.load)
             live -= _free(alive, key, model, instruction, recompute.get(work.unit, "none"))
     return peak
@@ -132,8 +134,7 @@ def _free(alive: dict[tuple, float], key: tuple, model: ModelSpec, backward: Com
     return 0.0
 
 
-def rank_memory(rank_program: RankProgram, units: Mapping[str, UnitPlan], model: ModelSpec,
-                precision: str) -> dict[str, float]:
+def rank_memory(rank_program: RankProgram, units: Mapping[str, UnitPlan], model: ModelSpec, precision: str) -> dict[str, float]:
     """Bytes one rank of a class needs: the model states of every layer range it computes
     (sharded by its unit's TP, and by DP under ZeRO) and its peak live activations."""
     held: dict[tuple[str, tuple[int, int]], int] = {}

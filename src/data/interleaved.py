@@ -24,6 +24,7 @@ fixed (the sequence length is). `relative_loads` turns costs into Work.load fact
 against the batch's mean sequence: the model's images_per_sequence sets the mean work
 every strategy prices, the data decides how it is spread over the batch.
 """
+
 from __future__ import annotations
 
 import math
@@ -31,9 +32,9 @@ import random
 from dataclasses import dataclass
 from typing import Sequence
 
-IMAGE_SPREAD = 0.3        # sigma of log(image side)
-CAPTION_MEDIAN = 20       # tokens
-CAPTION_SPREAD = 0.8      # sigma of log(caption tokens)
+IMAGE_SPREAD = 0.3  # sigma of log(image side)
+CAPTION_MEDIAN = 20  # tokens
+CAPTION_SPREAD = 0.8  # sigma of log(caption tokens)
 CAPTION_RANGE = (2, 200)
 
 
@@ -67,25 +68,24 @@ class InterleavedData:
     seed: int
     seq_len: int
     mean_images: float
-    base_side: int   # patches per side of the encoder's nominal image
+    base_side: int  # patches per side of the encoder's nominal image
 
     def __post_init__(self) -> None:
         if self.mean_images < 1:
             raise ValueError(f"mean_images={self.mean_images}: every sequence holds at least one image")
         if self.base_side * self.base_side + CAPTION_RANGE[0] > self.seq_len:
-            raise ValueError(f"a {self.base_side}x{self.base_side}-patch image does not fit a {self.seq_len}-token "
-                             f"sequence")
+            raise ValueError(f"a {self.base_side}x{self.base_side}-patch image does not fit a {self.seq_len}-token sequence")
 
     def layout(self, index: int) -> Layout:
         rng = random.Random(self.seed * 1_000_003 + index)
         lam = (self.mean_images - 1) * rng.expovariate(1.0)
         count = 1 + _poisson(rng, lam)
         low, high = max(1, self.base_side // 2), 2 * self.base_side
-        sides = [min(high, max(low, round(self.base_side * math.exp(rng.gauss(0.0, IMAGE_SPREAD)))))
-                 for _ in range(count)]
-        captions = [min(CAPTION_RANGE[1], max(CAPTION_RANGE[0],
-                                              round(math.exp(rng.gauss(math.log(CAPTION_MEDIAN), CAPTION_SPREAD)))))
-                    for _ in range(count)]
+        sides = [min(high, max(low, round(self.base_side * math.exp(rng.gauss(0.0, IMAGE_SPREAD))))) for _ in range(count)]
+        captions = [
+            min(CAPTION_RANGE[1], max(CAPTION_RANGE[0], round(math.exp(rng.gauss(math.log(CAPTION_MEDIAN), CAPTION_SPREAD)))))
+            for _ in range(count)
+        ]
         while len(sides) > 1 and sum(s * s for s in sides) + sum(captions) > self.seq_len:
             sides.pop()
             captions.pop()

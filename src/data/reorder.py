@@ -15,6 +15,7 @@ incrementally as micro-batches are placed (O(p) per placement).
 Reordering permutes samples inside one global batch only, so the synchronous training
 semantics (and the loss) do not change.
 """
+
 from __future__ import annotations
 
 import heapq

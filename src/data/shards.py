@@ -6,6 +6,7 @@ sample index can be read, in shard order. Images are resized to the model's size
 normalised per channel; captions are byte-level tokens folded into the vocabulary,
 padded with 0 or cut to the text length.
 """
+
 from __future__ import annotations
 
 import glob

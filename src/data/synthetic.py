@@ -5,6 +5,7 @@ and its caption draws tokens from the class's own slice of the vocabulary, so a
 contrastive model can learn to match them. Token sequences (GPT): a class's arithmetic
 progression of tokens with a random start, so next-token prediction is learnable.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

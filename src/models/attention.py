@@ -20,6 +20,7 @@ run; DistTrain: not stated; Optimus: not stated; Par4D: not stated, it turns on 
 checkpointing for GPT), so figure runs on Ampere/Hopper presets price FlashAttention, as a
 Megatron-LM run on those GPUs does today; model.attention=eager reproduces the older model.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -42,9 +43,9 @@ def with_attention(spec: ModelSpec, mode: str) -> ModelSpec:
     if mode == "eager":
         return spec
     made: dict[int, LayerSpec] = {}
-    units = tuple(replace(unit, layers=tuple(made.setdefault(id(layer), _flash_layer(layer))
-                                             for layer in unit.layers))
-                  for unit in spec.units)
+    units = tuple(
+        replace(unit, layers=tuple(made.setdefault(id(layer), _flash_layer(layer)) for layer in unit.layers)) for unit in spec.units
+    )
     return replace(spec, units=units)
 
 
@@ -52,8 +53,9 @@ def _flash_layer(layer: LayerSpec) -> LayerSpec:
     if not any(kernel.attention_scores for kernel in layer.kernels):
         return layer
     a: ActivationBytes = layer.activations
-    return replace(layer, kernels=tuple(_flash_kernel(kernel) for kernel in layer.kernels),
-                   activations=replace(a, attention=a.flash_attention))
+    return replace(
+        layer, kernels=tuple(_flash_kernel(kernel) for kernel in layer.kernels), activations=replace(a, attention=a.flash_attention)
+    )
 
 
 def _flash_kernel(kernel: Kernel) -> Kernel:

@@ -2,18 +2,17 @@
 decoders (GPT and Llama style), MLP projectors. Counts are per sample, forward, as in
 spec.py; bytes are 16-bit activations (layers.ACT_BYTES).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
 
-from src.models.layers import (ACT_BYTES, embedding_layer, gemm, head_layer, memory, patch_embedding_layer,
-                               transformer_layer)
+from src.models.layers import ACT_BYTES, embedding_layer, gemm, head_layer, memory, patch_embedding_layer, transformer_layer
 from src.models.spec import ActivationBytes, LayerSpec, UnitSpec
 
 
-def vit_layers(image: int, patch: int, layers: int, hidden: int, heads: int,
-               ffn: int | None = None) -> list[LayerSpec]:
+def vit_layers(image: int, patch: int, layers: int, hidden: int, heads: int, ffn: int | None = None) -> list[LayerSpec]:
     """A ViT encoder: patchify (+CLS, learned positions) and `layers` pre-norm blocks over
     (image/patch)^2 + 1 tokens. The block object is shared: consumers cache by identity."""
     tokens = (image // patch) ** 2 + 1
@@ -45,9 +44,9 @@ def mlp_projector(tokens: int, d_in: int, d_hidden: int, d_out: int, name: str) 
             gemm("fc2", tokens, d_hidden, d_out, "k"),
         ),
         params=d_in * d_hidden + d_hidden + d_hidden * d_out + d_out,
-        activations=ActivationBytes(replicated=ACT_BYTES * tokens * d_in,
-                                    split=ACT_BYTES * tokens * 2 * d_hidden,
-                                    checkpoint=ACT_BYTES * tokens * d_in),
+        activations=ActivationBytes(
+            replicated=ACT_BYTES * tokens * d_in, split=ACT_BYTES * tokens * 2 * d_hidden, checkpoint=ACT_BYTES * tokens * d_in
+        ),
         tp_allreduces=1,
         tp_comm_elems=tokens * d_out,
     )
@@ -73,10 +72,12 @@ class DecoderPreset:
 def decoder_unit(preset: DecoderPreset, seq: int, output_elems: int, name: str = "llm") -> UnitSpec:
     """An LLM backbone unit: embedding, `layers` blocks, LM head with the loss."""
     llama = preset.style == "llama"
-    block = transformer_layer(seq, preset.hidden, preset.heads, preset.ffn,
-                              kv_heads=preset.kv_heads, gated=llama, bias=not llama, dropout=not llama)
-    layers = ([embedding_layer(preset.vocab, preset.hidden, seq, positions=0 if llama else seq)]
-              + [block] * preset.layers
-              + [head_layer(seq, preset.hidden, preset.vocab, tied=not llama)])
-    return UnitSpec(name=name, layers=tuple(layers), hidden=preset.hidden, heads=preset.heads,
-                    seq_len=seq, output_elems=output_elems)
+    block = transformer_layer(
+        seq, preset.hidden, preset.heads, preset.ffn, kv_heads=preset.kv_heads, gated=llama, bias=not llama, dropout=not llama
+    )
+    layers = (
+        [embedding_layer(preset.vocab, preset.hidden, seq, positions=0 if llama else seq)]
+        + [block] * preset.layers
+        + [head_layer(seq, preset.hidden, preset.vocab, tied=not llama)]
+    )
+    return UnitSpec(name=name, layers=tuple(layers), hidden=preset.hidden, heads=preset.heads, seq_len=seq, output_elems=output_elems)

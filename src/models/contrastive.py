@@ -20,6 +20,7 @@ hidden (GPT-3 6.7B's 32 heads), 64 otherwise, so 5120-wide towers have 80 heads:
 The contrastive embedding defaults to the text tower's width (CLIP's convention, e.g.
 RN50x64 1024/1024, ViT-L/14 768/768).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -43,21 +44,21 @@ class Tower:
 # ours: the same structure at a few MB, for CPU runs and tests.
 TOWERS: dict[str, dict[str, tuple[Tower, Tower]]] = {
     "clip": {
-        "single_device": (Tower(24, 1536), Tower(24, 1024)),   # 760M, 350M
-        "single_node": (Tower(32, 4096), Tower(32, 2560)),     # 6.7B, 2.7B
-        "multi_node": (Tower(40, 5120), Tower(32, 4096)),      # 13B, 6.7B
+        "single_device": (Tower(24, 1536), Tower(24, 1024)),  # 760M, 350M
+        "single_node": (Tower(32, 4096), Tower(32, 2560)),  # 6.7B, 2.7B
+        "multi_node": (Tower(40, 5120), Tower(32, 4096)),  # 13B, 6.7B
         "tiny": (Tower(2, 64), Tower(2, 64)),
     },
     "coca": {
-        "single_device": (Tower(24, 1536), Tower(24, 1536)),   # 760M, 760M
-        "single_node": (Tower(32, 4096), Tower(32, 4096)),     # 6.7B, 6.7B
-        "multi_node": (Tower(40, 5120), Tower(40, 5120)),      # 13B, 13B
+        "single_device": (Tower(24, 1536), Tower(24, 1536)),  # 760M, 760M
+        "single_node": (Tower(32, 4096), Tower(32, 4096)),  # 6.7B, 6.7B
+        "multi_node": (Tower(40, 5120), Tower(40, 5120)),  # 13B, 13B
         "tiny": (Tower(2, 64), Tower(2, 64)),
     },
     "lit": {
-        "single_device": (Tower(24, 1024), Tower(24, 1536)),   # 350M, 760M
-        "single_node": (Tower(32, 2560), Tower(32, 4096)),     # 2.7B, 6.7B
-        "multi_node": (Tower(32, 4096), Tower(40, 5120)),      # 6.7B, 13B
+        "single_device": (Tower(24, 1024), Tower(24, 1536)),  # 350M, 760M
+        "single_node": (Tower(32, 2560), Tower(32, 4096)),  # 2.7B, 6.7B
+        "multi_node": (Tower(32, 4096), Tower(40, 5120)),  # 6.7B, 13B
         "tiny": (Tower(2, 64), Tower(2, 64)),
     },
 }
@@ -115,35 +116,61 @@ def _build(family: str, opts: Options, seq_len: int | None) -> ModelSpec:
     vision = UnitSpec(
         name="vision",
         layers=tuple(vit_layers(image, patch, v_layers, v_hidden, v_heads) + [feature_head(v_hidden, embed_dim)]),
-        hidden=v_hidden, heads=v_heads, seq_len=(image // patch) ** 2 + 1, output_elems=embed_dim,
+        hidden=v_hidden,
+        heads=v_heads,
+        seq_len=(image // patch) ** 2 + 1,
+        output_elems=embed_dim,
         frozen=family == "lit",  # LiT: "locked" (pre-trained, frozen) image tower
     )
     extras: dict = {"scale": scale}
     flows = [("vision", "interaction"), ("text", "interaction")]
     if family == "coca":
-        text = _coca_text(opts, t_layers, t_hidden, t_heads, text_len, vocab, embed_dim,
-                          image_tokens=vision.seq_len, vision_hidden=v_hidden)
+        text = _coca_text(
+            opts, t_layers, t_hidden, t_heads, text_len, vocab, embed_dim, image_tokens=vision.seq_len, vision_hidden=v_hidden
+        )
         flows.append(("vision", "text"))
         extras["cross_attention_elems"] = vision.seq_len * v_hidden
     else:
         text = UnitSpec(
             name="text",
             layers=tuple(text_layers(text_len, vocab, t_layers, t_hidden, t_heads) + [feature_head(t_hidden, embed_dim)]),
-            hidden=t_hidden, heads=t_heads, seq_len=text_len, output_elems=embed_dim,
+            hidden=t_hidden,
+            heads=t_heads,
+            seq_len=text_len,
+            output_elems=embed_dim,
         )
-    interaction = UnitSpec(name="interaction", layers=(contrastive_layer(embed_dim),), hidden=embed_dim,
-                           heads=1, seq_len=1, output_elems=0, kind="contrastive")
+    interaction = UnitSpec(
+        name="interaction",
+        layers=(contrastive_layer(embed_dim),),
+        hidden=embed_dim,
+        heads=1,
+        seq_len=1,
+        output_elems=0,
+        kind="contrastive",
+    )
     return ModelSpec(
-        name=family, units=(vision, text, interaction), flows=tuple(flows), interaction="interaction",
+        name=family,
+        units=(vision, text, interaction),
+        flows=tuple(flows),
+        interaction="interaction",
         default_global_batch=DEFAULT_BATCH[scale],
         description=f"{family} ({scale}): vision {v_layers}x{v_hidden} on {image}px/{patch}, "
-                    f"text {t_layers}x{t_hidden} on {text_len} tokens, embed {embed_dim}",
+        f"text {t_layers}x{t_hidden} on {text_len} tokens, embed {embed_dim}",
         extras=extras,
     )
 
 
-def _coca_text(opts: Options, layers: int, hidden: int, heads: int, text_len: int, vocab: int,
-               embed_dim: int, image_tokens: int, vision_hidden: int) -> UnitSpec:
+def _coca_text(
+    opts: Options,
+    layers: int,
+    hidden: int,
+    heads: int,
+    text_len: int,
+    vocab: int,
+    embed_dim: int,
+    image_tokens: int,
+    vision_hidden: int,
+) -> UnitSpec:
     """CoCa's text decoder: the first half unimodal (causal self-attention; its EOS feature
     is projected for the contrastive loss), the second half multimodal (each block adds
     cross-attention to the image tokens), then the captioning LM head and its loss.
@@ -153,17 +180,18 @@ def _coca_text(opts: Options, layers: int, hidden: int, heads: int, text_len: in
     token embedding, as in GPT-style decoders (FLOPs counted, no extra parameters).
     """
     if layers < 2:
-        raise ConfigError(f"{opts.key('text')}.layers={layers} must be at least 2 for coca "
-                          f"(half unimodal, half multimodal)")
+        raise ConfigError(f"{opts.key('text')}.layers={layers} must be at least 2 for coca (half unimodal, half multimodal)")
     unimodal = layers // 2
     plain = transformer_layer(text_len, hidden, heads, name="block")
-    cross = transformer_layer(text_len, hidden, heads, cross_seq=image_tokens, cross_hidden=vision_hidden,
-                              name="xblock")
-    stack = ([embedding_layer(vocab, hidden, text_len, positions=text_len)] + [plain] * unimodal
-             + [feature_head(hidden, embed_dim)] + [cross] * (layers - unimodal)
-             + [head_layer(text_len, hidden, vocab, tied=True, name="caption_head")])
-    return UnitSpec(name="text", layers=tuple(stack), hidden=hidden, heads=heads, seq_len=text_len,
-                    output_elems=embed_dim)
+    cross = transformer_layer(text_len, hidden, heads, cross_seq=image_tokens, cross_hidden=vision_hidden, name="xblock")
+    stack = (
+        [embedding_layer(vocab, hidden, text_len, positions=text_len)]
+        + [plain] * unimodal
+        + [feature_head(hidden, embed_dim)]
+        + [cross] * (layers - unimodal)
+        + [head_layer(text_len, hidden, vocab, tied=True, name="caption_head")]
+    )
+    return UnitSpec(name="text", layers=tuple(stack), hidden=hidden, heads=heads, seq_len=text_len, output_elems=embed_dim)
 
 
 def build_clip(opts: Options, seq_len: int | None) -> ModelSpec:

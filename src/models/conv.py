@@ -12,6 +12,7 @@ Activations (16-bit): a layer keeps its input (`replicated`: whole on every TP r
 the tensors its backward needs inside it (`split`: channel-split by TP); attention keeps
 its score and softmax tensors (`attention`, 2+2 bytes per score, no dropout).
 """
+
 from __future__ import annotations
 
 from src.models.layers import ACT_BYTES, gemm, memory
@@ -28,13 +29,14 @@ def conv_params(c_in: int, c_out: int, ksize: int) -> int:
     return c_in * c_out * ksize * ksize + c_out
 
 
-def conv_layer(size: int, c_in: int, c_out: int, *, ksize: int = 3, stride: int = 1,
-               norm: bool = False, name: str = "conv") -> LayerSpec:
+def conv_layer(
+    size: int, c_in: int, c_out: int, *, ksize: int = 3, stride: int = 1, norm: bool = False, name: str = "conv"
+) -> LayerSpec:
     """A lone convolution (stem, stride-2 downsample, output conv), with an optional
     GroupNorm + SiLU before it. `size` is the input side in pixels."""
     size_out = size // stride
     pixels = size * size
-    kernels = ([memory("groupnorm", pixels * c_in), memory("silu", pixels * c_in)] if norm else [])
+    kernels = [memory("groupnorm", pixels * c_in), memory("silu", pixels * c_in)] if norm else []
     kernels.append(conv_gemm("conv", size_out, c_in, c_out, ksize))
     kept = (3 if norm else 1) * pixels * c_in
     return LayerSpec(
@@ -53,18 +55,17 @@ def upsample_layer(size: int, channels: int, name: str = "upsample") -> LayerSpe
     pixels_out = size_out * size_out
     return LayerSpec(
         name=name,
-        kernels=(memory("nearest", pixels_out * channels),
-                 conv_gemm("conv", size_out, channels, channels, 3)),
+        kernels=(memory("nearest", pixels_out * channels), conv_gemm("conv", size_out, channels, channels, 3)),
         params=conv_params(channels, channels, 3),
-        activations=ActivationBytes(replicated=ACT_BYTES * pixels_out * channels,
-                                    checkpoint=ACT_BYTES * size * size * channels),
+        activations=ActivationBytes(replicated=ACT_BYTES * pixels_out * channels, checkpoint=ACT_BYTES * size * size * channels),
         tp_allreduces=1,
         tp_comm_elems=pixels_out * channels,
     )
 
 
-def resblock_layer(size: int, c_in: int, c_out: int, emb_dim: int = 0, *,
-                   scale_shift: bool = False, name: str = "resblock") -> LayerSpec:
+def resblock_layer(
+    size: int, c_in: int, c_out: int, emb_dim: int = 0, *, scale_shift: bool = False, name: str = "resblock"
+) -> LayerSpec:
     """A residual block: GN, SiLU, conv3x3, (+ timestep-embedding projection), GN, SiLU,
     conv3x3, plus a 1x1 skip conv when the channel count changes.
 
@@ -96,9 +97,9 @@ def resblock_layer(size: int, c_in: int, c_out: int, emb_dim: int = 0, *,
         name=name,
         kernels=tuple(kernels),
         params=params,
-        activations=ActivationBytes(replicated=ACT_BYTES * 3 * pixels * c_in,
-                                    split=ACT_BYTES * 3 * pixels * c_out,
-                                    checkpoint=ACT_BYTES * pixels * c_in),
+        activations=ActivationBytes(
+            replicated=ACT_BYTES * 3 * pixels * c_in, split=ACT_BYTES * 3 * pixels * c_out, checkpoint=ACT_BYTES * pixels * c_in
+        ),
         tp_allreduces=convs,
         tp_comm_elems=pixels * c_out,
     )
@@ -122,10 +123,12 @@ def spatial_attention_layer(size: int, channels: int, heads: int, name: str = "a
             memory("residual", 1.5 * pixels * channels),
         ),
         params=2 * channels + conv_params(channels, 3 * channels, 1) + conv_params(channels, channels, 1),
-        activations=ActivationBytes(replicated=ACT_BYTES * 2 * pixels * channels,
-                                    split=ACT_BYTES * 4 * pixels * channels,
-                                    attention=4 * heads * pixels * pixels,
-                                    checkpoint=ACT_BYTES * pixels * channels),
+        activations=ActivationBytes(
+            replicated=ACT_BYTES * 2 * pixels * channels,
+            split=ACT_BYTES * 4 * pixels * channels,
+            attention=4 * heads * pixels * pixels,
+            checkpoint=ACT_BYTES * pixels * channels,
+        ),
         tp_allreduces=1,
         tp_comm_elems=pixels * channels,
     )
@@ -136,10 +139,7 @@ def time_embedding_layer(channels: int, emb_dim: int, name: str = "time_embeddin
     `emb_dim`; one row per image, replicated on every TP rank (it is tiny)."""
     return LayerSpec(
         name=name,
-        kernels=(gemm("fc1", 1, channels, emb_dim, "none"),
-                 memory("silu", emb_dim),
-                 gemm("fc2", 1, emb_dim, emb_dim, "none")),
+        kernels=(gemm("fc1", 1, channels, emb_dim, "none"), memory("silu", emb_dim), gemm("fc2", 1, emb_dim, emb_dim, "none")),
         params=channels * emb_dim + emb_dim + emb_dim * emb_dim + emb_dim,
-        activations=ActivationBytes(replicated=ACT_BYTES * (channels + 2 * emb_dim),
-                                    checkpoint=ACT_BYTES * channels),
+        activations=ActivationBytes(replicated=ACT_BYTES * (channels + 2 * emb_dim), checkpoint=ACT_BYTES * channels),
     )

@@ -8,6 +8,7 @@ Three kinds of flow (producer -> consumer):
 The payload names the Programs use follow from these: a unit ends in a 'feature' for an
 interaction, in 'tokens' for a cross-attending consumer, in 'x' for a chain.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,9 +26,9 @@ class Flow:
     producer: str
     consumer: str
     kind: FlowKind
-    layer: int    # the consumer's layer where it enters
-    elems: int    # elements per sample
-    source: int   # the producer's layer boundary where it leaves
+    layer: int  # the consumer's layer where it enters
+    elems: int  # elements per sample
+    source: int  # the producer's layer boundary where it leaves
 
     @property
     def tensor(self) -> str:

@@ -10,6 +10,7 @@ model.style=llama switches to Llama's block (blocks.DecoderPreset): RMSNorm, no 
 SwiGLU MLP of width model.ffn, RoPE, untied output, grouped-query attention with
 model.kv_heads. The Llama 3 presets default to its 8192-token pre-training sequences.
 """
+
 from __future__ import annotations
 
 from src.errors import ConfigError
@@ -50,11 +51,11 @@ def build_gpt(opts: Options, seq_len: int | None) -> ModelSpec:
     base = None if name is None else GPT_PRESETS[name]
     missing = [key for key in CUSTOM_KEYS if base is None and opts.raw(key) is None]
     if missing:
-        raise ConfigError(f"model.preset=null needs a custom size: set model.{', model.'.join(missing)} "
-                          f"(or a preset: {', '.join(GPT_PRESETS)})")
+        raise ConfigError(
+            f"model.preset=null needs a custom size: set model.{', model.'.join(missing)} (or a preset: {', '.join(GPT_PRESETS)})"
+        )
     # Each key overrides the preset's value.
-    layers, hidden, heads, vocab = (opts.positive_int(key, None if base is None else getattr(base, key))
-                                    for key in CUSTOM_KEYS)
+    layers, hidden, heads, vocab = (opts.positive_int(key, None if base is None else getattr(base, key)) for key in CUSTOM_KEYS)
     style = opts.choice("style", STYLES, "gpt" if base is None else base.style)
     ffn = opts.positive_int("ffn", 4 * hidden if base is None or base.ffn is None else base.ffn)
     kv_heads = opts.positive_int("kv_heads", heads if base is None or base.kv_heads is None else base.kv_heads)
@@ -64,9 +65,10 @@ def build_gpt(opts: Options, seq_len: int | None) -> ModelSpec:
     seq = seq_len or PRESET_SEQ_LEN.get(name or "", GPT_SEQ_LEN)
     unit = decoder_unit(preset, seq, output_elems=0)
     return ModelSpec(
-        name="gpt", units=(unit,),
+        name="gpt",
+        units=(unit,),
         default_global_batch=GPT_DEFAULT_BATCH,
         description=f"{style} ({name or 'custom'}): {preset.layers} layers, hidden {preset.hidden}, "
-                    f"{preset.heads} heads ({kv_heads} KV), FFN {ffn}, vocab {preset.vocab}, seq {seq}",
+        f"{preset.heads} heads ({kv_heads} KV), FFN {ffn}, vocab {preset.vocab}, seq {seq}",
         extras={"preset": name},
     )

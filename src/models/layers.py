@@ -7,6 +7,7 @@ Large Transformer Models" (2022): 34·s·h + 5·a·s² bytes per layer for a GPT
 Under FlashAttention (src/models/attention.py) the scores are never stored: a block keeps
 fp32 softmax statistics (a log-sum-exp per head and query, FLASH_STATS_BYTES each) instead.
 """
+
 from __future__ import annotations
 
 from src.models.spec import ActivationBytes, Kernel, LayerSpec, TPSplit
@@ -15,31 +16,30 @@ ACT_BYTES = 2  # bf16/fp16 activations
 FLASH_STATS_BYTES = 4  # FlashAttention's fp32 log-sum-exp per head and query row
 
 
-def gemm(name: str, m: int, k: int, n: int, split: TPSplit, weight: bool = True, batch: int = 1,
-         core: bool = False, scores: bool = False) -> Kernel:
+def gemm(
+    name: str, m: int, k: int, n: int, split: TPSplit, weight: bool = True, batch: int = 1, core: bool = False, scores: bool = False
+) -> Kernel:
     """An (m x k) @ (k x n) product, `batch` times; `weight` = a trainable weight operand."""
-    return Kernel(name, "gemm", m=m, n=n, k=k, batch=batch, tp_split=split, has_weight=weight,
-                  attention_core=core, attention_scores=scores)
+    return Kernel(
+        name, "gemm", m=m, n=n, k=k, batch=batch, tp_split=split, has_weight=weight, attention_core=core, attention_scores=scores
+    )
 
 
-def memory(name: str, elems: float, split: TPSplit = "none", passes: int = 2, core: bool = False,
-           scores: bool = False) -> Kernel:
+def memory(name: str, elems: float, split: TPSplit = "none", passes: int = 2, core: bool = False, scores: bool = False) -> Kernel:
     """A bandwidth-bound kernel reading and writing `elems` 16-bit values (`passes` moves)."""
-    return Kernel(name, "memory", bytes=elems * ACT_BYTES * passes, tp_split=split, attention_core=core,
-                  attention_scores=scores)
+    return Kernel(name, "memory", bytes=elems * ACT_BYTES * passes, tp_split=split, attention_core=core, attention_scores=scores)
 
 
-def _attention(prefix: str, seq: int, kv_seq: int, hidden: int, heads: int, kv_dim: int,
-               kv_hidden: int, self_attention: bool) -> list[Kernel]:
+def _attention(
+    prefix: str, seq: int, kv_seq: int, hidden: int, heads: int, kv_dim: int, kv_hidden: int, self_attention: bool
+) -> list[Kernel]:
     head_dim = hidden // heads
     if self_attention:
         projections = [gemm(f"{prefix}qkv", seq, hidden, hidden + 2 * kv_dim, "n")]
     else:
-        projections = [gemm(f"{prefix}q", seq, hidden, hidden, "n"),
-                       gemm(f"{prefix}kv", kv_seq, kv_hidden, 2 * kv_dim, "n")]
+        projections = [gemm(f"{prefix}q", seq, hidden, hidden, "n"), gemm(f"{prefix}kv", kv_seq, kv_hidden, 2 * kv_dim, "n")]
     return projections + [
-        gemm(f"{prefix}scores", seq, head_dim, kv_seq, "batch", weight=False, batch=heads, core=True,
-             scores=True),
+        gemm(f"{prefix}scores", seq, head_dim, kv_seq, "batch", weight=False, batch=heads, core=True, scores=True),
         memory(f"{prefix}softmax", heads * seq * kv_seq, "batch", core=True, scores=True),
         gemm(f"{prefix}context", seq, kv_seq, head_dim, "batch", weight=False, batch=heads, core=True),
         gemm(f"{prefix}proj", seq, hidden, hidden, "k"),
@@ -47,10 +47,20 @@ def _attention(prefix: str, seq: int, kv_seq: int, hidden: int, heads: int, kv_d
     ]
 
 
-def transformer_layer(seq: int, hidden: int, heads: int, ffn: int | None = None, *,
-                      kv_heads: int | None = None, gated: bool = False, bias: bool = True,
-                      cross_seq: int | None = None, cross_hidden: int | None = None,
-                      dropout: bool = False, name: str = "block") -> LayerSpec:
+def transformer_layer(
+    seq: int,
+    hidden: int,
+    heads: int,
+    ffn: int | None = None,
+    *,
+    kv_heads: int | None = None,
+    gated: bool = False,
+    bias: bool = True,
+    cross_seq: int | None = None,
+    cross_hidden: int | None = None,
+    dropout: bool = False,
+    name: str = "block",
+) -> LayerSpec:
     """A pre-norm transformer block: self-attention, optional cross-attention, MLP.
 
     gated=True is a SwiGLU MLP (Llama); kv_heads < heads is grouped-query attention.
@@ -106,8 +116,9 @@ def transformer_layer(seq: int, hidden: int, heads: int, ffn: int | None = None,
         name=name,
         kernels=tuple(kernels),
         params=params,
-        activations=ActivationBytes(replicated=replicated, split=split, attention=attention,
-                                    checkpoint=ACT_BYTES * seq * hidden, flash_attention=flash),
+        activations=ActivationBytes(
+            replicated=replicated, split=split, attention=attention, checkpoint=ACT_BYTES * seq * hidden, flash_attention=flash
+        ),
         tp_allreduces=allreduces,
         tp_comm_elems=seq * hidden,
     )
@@ -123,8 +134,9 @@ def embedding_layer(vocab: int, hidden: int, seq: int, positions: int = 0, name:
     )
 
 
-def patch_embedding_layer(image: int, patch: int, hidden: int, channels: int = 3,
-                          cls_token: bool = True, name: str = "patch_embedding") -> LayerSpec:
+def patch_embedding_layer(
+    image: int, patch: int, hidden: int, channels: int = 3, cls_token: bool = True, name: str = "patch_embedding"
+) -> LayerSpec:
     """ViT patchify: a (patches x c·p²) @ (c·p² x h) GEMM plus position embeddings."""
     patches = (image // patch) ** 2
     tokens = patches + (1 if cls_token else 0)
@@ -132,13 +144,13 @@ def patch_embedding_layer(image: int, patch: int, hidden: int, channels: int = 3
         name=name,
         kernels=(gemm("patchify", patches, channels * patch * patch, hidden, "none"),),
         params=channels * patch * patch * hidden + hidden + tokens * hidden + (hidden if cls_token else 0),
-        activations=ActivationBytes(replicated=ACT_BYTES * channels * image * image,
-                                    checkpoint=ACT_BYTES * tokens * hidden),
+        activations=ActivationBytes(replicated=ACT_BYTES * channels * image * image, checkpoint=ACT_BYTES * tokens * hidden),
     )
 
 
-def head_layer(seq: int, hidden: int, out: int, *, tied: bool = False, norm: bool = True,
-               loss_elems: int | None = None, name: str = "head") -> LayerSpec:
+def head_layer(
+    seq: int, hidden: int, out: int, *, tied: bool = False, norm: bool = True, loss_elems: int | None = None, name: str = "head"
+) -> LayerSpec:
     """Final norm and an output projection (LM logits or a feature projection).
 
     tied=True shares the weight with the embedding: FLOPs count, parameters do not.
@@ -153,8 +165,7 @@ def head_layer(seq: int, hidden: int, out: int, *, tied: bool = False, norm: boo
         name=name,
         kernels=tuple(kernels),
         params=(0 if tied else hidden * out) + (2 * hidden if norm else 0),
-        activations=ActivationBytes(replicated=ACT_BYTES * seq * hidden, split=4 * loss_elems,
-                                    checkpoint=ACT_BYTES * seq * hidden),
+        activations=ActivationBytes(replicated=ACT_BYTES * seq * hidden, split=4 * loss_elems, checkpoint=ACT_BYTES * seq * hidden),
     )
 
 

@@ -30,6 +30,7 @@ Choices DistTrain leaves open, and ours:
   `model.frozen` (DistTrain §8.3's frozen settings: "We keep training the projectors"):
   the unit's other layers are frozen layer by layer instead of the whole unit.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -45,9 +46,9 @@ MLLM_SEQ_LEN = 8192
 
 # DistTrain Table 1: layers, hidden, heads, FFN, KV groups.
 LLMS: dict[str, DecoderPreset] = {
-    "mllm_9b": DecoderPreset(32, 4096, 32, LLAMA_VOCAB, "llama", ffn=11008, kv_heads=32),   # Llama3-7B
+    "mllm_9b": DecoderPreset(32, 4096, 32, LLAMA_VOCAB, "llama", ffn=11008, kv_heads=32),  # Llama3-7B
     "mllm_15b": DecoderPreset(40, 5120, 40, LLAMA_VOCAB, "llama", ffn=13824, kv_heads=40),  # Llama3-13B
-    "mllm_72b": DecoderPreset(80, 8192, 64, LLAMA_VOCAB, "llama", ffn=28672, kv_heads=8),   # Llama3-70B
+    "mllm_72b": DecoderPreset(80, 8192, 64, LLAMA_VOCAB, "llama", ffn=28672, kv_heads=8),  # Llama3-70B
 }
 # Generated image side (DistTrain §8: 1024x1024 for MLLM-72B, 512x512 for the others).
 IMAGE_SIZE = {"mllm_9b": 512, "mllm_15b": 512, "mllm_72b": 1024}
@@ -68,11 +69,11 @@ def per_images(layer: LayerSpec, images: int) -> LayerSpec:
     moved byte and every kept activation scale; the parameters do not."""
     if images == 1:
         return layer
-    kernels = tuple(replace(k, m=k.m * images) if k.kind == "gemm" else replace(k, bytes=k.bytes * images)
-                    for k in layer.kernels)
+    kernels = tuple(replace(k, m=k.m * images) if k.kind == "gemm" else replace(k, bytes=k.bytes * images) for k in layer.kernels)
     a = layer.activations
-    activations = ActivationBytes(a.replicated * images, a.split * images, a.attention * images,
-                                  a.checkpoint * images, a.flash_attention * images)
+    activations = ActivationBytes(
+        a.replicated * images, a.split * images, a.attention * images, a.checkpoint * images, a.flash_attention * images
+    )
     return replace(layer, kernels=kernels, activations=activations, tp_comm_elems=layer.tp_comm_elems * images)
 
 
@@ -94,9 +95,13 @@ def build_mllm(model: str, opts: Options, seq_len: int | None) -> ModelSpec:
     scale = partial(_scaled, images=images)
     encoder = UnitSpec(
         name="encoder",
-        layers=scale(vit_layers(encoder_image, patch, **VIT_HUGE)
-                     + [mlp_projector(image_tokens, VIT_HUGE["hidden"], hidden, hidden, "input_projector")]),
-        hidden=VIT_HUGE["hidden"], heads=VIT_HUGE["heads"], seq_len=images * (image_tokens + 1),
+        layers=scale(
+            vit_layers(encoder_image, patch, **VIT_HUGE)
+            + [mlp_projector(image_tokens, VIT_HUGE["hidden"], hidden, hidden, "input_projector")]
+        ),
+        hidden=VIT_HUGE["hidden"],
+        heads=VIT_HUGE["heads"],
+        seq_len=images * (image_tokens + 1),
         output_elems=images * image_tokens * hidden,
     )
     llm = decoder_unit(llm_preset, seq, output_elems=images * cond_tokens * hidden)
@@ -104,17 +109,22 @@ def build_mllm(model: str, opts: Options, seq_len: int | None) -> ModelSpec:
     latent = image // VAE_FACTOR
     generator = UnitSpec(
         name="generator",
-        layers=scale([mlp_projector(cond_tokens, hidden, hidden, CONTEXT_DIM, "output_projector")]
-                     + vae + sd_unet_layers(latent, cond_tokens)),
-        hidden=UNET_CHANNELS[0], heads=UNET_CHANNELS[0] // UNET_HEAD_DIM, seq_len=images * latent * latent,
-        output_elems=0, kind="unet",
+        layers=scale(
+            [mlp_projector(cond_tokens, hidden, hidden, CONTEXT_DIM, "output_projector")] + vae + sd_unet_layers(latent, cond_tokens)
+        ),
+        hidden=UNET_CHANNELS[0],
+        heads=UNET_CHANNELS[0] // UNET_HEAD_DIM,
+        seq_len=images * latent * latent,
+        output_elems=0,
+        kind="unet",
     )
     return ModelSpec(
-        name=model, units=(encoder, llm, generator),
+        name=model,
+        units=(encoder, llm, generator),
         default_global_batch=DEFAULT_BATCH[model],
         flows=(("encoder", "llm"), ("llm", "generator")),
         description=f"{model}: ViT-Huge/{patch} at {encoder_image}px + Llama {llm_preset.layers}x{hidden} "
-                    f"on {seq} tokens + SD-2.1 at {image}px, {images} image(s) per sequence",
+        f"on {seq} tokens + SD-2.1 at {image}px, {images} image(s) per sequence",
         extras={
             "per_sample": {"encoder": "sequence's images", "llm": "sequence", "generator": "sequence's images"},
             "images_per_sequence": images,

@@ -13,6 +13,7 @@ extras for the planners; an encoder's sample is one image, the LLM's one sequenc
 Naming: Table 8 calls the 4096-wide ViT "ViT-10B" while §5 and Tables 3/6 call it
 "ViT-11B"; the key is `vit_11b` (what the experiments use), its size is Table 8's 10B.
 """
+
 from __future__ import annotations
 
 from src.errors import ConfigError
@@ -46,8 +47,7 @@ MAX_ENCODERS = 2  # Optimus evaluates single- and dual-encoder MLLMs (Table 6)
 def build_optimus(opts: Options, seq_len: int | None) -> ModelSpec:
     names = opts.names("encoders", ["vit_22b"])
     if not 1 <= len(names) <= MAX_ENCODERS:
-        raise ConfigError(f"model.encoders={names} must name 1 to {MAX_ENCODERS} encoders "
-                          f"from: {', '.join(ENCODERS)}")
+        raise ConfigError(f"model.encoders={names} must name 1 to {MAX_ENCODERS} encoders from: {', '.join(ENCODERS)}")
     for name in names:
         if name not in ENCODERS:
             raise ConfigError(f"model.encoders contains {name!r}, not one of: {', '.join(ENCODERS)}")
@@ -66,15 +66,23 @@ def build_optimus(opts: Options, seq_len: int | None) -> ModelSpec:
         vit = ENCODERS[name]
         layers = vit_layers(image, patch, vit["layers"], vit["hidden"], vit["heads"], vit["ffn"])
         layers.append(mlp_projector(image_tokens, vit["hidden"], llm_preset.hidden, llm_preset.hidden, "projector"))
-        encoders.append(UnitSpec(name=unit_name, layers=tuple(layers), hidden=vit["hidden"], heads=vit["heads"],
-                                 seq_len=image_tokens + 1, output_elems=image_tokens * llm_preset.hidden))
+        encoders.append(
+            UnitSpec(
+                name=unit_name,
+                layers=tuple(layers),
+                hidden=vit["hidden"],
+                heads=vit["heads"],
+                seq_len=image_tokens + 1,
+                output_elems=image_tokens * llm_preset.hidden,
+            )
+        )
     llm = decoder_unit(llm_preset, seq, output_elems=0)
     return ModelSpec(
-        name="optimus", units=(*encoders, llm),
+        name="optimus",
+        units=(*encoders, llm),
         default_global_batch=1536,  # Optimus Table 5's strong-scaling batch
         flows=tuple((unit_name, "llm") for unit_name in unit_names),
-        description=f"Optimus MLLM: {' + '.join(names)} at {image}px/{patch} -> "
-                    f"{llm_name} on {seq} tokens",
+        description=f"Optimus MLLM: {' + '.join(names)} at {image}px/{patch} -> {llm_name} on {seq} tokens",
         extras={
             "encoders": dict(zip(unit_names, names)),
             "images_per_sample": images_per_sample,

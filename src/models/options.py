@@ -4,6 +4,7 @@ Every complaint is a ConfigError of one line that names the key, the bad value a
 would be valid. A key nobody read is an error too: a typo must not silently fall back to
 a default.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
@@ -79,8 +80,7 @@ class Options:
         unknown = sorted(set(self._cfg) - self._read)
         if unknown:
             known = ", ".join(sorted(self._read)) or "none"
-            raise ConfigError(f"{self.key(unknown[0])} is not a knob of model {model}; "
-                              f"knobs of {self._prefix}: {known}")
+            raise ConfigError(f"{self.key(unknown[0])} is not a knob of model {model}; knobs of {self._prefix}: {known}")
         for child in self._children:
             child.finish(model)
 
@@ -94,5 +94,4 @@ def divisible(opts: Options, name: str, value: int, by_name: str, by: int) -> No
 def no_seq_len(model: str, seq_len: int | None, knob: str) -> None:
     """Families without an LLM unit refuse train.seq_len rather than ignore it."""
     if seq_len is not None:
-        raise ConfigError(f"train.seq_len={seq_len} does not apply to model {model} "
-                          f"(it has no LLM unit); set {knob} instead")
+        raise ConfigError(f"train.seq_len={seq_len} does not apply to model {model} (it has no LLM unit); set {knob} instead")

@@ -5,6 +5,7 @@ None = the model's default; only models with an LLM unit accept one). The regist
 applies `model.attention` and `model.frozen`, which work for every model, and rejects keys
 nobody read.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
@@ -60,14 +61,17 @@ def _freeze(spec: ModelSpec, frozen: list[str]) -> ModelSpec:
         if name not in units:
             raise ConfigError(f"model.frozen contains {name!r}, not a unit of {spec.name}: {', '.join(units)}")
     kept = spec.extras.get("trained_when_frozen", {})
-    return replace(spec, units=tuple(_frozen_unit(unit, kept.get(unit.name)) if unit.name in frozen
-                                     else replace(unit, frozen=False) for unit in spec.units))
+    return replace(
+        spec,
+        units=tuple(
+            _frozen_unit(unit, kept.get(unit.name)) if unit.name in frozen else replace(unit, frozen=False) for unit in spec.units
+        ),
+    )
 
 
 def _frozen_unit(unit: UnitSpec, kept: tuple[str, ...] | None) -> UnitSpec:
     if not kept:
         return replace(unit, frozen=True)
     made: dict[int, LayerSpec] = {}  # repeated layers stay one object (the cost model caches by identity)
-    layers = tuple(layer if layer.name in kept else made.setdefault(id(layer), replace(layer, frozen=True))
-                   for layer in unit.layers)
+    layers = tuple(layer if layer.name in kept else made.setdefault(id(layer), replace(layer, frozen=True)) for layer in unit.layers)
     return replace(unit, layers=layers, frozen=False)

@@ -11,6 +11,7 @@ VAE: the image is encoded to a latent of side image/8 by the KL autoencoder's en
 the middle) followed by its 1x1 quant conv. The VAE is frozen in SD training; its decoder
 is not run during training, so only the encoder is modelled.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -20,13 +21,13 @@ from src.models.layers import ACT_BYTES, gemm, memory, transformer_layer
 from src.models.spec import LayerSpec
 
 UNET_CHANNELS = (320, 640, 1280, 1280)
-UNET_ATTENTION_LEVELS = 3   # CrossAttn{Down,Up}Block2D on every level but the deepest
-UNET_HEAD_DIM = 64          # SD 2.x: heads = channels / 64 (5, 10, 20, 20)
+UNET_ATTENTION_LEVELS = 3  # CrossAttn{Down,Up}Block2D on every level but the deepest
+UNET_HEAD_DIM = 64  # SD 2.x: heads = channels / 64 (5, 10, 20, 20)
 UNET_TIME_EMBED = 1280
 LATENT_CHANNELS = 4
-VAE_FACTOR = 8              # latent side = image side / 8
+VAE_FACTOR = 8  # latent side = image side / 8
 VAE_CHANNELS = (128, 256, 512, 512)
-CONTEXT_DIM = 1024          # SD 2.x conditions on OpenCLIP-H text features: 77 x 1024
+CONTEXT_DIM = 1024  # SD 2.x conditions on OpenCLIP-H text features: 77 x 1024
 
 
 def spatial_transformer_layer(size: int, channels: int, context_tokens: int, name: str) -> LayerSpec:
@@ -34,17 +35,20 @@ def spatial_transformer_layer(size: int, channels: int, context_tokens: int, nam
     cross-attention to the condition, GEGLU MLP), linear proj_out. proj_in/out are
     replicated under TP (they sit outside the Megatron-split block)."""
     pixels = size * size
-    block = transformer_layer(pixels, channels, channels // UNET_HEAD_DIM, 4 * channels, gated=True,
-                              cross_seq=context_tokens, cross_hidden=CONTEXT_DIM)
+    block = transformer_layer(
+        pixels, channels, channels // UNET_HEAD_DIM, 4 * channels, gated=True, cross_seq=context_tokens, cross_hidden=CONTEXT_DIM
+    )
     return LayerSpec(
         name=name,
         kernels=(memory("groupnorm", pixels * channels), gemm("proj_in", pixels, channels, channels, "none"))
         + block.kernels
         + (gemm("proj_out", pixels, channels, channels, "none"), memory("residual", 1.5 * pixels * channels)),
         params=block.params + 2 * channels + 2 * (channels * channels + channels),
-        activations=replace(block.activations,
-                            replicated=block.activations.replicated + ACT_BYTES * 3 * pixels * channels,
-                            checkpoint=ACT_BYTES * pixels * channels),
+        activations=replace(
+            block.activations,
+            replicated=block.activations.replicated + ACT_BYTES * 3 * pixels * channels,
+            checkpoint=ACT_BYTES * pixels * channels,
+        ),
         tp_allreduces=block.tp_allreduces,
         tp_comm_elems=block.tp_comm_elems,
     )
@@ -71,9 +75,11 @@ def sd_unet_layers(latent: int, context_tokens: int) -> list[LayerSpec]:
             size //= 2
             skips.append(ch)
 
-    layers += [resblock_layer(size, ch, ch, emb, name="mid.res0"),
-               spatial_transformer_layer(size, ch, context_tokens, "mid.xfmr"),
-               resblock_layer(size, ch, ch, emb, name="mid.res1")]
+    layers += [
+        resblock_layer(size, ch, ch, emb, name="mid.res0"),
+        spatial_transformer_layer(size, ch, context_tokens, "mid.xfmr"),
+        resblock_layer(size, ch, ch, emb, name="mid.res1"),
+    ]
 
     for level in reversed(range(levels)):
         out = UNET_CHANNELS[level]
@@ -91,8 +97,9 @@ def sd_unet_layers(latent: int, context_tokens: int) -> list[LayerSpec]:
 
 def _frozen(layer: LayerSpec) -> LayerSpec:
     """The same layer, frozen and run forward only (it encodes the training image)."""
-    return replace(layer, name=f"vae.{layer.name}", forward_only=True,
-                   kernels=tuple(replace(kern, has_weight=False) for kern in layer.kernels))
+    return replace(
+        layer, name=f"vae.{layer.name}", forward_only=True, kernels=tuple(replace(kern, has_weight=False) for kern in layer.kernels)
+    )
 
 
 def vae_encoder_layers(image: int) -> list[LayerSpec]:
@@ -107,10 +114,12 @@ def vae_encoder_layers(image: int) -> list[LayerSpec]:
         if level < len(VAE_CHANNELS) - 1:
             layers.append(conv_layer(size, ch, ch, stride=2, name=f"down{level}.downsample"))
             size //= 2
-    layers += [resblock_layer(size, ch, ch, name="mid.res0"),
-               spatial_attention_layer(size, ch, 1, name="mid.attn"),
-               resblock_layer(size, ch, ch, name="mid.res1"),
-               # GN + SiLU + conv to mean and log-variance, then the 1x1 quant conv.
-               conv_layer(size, ch, 2 * LATENT_CHANNELS, norm=True, name="conv_out"),
-               conv_layer(size, 2 * LATENT_CHANNELS, 2 * LATENT_CHANNELS, ksize=1, name="quant_conv")]
+    layers += [
+        resblock_layer(size, ch, ch, name="mid.res0"),
+        spatial_attention_layer(size, ch, 1, name="mid.attn"),
+        resblock_layer(size, ch, ch, name="mid.res1"),
+        # GN + SiLU + conv to mean and log-variance, then the 1x1 quant conv.
+        conv_layer(size, ch, 2 * LATENT_CHANNELS, norm=True, name="conv_out"),
+        conv_layer(size, 2 * LATENT_CHANNELS, 2 * LATENT_CHANNELS, ksize=1, name="quant_conv"),
+    ]
     return [_frozen(layer) for layer in layers]

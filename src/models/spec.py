@@ -5,6 +5,7 @@ parameter and activation counts, and metrics count its matmul FLOPs. Every count
 for ONE sample (one image, one text sequence, one 8K-token LLM sequence) and one forward
 pass; the micro-batch size and the tensor-parallel degree are applied by the consumers.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

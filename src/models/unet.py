@@ -14,11 +14,11 @@ at 256/416/512/768/1024 channels. We keep the architecture and report the gap
 
 The batch of 2048 images is a training setting (train.global_batch), not a model knob.
 """
+
 from __future__ import annotations
 
 from src.errors import ConfigError
-from src.models.conv import (GROUPNORM_GROUPS, conv_layer, resblock_layer, spatial_attention_layer,
-                             time_embedding_layer, upsample_layer)
+from src.models.conv import GROUPNORM_GROUPS, conv_layer, resblock_layer, spatial_attention_layer, time_embedding_layer, upsample_layer
 from src.models.options import Options, divisible, no_seq_len
 from src.models.spec import LayerSpec, ModelSpec, UnitSpec
 
@@ -36,8 +36,7 @@ IN_CHANNELS = 3
 OUT_CHANNELS = 6  # learn_sigma: the noise and the variance interpolation, 3 channels each
 
 
-def unet_layers(image: int, channels: int, mult: list[int], res_blocks: int,
-                attention_res: set[int], heads: int) -> list[LayerSpec]:
+def unet_layers(image: int, channels: int, mult: list[int], res_blocks: int, attention_res: set[int], heads: int) -> list[LayerSpec]:
     """The ADM U-Net as a layer list in execution order (encoder, middle, decoder);
     skip connections enter the decoder's residual blocks as extra input channels."""
     emb = 4 * channels
@@ -85,8 +84,11 @@ def build_unet(opts: Options, seq_len: int | None) -> ModelSpec:
     mult = opts.raw("channel_mult", [1, 2, 2, 2])
     attention_res = opts.raw("attention_resolutions", [16, 8])
     for key, values in (("channel_mult", mult), ("attention_resolutions", attention_res)):
-        if isinstance(values, (str, int)) or not values or not all(
-                isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values):
+        if (
+            isinstance(values, (str, int))
+            or not values
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values)
+        ):
             raise ConfigError(f"{opts.key(key)}={values!r} must be a non-empty list of positive integers")
     divisible(opts, "channels", channels, "GroupNorm groups", GROUPNORM_GROUPS)
     divisible(opts, "image_size", image, "2^(levels-1) of model.channel_mult", 2 ** (len(mult) - 1))
@@ -94,12 +96,14 @@ def build_unet(opts: Options, seq_len: int | None) -> ModelSpec:
     divisible(opts, "channels", channels, "model.heads", heads)
 
     layers = unet_layers(image, channels, list(mult), res_blocks, set(attention_res), heads)
-    unit = UnitSpec(name="unet", layers=tuple(layers), hidden=channels, heads=heads,
-                    seq_len=image * image, output_elems=0, kind="unet")
+    unit = UnitSpec(
+        name="unet", layers=tuple(layers), hidden=channels, heads=heads, seq_len=image * image, output_elems=0, kind="unet"
+    )
     return ModelSpec(
-        name="unet", units=(unit,),
+        name="unet",
+        units=(unit,),
         default_global_batch=2048,  # Par4D Table II: batch 2048
         description=f"Par4D U-Net ({preset or 'custom'}): {channels} base channels, "
-                    f"mult {tuple(mult)}, {res_blocks} res blocks/level, {image}x{image} images",
+        f"mult {tuple(mult)}, {res_blocks} res blocks/level, {image}x{image} images",
         extras={"preset": preset},
     )

@@ -4,6 +4,7 @@ Plain text and no dependencies, so the same text reads well in a terminal, a Slu
 and a Hydra job log. Missing keys are skipped rather than failing: a summary from an
 older run or another backend still prints.
 """
+
 from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
@@ -12,9 +13,15 @@ from src.timeline import BREAKDOWN_CATEGORIES
 
 # Plan columns shown for every unit, in this order: (key in plan["units"][u], header).
 _PLAN_COLUMNS = (
-    ("dp", "dp"), ("tp", "tp"), ("pp", "pp"), ("vpp", "vpp"),
-    ("micro_batch", "micro-batch"), ("num_microbatches", "#micro-batches"),
-    ("batch_per_replica", "batch/replica"), ("devices", "devices"), ("ranks", "ranks"),
+    ("dp", "dp"),
+    ("tp", "tp"),
+    ("pp", "pp"),
+    ("vpp", "vpp"),
+    ("micro_batch", "micro-batch"),
+    ("num_microbatches", "#micro-batches"),
+    ("batch_per_replica", "batch/replica"),
+    ("devices", "devices"),
+    ("ranks", "ranks"),
 )
 _SCALARS = (int, float, str, bool)
 _RANKING_ROWS = 10
@@ -22,8 +29,14 @@ _RANKING_ROWS = 10
 
 def format_summary(summary: Mapping[str, Any]) -> str:
     """The end-of-run table: who ran, the plan per unit, the figures, the breakdown."""
-    sections = [_header(summary), _auto(summary.get("plan")), _plan(summary.get("plan")), _ranking(summary.get("plan")),
-                _figures(summary), _breakdown(summary)]
+    sections = [
+        _header(summary),
+        _auto(summary.get("plan")),
+        _plan(summary.get("plan")),
+        _ranking(summary.get("plan")),
+        _figures(summary),
+        _breakdown(summary),
+    ]
     return "\n\n".join(s for s in sections if s)
 
 
@@ -47,10 +60,19 @@ def format_step(record: Mapping[str, Any]) -> str:
 
 
 def _header(summary: Mapping[str, Any]) -> str:
-    rows = [[label, str(summary[key])] for key, label in (
-        ("model", "model"), ("strategy", "strategy"), ("cluster", "cluster"),
-        ("backend", "backend"), ("devices", "devices"), ("global_batch", "global batch"),
-        ("precision", "precision")) if summary.get(key) is not None]
+    rows = [
+        [label, str(summary[key])]
+        for key, label in (
+            ("model", "model"),
+            ("strategy", "strategy"),
+            ("cluster", "cluster"),
+            ("backend", "backend"),
+            ("devices", "devices"),
+            ("global_batch", "global batch"),
+            ("precision", "precision"),
+        )
+        if summary.get(key) is not None
+    ]
     return _table(rows, right=False)
 
 
@@ -80,8 +102,11 @@ def _brokers(brokers: Any) -> str:
     """Where units of different DP meet (DistTrain's brokers): one line per hand-off."""
     if not isinstance(brokers, Sequence) or not brokers:
         return ""
-    lines = [f"  {b['route']}: {b['count']} broker(s) at ranks {b['ranks']}" for b in brokers
-             if isinstance(b, Mapping) and {"route", "count", "ranks"} <= set(b)]
+    lines = [
+        f"  {b['route']}: {b['count']} broker(s) at ranks {b['ranks']}"
+        for b in brokers
+        if isinstance(b, Mapping) and {"route", "count", "ranks"} <= set(b)
+    ]
     return "\nbrokers\n" + "\n".join(lines) if lines else ""
 
 
@@ -107,8 +132,7 @@ def _ranking(plan: Any) -> str:
         return ""
     columns = list(dict.fromkeys(key for row in rows for key in row))
     table = [columns] + [[_ranked(row.get(key)) for key in columns] for row in rows[:_RANKING_ROWS]]
-    facts = ", ".join(f"{key} {value}" for key, value in search.items()
-                      if key != "ranking" and isinstance(value, _SCALARS))
+    facts = ", ".join(f"{key} {value}" for key, value in search.items() if key != "ranking" and isinstance(value, _SCALARS))
     return f"search ({facts})\n" + _table(table, header=True)
 
 
@@ -160,12 +184,10 @@ def _breakdown(summary: Mapping[str, Any]) -> str:
         values = [mean.get(cat, 0.0)] + [u.get(cat, 0.0) for u in by_unit.values()]
         if all(abs(v) < 1e-12 for v in values):
             continue  # a category that no rank spends time in is noise in a terminal
-        rows.append([cat, f"{values[0]:.4f}", _share(values[0], iteration)]
-                    + [f"{v:.4f}" for v in values[1:]])
+        rows.append([cat, f"{values[0]:.4f}", _share(values[0], iteration)] + [f"{v:.4f}" for v in values[1:]])
     # The total row makes the rule "the breakdown adds up" visible at a glance.
     totals = [sum(mean.values())] + [sum(u.values()) for u in by_unit.values()]
-    rows.append(["total", f"{totals[0]:.4f}", _share(totals[0], iteration)]
-                + [f"{v:.4f}" for v in totals[1:]])
+    rows.append(["total", f"{totals[0]:.4f}", _share(totals[0], iteration)] + [f"{v:.4f}" for v in totals[1:]])
     return _table(rows, header=True)
 
 

@@ -1,5 +1,6 @@
 """The run directory's records: metrics.jsonl (one line per step, then the summary) and
 summary.json (the final figures; its presence means the run succeeded)."""
+
 from __future__ import annotations
 
 import json

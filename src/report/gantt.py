@@ -7,6 +7,7 @@ picture: GPipe with batch-sync against DistMM-Pipe).
 runs the sweep (its table and bar chart as src.sweep writes them) and draws every run's
 trace.json, the simulator's Chrome trace, one panel per run, into <out>/<name>_gantt.png.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,14 @@ from src.sweep import figure_jobs, sweep_from_command_line
 from src.timeline import RankTimeline, Span, Timeline
 
 # Bars by the phase that starts a compute span's name (engine: "<phase> <unit> L<a>-<b>").
-PHASE_COLOURS = {"fwd": "#4c72b0", "bwd": "#dd8452", "bwd_input": "#dd8452", "bwd_weight": "#c44e52",
-                 "interaction": "#55a868", "optimizer": "#8c8c8c"}
+PHASE_COLOURS = {
+    "fwd": "#4c72b0",
+    "bwd": "#dd8452",
+    "bwd_input": "#dd8452",
+    "bwd_weight": "#c44e52",
+    "interaction": "#55a868",
+    "optimizer": "#8c8c8c",
+}
 
 
 def load_trace(path: Path) -> Timeline:
@@ -28,17 +35,29 @@ def load_trace(path: Path) -> Timeline:
     the breakdown is not in a trace and stays empty)."""
     events = json.loads(Path(path).read_text())["traceEvents"]
     labels = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "process_name"}
-    streams = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
-               if e.get("ph") == "M" and e["name"] == "thread_name"}
+    streams = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "thread_name"}
     spans: dict[int, list[Span]] = {pid: [] for pid in labels}
     for e in events:
         if e.get("ph") != "X":
             continue
         start = e["ts"] / 1e6
-        spans[e["pid"]].append(Span(streams[(e["pid"], e["tid"])], start, start + e["dur"] / 1e6, e["name"],
-                                    e["cat"], e["args"].get("unit", ""), e["args"].get("microbatch", -1)))
-    ranks = [RankTimeline(ranks=(), label=labels[pid], units=(), spans=spans[pid], breakdown={},
-                          end=max((s.end for s in spans[pid]), default=0.0)) for pid in sorted(labels)]
+        spans[e["pid"]].append(
+            Span(
+                streams[(e["pid"], e["tid"])],
+                start,
+                start + e["dur"] / 1e6,
+                e["name"],
+                e["cat"],
+                e["args"].get("unit", ""),
+                e["args"].get("microbatch", -1),
+            )
+        )
+    ranks = [
+        RankTimeline(
+            ranks=(), label=labels[pid], units=(), spans=spans[pid], breakdown={}, end=max((s.end for s in spans[pid]), default=0.0)
+        )
+        for pid in sorted(labels)
+    ]
     return Timeline(iteration_time=max((r.end for r in ranks), default=0.0), ranks=ranks)
 
 
@@ -53,8 +72,15 @@ def draw(ax, timeline: Timeline, title: str) -> None:
                 continue
             phase = span.name.split()[0]
             width = (span.end - span.start) * scale
-            ax.barh(y, width, left=span.start * scale, height=0.7, color=PHASE_COLOURS.get(phase, "#937860"),
-                    edgecolor="white", linewidth=0.5)
+            ax.barh(
+                y,
+                width,
+                left=span.start * scale,
+                height=0.7,
+                color=PHASE_COLOURS.get(phase, "#937860"),
+                edgecolor="white",
+                linewidth=0.5,
+            )
             if span.microbatch >= 0 and phase != "optimizer" and width > timeline.iteration_time * scale / 80:
                 text = "S" if phase == "interaction" else str(span.microbatch)
                 ax.text(span.start * scale + width / 2, y, text, ha="center", va="center", fontsize=6, color="white")
@@ -65,19 +91,23 @@ def draw(ax, timeline: Timeline, title: str) -> None:
 
 def render(panels: list[tuple[str, Timeline]], path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
     # A shared time axis makes the idle cycles of the slower schedule visible as length.
-    fig, axes = plt.subplots(len(panels), 1, figsize=(10, 1.2 + 0.45 * sum(len(t.ranks) for _, t in panels)),
-                             sharex=True, squeeze=False)
+    fig, axes = plt.subplots(
+        len(panels), 1, figsize=(10, 1.2 + 0.45 * sum(len(t.ranks) for _, t in panels)), sharex=True, squeeze=False
+    )
     for ax, (title, timeline) in zip(axes[:, 0], panels):
         draw(ax, timeline, title)
     axes[-1, 0].set_xlim(0, max(t.iteration_time for _, t in panels) * 1e3)
     axes[-1, 0].set_xlabel("time (ms)")
-    legend = [Patch(color=PHASE_COLOURS[p], label=label) for p, label in
-              (("fwd", "forward"), ("bwd", "backward"), ("interaction", "batch-sync (S)"), ("optimizer", "optimizer"))]
+    legend = [
+        Patch(color=PHASE_COLOURS[p], label=label)
+        for p, label in (("fwd", "forward"), ("bwd", "backward"), ("interaction", "batch-sync (S)"), ("optimizer", "optimizer"))
+    ]
     fig.legend(handles=legend, fontsize=7, loc="upper center", ncol=4, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 0.95))
     fig.savefig(path, dpi=130)
@@ -89,8 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     if ran is None:
         return 2
     spec, out = ran
-    panels = [(f"{job.group}, {job.series}", load_trace(out / job.subdir / TRACE_FILE))
-              for job in figure_jobs(spec) if (out / job.subdir / TRACE_FILE).exists()]
+    panels = [
+        (f"{job.group}, {job.series}", load_trace(out / job.subdir / TRACE_FILE))
+        for job in figure_jobs(spec)
+        if (out / job.subdir / TRACE_FILE).exists()
+    ]
     path = out / f"{spec.name}_gantt.png"
     render(panels, path)
     print(f"wrote {out / 'results.md'}, {out / (spec.name + '.png')} and {path}")

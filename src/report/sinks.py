@@ -9,6 +9,7 @@ What the console shows (step lines, the summary table) goes to stdout and, throu
 `results` logger, to the run's run.log: Hydra's logging config gives that logger its
 file; a process without one (a real-backend worker) gets one for the run's lifetime.
 """
+
 from __future__ import annotations
 
 import logging
@@ -65,8 +66,7 @@ class Sinks:
     def __enter__(self) -> Sinks:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         if exc_type is not None:
             self.abort()
         self.close()

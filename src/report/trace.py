@@ -1,6 +1,7 @@
 """Chrome trace-event JSON of a Timeline; opens in Perfetto (ui.perfetto.dev) and
 chrome://tracing. One process per RankTimeline (a class of identical ranks), one thread
 per stream, one complete ("X") event per Span."""
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,7 @@ def write_chrome_trace(timeline: Timeline, path: Path) -> None:
     trace = {
         "traceEvents": events,
         "displayTimeUnit": "ms",
-        "otherData": {"backend": timeline.backend,
-                      "iteration_time_s": timeline.iteration_time},
+        "otherData": {"backend": timeline.backend, "iteration_time_s": timeline.iteration_time},
     }
     # One json.dumps call: the C encoder handles ~10^5 events in a fraction of a second,
     # where json.dump (pure-Python chunked encoding) is several times slower.
@@ -38,8 +38,7 @@ def _process_events(rank_timeline: RankTimeline, pid: int) -> list[dict[str, Any
         events.append(_meta("process_labels", pid, {"labels": ",".join(rank_timeline.units)}))
     # Compute first, then the communication streams by name, so every process lays out
     # its threads the same way.
-    streams = sorted({span.stream for span in rank_timeline.spans},
-                     key=lambda stream: (stream != COMPUTE_STREAM, stream))
+    streams = sorted({span.stream for span in rank_timeline.spans}, key=lambda stream: (stream != COMPUTE_STREAM, stream))
     tids = {stream: tid for tid, stream in enumerate(streams, start=1)}
     for stream, tid in tids.items():
         events.append(_meta("thread_name", pid, {"name": stream}, tid))
@@ -55,10 +54,18 @@ def _process_events(rank_timeline: RankTimeline, pid: int) -> list[dict[str, Any
         # rounding start and duration apart makes back-to-back spans overlap by 1 ns,
         # and viewers drop an event that overlaps its track's previous one.
         start_ns, end_ns = round(span.start * 1e9), round(span.end * 1e9)
-        events.append({
-            "ph": "X", "name": span.name, "cat": span.category, "pid": pid,
-            "tid": tids[span.stream], "ts": start_ns / 1e3, "dur": (end_ns - start_ns) / 1e3, "args": args,
-        })
+        events.append(
+            {
+                "ph": "X",
+                "name": span.name,
+                "cat": span.category,
+                "pid": pid,
+                "tid": tids[span.stream],
+                "ts": start_ns / 1e3,
+                "dur": (end_ns - start_ns) / 1e3,
+                "args": args,
+            }
+        )
     return events
 
 

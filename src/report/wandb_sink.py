@@ -8,6 +8,7 @@ A run is named by its job, tagged by model, strategy, cluster and backend, group
 its sweep, with job_type the backend (sim or torch); every step metric is plotted
 against `step`; summary.json and trace.json are attached as an Artifact. A paper figure's
 multirun adds one run of job_type 'figure' with its table, plot and files (log_figure)."""
+
 from __future__ import annotations
 
 import os
@@ -129,8 +130,7 @@ def log_figure(config: Mapping[str, Any], out: Path, figure: str) -> None:
         run.log_artifact(artifact)
         run.finish()
     except Exception as exc:  # noqa: BLE001 - whatever wandb raises only costs us W&B
-        print(f"wandb: figure {figure} not logged: {f'{type(exc).__name__}: {exc}'.splitlines()[0]}",
-              file=sys.stderr, flush=True)
+        print(f"wandb: figure {figure} not logged: {f'{type(exc).__name__}: {exc}'.splitlines()[0]}", file=sys.stderr, flush=True)
 
 
 def _start(run_dir: Path, config: Mapping[str, Any], job: JobInfo) -> Any:
@@ -163,10 +163,17 @@ def _start(run_dir: Path, config: Mapping[str, Any], job: JobInfo) -> Any:
         x_disable_stats=backend == "sim",
         init_timeout=INIT_TIMEOUT_S,
     )
-    init: dict[str, Any] = dict(project=logger.get("project"), entity=logger.get("entity"),
-                group=logger.get("group") or job.sweep_name, name=name, job_type=backend,
-                tags=[*dict.fromkeys([*filter(None, [*names, backend]), *(logger.get("tags") or [])])],
-                config=dict(config), dir=str(wandb_dir), mode=logger.get("mode") or "offline")
+    init: dict[str, Any] = dict(
+        project=logger.get("project"),
+        entity=logger.get("entity"),
+        group=logger.get("group") or job.sweep_name,
+        name=name,
+        job_type=backend,
+        tags=[*dict.fromkeys([*filter(None, [*names, backend]), *(logger.get("tags") or [])])],
+        config=dict(config),
+        dir=str(wandb_dir),
+        mode=logger.get("mode") or "offline",
+    )
     try:
         run = wandb.init(**init, settings=wandb.Settings(**settings))
     except wandb.errors.CommError as exc:
@@ -174,8 +181,11 @@ def _start(run_dir: Path, config: Mapping[str, Any], job: JobInfo) -> Any:
             raise
         run = wandb.init(**{**init, "mode": "offline"}, settings=wandb.Settings(**settings))
         reason = str(exc).splitlines()[0]
-        print(f"wandb: server unreachable ({reason}); logging offline: sync later with "
-              f"`wandb sync {run.dir.removesuffix('/files')}`", file=sys.stderr, flush=True)
+        print(
+            f"wandb: server unreachable ({reason}); logging offline: sync later with `wandb sync {run.dir.removesuffix('/files')}`",
+            file=sys.stderr,
+            flush=True,
+        )
     run.define_metric("step")
     run.define_metric("*", step_metric="step")
     return run
@@ -202,15 +212,14 @@ def _breakdown_tables(wandb: Any, summary: Mapping[str, Any]) -> dict[str, Any]:
     mean = summary.get("breakdown_s")
     if isinstance(mean, Mapping) and mean:
         iteration = summary.get("iteration_time_s") or 0.0
-        table = wandb.Table(columns=["category", "seconds", "percent"], data=[
-            [cat, seconds, 100 * seconds / iteration if iteration else None]
-            for cat, seconds in mean.items()])
+        table = wandb.Table(
+            columns=["category", "seconds", "percent"],
+            data=[[cat, seconds, 100 * seconds / iteration if iteration else None] for cat, seconds in mean.items()],
+        )
         out["breakdown"] = table
-        out["breakdown_chart"] = wandb.plot.bar(table, "category", "seconds",
-                                                title="time breakdown (s, mean over ranks)")
+        out["breakdown_chart"] = wandb.plot.bar(table, "category", "seconds", title="time breakdown (s, mean over ranks)")
     by_unit = summary.get("breakdown_by_unit_s")
     if isinstance(by_unit, Mapping) and by_unit:
-        rows = [[unit, cat, seconds]
-                for unit, cats in by_unit.items() for cat, seconds in cats.items()]
+        rows = [[unit, cat, seconds] for unit, cats in by_unit.items() for cat, seconds in cats.items()]
         out["breakdown_by_unit"] = wandb.Table(columns=["unit", "category", "seconds"], data=rows)
     return out

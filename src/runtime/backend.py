@@ -1,6 +1,7 @@
 """The real backend behind the front door: check the plan fits the local workers, start
 the workers (which report to the run directory's sinks themselves, so the same worker
 entry also reports under torchrun), return the summary."""
+
 from __future__ import annotations
 
 import json
@@ -32,6 +33,10 @@ def run_torch(setup: Setup, plan: Plan, run_dir: Path, job: JobInfo) -> dict[str
     backend = setup.config["backend"]
     check_runnable(setup, plan)
     check_workers(plan, backend)
-    launch([run_dir], plan.devices, backend, [{"run_name": job.run_name, "sweep_name": job.sweep_name,
-                                               "override_dirname": job.override_dirname}])
+    launch(
+        [run_dir],
+        plan.devices,
+        backend,
+        [{"run_name": job.run_name, "sweep_name": job.sweep_name, "override_dirname": job.override_dirname}],
+    )
     return json.loads((run_dir / SUMMARY_FILE).read_text())

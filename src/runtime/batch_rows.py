@@ -15,6 +15,7 @@ it wants (a small all-gather); then one all-to-all, every piece padded to the lo
 A collective takes this path when all its payloads are in the interaction's numbering
 (its queries and keys), which holds on every rank of the group alike.
 """
+
 from __future__ import annotations
 
 import torch
@@ -49,8 +50,9 @@ def _held(store: PayloadStore, payload: Payload) -> tuple[int, torch.Tensor] | N
 class _Exchange:
     """One all-to-all of rows over a group: who scores which rows of which tower."""
 
-    def __init__(self, model: ModelSpec, ranks: tuple[int, ...], group: dist.ProcessGroup, kind: str,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, model: ModelSpec, ranks: tuple[int, ...], group: dist.ProcessGroup, kind: str, dtype: torch.dtype, device: torch.device
+    ) -> None:
         self.model, self.ranks, self.group, self.kind = model, ranks, group, kind
         self.dtype, self.device = dtype, device
         self.towers = _towers(model)
@@ -61,8 +63,9 @@ class _Exchange:
     def layout(self, own: str | None, rows: tuple[int, int], wanted: set[str]) -> list[tuple[int, int, int, int]]:
         """Every rank's (tower index or NONE, first row, end row, mask of the towers it wants)."""
         mask = sum(1 << i for i, t in enumerate(self.towers) if t in wanted)
-        mine = torch.tensor([self.towers.index(own) if own is not None else NONE, rows[0], rows[1], mask],
-                            dtype=torch.int64, device=self.device)
+        mine = torch.tensor(
+            [self.towers.index(own) if own is not None else NONE, rows[0], rows[1], mask], dtype=torch.int64, device=self.device
+        )
         everyone = [torch.empty_like(mine) for _ in self.ranks]
         with CLOCK.timed(self.kind):
             dist.all_gather(everyone, mine, group=self.group)
@@ -74,7 +77,7 @@ class _Exchange:
         for piece in pieces:
             padded = torch.zeros(longest, dtype=self.dtype, device=self.device)
             if piece is not None:
-                padded[:piece.numel()] = piece.detach().to(self.dtype).reshape(-1)
+                padded[: piece.numel()] = piece.detach().to(self.dtype).reshape(-1)
             send.append(padded)
         received = [torch.empty(longest, dtype=self.dtype, device=self.device) for _ in self.ranks]
         with CLOCK.timed(self.kind):
@@ -82,8 +85,15 @@ class _Exchange:
         return received
 
 
-def exchange_rows(model: ModelSpec, store: PayloadStore, collective: Collective, ranks: tuple[int, ...],
-                  group: dist.ProcessGroup, dtype: torch.dtype, device: torch.device) -> None:
+def exchange_rows(
+    model: ModelSpec,
+    store: PayloadStore,
+    collective: Collective,
+    ranks: tuple[int, ...],
+    group: dist.ProcessGroup,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
     """Forward or backward all-to-all of a batch-sync (a backward carries gradients)."""
     x = _Exchange(model, ranks, group, collective.kind, dtype, device)
     backward = any(p.grad for p in collective.inputs + collective.outputs)
@@ -106,7 +116,7 @@ def _sent(x: _Exchange, store: PayloadStore, collective: Collective) -> None:
         tower = x.towers[t] if t != NONE else None
         if tower in targets and b > a:
             target = targets[tower]
-            store.put(target.part(a, b), buffer[:(b - a) * x.elems(tower)].view((b - a,) + row_shape(x.model, target)))
+            store.put(target.part(a, b), buffer[: (b - a) * x.elems(tower)].view((b - a,) + row_shape(x.model, target)))
 
 
 def _returned(x: _Exchange, store: PayloadStore, collective: Collective) -> None:
@@ -121,9 +131,9 @@ def _returned(x: _Exchange, store: PayloadStore, collective: Collective) -> None
     pieces = []
     for t, a, b, _ in layout:
         grad = grads.get(x.towers[t]) if t != NONE else None
-        pieces.append(grad[1][a - grad[0]:b - grad[0]] if grad is not None and b > a else None)
+        pieces.append(grad[1][a - grad[0] : b - grad[0]] if grad is not None and b > a else None)
     received = x.swap(pieces, longest)
     if target is not None and held is not None and rows[1] > rows[0]:
         count = rows[1] - rows[0]
-        summed = torch.stack([r[:count * x.elems(_tower(target))] for r in received]).sum(0)
+        summed = torch.stack([r[: count * x.elems(_tower(target))] for r in received]).sum(0)
         store.put(target.part(*rows), summed.view((count,) + row_shape(x.model, target)))

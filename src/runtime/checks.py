@@ -6,6 +6,7 @@ checked message by message for every rank: over one route, two ranks must send a
 receive the messages between them in the same order (NCCL matches point-to-point messages
 by order only; each route has its own group).
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -21,8 +22,10 @@ if TYPE_CHECKING:
 
 PHASES = ("fwd", "bwd", "optimizer", "interaction")
 PAYLOAD_COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
-NO_GRID = ("the real backend has no 3D tensor-parallel model yet: strategy=par4d runs in the simulator only, "
-           "whatever its grid, model, top_k, overlap, micro_batch_size or recompute")
+NO_GRID = (
+    "the real backend has no 3D tensor-parallel model yet: strategy=par4d runs in the simulator only, "
+    "whatever its grid, model, top_k, overlap, micro_batch_size or recompute"
+)
 
 
 def check_runnable(setup: Setup, plan: Plan) -> None:
@@ -33,13 +36,17 @@ def check_runnable(setup: Setup, plan: Plan) -> None:
         if any(axis in ("x", "y", "z") for axis, _ in unit.mesh.axes):
             raise ConfigError(f"unit {unit.unit} lies on a Par4D grid ({unit.mesh.shape()}): {NO_GRID}")
         if unit.zero_stage == 3 and unit.num_microbatches > 1:
-            raise ConfigError(f"unit {unit.unit}: ZeRO-3 with {unit.num_microbatches} micro-batches per step does not "
-                              f"yet train like one process on the real backend (its gradients accumulate wrong "
-                              f"across the separate backward calls); use strategy.zero_stage<=2 or one micro-batch "
-                              f"per step (strategy.micro_batch_size={unit.batch_per_replica})")
+            raise ConfigError(
+                f"unit {unit.unit}: ZeRO-3 with {unit.num_microbatches} micro-batches per step does not "
+                f"yet train like one process on the real backend (its gradients accumulate wrong "
+                f"across the separate backward calls); use strategy.zero_stage<=2 or one micro-batch "
+                f"per step (strategy.micro_batch_size={unit.batch_per_replica})"
+            )
         if unit.sequence_parallel:
-            raise ConfigError(f"unit {unit.unit} uses sequence parallelism, which the real backend does not run "
-                              f"yet (strategy.sequence_parallel=false)")
+            raise ConfigError(
+                f"unit {unit.unit} uses sequence parallelism, which the real backend does not run "
+                f"yet (strategy.sequence_parallel=false)"
+            )
     for rank_program in plan.program.classes:
         handles: set[str] = set()
         for instruction in rank_program.instructions:
@@ -62,9 +69,11 @@ def _check_gathered_batches(plan: Plan, rank: int, instructions: list) -> None:
             for payload in instruction.inputs:
                 if payload in rows and rows[payload][1] != instruction.work.contrastive_batch:
                     size, held, group = rows[payload]
-                    raise ConfigError(f"{payload} gathered over the {size} ranks of group {group} holds {held} rows, "
-                                      f"not the contrastive batch of {instruction.work.contrastive_batch}: its ranks "
-                                      f"hold the same rows more than once (a tower with TP on every device)")
+                    raise ConfigError(
+                        f"{payload} gathered over the {size} ranks of group {group} holds {held} rows, "
+                        f"not the contrastive batch of {instruction.work.contrastive_batch}: its ranks "
+                        f"hold the same rows more than once (a tower with TP on every device)"
+                    )
 
 
 def _check_instruction(instruction, handles: set[str], label: str, interaction: str | None) -> None:
@@ -73,8 +82,10 @@ def _check_instruction(instruction, handles: set[str], label: str, interaction: 
         if work.phase not in PHASES:
             raise ConfigError(f"{label}: the real backend does not run {work.phase} Work ({work.unit})")
         if work.kernels is not None or work.fraction != 1.0 or work.load != 1.0:
-            raise ConfigError(f"{label}: the real backend runs whole layers of nominal samples, not kernels, "
-                              f"chunks or loads ({work.unit} layers {work.layers})")
+            raise ConfigError(
+                f"{label}: the real backend runs whole layers of nominal samples, not kernels, "
+                f"chunks or loads ({work.unit} layers {work.layers})"
+            )
         if work.sharding.grid:
             raise ConfigError(f"{label}: {NO_GRID} ({work.unit})")
         if work.phase == "fwd":
@@ -88,14 +99,18 @@ def _check_instruction(instruction, handles: set[str], label: str, interaction: 
             hint = ""
             if instruction.kind == "pp":  # a pipeline transfer's scatter/gather
                 hint = " (it sends whole activations between stages: strategy.scatter_gather=false)"
-            raise ConfigError(f"{label}: the real backend cannot run a standalone {instruction.op} of kind "
-                              f"{instruction.kind} on group {instruction.group}: no tensor of the model travels in "
-                              f"it{hint}")
+            raise ConfigError(
+                f"{label}: the real backend cannot run a standalone {instruction.op} of kind "
+                f"{instruction.kind} on group {instruction.group}: no tensor of the model travels in "
+                f"it{hint}"
+            )
         elif not instruction.blocking:
-            raise ConfigError(f"{label}: asynchronous {instruction.kind} {instruction.op} on {instruction.group}: the "
-                              f"real backend does not overlap gradient reduction or parameter prefetch yet "
-                              f"(megatron: strategy.overlap_grad_reduce=false; ddp: strategy.overlap_comm=false, "
-                              f"whose prefetch_bucket_size then does nothing)")
+            raise ConfigError(
+                f"{label}: asynchronous {instruction.kind} {instruction.op} on {instruction.group}: the "
+                f"real backend does not overlap gradient reduction or parameter prefetch yet "
+                f"(megatron: strategy.overlap_grad_reduce=false; ddp: strategy.overlap_comm=false, "
+                f"whose prefetch_bucket_size then does nothing)"
+            )
     elif isinstance(instruction, Recv) and not instruction.blocking and instruction.handle is not None:
         handles.add(instruction.handle)
     elif isinstance(instruction, Wait) and instruction.handle not in handles:
@@ -123,8 +138,10 @@ def check_message_order(plan: Plan) -> None:
         if a != b:
             first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
             what = a[first] if first < len(a) else b[first]
-            raise ConfigError(f"rank {pair[1]} sends rank {pair[2]} {len(a)} messages over route {pair[0]} and it "
-                              f"receives {len(b)}, in another order from message {first} ({what[0]})")
+            raise ConfigError(
+                f"rank {pair[1]} sends rank {pair[2]} {len(a)} messages over route {pair[0]} and it "
+                f"receives {len(b)}, in another order from message {first} ({what[0]})"
+            )
 
 
 def _covered(program, rank: int) -> bool:

@@ -5,6 +5,7 @@ batch-sync all-gather's backward, DeepSpeed's ZeRO collectives) is timed here, s
 executor can split the instruction's wall time into compute and exposed communication of
 the right kind.
 """
+
 from __future__ import annotations
 
 import time

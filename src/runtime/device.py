@@ -7,6 +7,7 @@ their reduction in fp32); payloads travel between ranks in the run's precision, 
 simulator prices them. Timing synchronises the GPU at each measured boundary, so
 measured seconds are the device's, not the host's enqueue time.
 """
+
 from __future__ import annotations
 
 import contextlib

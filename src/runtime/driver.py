@@ -9,6 +9,7 @@ If one worker fails, the others are stopped at once and the error line of the ra
 failed first is raised (its peers' failures are consequences); Ctrl-C stops every
 worker. Each worker runs in its own session so that stopping it stops whatever it started.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,9 +38,17 @@ def free_port() -> int:
 
 def worker_env(rank: int, world: int, port: int, backend: dict[str, Any]) -> dict[str, str]:
     env = dict(os.environ)
-    env.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                "OMP_NUM_THREADS": str(backend["threads_per_worker"])})
+    env.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": str(backend["threads_per_worker"]),
+        }
+    )
     return env
 
 
@@ -89,8 +98,7 @@ def _cpu_workers(backend: dict[str, Any]) -> bool:
 def start_worker(run_dirs: list[Path], env: dict[str, str], backend: dict[str, Any]) -> ForkedWorker | subprocess.Popen:
     if _cpu_workers(backend):
         return ForkedWorker(run_dirs, env)
-    return subprocess.Popen([sys.executable, "-m", "src.runtime.worker", *map(str, run_dirs)], env=env,
-                            start_new_session=True)
+    return subprocess.Popen([sys.executable, "-m", "src.runtime.worker", *map(str, run_dirs)], env=env, start_new_session=True)
 
 
 def launch(run_dirs: list[Path], world: int, backend: dict[str, Any], jobs: list[dict[str, Any]]) -> None:
@@ -143,8 +151,7 @@ def _first_failure(run_dirs: list[Path], codes: list[int | None]) -> str:
     for rank, code in enumerate(codes):
         if code is not None and code < 0 and _error_file(run_dirs, rank) is None:
             return f"rank {rank}: worker killed by signal {signal.Signals(-code).name} (exit code {code})"
-    written = [(path.stat().st_mtime, rank, path) for rank in range(len(codes))
-               if (path := _error_file(run_dirs, rank)) is not None]
+    written = [(path.stat().st_mtime, rank, path) for rank in range(len(codes)) if (path := _error_file(run_dirs, rank)) is not None]
     if written:
         return min(written)[2].read_text().strip()
     rank = next(r for r, c in enumerate(codes) if c not in (None, 0))

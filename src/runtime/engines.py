@@ -8,6 +8,7 @@ ZeRO-0/1 reduce gradients inside `step`, ZeRO-2/3 during backward. Wherever Deep
 communicates, its comms logger times each collective (`deepspeed_comm_seconds`), and the
 executor charges that time to DP communication instead of to the compute around it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,7 +25,6 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
-
 
 
 @dataclass(frozen=True)
@@ -105,8 +105,9 @@ def make_engine(module: nn.Module, groups: ParallelGroups, settings: EngineSetti
     optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay, eps=settings.eps)
     # The first initialize in a process starts DeepSpeed's communication, which loads the shm op.
     with _without_load_notice():
-        engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, mpu=groups,
-                                               config=deepspeed_config(settings, len(groups.dp_ranks)))
+        engine, _, _, _ = deepspeed.initialize(
+            model=module, optimizer=optimizer, mpu=groups, config=deepspeed_config(settings, len(groups.dp_ranks))
+        )
     return engine
 
 
@@ -176,5 +177,4 @@ def _without_load_notice() -> Iterator[None]:
         with contextlib.redirect_stdout(captured):
             yield
     finally:
-        sys.stdout.write("".join(line for line in captured.getvalue().splitlines(keepends=True)
-                                 if LOAD_NOTICE not in line))
+        sys.stdout.write("".join(line for line in captured.getvalue().splitlines(keepends=True) if LOAD_NOTICE not in line))

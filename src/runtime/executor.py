@@ -18,6 +18,7 @@ DeepSpeed averages a unit's parameter gradients over its data-parallel replicas,
 unit's backward runs on (its dp) x (its part of the loss), and the input gradients it
 writes are divided by its dp again; units of different dp then meet without rescaling.
 """
+
 from __future__ import annotations
 
 import functools
@@ -58,8 +59,8 @@ class _Saved:
 class _StepState:
     store: PayloadStore = field(default_factory=PayloadStore)
     saved: dict[tuple, _Saved] = field(default_factory=dict)
-    local: dict[tuple[str, Payload], list] = field(default_factory=dict)   # local messages, by route and payload
-    pending: dict[str, tuple[str, list]] = field(default_factory=dict)      # handle -> (kind, posted receives)
+    local: dict[tuple[str, Payload], list] = field(default_factory=dict)  # local messages, by route and payload
+    pending: dict[str, tuple[str, list]] = field(default_factory=dict)  # handle -> (kind, posted receives)
     sends: list = field(default_factory=list)
     loss: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
     stepped: set = field(default_factory=set)
@@ -82,9 +83,18 @@ def input_key(work_unit: str, payload: Payload) -> str:
 
 
 class Executor:
-    def __init__(self, plan: Plan, model: ModelSpec, rank: int, units: torch.nn.ModuleDict,
-                 engines: dict[str, Any], groups: ProcessGroups, batch_for: Callable[[str, int], State],
-                 device: torch.device, precision: str) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        model: ModelSpec,
+        rank: int,
+        units: torch.nn.ModuleDict,
+        engines: dict[str, Any],
+        groups: ProcessGroups,
+        batch_for: Callable[[str, int], State],
+        device: torch.device,
+        precision: str,
+    ) -> None:
         self.plan, self.model, self.rank, self.device = plan, model, rank, device
         self.precision, self.dtype = precision, DTYPES[precision]
         self.program = plan.program
@@ -217,8 +227,10 @@ class Executor:
                 queries[tower] = (start, leaf)
             else:
                 if leaf.shape[0] != work.contrastive_batch:
-                    raise ConfigError(f"rank {self.rank}: {payload} holds {leaf.shape[0]} rows, not the contrastive "
-                                      f"batch of {work.contrastive_batch}")
+                    raise ConfigError(
+                        f"rank {self.rank}: {payload} holds {leaf.shape[0]} rows, not the contrastive "
+                        f"batch of {work.contrastive_batch}"
+                    )
                 keys[tower] = leaf
         image, text = towers  # the contrastive pair, in model order (vision, text)
         module = unit_layers(self.units, work.unit)[0]
@@ -241,8 +253,9 @@ class Executor:
             exchange_rows(self.model, self.s.store, collective, ranks, group, self.dtype, self.device)
             return
         if len(collective.inputs) != len(collective.outputs):
-            raise ConfigError(f"{collective.op} on {collective.group} pairs {len(collective.inputs)} inputs with "
-                              f"{len(collective.outputs)} outputs")
+            raise ConfigError(
+                f"{collective.op} on {collective.group} pairs {len(collective.inputs)} inputs with {len(collective.outputs)} outputs"
+            )
         for source, target in zip(collective.inputs, collective.outputs):
             if collective.op == "all_gather":
                 local = self.s.store.tensor(source).detach().to(self.dtype).contiguous()
@@ -256,7 +269,7 @@ class Executor:
                 all_reduce(total, group, collective.kind)
                 rows = total.shape[0] // len(ranks)
                 index = ranks.index(self.rank)
-                self.s.store.put(target, total[index * rows:(index + 1) * rows])
+                self.s.store.put(target, total[index * rows : (index + 1) * rows])
             elif collective.op == "all_reduce":
                 start, total = self.s.store.read(source)
                 total = total.detach().to(self.dtype, copy=True)
@@ -267,8 +280,9 @@ class Executor:
             else:
                 raise ConfigError(f"the real backend does not carry payloads in a {collective.op}")
 
-    def _broadcast(self, collective: Collective, source: Payload, target: Payload, ranks: tuple[int, ...],
-                   group: dist.ProcessGroup) -> None:
+    def _broadcast(
+        self, collective: Collective, source: Payload, target: Payload, ranks: tuple[int, ...], group: dist.ProcessGroup
+    ) -> None:
         """The group's first rank shares what it holds; the others size their buffer from
         the collective's bytes (its rows of the payload's row shape)."""
         if self.rank == ranks[0]:
@@ -277,8 +291,7 @@ class Executor:
         else:
             shape = row_shape(self.model, source)
             row_bytes = torch.Size(shape).numel() * torch.tensor([], dtype=self.dtype).element_size()
-            start, tensor = 0, torch.empty((round(collective.bytes / row_bytes),) + shape, dtype=self.dtype,
-                                           device=self.device)
+            start, tensor = 0, torch.empty((round(collective.bytes / row_bytes),) + shape, dtype=self.dtype, device=self.device)
         with CLOCK.timed(collective.kind):
             dist.broadcast(tensor, src=ranks[0], group=group)
         if self.rank != ranks[0]:
@@ -302,8 +315,7 @@ class Executor:
                 continue
             rows = message.received.rows
             count = rows[1] - rows[0] if rows is not None else self.plan.unit(message.received.unit).micro_batch
-            buffer = torch.empty((count,) + row_shape(self.model, message.received), dtype=self.dtype,
-                                 device=self.device)
+            buffer = torch.empty((count,) + row_shape(self.model, message.received), dtype=self.dtype, device=self.device)
             group = self.groups.route(route.name)
             if recv.blocking:
                 with CLOCK.timed(route.kind):

@@ -7,6 +7,7 @@ route over the ranks it connects. A route's messages travel in its own group: NC
 matches the point-to-point messages between two ranks by order only, and each route
 keeps its order (runtime.checks), while two routes between the same ranks need not.
 """
+
 from __future__ import annotations
 
 from datetime import timedelta
@@ -29,8 +30,9 @@ class ProcessGroups:
         self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         timeout = timedelta(seconds=timeout_s)
         program = plan.program
-        families: list[Sequence[tuple[int, ...]]] = [program.groups[name].family or (program.groups[name].ranks,)
-                                                     for name in sorted(program.groups)]
+        families: list[Sequence[tuple[int, ...]]] = [
+            program.groups[name].family or (program.groups[name].ranks,) for name in sorted(program.groups)
+        ]
         for unit_plan in plan.units:
             families += [unit_plan.mesh.family("tp"), unit_plan.mesh.family("dp")]
         for family in families:

@@ -8,6 +8,7 @@ samples of a batch-sync at the same step positions whatever its replicas and
 micro-batches (towers of different dp pair up row by row), and any plan trains on the
 very samples of a 1-process run.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -77,8 +78,15 @@ def first_sample(plan: UnitPlan | Batching, global_batch: int, replica: int, mic
 
 
 class Batches:
-    def __init__(self, model: ModelSpec, dataset: Any, global_batch: int, units: Mapping[str, UnitPlan | Batching],
-                 replica: Mapping[str, int], device: torch.device = torch.device("cpu")) -> None:
+    def __init__(
+        self,
+        model: ModelSpec,
+        dataset: Any,
+        global_batch: int,
+        units: Mapping[str, UnitPlan | Batching],
+        replica: Mapping[str, int],
+        device: torch.device = torch.device("cpu"),
+    ) -> None:
         self.model, self.dataset, self.global_batch = model, dataset, global_batch
         self.units, self.replica, self.device = units, replica, device
         self.step = 0

@@ -5,6 +5,7 @@ worker times square GEMMs in the run's precision at once (sharing the cores as t
 does) and the run uses the mean of each worker's best size. On a GPU the MFU denominator is the
 datasheet peak of the cluster preset; the same micro-benchmark is recorded beside it.
 """
+
 from __future__ import annotations
 
 import time
@@ -14,8 +15,7 @@ import torch
 GEMM_SIZES = {"cpu": (128, 512), "cuda": (4096, 8192)}
 
 
-def gemm_flops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 512,
-               min_seconds: float = 0.2) -> float:
+def gemm_flops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 512, min_seconds: float = 0.2) -> float:
     # F.linear, as the model's layers run their GEMMs: on a CPU without bf16 matrix units
     # it takes a faster bf16 kernel than torch.matmul does.
     a = torch.randn(n, n, device=device, dtype=dtype)
@@ -29,7 +29,7 @@ def gemm_flops(device: torch.device, dtype: torch.dtype = torch.float32, n: int 
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start
-    return 2.0 * n ** 3 * reps / elapsed
+    return 2.0 * n**3 * reps / elapsed
 
 
 def peak_gemm_flops(device: torch.device, dtype: torch.dtype) -> float:

@@ -1,5 +1,6 @@
 """What one rank holds, read off the typed plan: the layers of each unit it computes, and
 each unit's TP and DP groups as its mesh places this rank."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,8 +29,9 @@ def placements(plan: Plan, rank: int) -> dict[str, UnitPlacement]:
     out = {}
     for unit_plan in plan.units_on(rank):
         mesh = unit_plan.mesh
-        out[unit_plan.unit] = UnitPlacement(unit_plan.unit, frozenset(unit_plan.layers_on(rank)),
-                                            mesh.group("tp", rank), mesh.group("dp", rank))
+        out[unit_plan.unit] = UnitPlacement(
+            unit_plan.unit, frozenset(unit_plan.layers_on(rank)), mesh.group("tp", rank), mesh.group("dp", rank)
+        )
     return out
 
 

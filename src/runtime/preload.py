@@ -2,6 +2,7 @@
 before it forks the workers (src/runtime/driver.py), so 4 workers on 2 cores do not each
 pay seconds of torch, DeepSpeed and torch._dynamo imports (an optimizer's first
 construction imports torch._dynamo, about a second on its own)."""
+
 from __future__ import annotations
 
 import os

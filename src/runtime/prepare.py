@@ -9,6 +9,7 @@ whole nodes of the cluster, in rank order, as the cost model places them). Print
 directory as the last line of stdout. The launcher then runs the worker entry,
 `python -m src.runtime.worker RUN_DIR`, on every node; its rank 0 reports.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,8 +37,10 @@ def layout(plan: Plan, devices_per_node: int) -> tuple[int, int]:
     if plan.devices <= devices_per_node:
         return 1, plan.devices
     if plan.devices % devices_per_node:
-        raise ConfigError(f"the {plan.strategy} plan uses {plan.devices} devices, which do not fill whole nodes of "
-                          f"{devices_per_node}; torchrun starts as many workers on every node")
+        raise ConfigError(
+            f"the {plan.strategy} plan uses {plan.devices} devices, which do not fill whole nodes of "
+            f"{devices_per_node}; torchrun starts as many workers on every node"
+        )
     return plan.devices // devices_per_node, devices_per_node
 
 
@@ -64,8 +67,9 @@ def main(cfg: DictConfig) -> None:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
-    print(f"prepared: {nodes} node(s) x {per_node} worker(s); on each node: "
-          f"launchers/torchrun.sh {run_dir} HOST:PORT", file=sys.stderr)
+    print(
+        f"prepared: {nodes} node(s) x {per_node} worker(s); on each node: launchers/torchrun.sh {run_dir} HOST:PORT", file=sys.stderr
+    )
     print(run_dir)
 
 

@@ -3,6 +3,7 @@
 What every parallel plan must reproduce: with the same seed, initial weights and global
 batch, its losses equal these (the loss-equality tests, within float reduction order).
 """
+
 from __future__ import annotations
 
 
@@ -17,9 +18,18 @@ from src.models.flows import unit_order
 CPU = torch.device("cpu")
 
 
-def reference_losses(model: ModelSpec, seed: int, global_batch: int, steps: int, lr: float,
-                     weight_decay: float = 0.0, data: str = "synthetic", contrastive_batch: int | None = None,
-                     eps: float = 1e-8, precision: str = "fp32") -> list[float]:
+def reference_losses(
+    model: ModelSpec,
+    seed: int,
+    global_batch: int,
+    steps: int,
+    lr: float,
+    weight_decay: float = 0.0,
+    data: str = "synthetic",
+    contrastive_batch: int | None = None,
+    eps: float = 1e-8,
+    precision: str = "fp32",
+) -> list[float]:
     """Losses of `steps` steps. The contrastive loss is the mean over the step's
     consecutive slices of `contrastive_batch` samples (default: the whole batch), each
     scored against itself only, as the parallel plans' batch-syncs score them. `precision`:
@@ -29,8 +39,9 @@ def reference_losses(model: ModelSpec, seed: int, global_batch: int, steps: int,
     params = [p for p in units.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, eps=eps)
     whole = Batching(batch_per_replica=global_batch, micro_batch=global_batch, num_microbatches=1, sample_groups=1)
-    batches = Batches(model, dataset_for(model, seed, data), global_batch, {u.name: whole for u in model.units},
-                      {u.name: 0 for u in model.units})
+    batches = Batches(
+        model, dataset_for(model, seed, data), global_batch, {u.name: whole for u in model.units}, {u.name: 0 for u in model.units}
+    )
     losses = []
     for step in range(steps):
         batches.start_step(step)

@@ -6,6 +6,7 @@ wraps them in DeepSpeed engines on their data-parallel groups, and executes its
 instruction list once per step. Only rank 0 writes: one line and one metrics record per
 step, then the summary, to the same sinks as the simulator.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,8 +40,9 @@ from src.setup import plan_run, validate
 from src.timeline import RankTimeline, Span, Timeline
 
 
-def _engines(plan: Plan, places: dict[str, UnitPlacement], units: torch.nn.ModuleDict, groups: ProcessGroups,
-             backend: dict[str, Any]) -> dict[str, Any]:
+def _engines(
+    plan: Plan, places: dict[str, UnitPlacement], units: torch.nn.ModuleDict, groups: ProcessGroups, backend: dict[str, Any]
+) -> dict[str, Any]:
     """One DeepSpeed engine per data-parallel group: units that share it share an engine."""
     by_group: dict[tuple, list[str]] = {}
     for name, place in places.items():
@@ -49,11 +51,15 @@ def _engines(plan: Plan, places: dict[str, UnitPlacement], units: torch.nn.Modul
     engines: dict[str, Any] = {}
     for (dp_ranks, tp_ranks), names in by_group.items():
         first = plan.unit(names[0])
-        settings = EngineSettings(zero_stage=first.zero_stage, micro_batch=first.micro_batch,
-                                  accumulation=first.num_microbatches, lr=float(backend["lr"]),
-                                  weight_decay=float(backend["weight_decay"]), eps=float(backend["adam_eps"]))
-        parallel = ParallelGroups(groups.get(dp_ranks), dp_ranks, groups.get(tp_ranks) if len(tp_ranks) > 1 else None,
-                                  tp_ranks)
+        settings = EngineSettings(
+            zero_stage=first.zero_stage,
+            micro_batch=first.micro_batch,
+            accumulation=first.num_microbatches,
+            lr=float(backend["lr"]),
+            weight_decay=float(backend["weight_decay"]),
+            eps=float(backend["adam_eps"]),
+        )
+        parallel = ParallelGroups(groups.get(dp_ranks), dp_ranks, groups.get(tp_ranks) if len(tp_ranks) > 1 else None, tp_ranks)
         module = torch.nn.ModuleDict({n: units[n] for n in names})
         engine = make_engine(module, parallel, settings)
         engines.update({n: engine for n in names})
@@ -69,16 +75,21 @@ def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) ->
     CLOCK.device = device
     places = placements(plan, rank)
     groups = ProcessGroups(plan, float(backend["timeout_s"]))
-    tp = {name: TP(p.tp, p.tp_ranks.index(rank), groups.get(p.tp_ranks)) if p.tp > 1 else TP()
-          for name, p in places.items()}
-    units = build_units(setup.model, setup.train.seed, tp, {n: set(p.layers) for n, p in places.items()},
-                        {u.unit: u.recompute for u in plan.units}).to(device)
+    tp = {name: TP(p.tp, p.tp_ranks.index(rank), groups.get(p.tp_ranks)) if p.tp > 1 else TP() for name, p in places.items()}
+    units = build_units(
+        setup.model, setup.train.seed, tp, {n: set(p.layers) for n, p in places.items()}, {u.unit: u.recompute for u in plan.units}
+    ).to(device)
     engines = _engines(plan, places, units, groups, backend)
     if engines:
         CLOCK.add_source("dp", deepspeed_comm_seconds())
-    batches = Batches(setup.model, dataset_for(setup.model, setup.train.seed, str(backend["data"])),
-                      setup.train.global_batch, {u.unit: u for u in plan.units},
-                      {n: p.dp_ranks.index(rank) for n, p in places.items()}, device)
+    batches = Batches(
+        setup.model,
+        dataset_for(setup.model, setup.train.seed, str(backend["data"])),
+        setup.train.global_batch,
+        {u.unit: u for u in plan.units},
+        {n: p.dp_ranks.index(rank) for n, p in places.items()},
+        device,
+    )
     executor = Executor(plan, setup.model, rank, units, engines, groups, batches, device, precision)
     rank_program = plan.program.class_of(rank)
     timer = StepTimer(rank_program.instructions, rank_program.pipelined)
@@ -103,22 +114,37 @@ def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) ->
             times.append(float(longest))
             breakdowns.append(timer.finish(times[-1]))
             if sinks is not None:
-                sinks.log_step({"step": step, "loss": losses[-1], "step_time_s": times[-1],
-                                "mfu": flops / (times[-1] * world * peak), "rank0_breakdown_s": breakdowns[-1]})
-        mine = {"rank": rank, "breakdowns": breakdowns, "spans": [dataclasses.astuple(s) for s in timer.spans],
-                "rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-                "device_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0}
+                sinks.log_step(
+                    {
+                        "step": step,
+                        "loss": losses[-1],
+                        "step_time_s": times[-1],
+                        "mfu": flops / (times[-1] * world * peak),
+                        "rank0_breakdown_s": breakdowns[-1],
+                    }
+                )
+        mine = {
+            "rank": rank,
+            "breakdowns": breakdowns,
+            "spans": [dataclasses.astuple(s) for s in timer.spans],
+            "rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            "device_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0,
+        }
         gathered: list[Any] | None = [None] * world if rank == 0 else None
         dist.gather_object(mine, gathered, dst=0)
         if sinks is not None:
             assert gathered is not None, "rank 0 writes the results, and gathers"
             timeline = _timeline(plan, gathered, times)
             sizes = "/".join(map(str, GEMM_SIZES[device.type]))
-            measured = (f"best of {sizes}-cubed {precision} GEMMs on all {world} workers at once, mean per worker: "
-                        f"{measured_peak:.4g} FLOP/s")
+            measured = (
+                f"best of {sizes}-cubed {precision} GEMMs on all {world} workers at once, mean per worker: {measured_peak:.4g} FLOP/s"
+            )
             extras = {
-                "peak_flops_source": (f"cluster preset {setup.cluster.name} ({setup.cluster.device} datasheet); "
-                                      f"measured {measured}" if device.type == "cuda" else f"measured: {measured}"),
+                "peak_flops_source": (
+                    f"cluster preset {setup.cluster.name} ({setup.cluster.device} datasheet); measured {measured}"
+                    if device.type == "cuda"
+                    else f"measured: {measured}"
+                ),
                 "measured_gemm_flops_per_device": measured_peak,
                 "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
                 "dist_backend": dist.get_backend(),
@@ -154,9 +180,11 @@ def _notes(plan: Plan) -> list[str]:
     """What the measured breakdown leaves out, so that no reader takes it for measured."""
     if not any(u.zero_stage == 3 and u.dp > 1 for u in plan.units):
         return []
-    return ["comm_dp counts ZeRO-3's parameter all-gathers from their issue to their return: DeepSpeed "
-            "issues them asynchronously and waits for them inside forward and backward, where the wait "
-            "is counted as compute"]
+    return [
+        "comm_dp counts ZeRO-3's parameter all-gathers from their issue to their return: DeepSpeed "
+        "issues them asynchronously and waits for them inside forward and backward, where the wait "
+        "is counted as compute"
+    ]
 
 
 def _measured_peak(world: int, device: torch.device, precision: str) -> float:
@@ -185,11 +213,18 @@ def _timeline(plan: Plan, per_rank: list[dict], times: list[float]) -> Timeline:
         for member in members:
             steps = member["breakdowns"][measured]
             for category in steps[0]:
-                breakdown[category] = breakdown.get(category, 0.0) + (
-                    statistics.fmean(s[category] for s in steps) / len(members))
+                breakdown[category] = breakdown.get(category, 0.0) + (statistics.fmean(s[category] for s in steps) / len(members))
         busy = sum(v for k, v in breakdown.items() if k != "idle")
         breakdown["idle"] = max(0.0, iteration - busy)
         spans = [Span(*s) for s in members[0]["spans"]]
-        ranks.append(RankTimeline(ranks=rank_program.ranks, label=rank_program.label, units=rank_program.units,
-                                  spans=spans, breakdown=breakdown, end=iteration))
+        ranks.append(
+            RankTimeline(
+                ranks=rank_program.ranks,
+                label=rank_program.label,
+                units=rank_program.units,
+                spans=spans,
+                breakdown=breakdown,
+                end=iteration,
+            )
+        )
     return Timeline(iteration_time=iteration, ranks=ranks, backend="torch", events=len(plan.program.classes))

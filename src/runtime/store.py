@@ -6,6 +6,7 @@ chain rule sums the gradients of a tensor used several times; pieces of a value 
 overlap. Reading a payload returns its rows from the first held to the last, and where
 they start.
 """
+
 from __future__ import annotations
 
 import torch
@@ -68,7 +69,7 @@ class PayloadStore:
         lo, hi = payload.rows
         if lo < start or hi > start + tensor.shape[0]:
             raise ConfigError(f"{payload} reads rows outside the {tensor.shape[0]} held from row {start}")
-        return lo, tensor[lo - start:hi - start]
+        return lo, tensor[lo - start : hi - start]
 
     def tensor(self, payload: Payload) -> torch.Tensor:
         return self.read(payload)[1]
@@ -83,8 +84,8 @@ class PayloadStore:
         out = sample.new_zeros((last - first,) + tuple(sample.shape[1:]))
         covered = torch.zeros(last - first, dtype=torch.int32)
         for start, tensor in pieces:
-            out[start - first:start - first + tensor.shape[0]] += tensor
-            covered[start - first:start - first + tensor.shape[0]] += 1
+            out[start - first : start - first + tensor.shape[0]] += tensor
+            covered[start - first : start - first + tensor.shape[0]] += 1
         if not key.grad and bool((covered > 1).any()):
             raise ConfigError(f"{key}: rows arrived twice")
         if bool((covered == 0).any()):

@@ -12,6 +12,7 @@ DeepSpeed's collectives (gradient reductions and parameter gathers, inside
 its comms logger (runtime.engines.deepspeed_comm_seconds) and charged to comm_dp; only
 the wait of an asynchronous ZeRO-3 all-gather stays inside compute, as measured_notes says.
 """
+
 from __future__ import annotations
 
 from src.program import Collective, Compute, Instruction, Recv, Send, Wait
@@ -34,8 +35,7 @@ class StepTimer:
         self.index = -1
         self.end = 0.0
 
-    def record(self, instruction: Instruction, start: float, end: float, category: str,
-               comm: dict[str, float]) -> None:
+    def record(self, instruction: Instruction, start: float, end: float, category: str, comm: dict[str, float]) -> None:
         self.index += 1
         start, end = start - self.origin, end - self.origin
         self.end = end

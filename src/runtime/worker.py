@@ -10,6 +10,7 @@ Several run directories (same world size) run back to back in one process group,
 the start-up (imports, rendezvous) once: small sweeps and the tests use this. A worker is
 named `mmdist-rank<r>` in ps and pgrep.
 """
+
 from __future__ import annotations
 
 import os

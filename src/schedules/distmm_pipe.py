@@ -20,6 +20,7 @@ tower's projection sits between its layers, as CoCa's text tower's does); stages
 it see the barrier as gradients that arrive late. With one group there is nothing to
 interleave and both schedules are the same.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

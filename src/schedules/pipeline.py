@@ -5,6 +5,7 @@ over (virtual chunk, micro-batch). Planners turn these orders into instructions;
 simulator and the runtime execute the same instructions, so there is one implementation
 of each schedule.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,8 +27,7 @@ def gpipe(stages: int, microbatches: int) -> list[list[PipeOp]]:
     """All forwards, then all backwards in reverse micro-batch order: the last
     micro-batch is the last to finish its forward, so the last stage starts backward on
     it without waiting."""
-    order = [PipeOp("F", 0, j) for j in range(microbatches)] + \
-            [PipeOp("B", 0, j) for j in reversed(range(microbatches))]
+    order = [PipeOp("F", 0, j) for j in range(microbatches)] + [PipeOp("B", 0, j) for j in reversed(range(microbatches))]
     return [list(order) for _ in range(stages)]
 
 
@@ -48,8 +48,7 @@ def one_f_one_b(stages: int, microbatches: int, warmups: Sequence[int] | None = 
     return orders
 
 
-def interleaved(stages: int, microbatches: int, chunks: int,
-                warmups: Sequence[int] | None = None) -> list[list[PipeOp]]:
+def interleaved(stages: int, microbatches: int, chunks: int, warmups: Sequence[int] | None = None) -> list[list[PipeOp]]:
     """Megatron's interleaved 1F1B (Narayanan et al. 2021): each stage holds `chunks`
     virtual stages; micro-batches advance through the chunks in groups of `stages`.
 
@@ -59,8 +58,7 @@ def interleaved(stages: int, microbatches: int, chunks: int,
     if chunks == 1:
         return one_f_one_b(stages, microbatches, warmups)
     if microbatches % stages:
-        raise ConfigError(f"interleaved schedule needs micro-batches ({microbatches}) divisible by "
-                          f"pipeline stages ({stages})")
+        raise ConfigError(f"interleaved schedule needs micro-batches ({microbatches}) divisible by pipeline stages ({stages})")
     total = microbatches * chunks
 
     def virtual(k: int, forward: bool) -> tuple[int, int]:
@@ -71,8 +69,7 @@ def interleaved(stages: int, microbatches: int, chunks: int,
 
     orders = []
     for stage in range(stages):
-        warmup = _warmup(warmups, stage, min((stages - stage - 1) * 2 + (chunks - 1) * stages, total),
-                         (chunks - 1) * stages, total)
+        warmup = _warmup(warmups, stage, min((stages - stage - 1) * 2 + (chunks - 1) * stages, total), (chunks - 1) * stages, total)
         order = [PipeOp("F", *virtual(k, True)) for k in range(warmup)]
         next_b = 0
         for k in range(warmup, total):

@@ -1,4 +1,5 @@
 """The simulator as a backend: price one iteration of the plan's Program, report it."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -28,6 +28,7 @@ data the wait is exposed communication of its kind; while it waits for a peer to
 (or a sender to produce the data) it is a bubble; while it waits behind an earlier
 operation on the same stream, the wait is charged to that operation, and so on back.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -38,8 +39,22 @@ from src.costmodel.compute import ComputeModel
 from src.models.spec import ModelSpec
 from src.cluster import ClusterSpec
 from src.progress import Progress
-from src.program import (COMPUTE_STREAM, Collective, Compute, Hop, Instruction, Message, Payload, Program,
-                         RankProgram, Recv, Route, Send, Table, Wait)
+from src.program import (
+    COMPUTE_STREAM,
+    Collective,
+    Compute,
+    Hop,
+    Instruction,
+    Message,
+    Payload,
+    Program,
+    RankProgram,
+    Recv,
+    Route,
+    Send,
+    Table,
+    Wait,
+)
 from src.sim.intervals import Intervals
 from src.timeline import BREAKDOWN_CATEGORIES, RankTimeline, Span, Timeline
 
@@ -131,8 +146,7 @@ class _RoutePrices:
         cost = self._hop.get(route.name)
         if cost is None:
             # The pairs of a hop move at once; the slowest one bounds the stage.
-            cost = self._hop[route.name] = max((self._cost(route, a, b, route.bytes) for a, b in zip(route.a, route.b)),
-                                               default=0.0)
+            cost = self._hop[route.name] = max((self._cost(route, a, b, route.bytes) for a, b in zip(route.a, route.b)), default=0.0)
         return cost
 
     def _sender_class(self, route: Route, rank: int) -> int:
@@ -155,8 +169,7 @@ class _RoutePrices:
         cached = self._send.get(key)
         if cached is None:
             per_rank = [route.sends(rank, payload) for rank in ranks]
-            seconds = max((sum(self._cost(route, m.src, m.dst, m.bytes) for m in sends) for sends in per_rank),
-                          default=0.0)
+            seconds = max((sum(self._cost(route, m.src, m.dst, m.bytes) for m in sends) for sends in per_rank), default=0.0)
             nbytes = sum(m.bytes for sends in per_rank for m in sends if m.src != m.dst)
             crosses = any(node_of(m.src) != node_of(m.dst) for sends in per_rank for m in sends)
             cached = self._send[key] = (seconds, nbytes, crosses)
@@ -176,8 +189,9 @@ class _RoutePrices:
             self._offsets[key] = offsets
         return offsets[id(message)]
 
-    def receive_entries(self, route: Route, state: "_ClassState",
-                        payload: Payload) -> dict[tuple[str, int, Payload], tuple[float, float]]:
+    def receive_entries(
+        self, route: Route, state: "_ClassState", payload: Payload
+    ) -> dict[tuple[str, int, Payload], tuple[float, float]]:
         """For every send the class waits on, keyed (route, sender class, payload): when
         its last message to the class lands after that send starts, and that message's
         own transfer time."""
@@ -197,8 +211,10 @@ class _RoutePrices:
                     if offset >= cached.get(send_key, (-1.0, 0.0))[0]:
                         cached[send_key] = (offset, cost)
             if not cached:
-                raise SimulationError(f"{state.program.label or state.index} receives {payload} over route "
-                                      f"{route.name}, which sends none of its ranks anything of it")
+                raise SimulationError(
+                    f"{state.program.label or state.index} receives {payload} over route "
+                    f"{route.name}, which sends none of its ranks anything of it"
+                )
             self._recv[key] = cached
         return cached
 
@@ -233,8 +249,7 @@ class _ClassState:
 
 
 class Simulator:
-    def __init__(self, program: Program, model: ModelSpec, cluster: ClusterSpec, precision: str,
-                 compute: ComputeModel | None = None):
+    def __init__(self, program: Program, model: ModelSpec, cluster: ClusterSpec, precision: str, compute: ComputeModel | None = None):
         self.program = program
         self.model = model
         self.cluster = cluster
@@ -297,8 +312,10 @@ class Simulator:
             (group, seq), arrival = next(iter(self.arrivals.items()))
             missing = sorted(set(self._participants(group)) - set(arrival.ops))
             labels = [self.states[i].program.label or str(i) for i in missing]
-            raise SimulationError(f"{len(self.arrivals)} collectives never completed: {arrival.instruction.op} "
-                                  f"#{seq} on group {group} was never issued by {labels}")
+            raise SimulationError(
+                f"{len(self.arrivals)} collectives never completed: {arrival.instruction.op} "
+                f"#{seq} on group {group} was never issued by {labels}"
+            )
         if self.posted_recvs:
             keys = [f"{payload} over {route}" for route, _, payload in list(self.posted_recvs)[:4]]
             raise SimulationError(f"receives with no matching send: {keys}")
@@ -370,8 +387,17 @@ class Simulator:
             end = state.p2p_busy.stretched_end(start, end - start, self.p2p_rate)
         state.free[COMPUTE_STREAM] = end
         state.segments.append((start, end, "compute"))
-        state.spans.append(Span(COMPUTE_STREAM, start, end, f"{work.phase} {work.unit} L{work.layers[0]}-{work.layers[1]}",
-                                "compute", work.unit, instruction.microbatch))
+        state.spans.append(
+            Span(
+                COMPUTE_STREAM,
+                start,
+                end,
+                f"{work.phase} {work.unit} L{work.layers[0]}-{work.layers[1]}",
+                "compute",
+                work.unit,
+                instruction.microbatch,
+            )
+        )
         if work.phase in ("bwd", "bwd_input", "bwd_weight", "interaction") and state.first_backward is None:
             state.first_backward = start
         if work.phase in ("fwd", "interaction"):
@@ -403,12 +429,17 @@ class Simulator:
         arrival = self.arrivals.get(key)
         if arrival is None:
             arrival = self.arrivals[key] = _Arrival(instruction)
-        elif (arrival.instruction.op, arrival.instruction.bytes, arrival.instruction.count) != \
-                (instruction.op, instruction.bytes, instruction.count):
+        elif (arrival.instruction.op, arrival.instruction.bytes, arrival.instruction.count) != (
+            instruction.op,
+            instruction.bytes,
+            instruction.count,
+        ):
             first = arrival.instruction
-            raise SimulationError(f"collective #{seq} on group {group.name} does not match across ranks: "
-                                  f"{first.op} of {first.bytes:g} B x{first.count} vs {instruction.op} of "
-                                  f"{instruction.bytes:g} B x{instruction.count} ({state.program.label})")
+            raise SimulationError(
+                f"collective #{seq} on group {group.name} does not match across ranks: "
+                f"{first.op} of {first.bytes:g} B x{first.count} vs {instruction.op} of "
+                f"{instruction.bytes:g} B x{instruction.count} ({state.program.label})"
+            )
         op = self._issue(state, instruction.kind, instruction.stream)
         arrival.ops[state.index] = op
         self.arrival_of[id(op)] = key
@@ -449,8 +480,9 @@ class Simulator:
         cost_key = (instruction.op, group.name, instruction.bytes)
         parts = self.collective_cost.get(cost_key)
         if parts is None:
-            parts = self.collective_cost[cost_key] = self.comm.collective_parts(instruction.op, group.ranks,
-                                                                                instruction.bytes, group.sharing)
+            parts = self.collective_cost[cost_key] = self.comm.collective_parts(
+                instruction.op, group.ranks, instruction.bytes, group.sharing
+            )
         latency, transfer = parts[0] * instruction.count, parts[1] * instruction.count
         start = max(_ready(op) for op in arrival.ops.values())
         crosses = self.crosses_nodes.get(group.name)
@@ -551,8 +583,9 @@ class Simulator:
             state.blocker = op
         return True
 
-    def _complete_recv(self, state: _ClassState, op: _Op, recv: Recv,
-                       entries: dict[tuple[str, int, Payload], tuple[float, float]]) -> None:
+    def _complete_recv(
+        self, state: _ClassState, op: _Op, recv: Recv, entries: dict[tuple[str, int, Payload], tuple[float, float]]
+    ) -> None:
         """The receive ends when its last message lands; that message's transfer is the
         communication, the wait before it is the sender's (a bubble)."""
         self.received.add((recv.route, state.index, recv.payload.whole))
@@ -606,12 +639,18 @@ class Simulator:
     # ---- results ------------------------------------------------------------------------
     def _timeline(self) -> Timeline:
         iteration = max((max(s.free.values()) for s in self.states), default=0.0)
-        ranks = [RankTimeline(ranks=s.program.ranks, label=s.program.label or f"class {s.index}",
-                              units=s.program.units, spans=s.spans,
-                              breakdown=self._breakdown(s, iteration), end=max(s.free.values()))
-                 for s in self.states]
-        return Timeline(iteration_time=iteration, ranks=ranks, backend="sim", events=self.events,
-                        p2p_bytes=self.p2p_bytes)
+        ranks = [
+            RankTimeline(
+                ranks=s.program.ranks,
+                label=s.program.label or f"class {s.index}",
+                units=s.program.units,
+                spans=s.spans,
+                breakdown=self._breakdown(s, iteration),
+                end=max(s.free.values()),
+            )
+            for s in self.states
+        ]
+        return Timeline(iteration_time=iteration, ranks=ranks, backend="sim", events=self.events, p2p_bytes=self.p2p_bytes)
 
     def _breakdown(self, state: _ClassState, iteration: float) -> dict[str, float]:
         out = {cat: 0.0 for cat in BREAKDOWN_CATEGORIES}
@@ -644,8 +683,9 @@ class Simulator:
         return "bubble_imbalance"
 
 
-def simulate(program: Program, model: ModelSpec, cluster: ClusterSpec, precision: str,
-             compute: ComputeModel | None = None) -> Timeline:
+def simulate(
+    program: Program, model: ModelSpec, cluster: ClusterSpec, precision: str, compute: ComputeModel | None = None
+) -> Timeline:
     """Simulate one iteration. Pass a ComputeModel to share its price cache across the
     many Programs of a planner's search."""
     return Simulator(program, model, cluster, precision, compute).run()

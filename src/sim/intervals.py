@@ -4,6 +4,7 @@ The simulator runs rank classes one after another, not in time order, so a resou
 busy intervals arrive out of order: a query asks about any point in time, and an added
 interval merges with those it touches.
 """
+
 from __future__ import annotations
 
 from bisect import bisect_right

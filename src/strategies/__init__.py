@@ -1,4 +1,5 @@
 """The registry from strategy names (conf/strategy/<name>.yaml's `name`) to planners."""
+
 from __future__ import annotations
 
 from src.errors import ConfigError

@@ -8,6 +8,7 @@ against: Megatron-LM and its balanced pipeline (Optimus App. B), ZeRO-3/FSDP, De
 contender whose planner refuses the model (it does not apply) or finds no plan that fits
 is listed with its one-line reason.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -89,8 +90,9 @@ def price(contender: Contender, request: PlanRequest) -> Priced:
     try:
         if contender.label == "megatron-balanced" and len(request.model.units) == 1:
             raise PlanError("one unit: balancing the pipeline is Megatron-LM's own stage cut")
-        plan = planner_for(contender.strategy)(PlanRequest(request.model, request.cluster, request.train,
-                                                           contender_options(contender)))
+        plan = planner_for(contender.strategy)(
+            PlanRequest(request.model, request.cluster, request.train, contender_options(contender))
+        )
         if plan.devices > request.cluster.devices:
             raise PlanError(f"plan uses {plan.devices} devices but the cluster has {request.cluster.devices}")
         timeline = simulate(plan.program, request.model, request.cluster, request.train.precision)
@@ -104,15 +106,19 @@ def plan_auto(request: PlanRequest) -> Plan:
     priced = [price(contender, request) for contender in opts.chosen()]
     ranked = sorted((p for p in priced if p.plan is not None), key=lambda p: p.iteration_time_s)
     if not ranked:
-        raise PlanError("no strategy has a plan for this model on this cluster: "
-                        + "; ".join(f"{p.label}: {p.reason}" for p in priced))
+        raise PlanError(
+            "no strategy has a plan for this model on this cluster: " + "; ".join(f"{p.label}: {p.reason}" for p in priced)
+        )
     winner = ranked[0]
     assert winner.plan is not None
     choice: dict[str, Any] = {"winner": winner.label, "winner_iteration_time_s": winner.iteration_time_s}
     if len(ranked) > 1:
         runner_up = ranked[1]
-        choice.update(runner_up=runner_up.label, runner_up_iteration_time_s=runner_up.iteration_time_s,
-                      margin_pct=100.0 * (runner_up.iteration_time_s / winner.iteration_time_s - 1.0))
+        choice.update(
+            runner_up=runner_up.label,
+            runner_up_iteration_time_s=runner_up.iteration_time_s,
+            margin_pct=100.0 * (runner_up.iteration_time_s / winner.iteration_time_s - 1.0),
+        )
     choice["ranking"] = [{"strategy": p.label, "iteration_time_s": p.iteration_time_s} for p in ranked]
     choice["refused"] = {p.label: p.reason for p in priced if p.plan is None}
     winner.plan.details["auto"] = choice

@@ -1,4 +1,5 @@
 """What every strategy planner receives, and the registry from names to planners."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -9,6 +9,7 @@ to the consumer replica's lead, which shares it with its TP peers (a broadcast t
 planner emits). A consumer micro-batch may take rows of several producer micro-batches
 (fan-in) or part of one (fan-out). The gradient takes the same pieces back.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,9 +28,9 @@ class Side:
 
     mesh: Mesh
     micro_batch: int
-    microbatches: int   # per replica and group
+    microbatches: int  # per replica and group
     groups: int
-    payload: Payload    # micro-batch 0's; rows are set per piece
+    payload: Payload  # micro-batch 0's; rows are set per piece
 
     @property
     def replicas(self) -> int:
@@ -68,8 +69,9 @@ def pieces(src: Side, dst: Side, global_batch: int) -> list[tuple[int, int, int,
     return out
 
 
-def bridge(cluster: ClusterSpec, name: str, kind: CommKind, src: Side, dst: Side, global_batch: int,
-           row_bytes: float) -> tuple[Table, Table]:
+def bridge(
+    cluster: ClusterSpec, name: str, kind: CommKind, src: Side, dst: Side, global_batch: int, row_bytes: float
+) -> tuple[Table, Table]:
     """The route from `src` to `dst` and the gradient's route back."""
     forward, backward = [], []
     for pd, pj, cd, cj, first, rows in pieces(src, dst, global_batch):

@@ -7,6 +7,7 @@ shape. Per micro-batch: the units' forwards in data-flow order, the interaction 
 contrastive loss over the gathered batch) if the model has one, the backwards in reverse;
 then each unit's gradient reduction and optimizer step.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -49,8 +50,7 @@ class ColocatedUnit:
 
 
 class ColocatedEmitter:
-    def __init__(self, model: ModelSpec, cluster: ClusterSpec, precision: str, program: Program,
-                 units: list[ColocatedUnit]) -> None:
+    def __init__(self, model: ModelSpec, cluster: ClusterSpec, precision: str, program: Program, units: list[ColocatedUnit]) -> None:
         self.model, self.cluster, self.program = model, cluster, program
         self.units = {u.unit: u for u in units}
         self.act_bytes, self.grad_bytes = element_bytes(precision), grad_bytes(precision)
@@ -63,8 +63,7 @@ class ColocatedEmitter:
 
     def _tp(self, unit: str) -> TPConfig:
         u = self.units[unit]
-        return TPConfig(tensor_parallel(u.mesh.degree("tp"), u.sequence_parallel), self.tp_group[unit], u.recompute,
-                        self.act_bytes)
+        return TPConfig(tensor_parallel(u.mesh.degree("tp"), u.sequence_parallel), self.tp_group[unit], u.recompute, self.act_bytes)
 
     def _pass(self, unit: str, phase: str, samples: int, microbatch: int) -> list[Instruction]:
         """A unit's forward or backward; under ZeRO-3 with replicas, layer by layer: each
@@ -74,8 +73,7 @@ class ColocatedEmitter:
         spec, u = self.model.unit(unit), self.units[unit]
         dp = u.mesh.degree("dp")
         if u.zero_stage < 3 or dp == 1:
-            return segment_pass(self.model, Segment(unit, (0, spec.num_layers)), phase, samples, microbatch,
-                                self._tp(unit))
+            return segment_pass(self.model, Segment(unit, (0, spec.num_layers)), phase, samples, microbatch, self._tp(unit))
         backward = phase != "fwd"
         order = [i for i in (reversed(range(spec.num_layers)) if backward else range(spec.num_layers))]
         params = [spec.layers[i].params / u.mesh.degree("tp") for i in order]
@@ -83,21 +81,28 @@ class ColocatedEmitter:
         out: list[Instruction] = []
         for index, layer in enumerate(order):
             out += self._gather(unit, phase, microbatch, order, params, index)
-            out += segment_pass(self.model, Segment(unit, (layer, layer + 1)), phase, samples, microbatch,
-                                self._tp(unit))
+            out += segment_pass(self.model, Segment(unit, (layer, layer + 1)), phase, samples, microbatch, self._tp(unit))
             trainable = spec.trainable_params(layer, layer + 1) / u.mesh.degree("tp")
             if backward and trainable:
                 if u.overlap_comm:
                     handle = f"rs.{unit}.mb{microbatch}.L{layer}"
-                    out.append(Collective("reduce_scatter", group, trainable * self.act_bytes, "dp",
-                                          stream=REDUCE_STREAM, blocking=False, handle=handle))
+                    out.append(
+                        Collective(
+                            "reduce_scatter",
+                            group,
+                            trainable * self.act_bytes,
+                            "dp",
+                            stream=REDUCE_STREAM,
+                            blocking=False,
+                            handle=handle,
+                        )
+                    )
                     self.pending.append(handle)
                 else:
                     out.append(Collective("reduce_scatter", group, trainable * self.act_bytes, "dp"))
         return out
 
-    def _gather(self, unit: str, phase: str, microbatch: int, order: list[int], params: list[float],
-                index: int) -> list[Instruction]:
+    def _gather(self, unit: str, phase: str, microbatch: int, order: list[int], params: list[float], index: int) -> list[Instruction]:
         """The all-gather of layer order[index]'s parameters: the part prefetched during
         the previous layer is waited for, the rest gathered now; then the next layer's
         prefetch is issued."""
@@ -111,8 +116,17 @@ class ColocatedEmitter:
         if u.overlap_comm and index + 1 < len(order):
             ahead = min(params[index + 1], u.prefetch_params)
             if ahead:
-                out.append(Collective("all_gather", group, ahead * self.act_bytes, "dp", stream="dp",
-                                      blocking=False, handle=f"ag.{unit}.{phase}.mb{microbatch}.{index + 1}"))
+                out.append(
+                    Collective(
+                        "all_gather",
+                        group,
+                        ahead * self.act_bytes,
+                        "dp",
+                        stream="dp",
+                        blocking=False,
+                        handle=f"ag.{unit}.{phase}.mb{microbatch}.{index + 1}",
+                    )
+                )
         return out
 
     def gathered_params(self, unit: str) -> float:
@@ -136,17 +150,18 @@ class ColocatedEmitter:
                 out += self._pass(unit, "bwd", samples[unit], microbatch)
         return out
 
-    def contrastive(self, microbatch: int, group: str | None, rows: int, rows_scored: int,
-                    contrastive_batch: int) -> list[Instruction]:
+    def contrastive(
+        self, microbatch: int, group: str | None, rows: int, rows_scored: int, contrastive_batch: int
+    ) -> list[Instruction]:
         """The interaction of one micro-batch, gathering the batch's `rows` over `group`."""
-        return gathered_batch(self.model, self.towers(), microbatch, group, rows, QUERY_ROUTE, rows_scored,
-                              contrastive_batch, self.act_bytes)
+        return gathered_batch(
+            self.model, self.towers(), microbatch, group, rows, QUERY_ROUTE, rows_scored, contrastive_batch, self.act_bytes
+        )
 
     def towers(self) -> list[str]:
         return [u for u in unit_order(self.model) if u in self.units and u != self.model.interaction]
 
-    def query_routes(self, batches: int, share: dict[str, int], micro_batch: dict[str, int],
-                     with_keys: bool) -> None:
+    def query_routes(self, batches: int, share: dict[str, int], micro_batch: dict[str, int], with_keys: bool) -> None:
         """Every rank copies its replica's rows of each tower into its queries: replica d of
         a tower holds rows [d·share, (d+1)·share) of each contrastive batch, cut into
         micro-batches in order (and the keys too when no gather makes them)."""
@@ -178,13 +193,26 @@ class ColocatedEmitter:
             layered = u.zero_stage >= 3 and mesh.degree("dp") > 1
             shard = mesh.degree("dp") if u.zero_stage >= 1 else 1
             if layered:
-                out += [Compute(Work(s.unit, "optimizer", 0, s.layers, sharding=tensor_parallel(mesh.degree("tp")),
-                                     shard=shard)) for s in segments if not self.model.unit(s.unit).frozen]
+                out += [
+                    Compute(Work(s.unit, "optimizer", 0, s.layers, sharding=tensor_parallel(mesh.degree("tp")), shard=shard))
+                    for s in segments
+                    if not self.model.unit(s.unit).frozen
+                ]
                 continue
-            out += iteration_tail(self.model, segments, tensor_parallel(mesh.degree("tp")), self.dp_group[names[0]],
-                                  mesh.degree("dp"), u.zero_stage, self.grad_bytes, self.act_bytes, pending)
+            out += iteration_tail(
+                self.model,
+                segments,
+                tensor_parallel(mesh.degree("tp")),
+                self.dp_group[names[0]],
+                mesh.degree("dp"),
+                u.zero_stage,
+                self.grad_bytes,
+                self.act_bytes,
+                pending,
+            )
         return out
 
     def rank_program(self, instructions: list[Instruction]) -> RankProgram:
-        return RankProgram(ranks=tuple(range(self.program.world_size)), instructions=instructions,
-                           label="all ranks", units=tuple(self.units))
+        return RankProgram(
+            ranks=tuple(range(self.program.world_size)), instructions=instructions, label="all ranks", units=tuple(self.units)
+        )

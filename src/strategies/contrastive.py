@@ -19,6 +19,7 @@ gradients. How they get there is the planner's choice:
   O(devices) to emit and to price, where point-to-point messages from every scorer to
   every replica of the other tower were O(devices squared).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -48,8 +49,7 @@ def feature(model: ModelSpec, tower: str, microbatch: int) -> Payload:
     return Payload(tower, feature_boundary(model.unit(tower)), microbatch, "feature")
 
 
-def interaction_compute(model: ModelSpec, reads: tuple[Payload, ...], batch: int, rows: int,
-                        contrastive_batch: int) -> Compute:
+def interaction_compute(model: ModelSpec, reads: tuple[Payload, ...], batch: int, rows: int, contrastive_batch: int) -> Compute:
     """Score `rows` query rows against the contrastive batch, forward and backward:
     `reads` are the queries and keys this rank holds; it writes their gradients."""
     inter = model.unit(interaction_of(model))
@@ -89,8 +89,7 @@ def _pieces(holder: Holder, start: int, end: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def local_queries(model: ModelSpec, batch: int, holders: list[Holder], act_bytes: int,
-                  with_keys: bool = False) -> list[Message]:
+def local_queries(model: ModelSpec, batch: int, holders: list[Holder], act_bytes: int, with_keys: bool = False) -> list[Message]:
     """Each holder copies its scored rows from its features into its queries (and, when
     it holds the whole batch alone, into its keys)."""
     inter = interaction_of(model)
@@ -101,13 +100,16 @@ def local_queries(model: ModelSpec, batch: int, holders: list[Holder], act_bytes
             first = next(f for m, f, _ in h.microbatches if m == microbatch) + at
             piece = feature(model, h.tower, microbatch).part(at, at + rows)
             names = (queries, keys) if with_keys else (queries,)
-            out += [Message(h.rank, h.rank, piece, name(inter, h.tower, batch).part(first, first + rows),
-                            rows * elems * act_bytes) for name in names]
+            out += [
+                Message(h.rank, h.rank, piece, name(inter, h.tower, batch).part(first, first + rows), rows * elems * act_bytes)
+                for name in names
+            ]
     return out
 
 
-def batch_sync_features(model: ModelSpec, group: str, tower: str, towers: list[str], batch: int,
-                      contrastive_batch: int, act_bytes: int) -> Collective:
+def batch_sync_features(
+    model: ModelSpec, group: str, tower: str, towers: list[str], batch: int, contrastive_batch: int, act_bytes: int
+) -> Collective:
     """Separate towers, forward: one all-to-all over every scorer of every tower. Each
     sends its query rows (as many as it scores, possibly none) to every scorer of the
     other towers, which place them at their rows of that tower's keys: each receives the
@@ -116,12 +118,19 @@ def batch_sync_features(model: ModelSpec, group: str, tower: str, towers: list[s
     interaction"). Each rank's buffer is what it receives."""
     inter = interaction_of(model)
     volume = _busiest(model, towers, towers, contrastive_batch, act_bytes)
-    return Collective("all_to_all", group, volume, "interaction", inputs=(queries(inter, tower, batch),),
-                      outputs=tuple(keys(inter, t, batch) for t in towers if t != tower))
+    return Collective(
+        "all_to_all",
+        group,
+        volume,
+        "interaction",
+        inputs=(queries(inter, tower, batch),),
+        outputs=tuple(keys(inter, t, batch) for t in towers if t != tower),
+    )
 
 
-def batch_sync_gradients(model: ModelSpec, group: str, tower: str, towers: list[str], batch: int,
-                       contrastive_batch: int, act_bytes: int) -> Collective | None:
+def batch_sync_gradients(
+    model: ModelSpec, group: str, tower: str, towers: list[str], batch: int, contrastive_batch: int, act_bytes: int
+) -> Collective | None:
     """Separate towers, backward: the all-to-all reversed. Each rank returns the gradients
     of the other towers' keys it scored against (of the towers that train) to the rows'
     scorers, which sum what arrives for their rows into the gradient their own scoring
@@ -132,15 +141,20 @@ def batch_sync_gradients(model: ModelSpec, group: str, tower: str, towers: list[
         return None
     volume = _busiest(model, towers, trained, contrastive_batch, act_bytes)
     mine = (queries(inter, tower, batch).gradient(),) if tower in trained else ()
-    return Collective("all_to_all", group, volume, "interaction",
-                      inputs=tuple(keys(inter, t, batch).gradient() for t in trained if t != tower), outputs=mine)
+    return Collective(
+        "all_to_all",
+        group,
+        volume,
+        "interaction",
+        inputs=tuple(keys(inter, t, batch).gradient() for t in trained if t != tower),
+        outputs=mine,
+    )
 
 
 def _busiest(model: ModelSpec, towers: list[str], moved: list[str], contrastive_batch: int, act_bytes: int) -> float:
     """Bytes of the busiest scorer's part of a batch-sync all-to-all (every rank of the
     collective is priced alike): the other towers' whole batches, of the towers in `moved`."""
-    return max(contrastive_batch * sum(model.unit(t).output_elems for t in moved if t != tower) * act_bytes
-               for tower in towers)
+    return max(contrastive_batch * sum(model.unit(t).output_elems for t in moved if t != tower) * act_bytes for tower in towers)
 
 
 def query_gradients(model: ModelSpec, batch: int, holders: list[Holder], act_bytes: int) -> list[Message]:
@@ -164,8 +178,17 @@ def query_gradients(model: ModelSpec, batch: int, holders: list[Holder], act_byt
     return out
 
 
-def gathered_batch(model: ModelSpec, towers: list[str], microbatch: int, group: str | None, rows: int,
-                   route: str, rows_scored: int, contrastive_batch: int, act_bytes: int) -> list[Instruction]:
+def gathered_batch(
+    model: ModelSpec,
+    towers: list[str],
+    microbatch: int,
+    group: str | None,
+    rows: int,
+    route: str,
+    rows_scored: int,
+    contrastive_batch: int,
+    act_bytes: int,
+) -> list[Instruction]:
     """Colocated towers' interaction for one micro-batch: all-gather the features over
     `group` (rows of the whole contrastive batch), copy the own rows into the queries
     over the local `route`, score, reduce-scatter the keys' gradients back (of the towers
@@ -178,17 +201,27 @@ def gathered_batch(model: ModelSpec, towers: list[str], microbatch: int, group: 
     out: list[Instruction] = []
     if group is not None:
         volume = sum(model.unit(t).output_elems for t in towers) * rows * act_bytes
-        out.append(Collective("all_gather", group, volume, "interaction", inputs=feats,
-                              outputs=tuple(keys(inter, t, microbatch) for t in towers)))
+        out.append(
+            Collective(
+                "all_gather", group, volume, "interaction", inputs=feats, outputs=tuple(keys(inter, t, microbatch) for t in towers)
+            )
+        )
     out += [Send(route, f) for f in feats]
     out += [Recv(route, name(inter, t, microbatch)) for t in towers for name in copied]
     reads = tuple(name(inter, t, microbatch) for t in towers for name in (queries, keys))
     out.append(interaction_compute(model, reads, microbatch, rows_scored, contrastive_batch))
     if group is not None and trained:
         volume = sum(model.unit(t).output_elems for t in trained) * rows * act_bytes
-        out.append(Collective("reduce_scatter", group, volume, "interaction",
-                              inputs=tuple(keys(inter, t, microbatch).gradient() for t in trained),
-                              outputs=tuple(feature(model, t, microbatch).gradient() for t in trained)))
+        out.append(
+            Collective(
+                "reduce_scatter",
+                group,
+                volume,
+                "interaction",
+                inputs=tuple(keys(inter, t, microbatch).gradient() for t in trained),
+                outputs=tuple(feature(model, t, microbatch).gradient() for t in trained),
+            )
+        )
     out += [Send(f"{route}.grad", name(inter, t, microbatch).gradient()) for t in trained for name in copied]
     out += [Recv(f"{route}.grad", feature(model, t, microbatch).gradient()) for t in trained]
     return out

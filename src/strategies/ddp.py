@@ -15,6 +15,7 @@ Memory is checked: the micro-batch (the whole per-replica batch unless fixed or 
 and recomputation (none, selective, full) are the least memory-saving that fit, as the
 other planners choose them; a plan that fits nowhere is refused with its numbers.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,8 +38,8 @@ DEEPSPEED_PREFETCH_BUCKET = 50_000_000
 class DDPOptions:
     zero_stage: int = 0
     micro_batch_size: int | None = None  # null: the whole per-replica batch at once, unless it does not fit
-    recompute: str | None = None         # none | selective | full; null: the least that fits
-    overlap_comm: bool = False           # ZeRO-3: asynchronous reduce-scatters and parameter prefetch
+    recompute: str | None = None  # none | selective | full; null: the least that fits
+    overlap_comm: bool = False  # ZeRO-3: asynchronous reduce-scatters and parameter prefetch
     prefetch_bucket_size: int = DEEPSPEED_PREFETCH_BUCKET
 
     def __post_init__(self) -> None:
@@ -47,8 +48,9 @@ class DDPOptions:
         for key in ("micro_batch_size", "prefetch_bucket_size"):
             value = getattr(self, key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-                raise ConfigError(f"strategy.{key} must be a positive integer"
-                                  f"{' or null' if key == 'micro_batch_size' else ''}, got {value!r}")
+                raise ConfigError(
+                    f"strategy.{key} must be a positive integer{' or null' if key == 'micro_batch_size' else ''}, got {value!r}"
+                )
         if self.recompute is not None and self.recompute not in RECOMPUTE_MODES:
             raise ConfigError(f"strategy.recompute={self.recompute!r}; choose one of {list(RECOMPUTE_MODES)} or null")
         if not isinstance(self.overlap_comm, bool):
@@ -65,11 +67,15 @@ def _micro_batches(request: PlanRequest, opts: DDPOptions, dp: int) -> list[int]
     if opts.micro_batch_size is not None:
         mb = opts.micro_batch_size
         if per_replica % mb:
-            raise ConfigError(f"per-replica batch {per_replica} (global {train.global_batch} / dp {dp}) is not "
-                              f"divisible by strategy.micro_batch_size={mb}")
+            raise ConfigError(
+                f"per-replica batch {per_replica} (global {train.global_batch} / dp {dp}) is not "
+                f"divisible by strategy.micro_batch_size={mb}"
+            )
         if per_replica // mb > MAX_MICROBATCHES:
-            raise ConfigError(f"per-replica batch {per_replica} in micro-batches of {mb} is {per_replica // mb} "
-                              f"micro-batches per iteration; the planner builds at most {MAX_MICROBATCHES}")
+            raise ConfigError(
+                f"per-replica batch {per_replica} in micro-batches of {mb} is {per_replica // mb} "
+                f"micro-batches per iteration; the planner builds at most {MAX_MICROBATCHES}"
+            )
         choices = [mb]
     else:
         # Largest first, and no more micro-batches than a Program is built with.
@@ -77,8 +83,10 @@ def _micro_batches(request: PlanRequest, opts: DDPOptions, dp: int) -> list[int]
     if request.model.interaction is not None:
         fitting = [m for m in choices if m * dp >= train.contrastive_batch]
         if not fitting:
-            raise ConfigError(f"micro-batch {choices[0]} x dp {dp} = {choices[0] * dp} samples per loss is below the "
-                              f"contrastive batch {train.contrastive_batch}")
+            raise ConfigError(
+                f"micro-batch {choices[0]} x dp {dp} = {choices[0] * dp} samples per loss is below the "
+                f"contrastive batch {train.contrastive_batch}"
+            )
         choices = fitting
     return choices
 
@@ -91,28 +99,54 @@ def _build(request: PlanRequest, opts: DDPOptions, dp: int, mb: int, recompute: 
     program = Program(world_size=dp, classes=[])
     names = unit_order(model)
     prefetch = float(opts.prefetch_bucket_size)
-    emitter = ColocatedEmitter(model, request.cluster, request.train.precision, program,
-                               [ColocatedUnit(name, mesh, recompute, opts.zero_stage, overlap_comm=opts.overlap_comm,
-                                              prefetch_params=prefetch) for name in names])
+    emitter = ColocatedEmitter(
+        model,
+        request.cluster,
+        request.train.precision,
+        program,
+        [
+            ColocatedUnit(name, mesh, recompute, opts.zero_stage, overlap_comm=opts.overlap_comm, prefetch_params=prefetch)
+            for name in names
+        ],
+    )
     towers = emitter.towers()
     contrastive = model.interaction is not None
     if contrastive:
         emitter.query_routes(microbatches, {t: mb for t in towers}, {t: mb for t in towers}, with_keys=dp == 1)
     instructions: list[Instruction] = []
     for j in range(microbatches):
-        interaction = (emitter.contrastive(j, emitter.dp_group[towers[0]], mb * dp, len(towers) * mb, mb * dp)
-                       if contrastive else [])
+        interaction = emitter.contrastive(j, emitter.dp_group[towers[0]], mb * dp, len(towers) * mb, mb * dp) if contrastive else []
         instructions += emitter.microbatch(j, {t: mb for t in towers}, interaction)
     instructions += emitter.tail()
     program.classes.append(emitter.rank_program(instructions))
-    unit_plans = [UnitPlan(unit=name, mesh=mesh, micro_batch=mb, num_microbatches=microbatches,
-                           batch_per_replica=per_replica, stage_layers=((0, model.unit(name).num_layers),),
-                           sample_groups=microbatches, zero_stage=opts.zero_stage, recompute=recompute,
-                           gathered_params=emitter.gathered_params(name))
-                  for name in names]
-    plan = Plan(strategy="ddp", devices=dp, units=unit_plans, program=program,
-                details={"dp": dp, "micro_batch": mb, "zero_stage": opts.zero_stage, "recompute": recompute,
-                         "overlap_comm": opts.overlap_comm})
+    unit_plans = [
+        UnitPlan(
+            unit=name,
+            mesh=mesh,
+            micro_batch=mb,
+            num_microbatches=microbatches,
+            batch_per_replica=per_replica,
+            stage_layers=((0, model.unit(name).num_layers),),
+            sample_groups=microbatches,
+            zero_stage=opts.zero_stage,
+            recompute=recompute,
+            gathered_params=emitter.gathered_params(name),
+        )
+        for name in names
+    ]
+    plan = Plan(
+        strategy="ddp",
+        devices=dp,
+        units=unit_plans,
+        program=program,
+        details={
+            "dp": dp,
+            "micro_batch": mb,
+            "zero_stage": opts.zero_stage,
+            "recompute": recompute,
+            "overlap_comm": opts.overlap_comm,
+        },
+    )
     memory = rank_memory(program.classes[0], {u.unit: u for u in unit_plans}, model, request.train.precision)
     return plan, memory
 
@@ -130,11 +164,15 @@ def plan_ddp(request: PlanRequest) -> Plan:
                 return plan
             short = memory["total"] - usable
             if closest is None or short < closest[0]:
-                parts = ", ".join(f"{k} {memory[k] / GIB:.1f}" for k in ("weights", "grads", "optimizer", "gathered",
-                                                                          "activations") if k in memory)
-                closest = (short, f"ddp zero_stage={opts.zero_stage} dp={dp} micro-batch={mb} recompute={recompute}: "
-                                  f"a rank needs {memory['total'] / GIB:.1f} GiB ({parts}) but each "
-                                  f"{request.cluster.device} has {usable / GIB:.1f} GiB usable, short by "
-                                  f"{short / GIB:.1f} GiB")
+                parts = ", ".join(
+                    f"{k} {memory[k] / GIB:.1f}" for k in ("weights", "grads", "optimizer", "gathered", "activations") if k in memory
+                )
+                closest = (
+                    short,
+                    f"ddp zero_stage={opts.zero_stage} dp={dp} micro-batch={mb} recompute={recompute}: "
+                    f"a rank needs {memory['total'] / GIB:.1f} GiB ({parts}) but each "
+                    f"{request.cluster.device} has {usable / GIB:.1f} GiB usable, short by "
+                    f"{short / GIB:.1f} GiB",
+                )
     assert closest is not None, "_micro_batches yields a size or refuses the batch"
     raise PlanError(closest[1])

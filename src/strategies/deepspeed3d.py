@@ -10,6 +10,7 @@ parallelism, and stages balanced by parameters (partition_method "parameters", s
 may differ by a block). The Programs are the Megatron pipeline's, built and searched by
 the Megatron planner with these settings fixed.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -34,16 +35,29 @@ class DeepSpeed3DOptions:
     scatter_gather: bool = True
 
     def megatron_options(self) -> dict:
-        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "vpp": 1, "micro_batch_size": self.micro_batch_size,
-                "schedule": "1f1b", "recompute": self.recompute, "sequence_parallel": False, "zero_stage": 1,
-                "overlap_grad_reduce": False, "uneven_pp": self.uneven_pp, "scatter_gather": self.scatter_gather}
+        return {
+            "tp": self.tp,
+            "pp": self.pp,
+            "dp": self.dp,
+            "vpp": 1,
+            "micro_batch_size": self.micro_batch_size,
+            "schedule": "1f1b",
+            "recompute": self.recompute,
+            "sequence_parallel": False,
+            "zero_stage": 1,
+            "overlap_grad_reduce": False,
+            "uneven_pp": self.uneven_pp,
+            "scatter_gather": self.scatter_gather,
+        }
 
 
 def plan_deepspeed3d(request: PlanRequest) -> Plan:
     opts = options_from(DeepSpeed3DOptions, request.options)
     if request.model.interaction is not None:
-        raise ConfigError(f"deepspeed3d pipelines language models; {request.model.name} has a contrastive "
-                          f"interaction (use strategy=megatron or distmm)")
+        raise ConfigError(
+            f"deepspeed3d pipelines language models; {request.model.name} has a contrastive "
+            f"interaction (use strategy=megatron or distmm)"
+        )
     try:
         plan = plan_megatron(replace(request, options=opts.megatron_options()))
     except ConfigError as err:

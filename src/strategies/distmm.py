@@ -15,6 +15,7 @@ A tower's degrees can be fixed by hand (strategy.vision.tp=4 strategy.text.dp=16
 memory-saving settings (recompute, ZeRO-1) are chosen per tower, cheapest first, exactly
 as far as memory requires, as the Megatron baseline chooses them for the whole model.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -30,8 +31,17 @@ from src.schedules.distmm_pipe import SYNC_SCHEDULES, max_contrastive_batch
 from src.strategies.base import PlanRequest
 from src.strategies.distmm_balance import Choice, aligned_time, balance, own_time
 from src.strategies.distmm_programs import colocated_program, cross_flows, place, separate_program, unit_plans
-from src.strategies.distmm_towers import (Degrees, TowerCosts, TowerPlan, activation_per_sample, blocks_of,
-                                          partition, phase_weights, replica_state_bytes, stage_ranges)
+from src.strategies.distmm_towers import (
+    Degrees,
+    TowerCosts,
+    TowerPlan,
+    activation_per_sample,
+    blocks_of,
+    partition,
+    phase_weights,
+    replica_state_bytes,
+    stage_ranges,
+)
 from src.models.flows import unit_order
 
 BALANCE = ("dp", "even")
@@ -56,8 +66,9 @@ class DistMMOptions:
         for key, allowed in (("balance", BALANCE), ("placement", PLACEMENT), ("pipeline", SYNC_SCHEDULES)):
             if getattr(self, key) not in allowed:
                 raise ConfigError(f"strategy.{key}={getattr(self, key)!r}; choose one of {list(allowed)}")
-        if self.microbatches is not None and (isinstance(self.microbatches, bool)
-                                              or not isinstance(self.microbatches, int) or self.microbatches <= 0):
+        if self.microbatches is not None and (
+            isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) or self.microbatches <= 0
+        ):
             raise ConfigError(f"strategy.microbatches must be a positive integer or null, got {self.microbatches!r}")
         if not isinstance(self.use_all_devices, bool):
             raise ConfigError(f"strategy.use_all_devices={self.use_all_devices!r} must be true or false")
@@ -93,8 +104,9 @@ def _degrees(request: PlanRequest, tower: str, fixed: dict[str, int | None]) -> 
     node = request.cluster.devices_per_node
     tp, pp = fixed["tp"], fixed["pp"]
     if tp is not None and (unit.heads % tp or tp > node):
-        raise ConfigError(f"strategy.{tower}.tp={tp} must divide the {unit.heads} heads of {tower} and stay inside "
-                          f"a node of {node} devices")
+        raise ConfigError(
+            f"strategy.{tower}.tp={tp} must divide the {unit.heads} heads of {tower} and stay inside a node of {node} devices"
+        )
     if pp is not None and pp > blocks_of(unit):
         raise ConfigError(f"strategy.{tower}.pp={pp} exceeds the {blocks_of(unit)} blocks of {tower}")
     return partition(unit, request.cluster, request.train.precision, tp, pp)
@@ -111,9 +123,17 @@ def _depths(request: PlanRequest, tower: str, degrees: Degrees, fixed: dict[str,
     return [Degrees(degrees.tp, pp) for pp in range(degrees.pp, deepest + 1)]
 
 
-def _choices(request: PlanRequest, costs: TowerCosts, tower: str, depths: list[Degrees], dp: int | None,
-             groups: int, schedule: str, settings: tuple[tuple[str, int], ...], microbatches: int | None
-             ) -> tuple[list[Choice[TowerPlan]], list[str]]:
+def _choices(
+    request: PlanRequest,
+    costs: TowerCosts,
+    tower: str,
+    depths: list[Degrees],
+    dp: int | None,
+    groups: int,
+    schedule: str,
+    settings: tuple[tuple[str, int], ...],
+    microbatches: int | None,
+) -> tuple[list[Choice[TowerPlan]], list[str]]:
     """Every device count of the tower whose replicas divide the batch and fit memory, at
     the partitioner's pipeline depth or, only if no size fits there, the shallowest
     deeper one at which some size fits."""
@@ -138,25 +158,28 @@ def _choices(request: PlanRequest, costs: TowerCosts, tower: str, depths: list[D
     return choices, skipped
 
 
-def _short(request: PlanRequest, costs: TowerCosts, tower: str, degrees: Degrees, replicas: int, batch: int,
-           groups: int, schedule: str) -> str:
+def _short(
+    request: PlanRequest, costs: TowerCosts, tower: str, degrees: Degrees, replicas: int, batch: int, groups: int, schedule: str
+) -> str:
     """Why a tower size does not fit: its memory with the most saving settings."""
     stages = stage_ranges(request.model.unit(tower), degrees.pp)
     share = batch // groups
-    plan = TowerPlan(tower, degrees.tp, degrees.pp, replicas, batch, groups, share if degrees.pp > 1 else 1,
-                     "full", 1, stages, schedule)
+    plan = TowerPlan(
+        tower, degrees.tp, degrees.pp, replicas, batch, groups, share if degrees.pp > 1 else 1, "full", 1, stages, schedule
+    )
     need, usable = costs.memory(plan), request.cluster.usable_memory_bytes
     bound = ""
     if degrees.pp > 1:
         unit = request.model.unit(tower)
         whole = (0, unit.num_layers)
         static = replica_state_bytes(unit, whole, degrees.tp, request.train.precision)
-        samples = max_contrastive_batch(usable, static, activation_per_sample(unit, whole, degrees.tp, "full"),
-                                        degrees.pp)
+        samples = max_contrastive_batch(usable, static, activation_per_sample(unit, whole, degrees.tp, "full"), degrees.pp)
         bound = f" (DistMM-Pipe's (M·P - M_s)/(2·M_a) allows about {max(0, int(samples))} samples per group here)"
-    return (f"tower {tower} at tp={degrees.tp} pp={degrees.pp} with {replicas} replicas of {batch} samples needs "
-            f"{need / GIB:.1f} GiB per device even with full recompute and ZeRO-1; {usable / GIB:.1f} GiB usable, "
-            f"short by {(need - usable) / GIB:.1f} GiB{bound}")
+    return (
+        f"tower {tower} at tp={degrees.tp} pp={degrees.pp} with {replicas} replicas of {batch} samples needs "
+        f"{need / GIB:.1f} GiB per device even with full recompute and ZeRO-1; {usable / GIB:.1f} GiB usable, "
+        f"short by {(need - usable) / GIB:.1f} GiB{bound}"
+    )
 
 
 def _even(choices: list[Choice[TowerPlan]], share: int) -> Choice[TowerPlan] | None:
@@ -165,8 +188,7 @@ def _even(choices: list[Choice[TowerPlan]], share: int) -> Choice[TowerPlan] | N
     return max(within, key=lambda c: c.devices) if within else None
 
 
-def _separate(request: PlanRequest, opts: DistMMOptions, towers: list[str], groups: int) -> tuple[list[TowerPlan],
-                                                                                                   dict[str, float]]:
+def _separate(request: PlanRequest, opts: DistMMOptions, towers: list[str], groups: int) -> tuple[list[TowerPlan], dict[str, float]]:
     costs = TowerCosts(request.model, request.cluster, request.train.precision, request.train.contrastive_batch)
     linked = {name for flow in cross_flows(request.model, towers) for name in (flow.producer, flow.consumer)}
     per_tower = []
@@ -177,8 +199,7 @@ def _separate(request: PlanRequest, opts: DistMMOptions, towers: list[str], grou
         # consumer: towers linked that way run GPipe with batch-sync.
         schedule = "gpipe_sync" if tower in linked else opts.pipeline
         depths = _depths(request, tower, _degrees(request, tower, fixed), fixed)
-        choices, skipped = _choices(request, costs, tower, depths, fixed["dp"], groups, schedule, opts.settings(),
-                                    opts.microbatches)
+        choices, skipped = _choices(request, costs, tower, depths, fixed["dp"], groups, schedule, opts.settings(), opts.microbatches)
         if not choices:
             why = skipped[-1] if skipped else "no replica count is possible"
             raise PlanError(f"distmm: no size of tower {tower} fits on {request.cluster.devices} devices: {why}")
@@ -192,16 +213,17 @@ def _separate(request: PlanRequest, opts: DistMMOptions, towers: list[str], grou
         picked = even if len(even) == len(per_tower) else None
     if picked is None:
         smallest = " + ".join(f"{t} {min(c.devices for c in cs)}" for t, cs in zip(towers, per_tower))
-        raise PlanError(f"distmm: the towers need at least {smallest} devices with replica counts dividing the batch "
-                        f"{request.train.global_batch} ({opts.balance} balance) but cluster {request.cluster.name} "
-                        f"has {request.cluster.devices}")
+        raise PlanError(
+            f"distmm: the towers need at least {smallest} devices with replica counts dividing the batch "
+            f"{request.train.global_batch} ({opts.balance} balance) but cluster {request.cluster.name} "
+            f"has {request.cluster.devices}"
+        )
     estimates = {t: own_time(c, weights) for t, c in zip(towers, picked)}
     estimates[ALIGNED] = aligned_time([c.phases for c in picked], weights)
     return [c.payload for c in picked], estimates
 
 
-def _colocated(request: PlanRequest, opts: DistMMOptions, towers: list[str], groups: int) -> tuple[list[TowerPlan],
-                                                                                                   Program]:
+def _colocated(request: PlanRequest, opts: DistMMOptions, towers: list[str], groups: int) -> tuple[list[TowerPlan], Program]:
     """Every tower on every device: replicas = devices / tp; the first settings that fit."""
     devices, batch = request.cluster.devices, request.train.global_batch
     degrees = {}
@@ -209,23 +231,38 @@ def _colocated(request: PlanRequest, opts: DistMMOptions, towers: list[str], gro
         fixed = opts.fixed(tower)
         degrees[tower] = _degrees(request, tower, fixed)
         if degrees[tower].pp > 1:
-            raise PlanError(f"distmm: placement=naive colocates the towers on every device without a pipeline, but "
-                            f"tower {tower} needs pp={degrees[tower].pp}; use placement=separate")
+            raise PlanError(
+                f"distmm: placement=naive colocates the towers on every device without a pipeline, but "
+                f"tower {tower} needs pp={degrees[tower].pp}; use placement=separate"
+            )
         replicas = devices // degrees[tower].tp
         if batch % replicas or (batch // replicas) % groups:
-            raise ConfigError(f"global batch {batch} is not divisible by {tower}'s {replicas} replicas x {groups} "
-                              f"batch-sync group(s)")
+            raise ConfigError(f"global batch {batch} is not divisible by {tower}'s {replicas} replicas x {groups} batch-sync group(s)")
     last = ""
     for recompute, zero in opts.settings():
-        plans = [TowerPlan(t, degrees[t].tp, 1, devices // degrees[t].tp, batch // (devices // degrees[t].tp),
-                           groups, 1, recompute, zero, ((0, request.model.unit(t).num_layers),)) for t in towers]
-        program = colocated_program(request.model, request.cluster, request.train.precision,
-                                    request.train.contrastive_batch, plans)
+        plans = [
+            TowerPlan(
+                t,
+                degrees[t].tp,
+                1,
+                devices // degrees[t].tp,
+                batch // (devices // degrees[t].tp),
+                groups,
+                1,
+                recompute,
+                zero,
+                ((0, request.model.unit(t).num_layers),),
+            )
+            for t in towers
+        ]
+        program = colocated_program(request.model, request.cluster, request.train.precision, request.train.contrastive_batch, plans)
         need = _peak_memory(request, program, plans, colocated=True)
         if need <= request.cluster.usable_memory_bytes:
             return plans, program
-        last = (f"needs {need / GIB:.1f} GiB per device with recompute={recompute} zero_stage={zero}, "
-                f"{request.cluster.usable_memory_bytes / GIB:.1f} GiB usable")
+        last = (
+            f"needs {need / GIB:.1f} GiB per device with recompute={recompute} zero_stage={zero}, "
+            f"{request.cluster.usable_memory_bytes / GIB:.1f} GiB usable"
+        )
     raise PlanError(f"distmm: placement=naive does not fit: every device holds all towers and {last}")
 
 
@@ -243,8 +280,10 @@ def plan_distmm(request: PlanRequest) -> Plan:
     towers = _towers(request.model, opts)
     batch, rbs = request.train.global_batch, request.train.contrastive_batch
     if batch % rbs:
-        raise ConfigError(f"global batch {batch} is not a multiple of the contrastive batch {rbs}: DistMM runs "
-                          f"batch/contrastive batch-syncs of {rbs} samples each")
+        raise ConfigError(
+            f"global batch {batch} is not a multiple of the contrastive batch {rbs}: DistMM runs "
+            f"batch/contrastive batch-syncs of {rbs} samples each"
+        )
     groups = batch // rbs
     estimates: dict[str, float] = {}
     colocated = opts.placement == "naive"
@@ -258,18 +297,24 @@ def plan_distmm(request: PlanRequest) -> Plan:
         if unit.unit in estimates:
             unit.details["balancer_time_s"] = round(estimates[unit.unit], 6)
     by_name = {u.unit: u for u in units}
-    memory = {rp.label: rank_memory(rp, by_name, request.model, request.train.precision)["total"]
-              for rp in program.classes}
+    memory = {rp.label: rank_memory(rp, by_name, request.model, request.train.precision)["total"] for rp in program.classes}
     worst = max(memory, key=lambda label: memory[label])
     if memory[worst] > request.cluster.usable_memory_bytes:
-        raise PlanError(f"distmm: {worst} needs {memory[worst] / GIB:.1f} GiB but a {request.cluster.device} has "
-                        f"{request.cluster.usable_memory_bytes / GIB:.1f} GiB usable (the balancer's estimate "
-                        f"disagrees with the Program)")
+        raise PlanError(
+            f"distmm: {worst} needs {memory[worst] / GIB:.1f} GiB but a {request.cluster.device} has "
+            f"{request.cluster.usable_memory_bytes / GIB:.1f} GiB usable (the balancer's estimate "
+            f"disagrees with the Program)"
+        )
     used = sum(p.devices for p in plans) if not colocated else request.cluster.devices
-    details = {"balance": opts.balance if not colocated else "none (colocated)", "placement": opts.placement,
-               "pipeline": opts.pipeline, "batch_sync_groups": groups, "contrastive_batch": rbs,
-               "idle_devices": request.cluster.devices - used,
-               "memory_gib": {k: round(v / GIB, 3) for k, v in memory.items()}}
+    details = {
+        "balance": opts.balance if not colocated else "none (colocated)",
+        "placement": opts.placement,
+        "pipeline": opts.pipeline,
+        "batch_sync_groups": groups,
+        "contrastive_batch": rbs,
+        "idle_devices": request.cluster.devices - used,
+        "memory_gib": {k: round(v / GIB, 3) for k, v in memory.items()},
+    }
     if ALIGNED in estimates:
         details["balancer_aligned_s"] = round(estimates[ALIGNED], 6)
     return Plan(strategy="distmm", devices=request.cluster.devices, units=units, program=program, details=details)

@@ -31,6 +31,7 @@ choices as the divisors of the batch within the cluster.
 replica counts allow) compete: the towers share out the whole cluster, as in the paper's
 examples (Figure 2; CoCa's 16 + 48 of 64 GPUs, §7.2.2). Without it, any total up to N.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -82,8 +83,9 @@ def _front(partials: list[_Partial]) -> list[_Partial]:
     return kept
 
 
-def balance(choices: Sequence[Sequence[Choice[Payload]]], devices: int, weights: Sequence[float] = (1.0,),
-            fill: bool = False) -> list[Choice[Payload]] | None:
+def balance(
+    choices: Sequence[Sequence[Choice[Payload]]], devices: int, weights: Sequence[float] = (1.0,), fill: bool = False
+) -> list[Choice[Payload]] | None:
     """One choice per tower minimising the aligned iteration (`aligned_time`) on at most
     `devices` devices (with `fill`: on exactly the most devices some choices add up to);
     None if no combination fits. Ties go to the least summed time of the towers (towers
@@ -103,8 +105,9 @@ def balance(choices: Sequence[Sequence[Choice[Payload]]], devices: int, weights:
                     continue
                 extra = own_time(choice, weights)
                 grown.setdefault(total, []).extend(
-                    _Partial(tuple(max(a, b) for a, b in zip(p.maxima, choice.phases)), p.summed + extra,
-                             p.picks + (index,)) for p in front)
+                    _Partial(tuple(max(a, b) for a, b in zip(p.maxima, choice.phases)), p.summed + extra, p.picks + (index,))
+                    for p in front
+                )
         fronts = {n: _front(partials) for n, partials in grown.items()}
     if not fronts:
         return None

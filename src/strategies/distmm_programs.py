@@ -21,6 +21,7 @@ route, by sample (a consumer micro-batch takes rows of several producer micro-ba
 or part of one), and sends the gradient back ("broker" communication): separate
 placement pays for it, colocated placement does not.
 """
+
 from __future__ import annotations
 
 import functools
@@ -32,13 +33,34 @@ from src.costmodel.memory import element_bytes, grad_bytes
 from src.mesh import Mesh, Sharding
 from src.models.flows import Flow, feature_boundary, flows_of
 from src.models.spec import ModelSpec
-from src.program import (Collective, CollectiveOp, CommKind, Instruction, Message, Payload, Program, RankProgram, Recv,
-                         Send, UnitPlan, compress_ranks)
+from src.program import (
+    Collective,
+    CollectiveOp,
+    CommKind,
+    Instruction,
+    Message,
+    Payload,
+    Program,
+    RankProgram,
+    Recv,
+    Send,
+    UnitPlan,
+    compress_ranks,
+)
 from src.schedules.distmm_pipe import SyncOp, build_sync_schedule
 from src.strategies.bridge import Side, bridge
 from src.strategies.colocated import ColocatedEmitter, ColocatedUnit
-from src.strategies.contrastive import (Holder, batch_sync_features, batch_sync_gradients, interaction_compute, interaction_of, keys,
-                                        local_queries, queries, query_gradients)
+from src.strategies.contrastive import (
+    Holder,
+    batch_sync_features,
+    batch_sync_gradients,
+    interaction_compute,
+    interaction_of,
+    keys,
+    local_queries,
+    queries,
+    query_gradients,
+)
 from src.strategies.distmm_towers import TowerPlan
 from src.strategies.emit import iteration_tail
 from src.strategies.layout import make_group, megatron_mesh, table
@@ -96,8 +118,7 @@ def cross_flows(model: ModelSpec, towers: list[str]) -> list[Flow]:
 class _Separate:
     """Builds the separate-placement Program: one pipeline per tower, linked by routes."""
 
-    def __init__(self, model: ModelSpec, cluster: ClusterSpec, precision: str, contrastive_batch: int,
-                 placed: list[Placed]):
+    def __init__(self, model: ModelSpec, cluster: ClusterSpec, precision: str, contrastive_batch: int, placed: list[Placed]):
         self.model, self.cluster, self.precision = model, cluster, precision
         self.rbs = contrastive_batch
         self.placed = {p.plan.unit: p for p in placed}
@@ -117,10 +138,17 @@ class _Separate:
             self._cross_routes(program, flow)
         for placed in self.placed.values():
             plan = placed.plan
-            emitter = PipelineEmitter(self.model, self.cluster, self.precision, program, placed.mesh,
-                                      self._virtual(plan),
-                                      PipelineSettings(plan.micro_batch, plan.recompute, False, plan.zero_stage),
-                                      prefix=f"{plan.unit}.", links=_TowerLinks(self, plan))
+            emitter = PipelineEmitter(
+                self.model,
+                self.cluster,
+                self.precision,
+                program,
+                placed.mesh,
+                self._virtual(plan),
+                PipelineSettings(plan.micro_batch, plan.recompute, False, plan.zero_stage),
+                prefix=f"{plan.unit}.",
+                links=_TowerLinks(self, plan),
+            )
             scoring = placed.feature_stage(self.model)
             orders = build_sync_schedule(plan.schedule, plan.pp, plan.groups, plan.microbatches, scoring)
             for stage in range(plan.pp):
@@ -128,8 +156,7 @@ class _Separate:
                 if stage == scoring:
                     built.tail += self._interaction_tail()
                 label = plan.unit if plan.pp == 1 else f"{plan.unit} stage {stage}"
-                program.classes.append(emitter.rank_program(built, label,
-                                                            (self.inter.name,) if stage == scoring else ()))
+                program.classes.append(emitter.rank_program(built, label, (self.inter.name,) if stage == scoring else ()))
         used = {r for c in program.classes for r in c.ranks}
         idle = tuple(r for r in range(world) if r not in used)
         if idle:
@@ -157,16 +184,17 @@ class _Separate:
             plan = placed.plan
             per_rank = math.ceil(plan.share / plan.tp)
             for replica in range(plan.replicas):
-                pieces = tuple((group * plan.microbatches + i, replica * plan.share + i * plan.micro_batch,
-                                plan.micro_batch) for i in range(plan.microbatches))
+                pieces = tuple(
+                    (group * plan.microbatches + i, replica * plan.share + i * plan.micro_batch, plan.micro_batch)
+                    for i in range(plan.microbatches)
+                )
                 stage = placed.feature_stage(self.model)
                 lead = placed.mesh.rank(dp=replica, pp=stage)
                 for t in range(plan.tp):
                     start = min(plan.share, t * per_rank)
                     end = min(plan.share, start + per_rank)
                     rank = placed.mesh.rank(tp=t, dp=replica, pp=stage)
-                    holders.append(Holder(rank, tower, replica * plan.share + start, replica * plan.share + end,
-                                          pieces, lead))
+                    holders.append(Holder(rank, tower, replica * plan.share + start, replica * plan.share + end, pieces, lead))
         return holders
 
     def _exchange_routes(self, program: Program) -> None:
@@ -182,8 +210,9 @@ class _Separate:
         program.add_route(table(self.cluster, EXCHANGE, "interaction", forward))
         program.add_route(table(self.cluster, f"{EXCHANGE}.grad", "interaction", backward))
 
-    def shared(self, unit: str, stage: int, payload: Payload, nbytes: float, kind: CommKind,
-               op: CollectiveOp = "broadcast") -> list[Instruction]:
+    def shared(
+        self, unit: str, stage: int, payload: Payload, nbytes: float, kind: CommKind, op: CollectiveOp = "broadcast"
+    ) -> list[Instruction]:
         """What one rank of a replica received (or summed), made every TP rank's."""
         if self.placed[unit].plan.tp == 1:
             return []
@@ -202,9 +231,9 @@ class _Separate:
         out: list[Instruction] = [
             Recv(EXCHANGE, mine),
             batch_sync_features(self.model, INTERACTION_GROUP, plan.unit, towers, op.group, self.rbs, self.act_bytes),
-            interaction_compute(self.model, (mine, *theirs), op.group, math.ceil(plan.share / plan.tp), self.rbs)]
-        scatter = batch_sync_gradients(self.model, INTERACTION_GROUP, plan.unit, towers, op.group, self.rbs,
-                                     self.act_bytes)
+            interaction_compute(self.model, (mine, *theirs), op.group, math.ceil(plan.share / plan.tp), self.rbs),
+        ]
+        scatter = batch_sync_gradients(self.model, INTERACTION_GROUP, plan.unit, towers, op.group, self.rbs, self.act_bytes)
         if scatter is not None:
             out.append(scatter)
         if self.model.needs_backward(plan.unit):
@@ -216,8 +245,16 @@ class _Separate:
         gradient, so it is reduced over all of them before the step."""
         whole = Segment(self.inter.name, (0, self.inter.num_layers))
         holders = len(self.holders())
-        return iteration_tail(self.model, [whole], Sharding(), INTERACTION_GROUP if holders > 1 else None, holders,
-                              0, grad_bytes(self.precision), self.act_bytes)
+        return iteration_tail(
+            self.model,
+            [whole],
+            Sharding(),
+            INTERACTION_GROUP if holders > 1 else None,
+            holders,
+            0,
+            grad_bytes(self.precision),
+            self.act_bytes,
+        )
 
     # ---- tower-to-tower inputs (CoCa) ---------------------------------------------------------
     def _cross_routes(self, program: Program, flow: Flow) -> None:
@@ -226,12 +263,20 @@ class _Separate:
         src, dst = self.placed[flow.producer], self.placed[flow.consumer]
         cross_stage = next(s for s, (a, b) in enumerate(dst.plan.stages) if a <= flow.layer < b)
         tokens = Payload(flow.producer, self.model.unit(flow.producer).num_layers, 0, "tokens")
-        ends = [Side(_stage_mesh(placed, stage), placed.plan.micro_batch, placed.plan.microbatches,
-                     placed.plan.groups, tokens)
-                for placed, stage in ((src, src.plan.pp - 1), (dst, cross_stage))]
+        ends = [
+            Side(_stage_mesh(placed, stage), placed.plan.micro_batch, placed.plan.microbatches, placed.plan.groups, tokens)
+            for placed, stage in ((src, src.plan.pp - 1), (dst, cross_stage))
+        ]
         sender, receiver = ends
-        for route in bridge(self.cluster, f"{flow.producer}>{flow.consumer}", "broker", sender, receiver,
-                            self.global_batch, flow.elems * self.act_bytes):
+        for route in bridge(
+            self.cluster,
+            f"{flow.producer}>{flow.consumer}",
+            "broker",
+            sender,
+            receiver,
+            self.global_batch,
+            flow.elems * self.act_bytes,
+        ):
             program.add_route(route)
 
 
@@ -258,8 +303,7 @@ class _TowerLinks:
             stage = self.builder.placed[plan.unit].feature_stage(model)
             return EXCHANGE, "interaction", stage, plan.micro_batch * elems * act
         flow = next(f for f in self.builder.cross if f.producer == payload.unit)
-        stage = plan.pp - 1 if flow.producer == plan.unit else \
-            next(s for s, (a, b) in enumerate(plan.stages) if a <= flow.layer < b)
+        stage = plan.pp - 1 if flow.producer == plan.unit else next(s for s, (a, b) in enumerate(plan.stages) if a <= flow.layer < b)
         return f"{flow.producer}>{flow.consumer}", "broker", stage, plan.micro_batch * flow.elems * act
 
     def receive(self, payload: Payload) -> list[Instruction]:
@@ -274,23 +318,27 @@ class _TowerLinks:
         return [Send(f"{route}.grad" if payload.grad else route, payload)]
 
 
-def separate_program(model: ModelSpec, cluster: ClusterSpec, precision: str, contrastive_batch: int,
-                     placed: list[Placed]) -> Program:
+def separate_program(model: ModelSpec, cluster: ClusterSpec, precision: str, contrastive_batch: int, placed: list[Placed]) -> Program:
     return _Separate(model, cluster, precision, contrastive_batch, placed).program(cluster.devices)
 
 
-def colocated_program(model: ModelSpec, cluster: ClusterSpec, precision: str, contrastive_batch: int,
-                      plans: list[TowerPlan]) -> Program:
+def colocated_program(
+    model: ModelSpec, cluster: ClusterSpec, precision: str, contrastive_batch: int, plans: list[TowerPlan]
+) -> Program:
     """Every device runs every tower (each with its own TP degree over all devices, no
     pipeline); the interaction gathers both modalities' features, as the baseline does."""
     program = Program(world_size=cluster.devices, classes=[])
     ranks = tuple(range(cluster.devices))
     program.add_group(make_group(cluster, INTERACTION_GROUP, ranks, [ranks]))
-    units = [ColocatedUnit(p.unit, _colocated_mesh(p, cluster.devices), p.recompute, p.zero_stage,
-                           group_prefix=f"{p.unit}.") for p in plans]
+    units = [
+        ColocatedUnit(p.unit, _colocated_mesh(p, cluster.devices), p.recompute, p.zero_stage, group_prefix=f"{p.unit}.") for p in plans
+    ]
     # The interaction's parameter steps with the last tower's.
-    units.append(ColocatedUnit(interaction_of(model), units[-1].mesh, plans[-1].recompute, plans[-1].zero_stage,
-                               group_prefix=f"{plans[-1].unit}."))
+    units.append(
+        ColocatedUnit(
+            interaction_of(model), units[-1].mesh, plans[-1].recompute, plans[-1].zero_stage, group_prefix=f"{plans[-1].unit}."
+        )
+    )
     emitter = ColocatedEmitter(model, cluster, precision, program, units)
     share = {p.unit: p.share for p in plans}
     emitter.query_routes(plans[0].groups, share, share, with_keys=False)
@@ -308,20 +356,32 @@ def _colocated_mesh(plan: TowerPlan, devices: int) -> Mesh:
     return Mesh.contiguous((("tp", plan.tp), ("dp", devices // plan.tp)))
 
 
-def unit_plans(model: ModelSpec, cluster: ClusterSpec, contrastive_batch: int, placed: list[Placed],
-               colocated: bool) -> list[UnitPlan]:
+def unit_plans(
+    model: ModelSpec, cluster: ClusterSpec, contrastive_batch: int, placed: list[Placed], colocated: bool
+) -> list[UnitPlan]:
     """What the summary reports per unit: degrees, ranks, batches, nodes, settings."""
     out = []
     for p in placed:
         plan = p.plan
         mesh = _colocated_mesh(plan, cluster.devices) if colocated else p.mesh
-        out.append(UnitPlan(unit=plan.unit, mesh=mesh, micro_batch=plan.micro_batch,
-                            num_microbatches=plan.groups * plan.microbatches,
-                            batch_per_replica=plan.batch, stage_layers=plan.stages, sample_groups=plan.groups,
-                            recompute=plan.recompute, zero_stage=plan.zero_stage,
-                            details={"nodes": nodes_of(cluster, mesh.ranks),
-                                     "placement": "colocated" if colocated else "separate",
-                                     "schedule": plan.schedule if plan.pp > 1 else "batch_sync"}))
+        out.append(
+            UnitPlan(
+                unit=plan.unit,
+                mesh=mesh,
+                micro_batch=plan.micro_batch,
+                num_microbatches=plan.groups * plan.microbatches,
+                batch_per_replica=plan.batch,
+                stage_layers=plan.stages,
+                sample_groups=plan.groups,
+                recompute=plan.recompute,
+                zero_stage=plan.zero_stage,
+                details={
+                    "nodes": nodes_of(cluster, mesh.ranks),
+                    "placement": "colocated" if colocated else "separate",
+                    "schedule": plan.schedule if plan.pp > 1 else "batch_sync",
+                },
+            )
+        )
     inter = model.unit(interaction_of(model))
     global_batch = placed[0].plan.batch * placed[0].plan.replicas
     groups = placed[0].plan.groups
@@ -331,8 +391,20 @@ def unit_plans(model: ModelSpec, cluster: ClusterSpec, contrastive_batch: int, p
         holders = scorers(model, placed)
         mesh = Mesh((("dp", len(holders)),), holders)
     # Every scorer holds the interaction's parameter: its replicas are its scorers.
-    out.append(UnitPlan(unit=inter.name, mesh=mesh, micro_batch=contrastive_batch, num_microbatches=groups,
-                        batch_per_replica=global_batch, stage_layers=((0, inter.num_layers),), sample_groups=groups,
-                        details={"nodes": nodes_of(cluster, mesh.ranks), "shards": len(mesh.ranks),
-                                 "placement": "colocated" if colocated else "separate"}))
+    out.append(
+        UnitPlan(
+            unit=inter.name,
+            mesh=mesh,
+            micro_batch=contrastive_batch,
+            num_microbatches=groups,
+            batch_per_replica=global_batch,
+            stage_layers=((0, inter.num_layers),),
+            sample_groups=groups,
+            details={
+                "nodes": nodes_of(cluster, mesh.ranks),
+                "shards": len(mesh.ranks),
+                "placement": "colocated" if colocated else "separate",
+            },
+        )
+    )
     return out

@@ -6,6 +6,7 @@ pp across nodes, `replicas` data-parallel copies each taking `batch` samples per
 iteration. The estimates price the same Work items the Program will hold, with the same
 ComputeModel/CommModel; the simulator then prices the Program itself.
 """
+
 from __future__ import annotations
 
 import math
@@ -92,23 +93,24 @@ def tp_degrees(unit: UnitSpec, limit: int) -> list[int]:
 def replica_state_bytes(unit: UnitSpec, layers: tuple[int, int], tp: int, precision: str) -> float:
     """Unsharded model states of one stage on one TP rank (no ZeRO): what "the tower fits
     on d devices" means in DistMM §7 ("trainable on a single device")."""
-    params = sum(layer.params for layer in unit.layers[layers[0]:layers[1]]) / tp
+    params = sum(layer.params for layer in unit.layers[layers[0] : layers[1]]) / tp
     return sum(model_state_bytes(params, precision, unit.frozen, 0, 1).values())
 
 
 def activation_per_sample(unit: UnitSpec, layers: tuple[int, int], tp: int, recompute: str) -> float:
     sharding = tensor_parallel(tp)
-    return sum(layer.activations.per_device(sharding, recompute) for layer in unit.layers[layers[0]:layers[1]])
+    return sum(layer.activations.per_device(sharding, recompute) for layer in unit.layers[layers[0] : layers[1]])
 
 
 def _fits(unit: UnitSpec, degrees: Degrees, precision: str, usable: float) -> bool:
     ranges = stage_ranges(unit, degrees.pp)
-    return all(replica_state_bytes(unit, r, degrees.tp, precision)
-               + activation_per_sample(unit, r, degrees.tp, "none") <= usable for r in ranges)
+    return all(
+        replica_state_bytes(unit, r, degrees.tp, precision) + activation_per_sample(unit, r, degrees.tp, "none") <= usable
+        for r in ranges
+    )
 
 
-def partition(unit: UnitSpec, cluster: ClusterSpec, precision: str, tp: int | None = None,
-              pp: int | None = None) -> Degrees:
+def partition(unit: UnitSpec, cluster: ClusterSpec, precision: str, tp: int | None = None, pp: int | None = None) -> Degrees:
     """§5.1: DP if one replica (model states + one sample's activations) fits a device;
     else the smallest TP inside a node that fits; else TP over the node and the fewest
     pipeline stages across nodes that fit. A degree given by hand is kept."""
@@ -120,23 +122,28 @@ def partition(unit: UnitSpec, cluster: ClusterSpec, precision: str, tp: int | No
     else:
         candidates = [Degrees(t, 1) for t in tps]
         across = max(tps)
-        candidates += [Degrees(across, p) for p in range(2, blocks_of(unit) + 1)
-                       if across * p <= cluster.devices]
+        candidates += [Degrees(across, p) for p in range(2, blocks_of(unit) + 1) if across * p <= cluster.devices]
     for degrees in candidates:
         if degrees.devices <= cluster.devices and _fits(unit, degrees, precision, usable):
             return degrees
     total = replica_state_bytes(unit, (0, unit.num_layers), 1, precision)
     have = usable * cluster.devices
     if total > have:
-        raise PlanError(f"distmm: tower {unit.name} ({unit.params / 1e9:.2f}B parameters) needs {total / GIB:.1f} GiB "
-                        f"of model states, more than the {have / GIB:.1f} GiB of all {cluster.devices} devices of "
-                        f"cluster {cluster.name}: short by {(total - have) / GIB:.1f} GiB")
+        raise PlanError(
+            f"distmm: tower {unit.name} ({unit.params / 1e9:.2f}B parameters) needs {total / GIB:.1f} GiB "
+            f"of model states, more than the {have / GIB:.1f} GiB of all {cluster.devices} devices of "
+            f"cluster {cluster.name}: short by {(total - have) / GIB:.1f} GiB"
+        )
     finest = candidates[-1]
-    need = max(replica_state_bytes(unit, r, finest.tp, precision) + activation_per_sample(unit, r, finest.tp, "none")
-               for r in stage_ranges(unit, finest.pp))
-    raise PlanError(f"distmm: tower {unit.name} fits no tp x pp on cluster {cluster.name}: even at tp={finest.tp} "
-                    f"pp={finest.pp} its fullest stage needs {need / GIB:.1f} GiB, a device has {usable / GIB:.1f} GiB "
-                    f"usable, short by {(need - usable) / GIB:.1f} GiB")
+    need = max(
+        replica_state_bytes(unit, r, finest.tp, precision) + activation_per_sample(unit, r, finest.tp, "none")
+        for r in stage_ranges(unit, finest.pp)
+    )
+    raise PlanError(
+        f"distmm: tower {unit.name} fits no tp x pp on cluster {cluster.name}: even at tp={finest.tp} "
+        f"pp={finest.pp} its fullest stage needs {need / GIB:.1f} GiB, a device has {usable / GIB:.1f} GiB "
+        f"usable, short by {(need - usable) / GIB:.1f} GiB"
+    )
 
 
 def phase_weights(groups: int) -> tuple[float, float, float, float]:
@@ -172,7 +179,6 @@ class TowerCosts:
     def act_bytes(self) -> int:
         return element_bytes(self.precision)
 
-
     def memory(self, plan: TowerPlan) -> float:
         """Bytes of the fullest device of the tower: its stage's states (ZeRO-1 shards
         the optimizer over the replicas) and the activations its schedule keeps alive,
@@ -180,17 +186,16 @@ class TowerCosts:
         unit = self.model.unit(plan.unit)
         worst = 0.0
         for stage, layers in enumerate(plan.stages):
-            params = sum(layer.params for layer in unit.layers[layers[0]:layers[1]]) / plan.tp
-            states = sum(model_state_bytes(params, self.precision, unit.frozen, plan.zero_stage,
-                                           plan.replicas).values())
+            params = sum(layer.params for layer in unit.layers[layers[0] : layers[1]]) / plan.tp
+            states = sum(model_state_bytes(params, self.precision, unit.frozen, plan.zero_stage, plan.replicas).values())
             activations = 0.0
             if self.model.needs_backward(unit.name):
                 live = _resident(plan.schedule, plan.pp, plan.groups, plan.microbatches)[stage]
                 activations = live * plan.micro_batch * activation_per_sample(unit, layers, plan.tp, plan.recompute)
                 if plan.recompute == "full":
                     activations += plan.micro_batch * max(
-                        layer.activations.per_device(tensor_parallel(plan.tp), "none")
-                        for layer in unit.layers[layers[0]:layers[1]])
+                        layer.activations.per_device(tensor_parallel(plan.tp), "none") for layer in unit.layers[layers[0] : layers[1]]
+                    )
             worst = max(worst, states + activations)
         return worst
 
@@ -198,15 +203,22 @@ class TowerCosts:
         unit = self.model.unit(plan.unit)
         if phase == "bwd" and not self.model.needs_backward(unit.name):
             return 0.0
-        work = Work(unit.name, phase, plan.micro_batch, layers, sharding=tensor_parallel(plan.tp),
-                    recompute=plan.recompute if phase == "bwd" else "none")
+        work = Work(
+            unit.name,
+            phase,
+            plan.micro_batch,
+            layers,
+            sharding=tensor_parallel(plan.tp),
+            recompute=plan.recompute if phase == "bwd" else "none",
+        )
         seconds = self.compute.work_time(work, self.model)
         if plan.tp > 1:
             group = tuple(range(plan.tp))
-            for layer in unit.layers[layers[0]:layers[1]]:
+            for layer in unit.layers[layers[0] : layers[1]]:
                 if layer.tp_allreduces:
                     seconds += layer.tp_allreduces * self.comm.collective_time(
-                        "all_reduce", group, layer.tp_comm_elems * plan.micro_batch * self.act_bytes)
+                        "all_reduce", group, layer.tp_comm_elems * plan.micro_batch * self.act_bytes
+                    )
         return seconds
 
     def interaction_time(self, plan: TowerPlan) -> float:
@@ -232,8 +244,7 @@ class TowerCosts:
         if plan.pp > 1:
             mesh = megatron_mesh(plan.tp, plan.replicas, plan.pp)
             elems = boundary_elems(unit, plan.stages[0][1]) * plan.micro_batch * self.act_bytes
-            hop = self.comm.p2p_time(mesh.rank(pp=0), mesh.rank(pp=1), elems,
-                                     family_sharing(self.cluster, pipeline_pairs(mesh)))
+            hop = self.comm.p2p_time(mesh.rank(pp=0), mesh.rank(pp=1), elems, family_sharing(self.cluster, pipeline_pairs(mesh)))
         fill = sum(fwd) + sum(bwd) + 2 * hop * (plan.pp - 1)
         steady = max(f + b for f, b in zip(fwd, bwd))
         edge = fill + (plan.microbatches - 1) * steady
@@ -241,8 +252,7 @@ class TowerCosts:
         # DistMM-Pipe keeps it full: a period is k steady steps.
         period = edge if plan.schedule == "gpipe_sync" or plan.pp == 1 else plan.microbatches * steady
         forward = sum(fwd) / (sum(fwd) + sum(bwd)) if sum(fwd) + sum(bwd) > 0 else 1.0
-        return (forward * edge, self.interaction_time(plan), period,
-                (1 - forward) * edge + self.tail_time(plan))
+        return (forward * edge, self.interaction_time(plan), period, (1 - forward) * edge + self.tail_time(plan))
 
     def time(self, plan: TowerPlan) -> float:
         """Seconds of one iteration of the tower alone (no waiting on other towers)."""
@@ -258,26 +268,33 @@ class TowerCosts:
         sharing = family_sharing(self.cluster, mesh.family("dp"))
         worst = 0.0
         for stage, layers in enumerate(plan.stages):
-            params = sum(layer.params for layer in unit.layers[layers[0]:layers[1]]) / plan.tp
+            params = sum(layer.params for layer in unit.layers[layers[0] : layers[1]]) / plan.tp
             group = mesh.group("dp", mesh.rank(pp=stage))
             seconds = 0.0
             if plan.replicas > 1:
                 if plan.zero_stage >= 1:
-                    seconds += self.comm.collective_time("reduce_scatter", group, params * grad_bytes(self.precision),
-                                                         sharing)
+                    seconds += self.comm.collective_time("reduce_scatter", group, params * grad_bytes(self.precision), sharing)
                     seconds += self.comm.collective_time("all_gather", group, params * self.act_bytes, sharing)
                 else:
-                    seconds += self.comm.collective_time("all_reduce", group, params * grad_bytes(self.precision),
-                                                         sharing)
+                    seconds += self.comm.collective_time("all_reduce", group, params * grad_bytes(self.precision), sharing)
             shard = plan.replicas if plan.zero_stage >= 1 else 1
-            seconds += self.compute.work_time(Work(unit.name, "optimizer", 0, layers,
-                                                   sharding=tensor_parallel(plan.tp), shard=shard), self.model)
+            seconds += self.compute.work_time(
+                Work(unit.name, "optimizer", 0, layers, sharding=tensor_parallel(plan.tp), shard=shard), self.model
+            )
             worst = max(worst, seconds)
         return worst
 
-    def best(self, unit: str, degrees: Degrees, replicas: int, batch: int, groups: int, schedule: str,
-             settings: tuple[tuple[str, int], ...] = memory_ladder(),
-             microbatches: int | None = None) -> tuple[TowerPlan, float] | None:
+    def best(
+        self,
+        unit: str,
+        degrees: Degrees,
+        replicas: int,
+        batch: int,
+        groups: int,
+        schedule: str,
+        settings: tuple[tuple[str, int], ...] = memory_ladder(),
+        microbatches: int | None = None,
+    ) -> tuple[TowerPlan, float] | None:
         """The fastest plan of a tower at this size that fits memory: the cheapest
         memory-saving settings that fit, and (pipelined towers) the micro-batch count per
         batch-sync group unless `microbatches` fixes it. None if nothing fits."""
@@ -293,8 +310,7 @@ class TowerCosts:
         for recompute, zero in settings:
             best: tuple[TowerPlan, float] | None = None
             for k in counts:
-                plan = TowerPlan(unit, degrees.tp, degrees.pp, replicas, batch, groups, k, recompute, zero, stages,
-                                 schedule)
+                plan = TowerPlan(unit, degrees.tp, degrees.pp, replicas, batch, groups, k, recompute, zero, stages, schedule)
                 if self.memory(plan) > usable:
                     continue
                 seconds = self.time(plan)

@@ -11,6 +11,7 @@ multimodal LLMs. Every component can be switched off for the paper's ablations:
 The encoder, LLM and generator take their degrees from the orchestration (or by hand:
 strategy.llm.tp=8 ...); the Program is strategies.disttrain_programs'.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -72,8 +73,10 @@ class DistTrainOptions:
 def _check_model(model: ModelSpec) -> None:
     names = tuple(u.name for u in model.units)
     if names != UNITS or model.flows != (("encoder", "llm"), ("llm", "generator")):
-        raise ConfigError(f"strategy=disttrain trains an encoder -> llm -> generator MLLM (model=mllm_9b, mllm_15b, "
-                          f"mllm_72b); model {model.name} has units {list(names)}")
+        raise ConfigError(
+            f"strategy=disttrain trains an encoder -> llm -> generator MLLM (model=mllm_9b, mllm_15b, "
+            f"mllm_72b); model {model.name} has units {list(names)}"
+        )
 
 
 @dataclass(frozen=True)
@@ -103,12 +106,14 @@ def _batch_loads(model: ModelSpec, seed: int, batch: int, data: str) -> BatchLoa
     for layer in encoder.layers:
         for kernel in layer.kernels:
             if kernel.attention_core:
-                quadratic += kernel.flops() / tokens ** 2
+                quadratic += kernel.flops() / tokens**2
             else:
                 linear += kernel.flops() / tokens
-    return BatchLoads(tuple(relative_loads([encoder_cost(l, linear, quadratic) for l in layouts])),
-                      tuple(relative_loads([generator_cost(l) for l in layouts])),
-                      tuple(l.images for l in layouts))
+    return BatchLoads(
+        tuple(relative_loads([encoder_cost(l, linear, quadratic) for l in layouts])),
+        tuple(relative_loads([generator_cost(l) for l in layouts])),
+        tuple(l.images for l in layouts),
+    )
 
 
 def plan_disttrain(request: PlanRequest) -> Plan:
@@ -117,22 +122,34 @@ def plan_disttrain(request: PlanRequest) -> Plan:
     _check_model(model)
     loads = _batch_loads(model, train.seed, train.global_batch, opts.data)
     profiler = Profiler(model, cluster, train.precision, opts.zero_stage, opts.tp_overlap_chunks)
-    orchestrator = Orchestrator(profiler, train.global_batch, cluster.devices, {u: opts.fixed(u) for u in UNITS},
-                                opts.recompute, opts.orchestration, loads.peak)
+    orchestrator = Orchestrator(
+        profiler,
+        train.global_batch,
+        cluster.devices,
+        {u: opts.fixed(u) for u in UNITS},
+        opts.recompute,
+        opts.orchestration,
+        loads.peak,
+    )
     orchestration = orchestrator.solve()
     assignment = _assignment(opts.reorder, orchestration, profiler, loads)
     layouts = place([_layout(orchestration, profiler, u, assignment, loads, opts.zero_stage) for u in UNITS])
-    program, brokers = disttrain_program(model, cluster, train.precision, train.global_batch,
-                                         orchestration.microbatches, layouts, opts.tp_overlap_chunks)
+    program, brokers = disttrain_program(
+        model, cluster, train.precision, train.global_batch, orchestration.microbatches, layouts, opts.tp_overlap_chunks
+    )
     by_unit = {u.unit: u for u in layouts}
     units = [_unit_plan(cluster, by_unit[u], orchestration) for u in UNITS]
     memory = _check_memory(request, program, units)
     search = orchestration.search
     details = {
-        "orchestration": opts.orchestration, "data": opts.data, "reorder": opts.reorder,
-        "tp_overlap_chunks": opts.tp_overlap_chunks, "microbatches": orchestration.microbatches,
+        "orchestration": opts.orchestration,
+        "data": opts.data,
+        "reorder": opts.reorder,
+        "tp_overlap_chunks": opts.tp_overlap_chunks,
+        "microbatches": orchestration.microbatches,
         "brokers": [b.as_dict() | {"ranks": compress_ranks(b.ranks)} for b in brokers],
-        "estimate_s": round(orchestration.estimate_s, 6), "relaxed_s": round(orchestration.relaxed_s, 6),
+        "estimate_s": round(orchestration.estimate_s, 6),
+        "relaxed_s": round(orchestration.relaxed_s, 6),
         "search": search,
         "images_per_sequence": {"mean": sum(loads.images) / len(loads.images), "max": max(loads.images)},
         "sample_order": list(assignment.positions),
@@ -154,28 +171,39 @@ def _assignment(reorder: str, orchestration: Orchestration, profiler: Profiler, 
         bwd = tuple(b * scale[u] for u in UNITS for b in stages[u].bwd.tolist())
         return StageTimes(fwd, bwd)
 
-    return assign(reorder, sizes, loads.encoder, loads.generator, units["llm"].dp, units["encoder"].dp,
-                  units["generator"].dp, slot_times)
+    return assign(
+        reorder, sizes, loads.encoder, loads.generator, units["llm"].dp, units["encoder"].dp, units["generator"].dp, slot_times
+    )
 
 
-def _layout(orchestration: Orchestration, profiler: Profiler, unit: str, assignment: Assignment, loads: BatchLoads,
-            zero_stage: int) -> UnitLayout:
+def _layout(
+    orchestration: Orchestration, profiler: Profiler, unit: str, assignment: Assignment, loads: BatchLoads, zero_stage: int
+) -> UnitLayout:
     c = orchestration.units[unit]
     per_sequence = {"encoder": loads.encoder, "generator": loads.generator}.get(unit)
     m = orchestration.microbatches
     unit_load = ((1.0,) * m,) * c.dp if per_sequence is None else unit_loads(assignment, per_sequence, c.dp, m)
-    return UnitLayout(unit, c.tp, c.dp, c.pp, c.micro_batch, profiler.layers(unit, c.pp), c.recompute, zero_stage, 0,
-                      unit_load)
+    return UnitLayout(unit, c.tp, c.dp, c.pp, c.micro_batch, profiler.layers(unit, c.pp), c.recompute, zero_stage, 0, unit_load)
 
 
 def _unit_plan(cluster, layout: UnitLayout, orchestration: Orchestration) -> UnitPlan:
     mesh = layout.mesh
     m = orchestration.microbatches
-    return UnitPlan(unit=layout.unit, mesh=mesh, micro_batch=layout.micro_batch, num_microbatches=m,
-                    batch_per_replica=m * layout.micro_batch, stage_layers=layout.stages, sample_groups=m,
-                    zero_stage=layout.zero_stage, recompute=layout.recompute,
-                    details={"nodes": compress_ranks(tuple(sorted({cluster.node_of(r) for r in mesh.ranks}))),
-                             "max_load": round(max(max(row) for row in layout.loads), 3)})
+    return UnitPlan(
+        unit=layout.unit,
+        mesh=mesh,
+        micro_batch=layout.micro_batch,
+        num_microbatches=m,
+        batch_per_replica=m * layout.micro_batch,
+        stage_layers=layout.stages,
+        sample_groups=m,
+        zero_stage=layout.zero_stage,
+        recompute=layout.recompute,
+        details={
+            "nodes": compress_ranks(tuple(sorted({cluster.node_of(r) for r in mesh.ranks}))),
+            "max_load": round(max(max(row) for row in layout.loads), 3),
+        },
+    )
 
 
 def _check_memory(request: PlanRequest, program, units: list[UnitPlan]) -> dict[str, float]:
@@ -191,6 +219,8 @@ def _check_memory(request: PlanRequest, program, units: list[UnitPlan]) -> dict[
     usable = request.cluster.usable_memory_bytes
     for unit, (need, label) in worst.items():
         if need > usable:
-            raise PlanError(f"disttrain: {label} needs {need / GIB:.1f} GiB but a {request.cluster.device} has "
-                            f"{usable / GIB:.1f} GiB usable, short by {(need - usable) / GIB:.1f} GiB")
+            raise PlanError(
+                f"disttrain: {label} needs {need / GIB:.1f} GiB but a {request.cluster.device} has "
+                f"{usable / GIB:.1f} GiB usable, short by {(need - usable) / GIB:.1f} GiB"
+            )
     return {unit: round(need / GIB, 3) for unit, (need, _) in worst.items()}

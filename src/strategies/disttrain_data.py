@@ -18,6 +18,7 @@ once per step.
   and generator stages taking its slowest replica's load.
 - both: intra, then inter.
 """
+
 from __future__ import annotations
 
 import math
@@ -38,19 +39,26 @@ class Assignment:
 
     def sequences(self, microbatch: int, first: int, count: int) -> tuple[int, ...]:
         start = microbatch * self.dp_lm + first
-        return self.positions[start:start + count]
+        return self.positions[start : start + count]
 
 
 def unit_loads(assignment: Assignment, loads: Sequence[float], dp: int, microbatches: int) -> tuple[tuple[float, ...], ...]:
     """loads[replica][microbatch] of a unit with `dp` replicas: the mean load of the
     sequences its micro-batch holds."""
     b = assignment.dp_lm // dp
-    return tuple(tuple(sum(loads[s] for s in assignment.sequences(j, d * b, b)) / b for j in range(microbatches))
-                 for d in range(dp))
+    return tuple(tuple(sum(loads[s] for s in assignment.sequences(j, d * b, b)) / b for j in range(microbatches)) for d in range(dp))
 
 
-def assign(reorder: str, sizes: Sequence[float], enc: Sequence[float], gen: Sequence[float], dp_lm: int,
-           dp_me: int, dp_mg: int, slot_times: Callable[[float, float], StageTimes]) -> Assignment:
+def assign(
+    reorder: str,
+    sizes: Sequence[float],
+    enc: Sequence[float],
+    gen: Sequence[float],
+    dp_lm: int,
+    dp_me: int,
+    dp_mg: int,
+    slot_times: Callable[[float, float], StageTimes],
+) -> Assignment:
     """The positions of a batch's sequences under a reordering. sizes: a sequence's
     encoder + generator seconds; enc, gen: its loads; slot_times(enc load, gen load):
     a micro-batch slot's stage times."""
@@ -68,8 +76,16 @@ def assign(reorder: str, sizes: Sequence[float], enc: Sequence[float], gen: Sequ
     return Assignment(tuple(positions), dp_lm)
 
 
-def _inter(groups: list[list[int]], sizes: Sequence[float], enc: Sequence[float], gen: Sequence[float],
-           dp_lm: int, dp_me: int, dp_mg: int, slot_times: Callable[[float, float], StageTimes]) -> list[list[int]]:
+def _inter(
+    groups: list[list[int]],
+    sizes: Sequence[float],
+    enc: Sequence[float],
+    gen: Sequence[float],
+    dp_lm: int,
+    dp_me: int,
+    dp_mg: int,
+    slot_times: Callable[[float, float], StageTimes],
+) -> list[list[int]]:
     b_me, b_mg = dp_lm // dp_me, dp_lm // dp_mg
     width = b_me * b_mg // math.gcd(b_me, b_mg)
     out = [list(g) for g in groups]
@@ -78,7 +94,7 @@ def _inter(groups: list[list[int]], sizes: Sequence[float], enc: Sequence[float]
         slots = list(zip(*members))
 
         def worst(slot: tuple[int, ...], loads: Sequence[float], b: int) -> float:
-            return max(sum(loads[s] for s in slot[i:i + b]) / b for i in range(0, width, b))
+            return max(sum(loads[s] for s in slot[i : i + b]) / b for i in range(0, width, b))
 
         times = [slot_times(worst(slot, enc, b_me), worst(slot, gen, b_mg)) for slot in slots]
         order = inter_reorder(times)

@@ -36,6 +36,7 @@ bound: the exact time of a choice is never below its relaxation).
 The ratio-based baseline (`ratio`) fixes n_u in proportion to each unit's FLOPs and picks
 the fastest TP/DP/PP within it the same way.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -111,13 +112,27 @@ class _Option:
 
 
 def _dominates(a: _Option, b: _Option) -> bool:
-    return (a.F <= b.F and a.a <= b.a and a.low <= b.low and a.high >= b.high and a.beta <= b.beta
-            and (a.F, a.a, a.low, a.high, a.beta) != (b.F, b.a, b.low, b.high, b.beta))
+    return (
+        a.F <= b.F
+        and a.a <= b.a
+        and a.low <= b.low
+        and a.high >= b.high
+        and a.beta <= b.beta
+        and (a.F, a.a, a.low, a.high, a.beta) != (b.F, b.a, b.low, b.high, b.beta)
+    )
 
 
 class Orchestrator:
-    def __init__(self, profiler: Profiler, batch: int, devices: int, fixed: dict[str, Fixed],
-                 recompute: str | None, mode: str, peak_load: dict[str, float] | None = None) -> None:
+    def __init__(
+        self,
+        profiler: Profiler,
+        batch: int,
+        devices: int,
+        fixed: dict[str, Fixed],
+        recompute: str | None,
+        mode: str,
+        peak_load: dict[str, float] | None = None,
+    ) -> None:
         """peak_load: the heaviest micro-batch's load per unit (data heterogeneity):
         memory is planned for its activations."""
         self.p, self.batch, self.N, self.fixed, self.mode = profiler, batch, devices, fixed, mode
@@ -144,8 +159,7 @@ class Orchestrator:
         allowed = self.p.tp_degrees(unit)
         if given is not None:
             if given not in allowed:
-                raise ConfigError(f"strategy.{unit}.tp={given}: choose one of {allowed} (inside a node, dividing "
-                                  f"the unit's heads)")
+                raise ConfigError(f"strategy.{unit}.tp={given}: choose one of {allowed} (inside a node, dividing the unit's heads)")
             return [given]
         return allowed
 
@@ -153,8 +167,9 @@ class Orchestrator:
         given = self.fixed["llm"].dp
         if given is not None:
             if self.batch % given:
-                raise ConfigError(f"strategy.llm.dp={given} does not divide the global batch {self.batch}: every "
-                                  f"LLM replica takes whole sequences")
+                raise ConfigError(
+                    f"strategy.llm.dp={given} does not divide the global batch {self.batch}: every LLM replica takes whole sequences"
+                )
             return [given]
         return divisors(self.batch)
 
@@ -202,7 +217,7 @@ class Orchestrator:
         worse)."""
         out = []
         for tp in self._tps(unit):
-            for dp in ([dp_lm] if unit == "llm" else self.unit_dps(unit, dp_lm)):
+            for dp in [dp_lm] if unit == "llm" else self.unit_dps(unit, dp_lm):
                 b = 1 if unit == "llm" else dp_lm // dp
                 option = self._option(unit, tp, dp, b)
                 if option is not None:
@@ -228,21 +243,24 @@ class Orchestrator:
         if best is None:
             raise self._no_plan()
         orchestration, recovered = best
-        orchestration.search.update({
-            "orchestration": self.mode,
-            "subproblems": count,
-            "profile_s": profiled - started,
-            "relax_s": relaxed - profiled,
-            "recover_s": done - relaxed,
-            "solve_s": done - profiled,
-            "per_subproblem_us": 1e6 * (relaxed - profiled) / max(1, count),
-            "recovered": recovered,
-        })
+        orchestration.search.update(
+            {
+                "orchestration": self.mode,
+                "subproblems": count,
+                "profile_s": profiled - started,
+                "relax_s": relaxed - profiled,
+                "recover_s": done - relaxed,
+                "solve_s": done - profiled,
+                "per_subproblem_us": 1e6 * (relaxed - profiled) / max(1, count),
+                "recovered": recovered,
+            }
+        )
         return orchestration
 
     def _relax(self, options: dict[str, list[_Option]], k: int) -> tuple[np.ndarray, np.ndarray]:
         """Closed-form optima of every (encoder, LLM, generator) option triple: relaxed
         times and taus, shaped (encoder options, LLM options, generator options)."""
+
         def column(unit: str, key: str) -> np.ndarray:
             return np.array([getattr(o, key) for o in options[unit]], dtype=float)
 
@@ -257,8 +275,9 @@ class Orchestrator:
         low = [np.broadcast_to(x, full) for x in low]
         high = [np.broadcast_to(x, full) for x in high]
         beta = [np.broadcast_to(x, full) for x in beta]
-        return solve_relaxed(np.stack(a), np.stack(low), np.stack(high), np.stack(beta),
-                             np.broadcast_to(warm, full), float(k), float(self.N))
+        return solve_relaxed(
+            np.stack(a), np.stack(low), np.stack(high), np.stack(beta), np.broadcast_to(warm, full), float(k), float(self.N)
+        )
 
     def _recover(self, blocks) -> tuple[Orchestration, int] | None:
         values = np.concatenate([b[4].ravel() for b in blocks])
@@ -319,8 +338,7 @@ class Orchestrator:
 
     # ---- exact pricing of one integer choice ---------------------------------------------
     def exact(self, choices: dict[str, UnitChoice], m: int) -> float | None:
-        return self._time(tuple((u, c.tp, c.dp, c.pp, c.recompute, c.micro_batch)
-                                for u, c in ((u, choices[u]) for u in UNITS)), m)
+        return self._time(tuple((u, c.tp, c.dp, c.pp, c.recompute, c.micro_batch) for u, c in ((u, choices[u]) for u in UNITS)), m)
 
     def _time(self, keys: tuple[tuple, ...], m: int) -> float | None:
         """The 1F1B iteration time of an integer choice, or None if a stage does not fit:
@@ -344,11 +362,14 @@ class Orchestrator:
             fb = stages.fb
             kept = stages.activations * self.peak[unit]
             with np.errstate(divide="ignore"):
-                caps = np.where(kept > 0, (self.usable - stages.states) / kept,
-                                np.where(stages.states <= self.usable, INF, -INF))
+                caps = np.where(kept > 0, (self.usable - stages.states) / kept, np.where(stages.states <= self.usable, INF, -INF))
             cached = self._summaries[key] = (
-                float(fb.sum()), float(fb.max()), pp * self.p.p2p(self.p.hop_bytes(unit, b)),
-                self.p.dp_reduce(float(stages.trainable.max()), dp), tuple(caps.tolist()))
+                float(fb.sum()),
+                float(fb.max()),
+                pp * self.p.p2p(self.p.hop_bytes(unit, b)),
+                self.p.dp_reduce(float(stages.trainable.max()), dp),
+                tuple(caps.tolist()),
+            )
         return cached
 
     def _depth_limit(self, key: tuple, m: int) -> float:
@@ -397,40 +418,44 @@ class Orchestrator:
                     if room > 0 and cost.states / room <= blocks:
                         fewest = min(fewest, tp * max(1, math.ceil(cost.states / room)))
             if fewest == INF:
-                return PlanError(f"disttrain: unit {unit} fits no allocation: even at tp={max(self._tps(unit))} "
-                                 f"pp={self.p.blocks(unit)} (one block per stage) with {self.modes[-1]} recompute "
-                                 f"its fullest stage needs {closest / GIB:.1f} GiB for one sequence, a "
-                                 f"{self.p.cluster.device} has {usable:.1f} GiB usable")
+                return PlanError(
+                    f"disttrain: unit {unit} fits no allocation: even at tp={max(self._tps(unit))} "
+                    f"pp={self.p.blocks(unit)} (one block per stage) with {self.modes[-1]} recompute "
+                    f"its fullest stage needs {closest / GIB:.1f} GiB for one sequence, a "
+                    f"{self.p.cluster.device} has {usable:.1f} GiB usable"
+                )
             least[unit] = fewest
         total = sum(least.values())
         if total > self.N:
             parts = ", ".join(f"{u} {int(n)}" for u, n in least.items())
-            return PlanError(f"disttrain: {self.N} GPUs are fewer than the three units' minimum of {int(total)} "
-                             f"({parts})")
+            return PlanError(f"disttrain: {self.N} GPUs are fewer than the three units' minimum of {int(total)} ({parts})")
         fixed = ", ".join(f"{u}.{k}={v}" for u, f in self.fixed.items() for k, v in vars(f).items() if v is not None)
-        return PlanError(f"disttrain: no orchestration of {self.p.model.name} fits {self.N} GPUs with global batch "
-                         f"{self.batch} (the LLM's DP must divide it, the encoder's and generator's the LLM's)"
-                         + (f" and the fixed degrees {fixed}" if fixed else ""))
+        return PlanError(
+            f"disttrain: no orchestration of {self.p.model.name} fits {self.N} GPUs with global batch "
+            f"{self.batch} (the LLM's DP must divide it, the encoder's and generator's the LLM's)"
+            + (f" and the fixed degrees {fixed}" if fixed else "")
+        )
 
 
-def solve_relaxed(a: np.ndarray, low: np.ndarray, high: np.ndarray, beta: np.ndarray, warm: np.ndarray,
-                  k: float, n: float) -> tuple[np.ndarray, np.ndarray]:
+def solve_relaxed(
+    a: np.ndarray, low: np.ndarray, high: np.ndarray, beta: np.ndarray, warm: np.ndarray, k: float, n: float
+) -> tuple[np.ndarray, np.ndarray]:
     """The closed-form optimum (module docstring) of many sub-problems at once. Arrays
     a, low, high, beta are (3, ...): one row per unit. Returns (optimal value, tau), inf
     where infeasible."""
     with np.errstate(divide="ignore", invalid="ignore"):
         feasible = (low.sum(axis=0) <= n + 1e-9) & np.all(low <= high + 1e-9, axis=0)
-        breaks = a / low                                        # n_u = low_u for tau >= a_u / low_u
-        order = np.argsort(-breaks, axis=0)                     # descending breakpoints
+        breaks = a / low  # n_u = low_u for tau >= a_u / low_u
+        order = np.argsort(-breaks, axis=0)  # descending breakpoints
         bp = np.take_along_axis(breaks, order, axis=0)
         a_s = np.take_along_axis(a, order, axis=0)
         low_s = np.take_along_axis(low, order, axis=0)
         ba_s = np.take_along_axis(beta * a, order, axis=0)
         zero = np.zeros_like(a[:1])
-        top_a = np.concatenate([zero, np.cumsum(a_s, axis=0)])            # S_k: sum of a over the k active units
+        top_a = np.concatenate([zero, np.cumsum(a_s, axis=0)])  # S_k: sum of a over the k active units
         rest_low = low_s.sum(axis=0, keepdims=True) - np.concatenate([zero, np.cumsum(low_s, axis=0)])
         top_ba = np.concatenate([zero, np.cumsum(ba_s, axis=0)])
-        upper = np.concatenate([np.full_like(zero, INF), bp])             # piece k: [bp_(k+1), bp_(k))
+        upper = np.concatenate([np.full_like(zero, INF), bp])  # piece k: [bp_(k+1), bp_(k))
         lower = np.concatenate([bp, zero])
         # tau_N: the smallest tau with sum_u max(low_u, a_u / tau) <= n, piece by piece.
         cross = np.where(n - rest_low > 1e-12, top_a / (n - rest_low), INF)

@@ -12,6 +12,7 @@ TP overlap (StepCCL, DistTrain §7) prices a pass as the Program runs it: `n` ro
 whose collectives run under the next chunk's GEMMs, max(C_n + X/n, C_n/n + X) for
 compute C_n (n chunks of 1/n of the rows) and communication X.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,8 +37,8 @@ class StageCost:
     layers: tuple[int, int]
     fwd: float
     bwd: float
-    states: float          # bytes of model states per GPU (ZeRO over the unit's DP)
-    activations: float     # bytes one micro-batch leaves on one GPU until its backward
+    states: float  # bytes of model states per GPU (ZeRO over the unit's DP)
+    activations: float  # bytes one micro-batch leaves on one GPU until its backward
 
     @property
     def fb(self) -> float:
@@ -51,9 +52,9 @@ class StageArrays:
     layers: tuple[tuple[int, int], ...]
     fwd: np.ndarray
     bwd: np.ndarray
-    states: np.ndarray       # bytes of model states per GPU
+    states: np.ndarray  # bytes of model states per GPU
     activations: np.ndarray  # bytes one micro-batch keeps per GPU until its backward
-    trainable: np.ndarray    # trainable parameters per GPU
+    trainable: np.ndarray  # trainable parameters per GPU
 
     @property
     def fb(self) -> np.ndarray:
@@ -65,8 +66,7 @@ FWD, BWD, COMM, ACT, TRAINABLE, FIXED = range(6)
 
 
 class Profiler:
-    def __init__(self, model: ModelSpec, cluster: ClusterSpec, precision: str, zero_stage: int,
-                 overlap_chunks: int) -> None:
+    def __init__(self, model: ModelSpec, cluster: ClusterSpec, precision: str, zero_stage: int, overlap_chunks: int) -> None:
         self.model, self.cluster, self.precision = model, cluster, precision
         self.zero_stage, self.chunks = zero_stage, overlap_chunks
         self.compute = ComputeModel(cluster, precision)
@@ -130,8 +130,9 @@ class Profiler:
             out[r] = np.concatenate([np.zeros((len(table), 1)), np.cumsum(table, axis=1)], axis=1)
         return out
 
-    def _layer(self, unit: str, index: int, size: int, sharding, chunks: int, group: tuple[int, ...],
-               backward: bool, kept: bool) -> dict[str, tuple[float, float, float, float]]:
+    def _layer(
+        self, unit: str, index: int, size: int, sharding, chunks: int, group: tuple[int, ...], backward: bool, kept: bool
+    ) -> dict[str, tuple[float, float, float, float]]:
         """(forward, backward, TP all-reduce seconds, activation bytes per sequence) of one
         layer for `size` sequences, per recompute mode."""
         layer = self.model.unit(unit).layers[index]
@@ -142,11 +143,20 @@ class Profiler:
             return chunks * self.compute.work_time(work, self.model)
 
         fwd = seconds("fwd")
-        comm = layer.tp_allreduces * self.comm.collective_time(
-            "all_reduce", group, layer.tp_comm_elems * size * self.act_bytes) if layer.tp_allreduces else 0.0
-        return {r: (fwd, seconds("bwd", r) if backward else 0.0, comm,
-                    layer.activations.per_device(sharding, r) if kept and backward else 0.0)
-                for r in RECOMPUTE_MODES}
+        comm = (
+            layer.tp_allreduces * self.comm.collective_time("all_reduce", group, layer.tp_comm_elems * size * self.act_bytes)
+            if layer.tp_allreduces
+            else 0.0
+        )
+        return {
+            r: (
+                fwd,
+                seconds("bwd", r) if backward else 0.0,
+                comm,
+                layer.activations.per_device(sharding, r) if kept and backward else 0.0,
+            )
+            for r in RECOMPUTE_MODES
+        }
 
     # ---- stages from the profile -----------------------------------------------------------
     def _pass(self, compute: np.ndarray, comm: np.ndarray, tp: int) -> np.ndarray:
@@ -158,8 +168,7 @@ class Profiler:
     @lru_cache(maxsize=None)
     def _state_coefficients(self, dp: int) -> tuple[float, float]:
         """Bytes per trainable and per frozen parameter on one GPU (ZeRO over dp)."""
-        return tuple(sum(model_state_bytes(1.0, self.precision, frozen, self.zero_stage, dp).values())
-                     for frozen in (False, True))
+        return tuple(sum(model_state_bytes(1.0, self.precision, frozen, self.zero_stage, dp).values()) for frozen in (False, True))
 
     def _stages(self, unit: str, tp: int, b: int, recompute: str, dp: int, pp: int) -> StageArrays:
         """Every stage of the unit cut into pp (block boundaries, unequal depths allowed),
@@ -186,8 +195,9 @@ class Profiler:
 
     def _whole(self, unit: str, tp: int, b: int, recompute: str, dp: int) -> StageCost:
         whole = self.stages(unit, tp, b, recompute, dp, 1)
-        return StageCost(whole.layers[0], float(whole.fwd[0]), float(whole.bwd[0]), float(whole.states[0]),
-                         float(whole.activations[0]))
+        return StageCost(
+            whole.layers[0], float(whole.fwd[0]), float(whole.bwd[0]), float(whole.states[0]), float(whole.activations[0])
+        )
 
     # ---- communication ---------------------------------------------------------------------
     def hop_bytes(self, unit: str, b: int) -> float:
@@ -211,6 +221,7 @@ class Profiler:
         node = self.cluster.devices_per_node
         ring = tuple(range(0, dp * node, node))
         if self.zero_stage >= 1:
-            return (self.comm.collective_time("reduce_scatter", ring, params * self.grad_bytes)
-                    + self.comm.collective_time("all_gather", ring, params * self.act_bytes))
+            return self.comm.collective_time("reduce_scatter", ring, params * self.grad_bytes) + self.comm.collective_time(
+                "all_gather", ring, params * self.act_bytes
+            )
         return self.comm.collective_time("all_reduce", ring, params * self.grad_bytes)

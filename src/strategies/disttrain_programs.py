@@ -19,6 +19,7 @@ Data heterogeneity: every replica of a unit is a rank class of its own, its Comp
 carrying the load (Work.load) of the sequences its micro-batches hold, so stragglers and
 the gaps they leave are simulated where they occur.
 """
+
 from __future__ import annotations
 
 import math
@@ -97,8 +98,7 @@ def brokers_of(flow: Flow, src: UnitLayout, dst: UnitLayout) -> Broker:
     side, stage = (src, src.pp - 1) if src.dp <= dst.dp else (dst, 0)
     mesh = side.stage_mesh(stage)
     count = math.gcd(src.dp, dst.dp)
-    return Broker(f"{flow.producer}>{flow.consumer}", flow.producer, flow.consumer,
-                  tuple(mesh.rank(dp=d) for d in range(count)))
+    return Broker(f"{flow.producer}>{flow.consumer}", flow.producer, flow.consumer, tuple(mesh.rank(dp=d) for d in range(count)))
 
 
 class _UnitLinks:
@@ -110,8 +110,7 @@ class _UnitLinks:
         self.builder, self.unit = builder, unit
 
     def _flow(self, payload: Payload) -> Flow:
-        return next(f for f in self.builder.flows if self.unit.unit in (f.producer, f.consumer)
-                    and payload.unit == f.producer)
+        return next(f for f in self.builder.flows if self.unit.unit in (f.producer, f.consumer) and payload.unit == f.producer)
 
     def receive(self, payload: Payload) -> list[Instruction]:
         flow = self._flow(payload)
@@ -120,8 +119,9 @@ class _UnitLinks:
         if self.unit.tp > 1:
             stage = 0 if flow.consumer == self.unit.unit else self.unit.pp - 1
             nbytes = self.unit.micro_batch * flow.elems * self.builder.act_bytes
-            out.append(Collective("broadcast", f"{self.unit.unit}.tp.s{stage}", nbytes, "broker",
-                                  inputs=(payload,), outputs=(payload,)))
+            out.append(
+                Collective("broadcast", f"{self.unit.unit}.tp.s{stage}", nbytes, "broker", inputs=(payload,), outputs=(payload,))
+            )
         return out
 
     def send(self, payload: Payload) -> list[Instruction]:
@@ -131,8 +131,16 @@ class _UnitLinks:
 
 
 class _Builder:
-    def __init__(self, model: ModelSpec, cluster: ClusterSpec, precision: str, global_batch: int,
-                 microbatches: int, units: list[UnitLayout], tp_overlap_chunks: int) -> None:
+    def __init__(
+        self,
+        model: ModelSpec,
+        cluster: ClusterSpec,
+        precision: str,
+        global_batch: int,
+        microbatches: int,
+        units: list[UnitLayout],
+        tp_overlap_chunks: int,
+    ) -> None:
         self.model, self.cluster, self.precision = model, cluster, precision
         self.batch, self.m = global_batch, microbatches
         self.units = {u.unit: u for u in units}
@@ -150,11 +158,17 @@ class _Builder:
         first = 0
         for name in self.order:
             unit = self.units[name]
-            emitter = PipelineEmitter(self.model, self.cluster, self.precision, program, unit.mesh,
-                                      [[Segment(name, s)] for s in unit.stages],
-                                      PipelineSettings(unit.micro_batch, unit.recompute, False, unit.zero_stage,
-                                                       tp_overlap_chunks=self.chunks),
-                                      prefix=f"{name}.", links=_UnitLinks(self, unit))
+            emitter = PipelineEmitter(
+                self.model,
+                self.cluster,
+                self.precision,
+                program,
+                unit.mesh,
+                [[Segment(name, s)] for s in unit.stages],
+                PipelineSettings(unit.micro_batch, unit.recompute, False, unit.zero_stage, tp_overlap_chunks=self.chunks),
+                prefix=f"{name}.",
+                links=_UnitLinks(self, unit),
+            )
             for stage in range(unit.pp):
                 built = emitter.stage(stage, orders[first + stage])
                 program.classes += self._replicas(program, unit, stage, built.instructions(), emitter)
@@ -164,15 +178,16 @@ class _Builder:
     def _broker_routes(self, program: Program, flow: Flow) -> Broker:
         src, dst = self.units[flow.producer], self.units[flow.consumer]
         tensor = Payload(flow.producer, flow.source, 0, flow.tensor)
-        ends = [Side(unit.stage_mesh(stage), unit.micro_batch, 1, self.m, tensor)
-                for unit, stage in ((src, src.pp - 1), (dst, 0))]
-        for route in bridge(self.cluster, f"{flow.producer}>{flow.consumer}", "broker", *ends, self.batch,
-                            flow.elems * self.act_bytes):
+        ends = [Side(unit.stage_mesh(stage), unit.micro_batch, 1, self.m, tensor) for unit, stage in ((src, src.pp - 1), (dst, 0))]
+        for route in bridge(
+            self.cluster, f"{flow.producer}>{flow.consumer}", "broker", *ends, self.batch, flow.elems * self.act_bytes
+        ):
             program.add_route(route)
         return brokers_of(flow, src, dst)
 
-    def _replicas(self, program: Program, unit: UnitLayout, stage: int, instructions: list[Instruction],
-                  emitter: PipelineEmitter) -> list[RankProgram]:
+    def _replicas(
+        self, program: Program, unit: UnitLayout, stage: int, instructions: list[Instruction], emitter: PipelineEmitter
+    ) -> list[RankProgram]:
         """One rank class per replica: its micro-batches' loads, its own TP group."""
         out = []
         mesh = unit.mesh
@@ -186,14 +201,19 @@ class _Builder:
                 own = f"{shared}.d{replica}"
                 program.add_group(make_group(self.cluster, own, ranks, mesh.family("tp")))
             loads = unit.loads[replica]
-            out.append(RankProgram(ranks=ranks, instructions=[_localised(i, unit.unit, loads, shared, own)
-                                                              for i in instructions],
-                                   label=f"{label} replica {replica}", units=units, pipelined=True))
+            out.append(
+                RankProgram(
+                    ranks=ranks,
+                    instructions=[_localised(i, unit.unit, loads, shared, own) for i in instructions],
+                    label=f"{label} replica {replica}",
+                    units=units,
+                    pipelined=True,
+                )
+            )
         return out
 
 
-def _localised(instruction: Instruction, unit: str, loads: tuple[float, ...], shared: str | None,
-               own: str | None) -> Instruction:
+def _localised(instruction: Instruction, unit: str, loads: tuple[float, ...], shared: str | None, own: str | None) -> Instruction:
     """A stage's instruction as one replica runs it: its micro-batch's load on the unit's
     forward and backward, its own TP group for the TP collectives."""
     if isinstance(instruction, Compute):
@@ -206,6 +226,13 @@ def _localised(instruction: Instruction, unit: str, loads: tuple[float, ...], sh
     return instruction
 
 
-def disttrain_program(model: ModelSpec, cluster: ClusterSpec, precision: str, global_batch: int, microbatches: int,
-                      units: list[UnitLayout], tp_overlap_chunks: int) -> tuple[Program, list[Broker]]:
+def disttrain_program(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    precision: str,
+    global_batch: int,
+    microbatches: int,
+    units: list[UnitLayout],
+    tp_overlap_chunks: int,
+) -> tuple[Program, list[Broker]]:
     return _Builder(model, cluster, precision, global_batch, microbatches, units, tp_overlap_chunks).program()

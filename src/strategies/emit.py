@@ -1,6 +1,7 @@
 """Instruction patterns shared by planners: what a segment consumes and produces, its
 compute with its TP collectives, and the end of an iteration (gradient reduction,
 optimizer step, parameter gather)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -33,8 +34,11 @@ def produced(model: ModelSpec, segment: Segment, microbatch: int) -> tuple[Paylo
     unit = model.unit(segment.unit)
     start, end = segment.layers
     out = [Payload(segment.unit, end, microbatch)] if end < unit.num_layers else []
-    out += [Payload(segment.unit, boundary, microbatch, tensor) for boundary, tensor in outputs_of(model, segment.unit)
-            if start < boundary <= end]
+    out += [
+        Payload(segment.unit, boundary, microbatch, tensor)
+        for boundary, tensor in outputs_of(model, segment.unit)
+        if start < boundary <= end
+    ]
     return tuple(out)
 
 
@@ -62,8 +66,16 @@ def backward_io(model: ModelSpec, segment: Segment, microbatch: int) -> tuple[tu
     return inputs, outputs
 
 
-def segment_pass(model: ModelSpec, segment: Segment, phase: str, samples: int, microbatch: int, tp: TPConfig,
-                 chunk: int = 0, contrastive_batch: int = 1) -> list[Instruction]:
+def segment_pass(
+    model: ModelSpec,
+    segment: Segment,
+    phase: str,
+    samples: int,
+    microbatch: int,
+    tp: TPConfig,
+    chunk: int = 0,
+    contrastive_batch: int = 1,
+) -> list[Instruction]:
     """The forward or backward of one segment for one micro-batch: its compute (with the
     payloads it reads and writes) and the TP activation all-reduces its layers need
     (Megatron: 2 per block each way; with sequence parallelism a reduce-scatter +
@@ -72,29 +84,41 @@ def segment_pass(model: ModelSpec, segment: Segment, phase: str, samples: int, m
     interleaving them layer by layer."""
     unit = model.unit(segment.unit)
     backward = phase in ("bwd", "bwd_input")
-    work = Work(unit.name, phase, samples, segment.layers, sharding=tp.sharding,
-                recompute=tp.recompute if backward else "none", contrastive_batch=contrastive_batch)
+    work = Work(
+        unit.name,
+        phase,
+        samples,
+        segment.layers,
+        sharding=tp.sharding,
+        recompute=tp.recompute if backward else "none",
+        contrastive_batch=contrastive_batch,
+    )
     if backward:
         inputs, outputs = backward_io(model, segment, microbatch)
     else:
         inputs, outputs = consumed(model, segment, microbatch), produced(model, segment, microbatch)
     by_size: dict[int, int] = {}
     if tp.sharding.degree("tp") > 1 and tp.group is not None:
-        for layer in unit.layers[segment.layers[0]:segment.layers[1]]:
+        for layer in unit.layers[segment.layers[0] : segment.layers[1]]:
             if layer.tp_allreduces:
                 by_size[layer.tp_comm_elems] = by_size.get(layer.tp_comm_elems, 0) + layer.tp_allreduces
     if by_size and tp.overlap_chunks > 1:
         return _overlapped_pass(work, microbatch, chunk, inputs, outputs, tp, by_size)
     out: list[Instruction] = [Compute(work, microbatch=microbatch, chunk=chunk, inputs=inputs, outputs=outputs)]
     for elems, count in sorted(by_size.items()):
-        out.append(Collective("all_reduce", tp.group, elems * samples * tp.act_bytes, "tp", stream="compute",
-                              count=count))
+        out.append(Collective("all_reduce", tp.group, elems * samples * tp.act_bytes, "tp", stream="compute", count=count))
     return out
 
 
-def _overlapped_pass(work: Work, microbatch: int, chunk: int, inputs: tuple[Payload, ...],
-                     outputs: tuple[Payload, ...], tp: TPConfig,
-                     by_size: dict[int, int]) -> list[Instruction]:
+def _overlapped_pass(
+    work: Work,
+    microbatch: int,
+    chunk: int,
+    inputs: tuple[Payload, ...],
+    outputs: tuple[Payload, ...],
+    tp: TPConfig,
+    by_size: dict[int, int],
+) -> list[Instruction]:
     """StepCCL's overlap: the pass runs as `overlap_chunks` row chunks; each chunk's TP
     collectives start on their own stream when the chunk's GEMMs end, under the next
     chunk's GEMMs, and the pass ends when the last one has landed. Pricing a whole
@@ -105,12 +129,23 @@ def _overlapped_pass(work: Work, microbatch: int, chunk: int, inputs: tuple[Payl
     out: list[Instruction] = []
     handles: list[str] = []
     for c in range(n):
-        out.append(Compute(part, microbatch=microbatch, chunk=chunk, inputs=inputs if c == 0 else (),
-                           outputs=outputs if c == n - 1 else ()))
+        out.append(
+            Compute(part, microbatch=microbatch, chunk=chunk, inputs=inputs if c == 0 else (), outputs=outputs if c == n - 1 else ())
+        )
         for elems, count in sorted(by_size.items()):
             handle = f"tp.{work.unit}.{work.phase}.{microbatch}.{chunk}.{c}.{elems}"
-            out.append(Collective("all_reduce", tp.group, elems * work.samples * tp.act_bytes / n, "tp", stream="tp",
-                                  blocking=False, handle=handle, count=count))
+            out.append(
+                Collective(
+                    "all_reduce",
+                    tp.group,
+                    elems * work.samples * tp.act_bytes / n,
+                    "tp",
+                    stream="tp",
+                    blocking=False,
+                    handle=handle,
+                    count=count,
+                )
+            )
             handles.append(handle)
     return out + [Wait(h) for h in handles]
 
@@ -120,9 +155,17 @@ def trainable_params(model: ModelSpec, segments: list[Segment], shards: int) -> 
     return sum(model.unit(s.unit).trainable_params(*s.layers) for s in segments) / shards
 
 
-def iteration_tail(model: ModelSpec, segments: list[Segment], sharding: Sharding, dp_group: str | None, dp: int,
-                   zero_stage: int, grad_bytes: int, param_bytes: int,
-                   pending: list[str] = ()) -> list[Instruction]:
+def iteration_tail(
+    model: ModelSpec,
+    segments: list[Segment],
+    sharding: Sharding,
+    dp_group: str | None,
+    dp: int,
+    zero_stage: int,
+    grad_bytes: int,
+    param_bytes: int,
+    pending: list[str] = (),
+) -> list[Instruction]:
     """Finish an iteration: wait for asynchronous gradient reductions (`pending`
     handles), reduce the rest (all-reduce; reduce-scatter under the distributed
     optimizer), step the optimizer on the local shard, and all-gather the updated

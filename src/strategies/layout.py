@@ -5,6 +5,7 @@ then PP. Groups are made per mesh axis with their whole family (so every rank of
 finds its own member, and the family's NIC sharing is known); routes are made from the
 messages they carry.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -19,8 +20,7 @@ def megatron_mesh(tp: int, dp: int, pp: int, offset: int = 0) -> Mesh:
     return Mesh.contiguous((("tp", tp), ("dp", dp), ("pp", pp)), offset)
 
 
-def make_group(cluster: ClusterSpec, name: str, ranks: tuple[int, ...],
-               family: list[tuple[int, ...]]) -> Group:
+def make_group(cluster: ClusterSpec, name: str, ranks: tuple[int, ...], family: list[tuple[int, ...]]) -> Group:
     """A group whose bandwidth share is computed over its whole family."""
     return Group(name, ranks, sharing=family_sharing(cluster, family), family=tuple(family))
 

@@ -7,6 +7,7 @@ optimizer turned on only as far as memory requires; the fastest plan that fits i
 under plan.search. `balance` cuts the layers with Optimus's "Megatron-LM balanced" DP
 instead of evenly.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -47,24 +48,28 @@ class MegatronOptions:
         if self.schedule is not None and self.schedule not in SCHEDULES:
             raise ConfigError(f"strategy.schedule={self.schedule!r}; choose one of {list(SCHEDULES)} or null")
         if self.vpp is not None and self.vpp > 1 and self.schedule in ("gpipe", "1f1b"):
-            raise ConfigError(f"strategy.vpp={self.vpp} needs the interleaved schedule, not "
-                              f"strategy.schedule={self.schedule}")
+            raise ConfigError(f"strategy.vpp={self.vpp} needs the interleaved schedule, not strategy.schedule={self.schedule}")
         for key in ("sequence_parallel", "overlap_grad_reduce", "uneven_pp", "balance", "scatter_gather"):
             value = getattr(self, key)
             if not isinstance(value, bool) and not (key == "sequence_parallel" and value is None):
                 raise ConfigError(f"strategy.{key} must be true or false, got {value!r}")
         if self.balance and self.schedule == "gpipe":
-            raise ConfigError("strategy.balance=true runs the interleaved 1F1B schedule (Optimus Appendix B), "
-                              "not strategy.schedule=gpipe")
-        check_memory_options(self.recompute, self.zero_stage, "Megatron-LM's distributed optimizer is ZeRO "
-                             "stage 1 (stages 2-3 belong to strategy=ddp)")
+            raise ConfigError(
+                "strategy.balance=true runs the interleaved 1F1B schedule (Optimus Appendix B), not strategy.schedule=gpipe"
+            )
+        check_memory_options(
+            self.recompute, self.zero_stage, "Megatron-LM's distributed optimizer is ZeRO stage 1 (stages 2-3 belong to strategy=ddp)"
+        )
 
     def searched(self, contrastive: bool) -> bool:
         """Whether any axis of the space is left to the planner."""
         axes = [self.tp, self.micro_batch_size, self.recompute, self.zero_stage]
         if not contrastive:
-            axes += [self.pp, self.vpp if self.schedule not in ("gpipe", "1f1b") else 1,
-                     self.sequence_parallel if self.tp != 1 else False]
+            axes += [
+                self.pp,
+                self.vpp if self.schedule not in ("gpipe", "1f1b") else 1,
+                self.sequence_parallel if self.tp != 1 else False,
+            ]
         return any(value is None for value in axes)
 
 
@@ -72,11 +77,15 @@ def plan_megatron(request: PlanRequest) -> Plan:
     opts = options_from(MegatronOptions, request.options)
     contrastive = request.model.interaction is not None
     if contrastive and opts.pp not in (None, 1):
-        raise ConfigError(f"strategy.pp={opts.pp}: the Megatron-LM baseline of contrastive models uses only TP "
-                          f"and DP (pipelining would shrink the contrastive batch; DistMM §5.4, §7.1)")
+        raise ConfigError(
+            f"strategy.pp={opts.pp}: the Megatron-LM baseline of contrastive models uses only TP "
+            f"and DP (pipelining would shrink the contrastive batch; DistMM §5.4, §7.1)"
+        )
     if contrastive and opts.balance:
-        raise ConfigError(f"strategy.balance=true cuts pipeline stages, but the Megatron-LM baseline of "
-                          f"contrastive models ({request.model.name}) does not pipeline")
+        raise ConfigError(
+            f"strategy.balance=true cuts pipeline stages, but the Megatron-LM baseline of "
+            f"contrastive models ({request.model.name}) does not pipeline"
+        )
     searched = opts.searched(contrastive)
     search = MegatronSearch(request, opts, contrastive, searched)
     fitting: list[Candidate] = []
@@ -91,9 +100,10 @@ def plan_megatron(request: PlanRequest) -> Plan:
     assert plan is not None, "the fastest candidate was built"
     plan.details["search"] = search.record(fitting, best)
     units = {u.unit: u for u in plan.units}
-    plan.details["memory_gib"] = {rp.label: round(rank_memory(rp, units, request.model,
-                                                              request.train.precision)["total"] / GIB, 3)
-                                  for rp in plan.program.classes}
+    plan.details["memory_gib"] = {
+        rp.label: round(rank_memory(rp, units, request.model, request.train.precision)["total"] / GIB, 3)
+        for rp in plan.program.classes
+    }
     return plan
 
 
@@ -105,5 +115,4 @@ def _nothing_fits(request: PlanRequest, search: MegatronSearch, searched: bool) 
         return f"no Megatron-LM plan exists for {request.model.name} on {request.cluster.devices} devices"
     if not searched:
         return closest
-    return (f"no Megatron-LM plan fits memory ({search.stats.rejected_by_memory} candidates rejected); "
-            f"closest: {closest}")
+    return f"no Megatron-LM plan fits memory ({search.stats.rejected_by_memory} candidates rejected); closest: {closest}"

@@ -26,6 +26,7 @@ the Program's up to rounding.
 Both bounds leave out only waits, which are never negative: no simulation of the
 Program is faster.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -79,9 +80,13 @@ def live_counts(order: list[PipeOp], chunks: int) -> LiveCounts:
             live[op.chunk] -= 1
     last = order[-1] if order else None
     most_backward = tuple(max((sum(c) for c, k in backward if k == chunk), default=-1) for chunk in range(chunks))
-    return LiveCounts(tuple(forward), tuple(backward),
-                      last is not None and last.kind == "B" and last.chunk == 0,
-                      max((sum(c) for c in forward), default=0), most_backward)
+    return LiveCounts(
+        tuple(forward),
+        tuple(backward),
+        last is not None and last.kind == "B" and last.chunk == 0,
+        max((sum(c) for c in forward), default=0),
+        most_backward,
+    )
 
 
 def steady_microbatches(schedule: str, pp: int, microbatches: int, vpp: int) -> int:
@@ -132,8 +137,7 @@ class _MeshCosts:
             seconds = self.comm.p2p_time(*self.hop_pair[stage], transfer.send_bytes, self.hop_sharing)
             if transfer.gather_bytes:
                 receiver = (stage + 1) % len(self.tp_ranks)
-                seconds += self._collective("all_gather", self.tp_ranks[receiver], self.tp_sharing,
-                                            transfer.gather_bytes)
+                seconds += self._collective("all_gather", self.tp_ranks[receiver], self.tp_sharing, transfer.gather_bytes)
             self._cache[key] = seconds
         return self._cache[key]
 
@@ -149,10 +153,10 @@ class Passes:
     """One candidate's per-virtual-stage prices, one micro-batch each."""
 
     fwd: list[float]
-    bwd: list[float]          # 0 where the virtual stage runs no backward
-    hop: list[float]          # hop v: from virtual stage v to v + 1
-    grads_back: list[bool]    # B(v) waits for B(v + 1)'s gradient
-    tail: list[float]         # per stage: gradient reduction, optimizer, parameter gather
+    bwd: list[float]  # 0 where the virtual stage runs no backward
+    hop: list[float]  # hop v: from virtual stage v to v + 1
+    grads_back: list[bool]  # B(v) waits for B(v + 1)'s gradient
+    tail: list[float]  # per stage: gradient reduction, optimizer, parameter gather
     microbatches: int
 
 
@@ -163,7 +167,7 @@ class MemoryTable:
     estimator: PipelineEstimator
     deg: Degrees
     sharding: Sharding
-    stages: list[tuple[tuple[Segment, ...], ...]]   # per stage: its chunks' segments
+    stages: list[tuple[tuple[Segment, ...], ...]]  # per stage: its chunks' segments
     profile: list[LiveCounts]
     _states: dict[int, list[dict[str, float]]] = field(default_factory=dict)
     _activations: dict[str, list[float]] = field(default_factory=dict)
@@ -178,14 +182,14 @@ class MemoryTable:
         return out
 
     def worst(self, recompute: str, zero_stage: int) -> float:
-        return max(s["weights"] + s["grads"] + s["optimizer"] + a
-                   for s, a in zip(self.states(zero_stage), self.activations(recompute)))
+        return max(
+            s["weights"] + s["grads"] + s["optimizer"] + a for s, a in zip(self.states(zero_stage), self.activations(recompute))
+        )
 
     def states(self, zero_stage: int) -> list[dict[str, float]]:
         if zero_stage not in self._states:
             est, shards = self.estimator, self.sharding.devices
-            self._states[zero_stage] = [est.model_states(chunks, shards, zero_stage, self.deg.dp)
-                                        for chunks in self.stages]
+            self._states[zero_stage] = [est.model_states(chunks, shards, zero_stage, self.deg.dp) for chunks in self.stages]
         return self._states[zero_stage]
 
     def activations(self, recompute: str) -> list[float]:
@@ -193,7 +197,8 @@ class MemoryTable:
             est = self.estimator
             self._activations[recompute] = [
                 est.peak_activations(chunks, live, self.sharding, recompute, self.deg.micro_batch)
-                for chunks, live in zip(self.stages, self.profile)]
+                for chunks, live in zip(self.stages, self.profile)
+            ]
         return self._activations[recompute]
 
 
@@ -201,8 +206,7 @@ class PipelineEstimator:
     """Memory and time lower bounds of the Megatron-LM pipeline candidates of one
     request; caches what candidates share (meshes, schedules, per-layer prefix sums)."""
 
-    def __init__(self, model: ModelSpec, cluster: ClusterSpec, precision: str, global_batch: int,
-                 compute: ComputeModel) -> None:
+    def __init__(self, model: ModelSpec, cluster: ClusterSpec, precision: str, global_batch: int, compute: ComputeModel) -> None:
         self.model, self.cluster, self.precision, self.compute = model, cluster, precision, compute
         self.global_batch = global_batch
         self.comm = CommModel(cluster)
@@ -219,20 +223,21 @@ class PipelineEstimator:
         return self.global_batch // deg.dp // deg.micro_batch
 
     # ---- memory ---------------------------------------------------------------------------
-    def memory_table(self, deg: Degrees, schedule: str, sequence_parallel: bool,
-                     virtual: list[list[Segment]]) -> MemoryTable:
-        stages = [tuple(tuple(virtual[chunk * deg.pp + stage]) for chunk in range(deg.vpp))
-                  for stage in range(deg.pp)]
-        return MemoryTable(self, deg, tensor_parallel(deg.tp, sequence_parallel), stages,
-                           self.schedule_profile(schedule, deg.pp, self.microbatches(deg), deg.vpp))
+    def memory_table(self, deg: Degrees, schedule: str, sequence_parallel: bool, virtual: list[list[Segment]]) -> MemoryTable:
+        stages = [tuple(tuple(virtual[chunk * deg.pp + stage]) for chunk in range(deg.vpp)) for stage in range(deg.pp)]
+        return MemoryTable(
+            self,
+            deg,
+            tensor_parallel(deg.tp, sequence_parallel),
+            stages,
+            self.schedule_profile(schedule, deg.pp, self.microbatches(deg), deg.vpp),
+        )
 
     def memory(self, deg: Degrees, cfg: MegatronSettings, virtual: list[list[Segment]]) -> list[dict[str, float]]:
         """Per stage: weights, grads, optimizer, activations and total bytes of one rank."""
-        return self.memory_table(deg, cfg.schedule, cfg.sequence_parallel, virtual).need(cfg.recompute,
-                                                                                        cfg.zero_stage)
+        return self.memory_table(deg, cfg.schedule, cfg.sequence_parallel, virtual).need(cfg.recompute, cfg.zero_stage)
 
-    def model_states(self, chunks: tuple[tuple[Segment, ...], ...], shards: int, zero_stage: int,
-                     dp: int) -> dict[str, float]:
+    def model_states(self, chunks: tuple[tuple[Segment, ...], ...], shards: int, zero_stage: int, dp: int) -> dict[str, float]:
         """Model states of a stage's layer ranges (rank_memory sums them range by range;
         they are linear in the parameter count)."""
         trainable = params = 0.0
@@ -241,13 +246,13 @@ class PipelineEstimator:
                 trainable += self._span("trainable", segment)
                 params += self._span("params", segment)
         out = model_state_bytes(trainable / shards, self.precision, False, zero_stage, dp)
-        for key, value in model_state_bytes(params / shards - trainable / shards, self.precision, True,
-                                            zero_stage, dp).items():
+        for key, value in model_state_bytes(params / shards - trainable / shards, self.precision, True, zero_stage, dp).items():
             out[key] += value
         return out
 
-    def peak_activations(self, chunks: tuple[tuple[Segment, ...], ...], live: LiveCounts, sharding: Sharding,
-                         recompute: str, micro_batch: int) -> float:
+    def peak_activations(
+        self, chunks: tuple[tuple[Segment, ...], ...], live: LiveCounts, sharding: Sharding, recompute: str, micro_batch: int
+    ) -> float:
         """The peak of live activations along the stage's order (memory.peak_activation_bytes):
         each forward adds its segments' activations, its backward frees them; under full
         recompute a backward first rematerialises its segment's largest layer."""
@@ -286,17 +291,16 @@ class PipelineEstimator:
         key = ("activations", sharding, recompute)
         found = self._activation_prefixes_cache.get(key)
         if found is None:
-            found = self._activation_prefixes_cache[key] = {u.name: self._unit_prefix(key, u.name)
-                                                            for u in self.model.units
-                                                            if self.model.needs_backward(u.name)}
+            found = self._activation_prefixes_cache[key] = {
+                u.name: self._unit_prefix(key, u.name) for u in self.model.units if self.model.needs_backward(u.name)
+            }
         return found
 
     def _largest_layer(self, segment: Segment, sharding: Sharding) -> float:
         key = (segment, sharding)
         if key not in self._largest:
-            layers = self.model.unit(segment.unit).layers[segment.layers[0]:segment.layers[1]]
-            self._largest[key] = max((layer.activations.per_device(sharding, "none") for layer in layers),
-                                     default=0.0)
+            layers = self.model.unit(segment.unit).layers[segment.layers[0] : segment.layers[1]]
+            self._largest[key] = max((layer.activations.per_device(sharding, "none") for layer in layers), default=0.0)
         return self._largest[key]
 
     def _orders(self, schedule: str, pp: int, microbatches: int, vpp: int) -> list[list[PipeOp]]:
@@ -317,8 +321,7 @@ class PipelineEstimator:
         return prefix[segment.layers[1]] - prefix[segment.layers[0]]
 
     @staticmethod
-    def _time_key(phase: str, sharding: Sharding, recompute: str, micro_batch: int, mesh: _MeshCosts,
-                  stage: int) -> tuple:
+    def _time_key(phase: str, sharding: Sharding, recompute: str, micro_batch: int, mesh: _MeshCosts, stage: int) -> tuple:
         return (phase, sharding, recompute, micro_batch, mesh.tp_price[stage], (mesh, stage))
 
     def _unit_prefix(self, what, unit_name: str) -> list[float]:
@@ -347,8 +350,9 @@ class PipelineEstimator:
             _, sharding, recompute = what
             return 0.0 if layer.forward_only else layer.activations.per_device(sharding, recompute)
         phase, sharding, recompute, micro_batch, _, (mesh, stage) = what
-        work = Work(unit.name, phase, micro_batch, (index, index + 1), sharding=sharding,
-                    recompute=recompute if phase == "bwd" else "none")
+        work = Work(
+            unit.name, phase, micro_batch, (index, index + 1), sharding=sharding, recompute=recompute if phase == "bwd" else "none"
+        )
         seconds = self.compute.work_time(work, self.model)
         if sharding.degree("tp") > 1 and layer.tp_allreduces:
             seconds += layer.tp_allreduces * mesh.tp(stage, layer.tp_comm_elems * micro_batch * self.act_bytes)
@@ -368,8 +372,7 @@ class PipelineEstimator:
             prefix = prefixes.get(key)
             if prefix is None:
                 recompute = cfg.recompute if phase == "bwd" else "none"
-                prefix = prefixes[key] = self._unit_prefix(self._time_key(phase, sharding, recompute, mb, mesh, stage),
-                                                           segment.unit)
+                prefix = prefixes[key] = self._unit_prefix(self._time_key(phase, sharding, recompute, mb, mesh, stage), segment.unit)
             return prefix[segment.layers[1]] - prefix[segment.layers[0]]
 
         fwd, bwd, hop, grads_back = [], [], [], []
@@ -398,8 +401,7 @@ class PipelineEstimator:
                 segment = Segment(unit.name, (index, index + 1))
                 seconds = self._span(self._time_key("fwd", sharding, "none", deg.micro_batch, mesh, 0), segment)
                 if trained:
-                    seconds += self._span(self._time_key("bwd", sharding, cfg.recompute, deg.micro_batch, mesh, 0),
-                                          segment)
+                    seconds += self._span(self._time_key("bwd", sharding, cfg.recompute, deg.micro_batch, mesh, 0), segment)
                 out.append(seconds)
         return out
 
@@ -424,7 +426,7 @@ class PipelineEstimator:
         pp, m = deg.pp, passes.microbatches
         fwd, bwd, hop, tail = passes.fwd, passes.bwd, passes.hop, passes.tail
         profile = self.schedule_profile(cfg.schedule, pp, m, deg.vpp)
-        best, ready = 0.0, 0.0   # ready: when micro-batch 0 can enter stage s's first chunk
+        best, ready = 0.0, 0.0  # ready: when micro-batch 0 can enter stage s's first chunk
         for stage in range(pp):
             end = ready + m * sum(fwd[c * pp + stage] + bwd[c * pp + stage] for c in range(deg.vpp))
             best = max(best, end + tail[stage])
@@ -477,8 +479,9 @@ class PipelineEstimator:
             raise RuntimeError(f"the {cfg.schedule} schedule of pp={pp} vpp={vpp} deadlocks")
         return max(clock[s] + passes.tail[s] for s in range(pp)) * (1.0 - BOUND_SLACK)
 
-    def _tail(self, virtual: list[list[Segment]], stage: int, deg: Degrees, cfg: MegatronSettings,
-              sharding: Sharding, mesh: _MeshCosts) -> float:
+    def _tail(
+        self, virtual: list[list[Segment]], stage: int, deg: Degrees, cfg: MegatronSettings, sharding: Sharding, mesh: _MeshCosts
+    ) -> float:
         """The end of a stage's iteration (emit.iteration_tail): the blocking gradient
         reduction (asynchronous under overlap_grad_reduce: left out), the optimizer step of
         the local shard, the parameter all-gather of the distributed optimizer."""
@@ -493,8 +496,9 @@ class PipelineEstimator:
         shard = deg.dp if cfg.zero_stage >= 1 else 1
         for segment in segments:
             if not self.model.unit(segment.unit).frozen:
-                seconds += self.compute.work_time(Work(segment.unit, "optimizer", 0, segment.layers,
-                                                       sharding=sharding, shard=shard), self.model)
+                seconds += self.compute.work_time(
+                    Work(segment.unit, "optimizer", 0, segment.layers, sharding=sharding, shard=shard), self.model
+                )
         if cfg.zero_stage == 1 and deg.dp > 1:
             seconds += mesh.dp(stage, "all_gather", params * self.act_bytes)
         return seconds

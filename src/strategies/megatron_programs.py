@@ -6,6 +6,7 @@ Two shapes, as the papers describe Megatron-LM on multimodal models:
 - colocated towers (CLIP/CoCa/LiT): every device runs both towers with the same TP and DP,
   and the contrastive loss all-gathers both modalities' features over DP (DistMM §7.1).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -43,8 +44,15 @@ class MegatronSettings:
     scatter_gather: bool = True  # pipeline sends of 1/tp plus a TP all-gather (stages.stage_transfer)
 
 
-def pipeline_program(model: ModelSpec, cluster: ClusterSpec, global_batch: int, precision: str,
-                     deg: Degrees, cfg: MegatronSettings, virtual: list[list[Segment]]) -> tuple[Program, list[UnitPlan]]:
+def pipeline_program(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    global_batch: int,
+    precision: str,
+    deg: Degrees,
+    cfg: MegatronSettings,
+    virtual: list[list[Segment]],
+) -> tuple[Program, list[UnitPlan]]:
     """`virtual`: the pp x vpp virtual stages (stages.pipeline_segments, or a balanced cut)."""
     pp, vpp = deg.pp, deg.vpp
     mesh = megatron_mesh(deg.tp, deg.dp, pp)
@@ -52,8 +60,14 @@ def pipeline_program(model: ModelSpec, cluster: ClusterSpec, global_batch: int, 
     microbatches = batch_per_replica // deg.micro_batch
     orders = build_schedule(cfg.schedule, pp, microbatches, vpp)
     program = Program(world_size=mesh.size, classes=[])
-    settings = PipelineSettings(deg.micro_batch, cfg.recompute, cfg.sequence_parallel, cfg.zero_stage,
-                                cfg.overlap_grad_reduce, scatter_gather=cfg.scatter_gather)
+    settings = PipelineSettings(
+        deg.micro_batch,
+        cfg.recompute,
+        cfg.sequence_parallel,
+        cfg.zero_stage,
+        cfg.overlap_grad_reduce,
+        scatter_gather=cfg.scatter_gather,
+    )
     emitter = PipelineEmitter(model, cluster, precision, program, mesh, virtual, settings)
     for stage in range(pp):
         program.classes.append(emitter.rank_program(emitter.stage(stage, orders[stage]), f"stage {stage}"))
@@ -70,11 +84,22 @@ def pipeline_program(model: ModelSpec, cluster: ClusterSpec, global_batch: int, 
             stages, ranges, chunks = list(range(pp)), _every_virtual_stage(name, virtual), vpp
         ranks = tuple(r for st in stages for r in mesh.slice(pp=st))
         unit_mesh = Mesh((("tp", deg.tp), ("dp", deg.dp), ("pp", len(stages))), ranks)
-        unit_plans.append(UnitPlan(unit=name, mesh=unit_mesh, micro_batch=deg.micro_batch,
-                                   num_microbatches=microbatches, batch_per_replica=batch_per_replica,
-                                   stage_layers=ranges, sample_groups=microbatches, vpp=chunks,
-                                   zero_stage=cfg.zero_stage, recompute=cfg.recompute,
-                                   sequence_parallel=cfg.sequence_parallel, details={"pipeline_stages": stages}))
+        unit_plans.append(
+            UnitPlan(
+                unit=name,
+                mesh=unit_mesh,
+                micro_batch=deg.micro_batch,
+                num_microbatches=microbatches,
+                batch_per_replica=batch_per_replica,
+                stage_layers=ranges,
+                sample_groups=microbatches,
+                vpp=chunks,
+                zero_stage=cfg.zero_stage,
+                recompute=cfg.recompute,
+                sequence_parallel=cfg.sequence_parallel,
+                details={"pipeline_stages": stages},
+            )
+        )
     return program, unit_plans
 
 
@@ -92,8 +117,9 @@ def _every_virtual_stage(unit: str, virtual: list[list[Segment]]) -> tuple[tuple
     return tuple(out)
 
 
-def colocated_program(model: ModelSpec, cluster: ClusterSpec, global_batch: int, precision: str,
-                      deg: Degrees, cfg: MegatronSettings) -> tuple[Program, list[UnitPlan]]:
+def colocated_program(
+    model: ModelSpec, cluster: ClusterSpec, global_batch: int, precision: str, deg: Degrees, cfg: MegatronSettings
+) -> tuple[Program, list[UnitPlan]]:
     """Both towers on every device, same TP and DP; the contrastive loss sees the features
     of all DP replicas (all-gather over DP, reduce-scatter of their gradients back)."""
     mesh = Mesh.contiguous((("tp", deg.tp), ("dp", deg.dp)))
@@ -102,9 +128,13 @@ def colocated_program(model: ModelSpec, cluster: ClusterSpec, global_batch: int,
     mb = deg.micro_batch
     program = Program(world_size=mesh.size, classes=[])
     names = unit_order(model)
-    emitter = ColocatedEmitter(model, cluster, precision, program,
-                               [ColocatedUnit(name, mesh, cfg.recompute, cfg.zero_stage, cfg.sequence_parallel)
-                                for name in names])
+    emitter = ColocatedEmitter(
+        model,
+        cluster,
+        precision,
+        program,
+        [ColocatedUnit(name, mesh, cfg.recompute, cfg.zero_stage, cfg.sequence_parallel) for name in names],
+    )
     towers = emitter.towers()
     emitter.query_routes(microbatches, {t: mb for t in towers}, {t: mb for t in towers}, with_keys=deg.dp == 1)
     instructions: list[Instruction] = []
@@ -115,9 +145,19 @@ def colocated_program(model: ModelSpec, cluster: ClusterSpec, global_batch: int,
         instructions += emitter.microbatch(j, {t: mb for t in towers}, interaction)
     instructions += emitter.tail()
     program.classes.append(emitter.rank_program(instructions))
-    unit_plans = [UnitPlan(unit=name, mesh=mesh, micro_batch=mb, num_microbatches=microbatches,
-                           batch_per_replica=batch_per_replica, stage_layers=((0, model.unit(name).num_layers),),
-                           sample_groups=microbatches, zero_stage=cfg.zero_stage, recompute=cfg.recompute,
-                           sequence_parallel=cfg.sequence_parallel)
-                  for name in names]
+    unit_plans = [
+        UnitPlan(
+            unit=name,
+            mesh=mesh,
+            micro_batch=mb,
+            num_microbatches=microbatches,
+            batch_per_replica=batch_per_replica,
+            stage_layers=((0, model.unit(name).num_layers),),
+            sample_groups=microbatches,
+            zero_stage=cfg.zero_stage,
+            recompute=cfg.recompute,
+            sequence_parallel=cfg.sequence_parallel,
+        )
+        for name in names
+    ]
     return program, unit_plans

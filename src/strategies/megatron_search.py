@@ -11,6 +11,7 @@ until the next bound exceeds the best simulated time, so the plan found is the o
 simulating every fitting candidate would find, tie-breaks included, while only those
 that could win are built. Searches longer than a few seconds report progress on stderr.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -46,12 +47,12 @@ class Candidate:
 
     shape: Shape
     settings: MegatronSettings
-    step: int                               # position of its settings on the memory ladder
-    virtual: list[list[Segment]] | None     # pipeline virtual stages; None when colocated
+    step: int  # position of its settings on the memory ladder
+    virtual: list[list[Segment]] | None  # pipeline virtual stages; None when colocated
     memory: list[dict[str, float]]
     labels: list[str]
-    bound: float = 0.0                      # the first bound: work bound, or a built Program's
-    passes: Passes | None = None            # pipeline prices the tighter bounds are made of
+    bound: float = 0.0  # the first bound: work bound, or a built Program's
+    passes: Passes | None = None  # pipeline prices the tighter bounds are made of
     stage_bound: float | None = None
     path_bound: float | None = None
     plan: Plan | None = None
@@ -63,21 +64,20 @@ class Candidate:
         return (d.tp, d.pp, d.vpp, d.micro_batch, self.shape.sequence_parallel, self.step)
 
     def describe(self) -> str:
-        return (f"{self.shape.label()} recompute={self.settings.recompute} "
-                f"zero_stage={self.settings.zero_stage}")
+        return f"{self.shape.label()} recompute={self.settings.recompute} zero_stage={self.settings.zero_stage}"
 
 
 @dataclass
 class SearchStats:
-    space: int = 0                 # shapes x memory settings of the ladder
+    space: int = 0  # shapes x memory settings of the ladder
     shapes: int = 0
-    invalid: int = 0               # choices of degrees left out by a rule (divisibility, stages)
+    invalid: int = 0  # choices of degrees left out by a rule (divisibility, stages)
     memory_checks: int = 0
-    rejected_by_memory: int = 0    # memory checks that did not fit
-    priced_analytically: int = 0   # fitting candidates bounded without a Program
-    stage_bounds: int = 0          # of those, how many got the tighter stage bound,
-    path_bounds: int = 0           # and the tightest, the path bound
-    built: int = 0                 # Programs built
+    rejected_by_memory: int = 0  # memory checks that did not fit
+    priced_analytically: int = 0  # fitting candidates bounded without a Program
+    stage_bounds: int = 0  # of those, how many got the tighter stage bound,
+    path_bounds: int = 0  # and the tightest, the path bound
+    built: int = 0  # Programs built
     simulated: int = 0
     wall_time_s: float = 0.0
 
@@ -94,14 +94,13 @@ class MegatronSearch:
         self.model, self.cluster = request.model, request.cluster
         self.precision = request.train.precision
         self.compute = ComputeModel(self.cluster, self.precision)
-        self.estimator = PipelineEstimator(self.model, self.cluster, self.precision, request.train.global_batch,
-                                           self.compute)
+        self.estimator = PipelineEstimator(self.model, self.cluster, self.precision, request.train.global_batch, self.compute)
         self.ladder = memory_ladder(opts.recompute, opts.zero_stage)
         self.stats = SearchStats()
         self.progress = Progress("megatron search")
         self.invalid: list[str] = []
         self.closest: tuple[float, Candidate] | None = None
-        self.ranked: list[Candidate] = []    # path-bounded next best, not simulated
+        self.ranked: list[Candidate] = []  # path-bounded next best, not simulated
         self.chain = linear_chain(self.model) if opts.balance else None
         self.even_cuts: dict[tuple[int, int], list[list[Segment]]] = {}
         self.chain_times: dict[tuple, tuple[float, ...]] = {}
@@ -136,9 +135,16 @@ class MegatronSearch:
         for step, (recompute, zero) in enumerate(self.ladder):
             if out and recompute != out[0].settings.recompute:
                 break
-            settings = MegatronSettings(shape.schedule, recompute, shape.sequence_parallel, zero,
-                                        self.opts.overlap_grad_reduce, self.opts.modality_stages,
-                                        self.opts.uneven_pp, self.opts.scatter_gather)
+            settings = MegatronSettings(
+                shape.schedule,
+                recompute,
+                shape.sequence_parallel,
+                zero,
+                self.opts.overlap_grad_reduce,
+                self.opts.modality_stages,
+                self.opts.uneven_pp,
+                self.opts.scatter_gather,
+            )
             try:
                 candidate = self._check(shape, settings, step, tables)
             except ConfigError as err:
@@ -152,8 +158,7 @@ class MegatronSearch:
                 out.append(candidate)
         return out
 
-    def _check(self, shape: Shape, settings: MegatronSettings, step: int,
-               tables: dict[tuple, MemoryTable]) -> Candidate | None:
+    def _check(self, shape: Shape, settings: MegatronSettings, step: int, tables: dict[tuple, MemoryTable]) -> Candidate | None:
         """The shape under these settings if it fits memory; else None, the shortfall noted."""
         self.stats.memory_checks += 1
         usable = self.cluster.usable_memory_bytes
@@ -162,8 +167,7 @@ class MegatronSearch:
             candidate = Candidate(shape, settings, step, None, [], [])
             self._build(candidate)
             units = {u.unit: u for u in candidate.plan.units}
-            candidate.memory = [rank_memory(rp, units, self.model, self.precision)
-                                for rp in candidate.plan.program.classes]
+            candidate.memory = [rank_memory(rp, units, self.model, self.precision) for rp in candidate.plan.program.classes]
             candidate.labels = [rp.label for rp in candidate.plan.program.classes]
             worst = max(need["total"] for need in candidate.memory)
         else:
@@ -171,13 +175,17 @@ class MegatronSearch:
             key = tuple(tuple(stage) for stage in virtual)
             table = tables.get(key)
             if table is None:
-                table = tables[key] = self.estimator.memory_table(shape.degrees, shape.schedule,
-                                                                  shape.sequence_parallel, virtual)
+                table = tables[key] = self.estimator.memory_table(shape.degrees, shape.schedule, shape.sequence_parallel, virtual)
             worst = table.worst(settings.recompute, settings.zero_stage)
             if worst <= usable or self.closest is None or worst - usable < self.closest[0]:
-                candidate = Candidate(shape, settings, step, virtual,
-                                      table.need(settings.recompute, settings.zero_stage),
-                                      [f"stage {s}" for s in range(shape.degrees.pp)])
+                candidate = Candidate(
+                    shape,
+                    settings,
+                    step,
+                    virtual,
+                    table.need(settings.recompute, settings.zero_stage),
+                    [f"stage {s}" for s in range(shape.degrees.pp)],
+                )
         if worst <= usable:
             return candidate
         self.stats.rejected_by_memory += 1
@@ -190,8 +198,7 @@ class MegatronSearch:
         if self.chain is None:
             key = (deg.pp, deg.vpp)
             if key not in self.even_cuts:
-                self.even_cuts[key] = pipeline_segments(self.model, deg.pp, deg.vpp, settings.modality_stages,
-                                                        settings.uneven_pp)
+                self.even_cuts[key] = pipeline_segments(self.model, deg.pp, deg.vpp, settings.modality_stages, settings.uneven_pp)
             return self.even_cuts[key]
         # The cut depends on the layers' times (TP, its price, micro-batch, sequence
         # parallelism, recomputation) and the number of virtual stages only.
@@ -210,13 +217,20 @@ class MegatronSearch:
         need = candidate.memory[worst]
         parts = ", ".join(f"{k} {need[k] / GIB:.1f}" for k in ("weights", "grads", "optimizer", "activations"))
         why = ""
-        if self.opts.micro_batch_size is None and not self.contrastive and \
-                candidate.shape.degrees.micro_batch > MAX_PIPELINE_MICRO_BATCH:
-            why = (f" (micro-batches of {candidate.shape.degrees.micro_batch}: the planner builds at most "
-                   f"{MAX_MICROBATCHES} per iteration)")
-        return (f"megatron {candidate.describe()}: {candidate.labels[worst]} needs "
-                f"{need['total'] / GIB:.1f} GiB ({parts}) but a {self.cluster.device} has "
-                f"{usable / GIB:.1f} GiB usable, short by {(need['total'] - usable) / GIB:.1f} GiB{why}")
+        if (
+            self.opts.micro_batch_size is None
+            and not self.contrastive
+            and candidate.shape.degrees.micro_batch > MAX_PIPELINE_MICRO_BATCH
+        ):
+            why = (
+                f" (micro-batches of {candidate.shape.degrees.micro_batch}: the planner builds at most "
+                f"{MAX_MICROBATCHES} per iteration)"
+            )
+        return (
+            f"megatron {candidate.describe()}: {candidate.labels[worst]} needs "
+            f"{need['total'] / GIB:.1f} GiB ({parts}) but a {self.cluster.device} has "
+            f"{usable / GIB:.1f} GiB usable, short by {(need['total'] - usable) / GIB:.1f} GiB{why}"
+        )
 
     def closest_memory_problem(self) -> str | None:
         """Of the settings that did not fit, the one short by the least."""
@@ -243,8 +257,7 @@ class MegatronSearch:
             heapq.heapify(heap)
             while heap and (best is None or heap[0][0] <= best.time):
                 if self.progress.due():
-                    self.progress.show(f"bounds and simulations: candidates left {len(heap)}/{len(candidates)}, "
-                                       f"{_lead(best)}")
+                    self.progress.show(f"bounds and simulations: candidates left {len(heap)}/{len(candidates)}, {_lead(best)}")
                 _, _, level, index = heapq.heappop(heap)
                 candidate = candidates[index]
                 if level < PATH and candidate.virtual is not None:
@@ -287,26 +300,38 @@ class MegatronSearch:
     def _simulate(self, candidate: Candidate) -> None:
         if candidate.plan is None:
             self._build(candidate)
-        candidate.time = simulate(candidate.plan.program, self.model, self.cluster, self.precision,
-                                  self.compute).iteration_time
+        candidate.time = simulate(candidate.plan.program, self.model, self.cluster, self.precision, self.compute).iteration_time
         self.stats.simulated += 1
 
     def _build(self, candidate: Candidate) -> None:
         deg, cfg = candidate.shape.degrees, candidate.settings
         train = self.request.train
         if self.contrastive:
-            program, unit_plans = colocated_program(self.model, self.cluster, train.global_batch, self.precision,
-                                                    deg, cfg)
+            program, unit_plans = colocated_program(self.model, self.cluster, train.global_batch, self.precision, deg, cfg)
         else:
-            program, unit_plans = pipeline_program(self.model, self.cluster, train.global_batch, self.precision,
-                                                   deg, cfg, candidate.virtual)
+            program, unit_plans = pipeline_program(
+                self.model, self.cluster, train.global_batch, self.precision, deg, cfg, candidate.virtual
+            )
         self.stats.built += 1
-        candidate.plan = Plan(strategy="megatron", devices=program.world_size, units=unit_plans, program=program,
-                              details={"tp": deg.tp, "pp": deg.pp, "dp": deg.dp, "vpp": deg.vpp,
-                                       "micro_batch": deg.micro_batch, "schedule": cfg.schedule,
-                                       "recompute": cfg.recompute, "sequence_parallel": cfg.sequence_parallel,
-                                       "zero_stage": cfg.zero_stage, "balance": self.chain is not None,
-                                       "placement": "colocated" if self.contrastive else "pipeline"})
+        candidate.plan = Plan(
+            strategy="megatron",
+            devices=program.world_size,
+            units=unit_plans,
+            program=program,
+            details={
+                "tp": deg.tp,
+                "pp": deg.pp,
+                "dp": deg.dp,
+                "vpp": deg.vpp,
+                "micro_batch": deg.micro_batch,
+                "schedule": cfg.schedule,
+                "recompute": cfg.recompute,
+                "sequence_parallel": cfg.sequence_parallel,
+                "zero_stage": cfg.zero_stage,
+                "balance": self.chain is not None,
+                "placement": "colocated" if self.contrastive else "pipeline",
+            },
+        )
 
     # ---- the record ----------------------------------------------------------------------
     def record(self, candidates: list[Candidate], best: Candidate) -> dict:
@@ -316,18 +341,26 @@ class MegatronSearch:
         self.stats.wall_time_s = self.progress.elapsed_s
         known = [c for c in candidates if c.time is not None] + self.ranked
         known.sort(key=lambda c: (c.time if c.time is not None else c.path_bound, c.order()))
-        self.progress.end(f"done: {self.stats.shapes} shapes, {len(candidates)} fit, {self.stats.simulated} simulated; "
-                          f"best {best.describe()}")
+        self.progress.end(
+            f"done: {self.stats.shapes} shapes, {len(candidates)} fit, {self.stats.simulated} simulated; best {best.describe()}"
+        )
         return {
             "searched": self.searched,
-            **{key: (round(value, 3) if isinstance(value, float) else value)
-               for key, value in vars(self.stats).items()},
+            **{key: (round(value, 3) if isinstance(value, float) else value) for key, value in vars(self.stats).items()},
             "fitting": len(candidates),
-            "ranking": [{"tp": c.shape.degrees.tp, "pp": c.shape.degrees.pp, "dp": c.shape.degrees.dp,
-                         "vpp": c.shape.degrees.vpp, "micro_batch": c.shape.degrees.micro_batch,
-                         "sequence_parallel": c.shape.sequence_parallel, "recompute": c.settings.recompute,
-                         "zero_stage": c.settings.zero_stage, "simulated": c.time is not None,
-                         "iteration_time_s": c.time if c.time is not None else c.path_bound}
-                        for c in known[:RANKING_SIZE]],
+            "ranking": [
+                {
+                    "tp": c.shape.degrees.tp,
+                    "pp": c.shape.degrees.pp,
+                    "dp": c.shape.degrees.dp,
+                    "vpp": c.shape.degrees.vpp,
+                    "micro_batch": c.shape.degrees.micro_batch,
+                    "sequence_parallel": c.shape.sequence_parallel,
+                    "recompute": c.settings.recompute,
+                    "zero_stage": c.settings.zero_stage,
+                    "simulated": c.time is not None,
+                    "iteration_time_s": c.time if c.time is not None else c.path_bound,
+                }
+                for c in known[:RANKING_SIZE]
+            ],
         }
-

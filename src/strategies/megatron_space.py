@@ -8,6 +8,7 @@ tp > 1. A value the user fixes is the only choice of its axis. Recomputation and
 distributed optimizer are no axes: the search turns them on only as far as memory
 requires (memory_ladder).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -36,8 +37,7 @@ class Shape:
 
     def label(self) -> str:
         d = self.degrees
-        return (f"tp={d.tp} pp={d.pp} dp={d.dp} vpp={d.vpp} micro-batch={d.micro_batch} "
-                f"sp={'on' if self.sequence_parallel else 'off'}")
+        return f"tp={d.tp} pp={d.pp} dp={d.dp} vpp={d.vpp} micro-batch={d.micro_batch} sp={'on' if self.sequence_parallel else 'off'}"
 
 
 @dataclass
@@ -67,8 +67,7 @@ def extra_stages(model: ModelSpec, opts: MegatronOptions) -> int:
     return len(model.units) - 1 if opts.modality_stages == "extra" and not opts.balance else 0
 
 
-def enumerate_space(request: PlanRequest, opts: MegatronOptions, contrastive: bool, across_nodes: bool,
-                    searched: bool) -> Space:
+def enumerate_space(request: PlanRequest, opts: MegatronOptions, contrastive: bool, across_nodes: bool, searched: bool) -> Space:
     """Every shape of the space, in a fixed order; a choice of degrees that breaks a rule
     is an error when nothing is searched, else noted and left out."""
     space = Space()
@@ -98,8 +97,7 @@ def _tp_choices(request: PlanRequest, opts: MegatronOptions, across_nodes: bool)
         return [opts.tp]
     heads = [u.heads for u in request.model.units if u.kind == "transformer" and u.heads > 1]
     node = request.cluster.devices_per_node
-    return [t for t in powers_of_two(request.cluster.devices) if all(h % t == 0 for h in heads)
-            and (t > node) == across_nodes]
+    return [t for t in powers_of_two(request.cluster.devices) if all(h % t == 0 for h in heads) and (t > node) == across_nodes]
 
 
 def _pp_choices(model: ModelSpec, opts: MegatronOptions, contrastive: bool) -> list[int]:
@@ -110,12 +108,14 @@ def _pp_choices(model: ModelSpec, opts: MegatronOptions, contrastive: bool) -> l
     blocks = pipeline_blocks(model)
     chunks = opts.vpp or 1
     extra = extra_stages(model, opts)
-    return [p + extra for p in range(1, blocks + 1)
-            if (opts.uneven_pp or opts.balance or blocks % (p * chunks) == 0) and p * chunks <= blocks]
+    return [
+        p + extra
+        for p in range(1, blocks + 1)
+        if (opts.uneven_pp or opts.balance or blocks % (p * chunks) == 0) and p * chunks <= blocks
+    ]
 
 
-def _vpp_choices(model: ModelSpec, opts: MegatronOptions, pp: int, microbatches: int,
-                 contrastive: bool) -> list[int]:
+def _vpp_choices(model: ModelSpec, opts: MegatronOptions, pp: int, microbatches: int, contrastive: bool) -> list[int]:
     """1 (no interleaving), and the interleavings Megatron-LM runs: pp > 1, micro-batches
     a multiple of pp, pp x vpp dividing the main unit's blocks (also under the balanced
     cut, which could take any count: other counts can be set by hand). MLLMs with extra
@@ -154,8 +154,9 @@ def check_degrees(request: PlanRequest, opts: MegatronOptions, tp: int, pp: int)
         raise ConfigError(f"tp x pp = {tp} x {pp} = {tp * pp} does not divide the cluster's {devices} devices")
     dp = devices // (tp * pp)
     if opts.dp is not None and opts.dp != dp:
-        raise ConfigError(f"tp x pp x dp = {tp} x {pp} x {opts.dp} = {tp * pp * opts.dp} but cluster "
-                          f"{request.cluster.name} has {devices} devices")
+        raise ConfigError(
+            f"tp x pp x dp = {tp} x {pp} x {opts.dp} = {tp * pp * opts.dp} but cluster {request.cluster.name} has {devices} devices"
+        )
     if request.train.global_batch % dp:
         raise ConfigError(f"global batch {request.train.global_batch} is not divisible by dp={dp}")
     return dp
@@ -163,15 +164,19 @@ def check_degrees(request: PlanRequest, opts: MegatronOptions, tp: int, pp: int)
 
 def _micro_batch_choices(request: PlanRequest, opts: MegatronOptions, dp: int, contrastive: bool) -> list[int]:
     per_replica = request.train.global_batch // dp
-    least = -(-per_replica // MAX_MICROBATCHES)   # the smallest micro-batch a Program can hold
+    least = -(-per_replica // MAX_MICROBATCHES)  # the smallest micro-batch a Program can hold
     if opts.micro_batch_size is not None:
         if per_replica % opts.micro_batch_size:
-            raise ConfigError(f"global batch {request.train.global_batch} is not divisible by dp x micro-batch = "
-                              f"{dp} x {opts.micro_batch_size} = {dp * opts.micro_batch_size}")
+            raise ConfigError(
+                f"global batch {request.train.global_batch} is not divisible by dp x micro-batch = "
+                f"{dp} x {opts.micro_batch_size} = {dp * opts.micro_batch_size}"
+            )
         if opts.micro_batch_size < least:
-            raise ConfigError(f"global batch {request.train.global_batch} over dp={dp} in micro-batches of "
-                              f"{opts.micro_batch_size} is {per_replica // opts.micro_batch_size} micro-batches "
-                              f"per iteration; the planner builds at most {MAX_MICROBATCHES}")
+            raise ConfigError(
+                f"global batch {request.train.global_batch} over dp={dp} in micro-batches of "
+                f"{opts.micro_batch_size} is {per_replica // opts.micro_batch_size} micro-batches "
+                f"per iteration; the planner builds at most {MAX_MICROBATCHES}"
+            )
         choices = [opts.micro_batch_size]
     else:
         # Largest first: for contrastive models the whole replica batch is one micro-batch
@@ -183,8 +188,10 @@ def _micro_batch_choices(request: PlanRequest, opts: MegatronOptions, dp: int, c
         rbs = request.train.contrastive_batch
         fitting = [m for m in choices if m * dp >= rbs]
         if not fitting:
-            raise ConfigError(f"micro-batch {choices[0]} x dp {dp} = {choices[0] * dp} samples per step is below the "
-                              f"contrastive batch {rbs}: Megatron-LM cannot accumulate gradients without "
-                              f"shrinking the contrastive loss's batch")
+            raise ConfigError(
+                f"micro-batch {choices[0]} x dp {dp} = {choices[0] * dp} samples per step is below the "
+                f"contrastive batch {rbs}: Megatron-LM cannot accumulate gradients without "
+                f"shrinking the contrastive loss's batch"
+            )
         choices = fitting
     return choices

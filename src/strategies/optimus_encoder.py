@@ -15,6 +15,7 @@ execution order: kernels (their times as the cost model prices a Work of that ke
 range) and TP all-reduces (after each row-parallel kernel in forward; after the first
 column-parallel kernel of each parallel region in backward, Megatron's f/g operators).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -115,8 +116,7 @@ def allreduce_points(layer: LayerSpec, backward: bool) -> list[int]:
     """Kernels after which a TP all-reduce runs (forward order indices)."""
     kernels = layer.kernels
     if backward:
-        points = [i for i, k in enumerate(kernels)
-                  if k.tp_split == "n" and (i == 0 or kernels[i - 1].tp_split == "none")]
+        points = [i for i, k in enumerate(kernels) if k.tp_split == "n" and (i == 0 or kernels[i - 1].tp_split == "none")]
     else:
         points = [i for i, k in enumerate(kernels) if k.tp_split == "k"]
     if len(points) != layer.tp_allreduces:
@@ -143,14 +143,22 @@ class EncoderCosts:
     """Per encoder stage: the work of one micro-batch, the hop to the next stage, and the
     hand-off of the last stage's output to the LLM's first stage."""
 
-    layers: dict[str, list[tuple[int, int]]]   # per encoder unit: its stages' layer ranges
+    layers: dict[str, list[tuple[int, int]]]  # per encoder unit: its stages' layer ranges
     stages: list[StageWork]
     hops: list[float]
     to_llm: float
 
 
-def encoder_costs(model: ModelSpec, encoders: list[str], cluster: ClusterSpec, precision: str, layout: Layout,
-                  samples: int, compute: ComputeModel, comm: CommModel) -> EncoderCosts:
+def encoder_costs(
+    model: ModelSpec,
+    encoders: list[str],
+    cluster: ClusterSpec,
+    precision: str,
+    layout: Layout,
+    samples: int,
+    compute: ComputeModel,
+    comm: CommModel,
+) -> EncoderCosts:
     plan = layout.plan
     sharding = tensor_parallel(plan.tp)
     act = element_bytes(precision)
@@ -174,8 +182,7 @@ def encoder_costs(model: ModelSpec, encoders: list[str], cluster: ClusterSpec, p
                     layer = unit.layers[index]
                     ar_bytes = layer.tp_comm_elems * samples * act
                     ar = comm.collective_time("all_reduce", tp_ranks, ar_bytes, tp_sharing) if plan.tp > 1 else 0.0
-                    backward += _items(model, unit_name, index, layer, "bwd", samples, sharding, compute, ar,
-                                       ar_bytes)
+                    backward += _items(model, unit_name, index, layer, "bwd", samples, sharding, compute, ar, ar_bytes)
         stages.append(StageWork(forward, backward))
     hops = []
     for e in range(plan.pp - 1):
@@ -202,8 +209,18 @@ def encoder_stages(unit: UnitSpec, pp: int) -> list[tuple[int, int]]:
     return block_cuts(unit, pp, True, "the encoder's pp")
 
 
-def _items(model: ModelSpec, unit: str, index: int, layer: LayerSpec, phase: str, samples: int, sharding,
-           compute: ComputeModel, allreduce: float, allreduce_bytes: float) -> list[Item]:
+def _items(
+    model: ModelSpec,
+    unit: str,
+    index: int,
+    layer: LayerSpec,
+    phase: str,
+    samples: int,
+    sharding,
+    compute: ComputeModel,
+    allreduce: float,
+    allreduce_bytes: float,
+) -> list[Item]:
     backward = phase == "bwd"
     points = allreduce_points(layer, backward) if allreduce > 0 else []
     order = reversed(range(len(layer.kernels))) if backward else range(len(layer.kernels))

@@ -18,6 +18,7 @@ chain flow, tensor 'x'), and one first-stage LLM rank per encoder rank sends the
 back (`<encoder>.to_llm.grad`). An encoder micro-batch is named by the LLM micro-batch it
 becomes (the global order of CheckEncLLMDep).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -26,8 +27,7 @@ from src.cluster import ClusterSpec
 from src.costmodel.memory import element_bytes, grad_bytes
 from src.mesh import tensor_parallel
 from src.models.spec import ModelSpec
-from src.program import (Collective, Compute, Hop, Instruction, Message, Payload, Program, RankProgram, Recv, Send,
-                         Wait, Work)
+from src.program import Collective, Compute, Hop, Instruction, Message, Payload, Program, RankProgram, Recv, Send, Wait, Work
 from src.strategies.emit import TPConfig, iteration_tail, segment_pass
 from src.strategies.layout import axis_group, table
 from src.strategies.optimus_encoder import EncoderCosts, Layout
@@ -71,15 +71,23 @@ class EncoderRoutes:
     hops: list[str]
 
 
-def add_encoder_routes(model: ModelSpec, cluster: ClusterSpec, precision: str, program: Program, layout: Layout,
-                       costs: EncoderCosts, unit: str, samples: int, mapping_pipeline: dict[int, int]) -> EncoderRoutes:
+def add_encoder_routes(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    precision: str,
+    program: Program,
+    layout: Layout,
+    costs: EncoderCosts,
+    unit: str,
+    samples: int,
+    mapping_pipeline: dict[int, int],
+) -> EncoderRoutes:
     """Groups (TP, DP per stage), hop routes between encoder stages and the hand-off
     routes to the LLM's first stage. `mapping_pipeline`: LLM micro-batch -> pipeline."""
     mesh = layout.encoder_mesh()
     act = element_bytes(precision)
     tp_group = axis_group(program, cluster, f"{unit}.tp", mesh, "tp", mesh.ranks[0])
-    dp_groups = [axis_group(program, cluster, f"{unit}.dp.e{e}", mesh, "dp", mesh.rank(pp=e))
-                 for e in range(layout.plan.pp)]
+    dp_groups = [axis_group(program, cluster, f"{unit}.dp.e{e}", mesh, "dp", mesh.rank(pp=e)) for e in range(layout.plan.pp)]
     hops = []
     for e in range(layout.plan.pp - 1):
         a, b = mesh.slice(pp=e), mesh.slice(pp=e + 1)
@@ -100,8 +108,7 @@ def add_encoder_routes(model: ModelSpec, cluster: ClusterSpec, precision: str, p
                 forward.append(Message(src, llm.rank(tp=u, dp=r, pp=0), payload, payload, nbytes))
             for t in range(tp_enc):
                 src = llm.rank(tp=c * tp_enc + t, dp=r, pp=0)
-                backward.append(Message(src, layout.rank(t, c, r, k, last), payload.gradient(), payload.gradient(),
-                                        nbytes))
+                backward.append(Message(src, layout.rank(t, c, r, k, last), payload.gradient(), payload.gradient(), nbytes))
     program.add_route(table(cluster, to_llm(unit), "pp", forward))
     program.add_route(table(cluster, f"{to_llm(unit)}.grad", "pp", backward))
     return EncoderRoutes(tp_group, dp_groups, hops)
@@ -110,9 +117,18 @@ def add_encoder_routes(model: ModelSpec, cluster: ClusterSpec, precision: str, p
 class ClassEmitter:
     """The instruction list of one rank class."""
 
-    def __init__(self, model: ModelSpec, layout: Layout, costs: EncoderCosts, schedule: Schedule,
-                 backward_points: list[float], routes: dict[str, EncoderRoutes], samples: int, precision: str,
-                 encoder_zero: int) -> None:
+    def __init__(
+        self,
+        model: ModelSpec,
+        layout: Layout,
+        costs: EncoderCosts,
+        schedule: Schedule,
+        backward_points: list[float],
+        routes: dict[str, EncoderRoutes],
+        samples: int,
+        precision: str,
+        encoder_zero: int,
+    ) -> None:
         self.model, self.layout, self.costs, self.schedule = model, layout, costs, schedule
         self.backward_points = backward_points
         self.routes, self.samples = routes, samples
@@ -148,8 +164,7 @@ class ClassEmitter:
         units = self.encoders if phase == "fwd" else [u for u in self.encoders if self.model.needs_backward(u)]
         for unit in units:
             out += self._input(unit, e, i, phase)
-            out += segment_pass(self.model, Segment(unit, self.costs.layers[unit][e]), phase, self.samples, i,
-                                self._tp(unit))
+            out += segment_pass(self.model, Segment(unit, self.costs.layers[unit][e]), phase, self.samples, i, self._tp(unit))
             out += self._output(unit, e, i, phase)
         return out
 
@@ -176,8 +191,14 @@ class ClassEmitter:
             p, _ = run[0]
             kernels = sorted(q.item.kernel for q, _ in run)
             i = self.schedule.mapping[(p.pipeline, p.local)]
-            work = Work(p.item.unit, p.phase, self.samples, (p.item.layer, p.item.layer + 1), sharding=self.sharding,
-                        kernels=(kernels[0], kernels[-1] + 1))
+            work = Work(
+                p.item.unit,
+                p.phase,
+                self.samples,
+                (p.item.layer, p.item.layer + 1),
+                sharding=self.sharding,
+                kernels=(kernels[0], kernels[-1] + 1),
+            )
             target = slots.setdefault(self._slot_key(p), [])
             key = (p.pipeline, p.local, p.phase, p.item.unit)
             if any(index == firsts[key] for _, index in run):
@@ -193,13 +214,25 @@ class ClassEmitter:
                 flush()
                 handle = self._handle()
                 issues.setdefault(p.op, []).append(
-                    Collective("all_reduce", self.routes[p.item.unit].tp_group, p.item.nbytes, "tp", stream=ENC_TP,
-                               blocking=False, handle=handle))
+                    Collective(
+                        "all_reduce",
+                        self.routes[p.item.unit].tp_group,
+                        p.item.nbytes,
+                        "tp",
+                        stream=ENC_TP,
+                        blocking=False,
+                        handle=handle,
+                    )
+                )
                 pending[mb_key] = handle
                 continue
-            same = run and self._slot_key(run[0][0]) == self._slot_key(p) and \
-                (run[0][0].pipeline, run[0][0].local, run[0][0].phase, run[0][0].item.unit, run[0][0].item.layer) == \
-                (p.pipeline, p.local, p.phase, p.item.unit, p.item.layer) and mb_key not in pending
+            same = (
+                run
+                and self._slot_key(run[0][0]) == self._slot_key(p)
+                and (run[0][0].pipeline, run[0][0].local, run[0][0].phase, run[0][0].item.unit, run[0][0].item.layer)
+                == (p.pipeline, p.local, p.phase, p.item.unit, p.item.layer)
+                and mb_key not in pending
+            )
             if not same:
                 flush()
             if mb_key in pending:
@@ -220,8 +253,16 @@ class ClassEmitter:
         out: list[Instruction] = []
         for unit in self.encoders:
             segments = [Segment(unit, self.costs.layers[unit][e])]
-            out += iteration_tail(self.model, segments, self.sharding, self.routes[unit].dp_groups[e],
-                                  self.layout.encoder_mesh().degree("dp"), self.encoder_zero, self.grad, self.act)
+            out += iteration_tail(
+                self.model,
+                segments,
+                self.sharding,
+                self.routes[unit].dp_groups[e],
+                self.layout.encoder_mesh().degree("dp"),
+                self.encoder_zero,
+                self.grad,
+                self.act,
+            )
         return out
 
 
@@ -244,8 +285,9 @@ def class_program(emitter: ClassEmitter, klass: int, stage: Stage, items: list[P
             out += stage_op.instructions
             continue
         handles = []
-        tp_indices = [n for n, i in enumerate(stage_op.instructions)
-                      if isinstance(i, Collective) and i.kind == "tp" and i.stream == "compute"]
+        tp_indices = [
+            n for n, i in enumerate(stage_op.instructions) if isinstance(i, Collective) and i.kind == "tp" and i.stream == "compute"
+        ]
         for n, instruction in enumerate(stage_op.instructions):
             if n in tp_indices:
                 handle = f"llm.tp.{x}.{n}"
@@ -257,13 +299,16 @@ def class_program(emitter: ClassEmitter, klass: int, stage: Stage, items: list[P
                 out += bins + [Wait(h) for h in handles]
     out += [replace(c, stream="dp", blocking=False, handle=LLM_REDUCE) for c in reduce]
     if any(emitter.model.needs_backward(u) for u in emitter.encoders):
-        waiting = sorted((emitter.backward_points[mapping[(pipeline, t)]], t) for t in range(schedule.counts[pipeline])
-                         if (pipeline, t) not in schedule.fine_backward)
+        waiting = sorted(
+            (emitter.backward_points[mapping[(pipeline, t)]], t)
+            for t in range(schedule.counts[pipeline])
+            if (pipeline, t) not in schedule.fine_backward
+        )
         for _, t in waiting:
             out += emitter.stage_pass(e, mapping[(pipeline, t)], "bwd")
     out += [Wait(LLM_REDUCE)] if reduce else []
     out += rest + emitter.tail(e)
     units = tuple(emitter.encoders) + ("llm",)
-    return RankProgram(ranks=layout.class_ranks(klass), instructions=out, label=label, units=units,
-                       pipelined=layout.llm.degree("pp") > 1)
-
+    return RankProgram(
+        ranks=layout.class_ranks(klass), instructions=out, label=label, units=units, pipelined=layout.llm.degree("pp") > 1
+    )

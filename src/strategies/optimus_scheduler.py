@@ -27,6 +27,7 @@ Scheduling efficiency (§5.3.2): the share of the encoder's compute that runs in
 LLM's bubbles (the LLM-only timeline's bubbles, before its start, between its operations
 and after its end until the iteration ends).
 """
+
 from __future__ import annotations
 
 import bisect
@@ -103,10 +104,10 @@ class Journal:
         if self.moved is not None:
             s.fine_forward.pop(self.moved, None)
             s.fine_backward.discard(self.moved)
-        del s.placed[self.placed:]
+        del s.placed[self.placed :]
         for cells, index, value in reversed(self.cells):
             cells[index] = value
-        if self.cells:      # slots it filled have room again
+        if self.cells:  # slots it filled have room again
             s.skip = [list(range(len(used) + 1)) for used in s.used]
 
 
@@ -125,9 +126,9 @@ class Evaluation:
     delta: float
     latency: float
     mapping: dict[tuple[int, int], int]
-    forward_pressure: list[float]    # per pipeline: how far its forwards hold the LLM back
-    backward_end: list[float]        # per pipeline: when its last post-bubble backward ends
-    waiting: list[list[tuple[float, int]]]   # per pipeline: its post-bubble backwards, (B_i, local) in order
+    forward_pressure: list[float]  # per pipeline: how far its forwards hold the LLM back
+    backward_end: list[float]  # per pipeline: when its last post-bubble backward ends
+    waiting: list[list[tuple[float, int]]]  # per pipeline: its post-bubble backwards, (B_i, local) in order
     forward: ForwardSide
 
 
@@ -170,14 +171,12 @@ class BubbleScheduler:
         self.first = [st.first for st in timeline.stages]
         self.last = [st.last for st in timeline.stages]
         self.ends = [timeline.slots[s].ends for s in range(timeline.pp)]
-        self.limits = [[end + EPS for end in ends] for ends in self.ends]    # a kernel fits if it ends by these
-        self.shortest = [min((i.seconds for i in w.forward + w.backward if not i.is_comm), default=math.inf)
-                         for w in costs.stages]
+        self.limits = [[end + EPS for end in ends] for ends in self.ends]  # a kernel fits if it ends by these
+        self.shortest = [min((i.seconds for i in w.forward + w.backward if not i.is_comm), default=math.inf) for w in costs.stages]
         self.f_points, self.b_points = timeline.forward_points, timeline.backward_points
         # The LLM alone: its start after the all-gather, its end of iteration.
         self.delta0 = max(0.0, max(g - f for g, f in zip(tails.llm_gather, self.first)))
-        self.llm_end = max(self.delta0 + last + rs + opt for last, rs, opt in
-                           zip(self.last, tails.llm_reduce, tails.llm_optimizer))
+        self.llm_end = max(self.delta0 + last + rs + opt for last, rs, opt in zip(self.last, tails.llm_reduce, tails.llm_optimizer))
         # Every pipeline's pre-bubble forwards start at 0 and cost the same per encoder
         # stage, so the t-th forward's times are one table for all pipelines.
         self.pre_begin, self.pre_end, self.pre_arrive = self._forward_chain(self.microbatches)
@@ -189,10 +188,13 @@ class BubbleScheduler:
     def initial(self, counts: list[int]) -> Schedule:
         """InitSchedule: every forward before the LLM, every backward after it."""
         slots = self.t.slots
-        schedule = Schedule(list(counts), list(counts),
-                            used=[[0.0] * len(slots[s].start) for s in self.stage_of_class],
-                            issued=[[0.0] * len(slots[s].issue_time) for s in self.stage_of_class],
-                            skip=[list(range(len(slots[s].start) + 1)) for s in self.stage_of_class])
+        schedule = Schedule(
+            list(counts),
+            list(counts),
+            used=[[0.0] * len(slots[s].start) for s in self.stage_of_class],
+            issued=[[0.0] * len(slots[s].issue_time) for s in self.stage_of_class],
+            skip=[list(range(len(slots[s].start) + 1)) for s in self.stage_of_class],
+        )
         self._settle(schedule, self.evaluate(schedule))
         return schedule
 
@@ -250,8 +252,9 @@ class BubbleScheduler:
         deadline = self.f_points[-1] - self.costs.to_llm
         ready = 0.0
         for e in range(self.pp):
-            end = self._pack(schedule, journal, self.classes_of[pipeline][e], self.costs.stages[e].forward, ready,
-                             deadline, pipeline, local, "fwd")
+            end = self._pack(
+                schedule, journal, self.classes_of[pipeline][e], self.costs.stages[e].forward, ready, deadline, pipeline, local, "fwd"
+            )
             if end is None:
                 return False
             ready = end + (self.costs.hops[e] if e < self.pp - 1 else self.costs.to_llm)
@@ -261,11 +264,12 @@ class BubbleScheduler:
         return True
 
     def _move_backward(self, schedule: Schedule, pipeline: int, evaluation: Evaluation, journal: Journal) -> bool:
-        point, local = evaluation.waiting[pipeline][0]     # the gradient that comes first
+        point, local = evaluation.waiting[pipeline][0]  # the gradient that comes first
         ready = point + self.costs.to_llm
         for e in reversed(range(self.pp)):
-            end = self._pack(schedule, journal, self.classes_of[pipeline][e], self.costs.stages[e].backward, ready,
-                             math.inf, pipeline, local, "bwd")
+            end = self._pack(
+                schedule, journal, self.classes_of[pipeline][e], self.costs.stages[e].backward, ready, math.inf, pipeline, local, "bwd"
+            )
             if end is None:
                 return False
             ready = end + (self.costs.hops[e - 1] if e > 0 else 0.0)
@@ -273,8 +277,18 @@ class BubbleScheduler:
         schedule.fine_backward.add((pipeline, local))
         return True
 
-    def _pack(self, schedule: Schedule, journal: Journal, klass: int, items: list[Item], ready: float,
-              deadline: float, pipeline: int, local: int, phase: str) -> float | None:
+    def _pack(
+        self,
+        schedule: Schedule,
+        journal: Journal,
+        klass: int,
+        items: list[Item],
+        ready: float,
+        deadline: float,
+        pipeline: int,
+        local: int,
+        phase: str,
+    ) -> float | None:
         """Place one stage's items for one micro-batch, first fit in time order from
         `ready`; the end of its last kernel, or None (the journal takes it back). The
         hottest loop of the planner: attribute look-ups hoisted out of it."""
@@ -290,7 +304,7 @@ class BubbleScheduler:
         slot = _next_open(skip, bisect.bisect_right(ends, ready + EPS))
         for item in items:
             seconds = item.seconds
-            if item.kernel < 0:      # an all-reduce: issued with an LLM compute it overlaps
+            if item.kernel < 0:  # an all-reduce: issued with an LLM compute it overlaps
                 x = slots.first_issue_at(ready)
                 while x < n_issue and issued[x] + seconds > issue_capacity[x] + EPS:
                     x += 1
@@ -345,8 +359,9 @@ class BubbleScheduler:
         """When pipeline j's pre-bubble forwards end on encoder stage e."""
         return self.pre_end[schedule.pre[j] - 1][e] if schedule.pre[j] else 0.0
 
-    def _backward_chain(self, j: int, delta: float, points: list[float],
-                        busy: list[list[tuple[float, float, float]]] | None = None) -> list[float]:
+    def _backward_chain(
+        self, j: int, delta: float, points: list[float], busy: list[list[tuple[float, float, float]]] | None = None
+    ) -> list[float]:
         """Pipeline j's post-bubble backwards, in the order their gradients arrive (B_i),
         last encoder stage first; each stage's end. Stage after stage: the same sums as
         job after job. The jobs before the first whose start differs from the previous
@@ -359,22 +374,20 @@ class BubbleScheduler:
             first, ends = memo.unchanged_jobs(arrivals), memo.ends
         else:
             first, ends = 0, [[delta + self.last[self.stage_of_class[g]]] for g in classes]
-        chains = [[] for _ in range(self.pp)]
+        chains: list[list[float]] = [[] for _ in range(self.pp)]
         stage_arrivals = arrivals[first:]
         for e in reversed(range(self.pp)):
             seconds = self.bwd[e]
-            chain = ends[e][:first + 1]
-            chain += itertools.accumulate(stage_arrivals, lambda prev, a: (a if a > prev else prev) + seconds,
-                                          initial=chain[-1])
-            del chain[first + 1]     # accumulate repeats its initial value
+            chain = ends[e][: first + 1]
+            chain += itertools.accumulate(stage_arrivals, lambda prev, a: (a if a > prev else prev) + seconds, initial=chain[-1])
+            del chain[first + 1]  # accumulate repeats its initial value
             chains[e] = chain
             if busy is not None:
                 share = self.bwd_compute[e] / seconds if seconds else 0.0
-                busy[classes[e]] += [(a if a > prev else prev, end, share)
-                                     for prev, a, end in zip(chain, stage_arrivals, chain[1:])]
+                busy[classes[e]] += [(a if a > prev else prev, end, share) for prev, a, end in zip(chain, stage_arrivals, chain[1:])]
             if e > 0:
                 hop = self.costs.hops[e - 1]
-                stage_arrivals = [end + hop for end in chain[first + 1:]]
+                stage_arrivals = [end + hop for end in chain[first + 1 :]]
         memo = BackwardChains(delta, arrivals, chains)
         self._backward_memo[j] = memo
         return memo.finals
@@ -387,15 +400,17 @@ class BubbleScheduler:
         delta, mapping = forward.delta, forward.mapping
         pipelines = range(layout.pipelines)
         if not math.isfinite(delta):
-            return Evaluation(math.inf, math.inf, {}, [0.0] * layout.pipelines, [0.0] * layout.pipelines,
-                              [[] for _ in pipelines], forward)
+            return Evaluation(
+                math.inf, math.inf, {}, [0.0] * layout.pipelines, [0.0] * layout.pipelines, [[] for _ in pipelines], forward
+            )
         # Backwards after the LLM, in the order their gradients arrive.
         post_end = [0.0] * layout.classes
         backward_end = [0.0] * layout.pipelines
         waiting = []
         for j in pipelines:
-            waiting.append(sorted((self.b_points[mapping[(j, t)]], t) for t in range(schedule.counts[j])
-                                  if (j, t) not in schedule.fine_backward))
+            waiting.append(
+                sorted((self.b_points[mapping[(j, t)]], t) for t in range(schedule.counts[j]) if (j, t) not in schedule.fine_backward)
+            )
             if not waiting[j] or not self.trains:
                 continue
             finals = self._backward_chain(j, delta, [point for point, _ in waiting[j]])
@@ -417,10 +432,16 @@ class BubbleScheduler:
     def _forward_side(self, schedule: Schedule) -> ForwardSide:
         pipelines = range(self.layout.pipelines)
         # Pre-bubble outputs in arrival order (the t-th forwards of all pipelines arrive together).
-        pre_ef = sorted((arrive, j, t) for t, arrive in enumerate(self.pre_arrive[:max(schedule.pre, default=0)])
-                        for j in pipelines if t < schedule.pre[j])
-        hold = [max(self._pre_end(schedule, j, e) - self.first[self.stage_of_class[self.classes_of[j][e]]]
-                    for e in range(self.pp)) for j in pipelines]
+        pre_ef = sorted(
+            (arrive, j, t)
+            for t, arrive in enumerate(self.pre_arrive[: max(schedule.pre, default=0)])
+            for j in pipelines
+            if t < schedule.pre[j]
+        )
+        hold = [
+            max(self._pre_end(schedule, j, e) - self.first[self.stage_of_class[self.classes_of[j][e]]] for e in range(self.pp))
+            for j in pipelines
+        ]
         delta = max([self.delta0, *hold])
         fine = sorted((ef, j, t) for (j, t), ef in schedule.fine_forward.items())
         delta = self._dependency_delta([ef for ef, _, _ in pre_ef], [ef for ef, _, _ in fine], delta)
@@ -441,7 +462,7 @@ class BubbleScheduler:
         f = self.f_points
         # However late the LLM starts, the encoder outputs placed in its bubbles keep
         # their place against it: they must fit after every pre-bubble output.
-        if not all(map(operator.le, fine, [point + EPS for point in f[len(pre):]])):
+        if not all(map(operator.le, fine, [point + EPS for point in f[len(pre) :]])):
             return math.inf
         if self._fits(pre, fine, least):
             return least

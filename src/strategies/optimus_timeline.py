@@ -15,6 +15,7 @@ an operation starts when its stage is free and its input has arrived. From that 
 
 Times are relative to the LLM's start; the iteration's parameter all-gather comes before.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -47,8 +48,7 @@ class OpCost:
 CostTable = dict[tuple[str, int], OpCost]
 
 
-def op_costs(stage: Stage, program: Program, model: ModelSpec, compute: ComputeModel,
-             comm: CommModel) -> CostTable:
+def op_costs(stage: Stage, program: Program, model: ModelSpec, compute: ComputeModel, comm: CommModel) -> CostTable:
     """Price the schedule operations of an emitted stage as the simulator would, by (kind,
     chunk): every micro-batch's forward (backward) of a chunk costs the same."""
     out: CostTable = {}
@@ -70,8 +70,7 @@ def op_costs(stage: Stage, program: Program, model: ModelSpec, compute: ComputeM
                 route = program.routes.get(instruction.route)
                 if isinstance(route, Hop):
                     if route.name not in hop_time:
-                        hop_time[route.name] = max(comm.p2p_time(a, b, route.bytes, route.sharing)
-                                                   for a, b in zip(route.a, route.b))
+                        hop_time[route.name] = max(comm.p2p_time(a, b, route.bytes, route.sharing) for a, b in zip(route.a, route.b))
                     hop = max(hop, hop_time[route.name])
         out[key] = OpCost(busy, tuple(bins), hop)
     return out
@@ -164,8 +163,7 @@ def warmup_counts(orders: list[list[PipeOp]]) -> list[int]:
     return out
 
 
-def deferred_warmups(microbatches: int, chunks: int, tables: list[CostTable],
-                     base: list[list[PipeOp]]) -> list[int]:
+def deferred_warmups(microbatches: int, chunks: int, tables: list[CostTable], base: list[list[PipeOp]]) -> list[int]:
     """GetEncLLMDep's adjustment: the first stage runs as few warm-up forwards as keep the
     pipeline as short as Megatron's warm-up counts do, each step taking one forward off
     the first stage and, where that alone would stall the next stages, off the fewest
@@ -254,8 +252,8 @@ class LLMTimeline:
     orders: list[list[PipeOp]]
     stages: list[StageTimes]
     slots: list[Slots]
-    forward_points: list[float]    # F_i
-    backward_points: list[float]   # B_i
+    forward_points: list[float]  # F_i
+    backward_points: list[float]  # B_i
     all_gather: float
     reduce_scatter: list[float]
     optimizer: list[float]
@@ -270,8 +268,7 @@ class LLMTimeline:
         return max(t.last + rs + opt for t, rs, opt in zip(self.stages, self.reduce_scatter, self.optimizer))
 
 
-def dependency_points(orders: list[list[PipeOp]], stage0: StageTimes, microbatches: int) -> tuple[list[float],
-                                                                                                     list[float]]:
+def dependency_points(orders: list[list[PipeOp]], stage0: StageTimes, microbatches: int) -> tuple[list[float], list[float]]:
     """F_i and B_i on the first stage (chunk 0: the layers that read the encoder)."""
     forward, backward = [0.0] * microbatches, [0.0] * microbatches
     for x, op in enumerate(orders[0]):

@@ -10,6 +10,7 @@ the recompute mode are the least memory-saving that fit; with the `cache` overla
 full recomputation, as many layers' gathered weights as memory allows are cached (the
 paper caches 28 of GPT-20B's 32 layers on 16 GPUs).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -36,12 +37,12 @@ def _positive(value, key: str) -> None:
 
 @dataclass(frozen=True)
 class Par4DOptions:
-    grid: tuple[int, ...] | None = None          # (G_x, G_y, G_z, G_data); null: ranked and simulated
-    model: str = "aware"                         # the communication model that ranks the grids
-    top_k: int | None = 5                        # grids simulated; null: every grid that fits
+    grid: tuple[int, ...] | None = None  # (G_x, G_y, G_z, G_data); null: ranked and simulated
+    model: str = "aware"  # the communication model that ranks the grids
+    top_k: int | None = 5  # grids simulated; null: every grid that fits
     overlap: tuple[str, ...] = field(default=OVERLAPS)
-    micro_batch_size: int | None = None          # samples per replica per micro-batch; null: searched
-    recompute: str | None = None                 # none | selective | full; null: the least that fits
+    micro_batch_size: int | None = None  # samples per replica per micro-batch; null: searched
+    recompute: str | None = None  # none | selective | full; null: the least that fits
 
     def __post_init__(self) -> None:
         if self.grid is not None:
@@ -80,20 +81,23 @@ class _Planner:
         self.request, self.opts = request, opts
         self.model, self.cluster, self.train = request.model, request.cluster, request.train
         if len(self.model.units) != 1:
-            raise ConfigError(f"par4d plans one-unit models (gpt, unet); model {self.model.name} has units "
-                              f"{[u.name for u in self.model.units]}")
+            raise ConfigError(
+                f"par4d plans one-unit models (gpt, unet); model {self.model.name} has units {[u.name for u in self.model.units]}"
+            )
         self.unit = self.model.units[0]
         self.unit_grid = UnitGrid(self.unit)
         self.usable = self.cluster.usable_memory_bytes
 
     # ---- one grid's settings under memory ----------------------------------------------------
-    def _build(self, grid: Grid, layouts: list[LayerLayout], settings: Par4DSettings,
-               microbatches: int | None = None) -> tuple[Program, UnitPlan, dict[str, float]]:
+    def _build(
+        self, grid: Grid, layouts: list[LayerLayout], settings: Par4DSettings, microbatches: int | None = None
+    ) -> tuple[Program, UnitPlan, dict[str, float]]:
         """The grid's Program (with `microbatches` micro-batches only, for a memory probe:
         a rank's peak lies within one micro-batch) and its memory."""
         batch = self.train.global_batch if microbatches is None else microbatches * settings.micro_batch * grid.dp
-        program, unit_plan = par4d_program(self.model, self.cluster, self.train.precision, batch, grid, layouts,
-                                           settings, self.unit.name)
+        program, unit_plan = par4d_program(
+            self.model, self.cluster, self.train.precision, batch, grid, layouts, settings, self.unit.name
+        )
         memory = rank_memory(program.classes[0], {self.unit.name: unit_plan}, self.model, self.train.precision)
         return program, unit_plan, memory
 
@@ -102,9 +106,11 @@ class _Planner:
         mb = self.opts.micro_batch_size
         if mb is not None:
             if per_replica % mb or mb % grid.z:
-                raise ConfigError(f"grid {grid.label()}: strategy.micro_batch_size={mb} must divide the replica's "
-                                  f"batch {per_replica} (global {self.train.global_batch} / G_data {grid.dp}) and be a "
-                                  f"multiple of G_z={grid.z}")
+                raise ConfigError(
+                    f"grid {grid.label()}: strategy.micro_batch_size={mb} must divide the replica's "
+                    f"batch {per_replica} (global {self.train.global_batch} / G_data {grid.dp}) and be a "
+                    f"multiple of G_z={grid.z}"
+                )
             return [mb]
         return [m for m in range(per_replica, 0, -1) if per_replica % m == 0 and m % grid.z == 0]
 
@@ -131,8 +137,7 @@ class _Planner:
                 return
         candidate.problem = closest[1] if closest else f"grid {grid.label()}: no micro-batch"
 
-    def _with_cache(self, grid: Grid, layouts: list[LayerLayout], settings: Par4DSettings,
-                    memory: dict[str, float]) -> Par4DSettings:
+    def _with_cache(self, grid: Grid, layouts: list[LayerLayout], settings: Par4DSettings, memory: dict[str, float]) -> Par4DSettings:
         """Cache the gathered weights of as many layers (in order) as the memory left holds."""
         room = self.usable - memory["total"]
         cached = 0
@@ -146,11 +151,14 @@ class _Planner:
         return Par4DSettings(settings.micro_batch, settings.recompute, settings.overlap, cached)
 
     def _memory_problem(self, grid: Grid, settings: Par4DSettings, memory: dict[str, float]) -> str:
-        parts = ", ".join(f"{k} {memory[k] / GIB:.1f}" for k in ("weights", "grads", "optimizer", "gathered",
-                                                                  "activations") if k in memory)
-        return (f"par4d grid {grid.label()} micro-batch={settings.micro_batch} recompute={settings.recompute}: a rank "
-                f"needs {memory['total'] / GIB:.1f} GiB ({parts}) but a {self.cluster.device} has "
-                f"{self.usable / GIB:.1f} GiB usable, short by {(memory['total'] - self.usable) / GIB:.1f} GiB")
+        parts = ", ".join(
+            f"{k} {memory[k] / GIB:.1f}" for k in ("weights", "grads", "optimizer", "gathered", "activations") if k in memory
+        )
+        return (
+            f"par4d grid {grid.label()} micro-batch={settings.micro_batch} recompute={settings.recompute}: a rank "
+            f"needs {memory['total'] / GIB:.1f} GiB ({parts}) but a {self.cluster.device} has "
+            f"{self.usable / GIB:.1f} GiB usable, short by {(memory['total'] - self.usable) / GIB:.1f} GiB"
+        )
 
     # ---- the search ----------------------------------------------------------------------------
     def plan(self) -> Plan:
@@ -158,13 +166,17 @@ class _Planner:
         devices = self.cluster.devices
         if fixed is not None and fixed.devices != devices:
             g = fixed.degrees
-            raise ConfigError(f"strategy.grid={list(g)} holds {' x '.join(map(str, g))} = {fixed.devices} devices but "
-                              f"cluster {self.cluster.name} has {devices}")
+            raise ConfigError(
+                f"strategy.grid={list(g)} holds {' x '.join(map(str, g))} = {fixed.devices} devices but "
+                f"cluster {self.cluster.name} has {devices}"
+            )
         valid, rejected = valid_grids(self.unit_grid, devices, self.train.global_batch, fixed)
         if not valid:
-            raise ConfigError(rejected[0] if fixed is not None or len(rejected) == 1 else
-                              f"no grid of {devices} devices suits {self.model.name} ({len(rejected)} rejected); "
-                              f"first: {rejected[0]}")
+            raise ConfigError(
+                rejected[0]
+                if fixed is not None or len(rejected) == 1
+                else f"no grid of {devices} devices suits {self.model.name} ({len(rejected)} rejected); first: {rejected[0]}"
+            )
         bytes_per_elem = element_bytes(self.train.precision)
         ranked = rank_grids(self.unit_grid, valid, self.cluster, self.train.global_batch, bytes_per_elem, self.opts.model)
         candidates = [_Candidate(r, i + 1) for i, r in enumerate(ranked)]
@@ -187,15 +199,12 @@ class _Planner:
             if candidate.settings is None:
                 continue
             grid = candidate.ranked.grid
-            candidate.program, candidate.unit_plan, candidate.memory = self._build(
-                grid, candidate.layouts, candidate.settings)
-            candidate.time = simulate(candidate.program, self.model, self.cluster, self.train.precision,
-                                      compute).iteration_time
+            candidate.program, candidate.unit_plan, candidate.memory = self._build(grid, candidate.layouts, candidate.settings)
+            candidate.time = simulate(candidate.program, self.model, self.cluster, self.train.precision, compute).iteration_time
             simulated.append(candidate)
         if not simulated:
             problems = [c.problem for c in candidates if c.problem]
-            closest = min(problems, key=lambda p: float(p.rsplit("short by ", 1)[1].split()[0])
-                          if "short by" in p else float("inf"))
+            closest = min(problems, key=lambda p: float(p.rsplit("short by ", 1)[1].split()[0]) if "short by" in p else float("inf"))
             if len(candidates) == 1:
                 raise PlanError(closest)
             raise PlanError(f"no par4d grid fits memory ({len(problems)} tried); closest: {closest}")
@@ -207,27 +216,42 @@ class _Planner:
         # The model's rank of the simulator's best grid among the grids simulated (Fig. 7).
         order = sorted(c.rank for c in simulated)
         ranking = []
-        for c in candidates[:max(RANKING_SHOWN, max(c.rank for c in simulated))]:
+        for c in candidates[: max(RANKING_SHOWN, max(c.rank for c in simulated))]:
             fits = True if c.settings is not None else (False if c.problem else None)
-            ranking.append({"rank": c.rank, "grid": c.ranked.grid.label(), "model_comm_s": c.ranked.comm.total,
-                            "fits": fits, "iteration_time_s": c.time})
+            ranking.append(
+                {
+                    "rank": c.rank,
+                    "grid": c.ranked.grid.label(),
+                    "model_comm_s": c.ranked.comm.total,
+                    "fits": fits,
+                    "iteration_time_s": c.time,
+                }
+            )
         s = chosen.settings
         grid = chosen.ranked.grid
         details = {
-            "grid": grid.label(), "grid_x": grid.x, "grid_y": grid.y, "grid_z": grid.z, "dp": grid.dp,
-            "micro_batch": s.micro_batch, "recompute": s.recompute, "overlap": sorted(s.overlap),
+            "grid": grid.label(),
+            "grid_x": grid.x,
+            "grid_y": grid.y,
+            "grid_z": grid.z,
+            "dp": grid.dp,
+            "micro_batch": s.micro_batch,
+            "recompute": s.recompute,
+            "overlap": sorted(s.overlap),
             "cached_layers": chosen.unit_plan.details["cached_layers"],
             "memory_gib": round(chosen.memory["total"] / GIB, 3),
             "search": {
-                "model": self.opts.model, "fixed": self.opts.grid is not None,
-                "grids_valid": len(candidates), "grids_rejected": rejected, "grids_simulated": len(simulated),
+                "model": self.opts.model,
+                "fixed": self.opts.grid is not None,
+                "grids_valid": len(candidates),
+                "grids_rejected": rejected,
+                "grids_simulated": len(simulated),
                 "rank_of_best": order.index(chosen.rank) + 1,
                 "efficient_in_top5": sum(1 for r in fastest if r in order[:5]),
                 "ranking": ranking,
             },
         }
-        return Plan(strategy="par4d", devices=grid.devices, units=[chosen.unit_plan], program=chosen.program,
-                    details=details)
+        return Plan(strategy="par4d", devices=grid.devices, units=[chosen.unit_plan], program=chosen.program, details=details)
 
 
 def plan_par4d(request: PlanRequest) -> Plan:

@@ -17,6 +17,7 @@ runs replicated on the tensor grid, rows still split over z: a U-Net's 3-channel
 6-channel output convolution, which AxoNN leaves unparallelised. Any other layer the grid
 does not divide is an error.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -163,7 +164,7 @@ class UnitGrid:
         """Per layer its shape (None: no FC), the first FC layer's dropped if replicated."""
         if replicate_first not in self._chains:
             out: list[_Shape | None] = []
-            produced: bool | None = None   # orientation of the FC that made the current activations
+            produced: bool | None = None  # orientation of the FC that made the current activations
             shapes: dict[tuple[int, bool | None], tuple[_Shape, bool]] = {}
             first_fc = self._ends()[0]
             for index, layer in enumerate(self.unit.layers):
@@ -175,13 +176,20 @@ class UnitGrid:
                 if key not in shapes:
                     first = not produced if produced is not None else False
                     transposed = first != (layer.kernels[fc_kernels[0]].tp_split == "k")
-                    fcs = tuple(FC(i, layer.kernels[i].m, layer.kernels[i].k, layer.kernels[i].n,
-                                   transposed != (layer.kernels[i].tp_split == "k")) for i in fc_kernels)
+                    fcs = tuple(
+                        FC(
+                            i,
+                            layer.kernels[i].m,
+                            layer.kernels[i].k,
+                            layer.kernels[i].n,
+                            transposed != (layer.kernels[i].tp_split == "k"),
+                        )
+                        for i in fc_kernels
+                    )
                     ends = [i + 1 for i in fc_kernels]
                     ends[-1] = len(layer.kernels)
                     ranges = tuple(zip([0] + ends[:-1], ends)) if len(ends) > 1 else (None,)
-                    heads = max((k.batch for k in layer.kernels if k.kind == "gemm" and k.tp_split == "batch"),
-                                default=1)
+                    heads = max((k.batch for k in layer.kernels if k.kind == "gemm" and k.tp_split == "batch"), default=1)
                     shapes[key] = (_Shape(transposed, ranges, fcs, heads), fcs[-1].transposed)
                 shape, produced = shapes[key]
                 out.append(shape)
@@ -212,8 +220,7 @@ class UnitGrid:
                 replicate_last = True
             elif problem:
                 layer = self.unit.layers[index]
-                raise ConfigError(f"grid {grid.label()}: layer {index} ({layer.name}) of unit {self.unit.name}: "
-                                  f"{problem}")
+                raise ConfigError(f"grid {grid.label()}: layer {index} ({layer.name}) of unit {self.unit.name}: {problem}")
         return chain, replicate_last
 
     def fc_counts(self, grid: Grid) -> dict[FC, int]:

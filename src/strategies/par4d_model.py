@@ -17,6 +17,7 @@ Y, Z, data, G_node GPUs per node: a group inside a node (prod_{j<=i} G_j <= G_no
 rings of the inner axes. β_intra and β_inter are the cluster preset's achieved NVLink
 bandwidth per device and network bandwidth per node, the numbers the simulator uses.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -43,16 +44,19 @@ class CommTerms:
         return self.ag_z + self.rs_z + self.ar_y + self.ar_x + self.ar_data
 
     def __add__(self, other: CommTerms) -> CommTerms:
-        return CommTerms(self.ag_z + other.ag_z, self.rs_z + other.rs_z, self.ar_y + other.ar_y,
-                         self.ar_x + other.ar_x, self.ar_data + other.ar_data)
+        return CommTerms(
+            self.ag_z + other.ag_z,
+            self.rs_z + other.rs_z,
+            self.ar_y + other.ar_y,
+            self.ar_x + other.ar_x,
+            self.ar_data + other.ar_data,
+        )
 
     def scaled(self, factor: float) -> CommTerms:
-        return CommTerms(self.ag_z * factor, self.rs_z * factor, self.ar_y * factor, self.ar_x * factor,
-                         self.ar_data * factor)
+        return CommTerms(self.ag_z * factor, self.rs_z * factor, self.ar_y * factor, self.ar_x * factor, self.ar_data * factor)
 
 
-def fc_comm(m: float, k: float, n: float, grid: Grid, betas: tuple[float, float, float, float],
-            transposed: bool = False) -> CommTerms:
+def fc_comm(m: float, k: float, n: float, grid: Grid, betas: tuple[float, float, float, float], transposed: bool = False) -> CommTerms:
     """Eqs. 4-8 for one FC layer; `betas` = (β_x, β_y, β_z, β_data)."""
     gx, gy, gz, gd = grid.degrees
     bx, by, bz, bd = betas
@@ -85,12 +89,17 @@ def model_bandwidths(kind: str, grid: Grid, cluster: ClusterSpec) -> tuple[float
         return (1.0, 1.0, 1.0, 1.0)
     if kind != "aware":
         raise ConfigError(f"strategy.model={kind!r}; choose one of {list(COMM_MODELS)}")
-    return placement_bandwidths(grid, cluster.devices_per_node, cluster.intra_bandwidth * cluster.intra_efficiency,
-                                cluster.inter_bandwidth * cluster.inter_efficiency)
+    return placement_bandwidths(
+        grid,
+        cluster.devices_per_node,
+        cluster.intra_bandwidth * cluster.intra_efficiency,
+        cluster.inter_bandwidth * cluster.inter_efficiency,
+    )
 
 
-def units_comm(counts: dict[FC, int], grid: Grid, rows_per_sample_scale: float, betas: tuple[float, ...],
-               bytes_per_elem: float) -> CommTerms:
+def units_comm(
+    counts: dict[FC, int], grid: Grid, rows_per_sample_scale: float, betas: tuple[float, ...], bytes_per_elem: float
+) -> CommTerms:
     """Eq. 9 summed over the FC layers (`counts`: how many of each shape): m = each FC's
     rows per sample x the samples one replica processes in an iteration."""
     total = CommTerms()
@@ -106,15 +115,16 @@ class RankedGrid:
     comm: CommTerms
 
 
-def valid_grids(unit: UnitGrid, devices: int, global_batch: int,
-                only: Grid | None = None) -> tuple[list[Grid], list[str]]:
+def valid_grids(unit: UnitGrid, devices: int, global_batch: int, only: Grid | None = None) -> tuple[list[Grid], list[str]]:
     """Every grid of `devices` (or just `only`) that the model and batch allow; and why
     the others are not."""
     valid, rejected = [], []
-    for grid in ([only] if only is not None else grids(devices)):
+    for grid in [only] if only is not None else grids(devices):
         if global_batch % (grid.dp * grid.z):
-            rejected.append(f"grid {grid.label()}: global batch {global_batch} is not divisible by "
-                            f"G_data x G_z = {grid.dp} x {grid.z} = {grid.dp * grid.z} (rows split by sample)")
+            rejected.append(
+                f"grid {grid.label()}: global batch {global_batch} is not divisible by "
+                f"G_data x G_z = {grid.dp} x {grid.z} = {grid.dp * grid.z} (rows split by sample)"
+            )
             continue
         try:
             unit.check(grid)
@@ -125,14 +135,14 @@ def valid_grids(unit: UnitGrid, devices: int, global_batch: int,
     return valid, rejected
 
 
-def rank_grids(unit: UnitGrid, candidates: list[Grid], cluster: ClusterSpec, global_batch: int,
-               bytes_per_elem: float, kind: str) -> list[RankedGrid]:
+def rank_grids(
+    unit: UnitGrid, candidates: list[Grid], cluster: ClusterSpec, global_batch: int, bytes_per_elem: float, kind: str
+) -> list[RankedGrid]:
     """The candidates ordered by eq. 9's predicted communication time (ties broken by
     the grid's degrees, so the order is deterministic)."""
     out = []
     for grid in candidates:
         betas = model_bandwidths(kind, grid, cluster)
-        out.append(RankedGrid(grid, units_comm(unit.fc_counts(grid), grid, global_batch / grid.dp, betas,
-                                               bytes_per_elem)))
+        out.append(RankedGrid(grid, units_comm(unit.fc_counts(grid), grid, global_batch / grid.dp, betas, bytes_per_elem)))
     out.sort(key=lambda r: (r.comm.total, r.grid.degrees))
     return out

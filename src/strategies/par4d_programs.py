@@ -22,6 +22,7 @@ Overlaps (§IV), each one switchable:
 Without an overlap the collective blocks the compute stream where it is issued. Each axis
 has one communication stream (NCCL runs a communicator's collectives in order).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -40,10 +41,10 @@ OVERLAPS = ("all_reduce", "reduce_scatter", "all_gather", "cache")
 
 @dataclass(frozen=True)
 class Par4DSettings:
-    micro_batch: int                  # samples per data-parallel replica per micro-batch
-    recompute: str                    # none | selective | full
+    micro_batch: int  # samples per data-parallel replica per micro-batch
+    recompute: str  # none | selective | full
     overlap: frozenset[str]
-    cached_layers: int = 0            # layers whose gathered weights the recompute reuses (D)
+    cached_layers: int = 0  # layers whose gathered weights the recompute reuses (D)
 
 
 @dataclass(frozen=True)
@@ -57,17 +58,25 @@ class _Gather:
 
 
 class Par4DEmitter:
-    def __init__(self, model: ModelSpec, cluster: ClusterSpec, precision: str, program: Program, grid: Grid,
-                 layouts: list[LayerLayout], settings: Par4DSettings, unit: str) -> None:
+    def __init__(
+        self,
+        model: ModelSpec,
+        cluster: ClusterSpec,
+        precision: str,
+        program: Program,
+        grid: Grid,
+        layouts: list[LayerLayout],
+        settings: Par4DSettings,
+        unit: str,
+    ) -> None:
         self.model, self.grid, self.layouts, self.cfg, self.unit = model, grid, layouts, settings, unit
         self.spec = model.unit(unit)
         self.act_bytes = element_bytes(precision)
         self.grad_bytes = grad_bytes(precision)
         mesh = grid.mesh()
-        self.groups = {axis: axis_group(program, cluster, axis, mesh, axis, mesh.ranks[0])
-                       for axis in ("x", "y", "z", "dp")}
+        self.groups = {axis: axis_group(program, cluster, axis, mesh, axis, mesh.ranks[0]) for axis in ("x", "y", "z", "dp")}
         self.cached = {lay.index for lay in layouts if self._gathers(lay)}
-        self.cached = set(sorted(self.cached)[:settings.cached_layers]) if "cache" in settings.overlap else set()
+        self.cached = set(sorted(self.cached)[: settings.cached_layers]) if "cache" in settings.overlap else set()
         self._issued: set[str] = set()
         self._pending_rs: list[str] = []
 
@@ -129,17 +138,23 @@ class Par4DEmitter:
             return [Collective("all_gather", group, gather.bytes, "tp", stream="z")]
         out: list[Instruction] = []
         index = position[gather.handle]
-        for ahead in sequence[index:index + 2]:
+        for ahead in sequence[index : index + 2]:
             if ahead.handle not in self._issued:
                 self._issued.add(ahead.handle)
-                out.append(Collective("all_gather", group, ahead.bytes, "tp", stream="z", blocking=False,
-                                      handle=ahead.handle))
+                out.append(Collective("all_gather", group, ahead.bytes, "tp", stream="z", blocking=False, handle=ahead.handle))
         out.append(Wait(gather.handle))
         return out
 
     def _work(self, layout: LayerLayout, phase: str, item: int, recompute: str = "none") -> Work:
-        return Work(self.unit, phase, self.cfg.micro_batch, (layout.index, layout.index + 1),
-                    sharding=layout.sharding, recompute=recompute, kernels=layout.ranges[item])
+        return Work(
+            self.unit,
+            phase,
+            self.cfg.micro_batch,
+            (layout.index, layout.index + 1),
+            sharding=layout.sharding,
+            recompute=recompute,
+            kernels=layout.ranges[item],
+        )
 
     def _forward_layer(self, layout: LayerLayout, j: int, sequence, position) -> list[Instruction]:
         segment = Segment(self.unit, (layout.index, layout.index + 1))
@@ -149,9 +164,14 @@ class Par4DEmitter:
         for item, fc in enumerate(layout.fcs):
             if item in gathers:
                 out += self._gather(gathers[item], sequence, position)
-            out.append(Compute(self._work(layout, "fwd", item), microbatch=j,
-                               inputs=consumed(self.model, segment, j) if item == 0 else (),
-                               outputs=produced(self.model, segment, j) if item == last else ()))
+            out.append(
+                Compute(
+                    self._work(layout, "fwd", item),
+                    microbatch=j,
+                    inputs=consumed(self.model, segment, j) if item == 0 else (),
+                    outputs=produced(self.model, segment, j) if item == last else (),
+                )
+            )
             out += self._output_all_reduce(fc)
         return out
 
@@ -161,8 +181,7 @@ class Par4DEmitter:
         a, b = fc.axes()
         if self.groups[b] is None:
             return []
-        return [Collective("all_reduce", self.groups[b], self._rows(fc) * fc.n / self._degree(a) * self.act_bytes,
-                           "tp", stream=b)]
+        return [Collective("all_reduce", self.groups[b], self._rows(fc) * fc.n / self._degree(a) * self.act_bytes, "tp", stream=b)]
 
     def _backward_layer(self, layout: LayerLayout, j: int, sequence, position) -> list[Instruction]:
         out: list[Instruction] = []
@@ -186,8 +205,7 @@ class Par4DEmitter:
                     nbytes = self._rows(fc) * fc.k / self._degree(b) * self.act_bytes
                     if "all_reduce" in self.cfg.overlap:
                         handle = f"ar.mb{j}.L{layout.index}.{item}"
-                        out.append(Collective("all_reduce", group, nbytes, "tp", stream=a, blocking=False,
-                                              handle=handle))
+                        out.append(Collective("all_reduce", group, nbytes, "tp", stream=a, blocking=False, handle=handle))
                     else:
                         out.append(Collective("all_reduce", group, nbytes, "tp", stream=a))
                 out.append(Compute(self._work(layout, "bwd_weight", item), microbatch=j))
@@ -206,8 +224,7 @@ class Par4DEmitter:
             return [Collective("reduce_scatter", self.groups["z"], nbytes, "tp", stream="z")]
         handle = f"rs.mb{j}.L{layout.index}.{item}"
         self._pending_rs.append(handle)
-        return [Collective("reduce_scatter", self.groups["z"], nbytes, "tp", stream="z", blocking=False,
-                           handle=handle)]
+        return [Collective("reduce_scatter", self.groups["z"], nbytes, "tp", stream="z", blocking=False, handle=handle)]
 
     # ---- the end of the iteration -------------------------------------------------------------
     def tail(self) -> list[Instruction]:
@@ -234,8 +251,16 @@ class Par4DEmitter:
         return sum(sizes[i] for i in self.cached) + 2 * max(sizes.values())
 
 
-def par4d_program(model: ModelSpec, cluster: ClusterSpec, precision: str, global_batch: int, grid: Grid,
-                  layouts: list[LayerLayout], settings: Par4DSettings, unit: str) -> tuple[Program, UnitPlan]:
+def par4d_program(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    precision: str,
+    global_batch: int,
+    grid: Grid,
+    layouts: list[LayerLayout],
+    settings: Par4DSettings,
+    unit: str,
+) -> tuple[Program, UnitPlan]:
     program = Program(world_size=grid.devices, classes=[])
     emitter = Par4DEmitter(model, cluster, precision, program, grid, layouts, settings, unit)
     per_replica = global_batch // grid.dp
@@ -244,13 +269,25 @@ def par4d_program(model: ModelSpec, cluster: ClusterSpec, precision: str, global
     for j in range(microbatches):
         instructions += emitter.microbatch(j, last=j == microbatches - 1)
     instructions += emitter.tail()
-    program.classes.append(RankProgram(ranks=tuple(range(grid.devices)), instructions=instructions,
-                                       label="all ranks", units=(unit,)))
+    program.classes.append(RankProgram(ranks=tuple(range(grid.devices)), instructions=instructions, label="all ranks", units=(unit,)))
     spec = model.unit(unit)
-    plan = UnitPlan(unit=unit, mesh=grid.mesh(), micro_batch=settings.micro_batch, num_microbatches=microbatches,
-                    batch_per_replica=per_replica, stage_layers=((0, spec.num_layers),),
-                    sample_groups=microbatches, recompute=settings.recompute,
-                    gathered_params=emitter.gathered_params(),
-                    details={"grid": grid.label(), "grid_x": grid.x, "grid_y": grid.y, "grid_z": grid.z,
-                             "overlap": sorted(settings.overlap), "cached_layers": len(emitter.cached)})
+    plan = UnitPlan(
+        unit=unit,
+        mesh=grid.mesh(),
+        micro_batch=settings.micro_batch,
+        num_microbatches=microbatches,
+        batch_per_replica=per_replica,
+        stage_layers=((0, spec.num_layers),),
+        sample_groups=microbatches,
+        recompute=settings.recompute,
+        gathered_params=emitter.gathered_params(),
+        details={
+            "grid": grid.label(),
+            "grid_x": grid.x,
+            "grid_y": grid.y,
+            "grid_z": grid.z,
+            "overlap": sorted(settings.overlap),
+            "cached_layers": len(emitter.cached),
+        },
+    )
     return program, plan

@@ -14,6 +14,7 @@ and read on the same stage stays local; any other (a tower's feature for a contr
 loss, tokens another unit cross-attends to) goes through the planner's `Links`.
 Gradients flow the same ways back.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -81,9 +82,18 @@ class PipelineEmitter:
     """`virtual`: the pipeline's pp·vpp virtual stages in model order (stage s, chunk v is
     entry v·pp + s); `prefix` names its groups and routes apart from other pipelines'."""
 
-    def __init__(self, model: ModelSpec, cluster: ClusterSpec, precision: str, program: Program, mesh: Mesh,
-                 virtual: list[list[Segment]], settings: PipelineSettings, prefix: str = "",
-                 links: Links | None = None) -> None:
+    def __init__(
+        self,
+        model: ModelSpec,
+        cluster: ClusterSpec,
+        precision: str,
+        program: Program,
+        mesh: Mesh,
+        virtual: list[list[Segment]],
+        settings: PipelineSettings,
+        prefix: str = "",
+        links: Links | None = None,
+    ) -> None:
         self.model, self.program, self.mesh, self.virtual, self.cfg = model, program, mesh, virtual, settings
         self.links = links or NoLinks()
         self.pp = mesh.degree("pp")
@@ -106,16 +116,16 @@ class PipelineEmitter:
             last = virtual[v][-1]
             nbytes = boundary_elems(model.unit(last.unit), last.layers[1]) * settings.micro_batch * self.act_bytes
             transfer = stage_transfer(nbytes, mesh.degree("tp"), settings.sequence_parallel, settings.scatter_gather)
-            route = Hop(f"{prefix}hop.v{v}", "pp", mesh.slice(pp=v % self.pp), mesh.slice(pp=(v + 1) % self.pp),
-                        transfer.send_bytes, sharing)
+            route = Hop(
+                f"{prefix}hop.v{v}", "pp", mesh.slice(pp=v % self.pp), mesh.slice(pp=(v + 1) % self.pp), transfer.send_bytes, sharing
+            )
             self.transfers.append(transfer)
             program.add_route(route)
             self.hops.append(route.name)
         self.pending: dict[int, list[str]] = {stage: [] for stage in range(self.pp)}
 
     def _tp(self, stage: int) -> TPConfig:
-        return TPConfig(self.sharding, self.tp_groups[stage], self.cfg.recompute, self.act_bytes,
-                        self.cfg.tp_overlap_chunks)
+        return TPConfig(self.sharding, self.tp_groups[stage], self.cfg.recompute, self.act_bytes, self.cfg.tp_overlap_chunks)
 
     def stage(self, stage: int, order: list, other: Callable[[object], list[Instruction]] | None = None) -> Stage:
         """A stage's instructions for its schedule `order` (ops with kind F or B, chunk,
@@ -134,8 +144,17 @@ class PipelineEmitter:
                 instructions = other(op)
             out.ops.append(StageOp(op, instructions))
         own = self.segments_of(stage)
-        out.tail = iteration_tail(self.model, own, self.sharding, self.dp_groups[stage], self.dp, self.cfg.zero_stage,
-                                  self.grad_bytes, self.act_bytes, self.pending[stage])
+        out.tail = iteration_tail(
+            self.model,
+            own,
+            self.sharding,
+            self.dp_groups[stage],
+            self.dp,
+            self.cfg.zero_stage,
+            self.grad_bytes,
+            self.act_bytes,
+            self.pending[stage],
+        )
         return out
 
     def segments_of(self, stage: int) -> list[Segment]:
@@ -143,8 +162,7 @@ class PipelineEmitter:
 
     def rank_program(self, stage: Stage, label: str, extra_units: tuple[str, ...] = ()) -> RankProgram:
         units = tuple(dict.fromkeys([seg.unit for seg in self.segments_of(stage.index)] + list(extra_units)))
-        return RankProgram(ranks=stage.ranks, instructions=stage.instructions(), label=label, units=units,
-                           pipelined=self.pp > 1)
+        return RankProgram(ranks=stage.ranks, instructions=stage.instructions(), label=label, units=units, pipelined=self.pp > 1)
 
     # ---- one virtual stage's forward and backward ----------------------------------------
     def _boundary(self, v: int, microbatch: int) -> tuple[set[Payload], set[Payload]]:
@@ -214,13 +232,15 @@ class PipelineEmitter:
         out: list[Instruction] = []
         unit = self.model.unit(segment.unit)
         for layer in reversed(range(*segment.layers)):
-            out += segment_pass(self.model, Segment(segment.unit, (layer, layer + 1)), "bwd", self.cfg.micro_batch, j,
-                                tp, chunk=chunk)
+            out += segment_pass(self.model, Segment(segment.unit, (layer, layer + 1)), "bwd", self.cfg.micro_batch, j, tp, chunk=chunk)
             params = unit.trainable_params(layer, layer + 1) / self.sharding.devices
             if params:
                 handle = f"grad.{segment.unit}.{layer}"
                 op_name = "reduce_scatter" if self.cfg.zero_stage >= 1 else "all_reduce"
-                out.append(Collective(op_name, self.dp_groups[stage], params * self.grad_bytes, "dp", stream="dp",
-                                      blocking=False, handle=handle))
+                out.append(
+                    Collective(
+                        op_name, self.dp_groups[stage], params * self.grad_bytes, "dp", stream="dp", blocking=False, handle=handle
+                    )
+                )
                 self.pending[stage].append(handle)
         return out

@@ -4,6 +4,7 @@ Stage boundaries fall between transformer blocks (layers with TP communication);
 embedding, patchify, projector and head layers stay with their neighbouring block, and the
 divisibility rule counts blocks, as Megatron's --num-layers does.
 """
+
 from __future__ import annotations
 
 import math
@@ -36,8 +37,10 @@ def block_cuts(unit: UnitSpec, parts: int, uneven: bool, what: str) -> list[tupl
     if parts > len(blocks):
         raise ConfigError(f"{what}={parts} exceeds the {len(blocks)} blocks of unit {unit.name}")
     if len(blocks) % parts and not uneven:
-        raise ConfigError(f"{what}={parts} does not divide the {len(blocks)} blocks of unit {unit.name} "
-                          f"(set strategy.uneven_pp=true to allow stages of unequal depth)")
+        raise ConfigError(
+            f"{what}={parts} does not divide the {len(blocks)} blocks of unit {unit.name} "
+            f"(set strategy.uneven_pp=true to allow stages of unequal depth)"
+        )
     base, extra = divmod(len(blocks), parts)
     # The first and last stages also hold the embedding and the head: they get no extra block.
     counts = [base] * parts
@@ -55,8 +58,7 @@ def block_cuts(unit: UnitSpec, parts: int, uneven: bool, what: str) -> list[tupl
     return ranges
 
 
-def pipeline_segments(model: ModelSpec, pp: int, vpp: int, modality_stages: str,
-                      uneven: bool) -> list[list[Segment]]:
+def pipeline_segments(model: ModelSpec, pp: int, vpp: int, modality_stages: str, uneven: bool) -> list[list[Segment]]:
     """Virtual stages (pp·vpp of them, in model order) as lists of segments.
 
     The main unit (the LLM) is cut into equal parts. Other units either get stages of
@@ -65,18 +67,21 @@ def pipeline_segments(model: ModelSpec, pp: int, vpp: int, modality_stages: str,
     "encoders in the first stage")."""
     order = unit_order(model)
     main = main_unit(model)
-    before = [model.unit(n) for n in order[:order.index(main.name)]]
-    after = [model.unit(n) for n in order[order.index(main.name) + 1:]]
+    before = [model.unit(n) for n in order[: order.index(main.name)]]
+    after = [model.unit(n) for n in order[order.index(main.name) + 1 :]]
     virtual = pp * vpp
     if modality_stages == "extra":
         extra = len(before) + len(after)
         if extra and vpp > 1:
-            raise ConfigError(f"vpp={vpp} with the {extra} extra modality stages of {model.name}: "
-                              f"interleaving needs strategy.modality_stages=merged")
+            raise ConfigError(
+                f"vpp={vpp} with the {extra} extra modality stages of {model.name}: interleaving needs strategy.modality_stages=merged"
+            )
         main_parts = virtual - extra
         if main_parts < 1:
-            raise ConfigError(f"pp={pp} leaves no stage for {main.name}: {model.name} needs "
-                              f"{extra} extra stages for {[u.name for u in before + after]}")
+            raise ConfigError(
+                f"pp={pp} leaves no stage for {main.name}: {model.name} needs "
+                f"{extra} extra stages for {[u.name for u in before + after]}"
+            )
         stages = [[Segment(u.name, (0, u.num_layers))] for u in before]
         stages += [[Segment(main.name, r)] for r in block_cuts(main, main_parts, uneven, "pp")]
         stages += [[Segment(u.name, (0, u.num_layers))] for u in after]
@@ -156,15 +161,19 @@ def linear_chain(model: ModelSpec) -> list[UnitSpec]:
     producers = {name: [f for f in flows if f.consumer == name] for name in order}
     for name in order:
         if len(producers[name]) > 1:
-            raise ConfigError(f"strategy.balance=true (Megatron-LM balanced, Optimus Appendix B) takes a single "
-                              f"encoder, but {model.name} has {len(producers[name])} encoders feeding {name} "
-                              f"({', '.join(f.producer for f in producers[name])})")
+            raise ConfigError(
+                f"strategy.balance=true (Megatron-LM balanced, Optimus Appendix B) takes a single "
+                f"encoder, but {model.name} has {len(producers[name])} encoders feeding {name} "
+                f"({', '.join(f.producer for f in producers[name])})"
+            )
     for previous, name in zip(order, order[1:]):
         flow = producers[name][0] if producers[name] else None
         if flow is None or flow.producer != previous or flow.kind != "chain":
             how = "nothing" if flow is None else f"a {flow.kind} flow from {flow.producer}"
-            raise ConfigError(f"strategy.balance=true cuts a linear chain of units (Optimus Appendix B), but "
-                              f"{name} of {model.name} takes {how}, not {previous}'s output as its input")
+            raise ConfigError(
+                f"strategy.balance=true cuts a linear chain of units (Optimus Appendix B), but "
+                f"{name} of {model.name} takes {how}, not {previous}'s output as its input"
+            )
     return [model.unit(name) for name in order]
 
 
@@ -176,9 +185,13 @@ def chain_segments(units: Sequence[UnitSpec], ranges: Sequence[tuple[int, int]])
         total += unit.num_layers
     stages = []
     for start, end in ranges:
-        stages.append([Segment(unit.name, (max(start - offset, 0), min(end - offset, unit.num_layers)))
-                       for unit, offset in zip(units, offsets)
-                       if start < offset + unit.num_layers and end > offset])
+        stages.append(
+            [
+                Segment(unit.name, (max(start - offset, 0), min(end - offset, unit.num_layers)))
+                for unit, offset in zip(units, offsets)
+                if start < offset + unit.num_layers and end > offset
+            ]
+        )
     return stages
 
 

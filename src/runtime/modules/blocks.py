@@ -7,6 +7,7 @@ State keys: images, ids, targets (inputs); x (token states); memory (another uni
 states, for cross-attention); feature (the pooled, projected embedding); tokens (a
 tower's final token states, handed to another unit); loss.
 """
+
 from __future__ import annotations
 
 import torch

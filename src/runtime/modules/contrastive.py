@@ -7,6 +7,7 @@ the whole batch has: a rank holding both modalities of its rows (data parallel) 
 by its rows and averages over ranks; a rank holding one modality (DistMM's separate
 towers) divides by the contrastive batch, and the ranks' values add up to the loss.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,8 +23,13 @@ class ContrastiveLoss(nn.Module):
         # CLIP's initial temperature; shape (1,), since DeepSpeed cannot broadcast a 0-dim parameter.
         self.logit_scale = nn.Parameter(torch.full((1,), math.log(1 / 0.07)))
 
-    def forward(self, image: tuple[int, torch.Tensor] | None, text: tuple[int, torch.Tensor] | None,
-                all_image: torch.Tensor | None, all_text: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self,
+        image: tuple[int, torch.Tensor] | None,
+        text: tuple[int, torch.Tensor] | None,
+        all_image: torch.Tensor | None,
+        all_text: torch.Tensor | None,
+    ) -> torch.Tensor:
         """image/text: this rank's rows of a modality and where they start in the batch
         (None: it scores none); all_*: the whole contrastive batch of the modality its rows
         are scored against (needed only for the other modality of the rows it scores)."""

@@ -17,6 +17,7 @@ forward for a recomputed forward (activation checkpointing) instead of gathering
 Data parallelism (`dp` group) all-reduces the unique shards' gradients in
 `finish_backward()`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -51,7 +52,7 @@ class Grid3D:
     dp: Axis = Axis()
     overlap: frozenset[str] = frozenset()
     pending: list = field(default_factory=list)
-    gathers: int = 0   # z all-gathers issued, for tests of prefetching and caching
+    gathers: int = 0  # z all-gathers issued, for tests of prefetching and caching
 
     @classmethod
     def build(cls, degrees: tuple[int, int, int, int], overlap: frozenset[str] = frozenset()) -> Grid3D:
@@ -71,7 +72,7 @@ class Grid3D:
         for degree, stride in zip(degrees, strides):
             mine = Axis()
             for start in range(dist.get_world_size()):
-                if (start // stride) % degree:   # not the group's first member
+                if (start // stride) % degree:  # not the group's first member
                     continue
                 members = [start + stride * t for t in range(degree)]
                 group = dist.new_group(members) if degree > 1 else None
@@ -134,8 +135,7 @@ def _gather(shard: torch.Tensor, axis: Axis) -> _InFlight:
     if axis.size == 1:
         return _InFlight(None, lambda: local)
     if _nccl(axis):
-        out = torch.empty((axis.size * local.shape[0],) + tuple(local.shape[1:]), dtype=local.dtype,
-                          device=local.device)
+        out = torch.empty((axis.size * local.shape[0],) + tuple(local.shape[1:]), dtype=local.dtype, device=local.device)
         return _InFlight(dist.all_gather_into_tensor(out, local, group=axis.group, async_op=True), lambda: out)
     parts = [torch.empty_like(local) for _ in range(axis.size)]
     return _InFlight(dist.all_gather(parts, local, group=axis.group, async_op=True), lambda: torch.cat(parts))
@@ -151,13 +151,12 @@ def _reduce_scatter(full: torch.Tensor, axis: Axis, async_op: bool) -> _InFlight
         return _InFlight(handle if async_op else None, lambda: out)
     # gloo has no reduce-scatter: all-reduce, then keep this rank's rows.
     handle = dist.all_reduce(full, group=axis.group, async_op=async_op)
-    return _InFlight(handle if async_op else None, lambda: full[axis.rank * rows:(axis.rank + 1) * rows])
+    return _InFlight(handle if async_op else None, lambda: full[axis.rank * rows : (axis.rank + 1) * rows])
 
 
 class _Linear3D(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, shard: torch.Tensor, bias: torch.Tensor | None,
-                layer: Linear3D) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, shard: torch.Tensor, bias: torch.Tensor | None, layer: Linear3D) -> torch.Tensor:
         weight = layer.gathered_weight()
         ctx.save_for_backward(x, weight)
         ctx.layer, ctx.has_bias = layer, bias is not None
@@ -180,7 +179,7 @@ class _Linear3D(torch.autograd.Function):
             with CLOCK.timed("tp"):
                 handle = dist.all_reduce(grad_x, group=cols.group, async_op="all_reduce" in grid.overlap)
         flat_x, flat_grad = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
-        grad_w = flat_x.t() @ flat_grad   # overlapped with dI's all-reduce under A
+        grad_w = flat_x.t() @ flat_grad  # overlapped with dI's all-reduce under A
         if handle is not None and "all_reduce" in grid.overlap:
             with CLOCK.timed("tp"):
                 handle.wait()
@@ -206,16 +205,17 @@ class Linear3D(nn.Module):
         self.cols_axis, self.rows_axis = ("y", "x") if transposed else ("x", "y")
         cols, rows, z = grid.axis(self.cols_axis), grid.axis(self.rows_axis), grid.z
         if d_out % cols.size or d_in % (rows.size * z.size):
-            raise ValueError(f"Linear3D({d_in}, {d_out}) on G_{self.cols_axis}={cols.size}, "
-                             f"G_{self.rows_axis}={rows.size}, G_z={z.size}: the grid does not divide it")
+            raise ValueError(
+                f"Linear3D({d_in}, {d_out}) on G_{self.cols_axis}={cols.size}, "
+                f"G_{self.rows_axis}={rows.size}, G_z={z.size}: the grid does not divide it"
+            )
         # Only this rank's block is drawn: its output features (cols), and of its input
         # features (rows) its z part.
         inputs = torch.arange(d_in)[_part(d_in, rows)]
-        weight, full_bias = linear_shard(d_in, d_out, torch.arange(d_out)[_part(d_out, cols)],
-                                         inputs[_part(len(inputs), z)])
+        weight, full_bias = linear_shard(d_in, d_out, torch.arange(d_out)[_part(d_out, cols)], inputs[_part(len(inputs), z)])
         self.shard = nn.Parameter(weight.t().contiguous())
         self.bias = nn.Parameter(full_bias) if bias else None
-        self.next: Linear3D | None = None   # the layer whose weights C prefetches (see prefetches())
+        self.next: Linear3D | None = None  # the layer whose weights C prefetches (see prefetches())
         self._inflight: _InFlight | None = None
         self._cached: torch.Tensor | None = None
 

@@ -9,6 +9,7 @@ Only a rank's shard of a weight is ever materialised: each row is drawn from its
 seed (taken off the global RNG, which every TP degree consumes identically), so a shard
 holds the very values of the same rows of a 1-rank run's whole weight.
 """
+
 from __future__ import annotations
 
 import math

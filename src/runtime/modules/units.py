@@ -4,6 +4,7 @@ the runtime trains exactly the shapes the simulator prices, and Work.layers inde
 Every layer is seeded on its own (layer_seed), so a rank builds only the layers it
 computes (TP slices their weights) and any plan starts from the weights of a 1-process run.
 """
+
 from __future__ import annotations
 
 import math
@@ -65,8 +66,9 @@ def layer_seed(seed: int, unit: str, index: int) -> int:
     return zlib.crc32(f"{seed}:{unit}:{index}".encode())
 
 
-def build_units(model: ModelSpec, seed: int, tp: dict[str, TP], keep: dict[str, set[int]],
-                recompute: dict[str, str] | None = None) -> nn.ModuleDict:
+def build_units(
+    model: ModelSpec, seed: int, tp: dict[str, TP], keep: dict[str, set[int]], recompute: dict[str, str] | None = None
+) -> nn.ModuleDict:
     """Each unit in `keep` as a ModuleList indexed like its LayerSpecs, holding only the
     layers in `keep[unit]` (None elsewhere); only those are ever built (a TP layer
     draws its whole weight, then keeps its slice). `recompute`: a unit's mode;
