@@ -20,6 +20,7 @@ import yaml
 from src.config import options_from
 from src.errors import ConfigError, PlanError
 from src.program import Plan
+from src.progress import Progress
 from src.timeline import Timeline
 from src.strategies.base import PlanRequest
 
@@ -103,7 +104,12 @@ def price(contender: Contender, request: PlanRequest) -> Priced:
 
 def plan_auto(request: PlanRequest) -> Plan:
     opts = options_from(AutoOptions, request.options)
-    priced = [price(contender, request) for contender in opts.chosen()]
+    progress = Progress("auto")
+    priced = []
+    for index, contender in enumerate(opts.chosen()):
+        priced.append(price(contender, request))
+        if progress.due():
+            progress.show(f"{index + 1}/{len(opts.chosen())} strategies priced (last: {contender.label})")
     ranked = sorted((p for p in priced if p.plan is not None), key=lambda p: p.iteration_time_s)
     if not ranked:
         raise PlanError(

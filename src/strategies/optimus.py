@@ -29,6 +29,7 @@ from typing import Any, Mapping
 
 from src.cluster import GIB, family_sharing
 from src.config import options_from
+from src.progress import Progress
 from src.costmodel.comm import CommModel
 from src.costmodel.compute import ComputeModel
 from src.costmodel.memory import memory_ladder, model_state_bytes, rank_memory, work_activation_bytes
@@ -133,6 +134,7 @@ def plan_optimus(request: PlanRequest) -> Plan:
     # rungs keep its degrees (more recomputation or sharding does not change them much,
     # and each search simulates every candidate).
     searched: dict[str, Any] = {}
+    progress = Progress("optimus planner")
     for recompute, zero in memory_ladder(given.get("recompute"), given.get("zero_stage")):
         try:
             base = _llm_base(request, opts, encoders, compute, comm, {**searched, "recompute": recompute, "zero_stage": zero})
@@ -156,12 +158,17 @@ def plan_optimus(request: PlanRequest) -> Plan:
                 rejected.append(problem)
             else:
                 candidates.append(_schedule(request, opts, base, layout, encoders, compute, comm))
+            if progress.due():
+                progress.show(
+                    f"recompute={recompute} zero_stage={zero}: {len(candidates)} encoder plans scheduled, {len(rejected)} rejected"
+                )
         if not candidates:
             continue
         best = min(candidates, key=lambda c: (c.schedule.latency, -c.plan.pp * c.plan.tp))
         plan = _emit(request, opts, base, best, encoders, candidates, rejected, time.perf_counter() - started)
         problem = _program_memory_problem(request, plan)
         if problem is None:
+            progress.end(f"done: {len(candidates)} encoder plans scheduled")
             return plan
         rejected.append(problem)
     raise PlanError(min(rejected)[1] if rejected else llm_rejected)
