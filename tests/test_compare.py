@@ -64,9 +64,9 @@ def test_compare_ranks_priced_contenders_then_lists_refusals() -> None:
     assert "| 1 |" in text and "| 2 |" in text and "- distmm: " in text
 
 
-def test_compare_refuses_a_single_strategy_in_one_line() -> None:
+def test_compare_refuses_a_single_strategy_in_one_line(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "src.compare", "strategy=megatron", "hydra.run.dir=/tmp/unused-compare"],
+        [sys.executable, "-m", "src.compare", "strategy=megatron", f"hydra.run.dir={tmp_path}"],
         cwd=ROOT,
         capture_output=True,
         text=True,
