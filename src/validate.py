@@ -42,7 +42,7 @@ GPT_SIZES = {
         "model.preset=null",
         "model.layers=4",
         "model.hidden=384",
-        "model.heads=6",
+        "model.heads=8",
         "model.vocab=1024",
         "train.seq_len=128",
         "train.global_batch=16",
@@ -79,6 +79,7 @@ def grid() -> list[Case]:
                     "strategy.micro_batch_size=2",
                     "strategy.schedule=1f1b",
                 ],
+                "deepspeed3d": ["strategy=deepspeed3d", "strategy.tp=1", "strategy.pp=2", "strategy.micro_batch_size=2"],
             }
             for label, strategy in strategies.items():
                 cases.append(Case(f"{size}/{label}", workers, tuple(model + strategy)))
