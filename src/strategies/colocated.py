@@ -10,6 +10,8 @@ then each unit's gradient reduction and optimizer step.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from dataclasses import dataclass
 
 from src.cluster import ClusterSpec
@@ -78,6 +80,7 @@ class ColocatedEmitter:
         order = [i for i in (reversed(range(spec.num_layers)) if backward else range(spec.num_layers))]
         params = [spec.layers[i].params / u.mesh.degree("tp") for i in order]
         group = self.dp_group[unit]
+        assert group is not None, "ZeRO-3 layers are gathered over a DP group of more than one rank"
         out: list[Instruction] = []
         for index, layer in enumerate(order):
             out += self._gather(unit, phase, microbatch, order, params, index)
@@ -107,6 +110,7 @@ class ColocatedEmitter:
         the previous layer is waited for, the rest gathered now; then the next layer's
         prefetch is issued."""
         u, group = self.units[unit], self.dp_group[unit]
+        assert group is not None, "ZeRO-3 layers are gathered over a DP group of more than one rank"
         prefetched = min(params[index], u.prefetch_params) if (u.overlap_comm and index > 0) else 0.0
         out: list[Instruction] = []
         if prefetched:
@@ -179,7 +183,7 @@ class ColocatedEmitter:
         for route in local_routes(self.cluster, QUERY_ROUTE, messages):
             self.program.add_route(route)
 
-    def tail(self, pending: list[str] = ()) -> list[Instruction]:
+    def tail(self, pending: Sequence[str] = ()) -> list[Instruction]:
         """Each unit's gradient reduction and optimizer step; units sharing a DP group
         reduce together. ZeRO-3 units reduced layer by layer in their backward: they wait
         for the asynchronous reductions and step."""

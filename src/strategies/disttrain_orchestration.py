@@ -406,14 +406,14 @@ class Orchestrator:
         least: dict[str, float] = {}
         for unit in UNITS:
             fewest = INF
-            closest = None
+            closest = INF
             for tp in self._tps(unit):
                 blocks = self.p.blocks(unit)
                 for recompute in self.modes:
                     cost = self.p.whole(unit, tp, 1, recompute, 1)
                     kept = self.peak[unit] * cost.activations
                     need = cost.states / blocks + kept
-                    closest = need if closest is None else min(closest, need)
+                    closest = min(closest, need)
                     room = self.usable - kept
                     if room > 0 and cost.states / room <= blocks:
                         fewest = min(fewest, tp * max(1, math.ceil(cost.states / room)))

@@ -26,7 +26,7 @@ from src.costmodel.compute import ComputeModel
 from src.costmodel.memory import element_bytes, grad_bytes, model_state_bytes
 from src.mesh import tensor_parallel
 from src.models.spec import ModelSpec
-from src.program import RECOMPUTE_MODES, Work
+from src.program import RECOMPUTE_MODES, Phase, Work
 from src.strategies.stages import block_cuts, boundary_elems
 
 TP_DEGREES = (1, 2, 4, 8)
@@ -138,7 +138,7 @@ class Profiler:
         layer = self.model.unit(unit).layers[index]
         span = (index, index + 1)
 
-        def seconds(phase: str, recompute: str = "none") -> float:
+        def seconds(phase: Phase, recompute: str = "none") -> float:
             work = Work(unit, phase, size, span, sharding=sharding, recompute=recompute, fraction=1.0 / chunks)
             return chunks * self.compute.work_time(work, self.model)
 
@@ -168,7 +168,8 @@ class Profiler:
     @lru_cache(maxsize=None)
     def _state_coefficients(self, dp: int) -> tuple[float, float]:
         """Bytes per trainable and per frozen parameter on one GPU (ZeRO over dp)."""
-        return tuple(sum(model_state_bytes(1.0, self.precision, frozen, self.zero_stage, dp).values()) for frozen in (False, True))
+        trainable, frozen = (sum(model_state_bytes(1.0, self.precision, f, self.zero_stage, dp).values()) for f in (False, True))
+        return trainable, frozen
 
     def _stages(self, unit: str, tp: int, b: int, recompute: str, dp: int, pp: int) -> StageArrays:
         """Every stage of the unit cut into pp (block boundaries, unequal depths allowed),

@@ -178,9 +178,11 @@ class _Builder:
     def _broker_routes(self, program: Program, flow: Flow) -> Broker:
         src, dst = self.units[flow.producer], self.units[flow.consumer]
         tensor = Payload(flow.producer, flow.source, 0, flow.tensor)
-        ends = [Side(unit.stage_mesh(stage), unit.micro_batch, 1, self.m, tensor) for unit, stage in ((src, src.pp - 1), (dst, 0))]
+        sender, receiver = (
+            Side(unit.stage_mesh(stage), unit.micro_batch, 1, self.m, tensor) for unit, stage in ((src, src.pp - 1), (dst, 0))
+        )
         for route in bridge(
-            self.cluster, f"{flow.producer}>{flow.consumer}", "broker", *ends, self.batch, flow.elems * self.act_bytes
+            self.cluster, f"{flow.producer}>{flow.consumer}", "broker", sender, receiver, self.batch, flow.elems * self.act_bytes
         ):
             program.add_route(route)
         return brokers_of(flow, src, dst)
@@ -222,6 +224,7 @@ def _localised(instruction: Instruction, unit: str, loads: tuple[float, ...], sh
             return replace(instruction, work=replace(work, load=loads[instruction.microbatch]))
         return instruction
     if isinstance(instruction, Collective) and shared is not None and instruction.group == shared:
+        assert own is not None, "a unit whose plan uses a shared TP group has its own"
         return replace(instruction, group=own)
     return instruction
 

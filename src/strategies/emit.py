@@ -4,6 +4,8 @@ optimizer step, parameter gather)."""
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from dataclasses import dataclass, replace
 
 from src.mesh import Sharding
@@ -164,7 +166,7 @@ def iteration_tail(
     zero_stage: int,
     grad_bytes: int,
     param_bytes: int,
-    pending: list[str] = (),
+    pending: Sequence[str] = (),
 ) -> list[Instruction]:
     """Finish an iteration: wait for asynchronous gradient reductions (`pending`
     handles), reduce the rest (all-reduce; reduce-scatter under the distributed
