@@ -27,7 +27,7 @@ from omegaconf import DictConfig
 from src.config import options_from, plain_config
 from src.errors import ConfigError
 from src.strategies.auto import AutoOptions, Contender
-from src.sweep import _plan_facts
+from src.sweep import plan_facts, plan_text
 
 log = logging.getLogger("src.compare")
 RESULTS = "compare.json"
@@ -87,7 +87,7 @@ def table(outcomes: list[dict[str, Any]], title: str) -> str:
         total = s["iteration_time_s"]
         breakdown = s["breakdown_s"]
         bubbles = sum(breakdown.get(k, 0.0) for k in BUBBLES)
-        plan = "; ".join(f"{u}: " + " ".join(f"{k}{v}" for k, v in _plan_facts(p).items()) for u, p in s["plan"]["units"].items())
+        plan = plan_text({u: plan_facts(p) for u, p in s["plan"]["units"].items()})
         lines.append(
             f"| {rank} | {outcome['strategy']} | {total:.4g} | {total / best:.2f}x | {100 * s['mfu']:.1f} % | "
             f"{s['throughput_samples_per_s']:.4g} | {s['peak_memory_gib']:.1f} | "

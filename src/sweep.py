@@ -141,10 +141,15 @@ def _paper_mid(value: Any) -> float | None:
     return float(value)
 
 
-def _plan_facts(unit: dict[str, Any]) -> dict[str, Any]:
+def plan_facts(unit: dict[str, Any]) -> dict[str, Any]:
     """A unit's degrees as its strategy states them: Par4D's (x, y, z, dp) grid, else dp/tp/pp."""
     keys = ("grid", "micro_batch") if "grid" in unit else ("dp", "tp", "pp", "micro_batch")
     return {k: unit[k] for k in keys if k in unit}
+
+
+def plan_text(facts: dict[str, dict[str, Any]]) -> str:
+    """'vision: dp6 tp8 pp1 micro_batch32; text: ...' from each unit's plan_facts."""
+    return "; ".join(f"{u}: " + " ".join(f"{k}{v}" for k, v in unit.items()) for u, unit in facts.items())
 
 
 def write_report(spec: SweepSpec, outcomes: dict[tuple[str, str], dict[str, Any] | None], out: Path) -> str:
@@ -177,7 +182,7 @@ def write_report(spec: SweepSpec, outcomes: dict[tuple[str, str], dict[str, Any]
                 row["value"] = value
                 for key in spec.extra_metrics:
                     row[key] = lookup(summary, key)
-                row["plan"] = {u: _plan_facts(p) for u, p in summary["plan"]["units"].items()}
+                row["plan"] = {u: plan_facts(p) for u, p in summary["plan"]["units"].items()}
             results["rows"].append(row)
     out.mkdir(parents=True, exist_ok=True)
     table = markdown_table(spec, results)
@@ -205,7 +210,7 @@ def markdown_table(spec: SweepSpec, results: dict[str, Any]) -> str:
         else:
             ours = f"{value:.3g}"
             gap = "–" if paper is None else f"{(value - paper) / paper * 100:+.0f}%"
-        plan = "; ".join(f"{u}: " + " ".join(f"{k}{v}" for k, v in p.items()) for u, p in row.get("plan", {}).items())
+        plan = plan_text(row.get("plan", {}))
         extras = [
             (f"{row[k]:.3g}" if isinstance(row.get(k), float) else str(row.get(k, "–")))
             + (f" (paper {_paper_text(row['paper_extra'][k])})" if k in row.get("paper_extra", {}) else "")

@@ -84,12 +84,13 @@ def test_a_figure_resumes_skipping_the_jobs_that_have_a_summary(tmp_path: Path) 
 
 
 def test_plan_column_gives_par4d_its_grid_and_others_their_degrees() -> None:
-    from src.sweep import _plan_facts
+    from src.sweep import plan_facts, plan_text
 
     par4d = {"dp": 1, "tp": 1, "pp": 1, "grid": "(1,1,64,1)", "micro_batch": 128, "zero_stage": 0}
-    assert _plan_facts(par4d) == {"grid": "(1,1,64,1)", "micro_batch": 128}
+    assert plan_facts(par4d) == {"grid": "(1,1,64,1)", "micro_batch": 128}
     megatron = {"dp": 2, "tp": 4, "pp": 8, "micro_batch": 4, "zero_stage": 1}
-    assert _plan_facts(megatron) == {"dp": 2, "tp": 4, "pp": 8, "micro_batch": 4}
+    assert plan_facts(megatron) == {"dp": 2, "tp": 4, "pp": 8, "micro_batch": 4}
+    assert plan_text({"llm": plan_facts(par4d)}) == "llm: grid(1,1,64,1) micro_batch128"
 
 
 def test_figure_diff_gives_before_after_change_and_paper(tmp_path) -> None:
