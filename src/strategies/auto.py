@@ -12,10 +12,7 @@ is listed with its one-line reason.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
-
-import yaml
 
 from src.config import options_from
 from src.errors import ConfigError, PlanError
@@ -24,11 +21,12 @@ from src.progress import Progress
 from src.timeline import Timeline
 from src.strategies.base import PlanRequest
 
-STRATEGY_CONF = Path(__file__).resolve().parent.parent.parent / "conf" / "strategy"
-
 
 @dataclass(frozen=True)
 class Contender:
+    """A strategy with its variant's options; every other option keeps its options
+    dataclass's default, which is its config group's (a planner reads no files)."""
+
     label: str
     strategy: str
     options: dict[str, Any] = field(default_factory=dict)
@@ -45,12 +43,6 @@ CONTENDERS = (
     Contender("optimus", "optimus"),
     Contender("par4d", "par4d"),
 )
-
-
-def contender_options(contender: Contender) -> dict[str, Any]:
-    """The contender's strategy group as composed with no overrides, plus its variant."""
-    defaults = yaml.safe_load((STRATEGY_CONF / f"{contender.strategy}.yaml").read_text())
-    return {**defaults, **contender.options}
 
 
 @dataclass(frozen=True)
@@ -91,9 +83,7 @@ def price(contender: Contender, request: PlanRequest) -> Priced:
     try:
         if contender.label == "megatron-balanced" and len(request.model.units) == 1:
             raise PlanError("one unit: balancing the pipeline is Megatron-LM's own stage cut")
-        plan = planner_for(contender.strategy)(
-            PlanRequest(request.model, request.cluster, request.train, contender_options(contender))
-        )
+        plan = planner_for(contender.strategy)(PlanRequest(request.model, request.cluster, request.train, contender.options))
         if plan.devices > request.cluster.devices:
             raise PlanError(f"plan uses {plan.devices} devices but the cluster has {request.cluster.devices}")
         timeline = simulate(plan.program, request.model, request.cluster, request.train.precision)
