@@ -177,7 +177,7 @@ def test_a_preset_without_or_with_an_impossible_sm_fraction_is_refused() -> None
 
 
 # ---- ZeRO-3 at thousands of GPUs ---------------------------------------------------------
-def _zero3(nodes: int):
+def _zero3(nodes: int, *extra: str):
     overrides = [
         "model=gpt",
         "model.preset=null",
@@ -192,6 +192,7 @@ def _zero3(nodes: int):
         "strategy=ddp",
         "strategy.zero_stage=3",
         "logger=none",
+        *extra,
     ]
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         config = OmegaConf.to_container(compose(config_name="config", overrides=overrides), resolve=True)
@@ -243,25 +244,7 @@ def test_ddp_plan_far_beyond_memory_exits_2_with_one_line(cli, tmp_path: Path) -
 
 
 def test_zero3_overlap_reduces_on_a_stream_beside_the_prefetching_gathers() -> None:
-    overrides = [
-        "model=gpt",
-        "model.preset=null",
-        "model.layers=4",
-        "model.hidden=1024",
-        "model.heads=16",
-        "model.vocab=32000",
-        "train.seq_len=512",
-        "cluster=perlmutter",
-        "cluster.nodes=4",
-        "train.global_batch=16",
-        "strategy=ddp",
-        "strategy.zero_stage=3",
-        "strategy.overlap_comm=true",
-        "logger=none",
-    ]
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        config = OmegaConf.to_container(compose(config_name="config", overrides=overrides), resolve=True)
-    plan = plan_run(validate(config))
+    plan, _, _ = _zero3(4, "strategy.overlap_comm=true")
     asynchronous = [i for i in plan.program.classes[0].instructions if isinstance(i, Collective) and not i.blocking]
     prefetch = {i.stream for i in asynchronous if i.op == "all_gather"}
     reduce = {i.stream for i in asynchronous if i.op == "reduce_scatter"}
