@@ -39,6 +39,8 @@ CASES = {
     + ["strategy=megatron", "strategy.tp=1", "strategy.pp=2", "strategy.micro_batch_size=2", "strategy.schedule=gpipe"],
     "megatron_pp2_recompute": GPT
     + ["strategy=megatron", "strategy.tp=1", "strategy.pp=2", "strategy.micro_batch_size=2", "strategy.recompute=full"],
+    # Two micro-batches per step: ZeRO-3 accumulates their gradient partitions.
+    "ddp_zero3_accumulation": GPT + ["strategy=ddp", "strategy.zero_stage=3", "strategy.micro_batch_size=2"],
     "ddp_zero3_recompute": GPT + ["strategy=ddp", "strategy.zero_stage=3", "strategy.recompute=selective"],
     "megatron_pp2_balanced": GPT
     + [

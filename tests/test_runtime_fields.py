@@ -188,9 +188,3 @@ def test_a_precision_runs_for_real_or_is_refused_naming_it(precision):
         return
     with pytest.raises(ConfigError, match=f"precision={precision}"):
         _check(overrides)
-
-
-def test_zero3_with_gradient_accumulation_is_refused_naming_the_fix():
-    # A batch of 8 on 4 workers: 2 samples per replica, in 2 micro-batches of 1.
-    with pytest.raises(ConfigError, match=r"ZeRO-3 with 2 micro-batches.*micro_batch_size=2\)"):
-        _check(WORKERS + GPT + ["strategy=ddp", "strategy.zero_stage=3", "strategy.micro_batch_size=1"])

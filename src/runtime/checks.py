@@ -35,13 +35,6 @@ def check_runnable(setup: Setup, plan: Plan) -> None:
     for unit in plan.units:
         if any(axis in ("x", "y", "z") for axis, _ in unit.mesh.axes):
             raise ConfigError(f"unit {unit.unit} lies on a Par4D grid ({unit.mesh.shape()}): {NO_GRID}")
-        if unit.zero_stage == 3 and unit.num_microbatches > 1:
-            raise ConfigError(
-                f"unit {unit.unit}: ZeRO-3 with {unit.num_microbatches} micro-batches per step does not "
-                f"yet train like one process on the real backend (its gradients accumulate wrong "
-                f"across the separate backward calls); use strategy.zero_stage<=2 or one micro-batch "
-                f"per step (strategy.micro_batch_size={unit.batch_per_replica})"
-            )
         if unit.sequence_parallel:
             raise ConfigError(
                 f"unit {unit.unit} uses sequence parallelism, which the real backend does not run "

@@ -133,6 +133,16 @@ def deepspeed_comm_seconds() -> Callable[[], float]:
     return total
 
 
+def backward(engine, loss: torch.Tensor, micro_step: int) -> None:
+    """One backward call (a layer range of one micro-batch). ZeRO-3 copies a parameter's
+    first gradient partition of a step and adds the later ones, telling them apart by its
+    micro-step, which only the engine's own forward advances; the executor runs the layers
+    without it, so it says which micro-step (the micro-batch's place in the step) this is."""
+    if hasattr(engine.optimizer, "micro_step_id"):
+        engine.optimizer.micro_step_id = micro_step
+    engine.backward(loss, scale_wrt_gas=False)
+
+
 def point_reduction_at(engine) -> None:
     """Call just before `step`, which reduces gradients (ZeRO-0/1; ZeRO-2/3 reduced during
     backward). DeepSpeed's reduction reads the data-parallel group of the LAST engine

@@ -37,7 +37,7 @@ from src.program import Collective, Compute, Instruction, Message, Payload, Plan
 from src.runtime.batch_rows import exchange_rows, placed_by_rows
 from src.runtime.comm import CLOCK, all_reduce
 from src.runtime.device import DTYPES, computing, synchronize
-from src.runtime.engines import point_reduction_at
+from src.runtime.engines import backward, point_reduction_at
 from src.runtime.groups import ProcessGroups
 from src.runtime.modules.units import unit_layers
 from src.runtime.placement import placements, tensor_replicas
@@ -64,6 +64,7 @@ class _StepState:
     sends: list = field(default_factory=list)
     loss: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
     stepped: set = field(default_factory=set)
+    micro_steps: dict[int, list[int]] = field(default_factory=dict)  # engine -> its micro-batches in backward order
 
 
 def _grad(leaf: torch.Tensor) -> torch.Tensor:
@@ -186,18 +187,21 @@ class Executor:
         terms = [(saved.outputs[grad.tensor] * self.s.store.tensor(grad)).sum() for grad in compute.inputs]
         if "loss_share" in saved.outputs:
             terms.append(saved.outputs["loss_share"])
-        self._backpropagate(work.unit, functools.reduce(operator.add, terms))
+        self._backpropagate(work.unit, functools.reduce(operator.add, terms), j)
         for grad in compute.outputs:
             leaf = saved.leaves[grad.value()]
             self.s.store.put(grad, _grad(leaf) / self._dp(work.unit))
 
-    def _backpropagate(self, unit: str, loss: torch.Tensor) -> None:
+    def _backpropagate(self, unit: str, loss: torch.Tensor, microbatch: int) -> None:
         """Gradients of `loss` (this rank's part of the step's loss) into the unit's
         parameters, at DeepSpeed's scale, and into the leaves."""
         scaled = loss * self._dp(unit)
         engine = self.engines.get(unit)
         if engine is not None:
-            engine.backward(scaled, scale_wrt_gas=False)
+            seen = self.s.micro_steps.setdefault(id(engine), [])
+            if microbatch not in seen:
+                seen.append(microbatch)
+            backward(engine, scaled, seen.index(microbatch))
         else:
             scaled.backward()
 
@@ -239,7 +243,7 @@ class Executor:
             loss = module(queries.get(image), queries.get(text), keys.get(image), keys.get(text))
         share = loss.float() / (work.contrastive_batch * batches)
         self.s.loss += share.detach() / tensor_replicas(self.plan, work.unit)
-        self._backpropagate(work.unit, share)
+        self._backpropagate(work.unit, share, compute.microbatch)
         for grad in compute.outputs:
             leaf = leaves[next(p for p in leaves if p.tensor == grad.tensor)]
             start = self.s.store.read(grad.value())[0]
