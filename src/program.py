@@ -383,6 +383,8 @@ class UnitPlan:
     recompute: str = "none"
     sequence_parallel: bool = False
     gathered_params: float = 0.0
+    overlap_comm: bool = False  # ZeRO-3: asynchronous gradient reduce-scatters and parameter prefetch
+    prefetch_params: float = 0.0  # ZeRO-3 with overlap_comm: parameters prefetched ahead of a layer
     details: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -41,6 +41,9 @@ CASES = {
     + ["strategy=megatron", "strategy.tp=1", "strategy.pp=2", "strategy.micro_batch_size=2", "strategy.recompute=full"],
     # Two micro-batches per step: ZeRO-3 accumulates their gradient partitions.
     "ddp_zero3_accumulation": GPT + ["strategy=ddp", "strategy.zero_stage=3", "strategy.micro_batch_size=2"],
+    # DeepSpeed overlaps the reduce-scatters and prefetches 1000 parameters ahead.
+    "ddp_zero3_overlap": GPT
+    + ["strategy=ddp", "strategy.zero_stage=3", "strategy.overlap_comm=true", "strategy.prefetch_bucket_size=1000"],
     "ddp_zero3_recompute": GPT + ["strategy=ddp", "strategy.zero_stage=3", "strategy.recompute=selective"],
     "megatron_pp2_balanced": GPT
     + [

@@ -106,12 +106,12 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
     ("ddp", "zero_stage"): (DDP, ["strategy.zero_stage=3"], "run", EQUALITY),
     ("ddp", "micro_batch_size"): (DDP, ["strategy.micro_batch_size=2"], "run", EQUALITY),
     ("ddp", "recompute"): (DDP, ["strategy.recompute=selective"], "run", EQUALITY),
-    ("ddp", "overlap_comm"): (DDP, ["strategy.zero_stage=3", "strategy.overlap_comm=true"], "refused", ""),
+    ("ddp", "overlap_comm"): (DDP, ["strategy.zero_stage=3", "strategy.overlap_comm=true"], "run", EQUALITY),
     ("ddp", "prefetch_bucket_size"): (
         DDP,
         ["strategy.zero_stage=3", "strategy.overlap_comm=true", "strategy.prefetch_bucket_size=1000"],
-        "refused",
-        "",
+        "run",
+        EQUALITY,
     ),
     # Par4D runs in the simulator only: the real backend refuses its grid, naming every option.
     ("par4d", "grid"): (PAR4D, ["strategy.grid=[2,1,2,1]"], "refused", ""),

@@ -40,10 +40,12 @@ def check_runnable(setup: Setup, plan: Plan) -> None:
                 f"unit {unit.unit} uses sequence parallelism, which the real backend does not run "
                 f"yet (strategy.sequence_parallel=false)"
             )
+    # DeepSpeed overlaps ZeRO-3's communication where the plan says so (engines.deepspeed_config).
+    overlapped = any(u.zero_stage == 3 and u.overlap_comm for u in plan.units)
     for rank_program in plan.program.classes:
         handles: set[str] = set()
         for instruction in rank_program.instructions:
-            _check_instruction(instruction, handles, rank_program.label, setup.model.interaction)
+            _check_instruction(instruction, handles, rank_program.label, setup.model.interaction, overlapped)
         if rank_program.ranks:
             _check_gathered_batches(plan, rank_program.ranks[0], rank_program.instructions)
     check_message_order(plan)
@@ -69,7 +71,7 @@ def _check_gathered_batches(plan: Plan, rank: int, instructions: list) -> None:
                     )
 
 
-def _check_instruction(instruction, handles: set[str], label: str, interaction: str | None) -> None:
+def _check_instruction(instruction, handles: set[str], label: str, interaction: str | None, overlapped: bool) -> None:
     if isinstance(instruction, Compute):
         work = instruction.work
         if work.phase not in PHASES:
@@ -98,16 +100,18 @@ def _check_instruction(instruction, handles: set[str], label: str, interaction: 
                 f"it{hint}"
             )
         elif not instruction.blocking:
-            raise ConfigError(
-                f"{label}: asynchronous {instruction.kind} {instruction.op} on {instruction.group}: the "
-                f"real backend does not overlap gradient reduction or parameter prefetch yet "
-                f"(megatron: strategy.overlap_grad_reduce=false; ddp: strategy.overlap_comm=false, "
-                f"whose prefetch_bucket_size then does nothing)"
-            )
+            if not (overlapped and instruction.kind == "dp"):
+                raise ConfigError(
+                    f"{label}: asynchronous {instruction.kind} {instruction.op} on {instruction.group}: the "
+                    f"real backend overlaps only ZeRO-3's gradient reduction and parameter prefetch, "
+                    f"through DeepSpeed (megatron: strategy.overlap_grad_reduce=false)"
+                )
+            if instruction.handle is not None:
+                handles.add(instruction.handle)
     elif isinstance(instruction, Recv) and not instruction.blocking and instruction.handle is not None:
         handles.add(instruction.handle)
     elif isinstance(instruction, Wait) and instruction.handle not in handles:
-        raise ConfigError(f"{label}: wait on {instruction.handle!r}, which no asynchronous receive returned")
+        raise ConfigError(f"{label}: wait on {instruction.handle!r}, which no asynchronous receive or collective returned")
 
 
 def check_message_order(plan: Plan) -> None:

@@ -75,15 +75,20 @@ class EngineSettings:
     lr: float
     weight_decay: float
     eps: float
+    overlap_comm: bool = False  # ZeRO-3: reduce-scatter gradients and prefetch parameters asynchronously
+    prefetch_params: int = 0  # ZeRO-3 with overlap_comm: parameters gathered ahead of the layer that needs them
 
 
 def deepspeed_config(settings: EngineSettings, dp: int) -> dict:
     """A plain dict (never OmegaConf): DeepSpeed inspects the type."""
-    zero: dict = {"stage": settings.zero_stage}
+    # Overlap is what the plan says, never DeepSpeed's default (stage 3 overlaps and
+    # prefetches unless told otherwise).
+    zero: dict = {"stage": settings.zero_stage, "overlap_comm": settings.overlap_comm}
     if settings.zero_stage == 3:
         # Partition every parameter, however small: the tiny models would otherwise be
         # kept whole on every rank and ZeRO-3 would not be exercised.
         zero["stage3_param_persistence_threshold"] = 0
+        zero["stage3_prefetch_bucket_size"] = settings.prefetch_params if settings.overlap_comm else 0
     return {
         "train_micro_batch_size_per_gpu": settings.micro_batch,
         "gradient_accumulation_steps": settings.accumulation,

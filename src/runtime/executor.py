@@ -7,7 +7,9 @@ a gradient's rows that arrive twice); a Collective that carries payloads moves t
 features of a contrastive batch gathered over replicas, or exchanged by rows between
 the scorers of separate towers (runtime.batch_rows), a tensor shared over TP peers).
 Collectives without payloads are a layer's own (TP, inside the parallel layers) or the
-optimizer's (DP, inside DeepSpeed): their time is measured where they happen.
+optimizer's (DP, inside DeepSpeed): their time is measured where they happen. Asynchronous
+ones (ZeRO-3's prefetches and overlapped reduce-scatters) and their waits are DeepSpeed's
+too: the plan's overlap_comm configures its engine to issue and wait for them.
 
 Every Compute is a detach point: a forward's inputs become leaves, so its backward runs
 alone, with the surrogate loss sum(output · incoming gradient) that gives exact
@@ -65,6 +67,7 @@ class _StepState:
     loss: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
     stepped: set = field(default_factory=set)
     micro_steps: dict[int, list[int]] = field(default_factory=dict)  # engine -> its micro-batches in backward order
+    markers: set[str] = field(default_factory=set)  # handles of asynchronous collectives that DeepSpeed runs
 
 
 def _grad(leaf: torch.Tensor) -> torch.Tensor:
@@ -138,6 +141,8 @@ class Executor:
             return "compute"
         if isinstance(instruction, Collective):
             if not (instruction.inputs or instruction.outputs):
+                if instruction.handle is not None:
+                    self.s.markers.add(instruction.handle)
                 return "marker"  # a layer's (tp) or the optimizer's (dp) own: measured where it happens
             self._collective(instruction)
             return f"comm_{instruction.kind}"
@@ -149,6 +154,9 @@ class Executor:
             self._recv(instruction, route)
             return f"wait:{route.kind}"
         if isinstance(instruction, Wait):
+            if instruction.handle in self.s.markers:
+                self.s.markers.remove(instruction.handle)
+                return "marker"
             kind, posted = self.s.pending.pop(instruction.handle)
             self._finish_receives(posted)
             return f"wait:{kind}"

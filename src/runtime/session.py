@@ -58,6 +58,8 @@ def _engines(
             lr=float(backend["lr"]),
             weight_decay=float(backend["weight_decay"]),
             eps=float(backend["adam_eps"]),
+            overlap_comm=first.overlap_comm,
+            prefetch_params=int(first.prefetch_params),
         )
         parallel = ParallelGroups(groups.get(dp_ranks), dp_ranks, groups.get(tp_ranks) if len(tp_ranks) > 1 else None, tp_ranks)
         module = torch.nn.ModuleDict({n: units[n] for n in names})

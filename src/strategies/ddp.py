@@ -131,6 +131,8 @@ def _build(request: PlanRequest, opts: DDPOptions, dp: int, mb: int, recompute: 
             zero_stage=opts.zero_stage,
             recompute=recompute,
             gathered_params=emitter.gathered_params(name),
+            overlap_comm=opts.overlap_comm and opts.zero_stage == 3,
+            prefetch_params=prefetch if opts.overlap_comm and opts.zero_stage == 3 else 0.0,
         )
         for name in names
     ]
