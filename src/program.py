@@ -122,7 +122,10 @@ class Collective:
     (reduce_scatter). `count` repeats it back to back (e.g. the TP all-reduces of many
     layers priced as one instruction). `inputs`/`outputs`: the payloads it carries, when
     it moves model tensors between instructions (a batch's features gathered for a
-    contrastive loss); without them it is a layer's (tp) or the optimizer's (dp) own."""
+    contrastive loss); without them it is a layer's (tp) or the optimizer's (dp) own.
+    `grads_of`: the (unit, [start, end) layers) whose parameter gradients a DP reduction
+    reduces, where the plan reduces them itself during the backward (Megatron-LM's
+    overlapped buckets) rather than all at once in the optimizer's step."""
 
     op: CollectiveOp
     group: str
@@ -134,6 +137,7 @@ class Collective:
     count: int = 1
     inputs: tuple[Payload, ...] = ()
     outputs: tuple[Payload, ...] = ()
+    grads_of: tuple[str, tuple[int, int]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -383,7 +387,7 @@ class UnitPlan:
     recompute: str = "none"
     sequence_parallel: bool = False
     gathered_params: float = 0.0
-    overlap_comm: bool = False  # ZeRO-3: asynchronous gradient reduce-scatters and parameter prefetch
+    overlap_comm: bool = False  # gradients reduced asynchronously during the backward (ZeRO-3 also prefetches parameters)
     prefetch_params: float = 0.0  # ZeRO-3 with overlap_comm: parameters prefetched ahead of a layer
     details: dict = field(default_factory=dict)
 

@@ -37,6 +37,16 @@ CASES = {
     + ["strategy=megatron", "strategy.tp=1", "strategy.pp=2", "strategy.micro_batch_size=2", "strategy.schedule=1f1b"],
     "megatron_pp2_gpipe": GPT
     + ["strategy=megatron", "strategy.tp=1", "strategy.pp=2", "strategy.micro_batch_size=2", "strategy.schedule=gpipe"],
+    # Each layer's gradients all-reduced over dp 2 as the last micro-batch's backward finishes it.
+    "megatron_dp2_overlap_grad_reduce": GPT
+    + [
+        "strategy=megatron",
+        "strategy.tp=1",
+        "strategy.pp=1",
+        "strategy.micro_batch_size=2",
+        "strategy.zero_stage=0",
+        "strategy.overlap_grad_reduce=true",
+    ],
     "megatron_pp2_recompute": GPT
     + ["strategy=megatron", "strategy.tp=1", "strategy.pp=2", "strategy.micro_batch_size=2", "strategy.recompute=full"],
     # Two micro-batches per step: ZeRO-3 accumulates their gradient partitions.

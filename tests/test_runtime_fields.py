@@ -70,7 +70,7 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
     ("megatron", "recompute"): (MEGATRON, ["strategy.recompute=full"], "run", EQUALITY),
     ("megatron", "sequence_parallel"): (MEGATRON, ["strategy.tp=2", "strategy.sequence_parallel=true"], "refused", ""),
     ("megatron", "zero_stage"): (MEGATRON, ["strategy.zero_stage=1"], "run", EQUALITY),
-    ("megatron", "overlap_grad_reduce"): (MEGATRON, ["strategy.overlap_grad_reduce=true"], "refused", ""),
+    ("megatron", "overlap_grad_reduce"): (MEGATRON, ["strategy.overlap_grad_reduce=true", "strategy.dp=2"], "run", EQUALITY),
     ("megatron", "modality_stages"): (MEGATRON, ["strategy.modality_stages=merged"], "run", EQUALITY),
     ("megatron", "uneven_pp"): (MEGATRON, ["strategy.uneven_pp=true"], "run", EQUALITY),
     ("megatron", "balance"): (MEGATRON, ["strategy.balance=true"], "run", EQUALITY),
@@ -188,3 +188,8 @@ def test_a_precision_runs_for_real_or_is_refused_naming_it(precision):
         return
     with pytest.raises(ConfigError, match=f"precision={precision}"):
         _check(overrides)
+
+
+def test_overlapped_reduce_scatter_of_the_distributed_optimizer_is_refused_naming_the_fix():
+    with pytest.raises(ConfigError, match=r"reduce_scatter.*strategy.zero_stage=0"):
+        _check(MEGATRON + ["strategy.overlap_grad_reduce=true", "strategy.dp=2", "strategy.zero_stage=1"])

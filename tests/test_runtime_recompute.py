@@ -35,7 +35,7 @@ BLOCKS = 4  # GPT's model.layers
 class _Engine:
     """What the executor asks of a DeepSpeed engine, without DeepSpeed: backward only."""
 
-    mpu, dp_world_size = None, 1
+    mpu, dp_world_size, optimizer = None, 1, None
 
     def backward(self, loss: torch.Tensor, scale_wrt_gas: bool) -> None:
         loss.backward()

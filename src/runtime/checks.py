@@ -46,9 +46,27 @@ def check_runnable(setup: Setup, plan: Plan) -> None:
         handles: set[str] = set()
         for instruction in rank_program.instructions:
             _check_instruction(instruction, handles, rank_program.label, setup.model.interaction, overlapped)
+        _check_backward_ranges(rank_program.label, rank_program.instructions)
         if rank_program.ranks:
             _check_gathered_batches(plan, rank_program.ranks[0], rank_program.instructions)
     check_message_order(plan)
+
+
+def _check_backward_ranges(label: str, instructions: list) -> None:
+    """A backward runs the layers of one forward of its micro-batch, all or a part of them
+    (the executor cuts that forward where the backward starts)."""
+    forwards: dict[tuple, list[tuple[int, int]]] = {}
+    for instruction in instructions:
+        if isinstance(instruction, Compute) and instruction.work.phase in ("fwd", "bwd"):
+            work = instruction.work
+            key = (work.unit, instruction.microbatch, instruction.chunk)
+            if work.phase == "fwd":
+                forwards.setdefault(key, []).append(work.layers)
+            elif not any(a <= work.layers[0] and work.layers[1] <= b for a, b in forwards.get(key, [])):
+                raise ConfigError(
+                    f"{label}: backward of {work.unit} layers {work.layers} (micro-batch {instruction.microbatch}) "
+                    f"spans no single forward of its layers ({forwards.get(key, [])}): the real backend cannot run it"
+                )
 
 
 def _check_gathered_batches(plan: Plan, rank: int, instructions: list) -> None:
@@ -100,11 +118,13 @@ def _check_instruction(instruction, handles: set[str], label: str, interaction: 
                 f"it{hint}"
             )
         elif not instruction.blocking:
-            if not (overlapped and instruction.kind == "dp"):
+            bucketed = instruction.grads_of is not None and instruction.op == "all_reduce"
+            if instruction.kind != "dp" or not (overlapped or bucketed):
                 raise ConfigError(
                     f"{label}: asynchronous {instruction.kind} {instruction.op} on {instruction.group}: the "
-                    f"real backend overlaps only ZeRO-3's gradient reduction and parameter prefetch, "
-                    f"through DeepSpeed (megatron: strategy.overlap_grad_reduce=false)"
+                    f"real backend overlaps plain DP's gradient all-reduce and ZeRO-3's reduction and "
+                    f"prefetch, not the distributed optimizer's reduce-scatter (megatron: "
+                    f"strategy.overlap_grad_reduce=false, or strategy.zero_stage=0)"
                 )
             if instruction.handle is not None:
                 handles.add(instruction.handle)

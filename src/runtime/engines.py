@@ -75,7 +75,9 @@ class EngineSettings:
     lr: float
     weight_decay: float
     eps: float
-    overlap_comm: bool = False  # ZeRO-3: reduce-scatter gradients and prefetch parameters asynchronously
+    # Gradients reduced during the backward: by DeepSpeed under ZeRO-3 (which also prefetches
+    # parameters), by the executor's buckets (runtime.grad_reduce) under plain DP.
+    overlap_comm: bool = False
     prefetch_params: int = 0  # ZeRO-3 with overlap_comm: parameters gathered ahead of the layer that needs them
 
 
@@ -83,7 +85,7 @@ def deepspeed_config(settings: EngineSettings, dp: int) -> dict:
     """A plain dict (never OmegaConf): DeepSpeed inspects the type."""
     # Overlap is what the plan says, never DeepSpeed's default (stage 3 overlaps and
     # prefetches unless told otherwise).
-    zero: dict = {"stage": settings.zero_stage, "overlap_comm": settings.overlap_comm}
+    zero: dict = {"stage": settings.zero_stage, "overlap_comm": settings.overlap_comm and settings.zero_stage == 3}
     if settings.zero_stage == 3:
         # Partition every parameter, however small: the tiny models would otherwise be
         # kept whole on every rank and ZeRO-3 would not be exercised.
@@ -113,6 +115,8 @@ def make_engine(module: nn.Module, groups: ParallelGroups, settings: EngineSetti
         engine, _, _, _ = deepspeed.initialize(
             model=module, optimizer=optimizer, mpu=groups, config=deepspeed_config(settings, len(groups.dp_ranks))
         )
+    if settings.overlap_comm and settings.zero_stage == 0:
+        engine.enable_backward_allreduce = False  # the executor reduced them during the backward
     return engine
 
 

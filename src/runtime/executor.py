@@ -9,7 +9,9 @@ the scorers of separate towers (runtime.batch_rows), a tensor shared over TP pee
 Collectives without payloads are a layer's own (TP, inside the parallel layers) or the
 optimizer's (DP, inside DeepSpeed): their time is measured where they happen. Asynchronous
 ones (ZeRO-3's prefetches and overlapped reduce-scatters) and their waits are DeepSpeed's
-too: the plan's overlap_comm configures its engine to issue and wait for them.
+too: the plan's overlap_comm configures its engine to issue and wait for them. A DP
+reduction that names its layers' gradients (`grads_of`) is the executor's own
+(runtime.grad_reduce), and the unit's engine leaves them alone.
 
 Every Compute is a detach point: a forward's inputs become leaves, so its backward runs
 alone, with the surrogate loss sum(output · incoming gradient) that gives exact
@@ -40,6 +42,7 @@ from src.runtime.batch_rows import exchange_rows, placed_by_rows
 from src.runtime.comm import CLOCK, all_reduce
 from src.runtime.device import DTYPES, computing, synchronize
 from src.runtime.engines import backward, point_reduction_at
+from src.runtime.grad_reduce import GradBucket, start_reduction
 from src.runtime.groups import ProcessGroups
 from src.runtime.modules.units import unit_layers
 from src.runtime.placement import placements, tensor_replicas
@@ -68,6 +71,7 @@ class _StepState:
     stepped: set = field(default_factory=set)
     micro_steps: dict[int, list[int]] = field(default_factory=dict)  # engine -> its micro-batches in backward order
     markers: set[str] = field(default_factory=set)  # handles of asynchronous collectives that DeepSpeed runs
+    reductions: dict[str, GradBucket] = field(default_factory=dict)  # handle -> gradient all-reduce in flight
 
 
 def _grad(leaf: torch.Tensor) -> torch.Tensor:
@@ -106,6 +110,14 @@ class Executor:
         self.instructions: list[Instruction] = rank_program.instructions
         self.units, self.engines, self.groups, self.batch_for = units, engines, groups, batch_for
         self.places = placements(plan, rank)
+        # Layers where a backward starts: a forward is cut there too, so a backward that runs
+        # part of a forward's layers (overlap_grad_reduce's last micro-batch, layer by layer)
+        # finds what its own part saved.
+        self.cuts: dict[tuple[str, int, int], set[int]] = {}
+        for instruction in self.instructions:
+            if isinstance(instruction, Compute) and instruction.work.phase == "bwd":
+                key = (instruction.work.unit, instruction.microbatch, instruction.chunk)
+                self.cuts.setdefault(key, set()).add(instruction.work.layers[0])
 
     def _dp(self, unit: str) -> int:
         return self.places[unit].dp
@@ -140,6 +152,9 @@ class Executor:
                 raise ConfigError(f"the real backend does not run {phase} Work ({instruction.work.unit})")
             return "compute"
         if isinstance(instruction, Collective):
+            if instruction.grads_of is not None:
+                self._reduce_grads(instruction)
+                return "comm_dp"
             if not (instruction.inputs or instruction.outputs):
                 if instruction.handle is not None:
                     self.s.markers.add(instruction.handle)
@@ -157,6 +172,9 @@ class Executor:
             if instruction.handle in self.s.markers:
                 self.s.markers.remove(instruction.handle)
                 return "marker"
+            if instruction.handle in self.s.reductions:
+                self.s.reductions.pop(instruction.handle).finish()
+                return "comm_dp"
             kind, posted = self.s.pending.pop(instruction.handle)
             self._finish_receives(posted)
             return f"wait:{kind}"
@@ -175,8 +193,17 @@ class Executor:
         layers = unit_layers(self.units, work.unit)
         # Full recomputation keeps each layer's input only and re-runs the layer in backward.
         full = trains and self.plan.unit(work.unit).recompute == "full"
+        cuts = self.cuts.get((work.unit, j, compute.chunk), set()) if trains else set()
+        start = work.layers[0]
         with torch.set_grad_enabled(trains), computing(self.device, self.precision):
             for i in range(*work.layers):
+                if i in cuts and i != start:
+                    # The part's token states become the next part's leaf. Other leaves (a
+                    # cross-attention memory) stay shared: the parts' backwards, last part
+                    # first, add up their gradients before the first part hands them on.
+                    self.s.saved[(work.unit, (start, i), j, compute.chunk)] = _Saved(leaves, state)
+                    x = state["x"].detach().requires_grad_()
+                    leaves, state, start = {Payload(work.unit, i, j): x}, {**state, "x": x}, i
                 state = checkpoint(layers[i], state, use_reentrant=False) if full else layers[i](state)
         if "loss" in state:
             # This micro-batch's part of the step's loss: the mean over its replica's
@@ -187,7 +214,7 @@ class Executor:
         for payload in compute.outputs:
             self.s.store.put(payload, state[payload.tensor])
         if trains:
-            self.s.saved[(work.unit, work.layers, j, compute.chunk)] = _Saved(leaves, state)
+            self.s.saved[(work.unit, (start, work.layers[1]), j, compute.chunk)] = _Saved(leaves, state)
 
     def _backward(self, compute: Compute) -> None:
         work, j = compute.work, compute.microbatch
@@ -257,7 +284,20 @@ class Executor:
             start = self.s.store.read(grad.value())[0]
             self.s.store.put(grad.part(start, start + leaf.shape[0]), _grad(leaf) / self._dp(work.unit))
 
-    # ---- collectives that carry payloads --------------------------------------------------
+    # ---- collectives ----------------------------------------------------------------------
+    def _reduce_grads(self, collective: Collective) -> None:
+        """All-reduce the parameter gradients the collective names, now or (asynchronous)
+        until its Wait."""
+        assert collective.grads_of is not None, "a gradient reduction names its layers"
+        unit, (start, end) = collective.grads_of
+        ranks = self.program.group_for(collective.group, self.rank)
+        layers = list(unit_layers(self.units, unit))[start:end]
+        bucket = start_reduction(layers, self.groups.get(ranks), len(ranks))
+        if collective.blocking or collective.handle is None:
+            bucket.finish()
+        else:
+            self.s.reductions[collective.handle] = bucket
+
     def _collective(self, collective: Collective) -> None:
         ranks = self.program.group_for(collective.group, self.rank)
         group = self.groups.get(ranks)

@@ -97,6 +97,7 @@ def pipeline_program(
                 zero_stage=cfg.zero_stage,
                 recompute=cfg.recompute,
                 sequence_parallel=cfg.sequence_parallel,
+                overlap_comm=cfg.overlap_grad_reduce,
                 details={"pipeline_stages": stages},
             )
         )

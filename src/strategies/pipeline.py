@@ -239,7 +239,14 @@ class PipelineEmitter:
                 op_name = "reduce_scatter" if self.cfg.zero_stage >= 1 else "all_reduce"
                 out.append(
                     Collective(
-                        op_name, self.dp_groups[stage], params * self.grad_bytes, "dp", stream="dp", blocking=False, handle=handle
+                        op_name,
+                        self.dp_groups[stage],
+                        params * self.grad_bytes,
+                        "dp",
+                        stream="dp",
+                        blocking=False,
+                        handle=handle,
+                        grads_of=(segment.unit, (layer, layer + 1)),
                     )
                 )
                 self.pending[stage].append(handle)
