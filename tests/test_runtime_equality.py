@@ -33,6 +33,8 @@ CASES = {
     "coca_ddp_zero1": CLIP + ["model=coca", "strategy=ddp", "strategy.zero_stage=1"],  # + captioning loss
     "lit_ddp_zero2": CLIP + ["model=lit", "strategy=ddp", "strategy.zero_stage=2"],  # frozen image tower
     "megatron_tp2": CLIP + ["strategy=megatron", "strategy.tp=2"],
+    # Token states split by sequence between the layers.
+    "megatron_tp2_sequence_parallel": GPT + ["strategy=megatron", "strategy.tp=2", "strategy.sequence_parallel=true"],
     "megatron_pp2_1f1b": GPT
     + ["strategy=megatron", "strategy.tp=1", "strategy.pp=2", "strategy.micro_batch_size=2", "strategy.schedule=1f1b"],
     "megatron_pp2_gpipe": GPT

@@ -68,7 +68,7 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
     ("megatron", "micro_batch_size"): (MEGATRON, ["strategy.micro_batch_size=4"], "run", EQUALITY),
     ("megatron", "schedule"): (MEGATRON, ["strategy.schedule=gpipe"], "run", EQUALITY),
     ("megatron", "recompute"): (MEGATRON, ["strategy.recompute=full"], "run", EQUALITY),
-    ("megatron", "sequence_parallel"): (MEGATRON, ["strategy.tp=2", "strategy.sequence_parallel=true"], "refused", ""),
+    ("megatron", "sequence_parallel"): (MEGATRON, ["strategy.tp=2", "strategy.sequence_parallel=true"], "run", EQUALITY),
     ("megatron", "zero_stage"): (MEGATRON, ["strategy.zero_stage=1"], "run", EQUALITY),
     ("megatron", "overlap_grad_reduce"): (MEGATRON, ["strategy.overlap_grad_reduce=true", "strategy.dp=2"], "run", EQUALITY),
     ("megatron", "modality_stages"): (MEGATRON, ["strategy.modality_stages=merged"], "run", EQUALITY),

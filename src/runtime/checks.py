@@ -35,10 +35,11 @@ def check_runnable(setup: Setup, plan: Plan) -> None:
     for unit in plan.units:
         if any(axis in ("x", "y", "z") for axis, _ in unit.mesh.axes):
             raise ConfigError(f"unit {unit.unit} lies on a Par4D grid ({unit.mesh.shape()}): {NO_GRID}")
-        if unit.sequence_parallel:
+        tp, seq = unit.mesh.degree("tp"), setup.model.unit(unit.unit).seq_len
+        if unit.sequence_parallel and seq % tp:
             raise ConfigError(
-                f"unit {unit.unit} uses sequence parallelism, which the real backend does not run "
-                f"yet (strategy.sequence_parallel=false)"
+                f"unit {unit.unit}: sequence parallelism splits its {seq} tokens over tp={tp}, which does "
+                f"not divide them (strategy.sequence_parallel=false, or another tp)"
             )
     # DeepSpeed overlaps ZeRO-3's communication where the plan says so (engines.deepspeed_config).
     overlapped = any(u.zero_stage == 3 and u.overlap_comm for u in plan.units)

@@ -122,6 +122,12 @@ class Executor:
     def _dp(self, unit: str) -> int:
         return self.places[unit].dp
 
+    def _row_shape(self, payload: Payload) -> tuple[int, ...]:
+        if payload.unit == self.model.interaction:
+            return row_shape(self.model, payload)
+        unit = self.plan.unit(payload.unit)
+        return row_shape(self.model, payload, unit.mesh.degree("tp") if unit.sequence_parallel else 1)
+
     # ---- one step ---------------------------------------------------------------------
     def run_step(self, timer: StepTimer) -> float:
         """Run the instruction list once; returns this rank's share of the step's loss
@@ -341,7 +347,7 @@ class Executor:
             start, tensor = self.s.store.read(source)
             tensor = tensor.detach().to(self.dtype).contiguous()
         else:
-            shape = row_shape(self.model, source)
+            shape = self._row_shape(source)
             row_bytes = torch.Size(shape).numel() * torch.tensor([], dtype=self.dtype).element_size()
             start, tensor = 0, torch.empty((round(collective.bytes / row_bytes),) + shape, dtype=self.dtype, device=self.device)
         with CLOCK.timed(collective.kind):
@@ -367,7 +373,7 @@ class Executor:
                 continue
             rows = message.received.rows
             count = rows[1] - rows[0] if rows is not None else self.plan.unit(message.received.unit).micro_batch
-            buffer = torch.empty((count,) + row_shape(self.model, message.received), dtype=self.dtype, device=self.device)
+            buffer = torch.empty((count,) + self._row_shape(message.received), dtype=self.dtype, device=self.device)
             group = self.groups.route(route.name)
             if recv.blocking:
                 with CLOCK.timed(route.kind):

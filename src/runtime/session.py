@@ -77,7 +77,10 @@ def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) ->
     CLOCK.device = device
     places = placements(plan, rank)
     groups = ProcessGroups(plan, float(backend["timeout_s"]))
-    tp = {name: TP(p.tp, p.tp_ranks.index(rank), groups.get(p.tp_ranks)) if p.tp > 1 else TP() for name, p in places.items()}
+    tp = {
+        name: TP(p.tp, p.tp_ranks.index(rank), groups.get(p.tp_ranks), plan.unit(name).sequence_parallel) if p.tp > 1 else TP()
+        for name, p in places.items()
+    }
     units = build_units(
         setup.model, setup.train.seed, tp, {n: set(p.layers) for n, p in places.items()}, {u.unit: u.recompute for u in plan.units}
     ).to(device)

@@ -16,15 +16,17 @@ from src.models.spec import ModelSpec
 from src.program import Payload
 
 
-def row_shape(model: ModelSpec, payload: Payload) -> tuple[int, ...]:
-    """The shape of one sample's row of a payload."""
+def row_shape(model: ModelSpec, payload: Payload, sequence_parts: int = 1) -> tuple[int, ...]:
+    """The shape of one sample's row of a payload; `sequence_parts`: the TP degree of a
+    sequence-parallel unit, whose token states between its layers are split by sequence."""
     if payload.unit == model.interaction:
         tower = payload.tensor.rsplit(".", 1)[0]
         return (model.unit(tower).output_elems,)
     unit = model.unit(payload.unit)
     if payload.tensor == "feature":
         return (unit.output_elems,)
-    return (unit.seq_len, unit.hidden)
+    inside = payload.tensor == "x" and 0 < payload.layer < unit.num_layers
+    return (unit.seq_len // (sequence_parts if inside else 1), unit.hidden)
 
 
 class PayloadStore:

@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from src.runtime.modules.parallel import TP, ColumnParallelLinear, RowParallelLinear, head_rows
+from src.runtime.modules.sequence import reduce_grad, split_sequence, unsplit_sequence
 
 State = dict[str, torch.Tensor]
 
@@ -33,18 +34,18 @@ class Attention(nn.Module):
             self.qkv = ColumnParallelLinear(hidden, 3 * hidden, tp, head_rows(heads, self.head_dim, 3, tp))
         else:
             self.q = ColumnParallelLinear(hidden, hidden, tp, head_rows(heads, self.head_dim, 1, tp))
-            self.kv = ColumnParallelLinear(kv_dim, 2 * hidden, tp, head_rows(heads, self.head_dim, 2, tp))
+            self.kv = ColumnParallelLinear(kv_dim, 2 * hidden, tp, head_rows(heads, self.head_dim, 2, tp), token_states=False)
         local = torch.arange(tp.rank * self.heads * self.head_dim, (tp.rank + 1) * self.heads * self.head_dim)
         self.proj = RowParallelLinear(hidden, hidden, tp, local)
         self.recompute_core = False
 
     def forward(self, x: torch.Tensor, memory: torch.Tensor | None = None) -> torch.Tensor:
-        b, t, _ = x.shape
         if self.cross is None:
             q, k, v = self.qkv(x).split(self.heads * self.head_dim, dim=-1)
         else:
             q = self.q(x)
             k, v = self.kv(memory).split(self.heads * self.head_dim, dim=-1)
+        b, t = q.shape[:2]  # the whole sequence, also where x holds a part of it
         q, k, v = (z.reshape(b, z.shape[1], self.heads, self.head_dim).transpose(1, 2) for z in (q, k, v))
         causal = self.causal and self.cross is None
         if self.recompute_core and torch.is_grad_enabled():
@@ -53,6 +54,19 @@ class Attention(nn.Module):
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         return self.proj(y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+
+
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm over token states that sequence parallelism may split: each TP rank
+    then normalises 1/tp of the tokens, and the parameters' gradients are summed over TP."""
+
+    def __init__(self, hidden: int, tp: TP) -> None:
+        super().__init__(hidden)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = reduce_grad(self.weight, self.tp), reduce_grad(self.bias, self.tp)
+        return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
 
 
 class MLP(nn.Module):
@@ -71,12 +85,12 @@ class Block(nn.Module):
 
     def __init__(self, hidden: int, heads: int, tp: TP, causal: bool, cross_dim: int | None = None) -> None:
         super().__init__()
-        self.ln1 = nn.LayerNorm(hidden)
+        self.ln1 = LayerNorm(hidden, tp)
         self.attn = Attention(hidden, heads, tp, causal)
         if cross_dim is not None:
-            self.ln_cross = nn.LayerNorm(hidden)
+            self.ln_cross = LayerNorm(hidden, tp)
             self.cross = Attention(hidden, heads, tp, causal=False, kv_dim=cross_dim)
-        self.ln2 = nn.LayerNorm(hidden)
+        self.ln2 = LayerNorm(hidden, tp)
         self.mlp = MLP(hidden, tp)
 
     def forward(self, state: State) -> State:
@@ -89,11 +103,12 @@ class Block(nn.Module):
 
 
 class PatchEmbedding(nn.Module):
-    """ViT patchify + CLS token + learned positions."""
+    """ViT patchify + CLS token + learned positions (replicated over TP; under sequence
+    parallelism each rank hands on its part of the sequence)."""
 
-    def __init__(self, image: int, patch: int, hidden: int, channels: int = 3) -> None:
+    def __init__(self, image: int, patch: int, hidden: int, tp: TP, channels: int = 3) -> None:
         super().__init__()
-        self.patch = patch
+        self.patch, self.tp = patch, tp
         self.proj = nn.Linear(channels * patch * patch, hidden)
         self.cls = nn.Parameter(torch.randn(1, 1, hidden) * 0.02)
         self.pos = nn.Parameter(torch.randn(1, (image // patch) ** 2 + 1, hidden) * 0.02)
@@ -104,17 +119,18 @@ class PatchEmbedding(nn.Module):
         p = self.patch
         patches = images.unfold(2, p, p).unfold(3, p, p).permute(0, 2, 3, 1, 4, 5).reshape(b, -1, c * p * p)
         x = torch.cat([self.cls.expand(b, -1, -1), self.proj(patches)], dim=1) + self.pos
-        return {**state, "x": x}
+        return {**state, "x": split_sequence(x, self.tp)}
 
 
 class TokenEmbedding(nn.Module):
-    def __init__(self, vocab: int, hidden: int, seq: int) -> None:
+    def __init__(self, vocab: int, hidden: int, seq: int, tp: TP) -> None:
         super().__init__()
         self.tokens = nn.Embedding(vocab, hidden)
         self.pos = nn.Parameter(torch.randn(1, seq, hidden) * 0.02)
+        self.tp = tp
 
     def forward(self, state: State) -> State:
-        return {**state, "x": self.tokens(state["ids"]) + self.pos}
+        return {**state, "x": split_sequence(self.tokens(state["ids"]) + self.pos, self.tp)}
 
 
 class FeatureHead(nn.Module):
@@ -122,18 +138,19 @@ class FeatureHead(nn.Module):
     contrastive embedding. `keep_x`: the token states flow on (CoCa's decoder continues
     after its unimodal half); otherwise they are handed on as state['tokens']."""
 
-    def __init__(self, hidden: int, embed_dim: int, pool: str, keep_x: bool = False) -> None:
+    def __init__(self, hidden: int, embed_dim: int, pool: str, tp: TP, keep_x: bool = False) -> None:
         super().__init__()
         self.ln = nn.LayerNorm(hidden)
         self.proj = nn.Linear(hidden, embed_dim)
         self.index = 0 if pool == "first" else -1
-        self.keep_x = keep_x
+        self.keep_x, self.tp = keep_x, tp
 
     def forward(self, state: State) -> State:
-        x = state["x"]
-        out = {**state, "feature": self.proj(self.ln(x[:, self.index]))}
-        if not self.keep_x:
-            out["tokens"] = out.pop("x")
+        whole = unsplit_sequence(state["x"], self.tp)
+        out = {**state, "feature": self.proj(self.ln(whole[:, self.index]))}
+        if not self.keep_x:  # the states flow on (split, as they came) or are handed on whole
+            del out["x"]
+            out["tokens"] = whole
         return out
 
 
@@ -141,13 +158,14 @@ class LMHead(nn.Module):
     """Final norm, vocabulary projection and next-token cross-entropy (mean over tokens).
     Untied from the embedding: the two sit on different pipeline stages."""
 
-    def __init__(self, hidden: int, vocab: int) -> None:
+    def __init__(self, hidden: int, vocab: int, tp: TP) -> None:
         super().__init__()
         self.ln = nn.LayerNorm(hidden)
         self.proj = nn.Linear(hidden, vocab)
+        self.tp = tp
 
     def forward(self, state: State) -> State:
-        logits = self.proj(self.ln(state["x"]))
+        logits = self.proj(self.ln(unsplit_sequence(state["x"], self.tp)))
         # Targets of -100 (CoCa's last caption position) are ignored.
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), state["targets"].reshape(-1))
         return {**state, "loss": loss}

@@ -5,6 +5,9 @@ replicated, so the input's gradient is the sum over ranks (all-reduce in backwar
 Row-parallel: each rank holds a slice of the input features; the partial products are
 summed (all-reduce in forward) and the bias added once after the sum.
 
+Under sequence parallelism (runtime.modules.sequence) a column-parallel layer gathers the
+sequence of its input and a row-parallel one scatters its output's sequence.
+
 Only a rank's shard of a weight is ever materialised: each row is drawn from its own
 seed (taken off the global RNG, which every TP degree consumes identically), so a shard
 holds the very values of the same rows of a 1-rank run's whole weight.
@@ -20,15 +23,18 @@ import torch.distributed as dist
 from torch import nn
 
 from src.runtime.comm import all_reduce
+from src.runtime.modules.sequence import gather_sequence, reduce_grad, scatter_sequence
 
 
 @dataclass(frozen=True)
 class TP:
-    """This rank's place in its unit's TP group (size 1: no group, no communication)."""
+    """This rank's place in its unit's TP group (size 1: no group, no communication);
+    sequence_parallel: token states between layers are split by sequence over the group."""
 
     size: int = 1
     rank: int = 0
     group: dist.ProcessGroup | None = None
+    sequence_parallel: bool = False
 
 
 def linear_shard(d_in: int, d_out: int, rows: torch.Tensor, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,9 +87,11 @@ class _RowParallel(torch.autograd.Function):
 
 class ColumnParallelLinear(nn.Module):
     """Output features split over TP. `rows` picks this rank's output rows of the whole
-    weight (default: the rank's contiguous block; attention passes its heads' rows)."""
+    weight (default: the rank's contiguous block; attention passes its heads' rows).
+    `token_states`: the input is the unit's token states (split by sequence under sequence
+    parallelism), not another unit's replicated memory."""
 
-    def __init__(self, d_in: int, d_out: int, tp: TP, rows: torch.Tensor | None = None) -> None:
+    def __init__(self, d_in: int, d_out: int, tp: TP, rows: torch.Tensor | None = None, token_states: bool = True) -> None:
         super().__init__()
         if rows is None:
             rows = torch.arange(d_out).chunk(tp.size)[tp.rank]
@@ -91,10 +99,14 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(weight)
         self.bias = nn.Parameter(bias)
         self.tp = tp
+        self.token_states = token_states
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return torch.nn.functional.linear(x, self.weight, self.bias)
+        if self.tp.sequence_parallel and self.token_states:
+            # The gather's backward reduce-scatters the input gradient's partial sums.
+            return torch.nn.functional.linear(gather_sequence(x, self.tp), self.weight, self.bias)
         return _ColumnParallel.apply(x, self.weight, self.bias, self.tp)
 
 
@@ -113,6 +125,8 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return torch.nn.functional.linear(x, self.weight, self.bias)
+        if self.tp.sequence_parallel:
+            return scatter_sequence(x @ self.weight.t(), self.tp) + reduce_grad(self.bias, self.tp)
         return _RowParallel.apply(x, self.weight, self.bias, self.tp)
 
 

@@ -44,17 +44,17 @@ def _layer(model: ModelSpec, unit: UnitSpec, index: int, tp: TP) -> nn.Module:
     last = index == unit.num_layers - 1
     if layer.name == "patch_embedding":
         image, patch = image_geometry(unit)
-        return PatchEmbedding(image, patch, unit.hidden)
+        return PatchEmbedding(image, patch, unit.hidden, tp)
     if layer.name == "embedding":
-        return TokenEmbedding(vocab_size(unit), unit.hidden, unit.seq_len)
+        return TokenEmbedding(vocab_size(unit), unit.hidden, unit.seq_len, tp)
     if layer.name == "block":
         return Block(unit.hidden, unit.heads, tp, causal)
     if layer.name == "xblock":
         return Block(unit.hidden, unit.heads, tp, causal, cross_dim=_kernel(layer, "xattn_kv").k)
     if layer.name == "projection":
-        return FeatureHead(unit.hidden, _kernel(layer, "projection").n, "last" if causal else "first", keep_x=not last)
+        return FeatureHead(unit.hidden, _kernel(layer, "projection").n, "last" if causal else "first", tp, keep_x=not last)
     if layer.name in ("head", "caption_head"):
-        return LMHead(unit.hidden, _kernel(layer, "projection").n)
+        return LMHead(unit.hidden, _kernel(layer, "projection").n, tp)
     if layer.name == "contrastive":
         return ContrastiveLoss()
     raise ValueError(f"the real backend has no module for layer {layer.name!r} of unit {unit.name} ({model.name})")

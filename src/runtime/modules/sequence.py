@@ -1,0 +1,130 @@
+"""Megatron-LM's sequence parallelism (Korthikanti et al.), one autograd Function per move.
+
+Between a unit's layers the token states are split by sequence over the TP group (each
+rank holds s/tp tokens), so LayerNorms and residuals run on 1/tp of the tokens. A
+column-parallel layer all-gathers the sequence before its GEMM (reduce-scatter of the
+input gradient in backward), a row-parallel layer reduce-scatters its partial sums along
+the sequence instead of all-reducing them (all-gather in backward). The embedding hands
+on its rank's part of the sequence; a head gathers the whole sequence back (its compute
+is replicated over TP, as without sequence parallelism).
+
+A parameter replicated over TP but applied to 1/tp of the tokens (LayerNorms, the
+row-parallel bias) gets 1/tp of its gradient on each rank: `reduce_grad` sums them.
+
+gloo has no reduce-scatter: it all-reduces and keeps the rank's part, as elsewhere.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from src.runtime.comm import CLOCK, all_reduce
+
+if TYPE_CHECKING:
+    from src.runtime.modules.parallel import TP
+
+SEQ = 1  # token states are (batch, sequence, hidden)
+
+
+def _gather(x: torch.Tensor, tp: TP) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(tp.size)]
+    with CLOCK.timed("tp"):
+        dist.all_gather(parts, x.contiguous(), group=tp.group)
+    return torch.cat(parts, dim=SEQ)
+
+
+def _own(x: torch.Tensor, tp: TP) -> torch.Tensor:
+    return x.chunk(tp.size, dim=SEQ)[tp.rank].contiguous()
+
+
+def _reduce_scatter(x: torch.Tensor, tp: TP) -> torch.Tensor:
+    return _own(all_reduce(x.contiguous().clone(), tp.group, "tp"), tp)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Into a column-parallel GEMM: the whole sequence; its input gradient is a partial
+    sum on each rank, reduce-scattered back to the parts."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tp: TP) -> torch.Tensor:
+        ctx.tp = tp
+        return _gather(x, tp)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _reduce_scatter(grad, ctx.tp), None
+
+
+class _ScatterSequence(torch.autograd.Function):
+    """Out of a row-parallel GEMM: partial sums reduced, each rank keeping its part."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tp: TP) -> torch.Tensor:
+        ctx.tp = tp
+        return _reduce_scatter(x, tp)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _gather(grad, ctx.tp), None
+
+
+class _SplitSequence(torch.autograd.Function):
+    """Out of a replicated layer (an embedding): each rank keeps its part; the gradients
+    of the parts are gathered, so the replicated layer's gradient is whole on every rank."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tp: TP) -> torch.Tensor:
+        ctx.tp = tp
+        return _own(x, tp)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _gather(grad, ctx.tp), None
+
+
+class _UnsplitSequence(torch.autograd.Function):
+    """Into a replicated layer (a head): the whole sequence; every rank computes the same
+    gradient of it and keeps its part's."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tp: TP) -> torch.Tensor:
+        ctx.tp = tp
+        return _gather(x, tp)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _own(grad, ctx.tp), None
+
+
+class _ReduceGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, param: torch.Tensor, tp: TP) -> torch.Tensor:
+        ctx.tp = tp
+        return param.view_as(param)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return all_reduce(grad.contiguous().clone(), ctx.tp.group, "tp"), None
+
+
+def gather_sequence(x: torch.Tensor, tp: TP) -> torch.Tensor:
+    return _GatherSequence.apply(x, tp) if tp.sequence_parallel else x
+
+
+def scatter_sequence(x: torch.Tensor, tp: TP) -> torch.Tensor:
+    return _ScatterSequence.apply(x, tp) if tp.sequence_parallel else x
+
+
+def split_sequence(x: torch.Tensor, tp: TP) -> torch.Tensor:
+    return _SplitSequence.apply(x, tp) if tp.sequence_parallel else x
+
+
+def unsplit_sequence(x: torch.Tensor, tp: TP) -> torch.Tensor:
+    return _UnsplitSequence.apply(x, tp) if tp.sequence_parallel else x
+
+
+def reduce_grad(param: torch.Tensor, tp: TP) -> torch.Tensor:
+    return _ReduceGrad.apply(param, tp) if tp.sequence_parallel else param
