@@ -120,6 +120,20 @@ def make_engine(module: nn.Module, groups: ParallelGroups, settings: EngineSetti
     return engine
 
 
+def partitioned_at_init(groups: ParallelGroups, settings: EngineSettings) -> contextlib.AbstractContextManager:
+    """ZeRO-3's construction context: each parameter is partitioned over the data-parallel
+    group as soon as its module is built (DeepSpeed's zero.Init)."""
+    import deepspeed
+
+    # zero.Init reads the world from DeepSpeed's communication, which engine creation
+    # would start: start it on the process group the worker already joined.
+    with _without_load_notice():
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
+    return deepspeed.zero.Init(
+        data_parallel_group=groups.dp, config_dict_or_path=deepspeed_config(settings, len(groups.dp_ranks)), mpu=groups
+    )
+
+
 def deepspeed_comm_seconds() -> Callable[[], float]:
     """Turn on DeepSpeed's comms logger for every collective it issues and return the
     running sum of their seconds. The logger synchronises the device around each op, so

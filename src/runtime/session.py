@@ -10,6 +10,7 @@ step, then the summary, to the same sinks as the simulator.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 import gc
 import json
 import resource
@@ -26,29 +27,42 @@ from src.program import Plan
 from src.report import JobInfo, open_sinks
 from src.runtime.comm import CLOCK
 from src.runtime.device import DTYPES, worker_device
-from src.runtime.engines import EngineSettings, ParallelGroups, deepspeed_comm_seconds, make_engine
+from src.runtime.engines import EngineSettings, ParallelGroups, deepspeed_comm_seconds, make_engine, partitioned_at_init
 from src.runtime.executor import Executor
 from src.runtime.groups import ProcessGroups
 from src.runtime.inputs import Batches, dataset_for
 from src.runtime.modules.parallel import TP
+from src.models.spec import ModelSpec
 from src.runtime.modules.units import build_units
 from src.runtime.peak import GEMM_SIZES, peak_gemm_flops
 from src.runtime.placement import UnitPlacement, placements
 from src.runtime.timing import StepTimer
 from src.runtime.worker import JOB_FILE
-from src.setup import plan_run, validate
+from src.setup import Setup, plan_run, validate
 from src.timeline import RankTimeline, Span, Timeline
 
 
-def _engines(
-    plan: Plan, places: dict[str, UnitPlacement], units: torch.nn.ModuleDict, groups: ProcessGroups, backend: dict[str, Any]
-) -> dict[str, Any]:
-    """One DeepSpeed engine per data-parallel group: units that share it share an engine."""
+@dataclass(frozen=True)
+class _EngineGroup:
+    """Trained units that share a data-parallel group, and so one DeepSpeed engine."""
+
+    names: list[str]
+    groups: ParallelGroups
+    settings: EngineSettings
+
+    @property
+    def partitions_weights(self) -> bool:
+        return self.settings.zero_stage == 3 and len(self.groups.dp_ranks) > 1
+
+
+def _engine_groups(
+    plan: Plan, model: ModelSpec, places: dict[str, UnitPlacement], groups: ProcessGroups, backend: dict[str, Any]
+) -> list[_EngineGroup]:
     by_group: dict[tuple, list[str]] = {}
     for name, place in places.items():
-        if any(p.requires_grad for p in units[name].parameters()):
+        if sum(model.unit(name).trainable_params(i, i + 1) for i in place.layers):
             by_group.setdefault((place.dp_ranks, place.tp_ranks), []).append(name)
-    engines: dict[str, Any] = {}
+    out = []
     for (dp_ranks, tp_ranks), names in by_group.items():
         first = plan.unit(names[0])
         settings = EngineSettings(
@@ -62,9 +76,34 @@ def _engines(
             prefetch_params=int(first.prefetch_params),
         )
         parallel = ParallelGroups(groups.get(dp_ranks), dp_ranks, groups.get(tp_ranks) if len(tp_ranks) > 1 else None, tp_ranks)
-        module = torch.nn.ModuleDict({n: units[n] for n in names})
-        engine = make_engine(module, parallel, settings)
-        engines.update({n: engine for n in names})
+        out.append(_EngineGroup(names, parallel, settings))
+    return out
+
+
+def _build(
+    setup: Setup, plan: Plan, places: dict[str, UnitPlacement], tp: dict[str, TP], engine_groups: list[_EngineGroup], device
+) -> torch.nn.ModuleDict:
+    """This rank's layers. A ZeRO-3 unit's parameters are partitioned over its replicas as
+    each layer is built, so no rank ever holds more of it than the layer being built."""
+    recompute = {u.unit: u.recompute for u in plan.units}
+    keep = {n: set(p.layers) for n, p in places.items()}
+    partitioned = {n for g in engine_groups if g.partitions_weights for n in g.names}
+    units = build_units(setup.model, setup.train.seed, tp, {n: k for n, k in keep.items() if n not in partitioned}, recompute)
+    units = units.to(device)
+    for group in engine_groups:
+        if group.partitions_weights:
+            with partitioned_at_init(group.groups, group.settings):
+                built = build_units(setup.model, setup.train.seed, tp, {n: keep[n] for n in group.names}, recompute)
+            units.update(dict(built.items()))
+    return units
+
+
+def _engines(units: torch.nn.ModuleDict, engine_groups: list[_EngineGroup]) -> dict[str, Any]:
+    """One DeepSpeed engine per data-parallel group: units that share it share an engine."""
+    engines: dict[str, Any] = {}
+    for group in engine_groups:
+        engine = make_engine(torch.nn.ModuleDict({n: units[n] for n in group.names}), group.groups, group.settings)
+        engines.update({n: engine for n in group.names})
     return engines
 
 
@@ -81,10 +120,9 @@ def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) ->
         name: TP(p.tp, p.tp_ranks.index(rank), groups.get(p.tp_ranks), plan.unit(name).sequence_parallel) if p.tp > 1 else TP()
         for name, p in places.items()
     }
-    units = build_units(
-        setup.model, setup.train.seed, tp, {n: set(p.layers) for n, p in places.items()}, {u.unit: u.recompute for u in plan.units}
-    ).to(device)
-    engines = _engines(plan, places, units, groups, backend)
+    engine_groups = _engine_groups(plan, setup.model, places, groups, backend)
+    units = _build(setup, plan, places, tp, engine_groups, device)
+    engines = _engines(units, engine_groups)
     if engines:
         CLOCK.add_source("dp", deepspeed_comm_seconds())
     batches = Batches(
