@@ -39,13 +39,13 @@ THIN = ((16, 512, 512), (64, 2048, 512), (256, 128, 1024), (2048, 64, 64))  # (m
 OVERSUBSCRIBED_N = 512
 MESSAGE_BYTES = tuple(4**k for k in range(5, 13))  # 1 KiB .. 16 MiB
 REPEATS = 11
-DTYPES = ("fp32", "bf16")
+DTYPES = ("fp32", "bf16", "fp16")
 
 
 def _rate(m: int, n: int, k: int, dtype_name: str, min_seconds: float = 0.15) -> float:
     import torch
 
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
     a, b = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
     torch.nn.functional.linear(a, b)  # the first call allocates and picks a kernel
     reps, start = 0, time.perf_counter()

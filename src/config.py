@@ -89,6 +89,7 @@ class TorchBackendSpec:
     lr: float
     weight_decay: float
     adam_eps: float
+    initial_loss_scale: float
 
 
 def _number(cfg: Mapping[str, Any], key: str, prefix: str, minimum: float, strict: bool) -> float:
@@ -119,6 +120,7 @@ def backend_from_config(cfg: Mapping[str, Any]) -> TorchBackendSpec | None:
         lr=_number(cfg, "lr", "backend", 0, strict=True),
         weight_decay=_number(cfg, "weight_decay", "backend", 0, strict=False),
         adam_eps=_number(cfg, "adam_eps", "backend", 0, strict=True),
+        initial_loss_scale=_number(cfg, "initial_loss_scale", "backend", 1, strict=False),
     )
 
 

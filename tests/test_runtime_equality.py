@@ -72,12 +72,18 @@ CASES = {
     "ddp_zero1_bf16": GPT + ["strategy=ddp", "strategy.zero_stage=1", "train.precision=bf16"],
     "megatron_pp2_bf16": GPT
     + ["strategy=megatron", "strategy.tp=1", "strategy.pp=2", "strategy.micro_batch_size=2", "train.precision=bf16"],
+    # fp16 GEMMs with dynamic loss scaling: scaled gradients cross the pipeline stage in fp16.
+    "ddp_zero0_fp16": GPT + ["strategy=ddp", "strategy.zero_stage=0", "train.precision=fp16"],
+    "megatron_pp2_fp16": GPT
+    + ["strategy=megatron", "strategy.tp=1", "strategy.pp=2", "strategy.micro_batch_size=2", "train.precision=fp16"],
 }
+# At this loss scale every step's gradients overflow fp16: each is skipped on every rank.
+OVERFLOW = GPT + ["strategy=ddp", "strategy.zero_stage=0", "train.precision=fp16", "backend.initial_loss_scale=1e30"]
 # The bf16 runs against a bf16 single-process reference: rounding the payloads that cross
 # ranks to bf16 (which the reference never does) may move the losses by about 1e-4 here.
 # (A contrastive loss is more sensitive: CLIP's features gathered in bf16 move it by ~4e-3
 # with these large updates, as much as bf16 against fp32 does, so no CLIP case is here.)
-TOLERANCE = {"fp32": 1e-4, "bf16": 1e-3}
+TOLERANCE = {"fp32": 1e-4, "bf16": 1e-3, "fp16": 1e-3}
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +91,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     build_deepspeed_ops()
     root = tmp_path_factory.mktemp("equality")
     dirs = {}
-    for name, overrides in CASES.items():
+    for name, overrides in {**CASES, "fp16_overflow": OVERFLOW}.items():
         dirs[name] = root / name
         config = prepare_run_dir(dirs[name], TWO_WORKERS + overrides + [f"train.steps={STEPS}"] + SENSITIVE)
     start = time.monotonic()
@@ -109,7 +115,7 @@ def references() -> dict[str, list[float]]:
     return {
         (name, precision): reference_losses(model, 0, 8, STEPS, 1.0, eps=1.0, precision=precision)
         for name, model in models.items()
-        for precision in ("fp32", "bf16")
+        for precision in ("fp32", "bf16", "fp16")
         if precision == "fp32" or any(_setting(c, "model") == name and _setting(c, "train.precision") == precision for c in CASES)
     }
 
@@ -125,6 +131,13 @@ def test_first_losses_equal_the_single_process_reference(runs, references, case)
     assert _losses(runs[case]) == pytest.approx(expected, rel=TOLERANCE[precision])
     if precision != "fp32":  # and it is not the fp32 run under another name
         assert _losses(runs[case]) != pytest.approx(references[(_setting(case, "model"), "fp32")], rel=1e-6)
+
+
+def test_an_fp16_step_whose_gradients_overflow_is_skipped_on_every_rank(runs, references):
+    gpt = build_model({"name": "gpt", "preset": None, "layers": 4, "hidden": 64, "heads": 4, "vocab": 128}, 16)
+    never_updated = reference_losses(gpt, 0, 8, STEPS, 1e-30, eps=1.0, precision="fp16")
+    assert _losses(runs["fp16_overflow"]) == pytest.approx(never_updated, rel=1e-3)
+    assert never_updated != pytest.approx(references[("gpt", "fp16")], rel=1e-3)
 
 
 def test_the_reference_learns(references):
@@ -148,5 +161,10 @@ def test_measured_summary_adds_up_and_shows_the_communication_of_each_plan(runs)
     # DeepSpeed's reductions inside backward under ZeRO-2 are timed by its comms logger.
     zero2 = json.loads((runs["ddp_zero2"] / "summary.json").read_text())
     assert zero2["breakdown_s"]["comm_dp"] > 0 and zero2["measured_notes"] == []
+    # The executor's own overlapped gradient all-reduces are DP communication, not compute.
+    overlapped = json.loads((runs["megatron_dp2_overlap_grad_reduce"] / "summary.json").read_text())
+    assert overlapped["breakdown_s"]["comm_dp"] > 0
+    sequence = json.loads((runs["megatron_tp2_sequence_parallel"] / "summary.json").read_text())
+    assert sequence["breakdown_s"]["comm_tp"] > 0
     pipeline = json.loads((runs["megatron_pp2_1f1b"] / "summary.json").read_text())["breakdown_s"]
     assert pipeline["bubble_warmup"] + pipeline["bubble_cooldown"] > 0

@@ -128,7 +128,7 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
     ("deepspeed3d", "uneven_pp"): (DS3D, ["strategy.uneven_pp=false"], "run", EQUALITY),
     ("deepspeed3d", "scatter_gather"): (DS3D, ["strategy.tp=2", "strategy.scatter_gather=true"], "refused", ""),
 }
-PRECISIONS = {"fp32": "run", "bf16": "run", "fp16": "refused"}
+PRECISIONS = {"fp32": "run", "bf16": "run", "fp16": "run"}
 # Strategies the real backend refuses as a whole (every option with them), each with a
 # plan the refusal is checked on: simulator-only so far.
 SIMULATOR_ONLY = {
@@ -193,3 +193,8 @@ def test_a_precision_runs_for_real_or_is_refused_naming_it(precision):
 def test_overlapped_reduce_scatter_of_the_distributed_optimizer_is_refused_naming_the_fix():
     with pytest.raises(ConfigError, match=r"reduce_scatter.*strategy.zero_stage=0"):
         _check(MEGATRON + ["strategy.overlap_grad_reduce=true", "strategy.dp=2", "strategy.zero_stage=1"])
+
+
+def test_fp16_with_zero_partitions_is_refused_naming_the_fix():
+    with pytest.raises(ConfigError, match=r"fp16 with ZeRO-1.*strategy.zero_stage=0"):
+        _check(WORKERS + GPT + ["strategy=ddp", "strategy.zero_stage=1", "train.precision=fp16"])

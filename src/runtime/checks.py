@@ -30,7 +30,13 @@ NO_GRID = (
 
 def check_runnable(setup: Setup, plan: Plan) -> None:
     if setup.train.precision == "fp16":
-        raise ConfigError("train.precision=fp16: the real backend has no fp16 loss scaling yet; use bf16 or fp32")
+        zero = [u for u in plan.units if u.zero_stage > 0 and u.dp > 1]
+        if zero:
+            raise ConfigError(
+                f"train.precision=fp16 with ZeRO-{zero[0].zero_stage} (unit {zero[0].unit}): the real backend "
+                f"scales fp16 losses itself and unscales plain data parallelism's gradients, not ZeRO's "
+                f"partitions; use strategy.zero_stage=0 or bf16"
+            )
     dataset_for(setup.model, setup.train.seed, str(setup.config["backend"]["data"]))
     for unit in plan.units:
         if any(axis in ("x", "y", "z") for axis, _ in unit.mesh.axes):

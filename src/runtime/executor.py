@@ -44,6 +44,7 @@ from src.runtime.device import DTYPES, computing, synchronize
 from src.runtime.engines import backward, point_reduction_at
 from src.runtime.grad_reduce import GradBucket, start_reduction
 from src.runtime.groups import ProcessGroups
+from src.runtime.loss_scale import LossScale, overflowed, unscale
 from src.runtime.modules.units import unit_layers
 from src.runtime.placement import placements, tensor_replicas
 from src.runtime.store import PayloadStore, row_shape
@@ -72,6 +73,7 @@ class _StepState:
     micro_steps: dict[int, list[int]] = field(default_factory=dict)  # engine -> its micro-batches in backward order
     markers: set[str] = field(default_factory=set)  # handles of asynchronous collectives that DeepSpeed runs
     reductions: dict[str, GradBucket] = field(default_factory=dict)  # handle -> gradient all-reduce in flight
+    skip: bool | None = None  # fp16: whether the step overflowed (None: not decided yet)
 
 
 def _grad(leaf: torch.Tensor) -> torch.Tensor:
@@ -102,9 +104,11 @@ class Executor:
         batch_for: Callable[[str, int], State],
         device: torch.device,
         precision: str,
+        initial_loss_scale: float = 1.0,
     ) -> None:
         self.plan, self.model, self.rank, self.device = plan, model, rank, device
         self.precision, self.dtype = precision, DTYPES[precision]
+        self.loss_scale = LossScale(initial_loss_scale) if precision == "fp16" else None
         self.program = plan.program
         rank_program = self.program.class_of(rank)
         self.instructions: list[Instruction] = rank_program.instructions
@@ -141,6 +145,8 @@ class Executor:
             timer.record(instruction, start, time.perf_counter(), category, CLOCK.take())
         for work, _ in self.s.sends:
             work.wait()
+        if self.loss_scale is not None and self.s.skip is None:  # a rank that steps no optimizer still agrees
+            self._overflowed()
         return float(self.s.loss)
 
     def _run(self, instruction: Instruction) -> str:
@@ -227,7 +233,7 @@ class Executor:
         saved = self.s.saved.pop((work.unit, work.layers, j, compute.chunk))
         terms = [(saved.outputs[grad.tensor] * self.s.store.tensor(grad)).sum() for grad in compute.inputs]
         if "loss_share" in saved.outputs:
-            terms.append(saved.outputs["loss_share"])
+            terms.append(saved.outputs["loss_share"] * self._scale())
         self._backpropagate(work.unit, functools.reduce(operator.add, terms), j)
         for grad in compute.outputs:
             leaf = saved.leaves[grad.value()]
@@ -248,10 +254,31 @@ class Executor:
 
     def _optimizer(self, unit: str) -> None:
         engine = self.engines[unit]
-        if id(engine) not in self.s.stepped:  # units sharing an engine step once
-            self.s.stepped.add(id(engine))
-            point_reduction_at(engine)
-            engine.step()
+        if id(engine) in self.s.stepped:  # units sharing an engine step once
+            return
+        self.s.stepped.add(id(engine))
+        if self.loss_scale is not None and (self._overflowed() if self.s.skip is None else self.s.skip):
+            engine.zero_grad()
+            return
+        point_reduction_at(engine)
+        engine.step()
+
+    def _scale(self) -> float:
+        return self.loss_scale.scale if self.loss_scale is not None else 1.0
+
+    def _overflowed(self) -> bool:
+        """fp16: whether any rank's gradients overflowed this step (every rank asks once,
+        before its first optimizer step or at the end of its step); if none did, this
+        rank's gradients are unscaled (ZeRO-0 reduces them in the step: linear in them)."""
+        assert self.loss_scale is not None, "only fp16 scales its loss"
+        params = [p for p in self.units.parameters() if p.requires_grad]
+        flag = torch.tensor([float(overflowed(params))], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.s.skip = bool(flag.item())
+        if not self.s.skip:
+            unscale(params, self.loss_scale.scale)
+        self.loss_scale.update(self.s.skip)
+        return self.s.skip
 
     # ---- the interaction -----------------------------------------------------------------
     def _interaction(self, compute: Compute) -> None:
@@ -284,7 +311,7 @@ class Executor:
             loss = module(queries.get(image), queries.get(text), keys.get(image), keys.get(text))
         share = loss.float() / (work.contrastive_batch * batches)
         self.s.loss += share.detach() / tensor_replicas(self.plan, work.unit)
-        self._backpropagate(work.unit, share, compute.microbatch)
+        self._backpropagate(work.unit, share * self._scale(), compute.microbatch)
         for grad in compute.outputs:
             leaf = leaves[next(p for p in leaves if p.tensor == grad.tensor)]
             start = self.s.store.read(grad.value())[0]

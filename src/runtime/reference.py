@@ -12,6 +12,7 @@ import torch
 from src.models.spec import ModelSpec
 from src.runtime.device import computing
 from src.runtime.inputs import Batches, Batching, dataset_for
+from src.runtime.loss_scale import LossScale, overflowed, unscale
 from src.runtime.modules.units import build_units, unit_layers
 from src.models.flows import unit_order
 
@@ -29,6 +30,7 @@ def reference_losses(
     contrastive_batch: int | None = None,
     eps: float = 1e-8,
     precision: str = "fp32",
+    initial_loss_scale: float = 65536.0,
 ) -> list[float]:
     """Losses of `steps` steps. The contrastive loss is the mean over the step's
     consecutive slices of `contrastive_batch` samples (default: the whole batch), each
@@ -42,6 +44,7 @@ def reference_losses(
     batches = Batches(
         model, dataset_for(model, seed, data), global_batch, {u.name: whole for u in model.units}, {u.name: 0 for u in model.units}
     )
+    scale = LossScale(initial_loss_scale) if precision == "fp16" else None  # runtime.loss_scale's rule
     losses = []
     for step in range(steps):
         batches.start_step(step)
@@ -65,7 +68,15 @@ def reference_losses(
             if "loss" in state:
                 loss = loss + state["loss"].float()
         optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+        if scale is None:
+            loss.backward()
+            optimizer.step()
+        else:
+            (loss * scale.scale).backward()
+            overflow = overflowed(params)
+            if not overflow:
+                unscale(params, scale.scale)
+                optimizer.step()
+            scale.update(overflow)
         losses.append(float(loss.detach()))
     return losses

@@ -133,7 +133,9 @@ def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) ->
         {n: p.dp_ranks.index(rank) for n, p in places.items()},
         device,
     )
-    executor = Executor(plan, setup.model, rank, units, engines, groups, batches, device, precision)
+    executor = Executor(
+        plan, setup.model, rank, units, engines, groups, batches, device, precision, float(backend["initial_loss_scale"])
+    )
     rank_program = plan.program.class_of(rank)
     timer = StepTimer(rank_program.instructions, rank_program.pipelined)
     measured_peak = _measured_peak(world, device, precision)

@@ -1,0 +1,43 @@
+"""Dynamic loss scaling for fp16 (as Megatron-LM, DeepSpeed and torch.amp do it).
+
+fp16 gradients underflow where fp32 ones would not: the loss is multiplied by the scale
+before the backward, so every gradient (parameters' and the payloads that cross ranks in
+fp16) carries it; the parameters' gradients (fp32, as their fp32 master weights) are
+divided by it before the optimizer steps. A step whose gradients hold an inf or a NaN on
+any rank is skipped on every rank and the scale halves; after `window` steps without
+one it doubles. The single-process reference scales with the same rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+WINDOW = 1000  # steps without an overflow before the scale doubles (DeepSpeed's loss_scale_window)
+
+
+@dataclass
+class LossScale:
+    scale: float
+    good_steps: int = 0
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self.scale, self.good_steps = max(self.scale / 2, 1.0), 0
+            return
+        self.good_steps += 1
+        if self.good_steps % WINDOW == 0:
+            self.scale *= 2
+
+
+def overflowed(params: list[nn.Parameter]) -> bool:
+    """Whether any gradient holds an inf or a NaN."""
+    return any(not bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None)
+
+
+def unscale(params: list[nn.Parameter], scale: float) -> None:
+    for p in params:
+        if p.grad is not None:
+            p.grad.div_(scale)
