@@ -53,6 +53,8 @@ CASES = {
     + ["strategy=megatron", "strategy.tp=1", "strategy.pp=2", "strategy.micro_batch_size=2", "strategy.recompute=full"],
     # Two micro-batches per step: ZeRO-3 accumulates their gradient partitions.
     "ddp_zero3_accumulation": GPT + ["strategy=ddp", "strategy.zero_stage=3", "strategy.micro_batch_size=2"],
+    # Each layer's gradients all-reduced as the last micro-batch's backward finishes them.
+    "ddp_zero0_overlap": GPT + ["strategy=ddp", "strategy.zero_stage=0", "strategy.micro_batch_size=2", "strategy.overlap_comm=true"],
     # DeepSpeed overlaps the reduce-scatters and prefetches 1000 parameters ahead.
     "ddp_zero3_overlap": GPT
     + ["strategy=ddp", "strategy.zero_stage=3", "strategy.overlap_comm=true", "strategy.prefetch_bucket_size=1000"],

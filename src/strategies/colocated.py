@@ -18,7 +18,7 @@ from src.cluster import ClusterSpec
 from src.costmodel.memory import element_bytes, grad_bytes
 from src.mesh import Mesh, tensor_parallel
 from src.models.spec import ModelSpec
-from src.program import Collective, Compute, Instruction, Message, Program, RankProgram, Wait, Work
+from src.program import Collective, CollectiveOp, Compute, Instruction, Message, Program, RankProgram, Wait, Work
 from src.strategies.contrastive import Holder, gathered_batch, local_queries, local_routes
 from src.strategies.emit import TPConfig, iteration_tail, segment_pass
 from src.strategies.layout import axis_group
@@ -39,7 +39,10 @@ class ColocatedUnit:
     Under ZeRO-3, overlap_comm (DeepSpeed's name) reduce-scatters each layer's gradients
     asynchronously during the backward and prefetches up to `prefetch_params` parameters
     of the next layer while the current one computes (DeepSpeed's
-    stage3_prefetch_bucket_size); without it every gather and reduction blocks."""
+    stage3_prefetch_bucket_size); without it every gather and reduction blocks. Below
+    ZeRO-3 it reduces each layer's gradients asynchronously as the step's last
+    micro-batch's backward finishes them (Megatron-LM's --overlap-grad-reduce, PyTorch
+    DDP's buckets), instead of all at once before the optimizer step."""
 
     unit: str
     mesh: Mesh
@@ -57,6 +60,7 @@ class ColocatedEmitter:
         self.units = {u.unit: u for u in units}
         self.act_bytes, self.grad_bytes = element_bytes(precision), grad_bytes(precision)
         self.pending: list[str] = []
+        self.reducing: dict[str, list[str]] = {u.unit: [] for u in units}  # below ZeRO-3: a unit's reductions in flight
         self.tp_group, self.dp_group = {}, {}
         for u in units:
             first = u.mesh.ranks[0]
@@ -67,14 +71,17 @@ class ColocatedEmitter:
         u = self.units[unit]
         return TPConfig(tensor_parallel(u.mesh.degree("tp"), u.sequence_parallel), self.tp_group[unit], u.recompute, self.act_bytes)
 
-    def _pass(self, unit: str, phase: str, samples: int, microbatch: int) -> list[Instruction]:
+    def _pass(self, unit: str, phase: str, samples: int, microbatch: int, final: bool) -> list[Instruction]:
         """A unit's forward or backward; under ZeRO-3 with replicas, layer by layer: each
         layer's parameters all-gathered before it runs, its gradients reduce-scattered
         after its backward (every micro-batch: ZeRO-3 keeps no whole gradients), in the
-        model's 16-bit type (DeepSpeed's default communication_data_type)."""
+        model's 16-bit type (DeepSpeed's default communication_data_type). `final`: the
+        step's last micro-batch, whose backward overlap_comm reduces layer by layer below ZeRO-3."""
         spec, u = self.model.unit(unit), self.units[unit]
         dp = u.mesh.degree("dp")
         if u.zero_stage < 3 or dp == 1:
+            if final and phase != "fwd" and u.overlap_comm and dp > 1:
+                return self._reducing_backward(unit, samples, microbatch)
             return segment_pass(self.model, Segment(unit, (0, spec.num_layers)), phase, samples, microbatch, self._tp(unit))
         backward = phase != "fwd"
         order = [i for i in (reversed(range(spec.num_layers)) if backward else range(spec.num_layers))]
@@ -103,6 +110,34 @@ class ColocatedEmitter:
                     self.pending.append(handle)
                 else:
                     out.append(Collective("reduce_scatter", group, trainable * self.act_bytes, "dp"))
+        return out
+
+    def _reducing_backward(self, unit: str, samples: int, microbatch: int) -> list[Instruction]:
+        """The last micro-batch's backward, layer by layer, each layer's gradients reduced
+        asynchronously as soon as it is done (waited for in the tail)."""
+        spec, u = self.model.unit(unit), self.units[unit]
+        group = self.dp_group[unit]
+        assert group is not None, "gradients are reduced over a DP group of more than one rank"
+        op: CollectiveOp = "reduce_scatter" if u.zero_stage >= 1 else "all_reduce"
+        out: list[Instruction] = []
+        for layer in reversed(range(spec.num_layers)):
+            out += segment_pass(self.model, Segment(unit, (layer, layer + 1)), "bwd", samples, microbatch, self._tp(unit))
+            trainable = spec.trainable_params(layer, layer + 1) / u.mesh.degree("tp")
+            if trainable:
+                handle = f"grad.{unit}.L{layer}"
+                out.append(
+                    Collective(
+                        op,
+                        group,
+                        trainable * self.grad_bytes,
+                        "dp",
+                        stream="dp",
+                        blocking=False,
+                        handle=handle,
+                        grads_of=(unit, (layer, layer + 1)),
+                    )
+                )
+                self.reducing[unit].append(handle)
         return out
 
     def _gather(self, unit: str, phase: str, microbatch: int, order: list[int], params: list[float], index: int) -> list[Instruction]:
@@ -142,16 +177,19 @@ class ColocatedEmitter:
         largest = max(layer.params for layer in spec.layers) / u.mesh.degree("tp")
         return largest + (min(largest, u.prefetch_params) if u.overlap_comm else 0.0)
 
-    def microbatch(self, microbatch: int, samples: dict[str, int], interaction: list[Instruction]) -> list[Instruction]:
-        """One micro-batch: forwards, the interaction's instructions, backwards."""
+    def microbatch(
+        self, microbatch: int, samples: dict[str, int], interaction: list[Instruction], final: bool = False
+    ) -> list[Instruction]:
+        """One micro-batch: forwards, the interaction's instructions, backwards. `final`:
+        the step's last."""
         order = self.towers()
         out: list[Instruction] = []
         for unit in order:
-            out += self._pass(unit, "fwd", samples[unit], microbatch)
+            out += self._pass(unit, "fwd", samples[unit], microbatch, final)
         out += interaction
         for unit in reversed(order):
             if self.model.needs_backward(unit):
-                out += self._pass(unit, "bwd", samples[unit], microbatch)
+                out += self._pass(unit, "bwd", samples[unit], microbatch, final)
         return out
 
     def contrastive(
@@ -212,7 +250,7 @@ class ColocatedEmitter:
                 u.zero_stage,
                 self.grad_bytes,
                 self.act_bytes,
-                pending,
+                [*pending, *(h for n in names for h in self.reducing[n])],
             )
         return out
 

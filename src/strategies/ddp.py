@@ -116,7 +116,7 @@ def _build(request: PlanRequest, opts: DDPOptions, dp: int, mb: int, recompute: 
     instructions: list[Instruction] = []
     for j in range(microbatches):
         interaction = emitter.contrastive(j, emitter.dp_group[towers[0]], mb * dp, len(towers) * mb, mb * dp) if contrastive else []
-        instructions += emitter.microbatch(j, {t: mb for t in towers}, interaction)
+        instructions += emitter.microbatch(j, {t: mb for t in towers}, interaction, final=j == microbatches - 1)
     instructions += emitter.tail()
     program.classes.append(emitter.rank_program(instructions))
     unit_plans = [
@@ -131,7 +131,7 @@ def _build(request: PlanRequest, opts: DDPOptions, dp: int, mb: int, recompute: 
             zero_stage=opts.zero_stage,
             recompute=recompute,
             gathered_params=emitter.gathered_params(name),
-            overlap_comm=opts.overlap_comm and opts.zero_stage == 3,
+            overlap_comm=opts.overlap_comm,
             prefetch_params=prefetch if opts.overlap_comm and opts.zero_stage == 3 else 0.0,
         )
         for name in names

@@ -134,7 +134,10 @@ def colocated_program(
         cluster,
         precision,
         program,
-        [ColocatedUnit(name, mesh, cfg.recompute, cfg.zero_stage, cfg.sequence_parallel) for name in names],
+        [
+            ColocatedUnit(name, mesh, cfg.recompute, cfg.zero_stage, cfg.sequence_parallel, overlap_comm=cfg.overlap_grad_reduce)
+            for name in names
+        ],
     )
     towers = emitter.towers()
     emitter.query_routes(microbatches, {t: mb for t in towers}, {t: mb for t in towers}, with_keys=deg.dp == 1)
@@ -143,7 +146,7 @@ def colocated_program(
         # Each device scores its local samples of BOTH modalities against the gathered
         # other modality: two similarity products, hence 2·mb rows.
         interaction = emitter.contrastive(j, emitter.dp_group[towers[0]], mb * deg.dp, len(towers) * mb, mb * deg.dp)
-        instructions += emitter.microbatch(j, {t: mb for t in towers}, interaction)
+        instructions += emitter.microbatch(j, {t: mb for t in towers}, interaction, final=j == microbatches - 1)
     instructions += emitter.tail()
     program.classes.append(emitter.rank_program(instructions))
     unit_plans = [
@@ -158,6 +161,7 @@ def colocated_program(
             zero_stage=cfg.zero_stage,
             recompute=cfg.recompute,
             sequence_parallel=cfg.sequence_parallel,
+            overlap_comm=cfg.overlap_grad_reduce,
         )
         for name in names
     ]
