@@ -74,11 +74,14 @@ def _grad(leaf: torch.Tensor) -> torch.Tensor:
 
 def input_key(work_unit: str, payload: Payload) -> str:
     """The module-state key a Compute's input payload binds to: the unit's own token
-    states enter as 'x'; another unit's tokens are the cross-attention 'memory'."""
+    states enter as 'x'; another unit's tokens are the cross-attention 'memory', its
+    output 'x' the consumer's 'inputs'."""
     if payload.unit == work_unit and payload.tensor == "x":
         return "x"
     if payload.unit != work_unit and payload.tensor == "tokens":
         return "memory"
+    if payload.unit != work_unit and payload.tensor == "x":
+        return "inputs"  # a chain: the upstream unit's output is this unit's input (an MLLM's encoder to its LLM)
     raise ConfigError(f"the real backend has no module input for {payload} in a Work of unit {work_unit}")
 
 
