@@ -42,6 +42,12 @@ def check_runnable(setup: Setup, plan: Plan) -> None:
                 f"across the separate backward calls); use strategy.zero_stage<=2 or one micro-batch "
                 f"per step (strategy.micro_batch_size={unit.batch_per_replica})"
             )
+        if setup.model.unit(unit.unit).kind == "unet" and (unit.tp > 1 or unit.pp > 1):
+            raise ConfigError(
+                f"unit {unit.unit} is a U-Net on tp={unit.tp} x pp={unit.pp}: the real backend runs a U-Net whole "
+                f"on each rank (its skip connections do not cross pipeline stages, its convolutions have no TP); "
+                f"give it tp=1 and pp=1 (DistTrain: strategy.{unit.unit}.tp=1 strategy.{unit.unit}.pp=1)"
+            )
         if unit.sequence_parallel:
             raise ConfigError(
                 f"unit {unit.unit} uses sequence parallelism, which the real backend does not run "
@@ -81,11 +87,20 @@ def _check_instruction(instruction, handles: set[str], label: str, interaction: 
         work = instruction.work
         if work.phase not in PHASES:
             raise ConfigError(f"{label}: the real backend does not run {work.phase} Work ({work.unit})")
-        if work.kernels is not None or work.fraction != 1.0 or work.load != 1.0:
+        if work.load != 1.0:
             raise ConfigError(
-                f"{label}: the real backend runs whole layers of nominal samples, not kernels, "
-                f"chunks or loads ({work.unit} layers {work.layers})"
+                f"{label}: a micro-batch of load {work.load:.3g} ({work.unit}): the real backend runs every sample "
+                f"with the same content (one image per sequence, at the nominal sizes); plan uniform data "
+                f"(DistTrain: strategy.data=uniform)"
             )
+        if work.fraction != 1.0:
+            raise ConfigError(
+                f"{label}: {work.unit} layers {work.layers} run in chunks of {work.fraction:.3g} to overlap their TP "
+                f"collectives: the real backend runs whole layers, TP collectives unoverlapped (DistTrain: "
+                f"strategy.tp_overlap_chunks=1)"
+            )
+        if work.kernels is not None:
+            raise ConfigError(f"{label}: the real backend runs whole layers, not kernels ({work.unit} layers {work.layers})")
         if work.sharding.grid:
             raise ConfigError(f"{label}: {NO_GRID} ({work.unit})")
         if work.phase == "fwd":

@@ -189,7 +189,11 @@ class Executor:
         terms = [(saved.outputs[grad.tensor] * self.s.store.tensor(grad)).sum() for grad in compute.inputs]
         if "loss_share" in saved.outputs:
             terms.append(saved.outputs["loss_share"])
-        self._backpropagate(work.unit, functools.reduce(operator.add, terms))
+        total = functools.reduce(operator.add, terms)
+        # A stage of frozen layers that no trained layer or input gradient depends on (a
+        # frozen ViT's stage under its trained projector's) has no backward: the cost model prices it at 0.
+        if total.requires_grad:
+            self._backpropagate(work.unit, total)
         for grad in compute.outputs:
             leaf = saved.leaves[grad.value()]
             self.s.store.put(grad, _grad(leaf) / self._dp(work.unit))

@@ -58,9 +58,7 @@ class Attention(nn.Module):
     the heads (q/k/v column-parallel by head, output projection row-parallel). `llama`:
     grouped-query attention with rotary positions and no biases."""
 
-    def __init__(
-        self, hidden: int, heads: int, tp: TP, causal: bool, kv_dim: int | None = None, llama: Llama | None = None
-    ) -> None:
+    def __init__(self, hidden: int, heads: int, tp: TP, causal: bool, kv_dim: int | None = None, llama: Llama | None = None) -> None:
         super().__init__()
         kv_heads = llama.kv_heads if llama is not None else heads
         if heads % tp.size or kv_heads % tp.size:

@@ -24,12 +24,18 @@ from src.models.spec import Kernel, LayerSpec
 from src.runtime.modules.blocks import Attention, Block, State
 from src.runtime.modules.parallel import TP
 
-GROUPS = 32  # SD's GroupNorm(32), fewer where a tiny width has fewer channels
+GROUPS = 32  # SD's GroupNorm(32)
+GROUP_WIDTH = 4  # channels per group at least: SD's narrowest (its VAE's 128 channels in 32 groups)
 LATENT_SCALE = 0.18215  # SD's VAE latent scaling
 
 
 def _norm(channels: int) -> nn.GroupNorm:
-    return nn.GroupNorm(math.gcd(GROUPS, channels), channels)
+    """SD's 32 groups; a tiny width gets fewer, of GROUP_WIDTH channels (its deepest level
+    is 1x1 pixel, where a group of two values would normalise to +-1)."""
+    groups = max(1, min(GROUPS, channels // GROUP_WIDTH))
+    while channels % groups:
+        groups -= 1
+    return nn.GroupNorm(groups, channels)
 
 
 def _push(state: State, x: torch.Tensor) -> State:
