@@ -119,7 +119,7 @@ class Batches:
         holds (a plan that reorders its batch); None: data order."""
         self.model, self.dataset, self.global_batch = model, dataset, global_batch
         self.units, self.replica, self.device = units, replica, device
-        self.order = tuple(order) if order is not None else tuple(range(global_batch))
+        self.order = tuple(order) if order is not None else None
         self.step = 0
         self._cache: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
 
@@ -133,7 +133,8 @@ class Batches:
             plan = self.units[unit]
             for microbatch in range(plan.num_microbatches):
                 first = first_sample(plan, self.global_batch, replica, microbatch)
-                key = tuple(step * self.global_batch + self.order[p] for p in range(first, first + plan.micro_batch))
+                positions = range(first, first + plan.micro_batch)
+                key = tuple(step * self.global_batch + (p if self.order is None else self.order[p]) for p in positions)
                 if key not in rows:
                     batch = collate([self.dataset[i] for i in key])
                     rows[key] = {name: tensor.to(self.device) for name, tensor in batch.items()}
