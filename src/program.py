@@ -452,6 +452,9 @@ class Plan:
     units: list[UnitPlan]
     program: Program
     details: dict = field(default_factory=dict)
+    # sample_order[p]: which sample of the step's batch (in data order) batch position p
+    # holds, when the strategy reorders its batch (DistTrain); None: data order.
+    sample_order: tuple[int, ...] | None = None
 
     def unit(self, name: str) -> UnitPlan:
         for unit_plan in self.units:

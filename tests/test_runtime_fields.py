@@ -50,7 +50,8 @@ DS3D = (
     + GPT
     + ["strategy=deepspeed3d", "strategy.tp=1", "strategy.pp=2", "strategy.micro_batch_size=2", "strategy.recompute=none"]
 )
-EQUALITY, DISTMM_RUNS = "test_runtime_equality", "test_runtime_distmm"
+DISTTRAIN = WORKERS + ["model=mllm_9b", "model.scale=tiny", "train.global_batch=8", "strategy=disttrain", "strategy.data=uniform"]
+EQUALITY, DISTMM_RUNS, DISTTRAIN_RUNS = "test_runtime_equality", "test_runtime_distmm", "test_runtime_disttrain"
 
 # (strategy, option): (the plan's base overrides, the sample setting, verdict, where it runs for real)
 FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
@@ -103,6 +104,28 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
     ("distmm", "text.tp"): (DISTMM, ["strategy.text.tp=2", "strategy.text.dp=1"], "run", DISTMM_RUNS),
     ("distmm", "text.pp"): (DISTMM, ["strategy.text.pp=2", "strategy.text.dp=1"], "run", DISTMM_RUNS),
     ("distmm", "text.dp"): (DISTMM, ["strategy.text.dp=1"], "run", DISTMM_RUNS),
+    ("disttrain", "orchestration"): (
+        DISTTRAIN,
+        ["strategy.orchestration=ratio", "strategy.generator.pp=1"],
+        "run",
+        DISTTRAIN_RUNS,
+    ),
+    # Every sample alike (one image per sequence): per-micro-batch loads are refused.
+    ("disttrain", "data"): (DISTTRAIN, ["strategy.data=interleaved"], "refused", ""),
+    ("disttrain", "reorder"): (DISTTRAIN, ["strategy.reorder=both"], "run", DISTTRAIN_RUNS),
+    ("disttrain", "tp_overlap_chunks"): (DISTTRAIN, ["strategy.llm.tp=2", "strategy.tp_overlap_chunks=4"], "refused", ""),
+    ("disttrain", "recompute"): (DISTTRAIN, ["strategy.recompute=full"], "run", DISTTRAIN_RUNS),
+    ("disttrain", "zero_stage"): (DISTTRAIN, ["strategy.zero_stage=0"], "run", DISTTRAIN_RUNS),
+    ("disttrain", "encoder.tp"): (DISTTRAIN, ["strategy.encoder.tp=2", "strategy.tp_overlap_chunks=1"], "run", DISTTRAIN_RUNS),
+    ("disttrain", "encoder.pp"): (DISTTRAIN, ["strategy.encoder.pp=2"], "run", DISTTRAIN_RUNS),
+    ("disttrain", "encoder.dp"): (DISTTRAIN, ["strategy.encoder.dp=1"], "run", DISTTRAIN_RUNS),
+    ("disttrain", "llm.tp"): (DISTTRAIN, ["strategy.llm.tp=2", "strategy.tp_overlap_chunks=1"], "run", DISTTRAIN_RUNS),
+    ("disttrain", "llm.pp"): (DISTTRAIN, ["strategy.llm.pp=2"], "run", DISTTRAIN_RUNS),
+    ("disttrain", "llm.dp"): (DISTTRAIN, ["strategy.llm.dp=2"], "run", DISTTRAIN_RUNS),
+    # The U-Net runs whole on each of its ranks.
+    ("disttrain", "generator.tp"): (DISTTRAIN, ["strategy.generator.tp=2"], "refused", ""),
+    ("disttrain", "generator.pp"): (DISTTRAIN, ["strategy.generator.pp=2"], "refused", ""),
+    ("disttrain", "generator.dp"): (DISTTRAIN, ["strategy.generator.dp=1"], "run", DISTTRAIN_RUNS),
     ("ddp", "zero_stage"): (DDP, ["strategy.zero_stage=3"], "run", EQUALITY),
     ("ddp", "micro_batch_size"): (DDP, ["strategy.micro_batch_size=2"], "run", EQUALITY),
     ("ddp", "recompute"): (DDP, ["strategy.recompute=selective"], "run", EQUALITY),
@@ -133,7 +156,6 @@ PRECISIONS = {"fp32": "run", "bf16": "run", "fp16": "run"}
 # plan the refusal is checked on: simulator-only so far.
 SIMULATOR_ONLY = {
     "optimus": WORKERS + ["model=optimus", "strategy=optimus"],
-    "disttrain": WORKERS + ["model=mllm_9b", "strategy=disttrain"],
 }
 
 
@@ -198,3 +220,10 @@ def test_overlapped_reduce_scatter_of_the_distributed_optimizer_is_refused_namin
 def test_fp16_with_zero_partitions_is_refused_naming_the_fix():
     with pytest.raises(ConfigError, match=r"fp16 with ZeRO-1.*strategy.zero_stage=0"):
         _check(WORKERS + GPT + ["strategy=ddp", "strategy.zero_stage=1", "train.precision=fp16"])
+
+
+def test_sequence_parallelism_in_an_mllm_is_refused_naming_the_fix():
+    mllm = WORKERS + ["model=mllm_9b", "model.scale=tiny", "train.global_batch=8", "strategy=megatron"]
+    with pytest.raises(ConfigError, match=r"Llama blocks.*strategy.sequence_parallel=false"):
+        sequence_parallel = ["strategy.tp=2", "strategy.pp=1", "strategy.modality_stages=merged", "strategy.sequence_parallel=true"]
+        _check(mllm + sequence_parallel + ["strategy.recompute=none"])

@@ -33,12 +33,12 @@ Choices DistTrain leaves open, and ours:
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 
 from src.models.blocks import DecoderPreset, decoder_unit, mlp_projector, vit_layers
 from src.models.options import Options, divisible
-from src.models.sd21 import CONTEXT_DIM, UNET_CHANNELS, UNET_HEAD_DIM, VAE_FACTOR, sd_unet_layers, vae_encoder_layers
+from src.models.sd21 import SD21, SD_TINY, VAE_FACTOR, SDShape, sd_unet_layers, vae_encoder_layers
 from src.models.spec import ActivationBytes, LayerSpec, ModelSpec, UnitSpec
 
 LLAMA_VOCAB = 32000
@@ -60,7 +60,45 @@ ENCODER_IMAGE_SIZE = 224
 PATCH_SIZE = 14
 COND_TOKENS = 77
 # The latent is image/8 and the U-Net halves it three times.
-IMAGE_MULTIPLE = VAE_FACTOR * 2 ** (len(UNET_CHANNELS) - 1)
+IMAGE_MULTIPLE = VAE_FACTOR * 2 ** (len(SD21.unet_channels) - 1)
+SCALES = ("paper", "tiny")
+
+
+@dataclass(frozen=True)
+class Scale:
+    """Every width of one scale of an MLLM; `tiny` keeps the paper's structure (Llama style,
+    GQA where the paper's LLM has it, ViT, SD's U-Net levels) at a few MB for CPU runs."""
+
+    llm: DecoderPreset
+    vit: dict
+    encoder_image: int
+    patch: int
+    image: int
+    cond_tokens: int
+    seq_len: int
+    batch: int
+    sd: SDShape
+
+
+def _paper(model: str) -> Scale:
+    return Scale(
+        LLMS[model], VIT_HUGE, ENCODER_IMAGE_SIZE, PATCH_SIZE, IMAGE_SIZE[model], COND_TOKENS, MLLM_SEQ_LEN, DEFAULT_BATCH[model], SD21
+    )
+
+
+# Tiny: 2-4 Llama layers of width 64 (MLLM-72B's keeps grouped-query attention), a 2-layer
+# ViT on 32px images (16 image tokens), SD's U-Net and VAE at 1/20 of their widths on 64px.
+TINY_LLMS = {
+    "mllm_9b": DecoderPreset(2, 64, 4, 256, "llama", ffn=160, kv_heads=4),
+    "mllm_15b": DecoderPreset(3, 64, 4, 256, "llama", ffn=160, kv_heads=4),
+    "mllm_72b": DecoderPreset(4, 64, 4, 256, "llama", ffn=224, kv_heads=2),
+}
+
+
+def _tiny(model: str) -> Scale:
+    return Scale(TINY_LLMS[model], {"layers": 2, "hidden": 64, "heads": 4}, 32, 8, 64, 4, 64, 8, SD_TINY)
+
+
 PROJECTORS = {"encoder": ("input_projector",), "generator": ("output_projector",)}
 
 
@@ -78,42 +116,45 @@ def per_images(layer: LayerSpec, images: int) -> LayerSpec:
 
 
 def build_mllm(model: str, opts: Options, seq_len: int | None) -> ModelSpec:
-    llm_preset = LLMS[model]
+    scale_name = opts.choice("scale", SCALES, "paper")
+    preset = _tiny(model) if scale_name == "tiny" else _paper(model)
+    llm_preset, vit, sd = preset.llm, preset.vit, preset.sd
     hidden = llm_preset.hidden
-    image = opts.positive_int("image_size", IMAGE_SIZE[model])
-    encoder_image = opts.positive_int("encoder_image_size", ENCODER_IMAGE_SIZE)
-    patch = opts.positive_int("patch_size", PATCH_SIZE)
-    cond_tokens = opts.positive_int("cond_tokens", COND_TOKENS)
+    image = opts.positive_int("image_size", preset.image)
+    encoder_image = opts.positive_int("encoder_image_size", preset.encoder_image)
+    patch = opts.positive_int("patch_size", preset.patch)
+    cond_tokens = opts.positive_int("cond_tokens", preset.cond_tokens)
     vae_encode = opts.flag("vae_encode", True)
     images = opts.positive_int("images_per_sequence", 1)
     train_projectors = opts.flag("train_projectors", False)
     divisible(opts, "encoder_image_size", encoder_image, "model.patch_size", patch)
     divisible(opts, "image_size", image, "the VAE and U-Net downsampling", IMAGE_MULTIPLE)
-    seq = MLLM_SEQ_LEN if seq_len is None else seq_len
+    seq = preset.seq_len if seq_len is None else seq_len
 
     image_tokens = (encoder_image // patch) ** 2
     scale = partial(_scaled, images=images)
     encoder = UnitSpec(
         name="encoder",
         layers=scale(
-            vit_layers(encoder_image, patch, **VIT_HUGE)
-            + [mlp_projector(image_tokens, VIT_HUGE["hidden"], hidden, hidden, "input_projector")]
+            vit_layers(encoder_image, patch, **vit) + [mlp_projector(image_tokens, vit["hidden"], hidden, hidden, "input_projector")]
         ),
-        hidden=VIT_HUGE["hidden"],
-        heads=VIT_HUGE["heads"],
+        hidden=vit["hidden"],
+        heads=vit["heads"],
         seq_len=images * (image_tokens + 1),
         output_elems=images * image_tokens * hidden,
     )
     llm = decoder_unit(llm_preset, seq, output_elems=images * cond_tokens * hidden)
-    vae = vae_encoder_layers(image) if vae_encode else []
+    vae = vae_encoder_layers(image, sd) if vae_encode else []
     latent = image // VAE_FACTOR
     generator = UnitSpec(
         name="generator",
         layers=scale(
-            [mlp_projector(cond_tokens, hidden, hidden, CONTEXT_DIM, "output_projector")] + vae + sd_unet_layers(latent, cond_tokens)
+            [mlp_projector(cond_tokens, hidden, hidden, sd.context_dim, "output_projector")]
+            + vae
+            + sd_unet_layers(latent, cond_tokens, sd)
         ),
-        hidden=UNET_CHANNELS[0],
-        heads=UNET_CHANNELS[0] // UNET_HEAD_DIM,
+        hidden=sd.unet_channels[0],
+        heads=sd.unet_channels[0] // sd.head_dim,
         seq_len=images * latent * latent,
         output_elems=0,
         kind="unet",
@@ -121,12 +162,14 @@ def build_mllm(model: str, opts: Options, seq_len: int | None) -> ModelSpec:
     return ModelSpec(
         name=model,
         units=(encoder, llm, generator),
-        default_global_batch=DEFAULT_BATCH[model],
+        default_global_batch=preset.batch,
         flows=(("encoder", "llm"), ("llm", "generator")),
-        description=f"{model}: ViT-Huge/{patch} at {encoder_image}px + Llama {llm_preset.layers}x{hidden} "
+        description=f"{model} ({scale_name}): ViT-{vit['layers']}x{vit['hidden']}/{patch} at {encoder_image}px "
+        f"+ Llama {llm_preset.layers}x{hidden} "
         f"on {seq} tokens + SD-2.1 at {image}px, {images} image(s) per sequence",
         extras={
             "per_sample": {"encoder": "sequence's images", "llm": "sequence", "generator": "sequence's images"},
+            "scale": scale_name,
             "images_per_sequence": images,
             "image_tokens": image_tokens,
             "cond_tokens": cond_tokens,

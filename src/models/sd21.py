@@ -14,7 +14,7 @@ is not run during training, so only the encoder is modelled.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from src.models.conv import conv_layer, resblock_layer, spatial_attention_layer, time_embedding_layer, upsample_layer
 from src.models.layers import ACT_BYTES, gemm, memory, transformer_layer
@@ -30,13 +30,35 @@ VAE_CHANNELS = (128, 256, 512, 512)
 CONTEXT_DIM = 1024  # SD 2.x conditions on OpenCLIP-H text features: 77 x 1024
 
 
-def spatial_transformer_layer(size: int, channels: int, context_tokens: int, name: str) -> LayerSpec:
+@dataclass(frozen=True)
+class SDShape:
+    """The widths of an SD-style generator: SD 2.1's by default; a tiny one keeps the
+    structure (levels, blocks, attention placement) and shrinks every width."""
+
+    unet_channels: tuple[int, ...] = UNET_CHANNELS
+    head_dim: int = UNET_HEAD_DIM
+    time_embed: int = UNET_TIME_EMBED
+    context_dim: int = CONTEXT_DIM
+    vae_channels: tuple[int, ...] = VAE_CHANNELS
+
+
+SD21 = SDShape()
+SD_TINY = SDShape(unet_channels=(16, 16, 32, 32), head_dim=8, time_embed=32, context_dim=32, vae_channels=(8, 8, 16, 16))
+
+
+def spatial_transformer_layer(size: int, channels: int, context_tokens: int, name: str, shape: SDShape = SD21) -> LayerSpec:
     """SD's Transformer2DModel: GN, linear proj_in, one block (self-attention,
     cross-attention to the condition, GEGLU MLP), linear proj_out. proj_in/out are
     replicated under TP (they sit outside the Megatron-split block)."""
     pixels = size * size
     block = transformer_layer(
-        pixels, channels, channels // UNET_HEAD_DIM, 4 * channels, gated=True, cross_seq=context_tokens, cross_hidden=CONTEXT_DIM
+        pixels,
+        channels,
+        channels // shape.head_dim,
+        4 * channels,
+        gated=True,
+        cross_seq=context_tokens,
+        cross_hidden=shape.context_dim,
     )
     return LayerSpec(
         name=name,
@@ -54,21 +76,21 @@ def spatial_transformer_layer(size: int, channels: int, context_tokens: int, nam
     )
 
 
-def sd_unet_layers(latent: int, context_tokens: int) -> list[LayerSpec]:
+def sd_unet_layers(latent: int, context_tokens: int, shape: SDShape = SD21) -> list[LayerSpec]:
     """The SD-2.1 U-Net on a `latent` x `latent` x 4 latent, in execution order."""
-    emb = UNET_TIME_EMBED
-    first = UNET_CHANNELS[0]
+    emb = shape.time_embed
+    first = shape.unet_channels[0]
     layers = [time_embedding_layer(first, emb), conv_layer(latent, LATENT_CHANNELS, first, name="conv_in")]
     skips = [first]
     ch, size = first, latent
-    levels = len(UNET_CHANNELS)
+    levels = len(shape.unet_channels)
 
-    for level, out in enumerate(UNET_CHANNELS):
+    for level, out in enumerate(shape.unet_channels):
         for block in range(2):
             layers.append(resblock_layer(size, ch, out, emb, name=f"down{level}.{block}_res"))
             ch = out
             if level < UNET_ATTENTION_LEVELS:
-                layers.append(spatial_transformer_layer(size, ch, context_tokens, f"down{level}.{block}_xfmr"))
+                layers.append(spatial_transformer_layer(size, ch, context_tokens, f"down{level}.{block}_xfmr", shape))
             skips.append(ch)
         if level < levels - 1:
             layers.append(conv_layer(size, ch, ch, stride=2, name=f"down{level}.downsample"))
@@ -77,17 +99,17 @@ def sd_unet_layers(latent: int, context_tokens: int) -> list[LayerSpec]:
 
     layers += [
         resblock_layer(size, ch, ch, emb, name="mid.res0"),
-        spatial_transformer_layer(size, ch, context_tokens, "mid.xfmr"),
+        spatial_transformer_layer(size, ch, context_tokens, "mid.xfmr", shape),
         resblock_layer(size, ch, ch, emb, name="mid.res1"),
     ]
 
     for level in reversed(range(levels)):
-        out = UNET_CHANNELS[level]
+        out = shape.unet_channels[level]
         for block in range(3):
             layers.append(resblock_layer(size, ch + skips.pop(), out, emb, name=f"up{level}.{block}_res"))
             ch = out
             if level < UNET_ATTENTION_LEVELS:
-                layers.append(spatial_transformer_layer(size, ch, context_tokens, f"up{level}.{block}_xfmr"))
+                layers.append(spatial_transformer_layer(size, ch, context_tokens, f"up{level}.{block}_xfmr", shape))
         if level:
             layers.append(upsample_layer(size, ch, name=f"up{level}.upsample"))
             size *= 2
@@ -102,16 +124,16 @@ def _frozen(layer: LayerSpec) -> LayerSpec:
     )
 
 
-def vae_encoder_layers(image: int) -> list[LayerSpec]:
+def vae_encoder_layers(image: int, shape: SDShape = SD21) -> list[LayerSpec]:
     """The frozen KL-VAE encoder of SD on an `image` x `image` RGB image."""
-    first = VAE_CHANNELS[0]
+    first = shape.vae_channels[0]
     layers = [conv_layer(image, 3, first, name="conv_in")]
     ch, size = first, image
-    for level, out in enumerate(VAE_CHANNELS):
+    for level, out in enumerate(shape.vae_channels):
         for block in range(2):
             layers.append(resblock_layer(size, ch, out, name=f"down{level}.{block}_res"))
             ch = out
-        if level < len(VAE_CHANNELS) - 1:
+        if level < len(shape.vae_channels) - 1:
             layers.append(conv_layer(size, ch, ch, stride=2, name=f"down{level}.downsample"))
             size //= 2
     layers += [

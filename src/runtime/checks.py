@@ -16,6 +16,7 @@ from src.program import Collective, Compute, Plan, Recv, Send, Wait
 from src.runtime.batch_rows import placed_by_rows
 from src.runtime.executor import input_key
 from src.runtime.inputs import dataset_for
+from src.runtime.modules.units import llama_style
 
 if TYPE_CHECKING:
     from src.setup import Setup
@@ -41,11 +42,24 @@ def check_runnable(setup: Setup, plan: Plan) -> None:
     for unit in plan.units:
         if any(axis in ("x", "y", "z") for axis, _ in unit.mesh.axes):
             raise ConfigError(f"unit {unit.unit} lies on a Par4D grid ({unit.mesh.shape()}): {NO_GRID}")
-        tp, seq = unit.mesh.degree("tp"), setup.model.unit(unit.unit).seq_len
+        spec = setup.model.unit(unit.unit)
+        mllm = llama_style(spec) is not None or any(layer.name.endswith("_projector") for layer in spec.layers)
+        if unit.sequence_parallel and mllm:
+            raise ConfigError(
+                f"unit {unit.unit}: the real backend runs sequence parallelism in GPT, ViT and CLIP units, "
+                f"not yet in an MLLM's Llama blocks and projectors (strategy.sequence_parallel=false)"
+            )
+        tp, seq = unit.mesh.degree("tp"), spec.seq_len
         if unit.sequence_parallel and seq % tp:
             raise ConfigError(
                 f"unit {unit.unit}: sequence parallelism splits its {seq} tokens over tp={tp}, which does "
                 f"not divide them (strategy.sequence_parallel=false, or another tp)"
+            )
+        if spec.kind == "unet" and (unit.tp > 1 or unit.pp > 1):
+            raise ConfigError(
+                f"unit {unit.unit} is a U-Net on tp={unit.tp} x pp={unit.pp}: the real backend runs a U-Net whole "
+                f"on each rank (its skip connections do not cross pipeline stages, its convolutions have no TP); "
+                f"give it tp=1 and pp=1 (DistTrain: strategy.{unit.unit}.tp=1 strategy.{unit.unit}.pp=1)"
             )
     # DeepSpeed overlaps ZeRO-3's communication where the plan says so (engines.deepspeed_config).
     overlapped = any(u.zero_stage == 3 and u.overlap_comm for u in plan.units)
@@ -101,11 +115,20 @@ def _check_instruction(instruction, handles: set[str], label: str, interaction: 
         work = instruction.work
         if work.phase not in PHASES:
             raise ConfigError(f"{label}: the real backend does not run {work.phase} Work ({work.unit})")
-        if work.kernels is not None or work.fraction != 1.0 or work.load != 1.0:
+        if work.load != 1.0:
             raise ConfigError(
-                f"{label}: the real backend runs whole layers of nominal samples, not kernels, "
-                f"chunks or loads ({work.unit} layers {work.layers})"
+                f"{label}: a micro-batch of load {work.load:.3g} ({work.unit}): the real backend runs every sample "
+                f"with the same content (one image per sequence, at the nominal sizes); plan uniform data "
+                f"(DistTrain: strategy.data=uniform)"
             )
+        if work.fraction != 1.0:
+            raise ConfigError(
+                f"{label}: {work.unit} layers {work.layers} run in chunks of {work.fraction:.3g} to overlap their TP "
+                f"collectives: the real backend runs whole layers, TP collectives unoverlapped (DistTrain: "
+                f"strategy.tp_overlap_chunks=1)"
+            )
+        if work.kernels is not None:
+            raise ConfigError(f"{label}: the real backend runs whole layers, not kernels ({work.unit} layers {work.layers})")
         if work.sharding.grid:
             raise ConfigError(f"{label}: {NO_GRID} ({work.unit})")
         if work.phase == "fwd":

@@ -84,11 +84,14 @@ def _grad(leaf: torch.Tensor) -> torch.Tensor:
 
 def input_key(work_unit: str, payload: Payload) -> str:
     """The module-state key a Compute's input payload binds to: the unit's own token
-    states enter as 'x'; another unit's tokens are the cross-attention 'memory'."""
+    states enter as 'x'; another unit's tokens are the cross-attention 'memory', its
+    output 'x' the consumer's 'inputs'."""
     if payload.unit == work_unit and payload.tensor == "x":
         return "x"
     if payload.unit != work_unit and payload.tensor == "tokens":
         return "memory"
+    if payload.unit != work_unit and payload.tensor == "x":
+        return "inputs"  # a chain: the upstream unit's output is this unit's input (an MLLM's encoder to its LLM)
     raise ConfigError(f"the real backend has no module input for {payload} in a Work of unit {work_unit}")
 
 
@@ -234,7 +237,11 @@ class Executor:
         terms = [(saved.outputs[grad.tensor] * self.s.store.tensor(grad)).sum() for grad in compute.inputs]
         if "loss_share" in saved.outputs:
             terms.append(saved.outputs["loss_share"] * self._scale())
-        self._backpropagate(work.unit, functools.reduce(operator.add, terms), j)
+        total = functools.reduce(operator.add, terms)
+        # A stage of frozen layers that no trained layer or input gradient depends on (a
+        # frozen ViT's stage under its trained projector's) has no backward: the cost model prices it at 0.
+        if total.requires_grad:
+            self._backpropagate(work.unit, total, j)
         for grad in compute.outputs:
             leaf = saved.leaves[grad.value()]
             self.s.store.put(grad, _grad(leaf) / self._dp(work.unit))

@@ -11,13 +11,17 @@ very samples of a 1-process run.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from src.data.shards import TarShards
 from src.data.synthetic import SyntheticImageText, SyntheticTokens, collate
+from src.data.synthetic_mllm import SyntheticMLLM
+from src.errors import ConfigError
+from src.models.sd21 import LATENT_CHANNELS, VAE_FACTOR
 from src.models.spec import ModelSpec
 from src.program import UnitPlan
 from src.runtime.modules.units import image_geometry, vocab_size
@@ -47,17 +51,40 @@ def dataset_for(model: ModelSpec, seed: int, source: str) -> Any:
     if names == ["llm"]:
         llm = model.unit("llm")
         return SyntheticTokens(seed, llm.seq_len, vocab_size(llm))
+    if names == ["encoder", "llm", "generator"]:
+        return _mllm_data(model, seed, source)
     raise ValueError(f"the real backend has no data for model {model.name} (units {names})")
+
+
+def _mllm_data(model: ModelSpec, seed: int, source: str) -> SyntheticMLLM:
+    """One image per sequence, in and out: the content of DistTrain's uniform data."""
+    images = model.extras["images_per_sequence"]
+    if images != 1:
+        raise ConfigError(
+            f"model.images_per_sequence={images}: the real backend runs MLLMs with one image per sequence "
+            f"(its encoder and generator see one image per sample)"
+        )
+    if source != "synthetic":
+        raise ConfigError(f"backend.data={source!r}: the real backend has only synthetic MLLM data (backend.data=synthetic)")
+    image, _ = image_geometry(model.unit("encoder"))
+    llm, generator = model.unit("llm"), model.unit("generator")
+    latent = math.isqrt(generator.seq_len)
+    vocab = next(k.n for k in llm.layers[-1].kernels if k.name == "projection")
+    return SyntheticMLLM(seed, image, model.extras["image_tokens"], llm.seq_len, vocab, latent * VAE_FACTOR, LATENT_CHANNELS, latent)
 
 
 def unit_fields(model: ModelSpec, unit: str, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """What a unit reads: images (a ViT), token ids, and next-token targets when it ends
-    in a language-model head (GPT; CoCa's captioner: the caption shifted by one)."""
+    in a language-model head (GPT; CoCa's captioner: the caption shifted by one); an SD
+    generator its target image (or latent, without the VAE), noise and timestep."""
     spec = model.unit(unit)
     if spec.layers[0].name == "patch_embedding":
         return {"images": batch["images"]}
     if spec.kind == "contrastive":
         return {}
+    if spec.kind == "unet":
+        vae = any(layer.name.startswith("vae.") for layer in spec.layers)
+        return {key: batch[key] for key in ("target" if vae else "latent", "noise", "timestep", "alpha")}
     out = {"ids": batch["ids"]}
     if spec.layers[-1].name in ("head", "caption_head"):
         if "targets" in batch:
@@ -86,9 +113,13 @@ class Batches:
         units: Mapping[str, UnitPlan | Batching],
         replica: Mapping[str, int],
         device: torch.device = torch.device("cpu"),
+        order: Sequence[int] | None = None,
     ) -> None:
+        """order[p]: which of the step's samples (in data order) position p of the batch
+        holds (a plan that reorders its batch); None: data order."""
         self.model, self.dataset, self.global_batch = model, dataset, global_batch
         self.units, self.replica, self.device = units, replica, device
+        self.order = tuple(order) if order is not None else None
         self.step = 0
         self._cache: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
 
@@ -97,14 +128,15 @@ class Batches:
         read the same samples (two towers) share one collated batch."""
         self.step = step
         self._cache.clear()
-        rows: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        rows: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}
         for unit, replica in self.replica.items():
             plan = self.units[unit]
             for microbatch in range(plan.num_microbatches):
-                first = step * self.global_batch + first_sample(plan, self.global_batch, replica, microbatch)
-                key = (first, plan.micro_batch)
+                first = first_sample(plan, self.global_batch, replica, microbatch)
+                positions = range(first, first + plan.micro_batch)
+                key = tuple(step * self.global_batch + (p if self.order is None else self.order[p]) for p in positions)
                 if key not in rows:
-                    batch = collate([self.dataset[i] for i in range(first, first + plan.micro_batch)])
+                    batch = collate([self.dataset[i] for i in key])
                     rows[key] = {name: tensor.to(self.device) for name, tensor in batch.items()}
                 self._cache[(unit, microbatch)] = unit_fields(self.model, unit, rows[key])
 

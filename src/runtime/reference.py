@@ -14,7 +14,7 @@ from src.runtime.device import computing
 from src.runtime.inputs import Batches, Batching, dataset_for
 from src.runtime.loss_scale import LossScale, overflowed, unscale
 from src.runtime.modules.units import build_units, unit_layers
-from src.models.flows import unit_order
+from src.models.flows import flows_of, unit_order
 
 CPU = torch.device("cpu")
 
@@ -61,6 +61,9 @@ def reference_losses(
             for producer, consumer in model.flows:
                 if consumer == name and "tokens" in finals.get(producer, {}):
                     state["memory"] = finals[producer]["tokens"]
+            for flow in flows_of(model):
+                if flow.consumer == name and flow.kind == "chain":
+                    state["inputs"] = finals[flow.producer][flow.tensor]
             with torch.set_grad_enabled(model.needs_backward(name)), computing(CPU, precision):
                 for layer in unit_layers(units, name):
                     state = layer(state)

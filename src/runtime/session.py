@@ -132,6 +132,7 @@ def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) ->
         {u.unit: u for u in plan.units},
         {n: p.dp_ranks.index(rank) for n, p in places.items()},
         device,
+        plan.sample_order,
     )
     executor = Executor(
         plan, setup.model, rank, units, engines, groups, batches, device, precision, float(backend["initial_loss_scale"])

@@ -23,8 +23,8 @@ def row_shape(model: ModelSpec, payload: Payload, sequence_parts: int = 1) -> tu
         tower = payload.tensor.rsplit(".", 1)[0]
         return (model.unit(tower).output_elems,)
     unit = model.unit(payload.unit)
-    if payload.tensor == "feature":
-        return (unit.output_elems,)
+    if payload.tensor == "feature" or (payload.tensor == "x" and payload.layer == unit.num_layers and unit.output_elems):
+        return (unit.output_elems,)  # a pooled feature, or what a unit hands on along a chain (flattened)
     inside = payload.tensor == "x" and 0 < payload.layer < unit.num_layers
     return (unit.seq_len // (sequence_parts if inside else 1), unit.hidden)
 

@@ -156,7 +156,14 @@ def plan_disttrain(request: PlanRequest) -> Plan:
         "memory_gib": memory,
         "idle_devices": cluster.devices - program.world_size,
     }
-    return Plan(strategy="disttrain", devices=program.world_size, units=units, program=program, details=details)
+    return Plan(
+        strategy="disttrain",
+        devices=program.world_size,
+        units=units,
+        program=program,
+        details=details,
+        sample_order=assignment.positions,
+    )
 
 
 def _assignment(reorder: str, orchestration: Orchestration, profiler: Profiler, loads: BatchLoads) -> Assignment:

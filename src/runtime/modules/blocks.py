@@ -10,6 +10,8 @@ tower's final token states, handed to another unit); loss.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,32 +23,73 @@ from src.runtime.modules.sequence import reduce_grad, split_sequence, unsplit_se
 State = dict[str, torch.Tensor]
 
 
+@dataclass(frozen=True)
+class Llama:
+    """A Llama block's differences from GPT's: RMSNorm, no biases, a SwiGLU MLP of width
+    `ffn`, rotary positions, `kv_heads` key/value heads (grouped-query attention)."""
+
+    ffn: int
+    kv_heads: int
+
+
+def rotary(x: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """RoPE on (batch, heads, tokens, head_dim), the rotate-half form."""
+    t, d = x.shape[-2], x.shape[-1]
+    inverse = base ** (-torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d)
+    angles = torch.arange(t, dtype=torch.float32, device=x.device)[:, None] * inverse
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+def _gqa_rows(heads: int, kv_heads: int, head_dim: int, tp: TP) -> torch.Tensor:
+    """This rank's rows of a fused q|k|v projection with fewer k/v heads than q heads."""
+    q, kv = heads // tp.size * head_dim, kv_heads // tp.size * head_dim
+    return torch.cat(
+        [
+            torch.arange(tp.rank * q, (tp.rank + 1) * q),
+            heads * head_dim + torch.arange(tp.rank * kv, (tp.rank + 1) * kv),
+            (heads + kv_heads) * head_dim + torch.arange(tp.rank * kv, (tp.rank + 1) * kv),
+        ]
+    )
+
+
 class Attention(nn.Module):
     """Multi-head attention; with `kv_dim` it is cross-attention over `memory`. TP splits
-    the heads (q/k/v column-parallel by head, output projection row-parallel)."""
+    the heads (q/k/v column-parallel by head, output projection row-parallel). `llama`:
+    grouped-query attention with rotary positions and no biases."""
 
-    def __init__(self, hidden: int, heads: int, tp: TP, causal: bool, kv_dim: int | None = None) -> None:
+    def __init__(self, hidden: int, heads: int, tp: TP, causal: bool, kv_dim: int | None = None, llama: Llama | None = None) -> None:
         super().__init__()
-        if heads % tp.size:
-            raise ValueError(f"tp={tp.size} does not divide {heads} heads")
+        kv_heads = llama.kv_heads if llama is not None else heads
+        if heads % tp.size or kv_heads % tp.size:
+            raise ValueError(f"tp={tp.size} does not divide {heads} heads and {kv_heads} key/value heads")
         self.heads, self.head_dim, self.causal, self.cross = heads // tp.size, hidden // heads, causal, kv_dim
+        self.kv_heads, self.rope = kv_heads // tp.size, llama is not None
+        bias = llama is None
         if kv_dim is None:
-            self.qkv = ColumnParallelLinear(hidden, 3 * hidden, tp, head_rows(heads, self.head_dim, 3, tp))
+            rows = _gqa_rows(heads, kv_heads, self.head_dim, tp)
+            self.qkv = ColumnParallelLinear(hidden, (heads + 2 * kv_heads) * self.head_dim, tp, rows, bias=bias)
         else:
             self.q = ColumnParallelLinear(hidden, hidden, tp, head_rows(heads, self.head_dim, 1, tp))
             self.kv = ColumnParallelLinear(kv_dim, 2 * hidden, tp, head_rows(heads, self.head_dim, 2, tp), token_states=False)
         local = torch.arange(tp.rank * self.heads * self.head_dim, (tp.rank + 1) * self.heads * self.head_dim)
-        self.proj = RowParallelLinear(hidden, hidden, tp, local)
+        self.proj = RowParallelLinear(hidden, hidden, tp, local, bias=bias)
         self.recompute_core = False
 
     def forward(self, x: torch.Tensor, memory: torch.Tensor | None = None) -> torch.Tensor:
         if self.cross is None:
-            q, k, v = self.qkv(x).split(self.heads * self.head_dim, dim=-1)
+            kv = self.kv_heads * self.head_dim
+            q, k, v = self.qkv(x).split([self.heads * self.head_dim, kv, kv], dim=-1)
         else:
             q = self.q(x)
             k, v = self.kv(memory).split(self.heads * self.head_dim, dim=-1)
         b, t = q.shape[:2]  # the whole sequence, also where x holds a part of it
-        q, k, v = (z.reshape(b, z.shape[1], self.heads, self.head_dim).transpose(1, 2) for z in (q, k, v))
+        q, k, v = (z.reshape(b, z.shape[1], -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
+        if self.rope:
+            q, k = rotary(q), rotary(k)
+        if self.kv_heads != self.heads and self.cross is None:
+            k, v = (z.repeat_interleave(self.heads // self.kv_heads, dim=1) for z in (k, v))
         causal = self.causal and self.cross is None
         if self.recompute_core and torch.is_grad_enabled():
             # Selective recomputation (Korthikanti et al.): keep q, k, v, re-run the core in backward.
@@ -69,6 +112,17 @@ class LayerNorm(nn.LayerNorm):
         return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
 
 
+class RMSNorm(nn.RMSNorm):
+    """Llama's nn.RMSNorm, its gradient summed over TP as LayerNorm's."""
+
+    def __init__(self, hidden: int, tp: TP) -> None:
+        super().__init__(hidden)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.normalized_shape, reduce_grad(self.weight, self.tp), self.eps)
+
+
 class MLP(nn.Module):
     def __init__(self, hidden: int, tp: TP) -> None:
         super().__init__()
@@ -79,19 +133,52 @@ class MLP(nn.Module):
         return self.fc2(F.gelu(self.fc1(x)))
 
 
+class GatedMLP(nn.Module):
+    """act(gate) * up, then down: SwiGLU (Llama, silu, no biases) or GEGLU (SD's
+    transformers, gelu). fc1 holds [gate | up]; TP gives each rank matching slices of both."""
+
+    def __init__(self, hidden: int, ffn: int, tp: TP, act: str, bias: bool) -> None:
+        super().__init__()
+        local = torch.arange(ffn).chunk(tp.size)[tp.rank]
+        self.fc1 = ColumnParallelLinear(hidden, 2 * ffn, tp, torch.cat([local, ffn + local]), bias=bias)
+        self.fc2 = RowParallelLinear(ffn, hidden, tp, local, bias=bias)
+        self.act = F.silu if act == "silu" else F.gelu
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.fc1(x).chunk(2, dim=-1)
+        return self.fc2(self.act(gate) * up)
+
+
 class Block(nn.Module):
     """Pre-norm block; with `cross_dim` it also cross-attends to state['memory'] (CoCa's
-    multimodal decoder layers)."""
+    multimodal decoder layers, SD's spatial transformers). `llama`: Llama's block;
+    `geglu`: a GEGLU MLP of width 4h (SD)."""
 
-    def __init__(self, hidden: int, heads: int, tp: TP, causal: bool, cross_dim: int | None = None) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        heads: int,
+        tp: TP,
+        causal: bool,
+        cross_dim: int | None = None,
+        llama: Llama | None = None,
+        geglu: bool = False,
+    ) -> None:
         super().__init__()
-        self.ln1 = LayerNorm(hidden, tp)
-        self.attn = Attention(hidden, heads, tp, causal)
+        norm = LayerNorm if llama is None else RMSNorm
+        self.ln1 = norm(hidden, tp)
+        self.attn = Attention(hidden, heads, tp, causal, llama=llama)
         if cross_dim is not None:
             self.ln_cross = LayerNorm(hidden, tp)
             self.cross = Attention(hidden, heads, tp, causal=False, kv_dim=cross_dim)
-        self.ln2 = LayerNorm(hidden, tp)
-        self.mlp = MLP(hidden, tp)
+        self.ln2 = norm(hidden, tp)
+        self.mlp: nn.Module
+        if llama is not None:
+            self.mlp = GatedMLP(hidden, llama.ffn, tp, "silu", bias=False)
+        elif geglu:
+            self.mlp = GatedMLP(hidden, 4 * hidden, tp, "gelu", bias=True)
+        else:
+            self.mlp = MLP(hidden, tp)
 
     def forward(self, state: State) -> State:
         x = state["x"]

@@ -54,9 +54,9 @@ def linear_shard(d_in: int, d_out: int, rows: torch.Tensor, cols: torch.Tensor) 
 
 class _ColumnParallel(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, tp: TP) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tp: TP) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.tp = tp
+        ctx.tp, ctx.has_bias = tp, bias is not None
         return torch.nn.functional.linear(x, weight, bias)
 
     @staticmethod
@@ -66,23 +66,28 @@ class _ColumnParallel(torch.autograd.Function):
         if ctx.tp.size > 1:
             all_reduce(grad_x, ctx.tp.group, "tp")
         grad_w = grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
-        return grad_x, grad_w, grad.reshape(-1, grad.shape[-1]).sum(0), None
+        return grad_x, grad_w, _bias_grad(grad) if ctx.has_bias else None, None
 
 
 class _RowParallel(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, tp: TP) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tp: TP) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
         out = x @ weight.t()
         if tp.size > 1:
             all_reduce(out, tp.group, "tp")
-        return out + bias
+        return out if bias is None else out + bias
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
         grad_w = grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
-        return grad @ weight, grad_w, grad.reshape(-1, grad.shape[-1]).sum(0), None
+        return grad @ weight, grad_w, _bias_grad(grad) if ctx.has_bias else None, None
+
+
+def _bias_grad(grad: torch.Tensor) -> torch.Tensor:
+    return grad.reshape(-1, grad.shape[-1]).sum(0)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -91,13 +96,15 @@ class ColumnParallelLinear(nn.Module):
     `token_states`: the input is the unit's token states (split by sequence under sequence
     parallelism), not another unit's replicated memory."""
 
-    def __init__(self, d_in: int, d_out: int, tp: TP, rows: torch.Tensor | None = None, token_states: bool = True) -> None:
+    def __init__(
+        self, d_in: int, d_out: int, tp: TP, rows: torch.Tensor | None = None, bias: bool = True, token_states: bool = True
+    ) -> None:
         super().__init__()
         if rows is None:
             rows = torch.arange(d_out).chunk(tp.size)[tp.rank]
-        weight, bias = linear_shard(d_in, d_out, rows, torch.arange(d_in))
+        weight, bias_init = linear_shard(d_in, d_out, rows, torch.arange(d_in))
         self.weight = nn.Parameter(weight)
-        self.bias = nn.Parameter(bias)
+        self.bias = nn.Parameter(bias_init) if bias else None
         self.tp = tp
         self.token_states = token_states
 
@@ -113,20 +120,21 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """Input features split over TP (contiguous blocks, or `cols`); bias replicated."""
 
-    def __init__(self, d_in: int, d_out: int, tp: TP, cols: torch.Tensor | None = None) -> None:
+    def __init__(self, d_in: int, d_out: int, tp: TP, cols: torch.Tensor | None = None, bias: bool = True) -> None:
         super().__init__()
         if cols is None:
             cols = torch.arange(d_in).chunk(tp.size)[tp.rank]
-        weight, bias = linear_shard(d_in, d_out, torch.arange(d_out), cols)
+        weight, bias_init = linear_shard(d_in, d_out, torch.arange(d_out), cols)
         self.weight = nn.Parameter(weight)
-        self.bias = nn.Parameter(bias)
+        self.bias = nn.Parameter(bias_init) if bias else None
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return torch.nn.functional.linear(x, self.weight, self.bias)
         if self.tp.sequence_parallel:
-            return scatter_sequence(x @ self.weight.t(), self.tp) + reduce_grad(self.bias, self.tp)
+            y = scatter_sequence(x @ self.weight.t(), self.tp)
+            return y if self.bias is None else y + reduce_grad(self.bias, self.tp)
         return _RowParallel.apply(x, self.weight, self.bias, self.tp)
 
 

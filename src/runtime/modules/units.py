@@ -14,8 +14,10 @@ import torch
 from torch import nn
 
 from src.models.spec import Kernel, LayerSpec, ModelSpec, UnitSpec
-from src.runtime.modules.blocks import Attention, Block, FeatureHead, LMHead, PatchEmbedding, TokenEmbedding
+from src.runtime.modules.blocks import Attention, Block, FeatureHead, Llama, LMHead, PatchEmbedding, TokenEmbedding
 from src.runtime.modules.contrastive import ContrastiveLoss
+from src.runtime.modules.generator import generator_layer
+from src.runtime.modules.mllm import ConditioningHead, MultimodalEmbedding, Projector
 from src.runtime.modules.parallel import TP
 
 
@@ -38,17 +40,41 @@ def vocab_size(unit: UnitSpec) -> int:
     return unit.layers[0].params // unit.hidden - unit.seq_len
 
 
+def llama_style(unit: UnitSpec) -> Llama | None:
+    """A unit whose blocks have a gated MLP is Llama style (models.blocks.DecoderPreset):
+    its FFN width and key/value heads, read off the block's kernels."""
+    block = next((layer for layer in unit.layers if layer.name == "block"), None)
+    if block is None:
+        return None
+    fc1, fc2, qkv = _kernel(block, "fc1"), _kernel(block, "fc2"), _kernel(block, "attn_qkv")
+    if fc1.n != 2 * fc2.k:
+        return None
+    return Llama(fc2.k, (qkv.n - unit.hidden) // 2 // (unit.hidden // unit.heads))
+
+
 def _layer(model: ModelSpec, unit: UnitSpec, index: int, tp: TP) -> nn.Module:
     layer = unit.layers[index]
-    causal = unit.name != "vision"
+    causal = unit.name not in ("vision", "encoder")
     last = index == unit.num_layers - 1
+    if unit.kind == "unet":
+        module = generator_layer(unit.layers, index)
+        if module is not None:
+            return module
+    llama = llama_style(unit)
     if layer.name == "patch_embedding":
         image, patch = image_geometry(unit)
         return PatchEmbedding(image, patch, unit.hidden, tp)
+    if layer.name in ("input_projector", "output_projector"):
+        fc1, fc2 = _kernel(layer, "fc1"), _kernel(layer, "fc2")
+        return Projector(fc1.k, fc1.n, fc2.n, tp, layer.name.removesuffix("_projector"))
+    if layer.name == "embedding" and llama is not None:
+        return MultimodalEmbedding(_kernel(unit.layers[-1], "projection").n, unit.hidden)
+    if layer.name == "head" and llama is not None:
+        return ConditioningHead(unit.hidden, _kernel(layer, "projection").n, unit.output_elems // unit.hidden)
     if layer.name == "embedding":
         return TokenEmbedding(vocab_size(unit), unit.hidden, unit.seq_len, tp)
     if layer.name == "block":
-        return Block(unit.hidden, unit.heads, tp, causal)
+        return Block(unit.hidden, unit.heads, tp, causal, llama=llama)
     if layer.name == "xblock":
         return Block(unit.hidden, unit.heads, tp, causal, cross_dim=_kernel(layer, "xattn_kv").k)
     if layer.name == "projection":
@@ -83,9 +109,10 @@ def build_units(
                 layers.add_module(str(i), None)
                 continue
             torch.manual_seed(layer_seed(seed, unit.name, i))
-            layers.append(_layer(model, unit, i, tp.get(unit.name, TP())))
+            # A frozen unit, or a frozen or forward-only layer of a trained one (an MLLM's
+            # ViT under its trained projector, SD's VAE encoder), keeps no gradients.
+            layers.append(_layer(model, unit, i, tp.get(unit.name, TP())).requires_grad_(unit.trains(unit.layers[i])))
         units[unit.name] = layers
-        units[unit.name].requires_grad_(not unit.frozen)
         if (recompute or {}).get(unit.name) == "selective":
             for module in units[unit.name].modules():
                 if isinstance(module, Attention):

@@ -1,0 +1,78 @@
+"""The layers where an MLLM's units meet (src/models/mllm.py): the projectors, the LLM's
+embedding that takes the encoder's image tokens, and its head that hands token states on
+to the generator.
+
+What crosses from one unit to the next (a chain flow) travels flattened, one row per
+sequence (PayloadStore.row_shape: the unit's output_elems); the receiver reshapes it. A
+consumer binds it as state['inputs'].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from src.runtime.modules.blocks import State
+from src.runtime.modules.parallel import TP, ColumnParallelLinear, RowParallelLinear
+
+
+class Projector(nn.Module):
+    """LLaVA's two-layer GELU MLP on every token, Megatron-TP (fc1 by columns, fc2 by rows).
+    input: the ViT's patch tokens (its CLS dropped) become LLM-wide image tokens, handed
+    on flattened; output: the LLM's handed-on states become the U-Net's condition
+    (state['memory'], which its cross-attention reads)."""
+
+    def __init__(self, d_in: int, d_hidden: int, d_out: int, tp: TP, role: str) -> None:
+        super().__init__()
+        self.fc1 = ColumnParallelLinear(d_in, d_hidden, tp)
+        self.fc2 = RowParallelLinear(d_hidden, d_out, tp)
+        self.d_in, self.role = d_in, role
+
+    def forward(self, state: State) -> State:
+        if self.role == "input":
+            tokens = state["x"][:, 1:]
+        else:
+            inputs = state["inputs"]
+            tokens = inputs.reshape(inputs.shape[0], -1, self.d_in)
+        out = self.fc2(F.gelu(self.fc1(tokens)))
+        if self.role == "input":
+            return {**state, "x": out.flatten(1)}
+        return {**state, "memory": out}
+
+
+class MultimodalEmbedding(nn.Module):
+    """Token embedding (rotary positions come later, in attention); the sequence's first
+    positions hold the encoder's image tokens when state['inputs'] brings them."""
+
+    def __init__(self, vocab: int, hidden: int) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, hidden)
+        self.hidden = hidden
+
+    def forward(self, state: State) -> State:
+        x = self.tokens(state["ids"])
+        if "inputs" in state:
+            images = state["inputs"].reshape(x.shape[0], -1, self.hidden).to(x.dtype)
+            x = torch.cat([images, x[:, images.shape[1] :]], dim=1)
+        return {**state, "x": x}
+
+
+class ConditioningHead(nn.Module):
+    """Llama's final RMSNorm and untied, bias-free output layer with the next-token loss;
+    the normed states of the last `hand_on` positions go on to the generator as 'x'."""
+
+    def __init__(self, hidden: int, vocab: int, hand_on: int) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(hidden)
+        self.proj = nn.Linear(hidden, vocab, bias=False)
+        self.hand_on = hand_on
+
+    def forward(self, state: State) -> State:
+        x = self.norm(state["x"])
+        logits = self.proj(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), state["targets"].reshape(-1))
+        out = {**state, "loss": loss}
+        if self.hand_on:
+            out["x"] = x[:, -self.hand_on :].flatten(1)
+        return out
