@@ -33,6 +33,7 @@ RUN_KEYS = ("name", "out_root")
 LOGGER_KEYS = {"none": ("name",), "wandb": ("name", "mode", "project", "entity", "group", "tags")}
 WANDB_MODES = ("offline", "online", "disabled")
 DIST_BACKENDS = ("gloo", "nccl", "auto")
+PREPROCESS = ("inline", "disaggregated")  # DistTrain: batches made by the trainer, or by a producer process beside it
 
 
 def _positive_int(cfg: Mapping[str, Any], key: str, prefix: str) -> int:
@@ -90,6 +91,8 @@ class TorchBackendSpec:
     weight_decay: float
     adam_eps: float
     initial_loss_scale: float
+    preprocess: str
+    prefetch_steps: int
 
 
 def _number(cfg: Mapping[str, Any], key: str, prefix: str, minimum: float, strict: bool) -> float:
@@ -111,6 +114,8 @@ def backend_from_config(cfg: Mapping[str, Any]) -> TorchBackendSpec | None:
         raise ConfigError(f"backend.dist_backend={cfg.get('dist_backend')!r}; choose one of {list(DIST_BACKENDS)}")
     if not isinstance(cfg.get("data"), str) or not cfg["data"]:
         raise ConfigError(f"backend.data must be 'synthetic' or a glob of tar shards, got {cfg.get('data')!r}")
+    if cfg.get("preprocess") not in PREPROCESS:
+        raise ConfigError(f"backend.preprocess={cfg.get('preprocess')!r}; choose one of {list(PREPROCESS)}")
     return TorchBackendSpec(
         workers=_positive_int(cfg, "workers", "backend"),
         dist_backend=cfg["dist_backend"],
@@ -121,6 +126,8 @@ def backend_from_config(cfg: Mapping[str, Any]) -> TorchBackendSpec | None:
         weight_decay=_number(cfg, "weight_decay", "backend", 0, strict=False),
         adam_eps=_number(cfg, "adam_eps", "backend", 0, strict=True),
         initial_loss_scale=_number(cfg, "initial_loss_scale", "backend", 1, strict=False),
+        preprocess=cfg["preprocess"],
+        prefetch_steps=_positive_int(cfg, "prefetch_steps", "backend"),
     )
 
 

@@ -309,6 +309,14 @@ BAD_INPUTS = {
         ["backend=torch", "cluster=local", "model.scale=tiny", "strategy=ddp", "backend.dist_backend=mpi"],
         [r"backend\.dist_backend", r"mpi", r"gloo"],
     ),
+    "torch_backend_unknown_preprocess": (
+        ["backend=torch", "cluster=local", "model.scale=tiny", "strategy=ddp", "backend.preprocess=remote"],
+        [r"backend\.preprocess", r"remote", r"disaggregated"],
+    ),
+    "torch_backend_prefetch_steps_zero": (
+        ["backend=torch", "cluster=local", "model.scale=tiny", "strategy=ddp", "backend.prefetch_steps=0"],
+        [r"backend\.prefetch_steps", r"positive integer", r"\b0\b"],
+    ),
 }
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from src.models.registry import build_model
-from src.runtime.inputs import Batches, Batching, dataset_for
+from src.runtime.inputs import Batches, Batching, StepSamples, dataset_for
 from src.runtime.modules.units import build_units, llama_style, unit_layers
 
 MODELS = ("mllm_9b", "mllm_15b", "mllm_72b")
@@ -41,7 +41,7 @@ def test_the_generator_scores_the_noise_and_uses_every_skip_it_keeps():
     generator = model.unit("generator")
     units = build_units(model, 0, {}, {"generator": set(range(generator.num_layers))})
     whole = Batching(batch_per_replica=2, micro_batch=2, num_microbatches=1, sample_groups=1)
-    batches = Batches(model, dataset_for(model, 0, "synthetic"), 2, {"generator": whole}, {"generator": 0})
+    batches = Batches(StepSamples(model, dataset_for(model, 0, "synthetic"), 2, {"generator": whole}, {"generator": 0}))
     batches.start_step(0)
     state = dict(batches("generator", 0))
     state["inputs"] = torch.randn(2, generator.layers[0].kernels[0].m * generator.layers[0].kernels[0].k)

@@ -30,6 +30,8 @@ CASES = {
     "ddp_zero1": CLIP + ["strategy=ddp", "strategy.zero_stage=1"],
     "ddp_zero2": CLIP + ["strategy=ddp", "strategy.zero_stage=2"],
     "ddp_zero3": CLIP + ["strategy=ddp", "strategy.zero_stage=3"],
+    # Batches made ahead by a producer process beside each worker (DistTrain's disaggregated preprocessing).
+    "ddp_zero1_disaggregated": CLIP + ["strategy=ddp", "strategy.zero_stage=1", "backend.preprocess=disaggregated"],
     "coca_ddp_zero1": CLIP + ["model=coca", "strategy=ddp", "strategy.zero_stage=1"],  # + captioning loss
     "lit_ddp_zero2": CLIP + ["model=lit", "strategy=ddp", "strategy.zero_stage=2"],  # frozen image tower
     "megatron_tp2": CLIP + ["strategy=megatron", "strategy.tp=2"],

@@ -14,6 +14,7 @@ import io
 import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -80,14 +81,23 @@ class TarShards:
         return len(self._samples)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        image, caption = self.read(index)
+        return {"images": pixels(image, self.image_size), "ids": tokenize(caption, self.text_len, self.vocab)}
+
+    def read(self, index: int) -> tuple[Any, str]:
+        """The sample's decoded RGB image (a PIL image) and its caption."""
         from PIL import Image  # only shard runs need it
 
         sample = self._samples[index % len(self._samples)]  # epochs wrap around
         with tarfile.open(sample.shard) as tar:
             image_bytes = _member(tar, sample.image)
             caption = _member(tar, sample.caption).decode("utf-8", errors="replace")
-        image = Image.open(io.BytesIO(image_bytes)).convert("RGB").resize((self.image_size, self.image_size))
-        pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).float()
-        pixels = pixels.reshape(self.image_size, self.image_size, 3).permute(2, 0, 1) / 255.0
-        pixels = (pixels - pixels.mean(dim=(1, 2), keepdim=True)) / (pixels.std(dim=(1, 2), keepdim=True) + 1e-6)
-        return {"images": pixels, "ids": tokenize(caption, self.text_len, self.vocab)}
+        return Image.open(io.BytesIO(image_bytes)).convert("RGB"), caption
+
+
+def pixels(image: Any, size: int) -> torch.Tensor:
+    """A PIL image resized to size x size, as (3, size, size), normalised per channel."""
+    resized = image.resize((size, size))
+    values = torch.frombuffer(bytearray(resized.tobytes()), dtype=torch.uint8).float()
+    values = values.reshape(size, size, 3).permute(2, 0, 1) / 255.0
+    return (values - values.mean(dim=(1, 2), keepdim=True)) / (values.std(dim=(1, 2), keepdim=True) + 1e-6)

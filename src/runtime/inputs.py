@@ -12,11 +12,13 @@ very samples of a 1-process run.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
+from src.data.shard_mllm import ShardMLLM
 from src.data.shards import TarShards
 from src.data.synthetic import SyntheticImageText, SyntheticTokens, collate
 from src.data.synthetic_mllm import SyntheticMLLM
@@ -25,6 +27,9 @@ from src.models.sd21 import LATENT_CHANNELS, VAE_FACTOR
 from src.models.spec import ModelSpec
 from src.program import UnitPlan
 from src.runtime.modules.units import image_geometry, vocab_size
+
+if TYPE_CHECKING:
+    from src.runtime.preprocess import Producer
 
 IGNORE = -100  # cross_entropy's ignore_index
 
@@ -56,7 +61,7 @@ def dataset_for(model: ModelSpec, seed: int, source: str) -> Any:
     raise ValueError(f"the real backend has no data for model {model.name} (units {names})")
 
 
-def _mllm_data(model: ModelSpec, seed: int, source: str) -> SyntheticMLLM:
+def _mllm_data(model: ModelSpec, seed: int, source: str) -> SyntheticMLLM | ShardMLLM:
     """One image per sequence, in and out: the content of DistTrain's uniform data."""
     images = model.extras["images_per_sequence"]
     if images != 1:
@@ -64,13 +69,15 @@ def _mllm_data(model: ModelSpec, seed: int, source: str) -> SyntheticMLLM:
             f"model.images_per_sequence={images}: the real backend runs MLLMs with one image per sequence "
             f"(its encoder and generator see one image per sample)"
         )
-    if source != "synthetic":
-        raise ConfigError(f"backend.data={source!r}: the real backend has only synthetic MLLM data (backend.data=synthetic)")
     image, _ = image_geometry(model.unit("encoder"))
     llm, generator = model.unit("llm"), model.unit("generator")
     latent = math.isqrt(generator.seq_len)
     vocab = next(k.n for k in llm.layers[-1].kernels if k.name == "projection")
-    return SyntheticMLLM(seed, image, model.extras["image_tokens"], llm.seq_len, vocab, latent * VAE_FACTOR, LATENT_CHANNELS, latent)
+    tokens = model.extras["image_tokens"]
+    synthetic = SyntheticMLLM(seed, image, tokens, llm.seq_len, vocab, latent * VAE_FACTOR, LATENT_CHANNELS, latent)
+    if source == "synthetic":
+        return synthetic
+    return ShardMLLM(TarShards(source, image, llm.seq_len + 1 - tokens, vocab), synthetic)
 
 
 def unit_fields(model: ModelSpec, unit: str, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -104,30 +111,24 @@ def first_sample(plan: UnitPlan | Batching, global_batch: int, replica: int, mic
     return group * (global_batch // groups) + replica * share + local * plan.micro_batch
 
 
-class Batches:
-    def __init__(
-        self,
-        model: ModelSpec,
-        dataset: Any,
-        global_batch: int,
-        units: Mapping[str, UnitPlan | Batching],
-        replica: Mapping[str, int],
-        device: torch.device = torch.device("cpu"),
-        order: Sequence[int] | None = None,
-    ) -> None:
-        """order[p]: which of the step's samples (in data order) position p of the batch
-        holds (a plan that reorders its batch); None: data order."""
-        self.model, self.dataset, self.global_batch = model, dataset, global_batch
-        self.units, self.replica, self.device = units, replica, device
-        self.order = tuple(order) if order is not None else None
-        self.step = 0
-        self._cache: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+@dataclass(frozen=True)
+class StepSamples:
+    """Every micro-batch one trainer reads in a step, cut from the step's global batch (CPU
+    tensors). Picklable: a preprocessing producer process makes them too.
 
-    def start_step(self, step: int) -> None:
-        """Make every micro-batch of the step before its timed window opens; units that
-        read the same samples (two towers) share one collated batch."""
-        self.step = step
-        self._cache.clear()
+    order[p]: which of the step's samples (in data order) position p of the batch holds
+    (a plan that reorders its batch); None: data order."""
+
+    model: ModelSpec
+    dataset: Any
+    global_batch: int
+    units: Mapping[str, UnitPlan | Batching]
+    replica: Mapping[str, int]
+    order: tuple[int, ...] | None = None
+
+    def make(self, step: int) -> dict[tuple[str, int], dict[str, torch.Tensor]]:
+        """Units that read the same samples (two towers) share one collated batch."""
+        made: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
         rows: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}
         for unit, replica in self.replica.items():
             plan = self.units[unit]
@@ -136,9 +137,27 @@ class Batches:
                 positions = range(first, first + plan.micro_batch)
                 key = tuple(step * self.global_batch + (p if self.order is None else self.order[p]) for p in positions)
                 if key not in rows:
-                    batch = collate([self.dataset[i] for i in key])
-                    rows[key] = {name: tensor.to(self.device) for name, tensor in batch.items()}
-                self._cache[(unit, microbatch)] = unit_fields(self.model, unit, rows[key])
+                    rows[key] = collate([self.dataset[i] for i in key])
+                made[(unit, microbatch)] = unit_fields(self.model, unit, rows[key])
+        return made
+
+
+class Batches:
+    """The step's micro-batches on the trainer's device, made here (inline) or taken from
+    a producer process that made them ahead (disaggregated). `wait_s`: how long the last
+    start_step kept the trainer waiting for them."""
+
+    def __init__(self, samples: StepSamples, device: torch.device = torch.device("cpu"), producer: Producer | None = None) -> None:
+        self.samples, self.device, self.producer = samples, device, producer
+        self.wait_s = 0.0
+        self._cache: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+
+    def start_step(self, step: int) -> None:
+        """Make every micro-batch of the step before its timed window opens."""
+        begin = time.perf_counter()
+        made = self.samples.make(step) if self.producer is None else self.producer.get(step)
+        self._cache = {key: {name: t.to(self.device) for name, t in fields.items()} for key, fields in made.items()}
+        self.wait_s = time.perf_counter() - begin
 
     def __call__(self, unit: str, microbatch: int) -> dict[str, torch.Tensor]:
         return self._cache[(unit, microbatch)]

@@ -11,7 +11,7 @@ import torch
 
 from src.models.spec import ModelSpec
 from src.runtime.device import computing
-from src.runtime.inputs import Batches, Batching, dataset_for
+from src.runtime.inputs import Batches, Batching, StepSamples, dataset_for
 from src.runtime.loss_scale import LossScale, overflowed, unscale
 from src.runtime.modules.units import build_units, unit_layers
 from src.models.flows import flows_of, unit_order
@@ -42,7 +42,9 @@ def reference_losses(
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, eps=eps)
     whole = Batching(batch_per_replica=global_batch, micro_batch=global_batch, num_microbatches=1, sample_groups=1)
     batches = Batches(
-        model, dataset_for(model, seed, data), global_batch, {u.name: whole for u in model.units}, {u.name: 0 for u in model.units}
+        StepSamples(
+            model, dataset_for(model, seed, data), global_batch, {u.name: whole for u in model.units}, {u.name: 0 for u in model.units}
+        )
     )
     scale = LossScale(initial_loss_scale) if precision == "fp16" else None  # runtime.loss_scale's rule
     losses = []

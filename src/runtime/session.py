@@ -30,11 +30,12 @@ from src.runtime.device import DTYPES, worker_device
 from src.runtime.engines import EngineSettings, ParallelGroups, deepspeed_comm_seconds, make_engine, partitioned_at_init
 from src.runtime.executor import Executor
 from src.runtime.groups import ProcessGroups
-from src.runtime.inputs import Batches, dataset_for
+from src.runtime.inputs import Batches, StepSamples, dataset_for
 from src.runtime.modules.parallel import TP
 from src.models.spec import ModelSpec
 from src.runtime.modules.units import build_units
 from src.runtime.peak import GEMM_SIZES, peak_gemm_flops
+from src.runtime.preprocess import Producer
 from src.runtime.placement import UnitPlacement, placements
 from src.runtime.timing import StepTimer
 from src.runtime.worker import JOB_FILE
@@ -115,6 +116,17 @@ def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) ->
     device = worker_device(dist.get_backend())
     CLOCK.device = device
     places = placements(plan, rank)
+    samples = StepSamples(
+        setup.model,
+        dataset_for(setup.model, setup.train.seed, str(backend["data"])),
+        setup.train.global_batch,
+        {u.unit: u for u in plan.units},
+        {n: p.dp_ranks.index(rank) for n, p in places.items()},
+        plan.sample_order,
+    )
+    producer = None
+    if backend["preprocess"] == "disaggregated":  # started first: it works while the model is built
+        producer = Producer(samples, setup.train.steps, int(backend["prefetch_steps"]), float(backend["timeout_s"]), rank)
     groups = ProcessGroups(plan, float(backend["timeout_s"]))
     tp = {
         name: TP(p.tp, p.tp_ranks.index(rank), groups.get(p.tp_ranks), plan.unit(name).sequence_parallel) if p.tp > 1 else TP()
@@ -125,15 +137,7 @@ def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) ->
     engines = _engines(units, engine_groups)
     if engines:
         CLOCK.add_source("dp", deepspeed_comm_seconds())
-    batches = Batches(
-        setup.model,
-        dataset_for(setup.model, setup.train.seed, str(backend["data"])),
-        setup.train.global_batch,
-        {u.unit: u for u in plan.units},
-        {n: p.dp_ranks.index(rank) for n, p in places.items()},
-        device,
-        plan.sample_order,
-    )
+    batches = Batches(samples, device, producer)
     executor = Executor(
         plan, setup.model, rank, units, engines, groups, batches, device, precision, float(backend["initial_loss_scale"])
     )
@@ -147,17 +151,18 @@ def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) ->
 
     sinks = open_sinks(run_dir, config, _job(run_dir, config)) if rank == 0 else None
     try:
-        losses, times, breakdowns = [], [], []
+        losses, times, waits, breakdowns = [], [], [], []
         for step in range(setup.train.steps):
             batches.start_step(step)
             dist.barrier()
             timer.reset(time.perf_counter())
             loss = torch.tensor([executor.run_step(timer)], dtype=torch.float64, device=device)
-            longest = torch.tensor([timer.end], dtype=torch.float64, device=device)
+            longest = torch.tensor([timer.end, batches.wait_s], dtype=torch.float64, device=device)
             dist.all_reduce(loss)  # every rank holds its share of the loss
             dist.all_reduce(longest, op=dist.ReduceOp.MAX)
             losses.append(float(loss))
-            times.append(float(longest))
+            times.append(float(longest[0]))
+            waits.append(float(longest[1]))
             breakdowns.append(timer.finish(times[-1]))
             if sinks is not None:
                 sinks.log_step(
@@ -165,6 +170,7 @@ def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) ->
                         "step": step,
                         "loss": losses[-1],
                         "step_time_s": times[-1],
+                        "data_wait_s": waits[-1],
                         "mfu": flops / (times[-1] * world * peak),
                         "rank0_breakdown_s": breakdowns[-1],
                     }
@@ -194,7 +200,9 @@ def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) ->
                 "measured_gemm_flops_per_device": measured_peak,
                 "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
                 "dist_backend": dist.get_backend(),
-                "measured": {"loss": losses, "step_time_s": times},
+                # data_wait_s: the longest wait of any trainer for its step's batches, before
+                # the step's timed window (backend.preprocess)
+                "measured": {"loss": losses, "step_time_s": times, "data_wait_s": waits, "preprocess": backend["preprocess"]},
                 "measured_notes": _notes(plan),
             }
             summary = summarize(setup, plan, timeline, peak_flops=peak, extras=extras)
@@ -210,6 +218,8 @@ def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) ->
             sinks.abort()
         raise
     finally:
+        if producer is not None:
+            producer.close()
         if sinks is not None:
             sinks.close()
         # Several runs may share this process (runtime.worker): give the next one the

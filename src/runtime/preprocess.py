@@ -1,0 +1,79 @@
+"""DistTrain's disaggregated preprocessing (`backend.preprocess=disaggregated`): a producer
+process beside each trainer decodes and resizes its samples, applies the plan's sample
+order and collates every micro-batch of the coming steps, at most `backend.prefetch_steps`
+steps ahead (a bounded queue), so the trainer only takes finished batches off the queue.
+
+The paper runs producers on dedicated CPU nodes; here a producer shares its trainer's
+machine, so on a small machine it competes with the trainers for cores: the run's
+`data_wait_s` shows what the trainer still waits for, its step times what that costs.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from typing import Any
+
+import torch.multiprocessing as mp
+
+from src.runtime.inputs import StepSamples
+
+Made = dict[tuple[str, int], dict[str, Any]]
+
+
+def _produce(samples: StepSamples, steps: int, made: Any, finished: Any) -> None:
+    for step in range(steps):
+        try:
+            made.put((step, samples.make(step)))
+        except Exception as error:  # the trainer raises it as its own, as inline preprocessing would
+            made.put((step, error))
+            return
+    # Shared-memory tensors live as long as their maker: stay until the trainer is done.
+    finished.wait()
+
+
+class Producer:
+    """One trainer's producer process (spawned: it never inherits the trainer's process
+    groups or threads), started at once so that it works while the trainer builds its model."""
+
+    def __init__(self, samples: StepSamples, steps: int, depth: int, timeout_s: float, rank: int) -> None:
+        context = mp.get_context("spawn")
+        self.made = context.Queue(maxsize=depth)
+        self.finished = context.Event()
+        self.timeout_s, self.rank = timeout_s, rank
+        self.process = context.Process(
+            target=_produce, args=(samples, steps, self.made, self.finished), daemon=True, name=f"mmdist-preprocess{rank}"
+        )
+        self.process.start()
+
+    def get(self, step: int) -> Made:
+        """The step's micro-batches, waiting for the producer while it is alive, at most
+        `timeout_s` (the first step also waits for its start)."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                made_step, made = self.made.get(timeout=0.1)
+            except queue.Empty:
+                if not self.process.is_alive():
+                    raise RuntimeError(
+                        f"the preprocessing producer of rank {self.rank} exited with code {self.process.exitcode} before step {step}"
+                    ) from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"the preprocessing producer of rank {self.rank} made no batch for step {step} within "
+                        f"backend.timeout_s={self.timeout_s:g} s"
+                    ) from None
+                continue
+            assert made_step == step, f"producer made step {made_step}, trainer expected {step}"
+            if isinstance(made, Exception):
+                raise made
+            return made
+
+    def close(self) -> None:
+        """After the last step the producer leaves at once; one that is still making batches
+        (the trainer failed) or blocked on a full queue is stopped."""
+        self.finished.set()
+        self.process.join(timeout=5)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join()
