@@ -55,11 +55,13 @@ def _shard_with_a_broken_second_half(path) -> None:
                 tar.addfile(info, io.BytesIO(data))
 
 
-def test_a_failing_worker_stops_the_run_with_its_error_line(tmp_path):
+@pytest.mark.parametrize("preprocess", ["inline", "disaggregated"])  # disaggregated: the producer's error is the trainer's
+def test_a_failing_worker_stops_the_run_with_its_error_line(tmp_path, preprocess):
     build_deepspeed_ops()
     _shard_with_a_broken_second_half(tmp_path / "shard-0.tar")
     start = time.monotonic()
-    result = run_cli(*TWO_WORKERS, *CLIP, "strategy=ddp", f"backend.data={tmp_path}/shard-*.tar", f"hydra.run.dir={tmp_path}/run")
+    data = [f"backend.data={tmp_path}/shard-*.tar", f"backend.preprocess={preprocess}"]
+    result = run_cli(*TWO_WORKERS, *CLIP, "strategy=ddp", *data, f"hydra.run.dir={tmp_path}/run")
     # Rank 0 is blocked in the feature all-gather when rank 1 fails: the driver stops it.
     assert time.monotonic() - start < 60
     assert result.returncode == 1

@@ -20,6 +20,15 @@ def _generator(seed: int, index: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + index)
 
 
+def class_image(seed: int, index: int, size: int, noise: float) -> tuple[torch.Generator, int, torch.Tensor]:
+    """Sample `index`'s generator (for what else it draws), class, and image: the class's
+    prototype plus noise."""
+    g = _generator(seed, index)
+    label = int(torch.randint(CLASSES, (1,), generator=g))
+    prototype = torch.randn(3, size, size, generator=_generator(seed, -1 - label))
+    return g, label, prototype + noise * torch.randn(prototype.shape, generator=g)
+
+
 @dataclass(frozen=True)
 class SyntheticImageText:
     seed: int
@@ -29,10 +38,7 @@ class SyntheticImageText:
     noise: float = 0.5
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        g = _generator(self.seed, index)
-        label = int(torch.randint(CLASSES, (1,), generator=g))
-        prototype = torch.randn(3, self.image_size, self.image_size, generator=_generator(self.seed, -1 - label))
-        image = prototype + self.noise * torch.randn(prototype.shape, generator=g)
+        g, label, image = class_image(self.seed, index, self.image_size, self.noise)
         width = max(1, self.vocab // CLASSES)
         ids = label * width % self.vocab + torch.randint(width, (self.text_len,), generator=g)
         return {"images": image, "ids": ids % self.vocab}

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from src.data.synthetic import CLASSES, _generator
+from src.data.synthetic import CLASSES, _generator, class_image
 
 IGNORE = -100
 TIMESTEPS = 1000
@@ -44,10 +44,7 @@ class SyntheticMLLM:
     noise: float = 0.5
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        g = _generator(self.seed, index)
-        label = int(torch.randint(CLASSES, (1,), generator=g))
-        prototype = torch.randn(3, self.image_size, self.image_size, generator=_generator(self.seed, -1 - label))
-        image = prototype + self.noise * torch.randn(prototype.shape, generator=g)
+        g, label, image = class_image(self.seed, index, self.image_size, self.noise)
         stride = 1 + label
         start = int(torch.randint(self.vocab, (1,), generator=g))
         tokens = (start + stride * torch.arange(self.seq_len + 1)) % self.vocab

@@ -1,4 +1,4 @@
-"""Megatron-LM's sequence parallelism (Korthikanti et al.), one autograd Function per move.
+"""Megatron-LM's sequence parallelism (Korthikanti et al.), each move an autograd Function with its adjoint.
 
 Between a unit's layers the token states are split by sequence over the TP group (each
 rank holds s/tp tokens), so LayerNorms and residuals run on 1/tp of the tokens. A
@@ -16,7 +16,7 @@ gloo has no reduce-scatter: it all-reduces and keeps the rank's part, as elsewhe
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from src.runtime.modules.parallel import TP
 
 SEQ = 1  # token states are (batch, sequence, hidden)
+Move = Callable[[torch.Tensor, "TP"], torch.Tensor]
 
 
 def _gather(x: torch.Tensor, tp: TP) -> torch.Tensor:
@@ -44,59 +45,17 @@ def _reduce_scatter(x: torch.Tensor, tp: TP) -> torch.Tensor:
     return _own(all_reduce(x.contiguous().clone(), tp.group, "tp"), tp)
 
 
-class _GatherSequence(torch.autograd.Function):
-    """Into a column-parallel GEMM: the whole sequence; its input gradient is a partial
-    sum on each rank, reduce-scattered back to the parts."""
+class _Move(torch.autograd.Function):
+    """A move of the sequence in forward and its adjoint in backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, tp: TP) -> torch.Tensor:
-        ctx.tp = tp
-        return _gather(x, tp)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _reduce_scatter(grad, ctx.tp), None
-
-
-class _ScatterSequence(torch.autograd.Function):
-    """Out of a row-parallel GEMM: partial sums reduced, each rank keeping its part."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, tp: TP) -> torch.Tensor:
-        ctx.tp = tp
-        return _reduce_scatter(x, tp)
+    def forward(ctx, x: torch.Tensor, tp: TP, move: Move, adjoint: Move) -> torch.Tensor:
+        ctx.tp, ctx.adjoint = tp, adjoint
+        return move(x, tp)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _gather(grad, ctx.tp), None
-
-
-class _SplitSequence(torch.autograd.Function):
-    """Out of a replicated layer (an embedding): each rank keeps its part; the gradients
-    of the parts are gathered, so the replicated layer's gradient is whole on every rank."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, tp: TP) -> torch.Tensor:
-        ctx.tp = tp
-        return _own(x, tp)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _gather(grad, ctx.tp), None
-
-
-class _UnsplitSequence(torch.autograd.Function):
-    """Into a replicated layer (a head): the whole sequence; every rank computes the same
-    gradient of it and keeps its part's."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, tp: TP) -> torch.Tensor:
-        ctx.tp = tp
-        return _gather(x, tp)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _own(grad, ctx.tp), None
+        return ctx.adjoint(grad, ctx.tp), None, None, None
 
 
 class _ReduceGrad(torch.autograd.Function):
@@ -111,19 +70,26 @@ class _ReduceGrad(torch.autograd.Function):
 
 
 def gather_sequence(x: torch.Tensor, tp: TP) -> torch.Tensor:
-    return _GatherSequence.apply(x, tp) if tp.sequence_parallel else x
+    """Into a column-parallel GEMM: the whole sequence; its input gradient is a partial
+    sum on each rank, reduce-scattered back to the parts."""
+    return _Move.apply(x, tp, _gather, _reduce_scatter) if tp.sequence_parallel else x
 
 
 def scatter_sequence(x: torch.Tensor, tp: TP) -> torch.Tensor:
-    return _ScatterSequence.apply(x, tp) if tp.sequence_parallel else x
+    """Out of a row-parallel GEMM: partial sums reduced, each rank keeping its part."""
+    return _Move.apply(x, tp, _reduce_scatter, _gather) if tp.sequence_parallel else x
 
 
 def split_sequence(x: torch.Tensor, tp: TP) -> torch.Tensor:
-    return _SplitSequence.apply(x, tp) if tp.sequence_parallel else x
+    """Out of a replicated layer (an embedding): each rank keeps its part; the gradients
+    of the parts are gathered, so the replicated layer's gradient is whole on every rank."""
+    return _Move.apply(x, tp, _own, _gather) if tp.sequence_parallel else x
 
 
 def unsplit_sequence(x: torch.Tensor, tp: TP) -> torch.Tensor:
-    return _UnsplitSequence.apply(x, tp) if tp.sequence_parallel else x
+    """Into a replicated layer (a head): the whole sequence; every rank computes the same
+    gradient of it and keeps its part's."""
+    return _Move.apply(x, tp, _gather, _own) if tp.sequence_parallel else x
 
 
 def reduce_grad(param: torch.Tensor, tp: TP) -> torch.Tensor:
