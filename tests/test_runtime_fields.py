@@ -113,7 +113,7 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
     # Every sample alike (one image per sequence): per-micro-batch loads are refused.
     ("disttrain", "data"): (DISTTRAIN, ["strategy.data=interleaved"], "refused", ""),
     ("disttrain", "reorder"): (DISTTRAIN, ["strategy.reorder=both"], "run", DISTTRAIN_RUNS),
-    ("disttrain", "tp_overlap_chunks"): (DISTTRAIN, ["strategy.llm.tp=2", "strategy.tp_overlap_chunks=4"], "refused", ""),
+    ("disttrain", "tp_overlap_chunks"): (DISTTRAIN, ["strategy.llm.tp=2", "strategy.tp_overlap_chunks=4"], "run", DISTTRAIN_RUNS),
     ("disttrain", "recompute"): (DISTTRAIN, ["strategy.recompute=full"], "run", DISTTRAIN_RUNS),
     ("disttrain", "zero_stage"): (DISTTRAIN, ["strategy.zero_stage=0"], "run", DISTTRAIN_RUNS),
     ("disttrain", "encoder.tp"): (DISTTRAIN, ["strategy.encoder.tp=2", "strategy.tp_overlap_chunks=1"], "run", DISTTRAIN_RUNS),

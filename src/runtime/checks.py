@@ -121,10 +121,11 @@ def _check_instruction(instruction, handles: set[str], label: str, interaction: 
                 f"with the same content (one image per sequence, at the nominal sizes); plan uniform data "
                 f"(DistTrain: strategy.data=uniform)"
             )
-        if work.fraction != 1.0:
+        chunks = round(1 / work.fraction)
+        if work.fraction != 1.0 and (abs(chunks * work.fraction - 1) > 1e-9 or work.sharding.degree("tp") == 1):
             raise ConfigError(
-                f"{label}: {work.unit} layers {work.layers} run in chunks of {work.fraction:.3g} to overlap their TP "
-                f"collectives: the real backend runs whole layers, TP collectives unoverlapped (DistTrain: "
+                f"{label}: {work.unit} layers {work.layers} run in chunks of {work.fraction:.3g}: the real backend "
+                f"chunks a pass only to overlap its TP collectives, in a whole number of chunks (DistTrain: "
                 f"strategy.tp_overlap_chunks=1)"
             )
         if work.kernels is not None:
@@ -149,7 +150,8 @@ def _check_instruction(instruction, handles: set[str], label: str, interaction: 
             )
         elif not instruction.blocking:
             bucketed = instruction.grads_of is not None and instruction.op == "all_reduce"
-            if instruction.kind != "dp" or not (overlapped or bucketed):
+            chunked = instruction.kind == "tp"  # a chunked pass's TP all-reduces, its layers' own (Executor._chunk_done)
+            if not chunked and (instruction.kind != "dp" or not (overlapped or bucketed)):
                 raise ConfigError(
                     f"{label}: asynchronous {instruction.kind} {instruction.op} on {instruction.group}: the "
                     f"real backend overlaps plain DP's gradient all-reduce and ZeRO-3's reduction and "

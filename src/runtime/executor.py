@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import operator
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -45,6 +45,7 @@ from src.runtime.engines import backward, point_reduction_at
 from src.runtime.grad_reduce import GradBucket, start_reduction
 from src.runtime.groups import ProcessGroups
 from src.runtime.loss_scale import LossScale, overflowed, unscale
+from src.runtime.modules.parallel import tp_overlap
 from src.runtime.modules.units import unit_layers
 from src.runtime.placement import placements, tensor_replicas
 from src.runtime.store import PayloadStore, row_shape
@@ -74,6 +75,7 @@ class _StepState:
     markers: set[str] = field(default_factory=set)  # handles of asynchronous collectives that DeepSpeed runs
     reductions: dict[str, GradBucket] = field(default_factory=dict)  # handle -> gradient all-reduce in flight
     skip: bool | None = None  # fp16: whether the step overflowed (None: not decided yet)
+    chunked: dict[tuple, list[Compute]] = field(default_factory=dict)  # a chunked pass -> its chunks so far
 
 
 def _grad(leaf: torch.Tensor) -> torch.Tensor:
@@ -155,10 +157,17 @@ class Executor:
     def _run(self, instruction: Instruction) -> str:
         if isinstance(instruction, Compute):
             phase = instruction.work.phase
+            if instruction.work.fraction != 1.0:
+                whole = self._whole_pass(instruction)
+                if whole is None:
+                    return "marker"
+                instruction = whole
             if phase == "fwd":
-                self._forward(instruction)
+                with tp_overlap(round(1 / instruction.work.fraction)):
+                    self._forward(instruction)
             elif phase == "bwd":
-                self._backward(instruction)
+                with tp_overlap(round(1 / instruction.work.fraction)):
+                    self._backward(instruction)
             elif phase == "interaction":
                 self._interaction(instruction)
             elif phase == "optimizer":
@@ -194,6 +203,20 @@ class Executor:
             self._finish_receives(posted)
             return f"wait:{kind}"
         raise ConfigError(f"the real backend cannot run {instruction!r}")
+
+    def _whole_pass(self, compute: Compute) -> Compute | None:
+        """A pass the plan runs as n row chunks, each chunk's TP collectives overlapped with
+        the next chunk's GEMMs (StepCCL), its inputs at the first chunk and its outputs at
+        the last: its layers run once, at the last chunk, with every TP layer cutting its
+        GEMM in n row chunks and all-reducing each as it is done (runtime.modules.parallel).
+        The earlier chunks' instructions (and the collectives between) are that run's."""
+        key = (compute.work.unit, compute.work.phase, compute.work.layers, compute.microbatch, compute.chunk)
+        first = self.s.chunked.setdefault(key, [])
+        first.append(compute)
+        if len(first) < round(1 / compute.work.fraction):
+            return None
+        del self.s.chunked[key]  # a later pass of the same key (a recomputed forward) starts afresh
+        return replace(compute, inputs=first[0].inputs)
 
     # ---- forward and backward -----------------------------------------------------------
     def _forward(self, compute: Compute) -> None:

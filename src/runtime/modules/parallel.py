@@ -16,14 +16,37 @@ holds the very values of the same rows of a 1-rank run's whole weight.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from src.runtime.comm import all_reduce
+from src.runtime.comm import all_reduce, chunked_all_reduce
 from src.runtime.modules.sequence import gather_sequence, reduce_grad, scatter_sequence
+
+
+@dataclass
+class _Overlap:
+    """StepCCL's TP overlap for the pass now running: its row chunks (1: none). The
+    executor sets it from the plan (`tp_overlap`); a column-parallel layer keeps its
+    forward's count for its backward."""
+
+    chunks: int = 1
+
+
+OVERLAP = _Overlap()
+
+
+@contextmanager
+def tp_overlap(chunks: int) -> Iterator[None]:
+    previous, OVERLAP.chunks = OVERLAP.chunks, chunks
+    try:
+        yield
+    finally:
+        OVERLAP.chunks = previous
 
 
 @dataclass(frozen=True)
@@ -56,17 +79,29 @@ class _ColumnParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tp: TP) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.tp, ctx.has_bias = tp, bias is not None
+        ctx.tp, ctx.has_bias, ctx.chunks = tp, bias is not None, OVERLAP.chunks
         return torch.nn.functional.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
-        grad_x = grad @ weight
-        if ctx.tp.size > 1:
-            all_reduce(grad_x, ctx.tp.group, "tp")
-        grad_w = grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
-        return grad_x, grad_w, _bias_grad(grad) if ctx.has_bias else None, None
+        grad_w: list[torch.Tensor] = []
+
+        def weight_grad() -> None:
+            grad_w.append(grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1]))
+
+        if ctx.tp.size > 1 and ctx.chunks > 1:
+            # The input gradient's all-reduce, in row chunks, hidden under the later
+            # chunks' GEMMs and the weight gradient's (Megatron-LM's async all-reduce, StepCCL's chunks).
+            rows = grad.reshape(-1, grad.shape[-1])
+            parts = chunked_all_reduce((part @ weight for part in rows.chunk(ctx.chunks)), ctx.tp.group, "tp", weight_grad)
+            grad_x = torch.cat(parts).reshape(*grad.shape[:-1], weight.shape[1])
+        else:
+            grad_x = grad @ weight
+            if ctx.tp.size > 1:
+                all_reduce(grad_x, ctx.tp.group, "tp")
+            weight_grad()
+        return grad_x, grad_w[0], _bias_grad(grad) if ctx.has_bias else None, None
 
 
 class _RowParallel(torch.autograd.Function):
@@ -74,9 +109,15 @@ class _RowParallel(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tp: TP) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        out = x @ weight.t()
-        if tp.size > 1:
-            all_reduce(out, tp.group, "tp")
+        if tp.size > 1 and OVERLAP.chunks > 1:
+            # Each row chunk's partial sums travel while the next chunk's GEMM runs.
+            rows = x.reshape(-1, x.shape[-1])
+            parts = chunked_all_reduce((part @ weight.t() for part in rows.chunk(OVERLAP.chunks)), tp.group, "tp")
+            out = torch.cat(parts).reshape(*x.shape[:-1], weight.shape[0])
+        else:
+            out = x @ weight.t()
+            if tp.size > 1:
+                all_reduce(out, tp.group, "tp")
         return out if bias is None else out + bias
 
     @staticmethod
