@@ -231,16 +231,34 @@ class Hop(Route):
     bytes: float
     sharing: int = 1
     reduce: bool = False
+    # Megatron-LM's scatter/gather: position i of either side sends and receives only its
+    # part scatter[i] (its TP index) of `parts` equal row blocks of a payload of `rows`
+    # rows; the receiving stage all-gathers the rest over TP. () sends whole payloads.
+    scatter: tuple[int, ...] = ()
+    rows: int = 0
     _peer: dict[int, int] = field(default_factory=dict, repr=False, compare=False)
+    _part: dict[int, int] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.a) != len(self.b):
             raise ValueError(f"route {self.name}: {len(self.a)} ranks on one side, {len(self.b)} on the other")
+        if self.scatter and len(self.scatter) != len(self.a):
+            raise ValueError(f"route {self.name}: {len(self.scatter)} scatter parts for {len(self.a)} ranks a side")
         self._peer.update(zip(self.a, self.b))
         self._peer.update(zip(self.b, self.a))
+        self._part.update(zip(self.a, self.scatter))
+        self._part.update(zip(self.b, self.scatter))
+
+    @property
+    def parts(self) -> int:
+        return len(set(self.scatter)) or 1
 
     def _one(self, src: int, dst: int, payload: Payload) -> tuple[Message, ...]:
-        return (Message(src, dst, payload.whole, payload.whole, self.bytes),)
+        if not self.scatter:
+            return (Message(src, dst, payload.whole, payload.whole, self.bytes),)
+        block = self.rows // self.parts
+        part = payload.whole.part(self._part[src] * block, (self._part[src] + 1) * block)
+        return (Message(src, dst, part, part, self.bytes),)
 
     def sends(self, rank: int, payload: Payload) -> tuple[Message, ...]:
         return self._one(rank, self.peer(rank), payload)

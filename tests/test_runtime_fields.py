@@ -52,6 +52,7 @@ DS3D = (
 )
 DISTTRAIN = WORKERS + ["model=mllm_9b", "model.scale=tiny", "train.global_batch=8", "strategy=disttrain", "strategy.data=uniform"]
 EQUALITY, DISTMM_RUNS, DISTTRAIN_RUNS = "test_runtime_equality", "test_runtime_distmm", "test_runtime_disttrain"
+TP_PP_RUNS = "test_runtime_tp_pp"
 
 # (strategy, option): (the plan's base overrides, the sample setting, verdict, where it runs for real)
 FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
@@ -78,8 +79,8 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
     ("megatron", "scatter_gather"): (
         MEGATRON,
         ["strategy.tp=2", "strategy.sequence_parallel=false", "strategy.scatter_gather=true"],
-        "refused",
-        "",
+        "run",
+        TP_PP_RUNS,
     ),
     ("distmm", "balance"): (DISTMM, ["strategy.balance=even"], "run", DISTMM_RUNS),
     ("distmm", "placement"): (
@@ -149,7 +150,7 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
     ("deepspeed3d", "micro_batch_size"): (DS3D, ["strategy.micro_batch_size=4"], "run", EQUALITY),
     ("deepspeed3d", "recompute"): (DS3D, ["strategy.recompute=full"], "run", EQUALITY),
     ("deepspeed3d", "uneven_pp"): (DS3D, ["strategy.uneven_pp=false"], "run", EQUALITY),
-    ("deepspeed3d", "scatter_gather"): (DS3D, ["strategy.tp=2", "strategy.scatter_gather=true"], "refused", ""),
+    ("deepspeed3d", "scatter_gather"): (DS3D, ["strategy.tp=2", "strategy.scatter_gather=true"], "run", TP_PP_RUNS),
 }
 PRECISIONS = {"fp32": "run", "bf16": "run", "fp16": "run"}
 # Strategies the real backend refuses as a whole (every option with them), each with a
@@ -227,3 +228,9 @@ def test_sequence_parallelism_in_an_mllm_is_refused_naming_the_fix():
     with pytest.raises(ConfigError, match=r"Llama blocks.*strategy.sequence_parallel=false"):
         sequence_parallel = ["strategy.tp=2", "strategy.pp=1", "strategy.modality_stages=merged", "strategy.sequence_parallel=true"]
         _check(mllm + sequence_parallel + ["strategy.recompute=none"])
+
+
+def test_a_scattered_transfer_of_rows_tp_does_not_divide_is_refused_naming_the_fix():
+    odd = ["strategy.tp=2", "strategy.sequence_parallel=false", "strategy.scatter_gather=true", "strategy.micro_batch_size=1"]
+    with pytest.raises(ConfigError, match=r"1 rows over tp=2.*strategy.scatter_gather=false"):
+        _check(MEGATRON + odd)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from src.errors import ConfigError
-from src.program import Collective, Compute, Plan, Recv, Send, Wait
+from src.program import Collective, Compute, Hop, Plan, Recv, Send, Wait
 from src.runtime.batch_rows import placed_by_rows
 from src.runtime.executor import input_key
 from src.runtime.inputs import dataset_for
@@ -60,6 +60,13 @@ def check_runnable(setup: Setup, plan: Plan) -> None:
                 f"unit {unit.unit} is a U-Net on tp={unit.tp} x pp={unit.pp}: the real backend runs a U-Net whole "
                 f"on each rank (its skip connections do not cross pipeline stages, its convolutions have no TP); "
                 f"give it tp=1 and pp=1 (DistTrain: strategy.{unit.unit}.tp=1 strategy.{unit.unit}.pp=1)"
+            )
+    for route in plan.program.routes.values():
+        if isinstance(route, Hop) and route.scatter and route.rows % route.parts:
+            raise ConfigError(
+                f"route {route.name} scatters each micro-batch of {route.rows} rows over tp={route.parts}, which does "
+                f"not divide them: the real backend sends whole rows (strategy.scatter_gather=false, or a micro-batch "
+                f"size that tp divides)"
             )
     # DeepSpeed overlaps ZeRO-3's communication where the plan says so (engines.deepspeed_config).
     overlapped = any(u.zero_stage == 3 and u.overlap_comm for u in plan.units)
@@ -140,13 +147,9 @@ def _check_instruction(instruction, handles: set[str], label: str, interaction: 
             if instruction.op not in PAYLOAD_COLLECTIVES and not placed_by_rows(instruction, interaction):
                 raise ConfigError(f"{label}: the real backend carries no payloads in a {instruction.op}")
         elif instruction.kind not in ("tp", "dp"):
-            hint = ""
-            if instruction.kind == "pp":  # a pipeline transfer's scatter/gather
-                hint = " (it sends whole activations between stages: strategy.scatter_gather=false)"
             raise ConfigError(
                 f"{label}: the real backend cannot run a standalone {instruction.op} of kind "
-                f"{instruction.kind} on group {instruction.group}: no tensor of the model travels in "
-                f"it{hint}"
+                f"{instruction.kind} on group {instruction.group}: no tensor of the model travels in it"
             )
         elif not instruction.blocking:
             bucketed = instruction.grads_of is not None and instruction.op == "all_reduce"

@@ -377,7 +377,8 @@ class Executor:
                 parts = [torch.empty_like(local) for _ in ranks]
                 with CLOCK.timed(collective.kind):
                     dist.all_gather(parts, local, group=group)
-                self.s.store.put(target, torch.cat(parts))
+                # In place (a scattered pipeline transfer's parts become the whole payload), or into another payload.
+                (self.s.store.replace if target.whole == source.whole else self.s.store.put)(target, torch.cat(parts))
             elif collective.op == "reduce_scatter":
                 # gloo has no reduce-scatter: all-reduce, then keep this rank's rows.
                 total = self.s.store.tensor(source).detach().to(self.dtype, copy=True)

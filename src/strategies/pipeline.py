@@ -116,9 +116,9 @@ class PipelineEmitter:
             last = virtual[v][-1]
             nbytes = boundary_elems(model.unit(last.unit), last.layers[1]) * settings.micro_batch * self.act_bytes
             transfer = stage_transfer(nbytes, mesh.degree("tp"), settings.sequence_parallel, settings.scatter_gather)
-            route = Hop(
-                f"{prefix}hop.v{v}", "pp", mesh.slice(pp=v % self.pp), mesh.slice(pp=(v + 1) % self.pp), transfer.send_bytes, sharing
-            )
+            a, b = mesh.slice(pp=v % self.pp), mesh.slice(pp=(v + 1) % self.pp)
+            scatter = tuple(mesh.coords(rank)["tp"] for rank in a) if transfer.gather_bytes else ()
+            route = Hop(f"{prefix}hop.v{v}", "pp", a, b, transfer.send_bytes, sharing, scatter=scatter, rows=settings.micro_batch)
             self.transfers.append(transfer)
             program.add_route(route)
             self.hops.append(route.name)
@@ -219,7 +219,8 @@ class PipelineEmitter:
         out: list[Instruction] = [Recv(self.hops[hop], payload)]
         gather = self.transfers[hop].gather_bytes
         if gather and self.tp_groups[stage] is not None:
-            out.append(Collective("all_gather", self.tp_groups[stage], gather, "pp", stream="compute"))
+            whole = (payload,)  # each rank's received part in, the whole payload out
+            out.append(Collective("all_gather", self.tp_groups[stage], gather, "pp", stream="compute", inputs=whole, outputs=whole))
         return out
 
     def _segment_backward(self, segment: Segment, j: int, chunk: int, stage: int, overlap: bool) -> list[Instruction]:
