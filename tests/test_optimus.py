@@ -156,6 +156,16 @@ def test_deferred_warmups_in_the_schedule() -> None:
         interleaved(4, 8, 2, [1, 6, 5, 4])  # stage 0 needs 4 forwards before its last chunk
 
 
+def test_deferring_warmups_skips_trials_that_would_deadlock() -> None:
+    # 8 H100s, batch 16: an interleaved LLM pipeline whose warm-ups nearly fill it. Taking
+    # one forward off the first stage alone stalls the next (it crashed the planner).
+    plan = plan_run(
+        setup("cluster=hopper", "cluster.nodes=1", "model.llm=gpt_11b", "model.encoders=[vit_3b]", "train.global_batch=16")
+    )
+    warmups = plan.details["llm"]["warmups"]
+    assert all(a >= b for a, b in zip(warmups, warmups[1:]))
+
+
 @pytest.mark.parametrize(
     "override, needle",
     [

@@ -97,6 +97,11 @@ class StageTimes:
         return self.end[-1] if self.end else 0.0
 
 
+class Deadlock(ValueError):
+    """A schedule whose stages wait on each other forever (a trial warm-up count that a
+    stage's predecessor cannot feed)."""
+
+
 def time_pipeline(orders: list[list[PipeOp]], costs: list[list[OpCost]]) -> list[StageTimes]:
     """Time the schedule as a dependency graph: a forward of virtual stage v waits for v-1's
     forward of its micro-batch plus the hop, a backward for v+1's backward plus the hop.
@@ -135,7 +140,7 @@ def time_pipeline(orders: list[list[PipeOp]], costs: list[list[OpCost]]) -> list
                 progressed = True
             position[s] = x
         if not progressed:
-            raise ValueError("the pipeline schedule deadlocks")
+            raise Deadlock("the pipeline schedule deadlocks")
     return [StageTimes(start[s], end[s], costs[s]) for s in range(pp)]
 
 
@@ -178,7 +183,11 @@ def deferred_warmups(microbatches: int, chunks: int, tables: list[CostTable], ba
             if min(trial[:depth]) < least:
                 return warmups
             orders = interleaved(pp, microbatches, chunks, trial)
-            if makespan(time_pipeline(orders, costs_of(orders, tables))) <= target * (1 + 1e-9) + EPS:
+            try:
+                kept = makespan(time_pipeline(orders, costs_of(orders, tables))) <= target * (1 + 1e-9) + EPS
+            except Deadlock:  # a stage would wait for forwards its predecessor defers: take one off more stages
+                continue
+            if kept:
                 warmups = trial
                 break
         else:
