@@ -407,6 +407,8 @@ class UnitPlan:
     gathered_params: float = 0.0
     overlap_comm: bool = False  # gradients reduced asynchronously during the backward (ZeRO-3 also prefetches parameters)
     prefetch_params: float = 0.0  # ZeRO-3 with overlap_comm: parameters prefetched ahead of a layer
+    grid_overlap: tuple[str, ...] = ()  # Par4D: the overlaps that are on (all_reduce, reduce_scatter, all_gather, cache)
+    cached_layers: tuple[int, ...] = ()  # Par4D with cache: layers whose recomputation reuses the forward's gathered weights
     details: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

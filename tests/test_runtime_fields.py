@@ -44,7 +44,7 @@ DISTMM = WORKERS + [
     "strategy.text.dp=2",
 ]
 DDP = WORKERS + CLIP + ["strategy=ddp"]
-PAR4D = WORKERS + GPT + ["strategy=par4d", "strategy.recompute=none"]
+PAR4D = WORKERS + GPT + ["strategy=par4d", "strategy.recompute=none", "strategy.micro_batch_size=2"]
 DS3D = (
     WORKERS
     + GPT
@@ -53,6 +53,7 @@ DS3D = (
 DISTTRAIN = WORKERS + ["model=mllm_9b", "model.scale=tiny", "train.global_batch=8", "strategy=disttrain", "strategy.data=uniform"]
 EQUALITY, DISTMM_RUNS, DISTTRAIN_RUNS = "test_runtime_equality", "test_runtime_distmm", "test_runtime_disttrain"
 TP_PP_RUNS = "test_runtime_tp_pp"
+PAR4D_RUNS = "test_runtime_par4d"
 
 # (strategy, option): (the plan's base overrides, the sample setting, verdict, where it runs for real)
 FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
@@ -138,12 +139,12 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
         EQUALITY,
     ),
     # Par4D runs in the simulator only: the real backend refuses its grid, naming every option.
-    ("par4d", "grid"): (PAR4D, ["strategy.grid=[2,1,2,1]"], "refused", ""),
-    ("par4d", "model"): (PAR4D, ["strategy.model=agnostic"], "refused", ""),
-    ("par4d", "top_k"): (PAR4D, ["strategy.top_k=1"], "refused", ""),
-    ("par4d", "overlap"): (PAR4D, ["strategy.overlap=[]"], "refused", ""),
-    ("par4d", "micro_batch_size"): (PAR4D, ["strategy.micro_batch_size=2"], "refused", ""),
-    ("par4d", "recompute"): (PAR4D, ["strategy.recompute=none"], "refused", ""),
+    ("par4d", "grid"): (PAR4D, ["strategy.grid=[2,1,2,1]"], "run", PAR4D_RUNS),
+    ("par4d", "model"): (PAR4D, ["strategy.model=agnostic"], "run", PAR4D_RUNS),
+    ("par4d", "top_k"): (PAR4D, ["strategy.top_k=1"], "run", PAR4D_RUNS),
+    ("par4d", "overlap"): (PAR4D, ["strategy.overlap=[]"], "run", PAR4D_RUNS),
+    ("par4d", "micro_batch_size"): (PAR4D, ["strategy.micro_batch_size=2"], "run", PAR4D_RUNS),
+    ("par4d", "recompute"): (PAR4D, ["strategy.recompute=none"], "run", PAR4D_RUNS),
     ("deepspeed3d", "tp"): (DS3D, ["strategy.tp=2", "strategy.pp=1"], "run", EQUALITY),
     ("deepspeed3d", "pp"): (DS3D, ["strategy.pp=2"], "run", EQUALITY),
     ("deepspeed3d", "dp"): (DS3D, ["strategy.dp=2"], "run", EQUALITY),
@@ -234,3 +235,9 @@ def test_a_scattered_transfer_of_rows_tp_does_not_divide_is_refused_naming_the_f
     odd = ["strategy.tp=2", "strategy.sequence_parallel=false", "strategy.scatter_gather=true", "strategy.micro_batch_size=1"]
     with pytest.raises(ConfigError, match=r"1 rows over tp=2.*strategy.scatter_gather=false"):
         _check(MEGATRON + odd)
+
+
+def test_a_unet_on_a_par4d_grid_is_refused_naming_what_runs():
+    unet = ["model=unet", "model.preset=unet_50m", "model.image_size=16", "train.global_batch=8"]
+    with pytest.raises(ConfigError, match=r"3D-parallel model is a GPT"):
+        _check(WORKERS + unet + ["strategy=par4d", "strategy.grid=[2,2,1,1]", "strategy.micro_batch_size=2"])

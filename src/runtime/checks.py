@@ -12,21 +12,20 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from src.errors import ConfigError
-from src.program import Collective, Compute, Hop, Plan, Recv, Send, Wait
+from src.models.spec import UnitSpec
+from src.program import Collective, Compute, Hop, Plan, Recv, Send, UnitPlan, Wait
 from src.runtime.batch_rows import placed_by_rows
 from src.runtime.executor import input_key
 from src.runtime.inputs import dataset_for
-from src.runtime.modules.units import llama_style
+from src.runtime.grid_engine import on_grid
+from src.runtime.modules.units import llama_style, vocab_size
 
 if TYPE_CHECKING:
     from src.setup import Setup
 
-PHASES = ("fwd", "bwd", "optimizer", "interaction")
+PHASES = ("fwd", "bwd", "bwd_input", "bwd_weight", "optimizer", "interaction")
 PAYLOAD_COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
-NO_GRID = (
-    "the real backend has no 3D tensor-parallel model yet: strategy=par4d runs in the simulator only, "
-    "whatever its grid, model, top_k, overlap, micro_batch_size or recompute"
-)
+GRID_LAYERS = ("embedding", "block", "head")  # runtime.modules.gpt3d's
 
 
 def check_runnable(setup: Setup, plan: Plan) -> None:
@@ -38,11 +37,10 @@ def check_runnable(setup: Setup, plan: Plan) -> None:
                 f"scales fp16 losses itself and unscales plain data parallelism's gradients, not ZeRO's "
                 f"partitions; use strategy.zero_stage=0 or bf16"
             )
-    dataset_for(setup.model, setup.train.seed, str(setup.config["backend"]["data"]))
     for unit in plan.units:
-        if any(axis in ("x", "y", "z") for axis, _ in unit.mesh.axes):
-            raise ConfigError(f"unit {unit.unit} lies on a Par4D grid ({unit.mesh.shape()}): {NO_GRID}")
         spec = setup.model.unit(unit.unit)
+        if on_grid(unit):
+            _check_grid(unit, spec)
         mllm = llama_style(spec) is not None or any(layer.name.endswith("_projector") for layer in spec.layers)
         if unit.sequence_parallel and mllm:
             raise ConfigError(
@@ -61,6 +59,7 @@ def check_runnable(setup: Setup, plan: Plan) -> None:
                 f"on each rank (its skip connections do not cross pipeline stages, its convolutions have no TP); "
                 f"give it tp=1 and pp=1 (DistTrain: strategy.{unit.unit}.tp=1 strategy.{unit.unit}.pp=1)"
             )
+    dataset_for(setup.model, setup.train.seed, str(setup.config["backend"]["data"]))
     for route in plan.program.routes.values():
         if isinstance(route, Hop) and route.scatter and route.rows % route.parts:
             raise ConfigError(
@@ -80,12 +79,34 @@ def check_runnable(setup: Setup, plan: Plan) -> None:
     check_message_order(plan)
 
 
+def _check_grid(unit: UnitPlan, spec: UnitSpec) -> None:
+    """What runtime.modules.gpt3d builds: a GPT whose embedding table and vocabulary the
+    grid divides (the planner checks its FCs, heads and micro-batch)."""
+    x, y, z = (unit.mesh.degree(axis) for axis in ("x", "y", "z"))
+    where = f"unit {unit.unit} on the Par4D grid {unit.mesh.shape()}"
+    other = [layer.name for layer in spec.layers if layer.name not in GRID_LAYERS]
+    if other or llama_style(spec) is not None:
+        what = f"layer {other[0]}" if other else "Llama blocks"
+        raise ConfigError(
+            f"{where}: the real backend's 3D-parallel model is a GPT (embedding, blocks, head), it has no {what} "
+            f"(a U-Net or Llama on Par4D runs in the simulator only)"
+        )
+    vocab = vocab_size(spec)
+    if (vocab + spec.seq_len) % (x * z):
+        raise ConfigError(
+            f"{where}: the embedding's {vocab} token + {spec.seq_len} position rows split over G_x x G_z = {x * z}, "
+            f"which does not divide them"
+        )
+    if vocab % x:
+        raise ConfigError(f"{where}: the head's {vocab}-word vocabulary splits over G_x={x}, which does not divide it")
+
+
 def _check_backward_ranges(label: str, instructions: list) -> None:
     """A backward runs the layers of one forward of its micro-batch, all or a part of them
     (the executor cuts that forward where the backward starts)."""
     forwards: dict[tuple, list[tuple[int, int]]] = {}
     for instruction in instructions:
-        if isinstance(instruction, Compute) and instruction.work.phase in ("fwd", "bwd"):
+        if isinstance(instruction, Compute) and instruction.work.phase in ("fwd", "bwd", "bwd_input"):
             work = instruction.work
             key = (work.unit, instruction.microbatch, instruction.chunk)
             if work.phase == "fwd":
@@ -135,10 +156,11 @@ def _check_instruction(instruction, handles: set[str], label: str, interaction: 
                 f"chunks a pass only to overlap its TP collectives, in a whole number of chunks (DistTrain: "
                 f"strategy.tp_overlap_chunks=1)"
             )
-        if work.kernels is not None:
-            raise ConfigError(f"{label}: the real backend runs whole layers, not kernels ({work.unit} layers {work.layers})")
-        if work.sharding.grid:
-            raise ConfigError(f"{label}: {NO_GRID} ({work.unit})")
+        if work.kernels is not None and not work.sharding.grid:
+            raise ConfigError(
+                f"{label}: the real backend runs a layer in kernel ranges only on a Par4D grid (its FCs), not "
+                f"{work.unit}'s kernels placed apart (layers {work.layers}): Optimus runs in the simulator only"
+            )
         if work.phase == "fwd":
             for payload in instruction.inputs:
                 input_key(work.unit, payload)

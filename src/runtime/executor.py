@@ -42,9 +42,11 @@ from src.runtime.batch_rows import exchange_rows, placed_by_rows
 from src.runtime.comm import CLOCK, all_reduce
 from src.runtime.device import DTYPES, computing, synchronize
 from src.runtime.engines import backward, point_reduction_at
+from src.runtime.grid_engine import GridEngine
 from src.runtime.grad_reduce import GradBucket, start_reduction
 from src.runtime.groups import ProcessGroups
 from src.runtime.loss_scale import LossScale, overflowed, unscale
+from src.runtime.modules.grid3d import ZSharded
 from src.runtime.modules.parallel import tp_overlap
 from src.runtime.modules.units import unit_layers
 from src.runtime.placement import placements, tensor_replicas
@@ -52,6 +54,7 @@ from src.runtime.store import PayloadStore, row_shape
 from src.runtime.timing import StepTimer
 
 State = dict[str, torch.Tensor]
+BWD_INPUT, BWD_WEIGHT = "bwd_input", "bwd_weight"  # a backward split into its input- and weight-gradient GEMMs (Par4D)
 
 
 @dataclass
@@ -72,10 +75,11 @@ class _StepState:
     loss: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
     stepped: set = field(default_factory=set)
     micro_steps: dict[int, list[int]] = field(default_factory=dict)  # engine -> its micro-batches in backward order
-    markers: set[str] = field(default_factory=set)  # handles of asynchronous collectives that DeepSpeed runs
+    markers: dict[str, str] = field(default_factory=dict)  # handle -> op of an asynchronous collective a layer or DeepSpeed runs
     reductions: dict[str, GradBucket] = field(default_factory=dict)  # handle -> gradient all-reduce in flight
     skip: bool | None = None  # fp16: whether the step overflowed (None: not decided yet)
     chunked: dict[tuple, list[Compute]] = field(default_factory=dict)  # a chunked pass -> its chunks so far
+    ranged: dict[tuple, list[Compute]] = field(default_factory=dict)  # a layer pass in kernel ranges -> its ranges so far
 
 
 def _grad(leaf: torch.Tensor) -> torch.Tensor:
@@ -119,12 +123,13 @@ class Executor:
         self.instructions: list[Instruction] = rank_program.instructions
         self.units, self.engines, self.groups, self.batch_for = units, engines, groups, batch_for
         self.places = placements(plan, rank)
+        self.grids = list({id(m.grid): m.grid for m in units.modules() if isinstance(m, ZSharded)}.values())
         # Layers where a backward starts: a forward is cut there too, so a backward that runs
         # part of a forward's layers (overlap_grad_reduce's last micro-batch, layer by layer)
         # finds what its own part saved.
         self.cuts: dict[tuple[str, int, int], set[int]] = {}
         for instruction in self.instructions:
-            if isinstance(instruction, Compute) and instruction.work.phase == "bwd":
+            if isinstance(instruction, Compute) and instruction.work.phase in ("bwd", BWD_INPUT):
                 key = (instruction.work.unit, instruction.microbatch, instruction.chunk)
                 self.cuts.setdefault(key, set()).add(instruction.work.layers[0])
 
@@ -156,7 +161,14 @@ class Executor:
 
     def _run(self, instruction: Instruction) -> str:
         if isinstance(instruction, Compute):
-            phase = instruction.work.phase
+            if instruction.work.phase == BWD_WEIGHT:
+                return "marker"  # its layer's backward pass (at the layer's bwd_input) computes the weight gradients too
+            if instruction.work.kernels is not None:
+                ranged = self._kernel_pass(instruction)
+                if ranged is None:
+                    return "marker"
+                instruction = ranged
+            phase = "bwd" if instruction.work.phase == BWD_INPUT else instruction.work.phase
             if instruction.work.fraction != 1.0:
                 whole = self._whole_pass(instruction)
                 if whole is None:
@@ -181,7 +193,7 @@ class Executor:
                 return "comm_dp"
             if not (instruction.inputs or instruction.outputs):
                 if instruction.handle is not None:
-                    self.s.markers.add(instruction.handle)
+                    self.s.markers[instruction.handle] = instruction.op
                 return "marker"  # a layer's (tp) or the optimizer's (dp) own: measured where it happens
             self._collective(instruction)
             return f"comm_{instruction.kind}"
@@ -194,7 +206,9 @@ class Executor:
             return f"wait:{route.kind}"
         if isinstance(instruction, Wait):
             if instruction.handle in self.s.markers:
-                self.s.markers.remove(instruction.handle)
+                if self.s.markers.pop(instruction.handle) == "reduce_scatter":
+                    for grid in self.grids:  # Par4D's weight-gradient reduce-scatters left in flight (B)
+                        grid.finish_pending()
                 return "marker"
             if instruction.handle in self.s.reductions:
                 self.s.reductions.pop(instruction.handle).finish()
@@ -203,6 +217,27 @@ class Executor:
             self._finish_receives(posted)
             return f"wait:{kind}"
         raise ConfigError(f"the real backend cannot run {instruction!r}")
+
+    def _kernel_pass(self, compute: Compute) -> Compute | None:
+        """A layer's pass the plan splits into kernel ranges (Par4D: one per FC, its
+        collectives between them) runs once its ranges cover the layer's kernels: at its
+        last range, with the inputs and outputs that all its ranges name. The layer's own
+        collectives run inside it, where its modules issue them."""
+        work = compute.work
+        phase = "bwd" if work.phase == BWD_INPUT else work.phase
+        key = (work.unit, phase, work.layers, compute.microbatch, compute.chunk)
+        parts = self.s.ranged.setdefault(key, [])
+        parts.append(compute)
+        kernels = len(self.model.unit(work.unit).layers[work.layers[0]].kernels)
+        if sum(c.work.kernels[1] - c.work.kernels[0] for c in parts if c.work.kernels is not None) < kernels:
+            return None
+        del self.s.ranged[key]  # a later pass of the same layer (a recomputed forward) starts afresh
+        return replace(
+            compute,
+            work=replace(work, kernels=None),
+            inputs=tuple(p for c in parts for p in c.inputs),
+            outputs=tuple(p for c in parts for p in c.outputs),
+        )
 
     def _whole_pass(self, compute: Compute) -> Compute | None:
         """A pass the plan runs as n row chunks, each chunk's TP collectives overlapped with
@@ -290,7 +325,8 @@ class Executor:
         if self.loss_scale is not None and (self._overflowed() if self.s.skip is None else self.s.skip):
             engine.zero_grad()
             return
-        point_reduction_at(engine)
+        if not isinstance(engine, GridEngine):  # which reduces its own gradients
+            point_reduction_at(engine)
         engine.step()
 
     def _scale(self) -> float:

@@ -58,7 +58,9 @@ def dataset_for(model: ModelSpec, seed: int, source: str) -> Any:
         return SyntheticTokens(seed, llm.seq_len, vocab_size(llm))
     if names == ["encoder", "llm", "generator"]:
         return _mllm_data(model, seed, source)
-    raise ValueError(f"the real backend has no data for model {model.name} (units {names})")
+    raise ConfigError(
+        f"the real backend has no data for model {model.name} (units {names}): it trains CLIP, CoCa, LiT, GPT and the MLLMs"
+    )
 
 
 def _mllm_data(model: ModelSpec, seed: int, source: str) -> SyntheticMLLM | ShardMLLM:

@@ -36,9 +36,11 @@ def placements(plan: Plan, rank: int) -> dict[str, UnitPlacement]:
 
 
 def tensor_replicas(plan: Plan, unit: str) -> int:
-    """How many ranks of a unit compute the same values (its tensor-parallel peers)."""
+    """How many ranks of a unit compute the same values (its tensor-parallel peers; a
+    Par4D grid's z splits a micro-batch's rows, so its ranks compute different values)."""
     mesh = plan.unit(unit).mesh
     replicas = 1
     for axis in TENSOR_AXES:
-        replicas *= mesh.degree(axis)
+        if axis != "z":
+            replicas *= mesh.degree(axis)
     return replicas

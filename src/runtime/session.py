@@ -33,6 +33,8 @@ from src.runtime.groups import ProcessGroups
 from src.runtime.inputs import Batches, StepSamples, dataset_for
 from src.runtime.modules.parallel import TP
 from src.models.spec import ModelSpec
+from src.runtime.grid_engine import GridEngine, build_grid, on_grid
+from src.runtime.modules.grid3d import Grid3D
 from src.runtime.modules.units import build_units
 from src.runtime.peak import GEMM_SIZES, peak_gemm_flops
 from src.runtime.preprocess import Producer
@@ -56,11 +58,18 @@ class _EngineGroup:
         return self.settings.zero_stage == 3 and len(self.groups.dp_ranks) > 1
 
 
+def _grids(plan: Plan, places: dict[str, UnitPlacement]) -> dict[str, Grid3D]:
+    """The Par4D grid of each unit that lies on one."""
+    return {name: build_grid(plan.unit(name)) for name in places if on_grid(plan.unit(name))}
+
+
 def _engine_groups(
-    plan: Plan, model: ModelSpec, places: dict[str, UnitPlacement], groups: ProcessGroups, backend: dict[str, Any]
+    plan: Plan, model: ModelSpec, places: dict[str, UnitPlacement], groups: ProcessGroups, backend: dict[str, Any], grids: dict
 ) -> list[_EngineGroup]:
     by_group: dict[tuple, list[str]] = {}
     for name, place in places.items():
+        if name in grids:  # a GridEngine's (runtime.grid_engine)
+            continue
         if sum(model.unit(name).trainable_params(i, i + 1) for i in place.layers):
             by_group.setdefault((place.dp_ranks, place.tp_ranks), []).append(name)
     out = []
@@ -82,14 +91,20 @@ def _engine_groups(
 
 
 def _build(
-    setup: Setup, plan: Plan, places: dict[str, UnitPlacement], tp: dict[str, TP], engine_groups: list[_EngineGroup], device
+    setup: Setup,
+    plan: Plan,
+    places: dict[str, UnitPlacement],
+    tp: dict[str, TP],
+    engine_groups: list[_EngineGroup],
+    device,
+    grids: dict[str, Grid3D],
 ) -> torch.nn.ModuleDict:
     """This rank's layers. A ZeRO-3 unit's parameters are partitioned over its replicas as
     each layer is built, so no rank ever holds more of it than the layer being built."""
     recompute = {u.unit: u.recompute for u in plan.units}
     keep = {n: set(p.layers) for n, p in places.items()}
     partitioned = {n for g in engine_groups if g.partitions_weights for n in g.names}
-    units = build_units(setup.model, setup.train.seed, tp, {n: k for n, k in keep.items() if n not in partitioned}, recompute)
+    units = build_units(setup.model, setup.train.seed, tp, {n: k for n, k in keep.items() if n not in partitioned}, recompute, grids)
     units = units.to(device)
     for group in engine_groups:
         if group.partitions_weights:
@@ -99,9 +114,13 @@ def _build(
     return units
 
 
-def _engines(units: torch.nn.ModuleDict, engine_groups: list[_EngineGroup]) -> dict[str, Any]:
-    """One DeepSpeed engine per data-parallel group: units that share it share an engine."""
-    engines: dict[str, Any] = {}
+def _engines(units: torch.nn.ModuleDict, engine_groups: list[_EngineGroup], grids: dict[str, Grid3D], backend: dict) -> dict[str, Any]:
+    """One DeepSpeed engine per data-parallel group: units that share it share an engine;
+    a unit on a Par4D grid has its own."""
+    engines: dict[str, Any] = {
+        name: GridEngine(units[name], grid, float(backend["lr"]), float(backend["weight_decay"]), float(backend["adam_eps"]))
+        for name, grid in grids.items()
+    }
     for group in engine_groups:
         engine = make_engine(torch.nn.ModuleDict({n: units[n] for n in group.names}), group.groups, group.settings)
         engines.update({n: engine for n in group.names})
@@ -132,10 +151,11 @@ def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) ->
         name: TP(p.tp, p.tp_ranks.index(rank), groups.get(p.tp_ranks), plan.unit(name).sequence_parallel) if p.tp > 1 else TP()
         for name, p in places.items()
     }
-    engine_groups = _engine_groups(plan, setup.model, places, groups, backend)
-    units = _build(setup, plan, places, tp, engine_groups, device)
-    engines = _engines(units, engine_groups)
-    if engines:
+    grids = _grids(plan, places)
+    engine_groups = _engine_groups(plan, setup.model, places, groups, backend, grids)
+    units = _build(setup, plan, places, tp, engine_groups, device, grids)
+    engines = _engines(units, engine_groups, grids, backend)
+    if engine_groups:
         CLOCK.add_source("dp", deepspeed_comm_seconds())
     batches = Batches(samples, device, producer)
     executor = Executor(

@@ -21,6 +21,14 @@ Overlaps (§IV), each one switchable:
                   `cached_layers` layers stay in memory, so their recompute needs no gather.
 Without an overlap the collective blocks the compute stream where it is issued. Each axis
 has one communication stream (NCCL runs a communicator's collectives in order).
+
+What Algorithm 1 leaves out but a transformer on the grid needs (runtime.modules.gpt3d
+runs exactly these): a LayerNorm over the hidden width, split over its FC's input axis b,
+all-reduces its rows' statistics over b forward and backward; the embedding table, its
+rows split over x, all-reduces its lookups over x; the loss over a vocabulary split over
+x all-reduces its rows' maxima and then their sums of exponentials and target logits
+over x; the parameters the grid replicates over z (biases, norms) sum their gradients
+over z before the data-parallel all-reduce.
 """
 
 from __future__ import annotations
@@ -31,12 +39,19 @@ from src.cluster import ClusterSpec
 from src.costmodel.memory import element_bytes, grad_bytes
 from src.models.spec import ModelSpec
 from src.program import Collective, Compute, Instruction, Program, RankProgram, UnitPlan, Wait, Work
-from src.strategies.emit import consumed, produced
+from src.strategies.emit import backward_io, consumed, produced
 from src.strategies.layout import axis_group
 from src.strategies.par4d_layout import FC, Grid, LayerLayout
 from src.strategies.stages import Segment
 
 OVERLAPS = ("all_reduce", "reduce_scatter", "all_gather", "cache")
+STATS_BYTES = 2 * 4  # a row's two fp32 statistics (a norm's sum and sum of squares; the loss's sum of exponentials and target logit)
+
+
+def _normalises_hidden(name: str) -> bool:
+    """A transformer's LayerNorm (its statistics span the hidden width the grid splits);
+    a U-Net's group norms keep their channel groups whole on a rank."""
+    return name.startswith("ln") or name == "final_norm"
 
 
 @dataclass(frozen=True)
@@ -158,12 +173,14 @@ class Par4DEmitter:
 
     def _forward_layer(self, layout: LayerLayout, j: int, sequence, position) -> list[Instruction]:
         segment = Segment(self.unit, (layout.index, layout.index + 1))
-        gathers = {g.item: g for g in sequence if g.layer == layout.index and g.handle.startswith("ag.fwd")}
+        # This micro-batch's own (the sequence ends with the next one's first, prefetched).
+        gathers = {g.item: g for g in sequence if g.layer == layout.index and g.handle.startswith(f"ag.fwd.mb{j}.")}
         out: list[Instruction] = []
         last = len(layout.fcs) - 1
         for item, fc in enumerate(layout.fcs):
             if item in gathers:
                 out += self._gather(gathers[item], sequence, position)
+            out += self._norm_stats(layout, item)
             out.append(
                 Compute(
                     self._work(layout, "fwd", item),
@@ -173,7 +190,44 @@ class Par4DEmitter:
                 )
             )
             out += self._output_all_reduce(fc)
+            out += self._vocabulary_all_reduces(layout, item, fc)
         return out
+
+    def _kernel_names(self, layout: LayerLayout, item: int) -> list[str]:
+        kernels = self.spec.layers[layout.index].kernels
+        start, end = layout.ranges[item] or (0, len(kernels))
+        return [k.name for k in kernels[start:end]]
+
+    def _norm_stats(self, layout: LayerLayout, item: int) -> list[Instruction]:
+        """The statistics all-reduces of the LayerNorms in kernel range `item`, over the
+        axis splitting their FC's input columns (one per norm, forward or backward)."""
+        fc = layout.fcs[item]
+        if fc is None:
+            return []
+        b = fc.axes()[1]
+        if self.groups[b] is None:
+            return []
+        nbytes = self._rows(fc) * STATS_BYTES
+        norms = sum(_normalises_hidden(name) for name in self._kernel_names(layout, item))
+        return [Collective("all_reduce", self.groups[b], nbytes, "tp", stream=b) for _ in range(norms)]
+
+    def _vocabulary_all_reduces(self, layout: LayerLayout, item: int, fc: FC | None) -> list[Instruction]:
+        """An embedding table's lookups summed over x (its rows split there); the loss
+        over a vocabulary split over its FC's output axis: rows' maxima, then their sums of
+        exponentials and target logits."""
+        names = self._kernel_names(layout, item)
+        group = self.groups["x"]
+        if "lookup" in names and fc is None and group is not None:
+            tokens = self.cfg.micro_batch * self.spec.seq_len / self.grid.z
+            return [Collective("all_reduce", group, tokens * self.spec.hidden / self.grid.y * self.act_bytes, "tp", stream="x")]
+        if "loss" in names and fc is not None and self.groups[fc.axes()[0]] is not None:
+            a = fc.axes()[0]
+            rows = self._rows(fc)
+            return [
+                Collective("all_reduce", self.groups[a], rows * 4, "tp", stream=a),
+                Collective("all_reduce", self.groups[a], rows * STATS_BYTES, "tp", stream=a),
+            ]
+        return []
 
     def _output_all_reduce(self, fc: FC | None) -> list[Instruction]:
         if fc is None:
@@ -194,9 +248,20 @@ class Par4DEmitter:
                 out += self._gather(gather, sequence, position)
             for fc in layout.fcs:
                 out += self._output_all_reduce(fc)
+        # The layer's backward reads its outputs' gradients at its first instruction and
+        # writes its inputs' at its last.
+        reads, writes = backward_io(self.model, Segment(self.unit, (layout.index, layout.index + 1)), j)
         for item in reversed(range(len(layout.fcs))):
             fc = layout.fcs[item]
-            out.append(Compute(self._work(layout, "bwd_input", item, recompute), microbatch=j))
+            out.append(
+                Compute(
+                    self._work(layout, "bwd_input", item, recompute),
+                    microbatch=j,
+                    inputs=reads if item == len(layout.fcs) - 1 else (),
+                    outputs=writes if item == 0 else (),
+                )
+            )
+            out += self._norm_stats(layout, item)
             handle = None
             if fc is not None:
                 a, b = fc.axes()
@@ -234,6 +299,18 @@ class Par4DEmitter:
         if params == 0:
             return []
         out: list[Instruction] = []
+        if self.groups["z"] is not None:
+            # Biases and norms, split over x or y (priced as over y), replicated over z.
+            replicated = (
+                sum(
+                    max(lay.params - sum(fc.k * fc.n for fc in lay.fcs if fc is not None), 0)
+                    for lay in self.layouts
+                    if any(fc is not None for fc in lay.fcs)
+                )
+                / self.grid.y
+            )
+            if replicated:
+                out.append(Collective("all_reduce", self.groups["z"], replicated * self.grad_bytes, "tp", stream="z"))
         if self.groups["dp"] is not None:
             out.append(Collective("all_reduce", self.groups["dp"], params * self.grad_bytes, "dp", stream="dp"))
         out.append(Compute(Work(self.unit, "optimizer", 0, (0, self.spec.num_layers), sharding=self.grid.sharding())))
@@ -281,6 +358,8 @@ def par4d_program(
         sample_groups=microbatches,
         recompute=settings.recompute,
         gathered_params=emitter.gathered_params(),
+        grid_overlap=tuple(sorted(settings.overlap)),
+        cached_layers=tuple(sorted(emitter.cached)),
         details={
             "grid": grid.label(),
             "grid_x": grid.x,

@@ -42,7 +42,7 @@ def rotary(x: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
-def _gqa_rows(heads: int, kv_heads: int, head_dim: int, tp: TP) -> torch.Tensor:
+def qkv_rows(heads: int, kv_heads: int, head_dim: int, tp: TP) -> torch.Tensor:
     """This rank's rows of a fused q|k|v projection with fewer k/v heads than q heads."""
     q, kv = heads // tp.size * head_dim, kv_heads // tp.size * head_dim
     return torch.cat(
@@ -68,7 +68,7 @@ class Attention(nn.Module):
         self.kv_heads, self.rope = kv_heads // tp.size, llama is not None
         bias = llama is None
         if kv_dim is None:
-            rows = _gqa_rows(heads, kv_heads, self.head_dim, tp)
+            rows = qkv_rows(heads, kv_heads, self.head_dim, tp)
             self.qkv = ColumnParallelLinear(hidden, (heads + 2 * kv_heads) * self.head_dim, tp, rows, bias=bias)
         else:
             self.q = ColumnParallelLinear(hidden, hidden, tp, head_rows(heads, self.head_dim, 1, tp))

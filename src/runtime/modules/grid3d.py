@@ -14,8 +14,8 @@ weight-gradient GEMM and waits after it; reduce_scatter (B) leaves dŴ's reduce-
 in flight until `Grid3D.finish_backward()`; all_gather (C) prefetches the next layer's
 weights during this layer's forward; cache (D) keeps the gathered weights from the
 forward for a recomputed forward (activation checkpointing) instead of gathering again.
-Data parallelism (`dp` group) all-reduces the unique shards' gradients in
-`finish_backward()`.
+`finish_backward()` sums the gradients of what the grid replicates over z (biases, norms:
+each z rank saw its own rows) over z, and every gradient over data parallelism (`dp`).
 """
 
 from __future__ import annotations
@@ -51,11 +51,14 @@ class Grid3D:
     z: Axis = Axis()
     dp: Axis = Axis()
     overlap: frozenset[str] = frozenset()
+    cached_layers: frozenset[int] | None = None  # with cache (D): the layers that cache (None: every one)
     pending: list = field(default_factory=list)
     gathers: int = 0  # z all-gathers issued, for tests of prefetching and caching
 
     @classmethod
-    def build(cls, degrees: tuple[int, int, int, int], overlap: frozenset[str] = frozenset()) -> Grid3D:
+    def build(
+        cls, degrees: tuple[int, int, int, int], overlap: frozenset[str] = frozenset(), cached_layers: frozenset[int] | None = None
+    ) -> Grid3D:
         """Every group of the grid (X innermost, then Y, Z, data: rank = i + G_x(j + G_y(k +
         G_z d))), made collectively by every rank; this rank's own axes."""
         unknown = set(overlap) - set(OVERLAPS)
@@ -80,32 +83,42 @@ class Grid3D:
                     mine = Axis(degree, members.index(rank), group)
             axes.append(mine)
         x, y, z, dp = axes
-        return cls(x, y, z, dp, frozenset(overlap))
+        return cls(x, y, z, dp, frozenset(overlap), cached_layers)
 
     def with_overlap(self, overlap: frozenset[str]) -> Grid3D:
         """The same groups with other overlaps on (nothing in flight, no gathers counted)."""
-        return Grid3D(self.x, self.y, self.z, self.dp, frozenset(overlap))
+        return Grid3D(self.x, self.y, self.z, self.dp, frozenset(overlap), self.cached_layers)
 
     def axis(self, name: str) -> Axis:
         return getattr(self, name)
 
-    def finish_backward(self, modules: list[nn.Module]) -> None:
-        """Wait for the reduce-scatters left in flight (B) and all-reduce the unique
-        shards' gradients over data parallelism; drop any weights a recomputation
-        prefetched (C) but did not use, so the next step gathers the updated ones."""
-        for module in modules:
-            for layer in module.modules():
-                if isinstance(layer, Linear3D):
-                    layer.drop_prefetch()
+    def finish_pending(self) -> None:
+        """Wait for the reduce-scatters left in flight (B) and add them to the shards' gradients."""
         for inflight, param in self.pending:
             _accumulate(param, inflight.result())
         self.pending.clear()
-        if self.dp.size == 1:
-            return
+
+    def finish_backward(self, modules: list[nn.Module]) -> None:
+        """Finish the reduce-scatters in flight (B), sum the z-replicated parameters'
+        gradients over z, and every gradient over data parallelism; drop any weights a
+        recomputation prefetched (C) but did not use, so the next step gathers the updated ones."""
+        unique: set[int] = set()
+        for module in modules:
+            for layer in module.modules():
+                if isinstance(layer, ZSharded):
+                    layer.drop_prefetch()
+                    unique.add(id(layer.shard))
+        self.finish_pending()
         params = {id(p): p for module in modules for p in module.parameters() if p.grad is not None}
-        with CLOCK.timed("dp"):
-            for param in params.values():
-                dist.all_reduce(param.grad, group=self.dp.group)
+        if self.z.size > 1:
+            with CLOCK.timed("tp"):
+                for key, param in params.items():
+                    if key not in unique:
+                        dist.all_reduce(param.grad, group=self.z.group)
+        if self.dp.size > 1:
+            with CLOCK.timed("dp"):
+                for param in params.values():
+                    dist.all_reduce(param.grad, group=self.dp.group)
 
 
 def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
@@ -183,43 +196,28 @@ class _Linear3D(torch.autograd.Function):
         if handle is not None and "all_reduce" in grid.overlap:
             with CLOCK.timed("tp"):
                 handle.wait()
-        grad_bias = None
-        if ctx.has_bias:
-            grad_bias = flat_grad.sum(0)
-            if grid.z.size > 1:
-                with CLOCK.timed("tp"):
-                    dist.all_reduce(grad_bias, group=grid.z.group)
+        grad_bias = flat_grad.sum(0) if ctx.has_bias else None  # this z rank's rows' (Grid3D.finish_backward sums them)
         layer.reduce_weight_grad(grad_w)
         layer.release()
         return grad_x, None, grad_bias, None
 
 
-class Linear3D(nn.Module):
-    """nn.Linear(d_in, d_out) on a 3D grid. Initialised whole from the global RNG (as
-    nn.Linear) and then sliced, so every grid starts from the weights of one process."""
+class ZSharded(nn.Module):
+    """A weight block stored sharded over z (rows of the block split over z, `shard`),
+    all-gathered before use and its gradient reduce-scattered back: an FC's block or an
+    embedding table's. Subclasses set `shard`."""
 
-    def __init__(self, d_in: int, d_out: int, grid: Grid3D, transposed: bool = False, bias: bool = True) -> None:
+    shard: nn.Parameter
+
+    def __init__(self, grid: Grid3D) -> None:
         super().__init__()
-        self.grid, self.transposed = grid, transposed
-        # cols_axis splits the output columns (n), rows_axis the input columns (k).
-        self.cols_axis, self.rows_axis = ("y", "x") if transposed else ("x", "y")
-        cols, rows, z = grid.axis(self.cols_axis), grid.axis(self.rows_axis), grid.z
-        if d_out % cols.size or d_in % (rows.size * z.size):
-            raise ValueError(
-                f"Linear3D({d_in}, {d_out}) on G_{self.cols_axis}={cols.size}, "
-                f"G_{self.rows_axis}={rows.size}, G_z={z.size}: the grid does not divide it"
-            )
-        # Only this rank's block is drawn: its output features (cols), and of its input
-        # features (rows) its z part.
-        inputs = torch.arange(d_in)[_part(d_in, rows)]
-        weight, full_bias = linear_shard(d_in, d_out, torch.arange(d_out)[_part(d_out, cols)], inputs[_part(len(inputs), z)])
-        self.shard = nn.Parameter(weight.t().contiguous())
-        self.bias = nn.Parameter(full_bias) if bias else None
-        self.next: Linear3D | None = None  # the layer whose weights C prefetches (see prefetches())
+        self.grid = grid
+        self.caches = "cache" in grid.overlap  # units.build_units narrows it to the plan's cached layers
+        self.next: ZSharded | None = None  # the layer whose weights C prefetches (see prefetches())
         self._inflight: _InFlight | None = None
         self._cached: torch.Tensor | None = None
 
-    def prefetches(self, layer: Linear3D) -> None:
+    def prefetches(self, layer: ZSharded) -> None:
         """Make `layer` the one whose weights this layer's forward prefetches (C); kept out
         of the module tree, so neither its parameters nor its state repeat under this one."""
         object.__setattr__(self, "next", layer)
@@ -230,7 +228,7 @@ class Linear3D(nn.Module):
             self.grid.gathers += self.grid.z.size > 1
 
     def gathered_weight(self) -> torch.Tensor:
-        """This rank's whole block W[j, i]: cached (D), prefetched (C) or gathered now."""
+        """This rank's whole block: cached (D), prefetched (C) or gathered now."""
         if self._cached is not None:
             weight = self._cached
         else:
@@ -238,7 +236,7 @@ class Linear3D(nn.Module):
             assert self._inflight is not None
             weight = self._inflight.result()
             self._inflight = None
-            if "cache" in self.grid.overlap:
+            if self.caches:
                 self._cached = weight
         if "all_gather" in self.grid.overlap and self.next is not None:
             self.next.prefetch()
@@ -265,6 +263,47 @@ class Linear3D(nn.Module):
             self.grid.pending.append((inflight, self.shard))
         else:
             _accumulate(self.shard, inflight.result())
+
+
+class Linear3D(ZSharded):
+    """nn.Linear(d_in, d_out) on a 3D grid. Initialised as nn.Linear from the global RNG
+    (runtime.modules.parallel.linear_shard, drawing only this rank's block), or sliced from
+    a whole `init` layer, so every grid starts from the weights of one process. `outputs`:
+    the output features this rank holds (default: its contiguous part), e.g. whole heads
+    of a fused q|k|v projection."""
+
+    def __init__(
+        self,
+        d_in: int,
+        d_out: int,
+        grid: Grid3D,
+        transposed: bool = False,
+        bias: bool = True,
+        outputs: torch.Tensor | None = None,
+        init: nn.Linear | None = None,
+    ) -> None:
+        super().__init__(grid)
+        self.transposed = transposed
+        # cols_axis splits the output columns (n), rows_axis the input columns (k).
+        self.cols_axis, self.rows_axis = ("y", "x") if transposed else ("x", "y")
+        cols, rows, z = grid.axis(self.cols_axis), grid.axis(self.rows_axis), grid.z
+        if d_out % cols.size or d_in % (rows.size * z.size):
+            raise ValueError(
+                f"Linear3D({d_in}, {d_out}) on G_{self.cols_axis}={cols.size}, "
+                f"G_{self.rows_axis}={rows.size}, G_z={z.size}: the grid does not divide it"
+            )
+        if outputs is None:
+            outputs = torch.arange(d_out)[_part(d_out, cols)]
+        # Only this rank's block is drawn: its output features (cols), and of its input
+        # features (rows) its z part.
+        inputs = torch.arange(d_in)[_part(d_in, rows)]
+        inputs = inputs[_part(len(inputs), z)]
+        if init is None:
+            weight, full_bias = linear_shard(d_in, d_out, outputs, inputs)
+        else:
+            weight, full_bias = init.weight.detach()[outputs][:, inputs], init.bias.detach()[outputs]
+        self.shard = nn.Parameter(weight.t().contiguous())
+        self.bias = nn.Parameter(full_bias.clone()) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _Linear3D.apply(x, self.shard, self.bias, self)

@@ -17,6 +17,8 @@ from src.models.spec import Kernel, LayerSpec, ModelSpec, UnitSpec
 from src.runtime.modules.blocks import Attention, Block, FeatureHead, Llama, LMHead, PatchEmbedding, TokenEmbedding
 from src.runtime.modules.contrastive import ContrastiveLoss
 from src.runtime.modules.generator import generator_layer
+from src.runtime.modules.gpt3d import Attention3D, grid_layer, link_prefetches
+from src.runtime.modules.grid3d import Grid3D
 from src.runtime.modules.mllm import ConditioningHead, MultimodalEmbedding, Projector
 from src.runtime.modules.parallel import TP
 
@@ -93,12 +95,19 @@ def layer_seed(seed: int, unit: str, index: int) -> int:
 
 
 def build_units(
-    model: ModelSpec, seed: int, tp: dict[str, TP], keep: dict[str, set[int]], recompute: dict[str, str] | None = None
+    model: ModelSpec,
+    seed: int,
+    tp: dict[str, TP],
+    keep: dict[str, set[int]],
+    recompute: dict[str, str] | None = None,
+    grids: dict[str, Grid3D] | None = None,
 ) -> nn.ModuleDict:
     """Each unit in `keep` as a ModuleList indexed like its LayerSpecs, holding only the
     layers in `keep[unit]` (None elsewhere); only those are ever built (a TP layer
     draws its whole weight, then keeps its slice). `recompute`: a unit's mode;
-    'selective' re-runs its attention cores in backward."""
+    'selective' re-runs its attention cores in backward. `grids`: the units on a Par4D
+    grid, built of its 3D-parallel layers."""
+    grids = grids or {}
     units = nn.ModuleDict()
     for unit in model.units:
         if unit.name not in keep:
@@ -109,13 +118,19 @@ def build_units(
                 layers.add_module(str(i), None)
                 continue
             torch.manual_seed(layer_seed(seed, unit.name, i))
+            if unit.name in grids:
+                module = grid_layer(unit, i, grids[unit.name], vocab_size(unit))
+            else:
+                module = _layer(model, unit, i, tp.get(unit.name, TP()))
             # A frozen unit, or a frozen or forward-only layer of a trained one (an MLLM's
             # ViT under its trained projector, SD's VAE encoder), keeps no gradients.
-            layers.append(_layer(model, unit, i, tp.get(unit.name, TP())).requires_grad_(unit.trains(unit.layers[i])))
+            layers.append(module.requires_grad_(unit.trains(unit.layers[i])))
+        if unit.name in grids:
+            link_prefetches(layers)
         units[unit.name] = layers
         if (recompute or {}).get(unit.name) == "selective":
             for module in units[unit.name].modules():
-                if isinstance(module, Attention):
+                if isinstance(module, (Attention, Attention3D)):
                     module.recompute_core = True
     return units
 

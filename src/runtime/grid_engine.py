@@ -1,0 +1,52 @@
+"""The optimizer of a unit on a Par4D grid, in a DeepSpeed engine's place.
+
+Its layers reduce their own weight gradients over z (runtime.modules.grid3d); at the step
+the grid sums the z-replicated parameters' gradients over z and every gradient over data
+parallelism, and the engine averages the latter as DeepSpeed does (the executor runs each
+backward on its data-parallel degree times its part of the loss).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from src.program import UnitPlan
+from src.runtime.modules.grid3d import Grid3D
+
+
+GRID_AXES = ("x", "y", "z", "dp")  # a Par4D grid's, X innermost
+
+
+def on_grid(unit: UnitPlan) -> bool:
+    """Whether a unit's plan places it on a Par4D grid."""
+    return any(axis in GRID_AXES[:3] for axis, _ in unit.mesh.axes)
+
+
+def build_grid(unit: UnitPlan) -> Grid3D:
+    """The unit's grid, its groups made by every rank, with the plan's overlaps and cached layers."""
+    degrees = tuple(unit.mesh.degree(axis) for axis in GRID_AXES)
+    return Grid3D.build(degrees, frozenset(unit.grid_overlap), frozenset(unit.cached_layers))  # type: ignore[arg-type]
+
+
+class GridEngine:
+    def __init__(self, module: nn.Module, grid: Grid3D, lr: float, weight_decay: float, eps: float) -> None:
+        self.module, self.grid = module, grid
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay, eps=eps)
+
+    def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = False) -> None:
+        loss.backward()
+
+    def step(self) -> None:
+        self.grid.finish_backward([self.module])
+        if self.grid.dp.size > 1:
+            for param in self.params:
+                if param.grad is not None:
+                    param.grad.div_(self.grid.dp.size)
+        self.optimizer.step()
+        self.zero_grad()
+
+    def zero_grad(self) -> None:
+        for param in self.params:
+            param.grad = None
