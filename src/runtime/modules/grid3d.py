@@ -167,18 +167,26 @@ def _reduce_scatter(full: torch.Tensor, axis: Axis, async_op: bool) -> _InFlight
     return _InFlight(handle if async_op else None, lambda: full[axis.rank * rows : (axis.rank + 1) * rows])
 
 
+def _gemm_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype autocast gives this GEMM (a custom Function's backward runs outside
+    autocast, so the forward records it)."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+
+
 class _Linear3D(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, shard: torch.Tensor, bias: torch.Tensor | None, layer: Linear3D) -> torch.Tensor:
-        weight = layer.gathered_weight()
-        ctx.save_for_backward(x, weight)
-        ctx.layer, ctx.has_bias = layer, bias is not None
-        out = x @ weight
+        dtype = _gemm_dtype(x)
+        x_gemm, weight = x.to(dtype), layer.gathered_weight().to(dtype)
+        ctx.save_for_backward(x_gemm, weight)
+        ctx.layer, ctx.has_bias, ctx.input_dtype = layer, bias is not None, x.dtype
+        out = x_gemm @ weight
         rows = layer.grid.axis(layer.rows_axis)
         if rows.size > 1:
             with CLOCK.timed("tp"):
                 dist.all_reduce(out, group=rows.group)
-        return out + bias if bias is not None else out
+        return out + bias.to(dtype) if bias is not None else out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -186,6 +194,7 @@ class _Linear3D(torch.autograd.Function):
         layer: Linear3D = ctx.layer
         grid = layer.grid
         cols = grid.axis(layer.cols_axis)
+        grad = grad.to(weight.dtype)
         grad_x = grad @ weight.t()
         handle = None
         if cols.size > 1:
@@ -196,10 +205,11 @@ class _Linear3D(torch.autograd.Function):
         if handle is not None and "all_reduce" in grid.overlap:
             with CLOCK.timed("tp"):
                 handle.wait()
-        grad_bias = flat_grad.sum(0) if ctx.has_bias else None  # this z rank's rows' (Grid3D.finish_backward sums them)
-        layer.reduce_weight_grad(grad_w)
+        # This z rank's rows' bias gradient (Grid3D.finish_backward sums them); fp32 master gradients.
+        grad_bias = flat_grad.sum(0).to(layer.shard.dtype) if ctx.has_bias else None
+        layer.reduce_weight_grad(grad_w.to(layer.shard.dtype))
         layer.release()
-        return grad_x, None, grad_bias, None
+        return grad_x.to(ctx.input_dtype), None, grad_bias, None
 
 
 class ZSharded(nn.Module):
