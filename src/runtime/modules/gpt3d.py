@@ -35,45 +35,30 @@ from src.runtime.modules.parallel import TP
 State = dict[str, torch.Tensor]
 
 
-class _SumReplicated(torch.autograd.Function):
-    """All-reduce whose result every rank uses whole: the backward is the identity."""
+def _all_reduce(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    x = x.clone()
+    with CLOCK.timed("tp"):
+        dist.all_reduce(x, group=axis.group)
+    return x
+
+
+class _Sum(torch.autograd.Function):
+    """All-reduce over an axis. Its backward is the identity where every rank uses the
+    result whole (each replica's gradient is whole), and sums the gradients over the axis
+    where each rank uses it for its own columns only (each gradient is partial)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, axis: Axis) -> torch.Tensor:
-        x = x.clone()
-        with CLOCK.timed("tp"):
-            dist.all_reduce(x, group=axis.group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None
-
-
-class _SumPartial(torch.autograd.Function):
-    """All-reduce whose result each rank uses for its own columns only: the gradients
-    from every rank are summed in the backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, axis: Axis) -> torch.Tensor:
-        ctx.axis = axis
-        x = x.clone()
-        with CLOCK.timed("tp"):
-            dist.all_reduce(x, group=axis.group)
-        return x
+    def forward(ctx, x: torch.Tensor, axis: Axis, partial: bool) -> torch.Tensor:
+        ctx.axis, ctx.partial = axis, partial
+        return _all_reduce(x, axis)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grad = grad.clone()
-        with CLOCK.timed("tp"):
-            dist.all_reduce(grad, group=ctx.axis.group)
-        return grad, None
+        return (_all_reduce(grad, ctx.axis) if ctx.partial else grad), None, None
 
 
 def _sum(x: torch.Tensor, axis: Axis, replicated: bool) -> torch.Tensor:
-    if axis.size == 1:
-        return x
-    return (_SumReplicated if replicated else _SumPartial).apply(x, axis)
+    return x if axis.size == 1 else _Sum.apply(x, axis, not replicated)
 
 
 def _samples(batch: torch.Tensor, z: Axis) -> torch.Tensor:
