@@ -388,8 +388,9 @@ class UnitPlan:
     each data-parallel replica processes per iteration. sample_groups: the step's batch is
     cut into this many contiguous groups, each split over the replicas and then into
     micro-batches in order (DistMM's contrastive batches; elsewhere one group per
-    micro-batch index). gathered_params: parameters a rank holds gathered (16-bit) beyond
-    its own shard at its peak: ZeRO-3's live layers, Par4D's all-gathered weight blocks
+    micro-batch index), unless `samples_of` names the unit whose samples it reads.
+    gathered_params: parameters a rank holds gathered (16-bit) beyond its own shard at
+    its peak: ZeRO-3's live layers, Par4D's all-gathered weight blocks
     kept for the backward or cached for recomputation.
     """
 
@@ -403,6 +404,10 @@ class UnitPlan:
     vpp: int = 1
     zero_stage: int = 0
     recompute: str = "none"
+    # A unit whose micro-batch j holds the samples of another unit's micro-batch j on the
+    # same rank's replica of it (Optimus's encoders: micro-batch j is the LLM micro-batch
+    # its output becomes); None: its own batching says which samples.
+    samples_of: str | None = None
     sequence_parallel: bool = False
     gathered_params: float = 0.0
     overlap_comm: bool = False  # gradients reduced asynchronously during the backward (ZeRO-3 also prefetches parameters)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from src.models.flows import chain_key
 from src.models.registry import build_model
 from src.runtime.inputs import Batches, Batching, StepSamples, dataset_for
 from src.runtime.modules.units import build_units, llama_style, unit_layers
@@ -44,7 +45,7 @@ def test_the_generator_scores_the_noise_and_uses_every_skip_it_keeps():
     batches = Batches(StepSamples(model, dataset_for(model, 0, "synthetic"), 2, {"generator": whole}, {"generator": 0}))
     batches.start_step(0)
     state = dict(batches("generator", 0))
-    state["inputs"] = torch.randn(2, generator.layers[0].kernels[0].m * generator.layers[0].kernels[0].k)
+    state[chain_key("llm")] = torch.randn(2, generator.layers[0].kernels[0].m * generator.layers[0].kernels[0].k)
     for layer in unit_layers(units, "generator"):
         state = layer(state)
     assert state["loss"].shape == () and state["loss"] > 0

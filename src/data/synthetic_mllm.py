@@ -8,6 +8,10 @@ is the class's prototype plus noise, its text the class's arithmetic progression
 resolution. The diffusion step is drawn per sample too: a timestep of SD's scaled-linear
 schedule (1000 steps, betas 0.00085 to 0.012), its alpha-bar, and the noise to predict.
 
+Without a generator (Optimus's MLLMs: `target_size` 0) a sample is its image and text
+only; `image_tokens` counts the tokens of every encoder that reads the image (two
+encoders of a DualEnc MLLM look at the same image, their tokens side by side).
+
 Targets: the positions whose next token is an image token predict nothing (-100), so
 every sequence scores the same number of tokens and a micro-batch's mean loss weighs
 every sample alike, whatever the order of the batch.
@@ -38,9 +42,9 @@ class SyntheticMLLM:
     image_tokens: int
     seq_len: int
     vocab: int
-    target_size: int
-    latent_channels: int
-    latent_size: int
+    target_size: int = 0  # 0: no image to generate
+    latent_channels: int = 0
+    latent_size: int = 0
     noise: float = 0.5
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
@@ -50,13 +54,14 @@ class SyntheticMLLM:
         tokens = (start + stride * torch.arange(self.seq_len + 1)) % self.vocab
         targets = tokens[1:].clone()
         targets[: self.image_tokens - 1] = IGNORE
+        sample = {"images": image, "ids": tokens[:-1], "targets": targets}
+        if not self.target_size:
+            return sample
         target = torch.randn(3, self.target_size, self.target_size, generator=_generator(self.seed, -1 - CLASSES - label))
         step = int(torch.randint(TIMESTEPS, (1,), generator=g))
         latent_shape = (self.latent_channels, self.latent_size, self.latent_size)
         return {
-            "images": image,
-            "ids": tokens[:-1],
-            "targets": targets,
+            **sample,
             "target": target,
             "latent": torch.randn(latent_shape, generator=g),  # for a generator without the VAE (precomputed latents)
             "noise": torch.randn(latent_shape, generator=g),

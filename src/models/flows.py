@@ -82,6 +82,19 @@ def _reads_tokens(layer, producer: UnitSpec) -> bool:
     return any(k.name == "xattn_kv" and k.m == producer.seq_len and k.k == producer.hidden for k in layer.kernels)
 
 
+def chain_key(producer: str) -> str:
+    """The state key under which a chain flow's tensor enters its consumer: named by its
+    producer, so a consumer fed by several (Optimus's LLM after two encoders) binds each
+    where its modules read it, whatever order the payloads come in."""
+    return f"inputs.{producer}"
+
+
+def chain_sources(model: ModelSpec, unit: str) -> tuple[str, ...]:
+    """The units chained into `unit`, in the model's flow order (where their outputs
+    enter: an LLM's image tokens from its first encoder first)."""
+    return tuple(f.producer for f in flows_of(model) if f.consumer == unit and f.kind == "chain")
+
+
 def outputs_of(model: ModelSpec, unit: str) -> list[tuple[int, str]]:
     """(layer boundary, tensor) of what a unit hands on (nothing for a unit ending in its loss)."""
     return list(dict.fromkeys((f.source, f.tensor) for f in flows_of(model) if f.producer == unit))

@@ -10,11 +10,18 @@ Optimus does not give the image resolution: we use ViT-22B's own (224x224, patch
 256 patch tokens + CLS), and one image per sequence (`images_per_sample`, recorded in
 extras for the planners; an encoder's sample is one image, the LLM's one sequence).
 
+`model.scale=tiny` keeps this structure (ViT blocks + the projector as the encoder's last
+layer, a GPT- or Llama-style LLM) at a few hundred KB for CPU runs of the real backend:
+every encoder a 2-layer ViT of width 64 on 32px images (patch 8: 16 image tokens), every
+LLM 2 layers of width 64 with a 128-token vocabulary, on 64-token sequences.
+
 Naming: Table 8 calls the 4096-wide ViT "ViT-10B" while §5 and Tables 3/6 call it
 "ViT-11B"; the key is `vit_11b` (what the experiments use), its size is Table 8's 10B.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from src.errors import ConfigError
 from src.models.blocks import DecoderPreset, decoder_unit, mlp_projector, vit_layers
@@ -42,9 +49,40 @@ OPTIMUS_SEQ_LEN = 2048
 IMAGE_SIZE = 224
 PATCH_SIZE = 14
 MAX_ENCODERS = 2  # Optimus evaluates single- and dual-encoder MLLMs (Table 6)
+SCALES = ("paper", "tiny")
+
+
+@dataclass(frozen=True)
+class Scale:
+    """Every size of one scale; `tiny` keeps the paper's structure at a few hundred KB."""
+
+    encoders: dict[str, dict[str, int]]
+    llms: dict[str, DecoderPreset]
+    image: int
+    patch: int
+    seq_len: int
+    batch: int
+
+
+PAPER = Scale(ENCODERS, LLMS, IMAGE_SIZE, PATCH_SIZE, OPTIMUS_SEQ_LEN, 1536)  # Table 5's strong-scaling batch
+TINY_VIT = {"hidden": 64, "layers": 2, "ffn": 256, "heads": 4}
+TINY = Scale(
+    {name: TINY_VIT for name in ENCODERS},
+    {
+        "gpt_11b": DecoderPreset(2, 64, 4, 128),
+        "llama_70b": DecoderPreset(2, 64, 4, 128, "llama", ffn=160, kv_heads=2),
+        "gpt_175b": DecoderPreset(2, 64, 4, 128),
+    },
+    32,
+    8,
+    64,
+    8,
+)
 
 
 def build_optimus(opts: Options, seq_len: int | None) -> ModelSpec:
+    scale_name = opts.choice("scale", SCALES, "paper")
+    scale = TINY if scale_name == "tiny" else PAPER
     names = opts.names("encoders", ["vit_22b"])
     if not 1 <= len(names) <= MAX_ENCODERS:
         raise ConfigError(f"model.encoders={names} must name 1 to {MAX_ENCODERS} encoders from: {', '.join(ENCODERS)}")
@@ -52,20 +90,25 @@ def build_optimus(opts: Options, seq_len: int | None) -> ModelSpec:
         if name not in ENCODERS:
             raise ConfigError(f"model.encoders contains {name!r}, not one of: {', '.join(ENCODERS)}")
     llm_name = opts.choice("llm", LLMS, "gpt_175b")
-    llm_preset = LLMS[llm_name]
-    image = opts.positive_int("image_size", IMAGE_SIZE)
-    patch = opts.positive_int("patch_size", PATCH_SIZE)
+    llm_preset = scale.llms[llm_name]
+    image = opts.positive_int("image_size", scale.image)
+    patch = opts.positive_int("patch_size", scale.patch)
     images_per_sample = opts.positive_int("images_per_sample", 1)
     divisible(opts, "image_size", image, "model.patch_size", patch)
-    seq = OPTIMUS_SEQ_LEN if seq_len is None else seq_len
+    seq = scale.seq_len if seq_len is None else seq_len
 
     image_tokens = (image // patch) ** 2
+    if len(names) * images_per_sample * image_tokens > seq:
+        raise ConfigError(
+            f"{len(names)} encoder(s) x {images_per_sample} image(s) x {image_tokens} image tokens do not fit the "
+            f"LLM's {seq}-token sequence (model.image_size, model.patch_size or train.seq_len)"
+        )
     unit_names = ["encoder"] if len(names) == 1 else [f"encoder{i}" for i in range(len(names))]
     encoders = []
     for unit_name, name in zip(unit_names, names):
-        vit = ENCODERS[name]
+        vit = scale.encoders[name]
         layers = vit_layers(image, patch, vit["layers"], vit["hidden"], vit["heads"], vit["ffn"])
-        layers.append(mlp_projector(image_tokens, vit["hidden"], llm_preset.hidden, llm_preset.hidden, "projector"))
+        layers.append(mlp_projector(image_tokens, vit["hidden"], llm_preset.hidden, llm_preset.hidden, "input_projector"))
         encoders.append(
             UnitSpec(
                 name=unit_name,
@@ -80,10 +123,11 @@ def build_optimus(opts: Options, seq_len: int | None) -> ModelSpec:
     return ModelSpec(
         name="optimus",
         units=(*encoders, llm),
-        default_global_batch=1536,  # Optimus Table 5's strong-scaling batch
+        default_global_batch=scale.batch,
         flows=tuple((unit_name, "llm") for unit_name in unit_names),
-        description=f"Optimus MLLM: {' + '.join(names)} at {image}px/{patch} -> {llm_name} on {seq} tokens",
+        description=f"Optimus MLLM ({scale_name}): {' + '.join(names)} at {image}px/{patch} -> {llm_name} on {seq} tokens",
         extras={
+            "scale": scale_name,
             "encoders": dict(zip(unit_names, names)),
             "images_per_sample": images_per_sample,
             "image_tokens": image_tokens,

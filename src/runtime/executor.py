@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from src.errors import ConfigError
+from src.models.flows import chain_key
 from src.models.spec import ModelSpec
 from src.program import Collective, Compute, Instruction, Message, Payload, Plan, Recv, Route, Send, Wait
 from src.runtime.batch_rows import exchange_rows, placed_by_rows
@@ -91,13 +92,13 @@ def _grad(leaf: torch.Tensor) -> torch.Tensor:
 def input_key(work_unit: str, payload: Payload) -> str:
     """The module-state key a Compute's input payload binds to: the unit's own token
     states enter as 'x'; another unit's tokens are the cross-attention 'memory', its
-    output 'x' the consumer's 'inputs'."""
+    output 'x' enters under its producer's name (flows.chain_key)."""
     if payload.unit == work_unit and payload.tensor == "x":
         return "x"
     if payload.unit != work_unit and payload.tensor == "tokens":
         return "memory"
     if payload.unit != work_unit and payload.tensor == "x":
-        return "inputs"  # a chain: the upstream unit's output is this unit's input (an MLLM's encoder to its LLM)
+        return chain_key(payload.unit)  # a chain: the upstream unit's output is this unit's input (an MLLM's encoder to its LLM)
     raise ConfigError(f"the real backend has no module input for {payload} in a Work of unit {work_unit}")
 
 

@@ -43,6 +43,7 @@ class Batching:
     micro_batch: int
     num_microbatches: int
     sample_groups: int
+    samples_of: str | None = None
 
 
 def dataset_for(model: ModelSpec, seed: int, source: str) -> Any:
@@ -58,6 +59,8 @@ def dataset_for(model: ModelSpec, seed: int, source: str) -> Any:
         return SyntheticTokens(seed, llm.seq_len, vocab_size(llm))
     if names == ["encoder", "llm", "generator"]:
         return _mllm_data(model, seed, source)
+    if names[-1] == "llm" and all(model.unit(n).layers[0].name == "patch_embedding" for n in names[:-1]):
+        return _encoders_llm_data(model, seed, source, names[:-1])
     raise ConfigError(
         f"the real backend has no data for model {model.name} (units {names}): it trains CLIP, CoCa, LiT, GPT and the MLLMs"
     )
@@ -80,6 +83,22 @@ def _mllm_data(model: ModelSpec, seed: int, source: str) -> SyntheticMLLM | Shar
     if source == "synthetic":
         return synthetic
     return ShardMLLM(TarShards(source, image, llm.seq_len + 1 - tokens, vocab), synthetic)
+
+
+def _encoders_llm_data(model: ModelSpec, seed: int, source: str, encoders: list[str]) -> SyntheticMLLM:
+    """ViT encoders chained into an LLM (Optimus's MLLMs): one image per sequence, which
+    every encoder reads, its tokens of all encoders first in the sequence."""
+    images = model.extras["images_per_sample"]
+    if images != 1:
+        raise ConfigError(f"model.images_per_sample={images}: the real backend runs these MLLMs with one image per sequence")
+    if source != "synthetic":
+        raise ConfigError(f"backend.data={source!r}: the real backend has only synthetic data for {model.name} (use synthetic)")
+    sizes = {image_geometry(model.unit(name))[0] for name in encoders}
+    if len(sizes) > 1:
+        raise ConfigError(f"encoders {encoders} read images of sizes {sorted(sizes)}: the real backend gives them one image")
+    llm = model.unit("llm")
+    vocab = next(k.n for k in llm.layers[-1].kernels if k.name == "projection")
+    return SyntheticMLLM(seed, sizes.pop(), len(encoders) * model.extras["image_tokens"], llm.seq_len, vocab)
 
 
 def unit_fields(model: ModelSpec, unit: str, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -132,8 +151,9 @@ class StepSamples:
         """Units that read the same samples (two towers) share one collated batch."""
         made: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
         rows: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}
-        for unit, replica in self.replica.items():
-            plan = self.units[unit]
+        for unit in self.replica:
+            reader = self.units[unit].samples_of or unit
+            plan, replica = self.units[reader], self.replica[reader]
             for microbatch in range(plan.num_microbatches):
                 first = first_sample(plan, self.global_batch, replica, microbatch)
                 positions = range(first, first + plan.micro_batch)

@@ -14,7 +14,7 @@ from src.runtime.device import computing
 from src.runtime.inputs import Batches, Batching, StepSamples, dataset_for
 from src.runtime.loss_scale import LossScale, overflowed, unscale
 from src.runtime.modules.units import build_units, unit_layers
-from src.models.flows import flows_of, unit_order
+from src.models.flows import chain_key, flows_of, unit_order
 
 CPU = torch.device("cpu")
 
@@ -65,7 +65,7 @@ def reference_losses(
                     state["memory"] = finals[producer]["tokens"]
             for flow in flows_of(model):
                 if flow.consumer == name and flow.kind == "chain":
-                    state["inputs"] = finals[flow.producer][flow.tensor]
+                    state[chain_key(flow.producer)] = finals[flow.producer][flow.tensor]
             with torch.set_grad_enabled(model.needs_backward(name)), computing(CPU, precision):
                 for layer in unit_layers(units, name):
                     state = layer(state)

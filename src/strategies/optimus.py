@@ -508,6 +508,7 @@ def _emit(
             stage_layers=tuple(best.costs.layers[u]),
             sample_groups=max(counts),
             zero_stage=opts.encoder_zero_stage,
+            samples_of=base.plan.unit,  # an encoder micro-batch is named by the LLM micro-batch it feeds
             details=details,
         )
         for u in encoders

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from src.models.flows import chain_key
 from src.runtime.modules.parallel import TP, ColumnParallelLinear, RowParallelLinear, head_rows
 from src.runtime.modules.sequence import reduce_grad, split_sequence, unsplit_sequence
 
@@ -209,15 +210,33 @@ class PatchEmbedding(nn.Module):
         return {**state, "x": split_sequence(x, self.tp)}
 
 
+def with_images(x: torch.Tensor, state: State, sources: tuple[str, ...]) -> torch.Tensor:
+    """Token embeddings x (batch, seq, hidden) whose first positions hold the image tokens
+    that the units chained in (`sources`, in flow order) hand on flattened; x as it is
+    when none are handed in (a unit run alone)."""
+    keys = [chain_key(source) for source in sources]
+    given = [key for key in keys if key in state]
+    if not given:
+        return x
+    if len(given) < len(keys):
+        raise ValueError(f"the embedding reads image tokens from {list(sources)} but got only {given}")
+    images = torch.cat([state[key].reshape(x.shape[0], -1, x.shape[-1]).to(x.dtype) for key in keys], dim=1)
+    return torch.cat([images, x[:, images.shape[1] :]], dim=1)
+
+
 class TokenEmbedding(nn.Module):
-    def __init__(self, vocab: int, hidden: int, seq: int, tp: TP) -> None:
+    """Token + learned position embedding; `sources`: units whose image tokens take the
+    first positions (an MLLM's encoders, with a GPT-style LLM)."""
+
+    def __init__(self, vocab: int, hidden: int, seq: int, tp: TP, sources: tuple[str, ...] = ()) -> None:
         super().__init__()
         self.tokens = nn.Embedding(vocab, hidden)
         self.pos = nn.Parameter(torch.randn(1, seq, hidden) * 0.02)
-        self.tp = tp
+        self.tp, self.sources = tp, sources
 
     def forward(self, state: State) -> State:
-        return {**state, "x": split_sequence(self.tokens(state["ids"]) + self.pos, self.tp)}
+        x = with_images(self.tokens(state["ids"]), state, self.sources) + self.pos
+        return {**state, "x": split_sequence(x, self.tp)}
 
 
 class FeatureHead(nn.Module):

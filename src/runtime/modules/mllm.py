@@ -4,16 +4,17 @@ to the generator.
 
 What crosses from one unit to the next (a chain flow) travels flattened, one row per
 sequence (PayloadStore.row_shape: the unit's output_elems); the receiver reshapes it. A
-consumer binds it as state['inputs'].
+consumer binds it under its producer's name (flows.chain_key), and its layer that reads
+it is built knowing from whom.
 """
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 
-from src.runtime.modules.blocks import State
+from src.models.flows import chain_key
+from src.runtime.modules.blocks import State, with_images
 from src.runtime.modules.parallel import TP, ColumnParallelLinear, RowParallelLinear
 
 
@@ -23,17 +24,18 @@ class Projector(nn.Module):
     on flattened; output: the LLM's handed-on states become the U-Net's condition
     (state['memory'], which its cross-attention reads)."""
 
-    def __init__(self, d_in: int, d_hidden: int, d_out: int, tp: TP, role: str) -> None:
+    def __init__(self, d_in: int, d_hidden: int, d_out: int, tp: TP, role: str, source: str | None = None) -> None:
         super().__init__()
         self.fc1 = ColumnParallelLinear(d_in, d_hidden, tp)
         self.fc2 = RowParallelLinear(d_hidden, d_out, tp)
-        self.d_in, self.role = d_in, role
+        self.d_in, self.role, self.source = d_in, role, source
 
     def forward(self, state: State) -> State:
         if self.role == "input":
             tokens = state["x"][:, 1:]
         else:
-            inputs = state["inputs"]
+            assert self.source is not None, "an output projector reads the unit chained into it"
+            inputs = state[chain_key(self.source)]
             tokens = inputs.reshape(inputs.shape[0], -1, self.d_in)
         out = self.fc2(F.gelu(self.fc1(tokens)))
         if self.role == "input":
@@ -43,19 +45,15 @@ class Projector(nn.Module):
 
 class MultimodalEmbedding(nn.Module):
     """Token embedding (rotary positions come later, in attention); the sequence's first
-    positions hold the encoder's image tokens when state['inputs'] brings them."""
+    positions hold the image tokens of the encoders chained in (`sources`, in flow order)."""
 
-    def __init__(self, vocab: int, hidden: int) -> None:
+    def __init__(self, vocab: int, hidden: int, sources: tuple[str, ...]) -> None:
         super().__init__()
         self.tokens = nn.Embedding(vocab, hidden)
-        self.hidden = hidden
+        self.sources = sources
 
     def forward(self, state: State) -> State:
-        x = self.tokens(state["ids"])
-        if "inputs" in state:
-            images = state["inputs"].reshape(x.shape[0], -1, self.hidden).to(x.dtype)
-            x = torch.cat([images, x[:, images.shape[1] :]], dim=1)
-        return {**state, "x": x}
+        return {**state, "x": with_images(self.tokens(state["ids"]), state, self.sources)}
 
 
 class ConditioningHead(nn.Module):

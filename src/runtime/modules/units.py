@@ -13,6 +13,7 @@ import zlib
 import torch
 from torch import nn
 
+from src.models.flows import chain_sources
 from src.models.spec import Kernel, LayerSpec, ModelSpec, UnitSpec
 from src.runtime.modules.blocks import Attention, Block, FeatureHead, Llama, LMHead, PatchEmbedding, TokenEmbedding
 from src.runtime.modules.contrastive import ContrastiveLoss
@@ -56,7 +57,7 @@ def llama_style(unit: UnitSpec) -> Llama | None:
 
 def _layer(model: ModelSpec, unit: UnitSpec, index: int, tp: TP) -> nn.Module:
     layer = unit.layers[index]
-    causal = unit.name not in ("vision", "encoder")
+    causal = unit.layers[0].name != "patch_embedding"  # a unit that reads images attends both ways
     last = index == unit.num_layers - 1
     if unit.kind == "unet":
         module = generator_layer(unit.layers, index)
@@ -68,13 +69,14 @@ def _layer(model: ModelSpec, unit: UnitSpec, index: int, tp: TP) -> nn.Module:
         return PatchEmbedding(image, patch, unit.hidden, tp)
     if layer.name in ("input_projector", "output_projector"):
         fc1, fc2 = _kernel(layer, "fc1"), _kernel(layer, "fc2")
-        return Projector(fc1.k, fc1.n, fc2.n, tp, layer.name.removesuffix("_projector"))
+        sources = chain_sources(model, unit.name)
+        return Projector(fc1.k, fc1.n, fc2.n, tp, layer.name.removesuffix("_projector"), sources[0] if sources else None)
     if layer.name == "embedding" and llama is not None:
-        return MultimodalEmbedding(_kernel(unit.layers[-1], "projection").n, unit.hidden)
+        return MultimodalEmbedding(_kernel(unit.layers[-1], "projection").n, unit.hidden, chain_sources(model, unit.name))
     if layer.name == "head" and llama is not None:
         return ConditioningHead(unit.hidden, _kernel(layer, "projection").n, unit.output_elems // unit.hidden)
     if layer.name == "embedding":
-        return TokenEmbedding(vocab_size(unit), unit.hidden, unit.seq_len, tp)
+        return TokenEmbedding(vocab_size(unit), unit.hidden, unit.seq_len, tp, chain_sources(model, unit.name))
     if layer.name == "block":
         return Block(unit.hidden, unit.heads, tp, causal, llama=llama)
     if layer.name == "xblock":
