@@ -13,7 +13,8 @@ extras for the planners; an encoder's sample is one image, the LLM's one sequenc
 `model.scale=tiny` keeps this structure (ViT blocks + the projector as the encoder's last
 layer, a GPT- or Llama-style LLM) at a few hundred KB for CPU runs of the real backend:
 every encoder a 2-layer ViT of width 64 on 32px images (patch 8: 16 image tokens), every
-LLM 2 layers of width 64 with a 128-token vocabulary, on 64-token sequences.
+LLM 4 layers of width 64 (four pipeline stages on four CPU workers) with a 128-token
+vocabulary, on 64-token sequences.
 
 Naming: Table 8 calls the 4096-wide ViT "ViT-10B" while §5 and Tables 3/6 call it
 "ViT-11B"; the key is `vit_11b` (what the experiments use), its size is Table 8's 10B.
@@ -69,9 +70,9 @@ TINY_VIT = {"hidden": 64, "layers": 2, "ffn": 256, "heads": 4}
 TINY = Scale(
     {name: TINY_VIT for name in ENCODERS},
     {
-        "gpt_11b": DecoderPreset(2, 64, 4, 128),
-        "llama_70b": DecoderPreset(2, 64, 4, 128, "llama", ffn=160, kv_heads=2),
-        "gpt_175b": DecoderPreset(2, 64, 4, 128),
+        "gpt_11b": DecoderPreset(4, 64, 4, 128),
+        "llama_70b": DecoderPreset(4, 64, 4, 128, "llama", ffn=160, kv_heads=2),
+        "gpt_175b": DecoderPreset(4, 64, 4, 128),
     },
     32,
     8,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from src.errors import ConfigError
-from src.models.spec import UnitSpec
+from src.models.spec import ModelSpec, UnitSpec
 from src.program import Collective, Compute, Hop, Plan, Recv, Send, UnitPlan, Wait
 from src.runtime.batch_rows import placed_by_rows
 from src.runtime.executor import input_key
@@ -74,6 +74,8 @@ def check_runnable(setup: Setup, plan: Plan) -> None:
         for instruction in rank_program.instructions:
             _check_instruction(instruction, handles, rank_program.label, setup.model.interaction, overlapped)
         _check_backward_ranges(rank_program.label, rank_program.instructions)
+        _check_kernel_ranges(rank_program.label, rank_program.instructions, setup.model)
+        _check_work_under_tp(rank_program.label, rank_program.instructions)
         if rank_program.ranks:
             _check_gathered_batches(plan, rank_program.ranks[0], rank_program.instructions)
     check_message_order(plan)
@@ -103,7 +105,8 @@ def _check_grid(unit: UnitPlan, spec: UnitSpec) -> None:
 
 def _check_backward_ranges(label: str, instructions: list) -> None:
     """A backward runs the layers of one forward of its micro-batch, all or a part of them
-    (the executor cuts that forward where the backward starts)."""
+    (the executor cuts that forward where the backward starts), or of consecutive forwards
+    (which it runs backward one by one, last first)."""
     forwards: dict[tuple, list[tuple[int, int]]] = {}
     for instruction in instructions:
         if isinstance(instruction, Compute) and instruction.work.phase in ("fwd", "bwd", "bwd_input"):
@@ -111,11 +114,78 @@ def _check_backward_ranges(label: str, instructions: list) -> None:
             key = (work.unit, instruction.microbatch, instruction.chunk)
             if work.phase == "fwd":
                 forwards.setdefault(key, []).append(work.layers)
-            elif not any(a <= work.layers[0] and work.layers[1] <= b for a, b in forwards.get(key, [])):
+            elif not _tiled(work.layers, forwards.get(key, [])):
                 raise ConfigError(
                     f"{label}: backward of {work.unit} layers {work.layers} (micro-batch {instruction.microbatch}) "
-                    f"spans no single forward of its layers ({forwards.get(key, [])}): the real backend cannot run it"
+                    f"spans no forward or run of consecutive forwards of its layers ({forwards.get(key, [])}): the "
+                    f"real backend cannot run it"
                 )
+
+
+def _tiled(layers: tuple[int, int], forwards: list[tuple[int, int]]) -> bool:
+    start, end = layers
+    if any(a <= start and end <= b for a, b in forwards):
+        return True
+    reached = start
+    while reached < end:
+        nexts = [b for a, b in forwards if a == reached and b <= end]
+        if not nexts:
+            return False
+        reached = max(nexts)
+    return True
+
+
+def _check_kernel_ranges(label: str, instructions: list, model: ModelSpec) -> None:
+    """A layer pass the plan splits into kernel ranges runs whole at its last range
+    (Executor._kernel_pass): its ranges must cover the layer's kernels once each, or the
+    layer would never run, or run twice."""
+    open_passes: dict[tuple, list[tuple[int, int]]] = {}
+    for instruction in instructions:
+        if not isinstance(instruction, Compute) or instruction.work.phase == "bwd_weight":
+            continue
+        work = instruction.work
+        if work.kernels is None:
+            continue
+        count = len(model.unit(work.unit).layers[work.layers[0]].kernels)
+        phase = "bwd" if work.phase == "bwd_input" else work.phase
+        key = (work.unit, phase, work.layers, instruction.microbatch, instruction.chunk)
+        ranges = open_passes.setdefault(key, [])
+        ranges.append(work.kernels)
+        covered = sorted(k for a, b in ranges for k in range(a, b))
+        if covered == list(range(count)):
+            del open_passes[key]
+        elif len(covered) != len(set(covered)) or work.layers[1] != work.layers[0] + 1:
+            raise ConfigError(
+                f"{label}: {work.unit} layers {work.layers} {phase} (micro-batch {instruction.microbatch}) in kernel "
+                f"ranges {ranges}: the real backend runs one layer's {count} kernels once each, whole at its last range"
+            )
+    for (unit, phase, layers, microbatch, _), ranges in open_passes.items():
+        raise ConfigError(
+            f"{label}: {unit} layers {layers} {phase} (micro-batch {microbatch}) in kernel ranges {ranges} that do not "
+            f"cover its {len(model.unit(unit).layers[layers[0]].kernels)} kernels: the real backend would never run it"
+        )
+
+
+def _check_work_under_tp(label: str, instructions: list) -> None:
+    """An asynchronous TP collective without payloads is a layer's own, which its modules
+    run inside the layer: the real backend overlaps one with what follows only inside a
+    pass that overlaps its own (StepCCL's row chunks, a Par4D grid's kernel ranges). A
+    whole pass placed under it (Optimus's encoder kernels in the LLM's TP bins, the LLM
+    under the encoders' all-reduces) would run after it, not beside it."""
+    issued: dict[str, str] = {}
+    for instruction in instructions:
+        if isinstance(instruction, Collective) and instruction.kind == "tp" and not instruction.blocking and instruction.handle:
+            if not (instruction.inputs or instruction.outputs):
+                issued[instruction.handle] = f"{instruction.op} on {instruction.group}"
+        elif isinstance(instruction, Wait):
+            issued.pop(instruction.handle, None)
+        elif isinstance(instruction, Compute) and issued and instruction.work.fraction == 1.0 and not instruction.work.sharding.grid:
+            handle, what = next(iter(issued.items()))
+            raise ConfigError(
+                f"{label}: {instruction.work.unit} layers {instruction.work.layers} {instruction.work.phase} run under "
+                f"the asynchronous TP {what} ({handle}), which the real backend runs inside its layer, before them, not "
+                f"overlapped (Optimus: strategy.llm.tp=1 and strategy.encoder.tp=1, or strategy.fine_grained=false)"
+            )
 
 
 def _check_gathered_batches(plan: Plan, rank: int, instructions: list) -> None:
@@ -155,11 +225,6 @@ def _check_instruction(instruction, handles: set[str], label: str, interaction: 
                 f"{label}: {work.unit} layers {work.layers} run in chunks of {work.fraction:.3g}: the real backend "
                 f"chunks a pass only to overlap its TP collectives, in a whole number of chunks (DistTrain: "
                 f"strategy.tp_overlap_chunks=1)"
-            )
-        if work.kernels is not None and not work.sharding.grid:
-            raise ConfigError(
-                f"{label}: the real backend runs a layer in kernel ranges only on a Par4D grid (its FCs), not "
-                f"{work.unit}'s kernels placed apart (layers {work.layers}): Optimus runs in the simulator only"
             )
         if work.phase == "fwd":
             for payload in instruction.inputs:

@@ -292,6 +292,10 @@ class Executor:
 
     def _backward(self, compute: Compute) -> None:
         work, j = compute.work, compute.microbatch
+        if (work.unit, work.layers, j, compute.chunk) not in self.s.saved:
+            for part in self._forward_parts(compute):
+                self._backward(part)
+            return
         saved = self.s.saved.pop((work.unit, work.layers, j, compute.chunk))
         terms = [(saved.outputs[grad.tensor] * self.s.store.tensor(grad)).sum() for grad in compute.inputs]
         if "loss_share" in saved.outputs:
@@ -304,6 +308,24 @@ class Executor:
         for grad in compute.outputs:
             leaf = saved.leaves[grad.value()]
             self.s.store.put(grad, _grad(leaf) / self._dp(work.unit))
+
+    def _forward_parts(self, compute: Compute) -> list[Compute]:
+        """A backward over the layers of several forwards (Optimus: a micro-batch's encoder
+        layers run forward one by one in the LLM's bubbles and backward as one stage pass)
+        runs as their backwards, last first, each handing its input gradient to the one
+        before through the store."""
+        work, j = compute.work, compute.microbatch
+        start, end = work.layers
+        bounds = sorted(layers[0] for unit, layers, mb, chunk in self.s.saved if (unit, mb, chunk) == (work.unit, j, compute.chunk))
+        bounds = [b for b in bounds if start <= b < end] + [end]
+        if bounds[0] != start:
+            raise ConfigError(f"rank {self.rank}: backward of {work.unit} layers {work.layers} (micro-batch {j}) has no forward")
+        parts = []
+        for a, b in reversed(list(zip(bounds, bounds[1:]))):
+            inputs = compute.inputs if b == end else (Payload(work.unit, b, j).gradient(),)
+            outputs = compute.outputs if a == start else (Payload(work.unit, a, j).gradient(),)
+            parts.append(replace(compute, work=replace(work, layers=(a, b)), inputs=inputs, outputs=outputs))
+        return parts
 
     def _backpropagate(self, unit: str, loss: torch.Tensor, microbatch: int) -> None:
         """Gradients of `loss` (this rank's part of the step's loss) into the unit's
