@@ -476,6 +476,8 @@ class Executor:
     def _send(self, send: Send) -> None:
         route = self.program.route(send.route)
         for message in route.sends(self.rank, send.payload):
+            if message.dst == self.rank and message.received == message.sent:
+                continue  # it holds these rows under that name already (Optimus: an encoder and the LLM colocated)
             tensor = self.s.store.tensor(message.sent if message.sent.rows is not None else send.payload)
             tensor = tensor.detach().to(self.dtype).contiguous()
             if message.dst == self.rank:
