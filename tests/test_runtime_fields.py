@@ -168,9 +168,7 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
     ("deepspeed3d", "scatter_gather"): (DS3D, ["strategy.tp=2", "strategy.scatter_gather=true"], "run", TP_PP_RUNS),
     ("optimus", "llm.tp"): (OPTIMUS, ["strategy.llm.pp=2", "strategy.llm.tp=2", "strategy.fine_grained=false"], "run", OPTIMUS_RUNS),
     ("optimus", "llm.pp"): (OPTIMUS, ["strategy.llm.pp=4"], "run", OPTIMUS_RUNS),
-    # The LLM's gradient reduction under the encoders' backward runs inside DeepSpeed's
-    # step, not asynchronously as the plan says.
-    ("optimus", "llm.dp"): (OPTIMUS, ["strategy.llm.pp=2", "strategy.llm.dp=2"], "refused", ""),
+    ("optimus", "llm.dp"): (OPTIMUS, ["strategy.llm.pp=2", "strategy.llm.dp=2"], "run", OPTIMUS_RUNS),
     ("optimus", "llm.vpp"): (OPTIMUS, OPTIMUS_INTERLEAVED, "run", OPTIMUS_RUNS),
     ("optimus", "llm.micro_batch_size"): (OPTIMUS, ["strategy.llm.micro_batch_size=2"], "run", OPTIMUS_RUNS),
     ("optimus", "llm.schedule"): (OPTIMUS, OPTIMUS_INTERLEAVED, "run", OPTIMUS_RUNS),
@@ -263,3 +261,10 @@ def test_a_unet_on_a_par4d_grid_is_refused_naming_what_runs():
     unet = ["model=unet", "model.preset=unet_50m", "model.image_size=16", "train.global_batch=8"]
     with pytest.raises(ConfigError, match=r"3D-parallel model is a GPT"):
         _check(WORKERS + unet + ["strategy=par4d", "strategy.grid=[2,2,1,1]", "strategy.micro_batch_size=2"])
+
+
+def test_optimus_llm_distributed_optimizer_over_replicas_is_refused_naming_the_fix():
+    # Its parameter all-gather and gradient reduce-scatter run under the encoders' work.
+    replicas = ["strategy.llm.pp=2", "strategy.llm.dp=2", "strategy.llm.zero_stage=1"]
+    with pytest.raises(ConfigError, match=r"all_gather.*strategy.llm.zero_stage=0"):
+        _check(OPTIMUS + replicas)

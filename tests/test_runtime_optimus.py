@@ -2,8 +2,8 @@
 the encoders and the LLM colocated on every worker under separate plans, the encoders'
 work run where the bubble scheduler places it (before, after and between the LLM's
 pipeline operations, layer kernels in its bubbles), trains exactly like one process: with
-one encoder, two encoders and a frozen encoder, and coarse-grained with TP and an
-interleaved schedule. All runs share ONE launch of four workers.
+one encoder, two encoders and a frozen encoder, with two LLM replicas, and coarse-grained
+with TP and an interleaved schedule. All runs share ONE launch of four workers.
 """
 
 from __future__ import annotations
@@ -71,6 +71,9 @@ CASES: dict[str, tuple[dict, list[str]]] = {
             "strategy.defer_warmup=false",
         ],
     ),
+    # Two LLM replicas: their gradient all-reduce runs asynchronously under the encoders'
+    # backward; the encoders (ZeRO-1) and the LLM (ZeRO-0) share DP groups, not engines.
+    "llm_dp2": ({}, ["strategy.llm.pp=2", "strategy.llm.dp=2", "strategy.llm.tp=1", "strategy.llm.micro_batch_size=1"]),
     # Coarse-grained (no kernels in TP bins, which the runtime would not overlap): the
     # encoders before and after the LLM, LLM tp2 with sequence parallelism, interleaved.
     "coarse_tp2_interleaved": (

@@ -247,7 +247,7 @@ def _check_instruction(instruction, handles: set[str], label: str, interaction: 
                     f"real backend overlaps plain DP's gradient all-reduce and ZeRO-3's reduction and "
                     f"prefetch, not ZeRO-1/2's overlapped reduce-scatter (megatron: strategy.overlap_grad_reduce"
                     f"=false, or strategy.zero_stage=0; ddp: strategy.overlap_comm=false, or strategy.zero_stage=0 or 3; "
-                    f"optimus, whose LLM reduces under the encoders' backward: strategy.llm.dp=1)"
+                    f"optimus, whose LLM reduces under the encoders' backward: strategy.llm.zero_stage=0 or strategy.llm.dp=1)"
                 )
             if instruction.handle is not None:
                 handles.add(instruction.handle)

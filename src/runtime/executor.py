@@ -413,7 +413,8 @@ class Executor:
         assert collective.grads_of is not None, "a gradient reduction names its layers"
         unit, (start, end) = collective.grads_of
         ranks = self.program.group_for(collective.group, self.rank)
-        layers = list(unit_layers(self.units, unit))[start:end]
+        # The range's layers this rank holds (a virtual pipeline stage holds every pp-th range).
+        layers = [layer for layer in unit_layers(self.units, unit)[start:end] if layer is not None]
         bucket = start_reduction(layers, self.groups.get(ranks), len(ranks))
         if collective.blocking or collective.handle is None:
             bucket.finish()

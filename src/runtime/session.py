@@ -71,9 +71,11 @@ def _engine_groups(
         if name in grids:  # a GridEngine's (runtime.grid_engine)
             continue
         if sum(model.unit(name).trainable_params(i, i + 1) for i in place.layers):
-            by_group.setdefault((place.dp_ranks, place.tp_ranks), []).append(name)
+            # Units on one DP group under different ZeRO settings (Optimus's encoders and LLM) get an engine each.
+            unit = plan.unit(name)
+            by_group.setdefault((place.dp_ranks, place.tp_ranks, unit.zero_stage, unit.overlap_comm), []).append(name)
     out = []
-    for (dp_ranks, tp_ranks), names in by_group.items():
+    for (dp_ranks, tp_ranks, _, _), names in by_group.items():
         first = plan.unit(names[0])
         settings = EngineSettings(
             zero_stage=first.zero_stage,

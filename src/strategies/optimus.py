@@ -251,7 +251,9 @@ def _llm_base(
         optimizer,
         warmups,
     )
-    unit_plan = replace(unit_plan, details={"schedule": d["schedule"], "warmups": ",".join(map(str, warmups))})
+    # Its gradient all-reduce (ZeRO-0) runs asynchronously under the encoders' backward.
+    overlap = d["zero_stage"] == 0 and d["dp"] > 1
+    unit_plan = replace(unit_plan, overlap_comm=overlap, details={"schedule": d["schedule"], "warmups": ",".join(map(str, warmups))})
     memory = [
         rank_memory(RankProgram(st.ranks, st.instructions()), {llm.name: unit_plan}, model, train.precision)["total"] for st in stages
     ]

@@ -275,6 +275,15 @@ class ClassEmitter:
         return out
 
 
+def _llm_layers(stage: Stage) -> tuple[str, tuple[int, int]] | None:
+    """The LLM's layers on a pipeline stage, from the first to the last (with virtual
+    stages, the others' layers between are not held here)."""
+    works = [i.work for op in stage.ops for i in op.instructions if isinstance(i, Compute) and i.work.phase == "fwd"]
+    if not works:
+        return None
+    return works[0].unit, (min(w.layers[0] for w in works), max(w.layers[1] for w in works))
+
+
 def class_program(emitter: ClassEmitter, klass: int, stage: Stage, items: list[Placed], label: str) -> RankProgram:
     layout, schedule = emitter.layout, emitter.schedule
     s, pipeline, e = layout.position(klass)
@@ -306,7 +315,11 @@ def class_program(emitter: ClassEmitter, klass: int, stage: Stage, items: list[P
                 out.append(instruction)
             if tp_indices and n == tp_indices[-1]:
                 out += bins + [Wait(h) for h in handles]
-    out += [replace(c, stream="dp", blocking=False, handle=LLM_REDUCE) for c in reduce]
+    # An all-reduce (ZeRO-0) names the gradients it reduces: those of the stage's layers.
+    held = _llm_layers(stage)
+    out += [
+        replace(c, stream="dp", blocking=False, handle=LLM_REDUCE, grads_of=held if c.op == "all_reduce" else None) for c in reduce
+    ]
     if any(emitter.model.needs_backward(u) for u in emitter.encoders):
         waiting = sorted(
             (emitter.backward_points[mapping[(pipeline, t)]], t)
