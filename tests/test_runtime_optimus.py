@@ -163,6 +163,7 @@ def test_encoder_kernels_run_inside_the_llm_pipeline_where_the_plan_places_them(
     run_dir = runs["two_encoders"]
     plan = plan_run(validate(yaml.safe_load((run_dir / "resolved.yaml").read_text())))
     assert plan.details["kernels_in_bubbles"] > 0
+    assert any("kernel ranges" in note for note in _summary(run_dir)["measured_notes"])  # where their time is charged
     trace = json.loads((run_dir / "trace.json").read_text())
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     pids = {e["args"]["name"].split(" (ranks")[0]: e["pid"] for e in events if e.get("name") == "process_name"}

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from src.metrics import iteration_flops, summarize
-from src.program import Plan
+from src.program import Compute, Plan
 from src.report import JobInfo, open_sinks
 from src.runtime.comm import CLOCK
 from src.runtime.device import DTYPES, worker_device
@@ -256,13 +256,19 @@ def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) ->
 
 def _notes(plan: Plan) -> list[str]:
     """What the measured breakdown leaves out, so that no reader takes it for measured."""
-    if not any(u.zero_stage == 3 and u.dp > 1 for u in plan.units):
-        return []
-    return [
-        "comm_dp counts ZeRO-3's parameter all-gathers from their issue to their return: DeepSpeed "
-        "issues them asynchronously and waits for them inside forward and backward, where the wait "
-        "is counted as compute"
-    ]
+    notes = []
+    if any(u.zero_stage == 3 and u.dp > 1 for u in plan.units):
+        notes.append(
+            "comm_dp counts ZeRO-3's parameter all-gathers from their issue to their return: DeepSpeed "
+            "issues them asynchronously and waits for them inside forward and backward, where the wait "
+            "is counted as compute"
+        )
+    if any(isinstance(i, Compute) and i.work.kernels is not None for c in plan.program.classes for i in c.instructions):
+        notes.append(
+            "a layer the plan splits into kernel ranges (Par4D's FCs, Optimus's encoder kernels in bubbles) runs "
+            "whole where its last range stands: its time is measured there, its earlier ranges take none"
+        )
+    return notes
 
 
 def _measured_peak(world: int, device: torch.device, precision: str) -> float:
