@@ -239,6 +239,14 @@ def test_llm_dp_must_divide_the_batch() -> None:
         plan_run(setup(*SMALL, "strategy.llm.dp=3"))
 
 
+def test_an_absurd_batch_is_refused_before_a_layout_per_sequence_is_drawn() -> None:
+    # One sequence per LLM micro-batch: 10^9 sequences on 8 GPUs is at least 125M micro-batches.
+    with pytest.raises(ConfigError, match=r"is 125000000 micro-batches per iteration; the planner builds at most 1024"):
+        plan_run(setup("model=mllm_9b", "cluster=a800", "cluster.nodes=1", "train.global_batch=1000000000"))
+    with pytest.raises(ConfigError, match=r"strategy.llm.dp=2 in micro-batches of 1 is 2048 micro-batches"):
+        plan_run(setup(*SMALL[:-1], "train.global_batch=4096", "strategy.llm.dp=2"))
+
+
 def test_other_models_are_refused() -> None:
     with pytest.raises(ConfigError, match="encoder -> llm -> generator"):
         plan_run(setup("model=clip", "cluster=a800", "cluster.nodes=1"))

@@ -17,16 +17,14 @@ equal losses mean equal gradients, scale included.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
 
 from src.models.registry import build_model
-from src.runtime.driver import launch
 from src.runtime.reference import reference_losses
 from src.timeline import BREAKDOWN_CATEGORIES
-from tests.test_runtime_support import build_deepspeed_ops, prepare_run_dir
+from tests.test_runtime_support import launch_cases
 
 pytestmark = pytest.mark.slow  # starts worker processes
 
@@ -65,16 +63,8 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    build_deepspeed_ops()
-    root = tmp_path_factory.mktemp("distmm")
-    dirs = {}
-    for name, overrides in CASES.items():
-        dirs[name] = root / name
-        config = prepare_run_dir(dirs[name], FOUR_WORKERS + overrides + [f"train.steps={STEPS}"])
-    start = time.monotonic()
-    launch(list(dirs.values()), 4, config["backend"], [{"run_name": n} for n in dirs])
-    print(f"{len(dirs)} real distmm runs in {time.monotonic() - start:.1f} s")
-    return dirs
+    cases = {name: FOUR_WORKERS + overrides + [f"train.steps={STEPS}"] for name, overrides in CASES.items()}
+    return launch_cases(tmp_path_factory.mktemp("distmm"), cases, 4)
 
 
 @pytest.fixture(scope="module")

@@ -7,19 +7,13 @@ All runs share ONE launch of four workers.
 from __future__ import annotations
 
 import functools
-import json
-import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from src.models.registry import build_model
-from src.runtime.checks import check_runnable
-from src.runtime.driver import launch
 from src.runtime.reference import reference_losses
-from src.setup import plan_run, validate
-from tests.test_runtime_support import build_deepspeed_ops, prepare_run_dir
+from tests.test_runtime_support import launch_cases, single_threaded, summary_of
 
 pytestmark = pytest.mark.slow  # starts worker processes
 
@@ -73,32 +67,14 @@ CASES: dict[str, tuple[str, list[str]]] = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    build_deepspeed_ops()
-    root = tmp_path_factory.mktemp("disttrain")
-    dirs = {name: root / name for name in CASES}
-    for name, (model, overrides) in CASES.items():
-        config = prepare_run_dir(dirs[name], [f"model={model}"] + BASE + overrides)
-        setup = validate(config)
-        check_runnable(setup, plan_run(setup))  # what the front door checks before it launches
-    start = time.monotonic()
-    launch(list(dirs.values()), WORKERS, config["backend"], [{"run_name": n} for n in dirs])
-    print(f"{len(dirs)} real DistTrain runs in {time.monotonic() - start:.1f} s")
-    return dirs
+    cases = {name: [f"model={model}"] + BASE + overrides for name, (model, overrides) in CASES.items()}
+    return launch_cases(tmp_path_factory.mktemp("disttrain"), cases, WORKERS)
 
 
 @functools.cache
 def _reference(name: str, frozen: tuple[str, ...] = ()) -> list[float]:
     model = build_model({"name": name, "scale": "tiny", "train_projectors": True, "frozen": list(frozen)})
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # small convolutions on a busy machine: threads only contend
-    try:
-        return reference_losses(model, 0, BATCH, STEPS, 0.3, eps=1.0)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _summary(run_dir: Path) -> dict:
-    return json.loads((run_dir / "summary.json").read_text())
+    return single_threaded(reference_losses, model, 0, BATCH, STEPS, 0.3, eps=1.0)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -106,7 +82,7 @@ def test_first_losses_equal_the_single_process_reference(runs, case):
     model = CASES[case][0]
     frozen = tuple(FROZEN.get(case.removesuffix("_encoder_pp2"), ()))
     expected = _reference(model, frozen)
-    losses = _summary(runs[case])["measured"]["loss"]
+    losses = summary_of(runs[case])["measured"]["loss"]
     assert losses == pytest.approx(expected, rel=1e-4)
     assert expected[-1] != pytest.approx(expected[0], rel=1e-3)  # it trains, so equality says something
     if frozen:  # and freezing changes what it trains
@@ -114,7 +90,7 @@ def test_first_losses_equal_the_single_process_reference(runs, case):
 
 
 def test_the_units_ran_on_disjoint_workers_of_different_dp_joined_by_brokers(runs):
-    plan = _summary(runs["reordered"])["plan"]
+    plan = summary_of(runs["reordered"])["plan"]
     units = plan["units"]
     ranks = [set(units[u]["ranks"].split(",")) for u in ("encoder", "llm", "generator")]
     assert not (ranks[0] & ranks[1] or ranks[1] & ranks[2] or ranks[0] & ranks[2])
@@ -122,5 +98,5 @@ def test_the_units_ran_on_disjoint_workers_of_different_dp_joined_by_brokers(run
     assert [b["route"] for b in plan["brokers"]] == ["encoder>llm", "llm>generator"]
     # Reordering really moved samples between micro-batches; in data order it did not.
     assert plan["sample_order"] != sorted(plan["sample_order"])
-    assert _summary(runs["in_order"])["plan"]["sample_order"] == list(range(BATCH))
-    assert _summary(runs["reordered"])["breakdown_s"]["comm_broker"] > 0
+    assert summary_of(runs["in_order"])["plan"]["sample_order"] == list(range(BATCH))
+    assert summary_of(runs["reordered"])["breakdown_s"]["comm_broker"] > 0

@@ -8,16 +8,14 @@ ONE launch of two workers (start-up, the slow part on 2 cores, is paid once).
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
 
 from src.models.registry import build_model
-from src.runtime.driver import launch
 from src.runtime.reference import reference_losses
 from src.timeline import BREAKDOWN_CATEGORIES
-from tests.test_runtime_support import CLIP, GPT, TWO_WORKERS, build_deepspeed_ops, prepare_run_dir
+from tests.test_runtime_support import CLIP, GPT, TWO_WORKERS, launch_cases
 
 pytestmark = pytest.mark.slow  # starts worker processes
 
@@ -92,16 +90,9 @@ TOLERANCE = {"fp32": 1e-4, "bf16": 1e-3, "fp16": 1e-3}
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    build_deepspeed_ops()
-    root = tmp_path_factory.mktemp("equality")
-    dirs = {}
-    for name, overrides in {**CASES, "fp16_overflow": OVERFLOW}.items():
-        dirs[name] = root / name
-        config = prepare_run_dir(dirs[name], TWO_WORKERS + overrides + [f"train.steps={STEPS}"] + SENSITIVE)
-    start = time.monotonic()
-    launch(list(dirs.values()), 2, config["backend"], [{"run_name": n} for n in dirs])
-    print(f"{len(dirs)} real runs in {time.monotonic() - start:.1f} s")
-    return dirs
+    all_cases = {**CASES, "fp16_overflow": OVERFLOW}
+    cases = {name: TWO_WORKERS + overrides + [f"train.steps={STEPS}"] + SENSITIVE for name, overrides in all_cases.items()}
+    return launch_cases(tmp_path_factory.mktemp("equality"), cases, 2)
 
 
 def _losses(run_dir: Path) -> list[float]:

@@ -10,20 +10,16 @@ from __future__ import annotations
 
 import functools
 import json
-import time
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from src.models.registry import build_model
 from src.program import Compute, RankProgram
-from src.runtime.checks import check_runnable
-from src.runtime.driver import launch
 from src.runtime.reference import reference_losses
 from src.setup import plan_run, validate
-from tests.test_runtime_support import build_deepspeed_ops, prepare_run_dir
+from tests.test_runtime_support import launch_cases, single_threaded, summary_of
 
 pytestmark = pytest.mark.slow  # starts worker processes
 
@@ -95,32 +91,14 @@ CASES: dict[str, tuple[dict, list[str]]] = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    build_deepspeed_ops()
-    root = tmp_path_factory.mktemp("optimus")
-    dirs = {name: root / name for name in CASES}
-    for name, (_, overrides) in CASES.items():
-        config = prepare_run_dir(dirs[name], BASE + overrides)
-        setup = validate(config)
-        check_runnable(setup, plan_run(setup))  # what the front door checks before it launches
-    start = time.monotonic()
-    launch(list(dirs.values()), WORKERS, config["backend"], [{"run_name": n} for n in dirs])
-    print(f"{len(dirs)} real Optimus runs in {time.monotonic() - start:.1f} s")
-    return dirs
+    cases = {name: BASE + overrides for name, (_, overrides) in CASES.items()}
+    return launch_cases(tmp_path_factory.mktemp("optimus"), cases, WORKERS)
 
 
 @functools.cache
 def _reference(encoders: tuple[str, ...] = (), frozen: tuple[str, ...] = ()) -> list[float]:
     options = {"name": "optimus", "scale": "tiny", "frozen": list(frozen), **({"encoders": list(encoders)} if encoders else {})}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny GEMMs on a busy machine: threads only contend
-    try:
-        return reference_losses(build_model(options), 0, BATCH, STEPS, 1.0, eps=1.0)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _summary(run_dir: Path) -> dict:
-    return json.loads((run_dir / "summary.json").read_text())
+    return single_threaded(reference_losses, build_model(options), 0, BATCH, STEPS, 1.0, eps=1.0)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -128,7 +106,7 @@ def test_first_losses_equal_the_single_process_reference(runs, case):
     model = CASES[case][0]
     frozen = tuple(model.get("frozen", ()))
     expected = _reference(tuple(model.get("encoders", ())), frozen)
-    losses = _summary(runs[case])["measured"]["loss"]
+    losses = summary_of(runs[case])["measured"]["loss"]
     assert losses == pytest.approx(expected, rel=1e-4)
     assert expected[-1] != pytest.approx(expected[0], rel=1e-3)  # it trains, so equality says something
     if frozen:  # and freezing changes what it trains
@@ -136,7 +114,7 @@ def test_first_losses_equal_the_single_process_reference(runs, case):
 
 
 def test_encoders_and_llm_share_every_worker_under_separate_plans(runs):
-    units = _summary(runs["two_encoders"])["plan"]["units"]
+    units = summary_of(runs["two_encoders"])["plan"]["units"]
     assert units["encoder0"]["ranks"] == units["encoder1"]["ranks"] == units["llm"]["ranks"] == "0-3"
     assert (units["encoder0"]["dp"], units["encoder0"]["pp"]) != (units["llm"]["dp"], units["llm"]["pp"])
 
@@ -163,7 +141,7 @@ def test_encoder_kernels_run_inside_the_llm_pipeline_where_the_plan_places_them(
     run_dir = runs["two_encoders"]
     plan = plan_run(validate(yaml.safe_load((run_dir / "resolved.yaml").read_text())))
     assert plan.details["kernels_in_bubbles"] > 0
-    assert any("kernel ranges" in note for note in _summary(run_dir)["measured_notes"])  # where their time is charged
+    assert any("kernel ranges" in note for note in summary_of(run_dir)["measured_notes"])  # where their time is charged
     trace = json.loads((run_dir / "trace.json").read_text())
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     pids = {e["args"]["name"].split(" (ranks")[0]: e["pid"] for e in events if e.get("name") == "process_name"}

@@ -7,15 +7,13 @@ bf16/fp16, against a reference in the same precision). All in ONE launch of eigh
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
 
 from src.models.registry import build_model
-from src.runtime.driver import launch
 from src.runtime.reference import reference_losses
-from tests.test_runtime_support import GPT, prepare_run_dir
+from tests.test_runtime_support import GPT, launch_cases
 
 pytestmark = pytest.mark.slow  # starts worker processes
 
@@ -27,29 +25,17 @@ NO_OVERLAP = "strategy.overlap=[]"
 CASES = {
     "z2_overlaps": ["strategy.grid=[2,2,2,1]", "strategy.recompute=none"],
     "z2_no_overlap_full_recompute": ["strategy.grid=[2,2,2,1]", "strategy.recompute=full", NO_OVERLAP],
-    "data2_overlaps_full_recompute": ["strategy.grid=[2,2,1,2]", "strategy.recompute=full"],
-    "data2_no_overlap": ["strategy.grid=[2,2,1,2]", "strategy.recompute=none", NO_OVERLAP],
-    "z2_overlaps_full_recompute_bf16": ["strategy.grid=[2,2,2,1]", "strategy.recompute=full", "train.precision=bf16"],
-    "ranked_agnostic_selective_fp16": [
-        "strategy.model=agnostic",
-        "strategy.top_k=2",
-        "strategy.recompute=selective",
-        "train.precision=fp16",
-    ],
+    "data2_overlaps_full_recompute_bf16": ["strategy.grid=[2,2,1,2]", "strategy.recompute=full", "train.precision=bf16"],
+    "data2_no_overlap_fp16": ["strategy.grid=[2,2,1,2]", "strategy.recompute=none", NO_OVERLAP, "train.precision=fp16"],
+    "ranked_agnostic_selective": ["strategy.model=agnostic", "strategy.top_k=2", "strategy.recompute=selective"],
 }
-PRECISION = {"z2_overlaps_full_recompute_bf16": "bf16", "ranked_agnostic_selective_fp16": "fp16"}  # the others fp32
+PRECISION = {"data2_overlaps_full_recompute_bf16": "bf16", "data2_no_overlap_fp16": "fp16"}  # the others fp32
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("par4d")
-    dirs = {name: root / name for name in CASES}
-    for name, overrides in CASES.items():
-        config = prepare_run_dir(dirs[name], EIGHT_WORKERS + GPT + PAR4D + overrides + [f"train.steps={STEPS}"] + SENSITIVE)
-    start = time.monotonic()
-    launch(list(dirs.values()), 8, config["backend"], [{"run_name": n} for n in dirs])
-    print(f"{len(dirs)} real runs in {time.monotonic() - start:.1f} s")
-    return dirs
+    cases = {name: EIGHT_WORKERS + GPT + PAR4D + overrides + [f"train.steps={STEPS}"] + SENSITIVE for name, overrides in CASES.items()}
+    return launch_cases(tmp_path_factory.mktemp("par4d"), cases, 8)
 
 
 @pytest.fixture(scope="module")

@@ -3,10 +3,13 @@ and the DeepSpeed op build that must happen once before any workers start."""
 
 from __future__ import annotations
 
+import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
@@ -46,3 +49,37 @@ def build_deepspeed_ops() -> None:
     from src.runtime.engines import prebuild_ops
 
     prebuild_ops()
+
+
+def single_threaded(losses_of, *args, **kwargs) -> list[float]:
+    """A reference's losses computed on one thread: tiny GEMMs and convolutions on a busy
+    machine only contend for more."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return losses_of(*args, **kwargs)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def summary_of(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def launch_cases(root: Path, cases: dict[str, list[str]], workers: int) -> dict[str, Path]:
+    """Each case's run directory, checked as the front door checks it, all run in ONE
+    launch of `workers` workers (starting workers costs more than a tiny run)."""
+    from src.runtime.checks import check_runnable
+    from src.runtime.driver import launch
+    from src.setup import plan_run, validate
+
+    build_deepspeed_ops()
+    dirs = {name: root / name for name in cases}
+    for name, overrides in cases.items():
+        config = prepare_run_dir(dirs[name], overrides)
+        setup = validate(config)
+        check_runnable(setup, plan_run(setup))
+    start = time.monotonic()
+    launch(list(dirs.values()), workers, config["backend"], [{"run_name": n} for n in dirs])
+    print(f"{len(dirs)} real runs in {time.monotonic() - start:.1f} s")
+    return dirs

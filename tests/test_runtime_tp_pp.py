@@ -7,15 +7,13 @@ All plans run in ONE launch of four workers."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
 
 from src.models.registry import build_model
-from src.runtime.driver import launch
 from src.runtime.reference import reference_losses
-from tests.test_runtime_support import GPT, build_deepspeed_ops, prepare_run_dir
+from tests.test_runtime_support import GPT, launch_cases
 
 pytestmark = pytest.mark.slow  # starts worker processes
 
@@ -37,15 +35,8 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    build_deepspeed_ops()
-    root = tmp_path_factory.mktemp("tp_pp")
-    dirs = {name: root / name for name in CASES}
-    for name, overrides in CASES.items():
-        config = prepare_run_dir(dirs[name], FOUR_WORKERS + GPT + overrides + [f"train.steps={STEPS}"] + SENSITIVE)
-    start = time.monotonic()
-    launch(list(dirs.values()), 4, config["backend"], [{"run_name": n} for n in dirs])
-    print(f"{len(dirs)} real runs in {time.monotonic() - start:.1f} s")
-    return dirs
+    cases = {name: FOUR_WORKERS + GPT + overrides + [f"train.steps={STEPS}"] + SENSITIVE for name, overrides in CASES.items()}
+    return launch_cases(tmp_path_factory.mktemp("tp_pp"), cases, 4)
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ from typing import Any, Callable, Mapping
 
 from src.cluster import ClusterSpec
 from src.config import TrainSpec
+from src.errors import ConfigError
 from src.models.spec import ModelSpec
 from src.program import Plan
 
@@ -26,6 +27,23 @@ Planner = Callable[[PlanRequest], Plan]
 # A Program holds every micro-batch of the iteration: beyond this many per pipeline
 # (Megatron-LM runs tens to hundreds) building and simulating one takes minutes.
 MAX_MICROBATCHES = 1024
+
+
+def check_microbatch_count(per_replica: int, micro_batch: int, batch: str) -> None:
+    """Refuse a fixed micro-batch that splits `batch` (a replica's `per_replica` samples,
+    described for the message) into more micro-batches than a Program is built with."""
+    count = per_replica // micro_batch
+    if count > MAX_MICROBATCHES:
+        raise ConfigError(
+            f"{batch} in micro-batches of {micro_batch} is {count} micro-batches per iteration; "
+            f"the planner builds at most {MAX_MICROBATCHES}"
+        )
+
+
+def microbatch_sizes(per_replica: int, multiple_of: int = 1) -> list[int]:
+    """Micro-batch sizes dividing a replica's batch, largest first, that keep the count
+    within MAX_MICROBATCHES (O(sqrt n): an absurd batch costs nothing here)."""
+    return [m for m in reversed(divisors(per_replica)) if m % multiple_of == 0 and per_replica // m <= MAX_MICROBATCHES]
 
 
 def divisors(n: int) -> list[int]:

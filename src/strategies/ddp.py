@@ -26,7 +26,7 @@ from src.costmodel.memory import rank_memory
 from src.errors import ConfigError, PlanError
 from src.mesh import Mesh
 from src.program import RECOMPUTE_MODES, Instruction, Plan, Program, UnitPlan
-from src.strategies.base import MAX_MICROBATCHES, PlanRequest, divisors
+from src.strategies.base import PlanRequest, check_microbatch_count, microbatch_sizes
 from src.strategies.colocated import ColocatedEmitter, ColocatedUnit
 from src.models.flows import unit_order
 
@@ -71,15 +71,10 @@ def _micro_batches(request: PlanRequest, opts: DDPOptions, dp: int) -> list[int]
                 f"per-replica batch {per_replica} (global {train.global_batch} / dp {dp}) is not "
                 f"divisible by strategy.micro_batch_size={mb}"
             )
-        if per_replica // mb > MAX_MICROBATCHES:
-            raise ConfigError(
-                f"per-replica batch {per_replica} in micro-batches of {mb} is {per_replica // mb} "
-                f"micro-batches per iteration; the planner builds at most {MAX_MICROBATCHES}"
-            )
+        check_microbatch_count(per_replica, mb, f"per-replica batch {per_replica}")
         choices = [mb]
     else:
-        # Largest first, and no more micro-batches than a Program is built with.
-        choices = [m for m in reversed(divisors(per_replica)) if per_replica // m <= MAX_MICROBATCHES]
+        choices = microbatch_sizes(per_replica)
     if request.model.interaction is not None:
         fitting = [m for m in choices if m * dp >= train.contrastive_batch]
         if not fitting:
@@ -91,10 +86,16 @@ def _micro_batches(request: PlanRequest, opts: DDPOptions, dp: int) -> list[int]
     return choices
 
 
-def _build(request: PlanRequest, opts: DDPOptions, dp: int, mb: int, recompute: str) -> tuple[Plan, dict[str, float]]:
+def _build(
+    request: PlanRequest, opts: DDPOptions, dp: int, mb: int, recompute: str, probe: bool = False
+) -> tuple[Plan, dict[str, float]]:
+    """The plan and its rank's memory. `probe` builds at most two micro-batches, an inner
+    one and the last (whose backward overlaps the gradient reduction): each micro-batch's
+    backward follows its forward, so their memory is the whole iteration's, priced before a
+    Program of up to MAX_MICROBATCHES micro-batches is built."""
     model = request.model
     per_replica = request.train.global_batch // dp
-    microbatches = per_replica // mb
+    microbatches = min(2, per_replica // mb) if probe else per_replica // mb
     mesh = Mesh.contiguous((("dp", dp),))
     program = Program(world_size=dp, classes=[])
     names = unit_order(model)
@@ -160,8 +161,9 @@ def plan_ddp(request: PlanRequest) -> Plan:
     closest: tuple[float, str] | None = None
     for mb in _micro_batches(request, opts, dp):
         for recompute in (r for r in RECOMPUTE_MODES if opts.recompute in (None, r)):
-            plan, memory = _build(request, opts, dp, mb, recompute)
+            _, memory = _build(request, opts, dp, mb, recompute, probe=True)
             if memory["total"] <= usable:
+                plan, memory = _build(request, opts, dp, mb, recompute)
                 plan.details["memory_gib"] = round(memory["total"] / GIB, 3)
                 return plan
             short = memory["total"] - usable

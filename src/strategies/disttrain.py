@@ -25,7 +25,7 @@ from src.data.reorder import StageTimes
 from src.errors import ConfigError, PlanError
 from src.models.spec import ModelSpec
 from src.program import Plan, UnitPlan, compress_ranks
-from src.strategies.base import PlanRequest
+from src.strategies.base import PlanRequest, check_microbatch_count
 from src.strategies.disttrain_data import REORDERS, Assignment, assign, unit_loads
 from src.strategies.disttrain_orchestration import UNITS, Fixed, Orchestration, Orchestrator
 from src.strategies.disttrain_profile import Profiler
@@ -120,6 +120,10 @@ def plan_disttrain(request: PlanRequest) -> Plan:
     opts = options_from(DistTrainOptions, request.options)
     model, cluster, train = request.model, request.cluster, request.train
     _check_model(model)
+    # Before drawing a layout per sequence: the LLM takes one sequence per micro-batch.
+    check_microbatch_count(
+        -(-train.global_batch // cluster.devices), 1, f"global batch {train.global_batch} over at most {cluster.devices} LLM replicas"
+    )
     loads = _batch_loads(model, train.seed, train.global_batch, opts.data)
     profiler = Profiler(model, cluster, train.precision, opts.zero_stage, opts.tp_overlap_chunks)
     orchestrator = Orchestrator(

@@ -50,7 +50,7 @@ from src.cluster import GIB
 from src.errors import ConfigError, PlanError
 from src.metrics import unit_flops
 from src.program import RECOMPUTE_MODES
-from src.strategies.base import divisors
+from src.strategies.base import MAX_MICROBATCHES, check_microbatch_count, divisors
 from src.strategies.disttrain_profile import Profiler
 
 UNITS = ("encoder", "llm", "generator")
@@ -170,8 +170,10 @@ class Orchestrator:
                 raise ConfigError(
                     f"strategy.llm.dp={given} does not divide the global batch {self.batch}: every LLM replica takes whole sequences"
                 )
+            check_microbatch_count(self.batch // given, 1, f"global batch {self.batch} over strategy.llm.dp={given}")
             return [given]
-        return divisors(self.batch)
+        # The LLM takes one sequence per micro-batch.
+        return [dp for dp in divisors(self.batch) if self.batch // dp <= MAX_MICROBATCHES]
 
     def unit_dps(self, unit: str, dp_lm: int) -> list[int]:
         given = self.fixed[unit].dp

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from src.errors import ConfigError
 from src.models.spec import ModelSpec
-from src.strategies.base import MAX_MICROBATCHES, PlanRequest, divisors
+from src.strategies.base import PlanRequest, check_microbatch_count, microbatch_sizes
 from src.strategies.megatron_programs import Degrees
 from src.strategies.stages import main_unit
 
@@ -164,26 +164,20 @@ def check_degrees(request: PlanRequest, opts: MegatronOptions, tp: int, pp: int)
 
 def _micro_batch_choices(request: PlanRequest, opts: MegatronOptions, dp: int, contrastive: bool) -> list[int]:
     per_replica = request.train.global_batch // dp
-    least = -(-per_replica // MAX_MICROBATCHES)  # the smallest micro-batch a Program can hold
     if opts.micro_batch_size is not None:
         if per_replica % opts.micro_batch_size:
             raise ConfigError(
                 f"global batch {request.train.global_batch} is not divisible by dp x micro-batch = "
                 f"{dp} x {opts.micro_batch_size} = {dp * opts.micro_batch_size}"
             )
-        if opts.micro_batch_size < least:
-            raise ConfigError(
-                f"global batch {request.train.global_batch} over dp={dp} in micro-batches of "
-                f"{opts.micro_batch_size} is {per_replica // opts.micro_batch_size} micro-batches "
-                f"per iteration; the planner builds at most {MAX_MICROBATCHES}"
-            )
+        check_microbatch_count(per_replica, opts.micro_batch_size, f"global batch {request.train.global_batch} over dp={dp}")
         choices = [opts.micro_batch_size]
     else:
         # Largest first: for contrastive models the whole replica batch is one micro-batch
         # unless memory forces accumulation. A batch too large for micro-batches of at most
         # MAX_PIPELINE_MICRO_BATCH gets the smallest size that keeps the count in bounds.
-        sizes = [m for m in divisors(per_replica) if m >= least]
-        choices = [m for m in reversed(sizes) if contrastive or m <= MAX_PIPELINE_MICRO_BATCH] or sizes[:1]
+        sizes = microbatch_sizes(per_replica)
+        choices = [m for m in sizes if contrastive or m <= MAX_PIPELINE_MICRO_BATCH] or sizes[-1:]
     if contrastive:
         rbs = request.train.contrastive_batch
         fitting = [m for m in choices if m * dp >= rbs]

@@ -22,7 +22,7 @@ from src.costmodel.memory import element_bytes, rank_memory
 from src.errors import ConfigError, PlanError
 from src.program import RECOMPUTE_MODES, Plan, Program, UnitPlan
 from src.sim.engine import simulate
-from src.strategies.base import PlanRequest
+from src.strategies.base import PlanRequest, check_microbatch_count, microbatch_sizes
 from src.strategies.par4d_layout import Grid, LayerLayout, UnitGrid
 from src.strategies.par4d_model import COMM_MODELS, RankedGrid, rank_grids, valid_grids
 from src.strategies.par4d_programs import OVERLAPS, Par4DSettings, par4d_program
@@ -111,8 +111,9 @@ class _Planner:
                     f"batch {per_replica} (global {self.train.global_batch} / G_data {grid.dp}) and be a "
                     f"multiple of G_z={grid.z}"
                 )
+            check_microbatch_count(per_replica, mb, f"grid {grid.label()}: the replica's batch {per_replica}")
             return [mb]
-        return [m for m in range(per_replica, 0, -1) if per_replica % m == 0 and m % grid.z == 0]
+        return microbatch_sizes(per_replica, multiple_of=grid.z)
 
     def _settle(self, candidate: _Candidate) -> None:
         """The least memory-saving settings that fit (largest micro-batch, then the
