@@ -127,7 +127,54 @@ def test_a_gpt_block_alternates_fc_orientation_and_splits_at_each_fc():
     assert all(lay.sharding.transposed is False for lay in layouts)
 
 
-def test_unet_convolutions_alternate_by_layer_and_the_stem_runs_replicated():
+def _assert_realisable_flow(unit, layouts) -> None:
+    """Walk a U-Net's data flow on its layouts (tracking the axis its channels lie over),
+    asserting every FC reads its input where it lies: a chain FC where
+    the previous one left it (a replicated layer leaves it whole), a skip projection where
+    the layer's first FC reads it and written (after any re-split) where the layer's output
+    lies, the time-embedding projection added where its conv's output lies, and each skip
+    connection concatenated with the decoder's activations on the same axis."""
+    current: str | None = None  # None: whole on every rank
+    saved: list[str | None] = []
+    names = [layer.name for layer in unit.layers]
+    for layout, layer in zip(layouts, unit.layers):
+        fcs = [fc for fc in layout.fcs if fc is not None]
+        if layer.name.startswith("up") and layer.name.endswith("_res"):
+            assert saved.pop() in (current, None), layer.name
+        if fcs:
+            chain = [fc for fc in fcs if not layer.kernels[fc.kernel].skip_projection and layer.kernels[fc.kernel].name != "emb_proj"]
+            assert current in (None, chain[0].axes()[1]), layer.name
+            for before, after in zip(chain, chain[1:]):
+                assert after.axes()[1] == before.axes()[0], layer.name
+            for fc in fcs:
+                kernel = layer.kernels[fc.kernel]
+                if kernel.skip_projection:
+                    assert fc.axes()[1] == chain[0].axes()[1], layer.name
+                    assert fc.resplit == (fc.axes()[0] != chain[-1].axes()[0]), layer.name
+                if kernel.name == "emb_proj":
+                    assert fc.axes()[0] == chain[0].axes()[0], layer.name
+            current = chain[-1].axes()[0]
+        elif layout.sharding.degree("x") == 1 and layout.sharding.degree("y") == 1 and layer.params:
+            current = None  # replicated on the tensor grid
+        following = names[names.index(layer.name) + 1] if layer is not unit.layers[-1] else ""
+        if (layer.name == "conv_in" or layer.name.startswith("down")) and not following.endswith("_attn"):
+            saved.append(current)
+    assert not saved
+
+
+@pytest.mark.parametrize("grid", [Grid(2, 4, 1, 1), Grid(4, 2, 2, 1), Grid(4, 4, 1, 1)])
+def test_a_unet_on_the_grid_is_a_realisable_data_flow(grid):
+    model = build_model({"name": "unet", "preset": "unet_50m"}, None)
+    unit = model.units[0]
+    layouts = UnitGrid(unit).layout(grid)
+    _assert_realisable_flow(unit, layouts)
+    resblocks = [lay for lay, layer in zip(layouts, unit.layers) if layer.name.endswith("_res")]
+    # A residual block's two convs alternate, so the block leaves its input's layout.
+    assert all(lay.fcs[0].transposed != lay.fcs[2].transposed for lay in resblocks)
+    assert any(fc is not None and fc.resplit for lay in resblocks for fc in lay.fcs)  # channel-changing blocks
+
+
+def test_the_unet_stem_and_output_run_replicated_where_the_grid_does_not_divide_them():
     model = build_model({"name": "unet", "preset": "unet_50m"}, None)
     grid = Grid(4, 4, 1, 1)
     layouts = UnitGrid(model.units[0]).layout(grid)
@@ -135,8 +182,40 @@ def test_unet_convolutions_alternate_by_layer_and_the_stem_runs_replicated():
     assert stem.sharding == grid.replicated() and stem.fcs == (None,)  # 3 x 3 x 3 input columns
     assert out.sharding == grid.replicated()  # 6 output channels
     assert UnitGrid(model.units[0]).layout(Grid(2, 1, 1, 1))[-1].fcs[0] is not None  # 2 divides 6
-    flags = [lay.sharding.transposed for lay in layouts[2:5]]
-    assert flags == [False, True, False]  # consecutive residual blocks alternate
+
+
+@pytest.mark.parametrize("grid, output_gathers", [((2, 2, 1, 1), 0), ((4, 4, 1, 1), 1)])
+def test_unet_resplits_and_its_replicated_output_gather_are_priced(grid, output_gathers):
+    """Each re-split skip projection all-gathers forward and backward; a replicated output
+    conv (6 channels on G_x=4) gathers its split input; z=1, so no weight gathers."""
+    plan, _ = _plan(
+        "model=unet",
+        "model.preset=unet_50m",
+        "strategy=par4d",
+        f"strategy.grid=[{','.join(map(str, grid))}]",
+        "cluster=perlmutter",
+        f"cluster.nodes={grid[0] * grid[1] // 4}",
+        "train.global_batch=4",
+        "strategy.recompute=none",
+    )
+    gathers = [i for i in plan.program.classes[0].instructions if isinstance(i, Collective) and i.op == "all_gather"]
+    layouts = UnitGrid(build_model({"name": "unet", "preset": "unet_50m"}, None).units[0]).layout(Grid(*grid))
+    resplits = sum(fc is not None and fc.resplit for lay in layouts for fc in lay.fcs)
+    assert resplits and (layouts[-1].gather_input is not None) == bool(output_gathers)
+    assert len(gathers) == (2 * resplits + output_gathers) * plan.units[0].num_microbatches
+
+
+def test_a_grid_that_splits_group_norm_groups_is_refused():
+    with pytest.raises(ConfigError, match=r"G_y=64 splits its 32 GroupNorm groups"):
+        _plan(
+            "model=unet",
+            "model.preset=unet_50m",
+            "strategy=par4d",
+            "strategy.grid=[1,64,1,1]",
+            "cluster=perlmutter",
+            "cluster.nodes=16",
+            "train.global_batch=64",
+        )
 
 
 def test_grid_sharding_divides_each_kernel_as_par4d_lays_it_out():

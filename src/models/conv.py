@@ -1,12 +1,16 @@
 """Convolutional layers (U-Nets, VAE), counted per image, forward.
 
 A convolution is priced as an implicit GEMM: m = output pixels, k = C_in·kh·kw,
-n = C_out. Tensor parallelism splits every convolution over its output channels
-(tp_split 'n'), as Par4D/AxoNN parallelise a conv like a linear layer over its weight
-matrix. With 1D TP an output split by channel must be re-assembled before the next conv
-reads all channels: each conv of a layer therefore counts one TP collective of its output
-size in `tp_allreduces` (an all-gather would move half an all-reduce's bytes; LayerSpec
-has only the all-reduce count).
+n = C_out. Tensor parallelism splits a convolution like a linear layer over its weight
+matrix, as Par4D/AxoNN parallelise it: over its output channels (tp_split 'n'), except a
+residual block's second conv, which reads the first's channel split (row-parallel, 'k',
+as Megatron-LM pairs a column- and a row-parallel GEMM; on Par4D's grid the pair
+alternates orientation, so a block leaves its output on its input's layout). Its 1x1 skip
+conv reads the block's input (Kernel.skip_projection). With 1D TP each conv of a layer
+still counts one TP collective of its output size in `tp_allreduces`, its output
+re-assembled before the next kernel (an upper bound for a paired block, whose row-parallel
+conv needs the only all-reduce and whose skip an all-gather of half those bytes; LayerSpec
+has only the all-reduce count), and the kernels between the convs run on whole channels.
 
 Activations (16-bit): a layer keeps its input (`replicated`: whole on every TP rank) and
 the tensors its backward needs inside it (`split`: channel-split by TP); attention keeps
@@ -15,14 +19,16 @@ its score and softmax tensors (`attention`, 2+2 bytes per score, no dropout).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from src.models.layers import ACT_BYTES, gemm, memory
-from src.models.spec import ActivationBytes, Kernel, LayerSpec
+from src.models.spec import ActivationBytes, Kernel, LayerSpec, TPSplit
 
 GROUPNORM_GROUPS = 32  # every U-Net here (ADM, SD, its VAE) uses GroupNorm(32)
 
 
-def conv_gemm(name: str, size_out: int, c_in: int, c_out: int, ksize: int) -> Kernel:
-    return gemm(name, size_out * size_out, c_in * ksize * ksize, c_out, "n")
+def conv_gemm(name: str, size_out: int, c_in: int, c_out: int, ksize: int, split: TPSplit = "n") -> Kernel:
+    return gemm(name, size_out * size_out, c_in * ksize * ksize, c_out, split)
 
 
 def conv_params(c_in: int, c_out: int, ksize: int) -> int:
@@ -84,12 +90,12 @@ def resblock_layer(
     kernels += [
         memory("groupnorm2", pixels * c_out),
         memory("silu2", pixels * c_out),
-        conv_gemm("conv2", size, c_out, c_out, 3),
+        conv_gemm("conv2", size, c_out, c_out, 3, "k"),
     ]
     params = 2 * c_in + conv_params(c_in, c_out, 3) + 2 * c_out + conv_params(c_out, c_out, 3)
     params += emb_dim * emb_out + emb_out
     if c_in != c_out:
-        kernels.append(conv_gemm("skip", size, c_in, c_out, 1))
+        kernels.append(replace(conv_gemm("skip", size, c_in, c_out, 1), skip_projection=True))
         params += conv_params(c_in, c_out, 1)
     kernels.append(memory("residual", 1.5 * pixels * c_out))
     convs = sum(1 for kern in kernels if kern.kind == "gemm" and kern.name != "emb_proj")

@@ -35,6 +35,9 @@ class Kernel:
     attention_scores: computes or normalises the s x s scores (QK^T, softmax), the tensors
       FlashAttention keeps in on-chip memory (src/models/attention.py).
     backward_recompute: backward re-runs this kernel's forward (FlashAttention's QK^T).
+    skip_projection: projects the layer's input onto its output's channels and is added to
+      the output (a residual block's 1x1 skip conv): it reads what the layer's first FC
+      reads, not the previous kernel's output.
     """
 
     name: str
@@ -50,6 +53,7 @@ class Kernel:
     attention_core: bool = False
     attention_scores: bool = False
     backward_recompute: bool = False
+    skip_projection: bool = False
 
     def flops(self, contrastive_batch: int = 1) -> float:
         """Forward FLOPs for one sample (0 for memory-bound kernels)."""

@@ -6,7 +6,10 @@ row-parallel kernel: qkv, proj, fc1, fc2, a convolution, the LM head) is one FC 
 Algorithm 1 over (k x n) weights: forward all-gathers its weight block over z and
 all-reduces its partial output over y; backward all-reduces the input gradient over x and
 reduce-scatters the weight gradient over z. FCs alternate orientation along the data flow
-(a transposed FC swaps x and y), as src/mesh.py's Sharding prices them.
+(a transposed FC swaps x and y), as src/mesh.py's Sharding prices them. Off that chain, a
+residual block's skip projection reads the block's input, so it lies like the block's
+first FC; when its output's columns lie over the other axis than the block's output, it
+is re-split (FC.resplit): a U-Net's channel-changing residual blocks.
 
 A layer runs as kernel ranges, each ending with one FC (so each FC's collectives sit right
 after its GEMM); kernels after the layer's last FC join its last range. Layers with
@@ -14,8 +17,10 @@ parameters but no FC (an embedding table) keep their weights z-sharded and gathe
 an FC's. A lone FC at either end of the unit (a stem or an output projection: the first
 and the last layer with an FC, holding just one) whose channels the grid does not divide
 runs replicated on the tensor grid, rows still split over z: a U-Net's 3-channel stem and
-6-channel output convolution, which AxoNN leaves unparallelised. Any other layer the grid
-does not divide is an error.
+6-channel output convolution, which AxoNN leaves unparallelised (the next FC slices the
+stem's whole output; the output conv's input, split over the previous FC's output axis, is
+all-gathered first: LayerLayout.gather_input). Any other layer the grid does not divide is
+an error.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from dataclasses import dataclass
 
 from src.errors import ConfigError
 from src.mesh import Mesh, Sharding
+from src.models.conv import GROUPNORM_GROUPS
 from src.models.spec import Kernel, UnitSpec
 
 GRID_AXES = ("x", "y", "z", "dp")
@@ -79,13 +85,17 @@ def grids(devices: int) -> list[Grid]:
 @dataclass(frozen=True)
 class FC:
     """One FC layer of Algorithm 1: kernel `kernel` of its layer, an (m x k) @ (k x n)
-    product per sample; transposed: rows over x and columns over y."""
+    product per sample; transposed: rows over x and columns over y. resplit: a skip
+    projection whose output columns lie over the other axis than the layer's output's, so
+    it is all-gathered over its column axis and the layer's slice kept (its gradient
+    likewise over the row axis)."""
 
     kernel: int
     m: int
     k: int
     n: int
     transposed: bool
+    resplit: bool = False
 
     def axes(self) -> tuple[str, str]:
         """(a, b): the axes splitting the output columns (n) and the input columns (k)."""
@@ -102,6 +112,7 @@ class LayerLayout:
     ranges: tuple[tuple[int, int] | None, ...]
     fcs: tuple[FC | None, ...]
     params: int
+    gather_input: str | None = None  # a replicated last layer: the axis its split input is all-gathered over
 
     def gathered_params(self, grid: Grid) -> float:
         """Elements of this layer's weights once all-gathered over z on one rank."""
@@ -117,12 +128,15 @@ def _is_fc(kernel: Kernel) -> bool:
 
 @dataclass(frozen=True)
 class _Shape:
-    """A layer's place in the orientation chain, independent of the grid's degrees."""
+    """A layer's place in the orientation chain, independent of the grid's degrees;
+    output: the orientation of the FC whose output the layer's output is."""
 
     transposed: bool
     ranges: tuple[tuple[int, int] | None, ...]
     fcs: tuple[FC | None, ...]
     heads: int
+    output: bool
+    group_norms: bool  # normalises channel groups, which must lie whole on a rank
 
 
 def _problem(grid: Grid, shape: _Shape) -> str | None:
@@ -137,6 +151,10 @@ def _problem(grid: Grid, shape: _Shape) -> str | None:
     axis, degree = ("y", grid.y) if shape.transposed else ("x", grid.x)
     if shape.heads > 1 and shape.heads % degree:
         return f"G_{axis}={degree} does not divide the {shape.heads} attention heads"
+    if shape.group_norms:
+        for axis, degree in (("x", grid.x), ("y", grid.y)):
+            if GROUPNORM_GROUPS % degree:
+                return f"G_{axis}={degree} splits its {GROUPNORM_GROUPS} GroupNorm groups over ranks (statistics are per group)"
     return None
 
 
@@ -176,13 +194,18 @@ class UnitGrid:
                 if key not in shapes:
                     first = not produced if produced is not None else False
                     transposed = first != (layer.kernels[fc_kernels[0]].tp_split == "k")
+                    oriented = {i: transposed != (layer.kernels[i].tp_split == "k") for i in fc_kernels}
+                    # The layer's output is its last FC's on the chain (a skip projection
+                    # reads the layer's input and is added to that output).
+                    output = next(oriented[i] for i in reversed(fc_kernels) if not layer.kernels[i].skip_projection)
                     fcs = tuple(
                         FC(
                             i,
                             layer.kernels[i].m,
                             layer.kernels[i].k,
                             layer.kernels[i].n,
-                            transposed != (layer.kernels[i].tp_split == "k"),
+                            oriented[i],
+                            resplit=layer.kernels[i].skip_projection and oriented[i] != output,
                         )
                         for i in fc_kernels
                     )
@@ -190,7 +213,8 @@ class UnitGrid:
                     ends[-1] = len(layer.kernels)
                     ranges = tuple(zip([0] + ends[:-1], ends)) if len(ends) > 1 else (None,)
                     heads = max((k.batch for k in layer.kernels if k.kind == "gemm" and k.tp_split == "batch"), default=1)
-                    shapes[key] = (_Shape(transposed, ranges, fcs, heads), fcs[-1].transposed)
+                    norms = any(k.name.startswith("groupnorm") for k in layer.kernels)
+                    shapes[key] = (_Shape(transposed, ranges, fcs, heads, output, norms), output)
                 shape, produced = shapes[key]
                 out.append(shape)
             self._chains[replicate_first] = tuple(out)
@@ -244,7 +268,12 @@ class UnitGrid:
         first, last = self._ends()
         out = []
         for index, (layer, shape) in enumerate(zip(self.unit.layers, chain)):
-            if (index == first and shape is None) or (index == last and replicate_last):
+            if index == last and replicate_last:
+                before = [s for s in chain[:index] if s is not None]
+                axis = ("y" if before[-1].output else "x") if before else None
+                gather = axis if axis is not None and getattr(grid, axis) > 1 else None
+                out.append(LayerLayout(index, grid.replicated(), (None,), (None,), layer.params, gather_input=gather))
+            elif index == first and shape is None:
                 out.append(LayerLayout(index, grid.replicated(), (None,), (None,), layer.params))
             elif shape is None:
                 out.append(LayerLayout(index, grid.sharding(), (None,), (None,), layer.params))

@@ -28,7 +28,11 @@ all-reduces its rows' statistics over b forward and backward; the embedding tabl
 rows split over x, all-reduces its lookups over x; the loss over a vocabulary split over
 x all-reduces its rows' maxima and then their sums of exponentials and target logits
 over x; the parameters the grid replicates over z (biases, norms) sum their gradients
-over z before the data-parallel all-reduce.
+over z before the data-parallel all-reduce. A residual block's skip projection whose
+output lies over the other axis than the block's (par4d_layout.FC.resplit) all-gathers
+its output over its column axis forward and its output's gradient over its row axis
+backward, each rank keeping its slice; a replicated last layer all-gathers its split input
+(again under full recomputation).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from dataclasses import dataclass
 
 from src.cluster import ClusterSpec
 from src.costmodel.memory import element_bytes, grad_bytes
+from src.models.layers import ACT_BYTES
 from src.models.spec import ModelSpec
 from src.program import Collective, Compute, Instruction, Program, RankProgram, UnitPlan, Wait, Work
 from src.strategies.emit import backward_io, consumed, produced
@@ -177,6 +182,7 @@ class Par4DEmitter:
         gathers = {g.item: g for g in sequence if g.layer == layout.index and g.handle.startswith(f"ag.fwd.mb{j}.")}
         out: list[Instruction] = []
         last = len(layout.fcs) - 1
+        out += self._input_gather(layout)
         for item, fc in enumerate(layout.fcs):
             if item in gathers:
                 out += self._gather(gathers[item], sequence, position)
@@ -189,7 +195,7 @@ class Par4DEmitter:
                     outputs=produced(self.model, segment, j) if item == last else (),
                 )
             )
-            out += self._output_all_reduce(fc)
+            out += self._output_collectives(fc)
             out += self._vocabulary_all_reduces(layout, item, fc)
         return out
 
@@ -229,13 +235,34 @@ class Par4DEmitter:
             ]
         return []
 
-    def _output_all_reduce(self, fc: FC | None) -> list[Instruction]:
+    def _output_collectives(self, fc: FC | None) -> list[Instruction]:
+        """The all-reduce of an FC's partial output over b; a re-split skip projection's
+        output then all-gathered over a (the layer keeps its slice over b)."""
         if fc is None:
             return []
         a, b = fc.axes()
-        if self.groups[b] is None:
+        out = []
+        if self.groups[b] is not None:
+            out.append(
+                Collective("all_reduce", self.groups[b], self._rows(fc) * fc.n / self._degree(a) * self.act_bytes, "tp", stream=b)
+            )
+        return out + self._resplit(fc, a)
+
+    def _input_gather(self, layout: LayerLayout) -> list[Instruction]:
+        """A replicated last layer's input (what full recomputation keeps of it: its
+        input), split over the previous FC's output axis, all-gathered whole."""
+        if layout.gather_input is None:
             return []
-        return [Collective("all_reduce", self.groups[b], self._rows(fc) * fc.n / self._degree(a) * self.act_bytes, "tp", stream=b)]
+        elems = self.spec.layers[layout.index].activations.checkpoint / ACT_BYTES
+        nbytes = elems * self.cfg.micro_batch / self.grid.z * self.act_bytes
+        return [Collective("all_gather", self.groups[layout.gather_input], nbytes, "tp", stream=layout.gather_input)]
+
+    def _resplit(self, fc: FC, axis: str) -> list[Instruction]:
+        """A skip projection's output (forward, over its column axis) or its gradient
+        (backward, over its row axis) all-gathered whole before the slice is taken."""
+        if not fc.resplit or self.groups[axis] is None:
+            return []
+        return [Collective("all_gather", self.groups[axis], self._rows(fc) * fc.n * self.act_bytes, "tp", stream=axis)]
 
     def _backward_layer(self, layout: LayerLayout, j: int, sequence, position) -> list[Instruction]:
         out: list[Instruction] = []
@@ -244,15 +271,18 @@ class Par4DEmitter:
             # The layer's forward runs again (priced inside its backward Works): its weights
             # gathered again unless cached, its output all-reduces again.
             gathers = [g for g in sequence if g.layer == layout.index and g.handle.startswith("ag.re")]
+            out += self._input_gather(layout)
             for gather in gathers:
                 out += self._gather(gather, sequence, position)
             for fc in layout.fcs:
-                out += self._output_all_reduce(fc)
+                out += self._output_collectives(fc)
         # The layer's backward reads its outputs' gradients at its first instruction and
         # writes its inputs' at its last.
         reads, writes = backward_io(self.model, Segment(self.unit, (layout.index, layout.index + 1)), j)
         for item in reversed(range(len(layout.fcs))):
             fc = layout.fcs[item]
+            if fc is not None:
+                out += self._resplit(fc, fc.axes()[1])
             out.append(
                 Compute(
                     self._work(layout, "bwd_input", item, recompute),
