@@ -15,7 +15,7 @@ import pytest
 from src.models.registry import build_model
 from src.runtime.reference import reference_losses
 from src.timeline import BREAKDOWN_CATEGORIES
-from tests.test_runtime_support import CLIP, GPT, TWO_WORKERS, launch_cases
+from tests.test_runtime_support import CLIP, GPT, TINY_UNET, TWO_WORKERS, UNET, launch_cases
 
 pytestmark = pytest.mark.slow  # starts worker processes
 
@@ -76,6 +76,11 @@ CASES = {
     + ["strategy=megatron", "strategy.tp=1", "strategy.pp=2", "strategy.micro_batch_size=2", "train.precision=bf16"],
     # fp16 GEMMs with dynamic loss scaling: scaled gradients cross the pipeline stage in fp16.
     "ddp_zero0_fp16": GPT + ["strategy=ddp", "strategy.zero_stage=0", "train.precision=fp16"],
+    # A U-Net's skips and timestep embedding stay inside each rank's pass: ZeRO-2, and two
+    # micro-batches per replica with full recomputation.
+    "unet_ddp_zero2": UNET + ["strategy=ddp", "strategy.zero_stage=2"],
+    "unet_megatron_dp2_recompute": UNET
+    + ["strategy=megatron", "strategy.tp=1", "strategy.pp=1", "strategy.micro_batch_size=2", "strategy.recompute=full"],
     "megatron_pp2_fp16": GPT
     + ["strategy=megatron", "strategy.tp=1", "strategy.pp=2", "strategy.micro_batch_size=2", "train.precision=fp16"],
 }
@@ -107,6 +112,7 @@ def _losses(run_dir: Path) -> list[float]:
 def references() -> dict[str, list[float]]:
     models = {name: build_model({"name": name, "scale": "tiny"}) for name in ("clip", "coca", "lit")}
     models["gpt"] = build_model({"name": "gpt", "preset": None, "layers": 4, "hidden": 64, "heads": 4, "vocab": 128}, 16)
+    models["unet"] = build_model({"name": "unet", "preset": None, **TINY_UNET}, None)
     return {
         (name, precision): reference_losses(model, 0, 8, STEPS, 1.0, eps=1.0, precision=precision)
         for name, model in models.items()

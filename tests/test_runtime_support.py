@@ -28,6 +28,12 @@ GPT = [
     "train.seq_len=16",
     "train.global_batch=8",
 ]
+# Par4D's ADM U-Net at its smallest: two levels of one residual block on 8x8 images,
+# self-attention at 4x4 (0.76M parameters).
+TINY_UNET = {"channels": 32, "image_size": 8, "channel_mult": [1, 2], "res_blocks": 1, "attention_resolutions": [4], "heads": 2}
+UNET = ["model=unet", "model.preset=null", "train.global_batch=8"] + [
+    f"model.{key}={str(value).replace(' ', '')}" for key, value in TINY_UNET.items()
+]
 
 
 def composed(overrides: list[str]) -> dict[str, Any]:

@@ -21,6 +21,7 @@ import torch
 from src.data.shard_mllm import ShardMLLM
 from src.data.shards import TarShards
 from src.data.synthetic import SyntheticImageText, SyntheticTokens, collate
+from src.data.synthetic_diffusion import SyntheticDiffusion
 from src.data.synthetic_mllm import SyntheticMLLM
 from src.errors import ConfigError
 from src.models.sd21 import LATENT_CHANNELS, VAE_FACTOR
@@ -59,10 +60,14 @@ def dataset_for(model: ModelSpec, seed: int, source: str) -> Any:
         return SyntheticTokens(seed, llm.seq_len, vocab_size(llm))
     if names == ["encoder", "llm", "generator"]:
         return _mllm_data(model, seed, source)
+    if names == ["unet"]:
+        if source != "synthetic":
+            raise ConfigError(f"backend.data={source!r}: the real backend has only synthetic data for {model.name} (use synthetic)")
+        return SyntheticDiffusion(seed, math.isqrt(model.unit("unet").seq_len))
     if names[-1] == "llm" and all(model.unit(n).layers[0].name == "patch_embedding" for n in names[:-1]):
         return _encoders_llm_data(model, seed, source, names[:-1])
     raise ConfigError(
-        f"the real backend has no data for model {model.name} (units {names}): it trains CLIP, CoCa, LiT, GPT and the MLLMs"
+        f"the real backend has no data for model {model.name} (units {names}): it trains CLIP, CoCa, LiT, GPT, U-Nets and the MLLMs"
     )
 
 

@@ -1,6 +1,9 @@
-"""An SD-style generator's real layers (src/models/sd21.py's LayerSpecs): the frozen VAE
-encoder that turns the target image into a latent, and the conditional U-Net that learns to
-predict the noise added to it (the epsilon objective of DDPM/SD).
+"""The real layers of a diffusion U-Net: an SD-style generator's (src/models/sd21.py's
+LayerSpecs: the frozen VAE encoder that turns the target image into a latent, and the
+conditional U-Net) and Par4D's ADM U-Nets on pixels (src/models/unet.py: scale-shift
+residual blocks, self-attention blocks). Each learns to predict the noise added to its
+input (the epsilon objective of DDPM/SD; an ADM U-Net's variance channels, which Improved
+DDPM trains with its variational bound, are not scored, so they learn nothing here).
 
 Every layer maps a state dict to a state dict, so the unit stays a list of layers:
 
@@ -74,7 +77,8 @@ class Conv(nn.Module):
         if self.role == "latent":
             return {**{k: v for k, v in state.items() if k != "x"}, "latent": x[:, : x.shape[1] // 2] * LATENT_SCALE}
         if self.role == "unet_out":
-            return {**state, "x": x, "loss": F.mse_loss(x, state["noise"])}
+            noise = state["noise"]
+            return {**state, "x": x, "loss": F.mse_loss(x[:, : noise.shape[1]], noise)}
         if self.role in ("unet_in", "down"):
             return _push(state, x)
         return {**state, "x": x}
@@ -82,16 +86,18 @@ class Conv(nn.Module):
 
 class ResBlock(nn.Module):
     """GN, SiLU, conv3x3 (+ the timestep embedding's projection), GN, SiLU, conv3x3, plus
-    a 1x1 skip conv when the width changes. `pop`: the up path's block first concatenates
-    the skip its down path left; `push`: a down-path block with no transformer after it."""
+    a 1x1 skip conv when the width changes. `scale_shift` (ADM's use_scale_shift_norm):
+    the projection emits a scale and a shift applied after the second GN instead of a sum
+    before it. `pop`: the up path's block first concatenates the skip its down path left;
+    `push`: a down-path block with no attention after it."""
 
-    def __init__(self, c_in: int, c_out: int, emb: int, pop: bool, push: bool) -> None:
+    def __init__(self, c_in: int, c_out: int, emb: int, pop: bool, push: bool, scale_shift: bool = False) -> None:
         super().__init__()
         self.norm1, self.conv1 = _norm(c_in), nn.Conv2d(c_in, c_out, 3, padding=1)
-        self.emb = nn.Linear(emb, c_out) if emb else None
+        self.emb = nn.Linear(emb, (2 if scale_shift else 1) * c_out) if emb else None
         self.norm2, self.conv2 = _norm(c_out), nn.Conv2d(c_out, c_out, 3, padding=1)
         self.skip = nn.Conv2d(c_in, c_out, 1) if c_in != c_out else None
-        self.pop, self.push = pop, push
+        self.pop, self.push, self.scale_shift = pop, push, scale_shift
 
     def forward(self, state: State) -> State:
         x = state["x"]
@@ -99,9 +105,13 @@ class ResBlock(nn.Module):
             skip, state = _pop(state)
             x = torch.cat([x, skip], dim=1)
         h = self.conv1(F.silu(self.norm1(x)))
-        if self.emb is not None:
-            h = h + self.emb(F.silu(state["emb"]))[:, :, None, None]
-        h = self.conv2(F.silu(self.norm2(h)))
+        emb = self.emb(F.silu(state["emb"]))[:, :, None, None] if self.emb is not None else None
+        if self.scale_shift and emb is not None:
+            scale, shift = emb.chunk(2, dim=1)
+            h = self.norm2(h) * (1 + scale) + shift
+        else:
+            h = self.norm2(h if emb is None else h + emb)
+        h = self.conv2(F.silu(h))
         out = h + (x if self.skip is None else self.skip(x))
         return _push(state, out) if self.push else {**state, "x": out}
 
@@ -128,18 +138,21 @@ class SpatialTransformer(nn.Module):
 
 
 class SpatialAttention(nn.Module):
-    """The VAE's mid-block self-attention over the pixels."""
+    """Self-attention over the pixels, residual (the VAE's mid block, ADM's
+    AttentionBlock). `push`: on the down path."""
 
-    def __init__(self, channels: int, heads: int) -> None:
+    def __init__(self, channels: int, heads: int, push: bool = False) -> None:
         super().__init__()
         self.norm = _norm(channels)
         self.attn = Attention(channels, heads, TP(), causal=False)
+        self.push = push
 
     def forward(self, state: State) -> State:
         x = state["x"]
         b, c, h, w = x.shape
         y = self.attn(self.norm(x).flatten(2).transpose(1, 2))
-        return {**state, "x": x + y.transpose(1, 2).reshape(b, c, h, w)}
+        out = x + y.transpose(1, 2).reshape(b, c, h, w)
+        return _push(state, out) if self.push else {**state, "x": out}
 
 
 class Upsample(nn.Module):
@@ -185,15 +198,17 @@ def generator_layer(layers: tuple[LayerSpec, ...], index: int) -> nn.Module | No
         return TimeEmbedding(fc1.k, fc1.n)
     if base.endswith("_res") or base.startswith("mid.res"):
         conv1 = _gemm(layer, "conv1")
-        emb = next((k.k for k in layer.kernels if k.name == "emb_proj"), 0)
+        proj = next((k for k in layer.kernels if k.name == "emb_proj"), None)
         down = base.startswith("down") and not vae
         pop = base.startswith("up") and not vae
-        return ResBlock(conv1.k // 9, conv1.n, emb, pop=pop, push=down and not nxt.endswith("_xfmr"))
+        push = down and not nxt.endswith(("_xfmr", "_attn"))
+        scale_shift = proj is not None and proj.n == 2 * conv1.n
+        return ResBlock(conv1.k // 9, conv1.n, proj.k if proj else 0, pop=pop, push=push, scale_shift=scale_shift)
     if base.endswith("_xfmr") or base == "mid.xfmr":
         heads = _gemm(layer, "attn_scores").batch
         return SpatialTransformer(_gemm(layer, "proj_in").n, heads, _gemm(layer, "xattn_kv").k, push=base.startswith("down"))
-    if base == "mid.attn":
-        return SpatialAttention(_gemm(layer, "qkv").k, _gemm(layer, "scores").batch)
+    if base == "mid.attn" or base.endswith("_attn"):
+        return SpatialAttention(_gemm(layer, "qkv").k, _gemm(layer, "scores").batch, push=base.startswith("down"))
     if base.endswith("upsample"):
         return Upsample(_gemm(layer, "conv").n)
     if base in ("conv_in", "conv_out", "quant_conv") or base.endswith("downsample"):
