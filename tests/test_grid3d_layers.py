@@ -1,8 +1,9 @@
-"""Par4D's 3D-parallel linear layer equals nn.Linear: on 8 processes as (G_x, G_y, G_z,
-G_data) = (2,2,2,1) and (2,2,1,2), two chained layers (the second transposed, reading the
-first's output layout) give each rank its slice of the whole outputs, input gradients and
-weight and bias gradients, with every overlap on and off; under activation checkpointing
-caching the gathered weights (D) halves the z all-gathers."""
+"""Par4D's 3D-parallel linear layer equals nn.Linear, and its convolution nn.Conv2d: on 8
+processes as (G_x, G_y, G_z, G_data) = (2,2,2,1) and (2,2,1,2), two chained layers (the
+second transposed, reading the first's output layout) give each rank its slice of the
+whole outputs, input gradients and weight and bias gradients, with every overlap on and
+off; under activation checkpointing caching the gathered weights (D) halves the z
+all-gathers."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from torch.utils.checkpoint import checkpoint
 
 from src.runtime.driver import free_port
 from src.runtime.modules.parallel import linear_shard
-from src.runtime.modules.grid3d import OVERLAPS, Axis, Grid3D, Linear3D
+from src.runtime.modules.grid3d import OVERLAPS, Axis, Conv3D, Grid3D, Linear3D
 
 ROWS, D_IN, D_MID, D_OUT = 8, 8, 12, 8
+C_IN, C_MID, C_OUT, SIDE = 4, 8, 4, 4  # channels of two convs (3x3, then 3x3 with stride 2) on 4x4 maps
 GRIDS = ((2, 2, 2, 1), (2, 2, 1, 2))
 
 
@@ -79,6 +81,31 @@ def _check(grid: Grid3D, recompute: bool) -> None:
     assert not grid.pending
 
 
+def _check_conv(grid: Grid3D) -> None:
+    """Channels as k and n, samples over data parallelism and z; the second conv halves the map."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Conv2d(C_IN, C_MID, 3, padding=1), nn.Conv2d(C_MID, C_OUT, 3, stride=2, padding=1))
+    first, second = Conv3D(reference[0], grid), Conv3D(reference[1], grid, transposed=True)
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(ROWS, C_IN, SIDE, SIDE, generator=generator)
+    grad_out = torch.randn(ROWS, C_OUT, SIDE // 2, SIDE // 2, generator=generator)
+    whole_x = x.clone().requires_grad_()
+    reference(whole_x).backward(grad_out)
+
+    rows = _rows(grid)
+    local_x = x[rows, _part(C_IN, grid.y)].clone().requires_grad_()
+    out = second(first(local_x))
+    out.backward(grad_out[rows, _part(C_OUT, grid.y)])
+    grid.finish_backward([first, second])
+
+    torch.testing.assert_close(out.detach(), reference(x)[rows, _part(C_OUT, grid.y)])
+    torch.testing.assert_close(local_x.grad, whole_x.grad[rows, _part(C_IN, grid.y)])
+    for layer, whole, (k_axis, n_axis) in ((first, reference[0], (grid.y, grid.x)), (second, reference[1], (grid.x, grid.y))):
+        weight_grad = whole.weight.grad.reshape(whole.out_channels, -1)
+        torch.testing.assert_close(layer.gemm.shard.grad, _shard_of(weight_grad, k_axis, n_axis, grid.z))
+        torch.testing.assert_close(layer.gemm.bias.grad, whole.bias.grad[_part(whole.out_channels, n_axis)])
+
+
 def _worker(rank: int, port: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=8)
     try:
@@ -86,6 +113,7 @@ def _worker(rank: int, port: int) -> None:
         for grid in grids:
             for overlap in (frozenset(), frozenset(OVERLAPS)):
                 _check(grid.with_overlap(overlap), recompute=False)
+                _check_conv(grid.with_overlap(overlap))
         # Checkpointed: each layer's forward runs twice; D serves the second from its cache.
         gathers = {}
         for overlap in (frozenset(OVERLAPS) - {"cache"}, frozenset(OVERLAPS)):
@@ -98,6 +126,6 @@ def _worker(rank: int, port: int) -> None:
         dist.destroy_process_group()
 
 
-def test_linear3d_equals_nn_linear_on_two_grids_with_overlaps_on_and_off() -> None:
+def test_linear3d_and_conv3d_equal_nn_linear_and_conv2d_on_two_grids_with_overlaps_on_and_off() -> None:
     # spawn, not fork: a fork of a process whose OpenMP threads have run hangs in torch ops.
     mp.spawn(_worker, args=(free_port(),), nprocs=8)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn import functional as F
 
 from src.runtime.comm import CLOCK
 from src.runtime.modules.parallel import linear_shard
@@ -317,6 +318,36 @@ class Linear3D(ZSharded):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _Linear3D.apply(x, self.shard, self.bias, self)
+
+
+class Conv3D(nn.Module):
+    """A convolution on the grid as Par4D/AxoNN parallelise it, like a linear layer over its
+    weight: input channels as k (over the rows axis), output channels as n (over the
+    columns axis), each sample's pixels on the z rank that holds the sample. Unfolding a
+    rank's input channels gives their patches channel-major, i.e. the rank's contiguous
+    k slice of the whole conv's (C_in·kh·kw) GEMM, so the GEMM is a Linear3D sliced from
+    the whole `init` conv (whose channels a caller may have permuted to match its layout)."""
+
+    def __init__(self, init: nn.Conv2d, grid: Grid3D, transposed: bool = False) -> None:
+        super().__init__()
+        kh, kw = init.kernel_size
+        as_linear = nn.Linear(init.in_channels * kh * kw, init.out_channels, bias=init.bias is not None)
+        with torch.no_grad():
+            as_linear.weight.copy_(init.weight.reshape(init.out_channels, -1))
+            if init.bias is not None:
+                as_linear.bias.copy_(init.bias)
+        self.gemm = Linear3D(as_linear.in_features, as_linear.out_features, grid, transposed, init=as_linear)
+        padding = init.padding
+        if isinstance(padding, str):
+            raise ValueError(f"Conv3D takes explicit padding, not {padding!r}")
+        self.kernel_size, self.stride, self.padding = init.kernel_size, init.stride, padding
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, _, height, width = x.shape
+        patches = F.unfold(x, self.kernel_size, padding=self.padding, stride=self.stride)
+        out = self.gemm(patches.transpose(1, 2))
+        rows = (height + 2 * self.padding[0] - self.kernel_size[0]) // self.stride[0] + 1
+        return out.transpose(1, 2).reshape(batch, out.shape[-1], rows, -1)
 
 
 def _part(size: int, axis: Axis) -> slice:
