@@ -178,7 +178,7 @@ def test_the_unet_stem_and_output_run_replicated_where_the_grid_does_not_divide_
     model = build_model({"name": "unet", "preset": "unet_50m"}, None)
     grid = Grid(4, 4, 1, 1)
     layouts = UnitGrid(model.units[0]).layout(grid)
-    stem, out = layouts[1], layouts[-1]
+    stem, out = layouts[0], layouts[-1]
     assert stem.sharding == grid.replicated() and stem.fcs == (None,)  # 3 x 3 x 3 input columns
     assert out.sharding == grid.replicated()  # 6 output channels
     assert UnitGrid(model.units[0]).layout(Grid(2, 1, 1, 1))[-1].fcs[0] is not None  # 2 divides 6

@@ -76,8 +76,13 @@ CASES = {
     + ["strategy=megatron", "strategy.tp=1", "strategy.pp=2", "strategy.micro_batch_size=2", "train.precision=bf16"],
     # fp16 GEMMs with dynamic loss scaling: scaled gradients cross the pipeline stage in fp16.
     "ddp_zero0_fp16": GPT + ["strategy=ddp", "strategy.zero_stage=0", "train.precision=fp16"],
-    # A U-Net's skips and timestep embedding stay inside each rank's pass: ZeRO-2, and two
-    # micro-batches per replica with full recomputation.
+    # A U-Net's skips and timestep embedding cross the pieces its pass runs in: ZeRO-3's
+    # layer-by-layer Computes (Par4D Fig 12's baseline), the backward's per-layer parts of
+    # an overlapped ZeRO-0 reduction; ZeRO-2, and two micro-batches with full recomputation.
+    "unet_ddp_zero3_overlap": UNET
+    + ["strategy=ddp", "strategy.zero_stage=3", "strategy.overlap_comm=true", "strategy.prefetch_bucket_size=10000"],
+    "unet_ddp_zero0_overlap": UNET
+    + ["strategy=ddp", "strategy.zero_stage=0", "strategy.overlap_comm=true", "strategy.micro_batch_size=2"],
     "unet_ddp_zero2": UNET + ["strategy=ddp", "strategy.zero_stage=2"],
     "unet_megatron_dp2_recompute": UNET
     + ["strategy=megatron", "strategy.tp=1", "strategy.pp=1", "strategy.micro_batch_size=2", "strategy.recompute=full"],

@@ -38,9 +38,10 @@ OUT_CHANNELS = 6  # learn_sigma: the noise and the variance interpolation, 3 cha
 
 def unet_layers(image: int, channels: int, mult: list[int], res_blocks: int, attention_res: set[int], heads: int) -> list[LayerSpec]:
     """The ADM U-Net as a layer list in execution order (encoder, middle, decoder);
-    skip connections enter the decoder's residual blocks as extra input channels."""
+    skip connections enter the decoder's residual blocks as extra input channels. The
+    timestep embedding follows the stem, so the feature map crosses every layer boundary."""
     emb = 4 * channels
-    layers = [time_embedding_layer(channels, emb), conv_layer(image, IN_CHANNELS, channels, name="conv_in")]
+    layers = [conv_layer(image, IN_CHANNELS, channels, name="conv_in"), time_embedding_layer(channels, emb)]
     skips = [channels]
     ch, size = channels, image
 

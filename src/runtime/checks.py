@@ -59,12 +59,6 @@ def check_runnable(setup: Setup, plan: Plan) -> None:
                 f"on each rank (its skip connections do not cross pipeline stages, its convolutions have no TP); "
                 f"give it tp=1 and pp=1 (DistTrain: strategy.{unit.unit}.tp=1 strategy.{unit.unit}.pp=1)"
             )
-        if spec.kind == "unet" and unit.zero_stage == 3:
-            raise ConfigError(
-                f"unit {unit.unit} is a U-Net under ZeRO-3: the plan runs it layer by layer (each layer's parameters "
-                f"gathered before it), and the real backend hands only activations from layer to layer, not a U-Net's "
-                f"timestep embedding and skip connections; use strategy.zero_stage=0, 1 or 2"
-            )
     dataset_for(setup.model, setup.train.seed, str(setup.config["backend"]["data"]))
     for route in plan.program.routes.values():
         if isinstance(route, Hop) and route.scatter and route.rows % route.parts:

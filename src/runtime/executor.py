@@ -60,10 +60,12 @@ BWD_INPUT, BWD_WEIGHT = "bwd_input", "bwd_weight"  # a backward split into its i
 
 @dataclass
 class _Saved:
-    """What a forward leaves for its backward."""
+    """What a forward leaves for its backward; `carried`: the leaves of the state a U-Net
+    handed it from its layers before (see _carried)."""
 
     leaves: dict[Payload, torch.Tensor]
     outputs: State
+    carried: State = field(default_factory=dict)
 
 
 @dataclass
@@ -81,6 +83,15 @@ class _StepState:
     skip: bool | None = None  # fp16: whether the step overflowed (None: not decided yet)
     chunked: dict[tuple, list[Compute]] = field(default_factory=dict)  # a chunked pass -> its chunks so far
     ranged: dict[tuple, list[Compute]] = field(default_factory=dict)  # a layer pass in kernel ranges -> its ranges so far
+    carried: dict[tuple, State] = field(default_factory=dict)  # (unit, micro-batch, chunk) -> what a U-Net pass hands the next
+    carried_grads: dict[tuple, State] = field(default_factory=dict)  # their gradients, handed back the other way
+
+
+def _carried(state: State) -> State:
+    """What a U-Net's layers hand on besides the feature map 'x' (its timestep embedding and
+    the skips its down path pushed), which a pass run in pieces (Computes a plan cuts it
+    into, or the parts a backward cuts) passes piece to piece, as leaves of the next."""
+    return {key: value for key, value in state.items() if key == "emb" or key.startswith("skip.")}
 
 
 def _grad(leaf: torch.Tensor) -> torch.Tensor:
@@ -264,6 +275,9 @@ class Executor:
             leaves[payload] = leaf
             state[input_key(work.unit, payload)] = leaf
         trains = self.model.needs_backward(work.unit)
+        piece = (work.unit, j, compute.chunk)
+        carried = {key: value.detach().requires_grad_(trains) for key, value in self.s.carried.pop(piece, {}).items()}
+        state.update(carried)
         layers = unit_layers(self.units, work.unit)
         # Full recomputation keeps each layer's input only and re-runs the layer in backward.
         full = trains and self.plan.unit(work.unit).recompute == "full"
@@ -272,12 +286,14 @@ class Executor:
         with torch.set_grad_enabled(trains), computing(self.device, self.precision):
             for i in range(*work.layers):
                 if i in cuts and i != start:
-                    # The part's token states become the next part's leaf. Other leaves (a
-                    # cross-attention memory) stay shared: the parts' backwards, last part
-                    # first, add up their gradients before the first part hands them on.
-                    self.s.saved[(work.unit, (start, i), j, compute.chunk)] = _Saved(leaves, state)
+                    # The part's token states (and what a U-Net carries) become the next
+                    # part's leaves. Other leaves (a cross-attention memory) stay shared: the
+                    # parts' backwards, last part first, add up their gradients before the
+                    # first part hands them on.
+                    self.s.saved[(work.unit, (start, i), j, compute.chunk)] = _Saved(leaves, state, carried)
                     x = state["x"].detach().requires_grad_()
-                    leaves, state, start = {Payload(work.unit, i, j): x}, {**state, "x": x}, i
+                    carried = {key: value.detach().requires_grad_() for key, value in _carried(state).items()}
+                    leaves, state, start = {Payload(work.unit, i, j): x}, {**state, **carried, "x": x}, i
                 state = checkpoint(layers[i], state, use_reentrant=False) if full else layers[i](state)
         if "loss" in state:
             # This micro-batch's part of the step's loss: the mean over its replica's
@@ -287,8 +303,10 @@ class Executor:
             self.s.loss += share.detach() / tensor_replicas(self.plan, work.unit)
         for payload in compute.outputs:
             self.s.store.put(payload, state[payload.tensor])
+        if _carried(state):
+            self.s.carried[piece] = _carried(state)
         if trains:
-            self.s.saved[(work.unit, (start, work.layers[1]), j, compute.chunk)] = _Saved(leaves, state)
+            self.s.saved[(work.unit, (start, work.layers[1]), j, compute.chunk)] = _Saved(leaves, state, carried)
 
     def _backward(self, compute: Compute) -> None:
         work, j = compute.work, compute.microbatch
@@ -297,7 +315,9 @@ class Executor:
                 self._backward(part)
             return
         saved = self.s.saved.pop((work.unit, work.layers, j, compute.chunk))
+        piece = (work.unit, j, compute.chunk)
         terms = [(saved.outputs[grad.tensor] * self.s.store.tensor(grad)).sum() for grad in compute.inputs]
+        terms += [(saved.outputs[key] * grad).sum() for key, grad in self.s.carried_grads.pop(piece, {}).items()]
         if "loss_share" in saved.outputs:
             terms.append(saved.outputs["loss_share"] * self._scale())
         total = functools.reduce(operator.add, terms)
@@ -308,6 +328,9 @@ class Executor:
         for grad in compute.outputs:
             leaf = saved.leaves[grad.value()]
             self.s.store.put(grad, _grad(leaf) / self._dp(work.unit))
+        handed = {key: leaf.grad / self._dp(work.unit) for key, leaf in saved.carried.items() if leaf.grad is not None}
+        if handed:
+            self.s.carried_grads[piece] = handed
 
     def _forward_parts(self, compute: Compute) -> list[Compute]:
         """A backward over the layers of several forwards (Optimus: a micro-batch's encoder
