@@ -15,16 +15,11 @@ from torch.utils.checkpoint import checkpoint
 
 from src.runtime.driver import free_port
 from src.runtime.modules.parallel import linear_shard
-from src.runtime.modules.grid3d import OVERLAPS, Axis, Conv3D, Grid3D, Linear3D
+from src.runtime.modules.grid3d import OVERLAPS, Axis, Conv3D, Grid3D, Linear3D, axis_part
 
 ROWS, D_IN, D_MID, D_OUT = 8, 8, 12, 8
 C_IN, C_MID, C_OUT, SIDE = 4, 8, 4, 4  # channels of two convs (3x3, then 3x3 with stride 2) on 4x4 maps
 GRIDS = ((2, 2, 2, 1), (2, 2, 1, 2))
-
-
-def _part(size: int, axis: Axis) -> slice:
-    step = size // axis.size
-    return slice(axis.rank * step, (axis.rank + 1) * step)
 
 
 def _rows(grid: Grid3D) -> slice:
@@ -36,8 +31,8 @@ def _rows(grid: Grid3D) -> slice:
 
 def _shard_of(weight_grad: torch.Tensor, rows: Axis, cols: Axis, z: Axis) -> torch.Tensor:
     """A rank's unique piece of an nn.Linear weight (d_out x d_in) in Linear3D's (k x n) layout."""
-    block = weight_grad.t()[_part(weight_grad.shape[1], rows), _part(weight_grad.shape[0], cols)]
-    return block[_part(block.shape[0], z)]
+    block = weight_grad.t()[axis_part(weight_grad.shape[1], rows), axis_part(weight_grad.shape[0], cols)]
+    return block[axis_part(block.shape[0], z)]
 
 
 def _check(grid: Grid3D, recompute: bool) -> None:
@@ -61,23 +56,23 @@ def _check(grid: Grid3D, recompute: bool) -> None:
     reference(whole_x).backward(grad_out)
 
     rows = _rows(grid)
-    local_x = x[rows, _part(D_IN, grid.y)].clone().requires_grad_()
+    local_x = x[rows, axis_part(D_IN, grid.y)].clone().requires_grad_()
 
     def run(inp: torch.Tensor) -> torch.Tensor:
         return second(first(inp))
 
     out = checkpoint(run, local_x, use_reentrant=False) if recompute else run(local_x)
     # The first layer writes columns over x; the transposed second reads them and writes over y.
-    out.backward(grad_out[rows, _part(D_OUT, grid.y)])
+    out.backward(grad_out[rows, axis_part(D_OUT, grid.y)])
     grid.finish_backward([first, second])
 
-    expected_out = reference(x)[rows, _part(D_OUT, grid.y)]
+    expected_out = reference(x)[rows, axis_part(D_OUT, grid.y)]
     torch.testing.assert_close(out.detach(), expected_out)
-    torch.testing.assert_close(local_x.grad, whole_x.grad[rows, _part(D_IN, grid.y)])
+    torch.testing.assert_close(local_x.grad, whole_x.grad[rows, axis_part(D_IN, grid.y)])
     torch.testing.assert_close(first.shard.grad, _shard_of(reference[0].weight.grad, grid.y, grid.x, grid.z))
     torch.testing.assert_close(second.shard.grad, _shard_of(reference[1].weight.grad, grid.x, grid.y, grid.z))
-    torch.testing.assert_close(first.bias.grad, reference[0].bias.grad[_part(D_MID, grid.x)])
-    torch.testing.assert_close(second.bias.grad, reference[1].bias.grad[_part(D_OUT, grid.y)])
+    torch.testing.assert_close(first.bias.grad, reference[0].bias.grad[axis_part(D_MID, grid.x)])
+    torch.testing.assert_close(second.bias.grad, reference[1].bias.grad[axis_part(D_OUT, grid.y)])
     assert not grid.pending
 
 
@@ -93,17 +88,17 @@ def _check_conv(grid: Grid3D) -> None:
     reference(whole_x).backward(grad_out)
 
     rows = _rows(grid)
-    local_x = x[rows, _part(C_IN, grid.y)].clone().requires_grad_()
+    local_x = x[rows, axis_part(C_IN, grid.y)].clone().requires_grad_()
     out = second(first(local_x))
-    out.backward(grad_out[rows, _part(C_OUT, grid.y)])
+    out.backward(grad_out[rows, axis_part(C_OUT, grid.y)])
     grid.finish_backward([first, second])
 
-    torch.testing.assert_close(out.detach(), reference(x)[rows, _part(C_OUT, grid.y)])
-    torch.testing.assert_close(local_x.grad, whole_x.grad[rows, _part(C_IN, grid.y)])
+    torch.testing.assert_close(out.detach(), reference(x)[rows, axis_part(C_OUT, grid.y)])
+    torch.testing.assert_close(local_x.grad, whole_x.grad[rows, axis_part(C_IN, grid.y)])
     for layer, whole, (k_axis, n_axis) in ((first, reference[0], (grid.y, grid.x)), (second, reference[1], (grid.x, grid.y))):
         weight_grad = whole.weight.grad.reshape(whole.out_channels, -1)
         torch.testing.assert_close(layer.gemm.shard.grad, _shard_of(weight_grad, k_axis, n_axis, grid.z))
-        torch.testing.assert_close(layer.gemm.bias.grad, whole.bias.grad[_part(whole.out_channels, n_axis)])
+        torch.testing.assert_close(layer.gemm.bias.grad, whole.bias.grad[axis_part(whole.out_channels, n_axis)])
 
 
 def _worker(rank: int, port: int) -> None:

@@ -47,6 +47,7 @@ from src.runtime.grid_engine import GridEngine
 from src.runtime.grad_reduce import GradBucket, start_reduction
 from src.runtime.groups import ProcessGroups
 from src.runtime.loss_scale import LossScale, overflowed, unscale
+from src.runtime.modules.generator import handed_on
 from src.runtime.modules.grid3d import ZSharded
 from src.runtime.modules.parallel import tp_overlap
 from src.runtime.modules.units import unit_layers
@@ -61,7 +62,7 @@ BWD_INPUT, BWD_WEIGHT = "bwd_input", "bwd_weight"  # a backward split into its i
 @dataclass
 class _Saved:
     """What a forward leaves for its backward; `carried`: the leaves of the state a U-Net
-    handed it from its layers before (see _carried)."""
+    handed it from its layers before (_carried)."""
 
     leaves: dict[Payload, torch.Tensor]
     outputs: State
@@ -87,11 +88,10 @@ class _StepState:
     carried_grads: dict[tuple, State] = field(default_factory=dict)  # their gradients, handed back the other way
 
 
-def _carried(state: State) -> State:
-    """What a U-Net's layers hand on besides the feature map 'x' (its timestep embedding and
-    the skips its down path pushed), which a pass run in pieces (Computes a plan cuts it
-    into, or the parts a backward cuts) passes piece to piece, as leaves of the next."""
-    return {key: value for key, value in state.items() if key == "emb" or key.startswith("skip.")}
+def _carried(state: State, grad: bool) -> State:
+    """What a U-Net's layers hand on besides 'x' (generator.handed_on), as leaves of the next
+    piece of a pass run in pieces (Computes a plan cuts it into, parts a backward cuts)."""
+    return {key: value.detach().requires_grad_(grad) for key, value in handed_on(state).items()}
 
 
 def _grad(leaf: torch.Tensor) -> torch.Tensor:
@@ -276,7 +276,7 @@ class Executor:
             state[input_key(work.unit, payload)] = leaf
         trains = self.model.needs_backward(work.unit)
         piece = (work.unit, j, compute.chunk)
-        carried = {key: value.detach().requires_grad_(trains) for key, value in self.s.carried.pop(piece, {}).items()}
+        carried = _carried(self.s.carried.pop(piece, {}), trains)
         state.update(carried)
         layers = unit_layers(self.units, work.unit)
         # Full recomputation keeps each layer's input only and re-runs the layer in backward.
@@ -292,7 +292,7 @@ class Executor:
                     # first part hands them on.
                     self.s.saved[(work.unit, (start, i), j, compute.chunk)] = _Saved(leaves, state, carried)
                     x = state["x"].detach().requires_grad_()
-                    carried = {key: value.detach().requires_grad_() for key, value in _carried(state).items()}
+                    carried = _carried(state, True)
                     leaves, state, start = {Payload(work.unit, i, j): x}, {**state, **carried, "x": x}, i
                 state = checkpoint(layers[i], state, use_reentrant=False) if full else layers[i](state)
         if "loss" in state:
@@ -303,8 +303,8 @@ class Executor:
             self.s.loss += share.detach() / tensor_replicas(self.plan, work.unit)
         for payload in compute.outputs:
             self.s.store.put(payload, state[payload.tensor])
-        if _carried(state):
-            self.s.carried[piece] = _carried(state)
+        if handed := handed_on(state):
+            self.s.carried[piece] = handed
         if trains:
             self.s.saved[(work.unit, (start, work.layers[1]), j, compute.chunk)] = _Saved(leaves, state, carried)
 
@@ -328,9 +328,9 @@ class Executor:
         for grad in compute.outputs:
             leaf = saved.leaves[grad.value()]
             self.s.store.put(grad, _grad(leaf) / self._dp(work.unit))
-        handed = {key: leaf.grad / self._dp(work.unit) for key, leaf in saved.carried.items() if leaf.grad is not None}
-        if handed:
-            self.s.carried_grads[piece] = handed
+        grads = {key: leaf.grad / self._dp(work.unit) for key, leaf in saved.carried.items() if leaf.grad is not None}
+        if grads:
+            self.s.carried_grads[piece] = grads
 
     def _forward_parts(self, compute: Compute) -> list[Compute]:
         """A backward over the layers of several forwards (Optimus: a micro-batch's encoder

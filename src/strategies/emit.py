@@ -68,6 +68,19 @@ def backward_io(model: ModelSpec, segment: Segment, microbatch: int) -> tuple[tu
     return inputs, outputs
 
 
+def range_io(
+    model: ModelSpec, segment: Segment, phase: str, microbatch: int, first: bool, last: bool
+) -> tuple[tuple[Payload, ...], tuple[Payload, ...]]:
+    """What one kernel range of a layer's pass reads and writes (first, last: whether it
+    holds the layer's first or last kernels): the pass's inputs at the range that runs
+    first (forward: the first kernels; backward: the last), its outputs at the one that
+    runs last."""
+    if phase == "fwd":
+        return consumed(model, segment, microbatch) if first else (), produced(model, segment, microbatch) if last else ()
+    reads, writes = backward_io(model, segment, microbatch)
+    return reads if last else (), writes if first else ()
+
+
 def segment_pass(
     model: ModelSpec,
     segment: Segment,

@@ -28,7 +28,7 @@ from src.costmodel.memory import element_bytes, grad_bytes
 from src.mesh import tensor_parallel
 from src.models.spec import ModelSpec
 from src.program import Collective, Compute, Hop, Instruction, Message, Payload, Program, RankProgram, Recv, Send, Wait, Work
-from src.strategies.emit import TPConfig, backward_io, consumed, iteration_tail, produced, segment_pass
+from src.strategies.emit import TPConfig, iteration_tail, range_io, segment_pass
 from src.strategies.layout import axis_group, table
 from src.strategies.optimus_encoder import EncoderCosts, Layout
 from src.strategies.optimus_scheduler import Placed, Schedule
@@ -197,7 +197,8 @@ class ClassEmitter:
             key = (p.pipeline, p.local, p.phase, p.item.unit)
             if any(index == firsts[key] for _, index in run):
                 target += self._input(p.item.unit, e_of, i, p.phase)
-            inputs, outputs = self._kernel_io(Segment(p.item.unit, layer), p.phase, i, work.kernels)
+            count = len(self.model.unit(p.item.unit).layers[p.item.layer].kernels)
+            inputs, outputs = range_io(self.model, Segment(p.item.unit, layer), p.phase, i, kernels[0] == 0, kernels[-1] + 1 == count)
             target.append(Compute(work, microbatch=i, inputs=inputs, outputs=outputs))
             if any(index == lasts[key] for _, index in run):
                 target += self._output(p.item.unit, e_of, i, p.phase)
@@ -235,20 +236,6 @@ class ClassEmitter:
             run.append((p, index))
         flush()
         return slots, issues
-
-    def _kernel_io(
-        self, segment: Segment, phase: str, microbatch: int, kernels: tuple[int, int]
-    ) -> tuple[tuple[Payload, ...], tuple[Payload, ...]]:
-        """What a kernel range of one layer reads and writes: the layer's inputs at the range
-        that runs first (forward: from kernel 0; backward: from its last kernel), its
-        outputs at the one that runs last."""
-        count = len(self.model.unit(segment.unit).layers[segment.layers[0]].kernels)
-        first, last = kernels[0] == 0, kernels[1] == count
-        if phase == "fwd":
-            reads, writes = consumed(self.model, segment, microbatch), produced(self.model, segment, microbatch)
-            return reads if first else (), writes if last else ()
-        reads, writes = backward_io(self.model, segment, microbatch)
-        return reads if last else (), writes if first else ()
 
     @staticmethod
     def _slot_key(p: Placed) -> tuple[str, int]:

@@ -44,7 +44,7 @@ from src.costmodel.memory import element_bytes, grad_bytes
 from src.models.layers import ACT_BYTES
 from src.models.spec import ModelSpec
 from src.program import Collective, Compute, Instruction, Program, RankProgram, UnitPlan, Wait, Work
-from src.strategies.emit import backward_io, consumed, produced
+from src.strategies.emit import range_io
 from src.strategies.layout import axis_group
 from src.strategies.par4d_layout import FC, Grid, LayerLayout
 from src.strategies.stages import Segment
@@ -187,14 +187,8 @@ class Par4DEmitter:
             if item in gathers:
                 out += self._gather(gathers[item], sequence, position)
             out += self._norm_stats(layout, item)
-            out.append(
-                Compute(
-                    self._work(layout, "fwd", item),
-                    microbatch=j,
-                    inputs=consumed(self.model, segment, j) if item == 0 else (),
-                    outputs=produced(self.model, segment, j) if item == last else (),
-                )
-            )
+            inputs, outputs = range_io(self.model, segment, "fwd", j, item == 0, item == last)
+            out.append(Compute(self._work(layout, "fwd", item), microbatch=j, inputs=inputs, outputs=outputs))
             out += self._output_collectives(fc)
             out += self._vocabulary_all_reduces(layout, item, fc)
         return out
@@ -276,21 +270,13 @@ class Par4DEmitter:
                 out += self._gather(gather, sequence, position)
             for fc in layout.fcs:
                 out += self._output_collectives(fc)
-        # The layer's backward reads its outputs' gradients at its first instruction and
-        # writes its inputs' at its last.
-        reads, writes = backward_io(self.model, Segment(self.unit, (layout.index, layout.index + 1)), j)
+        segment = Segment(self.unit, (layout.index, layout.index + 1))
         for item in reversed(range(len(layout.fcs))):
             fc = layout.fcs[item]
             if fc is not None:
                 out += self._resplit(fc, fc.axes()[1])
-            out.append(
-                Compute(
-                    self._work(layout, "bwd_input", item, recompute),
-                    microbatch=j,
-                    inputs=reads if item == len(layout.fcs) - 1 else (),
-                    outputs=writes if item == 0 else (),
-                )
-            )
+            inputs, outputs = range_io(self.model, segment, "bwd", j, item == 0, item == len(layout.fcs) - 1)
+            out.append(Compute(self._work(layout, "bwd_input", item, recompute), microbatch=j, inputs=inputs, outputs=outputs))
             out += self._norm_stats(layout, item)
             handle = None
             if fc is not None:

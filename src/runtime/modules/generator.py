@@ -30,6 +30,7 @@ from src.runtime.modules.parallel import TP
 GROUPS = 32  # SD's GroupNorm(32)
 GROUP_WIDTH = 4  # channels per group at least: SD's narrowest (its VAE's 128 channels in 32 groups)
 LATENT_SCALE = 0.18215  # SD's VAE latent scaling
+SKIP, EMB = "skip.", "emb"  # state keys: the skips the down path pushed, the timestep embedding
 
 
 def _norm(channels: int) -> nn.GroupNorm:
@@ -42,12 +43,18 @@ def _norm(channels: int) -> nn.GroupNorm:
 
 
 def _push(state: State, x: torch.Tensor) -> State:
-    count = sum(key.startswith("skip.") for key in state)
-    return {**state, "x": x, f"skip.{count}": x}
+    count = sum(key.startswith(SKIP) for key in state)
+    return {**state, "x": x, f"{SKIP}{count}": x}
+
+
+def handed_on(state: State) -> State:
+    """What a U-Net's layers hand each other besides the feature map 'x': the timestep
+    embedding and the skips the down path pushed."""
+    return {key: value for key, value in state.items() if key == EMB or key.startswith(SKIP)}
 
 
 def _pop(state: State) -> tuple[torch.Tensor, State]:
-    key = f"skip.{sum(k.startswith('skip.') for k in state) - 1}"
+    key = f"{SKIP}{sum(k.startswith(SKIP) for k in state) - 1}"
     return state[key], {k: v for k, v in state.items() if k != key}
 
 
@@ -105,7 +112,7 @@ class ResBlock(nn.Module):
             skip, state = _pop(state)
             x = torch.cat([x, skip], dim=1)
         h = self.conv1(F.silu(self.norm1(x)))
-        emb = self.emb(F.silu(state["emb"]))[:, :, None, None] if self.emb is not None else None
+        emb = self.emb(F.silu(state[EMB]))[:, :, None, None] if self.emb is not None else None
         if self.scale_shift and emb is not None:
             scale, shift = emb.chunk(2, dim=1)
             h = self.norm2(h) * (1 + scale) + shift
@@ -178,7 +185,7 @@ class TimeEmbedding(nn.Module):
         freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=timestep.device) / half)
         args = timestep[:, None] * freqs[None]
         features = torch.cat([args.cos(), args.sin()], dim=-1)
-        return {**state, "emb": self.fc2(F.silu(self.fc1(features)))}
+        return {**state, EMB: self.fc2(F.silu(self.fc1(features)))}
 
 
 def _gemm(layer: LayerSpec, name: str) -> Kernel:

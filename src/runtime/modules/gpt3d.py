@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 from src.models.spec import UnitSpec
 from src.runtime.comm import CLOCK
 from src.runtime.modules.blocks import qkv_rows
-from src.runtime.modules.grid3d import Axis, Grid3D, Linear3D, ZSharded, _part
+from src.runtime.modules.grid3d import Axis, Grid3D, Linear3D, ZSharded, axis_part
 from src.runtime.modules.parallel import TP
 
 State = dict[str, torch.Tensor]
@@ -65,7 +65,7 @@ def _samples(batch: torch.Tensor, z: Axis) -> torch.Tensor:
     """This z rank's samples of the micro-batch."""
     if batch.shape[0] % z.size:
         raise ValueError(f"a micro-batch of {batch.shape[0]} samples does not split over G_z={z.size}")
-    return batch[_part(batch.shape[0], z)]
+    return batch[axis_part(batch.shape[0], z)]
 
 
 class LayerNorm3D(nn.Module):
@@ -122,10 +122,10 @@ class Embedding3D(ZSharded):
                 f"an embedding of {vocab} + {seq} rows and {hidden} columns on G_x={grid.x.size}, "
                 f"G_y={grid.y.size}, G_z={grid.z.size}: the grid does not divide it"
             )
-        rows = _part(table.shape[0], grid.x)
-        block = table[rows, _part(hidden, grid.y)]
+        rows = axis_part(table.shape[0], grid.x)
+        block = table[rows, axis_part(hidden, grid.y)]
         self.vocab, self.first_row = vocab, rows.start
-        self.shard = nn.Parameter(block[_part(block.shape[0], grid.z)].clone())
+        self.shard = nn.Parameter(block[axis_part(block.shape[0], grid.z)].clone())
 
     def forward(self, state: State) -> State:
         ids = _samples(state["ids"], self.grid.z)

@@ -304,11 +304,11 @@ class Linear3D(ZSharded):
                 f"G_{self.rows_axis}={rows.size}, G_z={z.size}: the grid does not divide it"
             )
         if outputs is None:
-            outputs = torch.arange(d_out)[_part(d_out, cols)]
+            outputs = torch.arange(d_out)[axis_part(d_out, cols)]
         # Only this rank's block is drawn: its output features (cols), and of its input
         # features (rows) its z part.
-        inputs = torch.arange(d_in)[_part(d_in, rows)]
-        inputs = inputs[_part(len(inputs), z)]
+        inputs = torch.arange(d_in)[axis_part(d_in, rows)]
+        inputs = inputs[axis_part(len(inputs), z)]
         if init is None:
             weight, full_bias = linear_shard(d_in, d_out, outputs, inputs)
         else:
@@ -331,7 +331,8 @@ class Conv3D(nn.Module):
     def __init__(self, init: nn.Conv2d, grid: Grid3D, transposed: bool = False) -> None:
         super().__init__()
         kh, kw = init.kernel_size
-        as_linear = nn.Linear(init.in_channels * kh * kw, init.out_channels, bias=init.bias is not None)
+        # Its weights are copied in, so it skips drawing its own (and the RNG stays as it was).
+        as_linear = nn.utils.skip_init(nn.Linear, init.in_channels * kh * kw, init.out_channels, bias=init.bias is not None)
         with torch.no_grad():
             as_linear.weight.copy_(init.weight.reshape(init.out_channels, -1))
             if init.bias is not None:
@@ -350,6 +351,7 @@ class Conv3D(nn.Module):
         return out.transpose(1, 2).reshape(batch, out.shape[-1], rows, -1)
 
 
-def _part(size: int, axis: Axis) -> slice:
+def axis_part(size: int, axis: Axis) -> slice:
+    """This rank's contiguous part of `size` items split evenly along `axis`."""
     step = size // axis.size
     return slice(axis.rank * step, (axis.rank + 1) * step)
