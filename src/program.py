@@ -377,6 +377,21 @@ class Program:
         return route
 
 
+@dataclass(frozen=True)
+class GridLayer:
+    """How one layer lies on a Par4D grid. transposed: its first FC writes its output
+    columns over y (else x); replicated: the whole layer on each rank of the tensor grid,
+    rows split over z, its input all-gathered over `gathers` (split there before) and its
+    output sliced over `scatters` for the next FC; resplit: its skip projection's output
+    is moved onto the axis the layer's output lies over."""
+
+    transposed: bool = False
+    replicated: bool = False
+    gathers: str | None = None
+    scatters: str | None = None
+    resplit: bool = False
+
+
 @dataclass
 class UnitPlan:
     """How one unit is parallelised: its device mesh, micro-batching and memory options.
@@ -414,6 +429,7 @@ class UnitPlan:
     prefetch_params: float = 0.0  # ZeRO-3 with overlap_comm: parameters prefetched ahead of a layer
     grid_overlap: tuple[str, ...] = ()  # Par4D: the overlaps that are on (all_reduce, reduce_scatter, all_gather, cache)
     cached_layers: tuple[int, ...] = ()  # Par4D with cache: layers whose recomputation reuses the forward's gathered weights
+    grid_layers: tuple[GridLayer, ...] = ()  # Par4D: how each layer lies on the grid
     details: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -3,7 +3,7 @@ processes as (G_x, G_y, G_z, G_data) = (2,2,2,1) and (2,2,1,2), two chained laye
 second transposed, reading the first's output layout) give each rank its slice of the
 whole outputs, input gradients and weight and bias gradients, with every overlap on and
 off; under activation checkpointing caching the gathered weights (D) halves the z
-all-gathers."""
+all-gathers. A U-Net's GroupNorm whose groups straddle ranks equals nn.GroupNorm."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 from src.runtime.driver import free_port
 from src.runtime.modules.parallel import linear_shard
 from src.runtime.modules.grid3d import OVERLAPS, Axis, Conv3D, Grid3D, Linear3D, axis_part
+from src.runtime.modules.unet3d import GroupNorm3D
 
 ROWS, D_IN, D_MID, D_OUT = 8, 8, 12, 8
 C_IN, C_MID, C_OUT, SIDE = 4, 8, 4, 4  # channels of two convs (3x3, then 3x3 with stride 2) on 4x4 maps
@@ -101,6 +102,31 @@ def _check_conv(grid: Grid3D) -> None:
         torch.testing.assert_close(layer.gemm.bias.grad, whole.bias.grad[axis_part(whole.out_channels, n_axis)])
 
 
+def _check_split_group_norm(grid: Grid3D) -> None:
+    """A decoder block's norm: its input is a feature map's and a skip's channels, each
+    split over y, so some of GroupNorm(4, 12)'s groups of 3 straddle two ranks."""
+    torch.manual_seed(0)
+    whole = nn.GroupNorm(4, 12)
+    with torch.no_grad():
+        whole.weight.normal_()
+        whole.bias.normal_()
+    features, skip = torch.arange(8), 8 + torch.arange(4)
+    channels = torch.cat([features[axis_part(8, grid.y)], skip[axis_part(4, grid.y)]])
+    norm = GroupNorm3D(whole, channels, grid.y)
+    assert not norm.whole_groups
+    generator = torch.Generator().manual_seed(3)
+    x, grad_out = torch.randn(2, 12, 3, 3, generator=generator), torch.randn(2, 12, 3, 3, generator=generator)
+    whole_x = x.clone().requires_grad_()
+    whole(whole_x).backward(grad_out)
+    local_x = x[:, channels].clone().requires_grad_()
+    out = norm(local_x)
+    out.backward(grad_out[:, channels])
+    torch.testing.assert_close(out.detach(), whole(x)[:, channels])
+    torch.testing.assert_close(local_x.grad, whole_x.grad[:, channels])
+    torch.testing.assert_close(norm.weight.grad, whole.weight.grad[channels])
+    torch.testing.assert_close(norm.bias.grad, whole.bias.grad[channels])
+
+
 def _worker(rank: int, port: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=8)
     try:
@@ -116,6 +142,7 @@ def _worker(rank: int, port: int) -> None:
             _check(grid, recompute=True)
             gathers["cache" in overlap] = grid.gathers
         assert gathers == {False: 4, True: 2}, gathers
+        _check_split_group_norm(grids[0])
         dist.barrier()
     finally:
         dist.destroy_process_group()

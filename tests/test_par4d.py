@@ -185,9 +185,10 @@ def test_the_unet_stem_and_output_run_replicated_where_the_grid_does_not_divide_
 
 
 @pytest.mark.parametrize("grid, output_gathers", [((2, 2, 1, 1), 0), ((4, 4, 1, 1), 1)])
-def test_unet_resplits_and_its_replicated_output_gather_are_priced(grid, output_gathers):
+def test_unet_resplits_and_its_replicated_ends_gathers_are_priced(grid, output_gathers):
     """Each re-split skip projection all-gathers forward and backward; a replicated output
-    conv (6 channels on G_x=4) gathers its split input; z=1, so no weight gathers."""
+    conv (6 channels on G_x=4) gathers its split input; the replicated stem's and timestep
+    embedding's readers' slices gather their gradients back; z=1, so no weight gathers."""
     plan, _ = _plan(
         "model=unet",
         "model.preset=unet_50m",
@@ -201,8 +202,11 @@ def test_unet_resplits_and_its_replicated_output_gather_are_priced(grid, output_
     gathers = [i for i in plan.program.classes[0].instructions if isinstance(i, Collective) and i.op == "all_gather"]
     layouts = UnitGrid(build_model({"name": "unet", "preset": "unet_50m"}, None).units[0]).layout(Grid(*grid))
     resplits = sum(fc is not None and fc.resplit for lay in layouts for fc in lay.fcs)
-    assert resplits and (layouts[-1].gather_input is not None) == bool(output_gathers)
-    assert len(gathers) == (2 * resplits + output_gathers) * plan.units[0].num_microbatches
+    embedding_reads = sum(fc is not None and fc.embedding_input for lay in layouts for fc in lay.fcs)
+    assert resplits and embedding_reads and (layouts[-1].gather_input is not None) == bool(output_gathers)
+    assert layouts[0].scatter_output == "y" and layouts[1].sharding == Grid(*grid).replicated()  # stem, timestep embedding
+    per_microbatch = 2 * resplits + output_gathers + embedding_reads + 1
+    assert len(gathers) == per_microbatch * plan.units[0].num_microbatches
 
 
 def test_a_grid_that_splits_group_norm_groups_is_refused():

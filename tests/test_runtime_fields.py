@@ -17,7 +17,7 @@ from src.errors import ConfigError
 from src.runtime.checks import check_runnable
 from src.setup import plan_run, validate
 from src.strategies import STRATEGIES
-from tests.test_runtime_support import CLIP, GPT, composed
+from tests.test_runtime_support import CLIP, GPT, UNET, composed
 
 CONF = Path(__file__).resolve().parent.parent / "conf" / "strategy"
 WORKERS = ["backend=torch", "cluster=local", "cluster.devices_per_node=4", "logger=none"]
@@ -257,12 +257,16 @@ def test_a_scattered_transfer_of_rows_tp_does_not_divide_is_refused_naming_the_f
         _check(MEGATRON + odd)
 
 
-def test_a_unet_runs_on_each_rank_and_is_refused_on_a_grid_naming_what_runs():
+def test_a_unet_runs_on_each_rank_and_on_a_grid_unless_z_cannot_shard_a_weight():
     unet = ["model=unet", "model.preset=unet_50m", "model.image_size=16", "train.global_batch=8"]
     for zero_stage in range(4):  # runs: tests/test_runtime_equality.py
         _check(WORKERS + unet + ["strategy=ddp", f"strategy.zero_stage={zero_stage}"])
-    with pytest.raises(ConfigError, match=r"3D-parallel model is a GPT"):
-        _check(WORKERS + unet + ["strategy=par4d", "strategy.grid=[2,2,1,1]", "strategy.micro_batch_size=2"])
+    # On a grid it runs: tests/test_runtime_par4d_unet.py.
+    _check(WORKERS + unet + ["strategy=par4d", "strategy.grid=[2,2,1,1]", "strategy.micro_batch_size=2"])
+    five = ["backend=torch", "cluster=local", "cluster.devices_per_node=5", "logger=none"]
+    z5 = ["train.global_batch=10", "strategy=par4d", "strategy.grid=[1,1,5,1]", "strategy.micro_batch_size=5"]
+    with pytest.raises(ConfigError, match=r"layer 0 \(conv_in\).*G_z=5: G_z divides neither the block's 27 rows nor its 32 columns"):
+        _check(five + UNET + z5)
 
 
 def test_optimus_llm_distributed_optimizer_over_replicas_is_refused_naming_the_fix():

@@ -86,7 +86,7 @@ def resblock_layer(
         conv_gemm("conv1", size, c_in, c_out, 3),
     ]
     if emb_dim:
-        kernels.append(gemm("emb_proj", 1, emb_dim, emb_out, "n"))
+        kernels.append(replace(gemm("emb_proj", 1, emb_dim, emb_out, "n"), reads_embedding=True))
     kernels += [
         memory("groupnorm2", pixels * c_out),
         memory("silu2", pixels * c_out),

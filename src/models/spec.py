@@ -38,6 +38,8 @@ class Kernel:
     skip_projection: projects the layer's input onto its output's channels and is added to
       the output (a residual block's 1x1 skip conv): it reads what the layer's first FC
       reads, not the previous kernel's output.
+    reads_embedding: reads a per-sample embedding another layer computed (a residual
+      block's projection of the timestep embedding), not the layer's feature map.
     """
 
     name: str
@@ -54,6 +56,7 @@ class Kernel:
     attention_scores: bool = False
     backward_recompute: bool = False
     skip_projection: bool = False
+    reads_embedding: bool = False
 
     def flops(self, contrastive_batch: int = 1) -> float:
         """Forward FLOPs for one sample (0 for memory-bound kernels)."""

@@ -18,6 +18,8 @@ from src.runtime.batch_rows import placed_by_rows
 from src.runtime.executor import input_key
 from src.runtime.inputs import dataset_for
 from src.runtime.grid_engine import on_grid
+from src.runtime.modules.grid3d import Axis, Grid3D
+from src.runtime.modules.unet3d import UNetOnGrid
 from src.runtime.modules.units import llama_style, vocab_size
 
 if TYPE_CHECKING:
@@ -82,16 +84,27 @@ def check_runnable(setup: Setup, plan: Plan) -> None:
 
 
 def _check_grid(unit: UnitPlan, spec: UnitSpec) -> None:
-    """What runtime.modules.gpt3d builds: a GPT whose embedding table and vocabulary the
-    grid divides (the planner checks its FCs, heads and micro-batch)."""
+    """What runtime.modules.gpt3d and unet3d build: a GPT whose embedding table and
+    vocabulary the grid divides, or an ADM U-Net whose layers it divides (the planner
+    checks the FCs, heads and micro-batch)."""
     x, y, z = (unit.mesh.degree(axis) for axis in ("x", "y", "z"))
     where = f"unit {unit.unit} on the Par4D grid {unit.mesh.shape()}"
+    if spec.kind == "unet":
+        # Built as rank 0 of each axis builds it (no groups: nothing communicates).
+        grid = Grid3D(Axis(x), Axis(y), Axis(z), Axis(unit.mesh.degree("dp")), layers=unit.grid_layers)
+        unet = UNetOnGrid(spec, grid)
+        for index, layer in enumerate(spec.layers):
+            try:
+                unet.layer(index)
+            except ValueError as error:
+                raise ConfigError(f"{where}: layer {index} ({layer.name}): {error}") from None
+        return
     other = [layer.name for layer in spec.layers if layer.name not in GRID_LAYERS]
     if other or llama_style(spec) is not None:
         what = f"layer {other[0]}" if other else "Llama blocks"
         raise ConfigError(
-            f"{where}: the real backend's 3D-parallel model is a GPT (embedding, blocks, head), it has no {what} "
-            f"(a U-Net or Llama on Par4D runs in the simulator only)"
+            f"{where}: the real backend's 3D-parallel model is a GPT (embedding, blocks, head) or an ADM U-Net, it has "
+            f"no {what} (a Llama on Par4D runs in the simulator only)"
         )
     vocab = vocab_size(spec)
     if (vocab + spec.seq_len) % (x * z):

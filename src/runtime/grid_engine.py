@@ -26,7 +26,7 @@ def on_grid(unit: UnitPlan) -> bool:
 def build_grid(unit: UnitPlan) -> Grid3D:
     """The unit's grid, its groups made by every rank, with the plan's overlaps and cached layers."""
     degrees = tuple(unit.mesh.degree(axis) for axis in GRID_AXES)
-    return Grid3D.build(degrees, frozenset(unit.grid_overlap), frozenset(unit.cached_layers))  # type: ignore[arg-type]
+    return Grid3D.build(degrees, frozenset(unit.grid_overlap), frozenset(unit.cached_layers), unit.grid_layers)  # type: ignore[arg-type]
 
 
 class GridEngine:

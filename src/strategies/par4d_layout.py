@@ -14,13 +14,15 @@ is re-split (FC.resplit): a U-Net's channel-changing residual blocks.
 A layer runs as kernel ranges, each ending with one FC (so each FC's collectives sit right
 after its GEMM); kernels after the layer's last FC join its last range. Layers with
 parameters but no FC (an embedding table) keep their weights z-sharded and gathered like
-an FC's. A lone FC at either end of the unit (a stem or an output projection: the first
-and the last layer with an FC, holding just one) whose channels the grid does not divide
-runs replicated on the tensor grid, rows still split over z: a U-Net's 3-channel stem and
+an FC's; those with GEMMs no FC parallelises (a U-Net's timestep embedding) run
+replicated on the tensor grid, rows split over z, each FC reading their output taking its
+slice (FC.embedding_input). A lone FC at either end of the unit (a stem or an output
+projection: the first and the last layer with an FC, holding just one) whose channels the
+grid does not divide runs replicated on the tensor grid too: a U-Net's 3-channel stem and
 6-channel output convolution, which AxoNN leaves unparallelised (the next FC slices the
-stem's whole output; the output conv's input, split over the previous FC's output axis, is
-all-gathered first: LayerLayout.gather_input). Any other layer the grid does not divide is
-an error.
+stem's whole output, LayerLayout.scatter_output; the output conv's input, split over the
+previous FC's output axis, is all-gathered first, LayerLayout.gather_input). Any other
+layer the grid does not divide is an error.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from src.errors import ConfigError
 from src.mesh import Mesh, Sharding
 from src.models.conv import GROUPNORM_GROUPS
 from src.models.spec import Kernel, UnitSpec
+from src.program import GridLayer
 
 GRID_AXES = ("x", "y", "z", "dp")
 
@@ -88,7 +91,9 @@ class FC:
     product per sample; transposed: rows over x and columns over y. resplit: a skip
     projection whose output columns lie over the other axis than the layer's output's, so
     it is all-gathered over its column axis and the layer's slice kept (its gradient
-    likewise over the row axis)."""
+    likewise over the row axis). embedding_input: it slices its input columns from an
+    embedding every rank holds whole (a replicated layer's), so the input's gradient is
+    all-gathered over its row axis."""
 
     kernel: int
     m: int
@@ -96,6 +101,7 @@ class FC:
     n: int
     transposed: bool
     resplit: bool = False
+    embedding_input: bool = False
 
     def axes(self) -> tuple[str, str]:
         """(a, b): the axes splitting the output columns (n) and the input columns (k)."""
@@ -113,6 +119,17 @@ class LayerLayout:
     fcs: tuple[FC | None, ...]
     params: int
     gather_input: str | None = None  # a replicated last layer: the axis its split input is all-gathered over
+    scatter_output: str | None = None  # a replicated first layer: the axis the next FC reads its output's slice over
+
+    def placement(self) -> GridLayer:
+        """What a backend needs to lay the layer out as this does."""
+        return GridLayer(
+            transposed=self.sharding.transposed,
+            replicated=[axis for axis, _ in self.sharding.axes] == ["z"],
+            gathers=self.gather_input,
+            scatters=self.scatter_output,
+            resplit=any(fc is not None and fc.resplit for fc in self.fcs),
+        )
 
     def gathered_params(self, grid: Grid) -> float:
         """Elements of this layer's weights once all-gathered over z on one rank."""
@@ -206,6 +223,7 @@ class UnitGrid:
                             layer.kernels[i].n,
                             oriented[i],
                             resplit=layer.kernels[i].skip_projection and oriented[i] != output,
+                            embedding_input=layer.kernels[i].reads_embedding,
                         )
                         for i in fc_kernels
                     )
@@ -274,6 +292,11 @@ class UnitGrid:
                 gather = axis if axis is not None and getattr(grid, axis) > 1 else None
                 out.append(LayerLayout(index, grid.replicated(), (None,), (None,), layer.params, gather_input=gather))
             elif index == first and shape is None:
+                after = next((s for s in chain[index + 1 :] if s is not None), None)
+                axis = next(fc for fc in after.fcs if fc is not None).axes()[1] if after else None
+                scatter = axis if axis is not None and getattr(grid, axis) > 1 else None
+                out.append(LayerLayout(index, grid.replicated(), (None,), (None,), layer.params, scatter_output=scatter))
+            elif shape is None and any(k.kind == "gemm" and k.has_weight for k in layer.kernels):
                 out.append(LayerLayout(index, grid.replicated(), (None,), (None,), layer.params))
             elif shape is None:
                 out.append(LayerLayout(index, grid.sharding(), (None,), (None,), layer.params))

@@ -32,7 +32,9 @@ over z before the data-parallel all-reduce. A residual block's skip projection w
 output lies over the other axis than the block's (par4d_layout.FC.resplit) all-gathers
 its output over its column axis forward and its output's gradient over its row axis
 backward, each rank keeping its slice; a replicated last layer all-gathers its split input
-(again under full recomputation).
+(again under full recomputation); the slices FCs read of a replicated layer's output (a
+U-Net's stem, its timestep embedding) have their gradients all-gathered back over the
+FC's row axis.
 """
 
 from __future__ import annotations
@@ -270,6 +272,7 @@ class Par4DEmitter:
                 out += self._gather(gather, sequence, position)
             for fc in layout.fcs:
                 out += self._output_collectives(fc)
+        out += self._output_grad_gather(layout)
         segment = Segment(self.unit, (layout.index, layout.index + 1))
         for item in reversed(range(len(layout.fcs))):
             fc = layout.fcs[item]
@@ -292,8 +295,27 @@ class Par4DEmitter:
                 out.append(Compute(self._work(layout, "bwd_weight", item), microbatch=j))
             if handle:
                 out.append(Wait(handle))
+            if fc is not None:
+                out += self._embedding_grad_gather(fc)
             out += self._reduce_scatter(layout, item, j)
         return out
+
+    def _output_grad_gather(self, layout: LayerLayout) -> list[Instruction]:
+        """A replicated first layer's output gradient, sliced over the axis the next FC
+        reads it over, all-gathered whole before its backward."""
+        if layout.scatter_output is None:
+            return []
+        kernel = next(k for k in self.spec.layers[layout.index].kernels if k.kind == "gemm" and k.has_weight)
+        nbytes = kernel.m * self.cfg.micro_batch / self.grid.z * kernel.n * self.act_bytes
+        return [Collective("all_gather", self.groups[layout.scatter_output], nbytes, "tp", stream=layout.scatter_output)]
+
+    def _embedding_grad_gather(self, fc: FC) -> list[Instruction]:
+        """An FC reading its slice of a whole embedding: the slice's gradient all-gathered
+        over its row axis."""
+        b = fc.axes()[1]
+        if not fc.embedding_input or self.groups[b] is None:
+            return []
+        return [Collective("all_gather", self.groups[b], self._rows(fc) * fc.k * self.act_bytes, "tp", stream=b)]
 
     def _reduce_scatter(self, layout: LayerLayout, item: int, j: int) -> list[Instruction]:
         if not self._gathers(layout) or self.spec.frozen:
@@ -376,6 +398,7 @@ def par4d_program(
         gathered_params=emitter.gathered_params(),
         grid_overlap=tuple(sorted(settings.overlap)),
         cached_layers=tuple(sorted(emitter.cached)),
+        grid_layers=tuple(layout.placement() for layout in layouts),
         details={
             "grid": grid.label(),
             "grid_x": grid.x,

@@ -42,7 +42,7 @@ def _norm(channels: int) -> nn.GroupNorm:
     return nn.GroupNorm(groups, channels)
 
 
-def _push(state: State, x: torch.Tensor) -> State:
+def push_skip(state: State, x: torch.Tensor) -> State:
     count = sum(key.startswith(SKIP) for key in state)
     return {**state, "x": x, f"{SKIP}{count}": x}
 
@@ -53,7 +53,7 @@ def handed_on(state: State) -> State:
     return {key: value for key, value in state.items() if key == EMB or key.startswith(SKIP)}
 
 
-def _pop(state: State) -> tuple[torch.Tensor, State]:
+def pop_skip(state: State) -> tuple[torch.Tensor, State]:
     key = f"{SKIP}{sum(k.startswith(SKIP) for k in state) - 1}"
     return state[key], {k: v for k, v in state.items() if k != key}
 
@@ -87,7 +87,7 @@ class Conv(nn.Module):
             noise = state["noise"]
             return {**state, "x": x, "loss": F.mse_loss(x[:, : noise.shape[1]], noise)}
         if self.role in ("unet_in", "down"):
-            return _push(state, x)
+            return push_skip(state, x)
         return {**state, "x": x}
 
 
@@ -109,7 +109,7 @@ class ResBlock(nn.Module):
     def forward(self, state: State) -> State:
         x = state["x"]
         if self.pop:
-            skip, state = _pop(state)
+            skip, state = pop_skip(state)
             x = torch.cat([x, skip], dim=1)
         h = self.conv1(F.silu(self.norm1(x)))
         emb = self.emb(F.silu(state[EMB]))[:, :, None, None] if self.emb is not None else None
@@ -120,7 +120,7 @@ class ResBlock(nn.Module):
             h = self.norm2(h if emb is None else h + emb)
         h = self.conv2(F.silu(h))
         out = h + (x if self.skip is None else self.skip(x))
-        return _push(state, out) if self.push else {**state, "x": out}
+        return push_skip(state, out) if self.push else {**state, "x": out}
 
 
 class SpatialTransformer(nn.Module):
@@ -141,7 +141,7 @@ class SpatialTransformer(nn.Module):
         tokens = self.proj_in(self.norm(x).flatten(2).transpose(1, 2))
         tokens = self.block({"x": tokens, "memory": state["memory"]})["x"]
         out = x + self.proj_out(tokens).transpose(1, 2).reshape(b, c, h, w)
-        return _push(state, out) if self.push else {**state, "x": out}
+        return push_skip(state, out) if self.push else {**state, "x": out}
 
 
 class SpatialAttention(nn.Module):
@@ -159,7 +159,7 @@ class SpatialAttention(nn.Module):
         b, c, h, w = x.shape
         y = self.attn(self.norm(x).flatten(2).transpose(1, 2))
         out = x + y.transpose(1, 2).reshape(b, c, h, w)
-        return _push(state, out) if self.push else {**state, "x": out}
+        return push_skip(state, out) if self.push else {**state, "x": out}
 
 
 class Upsample(nn.Module):
@@ -180,12 +180,15 @@ class TimeEmbedding(nn.Module):
         self.fc1, self.fc2 = nn.Linear(channels, emb), nn.Linear(emb, emb)
 
     def forward(self, state: State) -> State:
-        half = self.channels // 2
-        timestep = state["timestep"].float()
-        freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=timestep.device) / half)
-        args = timestep[:, None] * freqs[None]
-        features = torch.cat([args.cos(), args.sin()], dim=-1)
-        return {**state, EMB: self.fc2(F.silu(self.fc1(features)))}
+        return {**state, EMB: self.fc2(F.silu(self.fc1(sinusoids(state["timestep"], self.channels))))}
+
+
+def sinusoids(timestep: torch.Tensor, channels: int) -> torch.Tensor:
+    """`channels` sinusoidal features of each timestep, cosines first."""
+    half = channels // 2
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=timestep.device) / half)
+    args = timestep.float()[:, None] * freqs[None]
+    return torch.cat([args.cos(), args.sin()], dim=-1)
 
 
 def _gemm(layer: LayerSpec, name: str) -> Kernel:

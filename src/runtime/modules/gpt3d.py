@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from src.models.spec import UnitSpec
 from src.runtime.comm import CLOCK
-from src.runtime.modules.blocks import qkv_rows
+from src.runtime.modules.blocks import Attention, qkv_rows
 from src.runtime.modules.grid3d import Axis, Grid3D, Linear3D, ZSharded, axis_part
 from src.runtime.modules.parallel import TP
 
@@ -57,11 +57,11 @@ class _Sum(torch.autograd.Function):
         return (_all_reduce(grad, ctx.axis) if ctx.partial else grad), None, None
 
 
-def _sum(x: torch.Tensor, axis: Axis, replicated: bool) -> torch.Tensor:
+def sum_over(x: torch.Tensor, axis: Axis, replicated: bool) -> torch.Tensor:
     return x if axis.size == 1 else _Sum.apply(x, axis, not replicated)
 
 
-def _samples(batch: torch.Tensor, z: Axis) -> torch.Tensor:
+def samples_of(batch: torch.Tensor, z: Axis) -> torch.Tensor:
     """This z rank's samples of the micro-batch."""
     if batch.shape[0] % z.size:
         raise ValueError(f"a micro-batch of {batch.shape[0]} samples does not split over G_z={z.size}")
@@ -78,7 +78,7 @@ class LayerNorm3D(nn.Module):
         self.weight, self.bias = nn.Parameter(torch.ones(width)), nn.Parameter(torch.zeros(width))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        stats = _sum(torch.stack([x.sum(-1), (x * x).sum(-1)], dim=-1), self.grid.y, replicated=False) / self.hidden
+        stats = sum_over(torch.stack([x.sum(-1), (x * x).sum(-1)], dim=-1), self.grid.y, replicated=False) / self.hidden
         mean, square = stats[..., :1], stats[..., 1:]
         return (x - mean) * torch.rsqrt(square - mean * mean + self.eps) * self.weight + self.bias
 
@@ -128,33 +128,38 @@ class Embedding3D(ZSharded):
         self.shard = nn.Parameter(block[axis_part(block.shape[0], grid.z)].clone())
 
     def forward(self, state: State) -> State:
-        ids = _samples(state["ids"], self.grid.z)
+        ids = samples_of(state["ids"], self.grid.z)
         positions = self.vocab + torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
         lookups = _Lookup.apply(torch.stack([ids, positions], dim=-1), self.shard, self)
-        return {**state, "x": _sum(lookups, self.grid.x, replicated=True)}
+        return {**state, "x": sum_over(lookups, self.grid.x, replicated=True)}
 
 
 class Attention3D(nn.Module):
-    """Causal self-attention: q|k|v's output columns over x by whole heads, the
-    output projection transposed."""
+    """Self-attention (runtime.modules.blocks.Attention): q|k|v's output columns over its
+    columns axis by whole heads, the output projection the other way round, so it writes
+    where it read. `transposed`: q|k|v's heads over y (a U-Net layer's orientation);
+    `init`: the whole layer to slice (else each block is drawn as the whole one's)."""
 
-    def __init__(self, hidden: int, heads: int, grid: Grid3D) -> None:
+    def __init__(
+        self, hidden: int, heads: int, grid: Grid3D, transposed: bool = False, causal: bool = True, init: Attention | None = None
+    ) -> None:
         super().__init__()
-        if heads % grid.x.size:
-            raise ValueError(f"G_x={grid.x.size} does not divide the {heads} attention heads")
-        self.head_dim, self.heads = hidden // heads, heads // grid.x.size
-        rows = qkv_rows(heads, heads, self.head_dim, TP(grid.x.size, grid.x.rank))
-        self.qkv = Linear3D(hidden, 3 * hidden, grid, outputs=rows)
-        self.proj = Linear3D(hidden, hidden, grid, transposed=True)
+        split = grid.axis("y" if transposed else "x")
+        if heads % split.size:
+            raise ValueError(f"G_{'y' if transposed else 'x'}={split.size} does not divide the {heads} attention heads")
+        self.head_dim, self.heads, self.causal = hidden // heads, heads // split.size, causal
+        rows = qkv_rows(heads, heads, self.head_dim, TP(split.size, split.rank))
+        self.qkv = Linear3D(hidden, 3 * hidden, grid, transposed, outputs=rows, init=init.qkv if init else None)
+        self.proj = Linear3D(hidden, hidden, grid, not transposed, init=init.proj if init else None)
         self.recompute_core = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t = x.shape[:2]
         q, k, v = (z.reshape(b, t, self.heads, self.head_dim).transpose(1, 2) for z in self.qkv(x).chunk(3, dim=-1))
         if self.recompute_core and torch.is_grad_enabled():
-            y = checkpoint(F.scaled_dot_product_attention, q, k, v, is_causal=True, use_reentrant=False)
+            y = checkpoint(F.scaled_dot_product_attention, q, k, v, is_causal=self.causal, use_reentrant=False)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         return self.proj(y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
 
@@ -189,7 +194,7 @@ class Head3D(nn.Module):
 
     def forward(self, state: State) -> State:
         logits = self.proj(self.ln(state["x"])).float()
-        targets = _samples(state["targets"], self.grid.z)
+        targets = samples_of(state["targets"], self.grid.z)
         peak = logits.detach().amax(-1, keepdim=True)
         if self.grid.x.size > 1:
             with CLOCK.timed("tp"):
@@ -197,7 +202,7 @@ class Head3D(nn.Module):
         local = targets - self.first
         held = (local >= 0) & (local < logits.shape[-1])
         target = logits.gather(-1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1) * held
-        sums = _sum(torch.stack([(logits - peak).exp().sum(-1), target], dim=-1), self.grid.x, replicated=True)
+        sums = sum_over(torch.stack([(logits - peak).exp().sum(-1), target], dim=-1), self.grid.x, replicated=True)
         losses = sums[..., 0].log() + peak.squeeze(-1) - sums[..., 1]
         return {**state, "loss": losses.sum() / (losses.numel() * self.grid.z.size)}
 
@@ -214,14 +219,4 @@ def grid_layer(unit: UnitSpec, index: int, grid: Grid3D, vocab: int) -> nn.Modul
         module = Head3D(unit.hidden, vocab, grid)
     else:
         raise ValueError(f"the real backend has no Par4D module for layer {name!r} of unit {unit.name}")
-    for sharded in module.modules():
-        if isinstance(sharded, ZSharded) and grid.cached_layers is not None:
-            sharded.caches = sharded.caches and index in grid.cached_layers
     return module
-
-
-def link_prefetches(layers: nn.Module) -> None:
-    """Each z-sharded weight prefetches the next one in forward order (overlap C)."""
-    sharded = [m for m in layers.modules() if isinstance(m, ZSharded)]
-    for layer, following in zip(sharded, sharded[1:]):
-        layer.prefetches(following)

@@ -2,7 +2,8 @@
 
 A rank g(i, j, k) of a (G_x, G_y, G_z) tensor grid holds, for O = I·W with W (k x n):
 the weight block W[j, i] (rows split over y, columns over x), itself sharded over z so
-each rank stores one unique piece Ŵ (rows of the block split over z). The input
+each rank stores one unique piece Ŵ (rows of the block split over z; its columns where
+z does not divide its rows). The input
 I[k, j] has its rows split over z and its columns over y; the output O[k, i] its rows
 over z and its columns over x. A transposed layer swaps the roles of x and y, so a layer
 reads the layout the previous one wrote.
@@ -21,12 +22,14 @@ each z rank saw its own rows) over z, and every gradient over data parallelism (
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from src.program import GridLayer
 from src.runtime.comm import CLOCK
 from src.runtime.modules.parallel import linear_shard
 
@@ -53,12 +56,17 @@ class Grid3D:
     dp: Axis = Axis()
     overlap: frozenset[str] = frozenset()
     cached_layers: frozenset[int] | None = None  # with cache (D): the layers that cache (None: every one)
+    layers: tuple[GridLayer, ...] = ()  # how the plan lays each layer of the unit out
     pending: list = field(default_factory=list)
     gathers: int = 0  # z all-gathers issued, for tests of prefetching and caching
 
     @classmethod
     def build(
-        cls, degrees: tuple[int, int, int, int], overlap: frozenset[str] = frozenset(), cached_layers: frozenset[int] | None = None
+        cls,
+        degrees: tuple[int, int, int, int],
+        overlap: frozenset[str] = frozenset(),
+        cached_layers: frozenset[int] | None = None,
+        layers: tuple[GridLayer, ...] = (),
     ) -> Grid3D:
         """Every group of the grid (X innermost, then Y, Z, data: rank = i + G_x(j + G_y(k +
         G_z d))), made collectively by every rank; this rank's own axes."""
@@ -84,11 +92,16 @@ class Grid3D:
                     mine = Axis(degree, members.index(rank), group)
             axes.append(mine)
         x, y, z, dp = axes
-        return cls(x, y, z, dp, frozenset(overlap), cached_layers)
+        return cls(x, y, z, dp, frozenset(overlap), cached_layers, layers)
 
     def with_overlap(self, overlap: frozenset[str]) -> Grid3D:
         """The same groups with other overlaps on (nothing in flight, no gathers counted)."""
-        return Grid3D(self.x, self.y, self.z, self.dp, frozenset(overlap), self.cached_layers)
+        return Grid3D(self.x, self.y, self.z, self.dp, frozenset(overlap), self.cached_layers, self.layers)
+
+    def replicated(self) -> Grid3D:
+        """The grid as a layer replicated on the tensor grid sees it (a U-Net's stem: rows
+        still split over z, weights z-sharded): no x or y, the same reduce-scatters in flight."""
+        return Grid3D(Axis(), Axis(), self.z, self.dp, self.overlap, self.cached_layers, self.layers, self.pending)
 
     def axis(self, name: str) -> Axis:
         return getattr(self, name)
@@ -179,7 +192,7 @@ class _Linear3D(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, shard: torch.Tensor, bias: torch.Tensor | None, layer: Linear3D) -> torch.Tensor:
         dtype = _gemm_dtype(x)
-        x_gemm, weight = x.to(dtype), layer.gathered_weight().to(dtype)
+        x_gemm, weight = x.to(dtype), layer.block().to(dtype)
         ctx.save_for_backward(x_gemm, weight)
         ctx.layer, ctx.has_bias, ctx.input_dtype = layer, bias is not None, x.dtype
         out = x_gemm @ weight
@@ -276,12 +289,23 @@ class ZSharded(nn.Module):
             _accumulate(self.shard, inflight.result())
 
 
+class Weighted(Protocol):
+    """A whole linear layer to slice a grid layer from (nn.Linear, a TP layer at tp 1)."""
+
+    @property
+    def weight(self) -> torch.Tensor: ...
+
+    @property
+    def bias(self) -> torch.Tensor | None: ...
+
+
 class Linear3D(ZSharded):
     """nn.Linear(d_in, d_out) on a 3D grid. Initialised as nn.Linear from the global RNG
     (runtime.modules.parallel.linear_shard, drawing only this rank's block), or sliced from
-    a whole `init` layer, so every grid starts from the weights of one process. `outputs`:
-    the output features this rank holds (default: its contiguous part), e.g. whole heads
-    of a fused q|k|v projection."""
+    a whole `init` layer, so every grid starts from the weights of one process. `outputs`
+    and `inputs`: the output features this rank holds and the input features it reads
+    (default: its contiguous parts), e.g. whole heads of a fused q|k|v projection, or the
+    two concatenated parts of a U-Net's decoder input."""
 
     def __init__(
         self,
@@ -291,30 +315,46 @@ class Linear3D(ZSharded):
         transposed: bool = False,
         bias: bool = True,
         outputs: torch.Tensor | None = None,
-        init: nn.Linear | None = None,
+        inputs: torch.Tensor | None = None,
+        init: Weighted | None = None,
     ) -> None:
         super().__init__(grid)
         self.transposed = transposed
         # cols_axis splits the output columns (n), rows_axis the input columns (k).
         self.cols_axis, self.rows_axis = ("y", "x") if transposed else ("x", "y")
         cols, rows, z = grid.axis(self.cols_axis), grid.axis(self.rows_axis), grid.z
-        if d_out % cols.size or d_in % (rows.size * z.size):
-            raise ValueError(
-                f"Linear3D({d_in}, {d_out}) on G_{self.cols_axis}={cols.size}, "
-                f"G_{self.rows_axis}={rows.size}, G_z={z.size}: the grid does not divide it"
-            )
+        where = f"Linear3D({d_in}, {d_out}) on G_{self.cols_axis}={cols.size}, G_{self.rows_axis}={rows.size}, G_z={z.size}"
+        if d_out % cols.size or d_in % rows.size:
+            raise ValueError(f"{where}: the grid does not divide it")
         if outputs is None:
             outputs = torch.arange(d_out)[axis_part(d_out, cols)]
-        # Only this rank's block is drawn: its output features (cols), and of its input
-        # features (rows) its z part.
-        inputs = torch.arange(d_in)[axis_part(d_in, rows)]
-        inputs = inputs[axis_part(len(inputs), z)]
+        if inputs is None:
+            inputs = torch.arange(d_in)[axis_part(d_in, rows)]
+        # The block is stored (k x n) with its rows split over z, or, where z does not divide
+        # its k rows (a stem's 27 = 3 channels x 3 x 3), as (n x k) with its n rows split.
+        self.outputs_major = len(inputs) % z.size != 0
+        if self.outputs_major and len(outputs) % z.size:
+            raise ValueError(f"{where}: G_z divides neither the block's {len(inputs)} rows nor its {len(outputs)} columns")
+        if not self.outputs_major:
+            inputs = inputs[axis_part(len(inputs), z)]
+        # Only this rank's block is drawn (its z part, and whole output rows for the bias).
         if init is None:
             weight, full_bias = linear_shard(d_in, d_out, outputs, inputs)
+            self.bias = nn.Parameter(full_bias) if bias else None
         else:
-            weight, full_bias = init.weight.detach()[outputs][:, inputs], init.bias.detach()[outputs]
-        self.shard = nn.Parameter(weight.t().contiguous())
-        self.bias = nn.Parameter(full_bias.clone()) if bias else None
+            weight = init.weight.detach()[outputs][:, inputs]
+            self.bias = nn.Parameter(init.bias.detach()[outputs].clone()) if bias and init.bias is not None else None
+        if self.outputs_major:
+            weight = weight[axis_part(len(outputs), z)]
+        self.shard = nn.Parameter((weight if self.outputs_major else weight.t()).contiguous())
+
+    def block(self) -> torch.Tensor:
+        """This rank's whole (k x n) block, gathered over z."""
+        weight = self.gathered_weight()
+        return weight.t() if self.outputs_major else weight
+
+    def reduce_weight_grad(self, grad_w: torch.Tensor) -> None:
+        super().reduce_weight_grad(grad_w.t() if self.outputs_major else grad_w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _Linear3D.apply(x, self.shard, self.bias, self)
@@ -326,9 +366,10 @@ class Conv3D(nn.Module):
     columns axis), each sample's pixels on the z rank that holds the sample. Unfolding a
     rank's input channels gives their patches channel-major, i.e. the rank's contiguous
     k slice of the whole conv's (C_in·kh·kw) GEMM, so the GEMM is a Linear3D sliced from
-    the whole `init` conv (whose channels a caller may have permuted to match its layout)."""
+    the whole `init` conv. `inputs`: the input channels this rank reads, in its input's
+    order (default: its contiguous part)."""
 
-    def __init__(self, init: nn.Conv2d, grid: Grid3D, transposed: bool = False) -> None:
+    def __init__(self, init: nn.Conv2d, grid: Grid3D, transposed: bool = False, inputs: torch.Tensor | None = None) -> None:
         super().__init__()
         kh, kw = init.kernel_size
         # Its weights are copied in, so it skips drawing its own (and the RNG stays as it was).
@@ -337,7 +378,9 @@ class Conv3D(nn.Module):
             as_linear.weight.copy_(init.weight.reshape(init.out_channels, -1))
             if init.bias is not None:
                 as_linear.bias.copy_(init.bias)
-        self.gemm = Linear3D(as_linear.in_features, as_linear.out_features, grid, transposed, init=as_linear)
+        taps = kh * kw
+        rows = None if inputs is None else (inputs[:, None] * taps + torch.arange(taps)).flatten()
+        self.gemm = Linear3D(as_linear.in_features, as_linear.out_features, grid, transposed, inputs=rows, init=as_linear)
         padding = init.padding
         if isinstance(padding, str):
             raise ValueError(f"Conv3D takes explicit padding, not {padding!r}")
@@ -349,6 +392,21 @@ class Conv3D(nn.Module):
         out = self.gemm(patches.transpose(1, 2))
         rows = (height + 2 * self.padding[0] - self.kernel_size[0]) // self.stride[0] + 1
         return out.transpose(1, 2).reshape(batch, out.shape[-1], rows, -1)
+
+
+def link_prefetches(layers: nn.Module) -> None:
+    """Each z-sharded weight prefetches the next one in forward order (overlap C)."""
+    sharded = [m for m in layers.modules() if isinstance(m, ZSharded)]
+    for layer, following in zip(sharded, sharded[1:]):
+        layer.prefetches(following)
+
+
+def narrow_cache(layer: nn.Module, index: int, grid: Grid3D) -> None:
+    """With the cache (D) on, only the plan's cached layers keep their gathered weights."""
+    if grid.cached_layers is not None:
+        for sharded in layer.modules():
+            if isinstance(sharded, ZSharded):
+                sharded.caches = sharded.caches and index in grid.cached_layers
 
 
 def axis_part(size: int, axis: Axis) -> slice:

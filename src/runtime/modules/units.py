@@ -18,10 +18,11 @@ from src.models.spec import Kernel, LayerSpec, ModelSpec, UnitSpec
 from src.runtime.modules.blocks import Attention, Block, FeatureHead, Llama, LMHead, PatchEmbedding, TokenEmbedding
 from src.runtime.modules.contrastive import ContrastiveLoss
 from src.runtime.modules.generator import generator_layer
-from src.runtime.modules.gpt3d import Attention3D, grid_layer, link_prefetches
-from src.runtime.modules.grid3d import Grid3D
+from src.runtime.modules.gpt3d import Attention3D, grid_layer
+from src.runtime.modules.grid3d import Grid3D, link_prefetches, narrow_cache
 from src.runtime.modules.mllm import ConditioningHead, MultimodalEmbedding, Projector
 from src.runtime.modules.parallel import TP
+from src.runtime.modules.unet3d import UNetOnGrid
 
 
 def _kernel(layer: LayerSpec, name: str) -> Kernel:
@@ -115,15 +116,21 @@ def build_units(
         if unit.name not in keep:
             continue
         layers = nn.ModuleList()
+        if unit.name in grids and unit.kind == "unet":
+            unet_on_grid = UNetOnGrid(unit, grids[unit.name])
         for i in range(unit.num_layers):
             if i not in keep[unit.name]:
                 layers.add_module(str(i), None)
                 continue
             torch.manual_seed(layer_seed(seed, unit.name, i))
-            if unit.name in grids:
+            if unit.name in grids and unit.kind == "unet":
+                module = unet_on_grid.layer(i)
+            elif unit.name in grids:
                 module = grid_layer(unit, i, grids[unit.name], vocab_size(unit))
             else:
                 module = _layer(model, unit, i, tp.get(unit.name, TP()))
+            if unit.name in grids:
+                narrow_cache(module, i, grids[unit.name])
             # A frozen unit, or a frozen or forward-only layer of a trained one (an MLLM's
             # ViT under its trained projector, SD's VAE encoder), keeps no gradients.
             layers.append(module.requires_grad_(unit.trains(unit.layers[i])))
