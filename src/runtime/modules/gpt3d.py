@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 from src.models.spec import UnitSpec
 from src.runtime.comm import CLOCK
 from src.runtime.modules.blocks import Attention, qkv_rows
-from src.runtime.modules.grid3d import Axis, Grid3D, Linear3D, ZSharded, axis_part
+from src.runtime.modules.grid3d import Axis, Grid3D, Linear3D, ZSharded, axis_part, fc_axes
 from src.runtime.modules.parallel import TP
 
 State = dict[str, torch.Tensor]
@@ -144,9 +144,10 @@ class Attention3D(nn.Module):
         self, hidden: int, heads: int, grid: Grid3D, transposed: bool = False, causal: bool = True, init: Attention | None = None
     ) -> None:
         super().__init__()
-        split = grid.axis("y" if transposed else "x")
+        heads_axis = fc_axes(transposed)[0]
+        split = grid.axis(heads_axis)
         if heads % split.size:
-            raise ValueError(f"G_{'y' if transposed else 'x'}={split.size} does not divide the {heads} attention heads")
+            raise ValueError(f"G_{heads_axis}={split.size} does not divide the {heads} attention heads")
         self.head_dim, self.heads, self.causal = hidden // heads, heads // split.size, causal
         rows = qkv_rows(heads, heads, self.head_dim, TP(split.size, split.rank))
         self.qkv = Linear3D(hidden, 3 * hidden, grid, transposed, outputs=rows, init=init.qkv if init else None)

@@ -3,9 +3,8 @@
 A rank g(i, j, k) of a (G_x, G_y, G_z) tensor grid holds, for O = I·W with W (k x n):
 the weight block W[j, i] (rows split over y, columns over x), itself sharded over z so
 each rank stores one unique piece Ŵ (rows of the block split over z; its columns where
-z does not divide its rows). The input
-I[k, j] has its rows split over z and its columns over y; the output O[k, i] its rows
-over z and its columns over x. A transposed layer swaps the roles of x and y, so a layer
+z does not divide its rows). The input I[k, j] has its rows split over z and its columns
+over y; the output O[k, i] its rows over z and its columns over x. A transposed layer swaps the roles of x and y, so a layer
 reads the layout the previous one wrote.
 
 Forward: W = all-gather_z(Ŵ); O = all-reduce_y(I·W) (+ bias, once after the sum).
@@ -320,8 +319,7 @@ class Linear3D(ZSharded):
     ) -> None:
         super().__init__(grid)
         self.transposed = transposed
-        # cols_axis splits the output columns (n), rows_axis the input columns (k).
-        self.cols_axis, self.rows_axis = ("y", "x") if transposed else ("x", "y")
+        self.cols_axis, self.rows_axis = fc_axes(transposed)
         cols, rows, z = grid.axis(self.cols_axis), grid.axis(self.rows_axis), grid.z
         where = f"Linear3D({d_in}, {d_out}) on G_{self.cols_axis}={cols.size}, G_{self.rows_axis}={rows.size}, G_z={z.size}"
         if d_out % cols.size or d_in % rows.size:
@@ -392,6 +390,11 @@ class Conv3D(nn.Module):
         out = self.gemm(patches.transpose(1, 2))
         rows = (height + 2 * self.padding[0] - self.kernel_size[0]) // self.stride[0] + 1
         return out.transpose(1, 2).reshape(batch, out.shape[-1], rows, -1)
+
+
+def fc_axes(transposed: bool) -> tuple[str, str]:
+    """The axes splitting an FC's output columns (n) and its input columns (k)."""
+    return ("y", "x") if transposed else ("x", "y")
 
 
 def link_prefetches(layers: nn.Module) -> None:

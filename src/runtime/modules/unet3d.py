@@ -45,7 +45,7 @@ from src.runtime.modules.generator import (
     sinusoids,
 )
 from src.runtime.modules.gpt3d import Attention3D, samples_of, sum_over
-from src.runtime.modules.grid3d import Axis, Conv3D, Grid3D, Linear3D, axis_part
+from src.runtime.modules.grid3d import Axis, Conv3D, Grid3D, Linear3D, axis_part, fc_axes
 
 
 class _Split(torch.autograd.Function):
@@ -130,7 +130,8 @@ class GroupNorm3D(nn.Module):
 
 def _axes(grid: Grid3D, transposed: bool) -> tuple[Axis, Axis]:
     """(a, b): the axes an FC splits its output and its input columns over."""
-    return (grid.y, grid.x) if transposed else (grid.x, grid.y)
+    a, b = fc_axes(transposed)
+    return grid.axis(a), grid.axis(b)
 
 
 class _SlicesInput(nn.Module):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 import zlib
+from functools import partial
+from typing import Callable
 
 import torch
 from torch import nn
@@ -91,6 +93,13 @@ def _layer(model: ModelSpec, unit: UnitSpec, index: int, tp: TP) -> nn.Module:
     raise ValueError(f"the real backend has no module for layer {layer.name!r} of unit {unit.name} ({model.name})")
 
 
+def _grid_builder(unit: UnitSpec, grid: Grid3D) -> Callable[..., nn.Module]:
+    """What builds a unit's layers on a Par4D grid: a U-Net's or a GPT's."""
+    if unit.kind == "unet":
+        return UNetOnGrid(unit, grid).layer
+    return partial(grid_layer, unit, grid=grid, vocab=vocab_size(unit))
+
+
 def layer_seed(seed: int, unit: str, index: int) -> int:
     """Each layer draws its weights from its own seed: a rank builds only its layers, with
     the very values a whole-model build gives them."""
@@ -116,21 +125,16 @@ def build_units(
         if unit.name not in keep:
             continue
         layers = nn.ModuleList()
-        if unit.name in grids and unit.kind == "unet":
-            unet_on_grid = UNetOnGrid(unit, grids[unit.name])
+        grid = grids.get(unit.name)
+        build = _grid_builder(unit, grid) if grid is not None else partial(_layer, model, unit, tp=tp.get(unit.name, TP()))
         for i in range(unit.num_layers):
             if i not in keep[unit.name]:
                 layers.add_module(str(i), None)
                 continue
             torch.manual_seed(layer_seed(seed, unit.name, i))
-            if unit.name in grids and unit.kind == "unet":
-                module = unet_on_grid.layer(i)
-            elif unit.name in grids:
-                module = grid_layer(unit, i, grids[unit.name], vocab_size(unit))
-            else:
-                module = _layer(model, unit, i, tp.get(unit.name, TP()))
-            if unit.name in grids:
-                narrow_cache(module, i, grids[unit.name])
+            module = build(index=i)
+            if grid is not None:
+                narrow_cache(module, i, grid)
             # A frozen unit, or a frozen or forward-only layer of a trained one (an MLLM's
             # ViT under its trained projector, SD's VAE encoder), keeps no gradients.
             layers.append(module.requires_grad_(unit.trains(unit.layers[i])))
