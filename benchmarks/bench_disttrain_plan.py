@@ -18,9 +18,9 @@ from omegaconf import OmegaConf
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere: this repository's src
 
 from src.setup import validate
-from src.strategies.disttrain import DistTrainOptions
-from src.strategies.disttrain_orchestration import UNITS, Orchestrator
-from src.strategies.disttrain_profile import Profiler
+from src.strategies.disttrain.planner import DistTrainOptions
+from src.strategies.disttrain.orchestration import UNITS, Orchestrator
+from src.strategies.disttrain.profile import Profiler
 
 # (GPUs, global batch) of Table 2; A800 nodes hold 8 GPUs (112 GPUs = 14 nodes).
 SIZES = ((1296, 1920), (648, 960), (324, 480), (112, 240))

@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 from src.costmodel.memory import element_bytes
 from src.setup import plan_run, validate
-from src.strategies.par4d_layout import UnitGrid
-from src.strategies.par4d_model import rank_grids, valid_grids
+from src.strategies.par4d.layout import UnitGrid
+from src.strategies.par4d.model import rank_grids, valid_grids
 
 OVERRIDES = [
     "model=gpt",

@@ -54,8 +54,8 @@ def compose_config(*overrides: str) -> dict[str, Any]:
 
 def strategy_options(name: str) -> type:
     """The options dataclass of strategy `name`: by convention the one dataclass named
-    `*Options` in the planner's module src/strategies/<name>.py (MegatronOptions, ...)."""
-    module = importlib.import_module(f"src.strategies.{name}")
+    `*Options` in its planner's module (MegatronOptions, ...)."""
+    module = importlib.import_module(planner_for(name).__module__)
     found = [
         obj
         for obj in vars(module).values()
@@ -64,7 +64,7 @@ def strategy_options(name: str) -> type:
         and obj.__name__.endswith("Options")
         and obj.__module__ == module.__name__
     ]
-    assert len(found) == 1, f"src/strategies/{name}.py should define one *Options dataclass, found {found}"
+    assert len(found) == 1, f"{module.__name__} should define one *Options dataclass, found {found}"
     return found[0]
 
 

@@ -20,7 +20,7 @@ from src.errors import ConfigError
 from src.runtime.driver import free_port, launch, stop
 from src.runtime.prepare import layout
 from tests.conftest import REPO_ROOT, cli_env
-from tests.test_runtime_support import CLIP, composed
+from tests.runtime.support import CLIP, composed
 
 TWO_NODES = ["backend=torch", "cluster=local", "cluster.nodes=2", "cluster.devices_per_node=1", "logger=none"]
 RUN = [*CLIP, "strategy=ddp", "train.steps=2"]

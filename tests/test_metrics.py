@@ -10,7 +10,7 @@ from src.mesh import Mesh
 from src.models.registry import build_model
 from src.program import Plan, Program, UnitPlan
 from src.timeline import BREAKDOWN_CATEGORIES, RankTimeline, Timeline
-from tests.test_costmodel import CLUSTER
+from tests.costmodel.test_costmodel import CLUSTER
 
 
 def _plan(model, batch: int, recompute: str = "none") -> Plan:

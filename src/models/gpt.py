@@ -33,7 +33,7 @@ GPT_PRESETS: dict[str, DecoderPreset] = {
     "gpt_175b": DecoderPreset(96, 12288, 96, GPT_VOCAB),
     # Llama 3 (Grattafiori et al., "The Llama 3 Herd of Models", 2024, Table 3; Meta's
     # model cards): layers, hidden, heads, 8 KV heads, FFN width, vocabulary 128256.
-    # Parameters: 8.03B, 70.6B, 405.9B (tests/test_llm_models.py checks our counts).
+    # Parameters: 8.03B, 70.6B, 405.9B (tests/models/test_llm_models.py checks our counts).
     "llama3_8b": DecoderPreset(32, 4096, 32, LLAMA3_VOCAB, "llama", ffn=14336, kv_heads=8),
     "llama3_70b": DecoderPreset(80, 8192, 64, LLAMA3_VOCAB, "llama", ffn=28672, kv_heads=8),
     "llama3_405b": DecoderPreset(126, 16384, 128, LLAMA3_VOCAB, "llama", ffn=53248, kv_heads=8),

@@ -10,7 +10,7 @@ channels). With 128 base channels that is Par4D's "50M parameter U-Net on CIFAR-
 Table II's sizes (250M, 500M, 1B, 2B, 4B) are the nominal names of a weak-scaling series
 that doubles with the GPU count: this architecture gives 0.21, 0.55, 0.84, 1.89 and 3.36B
 at 256/416/512/768/1024 channels. We keep the architecture and report the gap
-(tests/test_models.py), rather than invent a channel multiplier to hit the names.
+(tests/models/test_models.py), rather than invent a channel multiplier to hit the names.
 
 The batch of 2048 images is a training setting (train.global_batch), not a model knob.
 """

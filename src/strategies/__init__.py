@@ -7,11 +7,11 @@ from src.strategies.auto import plan_auto
 from src.strategies.base import Planner, PlanRequest
 from src.strategies.ddp import plan_ddp
 from src.strategies.deepspeed3d import plan_deepspeed3d
-from src.strategies.distmm import plan_distmm
-from src.strategies.disttrain import plan_disttrain
-from src.strategies.megatron import plan_megatron
-from src.strategies.optimus import plan_optimus
-from src.strategies.par4d import plan_par4d
+from src.strategies.distmm.planner import plan_distmm
+from src.strategies.disttrain.planner import plan_disttrain
+from src.strategies.megatron.planner import plan_megatron
+from src.strategies.optimus.planner import plan_optimus
+from src.strategies.par4d.planner import plan_par4d
 
 STRATEGIES: dict[str, Planner] = {
     "megatron": plan_megatron,

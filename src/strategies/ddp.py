@@ -27,7 +27,7 @@ from src.errors import ConfigError, PlanError
 from src.mesh import Mesh
 from src.program import RECOMPUTE_MODES, Instruction, Plan, Program, UnitPlan
 from src.strategies.base import PlanRequest, check_microbatch_count, microbatch_sizes
-from src.strategies.colocated import ColocatedEmitter, ColocatedUnit
+from src.strategies.builders.colocated import ColocatedEmitter, ColocatedUnit
 from src.models.flows import unit_order
 
 # DeepSpeed's default stage3_prefetch_bucket_size (parameters).

@@ -19,7 +19,7 @@ from src.config import options_from
 from src.errors import ConfigError
 from src.program import Plan
 from src.strategies.base import PlanRequest
-from src.strategies.megatron import plan_megatron
+from src.strategies.megatron.planner import plan_megatron
 
 
 @dataclass(frozen=True)

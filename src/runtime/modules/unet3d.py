@@ -7,7 +7,7 @@ Layout between layers: a feature map holds this rank's z part of the micro-batch
 samples, its channels split over the axis its next FC reads them over (x or y) and
 replicated over the other. A residual block's two convs alternate orientation, so it
 leaves its output where its input lay; a down- or upsampling conv moves it to the other
-axis; a skip lies where the up path pops it (par4d_layout's chain).
+axis; a skip lies where the up path pops it (par4d.layout's chain).
 
 Besides the FCs' own collectives:
   stem, timestep    replicated on the tensor grid (rows over z, weights z-sharded): a

@@ -1,0 +1,260 @@
+"""One emitter for colocated units: every rank runs every unit, each unit with its own
+tensor-parallel degree and data-parallel replicas over all ranks, no pipeline.
+
+Megatron-LM's contrastive baseline (both towers, same TP and DP), DistMM's naive
+placement (towers with their own TP) and pure data parallelism with ZeRO 0-3 are this
+shape. Per micro-batch: the units' forwards in data-flow order, the interaction (a
+contrastive loss over the gathered batch) if the model has one, the backwards in reverse;
+then each unit's gradient reduction and optimizer step.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from dataclasses import dataclass
+
+from src.cluster import ClusterSpec
+from src.costmodel.memory import element_bytes, grad_bytes
+from src.mesh import Mesh, tensor_parallel
+from src.models.spec import ModelSpec
+from src.program import Collective, CollectiveOp, Compute, Instruction, Message, Program, RankProgram, Wait, Work
+from src.strategies.builders.contrastive import Holder, gathered_batch, local_queries, local_routes
+from src.strategies.builders.emit import TPConfig, iteration_tail, segment_pass
+from src.strategies.builders.layout import axis_group
+from src.models.flows import unit_order
+from src.strategies.builders.stages import Segment
+
+QUERY_ROUTE = "interaction.queries"
+# ZeRO-3's asynchronous gradient reduce-scatters run on a stream of their own, beside the
+# prefetching all-gathers (DeepSpeed's reduce-and-partition stream; FSDP's reduce-scatter
+# stream), sharing the node's NICs with them.
+REDUCE_STREAM = "dp_reduce"
+
+
+@dataclass(frozen=True)
+class ColocatedUnit:
+    """A unit's layout over all ranks: a (tp, dp) mesh, its memory settings.
+
+    Under ZeRO-3, overlap_comm (DeepSpeed's name) reduce-scatters each layer's gradients
+    asynchronously during the backward and prefetches up to `prefetch_params` parameters
+    of the next layer while the current one computes (DeepSpeed's
+    stage3_prefetch_bucket_size); without it every gather and reduction blocks. Below
+    ZeRO-3 it reduces each layer's gradients asynchronously as the step's last
+    micro-batch's backward finishes them (Megatron-LM's --overlap-grad-reduce, PyTorch
+    DDP's buckets), instead of all at once before the optimizer step."""
+
+    unit: str
+    mesh: Mesh
+    recompute: str
+    zero_stage: int
+    sequence_parallel: bool = False
+    group_prefix: str = ""
+    overlap_comm: bool = False
+    prefetch_params: float = 0.0
+
+
+class ColocatedEmitter:
+    def __init__(self, model: ModelSpec, cluster: ClusterSpec, precision: str, program: Program, units: list[ColocatedUnit]) -> None:
+        self.model, self.cluster, self.program = model, cluster, program
+        self.units = {u.unit: u for u in units}
+        self.act_bytes, self.grad_bytes = element_bytes(precision), grad_bytes(precision)
+        self.pending: list[str] = []
+        self.reducing: dict[str, list[str]] = {u.unit: [] for u in units}  # below ZeRO-3: a unit's reductions in flight
+        self.tp_group, self.dp_group = {}, {}
+        for u in units:
+            first = u.mesh.ranks[0]
+            self.tp_group[u.unit] = axis_group(program, cluster, f"{u.group_prefix}tp", u.mesh, "tp", first)
+            self.dp_group[u.unit] = axis_group(program, cluster, f"{u.group_prefix}dp", u.mesh, "dp", first)
+
+    def _tp(self, unit: str) -> TPConfig:
+        u = self.units[unit]
+        return TPConfig(tensor_parallel(u.mesh.degree("tp"), u.sequence_parallel), self.tp_group[unit], u.recompute, self.act_bytes)
+
+    def _pass(self, unit: str, phase: str, samples: int, microbatch: int, final: bool) -> list[Instruction]:
+        """A unit's forward or backward; under ZeRO-3 with replicas, layer by layer: each
+        layer's parameters all-gathered before it runs, its gradients reduce-scattered
+        after its backward (every micro-batch: ZeRO-3 keeps no whole gradients), in the
+        model's 16-bit type (DeepSpeed's default communication_data_type). `final`: the
+        step's last micro-batch, whose backward overlap_comm reduces layer by layer below ZeRO-3."""
+        spec, u = self.model.unit(unit), self.units[unit]
+        dp = u.mesh.degree("dp")
+        if u.zero_stage < 3 or dp == 1:
+            if final and phase != "fwd" and u.overlap_comm and dp > 1:
+                return self._reducing_backward(unit, samples, microbatch)
+            return segment_pass(self.model, Segment(unit, (0, spec.num_layers)), phase, samples, microbatch, self._tp(unit))
+        backward = phase != "fwd"
+        order = [i for i in (reversed(range(spec.num_layers)) if backward else range(spec.num_layers))]
+        params = [spec.layers[i].params / u.mesh.degree("tp") for i in order]
+        group = self.dp_group[unit]
+        assert group is not None, "ZeRO-3 layers are gathered over a DP group of more than one rank"
+        out: list[Instruction] = []
+        for index, layer in enumerate(order):
+            out += self._gather(unit, phase, microbatch, order, params, index)
+            out += segment_pass(self.model, Segment(unit, (layer, layer + 1)), phase, samples, microbatch, self._tp(unit))
+            trainable = spec.trainable_params(layer, layer + 1) / u.mesh.degree("tp")
+            if backward and trainable:
+                if u.overlap_comm:
+                    handle = f"rs.{unit}.mb{microbatch}.L{layer}"
+                    out.append(
+                        Collective(
+                            "reduce_scatter",
+                            group,
+                            trainable * self.act_bytes,
+                            "dp",
+                            stream=REDUCE_STREAM,
+                            blocking=False,
+                            handle=handle,
+                        )
+                    )
+                    self.pending.append(handle)
+                else:
+                    out.append(Collective("reduce_scatter", group, trainable * self.act_bytes, "dp"))
+        return out
+
+    def _reducing_backward(self, unit: str, samples: int, microbatch: int) -> list[Instruction]:
+        """The last micro-batch's backward, layer by layer, each layer's gradients reduced
+        asynchronously as soon as it is done (waited for in the tail)."""
+        spec, u = self.model.unit(unit), self.units[unit]
+        group = self.dp_group[unit]
+        assert group is not None, "gradients are reduced over a DP group of more than one rank"
+        op: CollectiveOp = "reduce_scatter" if u.zero_stage >= 1 else "all_reduce"
+        out: list[Instruction] = []
+        for layer in reversed(range(spec.num_layers)):
+            out += segment_pass(self.model, Segment(unit, (layer, layer + 1)), "bwd", samples, microbatch, self._tp(unit))
+            trainable = spec.trainable_params(layer, layer + 1) / u.mesh.degree("tp")
+            if trainable:
+                handle = f"grad.{unit}.L{layer}"
+                out.append(
+                    Collective(
+                        op,
+                        group,
+                        trainable * self.grad_bytes,
+                        "dp",
+                        stream="dp",
+                        blocking=False,
+                        handle=handle,
+                        grads_of=(unit, (layer, layer + 1)),
+                    )
+                )
+                self.reducing[unit].append(handle)
+        return out
+
+    def _gather(self, unit: str, phase: str, microbatch: int, order: list[int], params: list[float], index: int) -> list[Instruction]:
+        """The all-gather of layer order[index]'s parameters: the part prefetched during
+        the previous layer is waited for, the rest gathered now; then the next layer's
+        prefetch is issued."""
+        u, group = self.units[unit], self.dp_group[unit]
+        assert group is not None, "ZeRO-3 layers are gathered over a DP group of more than one rank"
+        prefetched = min(params[index], u.prefetch_params) if (u.overlap_comm and index > 0) else 0.0
+        out: list[Instruction] = []
+        if prefetched:
+            out.append(Wait(f"ag.{unit}.{phase}.mb{microbatch}.{index}"))
+        if params[index] > prefetched:
+            out.append(Collective("all_gather", group, (params[index] - prefetched) * self.act_bytes, "dp"))
+        if u.overlap_comm and index + 1 < len(order):
+            ahead = min(params[index + 1], u.prefetch_params)
+            if ahead:
+                out.append(
+                    Collective(
+                        "all_gather",
+                        group,
+                        ahead * self.act_bytes,
+                        "dp",
+                        stream="dp",
+                        blocking=False,
+                        handle=f"ag.{unit}.{phase}.mb{microbatch}.{index + 1}",
+                    )
+                )
+        return out
+
+    def gathered_params(self, unit: str) -> float:
+        """ZeRO-3's live parameters at the peak: the layer running (and the next one's
+        prefetched part), per rank."""
+        spec, u = self.model.unit(unit), self.units[unit]
+        if u.zero_stage < 3 or u.mesh.degree("dp") == 1:
+            return 0.0
+        largest = max(layer.params for layer in spec.layers) / u.mesh.degree("tp")
+        return largest + (min(largest, u.prefetch_params) if u.overlap_comm else 0.0)
+
+    def microbatch(
+        self, microbatch: int, samples: dict[str, int], interaction: list[Instruction], final: bool = False
+    ) -> list[Instruction]:
+        """One micro-batch: forwards, the interaction's instructions, backwards. `final`:
+        the step's last."""
+        order = self.towers()
+        out: list[Instruction] = []
+        for unit in order:
+            out += self._pass(unit, "fwd", samples[unit], microbatch, final)
+        out += interaction
+        for unit in reversed(order):
+            if self.model.needs_backward(unit):
+                out += self._pass(unit, "bwd", samples[unit], microbatch, final)
+        return out
+
+    def contrastive(
+        self, microbatch: int, group: str | None, rows: int, rows_scored: int, contrastive_batch: int
+    ) -> list[Instruction]:
+        """The interaction of one micro-batch, gathering the batch's `rows` over `group`."""
+        return gathered_batch(
+            self.model, self.towers(), microbatch, group, rows, QUERY_ROUTE, rows_scored, contrastive_batch, self.act_bytes
+        )
+
+    def towers(self) -> list[str]:
+        return [u for u in unit_order(self.model) if u in self.units and u != self.model.interaction]
+
+    def query_routes(self, batches: int, share: dict[str, int], micro_batch: dict[str, int], with_keys: bool) -> None:
+        """Every rank copies its replica's rows of each tower into its queries: replica d of
+        a tower holds rows [d·share, (d+1)·share) of each contrastive batch, cut into
+        micro-batches in order (and the keys too when no gather makes them)."""
+        messages: list[Message] = []
+        for batch in range(batches):
+            holders = []
+            for tower in self.towers():
+                mesh, share_t, mb = self.units[tower].mesh, share[tower], micro_batch[tower]
+                per_batch = share_t // mb
+                for rank in mesh.ranks:
+                    start = mesh.coords(rank).get("dp", 0) * share_t
+                    pieces = tuple((batch * per_batch + i, start + i * mb, mb) for i in range(per_batch))
+                    holders.append(Holder(rank, tower, start, start + share_t, pieces, rank))
+            messages += local_queries(self.model, batch, holders, self.act_bytes, with_keys)
+        for route in local_routes(self.cluster, QUERY_ROUTE, messages):
+            self.program.add_route(route)
+
+    def tail(self, pending: Sequence[str] = ()) -> list[Instruction]:
+        """Each unit's gradient reduction and optimizer step; units sharing a DP group
+        reduce together. ZeRO-3 units reduced layer by layer in their backward: they wait
+        for the asynchronous reductions and step."""
+        out: list[Instruction] = [Wait(h) for h in self.pending]
+        by_group: dict[tuple, list[str]] = {}
+        for unit, u in self.units.items():
+            by_group.setdefault((u.mesh, self.dp_group[unit]), []).append(unit)
+        for (mesh, _), names in by_group.items():
+            u = self.units[names[0]]
+            segments = [Segment(n, (0, self.model.unit(n).num_layers)) for n in names]
+            layered = u.zero_stage >= 3 and mesh.degree("dp") > 1
+            shard = mesh.degree("dp") if u.zero_stage >= 1 else 1
+            if layered:
+                out += [
+                    Compute(Work(s.unit, "optimizer", 0, s.layers, sharding=tensor_parallel(mesh.degree("tp")), shard=shard))
+                    for s in segments
+                    if not self.model.unit(s.unit).frozen
+                ]
+                continue
+            out += iteration_tail(
+                self.model,
+                segments,
+                tensor_parallel(mesh.degree("tp")),
+                self.dp_group[names[0]],
+                mesh.degree("dp"),
+                u.zero_stage,
+                self.grad_bytes,
+                self.act_bytes,
+                [*pending, *(h for n in names for h in self.reducing[n])],
+            )
+        return out
+
+    def rank_program(self, instructions: list[Instruction]) -> RankProgram:
+        return RankProgram(
+            ranks=tuple(range(self.program.world_size)), instructions=instructions, label="all ranks", units=tuple(self.units)
+        )

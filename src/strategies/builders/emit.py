@@ -1,0 +1,203 @@
+"""Instruction patterns shared by planners: what a segment consumes and produces, its
+compute with its TP collectives, and the end of an iteration (gradient reduction,
+optimizer step, parameter gather)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from dataclasses import dataclass, replace
+
+from src.mesh import Sharding
+from src.models.flows import flows_of, outputs_of
+from src.models.spec import ModelSpec
+from src.program import Collective, Compute, Instruction, Payload, Wait, Work
+from src.strategies.builders.stages import Segment
+
+
+@dataclass(frozen=True)
+class TPConfig:
+    """How one unit's layers run on one rank: its sharding, the group of its TP
+    collectives, and its recompute mode. overlap_chunks > 1 splits each pass into that
+    many row chunks whose TP collectives run asynchronously under the next chunk's GEMMs
+    (DistTrain §7's StepCCL)."""
+
+    sharding: Sharding
+    group: str | None
+    recompute: str
+    act_bytes: int
+    overlap_chunks: int = 1
+
+
+def produced(model: ModelSpec, segment: Segment, microbatch: int) -> tuple[Payload, ...]:
+    """What a segment's forward hands on: its last layer's token states (unless it ends
+    its unit), and what the unit's consumers read that leaves inside its layers (a
+    feature, tokens; nothing after a loss)."""
+    unit = model.unit(segment.unit)
+    start, end = segment.layers
+    out = [Payload(segment.unit, end, microbatch)] if end < unit.num_layers else []
+    out += [
+        Payload(segment.unit, boundary, microbatch, tensor)
+        for boundary, tensor in outputs_of(model, segment.unit)
+        if start < boundary <= end
+    ]
+    return tuple(out)
+
+
+def consumed(model: ModelSpec, segment: Segment, microbatch: int) -> tuple[Payload, ...]:
+    """What a segment's forward reads besides the step's data: the token states entering
+    its first layer (a previous segment's, or the outputs of the units chained before
+    it) and the tokens of any unit its layers cross-attend to."""
+    start, end = segment.layers
+    out: list[Payload] = []
+    if start > 0:
+        out.append(Payload(segment.unit, start, microbatch))
+    for flow in flows_of(model):
+        if flow.consumer != segment.unit:
+            continue
+        if (flow.kind == "chain" and start == 0) or (flow.kind == "cross" and start <= flow.layer < end):
+            out.append(Payload(flow.producer, flow.source, microbatch, flow.tensor))
+    return tuple(out)
+
+
+def backward_io(model: ModelSpec, segment: Segment, microbatch: int) -> tuple[tuple[Payload, ...], tuple[Payload, ...]]:
+    """(gradients a segment's backward reads, gradients it writes): those of what its
+    forward produced, and of what it consumed from units that train or feed one."""
+    inputs = tuple(p.gradient() for p in produced(model, segment, microbatch))
+    outputs = tuple(p.gradient() for p in consumed(model, segment, microbatch) if model.needs_backward(p.unit))
+    return inputs, outputs
+
+
+def range_io(
+    model: ModelSpec, segment: Segment, phase: str, microbatch: int, first: bool, last: bool
+) -> tuple[tuple[Payload, ...], tuple[Payload, ...]]:
+    """What one kernel range of a layer's pass reads and writes (first, last: whether it
+    holds the layer's first or last kernels): the pass's inputs at the range that runs
+    first (forward: the first kernels; backward: the last), its outputs at the one that
+    runs last."""
+    if phase == "fwd":
+        return consumed(model, segment, microbatch) if first else (), produced(model, segment, microbatch) if last else ()
+    reads, writes = backward_io(model, segment, microbatch)
+    return reads if last else (), writes if first else ()
+
+
+def segment_pass(
+    model: ModelSpec,
+    segment: Segment,
+    phase: str,
+    samples: int,
+    microbatch: int,
+    tp: TPConfig,
+    chunk: int = 0,
+    contrastive_batch: int = 1,
+) -> list[Instruction]:
+    """The forward or backward of one segment for one micro-batch: its compute (with the
+    payloads it reads and writes) and the TP activation all-reduces its layers need
+    (Megatron: 2 per block each way; with sequence parallelism a reduce-scatter +
+    all-gather pair of the same volume). The all-reduces block the compute stream, so
+    pricing them as one instruction after the compute gives the same time as
+    interleaving them layer by layer."""
+    unit = model.unit(segment.unit)
+    backward = phase in ("bwd", "bwd_input")
+    work = Work(
+        unit.name,
+        phase,
+        samples,
+        segment.layers,
+        sharding=tp.sharding,
+        recompute=tp.recompute if backward else "none",
+        contrastive_batch=contrastive_batch,
+    )
+    if backward:
+        inputs, outputs = backward_io(model, segment, microbatch)
+    else:
+        inputs, outputs = consumed(model, segment, microbatch), produced(model, segment, microbatch)
+    by_size: dict[int, int] = {}
+    if tp.sharding.degree("tp") > 1 and tp.group is not None:
+        for layer in unit.layers[segment.layers[0] : segment.layers[1]]:
+            if layer.tp_allreduces:
+                by_size[layer.tp_comm_elems] = by_size.get(layer.tp_comm_elems, 0) + layer.tp_allreduces
+    if by_size and tp.overlap_chunks > 1:
+        return _overlapped_pass(work, microbatch, chunk, inputs, outputs, tp, by_size)
+    out: list[Instruction] = [Compute(work, microbatch=microbatch, chunk=chunk, inputs=inputs, outputs=outputs)]
+    for elems, count in sorted(by_size.items()):
+        out.append(Collective("all_reduce", tp.group, elems * samples * tp.act_bytes, "tp", stream="compute", count=count))
+    return out
+
+
+def _overlapped_pass(
+    work: Work,
+    microbatch: int,
+    chunk: int,
+    inputs: tuple[Payload, ...],
+    outputs: tuple[Payload, ...],
+    tp: TPConfig,
+    by_size: dict[int, int],
+) -> list[Instruction]:
+    """StepCCL's overlap: the pass runs as `overlap_chunks` row chunks; each chunk's TP
+    collectives start on their own stream when the chunk's GEMMs end, under the next
+    chunk's GEMMs, and the pass ends when the last one has landed. Pricing a whole
+    segment this way exposes the same last-chunk communication per layer as chunking
+    layer by layer does, for layers alike; smaller chunks run less efficient GEMMs."""
+    n = tp.overlap_chunks
+    part = replace(work, fraction=work.fraction / n)
+    out: list[Instruction] = []
+    handles: list[str] = []
+    for c in range(n):
+        out.append(
+            Compute(part, microbatch=microbatch, chunk=chunk, inputs=inputs if c == 0 else (), outputs=outputs if c == n - 1 else ())
+        )
+        for elems, count in sorted(by_size.items()):
+            handle = f"tp.{work.unit}.{work.phase}.{microbatch}.{chunk}.{c}.{elems}"
+            out.append(
+                Collective(
+                    "all_reduce",
+                    tp.group,
+                    elems * work.samples * tp.act_bytes / n,
+                    "tp",
+                    stream="tp",
+                    blocking=False,
+                    handle=handle,
+                    count=count,
+                )
+            )
+            handles.append(handle)
+    return out + [Wait(h) for h in handles]
+
+
+def trainable_params(model: ModelSpec, segments: list[Segment], shards: int) -> float:
+    """Parameters of the trainable segments held by one of `shards` tensor-parallel ranks."""
+    return sum(model.unit(s.unit).trainable_params(*s.layers) for s in segments) / shards
+
+
+def iteration_tail(
+    model: ModelSpec,
+    segments: list[Segment],
+    sharding: Sharding,
+    dp_group: str | None,
+    dp: int,
+    zero_stage: int,
+    grad_bytes: int,
+    param_bytes: int,
+    pending: Sequence[str] = (),
+) -> list[Instruction]:
+    """Finish an iteration: wait for asynchronous gradient reductions (`pending`
+    handles), reduce the rest (all-reduce; reduce-scatter under the distributed
+    optimizer), step the optimizer on the local shard, and all-gather the updated
+    16-bit parameters when the optimizer state (not the parameters) is sharded."""
+    out: list[Instruction] = [Wait(h) for h in pending]
+    params = trainable_params(model, segments, sharding.devices)
+    if params == 0:
+        return out
+    reduce_now = dp > 1 and dp_group is not None and not pending
+    if reduce_now:
+        op = "reduce_scatter" if zero_stage >= 1 else "all_reduce"
+        out.append(Collective(op, dp_group, params * grad_bytes, "dp"))
+    shard = dp if zero_stage >= 1 else 1
+    for segment in segments:
+        if not model.unit(segment.unit).frozen:
+            out.append(Compute(Work(segment.unit, "optimizer", 0, segment.layers, sharding=sharding, shard=shard)))
+    # ZeRO-1/2 gather the updated parameters; ZeRO-3 gathers each layer's before it runs.
+    if zero_stage in (1, 2) and dp > 1 and dp_group is not None:
+        out.append(Collective("all_gather", dp_group, params * param_bytes, "dp"))
+    return out

@@ -1,0 +1,254 @@
+"""One emitter for every pipeline: a chain of segments cut into virtual stages over a
+(tp, dp, pp) mesh, run in a schedule's order.
+
+Megatron-LM's model pipeline, each of DistMM's towers and the coming planners' LLM
+pipelines are all this shape. The emitter turns a stage's schedule order into
+instructions, one list per schedule operation (`StageOp`), so that a planner can place
+other work into the gaps between them (Optimus's encoder kernels) before the lists are
+joined into the stage's RankProgram.
+
+Data flow: a segment reads the payloads its layers consume and writes those it produces
+(strategies.builders.emit). A payload made by the previous virtual stage arrives over that
+boundary's Hop route, from the same position of the previous stage's ranks; one made
+and read on the same stage stays local; any other (a tower's feature for a contrastive
+loss, tokens another unit cross-attends to) goes through the planner's `Links`.
+Gradients flow the same ways back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from src.cluster import ClusterSpec, family_sharing
+from src.costmodel.memory import element_bytes, grad_bytes
+from src.mesh import Mesh, tensor_parallel
+from src.models.spec import ModelSpec
+from src.program import Collective, Hop, Instruction, Payload, Program, RankProgram, Recv, Send
+from src.strategies.builders.emit import TPConfig, backward_io, consumed, iteration_tail, produced, segment_pass
+from src.strategies.builders.layout import axis_group, pipeline_pairs
+from src.strategies.builders.stages import Segment, StageTransfer, boundary_elems, stage_transfer
+
+
+class Links(Protocol):
+    """How a pipeline exchanges payloads with the rest of the Program."""
+
+    def receive(self, payload: Payload) -> list[Instruction]: ...
+
+    def send(self, payload: Payload) -> list[Instruction]: ...
+
+
+class NoLinks:
+    """A pipeline that exchanges nothing outside itself."""
+
+    def receive(self, payload: Payload) -> list[Instruction]:
+        raise ValueError(f"the pipeline reads {payload}, which nothing provides")
+
+    def send(self, payload: Payload) -> list[Instruction]:
+        return []
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    micro_batch: int
+    recompute: str
+    sequence_parallel: bool
+    zero_stage: int
+    overlap_grad_reduce: bool = False
+    tp_overlap_chunks: int = 1
+    scatter_gather: bool = False  # Megatron-LM's pipeline scatter/gather (stages.stage_transfer)
+
+
+@dataclass
+class StageOp:
+    """One schedule operation of a stage and the instructions it became."""
+
+    op: object
+    instructions: list[Instruction]
+
+
+@dataclass
+class Stage:
+    index: int
+    ranks: tuple[int, ...]
+    ops: list[StageOp] = field(default_factory=list)
+    tail: list[Instruction] = field(default_factory=list)
+
+    def instructions(self) -> list[Instruction]:
+        return [i for op in self.ops for i in op.instructions] + self.tail
+
+
+class PipelineEmitter:
+    """`virtual`: the pipeline's pp·vpp virtual stages in model order (stage s, chunk v is
+    entry v·pp + s); `prefix` names its groups and routes apart from other pipelines'."""
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        cluster: ClusterSpec,
+        precision: str,
+        program: Program,
+        mesh: Mesh,
+        virtual: list[list[Segment]],
+        settings: PipelineSettings,
+        prefix: str = "",
+        links: Links | None = None,
+    ) -> None:
+        self.model, self.program, self.mesh, self.virtual, self.cfg = model, program, mesh, virtual, settings
+        self.links = links or NoLinks()
+        self.pp = mesh.degree("pp")
+        self.dp = mesh.degree("dp")
+        self.vpp = len(virtual) // self.pp
+        self.act_bytes = element_bytes(precision)
+        self.grad_bytes = grad_bytes(precision)
+        self.sharding = tensor_parallel(mesh.degree("tp"), settings.sequence_parallel)
+        self.needs_bwd = [any(model.needs_backward(seg.unit) for seg in segs) for segs in virtual]
+        self.tp_groups, self.dp_groups = [], []
+        for stage in range(self.pp):
+            first = mesh.rank(pp=stage)
+            self.tp_groups.append(axis_group(program, cluster, f"{prefix}tp.s{stage}", mesh, "tp", first))
+            self.dp_groups.append(axis_group(program, cluster, f"{prefix}dp.s{stage}", mesh, "dp", first))
+        pairs = pipeline_pairs(mesh)
+        sharing = family_sharing(cluster, pairs) if pairs else 1
+        self.hops: list[str] = []
+        self.transfers: list[StageTransfer] = []
+        for v in range(len(virtual) - 1):
+            last = virtual[v][-1]
+            nbytes = boundary_elems(model.unit(last.unit), last.layers[1]) * settings.micro_batch * self.act_bytes
+            transfer = stage_transfer(nbytes, mesh.degree("tp"), settings.sequence_parallel, settings.scatter_gather)
+            a, b = mesh.slice(pp=v % self.pp), mesh.slice(pp=(v + 1) % self.pp)
+            scatter = tuple(mesh.coords(rank)["tp"] for rank in a) if transfer.gather_bytes else ()
+            route = Hop(f"{prefix}hop.v{v}", "pp", a, b, transfer.send_bytes, sharing, scatter=scatter, rows=settings.micro_batch)
+            self.transfers.append(transfer)
+            program.add_route(route)
+            self.hops.append(route.name)
+        self.pending: dict[int, list[str]] = {stage: [] for stage in range(self.pp)}
+
+    def _tp(self, stage: int) -> TPConfig:
+        return TPConfig(self.sharding, self.tp_groups[stage], self.cfg.recompute, self.act_bytes, self.cfg.tp_overlap_chunks)
+
+    def stage(self, stage: int, order: list, other: Callable[[object], list[Instruction]] | None = None) -> Stage:
+        """A stage's instructions for its schedule `order` (ops with kind F or B, chunk,
+        microbatch); ops of any other kind are `other`'s (DistMM's batch-sync)."""
+        out = Stage(stage, self.mesh.slice(pp=stage))
+        last_backward = {op.chunk: i for i, op in enumerate(order) if op.kind == "B"}
+        for index, op in enumerate(order):
+            v = op.chunk * self.pp + stage
+            if op.kind == "F":
+                instructions = self._forward(v, op)
+            elif op.kind == "B":
+                final = index == last_backward[op.chunk]
+                overlap = self.cfg.overlap_grad_reduce and self.dp_groups[stage] is not None and final
+                instructions = self._backward(v, op, overlap) if self.needs_bwd[v] else []
+            else:
+                instructions = other(op)
+            out.ops.append(StageOp(op, instructions))
+        own = self.segments_of(stage)
+        out.tail = iteration_tail(
+            self.model,
+            own,
+            self.sharding,
+            self.dp_groups[stage],
+            self.dp,
+            self.cfg.zero_stage,
+            self.grad_bytes,
+            self.act_bytes,
+            self.pending[stage],
+        )
+        return out
+
+    def segments_of(self, stage: int) -> list[Segment]:
+        return [seg for chunk in range(self.vpp) for seg in self.virtual[chunk * self.pp + stage]]
+
+    def rank_program(self, stage: Stage, label: str, extra_units: tuple[str, ...] = ()) -> RankProgram:
+        units = tuple(dict.fromkeys([seg.unit for seg in self.segments_of(stage.index)] + list(extra_units)))
+        return RankProgram(ranks=stage.ranks, instructions=stage.instructions(), label=label, units=units, pipelined=self.pp > 1)
+
+    # ---- one virtual stage's forward and backward ----------------------------------------
+    def _boundary(self, v: int, microbatch: int) -> tuple[set[Payload], set[Payload]]:
+        """What virtual stage v receives from v-1 and sends to v+1 (over their hops)."""
+        inbound = set(produced(self.model, self.virtual[v - 1][-1], microbatch)) if v > 0 else set()
+        outbound = set()
+        if v < len(self.virtual) - 1:
+            outbound = set(consumed(self.model, self.virtual[v + 1][0], microbatch))
+        return inbound, outbound
+
+    def _forward(self, v: int, op) -> list[Instruction]:
+        j, stage = op.microbatch, v % self.pp
+        inbound, outbound = self._boundary(v, j)
+        inside = {p for s in self.virtual[v] for p in consumed(self.model, s, j)}
+        made_here: set[Payload] = set()
+        out: list[Instruction] = []
+        for segment in self.virtual[v]:
+            for payload in consumed(self.model, segment, j):
+                if payload not in made_here:
+                    out += self._receive(v - 1, payload, stage) if payload in inbound else self.links.receive(payload)
+            out += segment_pass(self.model, segment, "fwd", self.cfg.micro_batch, j, self._tp(stage), chunk=op.chunk)
+            for payload in produced(self.model, segment, j):
+                made_here.add(payload)
+                if payload in outbound:
+                    out.append(Send(self.hops[v], payload))
+                elif payload not in inside:
+                    out += self.links.send(payload)
+        return out
+
+    def _backward(self, v: int, op, overlap: bool) -> list[Instruction]:
+        j, stage = op.microbatch, v % self.pp
+        inbound, outbound = self._boundary(v, j)
+        inside = {p for s in self.virtual[v] for p in consumed(self.model, s, j)}
+        made_here = {p for s in self.virtual[v] for p in produced(self.model, s, j)}
+        out: list[Instruction] = []
+        for segment in reversed([s for s in self.virtual[v] if self.model.needs_backward(s.unit)]):
+            grads_in, grads_out = backward_io(self.model, segment, j)
+            for grad in grads_in:
+                if grad.value() in outbound:
+                    out += self._receive(v, grad, stage)
+                elif grad.value() not in inside:
+                    out += self.links.receive(grad)
+            out += self._segment_backward(segment, j, op.chunk, stage, overlap)
+            for grad in grads_out:
+                if grad.value() in inbound:
+                    out.append(Send(self.hops[v - 1], grad))
+                elif grad.value() not in made_here:
+                    out += self.links.send(grad)
+        return out
+
+    def _receive(self, hop: int, payload: Payload, stage: int) -> list[Instruction]:
+        """A payload (or its gradient) over hop `hop`: each rank's share, then the TP
+        all-gather that rebuilds it where the transfer was scattered."""
+        out: list[Instruction] = [Recv(self.hops[hop], payload)]
+        gather = self.transfers[hop].gather_bytes
+        if gather and self.tp_groups[stage] is not None:
+            whole = (payload,)  # each rank's received part in, the whole payload out
+            out.append(Collective("all_gather", self.tp_groups[stage], gather, "pp", stream="compute", inputs=whole, outputs=whole))
+        return out
+
+    def _segment_backward(self, segment: Segment, j: int, chunk: int, stage: int, overlap: bool) -> list[Instruction]:
+        tp = self._tp(stage)
+        if not overlap:
+            return segment_pass(self.model, segment, "bwd", self.cfg.micro_batch, j, tp, chunk=chunk)
+        # The last micro-batch's backward finishes each layer's gradient: reduce it at
+        # once on the DP stream while the earlier layers' backward runs (Megatron's
+        # --overlap-grad-reduce, one bucket per layer).
+        out: list[Instruction] = []
+        unit = self.model.unit(segment.unit)
+        for layer in reversed(range(*segment.layers)):
+            out += segment_pass(self.model, Segment(segment.unit, (layer, layer + 1)), "bwd", self.cfg.micro_batch, j, tp, chunk=chunk)
+            params = unit.trainable_params(layer, layer + 1) / self.sharding.devices
+            if params:
+                handle = f"grad.{segment.unit}.{layer}"
+                op_name = "reduce_scatter" if self.cfg.zero_stage >= 1 else "all_reduce"
+                out.append(
+                    Collective(
+                        op_name,
+                        self.dp_groups[stage],
+                        params * self.grad_bytes,
+                        "dp",
+                        stream="dp",
+                        blocking=False,
+                        handle=handle,
+                        grads_of=(segment.unit, (layer, layer + 1)),
+                    )
+                )
+                self.pending[stage].append(handle)
+        return out

@@ -1,0 +1,118 @@
+"""The Megatron-LM baseline planner: TP x PP x DP, searched or fixed by hand.
+
+Every option left null is searched over what Megatron-LM users set (megatron.space: tp,
+pp, vpp, micro-batch, sequence parallelism), with recomputation and the distributed
+optimizer turned on only as far as memory requires; the fastest plan that fits is kept
+(megatron.search) and every choice it made is reported, with the search's size and time
+under plan.search. `balance` cuts the layers with Optimus's "Megatron-LM balanced" DP
+instead of evenly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from src.cluster import GIB
+from src.config import options_from
+from src.costmodel.memory import check_memory_options, rank_memory
+from src.errors import ConfigError, PlanError
+from src.program import Plan
+from src.schedules.pipeline import SCHEDULES
+from src.strategies.base import PlanRequest
+from src.strategies.megatron.search import Candidate, MegatronSearch
+from src.strategies.megatron.space import enumerate_space
+
+
+@dataclass(frozen=True)
+class MegatronOptions:
+    tp: int | None = None
+    pp: int | None = None
+    dp: int | None = None
+    vpp: int | None = None
+    micro_batch_size: int | None = None
+    schedule: str | None = None
+    recompute: str | None = None
+    sequence_parallel: bool | None = None
+    zero_stage: int | None = None
+    overlap_grad_reduce: bool = False
+    modality_stages: str = "extra"
+    uneven_pp: bool = False
+    balance: bool = False
+    scatter_gather: bool = True
+
+    def __post_init__(self) -> None:
+        for key in ("tp", "pp", "dp", "vpp", "micro_batch_size"):
+            value = getattr(self, key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise ConfigError(f"strategy.{key} must be a positive integer, got {value!r}")
+        if self.schedule is not None and self.schedule not in SCHEDULES:
+            raise ConfigError(f"strategy.schedule={self.schedule!r}; choose one of {list(SCHEDULES)} or null")
+        if self.vpp is not None and self.vpp > 1 and self.schedule in ("gpipe", "1f1b"):
+            raise ConfigError(f"strategy.vpp={self.vpp} needs the interleaved schedule, not strategy.schedule={self.schedule}")
+        for key in ("sequence_parallel", "overlap_grad_reduce", "uneven_pp", "balance", "scatter_gather"):
+            value = getattr(self, key)
+            if not isinstance(value, bool) and not (key == "sequence_parallel" and value is None):
+                raise ConfigError(f"strategy.{key} must be true or false, got {value!r}")
+        if self.balance and self.schedule == "gpipe":
+            raise ConfigError(
+                "strategy.balance=true runs the interleaved 1F1B schedule (Optimus Appendix B), not strategy.schedule=gpipe"
+            )
+        check_memory_options(
+            self.recompute, self.zero_stage, "Megatron-LM's distributed optimizer is ZeRO stage 1 (stages 2-3 belong to strategy=ddp)"
+        )
+
+    def searched(self, contrastive: bool) -> bool:
+        """Whether any axis of the space is left to the planner."""
+        axes = [self.tp, self.micro_batch_size, self.recompute, self.zero_stage]
+        if not contrastive:
+            axes += [
+                self.pp,
+                self.vpp if self.schedule not in ("gpipe", "1f1b") else 1,
+                self.sequence_parallel if self.tp != 1 else False,
+            ]
+        return any(value is None for value in axes)
+
+
+def plan_megatron(request: PlanRequest) -> Plan:
+    opts = options_from(MegatronOptions, request.options)
+    contrastive = request.model.interaction is not None
+    if contrastive and opts.pp not in (None, 1):
+        raise ConfigError(
+            f"strategy.pp={opts.pp}: the Megatron-LM baseline of contrastive models uses only TP "
+            f"and DP (pipelining would shrink the contrastive batch; DistMM §5.4, §7.1)"
+        )
+    if contrastive and opts.balance:
+        raise ConfigError(
+            f"strategy.balance=true cuts pipeline stages, but the Megatron-LM baseline of "
+            f"contrastive models ({request.model.name}) does not pipeline"
+        )
+    searched = opts.searched(contrastive)
+    search = MegatronSearch(request, opts, contrastive, searched)
+    fitting: list[Candidate] = []
+    for across_nodes in (False, True):
+        if fitting or (across_nodes and opts.tp is not None):
+            break
+        fitting = search.candidates(enumerate_space(request, opts, contrastive, across_nodes, searched))
+    if not fitting:
+        raise PlanError(_nothing_fits(request, search, searched))
+    best = search.fastest(fitting)
+    plan = best.plan
+    assert plan is not None, "the fastest candidate was built"
+    plan.details["search"] = search.record(fitting, best)
+    units = {u.unit: u for u in plan.units}
+    plan.details["memory_gib"] = {
+        rp.label: round(rank_memory(rp, units, request.model, request.train.precision)["total"] / GIB, 3)
+        for rp in plan.program.classes
+    }
+    return plan
+
+
+def _nothing_fits(request: PlanRequest, search: MegatronSearch, searched: bool) -> str:
+    closest = search.closest_memory_problem()
+    if closest is None:
+        if search.invalid:
+            return search.invalid[0]
+        return f"no Megatron-LM plan exists for {request.model.name} on {request.cluster.devices} devices"
+    if not searched:
+        return closest
+    return f"no Megatron-LM plan fits memory ({search.stats.rejected_by_memory} candidates rejected); closest: {closest}"

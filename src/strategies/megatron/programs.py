@@ -1,0 +1,168 @@
+"""Programs of the Megatron-LM baseline for one fixed choice of degrees.
+
+Two shapes, as the papers describe Megatron-LM on multimodal models:
+- a pipeline (GPT/LLM units; MLLMs with the encoder and generator as extra stages or
+  merged into the first/last stage), TP inside every stage, DP over replicas;
+- colocated towers (CLIP/CoCa/LiT): every device runs both towers with the same TP and DP,
+  and the contrastive loss all-gathers both modalities' features over DP (DistMM §7.1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from src.cluster import ClusterSpec
+from src.mesh import Mesh
+from src.models.spec import ModelSpec
+from src.program import Instruction, Program, UnitPlan
+from src.schedules.pipeline import build_schedule
+from src.strategies.builders.colocated import ColocatedEmitter, ColocatedUnit
+from src.strategies.builders.layout import megatron_mesh
+from src.strategies.builders.pipeline import PipelineEmitter, PipelineSettings
+from src.models.flows import unit_order
+from src.strategies.builders.stages import Segment
+
+
+@dataclass(frozen=True)
+class Degrees:
+    tp: int
+    pp: int
+    dp: int
+    vpp: int
+    micro_batch: int
+
+
+@dataclass(frozen=True)
+class MegatronSettings:
+    schedule: str
+    recompute: str
+    sequence_parallel: bool
+    zero_stage: int
+    overlap_grad_reduce: bool
+    modality_stages: str
+    uneven_pp: bool
+    scatter_gather: bool = True  # pipeline sends of 1/tp plus a TP all-gather (stages.stage_transfer)
+
+
+def pipeline_program(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    global_batch: int,
+    precision: str,
+    deg: Degrees,
+    cfg: MegatronSettings,
+    virtual: list[list[Segment]],
+) -> tuple[Program, list[UnitPlan]]:
+    """`virtual`: the pp x vpp virtual stages (stages.pipeline_segments, or a balanced cut)."""
+    pp, vpp = deg.pp, deg.vpp
+    mesh = megatron_mesh(deg.tp, deg.dp, pp)
+    batch_per_replica = global_batch // deg.dp
+    microbatches = batch_per_replica // deg.micro_batch
+    orders = build_schedule(cfg.schedule, pp, microbatches, vpp)
+    program = Program(world_size=mesh.size, classes=[])
+    settings = PipelineSettings(
+        deg.micro_batch,
+        cfg.recompute,
+        cfg.sequence_parallel,
+        cfg.zero_stage,
+        cfg.overlap_grad_reduce,
+        scatter_gather=cfg.scatter_gather,
+    )
+    emitter = PipelineEmitter(model, cluster, precision, program, mesh, virtual, settings)
+    for stage in range(pp):
+        program.classes.append(emitter.rank_program(emitter.stage(stage, orders[stage]), f"stage {stage}"))
+
+    unit_plans = []
+    for name in unit_order(model):
+        stages = sorted({v % pp for v, segs in enumerate(virtual) for s in segs if s.unit == name})
+        ranges = tuple(s.layers for segs in virtual for s in segs if s.unit == name)
+        chunks = 1
+        if len(ranges) > len(stages):
+            # Some stage holds several chunks of the unit: it spans the whole interleaved
+            # pipeline, with an empty range where a virtual stage holds none of it (a
+            # balanced cut's encoder-only stage).
+            stages, ranges, chunks = list(range(pp)), _every_virtual_stage(name, virtual), vpp
+        ranks = tuple(r for st in stages for r in mesh.slice(pp=st))
+        unit_mesh = Mesh((("tp", deg.tp), ("dp", deg.dp), ("pp", len(stages))), ranks)
+        unit_plans.append(
+            UnitPlan(
+                unit=name,
+                mesh=unit_mesh,
+                micro_batch=deg.micro_batch,
+                num_microbatches=microbatches,
+                batch_per_replica=batch_per_replica,
+                stage_layers=ranges,
+                sample_groups=microbatches,
+                vpp=chunks,
+                zero_stage=cfg.zero_stage,
+                recompute=cfg.recompute,
+                sequence_parallel=cfg.sequence_parallel,
+                overlap_comm=cfg.overlap_grad_reduce,
+                details={"pipeline_stages": stages},
+            )
+        )
+    return program, unit_plans
+
+
+def _every_virtual_stage(unit: str, virtual: list[list[Segment]]) -> tuple[tuple[int, int], ...]:
+    """The unit's layer range on every virtual stage; (k, k) where it has none, k being
+    where its layers stand at that point of the chain."""
+    out, cursor = [], 0
+    for segments in virtual:
+        held = [s.layers for s in segments if s.unit == unit]
+        if held:
+            cursor = held[-1][1]
+            out.append((held[0][0], cursor))
+        else:
+            out.append((cursor, cursor))
+    return tuple(out)
+
+
+def colocated_program(
+    model: ModelSpec, cluster: ClusterSpec, global_batch: int, precision: str, deg: Degrees, cfg: MegatronSettings
+) -> tuple[Program, list[UnitPlan]]:
+    """Both towers on every device, same TP and DP; the contrastive loss sees the features
+    of all DP replicas (all-gather over DP, reduce-scatter of their gradients back)."""
+    mesh = Mesh.contiguous((("tp", deg.tp), ("dp", deg.dp)))
+    batch_per_replica = global_batch // deg.dp
+    microbatches = batch_per_replica // deg.micro_batch
+    mb = deg.micro_batch
+    program = Program(world_size=mesh.size, classes=[])
+    names = unit_order(model)
+    emitter = ColocatedEmitter(
+        model,
+        cluster,
+        precision,
+        program,
+        [
+            ColocatedUnit(name, mesh, cfg.recompute, cfg.zero_stage, cfg.sequence_parallel, overlap_comm=cfg.overlap_grad_reduce)
+            for name in names
+        ],
+    )
+    towers = emitter.towers()
+    emitter.query_routes(microbatches, {t: mb for t in towers}, {t: mb for t in towers}, with_keys=deg.dp == 1)
+    instructions: list[Instruction] = []
+    for j in range(microbatches):
+        # Each device scores its local samples of BOTH modalities against the gathered
+        # other modality: two similarity products, hence 2·mb rows.
+        interaction = emitter.contrastive(j, emitter.dp_group[towers[0]], mb * deg.dp, len(towers) * mb, mb * deg.dp)
+        instructions += emitter.microbatch(j, {t: mb for t in towers}, interaction, final=j == microbatches - 1)
+    instructions += emitter.tail()
+    program.classes.append(emitter.rank_program(instructions))
+    unit_plans = [
+        UnitPlan(
+            unit=name,
+            mesh=mesh,
+            micro_batch=mb,
+            num_microbatches=microbatches,
+            batch_per_replica=batch_per_replica,
+            stage_layers=((0, model.unit(name).num_layers),),
+            sample_groups=microbatches,
+            zero_stage=cfg.zero_stage,
+            recompute=cfg.recompute,
+            sequence_parallel=cfg.sequence_parallel,
+            overlap_comm=cfg.overlap_grad_reduce,
+        )
+        for name in names
+    ]
+    return program, unit_plans

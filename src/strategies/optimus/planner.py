@@ -1,0 +1,565 @@
+"""The Optimus planner (Feng et al., "Optimus: accelerating large-scale multi-modal LLM
+training by bubble exploitation"; spec §3): separate plans for the encoders and the LLM,
+colocated on every device, and the encoders' work scheduled into the LLM's bubbles.
+
+Model planner (§4.1, Algorithm 1):
+1. The LLM's plan is Megatron-LM's (strategies.megatron.planner on the LLM alone: searched, or the
+   degrees given under `strategy.llm`, as the paper's Tables 11-12 give them).
+2. Encoder plans: PP_enc | PP_llm and TP_enc | TP_llm over all devices, DP_enc =
+   n/(PP_enc·TP_enc) (or `strategy.encoder.pp/tp` by hand). Multiple encoders share one
+   plan, each cut into the same PP_enc stages (§4.4).
+3. Memory pruning: the LLM's states and activations on the busiest device plus the
+   encoders' states (Optimus: MEM_model = k·(DP_enc·φ_enc + DP_llm·φ_llm)/n plus the LLM's
+   activations; encoder activations are ignored as in the paper, and reported in the
+   run's memory figures).
+4. Every split of each LLM pipeline's micro-batches among its m = DP_enc/DP_llm encoder
+   pipelines (pipelines on the same devices share a block's split evenly); when there are
+   more than `max_partitions` splits, a local search over them.
+For each encoder plan and split the bubble scheduler (optimus.scheduler) estimates the
+iteration; the `refine` splits with the best coarse schedules get the fine-grained stage;
+the fastest schedule of all is emitted (optimus.programs) and simulated as it is.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping
+
+from src.cluster import GIB, family_sharing
+from src.config import options_from
+from src.progress import Progress
+from src.costmodel.comm import CommModel
+from src.costmodel.compute import ComputeModel
+from src.costmodel.memory import memory_ladder, model_state_bytes, rank_memory, work_activation_bytes
+from src.mesh import tensor_parallel
+from src.errors import ConfigError, PlanError
+from src.models.spec import ModelSpec
+from src.program import Collective, Compute, Plan, Program, RankProgram, UnitPlan, Work
+from src.schedules.pipeline import build_schedule, interleaved
+from src.strategies.base import PlanRequest, divisors
+from src.strategies.builders.layout import megatron_mesh
+from src.strategies.megatron.planner import plan_megatron
+from src.strategies.optimus.encoder import EncoderCosts, EncoderPlan, Layout, encoder_costs, encoder_stages
+from src.strategies.optimus.programs import ClassEmitter, EncoderLinks, add_encoder_routes, class_program
+from src.strategies.optimus.scheduler import BubbleScheduler, Schedule, Tails, local_search, partitions
+from src.strategies.optimus.timeline import (
+    LLMTimeline,
+    costs_of,
+    deferred_warmups,
+    dependency_points,
+    op_costs,
+    stage_slots,
+    time_pipeline,
+    warmup_counts,
+)
+from src.strategies.builders.pipeline import PipelineEmitter, PipelineSettings, Stage
+from src.strategies.builders.stages import pipeline_segments
+
+LLM_KEYS = ("tp", "pp", "dp", "vpp", "micro_batch_size", "schedule", "recompute", "zero_stage", "sequence_parallel")
+ENCODER_KEYS = ("tp", "pp")
+
+
+@dataclass(frozen=True)
+class OptimusOptions:
+    llm: Mapping[str, Any] | None = field(default=None)
+    encoder: Mapping[str, Any] | None = field(default=None)
+    encoder_zero_stage: int = 1
+    fine_grained: bool = True
+    defer_warmup: bool = True
+    max_partitions: int = 500
+    refine: int = 3
+
+    def __post_init__(self) -> None:
+        for key, allowed in (("llm", LLM_KEYS), ("encoder", ENCODER_KEYS)):
+            unknown = sorted(set(getattr(self, key) or {}) - set(allowed))
+            if unknown:
+                raise ConfigError(f"strategy.{key} has unknown key(s) {unknown}; valid: {list(allowed)}")
+        for key, value in (self.encoder or {}).items():
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise ConfigError(f"strategy.encoder.{key} must be a positive integer or null, got {value!r}")
+        if self.encoder_zero_stage not in (0, 1):
+            raise ConfigError(
+                f"strategy.encoder_zero_stage={self.encoder_zero_stage!r}: 0 or 1 (the distributed optimizer, as the LLM's)"
+            )
+        for key in ("fine_grained", "defer_warmup"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"strategy.{key}={getattr(self, key)!r} must be true or false")
+        for key in ("max_partitions", "refine"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"strategy.{key} must be a positive integer, got {value!r}")
+
+
+@dataclass
+class LLMBase:
+    """The LLM's pipeline as the planner built it: its plan, emitter, stages, timeline."""
+
+    plan: UnitPlan
+    program: Program
+    stages: list[Stage]
+    timeline: LLMTimeline
+    memory: list[float]  # bytes per stage
+    tails: tuple[list[float], list[float], list[float]]
+
+
+@dataclass
+class Candidate:
+    plan: EncoderPlan
+    layout: Layout
+    costs: EncoderCosts
+    scheduler: BubbleScheduler
+    schedule: Schedule
+    eff_coarse: float
+    eff_fine: float
+    coarse_latency: float
+    partitions_total: int
+    partitions_evaluated: int
+    search: str
+
+
+def plan_optimus(request: PlanRequest) -> Plan:
+    opts = options_from(OptimusOptions, request.options)
+    model, cluster, train = request.model, request.cluster, request.train
+    _, encoders = _llm_and_encoders(model)
+    started = time.perf_counter()
+    compute, comm = ComputeModel(cluster, train.precision), CommModel(cluster)
+    given = opts.llm or {}
+    rejected: list[tuple[float, str]] = []
+    llm_rejected = f"no LLM plan for {model.name}"
+    # The LLM's memory savings go as far as the colocated encoder states need, cheapest
+    # first (the LLM alone would take the least that fits without them).
+    # Megatron-LM's search runs once, on the first rung where the LLM alone fits; later
+    # rungs keep its degrees (more recomputation or sharding does not change them much,
+    # and each search simulates every candidate).
+    searched: dict[str, Any] = {}
+    progress = Progress("optimus planner")
+    for recompute, zero in memory_ladder(given.get("recompute"), given.get("zero_stage")):
+        try:
+            base = _llm_base(request, opts, encoders, compute, comm, {**searched, "recompute": recompute, "zero_stage": zero})
+        except PlanError as err:
+            llm_rejected = str(err)
+            continue
+        p = base.plan
+        searched = {
+            "tp": p.tp,
+            "pp": p.pp,
+            "dp": p.dp,
+            "vpp": p.vpp,
+            "micro_batch_size": p.micro_batch,
+            "schedule": base.plan.details["schedule"],
+        }
+        candidates = []
+        for enc_plan in _encoder_plans(request, opts, base.plan, encoders):
+            layout = Layout(base.plan.mesh, enc_plan)
+            problem = _encoder_plan_problem(request, layout, base, encoders, opts)
+            if problem:
+                rejected.append(problem)
+            else:
+                candidates.append(_schedule(request, opts, base, layout, encoders, compute, comm))
+            if progress.due():
+                progress.show(
+                    f"recompute={recompute} zero_stage={zero}: {len(candidates)} encoder plans scheduled, {len(rejected)} rejected"
+                )
+        if not candidates:
+            continue
+        best = min(candidates, key=lambda c: (c.schedule.latency, -c.plan.pp * c.plan.tp))
+        plan = _emit(request, opts, base, best, encoders, candidates, rejected, time.perf_counter() - started)
+        problem = _program_memory_problem(request, plan)
+        if problem is None:
+            progress.end(f"done: {len(candidates)} encoder plans scheduled")
+            return plan
+        rejected.append(problem)
+    raise PlanError(min(rejected)[1] if rejected else llm_rejected)
+
+
+def _program_memory_problem(request: PlanRequest, plan: Plan) -> tuple[float, str] | None:
+    """The emitted schedule's memory as the simulator counts it (an uneven split holds
+    more encoder activations than the pruning's even one)."""
+    units = {u.unit: u for u in plan.units}
+    usable = request.cluster.usable_memory_bytes
+    need, label = max((rank_memory(c, units, request.model, request.train.precision)["total"], c.label) for c in plan.program.classes)
+    if need <= usable:
+        return None
+    d = plan.details
+    return (need - usable) / GIB, (
+        f"encoder pp={d['encoder']['pp']} tp={d['encoder']['tp']}, LLM recompute={d['llm']['recompute']} "
+        f"zero_stage={d['llm']['zero_stage']}, partition {d['partition']}: {label} needs {need / GIB:.1f} GiB but a "
+        f"{request.cluster.device} has {usable / GIB:.1f} GiB usable, short by {(need - usable) / GIB:.1f} GiB"
+    )
+
+
+# ---- the LLM ---------------------------------------------------------------------------------
+def _llm_and_encoders(model: ModelSpec) -> tuple[str, list[str]]:
+    """The LLM is the unit every other unit feeds (chain flows); the others are encoders."""
+    if model.interaction is not None:
+        raise PlanError(
+            f"optimus schedules encoders into an LLM's pipeline bubbles; {model.name} is a contrastive "
+            f"model (its towers meet in {model.interaction}, which has no pipeline): use distmm"
+        )
+    consumers = {c for _, c in model.flows}
+    encoders = [p for p, _ in model.flows]
+    if len(consumers) != 1 or sorted(encoders + list(consumers)) != sorted(u.name for u in model.units):
+        raise PlanError(
+            f"optimus schedules encoders that all feed one LLM; model {model.name} has units "
+            f"{[u.name for u in model.units]} and flows {list(model.flows)}"
+        )
+    return consumers.pop(), encoders
+
+
+def _llm_base(
+    request: PlanRequest, opts: OptimusOptions, encoders: list[str], compute: ComputeModel, comm: CommModel, pinned: Mapping[str, Any]
+) -> LLMBase:
+    model, cluster, train = request.model, request.cluster, request.train
+    llm = model.unit(_llm_and_encoders(model)[0])
+    llm_model = replace(model, name=f"{model.name}-llm", units=(llm,), flows=())
+    given = {k: v for k, v in (opts.llm or {}).items() if v is not None}
+    given.update(pinned)
+    llm_plan = plan_megatron(PlanRequest(llm_model, cluster, train, {"name": "megatron", **given}))
+    d = llm_plan.details
+    unit_plan = llm_plan.unit(llm.name)
+    pp, vpp, mb, n_mb = d["pp"], d["vpp"], d["micro_batch"], unit_plan.num_microbatches
+    program = Program(world_size=unit_plan.mesh.size, classes=[])
+    settings = PipelineSettings(mb, d["recompute"], d["sequence_parallel"], d["zero_stage"])
+    virtual = pipeline_segments(llm_model, pp, vpp, "merged", False)
+    emitter = PipelineEmitter(
+        model, cluster, train.precision, program, megatron_mesh(d["tp"], d["dp"], pp), virtual, settings, links=EncoderLinks(encoders)
+    )
+    default = build_schedule(d["schedule"], pp, n_mb, vpp)
+    stages = [emitter.stage(s, default[s]) for s in range(pp)]
+    tables = [op_costs(st, program, model, compute, comm) for st in stages]
+    warmups = warmup_counts(default)
+    orders = default
+    if opts.defer_warmup and d["schedule"] != "gpipe":
+        warmups = deferred_warmups(n_mb, vpp, tables, default)
+        orders = interleaved(pp, n_mb, vpp, warmups)
+        if orders != default:  # often no warm-up can be deferred: the stages stand
+            stages = [emitter.stage(s, orders[s]) for s in range(pp)]
+    times = time_pipeline(orders, costs_of(orders, tables))
+    forward, backward = dependency_points(orders, times[0], n_mb)
+    tails = ([_seconds(st.tail, program, model, compute, comm, kind) for st in stages] for kind in ("reduce", "optimizer", "gather"))
+    reduce, optimizer, gather = tails
+    timeline = LLMTimeline(
+        orders,
+        times,
+        [stage_slots(t, cluster.kernel_overhead_s) for t in times],
+        forward,
+        backward,
+        max(gather),
+        reduce,
+        optimizer,
+        warmups,
+    )
+    # Its gradient all-reduce (ZeRO-0) runs asynchronously under the encoders' backward.
+    overlap = d["zero_stage"] == 0 and d["dp"] > 1
+    unit_plan = replace(unit_plan, overlap_comm=overlap, details={"schedule": d["schedule"], "warmups": ",".join(map(str, warmups))})
+    memory = [
+        rank_memory(RankProgram(st.ranks, st.instructions()), {llm.name: unit_plan}, model, train.precision)["total"] for st in stages
+    ]
+    return LLMBase(unit_plan, program, stages, timeline, memory, (reduce, optimizer, gather))
+
+
+def _seconds(instructions: list, program: Program, model: ModelSpec, compute: ComputeModel, comm: CommModel, kind: str) -> float:
+    """Seconds of a tail's gradient reduction, optimizer steps or parameter all-gather."""
+    total = 0.0
+    for i in instructions:
+        if isinstance(i, Compute) and kind == "optimizer":
+            total += compute.work_time(i.work, model)
+        elif isinstance(i, Collective) and i.kind == "dp" and (i.op == "all_gather") == (kind == "gather") and kind != "optimizer":
+            group = program.groups[i.group]
+            total += i.count * comm.collective_time(i.op, group.ranks, i.bytes, group.sharing)
+    return total
+
+
+# ---- encoder plans ---------------------------------------------------------------------------
+def _encoder_plans(request: PlanRequest, opts: OptimusOptions, llm: UnitPlan, encoders: list[str]) -> list[EncoderPlan]:
+    given = dict(opts.encoder or {})
+    for key, degree in (("pp", llm.pp), ("tp", llm.tp)):
+        value = given.get(key)
+        if value is not None and degree % value:
+            raise ConfigError(
+                f"strategy.encoder.{key}={value} does not divide the LLM's {key}={degree} "
+                f"(Optimus needs PP_enc | PP_llm and TP_enc | TP_llm)"
+            )
+    heads = [request.model.unit(u).heads for u in encoders]
+    tps = [given["tp"]] if given.get("tp") else [t for t in divisors(llm.tp) if all(h % t == 0 for h in heads)]
+    for t in tps:
+        bad = [u for u, h in zip(encoders, heads) if h % t]
+        if bad:
+            raise ConfigError(
+                f"strategy.encoder.tp={t} does not divide the heads of {bad}: {[request.model.unit(u).heads for u in bad]}"
+            )
+    pps = [given["pp"]] if given.get("pp") else divisors(llm.pp)
+    return [EncoderPlan(p, t) for p in pps for t in tps]
+
+
+def _encoder_state_bytes(
+    request: PlanRequest,
+    layout: Layout,
+    encoders: list[str],
+    opts: OptimusOptions,
+    stage: int,
+    layers: dict[str, list[tuple[int, int]]],
+) -> float:
+    replicas = layout.encoder_mesh().degree("dp")
+    total = 0.0
+    for name in encoders:
+        unit = request.model.unit(name)
+        start, end = layers[name][stage]
+        trainable = unit.trainable_params(start, end) / layout.plan.tp
+        fixed = sum(layer.params for layer in unit.layers[start:end]) / layout.plan.tp - trainable
+        for params, frozen in ((trainable, False), (fixed, True)):
+            total += sum(model_state_bytes(params, request.train.precision, frozen, opts.encoder_zero_stage, replicas).values())
+    return total
+
+
+def _encoder_activation_bytes(
+    request: PlanRequest,
+    layout: Layout,
+    encoders: list[str],
+    microbatches: int,
+    samples: int,
+    stage: int,
+    layers: dict[str, list[tuple[int, int]]],
+) -> float:
+    """An encoder stage's activations for its share of an even split of the micro-batches:
+    the coarse schedule holds every forward's until the backwards after the LLM. (Optimus's
+    MEM_model leaves encoder activations out; the simulator holds them, so we count them.)"""
+    share = -(-microbatches // layout.pipelines)
+    sharding = tensor_parallel(layout.plan.tp)
+    return share * sum(
+        work_activation_bytes(request.model, Compute(Work(u, "fwd", samples, layers[u][stage], sharding=sharding)), "none")
+        for u in encoders
+        if request.model.needs_backward(u)
+    )
+
+
+def _encoder_plan_problem(
+    request: PlanRequest, layout: Layout, base: LLMBase, encoders: list[str], opts: OptimusOptions
+) -> tuple[float, str] | None:
+    plan, n_mb = layout.plan, base.plan.num_microbatches
+    label = f"encoder pp={plan.pp} tp={plan.tp}"
+    blocks = [sum(1 for layer in request.model.unit(u).layers if layer.tp_allreduces > 0) for u in encoders]
+    if any(b < plan.pp for b in blocks):
+        return math.inf, f"{label}: more stages than the encoder blocks {blocks}"
+    if layout.pipelines > n_mb:
+        return math.inf, (
+            f"{label}: {layout.pipelines} encoder pipelines per LLM pipeline but only {n_mb} micro-batches to share among them"
+        )
+    layers = {u: encoder_stages(request.model.unit(u), plan.pp) for u in encoders}
+    usable = request.cluster.usable_memory_bytes
+    worst = max(
+        range(base.plan.pp),
+        key=lambda s: (
+            base.memory[s]
+            + _encoder_state_bytes(request, layout, encoders, opts, s % plan.pp, layers)
+            + _encoder_activation_bytes(request, layout, encoders, n_mb, base.plan.micro_batch, s % plan.pp, layers)
+        ),
+    )
+    llm = base.memory[worst]
+    enc = _encoder_state_bytes(request, layout, encoders, opts, worst % plan.pp, layers)
+    acts = _encoder_activation_bytes(request, layout, encoders, n_mb, base.plan.micro_batch, worst % plan.pp, layers)
+    if llm + enc + acts > usable:
+        short = (llm + enc + acts - usable) / GIB
+        return short, (
+            f"{label}, LLM recompute={base.plan.recompute} zero_stage={base.plan.zero_stage}: "
+            f"LLM stage {worst} needs {(llm + enc + acts) / GIB:.1f} GiB (LLM states and activations "
+            f"{llm / GIB:.1f}, encoder states {enc / GIB:.1f}, encoder activations {acts / GIB:.1f}) "
+            f"but a {request.cluster.device} has "
+            f"{usable / GIB:.1f} GiB usable, short by {short:.1f} GiB"
+        )
+    return None
+
+
+def _schedule(
+    request: PlanRequest,
+    opts: OptimusOptions,
+    base: LLMBase,
+    layout: Layout,
+    encoders: list[str],
+    compute: ComputeModel,
+    comm: CommModel,
+) -> Candidate:
+    model, train = request.model, request.train
+    costs = encoder_costs(model, encoders, request.cluster, train.precision, layout, base.plan.micro_batch, compute, comm)
+    reduce, optimizer, gather = base.tails
+    tails = Tails(reduce, optimizer, gather, _encoder_tails(request, layout, costs, encoders, opts, compute, comm))
+    scheduler = BubbleScheduler(base.timeline, layout, costs, tails)
+    n_mb = base.plan.num_microbatches
+    cache: dict[tuple[int, ...], float] = {}
+
+    def coarse(counts: list[int]) -> float:
+        key = tuple(counts)
+        if key not in cache:
+            cache[key] = scheduler.evaluate(Schedule(list(counts), list(counts))).latency
+        return cache[key]
+
+    splits = partitions(n_mb, layout.blocks, layout.columns, opts.max_partitions)
+    total = math.comb(n_mb - layout.pipelines + layout.blocks - 1, layout.blocks - 1)
+    if splits is None:
+        ranked, evaluated = local_search(n_mb, layout.blocks, layout.columns, coarse)
+        search = "local search"
+    else:
+        ranked = sorted(splits, key=coarse)
+        evaluated, search = len(splits), "exhaustive"
+    coarse_best = scheduler.initial(ranked[0])
+    refined = [scheduler.best(counts, opts.fine_grained) for counts in ranked[: opts.refine]]
+    best = min(refined, key=lambda s: s.latency)
+    return Candidate(
+        layout.plan,
+        layout,
+        costs,
+        scheduler,
+        best,
+        scheduler.efficiency(coarse_best),
+        scheduler.efficiency(best),
+        coarse_best.latency,
+        total,
+        evaluated,
+        search,
+    )
+
+
+def _encoder_tails(
+    request: PlanRequest,
+    layout: Layout,
+    costs: EncoderCosts,
+    encoders: list[str],
+    opts: OptimusOptions,
+    compute: ComputeModel,
+    comm: CommModel,
+) -> list[float]:
+    """Per encoder stage: its gradient reduction, optimizer step and parameter all-gather."""
+    from src.costmodel.memory import element_bytes, grad_bytes
+    from src.mesh import tensor_parallel
+    from src.strategies.builders.emit import iteration_tail
+    from src.strategies.builders.stages import Segment
+
+    mesh = layout.encoder_mesh()
+    replicas = mesh.degree("dp")
+    sharing = family_sharing(request.cluster, mesh.family("dp")) if replicas > 1 else 1
+    out = []
+    for e in range(layout.plan.pp):
+        group = mesh.group("dp", mesh.rank(pp=e))
+        seconds = 0.0
+        for name in encoders:
+            tail = iteration_tail(
+                request.model,
+                [Segment(name, costs.layers[name][e])],
+                tensor_parallel(layout.plan.tp),
+                "dp" if replicas > 1 else None,
+                replicas,
+                opts.encoder_zero_stage,
+                grad_bytes(request.train.precision),
+                element_bytes(request.train.precision),
+            )
+            for i in tail:
+                if isinstance(i, Compute):
+                    seconds += compute.work_time(i.work, request.model)
+                elif isinstance(i, Collective):
+                    seconds += comm.collective_time(i.op, group, i.bytes, sharing)
+        out.append(seconds)
+    return out
+
+
+# ---- the chosen plan -----------------------------------------------------------------------------
+def _emit(
+    request: PlanRequest,
+    opts: OptimusOptions,
+    base: LLMBase,
+    best: Candidate,
+    encoders: list[str],
+    candidates: list[Candidate],
+    rejected: list[tuple[float, str]],
+    scheduler_seconds: float,
+) -> Plan:
+    model, cluster, train = request.model, request.cluster, request.train
+    layout, schedule = best.layout, best.schedule
+    program = base.program
+    samples = base.plan.micro_batch
+    owner = {i: j for (j, _), i in schedule.mapping.items()}
+    routes = {u: add_encoder_routes(model, cluster, train.precision, program, layout, best.costs, u, samples, owner) for u in encoders}
+    emitter = ClassEmitter(
+        model, layout, best.costs, schedule, base.timeline.backward_points, routes, samples, train.precision, opts.encoder_zero_stage
+    )
+    items: list[list] = [[] for _ in range(layout.classes)]
+    for placed in schedule.placed:
+        items[placed.klass].append(placed)
+    for g in range(layout.classes):
+        s, _, e = layout.position(g)
+        program.classes.append(
+            class_program(emitter, g, base.stages[s], items[g], f"stage {s} col {g % layout.columns} (encoder stage {e})")
+        )
+    enc_mesh = layout.encoder_mesh()
+    counts = schedule.counts
+    partition = ",".join(map(str, counts))
+    details = {
+        "encoder_pipelines": layout.pipelines,
+        "partition": partition,
+        "eff_coarse": round(best.eff_coarse, 4),
+        "eff_fine": round(best.eff_fine, 4),
+    }
+    unit_plans = [
+        UnitPlan(
+            unit=u,
+            mesh=enc_mesh,
+            micro_batch=samples,
+            num_microbatches=max(counts),
+            batch_per_replica=samples * max(counts),
+            stage_layers=tuple(best.costs.layers[u]),
+            sample_groups=max(counts),
+            zero_stage=opts.encoder_zero_stage,
+            samples_of=base.plan.unit,  # an encoder micro-batch is named by the LLM micro-batch it feeds
+            details=details,
+        )
+        for u in encoders
+    ] + [base.plan]
+    plan = Plan(strategy="optimus", devices=program.world_size, units=unit_plans, program=program)
+    fine = [p for p in schedule.placed if not p.item.is_comm]
+    plan.details = {
+        "llm": {
+            "tp": base.plan.tp,
+            "pp": base.plan.pp,
+            "dp": base.plan.dp,
+            "vpp": base.plan.vpp,
+            "micro_batch": samples,
+            "microbatches": base.plan.num_microbatches,
+            "schedule": base.plan.details["schedule"],
+            "recompute": base.plan.recompute,
+            "zero_stage": base.plan.zero_stage,
+            "warmups": base.timeline.warmups,
+        },
+        "encoder": {
+            "pp": layout.plan.pp,
+            "tp": layout.plan.tp,
+            "dp": enc_mesh.degree("dp"),
+            "pipelines": layout.pipelines,
+            "zero_stage": opts.encoder_zero_stage,
+        },
+        "partition": counts,
+        "eff_coarse": best.eff_coarse,
+        "eff_fine": best.eff_fine,
+        "estimated_iteration_s": schedule.latency,
+        "estimated_coarse_iteration_s": best.coarse_latency,
+        "llm_start_delay_s": schedule.delta,
+        "fine_forward_microbatches": len(schedule.fine_forward),
+        "fine_backward_microbatches": len(schedule.fine_backward),
+        "kernels_in_bubbles": len(fine),
+        "scheduler_s": scheduler_seconds,
+        "partitions": {"total": best.partitions_total, "evaluated": best.partitions_evaluated, "search": best.search},
+        "candidates": [
+            {
+                "pp": c.plan.pp,
+                "tp": c.plan.tp,
+                "pipelines": c.layout.pipelines,
+                "estimated_iteration_s": c.schedule.latency,
+                "eff_coarse": c.eff_coarse,
+                "eff_fine": c.eff_fine,
+                "partition": c.schedule.counts,
+            }
+            for c in sorted(candidates, key=lambda c: c.schedule.latency)
+        ],
+        "rejected": [message for _, message in rejected],
+    }
+    return plan

@@ -1,0 +1,91 @@
+"""Helpers of the runtime tests (no tests here): compose a run's config as the front door would,
+and the DeepSpeed op build that must happen once before any workers start."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+# Two tiny CPU workers: what CI's 2 cores can run.
+TWO_WORKERS = ["backend=torch", "cluster=local", "cluster.devices_per_node=2", "logger=none"]
+CLIP = ["model=clip", "model.scale=tiny", "train.global_batch=8"]
+GPT = [
+    "model=gpt",
+    "model.preset=null",
+    "model.layers=4",
+    "model.hidden=64",
+    "model.heads=4",
+    "model.vocab=128",
+    "train.seq_len=16",
+    "train.global_batch=8",
+]
+# Par4D's ADM U-Net at its smallest: two levels of one residual block on 8x8 images,
+# self-attention at 4x4 (0.76M parameters).
+TINY_UNET = {"channels": 32, "image_size": 8, "channel_mult": [1, 2], "res_blocks": 1, "attention_resolutions": [4], "heads": 2}
+UNET = ["model=unet", "model.preset=null", "train.global_batch=8"] + [
+    f"model.{key}={str(value).replace(' ', '')}" for key, value in TINY_UNET.items()
+]
+
+
+def composed(overrides: list[str]) -> dict[str, Any]:
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose(config_name="config", overrides=overrides)
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def prepare_run_dir(run_dir: Path, overrides: list[str]) -> dict[str, Any]:
+    """What the driver writes before it starts workers."""
+    config = composed(overrides)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "resolved.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    return config
+
+
+def build_deepspeed_ops() -> None:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from src.runtime.engines import prebuild_ops
+
+    prebuild_ops()
+
+
+def single_threaded(losses_of, *args, **kwargs) -> list[float]:
+    """A reference's losses computed on one thread: tiny GEMMs and convolutions on a busy
+    machine only contend for more."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return losses_of(*args, **kwargs)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def summary_of(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def launch_cases(root: Path, cases: dict[str, list[str]], workers: int) -> dict[str, Path]:
+    """Each case's run directory, checked as the front door checks it, all run in ONE
+    launch of `workers` workers (starting workers costs more than a tiny run)."""
+    from src.runtime.checks import check_runnable
+    from src.runtime.driver import launch
+    from src.setup import plan_run, validate
+
+    build_deepspeed_ops()
+    dirs = {name: root / name for name in cases}
+    for name, overrides in cases.items():
+        config = prepare_run_dir(dirs[name], overrides)
+        setup = validate(config)
+        check_runnable(setup, plan_run(setup))
+    start = time.monotonic()
+    launch(list(dirs.values()), workers, config["backend"], [{"run_name": n} for n in dirs])
+    print(f"{len(dirs)} real runs in {time.monotonic() - start:.1f} s")
+    return dirs

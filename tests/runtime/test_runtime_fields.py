@@ -1,0 +1,276 @@
+"""Every option of every strategy is run for real by the real backend or refused before any
+worker starts, with one line naming it: never run under a label it did not earn.
+
+Each option of conf/strategy/<name>.yaml (and the run's precision) has a sample setting
+and a verdict here; an option nobody classified fails the test. "run" verdicts name the
+test that trains with the option and compares the losses with one process.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from src.errors import ConfigError
+from src.runtime.checks import check_runnable
+from src.setup import plan_run, validate
+from src.strategies import STRATEGIES
+from tests.runtime.support import CLIP, GPT, UNET, composed
+
+CONF = Path(__file__).resolve().parents[2] / "conf" / "strategy"
+WORKERS = ["backend=torch", "cluster=local", "cluster.devices_per_node=4", "logger=none"]
+MEGATRON = (
+    WORKERS
+    + GPT
+    + [
+        "strategy=megatron",
+        "strategy.tp=1",
+        "strategy.pp=2",
+        "strategy.micro_batch_size=2",
+        "strategy.recompute=none",
+        "strategy.zero_stage=0",
+        "strategy.vpp=1",
+    ]
+)
+DISTMM = WORKERS + [
+    "model=clip",
+    "model.scale=tiny",
+    "train.global_batch=16",
+    "train.contrastive_batch=8",
+    "strategy=distmm",
+    "strategy.vision.dp=2",
+    "strategy.text.dp=2",
+]
+DDP = WORKERS + CLIP + ["strategy=ddp"]
+PAR4D = WORKERS + GPT + ["strategy=par4d", "strategy.recompute=none", "strategy.micro_batch_size=2"]
+DS3D = (
+    WORKERS
+    + GPT
+    + ["strategy=deepspeed3d", "strategy.tp=1", "strategy.pp=2", "strategy.micro_batch_size=2", "strategy.recompute=none"]
+)
+DISTTRAIN = WORKERS + ["model=mllm_9b", "model.scale=tiny", "train.global_batch=8", "strategy=disttrain", "strategy.data=uniform"]
+EQUALITY, DISTMM_RUNS, DISTTRAIN_RUNS = "test_runtime_equality", "test_runtime_distmm", "test_runtime_disttrain"
+TP_PP_RUNS = "test_runtime_tp_pp"
+PAR4D_RUNS = "test_runtime_par4d"
+OPTIMUS_RUNS = "test_runtime_optimus"
+# The tiny LLM's four layers on four pipeline stages (test_runtime_optimus's base).
+OPTIMUS = WORKERS + [
+    "model=optimus",
+    "model.scale=tiny",
+    "train.global_batch=8",
+    "strategy=optimus",
+    "strategy.llm.pp=4",
+    "strategy.llm.dp=1",
+    "strategy.llm.tp=1",
+    "strategy.llm.micro_batch_size=1",
+]
+OPTIMUS_TP2 = ["strategy.llm.pp=2", "strategy.llm.tp=2", "strategy.fine_grained=false"]
+OPTIMUS_INTERLEAVED = [*OPTIMUS_TP2, "strategy.llm.vpp=2", "strategy.llm.schedule=interleaved"]
+
+# (strategy, option): (the plan's base overrides, the sample setting, verdict, where it runs for real)
+FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
+    # auto runs the winner's plan, whose own fields are classified under its strategy.
+    ("auto", "contenders"): (WORKERS + CLIP + ["strategy=auto"], ["strategy.contenders=[megatron]"], "run", "test_compare"),
+    ("megatron", "tp"): (
+        MEGATRON,
+        ["strategy.tp=2", "strategy.sequence_parallel=false", "strategy.scatter_gather=false"],
+        "run",
+        EQUALITY,
+    ),
+    ("megatron", "pp"): (MEGATRON, ["strategy.pp=1"], "run", EQUALITY),
+    ("megatron", "dp"): (MEGATRON, ["strategy.dp=2"], "run", EQUALITY),
+    ("megatron", "vpp"): (MEGATRON, ["strategy.vpp=2", "strategy.schedule=interleaved"], "run", EQUALITY),
+    ("megatron", "micro_batch_size"): (MEGATRON, ["strategy.micro_batch_size=4"], "run", EQUALITY),
+    ("megatron", "schedule"): (MEGATRON, ["strategy.schedule=gpipe"], "run", EQUALITY),
+    ("megatron", "recompute"): (MEGATRON, ["strategy.recompute=full"], "run", EQUALITY),
+    ("megatron", "sequence_parallel"): (MEGATRON, ["strategy.tp=2", "strategy.sequence_parallel=true"], "run", EQUALITY),
+    ("megatron", "zero_stage"): (MEGATRON, ["strategy.zero_stage=1"], "run", EQUALITY),
+    ("megatron", "overlap_grad_reduce"): (MEGATRON, ["strategy.overlap_grad_reduce=true", "strategy.dp=2"], "run", EQUALITY),
+    ("megatron", "modality_stages"): (MEGATRON, ["strategy.modality_stages=merged"], "run", EQUALITY),
+    ("megatron", "uneven_pp"): (MEGATRON, ["strategy.uneven_pp=true"], "run", EQUALITY),
+    ("megatron", "balance"): (MEGATRON, ["strategy.balance=true"], "run", EQUALITY),
+    ("megatron", "scatter_gather"): (
+        MEGATRON,
+        ["strategy.tp=2", "strategy.sequence_parallel=false", "strategy.scatter_gather=true"],
+        "run",
+        TP_PP_RUNS,
+    ),
+    ("distmm", "balance"): (DISTMM, ["strategy.balance=even"], "run", DISTMM_RUNS),
+    ("distmm", "placement"): (
+        DISTMM,
+        ["strategy.placement=naive", "strategy.vision.dp=null", "strategy.text.dp=null"],
+        "run",
+        DISTMM_RUNS,
+    ),
+    ("distmm", "pipeline"): (DISTMM, ["strategy.pipeline=gpipe_sync"], "run", DISTMM_RUNS),
+    ("distmm", "use_all_devices"): (DISTMM, ["strategy.use_all_devices=false"], "run", DISTMM_RUNS),
+    ("distmm", "microbatches"): (
+        DISTMM,
+        ["strategy.vision.pp=2", "strategy.text.pp=2", "strategy.vision.dp=1", "strategy.text.dp=1", "strategy.microbatches=2"],
+        "run",
+        DISTMM_RUNS,
+    ),
+    ("distmm", "recompute"): (DISTMM, ["strategy.recompute=selective"], "run", "test_runtime_recompute"),
+    ("distmm", "zero_stage"): (DISTMM, ["strategy.zero_stage=1"], "run", DISTMM_RUNS),
+    ("distmm", "vision.tp"): (DISTMM, ["strategy.vision.tp=2", "strategy.vision.dp=1"], "run", DISTMM_RUNS),
+    ("distmm", "vision.pp"): (DISTMM, ["strategy.vision.pp=2", "strategy.vision.dp=1"], "run", DISTMM_RUNS),
+    ("distmm", "vision.dp"): (DISTMM, ["strategy.vision.dp=1"], "run", DISTMM_RUNS),
+    ("distmm", "text.tp"): (DISTMM, ["strategy.text.tp=2", "strategy.text.dp=1"], "run", DISTMM_RUNS),
+    ("distmm", "text.pp"): (DISTMM, ["strategy.text.pp=2", "strategy.text.dp=1"], "run", DISTMM_RUNS),
+    ("distmm", "text.dp"): (DISTMM, ["strategy.text.dp=1"], "run", DISTMM_RUNS),
+    ("disttrain", "orchestration"): (
+        DISTTRAIN,
+        ["strategy.orchestration=ratio", "strategy.generator.pp=1"],
+        "run",
+        DISTTRAIN_RUNS,
+    ),
+    # Every sample alike (one image per sequence): per-micro-batch loads are refused.
+    ("disttrain", "data"): (DISTTRAIN, ["strategy.data=interleaved"], "refused", ""),
+    ("disttrain", "reorder"): (DISTTRAIN, ["strategy.reorder=both"], "run", DISTTRAIN_RUNS),
+    ("disttrain", "tp_overlap_chunks"): (DISTTRAIN, ["strategy.llm.tp=2", "strategy.tp_overlap_chunks=4"], "run", DISTTRAIN_RUNS),
+    ("disttrain", "recompute"): (DISTTRAIN, ["strategy.recompute=full"], "run", DISTTRAIN_RUNS),
+    ("disttrain", "zero_stage"): (DISTTRAIN, ["strategy.zero_stage=0"], "run", DISTTRAIN_RUNS),
+    ("disttrain", "encoder.tp"): (DISTTRAIN, ["strategy.encoder.tp=2", "strategy.tp_overlap_chunks=1"], "run", DISTTRAIN_RUNS),
+    ("disttrain", "encoder.pp"): (DISTTRAIN, ["strategy.encoder.pp=2"], "run", DISTTRAIN_RUNS),
+    ("disttrain", "encoder.dp"): (DISTTRAIN, ["strategy.encoder.dp=1"], "run", DISTTRAIN_RUNS),
+    ("disttrain", "llm.tp"): (DISTTRAIN, ["strategy.llm.tp=2", "strategy.tp_overlap_chunks=1"], "run", DISTTRAIN_RUNS),
+    ("disttrain", "llm.pp"): (DISTTRAIN, ["strategy.llm.pp=2"], "run", DISTTRAIN_RUNS),
+    ("disttrain", "llm.dp"): (DISTTRAIN, ["strategy.llm.dp=2"], "run", DISTTRAIN_RUNS),
+    # The U-Net runs whole on each of its ranks.
+    ("disttrain", "generator.tp"): (DISTTRAIN, ["strategy.generator.tp=2"], "refused", ""),
+    ("disttrain", "generator.pp"): (DISTTRAIN, ["strategy.generator.pp=2"], "refused", ""),
+    ("disttrain", "generator.dp"): (DISTTRAIN, ["strategy.generator.dp=1"], "run", DISTTRAIN_RUNS),
+    ("ddp", "zero_stage"): (DDP, ["strategy.zero_stage=3"], "run", EQUALITY),
+    ("ddp", "micro_batch_size"): (DDP, ["strategy.micro_batch_size=2"], "run", EQUALITY),
+    ("ddp", "recompute"): (DDP, ["strategy.recompute=selective"], "run", EQUALITY),
+    ("ddp", "overlap_comm"): (DDP, ["strategy.zero_stage=3", "strategy.overlap_comm=true"], "run", EQUALITY),
+    ("ddp", "prefetch_bucket_size"): (
+        DDP,
+        ["strategy.zero_stage=3", "strategy.overlap_comm=true", "strategy.prefetch_bucket_size=1000"],
+        "run",
+        EQUALITY,
+    ),
+    # Par4D runs in the simulator only: the real backend refuses its grid, naming every option.
+    ("par4d", "grid"): (PAR4D, ["strategy.grid=[2,1,2,1]"], "run", PAR4D_RUNS),
+    ("par4d", "model"): (PAR4D, ["strategy.model=agnostic"], "run", PAR4D_RUNS),
+    ("par4d", "top_k"): (PAR4D, ["strategy.top_k=1"], "run", PAR4D_RUNS),
+    ("par4d", "overlap"): (PAR4D, ["strategy.overlap=[]"], "run", PAR4D_RUNS),
+    ("par4d", "micro_batch_size"): (PAR4D, ["strategy.micro_batch_size=2"], "run", PAR4D_RUNS),
+    ("par4d", "recompute"): (PAR4D, ["strategy.recompute=none"], "run", PAR4D_RUNS),
+    ("deepspeed3d", "tp"): (DS3D, ["strategy.tp=2", "strategy.pp=1"], "run", EQUALITY),
+    ("deepspeed3d", "pp"): (DS3D, ["strategy.pp=2"], "run", EQUALITY),
+    ("deepspeed3d", "dp"): (DS3D, ["strategy.dp=2"], "run", EQUALITY),
+    ("deepspeed3d", "micro_batch_size"): (DS3D, ["strategy.micro_batch_size=4"], "run", EQUALITY),
+    ("deepspeed3d", "recompute"): (DS3D, ["strategy.recompute=full"], "run", EQUALITY),
+    ("deepspeed3d", "uneven_pp"): (DS3D, ["strategy.uneven_pp=false"], "run", EQUALITY),
+    ("deepspeed3d", "scatter_gather"): (DS3D, ["strategy.tp=2", "strategy.scatter_gather=true"], "run", TP_PP_RUNS),
+    ("optimus", "llm.tp"): (OPTIMUS, ["strategy.llm.pp=2", "strategy.llm.tp=2", "strategy.fine_grained=false"], "run", OPTIMUS_RUNS),
+    ("optimus", "llm.pp"): (OPTIMUS, ["strategy.llm.pp=4"], "run", OPTIMUS_RUNS),
+    ("optimus", "llm.dp"): (OPTIMUS, ["strategy.llm.pp=2", "strategy.llm.dp=2"], "run", OPTIMUS_RUNS),
+    ("optimus", "llm.vpp"): (OPTIMUS, OPTIMUS_INTERLEAVED, "run", OPTIMUS_RUNS),
+    ("optimus", "llm.micro_batch_size"): (OPTIMUS, ["strategy.llm.micro_batch_size=2"], "run", OPTIMUS_RUNS),
+    ("optimus", "llm.schedule"): (OPTIMUS, OPTIMUS_INTERLEAVED, "run", OPTIMUS_RUNS),
+    ("optimus", "llm.recompute"): (OPTIMUS, ["strategy.llm.recompute=full"], "run", OPTIMUS_RUNS),
+    ("optimus", "llm.zero_stage"): (OPTIMUS, ["strategy.llm.zero_stage=1"], "run", OPTIMUS_RUNS),
+    ("optimus", "llm.sequence_parallel"): (OPTIMUS, [*OPTIMUS_TP2, "strategy.llm.sequence_parallel=true"], "run", OPTIMUS_RUNS),
+    ("optimus", "encoder.tp"): (OPTIMUS, [*OPTIMUS_TP2, "strategy.encoder.tp=2"], "run", OPTIMUS_RUNS),
+    ("optimus", "encoder.pp"): (OPTIMUS, ["strategy.encoder.pp=1"], "run", OPTIMUS_RUNS),
+    ("optimus", "encoder_zero_stage"): (OPTIMUS, ["strategy.encoder_zero_stage=0"], "run", OPTIMUS_RUNS),
+    # Fine-grained scheduling puts encoder kernels under the LLM's asynchronous TP
+    # all-reduces, which the runtime runs inside the LLM's layers: refused with tp > 1.
+    ("optimus", "fine_grained"): (OPTIMUS, ["strategy.llm.pp=2", "strategy.llm.tp=2", "strategy.fine_grained=true"], "refused", ""),
+    ("optimus", "defer_warmup"): (OPTIMUS, ["strategy.defer_warmup=false"], "run", OPTIMUS_RUNS),
+    ("optimus", "max_partitions"): (OPTIMUS, ["strategy.max_partitions=2"], "run", OPTIMUS_RUNS),
+    ("optimus", "refine"): (OPTIMUS, ["strategy.refine=1"], "run", OPTIMUS_RUNS),
+}
+PRECISIONS = {"fp32": "run", "bf16": "run", "fp16": "run"}
+
+
+def _options(strategy: str) -> list[str]:
+    """The option keys of a strategy's config, nested ones dotted (vision.tp)."""
+
+    def flat(prefix: str, node: dict) -> list[str]:
+        out = []
+        for key, value in node.items():
+            if isinstance(value, dict):
+                out += flat(f"{prefix}{key}.", value)
+            elif key != "name":
+                out.append(f"{prefix}{key}")
+        return out
+
+    return flat("", yaml.safe_load((CONF / f"{strategy}.yaml").read_text()))
+
+
+def _check(overrides: list[str]) -> None:
+    setup = validate(composed(overrides))
+    check_runnable(setup, plan_run(setup))
+
+
+def test_every_option_of_every_strategy_is_classified():
+    missing = [(s, o) for s in STRATEGIES for o in _options(s) if (s, o) not in FIELDS]
+    assert not missing, f"classify these options as run (with the test that runs them) or refused: {missing}"
+
+
+@pytest.mark.parametrize("strategy, option", list(FIELDS))
+def test_an_option_runs_for_real_or_is_refused_naming_it(strategy, option):
+    base, setting, verdict, _ = FIELDS[(strategy, option)]
+    if verdict == "run":
+        _check(base + setting)
+        return
+    with pytest.raises(ConfigError, match=option.split(".")[-1]):
+        _check(base + setting)
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_a_precision_runs_for_real_or_is_refused_naming_it(precision):
+    # A cluster whose device has a peak in every precision: the runtime, not the preset, decides.
+    overrides = MEGATRON + ["cluster=hopper", "cluster.nodes=1", "cluster.devices_per_node=4", f"train.precision={precision}"]
+    if PRECISIONS[precision] == "run":
+        _check(overrides)
+        return
+    with pytest.raises(ConfigError, match=f"precision={precision}"):
+        _check(overrides)
+
+
+def test_overlapped_reduce_scatter_of_the_distributed_optimizer_is_refused_naming_the_fix():
+    with pytest.raises(ConfigError, match=r"reduce_scatter.*strategy.zero_stage=0"):
+        _check(MEGATRON + ["strategy.overlap_grad_reduce=true", "strategy.dp=2", "strategy.zero_stage=1"])
+
+
+def test_fp16_with_zero_partitions_is_refused_naming_the_fix():
+    with pytest.raises(ConfigError, match=r"fp16 with ZeRO-1.*strategy.zero_stage=0"):
+        _check(WORKERS + GPT + ["strategy=ddp", "strategy.zero_stage=1", "train.precision=fp16"])
+
+
+def test_sequence_parallelism_in_an_mllm_is_refused_naming_the_fix():
+    mllm = WORKERS + ["model=mllm_9b", "model.scale=tiny", "train.global_batch=8", "strategy=megatron"]
+    with pytest.raises(ConfigError, match=r"Llama blocks.*strategy.sequence_parallel=false"):
+        sequence_parallel = ["strategy.tp=2", "strategy.pp=1", "strategy.modality_stages=merged", "strategy.sequence_parallel=true"]
+        _check(mllm + sequence_parallel + ["strategy.recompute=none"])
+
+
+def test_a_scattered_transfer_of_rows_tp_does_not_divide_is_refused_naming_the_fix():
+    odd = ["strategy.tp=2", "strategy.sequence_parallel=false", "strategy.scatter_gather=true", "strategy.micro_batch_size=1"]
+    with pytest.raises(ConfigError, match=r"1 rows over tp=2.*strategy.scatter_gather=false"):
+        _check(MEGATRON + odd)
+
+
+def test_a_unet_runs_on_each_rank_and_on_a_grid_unless_z_cannot_shard_a_weight():
+    unet = ["model=unet", "model.preset=unet_50m", "model.image_size=16", "train.global_batch=8"]
+    for zero_stage in range(4):  # runs: tests/runtime/test_runtime_equality.py
+        _check(WORKERS + unet + ["strategy=ddp", f"strategy.zero_stage={zero_stage}"])
+    # On a grid it runs: tests/runtime/test_runtime_par4d_unet.py.
+    _check(WORKERS + unet + ["strategy=par4d", "strategy.grid=[2,2,1,1]", "strategy.micro_batch_size=2"])
+    five = ["backend=torch", "cluster=local", "cluster.devices_per_node=5", "logger=none"]
+    z5 = ["train.global_batch=10", "strategy=par4d", "strategy.grid=[1,1,5,1]", "strategy.micro_batch_size=5"]
+    with pytest.raises(ConfigError, match=r"layer 0 \(conv_in\).*G_z=5: G_z divides neither the block's 27 rows nor its 32 columns"):
+        _check(five + UNET + z5)
+
+
+def test_optimus_llm_distributed_optimizer_over_replicas_is_refused_naming_the_fix():
+    # Its parameter all-gather and gradient reduce-scatter run under the encoders' work.
+    replicas = ["strategy.llm.pp=2", "strategy.llm.dp=2", "strategy.llm.zero_stage=1"]
+    with pytest.raises(ConfigError, match=r"all_gather.*strategy.llm.zero_stage=0"):
+        _check(OPTIMUS + replicas)

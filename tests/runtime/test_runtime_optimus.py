@@ -1,0 +1,169 @@
+"""Optimus on the real backend: a tiny MLLM (ViT encoders + the projector, a GPT LLM) with
+the encoders and the LLM colocated on every worker under separate plans, the encoders'
+work run where the bubble scheduler places it (before, after and between the LLM's
+pipeline operations, layer kernels in its bubbles), trains exactly like one process: with
+one encoder, two encoders and a frozen encoder, with two LLM replicas, and coarse-grained
+with TP and an interleaved schedule. All runs share ONE launch of four workers.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from src.models.registry import build_model
+from src.program import Compute, RankProgram
+from src.runtime.reference import reference_losses
+from src.setup import plan_run, validate
+from tests.runtime.support import launch_cases, single_threaded, summary_of
+
+pytestmark = pytest.mark.slow  # starts worker processes
+
+STEPS = 5
+BATCH = 8
+WORKERS = 4
+BASE = [
+    "backend=torch",
+    "cluster=local",
+    f"cluster.devices_per_node={WORKERS}",
+    "logger=none",
+    "model=optimus",
+    "model.scale=tiny",
+    "strategy=optimus",
+    f"train.global_batch={BATCH}",
+    f"train.steps={STEPS}",
+    "backend.lr=1.0",
+    "backend.adam_eps=1.0",  # updates proportional to the gradients (test_runtime_equality)
+]
+# The LLM's four layers on four pipeline stages: its bubbles hold encoder kernels.
+PIPELINE = ["strategy.llm.pp=4", "strategy.llm.dp=1", "strategy.llm.tp=1", "strategy.llm.micro_batch_size=1"]
+TWO_ENCODERS = ["vit_3b", "vit_5b"]
+_MODEL = build_model({"name": "optimus", "scale": "tiny", "encoders": TWO_ENCODERS})
+# (model options, strategy overrides)
+CASES: dict[str, tuple[dict, list[str]]] = {
+    "one_encoder": ({}, PIPELINE + ["strategy.refine=1"]),
+    "two_encoders": (
+        {"encoders": TWO_ENCODERS},
+        PIPELINE
+        + [
+            f"model.encoders=[{','.join(TWO_ENCODERS)}]",
+            "strategy.llm.recompute=full",
+            "strategy.encoder_zero_stage=0",
+            "strategy.max_partitions=2",
+        ],
+    ),
+    "frozen_encoder": (
+        {"frozen": ["encoder"]},
+        PIPELINE
+        + [
+            "model.frozen=[encoder]",
+            "strategy.llm.micro_batch_size=2",
+            "strategy.llm.zero_stage=1",
+            "strategy.encoder.pp=1",
+            "strategy.defer_warmup=false",
+        ],
+    ),
+    # Two LLM replicas: their gradient all-reduce runs asynchronously under the encoders'
+    # backward; the encoders (ZeRO-1) and the LLM (ZeRO-0) share DP groups, not engines.
+    "llm_dp2": ({}, ["strategy.llm.pp=2", "strategy.llm.dp=2", "strategy.llm.tp=1", "strategy.llm.micro_batch_size=1"]),
+    # Coarse-grained (no kernels in TP bins, which the runtime would not overlap): the
+    # encoders before and after the LLM, LLM tp2 with sequence parallelism, interleaved.
+    "coarse_tp2_interleaved": (
+        {},
+        [
+            "strategy.llm.pp=2",
+            "strategy.llm.dp=1",
+            "strategy.llm.tp=2",
+            "strategy.llm.vpp=2",
+            "strategy.llm.schedule=interleaved",
+            "strategy.llm.micro_batch_size=1",
+            "strategy.llm.sequence_parallel=true",
+            "strategy.encoder.tp=2",
+            "strategy.fine_grained=false",
+        ],
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    cases = {name: BASE + overrides for name, (_, overrides) in CASES.items()}
+    return launch_cases(tmp_path_factory.mktemp("optimus"), cases, WORKERS)
+
+
+@functools.cache
+def _reference(encoders: tuple[str, ...] = (), frozen: tuple[str, ...] = ()) -> list[float]:
+    options = {"name": "optimus", "scale": "tiny", "frozen": list(frozen), **({"encoders": list(encoders)} if encoders else {})}
+    return single_threaded(reference_losses, build_model(options), 0, BATCH, STEPS, 1.0, eps=1.0)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_first_losses_equal_the_single_process_reference(runs, case):
+    model = CASES[case][0]
+    frozen = tuple(model.get("frozen", ()))
+    expected = _reference(tuple(model.get("encoders", ())), frozen)
+    losses = summary_of(runs[case])["measured"]["loss"]
+    assert losses == pytest.approx(expected, rel=1e-4)
+    assert expected[-1] != pytest.approx(expected[0], rel=1e-3)  # it trains, so equality says something
+    if frozen:  # and freezing changes what it trains
+        assert expected != pytest.approx(_reference(), rel=1e-6)
+
+
+def test_encoders_and_llm_share_every_worker_under_separate_plans(runs):
+    units = summary_of(runs["two_encoders"])["plan"]["units"]
+    assert units["encoder0"]["ranks"] == units["encoder1"]["ranks"] == units["llm"]["ranks"] == "0-3"
+    assert (units["encoder0"]["dp"], units["encoder0"]["pp"]) != (units["llm"]["dp"], units["llm"]["pp"])
+
+
+def _ran(rank_program: RankProgram) -> list[tuple[str, str, int, int, int]]:
+    """The Computes a rank class runs, in order, as its trace names them: a layer split into
+    kernel ranges at its last range (runtime.executor._kernel_pass)."""
+    out, covered = [], {}
+    for instruction in rank_program.instructions:
+        if not isinstance(instruction, Compute):
+            continue
+        work = instruction.work
+        if work.kernels is not None:
+            key = (work.unit, work.phase, work.layers, instruction.microbatch)
+            covered[key] = covered.get(key, 0) + work.kernels[1] - work.kernels[0]
+            if covered[key] < len(_MODEL.unit(work.unit).layers[work.layers[0]].kernels):
+                continue
+            del covered[key]
+        out.append((work.phase, work.unit, *work.layers, instruction.microbatch))
+    return out
+
+
+def test_encoder_kernels_run_inside_the_llm_pipeline_where_the_plan_places_them(runs):
+    run_dir = runs["two_encoders"]
+    plan = plan_run(validate(yaml.safe_load((run_dir / "resolved.yaml").read_text())))
+    assert plan.details["kernels_in_bubbles"] > 0
+    assert any("kernel ranges" in note for note in summary_of(run_dir)["measured_notes"])  # where their time is charged
+    trace = json.loads((run_dir / "trace.json").read_text())
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    pids = {e["args"]["name"].split(" (ranks")[0]: e["pid"] for e in events if e.get("name") == "process_name"}
+    interleaved = 0
+    for rank_program in plan.program.classes:
+        spans = sorted(
+            (e for e in events if e.get("pid") == pids[rank_program.label] and e.get("ph") == "X" and e.get("cat") == "compute"),
+            key=lambda e: e["ts"],
+        )
+        ran = [(*e["name"].split(" ")[:2], e["args"]["microbatch"]) for e in spans]
+        planned = _ran(rank_program)
+        assert ran == [(phase, unit, microbatch) for phase, unit, _, _, microbatch in planned]
+        assert [e["name"].split(" ")[2] for e in spans] == [f"L{a}-{b}" for _, _, a, b, _ in planned]
+        # Encoder layers between the LLM's operations, not only before and after them.
+        llm = [i for i, (_, unit, _) in enumerate(ran) if unit == "llm" and ran[i][0] != "optimizer"]
+        interleaved += sum(1 for i, (_, unit, _) in enumerate(ran) if unit != "llm" and llm[0] < i < llm[-1])
+    assert interleaved > 0
+    # Some micro-batch ran its encoder layers forward one by one (in bubbles) and backward
+    # as one stage pass (the executor runs that backward over its forwards, last first).
+    computes = [c for k in plan.program.classes for c in k.instructions if isinstance(c, Compute) and c.work.unit != "llm"]
+    fine_forward = {(c.work.unit, c.microbatch) for c in computes if c.work.phase == "fwd" and c.work.kernels}
+    stage_backward = {
+        (c.work.unit, c.microbatch) for c in computes if c.work.phase == "bwd" and c.work.layers[1] - c.work.layers[0] > 1
+    }
+    assert fine_forward & stage_backward

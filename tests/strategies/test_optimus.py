@@ -1,0 +1,199 @@
+"""Optimus: the model planner, the bubble scheduler's invariants, the Program it emits and
+the errors a user gets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from src.costmodel.comm import CommModel
+from src.costmodel.compute import ComputeModel
+from src.errors import ConfigError, PlanError
+from src.program import Compute, RankProgram
+from src.schedules.pipeline import interleaved, one_f_one_b
+from src.setup import Setup, plan_run, validate
+from src.sim.engine import simulate
+from src.strategies.base import PlanRequest
+from src.strategies.optimus.planner import OptimusOptions, _llm_and_encoders, _llm_base, _schedule
+from src.strategies.optimus.encoder import EncoderPlan, Layout
+from src.strategies.optimus.scheduler import partitions, spread
+from src.strategies.optimus.timeline import EPS, warmup_counts
+from src.config import options_from
+
+ROOT = Path(__file__).resolve().parents[2]
+# 64 H100s, GPT-11B + ViT-3B, the LLM's plan by hand (Table 11's model A shape): 32
+# micro-batches per pipeline, eight encoder pipelines (PP_enc 4, TP_enc 1) per LLM pipeline.
+SMALL = [
+    "cluster=hopper",
+    "cluster.nodes=8",
+    "model.llm=gpt_11b",
+    "model.encoders=[vit_3b]",
+    "strategy.llm.tp=8",
+    "strategy.llm.pp=4",
+    "strategy.llm.dp=2",
+    "strategy.llm.micro_batch_size=2",
+    "train.global_batch=128",
+]
+
+
+def setup(*overrides: str) -> Setup:
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = compose(config_name="config", overrides=["model=optimus", "strategy=optimus", "logger=none", *overrides])
+    return validate(OmegaConf.to_container(cfg, resolve=True))
+
+
+def candidate(s: Setup, pp: int, tp: int):
+    """The scheduler's best schedule for one encoder plan, with everything it read."""
+    request = PlanRequest(s.model, s.cluster, s.train, s.config["strategy"])
+    opts = options_from(OptimusOptions, s.config["strategy"])
+    compute, comm = ComputeModel(s.cluster, s.train.precision), CommModel(s.cluster)
+    encoders = _llm_and_encoders(s.model)[1]
+    base = _llm_base(request, opts, encoders, compute, comm, {"recompute": "none", "zero_stage": 0})
+    layout = Layout(base.plan.mesh, EncoderPlan(pp, tp))
+    return base, _schedule(request, opts, base, layout, encoders, compute, comm)
+
+
+@pytest.fixture(scope="module")
+def small() -> tuple[Setup, object]:
+    s = setup(*SMALL)
+    return s, plan_run(s)
+
+
+def test_plan_reports_both_plans_and_efficiencies(small) -> None:
+    s, plan = small
+    d = plan.details
+    assert (d["llm"]["tp"], d["llm"]["pp"], d["llm"]["dp"]) == (8, 4, 2)
+    assert d["llm"]["pp"] % d["encoder"]["pp"] == 0 and d["llm"]["tp"] % d["encoder"]["tp"] == 0
+    assert d["encoder"]["dp"] == 64 // (d["encoder"]["pp"] * d["encoder"]["tp"])
+    assert sum(d["partition"]) == d["llm"]["microbatches"] and len(d["partition"]) == d["encoder"]["pipelines"]
+    assert 0.0 <= d["eff_coarse"] <= d["eff_fine"] + EPS <= 1.0 + EPS
+    # The fine stage moved encoder work into the LLM's bubbles, and it is compute there.
+    assert d["kernels_in_bubbles"] > 0 and d["eff_fine"] > d["eff_coarse"]
+
+
+def test_simulator_prices_the_schedule_the_scheduler_estimated(small) -> None:
+    s, plan = small
+    simulated = simulate(plan.program, s.model, s.cluster, s.train.precision).iteration_time
+    assert simulated == pytest.approx(plan.details["estimated_iteration_s"], rel=0.02)
+
+
+def test_encoder_kernels_sit_between_llm_operations(small) -> None:
+    """Encoder compute placed in bubbles appears in the rank's list between LLM computes."""
+    _, plan = small
+    program: RankProgram = plan.program.classes[0]
+    units = [i.work.unit for i in program.instructions if isinstance(i, Compute)]
+    first_llm, last_llm = units.index("llm"), len(units) - 1 - units[::-1].index("llm")
+    assert "encoder" in units[first_llm:last_llm]
+
+
+def test_scheduler_invariants() -> None:
+    s = setup(*SMALL)
+    base, best = candidate(s, 4, 1)
+    schedule, timeline = best.schedule, base.timeline
+    assert schedule.placed
+    for p in schedule.placed:
+        slots = timeline.slots[best.layout.position(p.klass)[0]]
+        if p.item.is_comm:
+            # Encoder all-reduces overlap an LLM compute, never a TP bin.
+            assert p.kind == "issue" and p.item.seconds <= slots.issue_capacity[p.op] + EPS
+            continue
+        assert p.kind in ("gap", "tp")
+        index = next(
+            n
+            for n, (k, o) in enumerate(zip(slots.kind, slots.op))
+            if k == p.kind
+            and o == p.op
+            and slots.start[n] <= p.start + EPS
+            and p.start + p.item.seconds <= slots.start[n] + slots.length[n] + EPS
+        )
+        assert p.item.seconds <= slots.length[index] + EPS  # no kernel in a bubble shorter than it
+    mapping = schedule.mapping
+    for p in schedule.placed:
+        i = mapping[(p.pipeline, p.local)]
+        if p.phase == "fwd":  # the encoder output is ready before the LLM reads it
+            assert p.start + p.item.seconds <= timeline.forward_points[i] + schedule.delta + EPS
+        else:  # the encoder backward starts after the LLM's gradient
+            assert p.start >= timeline.backward_points[i] - EPS
+    assert 0.0 <= best.eff_coarse <= 1.0 and 0.0 <= best.eff_fine <= 1.0
+
+
+def test_frozen_encoder_has_no_backward() -> None:
+    s = setup(*SMALL, "model.frozen=[encoder]")
+    plan = plan_run(s)
+    phases = {
+        i.work.phase for c in plan.program.classes for i in c.instructions if isinstance(i, Compute) and i.work.unit == "encoder"
+    }
+    assert phases == {"fwd"}
+    assert plan.details["fine_backward_microbatches"] == 0
+
+
+def test_two_encoders_share_one_plan() -> None:
+    s = setup(*SMALL, "model.encoders=[vit_3b,vit_3b]")
+    plan = plan_run(s)
+    encoders = [u for u in plan.units if u.unit != "llm"]
+    assert [u.unit for u in encoders] == ["encoder0", "encoder1"]
+    assert encoders[0].mesh == encoders[1].mesh
+    units = {i.work.unit for c in plan.program.classes for i in c.instructions if isinstance(i, Compute)}
+    assert units == {"encoder0", "encoder1", "llm"}
+
+
+def test_partitions_by_hand() -> None:
+    # Two blocks of one column: every split of 4 micro-batches, each pipeline at least one.
+    assert sorted(partitions(4, 2, 1, 100)) == [[1, 3], [2, 2], [3, 1]]
+    # Two columns per block share its micro-batches evenly.
+    assert spread([5, 3], 2) == [3, 2, 2, 1]
+    assert partitions(40, 8, 1, 10) is None  # too many: the local search takes over
+
+
+def test_deferred_warmups_in_the_schedule() -> None:
+    assert warmup_counts(one_f_one_b(4, 8)) == [3, 2, 1, 0]
+    orders = interleaved(4, 8, 1, [1, 1, 1, 0])
+    assert warmup_counts(orders) == [1, 1, 1, 0]
+    with pytest.raises(ConfigError):
+        interleaved(4, 8, 2, [1, 6, 5, 4])  # stage 0 needs 4 forwards before its last chunk
+
+
+def test_deferring_warmups_skips_trials_that_would_deadlock() -> None:
+    # 8 H100s, batch 16: an interleaved LLM pipeline whose warm-ups nearly fill it. Taking
+    # one forward off the first stage alone stalls the next (it crashed the planner).
+    plan = plan_run(
+        setup("cluster=hopper", "cluster.nodes=1", "model.llm=gpt_11b", "model.encoders=[vit_3b]", "train.global_batch=16")
+    )
+    warmups = plan.details["llm"]["warmups"]
+    assert all(a >= b for a, b in zip(warmups, warmups[1:]))
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("strategy.encoder.tp=3", "does not divide the LLM's tp=8"),
+        ("strategy.encoder.pp=3", "does not divide the LLM's pp=4"),
+    ],
+)
+def test_encoder_plan_not_dividing_the_llm_is_refused(override: str, needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        plan_run(setup(*SMALL, override))
+
+
+def test_no_encoder_plan_fits_memory() -> None:
+    with pytest.raises(PlanError, match="short by"):
+        # FlashAttention (the Hopper default) keeps no s x s scores: 12 GiB, not 24, is short.
+        plan_run(setup(*SMALL, "cluster.memory_gib=12", "strategy.llm.recompute=none"))
+
+
+def test_cli_bad_input_is_one_line_exit_2(cli, tmp_path: Path) -> None:
+    result = cli("model=optimus", "strategy=optimus", "logger=none", f"hydra.run.dir={tmp_path}", *SMALL, "strategy.encoder.tp=3")
+    assert result.returncode == 2, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "strategy.encoder.tp=3" in result.stderr
+    assert not (tmp_path / "summary.json").exists()
+
+
+def test_interleaved_llm_schedule_is_priced_as_estimated() -> None:
+    s = setup(*SMALL, "strategy.llm.schedule=interleaved", "strategy.llm.vpp=2")
+    plan = plan_run(s)
+    assert plan.details["llm"]["vpp"] == 2 and plan.details["kernels_in_bubbles"] > 0
+    simulated = simulate(plan.program, s.model, s.cluster, s.train.precision).iteration_time
+    assert simulated == pytest.approx(plan.details["estimated_iteration_s"], rel=0.02)
