@@ -8,10 +8,10 @@ ours beside it, and whether it holds.
 Reads the headline catalogue (benchmarks/reproduction/<paper>.yaml, or --catalogue; the presets
 it names from sweeps/, or --sweeps), each figure's results
 (benchmarks/results/figures/<preset>.json, or --results DIR holding <preset>/results.json
-sweep directories), and writes reproduction.md, .json and .png (reproduction_<paper>.* for
-one paper) under --out (default benchmarks/results). --rerun runs each figure afresh in
-outputs/reproduction/<preset> (its jobs' logs there), printing one line per figure, and
-stores its results.json and plot in the results directory before scoring.
+sweep directories), and writes reproduction.md, .json and .png under --out (default
+benchmarks/results; one paper: reproduction_<paper>.* in outputs/reproduction). --rerun runs
+each figure afresh in outputs/reproduction/<preset> (its jobs' logs there), printing one line
+per figure, and stores its results.json and plot in the results directory before scoring.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from src.reproduction.scorecard import paper_section, score, summary_table, writ
 from src.sweep import REPO, SweepSpec, figure_jobs
 
 RUNS = Path("outputs") / "reproduction"
+SCORECARD = REPO / "benchmarks" / "results"  # the committed scorecard: all papers
 PAPERS_DIR = "../shared/papers"
 
 
@@ -42,7 +43,7 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--rerun", action="store_true", help="re-run the figure presets first (progress per figure)")
     parser.add_argument("--jobs", type=int, default=2, help="figures run at once with --rerun (default 2)")
     parser.add_argument("--results", type=Path, default=STORE, help="figure results to read (and, with --rerun, write)")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results", help="where the scorecard goes")
+    parser.add_argument("--out", type=Path, default=None, help="where the scorecard goes (default: see above)")
     parser.add_argument("--catalogue", type=Path, default=CATALOGUE_DIR, help="the headline catalogue, <paper>.yaml each")
     parser.add_argument("--sweeps", type=Path, default=SWEEPS_DIR, help="the figure presets the catalogue names")
     args = parser.parse_args(argv)
@@ -128,13 +129,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     scores = [score(c, figures) for c in catalogues]
     stem = "reproduction" if args.selection is None else f"reproduction_{papers[0]}"
+    out = args.out or (SCORECARD if args.selection is None else REPO / RUNS)
     results = args.results.resolve()
     source = results.relative_to(REPO) if results.is_relative_to(REPO) else results
-    write(scores, args.out, stem, str(source), PAPERS_DIR)
+    write(scores, out, stem, str(source), PAPERS_DIR)
     print(summary_table(scores))
     if len(scores) == 1:
         print("\n" + paper_section(scores[0], PAPERS_DIR))
-    print(f"\nwrote {args.out / stem}.md, .json and .png")
+    print(f"\nwrote {out / stem}.md, .json and .png")
     return 0
 
 

@@ -4,6 +4,7 @@ end to end, and bad input as one line with exit 2."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -78,6 +79,18 @@ def one_error_line(capsys: pytest.CaptureFixture[str]) -> str:
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err
     return err
+
+
+def test_the_stored_results_score_every_paper_within_ten_seconds(tmp_path: Path) -> None:
+    start = time.perf_counter()
+    assert main(["--out", str(tmp_path)]) == 0
+    assert time.perf_counter() - start < 10
+    scorecard = json.loads((tmp_path / "reproduction.json").read_text())
+    assert sorted(scorecard["papers"]) == ["distmm", "disttrain", "optimus", "par4d"]
+    rows = [row for paper in scorecard["papers"].values() for row in paper["rows"]]
+    assert all(row["holds"] or (row["cause"] and row["cause"] != "not explained") for row in rows)  # every miss has a cause
+    assert (tmp_path / "reproduction.md").read_text().startswith("# Reproduction scorecard")
+    assert (tmp_path / "reproduction.png").stat().st_size > 10_000
 
 
 def test_an_unknown_paper_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
