@@ -322,13 +322,11 @@ def markdown_table(spec: SweepSpec, results: dict[str, Any]) -> str:
 def plot(spec: SweepSpec, results: dict[str, Any], path: Path) -> None:
     """One bar per (group, series) with the paper's value over it: a black tick for a value,
     a black bar for a range; a job that did not run is an x on the axis."""
-    from matplotlib.lines import Line2D
-
     groups = [g["label"] for g in spec.groups]
     series = list(spec.series)
     width = 0.8 / max(1, len(series))
     fig, (ax,) = plotting.new_figure(max(7.0, 1.2 * len(groups) + 3.5), 4.5)
-    marks: set[str] = set()
+    marks: dict[str, Any] = {}  # what the paper's marks drawn so far are, by kind, with a legend handle
     for s_index, name in enumerate(series):
         by_group = {r["group"]: r for r in results["rows"] if r["series"] == name}
         xs = [g_index + (s_index - (len(series) - 1) / 2) * width for g_index, g in enumerate(groups) if g in by_group]
@@ -337,26 +335,25 @@ def plot(spec: SweepSpec, results: dict[str, Any], path: Path) -> None:
         for x, row in zip(xs, rows):
             paper = row["paper"]
             if isinstance(paper, (list, tuple)):
-                ax.plot([x, x], paper, color="black", linewidth=2.5, solid_capstyle="butt")
-                marks.add("range")
+                low, high = paper
+                half = (high - low) / 2
+                bar = ax.errorbar([x], [low + half], yerr=[[half]], fmt="none", ecolor="black", elinewidth=1.5, capsize=4)
+                marks.setdefault("range", bar)
             elif paper is not None:
-                ax.plot([x - width * 0.45, x + width * 0.45], [paper, paper], color="black", linewidth=2)
-                marks.add("value")
+                (line,) = ax.plot([x - width * 0.45, x + width * 0.45], [paper, paper], color="black", linewidth=2)
+                marks.setdefault("value", line)
             if row["value"] is None:
-                ax.plot([x], [0], marker="x", color="tab:red", markersize=8, linestyle="none")
-                marks.add("failed")
-    handles, _ = ax.get_legend_handles_labels()
-    if "value" in marks:
-        handles.append(Line2D([], [], color="black", linewidth=2, label="paper: value"))
-    if "range" in marks:
-        handles.append(Line2D([], [], color="black", linewidth=2.5, marker="|", markersize=10, label="paper: range"))
-    if "failed" in marks:
-        handles.append(Line2D([], [], color="tab:red", marker="x", linestyle="none", label="not run (results.md says why)"))
+                (cross,) = ax.plot([x], [0], marker="x", color="tab:red", markersize=8, linestyle="none")
+                marks.setdefault("failed", cross)
+    handles, labels = ax.get_legend_handles_labels()
+    names = {"value": "paper: value", "range": "paper: range", "failed": "not run (results.md says why)"}
+    handles += [marks[kind] for kind in names if kind in marks]
+    labels += [names[kind] for kind in names if kind in marks]
     ax.set_xticks(range(len(groups)))
     ax.set_xticklabels(groups, rotation=20, ha="right", fontsize=8)
     ax.set_ylabel(plotting.wrapped(spec.metric_label, fig, share=0.4))
     plotting.title(ax, spec.title)
-    plotting.legend_outside(fig, handles)
+    plotting.legend_outside(fig, handles, labels=labels)
     plotting.save(fig, path)
 
 

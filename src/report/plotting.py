@@ -49,16 +49,18 @@ def title(ax: Axes, text: str) -> None:
     ax.set_title(wrapped(text, ax.figure, share=0.75), fontsize=TITLE_SIZE)  # type: ignore[arg-type]
 
 
-def legend_outside(fig: Figure, handles: list[Any] | None = None, above: bool = False) -> None:
-    """The legend beside the axes (right; above with `above`), where it covers no data."""
+def legend_outside(fig: Figure, handles: list[Any] | None = None, above: bool = False, labels: list[str] | None = None) -> None:
+    """The legend beside the axes (right; above with `above`), where it covers no data.
+    Handles carry their labels unless `labels` names them."""
     if handles is None:
-        handles, _ = fig.axes[0].get_legend_handles_labels()
+        handles, labels = fig.axes[0].get_legend_handles_labels()
     if not handles:
         return
+    named = {"labels": labels} if labels is not None else {}
     if above:
-        fig.legend(handles=handles, loc="outside upper center", ncol=min(4, len(handles)), fontsize=8, frameon=False)
+        fig.legend(handles=handles, loc="outside upper center", ncol=min(4, len(handles)), fontsize=8, frameon=False, **named)
     else:
-        fig.legend(handles=handles, loc="outside right upper", fontsize=8, frameon=False)
+        fig.legend(handles=handles, loc="outside right upper", fontsize=8, frameon=False, **named)
 
 
 def save(fig: Figure, path: Path) -> None:
