@@ -53,6 +53,7 @@ def test_every_papers_catalogue_resolves_to_its_presets() -> None:
         cat = load_catalogue(paper, presets)
         total += len(cat.headlines)
         assert cat.headlines and all(h.where and h.quantity for h in cat.headlines)
+        assert all(h.miss is not None for h in cat.headlines)  # a miss after any re-run still has its cause
         for name in cat.presets():
             assert presets.path(name).is_file()
     assert 140 <= total <= 180  # issue 25: about 160 numbers
