@@ -13,8 +13,9 @@ whose results hold ours, and lists
 - claims: qualitative statements (who wins, which way a trend goes), their check and, like
   a headline, the cause of a miss.
 A figure's keys preset, series, field, kind and miss are its headlines' defaults.
-`sensitivity` entries name a preset sweeping a parameter the paper leaves unstated, and the
-headline whose paper value they are judged against.
+`sensitivity` entries name a preset sweeping a parameter the paper leaves unstated (its
+groups, or those listed under `group`, one per value), and the headline whose paper value they
+are judged against.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ class Sensitivity:
     paper: str
     parameter: str
     headline: Headline
-    locus: Locus  # its groups are every group of the preset, one per value of the parameter
+    locus: Locus  # its groups: one per value of the parameter
     note: str = ""
 
 
@@ -276,7 +277,8 @@ def _sensitivity(row: dict[str, Any], paper: str, headlines: dict[str, Headline]
     _require(row, ("id", "parameter", "preset", "headline", "series"), where)
     if row["headline"] not in headlines:
         raise ConfigError(f"{where}: no headline {row['headline']!r} in this catalogue")
-    groups = [g["label"] for g in _preset(presets, row["preset"], where).groups]
+    groups = row.get("group") or [g["label"] for g in _preset(presets, row["preset"], where).groups]
+    groups = groups if isinstance(groups, list) else [groups]
     return Sensitivity(
         row["id"], paper, row["parameter"], headlines[row["headline"]], _locus(row, presets, where, groups), row.get("note", "")
     )
