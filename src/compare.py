@@ -26,11 +26,13 @@ from omegaconf import DictConfig
 
 from src.config import options_from, plain_config
 from src.errors import ConfigError
+from src.report import plotting
 from src.strategies.auto import AutoOptions, Contender
 from src.sweep import plan_facts, plan_text
 
 log = logging.getLogger("src.compare")
 RESULTS = "compare.json"
+WINNER, OTHERS = "tab:green", "tab:blue"  # compare.png marks the fastest contender
 BUBBLES = ("bubble_warmup", "bubble_cooldown", "bubble_imbalance", "bubble_dependency")
 
 
@@ -101,23 +103,22 @@ def table(outcomes: list[dict[str, Any]], title: str) -> str:
 
 
 def bar_chart(outcomes: list[dict[str, Any]], title: str, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """Each priced contender's throughput, the fastest first and in green (the legend says so)."""
+    from matplotlib.patches import Patch
 
     priced = [o for o in outcomes if "summary" in o]
     if not priced:
         return
-    fig, ax = plt.subplots(figsize=(7, 0.5 * len(priced) + 1.5))
+    fig, (ax,) = plotting.new_figure(8.0, 0.5 * len(priced) + 2.0)
     names = [o["strategy"] for o in priced][::-1]
     values = [o["summary"]["throughput_samples_per_s"] for o in priced][::-1]
-    ax.barh(names, values, color=["tab:green" if i == len(values) - 1 else "tab:blue" for i in range(len(values))])
+    ax.barh(names, values, color=[WINNER if i == len(values) - 1 else OTHERS for i in range(len(values))])
     ax.set_xlabel("throughput (samples/s), simulated")
-    ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    plotting.title(ax, title)
+    plotting.legend_outside(
+        fig, [Patch(color=WINNER, label="fastest (highest throughput)"), Patch(color=OTHERS, label="the other contenders")]
+    )
+    plotting.save(fig, path)
 
 
 def write(outcomes: list[dict[str, Any]], config: dict[str, Any], out: Path) -> str:
@@ -169,12 +170,7 @@ class ScalingReport(Callback):
 
     @staticmethod
     def _plot(results: list[dict[str, Any]], strategies: list[str], path: Path) -> None:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 4.5))
+        fig, (ax,) = plotting.new_figure(8.0, 4.5)
         for name in strategies:
             points = [
                 (r["devices"], o["summary"]["throughput_samples_per_s"])
@@ -186,11 +182,9 @@ class ScalingReport(Callback):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("devices")
         ax.set_ylabel("throughput (samples/s), simulated")
-        ax.set_title(f"{results[0]['model']} on {results[0]['cluster']}", fontsize=9)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
+        plotting.title(ax, f"{results[0]['model']} on {results[0]['cluster']}")
+        plotting.legend_outside(fig)
+        plotting.save(fig, path)
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="compare")

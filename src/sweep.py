@@ -12,18 +12,25 @@ are done; `python -m src.sweep` is a thin wrapper that starts that multirun. The
 values are reference data in the sweep file; nothing reads them but this report.
 
 Sweep file keys: name, title, source, metric (a summary.json key, dotted for nesting),
-metric_label, normalize (optional: {by: <series>, invert: bool} reports each series
-relative to that series in the same group; invert gives speed-ups from times),
-base (overrides of every run), series ({name: overrides}), groups (list of {label,
-overrides, series_overrides (optional): {series: overrides of that series in this group only},
-paper: {series: value or [low, high]}, paper_extra (optional): {extra metric: {series: value}}}),
-extra_metrics (optional: more summary keys shown per row), notes (why the settings are what
-they are).
+metric_label (what the y axis shows, with its unit), normalize (optional: {by: <series>,
+invert: bool} reports each series relative to that series in the same group; invert gives
+speed-ups from times), base (overrides of every run), series ({name: overrides}, or {name:
+{overrides: [...], fastest_of: [[...], ...]}}: one job per variant, the row taking the
+fastest that ran, for a baseline the paper pins down only partly, e.g. "PP > 1"), labels
+(optional: {series: legend name}), groups (list of {label, overrides, series_overrides
+(optional): {series: overrides of that series in this group only}, skip (optional: series
+not run in this group, e.g. a baseline the paper did not run there), paper: {series: value
+or [low, high]}, paper_extra (optional): {extra metric: {series: value}}}), extra_metrics
+(optional: more summary keys shown per row), notes (why the settings are what they are).
+
+results.json carries the preset's fingerprint (`preset_hash`, over every job's overrides
+and the reported metrics), so a reader can tell results of another version of the preset.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import subprocess
 import sys
@@ -34,6 +41,7 @@ from typing import Any
 import yaml
 
 from src.errors import ConfigError
+from src.report import plotting
 from src.report.files import SUMMARY_FILE
 from src.setup import ERROR_FILE
 
@@ -53,6 +61,24 @@ class SweepSpec:
     normalize: dict[str, Any] | None = None
     notes: str = ""
     extra_metrics: list[str] = field(default_factory=list)
+    variants: dict[str, list[list[str]]] = field(default_factory=dict)  # series -> fastest_of
+    labels: dict[str, str] = field(default_factory=dict)
+
+    def label(self, series: str) -> str:
+        return self.labels.get(series, series)
+
+
+def _series(name: str, raw: Any, sweep: str) -> tuple[list[str], list[list[str]]]:
+    """A series' overrides and its variants (none: one job)."""
+    if not isinstance(raw, dict):
+        return list(raw or []), []
+    unknown = sorted(set(raw) - {"overrides", "fastest_of"})
+    if unknown:
+        raise ConfigError(f"sweep {sweep}: series {name} has unknown keys {unknown} (overrides, fastest_of)")
+    variants = [list(v or []) for v in raw.get("fastest_of") or []]
+    if "fastest_of" in raw and len(variants) < 2:
+        raise ConfigError(f"sweep {sweep}: series {name}'s fastest_of needs at least two variants, has {len(variants)}")
+    return list(raw.get("overrides") or []), variants
 
 
 def load_sweep(path: Path) -> SweepSpec:
@@ -61,6 +87,7 @@ def load_sweep(path: Path) -> SweepSpec:
     missing = [k for k in required if k not in raw]
     if missing:
         raise ConfigError(f"sweep {path} lacks {missing}")
+    series = {name: _series(name, value, raw["name"]) for name, value in raw["series"].items()}
     spec = SweepSpec(
         name=raw["name"],
         title=raw["title"],
@@ -68,14 +95,19 @@ def load_sweep(path: Path) -> SweepSpec:
         metric=raw["metric"],
         metric_label=raw.get("metric_label", raw["metric"]),
         base=list(raw.get("base", [])),
-        series={k: list(v or []) for k, v in raw["series"].items()},
+        series={name: overrides for name, (overrides, _) in series.items()},
         groups=list(raw["groups"]),
         normalize=raw.get("normalize"),
         notes=raw.get("notes", ""),
         extra_metrics=list(raw.get("extra_metrics", [])),
+        variants={name: variants for name, (_, variants) in series.items() if variants},
+        labels=dict(raw.get("labels") or {}),
     )
     if spec.normalize and spec.normalize.get("by") not in spec.series:
         raise ConfigError(f"sweep {spec.name}: normalize.by={spec.normalize.get('by')!r} is not a series ({sorted(spec.series)})")
+    strangers = sorted(set(spec.labels) - set(spec.series))
+    if strangers:
+        raise ConfigError(f"sweep {spec.name}: labels name {strangers}, which are not series ({sorted(spec.series)})")
     return spec
 
 
@@ -86,26 +118,59 @@ def lookup(summary: dict[str, Any], dotted: str) -> Any:
     return value
 
 
+def lookup_or_none(summary: dict[str, Any], dotted: str) -> Any:
+    """An extra metric some series do not report (Optimus's scheduling efficiencies): None there."""
+    try:
+        return lookup(summary, dotted)
+    except (KeyError, TypeError):
+        return None
+
+
 @dataclass(frozen=True)
 class FigureJob:
     group: str
     series: str
-    overrides: list[str]
-    subdir: str  # short and unique: the job's index and its series
+    overrides: tuple[str, ...]
+    subdir: str  # short and unique: the job's index and its series (and variant)
+    variant: int | None = None  # index into the series' fastest_of
+
+    @property
+    def key(self) -> tuple[str, str, int | None]:
+        return (self.group, self.series, self.variant)
+
+
+def group_series(spec: SweepSpec, group: dict[str, Any]) -> list[str]:
+    """The series a group runs: all but those it skips."""
+    return [series for series in spec.series if series not in (group.get("skip") or [])]
 
 
 def figure_jobs(spec: SweepSpec) -> list[FigureJob]:
     jobs: list[FigureJob] = []
     for group in spec.groups:
-        for series, series_overrides in spec.series.items():
+        for series in group_series(spec, group):
+            series_overrides = spec.series[series]
             overrides = (
                 spec.base
                 + list(group.get("overrides", []))
                 + series_overrides
                 + list((group.get("series_overrides") or {}).get(series, []))
             )
-            jobs.append(FigureJob(group["label"], series, overrides, f"{len(jobs):02d}_{series}"))
+            variants: list[tuple[int | None, list[str]]] = list(enumerate(spec.variants.get(series, []))) or [(None, [])]
+            for variant, extra in variants:
+                suffix = "" if variant is None else f"_{variant}"
+                jobs.append(FigureJob(group["label"], series, tuple(overrides + extra), f"{len(jobs):02d}_{series}{suffix}", variant))
     return jobs
+
+
+def preset_hash(spec: SweepSpec) -> str:
+    """A fingerprint of what a figure's results depend on: its jobs and reported metrics."""
+    content = {
+        "jobs": [[job.group, job.series, job.variant, list(job.overrides)] for job in figure_jobs(spec)],
+        "metric": spec.metric,
+        "normalize": spec.normalize,
+        "extra_metrics": spec.extra_metrics,
+    }
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def find_sweep_file(figure: str) -> Path:
@@ -152,15 +217,42 @@ def plan_text(facts: dict[str, dict[str, Any]]) -> str:
     return "; ".join(f"{u}: " + " ".join(f"{k}{v}" for k, v in unit.items()) for u, unit in facts.items())
 
 
-def write_report(spec: SweepSpec, outcomes: dict[tuple[str, str], dict[str, Any] | None], out: Path) -> str:
-    """results.json, results.md and the plot of a figure from its jobs' outcomes (a
-    summary, an error, or None for a job that never finished); returns the table."""
-    raw: dict[tuple[str, str], dict[str, Any]] = {
-        key: outcome if outcome is not None else {"error": "did not finish"} for key, outcome in outcomes.items()
+Outcome = dict[str, Any]
+
+
+def chosen_outcomes(spec: SweepSpec, outcomes: dict[tuple[str, str, int | None], Outcome | None]) -> dict[tuple[str, str], Outcome]:
+    """Each (group, series)'s outcome: its job's, or for a series with variants the fastest
+    variant that ran (its index under 'variant'), else the first variant's failure."""
+    chosen: dict[tuple[str, str], Outcome] = {}
+    for job in figure_jobs(spec):
+        outcome = outcomes.get(job.key) or {"error": "did not finish"}
+        if job.variant is not None and "error" not in outcome:
+            outcome = {**outcome, "variant": job.variant}
+        held = chosen.get((job.group, job.series))
+        if held is None or ("error" in held and "error" not in outcome):
+            chosen[(job.group, job.series)] = outcome
+        elif "error" not in outcome and outcome["iteration_time_s"] < held["iteration_time_s"]:
+            chosen[(job.group, job.series)] = outcome
+    return chosen
+
+
+def write_report(spec: SweepSpec, outcomes: dict[tuple[str, str, int | None], Outcome | None], out: Path) -> str:
+    """results.json, results.md and the plot of a figure from its jobs' outcomes (keyed by
+    FigureJob.key: a summary, an error, or None for a job that never finished); returns
+    the table."""
+    raw = chosen_outcomes(spec, outcomes)
+    results: dict[str, Any] = {
+        "name": spec.name,
+        "title": spec.title,
+        "source": spec.source,
+        "metric": spec.metric,
+        "metric_label": spec.metric_label,
+        "preset_hash": preset_hash(spec),
+        "labels": {series: spec.label(series) for series in spec.series},
+        "rows": [],
     }
-    results: dict[str, Any] = {"name": spec.name, "title": spec.title, "source": spec.source, "metric": spec.metric, "rows": []}
     for group in spec.groups:
-        for series in spec.series:
+        for series in group_series(spec, group):
             summary = raw[(group["label"], series)]
             row: dict[str, Any] = {
                 "group": group["label"],
@@ -181,8 +273,10 @@ def write_report(spec: SweepSpec, outcomes: dict[tuple[str, str], dict[str, Any]
                         value = base_value / value if spec.normalize.get("invert") else value / base_value
                 row["value"] = value
                 for key in spec.extra_metrics:
-                    row[key] = lookup(summary, key)
+                    row[key] = lookup_or_none(summary, key)
                 row["plan"] = {u: plan_facts(p) for u, p in summary["plan"]["units"].items()}
+                if "variant" in summary:
+                    row["variant"] = spec.variants[series][summary["variant"]]
             results["rows"].append(row)
     out.mkdir(parents=True, exist_ok=True)
     table = markdown_table(spec, results)
@@ -211,47 +305,56 @@ def markdown_table(spec: SweepSpec, results: dict[str, Any]) -> str:
             ours = f"{value:.3g}"
             gap = "–" if paper is None else f"{(value - paper) / paper * 100:+.0f}%"
         plan = plan_text(row.get("plan", {}))
+        if "variant" in row:
+            plan += f" (fastest of its variants: {' '.join(row['variant'])})"
         extras = [
-            (f"{row[k]:.3g}" if isinstance(row.get(k), float) else str(row.get(k, "–")))
+            (f"{row[k]:.3g}" if isinstance(row.get(k), float) else "–" if row.get(k) is None else str(row[k]))
             + (f" (paper {_paper_text(row['paper_extra'][k])})" if k in row.get("paper_extra", {}) else "")
             for k in extra
         ]
-        lines.append("| " + " | ".join([row["group"], row["series"], ours, _paper_text(row["paper"]), gap] + extras + [plan]) + " |")
+        label = spec.label(row["series"])
+        lines.append("| " + " | ".join([row["group"], label, ours, _paper_text(row["paper"]), gap] + extras + [plan]) + " |")
     if spec.notes:
         lines += ["", "## Notes", "", spec.notes.strip()]
     return "\n".join(lines) + "\n"
 
 
 def plot(spec: SweepSpec, results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """One bar per (group, series) with the paper's value over it: a black tick for a value,
+    a black bar for a range; a job that did not run is an x on the axis."""
     groups = [g["label"] for g in spec.groups]
     series = list(spec.series)
     width = 0.8 / max(1, len(series))
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups)), 4))
+    fig, (ax,) = plotting.new_figure(max(7.0, 1.2 * len(groups) + 3.5), 4.5)
+    marks: dict[str, Any] = {}  # what the paper's marks drawn so far are, by kind, with a legend handle
     for s_index, name in enumerate(series):
-        rows = [r for r in results["rows"] if r["series"] == name]
-        xs = [g_index + (s_index - (len(series) - 1) / 2) * width for g_index in range(len(groups))]
-        values = [r["value"] if r["value"] is not None else 0.0 for r in rows]
-        ax.bar(xs, values, width=width * 0.9, label=f"ours: {name}")
+        by_group = {r["group"]: r for r in results["rows"] if r["series"] == name}
+        xs = [g_index + (s_index - (len(series) - 1) / 2) * width for g_index, g in enumerate(groups) if g in by_group]
+        rows = [by_group[g] for g in groups if g in by_group]
+        ax.bar(xs, [r["value"] or 0.0 for r in rows], width=width * 0.9, label=f"ours: {spec.label(name)}")
         for x, row in zip(xs, rows):
             paper = row["paper"]
             if isinstance(paper, (list, tuple)):
-                ax.plot([x, x], paper, color="black", linewidth=2)
+                low, high = paper
+                half = (high - low) / 2
+                bar = ax.errorbar([x], [low + half], yerr=[[half]], fmt="none", ecolor="black", elinewidth=1.5, capsize=4)
+                marks.setdefault("range", bar)
             elif paper is not None:
-                ax.plot([x - width * 0.4, x + width * 0.4], [paper, paper], color="black", linewidth=2)
-    ax.plot([], [], color="black", linewidth=2, label="paper")
+                (line,) = ax.plot([x - width * 0.45, x + width * 0.45], [paper, paper], color="black", linewidth=2)
+                marks.setdefault("value", line)
+            if row["value"] is None:
+                (cross,) = ax.plot([x], [0], marker="x", color="tab:red", markersize=8, linestyle="none")
+                marks.setdefault("failed", cross)
+    handles, labels = ax.get_legend_handles_labels()
+    names = {"value": "paper: value", "range": "paper: range", "failed": "not run (results.md says why)"}
+    handles += [marks[kind] for kind in names if kind in marks]
+    labels += [names[kind] for kind in names if kind in marks]
     ax.set_xticks(range(len(groups)))
-    ax.set_xticklabels(groups, rotation=15, ha="right")
-    ax.set_ylabel(spec.metric_label)
-    ax.set_title(spec.title, fontsize=10)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    ax.set_xticklabels(groups, rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel(plotting.wrapped(spec.metric_label, fig, share=0.4))
+    plotting.title(ax, spec.title)
+    plotting.legend_outside(fig, handles, labels=labels)
+    plotting.save(fig, path)
 
 
 def sweep_from_command_line(argv: list[str] | None, description: str) -> tuple[SweepSpec, Path] | None:

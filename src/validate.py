@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from src.report import plotting
 from src.timeline import BREAKDOWN_CATEGORIES
 
 # Two sizes of one GPT (a transformer's GEMMs and collectives; custom sizes need no preset).
@@ -166,32 +167,28 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     done = [r for r in rows if "error_pct" in r]
     if not done:
         return
-    fig, ax = plt.subplots(figsize=(6, 6))
+    fig, (ax,) = plotting.new_figure(8.0, 6.0)
     for workers, marker in ((2, "o"), (4, "s")):
         mine = [r for r in done if r["workers"] == workers]
         ax.scatter(
             [1e3 * r["measured_s"] for r in mine], [1e3 * r["predicted_s"] for r in mine], marker=marker, label=f"{workers} workers"
         )
         for r in mine:
-            ax.annotate(r["case"], (1e3 * r["measured_s"], 1e3 * r["predicted_s"]), fontsize=6)
+            ax.annotate(r["case"], (1e3 * r["measured_s"], 1e3 * r["predicted_s"]), fontsize=6, annotation_clip=True)
     top = 1.1e3 * max(max(r["measured_s"], r["predicted_s"]) for r in done)
     ax.plot([0, top], [0, top], color="grey", linewidth=0.8, label="predicted = measured")
     ax.fill_between([0, top], [0, 0.9 * top], [0, 1.1 * top], color="grey", alpha=0.15, label="±10 %")
+    # Room on the right for the case names beside the largest points.
+    ax.set_xlim(0, 1.25 * top)
+    ax.set_ylim(0, 1.1 * top)
     ax.set_xlabel("measured iteration time (ms)")
     ax.set_ylabel("predicted iteration time (ms)")
-    ax.set_title(f"simulator vs real backend (MAPE {mape(done):.1f} %)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    plotting.title(ax, f"simulator vs real backend (MAPE {mape(done):.1f} %)")
+    plotting.legend_outside(fig)
+    plotting.save(fig, path)
 
 
 def main() -> None:

@@ -113,3 +113,50 @@ def test_figure_diff_gives_before_after_change_and_paper(tmp_path) -> None:
     text = figure_table("fig", before, after)
     assert "| g | distmm | 1 | 1.25 | +25.0% | 1.2–1.4 |" in text
     assert "| g | megatron | 1 | 1 | +0.0% | – |" in text
+
+
+def test_fastest_of_runs_every_variant_and_keeps_the_fastest_skip_runs_none(tmp_path: Path) -> None:
+    from src.sweep import figure_jobs, load_sweep, preset_hash, write_report
+
+    sweep = {
+        "name": "variants",
+        "title": "variants",
+        "source": "a test",
+        "metric": "iteration_time_s",
+        "normalize": {"by": "base", "invert": True},
+        "base": ["model=gpt"],
+        "series": {
+            "base": ["strategy=ddp"],
+            "pp": {"overrides": ["strategy=megatron"], "fastest_of": [["strategy.pp=2"], ["strategy.pp=4"]]},
+        },
+        "labels": {"pp": "Megatron-LM, PP > 1"},
+        "groups": [{"label": "g"}, {"label": "h", "skip": ["pp"]}],
+    }
+    path = tmp_path / "variants.yaml"
+    path.write_text(yaml.safe_dump(sweep))
+    spec = load_sweep(path)
+    jobs = figure_jobs(spec)
+    assert [(j.group, j.series, j.variant, j.subdir) for j in jobs] == [
+        ("g", "base", None, "00_base"),
+        ("g", "pp", 0, "01_pp_0"),
+        ("g", "pp", 1, "02_pp_1"),
+        ("h", "base", None, "03_base"),
+    ]
+    assert jobs[2].overrides == ("model=gpt", "strategy=megatron", "strategy.pp=4")
+
+    def summary(seconds: float) -> dict:
+        return {"iteration_time_s": seconds, "plan": {"units": {"llm": {"dp": 1, "tp": 1, "pp": 1, "micro_batch": 1}}}}
+
+    outcomes = {jobs[0].key: summary(6.0), jobs[1].key: summary(4.0), jobs[2].key: summary(3.0), jobs[3].key: summary(5.0)}
+    table = write_report(spec, outcomes, tmp_path / "out")
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    rows = {(r["group"], r["series"]): r for r in results["rows"]}
+    assert rows[("g", "pp")]["value"] == 2.0 and rows[("g", "pp")]["variant"] == ["strategy.pp=4"]  # the faster variant
+    assert ("h", "pp") not in rows and results["preset_hash"] == preset_hash(spec)
+    assert "| g | Megatron-LM, PP > 1 | 2 |" in table and "fastest of its variants: strategy.pp=4" in table
+    outcomes[jobs[2].key] = {"error": "does not fit"}  # a variant that fails leaves the other
+    write_report(spec, outcomes, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "results.json").read_text())["rows"][1]["value"] == 1.5
+    sweep["groups"][0]["overrides"] = ["model.layers=2"]  # another version of the preset
+    path.write_text(yaml.safe_dump(sweep))
+    assert preset_hash(load_sweep(path)) != results["preset_hash"]

@@ -65,7 +65,7 @@ class FigureSweeper(Sweeper):
             log.info(f"[{spec.name}] resuming: {len(jobs) - len(pending)} of {len(jobs)} jobs already have a summary")
         batch = [[*job.overrides, *arguments, f"hydra.sweep.subdir={job.subdir}"] for job in pending]
         returns = self.launcher.launch(batch, initial_job_idx=0) if batch else []
-        report = write_report(spec, {(job.group, job.series): outcome_of(out / job.subdir) for job in jobs}, out)
+        report = write_report(spec, {job.key: outcome_of(out / job.subdir) for job in jobs}, out)
         log.info(report)
         # The jobs' own config (the hydra node resolves only inside a job).
         log_figure(plain_config(OmegaConf.masked_copy(self.config, [str(k) for k in self.config if k != "hydra"])), out, spec.name)

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from src.program import COMPUTE_STREAM
+from src.report import plotting
 from src.report.sinks import TRACE_FILE
 from src.sweep import figure_jobs, sweep_from_command_line
 from src.timeline import RankTimeline, Span, Timeline
@@ -86,32 +87,24 @@ def draw(ax, timeline: Timeline, title: str) -> None:
                 ax.text(span.start * scale + width / 2, y, text, ha="center", va="center", fontsize=6, color="white")
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([r.label.split(" (ranks")[0] for r in reversed(rows)], fontsize=7)
-    ax.set_title(f"{title}: {timeline.iteration_time * scale:.1f} ms", fontsize=9)
+    plotting.title(ax, f"{title}: {timeline.iteration_time * scale:.1f} ms")
 
 
 def render(panels: list[tuple[str, Timeline]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
     # A shared time axis makes the idle cycles of the slower schedule visible as length.
-    fig, axes = plt.subplots(
-        len(panels), 1, figsize=(10, 1.2 + 0.45 * sum(len(t.ranks) for _, t in panels)), sharex=True, squeeze=False
-    )
-    for ax, (title, timeline) in zip(axes[:, 0], panels):
+    fig, axes = plotting.new_figure(10.0, 1.6 + 0.45 * sum(len(t.ranks) for _, t in panels), rows=len(panels), sharex=True)
+    for ax, (title, timeline) in zip(axes, panels):
         draw(ax, timeline, title)
-    axes[-1, 0].set_xlim(0, max(t.iteration_time for _, t in panels) * 1e3)
-    axes[-1, 0].set_xlabel("time (ms)")
+    axes[-1].set_xlim(0, max(t.iteration_time for _, t in panels) * 1e3)
+    axes[-1].set_xlabel("time (ms)")
     legend = [
         Patch(color=PHASE_COLOURS[p], label=label)
         for p, label in (("fwd", "forward"), ("bwd", "backward"), ("interaction", "batch-sync (S)"), ("optimizer", "optimizer"))
     ]
-    fig.legend(handles=legend, fontsize=7, loc="upper center", ncol=4, frameon=False)
-    fig.tight_layout(rect=(0, 0, 1, 0.95))
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    plotting.legend_outside(fig, legend, above=True)
+    plotting.save(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

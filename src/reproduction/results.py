@@ -1,0 +1,63 @@
+"""A figure's results as the scorecard reads them: its results.json, refused when another
+version of its preset wrote it (the fingerprint src.sweep stores differs)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from src.errors import ConfigError
+from src.sweep import REPO, SweepSpec, preset_hash
+
+# The committed results of every figure the catalogue names (`python -m src.reproduce --rerun` writes them).
+STORE = REPO / "benchmarks" / "results" / "figures"
+
+
+def results_path(directory: Path, name: str) -> Path:
+    """<name>.json in the store's layout, or <name>/results.json in a directory of sweep
+    directories (e.g. outputs/figures after `python -m src.run -m +experiment=<name>`)."""
+    flat = directory / f"{name}.json"
+    return flat if flat.is_file() or not (directory / name / "results.json").is_file() else directory / name / "results.json"
+
+
+@dataclass
+class FigureResults:
+    name: str
+    path: Path
+    rows: dict[tuple[str, str], dict[str, Any]]
+    labels: dict[str, str]
+
+    def value(self, group: str, series: str, field: str) -> float | None:
+        """A row's field; None where the row's job did not run."""
+        row = self.rows[(group, series)]
+        if row.get("value") is None:
+            return None
+        value = row[field]
+        return None if value is None else float(value)
+
+    def error(self, group: str, series: str) -> str:
+        return str(self.rows[(group, series)].get("error", "its baseline did not run"))
+
+    def label(self, series: str) -> str:
+        return self.labels.get(series, series)
+
+
+def load_results(spec: SweepSpec, directory: Path) -> FigureResults:
+    path = results_path(directory, spec.name)
+    shown = path.relative_to(REPO) if path.is_relative_to(REPO) else path
+    if not path.is_file():
+        raise ConfigError(f"no results of figure {spec.name} at {shown}: run `python -m src.reproduce --rerun`")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{shown} is not JSON ({err.msg} at line {err.lineno})") from err
+    wanted = preset_hash(spec)
+    if raw.get("preset_hash") != wanted:
+        raise ConfigError(
+            f"{shown} was written by another version of preset {spec.name} (fingerprint {raw.get('preset_hash')}, "
+            f"sweeps/{spec.name}.yaml now gives {wanted}): run `python -m src.reproduce --rerun`"
+        )
+    rows = {(r["group"], r["series"]): r for r in raw["rows"]}
+    return FigureResults(spec.name, path, rows, raw.get("labels", {}))

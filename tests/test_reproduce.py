@@ -1,0 +1,132 @@
+"""python -m src.reproduce: the scorecard from stored figure results, one small figure re-run
+end to end, and bad input as one line with exit 2."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from src.reproduce import main
+from src.sweep import load_sweep, preset_hash
+
+TINY_GPT = [
+    "model=gpt",
+    "model.preset=null",
+    "model.layers=2",
+    "model.hidden=256",
+    "model.heads=4",
+    "model.vocab=1000",
+    "train.seq_len=128",
+    "cluster=perlmutter",
+    "cluster.nodes=2",
+    "logger=none",
+    "train.global_batch=16",
+    "strategy.recompute=none",
+    "strategy.zero_stage=0",
+    "strategy.pp=1",
+    "strategy.micro_batch_size=2",
+]
+SWEEP = {
+    "name": "tiny_tp",
+    "title": "tiny: TP 2 against TP 1",
+    "source": "a test",
+    "metric": "iteration_time_s",
+    "metric_label": "speed-up over TP 1 (x)",
+    "normalize": {"by": "tp1", "invert": True},
+    "extra_metrics": ["iteration_time_s"],
+    "base": TINY_GPT,
+    "series": {"tp1": ["strategy.tp=1"], "tp2": ["strategy.tp=2"]},
+    "groups": [{"label": "8 GPUs"}],
+}
+CATALOGUE = {
+    "paper": "tiny",
+    "title": "A tiny paper",
+    "text": "tiny.txt",
+    "figures": [
+        {
+            "figure": "Fig. 1",
+            "preset": "tiny_tp",
+            "series": "tp2",
+            "kind": "ratio",
+            "miss": {"cause": "simulator", "evidence": "TP 2 takes {tp2:iteration_time_s} s"},
+            "headlines": [
+                {"id": "holds", "quantity": "TP 2 over TP 1", "paper": [0.01, 100.0], "where": "§1", "group": "8 GPUs"},
+                {"id": "misses", "quantity": "TP 2 over TP 1", "paper": 1000.0, "where": "§1", "group": "8 GPUs"},
+            ],
+        }
+    ],
+}
+
+
+def layout(tmp_path: Path, sweep: dict = SWEEP, catalogue: dict = CATALOGUE) -> dict[str, Path]:
+    dirs = {name: tmp_path / name for name in ("sweeps", "catalogue", "results", "out")}
+    for d in dirs.values():
+        d.mkdir(exist_ok=True)
+    (dirs["sweeps"] / f"{sweep['name']}.yaml").write_text(yaml.safe_dump(sweep))
+    (dirs["catalogue"] / f"{catalogue['paper']}.yaml").write_text(yaml.safe_dump(catalogue))
+    return dirs
+
+
+def args(dirs: dict[str, Path], *extra: str) -> list[str]:
+    return [*extra, *(arg for name, path in dirs.items() for arg in (f"--{name}", str(path)))]
+
+
+def one_error_line(capsys: pytest.CaptureFixture[str]) -> str:
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err
+    return err
+
+
+def test_the_stored_results_score_every_paper_within_ten_seconds(tmp_path: Path) -> None:
+    start = time.perf_counter()
+    assert main(["--out", str(tmp_path)]) == 0
+    assert time.perf_counter() - start < 10
+    scorecard = json.loads((tmp_path / "reproduction.json").read_text())
+    assert sorted(scorecard["papers"]) == ["distmm", "disttrain", "optimus", "par4d"]
+    rows = [row for paper in scorecard["papers"].values() for row in paper["rows"]]
+    assert all(row["holds"] or (row["cause"] and row["cause"] != "not explained") for row in rows)  # every miss has a cause
+    assert (tmp_path / "reproduction.md").read_text().startswith("# Reproduction scorecard")
+    assert (tmp_path / "reproduction.png").stat().st_size > 10_000
+
+
+def test_an_unknown_paper_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["paper=distrain"]) == 2
+    assert "unknown selection 'paper=distrain'" in one_error_line(capsys)
+
+
+def test_a_row_naming_a_missing_field_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    catalogue = json.loads(json.dumps(CATALOGUE))
+    catalogue["figures"][0]["headlines"][0]["field"] = "mfu"
+    assert main(args(layout(tmp_path, catalogue=catalogue))) == 2
+    assert "tiny.yaml, headline 'holds': preset tiny_tp's results have no field 'mfu'" in one_error_line(capsys)
+
+
+def test_results_of_another_version_of_the_preset_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    dirs = layout(tmp_path)
+    (dirs["results"] / "tiny_tp.json").write_text(json.dumps({"preset_hash": "0" * 16, "rows": []}))
+    assert main(args(dirs)) == 2
+    assert "written by another version of preset tiny_tp" in one_error_line(capsys)
+    assert not (dirs["out"] / "reproduction.md").exists()  # nothing that looks complete
+
+
+@pytest.mark.slow
+def test_one_small_figure_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    dirs = layout(tmp_path)
+    assert main(args(dirs, "paper=tiny", "--rerun", "--jobs", "1")) == 0
+    printed = capsys.readouterr().out
+    assert "[1/1] tiny_tp: " in printed and "ok" in printed
+    stored = json.loads((dirs["results"] / "tiny_tp.json").read_text())
+    assert stored["preset_hash"] == preset_hash(load_sweep(dirs["sweeps"] / "tiny_tp.yaml"))
+    scorecard = json.loads((dirs["out"] / "reproduction_tiny.json").read_text())["papers"]["tiny"]
+    rows = {row["id"]: row for row in scorecard["rows"]}
+    ours = next(r["value"] for r in stored["rows"] if r["series"] == "tp2")
+    assert rows["holds"]["ours"] == ours and rows["holds"]["holds"]
+    assert not rows["misses"]["holds"] and rows["misses"]["cause"] == "simulator"
+    assert rows["misses"]["evidence"].startswith("TP 2 takes ") and scorecard["hold"] == 1
+    # from the stored results alone, without --rerun, the same scorecard
+    assert main(args(dirs, "paper=tiny")) == 0
+    assert json.loads((dirs["out"] / "reproduction_tiny.json").read_text())["papers"]["tiny"]["rows"] == scorecard["rows"]
