@@ -12,19 +12,16 @@ executor charges that time to DP communication instead of to the compute around 
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import importlib
-import io
 import logging
-import sys
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+# prebuild_ops: the worker's entry imports it from here, beside the engines it prepares for.
+from src.runtime.op_build import prebuild_ops, without_load_notice  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -111,7 +108,7 @@ def make_engine(module: nn.Module, groups: ParallelGroups, settings: EngineSetti
     params = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay, eps=settings.eps)
     # The first initialize in a process starts DeepSpeed's communication, which loads the shm op.
-    with _without_load_notice():
+    with without_load_notice():
         engine, _, _, _ = deepspeed.initialize(
             model=module, optimizer=optimizer, mpu=groups, config=deepspeed_config(settings, len(groups.dp_ranks))
         )
@@ -127,7 +124,7 @@ def partitioned_at_init(groups: ParallelGroups, settings: EngineSettings) -> con
 
     # zero.Init reads the world from DeepSpeed's communication, which engine creation
     # would start: start it on the process group the worker already joined.
-    with _without_load_notice():
+    with without_load_notice():
         deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
     return deepspeed.zero.Init(
         data_parallel_group=groups.dp, config_dict_or_path=deepspeed_config(settings, len(groups.dp_ranks)), mpu=groups
@@ -173,41 +170,3 @@ def point_reduction_at(engine) -> None:
     from deepspeed.utils import groups
 
     groups.mpu = engine.mpu
-
-
-BUILD_LOCK = Path(tempfile.gettempdir()) / "mmdist-deepspeed-op.lock"
-
-
-def prebuild_ops() -> None:
-    """Compile (or load from the extensions cache) the op DeepSpeed builds at its first
-    start on CPU. Concurrent first builds race, so the processes of one machine take turns
-    under a file lock: the first builds (minutes on a fresh machine), the others then load
-    the cache. Call it before joining a process group, whose timeouts a build would outlast."""
-    # DeepSpeed probes compilers through logging; Hydra's root logger would print every call.
-    root = logging.getLogger()
-    level = root.level
-    root.setLevel(logging.WARNING)
-    try:
-        with open(BUILD_LOCK, "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            # `import deepspeed.comm.torch as m` would bind torch itself (deepspeed.comm re-exports it).
-            with _without_load_notice():
-                importlib.import_module("deepspeed.comm.torch").build_shm_op()
-    finally:
-        root.setLevel(level)
-
-
-LOAD_NOTICE = "deepspeed_shm_comm_op built successfully"
-
-
-@contextlib.contextmanager
-def _without_load_notice() -> Iterator[None]:
-    """DeepSpeed prints LOAD_NOTICE every time a process loads its shm op, even from the
-    cache: once per worker and run. Drop that line, pass on whatever else was printed
-    (a failed build raises, and the compiler writes to the file descriptors directly)."""
-    captured = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(captured):
-            yield
-    finally:
-        sys.stdout.write("".join(line for line in captured.getvalue().splitlines(keepends=True) if LOAD_NOTICE not in line))
