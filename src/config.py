@@ -33,6 +33,7 @@ RUN_KEYS = ("name", "out_root")
 LOGGER_KEYS = {"none": ("name",), "wandb": ("name", "mode", "project", "entity", "group", "tags")}
 WANDB_MODES = ("offline", "online", "disabled")
 DIST_BACKENDS = ("gloo", "nccl", "auto")
+DATA_ERRORS = ("fail", "skip")  # a bad shard or member fails the run, or is left out (webdataset's habit)
 PREPROCESS = ("inline", "disaggregated")  # DistTrain: batches made by the trainer, or by a producer process beside it
 
 
@@ -87,6 +88,7 @@ class TorchBackendSpec:
     timeout_s: float
     threads_per_worker: int
     data: str
+    data_errors: str
     lr: float
     weight_decay: float
     adam_eps: float
@@ -114,6 +116,8 @@ def backend_from_config(cfg: Mapping[str, Any]) -> TorchBackendSpec | None:
         raise ConfigError(f"backend.dist_backend={cfg.get('dist_backend')!r}; choose one of {list(DIST_BACKENDS)}")
     if not isinstance(cfg.get("data"), str) or not cfg["data"]:
         raise ConfigError(f"backend.data must be 'synthetic' or a glob of tar shards, got {cfg.get('data')!r}")
+    if cfg.get("data_errors") not in DATA_ERRORS:
+        raise ConfigError(f"backend.data_errors={cfg.get('data_errors')!r}; choose one of {list(DATA_ERRORS)}")
     if cfg.get("preprocess") not in PREPROCESS:
         raise ConfigError(f"backend.preprocess={cfg.get('preprocess')!r}; choose one of {list(PREPROCESS)}")
     return TorchBackendSpec(
@@ -122,6 +126,7 @@ def backend_from_config(cfg: Mapping[str, Any]) -> TorchBackendSpec | None:
         timeout_s=_number(cfg, "timeout_s", "backend", 0, strict=True),
         threads_per_worker=_positive_int(cfg, "threads_per_worker", "backend"),
         data=cfg["data"],
+        data_errors=cfg["data_errors"],
         lr=_number(cfg, "lr", "backend", 0, strict=True),
         weight_decay=_number(cfg, "weight_decay", "backend", 0, strict=False),
         adam_eps=_number(cfg, "adam_eps", "backend", 0, strict=True),

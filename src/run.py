@@ -70,7 +70,7 @@ def main(cfg: DictConfig) -> None:
     except (ConfigError, SimulationError) as err:
         fail(run_dir, job, f"error: {err}", 2)
     except WorkerFailure as err:
-        fail(run_dir, job, f"error: {err}", 1)
+        fail(run_dir, job, f"error: {err}", err.exit_code)
     except KeyboardInterrupt:
         # The driver has already stopped every worker it started.
         log.error("error: interrupted; all workers stopped")

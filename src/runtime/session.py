@@ -139,7 +139,7 @@ def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) ->
     places = placements(plan, rank)
     samples = StepSamples(
         setup.model,
-        dataset_for(setup.model, setup.train.seed, str(backend["data"])),
+        dataset_for(setup.model, setup.train.seed, str(backend["data"]), str(backend["data_errors"])),
         setup.train.global_batch,
         {u.unit: u for u in plan.units},
         {n: p.dp_ranks.index(rank) for n, p in places.items()},
@@ -203,6 +203,7 @@ def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) ->
             "spans": [dataclasses.astuple(s) for s in timer.spans],
             "rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
             "device_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0,
+            "data_skipped": batches.skipped,
         }
         gathered: list[Any] | None = [None] * world if rank == 0 else None
         dist.gather_object(mine, gathered, dst=0)
@@ -224,7 +225,14 @@ def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) ->
                 "dist_backend": dist.get_backend(),
                 # data_wait_s: the longest wait of any trainer for its step's batches, before
                 # the step's timed window (backend.preprocess)
-                "measured": {"loss": losses, "step_time_s": times, "data_wait_s": waits, "preprocess": backend["preprocess"]},
+                "measured": {
+                    "loss": losses,
+                    "step_time_s": times,
+                    "data_wait_s": waits,
+                    "preprocess": backend["preprocess"],
+                    # backend.data_errors=skip: the bad shard members every trainer left out
+                    "data_skipped": sorted(set().union(*(g["data_skipped"] for g in gathered))),
+                },
                 "measured_notes": _notes(plan),
             }
             summary = summarize(setup, plan, timeline, peak_flops=peak, extras=extras)
