@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, TypeVar, cast
 
@@ -32,6 +33,7 @@ TRAIN_KEYS = ("global_batch", "contrastive_batch", "seq_len", "precision", "step
 RUN_KEYS = ("name", "out_root")
 LOGGER_KEYS = {"none": ("name",), "wandb": ("name", "mode", "project", "entity", "group", "tags")}
 WANDB_MODES = ("offline", "online", "disabled")
+WANDB_ENV_MODES = {"online": "online", "run": "online", "offline": "offline", "dryrun": "offline", "disabled": "disabled"}
 DIST_BACKENDS = ("gloo", "nccl", "auto")
 DATA_ERRORS = ("fail", "skip")  # a bad shard or member fails the run, or is left out (webdataset's habit)
 PREPROCESS = ("inline", "disaggregated")  # DistTrain: batches made by the trainer, or by a producer process beside it
@@ -136,14 +138,27 @@ def backend_from_config(cfg: Mapping[str, Any]) -> TorchBackendSpec | None:
     )
 
 
+def wandb_mode(logger: Mapping[str, Any]) -> str:
+    """logger.mode where the command line sets it; else WANDB_MODE from the environment, as
+    W&B documents it (its `run` is online, `dryrun` offline); else offline."""
+    mode = logger.get("mode")
+    if mode is not None:
+        if mode not in WANDB_MODES:
+            raise ConfigError(f"logger.mode={mode!r}; choose one of {list(WANDB_MODES)}")
+        return mode
+    env = os.environ.get("WANDB_MODE") or "offline"
+    if env not in WANDB_ENV_MODES:
+        raise ConfigError(f"WANDB_MODE={env!r} in the environment; choose one of {list(WANDB_ENV_MODES)} (or set logger.mode)")
+    return WANDB_ENV_MODES[env]
+
+
 def check_logger_and_run(logger: Mapping[str, Any], run: Mapping[str, Any]) -> None:
     name = logger.get("name")
     if name not in LOGGER_KEYS:
         raise ConfigError(f"logger={name!r}; choose one of {sorted(LOGGER_KEYS)}")
     reject_unknown(logger, LOGGER_KEYS[name], f"logger={name} key(s)")
     if name == "wandb":
-        if logger.get("mode") not in WANDB_MODES:
-            raise ConfigError(f"logger.mode={logger.get('mode')!r}; choose one of {list(WANDB_MODES)}")
+        wandb_mode(logger)
         tags = logger.get("tags") or []
         if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
             raise ConfigError(f"logger.tags must be a list of strings, got {tags!r}")

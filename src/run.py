@@ -18,6 +18,7 @@ from src.backends import backend_for
 from src.config import plain_config
 from src.errors import ConfigError
 from src.report import JobInfo
+from src.report.files import WriteError, unwritable_dir, write_failure
 from src.runtime.errors import WorkerFailure
 from src.setup import ERROR_FILE, job_info, plan_run, start_run_dir, validate
 from src.sim.engine import SimulationError
@@ -40,9 +41,14 @@ def refuse_bad_overrides(args: list[str]) -> None:
         if any(o.is_sweep_override() for o in OverridesParser.create().parse_overrides(args)):
             return
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            compose(config_name="config", overrides=args)
+            cfg = compose(config_name="config", overrides=args, return_hydra_config=True)
     except HydraException as err:
         print(f"error: {_one_line(str(err))}", file=sys.stderr)
+        sys.exit(2)
+    # Hydra creates the run directory before main, and a failure there is its traceback.
+    problem = unwritable_dir(Path(str(cfg.hydra.run.dir)))
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         sys.exit(2)
 
 
@@ -67,8 +73,10 @@ def main(cfg: DictConfig) -> None:
     run_dir, job = job_info(config)
     try:
         execute(config, run_dir, job)
-    except (ConfigError, SimulationError) as err:
+    except (ConfigError, SimulationError, WriteError) as err:
         fail(run_dir, job, f"error: {err}", 2)
+    except OSError as err:  # a write of the front door's own (the run directory's config)
+        fail(run_dir, job, f"error: {write_failure(err)}", 2)
     except WorkerFailure as err:
         fail(run_dir, job, f"error: {err}", err.exit_code)
     except KeyboardInterrupt:
@@ -81,8 +89,11 @@ def fail(run_dir: Path, job: JobInfo, line: str, code: int) -> None:
     """One line on stderr and in the run's error file. A single run exits with `code`; a
     multirun's job returns, so that the other jobs go on (the error file records it)."""
     log.error(line)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / ERROR_FILE).write_text(line.removeprefix("error: ") + "\n")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / ERROR_FILE).write_text(line.removeprefix("error: ") + "\n")
+    except OSError:  # the directory does not allow it (the line above says why, if that is the error)
+        (run_dir / ERROR_FILE).unlink(missing_ok=True)  # an empty one would say nothing
     if job.sweep_name is None:
         sys.exit(code)
 
