@@ -12,6 +12,7 @@ executor charges that time to DP communication instead of to the compute around 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 # prebuild_ops: the worker's entry imports it from here, beside the engines it prepares for.
+from src.runtime.comm import all_gather_single, reduce_scatter_single
 from src.runtime.op_build import prebuild_ops, without_load_notice  # noqa: F401
 
 
@@ -101,13 +103,27 @@ def deepspeed_config(settings: EngineSettings, dp: int) -> dict:
     }
 
 
+def start_deepspeed_comm() -> None:
+    """Start DeepSpeed's communication on the process group the worker joined (it loads
+    the shm op), its ZeRO all-gathers and reduce-scatters on torch's current collectives:
+    DeepSpeed 0.19 picks the ones torch 2.13 deprecates, a FutureWarning per call site and
+    rank (81-137 lines before a ZeRO-3 run's results)."""
+    import deepspeed
+
+    with without_load_notice():
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
+    backend = importlib.import_module("deepspeed.comm.comm").cdb  # the module's global, set by init_distributed
+    backend.all_gather_function = all_gather_single
+    backend.reduce_scatter_function = reduce_scatter_single
+
+
 def make_engine(module: nn.Module, groups: ParallelGroups, settings: EngineSettings):
     import deepspeed
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
     params = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay, eps=settings.eps)
-    # The first initialize in a process starts DeepSpeed's communication, which loads the shm op.
+    start_deepspeed_comm()
     with without_load_notice():
         engine, _, _, _ = deepspeed.initialize(
             model=module, optimizer=optimizer, mpu=groups, config=deepspeed_config(settings, len(groups.dp_ranks))
@@ -123,9 +139,8 @@ def partitioned_at_init(groups: ParallelGroups, settings: EngineSettings) -> con
     import deepspeed
 
     # zero.Init reads the world from DeepSpeed's communication, which engine creation
-    # would start: start it on the process group the worker already joined.
-    with without_load_notice():
-        deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
+    # would start.
+    start_deepspeed_comm()
     return deepspeed.zero.Init(
         data_parallel_group=groups.dp, config_dict_or_path=deepspeed_config(settings, len(groups.dp_ranks)), mpu=groups
     )
