@@ -67,7 +67,8 @@ def execute(config: dict[str, Any], run_dir: Path, job: JobInfo) -> dict[str, An
     return backend_for(config["backend"]["name"])(setup, plan, run_dir, job)
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="config")
+# An absolute path: the `mmdist` script imports this module, where a relative one would be a package.
+@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
     config = plain_config(cfg)
     run_dir, job = job_info(config)
@@ -75,8 +76,10 @@ def main(cfg: DictConfig) -> None:
         execute(config, run_dir, job)
     except (ConfigError, SimulationError, WriteError) as err:
         fail(run_dir, job, f"error: {err}", 2)
-    except OSError as err:  # a write of the front door's own (the run directory's config)
-        fail(run_dir, job, f"error: {write_failure(err)}", 2)
+    except OSError as err:
+        if err.filename is None:  # not a file's (a closed stdout pipe): not the run directory's to report
+            raise
+        fail(run_dir, job, f"error: {write_failure(err)}", 2)  # a file of the front door's own (resolved.yaml)
     except WorkerFailure as err:
         fail(run_dir, job, f"error: {err}", err.exit_code)
     except KeyboardInterrupt:
@@ -98,6 +101,11 @@ def fail(run_dir: Path, job: JobInfo, line: str, code: int) -> None:
         sys.exit(code)
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """`python -m src.run ARGS`, and the `mmdist` command (pyproject.toml's scripts)."""
     refuse_bad_overrides(sys.argv[1:])
     main()
+
+
+if __name__ == "__main__":
+    cli()
