@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
+import math
 import os
+import types
+import typing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, TypeVar, cast
 
@@ -101,7 +105,13 @@ class TorchBackendSpec:
 
 def _number(cfg: Mapping[str, Any], key: str, prefix: str, minimum: float, strict: bool) -> float:
     value = cfg.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum or (strict and value == minimum):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < minimum
+        or (strict and value == minimum)
+    ):
         bound = f"{'>' if strict else '>='} {minimum:g}"
         raise ConfigError(f"{prefix}.{key} must be a number {bound}, got {value!r}")
     return float(value)
@@ -173,7 +183,30 @@ def options_from(cls: type[Options], cfg: Mapping[str, Any], prefix: str = "stra
     (a typo must not silently fall back to a default)."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
     reject_unknown({k: v for k, v in cfg.items() if k != "name"}, fields, f"{prefix} option(s)")
+    hints = typing.get_type_hints(cls)
+    for key, value in cfg.items():
+        if key in fields and value is not None:
+            _check_shape(f"{prefix}.{key}", value, hints[key])
     return cls(**{k: v for k, v in cfg.items() if k in fields})
+
+
+def _check_shape(key: str, value: Any, hint: Any) -> None:
+    """A list where the option takes one value, or one value where it takes a list or a
+    mapping, is refused here; the planners check the values themselves."""
+    args = (
+        [a for a in typing.get_args(hint) if a is not type(None)]
+        if typing.get_origin(hint) in (typing.Union, types.UnionType)
+        else [hint]
+    )
+    origins = {typing.get_origin(a) or a for a in args}
+    if origins & {list, tuple}:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key} takes a list, got {value!r} (e.g. {key}=[...])")
+    elif origins & {Mapping, dict, collections.abc.Mapping}:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key} takes a mapping of settings, got {value!r} (e.g. {key}.tp=2)")
+    elif origins <= {int, float, str, bool} and isinstance(value, (list, tuple, Mapping)):
+        raise ConfigError(f"{key} takes one value, got {value!r}")
 
 
 def plain_config(cfg: DictConfig) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 from src.backends import backend_for
 from src.config import plain_config
 from src.errors import ConfigError
+from src.progress import heartbeat
 from src.report import JobInfo
 from src.report.files import WriteError, unwritable_dir, write_failure
 from src.runtime.errors import WorkerFailure
@@ -62,8 +63,10 @@ def _one_line(message: str) -> str:
 
 def execute(config: dict[str, Any], run_dir: Path, job: JobInfo) -> dict[str, Any]:
     start_run_dir(config, run_dir)
-    setup = validate(config)
-    plan = plan_run(setup)
+    # Building a big model and planning can take minutes, not every part with lines of its own.
+    with heartbeat(f"planning {config['strategy'].get('name')} for {config['model'].get('name')} on {config['cluster'].get('name')}"):
+        setup = validate(config)
+        plan = plan_run(setup)
     return backend_for(config["backend"]["name"])(setup, plan, run_dir, job)
 
 

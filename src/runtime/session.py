@@ -173,11 +173,12 @@ def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) ->
 
     sinks = open_sinks(run_dir, config, _job(run_dir, config)) if rank == 0 else None
     try:
-        losses, times, waits, breakdowns = [], [], [], []
+        losses, times, waits, breakdowns, cpu = [], [], [], [], []
         for step in range(setup.train.steps):
             batches.start_step(step)
             dist.barrier()
             timer.reset(time.perf_counter())
+            cpu_start = time.process_time()
             loss = torch.tensor([executor.run_step(timer)], dtype=torch.float64, device=device)
             longest = torch.tensor([timer.end, batches.wait_s], dtype=torch.float64, device=device)
             dist.all_reduce(loss)  # every rank holds its share of the loss
@@ -186,6 +187,7 @@ def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) ->
             times.append(float(longest[0]))
             waits.append(float(longest[1]))
             breakdowns.append(timer.finish(times[-1]))
+            cpu.append(time.process_time() - cpu_start)
             if sinks is not None:
                 sinks.log_step(
                     {
@@ -229,6 +231,7 @@ def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) ->
                     "loss": losses,
                     "step_time_s": times,
                     "data_wait_s": waits,
+                    "rank0_process_time_s": cpu,  # CPU seconds of rank 0's process per step (wall time beside it: a loaded machine)
                     "preprocess": backend["preprocess"],
                     # backend.data_errors=skip: the bad shard members every trainer left out
                     "data_skipped": sorted(set().union(*(g["data_skipped"] for g in gathered))),
