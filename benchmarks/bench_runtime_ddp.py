@@ -18,9 +18,11 @@ Both time a step alike: all ranks leave a barrier, each times its step to the en
 optimizer update, the step's time is the slowest rank's. The first WARMUP steps of every
 run are dropped. Each round gives the ratio of the two runs' median step times; the figure
 is the median ratio over rounds (a burst of load from another process hits one run of one
-round, not the median). The pooled medians, the loop period (the arrival of rank 0's step
-lines, everything done per step included: batch, logging, loss reduction) and the load
-average are printed beside it. Target: harness / plain <= 1.05, in fp32 and in bf16
+round, not the median). The pooled medians, rank 0's process (CPU) time per step (its
+instructions only, in both loops: what the machine's load does not stretch, so the
+harness's own work shows), the loop period (the arrival of rank 0's step lines, everything
+done per step included: batch, logging, loss reduction) and the load average are printed
+beside it. Target: harness / plain <= 1.05, in fp32 and in bf16
 (`train.precision=bf16`).
 """
 

@@ -180,6 +180,7 @@ def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) ->
             timer.reset(time.perf_counter())
             cpu_start = time.process_time()
             loss = torch.tensor([executor.run_step(timer)], dtype=torch.float64, device=device)
+            cpu.append(time.process_time() - cpu_start)  # the step's instructions, as timer.end times them
             longest = torch.tensor([timer.end, batches.wait_s], dtype=torch.float64, device=device)
             dist.all_reduce(loss)  # every rank holds its share of the loss
             dist.all_reduce(longest, op=dist.ReduceOp.MAX)
@@ -187,7 +188,6 @@ def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) ->
             times.append(float(longest[0]))
             waits.append(float(longest[1]))
             breakdowns.append(timer.finish(times[-1]))
-            cpu.append(time.process_time() - cpu_start)
             if sinks is not None:
                 sinks.log_step(
                     {
