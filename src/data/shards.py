@@ -55,10 +55,10 @@ def _reason(err: BaseException) -> str:
 
 
 def _members(path: Path) -> tuple[list[tarfile.TarInfo], dict[str, str], str | None, bool]:
-    """A shard's regular members that are whole, its cut ones (name -> why), why the rest
-    of the shard cannot be read (if it cannot), and whether it is uncompressed. tarfile stops without a word at a
-    header it cannot read (past the first), so an uncompressed shard's end is checked
-    here: tar's two blocks of zeros must follow the last member."""
+    """A shard's whole members, its cut ones (name -> why), why the rest of the shard
+    cannot be read (if it cannot), and whether it is uncompressed. tarfile stops without
+    a word at a header it cannot read (past the first), so an uncompressed shard's end is
+    checked here: tar's two blocks of zeros must follow the last member."""
     members: list[tarfile.TarInfo] = []
     with tarfile.open(path) as tar:
         compressed = not isinstance(tar.fileobj, io.BufferedReader)  # offsets then count decompressed bytes
