@@ -18,9 +18,11 @@ Both time a step alike: all ranks leave a barrier, each times its step to the en
 optimizer update, the step's time is the slowest rank's. The first WARMUP steps of every
 run are dropped. Each round gives the ratio of the two runs' median step times; the figure
 is the median ratio over rounds (a burst of load from another process hits one run of one
-round, not the median). The pooled medians, the loop period (the arrival of rank 0's step
-lines, everything done per step included: batch, logging, loss reduction) and the load
-average are printed beside it. Target: harness / plain <= 1.05, in fp32 and in bf16
+round, not the median). The pooled medians, rank 0's process (CPU) time per step (its
+instructions only, in both loops: what the machine's load does not stretch, so the
+harness's own work shows), the loop period (the arrival of rank 0's step lines, everything
+done per step included: batch, logging, loss reduction) and the load average are printed
+beside it. Target: harness / plain <= 1.05, in fp32 and in bf16
 (`train.precision=bf16`).
 """
 
@@ -47,7 +49,7 @@ from src.runtime.driver import free_port, stop, worker_env  # noqa: E402
 RUN = ["backend=torch", "cluster=local", "cluster.devices_per_node=2", "logger=none", "model=clip", "model.scale=tiny", "strategy=ddp"]
 WARMUP = 10
 TARGET = 1.05
-STEP_LINE = re.compile(r"^step (\d+) \| loss ([0-9.eE+-]+) \| ([0-9.]+) s(?: \| batch ([0-9.]+) s)?")
+STEP_LINE = re.compile(r"^step (\d+) \| loss ([0-9.eE+-]+) \| ([0-9.]+) s(?: \| batch ([0-9.]+) s \| cpu ([0-9.]+) s)?")
 
 
 @dataclass
@@ -55,6 +57,7 @@ class Measured:
     times: list[float]  # step times (s), slowest rank
     losses: list[float]
     period: float  # mean seconds between rank 0's step lines after the warm-up
+    cpu_s: list[float]  # rank 0's process (CPU) seconds per step
     batch_s: list[float] = field(default_factory=list)  # plain loop only: making the step's batch
 
 
@@ -107,7 +110,8 @@ def run_harness(run_dir: Path, overrides: list[str], steps: int) -> Measured:
     lines = Lines(proc)
     _wait([proc], lines, "the harness run")
     summary = yaml.safe_load((run_dir / "summary.json").read_text())  # JSON is YAML
-    return Measured(summary["measured"]["step_time_s"], summary["measured"]["loss"], lines.period())
+    measured = summary["measured"]
+    return Measured(measured["step_time_s"], measured["loss"], lines.period(), measured["rank0_process_time_s"])
 
 
 def run_plain(run_dir: Path) -> Measured:
@@ -129,12 +133,21 @@ def run_plain(run_dir: Path) -> Measured:
     lines = Lines(procs[0])
     _wait(procs, lines, "the plain DeepSpeed loop")
     matches = [match for match, _ in lines.steps]
-    return Measured([float(m[3]) for m in matches], [float(m[2]) for m in matches], lines.period(), [float(m[4]) for m in matches])
+    return Measured(
+        [float(m[3]) for m in matches],
+        [float(m[2]) for m in matches],
+        lines.period(),
+        [float(m[5]) for m in matches],
+        [float(m[4]) for m in matches],
+    )
 
 
 # ---- the plain loop (in each of its worker processes) ------------------------------------
 def plain_worker(run_dir: Path) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from src.runtime.op_build import prebuild_ops
+
+    prebuild_ops()  # DeepSpeed's CPU op from the project's cache, as the harness's workers load it
     import deepspeed
     import torch
     import torch.distributed as dist
@@ -210,17 +223,21 @@ def plain_worker(run_dir: Path) -> None:
             batch = collate([data[i] for i in range(first, first + local)])
             batch_s = time.perf_counter() - start
             dist.barrier()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             with computing(torch.device("cpu"), setup.train.precision):  # the run's precision, as the harness
                 loss = engine(batch)
             engine.backward(loss)
             engine.step()
             stats = torch.tensor([time.perf_counter() - start, float(loss.detach())], dtype=torch.float64)
+            cpu = time.process_time() - cpu
             slowest, total = stats[:1].clone(), stats[1:].clone()
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             dist.all_reduce(total)
             if rank == 0:
-                print(f"step {step} | loss {float(total) / world:.6f} | {float(slowest):.6f} s | batch {batch_s:.6f} s", flush=True)
+                line = (
+                    f"step {step} | loss {float(total) / world:.6f} | {float(slowest):.6f} s | batch {batch_s:.6f} s | cpu {cpu:.6f} s"
+                )
+                print(line, flush=True)
         # gloo aborts a process whose peer tears down while its last sends are in flight.
         dist.barrier()
     finally:
@@ -268,7 +285,12 @@ def report(runs: dict[str, list[Measured]], args: argparse.Namespace, overrides:
         f"({os.cpu_count()} cores)"
     )
     print(f"{'':34s} {'harness':>9s} {'plain DS':>9s} {'ratio':>6s}")
-    for label, figure in (("step time, median of all (ms)", step), ("loop period, median of runs (ms)", period)):
+    cpu = {n: statistics.median(t for m in ms for t in m.cpu_s[WARMUP:]) for n, ms in runs.items()}
+    for label, figure in (
+        ("step time, median of all (ms)", step),
+        ("rank 0 process time per step (ms)", cpu),
+        ("loop period, median of runs (ms)", period),
+    ):
         print(f"{label:34s} {figure['harness'] * 1e3:9.2f} {figure['plain'] * 1e3:9.2f} {figure['harness'] / figure['plain']:6.3f}")
     batch_s = statistics.median(t for m in runs["plain"] for t in m.batch_s[WARMUP:])
     print(f"making one step's batch (both loops, before their timed step): {batch_s * 1e3:.2f} ms")

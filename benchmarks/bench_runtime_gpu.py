@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -120,6 +121,11 @@ def main() -> None:
     parser.add_argument("--clip-only", action="store_true", help="skip the tiny runs of every strategy")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():  # it would run its CLIP on the CPU until killed
+        print("error: benchmarks/bench_runtime_gpu.py needs a CUDA GPU, and torch sees none on this machine", file=sys.stderr)
+        sys.exit(2)
     results: dict = {"strategies": {}, "clip": {}}
     named = (
         {}

@@ -1,7 +1,7 @@
 """DistTrain Fig. 21, measured: the preprocessing time a trainer sees, inline against
 disaggregated, by images per iteration and image resolution.
 
-    python benchmarks/fig21_preprocess.py [--resolutions 256 512 1024] [--batches 8 32] [--steps 6]
+    python benchmarks/fig21_preprocess.py [--resolutions 256 512 1024] [--batches 8 32] [--steps 6] [--out DIR | --update]
 
 Each point is a real run through the front door: the tiny MLLM (model=mllm_9b
 model.scale=tiny) under strategy=disttrain on this machine's CPU workers, reading JPEG
@@ -10,8 +10,9 @@ the encoder's input and the generator's target, per sample, as real training doe
 run's preprocessing time seen by the trainer is the median over steps 1.. of data_wait_s
 (the longest wait of any trainer for its step's batches; step 0 also waits for the
 producer's start); the step time beside it is the median step_time_s, so that what
-disaggregation costs the trainers' cores shows too. Writes
-benchmarks/results/disttrain_fig21.{md,json}.
+disaggregation costs the trainers' cores shows too. Writes disttrain_fig21.{md,json} into
+--out (outputs/fig21_preprocess); `--update` writes the committed
+benchmarks/results/ copies instead.
 
 The paper (DistTrain, Fig. 21) reports preprocessing dropping from seconds to
 milliseconds with dedicated CPU nodes; here the producers share the trainers' cores.
@@ -75,7 +76,11 @@ def main() -> None:
     parser.add_argument("--resolutions", type=int, nargs="+", default=[256, 512, 1024])
     parser.add_argument("--batches", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--steps", type=int, default=6)
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--out", type=Path, default=ROOT / "outputs" / "fig21_preprocess", help="where to write the results")
+    where.add_argument("--update", action="store_true", help=f"write the committed results ({RESULTS.relative_to(ROOT)}) instead")
     args = parser.parse_args()
+    out = RESULTS if args.update else args.out
     if args.steps < 2:
         raise SystemExit(f"--steps={args.steps}: at least 2 (step 0 also waits for the producer's start)")
     rows = []
@@ -96,8 +101,8 @@ def main() -> None:
                     flush=True,
                 )
     load = os.getloadavg()[0]
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "disttrain_fig21.json").write_text(json.dumps({"rows": rows, "load_average": load, "cpus": os.cpu_count()}, indent=2))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "disttrain_fig21.json").write_text(json.dumps({"rows": rows, "load_average": load, "cpus": os.cpu_count()}, indent=2))
     lines = [
         "# DistTrain Fig. 21 (measured): preprocessing time seen by the trainer",
         "",
@@ -119,7 +124,8 @@ def main() -> None:
         "disaggregation can lengthen the step while it removes the wait: on a small machine it moves",
         "the decoding off the trainer's critical path, not off its cores.",
     ]
-    (RESULTS / "disttrain_fig21.md").write_text("\n".join(lines) + "\n")
+    (out / "disttrain_fig21.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {out / 'disttrain_fig21.md'} and .json", flush=True)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ default for an unknown device.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
@@ -167,9 +168,12 @@ def _number(value: Any, key: str, cluster: str) -> float:
     if isinstance(value, bool):
         raise ConfigError(f"{key} must be a number, got {value!r} (cluster {cluster})")
     try:
-        return float(value)
+        number = float(value)
     except (TypeError, ValueError):
         raise ConfigError(f"{key} must be a number, got {value!r} (cluster {cluster})") from None
+    if not math.isfinite(number):
+        raise ConfigError(f"{key} must be a finite number, got {value!r} (cluster {cluster})")
+    return number
 
 
 def cluster_from_config(cfg: Mapping[str, Any]) -> ClusterSpec:

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
+import math
+import os
+import types
+import typing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, TypeVar, cast
 
@@ -32,7 +37,9 @@ TRAIN_KEYS = ("global_batch", "contrastive_batch", "seq_len", "precision", "step
 RUN_KEYS = ("name", "out_root")
 LOGGER_KEYS = {"none": ("name",), "wandb": ("name", "mode", "project", "entity", "group", "tags")}
 WANDB_MODES = ("offline", "online", "disabled")
+WANDB_ENV_MODES = {"online": "online", "run": "online", "offline": "offline", "dryrun": "offline", "disabled": "disabled"}
 DIST_BACKENDS = ("gloo", "nccl", "auto")
+DATA_ERRORS = ("fail", "skip")  # a bad shard or member fails the run, or is left out (webdataset's habit)
 PREPROCESS = ("inline", "disaggregated")  # DistTrain: batches made by the trainer, or by a producer process beside it
 
 
@@ -87,6 +94,7 @@ class TorchBackendSpec:
     timeout_s: float
     threads_per_worker: int
     data: str
+    data_errors: str
     lr: float
     weight_decay: float
     adam_eps: float
@@ -97,7 +105,13 @@ class TorchBackendSpec:
 
 def _number(cfg: Mapping[str, Any], key: str, prefix: str, minimum: float, strict: bool) -> float:
     value = cfg.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum or (strict and value == minimum):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < minimum
+        or (strict and value == minimum)
+    ):
         bound = f"{'>' if strict else '>='} {minimum:g}"
         raise ConfigError(f"{prefix}.{key} must be a number {bound}, got {value!r}")
     return float(value)
@@ -114,6 +128,8 @@ def backend_from_config(cfg: Mapping[str, Any]) -> TorchBackendSpec | None:
         raise ConfigError(f"backend.dist_backend={cfg.get('dist_backend')!r}; choose one of {list(DIST_BACKENDS)}")
     if not isinstance(cfg.get("data"), str) or not cfg["data"]:
         raise ConfigError(f"backend.data must be 'synthetic' or a glob of tar shards, got {cfg.get('data')!r}")
+    if cfg.get("data_errors") not in DATA_ERRORS:
+        raise ConfigError(f"backend.data_errors={cfg.get('data_errors')!r}; choose one of {list(DATA_ERRORS)}")
     if cfg.get("preprocess") not in PREPROCESS:
         raise ConfigError(f"backend.preprocess={cfg.get('preprocess')!r}; choose one of {list(PREPROCESS)}")
     return TorchBackendSpec(
@@ -122,6 +138,7 @@ def backend_from_config(cfg: Mapping[str, Any]) -> TorchBackendSpec | None:
         timeout_s=_number(cfg, "timeout_s", "backend", 0, strict=True),
         threads_per_worker=_positive_int(cfg, "threads_per_worker", "backend"),
         data=cfg["data"],
+        data_errors=cfg["data_errors"],
         lr=_number(cfg, "lr", "backend", 0, strict=True),
         weight_decay=_number(cfg, "weight_decay", "backend", 0, strict=False),
         adam_eps=_number(cfg, "adam_eps", "backend", 0, strict=True),
@@ -131,14 +148,27 @@ def backend_from_config(cfg: Mapping[str, Any]) -> TorchBackendSpec | None:
     )
 
 
+def wandb_mode(logger: Mapping[str, Any]) -> str:
+    """logger.mode where the command line sets it; else WANDB_MODE from the environment, as
+    W&B documents it (its `run` is online, `dryrun` offline); else offline."""
+    mode = logger.get("mode")
+    if mode is not None:
+        if mode not in WANDB_MODES:
+            raise ConfigError(f"logger.mode={mode!r}; choose one of {list(WANDB_MODES)}")
+        return mode
+    env = os.environ.get("WANDB_MODE") or "offline"
+    if env not in WANDB_ENV_MODES:
+        raise ConfigError(f"WANDB_MODE={env!r} in the environment; choose one of {list(WANDB_ENV_MODES)} (or set logger.mode)")
+    return WANDB_ENV_MODES[env]
+
+
 def check_logger_and_run(logger: Mapping[str, Any], run: Mapping[str, Any]) -> None:
     name = logger.get("name")
     if name not in LOGGER_KEYS:
         raise ConfigError(f"logger={name!r}; choose one of {sorted(LOGGER_KEYS)}")
     reject_unknown(logger, LOGGER_KEYS[name], f"logger={name} key(s)")
     if name == "wandb":
-        if logger.get("mode") not in WANDB_MODES:
-            raise ConfigError(f"logger.mode={logger.get('mode')!r}; choose one of {list(WANDB_MODES)}")
+        wandb_mode(logger)
         tags = logger.get("tags") or []
         if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
             raise ConfigError(f"logger.tags must be a list of strings, got {tags!r}")
@@ -153,7 +183,30 @@ def options_from(cls: type[Options], cfg: Mapping[str, Any], prefix: str = "stra
     (a typo must not silently fall back to a default)."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
     reject_unknown({k: v for k, v in cfg.items() if k != "name"}, fields, f"{prefix} option(s)")
+    hints = typing.get_type_hints(cls)
+    for key, value in cfg.items():
+        if key in fields and value is not None:
+            _check_shape(f"{prefix}.{key}", value, hints[key])
     return cls(**{k: v for k, v in cfg.items() if k in fields})
+
+
+def _check_shape(key: str, value: Any, hint: Any) -> None:
+    """A list where the option takes one value, or one value where it takes a list or a
+    mapping, is refused here; the planners check the values themselves."""
+    args = (
+        [a for a in typing.get_args(hint) if a is not type(None)]
+        if typing.get_origin(hint) in (typing.Union, types.UnionType)
+        else [hint]
+    )
+    origins = {typing.get_origin(a) or a for a in args}
+    if origins & {list, tuple}:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key} takes a list, got {value!r} (e.g. {key}=[...])")
+    elif origins & {Mapping, dict, collections.abc.Mapping}:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key} takes a mapping of settings, got {value!r} (e.g. {key}.tp=2)")
+    elif origins <= {int, float, str, bool} and isinstance(value, (list, tuple, Mapping)):
+        raise ConfigError(f"{key} takes one value, got {value!r}")
 
 
 def plain_config(cfg: DictConfig) -> dict[str, Any]:

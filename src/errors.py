@@ -9,6 +9,10 @@ class ConfigError(ValueError):
     """A configuration that is invalid or that no plan can serve."""
 
 
+class DataError(ConfigError):
+    """Training data that cannot be read (a shard or a member of one): the user's to fix."""
+
+
 class PlanError(ConfigError):
     """A strategy cannot produce a plan for this model on this cluster (e.g. memory)."""
 

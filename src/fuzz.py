@@ -3,14 +3,17 @@
     python -m src.fuzz [--draws 2000] [--seed 0] [--limit-s 60]
 
 A draw picks a model, a strategy and a cluster and sets a few knobs (node count, batch,
-precision, the strategy's degrees and options) to values a user might type: sensible ones,
-zeros, negatives, strings and huge numbers. It runs the simulator's front door in process
-(the composed config, validate, plan, simulate, write the run directory) and checks the
-promise of every run: it ends with a one-line refusal (ConfigError/SimulationError: exit
-2) or with a summary whose 0 < MFU <= 1, whose breakdown adds up to the iteration time on
-every rank, and whose plan fits the devices' memory; nothing else escapes (a traceback),
-and nothing runs past `limit_s`. The test suite runs a few hundred draws; this script
-runs thousands.
+precision, cluster constants, the strategy's degrees and options, a model's size) to
+values a user might type: sensible ones, zeros, negatives, strings, NaN and infinity,
+huge numbers, a list where one value goes and one value where a list or a mapping goes.
+It runs the simulator's front door in process (the composed config, validate, plan,
+simulate, write the run directory) and checks the promise of every run: it ends with a
+one-line refusal (ConfigError/SimulationError: exit 2) or with a summary whose 0 < MFU <=
+1, whose breakdown adds up to the iteration time on every rank, and whose plan fits the
+devices' memory; nothing else escapes (a traceback); a run longer than SAY_AFTER_S prints
+progress on stderr, and none stays silent for QUIET_MAX_S. A run still going at
+`limit_s` is stopped: `long` if it was printing progress, `slow` if it was silent. The
+test suite runs a few hundred draws; this script runs thousands.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import contextlib
 import copy
 import functools
 import io
+import math
 import random
 import signal
 import sys
@@ -36,10 +40,14 @@ from src.sim.engine import SimulationError
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 
-NODES = [1, 1, 2, 4, 8, 16, 3, 0, -2, "abc", 10**6]
-BATCHES = [None, 1, 8, 64, 96, 512, 1536, 0, -5, "x", 10**9]
-PRECISIONS = ["auto", "fp32", "bf16", "fp16", "int4"]
-DEGREES = [None, 1, 2, 4, 8, 3, 0, -1, "two", 10**6]
+NAN, INF = float("nan"), float("inf")
+NODES = [1, 1, 2, 4, 8, 16, 3, 0, -2, "abc", 10**6, INF, [2]]
+BATCHES = [None, 1, 8, 64, 96, 512, 1536, 0, -5, "x", 10**9, NAN, [8, 16]]
+PRECISIONS = ["auto", "fp32", "bf16", "fp16", "int4", ["fp32"]]
+DEGREES = [None, 1, 2, 4, 8, 3, 0, -1, "two", 10**6, INF, NAN, [2, 2]]
+# Cluster constants a user overrides to try a machine (any preset has them).
+CONSTANTS = [NAN, INF, -INF, -1.0, 0.0, 1e-30, 1e30, [1.0]]
+CLUSTER_KNOBS = ["inter_bandwidth", "intra_bandwidth", "inter_latency", "memory_gib", "gemm_max_efficiency", "kernel_overhead_s"]
 # Strategy knobs a user types, with the values to draw (others keep their defaults).
 KNOBS: dict[str, list[Any]] = {
     "tp": DEGREES,
@@ -47,18 +55,30 @@ KNOBS: dict[str, list[Any]] = {
     "dp": DEGREES,
     "vpp": DEGREES,
     "micro_batch_size": DEGREES,
-    "zero_stage": [0, 1, 2, 3, 4, -1, "x"],
-    "recompute": [None, "none", "selective", "full", "some"],
-    "schedule": ["1f1b", "gpipe", "interleaved", "zigzag"],
-    "sequence_parallel": [True, False, "yes"],
+    "zero_stage": [0, 1, 2, 3, 4, -1, "x", NAN, [1]],
+    "recompute": [None, "none", "selective", "full", "some", ["full"]],
+    "schedule": ["1f1b", "gpipe", "interleaved", "zigzag", 3],
+    "sequence_parallel": [True, False, "yes", [True]],
+    # A list (Par4D's grid, auto's contenders) or a mapping (a unit's degrees) where one goes.
+    "grid": [None, [2, 2, 2, 1], [1, 1, 1, 64], [2, 2], 3, INF, "abc", [NAN, 1, 1, 1]],
+    "contenders": [None, ["megatron", "distmm"], ["nobody"], "megatron", 3],
+    "vision": [None, 4, [2], {"tp": 2}, {"tp": NAN}],
+    "text": [None, 4, "x", {"dp": 10**6}],
+    "llm": [None, 2, [1], {"pp": 4}, {"tp": INF}],
+    "encoder": [None, 1, {"tp": 2}],
 }
+# Model sizes past any cluster (a GPT of 100 000 layers) and malformed ones.
+MODEL_KNOBS: dict[str, list[Any]] = {"layers": [100_000, 10**9, NAN, 0, [4]], "hidden": [10**7, INF, -64, [64]]}
 EXIT_REFUSED = (ConfigError, SimulationError)
+FAILED = ("broken", "slow", "silent")
+SAY_AFTER_S = 5.0  # a run longer than this prints progress
+QUIET_MAX_S = 60.0  # and never stays silent longer than this
 
 
 @dataclass
 class Outcome:
     overrides: list[str]
-    status: str  # ok | refused | broken | slow
+    status: str  # ok | refused | broken (a traceback, a summary that breaks a promise) | long | slow | silent
     seconds: float
     detail: str = ""
 
@@ -87,14 +107,48 @@ def draw(rng: random.Random) -> tuple[dict[str, Any], list[str]]:
         ("cluster", "nodes", NODES),
         ("train", "global_batch", BATCHES),
         ("train", "precision", PRECISIONS),
+        ("cluster", rng.choice(CLUSTER_KNOBS), CONSTANTS),
     ]
     knobs += [("strategy", key, values) for key, values in KNOBS.items() if key in config["strategy"]]
+    knobs += [("model", key, values) for key, values in MODEL_KNOBS.items() if key in config["model"]]
     for group, key, values in rng.sample(knobs, k=rng.randint(0, min(3, len(knobs)))):
         value: Any = rng.choice(values)
         config[group][key] = value
-        overrides.append(f"{group}.{key}={'null' if value is None else value}")
+        overrides.append(f"{group}.{key}={_typed(value)}")
     config["run"]["name"] = f"{model}-{strategy}-{cluster}"
     return config, overrides
+
+
+def _typed(value: Any) -> str:
+    """A value as a user types it on the command line (Hydra's grammar)."""
+    if value is None:
+        return "null"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_typed(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{_typed(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    return str(value)
+
+
+class _Lines(io.TextIOBase):
+    """stderr of a run: when each line arrived, for the progress check."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.arrivals: list[float] = []
+        self.text: list[str] = []
+
+    def write(self, text: str) -> int:
+        now = time.perf_counter() - self.start
+        self.arrivals += [now] * text.count("\n")
+        self.text.append(text)
+        return len(text)
+
+    def longest_silence(self, end: float) -> float:
+        marks = [0.0, *self.arrivals, end]
+        return max(b - a for a, b in zip(marks, marks[1:]))
 
 
 class _TooSlow(Exception):
@@ -126,9 +180,15 @@ def run_draw(config: dict[str, Any], overrides: list[str], limit_s: float) -> Ou
     start = time.perf_counter()
     previous = signal.signal(signal.SIGALRM, _alarm)
     signal.setitimer(signal.ITIMER_REAL, limit_s)
+    stderr = _Lines()
     try:
-        # The console's tables of hundreds of runs would bury the findings.
-        with tempfile.TemporaryDirectory() as run_dir, contextlib.redirect_stdout(io.StringIO()):
+        # The console's tables of hundreds of runs would bury the findings; stderr is kept
+        # to see whether a long run said what it was doing.
+        with (
+            tempfile.TemporaryDirectory() as run_dir,
+            contextlib.redirect_stdout(io.StringIO()),
+            contextlib.redirect_stderr(stderr),
+        ):
             summary = execute(config, Path(run_dir), JobInfo(run_name=config["run"]["name"]))
         problem = check(summary, config)
         status, detail = ("broken", problem) if problem else ("ok", "")
@@ -137,13 +197,20 @@ def run_draw(config: dict[str, Any], overrides: list[str], limit_s: float) -> Ou
         if "\n" in detail:
             status, detail = "broken", f"a refusal of several lines: {detail!r}"
     except _TooSlow:
-        status, detail = "slow", f"still running after {limit_s:g} s"
+        spoke = bool(stderr.arrivals)
+        status = "long" if spoke else "slow"
+        detail = f"stopped at {limit_s:g} s, {'printing progress' if spoke else 'having printed nothing'}"
     except Exception:  # noqa: BLE001 - a traceback is exactly what the fuzzer looks for
         status, detail = "broken", traceback.format_exc(limit=-3)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
-    return Outcome(overrides, status, time.perf_counter() - start, detail)
+    seconds = time.perf_counter() - start
+    silence = stderr.longest_silence(seconds)
+    if status in ("ok", "refused", "long") and (silence > QUIET_MAX_S or (seconds > SAY_AFTER_S and not stderr.arrivals)):
+        last = "".join(stderr.text).strip().splitlines()[-1:] or ["nothing"]
+        status, detail = "silent", f"{seconds:.1f} s, {silence:.1f} s of it without a line on stderr (last: {last[0]})"
+    return Outcome(overrides, status, seconds, detail)
 
 
 def fuzz(draws: int, seed: int, limit_s: float, progress: bool = False) -> list[Outcome]:
@@ -164,16 +231,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit-s", type=float, default=60.0)
     args = parser.parse_args(argv)
     outcomes = fuzz(args.draws, args.seed, args.limit_s, progress=True)
-    counts = {s: sum(o.status == s for o in outcomes) for s in ("ok", "refused", "broken", "slow")}
+    counts = {s: sum(o.status == s for o in outcomes) for s in ("ok", "refused", "long", "broken", "slow", "silent")}
     print(
         f"{args.draws} draws (seed {args.seed}): "
         + ", ".join(f"{n} {s}" for s, n in counts.items())
         + f"; slowest {max(o.seconds for o in outcomes):.1f} s"
     )
     for outcome in outcomes:
-        if outcome.status in ("broken", "slow"):
+        if outcome.status in FAILED:
             print(f"\n[{outcome.status}] python -m src.run {' '.join(outcome.overrides)}\n{outcome.detail}")
-    return 1 if counts["broken"] or counts["slow"] else 0
+    return 1 if any(counts[s] for s in FAILED) else 0
 
 
 if __name__ == "__main__":

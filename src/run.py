@@ -17,7 +17,9 @@ from omegaconf import DictConfig
 from src.backends import backend_for
 from src.config import plain_config
 from src.errors import ConfigError
+from src.progress import heartbeat
 from src.report import JobInfo
+from src.report.files import WriteError, unwritable_dir, write_failure
 from src.runtime.errors import WorkerFailure
 from src.setup import ERROR_FILE, job_info, plan_run, start_run_dir, validate
 from src.sim.engine import SimulationError
@@ -40,9 +42,14 @@ def refuse_bad_overrides(args: list[str]) -> None:
         if any(o.is_sweep_override() for o in OverridesParser.create().parse_overrides(args)):
             return
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            compose(config_name="config", overrides=args)
+            cfg = compose(config_name="config", overrides=args, return_hydra_config=True)
     except HydraException as err:
         print(f"error: {_one_line(str(err))}", file=sys.stderr)
+        sys.exit(2)
+    # Hydra creates the run directory before main, and a failure there is its traceback.
+    problem = unwritable_dir(Path(str(cfg.hydra.run.dir)))
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         sys.exit(2)
 
 
@@ -56,21 +63,28 @@ def _one_line(message: str) -> str:
 
 def execute(config: dict[str, Any], run_dir: Path, job: JobInfo) -> dict[str, Any]:
     start_run_dir(config, run_dir)
-    setup = validate(config)
-    plan = plan_run(setup)
+    # Building a big model and planning can take minutes, not every part with lines of its own.
+    with heartbeat(f"planning {config['strategy'].get('name')} for {config['model'].get('name')} on {config['cluster'].get('name')}"):
+        setup = validate(config)
+        plan = plan_run(setup)
     return backend_for(config["backend"]["name"])(setup, plan, run_dir, job)
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="config")
+# An absolute path: the `mmdist` script imports this module, where a relative one would be a package.
+@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
     config = plain_config(cfg)
     run_dir, job = job_info(config)
     try:
         execute(config, run_dir, job)
-    except (ConfigError, SimulationError) as err:
+    except (ConfigError, SimulationError, WriteError) as err:
         fail(run_dir, job, f"error: {err}", 2)
+    except OSError as err:
+        if err.filename is None:  # not a file's (a closed stdout pipe): not the run directory's to report
+            raise
+        fail(run_dir, job, f"error: {write_failure(err)}", 2)  # a file of the front door's own (resolved.yaml)
     except WorkerFailure as err:
-        fail(run_dir, job, f"error: {err}", 1)
+        fail(run_dir, job, f"error: {err}", err.exit_code)
     except KeyboardInterrupt:
         # The driver has already stopped every worker it started.
         log.error("error: interrupted; all workers stopped")
@@ -81,12 +95,20 @@ def fail(run_dir: Path, job: JobInfo, line: str, code: int) -> None:
     """One line on stderr and in the run's error file. A single run exits with `code`; a
     multirun's job returns, so that the other jobs go on (the error file records it)."""
     log.error(line)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / ERROR_FILE).write_text(line.removeprefix("error: ") + "\n")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / ERROR_FILE).write_text(line.removeprefix("error: ") + "\n")
+    except OSError:  # the directory does not allow it (the line above says why, if that is the error)
+        (run_dir / ERROR_FILE).unlink(missing_ok=True)  # an empty one would say nothing
     if job.sweep_name is None:
         sys.exit(code)
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """`python -m src.run ARGS`, and the `mmdist` command (pyproject.toml's scripts)."""
     refuse_bad_overrides(sys.argv[1:])
     main()
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,11 +1,12 @@
 """Random command lines over the whole config space (src.fuzz), a fixed seed: each ends in
 a one-line refusal or in a summary that keeps every promise (0 < MFU <= 1, a breakdown
-that adds up, a plan that fits memory); none raises anything else, none runs past the
-limit. `python -m src.fuzz --draws 5000` runs thousands of draws."""
+that adds up, a plan that fits memory); none raises anything else, none stays silent
+past the limit or runs over 5 s without a progress line. `python -m src.fuzz --draws 5000`
+runs thousands of draws."""
 
 from __future__ import annotations
 
-from src.fuzz import fuzz
+from src.fuzz import FAILED, fuzz
 
 DRAWS = 150
 LIMIT_S = 60.0
@@ -13,7 +14,7 @@ LIMIT_S = 60.0
 
 def test_random_command_lines_are_answered() -> None:
     outcomes = fuzz(DRAWS, seed=2026, limit_s=LIMIT_S)
-    bad = [f"[{o.status}] python -m src.run {' '.join(o.overrides)}\n{o.detail}" for o in outcomes if o.status in ("broken", "slow")]
+    bad = [f"[{o.status}] python -m src.run {' '.join(o.overrides)}\n{o.detail}" for o in outcomes if o.status in FAILED]
     assert not bad, "\n\n".join(bad)
     # The draws reach both ends: plans that run and inputs that are refused.
-    assert {o.status for o in outcomes} == {"ok", "refused"}
+    assert {"ok", "refused"} <= {o.status for o in outcomes}

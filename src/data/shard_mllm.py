@@ -22,6 +22,9 @@ class ShardMLLM:
     shards: TarShards
     synthetic: SyntheticMLLM
 
+    def __len__(self) -> int:
+        return len(self.shards)
+
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         s = self.synthetic
         image, caption = self.shards.read(index)

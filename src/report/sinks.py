@@ -18,7 +18,7 @@ from types import TracebackType
 from typing import Any, Mapping
 
 from src.report.console import format_step, format_summary
-from src.report.files import RunFiles
+from src.report.files import RunFiles, RunLogHandler, writing
 from src.report.trace import write_chrome_trace
 from src.report.wandb_sink import JobInfo, WandbSink
 from src.timeline import Timeline
@@ -35,7 +35,8 @@ class Sinks:
         self._wandb = wandb
         self._own_log: logging.Handler | None = None
         if not RESULTS.handlers:
-            self._own_log = logging.FileHandler(self.run_dir / LOG_FILE)
+            with writing(self.run_dir / LOG_FILE):
+                self._own_log = RunLogHandler(self.run_dir / LOG_FILE)
             self._own_log.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
             RESULTS.addHandler(self._own_log)
             RESULTS.setLevel(logging.INFO)
@@ -46,8 +47,8 @@ class Sinks:
         RESULTS.info(text)
 
     def log_step(self, record: Mapping[str, Any]) -> None:
+        self._files.log_step(record)  # first: a step whose record cannot be written is not shown as done
         self._show(format_step(record))
-        self._files.log_step(record)
         if self._wandb is not None:
             self._wandb.log_step(record)
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from src.program import COMPUTE_STREAM, compress_ranks
+from src.report.files import writing
 from src.timeline import RankTimeline, Timeline
 
 
@@ -24,7 +25,8 @@ def write_chrome_trace(timeline: Timeline, path: Path) -> None:
     }
     # One json.dumps call: the C encoder handles ~10^5 events in a fraction of a second,
     # where json.dump (pure-Python chunked encoding) is several times slower.
-    Path(path).write_text(json.dumps(trace, separators=(",", ":")), encoding="utf-8")
+    with writing(Path(path)):
+        Path(path).write_text(json.dumps(trace, separators=(",", ":")), encoding="utf-8")
 
 
 def _process_events(rank_timeline: RankTimeline, pid: int) -> list[dict[str, Any]]:

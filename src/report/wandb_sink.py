@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from src.config import wandb_mode
+
 INIT_TIMEOUT_S = 12  # wandb's own default waits 90 s for an unreachable server
 
 
@@ -172,7 +174,7 @@ def _start(run_dir: Path, config: Mapping[str, Any], job: JobInfo) -> Any:
         tags=[*dict.fromkeys([*filter(None, [*names, backend]), *(logger.get("tags") or [])])],
         config=dict(config),
         dir=str(wandb_dir),
-        mode=logger.get("mode") or "offline",
+        mode=wandb_mode(logger),
     )
     try:
         run = wandb.init(**init, settings=wandb.Settings(**settings))

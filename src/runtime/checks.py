@@ -16,7 +16,7 @@ from src.models.spec import ModelSpec, UnitSpec
 from src.program import Collective, Compute, Hop, Plan, Recv, Send, UnitPlan, Wait
 from src.runtime.batch_rows import placed_by_rows
 from src.runtime.executor import input_key
-from src.runtime.inputs import dataset_for
+from src.runtime.inputs import dataset_for, tell_repeats
 from src.runtime.grid_engine import on_grid
 from src.runtime.modules.grid3d import Axis, Grid3D
 from src.runtime.modules.unet3d import UNetOnGrid
@@ -61,7 +61,9 @@ def check_runnable(setup: Setup, plan: Plan) -> None:
                 f"on each rank (its skip connections do not cross pipeline stages, its convolutions have no TP); "
                 f"give it tp=1 and pp=1 (DistTrain: strategy.{unit.unit}.tp=1 strategy.{unit.unit}.pp=1)"
             )
-    dataset_for(setup.model, setup.train.seed, str(setup.config["backend"]["data"]))
+    backend = setup.config["backend"]
+    dataset = dataset_for(setup.model, setup.train.seed, str(backend["data"]), str(backend["data_errors"]))
+    tell_repeats(dataset, setup.train.global_batch, setup.train.steps)
     for route in plan.program.routes.values():
         if isinstance(route, Hop) and route.scatter and route.rows % route.parts:
             raise ConfigError(

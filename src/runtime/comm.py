@@ -18,6 +18,12 @@ import torch.distributed as dist
 
 from src.runtime.device import synchronize
 
+# The single-tensor all-gather and reduce-scatter under their current names: torch 2.13
+# deprecates all_gather_into_tensor and reduce_scatter_tensor (a FutureWarning from each
+# call site on each rank) for these, which earlier releases lack.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class CommClock:
     """Seconds spent in collectives per kind since the last `take()`. On a GPU the device

@@ -12,19 +12,18 @@ executor charges that time to DP communication instead of to the compute around 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import importlib
-import io
 import logging
-import sys
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+# prebuild_ops: the worker's entry imports it from here, beside the engines it prepares for.
+from src.runtime.comm import all_gather_single, reduce_scatter_single
+from src.runtime.op_build import prebuild_ops, without_load_notice  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -104,14 +103,28 @@ def deepspeed_config(settings: EngineSettings, dp: int) -> dict:
     }
 
 
+def start_deepspeed_comm() -> None:
+    """Start DeepSpeed's communication on the process group the worker joined (it loads
+    the shm op), its ZeRO all-gathers and reduce-scatters on torch's current collectives:
+    DeepSpeed 0.19 picks the ones torch 2.13 deprecates, a FutureWarning per call site and
+    rank (81-137 lines before a ZeRO-3 run's results)."""
+    import deepspeed
+
+    with without_load_notice():
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
+    backend = importlib.import_module("deepspeed.comm.comm").cdb  # the module's global, set by init_distributed
+    backend.all_gather_function = all_gather_single
+    backend.reduce_scatter_function = reduce_scatter_single
+
+
 def make_engine(module: nn.Module, groups: ParallelGroups, settings: EngineSettings):
     import deepspeed
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
     params = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay, eps=settings.eps)
-    # The first initialize in a process starts DeepSpeed's communication, which loads the shm op.
-    with _without_load_notice():
+    start_deepspeed_comm()
+    with without_load_notice():
         engine, _, _, _ = deepspeed.initialize(
             model=module, optimizer=optimizer, mpu=groups, config=deepspeed_config(settings, len(groups.dp_ranks))
         )
@@ -126,9 +139,8 @@ def partitioned_at_init(groups: ParallelGroups, settings: EngineSettings) -> con
     import deepspeed
 
     # zero.Init reads the world from DeepSpeed's communication, which engine creation
-    # would start: start it on the process group the worker already joined.
-    with _without_load_notice():
-        deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
+    # would start.
+    start_deepspeed_comm()
     return deepspeed.zero.Init(
         data_parallel_group=groups.dp, config_dict_or_path=deepspeed_config(settings, len(groups.dp_ranks)), mpu=groups
     )
@@ -147,10 +159,14 @@ def deepspeed_comm_seconds() -> Callable[[], float]:
 
     def total() -> float:
         nonlocal seconds
-        # Each op's timer keeps its start/stop pairs and the logger a record per op: take
-        # and drop them, so that a long run neither slows down nor grows.
-        seconds += sum(timer.elapsed(reset=True) for timer in timers.timers.values()) / 1e3
-        comms_logger.comms_dict.clear()
+        # The logger keeps a record per op: none since the last call means no op ran and
+        # the timers hold nothing new. The executor asks around every instruction, most of
+        # which issue no DeepSpeed op: reading every timer each time cost a fixed ~1 ms per
+        # step, 5-10 % of a tiny fp32 step. Else take and drop the timers' start/stop
+        # pairs and the records, so that a long run neither slows down nor grows.
+        if comms_logger.comms_dict:
+            seconds += sum(timer.elapsed(reset=True) for timer in timers.timers.values()) / 1e3
+            comms_logger.comms_dict.clear()
         return seconds
 
     return total
@@ -173,41 +189,3 @@ def point_reduction_at(engine) -> None:
     from deepspeed.utils import groups
 
     groups.mpu = engine.mpu
-
-
-BUILD_LOCK = Path(tempfile.gettempdir()) / "mmdist-deepspeed-op.lock"
-
-
-def prebuild_ops() -> None:
-    """Compile (or load from the extensions cache) the op DeepSpeed builds at its first
-    start on CPU. Concurrent first builds race, so the processes of one machine take turns
-    under a file lock: the first builds (minutes on a fresh machine), the others then load
-    the cache. Call it before joining a process group, whose timeouts a build would outlast."""
-    # DeepSpeed probes compilers through logging; Hydra's root logger would print every call.
-    root = logging.getLogger()
-    level = root.level
-    root.setLevel(logging.WARNING)
-    try:
-        with open(BUILD_LOCK, "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            # `import deepspeed.comm.torch as m` would bind torch itself (deepspeed.comm re-exports it).
-            with _without_load_notice():
-                importlib.import_module("deepspeed.comm.torch").build_shm_op()
-    finally:
-        root.setLevel(level)
-
-
-LOAD_NOTICE = "deepspeed_shm_comm_op built successfully"
-
-
-@contextlib.contextmanager
-def _without_load_notice() -> Iterator[None]:
-    """DeepSpeed prints LOAD_NOTICE every time a process loads its shm op, even from the
-    cache: once per worker and run. Drop that line, pass on whatever else was printed
-    (a failed build raises, and the compiler writes to the file descriptors directly)."""
-    captured = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(captured):
-            yield
-    finally:
-        sys.stdout.write("".join(line for line in captured.getvalue().splitlines(keepends=True) if LOAD_NOTICE not in line))

@@ -159,9 +159,11 @@ class Executor:
         """Run the instruction list once; returns this rank's share of the step's loss
         (the shares of all ranks add up to it)."""
         self.s = _StepState(loss=torch.zeros((), dtype=torch.float64, device=self.device))
+        # Communication is timed inside instructions only: what each one took is taken
+        # after it, and this drops what came before the step.
+        CLOCK.take()
         for instruction in self.instructions:
             start = time.perf_counter()
-            CLOCK.take()
             category = self._run(instruction)
             synchronize(self.device)
             timer.record(instruction, start, time.perf_counter(), category, CLOCK.take())

@@ -12,6 +12,7 @@ very samples of a 1-process run.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
@@ -47,19 +48,21 @@ class Batching:
     samples_of: str | None = None
 
 
-def dataset_for(model: ModelSpec, seed: int, source: str) -> Any:
+def dataset_for(model: ModelSpec, seed: int, source: str, errors: str = "fail") -> Any:
+    """The run's dataset: synthetic from the seed, or tar shards matching `source` (whose
+    bad members fail the run, or are left out with errors="skip": backend.data_errors)."""
     names = [u.name for u in model.units]
     if "vision" in names and "text" in names:
         image, _ = image_geometry(model.unit("vision"))
         text = model.unit("text")
         if source == "synthetic":
             return SyntheticImageText(seed, image, text.seq_len, vocab_size(text))
-        return TarShards(source, image, text.seq_len, vocab_size(text))
+        return TarShards(source, image, text.seq_len, vocab_size(text), errors)
     if names == ["llm"]:
         llm = model.unit("llm")
         return SyntheticTokens(seed, llm.seq_len, vocab_size(llm))
     if names == ["encoder", "llm", "generator"]:
-        return _mllm_data(model, seed, source)
+        return _mllm_data(model, seed, source, errors)
     if names == ["unet"]:
         if source != "synthetic":
             raise ConfigError(f"backend.data={source!r}: the real backend has only synthetic data for {model.name} (use synthetic)")
@@ -71,7 +74,7 @@ def dataset_for(model: ModelSpec, seed: int, source: str) -> Any:
     )
 
 
-def _mllm_data(model: ModelSpec, seed: int, source: str) -> SyntheticMLLM | ShardMLLM:
+def _mllm_data(model: ModelSpec, seed: int, source: str, errors: str) -> SyntheticMLLM | ShardMLLM:
     """One image per sequence, in and out: the content of DistTrain's uniform data."""
     images = model.extras["images_per_sequence"]
     if images != 1:
@@ -87,7 +90,7 @@ def _mllm_data(model: ModelSpec, seed: int, source: str) -> SyntheticMLLM | Shar
     synthetic = SyntheticMLLM(seed, image, tokens, llm.seq_len, vocab, latent * VAE_FACTOR, LATENT_CHANNELS, latent)
     if source == "synthetic":
         return synthetic
-    return ShardMLLM(TarShards(source, image, llm.seq_len + 1 - tokens, vocab), synthetic)
+    return ShardMLLM(TarShards(source, image, llm.seq_len + 1 - tokens, vocab, errors), synthetic)
 
 
 def _encoders_llm_data(model: ModelSpec, seed: int, source: str, encoders: list[str]) -> SyntheticMLLM:
@@ -104,6 +107,26 @@ def _encoders_llm_data(model: ModelSpec, seed: int, source: str, encoders: list[
     llm = model.unit("llm")
     vocab = next(k.n for k in llm.layers[-1].kernels if k.name == "projection")
     return SyntheticMLLM(seed, sizes.pop(), len(encoders) * model.extras["image_tokens"], llm.seq_len, vocab)
+
+
+def skipped_members(dataset: Any) -> set[str]:
+    """The bad shard members a dataset left out so far (backend.data_errors=skip)."""
+    shards = getattr(dataset, "shards", dataset)
+    return set(shards.skipped) if isinstance(shards, TarShards) else set()
+
+
+def tell_repeats(dataset: Any, global_batch: int, steps: int) -> None:
+    """One line when a run reads more samples than its shards hold: epochs wrap around, so
+    each sample is trained on several times."""
+    shards = getattr(dataset, "shards", dataset)
+    reads = global_batch * steps
+    if isinstance(shards, TarShards) and reads > len(shards):
+        print(
+            f"backend.data: {len(shards)} samples for {steps} steps of {global_batch}: each sample is read "
+            f"{reads / len(shards):.3g} times on average (epochs wrap around)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def unit_fields(model: ModelSpec, unit: str, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -185,6 +208,11 @@ class Batches:
         made = self.samples.make(step) if self.producer is None else self.producer.get(step)
         self._cache = {key: {name: t.to(self.device) for name, t in fields.items()} for key, fields in made.items()}
         self.wait_s = time.perf_counter() - begin
+
+    @property
+    def skipped(self) -> set[str]:
+        """The bad shard members this trainer's batches left out (backend.data_errors=skip)."""
+        return skipped_members(self.samples.dataset) | (self.producer.skipped if self.producer is not None else set())
 
     def __call__(self, unit: str, microbatch: int) -> dict[str, torch.Tensor]:
         return self._cache[(unit, microbatch)]

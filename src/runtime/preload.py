@@ -13,7 +13,12 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch._dynamo  # noqa: E402,F401  (torch.optim constructors import it lazily)
 
 import src.runtime.session  # noqa: E402,F401  (torch, DeepSpeed, our modules)
-from src.runtime.engines import prebuild_ops  # noqa: E402
+from src.runtime.op_build import OpBuildError, prebuild_ops  # noqa: E402
 
 # DeepSpeed's CPU op, built (or loaded from the cache) once, before any worker joins a group.
-prebuild_ops()
+# A failure must not take the forkserver down with an exception of its own: it is
+# remembered, and each worker's own call reports it as the worker's error.
+try:
+    prebuild_ops()
+except OpBuildError:
+    pass

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from src.runtime.inputs import StepSamples
+from src.runtime.inputs import StepSamples, skipped_members
 
 Made = dict[tuple[str, int], dict[str, torch.Tensor]]
 ALIGN = 8  # bytes: the largest element size a batch holds (int64, float64)
@@ -63,9 +63,9 @@ def _unpack(buffer: torch.Tensor, layout: dict[tuple[str, int], dict[str, _Field
 def _produce(samples: StepSamples, steps: int, made: Any, finished: Any) -> None:
     for step in range(steps):
         try:
-            made.put((step, _pack(samples.make(step))))
+            made.put((step, _pack(samples.make(step)), skipped_members(samples.dataset)))
         except Exception as error:  # the trainer raises it as its own, as inline preprocessing would
-            made.put((step, error))
+            made.put((step, error, set()))
             return
     # Shared-memory tensors live as long as their maker: stay until the trainer is done.
     finished.wait()
@@ -80,6 +80,7 @@ class Producer:
         self.made = context.Queue(maxsize=depth)
         self.finished = context.Event()
         self.timeout_s, self.rank = timeout_s, rank
+        self.skipped: set[str] = set()  # bad shard members the producer left out (backend.data_errors=skip)
         self.process = context.Process(
             target=_produce, args=(samples, steps, self.made, self.finished), daemon=True, name=f"mmdist-preprocess{rank}"
         )
@@ -91,7 +92,7 @@ class Producer:
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:
-                made_step, made = self.made.get(timeout=0.1)
+                made_step, made, skipped = self.made.get(timeout=0.1)
             except queue.Empty:
                 if not self.process.is_alive():
                     raise RuntimeError(
@@ -106,6 +107,7 @@ class Producer:
             assert made_step == step, f"producer made step {made_step}, trainer expected {step}"
             if isinstance(made, Exception):
                 raise made
+            self.skipped |= skipped
             return _unpack(*made)
 
     def close(self) -> None:

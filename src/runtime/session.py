@@ -139,7 +139,7 @@ def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) ->
     places = placements(plan, rank)
     samples = StepSamples(
         setup.model,
-        dataset_for(setup.model, setup.train.seed, str(backend["data"])),
+        dataset_for(setup.model, setup.train.seed, str(backend["data"]), str(backend["data_errors"])),
         setup.train.global_batch,
         {u.unit: u for u in plan.units},
         {n: p.dp_ranks.index(rank) for n, p in places.items()},
@@ -173,12 +173,14 @@ def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) ->
 
     sinks = open_sinks(run_dir, config, _job(run_dir, config)) if rank == 0 else None
     try:
-        losses, times, waits, breakdowns = [], [], [], []
+        losses, times, waits, breakdowns, cpu = [], [], [], [], []
         for step in range(setup.train.steps):
             batches.start_step(step)
             dist.barrier()
             timer.reset(time.perf_counter())
+            cpu_start = time.process_time()
             loss = torch.tensor([executor.run_step(timer)], dtype=torch.float64, device=device)
+            cpu.append(time.process_time() - cpu_start)  # the step's instructions, as timer.end times them
             longest = torch.tensor([timer.end, batches.wait_s], dtype=torch.float64, device=device)
             dist.all_reduce(loss)  # every rank holds its share of the loss
             dist.all_reduce(longest, op=dist.ReduceOp.MAX)
@@ -203,6 +205,7 @@ def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) ->
             "spans": [dataclasses.astuple(s) for s in timer.spans],
             "rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
             "device_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0,
+            "data_skipped": batches.skipped,
         }
         gathered: list[Any] | None = [None] * world if rank == 0 else None
         dist.gather_object(mine, gathered, dst=0)
@@ -224,7 +227,15 @@ def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) ->
                 "dist_backend": dist.get_backend(),
                 # data_wait_s: the longest wait of any trainer for its step's batches, before
                 # the step's timed window (backend.preprocess)
-                "measured": {"loss": losses, "step_time_s": times, "data_wait_s": waits, "preprocess": backend["preprocess"]},
+                "measured": {
+                    "loss": losses,
+                    "step_time_s": times,
+                    "data_wait_s": waits,
+                    "rank0_process_time_s": cpu,  # CPU seconds of rank 0's process per step (wall time beside it: a loaded machine)
+                    "preprocess": backend["preprocess"],
+                    # backend.data_errors=skip: the bad shard members every trainer left out
+                    "data_skipped": sorted(set().union(*(g["data_skipped"] for g in gathered))),
+                },
                 "measured_notes": _notes(plan),
             }
             summary = summarize(setup, plan, timeline, peak_flops=peak, extras=extras)

@@ -80,16 +80,19 @@ class PayloadStore:
     def _assemble(key: Payload, pieces: list[tuple[int, torch.Tensor]]) -> tuple[int, torch.Tensor]:
         if len(pieces) == 1:
             return pieces[0]
-        first = min(start for start, _ in pieces)
-        last = max(start + t.shape[0] for start, t in pieces)
-        sample = pieces[0][1]
+        spans = sorted(((start, start + t.shape[0], t) for start, t in pieces), key=lambda span: span[0])
+        first, last = spans[0][0], max(end for _, end, _ in spans)
+        reach = first
+        for start, end, _ in spans:  # the rows as integers: no tensor work to check them
+            if start > reach:
+                raise ConfigError(f"{key}: rows {first}-{last} have a gap")
+            if start < reach and not key.grad:
+                raise ConfigError(f"{key}: rows arrived twice")
+            reach = max(reach, end)
+        if not key.grad or all(a_end <= b_start for (_, a_end, _), (b_start, _, _) in zip(spans, spans[1:])):
+            return first, torch.cat([t for _, _, t in spans])  # rows side by side: one copy
+        sample = spans[0][2]
         out = sample.new_zeros((last - first,) + tuple(sample.shape[1:]))
-        covered = torch.zeros(last - first, dtype=torch.int32)
-        for start, tensor in pieces:
-            out[start - first : start - first + tensor.shape[0]] += tensor
-            covered[start - first : start - first + tensor.shape[0]] += 1
-        if not key.grad and bool((covered > 1).any()):
-            raise ConfigError(f"{key}: rows arrived twice")
-        if bool((covered == 0).any()):
-            raise ConfigError(f"{key}: rows {first}-{last} have a gap")
+        for start, end, tensor in spans:  # gradients of the same rows add up
+            out[start - first : end - first] += tensor
         return first, out

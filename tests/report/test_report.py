@@ -228,6 +228,8 @@ def test_console_table_and_step_line() -> None:
     assert rows["total"][1:3] == ["1.0000", "100.0"]
     assert rows["vision"][1:4] == ["2", "8", "1"] and "grid_x" in text
     assert format_step({"step": 3, "loss": 1.23454, "step_time_s": 0.4123}) == "step 3 | loss 1.2345 | 0.412 s"
+    # The simulator trains nothing: its one priced iteration does not read as a step.
+    assert format_step({"step": 0, "iteration_time_s": 2.0381, "mfu": 0.0934}) == "simulated iteration | 2.038 s | MFU 9.34 %"
 
 
 def test_wandb_offline_logs_without_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
@@ -349,3 +351,19 @@ def test_a_figure_is_logged_as_one_wandb_run_with_table_plot_and_files(
     assert init["job_type"] == "figure" and init["group"] == "fig"
     assert calls["log"][0]["results"].data == [["g", "s", 1.5, "2"]]
     assert "figure-results" in [a.type for a in calls["artifact"]]  # (W&B logs the table as one of its own)
+
+
+def test_wandb_mode_comes_from_the_command_line_else_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from src.config import wandb_mode
+    from src.errors import ConfigError
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    assert wandb_mode({"mode": None}) == "offline"
+    monkeypatch.setenv("WANDB_MODE", "online")
+    assert wandb_mode({"mode": None}) == "online"  # W&B users' habit
+    assert wandb_mode({"mode": "disabled"}) == "disabled"  # logger.mode=... on the command line wins
+    monkeypatch.setenv("WANDB_MODE", "dryrun")
+    assert wandb_mode({"mode": None}) == "offline"
+    monkeypatch.setenv("WANDB_MODE", "sometimes")
+    with pytest.raises(ConfigError, match=r"^WANDB_MODE='sometimes' in the environment; choose one of"):
+        wandb_mode({"mode": None})

@@ -52,7 +52,7 @@ def prepare_run_dir(run_dir: Path, overrides: list[str]) -> dict[str, Any]:
 
 def build_deepspeed_ops() -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from src.runtime.engines import prebuild_ops
+    from src.runtime.op_build import prebuild_ops
 
     prebuild_ops()
 

@@ -64,9 +64,10 @@ def test_a_failing_worker_stops_the_run_with_its_error_line(tmp_path, preprocess
     result = run_cli(*TWO_WORKERS, *CLIP, "strategy=ddp", *data, f"hydra.run.dir={tmp_path}/run")
     # Rank 0 is blocked in the feature all-gather when rank 1 fails: the driver stops it.
     assert time.monotonic() - start < 60
-    assert result.returncode == 1
-    assert "error: rank 1: UnidentifiedImageError" in result.stderr
-    assert not (tmp_path / "run" / "summary.json").exists()
+    assert result.returncode == 2  # bad data: the user's to fix
+    line = f"error: rank 1: DataError: backend.data: shard {tmp_path}/shard-0.tar member 0004.png: not a decodable image"
+    assert line in result.stderr
+    assert (tmp_path / "run" / "error.txt").exists() and not (tmp_path / "run" / "summary.json").exists()
 
 
 def test_a_plan_needing_more_workers_is_refused_before_anything_starts(tmp_path):

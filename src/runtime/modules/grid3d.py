@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from src.program import GridLayer
-from src.runtime.comm import CLOCK
+from src.runtime.comm import CLOCK, all_gather_single, reduce_scatter_single
 from src.runtime.modules.parallel import linear_shard
 
 OVERLAPS = ("all_reduce", "reduce_scatter", "all_gather", "cache")
@@ -162,7 +162,7 @@ def _gather(shard: torch.Tensor, axis: Axis) -> _InFlight:
         return _InFlight(None, lambda: local)
     if _nccl(axis):
         out = torch.empty((axis.size * local.shape[0],) + tuple(local.shape[1:]), dtype=local.dtype, device=local.device)
-        return _InFlight(dist.all_gather_into_tensor(out, local, group=axis.group, async_op=True), lambda: out)
+        return _InFlight(all_gather_single(out, local, group=axis.group, async_op=True), lambda: out)
     parts = [torch.empty_like(local) for _ in range(axis.size)]
     return _InFlight(dist.all_gather(parts, local, group=axis.group, async_op=True), lambda: torch.cat(parts))
 
@@ -173,7 +173,7 @@ def _reduce_scatter(full: torch.Tensor, axis: Axis, async_op: bool) -> _InFlight
     rows = full.shape[0] // axis.size
     if _nccl(axis):
         out = torch.empty((rows,) + tuple(full.shape[1:]), dtype=full.dtype, device=full.device)
-        handle = dist.reduce_scatter_tensor(out, full, group=axis.group, async_op=async_op)
+        handle = reduce_scatter_single(out, full, group=axis.group, async_op=async_op)
         return _InFlight(handle if async_op else None, lambda: out)
     # gloo has no reduce-scatter: all-reduce, then keep this rank's rows.
     handle = dist.all_reduce(full, group=axis.group, async_op=async_op)

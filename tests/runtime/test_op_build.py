@@ -1,0 +1,97 @@
+"""DeepSpeed's CPU op build (runtime.op_build): a killed build's baton is cleared, a lock
+held too long ends the wait in one line naming it, a first build says so, and each
+environment has its own cache."""
+
+from __future__ import annotations
+
+import fcntl
+import subprocess
+import sys
+
+import pytest
+
+from src.runtime import op_build
+from src.runtime.op_build import BATON, LOCK_FILE, OP, OpBuildError, build_once, op_cache_dir
+from tests.conftest import REPO_ROOT, cli_env
+
+
+def _built(cache):
+    (cache / OP).mkdir(parents=True, exist_ok=True)
+    (cache / OP / f"{OP}.so").write_bytes(b"")
+
+
+def test_a_killed_builds_baton_is_removed_under_the_projects_lock(tmp_path, capsys):
+    _built(tmp_path)
+    baton = tmp_path / OP / BATON
+    baton.write_text("")  # torch's FileBaton, left by a builder killed mid-build
+    seen = []
+    build_once(tmp_path, OP, lambda: seen.append(baton.exists()), wait_s=1.0)
+    assert seen == [False] and not baton.exists()
+    line = f"removing {baton}: a DeepSpeed op build that was killed left it (its builder is gone)"
+    assert capsys.readouterr().err.splitlines() == [line]
+
+
+def test_a_lock_held_too_long_ends_the_wait_in_one_line_naming_it(tmp_path, capsys):
+    lock = tmp_path / LOCK_FILE
+    lock.write_text("4242\n")
+    with open(lock) as holder:  # another open file: flock treats it as another process
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        with pytest.raises(OpBuildError) as raised:
+            build_once(tmp_path, OP, lambda: pytest.fail("built without the lock"), wait_s=0.3)
+    assert str(raised.value) == (
+        f"waited 0.3 s for DeepSpeed's op build lock {lock} (held by pid 4242); if no build is running, remove the file"
+    )
+
+
+def test_a_first_build_says_so_and_a_failed_one_is_one_line(tmp_path, capsys):
+    def failing() -> None:
+        raise RuntimeError("Error building extension 'deepspeed_shm_comm'\nninja: build stopped")
+
+    with pytest.raises(OpBuildError, match=r"failed to build or load: RuntimeError: Error building extension 'deepspeed_shm_comm'$"):
+        build_once(tmp_path, OP, failing, wait_s=1.0)
+    assert capsys.readouterr().err.startswith("building DeepSpeed's CPU op, first start only")
+    _built(tmp_path)
+    build_once(tmp_path, OP, lambda: None, wait_s=1.0)
+    assert capsys.readouterr().err == ""  # built: loaded from the cache, silently
+    assert (tmp_path / LOCK_FILE).read_text().strip().isdigit()  # the last holder's pid
+
+
+def test_each_environment_has_its_own_op_cache(monkeypatch, tmp_path):
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    mine = op_cache_dir()
+    monkeypatch.setattr(sys, "prefix", "/opt/another-venv")
+    assert op_cache_dir() != mine and op_cache_dir().parent == mine.parent
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "chosen"))
+    assert op_cache_dir() == tmp_path / "chosen"  # a user's choice stands
+
+
+def test_a_failure_is_remembered_for_the_processes_forked_after_it(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(op_build, "_loaded", False)
+    monkeypatch.setattr(op_build, "_failure", None)
+    calls = []
+
+    def failing() -> None:
+        calls.append(1)
+        raise OSError("cannot load")
+
+    monkeypatch.setattr(op_build, "_build_shm_op", failing)
+    for _ in range(2):
+        with pytest.raises(OpBuildError):
+            op_build.prebuild_ops(wait_s=1.0)
+    assert calls == [1]
+
+
+@pytest.mark.slow  # a process that imports DeepSpeed and loads (or builds) the real op
+def test_a_stale_baton_no_longer_hangs_a_real_start():
+    from tests.runtime.support import build_deepspeed_ops
+
+    build_deepspeed_ops()
+    baton = op_cache_dir() / OP / BATON
+    baton.write_text("")
+    code = "from src.runtime.op_build import prebuild_ops; prebuild_ops(wait_s=60)"
+    env = {**cli_env(), "DS_ACCELERATOR": "cpu"}
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"removing {baton}" in result.stderr and not baton.exists()
