@@ -6,10 +6,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, TypeVar, cast
 
-from omegaconf import DictConfig, OmegaConf
-
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
+    from omegaconf import DictConfig
 
 from src.cluster import ClusterSpec
 from src.errors import ConfigError, reject_unknown
@@ -27,7 +26,7 @@ class TrainSpec:
     seed: int
 
 
-TOP_LEVEL = ("model", "strategy", "cluster", "backend", "logger", "train", "run")
+TOP_LEVEL = ("model", "strategy", "cluster", "backend", "logger", "train", "run", "plan")
 TRAIN_KEYS = ("global_batch", "contrastive_batch", "seq_len", "precision", "steps", "seed")
 RUN_KEYS = ("name", "out_root")
 LOGGER_KEYS = {"none": ("name",), "wandb": ("name", "mode", "project", "entity", "group", "tags")}
@@ -36,7 +35,7 @@ DIST_BACKENDS = ("gloo", "nccl", "auto")
 PREPROCESS = ("inline", "disaggregated")  # DistTrain: batches made by the trainer, or by a producer process beside it
 
 
-def _positive_int(cfg: Mapping[str, Any], key: str, prefix: str) -> int:
+def positive_int(cfg: Mapping[str, Any], key: str, prefix: str) -> int:
     value = cfg.get(key)
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(f"{prefix}.{key} must be a positive integer, got {value!r}")
@@ -48,7 +47,7 @@ def train_from_config(cfg: Mapping[str, Any], cluster: ClusterSpec, default_batc
     reject_unknown(cfg, TRAIN_KEYS, "train key(s)")
     if cfg.get("global_batch") is None and default_batch is not None:
         cfg = {**cfg, "global_batch": default_batch}
-    global_batch = _positive_int(cfg, "global_batch", "train")
+    global_batch = positive_int(cfg, "global_batch", "train")
     contrastive = cfg.get("contrastive_batch")
     if contrastive is None:
         contrastive = global_batch
@@ -58,7 +57,7 @@ def train_from_config(cfg: Mapping[str, Any], cluster: ClusterSpec, default_batc
         raise ConfigError(f"train.contrastive_batch={contrastive} exceeds train.global_batch={global_batch}")
     seq_len = cfg.get("seq_len")
     if seq_len is not None:
-        seq_len = _positive_int(cfg, "seq_len", "train")
+        seq_len = positive_int(cfg, "seq_len", "train")
     precision = cfg.get("precision", "auto")
     if precision == "auto":
         precision = cluster.default_precision
@@ -73,7 +72,7 @@ def train_from_config(cfg: Mapping[str, Any], cluster: ClusterSpec, default_batc
         contrastive_batch=contrastive,
         seq_len=seq_len,
         precision=precision,
-        steps=_positive_int(cfg, "steps", "train"),
+        steps=positive_int(cfg, "steps", "train"),
         seed=seed,
     )
 
@@ -117,17 +116,17 @@ def backend_from_config(cfg: Mapping[str, Any]) -> TorchBackendSpec | None:
     if cfg.get("preprocess") not in PREPROCESS:
         raise ConfigError(f"backend.preprocess={cfg.get('preprocess')!r}; choose one of {list(PREPROCESS)}")
     return TorchBackendSpec(
-        workers=_positive_int(cfg, "workers", "backend"),
+        workers=positive_int(cfg, "workers", "backend"),
         dist_backend=cfg["dist_backend"],
         timeout_s=_number(cfg, "timeout_s", "backend", 0, strict=True),
-        threads_per_worker=_positive_int(cfg, "threads_per_worker", "backend"),
+        threads_per_worker=positive_int(cfg, "threads_per_worker", "backend"),
         data=cfg["data"],
         lr=_number(cfg, "lr", "backend", 0, strict=True),
         weight_decay=_number(cfg, "weight_decay", "backend", 0, strict=False),
         adam_eps=_number(cfg, "adam_eps", "backend", 0, strict=True),
         initial_loss_scale=_number(cfg, "initial_loss_scale", "backend", 1, strict=False),
         preprocess=cfg["preprocess"],
-        prefetch_steps=_positive_int(cfg, "prefetch_steps", "backend"),
+        prefetch_steps=positive_int(cfg, "prefetch_steps", "backend"),
     )
 
 
@@ -158,5 +157,7 @@ def options_from(cls: type[Options], cfg: Mapping[str, Any], prefix: str = "stra
 
 def plain_config(cfg: DictConfig) -> dict[str, Any]:
     """A composed config as plain dicts and lists with interpolations resolved: what the
-    validators, the workers and DeepSpeed take."""
+    validators take and resolved.yaml records."""
+    from omegaconf import OmegaConf
+
     return cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))
