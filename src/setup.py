@@ -75,9 +75,14 @@ def plan_run(setup: Setup) -> Plan:
     return plan
 
 
-def prepare_run(config: dict[str, Any], job: JobInfo, overrides: list[str] | None = None) -> tuple[PlannedRun, RunSettings]:
+def prepare_run(
+    config: dict[str, Any], job: JobInfo, overrides: list[str] | None = None, for_launcher: bool = False
+) -> tuple[PlannedRun, RunSettings]:
     """The run typed: planned from `config`, or, with plan=DIR, the plan written there
-    (`overrides`: the command line's, none of which may change what was planned)."""
+    (`overrides`: the command line's, none of which may change what was planned).
+    `for_launcher`: a run prepared for torchrun or srun, which only the real backend's is."""
+    if for_launcher and config["backend"]["name"] != "torch":
+        raise ConfigError(f"only backend=torch runs are prepared for a launcher, got backend={config['backend']['name']}")
     if config.get("plan") is None:
         setup = validate(config)
         planned = PlannedRun(setup.model, setup.cluster, setup.train, plan_run(setup), {k: config[k] for k in PLANNED_FROM})

@@ -21,7 +21,7 @@ from src.runtime.inputs import dataset_for
 from src.runtime.grid_engine import on_grid
 from src.runtime.modules.grid3d import Axis, Grid3D
 from src.runtime.modules.unet3d import UNetOnGrid
-from src.runtime.modules.units import llama_style, vocab_size
+from src.runtime.modules.units import llama_style
 
 if TYPE_CHECKING:
     from src.plan_io import PlannedRun
@@ -122,7 +122,7 @@ def _check_grid(unit: UnitPlan, spec: UnitSpec) -> None:
             ("mesh",),
             (unit.unit,),
         )
-    vocab = vocab_size(spec)
+    vocab = spec.arch.vocab
     if (vocab + spec.seq_len) % (x * z):
         raise PlanRefused(
             f"{where}: the embedding's {vocab} token + {spec.seq_len} position rows split over G_x x G_z = {x * z}, "

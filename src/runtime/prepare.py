@@ -44,10 +44,8 @@ def layout(plan: Plan, devices_per_node: int) -> tuple[int, int]:
 
 def prepare(config: dict[str, Any], run_dir: Path, job: JobInfo, overrides: list[str] | None = None) -> tuple[int, int]:
     """Write the run directory of a torch run; returns (nodes, workers per node)."""
-    if config["backend"]["name"] != "torch":
-        raise ConfigError(f"only backend=torch runs are prepared for a launcher, got backend={config['backend']['name']}")
     start_run_dir(config, run_dir)
-    planned, settings = prepare_run(config, job, overrides)
+    planned, settings = prepare_run(config, job, overrides, for_launcher=True)
     write_run_dir(run_dir, planned, settings)
     with options_named(planned.plan.strategy):  # what the front door refuses before starting workers
         ready(planned, settings, run_dir)
