@@ -43,9 +43,11 @@ def run_all(named: dict[str, list[str]], root: Path) -> dict[str, dict]:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
+    from src.report import JobInfo
+    from src.runtime.backend import ready
     from src.runtime.driver import launch
     from src.runtime.errors import WorkerFailure
-    from src.setup import start_run_dir
+    from src.setup import prepare_run, start_run_dir, write_run_dir
 
     dirs = {}
     for name, overrides in named.items():
@@ -53,8 +55,11 @@ def run_all(named: dict[str, list[str]], root: Path) -> dict[str, dict]:
             config = OmegaConf.to_container(compose(config_name="config", overrides=overrides), resolve=True)
         dirs[name] = root / name.replace(" ", "_")
         start_run_dir(config, dirs[name])
+        planned, settings = prepare_run(config, JobInfo(run_name=name))
+        write_run_dir(dirs[name], planned, settings)
+        backend = ready(planned, settings, dirs[name])
     try:
-        launch(list(dirs.values()), 1, config["backend"], [{"run_name": n} for n in dirs])
+        launch(list(dirs.values()), 1, backend)
     except WorkerFailure as err:
         return {name: {"error": str(err)} for name in dirs}
     out = {}

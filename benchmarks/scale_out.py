@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere: this repository's src
 
 from src.metrics import summarize
+from src.plan_io import PlannedRun
 from src.setup import plan_run, validate
 from src.sim.engine import simulate
 
@@ -61,9 +62,9 @@ def run(overrides: list[str]) -> tuple[dict, float]:
         config = OmegaConf.to_container(compose(config_name="config", overrides=overrides), resolve=True)
     start = time.perf_counter()
     setup = validate(config)
-    plan = plan_run(setup)
-    timeline = simulate(plan.program, setup.model, setup.cluster, setup.train.precision)
-    return summarize(setup, plan, timeline), time.perf_counter() - start
+    planned = PlannedRun(setup.model, setup.cluster, setup.train, plan_run(setup))
+    timeline = simulate(planned.plan.program, setup.model, setup.cluster, planned.plan.precision)
+    return summarize(planned, timeline), time.perf_counter() - start
 
 
 def show(label: str, summary: dict, seconds: float) -> None:

@@ -7,7 +7,8 @@
 #   srun --nodes="$NNODES" --ntasks-per-node="$NPROC_PER_NODE" launchers/srun.sh "$RUN_DIR"
 #
 # The rendezvous is on the job's first node, at MASTER_PORT if set, else a port derived
-# from the job id (two jobs sharing a node do not collide).
+# from the job id (two jobs sharing a node do not collide). Each worker checks the written
+# plan (whole, of this version, for SLURM_NTASKS workers) before it joins: one line, exit 2.
 set -euo pipefail
 
 if [[ $# -ne 1 ]]; then

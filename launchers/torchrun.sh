@@ -24,6 +24,9 @@ if [[ ! -f $run_dir/launch.env ]]; then
 fi
 # shellcheck source=/dev/null
 source "$run_dir/launch.env"
+# The written plan, whole, of this version and for these workers, or one line and exit 2
+# before torchrun starts anything.
+"${PYTHON:-python}" -m src.plan_io "$run_dir" --world-size "$((NNODES * NPROC_PER_NODE))" > /dev/null
 
 # The run directory's name identifies the rendezvous: two runs on one endpoint never mix.
 exec "${PYTHON:-python}" -m torch.distributed.run \

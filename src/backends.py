@@ -1,5 +1,5 @@
-"""The backends behind the front door: the same call for each, (setup, plan, run
-directory, job) -> the run's summary. Each writes the run directory and its sinks through
+"""The backends behind the front door: the same call for each, (planned run, run
+settings, run directory) -> the run's summary (src/plan_io: both typed). Each writes the run directory and its sinks through
 metrics.summarize and report.open_sinks. A backend's module is imported only when it runs
 (torch.distributed and DeepSpeed load only for `torch`)."""
 

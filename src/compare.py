@@ -39,6 +39,7 @@ BUBBLES = ("bubble_warmup", "bubble_cooldown", "bubble_imbalance", "bubble_depen
 def price_contender(config: dict[str, Any], contender: Contender) -> dict[str, Any]:
     """One contender's summary, or its refusal: {'strategy', 'summary'|'reason'}."""
     from src.metrics import summarize
+    from src.plan_io import PlannedRun
     from src.setup import validate
     from src.strategies.auto import price
     from src.strategies.base import PlanRequest
@@ -47,7 +48,8 @@ def price_contender(config: dict[str, Any], contender: Contender) -> dict[str, A
     priced = price(contender, PlanRequest(setup.model, setup.cluster, setup.train, {}))
     if priced.plan is None or priced.timeline is None:
         return {"strategy": contender.label, "reason": priced.reason}
-    return {"strategy": contender.label, "summary": summarize(setup, priced.plan, priced.timeline)}
+    planned = PlannedRun(setup.model, setup.cluster, setup.train, priced.plan)
+    return {"strategy": contender.label, "summary": summarize(planned, priced.timeline)}
 
 
 def compare(config: dict[str, Any]) -> list[dict[str, Any]]:

@@ -11,10 +11,9 @@ import typing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, TypeVar, cast
 
-from omegaconf import DictConfig, OmegaConf
-
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
+    from omegaconf import DictConfig
 
 from src.cluster import ClusterSpec
 from src.errors import ConfigError, reject_unknown
@@ -32,7 +31,7 @@ class TrainSpec:
     seed: int
 
 
-TOP_LEVEL = ("model", "strategy", "cluster", "backend", "logger", "train", "run")
+TOP_LEVEL = ("model", "strategy", "cluster", "backend", "logger", "train", "run", "plan")
 TRAIN_KEYS = ("global_batch", "contrastive_batch", "seq_len", "precision", "steps", "seed")
 RUN_KEYS = ("name", "out_root")
 LOGGER_KEYS = {"none": ("name",), "wandb": ("name", "mode", "project", "entity", "group", "tags")}
@@ -43,7 +42,7 @@ DATA_ERRORS = ("fail", "skip")  # a bad shard or member fails the run, or is lef
 PREPROCESS = ("inline", "disaggregated")  # DistTrain: batches made by the trainer, or by a producer process beside it
 
 
-def _positive_int(cfg: Mapping[str, Any], key: str, prefix: str) -> int:
+def positive_int(cfg: Mapping[str, Any], key: str, prefix: str) -> int:
     value = cfg.get(key)
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(f"{prefix}.{key} must be a positive integer, got {value!r}")
@@ -55,7 +54,7 @@ def train_from_config(cfg: Mapping[str, Any], cluster: ClusterSpec, default_batc
     reject_unknown(cfg, TRAIN_KEYS, "train key(s)")
     if cfg.get("global_batch") is None and default_batch is not None:
         cfg = {**cfg, "global_batch": default_batch}
-    global_batch = _positive_int(cfg, "global_batch", "train")
+    global_batch = positive_int(cfg, "global_batch", "train")
     contrastive = cfg.get("contrastive_batch")
     if contrastive is None:
         contrastive = global_batch
@@ -65,7 +64,7 @@ def train_from_config(cfg: Mapping[str, Any], cluster: ClusterSpec, default_batc
         raise ConfigError(f"train.contrastive_batch={contrastive} exceeds train.global_batch={global_batch}")
     seq_len = cfg.get("seq_len")
     if seq_len is not None:
-        seq_len = _positive_int(cfg, "seq_len", "train")
+        seq_len = positive_int(cfg, "seq_len", "train")
     precision = cfg.get("precision", "auto")
     if precision == "auto":
         precision = cluster.default_precision
@@ -80,7 +79,7 @@ def train_from_config(cfg: Mapping[str, Any], cluster: ClusterSpec, default_batc
         contrastive_batch=contrastive,
         seq_len=seq_len,
         precision=precision,
-        steps=_positive_int(cfg, "steps", "train"),
+        steps=positive_int(cfg, "steps", "train"),
         seed=seed,
     )
 
@@ -133,10 +132,10 @@ def backend_from_config(cfg: Mapping[str, Any]) -> TorchBackendSpec | None:
     if cfg.get("preprocess") not in PREPROCESS:
         raise ConfigError(f"backend.preprocess={cfg.get('preprocess')!r}; choose one of {list(PREPROCESS)}")
     return TorchBackendSpec(
-        workers=_positive_int(cfg, "workers", "backend"),
+        workers=positive_int(cfg, "workers", "backend"),
         dist_backend=cfg["dist_backend"],
         timeout_s=_number(cfg, "timeout_s", "backend", 0, strict=True),
-        threads_per_worker=_positive_int(cfg, "threads_per_worker", "backend"),
+        threads_per_worker=positive_int(cfg, "threads_per_worker", "backend"),
         data=cfg["data"],
         data_errors=cfg["data_errors"],
         lr=_number(cfg, "lr", "backend", 0, strict=True),
@@ -144,7 +143,7 @@ def backend_from_config(cfg: Mapping[str, Any]) -> TorchBackendSpec | None:
         adam_eps=_number(cfg, "adam_eps", "backend", 0, strict=True),
         initial_loss_scale=_number(cfg, "initial_loss_scale", "backend", 1, strict=False),
         preprocess=cfg["preprocess"],
-        prefetch_steps=_positive_int(cfg, "prefetch_steps", "backend"),
+        prefetch_steps=positive_int(cfg, "prefetch_steps", "backend"),
     )
 
 
@@ -211,5 +210,7 @@ def _check_shape(key: str, value: Any, hint: Any) -> None:
 
 def plain_config(cfg: DictConfig) -> dict[str, Any]:
     """A composed config as plain dicts and lists with interpolations resolved: what the
-    validators, the workers and DeepSpeed take."""
+    validators take and resolved.yaml records."""
+    from omegaconf import OmegaConf
+
     return cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))

@@ -17,6 +17,19 @@ class PlanError(ConfigError):
     """A strategy cannot produce a plan for this model on this cluster (e.g. memory)."""
 
 
+class PlanRefused(ConfigError):
+    """A backend cannot run a plan as written. Its message names the plan's fields;
+    `fields` lists them (a UnitPlan's: tp, pp, zero_stage, sequence_parallel, ...; a
+    Work's: load, fraction, kernels; a route's: scatter; a collective's: blocking; the
+    plan's: precision) and `units` the units they belong to: the door names the strategy
+    options that set them."""
+
+    def __init__(self, message: str, fields: tuple[str, ...], units: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.fields = fields
+        self.units = units
+
+
 def reject_unknown(cfg: Mapping[str, Any], allowed: Iterable[str], what: str) -> None:
     """A key nobody reads is a typo: it must not silently fall back to a default."""
     allowed = set(allowed)

@@ -19,7 +19,7 @@ from src.program import Plan
 from src.timeline import BREAKDOWN_CATEGORIES, Timeline
 
 if TYPE_CHECKING:
-    from src.setup import Setup
+    from src.plan_io import PlannedRun
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,7 @@ def build_summary(
     """The figures of the output contract (DESIGN.md), JSON-ready."""
     seconds = timeline.iteration_time
     devices = plan.devices
-    peak = cluster.peak(train.precision)
+    peak = cluster.peak(plan.precision)
     model_flops, hardware_flops = iteration_flops(model, plan, train)
     worst = max(timeline.ranks, key=lambda r: r.peak_memory_bytes)
     return {
@@ -121,7 +121,7 @@ def build_summary(
         "devices": devices,
         "global_batch": train.global_batch,
         "contrastive_batch": train.contrastive_batch,
-        "precision": train.precision,
+        "precision": plan.precision,
         "peak_flops_per_device": peak,
         "iteration_time_s": seconds,
         "mfu": model_flops / (seconds * devices * peak),
@@ -143,16 +143,17 @@ def build_summary(
 
 
 def summarize(
-    setup: Setup, plan: Plan, timeline: Timeline, peak_flops: float | None = None, extras: dict[str, Any] | None = None
+    run: PlannedRun, timeline: Timeline, peak_flops: float | None = None, extras: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """The run's summary, for every backend: the plan's memory attached to the timeline,
     the figures of the output contract, and what the backend adds (measured values, how
     it measured them). `peak_flops` replaces the cluster preset's per-device peak (a
     measured one)."""
-    attach_memory(timeline, plan, setup.model, setup.train.precision)
-    cluster = setup.cluster
+    plan = run.plan
+    attach_memory(timeline, plan, run.model, plan.precision)
+    cluster = run.cluster
     if peak_flops is not None:
         # Measured with every worker computing at once: already each one's share.
-        cluster = replace(cluster, peak_flops={setup.train.precision: peak_flops}, oversubscription={})
-    names = {"model": setup.model.name, "strategy": plan.strategy, "cluster": setup.cluster.name, "backend": timeline.backend}
-    return {**build_summary(names, plan, timeline, setup.model, cluster, setup.train), **(extras or {})}
+        cluster = replace(cluster, peak_flops={plan.precision: peak_flops}, oversubscription={})
+    names = {"model": run.model.name, "strategy": plan.strategy, "cluster": run.cluster.name, "backend": timeline.backend}
+    return {**build_summary(names, plan, timeline, run.model, cluster, run.train), **(extras or {})}

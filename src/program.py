@@ -488,10 +488,14 @@ class UnitPlan:
 
 @dataclass
 class Plan:
+    """A strategy's plan: its units' plans and the Program. precision: the numeric format
+    the plan is priced and runs in (train.precision; fp32, fp16 or bf16)."""
+
     strategy: str
     devices: int
     units: list[UnitPlan]
     program: Program
+    precision: str
     details: dict = field(default_factory=dict)
     # sample_order[p]: which sample of the step's batch (in data order) batch position p
     # holds, when the strategy reorders its batch (DistTrain); None: data order.

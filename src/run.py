@@ -1,7 +1,8 @@
-"""The front door: compose the config, plan, execute, report.
+"""The front door: compose the config, plan, write the plan, execute it, report.
 
 python -m src.run model=clip strategy=megatron
 python -m src.run -m model=clip,coca,lit strategy=megatron
+python -m src.run backend=torch plan=outputs/<run>/<time>   # run a written plan
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from src.progress import heartbeat
 from src.report import JobInfo
 from src.report.files import WriteError, unwritable_dir, write_failure
 from src.runtime.errors import WorkerFailure
-from src.setup import ERROR_FILE, job_info, plan_run, start_run_dir, validate
+from src.setup import ERROR_FILE, job_info, options_named, prepare_run, start_run_dir, write_run_dir
 from src.sim.engine import SimulationError
 
 log = logging.getLogger("src.run")
@@ -61,22 +62,25 @@ def _one_line(message: str) -> str:
     return "; ".join(line.rstrip(".") for line in lines[:3])
 
 
-def execute(config: dict[str, Any], run_dir: Path, job: JobInfo) -> dict[str, Any]:
+def execute(config: dict[str, Any], run_dir: Path, job: JobInfo, overrides: list[str] | None = None) -> dict[str, Any]:
+    """Validate and plan once (or read the plan `plan=DIR` names), write the plan to the
+    run directory, and run what was written."""
     start_run_dir(config, run_dir)
     # Building a big model and planning can take minutes, not every part with lines of its own.
     with heartbeat(f"planning {config['strategy'].get('name')} for {config['model'].get('name')} on {config['cluster'].get('name')}"):
-        setup = validate(config)
-        plan = plan_run(setup)
-    return backend_for(config["backend"]["name"])(setup, plan, run_dir, job)
+        planned, settings = prepare_run(config, job, overrides)
+    write_run_dir(run_dir, planned, settings)
+    with options_named(planned.plan.strategy):
+        return backend_for(settings.backend)(planned, settings, run_dir)
 
 
 # An absolute path: the `mmdist` script imports this module, where a relative one would be a package.
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
     config = plain_config(cfg)
-    run_dir, job = job_info(config)
+    run_dir, job, overrides = job_info(config)
     try:
-        execute(config, run_dir, job)
+        execute(config, run_dir, job, overrides)
     except (ConfigError, SimulationError, WriteError) as err:
         fail(run_dir, job, f"error: {err}", 2)
     except OSError as err:

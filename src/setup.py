@@ -1,9 +1,12 @@
-"""A run's validated inputs and its plan: what the front door, the workers and the
-launchers share (none of them runs Hydra to get here but the front door)."""
+"""The door: a run's config validated once into typed settings, planned (or its written
+plan read), and the run directory the backends, the workers and the launchers read
+(none of them runs Hydra or plans again but the door)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -11,26 +14,39 @@ import yaml
 
 from src.backends import BACKENDS
 from src.cluster import ClusterSpec, cluster_from_config
-from src.config import TOP_LEVEL, TrainSpec, backend_from_config, check_logger_and_run, train_from_config
-from src.errors import ConfigError, reject_unknown
+from src.config import (
+    TOP_LEVEL,
+    TorchBackendSpec,
+    TrainSpec,
+    backend_from_config,
+    check_logger_and_run,
+    positive_int,
+    train_from_config,
+)
+from src.errors import ConfigError, PlanRefused, reject_unknown
 from src.models.registry import build_model
 from src.models.spec import ModelSpec
+from src.plan_io import PLANNED_FROM, PlannedRun, RunSettings, read_plan, write_plan
 from src.program import Plan
 from src.report import JobInfo
 from src.report.files import SUMMARY_FILE
-from src.strategies import PlanRequest, planner_for
+from src.strategies import PlanRequest, option_keys, planner_for
 
 ERROR_FILE = "error.txt"  # a failed run's one-line reason (a multirun's other jobs go on)
+RESOLVED_FILE = "resolved.yaml"
 
 
 @dataclass(frozen=True)
 class Setup:
-    """A validated run: everything a planner and a backend need."""
+    """A validated run: everything a planner and a backend need, typed (`config`: the
+    composed config it was validated from; the strategy's options are its planner's to
+    type)."""
 
     config: dict[str, Any]
     model: ModelSpec
     cluster: ClusterSpec
     train: TrainSpec
+    backend: TorchBackendSpec | None = None
 
 
 def validate(config: dict[str, Any]) -> Setup:
@@ -38,12 +54,16 @@ def validate(config: dict[str, Any]) -> Setup:
     cluster = cluster_from_config(config["cluster"])
     model = build_model(config["model"], config["train"].get("seq_len"), cluster.device)
     train = train_from_config(config["train"], cluster, model.default_global_batch)
-    backend = config["backend"]["name"]
-    if backend not in BACKENDS:
-        raise ConfigError(f"backend {backend!r} is not available; choose one of {list(BACKENDS)}")
-    backend_from_config(config["backend"])
+    backend = _backend(config)
     check_logger_and_run(config.get("logger") or {"name": "none"}, config.get("run") or {})
-    return Setup(config, model, cluster, train)
+    return Setup(config, model, cluster, train, backend)
+
+
+def _backend(config: dict[str, Any]) -> TorchBackendSpec | None:
+    name = config["backend"]["name"]
+    if name not in BACKENDS:
+        raise ConfigError(f"backend {name!r} is not available; choose one of {list(BACKENDS)}")
+    return backend_from_config(config["backend"])
 
 
 def plan_run(setup: Setup) -> Plan:
@@ -55,17 +75,73 @@ def plan_run(setup: Setup) -> Plan:
     return plan
 
 
+def prepare_run(
+    config: dict[str, Any], job: JobInfo, overrides: list[str] | None = None, for_launcher: bool = False
+) -> tuple[PlannedRun, RunSettings]:
+    """The run typed: planned from `config`, or, with plan=DIR, the plan written there
+    (`overrides`: the command line's, none of which may change what was planned).
+    `for_launcher`: a run prepared for torchrun or srun, which only the real backend's is."""
+    if for_launcher and config["backend"]["name"] != "torch":
+        raise ConfigError(f"only backend=torch runs are prepared for a launcher, got backend={config['backend']['name']}")
+    if config.get("plan") is None:
+        setup = validate(config)
+        planned = PlannedRun(setup.model, setup.cluster, setup.train, plan_run(setup), {k: config[k] for k in PLANNED_FROM})
+        return planned, RunSettings(config["backend"]["name"], setup.backend, job, config)
+    source = Path(str(config["plan"]))
+    planning = [o for o in overrides or [] if o.lstrip("+~").split("=")[0].split(".")[0] in PLANNED_FROM]
+    planning = [o for o in planning if not o.startswith("train.steps=")]
+    if planning:
+        raise ConfigError(
+            f"plan={source} runs the written plan's model, strategy, cluster and train (train.steps aside): drop {planning}"
+        )
+    reject_unknown(config, TOP_LEVEL, "top-level config key(s)")
+    backend = _backend(config)
+    check_logger_and_run(config.get("logger") or {"name": "none"}, config.get("run") or {})
+    steps = positive_int(config["train"], "steps", "train")
+    planned = read_plan(source)
+    planned = replace(planned, train=replace(planned.train, steps=steps))
+    record = {**config, **planned.sources, "train": {**planned.sources.get("train", {}), "steps": steps}}
+    if config["run"]["name"] == _default_name(config):  # the composed groups' name: the plan's instead
+        record["run"] = {**config["run"], "name": _default_name(record)}
+        job = replace(job, run_name=record["run"]["name"])
+    return planned, RunSettings(config["backend"]["name"], backend, job, record)
+
+
+def _default_name(config: dict[str, Any]) -> str:
+    """conf/config.yaml's run.name."""
+    return "-".join(str((config.get(group) or {}).get("name")) for group in ("model", "strategy", "cluster"))
+
+
 def start_run_dir(config: dict[str, Any], run_dir: Path) -> None:
     """Write the composed config; a reused run directory must not keep an earlier run's
     results if this one fails."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / SUMMARY_FILE).unlink(missing_ok=True)
     (run_dir / ERROR_FILE).unlink(missing_ok=True)
-    (run_dir / "resolved.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    (run_dir / RESOLVED_FILE).write_text(yaml.safe_dump(config, sort_keys=False))
 
 
-def job_info(config: dict[str, Any]) -> tuple[Path, JobInfo]:
-    """The run directory and names of the Hydra job running now."""
+def write_run_dir(run_dir: Path, planned: PlannedRun, settings: RunSettings) -> None:
+    """The plan the backend runs, and the config it was composed from (a re-run's: its
+    plan's groups)."""
+    if settings.record.get("plan") is not None:
+        (run_dir / RESOLVED_FILE).write_text(yaml.safe_dump(settings.record, sort_keys=False))
+    write_plan(run_dir, planned)
+
+
+@contextmanager
+def options_named(strategy: str) -> Iterator[None]:
+    """A backend's refusal names plan fields; the door adds the strategy's options that
+    set them (each strategy's table, src/strategies)."""
+    try:
+        yield
+    except PlanRefused as refusal:
+        keys = option_keys(strategy, refusal.fields, refusal.units)
+        raise ConfigError(f"{refusal} [{strategy}: {', '.join(keys)}]" if keys else str(refusal)) from None
+
+
+def job_info(config: dict[str, Any]) -> tuple[Path, JobInfo, list[str]]:
+    """The run directory, names and command-line overrides of the Hydra job running now."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -73,4 +149,4 @@ def job_info(config: dict[str, Any]) -> tuple[Path, JobInfo]:
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     sweep = Path(hydra_cfg.sweep.dir).name if multirun else None
     job = JobInfo(run_name=config["run"]["name"], sweep_name=sweep, override_dirname=hydra_cfg.job.override_dirname or None)
-    return Path(hydra_cfg.runtime.output_dir), job
+    return Path(hydra_cfg.runtime.output_dir), job, list(hydra_cfg.overrides.task)

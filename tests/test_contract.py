@@ -50,6 +50,20 @@ def test_the_runtime_never_imports_the_front_door():
     assert out.stdout.strip() == "False"
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch and DeepSpeed
+def test_a_worker_loads_the_written_plan_and_never_plans_or_runs_hydra():
+    """What a worker imports (its entry, its session, the local driver) leaves the
+    planners, the door and Hydra out: it runs the plan the door wrote (src/plan_io)."""
+    code = (
+        "import sys\n"
+        "import src.runtime.worker, src.runtime.session, src.runtime.driver\n"
+        "print([m for m in sys.modules if m.split('.')[0] in ('hydra', 'omegaconf') "
+        "or m == 'src.setup' or m == 'src.run' or m.startswith('src.strategies')])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=SRC.parent, check=True)
+    assert out.stdout.strip() == "[]"
+
+
 # ---- meshes -----------------------------------------------------------------------------
 def test_a_mesh_of_four_axes_lays_out_par4d_ranks():
     # Par4D's (x, y, z, data) = (2, 2, 2, 2): rank = x + 2(y + 2(z + 2d)).

@@ -8,6 +8,7 @@ timeout (torchrun's and submitit's children included)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -17,10 +18,11 @@ from types import SimpleNamespace
 import pytest
 
 from src.errors import ConfigError
+from src.plan_io import read_settings
 from src.runtime.driver import free_port, launch, stop
 from src.runtime.prepare import layout
 from tests.conftest import REPO_ROOT, cli_env
-from tests.runtime.support import CLIP, composed
+from tests.runtime.support import CLIP
 
 TWO_NODES = ["backend=torch", "cluster=local", "cluster.nodes=2", "cluster.devices_per_node=1", "logger=none"]
 RUN = [*CLIP, "strategy=ddp", "train.steps=2"]
@@ -76,11 +78,11 @@ def prepared(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def driver_losses(prepared) -> list[float]:
-    """The same resolved config, run through our own driver."""
-    run_dir = prepared.parent / "driver"
-    run_dir.mkdir()
-    shutil.copy(prepared / "resolved.yaml", run_dir)
-    launch([run_dir], 2, composed(TWO_NODES + RUN)["backend"], [{"run_name": "driver"}])
+    """The same written plan, run through our own driver."""
+    run_dir = _copy(prepared, "driver")
+    backend = read_settings(run_dir).torch
+    assert backend is not None
+    launch([run_dir], 2, backend)
     return _summary(run_dir)["measured"]["loss"]
 
 
@@ -128,6 +130,46 @@ def test_srun_refuses_a_task_count_the_plan_does_not_use(prepared):
     )
     assert proc.returncode == 2
     assert proc.stderr.strip() == ("error: the plan needs 2 workers but srun started 3 tasks (use --nodes=2 --ntasks-per-node=1)")
+
+
+def _worker(run_dir: Path, world: int) -> subprocess.CompletedProcess:
+    env = {**cli_env(), "RANK": "0", "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    return subprocess.run(
+        [sys.executable, "-m", "src.runtime.worker", str(run_dir)], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+
+
+@pytest.mark.slow  # starts a worker process
+def test_a_worker_refuses_a_plan_for_other_workers_or_a_truncated_one_before_joining(prepared):
+    run_dir = _copy(prepared, "bad_plan")
+    proc = _worker(run_dir, 3)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"error: rank 0: {run_dir}/plan.json plans 2 ranks, not the launcher's 3 (WORLD_SIZE)"
+    plan = run_dir / "plan.json"
+    plan.write_text(plan.read_text()[:1000])
+    proc = _worker(run_dir, 2)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert re.fullmatch(rf"error: rank 0: {run_dir}/plan.json is not a whole plan file \(truncated .* of 1000\)", proc.stderr.strip())
+    assert not (run_dir / "errors").exists() and not (run_dir / "summary.json").exists()
+
+
+@pytest.mark.slow  # runs the launcher's check
+def test_torchrun_refuses_a_plan_of_another_version_before_starting(prepared):
+    run_dir = _copy(prepared, "newer_plan")
+    plan = run_dir / "plan.json"
+    plan.write_text(plan.read_text().replace('"version":1', '"version":2', 1))
+    proc = subprocess.run(
+        ["bash", "launchers/torchrun.sh", str(run_dir), f"127.0.0.1:{free_port()}"],
+        cwd=REPO_ROOT,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        f"error: {plan} is plan format version 2; this mmdist reads version 1 only (plan the run again with this version)"
+    )
 
 
 def test_prepare_refuses_a_simulator_run(tmp_path):

@@ -28,7 +28,7 @@ def _plan(model, batch: int, recompute: str = "none") -> Plan:
         )
         for u in model.units
     ]
-    return Plan("test", devices=4, units=units, program=Program(world_size=4, classes=[]))
+    return Plan("test", devices=4, units=units, program=Program(world_size=4, classes=[]), precision="bf16")
 
 
 def _train(batch: int, contrastive: int | None = None) -> TrainSpec:

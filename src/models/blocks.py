@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from src.models.layers import ACT_BYTES, embedding_layer, gemm, head_layer, memory, patch_embedding_layer, transformer_layer
-from src.models.spec import ActivationBytes, LayerSpec, UnitSpec
+from src.models.spec import ActivationBytes, Architecture, LayerSpec, UnitSpec
 
 
 def vit_layers(image: int, patch: int, layers: int, hidden: int, heads: int, ffn: int | None = None) -> list[LayerSpec]:
@@ -72,6 +72,12 @@ class DecoderPreset:
 def decoder_unit(preset: DecoderPreset, seq: int, output_elems: int, name: str = "llm") -> UnitSpec:
     """An LLM backbone unit: embedding, `layers` blocks, LM head with the loss."""
     llama = preset.style == "llama"
+    arch = Architecture(
+        vocab=preset.vocab,
+        style=preset.style,
+        ffn=preset.ffn or 4 * preset.hidden,
+        kv_heads=preset.kv_heads or preset.heads,
+    )
     block = transformer_layer(
         seq, preset.hidden, preset.heads, preset.ffn, kv_heads=preset.kv_heads, gated=llama, bias=not llama, dropout=not llama
     )
@@ -80,4 +86,6 @@ def decoder_unit(preset: DecoderPreset, seq: int, output_elems: int, name: str =
         + [block] * preset.layers
         + [head_layer(seq, preset.hidden, preset.vocab, tied=not llama)]
     )
-    return UnitSpec(name=name, layers=tuple(layers), hidden=preset.hidden, heads=preset.heads, seq_len=seq, output_elems=output_elems)
+    return UnitSpec(
+        name=name, layers=tuple(layers), hidden=preset.hidden, heads=preset.heads, seq_len=seq, output_elems=output_elems, arch=arch
+    )

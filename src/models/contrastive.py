@@ -29,7 +29,7 @@ from src.errors import ConfigError
 from src.models.blocks import feature_head, text_layers, vit_layers
 from src.models.layers import contrastive_layer, embedding_layer, head_layer, transformer_layer
 from src.models.options import Options, divisible, no_seq_len
-from src.models.spec import ModelSpec, UnitSpec
+from src.models.spec import Architecture, ModelSpec, UnitSpec
 
 SCALES = ("single_device", "single_node", "multi_node", "tiny")
 
@@ -121,6 +121,7 @@ def _build(family: str, opts: Options, seq_len: int | None) -> ModelSpec:
         seq_len=(image // patch) ** 2 + 1,
         output_elems=embed_dim,
         frozen=family == "lit",  # LiT: "locked" (pre-trained, frozen) image tower
+        arch=Architecture(image_size=image, patch_size=patch),
     )
     extras: dict = {"scale": scale}
     flows = [("vision", "interaction"), ("text", "interaction")]
@@ -138,6 +139,7 @@ def _build(family: str, opts: Options, seq_len: int | None) -> ModelSpec:
             heads=t_heads,
             seq_len=text_len,
             output_elems=embed_dim,
+            arch=Architecture(vocab=vocab),
         )
     interaction = UnitSpec(
         name="interaction",
@@ -191,7 +193,15 @@ def _coca_text(
         + [cross] * (layers - unimodal)
         + [head_layer(text_len, hidden, vocab, tied=True, name="caption_head")]
     )
-    return UnitSpec(name="text", layers=tuple(stack), hidden=hidden, heads=heads, seq_len=text_len, output_elems=embed_dim)
+    return UnitSpec(
+        name="text",
+        layers=tuple(stack),
+        hidden=hidden,
+        heads=heads,
+        seq_len=text_len,
+        output_elems=embed_dim,
+        arch=Architecture(vocab=vocab),
+    )
 
 
 def build_clip(opts: Options, seq_len: int | None) -> ModelSpec:

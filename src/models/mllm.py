@@ -39,7 +39,7 @@ from functools import partial
 from src.models.blocks import DecoderPreset, decoder_unit, mlp_projector, vit_layers
 from src.models.options import Options, divisible
 from src.models.sd21 import SD21, SD_TINY, VAE_FACTOR, SDShape, sd_unet_layers, vae_encoder_layers
-from src.models.spec import ActivationBytes, LayerSpec, ModelSpec, UnitSpec
+from src.models.spec import ActivationBytes, Architecture, LayerSpec, ModelSpec, UnitSpec
 
 LLAMA_VOCAB = 32000
 MLLM_SEQ_LEN = 8192
@@ -142,8 +142,10 @@ def build_mllm(model: str, opts: Options, seq_len: int | None) -> ModelSpec:
         heads=vit["heads"],
         seq_len=images * (image_tokens + 1),
         output_elems=images * image_tokens * hidden,
+        arch=Architecture(image_size=encoder_image, patch_size=patch, images=images),
     )
     llm = decoder_unit(llm_preset, seq, output_elems=images * cond_tokens * hidden)
+    llm = replace(llm, arch=replace(llm.arch, images=images, image_tokens=images * image_tokens))
     vae = vae_encoder_layers(image, sd) if vae_encode else []
     latent = image // VAE_FACTOR
     generator = UnitSpec(
@@ -158,6 +160,7 @@ def build_mllm(model: str, opts: Options, seq_len: int | None) -> ModelSpec:
         seq_len=images * latent * latent,
         output_elems=0,
         kind="unet",
+        arch=Architecture(image_size=image, latent_size=latent, images=images),
     )
     return ModelSpec(
         name=model,

@@ -22,13 +22,13 @@ Naming: Table 8 calls the 4096-wide ViT "ViT-10B" while §5 and Tables 3/6 call 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from src.errors import ConfigError
 from src.models.blocks import DecoderPreset, decoder_unit, mlp_projector, vit_layers
 from src.models.gpt import GPT_PRESETS, GPT_VOCAB
 from src.models.options import Options, divisible
-from src.models.spec import ModelSpec, UnitSpec
+from src.models.spec import Architecture, ModelSpec, UnitSpec
 
 
 # Table 8: width, depth, MLP dimension, heads (head dim 128).
@@ -118,9 +118,12 @@ def build_optimus(opts: Options, seq_len: int | None) -> ModelSpec:
                 heads=vit["heads"],
                 seq_len=image_tokens + 1,
                 output_elems=image_tokens * llm_preset.hidden,
+                arch=Architecture(image_size=image, patch_size=patch),
             )
         )
     llm = decoder_unit(llm_preset, seq, output_elems=0)
+    tokens = len(names) * images_per_sample * image_tokens  # every encoder's tokens of every image, first in the sequence
+    llm = replace(llm, arch=replace(llm.arch, images=images_per_sample, image_tokens=tokens))
     return ModelSpec(
         name="optimus",
         units=(*encoders, llm),

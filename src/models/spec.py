@@ -124,12 +124,45 @@ class LayerSpec:
 
 
 @dataclass(frozen=True)
+class Architecture:
+    """What a unit is, as its model's builder states it: what the real backend builds the
+    unit's modules and its data from (its kernels price the same shapes; nothing reads
+    these numbers back off them).
+
+    image_size, patch_size: a ViT's input images' side in pixels and its patches' (0: the
+      unit reads no images). A U-Net's image_size is the side of the images it learns to
+      generate, latent_size the side it denoises at (0: the images themselves).
+    images: images per sample (an MLLM's per sequence).
+    vocab: the vocabulary of a unit that embeds or predicts tokens (0: none).
+    style: its transformer blocks': 'gpt' (LayerNorm, GELU MLP) or 'llama' (RMSNorm, no
+      biases, SwiGLU MLP of width `ffn`, rotary positions, `kv_heads` key/value heads).
+    image_tokens: a sample's tokens that come from images (an MLLM LLM's, its encoders').
+    """
+
+    image_size: int = 0
+    patch_size: int = 0
+    latent_size: int = 0
+    images: int = 1
+    vocab: int = 0
+    style: Literal["gpt", "llama"] = "gpt"
+    ffn: int = 0
+    kv_heads: int = 0
+    image_tokens: int = 0
+
+    @property
+    def reads_images(self) -> bool:
+        """A ViT: patches of images (it attends both ways)."""
+        return self.patch_size > 0
+
+
+@dataclass(frozen=True)
 class UnitSpec:
     """A separately parallelisable part of a model: a tower, a backbone, a generator.
 
     `layers` may repeat the same LayerSpec object; consumers cache by identity.
     `output_elems` is the per-sample size of what the unit hands to the next unit (or to
-    the interaction); `seq_len` its tokens per sample; `heads` bounds its TP degree.
+    the interaction); `seq_len` its tokens per sample; `heads` bounds its TP degree;
+    `arch` what the real backend builds its modules and data from.
     """
 
     name: str
@@ -140,6 +173,7 @@ class UnitSpec:
     output_elems: int
     frozen: bool = False
     kind: str = "transformer"
+    arch: Architecture = Architecture()
 
     @property
     def params(self) -> int:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from src.errors import ConfigError
 from src.models.conv import GROUPNORM_GROUPS, conv_layer, resblock_layer, spatial_attention_layer, time_embedding_layer, upsample_layer
 from src.models.options import Options, divisible, no_seq_len
-from src.models.spec import LayerSpec, ModelSpec, UnitSpec
+from src.models.spec import Architecture, LayerSpec, ModelSpec, UnitSpec
 
 # Base channels per preset: Par4D Table II, plus the 50M CIFAR-10 validation model (§V-A).
 UNET_CHANNELS: dict[str, int] = {
@@ -98,7 +98,14 @@ def build_unet(opts: Options, seq_len: int | None) -> ModelSpec:
 
     layers = unet_layers(image, channels, list(mult), res_blocks, set(attention_res), heads)
     unit = UnitSpec(
-        name="unet", layers=tuple(layers), hidden=channels, heads=heads, seq_len=image * image, output_elems=0, kind="unet"
+        name="unet",
+        layers=tuple(layers),
+        hidden=channels,
+        heads=heads,
+        seq_len=image * image,
+        output_elems=0,
+        kind="unet",
+        arch=Architecture(image_size=image),
     )
     return ModelSpec(
         name="unet",

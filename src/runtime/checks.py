@@ -1,5 +1,6 @@
 """What the real backend runs, checked before any worker starts: a plan field it cannot
-honour is refused in one line, never run under a label it did not earn.
+honour is refused in one line naming that field (PlanRefused; the door adds the strategy
+options that set it), never run under a label it did not earn.
 
 Every rank class's first rank stands for its class for instruction kinds; routes are
 checked message by message for every rank: over one route, two ranks must send and
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from src.errors import ConfigError
+from src.errors import ConfigError, PlanRefused
 from src.models.spec import ModelSpec, UnitSpec
 from src.program import Collective, Compute, Hop, Plan, Recv, Send, UnitPlan, Wait
 from src.runtime.batch_rows import placed_by_rows
@@ -20,65 +21,77 @@ from src.runtime.inputs import dataset_for, tell_repeats
 from src.runtime.grid_engine import on_grid
 from src.runtime.modules.grid3d import Axis, Grid3D
 from src.runtime.modules.unet3d import UNetOnGrid
-from src.runtime.modules.units import llama_style, vocab_size
+from src.runtime.modules.units import llama_style
 
 if TYPE_CHECKING:
-    from src.setup import Setup
+    from src.plan_io import PlannedRun
 
 PHASES = ("fwd", "bwd", "bwd_input", "bwd_weight", "optimizer", "interaction")
 PAYLOAD_COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
 GRID_LAYERS = ("embedding", "block", "head")  # runtime.modules.gpt3d's
 
 
-def check_runnable(setup: Setup, plan: Plan) -> None:
-    if setup.train.precision == "fp16":
+def check_runnable(run: PlannedRun, data: str, data_errors: str = "fail") -> None:
+    """Refuse what the real backend cannot run of `run`'s plan, training on `data`
+    (backend.data: synthetic or a glob of tar shards; bad members per `data_errors`)."""
+    plan, model = run.plan, run.model
+    if plan.precision == "fp16":
         zero = [u for u in plan.units if u.zero_stage > 0 and u.dp > 1]
         if zero:
-            raise ConfigError(
-                f"train.precision=fp16 with ZeRO-{zero[0].zero_stage} (unit {zero[0].unit}): the real backend "
-                f"scales fp16 losses itself and unscales plain data parallelism's gradients, not ZeRO's "
-                f"partitions; use strategy.zero_stage=0 or bf16"
+            raise PlanRefused(
+                f"precision=fp16 with ZeRO-{zero[0].zero_stage} (unit {zero[0].unit}: zero_stage={zero[0].zero_stage}): "
+                f"the real backend scales fp16 losses itself and unscales plain data parallelism's gradients, not "
+                f"ZeRO's partitions; it needs zero_stage=0 or precision=bf16",
+                ("zero_stage", "precision"),
+                (zero[0].unit,),
             )
     for unit in plan.units:
-        spec = setup.model.unit(unit.unit)
+        spec = model.unit(unit.unit)
         if on_grid(unit):
             _check_grid(unit, spec)
         mllm = llama_style(spec) is not None or any(layer.name.endswith("_projector") for layer in spec.layers)
         if unit.sequence_parallel and mllm:
-            raise ConfigError(
+            raise PlanRefused(
                 f"unit {unit.unit}: the real backend runs sequence parallelism in GPT, ViT and CLIP units, "
-                f"not yet in an MLLM's Llama blocks and projectors (strategy.sequence_parallel=false)"
+                f"not yet in an MLLM's Llama blocks and projectors (it needs sequence_parallel=false)",
+                ("sequence_parallel",),
+                (unit.unit,),
             )
         tp, seq = unit.mesh.degree("tp"), spec.seq_len
         if unit.sequence_parallel and seq % tp:
-            raise ConfigError(
+            raise PlanRefused(
                 f"unit {unit.unit}: sequence parallelism splits its {seq} tokens over tp={tp}, which does "
-                f"not divide them (strategy.sequence_parallel=false, or another tp)"
+                f"not divide them (it needs sequence_parallel=false, or another tp)",
+                ("sequence_parallel", "tp"),
+                (unit.unit,),
             )
         if spec.kind == "unet" and (unit.tp > 1 or unit.pp > 1):
-            raise ConfigError(
+            raise PlanRefused(
                 f"unit {unit.unit} is a U-Net on tp={unit.tp} x pp={unit.pp}: the real backend runs a U-Net whole "
                 f"on each rank (its skip connections do not cross pipeline stages, its convolutions have no TP); "
-                f"give it tp=1 and pp=1 (DistTrain: strategy.{unit.unit}.tp=1 strategy.{unit.unit}.pp=1)"
+                f"it needs tp=1 and pp=1",
+                ("tp", "pp"),
+                (unit.unit,),
             )
-    backend = setup.config["backend"]
-    dataset = dataset_for(setup.model, setup.train.seed, str(backend["data"]), str(backend["data_errors"]))
-    tell_repeats(dataset, setup.train.global_batch, setup.train.steps)
+    dataset = dataset_for(model, run.train.seed, data, data_errors)
+    tell_repeats(dataset, run.train.global_batch, run.train.steps)
     for route in plan.program.routes.values():
         if isinstance(route, Hop) and route.scatter and route.rows % route.parts:
-            raise ConfigError(
+            raise PlanRefused(
                 f"route {route.name} scatters each micro-batch of {route.rows} rows over tp={route.parts}, which does "
-                f"not divide them: the real backend sends whole rows (strategy.scatter_gather=false, or a micro-batch "
-                f"size that tp divides)"
+                f"not divide them: the real backend sends whole rows (it needs a route without scatter, or a "
+                f"micro_batch that tp divides)",
+                ("scatter", "micro_batch"),
             )
     # DeepSpeed overlaps ZeRO-3's communication where the plan says so (engines.deepspeed_config).
     overlapped = any(u.zero_stage == 3 and u.overlap_comm for u in plan.units)
     for rank_program in plan.program.classes:
         handles: set[str] = set()
+        partitioned = tuple(u for u in rank_program.units if plan.unit(u).zero_stage in (1, 2))
         for instruction in rank_program.instructions:
-            _check_instruction(instruction, handles, rank_program.label, setup.model.interaction, overlapped)
+            _check_instruction(instruction, handles, rank_program.label, model.interaction, overlapped, partitioned)
         _check_backward_ranges(rank_program.label, rank_program.instructions)
-        _check_kernel_ranges(rank_program.label, rank_program.instructions, setup.model)
+        _check_kernel_ranges(rank_program.label, rank_program.instructions, model)
         _check_work_under_tp(rank_program.label, rank_program.instructions)
         if rank_program.ranks:
             _check_gathered_batches(plan, rank_program.ranks[0], rank_program.instructions)
@@ -99,23 +112,29 @@ def _check_grid(unit: UnitPlan, spec: UnitSpec) -> None:
             try:
                 unet.layer(index)
             except ValueError as error:
-                raise ConfigError(f"{where}: layer {index} ({layer.name}): {error}") from None
+                raise PlanRefused(f"{where}: layer {index} ({layer.name}): {error}", ("mesh",), (unit.unit,)) from None
         return
     other = [layer.name for layer in spec.layers if layer.name not in GRID_LAYERS]
     if other or llama_style(spec) is not None:
         what = f"layer {other[0]}" if other else "Llama blocks"
-        raise ConfigError(
+        raise PlanRefused(
             f"{where}: the real backend's 3D-parallel model is a GPT (embedding, blocks, head) or an ADM U-Net, it has "
-            f"no {what} (a Llama on Par4D runs in the simulator only)"
+            f"no {what} (a Llama on Par4D runs in the simulator only)",
+            ("mesh",),
+            (unit.unit,),
         )
-    vocab = vocab_size(spec)
+    vocab = spec.arch.vocab
     if (vocab + spec.seq_len) % (x * z):
-        raise ConfigError(
+        raise PlanRefused(
             f"{where}: the embedding's {vocab} token + {spec.seq_len} position rows split over G_x x G_z = {x * z}, "
-            f"which does not divide them"
+            f"which does not divide them",
+            ("mesh",),
+            (unit.unit,),
         )
     if vocab % x:
-        raise ConfigError(f"{where}: the head's {vocab}-word vocabulary splits over G_x={x}, which does not divide it")
+        raise PlanRefused(
+            f"{where}: the head's {vocab}-word vocabulary splits over G_x={x}, which does not divide it", ("mesh",), (unit.unit,)
+        )
 
 
 def _check_backward_ranges(label: str, instructions: list) -> None:
@@ -188,18 +207,25 @@ def _check_work_under_tp(label: str, instructions: list) -> None:
     whole pass placed under it (Optimus's encoder kernels in the LLM's TP bins, the LLM
     under the encoders' all-reduces) would run after it, not beside it."""
     issued: dict[str, str] = {}
+    owner: dict[str, str] = {}  # the unit of the pass that issued each
+    last_unit = ""
     for instruction in instructions:
+        if isinstance(instruction, Compute):
+            last_unit = instruction.work.unit
         if isinstance(instruction, Collective) and instruction.kind == "tp" and not instruction.blocking and instruction.handle:
             if not (instruction.inputs or instruction.outputs):
                 issued[instruction.handle] = f"{instruction.op} on {instruction.group}"
+                owner[instruction.handle] = last_unit
         elif isinstance(instruction, Wait):
             issued.pop(instruction.handle, None)
         elif isinstance(instruction, Compute) and issued and instruction.work.fraction == 1.0 and not instruction.work.sharding.grid:
             handle, what = next(iter(issued.items()))
-            raise ConfigError(
+            raise PlanRefused(
                 f"{label}: {instruction.work.unit} layers {instruction.work.layers} {instruction.work.phase} run under "
                 f"the asynchronous TP {what} ({handle}), which the real backend runs inside its layer, before them, not "
-                f"overlapped (Optimus: strategy.llm.tp=1 and strategy.encoder.tp=1, or strategy.fine_grained=false)"
+                f"overlapped (it needs tp=1 on both sides, or no whole pass placed among a layer's kernel ranges)",
+                ("tp", "kernels"),
+                tuple(dict.fromkeys([owner[handle], instruction.work.unit])),
             )
 
 
@@ -223,23 +249,29 @@ def _check_gathered_batches(plan: Plan, rank: int, instructions: list) -> None:
                     )
 
 
-def _check_instruction(instruction, handles: set[str], label: str, interaction: str | None, overlapped: bool) -> None:
+def _check_instruction(
+    instruction, handles: set[str], label: str, interaction: str | None, overlapped: bool, partitioned: tuple[str, ...]
+) -> None:
+    """`partitioned`: the class's units whose ZeRO-1/2 partitions a DP reduce-scatter serves."""
     if isinstance(instruction, Compute):
         work = instruction.work
         if work.phase not in PHASES:
             raise ConfigError(f"{label}: the real backend does not run {work.phase} Work ({work.unit})")
         if work.load != 1.0:
-            raise ConfigError(
+            raise PlanRefused(
                 f"{label}: a micro-batch of load {work.load:.3g} ({work.unit}): the real backend runs every sample "
-                f"with the same content (one image per sequence, at the nominal sizes); plan uniform data "
-                f"(DistTrain: strategy.data=uniform)"
+                f"with the same content (one image per sequence, at the nominal sizes); it needs load=1 (uniform data)",
+                ("load",),
+                (work.unit,),
             )
         chunks = round(1 / work.fraction)
         if work.fraction != 1.0 and (abs(chunks * work.fraction - 1) > 1e-9 or work.sharding.degree("tp") == 1):
-            raise ConfigError(
-                f"{label}: {work.unit} layers {work.layers} run in chunks of {work.fraction:.3g}: the real backend "
-                f"chunks a pass only to overlap its TP collectives, in a whole number of chunks (DistTrain: "
-                f"strategy.tp_overlap_chunks=1)"
+            raise PlanRefused(
+                f"{label}: {work.unit} layers {work.layers} run in chunks of fraction={work.fraction:.3g}: the real "
+                f"backend chunks a pass only to overlap its TP collectives, in a whole number of chunks (it needs "
+                f"fraction=1 here)",
+                ("fraction",),
+                (work.unit,),
             )
         if work.phase == "fwd":
             for payload in instruction.inputs:
@@ -257,12 +289,12 @@ def _check_instruction(instruction, handles: set[str], label: str, interaction: 
             bucketed = instruction.grads_of is not None and instruction.op == "all_reduce"
             chunked = instruction.kind == "tp"  # a chunked pass's TP all-reduces, its layers' own (Executor._chunk_done)
             if not chunked and (instruction.kind != "dp" or not (overlapped or bucketed)):
-                raise ConfigError(
-                    f"{label}: asynchronous {instruction.kind} {instruction.op} on {instruction.group}: the "
-                    f"real backend overlaps plain DP's gradient all-reduce and ZeRO-3's reduction and "
-                    f"prefetch, not ZeRO-1/2's overlapped reduce-scatter (megatron: strategy.overlap_grad_reduce"
-                    f"=false, or strategy.zero_stage=0; ddp: strategy.overlap_comm=false, or strategy.zero_stage=0 or 3; "
-                    f"optimus, whose LLM reduces under the encoders' backward: strategy.llm.zero_stage=0 or strategy.llm.dp=1)"
+                raise PlanRefused(
+                    f"{label}: asynchronous {instruction.kind} {instruction.op} on {instruction.group} (blocking=false): "
+                    f"the real backend overlaps plain DP's gradient all-reduce and ZeRO-3's reduction and prefetch, not "
+                    f"ZeRO-1/2's overlapped reduce-scatter (it needs blocking=true, or zero_stage=0, or 3)",
+                    ("blocking", "zero_stage"),
+                    partitioned,
                 )
             if instruction.handle is not None:
                 handles.add(instruction.handle)

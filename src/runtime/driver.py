@@ -12,7 +12,6 @@ worker. Each worker runs in its own session so that stopping it stops whatever i
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
 import signal
@@ -21,10 +20,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
+from src.config import TorchBackendSpec
 from src.runtime.errors import WorkerFailure
-from src.runtime.worker import ERRORS_DIR, JOB_FILE
+from src.runtime.worker import ERRORS_DIR
 
 POLL_S = 0.1
 KILL_GRACE_S = 5.0
@@ -36,7 +35,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def worker_env(rank: int, world: int, port: int, backend: dict[str, Any]) -> dict[str, str]:
+def worker_env(rank: int, world: int, port: int, backend: TorchBackendSpec) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
         {
@@ -46,7 +45,7 @@ def worker_env(rank: int, world: int, port: int, backend: dict[str, Any]) -> dic
             "LOCAL_WORLD_SIZE": str(world),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": str(backend["threads_per_worker"]),
+            "OMP_NUM_THREADS": str(backend.threads_per_worker),
         }
     )
     return env
@@ -86,26 +85,24 @@ def _forked_worker(run_dirs: list[Path], env: dict[str, str]) -> None:
     sys.exit(main(run_dirs))
 
 
-def _cpu_workers(backend: dict[str, Any]) -> bool:
+def _cpu_workers(backend: TorchBackendSpec) -> bool:
     """Whether the workers will run gloo on CPUs, told without importing torch here: with
     dist_backend=auto, a machine without an NVIDIA or AMD GPU driver has no CUDA device."""
-    requested = backend["dist_backend"]
+    requested = backend.dist_backend
     if requested != "auto":
         return requested == "gloo"
     return not any(os.path.exists(path) for path in ("/proc/driver/nvidia/gpus", "/dev/kfd"))
 
 
-def start_worker(run_dirs: list[Path], env: dict[str, str], backend: dict[str, Any]) -> ForkedWorker | subprocess.Popen:
+def start_worker(run_dirs: list[Path], env: dict[str, str], backend: TorchBackendSpec) -> ForkedWorker | subprocess.Popen:
     if _cpu_workers(backend):
         return ForkedWorker(run_dirs, env)
     return subprocess.Popen([sys.executable, "-m", "src.runtime.worker", *map(str, run_dirs)], env=env, start_new_session=True)
 
 
-def launch(run_dirs: list[Path], world: int, backend: dict[str, Any], jobs: list[dict[str, Any]]) -> None:
+def launch(run_dirs: list[Path], world: int, backend: TorchBackendSpec) -> None:
     """Run `world` workers on this machine until all finish (over each run directory in
-    turn); raise WorkerFailure if one fails."""
-    for run_dir, job in zip(run_dirs, jobs):
-        (run_dir / JOB_FILE).write_text(json.dumps(job))
+    turn, as its plan.json and run.json say); raise WorkerFailure if one fails."""
     port = free_port()
     procs = [start_worker(run_dirs, worker_env(r, world, port, backend), backend) for r in range(world)]
     try:

@@ -11,7 +11,6 @@ very samples of a 1-process run.
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from dataclasses import dataclass
@@ -25,10 +24,9 @@ from src.data.synthetic import SyntheticImageText, SyntheticTokens, collate
 from src.data.synthetic_diffusion import SyntheticDiffusion
 from src.data.synthetic_mllm import SyntheticMLLM
 from src.errors import ConfigError
-from src.models.sd21 import LATENT_CHANNELS, VAE_FACTOR
+from src.models.sd21 import LATENT_CHANNELS
 from src.models.spec import ModelSpec
 from src.program import UnitPlan
-from src.runtime.modules.units import image_geometry, vocab_size
 
 if TYPE_CHECKING:
     from src.runtime.preprocess import Producer
@@ -53,21 +51,21 @@ def dataset_for(model: ModelSpec, seed: int, source: str, errors: str = "fail") 
     bad members fail the run, or are left out with errors="skip": backend.data_errors)."""
     names = [u.name for u in model.units]
     if "vision" in names and "text" in names:
-        image, _ = image_geometry(model.unit("vision"))
+        image = model.unit("vision").arch.image_size
         text = model.unit("text")
         if source == "synthetic":
-            return SyntheticImageText(seed, image, text.seq_len, vocab_size(text))
-        return TarShards(source, image, text.seq_len, vocab_size(text), errors)
+            return SyntheticImageText(seed, image, text.seq_len, text.arch.vocab)
+        return TarShards(source, image, text.seq_len, text.arch.vocab, errors)
     if names == ["llm"]:
         llm = model.unit("llm")
-        return SyntheticTokens(seed, llm.seq_len, vocab_size(llm))
+        return SyntheticTokens(seed, llm.seq_len, llm.arch.vocab)
     if names == ["encoder", "llm", "generator"]:
         return _mllm_data(model, seed, source, errors)
     if names == ["unet"]:
         if source != "synthetic":
             raise ConfigError(f"backend.data={source!r}: the real backend has only synthetic data for {model.name} (use synthetic)")
-        return SyntheticDiffusion(seed, math.isqrt(model.unit("unet").seq_len))
-    if names[-1] == "llm" and all(model.unit(n).layers[0].name == "patch_embedding" for n in names[:-1]):
+        return SyntheticDiffusion(seed, model.unit("unet").arch.image_size)
+    if names[-1] == "llm" and all(model.unit(n).arch.reads_images for n in names[:-1]):
         return _encoders_llm_data(model, seed, source, names[:-1])
     raise ConfigError(
         f"the real backend has no data for model {model.name} (units {names}): it trains CLIP, CoCa, LiT, GPT, U-Nets and the MLLMs"
@@ -76,18 +74,16 @@ def dataset_for(model: ModelSpec, seed: int, source: str, errors: str = "fail") 
 
 def _mllm_data(model: ModelSpec, seed: int, source: str, errors: str) -> SyntheticMLLM | ShardMLLM:
     """One image per sequence, in and out: the content of DistTrain's uniform data."""
-    images = model.extras["images_per_sequence"]
+    encoder, llm, generator = model.unit("encoder"), model.unit("llm"), model.unit("generator")
+    images = encoder.arch.images
     if images != 1:
         raise ConfigError(
             f"model.images_per_sequence={images}: the real backend runs MLLMs with one image per sequence "
             f"(its encoder and generator see one image per sample)"
         )
-    image, _ = image_geometry(model.unit("encoder"))
-    llm, generator = model.unit("llm"), model.unit("generator")
-    latent = math.isqrt(generator.seq_len)
-    vocab = next(k.n for k in llm.layers[-1].kernels if k.name == "projection")
-    tokens = model.extras["image_tokens"]
-    synthetic = SyntheticMLLM(seed, image, tokens, llm.seq_len, vocab, latent * VAE_FACTOR, LATENT_CHANNELS, latent)
+    image, vocab, tokens = encoder.arch.image_size, llm.arch.vocab, llm.arch.image_tokens
+    out = generator.arch
+    synthetic = SyntheticMLLM(seed, image, tokens, llm.seq_len, vocab, out.image_size, LATENT_CHANNELS, out.latent_size)
     if source == "synthetic":
         return synthetic
     return ShardMLLM(TarShards(source, image, llm.seq_len + 1 - tokens, vocab, errors), synthetic)
@@ -96,17 +92,16 @@ def _mllm_data(model: ModelSpec, seed: int, source: str, errors: str) -> Synthet
 def _encoders_llm_data(model: ModelSpec, seed: int, source: str, encoders: list[str]) -> SyntheticMLLM:
     """ViT encoders chained into an LLM (Optimus's MLLMs): one image per sequence, which
     every encoder reads, its tokens of all encoders first in the sequence."""
-    images = model.extras["images_per_sample"]
+    llm = model.unit("llm")
+    images = llm.arch.images
     if images != 1:
         raise ConfigError(f"model.images_per_sample={images}: the real backend runs these MLLMs with one image per sequence")
     if source != "synthetic":
         raise ConfigError(f"backend.data={source!r}: the real backend has only synthetic data for {model.name} (use synthetic)")
-    sizes = {image_geometry(model.unit(name))[0] for name in encoders}
+    sizes = {model.unit(name).arch.image_size for name in encoders}
     if len(sizes) > 1:
         raise ConfigError(f"encoders {encoders} read images of sizes {sorted(sizes)}: the real backend gives them one image")
-    llm = model.unit("llm")
-    vocab = next(k.n for k in llm.layers[-1].kernels if k.name == "projection")
-    return SyntheticMLLM(seed, sizes.pop(), len(encoders) * model.extras["image_tokens"], llm.seq_len, vocab)
+    return SyntheticMLLM(seed, sizes.pop(), llm.arch.image_tokens, llm.seq_len, llm.arch.vocab)
 
 
 def skipped_members(dataset: Any) -> set[str]:
@@ -134,7 +129,7 @@ def unit_fields(model: ModelSpec, unit: str, batch: Mapping[str, torch.Tensor]) 
     in a language-model head (GPT; CoCa's captioner: the caption shifted by one); an SD
     generator its target image (or latent, without the VAE), noise and timestep."""
     spec = model.unit(unit)
-    if spec.layers[0].name == "patch_embedding":
+    if spec.arch.reads_images:
         return {"images": batch["images"]}
     if spec.kind == "contrastive":
         return {}

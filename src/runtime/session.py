@@ -1,10 +1,10 @@
 """One worker's run: build what this rank holds, train, and (rank 0) report.
 
-Every worker plans the run itself from the driver's resolved config (planning is a pure
-function, so all workers get the same Plan), builds its units' modules from the seed,
-wraps them in DeepSpeed engines on their data-parallel groups, and executes its
-instruction list once per step. Only rank 0 writes: one line and one metrics record per
-step, then the summary, to the same sinks as the simulator.
+Every worker runs the plan the door wrote (src/plan_io: the same Plan on every rank; no
+worker plans), builds its units' modules from the seed, wraps them in DeepSpeed engines
+on their data-parallel groups, and executes its instruction list once per step. Only
+rank 0 writes: one line and one metrics record per step, then the summary, to the same
+sinks as the simulator.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 import gc
-import json
 import resource
 import statistics
 import time
@@ -22,9 +21,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from src.config import TorchBackendSpec
 from src.metrics import iteration_flops, summarize
+from src.plan_io import PlannedRun, RunSettings
 from src.program import Compute, Plan
-from src.report import JobInfo, open_sinks
+from src.report import open_sinks
 from src.runtime.comm import CLOCK
 from src.runtime.device import DTYPES, worker_device
 from src.runtime.engines import EngineSettings, ParallelGroups, deepspeed_comm_seconds, make_engine, partitioned_at_init
@@ -40,8 +41,6 @@ from src.runtime.peak import GEMM_SIZES, peak_gemm_flops
 from src.runtime.preprocess import Producer
 from src.runtime.placement import UnitPlacement, placements
 from src.runtime.timing import StepTimer
-from src.runtime.worker import JOB_FILE
-from src.setup import Setup, plan_run, validate
 from src.timeline import RankTimeline, Span, Timeline
 
 
@@ -64,7 +63,7 @@ def _grids(plan: Plan, places: dict[str, UnitPlacement]) -> dict[str, Grid3D]:
 
 
 def _engine_groups(
-    plan: Plan, model: ModelSpec, places: dict[str, UnitPlacement], groups: ProcessGroups, backend: dict[str, Any], grids: dict
+    plan: Plan, model: ModelSpec, places: dict[str, UnitPlacement], groups: ProcessGroups, backend: TorchBackendSpec, grids: dict
 ) -> list[_EngineGroup]:
     by_group: dict[tuple, list[str]] = {}
     for name, place in places.items():
@@ -81,9 +80,9 @@ def _engine_groups(
             zero_stage=first.zero_stage,
             micro_batch=first.micro_batch,
             accumulation=first.num_microbatches,
-            lr=float(backend["lr"]),
-            weight_decay=float(backend["weight_decay"]),
-            eps=float(backend["adam_eps"]),
+            lr=backend.lr,
+            weight_decay=backend.weight_decay,
+            eps=backend.adam_eps,
             overlap_comm=first.overlap_comm,
             prefetch_params=int(first.prefetch_params),
         )
@@ -93,8 +92,7 @@ def _engine_groups(
 
 
 def _build(
-    setup: Setup,
-    plan: Plan,
+    run: PlannedRun,
     places: dict[str, UnitPlacement],
     tp: dict[str, TP],
     engine_groups: list[_EngineGroup],
@@ -103,25 +101,27 @@ def _build(
 ) -> torch.nn.ModuleDict:
     """This rank's layers. A ZeRO-3 unit's parameters are partitioned over its replicas as
     each layer is built, so no rank ever holds more of it than the layer being built."""
-    recompute = {u.unit: u.recompute for u in plan.units}
+    model, seed = run.model, run.train.seed
+    recompute = {u.unit: u.recompute for u in run.plan.units}
     keep = {n: set(p.layers) for n, p in places.items()}
     partitioned = {n for g in engine_groups if g.partitions_weights for n in g.names}
-    units = build_units(setup.model, setup.train.seed, tp, {n: k for n, k in keep.items() if n not in partitioned}, recompute, grids)
+    units = build_units(model, seed, tp, {n: k for n, k in keep.items() if n not in partitioned}, recompute, grids)
     units = units.to(device)
     for group in engine_groups:
         if group.partitions_weights:
             with partitioned_at_init(group.groups, group.settings):
-                built = build_units(setup.model, setup.train.seed, tp, {n: keep[n] for n in group.names}, recompute)
+                built = build_units(model, seed, tp, {n: keep[n] for n in group.names}, recompute)
             units.update(dict(built.items()))
     return units
 
 
-def _engines(units: torch.nn.ModuleDict, engine_groups: list[_EngineGroup], grids: dict[str, Grid3D], backend: dict) -> dict[str, Any]:
+def _engines(
+    units: torch.nn.ModuleDict, engine_groups: list[_EngineGroup], grids: dict[str, Grid3D], backend: TorchBackendSpec
+) -> dict[str, Any]:
     """One DeepSpeed engine per data-parallel group: units that share it share an engine;
     a unit on a Par4D grid has its own."""
     engines: dict[str, Any] = {
-        name: GridEngine(units[name], grid, float(backend["lr"]), float(backend["weight_decay"]), float(backend["adam_eps"]))
-        for name, grid in grids.items()
+        name: GridEngine(units[name], grid, backend.lr, backend.weight_decay, backend.adam_eps) for name, grid in grids.items()
     }
     for group in engine_groups:
         engine = make_engine(torch.nn.ModuleDict({n: units[n] for n in group.names}), group.groups, group.settings)
@@ -129,52 +129,50 @@ def _engines(units: torch.nn.ModuleDict, engine_groups: list[_EngineGroup], grid
     return engines
 
 
-def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) -> None:
-    setup = validate(config)
-    plan = plan_run(setup)
-    backend = config["backend"]
-    precision = setup.train.precision
+def run_session(run: PlannedRun, settings: RunSettings, run_dir: Path, rank: int, world: int) -> None:
+    """Train `run`'s plan on this rank as `settings` say (the real backend's)."""
+    assert settings.torch is not None, "a worker runs the real backend's settings"
+    backend, plan, model, train = settings.torch, run.plan, run.model, run.train
+    precision = plan.precision
     device = worker_device(dist.get_backend())
     CLOCK.device = device
     places = placements(plan, rank)
     samples = StepSamples(
-        setup.model,
-        dataset_for(setup.model, setup.train.seed, str(backend["data"]), str(backend["data_errors"])),
-        setup.train.global_batch,
+        model,
+        dataset_for(model, train.seed, backend.data, backend.data_errors),
+        train.global_batch,
         {u.unit: u for u in plan.units},
         {n: p.dp_ranks.index(rank) for n, p in places.items()},
         plan.sample_order,
     )
     producer = None
-    if backend["preprocess"] == "disaggregated":  # started first: it works while the model is built
-        producer = Producer(samples, setup.train.steps, int(backend["prefetch_steps"]), float(backend["timeout_s"]), rank)
-    groups = ProcessGroups(plan, float(backend["timeout_s"]))
+    if backend.preprocess == "disaggregated":  # started first: it works while the model is built
+        producer = Producer(samples, train.steps, backend.prefetch_steps, backend.timeout_s, rank)
+    groups = ProcessGroups(plan, backend.timeout_s)
     tp = {
         name: TP(p.tp, p.tp_ranks.index(rank), groups.get(p.tp_ranks), plan.unit(name).sequence_parallel) if p.tp > 1 else TP()
         for name, p in places.items()
     }
     grids = _grids(plan, places)
-    engine_groups = _engine_groups(plan, setup.model, places, groups, backend, grids)
-    units = _build(setup, plan, places, tp, engine_groups, device, grids)
+    engine_groups = _engine_groups(plan, model, places, groups, backend, grids)
+    units = _build(run, places, tp, engine_groups, device, grids)
     engines = _engines(units, engine_groups, grids, backend)
     if engine_groups:
         CLOCK.add_source("dp", deepspeed_comm_seconds())
     batches = Batches(samples, device, producer)
-    executor = Executor(
-        plan, setup.model, rank, units, engines, groups, batches, device, precision, float(backend["initial_loss_scale"])
-    )
+    executor = Executor(plan, model, rank, units, engines, groups, batches, device, precision, backend.initial_loss_scale)
     rank_program = plan.program.class_of(rank)
     timer = StepTimer(rank_program.instructions, rank_program.pipelined)
     measured_peak = _measured_peak(world, device, precision)
     # On a GPU the MFU denominator is the datasheet peak in the run's precision (the
     # cluster preset's); on a CPU there is none, so it is what the workers measure.
-    peak = setup.cluster.peak(precision) if device.type == "cuda" else measured_peak
-    flops, _ = iteration_flops(setup.model, plan, setup.train)
+    peak = run.cluster.peak(precision) if device.type == "cuda" else measured_peak
+    flops, _ = iteration_flops(model, plan, train)
 
-    sinks = open_sinks(run_dir, config, _job(run_dir, config)) if rank == 0 else None
+    sinks = open_sinks(run_dir, settings.record, settings.job) if rank == 0 else None
     try:
         losses, times, waits, breakdowns, cpu = [], [], [], [], []
-        for step in range(setup.train.steps):
+        for step in range(train.steps):
             batches.start_step(step)
             dist.barrier()
             timer.reset(time.perf_counter())
@@ -218,7 +216,7 @@ def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) ->
             )
             extras = {
                 "peak_flops_source": (
-                    f"cluster preset {setup.cluster.name} ({setup.cluster.device} datasheet); measured {measured}"
+                    f"cluster preset {run.cluster.name} ({run.cluster.device} datasheet); measured {measured}"
                     if device.type == "cuda"
                     else f"measured: {measured}"
                 ),
@@ -232,13 +230,13 @@ def run_session(config: dict[str, Any], run_dir: Path, rank: int, world: int) ->
                     "step_time_s": times,
                     "data_wait_s": waits,
                     "rank0_process_time_s": cpu,  # CPU seconds of rank 0's process per step (wall time beside it: a loaded machine)
-                    "preprocess": backend["preprocess"],
+                    "preprocess": backend.preprocess,
                     # backend.data_errors=skip: the bad shard members every trainer left out
                     "data_skipped": sorted(set().union(*(g["data_skipped"] for g in gathered))),
                 },
                 "measured_notes": _notes(plan),
             }
-            summary = summarize(setup, plan, timeline, peak_flops=peak, extras=extras)
+            summary = summarize(run, timeline, peak_flops=peak, extras=extras)
             for rank_timeline in timeline.ranks:
                 rank_timeline.memory["measured_rss_gib"] = max(gathered[r]["rss_gib"] for r in rank_timeline.ranks)
             summary["memory_gib"]["measured_rss_gib"] = max(g["rss_gib"] for g in gathered)
@@ -286,13 +284,6 @@ def _measured_peak(world: int, device: torch.device, precision: str) -> float:
     flops = torch.tensor([peak_gemm_flops(device, DTYPES[precision])], dtype=torch.float64, device=device)
     dist.all_reduce(flops)
     return float(flops) / world
-
-
-def _job(run_dir: Path, config: dict[str, Any]) -> JobInfo:
-    path = run_dir / JOB_FILE
-    if path.exists():
-        return JobInfo(**json.loads(path.read_text()))
-    return JobInfo(run_name=config["run"]["name"], sweep_name=None, override_dirname=None)
 
 
 def _timeline(plan: Plan, per_rank: list[dict], times: list[float]) -> Timeline:

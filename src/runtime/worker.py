@@ -1,11 +1,14 @@
 """The worker entry: `python -m src.runtime.worker RUN_DIR [RUN_DIR ...]`.
 
-It reads RUN_DIR/resolved.yaml (never Hydra) and its rank from the environment
+It reads the plan the door wrote, RUN_DIR/plan.json, and how to run it, RUN_DIR/run.json
+(src/plan_io; it never plans, never runs Hydra), and its rank from the environment
 (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK), as both the local driver and
 torchrun set them, so it runs unchanged under torchrun or srun on several nodes (see
-launchers/; src/runtime/prepare.py writes the run directory there). A failure is one
-line on stderr and in RUN_DIR/errors/rank<r>.txt, for the driver to report; the process
-group is destroyed on every exit (gloo aborts a process that exits with one alive).
+launchers/; src/runtime/prepare.py writes the run directory there). A plan file that is
+missing, truncated, of another version or for another world size is one line and exit
+code 2 before any process group forms. A failure after that is one line on stderr and in
+RUN_DIR/errors/rank<r>.txt, for the driver to report; the process group is destroyed on
+every exit (gloo aborts a process that exits with one alive).
 Several run directories (same world size) run back to back in one process group, paying
 the start-up (imports, rendezvous) once: small sweeps and the tests use this. A worker is
 named `mmdist-rank<r>` in ps and pgrep.
@@ -19,10 +22,10 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
-import yaml
+from src.errors import ConfigError
+from src.plan_io import PlannedRun, RunSettings, read_plan, read_settings
 
 ERRORS_DIR = "errors"
-JOB_FILE = "job.json"  # the driver's Hydra job info, for the W&B sink
 
 
 def dist_backend(requested: str) -> str:
@@ -43,21 +46,37 @@ def name_process(rank: int) -> None:
         ctypes.CDLL(None).prctl(PR_SET_NAME, f"mmdist-rank{rank}".encode()[:15], 0, 0, 0)
 
 
+def load(run_dirs: list[Path], world: int) -> list[tuple[PlannedRun, RunSettings]]:
+    """Each run directory's plan and settings, for `world` workers (ConfigError if not)."""
+    runs = []
+    for run_dir in run_dirs:
+        settings = read_settings(run_dir)
+        if settings.torch is None:
+            raise ConfigError(f"{run_dir}: run.json is a backend={settings.backend} run's; workers run backend=torch")
+        runs.append((read_plan(run_dir, world), settings))
+    return runs
+
+
 def main(run_dirs: list[Path]) -> int:
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
     name_process(rank)
+    try:
+        runs = load(run_dirs, world)
+    except ConfigError as err:  # before any process group: the launcher's peers fail the same way
+        print(f"error: rank {rank}: {err}", file=sys.stderr, flush=True)
+        return 2
     run_dir = run_dirs[0]
     try:
-        config = yaml.safe_load((run_dir / "resolved.yaml").read_text())
-        backend = config["backend"]
+        backend = runs[0][1].torch
+        assert backend is not None
         import torch
         import torch.distributed as dist
 
-        name = dist_backend(str(backend["dist_backend"]))
+        name = dist_backend(backend.dist_backend)
         if name != "nccl":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed's first import: no accelerator probe
-        torch.set_num_threads(int(backend["threads_per_worker"]))
+        torch.set_num_threads(backend.threads_per_worker)
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         if torch.cuda.is_available():
             torch.cuda.set_device(local_rank)
@@ -68,11 +87,10 @@ def main(run_dirs: list[Path]) -> int:
             # DeepSpeed's CPU communication op, before joining the group: a first build
             # outlasts any collective's timeout.
             prebuild_ops()
-        dist.init_process_group(name, timeout=timedelta(seconds=float(backend["timeout_s"])))
+        dist.init_process_group(name, timeout=timedelta(seconds=backend.timeout_s))
         try:
-            for run_dir in run_dirs:
-                config = yaml.safe_load((run_dir / "resolved.yaml").read_text())
-                run_session(config, run_dir, rank, world)
+            for run_dir, (planned, settings) in zip(run_dirs, runs):
+                run_session(planned, settings, run_dir, rank, world)
             # gloo aborts a process whose peers tear down while its last sends are still
             # in flight ("terminate called without an active exception"): leave together.
             dist.barrier()

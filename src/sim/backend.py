@@ -6,18 +6,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from src.metrics import summarize
-from src.program import Plan
-from src.report import JobInfo, open_sinks
+from src.report import open_sinks
 from src.sim.engine import simulate
 
 if TYPE_CHECKING:
-    from src.setup import Setup
+    from src.plan_io import PlannedRun, RunSettings
 
 
-def run_sim(setup: Setup, plan: Plan, run_dir: Path, job: JobInfo) -> dict[str, Any]:
-    timeline = simulate(plan.program, setup.model, setup.cluster, setup.train.precision)
-    summary = summarize(setup, plan, timeline)
-    with open_sinks(run_dir, setup.config, job) as sinks:
+def run_sim(planned: PlannedRun, settings: RunSettings, run_dir: Path) -> dict[str, Any]:
+    plan = planned.plan
+    timeline = simulate(plan.program, planned.model, planned.cluster, plan.precision)
+    summary = summarize(planned, timeline)
+    with open_sinks(run_dir, settings.record, settings.job) as sinks:
         sinks.log_step({"step": 0, "iteration_time_s": summary["iteration_time_s"], "mfu": summary["mfu"]})
         sinks.finish(summary, timeline)
     return summary

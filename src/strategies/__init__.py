@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from src.errors import ConfigError
+from src.strategies import ddp, deepspeed3d, distmm, disttrain, megatron, optimus, par4d
 from src.strategies.auto import plan_auto
 from src.strategies.base import Planner, PlanRequest
 from src.strategies.ddp import plan_ddp
@@ -25,10 +26,36 @@ STRATEGIES: dict[str, Planner] = {
 }
 
 
+# Per strategy, the options that set the plan fields a backend's refusal names (each
+# strategy's own table; strategy=auto's plan is its winner's, under the winner's name).
+PLAN_FIELDS: dict[str, dict[str, str]] = {
+    "megatron": megatron.PLAN_FIELDS,
+    "distmm": distmm.PLAN_FIELDS,
+    "ddp": ddp.PLAN_FIELDS,
+    "par4d": par4d.PLAN_FIELDS,
+    "deepspeed3d": deepspeed3d.PLAN_FIELDS,
+    "optimus": optimus.PLAN_FIELDS,
+    "disttrain": disttrain.PLAN_FIELDS,
+}
+RUN_FIELDS = {"precision": "train.precision"}  # plan fields every strategy takes from the run, not its options
+
+
 def planner_for(name: str) -> Planner:
     if name not in STRATEGIES:
         raise ConfigError(f"strategy {name!r} has no planner; available: {sorted(STRATEGIES)}")
     return STRATEGIES[name]
 
 
-__all__ = ["STRATEGIES", "PlanRequest", "planner_for"]
+def option_keys(strategy: str, fields: tuple[str, ...], units: tuple[str, ...] = ()) -> list[str]:
+    """The config keys that set `fields` of a `strategy` plan (of `units`, if given)."""
+    table = {**RUN_FIELDS, **PLAN_FIELDS.get(strategy, {})}
+    keys = []
+    for name in fields:
+        for unit in units or (None,):
+            key = table.get(f"{unit}.{name}") or table.get(name)
+            if key is not None and (unit is not None or "{unit}" not in key):
+                keys.append(key.format(unit=unit))
+    return list(dict.fromkeys(keys))
+
+
+__all__ = ["PLAN_FIELDS", "STRATEGIES", "PlanRequest", "option_keys", "planner_for"]

@@ -34,6 +34,15 @@ from src.models.flows import unit_order
 DEEPSPEED_PREFETCH_BUCKET = 50_000_000
 
 
+# The real backend's refusals name plan fields (src.errors.PlanRefused); these options set them.
+PLAN_FIELDS = {
+    "micro_batch": "strategy.micro_batch_size",
+    "recompute": "strategy.recompute",
+    "zero_stage": "strategy.zero_stage",
+    "blocking": "strategy.overlap_comm",
+}
+
+
 @dataclass(frozen=True)
 class DDPOptions:
     zero_stage: int = 0
@@ -142,6 +151,7 @@ def _build(
         devices=dp,
         units=unit_plans,
         program=program,
+        precision=request.train.precision,
         details={
             "dp": dp,
             "micro_batch": mb,

@@ -22,6 +22,16 @@ from src.strategies.base import PlanRequest
 from src.strategies.megatron.planner import plan_megatron
 
 
+# The real backend's refusals name plan fields (src.errors.PlanRefused); these options set them.
+PLAN_FIELDS = {
+    "tp": "strategy.tp",
+    "pp": "strategy.pp",
+    "micro_batch": "strategy.micro_batch_size",
+    "recompute": "strategy.recompute",
+    "scatter": "strategy.scatter_gather",
+}
+
+
 @dataclass(frozen=True)
 class DeepSpeed3DOptions:
     tp: int | None = None

@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+
+from src.config import TorchBackendSpec
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 # Two tiny CPU workers: what CI's 2 cores can run.
@@ -42,12 +43,19 @@ def composed(overrides: list[str]) -> dict[str, Any]:
     return OmegaConf.to_container(cfg, resolve=True)
 
 
-def prepare_run_dir(run_dir: Path, overrides: list[str]) -> dict[str, Any]:
-    """What the driver writes before it starts workers."""
+def prepare_run_dir(run_dir: Path, overrides: list[str]) -> TorchBackendSpec:
+    """What the front door does before it starts workers: validate, plan, refuse what the
+    real backend cannot run, write resolved.yaml, plan.json and run.json."""
+    from src.report import JobInfo
+    from src.runtime.backend import ready
+    from src.setup import options_named, prepare_run, start_run_dir, write_run_dir
+
     config = composed(overrides)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "resolved.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    return config
+    start_run_dir(config, run_dir)
+    planned, settings = prepare_run(config, JobInfo(run_name=run_dir.name))
+    write_run_dir(run_dir, planned, settings)
+    with options_named(planned.plan.strategy):
+        return ready(planned, settings, run_dir)
 
 
 def build_deepspeed_ops() -> None:
@@ -75,17 +83,13 @@ def summary_of(run_dir: Path) -> dict:
 def launch_cases(root: Path, cases: dict[str, list[str]], workers: int) -> dict[str, Path]:
     """Each case's run directory, checked as the front door checks it, all run in ONE
     launch of `workers` workers (starting workers costs more than a tiny run)."""
-    from src.runtime.checks import check_runnable
     from src.runtime.driver import launch
-    from src.setup import plan_run, validate
 
     build_deepspeed_ops()
     dirs = {name: root / name for name in cases}
     for name, overrides in cases.items():
-        config = prepare_run_dir(dirs[name], overrides)
-        setup = validate(config)
-        check_runnable(setup, plan_run(setup))
+        backend = prepare_run_dir(dirs[name], overrides)
     start = time.monotonic()
-    launch(list(dirs.values()), workers, config["backend"], [{"run_name": n} for n in dirs])
+    launch(list(dirs.values()), workers, backend)
     print(f"{len(dirs)} real runs in {time.monotonic() - start:.1f} s")
     return dirs

@@ -52,8 +52,8 @@ def runs(tmp_path_factory) -> dict[tuple[str, str], Path]:
     for name, overrides in STRATEGIES.items():
         for precision in TOLERANCE:
             dirs[(name, precision)] = root / f"{name}_{precision}"
-            config = prepare_run_dir(dirs[(name, precision)], ONE_GPU + CLIP + overrides + [f"train.precision={precision}"])
-    launch(list(dirs.values()), 1, config["backend"], [{"run_name": f"{n}_{p}"} for n, p in dirs])
+            backend = prepare_run_dir(dirs[(name, precision)], ONE_GPU + CLIP + overrides + [f"train.precision={precision}"])
+    launch(list(dirs.values()), 1, backend)
     return dirs
 
 

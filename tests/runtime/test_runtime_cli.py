@@ -21,9 +21,15 @@ from tests.runtime.support import CLIP, TWO_WORKERS, build_deepspeed_ops
 pytestmark = pytest.mark.slow  # starts worker processes
 
 
-def test_a_tiny_clip_trains_for_real_and_reports_like_the_simulator(tmp_path):
+@pytest.fixture(scope="module")
+def clip_run(tmp_path_factory):
     build_deepspeed_ops()
-    result = run_cli(*TWO_WORKERS, *CLIP, "strategy=ddp", "train.steps=3", f"hydra.run.dir={tmp_path}")
+    run_dir = tmp_path_factory.mktemp("clip_ddp")
+    return run_cli(*TWO_WORKERS, *CLIP, "strategy=ddp", "train.steps=3", f"hydra.run.dir={run_dir}"), run_dir
+
+
+def test_a_tiny_clip_trains_for_real_and_reports_like_the_simulator(clip_run):
+    result, tmp_path = clip_run
     assert result.returncode == 0, result.stderr[-2000:]
     step_lines = [line for line in result.stdout.splitlines() if line.startswith("step ")]
     assert len(step_lines) == 3 and all("| loss " in line and " s" in line for line in step_lines)
@@ -33,8 +39,18 @@ def test_a_tiny_clip_trains_for_real_and_reports_like_the_simulator(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["backend"] == "torch" and summary["devices"] == 2
     assert summary["peak_flops_source"].startswith("measured")
-    for name in ("resolved.yaml", "trace.json"):
+    for name in ("resolved.yaml", "trace.json", "plan.json", "run.json"):
         assert (tmp_path / name).exists()
+
+
+def test_a_written_plan_runs_again_with_the_same_losses(clip_run, tmp_path):
+    result, first = clip_run
+    assert result.returncode == 0, result.stderr[-2000:]
+    again = run_cli("backend=torch", "logger=none", f"plan={first}", "train.steps=3", f"hydra.run.dir={tmp_path}")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert (tmp_path / "plan.json").read_text() == (first / "plan.json").read_text()
+    losses = [json.loads((run / "summary.json").read_text())["measured"]["loss"] for run in (first, tmp_path)]
+    assert losses[0] == losses[1]
 
 
 def _shard_with_a_broken_second_half(path) -> None:

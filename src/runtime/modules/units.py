@@ -1,5 +1,7 @@
-"""A unit's real layers, one module per LayerSpec, built from the ModelSpec's dimensions:
-the runtime trains exactly the shapes the simulator prices, and Work.layers index both.
+"""A unit's real layers, one module per LayerSpec, built from the ModelSpec's dimensions
+and each unit's architecture (UnitSpec.arch: image and patch sizes, vocabulary, block
+style): the runtime trains exactly the shapes the simulator prices, and Work.layers index
+both.
 
 Every layer is seeded on its own (layer_seed), so a rank builds only the layers it
 computes (TP slices their weights) and any plan starts from the weights of a 1-process run.
@@ -7,7 +9,6 @@ computes (TP slices their weights) and any plan starts from the weights of a 1-p
 
 from __future__ import annotations
 
-import math
 import zlib
 from functools import partial
 from typing import Callable
@@ -34,33 +35,15 @@ def _kernel(layer: LayerSpec, name: str) -> Kernel:
     raise ValueError(f"layer {layer.name} has no kernel {name!r}")
 
 
-def image_geometry(unit: UnitSpec) -> tuple[int, int]:
-    """(image size, patch size) of a ViT unit, read off its patchify GEMM."""
-    patchify = _kernel(unit.layers[0], "patchify")
-    patch = math.isqrt(patchify.k // 3)
-    return math.isqrt(patchify.m) * patch, patch
-
-
-def vocab_size(unit: UnitSpec) -> int:
-    """Vocabulary of a unit that starts with a token + position embedding."""
-    return unit.layers[0].params // unit.hidden - unit.seq_len
-
-
 def llama_style(unit: UnitSpec) -> Llama | None:
-    """A unit whose blocks have a gated MLP is Llama style (models.blocks.DecoderPreset):
-    its FFN width and key/value heads, read off the block's kernels."""
-    block = next((layer for layer in unit.layers if layer.name == "block"), None)
-    if block is None:
-        return None
-    fc1, fc2, qkv = _kernel(block, "fc1"), _kernel(block, "fc2"), _kernel(block, "attn_qkv")
-    if fc1.n != 2 * fc2.k:
-        return None
-    return Llama(fc2.k, (qkv.n - unit.hidden) // 2 // (unit.hidden // unit.heads))
+    """A unit of Llama blocks (its architecture's style): their FFN width and key/value heads."""
+    arch = unit.arch
+    return Llama(arch.ffn, arch.kv_heads) if arch.style == "llama" else None
 
 
 def _layer(model: ModelSpec, unit: UnitSpec, index: int, tp: TP) -> nn.Module:
     layer = unit.layers[index]
-    causal = unit.layers[0].name != "patch_embedding"  # a unit that reads images attends both ways
+    causal = not unit.arch.reads_images  # a unit that reads images attends both ways
     last = index == unit.num_layers - 1
     if unit.kind == "unet":
         module = generator_layer(unit.layers, index)
@@ -68,18 +51,17 @@ def _layer(model: ModelSpec, unit: UnitSpec, index: int, tp: TP) -> nn.Module:
             return module
     llama = llama_style(unit)
     if layer.name == "patch_embedding":
-        image, patch = image_geometry(unit)
-        return PatchEmbedding(image, patch, unit.hidden, tp)
+        return PatchEmbedding(unit.arch.image_size, unit.arch.patch_size, unit.hidden, tp)
     if layer.name in ("input_projector", "output_projector"):
         fc1, fc2 = _kernel(layer, "fc1"), _kernel(layer, "fc2")
         sources = chain_sources(model, unit.name)
         return Projector(fc1.k, fc1.n, fc2.n, tp, layer.name.removesuffix("_projector"), sources[0] if sources else None)
     if layer.name == "embedding" and llama is not None:
-        return MultimodalEmbedding(_kernel(unit.layers[-1], "projection").n, unit.hidden, chain_sources(model, unit.name))
+        return MultimodalEmbedding(unit.arch.vocab, unit.hidden, chain_sources(model, unit.name))
     if layer.name == "head" and llama is not None:
-        return ConditioningHead(unit.hidden, _kernel(layer, "projection").n, unit.output_elems // unit.hidden)
+        return ConditioningHead(unit.hidden, unit.arch.vocab, unit.output_elems // unit.hidden)
     if layer.name == "embedding":
-        return TokenEmbedding(vocab_size(unit), unit.hidden, unit.seq_len, tp, chain_sources(model, unit.name))
+        return TokenEmbedding(unit.arch.vocab, unit.hidden, unit.seq_len, tp, chain_sources(model, unit.name))
     if layer.name == "block":
         return Block(unit.hidden, unit.heads, tp, causal, llama=llama)
     if layer.name == "xblock":
@@ -87,7 +69,7 @@ def _layer(model: ModelSpec, unit: UnitSpec, index: int, tp: TP) -> nn.Module:
     if layer.name == "projection":
         return FeatureHead(unit.hidden, _kernel(layer, "projection").n, "last" if causal else "first", tp, keep_x=not last)
     if layer.name in ("head", "caption_head"):
-        return LMHead(unit.hidden, _kernel(layer, "projection").n, tp)
+        return LMHead(unit.hidden, unit.arch.vocab, tp)
     if layer.name == "contrastive":
         return ContrastiveLoss()
     raise ValueError(f"the real backend has no module for layer {layer.name!r} of unit {unit.name} ({model.name})")
@@ -97,7 +79,7 @@ def _grid_builder(unit: UnitSpec, grid: Grid3D) -> Callable[..., nn.Module]:
     """What builds a unit's layers on a Par4D grid: a U-Net's or a GPT's."""
     if unit.kind == "unet":
         return UNetOnGrid(unit, grid).layer
-    return partial(grid_layer, unit, grid=grid, vocab=vocab_size(unit))
+    return partial(grid_layer, unit, grid=grid, vocab=unit.arch.vocab)
 
 
 def layer_seed(seed: int, unit: str, index: int) -> int:

@@ -317,4 +317,11 @@ def plan_distmm(request: PlanRequest) -> Plan:
     }
     if ALIGNED in estimates:
         details["balancer_aligned_s"] = round(estimates[ALIGNED], 6)
-    return Plan(strategy="distmm", devices=request.cluster.devices, units=units, program=program, details=details)
+    return Plan(
+        strategy="distmm",
+        devices=request.cluster.devices,
+        units=units,
+        program=program,
+        precision=request.train.precision,
+        details=details,
+    )

@@ -1,2 +1,13 @@
 """DistTrain (Zhang et al., arXiv 2408.04275): disaggregated encoder, LLM and generator units,
 their orchestration, data reordering and Programs (planner.py is the entry)."""
+
+# The real backend's refusals name plan fields (src.errors.PlanRefused); these options set them
+# ({unit}: the unit the field belongs to; a unit-specific entry is 'unit.field').
+PLAN_FIELDS = {
+    "tp": "strategy.{unit}.tp",
+    "pp": "strategy.{unit}.pp",
+    "recompute": "strategy.recompute",
+    "zero_stage": "strategy.zero_stage",
+    "load": "strategy.data",
+    "fraction": "strategy.tp_overlap_chunks",
+}

@@ -165,6 +165,7 @@ def plan_disttrain(request: PlanRequest) -> Plan:
         devices=program.world_size,
         units=units,
         program=program,
+        precision=request.train.precision,
         details=details,
         sample_order=assignment.positions,
     )

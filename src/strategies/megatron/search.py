@@ -318,6 +318,7 @@ class MegatronSearch:
             devices=program.world_size,
             units=unit_plans,
             program=program,
+            precision=self.precision,
             details={
                 "tp": deg.tp,
                 "pp": deg.pp,

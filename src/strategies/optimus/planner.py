@@ -515,7 +515,7 @@ def _emit(
         )
         for u in encoders
     ] + [base.plan]
-    plan = Plan(strategy="optimus", devices=program.world_size, units=unit_plans, program=program)
+    plan = Plan(strategy="optimus", devices=program.world_size, units=unit_plans, program=program, precision=request.train.precision)
     fine = [p for p in schedule.placed if not p.item.is_comm]
     plan.details = {
         "llm": {

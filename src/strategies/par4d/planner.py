@@ -252,7 +252,14 @@ class _Planner:
                 "ranking": ranking,
             },
         }
-        return Plan(strategy="par4d", devices=grid.devices, units=[chosen.unit_plan], program=chosen.program, details=details)
+        return Plan(
+            strategy="par4d",
+            devices=grid.devices,
+            units=[chosen.unit_plan],
+            program=chosen.program,
+            precision=self.train.precision,
+            details=details,
+        )
 
 
 def plan_par4d(request: PlanRequest) -> Plan:

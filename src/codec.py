@@ -1,0 +1,208 @@
+"""Typed values to JSON and back, driven by their dataclasses' type hints.
+
+A dataclass becomes an object of its fields, leaving out those at their default and those
+named with a leading underscore (caches its constructor rebuilds); where a field's type
+is a union of dataclasses (an Instruction, a Route) the object names its class under
+"type". A sequence of integers (rank lists: tens of thousands on a large cluster) becomes
+a string of runs, "0-7,16-30:2" (start-end inclusive, then the step when it is not 1),
+order kept. Decoding calls each class's constructor, so its own checks run on what a file
+says. Each class's fields are compiled into encoders and decoders once.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import dataclasses
+import types
+import typing
+from typing import Any, Callable
+
+Encode = Callable[[Any], Any]
+Decode = Callable[[Any], Any]
+TYPE_KEY = "type"
+_MISSING = object()
+
+
+class CodecError(ValueError):
+    """A value that is not what its type hint says."""
+
+
+def register(cls: type, enc: Encode, dec: Decode) -> None:
+    """A class's own codec in place of its fields' (one that keeps shared objects shared)."""
+    _CACHE[cls] = (enc, dec)
+
+
+def fields_codec(cls: type) -> tuple[Encode, Decode]:
+    """A dataclass's codec by its fields, whatever is registered for it."""
+    return _dataclass(cls, cache=False)
+
+
+def encode(value: Any, hint: Any) -> Any:
+    return _codec(hint)[0](value)
+
+
+def decode(data: Any, hint: Any) -> Any:
+    return _codec(hint)[1](data)
+
+
+def encode_ints(values: tuple[int, ...] | list[int]) -> str:
+    """'0-7,16-30:2,5': arithmetic runs in order (descending runs too)."""
+    parts: list[str] = []
+    i, n = 0, len(values)
+    while i < n:
+        start = values[i]
+        if start < 0 or not isinstance(start, int) or isinstance(start, bool):
+            raise CodecError(f"{start!r} is not a non-negative integer")
+        j = i + 1
+        if j < n and values[j] != start:
+            step = values[j] - start
+            while j + 1 < n and values[j + 1] - values[j] == step:
+                j += 1
+            if j - i >= 2 or step == 1:
+                parts.append(f"{start}-{values[j]}" if step == 1 else f"{start}-{values[j]}:{step}")
+                i = j + 1
+                continue
+        parts.append(str(start))
+        i += 1
+    return ",".join(parts)
+
+
+def decode_ints(text: Any) -> tuple[int, ...]:
+    if not isinstance(text, str):
+        raise CodecError(f"expected a run string of integers, got {type(text).__name__}")
+    if not text:
+        return ()
+    out: list[int] = []
+    for part in text.split(","):
+        if "-" not in part:
+            out.append(int(part))
+            continue
+        span, _, step = part.partition(":")
+        first, last = (int(x) for x in span.split("-"))
+        stride = int(step) if step else 1
+        if stride == 0 or (last - first) % stride or (last - first) * stride < 0:
+            raise CodecError(f"run {part!r} does not step from {first} to {last}")
+        out.extend(range(first, last + (1 if stride > 0 else -1), stride))
+    return tuple(out)
+
+
+_CACHE: dict[Any, tuple[Encode, Decode]] = {}
+
+
+def _codec(hint: Any) -> tuple[Encode, Decode]:
+    try:
+        return _CACHE[hint]
+    except (KeyError, TypeError):
+        pass
+    made = _make(hint)
+    try:
+        _CACHE[hint] = made
+    except TypeError:  # an unhashable hint: compiled each time
+        pass
+    return made
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _make(hint: Any) -> tuple[Encode, Decode]:
+    if hint in (int, str, bool, Any, dict, list) or hint is type(None):
+        return _same, _same
+    if hint is float:
+        return _same, _same
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Literal:
+        return _same, _same
+    if origin in (typing.Union, types.UnionType):
+        members = [a for a in args if a is not type(None)]
+        if len(members) == 1:
+            enc, dec = _codec(members[0])
+            return (lambda v: None if v is None else enc(v)), (lambda d: None if d is None else dec(d))
+        return _tagged(members, optional=len(members) < len(args))
+    if origin is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:
+            if args[0] is int:
+                return encode_ints, decode_ints
+            enc, dec = _codec(args[0])
+            return (lambda v: [enc(x) for x in v]), (lambda d: tuple(dec(x) for x in d))
+        codecs = [_codec(a) for a in args]
+        return (
+            lambda v: [c[0](x) for c, x in zip(codecs, v)],
+            lambda d: tuple(c[1](x) for c, x in zip(codecs, d)),
+        )
+    if origin is list:
+        enc, dec = _codec(args[0])
+        return (lambda v: [enc(x) for x in v]), (lambda d: [dec(x) for x in d])
+    if origin in (dict, collections.abc.Mapping):
+        if not args:
+            return _same, _same
+        key = args[0]
+        venc, vdec = _codec(args[1])
+        parse = int if key is int else str
+        return (lambda v: {str(k): venc(x) for k, x in v.items()}), (lambda d: {parse(k): vdec(x) for k, x in d.items()})
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return _dataclass(hint)
+    if isinstance(hint, type) and hint.__subclasses__():  # an abstract base: its dataclass subclasses
+        subclasses: list[type] = list(filter(dataclasses.is_dataclass, hint.__subclasses__()))
+        return _tagged(subclasses, optional=False)
+    raise TypeError(f"no JSON codec for {hint!r}")
+
+
+def _tagged(members: list[type], optional: bool) -> tuple[Encode, Decode]:
+    """A union of dataclasses: each object names its class."""
+    by_class = {m: _codec(m) for m in members}
+    by_name = {m.__name__: c[1] for m, c in by_class.items()}
+
+    def enc(value: Any) -> Any:
+        if value is None and optional:
+            return None
+        return {TYPE_KEY: type(value).__name__, **by_class[type(value)][0](value)}
+
+    def dec(data: Any) -> Any:
+        if data is None and optional:
+            return None
+        name = data.get(TYPE_KEY) if isinstance(data, dict) else None
+        if name not in by_name:
+            raise CodecError(f"expected one of {sorted(by_name)}, got {name!r}")
+        return by_name[name](data)
+
+    return enc, dec
+
+
+def _dataclass(cls: type, cache: bool = True) -> tuple[Encode, Decode]:
+    # Placeholders first: a dataclass may refer to itself through its fields.
+    fields: list[tuple[str, Encode, Decode, Any, Callable[[], Any] | None]] = []
+
+    def enc(value: Any) -> dict[str, Any]:
+        out = {}
+        for name, field_enc, _, default, factory in fields:
+            item = getattr(value, name)
+            if item is default or (default is not _MISSING and item == default) or (factory is not None and item == factory()):
+                continue
+            out[name] = field_enc(item)
+        return out
+
+    def dec(data: Any) -> Any:
+        if not isinstance(data, dict):
+            raise CodecError(f"{cls.__name__}: expected an object, got {type(data).__name__}")
+        kwargs = {}
+        for name, _, field_dec, _, _ in fields:
+            if name in data:
+                kwargs[name] = field_dec(data[name])
+        if len(kwargs) + (TYPE_KEY in data) != len(data):
+            unknown = sorted(set(data) - set(kwargs) - {TYPE_KEY})
+            raise CodecError(f"{cls.__name__} has no field(s) {unknown}")
+        return cls(**kwargs)
+
+    if cache:
+        _CACHE[cls] = (enc, dec)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name.startswith("_") or not f.init:
+            continue
+        field_enc, field_dec = _codec(hints[f.name])
+        default = f.default if f.default is not dataclasses.MISSING else _MISSING
+        factory = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+        fields.append((f.name, field_enc, field_dec, default, factory))
+    return enc, dec
