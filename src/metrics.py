@@ -9,7 +9,7 @@ trains, no backward at all. MFU = model FLOPs / (iteration time x devices x peak
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from src.cluster import GIB, ClusterSpec
 from src.config import TrainSpec
@@ -18,8 +18,17 @@ from src.models.spec import ModelSpec, UnitSpec
 from src.program import Plan
 from src.timeline import BREAKDOWN_CATEGORIES, Timeline
 
-if TYPE_CHECKING:
-    from src.setup import Setup
+
+class RunInputs(Protocol):
+    """What a summary reads of a run's validated inputs (src.setup.Setup is one; the
+    measures sit below the front door and do not import it)."""
+
+    @property
+    def model(self) -> ModelSpec: ...
+    @property
+    def cluster(self) -> ClusterSpec: ...
+    @property
+    def train(self) -> TrainSpec: ...
 
 
 @dataclass(frozen=True)
@@ -143,7 +152,7 @@ def build_summary(
 
 
 def summarize(
-    setup: Setup, plan: Plan, timeline: Timeline, peak_flops: float | None = None, extras: dict[str, Any] | None = None
+    setup: RunInputs, plan: Plan, timeline: Timeline, peak_flops: float | None = None, extras: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """The run's summary, for every backend: the plan's memory attached to the timeline,
     the figures of the output contract, and what the backend adds (measured values, how

@@ -54,15 +54,17 @@ def compose_config(*overrides: str) -> dict[str, Any]:
 
 def strategy_options(name: str) -> type:
     """The options dataclass of strategy `name`: by convention the one dataclass named
-    `*Options` in its planner's module (MegatronOptions, ...)."""
+    `*Options` that its planner's module defines or takes from its own package
+    (MegatronOptions from megatron.options, ...)."""
     module = importlib.import_module(planner_for(name).__module__)
+    package = module.__name__.rpartition(".")[0]
     found = [
         obj
         for obj in vars(module).values()
         if inspect.isclass(obj)
         and dataclasses.is_dataclass(obj)
         and obj.__name__.endswith("Options")
-        and obj.__module__ == module.__name__
+        and obj.__module__.startswith(package + ".")
     ]
     assert len(found) == 1, f"{module.__name__} should define one *Options dataclass, found {found}"
     return found[0]
