@@ -21,6 +21,8 @@ import yaml
 
 from src.timeline import BREAKDOWN_CATEGORIES
 
+pytestmark = pytest.mark.slow  # every test here starts the front door in a process
+
 REQUIRED_SUMMARY_KEYS = (
     "model",
     "strategy",
