@@ -1,4 +1,4 @@
-"""The contract between planners and backends (DESIGN.md, second wave):
+"""The contract between planners and backends (docs/design.md):
 
 - the backends know no strategy: nothing in src/runtime or src/sim imports a strategy
   module, compares a strategy's name or reads a plan's `details` (display only);

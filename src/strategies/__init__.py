@@ -1,6 +1,13 @@
-"""The registry from strategy names (conf/strategy/<name>.yaml's `name`) to planners."""
+"""The registry from strategy names (conf/strategy/<name>.yaml's `name`) to planners.
+
+A strategy written outside this package joins in one of two ways (docs/adding_a_strategy.md):
+`register(name, planner)` in the process that plans, or its import path as the name
+(`strategy.name=my_package.my_module:plan_mine`), which every process that plans finds.
+"""
 
 from __future__ import annotations
+
+import importlib
 
 from src.errors import ConfigError
 from src.strategies.auto import plan_auto
@@ -25,10 +32,32 @@ STRATEGIES: dict[str, Planner] = {
 }
 
 
+def register(name: str, planner: Planner) -> None:
+    """Plan strategy `name` with `planner`, a function of a PlanRequest returning a Plan."""
+    if not name or ":" in name:
+        raise ValueError(f"strategy name {name!r}: a registered name is not empty and has no ':' (import paths do)")
+    if STRATEGIES.get(name, planner) is not planner:
+        raise ValueError(f"strategy {name!r} is already registered (to {STRATEGIES[name].__module__})")
+    STRATEGIES[name] = planner
+
+
 def planner_for(name: str) -> Planner:
-    if name not in STRATEGIES:
-        raise ConfigError(f"strategy {name!r} has no planner; available: {sorted(STRATEGIES)}")
-    return STRATEGIES[name]
+    """The planner registered as `name`, or the one its import path names
+    ("package.module:function")."""
+    if name in STRATEGIES:
+        return STRATEGIES[name]
+    module, colon, attribute = name.partition(":")
+    if not colon:
+        raise ConfigError(
+            f"strategy {name!r} has no planner; available: {sorted(STRATEGIES)}, or a planner's import path (package.module:function)"
+        )
+    try:
+        planner = getattr(importlib.import_module(module), attribute)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"strategy {name!r}: cannot import its planner ({err})") from None
+    if not callable(planner):
+        raise ConfigError(f"strategy {name!r}: {attribute} in {module} is a {type(planner).__name__}, not a planner")
+    return planner
 
 
-__all__ = ["STRATEGIES", "PlanRequest", "planner_for"]
+__all__ = ["STRATEGIES", "Planner", "PlanRequest", "planner_for", "register"]
