@@ -44,6 +44,7 @@ def test_backends_know_no_strategy(path):
 
 
 @pytest.mark.slow  # a fresh interpreter; tests/test_imports.py checks the static graph in the quick tier
+@pytest.mark.torch
 def test_the_runtime_never_imports_the_front_door():
     modules = [f"src.runtime.{p.stem}" for p in (SRC / "runtime").glob("*.py") if p.stem != "__init__"]
     code = f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\nprint('src.run' in sys.modules)"
