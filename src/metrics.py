@@ -110,7 +110,7 @@ def attach_memory(timeline: Timeline, plan: Plan, model: ModelSpec, precision: s
 def build_summary(
     names: dict[str, str], plan: Plan, timeline: Timeline, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
 ) -> dict[str, Any]:
-    """The figures of the output contract (DESIGN.md), JSON-ready."""
+    """The figures of the output contract (docs/design.md), JSON-ready."""
     seconds = timeline.iteration_time
     devices = plan.devices
     peak = cluster.peak(plan.precision)

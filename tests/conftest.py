@@ -1,20 +1,31 @@
 """Shared fixtures: the repository's paths and a runner for the front door
-(`python -m src.run ...`) in a subprocess, as a user would invoke it."""
+(`python -m src.run ...`) in a subprocess, as a user would invoke it; and the guard that
+keeps `-m "not slow"` a quick tier: a test not marked slow that starts a process fails."""
 
 from __future__ import annotations
 
+import _posixsubprocess
+import importlib.util
 import os
 import subprocess
 import sys
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Callable
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+REPO_ROOT = TESTS.parent
 CONF_DIR = REPO_ROOT / "conf"
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+# Test modules that import torch (or the real backend, which does) at their top: marked
+# torch, and not even collected where it is not installed. Others mark their own tests.
+TORCH_MODULES = ("runtime/*", "data/test_data.py", "models/test_mllm_tiny.py", "strategies/test_routes.py", "test_launchers.py")
+collect_ignore_glob = [] if HAS_TORCH else list(TORCH_MODULES)
 
 CliRunner = Callable[..., subprocess.CompletedProcess]
+PROCESS_STARTS = ((subprocess, "_fork_exec"), (_posixsubprocess, "fork_exec"), (os, "fork"), (os, "posix_spawn"), (os, "posix_spawnp"))
 
 
 def cli_env() -> dict[str, str]:
@@ -47,3 +58,61 @@ def conf_dir() -> Path:
 def cli() -> CliRunner:
     """Callable fixture: cli("model=clip", "hydra.run.dir=...") -> CompletedProcess."""
     return run_cli
+
+
+class ProcessGuard:
+    """Keeps `-m "not slow"` a quick tier: while a test not marked slow runs (its fixtures,
+    module-scoped ones too, its call and its teardown), starting a process (subprocess,
+    multiprocessing, a joblib pool: each forks, spawns or executes through one of
+    PROCESS_STARTS) is refused, and the test fails even where the code under test caught
+    the refusal."""
+
+    def __init__(self) -> None:
+        self.item: pytest.Item | None = None
+        self.started: dict[str, str] = {}  # test id -> the first process it started
+
+    def install(self) -> None:
+        for module, name in PROCESS_STARTS:
+            setattr(module, name, self._guarded(getattr(module, name)))
+
+    def _guarded(self, start: Callable) -> Callable:
+        def guarded(*args, **kwargs):
+            item = self.item
+            if item is not None and item.get_closest_marker("slow") is None:
+                self.started.setdefault(item.nodeid, repr(args[0])[:80] if args else start.__name__)
+                raise RuntimeError(f"{item.nodeid} starts a process: mark it @pytest.mark.slow")
+            return start(*args, **kwargs)
+
+        return guarded
+
+
+GUARD = ProcessGuard()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    GUARD.install()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    GUARD.item = item
+    yield
+    GUARD.item = None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    report = outcome.get_result()
+    started = GUARD.started.get(item.nodeid)
+    if started and report.passed and call.when in ("setup", "call"):
+        report.outcome = "failed"
+        report.longrepr = f"starts a process ({started}) but is not marked slow"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if any(fnmatch(item.path.relative_to(TESTS).as_posix(), pattern) for pattern in TORCH_MODULES):
+            item.add_marker(pytest.mark.torch)
+        if not HAS_TORCH and item.get_closest_marker("torch") is not None:
+            item.add_marker(pytest.mark.skip(reason="needs torch: pip install -e '.[runtime]'"))

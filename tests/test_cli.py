@@ -1,6 +1,6 @@
 """The front door end to end: `python -m src.run ...` in a subprocess, as a user runs it.
 
-Checks the output contract of a run (DESIGN.md): the console table, the run directory's
+Checks the output contract of a run (docs/design.md): the console table, the run directory's
 files and summary.json's figures; a Hydra multirun; determinism; and that every bad input
 ends with exit code 2, one `error:` line naming the constraint and its numbers, no
 traceback and no summary.json.
@@ -20,6 +20,8 @@ import pytest
 import yaml
 
 from src.timeline import BREAKDOWN_CATEGORIES
+
+pytestmark = pytest.mark.slow  # every test here starts the front door in a process
 
 REQUIRED_SUMMARY_KEYS = (
     "model",

@@ -54,6 +54,7 @@ def test_auto_rejects_unknown_contenders() -> None:
         plan_run(validate(composed("config", *SMALL_GPT, "strategy=auto", "strategy.contenders=[megatorn]", "logger=none")))
 
 
+@pytest.mark.slow
 def test_compare_ranks_priced_contenders_then_lists_refusals() -> None:
     config = composed("compare", *SMALL_GPT, "strategy.contenders=[megatron,par4d,distmm]")
     outcomes = compare(config)
@@ -64,6 +65,7 @@ def test_compare_ranks_priced_contenders_then_lists_refusals() -> None:
     assert "| 1 |" in text and "| 2 |" in text and "- distmm: " in text
 
 
+@pytest.mark.slow
 def test_compare_refuses_a_single_strategy_in_one_line(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "src.compare", "strategy=megatron", f"hydra.run.dir={tmp_path}"],

@@ -1,4 +1,4 @@
-"""The contract between planners and backends (DESIGN.md, second wave):
+"""The contract between planners and backends (docs/design.md):
 
 - the backends know no strategy: nothing in src/runtime or src/sim imports a strategy
   module, compares a strategy's name or reads a plan's `details` (display only);
@@ -43,6 +43,8 @@ def test_backends_know_no_strategy(path):
             pytest.fail(f"{path.name}:{node.lineno} reads a plan's details")
 
 
+@pytest.mark.slow  # a fresh interpreter; tests/test_imports.py checks the static graph in the quick tier
+@pytest.mark.torch
 def test_the_runtime_never_imports_the_front_door():
     modules = [f"src.runtime.{p.stem}" for p in (SRC / "runtime").glob("*.py") if p.stem != "__init__"]
     code = f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\nprint('src.run' in sys.modules)"

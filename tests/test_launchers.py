@@ -90,6 +90,7 @@ def _copy(prepared: Path, name: str) -> Path:
     return Path(shutil.copytree(prepared, prepared.parent / name))
 
 
+@pytest.mark.slow
 def test_two_torchrun_nodes_train_like_the_driver(prepared, driver_losses):
     run_dir = _copy(prepared, "torchrun")
     endpoint = f"127.0.0.1:{free_port()}"
@@ -101,6 +102,7 @@ def test_two_torchrun_nodes_train_like_the_driver(prepared, driver_losses):
     assert summary["measured"]["loss"] == pytest.approx(driver_losses, rel=1e-4)
 
 
+@pytest.mark.slow
 def test_srun_tasks_train_like_the_driver(prepared, driver_losses):
     run_dir = _copy(prepared, "srun")
     port = str(free_port())
@@ -123,6 +125,7 @@ def test_srun_tasks_train_like_the_driver(prepared, driver_losses):
     assert _summary(run_dir)["measured"]["loss"] == pytest.approx(driver_losses, rel=1e-4)
 
 
+@pytest.mark.slow
 def test_srun_refuses_a_task_count_the_plan_does_not_use(prepared):
     env = {**cli_env(), "SLURM_PROCID": "0", "SLURM_NTASKS": "3", "SLURM_LOCALID": "0"}
     proc = subprocess.run(
@@ -172,6 +175,7 @@ def test_torchrun_refuses_a_plan_of_another_version_before_starting(prepared):
     )
 
 
+@pytest.mark.slow
 def test_prepare_refuses_a_simulator_run(tmp_path):
     code, _, err = _prepare("backend=sim", f"hydra.run.dir={tmp_path}")
     assert code == 2
@@ -185,6 +189,7 @@ def test_torchrun_starts_as_many_workers_on_every_node():
         layout(SimpleNamespace(devices=6, strategy="ddp"), 4)
 
 
+@pytest.mark.slow
 def test_a_multirun_through_the_submitit_local_launcher_writes_one_summary_per_job(tmp_path):
     # hydra.launcher.timeout_min: submitit stops a stuck job itself.
     [(code, output)] = _finish(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import yaml
 
 from src.sweep import main
@@ -27,6 +28,7 @@ TINY_GPT = [
 ]
 
 
+@pytest.mark.slow
 def test_sweep_writes_table_plot_and_normalised_values(tmp_path: Path) -> None:
     sweep = {
         "name": "tiny",
@@ -60,6 +62,7 @@ def test_sweep_writes_table_plot_and_normalised_values(tmp_path: Path) -> None:
     assert (out / "tiny.png").stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_a_figure_resumes_skipping_the_jobs_that_have_a_summary(tmp_path: Path) -> None:
     sweep = {
         "name": "resume",

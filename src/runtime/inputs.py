@@ -186,6 +186,9 @@ class StepSamples:
                 made[(unit, microbatch)] = unit_fields(self.model, unit, rows[key])
         return made
 
+    def skipped(self) -> set[str]:
+        return skipped_members(self.dataset)
+
 
 class Batches:
     """The step's micro-batches on the trainer's device, made here (inline) or taken from

@@ -14,12 +14,10 @@ import math
 import queue
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.multiprocessing as mp
-
-from src.runtime.inputs import StepSamples, skipped_members
 
 Made = dict[tuple[str, int], dict[str, torch.Tensor]]
 ALIGN = 8  # bytes: the largest element size a batch holds (int64, float64)
@@ -60,10 +58,21 @@ def _unpack(buffer: torch.Tensor, layout: dict[tuple[str, int], dict[str, _Field
     return {key: {name: view(f) for name, f in fields.items()} for key, fields in layout.items()}
 
 
-def _produce(samples: StepSamples, steps: int, made: Any, finished: Any) -> None:
+class StepMaker(Protocol):
+    """What a producer calls for each step's micro-batches (runtime.inputs.StepSamples;
+    picklable, as a spawned process needs)."""
+
+    def make(self, step: int) -> Made: ...
+
+    def skipped(self) -> set[str]:
+        """The bad shard members left out so far (backend.data_errors=skip)."""
+        ...
+
+
+def _produce(samples: StepMaker, steps: int, made: Any, finished: Any) -> None:
     for step in range(steps):
         try:
-            made.put((step, _pack(samples.make(step)), skipped_members(samples.dataset)))
+            made.put((step, _pack(samples.make(step)), samples.skipped()))
         except Exception as error:  # the trainer raises it as its own, as inline preprocessing would
             made.put((step, error, set()))
             return
@@ -75,7 +84,7 @@ class Producer:
     """One trainer's producer process (spawned: it never inherits the trainer's process
     groups or threads), started at once so that it works while the trainer builds its model."""
 
-    def __init__(self, samples: StepSamples, steps: int, depth: int, timeout_s: float, rank: int) -> None:
+    def __init__(self, samples: StepMaker, steps: int, depth: int, timeout_s: float, rank: int) -> None:
         context = mp.get_context("spawn")
         self.made = context.Queue(maxsize=depth)
         self.finished = context.Event()

@@ -1,6 +1,13 @@
-"""The registry from strategy names (conf/strategy/<name>.yaml's `name`) to planners."""
+"""The registry from strategy names (conf/strategy/<name>.yaml's `name`) to planners.
+
+A strategy written outside this package joins in one of two ways (docs/adding_a_strategy.md):
+`register(name, planner)` in the process that plans, or its import path as the name
+(`strategy.name=my_package.my_module:plan_mine`), which every process that plans finds.
+"""
 
 from __future__ import annotations
+
+import importlib
 
 from src.errors import ConfigError
 from src.strategies import ddp, deepspeed3d, distmm, disttrain, megatron, optimus, par4d
@@ -40,10 +47,32 @@ PLAN_FIELDS: dict[str, dict[str, str]] = {
 RUN_FIELDS = {"precision": "train.precision"}  # plan fields every strategy takes from the run, not its options
 
 
+def register(name: str, planner: Planner) -> None:
+    """Plan strategy `name` with `planner`, a function of a PlanRequest returning a Plan."""
+    if not name or ":" in name:
+        raise ValueError(f"strategy name {name!r}: a registered name is not empty and has no ':' (import paths do)")
+    if STRATEGIES.get(name, planner) is not planner:
+        raise ValueError(f"strategy {name!r} is already registered (to {STRATEGIES[name].__module__})")
+    STRATEGIES[name] = planner
+
+
 def planner_for(name: str) -> Planner:
-    if name not in STRATEGIES:
-        raise ConfigError(f"strategy {name!r} has no planner; available: {sorted(STRATEGIES)}")
-    return STRATEGIES[name]
+    """The planner registered as `name`, or the one its import path names
+    ("package.module:function")."""
+    if name in STRATEGIES:
+        return STRATEGIES[name]
+    module, colon, attribute = name.partition(":")
+    if not colon:
+        raise ConfigError(
+            f"strategy {name!r} has no planner; available: {sorted(STRATEGIES)}, or a planner's import path (package.module:function)"
+        )
+    try:
+        planner = getattr(importlib.import_module(module), attribute)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"strategy {name!r}: cannot import its planner ({err})") from None
+    if not callable(planner):
+        raise ConfigError(f"strategy {name!r}: {attribute} in {module} is a {type(planner).__name__}, not a planner")
+    return planner
 
 
 def option_keys(strategy: str, fields: tuple[str, ...], units: tuple[str, ...] = ()) -> list[str]:
@@ -58,4 +87,4 @@ def option_keys(strategy: str, fields: tuple[str, ...], units: tuple[str, ...] =
     return list(dict.fromkeys(keys))
 
 
-__all__ = ["PLAN_FIELDS", "STRATEGIES", "PlanRequest", "option_keys", "planner_for"]
+__all__ = ["PLAN_FIELDS", "STRATEGIES", "Planner", "PlanRequest", "option_keys", "planner_for", "register"]

@@ -18,30 +18,39 @@ from src.config import options_from
 from src.errors import ConfigError, PlanError
 from src.program import Plan
 from src.progress import Progress
+from src.sim.engine import SimulationError, simulate
+from src.strategies.base import Planner, PlanRequest
+from src.strategies.ddp import plan_ddp
+from src.strategies.deepspeed3d import plan_deepspeed3d
+from src.strategies.distmm.planner import plan_distmm
+from src.strategies.disttrain.planner import plan_disttrain
+from src.strategies.megatron.planner import plan_megatron
+from src.strategies.optimus.planner import plan_optimus
+from src.strategies.par4d.planner import plan_par4d
 from src.timeline import Timeline
-from src.strategies.base import PlanRequest
 
 
 @dataclass(frozen=True)
 class Contender:
-    """A strategy with its variant's options; every other option keeps its options
-    dataclass's default, which is its config group's (a planner reads no files)."""
+    """A strategy's planner with its variant's options; every other option keeps its
+    options dataclass's default, which is its config group's (a planner reads no files).
+    The planners are named here, not looked up in the registry, which registers auto."""
 
     label: str
-    strategy: str
+    planner: Planner
     options: dict[str, Any] = field(default_factory=dict)
 
 
 CONTENDERS = (
-    Contender("megatron", "megatron"),
-    Contender("megatron-balanced", "megatron", {"balance": True}),
+    Contender("megatron", plan_megatron),
+    Contender("megatron-balanced", plan_megatron, {"balance": True}),
     # DeepSpeed's stage-3 default overlaps the per-layer reduce-scatter and the prefetch.
-    Contender("zero3", "ddp", {"zero_stage": 3, "overlap_comm": True}),
-    Contender("deepspeed3d", "deepspeed3d"),
-    Contender("distmm", "distmm"),
-    Contender("disttrain", "disttrain"),
-    Contender("optimus", "optimus"),
-    Contender("par4d", "par4d"),
+    Contender("zero3", plan_ddp, {"zero_stage": 3, "overlap_comm": True}),
+    Contender("deepspeed3d", plan_deepspeed3d),
+    Contender("distmm", plan_distmm),
+    Contender("disttrain", plan_disttrain),
+    Contender("optimus", plan_optimus),
+    Contender("par4d", plan_par4d),
 )
 
 
@@ -77,13 +86,10 @@ class Priced:
 
 def price(contender: Contender, request: PlanRequest) -> Priced:
     """Plan and simulate one contender (its refusal is an outcome, not an error)."""
-    from src.sim.engine import SimulationError, simulate
-    from src.strategies import planner_for
-
     try:
         if contender.label == "megatron-balanced" and len(request.model.units) == 1:
             raise PlanError("one unit: balancing the pipeline is Megatron-LM's own stage cut")
-        plan = planner_for(contender.strategy)(PlanRequest(request.model, request.cluster, request.train, contender.options))
+        plan = contender.planner(PlanRequest(request.model, request.cluster, request.train, contender.options))
         if plan.devices > request.cluster.devices:
             raise PlanError(f"plan uses {plan.devices} devices but the cluster has {request.cluster.devices}")
         timeline = simulate(plan.program, request.model, request.cluster, request.train.precision)

@@ -63,11 +63,13 @@ def test_bad_llm_combinations_are_config_errors(overrides: dict, needle: str) ->
         build_model({"name": "gpt", "preset": "llama3_8b", **overrides})
 
 
+@pytest.mark.slow
 def test_bad_kv_heads_on_the_command_line_is_one_line_exit_2(cli, tmp_path: Path) -> None:
     proc = cli("model=gpt", "model.preset=llama3_8b", "model.kv_heads=3", "logger=none", f"hydra.run.dir={tmp_path}")
     assert_one_line_error(proc, tmp_path, r"model\.heads=32", r"model\.kv_heads=3", r"not divisible")
 
 
+@pytest.mark.slow
 def test_llama3_405b_on_16384_h100s_from_the_command_line(cli, tmp_path: Path) -> None:
     """Llama 3 paper, Table 4: 16384 GPUs, TP 8, PP 16, DP 128, sequences of 8192.
     Its 126 blocks do not divide by 16: stages differ by one block."""

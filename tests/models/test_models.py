@@ -1,6 +1,6 @@
 """Model specs against the papers' stated sizes, FLOPs identities, configs and errors.
 
-Paper numbers here are reference data (DESIGN.md): nothing in src/ reads them. Where a
+Paper numbers here are reference data (docs/design.md): nothing in src/ reads them. Where a
 paper's size cannot be reached by the architecture it describes, the test compares the
 paper with the part it evidently counted and pins the rest separately; each such gap is
 explained where it is asserted.

@@ -232,6 +232,7 @@ def test_console_table_and_step_line() -> None:
     assert format_step({"step": 0, "iteration_time_s": 2.0381, "mfu": 0.0934}) == "simulated iteration | 2.038 s | MFU 9.34 %"
 
 
+@pytest.mark.slow
 def test_wandb_offline_logs_without_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     wandb = pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -263,6 +264,7 @@ def test_wandb_offline_logs_without_error(tmp_path: Path, monkeypatch: pytest.Mo
     assert json.loads((run_dir / "summary.json").read_text())["mfu"] == 0.4123
 
 
+@pytest.mark.slow
 def test_wandb_name_group_and_dir_in_a_multirun(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     wandb = pytest.importorskip("wandb")
     monkeypatch.delenv("WANDB_DIR", raising=False)
@@ -293,6 +295,7 @@ def test_wandb_failure_warns_and_run_goes_on(
     assert (run_dir / "summary.json").exists() and (run_dir / "trace.json").exists()
 
 
+@pytest.mark.slow
 def test_wandb_unreachable_server_costs_seconds_then_the_run_logs_offline(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -319,6 +322,7 @@ def test_reused_run_dir_starts_afresh(tmp_path: Path) -> None:
     assert [json.loads(line)["type"] for line in lines] == ["summary"]
 
 
+@pytest.mark.slow
 def test_a_figure_is_logged_as_one_wandb_run_with_table_plot_and_files(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

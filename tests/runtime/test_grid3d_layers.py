@@ -7,6 +7,7 @@ all-gathers. A U-Net's GroupNorm whose groups straddle ranks equals nn.GroupNorm
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -148,6 +149,7 @@ def _worker(rank: int, port: int) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_linear3d_and_conv3d_equal_nn_linear_and_conv2d_on_two_grids_with_overlaps_on_and_off() -> None:
     # spawn, not fork: a fork of a process whose OpenMP threads have run hangs in torch ops.
     mp.spawn(_worker, args=(free_port(),), nprocs=8)

@@ -67,6 +67,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_tensor_parallel_layers_equal_their_sequential_selves(tmp_path: Path) -> None:
     # spawn, not fork: a fork of a process whose OpenMP threads have run hangs in torch ops.
     mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=2)

@@ -24,6 +24,7 @@ class _Unreadable:
         raise OSError(f"sample {index} is not an image")
 
 
+@pytest.mark.slow
 def test_a_producer_makes_the_trainers_batches_ahead():
     samples = _samples()
     producer = Producer(samples, steps=3, depth=1, timeout_s=60, rank=0)
@@ -40,6 +41,7 @@ def test_a_producer_makes_the_trainers_batches_ahead():
     assert producer.process.exitcode == 0
 
 
+@pytest.mark.slow
 def test_a_failing_producer_raises_its_error_in_the_trainer():
     producer = Producer(_samples(_Unreadable()), steps=2, depth=1, timeout_s=60, rank=3)
     try:

@@ -226,6 +226,7 @@ def test_zero3_exposed_gathers_grow_with_the_node_count() -> None:
     assert large > 5 * small
 
 
+@pytest.mark.slow
 def test_ddp_plan_far_beyond_memory_exits_2_with_one_line(cli, tmp_path: Path) -> None:
     proc = cli(
         "model=gpt",

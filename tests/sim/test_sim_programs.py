@@ -1,4 +1,4 @@
-"""One small hand-built Program per row of DESIGN.md's table, simulated and checked
+"""One small hand-built Program per row of docs/design.md's table, simulated and checked
 against a hand computation.
 
 Every expected number below is derived by hand from the cost model's formulas with a toy

@@ -184,6 +184,7 @@ def test_global_batch_must_hold_whole_contrastive_batches() -> None:
         plan_run(setup("model=clip", "train.global_batch=512", "train.contrastive_batch=100"))
 
 
+@pytest.mark.slow
 def test_a_tower_larger_than_the_cluster_exits_2_with_one_line(tmp_path: Path) -> None:
     result = subprocess.run(
         [

@@ -280,6 +280,7 @@ def _run_cli(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
         ),
     ],
 )
+@pytest.mark.slow
 def test_impossible_plans_exit_2_with_one_line(tmp_path: Path, overrides, words) -> None:
     result = _run_cli(tmp_path, *overrides)
     assert result.returncode == 2, result.stderr

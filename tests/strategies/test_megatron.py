@@ -19,7 +19,7 @@ from src.program import Collective, Compute, Recv, Send
 from src.schedules.pipeline import build_schedule
 from src.sim.engine import simulate
 from src.strategies import PlanRequest, planner_for
-from src.strategies.megatron.planner import MegatronOptions
+from src.strategies.megatron.options import MegatronOptions
 from src.strategies.megatron.estimate import live_counts, steady_microbatches
 from src.strategies.megatron.programs import Degrees, MegatronSettings, pipeline_program
 from src.strategies.megatron.search import MegatronSearch

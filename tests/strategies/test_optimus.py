@@ -184,6 +184,7 @@ def test_no_encoder_plan_fits_memory() -> None:
         plan_run(setup(*SMALL, "cluster.memory_gib=12", "strategy.llm.recompute=none"))
 
 
+@pytest.mark.slow
 def test_cli_bad_input_is_one_line_exit_2(cli, tmp_path: Path) -> None:
     result = cli("model=optimus", "strategy=optimus", "logger=none", f"hydra.run.dir={tmp_path}", *SMALL, "strategy.encoder.tp=3")
     assert result.returncode == 2, result.stderr

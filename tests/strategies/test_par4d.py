@@ -326,6 +326,7 @@ def test_bad_par4d_input_is_one_line_with_its_numbers(overrides, needles):
         (["strategy.grid=[1,1,1,16]"], [r"short by [\d.]+ GiB"]),
     ],
 )
+@pytest.mark.slow
 def test_bad_par4d_input_exits_2_from_the_front_door(cli, tmp_path: Path, overrides, needles):
     proc = cli(*GPT20_16, *overrides, "logger=none", f"hydra.run.dir={tmp_path}")
     assert_one_line_error(proc, tmp_path, *needles)

@@ -21,11 +21,10 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from src.runtime.comm import all_reduce, chunked_all_reduce
-from src.runtime.modules.sequence import gather_sequence, reduce_grad, scatter_sequence
+from src.runtime.modules.sequence import TP, gather_sequence, reduce_grad, scatter_sequence
 
 
 @dataclass
@@ -47,17 +46,6 @@ def tp_overlap(chunks: int) -> Iterator[None]:
         yield
     finally:
         OVERLAP.chunks = previous
-
-
-@dataclass(frozen=True)
-class TP:
-    """This rank's place in its unit's TP group (size 1: no group, no communication);
-    sequence_parallel: token states between layers are split by sequence over the group."""
-
-    size: int = 1
-    rank: int = 0
-    group: dist.ProcessGroup | None = None
-    sequence_parallel: bool = False
 
 
 def linear_shard(d_in: int, d_out: int, rows: torch.Tensor, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,18 +16,29 @@ gloo has no reduce-scatter: it all-reduces and keeps the rank's part, as elsewhe
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from src.runtime.comm import CLOCK, all_reduce
 
-if TYPE_CHECKING:
-    from src.runtime.modules.parallel import TP
-
 SEQ = 1  # token states are (batch, sequence, hidden)
-Move = Callable[[torch.Tensor, "TP"], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class TP:
+    """This rank's place in its unit's TP group (size 1: no group, no communication);
+    sequence_parallel: token states between layers are split by sequence over the group."""
+
+    size: int = 1
+    rank: int = 0
+    group: dist.ProcessGroup | None = None
+    sequence_parallel: bool = False
+
+
+Move = Callable[[torch.Tensor, TP], torch.Tensor]
 
 
 def _gather(x: torch.Tensor, tp: TP) -> torch.Tensor:

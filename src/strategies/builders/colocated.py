@@ -18,7 +18,7 @@ from src.cluster import ClusterSpec
 from src.costmodel.memory import element_bytes, grad_bytes
 from src.mesh import Mesh, tensor_parallel
 from src.models.spec import ModelSpec
-from src.program import Collective, CollectiveOp, Compute, Instruction, Message, Program, RankProgram, Wait, Work
+from src.program import Collective, CollectiveOp, Compute, Instruction, Message, Phase, Program, RankProgram, Wait, Work
 from src.strategies.builders.contrastive import Holder, gathered_batch, local_queries, local_routes
 from src.strategies.builders.emit import TPConfig, iteration_tail, segment_pass
 from src.strategies.builders.layout import axis_group
@@ -71,7 +71,7 @@ class ColocatedEmitter:
         u = self.units[unit]
         return TPConfig(tensor_parallel(u.mesh.degree("tp"), u.sequence_parallel), self.tp_group[unit], u.recompute, self.act_bytes)
 
-    def _pass(self, unit: str, phase: str, samples: int, microbatch: int, final: bool) -> list[Instruction]:
+    def _pass(self, unit: str, phase: Phase, samples: int, microbatch: int, final: bool) -> list[Instruction]:
         """A unit's forward or backward; under ZeRO-3 with replicas, layer by layer: each
         layer's parameters all-gathered before it runs, its gradients reduce-scattered
         after its backward (every micro-batch: ZeRO-3 keeps no whole gradients), in the

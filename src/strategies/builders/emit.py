@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from src.mesh import Sharding
 from src.models.flows import flows_of, outputs_of
 from src.models.spec import ModelSpec
-from src.program import Collective, Compute, Instruction, Payload, Wait, Work
+from src.program import Collective, CollectiveOp, Compute, Instruction, Payload, Phase, Wait, Work
 from src.strategies.builders.stages import Segment
 
 
@@ -84,7 +84,7 @@ def range_io(
 def segment_pass(
     model: ModelSpec,
     segment: Segment,
-    phase: str,
+    phase: Phase,
     samples: int,
     microbatch: int,
     tp: TPConfig,
@@ -112,14 +112,15 @@ def segment_pass(
         inputs, outputs = backward_io(model, segment, microbatch)
     else:
         inputs, outputs = consumed(model, segment, microbatch), produced(model, segment, microbatch)
-    by_size: dict[int, int] = {}
-    if tp.sharding.degree("tp") > 1 and tp.group is not None:
-        for layer in unit.layers[segment.layers[0] : segment.layers[1]]:
-            if layer.tp_allreduces:
-                by_size[layer.tp_comm_elems] = by_size.get(layer.tp_comm_elems, 0) + layer.tp_allreduces
-    if by_size and tp.overlap_chunks > 1:
-        return _overlapped_pass(work, microbatch, chunk, inputs, outputs, tp, by_size)
     out: list[Instruction] = [Compute(work, microbatch=microbatch, chunk=chunk, inputs=inputs, outputs=outputs)]
+    if tp.sharding.degree("tp") == 1 or tp.group is None:
+        return out
+    by_size: dict[int, int] = {}
+    for layer in unit.layers[segment.layers[0] : segment.layers[1]]:
+        if layer.tp_allreduces:
+            by_size[layer.tp_comm_elems] = by_size.get(layer.tp_comm_elems, 0) + layer.tp_allreduces
+    if by_size and tp.overlap_chunks > 1:
+        return _overlapped_pass(work, microbatch, chunk, inputs, outputs, tp, tp.group, by_size)
     for elems, count in sorted(by_size.items()):
         out.append(Collective("all_reduce", tp.group, elems * samples * tp.act_bytes, "tp", stream="compute", count=count))
     return out
@@ -132,6 +133,7 @@ def _overlapped_pass(
     inputs: tuple[Payload, ...],
     outputs: tuple[Payload, ...],
     tp: TPConfig,
+    group: str,
     by_size: dict[int, int],
 ) -> list[Instruction]:
     """StepCCL's overlap: the pass runs as `overlap_chunks` row chunks; each chunk's TP
@@ -152,7 +154,7 @@ def _overlapped_pass(
             out.append(
                 Collective(
                     "all_reduce",
-                    tp.group,
+                    group,
                     elems * work.samples * tp.act_bytes / n,
                     "tp",
                     stream="tp",
@@ -189,9 +191,8 @@ def iteration_tail(
     params = trainable_params(model, segments, sharding.devices)
     if params == 0:
         return out
-    reduce_now = dp > 1 and dp_group is not None and not pending
-    if reduce_now:
-        op = "reduce_scatter" if zero_stage >= 1 else "all_reduce"
+    if dp > 1 and dp_group is not None and not pending:
+        op: CollectiveOp = "reduce_scatter" if zero_stage >= 1 else "all_reduce"
         out.append(Collective(op, dp_group, params * grad_bytes, "dp"))
     shard = dp if zero_stage >= 1 else 1
     for segment in segments:

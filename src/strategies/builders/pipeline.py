@@ -24,7 +24,7 @@ from src.cluster import ClusterSpec, family_sharing
 from src.costmodel.memory import element_bytes, grad_bytes
 from src.mesh import Mesh, tensor_parallel
 from src.models.spec import ModelSpec
-from src.program import Collective, Hop, Instruction, Payload, Program, RankProgram, Recv, Send
+from src.program import Collective, CollectiveOp, Hop, Instruction, Payload, Program, RankProgram, Recv, Send
 from src.strategies.builders.emit import TPConfig, backward_io, consumed, iteration_tail, produced, segment_pass
 from src.strategies.builders.layout import axis_group, pipeline_pairs
 from src.strategies.builders.stages import Segment, StageTransfer, boundary_elems, stage_transfer
@@ -138,9 +138,10 @@ class PipelineEmitter:
                 instructions = self._forward(v, op)
             elif op.kind == "B":
                 final = index == last_backward[op.chunk]
-                overlap = self.cfg.overlap_grad_reduce and self.dp_groups[stage] is not None and final
-                instructions = self._backward(v, op, overlap) if self.needs_bwd[v] else []
+                reduce_into = self.dp_groups[stage] if self.cfg.overlap_grad_reduce and final else None
+                instructions = self._backward(v, op, reduce_into) if self.needs_bwd[v] else []
             else:
+                assert other is not None, f"a {op.kind} op in stage {stage}'s order and no handler for it"
                 instructions = other(op)
             out.ops.append(StageOp(op, instructions))
         own = self.segments_of(stage)
@@ -192,7 +193,9 @@ class PipelineEmitter:
                     out += self.links.send(payload)
         return out
 
-    def _backward(self, v: int, op, overlap: bool) -> list[Instruction]:
+    def _backward(self, v: int, op, reduce_into: str | None) -> list[Instruction]:
+        """reduce_into: the DP group that reduces each layer's gradient as soon as this
+        backward finishes it (None: the iteration's tail reduces them)."""
         j, stage = op.microbatch, v % self.pp
         inbound, outbound = self._boundary(v, j)
         inside = {p for s in self.virtual[v] for p in consumed(self.model, s, j)}
@@ -205,7 +208,7 @@ class PipelineEmitter:
                     out += self._receive(v, grad, stage)
                 elif grad.value() not in inside:
                     out += self.links.receive(grad)
-            out += self._segment_backward(segment, j, op.chunk, stage, overlap)
+            out += self._segment_backward(segment, j, op.chunk, stage, reduce_into)
             for grad in grads_out:
                 if grad.value() in inbound:
                     out.append(Send(self.hops[v - 1], grad))
@@ -217,15 +220,15 @@ class PipelineEmitter:
         """A payload (or its gradient) over hop `hop`: each rank's share, then the TP
         all-gather that rebuilds it where the transfer was scattered."""
         out: list[Instruction] = [Recv(self.hops[hop], payload)]
-        gather = self.transfers[hop].gather_bytes
-        if gather and self.tp_groups[stage] is not None:
+        gather, group = self.transfers[hop].gather_bytes, self.tp_groups[stage]
+        if gather and group is not None:
             whole = (payload,)  # each rank's received part in, the whole payload out
-            out.append(Collective("all_gather", self.tp_groups[stage], gather, "pp", stream="compute", inputs=whole, outputs=whole))
+            out.append(Collective("all_gather", group, gather, "pp", stream="compute", inputs=whole, outputs=whole))
         return out
 
-    def _segment_backward(self, segment: Segment, j: int, chunk: int, stage: int, overlap: bool) -> list[Instruction]:
+    def _segment_backward(self, segment: Segment, j: int, chunk: int, stage: int, reduce_into: str | None) -> list[Instruction]:
         tp = self._tp(stage)
-        if not overlap:
+        if reduce_into is None:
             return segment_pass(self.model, segment, "bwd", self.cfg.micro_batch, j, tp, chunk=chunk)
         # The last micro-batch's backward finishes each layer's gradient: reduce it at
         # once on the DP stream while the earlier layers' backward runs (Megatron's
@@ -237,11 +240,11 @@ class PipelineEmitter:
             params = unit.trainable_params(layer, layer + 1) / self.sharding.devices
             if params:
                 handle = f"grad.{segment.unit}.{layer}"
-                op_name = "reduce_scatter" if self.cfg.zero_stage >= 1 else "all_reduce"
+                op_name: CollectiveOp = "reduce_scatter" if self.cfg.zero_stage >= 1 else "all_reduce"
                 out.append(
                     Collective(
                         op_name,
-                        self.dp_groups[stage],
+                        reduce_into,
                         params * self.grad_bytes,
                         "dp",
                         stream="dp",

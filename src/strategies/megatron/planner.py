@@ -10,67 +10,15 @@ instead of evenly.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from src.cluster import GIB
 from src.config import options_from
-from src.costmodel.memory import check_memory_options, rank_memory
+from src.costmodel.memory import rank_memory
 from src.errors import ConfigError, PlanError
 from src.program import Plan
-from src.schedules.pipeline import SCHEDULES
 from src.strategies.base import PlanRequest
+from src.strategies.megatron.options import MegatronOptions
 from src.strategies.megatron.search import Candidate, MegatronSearch
 from src.strategies.megatron.space import enumerate_space
-
-
-@dataclass(frozen=True)
-class MegatronOptions:
-    tp: int | None = None
-    pp: int | None = None
-    dp: int | None = None
-    vpp: int | None = None
-    micro_batch_size: int | None = None
-    schedule: str | None = None
-    recompute: str | None = None
-    sequence_parallel: bool | None = None
-    zero_stage: int | None = None
-    overlap_grad_reduce: bool = False
-    modality_stages: str = "extra"
-    uneven_pp: bool = False
-    balance: bool = False
-    scatter_gather: bool = True
-
-    def __post_init__(self) -> None:
-        for key in ("tp", "pp", "dp", "vpp", "micro_batch_size"):
-            value = getattr(self, key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-                raise ConfigError(f"strategy.{key} must be a positive integer, got {value!r}")
-        if self.schedule is not None and self.schedule not in SCHEDULES:
-            raise ConfigError(f"strategy.schedule={self.schedule!r}; choose one of {list(SCHEDULES)} or null")
-        if self.vpp is not None and self.vpp > 1 and self.schedule in ("gpipe", "1f1b"):
-            raise ConfigError(f"strategy.vpp={self.vpp} needs the interleaved schedule, not strategy.schedule={self.schedule}")
-        for key in ("sequence_parallel", "overlap_grad_reduce", "uneven_pp", "balance", "scatter_gather"):
-            value = getattr(self, key)
-            if not isinstance(value, bool) and not (key == "sequence_parallel" and value is None):
-                raise ConfigError(f"strategy.{key} must be true or false, got {value!r}")
-        if self.balance and self.schedule == "gpipe":
-            raise ConfigError(
-                "strategy.balance=true runs the interleaved 1F1B schedule (Optimus Appendix B), not strategy.schedule=gpipe"
-            )
-        check_memory_options(
-            self.recompute, self.zero_stage, "Megatron-LM's distributed optimizer is ZeRO stage 1 (stages 2-3 belong to strategy=ddp)"
-        )
-
-    def searched(self, contrastive: bool) -> bool:
-        """Whether any axis of the space is left to the planner."""
-        axes = [self.tp, self.micro_batch_size, self.recompute, self.zero_stage]
-        if not contrastive:
-            axes += [
-                self.pp,
-                self.vpp if self.schedule not in ("gpipe", "1f1b") else 1,
-                self.sequence_parallel if self.tp != 1 else False,
-            ]
-        return any(value is None for value in axes)
 
 
 def plan_megatron(request: PlanRequest) -> Plan:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from src.cluster import GIB
 from src.costmodel.compute import ComputeModel
@@ -26,14 +25,12 @@ from src.program import Plan
 from src.progress import Progress
 from src.sim.engine import compute_lower_bound, simulate
 from src.strategies.base import PlanRequest
+from src.strategies.megatron.options import MegatronOptions
 from src.strategies.megatron.estimate import MemoryTable, Passes, PipelineEstimator
 from src.strategies.megatron.programs import MegatronSettings, colocated_program, pipeline_program
 from src.strategies.base import MAX_MICROBATCHES
 from src.strategies.megatron.space import MAX_PIPELINE_MICRO_BATCH, Shape, Space
 from src.strategies.builders.stages import Segment, balanced_cuts, chain_segments, linear_chain, pipeline_segments
-
-if TYPE_CHECKING:
-    from src.strategies.megatron.planner import MegatronOptions
 
 RANKING_SIZE = 5
 # How far a candidate's time is known: the levels of bound tightened one after another.
@@ -165,10 +162,10 @@ class MegatronSearch:
         candidate: Candidate | None = None
         if self.contrastive:
             candidate = Candidate(shape, settings, step, None, [], [])
-            self._build(candidate)
-            units = {u.unit: u for u in candidate.plan.units}
-            candidate.memory = [rank_memory(rp, units, self.model, self.precision) for rp in candidate.plan.program.classes]
-            candidate.labels = [rp.label for rp in candidate.plan.program.classes]
+            plan = self._build(candidate)
+            units = {u.unit: u for u in plan.units}
+            candidate.memory = [rank_memory(rp, units, self.model, self.precision) for rp in plan.program.classes]
+            candidate.labels = [rp.label for rp in plan.program.classes]
             worst = max(need["total"] for need in candidate.memory)
         else:
             virtual = self.virtual_stages(shape, settings)
@@ -189,7 +186,7 @@ class MegatronSearch:
         if worst <= usable:
             return candidate
         self.stats.rejected_by_memory += 1
-        if self.closest is None or worst - usable < self.closest[0]:
+        if candidate is not None and (self.closest is None or worst - usable < self.closest[0]):
             self.closest = (worst - usable, candidate)
         return None
 
@@ -202,10 +199,10 @@ class MegatronSearch:
             return self.even_cuts[key]
         # The cut depends on the layers' times (TP, its price, micro-batch, sequence
         # parallelism, recomputation) and the number of virtual stages only.
-        key = (deg.tp, deg.dp, deg.pp, deg.micro_batch, settings.sequence_parallel, settings.recompute)
-        times = self.chain_times.get(key)
+        times_key = (deg.tp, deg.dp, deg.pp, deg.micro_batch, settings.sequence_parallel, settings.recompute)
+        times = self.chain_times.get(times_key)
         if times is None:
-            times = self.chain_times[key] = tuple(self.estimator.layer_times(self.chain, deg, settings))
+            times = self.chain_times[times_key] = tuple(self.estimator.layer_times(self.chain, deg, settings))
         cut_key = (times, deg.pp * deg.vpp)
         if cut_key not in self.balanced:
             self.balanced[cut_key] = chain_segments(self.chain, balanced_cuts(times, deg.pp * deg.vpp))
@@ -249,13 +246,14 @@ class MegatronSearch:
         then stage bound, then path bound, then the simulated time), until the least bound
         left exceeds the best simulated time: every candidate that could be faster, or as
         fast and first in order, was simulated. Then rank the next ones by path bound."""
+        best: Candidate | None = None
         if len(candidates) == 1:
             best = candidates[0]
         else:
-            best = None
+            best_time = 0.0
             heap = [(c.bound, c.order(), WORK, i) for i, c in enumerate(candidates)]
             heapq.heapify(heap)
-            while heap and (best is None or heap[0][0] <= best.time):
+            while heap and (best is None or heap[0][0] <= best_time):
                 if self.progress.due():
                     self.progress.show(f"bounds and simulations: candidates left {len(heap)}/{len(candidates)}, {_lead(best)}")
                 _, _, level, index = heapq.heappop(heap)
@@ -263,10 +261,11 @@ class MegatronSearch:
                 if level < PATH and candidate.virtual is not None:
                     heapq.heappush(heap, (self._tighten(candidate, level), candidate.order(), level + 1, index))
                     continue
-                self._simulate(candidate)
-                if best is None or (candidate.time, candidate.order()) < (best.time, best.order()):
-                    best = candidate
+                time = self._simulate(candidate)
+                if best is None or (time, candidate.order()) < (best_time, best.order()):
+                    best, best_time = candidate, time
             self._rank(candidates, heap)
+        assert best is not None, "every candidate is simulated while none is best"
         if best.plan is None:
             self._build(best)
         return best
@@ -274,10 +273,12 @@ class MegatronSearch:
     def _tighten(self, candidate: Candidate, level: int) -> float:
         deg, cfg = candidate.shape.degrees, candidate.settings
         if level == WORK:
+            assert candidate.virtual is not None, "a colocated candidate is simulated, not bounded"
             candidate.passes = self.estimator.passes(deg, cfg, candidate.virtual)
             candidate.stage_bound = self.estimator.quick_bound(deg, cfg, candidate.passes)
             self.stats.stage_bounds += 1
             return candidate.stage_bound
+        assert candidate.passes is not None, "the stage bound comes first"
         candidate.path_bound = self.estimator.path_bound(deg, cfg, candidate.passes)
         self.stats.path_bounds += 1
         return candidate.path_bound
@@ -297,16 +298,16 @@ class MegatronSearch:
                 self.ranked.append(candidate)
                 known += 1
 
-    def _simulate(self, candidate: Candidate) -> None:
-        if candidate.plan is None:
-            self._build(candidate)
-        candidate.time = simulate(candidate.plan.program, self.model, self.cluster, self.precision, self.compute).iteration_time
+    def _simulate(self, candidate: Candidate) -> float:
+        plan = candidate.plan if candidate.plan is not None else self._build(candidate)
+        candidate.time = simulate(plan.program, self.model, self.cluster, self.precision, self.compute).iteration_time
         self.stats.simulated += 1
+        return candidate.time
 
-    def _build(self, candidate: Candidate) -> None:
+    def _build(self, candidate: Candidate) -> Plan:
         deg, cfg = candidate.shape.degrees, candidate.settings
         train = self.request.train
-        if self.contrastive:
+        if candidate.virtual is None:
             program, unit_plans = colocated_program(self.model, self.cluster, train.global_batch, self.precision, deg, cfg)
         else:
             program, unit_plans = pipeline_program(
@@ -333,6 +334,7 @@ class MegatronSearch:
                 "placement": "colocated" if self.contrastive else "pipeline",
             },
         )
+        return candidate.plan
 
     # ---- the record ----------------------------------------------------------------------
     def record(self, candidates: list[Candidate], best: Candidate) -> dict:

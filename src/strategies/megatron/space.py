@@ -12,16 +12,13 @@ requires (memory_ladder).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from src.errors import ConfigError
 from src.models.spec import ModelSpec
 from src.strategies.base import PlanRequest, check_microbatch_count, microbatch_sizes
+from src.strategies.megatron.options import MegatronOptions
 from src.strategies.megatron.programs import Degrees
 from src.strategies.builders.stages import main_unit
-
-if TYPE_CHECKING:
-    from src.strategies.megatron.planner import MegatronOptions
 
 # Pipelines want many micro-batches; larger ones only help GEMM efficiency, which saturates.
 MAX_PIPELINE_MICRO_BATCH = 8

@@ -150,7 +150,7 @@ class _Shape:
 
     transposed: bool
     ranges: tuple[tuple[int, int] | None, ...]
-    fcs: tuple[FC | None, ...]
+    fcs: tuple[FC, ...]
     heads: int
     output: bool
     group_norms: bool  # normalises channel groups, which must lie whole on a rank
@@ -158,8 +158,6 @@ class _Shape:
 
 def _problem(grid: Grid, shape: _Shape) -> str | None:
     for fc in shape.fcs:
-        if fc is None:
-            continue
         (axis_a, axis_b), (a, b) = fc.axes(), ((grid.y, grid.x) if fc.transposed else (grid.x, grid.y))
         if fc.n % a:
             return f"G_{axis_a}={a} does not divide its {fc.n} output columns"
@@ -247,8 +245,8 @@ class UnitGrid:
 
     def _check(self, grid: Grid) -> tuple[tuple[_Shape | None, ...], bool]:
         first, last = self._ends()
-        plain = self._chain(False)
-        replicate_first = first >= 0 and self._lone(first) and _problem(grid, plain[first]) is not None
+        first_shape = self._chain(False)[first] if first >= 0 else None
+        replicate_first = first_shape is not None and self._lone(first) and _problem(grid, first_shape) is not None
         chain = self._chain(replicate_first)
         replicate_last = False
         seen: dict[int, str | None] = {}
@@ -293,7 +291,7 @@ class UnitGrid:
                 out.append(LayerLayout(index, grid.replicated(), (None,), (None,), layer.params, gather_input=gather))
             elif index == first and shape is None:
                 after = next((s for s in chain[index + 1 :] if s is not None), None)
-                axis = next(fc for fc in after.fcs if fc is not None).axes()[1] if after else None
+                axis = after.fcs[0].axes()[1] if after else None
                 scatter = axis if axis is not None and getattr(grid, axis) > 1 else None
                 out.append(LayerLayout(index, grid.replicated(), (None,), (None,), layer.params, scatter_output=scatter))
             elif shape is None and any(k.kind == "gemm" and k.has_weight for k in layer.kernels):

@@ -27,6 +27,7 @@ from src.errors import ConfigError
 from src.strategies.par4d.layout import FC, Grid, UnitGrid, grids
 
 COMM_MODELS = ("aware", "agnostic")
+Betas = tuple[float, float, float, float]  # (β_x, β_y, β_z, β_data)
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class CommTerms:
         return CommTerms(self.ag_z * factor, self.rs_z * factor, self.ar_y * factor, self.ar_x * factor, self.ar_data * factor)
 
 
-def fc_comm(m: float, k: float, n: float, grid: Grid, betas: tuple[float, float, float, float], transposed: bool = False) -> CommTerms:
+def fc_comm(m: float, k: float, n: float, grid: Grid, betas: Betas, transposed: bool = False) -> CommTerms:
     """Eqs. 4-8 for one FC layer; `betas` = (β_x, β_y, β_z, β_data)."""
     gx, gy, gz, gd = grid.degrees
     bx, by, bz, bd = betas
@@ -71,7 +72,7 @@ def fc_comm(m: float, k: float, n: float, grid: Grid, betas: tuple[float, float,
     )
 
 
-def placement_bandwidths(grid: Grid, devices_per_node: int, intra: float, inter: float) -> tuple[float, ...]:
+def placement_bandwidths(grid: Grid, devices_per_node: int, intra: float, inter: float) -> Betas:
     """Eq. 10: (β_x, β_y, β_z, β_data) for the hierarchy X, Y, Z, data."""
     out = []
     inner = 1
@@ -81,10 +82,11 @@ def placement_bandwidths(grid: Grid, devices_per_node: int, intra: float, inter:
         else:
             out.append(inter / min(devices_per_node, inner))
         inner *= degree
-    return tuple(out)
+    bx, by, bz, bd = out
+    return bx, by, bz, bd
 
 
-def model_bandwidths(kind: str, grid: Grid, cluster: ClusterSpec) -> tuple[float, ...]:
+def model_bandwidths(kind: str, grid: Grid, cluster: ClusterSpec) -> Betas:
     if kind == "agnostic":
         return (1.0, 1.0, 1.0, 1.0)
     if kind != "aware":
@@ -97,9 +99,7 @@ def model_bandwidths(kind: str, grid: Grid, cluster: ClusterSpec) -> tuple[float
     )
 
 
-def units_comm(
-    counts: dict[FC, int], grid: Grid, rows_per_sample_scale: float, betas: tuple[float, ...], bytes_per_elem: float
-) -> CommTerms:
+def units_comm(counts: dict[FC, int], grid: Grid, rows_per_sample_scale: float, betas: Betas, bytes_per_elem: float) -> CommTerms:
     """Eq. 9 summed over the FC layers (`counts`: how many of each shape): m = each FC's
     rows per sample x the samples one replica processes in an iteration."""
     total = CommTerms()

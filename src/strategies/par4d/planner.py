@@ -63,17 +63,28 @@ class Par4DOptions:
             raise ConfigError(f"strategy.recompute={self.recompute!r}; choose one of {list(RECOMPUTE_MODES)} or null")
 
 
+@dataclass(frozen=True)
+class _Simulated:
+    """A candidate that fits: its settings, Program, unit plan, a rank's memory and the
+    simulated iteration time."""
+
+    settings: Par4DSettings
+    program: Program
+    unit_plan: UnitPlan
+    memory: dict[str, float]
+    time: float
+
+
 @dataclass
 class _Candidate:
+    """A grid in the model's ranking: once settled, the settings that fit (or the
+    problem why none does); once simulated, what it built."""
+
     ranked: RankedGrid
     rank: int
-    layouts: list[LayerLayout] | None = None
     settings: Par4DSettings | None = None
-    memory: dict[str, float] | None = None
     problem: str | None = None
-    program: Program | None = None
-    unit_plan: UnitPlan | None = None
-    time: float | None = None
+    simulated: _Simulated | None = None
 
 
 class _Planner:
@@ -115,11 +126,10 @@ class _Planner:
             return [mb]
         return microbatch_sizes(per_replica, multiple_of=grid.z)
 
-    def _settle(self, candidate: _Candidate) -> None:
+    def _settle(self, candidate: _Candidate, layouts: list[LayerLayout]) -> None:
         """The least memory-saving settings that fit (largest micro-batch, then the
         recompute ladder), then as many cached layers as fit."""
         grid = candidate.ranked.grid
-        layouts = candidate.layouts = self.unit_grid.layout(grid)
         overlap = frozenset(self.opts.overlap)
         ladder = [r for r in RECOMPUTE_MODES if self.opts.recompute in (None, r)]
         closest: tuple[float, str] | None = None
@@ -184,40 +194,43 @@ class _Planner:
         chosen = self._simulate_top(candidates)
         return self._plan_of(chosen, candidates, len(rejected))
 
-    def _simulate_top(self, candidates: list[_Candidate]) -> _Candidate:
+    def _simulate_top(self, candidates: list[_Candidate]) -> tuple[_Candidate, _Simulated]:
         compute = ComputeModel(self.cluster, self.train.precision)
         limit = self.opts.top_k or len(candidates)
-        simulated: list[_Candidate] = []
+        simulated: list[tuple[_Candidate, _Simulated]] = []
         for candidate in candidates:
             if len(simulated) >= limit:
                 break
+            grid = candidate.ranked.grid
             try:
-                self._settle(candidate)
+                layouts = self.unit_grid.layout(grid)
+                self._settle(candidate, layouts)
             except ConfigError as err:
                 if self.opts.grid is not None:
                     raise
                 candidate.problem = str(err)
+                continue
             if candidate.settings is None:
                 continue
-            grid = candidate.ranked.grid
-            candidate.program, candidate.unit_plan, candidate.memory = self._build(grid, candidate.layouts, candidate.settings)
-            candidate.time = simulate(candidate.program, self.model, self.cluster, self.train.precision, compute).iteration_time
-            simulated.append(candidate)
+            program, unit_plan, memory = self._build(grid, layouts, candidate.settings)
+            time = simulate(program, self.model, self.cluster, self.train.precision, compute).iteration_time
+            candidate.simulated = _Simulated(candidate.settings, program, unit_plan, memory, time)
+            simulated.append((candidate, candidate.simulated))
         if not simulated:
             problems = [c.problem for c in candidates if c.problem]
             closest = min(problems, key=lambda p: float(p.rsplit("short by ", 1)[1].split()[0]) if "short by" in p else float("inf"))
             if len(candidates) == 1:
                 raise PlanError(closest)
             raise PlanError(f"no par4d grid fits memory ({len(problems)} tried); closest: {closest}")
-        return min(simulated, key=lambda c: (c.time, c.rank))
+        return min(simulated, key=lambda pair: (pair[1].time, pair[0].rank))
 
-    def _plan_of(self, chosen: _Candidate, candidates: list[_Candidate], rejected: int) -> Plan:
-        simulated = sorted((c for c in candidates if c.time is not None), key=lambda c: c.time)
-        fastest = [c.rank for c in simulated[:5]]
+    def _plan_of(self, chosen: tuple[_Candidate, _Simulated], candidates: list[_Candidate], rejected: int) -> Plan:
+        times = {c.rank: c.simulated.time for c in candidates if c.simulated is not None}
+        fastest = sorted(times, key=times.__getitem__)[:5]
         # The model's rank of the simulator's best grid among the grids simulated (Fig. 7).
-        order = sorted(c.rank for c in simulated)
+        order = sorted(times)
         ranking = []
-        for c in candidates[: max(RANKING_SHOWN, max(c.rank for c in simulated))]:
+        for c in candidates[: max(RANKING_SHOWN, max(times))]:
             fits = True if c.settings is not None else (False if c.problem else None)
             ranking.append(
                 {
@@ -225,11 +238,12 @@ class _Planner:
                     "grid": c.ranked.grid.label(),
                     "model_comm_s": c.ranked.comm.total,
                     "fits": fits,
-                    "iteration_time_s": c.time,
+                    "iteration_time_s": times.get(c.rank),
                 }
             )
-        s = chosen.settings
-        grid = chosen.ranked.grid
+        candidate, built = chosen
+        s = built.settings
+        grid = candidate.ranked.grid
         details = {
             "grid": grid.label(),
             "grid_x": grid.x,
@@ -239,15 +253,15 @@ class _Planner:
             "micro_batch": s.micro_batch,
             "recompute": s.recompute,
             "overlap": sorted(s.overlap),
-            "cached_layers": chosen.unit_plan.details["cached_layers"],
-            "memory_gib": round(chosen.memory["total"] / GIB, 3),
+            "cached_layers": built.unit_plan.details["cached_layers"],
+            "memory_gib": round(built.memory["total"] / GIB, 3),
             "search": {
                 "model": self.opts.model,
                 "fixed": self.opts.grid is not None,
                 "grids_valid": len(candidates),
                 "grids_rejected": rejected,
-                "grids_simulated": len(simulated),
-                "rank_of_best": order.index(chosen.rank) + 1,
+                "grids_simulated": len(times),
+                "rank_of_best": order.index(candidate.rank) + 1,
                 "efficient_in_top5": sum(1 for r in fastest if r in order[:5]),
                 "ranking": ranking,
             },
@@ -255,8 +269,8 @@ class _Planner:
         return Plan(
             strategy="par4d",
             devices=grid.devices,
-            units=[chosen.unit_plan],
-            program=chosen.program,
+            units=[built.unit_plan],
+            program=built.program,
             precision=self.train.precision,
             details=details,
         )

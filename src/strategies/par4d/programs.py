@@ -45,7 +45,7 @@ from src.cluster import ClusterSpec
 from src.costmodel.memory import element_bytes, grad_bytes
 from src.models.layers import ACT_BYTES
 from src.models.spec import ModelSpec
-from src.program import Collective, Compute, Instruction, Program, RankProgram, UnitPlan, Wait, Work
+from src.program import Collective, Compute, Instruction, Phase, Program, RankProgram, UnitPlan, Wait, Work
 from src.strategies.builders.emit import range_io
 from src.strategies.builders.layout import axis_group
 from src.strategies.par4d.layout import FC, Grid, LayerLayout
@@ -106,6 +106,12 @@ class Par4DEmitter:
     def _degree(self, axis: str) -> int:
         return getattr(self.grid, axis)
 
+    def _group(self, axis: str) -> str:
+        """The group of an axis a collective runs over (one of degree > 1)."""
+        group = self.groups[axis]
+        assert group is not None, f"a collective over {axis} on grid {self.grid.label()}, whose G_{axis} is 1"
+        return group
+
     def _gathers(self, layout: LayerLayout) -> bool:
         return self.grid.z > 1 and layout.params > 0
 
@@ -155,7 +161,7 @@ class Par4DEmitter:
     def _gather(self, gather: _Gather, sequence: list[_Gather], position: dict[str, int]) -> list[Instruction]:
         """The all-gather of `gather`'s weights before its GEMM: blocking, or (C) waited
         after the previous FC's compute, with the next one issued now."""
-        group = self.groups["z"]
+        group = self._group("z")
         if "all_gather" not in self.cfg.overlap:
             return [Collective("all_gather", group, gather.bytes, "tp", stream="z")]
         out: list[Instruction] = []
@@ -167,7 +173,7 @@ class Par4DEmitter:
         out.append(Wait(gather.handle))
         return out
 
-    def _work(self, layout: LayerLayout, phase: str, item: int, recompute: str = "none") -> Work:
+    def _work(self, layout: LayerLayout, phase: Phase, item: int, recompute: str = "none") -> Work:
         return Work(
             self.unit,
             phase,
@@ -207,29 +213,33 @@ class Par4DEmitter:
         if fc is None:
             return []
         b = fc.axes()[1]
-        if self.groups[b] is None:
+        group = self.groups[b]
+        if group is None:
             return []
         nbytes = self._rows(fc) * STATS_BYTES
         norms = sum(_normalises_hidden(name) for name in self._kernel_names(layout, item))
-        return [Collective("all_reduce", self.groups[b], nbytes, "tp", stream=b) for _ in range(norms)]
+        return [Collective("all_reduce", group, nbytes, "tp", stream=b) for _ in range(norms)]
 
     def _vocabulary_all_reduces(self, layout: LayerLayout, item: int, fc: FC | None) -> list[Instruction]:
         """An embedding table's lookups summed over x (its rows split there); the loss
         over a vocabulary split over its FC's output axis: rows' maxima, then their sums of
         exponentials and target logits."""
         names = self._kernel_names(layout, item)
-        group = self.groups["x"]
-        if "lookup" in names and fc is None and group is not None:
+        rows_group = self.groups["x"]
+        if "lookup" in names and fc is None and rows_group is not None:
             tokens = self.cfg.micro_batch * self.spec.seq_len / self.grid.z
-            return [Collective("all_reduce", group, tokens * self.spec.hidden / self.grid.y * self.act_bytes, "tp", stream="x")]
-        if "loss" in names and fc is not None and self.groups[fc.axes()[0]] is not None:
-            a = fc.axes()[0]
-            rows = self._rows(fc)
-            return [
-                Collective("all_reduce", self.groups[a], rows * 4, "tp", stream=a),
-                Collective("all_reduce", self.groups[a], rows * STATS_BYTES, "tp", stream=a),
-            ]
-        return []
+            return [Collective("all_reduce", rows_group, tokens * self.spec.hidden / self.grid.y * self.act_bytes, "tp", stream="x")]
+        if "loss" not in names or fc is None:
+            return []
+        a = fc.axes()[0]
+        group = self.groups[a]
+        if group is None:
+            return []
+        rows = self._rows(fc)
+        return [
+            Collective("all_reduce", group, rows * 4, "tp", stream=a),
+            Collective("all_reduce", group, rows * STATS_BYTES, "tp", stream=a),
+        ]
 
     def _output_collectives(self, fc: FC | None) -> list[Instruction]:
         """The all-reduce of an FC's partial output over b; a re-split skip projection's
@@ -237,11 +247,10 @@ class Par4DEmitter:
         if fc is None:
             return []
         a, b = fc.axes()
-        out = []
-        if self.groups[b] is not None:
-            out.append(
-                Collective("all_reduce", self.groups[b], self._rows(fc) * fc.n / self._degree(a) * self.act_bytes, "tp", stream=b)
-            )
+        out: list[Instruction] = []
+        group = self.groups[b]
+        if group is not None:
+            out.append(Collective("all_reduce", group, self._rows(fc) * fc.n / self._degree(a) * self.act_bytes, "tp", stream=b))
         return out + self._resplit(fc, a)
 
     def _input_gather(self, layout: LayerLayout) -> list[Instruction]:
@@ -251,14 +260,15 @@ class Par4DEmitter:
             return []
         elems = self.spec.layers[layout.index].activations.checkpoint / ACT_BYTES
         nbytes = elems * self.cfg.micro_batch / self.grid.z * self.act_bytes
-        return [Collective("all_gather", self.groups[layout.gather_input], nbytes, "tp", stream=layout.gather_input)]
+        return [Collective("all_gather", self._group(layout.gather_input), nbytes, "tp", stream=layout.gather_input)]
 
     def _resplit(self, fc: FC, axis: str) -> list[Instruction]:
         """A skip projection's output (forward, over its column axis) or its gradient
         (backward, over its row axis) all-gathered whole before the slice is taken."""
-        if not fc.resplit or self.groups[axis] is None:
+        group = self.groups[axis]
+        if not fc.resplit or group is None:
             return []
-        return [Collective("all_gather", self.groups[axis], self._rows(fc) * fc.n * self.act_bytes, "tp", stream=axis)]
+        return [Collective("all_gather", group, self._rows(fc) * fc.n * self.act_bytes, "tp", stream=axis)]
 
     def _backward_layer(self, layout: LayerLayout, j: int, sequence, position) -> list[Instruction]:
         out: list[Instruction] = []
@@ -307,15 +317,16 @@ class Par4DEmitter:
             return []
         kernel = next(k for k in self.spec.layers[layout.index].kernels if k.kind == "gemm" and k.has_weight)
         nbytes = kernel.m * self.cfg.micro_batch / self.grid.z * kernel.n * self.act_bytes
-        return [Collective("all_gather", self.groups[layout.scatter_output], nbytes, "tp", stream=layout.scatter_output)]
+        return [Collective("all_gather", self._group(layout.scatter_output), nbytes, "tp", stream=layout.scatter_output)]
 
     def _embedding_grad_gather(self, fc: FC) -> list[Instruction]:
         """An FC reading its slice of a whole embedding: the slice's gradient all-gathered
         over its row axis."""
         b = fc.axes()[1]
-        if not fc.embedding_input or self.groups[b] is None:
+        group = self.groups[b]
+        if not fc.embedding_input or group is None:
             return []
-        return [Collective("all_gather", self.groups[b], self._rows(fc) * fc.k * self.act_bytes, "tp", stream=b)]
+        return [Collective("all_gather", group, self._rows(fc) * fc.k * self.act_bytes, "tp", stream=b)]
 
     def _reduce_scatter(self, layout: LayerLayout, item: int, j: int) -> list[Instruction]:
         if not self._gathers(layout) or self.spec.frozen:
@@ -324,10 +335,10 @@ class Par4DEmitter:
         if not nbytes:
             return []
         if "reduce_scatter" not in self.cfg.overlap:
-            return [Collective("reduce_scatter", self.groups["z"], nbytes, "tp", stream="z")]
+            return [Collective("reduce_scatter", self._group("z"), nbytes, "tp", stream="z")]
         handle = f"rs.mb{j}.L{layout.index}.{item}"
         self._pending_rs.append(handle)
-        return [Collective("reduce_scatter", self.groups["z"], nbytes, "tp", stream="z", blocking=False, handle=handle)]
+        return [Collective("reduce_scatter", self._group("z"), nbytes, "tp", stream="z", blocking=False, handle=handle)]
 
     # ---- the end of the iteration -------------------------------------------------------------
     def tail(self) -> list[Instruction]:

@@ -1,0 +1,129 @@
+"""docs/adding_a_strategy.md as written: its planner and config group, copied out of the
+page into a directory outside src/strategies, plan a tiny GPT that the simulator prices
+as it prices strategy=ddp's same instructions, and train it on two workers (slow) to the
+single process's losses. The registry's public calls and their refusals."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from src.errors import ConfigError
+from src.setup import plan_run, validate
+from src.sim.engine import simulate
+from src.strategies import STRATEGIES, planner_for, register
+from tests.conftest import CONF_DIR, REPO_ROOT, cli_env
+
+PAGE = REPO_ROOT / "docs" / "adding_a_strategy.md"
+# A fenced block whose first line names the file it is: "# my_strategies/toy.py".
+FILE_BLOCK = re.compile(r"```(?:python|yaml)\n# (\S+)\n(.*?)```", re.S)
+TINY_GPT = [
+    "cluster=local",
+    "cluster.devices_per_node=2",
+    "model=gpt",
+    "model.preset=null",
+    "model.layers=2",
+    "model.hidden=64",
+    "model.heads=4",
+    "model.vocab=128",
+    "train.seq_len=16",
+    "train.global_batch=8",
+    "logger=none",
+]
+TOY = ["strategy=toy", "strategy.microbatches=2"]
+
+
+@pytest.fixture(scope="module")
+def outside(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The page's files, written where a user keeps their own code."""
+    root = tmp_path_factory.mktemp("outside")
+    blocks = FILE_BLOCK.findall(PAGE.read_text())
+    assert sorted(path for path, _ in blocks) == ["my_conf/strategy/toy.yaml", "my_strategies/toy.py"]
+    for path, text in blocks:
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(text)
+    return root
+
+
+def _config(outside: Path, *overrides: str) -> dict:
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose(config_name="config", overrides=[f"hydra.searchpath=[file://{outside / 'my_conf'}]", *overrides])
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def test_the_page_s_strategy_is_priced_as_the_same_instructions_of_ddp(outside: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(outside))
+    setup = validate(_config(outside, *TOY, *TINY_GPT))
+    toy = plan_run(setup)
+    assert toy.strategy == "toy" and toy.devices == 2
+    assert [(u.unit, u.dp, u.micro_batch, u.num_microbatches) for u in toy.units] == [("llm", 2, 2, 2)]
+    ddp = plan_run(validate(_config(outside, "strategy=ddp", "strategy.micro_batch_size=2", "strategy.recompute=none", *TINY_GPT)))
+    priced = [simulate(p.program, setup.model, setup.cluster, setup.train.precision) for p in (toy, ddp)]
+    assert priced[0].iteration_time == priced[1].iteration_time > 0
+    assert priced[0].mean_breakdown() == priced[1].mean_breakdown()
+
+
+def test_the_page_s_strategy_refuses_a_batch_it_cannot_split(outside: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(outside))
+    setup = validate(_config(outside, *TOY, *TINY_GPT, "train.global_batch=6"))
+    with pytest.raises(ConfigError, match="global batch 6 does not split into 2 devices x 2 micro-batches"):
+        plan_run(setup)
+
+
+def test_a_registered_name_plans_with_its_planner(outside: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(outside))
+    from my_strategies.toy import plan_toy
+
+    monkeypatch.setattr("src.strategies.STRATEGIES", dict(STRATEGIES))  # this test's registrations end with it
+    register("toy", plan_toy)
+    register("toy", plan_toy)  # the same planner again: nothing changes
+    assert planner_for("toy") is plan_toy is planner_for("my_strategies.toy:plan_toy")
+    with pytest.raises(ValueError, match="strategy 'ddp' is already registered"):
+        register("ddp", plan_toy)
+    with pytest.raises(ValueError, match="has no ':'"):
+        register("my:toy", plan_toy)
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("toi", r"strategy 'toi' has no planner; available: \['auto', "),
+        ("my_strategies.nothing:plan", "strategy 'my_strategies.nothing:plan': cannot import its planner"),
+        ("my_strategies.toy:plan_nothing", "cannot import its planner .*has no attribute 'plan_nothing'"),
+        ("my_strategies.toy:__doc__", "__doc__ in my_strategies.toy is a str, not a planner"),
+    ],
+)
+def test_a_strategy_name_that_names_no_planner_is_one_line(
+    outside: Path, monkeypatch: pytest.MonkeyPatch, name: str, message: str
+) -> None:
+    monkeypatch.syspath_prepend(str(outside))
+    with pytest.raises(ConfigError, match=message):
+        planner_for(name)
+
+
+@pytest.mark.slow
+@pytest.mark.torch
+def test_the_page_s_strategy_trains_for_real_like_one_process(outside: Path, tmp_path: Path) -> None:
+    from src.models.registry import build_model
+    from src.runtime.reference import reference_losses
+
+    steps = 3
+    overrides = [*TOY, *TINY_GPT, "backend=torch", "backend.workers=2", f"train.steps={steps}"]
+    # Large updates make any difference in the gradients show in the next losses.
+    overrides += ["backend.lr=1.0", "backend.adam_eps=1.0"]
+    env = {**cli_env(), "PYTHONPATH": str(outside)}
+    searchpath = f"hydra.searchpath=[file://{outside / 'my_conf'}]"
+    command = [sys.executable, "-m", "src.run", searchpath, *overrides, f"hydra.run.dir={tmp_path}"]
+    done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if r["type"] == "step"]
+    gpt = build_model({"name": "gpt", "preset": None, "layers": 2, "hidden": 64, "heads": 4, "vocab": 128}, 16)
+    assert losses == pytest.approx(reference_losses(gpt, 0, 8, steps, 1.0, eps=1.0), rel=1e-4)
