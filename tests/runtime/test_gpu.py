@@ -16,7 +16,11 @@ from src.runtime.driver import launch
 from src.runtime.reference import reference_losses
 from tests.runtime.support import CLIP, prepare_run_dir
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (NCCL, one GPU)")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.slow,  # starts a worker
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (NCCL, one GPU)"),
+]
 
 STEPS = 5
 ONE_GPU = [
