@@ -244,6 +244,26 @@ MAY_BE_ZERO = (
 )
 
 
+# The constants a preset must say where it took from: every figure of the cost model.
+SOURCED = (
+    "devices_per_node",
+    "peak_flops",
+    *FLOAT_FIELDS,
+    "host_async",
+    "nics",
+    "collectives",
+    "collective_efficiency",
+    "oversubscription",
+)
+
+
+def unsourced(cfg: Mapping[str, Any]) -> list[str]:
+    """The constants of a preset that no `sources` entry names (an entry's key lists the
+    constants it covers, separated by commas)."""
+    covered = {name.strip() for key in dict(cfg.get("sources") or {}) for name in str(key).split(",")}
+    return [name for name in SOURCED if name not in covered]
+
+
 def _number(value: Any, key: str, cluster: str) -> float:
     if value is None:
         raise ConfigError(f"cluster {cluster} has no {key}: every preset must state it")
