@@ -82,6 +82,8 @@ class ClusterSpec:
       layer's forward and of its backward (module calls, dispatcher, autograd).
     host_async: the host queues work ahead of the device (GPUs): a Work item takes the
       longer of its device and host times; false (CPU workers): they add up.
+    attention: the attention kernel of the testbed's software (flash | eager), the default
+      of model.attention (src/models/attention.py).
     collective_sm_fraction, p2p_sm_fraction: fraction of the device's SMs a collective's
       (resp. a send's or receive's) kernels hold while they run: NCCL runs one CTA per
       channel, each on an SM of its own, so compute overlapping them runs on the rest.
@@ -126,6 +128,7 @@ class ClusterSpec:
     host_forward_kernel_s: float = 0.0
     host_backward_kernel_s: float = 0.0
     host_async: bool = True
+    attention: str = "eager"
     sources: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -250,6 +253,7 @@ SOURCED = (
     "peak_flops",
     *FLOAT_FIELDS,
     "host_async",
+    "attention",
     "nics",
     "collectives",
     "collective_efficiency",
@@ -273,6 +277,14 @@ def _number(value: Any, key: str, cluster: str) -> float:
         return float(value)
     except (TypeError, ValueError):
         raise ConfigError(f"{key} must be a number, got {value!r} (cluster {cluster})") from None
+
+
+def _attention(value: Any, cluster: str) -> str:
+    from src.models.attention import ATTENTION_MODES
+
+    if value not in ATTENTION_MODES:
+        raise ConfigError(f"cluster.attention must be one of {list(ATTENTION_MODES)}, got {value!r} (cluster {cluster})")
+    return str(value)
 
 
 def _flag(value: Any, key: str, cluster: str) -> bool:
@@ -334,6 +346,7 @@ def cluster_from_config(cfg: Mapping[str, Any]) -> ClusterSpec:
         tree_protocols=tree,
         nics=int(cfg["nics"]),
         host_async=_flag(cfg.get("host_async"), "cluster.host_async", name),
+        attention=_attention(cfg.get("attention"), name),
         **{key: float(cfg[key]) for key in FLOAT_FIELDS},
     )
 
