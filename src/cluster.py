@@ -279,38 +279,6 @@ def _number(value: Any, key: str, cluster: str) -> float:
         raise ConfigError(f"{key} must be a number, got {value!r} (cluster {cluster})") from None
 
 
-MAX_CPU_SHARE = 4.0
-
-
-def with_cpu_share(cfg: Mapping[str, Any], cluster: str) -> Mapping[str, Any]:
-    """The preset for a run that gets `cpu_share` of the calibrated host's CPU (workers on
-    a host that others load: src.validate sets it from the real run's own start-up GEMM
-    rate over the calibrated one; above 1 where the host was loaded when calibrated).
-    Everything CPU workers do runs that much slower: their GEMMs, the framework's
-    per-kernel cost, and gloo's links (its latencies are process scheduling, its bandwidth
-    memory copies). 1: the host as calibrated."""
-    share = _number(cfg.get("cpu_share", 1.0), "cluster.cpu_share", cluster)
-    if not 0 < share <= MAX_CPU_SHARE:
-        raise ConfigError(
-            f"cluster.cpu_share is the run's CPU over the calibrated host's, in (0, {MAX_CPU_SHARE:g}], "
-            f"got {share} (cluster {cluster})"
-        )
-    if share == 1:
-        return cfg
-    slower = {
-        key: _number(cfg.get(key), f"cluster.{key}", cluster) / share
-        for key in ("intra_latency", "host_forward_kernel_s", "host_backward_kernel_s")
-    }
-    faster = {key: _number(cfg.get(key), f"cluster.{key}", cluster) * share for key in ("intra_bandwidth", "p2p_bandwidth")}
-    peaks = {k: _number(v, f"cluster.peak_flops.{k}", cluster) * share for k, v in dict(cfg.get("peak_flops") or {}).items()}
-    collectives = dict(cfg.get("collectives") or {})
-    collectives["ring"] = {
-        name: {**spec, "intra_step_s": _number(spec.get("intra_step_s", 0.0), "intra_step_s", cluster) / share}
-        for name, spec in dict(collectives.get("ring") or {}).items()
-    }
-    return {**cfg, **slower, **faster, "peak_flops": peaks, "collectives": collectives}
-
-
 def _attention(value: Any, cluster: str) -> str:
     from src.models.attention import ATTENTION_MODES
 
@@ -329,9 +297,8 @@ def cluster_from_config(cfg: Mapping[str, Any]) -> ClusterSpec:
     """Build and validate a ClusterSpec from the `cluster` config group."""
     name = cfg.get("name", "?")
     stated = [f.name for f in dataclasses.fields(ClusterSpec) if f.name not in ("ring_protocols", "tree_protocols")]
-    reject_unknown(cfg, stated + ["devices", "profile", "collectives", "cpu_share"], "cluster key(s)")
+    reject_unknown(cfg, stated + ["devices", "profile", "collectives"], "cluster key(s)")
     cfg, profile_note = with_host_profile(cfg)
-    cfg = with_cpu_share(cfg, name)
     for key in ("nodes", "devices_per_node", "nics"):
         value = cfg.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:

@@ -10,11 +10,8 @@ seconds; the MAPE and how many cases the simulator under- and over-predicts clos
 Writes validation.json, validation.md and validation.png under --out. The `local`
 preset's figures come from `python -m src.calibrate`.
 
-Timings are this machine's. On a host that others load, a run gets less CPU than the
-calibration measured: each case's simulation takes the run's own start-up GEMM rate over
-the calibrated one as its CPU share (cluster.cpu_share, the table's column), which slows
-the simulated workers' compute, framework costs and gloo links alike. Nothing is fitted
-to the cases' iteration times.
+Timings are this machine's: run it when nothing else loads the cores (validation.json
+records the load averages at the end).
 """
 
 from __future__ import annotations
@@ -54,8 +51,6 @@ GPT_SIZES = {
     ],
 }
 CLIP = ["model=clip", "model.scale=tiny"]
-# A run's CPU share within this of the calibrated host's is taken as the host's.
-SHARE_TOLERANCE = 0.02
 
 
 @dataclass(frozen=True)
@@ -120,17 +115,9 @@ def validate_case(case: Case, out: Path, steps: int) -> dict[str, Any]:
     predicted, why = _front_door([*common, "backend=sim"], where / "sim")
     if predicted is None:
         return {**row, "error": f"sim: {why}"}
-    # The host as this run found it: its workers' GEMM rate at start-up over the calibrated
-    # one (others' load on a shared host slows everything the workers do alike).
-    share = measured["peak_flops_per_device"] / predicted["peak_flops_per_device"]
-    if abs(share - 1) > SHARE_TOLERANCE:
-        predicted, why = _front_door([*common, "backend=sim", f"cluster.cpu_share={share:.4f}"], where / "sim")
-        if predicted is None:
-            return {**row, "error": f"sim: {why}"}
     m, p = measured["iteration_time_s"], predicted["iteration_time_s"]
     return {
         **row,
-        "cpu_share": share,
         "measured_s": m,
         "predicted_s": p,
         "error_pct": 100.0 * (p - m) / m,
@@ -158,7 +145,7 @@ def _shown_categories(rows: list[dict[str, Any]]) -> list[str]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     categories = _shown_categories(rows)
-    header = ["case", "workers", "CPU share", "measured ms", "predicted ms", "error %"] + [f"{c} ms (meas/pred)" for c in categories]
+    header = ["case", "workers", "measured ms", "predicted ms", "error %"] + [f"{c} ms (meas/pred)" for c in categories]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
         if "error" in r:
@@ -167,7 +154,6 @@ def table(rows: list[dict[str, Any]]) -> str:
         cells = [
             r["case"],
             str(r["workers"]),
-            f"{r['cpu_share']:.2f}",
             f"{1e3 * r['measured_s']:.1f}",
             f"{1e3 * r['predicted_s']:.1f}",
             f"{r['error_pct']:+.1f}",

@@ -93,17 +93,6 @@ def test_collective_efficiency_slows_that_op_only() -> None:
         cluster_from_config({**LOCAL, "profile": None, "collective_efficiency": {"reduce": 0.5}})
 
 
-def test_a_run_with_half_the_cpu_runs_everything_its_workers_do_at_half_speed() -> None:
-    whole = cluster_from_config({**LOCAL, "profile": None})
-    half = cluster_from_config({**LOCAL, "profile": None, "cpu_share": 0.5})
-    assert half.peak("fp32") == pytest.approx(0.5 * whole.peak("fp32"))
-    assert half.host_forward_kernel_s == pytest.approx(2 * whole.host_forward_kernel_s)
-    assert half.intra_bandwidth == pytest.approx(0.5 * whole.intra_bandwidth)
-    assert half.ring_table()["gloo"].intra_step_s == pytest.approx(2 * whole.ring_table()["gloo"].intra_step_s)
-    with pytest.raises(ConfigError, match="cpu_share"):
-        cluster_from_config({**LOCAL, "profile": None, "cpu_share": 0.0})
-
-
 def test_a_profile_gives_each_worker_count_the_links_measured_with_that_many_running(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(cluster_profile, "PROFILE_DIR", tmp_path)
     ring = {"gloo": {"base_s": 0.0, "intra_step_s": 1e-4, "inter_step_s": 1e-4, "share": 1.0}}

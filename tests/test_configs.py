@@ -72,7 +72,7 @@ ALL_OPTIONS = [(group, name) for group in GROUPS for name in options(group)]
 # The collective library's protocol tables are stated as one `collectives` block.
 CLUSTER_SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(ClusterSpec) if f.name not in ("ring_protocols", "tree_protocols"))
 # Stated in every preset though not ClusterSpec fields: the optional size check, the host profile, the protocol tables.
-CLUSTER_EXTRA_FIELDS = ("devices", "profile", "collectives", "cpu_share")
+CLUSTER_EXTRA_FIELDS = ("devices", "profile", "collectives")
 BANDWIDTHS = ("memory_bandwidth", "intra_bandwidth", "inter_bandwidth")
 
 
