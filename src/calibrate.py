@@ -290,7 +290,8 @@ def calibrate(workers: int) -> dict[str, Any]:
     preset["gemm_max_efficiency"] = round(curves["fp32"][0], 3)
     preset["gemm_half_dim"] = round(curves["fp32"][1], 1)
     for k, rates in concurrent.items():
-        preset["oversubscription"][k] = round(statistics.fmean(rates[r]["fp32"] for r in rates) / alone["fp32"], 3)
+        # A share above 1 is the noise of two short measurements (k workers cannot beat one alone).
+        preset["oversubscription"][k] = min(1.0, round(statistics.fmean(rates[r]["fp32"] for r in rates) / alone["fp32"], 3))
     host = _spawn("host", 1)[0]
     forward_kernel, backward_kernel = host_kernel_costs(host["forward"], host["forward_backward"])
     preset.update(host_forward_kernel_s=float(f"{forward_kernel:.4g}"), host_backward_kernel_s=float(f"{backward_kernel:.4g}"))
