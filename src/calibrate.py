@@ -10,13 +10,17 @@ runs them (spawned processes, gloo, F.linear):
 - oversubscription: the per-worker rate of a large GEMM when 1, 2, ... workers compute at
   once (past the core count each gets a share of a core);
 - gloo all-reduce time by message size and group size, and point-to-point ping-pong time
-  by size: latency and bandwidth fits of the cost model's formulas; all-gather and
-  reduce-scatter times by size, as the fraction of the fitted ring's rate they achieve
-  (gloo's reduce-scatter falls far short of it).
+  by size: latency and bandwidth fits of the cost model's formulas; all-gather,
+  reduce-scatter and all-to-all times by size, as the fraction of the fitted ring's rate
+  they achieve (gloo's reduce-scatter falls far short of it);
+- the framework's cost per kernel: one transformer block of the real backend
+  (src.runtime.modules.blocks.Block) so small that its arithmetic is nothing, forward and
+  forward + backward, divided by the kernels the cost model counts for it.
 
 The profile (raw measurements and the fitted preset figures) is written to
-conf/cluster/profiles/local-<cpu model>.yaml; `cluster=local` takes its figures on a host
-of that CPU model, the preset's own elsewhere.
+outputs/calibrate/local-<cpu model>.yaml, or with `--update` to the repository's
+conf/cluster/profiles/local-<cpu model>.yaml, which `cluster=local` takes on a host of
+that CPU model (the preset's own figures elsewhere).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from src.cluster_profile import PROFILE_DIR, host_cpu_model, profile_path
 SQUARES = (64, 128, 256, 512, 1024)
 THIN = ((16, 512, 512), (64, 2048, 512), (256, 128, 1024), (2048, 64, 64))  # (m, n, k): small batches, narrow heads
 OVERSUBSCRIBED_N = 512
+OUT_DIR = Path("outputs") / "calibrate"
 MESSAGE_BYTES = tuple(4**k for k in range(5, 13))  # 1 KiB .. 16 MiB
 REPEATS = 11
 DTYPES = ("fp32", "bf16", "fp16")
@@ -79,6 +84,8 @@ def _worker(rank: int, world: int, port: int, task: str, results: Any) -> None:
         if task == "gemm_shapes":
             shapes = [(n, n, n) for n in SQUARES] + list(THIN)
             results[rank] = [(m, n, k, d, _rate(m, n, k, d)) for d in DTYPES for m, n, k in shapes]
+        elif task == "host":
+            results[rank] = _host_costs()
         elif task == "gemm_concurrent":
             dist.barrier()  # all start together: the rates are shares of the cores
             results[rank] = {d: _rate(OVERSUBSCRIBED_N, OVERSUBSCRIBED_N, OVERSUBSCRIBED_N, d, 0.5) for d in DTYPES}
@@ -88,36 +95,111 @@ def _worker(rank: int, world: int, port: int, task: str, results: Any) -> None:
         dist.destroy_process_group()
 
 
+HOST_BLOCK = (16, 2, 8)  # hidden, heads, tokens: arithmetic negligible beside the framework's calls
+
+
+def _host_costs() -> dict[str, float]:
+    """Seconds per forward and per backward of a tiny transformer block of the real
+    backend: what the framework costs a layer, whatever its size."""
+    import torch
+
+    from src.runtime.modules.blocks import Block
+    from src.runtime.modules.parallel import TP
+
+    hidden, heads, tokens = HOST_BLOCK
+    block = Block(hidden, heads, TP(), causal=True)
+    x = torch.randn(1, tokens, hidden, requires_grad=True)
+
+    def forward() -> None:
+        with torch.no_grad():
+            block({"x": x})
+
+    def step() -> None:
+        block({"x": x})["x"].sum().backward()
+
+    seconds = {}
+    for name, fn in (("forward", forward), ("forward_backward", step)):
+        fn()
+        reps, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < 0.5:
+            fn()
+            reps += 1
+        seconds[name] = elapsed / reps
+    return seconds
+
+
+def host_kernel_costs(forward: float, forward_backward: float) -> tuple[float, float]:
+    """The framework's host seconds per kernel of a forward and of a backward: a tiny
+    block's times over the kernels the cost model counts for that block (eager attention,
+    as CPU workers run it)."""
+    from src.costmodel.compute import layer_launches
+    from src.models.layers import transformer_layer
+
+    hidden, heads, tokens = HOST_BLOCK
+    launches = layer_launches(transformer_layer(tokens, hidden, heads))
+    return forward / launches.fwd, (forward_backward - forward) / (launches.bwd_input + launches.bwd_weight)
+
+
 def _links(rank: int, world: int) -> dict[str, list]:
-    """All-reduce times over the pair (0, 1) and over every worker, ping-pong times between
-    0 and 1. Every rank runs the same barriers (inside _timed), idle where it takes no part."""
+    """With every one of `world` workers running, as in training: all-reduce, all-gather,
+    reduce-scatter and all-to-all over all of them, all-reduce and ping-pong within pairs
+    (0, 1), (2, 3), ... all at once."""
     import torch
     import torch.distributed as dist
 
-    pair = dist.new_group([0, 1])
-    in_pair = rank <= 1
-    measured: dict[str, list] = {"all_reduce": [], "p2p": [], "all_gather": [], "reduce_scatter": []}
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, world - 1, 2)]
+    mine = pairs[rank // 2] if rank // 2 < len(pairs) else None
+    peer = rank ^ 1
+    measured: dict[str, list] = {"all_reduce": [], "p2p": [], **{op: [] for op in ONE_PASS}}
     for nbytes in MESSAGE_BYTES:
         tensor = torch.ones(nbytes // 4 // world * world)
         shard = torch.empty(tensor.numel() // world)
+        received = torch.empty_like(tensor)
 
         def ping_pong() -> None:
-            peer = 1 - rank
-            first, second = (dist.send, dist.recv) if rank == 0 else (dist.recv, dist.send)
-            first(tensor, peer, group=pair)
-            second(tensor, peer, group=pair)
+            if mine is None:
+                return
+            first, second = (dist.send, dist.recv) if rank % 2 == 0 else (dist.recv, dist.send)
+            first(tensor, peer, group=mine)
+            second(tensor, peer, group=mine)
 
         if world > 2:
-            seconds = _timed(lambda: dist.all_reduce(tensor, group=pair) if in_pair else None)
-            if in_pair:
+            seconds = _timed(lambda: dist.all_reduce(tensor, group=mine) if mine is not None else None)
+            if mine is not None:
                 measured["all_reduce"].append((2, nbytes, seconds))
         measured["all_reduce"].append((world, nbytes, _timed(lambda: dist.all_reduce(tensor))))
         measured["all_gather"].append((world, nbytes, _timed(lambda: dist.all_gather_into_tensor(tensor, shard))))
         measured["reduce_scatter"].append((world, nbytes, _timed(lambda: dist.reduce_scatter_tensor(shard, tensor))))
-        seconds = _timed(ping_pong if in_pair else lambda: None)
-        if in_pair:
+        measured["all_to_all"].append((world, nbytes, _timed(lambda: dist.all_to_all_single(received, tensor))))
+        seconds = _timed(ping_pong)
+        if mine is not None:
             measured["p2p"].append((nbytes, seconds / 2))
     return measured
+
+
+def link_figures(links: dict[int, dict[str, list]]) -> tuple[dict[str, Any], dict[str, list]]:
+    """The preset's link figures from one worker count's measurements (every rank's, each
+    collective as slow as its slowest rank), and the measurements kept."""
+    slowest: dict[tuple[int, int], float] = {}
+    for r in links:
+        for size, nbytes, seconds in links[r]["all_reduce"]:
+            slowest[(size, nbytes)] = max(slowest.get((size, nbytes), 0.0), seconds)
+    latency, bandwidth = fit_ring([(g, n, t) for (g, n), t in slowest.items()])
+    p2p_latency, p2p_bandwidth = fit_p2p(links[0]["p2p"])
+    one_pass = {op: [max((links[r][op][i] for r in links), key=lambda p: p[2]) for i in range(len(MESSAGE_BYTES))] for op in ONE_PASS}
+    figures = {
+        "intra_bandwidth": float(f"{bandwidth:.4g}"),
+        "intra_latency": float(f"{p2p_latency:.4g}"),
+        "p2p_bandwidth": float(f"{p2p_bandwidth:.4g}"),
+        "collectives": gloo_collectives(latency),
+        "collective_efficiency": {op: round(fit_efficiency(points, latency, bandwidth), 3) for op, points in one_pass.items()},
+    }
+    measured = {
+        "all_reduce": [{"group": g, "bytes": n, "seconds": t} for (g, n), t in sorted(slowest.items())],
+        "p2p": [{"bytes": n, "seconds": t} for n, t in links[0]["p2p"]],
+        **{op: [{"group": g, "bytes": n, "seconds": t} for g, n, t in points] for op, points in one_pass.items()},
+    }
+    return figures, measured
 
 
 def _spawn(task: str, workers: int) -> dict[int, Any]:
@@ -132,6 +214,16 @@ def _spawn(task: str, workers: int) -> dict[int, Any]:
 
 
 # ---- fits ----------------------------------------------------------------------------------
+ONE_PASS = ("all_gather", "reduce_scatter", "all_to_all")
+
+
+def gloo_collectives(step_latency: float) -> dict[str, Any]:
+    """The preset's `collectives` block for gloo: one ring protocol at the fitted per-step
+    latency (its bandwidth is intra_bandwidth's); no tree."""
+    step = float(f"{step_latency:.4g}")
+    return {"ring": {"gloo": {"base_s": 0.0, "intra_step_s": step, "inter_step_s": step, "share": 1.0}}, "tree": {}}
+
+
 def fit_gemm_curve(points: list[tuple[int, int, int, float]]) -> tuple[float, float, float]:
     """Peak, max efficiency and half dimension of rate = peak * E * prod d/(d + h): least
     squares in log space (E in closed form for each h of a geometric grid)."""
@@ -187,7 +279,6 @@ def _least_squares(xs: list[float], ys: list[float], ts: list[float]) -> tuple[f
 def calibrate(workers: int) -> dict[str, Any]:
     shapes = _spawn("gemm_shapes", 1)[0]
     concurrent = {k: _spawn("gemm_concurrent", k) for k in range(1, workers + 1)}
-    links = _spawn("links", workers)
     alone = {d: statistics.fmean(concurrent[1][r][d] for r in concurrent[1]) for d in DTYPES}
     preset: dict[str, Any] = {"peak_flops": {}, "oversubscription": {}}
     curves = {}
@@ -199,19 +290,13 @@ def calibrate(workers: int) -> dict[str, Any]:
     preset["gemm_max_efficiency"] = round(curves["fp32"][0], 3)
     preset["gemm_half_dim"] = round(curves["fp32"][1], 1)
     for k, rates in concurrent.items():
-        preset["oversubscription"][k] = round(statistics.fmean(rates[r]["fp32"] for r in rates) / alone["fp32"], 3)
-    slowest: dict[tuple[int, int], float] = {}  # every rank of a collective waits for the slowest
-    for r in links:
-        for size, nbytes, seconds in links[r]["all_reduce"]:
-            slowest[(size, nbytes)] = max(slowest.get((size, nbytes), 0.0), seconds)
-    latency, bandwidth = fit_ring([(g, n, t) for (g, n), t in slowest.items()])
-    p2p_latency, p2p_bandwidth = fit_p2p(links[0]["p2p"])
-    preset.update(intra_latency=float(f"{latency:.4g}"), intra_bandwidth=float(f"{bandwidth:.4g}"))
-    one_pass = {
-        op: [max((links[r][op][i] for r in links), key=lambda p: p[2]) for i in range(len(MESSAGE_BYTES))]
-        for op in ("all_gather", "reduce_scatter")
-    }
-    preset["collective_efficiency"] = {op: round(fit_efficiency(points, latency, bandwidth), 3) for op, points in one_pass.items()}
+        # A share above 1 is the noise of two short measurements (k workers cannot beat one alone).
+        preset["oversubscription"][k] = min(1.0, round(statistics.fmean(rates[r]["fp32"] for r in rates) / alone["fp32"], 3))
+    host = _spawn("host", 1)[0]
+    forward_kernel, backward_kernel = host_kernel_costs(host["forward"], host["forward_backward"])
+    preset.update(host_forward_kernel_s=float(f"{forward_kernel:.4g}"), host_backward_kernel_s=float(f"{backward_kernel:.4g}"))
+    links = {k: link_figures(_spawn("links", k)) for k in range(2, workers + 1)}
+    preset["by_workers"] = {k: figures for k, (figures, _) in links.items()}
     import torch
 
     return {
@@ -225,14 +310,12 @@ def calibrate(workers: int) -> dict[str, Any]:
         "preset": preset,
         "fits": {
             "gemm": {d: {"max_efficiency": curves[d][0], "half_dim": curves[d][1]} for d in DTYPES},
-            "p2p": {"latency": p2p_latency, "bandwidth": p2p_bandwidth},
         },
         "measured": {
             "gemm_alone": [{"m": m, "n": n, "k": k, "dtype": d, "flops": rate} for m, n, k, d, rate in shapes],
             "gemm_concurrent": {k: {d: [rates[r][d] for r in sorted(rates)] for d in DTYPES} for k, rates in concurrent.items()},
-            "all_reduce": [{"group": g, "bytes": n, "seconds": t} for (g, n), t in sorted(slowest.items())],
-            "p2p": [{"bytes": n, "seconds": t} for n, t in links[0]["p2p"]],
-            **{op: [{"group": g, "bytes": n, "seconds": t} for g, n, t in points] for op, points in one_pass.items()},
+            "links_by_workers": {k: kept for k, (_, kept) in links.items()},
+            "host_block": {"hidden_heads_tokens": list(HOST_BLOCK), **host},
         },
     }
 
@@ -240,19 +323,26 @@ def calibrate(workers: int) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=4, help="the most workers runs will start (backend.workers)")
-    parser.add_argument("--out", type=Path, default=None, help=f"profile file (default: {PROFILE_DIR}/local-<cpu>.yaml)")
+    parser.add_argument("--out", type=Path, default=None, help=f"profile file (default: {OUT_DIR}/local-<cpu>.yaml)")
+    parser.add_argument(
+        "--update",
+        action="store_true",
+        help=f"write the repository's profile ({PROFILE_DIR}/local-<cpu>.yaml), which cluster=local reads",
+    )
     args = parser.parse_args()
     if args.workers < 2:
         parser.error(f"--workers {args.workers}: links need at least 2 workers")
+    if args.update and args.out:
+        parser.error("--update writes the repository's profile; --out names another file: give one of them")
     profile = calibrate(args.workers)
-    path = args.out or profile_path()
+    path = profile_path() if args.update else args.out or OUT_DIR / profile_path().name
     path.parent.mkdir(parents=True, exist_ok=True)
     header = (
         f"# `local` preset profile, measured by `python -m src.calibrate --workers {args.workers}` on "
         f"{profile['host']['cpu_model']} ({profile['host']['cores']} cores).\n"
     )
     path.write_text(header + yaml.safe_dump(profile, sort_keys=False))
-    print(f"wrote {path}")
+    print(f"wrote {path}" + ("" if args.update else f" (cluster=local reads {profile_path()}: --update writes it)"))
     print(yaml.safe_dump({"preset": profile["preset"], "fits": profile["fits"]}, sort_keys=False))
 
 

@@ -16,6 +16,41 @@ from typing import Any, Iterable, Mapping, Sequence
 from src.errors import ConfigError, reject_unknown
 
 GIB = 1024**3
+# A library's size correction is indexed by log2(bytes / 64): powers of two from 64 B.
+CORRECTION_BASE_BYTES = 64
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """One protocol of a collective algorithm (ring or tree) as the library's own tuning
+    model prices it (NCCL, RCCL: src/graph/tuning.cc): a call costs `base_s`, each step
+    over the node's links `intra_step_s` (at least `net_step_floor_s` once the ring spans
+    nodes: the host posts every step to the network) and each step over the network
+    `inter_step_s`; its data moves at `share` of the link's achieved bus bandwidth, at most
+    `cap` bytes/s (`net_cap` once it spans nodes; 0: no cap), times `size_correction[log2(bytes / 64)]` where the library
+    corrects its model by message size. `allreduce_plateau` multiplies the latency of a
+    ring all-reduce spanning nodes (NCCL's "plateau effect of ring")."""
+
+    base_s: float = 0.0
+    intra_step_s: float = 0.0
+    inter_step_s: float = 0.0
+    net_step_floor_s: float = 0.0
+    share: float = 1.0
+    cap: float = 0.0
+    net_cap: float = 0.0
+    size_correction: tuple[float, ...] = ()
+    allreduce_plateau: float = 1.0
+
+    def bandwidth(self, bus: float, nbytes: float, spans_nodes: bool) -> float:
+        rate = bus * self.share
+        cap = self.net_cap if spans_nodes and self.net_cap > 0 else self.cap
+        if cap > 0:
+            rate = min(rate, cap)
+        if self.size_correction:
+            index = max(0, int(math.log2(max(nbytes, 1.0) / CORRECTION_BASE_BYTES)))
+            if index < len(self.size_correction):
+                rate *= self.size_correction[index]
+        return rate
 
 
 @dataclass(frozen=True)
@@ -24,15 +59,31 @@ class ClusterSpec:
 
     intra_bandwidth: per device, over NVLink/NVSwitch/Infinity Fabric.
     inter_bandwidth: per node, the sum of its NICs.
-    intra_latency, inter_latency: what one step of a ring (or one message) pays over
-      NVLink and over the network (NCCL's per-hop latencies, src/graph/tuning.cc).
+    intra_latency, inter_latency: what one point-to-point message pays inside a node and
+      across nodes (and one step of a collective, for a spec built by hand without
+      protocol tables).
+    ring_protocols, tree_protocols: the collective library's algorithms, each a table of
+      its protocols (Protocol); a collective takes the fastest algorithm and protocol for
+      its size, as NCCL does. A preset states both (an empty tree table: the library has
+      no tree); a spec built by hand leaves them None: one protocol paying the link
+      latencies per step, ring and tree alike.
+    p2p_bandwidth: achieved bandwidth of one send/receive between two devices of a node
+      (a library's point-to-point transfers use fewer channels than its collectives); 0:
+      the link's. Across nodes a transfer leaves through one of the node's `nics` NICs.
     gemm_max_efficiency, gemm_half_dim: achieved fraction of peak for a GEMM is
       max_efficiency * prod_d d/(d + half_dim) over its m, n, k: large GEMMs approach the
       maximum, thin ones (small per-device batch, over-partitioned TP) fall off.
     memory_efficiency: achieved fraction of HBM bandwidth for bandwidth-bound kernels.
     intra_efficiency, inter_efficiency: achieved fraction of the link bandwidth by
       collectives and transfers inside a node and across nodes.
-    kernel_overhead_s: fixed cost per kernel launch.
+    kernel_overhead_s: the device's fixed cost per kernel (its gap between kernels when the
+      host keeps ahead; on CPU workers, whose host is the device, 0).
+    host_forward_kernel_s, host_backward_kernel_s: the framework's host time per kernel of a
+      layer's forward and of its backward (module calls, dispatcher, autograd).
+    host_async: the host queues work ahead of the device (GPUs): a Work item takes the
+      longer of its device and host times; false (CPU workers): they add up.
+    attention: the attention kernel of the testbed's software (flash | eager), the default
+      of model.attention (src/models/attention.py).
     collective_sm_fraction, p2p_sm_fraction: fraction of the device's SMs a collective's
       (resp. a send's or receive's) kernels hold while they run: NCCL runs one CTA per
       channel, each on an SM of its own, so compute overlapping them runs on the rest.
@@ -70,6 +121,14 @@ class ClusterSpec:
     p2p_sm_fraction: float = 0.0
     oversubscription: dict[int, float] = field(default_factory=dict)
     collective_efficiency: dict[str, float] = field(default_factory=dict)
+    ring_protocols: dict[str, Protocol] | None = None
+    tree_protocols: dict[str, Protocol] | None = None
+    p2p_bandwidth: float = 0.0
+    nics: int = 1
+    host_forward_kernel_s: float = 0.0
+    host_backward_kernel_s: float = 0.0
+    host_async: bool = True
+    attention: str = "eager"
     sources: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -130,6 +189,26 @@ class ClusterSpec:
         per_ring = self.inter_bandwidth * self.inter_efficiency / max(1, sharing)
         return min(self.intra_bandwidth * self.intra_efficiency, per_ring)
 
+    def p2p_link_bandwidth(self, crosses_nodes: bool, sharing: int = 1) -> float:
+        """One send/receive: inside a node at the library's point-to-point rate; across
+        nodes through one NIC, and no more than its share of the node's NICs when
+        `sharing` transfers leave the node at once."""
+        inside = self.p2p_bandwidth or self.intra_bandwidth * self.intra_efficiency
+        if not crosses_nodes:
+            return inside
+        one_nic = self.inter_bandwidth * self.inter_efficiency / self.nics
+        return min(inside, one_nic, self.inter_bandwidth * self.inter_efficiency / max(1, sharing))
+
+    def ring_table(self) -> Mapping[str, Protocol]:
+        if self.ring_protocols is None:
+            return {"link": Protocol(intra_step_s=self.intra_latency, inter_step_s=self.inter_latency)}
+        return self.ring_protocols
+
+    def tree_table(self) -> Mapping[str, Protocol]:
+        if self.tree_protocols is None:
+            return self.ring_table()
+        return self.tree_protocols
+
     def link_latency(self, crosses_nodes: bool) -> float:
         return self.inter_latency if crosses_nodes else self.intra_latency
 
@@ -150,6 +229,9 @@ FLOAT_FIELDS = (
     "reserved_memory_gib",
     "collective_sm_fraction",
     "p2p_sm_fraction",
+    "p2p_bandwidth",
+    "host_forward_kernel_s",
+    "host_backward_kernel_s",
 )
 # May be zero: a latency or overhead too small to state, or no SMs taken by communication.
 MAY_BE_ZERO = (
@@ -159,7 +241,31 @@ MAY_BE_ZERO = (
     "reserved_memory_gib",
     "collective_sm_fraction",
     "p2p_sm_fraction",
+    "p2p_bandwidth",
+    "host_forward_kernel_s",
+    "host_backward_kernel_s",
 )
+
+
+# The constants a preset must say where it took from: every figure of the cost model.
+SOURCED = (
+    "devices_per_node",
+    "peak_flops",
+    *FLOAT_FIELDS,
+    "host_async",
+    "attention",
+    "nics",
+    "collectives",
+    "collective_efficiency",
+    "oversubscription",
+)
+
+
+def unsourced(cfg: Mapping[str, Any]) -> list[str]:
+    """The constants of a preset that no `sources` entry names (an entry's key lists the
+    constants it covers, separated by commas)."""
+    covered = {name.strip() for key in dict(cfg.get("sources") or {}) for name in str(key).split(",")}
+    return [name for name in SOURCED if name not in covered]
 
 
 def _number(value: Any, key: str, cluster: str) -> float:
@@ -176,12 +282,27 @@ def _number(value: Any, key: str, cluster: str) -> float:
     return number
 
 
+def _attention(value: Any, cluster: str) -> str:
+    from src.models.attention import ATTENTION_MODES
+
+    if value not in ATTENTION_MODES:
+        raise ConfigError(f"cluster.attention must be one of {list(ATTENTION_MODES)}, got {value!r} (cluster {cluster})")
+    return str(value)
+
+
+def _flag(value: Any, key: str, cluster: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key} must be true or false, got {value!r} (cluster {cluster})")
+    return value
+
+
 def cluster_from_config(cfg: Mapping[str, Any]) -> ClusterSpec:
     """Build and validate a ClusterSpec from the `cluster` config group."""
     name = cfg.get("name", "?")
-    reject_unknown(cfg, [f.name for f in dataclasses.fields(ClusterSpec)] + ["devices", "profile"], "cluster key(s)")
+    stated = [f.name for f in dataclasses.fields(ClusterSpec) if f.name not in ("ring_protocols", "tree_protocols")]
+    reject_unknown(cfg, stated + ["devices", "profile", "collectives"], "cluster key(s)")
     cfg, profile_note = with_host_profile(cfg)
-    for key in ("nodes", "devices_per_node"):
+    for key in ("nodes", "devices_per_node", "nics"):
         value = cfg.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ConfigError(f"cluster.{key} must be a positive integer, got {value!r} (cluster {name})")
@@ -210,6 +331,7 @@ def cluster_from_config(cfg: Mapping[str, Any]) -> ClusterSpec:
         raise ConfigError(f"cluster {name}: default_precision {cfg.get('default_precision')!r} has no peak in {sorted(peaks)}")
     if float(cfg["reserved_memory_gib"]) >= float(cfg["memory_gib"]):
         raise ConfigError(f"cluster {name}: reserved_memory_gib {cfg['reserved_memory_gib']} >= memory_gib {cfg['memory_gib']}")
+    ring, tree = _collectives(cfg.get("collectives"), name)
     sources = {str(k): str(v) for k, v in dict(cfg.get("sources") or {}).items()}
     if profile_note:
         sources["profile"] = profile_note
@@ -223,6 +345,11 @@ def cluster_from_config(cfg: Mapping[str, Any]) -> ClusterSpec:
         sources=sources,
         oversubscription=_oversubscription(cfg.get("oversubscription"), name),
         collective_efficiency=_collective_efficiency(cfg.get("collective_efficiency"), name),
+        ring_protocols=ring,
+        tree_protocols=tree,
+        nics=int(cfg["nics"]),
+        host_async=_flag(cfg.get("host_async"), "cluster.host_async", name),
+        attention=_attention(cfg.get("attention"), name),
         **{key: float(cfg[key]) for key in FLOAT_FIELDS},
     )
 
@@ -245,6 +372,56 @@ def _oversubscription(table: Any, cluster: str) -> dict[int, float]:
 
 
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
+PROTOCOL_FIELDS = {f.name for f in dataclasses.fields(Protocol)}
+
+
+def _collectives(table: Any, cluster: str) -> tuple[dict[str, Protocol], dict[str, Protocol]]:
+    """The `collectives` block: {ring: {protocol: {...}}, tree: {protocol: {...}}}, each
+    protocol's fields those of Protocol. Every preset states both; the ring at least one
+    protocol."""
+    if not isinstance(table, Mapping) or set(table) != {"ring", "tree"}:
+        raise ConfigError(
+            f"cluster.collectives must map ring and tree to their protocols ({sorted(PROTOCOL_FIELDS)}), "
+            f"got {table!r} (cluster {cluster})"
+        )
+    out = []
+    for algorithm in ("ring", "tree"):
+        protocols = table[algorithm] or {}
+        if not isinstance(protocols, Mapping) or (algorithm == "ring" and not protocols):
+            raise ConfigError(
+                f"cluster.collectives.{algorithm} must map protocol names to their figures, got {protocols!r} (cluster {cluster})"
+            )
+        out.append(
+            {str(name): _protocol(spec, f"cluster.collectives.{algorithm}.{name}", cluster) for name, spec in protocols.items()}
+        )
+    return out[0], out[1]
+
+
+def _protocol(spec: Any, key: str, cluster: str) -> Protocol:
+    if not isinstance(spec, Mapping):
+        raise ConfigError(f"{key} must map {sorted(PROTOCOL_FIELDS)} to numbers, got {spec!r} (cluster {cluster})")
+    reject_unknown(spec, sorted(PROTOCOL_FIELDS), f"{key} key(s)")
+    values: dict[str, Any] = {}
+    for field_name, value in spec.items():
+        if field_name == "size_correction":
+            if not isinstance(value, (list, tuple)) or not value:
+                raise ConfigError(f"{key}.size_correction lists bandwidth factors by message size, got {value!r} (cluster {cluster})")
+            factors = tuple(_number(v, f"{key}.size_correction", cluster) for v in value)
+            if any(not 0 < f <= 1 for f in factors):
+                raise ConfigError(f"{key}.size_correction: factors in (0, 1], got {list(factors)} (cluster {cluster})")
+            values[field_name] = factors
+            continue
+        number = _number(value, f"{key}.{field_name}", cluster)
+        if number < 0 or not math.isfinite(number):
+            raise ConfigError(f"{key}.{field_name} must be a finite number >= 0, got {value!r} (cluster {cluster})")
+        values[field_name] = number
+    if values.get("share", 1.0) <= 0 or values.get("share", 1.0) > 1:
+        raise ConfigError(f"{key}.share is a fraction of the bus bandwidth in (0, 1], got {values['share']} (cluster {cluster})")
+    if values.get("allreduce_plateau", 1.0) < 1:
+        raise ConfigError(
+            f"{key}.allreduce_plateau multiplies a latency, at least 1, got {values['allreduce_plateau']} (cluster {cluster})"
+        )
+    return Protocol(**values)
 
 
 def _collective_efficiency(table: Any, cluster: str) -> dict[str, float]:
@@ -266,7 +443,10 @@ def _collective_efficiency(table: Any, cluster: str) -> dict[str, float]:
 
 def with_host_profile(cfg: Mapping[str, Any]) -> tuple[Mapping[str, Any], str]:
     """A preset with `profile: <name>` takes the figures `python -m src.calibrate` measured
-    on this host's CPU model, if a profile has them; the note says which were used."""
+    on this host's CPU model, if a profile has them; the note says which were used. The
+    links were measured with as many workers running as the node has (`by_workers`: each
+    count's figures; workers sharing cores wait on each other at every step), so a node
+    of k workers takes the figures of the largest count measured up to k."""
     from src.cluster_profile import host_cpu_model, host_profile, profile_path
 
     name = cfg.get("profile")
@@ -278,7 +458,15 @@ def with_host_profile(cfg: Mapping[str, Any]) -> tuple[Mapping[str, Any], str]:
             f"no profile for this host's CPU ({host_cpu_model()}): the preset's own figures; "
             f"`python -m src.calibrate` writes {profile_path(str(name)).name}"
         )
-    return {**cfg, **measured}, f"measured on this CPU model: conf/cluster/profiles/{profile_path(str(name)).name}"
+    note = f"measured on this CPU model: conf/cluster/profiles/{profile_path(str(name)).name}"
+    by_workers = {int(k): v for k, v in dict(measured.get("by_workers") or {}).items()}
+    figures = {k: v for k, v in measured.items() if k != "by_workers"}
+    workers = cfg.get("devices_per_node")
+    if by_workers and isinstance(workers, int):
+        count = max((k for k in by_workers if k <= workers), default=min(by_workers))
+        figures.update(by_workers[count])
+        note += f" (links measured with {count} workers running)"
+    return {**cfg, **figures}, note
 
 
 def family_sharing(cluster: ClusterSpec, groups: Sequence[Sequence[int]]) -> int:

@@ -52,7 +52,7 @@ class Setup:
 def validate(config: dict[str, Any]) -> Setup:
     reject_unknown(config, TOP_LEVEL, "top-level config key(s)")
     cluster = cluster_from_config(config["cluster"])
-    model = build_model(config["model"], config["train"].get("seq_len"), cluster.device)
+    model = build_model(config["model"], config["train"].get("seq_len"), cluster.attention)
     train = train_from_config(config["train"], cluster, model.default_global_batch)
     backend = _backend(config)
     check_logger_and_run(config.get("logger") or {"name": "none"}, config.get("run") or {})

@@ -6,10 +6,12 @@ Each case of the grid (every strategy the real backend runs, on 2 and 4 workers,
 sizes) runs twice through the front door: `backend=torch` measures it, `backend=sim` prices
 the very same plan on the `local` preset. The table gives the measured and predicted
 iteration times with their error and, per breakdown category, the measured and predicted
-seconds; the MAPE closes it. Writes validation.json, validation.md and validation.png
-under --out. The `local` preset's figures come from `python -m src.calibrate`.
+seconds; the MAPE and how many cases the simulator under- and over-predicts close it.
+Writes validation.json, validation.md and validation.png under --out. The `local`
+preset's figures come from `python -m src.calibrate`.
 
-Timings are this machine's: run it when nothing else loads the cores.
+Timings are this machine's: run it when nothing else loads the cores (validation.json
+records the load averages at the end).
 """
 
 from __future__ import annotations
@@ -130,6 +132,12 @@ def mape(rows: list[dict[str, Any]]) -> float | None:
     return statistics.fmean(errors) if errors else None
 
 
+def sign_split(rows: list[dict[str, Any]]) -> tuple[int, int]:
+    """(cases predicted faster than measured, cases predicted slower or equal)."""
+    errors = [r["error_pct"] for r in rows if "error_pct" in r]
+    return sum(e < 0 for e in errors), sum(e >= 0 for e in errors)
+
+
 def _shown_categories(rows: list[dict[str, Any]]) -> list[str]:
     """The categories some case spends time in, in the breakdown's order."""
     used = {k for r in rows for side in ("measured_breakdown_s", "predicted_breakdown_s") for k, v in r.get(side, {}).items() if v > 0}
@@ -158,11 +166,12 @@ def table(rows: list[dict[str, Any]]) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     score = mape(rows)
     lines.append("")
-    lines.append(
-        f"iteration-time MAPE: {score:.1f} % over {sum('error_pct' in r for r in rows)} cases"
-        if score is not None
-        else "iteration-time MAPE: no case finished"
-    )
+    if score is None:
+        lines.append("iteration-time MAPE: no case finished")
+        return "\n".join(lines)
+    fast, slow = sign_split(rows)
+    lines.append(f"iteration-time MAPE: {score:.1f} % over {fast + slow} cases")
+    lines.append(f"predicted faster than measured: {fast} cases ({100 * fast / (fast + slow):.0f} %), slower: {slow}")
     return "\n".join(lines)
 
 
@@ -191,6 +200,14 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     plotting.save(fig, path)
 
 
+def _load() -> list[float]:
+    """The host's load averages when the table was made (the real runs' times are this
+    machine's: a loaded machine slows them)."""
+    import os
+
+    return [round(x, 2) for x in os.getloadavg()]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("validation"))
@@ -212,7 +229,9 @@ def main() -> None:
         )
         print(f"[{index + 1}/{len(cases)}] {case.name} on {case.workers} workers: {shown}", file=sys.stderr, flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "validation.json").write_text(json.dumps({"rows": rows, "mape_pct": mape(rows)}, indent=2) + "\n")
+    fast, slow = sign_split(rows)
+    summary = {"rows": rows, "mape_pct": mape(rows), "predicted_faster": fast, "predicted_slower": slow, "load": _load()}
+    (args.out / "validation.json").write_text(json.dumps(summary, indent=2) + "\n")
     text = table(rows)
     (args.out / "validation.md").write_text(text + "\n")
     plot(rows, args.out / "validation.png")

@@ -91,3 +91,17 @@ def test_collective_efficiency_slows_that_op_only() -> None:
         )
     with pytest.raises(ConfigError, match="collective_efficiency"):
         cluster_from_config({**LOCAL, "profile": None, "collective_efficiency": {"reduce": 0.5}})
+
+
+def test_a_profile_gives_each_worker_count_the_links_measured_with_that_many_running(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(cluster_profile, "PROFILE_DIR", tmp_path)
+    ring = {"gloo": {"base_s": 0.0, "intra_step_s": 1e-4, "inter_step_s": 1e-4, "share": 1.0}}
+    by_workers = {
+        2: {"intra_bandwidth": 3e9, "collectives": {"ring": ring, "tree": {}}},
+        4: {"intra_bandwidth": 1e9, "collectives": {"ring": {"gloo": {**ring["gloo"], "intra_step_s": 8e-4}}, "tree": {}}},
+    }
+    cluster_profile.profile_path("local").write_text(yaml.safe_dump({"preset": {"by_workers": by_workers}}))
+    two, three, four = (cluster_from_config({**LOCAL, "devices_per_node": k}) for k in (2, 3, 4))
+    assert (two.intra_bandwidth, three.intra_bandwidth, four.intra_bandwidth) == (3e9, 3e9, 1e9)
+    assert four.ring_table()["gloo"].intra_step_s == 8e-4
+    assert "links measured with 2 workers running" in three.sources["profile"]

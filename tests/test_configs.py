@@ -23,7 +23,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from src.cluster import FLOAT_FIELDS, ClusterSpec, cluster_from_config
+from src.cluster import FLOAT_FIELDS, ClusterSpec, cluster_from_config, unsourced
 from src.config import PRECISIONS, TrainSpec, options_from, train_from_config
 from src.models.registry import MODEL_NAMES, build_model
 from src.models.spec import ModelSpec
@@ -71,9 +71,10 @@ def strategy_options(name: str) -> type:
 
 
 ALL_OPTIONS = [(group, name) for group in GROUPS for name in options(group)]
-CLUSTER_SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(ClusterSpec))
-# Stated in every preset though not ClusterSpec fields: the optional size check, the host profile.
-CLUSTER_EXTRA_FIELDS = ("devices", "profile")
+# The collective library's protocol tables are stated as one `collectives` block.
+CLUSTER_SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(ClusterSpec) if f.name not in ("ring_protocols", "tree_protocols"))
+# Stated in every preset though not ClusterSpec fields: the optional size check, the host profile, the protocol tables.
+CLUSTER_EXTRA_FIELDS = ("devices", "profile", "collectives")
 BANDWIDTHS = ("memory_bandwidth", "intra_bandwidth", "inter_bandwidth")
 
 
@@ -233,6 +234,13 @@ def _raw_cluster(name: str) -> dict[str, Any]:
     # Read as Hydra reads it: OmegaConf's YAML loader takes `15.7e12` as a float, where
     # PyYAML's YAML 1.1 resolver would leave it a string.
     return OmegaConf.to_container(OmegaConf.load(CONF / "cluster" / f"{name}.yaml"))
+
+
+@pytest.mark.parametrize("name", options("cluster"))
+def test_every_constant_of_a_preset_has_a_source(name: str) -> None:
+    raw = _raw_cluster(name)
+    assert not unsourced(raw), f"conf/cluster/{name}.yaml gives no source for {unsourced(raw)}"
+    assert all(str(v).strip() for v in raw["sources"].values())
 
 
 @pytest.mark.parametrize("name", options("cluster"))

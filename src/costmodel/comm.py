@@ -1,22 +1,29 @@
-"""Communication time: NCCL's ring and tree collectives and point-to-point transfers.
+"""Communication time: a collective library's algorithms and protocols, and point-to-point
+transfers.
 
-The latency terms follow NCCL's own cost model (NVIDIA/nccl src/graph/tuning.cc,
-ncclTopoTuneModel), which prices a collective as latency + bytes / bandwidth:
+Collectives follow the library's own tuning model (NVIDIA/nccl and ROCm/rccl
+src/graph/tuning.cc, ncclTopoTuneModel and ncclTopoGetAlgoTime), with the constants the
+cluster preset states for its library (ClusterSpec.ring_protocols, tree_protocols): each
+(algorithm, protocol) prices a collective as latency + bytes / bandwidth, and the
+collective takes the fastest, as the library does.
 
 - Ring over g ranks on n nodes: all-gather and reduce-scatter take g-1 steps, all-reduce
-  2(g-1) (a reduce-scatter then an all-gather). A chunk crosses a node boundary on n-1 of
-  the g-1 steps (2(n-1) of the 2(g-1)), paying the network's per-step latency there and
-  NVLink's on the others. So the latency grows with the number of ranks and, at the
-  network's higher per-step cost, with the number of nodes. The data term is (g-1)/g·S
-  (resp. 2(g-1)/g·S) over the ring's bottleneck bandwidth (Par4D eqs. 1-3).
+  2(g-1). A chunk crosses a node boundary on n-1 of the g-1 steps (2(n-1) of 2(g-1)) at
+  the network's per-step latency; the others pay the node's links' (no less than the
+  host's cost of posting a network step, once the ring spans nodes). The data term is
+  (g-1)/g·S (2(g-1)/g·S) over the protocol's share of the ring's bus bandwidth: the low-
+  latency protocols (NCCL's LL, LL128) start fast and move data slowly, Simple the
+  reverse, so the achieved bandwidth grows with the message size and the per-step latency
+  makes a ring over thousands of ranks latency-bound unless its messages are large.
 - Tree all-reduce (NCCL's double binary tree across nodes, a chain inside each node):
-  latency 2·((g/n - 1)·intra + ⌈log2 n⌉·inter); NCCL rates its algorithm bandwidth at
-  half the bus bandwidth, so its data term is 2·S over the same bandwidth. Like NCCL, an
-  all-reduce that spans nodes takes whichever of ring and tree is faster for its size, so
-  small all-reduces at thousands of ranks are latency-logarithmic, large ones ring-bound.
-- All-gather and reduce-scatter have only the ring (NCCL's tree is all-reduce only).
+  latency 2·((g/n - 1)·intra + ⌈log2 n⌉·inter), data 2·S over the protocol's tree bus
+  bandwidth, corrected by message size where the library corrects it. Only all-reduces
+  that span nodes take it.
+- All-to-all: every rank sends each other rank S/g at once; the node's NICs carry what
+  leaves it, shared by its members in the group, so its data term is the larger of the
+  NVLink part and the network part.
 
-Which link the ring crosses and how many rings share a node's NICs come from
+Which link a ring crosses and how many rings share a node's NICs come from
 ClusterSpec.bandwidth (Par4D eq. 10); transfers of other families that share those NICs
 at the same time are the simulator's to account for (src/sim/engine.py).
 """
@@ -24,9 +31,13 @@ at the same time are the simulator's to account for (src/sim/engine.py).
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Mapping, Sequence
 
-from src.cluster import ClusterSpec
+from src.cluster import ClusterSpec, Protocol
+
+# What the real backend's batch-sync exchange first tells the group (src/runtime/batch_rows.py):
+# four int64 per rank (tower, first row, end row, wanted towers).
+ROW_LAYOUT_BYTES = 4 * 8
 
 
 class CommModel:
@@ -38,31 +49,76 @@ class CommModel:
         return latency + transfer
 
     def collective_parts(self, op: str, ranks: Sequence[int], nbytes: float, sharing: int = 1) -> tuple[float, float]:
-        """(latency, transfer) seconds of a collective: its steps' link latencies, and the
-        time its data keeps the links busy."""
+        """(latency, transfer) seconds of a collective: its steps' latencies, and the time
+        its data keeps the links busy, for the fastest algorithm and protocol."""
         g = len(ranks)
         if g <= 1 or nbytes <= 0:
             return 0.0, 0.0
         n = self.cluster.nodes_spanned(ranks)
-        # The library's shortfall from the formula for this op (gloo's reduce-scatter), if any.
-        bandwidth = self.cluster.bandwidth(ranks, sharing) * self.cluster.collective_efficiency.get(op, 1.0)
-        intra, inter = self.cluster.intra_latency, self.cluster.inter_latency
-        steps, fraction = (g - 1) - (n - 1), (g - 1) / g  # intra-node steps of a one-pass ring
-        if op == "all_reduce":
-            ring = (2 * (steps * intra + (n - 1) * inter), 2 * fraction * nbytes / bandwidth)
-            if n == 1:
-                return ring
-            tree = (2 * ((g / n - 1) * intra + math.ceil(math.log2(n)) * inter), 2 * nbytes / bandwidth)
-            return min(ring, tree, key=sum)
-        latency = steps * intra + (n - 1) * inter
-        if op in ("all_gather", "reduce_scatter", "all_to_all"):
-            return latency, fraction * nbytes / bandwidth
-        if op == "broadcast":
-            return latency, nbytes / bandwidth
-        raise ValueError(f"unknown collective {op!r}")
+        # The library's shortfall from its model for this op (gloo's reduce-scatter), if any.
+        bus = self.cluster.bandwidth(ranks, sharing) * self.cluster.collective_efficiency.get(op, 1.0)
+        if op == "all_to_all":
+            return self._all_to_all(ranks, g, n, nbytes, bus)
+        if op not in ("all_reduce", "all_gather", "reduce_scatter", "broadcast"):
+            raise ValueError(f"unknown collective {op!r}")
+        best = min((self._ring(p, op, g, n, nbytes, bus) for p in self.cluster.ring_table().values()), key=sum)
+        if op == "all_reduce" and n > 1:
+            trees = [self._tree(p, g, n, nbytes, bus) for p in self.cluster.tree_table().values()]
+            best = min([best, *trees], key=sum)
+        return best
+
+    @staticmethod
+    def _ring(p: Protocol, op: str, g: int, n: int, nbytes: float, bus: float) -> tuple[float, float]:
+        passes = 2 if op == "all_reduce" else 1
+        steps, inter = passes * (g - 1), passes * (n - 1)
+        intra_step = max(p.intra_step_s, p.net_step_floor_s) if n > 1 else p.intra_step_s
+        latency = p.base_s + (steps - inter) * intra_step + inter * p.inter_step_s
+        if op == "all_reduce" and n > 1:
+            latency *= p.allreduce_plateau
+        moved = nbytes if op == "broadcast" else passes * (g - 1) / g * nbytes
+        return latency, moved / p.bandwidth(bus, nbytes, n > 1)
+
+    @staticmethod
+    def _tree(p: Protocol, g: int, n: int, nbytes: float, bus: float) -> tuple[float, float]:
+        latency = p.base_s + 2 * ((g / n - 1) * p.intra_step_s + math.ceil(math.log2(n)) * p.inter_step_s)
+        return latency, 2 * nbytes / p.bandwidth(bus, nbytes, True)
+
+    def _all_to_all(self, ranks: Sequence[int], g: int, n: int, nbytes: float, bus: float) -> tuple[float, float]:
+        """Each rank sends S/g to every other rank at once (a group of point-to-point
+        transfers, the libraries' all-to-all): the node's links carry the local part, its
+        NICs what leaves the node, shared by the group's members there."""
+        simple = _bulk(self.cluster.ring_table())
+        members = _busiest_node(self.cluster, ranks)
+        latency = simple.base_s + (g - n) * simple.intra_step_s + (n - 1) * simple.inter_step_s
+        local = (members - 1) / g * nbytes / (self.cluster.intra_bandwidth * self.cluster.intra_efficiency)
+        remote = 0.0
+        if n > 1:
+            nic_share = self.cluster.inter_bandwidth * self.cluster.inter_efficiency / members
+            remote = (g - members) / g * nbytes / min(bus, nic_share)
+        return latency, max(local, remote)
+
+    def row_exchange_parts(self, ranks: Sequence[int], nbytes: float, sharing: int = 1) -> tuple[float, float]:
+        """A batch-sync all-to-all as the real backend runs it: an all-gather of every
+        rank's row layout, then the all-to-all of the padded pieces (`nbytes` each rank)."""
+        layout_latency, layout_transfer = self.collective_parts("all_gather", ranks, ROW_LAYOUT_BYTES * len(ranks), sharing)
+        latency, transfer = self.collective_parts("all_to_all", ranks, nbytes, sharing)
+        return layout_latency + layout_transfer + latency, transfer
 
     def p2p_time(self, src: int, dst: int, nbytes: float, sharing: int = 1) -> float:
         if nbytes <= 0 or src == dst:
             return 0.0
         crosses = self.cluster.node_of(src) != self.cluster.node_of(dst)  # called per message: no sets
-        return self.cluster.link_latency(crosses) + nbytes / self.cluster.link_bandwidth(crosses, sharing)
+        return self.cluster.link_latency(crosses) + nbytes / self.cluster.p2p_link_bandwidth(crosses, sharing)
+
+
+def _bulk(table: Mapping[str, Protocol]) -> Protocol:
+    """The protocol that moves bulk data (the one with the largest share: NCCL's Simple)."""
+    return max(table.values(), key=lambda p: (p.share, -p.base_s))
+
+
+def _busiest_node(cluster: ClusterSpec, ranks: Sequence[int]) -> int:
+    per_node: dict[int, int] = {}
+    for r in ranks:
+        node = cluster.node_of(r)
+        per_node[node] = per_node.get(node, 0) + 1
+    return max(per_node.values())

@@ -3,8 +3,17 @@
 A GEMM runs at peak x efficiency, where the efficiency saturates in each of its
 dimensions (cluster.gemm_half_dim): a thin GEMM (small per-device batch, a dimension cut
 by an over-large TP degree) is slow, as DistMM §3.2 argues. Every kernel is also bounded
-below by the bytes it moves over HBM, and pays a launch overhead. All constants come from
-the cluster preset; nothing here is specific to a strategy.
+below by the bytes it moves over HBM, and costs the device a fixed gap
+(cluster.kernel_overhead_s).
+
+The framework issues every kernel from the host (eager PyTorch: module calls, the
+dispatcher, autograd), at host_forward_kernel_s per kernel of a forward and
+host_backward_kernel_s per kernel of a backward. A GPU runs behind its host, so a Work
+item takes the longer of its device time and its host time: small layers (narrow
+hidden sizes, few samples per device) are bound by the framework, large ones by the
+device. Where the host is the device (CPU workers: cluster.host_async false) the two
+add up. All constants come from the cluster preset; nothing here is specific to a
+strategy.
 """
 
 from __future__ import annotations
@@ -24,18 +33,55 @@ ADAM_BYTES_PER_PARAM = 30.0
 
 
 @dataclass(frozen=True)
+class Launches:
+    """Kernels one layer launches per micro-batch, by part (as LayerTimes)."""
+
+    fwd: int = 0
+    bwd_input: int = 0
+    bwd_weight: int = 0
+    core_fwd: int = 0
+
+    def __add__(self, other: "Launches") -> "Launches":
+        return Launches(
+            self.fwd + other.fwd, self.bwd_input + other.bwd_input, self.bwd_weight + other.bwd_weight, self.core_fwd + other.core_fwd
+        )
+
+
+@dataclass(frozen=True)
 class LayerTimes:
-    """Seconds for one layer and one micro-batch: forward, input-gradient and
+    """Device seconds for one layer and one micro-batch: forward, input-gradient and
     weight-gradient parts of backward, and the forward of the attention core alone (what
-    selective recomputation re-runs)."""
+    selective recomputation re-runs); `launches` counts their kernels."""
 
     fwd: float
     bwd_input: float
     bwd_weight: float
     core_fwd: float = 0.0
+    launches: Launches = Launches()
 
     def recompute(self, mode: str) -> float:
         return {"none": 0.0, "selective": self.core_fwd, "full": self.fwd}[mode]
+
+    def recompute_launches(self, mode: str) -> int:
+        return {"none": 0, "selective": self.launches.core_fwd, "full": self.launches.fwd}[mode]
+
+
+def kernel_launches(kernel: Kernel) -> Launches:
+    """The kernels one of the layer's kernels launches per micro-batch: its forward; in
+    backward one per input gradient (two for a product of activations, one more where
+    FlashAttention recomputes its scores) and one for the weight gradient."""
+    core = 1 if kernel.attention_core else 0
+    if kernel.kind == "memory":
+        return Launches(1, 1, 0, core)
+    inputs = (1 if kernel.has_weight else 2) + (1 if kernel.backward_recompute else 0)
+    return Launches(1, inputs, 1 if kernel.has_weight else 0, core)
+
+
+def layer_launches(layer: LayerSpec) -> Launches:
+    total = Launches()
+    for kernel in layer.kernels:
+        total += kernel_launches(kernel)
+    return total
 
 
 class ComputeModel:
@@ -70,10 +116,13 @@ class ComputeModel:
 
     def kernel_times(self, kernel: Kernel, rows: float, sharding: Sharding, contrastive_batch: int) -> LayerTimes:
         """Times of one kernel over `rows` samples' worth of input on one device."""
+        launches = kernel_launches(kernel)
         if kernel.kind == "memory":
-            fwd = self.memory_time(kernel.bytes * rows / sharding.memory_divisor(kernel.tp_split))
-            # Backward reads the saved input and the output gradient, writes the input gradient.
-            return LayerTimes(fwd, 2.0 * fwd, 0.0, fwd if kernel.attention_core else 0.0)
+            nbytes = kernel.bytes * rows / sharding.memory_divisor(kernel.tp_split)
+            fwd = self.memory_time(nbytes)
+            # Backward reads the saved input and the output gradient, writes the input gradient: one kernel.
+            bwd = self.memory_time(2.0 * nbytes)
+            return LayerTimes(fwd, bwd, 0.0, fwd if kernel.attention_core else 0.0, launches)
         m_div, n_div, k_div, batch_div = sharding.gemm_divisors(kernel.tp_split)
         m = kernel.m * rows / m_div
         n = (contrastive_batch if kernel.n_contrastive else kernel.n) / n_div
@@ -88,7 +137,7 @@ class ComputeModel:
         if kernel.backward_recompute:
             # FlashAttention's backward first recomputes the scores it did not keep.
             bwd_input += fwd
-        return LayerTimes(fwd, bwd_input, bwd_weight, fwd if kernel.attention_core else 0.0)
+        return LayerTimes(fwd, bwd_input, bwd_weight, fwd if kernel.attention_core else 0.0, launches)
 
     def layer_times(
         self,
@@ -104,13 +153,15 @@ class ComputeModel:
             return cached
         selected = layer.kernels if kernels is None else layer.kernels[kernels[0] : kernels[1]]
         fwd = bwd_in = bwd_w = core = 0.0
+        launches = Launches()
         for kernel in selected:
             t = self.kernel_times(kernel, samples, sharding, contrastive_batch)
             fwd += t.fwd
             bwd_in += t.bwd_input
             bwd_w += t.bwd_weight
             core += t.core_fwd
-        times = LayerTimes(fwd, bwd_in, bwd_w, core)
+            launches += t.launches
+        times = LayerTimes(fwd, bwd_in, bwd_w, core, launches)
         self._layer_cache[key] = times
         return times
 
@@ -136,24 +187,36 @@ class ComputeModel:
         for index, layer in enumerate(layers):
             kernels = work.kernels if (work.kernels is not None and index == 0) else None
             t = self.layer_times(layer, rows, work.sharding, work.contrastive_batch, kernels)
-            if layer.forward_only:
-                total += t.fwd if work.phase in ("fwd", "interaction") else 0.0
-                continue
-            needs_input_grad = model.needs_input_grad(work.unit, start + index)
-            trains_weights = unit.trains(layer)
-            bwd_input = t.bwd_input if needs_input_grad else 0.0
-            bwd_weight = t.bwd_weight if trains_weights else 0.0
-            # A layer with no backward at all (a frozen ViT under a trained projector)
-            # keeps nothing to recompute.
-            recompute = t.recompute(work.recompute) if needs_input_grad or trains_weights else 0.0
-            if work.phase == "fwd":
-                total += t.fwd
-            elif work.phase == "bwd":
-                total += bwd_input + bwd_weight + recompute
-            elif work.phase == "bwd_input":
-                total += bwd_input + recompute
-            elif work.phase == "bwd_weight":
-                total += bwd_weight
-            elif work.phase == "interaction":
-                total += t.fwd + bwd_input + bwd_weight
+            device, forward_kernels, backward_kernels = self._phase(work, t, layer.forward_only, model, unit, start + index)
+            host = forward_kernels * self.cluster.host_forward_kernel_s + backward_kernels * self.cluster.host_backward_kernel_s
+            # The host queues a GPU's kernels ahead of it (layer by layer: a sum over any
+            # grouping of layers); CPU workers run what they issue.
+            total += max(device, host) if self.cluster.host_async else device + host
         return total
+
+    @staticmethod
+    def _phase(work: Work, t: LayerTimes, forward_only: bool, model: ModelSpec, unit: UnitSpec, layer: int) -> tuple[float, int, int]:
+        """(device seconds, forward kernels, backward kernels) of one layer in the work's phase."""
+        n = t.launches
+        if forward_only:
+            return (t.fwd, n.fwd, 0) if work.phase in ("fwd", "interaction") else (0.0, 0, 0)
+        needs_input_grad = model.needs_input_grad(work.unit, layer)
+        trains_weights = unit.trains(unit.layers[layer])
+        bwd_input, input_kernels = (t.bwd_input, n.bwd_input) if needs_input_grad else (0.0, 0)
+        bwd_weight, weight_kernels = (t.bwd_weight, n.bwd_weight) if trains_weights else (0.0, 0)
+        # A layer with no backward at all (a frozen ViT under a trained projector) keeps
+        # nothing to recompute.
+        backward = needs_input_grad or trains_weights
+        recompute = t.recompute(work.recompute) if backward else 0.0
+        recompute_kernels = t.recompute_launches(work.recompute) if backward else 0
+        if work.phase == "fwd":
+            return t.fwd, n.fwd, 0
+        if work.phase == "bwd":
+            return bwd_input + bwd_weight + recompute, recompute_kernels, input_kernels + weight_kernels
+        if work.phase == "bwd_input":
+            return bwd_input + recompute, recompute_kernels, input_kernels
+        if work.phase == "bwd_weight":
+            return bwd_weight, 0, weight_kernels
+        if work.phase == "interaction":
+            return t.fwd + bwd_input + bwd_weight, n.fwd, input_kernels + weight_kernels
+        return 0.0, 0, 0

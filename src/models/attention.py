@@ -12,13 +12,14 @@ recomputes QK^T (one more forward of the scores GEMM, hardware FLOPs that the mo
 of MFU do not count). Megatron-LM (--use-flash-attn, then Transformer Engine's fused
 attention by default) and torchtitan (PyTorch SDPA) train this way on Ampere and Hopper.
 
-The default follows the device: FlashAttention-2 runs on Ampere, Ada and Hopper GPUs
-(its README's requirements), so A100/A800/H100 clusters default to flash; V100 (DistMM's
-p3.16xlarge), MI250X (Frontier) and CPU workers default to eager. What the papers used is
-not stated by any of them (DistMM: PyTorch 2.0.1 on V100, where FlashAttention does not
-run; DistTrain: not stated; Optimus: not stated; Par4D: not stated, it turns on activation
-checkpointing for GPT), so figure runs on Ampere/Hopper presets price FlashAttention, as a
-Megatron-LM run on those GPUs does today; model.attention=eager reproduces the older model.
+The default is the cluster preset's (cluster.attention): the attention kernel of the
+software its testbed ran, which is a matter of era, not of the GPU. FlashAttention
+appeared in 2022 (Megatron-LM's --use-flash-attn and Transformer Engine's fused attention
+in 2023), so the 2021 DGX A100 runs of Narayanan et al. (dgx_a100) run eager, as do V100
+(DistMM's p3.16xlarge), MI250X (Frontier: PyTorch's SDPA had no flash kernel on gfx90a
+in Par4D's era) and CPU workers; the 2024 systems on Ampere/Hopper (DistTrain's A800s and
+Optimus's H100s, both built on Megatron-LM; Par4D on Perlmutter's A100s with PyTorch 2's
+SDPA) run flash. None of the papers states it; model.attention=flash|eager sets it for a run.
 """
 
 from __future__ import annotations
@@ -28,13 +29,6 @@ from dataclasses import replace
 from src.models.spec import ActivationBytes, Kernel, LayerSpec, ModelSpec
 
 ATTENTION_MODES = ("flash", "eager")
-# Device names (cluster.device) of the GPU generations FlashAttention-2 supports.
-FLASH_DEVICES = ("A100", "A800", "H100", "H800", "H200")
-
-
-def default_attention(device: str | None) -> str:
-    """flash on Ampere/Hopper devices, eager elsewhere (and when no device is known)."""
-    return "flash" if device and device.upper().startswith(FLASH_DEVICES) else "eager"
 
 
 def with_attention(spec: ModelSpec, mode: str) -> ModelSpec:

@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 from src.errors import ConfigError
-from src.models.attention import ATTENTION_MODES, default_attention, with_attention
+from src.models.attention import ATTENTION_MODES, with_attention
 from src.models.contrastive import build_clip, build_coca, build_lit
 from src.models.gpt import build_gpt
 from src.models.mllm import MLLM_BUILDERS
@@ -36,18 +36,18 @@ MODEL_BUILDERS: dict[str, Builder] = {
 MODEL_NAMES: tuple[str, ...] = tuple(MODEL_BUILDERS)
 
 
-def build_model(model_cfg: Mapping[str, Any], seq_len: int | None = None, device: str | None = None) -> ModelSpec:
-    """Build the ModelSpec the Hydra `model` group describes (as a plain dict); `device`
-    (cluster.device) picks the default of model.attention."""
+def build_model(model_cfg: Mapping[str, Any], seq_len: int | None = None, attention: str = "eager") -> ModelSpec:
+    """Build the ModelSpec the Hydra `model` group describes (as a plain dict); `attention`
+    (the cluster preset's) is the default of model.attention."""
     opts = Options(model_cfg)
     name = opts.choice("name", MODEL_NAMES)
     if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0):
         raise ConfigError(f"train.seq_len={seq_len!r} must be a positive integer or null")
     spec = MODEL_BUILDERS[name](opts, seq_len)
-    attention = opts.choice("attention", ATTENTION_MODES, default_attention(device))
+    mode = opts.choice("attention", ATTENTION_MODES, attention)
     frozen = opts.names("frozen")
     opts.finish(name)
-    spec = with_attention(spec, attention)
+    spec = with_attention(spec, mode)
     return spec if frozen is None else _freeze(spec, frozen)
 
 

@@ -31,6 +31,7 @@ operation on the same stream, the wait is charged to that operation, and so on b
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -477,12 +478,14 @@ class Simulator:
             del self.arrival_of[id(op)]
         instruction = arrival.instruction
         group = self.program.groups[key[0]]
-        cost_key = (instruction.op, group.name, instruction.bytes)
+        rows = instruction.op == "all_to_all" and bool(instruction.inputs or instruction.outputs)
+        cost_key = (instruction.op, group.name, instruction.bytes, rows)
         parts = self.collective_cost.get(cost_key)
         if parts is None:
-            parts = self.collective_cost[cost_key] = self.comm.collective_parts(
-                instruction.op, group.ranks, instruction.bytes, group.sharing
-            )
+            # An all-to-all carrying rows (a batch-sync) runs as the real backend runs it:
+            # the group's row layout gathered first, then the padded pieces swapped.
+            price = self.comm.row_exchange_parts if rows else functools.partial(self.comm.collective_parts, instruction.op)
+            parts = self.collective_cost[cost_key] = price(group.ranks, instruction.bytes, group.sharing)
         latency, transfer = parts[0] * instruction.count, parts[1] * instruction.count
         start = max(_ready(op) for op in arrival.ops.values())
         crosses = self.crosses_nodes.get(group.name)

@@ -146,3 +146,89 @@ def test_work_prices_recompute_and_frozen_units() -> None:
     # A frozen unit that nothing upstream trains needs no backward at all.
     assert compute.work_time(Work("tower", "bwd", 2, (0, 4)), frozen) == 0.0
     assert math.isclose(compute.work_time(Work("tower", "optimizer", 0, (0, 4)), frozen), 0.0)
+
+
+# ---- the library's protocols, the framework's host time, point-to-point and all-to-all ------
+def test_a_collective_takes_the_fastest_protocol_for_its_size() -> None:
+    """Two protocols by hand: a low-latency one that moves data at a quarter of the bus
+    bandwidth, a bulk one with a larger latency at the full rate."""
+    from src.cluster import Protocol
+
+    ll = Protocol(base_s=5e-6, intra_step_s=0.5e-6, share=0.25)
+    simple = Protocol(base_s=10e-6, intra_step_s=3e-6, share=1.0)
+    comm = CommModel(replace(CLUSTER, ring_protocols={"ll": ll, "simple": simple}, tree_protocols={}))
+    inside = (0, 1, 2, 3)  # 100 GB/s NVLink, 3 steps
+    small, large = 1e4, 1e9
+    assert comm.collective_time("all_gather", inside, small) == pytest.approx(5e-6 + 3 * 0.5e-6 + 0.75 * small / 25e9)
+    assert comm.collective_time("all_gather", inside, large) == pytest.approx(10e-6 + 3 * 3e-6 + 0.75 * large / 100e9)
+
+
+def test_a_ring_spanning_nodes_pays_the_hosts_floor_on_every_step_and_its_size_correction() -> None:
+    from src.cluster import Protocol
+
+    simple = Protocol(base_s=0.0, intra_step_s=1e-6, inter_step_s=10e-6, net_step_floor_s=4e-6, size_correction=(1.0,) * 14 + (0.5,))
+    comm = CommModel(replace(CLUSTER, ring_protocols={"simple": simple}, tree_protocols={}))
+    ranks = tuple(range(8))  # 2 nodes: 6 steps inside them at the 4 us floor, 1 across
+    nbytes = 64 * 2**14  # the 15th power of two from 64 B: corrected to half the rate
+    latency, transfer = comm.collective_parts("reduce_scatter", ranks, nbytes)
+    assert latency == pytest.approx(6 * 4e-6 + 10e-6)
+    assert transfer == pytest.approx(7 / 8 * nbytes / (0.5 * 50e9))
+
+
+def test_a_layer_costs_the_longer_of_device_and_host_time_on_a_gpu_and_both_on_a_cpu() -> None:
+    layer = transformer_layer(8, 64, 2)  # tiny: the host's 12 forward kernels dominate
+    unit = UnitSpec("llm", (layer,), 64, 2, 8, 8 * 64)
+    model = ModelSpec("m", (unit,))
+    work = Work("llm", "fwd", 1, (0, 1))
+    gpu = replace(CLUSTER, host_forward_kernel_s=30e-6, host_backward_kernel_s=60e-6)
+    device = ComputeModel(CLUSTER, "bf16").work_time(work, model)
+    assert ComputeModel(gpu, "bf16").work_time(work, model) == pytest.approx(max(device, 12 * 30e-6))
+    cpu = replace(gpu, host_async=False)
+    assert ComputeModel(cpu, "bf16").work_time(work, model) == pytest.approx(device + 12 * 30e-6)
+    backward = Work("llm", "bwd", 1, (0, 1))
+    assert ComputeModel(gpu, "bf16").work_time(backward, model) == pytest.approx(
+        18 * 60e-6
+    )  # 14 input-gradient + 4 weight-gradient kernels (eager)
+
+
+def test_a_send_across_nodes_leaves_through_one_nic() -> None:
+    nics = replace(CLUSTER, nics=4, p2p_bandwidth=80e9)
+    comm = CommModel(nics)
+    assert comm.p2p_time(0, 1, 1e9) == pytest.approx(1e-6 + 1e9 / 80e9)  # inside: the library's p2p rate
+    assert comm.p2p_time(0, 4, 1e9) == pytest.approx(5e-6 + 1e9 / 12.5e9)  # one of 4 NICs of 50 GB/s
+    assert comm.p2p_time(0, 4, 1e9, sharing=8) == pytest.approx(5e-6 + 1e9 / 6.25e9)  # 8 sends share the node's NICs
+
+
+def test_an_all_to_all_shares_the_nodes_nics_among_its_members_there() -> None:
+    comm = CommModel(CLUSTER)
+    ranks = tuple(range(8))  # 4 members on each of 2 nodes
+    latency, transfer = comm.collective_parts("all_to_all", ranks, 8e8)
+    # Each rank sends 4/8 of its buffer off the node, its node's 50 GB/s shared by 4; 3/8 over NVLink.
+    assert transfer == pytest.approx(max(3 / 8 * 8e8 / 100e9, 4 / 8 * 8e8 / (50e9 / 4)))
+    assert latency == pytest.approx(6 * 1e-6 + 1 * 5e-6)
+
+
+def test_a_row_exchange_first_gathers_every_ranks_layout() -> None:
+    comm = CommModel(CLUSTER)
+    ranks = (0, 1, 2, 3)
+    gather = comm.collective_time("all_gather", ranks, 32 * 4)
+    latency, transfer = comm.row_exchange_parts(ranks, 4e6)
+    swap = comm.collective_parts("all_to_all", ranks, 4e6)
+    assert (latency, transfer) == pytest.approx((gather + swap[0], swap[1]))
+
+
+def test_nccls_model_reproduces_a_public_8_gpu_all_reduce_curve() -> None:
+    """nccl-tests all_reduce_perf on one 8-GPU NVLink node (kvcache-ai/Mooncake PR #3484:
+    1, 4, 16, 32 MiB in 27.8, 53.2, 121.3, 195.4 us, bus bandwidth up to 300 GB/s, so a
+    Hopper node) against the hopper preset's NCCL model: within 30 %, never faster by more
+    than 10 %."""
+    import yaml
+    from pathlib import Path
+
+    from src.cluster import cluster_from_config
+
+    preset = yaml.safe_load((Path(__file__).resolve().parents[2] / "conf" / "cluster" / "hopper.yaml").read_text())
+    comm = CommModel(cluster_from_config(preset))
+    for size, measured in ((2**20, 27.8e-6), (2**22, 53.2e-6), (2**24, 121.3e-6), (2**25, 195.4e-6)):
+        modelled = comm.collective_time("all_reduce", tuple(range(8)), size)
+        assert 0.9 < modelled / measured < 1.3, (size, modelled, measured)

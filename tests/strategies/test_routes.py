@@ -134,7 +134,7 @@ def test_batch_sync_collectives_give_the_gradients_of_one_contrastive_loss():
     for m in local_queries(CLIP, 0, holders, act_bytes=4):
         assert m.src == m.dst  # the rows a rank scores are its own
         stores[m.dst].put(m.received, stores[m.src].tensor(m.sent))
-    exchanges = {h.rank: batch_sync_features(CLIP, "interaction", h.tower, towers, 0, RBS, 4) for h in holders}
+    exchanges = {h.rank: batch_sync_features(CLIP, "interaction", h.tower, towers, 0, holders, 4) for h in holders}
     for h in holders:  # the all-to-all: the other tower's query rows at their rows of this rank's keys
         (target,) = exchanges[h.rank].outputs
         for other in holders:
@@ -158,7 +158,7 @@ def test_batch_sync_collectives_give_the_gradients_of_one_contrastive_loss():
         scale_grads.append(module.logit_scale.grad.clone())
         stores[h.rank].put(queries("interaction", h.tower, 0).part(start, start + q.shape[0]).gradient(), q.grad)
         stores[h.rank].put(keys("interaction", other, 0).gradient(), k.grad)
-    returns = {h.rank: batch_sync_gradients(CLIP, "interaction", h.tower, towers, 0, RBS, 4) for h in holders}
+    returns = {h.rank: batch_sync_gradients(CLIP, "interaction", h.tower, towers, 0, holders, 4) for h in holders}
     summed = {t: torch.zeros(RBS, dim) for t in towers}  # the reverse all-to-all: every key gradient ...
     for h in holders:
         for payload in returns[h.rank].inputs:

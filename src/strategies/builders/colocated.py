@@ -151,7 +151,11 @@ class ColocatedEmitter:
         if prefetched:
             out.append(Wait(f"ag.{unit}.{phase}.mb{microbatch}.{index}"))
         if params[index] > prefetched:
-            out.append(Collective("all_gather", group, (params[index] - prefetched) * self.act_bytes, "dp"))
+            # DeepSpeed gathers a layer's parameters module by module (its pre-forward hook per
+            # submodule): one all-gather per weight, each paying the ring's latency.
+            modules = max(1, sum(k.has_weight for k in self.model.unit(unit).layers[order[index]].kernels))
+            rest = params[index] - prefetched
+            out.append(Collective("all_gather", group, rest * self.act_bytes / modules, "dp", count=modules))
         if u.overlap_comm and index + 1 < len(order):
             ahead = min(params[index + 1], u.prefetch_params)
             if ahead:

@@ -108,20 +108,20 @@ def local_queries(model: ModelSpec, batch: int, holders: list[Holder], act_bytes
 
 
 def batch_sync_features(
-    model: ModelSpec, group: str, tower: str, towers: list[str], batch: int, contrastive_batch: int, act_bytes: int
+    model: ModelSpec, group: str, tower: str, towers: list[str], batch: int, holders: list[Holder], act_bytes: int
 ) -> Collective:
     """Separate towers, forward: one all-to-all over every scorer of every tower. Each
     sends its query rows (as many as it scores, possibly none) to every scorer of the
     other towers, which place them at their rows of that tower's keys: each receives the
     other modality's whole batch only, half of what a gather of both modalities moves
     (DistMM §5.3: non-colocated placement "halves the communication volume of modality
-    interaction"). Each rank's buffer is what it receives."""
+    interaction"). Priced as the real backend runs it (src/runtime/batch_rows.py): every
+    piece padded to the longest, one to each scorer."""
     inter = interaction_of(model)
-    volume = _busiest(model, towers, towers, contrastive_batch, act_bytes)
     return Collective(
         "all_to_all",
         group,
-        volume,
+        padded_exchange_bytes(model, holders, towers, act_bytes),
         "interaction",
         inputs=(queries(inter, tower, batch),),
         outputs=tuple(keys(inter, t, batch) for t in towers if t != tower),
@@ -129,32 +129,34 @@ def batch_sync_features(
 
 
 def batch_sync_gradients(
-    model: ModelSpec, group: str, tower: str, towers: list[str], batch: int, contrastive_batch: int, act_bytes: int
+    model: ModelSpec, group: str, tower: str, towers: list[str], batch: int, holders: list[Holder], act_bytes: int
 ) -> Collective | None:
     """Separate towers, backward: the all-to-all reversed. Each rank returns the gradients
     of the other towers' keys it scored against (of the towers that train) to the rows'
     scorers, which sum what arrives for their rows into the gradient their own scoring
-    gave them. None if no tower trains."""
+    gave them; the pieces padded to the longest scorer's rows of a trained tower. None if
+    no tower trains."""
     inter = interaction_of(model)
     trained = [t for t in towers if model.needs_backward(t)]
     if not trained:
         return None
-    volume = _busiest(model, towers, trained, contrastive_batch, act_bytes)
     mine = (queries(inter, tower, batch).gradient(),) if tower in trained else ()
     return Collective(
         "all_to_all",
         group,
-        volume,
+        padded_exchange_bytes(model, holders, trained, act_bytes),
         "interaction",
         inputs=tuple(keys(inter, t, batch).gradient() for t in trained if t != tower),
         outputs=mine,
     )
 
 
-def _busiest(model: ModelSpec, towers: list[str], moved: list[str], contrastive_batch: int, act_bytes: int) -> float:
-    """Bytes of the busiest scorer's part of a batch-sync all-to-all (every rank of the
-    collective is priced alike): the other towers' whole batches, of the towers in `moved`."""
-    return max(contrastive_batch * sum(model.unit(t).output_elems for t in moved if t != tower) * act_bytes for tower in towers)
+def padded_exchange_bytes(model: ModelSpec, holders: list[Holder], moved: list[str], act_bytes: int) -> float:
+    """Each rank's buffer in a batch-sync all-to-all as the real backend sends it: one
+    piece per scorer, every piece as long as the most rows of a tower in `moved` that any
+    scorer holds (gloo's all-to-all takes equal pieces only)."""
+    longest = max(((h.end - h.start) * model.unit(h.tower).output_elems for h in holders if h.tower in moved), default=0)
+    return len(holders) * longest * act_bytes
 
 
 def query_gradients(model: ModelSpec, batch: int, holders: list[Holder], act_bytes: int) -> list[Message]:

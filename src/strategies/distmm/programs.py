@@ -128,6 +128,7 @@ class _Separate:
         first = next(iter(self.placed.values())).plan
         self.global_batch = first.batch * first.replicas
         self.groups = first.groups
+        self._holders: dict[int, list[Holder]] = {}
 
     def program(self, world: int) -> Program:
         program = Program(world_size=world, classes=[])
@@ -228,12 +229,15 @@ class _Separate:
         inter = self.inter.name
         mine = queries(inter, plan.unit, op.group)
         theirs = tuple(keys(inter, t, op.group) for t in towers if t != plan.unit)
+        holders = self._holders.get(op.group)
+        if holders is None:
+            holders = self._holders[op.group] = self._scorers(op.group)
         out: list[Instruction] = [
             Recv(EXCHANGE, mine),
-            batch_sync_features(self.model, INTERACTION_GROUP, plan.unit, towers, op.group, self.rbs, self.act_bytes),
+            batch_sync_features(self.model, INTERACTION_GROUP, plan.unit, towers, op.group, holders, self.act_bytes),
             interaction_compute(self.model, (mine, *theirs), op.group, math.ceil(plan.share / plan.tp), self.rbs),
         ]
-        scatter = batch_sync_gradients(self.model, INTERACTION_GROUP, plan.unit, towers, op.group, self.rbs, self.act_bytes)
+        scatter = batch_sync_gradients(self.model, INTERACTION_GROUP, plan.unit, towers, op.group, holders, self.act_bytes)
         if scatter is not None:
             out.append(scatter)
         if self.model.needs_backward(plan.unit):
