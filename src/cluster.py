@@ -20,6 +20,10 @@ GIB = 1024**3
 CORRECTION_BASE_BYTES = 64
 
 
+# The attention kernels a run's software may have (model.attention; a preset states its era's).
+ATTENTION_MODES = ("flash", "eager")
+
+
 @dataclass(frozen=True)
 class Protocol:
     """One protocol of a collective algorithm (ring or tree) as the library's own tuning
@@ -283,8 +287,6 @@ def _number(value: Any, key: str, cluster: str) -> float:
 
 
 def _attention(value: Any, cluster: str) -> str:
-    from src.models.attention import ATTENTION_MODES
-
     if value not in ATTENTION_MODES:
         raise ConfigError(f"cluster.attention must be one of {list(ATTENTION_MODES)}, got {value!r} (cluster {cluster})")
     return str(value)

@@ -26,9 +26,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from src.cluster import ATTENTION_MODES
 from src.models.spec import ActivationBytes, Kernel, LayerSpec, ModelSpec
 
-ATTENTION_MODES = ("flash", "eager")
+__all__ = ["ATTENTION_MODES", "with_attention"]
 
 
 def with_attention(spec: ModelSpec, mode: str) -> ModelSpec:
