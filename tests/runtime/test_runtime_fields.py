@@ -231,7 +231,7 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
     ("deepspeed3d", "scatter_gather"): (DS3D, ["strategy.tp=2", "strategy.scatter_gather=true"], "run", TP_PP_RUNS),
     ("optimus", "llm.tp"): (OPTIMUS, ["strategy.llm.pp=2", "strategy.llm.tp=2", "strategy.fine_grained=false"], "run", OPTIMUS_RUNS),
     ("optimus", "llm.pp"): (OPTIMUS, ["strategy.llm.pp=4"], "run", OPTIMUS_RUNS),
-    ("optimus", "llm.dp"): (OPTIMUS, ["strategy.llm.pp=2", "strategy.llm.dp=2"], "run", OPTIMUS_RUNS),
+    ("optimus", "llm.dp"): (OPTIMUS, ["strategy.llm.pp=2", "strategy.llm.dp=2", "strategy.llm.zero_stage=0"], "run", OPTIMUS_RUNS),
     ("optimus", "llm.vpp"): (OPTIMUS, OPTIMUS_INTERLEAVED, "run", OPTIMUS_RUNS),
     ("optimus", "llm.micro_batch_size"): (OPTIMUS, ["strategy.llm.micro_batch_size=2"], "run", OPTIMUS_RUNS),
     ("optimus", "llm.schedule"): (OPTIMUS, OPTIMUS_INTERLEAVED, "run", OPTIMUS_RUNS),

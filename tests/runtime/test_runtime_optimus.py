@@ -68,8 +68,18 @@ CASES: dict[str, tuple[dict, list[str]]] = {
         ],
     ),
     # Two LLM replicas: their gradient all-reduce runs asynchronously under the encoders'
-    # backward; the encoders (ZeRO-1) and the LLM (ZeRO-0) share DP groups, not engines.
-    "llm_dp2": ({}, ["strategy.llm.pp=2", "strategy.llm.dp=2", "strategy.llm.tp=1", "strategy.llm.micro_batch_size=1"]),
+    # backward; the encoders (ZeRO-1) and the LLM (ZeRO-0: the planner's faster ZeRO-1
+    # gathers asynchronously, which the real backend refuses) share DP groups, not engines.
+    "llm_dp2": (
+        {},
+        [
+            "strategy.llm.pp=2",
+            "strategy.llm.dp=2",
+            "strategy.llm.tp=1",
+            "strategy.llm.micro_batch_size=1",
+            "strategy.llm.zero_stage=0",
+        ],
+    ),
     # Coarse-grained (no kernels in TP bins, which the runtime would not overlap): the
     # encoders before and after the LLM, LLM tp2 with sequence parallelism, interleaved.
     "coarse_tp2_interleaved": (

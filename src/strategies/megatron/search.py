@@ -244,11 +244,14 @@ class MegatronSearch:
         self.stats.priced_analytically += 1
 
     # ---- time: best first -----------------------------------------------------------------
-    def fastest(self, candidates: list[Candidate]) -> Candidate:
+    def fastest(self, candidates: list[Candidate], build: bool = True, simulate: bool = True) -> Candidate:
         """Best first: take the candidate of least known bound and tighten it (work bound,
         then stage bound, then path bound, then the simulated time), until the least bound
         left exceeds the best simulated time: every candidate that could be faster, or as
-        fast and first in order, was simulated. Then rank the next ones by path bound."""
+        fast and first in order, was simulated. Then rank the next ones by path bound.
+        `build`: whether the pick's Program is built when no simulation built it;
+        `simulate=False` stops at the least path bound (for a planner that times the
+        pipeline again its own way)."""
         if len(candidates) == 1:
             best = candidates[0]
         else:
@@ -263,11 +266,15 @@ class MegatronSearch:
                 if level < PATH and candidate.virtual is not None:
                     heapq.heappush(heap, (self._tighten(candidate, level), candidate.order(), level + 1, index))
                     continue
+                if not simulate:
+                    best = candidate
+                    self.ranked.append(candidate)
+                    break
                 self._simulate(candidate)
                 if best is None or (candidate.time, candidate.order()) < (best.time, best.order()):
                     best = candidate
             self._rank(candidates, heap)
-        if best.plan is None:
+        if best.plan is None and build:
             self._build(best)
         return best
 
