@@ -64,6 +64,8 @@ CASES: dict[str, tuple[str, list[str]]] = {
         ["strategy.encoder.tp=2", "strategy.encoder.sequence_parallel=false", "strategy.recompute=full", "strategy.zero_stage=0"],
     ),
     "llm_pp2_selective_recompute": ("mllm_15b", ["strategy.llm.pp=2", "strategy.recompute=selective"]),
+    # The LLM's four layers on two stages of two chunks each, inside the end-to-end pipeline.
+    "llm_pp2_interleaved": ("mllm_72b", ["strategy.llm.pp=2", "strategy.llm.vpp=2"]),
 }
 
 

@@ -154,8 +154,16 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
     ("disttrain", "llm.pp"): (DISTTRAIN, ["strategy.llm.pp=2"], "run", DISTTRAIN_RUNS),
     ("disttrain", "llm.dp"): (DISTTRAIN, ["strategy.llm.dp=2"], "run", DISTTRAIN_RUNS),
     # A unit's own Megatron-LM options: what the strategy-wide recompute and zero_stage
-    # set for every unit, run by the same runs; interleaving is not planned yet.
-    **{("disttrain", f"{u}.vpp"): (DISTTRAIN, [f"strategy.{u}.vpp=2"], "refused", "") for u in ("encoder", "llm", "generator")},
+    # set for every unit, run by the same runs. The LLM interleaves (MLLM-72B's four tiny
+    # layers on two stages of two chunks); the tiny ViT's and the U-Net's single stage
+    # (the runtime runs a U-Net whole) have nothing to interleave, as in every run.
+    ("disttrain", "llm.vpp"): (
+        WORKERS + ["model=mllm_72b", "model.scale=tiny", "train.global_batch=8", "strategy=disttrain", "strategy.data=uniform"],
+        ["strategy.llm.pp=2", "strategy.llm.vpp=2"],
+        "run",
+        DISTTRAIN_RUNS,
+    ),
+    **{("disttrain", f"{u}.vpp"): (DISTTRAIN, [f"strategy.{u}.vpp=1"], "run", DISTTRAIN_RUNS) for u in ("encoder", "generator")},
     **{
         ("disttrain", f"{u}.recompute"): (DISTTRAIN, [f"strategy.{u}.recompute=selective"], "run", DISTTRAIN_RUNS)
         for u in ("encoder", "llm", "generator")

@@ -24,9 +24,10 @@ from src.strategies.disttrain.planner import DistTrainOptions
 from src.strategies.base import divisors
 from src.mesh import Mesh
 from src.program import Payload
-from src.schedules.pipeline import one_f_one_b
+from src.schedules.pipeline import interleaved, one_f_one_b
 from src.strategies.builders.bridge import Side, pieces
 from src.strategies.disttrain.orchestration import TOLERANCE, UNITS, Orchestrator, UnitChoice, pipeline_time, solve_relaxed
+from src.strategies.disttrain.schedule import Chain, chain_orders
 from src.strategies.disttrain.timing import stage_ends
 from src.strategies.disttrain.profile import Profiler
 
@@ -154,10 +155,57 @@ def test_stage_ends_time_a_1f1b_pipeline_operation_by_operation() -> None:
     # Two stages, two micro-batches, forward 1 s and backward 2 s everywhere, hops of 0.5 s:
     # stage 1: F0 [1.5,2.5] B0 [2.5,4.5] F1 [4.5,5.5] B1 [5.5,7.5]; stage 0: F0 [0,1] F1 [1,2] B0 [5,7] B1 [8,10].
     orders = one_f_one_b(2, 2)
-    ends = stage_ends(orders, [[1.0, 1.0]] * 2, [[2.0, 2.0]] * 2, [0.5], [0.5], [True, True])
+    ends = stage_ends(orders, [[0], [1]], [[1.0, 1.0]] * 2, [[2.0, 2.0]] * 2, [0.5], [0.5], [True, True])
     assert ends == pytest.approx([10.0, 7.5])
     # A frozen first stage neither runs nor waits for backwards.
-    assert stage_ends(orders, [[1.0, 1.0]] * 2, [[2.0, 2.0]] * 2, [0.5], [0.5], [False, True])[0] == pytest.approx(2.0)
+    assert stage_ends(orders, [[0], [1]], [[1.0, 1.0]] * 2, [[2.0, 2.0]] * 2, [0.5], [0.5], [False, True])[0] == pytest.approx(2.0)
+
+
+def test_an_interleaved_unit_alone_runs_megatron_lm_s_order() -> None:
+    for pp, vpp, m in ((4, 2, 8), (4, 3, 12), (8, 2, 16)):
+        assert chain_orders(Chain(((pp, vpp),)), m) == interleaved(pp, m, vpp)
+    assert chain_orders(Chain(((1, 1), (3, 1), (2, 1))), 6) == one_f_one_b(6, 6)
+
+
+@pytest.mark.parametrize("units, m", [(((1, 1), (4, 2), (1, 1)), 8), (((2, 1), (4, 3), (2, 1)), 12), (((3, 1), (8, 4), (2, 1)), 32)])
+def test_an_interleaved_unit_inside_the_chain_never_deadlocks(units, m) -> None:
+    chain = Chain(units)
+    orders = chain_orders(chain, m)
+    virtual = sum(pp * vpp for pp, vpp in units)
+    rng = np.random.default_rng(len(units) + m)
+    for _ in range(5):  # any durations run the orders through (stage_ends raises on a deadlock)
+        fwd = [[float(rng.uniform(0.2, 3.0))] * m for _ in range(virtual)]
+        bwd = [[2 * t for t in row] for row in fwd]
+        ends = stage_ends(orders, chain.virtual_of(), fwd, bwd, [0.05] * (virtual - 1), [0.05] * (virtual - 1), [True] * virtual)
+        assert all(end > 0 for end in ends)
+    # Every stage runs each of its chunks' forwards and backwards once.
+    for order, chunks in zip(orders, chain.virtual_of()):
+        assert sorted((op.kind, op.chunk, op.microbatch) for op in order) == sorted(
+            (kind, c, j) for kind in "FB" for c in range(len(chunks)) for j in range(m)
+        )
+
+
+def test_an_interleaved_llm_is_estimated_as_simulated() -> None:
+    s = setup(
+        "model=mllm_15b",
+        "cluster=a800",
+        "cluster.nodes=4",
+        "train.global_batch=32",
+        "strategy.llm.tp=4",
+        "strategy.llm.pp=4",
+        "strategy.llm.dp=1",
+        "strategy.llm.vpp=2",
+    )
+    plan = plan_run(s)
+    llm = by_unit(plan)["llm"]
+    assert (llm.pp, llm.vpp, len(llm.stage_layers)) == (4, 2, 8)
+    simulated = simulate(plan.program, s.model, s.cluster, s.train.precision).iteration_time
+    assert plan.details["estimate_s"] == pytest.approx(simulated, rel=0.01)
+
+
+def test_an_interleaving_the_unit_cannot_hold_is_named() -> None:
+    with pytest.raises(ConfigError, match=r"strategy.llm.vpp=8: interleaving takes pp >= 2 stages of 8 chunks"):
+        plan_run(setup(*SMALL, "strategy.llm.vpp=8", "strategy.llm.pp=8"))
 
 
 def test_the_plan_s_estimate_is_the_simulated_time_and_its_pick_the_fastest_simulated() -> None:

@@ -65,6 +65,7 @@ INF = float("inf")
 # Branch and bound stops once the relaxed optimum of the next sub-problem is within this
 # fraction of the `keep`-th best time: the choices kept are within 2% of the best ones.
 TOLERANCE = 0.02
+MAX_VPPS = 3  # interleavings of the LLM offered per choice
 RELAX_CHUNK = 4096  # sub-problems relaxed at once
 
 
@@ -200,6 +201,8 @@ class Orchestrator:
         self.keep = keep
         self.target = self._ratio_targets() if mode == "ratio" else {}
         self._summaries: dict[UnitChoice, _Summary] = {}
+        for unit, f in fixed.items():
+            self._check_interleaving(unit, f)
         self.bases: dict[tuple, _Option | None] = {}
 
     # ---- the search space --------------------------------------------------------------
@@ -441,23 +444,62 @@ class Orchestrator:
         earlier than the encoder's backward before it ends, plus the encoder's and
         generator's warm-up."""
         bound = INF
-        for choice in self._pp_choices("llm", picked[1], tau):
+        for choice in self._pp_choices("llm", picked[1], tau, m):
             summary = self.summary(choice)
-            own = sum(summary.fb) + sum(summary.trips) + (m - 1) * max(summary.fb)
+            own = sum(summary.fb) / choice.setting.vpp + sum(summary.trips[: choice.pp - 1]) + (m - 1) * max(summary.fb)
             bound = min(bound, own + max(0.0, summary.tail[0] - picked[0].F))
         return bound + picked[0].F + picked[2].F
 
-    def _pp_choices(self, unit: str, o: _Option, tau: float) -> list[UnitChoice]:
-        """The unit's floor and ceil roundings of its relaxed PP."""
+    def _pp_choices(self, unit: str, o: _Option, tau: float, m: int) -> list[UnitChoice]:
+        """The unit's floor and ceil roundings of its relaxed PP, each with every
+        interleaving Megatron-LM runs there (self.vpps)."""
         n = max(o.low, o.a / tau) if tau > 0 else o.low
         pp, blocks = n / (o.setting.tp * o.dp), self.p.blocks(unit)
         low, high = min(blocks, max(1, math.floor(pp + 1e-9))), min(blocks, max(1, math.ceil(pp - 1e-9)))
-        return [UnitChoice(unit, o.dp, p, o.b, o.setting) for p in sorted({low, high})]
+        return [UnitChoice(unit, o.dp, p, o.b, replace(o.setting, vpp=v)) for p in sorted({low, high}) for v in self.vpps(unit, p, m)]
+
+    def _check_interleaving(self, unit: str, f: Fixed) -> None:
+        """A given interleaving needs two stages or more of vpp chunks, a block each at least."""
+        if f.vpp is None or f.vpp == 1:
+            return
+        blocks, least = self.p.blocks(unit), max(2, f.pp or 2)
+        if f.pp == 1 or least * f.vpp > blocks:
+            raise ConfigError(
+                f"strategy.{unit}.vpp={f.vpp}: interleaving takes pp >= 2 stages of {f.vpp} chunks, a block each at least, "
+                f"but {unit} has {blocks} blocks" + (f" and strategy.{unit}.pp={f.pp}" if f.pp is not None else "")
+            )
+
+    def vpps(self, unit: str, pp: int, m: int) -> list[int]:
+        """A unit's interleaving at pp stages in the recovery: the given one, else none
+        (self.interleavings offers the best choices' interleaved variants)."""
+        given = self.fixed[unit].vpp
+        if given is not None:
+            if given > 1 and (pp == 1 or m % pp or pp * given > self.p.blocks(unit)):
+                return []
+            return [given]
+        return [1]
+
+    def interleavings(self, choice: Choice, m: int) -> list[tuple[float, Choice]]:
+        """The choice with its LLM interleaved, where its vpp is searched: each vpp that
+        Megatron-LM runs (pp > 1, m a multiple of pp, pp x vpp dividing the blocks), at
+        most MAX_VPPS of them (the fewest chunks: each adds transfers), priced by the 1F1B
+        model. (The encoder and the generator, shallow, interleave by hand.)"""
+        enc, llm, gen = choice
+        blocks = self.p.blocks("llm")
+        if self.fixed["llm"].vpp is not None or llm.pp == 1 or m % llm.pp:
+            return []
+        out = []
+        for v in [v for v in range(2, blocks // llm.pp + 1) if blocks % (llm.pp * v) == 0][:MAX_VPPS]:
+            variant = (enc, replace(llm, setting=replace(llm.setting, vpp=v)), gen)
+            estimate = self.time(variant, m)
+            if estimate is not None:
+                out.append((estimate, variant))
+        return out
 
     def _roundings(self, picked: tuple[_Option, ...], tau: float, m: int) -> list[tuple[float, Choice]]:
         """The floor/ceil roundings of the relaxed PPs that fit, priced by the 1F1B model."""
         out = []
-        enc, llm, gen = (self._pp_choices(unit, o, tau) for unit, o in zip(UNITS, picked))
+        enc, llm, gen = (self._pp_choices(unit, o, tau, m) for unit, o in zip(UNITS, picked))
         for choice in itertools.product(enc, llm, gen):
             if sum(c.devices for c in choice) > self.N:
                 continue
@@ -478,7 +520,8 @@ class Orchestrator:
             with np.errstate(divide="ignore"):
                 caps = np.where(kept > 0, (self.usable - stages.states) / kept, np.where(stages.states <= self.usable, INF, -INF))
             hops = self.p.hops(choice.unit, choice.setting, choice.micro_batch, choice.dp, choice.pp)
-            found = _Summary(stages.fb.tolist(), stages.bwd.tolist(), stages.tail.tolist(), [2 * h for h in hops], caps.tolist())
+            bwd = stages.bwd.reshape(-1, choice.pp).sum(axis=0)
+            found = _Summary(stages.fb.tolist(), bwd.tolist(), stages.tail.tolist(), [2 * h for h in hops], caps.tolist())
             self._summaries[choice] = found
         return found
 
@@ -496,13 +539,15 @@ class Orchestrator:
         bwd: list[float] = []
         tail: list[float] = []
         trips: list[float] = []
+        chunks: list[int] = []
         # Transfers after each stage, there and back: the unit's own hops, then a broker.
         for c, summary, after in zip(choice, summaries, (*choice[1:], None)):
             fb += summary.fb
             bwd += summary.bwd
             tail += summary.tail
-            trips += summary.trips + ([self.broker(c, after)] if after is not None else [])
-        return pipeline_time(fb, bwd, trips, tail, m)
+            trips += summary.trips[: c.pp - 1] + ([self.broker(c, after)] if after is not None else [])
+            chunks += [c.setting.vpp] * c.pp
+        return pipeline_time(fb, bwd, trips, tail, m, chunks)
 
     def broker(self, src: UnitChoice, dst: UnitChoice) -> float:
         """Seconds of one micro-batch's hand-off between two units there and back
@@ -562,7 +607,9 @@ class Orchestrator:
         )
 
 
-def pipeline_time(fb: list[float], bwd: list[float], trips: list[float], tail: list[float], m: int) -> float:
+def pipeline_time(
+    fb: list[float], bwd: list[float], trips: list[float], tail: list[float], m: int, chunks: list[int] | None = None
+) -> float:
     """One iteration of an end-to-end 1F1B pipeline of stages taking fb seconds per
     micro-batch (bwd of it backward), with trips[g] seconds of transfers there and back
     between stages g and g + 1, and tail[g] seconds of end-of-iteration work: the first
@@ -570,20 +617,27 @@ def pipeline_time(fb: list[float], bwd: list[float], trips: list[float], tail: l
     which stage g covers its micro-batch's round trip through the stages after it with
     the min(depth - g, m) micro-batches 1F1B keeps in flight there; then the stage whose
     tail ends last (stage g ends its last backward the stages' backwards and transfers
-    before it earlier than stage 0). Plain Python: its lists are short, and the
-    orchestration prices thousands of them."""
+    before it earlier than stage 0). A stage of chunks[g] > 1 virtual stages (interleaved
+    1F1B) fills and drains the pipeline a chunk at a time: it adds fb / chunks to the
+    first micro-batch's way, and its steady state runs m - 1 / chunks periods. Plain
+    Python: its lists are short, and the orchestration prices thousands of them."""
     depth = len(fb)
-    period = after = 0.0
+    chunks = chunks or [1] * depth
+    period = after = way = 0.0
+    slowest = 1
     for g in range(depth - 1, -1, -1):
         after += fb[g] + (trips[g] if g < depth - 1 else 0.0)
+        way += fb[g] / chunks[g] + (trips[g] if g < depth - 1 else 0.0)
         flight = min(depth - g, m)
-        period = max(period, fb[g], after / flight)
+        here = max(fb[g], after / flight)
+        if here > period:
+            period, slowest = here, chunks[g]
     drain, ends = 0.0, 0.0
     for g in range(depth):
         ends = max(ends, tail[g] - drain)
         if g < depth - 1:
-            drain += bwd[g] + trips[g] / 2
-    return after + (m - 1) * period + ends
+            drain += bwd[g] / chunks[g] + trips[g] / 2
+    return way + (m - 1 / slowest) * period + ends
 
 
 def solve_relaxed(

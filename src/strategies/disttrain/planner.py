@@ -79,11 +79,6 @@ class DistTrainOptions:
             raise ConfigError(
                 f"strategy.{unit}.zero_stage={given['zero_stage']!r}: 0, 1 (Megatron-LM's distributed optimizer) or null"
             )
-        if given.get("vpp") not in (None, 1):
-            raise ConfigError(
-                f"strategy.{unit}.vpp={given['vpp']}: DistTrain's end-to-end pipeline does not interleave a unit's stages "
-                f"yet; use 1 or null"
-            )
         recompute = given.get("recompute") or self.recompute
         zero = self.zero_stage if given.get("zero_stage") is None else given["zero_stage"]
         return Fixed(**{key: given.get(key) for key in UNIT_KEYS} | {"recompute": recompute, "zero_stage": zero})
@@ -137,18 +132,29 @@ def plan_disttrain(request: PlanRequest) -> Plan:
     found = orchestrator.solve()
     decision = Decision(request, orchestrator, loads, opts.reorder, opts.tp_overlap_chunks)
     candidates = [Candidate(c, found.microbatches[c], t, opts.orchestration) for t, c in found.choices]
+    m = found.microbatches[found.best]
+    candidates += [Candidate(c, m, t, f"{opts.orchestration}, interleaved") for t, c in orchestrator.interleavings(found.best, m)]
+    ratio = None
     if opts.orchestration != "ratio":
         # The ratio-based plan is simulated beside ours: DistTrain's is never slower.
         try:
-            ratio = orchestrator.with_mode("ratio", 1).solve()
+            found_ratio = orchestrator.with_mode("ratio", 1).solve()
         except (ConfigError, PlanError):
-            ratio = None
-        if ratio is not None and ratio.best not in found.microbatches:
-            candidates.append(Candidate(ratio.best, ratio.microbatches[ratio.best], ratio.choices[0][0], "ratio"))
-    for candidate in candidates:
+            found_ratio = None
+        if found_ratio is not None and found_ratio.best not in found.microbatches:
+            best_ratio = found_ratio.best
+            ratio = Candidate(best_ratio, found_ratio.microbatches[best_ratio], found_ratio.choices[0][0], "ratio")
+    for candidate in candidates + ([ratio] if ratio else []):
         decision.estimate(candidate)
-    ranked = sorted(candidates[:RANKED], key=lambda c: c.estimate_s)
-    chosen = ranked[:SIMULATED] + [c for c in candidates[RANKED:] if c not in ranked[:SIMULATED]]
+    ranked = sorted((c for c in candidates if math.isfinite(c.estimate_s)), key=lambda c: c.estimate_s)
+    chosen = ranked[:SIMULATED] + ([ratio] if ratio and math.isfinite(ratio.estimate_s) else [])
+    if ratio is not None:
+        candidates.append(ratio)
+    if not chosen:
+        raise PlanError(
+            f"disttrain: none of the orchestration's {len(candidates)} best choices holds in memory the forwards its "
+            f"schedule keeps in flight (the best: {candidates[0].describe()})"
+        )
     for candidate in chosen:
         decision.build(candidate)
         if decision.fits(candidate):

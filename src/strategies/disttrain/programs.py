@@ -2,7 +2,8 @@
 
 Each unit (encoder, LLM, generator) is a pipeline of its own over a (tp, dp, pp) mesh on a
 contiguous block of ranks (widest TP first, so no TP group crosses a node), emitted by
-strategies.builders.pipeline. Together they form one end-to-end 1F1B pipeline: the encoder's
+strategies.builders.pipeline, with vpp virtual stages per stage where it interleaves.
+Together they form one end-to-end 1F1B pipeline (schedule.chain_orders): the encoder's
 stages come first, then the LLM's, then the generator's, and every stage runs the
 schedule of its position in that pipeline (the encoder's first stage warms up with as
 many forwards as the whole depth needs).
@@ -32,12 +33,12 @@ from src.mesh import Mesh
 from src.models.flows import Flow, flows_of
 from src.models.spec import ModelSpec
 from src.program import Collective, Compute, Instruction, Payload, Program, RankProgram, Recv, Send, compress_ranks
-from src.schedules.pipeline import one_f_one_b
 from src.strategies.builders.bridge import Side, bridge
 from src.strategies.builders.layout import make_group, megatron_mesh
 from src.strategies.builders.pipeline import PipelineEmitter, PipelineSettings
 from src.strategies.builders.stages import Segment
 from src.strategies.disttrain.profile import Setting
+from src.strategies.disttrain.schedule import Chain, chain_orders
 
 
 @dataclass(frozen=True)
@@ -157,8 +158,7 @@ class _Builder:
         world = sum(u.devices for u in self.units.values())
         program = Program(world_size=world, classes=[])
         brokers = [self._broker_routes(program, flow) for flow in self.flows]
-        depth = sum(self.units[name].pp for name in self.order)
-        orders = one_f_one_b(depth, self.m)
+        orders = chain_orders(Chain(tuple((self.units[name].pp, self.units[name].setting.vpp) for name in self.order)), self.m)
         first = 0
         for name in self.order:
             unit = self.units[name]

@@ -22,11 +22,13 @@ from src.costmodel.memory import rank_memory
 from src.data.reorder import StageTimes
 from src.models.spec import ModelSpec
 from src.program import Program, UnitPlan, compress_ranks
-from src.schedules.pipeline import one_f_one_b
+from src.schedules.pipeline import PipeOp
 from src.sim.engine import simulate
 from src.strategies.base import PlanRequest
 from src.strategies.disttrain.data import Assignment, assign, unit_loads
 from src.strategies.disttrain.orchestration import UNITS, Choice, Orchestrator, UnitChoice
+from src.strategies.disttrain.profile import StageArrays
+from src.strategies.disttrain.schedule import Chain, Deadlock, chain_orders
 from src.strategies.disttrain.programs import Broker, UnitLayout, disttrain_program, place
 from src.strategies.disttrain.timing import stage_ends
 
@@ -108,13 +110,20 @@ class Decision:
     # ---- the estimate ----------------------------------------------------------------------
     def estimate(self, candidate: Candidate) -> None:
         """Place the batch's sequences, lay the units out, and time the iteration with
-        every micro-batch's load."""
+        every micro-batch's load; infinite where a stage's memory does not hold the
+        forwards its order keeps in flight."""
         choice, m = candidate.choice, candidate.microbatches
         candidate.assignment = self._assignment(choice)
         candidate.layouts = [self._layout(c, candidate.assignment, m) for c in choice]
-        orders = one_f_one_b(sum(c.pp for c in choice), m)
+        chain = Chain(tuple((c.pp, c.setting.vpp) for c in choice))
+        try:
+            orders = chain_orders(chain, m)
+        except Deadlock:
+            return  # interleaved units (by hand) whose orders wait on each other: not a plan
         stages = [self.o.stages(c) for c in choice]
-        trains = [self.request.model.needs_backward(c.unit) for c in choice for _ in range(c.pp)]
+        if not self._fits(choice, stages, orders):
+            return
+        trains = [self.request.model.needs_backward(c.unit) for c in choice for _ in range(c.pp * c.setting.vpp)]
         forward_hop: list[float] = []
         backward_hop: list[float] = []
         offsets = {layout.unit: layout.offset for layout in place(candidate.layouts)}
@@ -136,12 +145,31 @@ class Decision:
                 # The group's slowest replica of this unit, per micro-batch.
                 replicas = sorted({r * c.dp // choice[1].dp for r in group})
                 load = [max(layout.loads[d][j] for d in replicas) for j in range(m)]
-                for stage in range(c.pp):
-                    fwd.append([float(arrays.fwd[stage]) * x for x in load])
-                    bwd.append([float(arrays.bwd[stage]) * x for x in load])
-            ends = [max(a, b) for a, b in zip(ends, stage_ends(orders, fwd, bwd, forward_hop, backward_hop, trains))]
+                for v in range(c.pp * c.setting.vpp):
+                    fwd.append([float(arrays.fwd[v]) * x for x in load])
+                    bwd.append([float(arrays.bwd[v]) * x for x in load])
+            found = stage_ends(orders, chain.virtual_of(), fwd, bwd, forward_hop, backward_hop, trains)
+            ends = [max(a, b) for a, b in zip(ends, found)]
         tails = [float(t) for arrays in stages for t in arrays.tail]
         candidate.estimate_s = max(end + tail for end, tail in zip(ends, tails))
+
+    def _fits(self, choice: Choice, stages: list[StageArrays], orders: list[list[PipeOp]]) -> bool:
+        """Each stage's model states and the most activations its order keeps at once
+        (each chunk's forward adds its own until its backward, at the unit's heaviest load)."""
+        usable = self.request.cluster.usable_memory_bytes
+        first = 0
+        for c, arrays in zip(choice, stages):
+            peak = self.loads.peak[c.unit]
+            for stage in range(c.pp):
+                live = most = 0.0
+                for op in orders[first + stage]:
+                    kept = float(arrays.activations[op.chunk * c.pp + stage])
+                    live += kept if op.kind == "F" else -kept
+                    most = max(most, live)
+                if float(arrays.states[stage]) + peak * most > usable:
+                    return False
+            first += c.pp
+        return True
 
     def _assignment(self, choice: Choice) -> Assignment:
         enc, llm, gen = choice
