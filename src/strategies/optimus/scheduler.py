@@ -36,6 +36,7 @@ import math
 import operator
 from dataclasses import dataclass, field
 
+from src.program import Phase
 from src.strategies.optimus.encoder import EncoderCosts, Item, Layout
 from src.strategies.optimus.timeline import EPS, LLMTimeline
 
@@ -54,7 +55,7 @@ class Placed:
     item: Item
     pipeline: int
     local: int
-    phase: str
+    phase: Phase
 
 
 @dataclass(frozen=True)
@@ -287,7 +288,7 @@ class BubbleScheduler:
         deadline: float,
         pipeline: int,
         local: int,
-        phase: str,
+        phase: Phase,
     ) -> float | None:
         """Place one stage's items for one micro-batch, first fit in time order from
         `ready`; the end of its last kernel, or None (the journal takes it back). The
