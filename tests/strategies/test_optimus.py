@@ -238,11 +238,23 @@ def test_the_llm_plan_comes_through_megatron_lm_s_typed_api() -> None:
     assert len(choice.virtual) == choice.degrees.pp * choice.degrees.vpp
 
 
+@pytest.mark.slow
 def test_encoder_plans_scheduled_in_parallel_equal_the_serial_ones(monkeypatch) -> None:
-    s = setup(*SMALL)
-    serial = plan_run(s).details["candidates"]
+    serial = plan_run(setup(*SMALL)).details["candidates"]  # conftest: MMDIST_PLAN_WORKERS=1
     monkeypatch.setattr(parallel, "workers", lambda jobs: 1 if jobs < 2 else 2)
     forked = plan_run(setup(*SMALL)).details["candidates"]
-    monkeypatch.setattr(parallel, "workers", lambda jobs: 1)
-    one = plan_run(setup(*SMALL)).details["candidates"]
-    assert forked == serial == one
+    assert forked == serial
+
+
+@pytest.mark.parametrize("value, workers", [("1", 1), ("3", 2), ("", 2)])
+def test_the_planners_processes_are_capped_by_the_environment(monkeypatch, value: str, workers: int) -> None:
+    monkeypatch.setenv(parallel.CAP_ENV, value)
+    monkeypatch.setattr(parallel.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert parallel.workers(8) == workers
+
+
+@pytest.mark.parametrize("value", ["0", "two", "-1"])
+def test_a_bad_cap_on_the_planners_processes_is_one_line(monkeypatch, value: str) -> None:
+    monkeypatch.setenv(parallel.CAP_ENV, value)
+    with pytest.raises(ConfigError, match=f"MMDIST_PLAN_WORKERS='{value}'"):
+        parallel.workers(8)

@@ -4,8 +4,9 @@ independently), so they run in worker processes forked from the planner, which i
 the LLM's pipeline instead of receiving it, and send back what ranks them (the latency,
 efficiencies and split; a schedule's placed kernels would cost more to send than to
 place again): the planner schedules again the plans it emits (`complete`). Serial with
-one plan, one core, or inside a daemon process (a pool's worker cannot start processes
-of its own)."""
+one plan, one core, inside a daemon process (a pool's worker cannot start processes of
+its own), or where the environment sets MMDIST_PLAN_WORKERS=1 (a shared login node, the
+quick test tier); MMDIST_PLAN_WORKERS=n caps the processes at n."""
 
 from __future__ import annotations
 
@@ -13,19 +14,19 @@ import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
-if TYPE_CHECKING:
-    from src.strategies.optimus.encoder import Layout
-    from src.strategies.optimus.planner import Candidate
+from src.errors import ConfigError
+from src.strategies.optimus.encoder import Layout
+from src.strategies.optimus.scheduler import Candidate, Schedule
+
 
 # The job the forked workers run: set before the pool forks, read in the workers.
 _JOB: Callable[[Layout], Candidate] | None = None
+CAP_ENV = "MMDIST_PLAN_WORKERS"
 
 
 def _run(layout: Layout) -> Candidate:
-    from src.strategies.optimus.scheduler import Schedule
-
     assert _JOB is not None, "the pool forked after the job was set"
     found = _JOB(layout)
     s = found.schedule
@@ -39,9 +40,21 @@ def complete(job: Callable[[Layout], Candidate], candidate: Candidate) -> Candid
 
 def workers(jobs: int) -> int:
     """How many processes to schedule `jobs` plans on."""
-    if jobs < 2 or multiprocessing.current_process().daemon or "fork" not in multiprocessing.get_all_start_methods():
+    cap = _cap()
+    if jobs < 2 or cap == 1 or multiprocessing.current_process().daemon or "fork" not in multiprocessing.get_all_start_methods():
         return 1
-    return max(1, min(jobs, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(jobs, cores, cap or cores))
+
+
+def _cap() -> int | None:
+    """MMDIST_PLAN_WORKERS as a positive integer; None where it is unset."""
+    value = os.environ.get(CAP_ENV)
+    if value is None or value == "":
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"{CAP_ENV}={value!r}: the planner's worker processes must be a positive integer")
+    return int(value)
 
 
 def schedule_all(job: Callable[[Layout], Candidate], layouts: list[Layout]) -> list[Candidate]:

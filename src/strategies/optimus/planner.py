@@ -33,7 +33,7 @@ from src.config import options_from
 from src.progress import Progress
 from src.costmodel.comm import CommModel
 from src.costmodel.compute import ComputeModel
-from src.costmodel.memory import model_state_bytes, rank_memory, work_activation_bytes
+from src.costmodel.memory import element_bytes, grad_bytes, model_state_bytes, rank_memory, work_activation_bytes
 from src.mesh import tensor_parallel
 from src.errors import ConfigError, PlanError
 from src.models.spec import ModelSpec
@@ -42,9 +42,11 @@ from src.strategies.base import PlanRequest, divisors
 from src.strategies.megatron.planner import MegatronOptions
 from src.strategies.optimus.llm import LLMBase, LLMPipelines
 from src.strategies.optimus.encoder import EncoderCosts, EncoderPlan, Layout, encoder_costs, encoder_stages
+from src.strategies.builders.emit import iteration_tail
+from src.strategies.builders.stages import Segment
 from src.strategies.optimus.programs import ClassEmitter, add_encoder_routes, class_program
 from src.strategies.optimus.parallel import complete, schedule_all
-from src.strategies.optimus.scheduler import BubbleScheduler, Schedule, Tails, local_search, partitions
+from src.strategies.optimus.scheduler import BubbleScheduler, Candidate, Schedule, Tails, local_search, partitions
 
 LLM_KEYS = ("tp", "pp", "dp", "vpp", "micro_batch_size", "schedule", "recompute", "zero_stage", "sequence_parallel")
 ENCODER_KEYS = ("tp", "pp")
@@ -84,21 +86,6 @@ class OptimusOptions:
         """The LLM's Megatron-LM options: those given under strategy.llm, the rest searched."""
         given = {key: value for key, value in (self.llm or {}).items() if value is not None}
         return options_from(MegatronOptions, given, prefix="strategy.llm")
-
-
-@dataclass
-class Candidate:
-    plan: EncoderPlan
-    layout: Layout
-    costs: EncoderCosts
-    scheduler: BubbleScheduler | None  # None once it came back from another process
-    schedule: Schedule
-    eff_coarse: float
-    eff_fine: float
-    coarse_latency: float
-    partitions_total: int
-    partitions_evaluated: int
-    search: str
 
 
 def plan_optimus(request: PlanRequest) -> Plan:
@@ -366,11 +353,6 @@ def _encoder_tails(
     comm: CommModel,
 ) -> list[float]:
     """Per encoder stage: its gradient reduction, optimizer step and parameter all-gather."""
-    from src.costmodel.memory import element_bytes, grad_bytes
-    from src.mesh import tensor_parallel
-    from src.strategies.builders.emit import iteration_tail
-    from src.strategies.builders.stages import Segment
-
     mesh = layout.encoder_mesh()
     replicas = mesh.degree("dp")
     sharing = family_sharing(request.cluster, mesh.family("dp")) if replicas > 1 else 1

@@ -37,7 +37,7 @@ import operator
 from dataclasses import dataclass, field
 
 from src.program import Phase
-from src.strategies.optimus.encoder import EncoderCosts, Item, Layout
+from src.strategies.optimus.encoder import EncoderCosts, EncoderPlan, Item, Layout
 from src.strategies.optimus.timeline import EPS, LLMTimeline
 
 
@@ -568,3 +568,20 @@ def local_search(microbatches: int, blocks: int, columns: int, latency) -> tuple
             current = choice
     ranked = sorted(seen, key=lambda k: seen[k])
     return [spread(list(k), columns) for k in ranked], len(seen)
+
+
+@dataclass
+class Candidate:
+    """An encoder plan with its best schedule in the LLM's bubbles, and what ranks it."""
+
+    plan: EncoderPlan
+    layout: Layout
+    costs: EncoderCosts
+    scheduler: BubbleScheduler | None  # None once it came back from another process
+    schedule: Schedule
+    eff_coarse: float
+    eff_fine: float
+    coarse_latency: float
+    partitions_total: int
+    partitions_evaluated: int
+    search: str
