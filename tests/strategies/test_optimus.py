@@ -20,7 +20,8 @@ from src.setup import Setup, plan_run, validate
 from src.sim.engine import simulate
 from src.strategies.base import PlanRequest
 from src.strategies.megatron.planner import MegatronOptions, choose_megatron, plan_megatron
-from src.strategies.megatron.programs import Degrees, MegatronSettings
+from src.strategies.megatron.programs import MegatronSettings
+from src.strategies.base import Degrees
 from src.strategies.optimus import parallel
 from src.strategies.optimus.llm import LLMPipelines
 from src.strategies.optimus.planner import OptimusOptions, _llm_and_encoders, _schedule

@@ -57,7 +57,7 @@ from src.cluster import GIB
 from src.errors import ConfigError, PlanError
 from src.metrics import unit_flops
 from src.program import RECOMPUTE_MODES
-from src.strategies.base import MAX_MICROBATCHES, check_microbatch_count, divisors
+from src.strategies.base import MAX_MICROBATCHES, Degrees, check_microbatch_count, divisors
 from src.strategies.disttrain.profile import Profiler, Setting, StageArrays
 
 UNITS = ("encoder", "llm", "generator")
@@ -100,8 +100,12 @@ class UnitChoice:
         return self.setting.recompute
 
     @property
+    def degrees(self) -> Degrees:
+        return Degrees(self.tp, self.pp, self.dp, self.setting.vpp, self.micro_batch)
+
+    @property
     def devices(self) -> int:
-        return self.tp * self.dp * self.pp
+        return self.degrees.devices
 
     def describe(self) -> str:
         return f"{self.unit} dp={self.dp} pp={self.pp} {self.setting.describe()}"

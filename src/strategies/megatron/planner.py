@@ -20,7 +20,8 @@ from src.program import Plan
 from src.strategies.base import PlanRequest
 from src.strategies.builders.stages import Segment
 from src.strategies.megatron.options import MegatronOptions
-from src.strategies.megatron.programs import Degrees, MegatronSettings
+from src.strategies.megatron.programs import MegatronSettings
+from src.strategies.base import Degrees
 from src.strategies.megatron.search import Candidate, MegatronSearch
 from src.strategies.megatron.space import enumerate_space
 

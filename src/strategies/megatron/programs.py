@@ -16,20 +16,12 @@ from src.mesh import Mesh
 from src.models.spec import ModelSpec
 from src.program import Instruction, Program, UnitPlan
 from src.schedules.pipeline import build_schedule
+from src.strategies.base import Degrees
 from src.strategies.builders.colocated import ColocatedEmitter, ColocatedUnit
 from src.strategies.builders.layout import megatron_mesh
 from src.strategies.builders.pipeline import PipelineEmitter, PipelineSettings
 from src.models.flows import unit_order
 from src.strategies.builders.stages import Segment
-
-
-@dataclass(frozen=True)
-class Degrees:
-    tp: int
-    pp: int
-    dp: int
-    vpp: int
-    micro_batch: int
 
 
 @dataclass(frozen=True)
