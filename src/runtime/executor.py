@@ -304,6 +304,8 @@ class Executor:
             state["loss_share"] = share
             self.s.loss += share.detach() / tensor_replicas(self.plan, work.unit)
         for payload in compute.outputs:
+            if payload.tensor not in state:
+                raise KeyError(f"{work.unit} layers {work.layers} hand on no {payload.tensor!r} ({sorted(state)})")
             self.s.store.put(payload, state[payload.tensor])
         if handed := handed_on(state):
             self.s.carried[piece] = handed
@@ -505,6 +507,11 @@ class Executor:
             if message.dst == self.rank and message.received == message.sent:
                 continue  # it holds these rows under that name already (Optimus: an encoder and the LLM colocated)
             tensor = self.s.store.tensor(message.sent if message.sent.rows is not None else send.payload)
+            slots = self._image_slots(message.sent) if message.dst != self.rank else None
+            if slots is not None:  # the real images' rows only
+                tensor = tensor.reshape(slots.shape + (-1,))[slots]
+                if not len(tensor):
+                    continue  # no image: nothing travels (the receiver knows it from its own batch)
             tensor = tensor.detach().to(self.dtype).contiguous()
             if message.dst == self.rank:
                 self.s.local.setdefault((route.name, message.received.whole), []).append((message, tensor.clone()))
@@ -512,20 +519,32 @@ class Executor:
                 self.s.sends.append((dist.isend(tensor, message.dst, group=self.groups.route(route.name)), tensor))
 
     def _recv(self, recv: Recv, route: Route) -> None:
-        posted: list[tuple[dist.Work | None, Message, torch.Tensor]] = []
+        posted: list[tuple[dist.Work | None, Message, torch.Tensor, torch.Tensor | None]] = []
         for message in route.receives(self.rank, recv.payload):
             if message.src == self.rank:
                 continue
             rows = message.received.rows
             count = rows[1] - rows[0] if rows is not None else self.plan.unit(message.received.unit).micro_batch
-            buffer = torch.empty((count,) + self._row_shape(message.received), dtype=self.dtype, device=self.device)
+            slots = self._image_slots(message.received)
+            if slots is not None:
+                spec = self.model.unit(message.received.unit)
+                shape: tuple[int, ...] = (int(slots.sum()), spec.output_elems // spec.arch.images)
+                if not shape[0]:  # no image: nothing travels, every slot is empty
+                    self.s.store.put(
+                        message.received,
+                        torch.zeros(slots.shape[0], slots.numel() // slots.shape[0] * shape[1], dtype=self.dtype, device=self.device),
+                    )
+                    continue
+            else:
+                shape = (count,) + self._row_shape(message.received)
+            buffer = torch.empty(shape, dtype=self.dtype, device=self.device)
             group = self.groups.route(route.name)
             if recv.blocking:
                 with CLOCK.timed(route.kind):
                     dist.recv(buffer, message.src, group=group)
-                posted.append((None, message, buffer))
+                posted.append((None, message, buffer, slots))
             else:
-                posted.append((dist.irecv(buffer, message.src, group=group), message, buffer))
+                posted.append((dist.irecv(buffer, message.src, group=group), message, buffer, slots))
         for message, tensor in self.s.local.pop((route.name, recv.payload.whole), []):
             self.s.store.put(message.received, tensor)
         if recv.blocking:
@@ -535,7 +554,22 @@ class Executor:
             self.s.pending[recv.handle] = (route.kind, posted)
 
     def _finish_receives(self, posted: list) -> None:
-        for work, message, buffer in posted:
+        for work, message, buffer, slots in posted:
             if work is not None:
                 work.wait()
+            if slots is not None:  # the real images' rows into their slots
+                buffer = buffer.new_zeros(slots.shape + buffer.shape[1:]).index_put_((slots,), buffer).flatten(1)
             self.s.store.put(message.received, buffer)
+
+    def _image_slots(self, payload: Payload) -> torch.Tensor | None:
+        """The image slots of a payload's rows where it is what an encoder hands on (or its
+        gradient) under interleaved data: only its real images' rows travel, as many as the
+        batch of the unit this rank runs on those rows says (data.interleaved_mllm)."""
+        spec = self.model.unit(payload.unit)
+        if not (spec.arch.reads_images and payload.tensor == "x" and payload.layer == spec.num_layers):
+            return None
+        unit = payload.unit if payload.unit in self.places else next(c for p, c in self.model.flows if p == payload.unit)
+        slots = self.batch_for(unit, payload.microbatch).get("image_slots")
+        if slots is None or payload.rows is None:
+            return slots
+        return slots[payload.rows[0] : payload.rows[1]]

@@ -7,8 +7,8 @@ DDPM trains with its variational bound, are not scored, so they learn nothing he
 
 Every layer maps a state dict to a state dict, so the unit stays a list of layers:
 
-  target -> vae.* -> latent;  timestep -> time_embedding -> emb;
-  latent, noise, alpha -> conv_in -> x -> down/mid/up blocks -> conv_out -> loss
+  target -> vae.* -> x (the latent);  timestep -> time_embedding -> emb;
+  latent (or x), noise, alpha -> conv_in -> x -> down/mid/up blocks -> conv_out -> loss
 
 The U-Net's skip connections travel in the state as 'skip.<n>' (pushed by the down path,
 popped by the up path's residual blocks), so the unit cannot be cut into pipeline stages
@@ -75,17 +75,23 @@ class Conv(nn.Module):
             x = state["target"]
         elif self.role == "unet_in":
             alpha = state["alpha"].reshape(-1, 1, 1, 1)
-            x = alpha.sqrt() * state["latent"] + (1 - alpha).sqrt() * state["noise"]
+            latent = state["latent"] if "latent" in state else state["x"]  # precomputed, or the VAE's
+            x = alpha.sqrt() * latent + (1 - alpha).sqrt() * state["noise"]
         else:
             x = state["x"]
         if self.norm is not None:
             x = F.silu(self.norm(x))
         x = self.conv(x)
         if self.role == "latent":
-            return {**{k: v for k, v in state.items() if k != "x"}, "latent": x[:, : x.shape[1] // 2] * LATENT_SCALE}
+            # The latent goes on as 'x': a plan that runs each layer alone (ZeRO-3's) hands it on.
+            return {**state, "x": x[:, : x.shape[1] // 2] * LATENT_SCALE}
         if self.role == "unet_out":
             noise = state["noise"]
-            return {**state, "x": x, "loss": F.mse_loss(x[:, : noise.shape[1]], noise)}
+            norm = state.get("loss_norm")  # interleaved sequences: the step's mean images, per row
+            if norm is None:
+                return {**state, "x": x, "loss": F.mse_loss(x[:, : noise.shape[1]], noise)}
+            per_image = F.mse_loss(x[:, : noise.shape[1]], noise, reduction="sum") / math.prod(noise.shape[1:])
+            return {**state, "x": x, "loss": per_image / norm.sum().clamp_min(1e-12)}
         if self.role in ("unet_in", "down"):
             return push_skip(state, x)
         return {**state, "x": x}
