@@ -95,9 +95,9 @@ def _carried(state: State, grad: bool) -> State:
 
 
 def _grad(leaf: torch.Tensor) -> torch.Tensor:
-    """A leaf's gradient; every leaf that reaches the graph's loss gets one."""
-    assert leaf.grad is not None, "a leaf the loss does not depend on has no gradient to send back"
-    return leaf.grad
+    """A leaf's gradient: zero where its layers do not read it (a U-Net's VAE starts from
+    the target image, not from the 'x' handed to its first layer)."""
+    return leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
 
 
 def input_key(work_unit: str, payload: Payload) -> str:
@@ -526,20 +526,16 @@ class Executor:
             rows = message.received.rows
             count = rows[1] - rows[0] if rows is not None else self.plan.unit(message.received.unit).micro_batch
             slots = self._image_slots(message.received)
-            if slots is not None:
-                spec = self.model.unit(message.received.unit)
-                shape: tuple[int, ...] = (int(slots.sum()), spec.output_elems // spec.arch.images)
-                if not shape[0]:  # no image: nothing travels, every slot is empty
-                    self.s.store.put(
-                        message.received,
-                        torch.zeros(slots.shape[0], slots.numel() // slots.shape[0] * shape[1], dtype=self.dtype, device=self.device),
-                    )
-                    continue
-            else:
+            if slots is None:
                 shape = (count,) + self._row_shape(message.received)
+            else:  # the real images' rows only
+                spec = self.model.unit(message.received.unit)
+                shape = (int(slots.sum()), spec.output_elems // spec.arch.images)
             buffer = torch.empty(shape, dtype=self.dtype, device=self.device)
             group = self.groups.route(route.name)
-            if recv.blocking:
+            if not len(buffer):
+                posted.append((None, message, buffer, slots))  # no image: nothing travels, every slot stays empty
+            elif recv.blocking:
                 with CLOCK.timed(route.kind):
                     dist.recv(buffer, message.src, group=group)
                 posted.append((None, message, buffer, slots))

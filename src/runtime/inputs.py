@@ -86,15 +86,17 @@ def _mllm_data(model: ModelSpec, seed: int, source: str, errors: str, content: s
     tar shards whose samples hold several images."""
     encoder, llm, generator = model.unit("encoder"), model.unit("llm"), model.unit("generator")
     image, vocab, out = encoder.arch.image_size, llm.arch.vocab, generator.arch
-    if source == "synthetic" and content == "uniform":
-        if encoder.arch.images != 1:
-            raise ConfigError(
-                f"model.images_per_sequence={encoder.arch.images}: the real backend runs uniform MLLM data with one image "
-                f"per sequence (strategy.data=interleaved draws each sequence's images)"
-            )
-        return SyntheticMLLM(seed, image, llm.arch.image_tokens, llm.seq_len, vocab, out.image_size, LATENT_CHANNELS, out.latent_size)
-    per_image = model.extras["image_tokens"]
-    synthetic = SyntheticMLLM(seed, image, per_image, llm.seq_len, vocab, out.image_size, LATENT_CHANNELS, out.latent_size)
+    uniform = source == "synthetic" and content == "uniform"
+    if uniform and encoder.arch.images != 1:
+        raise ConfigError(
+            f"model.images_per_sequence={encoder.arch.images}: the real backend runs uniform MLLM data with one image "
+            f"per sequence (strategy.data=interleaved draws each sequence's images)"
+        )
+    # Uniform: the sequence's image tokens; interleaved: one image's (each drawn alone).
+    tokens = llm.arch.image_tokens if uniform else model.extras["image_tokens"]
+    synthetic = SyntheticMLLM(seed, image, tokens, llm.seq_len, vocab, out.image_size, LATENT_CHANNELS, out.latent_size)
+    if uniform:
+        return synthetic
     if source == "synthetic":
         return InterleavedMLLM(synthetic, layouts=sampler(model, seed))
     return InterleavedMLLM(synthetic, shards=TarShards(source, image, llm.seq_len, vocab, errors, images="several"))

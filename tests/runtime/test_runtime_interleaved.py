@@ -2,7 +2,7 @@
 several, drawn as the simulator draws them or read from tar shards) train exactly like
 one process, in data order, reordered by DistTrain's plan and with a frozen encoder; a
 data-parallel rank whose micro-batch holds no image takes part in every collective of the
-encoder and generator (ZeRO-0), under a short timeout. All runs share ONE
+encoder and generator (ZeRO-0 and ZeRO-3), under a short timeout. All runs share ONE
 launch of four workers.
 """
 
@@ -50,6 +50,8 @@ CASES: dict[str, list[str]] = {
     "frozen_encoder": DISTTRAIN + ["strategy.reorder=both", "model.frozen=[encoder]"],
     "shards": DISTTRAIN + ["strategy.reorder=none", "backend.data=SHARDS"],
     "ddp_zero0_no_image": ["strategy=ddp", "strategy.zero_stage=0", "backend.data=SHARDS"],
+    # ZeRO-3 gathers every layer's weights on every rank, also for a micro-batch of no image.
+    "ddp_zero3_no_image": ["strategy=ddp", "strategy.zero_stage=3", "backend.data=SHARDS"],
 }
 
 

@@ -30,7 +30,9 @@ from src.runtime.modules.parallel import TP
 GROUPS = 32  # SD's GroupNorm(32)
 GROUP_WIDTH = 4  # channels per group at least: SD's narrowest (its VAE's 128 channels in 32 groups)
 LATENT_SCALE = 0.18215  # SD's VAE latent scaling
-SKIP, EMB = "skip.", "emb"  # state keys: the skips the down path pushed, the timestep embedding
+# State keys: the skips the down path pushed, the timestep embedding, the condition that
+# the output projector makes of the LLM's states (its cross-attention's memory).
+SKIP, EMB, COND = "skip.", "emb", "condition"
 
 
 def _norm(channels: int) -> nn.GroupNorm:
@@ -49,8 +51,8 @@ def push_skip(state: State, x: torch.Tensor) -> State:
 
 def handed_on(state: State) -> State:
     """What a U-Net's layers hand each other besides the feature map 'x': the timestep
-    embedding and the skips the down path pushed."""
-    return {key: value for key, value in state.items() if key == EMB or key.startswith(SKIP)}
+    embedding, the skips the down path pushed and the condition."""
+    return {key: value for key, value in state.items() if key in (EMB, COND) or key.startswith(SKIP)}
 
 
 def pop_skip(state: State) -> tuple[torch.Tensor, State]:
@@ -145,7 +147,7 @@ class SpatialTransformer(nn.Module):
         x = state["x"]
         b, c, h, w = x.shape
         tokens = self.proj_in(self.norm(x).flatten(2).transpose(1, 2))
-        tokens = self.block({"x": tokens, "memory": state["memory"]})["x"]
+        tokens = self.block({"x": tokens, "memory": state[COND]})["x"]
         out = x + self.proj_out(tokens).transpose(1, 2).reshape(b, c, h, w)
         return push_skip(state, out) if self.push else {**state, "x": out}
 

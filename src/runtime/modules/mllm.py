@@ -16,6 +16,7 @@ from torch import nn
 
 from src.models.flows import chain_key
 from src.runtime.modules.blocks import State, with_images
+from src.runtime.modules.generator import COND
 from src.runtime.modules.parallel import TP, ColumnParallelLinear, RowParallelLinear
 
 
@@ -23,7 +24,7 @@ class Projector(nn.Module):
     """LLaVA's two-layer GELU MLP on every token, Megatron-TP (fc1 by columns, fc2 by rows).
     input: the ViT's patch tokens (its CLS dropped) become LLM-wide image tokens, handed
     on flattened; output: the LLM's handed-on states become the U-Net's condition
-    (state['memory'], which its cross-attention reads)."""
+    (generator.COND, which its cross-attention reads)."""
 
     def __init__(self, d_in: int, d_hidden: int, d_out: int, tp: TP, role: str, source: str | None = None) -> None:
         super().__init__()
@@ -47,7 +48,9 @@ class Projector(nn.Module):
             return {**state, "x": out.flatten(1)}
         if slots is not None:  # every image a sequence holds is generated under its condition
             out = out[slots.nonzero()[:, 0]]
-        return {**state, "memory": out}
+        # The U-Net's layers hand the condition on (generator.handed_on); 'x' is what a plan
+        # that runs each layer alone hands the next, whose U-Net starts from its own input.
+        return {**state, COND: out, "x": out}
 
 
 class MultimodalEmbedding(nn.Module):
