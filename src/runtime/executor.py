@@ -100,6 +100,17 @@ def _grad(leaf: torch.Tensor) -> torch.Tensor:
     return leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
 
 
+def _packed(rows: torch.Tensor, slots: torch.Tensor | None) -> torch.Tensor:
+    """An encoder's hand-on under interleaved data travels as its real images' rows only
+    (`slots`: each row's image slots; None: the rows as they are)."""
+    return rows if slots is None else rows.reshape(slots.shape + (-1,))[slots]
+
+
+def _unpacked(images: torch.Tensor, slots: torch.Tensor | None) -> torch.Tensor:
+    """The rows back from their real images' rows, the empty slots zero."""
+    return images if slots is None else images.new_zeros(slots.shape + images.shape[1:]).index_put_((slots,), images).flatten(1)
+
+
 def input_key(work_unit: str, payload: Payload) -> str:
     """The module-state key a Compute's input payload binds to: the unit's own token
     states enter as 'x'; another unit's tokens are the cross-attention 'memory', its
@@ -487,17 +498,23 @@ class Executor:
         self, collective: Collective, source: Payload, target: Payload, ranks: tuple[int, ...], group: dist.ProcessGroup
     ) -> None:
         """The group's first rank shares what it holds; the others size their buffer from
-        the collective's bytes (its rows of the payload's row shape)."""
+        the collective's bytes (its rows of the payload's row shape), or from their batch's
+        images where only the real images' rows travel."""
+        slots = self._image_slots(source)
         if self.rank == ranks[0]:
             start, tensor = self.s.store.read(source)
-            tensor = tensor.detach().to(self.dtype).contiguous()
+            tensor = _packed(tensor.detach().to(self.dtype), slots).contiguous()
+        elif slots is not None:
+            start, tensor = 0, torch.empty(self._packed_shape(source, slots), dtype=self.dtype, device=self.device)
         else:
             shape = self._row_shape(source)
             row_bytes = torch.Size(shape).numel() * torch.tensor([], dtype=self.dtype).element_size()
             start, tensor = 0, torch.empty((round(collective.bytes / row_bytes),) + shape, dtype=self.dtype, device=self.device)
-        with CLOCK.timed(collective.kind):
-            dist.broadcast(tensor, src=ranks[0], group=group)
+        if len(tensor):  # a micro-batch without an image has nothing to share
+            with CLOCK.timed(collective.kind):
+                dist.broadcast(tensor, src=ranks[0], group=group)
         if self.rank != ranks[0]:
+            tensor = _unpacked(tensor, slots)
             self.s.store.put(target.part(start, start + tensor.shape[0]), tensor)
 
     # ---- point to point -----------------------------------------------------------------
@@ -507,11 +524,9 @@ class Executor:
             if message.dst == self.rank and message.received == message.sent:
                 continue  # it holds these rows under that name already (Optimus: an encoder and the LLM colocated)
             tensor = self.s.store.tensor(message.sent if message.sent.rows is not None else send.payload)
-            slots = self._image_slots(message.sent) if message.dst != self.rank else None
-            if slots is not None:  # the real images' rows only
-                tensor = tensor.reshape(slots.shape + (-1,))[slots]
-                if not len(tensor):
-                    continue  # no image: nothing travels (the receiver knows it from its own batch)
+            tensor = _packed(tensor, self._image_slots(message.sent) if message.dst != self.rank else None)
+            if not len(tensor):
+                continue  # no image: nothing travels (the receiver knows it from its own batch)
             tensor = tensor.detach().to(self.dtype).contiguous()
             if message.dst == self.rank:
                 self.s.local.setdefault((route.name, message.received.whole), []).append((message, tensor.clone()))
@@ -526,11 +541,7 @@ class Executor:
             rows = message.received.rows
             count = rows[1] - rows[0] if rows is not None else self.plan.unit(message.received.unit).micro_batch
             slots = self._image_slots(message.received)
-            if slots is None:
-                shape = (count,) + self._row_shape(message.received)
-            else:  # the real images' rows only
-                spec = self.model.unit(message.received.unit)
-                shape = (int(slots.sum()), spec.output_elems // spec.arch.images)
+            shape = (count,) + self._row_shape(message.received) if slots is None else self._packed_shape(message.received, slots)
             buffer = torch.empty(shape, dtype=self.dtype, device=self.device)
             group = self.groups.route(route.name)
             if not len(buffer):
@@ -553,9 +564,12 @@ class Executor:
         for work, message, buffer, slots in posted:
             if work is not None:
                 work.wait()
-            if slots is not None:  # the real images' rows into their slots
-                buffer = buffer.new_zeros(slots.shape + buffer.shape[1:]).index_put_((slots,), buffer).flatten(1)
-            self.s.store.put(message.received, buffer)
+            self.s.store.put(message.received, _unpacked(buffer, slots))
+
+    def _packed_shape(self, payload: Payload, slots: torch.Tensor) -> tuple[int, ...]:
+        """The real images' rows of an encoder's hand-on, one image's elements each."""
+        spec = self.model.unit(payload.unit)
+        return (int(slots.sum()), spec.output_elems // spec.arch.images)
 
     def _image_slots(self, payload: Payload) -> torch.Tensor | None:
         """The image slots of a payload's rows where it is what an encoder hands on (or its

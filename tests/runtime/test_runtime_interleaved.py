@@ -48,6 +48,10 @@ CASES: dict[str, list[str]] = {
     "in_order": DISTTRAIN + ["strategy.reorder=none"],
     "reordered": DISTTRAIN + ["strategy.reorder=both"],
     "frozen_encoder": DISTTRAIN + ["strategy.reorder=both", "model.frozen=[encoder]"],
+    # TP peers share a micro-batch's images: the encoder's broadcast the gradient returned to
+    # them as the real images' rows only; the LLM's each take the image tokens from the broker.
+    "encoder_tp2": DISTTRAIN + ["strategy.encoder.tp=2", "strategy.encoder.sequence_parallel=false"],
+    "llm_tp2": DISTTRAIN + ["strategy.llm.tp=2", "strategy.llm.sequence_parallel=false"],
     "shards": DISTTRAIN + ["strategy.reorder=none", "backend.data=SHARDS"],
     "ddp_zero0_no_image": ["strategy=ddp", "strategy.zero_stage=0", "backend.data=SHARDS"],
     # ZeRO-3 gathers every layer's weights on every rank, also for a micro-batch of no image.
