@@ -32,6 +32,8 @@ import random
 from dataclasses import dataclass
 from typing import Sequence
 
+from src.models.spec import ModelSpec
+
 IMAGE_SPREAD = 0.3  # sigma of log(image side)
 CAPTION_MEDIAN = 20  # tokens
 CAPTION_SPREAD = 0.8  # sigma of log(caption tokens)
@@ -96,6 +98,13 @@ class InterleavedData:
     def batch(self, size: int, step: int = 0) -> list[Layout]:
         """The `size` sequences of global batch `step`, in data order."""
         return [self.layout(step * size + i) for i in range(size)]
+
+
+def sampler(model: ModelSpec, seed: int) -> InterleavedData:
+    """An MLLM's sequences (model.images_per_sequence images on average, of its encoder's
+    nominal side): what DistTrain's planner prices and the real backend trains on."""
+    side = round(model.extras["image_tokens"] ** 0.5)
+    return InterleavedData(seed, model.unit("llm").seq_len, model.extras["images_per_sequence"], side)
 
 
 def _poisson(rng: random.Random, lam: float) -> int:

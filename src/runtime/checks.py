@@ -17,7 +17,8 @@ from src.models.spec import ModelSpec, UnitSpec
 from src.program import Collective, Compute, Hop, Plan, Recv, Send, UnitPlan, Wait
 from src.runtime.batch_rows import placed_by_rows
 from src.runtime.executor import input_key
-from src.runtime.inputs import dataset_for, tell_repeats
+from src.data.interleaved_mllm import InterleavedMLLM
+from src.runtime.inputs import content_of, dataset_for, tell_repeats
 from src.runtime.grid_engine import on_grid
 from src.runtime.modules.grid3d import Axis, Grid3D
 from src.runtime.modules.unet3d import UNetOnGrid
@@ -73,8 +74,14 @@ def check_runnable(run: PlannedRun, data: str, data_errors: str = "fail") -> Non
                 ("tp", "pp"),
                 (unit.unit,),
             )
-    dataset = dataset_for(model, run.train.seed, data, data_errors)
+    dataset = dataset_for(model, run.train.seed, data, data_errors, content_of(plan))
     tell_repeats(dataset, run.train.global_batch, run.train.steps)
+    # Sequences of their samples' images: every one the run reads must fit the model's
+    # sequence, and each micro-batch runs the load its images make.
+    interleaved = isinstance(dataset, InterleavedMLLM)
+    if interleaved:
+        dataset.check(range(run.train.global_batch * run.train.steps))
+        _check_image_rows(plan, model)
     for route in plan.program.routes.values():
         if isinstance(route, Hop) and route.scatter and route.rows % route.parts:
             raise PlanRefused(
@@ -90,13 +97,27 @@ def check_runnable(run: PlannedRun, data: str, data_errors: str = "fail") -> Non
         handles: set[str] = set()
         partitioned = tuple(u for u in rank_program.units if plan.unit(u).zero_stage in (1, 2))
         for instruction in rank_program.instructions:
-            _check_instruction(instruction, handles, rank_program.label, model.interaction, overlapped, partitioned)
+            _check_instruction(instruction, handles, rank_program.label, model.interaction, overlapped, partitioned, interleaved)
         _check_backward_ranges(rank_program.label, rank_program.instructions)
         _check_kernel_ranges(rank_program.label, rank_program.instructions, model)
         _check_work_under_tp(rank_program.label, rank_program.instructions)
         if rank_program.ranks:
             _check_gathered_batches(plan, rank_program.ranks[0], rank_program.instructions)
     check_message_order(plan)
+
+
+def _check_image_rows(plan: Plan, model: ModelSpec) -> None:
+    """An interleaved micro-batch's images are rows of their own inside a unit that reads
+    them: its layers run whole on each rank (tp > 1 replicates them, pp > 1 would pass a
+    varying number of image rows between stages)."""
+    for unit in plan.units:
+        if model.unit(unit.unit).arch.reads_images and unit.pp > 1:
+            raise PlanRefused(
+                f"unit {unit.unit} on pp={unit.pp} with interleaved data: the real backend passes a sequence's images "
+                f"between units, not between pipeline stages of the unit that encodes them (it needs pp=1)",
+                ("pp",),
+                (unit.unit,),
+            )
 
 
 def _check_grid(unit: UnitPlan, spec: UnitSpec) -> None:
@@ -251,16 +272,23 @@ def _check_gathered_batches(plan: Plan, rank: int, instructions: list) -> None:
 
 
 def _check_instruction(
-    instruction, handles: set[str], label: str, interaction: str | None, overlapped: bool, partitioned: tuple[str, ...]
+    instruction,
+    handles: set[str],
+    label: str,
+    interaction: str | None,
+    overlapped: bool,
+    partitioned: tuple[str, ...],
+    interleaved: bool,
 ) -> None:
-    """`partitioned`: the class's units whose ZeRO-1/2 partitions a DP reduce-scatter serves."""
+    """`partitioned`: the class's units whose ZeRO-1/2 partitions a DP reduce-scatter serves;
+    `interleaved`: sequences hold their samples' images (a micro-batch's load is theirs)."""
     if isinstance(instruction, Compute):
         work = instruction.work
         if work.phase not in PHASES:
             raise ConfigError(f"{label}: the real backend does not run {work.phase} Work ({work.unit})")
-        if work.load != 1.0:
+        if work.load != 1.0 and not interleaved:
             raise PlanRefused(
-                f"{label}: a micro-batch of load {work.load:.3g} ({work.unit}): the real backend runs every sample "
+                f"{label}: a micro-batch of load {work.load:.3g} ({work.unit}): the real backend runs this model's samples "
                 f"with the same content (one image per sequence, at the nominal sizes); it needs load=1 (uniform data)",
                 ("load",),
                 (work.unit,),

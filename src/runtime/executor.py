@@ -95,9 +95,20 @@ def _carried(state: State, grad: bool) -> State:
 
 
 def _grad(leaf: torch.Tensor) -> torch.Tensor:
-    """A leaf's gradient; every leaf that reaches the graph's loss gets one."""
-    assert leaf.grad is not None, "a leaf the loss does not depend on has no gradient to send back"
-    return leaf.grad
+    """A leaf's gradient: zero where its layers do not read it (a U-Net's VAE starts from
+    the target image, not from the 'x' handed to its first layer)."""
+    return leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+
+
+def _packed(rows: torch.Tensor, slots: torch.Tensor | None) -> torch.Tensor:
+    """An encoder's hand-on under interleaved data travels as its real images' rows only
+    (`slots`: each row's image slots; None: the rows as they are)."""
+    return rows if slots is None else rows.reshape(slots.shape + (-1,))[slots]
+
+
+def _unpacked(images: torch.Tensor, slots: torch.Tensor | None) -> torch.Tensor:
+    """The rows back from their real images' rows, the empty slots zero."""
+    return images if slots is None else images.new_zeros(slots.shape + images.shape[1:]).index_put_((slots,), images).flatten(1)
 
 
 def input_key(work_unit: str, payload: Payload) -> str:
@@ -304,6 +315,8 @@ class Executor:
             state["loss_share"] = share
             self.s.loss += share.detach() / tensor_replicas(self.plan, work.unit)
         for payload in compute.outputs:
+            if payload.tensor not in state:
+                raise KeyError(f"{work.unit} layers {work.layers} hand on no {payload.tensor!r} ({sorted(state)})")
             self.s.store.put(payload, state[payload.tensor])
         if handed := handed_on(state):
             self.s.carried[piece] = handed
@@ -485,17 +498,23 @@ class Executor:
         self, collective: Collective, source: Payload, target: Payload, ranks: tuple[int, ...], group: dist.ProcessGroup
     ) -> None:
         """The group's first rank shares what it holds; the others size their buffer from
-        the collective's bytes (its rows of the payload's row shape)."""
+        the collective's bytes (its rows of the payload's row shape), or from their batch's
+        images where only the real images' rows travel."""
+        slots = self._image_slots(source)
         if self.rank == ranks[0]:
             start, tensor = self.s.store.read(source)
-            tensor = tensor.detach().to(self.dtype).contiguous()
+            tensor = _packed(tensor.detach().to(self.dtype), slots).contiguous()
+        elif slots is not None:
+            start, tensor = 0, torch.empty(self._packed_shape(source, slots), dtype=self.dtype, device=self.device)
         else:
             shape = self._row_shape(source)
             row_bytes = torch.Size(shape).numel() * torch.tensor([], dtype=self.dtype).element_size()
             start, tensor = 0, torch.empty((round(collective.bytes / row_bytes),) + shape, dtype=self.dtype, device=self.device)
-        with CLOCK.timed(collective.kind):
-            dist.broadcast(tensor, src=ranks[0], group=group)
+        if len(tensor):  # a micro-batch without an image has nothing to share
+            with CLOCK.timed(collective.kind):
+                dist.broadcast(tensor, src=ranks[0], group=group)
         if self.rank != ranks[0]:
+            tensor = _unpacked(tensor, slots)
             self.s.store.put(target.part(start, start + tensor.shape[0]), tensor)
 
     # ---- point to point -----------------------------------------------------------------
@@ -505,6 +524,9 @@ class Executor:
             if message.dst == self.rank and message.received == message.sent:
                 continue  # it holds these rows under that name already (Optimus: an encoder and the LLM colocated)
             tensor = self.s.store.tensor(message.sent if message.sent.rows is not None else send.payload)
+            tensor = _packed(tensor, self._image_slots(message.sent) if message.dst != self.rank else None)
+            if not len(tensor):
+                continue  # no image: nothing travels (the receiver knows it from its own batch)
             tensor = tensor.detach().to(self.dtype).contiguous()
             if message.dst == self.rank:
                 self.s.local.setdefault((route.name, message.received.whole), []).append((message, tensor.clone()))
@@ -512,20 +534,24 @@ class Executor:
                 self.s.sends.append((dist.isend(tensor, message.dst, group=self.groups.route(route.name)), tensor))
 
     def _recv(self, recv: Recv, route: Route) -> None:
-        posted: list[tuple[dist.Work | None, Message, torch.Tensor]] = []
+        posted: list[tuple[dist.Work | None, Message, torch.Tensor, torch.Tensor | None]] = []
         for message in route.receives(self.rank, recv.payload):
             if message.src == self.rank:
                 continue
             rows = message.received.rows
             count = rows[1] - rows[0] if rows is not None else self.plan.unit(message.received.unit).micro_batch
-            buffer = torch.empty((count,) + self._row_shape(message.received), dtype=self.dtype, device=self.device)
+            slots = self._image_slots(message.received)
+            shape = (count,) + self._row_shape(message.received) if slots is None else self._packed_shape(message.received, slots)
+            buffer = torch.empty(shape, dtype=self.dtype, device=self.device)
             group = self.groups.route(route.name)
-            if recv.blocking:
+            if not len(buffer):
+                posted.append((None, message, buffer, slots))  # no image: nothing travels, every slot stays empty
+            elif recv.blocking:
                 with CLOCK.timed(route.kind):
                     dist.recv(buffer, message.src, group=group)
-                posted.append((None, message, buffer))
+                posted.append((None, message, buffer, slots))
             else:
-                posted.append((dist.irecv(buffer, message.src, group=group), message, buffer))
+                posted.append((dist.irecv(buffer, message.src, group=group), message, buffer, slots))
         for message, tensor in self.s.local.pop((route.name, recv.payload.whole), []):
             self.s.store.put(message.received, tensor)
         if recv.blocking:
@@ -535,7 +561,25 @@ class Executor:
             self.s.pending[recv.handle] = (route.kind, posted)
 
     def _finish_receives(self, posted: list) -> None:
-        for work, message, buffer in posted:
+        for work, message, buffer, slots in posted:
             if work is not None:
                 work.wait()
-            self.s.store.put(message.received, buffer)
+            self.s.store.put(message.received, _unpacked(buffer, slots))
+
+    def _packed_shape(self, payload: Payload, slots: torch.Tensor) -> tuple[int, ...]:
+        """The real images' rows of an encoder's hand-on, one image's elements each."""
+        spec = self.model.unit(payload.unit)
+        return (int(slots.sum()), spec.output_elems // spec.arch.images)
+
+    def _image_slots(self, payload: Payload) -> torch.Tensor | None:
+        """The image slots of a payload's rows where it is what an encoder hands on (or its
+        gradient) under interleaved data: only its real images' rows travel, as many as the
+        batch of the unit this rank runs on those rows says (data.interleaved_mllm)."""
+        spec = self.model.unit(payload.unit)
+        if not (spec.arch.reads_images and payload.tensor == "x" and payload.layer == spec.num_layers):
+            return None
+        unit = payload.unit if payload.unit in self.places else next(c for p, c in self.model.flows if p == payload.unit)
+        slots = self.batch_for(unit, payload.microbatch).get("image_slots")
+        if slots is None or payload.rows is None:
+            return slots
+        return slots[payload.rows[0] : payload.rows[1]]

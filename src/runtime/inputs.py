@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
-from src.data.shard_mllm import ShardMLLM
+from src.data.interleaved import sampler
+from src.data.interleaved_mllm import InterleavedMLLM
 from src.data.shards import TarShards
 from src.data.synthetic import SyntheticImageText, SyntheticTokens, collate
 from src.data.synthetic_diffusion import SyntheticDiffusion
@@ -26,7 +27,7 @@ from src.data.synthetic_mllm import SyntheticMLLM
 from src.errors import ConfigError
 from src.models.sd21 import LATENT_CHANNELS
 from src.models.spec import ModelSpec
-from src.program import UnitPlan
+from src.program import Plan, UnitPlan
 
 if TYPE_CHECKING:
     from src.runtime.preprocess import Producer
@@ -46,9 +47,16 @@ class Batching:
     samples_of: str | None = None
 
 
-def dataset_for(model: ModelSpec, seed: int, source: str, errors: str = "fail") -> Any:
+def content_of(plan: Plan) -> str:
+    """What an MLLM's sequences hold under `plan`: `interleaved` (DistTrain's
+    strategy.data=interleaved: each its sample's images) or `uniform` (one image each)."""
+    return "interleaved" if plan.details.get("data") == "interleaved" else "uniform"
+
+
+def dataset_for(model: ModelSpec, seed: int, source: str, errors: str = "fail", content: str = "uniform") -> Any:
     """The run's dataset: synthetic from the seed, or tar shards matching `source` (whose
-    bad members fail the run, or are left out with errors="skip": backend.data_errors)."""
+    bad members fail the run, or are left out with errors="skip": backend.data_errors).
+    An MLLM's synthetic sequences hold what `content` says; its shards' what they hold."""
     names = [u.name for u in model.units]
     if "vision" in names and "text" in names:
         image = model.unit("vision").arch.image_size
@@ -60,7 +68,7 @@ def dataset_for(model: ModelSpec, seed: int, source: str, errors: str = "fail") 
         llm = model.unit("llm")
         return SyntheticTokens(seed, llm.seq_len, llm.arch.vocab)
     if names == ["encoder", "llm", "generator"]:
-        return _mllm_data(model, seed, source, errors)
+        return _mllm_data(model, seed, source, errors, content)
     if names == ["unet"]:
         if source != "synthetic":
             raise ConfigError(f"backend.data={source!r}: the real backend has only synthetic data for {model.name} (use synthetic)")
@@ -72,21 +80,26 @@ def dataset_for(model: ModelSpec, seed: int, source: str, errors: str = "fail") 
     )
 
 
-def _mllm_data(model: ModelSpec, seed: int, source: str, errors: str) -> SyntheticMLLM | ShardMLLM:
-    """One image per sequence, in and out: the content of DistTrain's uniform data."""
+def _mllm_data(model: ModelSpec, seed: int, source: str, errors: str, content: str) -> SyntheticMLLM | InterleavedMLLM:
+    """Synthetic uniform data (one image per sequence, in and out), or sequences of none to
+    several images (data.interleaved_mllm): drawn as the simulator draws them, or read from
+    tar shards whose samples hold several images."""
     encoder, llm, generator = model.unit("encoder"), model.unit("llm"), model.unit("generator")
-    images = encoder.arch.images
-    if images != 1:
+    image, vocab, out = encoder.arch.image_size, llm.arch.vocab, generator.arch
+    uniform = source == "synthetic" and content == "uniform"
+    if uniform and encoder.arch.images != 1:
         raise ConfigError(
-            f"model.images_per_sequence={images}: the real backend runs MLLMs with one image per sequence "
-            f"(its encoder and generator see one image per sample)"
+            f"model.images_per_sequence={encoder.arch.images}: the real backend runs uniform MLLM data with one image "
+            f"per sequence (strategy.data=interleaved draws each sequence's images)"
         )
-    image, vocab, tokens = encoder.arch.image_size, llm.arch.vocab, llm.arch.image_tokens
-    out = generator.arch
+    # Uniform: the sequence's image tokens; interleaved: one image's (each drawn alone).
+    tokens = llm.arch.image_tokens if uniform else model.extras["image_tokens"]
     synthetic = SyntheticMLLM(seed, image, tokens, llm.seq_len, vocab, out.image_size, LATENT_CHANNELS, out.latent_size)
-    if source == "synthetic":
+    if uniform:
         return synthetic
-    return ShardMLLM(TarShards(source, image, llm.seq_len + 1 - tokens, vocab, errors), synthetic)
+    if source == "synthetic":
+        return InterleavedMLLM(synthetic, layouts=sampler(model, seed))
+    return InterleavedMLLM(synthetic, shards=TarShards(source, image, llm.seq_len, vocab, errors, images="several"))
 
 
 def _encoders_llm_data(model: ModelSpec, seed: int, source: str, encoders: list[str]) -> SyntheticMLLM:
@@ -129,13 +142,20 @@ def unit_fields(model: ModelSpec, unit: str, batch: Mapping[str, torch.Tensor]) 
     in a language-model head (GPT; CoCa's captioner: the caption shifted by one); an SD
     generator its target image (or latent, without the VAE), noise and timestep."""
     spec = model.unit(unit)
+    # Interleaved sequences (data.interleaved_mllm): the encoder and generator take the
+    # real images of the micro-batch's slots; each loss its normaliser.
+    slots = batch.get("image_slots")
+    held: dict[str, torch.Tensor] = {} if slots is None else {"image_slots": slots}
     if spec.arch.reads_images:
-        return {"images": batch["images"]}
+        return {"images": batch["images"] if slots is None else batch["images"][slots]} | held
     if spec.kind == "contrastive":
         return {}
     if spec.kind == "unet":
         vae = any(layer.name.startswith("vae.") for layer in spec.layers)
-        return {key: batch[key] for key in ("target" if vae else "latent", "noise", "timestep", "alpha")}
+        keys = ("target" if vae else "latent", "noise", "timestep", "alpha")
+        if slots is None:
+            return {key: batch[key] for key in keys}
+        return {key: batch[key][slots] for key in keys} | held | {"loss_norm": batch["images_mean"]}
     out = {"ids": batch["ids"]}
     if spec.layers[-1].name in ("head", "caption_head"):
         if "targets" in batch:
@@ -143,6 +163,8 @@ def unit_fields(model: ModelSpec, unit: str, batch: Mapping[str, torch.Tensor]) 
         else:
             ids = batch["ids"]
             out["targets"] = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], IGNORE)], dim=1)
+    if slots is not None:
+        out |= held | {"loss_norm": batch["scored_mean"]}
     return out
 
 
@@ -174,6 +196,8 @@ class StepSamples:
         """Units that read the same samples (two towers) share one collated batch."""
         made: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
         rows: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}
+        step_samples = list(range(step * self.global_batch, (step + 1) * self.global_batch))
+        means = self.dataset.step_means(step_samples) if isinstance(self.dataset, InterleavedMLLM) else {}
         for unit in self.replica:
             reader = self.units[unit].samples_of or unit
             plan, replica = self.units[reader], self.replica[reader]
@@ -182,7 +206,7 @@ class StepSamples:
                 positions = range(first, first + plan.micro_batch)
                 key = tuple(step * self.global_batch + (p if self.order is None else self.order[p]) for p in positions)
                 if key not in rows:
-                    rows[key] = collate([self.dataset[i] for i in key])
+                    rows[key] = collate([self.dataset[i] for i in key]) | {name: m.repeat(len(key)) for name, m in means.items()}
                 made[(unit, microbatch)] = unit_fields(self.model, unit, rows[key])
         return made
 

@@ -31,11 +31,12 @@ def reference_losses(
     eps: float = 1e-8,
     precision: str = "fp32",
     initial_loss_scale: float = 65536.0,
+    content: str = "uniform",
 ) -> list[float]:
     """Losses of `steps` steps. The contrastive loss is the mean over the step's
     consecutive slices of `contrastive_batch` samples (default: the whole batch), each
     scored against itself only, as the parallel plans' batch-syncs score them. `precision`:
-    the GEMMs' (runtime.device.computing)."""
+    the GEMMs' (runtime.device.computing); `content`: an MLLM's (inputs.dataset_for)."""
     rbs = contrastive_batch or global_batch
     units = build_units(model, seed, {}, {u.name: set(range(u.num_layers)) for u in model.units})
     params = [p for p in units.parameters() if p.requires_grad]
@@ -43,7 +44,11 @@ def reference_losses(
     whole = Batching(batch_per_replica=global_batch, micro_batch=global_batch, num_microbatches=1, sample_groups=1)
     batches = Batches(
         StepSamples(
-            model, dataset_for(model, seed, data), global_batch, {u.name: whole for u in model.units}, {u.name: 0 for u in model.units}
+            model,
+            dataset_for(model, seed, data, content=content),
+            global_batch,
+            {u.name: whole for u in model.units},
+            {u.name: 0 for u in model.units},
         )
     )
     scale = LossScale(initial_loss_scale) if precision == "fp16" else None  # runtime.loss_scale's rule

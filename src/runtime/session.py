@@ -31,7 +31,7 @@ from src.runtime.device import DTYPES, worker_device
 from src.runtime.engines import EngineSettings, ParallelGroups, deepspeed_comm_seconds, make_engine, partitioned_at_init
 from src.runtime.executor import Executor
 from src.runtime.groups import ProcessGroups
-from src.runtime.inputs import Batches, StepSamples, dataset_for
+from src.runtime.inputs import Batches, StepSamples, content_of, dataset_for
 from src.runtime.modules.parallel import TP
 from src.models.spec import ModelSpec
 from src.runtime.grid_engine import GridEngine, build_grid, on_grid
@@ -139,7 +139,7 @@ def run_session(run: PlannedRun, settings: RunSettings, run_dir: Path, rank: int
     places = placements(plan, rank)
     samples = StepSamples(
         model,
-        dataset_for(model, train.seed, backend.data, backend.data_errors),
+        dataset_for(model, train.seed, backend.data, backend.data_errors, content_of(plan)),
         train.global_batch,
         {u.unit: u for u in plan.units},
         {n: p.dp_ranks.index(rank) for n, p in places.items()},

@@ -93,3 +93,25 @@ def launch_cases(root: Path, cases: dict[str, list[str]], workers: int) -> dict[
     launch(list(dirs.values()), workers, backend)
     print(f"{len(dirs)} real runs in {time.monotonic() - start:.1f} s")
     return dirs
+
+
+def mllm_shard(path: Path, images: list[int]) -> None:
+    """A tar shard of an MLLM's samples: sample i is `s<i>.txt` and images[i] PNG images
+    `s<i>.<k>.png` (none: text only)."""
+    import io
+    import tarfile
+
+    from PIL import Image
+
+    def png(i: int, k: int) -> bytes:
+        buffer = io.BytesIO()
+        Image.new("RGB", (16, 16), (30 * i % 256, 60 * k % 256, 200)).save(buffer, format="PNG")
+        return buffer.getvalue()
+
+    with tarfile.open(path, "w") as tar:
+        for i, count in enumerate(images):
+            members = [(f"s{i:03d}.{k}.png", png(i, k)) for k in range(count)] + [(f"s{i:03d}.txt", f"caption {i}".encode())]
+            for name, data in members:
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))

@@ -56,6 +56,7 @@ EQUALITY, DISTMM_RUNS, DISTTRAIN_RUNS = "test_runtime_equality", "test_runtime_d
 TP_PP_RUNS = "test_runtime_tp_pp"
 PAR4D_RUNS = "test_runtime_par4d"
 OPTIMUS_RUNS = "test_runtime_optimus"
+INTERLEAVED_RUNS = "test_runtime_interleaved"
 # The tiny LLM's four layers on four pipeline stages (test_runtime_optimus's base).
 OPTIMUS = WORKERS + [
     "model=optimus",
@@ -127,8 +128,8 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
         "run",
         DISTTRAIN_RUNS,
     ),
-    # Every sample alike (one image per sequence): per-micro-batch loads are refused.
-    ("disttrain", "data"): (DISTTRAIN, ["strategy.data=interleaved"], "refused", ""),
+    # Each sequence holds its sample's images: micro-batches of different loads, run for real.
+    ("disttrain", "data"): (DISTTRAIN, ["strategy.data=interleaved", "strategy.generator.pp=1"], "run", INTERLEAVED_RUNS),
     ("disttrain", "reorder"): (DISTTRAIN, ["strategy.reorder=both"], "run", DISTTRAIN_RUNS),
     ("disttrain", "tp_overlap_chunks"): (
         DISTTRAIN,
@@ -351,3 +352,8 @@ def test_optimus_llm_distributed_optimizer_over_replicas_is_refused_naming_the_f
     replicas = ["strategy.llm.pp=2", "strategy.llm.dp=2", "strategy.llm.zero_stage=1"]
     with pytest.raises(ConfigError, match=r"all_gather.*\[optimus: .*strategy.llm.zero_stage"):
         _check(OPTIMUS + replicas)
+
+
+def test_interleaved_data_refuses_an_encoder_on_pipeline_stages():
+    with pytest.raises(ConfigError, match=r"unit encoder on pp=2 with interleaved data.*\[disttrain: strategy.encoder.pp\]"):
+        _check(DISTTRAIN + ["strategy.data=interleaved", "strategy.generator.pp=1", "strategy.encoder.pp=2"])

@@ -86,7 +86,7 @@ class Attention(nn.Module):
             q = self.q(x)
             k, v = self.kv(memory).split(self.heads * self.head_dim, dim=-1)
         b, t = q.shape[:2]  # the whole sequence, also where x holds a part of it
-        q, k, v = (z.reshape(b, z.shape[1], -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
+        q, k, v = (z.reshape(b, z.shape[1], z.shape[2] // self.head_dim, self.head_dim).transpose(1, 2) for z in (q, k, v))
         if self.rope:
             q, k = rotary(q), rotary(k)
         if self.kv_heads != self.heads and self.cross is None:
@@ -203,9 +203,9 @@ class PatchEmbedding(nn.Module):
 
     def forward(self, state: State) -> State:
         images = state["images"]
-        b, c, _, _ = images.shape
+        b, c, height, width = images.shape
         p = self.patch
-        patches = images.unfold(2, p, p).unfold(3, p, p).permute(0, 2, 3, 1, 4, 5).reshape(b, -1, c * p * p)
+        patches = images.unfold(2, p, p).unfold(3, p, p).permute(0, 2, 3, 1, 4, 5).reshape(b, height // p * (width // p), c * p * p)
         x = torch.cat([self.cls.expand(b, -1, -1), self.proj(patches)], dim=1) + self.pos
         return {**state, "x": split_sequence(x, self.tp)}
 

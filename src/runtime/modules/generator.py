@@ -7,8 +7,8 @@ DDPM trains with its variational bound, are not scored, so they learn nothing he
 
 Every layer maps a state dict to a state dict, so the unit stays a list of layers:
 
-  target -> vae.* -> latent;  timestep -> time_embedding -> emb;
-  latent, noise, alpha -> conv_in -> x -> down/mid/up blocks -> conv_out -> loss
+  target -> vae.* -> x (the latent);  timestep -> time_embedding -> emb;
+  latent (or x), noise, alpha -> conv_in -> x -> down/mid/up blocks -> conv_out -> loss
 
 The U-Net's skip connections travel in the state as 'skip.<n>' (pushed by the down path,
 popped by the up path's residual blocks), so the unit cannot be cut into pipeline stages
@@ -30,7 +30,9 @@ from src.runtime.modules.parallel import TP
 GROUPS = 32  # SD's GroupNorm(32)
 GROUP_WIDTH = 4  # channels per group at least: SD's narrowest (its VAE's 128 channels in 32 groups)
 LATENT_SCALE = 0.18215  # SD's VAE latent scaling
-SKIP, EMB = "skip.", "emb"  # state keys: the skips the down path pushed, the timestep embedding
+# State keys: the skips the down path pushed, the timestep embedding, the condition that
+# the output projector makes of the LLM's states (its cross-attention's memory).
+SKIP, EMB, COND = "skip.", "emb", "condition"
 
 
 def _norm(channels: int) -> nn.GroupNorm:
@@ -49,8 +51,8 @@ def push_skip(state: State, x: torch.Tensor) -> State:
 
 def handed_on(state: State) -> State:
     """What a U-Net's layers hand each other besides the feature map 'x': the timestep
-    embedding and the skips the down path pushed."""
-    return {key: value for key, value in state.items() if key == EMB or key.startswith(SKIP)}
+    embedding, the skips the down path pushed and the condition."""
+    return {key: value for key, value in state.items() if key in (EMB, COND) or key.startswith(SKIP)}
 
 
 def pop_skip(state: State) -> tuple[torch.Tensor, State]:
@@ -75,17 +77,23 @@ class Conv(nn.Module):
             x = state["target"]
         elif self.role == "unet_in":
             alpha = state["alpha"].reshape(-1, 1, 1, 1)
-            x = alpha.sqrt() * state["latent"] + (1 - alpha).sqrt() * state["noise"]
+            latent = state["latent"] if "latent" in state else state["x"]  # precomputed, or the VAE's
+            x = alpha.sqrt() * latent + (1 - alpha).sqrt() * state["noise"]
         else:
             x = state["x"]
         if self.norm is not None:
             x = F.silu(self.norm(x))
         x = self.conv(x)
         if self.role == "latent":
-            return {**{k: v for k, v in state.items() if k != "x"}, "latent": x[:, : x.shape[1] // 2] * LATENT_SCALE}
+            # The latent goes on as 'x': a plan that runs each layer alone (ZeRO-3's) hands it on.
+            return {**state, "x": x[:, : x.shape[1] // 2] * LATENT_SCALE}
         if self.role == "unet_out":
             noise = state["noise"]
-            return {**state, "x": x, "loss": F.mse_loss(x[:, : noise.shape[1]], noise)}
+            norm = state.get("loss_norm")  # interleaved sequences: the step's mean images, per row
+            if norm is None:
+                return {**state, "x": x, "loss": F.mse_loss(x[:, : noise.shape[1]], noise)}
+            per_image = F.mse_loss(x[:, : noise.shape[1]], noise, reduction="sum") / math.prod(noise.shape[1:])
+            return {**state, "x": x, "loss": per_image / norm.sum().clamp_min(1e-12)}
         if self.role in ("unet_in", "down"):
             return push_skip(state, x)
         return {**state, "x": x}
@@ -139,7 +147,7 @@ class SpatialTransformer(nn.Module):
         x = state["x"]
         b, c, h, w = x.shape
         tokens = self.proj_in(self.norm(x).flatten(2).transpose(1, 2))
-        tokens = self.block({"x": tokens, "memory": state["memory"]})["x"]
+        tokens = self.block({"x": tokens, "memory": state[COND]})["x"]
         out = x + self.proj_out(tokens).transpose(1, 2).reshape(b, c, h, w)
         return push_skip(state, out) if self.push else {**state, "x": out}
 

@@ -10,11 +10,13 @@ it is built knowing from whom.
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
 from src.models.flows import chain_key
 from src.runtime.modules.blocks import State, with_images
+from src.runtime.modules.generator import COND
 from src.runtime.modules.parallel import TP, ColumnParallelLinear, RowParallelLinear
 
 
@@ -22,7 +24,7 @@ class Projector(nn.Module):
     """LLaVA's two-layer GELU MLP on every token, Megatron-TP (fc1 by columns, fc2 by rows).
     input: the ViT's patch tokens (its CLS dropped) become LLM-wide image tokens, handed
     on flattened; output: the LLM's handed-on states become the U-Net's condition
-    (state['memory'], which its cross-attention reads)."""
+    (generator.COND, which its cross-attention reads)."""
 
     def __init__(self, d_in: int, d_hidden: int, d_out: int, tp: TP, role: str, source: str | None = None) -> None:
         super().__init__()
@@ -38,9 +40,17 @@ class Projector(nn.Module):
             inputs = state[chain_key(self.source)]
             tokens = inputs.reshape(inputs.shape[0], -1, self.d_in)
         out = self.fc2(F.gelu(self.fc1(tokens)))
+        slots = state.get("image_slots")  # interleaved sequences: images by slot (data.interleaved_mllm)
         if self.role == "input":
+            if slots is not None:  # each real image's tokens into its slot, the empty slots zero
+                held = slots.flatten().nonzero().squeeze(1)
+                out = out.new_zeros((slots.numel(),) + out.shape[1:]).index_copy(0, held, out).reshape(slots.shape[0], -1)
             return {**state, "x": out.flatten(1)}
-        return {**state, "memory": out}
+        if slots is not None:  # every image a sequence holds is generated under its condition
+            out = out[slots.nonzero()[:, 0]]
+        # The U-Net's layers hand the condition on (generator.handed_on); 'x' is what a plan
+        # that runs each layer alone hands the next, whose U-Net starts from its own input.
+        return {**state, COND: out, "x": out}
 
 
 class MultimodalEmbedding(nn.Module):
@@ -53,7 +63,17 @@ class MultimodalEmbedding(nn.Module):
         self.sources = sources
 
     def forward(self, state: State) -> State:
-        return {**state, "x": with_images(self.tokens(state["ids"]), state, self.sources)}
+        x = self.tokens(state["ids"])
+        slots = state.get("image_slots")
+        if slots is None or chain_key(self.sources[0]) not in state:
+            return {**state, "x": with_images(x, state, self.sources)}
+        # Interleaved sequences: a row's image slots, of which its images fill the first positions.
+        (source,) = self.sources
+        images = state[chain_key(source)].reshape(x.shape[0], -1, x.shape[-1]).to(x.dtype)
+        held = slots.sum(1) * (images.shape[1] // slots.shape[1])
+        images = F.pad(images, (0, 0, 0, x.shape[1] - images.shape[1]))
+        mask = torch.arange(x.shape[1], device=x.device)[None, :] < held[:, None]
+        return {**state, "x": torch.where(mask[..., None], images, x)}
 
 
 class ConditioningHead(nn.Module):
@@ -69,7 +89,9 @@ class ConditioningHead(nn.Module):
     def forward(self, state: State) -> State:
         x = self.norm(state["x"])
         logits = self.proj(x)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), state["targets"].reshape(-1))
+        flat = logits.reshape(-1, logits.shape[-1]), state["targets"].reshape(-1)
+        norm = state.get("loss_norm")  # interleaved sequences: the step's mean scored tokens, per row
+        loss = F.cross_entropy(*flat) if norm is None else F.cross_entropy(*flat, reduction="sum") / norm.sum()
         out = {**state, "loss": loss}
         if self.hand_on:
             out["x"] = x[:, -self.hand_on :].flatten(1)

@@ -21,7 +21,7 @@ from typing import Any, Mapping
 from src.cluster import GIB
 from src.config import options_from
 from src.costmodel.memory import check_memory_options
-from src.data.interleaved import InterleavedData, encoder_cost, generator_cost, relative_loads
+from src.data.interleaved import encoder_cost, generator_cost, relative_loads, sampler
 from src.errors import ConfigError, PlanError
 from src.models.spec import ModelSpec
 from src.program import RECOMPUTE_MODES, Plan, compress_ranks
@@ -98,8 +98,7 @@ def _batch_loads(model: ModelSpec, seed: int, batch: int, data: str) -> BatchLoa
         ones = (1.0,) * batch
         return BatchLoads(ones, ones, (model.extras["images_per_sequence"],) * batch)
     encoder = model.unit("encoder")
-    side = round(model.extras["image_tokens"] ** 0.5)
-    layouts = InterleavedData(seed, model.unit("llm").seq_len, model.extras["images_per_sequence"], side).batch(batch)
+    layouts = sampler(model, seed).batch(batch)
     # FLOPs per token and per token squared of one nominal image, from the unit's kernels.
     linear = quadratic = 0.0
     tokens = encoder.seq_len / model.extras["images_per_sequence"]
