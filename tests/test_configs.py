@@ -81,7 +81,7 @@ BANDWIDTHS = ("memory_bandwidth", "intra_bandwidth", "inter_bandwidth")
 def test_every_group_has_options() -> None:
     for group in GROUPS:
         assert options(group), f"conf/{group}/ has no options"
-    # The README's list of groups and their options.
+    # The groups and options docs/running.md lists (tests/test_docs.py checks it names every one).
     assert set(options("model")) >= {"clip", "coca", "lit", "mllm_9b", "mllm_15b", "mllm_72b", "optimus", "gpt", "unet"}
     assert set(options("cluster")) >= {"p3_16xlarge", "a800", "hopper", "perlmutter", "frontier", "dgx_a100", "local"}
     assert set(options("logger")) >= {"wandb", "none"}

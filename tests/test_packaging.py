@@ -1,8 +1,8 @@
 """What pyproject.toml declares: every third-party module that src/, hydra_plugins/ and
 benchmarks/ import belongs to a declared distribution, and one imported at module level
 outside the real backend (src/runtime, src/data) to a core dependency (a user without the
-`runtime` extra imports it too); the `mmdist` command is the front door; the README's
-commands paste into a shell as they read."""
+`runtime` extra imports it too); the `mmdist` command is the front door. That the README's
+and docs/'s commands paste into a shell as they read is tests/test_docs.py's."""
 
 from __future__ import annotations
 
@@ -75,15 +75,6 @@ def test_every_imported_distribution_is_declared():
                     not_core.add(f"{module} ({where})")
     assert not undeclared, f"imported but not declared in pyproject.toml: {sorted(undeclared)}"
     assert not not_core, f"imported at module level outside the real backend, but only an optional dependency: {sorted(not_core)}"
-
-
-def test_no_readme_command_holds_a_shell_redirection():
-    """A placeholder such as `partition=<p>` is a redirection when pasted."""
-    readme = (REPO_ROOT / "README.md").read_text()
-    commands = [line for block in re.findall(r"```bash\n(.*?)```", readme, re.S) for line in block.splitlines()]
-    commands += re.findall(r"`((?:python|mmdist|wandb) [^`]*)`", readme)
-    pasted = [c for c in commands if re.search(r"<[^>]*>", c.split("#")[0])]
-    assert commands and not pasted, pasted
 
 
 @pytest.mark.slow  # the front door in a subprocess
