@@ -34,7 +34,7 @@ from src.report.files import ERROR_FILE, SUMMARY_FILE
 from src.strategies import PlanRequest, option_keys, planner_for
 
 RESOLVED_FILE = "resolved.yaml"
-RUN_NOT_PLAN = ("train.steps=", "train.checkpoint_every=", "train.resume=")  # train keys a written plan's re-run may set
+TRAIN_NOT_PLANNED = ("steps", "checkpoint_every", "resume")  # the train keys a written plan's re-run may set
 
 
 @dataclass(frozen=True)
@@ -86,12 +86,12 @@ def prepare_run(
         raise ConfigError(f"only backend=torch runs are prepared for a launcher, got backend={config['backend']['name']}")
     if config.get("plan") is None:
         setup = validate(config)
+        checkpoint = checkpoint_from_config(config["train"], config["backend"]["name"])  # before planning, which may take minutes
         planned = PlannedRun(setup.model, setup.cluster, setup.train, plan_run(setup), {k: config[k] for k in PLANNED_FROM})
-        checkpoint = checkpoint_from_config(config["train"], config["backend"]["name"])
         return planned, RunSettings(config["backend"]["name"], setup.backend, job, config, checkpoint)
     source = Path(str(config["plan"]))
     planning = [o for o in overrides or [] if o.lstrip("+~").split("=")[0].split(".")[0] in PLANNED_FROM]
-    planning = [o for o in planning if not o.startswith(RUN_NOT_PLAN)]
+    planning = [o for o in planning if not o.startswith(tuple(f"train.{key}=" for key in TRAIN_NOT_PLANNED))]
     if planning:
         raise ConfigError(
             f"plan={source} runs the written plan's model, strategy, cluster and train "
@@ -101,13 +101,14 @@ def prepare_run(
     backend = _backend(config)
     check_logger_and_run(config.get("logger") or {"name": "none"}, config.get("run") or {})
     steps = positive_int(config["train"], "steps", "train")
+    checkpoint = checkpoint_from_config(config["train"], config["backend"]["name"])
     planned = read_plan(source)
     planned = replace(planned, train=replace(planned.train, steps=steps))
-    record = {**config, **planned.sources, "train": {**planned.sources.get("train", {}), "steps": steps}}
+    ours = {key: config["train"].get(key) for key in TRAIN_NOT_PLANNED} | {"steps": steps}
+    record = {**config, **planned.sources, "train": {**planned.sources.get("train", {}), **ours}}
     if config["run"]["name"] == _default_name(config):  # the composed groups' name: the plan's instead
         record["run"] = {**config["run"], "name": _default_name(record)}
         job = replace(job, run_name=record["run"]["name"])
-    checkpoint = checkpoint_from_config(config["train"], config["backend"]["name"])
     return planned, RunSettings(config["backend"]["name"], backend, job, record, checkpoint)
 
 

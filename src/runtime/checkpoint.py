@@ -104,12 +104,14 @@ def check_resume(spec: CheckpointSpec, run_dir: Path) -> Resume | None:
 
 def _plan_file(path: Path) -> dict[str, Any]:
     """A plan file's sections as a resume compares them: what was planned, not the record
-    of the config groups (`sources`) or how many steps to run."""
+    of the config groups (`sources`), the planner's report (`plan.details`: a search's
+    wall time differs between two plannings of one plan) or how many steps to run."""
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise ConfigError(f"cannot read the plan file {path}: {getattr(err, 'strerror', None) or err}") from None
     data.pop("sources", None)
+    data.get("plan", {}).pop("details", None)
     data.get("train", {}).pop("steps", None)
     return data
 
@@ -159,10 +161,10 @@ class Checkpoints:
         (path / "ranks").mkdir(parents=True, exist_ok=True)
         torch.save(self._own_state(loss_scale), path / "ranks" / f"rank{self.rank}.pt")
         dist.barrier()
+        seconds = time.perf_counter() - start
         if self.rank != 0:
             return None
-        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-        saved = Saved(step, size, time.perf_counter() - start)
+        saved = Saved(step, sum(f.stat().st_size for f in path.rglob("*") if f.is_file()), seconds)
         meta = {"format": FORMAT, "version": VERSION, "step": step, "world_size": dist.get_world_size(), "samples_read": samples_read}
         _write_whole(path / META, json.dumps({**meta, "bytes": saved.bytes, "save_s": saved.seconds}))
         _write_whole(path.parent / LATEST, path.name)

@@ -126,14 +126,14 @@ def launch(run_dirs: list[Path], world: int, backend: TorchBackendSpec) -> None:
     port = free_port()
     board = Board(run_dirs[0] / BOARD_FILE, world)
     lifeline = {BOARD_ENV: str(board.path), DOOR_ENV: str(os.getpid())}
-    started = time.monotonic_ns()
     procs: list[ForkedWorker | subprocess.Popen] = []
     try:
         with _sigterm_raises():
             try:
                 for rank in range(world):
                     procs.append(start_worker(run_dirs, {**worker_env(rank, world, port, backend), **lifeline}, backend))
-                _watch(procs, run_dirs, board, started, backend)
+                # A rank not beating yet counts from here: the forkserver's imports are behind it.
+                _watch(procs, run_dirs, board, time.monotonic_ns(), backend)
             except (KeyboardInterrupt, _SigTerm):
                 stop(procs)
                 raise
@@ -177,11 +177,11 @@ def _stalled(procs: list, board: Board, started: int, limit_ns: int) -> tuple[in
 
 
 def _stall_line(run_dirs: list[Path], rank: int, beat: Beat, silent_s: float, backend: TorchBackendSpec) -> str:
-    line = f"rank {rank} stopped making progress: no heartbeat for {silent_s:.0f} s (backend.timeout_s={backend.timeout_s:g})"
+    line = f"rank {rank} stopped making progress: no heartbeat for {silent_s:.1f} s (backend.timeout_s={backend.timeout_s:g})"
     line += f" while {beat.doing()}"
     if beat.state == TRAINING and beat.instruction >= 0:
         instructions = read_plan(run_dirs[beat.run]).plan.program.class_of(rank).instructions
-        line += f" of {len(instructions)}: {describe(instructions[beat.instruction])}"
+        line += f" of {len(instructions)} ({describe(instructions[beat.instruction])})"
     return line + "; all workers stopped"
 
 

@@ -170,6 +170,7 @@ class Executor:
             category = self._run(instruction)
             synchronize(self.device)
             timer.record(instruction, start, time.perf_counter(), category, CLOCK.take())
+        LIFELINE.after_instructions()
         for work, _ in self.s.sends:
             work.wait()
         if self.loss_scale is not None and self.s.skip is None:  # a rank that steps no optimizer still agrees

@@ -35,7 +35,7 @@ from src.runtime.engines import EngineSettings, ParallelGroups, deepspeed_comm_s
 from src.runtime.executor import Executor
 from src.runtime.groups import ProcessGroups
 from src.runtime.inputs import Batches, StepSamples, dataset_for
-from src.runtime.lifeline import LIFELINE, REPORTING, SAVING
+from src.runtime.lifeline import LIFELINE, REPORTING, SAVING, TRAINING
 from src.runtime.modules.parallel import TP
 from src.models.spec import ModelSpec
 from src.runtime.grid_engine import GridEngine, build_grid, on_grid
@@ -212,6 +212,7 @@ def run_session(run: PlannedRun, settings: RunSettings, run_dir: Path, rank: int
             if every is not None and (step + 1) % every == 0:
                 LIFELINE.at_step(step + 1, SAVING)
                 saved = checkpoints.save(step + 1, executor.loss_scale, samples_read=(step + 1) * train.global_batch)
+                LIFELINE.state(TRAINING)  # saved: between steps again
                 if saved is not None:
                     saves.append(saved)
                     print(f"checkpoint of {saved.step} steps: {saved.bytes / 2**20:.3g} MiB in {saved.seconds:.3g} s", flush=True)
@@ -287,8 +288,8 @@ def run_session(run: PlannedRun, settings: RunSettings, run_dir: Path, rank: int
 
 
 def _checkpoint_record(every: int | None, resume: Resume | None, saves: list[Saved]) -> dict[str, Any]:
-    """The run's checkpoints as the summary records them: each save's size and the wall
-    seconds from the first rank starting it to the last finishing."""
+    """The run's checkpoints as the summary records them: each save's size on disk and rank
+    0's wall seconds from starting its part to every rank having saved theirs."""
     return {
         "every": every,
         "resumed_from": {"run_dir": str(resume.source), "steps_done": resume.step} if resume is not None else None,
