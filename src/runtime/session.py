@@ -140,6 +140,10 @@ def run_session(run: PlannedRun, settings: RunSettings, run_dir: Path, rank: int
     precision = plan.precision
     resume = check_resume(settings.checkpoint, run_dir)  # the door checked it; a launcher's worker checks here
     first = resume.step if resume is not None else 0
+    # ZeRO-3's zero.Init replaces torch.nn.functional.linear for the whole process ("this
+    # will persist unless manually reset"): restored below, or every later run of this
+    # process computes its linears as matmul + bias (losses off in the 7th digit).
+    linear = torch.nn.functional.linear
     device = worker_device(dist.get_backend())
     CLOCK.device = device
     places = placements(plan, rank)
@@ -273,6 +277,7 @@ def run_session(run: PlannedRun, settings: RunSettings, run_dir: Path, rank: int
             sinks.abort()
         raise
     finally:
+        torch.nn.functional.linear = linear
         if producer is not None:
             producer.close()
         if sinks is not None:

@@ -1,9 +1,10 @@
 """Checkpoints and resume on four workers: a run stopped after step 2 with a checkpoint and
 resumed from it trains on to the very losses of one run of 4 steps, for Megatron-LM's
 tp2 x pp2 (model states per TP rank and stage; with ZeRO-1, at dp=1, DeepSpeed's ZeRO
-optimizer states of each) and
-DistMM's towers on disjoint groups (one engine per tower). The stopped, the uninterrupted
-and then the resumed runs each run in ONE launch of four workers (test_runtime_faults
+optimizer states of each, and fp16's loss scale), DistMM's towers on disjoint groups (one
+engine per tower), Par4D's grid units (per-rank shards of its own, not DeepSpeed's) and
+ZeRO-3 (loaded into freshly partitioned parameters). The stopped and the uninterrupted
+runs, then the resumed runs, each run in ONE launch of four workers (test_runtime_faults
 resumes a ddp ZeRO-2 run killed by SIGKILL). Bad input for checkpoints and resume is one
 line before any process starts (the quick tests at the end)."""
 
@@ -17,21 +18,14 @@ import pytest
 from src.config import CheckpointSpec
 from src.errors import ConfigError
 from src.runtime.checkpoint import CHECKPOINT_DIR, FORMAT, LATEST, META, VERSION, check_resume
-from tests.runtime.support import GPT, composed, launch_cases, summary_of
+from tests.runtime.support import CLIP, GPT, composed, launch_cases, summary_of
 
 STOP, STEPS = 2, 4
 FOUR_WORKERS = ["backend=torch", "cluster=local", "cluster.devices_per_node=4", "logger=none"]
+TP2_PP2 = [*FOUR_WORKERS, *GPT, "strategy=megatron", "strategy.tp=2", "strategy.pp=2", "strategy.micro_batch_size=2"]
 CASES = {
-    "megatron_tp2_pp2": [*FOUR_WORKERS, *GPT, "strategy=megatron", "strategy.tp=2", "strategy.pp=2", "strategy.micro_batch_size=2"],
-    "megatron_tp2_pp2_zero1": [
-        *FOUR_WORKERS,
-        *GPT,
-        "strategy=megatron",
-        "strategy.tp=2",
-        "strategy.pp=2",
-        "strategy.micro_batch_size=2",
-        "strategy.zero_stage=1",
-    ],
+    "megatron_tp2_pp2": TP2_PP2,
+    "megatron_tp2_pp2_zero1_fp16": [*TP2_PP2, "strategy.zero_stage=1", "train.precision=fp16"],
     "distmm_clip_2+2": [
         *FOUR_WORKERS,
         "strategy=distmm",
@@ -42,6 +36,16 @@ CASES = {
         "strategy.vision.dp=2",
         "strategy.text.dp=2",
     ],
+    "par4d_grid_fp16": [
+        *FOUR_WORKERS,
+        *GPT,
+        "strategy=par4d",
+        "strategy.grid=[2,2,1,1]",
+        "strategy.micro_batch_size=2",
+        "strategy.recompute=none",
+        "train.precision=fp16",
+    ],
+    "ddp_zero3": [*FOUR_WORKERS, *CLIP, "strategy=ddp", "strategy.zero_stage=3"],
 }
 
 
