@@ -2,7 +2,7 @@
 # One Slurm task = one worker of a prepared run: srun starts the tasks, this maps Slurm's
 # variables onto the ones the worker entry reads, as torchrun would set them.
 #
-#   RUN_DIR=$(python -m src.runtime.prepare backend=torch cluster=... hydra.run.dir=/shared/run | tail -n1)
+#   RUN_DIR=$(python -m src.prepare backend=torch cluster=... hydra.run.dir=/shared/run | tail -n1)
 #   source "$RUN_DIR/launch.env"
 #   srun --nodes="$NNODES" --ntasks-per-node="$NPROC_PER_NODE" launchers/srun.sh "$RUN_DIR"
 #
@@ -21,7 +21,7 @@ if [[ -z ${SLURM_PROCID:-} || -z ${SLURM_NTASKS:-} || -z ${SLURM_LOCALID:-} ]]; 
     exit 2
 fi
 if [[ ! -f $run_dir/launch.env ]]; then
-    echo "error: $run_dir/launch.env not found: prepare the run with python -m src.runtime.prepare" >&2
+    echo "error: $run_dir/launch.env not found: prepare the run with python -m src.prepare" >&2
     exit 2
 fi
 # shellcheck source=/dev/null

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Start this node's workers of a prepared run under torchrun; run it on every node.
 #
-#   RUN_DIR=$(python -m src.runtime.prepare backend=torch cluster=... hydra.run.dir=/shared/run | tail -n1)
+#   RUN_DIR=$(python -m src.prepare backend=torch cluster=... hydra.run.dir=/shared/run | tail -n1)
 #   launchers/torchrun.sh "$RUN_DIR" HOST:PORT [torchrun options]
 #
 # HOST:PORT is a free port on any one of the run's nodes, the same on all of them: torchrun's
@@ -19,7 +19,7 @@ run_dir=$1
 endpoint=$2
 shift 2
 if [[ ! -f $run_dir/launch.env ]]; then
-    echo "error: $run_dir/launch.env not found: prepare the run with python -m src.runtime.prepare" >&2
+    echo "error: $run_dir/launch.env not found: prepare the run with python -m src.prepare" >&2
     exit 2
 fi
 # shellcheck source=/dev/null

@@ -24,6 +24,10 @@ HAS_TORCH = importlib.util.find_spec("torch") is not None
 TORCH_MODULES = ("runtime/*", "data/test_data.py", "models/test_mllm_tiny.py", "strategies/test_routes.py", "test_launchers.py")
 collect_ignore_glob = [] if HAS_TORCH else list(TORCH_MODULES)
 
+# The planners plan serially in tests (Optimus forks its encoder scheduling otherwise): a
+# quick test starts no process; tests/strategies/test_optimus.py checks the parallel path.
+os.environ["MMDIST_PLAN_WORKERS"] = "1"
+
 CliRunner = Callable[..., subprocess.CompletedProcess]
 PROCESS_STARTS = ((subprocess, "_fork_exec"), (_posixsubprocess, "fork_exec"), (os, "fork"), (os, "posix_spawn"), (os, "posix_spawnp"))
 

@@ -46,7 +46,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "tools",
         (
             "src.run",
+            "src.prepare",
             "src.sweep",
+            "src.gantt",
             "src.compare",
             "src.calibrate",
             "src.fuzz",

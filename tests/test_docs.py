@@ -27,7 +27,7 @@ BASH_BLOCK = re.compile(r"```bash\n(.*?)```", re.S)
 # Repository paths a page names in backticks or commands (not placeholders or globs).
 REPO_PATH = re.compile(r"^(?:src|conf|sweeps|benchmarks|launchers|tests|docs|hydra_plugins)/[\w./-]*$")
 # The front doors whose command lines are Hydra overrides of a config in conf/.
-CONFIG_OF = {"src.run": "config", "src.runtime.prepare": "config", "src.compare": "compare"}
+CONFIG_OF = {"src.run": "config", "src.prepare": "config", "src.compare": "compare"}
 
 
 def _text(page: Path) -> str:
@@ -128,7 +128,7 @@ def _overrides(argv: list[str]) -> list[str]:
 
 
 def test_every_front_door_command_composes_and_validates() -> None:
-    """Each `python -m src.run|src.compare|src.runtime.prepare` line of the docs names
+    """Each `python -m src.run|src.compare|src.prepare` line of the docs names
     options that exist, with values the door accepts (the model, cluster, train and
     backend settings built, the strategy's options read), without planning."""
     jobs: dict[tuple[str, ...], str] = {}  # composing is the slow part: each distinct job once

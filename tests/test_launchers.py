@@ -20,7 +20,7 @@ import pytest
 from src.errors import ConfigError
 from src.plan_io import read_settings
 from src.runtime.driver import free_port, launch, stop
-from src.runtime.prepare import layout
+from src.prepare import layout
 from tests.conftest import REPO_ROOT, cli_env
 from tests.runtime.support import CLIP
 
@@ -52,7 +52,7 @@ def _finish(procs: list[subprocess.Popen]) -> list[tuple[int, str]]:
 
 def _prepare(*overrides: str) -> tuple[int, str, str]:
     proc = subprocess.run(
-        [sys.executable, "-m", "src.runtime.prepare", *overrides],
+        [sys.executable, "-m", "src.prepare", *overrides],
         cwd=REPO_ROOT,
         env=cli_env(),
         capture_output=True,

@@ -84,7 +84,7 @@ TINY = Scale(
 def build_optimus(opts: Options, seq_len: int | None) -> ModelSpec:
     scale_name = opts.choice("scale", SCALES, "paper")
     scale = TINY if scale_name == "tiny" else PAPER
-    names = opts.names("encoders", ["vit_22b"])
+    names = opts.names("encoders", ["vit_22b"]) or []
     if not 1 <= len(names) <= MAX_ENCODERS:
         raise ConfigError(f"model.encoders={names} must name 1 to {MAX_ENCODERS} encoders from: {', '.join(ENCODERS)}")
     for name in names:

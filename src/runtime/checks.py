@@ -82,6 +82,7 @@ def check_runnable(run: PlannedRun, data: str, data_errors: str = "fail") -> Non
                 f"not divide them: the real backend sends whole rows (it needs a route without scatter, or a "
                 f"micro_batch that tp divides)",
                 ("scatter", "micro_batch"),
+                tuple(u.unit for u in plan.units if route.name.split(".")[0] == u.unit),  # a route is named for its unit
             )
     # DeepSpeed overlaps ZeRO-3's communication where the plan says so (engines.deepspeed_config).
     overlapped = any(u.zero_stage == 3 and u.overlap_comm for u in plan.units)

@@ -4,7 +4,7 @@ It reads the plan the door wrote, RUN_DIR/plan.json, and how to run it, RUN_DIR/
 (src/plan_io; it never plans, never runs Hydra), and its rank from the environment
 (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK), as both the local driver and
 torchrun set them, so it runs unchanged under torchrun or srun on several nodes (see
-launchers/; src/runtime/prepare.py writes the run directory there). A plan file that is
+launchers/; src/prepare.py writes the run directory there). A plan file that is
 missing, truncated, of another version or for another world size is one line and exit
 code 2 before any process group forms. A failure after that is one line in
 RUN_DIR/errors/rank<r>.txt, for the driver to report (and on stderr under a launcher,

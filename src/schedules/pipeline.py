@@ -67,16 +67,16 @@ def interleaved(stages: int, microbatches: int, chunks: int, warmups: Sequence[i
         microbatch = group * stages + within % stages
         return (chunk if forward else chunks - 1 - chunk), microbatch
 
+    # Every stage runs the same sequences of forwards and backwards; only its warm-up differs.
+    forwards = [PipeOp("F", *virtual(k, True)) for k in range(total)]
+    backwards = [PipeOp("B", *virtual(k, False)) for k in range(total)]
     orders = []
     for stage in range(stages):
         warmup = _warmup(warmups, stage, min((stages - stage - 1) * 2 + (chunks - 1) * stages, total), (chunks - 1) * stages, total)
-        order = [PipeOp("F", *virtual(k, True)) for k in range(warmup)]
-        next_b = 0
-        for k in range(warmup, total):
-            order.append(PipeOp("F", *virtual(k, True)))
-            order.append(PipeOp("B", *virtual(next_b, False)))
-            next_b += 1
-        order += [PipeOp("B", *virtual(k, False)) for k in range(next_b, total)]
+        order = forwards[:warmup]
+        for f, b in zip(forwards[warmup:], backwards):
+            order += (f, b)
+        order += backwards[total - warmup :]
         orders.append(order)
     return orders
 

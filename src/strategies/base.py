@@ -13,6 +13,29 @@ from src.program import Plan
 
 
 @dataclass(frozen=True)
+class Degrees:
+    """A unit's parallel degrees, the one type every planner states them in: tensor,
+    pipeline (with `vpp` virtual stages per device) and data parallelism, and the
+    micro-batch each replica runs. Par4D's tensor grid is a Grid (par4d.layout) whose
+    `tensor` product plays tp."""
+
+    tp: int
+    pp: int
+    dp: int = 1
+    vpp: int = 1
+    micro_batch: int = 1
+
+    @property
+    def replica_devices(self) -> int:
+        """The devices one model replica spans."""
+        return self.tp * self.pp
+
+    @property
+    def devices(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+@dataclass(frozen=True)
 class PlanRequest:
     """A planner's whole input. Planners are pure functions of it: no I/O."""
 

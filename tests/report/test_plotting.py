@@ -72,7 +72,7 @@ def test_compare_chart_says_how_the_winner_is_marked(drawn: list[Any]) -> None:
 
 
 def test_gantt_and_validation_keep_their_text_on_the_canvas(drawn: list[Any]) -> None:
-    from src.report.gantt import render
+    from src.gantt import render
     from src.timeline import RankTimeline, Span, Timeline
     from src.validate import plot
 

@@ -53,15 +53,19 @@ CASES: dict[str, tuple[str, list[str]]] = {
     # Ratio-based allocation gives the U-Net two pipeline stages, which the runtime refuses.
     "ratio": ("mllm_9b", ["strategy.orchestration=ratio", "strategy.generator.pp=1"]),
     # Grouped-query attention split over TP; TP collectives whole, then in 4 row chunks
-    # each all-reduced under the next chunk's GEMM (StepCCL, the default).
-    "llm_tp2_gqa": ("mllm_72b", ["strategy.llm.tp=2", "strategy.tp_overlap_chunks=1"]),
-    "llm_tp2_gqa_overlap": ("mllm_72b", ["strategy.llm.tp=2"]),
+    # each all-reduced under the next chunk's GEMM (StepCCL, the default). Sequence
+    # parallelism, which the orchestrator would pick, the real backend runs in GPT, ViT and
+    # CLIP units only.
+    "llm_tp2_gqa": ("mllm_72b", ["strategy.llm.tp=2", "strategy.llm.sequence_parallel=false", "strategy.tp_overlap_chunks=1"]),
+    "llm_tp2_gqa_overlap": ("mllm_72b", ["strategy.llm.tp=2", "strategy.llm.sequence_parallel=false"]),
     # Chunked TP collectives in the forward that full recomputation re-runs in backward.
     "encoder_tp2_full_recompute_zero0": (
         "mllm_9b",
-        ["strategy.encoder.tp=2", "strategy.recompute=full", "strategy.zero_stage=0"],
+        ["strategy.encoder.tp=2", "strategy.encoder.sequence_parallel=false", "strategy.recompute=full", "strategy.zero_stage=0"],
     ),
     "llm_pp2_selective_recompute": ("mllm_15b", ["strategy.llm.pp=2", "strategy.recompute=selective"]),
+    # The LLM's four layers on two stages of two chunks each, inside the end-to-end pipeline.
+    "llm_pp2_interleaved": ("mllm_72b", ["strategy.llm.pp=2", "strategy.llm.vpp=2"]),
 }
 
 

@@ -130,17 +130,88 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
     # Every sample alike (one image per sequence): per-micro-batch loads are refused.
     ("disttrain", "data"): (DISTTRAIN, ["strategy.data=interleaved"], "refused", ""),
     ("disttrain", "reorder"): (DISTTRAIN, ["strategy.reorder=both"], "run", DISTTRAIN_RUNS),
-    ("disttrain", "tp_overlap_chunks"): (DISTTRAIN, ["strategy.llm.tp=2", "strategy.tp_overlap_chunks=4"], "run", DISTTRAIN_RUNS),
+    ("disttrain", "tp_overlap_chunks"): (
+        DISTTRAIN,
+        ["strategy.llm.tp=2", "strategy.llm.sequence_parallel=false", "strategy.tp_overlap_chunks=4"],
+        "run",
+        DISTTRAIN_RUNS,
+    ),
     ("disttrain", "recompute"): (DISTTRAIN, ["strategy.recompute=full"], "run", DISTTRAIN_RUNS),
     ("disttrain", "zero_stage"): (DISTTRAIN, ["strategy.zero_stage=0"], "run", DISTTRAIN_RUNS),
-    ("disttrain", "encoder.tp"): (DISTTRAIN, ["strategy.encoder.tp=2", "strategy.tp_overlap_chunks=1"], "run", DISTTRAIN_RUNS),
+    ("disttrain", "encoder.tp"): (
+        DISTTRAIN,
+        ["strategy.encoder.tp=2", "strategy.encoder.sequence_parallel=false", "strategy.tp_overlap_chunks=1"],
+        "run",
+        DISTTRAIN_RUNS,
+    ),
     ("disttrain", "encoder.pp"): (DISTTRAIN, ["strategy.encoder.pp=2"], "run", DISTTRAIN_RUNS),
     ("disttrain", "encoder.dp"): (DISTTRAIN, ["strategy.encoder.dp=1"], "run", DISTTRAIN_RUNS),
-    ("disttrain", "llm.tp"): (DISTTRAIN, ["strategy.llm.tp=2", "strategy.tp_overlap_chunks=1"], "run", DISTTRAIN_RUNS),
+    ("disttrain", "llm.tp"): (
+        DISTTRAIN,
+        ["strategy.llm.tp=2", "strategy.llm.sequence_parallel=false", "strategy.tp_overlap_chunks=1"],
+        "run",
+        DISTTRAIN_RUNS,
+    ),
     ("disttrain", "llm.pp"): (DISTTRAIN, ["strategy.llm.pp=2"], "run", DISTTRAIN_RUNS),
     ("disttrain", "llm.dp"): (DISTTRAIN, ["strategy.llm.dp=2"], "run", DISTTRAIN_RUNS),
+    # A unit's own Megatron-LM options: what the strategy-wide recompute and zero_stage
+    # set for every unit, run by the same runs. The LLM interleaves (MLLM-72B's four tiny
+    # layers on two stages of two chunks); the tiny ViT's and the U-Net's single stage
+    # (the runtime runs a U-Net whole) have nothing to interleave, as in every run.
+    ("disttrain", "llm.vpp"): (
+        WORKERS + ["model=mllm_72b", "model.scale=tiny", "train.global_batch=8", "strategy=disttrain", "strategy.data=uniform"],
+        ["strategy.llm.pp=2", "strategy.llm.vpp=2"],
+        "run",
+        DISTTRAIN_RUNS,
+    ),
+    **{("disttrain", f"{u}.vpp"): (DISTTRAIN, [f"strategy.{u}.vpp=1"], "run", DISTTRAIN_RUNS) for u in ("encoder", "generator")},
+    **{
+        ("disttrain", f"{u}.recompute"): (DISTTRAIN, [f"strategy.{u}.recompute=selective"], "run", DISTTRAIN_RUNS)
+        for u in ("encoder", "llm", "generator")
+    },
+    **{
+        ("disttrain", f"{u}.zero_stage"): (DISTTRAIN, [f"strategy.{u}.zero_stage=0"], "run", DISTTRAIN_RUNS)
+        for u in ("encoder", "llm", "generator")
+    },
+    # Sequence parallelism the real backend runs in GPT, ViT and CLIP units, not an MLLM's.
+    **{
+        ("disttrain", f"{u}.sequence_parallel"): (
+            DISTTRAIN,
+            ["cluster.nodes=2", f"strategy.{u}.tp=2", f"strategy.{u}.sequence_parallel=true", "strategy.tp_overlap_chunks=1"],
+            "refused",
+            "",
+        )
+        for u in ("encoder", "llm", "generator")
+    },
+    # Scattered pipeline sends split a micro-batch's rows: one sequence over tp=2 is refused.
+    **{
+        ("disttrain", f"{u}.scatter_gather"): (
+            DISTTRAIN,
+            [
+                "cluster.nodes=2",
+                "strategy.llm.dp=1",
+                "strategy.generator.tp=1",
+                "strategy.generator.pp=1",
+                f"strategy.{u}.tp=2",
+                f"strategy.{u}.pp=2",
+                f"strategy.{u}.sequence_parallel=false",
+                f"strategy.{u}.scatter_gather=true",
+                "strategy.tp_overlap_chunks=1",
+            ],
+            "refused",
+            "",
+        )
+        for u in ("encoder", "llm")
+    },
+    # The U-Net runs on tp=1 (below), where scatter/gather has nothing to split: every run has it.
+    ("disttrain", "generator.scatter_gather"): (DISTTRAIN, ["strategy.generator.scatter_gather=true"], "run", DISTTRAIN_RUNS),
     # The U-Net runs whole on each of its ranks.
-    ("disttrain", "generator.tp"): (DISTTRAIN, ["strategy.generator.tp=2"], "refused", ""),
+    ("disttrain", "generator.tp"): (
+        DISTTRAIN,
+        ["strategy.generator.tp=2", "strategy.generator.sequence_parallel=false"],
+        "refused",
+        "",
+    ),
     ("disttrain", "generator.pp"): (DISTTRAIN, ["strategy.generator.pp=2"], "refused", ""),
     ("disttrain", "generator.dp"): (DISTTRAIN, ["strategy.generator.dp=1"], "run", DISTTRAIN_RUNS),
     ("ddp", "zero_stage"): (DDP, ["strategy.zero_stage=3"], "run", EQUALITY),
@@ -169,7 +240,7 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
     ("deepspeed3d", "scatter_gather"): (DS3D, ["strategy.tp=2", "strategy.scatter_gather=true"], "run", TP_PP_RUNS),
     ("optimus", "llm.tp"): (OPTIMUS, ["strategy.llm.pp=2", "strategy.llm.tp=2", "strategy.fine_grained=false"], "run", OPTIMUS_RUNS),
     ("optimus", "llm.pp"): (OPTIMUS, ["strategy.llm.pp=4"], "run", OPTIMUS_RUNS),
-    ("optimus", "llm.dp"): (OPTIMUS, ["strategy.llm.pp=2", "strategy.llm.dp=2"], "run", OPTIMUS_RUNS),
+    ("optimus", "llm.dp"): (OPTIMUS, ["strategy.llm.pp=2", "strategy.llm.dp=2", "strategy.llm.zero_stage=0"], "run", OPTIMUS_RUNS),
     ("optimus", "llm.vpp"): (OPTIMUS, OPTIMUS_INTERLEAVED, "run", OPTIMUS_RUNS),
     ("optimus", "llm.micro_batch_size"): (OPTIMUS, ["strategy.llm.micro_batch_size=2"], "run", OPTIMUS_RUNS),
     ("optimus", "llm.schedule"): (OPTIMUS, OPTIMUS_INTERLEAVED, "run", OPTIMUS_RUNS),

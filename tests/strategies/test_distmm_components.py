@@ -152,7 +152,7 @@ def test_unknown_schedule_is_a_config_error() -> None:
 
 
 def test_gantt_reads_back_the_simulator_trace(tmp_path) -> None:
-    from src.report.gantt import load_trace, render
+    from src.gantt import load_trace, render
     from src.report.trace import write_chrome_trace
     from src.timeline import RankTimeline, Span, Timeline
 

@@ -21,7 +21,8 @@ from src.sim.engine import simulate
 from src.strategies import PlanRequest, planner_for
 from src.strategies.megatron.options import MegatronOptions
 from src.strategies.megatron.estimate import live_counts, steady_microbatches
-from src.strategies.megatron.programs import Degrees, MegatronSettings, pipeline_program
+from src.strategies.megatron.programs import MegatronSettings, pipeline_program
+from src.strategies.base import Degrees
 from src.strategies.megatron.search import MegatronSearch
 from src.strategies.megatron.space import Shape, enumerate_space
 from src.strategies.builders.stages import balanced_cuts, linear_chain, pipeline_segments

@@ -3,6 +3,8 @@ the errors a user gets."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,12 @@ from src.schedules.pipeline import interleaved, one_f_one_b
 from src.setup import Setup, plan_run, validate
 from src.sim.engine import simulate
 from src.strategies.base import PlanRequest
-from src.strategies.optimus.planner import OptimusOptions, _llm_and_encoders, _llm_base, _schedule
+from src.strategies.megatron.planner import MegatronOptions, choose_megatron, plan_megatron
+from src.strategies.megatron.programs import MegatronSettings
+from src.strategies.base import Degrees
+from src.strategies.optimus import parallel
+from src.strategies.optimus.llm import LLMPipelines
+from src.strategies.optimus.planner import OptimusOptions, _llm_and_encoders, _schedule
 from src.strategies.optimus.encoder import EncoderPlan, Layout
 from src.strategies.optimus.scheduler import partitions, spread
 from src.strategies.optimus.timeline import EPS, warmup_counts
@@ -50,10 +57,10 @@ def candidate(s: Setup, pp: int, tp: int):
     request = PlanRequest(s.model, s.cluster, s.train, s.config["strategy"])
     opts = options_from(OptimusOptions, s.config["strategy"])
     compute, comm = ComputeModel(s.cluster, s.train.precision), CommModel(s.cluster)
-    encoders = _llm_and_encoders(s.model)[1]
-    base = _llm_base(request, opts, encoders, compute, comm, {"recompute": "none", "zero_stage": 0})
+    llm, encoders = _llm_and_encoders(s.model)
+    base = LLMPipelines(request, llm, encoders, opts.megatron(), opts.defer_warmup, compute, comm).base("none", 0)
     layout = Layout(base.plan.mesh, EncoderPlan(pp, tp))
-    return base, _schedule(request, opts, base, layout, encoders, compute, comm)
+    return base, _schedule(request, opts, base, layout, encoders=encoders, compute=compute, comm=comm)
 
 
 @pytest.fixture(scope="module")
@@ -198,3 +205,57 @@ def test_interleaved_llm_schedule_is_priced_as_estimated() -> None:
     assert plan.details["llm"]["vpp"] == 2 and plan.details["kernels_in_bubbles"] > 0
     simulated = simulate(plan.program, s.model, s.cluster, s.train.precision).iteration_time
     assert simulated == pytest.approx(plan.details["estimated_iteration_s"], rel=0.02)
+
+
+# ---- the LLM's memory ladder and the typed Megatron-LM API ---------------------------------
+def test_the_fastest_rung_of_the_memory_ladder_that_fits_is_picked(small) -> None:
+    _, plan = small
+    d = plan.details
+    rungs = d["rungs"]
+    # Every rung of the ladder was considered, the distributed optimizer's included.
+    assert [(r["recompute"], r["zero_stage"]) for r in rungs] == [(r, z) for r in ("none", "selective", "full") for z in (0, 1)]
+    scheduled = [r for r in rungs if "best_s" in r]
+    assert scheduled and d["estimated_iteration_s"] == pytest.approx(min(r["best_s"] for r in scheduled))
+    # A rung is skipped only when its LLM alone (a bound on any schedule there) cannot win.
+    for rung in rungs:
+        if rung["outcome"].startswith("the LLM alone is no faster"):
+            assert rung["llm_alone_s"] >= d["estimated_iteration_s"]
+    picked = next(r for r in scheduled if r["best_s"] == pytest.approx(d["estimated_iteration_s"]))
+    assert (d["llm"]["recompute"], d["llm"]["zero_stage"]) == (picked["recompute"], picked["zero_stage"])
+
+
+def test_the_llm_plan_comes_through_megatron_lm_s_typed_api() -> None:
+    s = setup(*SMALL)
+    llm = s.model.unit("llm")
+    alone = PlanRequest(replace(s.model, units=(llm,), flows=()), s.cluster, s.train, {})
+    opts = MegatronOptions(tp=8, pp=4, dp=2, micro_batch_size=2, recompute="none", zero_stage=1)
+    choice = choose_megatron(alone, opts)
+    assert isinstance(choice.degrees, Degrees) and isinstance(choice.settings, MegatronSettings)
+    assert (choice.degrees.tp, choice.degrees.pp, choice.degrees.dp, choice.degrees.micro_batch) == (8, 4, 2, 2)
+    assert (choice.settings.recompute, choice.settings.zero_stage) == ("none", 1)
+    # The same search as the Megatron-LM planner's, which builds the Program besides.
+    plan = plan_megatron(replace(alone, options={"name": "megatron", **vars(opts)}))
+    assert [plan.details[k] for k in ("tp", "pp", "dp", "vpp", "micro_batch")] == list(vars(choice.degrees).values())
+    assert len(choice.virtual) == choice.degrees.pp * choice.degrees.vpp
+
+
+@pytest.mark.slow
+def test_encoder_plans_scheduled_in_parallel_equal_the_serial_ones(monkeypatch) -> None:
+    serial = plan_run(setup(*SMALL)).details["candidates"]  # conftest: MMDIST_PLAN_WORKERS=1
+    monkeypatch.setattr(parallel, "workers", lambda jobs: 1 if jobs < 2 else 2)
+    forked = plan_run(setup(*SMALL)).details["candidates"]
+    assert forked == serial
+
+
+@pytest.mark.parametrize("value, workers", [("1", 1), ("3", 2), ("", 2)])
+def test_the_planners_processes_are_capped_by_the_environment(monkeypatch, value: str, workers: int) -> None:
+    monkeypatch.setenv(parallel.CAP_ENV, value)
+    monkeypatch.setattr(parallel.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert parallel.workers(8) == workers
+
+
+@pytest.mark.parametrize("value", ["0", "two", "-1"])
+def test_a_bad_cap_on_the_planners_processes_is_one_line(monkeypatch, value: str) -> None:
+    monkeypatch.setenv(parallel.CAP_ENV, value)
+    with pytest.raises(ConfigError, match=f"MMDIST_PLAN_WORKERS='{value}'"):
+        parallel.workers(8)

@@ -12,6 +12,7 @@ planner emits). A consumer micro-batch may take rows of several producer micro-b
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 from src.cluster import ClusterSpec
@@ -54,18 +55,23 @@ class Side:
 
 def pieces(src: Side, dst: Side, global_batch: int) -> list[tuple[int, int, int, int, int, int]]:
     """(producer replica, its micro-batch, consumer replica, its micro-batch, first
-    sample, rows) of every overlap, in sample order within each producer micro-batch."""
+    sample, rows) of every overlap, in sample order within each producer micro-batch.
+    The consumer's micro-batches tile the batch: each producer micro-batch finds the ones
+    it overlaps by bisection (a bridge joins thousands of replicas)."""
+    starts = sorted(
+        (dst.first_row(global_batch, cd, cj), cd, cj) for cd in range(dst.replicas) for cj in range(dst.groups * dst.microbatches)
+    )
+    firsts = [start for start, _, _ in starts]
     out = []
-    total = src.groups * src.microbatches
     for pd in range(src.replicas):
-        for pj in range(total):
+        for pj in range(src.groups * src.microbatches):
             p0 = src.first_row(global_batch, pd, pj)
-            for cd in range(dst.replicas):
-                for cj in range(dst.groups * dst.microbatches):
-                    c0 = dst.first_row(global_batch, cd, cj)
-                    lo, hi = max(p0, c0), min(p0 + src.micro_batch, c0 + dst.micro_batch)
-                    if lo < hi:
-                        out.append((pd, pj, cd, cj, lo, hi - lo))
+            overlaps = []
+            for c0, cd, cj in starts[max(0, bisect.bisect_right(firsts, p0) - 1) : bisect.bisect_left(firsts, p0 + src.micro_batch)]:
+                lo, hi = max(p0, c0), min(p0 + src.micro_batch, c0 + dst.micro_batch)
+                if lo < hi:
+                    overlaps.append((cd, cj, lo, hi - lo))
+            out += [(pd, pj, cd, cj, first, rows) for cd, cj, first, rows in sorted(overlaps)]
     return out
 
 

@@ -28,11 +28,10 @@ from src.errors import ConfigError, PlanError
 from src.models.spec import ModelSpec
 from src.program import Plan, Program, UnitPlan
 from src.schedules.distmm_pipe import SYNC_SCHEDULES, max_contrastive_batch
-from src.strategies.base import PlanRequest
+from src.strategies.base import Degrees, PlanRequest
 from src.strategies.distmm.balance import Choice, aligned_time, balance, own_time
 from src.strategies.distmm.programs import colocated_program, cross_flows, place, separate_program, unit_plans
 from src.strategies.distmm.towers import (
-    Degrees,
     TowerCosts,
     TowerPlan,
     activation_per_sample,
@@ -141,8 +140,8 @@ def _choices(
     choices: list[Choice[TowerPlan]] = []
     skipped: list[str] = []
     for degrees in depths:
-        for n in range(degrees.devices, devices + 1, degrees.devices):
-            replicas = n // degrees.devices
+        for n in range(degrees.replica_devices, devices + 1, degrees.replica_devices):
+            replicas = n // degrees.replica_devices
             if dp is not None and replicas != dp:
                 continue
             if batch % replicas or (batch // replicas) % groups:

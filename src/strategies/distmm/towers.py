@@ -22,21 +22,10 @@ from src.models.spec import ModelSpec, UnitSpec
 from src.mesh import tensor_parallel
 from src.program import Phase, Work
 from src.schedules.distmm_pipe import build_sync_schedule, resident
+from src.strategies.base import Degrees
 from src.strategies.builders.contrastive import interaction_of
 from src.strategies.builders.layout import megatron_mesh, pipeline_pairs
 from src.strategies.builders.stages import block_cuts, boundary_elems
-
-
-@dataclass(frozen=True)
-class Degrees:
-    """A tower's model-parallel degrees: one replica spans tp x pp devices."""
-
-    tp: int
-    pp: int
-
-    @property
-    def devices(self) -> int:
-        return self.tp * self.pp
 
 
 @dataclass(frozen=True)
@@ -124,7 +113,7 @@ def partition(unit: UnitSpec, cluster: ClusterSpec, precision: str, tp: int | No
         across = max(tps)
         candidates += [Degrees(across, p) for p in range(2, blocks_of(unit) + 1) if across * p <= cluster.devices]
     for degrees in candidates:
-        if degrees.devices <= cluster.devices and _fits(unit, degrees, precision, usable):
+        if degrees.replica_devices <= cluster.devices and _fits(unit, degrees, precision, usable):
             return degrees
     total = replica_state_bytes(unit, (0, unit.num_layers), 1, precision)
     have = usable * cluster.devices

@@ -6,8 +6,10 @@ their orchestration, data reordering and Programs (planner.py is the entry)."""
 PLAN_FIELDS = {
     "tp": "strategy.{unit}.tp",
     "pp": "strategy.{unit}.pp",
-    "recompute": "strategy.recompute",
-    "zero_stage": "strategy.zero_stage",
+    "recompute": "strategy.{unit}.recompute",
+    "zero_stage": "strategy.{unit}.zero_stage",
+    "sequence_parallel": "strategy.{unit}.sequence_parallel",
+    "scatter": "strategy.{unit}.scatter_gather",
     "load": "strategy.data",
     "fraction": "strategy.tp_overlap_chunks",
 }

@@ -1,21 +1,23 @@
 """DistTrain's disaggregated model orchestration (§5, Algorithm 1; ALGORITHMS.md §1.2-§1.5).
 
 The encoder, the LLM and the generator are units on disjoint GPUs, each with its own TP,
-DP and PP. The joint problem is not convex; for every choice of TP (1, 2, 4, 8 inside a
-node) and DP (the LLM's a divisor of the batch, the encoder's and generator's divisors
-of the LLM's, so a unit's micro-batch b_u = DP_lm / DP_u sequences is whole) the
-remaining problem in the GPU counts (x, y, z) is convex, and is solved here exactly in
-closed form:
+DP and PP and Megatron-LM's options (profile.Setting: sequence parallelism, the
+pipeline's scatter/gather, the distributed optimizer, recomputation). The joint problem
+is not convex; for every choice of TP (1, 2, 4, 8 inside a node), options and DP (the
+LLM's a divisor of the batch, the encoder's and generator's divisors of the LLM's, so a
+unit's micro-batch b_u = DP_lm / DP_u sequences is whole) the remaining problem in the
+GPU counts (x, y, z) is convex, and is solved here exactly in closed form:
 
     minimise  W + sum_u beta_u n_u + K max_u a_u / n_u
     s.t.      L_u <= n_u <= U_u,  sum_u n_u <= N
 
 with W = sum_u F_u the warm-up (one micro-batch through every stage, F_u the unit's
 forward+backward per micro-batch), a_u = F_u TP_u DP_u (a stage takes a_u / n_u),
-beta_u n_u = PP_u times a boundary transfer (pipeline p2p), K = m - 1 for m = BS / DP_lm
-micro-batches, L_u the fewest GPUs whose memory holds the unit (model states shard over
-PP; with PP_u micro-batches in flight a stage keeps one micro-batch's activations per
-TP rank), U_u the most (one block per stage).
+beta_u n_u = PP_u times a boundary's transfers there and back (pipeline p2p), K = m - 1
+for m = BS / DP_lm micro-batches, L_u the fewest GPUs whose memory holds the unit (model
+states shard over PP; with PP_u micro-batches in flight a stage keeps one micro-batch's
+activations per TP rank), U_u the most (one block per stage). A unit's options that no
+other option beats in every coefficient are kept; the relaxation picks among them.
 
 Why the closed form is exact: for any feasible n let tau = max_u a_u / n_u; then
 n'_u = max(L_u, a_u / tau) <= n_u is feasible, has the same maximum and costs no more
@@ -26,12 +28,16 @@ minimum of g is at tau_lo, a breakpoint, or such a stationary point, all evaluat
 Every sub-problem is solved at once with numpy.
 
 Integer recovery (not in the surviving text; ours): PP_u = floor or ceil of n_u / (TP_u
-DP_u) (within [1, blocks]), each of the eight roundings priced exactly: stages cut at
-block boundaries with their own times, the 1F1B iteration sum(stages) + (m-1) max(stage)
-+ p2p + the slowest gradient reduction, and every stage's memory with the micro-batches
+DP_u) (within [1, blocks]), each rounding priced by the 1F1B model of `pipeline_time`:
+the first micro-batch there and back (every stage, every transfer), m - 1 more periods
+of the steady state (its slowest stage, or the round trip a stage's in-flight
+micro-batches must cover: 1F1B keeps depth - g of them at stage g), and the stage that
+ends last with its gradient reduction; and every stage's memory with the micro-batches
 the end-to-end 1F1B really keeps in flight there. Sub-problems are recovered in order of
-their relaxed optimum until that bound exceeds the best exact time found (branch and
-bound: the exact time of a choice is never below its relaxation).
+their relaxed optimum until that bound exceeds the `keep`-th best time found (branch and
+bound: the time of a choice is never below its relaxation), and the best `keep` choices
+are returned, best first: the planner times them against the batch's data (timing.py)
+and simulates the fastest.
 
 The ratio-based baseline (`ratio`) fixes n_u in proportion to each unit's FLOPs and picks
 the fastest TP/DP/PP within it the same way.
@@ -39,10 +45,11 @@ the fastest TP/DP/PP within it the same way.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -50,76 +57,132 @@ from src.cluster import GIB
 from src.errors import ConfigError, PlanError
 from src.metrics import unit_flops
 from src.program import RECOMPUTE_MODES
-from src.strategies.base import MAX_MICROBATCHES, check_microbatch_count, divisors
-from src.strategies.disttrain.profile import Profiler
+from src.strategies.base import MAX_MICROBATCHES, Degrees, check_microbatch_count, divisors
+from src.strategies.disttrain.profile import Profiler, Setting, StageArrays
 
 UNITS = ("encoder", "llm", "generator")
 INF = float("inf")
 # Branch and bound stops once the relaxed optimum of the next sub-problem is within this
-# fraction of the best exact time: the choice is within 2% of the best recovered one.
+# fraction of the `keep`-th best time: the choices kept are within 2% of the best ones.
 TOLERANCE = 0.02
+MAX_VPPS = 3  # interleavings of the LLM offered per choice
+RELAX_CHUNK = 4096  # sub-problems relaxed at once
 
 
 @dataclass(frozen=True)
 class Fixed:
-    """Degrees of one unit given by hand (None: searched)."""
+    """A unit's degrees and options given by hand (None: searched)."""
 
     tp: int | None = None
     pp: int | None = None
     dp: int | None = None
+    vpp: int | None = None
+    recompute: str | None = None
+    zero_stage: int | None = None
+    sequence_parallel: bool | None = None
+    scatter_gather: bool | None = None
 
 
 @dataclass(frozen=True)
 class UnitChoice:
     unit: str
-    tp: int
     dp: int
     pp: int
-    recompute: str
     micro_batch: int
+    setting: Setting
+
+    @property
+    def tp(self) -> int:
+        return self.setting.tp
+
+    @property
+    def recompute(self) -> str:
+        return self.setting.recompute
+
+    @property
+    def degrees(self) -> Degrees:
+        return Degrees(self.tp, self.pp, self.dp, self.setting.vpp, self.micro_batch)
 
     @property
     def devices(self) -> int:
-        return self.tp * self.dp * self.pp
+        return self.degrees.devices
+
+    def describe(self) -> str:
+        return f"{self.unit} dp={self.dp} pp={self.pp} {self.setting.describe()}"
+
+
+Choice = tuple[UnitChoice, UnitChoice, UnitChoice]
+_AXES = ((-1, 1, 1), (1, -1, 1), (1, 1, -1))  # a sub-problem's (encoder, LLM, generator) options
+
+
+@dataclass(frozen=True)
+class _Summary:
+    """What the 1F1B model reads of one unit's choice, per pipeline stage."""
+
+    fb: list[float]
+    bwd: list[float]
+    tail: list[float]
+    trips: list[float]  # a micro-batch's hops between its stages, there and back
+    caps: list[float]  # micro-batches in flight each stage's memory holds
+
+    def depth_limit(self, m: int) -> float:
+        """The deepest pipeline (counted from the unit's first stage) whose in-flight
+        micro-batches fit every stage of the unit: stage i keeps min(depth - i, m)."""
+        limit = INF
+        for i, cap in enumerate(self.caps):
+            if cap < 0:
+                return -INF
+            if cap < m:
+                limit = min(limit, cap + i)
+        return limit
 
 
 @dataclass
 class Orchestration:
-    units: dict[str, UnitChoice]
-    microbatches: int
-    estimate_s: float
+    """The recovered choices, best first by the 1F1B model, with their model times."""
+
+    choices: list[tuple[float, Choice]]
+    microbatches: dict[Choice, int]
     relaxed_s: float
     search: dict = field(default_factory=dict)
 
     @property
-    def devices(self) -> int:
-        return sum(u.devices for u in self.units.values())
+    def best(self) -> Choice:
+        return self.choices[0][1]
 
 
 @dataclass(frozen=True)
 class _Option:
-    """One unit at one (TP, DP, recompute) for one LLM DP: its relaxed coefficients."""
+    """One unit at one (TP, DP, options) for one LLM DP: its relaxed coefficients."""
 
-    tp: int
+    setting: Setting
     dp: int
-    recompute: str
     b: int
     F: float
     a: float
     low: float
     high: float
     beta: float
+    tail: float  # the unit's tail on one stage; on n GPUs, its stages' tails are at least tail TP DP / n
+
+    @property
+    def gamma(self) -> float:
+        return self.tail * self.setting.tp * self.dp
+
+    def coefficients(self) -> tuple[float, float, float, float, float, float]:
+        return (self.F, self.a, self.low, -self.high, self.beta, self.tail)
 
 
-def _dominates(a: _Option, b: _Option) -> bool:
-    return (
-        a.F <= b.F
-        and a.a <= b.a
-        and a.low <= b.low
-        and a.high >= b.high
-        and a.beta <= b.beta
-        and (a.F, a.a, a.low, a.high, a.beta) != (b.F, b.a, b.low, b.high, b.beta)
-    )
+def _undominated(options: list[_Option]) -> list[_Option]:
+    """The options no other option is at least as good as in every coefficient (warm-up,
+    stage coefficient, GPU bounds, p2p, end of iteration) and better in one: their
+    relaxed optima, and their tails, can only be worse. Of equal ones, the first."""
+    kept: list[_Option] = []
+    for option in sorted(options, key=_Option.coefficients):
+        mine = option.coefficients()
+        if not any(all(x <= y for x, y in zip(other.coefficients(), mine)) for other in kept):
+            kept.append(option)
+    return kept
 
 
 class Orchestrator:
@@ -129,19 +192,22 @@ class Orchestrator:
         batch: int,
         devices: int,
         fixed: dict[str, Fixed],
-        recompute: str | None,
         mode: str,
         peak_load: dict[str, float] | None = None,
+        keep: int = 1,
     ) -> None:
         """peak_load: the heaviest micro-batch's load per unit (data heterogeneity):
-        memory is planned for its activations."""
+        memory is planned for its activations. keep: how many of the best integer
+        choices to return."""
         self.p, self.batch, self.N, self.fixed, self.mode = profiler, batch, devices, fixed, mode
         self.peak = peak_load or {u: 1.0 for u in UNITS}
         self.usable = profiler.cluster.usable_memory_bytes
-        self.modes = RECOMPUTE_MODES if recompute is None else (recompute,)
+        self.keep = keep
         self.target = self._ratio_targets() if mode == "ratio" else {}
-        self._summaries: dict[tuple, tuple] = {}
-        self._limits: dict[tuple, float] = {}
+        self._summaries: dict[UnitChoice, _Summary] = {}
+        for unit, f in fixed.items():
+            self._check_interleaving(unit, f)
+        self.bases: dict[tuple, _Option | None] = {}
 
     # ---- the search space --------------------------------------------------------------
     def _ratio_targets(self) -> dict[str, float]:
@@ -163,6 +229,21 @@ class Orchestrator:
             return [given]
         return allowed
 
+    def settings(self, unit: str, tp: int, dp: int) -> list[Setting]:
+        """Megatron-LM's options of a unit at this TP and DP, the given ones fixed. Sequence
+        parallelism and scatter/gather change nothing without TP (Megatron-LM turns them
+        off), the distributed optimizer nothing without DP (a single replica keeps
+        ZeRO-1's whole shard)."""
+        f = self.fixed[unit]
+        modes = RECOMPUTE_MODES if f.recompute is None else (f.recompute,)
+        sps = [False] if tp == 1 else [False, True] if f.sequence_parallel is None else [f.sequence_parallel]
+        zeros = [f.zero_stage] if f.zero_stage is not None else ([0, 1] if dp > 1 else [1])
+        out = []
+        for recompute, sp, zero in itertools.product(modes, sps, zeros):
+            sgs = [True] if tp == 1 or sp else [True, False] if f.scatter_gather is None else [f.scatter_gather]
+            out += [Setting(tp, recompute, sp, zero, sg) for sg in sgs]
+        return out
+
     def llm_dps(self) -> list[int]:
         given = self.fixed["llm"].dp
         if given is not None:
@@ -181,71 +262,93 @@ class Orchestrator:
             return [given] if dp_lm % given == 0 else []
         return divisors(dp_lm)
 
-    def _option(self, unit: str, tp: int, dp: int, b: int) -> _Option | None:
-        """The cheapest recompute mode whose memory fits some PP of the unit; None if none."""
-        blocks = self.p.blocks(unit)
+    def _option(self, unit: str, setting: Setting, dp: int, b: int) -> _Option | None:
+        """The unit under these options if its memory fits some PP; None if none."""
+        base = self._base(unit, setting, dp, b)
+        if base is None:
+            return None
+        pp_low, blocks = base.low / (setting.tp * dp), self.p.blocks(unit)
         given_pp = self.fixed[unit].pp
+        if given_pp is not None:
+            if given_pp < pp_low or given_pp > blocks:
+                return None
+            return replace(base, low=float(setting.tp * dp * given_pp), high=float(setting.tp * dp * given_pp))
+        if unit in self.target:
+            pp = max(1, math.floor(self.target[unit] / (setting.tp * dp)))
+            if pp < pp_low or pp > blocks:
+                return None
+            return replace(base, low=float(setting.tp * dp * pp), high=float(setting.tp * dp * pp))
+        return base
+
+    def _base(self, unit: str, setting: Setting, dp: int, b: int) -> _Option | None:
+        """The unit's relaxed coefficients under these options, any PP from the fewest
+        stages that hold it to one block per stage; None if no PP holds it. Shared by the
+        orchestrations of one request (the ratio baseline's restricts its GPUs)."""
+        key = (unit, setting, dp, b)
+        if key in self.bases:
+            return self.bases[key]
+        self.bases[key] = None
+        blocks = self.p.blocks(unit)
+        tp = setting.tp
         if tp * dp > self.N:
             return None
-        for recompute in self.modes:
-            # Activations grow linearly with b: skip what cannot fit before pricing it.
-            if b * self.peak[unit] * self.p.whole(unit, tp, 1, recompute, dp).activations >= self.usable:
-                continue
-            cost = self.p.whole(unit, tp, b, recompute, dp)
-            room = self.usable - self.peak[unit] * cost.activations
-            if room <= 0:
-                continue
-            # Model states shard over PP: PP >= states / room (continuous).
-            pp_low = max(1.0, cost.states / room)
-            if pp_low > blocks:
-                continue
-            low, high = tp * dp * pp_low, float(tp * dp * blocks)
-            if given_pp is not None:
-                if given_pp < pp_low or given_pp > blocks:
-                    continue
-                low = high = float(tp * dp * given_pp)
-            elif unit in self.target:
-                pp = max(1, math.floor(self.target[unit] / (tp * dp)))
-                if pp < pp_low or pp > blocks:
-                    continue
-                low = high = float(tp * dp * pp)
-            beta = self.p.p2p(self.p.hop_bytes(unit, b)) / (tp * dp)
-            return _Option(tp, dp, recompute, b, cost.fb, cost.fb * tp * dp, low, high, beta)
-        return None
+        # Activations grow linearly with b: skip what cannot fit before pricing it.
+        if b * self.peak[unit] * float(self.p.whole(unit, setting, 1, dp).kept[0]) >= self.usable:
+            return None
+        cost = self.p.whole(unit, setting, b, dp)
+        room = self.usable - self.peak[unit] * float(cost.kept[0])
+        if room <= 0:
+            return None
+        # Model states shard over PP: PP >= states / room (continuous).
+        pp_low = max(1.0, float(cost.states[0]) / room)
+        if pp_low > blocks:
+            return None
+        fb = float(cost.fb[0])
+        beta = 2 * self.p.hop(unit, setting, b, dp) / (tp * dp)
+        option = _Option(setting, dp, b, fb, fb * tp * dp, tp * dp * pp_low, float(tp * dp * blocks), beta, float(cost.tail[0]))
+        self.bases[key] = option
+        return option
 
     def _options(self, unit: str, dp_lm: int) -> list[_Option]:
-        """The unit's options at this LLM DP that no other option dominates (no worse in
-        warm-up, stage coefficient, GPU bounds and p2p: its relaxed optimum can only be
-        worse)."""
         out = []
         for tp in self._tps(unit):
             for dp in [dp_lm] if unit == "llm" else self.unit_dps(unit, dp_lm):
                 b = 1 if unit == "llm" else dp_lm // dp
-                option = self._option(unit, tp, dp, b)
-                if option is not None:
-                    out.append(option)
-        return [o for o in out if not any(_dominates(other, o) for other in out if other is not o)]
+                fitted: set[tuple] = set()
+                for setting in self.settings(unit, tp, dp):
+                    # More recomputation only adds compute once the fewest stages allowed hold
+                    # the unit (an option it leaves is dominated).
+                    rest = (setting.sequence_parallel, setting.zero_stage, setting.scatter_gather)
+                    if rest in fitted:
+                        continue
+                    option = self._option(unit, setting, dp, b)
+                    if option is not None:
+                        out.append(option)
+                        if option.low <= max(tp * dp, option.high - 1e-9):
+                            fitted.add(rest)
+        return _undominated(out)
+
+    def with_mode(self, mode: str, keep: int) -> Orchestrator:
+        """The same request orchestrated another way, sharing what is priced."""
+        other = Orchestrator(self.p, self.batch, self.N, self.fixed, mode, self.peak, keep)
+        other.bases = self.bases
+        return other
 
     # ---- solve -----------------------------------------------------------------------------
     def solve(self) -> Orchestration:
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         # Profiling (the paper's trial runs): every unit option's coefficients.
         spaces = [(dp_lm, {u: self._options(u, dp_lm) for u in UNITS}) for dp_lm in self.llm_dps()]
         spaces = [(dp_lm, options) for dp_lm, options in spaces if all(options.values())]
-        profiled = time.perf_counter()
-        blocks = []
-        count = 0
-        for dp_lm, options in spaces:
-            values, taus = self._relax(options, self.batch // dp_lm - 1)
-            blocks.append((dp_lm, options["encoder"], options["llm"], options["generator"], values, taus))
-            count += values.size
+        profiled, profiled_cpu = time.perf_counter(), time.process_time()
+        blocks = self._relax(spaces)
+        count = sum(block[4].size for block in blocks)
         relaxed = time.perf_counter()
-        best = self._recover(blocks) if blocks else None
-        done = time.perf_counter()
-        if best is None:
+        found = self._recover(blocks) if blocks else None
+        done, done_cpu = time.perf_counter(), time.process_time()
+        if found is None:
             raise self._no_plan()
-        orchestration, recovered = best
-        orchestration.search.update(
+        found.search.update(
             {
                 "orchestration": self.mode,
                 "subproblems": count,
@@ -253,177 +356,246 @@ class Orchestrator:
                 "relax_s": relaxed - profiled,
                 "recover_s": done - relaxed,
                 "solve_s": done - profiled,
+                "profile_cpu_s": profiled_cpu - cpu,
+                "solve_cpu_s": done_cpu - profiled_cpu,
                 "per_subproblem_us": 1e6 * (relaxed - profiled) / max(1, count),
-                "recovered": recovered,
             }
         )
-        return orchestration
+        return found
 
-    def _relax(self, options: dict[str, list[_Option]], k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Closed-form optima of every (encoder, LLM, generator) option triple: relaxed
-        times and taus, shaped (encoder options, LLM options, generator options)."""
+    def _relax(self, spaces: list[tuple[int, dict[str, list[_Option]]]]) -> list[tuple]:
+        """Closed-form optima of every (encoder, LLM, generator) option triple of every
+        LLM DP, in one pass: per LLM DP, its options and their relaxed times and taus,
+        shaped (encoder options, LLM options, generator options)."""
+        keys = ("a", "low", "high", "beta", "F", "gamma")
+        parts: dict[str, list[np.ndarray]] = {key: [] for key in (*keys, "k")}
+        shapes = []
+        for dp_lm, options in spaces:
+            table = {u: np.array([[getattr(o, key) for key in keys] for o in options[u]]) for u in UNITS}
+            full = tuple(len(options[u]) for u in UNITS)
+            shapes.append(full)
+            for index, key in enumerate(keys):
+                axes = [np.broadcast_to(table[u][:, index].reshape(s), full).ravel() for u, s in zip(UNITS, _AXES)]
+                parts[key].append(np.stack(axes))
+            parts["k"].append(np.full(math.prod(full), float(self.batch // dp_lm - 1)))
+        a, low, high, beta, warm, gamma = (np.concatenate(parts[key], axis=1) for key in keys)
+        # The LLM's tail ends the iteration: its stages hold most of the parameters.
+        gamma[[0, 2]] = 0.0
+        warm, k = warm.sum(axis=0), np.concatenate(parts["k"])
+        values, taus = np.empty_like(k), np.empty_like(k)
+        for first in range(0, k.size, RELAX_CHUNK):  # columns that stay in cache
+            cut = slice(first, first + RELAX_CHUNK)
+            values[cut], taus[cut] = solve_relaxed(
+                a[:, cut], low[:, cut], high[:, cut], beta[:, cut], warm[cut], k[cut], float(self.N), gamma[:, cut]
+            )
+        out, start = [], 0
+        for (dp_lm, options), full in zip(spaces, shapes):
+            end = start + math.prod(full)
+            out.append(
+                (
+                    dp_lm,
+                    options["encoder"],
+                    options["llm"],
+                    options["generator"],
+                    values[start:end].reshape(full),
+                    taus[start:end].reshape(full),
+                )
+            )
+            start = end
+        return out
 
-        def column(unit: str, key: str) -> np.ndarray:
-            return np.array([getattr(o, key) for o in options[unit]], dtype=float)
-
-        shapes = [(-1, 1, 1), (1, -1, 1), (1, 1, -1)]
-        a = [column(u, "a").reshape(s) for u, s in zip(UNITS, shapes)]
-        low = [column(u, "low").reshape(s) for u, s in zip(UNITS, shapes)]
-        high = [column(u, "high").reshape(s) for u, s in zip(UNITS, shapes)]
-        beta = [column(u, "beta").reshape(s) for u, s in zip(UNITS, shapes)]
-        warm = sum(column(u, "F").reshape(s) for u, s in zip(UNITS, shapes))
-        full = np.broadcast_shapes(*(x.shape for x in a))
-        a = [np.broadcast_to(x, full) for x in a]
-        low = [np.broadcast_to(x, full) for x in low]
-        high = [np.broadcast_to(x, full) for x in high]
-        beta = [np.broadcast_to(x, full) for x in beta]
-        return solve_relaxed(
-            np.stack(a), np.stack(low), np.stack(high), np.stack(beta), np.broadcast_to(warm, full), float(k), float(self.N)
-        )
-
-    def _recover(self, blocks) -> tuple[Orchestration, int] | None:
+    def _recover(self, blocks) -> Orchestration | None:
         values = np.concatenate([b[4].ravel() for b in blocks])
         which = np.concatenate([np.full(b[4].size, i) for i, b in enumerate(blocks)])
         within = np.concatenate([np.arange(b[4].size) for b in blocks])
         finite = np.nonzero(np.isfinite(values))[0]
         order = finite[np.argsort(values[finite], kind="stable")]
-        best: tuple[float, tuple[tuple, ...], int, float] | None = None
-        recovered = 0
+        kept: list[tuple[float, int, Choice]] = []  # a max-heap of the best `keep` by (-time)
+        seen: set[Choice] = set()
+        microbatches: dict[Choice, int] = {}
+        recovered, best_relaxed = 0, INF
         for relaxed, index, flat in zip(values[order].tolist(), which[order].tolist(), within[order].tolist()):
-            if best is not None and relaxed * (1 + TOLERANCE) >= best[0]:
+            bar = -kept[0][0] if len(kept) == self.keep else INF
+            if relaxed * (1 + TOLERANCE) >= bar:
                 break
-            dp_lm, enc, llm, gen, values, taus = blocks[index]
-            e, l, g = np.unravel_index(flat, values.shape)
+            dp_lm, enc, llm, gen, block_values, taus = blocks[index]
+            e, l, g = np.unravel_index(flat, block_values.shape)
             m = self.batch // dp_lm
             picked, tau = (enc[e], llm[l], gen[g]), float(taus.flat[flat])
-            if best is not None and self._llm_bound(picked, tau, m) * (1 + TOLERANCE) >= best[0]:
+            if self._llm_bound(picked, tau, m) * (1 + TOLERANCE) >= bar:
                 continue
             recovered += 1
-            found = self._round(picked, tau, m)
-            if found is not None and (best is None or found[0] < best[0]):
-                best = (found[0], found[1], m, relaxed)
-        if best is None:
+            best_relaxed = min(best_relaxed, relaxed)
+            for estimate, choice in self._roundings(picked, tau, m):
+                if choice in seen:
+                    continue
+                seen.add(choice)
+                microbatches[choice] = m
+                entry = (-estimate, -len(seen), choice)
+                if len(kept) < self.keep:
+                    heapq.heappush(kept, entry)
+                elif entry > kept[0]:
+                    heapq.heapreplace(kept, entry)
+        if not kept:
             return None
-        estimate, keys, m, relaxed = best
-        units = {unit: UnitChoice(unit, tp, dp, pp, recompute, b) for unit, tp, dp, pp, recompute, b in keys}
-        return Orchestration(units, m, estimate, relaxed), recovered
+        ranked = sorted(((-t, c) for t, _, c in kept), key=lambda x: x[0])
+        return Orchestration(ranked, {c: microbatches[c] for _, c in ranked}, best_relaxed, {"recovered": recovered})
 
     def _llm_bound(self, picked: tuple[_Option, ...], tau: float, m: int) -> float:
         """A lower bound of every rounding of a sub-problem, cheaper than pricing them:
-        the LLM's own exact share of the iteration (its stages, its slowest stage m-1
-        more times, its p2p and gradient reduction) plus the encoder's and generator's
-        warm-up."""
-        keys = self._pp_keys("llm", picked[1], tau)
-        own = min(s[0] + (m - 1) * s[1] + s[2] + s[3] for s in map(self._unit_summary, keys))
-        return own + picked[0].F + picked[2].F
+        the LLM's own stages and hops (all of them once there and back, its slowest stage
+        m-1 more times) and its first stage's tail, which its last backward starts no
+        earlier than the encoder's backward before it ends, plus the encoder's and
+        generator's warm-up."""
+        bound = INF
+        for choice in self._pp_choices("llm", picked[1], tau, m):
+            summary = self.summary(choice)
+            own = sum(summary.fb) / choice.setting.vpp + sum(summary.trips[: choice.pp - 1]) + (m - 1) * max(summary.fb)
+            bound = min(bound, own + max(0.0, summary.tail[0] - picked[0].F))
+        return bound + picked[0].F + picked[2].F
 
-    def _pp_keys(self, unit: str, o: _Option, tau: float) -> list[tuple]:
-        """The unit's floor and ceil roundings of its relaxed PP, keyed (unit, tp, dp, pp,
-        recompute, micro-batch)."""
+    def _pp_choices(self, unit: str, o: _Option, tau: float, m: int) -> list[UnitChoice]:
+        """The unit's floor and ceil roundings of its relaxed PP, each with every
+        interleaving Megatron-LM runs there (self.vpps)."""
         n = max(o.low, o.a / tau) if tau > 0 else o.low
-        pp, blocks = n / (o.tp * o.dp), self.p.blocks(unit)
+        pp, blocks = n / (o.setting.tp * o.dp), self.p.blocks(unit)
         low, high = min(blocks, max(1, math.floor(pp + 1e-9))), min(blocks, max(1, math.ceil(pp - 1e-9)))
-        keys = [(unit, o.tp, o.dp, low, o.recompute, o.b)]
-        return keys if high == low else keys + [(unit, o.tp, o.dp, high, o.recompute, o.b)]
+        return [UnitChoice(unit, o.dp, p, o.b, replace(o.setting, vpp=v)) for p in sorted({low, high}) for v in self.vpps(unit, p, m)]
 
-    def _round(self, picked: tuple[_Option, ...], tau: float, m: int) -> tuple[float, tuple[tuple, ...]] | None:
-        """The best of the floor/ceil roundings of the relaxed PPs, priced exactly. A
-        choice is keyed (unit, tp, dp, pp, recompute, micro-batch)."""
-        best = None
-        for keys in itertools.product(*(self._pp_keys(unit, o, tau) for unit, o in zip(UNITS, picked))):
-            if sum(k[1] * k[2] * k[3] for k in keys) > self.N:
+    def _check_interleaving(self, unit: str, f: Fixed) -> None:
+        """A given interleaving needs two stages or more of vpp chunks, a block each at least."""
+        if f.vpp is None or f.vpp == 1:
+            return
+        blocks, least = self.p.blocks(unit), max(2, f.pp or 2)
+        if f.pp == 1 or least * f.vpp > blocks:
+            raise ConfigError(
+                f"strategy.{unit}.vpp={f.vpp}: interleaving takes pp >= 2 stages of {f.vpp} chunks, a block each at least, "
+                f"but {unit} has {blocks} blocks" + (f" and strategy.{unit}.pp={f.pp}" if f.pp is not None else "")
+            )
+
+    def vpps(self, unit: str, pp: int, m: int) -> list[int]:
+        """A unit's interleaving at pp stages in the recovery: the given one, else none
+        (self.interleavings offers the best choices' interleaved variants)."""
+        given = self.fixed[unit].vpp
+        if given is not None:
+            if given > 1 and (pp == 1 or m % pp or pp * given > self.p.blocks(unit)):
+                return []
+            return [given]
+        return [1]
+
+    def interleavings(self, choice: Choice, m: int) -> list[tuple[float, Choice]]:
+        """The choice with its LLM interleaved, where its vpp is searched: each vpp that
+        Megatron-LM runs (pp > 1, m a multiple of pp, pp x vpp dividing the blocks), at
+        most MAX_VPPS of them (the fewest chunks: each adds transfers), priced by the 1F1B
+        model. (The encoder and the generator, shallow, interleave by hand.)"""
+        enc, llm, gen = choice
+        blocks = self.p.blocks("llm")
+        if self.fixed["llm"].vpp is not None or llm.pp == 1 or m % llm.pp:
+            return []
+        out = []
+        for v in [v for v in range(2, blocks // llm.pp + 1) if blocks % (llm.pp * v) == 0][:MAX_VPPS]:
+            variant = (enc, replace(llm, setting=replace(llm.setting, vpp=v)), gen)
+            estimate = self.time(variant, m)
+            if estimate is not None:
+                out.append((estimate, variant))
+        return out
+
+    def _roundings(self, picked: tuple[_Option, ...], tau: float, m: int) -> list[tuple[float, Choice]]:
+        """The floor/ceil roundings of the relaxed PPs that fit, priced by the 1F1B model."""
+        out = []
+        enc, llm, gen = (self._pp_choices(unit, o, tau, m) for unit, o in zip(UNITS, picked))
+        for choice in itertools.product(enc, llm, gen):
+            if sum(c.devices for c in choice) > self.N:
                 continue
-            estimate = self._time(keys, m)
-            if estimate is not None and (best is None or estimate < best[0]):
-                best = (estimate, keys)
-        return best
+            estimate = self.time(choice, m)
+            if estimate is not None:
+                out.append((estimate, choice))
+        return out
 
-    # ---- exact pricing of one integer choice ---------------------------------------------
-    def exact(self, choices: dict[str, UnitChoice], m: int) -> float | None:
-        return self._time(tuple((u, c.tp, c.dp, c.pp, c.recompute, c.micro_batch) for u, c in ((u, choices[u]) for u in UNITS)), m)
+    # ---- pricing one integer choice --------------------------------------------------------
+    def stages(self, choice: UnitChoice) -> StageArrays:
+        return self.p.stages(choice.unit, choice.setting, choice.micro_batch, choice.dp, choice.pp)
 
-    def _time(self, keys: tuple[tuple, ...], m: int) -> float | None:
-        """The 1F1B iteration time of an integer choice, or None if a stage does not fit:
-        every micro-batch through every stage once, m-1 more at the slowest stage, the
-        p2p transfers, and the slowest gradient reduction. Stage g of the end-to-end
-        pipeline keeps min(depth - g, m) micro-batches in flight."""
-        ke, kl, kg = keys
-        e, l, g = self._unit_summary(ke), self._unit_summary(kl), self._unit_summary(kg)
-        depth = ke[3] + kl[3] + kg[3]
-        if depth > self._depth_limit(ke, m) or depth - ke[3] > self._depth_limit(kl, m) or kg[3] > self._depth_limit(kg, m):
-            return None
-        return e[0] + l[0] + g[0] + (m - 1) * max(e[1], l[1], g[1]) + e[2] + l[2] + g[2] + max(e[3], l[3], g[3])
-
-    def _unit_summary(self, key: tuple) -> tuple[float, float, float, float, tuple[float, ...]]:
-        """(sum of stage times, slowest stage, p2p, slowest gradient reduction, how many
-        micro-batches each stage can keep in flight) of one unit's choice."""
-        cached = self._summaries.get(key)
-        if cached is None:
-            unit, tp, dp, pp, recompute, b = key
-            stages = self.p.stages(unit, tp, b, recompute, dp, pp)
-            fb = stages.fb
-            kept = stages.activations * self.peak[unit]
+    def summary(self, choice: UnitChoice) -> _Summary:
+        found = self._summaries.get(choice)
+        if found is None:
+            stages = self.stages(choice)
+            kept = stages.kept * self.peak[choice.unit]
             with np.errstate(divide="ignore"):
                 caps = np.where(kept > 0, (self.usable - stages.states) / kept, np.where(stages.states <= self.usable, INF, -INF))
-            cached = self._summaries[key] = (
-                float(fb.sum()),
-                float(fb.max()),
-                pp * self.p.p2p(self.p.hop_bytes(unit, b)),
-                self.p.dp_reduce(float(stages.trainable.max()), dp),
-                tuple(caps.tolist()),
-            )
-        return cached
+            hops = self.p.hops(choice.unit, choice.setting, choice.micro_batch, choice.dp, choice.pp)
+            bwd = stages.bwd.reshape(-1, choice.pp).sum(axis=0)
+            found = _Summary(stages.fb.tolist(), bwd.tolist(), stages.tail.tolist(), [2 * h for h in hops], caps.tolist())
+            self._summaries[choice] = found
+        return found
 
-    def _depth_limit(self, key: tuple, m: int) -> float:
-        """The deepest pipeline (counted from the unit's first stage) whose in-flight
-        micro-batches fit every stage of the unit: stage i keeps min(depth - i, m)."""
-        cached = self._limits.get((key, m))
-        if cached is None:
-            cached = INF
-            for i, cap in enumerate(self._unit_summary(key)[4]):
-                if cap < 0:
-                    cached = -INF
-                    break
-                if cap < m:
-                    cached = min(cached, cap + i)
-            self._limits[(key, m)] = cached
-        return cached
+    def time(self, choice: Choice, m: int) -> float | None:
+        """The 1F1B model's iteration time of an integer choice (module docstring), or None
+        if a stage's memory does not hold the micro-batches in flight there."""
+        summaries = [self.summary(c) for c in choice]
+        depth = sum(c.pp for c in choice)
+        first = 0
+        for c, summary in zip(choice, summaries):
+            if depth - first > summary.depth_limit(m):
+                return None
+            first += c.pp
+        fb: list[float] = []
+        bwd: list[float] = []
+        tail: list[float] = []
+        trips: list[float] = []
+        chunks: list[int] = []
+        # Transfers after each stage, there and back: the unit's own hops, then a broker.
+        for c, summary, after in zip(choice, summaries, (*choice[1:], None)):
+            fb += summary.fb
+            bwd += summary.bwd
+            tail += summary.tail
+            trips += summary.trips[: c.pp - 1] + ([self.broker(c, after)] if after is not None else [])
+            chunks += [c.setting.vpp] * c.pp
+        return pipeline_time(fb, bwd, trips, tail, m, chunks)
 
-    def memory_gib(self, choices: dict[str, UnitChoice], m: int) -> dict[str, float]:
+    def broker(self, src: UnitChoice, dst: UnitChoice) -> float:
+        """Seconds of one micro-batch's hand-off between two units there and back
+        (programs.Broker): the side with fewer replicas sends or receives one message per
+        replica of the other in turn, and a receiving replica's lead broadcasts what it
+        got to its TP peers."""
+        return self.p.broker((src.unit, src.tp, src.dp, src.micro_batch), (dst.unit, dst.tp, dst.dp, dst.micro_batch))
+
+    def memory_gib(self, choice: Choice, m: int) -> dict[str, float]:
         """Each unit's fullest GPU, as the orchestration estimates it."""
-        depth = sum(c.pp for c in choices.values())
+        depth = sum(c.pp for c in choice)
         out, offset = {}, 0
-        for unit in UNITS:
-            c = choices[unit]
-            stages = self.p.stages(unit, c.tp, c.micro_batch, c.recompute, c.dp, c.pp)
+        for c in choice:
+            stages = self.stages(c)
             flight = np.minimum(depth - offset - np.arange(c.pp), m)
-            out[unit] = float((stages.states + flight * self.peak[unit] * stages.activations).max()) / GIB
+            out[c.unit] = float((stages.states + flight * self.peak[c.unit] * stages.kept).max()) / GIB
             offset += c.pp
         return out
 
     # ---- why nothing fits ----------------------------------------------------------------
-    def _no_plan(self) -> ConfigError:
+    def _no_plan(self) -> PlanError:
         """One line with the numbers: a unit no allocation holds, or too few GPUs."""
         usable = self.usable / GIB
         least: dict[str, float] = {}
         for unit in UNITS:
             fewest = INF
             closest = INF
+            blocks = self.p.blocks(unit)
+            lightest = None
             for tp in self._tps(unit):
-                blocks = self.p.blocks(unit)
-                for recompute in self.modes:
-                    cost = self.p.whole(unit, tp, 1, recompute, 1)
-                    kept = self.peak[unit] * cost.activations
-                    need = cost.states / blocks + kept
-                    closest = min(closest, need)
+                for setting in self.settings(unit, tp, 1):
+                    cost = self.p.whole(unit, setting, 1, 1)
+                    kept = self.peak[unit] * float(cost.kept[0])
+                    need = float(cost.states[0]) / blocks + kept
+                    if need < closest:
+                        closest, lightest = need, setting
                     room = self.usable - kept
-                    if room > 0 and cost.states / room <= blocks:
-                        fewest = min(fewest, tp * max(1, math.ceil(cost.states / room)))
+                    if room > 0 and float(cost.states[0]) / room <= blocks:
+                        fewest = min(fewest, tp * max(1, math.ceil(float(cost.states[0]) / room)))
             if fewest == INF:
+                assert lightest is not None, "every unit has a setting"
                 return PlanError(
-                    f"disttrain: unit {unit} fits no allocation: even at tp={max(self._tps(unit))} "
-                    f"pp={self.p.blocks(unit)} (one block per stage) with {self.modes[-1]} recompute "
-                    f"its fullest stage needs {closest / GIB:.1f} GiB for one sequence, a "
+                    f"disttrain: unit {unit} fits no allocation: even at pp={blocks} (one block per stage) with "
+                    f"{lightest.describe()} its fullest stage needs {closest / GIB:.1f} GiB for one sequence, a "
                     f"{self.p.cluster.device} has {usable:.1f} GiB usable"
                 )
             least[unit] = fewest
@@ -439,12 +611,54 @@ class Orchestrator:
         )
 
 
+def pipeline_time(
+    fb: list[float], bwd: list[float], trips: list[float], tail: list[float], m: int, chunks: list[int] | None = None
+) -> float:
+    """One iteration of an end-to-end 1F1B pipeline of stages taking fb seconds per
+    micro-batch (bwd of it backward), with trips[g] seconds of transfers there and back
+    between stages g and g + 1, and tail[g] seconds of end-of-iteration work: the first
+    micro-batch through every stage and back, then m - 1 periods of the steady state, in
+    which stage g covers its micro-batch's round trip through the stages after it with
+    the min(depth - g, m) micro-batches 1F1B keeps in flight there; then the stage whose
+    tail ends last (stage g ends its last backward the stages' backwards and transfers
+    before it earlier than stage 0). A stage of chunks[g] > 1 virtual stages (interleaved
+    1F1B) fills and drains the pipeline a chunk at a time: it adds fb / chunks to the
+    first micro-batch's way, and its steady state runs m - 1 / chunks periods. Plain
+    Python: its lists are short, and the orchestration prices thousands of them."""
+    depth = len(fb)
+    chunks = chunks or [1] * depth
+    period = after = way = 0.0
+    slowest = 1
+    for g in range(depth - 1, -1, -1):
+        after += fb[g] + (trips[g] if g < depth - 1 else 0.0)
+        way += fb[g] / chunks[g] + (trips[g] if g < depth - 1 else 0.0)
+        flight = min(depth - g, m)
+        here = max(fb[g], after / flight)
+        if here > period:
+            period, slowest = here, chunks[g]
+    drain, ends = 0.0, 0.0
+    for g in range(depth):
+        ends = max(ends, tail[g] - drain)
+        if g < depth - 1:
+            drain += bwd[g] / chunks[g] + trips[g] / 2
+    return way + (m - 1 / slowest) * period + ends
+
+
 def solve_relaxed(
-    a: np.ndarray, low: np.ndarray, high: np.ndarray, beta: np.ndarray, warm: np.ndarray, k: float, n: float
+    a: np.ndarray,
+    low: np.ndarray,
+    high: np.ndarray,
+    beta: np.ndarray,
+    warm: np.ndarray,
+    k: float | np.ndarray,
+    n: float,
+    gamma: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The closed-form optimum (module docstring) of many sub-problems at once. Arrays
-    a, low, high, beta are (3, ...): one row per unit. Returns (optimal value, tau), inf
-    where infeasible."""
+    a, low, high, beta (and gamma, the tails' coefficients) are (3, ...): one row per
+    unit; warm and k (one per sub-problem or shared) are (...). Returns (optimal value,
+    tau), inf where infeasible."""
+    k = np.broadcast_to(np.asarray(k, dtype=float), warm.shape)
     with np.errstate(divide="ignore", invalid="ignore"):
         feasible = (low.sum(axis=0) <= n + 1e-9) & np.all(low <= high + 1e-9, axis=0)
         breaks = a / low  # n_u = low_u for tau >= a_u / low_u
@@ -464,12 +678,16 @@ def solve_relaxed(
         start = np.maximum(cross, lower)
         start = np.where(start < upper * (1 + 1e-12), start, INF)
         tau_lo = np.maximum(start.min(axis=0), (a / high).max(axis=0))
-        # Candidates: tau_lo, every breakpoint, every piece's stationary point sqrt(S_beta / K).
-        stationary = np.sqrt(top_ba / k) if k > 0 else np.broadcast_to(bp[:1], top_ba.shape)
-        candidates = np.concatenate([tau_lo[None], bp, stationary])
+        # Candidates: tau_lo, every breakpoint, every piece's stationary point sqrt(S_beta / K)
+        # (and sqrt(S_beta / (K + gamma_u / a_u)) where a unit's tail gamma_u / n_u grows with tau).
+        slopes = [k] if gamma is None else [k, k + (gamma / a).max(axis=0)]
+        stationary = [np.where(slope > 0, np.sqrt(top_ba / slope), bp[:1]) for slope in slopes]
+        candidates = np.concatenate([tau_lo[None], bp, *stationary])
         candidates = np.maximum(candidates, tau_lo[None])
         counts = np.maximum(low[None], a[None] / candidates[:, None])
-        values = warm[None] + (beta[None] * counts).sum(axis=1) + k * candidates
+        values = warm[None] + (beta[None] * counts).sum(axis=1) + k[None] * candidates
+        if gamma is not None:
+            values = values + (gamma[None] / counts).max(axis=1)
         best = values.argmin(axis=0)
         value = np.take_along_axis(values, best[None], axis=0)[0]
         tau = np.take_along_axis(candidates, best[None], axis=0)[0]

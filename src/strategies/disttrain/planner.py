@@ -14,26 +14,27 @@ strategy.llm.tp=8 ...); the Program is strategies.disttrain.programs'.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 from src.cluster import GIB
 from src.config import options_from
-from src.costmodel.memory import check_memory_options, rank_memory
+from src.costmodel.memory import check_memory_options
 from src.data.interleaved import InterleavedData, encoder_cost, generator_cost, relative_loads
-from src.data.reorder import StageTimes
 from src.errors import ConfigError, PlanError
 from src.models.spec import ModelSpec
-from src.program import Plan, UnitPlan, compress_ranks
+from src.program import RECOMPUTE_MODES, Plan, compress_ranks
 from src.strategies.base import PlanRequest, check_microbatch_count
-from src.strategies.disttrain.data import REORDERS, Assignment, assign, unit_loads
-from src.strategies.disttrain.orchestration import UNITS, Fixed, Orchestration, Orchestrator
+from src.strategies.disttrain.data import REORDERS
+from src.strategies.disttrain.orchestration import UNITS, Fixed, Orchestrator
 from src.strategies.disttrain.profile import Profiler
-from src.strategies.disttrain.programs import UnitLayout, disttrain_program, place
+from src.strategies.disttrain.search import RANKED, SIMULATED, BatchLoads, Candidate, Decision, memory_problem
 
 ORCHESTRATIONS = ("disaggregated", "ratio")
 DATA = ("interleaved", "uniform")
-UNIT_KEYS = ("tp", "pp", "dp")
+UNIT_KEYS = tuple(f.name for f in fields(Fixed))
+POSITIVE = ("tp", "pp", "dp", "vpp")
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class DistTrainOptions:
     reorder: str = "both"
     tp_overlap_chunks: int = 4
     recompute: str | None = None
-    zero_stage: int = 1
+    zero_stage: int | None = None
     encoder: Mapping[str, Any] | None = field(default=None)
     llm: Mapping[str, Any] | None = field(default=None)
     generator: Mapping[str, Any] | None = field(default=None)
@@ -55,19 +56,32 @@ class DistTrainOptions:
         chunks = self.tp_overlap_chunks
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
             raise ConfigError(f"strategy.tp_overlap_chunks must be a positive integer (1 = no overlap), got {chunks!r}")
-        check_memory_options(self.recompute, self.zero_stage, "DistTrain shards the optimizer with ZeRO-1")
-        if self.zero_stage is None:
-            raise ConfigError("strategy.zero_stage must be 0 or 1 (DistTrain uses ZeRO-1)")
+        check_memory_options(self.recompute, self.zero_stage, "DistTrain's units run Megatron-LM's distributed optimizer (ZeRO-1)")
 
     def fixed(self, unit: str) -> Fixed:
+        """A unit's options given by hand; the strategy-wide recompute and zero_stage
+        stand for every unit that does not set its own."""
         given = dict(getattr(self, unit, None) or {})
         unknown = sorted(set(given) - set(UNIT_KEYS))
         if unknown:
             raise ConfigError(f"strategy.{unit} has unknown key(s) {unknown}; valid: {list(UNIT_KEYS)}")
-        for key, value in given.items():
+        for key in POSITIVE:
+            value = given.get(key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise ConfigError(f"strategy.{unit}.{key} must be a positive integer or null, got {value!r}")
-        return Fixed(**{key: given.get(key) for key in UNIT_KEYS})
+        for key in ("sequence_parallel", "scatter_gather"):
+            value = given.get(key)
+            if value is not None and not isinstance(value, bool):
+                raise ConfigError(f"strategy.{unit}.{key} must be true, false or null, got {value!r}")
+        if given.get("recompute") not in (None, *RECOMPUTE_MODES):
+            raise ConfigError(f"strategy.{unit}.recompute={given['recompute']!r}; choose one of {list(RECOMPUTE_MODES)} or null")
+        if given.get("zero_stage") not in (None, 0, 1):
+            raise ConfigError(
+                f"strategy.{unit}.zero_stage={given['zero_stage']!r}: 0, 1 (Megatron-LM's distributed optimizer) or null"
+            )
+        recompute = given.get("recompute") or self.recompute
+        zero = self.zero_stage if given.get("zero_stage") is None else given["zero_stage"]
+        return Fixed(**{key: given.get(key) for key in UNIT_KEYS} | {"recompute": recompute, "zero_stage": zero})
 
 
 def _check_model(model: ModelSpec) -> None:
@@ -77,20 +91,6 @@ def _check_model(model: ModelSpec) -> None:
             f"strategy=disttrain trains an encoder -> llm -> generator MLLM (model=mllm_9b, mllm_15b, "
             f"mllm_72b); model {model.name} has units {list(names)}"
         )
-
-
-@dataclass(frozen=True)
-class BatchLoads:
-    """Each sequence of the step's batch: its encoder and generator loads (against the
-    batch's mean sequence) and its size (encoder + generator seconds at nominal)."""
-
-    encoder: tuple[float, ...]
-    generator: tuple[float, ...]
-    images: tuple[int, ...]
-
-    @property
-    def peak(self) -> dict[str, float]:
-        return {"encoder": max(self.encoder), "llm": 1.0, "generator": max(self.generator)}
 
 
 def _batch_loads(model: ModelSpec, seed: int, batch: int, data: str) -> BatchLoads:
@@ -125,114 +125,74 @@ def plan_disttrain(request: PlanRequest) -> Plan:
         -(-train.global_batch // cluster.devices), 1, f"global batch {train.global_batch} over at most {cluster.devices} LLM replicas"
     )
     loads = _batch_loads(model, train.seed, train.global_batch, opts.data)
-    profiler = Profiler(model, cluster, train.precision, opts.zero_stage, opts.tp_overlap_chunks)
-    orchestrator = Orchestrator(
-        profiler,
-        train.global_batch,
-        cluster.devices,
-        {u: opts.fixed(u) for u in UNITS},
-        opts.recompute,
-        opts.orchestration,
-        loads.peak,
-    )
-    orchestration = orchestrator.solve()
-    assignment = _assignment(opts.reorder, orchestration, profiler, loads)
-    layouts = place([_layout(orchestration, profiler, u, assignment, loads, opts.zero_stage) for u in UNITS])
-    program, brokers = disttrain_program(
-        model, cluster, train.precision, train.global_batch, orchestration.microbatches, layouts, opts.tp_overlap_chunks
-    )
-    by_unit = {u.unit: u for u in layouts}
-    units = [_unit_plan(cluster, by_unit[u], orchestration) for u in UNITS]
-    memory = _check_memory(request, program, units)
-    search = orchestration.search
+    profiler = Profiler(model, cluster, train.precision, opts.tp_overlap_chunks)
+    fixed = {u: opts.fixed(u) for u in UNITS}
+
+    orchestrator = Orchestrator(profiler, train.global_batch, cluster.devices, fixed, opts.orchestration, loads.peak, RANKED)
+    found = orchestrator.solve()
+    decision = Decision(request, orchestrator, loads, opts.reorder, opts.tp_overlap_chunks)
+    candidates = [Candidate(c, found.microbatches[c], t, opts.orchestration) for t, c in found.choices]
+    m = found.microbatches[found.best]
+    candidates += [Candidate(c, m, t, f"{opts.orchestration}, interleaved") for t, c in orchestrator.interleavings(found.best, m)]
+    ratio = None
+    if opts.orchestration != "ratio":
+        # The ratio-based plan is simulated beside ours: DistTrain's is never slower.
+        try:
+            found_ratio = orchestrator.with_mode("ratio", 1).solve()
+        except (ConfigError, PlanError):
+            found_ratio = None
+        if found_ratio is not None and found_ratio.best not in found.microbatches:
+            best_ratio = found_ratio.best
+            ratio = Candidate(best_ratio, found_ratio.microbatches[best_ratio], found_ratio.choices[0][0], "ratio")
+    for candidate in candidates + ([ratio] if ratio else []):
+        decision.estimate(candidate)
+    ranked = sorted((c for c in candidates if math.isfinite(c.estimate_s)), key=lambda c: c.estimate_s)
+    chosen = ranked[:SIMULATED] + ([ratio] if ratio and math.isfinite(ratio.estimate_s) else [])
+    if ratio is not None:
+        candidates.append(ratio)
+    if not chosen:
+        raise PlanError(
+            f"disttrain: none of the orchestration's {len(candidates)} best choices holds in memory the forwards its "
+            f"schedule keeps in flight (the best: {candidates[0].describe()})"
+        )
+    for candidate in chosen:
+        decision.build(candidate)
+        if decision.fits(candidate):
+            decision.simulate(candidate)
+    simulated = [c for c in chosen if c.simulated_s is not None]
+    if not simulated:
+        raise PlanError(memory_problem(request, min(chosen, key=lambda c: c.estimate_s)))
+    best = min(simulated, key=lambda c: c.simulated_s or math.inf)
+    assert best.program is not None and best.assignment is not None
+    search = found.search | {
+        "ranked": len(candidates),
+        "simulated": len(simulated),
+        "candidates": [c.record() for c in sorted(candidates, key=lambda c: (c.simulated_s is None, c.simulated_s or c.estimate_s))],
+    }
     details = {
         "orchestration": opts.orchestration,
         "data": opts.data,
         "reorder": opts.reorder,
         "tp_overlap_chunks": opts.tp_overlap_chunks,
-        "microbatches": orchestration.microbatches,
-        "brokers": [b.as_dict() | {"ranks": compress_ranks(b.ranks)} for b in brokers],
-        "estimate_s": round(orchestration.estimate_s, 6),
-        "relaxed_s": round(orchestration.relaxed_s, 6),
+        "microbatches": best.microbatches,
+        "brokers": [b.as_dict() | {"ranks": compress_ranks(b.ranks)} for b in best.brokers],
+        "estimate_s": round(best.estimate_s, 6),
+        "model_s": round(best.model_s, 6),
+        "relaxed_s": round(found.relaxed_s, 6),
+        "simulated_s": best.simulated_s,
+        "picked_from": best.origin,
         "search": search,
         "images_per_sequence": {"mean": sum(loads.images) / len(loads.images), "max": max(loads.images)},
-        "sample_order": list(assignment.positions),
-        "memory_gib": memory,
-        "idle_devices": cluster.devices - program.world_size,
+        "sample_order": list(best.assignment.positions),
+        "memory_gib": {unit: round(need / GIB, 3) for unit, (need, _) in best.memory.items()},
+        "idle_devices": cluster.devices - best.program.world_size,
     }
     return Plan(
         strategy="disttrain",
-        devices=program.world_size,
-        units=units,
-        program=program,
+        devices=best.program.world_size,
+        units=best.units,
+        program=best.program,
         precision=request.train.precision,
         details=details,
-        sample_order=assignment.positions,
+        sample_order=best.assignment.positions,
     )
-
-
-def _assignment(reorder: str, orchestration: Orchestration, profiler: Profiler, loads: BatchLoads) -> Assignment:
-    units = orchestration.units
-    stages = {u: profiler.stages(u, c.tp, c.micro_batch, c.recompute, c.dp, c.pp) for u, c in units.items()}
-    per_sequence = {u: float(stages[u].fb.sum()) / units[u].micro_batch for u in ("encoder", "generator")}
-    sizes = [per_sequence["encoder"] * e + per_sequence["generator"] * g for e, g in zip(loads.encoder, loads.generator)]
-
-    def slot_times(enc: float, gen: float) -> StageTimes:
-        scale = {"encoder": enc, "llm": 1.0, "generator": gen}
-        fwd = tuple(f * scale[u] for u in UNITS for f in stages[u].fwd.tolist())
-        bwd = tuple(b * scale[u] for u in UNITS for b in stages[u].bwd.tolist())
-        return StageTimes(fwd, bwd)
-
-    return assign(
-        reorder, sizes, loads.encoder, loads.generator, units["llm"].dp, units["encoder"].dp, units["generator"].dp, slot_times
-    )
-
-
-def _layout(
-    orchestration: Orchestration, profiler: Profiler, unit: str, assignment: Assignment, loads: BatchLoads, zero_stage: int
-) -> UnitLayout:
-    c = orchestration.units[unit]
-    per_sequence = {"encoder": loads.encoder, "generator": loads.generator}.get(unit)
-    m = orchestration.microbatches
-    unit_load = ((1.0,) * m,) * c.dp if per_sequence is None else unit_loads(assignment, per_sequence, c.dp, m)
-    return UnitLayout(unit, c.tp, c.dp, c.pp, c.micro_batch, profiler.layers(unit, c.pp), c.recompute, zero_stage, 0, unit_load)
-
-
-def _unit_plan(cluster, layout: UnitLayout, orchestration: Orchestration) -> UnitPlan:
-    mesh = layout.mesh
-    m = orchestration.microbatches
-    return UnitPlan(
-        unit=layout.unit,
-        mesh=mesh,
-        micro_batch=layout.micro_batch,
-        num_microbatches=m,
-        batch_per_replica=m * layout.micro_batch,
-        stage_layers=layout.stages,
-        sample_groups=m,
-        zero_stage=layout.zero_stage,
-        recompute=layout.recompute,
-        details={
-            "nodes": compress_ranks(tuple(sorted({cluster.node_of(r) for r in mesh.ranks}))),
-            "max_load": round(max(max(row) for row in layout.loads), 3),
-        },
-    )
-
-
-def _check_memory(request: PlanRequest, program, units: list[UnitPlan]) -> dict[str, float]:
-    """Every rank class's memory as the Program holds it (loads included); a plan that
-    does not fit is an error with its numbers."""
-    by_name = {u.unit: u for u in units}
-    worst: dict[str, tuple[float, str]] = {}
-    for rank_program in program.classes:
-        need = rank_memory(rank_program, by_name, request.model, request.train.precision)["total"]
-        unit = rank_program.units[0]
-        if need > worst.get(unit, (0.0, ""))[0]:
-            worst[unit] = (need, rank_program.label)
-    usable = request.cluster.usable_memory_bytes
-    for unit, (need, label) in worst.items():
-        if need > usable:
-            raise PlanError(
-                f"disttrain: {label} needs {need / GIB:.1f} GiB but a {request.cluster.device} has "
-                f"{usable / GIB:.1f} GiB usable, short by {(need - usable) / GIB:.1f} GiB"
-            )
-    return {unit: round(need / GIB, 3) for unit, (need, _) in worst.items()}

@@ -1,12 +1,20 @@
 """DistTrain's performance profile of each unit, priced by our cost model.
 
 DistTrain profiles every module in trial runs and interpolates linearly (§3); we price
-the same quantities with the cost model instead: for one unit at a TP degree and a
-recompute mode, every layer's forward and backward seconds (the Work items the Program
-will hold), its TP all-reduces inside a node, its activation bytes and parameters, at
-micro-batches of 1, 2, 4, ... sequences, interpolated linearly in between (GEMM time is
-affine in the rows once they fill the GPU). Stages are cut at block boundaries and
-priced from prefix sums.
+the same quantities with the cost model instead: for one unit at a TP degree, with or
+without sequence parallelism, per recompute mode, every layer's forward and backward
+seconds (the Work items the Program will hold), its TP all-reduces, its activation
+bytes and parameters, at micro-batches of 1, 2, 4, ... sequences, interpolated linearly
+in between (GEMM time is affine in the rows once they fill the GPU). Stages are cut at
+block boundaries and priced from prefix sums.
+
+A unit is Megatron-LM inside (DistTrain §7), with Megatron-LM's options per unit
+(`Setting`): sequence parallelism, the pipeline's scatter/gather, the distributed
+optimizer, recomputation and interleaving (vpp virtual stages per pipeline stage).
+What the options change is priced as the Program runs them: a boundary's transfer as
+`stages.stage_transfer` moves it (over the links its pipeline's pairs share), a stage's
+end-of-iteration gradient reduction, optimizer step and parameter gather as
+`emit.iteration_tail` emits them.
 
 TP overlap (StepCCL, DistTrain §7) prices a pass as the Program runs it: `n` row chunks
 whose collectives run under the next chunk's GEMMs, max(C_n + X/n, C_n/n + X) for
@@ -22,61 +30,83 @@ import numpy as np
 
 from src.cluster import ClusterSpec
 from src.costmodel.comm import CommModel
-from src.costmodel.compute import ComputeModel
+from src.costmodel.compute import ADAM_BYTES_PER_PARAM, ComputeModel
 from src.costmodel.memory import element_bytes, grad_bytes, model_state_bytes
-from src.mesh import tensor_parallel
+from src.mesh import Sharding, tensor_parallel
+from src.models.flows import flows_of
 from src.models.spec import ModelSpec
 from src.program import RECOMPUTE_MODES, Phase, Work
-from src.strategies.builders.stages import block_cuts, boundary_elems
+from src.strategies.builders.stages import block_cuts, boundary_elems, stage_transfer
 
 TP_DEGREES = (1, 2, 4, 8)
 
 
 @dataclass(frozen=True)
-class StageCost:
-    layers: tuple[int, int]
-    fwd: float
-    bwd: float
-    states: float  # bytes of model states per GPU (ZeRO over the unit's DP)
-    activations: float  # bytes one micro-batch leaves on one GPU until its backward
+class Setting:
+    """One unit's Megatron-LM options: what its stages, transfers and memory depend on
+    besides its degrees."""
+
+    tp: int
+    recompute: str = "none"
+    sequence_parallel: bool = False
+    zero_stage: int = 1
+    scatter_gather: bool = True
+    vpp: int = 1
 
     @property
-    def fb(self) -> float:
-        return self.fwd + self.bwd
+    def sharding(self) -> Sharding:
+        return tensor_parallel(self.tp, self.sequence_parallel)
+
+    def describe(self) -> str:
+        return (
+            f"tp={self.tp} recompute={self.recompute} sp={'on' if self.sequence_parallel else 'off'} "
+            f"zero={self.zero_stage} sg={'on' if self.scatter_gather else 'off'} vpp={self.vpp}"
+        )
 
 
 @dataclass(frozen=True)
 class StageArrays:
-    """A unit's pipeline stages, one entry per stage."""
+    """A unit's pipeline: per virtual stage (pp x vpp of them, in model order; virtual
+    stage v runs on pipeline stage v % pp) its seconds and activations per micro-batch,
+    per pipeline stage its model states and end-of-iteration seconds."""
 
     layers: tuple[tuple[int, int], ...]
     fwd: np.ndarray
     bwd: np.ndarray
-    states: np.ndarray  # bytes of model states per GPU
-    activations: np.ndarray  # bytes one micro-batch keeps per GPU until its backward
-    trainable: np.ndarray  # trainable parameters per GPU
+    activations: np.ndarray  # bytes one micro-batch keeps on one GPU until its backward
+    states: np.ndarray  # per stage: bytes of model states per GPU
+    trainable: np.ndarray  # per stage: trainable parameters per GPU
+    tail: np.ndarray  # per stage: gradient reduction, optimizer step, parameter gather
+
+    @property
+    def pp(self) -> int:
+        return len(self.states)
 
     @property
     def fb(self) -> np.ndarray:
-        return self.fwd + self.bwd
+        """Per pipeline stage: forward and backward of one micro-batch through all its chunks."""
+        return (self.fwd + self.bwd).reshape(-1, self.pp).sum(axis=0)
+
+    @property
+    def kept(self) -> np.ndarray:
+        """Per pipeline stage: activations of one micro-batch through all its chunks."""
+        return self.activations.reshape(-1, self.pp).sum(axis=0)
 
 
 # Rows of a unit's profile table: per-layer prefix sums (column i: layers [0, i)).
-FWD, BWD, COMM, ACT, TRAINABLE, FIXED = range(6)
+FWD, BWD, LATENCY, TRANSFER, ACT, TRAINABLE, FIXED = range(7)
 
 
 class Profiler:
-    def __init__(self, model: ModelSpec, cluster: ClusterSpec, precision: str, zero_stage: int, overlap_chunks: int) -> None:
+    def __init__(self, model: ModelSpec, cluster: ClusterSpec, precision: str, overlap_chunks: int) -> None:
         self.model, self.cluster, self.precision = model, cluster, precision
-        self.zero_stage, self.chunks = zero_stage, overlap_chunks
+        self.chunks = overlap_chunks
         self.compute = ComputeModel(cluster, precision)
         self.comm = CommModel(cluster)
         self.act_bytes = element_bytes(precision)
         self.grad_bytes = grad_bytes(precision)
-        self._grids: dict[tuple[str, int, int], dict[str, np.ndarray]] = {}
-        self.profile_s = 0.0
+        self._grids: dict[tuple[str, int, bool, int], dict[str, np.ndarray]] = {}
         self.stages = lru_cache(maxsize=None)(self._stages)
-        self.whole = lru_cache(maxsize=None)(self._whole)
 
     def tp_degrees(self, unit: str) -> list[int]:
         """TP inside one node, dividing a transformer's heads (a U-Net's TP splits channels)."""
@@ -86,40 +116,39 @@ class Profiler:
 
     @lru_cache(maxsize=None)
     def blocks(self, unit: str) -> int:
-        """The most pipeline stages a unit can be cut into (one block each)."""
+        """The most virtual pipeline stages a unit can be cut into (one block each)."""
         spec = self.model.unit(unit)
         return sum(1 for layer in spec.layers if layer.tp_allreduces > 0) or spec.num_layers
 
     @lru_cache(maxsize=None)
-    def cuts(self, unit: str, pp: int) -> np.ndarray:
-        """[start, end) layers of each of pp stages, cut at block boundaries."""
-        return np.array(block_cuts(self.model.unit(unit), pp, uneven=True, what="pp"))
+    def cuts(self, unit: str, parts: int) -> tuple[tuple[int, int], ...]:
+        """[start, end) layers of each of `parts` virtual stages, cut at block boundaries."""
+        return tuple(block_cuts(self.model.unit(unit), parts, uneven=True, what="pp"))
 
     # ---- the profile -----------------------------------------------------------------------
-    def _grid(self, unit: str, tp: int, size: int) -> dict[str, np.ndarray]:
-        """The profile table of a unit at one TP degree and micro-batch `size` (rows FWD
-        ... FIXED: compute seconds as the pass runs them, TP all-reduce seconds, bytes
-        kept per sequence, trainable and frozen parameters per TP rank), per recompute
-        mode."""
-        key = (unit, tp, size)
+    def _grid(self, unit: str, tp: int, sequence_parallel: bool, size: int) -> dict[str, np.ndarray]:
+        """The profile table of a unit at one sharding and micro-batch `size` (rows FWD
+        ... FIXED: compute seconds as the pass runs them, its TP all-reduces' latency and
+        transfer seconds, bytes kept per sequence, trainable and frozen parameters per TP
+        rank), per recompute mode."""
+        key = (unit, tp, sequence_parallel and tp > 1, size)
         if key not in self._grids:
-            self._grids[key] = self._price(unit, tp, size)
+            self._grids[key] = self._price(unit, tensor_parallel(tp, sequence_parallel), size)
         return self._grids[key]
 
-    def _price(self, unit: str, tp: int, size: int) -> dict[str, np.ndarray]:
+    def _price(self, unit: str, sharding: Sharding, size: int) -> dict[str, np.ndarray]:
         spec, model = self.model.unit(unit), self.model
-        sharding = tensor_parallel(tp)
+        tp = sharding.degree("tp")
         chunks = self.chunks if tp > 1 else 1
-        group = tuple(range(tp))
         backward = model.needs_backward(unit)
         count = spec.num_layers
-        columns = {r: np.zeros((4, count)) for r in RECOMPUTE_MODES}  # fwd, bwd, comm, act
+        columns = {r: np.zeros((5, count)) for r in RECOMPUTE_MODES}  # fwd, bwd, latency, transfer, act
         memo: dict[tuple, dict[str, tuple]] = {}
         for i, layer in enumerate(spec.layers):
             kept = not layer.forward_only and (spec.trains(layer) or model.needs_input_grad(unit, i))
             key = (id(layer), kept, model.needs_input_grad(unit, i), spec.trains(layer))
             if key not in memo:
-                memo[key] = self._layer(unit, i, size, sharding, chunks, group, backward, kept)
+                memo[key] = self._layer(unit, i, size, sharding, chunks, backward, kept)
             for r, values in memo[key].items():
                 columns[r][:, i] = values
         trainable = np.array([spec.trainable_params(i, i + 1) / tp for i in range(count)])
@@ -131,98 +160,213 @@ class Profiler:
         return out
 
     def _layer(
-        self, unit: str, index: int, size: int, sharding, chunks: int, group: tuple[int, ...], backward: bool, kept: bool
-    ) -> dict[str, tuple[float, float, float, float]]:
-        """(forward, backward, TP all-reduce seconds, activation bytes per sequence) of one
-        layer for `size` sequences, per recompute mode."""
+        self, unit: str, index: int, size: int, sharding: Sharding, chunks: int, backward: bool, kept: bool
+    ) -> dict[str, tuple[float, float, float, float, float]]:
+        """(forward, backward, TP all-reduce latency and transfer seconds, activation bytes
+        per sequence) of one layer for `size` sequences, per recompute mode."""
         layer = self.model.unit(unit).layers[index]
         span = (index, index + 1)
+        tp = sharding.degree("tp")
 
         def seconds(phase: Phase, recompute: str = "none") -> float:
             work = Work(unit, phase, size, span, sharding=sharding, recompute=recompute, fraction=1.0 / chunks)
             return chunks * self.compute.work_time(work, self.model)
 
         fwd = seconds("fwd")
-        comm = (
-            layer.tp_allreduces * self.comm.collective_time("all_reduce", group, layer.tp_comm_elems * size * self.act_bytes)
-            if layer.tp_allreduces
-            else 0.0
-        )
+        latency = transfer = 0.0
+        if layer.tp_allreduces and tp > 1:
+            group = tuple(range(tp))
+            latency, transfer = self.comm.collective_parts("all_reduce", group, layer.tp_comm_elems * size * self.act_bytes)
+            latency, transfer = layer.tp_allreduces * latency, layer.tp_allreduces * transfer
         return {
             r: (
                 fwd,
                 seconds("bwd", r) if backward else 0.0,
-                comm,
+                latency,
+                transfer,
                 layer.activations.per_device(sharding, r) if kept and backward else 0.0,
             )
             for r in RECOMPUTE_MODES
         }
 
     # ---- stages from the profile -----------------------------------------------------------
-    def _pass(self, compute: np.ndarray, comm: np.ndarray, tp: int) -> np.ndarray:
+    def _pass(self, compute: np.ndarray, latency: np.ndarray, transfer: np.ndarray, tp: int) -> np.ndarray:
+        """A stage's pass as emit.segment_pass runs it: compute, then its TP collectives on
+        the compute stream; or StepCCL's n row chunks, each chunk's collectives (each with
+        its whole latency and 1/n of the transfer) on their own stream under the next
+        chunk's compute, which runs at the share of the SMs they leave it."""
         n = self.chunks if tp > 1 else 1
         if n == 1:
-            return compute + comm
-        return np.where(comm > 0, np.maximum(compute + comm / n, compute / n + comm), compute)
+            return compute + latency + transfer
+        share = 1.0 - self.cluster.collective_sm_fraction
+        part, comm = compute / n, latency + transfer / n
+        done = part.copy()  # the first chunk's compute ends
+        landed = done + comm  # and its collectives
+        for _ in range(n - 1):
+            under = np.maximum(landed - done, 0.0)  # collectives still running as the next chunk starts
+            slowed = done + part / share if share > 0 else np.full_like(done, np.inf)
+            done = np.where(share * under >= part, slowed, done + part + (1.0 - share) * under)
+            landed = np.maximum(done, landed) + comm
+        return np.where(latency + transfer > 0, landed, compute)
 
     @lru_cache(maxsize=None)
-    def _state_coefficients(self, dp: int) -> tuple[float, float]:
+    def _state_coefficients(self, zero_stage: int, dp: int) -> tuple[float, float]:
         """Bytes per trainable and per frozen parameter on one GPU (ZeRO over dp)."""
-        trainable, frozen = (sum(model_state_bytes(1.0, self.precision, f, self.zero_stage, dp).values()) for f in (False, True))
+        trainable, frozen = (sum(model_state_bytes(1.0, self.precision, f, zero_stage, dp).values()) for f in (False, True))
         return trainable, frozen
 
-    def _stages(self, unit: str, tp: int, b: int, recompute: str, dp: int, pp: int) -> StageArrays:
-        """Every stage of the unit cut into pp (block boundaries, unequal depths allowed),
-        for micro-batches of b sequences: priced at the powers of two around b and
-        interpolated linearly."""
-        cuts = self.cuts(unit, pp)
+    def _stages(self, unit: str, setting: Setting, b: int, dp: int, pp: int) -> StageArrays:
+        """Every virtual stage of the unit cut into pp x vpp (block boundaries, unequal
+        depths allowed), for micro-batches of b sequences."""
+        tp, vpp = setting.tp, setting.vpp
+        fwd, bwd, act, trainable, fixed = self._passes(unit, tp, setting.sequence_parallel, setting.recompute, b, pp * vpp)
+        per_trainable, per_fixed = self._state_coefficients(setting.zero_stage, dp)
+        states = (per_trainable * trainable + per_fixed * fixed).reshape(vpp, pp).sum(axis=0)
+        tail = self._tails(unit, tp, setting.zero_stage, dp, pp, vpp)
+        return StageArrays(self.cuts(unit, pp * vpp), fwd, bwd, act, states, trainable.reshape(vpp, pp).sum(axis=0), tail)
+
+    @lru_cache(maxsize=None)
+    def _passes(self, unit: str, tp: int, sequence_parallel: bool, recompute: str, b: int, parts: int) -> tuple[np.ndarray, ...]:
+        """Per virtual stage of `parts`: forward and backward seconds, activations kept,
+        trainable and frozen parameters per TP rank, for micro-batches of b sequences:
+        priced at the powers of two around b and interpolated linearly. What the DP
+        degree and the optimizer's sharding leave alone, shared by all of them."""
+        cuts = np.array(self.cuts(unit, parts))
         lo, hi = cuts[:, 0], cuts[:, 1]
         low = 1 << (b.bit_length() - 1)
-        below = self._grid(unit, tp, low)[recompute]
+        below = self._grid(unit, tp, sequence_parallel, low)[recompute]
         sums = below[:, hi] - below[:, lo]
         if low != b:
-            above = self._grid(unit, tp, 2 * low)[recompute]
+            above = self._grid(unit, tp, sequence_parallel, 2 * low)[recompute]
             weight = (b - low) / low
             sums = (1 - weight) * sums + weight * (above[:, hi] - above[:, lo])
-        fwd = self._pass(sums[FWD], sums[COMM], tp)
-        bwd = self._pass(sums[BWD], sums[COMM], tp) if self.model.needs_backward(unit) else np.zeros(len(cuts))
-        per_trainable, per_fixed = self._state_coefficients(dp)
-        states = per_trainable * sums[TRAINABLE] + per_fixed * sums[FIXED]
-        return StageArrays(self.layers(unit, pp), fwd, bwd, states, sums[ACT] * b, sums[TRAINABLE])
+        fwd = self._pass(sums[FWD], sums[LATENCY], sums[TRANSFER], tp)
+        bwd = self._pass(sums[BWD], sums[LATENCY], sums[TRANSFER], tp) if self.model.needs_backward(unit) else np.zeros(parts)
+        return fwd, bwd, sums[ACT] * b, sums[TRAINABLE], sums[FIXED]
 
-    @lru_cache(maxsize=None)
-    def layers(self, unit: str, pp: int) -> tuple[tuple[int, int], ...]:
-        return tuple(map(tuple, self.cuts(unit, pp).tolist()))
-
-    def _whole(self, unit: str, tp: int, b: int, recompute: str, dp: int) -> StageCost:
-        whole = self.stages(unit, tp, b, recompute, dp, 1)
-        return StageCost(
-            whole.layers[0], float(whole.fwd[0]), float(whole.bwd[0]), float(whole.states[0]), float(whole.activations[0])
-        )
+    def whole(self, unit: str, setting: Setting, b: int, dp: int) -> StageArrays:
+        """The unit on one stage (no interleaving)."""
+        return self.stages(unit, Setting(setting.tp, setting.recompute, setting.sequence_parallel, setting.zero_stage), b, dp, 1)
 
     # ---- communication ---------------------------------------------------------------------
-    def hop_bytes(self, unit: str, b: int) -> float:
-        """Bytes a micro-batch carries across a stage boundary inside a unit (the LLM's
-        token states, an encoder's patch tokens), its gradient as many back."""
-        return 2 * b * boundary_elems(self.model.unit(unit), 0) * self.act_bytes
-
-    def p2p(self, nbytes: float) -> float:
-        """One boundary's transfer between nodes (the conservative link)."""
-        return self.comm.p2p_time(0, self.cluster.devices_per_node, nbytes) if nbytes else 0.0
-
-    def dp_reduce(self, params: float, dp: int) -> float:
-        """The end-of-iteration gradient reduction of `params` trainable parameters per GPU
-        over dp replicas (ZeRO-1: reduce-scatter + all-gather; a ring across nodes)."""
-        if dp == 1 or params == 0:
-            return 0.0
-        return self._ring(float(params), dp)
+    @lru_cache(maxsize=None)
+    def _pipeline_links(self, tp: int, dp: int, pp: int, offset: int) -> tuple[tuple[bool, ...], int]:
+        """Which of a (tp, dp, pp) mesh's stage boundaries (placed at `offset`) cross
+        nodes, and how many of its pipeline's pairs share a node's links
+        (cluster.family_sharing of builders.layout.pipeline_pairs), counted over the
+        contiguous ranks without building the mesh."""
+        node, size = self.cluster.devices_per_node, tp * dp
+        senders = offset + np.arange(size * (pp - 1))
+        src, dst = senders // node, (senders + size) // node
+        crossing = src != dst
+        sharing = int(np.bincount(np.concatenate([src[crossing], dst[crossing]])).max()) if crossing.any() else 1
+        return tuple(crossing.reshape(pp - 1, size).any(axis=1).tolist()), sharing
 
     @lru_cache(maxsize=None)
-    def _ring(self, params: float, dp: int) -> float:
+    def _dp_sharing(self, tp: int, dp: int, pp: int) -> int:
+        """How many of a (tp, dp, pp) mesh's DP groups (placed at rank 0) share a node's
+        links (cluster.family_sharing of its DP family)."""
+        if dp == 1:
+            return 1
+        node, size = self.cluster.devices_per_node, tp * dp
+        ranks = np.arange(size * pp)
+        group = (ranks // size) * tp + ranks % tp  # a DP group per stage and TP rank
+        nodes = ranks // node
+        spans = np.zeros(group.max() + 1, dtype=bool)
+        np.logical_or.at(spans, group, nodes != nodes[(ranks // size) * size + ranks % tp])
+        held = np.unique(nodes[spans[group]] * (group.max() + 1) + group[spans[group]]) // (group.max() + 1)
+        return int(np.bincount(held).max()) if held.size else 1
+
+    @lru_cache(maxsize=None)
+    def hops(self, unit: str, setting: Setting, b: int, dp: int, pp: int, offset: int = 0) -> tuple[float, ...]:
+        """Seconds of one micro-batch's activation (or its gradient) across each boundary
+        between the unit's virtual stages (virtual stage v runs on stage v % pp), its mesh
+        placed at `offset`: each TP rank's send (stages.stage_transfer; the slowest pair
+        of the hop's stages, over the links the pipeline's pairs share), then the receiving
+        stage's TP all-gather where the transfer was scattered."""
+        parts = pp * setting.vpp
+        if parts == 1:
+            return ()
+        nbytes = b * boundary_elems(self.model.unit(unit), 0) * self.act_bytes
+        transfer = stage_transfer(nbytes, setting.tp, setting.sequence_parallel, setting.scatter_gather)
         node = self.cluster.devices_per_node
-        ring = tuple(range(0, dp * node, node))
-        if self.zero_stage >= 1:
-            return self.comm.collective_time("reduce_scatter", ring, params * self.grad_bytes) + self.comm.collective_time(
-                "all_gather", ring, params * self.act_bytes
-            )
-        return self.comm.collective_time("all_reduce", ring, params * self.grad_bytes)
+        if pp > 1:
+            crossing, sharing = self._pipeline_links(setting.tp, dp, pp, offset)
+            crossing += (offset // node != (offset + pp * setting.tp * dp - 1) // node,)  # the last stage back to the first
+        else:
+            crossing, sharing = (False,), 1
+        gather = self._gather(setting.tp, transfer.gather_bytes)
+        seconds = [self.comm.p2p_time(0, node if crosses else 1, transfer.send_bytes, sharing) + gather for crosses in crossing]
+        return tuple(seconds[v % pp] for v in range(parts - 1))
+
+    def hop(self, unit: str, setting: Setting, b: int, dp: int) -> float:
+        """A boundary's transfer between two nodes: what the relaxation charges per stage."""
+        nbytes = b * boundary_elems(self.model.unit(unit), 0) * self.act_bytes
+        transfer = stage_transfer(nbytes, setting.tp, setting.sequence_parallel, setting.scatter_gather)
+        _, sharing = self._pipeline_links(setting.tp, dp, 2, 0)
+        return self.comm.p2p_time(0, self.cluster.devices_per_node, transfer.send_bytes, sharing) + self._gather(
+            setting.tp, transfer.gather_bytes
+        )
+
+    def _gather(self, tp: int, nbytes: float) -> float:
+        return self.comm.collective_time("all_gather", tuple(range(tp)), nbytes) if nbytes else 0.0
+
+    @lru_cache(maxsize=None)
+    def broker_parts(self, src: tuple[str, int, int, int], dst: tuple[str, int, int, int]) -> tuple[float, float]:
+        """Seconds of one micro-batch's hand-off from unit (name, tp, dp, micro-batch)
+        `src` to `dst`, and of its gradient back (programs.Broker): the side with fewer
+        replicas sends one sequence to each replica of the other in turn (its sends leave
+        one after another), or receives theirs at once; a receiving replica's lead
+        broadcasts what it got to its TP peers."""
+        (producer, src_tp, src_dp, src_b), (consumer, dst_tp, dst_dp, dst_b) = src, dst
+        flow = next(f for f in flows_of(self.model) if (f.producer, f.consumer) == (producer, consumer))
+        node = self.cluster.devices_per_node
+        # The leads (first TP rank of each replica) of a node send and receive at once.
+        sharing = max(min(src_dp, max(1, node // src_tp)), min(dst_dp, max(1, node // dst_tp)))
+        message = self.comm.p2p_time(0, node, flow.elems * self.act_bytes, sharing)
+        fan = max(src_dp, dst_dp) // min(src_dp, dst_dp)
+        forward = message * (fan if src_dp < dst_dp else 1) + self._broadcast(dst_tp, dst_b * flow.elems)
+        backward = message * (fan if dst_dp < src_dp else 1) + self._broadcast(src_tp, src_b * flow.elems)
+        return forward, backward
+
+    def broker(self, src: tuple[str, int, int, int], dst: tuple[str, int, int, int]) -> float:
+        """The hand-off there and back."""
+        return sum(self.broker_parts(src, dst))
+
+    def _broadcast(self, tp: int, elems: float) -> float:
+        return self.comm.collective_time("broadcast", tuple(range(tp)), elems * self.act_bytes) if tp > 1 else 0.0
+
+    @lru_cache(maxsize=None)
+    def _tails(self, unit: str, tp: int, zero_stage: int, dp: int, pp: int, vpp: int) -> np.ndarray:
+        """Per stage, what emit.iteration_tail ends the iteration with: the gradient
+        reduction over DP (reduce-scatter under the distributed optimizer), the optimizer
+        step on each chunk's shard (the cost model's bandwidth-bound Adam), the 16-bit
+        parameters' all-gather."""
+        cuts = np.array(self.cuts(unit, pp * vpp))
+        prefix = self._grid(unit, tp, False, 1)["none"][TRAINABLE]
+        chunks = prefix[cuts[:, 1]] - prefix[cuts[:, 0]]  # trainable parameters per TP rank
+        shard = dp if zero_stage >= 1 else 1
+        out = np.zeros(pp)
+        if not self.model.unit(unit).frozen:
+            for v, params in enumerate(chunks.tolist()):
+                out[v % pp] += self.compute.memory_time(params / shard * ADAM_BYTES_PER_PARAM) if params else 0.0
+        if dp == 1:
+            return out
+        sharing = self._dp_sharing(tp, dp, pp)
+        ring = self._dp_ring(tp, dp)
+        priced: dict[float, float] = {}
+        for stage, params in enumerate(chunks.reshape(vpp, pp).sum(axis=0).tolist()):
+            if params and params not in priced:
+                if zero_stage >= 1:
+                    priced[params] = self.comm.collective_time(
+                        "reduce_scatter", ring, params * self.grad_bytes, sharing
+                    ) + self.comm.collective_time("all_gather", ring, params * self.act_bytes, sharing)
+                else:
+                    priced[params] = self.comm.collective_time("all_reduce", ring, params * self.grad_bytes, sharing)
+            out[stage] += priced.get(params, 0.0)
+        return out
+
+    @lru_cache(maxsize=None)
+    def _dp_ring(self, tp: int, dp: int) -> tuple[int, ...]:
+        """A stage's DP group (a mesh placed at rank 0): every tp-th rank."""
+        return tuple(range(0, tp * dp, tp))

@@ -2,7 +2,8 @@
 
 Each unit (encoder, LLM, generator) is a pipeline of its own over a (tp, dp, pp) mesh on a
 contiguous block of ranks (widest TP first, so no TP group crosses a node), emitted by
-strategies.builders.pipeline. Together they form one end-to-end 1F1B pipeline: the encoder's
+strategies.builders.pipeline, with vpp virtual stages per stage where it interleaves.
+Together they form one end-to-end 1F1B pipeline (schedule.chain_orders): the encoder's
 stages come first, then the LLM's, then the generator's, and every stage runs the
 schedule of its position in that pipeline (the encoder's first stage warms up with as
 many forwards as the whole depth needs).
@@ -15,9 +16,10 @@ replicas: each gathers its group's rows (fan-in) or scatters them (fan-out) in s
 order. Sends are eager (asynchronous); a receiving replica's lead shares what it got with
 its TP peers.
 
-Data heterogeneity: every replica of a unit is a rank class of its own, its Computes
-carrying the load (Work.load) of the sequences its micro-batches hold, so stragglers and
-the gaps they leave are simulated where they occur.
+Data heterogeneity: a replica of a unit whose micro-batches carry other loads than its
+peers' is a rank class of its own, its Computes carrying the load (Work.load) of the
+sequences its micro-batches hold, so stragglers and the gaps they leave are simulated
+where they occur; replicas alike (the LLM's, every replica under uniform data) share one.
 """
 
 from __future__ import annotations
@@ -30,29 +32,32 @@ from src.costmodel.memory import element_bytes
 from src.mesh import Mesh
 from src.models.flows import Flow, flows_of
 from src.models.spec import ModelSpec
-from src.program import Collective, Compute, Instruction, Payload, Program, RankProgram, Recv, Send
-from src.schedules.pipeline import one_f_one_b
+from src.program import Collective, Compute, Instruction, Payload, Program, RankProgram, Recv, Send, compress_ranks
 from src.strategies.builders.bridge import Side, bridge
 from src.strategies.builders.layout import make_group, megatron_mesh
 from src.strategies.builders.pipeline import PipelineEmitter, PipelineSettings
 from src.strategies.builders.stages import Segment
+from src.strategies.disttrain.profile import Setting
+from src.strategies.disttrain.schedule import Chain, chain_orders
 
 
 @dataclass(frozen=True)
 class UnitLayout:
-    """One unit's place in the Program: its degrees, stages, memory settings and
-    micro-batches' loads (loads[replica][microbatch])."""
+    """One unit's place in the Program: its degrees, Megatron-LM options, virtual stages'
+    layers (pp x vpp, in model order) and micro-batches' loads (loads[replica][microbatch])."""
 
     unit: str
-    tp: int
     dp: int
     pp: int
     micro_batch: int
+    setting: Setting
     stages: tuple[tuple[int, int], ...]
-    recompute: str
-    zero_stage: int
     offset: int
     loads: tuple[tuple[float, ...], ...]
+
+    @property
+    def tp(self) -> int:
+        return self.setting.tp
 
     @property
     def mesh(self) -> Mesh:
@@ -153,8 +158,7 @@ class _Builder:
         world = sum(u.devices for u in self.units.values())
         program = Program(world_size=world, classes=[])
         brokers = [self._broker_routes(program, flow) for flow in self.flows]
-        depth = sum(self.units[name].pp for name in self.order)
-        orders = one_f_one_b(depth, self.m)
+        orders = chain_orders(Chain(tuple((self.units[name].pp, self.units[name].setting.vpp) for name in self.order)), self.m)
         first = 0
         for name in self.order:
             unit = self.units[name]
@@ -165,7 +169,14 @@ class _Builder:
                 program,
                 unit.mesh,
                 [[Segment(name, s)] for s in unit.stages],
-                PipelineSettings(unit.micro_batch, unit.recompute, False, unit.zero_stage, tp_overlap_chunks=self.chunks),
+                PipelineSettings(
+                    unit.micro_batch,
+                    unit.setting.recompute,
+                    unit.setting.sequence_parallel,
+                    unit.setting.zero_stage,
+                    tp_overlap_chunks=self.chunks,
+                    scatter_gather=unit.setting.scatter_gather,
+                ),
                 prefix=f"{name}.",
                 links=_UnitLinks(self, unit),
             )
@@ -190,24 +201,29 @@ class _Builder:
     def _replicas(
         self, program: Program, unit: UnitLayout, stage: int, instructions: list[Instruction], emitter: PipelineEmitter
     ) -> list[RankProgram]:
-        """One rank class per replica: its micro-batches' loads, its own TP group."""
-        out = []
+        """One rank class per set of replicas whose micro-batches carry the same loads
+        (every replica alike under uniform data, and always the LLM's), with its own TP
+        group where a stage has several."""
         mesh = unit.mesh
         shared = emitter.tp_groups[stage]
         label = unit.unit if unit.pp == 1 else f"{unit.unit} stage {stage}"
         units = tuple(dict.fromkeys(s.unit for s in emitter.segments_of(stage)))
+        alike: dict[tuple[float, ...], list[int]] = {}
         for replica in range(unit.dp):
-            ranks = mesh.slice(pp=stage, dp=replica)
-            own = None
-            if shared is not None:
-                own = f"{shared}.d{replica}"
-                program.add_group(make_group(self.cluster, own, ranks, mesh.family("tp")))
-            loads = unit.loads[replica]
+            alike.setdefault(unit.loads[replica], []).append(replica)
+        out = []
+        for loads, replicas in alike.items():
+            ranks = tuple(r for replica in replicas for r in mesh.slice(pp=stage, dp=replica))
+            own = shared
+            if shared is not None and len(alike) > 1:
+                own = f"{shared}.d{replicas[0]}"
+                program.add_group(make_group(self.cluster, own, mesh.slice(pp=stage, dp=replicas[0]), mesh.family("tp")))
+            which = f"replica {replicas[0]}" if len(replicas) == 1 else f"replicas {compress_ranks(tuple(replicas))}"
             out.append(
                 RankProgram(
                     ranks=ranks,
                     instructions=[_localised(i, unit.unit, loads, shared, own) for i in instructions],
-                    label=f"{label} replica {replica}",
+                    label=f"{label} {which}",
                     units=units,
                     pipelined=True,
                 )
@@ -223,7 +239,7 @@ def _localised(instruction: Instruction, unit: str, loads: tuple[float, ...], sh
         if work.unit == unit and work.phase in ("fwd", "bwd") and loads[instruction.microbatch] != 1.0:
             return replace(instruction, work=replace(work, load=loads[instruction.microbatch]))
         return instruction
-    if isinstance(instruction, Collective) and shared is not None and instruction.group == shared:
+    if isinstance(instruction, Collective) and shared is not None and instruction.group == shared and own != shared:
         assert own is not None, "a unit whose plan uses a shared TP group has its own"
         return replace(instruction, group=own)
     return instruction

@@ -41,7 +41,8 @@ from src.models.spec import ModelSpec, UnitSpec
 from src.program import Work
 from src.schedules.pipeline import PipeOp, build_schedule
 from src.strategies.builders.layout import megatron_mesh, pipeline_pairs
-from src.strategies.megatron.programs import Degrees, MegatronSettings
+from src.strategies.megatron.programs import MegatronSettings
+from src.strategies.base import Degrees
 from src.strategies.builders.stages import Segment, StageTransfer, boundary_elems, stage_transfer
 
 # Rounding: the simulator adds the same prices in another order.

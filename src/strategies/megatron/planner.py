@@ -10,19 +10,61 @@ instead of evenly.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from src.cluster import GIB
 from src.config import options_from
 from src.costmodel.memory import rank_memory
 from src.errors import ConfigError, PlanError
 from src.program import Plan
 from src.strategies.base import PlanRequest
+from src.strategies.builders.stages import Segment
 from src.strategies.megatron.options import MegatronOptions
+from src.strategies.megatron.programs import MegatronSettings
+from src.strategies.base import Degrees
 from src.strategies.megatron.search import Candidate, MegatronSearch
 from src.strategies.megatron.space import enumerate_space
 
 
+@dataclass(frozen=True)
+class MegatronChoice:
+    """The Megatron-LM search's pick for a pipeline, typed: for a planner that builds its
+    own Program around it (Optimus's LLM), without building Megatron-LM's."""
+
+    degrees: Degrees
+    settings: MegatronSettings
+    virtual: list[list[Segment]]  # the pp x vpp virtual stages
+    search: dict  # plan.search's record
+
+
+def choose_megatron(request: PlanRequest, opts: MegatronOptions, simulate: bool = True) -> MegatronChoice:
+    """The fastest pipeline plan of the search, its Program not built; `simulate=False`
+    ranks the candidates by their path bound alone (MegatronSearch.fastest)."""
+    if request.model.interaction is not None:
+        raise ConfigError(f"choose_megatron plans a pipeline; {request.model.name} is a contrastive model")
+    search, fitting = _fitting(request, opts)
+    best = search.fastest(fitting, build=False, simulate=simulate)
+    assert best.virtual is not None, "a pipeline candidate has its virtual stages"
+    return MegatronChoice(best.shape.degrees, best.settings, best.virtual, search.record(fitting, best))
+
+
 def plan_megatron(request: PlanRequest) -> Plan:
     opts = options_from(MegatronOptions, request.options)
+    search, fitting = _fitting(request, opts)
+    best = search.fastest(fitting)
+    plan = best.plan
+    assert plan is not None, "the fastest candidate was built"
+    plan.details["search"] = search.record(fitting, best)
+    units = {u.unit: u for u in plan.units}
+    plan.details["memory_gib"] = {
+        rp.label: round(rank_memory(rp, units, request.model, request.train.precision)["total"] / GIB, 3)
+        for rp in plan.program.classes
+    }
+    return plan
+
+
+def _fitting(request: PlanRequest, opts: MegatronOptions) -> tuple[MegatronSearch, list[Candidate]]:
+    """The search and every candidate that fits memory (inside a node first)."""
     contrastive = request.model.interaction is not None
     if contrastive and opts.pp not in (None, 1):
         raise ConfigError(
@@ -43,16 +85,7 @@ def plan_megatron(request: PlanRequest) -> Plan:
         fitting = search.candidates(enumerate_space(request, opts, contrastive, across_nodes, searched))
     if not fitting:
         raise PlanError(_nothing_fits(request, search, searched))
-    best = search.fastest(fitting)
-    plan = best.plan
-    assert plan is not None, "the fastest candidate was built"
-    plan.details["search"] = search.record(fitting, best)
-    units = {u.unit: u for u in plan.units}
-    plan.details["memory_gib"] = {
-        rp.label: round(rank_memory(rp, units, request.model, request.train.precision)["total"] / GIB, 3)
-        for rp in plan.program.classes
-    }
-    return plan
+    return search, fitting
 
 
 def _nothing_fits(request: PlanRequest, search: MegatronSearch, searched: bool) -> str:

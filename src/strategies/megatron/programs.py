@@ -16,20 +16,12 @@ from src.mesh import Mesh
 from src.models.spec import ModelSpec
 from src.program import Instruction, Program, UnitPlan
 from src.schedules.pipeline import build_schedule
+from src.strategies.base import Degrees
 from src.strategies.builders.colocated import ColocatedEmitter, ColocatedUnit
 from src.strategies.builders.layout import megatron_mesh
 from src.strategies.builders.pipeline import PipelineEmitter, PipelineSettings
 from src.models.flows import unit_order
 from src.strategies.builders.stages import Segment
-
-
-@dataclass(frozen=True)
-class Degrees:
-    tp: int
-    pp: int
-    dp: int
-    vpp: int
-    micro_batch: int
 
 
 @dataclass(frozen=True)
@@ -71,7 +63,17 @@ def pipeline_program(
     emitter = PipelineEmitter(model, cluster, precision, program, mesh, virtual, settings)
     for stage in range(pp):
         program.classes.append(emitter.rank_program(emitter.stage(stage, orders[stage]), f"stage {stage}"))
+    return program, pipeline_unit_plans(model, mesh, global_batch, deg, cfg, virtual)
 
+
+def pipeline_unit_plans(
+    model: ModelSpec, mesh: Mesh, global_batch: int, deg: Degrees, cfg: MegatronSettings, virtual: list[list[Segment]]
+) -> list[UnitPlan]:
+    """Each unit's plan in a pipeline of the (tp, dp, pp) `mesh`: the stages that hold it
+    and its layers on each (virtual) stage."""
+    pp, vpp = deg.pp, deg.vpp
+    batch_per_replica = global_batch // deg.dp
+    microbatches = batch_per_replica // deg.micro_batch
     unit_plans = []
     for name in unit_order(model):
         stages = sorted({v % pp for v, segs in enumerate(virtual) for s in segs if s.unit == name})
@@ -101,7 +103,7 @@ def pipeline_program(
                 details={"pipeline_stages": stages},
             )
         )
-    return program, unit_plans
+    return unit_plans
 
 
 def _every_virtual_stage(unit: str, virtual: list[list[Segment]]) -> tuple[tuple[int, int], ...]:

@@ -241,11 +241,14 @@ class MegatronSearch:
         self.stats.priced_analytically += 1
 
     # ---- time: best first -----------------------------------------------------------------
-    def fastest(self, candidates: list[Candidate]) -> Candidate:
+    def fastest(self, candidates: list[Candidate], build: bool = True, simulate: bool = True) -> Candidate:
         """Best first: take the candidate of least known bound and tighten it (work bound,
         then stage bound, then path bound, then the simulated time), until the least bound
         left exceeds the best simulated time: every candidate that could be faster, or as
-        fast and first in order, was simulated. Then rank the next ones by path bound."""
+        fast and first in order, was simulated. Then rank the next ones by path bound.
+        `build`: whether the pick's Program is built when no simulation built it;
+        `simulate=False` stops at the least path bound (for a planner that times the
+        pipeline again its own way)."""
         best: Candidate | None = None
         if len(candidates) == 1:
             best = candidates[0]
@@ -261,12 +264,16 @@ class MegatronSearch:
                 if level < PATH and candidate.virtual is not None:
                     heapq.heappush(heap, (self._tighten(candidate, level), candidate.order(), level + 1, index))
                     continue
+                if not simulate:
+                    best = candidate
+                    self.ranked.append(candidate)
+                    break
                 time = self._simulate(candidate)
                 if best is None or (time, candidate.order()) < (best_time, best.order()):
                     best, best_time = candidate, time
             self._rank(candidates, heap)
         assert best is not None, "every candidate is simulated while none is best"
-        if best.plan is None:
+        if best.plan is None and build:
             self._build(best)
         return best
 

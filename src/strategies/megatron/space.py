@@ -17,7 +17,7 @@ from src.errors import ConfigError
 from src.models.spec import ModelSpec
 from src.strategies.base import PlanRequest, check_microbatch_count, microbatch_sizes
 from src.strategies.megatron.options import MegatronOptions
-from src.strategies.megatron.programs import Degrees
+from src.strategies.base import Degrees
 from src.strategies.builders.stages import main_unit
 
 # Pipelines want many micro-batches; larger ones only help GEMM efficiency, which saturates.

@@ -25,9 +25,9 @@ from src.cluster import ClusterSpec, family_sharing
 from src.costmodel.comm import CommModel
 from src.costmodel.compute import ComputeModel
 from src.costmodel.memory import element_bytes
-from src.mesh import Mesh, tensor_parallel
+from src.mesh import Mesh, Sharding, tensor_parallel
 from src.models.spec import LayerSpec, ModelSpec, UnitSpec
-from src.program import Work
+from src.program import Phase, Work
 from src.strategies.builders.stages import block_cuts, boundary_elems
 
 
@@ -214,9 +214,9 @@ def _items(
     unit: str,
     index: int,
     layer: LayerSpec,
-    phase: str,
+    phase: Phase,
     samples: int,
-    sharding,
+    sharding: Sharding,
     compute: ComputeModel,
     allreduce: float,
     allreduce_bytes: float,

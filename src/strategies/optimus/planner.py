@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field, replace
+from functools import partial
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from src.cluster import GIB, family_sharing
@@ -32,30 +33,20 @@ from src.config import options_from
 from src.progress import Progress
 from src.costmodel.comm import CommModel
 from src.costmodel.compute import ComputeModel
-from src.costmodel.memory import memory_ladder, model_state_bytes, rank_memory, work_activation_bytes
+from src.costmodel.memory import element_bytes, grad_bytes, model_state_bytes, rank_memory, work_activation_bytes
 from src.mesh import tensor_parallel
 from src.errors import ConfigError, PlanError
 from src.models.spec import ModelSpec
-from src.program import Collective, Compute, Plan, Program, RankProgram, UnitPlan, Work
-from src.schedules.pipeline import build_schedule, interleaved
+from src.program import Collective, Compute, Plan, Program, UnitPlan, Work
 from src.strategies.base import PlanRequest, divisors
-from src.strategies.builders.layout import megatron_mesh
-from src.strategies.megatron.planner import plan_megatron
+from src.strategies.megatron.planner import MegatronOptions
+from src.strategies.optimus.llm import LLMBase, LLMPipelines
 from src.strategies.optimus.encoder import EncoderCosts, EncoderPlan, Layout, encoder_costs, encoder_stages
-from src.strategies.optimus.programs import ClassEmitter, EncoderLinks, add_encoder_routes, class_program
-from src.strategies.optimus.scheduler import BubbleScheduler, Schedule, Tails, local_search, partitions
-from src.strategies.optimus.timeline import (
-    LLMTimeline,
-    costs_of,
-    deferred_warmups,
-    dependency_points,
-    op_costs,
-    stage_slots,
-    time_pipeline,
-    warmup_counts,
-)
-from src.strategies.builders.pipeline import PipelineEmitter, PipelineSettings, Stage
-from src.strategies.builders.stages import pipeline_segments
+from src.strategies.builders.emit import iteration_tail
+from src.strategies.builders.stages import Segment
+from src.strategies.optimus.programs import ClassEmitter, add_encoder_routes, class_program
+from src.strategies.optimus.parallel import complete, schedule_all
+from src.strategies.optimus.scheduler import BubbleScheduler, Candidate, Schedule, Tails, local_search, partitions
 
 LLM_KEYS = ("tp", "pp", "dp", "vpp", "micro_batch_size", "schedule", "recompute", "zero_stage", "sequence_parallel")
 ENCODER_KEYS = ("tp", "pp")
@@ -91,87 +82,81 @@ class OptimusOptions:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"strategy.{key} must be a positive integer, got {value!r}")
 
-
-@dataclass
-class LLMBase:
-    """The LLM's pipeline as the planner built it: its plan, emitter, stages, timeline."""
-
-    plan: UnitPlan
-    program: Program
-    stages: list[Stage]
-    timeline: LLMTimeline
-    memory: list[float]  # bytes per stage
-    tails: tuple[list[float], list[float], list[float]]
-
-
-@dataclass
-class Candidate:
-    plan: EncoderPlan
-    layout: Layout
-    costs: EncoderCosts
-    scheduler: BubbleScheduler
-    schedule: Schedule
-    eff_coarse: float
-    eff_fine: float
-    coarse_latency: float
-    partitions_total: int
-    partitions_evaluated: int
-    search: str
+    def megatron(self) -> MegatronOptions:
+        """The LLM's Megatron-LM options: those given under strategy.llm, the rest searched."""
+        given = {key: value for key, value in (self.llm or {}).items() if value is not None}
+        return options_from(MegatronOptions, given, prefix="strategy.llm")
 
 
 def plan_optimus(request: PlanRequest) -> Plan:
     opts = options_from(OptimusOptions, request.options)
     model, cluster, train = request.model, request.cluster, request.train
-    _, encoders = _llm_and_encoders(model)
+    llm, encoders = _llm_and_encoders(model)
     started = time.perf_counter()
     compute, comm = ComputeModel(cluster, train.precision), CommModel(cluster)
-    given = opts.llm or {}
+    pipelines = LLMPipelines(request, llm, encoders, opts.megatron(), opts.defer_warmup, compute, comm)
     rejected: list[tuple[float, str]] = []
-    llm_rejected = f"no LLM plan for {model.name}"
-    # The LLM's memory savings go as far as the colocated encoder states need, cheapest
-    # first (the LLM alone would take the least that fits without them).
-    # Megatron-LM's search runs once, on the first rung where the LLM alone fits; later
-    # rungs keep its degrees (more recomputation or sharding does not change them much,
-    # and each search simulates every candidate).
-    searched: dict[str, Any] = {}
     progress = Progress("optimus planner")
-    for recompute, zero in memory_ladder(given.get("recompute"), given.get("zero_stage")):
-        try:
-            base = _llm_base(request, opts, encoders, compute, comm, {**searched, "recompute": recompute, "zero_stage": zero})
-        except PlanError as err:
-            llm_rejected = str(err)
+    # Every rung of the LLM's memory ladder whose LLM alone fits, and could beat the best
+    # plan so far (no schedule is faster than its LLM alone), with every encoder plan; the
+    # rung's schedules are emitted fastest first until one fits memory as the simulator
+    # counts it.
+    chosen: Plan | None = None
+    best, scheduled = math.inf, 0
+    rungs: list[dict[str, Any]] = []
+    for recompute, zero in pipelines.rungs:
+        rung: dict[str, Any] = {"recompute": recompute, "zero_stage": zero}
+        rungs.append(rung)
+        fits, need = pipelines.fits_alone(recompute, zero)
+        if not fits:
+            rung["outcome"] = "the LLM alone does not fit"
+            usable = cluster.usable_memory_bytes
+            rejected.append(
+                (
+                    (need - usable) / GIB,
+                    f"LLM recompute={recompute} zero_stage={zero}: the LLM alone needs {need / GIB:.1f} GiB on its fullest "
+                    f"stage but a {cluster.device} has {usable / GIB:.1f} GiB usable, short by {(need - usable) / GIB:.1f} GiB",
+                )
+            )
             continue
-        p = base.plan
-        searched = {
-            "tp": p.tp,
-            "pp": p.pp,
-            "dp": p.dp,
-            "vpp": p.vpp,
-            "micro_batch_size": p.micro_batch,
-            "schedule": base.plan.details["schedule"],
-        }
-        candidates = []
+        rung["llm_alone_s"] = pipelines.alone_s(recompute, zero)
+        if rung["llm_alone_s"] >= best:
+            rung["outcome"] = "the LLM alone is no faster than the best plan"
+            continue
+        base = pipelines.base(recompute, zero)
+        layouts = []
         for enc_plan in _encoder_plans(request, opts, base.plan, encoders):
             layout = Layout(base.plan.mesh, enc_plan)
             problem = _encoder_plan_problem(request, layout, base, encoders, opts)
             if problem:
                 rejected.append(problem)
             else:
-                candidates.append(_schedule(request, opts, base, layout, encoders, compute, comm))
-            if progress.due():
-                progress.show(
-                    f"recompute={recompute} zero_stage={zero}: {len(candidates)} encoder plans scheduled, {len(rejected)} rejected"
-                )
-        if not candidates:
-            continue
-        best = min(candidates, key=lambda c: (c.schedule.latency, -c.plan.pp * c.plan.tp))
-        plan = _emit(request, opts, base, best, encoders, candidates, rejected, time.perf_counter() - started)
-        problem = _program_memory_problem(request, plan)
-        if problem is None:
-            progress.end(f"done: {len(candidates)} encoder plans scheduled")
-            return plan
-        rejected.append(problem)
-    raise PlanError(min(rejected)[1] if rejected else llm_rejected)
+                layouts.append(layout)
+        job = partial(_schedule, request, opts, base, encoders=encoders, compute=compute, comm=comm)
+        candidates = schedule_all(job, layouts)
+        scheduled += len(candidates)
+        rung["outcome"] = f"{len(candidates)} encoder plans scheduled"
+        if candidates:
+            rung["best_s"] = min(c.schedule.latency for c in candidates)
+        if progress.due():
+            progress.show(f"recompute={recompute} zero_stage={zero}: {scheduled} encoder plans scheduled, {len(rejected)} rejected")
+        for candidate in sorted(candidates, key=lambda c: (c.schedule.latency, -c.plan.pp * c.plan.tp)):
+            if candidate.schedule.latency >= best:
+                break
+            candidate = complete(job, candidate)
+            plan = _emit(request, opts, base, candidate, encoders, candidates, rejected, time.perf_counter() - started)
+            problem = _program_memory_problem(request, plan)
+            if problem is None:
+                chosen, best = plan, candidate.schedule.latency
+                break
+            rejected.append(problem)
+    if chosen is None:
+        raise PlanError(min(rejected)[1] if rejected else f"no LLM plan for {model.name}")
+    progress.end(f"done: {scheduled} encoder plans scheduled")
+    chosen.details["llm"]["search"] = pipelines.choice.search
+    chosen.details["rungs"] = rungs
+    chosen.details["scheduler_s"] = time.perf_counter() - started
+    return chosen
 
 
 def _program_memory_problem(request: PlanRequest, plan: Plan) -> tuple[float, str] | None:
@@ -206,70 +191,6 @@ def _llm_and_encoders(model: ModelSpec) -> tuple[str, list[str]]:
             f"{[u.name for u in model.units]} and flows {list(model.flows)}"
         )
     return consumers.pop(), encoders
-
-
-def _llm_base(
-    request: PlanRequest, opts: OptimusOptions, encoders: list[str], compute: ComputeModel, comm: CommModel, pinned: Mapping[str, Any]
-) -> LLMBase:
-    model, cluster, train = request.model, request.cluster, request.train
-    llm = model.unit(_llm_and_encoders(model)[0])
-    llm_model = replace(model, name=f"{model.name}-llm", units=(llm,), flows=())
-    given = {k: v for k, v in (opts.llm or {}).items() if v is not None}
-    given.update(pinned)
-    llm_plan = plan_megatron(PlanRequest(llm_model, cluster, train, {"name": "megatron", **given}))
-    d = llm_plan.details
-    unit_plan = llm_plan.unit(llm.name)
-    pp, vpp, mb, n_mb = d["pp"], d["vpp"], d["micro_batch"], unit_plan.num_microbatches
-    program = Program(world_size=unit_plan.mesh.size, classes=[])
-    settings = PipelineSettings(mb, d["recompute"], d["sequence_parallel"], d["zero_stage"])
-    virtual = pipeline_segments(llm_model, pp, vpp, "merged", False)
-    emitter = PipelineEmitter(
-        model, cluster, train.precision, program, megatron_mesh(d["tp"], d["dp"], pp), virtual, settings, links=EncoderLinks(encoders)
-    )
-    default = build_schedule(d["schedule"], pp, n_mb, vpp)
-    stages = [emitter.stage(s, default[s]) for s in range(pp)]
-    tables = [op_costs(st, program, model, compute, comm) for st in stages]
-    warmups = warmup_counts(default)
-    orders = default
-    if opts.defer_warmup and d["schedule"] != "gpipe":
-        warmups = deferred_warmups(n_mb, vpp, tables, default)
-        orders = interleaved(pp, n_mb, vpp, warmups)
-        if orders != default:  # often no warm-up can be deferred: the stages stand
-            stages = [emitter.stage(s, orders[s]) for s in range(pp)]
-    times = time_pipeline(orders, costs_of(orders, tables))
-    forward, backward = dependency_points(orders, times[0], n_mb)
-    tails = ([_seconds(st.tail, program, model, compute, comm, kind) for st in stages] for kind in ("reduce", "optimizer", "gather"))
-    reduce, optimizer, gather = tails
-    timeline = LLMTimeline(
-        orders,
-        times,
-        [stage_slots(t, cluster.kernel_overhead_s) for t in times],
-        forward,
-        backward,
-        max(gather),
-        reduce,
-        optimizer,
-        warmups,
-    )
-    # Its gradient all-reduce (ZeRO-0) runs asynchronously under the encoders' backward.
-    overlap = d["zero_stage"] == 0 and d["dp"] > 1
-    unit_plan = replace(unit_plan, overlap_comm=overlap, details={"schedule": d["schedule"], "warmups": ",".join(map(str, warmups))})
-    memory = [
-        rank_memory(RankProgram(st.ranks, st.instructions()), {llm.name: unit_plan}, model, train.precision)["total"] for st in stages
-    ]
-    return LLMBase(unit_plan, program, stages, timeline, memory, (reduce, optimizer, gather))
-
-
-def _seconds(instructions: list, program: Program, model: ModelSpec, compute: ComputeModel, comm: CommModel, kind: str) -> float:
-    """Seconds of a tail's gradient reduction, optimizer steps or parameter all-gather."""
-    total = 0.0
-    for i in instructions:
-        if isinstance(i, Compute) and kind == "optimizer":
-            total += compute.work_time(i.work, model)
-        elif isinstance(i, Collective) and i.kind == "dp" and (i.op == "all_gather") == (kind == "gather") and kind != "optimizer":
-            group = program.groups[i.group]
-            total += i.count * comm.collective_time(i.op, group.ranks, i.bytes, group.sharing)
-    return total
 
 
 # ---- encoder plans ---------------------------------------------------------------------------
@@ -377,6 +298,7 @@ def _schedule(
     opts: OptimusOptions,
     base: LLMBase,
     layout: Layout,
+    *,
     encoders: list[str],
     compute: ComputeModel,
     comm: CommModel,
@@ -431,11 +353,6 @@ def _encoder_tails(
     comm: CommModel,
 ) -> list[float]:
     """Per encoder stage: its gradient reduction, optimizer step and parameter all-gather."""
-    from src.costmodel.memory import element_bytes, grad_bytes
-    from src.mesh import tensor_parallel
-    from src.strategies.builders.emit import iteration_tail
-    from src.strategies.builders.stages import Segment
-
     mesh = layout.encoder_mesh()
     replicas = mesh.degree("dp")
     sharing = family_sharing(request.cluster, mesh.family("dp")) if replicas > 1 else 1
@@ -476,7 +393,8 @@ def _emit(
 ) -> Plan:
     model, cluster, train = request.model, request.cluster, request.train
     layout, schedule = best.layout, best.schedule
-    program = base.program
+    # A copy of the LLM's Program: the rung's other schedules may be emitted from it too.
+    program = Program(base.program.world_size, [], dict(base.program.groups), dict(base.program.routes))
     samples = base.plan.micro_batch
     owner = {i: j for (j, _), i in schedule.mapping.items()}
     routes = {u: add_encoder_routes(model, cluster, train.precision, program, layout, best.costs, u, samples, owner) for u in encoders}

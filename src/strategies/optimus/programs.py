@@ -27,7 +27,7 @@ from src.cluster import ClusterSpec
 from src.costmodel.memory import element_bytes, grad_bytes
 from src.mesh import tensor_parallel
 from src.models.spec import ModelSpec
-from src.program import Collective, Compute, Hop, Instruction, Message, Payload, Program, RankProgram, Recv, Send, Wait, Work
+from src.program import Collective, Compute, Hop, Instruction, Message, Payload, Phase, Program, RankProgram, Recv, Send, Wait, Work
 from src.strategies.builders.emit import TPConfig, iteration_tail, range_io, segment_pass
 from src.strategies.builders.layout import axis_group, table
 from src.strategies.optimus.encoder import EncoderCosts, Layout
@@ -159,7 +159,7 @@ class ClassEmitter:
             return [Send(route, Payload(unit, end, i), stream=ENC_SEND)]
         return [Send(self.routes[unit].hops[e - 1], Payload(unit, start, i).gradient(), stream=ENC_SEND)] if e else []
 
-    def stage_pass(self, e: int, i: int, phase: str) -> list[Instruction]:
+    def stage_pass(self, e: int, i: int, phase: Phase) -> list[Instruction]:
         out: list[Instruction] = []
         units = self.encoders if phase == "fwd" else [u for u in self.encoders if self.model.needs_backward(u)]
         for unit in units:
@@ -176,7 +176,8 @@ class ClassEmitter:
         slots: dict[tuple[str, int], list[Instruction]] = {}
         issues: dict[int, list[Instruction]] = {}
         e_of = self.layout.position(items[0].klass)[2] if items else 0
-        firsts, lasts = {}, {}
+        firsts: dict[tuple[int, int, str, str], int] = {}
+        lasts: dict[tuple[int, int, str, str], int] = {}
         for index, p in enumerate(items):
             if not p.item.is_comm:
                 key = (p.pipeline, p.local, p.phase, p.item.unit)
@@ -209,10 +210,12 @@ class ClassEmitter:
             if p.item.is_comm:
                 flush()
                 handle = self._handle()
+                group = self.routes[p.item.unit].tp_group
+                assert group is not None, "an encoder all-reduce runs on its TP group"
                 issues.setdefault(p.op, []).append(
                     Collective(
                         "all_reduce",
-                        self.routes[p.item.unit].tp_group,
+                        group,
                         p.item.nbytes,
                         "tp",
                         stream=ENC_TP,
@@ -294,7 +297,7 @@ def class_program(emitter: ClassEmitter, klass: int, stage: Stage, items: list[P
             n for n, i in enumerate(stage_op.instructions) if isinstance(i, Collective) and i.kind == "tp" and i.stream == "compute"
         ]
         for n, instruction in enumerate(stage_op.instructions):
-            if n in tp_indices:
+            if isinstance(instruction, Collective) and n in tp_indices:
                 handle = f"llm.tp.{x}.{n}"
                 handles.append(handle)
                 out.append(replace(instruction, stream="tp", blocking=False, handle=handle))

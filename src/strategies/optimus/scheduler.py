@@ -36,7 +36,8 @@ import math
 import operator
 from dataclasses import dataclass, field
 
-from src.strategies.optimus.encoder import EncoderCosts, Item, Layout
+from src.program import Phase
+from src.strategies.optimus.encoder import EncoderCosts, EncoderPlan, Item, Layout
 from src.strategies.optimus.timeline import EPS, LLMTimeline
 
 
@@ -54,7 +55,7 @@ class Placed:
     item: Item
     pipeline: int
     local: int
-    phase: str
+    phase: Phase
 
 
 @dataclass(frozen=True)
@@ -287,7 +288,7 @@ class BubbleScheduler:
         deadline: float,
         pipeline: int,
         local: int,
-        phase: str,
+        phase: Phase,
     ) -> float | None:
         """Place one stage's items for one micro-batch, first fit in time order from
         `ready`; the end of its last kernel, or None (the journal takes it back). The
@@ -567,3 +568,20 @@ def local_search(microbatches: int, blocks: int, columns: int, latency) -> tuple
             current = choice
     ranked = sorted(seen, key=lambda k: seen[k])
     return [spread(list(k), columns) for k in ranked], len(seen)
+
+
+@dataclass
+class Candidate:
+    """An encoder plan with its best schedule in the LLM's bubbles, and what ranks it."""
+
+    plan: EncoderPlan
+    layout: Layout
+    costs: EncoderCosts
+    scheduler: BubbleScheduler | None  # None once it came back from another process
+    schedule: Schedule
+    eff_coarse: float
+    eff_fine: float
+    coarse_latency: float
+    partitions_total: int
+    partitions_evaluated: int
+    search: str

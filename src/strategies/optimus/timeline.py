@@ -54,7 +54,9 @@ def op_costs(stage: Stage, program: Program, model: ModelSpec, compute: ComputeM
     out: CostTable = {}
     hop_time: dict[str, float] = {}
     for stage_op in stage.ops:
-        key = (stage_op.op.kind, stage_op.op.chunk)
+        op = stage_op.op
+        assert isinstance(op, PipeOp), "the LLM's stages run pipeline operations only"
+        key = (op.kind, op.chunk)
         if key in out:
             continue
         busy, bins, hop = 0.0, [], 0.0
@@ -105,15 +107,14 @@ class Deadlock(ValueError):
 def time_pipeline(orders: list[list[PipeOp]], costs: list[list[OpCost]]) -> list[StageTimes]:
     """Time the schedule as a dependency graph: a forward of virtual stage v waits for v-1's
     forward of its micro-batch plus the hop, a backward for v+1's backward plus the hop.
-    (Run for every warm-up count GetEncLLMDep tries: each operation's input is looked up
-    once, and the sweep over the stages only reads lists.)"""
+    (Run for every warm-up count GetEncLLMDep tries: each operation's input is found by
+    its virtual stage and micro-batch, and the sweep over the stages only reads lists.)"""
     pp = len(orders)
-    where: dict[tuple[str, int, int], tuple[int, int]] = {}
-    for s, order in enumerate(orders):
-        for x, op in enumerate(order):
-            where[(op.kind, op.chunk * pp + s, op.microbatch)] = (s, x)
     virtual = max((op.chunk for order in orders for op in order), default=0) * pp + pp
-    sources = [[_source(op, op.chunk * pp + s, virtual, where) for op in order] for s, order in enumerate(orders)]
+    microbatches = max((op.microbatch for order in orders for op in order), default=0) + 1
+    forward_end = [[-1.0] * microbatches for _ in range(virtual)]
+    backward_end = [[-1.0] * microbatches for _ in range(virtual)]
+    ops = [[(op.kind == "F", op.chunk * pp + s, op.microbatch) for op in order] for s, order in enumerate(orders)]
     totals = [[cost.total for cost in stage] for stage in costs]
     hops = [[cost.hop for cost in stage] for stage in costs]
     start = [[0.0] * len(order) for order in orders]
@@ -123,34 +124,35 @@ def time_pipeline(orders: list[list[PipeOp]], costs: list[list[OpCost]]) -> list
     while remaining:
         progressed = False
         for s in range(pp):
-            x, n = position[s], len(orders[s])
-            stage_start, stage_end, stage_sources = start[s], end[s], sources[s]
+            x, n = position[s], len(ops[s])
+            stage_ops, stage_start, stage_end, stage_totals, stage_hops = ops[s], start[s], end[s], totals[s], hops[s]
+            ready = stage_end[x - 1] if x else 0.0
             while x < n:
-                ready = stage_end[x - 1] if x else 0.0
-                source = stage_sources[x]
-                if source is not None:
-                    arrived = end[source[0]][source[1]]
+                forward, v, j = stage_ops[x]
+                if forward:
+                    arrived = forward_end[v - 1][j] if v else None
+                elif v < virtual - 1:
+                    arrived = backward_end[v + 1][j]
+                else:
+                    arrived = None
+                if arrived is not None:
                     if arrived < 0:
                         break
-                    ready = max(ready, arrived + hops[s][x])
+                    arrived += stage_hops[x]
+                    if arrived > ready:
+                        ready = arrived
                 stage_start[x] = ready
-                stage_end[x] = ready + totals[s][x]
+                ready += stage_totals[x]
+                stage_end[x] = ready
+                (forward_end if forward else backward_end)[v][j] = ready
                 x += 1
-                remaining -= 1
+            if x != position[s]:
+                remaining -= x - position[s]
+                position[s] = x
                 progressed = True
-            position[s] = x
         if not progressed:
             raise Deadlock("the pipeline schedule deadlocks")
     return [StageTimes(start[s], end[s], costs[s]) for s in range(pp)]
-
-
-def _source(op: PipeOp, v: int, virtual: int, where: dict[tuple[str, int, int], tuple[int, int]]) -> tuple[int, int] | None:
-    """The (stage, position) of the operation whose output `op` of virtual stage v reads."""
-    if op.kind == "F" and v > 0:
-        return where[("F", v - 1, op.microbatch)]
-    if op.kind == "B" and v < virtual - 1:
-        return where[("B", v + 1, op.microbatch)]
-    return None
 
 
 def makespan(times: list[StageTimes]) -> float:

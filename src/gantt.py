@@ -2,7 +2,7 @@
 bars coloured by phase and labelled with the micro-batch (DistMM Figure 6 is such a
 picture: GPipe with batch-sync against DistMM-Pipe).
 
-    python -m src.report.gantt sweeps/distmm_fig6_pipeline.yaml [--out DIR]
+    python -m src.gantt sweeps/distmm_fig6_pipeline.yaml [--out DIR]
 
 runs the sweep (its table and bar chart as src.sweep writes them) and draws every run's
 trace.json, the simulator's Chrome trace, one panel per run, into <out>/<name>_gantt.png.

@@ -1,6 +1,6 @@
 """Prepare a real run for an external launcher (torchrun, srun), start nothing:
 
-    python -m src.runtime.prepare backend=torch model=clip ... hydra.run.dir=/shared/run
+    python -m src.prepare backend=torch model=clip ... hydra.run.dir=/shared/run
 
 Composes, validates and plans exactly as the front door (or, with plan=DIR, takes the
 plan written there), then writes the run directory the workers read: resolved.yaml,
@@ -55,7 +55,7 @@ def prepare(config: dict[str, Any], run_dir: Path, job: JobInfo, overrides: list
     return nodes, per_node
 
 
-@hydra.main(version_base=None, config_path="../../conf", config_name="config")
+@hydra.main(version_base=None, config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     config = plain_config(cfg)
     run_dir, job, overrides = job_info(config)

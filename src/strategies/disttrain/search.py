@@ -1,0 +1,266 @@
+"""DistTrain's decision among the orchestration's best choices, as the Megatron-LM search
+decides: rank by the model, decide by simulation.
+
+The orchestration (Algorithm 1) ranks its integer choices by a 1F1B model of nominal
+micro-batches. Each of the best few is then laid out as the Program would be: the batch's
+sequences placed by the reordering (data.py), every replica's micro-batch loads, and the
+iteration timed stage by stage with those loads (timing.py), which is the estimate the
+plan reports. The best by that estimate are built and simulated, with the ratio-based
+plan (§8.2.1's baseline) beside them, and the fastest simulated plan that fits memory is
+the plan: never slower than the ratio baseline or any plan simulated.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from src.cluster import GIB
+from src.costmodel.compute import ComputeModel
+from src.costmodel.memory import rank_memory
+from src.data.reorder import StageTimes
+from src.models.spec import ModelSpec
+from src.program import Program, UnitPlan, compress_ranks
+from src.schedules.pipeline import PipeOp
+from src.sim.engine import simulate
+from src.strategies.base import PlanRequest
+from src.strategies.disttrain.data import Assignment, assign, unit_loads
+from src.strategies.disttrain.orchestration import UNITS, Choice, Orchestrator, UnitChoice
+from src.strategies.disttrain.profile import StageArrays
+from src.strategies.disttrain.schedule import Chain, Deadlock, chain_orders
+from src.strategies.disttrain.programs import Broker, UnitLayout, disttrain_program, place
+from src.strategies.disttrain.timing import stage_ends
+
+# How many of the orchestration's choices are timed against the batch's data, and how
+# many of those (the best by that estimate) are simulated.
+RANKED = 8
+SIMULATED = 3
+
+
+@dataclass(frozen=True)
+class BatchLoads:
+    """Each sequence of the step's batch: its encoder and generator loads (against the
+    batch's mean sequence) and its image count."""
+
+    encoder: tuple[float, ...]
+    generator: tuple[float, ...]
+    images: tuple[int, ...]
+
+    @property
+    def peak(self) -> dict[str, float]:
+        return {"encoder": max(self.encoder), "llm": 1.0, "generator": max(self.generator)}
+
+    def of(self, unit: str) -> tuple[float, ...] | None:
+        return {"encoder": self.encoder, "generator": self.generator}.get(unit)
+
+
+@dataclass
+class Candidate:
+    """One integer choice of the orchestration on its way to a plan."""
+
+    choice: Choice
+    microbatches: int
+    model_s: float  # the orchestration's 1F1B model
+    origin: str  # which orchestration found it
+    assignment: Assignment | None = None
+    layouts: list[UnitLayout] = field(default_factory=list)
+    estimate_s: float = math.inf  # timed with the batch's loads
+    program: Program | None = None
+    brokers: list[Broker] = field(default_factory=list)
+    units: list[UnitPlan] = field(default_factory=list)
+    simulated_s: float | None = None
+    memory: dict[str, tuple[float, str]] = field(default_factory=dict)  # per unit: its fullest rank class
+
+    def describe(self) -> str:
+        return "; ".join(f"{c.unit} tp{c.tp} dp{c.dp} pp{c.pp}" for c in self.choice)
+
+    def record(self) -> dict:
+        return {
+            "origin": self.origin,
+            "units": {c.unit: _choice_record(c) for c in self.choice},
+            "microbatches": self.microbatches,
+            "model_s": round(self.model_s, 6),
+            "estimate_s": round(self.estimate_s, 6),
+            "simulated_s": None if self.simulated_s is None else round(self.simulated_s, 6),
+        }
+
+
+def _choice_record(c: UnitChoice) -> dict:
+    s = c.setting
+    return {
+        "tp": c.tp,
+        "dp": c.dp,
+        "pp": c.pp,
+        "vpp": s.vpp,
+        "recompute": s.recompute,
+        "sequence_parallel": s.sequence_parallel,
+        "scatter_gather": s.scatter_gather,
+        "zero_stage": s.zero_stage,
+    }
+
+
+class Decision:
+    """Times, builds and simulates candidates of one request."""
+
+    def __init__(self, request: PlanRequest, orchestrator: Orchestrator, loads: BatchLoads, reorder: str, chunks: int) -> None:
+        self.request, self.o, self.loads, self.reorder, self.chunks = request, orchestrator, loads, reorder, chunks
+        self.compute = ComputeModel(request.cluster, request.train.precision)
+
+    # ---- the estimate ----------------------------------------------------------------------
+    def estimate(self, candidate: Candidate) -> None:
+        """Place the batch's sequences, lay the units out, and time the iteration with
+        every micro-batch's load; infinite where a stage's memory does not hold the
+        forwards its order keeps in flight."""
+        choice, m = candidate.choice, candidate.microbatches
+        candidate.assignment = self._assignment(choice)
+        candidate.layouts = [self._layout(c, candidate.assignment, m) for c in choice]
+        chain = Chain(tuple((c.pp, c.setting.vpp) for c in choice))
+        try:
+            orders = chain_orders(chain, m)
+        except Deadlock:
+            return  # interleaved units (by hand) whose orders wait on each other: not a plan
+        stages = [self.o.stages(c) for c in choice]
+        if not self._fits(choice, stages, orders):
+            return
+        trains = [self.request.model.needs_backward(c.unit) for c in choice for _ in range(c.pp * c.setting.vpp)]
+        forward_hop: list[float] = []
+        backward_hop: list[float] = []
+        offsets = {layout.unit: layout.offset for layout in place(candidate.layouts)}
+        for c, after in zip(choice, (*choice[1:], None)):
+            hops = self.o.p.hops(c.unit, c.setting, c.micro_batch, c.dp, c.pp, offsets[c.unit])
+            forward_hop += hops
+            backward_hop += hops
+            if after is not None:
+                there, back = self.o.p.broker_parts(
+                    (c.unit, c.tp, c.dp, c.micro_batch), (after.unit, after.tp, after.dp, after.micro_batch)
+                )
+                forward_hop.append(there)
+                backward_hop.append(back)
+        ends = [0.0] * len(orders)
+        for group in _groups(choice):
+            fwd: list[list[float]] = []
+            bwd: list[list[float]] = []
+            for c, layout, arrays in zip(choice, candidate.layouts, stages):
+                # The group's slowest replica of this unit, per micro-batch.
+                replicas = sorted({r * c.dp // choice[1].dp for r in group})
+                load = [max(layout.loads[d][j] for d in replicas) for j in range(m)]
+                for v in range(c.pp * c.setting.vpp):
+                    fwd.append([float(arrays.fwd[v]) * x for x in load])
+                    bwd.append([float(arrays.bwd[v]) * x for x in load])
+            found = stage_ends(orders, chain.virtual_of(), fwd, bwd, forward_hop, backward_hop, trains)
+            ends = [max(a, b) for a, b in zip(ends, found)]
+        tails = [float(t) for arrays in stages for t in arrays.tail]
+        candidate.estimate_s = max(end + tail for end, tail in zip(ends, tails))
+
+    def _fits(self, choice: Choice, stages: list[StageArrays], orders: list[list[PipeOp]]) -> bool:
+        """Each stage's model states and the most activations its order keeps at once
+        (each chunk's forward adds its own until its backward, at the unit's heaviest load)."""
+        usable = self.request.cluster.usable_memory_bytes
+        first = 0
+        for c, arrays in zip(choice, stages):
+            peak = self.loads.peak[c.unit]
+            for stage in range(c.pp):
+                live = most = 0.0
+                for op in orders[first + stage]:
+                    kept = float(arrays.activations[op.chunk * c.pp + stage])
+                    live += kept if op.kind == "F" else -kept
+                    most = max(most, live)
+                if float(arrays.states[stage]) + peak * most > usable:
+                    return False
+            first += c.pp
+        return True
+
+    def _assignment(self, choice: Choice) -> Assignment:
+        enc, llm, gen = choice
+        stages = {c.unit: self.o.stages(c) for c in choice}
+        per_sequence = {c.unit: float(stages[c.unit].fb.sum()) / c.micro_batch for c in (enc, gen)}
+        loads = self.loads
+        sizes = [per_sequence["encoder"] * e + per_sequence["generator"] * g for e, g in zip(loads.encoder, loads.generator)]
+
+        def slot_times(e: float, g: float) -> StageTimes:
+            scale = {"encoder": e, "llm": 1.0, "generator": g}
+            fwd = tuple(f * scale[u] for u in UNITS for f in stages[u].fwd.tolist())
+            bwd = tuple(b * scale[u] for u in UNITS for b in stages[u].bwd.tolist())
+            return StageTimes(fwd, bwd)
+
+        return assign(self.reorder, sizes, loads.encoder, loads.generator, llm.dp, enc.dp, gen.dp, slot_times)
+
+    def _layout(self, c: UnitChoice, assignment: Assignment, m: int) -> UnitLayout:
+        per_sequence = self.loads.of(c.unit)
+        loads = ((1.0,) * m,) * c.dp if per_sequence is None else unit_loads(assignment, per_sequence, c.dp, m)
+        return UnitLayout(c.unit, c.dp, c.pp, c.micro_batch, c.setting, self.o.stages(c).layers, 0, loads)
+
+    # ---- the Program -----------------------------------------------------------------------
+    def build(self, candidate: Candidate) -> None:
+        request = self.request
+        model, cluster, train = request.model, request.cluster, request.train
+        layouts = place(candidate.layouts)
+        candidate.program, candidate.brokers = disttrain_program(
+            model, cluster, train.precision, train.global_batch, candidate.microbatches, layouts, self.chunks
+        )
+        by_unit = {u.unit: u for u in layouts}
+        candidate.units = [_unit_plan(cluster, by_unit[u], candidate.microbatches) for u in UNITS]
+        candidate.memory = _memory(candidate.program, candidate.units, model, train.precision)
+
+    def fits(self, candidate: Candidate) -> bool:
+        usable = self.request.cluster.usable_memory_bytes
+        return all(need <= usable for need, _ in candidate.memory.values())
+
+    def simulate(self, candidate: Candidate) -> None:
+        assert candidate.program is not None, "built before it is simulated"
+        request = self.request
+        result = simulate(candidate.program, request.model, request.cluster, request.train.precision, self.compute)
+        candidate.simulated_s = result.iteration_time
+
+
+def _groups(choice: Choice) -> list[range]:
+    """LLM replicas that run in step: joined through a shared encoder or generator replica."""
+    enc, llm, gen = choice
+    b_me, b_mg = llm.dp // enc.dp, llm.dp // gen.dp
+    width = b_me * b_mg // math.gcd(b_me, b_mg)
+    return [range(first, first + width) for first in range(0, llm.dp, width)]
+
+
+def _unit_plan(cluster, layout: UnitLayout, m: int) -> UnitPlan:
+    mesh = layout.mesh
+    s = layout.setting
+    return UnitPlan(
+        unit=layout.unit,
+        mesh=mesh,
+        micro_batch=layout.micro_batch,
+        num_microbatches=m,
+        batch_per_replica=m * layout.micro_batch,
+        stage_layers=layout.stages,
+        sample_groups=m,
+        vpp=s.vpp,
+        zero_stage=s.zero_stage,
+        recompute=s.recompute,
+        sequence_parallel=s.sequence_parallel,
+        details={
+            "nodes": compress_ranks(tuple(sorted({cluster.node_of(r) for r in mesh.ranks}))),
+            "max_load": round(max(max(row) for row in layout.loads), 3),
+            "scatter_gather": s.scatter_gather,
+        },
+    )
+
+
+def _memory(program: Program, units: Sequence[UnitPlan], model: ModelSpec, precision: str) -> dict[str, tuple[float, str]]:
+    """Every unit's fullest rank class as the Program holds it (loads included)."""
+    by_name = {u.unit: u for u in units}
+    worst: dict[str, tuple[float, str]] = {}
+    for rank_program in program.classes:
+        need = rank_memory(rank_program, by_name, model, precision)["total"]
+        unit = rank_program.units[0]
+        if need > worst.get(unit, (0.0, ""))[0]:
+            worst[unit] = (need, rank_program.label)
+    return worst
+
+
+def memory_problem(request: PlanRequest, candidate: Candidate) -> str:
+    usable = request.cluster.usable_memory_bytes
+    unit, (need, label) = max(candidate.memory.items(), key=lambda item: item[1][0] - usable)
+    return (
+        f"disttrain: {label} ({unit} of {candidate.describe()}) needs {need / GIB:.1f} GiB but a "
+        f"{request.cluster.device} has {usable / GIB:.1f} GiB usable, short by {(need - usable) / GIB:.1f} GiB"
+    )
