@@ -66,6 +66,7 @@ def test_sigkill_to_the_door_takes_every_worker_with_it_and_the_run_resumes(tmp_
     error = (killed / "error.txt").read_text()
     assert re.fullmatch(rf"the front door \(pid {door.pid}\) died while rank 0 was .+: workers stopped, no results written\n", error)
     assert not (killed / "summary.json").exists() and not (killed / "trace.json").exists()
+    assert not (killed / ".lifeline").exists()  # the heartbeat board: rank 0 removes it for the dead door
 
     done = int((killed / "checkpoint" / "latest").read_text().removeprefix("step"))
     steps = f"train.steps={done + 2}"
@@ -98,7 +99,7 @@ def test_sigterm_to_the_door_stops_every_worker_and_says_so(tmp_path):
     assert re.fullmatch(r"error: terminated by SIGTERM during step \d+: all 2 workers stopped, no results written", line), line
     assert "Traceback" not in stderr
     assert (tmp_path / "error.txt").read_text() == line.removeprefix("error: ") + "\n"
-    assert not (tmp_path / "summary.json").exists()
+    assert not (tmp_path / "summary.json").exists() and not (tmp_path / ".lifeline").exists()
 
 
 def test_a_stopped_rank_is_named_with_where_it_stopped_before_any_peer_times_out(tmp_path):
