@@ -85,7 +85,8 @@ def check_resume(spec: CheckpointSpec, run_dir: Path) -> Resume | None:
         meta = json.loads((path / META).read_text())
     except (OSError, json.JSONDecodeError):
         raise ConfigError(f"{name}: its latest checkpoint {path} is incomplete (no readable {META})") from None
-    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+    header = (meta.get("format"), meta.get("version")) if isinstance(meta, dict) else None
+    if header != (FORMAT, VERSION) or not all(isinstance(meta.get(key), int) for key in ("step", "world_size")):
         raise ConfigError(f"{name}: {path / META} is not an mmdist checkpoint of version {VERSION}")
     ours, theirs = _plan_file(run_dir / PLAN_FILE), _plan_file(source / PLAN_FILE)
     if meta["world_size"] != ours["world_size"]:

@@ -121,6 +121,9 @@ def test_resuming_from_a_run_without_a_checkpoint_is_refused(tmp_path):
         check_resume(CheckpointSpec(resume=str(source)), run_dir)
     _fake_checkpoint(source, 2, 2)
     assert check_resume(CheckpointSpec(resume=str(source)), run_dir).step == 2  # the same plan: it would resume
+    (source / CHECKPOINT_DIR / "step2" / META).write_text('{"format": "mmdist-checkpoint", "version": 1}')  # cut short
+    with pytest.raises(ConfigError, match=rf"^train.resume={source}: {source}/checkpoint/step2/meta.json is not an mmdist checkpoint"):
+        check_resume(CheckpointSpec(resume=str(source)), run_dir)
 
 
 def test_resuming_from_a_checkpoint_of_another_plan_is_refused(tmp_path):
