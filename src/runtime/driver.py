@@ -12,7 +12,7 @@ What ends a run early, and the one line it ends with:
   failed first is raised (its peers' failures are consequences; their tracebacks are in
   their log files, errors/rank<r>.log);
 - a rank stops making progress (runtime.lifeline: its heartbeat stops, e.g. SIGSTOP):
-  after a third of backend.timeout_s, before any peer's collective times out, it is named
+  after a third of backend.timeout_s (at least STALL_BEATS beats), before any peer's collective times out, it is named
   with its last instruction and every worker is stopped;
 - Ctrl-C, or SIGTERM to the front door: every worker is stopped (SIGTERM: a WorkerFailure
   the door writes to error.txt, exit code 143);
@@ -38,13 +38,14 @@ from src.config import TorchBackendSpec
 from src.plan_io import read_plan
 from src.program import Collective, Compute, Instruction, Recv, Send, Wait
 from src.runtime.errors import Terminated, WorkerFailure
-from src.runtime.lifeline import BOARD_ENV, DOOR_ENV, DONE, TRAINING, Beat, Board
+from src.runtime.lifeline import BEAT_S, BOARD_ENV, DOOR_ENV, DONE, TRAINING, Beat, Board
 from src.runtime.worker import ERRORS_DIR
 
 POLL_S = 0.1
 KILL_GRACE_S = 5.0
 BOARD_FILE = ".lifeline"  # the workers' heartbeats, in the first run directory while they run
 STALL_SHARE = 1 / 3  # of backend.timeout_s: a rank silent this long is named before a peer's collective times out
+STALL_BEATS = 4  # and at least this many missed beats: a tiny backend.timeout_s must not name a rank between two beats
 STALE_S = 5.0  # a live rank silent this long when a peer fails is named first: its peers failed waiting on it
 
 
@@ -144,7 +145,7 @@ def launch(run_dirs: list[Path], world: int, backend: TorchBackendSpec) -> None:
 
 
 def _watch(procs: list, run_dirs: list[Path], board: Board, started: int, backend: TorchBackendSpec) -> None:
-    stall_ns = int(backend.timeout_s * STALL_SHARE * 1e9)
+    stall_ns = int(max(backend.timeout_s * STALL_SHARE, STALL_BEATS * BEAT_S) * 1e9)
     while True:
         codes = [p.poll() for p in procs]
         if any(c not in (None, 0) for c in codes):
