@@ -32,7 +32,7 @@ class TrainSpec:
 
 
 TOP_LEVEL = ("model", "strategy", "cluster", "backend", "logger", "train", "run", "plan")
-TRAIN_KEYS = ("global_batch", "contrastive_batch", "seq_len", "precision", "steps", "seed")
+TRAIN_KEYS = ("global_batch", "contrastive_batch", "seq_len", "precision", "steps", "seed", "checkpoint_every", "resume")
 RUN_KEYS = ("name", "out_root")
 LOGGER_KEYS = {"none": ("name",), "wandb": ("name", "mode", "project", "entity", "group", "tags")}
 WANDB_MODES = ("offline", "online", "disabled")
@@ -82,6 +82,30 @@ def train_from_config(cfg: Mapping[str, Any], cluster: ClusterSpec, default_batc
         steps=positive_int(cfg, "steps", "train"),
         seed=seed,
     )
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    """train.checkpoint_every and train.resume: how a real run saves its state and where it
+    starts from. Not part of the plan (a resumed run runs the plan it resumes)."""
+
+    every: int | None = None  # save after every N-th step (RUN_DIR/checkpoint); None: never
+    resume: str | None = None  # a run directory (absolute) whose latest checkpoint this run starts from
+
+
+def checkpoint_from_config(cfg: Mapping[str, Any], backend: str) -> CheckpointSpec:
+    every, resume = cfg.get("checkpoint_every"), cfg.get("resume")
+    if every is None and resume is None:
+        return CheckpointSpec()
+    if backend != "torch":
+        raise ConfigError(f"train.checkpoint_every and train.resume are the real backend's (backend=torch), not backend={backend}'s")
+    if every is not None:
+        every = positive_int(cfg, "checkpoint_every", "train")
+    if resume is not None:
+        if not isinstance(resume, str) or not resume:
+            raise ConfigError(f"train.resume must be a run directory, got {resume!r}")
+        resume = os.path.abspath(resume)  # workers may start elsewhere (a launcher's nodes)
+    return CheckpointSpec(every, resume)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from typing import Any
 
 from src.cluster import ClusterSpec
 from src.codec import CodecError, decode, encode, fields_codec, register
-from src.config import TorchBackendSpec, TrainSpec
+from src.config import CheckpointSpec, TorchBackendSpec, TrainSpec
 from src.errors import ConfigError
 from src.models.spec import LayerSpec, ModelSpec, UnitSpec
 from src.program import Plan
@@ -58,13 +58,15 @@ class PlannedRun:
 @dataclass(frozen=True)
 class RunSettings:
     """How one run executes its plan: its backend (sim or torch) and the real backend's
-    settings (None for the simulator), the job's names, and the composed config, which
-    the sinks record (W&B's run config) and nothing reads to decide."""
+    settings (None for the simulator), the job's names, the composed config, which
+    the sinks record (W&B's run config) and nothing reads to decide, and its checkpoints
+    (train.checkpoint_every, train.resume)."""
 
     backend: str
     torch: TorchBackendSpec | None
     job: JobInfo
     record: dict[str, Any]
+    checkpoint: CheckpointSpec = CheckpointSpec()
 
 
 def _encode_model(model: ModelSpec) -> dict[str, Any]:

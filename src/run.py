@@ -21,7 +21,7 @@ from src.errors import ConfigError
 from src.progress import heartbeat
 from src.report import JobInfo
 from src.report.files import WriteError, unwritable_dir, write_failure
-from src.runtime.errors import WorkerFailure
+from src.runtime.errors import Terminated, WorkerFailure
 from src.setup import ERROR_FILE, job_info, options_named, prepare_run, start_run_dir, write_run_dir
 from src.sim.engine import SimulationError
 
@@ -87,24 +87,25 @@ def main(cfg: DictConfig) -> None:
         if err.filename is None:  # not a file's (a closed stdout pipe): not the run directory's to report
             raise
         fail(run_dir, job, f"error: {write_failure(err)}", 2)  # a file of the front door's own (resolved.yaml)
-    except WorkerFailure as err:
-        fail(run_dir, job, f"error: {err}", err.exit_code)
+    except WorkerFailure as err:  # SIGTERM (Terminated) stops a multirun, not only this job, as Ctrl-C does
+        fail(run_dir, job, f"error: {err}", err.exit_code, stop_all=isinstance(err, Terminated))
     except KeyboardInterrupt:
         # The driver has already stopped every worker it started.
         log.error("error: interrupted; all workers stopped")
         sys.exit(130)
 
 
-def fail(run_dir: Path, job: JobInfo, line: str, code: int) -> None:
+def fail(run_dir: Path, job: JobInfo, line: str, code: int, stop_all: bool = False) -> None:
     """One line on stderr and in the run's error file. A single run exits with `code`; a
-    multirun's job returns, so that the other jobs go on (the error file records it)."""
+    multirun's job returns, so that the other jobs go on (the error file records it),
+    unless `stop_all`."""
     log.error(line)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / ERROR_FILE).write_text(line.removeprefix("error: ") + "\n")
     except OSError:  # the directory does not allow it (the line above says why, if that is the error)
         (run_dir / ERROR_FILE).unlink(missing_ok=True)  # an empty one would say nothing
-    if job.sweep_name is None:
+    if job.sweep_name is None or stop_all:
         sys.exit(code)
 
 

@@ -17,6 +17,7 @@ from src.cluster import ClusterSpec, cluster_from_config
 from src.config import (
     TOP_LEVEL,
     TorchBackendSpec,
+    checkpoint_from_config,
     TrainSpec,
     backend_from_config,
     check_logger_and_run,
@@ -29,11 +30,11 @@ from src.models.spec import ModelSpec
 from src.plan_io import PLANNED_FROM, PlannedRun, RunSettings, read_plan, write_plan
 from src.program import Plan
 from src.report import JobInfo
-from src.report.files import SUMMARY_FILE
+from src.report.files import ERROR_FILE, SUMMARY_FILE
 from src.strategies import PlanRequest, option_keys, planner_for
 
-ERROR_FILE = "error.txt"  # a failed run's one-line reason (a multirun's other jobs go on)
 RESOLVED_FILE = "resolved.yaml"
+TRAIN_NOT_PLANNED = ("steps", "checkpoint_every", "resume")  # the train keys a written plan's re-run may set
 
 
 @dataclass(frozen=True)
@@ -85,26 +86,30 @@ def prepare_run(
         raise ConfigError(f"only backend=torch runs are prepared for a launcher, got backend={config['backend']['name']}")
     if config.get("plan") is None:
         setup = validate(config)
+        checkpoint = checkpoint_from_config(config["train"], config["backend"]["name"])  # before planning, which may take minutes
         planned = PlannedRun(setup.model, setup.cluster, setup.train, plan_run(setup), {k: config[k] for k in PLANNED_FROM})
-        return planned, RunSettings(config["backend"]["name"], setup.backend, job, config)
+        return planned, RunSettings(config["backend"]["name"], setup.backend, job, config, checkpoint)
     source = Path(str(config["plan"]))
     planning = [o for o in overrides or [] if o.lstrip("+~").split("=")[0].split(".")[0] in PLANNED_FROM]
-    planning = [o for o in planning if not o.startswith("train.steps=")]
+    planning = [o for o in planning if not o.startswith(tuple(f"train.{key}=" for key in TRAIN_NOT_PLANNED))]
     if planning:
         raise ConfigError(
-            f"plan={source} runs the written plan's model, strategy, cluster and train (train.steps aside): drop {planning}"
+            f"plan={source} runs the written plan's model, strategy, cluster and train "
+            f"(train.steps, checkpoint_every and resume aside): drop {planning}"
         )
     reject_unknown(config, TOP_LEVEL, "top-level config key(s)")
     backend = _backend(config)
     check_logger_and_run(config.get("logger") or {"name": "none"}, config.get("run") or {})
     steps = positive_int(config["train"], "steps", "train")
+    checkpoint = checkpoint_from_config(config["train"], config["backend"]["name"])
     planned = read_plan(source)
     planned = replace(planned, train=replace(planned.train, steps=steps))
-    record = {**config, **planned.sources, "train": {**planned.sources.get("train", {}), "steps": steps}}
+    ours = {key: config["train"].get(key) for key in TRAIN_NOT_PLANNED} | {"steps": steps}
+    record = {**config, **planned.sources, "train": {**planned.sources.get("train", {}), **ours}}
     if config["run"]["name"] == _default_name(config):  # the composed groups' name: the plan's instead
         record["run"] = {**config["run"], "name": _default_name(record)}
         job = replace(job, run_name=record["run"]["name"])
-    return planned, RunSettings(config["backend"]["name"], backend, job, record)
+    return planned, RunSettings(config["backend"]["name"], backend, job, record, checkpoint)
 
 
 def _default_name(config: dict[str, Any]) -> str:

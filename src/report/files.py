@@ -17,6 +17,7 @@ from typing import Any, Iterator, Mapping
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
+ERROR_FILE = "error.txt"  # a failed or killed run's one-line reason
 
 
 class WriteError(OSError):

@@ -14,6 +14,7 @@ from src.errors import ConfigError
 from src.plan_io import PlannedRun, RunSettings, write_settings
 from src.program import Plan
 from src.report.files import SUMMARY_FILE
+from src.runtime.checkpoint import check_resume
 from src.runtime.checks import check_runnable
 from src.runtime.driver import launch
 
@@ -29,6 +30,7 @@ def ready(planned: PlannedRun, settings: RunSettings, run_dir: Path) -> TorchBac
     if backend is None:
         raise ConfigError(f"backend={settings.backend} runs no workers: workers need backend=torch")
     check_runnable(planned, backend.data, backend.data_errors)
+    check_resume(settings.checkpoint, run_dir)
     write_settings(run_dir, settings)
     return backend
 

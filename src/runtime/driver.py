@@ -5,9 +5,19 @@ under torchrun. CPU (gloo) workers are forked from a forkserver that imported to
 DeepSpeed once (src/runtime/preload.py): on a few cores, each worker importing them
 itself costs seconds of start-up. GPU workers start as fresh processes (`python -m
 src.runtime.worker`), since CUDA must not be touched in a process that forks.
-If one worker fails, the others are stopped at once and the error line of the rank that
-failed first is raised (its peers' failures are consequences); Ctrl-C stops every
-worker. Each worker runs in its own session so that stopping it stops whatever it started.
+Each worker runs in its own session so that stopping it stops whatever it started.
+
+What ends a run early, and the one line it ends with:
+- a worker fails: the others are stopped at once, and the error line of the rank that
+  failed first is raised (its peers' failures are consequences; their tracebacks are in
+  their log files, errors/rank<r>.log);
+- a rank stops making progress (runtime.lifeline: its heartbeat stops, e.g. SIGSTOP):
+  after a third of backend.timeout_s (at least STALL_BEATS beats), before any peer's collective times out, it is named
+  with its last instruction and every worker is stopped;
+- Ctrl-C, or SIGTERM to the front door: every worker is stopped (SIGTERM: a WorkerFailure
+  the door writes to error.txt, exit code 143);
+- SIGKILL to the front door: each worker sees its door die (runtime.lifeline), writes
+  error.txt and kills itself within a beat, and the forkserver leaves with its parent.
 """
 
 from __future__ import annotations
@@ -18,15 +28,25 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from src.config import TorchBackendSpec
-from src.runtime.errors import WorkerFailure
+from src.plan_io import read_plan
+from src.program import Collective, Compute, Instruction, Recv, Send, Wait
+from src.runtime.errors import Terminated, WorkerFailure
+from src.runtime.lifeline import BEAT_S, BOARD_ENV, DOOR_ENV, DONE, TRAINING, Beat, Board
 from src.runtime.worker import ERRORS_DIR
 
 POLL_S = 0.1
 KILL_GRACE_S = 5.0
+BOARD_FILE = ".lifeline"  # the workers' heartbeats, in the first run directory while they run
+STALL_SHARE = 1 / 3  # of backend.timeout_s: a rank silent this long is named before a peer's collective times out
+STALL_BEATS = 4  # and at least this many missed beats: a tiny backend.timeout_s must not name a rank between two beats
+STALE_S = 5.0  # a live rank silent this long when a peer fails is named first: its peers failed waiting on it
 
 
 def free_port() -> int:
@@ -102,28 +122,121 @@ def start_worker(run_dirs: list[Path], env: dict[str, str], backend: TorchBacken
 
 def launch(run_dirs: list[Path], world: int, backend: TorchBackendSpec) -> None:
     """Run `world` workers on this machine until all finish (over each run directory in
-    turn, as its plan.json and run.json say); raise WorkerFailure if one fails."""
+    turn, as its plan.json and run.json say); raise WorkerFailure if one fails or stalls,
+    Terminated on SIGTERM."""
     port = free_port()
-    procs = [start_worker(run_dirs, worker_env(r, world, port, backend), backend) for r in range(world)]
+    board = Board(run_dirs[0] / BOARD_FILE, world)
+    lifeline = {BOARD_ENV: str(board.path), DOOR_ENV: str(os.getpid())}
+    procs: list[ForkedWorker | subprocess.Popen] = []
     try:
-        while True:
-            codes = [p.poll() for p in procs]
-            if any(c not in (None, 0) for c in codes):
+        with _sigterm_raises():
+            try:
+                for rank in range(world):
+                    procs.append(start_worker(run_dirs, {**worker_env(rank, world, port, backend), **lifeline}, backend))
+                # A rank not beating yet counts from here: the forkserver's imports are behind it.
+                _watch(procs, run_dirs, board, time.monotonic_ns(), backend)
+            except (KeyboardInterrupt, _SigTerm):
                 stop(procs)
-                raise WorkerFailure(_first_failure(run_dirs, codes))
-            if all(c == 0 for c in codes):
-                return
-            time.sleep(POLL_S)
-    except KeyboardInterrupt:
-        stop(procs)
-        raise
+                raise
+    except _SigTerm:
+        raise Terminated(f"terminated by SIGTERM {_where(board)}: all {world} workers stopped, no results written") from None
+    finally:
+        board.close()
+
+
+def _watch(procs: list, run_dirs: list[Path], board: Board, started: int, backend: TorchBackendSpec) -> None:
+    stall_ns = int(max(backend.timeout_s * STALL_SHARE, STALL_BEATS * BEAT_S) * 1e9)
+    while True:
+        codes = [p.poll() for p in procs]
+        if any(c not in (None, 0) for c in codes):
+            stalled = _stalled(procs, board, started, int(STALE_S * 1e9))
+            stop(procs)
+            line = _stall_line(run_dirs, *stalled, backend) if stalled else _first_failure(run_dirs, codes)
+            raise WorkerFailure(line)
+        if all(c == 0 for c in codes):
+            return
+        stalled = _stalled(procs, board, started, stall_ns)
+        if stalled:
+            stop(procs)
+            raise WorkerFailure(_stall_line(run_dirs, *stalled, backend))
+        time.sleep(POLL_S)
+
+
+def _stalled(procs: list, board: Board, started: int, limit_ns: int) -> tuple[int, Beat, float] | None:
+    """(rank, its slot, seconds silent) of the live rank whose heartbeat is the oldest,
+    if it is older than `limit_ns`; a rank not beating yet counts from the launch."""
+    now = time.monotonic_ns()
+    silent = []
+    for rank, proc in enumerate(procs):
+        beat = board.read(rank)
+        if proc.poll() is None and beat.state != DONE:
+            silent.append((now - (beat.time_ns or started), rank, beat))
+    if not silent:
+        return None
+    age, rank, beat = max(silent, key=lambda entry: entry[0])
+    return (rank, beat, age / 1e9) if age > limit_ns else None
+
+
+def _stall_line(run_dirs: list[Path], rank: int, beat: Beat, silent_s: float, backend: TorchBackendSpec) -> str:
+    line = f"rank {rank} stopped making progress: no heartbeat for {silent_s:.1f} s (backend.timeout_s={backend.timeout_s:g})"
+    line += f" while {beat.doing()}"
+    if beat.state == TRAINING and beat.instruction >= 0:
+        instructions = read_plan(run_dirs[beat.run]).plan.program.class_of(rank).instructions
+        line += f" of {len(instructions)} ({describe(instructions[beat.instruction])})"
+    return line + "; all workers stopped"
+
+
+def describe(instruction: Instruction) -> str:
+    """An instruction in a few words, for a line that names where a rank stopped."""
+    if isinstance(instruction, Compute):
+        work = instruction.work
+        return f"{work.phase} of {work.unit} layers {work.layers[0]}-{work.layers[1] - 1}, micro-batch {instruction.microbatch}"
+    if isinstance(instruction, Collective):
+        return f"{instruction.op} on group {instruction.group}"
+    if isinstance(instruction, Send):
+        return f"send {instruction.payload} on route {instruction.route}"
+    if isinstance(instruction, Recv):
+        return f"receive {instruction.payload} on route {instruction.route}"
+    assert isinstance(instruction, Wait), "the five instruction kinds"
+    return f"wait for {instruction.handle}"
+
+
+def _where(board: Board) -> str:
+    """'during step 3' (the furthest rank's), or what the workers were doing."""
+    beats = [board.read(rank) for rank in range(board.world)]
+    steps = [b.step for b in beats if b.state == TRAINING]
+    return f"during step {max(steps)}" if steps else f"while its workers were {max(beats, key=lambda b: b.state).doing()}"
+
+
+class _SigTerm(BaseException):
+    """SIGTERM reached the driver while it watched its workers."""
+
+
+@contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """SIGTERM raises _SigTerm in the driver (the main thread) while workers run, so that
+    it stops them instead of dying and leaving them to train on."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        raise _SigTerm
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def stop(procs: list[ForkedWorker | subprocess.Popen]) -> None:
-    """SIGTERM every live worker's process group, SIGKILL what is left after a grace."""
+    """SIGTERM every live worker's process group, SIGKILL what is left after a grace. A
+    stopped worker (SIGSTOP) is continued, so that it takes its SIGTERM now."""
     for proc in procs:
         if proc.poll() is None:
             _signal(proc, signal.SIGTERM)
+            _signal(proc, signal.SIGCONT)
     deadline = time.monotonic() + KILL_GRACE_S
     for proc in procs:
         try:
@@ -150,7 +263,10 @@ def _first_failure(run_dirs: list[Path], codes: list[int | None]) -> str:
             return f"rank {rank}: worker killed by signal {signal.Signals(-code).name} (exit code {code})"
     written = [(path.stat().st_mtime, rank, path) for rank in range(len(codes)) if (path := _error_file(run_dirs, rank)) is not None]
     if written:
-        return min(written)[2].read_text().strip()
+        path = min(written)[2]
+        line = path.read_text().strip()
+        trace = path.with_suffix(".log")
+        return line if WorkerFailure(line).exit_code == 2 or not trace.exists() else f"{line} (traceback: {trace})"
     rank = next(r for r, c in enumerate(codes) if c not in (None, 0))
     return f"rank {rank}: worker exited with code {codes[rank]}"
 

@@ -1,6 +1,7 @@
 """Errors of a real run that the front door reports in one line."""
 
 import re
+import signal
 
 from src.errors import ConfigError, DataError, PlanError
 from src.report.files import WriteError
@@ -17,3 +18,11 @@ class WorkerFailure(RuntimeError):
         """The front door's: 2 for an error the user can fix (bad data found at a step, a
         full disk), 1 for a failure of the run."""
         return 2 if _USERS.search(str(self)) else 1
+
+
+class Terminated(WorkerFailure):
+    """The front door was sent SIGTERM while its workers ran; it stopped them."""
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + signal.SIGTERM

@@ -46,6 +46,7 @@ from src.runtime.engines import backward, point_reduction_at
 from src.runtime.grid_engine import GridEngine
 from src.runtime.grad_reduce import GradBucket, start_reduction
 from src.runtime.groups import ProcessGroups
+from src.runtime.lifeline import LIFELINE
 from src.runtime.loss_scale import LossScale, overflowed, unscale
 from src.runtime.modules.generator import handed_on
 from src.runtime.modules.grid3d import ZSharded
@@ -173,11 +174,14 @@ class Executor:
         # Communication is timed inside instructions only: what each one took is taken
         # after it, and this drops what came before the step.
         CLOCK.take()
-        for instruction in self.instructions:
+        at = LIFELINE.at_instruction  # where this rank is, for the driver to name if it stops
+        for index, instruction in enumerate(self.instructions):
+            at(index)
             start = time.perf_counter()
             category = self._run(instruction)
             synchronize(self.device)
             timer.record(instruction, start, time.perf_counter(), category, CLOCK.take())
+        LIFELINE.after_instructions()
         for work, _ in self.s.sends:
             work.wait()
         if self.loss_scale is not None and self.s.skip is None:  # a rank that steps no optimizer still agrees

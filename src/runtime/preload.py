@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import os
 
+from src.runtime.lifeline import die_with_parent
+
+die_with_parent()  # first: a door killed while this imports leaves no forkserver behind
+
 # Before DeepSpeed's first import: gloo workers use no accelerator (no probe).
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 

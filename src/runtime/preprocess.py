@@ -69,8 +69,8 @@ class StepMaker(Protocol):
         ...
 
 
-def _produce(samples: StepMaker, steps: int, made: Any, finished: Any) -> None:
-    for step in range(steps):
+def _produce(samples: StepMaker, steps: range, made: Any, finished: Any) -> None:
+    for step in steps:
         try:
             made.put((step, _pack(samples.make(step)), samples.skipped()))
         except Exception as error:  # the trainer raises it as its own, as inline preprocessing would
@@ -84,7 +84,8 @@ class Producer:
     """One trainer's producer process (spawned: it never inherits the trainer's process
     groups or threads), started at once so that it works while the trainer builds its model."""
 
-    def __init__(self, samples: StepMaker, steps: int, depth: int, timeout_s: float, rank: int) -> None:
+    def __init__(self, samples: StepMaker, steps: range, depth: int, timeout_s: float, rank: int) -> None:
+        """`steps`: the steps to make batches for, in order (a resumed run's start after its checkpoint)."""
         context = mp.get_context("spawn")
         self.made = context.Queue(maxsize=depth)
         self.finished = context.Event()

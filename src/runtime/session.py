@@ -4,7 +4,9 @@ Every worker runs the plan the door wrote (src/plan_io: the same Plan on every r
 worker plans), builds its units' modules from the seed, wraps them in DeepSpeed engines
 on their data-parallel groups, and executes its instruction list once per step. Only
 rank 0 writes: one line and one metrics record per step, then the summary, to the same
-sinks as the simulator.
+sinks as the simulator. Every N-th step (train.checkpoint_every) all ranks save a
+checkpoint, and a run resumed from one (train.resume) starts at the step after it
+(runtime.checkpoint).
 """
 
 from __future__ import annotations
@@ -26,12 +28,14 @@ from src.metrics import iteration_flops, summarize
 from src.plan_io import PlannedRun, RunSettings
 from src.program import Compute, Plan
 from src.report import open_sinks
+from src.runtime.checkpoint import Checkpoints, Resume, Saved, check_resume
 from src.runtime.comm import CLOCK
 from src.runtime.device import DTYPES, worker_device
 from src.runtime.engines import EngineSettings, ParallelGroups, deepspeed_comm_seconds, make_engine, partitioned_at_init
 from src.runtime.executor import Executor
 from src.runtime.groups import ProcessGroups
 from src.runtime.inputs import Batches, StepSamples, content_of, dataset_for
+from src.runtime.lifeline import LIFELINE, REPORTING, SAVING, TRAINING
 from src.runtime.modules.parallel import TP
 from src.models.spec import ModelSpec
 from src.runtime.grid_engine import GridEngine, build_grid, on_grid
@@ -134,6 +138,12 @@ def run_session(run: PlannedRun, settings: RunSettings, run_dir: Path, rank: int
     assert settings.torch is not None, "a worker runs the real backend's settings"
     backend, plan, model, train = settings.torch, run.plan, run.model, run.train
     precision = plan.precision
+    resume = check_resume(settings.checkpoint, run_dir)  # the door checked it; a launcher's worker checks here
+    first = resume.step if resume is not None else 0
+    # ZeRO-3's zero.Init replaces torch.nn.functional.linear for the whole process ("this
+    # will persist unless manually reset"): restored below, or every later run of this
+    # process computes its linears as matmul + bias (losses off in the 7th digit).
+    linear = torch.nn.functional.linear
     device = worker_device(dist.get_backend())
     CLOCK.device = device
     places = placements(plan, rank)
@@ -147,7 +157,7 @@ def run_session(run: PlannedRun, settings: RunSettings, run_dir: Path, rank: int
     )
     producer = None
     if backend.preprocess == "disaggregated":  # started first: it works while the model is built
-        producer = Producer(samples, train.steps, backend.prefetch_steps, backend.timeout_s, rank)
+        producer = Producer(samples, range(first, train.steps), backend.prefetch_steps, backend.timeout_s, rank)
     groups = ProcessGroups(plan, backend.timeout_s)
     tp = {
         name: TP(p.tp, p.tp_ranks.index(rank), groups.get(p.tp_ranks), plan.unit(name).sequence_parallel) if p.tp > 1 else TP()
@@ -168,11 +178,16 @@ def run_session(run: PlannedRun, settings: RunSettings, run_dir: Path, rank: int
     # cluster preset's); on a CPU there is none, so it is what the workers measure.
     peak = run.cluster.peak(precision) if device.type == "cuda" else measured_peak
     flops, _ = iteration_flops(model, plan, train)
+    checkpoints = Checkpoints(run_dir, rank, engines, plan)
+    if resume is not None:  # last: the RNG states it restores are those of the step it resumes at
+        checkpoints.load(resume, executor.loss_scale)
 
     sinks = open_sinks(run_dir, settings.record, settings.job) if rank == 0 else None
     try:
         losses, times, waits, breakdowns, cpu = [], [], [], [], []
-        for step in range(train.steps):
+        saves: list[Saved] = []
+        for step in range(first, train.steps):
+            LIFELINE.at_step(step)
             batches.start_step(step)
             dist.barrier()
             timer.reset(time.perf_counter())
@@ -197,6 +212,15 @@ def run_session(run: PlannedRun, settings: RunSettings, run_dir: Path, rank: int
                         "rank0_breakdown_s": breakdowns[-1],
                     }
                 )
+            every = settings.checkpoint.every
+            if every is not None and (step + 1) % every == 0:
+                LIFELINE.at_step(step + 1, SAVING)
+                saved = checkpoints.save(step + 1, executor.loss_scale, samples_read=(step + 1) * train.global_batch)
+                LIFELINE.state(TRAINING)  # saved: between steps again
+                if saved is not None:
+                    saves.append(saved)
+                    print(f"checkpoint of {saved.step} steps: {saved.bytes / 2**20:.3g} MiB in {saved.seconds:.3g} s", flush=True)
+        LIFELINE.state(REPORTING)
         mine = {
             "rank": rank,
             "breakdowns": breakdowns,
@@ -233,6 +257,8 @@ def run_session(run: PlannedRun, settings: RunSettings, run_dir: Path, rank: int
                     "preprocess": backend.preprocess,
                     # backend.data_errors=skip: the bad shard members every trainer left out
                     "data_skipped": sorted(set().union(*(g["data_skipped"] for g in gathered))),
+                    "first_step": first,  # of the losses and times above: a resumed run starts after its checkpoint
+                    "checkpoint": _checkpoint_record(settings.checkpoint.every, resume, saves),
                 },
                 "measured_notes": _notes(plan),
             }
@@ -243,12 +269,15 @@ def run_session(run: PlannedRun, settings: RunSettings, run_dir: Path, rank: int
             summary["memory_gib"]["measured_rss_gib_by_rank"] = [g["rss_gib"] for g in gathered]
             if device.type == "cuda":
                 summary["memory_gib"]["measured_device_peak_gib"] = max(g["device_gib"] for g in gathered)
-            sinks.finish(summary, timeline)
+            with LIFELINE.writing_results():
+                sinks.finish(summary, timeline)
+                LIFELINE.finished()
     except BaseException:
         if sinks is not None:
             sinks.abort()
         raise
     finally:
+        torch.nn.functional.linear = linear
         if producer is not None:
             producer.close()
         if sinks is not None:
@@ -256,11 +285,21 @@ def run_session(run: PlannedRun, settings: RunSettings, run_dir: Path, rank: int
         # Several runs may share this process (runtime.worker): give the next one the
         # device memory of this one (DeepSpeed's hooks make reference cycles).
         CLOCK.clear_sources()
-        del executor, engines, units
+        del executor, engines, units, checkpoints
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
+
+
+def _checkpoint_record(every: int | None, resume: Resume | None, saves: list[Saved]) -> dict[str, Any]:
+    """The run's checkpoints as the summary records them: each save's size on disk and rank
+    0's wall seconds from starting its part to every rank having saved theirs."""
+    return {
+        "every": every,
+        "resumed_from": {"run_dir": str(resume.source), "steps_done": resume.step} if resume is not None else None,
+        "saves": [{"steps_done": s.step, "bytes": s.bytes, "save_s": s.seconds} for s in saves],
+    }
 
 
 def _notes(plan: Plan) -> list[str]:

@@ -6,9 +6,11 @@ It reads the plan the door wrote, RUN_DIR/plan.json, and how to run it, RUN_DIR/
 torchrun set them, so it runs unchanged under torchrun or srun on several nodes (see
 launchers/; src/prepare.py writes the run directory there). A plan file that is
 missing, truncated, of another version or for another world size is one line and exit
-code 2 before any process group forms. A failure after that is one line on stderr and in
-RUN_DIR/errors/rank<r>.txt, for the driver to report; the process group is destroyed on
-every exit (gloo aborts a process that exits with one alive).
+code 2 before any process group forms. A failure after that is one line in
+RUN_DIR/errors/rank<r>.txt, for the driver to report (and on stderr under a launcher,
+which reports none), and its traceback in RUN_DIR/errors/rank<r>.log; the process group is
+destroyed on every exit (gloo aborts a process that exits with one alive). Under the local
+driver a worker beats, says where it is and dies with the front door (runtime.lifeline).
 Several run directories (same world size) run back to back in one process group, paying
 the start-up (imports, rendezvous) once: small sweeps and the tests use this. A worker is
 named `mmdist-rank<r>` in ps and pgrep.
@@ -24,6 +26,7 @@ from pathlib import Path
 
 from src.errors import ConfigError
 from src.plan_io import PlannedRun, RunSettings, read_plan, read_settings
+from src.runtime.lifeline import DONE, LIFELINE, attach_from_env
 
 ERRORS_DIR = "errors"
 
@@ -61,12 +64,14 @@ def main(run_dirs: list[Path]) -> int:
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
     name_process(rank)
+    attach_from_env(rank)
     try:
         runs = load(run_dirs, world)
     except ConfigError as err:  # before any process group: the launcher's peers fail the same way
         print(f"error: rank {rank}: {err}", file=sys.stderr, flush=True)
         return 2
     run_dir = run_dirs[0]
+    LIFELINE.start_run(0, run_dir)
     try:
         backend = runs[0][1].torch
         assert backend is not None
@@ -89,7 +94,8 @@ def main(run_dirs: list[Path]) -> int:
             prebuild_ops()
         dist.init_process_group(name, timeout=timedelta(seconds=backend.timeout_s))
         try:
-            for run_dir, (planned, settings) in zip(run_dirs, runs):
+            for index, (run_dir, (planned, settings)) in enumerate(zip(run_dirs, runs)):
+                LIFELINE.start_run(index, run_dir)
                 run_session(planned, settings, run_dir, rank, world)
             # gloo aborts a process whose peers tear down while its last sends are still
             # in flight ("terminate called without an active exception"): leave together.
@@ -100,12 +106,15 @@ def main(run_dirs: list[Path]) -> int:
         return 130
     except BaseException as err:  # one line for the driver; the traceback for whoever reads the log
         line = f"rank {rank}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-        traceback.print_exc()
         errors = run_dir / ERRORS_DIR
         errors.mkdir(exist_ok=True)
+        (errors / f"rank{rank}.log").write_text(traceback.format_exc())
         (errors / f"rank{rank}.txt").write_text(line + "\n")
-        print(line, file=sys.stderr, flush=True)
+        if not LIFELINE.attached:  # the local driver reports the first failure; its peers' are consequences
+            print(line, file=sys.stderr, flush=True)
         return 1
+    finally:
+        LIFELINE.state(DONE)
     return 0
 
 

@@ -3,17 +3,22 @@ and the DeepSpeed op build that must happen once before any workers start."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from src.config import TorchBackendSpec
+from tests.conftest import REPO_ROOT, cli_env
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 # Two tiny CPU workers: what CI's 2 cores can run.
@@ -115,3 +120,96 @@ def mllm_shard(path: Path, images: list[int]) -> None:
                 info = tarfile.TarInfo(name)
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """pid -> name of every process below `pid` (a front door's forkserver, its workers
+    forked from it, or its children)."""
+    rows = subprocess.run(["ps", "-eo", "pid=,ppid=,comm="], capture_output=True, text=True).stdout.splitlines()
+    children: dict[int, list[tuple[int, str]]] = {}
+    for row in rows:
+        child, parent, comm = row.split(None, 2)
+        children.setdefault(int(parent), []).append((int(child), comm.strip()))
+    found, todo = {}, [pid]
+    while todo:
+        for child, comm in children.get(todo.pop(), []):
+            found[child] = comm
+            todo.append(child)
+    return found
+
+
+def workers_of(door_pid: int) -> dict[int, int]:
+    """rank -> pid of the workers a front door started (named mmdist-rank<r>)."""
+    found = descendants(door_pid).items()
+    return {int(comm.removeprefix("mmdist-rank")): pid for pid, comm in found if comm.startswith("mmdist-rank")}
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ", 1)[1][0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def start_door(run_dir: Path, overrides: list[str]) -> subprocess.Popen:
+    """The front door in a session of its own, as Ctrl-C in a terminal reaches it: SIGINT
+    to its whole process group. The child restores Python's SIGINT handler in case this
+    test runs where SIGINT is ignored."""
+    build_deepspeed_ops()
+    start = (
+        "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "sys.argv = ['src.run'] + sys.argv[1:]; runpy.run_module('src.run', run_name='__main__')"
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", start, *overrides, "logger=none", f"hydra.run.dir={run_dir}"],
+        cwd=REPO_ROOT,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def wait_for(door: subprocess.Popen, ready: Callable[[], bool], what: str, timeout_s: float = 120) -> None:
+    """Until `ready()`; the door and all it started killed if it ends or takes too long."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if door.poll() is not None or time.monotonic() > deadline:
+            kill_all(door)
+            raise AssertionError(f"the run never got to {what}: {door.stderr.read() if door.stderr else ''}"[-2000:])
+        time.sleep(0.1)
+
+
+def door_at_its_first_step(run_dir: Path, overrides: list[str]) -> tuple[subprocess.Popen, dict[int, int]]:
+    """The front door on a run of many steps, once its workers train, and their pids by rank."""
+    door = start_door(run_dir, [*overrides, "train.steps=100000"])
+    metrics = run_dir / "metrics.jsonl"
+    wait_for(door, lambda: metrics.exists() and '"step"' in metrics.read_text(), "its first step")
+    workers = workers_of(door.pid)
+    assert len(workers) > 1, workers
+    return door, workers
+
+
+def kill_all(door: subprocess.Popen, also: Iterable[int] = ()) -> None:
+    """SIGKILL the door and every process below it, and `also` (a worker leads its own
+    session, and a killed door's processes are no longer below it: a test lists them first)."""
+    for pid in [door.pid, *descendants(door.pid), *also]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGKILL)
+    door.wait()
+    for pipe in (door.stdout, door.stderr):
+        if pipe is not None:
+            pipe.close()
+
+
+def finish(door: subprocess.Popen, timeout_s: float = 60) -> str:
+    """The door's stderr once it exits; everything it started killed if it does not."""
+    try:
+        _, stderr = door.communicate(timeout=timeout_s)
+    finally:
+        if door.poll() is None:
+            kill_all(door)
+    return stderr

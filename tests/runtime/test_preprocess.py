@@ -27,7 +27,7 @@ class _Unreadable:
 @pytest.mark.slow
 def test_a_producer_makes_the_trainers_batches_ahead():
     samples = _samples()
-    producer = Producer(samples, steps=3, depth=1, timeout_s=60, rank=0)
+    producer = Producer(samples, steps=range(3), depth=1, timeout_s=60, rank=0)
     try:
         batches = Batches(samples, producer=producer)
         for step in range(3):
@@ -43,7 +43,7 @@ def test_a_producer_makes_the_trainers_batches_ahead():
 
 @pytest.mark.slow
 def test_a_failing_producer_raises_its_error_in_the_trainer():
-    producer = Producer(_samples(_Unreadable()), steps=2, depth=1, timeout_s=60, rank=3)
+    producer = Producer(_samples(_Unreadable()), steps=range(2), depth=1, timeout_s=60, rank=3)
     try:
         with pytest.raises(OSError, match="sample 3 is not an image"):
             producer.get(0)  # replica 1 reads positions 4-7 first: sample 3 in this order

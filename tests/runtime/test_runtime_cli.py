@@ -10,13 +10,11 @@ import io
 import json
 import os
 import signal
-import subprocess
-import sys
 import tarfile
 import time
 
-from tests.conftest import REPO_ROOT, cli_env, run_cli
-from tests.runtime.support import CLIP, TWO_WORKERS, build_deepspeed_ops
+from tests.conftest import run_cli
+from tests.runtime.support import CLIP, TWO_WORKERS, alive, build_deepspeed_ops, door_at_its_first_step, finish
 
 pytestmark = pytest.mark.slow  # starts worker processes
 
@@ -93,94 +91,20 @@ def test_a_plan_needing_more_workers_is_refused_before_anything_starts(tmp_path)
     assert not (tmp_path / "errors").exists()
 
 
-def _workers_of(driver_pid: int) -> dict[int, int]:
-    """rank -> pid of the workers the driver started (named mmdist-rank<r>), wherever in its
-    process tree they are (forked from its forkserver, or its children)."""
-    rows = subprocess.run(["ps", "-eo", "pid=,ppid=,comm="], capture_output=True, text=True).stdout.splitlines()
-    children: dict[int, list[tuple[int, str]]] = {}
-    for row in rows:
-        pid, ppid, comm = row.split(None, 2)
-        children.setdefault(int(ppid), []).append((int(pid), comm.strip()))
-    workers, todo = {}, [driver_pid]
-    while todo:
-        for pid, comm in children.get(todo.pop(), []):
-            todo.append(pid)
-            if comm.startswith("mmdist-rank"):
-                workers[int(comm.removeprefix("mmdist-rank"))] = pid
-    return workers
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(") ", 1)[1][0] != "Z"  # a zombie has exited
-    except FileNotFoundError:
-        return False
-
-
-def _long_run_at_its_first_step(tmp_path) -> tuple[subprocess.Popen, dict[int, int]]:
-    """The front door on a run of many steps, once its workers train, and their pids by rank."""
-    build_deepspeed_ops()
-    # Ctrl-C in a terminal sends SIGINT to the whole foreground process group: the driver's.
-    # The child restores Python's SIGINT handler in case this test runs where SIGINT is ignored.
-    start = (
-        "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
-        "sys.argv = ['src.run'] + sys.argv[1:]; runpy.run_module('src.run', run_name='__main__')"
-    )
-    driver = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            start,
-            *TWO_WORKERS,
-            *CLIP,
-            "strategy=ddp",
-            "train.steps=100000",
-            "logger=none",
-            f"hydra.run.dir={tmp_path}",
-        ],
-        cwd=REPO_ROOT,
-        env=cli_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    deadline = time.monotonic() + 120
-    metrics = tmp_path / "metrics.jsonl"
-    while not (metrics.exists() and '"step"' in metrics.read_text()):
-        if driver.poll() is not None or time.monotonic() > deadline:
-            os.killpg(driver.pid, signal.SIGKILL)
-            raise AssertionError("the run never reached its first step")
-        time.sleep(0.5)
-    workers = _workers_of(driver.pid)
-    assert sorted(workers) == [0, 1]
-    return driver, workers
-
-
-def _finish(driver: subprocess.Popen) -> str:
-    try:
-        _, stderr = driver.communicate(timeout=60)
-    finally:
-        if driver.poll() is None:
-            os.killpg(driver.pid, signal.SIGKILL)
-    return stderr
-
-
 def test_ctrl_c_stops_every_worker_and_exits_130(tmp_path):
-    driver, workers = _long_run_at_its_first_step(tmp_path)
+    driver, workers = door_at_its_first_step(tmp_path, [*TWO_WORKERS, *CLIP, "strategy=ddp"])
     os.killpg(driver.pid, signal.SIGINT)
-    stderr = _finish(driver)
+    stderr = finish(driver)
     assert driver.returncode == 130
     assert stderr.strip().splitlines()[-1] == "error: interrupted; all workers stopped"
     assert "Traceback" not in stderr
-    assert not any(map(_alive, workers.values())) and not (tmp_path / "summary.json").exists()
+    assert not any(map(alive, workers.values())) and not (tmp_path / "summary.json").exists()
 
 
 def test_a_killed_worker_is_named_first_not_the_peers_it_broke(tmp_path):
-    driver, workers = _long_run_at_its_first_step(tmp_path)
+    driver, workers = door_at_its_first_step(tmp_path, [*TWO_WORKERS, *CLIP, "strategy=ddp"])
     os.kill(workers[1], signal.SIGKILL)  # as the OOM killer would: no error line of its own
-    stderr = _finish(driver)
+    stderr = finish(driver)
     assert driver.returncode == 1
     assert stderr.strip().splitlines()[-1] == "error: rank 1: worker killed by signal SIGKILL (exit code -9)"
-    assert not any(map(_alive, workers.values())) and not (tmp_path / "summary.json").exists()
+    assert not any(map(alive, workers.values())) and not (tmp_path / "summary.json").exists()

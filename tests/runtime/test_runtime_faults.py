@@ -1,0 +1,123 @@
+"""Faults injected into a real run through the front door: SIGKILL and SIGTERM to the door
+(every process it started is gone within 5 s, the run directory says it was killed and
+holds no summary; a run killed after its checkpoint resumes to the losses of one never
+killed), SIGSTOP to one rank (named, with where it stopped, before any peer's collective
+times out). Each run is two tiny CPU workers; every process is torn down whatever fails."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_cli
+from tests.runtime.support import (
+    CLIP,
+    TWO_WORKERS,
+    alive,
+    descendants,
+    door_at_its_first_step,
+    finish,
+    kill_all,
+    start_door,
+    summary_of,
+    wait_for,
+)
+
+pytestmark = pytest.mark.slow  # starts worker processes
+
+DDP_ZERO2 = [*TWO_WORKERS, *CLIP, "strategy=ddp", "strategy.zero_stage=2"]
+GONE_WITHIN_S = 5.0
+
+
+def _gone_after(pids: dict[int, str]) -> float:
+    """Seconds until none of `pids` is alive (or GONE_WITHIN_S + 5, when some still are)."""
+    start = time.monotonic()
+    while any(map(alive, pids)) and time.monotonic() - start < GONE_WITHIN_S + 5:
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if r["type"] == "step"}
+
+
+def test_sigkill_to_the_door_takes_every_worker_with_it_and_the_run_resumes(tmp_path):
+    killed = tmp_path / "killed"
+    door = start_door(killed, [*DDP_ZERO2, "train.steps=100000", "train.checkpoint_every=2"])
+    started: dict[int, str] = {}
+    try:
+        wait_for(door, (killed / "checkpoint" / "latest").exists, "its first checkpoint")
+        started = descendants(door.pid)  # the forkserver, its resource tracker, the workers
+        assert "mmdist-rank0" in started.values() and len(started) >= 3, started
+        os.kill(door.pid, signal.SIGKILL)
+        gone_s = _gone_after(started)
+    finally:
+        kill_all(door, also=started)
+    print(f"SIGKILL to the door: its {len(started)} processes gone in {gone_s:.2f} s")
+    print((killed / "error.txt").read_text().strip())
+    assert gone_s < GONE_WITHIN_S, [f"{pid} {name}" for pid, name in started.items() if alive(pid)]
+    error = (killed / "error.txt").read_text()
+    assert re.fullmatch(rf"the front door \(pid {door.pid}\) died while rank 0 was .+: workers stopped, no results written\n", error)
+    assert not (killed / "summary.json").exists() and not (killed / "trace.json").exists()
+    assert not (killed / ".lifeline").exists()  # the heartbeat board: rank 0 removes it for the dead door
+
+    done = int((killed / "checkpoint" / "latest").read_text().removeprefix("step"))
+    steps = f"train.steps={done + 2}"
+    resumed = run_cli(*DDP_ZERO2, steps, f"train.resume={killed}", "logger=none", f"hydra.run.dir={tmp_path}/resumed")
+    whole = run_cli(*DDP_ZERO2, steps, "logger=none", f"hydra.run.dir={tmp_path}/whole")
+    assert resumed.returncode == 0 and whole.returncode == 0, (resumed.stderr + whole.stderr)[-2000:]
+    expected = _losses(tmp_path / "whole")
+    assert _losses(tmp_path / "resumed") == {step: expected[step] for step in (done, done + 1)}
+    assert all(expected[step] == loss for step, loss in _losses(killed).items() if step < done)  # before the kill
+    summary = summary_of(tmp_path / "resumed")["measured"]
+    assert summary["first_step"] == done
+    assert summary["checkpoint"]["resumed_from"] == {"run_dir": str(killed), "steps_done": done}
+    meta = json.loads((killed / "checkpoint" / f"step{done}" / "meta.json").read_text())
+    print(f"ddp ZeRO-2 tiny CLIP checkpoint of {done} steps: {meta['bytes'] / 2**20:.2f} MiB saved in {meta['save_s']:.3f} s")
+
+
+def test_sigterm_to_the_door_stops_every_worker_and_says_so(tmp_path):
+    door, workers = door_at_its_first_step(tmp_path, DDP_ZERO2)
+    try:
+        started = descendants(door.pid)
+        os.kill(door.pid, signal.SIGTERM)
+        gone_s = _gone_after(started)
+        stderr = finish(door)
+    finally:
+        kill_all(door)
+    print(f"SIGTERM to the door: its {len(started)} processes gone in {gone_s:.2f} s")
+    assert gone_s < GONE_WITHIN_S
+    assert door.returncode == 128 + signal.SIGTERM
+    line = stderr.strip().splitlines()[-1]
+    assert re.fullmatch(r"error: terminated by SIGTERM during step \d+: all 2 workers stopped, no results written", line), line
+    assert "Traceback" not in stderr
+    assert (tmp_path / "error.txt").read_text() == line.removeprefix("error: ") + "\n"
+    assert not (tmp_path / "summary.json").exists() and not (tmp_path / ".lifeline").exists()
+
+
+def test_a_stopped_rank_is_named_with_where_it_stopped_before_any_peer_times_out(tmp_path):
+    timeout_s = 15  # the peers' collectives give up after this; the driver names the stalled rank at a third
+    door, workers = door_at_its_first_step(tmp_path, [*DDP_ZERO2, f"backend.timeout_s={timeout_s}"])
+    try:
+        os.kill(workers[1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        stderr = finish(door)
+        named_s = time.monotonic() - stopped
+    finally:
+        kill_all(door)
+    print(f"rank 1 stopped: named after {named_s:.2f} s (backend.timeout_s={timeout_s}): {stderr.strip().splitlines()[-1]}")
+    assert named_s < timeout_s
+    assert door.returncode == 1
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    silent = rf"no heartbeat for [\d.]+ s \(backend.timeout_s={timeout_s}\)"
+    where = r"in step \d+, (at instruction \d+ of \d+ \(.+\)|before its first instruction|after its last instruction)"
+    assert re.fullmatch(rf"error: rank 1 stopped making progress: {silent} while {where}; all workers stopped", lines[-1]), lines[-1]
+    assert not any("rank 0" in line or "Traceback" in line for line in lines), lines  # the stalled rank first, its peers' fates unsaid
+    assert not any(map(alive, workers.values())) and not (tmp_path / "summary.json").exists()
