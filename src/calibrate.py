@@ -15,7 +15,15 @@ runs them (spawned processes, gloo, F.linear):
   they achieve (gloo's reduce-scatter falls far short of it);
 - the framework's cost per kernel: one transformer block of the real backend
   (src.runtime.modules.blocks.Block) so small that its arithmetic is nothing, forward and
-  forward + backward, divided by the kernels the cost model counts for it.
+  forward + backward, divided by the kernels the cost model counts for it;
+- collectives as training runs them: every worker computes a fixed block of GEMMs, then
+  all of them all-reduce (a layer's output, a bucket of gradients), over and over. On
+  cores shared by more workers than they hold, the workers reach the collective at
+  different times and a blocked one waits for a core to wake on; an all-reduce started
+  from a barrier (above) pays neither. The time per round, less the block's with every
+  worker computing and none communicating (as the simulator prices it), is the
+  collective's: the ring fit of these gives the preset's intra_bandwidth and per-step
+  latency; the barrier-started fit is kept beside the measurements.
 
 The profile (raw measurements and the fitted preset figures) is written to
 outputs/calibrate/local-<cpu model>.yaml, or with `--update` to the repository's
@@ -44,6 +52,13 @@ OVERSUBSCRIBED_N = 512
 OUT_DIR = Path("outputs") / "calibrate"
 MESSAGE_BYTES = tuple(4**k for k in range(5, 13))  # 1 KiB .. 16 MiB
 REPEATS = 11
+# Collectives after compute: GEMMs of SYNC_DIM^3 per round (a few ms on one core), over
+# the larger message sizes, where gradients and layer outputs lie.
+SYNC_DIM = 256
+SYNC_GEMMS = 8
+SYNC_BYTES = MESSAGE_BYTES[3:]
+SYNC_ROUNDS = 16
+SYNC_REPEATS = 3
 DTYPES = ("fp32", "bf16", "fp16")
 
 
@@ -86,6 +101,8 @@ def _worker(rank: int, world: int, port: int, task: str, results: Any) -> None:
             results[rank] = [(m, n, k, d, _rate(m, n, k, d)) for d in DTYPES for m, n, k in shapes]
         elif task == "host":
             results[rank] = _host_costs()
+        elif task == "sync":
+            results[rank] = _after_compute()
         elif task == "gemm_concurrent":
             dist.barrier()  # all start together: the rates are shares of the cores
             results[rank] = {d: _rate(OVERSUBSCRIBED_N, OVERSUBSCRIBED_N, OVERSUBSCRIBED_N, d, 0.5) for d in DTYPES}
@@ -177,9 +194,57 @@ def _links(rank: int, world: int) -> dict[str, list]:
     return measured
 
 
-def link_figures(links: dict[int, dict[str, list]]) -> tuple[dict[str, Any], dict[str, list]]:
+def _after_compute() -> dict[str, Any]:
+    """Seconds per round of (a block of GEMMs, then an all-reduce over every worker), by
+    message size, and per block alone with every worker computing (no collective)."""
+    import torch
+    import torch.distributed as dist
+
+    a, b = torch.randn(SYNC_DIM, SYNC_DIM), torch.randn(SYNC_DIM, SYNC_DIM)
+
+    def block() -> None:
+        for _ in range(SYNC_GEMMS):
+            torch.nn.functional.linear(a, b)
+
+    def seconds_per_round(collective) -> float:
+        block()
+        collective()  # warm-up
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(SYNC_ROUNDS):
+            block()
+            collective()
+        return (time.perf_counter() - start) / SYNC_ROUNDS
+
+    rounds = []
+    for nbytes in SYNC_BYTES:
+        tensor = torch.ones(nbytes // 4)
+        # Each beside the other, SYNC_REPEATS times (the host's load drifts): the medians.
+        pairs = [(seconds_per_round(lambda: None), seconds_per_round(lambda: dist.all_reduce(tensor))) for _ in range(SYNC_REPEATS)]
+        rounds.append((nbytes, statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)))
+    return {"rounds": rounds}
+
+
+def after_compute_points(sync: dict[int, dict[str, Any]], world: int) -> list[tuple[int, int, float]]:
+    """(group, bytes, seconds) of the all-reduces measured after compute: each size's
+    round as long as its slowest rank's, less the block as long as its slowest rank's
+    with every worker computing (what the simulator prices it at)."""
+    out = []
+    for i, (nbytes, _, _) in enumerate(sync[0]["rounds"]):
+        block = max(sync[r]["rounds"][i][1] for r in sync)
+        round_ = max(sync[r]["rounds"][i][2] for r in sync)
+        out.append((world, nbytes, max(round_ - block, 0.0)))
+    return out
+
+
+def link_figures(
+    links: dict[int, dict[str, list]], after_compute: list[tuple[int, int, float]] | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """The preset's link figures from one worker count's measurements (every rank's, each
-    collective as slow as its slowest rank), and the measurements kept."""
+    collective as slow as its slowest rank), and the measurements kept. With all-reduces
+    measured after compute (training's pattern), the ring's latency and bandwidth are
+    theirs; the other collectives keep their rates relative to the ring (measured from a
+    barrier both)."""
     slowest: dict[tuple[int, int], float] = {}
     for r in links:
         for size, nbytes, seconds in links[r]["all_reduce"]:
@@ -187,18 +252,22 @@ def link_figures(links: dict[int, dict[str, list]]) -> tuple[dict[str, Any], dic
     latency, bandwidth = fit_ring([(g, n, t) for (g, n), t in slowest.items()])
     p2p_latency, p2p_bandwidth = fit_p2p(links[0]["p2p"])
     one_pass = {op: [max((links[r][op][i] for r in links), key=lambda p: p[2]) for i in range(len(MESSAGE_BYTES))] for op in ONE_PASS}
+    ring_latency, ring_bandwidth = fit_ring(after_compute) if after_compute else (latency, bandwidth)
     figures = {
-        "intra_bandwidth": float(f"{bandwidth:.4g}"),
+        "intra_bandwidth": float(f"{ring_bandwidth:.4g}"),
         "intra_latency": float(f"{p2p_latency:.4g}"),
         "p2p_bandwidth": float(f"{p2p_bandwidth:.4g}"),
-        "collectives": gloo_collectives(latency),
+        "collectives": gloo_collectives(ring_latency),
         "collective_efficiency": {op: round(fit_efficiency(points, latency, bandwidth), 3) for op, points in one_pass.items()},
     }
-    measured = {
+    measured: dict[str, Any] = {
         "all_reduce": [{"group": g, "bytes": n, "seconds": t} for (g, n), t in sorted(slowest.items())],
         "p2p": [{"bytes": n, "seconds": t} for n, t in links[0]["p2p"]],
         **{op: [{"group": g, "bytes": n, "seconds": t} for g, n, t in points] for op, points in one_pass.items()},
+        "barrier_ring_fit": {"step_s": float(f"{latency:.4g}"), "bandwidth": float(f"{bandwidth:.4g}")},
     }
+    if after_compute:
+        measured["all_reduce_after_compute"] = [{"group": g, "bytes": n, "seconds": t} for g, n, t in after_compute]
     return figures, measured
 
 
@@ -295,7 +364,7 @@ def calibrate(workers: int) -> dict[str, Any]:
     host = _spawn("host", 1)[0]
     forward_kernel, backward_kernel = host_kernel_costs(host["forward"], host["forward_backward"])
     preset.update(host_forward_kernel_s=float(f"{forward_kernel:.4g}"), host_backward_kernel_s=float(f"{backward_kernel:.4g}"))
-    links = {k: link_figures(_spawn("links", k)) for k in range(2, workers + 1)}
+    links = {k: link_figures(_spawn("links", k), after_compute_points(_spawn("sync", k), k)) for k in range(2, workers + 1)}
     preset["by_workers"] = {k: figures for k, (figures, _) in links.items()}
     import torch
 

@@ -151,12 +151,13 @@ class ClusterSpec:
             )
         return self.peak_flops[precision] * self.compute_share()
 
-    def compute_share(self) -> float:
-        """Each device's share of its rate alone while all devices of a node compute; past
-        the largest measured count the cores split further in proportion."""
+    def compute_share(self, computing: int | None = None) -> float:
+        """Each device's share of its rate alone while `computing` devices of a node (all
+        of them unless given) compute at once; past the largest measured count the cores
+        split further in proportion."""
         if not self.oversubscription:
             return 1.0
-        k = self.devices_per_node
+        k = self.devices_per_node if computing is None else computing
         if k in self.oversubscription:
             return self.oversubscription[k]
         measured = max(self.oversubscription)

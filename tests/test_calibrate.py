@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 import src.cluster_profile as cluster_profile
-from src.calibrate import fit_gemm_curve, fit_p2p, fit_ring
+from src.calibrate import MESSAGE_BYTES, after_compute_points, fit_gemm_curve, fit_p2p, fit_ring, link_figures
 from src.cluster import cluster_from_config
 from src.errors import ConfigError
 
@@ -105,3 +105,31 @@ def test_a_profile_gives_each_worker_count_the_links_measured_with_that_many_run
     assert (two.intra_bandwidth, three.intra_bandwidth, four.intra_bandwidth) == (3e9, 3e9, 1e9)
     assert four.ring_table()["gloo"].intra_step_s == 8e-4
     assert "links measured with 2 workers running" in three.sources["profile"]
+
+
+def test_collectives_after_compute_set_the_ring_and_keep_the_others_relative_to_the_barrier_fit() -> None:
+    # Rounds of (a block of GEMMs, an all-reduce) on 4 workers: the block takes 20 ms on
+    # the slowest rank with every worker computing; what is left of the slowest rank's
+    # round is the all-reduce, here a ring of 3 ms per step and 0.5 GB/s.
+    sizes = (2**16, 2**20, 2**22)
+    ring = {n: 6 * 3e-3 + 1.5 * n / 0.5e9 for n in sizes}
+    sync = {
+        0: {"rounds": [(n, 20e-3, 20e-3 + ring[n]) for n in sizes]},
+        1: {"rounds": [(n, 19e-3, 20e-3 + ring[n] - 1e-3) for n in sizes]},
+    }
+    points = after_compute_points(sync, 4)
+    assert points == [(4, n, pytest.approx(ring[n])) for n in sizes]
+
+    def links(step: float, bandwidth: float) -> dict:
+        all_reduce = [(4, n, 6 * step + 1.5 * n / bandwidth) for n in MESSAGE_BYTES]
+        one_pass = [(4, n, 3 * step + 0.75 * n / bandwidth) for n in MESSAGE_BYTES]  # the ring's rate
+        p2p = [(n, 1e-4 + n / 3e9) for n in MESSAGE_BYTES]
+        return {"all_reduce": all_reduce, "p2p": p2p, "all_gather": one_pass, "reduce_scatter": one_pass, "all_to_all": one_pass}
+
+    quiet = {r: links(1e-3, 1.5e9) for r in range(4)}
+    figures, measured = link_figures(quiet, points)
+    assert figures["intra_bandwidth"] == pytest.approx(0.5e9, rel=1e-3)
+    assert figures["collectives"]["ring"]["gloo"]["intra_step_s"] == pytest.approx(3e-3, rel=1e-3)
+    assert figures["collective_efficiency"]["all_gather"] == pytest.approx(1.0)
+    assert measured["barrier_ring_fit"] == {"step_s": pytest.approx(1e-3, rel=1e-3), "bandwidth": pytest.approx(1.5e9, rel=1e-3)}
+    assert link_figures(quiet)[0]["intra_bandwidth"] == pytest.approx(1.5e9, rel=1e-3)  # no rounds measured: the barrier's

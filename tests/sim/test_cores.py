@@ -1,0 +1,52 @@
+"""Workers sharing a host's cores: a span computes at the share its node's other
+computing workers leave it (src.sim.cores), hand-computed on the toy cluster."""
+
+from __future__ import annotations
+
+import pytest
+
+from src.program import Compute, Program, RankProgram
+from src.sim.cores import ComputeSpan, shares_cores, span_scales
+from src.sim.engine import simulate
+from tests.sim.test_sim_engine import F1, T_F1
+from tests.sim.test_sim_programs import MODEL, PRECISION, make_cluster
+
+# Two workers on one node: each alone at the peak, both at once at half of it.
+SHARED = make_cluster(nodes=1, devices_per_node=2, oversubscription={1: 1.0, 2: 0.5})
+
+
+def test_only_oversubscribed_nodes_share_cores() -> None:
+    assert shares_cores(SHARED)
+    assert not shares_cores(make_cluster(nodes=1, devices_per_node=2))
+    assert not shares_cores(make_cluster(nodes=1, devices_per_node=2, oversubscription={1: 1.0, 2: 1.0}))
+
+
+def test_span_scale_is_the_share_of_everyone_over_the_share_it_got() -> None:
+    # Class 0 computes over [0, 2], class 1 over [0, 1]: class 0 shares the cores for
+    # half its span (0.5) and has them alone for the other half (1.0): 0.75 on average.
+    spans = [ComputeSpan((0, 0), 0.0, 2.0, ((0, 1),)), ComputeSpan((1, 0), 0.0, 1.0, ((0, 1),))]
+    scales = span_scales(SHARED, spans)
+    assert scales[(0, 0)] == pytest.approx(0.5 / 0.75)
+    assert scales[(1, 0)] == pytest.approx(1.0)
+
+
+def test_a_worker_left_alone_computes_at_the_whole_rate() -> None:
+    # Left computes F1 twice, right once. Both at half the peak, right ends at 2 T; then
+    # left has done one F1's work and does the second alone, at the whole peak: 3 T, not
+    # the 4 T of pricing every span at the share of both computing.
+    program = Program(
+        world_size=2,
+        classes=[
+            RankProgram(ranks=(0,), instructions=[Compute(F1), Compute(F1)], label="left"),
+            RankProgram(ranks=(1,), instructions=[Compute(F1)], label="right"),
+        ],
+    )
+    assert simulate(program, MODEL, SHARED, PRECISION).iteration_time == pytest.approx(3 * T_F1, rel=1e-6)
+    everyone = make_cluster(nodes=1, devices_per_node=2, peak_flops={"bf16": 0.5 * SHARED.peak_flops["bf16"]})
+    assert simulate(program, MODEL, everyone, PRECISION).iteration_time == pytest.approx(4 * T_F1, rel=1e-6)
+
+
+def test_a_class_of_two_ranks_counts_twice() -> None:
+    # One class holding both workers: they always compute together, at half the peak.
+    program = Program(world_size=2, classes=[RankProgram(ranks=(0, 1), instructions=[Compute(F1)], label="both")])
+    assert simulate(program, MODEL, SHARED, PRECISION).iteration_time == pytest.approx(2 * T_F1, rel=1e-6)
