@@ -134,7 +134,7 @@ def validate_case(case: Case, out: Path, steps: int) -> dict[str, Any]:
     }
 
 
-def _composed(overrides: list[str]) -> dict[str, Any]:
+def composed(overrides: list[str]) -> dict[str, Any]:
     from hydra import compose, initialize_config_dir
 
     from src.config import plain_config
@@ -152,7 +152,7 @@ def predict(case: Case) -> dict[str, Any]:
     from src.sim.engine import simulate
 
     setup = validate(
-        _composed([*case.overrides, "cluster=local", f"cluster.devices_per_node={case.workers}", "backend=sim", "logger=none"])
+        composed([*case.overrides, "cluster=local", f"cluster.devices_per_node={case.workers}", "backend=sim", "logger=none"])
     )
     plan = plan_run(setup)
     timeline = simulate(plan.program, setup.model, setup.cluster, plan.precision)
