@@ -133,3 +133,7 @@ def test_collectives_after_compute_set_the_ring_and_keep_the_others_relative_to_
     assert figures["collective_efficiency"]["all_gather"] == pytest.approx(1.0)
     assert measured["barrier_ring_fit"] == {"step_s": pytest.approx(1e-3, rel=1e-3), "bandwidth": pytest.approx(1.5e9, rel=1e-3)}
     assert link_figures(quiet)[0]["intra_bandwidth"] == pytest.approx(1.5e9, rel=1e-3)  # no rounds measured: the barrier's
+    # A round shorter than its block (noise) counts as the barrier-started all-reduce, not as free.
+    noisy = [(4, n, 0.0 if n == sizes[0] else t) for _, n, t in points]
+    kept = link_figures(quiet, noisy)[1]["all_reduce_after_compute"][0]
+    assert kept["seconds"] == pytest.approx(6 * 1e-3 + 1.5 * sizes[0] / 1.5e9)

@@ -57,7 +57,7 @@ from src.program import (
     Table,
     Wait,
 )
-from src.sim.cores import MAX_PASSES, SETTLED, ComputeSpan, shares_cores, span_scales
+from src.sim.cores import MAX_PASSES, SETTLED, ComputeSpan, relaxed, shares_cores, span_scales
 from src.sim.intervals import Intervals
 from src.timeline import BREAKDOWN_CATEGORIES, RankTimeline, Span, Timeline
 
@@ -720,8 +720,9 @@ def simulate(
     timeline = simulator.run()
     if not simulator.cores_shared:
         return timeline
+    scales: dict[tuple[int, int], float] = {}
     for _ in range(MAX_PASSES - 1):
-        scales = span_scales(cluster, simulator.compute_spans)
+        scales = relaxed(scales, span_scales(cluster, simulator.compute_spans))
         simulator = Simulator(program, model, cluster, precision, simulator.compute, scales)
         settled, timeline = timeline, simulator.run()
         if abs(timeline.iteration_time - settled.iteration_time) <= SETTLED * settled.iteration_time:
