@@ -23,7 +23,12 @@ runs them (spawned processes, gloo, F.linear):
   from a barrier (above) pays neither. The time per round, less the block's with every
   worker computing and none communicating (as the simulator prices it), is the
   collective's: the ring fit of these gives the preset's intra_bandwidth and per-step
-  latency; the barrier-started fit is kept beside the measurements.
+  latency; the barrier-started fit is kept beside the measurements;
+- the hand-over of a core: half the workers compute blocks of GEMMs while each of the
+  others waits on a message its partner sends after every block. A waiter that sleeps long
+  enough leaves its core to the computing workers, who then run at the share of fewer
+  workers; a short wait does not free it. From the computing workers' rate by block length,
+  core_handover_s is the wait at which they get half of that gain.
 
 The profile (raw measurements and the fitted preset figures) is written to
 outputs/calibrate/local-<cpu model>.yaml, or with `--update` to the repository's
@@ -59,6 +64,9 @@ SYNC_GEMMS = 8
 SYNC_BYTES = MESSAGE_BYTES[3:]
 SYNC_ROUNDS = 16
 SYNC_REPEATS = 3
+# Hand-over of a core: blocks of 1..64 GEMMs of SYNC_DIM^3 (about 0.3-20 ms on one core).
+HANDOVER_GEMMS = (1, 4, 16, 64)
+HANDOVER_ROUNDS = 12
 DTYPES = ("fp32", "bf16", "fp16")
 
 
@@ -103,6 +111,8 @@ def _worker(rank: int, world: int, port: int, task: str, results: Any) -> None:
             results[rank] = _host_costs()
         elif task == "sync":
             results[rank] = _after_compute()
+        elif task == "handover":
+            results[rank] = _handover(rank, world)
         elif task == "gemm_concurrent":
             dist.barrier()  # all start together: the rates are shares of the cores
             results[rank] = {d: _rate(OVERSUBSCRIBED_N, OVERSUBSCRIBED_N, OVERSUBSCRIBED_N, d, 0.5) for d in DTYPES}
@@ -223,6 +233,70 @@ def _after_compute() -> dict[str, Any]:
         pairs = [(seconds_per_round(lambda: None), seconds_per_round(lambda: dist.all_reduce(tensor))) for _ in range(SYNC_REPEATS)]
         rounds.append((nbytes, statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)))
     return {"rounds": rounds}
+
+
+def _handover(rank: int, world: int) -> dict[str, Any]:
+    """Even ranks compute blocks of GEMMs, each odd rank waits on a token its even partner
+    sends after every block. Per block length: rank 0's seconds alone (the others asleep in
+    a barrier) and each computing rank's mean seconds per block beside the waiters."""
+    import torch
+    import torch.distributed as dist
+
+    a, b = torch.randn(SYNC_DIM, SYNC_DIM), torch.randn(SYNC_DIM, SYNC_DIM)
+    token = torch.zeros(1)
+    partner = rank ^ 1
+    computing = rank % 2 == 0
+
+    def block(gemms: int) -> None:
+        for _ in range(gemms):
+            torch.nn.functional.linear(a, b)
+
+    out: dict[str, Any] = {"computing": computing, "alone": {}, "beside": {}}
+    for gemms in HANDOVER_GEMMS:
+        block(gemms)
+        if rank == 0:
+            start = time.perf_counter()
+            for _ in range(HANDOVER_ROUNDS):
+                block(gemms)
+            out["alone"][gemms] = (time.perf_counter() - start) / HANDOVER_ROUNDS
+        dist.barrier()
+        seconds = []
+        for _ in range(HANDOVER_ROUNDS):
+            if computing:
+                start = time.perf_counter()
+                block(gemms)
+                seconds.append(time.perf_counter() - start)
+                if partner < world:
+                    dist.send(token, partner)
+            else:
+                dist.recv(token, partner)
+        if computing:
+            out["beside"][gemms] = statistics.fmean(seconds)
+        dist.barrier()
+    return out
+
+
+def handover_seconds(handover: dict[int, dict[str, Any]], share_all: float, share_computing: float) -> float:
+    """The wait at which the computing workers get half the gain of their waiting
+    partners' cores: their share beside the waiters (a block alone over its time beside
+    them) between share_all (every worker computing: no core handed over) and
+    share_computing (only they compute), interpolated in log of the wait (as long as the
+    block). 0 if the shortest wait already frees half; the longest wait measured if none
+    does; 0 where the two shares are too close to tell (the cores are not oversubscribed)."""
+    if share_computing - share_all < 0.05:
+        return 0.0
+    alone = handover[0]["alone"]
+    points = []
+    for gemms in sorted(alone):
+        beside = statistics.fmean(r["beside"][gemms] for r in handover.values() if r["computing"])
+        gained = (alone[gemms] / beside - share_all) / (share_computing - share_all)
+        points.append((beside, min(max(gained, 0.0), 1.0)))
+    if points[0][1] >= 0.5:
+        return 0.0
+    for (w0, g0), (w1, g1) in zip(points, points[1:]):
+        if g1 >= 0.5:
+            return math.exp(math.log(w0) + (0.5 - g0) / (g1 - g0) * (math.log(w1) - math.log(w0)))
+    return points[-1][0]
 
 
 def after_compute_points(sync: dict[int, dict[str, Any]], world: int) -> list[tuple[int, int, float]]:
@@ -369,7 +443,12 @@ def calibrate(workers: int) -> dict[str, Any]:
     forward_kernel, backward_kernel = host_kernel_costs(host["forward"], host["forward_backward"])
     preset.update(host_forward_kernel_s=float(f"{forward_kernel:.4g}"), host_backward_kernel_s=float(f"{backward_kernel:.4g}"))
     links = {k: link_figures(_spawn("links", k), after_compute_points(_spawn("sync", k), k)) for k in range(2, workers + 1)}
+    handovers = {k: _spawn("handover", k) for k in range(2, workers + 1)}
     preset["by_workers"] = {k: figures for k, (figures, _) in links.items()}
+    for k, handover in handovers.items():
+        shares = preset["oversubscription"]
+        seconds = handover_seconds(handover, shares[k], shares[(k + 1) // 2])
+        preset["by_workers"][k]["core_handover_s"] = float(f"{seconds:.4g}")
     import torch
 
     return {
@@ -388,6 +467,7 @@ def calibrate(workers: int) -> dict[str, Any]:
             "gemm_alone": [{"m": m, "n": n, "k": k, "dtype": d, "flops": rate} for m, n, k, d, rate in shapes],
             "gemm_concurrent": {k: {d: [rates[r][d] for r in sorted(rates)] for d in DTYPES} for k, rates in concurrent.items()},
             "links_by_workers": {k: kept for k, (_, kept) in links.items()},
+            "handover_by_workers": {k: {r: dict(h) for r, h in handover.items()} for k, handover in handovers.items()},
             "host_block": {"hidden_heads_tokens": list(HOST_BLOCK), **host},
         },
     }

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 import src.cluster_profile as cluster_profile
-from src.calibrate import MESSAGE_BYTES, after_compute_points, fit_gemm_curve, fit_p2p, fit_ring, link_figures
+from src.calibrate import MESSAGE_BYTES, after_compute_points, fit_gemm_curve, fit_p2p, fit_ring, handover_seconds, link_figures
 from src.cluster import cluster_from_config
 from src.errors import ConfigError
 
@@ -137,3 +137,27 @@ def test_collectives_after_compute_set_the_ring_and_keep_the_others_relative_to_
     noisy = [(4, n, 0.0 if n == sizes[0] else t) for _, n, t in points]
     kept = link_figures(quiet, noisy)[1]["all_reduce_after_compute"][0]
     assert kept["seconds"] == pytest.approx(6 * 1e-3 + 1.5 * sizes[0] / 1.5e9)
+
+
+def _handover(gained: dict[int, float]) -> dict[int, dict]:
+    """Rank 0 computing (a block of n GEMMs alone: n ms), rank 1 waiting: beside the waiter
+    the block runs at 0.5 + 0.5 x gained of one alone (half the cores, up to all of them)."""
+    alone = {n: n * 1e-3 for n in gained}
+    beside = {n: alone[n] / (0.5 + 0.5 * g) for n, g in gained.items()}
+    return {0: {"computing": True, "alone": alone, "beside": beside}, 1: {"computing": False, "alone": {}, "beside": {}}}
+
+
+def test_the_handover_is_the_wait_at_which_half_the_cores_gain_is_had() -> None:
+    # Gains 0, 0.25, 0.75, 1 at waits 2, 6.4, 18.3, 64 ms: half between 6.4 and 18.3 ms, in log.
+    handover = _handover({1: 0.0, 4: 0.25, 16: 0.75, 64: 1.0})
+    assert handover_seconds(handover, 0.5, 1.0) == pytest.approx((4e-3 / 0.625 * 16e-3 / 0.875) ** 0.5)
+    assert handover_seconds(_handover({1: 0.6, 4: 1.0}), 0.5, 1.0) == 0.0  # the shortest wait frees the core
+    assert handover_seconds(_handover({1: 0.0, 4: 0.2}), 0.5, 1.0) == pytest.approx(4e-3 / 0.6)  # none does: the longest
+    assert handover_seconds(handover, 0.98, 1.0) == 0.0  # cores not oversubscribed: nothing to hand over
+
+
+def test_the_handover_is_a_preset_figure_of_its_own() -> None:
+    assert cluster_from_config({**LOCAL, "profile": None}).core_handover_s == 0.0
+    assert cluster_from_config({**LOCAL, "profile": None, "core_handover_s": 2e-3}).core_handover_s == 2e-3
+    with pytest.raises(ConfigError, match="cluster.core_handover_s is a wait in seconds, at least 0, got -1"):
+        cluster_from_config({**LOCAL, "profile": None, "core_handover_s": -1})

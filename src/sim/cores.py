@@ -12,7 +12,9 @@ The engine prices each compute span once, in issue order, not in time order, so 
 number of workers computing beside a span is only known once every rank has run: the
 simulation is repeated, each compute span scaled by the share its node gave it in the
 previous run (the time-average of share(k(t)) over the span, k(t) the node's workers
-computing then, itself included), until the iteration time settles. Taken as they come the
+computing then, itself included), until the iteration time settles. A worker that waits
+less than cluster.core_handover_s between two spans counts as computing through the wait:
+so briefly blocked, it keeps its core. Taken as they come the
 factors overshoot (spans that ran alone are priced fast, then overlap and are priced slow):
 each run takes the mean of the previous factor and the new one, which settles in a few runs.
 """
@@ -80,16 +82,29 @@ def relaxed(previous: dict[tuple[int, int], float], new: dict[tuple[int, int], f
     return {key: 0.5 * (previous.get(key, 1.0) + scale) for key, scale in new.items()}
 
 
+def occupancy(spans: list[ComputeSpan], handover_s: float) -> list[ComputeSpan]:
+    """The time each rank class holds its cores: its compute spans, joined across the
+    waits between them shorter than `handover_s` (a worker blocked that briefly keeps its
+    core; cluster.core_handover_s)."""
+    held: list[ComputeSpan] = []
+    for span in sorted((s for s in spans if s.end > s.start), key=lambda s: (s.key[0], s.start)):
+        last = held[-1] if held else None
+        if last is not None and last.key[0] == span.key[0] and span.start - last.end < handover_s:
+            held[-1] = ComputeSpan(last.key, last.start, max(last.end, span.end), last.per_node)
+        else:
+            held.append(span)
+    return held
+
+
 def span_scales(cluster: ClusterSpec, spans: list[ComputeSpan]) -> dict[tuple[int, int], float]:
     """Each span's time relative to the compute model's price (which assumes every
     device of the node computes): share(all) over the share its node gave it, on the
     node that gave it the least."""
     changes: dict[int, dict[float, int]] = defaultdict(lambda: defaultdict(int))
-    for span in spans:
-        if span.end > span.start:
-            for node, ranks in span.per_node:
-                changes[node][span.start] += ranks
-                changes[node][span.end] -= ranks
+    for held in occupancy(spans, cluster.core_handover_s):
+        for node, ranks in held.per_node:
+            changes[node][held.start] += ranks
+            changes[node][held.end] -= ranks
     rates = {node: _NodeRate(cluster, dict(c)) for node, c in changes.items()}
     everyone = cluster.compute_share(cluster.devices_per_node)
     scales = {}

@@ -3,10 +3,12 @@ computing workers leave it (src.sim.cores), hand-computed on the toy cluster."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from src.program import Compute, Program, RankProgram
-from src.sim.cores import SETTLED, ComputeSpan, relaxed, shares_cores, span_scales
+from src.sim.cores import SETTLED, ComputeSpan, occupancy, relaxed, shares_cores, span_scales
 from src.sim.engine import simulate
 from tests.sim.test_sim_engine import F1, T_F1
 from tests.sim.test_sim_programs import MODEL, PRECISION, make_cluster
@@ -55,3 +57,19 @@ def test_a_class_of_two_ranks_counts_twice() -> None:
 def test_each_run_takes_the_mean_of_the_old_factor_and_the_new() -> None:
     assert relaxed({}, {(0, 0): 0.5}) == {(0, 0): 0.75}  # none before: 1
     assert relaxed({(0, 0): 0.75, (1, 0): 0.9}, {(0, 0): 0.5}) == {(0, 0): 0.625}  # a span that no longer ran is dropped
+
+
+def test_a_wait_shorter_than_the_handover_keeps_the_core() -> None:
+    # Class 0 computes over [0, 1] and [1.5, 2.5]; class 1 over [0, 2.5]. With every wait
+    # handed over, class 1 has the cores alone for 0.5 of its 2.5: mean share (2 x 0.5 +
+    # 0.5 x 1) / 2.5 = 0.6. Waits under 1 s kept: class 0 holds its core throughout.
+    spans = [
+        ComputeSpan((0, 0), 0.0, 1.0, ((0, 1),)),
+        ComputeSpan((0, 2), 1.5, 2.5, ((0, 1),)),
+        ComputeSpan((1, 0), 0.0, 2.5, ((0, 1),)),
+    ]
+    assert span_scales(SHARED, spans)[(1, 0)] == pytest.approx(0.5 / 0.6)
+    keeping = replace(SHARED, core_handover_s=1.0)
+    assert [(s.start, s.end) for s in occupancy(spans, 1.0)] == [(0.0, 2.5), (0.0, 2.5)]
+    assert span_scales(keeping, spans)[(1, 0)] == pytest.approx(1.0)
+    assert span_scales(replace(SHARED, core_handover_s=0.4), spans)[(1, 0)] == pytest.approx(0.5 / 0.6)  # 0.5 s is handed over
