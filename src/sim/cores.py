@@ -14,9 +14,11 @@ simulation is repeated, each compute span scaled by the share its node gave it i
 previous run (the time-average of share(k(t)) over the span, k(t) the node's workers
 computing then, itself included), until the iteration time settles. A worker that waits
 less than cluster.core_handover_s between two spans counts as computing through the wait:
-so briefly blocked, it keeps its core. Taken as they come the
-factors overshoot (spans that ran alone are priced fast, then overlap and are priced slow):
-each run takes the mean of the previous factor and the new one, which settles in a few runs.
+so briefly blocked, it keeps its core. Taken as they come the factors overshoot (spans
+that ran alone are priced fast, then overlap and are priced slow): each run takes the mean
+of the previous factor and the new one, which settles in a few runs. A compute span can so
+run faster than its price at share(all): bounds built on that price are scaled by
+speedup_limit to stay bounds.
 """
 
 from __future__ import annotations
@@ -46,6 +48,14 @@ class ComputeSpan:
 def shares_cores(cluster: ClusterSpec) -> bool:
     """Whether the node's devices share compute (an oversubscription table below 1)."""
     return cluster.compute_share(cluster.devices_per_node) < 1.0
+
+
+def speedup_limit(cluster: ClusterSpec) -> float:
+    """The least factor a compute span's price can take here: share(all) over the best
+    share of fewer workers (1 where no cores are shared). A bound on compute priced at
+    share(all) stays a bound once multiplied by it."""
+    everyone = cluster.compute_share(cluster.devices_per_node)
+    return everyone / max(cluster.compute_share(k) for k in range(1, cluster.devices_per_node + 1))
 
 
 class _NodeRate:

@@ -732,7 +732,8 @@ def simulate(
 
 def compute_lower_bound(program: Program, model: ModelSpec, compute: ComputeModel) -> float:
     """No rank can finish before its compute stream has run all its work: the busiest
-    rank's compute time bounds the iteration time from below."""
+    rank's compute time bounds the iteration time from below, with compute priced at every
+    device's share (where devices share cores, times speedup_limit of src.sim.cores)."""
     busiest = 0.0
     for rank_program in program.classes:
         total = 0.0

@@ -8,8 +8,9 @@ from dataclasses import replace
 import pytest
 
 from src.program import Compute, Program, RankProgram
-from src.sim.cores import SETTLED, ComputeSpan, occupancy, relaxed, shares_cores, span_scales
-from src.sim.engine import simulate
+from src.costmodel.compute import ComputeModel
+from src.sim.cores import SETTLED, ComputeSpan, occupancy, relaxed, shares_cores, span_scales, speedup_limit
+from src.sim.engine import compute_lower_bound, simulate
 from tests.sim.test_sim_engine import F1, T_F1
 from tests.sim.test_sim_programs import MODEL, PRECISION, make_cluster
 
@@ -73,3 +74,19 @@ def test_a_wait_shorter_than_the_handover_keeps_the_core() -> None:
     assert [(s.start, s.end) for s in occupancy(spans, 1.0)] == [(0.0, 2.5), (0.0, 2.5)]
     assert span_scales(keeping, spans)[(1, 0)] == pytest.approx(1.0)
     assert span_scales(replace(SHARED, core_handover_s=0.4), spans)[(1, 0)] == pytest.approx(0.5 / 0.6)  # 0.5 s is handed over
+
+
+def test_the_speedup_limit_keeps_a_bound_a_bound() -> None:
+    # All at 0.5, one alone at 1: a span priced at 0.5 can run twice as fast.
+    assert speedup_limit(SHARED) == pytest.approx(0.5)
+    assert speedup_limit(make_cluster(nodes=1, devices_per_node=2)) == 1.0
+    program = Program(
+        world_size=2,
+        classes=[
+            RankProgram(ranks=(0,), instructions=[Compute(F1), Compute(F1)], label="left"),
+            RankProgram(ranks=(1,), instructions=[Compute(F1)], label="right"),
+        ],
+    )
+    bound = compute_lower_bound(program, MODEL, ComputeModel(SHARED, PRECISION))
+    assert bound == pytest.approx(4 * T_F1)  # both spans of the left at half the peak
+    assert bound * speedup_limit(SHARED) <= simulate(program, MODEL, SHARED, PRECISION).iteration_time
