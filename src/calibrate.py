@@ -15,7 +15,20 @@ runs them (spawned processes, gloo, F.linear):
   they achieve (gloo's reduce-scatter falls far short of it);
 - the framework's cost per kernel: one transformer block of the real backend
   (src.runtime.modules.blocks.Block) so small that its arithmetic is nothing, forward and
-  forward + backward, divided by the kernels the cost model counts for it.
+  forward + backward, divided by the kernels the cost model counts for it;
+- collectives as training runs them: every worker computes a fixed block of GEMMs, then
+  all of them all-reduce (a layer's output, a bucket of gradients), over and over. On
+  cores shared by more workers than they hold, the workers reach the collective at
+  different times and a blocked one waits for a core to wake on; an all-reduce started
+  from a barrier (above) pays neither. The time per round, less the block's with every
+  worker computing and none communicating (as the simulator prices it), is the
+  collective's: the ring fit of these gives the preset's intra_bandwidth and per-step
+  latency; the barrier-started fit is kept beside the measurements;
+- the hand-over of a core: half the workers compute blocks of GEMMs while each of the
+  others waits on a message its partner sends after every block. A waiter that sleeps long
+  enough leaves its core to the computing workers, who then run at the share of fewer
+  workers; a short wait does not free it. From the computing workers' rate by block length,
+  core_handover_s is the wait at which they get half of that gain.
 
 The profile (raw measurements and the fitted preset figures) is written to
 outputs/calibrate/local-<cpu model>.yaml, or with `--update` to the repository's
@@ -44,6 +57,16 @@ OVERSUBSCRIBED_N = 512
 OUT_DIR = Path("outputs") / "calibrate"
 MESSAGE_BYTES = tuple(4**k for k in range(5, 13))  # 1 KiB .. 16 MiB
 REPEATS = 11
+# Collectives after compute: GEMMs of SYNC_DIM^3 per round (a few ms on one core), over
+# the larger message sizes, where gradients and layer outputs lie.
+SYNC_DIM = 256
+SYNC_GEMMS = 8
+SYNC_BYTES = MESSAGE_BYTES[3:]
+SYNC_ROUNDS = 16
+SYNC_REPEATS = 3
+# Hand-over of a core: blocks of 1..64 GEMMs of SYNC_DIM^3 (about 0.3-20 ms on one core).
+HANDOVER_GEMMS = (1, 4, 16, 64)
+HANDOVER_ROUNDS = 12
 DTYPES = ("fp32", "bf16", "fp16")
 
 
@@ -86,6 +109,10 @@ def _worker(rank: int, world: int, port: int, task: str, results: Any) -> None:
             results[rank] = [(m, n, k, d, _rate(m, n, k, d)) for d in DTYPES for m, n, k in shapes]
         elif task == "host":
             results[rank] = _host_costs()
+        elif task == "sync":
+            results[rank] = _after_compute()
+        elif task == "handover":
+            results[rank] = _handover(rank, world)
         elif task == "gemm_concurrent":
             dist.barrier()  # all start together: the rates are shares of the cores
             results[rank] = {d: _rate(OVERSUBSCRIBED_N, OVERSUBSCRIBED_N, OVERSUBSCRIBED_N, d, 0.5) for d in DTYPES}
@@ -177,9 +204,121 @@ def _links(rank: int, world: int) -> dict[str, list]:
     return measured
 
 
-def link_figures(links: dict[int, dict[str, list]]) -> tuple[dict[str, Any], dict[str, list]]:
+def _after_compute() -> dict[str, Any]:
+    """Seconds per round of (a block of GEMMs, then an all-reduce over every worker), by
+    message size, and per block alone with every worker computing (no collective)."""
+    import torch
+    import torch.distributed as dist
+
+    a, b = torch.randn(SYNC_DIM, SYNC_DIM), torch.randn(SYNC_DIM, SYNC_DIM)
+
+    def block() -> None:
+        for _ in range(SYNC_GEMMS):
+            torch.nn.functional.linear(a, b)
+
+    def seconds_per_round(collective) -> float:
+        block()
+        collective()  # warm-up
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(SYNC_ROUNDS):
+            block()
+            collective()
+        return (time.perf_counter() - start) / SYNC_ROUNDS
+
+    rounds = []
+    for nbytes in SYNC_BYTES:
+        tensor = torch.ones(nbytes // 4)
+        # Each beside the other, SYNC_REPEATS times (the host's load drifts): the medians.
+        pairs = [(seconds_per_round(lambda: None), seconds_per_round(lambda: dist.all_reduce(tensor))) for _ in range(SYNC_REPEATS)]
+        rounds.append((nbytes, statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)))
+    return {"rounds": rounds}
+
+
+def _handover(rank: int, world: int) -> dict[str, Any]:
+    """Even ranks compute blocks of GEMMs, each odd rank waits on a token its even partner
+    sends after every block. Per block length: rank 0's seconds alone (the others asleep in
+    a barrier) and each computing rank's mean seconds per block beside the waiters."""
+    import torch
+    import torch.distributed as dist
+
+    a, b = torch.randn(SYNC_DIM, SYNC_DIM), torch.randn(SYNC_DIM, SYNC_DIM)
+    token = torch.zeros(1)
+    partner = rank ^ 1
+    computing = rank % 2 == 0
+
+    def block(gemms: int) -> None:
+        for _ in range(gemms):
+            torch.nn.functional.linear(a, b)
+
+    out: dict[str, Any] = {"computing": computing, "alone": {}, "beside": {}}
+    for gemms in HANDOVER_GEMMS:
+        block(gemms)
+        if rank == 0:
+            start = time.perf_counter()
+            for _ in range(HANDOVER_ROUNDS):
+                block(gemms)
+            out["alone"][gemms] = (time.perf_counter() - start) / HANDOVER_ROUNDS
+        dist.barrier()
+        seconds = []
+        for _ in range(HANDOVER_ROUNDS):
+            if computing:
+                start = time.perf_counter()
+                block(gemms)
+                seconds.append(time.perf_counter() - start)
+                if partner < world:
+                    dist.send(token, partner)
+            else:
+                dist.recv(token, partner)
+        if computing:
+            out["beside"][gemms] = statistics.fmean(seconds)
+        dist.barrier()
+    return out
+
+
+def handover_seconds(handover: dict[int, dict[str, Any]], share_all: float, share_computing: float) -> float:
+    """The wait at which the computing workers get half the gain of their waiting
+    partners' cores: their share beside the waiters (a block alone over its time beside
+    them) between share_all (every worker computing: no core handed over) and
+    share_computing (only they compute), interpolated in log of the wait (as long as the
+    block). 0 if the shortest wait already frees half; the longest wait measured if none
+    does; 0 where the two shares are too close to tell (the cores are not oversubscribed)."""
+    if share_computing - share_all < 0.05:
+        return 0.0
+    alone = handover[0]["alone"]
+    points = []
+    for gemms in sorted(alone):
+        beside = statistics.fmean(r["beside"][gemms] for r in handover.values() if r["computing"])
+        gained = (alone[gemms] / beside - share_all) / (share_computing - share_all)
+        points.append((beside, min(max(gained, 0.0), 1.0)))
+    if points[0][1] >= 0.5:
+        return 0.0
+    for (w0, g0), (w1, g1) in zip(points, points[1:]):
+        if g1 >= 0.5:
+            return math.exp(math.log(w0) + (0.5 - g0) / (g1 - g0) * (math.log(w1) - math.log(w0)))
+    return points[-1][0]
+
+
+def after_compute_points(sync: dict[int, dict[str, Any]], world: int) -> list[tuple[int, int, float]]:
+    """(group, bytes, seconds) of the all-reduces measured after compute: each size's
+    round as long as its slowest rank's, less the block as long as its slowest rank's
+    with every worker computing (what the simulator prices it at)."""
+    out = []
+    for i, (nbytes, _, _) in enumerate(sync[0]["rounds"]):
+        block = max(sync[r]["rounds"][i][1] for r in sync)
+        round_ = max(sync[r]["rounds"][i][2] for r in sync)
+        out.append((world, nbytes, max(round_ - block, 0.0)))
+    return out
+
+
+def link_figures(
+    links: dict[int, dict[str, list]], after_compute: list[tuple[int, int, float]] | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """The preset's link figures from one worker count's measurements (every rank's, each
-    collective as slow as its slowest rank), and the measurements kept."""
+    collective as slow as its slowest rank), and the measurements kept. With all-reduces
+    measured after compute (training's pattern), the ring's latency and bandwidth are
+    theirs; the other collectives keep their rates relative to the ring (measured from a
+    barrier both), each size at least its barrier-started time."""
     slowest: dict[tuple[int, int], float] = {}
     for r in links:
         for size, nbytes, seconds in links[r]["all_reduce"]:
@@ -187,18 +326,26 @@ def link_figures(links: dict[int, dict[str, list]]) -> tuple[dict[str, Any], dic
     latency, bandwidth = fit_ring([(g, n, t) for (g, n), t in slowest.items()])
     p2p_latency, p2p_bandwidth = fit_p2p(links[0]["p2p"])
     one_pass = {op: [max((links[r][op][i] for r in links), key=lambda p: p[2]) for i in range(len(MESSAGE_BYTES))] for op in ONE_PASS}
+    if after_compute:
+        # No slower than the same all-reduce from a barrier: a round that came out shorter
+        # than its block is the host's noise, not a free collective.
+        after_compute = [(g, n, max(t, slowest.get((g, n), 0.0))) for g, n, t in after_compute]
+    ring_latency, ring_bandwidth = fit_ring(after_compute) if after_compute else (latency, bandwidth)
     figures = {
-        "intra_bandwidth": float(f"{bandwidth:.4g}"),
+        "intra_bandwidth": float(f"{ring_bandwidth:.4g}"),
         "intra_latency": float(f"{p2p_latency:.4g}"),
         "p2p_bandwidth": float(f"{p2p_bandwidth:.4g}"),
-        "collectives": gloo_collectives(latency),
+        "collectives": gloo_collectives(ring_latency),
         "collective_efficiency": {op: round(fit_efficiency(points, latency, bandwidth), 3) for op, points in one_pass.items()},
     }
-    measured = {
+    measured: dict[str, Any] = {
         "all_reduce": [{"group": g, "bytes": n, "seconds": t} for (g, n), t in sorted(slowest.items())],
         "p2p": [{"bytes": n, "seconds": t} for n, t in links[0]["p2p"]],
         **{op: [{"group": g, "bytes": n, "seconds": t} for g, n, t in points] for op, points in one_pass.items()},
+        "barrier_ring_fit": {"step_s": float(f"{latency:.4g}"), "bandwidth": float(f"{bandwidth:.4g}")},
     }
+    if after_compute:
+        measured["all_reduce_after_compute"] = [{"group": g, "bytes": n, "seconds": t} for g, n, t in after_compute]
     return figures, measured
 
 
@@ -295,8 +442,13 @@ def calibrate(workers: int) -> dict[str, Any]:
     host = _spawn("host", 1)[0]
     forward_kernel, backward_kernel = host_kernel_costs(host["forward"], host["forward_backward"])
     preset.update(host_forward_kernel_s=float(f"{forward_kernel:.4g}"), host_backward_kernel_s=float(f"{backward_kernel:.4g}"))
-    links = {k: link_figures(_spawn("links", k)) for k in range(2, workers + 1)}
+    links = {k: link_figures(_spawn("links", k), after_compute_points(_spawn("sync", k), k)) for k in range(2, workers + 1)}
+    handovers = {k: _spawn("handover", k) for k in range(2, workers + 1)}
     preset["by_workers"] = {k: figures for k, (figures, _) in links.items()}
+    for k, handover in handovers.items():
+        shares = preset["oversubscription"]
+        seconds = handover_seconds(handover, shares[k], shares[(k + 1) // 2])
+        preset["by_workers"][k]["core_handover_s"] = float(f"{seconds:.4g}")
     import torch
 
     return {
@@ -315,6 +467,7 @@ def calibrate(workers: int) -> dict[str, Any]:
             "gemm_alone": [{"m": m, "n": n, "k": k, "dtype": d, "flops": rate} for m, n, k, d, rate in shapes],
             "gemm_concurrent": {k: {d: [rates[r][d] for r in sorted(rates)] for d in DTYPES} for k, rates in concurrent.items()},
             "links_by_workers": {k: kept for k, (_, kept) in links.items()},
+            "handover_by_workers": {k: {r: dict(h) for r, h in handover.items()} for k, handover in handovers.items()},
             "host_block": {"hidden_heads_tokens": list(HOST_BLOCK), **host},
         },
     }

@@ -99,6 +99,10 @@ class ClusterSpec:
     oversubscription: a device's compute rate when k devices of a node compute at once,
       relative to one alone ({k: fraction}); for CPU workers sharing a host's cores (the
       `local` preset). Empty: devices do not share compute (GPUs). peak() applies it.
+    core_handover_s: where devices share cores, how long a device must wait (blocked on a
+      peer) before the others take its core over; a shorter wait keeps it (src/sim/cores.py).
+      Absent (0): every wait hands the core over at once; devices that share no cores have
+      none to hand over.
     """
 
     name: str
@@ -124,6 +128,7 @@ class ClusterSpec:
     collective_sm_fraction: float = 0.0
     p2p_sm_fraction: float = 0.0
     oversubscription: dict[int, float] = field(default_factory=dict)
+    core_handover_s: float = 0.0
     collective_efficiency: dict[str, float] = field(default_factory=dict)
     ring_protocols: dict[str, Protocol] | None = None
     tree_protocols: dict[str, Protocol] | None = None
@@ -151,12 +156,13 @@ class ClusterSpec:
             )
         return self.peak_flops[precision] * self.compute_share()
 
-    def compute_share(self) -> float:
-        """Each device's share of its rate alone while all devices of a node compute; past
-        the largest measured count the cores split further in proportion."""
+    def compute_share(self, computing: int | None = None) -> float:
+        """Each device's share of its rate alone while `computing` devices of a node (all
+        of them unless given) compute at once; past the largest measured count the cores
+        split further in proportion."""
         if not self.oversubscription:
             return 1.0
-        k = self.devices_per_node
+        k = self.devices_per_node if computing is None else computing
         if k in self.oversubscription:
             return self.oversubscription[k]
         measured = max(self.oversubscription)
@@ -262,6 +268,7 @@ SOURCED = (
     "collectives",
     "collective_efficiency",
     "oversubscription",
+    "core_handover_s",
 )
 
 
@@ -346,6 +353,7 @@ def cluster_from_config(cfg: Mapping[str, Any]) -> ClusterSpec:
         default_precision=str(cfg["default_precision"]),
         sources=sources,
         oversubscription=_oversubscription(cfg.get("oversubscription"), name),
+        core_handover_s=_handover(cfg.get("core_handover_s"), name),
         collective_efficiency=_collective_efficiency(cfg.get("collective_efficiency"), name),
         ring_protocols=ring,
         tree_protocols=tree,
@@ -371,6 +379,15 @@ def _oversubscription(table: Any, cluster: str) -> dict[int, float]:
             raise ConfigError(f"cluster.oversubscription.{k}={v}: counts are positive and rates in (0, 1] (cluster {cluster})")
         out[count] = share
     return out
+
+
+def _handover(value: Any, cluster: str) -> float:
+    if value is None:
+        return 0.0
+    seconds = _number(value, "cluster.core_handover_s", cluster)
+    if seconds < 0:
+        raise ConfigError(f"cluster.core_handover_s is a wait in seconds, at least 0, got {value!r} (cluster {cluster})")
+    return seconds
 
 
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")

@@ -1,6 +1,8 @@
 """The simulator against real runs of the same Program, on this machine.
 
     python -m src.validate [--out validation] [--steps 6] [--only megatron]
+    python -m src.validate --reprice benchmarks/results/validation/validation.json
+
 
 Each case of the grid (every strategy the real backend runs, on 2 and 4 workers, two model
 sizes) runs twice through the front door: `backend=torch` measures it, `backend=sim` prices
@@ -9,6 +11,11 @@ iteration times with their error and, per breakdown category, the measured and p
 seconds; the MAPE and how many cases the simulator under- and over-predicts close it.
 Writes validation.json, validation.md and validation.png under --out. The `local`
 preset's figures come from `python -m src.calibrate`.
+
+`--reprice FILE` runs nothing: it prices every case of a stored validation.json again with
+the simulator as it is now (on the `local` preset and this host's profile) and sets the new
+predictions against the stored measurements, so that a change to the cost model is checked
+against the measurements it was not made from. The table it writes says that it re-priced.
 
 Timings are this machine's: run it when nothing else loads the cores (validation.json
 records the load averages at the end).
@@ -127,6 +134,47 @@ def validate_case(case: Case, out: Path, steps: int) -> dict[str, Any]:
     }
 
 
+def composed(overrides: list[str]) -> dict[str, Any]:
+    from hydra import compose, initialize_config_dir
+
+    from src.config import plain_config
+
+    conf = Path(__file__).resolve().parent.parent / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base=None):
+        return plain_config(compose(config_name="config", overrides=overrides))
+
+
+def predict(case: Case) -> dict[str, Any]:
+    """The simulator's summary of one case, in this process (what `backend=sim` reports)."""
+    from src.metrics import summarize
+    from src.plan_io import PlannedRun
+    from src.setup import plan_run, validate
+    from src.sim.engine import simulate
+
+    setup = validate(
+        composed([*case.overrides, "cluster=local", f"cluster.devices_per_node={case.workers}", "backend=sim", "logger=none"])
+    )
+    plan = plan_run(setup)
+    timeline = simulate(plan.program, setup.model, setup.cluster, plan.precision)
+    return summarize(PlannedRun(setup.model, setup.cluster, setup.train, plan), timeline)
+
+
+def reprice(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The stored rows with their predictions priced again; a row without a measurement
+    stays as it was."""
+    cases = {(c.name, c.workers): c for c in grid()}
+    out = []
+    for row in rows:
+        case = cases.get((row["case"], row["workers"]))
+        if "measured_s" not in row or case is None:
+            out.append(row)
+            continue
+        predicted = predict(case)
+        p, m = predicted["iteration_time_s"], row["measured_s"]
+        out.append({**row, "predicted_s": p, "error_pct": 100.0 * (p - m) / m, "predicted_breakdown_s": _categories(predicted)})
+    return out
+
+
 def mape(rows: list[dict[str, Any]]) -> float | None:
     errors = [abs(r["error_pct"]) for r in rows if "error_pct" in r]
     return statistics.fmean(errors) if errors else None
@@ -208,12 +256,41 @@ def _load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
+def _write_repriced(stored: Path, out: Path) -> None:
+    if not stored.is_file():
+        raise SystemExit(f"error: --reprice {stored}: no such file")
+    before = json.loads(stored.read_text())
+    rows = reprice(before["rows"])
+    fast, slow = sign_split(rows)
+    summary = {
+        "repriced_from": str(stored),
+        "stored_mape_pct": before.get("mape_pct"),
+        "rows": rows,
+        "mape_pct": mape(rows),
+        "predicted_faster": fast,
+        "predicted_slower": slow,
+        "load_when_measured": before.get("load"),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "repriced.json").write_text(json.dumps(summary, indent=2) + "\n")
+    header = f"Re-priced by the current simulator against the measurements stored in {stored} (no case was run again).\n\n"
+    text = header + table(rows)
+    (out / "repriced.md").write_text(text + "\n")
+    print(text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("validation"))
     parser.add_argument("--steps", type=int, default=6, help="real steps per case (the first is warm-up)")
     parser.add_argument("--only", default="", help="run the cases whose name contains this")
+    parser.add_argument(
+        "--reprice", type=Path, default=None, help="a stored validation.json: price its cases again, run nothing, write under --out"
+    )
     args = parser.parse_args()
+    if args.reprice is not None:
+        _write_repriced(args.reprice, args.out)
+        return
     if args.steps < 2:
         parser.error(f"--steps {args.steps}: at least 2 (the first step is warm-up and not measured)")
     cases = [c for c in grid() if args.only in c.name]

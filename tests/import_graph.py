@@ -53,6 +53,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "src.calibrate",
             "src.fuzz",
             "src.validate",
+            "src.heldout",
             "src.figure_diff",
             "src.plan_diff",
             "src.reproduce",

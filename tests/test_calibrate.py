@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 import src.cluster_profile as cluster_profile
-from src.calibrate import fit_gemm_curve, fit_p2p, fit_ring
+from src.calibrate import MESSAGE_BYTES, after_compute_points, fit_gemm_curve, fit_p2p, fit_ring, handover_seconds, link_figures
 from src.cluster import cluster_from_config
 from src.errors import ConfigError
 
@@ -105,3 +105,59 @@ def test_a_profile_gives_each_worker_count_the_links_measured_with_that_many_run
     assert (two.intra_bandwidth, three.intra_bandwidth, four.intra_bandwidth) == (3e9, 3e9, 1e9)
     assert four.ring_table()["gloo"].intra_step_s == 8e-4
     assert "links measured with 2 workers running" in three.sources["profile"]
+
+
+def test_collectives_after_compute_set_the_ring_and_keep_the_others_relative_to_the_barrier_fit() -> None:
+    # Rounds of (a block of GEMMs, an all-reduce) on 4 workers: the block takes 20 ms on
+    # the slowest rank with every worker computing; what is left of the slowest rank's
+    # round is the all-reduce, here a ring of 3 ms per step and 0.5 GB/s.
+    sizes = (2**16, 2**20, 2**22)
+    ring = {n: 6 * 3e-3 + 1.5 * n / 0.5e9 for n in sizes}
+    sync = {
+        0: {"rounds": [(n, 20e-3, 20e-3 + ring[n]) for n in sizes]},
+        1: {"rounds": [(n, 19e-3, 20e-3 + ring[n] - 1e-3) for n in sizes]},
+    }
+    points = after_compute_points(sync, 4)
+    assert points == [(4, n, pytest.approx(ring[n])) for n in sizes]
+
+    def links(step: float, bandwidth: float) -> dict:
+        all_reduce = [(4, n, 6 * step + 1.5 * n / bandwidth) for n in MESSAGE_BYTES]
+        one_pass = [(4, n, 3 * step + 0.75 * n / bandwidth) for n in MESSAGE_BYTES]  # the ring's rate
+        p2p = [(n, 1e-4 + n / 3e9) for n in MESSAGE_BYTES]
+        return {"all_reduce": all_reduce, "p2p": p2p, "all_gather": one_pass, "reduce_scatter": one_pass, "all_to_all": one_pass}
+
+    quiet = {r: links(1e-3, 1.5e9) for r in range(4)}
+    figures, measured = link_figures(quiet, points)
+    assert figures["intra_bandwidth"] == pytest.approx(0.5e9, rel=1e-3)
+    assert figures["collectives"]["ring"]["gloo"]["intra_step_s"] == pytest.approx(3e-3, rel=1e-3)
+    assert figures["collective_efficiency"]["all_gather"] == pytest.approx(1.0)
+    assert measured["barrier_ring_fit"] == {"step_s": pytest.approx(1e-3, rel=1e-3), "bandwidth": pytest.approx(1.5e9, rel=1e-3)}
+    assert link_figures(quiet)[0]["intra_bandwidth"] == pytest.approx(1.5e9, rel=1e-3)  # no rounds measured: the barrier's
+    # A round shorter than its block (noise) counts as the barrier-started all-reduce, not as free.
+    noisy = [(4, n, 0.0 if n == sizes[0] else t) for _, n, t in points]
+    kept = link_figures(quiet, noisy)[1]["all_reduce_after_compute"][0]
+    assert kept["seconds"] == pytest.approx(6 * 1e-3 + 1.5 * sizes[0] / 1.5e9)
+
+
+def _handover(gained: dict[int, float]) -> dict[int, dict]:
+    """Rank 0 computing (a block of n GEMMs alone: n ms), rank 1 waiting: beside the waiter
+    the block runs at 0.5 + 0.5 x gained of one alone (half the cores, up to all of them)."""
+    alone = {n: n * 1e-3 for n in gained}
+    beside = {n: alone[n] / (0.5 + 0.5 * g) for n, g in gained.items()}
+    return {0: {"computing": True, "alone": alone, "beside": beside}, 1: {"computing": False, "alone": {}, "beside": {}}}
+
+
+def test_the_handover_is_the_wait_at_which_half_the_cores_gain_is_had() -> None:
+    # Gains 0, 0.25, 0.75, 1 at waits 2, 6.4, 18.3, 64 ms: half between 6.4 and 18.3 ms, in log.
+    handover = _handover({1: 0.0, 4: 0.25, 16: 0.75, 64: 1.0})
+    assert handover_seconds(handover, 0.5, 1.0) == pytest.approx((4e-3 / 0.625 * 16e-3 / 0.875) ** 0.5)
+    assert handover_seconds(_handover({1: 0.6, 4: 1.0}), 0.5, 1.0) == 0.0  # the shortest wait frees the core
+    assert handover_seconds(_handover({1: 0.0, 4: 0.2}), 0.5, 1.0) == pytest.approx(4e-3 / 0.6)  # none does: the longest
+    assert handover_seconds(handover, 0.98, 1.0) == 0.0  # cores not oversubscribed: nothing to hand over
+
+
+def test_the_handover_is_a_preset_figure_of_its_own() -> None:
+    assert cluster_from_config({**LOCAL, "profile": None}).core_handover_s == 0.0
+    assert cluster_from_config({**LOCAL, "profile": None, "core_handover_s": 2e-3}).core_handover_s == 2e-3
+    with pytest.raises(ConfigError, match="cluster.core_handover_s is a wait in seconds, at least 0, got -1"):
+        cluster_from_config({**LOCAL, "profile": None, "core_handover_s": -1})

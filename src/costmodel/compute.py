@@ -12,8 +12,8 @@ host_backward_kernel_s per kernel of a backward. A GPU runs behind its host, so 
 item takes the longer of its device time and its host time: small layers (narrow
 hidden sizes, few samples per device) are bound by the framework, large ones by the
 device. Where the host is the device (CPU workers: cluster.host_async false) the two
-add up. All constants come from the cluster preset; nothing here is specific to a
-strategy.
+add up, the host's part too at the worker's share of the cores (oversubscription). All
+constants come from the cluster preset; nothing here is specific to a strategy.
 """
 
 from __future__ import annotations
@@ -90,6 +90,7 @@ class ComputeModel:
     def __init__(self, cluster: ClusterSpec, precision: str):
         self.cluster = cluster
         self.peak = cluster.peak(precision)
+        self.host_share = cluster.compute_share()
         self.hbm = cluster.memory_bandwidth * cluster.memory_efficiency
         self.bytes_per_elem = element_bytes(precision)
         self._layer_cache: dict[tuple, LayerTimes] = {}
@@ -190,8 +191,9 @@ class ComputeModel:
             device, forward_kernels, backward_kernels = self._phase(work, t, layer.forward_only, model, unit, start + index)
             host = forward_kernels * self.cluster.host_forward_kernel_s + backward_kernels * self.cluster.host_backward_kernel_s
             # The host queues a GPU's kernels ahead of it (layer by layer: a sum over any
-            # grouping of layers); CPU workers run what they issue.
-            total += max(device, host) if self.cluster.host_async else device + host
+            # grouping of layers); CPU workers run what they issue, on the share of the
+            # cores that their arithmetic gets (the host figures are one worker's alone).
+            total += max(device, host) if self.cluster.host_async else device + host / self.host_share
         return total
 
     @staticmethod

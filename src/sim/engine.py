@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Mapping
 
 from src.costmodel.comm import CommModel
 from src.costmodel.compute import ComputeModel
@@ -56,6 +57,7 @@ from src.program import (
     Table,
     Wait,
 )
+from src.sim.cores import MAX_PASSES, SETTLED, ComputeSpan, relaxed, shares_cores, span_scales
 from src.sim.intervals import Intervals
 from src.timeline import BREAKDOWN_CATEGORIES, RankTimeline, Span, Timeline
 
@@ -241,6 +243,8 @@ class _ClassState:
     nic: Intervals = field(default_factory=Intervals)
     collective_busy: Intervals = field(default_factory=Intervals)
     p2p_busy: Intervals = field(default_factory=Intervals)
+    # How many of the class's ranks each node holds (node, ranks): where cores are shared.
+    per_node: tuple[tuple[int, int], ...] = ()
 
     def stream_free(self, stream: str) -> float:
         return self.free.get(stream, 0.0)
@@ -250,8 +254,20 @@ class _ClassState:
 
 
 class Simulator:
-    def __init__(self, program: Program, model: ModelSpec, cluster: ClusterSpec, precision: str, compute: ComputeModel | None = None):
+    def __init__(
+        self,
+        program: Program,
+        model: ModelSpec,
+        cluster: ClusterSpec,
+        precision: str,
+        compute: ComputeModel | None = None,
+        compute_scale: Mapping[tuple[int, int], float] | None = None,
+    ):
+        """`compute_scale`: a factor on the price of compute instructions, keyed (rank
+        class, instruction index): the share of shared cores each got (src.sim.cores)."""
         self.program = program
+        self.compute_scale = compute_scale or {}
+        self.compute_spans: list[ComputeSpan] = []
         self.model = model
         self.cluster = cluster
         self.compute = compute or ComputeModel(cluster, precision)
@@ -282,6 +298,11 @@ class Simulator:
         self.p2p_bytes = 0.0
         self.total_events = sum(len(state.instructions) for state in self.states)
         self.progress = Progress("simulation")
+        self.cores_shared = shares_cores(cluster)
+        if self.cores_shared:
+            for state in self.states:
+                nodes = [cluster.node_of(r) for r in state.program.ranks]
+                state.per_node = tuple((node, nodes.count(node)) for node in sorted(set(nodes)))
 
     # ---- driver -------------------------------------------------------------------------
     def run(self) -> Timeline:
@@ -381,13 +402,15 @@ class Simulator:
     def _compute(self, state: _ClassState, instruction: Compute) -> bool:
         work = instruction.work
         start = state.stream_free(COMPUTE_STREAM)
-        end = start + self.compute.work_time(work, self.model)
+        end = start + self.compute.work_time(work, self.model) * self.compute_scale.get((state.index, state.ip), 1.0)
         if self.collective_rate < 1.0:
             end = state.collective_busy.stretched_end(start, end - start, self.collective_rate)
         if self.p2p_rate < 1.0:
             end = state.p2p_busy.stretched_end(start, end - start, self.p2p_rate)
         state.free[COMPUTE_STREAM] = end
         state.segments.append((start, end, "compute"))
+        if self.cores_shared:
+            self.compute_spans.append(ComputeSpan((state.index, state.ip), start, end, state.per_node))
         state.spans.append(
             Span(
                 COMPUTE_STREAM,
@@ -690,13 +713,27 @@ def simulate(
     program: Program, model: ModelSpec, cluster: ClusterSpec, precision: str, compute: ComputeModel | None = None
 ) -> Timeline:
     """Simulate one iteration. Pass a ComputeModel to share its price cache across the
-    many Programs of a planner's search."""
-    return Simulator(program, model, cluster, precision, compute).run()
+    many Programs of a planner's search. Devices that share a host's cores are simulated
+    again until each compute span runs at the share its node's other work left it
+    (src.sim.cores)."""
+    simulator = Simulator(program, model, cluster, precision, compute)
+    timeline = simulator.run()
+    if not simulator.cores_shared:
+        return timeline
+    scales: dict[tuple[int, int], float] = {}
+    for _ in range(MAX_PASSES - 1):
+        scales = relaxed(scales, span_scales(cluster, simulator.compute_spans))
+        simulator = Simulator(program, model, cluster, precision, simulator.compute, scales)
+        settled, timeline = timeline, simulator.run()
+        if abs(timeline.iteration_time - settled.iteration_time) <= SETTLED * settled.iteration_time:
+            break
+    return timeline
 
 
 def compute_lower_bound(program: Program, model: ModelSpec, compute: ComputeModel) -> float:
     """No rank can finish before its compute stream has run all its work: the busiest
-    rank's compute time bounds the iteration time from below."""
+    rank's compute time bounds the iteration time from below, with compute priced at every
+    device's share (where devices share cores, times speedup_limit of src.sim.cores)."""
     busiest = 0.0
     for rank_program in program.classes:
         total = 0.0

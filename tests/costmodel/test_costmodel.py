@@ -185,6 +185,11 @@ def test_a_layer_costs_the_longer_of_device_and_host_time_on_a_gpu_and_both_on_a
     assert ComputeModel(gpu, "bf16").work_time(work, model) == pytest.approx(max(device, 12 * 30e-6))
     cpu = replace(gpu, host_async=False)
     assert ComputeModel(cpu, "bf16").work_time(work, model) == pytest.approx(device + 12 * 30e-6)
+    # CPU workers sharing cores: the framework's time, measured on one worker alone, runs
+    # at the share of the cores, as the arithmetic does.
+    shared = replace(cpu, oversubscription={4: 0.25})  # CLUSTER has 4 devices a node
+    shared_device = ComputeModel(replace(CLUSTER, oversubscription={4: 0.25}), "bf16").work_time(work, model)
+    assert ComputeModel(shared, "bf16").work_time(work, model) == pytest.approx(shared_device + 4 * 12 * 30e-6)
     backward = Work("llm", "bwd", 1, (0, 1))
     assert ComputeModel(gpu, "bf16").work_time(backward, model) == pytest.approx(
         18 * 60e-6

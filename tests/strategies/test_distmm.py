@@ -146,8 +146,10 @@ def test_pipeline_never_shrinks_the_contrastive_batch() -> None:
 
 
 def test_distmm_pipe_removes_the_barrier_idle_time() -> None:
-    pipe = setup(*TINY_PIPE)
-    gpipe = setup(*TINY_PIPE, "strategy.pipeline=gpipe_sync")
+    # The preset's own figures, not a measured host's: where workers share cores, one idle at
+    # the barrier lends its core to the others, which hides part of what the schedule saves.
+    pipe = setup(*TINY_PIPE, "cluster.profile=null")
+    gpipe = setup(*TINY_PIPE, "cluster.profile=null", "strategy.pipeline=gpipe_sync")
     t_pipe, t_gpipe = iteration(pipe, plan_run(pipe)), iteration(gpipe, plan_run(gpipe))
     assert t_pipe < 0.8 * t_gpipe
 

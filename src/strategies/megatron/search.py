@@ -23,6 +23,7 @@ from src.costmodel.memory import memory_ladder, rank_memory
 from src.errors import ConfigError
 from src.program import Plan
 from src.progress import Progress
+from src.sim.cores import speedup_limit
 from src.sim.engine import compute_lower_bound, simulate
 from src.strategies.base import PlanRequest
 from src.strategies.megatron.options import MegatronOptions
@@ -256,7 +257,10 @@ class MegatronSearch:
             best_time = 0.0
             heap = [(c.bound, c.order(), WORK, i) for i, c in enumerate(candidates)]
             heapq.heapify(heap)
-            while heap and (best is None or heap[0][0] <= best_time):
+            # The bounds price compute at every device's share; where devices share cores a
+            # candidate can run faster than that (src.sim.cores).
+            limit = speedup_limit(self.cluster)
+            while heap and (best is None or heap[0][0] * limit <= best_time):
                 if self.progress.due():
                     self.progress.show(f"bounds and simulations: candidates left {len(heap)}/{len(candidates)}, {_lead(best)}")
                 _, _, level, index = heapq.heappop(heap)

@@ -1,0 +1,41 @@
+"""src.validate's re-pricing of stored measurements (no real run: the simulator only)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from src import validate
+
+
+def test_reprice_prices_each_stored_case_again_and_keeps_its_measurement() -> None:
+    rows = [
+        {"case": "gpt-s/ddp-z0", "workers": 2, "measured_s": 0.05, "predicted_s": 1.0, "error_pct": 1900.0},
+        {"case": "gpt-s/ddp-z2", "workers": 4, "error": "torch: exit 1"},
+    ]
+    repriced = validate.reprice(rows)
+    assert repriced[1] == rows[1]  # nothing measured: left as it was
+    row = repriced[0]
+    assert row["measured_s"] == 0.05 and row["predicted_s"] != 1.0
+    assert row["predicted_s"] == pytest.approx(validate.predict(validate.grid()[0])["iteration_time_s"])
+    assert row["error_pct"] == pytest.approx(100 * (row["predicted_s"] - 0.05) / 0.05)
+    assert set(row["predicted_breakdown_s"]) <= set(validate.BREAKDOWN_CATEGORIES)
+
+
+def test_reprice_writes_a_table_that_says_it_ran_nothing(tmp_path: Path) -> None:
+    stored = tmp_path / "validation.json"
+    stored.write_text(
+        json.dumps(
+            {
+                "rows": [{"case": "gpt-s/ddp-z0", "workers": 2, "measured_s": 0.05, "measured_breakdown_s": {}}],
+                "mape_pct": 3.0,
+                "load": [1.0],
+            }
+        )
+    )
+    validate._write_repriced(stored, tmp_path / "out")
+    summary = json.loads((tmp_path / "out" / "repriced.json").read_text())
+    assert summary["stored_mape_pct"] == 3.0 and summary["mape_pct"] == pytest.approx(abs(summary["rows"][0]["error_pct"]))
+    assert "no case was run again" in (tmp_path / "out" / "repriced.md").read_text()
