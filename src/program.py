@@ -500,6 +500,9 @@ class Plan:
     # sample_order[p]: which sample of the step's batch (in data order) batch position p
     # holds, when the strategy reorders its batch (DistTrain); None: data order.
     sample_order: tuple[int, ...] | None = None
+    # What an MLLM's sequences hold: "uniform" (one image each) or "interleaved" (each its
+    # sample's images, as data.interleaved's sampler draws them: DistTrain's strategy.data).
+    sample_content: str = "uniform"
 
     def unit(self, name: str) -> UnitPlan:
         for unit_plan in self.units:

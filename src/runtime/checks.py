@@ -18,7 +18,7 @@ from src.program import Collective, Compute, Hop, Plan, Recv, Send, UnitPlan, Wa
 from src.runtime.batch_rows import placed_by_rows
 from src.runtime.executor import input_key
 from src.data.interleaved_mllm import InterleavedMLLM
-from src.runtime.inputs import content_of, dataset_for, tell_repeats
+from src.runtime.inputs import dataset_for, tell_repeats
 from src.runtime.grid_engine import on_grid
 from src.runtime.modules.grid3d import Axis, Grid3D
 from src.runtime.modules.unet3d import UNetOnGrid
@@ -74,7 +74,7 @@ def check_runnable(run: PlannedRun, data: str, data_errors: str = "fail") -> Non
                 ("tp", "pp"),
                 (unit.unit,),
             )
-    dataset = dataset_for(model, run.train.seed, data, data_errors, content_of(plan))
+    dataset = dataset_for(model, run.train.seed, data, data_errors, plan.sample_content)
     tell_repeats(dataset, run.train.global_batch, run.train.steps)
     # Sequences of their samples' images: every one the run reads must fit the model's
     # sequence, and each micro-batch runs the load its images make.

@@ -27,7 +27,7 @@ from src.data.synthetic_mllm import SyntheticMLLM
 from src.errors import ConfigError
 from src.models.sd21 import LATENT_CHANNELS
 from src.models.spec import ModelSpec
-from src.program import Plan, UnitPlan
+from src.program import UnitPlan
 
 if TYPE_CHECKING:
     from src.runtime.preprocess import Producer
@@ -45,12 +45,6 @@ class Batching:
     num_microbatches: int
     sample_groups: int
     samples_of: str | None = None
-
-
-def content_of(plan: Plan) -> str:
-    """What an MLLM's sequences hold under `plan`: `interleaved` (DistTrain's
-    strategy.data=interleaved: each its sample's images) or `uniform` (one image each)."""
-    return "interleaved" if plan.details.get("data") == "interleaved" else "uniform"
 
 
 def dataset_for(model: ModelSpec, seed: int, source: str, errors: str = "fail", content: str = "uniform") -> Any:

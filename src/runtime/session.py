@@ -34,7 +34,7 @@ from src.runtime.device import DTYPES, worker_device
 from src.runtime.engines import EngineSettings, ParallelGroups, deepspeed_comm_seconds, make_engine, partitioned_at_init
 from src.runtime.executor import Executor
 from src.runtime.groups import ProcessGroups
-from src.runtime.inputs import Batches, StepSamples, content_of, dataset_for
+from src.runtime.inputs import Batches, StepSamples, dataset_for
 from src.runtime.lifeline import LIFELINE, REPORTING, SAVING, TRAINING
 from src.runtime.modules.parallel import TP
 from src.models.spec import ModelSpec
@@ -149,7 +149,7 @@ def run_session(run: PlannedRun, settings: RunSettings, run_dir: Path, rank: int
     places = placements(plan, rank)
     samples = StepSamples(
         model,
-        dataset_for(model, train.seed, backend.data, backend.data_errors, content_of(plan)),
+        dataset_for(model, train.seed, backend.data, backend.data_errors, plan.sample_content),
         train.global_batch,
         {u.unit: u for u in plan.units},
         {n: p.dp_ranks.index(rank) for n, p in places.items()},

@@ -194,4 +194,5 @@ def plan_disttrain(request: PlanRequest) -> Plan:
         precision=request.train.precision,
         details=details,
         sample_order=best.assignment.positions,
+        sample_content=opts.data,
     )
