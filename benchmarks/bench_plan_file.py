@@ -99,7 +99,20 @@ def main() -> None:
         print(f"  plan.json: {size / 2**20:.1f} MiB")
 
         # The workers' settings, as the real backend would write them beside the plan.
-        backend = TorchBackendSpec(8, "nccl", 600.0, 1, "synthetic", 1e-4, 0.0, 1e-8, 65536.0, "inline", 2)
+        backend = TorchBackendSpec(
+            workers=8,
+            dist_backend="nccl",
+            timeout_s=600.0,
+            threads_per_worker=1,
+            data="synthetic",
+            data_errors="fail",
+            lr=1e-4,
+            weight_decay=0.0,
+            adam_eps=1e-8,
+            initial_loss_scale=65536.0,
+            preprocess="inline",
+            prefetch_steps=2,
+        )
         write_settings(run_dir, RunSettings("torch", backend, JobInfo(run_name="megascale"), {}))
         planned = read_plan(run_dir)
         world = planned.plan.devices
