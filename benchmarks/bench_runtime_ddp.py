@@ -45,6 +45,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere: `src` is the repository's package
 
 from src.runtime.driver import free_port, stop, worker_env  # noqa: E402
+from src.setup import validate  # noqa: E402
 
 RUN = ["backend=torch", "cluster=local", "cluster.devices_per_node=2", "logger=none", "model=clip", "model.scale=tiny", "strategy=ddp"]
 WARMUP = 10
@@ -117,12 +118,14 @@ def run_harness(run_dir: Path, overrides: list[str], steps: int) -> Measured:
 def run_plain(run_dir: Path) -> Measured:
     """The plain loop on the harness run's own resolved config, 2 processes."""
     config = yaml.safe_load((run_dir / "resolved.yaml").read_text())
+    backend = validate(config).backend  # the harness run's typed settings, as its workers had them
+    assert backend is not None, "the harness run was a real one"
     world, port = int(config["cluster"]["devices_per_node"]), free_port()
     procs = [
         subprocess.Popen(
             [sys.executable, __file__, "--plain", str(run_dir)],
             cwd=REPO,
-            env=worker_env(rank, world, port, config["backend"]),
+            env=worker_env(rank, world, port, backend),
             start_new_session=True,
             stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
             stderr=subprocess.STDOUT if rank == 0 else subprocess.DEVNULL,
@@ -153,15 +156,17 @@ def plain_worker(run_dir: Path) -> None:
     import torch.distributed as dist
 
     from src.data.synthetic import collate
-    from src.setup import validate
+
     from src.runtime.device import computing
     from src.runtime.inputs import dataset_for, unit_fields
     from src.runtime.modules.units import build_units
 
     config = yaml.safe_load((run_dir / "resolved.yaml").read_text())
-    setup, backend = validate(config), config["backend"]
+    setup = validate(config)
+    backend = setup.backend
+    assert backend is not None, "the harness run was a real one"
     model, seed, global_batch = setup.model, setup.train.seed, setup.train.global_batch
-    torch.set_num_threads(int(backend["threads_per_worker"]))
+    torch.set_num_threads(backend.threads_per_worker)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     local = global_batch // world
@@ -213,9 +218,7 @@ def plain_worker(run_dir: Path) -> None:
             "gradient_clipping": 0.0,
             "steps_per_print": 2**31,
         }
-        optimizer = torch.optim.AdamW(
-            clip.parameters(), lr=float(backend["lr"]), weight_decay=float(backend["weight_decay"]), eps=float(backend["adam_eps"])
-        )
+        optimizer = torch.optim.AdamW(clip.parameters(), lr=backend.lr, weight_decay=backend.weight_decay, eps=backend.adam_eps)
         engine, *_ = deepspeed.initialize(model=clip, optimizer=optimizer, config=ds_config)
         data = dataset_for(model, seed, "synthetic")
         for step in range(setup.train.steps):
