@@ -30,7 +30,7 @@ from src.errors import ConfigError
 from src.reproduction.catalogue import CATALOGUE_DIR, SWEEPS_DIR, Catalogue, Presets, load_catalogue, papers_in
 from src.reproduction.results import STORE, load_results
 from src.reproduction.scorecard import paper_section, score, summary_table, write
-from src.sweep import REPO, SweepSpec, figure_jobs
+from src.sweep import REPO, SweepSpec, figure_jobs, multirun_command
 
 RUNS = Path("outputs") / "reproduction"
 SCORECARD = REPO / "benchmarks" / "results"  # the committed scorecard: all papers
@@ -70,16 +70,7 @@ def run_figure(spec: SweepSpec, path: Path, results: Path) -> tuple[str, float, 
     print(f"  {spec.name}: {len(figure_jobs(spec))} jobs started (log: {log.relative_to(REPO)})", flush=True)
     start = time.perf_counter()
     with log.open("w") as out:
-        command = [
-            sys.executable,
-            "-m",
-            "src.run",
-            "-m",
-            "hydra/sweeper=figure",
-            f"hydra.sweeper.figure={path.resolve()}",
-            f"hydra.sweep.dir={sweep_dir}",
-            "logger=none",
-        ]
+        command = multirun_command(path, sweep_dir, ["logger=none"])
         code = subprocess.run(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT).returncode
     wall = time.perf_counter() - start
     produced = sweep_dir / "results.json"

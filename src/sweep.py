@@ -357,6 +357,20 @@ def plot(spec: SweepSpec, results: dict[str, Any], path: Path) -> None:
     plotting.save(fig, path)
 
 
+def multirun_command(sweep_file: Path, sweep_dir: Path, overrides: list[str]) -> list[str]:
+    """The front door's Hydra multirun of one figure: its jobs as the figure sweeper lists them."""
+    return [
+        sys.executable,
+        "-m",
+        "src.run",
+        "-m",
+        "hydra/sweeper=figure",
+        f"hydra.sweeper.figure={sweep_file.resolve()}",
+        f"hydra.sweep.dir={sweep_dir}",
+        *overrides,
+    ]
+
+
 def sweep_from_command_line(argv: list[str] | None, description: str) -> tuple[SweepSpec, Path] | None:
     """Parse `<sweep.yaml> [--out DIR] [overrides]` and run the figure as a Hydra multirun
     of the front door; None (after one error line) if the sweep file is bad or the
@@ -371,17 +385,7 @@ def sweep_from_command_line(argv: list[str] | None, description: str) -> tuple[S
         print(f"error: {err}", file=sys.stderr)
         return None
     out = (args.out or Path("outputs") / "sweeps" / spec.name).resolve()
-    command = [
-        sys.executable,
-        "-m",
-        "src.run",
-        "-m",
-        "hydra/sweeper=figure",
-        f"hydra.sweeper.figure={args.sweep.resolve()}",
-        f"hydra.sweep.dir={out}",
-        *overrides,
-    ]
-    if subprocess.run(command, cwd=REPO).returncode != 0:
+    if subprocess.run(multirun_command(args.sweep, out, overrides), cwd=REPO).returncode != 0:
         print(f"error: the multirun of {spec.name} failed (its output is above)", file=sys.stderr)
         return None
     return spec, out

@@ -12,24 +12,9 @@ import yaml
 
 from src.reproduce import main
 from src.sweep import load_sweep, preset_hash
+from tests.test_sweep import TINY_GPT as SWEEP_TINY_GPT
 
-TINY_GPT = [
-    "model=gpt",
-    "model.preset=null",
-    "model.layers=2",
-    "model.hidden=256",
-    "model.heads=4",
-    "model.vocab=1000",
-    "train.seq_len=128",
-    "cluster=perlmutter",
-    "cluster.nodes=2",
-    "logger=none",
-    "train.global_batch=16",
-    "strategy.recompute=none",
-    "strategy.zero_stage=0",
-    "strategy.pp=1",
-    "strategy.micro_batch_size=2",
-]
+TINY_GPT = [*SWEEP_TINY_GPT, "strategy.pp=1", "strategy.micro_batch_size=2"]
 SWEEP = {
     "name": "tiny_tp",
     "title": "tiny: TP 2 against TP 1",

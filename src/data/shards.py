@@ -224,7 +224,7 @@ class TarShards:
                 return _decoded(sample)
             except _BadMember as err:
                 if self.errors == "fail":
-                    raise DataError(str(err)) from None  # the line names the shard and member; the class is ours
+                    raise DataError(str(err)) from None  # the public class: it names the error line and pickles to a trainer
                 if f"{sample.shard}:{err.member}" not in self.skipped:
                     self.skipped.add(f"{sample.shard}:{err.member}")
                     where = str(err).removeprefix("backend.data: ")
