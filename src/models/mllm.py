@@ -36,6 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import partial
 
+from src.errors import ConfigError
 from src.models.blocks import DecoderPreset, decoder_unit, mlp_projector, vit_layers
 from src.models.options import Options, divisible
 from src.models.sd21 import SD21, SD_TINY, VAE_FACTOR, SDShape, sd_unet_layers, vae_encoder_layers
@@ -132,6 +133,14 @@ def build_mllm(model: str, opts: Options, seq_len: int | None) -> ModelSpec:
     seq = preset.seq_len if seq_len is None else seq_len
 
     image_tokens = (encoder_image // patch) ** 2
+    if images * image_tokens >= seq:
+        # The images are tokens of the LLM's sequence: beyond it, the encoder and generator
+        # would be priced for images the sequence cannot hold (and the sampler trims them).
+        raise ConfigError(
+            f"{opts.key('images_per_sequence')}={images}: {images} images of {image_tokens} tokens "
+            f"({images * image_tokens}) exceed what the LLM's {seq}-token sequence holds (at most "
+            f"{(seq - 1) // image_tokens} with a text token after them)"
+        )
     scale = partial(_scaled, images=images)
     encoder = UnitSpec(
         name="encoder",

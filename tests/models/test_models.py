@@ -156,6 +156,15 @@ def test_mllm_structure() -> None:
     assert build_model({"name": "mllm_9b"}).unit("generator").seq_len == 64 * 64
 
 
+def test_mllm_refuses_more_images_than_its_sequence_holds() -> None:
+    # 31 images of 256 tokens leave text room in 8192 tokens; 32 fill it.
+    assert build_model({"name": "mllm_9b", "images_per_sequence": 31}).extras["images_per_sequence"] == 31
+    with pytest.raises(ConfigError, match=r"images_per_sequence=32: 32 images of 256 tokens \(8192\) .*at most 31"):
+        build_model({"name": "mllm_9b", "images_per_sequence": 32})
+    with pytest.raises(ConfigError, match="at most 7"):
+        build_model({"name": "mllm_9b", "images_per_sequence": 8}, seq_len=2048)
+
+
 # ---------------------------------------------------------------------------------------
 # Optimus Tables 8 and 9.
 @pytest.mark.parametrize(
