@@ -427,6 +427,9 @@ class UnitPlan:
     gathered_params: float = 0.0
     overlap_comm: bool = False  # gradients reduced asynchronously during the backward (ZeRO-3 also prefetches parameters)
     prefetch_params: float = 0.0  # ZeRO-3 with overlap_comm: parameters prefetched ahead of a layer
+    # ZeRO-3 (DeepSpeed's stage3_max_reuse_distance): a module's parameters stay gathered from
+    # its recomputed forward to its backward when fewer are fetched in between; 0: not ZeRO-3.
+    reuse_distance: float = 0.0
     grid_overlap: tuple[str, ...] = ()  # Par4D: the overlaps that are on (all_reduce, reduce_scatter, all_gather, cache)
     cached_layers: tuple[int, ...] = ()  # Par4D with cache: layers whose recomputation reuses the forward's gathered weights
     grid_layers: tuple[GridLayer, ...] = ()  # Par4D: how each layer lies on the grid

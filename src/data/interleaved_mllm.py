@@ -30,7 +30,7 @@ import torch
 from src.data.interleaved import InterleavedData
 from src.data.shards import TarShards, pixels, tokenize
 from src.data.synthetic_mllm import IGNORE, SyntheticMLLM
-from src.errors import ConfigError, DataError
+from src.errors import DataError
 
 PER_IMAGE = ("images", "target", "latent", "noise", "timestep", "alpha")
 
@@ -57,15 +57,8 @@ class InterleavedMLLM:
 
     def check(self, indices: Iterable[int]) -> None:
         """Every sample a run reads fits the model's sequence (a DataError names the first
-        that does not), and so does the mean the sampler draws around."""
+        that does not; the model refuses a mean the sampler draws around that does not)."""
         s = self.synthetic
-        if self.layouts is not None and self.layouts.mean_images > self.capacity:
-            mean = self.layouts.mean_images
-            raise ConfigError(
-                f"model.images_per_sequence={mean:g}: {mean:g} images of {s.image_tokens} tokens "
-                f"({mean * s.image_tokens:g}) exceed what the model's {s.seq_len}-token sequence holds (at most "
-                f"{self.capacity} with its text after them)"
-            )
         for index in indices:
             n = self.image_count(index)
             if n > self.capacity:

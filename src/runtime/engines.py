@@ -78,6 +78,7 @@ class EngineSettings:
     # parameters), by the executor's buckets (runtime.grad_reduce) under plain DP.
     overlap_comm: bool = False
     prefetch_params: int = 0  # ZeRO-3 with overlap_comm: parameters gathered ahead of the layer that needs them
+    reuse_distance: int = 0  # ZeRO-3: DeepSpeed's stage3_max_reuse_distance as the plan priced it; 0: its default
 
 
 def deepspeed_config(settings: EngineSettings, dp: int) -> dict:
@@ -90,6 +91,8 @@ def deepspeed_config(settings: EngineSettings, dp: int) -> dict:
         # kept whole on every rank and ZeRO-3 would not be exercised.
         zero["stage3_param_persistence_threshold"] = 0
         zero["stage3_prefetch_bucket_size"] = settings.prefetch_params if settings.overlap_comm else 0
+        if settings.reuse_distance:
+            zero["stage3_max_reuse_distance"] = settings.reuse_distance
     return {
         "train_micro_batch_size_per_gpu": settings.micro_batch,
         "gradient_accumulation_steps": settings.accumulation,

@@ -89,6 +89,7 @@ def _engine_groups(
             eps=backend.adam_eps,
             overlap_comm=first.overlap_comm,
             prefetch_params=int(first.prefetch_params),
+            reuse_distance=int(first.reuse_distance),
         )
         parallel = ParallelGroups(groups.get(dp_ranks), dp_ranks, groups.get(tp_ranks) if len(tp_ranks) > 1 else None, tp_ranks)
         out.append(_EngineGroup(names, parallel, settings))

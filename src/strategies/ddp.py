@@ -30,8 +30,9 @@ from src.strategies.base import PlanRequest, check_microbatch_count, microbatch_
 from src.strategies.builders.colocated import ColocatedEmitter, ColocatedUnit
 from src.models.flows import unit_order
 
-# DeepSpeed's default stage3_prefetch_bucket_size (parameters).
+# DeepSpeed's defaults (parameters): stage3_prefetch_bucket_size, stage3_max_reuse_distance.
 DEEPSPEED_PREFETCH_BUCKET = 50_000_000
+DEEPSPEED_MAX_REUSE_DISTANCE = 1_000_000_000
 
 
 # The real backend's refusals name plan fields (src.errors.PlanRefused); these options set them.
@@ -50,11 +51,12 @@ class DDPOptions:
     recompute: str | None = None  # none | selective | full; null: the least that fits
     overlap_comm: bool = False  # ZeRO-3: asynchronous reduce-scatters and parameter prefetch
     prefetch_bucket_size: int = DEEPSPEED_PREFETCH_BUCKET
+    max_reuse_distance: int = DEEPSPEED_MAX_REUSE_DISTANCE  # ZeRO-3, full recomputation: what stays gathered for the backward
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"strategy.zero_stage={self.zero_stage!r}; choose 0, 1, 2 or 3")
-        for key in ("micro_batch_size", "prefetch_bucket_size"):
+        for key in ("micro_batch_size", "prefetch_bucket_size", "max_reuse_distance"):
             value = getattr(self, key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise ConfigError(
@@ -115,7 +117,15 @@ def _build(
         request.train.precision,
         program,
         [
-            ColocatedUnit(name, mesh, recompute, opts.zero_stage, overlap_comm=opts.overlap_comm, prefetch_params=prefetch)
+            ColocatedUnit(
+                name,
+                mesh,
+                recompute,
+                opts.zero_stage,
+                overlap_comm=opts.overlap_comm,
+                prefetch_params=prefetch,
+                reuse_distance=float(opts.max_reuse_distance),
+            )
             for name in names
         ],
     )
@@ -143,6 +153,7 @@ def _build(
             gathered_params=emitter.gathered_params(name),
             overlap_comm=opts.overlap_comm,
             prefetch_params=prefetch if opts.overlap_comm and opts.zero_stage == 3 else 0.0,
+            reuse_distance=float(opts.max_reuse_distance) if opts.zero_stage == 3 else 0.0,
         )
         for name in names
     ]

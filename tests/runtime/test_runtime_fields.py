@@ -16,6 +16,7 @@ import yaml
 from src.errors import ConfigError
 from src.plan_io import PlannedRun
 from src.runtime.checks import check_runnable
+from src.runtime.engines import EngineSettings, deepspeed_config
 from src.setup import options_named, plan_run, validate
 from src.strategies import STRATEGIES
 from tests.runtime.support import CLIP, GPT, UNET, composed
@@ -225,6 +226,12 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
         "run",
         EQUALITY,
     ),
+    ("ddp", "max_reuse_distance"): (
+        DDP,
+        ["strategy.zero_stage=3", "strategy.recompute=full", "strategy.max_reuse_distance=1000"],
+        "run",
+        EQUALITY,
+    ),
     # Par4D runs in the simulator only: the real backend refuses its grid, naming every option.
     ("par4d", "grid"): (PAR4D, ["strategy.grid=[2,1,2,1]"], "run", PAR4D_RUNS),
     ("par4d", "model"): (PAR4D, ["strategy.model=agnostic"], "run", PAR4D_RUNS),
@@ -357,3 +364,10 @@ def test_optimus_llm_distributed_optimizer_over_replicas_is_refused_naming_the_f
 def test_interleaved_data_refuses_an_encoder_on_pipeline_stages():
     with pytest.raises(ConfigError, match=r"unit encoder on pp=2 with interleaved data.*\[disttrain: strategy.encoder.pp\]"):
         _check(DISTTRAIN + ["strategy.data=interleaved", "strategy.generator.pp=1", "strategy.encoder.pp=2"])
+
+
+def test_deepspeed_is_given_the_reuse_distance_the_plan_priced():
+    plan = plan_run(validate(composed(DDP + ["strategy.zero_stage=3", "strategy.max_reuse_distance=1000"])))
+    settings = EngineSettings(3, 1, 1, 1e-3, 0.0, 1e-8, reuse_distance=int(plan.units[0].reuse_distance))
+    assert deepspeed_config(settings, 2)["zero_optimization"]["stage3_max_reuse_distance"] == 1000
+    assert "stage3_max_reuse_distance" not in deepspeed_config(EngineSettings(3, 1, 1, 1e-3, 0.0, 1e-8), 2)["zero_optimization"]

@@ -274,3 +274,23 @@ def test_zero3_overlap_reduces_on_a_stream_beside_the_prefetching_gathers() -> N
     prefetch = {i.stream for i in asynchronous if i.op == "all_gather"}
     reduce = {i.stream for i in asynchronous if i.op == "reduce_scatter"}
     assert len(prefetch) == 1 and len(reduce) == 1 and prefetch != reduce
+
+
+def test_zero3_full_recompute_gathers_again_what_outlives_the_reuse_distance() -> None:
+    """hidden 1024: QKV 3M, projection 1M, MLP 4M + 4M weights. Between a module's
+    recomputed forward and its backward come the later modules' forwards and backwards:
+    18M after QKV, 16M after the projection, 8M after the first MLP weight, none after
+    the second. A reuse distance of 10M gathers QKV and the projection again (4M of 12M)."""
+    plan, setup, _ = _zero3(4, "strategy.recompute=full", "strategy.max_reuse_distance=10000000")
+    kept, _, _ = _zero3(4, "strategy.recompute=full")  # DeepSpeed's 1e9 keeps every module
+    block = next(i for i, layer in enumerate(setup.model.unit("llm").layers) if layer.name == "block")
+    params = setup.model.unit("llm").layers[block].params
+    gathers = [i for i in plan.program.classes[0].instructions if isinstance(i, Collective) and i.op == "all_gather"]
+    again = [i for i in gathers if i.count == 2]
+    blocks = sum(layer.name == "block" for layer in setup.model.unit("llm").layers)
+    assert len(again) == blocks  # once per block, in its backward
+    assert again[0].bytes == pytest.approx(params * 4 / 12 * 2 / 2)
+    assert len(gathers) == len(again) + sum(
+        1 for i in kept.program.classes[0].instructions if isinstance(i, Collective) and i.op == "all_gather"
+    )
+    assert plan.units[0].reuse_distance == 10_000_000

@@ -10,6 +10,7 @@ then each unit's gradient reduction and optimizer step.
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 from dataclasses import dataclass
@@ -42,7 +43,12 @@ class ColocatedUnit:
     stage3_prefetch_bucket_size); without it every gather and reduction blocks. Below
     ZeRO-3 it reduces each layer's gradients asynchronously as the step's last
     micro-batch's backward finishes them (Megatron-LM's --overlap-grad-reduce, PyTorch
-    DDP's buckets), instead of all at once before the optimizer step."""
+    DDP's buckets), instead of all at once before the optimizer step.
+
+    Under ZeRO-3 with full recomputation, `reuse_distance` (DeepSpeed's
+    stage3_max_reuse_distance) keeps a module's parameters gathered from its recomputed
+    forward to its backward only when fewer parameters than that are fetched in between;
+    the others are released after the recomputation and gathered again (inf: all kept)."""
 
     unit: str
     mesh: Mesh
@@ -52,6 +58,7 @@ class ColocatedUnit:
     group_prefix: str = ""
     overlap_comm: bool = False
     prefetch_params: float = 0.0
+    reuse_distance: float = math.inf
 
 
 class ColocatedEmitter:
@@ -91,6 +98,8 @@ class ColocatedEmitter:
         out: list[Instruction] = []
         for index, layer in enumerate(order):
             out += self._gather(unit, phase, microbatch, order, params, index)
+            if backward and u.recompute == "full":
+                out += self._regather(unit, layer, params[index])
             out += segment_pass(self.model, Segment(unit, (layer, layer + 1)), phase, samples, microbatch, self._tp(unit))
             trainable = spec.trainable_params(layer, layer + 1) / u.mesh.degree("tp")
             if backward and trainable:
@@ -171,6 +180,21 @@ class ColocatedEmitter:
                     )
                 )
         return out
+
+    def _regather(self, unit: str, layer: int, params: float) -> list[Instruction]:
+        """The all-gathers between a layer's recomputed forward and its backward: of the
+        modules whose parameters come back after more than the reuse distance (the
+        recomputed forward of the modules after it, then their backwards: twice their
+        weights), blocking (each follows the recomputation that released it)."""
+        u, group = self.units[unit], self.dp_group[unit]
+        assert group is not None, "ZeRO-3 layers are gathered over a DP group of more than one rank"
+        weights = [k.k * k.n for k in self.model.unit(unit).layers[layer].kernels if k.has_weight]
+        after = [sum(weights[i + 1 :]) for i in range(len(weights))]
+        again = [w for w, rest in zip(weights, after) if 2 * rest > u.reuse_distance]
+        if not again:
+            return []
+        share = sum(again) / sum(weights)
+        return [Collective("all_gather", group, params * share * self.act_bytes / len(again), "dp", count=len(again))]
 
     def gathered_params(self, unit: str) -> float:
         """ZeRO-3's live parameters at the peak: the layer running (and the next one's
