@@ -108,7 +108,7 @@ def test_a_shard_is_drawn_alone_with_the_values_of_the_whole_weight() -> None:
         assert torch.equal(part["row"].weight, whole["row"].weight[:, cols])
         assert torch.equal(part["row"].bias, whole["row"].bias)
     # nn.Linear's distribution: uniform within +-1/sqrt(fan_in), spread over the range.
-    weight = ColumnParallelLinear(256, 512, TP()).weight
+    weight = ColumnParallelLinear(256, 512, TP()).weight.detach()
     bound = 1 / 256**0.5
     assert weight.abs().max() <= bound and weight.abs().max() > 0.99 * bound
     assert abs(float(weight.mean())) < 0.01 * bound and float(weight.std()) == pytest.approx(bound / 3**0.5, rel=0.02)
