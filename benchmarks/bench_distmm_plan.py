@@ -16,11 +16,10 @@ import time
 import sys
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere: this repository's src
 
+from src.config import composed
 from src.setup import plan_run, validate
 from src.sim.engine import simulate
 
@@ -40,8 +39,7 @@ SCALE_TARGET_S = 5.0
 
 
 def _config(conf: Path, overrides: list[str]) -> dict:
-    with initialize_config_dir(config_dir=str(conf), version_base=None):
-        return OmegaConf.to_container(compose(config_name="config", overrides=overrides), resolve=True)
+    return composed(overrides)
 
 
 def at_scale(conf: Path) -> float:

@@ -17,11 +17,10 @@ import time
 import sys
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere: this repository's src
 
+from src.config import composed
 from src.errors import ConfigError, PlanError
 from src.setup import plan_run, validate
 
@@ -58,12 +57,8 @@ CASES = {
 
 
 def main() -> None:
-    conf = Path(__file__).resolve().parent.parent / "conf"
     for name, (target, overrides) in CASES.items():
-        with initialize_config_dir(config_dir=str(conf), version_base=None):
-            config = OmegaConf.to_container(
-                compose(config_name="config", overrides=["strategy=megatron", "logger=none", *overrides]), resolve=True
-            )
+        config = composed(["strategy=megatron", "logger=none", *overrides])
         setup = validate(config)
         start, start_cpu = time.perf_counter(), time.process_time()
         try:

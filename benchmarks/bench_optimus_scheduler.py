@@ -18,11 +18,10 @@ import time
 import sys
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere: this repository's src
 
+from src.config import composed
 from src.setup import plan_run, validate
 
 BASE = [
@@ -41,7 +40,6 @@ TARGET_S, TARGET_EFF = 10.0, 0.575
 
 
 def main() -> None:
-    conf = Path(__file__).resolve().parent.parent / "conf"
     print(
         f"{'GPUs':>5s} {'#mb':>4s} {'plan (s)':>9s} {'sched (s)':>9s} {'Eff_coarse':>10s} {'Eff_fine':>9s}  "
         f"{'paper coarse/fine/runtime':>26s}  encoder plan, partition"
@@ -49,8 +47,7 @@ def main() -> None:
     verdict = None
     for gpus, (dp, mbs, p_coarse, p_fine, p_runtime) in SETTINGS.items():
         overrides = BASE + [f"cluster.nodes={gpus // 8}", f"strategy.llm.dp={dp}"]
-        with initialize_config_dir(config_dir=str(conf), version_base=None):
-            config = OmegaConf.to_container(compose(config_name="config", overrides=overrides), resolve=True)
+        config = composed(overrides)
         setup = validate(config)
         start = time.perf_counter()
         plan = plan_run(setup)

@@ -15,11 +15,10 @@ import time
 import sys
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere: this repository's src
 
+from src.config import composed
 from src.costmodel.memory import element_bytes
 from src.setup import plan_run, validate
 from src.strategies.par4d.layout import UnitGrid
@@ -39,9 +38,7 @@ PLAN_TARGET_S = 5.0
 
 
 def main() -> None:
-    conf = Path(__file__).resolve().parent.parent / "conf"
-    with initialize_config_dir(config_dir=str(conf), version_base=None):
-        config = OmegaConf.to_container(compose(config_name="config", overrides=OVERRIDES), resolve=True)
+    config = composed(OVERRIDES)
     rank_times, plan_times = [], []
     for _ in range(3):
         setup = validate(config)

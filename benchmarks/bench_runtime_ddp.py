@@ -38,6 +38,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import yaml
 
@@ -73,6 +74,7 @@ class Lines:
         self._thread.start()
 
     def _read(self, proc: subprocess.Popen) -> None:
+        assert proc.stdout is not None, "the harness's stdout is piped"
         for line in proc.stdout:
             match = STEP_LINE.match(line)
             if match:
@@ -154,6 +156,7 @@ def plain_worker(run_dir: Path) -> None:
     import deepspeed
     import torch
     import torch.distributed as dist
+    from torch import nn
 
     from src.data.synthetic import collate
 
@@ -193,7 +196,7 @@ def plain_worker(run_dir: Path) -> None:
 
         def tower(self, name: str, batch: dict) -> torch.Tensor:
             state = dict(unit_fields(model, name, batch))
-            for layer in self.units[name]:
+            for layer in cast(nn.ModuleList, self.units[name]):
                 state = layer(state)
             return state["feature"]
 
@@ -202,7 +205,7 @@ def plain_worker(run_dir: Path) -> None:
             everyone = [GatherRows.apply(t) for t in (image, text)]
             # The module sums over this rank's rows; DeepSpeed averages the gradients over ranks.
             offset = rank * local
-            return self.units["interaction"][0]((offset, image), (offset, text), *everyone) / local
+            return cast(nn.ModuleList, self.units["interaction"])[0]((offset, image), (offset, text), *everyone) / local
 
     try:
         clip = Clip()

@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import cast
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere: `src` is the repository's package
@@ -41,9 +42,7 @@ STRATEGIES["megatron tp1 pp1"] = [
 def run_all(named: dict[str, list[str]], root: Path) -> dict[str, dict]:
     """Every configuration back to back in ONE launch of one worker (start-up paid once),
     as the front door would run each; a failed launch is reported for every run."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
+    from src.config import composed
     from src.report import JobInfo
     from src.runtime.backend import ready
     from src.runtime.driver import launch
@@ -52,8 +51,7 @@ def run_all(named: dict[str, list[str]], root: Path) -> dict[str, dict]:
 
     dirs = {}
     for name, overrides in named.items():
-        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-            config = OmegaConf.to_container(compose(config_name="config", overrides=overrides), resolve=True)
+        config = composed(overrides)
         dirs[name] = root / name.replace(" ", "_")
         start_run_dir(config, dirs[name])
         planned, settings = prepare_run(config, JobInfo(run_name=name))
@@ -72,9 +70,10 @@ def run_all(named: dict[str, list[str]], root: Path) -> dict[str, dict]:
     return out
 
 
-def plain_loop(batch: int, steps: int) -> list[float]:
+def plain_loop(batch: int, steps: int) -> tuple[list[float], list[dict[str, float]]]:
     """Step times of a plain PyTorch bf16 loop over the same CLIP modules and data."""
     import torch
+    from torch import nn
 
     from src.models.registry import build_model
     from src.runtime.inputs import dataset_for, unit_fields
@@ -97,11 +96,11 @@ def plain_loop(batch: int, steps: int) -> list[float]:
             features = {}
             for name in ("vision", "text"):
                 state = unit_fields(model, name, rows)
-                for layer in units[name]:
+                for layer in cast(nn.ModuleList, units[name]):
                     state = layer(state)
                 features[name] = state["feature"]
             v, t = features["vision"], features["text"]
-            loss = units["interaction"][0]((0, v), (0, t), v, t) / batch
+            loss = cast(nn.ModuleList, units["interaction"])[0]((0, v), (0, t), v, t) / batch
         torch.cuda.synchronize()
         marks.append(time.perf_counter())
         loss.float().backward()

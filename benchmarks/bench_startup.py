@@ -32,7 +32,7 @@ def time_to_first_step(overrides: list[str], run_dir: Path) -> float:
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert process.stdout is not None, "stdout is piped"
     first = None
-    tail = []
+    tail: list[str] = []
     for line in process.stdout:
         tail = (tail + [line.rstrip()])[-5:]
         if first is None and line.startswith("step 0"):

@@ -78,15 +78,16 @@ def fit(
     cost model's time (with the measured HBM bandwidth and launch overhead) against the
     measured times, over a grid of both."""
     measured = [2.0 * math.prod(shape) / (e * peak) for shape, e in points]
-    best = None
-    for half in range(0, 2049, 8):
-        for max_eff in [x / 1000 for x in range(500, 1001, 5)]:
+    best: tuple[float, float, float] | None = None
+    for half_size in range(0, 2049, 8):
+        for efficiency in [x / 1000 for x in range(500, 1001, 5)]:
             error = sum(
-                (math.log(model_time(shape, max_eff, half, peak, hbm, overhead, element)) - math.log(t)) ** 2
+                (math.log(model_time(shape, efficiency, half_size, peak, hbm, overhead, element)) - math.log(t)) ** 2
                 for (shape, _), t in zip(points, measured)
             )
             if best is None or error < best[0]:
-                best = (error, max_eff, float(half))
+                best = (error, efficiency, float(half_size))
+    assert best is not None, "the grid is not empty"
     _, max_eff, half = best
     errors = [abs(model_time(shape, max_eff, half, peak, hbm, overhead, element) / t - 1) for (shape, _), t in zip(points, measured)]
     return max_eff, half, errors

@@ -19,11 +19,10 @@ import sys
 import time
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere: this repository's src
 
+from src.config import composed
 from src.metrics import summarize
 from src.plan_io import PlannedRun
 from src.setup import plan_run, validate
@@ -57,9 +56,7 @@ ZERO3_SCALES = [(64, False), (64, True), (1024, False), (1024, True)]
 
 
 def run(overrides: list[str]) -> tuple[dict, float]:
-    conf = Path(__file__).resolve().parent.parent / "conf"
-    with initialize_config_dir(config_dir=str(conf), version_base=None):
-        config = OmegaConf.to_container(compose(config_name="config", overrides=overrides), resolve=True)
+    config = composed(overrides)
     start = time.perf_counter()
     setup = validate(config)
     planned = PlannedRun(setup.model, setup.cluster, setup.train, plan_run(setup))

@@ -7,6 +7,7 @@ import dataclasses
 import math
 import os
 import types
+from pathlib import Path
 import typing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, TypeVar, cast
@@ -238,3 +239,13 @@ def plain_config(cfg: DictConfig) -> dict[str, Any]:
     from omegaconf import OmegaConf
 
     return cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))
+
+
+def composed(overrides: list[str]) -> dict[str, Any]:
+    """The project's config composed with `overrides`, as plain_config gives it: what a
+    tool or benchmark hands `src.setup.validate` without going through the front door."""
+    from hydra import compose, initialize_config_dir
+
+    conf = Path(__file__).resolve().parent.parent / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base=None):
+        return plain_config(compose(config_name="config", overrides=overrides))

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from src.config import composed
 from src.errors import ConfigError
 from src.report import JobInfo
 from src.sim.engine import SimulationError
@@ -89,13 +90,7 @@ def options(group: str) -> list[str]:
 
 @functools.lru_cache(maxsize=None)
 def _composed(model: str, strategy: str, cluster: str) -> dict[str, Any]:
-    from hydra import compose, initialize_config_dir
-
-    from src.config import plain_config
-
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        cfg = compose(config_name="config", overrides=[f"model={model}", f"strategy={strategy}", f"cluster={cluster}", "logger=none"])
-    return plain_config(cfg)
+    return composed([f"model={model}", f"strategy={strategy}", f"cluster={cluster}", "logger=none"])
 
 
 def draw(rng: random.Random) -> tuple[dict[str, Any], list[str]]:

@@ -112,9 +112,9 @@ def _value(value: Any) -> str:
 
 def simulate_run(run: Run, common: dict[str, Any]) -> float:
     """Seconds of one simulated iteration of the run's plan."""
+    from src.config import composed
     from src.setup import plan_run, validate
     from src.sim.engine import simulate
-    from src.validate import composed
 
     setup = validate(composed(overrides(run, common)))
     plan = plan_run(setup)

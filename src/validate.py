@@ -134,18 +134,9 @@ def validate_case(case: Case, out: Path, steps: int) -> dict[str, Any]:
     }
 
 
-def composed(overrides: list[str]) -> dict[str, Any]:
-    from hydra import compose, initialize_config_dir
-
-    from src.config import plain_config
-
-    conf = Path(__file__).resolve().parent.parent / "conf"
-    with initialize_config_dir(config_dir=str(conf), version_base=None):
-        return plain_config(compose(config_name="config", overrides=overrides))
-
-
 def predict(case: Case) -> dict[str, Any]:
     """The simulator's summary of one case, in this process (what `backend=sim` reports)."""
+    from src.config import composed
     from src.metrics import summarize
     from src.plan_io import PlannedRun
     from src.setup import plan_run, validate

@@ -32,7 +32,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from src.config import TorchBackendSpec
 from src.plan_io import read_plan
@@ -230,7 +230,7 @@ def _sigterm_raises() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def stop(procs: list[ForkedWorker | subprocess.Popen]) -> None:
+def stop(procs: Sequence[ForkedWorker | subprocess.Popen]) -> None:
     """SIGTERM every live worker's process group, SIGKILL what is left after a grace. A
     stopped worker (SIGSTOP) is continued, so that it takes its SIGTERM now."""
     for proc in procs:

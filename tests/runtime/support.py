@@ -11,16 +11,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 import torch
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
-from src.config import TorchBackendSpec
+from src.config import TorchBackendSpec, composed  # noqa: F401 (the runtime tests' import)
 from tests.conftest import REPO_ROOT, cli_env
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 # Two tiny CPU workers: what CI's 2 cores can run.
 TWO_WORKERS = ["backend=torch", "cluster=local", "cluster.devices_per_node=2", "logger=none"]
 CLIP = ["model=clip", "model.scale=tiny", "train.global_batch=8"]
@@ -40,12 +37,6 @@ TINY_UNET = {"channels": 32, "image_size": 8, "channel_mult": [1, 2], "res_block
 UNET = ["model=unet", "model.preset=null", "train.global_batch=8"] + [
     f"model.{key}={str(value).replace(' ', '')}" for key, value in TINY_UNET.items()
 ]
-
-
-def composed(overrides: list[str]) -> dict[str, Any]:
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        cfg = compose(config_name="config", overrides=overrides)
-    return OmegaConf.to_container(cfg, resolve=True)
 
 
 def prepare_run_dir(run_dir: Path, overrides: list[str]) -> TorchBackendSpec:
