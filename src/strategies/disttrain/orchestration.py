@@ -61,7 +61,7 @@ from src.metrics import unit_flops
 from src.program import RECOMPUTE_MODES
 from src.strategies.base import MAX_MICROBATCHES, Degrees, check_microbatch_count, divisors
 from src.strategies.disttrain.profile import Profiler, Setting, StageArrays
-from src.strategies.disttrain.relaxation import RelaxedOption, Subproblems, undominated
+from src.strategies.disttrain.relaxation import ROUNDING, RelaxedOption, Subproblems, undominated
 
 UNITS = ("encoder", "llm", "generator")
 INF = float("inf")
@@ -107,7 +107,7 @@ class UnitChoice:
 
     @property
     def devices(self) -> int:
-        return self.degrees.devices
+        return self.tp * self.pp * self.dp  # Degrees.devices, without building one per rounding
 
     def describe(self) -> str:
         return f"{self.unit} dp={self.dp} pp={self.pp} {self.setting.describe()}"
@@ -118,13 +118,27 @@ Choice = tuple[UnitChoice, UnitChoice, UnitChoice]
 
 @dataclass(frozen=True)
 class _Summary:
-    """What the 1F1B model reads of one unit's choice, per pipeline stage."""
+    """What the 1F1B model reads of one unit's choice, per pipeline stage, and what
+    `pipeline_time` makes of the unit's stages alone (for `Orchestrator.floor`)."""
 
     fb: list[float]
     bwd: list[float]
     tail: list[float]
     trips: list[float]  # a micro-batch's hops between its stages, there and back
     caps: list[float]  # micro-batches in flight each stage's memory holds
+    way: float  # the first micro-batch through the unit's stages and hops, there and back
+    slowest: float  # its slowest stage's forward and backward
+    end: float  # the latest of its stages' tails, less the backwards and hops before them in the unit
+    drain: float  # the backwards and hops of all its stages
+
+    @classmethod
+    def of(cls, fb: list[float], bwd: list[float], tail: list[float], trips: list[float], caps: list[float], vpp: int) -> _Summary:
+        pp = len(fb)
+        before, end = 0.0, -INF
+        for j in range(pp):
+            end = max(end, tail[j] - before)
+            before += bwd[j] / vpp + (trips[j] / 2 if j < pp - 1 else 0.0)
+        return cls(fb, bwd, tail, trips, caps, sum(fb) / vpp + sum(trips[: pp - 1]), max(fb), end, before)
 
     def depth_limit(self, m: int) -> float:
         """The deepest pipeline (counted from the unit's first stage) whose in-flight
@@ -172,6 +186,7 @@ class Orchestrator:
         self.keep = keep
         self.target = self._ratio_targets() if mode == "ratio" else {}
         self._summaries: dict[UnitChoice, _Summary] = {}
+        self._choices: dict[tuple, list[UnitChoice]] = {}
         for unit, f in fixed.items():
             self._check_interleaving(unit, f)
         self.bases: dict[tuple, RelaxedOption | None] = {}
@@ -344,7 +359,8 @@ class Orchestrator:
                 continue
             recovered += 1
             best_relaxed = min(best_relaxed, relaxed)
-            for estimate, choice in self._roundings(picked, tau, m):
+            # A choice left unpriced takes `bar` or more: it could never be kept (bar only falls).
+            for estimate, choice in self._roundings(picked, tau, m, bar):
                 if choice in seen:
                     continue
                 seen.add(choice)
@@ -368,8 +384,7 @@ class Orchestrator:
         bound = INF
         for choice in self._pp_choices("llm", picked[1], tau, m):
             summary = self.summary(choice)
-            own = sum(summary.fb) / choice.setting.vpp + sum(summary.trips[: choice.pp - 1]) + (m - 1) * max(summary.fb)
-            bound = min(bound, own + max(0.0, summary.tail[0] - picked[0].F))
+            bound = min(bound, summary.way + (m - 1) * summary.slowest + max(0.0, summary.tail[0] - picked[0].F))
         return bound + picked[0].F + picked[2].F
 
     def _pp_choices(self, unit: str, o: RelaxedOption, tau: float, m: int) -> list[UnitChoice]:
@@ -378,7 +393,17 @@ class Orchestrator:
         n = max(o.low, o.a / tau) if tau > 0 else o.low
         pp, blocks = n / (o.setting.tp * o.dp), self.p.blocks(unit)
         low, high = min(blocks, max(1, math.floor(pp + 1e-9))), min(blocks, max(1, math.ceil(pp - 1e-9)))
-        return [UnitChoice(unit, o.dp, p, o.b, replace(o.setting, vpp=v)) for p in sorted({low, high}) for v in self.vpps(unit, p, m)]
+        return [choice for p in sorted({low, high}) for choice in self._at_pp(unit, o, p, m)]
+
+    def _at_pp(self, unit: str, o: RelaxedOption, pp: int, m: int) -> list[UnitChoice]:
+        """The unit's option on pp stages, with every interleaving Megatron-LM runs there;
+        kept, as the sub-problems that share the option round it to the same PPs."""
+        key = (unit, o.setting, o.dp, o.b, pp, m)
+        found = self._choices.get(key)
+        if found is None:
+            settings = [o.setting if v == o.setting.vpp else replace(o.setting, vpp=v) for v in self.vpps(unit, pp, m)]
+            found = self._choices[key] = [UnitChoice(unit, o.dp, pp, o.b, setting) for setting in settings]
+        return found
 
     def _check_interleaving(self, unit: str, f: Fixed) -> None:
         """A given interleaving needs two stages or more of vpp chunks, a block each at least."""
@@ -418,12 +443,13 @@ class Orchestrator:
                 out.append((estimate, variant))
         return out
 
-    def _roundings(self, picked: tuple[RelaxedOption, ...], tau: float, m: int) -> list[tuple[float, Choice]]:
-        """The floor/ceil roundings of the relaxed PPs that fit, priced by the 1F1B model."""
+    def _roundings(self, picked: tuple[RelaxedOption, ...], tau: float, m: int, bar: float) -> list[tuple[float, Choice]]:
+        """The floor/ceil roundings of the relaxed PPs that fit, priced by the 1F1B model,
+        but for those whose `floor` shows they take `bar` or more."""
         out = []
         enc, llm, gen = (self._pp_choices(unit, o, tau, m) for unit, o in zip(UNITS, picked))
         for choice in itertools.product(enc, llm, gen):
-            if sum(c.devices for c in choice) > self.N:
+            if sum(c.devices for c in choice) > self.N or self.floor(choice, m) * (1 - ROUNDING) >= bar:
                 continue
             estimate = self.time(choice, m)
             if estimate is not None:
@@ -443,9 +469,20 @@ class Orchestrator:
                 caps = np.where(kept > 0, (self.usable - stages.states) / kept, np.where(stages.states <= self.usable, INF, -INF))
             hops = self.p.hops(choice.unit, choice.setting, choice.micro_batch, choice.dp, choice.pp)
             bwd = stages.bwd.reshape(-1, choice.pp).sum(axis=0)
-            found = _Summary(stages.fb.tolist(), bwd.tolist(), stages.tail.tolist(), [2 * h for h in hops], caps.tolist())
+            found = _Summary.of(
+                stages.fb.tolist(), bwd.tolist(), stages.tail.tolist(), [2 * h for h in hops], caps.tolist(), choice.setting.vpp
+            )
             self._summaries[choice] = found
         return found
+
+    def floor(self, choice: Choice, m: int) -> float:
+        """A lower bound of `time`, from the units' summaries: pipeline_time's way of the
+        first micro-batch, m - 1 periods of no less than the slowest stage (m - 1 / chunks
+        >= m - 1), and the stage that ends last. It leaves out the hand-offs between the
+        units: each adds b to the way and takes at most b / 2 off a later stage's end."""
+        e, l, g = (self.summary(c) for c in choice)
+        ends = max(0.0, e.end, l.end - e.drain, g.end - e.drain - l.drain)
+        return e.way + l.way + g.way + (m - 1) * max(e.slowest, l.slowest, g.slowest) + ends
 
     def time(self, choice: Choice, m: int) -> float | None:
         """The 1F1B model's iteration time of an integer choice (module docstring), or None
