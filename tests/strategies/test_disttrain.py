@@ -157,7 +157,7 @@ def test_orchestration_is_within_tolerance_of_brute_force() -> None:
             t = orchestrator.time(picked, m)
             if t is not None:
                 best = min(best, t)
-                assert orchestrator.floor(picked, m) <= t * (1 + 1e-12)  # what the recovery leaves unpriced
+                assert orchestrator.least_time(picked, m) <= t * (1 + 1e-12)  # what the recovery leaves unpriced
     estimate, choice = found.choices[0]
     assert math.isfinite(best)
     assert sum(c.devices for c in choice) <= n

@@ -37,8 +37,9 @@ micro-batches must cover: 1F1B keeps depth - g of them at stage g), and the stag
 ends last with its gradient reduction; and every stage's memory with the micro-batches
 the end-to-end 1F1B really keeps in flight there. Sub-problems are recovered in order of
 their relaxed optimum until that bound exceeds the `keep`-th best time found (branch and
-bound: the time of a choice is never below its relaxation), and the best `keep` choices
-are returned, best first: the planner times them against the batch's data (timing.py)
+bound: the time of a choice is never below its relaxation; a rounding whose least time,
+from its units alone, reaches that time is not priced), and the best `keep` choices are
+returned, best first: the planner times them against the batch's data (timing.py)
 and simulates the fastest.
 
 The ratio-based baseline (`ratio`) fixes n_u in proportion to each unit's FLOPs and picks
@@ -119,7 +120,7 @@ Choice = tuple[UnitChoice, UnitChoice, UnitChoice]
 @dataclass(frozen=True)
 class _Summary:
     """What the 1F1B model reads of one unit's choice, per pipeline stage, and what
-    `pipeline_time` makes of the unit's stages alone (for `Orchestrator.floor`)."""
+    `pipeline_time` makes of the unit's stages alone (for `Orchestrator.least_time`)."""
 
     fb: list[float]
     bwd: list[float]
@@ -445,11 +446,11 @@ class Orchestrator:
 
     def _roundings(self, picked: tuple[RelaxedOption, ...], tau: float, m: int, bar: float) -> list[tuple[float, Choice]]:
         """The floor/ceil roundings of the relaxed PPs that fit, priced by the 1F1B model,
-        but for those whose `floor` shows they take `bar` or more."""
+        but for those whose `least_time` shows they take `bar` or more."""
         out = []
         enc, llm, gen = (self._pp_choices(unit, o, tau, m) for unit, o in zip(UNITS, picked))
         for choice in itertools.product(enc, llm, gen):
-            if sum(c.devices for c in choice) > self.N or self.floor(choice, m) * (1 - ROUNDING) >= bar:
+            if sum(c.devices for c in choice) > self.N or self.least_time(choice, m) * (1 - ROUNDING) >= bar:
                 continue
             estimate = self.time(choice, m)
             if estimate is not None:
@@ -475,7 +476,7 @@ class Orchestrator:
             self._summaries[choice] = found
         return found
 
-    def floor(self, choice: Choice, m: int) -> float:
+    def least_time(self, choice: Choice, m: int) -> float:
         """A lower bound of `time`, from the units' summaries: pipeline_time's way of the
         first micro-batch, m - 1 periods of no less than the slowest stage (m - 1 / chunks
         >= m - 1), and the stage that ends last. It leaves out the hand-offs between the
