@@ -26,10 +26,11 @@ from src.mesh import Mesh
 from src.program import Payload
 from src.schedules.pipeline import interleaved, one_f_one_b
 from src.strategies.builders.bridge import Side, pieces
-from src.strategies.disttrain.orchestration import TOLERANCE, UNITS, Orchestrator, UnitChoice, pipeline_time, solve_relaxed
+from src.strategies.disttrain.orchestration import TOLERANCE, UNITS, Orchestrator, UnitChoice, pipeline_time
+from src.strategies.disttrain.relaxation import RelaxedOption, Subproblems, solve_relaxed
 from src.strategies.disttrain.schedule import Chain, chain_orders
 from src.strategies.disttrain.timing import stage_ends
-from src.strategies.disttrain.profile import Profiler
+from src.strategies.disttrain.profile import Profiler, Setting
 
 ROOT = Path(__file__).resolve().parents[2]
 # One 8-GPU node, four sequences: plans in well under a second.
@@ -82,6 +83,44 @@ def test_infeasible_subproblem_is_infinite() -> None:
     assert not np.isfinite(value[0])
 
 
+# ---- every sub-problem, solved as far as the recovery reaches ----------------------------
+def _random_spaces(seed: int) -> list[tuple[int, list[list[RelaxedOption]]]]:
+    """Options of a batch of 8 over LLM DPs 1, 2, 4 and 8 (K = 7, 3, 1, 0), some without
+    p2p, some without a tail, some whose fewest GPUs leave too few for the others."""
+    rng = np.random.default_rng(seed)
+    spaces = []
+    for dp_lm in (1, 2, 4, 8):
+        units = []
+        for count in (rng.integers(1, 14), rng.integers(1, 4), rng.integers(1, 14)):
+            options = []
+            for _ in range(count):
+                dp, f = int(rng.integers(1, 9)), float(rng.uniform(0.05, 2.0))
+                low = dp * float(rng.uniform(1.0, 5.0))
+                beta = float(rng.choice([0.0, rng.uniform(0.0, 0.02)]))
+                tail = float(rng.choice([0.0, rng.uniform(0.0, 0.5)]))
+                options.append(RelaxedOption(Setting(1), dp, dp_lm // dp or 1, f, f * dp, low, 12.0 * dp, beta, tail))
+            units.append(options)
+        spaces.append((dp_lm, units))
+    return spaces
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_subproblems_come_in_the_order_of_their_closed_form(seed: int) -> None:
+    spaces = _random_spaces(seed)
+    everything = np.arange(Subproblems(spaces, 8, 40.0).count)
+    values, taus = Subproblems(spaces, 8, 40.0).solve(everything)
+    lazy = Subproblems(spaces, 8, 40.0)
+    # The bound never exceeds the optimum: what it rules out cannot come earlier.
+    assert np.all(lazy.bounds <= values)
+    feasible = everything[np.isfinite(values)]
+    assert 0 < feasible.size < everything.size
+    order = feasible[np.argsort(values[feasible], kind="stable")]
+    visited = lazy.in_order()
+    first = [next(visited) for _ in range(3)]
+    assert lazy.solved < everything.size  # the first few, without solving them all
+    assert first + list(visited) == list(zip(values[order].tolist(), order.tolist(), taus[order].tolist()))
+
+
 # ---- Algorithm 1 against brute force over every integer plan -----------------------------
 # Every option but the degrees and recomputation fixed, so that brute force stays small.
 FIXED_OPTIONS = ["strategy.zero_stage=1"] + [
@@ -118,6 +157,7 @@ def test_orchestration_is_within_tolerance_of_brute_force() -> None:
             t = orchestrator.time(picked, m)
             if t is not None:
                 best = min(best, t)
+                assert orchestrator.least_time(picked, m) <= t * (1 + 1e-12)  # what the recovery leaves unpriced
     estimate, choice = found.choices[0]
     assert math.isfinite(best)
     assert sum(c.devices for c in choice) <= n
@@ -132,6 +172,24 @@ def test_the_relaxation_bounds_every_recovered_choice() -> None:
     assert len(found.choices) > 1
     assert [t for t, _ in found.choices] == sorted(t for t, _ in found.choices)
     assert found.relaxed_s <= found.choices[0][0] + 1e-12
+
+
+def test_a_32_gpu_orchestration_is_what_it_was() -> None:
+    """The best eight choices of one request and their 1F1B times, as the orchestration
+    found them when it solved every sub-problem's closed form: solving fewer of them
+    (the bound) and pricing faster must leave them as they are."""
+    s = setup("model=mllm_9b", "cluster=a800", "cluster.nodes=4", "train.global_batch=64", "strategy.data=uniform")
+    found = _orchestrator(s, keep=8).solve()
+    times = [7.811594339726, 7.891059638691, 7.902449684155, 7.902688195102, 7.914078240566, 8.07303910489, 8.084429150355]
+    assert [t for t, _ in found.choices] == pytest.approx([*times, 8.376899400152], rel=1e-11)
+    assert [(c[1].tp, c[1].dp, c[1].pp) for _, c in found.choices] == [(4, 1, 7)] + [(2, 2, 7)] * 6 + [(1, 4, 7)]
+    assert [c.describe() for c in found.best] == [
+        "encoder dp=1 pp=1 tp=1 recompute=none sp=off zero=1 sg=on vpp=1",
+        "llm dp=1 pp=7 tp=4 recompute=none sp=on zero=1 sg=on vpp=1",
+        "generator dp=1 pp=1 tp=1 recompute=none sp=off zero=1 sg=on vpp=1",
+    ]
+    assert found.relaxed_s == pytest.approx(6.783661688522024, rel=1e-12)
+    assert found.search["solved"] < found.search["subproblems"]
 
 
 def test_ratio_orchestration_is_no_better_than_algorithm_1() -> None:

@@ -24,8 +24,10 @@ n'_u = max(L_u, a_u / tau) <= n_u is feasible, has the same maximum and costs no
 (beta >= 0). So the optimum is min over tau of the convex g(tau) = W + sum_u beta_u
 max(L_u, a_u/tau) + K tau on tau >= tau_lo (the smallest tau whose n' fits N and U).
 Between the breakpoints a_u / L_u, g = c + S/tau + K tau, minimised at sqrt(S/K); the
-minimum of g is at tau_lo, a breakpoint, or such a stationary point, all evaluated.
-Every sub-problem is solved at once with numpy.
+minimum of g is at tau_lo, a breakpoint, or such a stationary point, all evaluated
+(relaxation.py, with numpy, as far as the recovery below reaches: a bound of every
+sub-problem's optimum, a few array operations each, spares the closed form of those it
+shows the recovery would never reach).
 
 Integer recovery (not in the surviving text; ours): PP_u = floor or ceil of n_u / (TP_u
 DP_u) (within [1, blocks]), each rounding priced by the 1F1B model of `pipeline_time`:
@@ -35,8 +37,9 @@ micro-batches must cover: 1F1B keeps depth - g of them at stage g), and the stag
 ends last with its gradient reduction; and every stage's memory with the micro-batches
 the end-to-end 1F1B really keeps in flight there. Sub-problems are recovered in order of
 their relaxed optimum until that bound exceeds the `keep`-th best time found (branch and
-bound: the time of a choice is never below its relaxation), and the best `keep` choices
-are returned, best first: the planner times them against the batch's data (timing.py)
+bound: the time of a choice is never below its relaxation; a rounding whose least time,
+from its units alone, reaches that time is not priced), and the best `keep` choices are
+returned, best first: the planner times them against the batch's data (timing.py)
 and simulates the fastest.
 
 The ratio-based baseline (`ratio`) fixes n_u in proportion to each unit's FLOPs and picks
@@ -59,6 +62,7 @@ from src.metrics import unit_flops
 from src.program import RECOMPUTE_MODES
 from src.strategies.base import MAX_MICROBATCHES, Degrees, check_microbatch_count, divisors
 from src.strategies.disttrain.profile import Profiler, Setting, StageArrays
+from src.strategies.disttrain.relaxation import ROUNDING, RelaxedOption, Subproblems, undominated
 
 UNITS = ("encoder", "llm", "generator")
 INF = float("inf")
@@ -66,7 +70,6 @@ INF = float("inf")
 # fraction of the `keep`-th best time: the choices kept are within 2% of the best ones.
 TOLERANCE = 0.02
 MAX_VPPS = 3  # interleavings of the LLM offered per choice
-RELAX_CHUNK = 4096  # sub-problems relaxed at once
 
 
 @dataclass(frozen=True)
@@ -105,25 +108,38 @@ class UnitChoice:
 
     @property
     def devices(self) -> int:
-        return self.degrees.devices
+        return self.tp * self.pp * self.dp  # Degrees.devices, without building one per rounding
 
     def describe(self) -> str:
         return f"{self.unit} dp={self.dp} pp={self.pp} {self.setting.describe()}"
 
 
 Choice = tuple[UnitChoice, UnitChoice, UnitChoice]
-_AXES = ((-1, 1, 1), (1, -1, 1), (1, 1, -1))  # a sub-problem's (encoder, LLM, generator) options
 
 
 @dataclass(frozen=True)
 class _Summary:
-    """What the 1F1B model reads of one unit's choice, per pipeline stage."""
+    """What the 1F1B model reads of one unit's choice, per pipeline stage, and what
+    `pipeline_time` makes of the unit's stages alone (for `Orchestrator.least_time`)."""
 
     fb: list[float]
     bwd: list[float]
     tail: list[float]
     trips: list[float]  # a micro-batch's hops between its stages, there and back
     caps: list[float]  # micro-batches in flight each stage's memory holds
+    way: float  # the first micro-batch through the unit's stages and hops, there and back
+    slowest: float  # its slowest stage's forward and backward
+    end: float  # the latest of its stages' tails, less the backwards and hops before them in the unit
+    drain: float  # the backwards and hops of all its stages
+
+    @classmethod
+    def of(cls, fb: list[float], bwd: list[float], tail: list[float], trips: list[float], caps: list[float], vpp: int) -> _Summary:
+        pp = len(fb)
+        before, end = 0.0, -INF
+        for j in range(pp):
+            end = max(end, tail[j] - before)
+            before += bwd[j] / vpp + (trips[j] / 2 if j < pp - 1 else 0.0)
+        return cls(fb, bwd, tail, trips, caps, sum(fb) / vpp + sum(trips[: pp - 1]), max(fb), end, before)
 
     def depth_limit(self, m: int) -> float:
         """The deepest pipeline (counted from the unit's first stage) whose in-flight
@@ -151,40 +167,6 @@ class Orchestration:
         return self.choices[0][1]
 
 
-@dataclass(frozen=True)
-class _Option:
-    """One unit at one (TP, DP, options) for one LLM DP: its relaxed coefficients."""
-
-    setting: Setting
-    dp: int
-    b: int
-    F: float
-    a: float
-    low: float
-    high: float
-    beta: float
-    tail: float  # the unit's tail on one stage; on n GPUs, its stages' tails are at least tail TP DP / n
-
-    @property
-    def gamma(self) -> float:
-        return self.tail * self.setting.tp * self.dp
-
-    def coefficients(self) -> tuple[float, float, float, float, float, float]:
-        return (self.F, self.a, self.low, -self.high, self.beta, self.tail)
-
-
-def _undominated(options: list[_Option]) -> list[_Option]:
-    """The options no other option is at least as good as in every coefficient (warm-up,
-    stage coefficient, GPU bounds, p2p, end of iteration) and better in one: their
-    relaxed optima, and their tails, can only be worse. Of equal ones, the first."""
-    kept: list[_Option] = []
-    for option in sorted(options, key=_Option.coefficients):
-        mine = option.coefficients()
-        if not any(all(x <= y for x, y in zip(other.coefficients(), mine)) for other in kept):
-            kept.append(option)
-    return kept
-
-
 class Orchestrator:
     def __init__(
         self,
@@ -205,9 +187,10 @@ class Orchestrator:
         self.keep = keep
         self.target = self._ratio_targets() if mode == "ratio" else {}
         self._summaries: dict[UnitChoice, _Summary] = {}
+        self._choices: dict[tuple, list[UnitChoice]] = {}
         for unit, f in fixed.items():
             self._check_interleaving(unit, f)
-        self.bases: dict[tuple, _Option | None] = {}
+        self.bases: dict[tuple, RelaxedOption | None] = {}
 
     # ---- the search space --------------------------------------------------------------
     def _ratio_targets(self) -> dict[str, float]:
@@ -262,7 +245,7 @@ class Orchestrator:
             return [given] if dp_lm % given == 0 else []
         return divisors(dp_lm)
 
-    def _option(self, unit: str, setting: Setting, dp: int, b: int) -> _Option | None:
+    def _option(self, unit: str, setting: Setting, dp: int, b: int) -> RelaxedOption | None:
         """The unit under these options if its memory fits some PP; None if none."""
         base = self._base(unit, setting, dp, b)
         if base is None:
@@ -280,7 +263,7 @@ class Orchestrator:
             return replace(base, low=float(setting.tp * dp * pp), high=float(setting.tp * dp * pp))
         return base
 
-    def _base(self, unit: str, setting: Setting, dp: int, b: int) -> _Option | None:
+    def _base(self, unit: str, setting: Setting, dp: int, b: int) -> RelaxedOption | None:
         """The unit's relaxed coefficients under these options, any PP from the fewest
         stages that hold it to one block per stage; None if no PP holds it. Shared by the
         orchestrations of one request (the ratio baseline's restricts its GPUs)."""
@@ -305,11 +288,11 @@ class Orchestrator:
             return None
         fb = float(cost.fb[0])
         beta = 2 * self.p.hop(unit, setting, b, dp) / (tp * dp)
-        option = _Option(setting, dp, b, fb, fb * tp * dp, tp * dp * pp_low, float(tp * dp * blocks), beta, float(cost.tail[0]))
+        option = RelaxedOption(setting, dp, b, fb, fb * tp * dp, tp * dp * pp_low, float(tp * dp * blocks), beta, float(cost.tail[0]))
         self.bases[key] = option
         return option
 
-    def _options(self, unit: str, dp_lm: int) -> list[_Option]:
+    def _options(self, unit: str, dp_lm: int) -> list[RelaxedOption]:
         out = []
         for tp in self._tps(unit):
             for dp in [dp_lm] if unit == "llm" else self.unit_dps(unit, dp_lm):
@@ -326,7 +309,7 @@ class Orchestrator:
                         out.append(option)
                         if option.low <= max(tp * dp, option.high - 1e-9):
                             fitted.add(rest)
-        return _undominated(out)
+        return undominated(out)
 
     def with_mode(self, mode: str, keep: int) -> Orchestrator:
         """The same request orchestrated another way, sharing what is priced."""
@@ -338,95 +321,47 @@ class Orchestrator:
     def solve(self) -> Orchestration:
         started, cpu = time.perf_counter(), time.process_time()
         # Profiling (the paper's trial runs): every unit option's coefficients.
-        spaces = [(dp_lm, {u: self._options(u, dp_lm) for u in UNITS}) for dp_lm in self.llm_dps()]
-        spaces = [(dp_lm, options) for dp_lm, options in spaces if all(options.values())]
+        spaces = [(dp_lm, [self._options(u, dp_lm) for u in UNITS]) for dp_lm in self.llm_dps()]
+        spaces = [(dp_lm, options) for dp_lm, options in spaces if all(options)]
         profiled, profiled_cpu = time.perf_counter(), time.process_time()
-        blocks = self._relax(spaces)
-        count = sum(block[4].size for block in blocks)
-        relaxed = time.perf_counter()
-        found = self._recover(blocks) if blocks else None
+        subproblems = Subproblems(spaces, self.batch, float(self.N)) if spaces else None
+        bounded = time.perf_counter()
+        found = self._recover(subproblems) if subproblems else None
         done, done_cpu = time.perf_counter(), time.process_time()
-        if found is None:
+        if found is None or subproblems is None:
             raise self._no_plan()
         found.search.update(
             {
                 "orchestration": self.mode,
-                "subproblems": count,
+                "subproblems": subproblems.count,
+                "solved": subproblems.solved,
                 "profile_s": profiled - started,
-                "relax_s": relaxed - profiled,
-                "recover_s": done - relaxed,
+                "bound_s": bounded - profiled,
+                "recover_s": done - bounded,
                 "solve_s": done - profiled,
                 "profile_cpu_s": profiled_cpu - cpu,
                 "solve_cpu_s": done_cpu - profiled_cpu,
-                "per_subproblem_us": 1e6 * (relaxed - profiled) / max(1, count),
             }
         )
         return found
 
-    def _relax(self, spaces: list[tuple[int, dict[str, list[_Option]]]]) -> list[tuple]:
-        """Closed-form optima of every (encoder, LLM, generator) option triple of every
-        LLM DP, in one pass: per LLM DP, its options and their relaxed times and taus,
-        shaped (encoder options, LLM options, generator options)."""
-        keys = ("a", "low", "high", "beta", "F", "gamma")
-        parts: dict[str, list[np.ndarray]] = {key: [] for key in (*keys, "k")}
-        shapes = []
-        for dp_lm, options in spaces:
-            table = {u: np.array([[getattr(o, key) for key in keys] for o in options[u]]) for u in UNITS}
-            full = tuple(len(options[u]) for u in UNITS)
-            shapes.append(full)
-            for index, key in enumerate(keys):
-                axes = [np.broadcast_to(table[u][:, index].reshape(s), full).ravel() for u, s in zip(UNITS, _AXES)]
-                parts[key].append(np.stack(axes))
-            parts["k"].append(np.full(math.prod(full), float(self.batch // dp_lm - 1)))
-        a, low, high, beta, warm, gamma = (np.concatenate(parts[key], axis=1) for key in keys)
-        # The LLM's tail ends the iteration: its stages hold most of the parameters.
-        gamma[[0, 2]] = 0.0
-        warm, k = warm.sum(axis=0), np.concatenate(parts["k"])
-        values, taus = np.empty_like(k), np.empty_like(k)
-        for first in range(0, k.size, RELAX_CHUNK):  # columns that stay in cache
-            cut = slice(first, first + RELAX_CHUNK)
-            values[cut], taus[cut] = solve_relaxed(
-                a[:, cut], low[:, cut], high[:, cut], beta[:, cut], warm[cut], k[cut], float(self.N), gamma[:, cut]
-            )
-        out, start = [], 0
-        for (dp_lm, options), full in zip(spaces, shapes):
-            end = start + math.prod(full)
-            out.append(
-                (
-                    dp_lm,
-                    options["encoder"],
-                    options["llm"],
-                    options["generator"],
-                    values[start:end].reshape(full),
-                    taus[start:end].reshape(full),
-                )
-            )
-            start = end
-        return out
-
-    def _recover(self, blocks) -> Orchestration | None:
-        values = np.concatenate([b[4].ravel() for b in blocks])
-        which = np.concatenate([np.full(b[4].size, i) for i, b in enumerate(blocks)])
-        within = np.concatenate([np.arange(b[4].size) for b in blocks])
-        finite = np.nonzero(np.isfinite(values))[0]
-        order = finite[np.argsort(values[finite], kind="stable")]
+    def _recover(self, subproblems: Subproblems) -> Orchestration | None:
         kept: list[tuple[float, int, Choice]] = []  # a max-heap of the best `keep` by (-time)
         seen: set[Choice] = set()
         microbatches: dict[Choice, int] = {}
         recovered, best_relaxed = 0, INF
-        for relaxed, index, flat in zip(values[order].tolist(), which[order].tolist(), within[order].tolist()):
+        for relaxed, index, tau in subproblems.in_order():
             bar = -kept[0][0] if len(kept) == self.keep else INF
             if relaxed * (1 + TOLERANCE) >= bar:
                 break
-            dp_lm, enc, llm, gen, block_values, taus = blocks[index]
-            e, l, g = np.unravel_index(flat, block_values.shape)
+            dp_lm, picked = subproblems.locate(index)
             m = self.batch // dp_lm
-            picked, tau = (enc[e], llm[l], gen[g]), float(taus.flat[flat])
             if self._llm_bound(picked, tau, m) * (1 + TOLERANCE) >= bar:
                 continue
             recovered += 1
             best_relaxed = min(best_relaxed, relaxed)
-            for estimate, choice in self._roundings(picked, tau, m):
+            # A choice left unpriced takes `bar` or more: it could never be kept (bar only falls).
+            for estimate, choice in self._roundings(picked, tau, m, bar):
                 if choice in seen:
                     continue
                 seen.add(choice)
@@ -441,7 +376,7 @@ class Orchestrator:
         ranked = sorted(((-t, c) for t, _, c in kept), key=lambda x: x[0])
         return Orchestration(ranked, {c: microbatches[c] for _, c in ranked}, best_relaxed, {"recovered": recovered})
 
-    def _llm_bound(self, picked: tuple[_Option, ...], tau: float, m: int) -> float:
+    def _llm_bound(self, picked: tuple[RelaxedOption, ...], tau: float, m: int) -> float:
         """A lower bound of every rounding of a sub-problem, cheaper than pricing them:
         the LLM's own stages and hops (all of them once there and back, its slowest stage
         m-1 more times) and its first stage's tail, which its last backward starts no
@@ -450,17 +385,26 @@ class Orchestrator:
         bound = INF
         for choice in self._pp_choices("llm", picked[1], tau, m):
             summary = self.summary(choice)
-            own = sum(summary.fb) / choice.setting.vpp + sum(summary.trips[: choice.pp - 1]) + (m - 1) * max(summary.fb)
-            bound = min(bound, own + max(0.0, summary.tail[0] - picked[0].F))
+            bound = min(bound, summary.way + (m - 1) * summary.slowest + max(0.0, summary.tail[0] - picked[0].F))
         return bound + picked[0].F + picked[2].F
 
-    def _pp_choices(self, unit: str, o: _Option, tau: float, m: int) -> list[UnitChoice]:
+    def _pp_choices(self, unit: str, o: RelaxedOption, tau: float, m: int) -> list[UnitChoice]:
         """The unit's floor and ceil roundings of its relaxed PP, each with every
         interleaving Megatron-LM runs there (self.vpps)."""
         n = max(o.low, o.a / tau) if tau > 0 else o.low
         pp, blocks = n / (o.setting.tp * o.dp), self.p.blocks(unit)
         low, high = min(blocks, max(1, math.floor(pp + 1e-9))), min(blocks, max(1, math.ceil(pp - 1e-9)))
-        return [UnitChoice(unit, o.dp, p, o.b, replace(o.setting, vpp=v)) for p in sorted({low, high}) for v in self.vpps(unit, p, m)]
+        return [choice for p in sorted({low, high}) for choice in self._at_pp(unit, o, p, m)]
+
+    def _at_pp(self, unit: str, o: RelaxedOption, pp: int, m: int) -> list[UnitChoice]:
+        """The unit's option on pp stages, with every interleaving Megatron-LM runs there;
+        kept, as the sub-problems that share the option round it to the same PPs."""
+        key = (unit, o.setting, o.dp, o.b, pp, m)
+        found = self._choices.get(key)
+        if found is None:
+            settings = [o.setting if v == o.setting.vpp else replace(o.setting, vpp=v) for v in self.vpps(unit, pp, m)]
+            found = self._choices[key] = [UnitChoice(unit, o.dp, pp, o.b, setting) for setting in settings]
+        return found
 
     def _check_interleaving(self, unit: str, f: Fixed) -> None:
         """A given interleaving needs two stages or more of vpp chunks, a block each at least."""
@@ -500,12 +444,13 @@ class Orchestrator:
                 out.append((estimate, variant))
         return out
 
-    def _roundings(self, picked: tuple[_Option, ...], tau: float, m: int) -> list[tuple[float, Choice]]:
-        """The floor/ceil roundings of the relaxed PPs that fit, priced by the 1F1B model."""
+    def _roundings(self, picked: tuple[RelaxedOption, ...], tau: float, m: int, bar: float) -> list[tuple[float, Choice]]:
+        """The floor/ceil roundings of the relaxed PPs that fit, priced by the 1F1B model,
+        but for those whose `least_time` shows they take `bar` or more."""
         out = []
         enc, llm, gen = (self._pp_choices(unit, o, tau, m) for unit, o in zip(UNITS, picked))
         for choice in itertools.product(enc, llm, gen):
-            if sum(c.devices for c in choice) > self.N:
+            if sum(c.devices for c in choice) > self.N or self.least_time(choice, m) * (1 - ROUNDING) >= bar:
                 continue
             estimate = self.time(choice, m)
             if estimate is not None:
@@ -525,9 +470,20 @@ class Orchestrator:
                 caps = np.where(kept > 0, (self.usable - stages.states) / kept, np.where(stages.states <= self.usable, INF, -INF))
             hops = self.p.hops(choice.unit, choice.setting, choice.micro_batch, choice.dp, choice.pp)
             bwd = stages.bwd.reshape(-1, choice.pp).sum(axis=0)
-            found = _Summary(stages.fb.tolist(), bwd.tolist(), stages.tail.tolist(), [2 * h for h in hops], caps.tolist())
+            found = _Summary.of(
+                stages.fb.tolist(), bwd.tolist(), stages.tail.tolist(), [2 * h for h in hops], caps.tolist(), choice.setting.vpp
+            )
             self._summaries[choice] = found
         return found
+
+    def least_time(self, choice: Choice, m: int) -> float:
+        """A lower bound of `time`, from the units' summaries: pipeline_time's way of the
+        first micro-batch, m - 1 periods of no less than the slowest stage (m - 1 / chunks
+        >= m - 1), and the stage that ends last. It leaves out the hand-offs between the
+        units: each adds b to the way and takes at most b / 2 off a later stage's end."""
+        e, l, g = (self.summary(c) for c in choice)
+        ends = max(0.0, e.end, l.end - e.drain, g.end - e.drain - l.drain)
+        return e.way + l.way + g.way + (m - 1) * max(e.slowest, l.slowest, g.slowest) + ends
 
     def time(self, choice: Choice, m: int) -> float | None:
         """The 1F1B model's iteration time of an integer choice (module docstring), or None
@@ -642,54 +598,3 @@ def pipeline_time(
         if g < depth - 1:
             drain += bwd[g] / chunks[g] + trips[g] / 2
     return way + (m - 1 / slowest) * period + ends
-
-
-def solve_relaxed(
-    a: np.ndarray,
-    low: np.ndarray,
-    high: np.ndarray,
-    beta: np.ndarray,
-    warm: np.ndarray,
-    k: float | np.ndarray,
-    n: float,
-    gamma: np.ndarray | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """The closed-form optimum (module docstring) of many sub-problems at once. Arrays
-    a, low, high, beta (and gamma, the tails' coefficients) are (3, ...): one row per
-    unit; warm and k (one per sub-problem or shared) are (...). Returns (optimal value,
-    tau), inf where infeasible."""
-    k = np.broadcast_to(np.asarray(k, dtype=float), warm.shape)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        feasible = (low.sum(axis=0) <= n + 1e-9) & np.all(low <= high + 1e-9, axis=0)
-        breaks = a / low  # n_u = low_u for tau >= a_u / low_u
-        order = np.argsort(-breaks, axis=0)  # descending breakpoints
-        bp = np.take_along_axis(breaks, order, axis=0)
-        a_s = np.take_along_axis(a, order, axis=0)
-        low_s = np.take_along_axis(low, order, axis=0)
-        ba_s = np.take_along_axis(beta * a, order, axis=0)
-        zero = np.zeros_like(a[:1])
-        top_a = np.concatenate([zero, np.cumsum(a_s, axis=0)])  # S_k: sum of a over the k active units
-        rest_low = low_s.sum(axis=0, keepdims=True) - np.concatenate([zero, np.cumsum(low_s, axis=0)])
-        top_ba = np.concatenate([zero, np.cumsum(ba_s, axis=0)])
-        upper = np.concatenate([np.full_like(zero, INF), bp])  # piece k: [bp_(k+1), bp_(k))
-        lower = np.concatenate([bp, zero])
-        # tau_N: the smallest tau with sum_u max(low_u, a_u / tau) <= n, piece by piece.
-        cross = np.where(n - rest_low > 1e-12, top_a / (n - rest_low), INF)
-        start = np.maximum(cross, lower)
-        start = np.where(start < upper * (1 + 1e-12), start, INF)
-        tau_lo = np.maximum(start.min(axis=0), (a / high).max(axis=0))
-        # Candidates: tau_lo, every breakpoint, every piece's stationary point sqrt(S_beta / K)
-        # (and sqrt(S_beta / (K + gamma_u / a_u)) where a unit's tail gamma_u / n_u grows with tau).
-        slopes = [k] if gamma is None else [k, k + (gamma / a).max(axis=0)]
-        stationary = [np.where(slope > 0, np.sqrt(top_ba / slope), bp[:1]) for slope in slopes]
-        candidates = np.concatenate([tau_lo[None], bp, *stationary])
-        candidates = np.maximum(candidates, tau_lo[None])
-        counts = np.maximum(low[None], a[None] / candidates[:, None])
-        values = warm[None] + (beta[None] * counts).sum(axis=1) + k[None] * candidates
-        if gamma is not None:
-            values = values + (gamma[None] / counts).max(axis=1)
-        best = values.argmin(axis=0)
-        value = np.take_along_axis(values, best[None], axis=0)[0]
-        tau = np.take_along_axis(candidates, best[None], axis=0)[0]
-        ok = feasible & np.isfinite(tau_lo) & np.isfinite(value)
-        return np.where(ok, value, INF), np.where(ok, tau, INF)

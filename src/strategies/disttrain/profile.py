@@ -265,17 +265,22 @@ class Profiler:
     @lru_cache(maxsize=None)
     def _dp_sharing(self, tp: int, dp: int, pp: int) -> int:
         """How many of a (tp, dp, pp) mesh's DP groups (placed at rank 0) share a node's
-        links (cluster.family_sharing of its DP family)."""
+        links (cluster.family_sharing of its DP family): on each node, the groups that
+        span nodes and have a rank there. A group's ranks are tp apart, no more than a
+        node's GPUs (TP stays in a node), so it has a rank on every node from its first
+        rank's to its last's: the count is a sum of intervals, one per group."""
+        node, size = self.cluster.devices_per_node, tp * dp
         if dp == 1:
             return 1
-        node, size = self.cluster.devices_per_node, tp * dp
-        ranks = np.arange(size * pp)
-        group = (ranks // size) * tp + ranks % tp  # a DP group per stage and TP rank
-        nodes = ranks // node
-        spans = np.zeros(group.max() + 1, dtype=bool)
-        np.logical_or.at(spans, group, nodes != nodes[(ranks // size) * size + ranks % tp])
-        held = np.unique(nodes[spans[group]] * (group.max() + 1) + group[spans[group]]) // (group.max() + 1)
-        return int(np.bincount(held).max()) if held.size else 1
+        assert tp <= node, f"TP {tp} spans nodes of {node} GPUs"
+        first = (np.arange(pp)[:, None] * size + np.arange(tp)).ravel()  # per stage and TP rank
+        start, end = first // node, (first + (dp - 1) * tp) // node
+        spans = start != end
+        if not spans.any():
+            return 1
+        nodes = int(end.max()) + 2
+        starts = np.bincount(start[spans], minlength=nodes) - np.bincount(end[spans] + 1, minlength=nodes)
+        return int(np.cumsum(starts).max())
 
     @lru_cache(maxsize=None)
     def hops(self, unit: str, setting: Setting, b: int, dp: int, pp: int, offset: int = 0) -> tuple[float, ...]:
