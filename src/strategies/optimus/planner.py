@@ -100,16 +100,19 @@ def plan_optimus(request: PlanRequest) -> Plan:
     # Every rung of the LLM's memory ladder whose LLM alone fits, and could beat the best
     # plan so far (no schedule is faster than its LLM alone), with every encoder plan; the
     # rung's schedules are emitted fastest first until one fits memory as the simulator
-    # counts it.
+    # counts it. The rungs are tried fastest LLM alone first, so that the best plan rules
+    # out the most rungs early; the plan kept is the fastest that fits over all rungs, on a
+    # tie the one of the earlier rung of the ladder (as trying them in ladder order gives).
     chosen: Plan | None = None
-    best, scheduled = math.inf, 0
+    best: tuple[float, int] = (math.inf, -1)  # the chosen plan's latency and rung
+    scheduled = 0
     rungs: list[dict[str, Any]] = []
-    for recompute, zero in pipelines.rungs:
-        rung: dict[str, Any] = {"recompute": recompute, "zero_stage": zero}
-        rungs.append(rung)
+    ladder: list[tuple[float, int]] = []
+    for index, (recompute, zero) in enumerate(pipelines.rungs):
+        rungs.append({"recompute": recompute, "zero_stage": zero})
         fits, need = pipelines.fits_alone(recompute, zero)
         if not fits:
-            rung["outcome"] = "the LLM alone does not fit"
+            rungs[index]["outcome"] = "the LLM alone does not fit"
             usable = cluster.usable_memory_bytes
             rejected.append(
                 (
@@ -119,8 +122,13 @@ def plan_optimus(request: PlanRequest) -> Plan:
                 )
             )
             continue
+        ladder.append((pipelines.alone_s(recompute, zero), index))
+    for index in _trial_order(ladder):
+        rung = rungs[index]
+        recompute, zero = rung["recompute"], rung["zero_stage"]
+        # Again: exact once the rung's recompute mode has its final timeline.
         rung["llm_alone_s"] = pipelines.alone_s(recompute, zero)
-        if rung["llm_alone_s"] >= best:
+        if (rung["llm_alone_s"], index) >= best:
             rung["outcome"] = "the LLM alone is no faster than the best plan"
             continue
         base = pipelines.base(recompute, zero)
@@ -141,13 +149,13 @@ def plan_optimus(request: PlanRequest) -> Plan:
         if progress.due():
             progress.show(f"recompute={recompute} zero_stage={zero}: {scheduled} encoder plans scheduled, {len(rejected)} rejected")
         for candidate in sorted(candidates, key=lambda c: (c.schedule.latency, -c.plan.pp * c.plan.tp)):
-            if candidate.schedule.latency >= best:
+            if (candidate.schedule.latency, index) >= best:
                 break
             candidate = complete(job, candidate)
             plan = _emit(request, opts, base, candidate, encoders, candidates, rejected, time.perf_counter() - started)
             problem = _program_memory_problem(request, plan)
             if problem is None:
-                chosen, best = plan, candidate.schedule.latency
+                chosen, best = plan, (candidate.schedule.latency, index)
                 break
             rejected.append(problem)
     if chosen is None:
@@ -157,6 +165,12 @@ def plan_optimus(request: PlanRequest) -> Plan:
     chosen.details["rungs"] = rungs
     chosen.details["scheduler_s"] = time.perf_counter() - started
     return chosen
+
+
+def _trial_order(ladder: list[tuple[float, int]]) -> list[int]:
+    """The rungs (their LLM alone's seconds, their index in the ladder) in the order they
+    are tried: the fastest LLM alone first, ties in ladder order."""
+    return [index for _, index in sorted(ladder)]
 
 
 def _program_memory_problem(request: PlanRequest, plan: Plan) -> tuple[float, str] | None:
@@ -326,8 +340,15 @@ def _schedule(
         ranked = sorted(splits, key=coarse)
         evaluated, search = len(splits), "exhaustive"
     coarse_best = scheduler.initial(ranked[0])
-    refined = [scheduler.best(counts, opts.fine_grained) for counts in ranked[: opts.refine]]
-    best = min(refined, key=lambda s: s.latency)
+    best = scheduler.best(ranked[0], opts.fine_grained)
+    for counts in ranked[1 : opts.refine]:
+        # A split's schedule is kept only if strictly faster: none is faster than the
+        # layout's floor, so once the best reaches it the remaining splits cannot win.
+        if best.latency <= scheduler.floor:
+            break
+        refined = scheduler.best(counts, opts.fine_grained)
+        if refined.latency < best.latency:
+            best = refined
     return Candidate(
         layout.plan,
         layout,
@@ -401,9 +422,10 @@ def _emit(
     emitter = ClassEmitter(
         model, layout, best.costs, schedule, base.timeline.backward_points, routes, samples, train.precision, opts.encoder_zero_stage
     )
+    placed = schedule.placed
     items: list[list] = [[] for _ in range(layout.classes)]
-    for placed in schedule.placed:
-        items[placed.klass].append(placed)
+    for p in placed:
+        items[p.klass].append(p)
     for g in range(layout.classes):
         s, _, e = layout.position(g)
         program.classes.append(
@@ -434,7 +456,7 @@ def _emit(
         for u in encoders
     ] + [base.plan]
     plan = Plan(strategy="optimus", devices=program.world_size, units=unit_plans, program=program, precision=request.train.precision)
-    fine = [p for p in schedule.placed if not p.item.is_comm]
+    fine = [p for p in placed if not p.item.is_comm]
     plan.details = {
         "llm": {
             "tp": base.plan.tp,
