@@ -3,6 +3,7 @@ the errors a user gets."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from pathlib import Path
@@ -22,13 +23,13 @@ from src.strategies.base import PlanRequest
 from src.strategies.megatron.planner import MegatronOptions, choose_megatron, plan_megatron
 from src.strategies.megatron.programs import MegatronSettings
 from src.strategies.base import Degrees
-from src.strategies.optimus import parallel
+from src.strategies.optimus import parallel, timeline
 from src.strategies.optimus import planner as optimus_planner
 from src.strategies.optimus.llm import LLMPipelines
 from src.strategies.optimus.planner import OptimusOptions, _llm_and_encoders, _schedule
 from src.strategies.optimus.encoder import EncoderPlan, Layout
 from src.strategies.optimus.scheduler import partitions, spread
-from src.strategies.optimus.timeline import EPS, warmup_counts
+from src.strategies.optimus.timeline import EPS, makespan, warmup_counts
 from src.config import options_from
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -185,6 +186,26 @@ def test_deferring_warmups_skips_trials_that_would_deadlock() -> None:
     )
     warmups = plan.details["llm"]["warmups"]
     assert all(a >= b for a, b in zip(warmups, warmups[1:]))
+
+
+def test_trials_cut_short_keep_the_deferred_warmups(monkeypatch) -> None:
+    s = setup(*SMALL)
+    overruns = []
+    timed = timeline.time_pipeline
+
+    def timed_through(orders, costs, deadline=math.inf):
+        try:
+            return timed(orders, costs, deadline)
+        except timeline.Overrun:
+            overruns.append((makespan(timed(orders, costs)), deadline))
+            raise
+
+    monkeypatch.setattr(timeline, "time_pipeline", timed_through)
+    cut_short = plan_run(s).details["llm"]["warmups"]
+    # Each trial cut short would have ended after its deadline, and is not kept either way.
+    assert overruns and all(length > deadline for length, deadline in overruns)
+    monkeypatch.setattr(timeline, "time_pipeline", lambda orders, costs, deadline=math.inf: timed(orders, costs))
+    assert plan_run(s).details["llm"]["warmups"] == cut_short
 
 
 @pytest.mark.parametrize(
