@@ -27,7 +27,7 @@ import math
 import time
 from contextlib import contextmanager
 from functools import partial
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Mapping
 
 from src.cluster import GIB, family_sharing
@@ -165,6 +165,7 @@ def _plan(request: PlanRequest) -> Plan:
             else:
                 layouts.append(layout)
         job = partial(_schedule, request, opts, base, encoders=encoders, compute=compute, comm=comm)
+        again = partial(_reschedule, request, opts, base, encoders=encoders, compute=compute, comm=comm)
         candidates = schedule_all(job, layouts)
         scheduled += len(candidates)
         rung["outcome"] = f"{len(candidates)} encoder plans scheduled"
@@ -175,7 +176,7 @@ def _plan(request: PlanRequest) -> Plan:
         for candidate in sorted(candidates, key=lambda c: (c.schedule.latency, -c.plan.pp * c.plan.tp)):
             if (candidate.schedule.latency, index) >= best:
                 break
-            candidate = complete(job, candidate)
+            candidate = complete(again, candidate)
             plan = _emit(request, opts, base, candidate, encoders, candidates, rejected, time.perf_counter() - started)
             problem = _program_memory_problem(request, plan)
             if problem is None:
@@ -341,11 +342,7 @@ def _schedule(
     compute: ComputeModel,
     comm: CommModel,
 ) -> Candidate:
-    model, train = request.model, request.train
-    costs = encoder_costs(model, encoders, request.cluster, train.precision, layout, base.plan.micro_batch, compute, comm)
-    reduce, optimizer, gather = base.tails
-    tails = Tails(reduce, optimizer, gather, _encoder_tails(request, layout, costs, encoders, opts, compute, comm))
-    scheduler = BubbleScheduler(base.timeline, layout, costs, tails)
+    scheduler = _scheduler(request, opts, base, layout, encoders, compute, comm)
     n_mb = base.plan.num_microbatches
     cache: dict[tuple[int, ...], float] = {}
 
@@ -376,7 +373,7 @@ def _schedule(
     return Candidate(
         layout.plan,
         layout,
-        costs,
+        scheduler.costs,
         scheduler,
         best,
         scheduler.efficiency(coarse_best),
@@ -386,6 +383,40 @@ def _schedule(
         evaluated,
         search,
     )
+
+
+def _reschedule(
+    request: PlanRequest,
+    opts: OptimusOptions,
+    base: LLMBase,
+    candidate: Candidate,
+    *,
+    encoders: list[str],
+    compute: ComputeModel,
+    comm: CommModel,
+) -> Candidate:
+    """A candidate scheduled in another process, with its whole schedule: its split's
+    schedule again (the same as there: the scheduler's memos change no result)."""
+    scheduler = _scheduler(request, opts, base, candidate.layout, encoders, compute, comm)
+    schedule = scheduler.best(candidate.schedule.counts, opts.fine_grained)
+    return replace(candidate, scheduler=scheduler, schedule=schedule)
+
+
+def _scheduler(
+    request: PlanRequest,
+    opts: OptimusOptions,
+    base: LLMBase,
+    layout: Layout,
+    encoders: list[str],
+    compute: ComputeModel,
+    comm: CommModel,
+) -> BubbleScheduler:
+    """The bubble scheduler of one encoder plan on one rung: its encoders' costs and tails."""
+    model, train = request.model, request.train
+    costs = encoder_costs(model, encoders, request.cluster, train.precision, layout, base.plan.micro_batch, compute, comm)
+    reduce, optimizer, gather = base.tails
+    tails = Tails(reduce, optimizer, gather, _encoder_tails(request, layout, costs, encoders, opts, compute, comm))
+    return BubbleScheduler(base.timeline, layout, costs, tails)
 
 
 def _encoder_tails(
