@@ -16,8 +16,9 @@ Model planner (§4.1, Algorithm 1):
    pipelines (pipelines on the same devices share a block's split evenly); when there are
    more than `max_partitions` splits, a local search over them.
 For each encoder plan and split the bubble scheduler (optimus.scheduler) estimates the
-iteration; the `refine` splits with the best coarse schedules get the fine-grained stage;
-the fastest schedule of all is emitted (optimus.programs) and simulated as it is.
+iteration; the `refine` splits with the best coarse schedules get the fine-grained stage
+(in that order, until one ends at the plan's floor, which no schedule beats); the fastest
+schedule of all is emitted (optimus.programs) and simulated as it is.
 """
 
 from __future__ import annotations
