@@ -3,6 +3,7 @@ the errors a user gets."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from pathlib import Path
@@ -22,12 +23,13 @@ from src.strategies.base import PlanRequest
 from src.strategies.megatron.planner import MegatronOptions, choose_megatron, plan_megatron
 from src.strategies.megatron.programs import MegatronSettings
 from src.strategies.base import Degrees
-from src.strategies.optimus import parallel
+from src.strategies.optimus import parallel, timeline
+from src.strategies.optimus import planner as optimus_planner
 from src.strategies.optimus.llm import LLMPipelines
 from src.strategies.optimus.planner import OptimusOptions, _llm_and_encoders, _schedule
 from src.strategies.optimus.encoder import EncoderPlan, Layout
 from src.strategies.optimus.scheduler import partitions, spread
-from src.strategies.optimus.timeline import EPS, warmup_counts
+from src.strategies.optimus.timeline import EPS, makespan, warmup_counts
 from src.config import options_from
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,6 +47,19 @@ SMALL = [
     "train.global_batch=128",
 ]
 
+# Fig. 17's model A (ViT-11B + LLaMA-70B) on 64 H100s, Table 11's plan: 8 micro-batches per
+# pipeline; most encoder plans' schedules end at the bound no schedule beats.
+MODEL_A = [
+    "cluster=hopper",
+    "cluster.nodes=8",
+    "model.llm=llama_70b",
+    "model.encoders=[vit_11b]",
+    "strategy.llm.tp=8",
+    "strategy.llm.pp=4",
+    "strategy.llm.micro_batch_size=2",
+    "train.global_batch=32",
+]
+
 
 def setup(*overrides: str) -> Setup:
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
@@ -52,13 +67,13 @@ def setup(*overrides: str) -> Setup:
     return validate(OmegaConf.to_container(cfg, resolve=True))
 
 
-def candidate(s: Setup, pp: int, tp: int):
+def candidate(s: Setup, pp: int, tp: int, zero_stage: int = 0):
     """The scheduler's best schedule for one encoder plan, with everything it read."""
     request = PlanRequest(s.model, s.cluster, s.train, s.config["strategy"])
     opts = options_from(OptimusOptions, s.config["strategy"])
     compute, comm = ComputeModel(s.cluster, s.train.precision), CommModel(s.cluster)
     llm, encoders = _llm_and_encoders(s.model)
-    base = LLMPipelines(request, llm, encoders, opts.megatron(), opts.defer_warmup, compute, comm).base("none", 0)
+    base = LLMPipelines(request, llm, encoders, opts.megatron(), opts.defer_warmup, compute, comm).base("none", zero_stage)
     layout = Layout(base.plan.mesh, EncoderPlan(pp, tp))
     return base, _schedule(request, opts, base, layout, encoders=encoders, compute=compute, comm=comm)
 
@@ -173,6 +188,26 @@ def test_deferring_warmups_skips_trials_that_would_deadlock() -> None:
     assert all(a >= b for a, b in zip(warmups, warmups[1:]))
 
 
+def test_trials_cut_short_keep_the_deferred_warmups(monkeypatch) -> None:
+    s = setup(*SMALL)
+    overruns = []
+    timed = timeline.time_pipeline
+
+    def timed_through(orders, costs, deadline=math.inf):
+        try:
+            return timed(orders, costs, deadline)
+        except timeline.Overrun:
+            overruns.append((makespan(timed(orders, costs)), deadline))
+            raise
+
+    monkeypatch.setattr(timeline, "time_pipeline", timed_through)
+    cut_short = plan_run(s).details["llm"]["warmups"]
+    # Each trial cut short would have ended after its deadline, and is not kept either way.
+    assert overruns and all(length > deadline for length, deadline in overruns)
+    monkeypatch.setattr(timeline, "time_pipeline", lambda orders, costs, deadline=math.inf: timed(orders, costs))
+    assert plan_run(s).details["llm"]["warmups"] == cut_short
+
+
 @pytest.mark.parametrize(
     "override, needle",
     [
@@ -239,12 +274,37 @@ def test_the_llm_plan_comes_through_megatron_lm_s_typed_api() -> None:
     assert len(choice.virtual) == choice.degrees.pp * choice.degrees.vpp
 
 
+def _chosen(plan) -> tuple:
+    """What a plan is: its units, Program and details, but for what says how it was found
+    (the rungs tried, the rejections met on the way, the planners' times)."""
+    details = {k: v for k, v in plan.details.items() if k not in ("rungs", "rejected", "scheduler_s")}
+    details["llm"] = {k: v for k, v in details["llm"].items() if k != "search"}
+    return plan.units, plan.program, details
+
+
+def test_trying_the_fastest_rung_first_keeps_the_plan_of_ladder_order(monkeypatch) -> None:
+    s = setup(*MODEL_A)
+    fastest_first = plan_run(s)
+    monkeypatch.setattr(optimus_planner, "_trial_order", lambda ladder: [index for _, index in ladder])
+    ladder_order = plan_run(s)
+    # Ladder order scheduled a rung whose LLM alone the plan found first rules out.
+    ruled_out = [
+        (a["recompute"], a["zero_stage"])
+        for a, b in zip(fastest_first.details["rungs"], ladder_order.details["rungs"])
+        if "best_s" in b and a["outcome"] == "the LLM alone is no faster than the best plan"
+    ]
+    assert ruled_out == [("none", 0)]
+    assert _chosen(fastest_first) == _chosen(ladder_order)
+
+
 @pytest.mark.slow
 def test_encoder_plans_scheduled_in_parallel_equal_the_serial_ones(monkeypatch) -> None:
-    serial = plan_run(setup(*SMALL)).details["candidates"]  # conftest: MMDIST_PLAN_WORKERS=1
+    serial = plan_run(setup(*SMALL))  # conftest: MMDIST_PLAN_WORKERS=1
     monkeypatch.setattr(parallel, "workers", lambda jobs: 1 if jobs < 2 else 2)
-    forked = plan_run(setup(*SMALL)).details["candidates"]
-    assert forked == serial
+    forked = plan_run(setup(*SMALL))
+    assert forked.details["candidates"] == serial.details["candidates"]
+    # The plan emitted from a worker's candidate, its split scheduled again here, is the same.
+    assert _chosen(forked) == _chosen(serial)
 
 
 @pytest.mark.parametrize("value, workers", [("1", 1), ("3", 2), ("", 2)])

@@ -10,8 +10,8 @@ import random
 import pytest
 
 from src.strategies.optimus import planner as optimus_planner
-from src.strategies.optimus.scheduler import BubbleScheduler, Schedule
-from tests.strategies.test_optimus import SMALL, candidate, setup
+from src.strategies.optimus.scheduler import BubbleScheduler, Schedule, partitions
+from tests.strategies.test_optimus import MODEL_A, SMALL, candidate, setup
 
 
 def from_scratch(sch: BubbleScheduler, schedule: Schedule) -> tuple[float, float, dict[tuple[int, int], int]]:
@@ -81,6 +81,14 @@ class NoSkip(BubbleScheduler):
         return super()._pack(schedule, *args)
 
 
+class NoFloor(BubbleScheduler):
+    """Knows no bound on its schedules: every split in `refine` is refined."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.floor = -math.inf
+
+
 def placements(schedule: Schedule) -> list[tuple]:
     return [(p.klass, p.kind, p.op, p.start, p.item, p.pipeline, p.local, p.phase) for p in schedule.placed]
 
@@ -131,3 +139,24 @@ def test_backward_chains_reprice_every_job_whose_start_changed() -> None:
         reused = sch._backward_chain(j, delta, moved)
         sch._backward_memo[j] = None
         assert reused == sch._backward_chain(j, delta, moved)
+
+
+def test_no_schedule_beats_the_floor_and_refining_stops_there(monkeypatch) -> None:
+    # Encoder PP 2, TP 4 on the distributed-optimizer rung: two encoder pipelines share
+    # 8 micro-batches (5 splits), and the first split refined ends at the floor.
+    s = setup(*MODEL_A)
+    _, stopped = candidate(s, 2, 4, zero_stage=1)
+    sch = stopped.scheduler
+    splits = partitions(8, sch.layout.blocks, sch.layout.columns, 100)
+    assert len(splits) == stopped.partitions_evaluated == 5
+    assert all(sch.best(counts).latency >= sch.floor for counts in splits)
+    assert all(sch.initial(counts).latency >= sch.floor for counts in splits)
+    assert stopped.schedule.latency == sch.floor
+    monkeypatch.setattr(optimus_planner, "BubbleScheduler", NoFloor)
+    _, every = candidate(s, 2, 4, zero_stage=1)
+    assert (every.schedule.latency, every.eff_fine, every.schedule.counts) == (
+        stopped.schedule.latency,
+        stopped.eff_fine,
+        stopped.schedule.counts,
+    )
+    assert placements(every.schedule) == placements(stopped.schedule)

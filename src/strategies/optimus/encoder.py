@@ -45,19 +45,20 @@ class Layout:
     llm: Mesh
     plan: EncoderPlan
 
-    @property
+    # Cached: the bubble scheduler reads them in its inner loops, and a mesh's degree is a search.
+    @cached_property
     def blocks(self) -> int:
         return self.llm.degree("pp") // self.plan.pp
 
-    @property
+    @cached_property
     def columns(self) -> int:
         return self.llm.degree("tp") // self.plan.tp
 
-    @property
+    @cached_property
     def pipelines(self) -> int:
         return self.blocks * self.columns
 
-    @property
+    @cached_property
     def classes(self) -> int:
         return self.llm.degree("pp") * self.columns
 

@@ -124,13 +124,15 @@ class LLMPipelines:
     def alone_s(self, recompute: str, zero: int) -> float:
         """The LLM's iteration on this rung with no encoder, as the bubble scheduler counts
         it: its start after the parameter all-gather, its end after each stage's reduction
-        and optimizer step; no Optimus schedule on the rung is faster. Timed with Megatron-
-        LM's warm-ups (the deferred ones keep the pipeline as long): its operations priced,
-        its stages not built."""
+        and optimizer step; no Optimus schedule on the rung is faster. Timed with the
+        deferred warm-ups once the recompute mode has them (the bubble scheduler's own
+        sums, so exactly a lower bound), before with Megatron-LM's (the deferred ones keep
+        the pipeline as long): its operations priced, its stages not built."""
         priced = self._priced.get(recompute) or self._price(recompute)
         reduce, optimizer, gather = self._tail_seconds(priced, zero)
-        delta = max(0.0, max(g - first for g, (first, _) in zip(gather, priced.bounds)))
-        return max(delta + last + rs + opt for (_, last), rs, opt in zip(priced.bounds, reduce, optimizer))
+        bounds = priced.bounds if priced.final is None else [(t.first, t.last) for t in priced.final[1]]
+        delta = max(0.0, max(g - first for g, (first, _) in zip(gather, bounds)))
+        return max(delta + last + rs + opt for (_, last), rs, opt in zip(bounds, reduce, optimizer))
 
     def base(self, recompute: str, zero: int) -> LLMBase:
         """The LLM's pipeline on one rung."""

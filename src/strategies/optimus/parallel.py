@@ -3,10 +3,10 @@ the LLM's timeline and its own layout only (Optimus §4.1: the planner enumerate
 independently), so they run in worker processes forked from the planner, which inherit
 the LLM's pipeline instead of receiving it, and send back what ranks them (the latency,
 efficiencies and split; a schedule's placed kernels would cost more to send than to
-place again): the planner schedules again the plans it emits (`complete`). Serial with
-one plan, one core, inside a daemon process (a pool's worker cannot start processes of
-its own), or where the environment sets MMDIST_PLAN_WORKERS=1 (a shared login node, the
-quick test tier); MMDIST_PLAN_WORKERS=n caps the processes at n."""
+place again): the planner schedules the split of a plan it emits again (`complete`).
+Serial with one plan, one core, inside a daemon process (a pool's worker cannot start
+processes of its own), or where the environment sets MMDIST_PLAN_WORKERS=1 (a shared
+login node, the quick test tier); MMDIST_PLAN_WORKERS=n caps the processes at n."""
 
 from __future__ import annotations
 
@@ -33,9 +33,10 @@ def _run(layout: Layout) -> Candidate:
     return replace(found, scheduler=None, schedule=Schedule(s.counts, s.pre, delta=s.delta, latency=s.latency))
 
 
-def complete(job: Callable[[Layout], Candidate], candidate: Candidate) -> Candidate:
-    """A candidate with its whole schedule: scheduled again here if it came from a worker."""
-    return candidate if candidate.scheduler is not None else job(candidate.layout)
+def complete(again: Callable[[Candidate], Candidate], candidate: Candidate) -> Candidate:
+    """A candidate with its whole schedule: its split scheduled again here (`again`) if it
+    came from a worker."""
+    return candidate if candidate.scheduler is not None else again(candidate)
 
 
 def workers(jobs: int) -> int:

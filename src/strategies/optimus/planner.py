@@ -16,17 +16,20 @@ Model planner (§4.1, Algorithm 1):
    pipelines (pipelines on the same devices share a block's split evenly); when there are
    more than `max_partitions` splits, a local search over them.
 For each encoder plan and split the bubble scheduler (optimus.scheduler) estimates the
-iteration; the `refine` splits with the best coarse schedules get the fine-grained stage;
-the fastest schedule of all is emitted (optimus.programs) and simulated as it is.
+iteration; the `refine` splits with the best coarse schedules get the fine-grained stage
+(in that order, until one ends at the plan's floor, which no schedule beats); the fastest
+schedule of all is emitted (optimus.programs) and simulated as it is.
 """
 
 from __future__ import annotations
 
+import gc
 import math
 import time
+from contextlib import contextmanager
 from functools import partial
-from dataclasses import dataclass, field
-from typing import Any, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterator, Mapping
 
 from src.cluster import GIB, family_sharing
 from src.config import options_from
@@ -89,6 +92,28 @@ class OptimusOptions:
 
 
 def plan_optimus(request: PlanRequest) -> Plan:
+    with _collector_paused():
+        return _plan(request)
+
+
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off while planning (and in the processes the
+    planner forks): the plan is millions of long-lived objects (the LLM's stages, the
+    emitted Program, the schedules), and each full collection walks them all again, most
+    of the planner's time on a 300k-instruction Program. They hold next to no reference
+    cycles (reference counting frees them): a collection after planning frees a few
+    thousand objects of the hundreds of MB the plan takes."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _plan(request: PlanRequest) -> Plan:
     opts = options_from(OptimusOptions, request.options)
     model, cluster, train = request.model, request.cluster, request.train
     llm, encoders = _llm_and_encoders(model)
@@ -100,16 +125,19 @@ def plan_optimus(request: PlanRequest) -> Plan:
     # Every rung of the LLM's memory ladder whose LLM alone fits, and could beat the best
     # plan so far (no schedule is faster than its LLM alone), with every encoder plan; the
     # rung's schedules are emitted fastest first until one fits memory as the simulator
-    # counts it.
+    # counts it. The rungs are tried fastest LLM alone first, so that the best plan rules
+    # out the most rungs early; the plan kept is the fastest that fits over all rungs, on a
+    # tie the one of the earlier rung of the ladder (as trying them in ladder order gives).
     chosen: Plan | None = None
-    best, scheduled = math.inf, 0
+    best: tuple[float, int] = (math.inf, -1)  # the chosen plan's latency and rung
+    scheduled = 0
     rungs: list[dict[str, Any]] = []
-    for recompute, zero in pipelines.rungs:
-        rung: dict[str, Any] = {"recompute": recompute, "zero_stage": zero}
-        rungs.append(rung)
+    ladder: list[tuple[float, int]] = []
+    for index, (recompute, zero) in enumerate(pipelines.rungs):
+        rungs.append({"recompute": recompute, "zero_stage": zero})
         fits, need = pipelines.fits_alone(recompute, zero)
         if not fits:
-            rung["outcome"] = "the LLM alone does not fit"
+            rungs[index]["outcome"] = "the LLM alone does not fit"
             usable = cluster.usable_memory_bytes
             rejected.append(
                 (
@@ -119,8 +147,13 @@ def plan_optimus(request: PlanRequest) -> Plan:
                 )
             )
             continue
+        ladder.append((pipelines.alone_s(recompute, zero), index))
+    for index in _trial_order(ladder):
+        rung = rungs[index]
+        recompute, zero = rung["recompute"], rung["zero_stage"]
+        # Again: exact once the rung's recompute mode has its final timeline.
         rung["llm_alone_s"] = pipelines.alone_s(recompute, zero)
-        if rung["llm_alone_s"] >= best:
+        if (rung["llm_alone_s"], index) >= best:
             rung["outcome"] = "the LLM alone is no faster than the best plan"
             continue
         base = pipelines.base(recompute, zero)
@@ -133,6 +166,7 @@ def plan_optimus(request: PlanRequest) -> Plan:
             else:
                 layouts.append(layout)
         job = partial(_schedule, request, opts, base, encoders=encoders, compute=compute, comm=comm)
+        again = partial(_reschedule, request, opts, base, encoders=encoders, compute=compute, comm=comm)
         candidates = schedule_all(job, layouts)
         scheduled += len(candidates)
         rung["outcome"] = f"{len(candidates)} encoder plans scheduled"
@@ -141,13 +175,13 @@ def plan_optimus(request: PlanRequest) -> Plan:
         if progress.due():
             progress.show(f"recompute={recompute} zero_stage={zero}: {scheduled} encoder plans scheduled, {len(rejected)} rejected")
         for candidate in sorted(candidates, key=lambda c: (c.schedule.latency, -c.plan.pp * c.plan.tp)):
-            if candidate.schedule.latency >= best:
+            if (candidate.schedule.latency, index) >= best:
                 break
-            candidate = complete(job, candidate)
+            candidate = complete(again, candidate)
             plan = _emit(request, opts, base, candidate, encoders, candidates, rejected, time.perf_counter() - started)
             problem = _program_memory_problem(request, plan)
             if problem is None:
-                chosen, best = plan, candidate.schedule.latency
+                chosen, best = plan, (candidate.schedule.latency, index)
                 break
             rejected.append(problem)
     if chosen is None:
@@ -157,6 +191,12 @@ def plan_optimus(request: PlanRequest) -> Plan:
     chosen.details["rungs"] = rungs
     chosen.details["scheduler_s"] = time.perf_counter() - started
     return chosen
+
+
+def _trial_order(ladder: list[tuple[float, int]]) -> list[int]:
+    """The rungs (their LLM alone's seconds, their index in the ladder) in the order they
+    are tried: the fastest LLM alone first, ties in ladder order."""
+    return [index for _, index in sorted(ladder)]
 
 
 def _program_memory_problem(request: PlanRequest, plan: Plan) -> tuple[float, str] | None:
@@ -303,11 +343,7 @@ def _schedule(
     compute: ComputeModel,
     comm: CommModel,
 ) -> Candidate:
-    model, train = request.model, request.train
-    costs = encoder_costs(model, encoders, request.cluster, train.precision, layout, base.plan.micro_batch, compute, comm)
-    reduce, optimizer, gather = base.tails
-    tails = Tails(reduce, optimizer, gather, _encoder_tails(request, layout, costs, encoders, opts, compute, comm))
-    scheduler = BubbleScheduler(base.timeline, layout, costs, tails)
+    scheduler = _scheduler(request, opts, base, layout, encoders, compute, comm)
     n_mb = base.plan.num_microbatches
     cache: dict[tuple[int, ...], float] = {}
 
@@ -326,12 +362,19 @@ def _schedule(
         ranked = sorted(splits, key=coarse)
         evaluated, search = len(splits), "exhaustive"
     coarse_best = scheduler.initial(ranked[0])
-    refined = [scheduler.best(counts, opts.fine_grained) for counts in ranked[: opts.refine]]
-    best = min(refined, key=lambda s: s.latency)
+    best = scheduler.best(ranked[0], opts.fine_grained)
+    for counts in ranked[1 : opts.refine]:
+        # A split's schedule is kept only if strictly faster: none is faster than the
+        # layout's floor, so once the best reaches it the remaining splits cannot win.
+        if best.latency <= scheduler.floor:
+            break
+        refined = scheduler.best(counts, opts.fine_grained)
+        if refined.latency < best.latency:
+            best = refined
     return Candidate(
         layout.plan,
         layout,
-        costs,
+        scheduler.costs,
         scheduler,
         best,
         scheduler.efficiency(coarse_best),
@@ -341,6 +384,40 @@ def _schedule(
         evaluated,
         search,
     )
+
+
+def _reschedule(
+    request: PlanRequest,
+    opts: OptimusOptions,
+    base: LLMBase,
+    candidate: Candidate,
+    *,
+    encoders: list[str],
+    compute: ComputeModel,
+    comm: CommModel,
+) -> Candidate:
+    """A candidate scheduled in another process, with its whole schedule: its split's
+    schedule again (the same as there: the scheduler's memos change no result)."""
+    scheduler = _scheduler(request, opts, base, candidate.layout, encoders, compute, comm)
+    schedule = scheduler.best(candidate.schedule.counts, opts.fine_grained)
+    return replace(candidate, scheduler=scheduler, schedule=schedule)
+
+
+def _scheduler(
+    request: PlanRequest,
+    opts: OptimusOptions,
+    base: LLMBase,
+    layout: Layout,
+    encoders: list[str],
+    compute: ComputeModel,
+    comm: CommModel,
+) -> BubbleScheduler:
+    """The bubble scheduler of one encoder plan on one rung: its encoders' costs and tails."""
+    model, train = request.model, request.train
+    costs = encoder_costs(model, encoders, request.cluster, train.precision, layout, base.plan.micro_batch, compute, comm)
+    reduce, optimizer, gather = base.tails
+    tails = Tails(reduce, optimizer, gather, _encoder_tails(request, layout, costs, encoders, opts, compute, comm))
+    return BubbleScheduler(base.timeline, layout, costs, tails)
 
 
 def _encoder_tails(
@@ -401,9 +478,10 @@ def _emit(
     emitter = ClassEmitter(
         model, layout, best.costs, schedule, base.timeline.backward_points, routes, samples, train.precision, opts.encoder_zero_stage
     )
+    placed = schedule.placed
     items: list[list] = [[] for _ in range(layout.classes)]
-    for placed in schedule.placed:
-        items[placed.klass].append(placed)
+    for p in placed:
+        items[p.klass].append(p)
     for g in range(layout.classes):
         s, _, e = layout.position(g)
         program.classes.append(
@@ -434,7 +512,7 @@ def _emit(
         for u in encoders
     ] + [base.plan]
     plan = Plan(strategy="optimus", devices=program.world_size, units=unit_plans, program=program, precision=request.train.precision)
-    fine = [p for p in schedule.placed if not p.item.is_comm]
+    fine = [p for p in placed if not p.item.is_comm]
     plan.details = {
         "llm": {
             "tp": base.plan.tp,

@@ -185,6 +185,7 @@ class ClassEmitter:
                 lasts[key] = index
         pending: dict[tuple[int, int, str], str] = {}
         run: list[tuple[Placed, int]] = []
+        kernel_counts: dict[tuple[str, int], int] = {}
 
         def flush() -> None:
             if not run:
@@ -196,27 +197,36 @@ class ClassEmitter:
             work = Work(p.item.unit, p.phase, self.samples, layer, sharding=self.sharding, kernels=(kernels[0], kernels[-1] + 1))
             target = slots.setdefault(self._slot_key(p), [])
             key = (p.pipeline, p.local, p.phase, p.item.unit)
-            if any(index == firsts[key] for _, index in run):
+            indices = [index for _, index in run]
+            if firsts[key] in indices:
                 target += self._input(p.item.unit, e_of, i, p.phase)
-            count = len(self.model.unit(p.item.unit).layers[p.item.layer].kernels)
-            inputs, outputs = range_io(self.model, Segment(p.item.unit, layer), p.phase, i, kernels[0] == 0, kernels[-1] + 1 == count)
+            count = kernel_counts.get((p.item.unit, p.item.layer))
+            if count is None:
+                count = kernel_counts[(p.item.unit, p.item.layer)] = len(self.model.unit(p.item.unit).layers[p.item.layer].kernels)
+            first, last = kernels[0] == 0, kernels[-1] + 1 == count
+            # A range holding neither end of the layer's kernels reads and writes nothing.
+            inputs, outputs = range_io(self.model, Segment(p.item.unit, layer), p.phase, i, first, last) if first or last else ((), ())
             target.append(Compute(work, microbatch=i, inputs=inputs, outputs=outputs))
-            if any(index == lasts[key] for _, index in run):
+            if lasts[key] in indices:
                 target += self._output(p.item.unit, e_of, i, p.phase)
             run.clear()
 
+        # The run's slot, micro-batch, unit and layer: a kernel of the same joins it.
+        head: tuple | None = None
         for index, p in enumerate(items):
+            item = p.item
             mb_key = (p.pipeline, p.local, p.phase)
-            if p.item.is_comm:
+            if item.kernel < 0:  # an all-reduce
                 flush()
+                head = None
                 handle = self._handle()
-                group = self.routes[p.item.unit].tp_group
+                group = self.routes[item.unit].tp_group
                 assert group is not None, "an encoder all-reduce runs on its TP group"
                 issues.setdefault(p.op, []).append(
                     Collective(
                         "all_reduce",
                         group,
-                        p.item.nbytes,
+                        item.nbytes,
                         "tp",
                         stream=ENC_TP,
                         blocking=False,
@@ -225,15 +235,10 @@ class ClassEmitter:
                 )
                 pending[mb_key] = handle
                 continue
-            same = (
-                run
-                and self._slot_key(run[0][0]) == self._slot_key(p)
-                and (run[0][0].pipeline, run[0][0].local, run[0][0].phase, run[0][0].item.unit, run[0][0].item.layer)
-                == (p.pipeline, p.local, p.phase, p.item.unit, p.item.layer)
-                and mb_key not in pending
-            )
-            if not same:
+            joins = (p.kind, p.op, p.pipeline, p.local, p.phase, item.unit, item.layer)
+            if joins != head or mb_key in pending:
                 flush()
+                head = joins
             if mb_key in pending:
                 slots.setdefault(self._slot_key(p), []).append(Wait(pending.pop(mb_key)))
             run.append((p, index))

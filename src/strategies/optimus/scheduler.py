@@ -38,15 +38,14 @@ from dataclasses import dataclass, field
 
 from src.program import Phase
 from src.strategies.optimus.encoder import EncoderCosts, EncoderPlan, Item, Layout
-from src.strategies.optimus.timeline import EPS, LLMTimeline
+from src.strategies.optimus.timeline import EPS, LLMTimeline, Slots
 
 
 @dataclass(slots=True)
 class Placed:
     """An encoder item placed in the LLM's bubbles of rank class `klass`: a kernel in the
     gap before LLM operation `op` (kind 'gap') or in one of its TP bins ('tp'), or an
-    all-reduce issued before its compute ('issue'). (Not frozen: a schedule places
-    millions, and a frozen dataclass is several times slower to build.)"""
+    all-reduce issued before its compute ('issue')."""
 
     klass: int
     kind: str
@@ -56,6 +55,33 @@ class Placed:
     pipeline: int
     local: int
     phase: Phase
+
+
+@dataclass(slots=True)
+class Run:
+    """One encoder stage's items for one micro-batch as _pack placed them, in order: per
+    item its start and where it went (a slot index of the stage's `slots`, or -1 - x for
+    an all-reduce issued with operation x). A schedule places millions of items while
+    the search places most of them again and again; the Placed records are built only
+    for the schedule that is emitted."""
+
+    klass: int
+    pipeline: int
+    local: int
+    phase: Phase
+    items: list[Item]
+    slots: Slots
+    where: list[int]
+    starts: list[float]
+
+    def placed(self) -> list[Placed]:
+        kinds, ops, klass, pipeline, local, phase = self.slots.kind, self.slots.op, self.klass, self.pipeline, self.local, self.phase
+        return [
+            Placed(klass, kinds[x], ops[x], start, item, pipeline, local, phase)
+            if x >= 0
+            else Placed(klass, "issue", -1 - x, start, item, pipeline, local, phase)
+            for item, x, start in zip(self.items, self.where, self.starts)
+        ]
 
 
 @dataclass(frozen=True)
@@ -81,10 +107,15 @@ class Schedule:
     # Per class: a slot's next candidate for a kernel (itself unless it is full: too
     # little room left for the stage's shortest kernel), and one past the last slot.
     skip: list[list[int]] = field(default_factory=list)
-    placed: list[Placed] = field(default_factory=list)
+    runs: list[Run] = field(default_factory=list)
     delta: float = 0.0
     latency: float = math.inf
     mapping: dict[tuple[int, int], int] = field(default_factory=dict)
+
+    @property
+    def placed(self) -> list[Placed]:
+        """Every item placed in the LLM's bubbles, in the order they were placed."""
+        return [p for run in self.runs for p in run.placed()]
 
 
 class Journal:
@@ -96,7 +127,7 @@ class Journal:
         self.pipeline = pipeline
         self.pre = schedule.pre[pipeline]
         self.moved: tuple[int, int] | None = None
-        self.placed = len(schedule.placed)
+        self.runs = len(schedule.runs)
         self.cells: list[tuple[list[float], int, float]] = []
 
     def undo(self) -> None:
@@ -105,7 +136,7 @@ class Journal:
         if self.moved is not None:
             s.fine_forward.pop(self.moved, None)
             s.fine_backward.discard(self.moved)
-        del s.placed[self.placed :]
+        del s.runs[self.runs :]
         for cells, index, value in reversed(self.cells):
             cells[index] = value
         if self.cells:  # slots it filled have room again
@@ -178,6 +209,9 @@ class BubbleScheduler:
         # The LLM alone: its start after the all-gather, its end of iteration.
         self.delta0 = max(0.0, max(g - f for g, f in zip(tails.llm_gather, self.first)))
         self.llm_end = max(self.delta0 + last + rs + opt for last, rs, opt in zip(self.last, tails.llm_reduce, tails.llm_optimizer))
+        # No schedule of this layout ends sooner: every evaluation has Δ >= delta0 and
+        # post-bubble ends >= 0, and its latency is monotone in both (_latency).
+        self.floor = self._latency(self.delta0, [0.0] * layout.classes)
         # Every pipeline's pre-bubble forwards start at 0 and cost the same per encoder
         # stage, so the t-th forward's times are one table for all pipelines.
         self.pre_begin, self.pre_end, self.pre_arrive = self._forward_chain(self.microbatches)
@@ -296,13 +330,18 @@ class BubbleScheduler:
         stage = self.stage_of_class[klass]
         slots = self.t.slots[stage]
         ends, limits = self.ends[stage], self.limits[stage]
-        starts, kinds, ops = slots.start, slots.kind, slots.op
+        starts = slots.start
         issue_capacity = slots.issue_capacity
         used, issued, skip = schedule.used[klass], schedule.issued[klass], schedule.skip[klass]
         shortest = self.shortest[self.encoder_stage_of_class[klass]]
-        cells, placed = journal.cells, schedule.placed
+        cells = journal.cells
+        run = Run(klass, pipeline, local, phase, items, slots, [], [])
+        where, begins = run.where, run.starts
         n, n_issue = len(ends), len(issued)
         slot = _next_open(skip, bisect.bisect_right(ends, ready + EPS))
+        # The journal needs a cell's value before the move's first change to it: the
+        # kernels after the first in the same slot add no entry.
+        journaled = -1
         for item in items:
             seconds = item.seconds
             if item.kernel < 0:  # an all-reduce: issued with an LLM compute it overlaps
@@ -313,7 +352,8 @@ class BubbleScheduler:
                     return None
                 cells.append((issued, x, issued[x]))
                 issued[x] += seconds
-                placed.append(Placed(klass, "issue", x, slots.issue_time[x], item, pipeline, local, phase))
+                where.append(-1 - x)
+                begins.append(slots.issue_time[x])
                 ready = slots.compute_end[x]
                 slot = _next_open(skip, bisect.bisect_right(ends, ready + EPS))
                 continue
@@ -329,12 +369,16 @@ class BubbleScheduler:
             ready = begin + seconds
             if ready > deadline:
                 return None
-            cells.append((used, slot, used[slot]))
+            if slot != journaled:
+                cells.append((used, slot, used[slot]))
+                journaled = slot
             used[slot] = ready - starts[slot]
-            placed.append(Placed(klass, kinds[slot], ops[slot], begin, item, pipeline, local, phase))
+            where.append(slot)
+            begins.append(begin)
             # Full: no kernel fits after its last (rounding is monotone, so this is exact).
             if starts[slot] + used[slot] + shortest > limits[slot]:
                 skip[slot] = slot + 1
+        schedule.runs.append(run)
         return ready
 
     # ---- estimates -------------------------------------------------------------------------
@@ -395,7 +439,7 @@ class BubbleScheduler:
 
     def evaluate(self, schedule: Schedule, forward: ForwardSide | None = None) -> Evaluation:
         """Estimate a schedule; `forward`: its forward side when only backwards changed."""
-        layout, tails = self.layout, self.tails
+        layout = self.layout
         if forward is None:
             forward = self._forward_side(schedule)
         delta, mapping = forward.delta, forward.mapping
@@ -418,9 +462,18 @@ class BubbleScheduler:
             for e in range(self.pp):
                 post_end[self.classes_of[j][e]] = finals[e]
             backward_end[j] = max(finals)
+        latency = self._latency(delta, post_end)
+        return Evaluation(delta, latency, mapping, forward.pressure, backward_end, waiting, forward)
+
+    def _latency(self, delta: float, post_end: list[float]) -> float:
+        """The iteration's end: each class's LLM work shifted by Δ or its post-bubble
+        backwards (`post_end`), then the optimizer steps and the encoder's tails. Monotone
+        in Δ and in every post_end, in floating point too (sums and maxima of the same
+        terms in the same order), which makes `floor` a lower bound."""
+        tails = self.tails
         latency = 0.0
         encoder_ready = [0.0] * self.pp
-        for g in range(layout.classes):
+        for g in range(self.layout.classes):
             s = self.stage_of_class[g]
             done = max(delta + self.last[s] + tails.llm_reduce[s], post_end[g]) + tails.llm_optimizer[s]
             latency = max(latency, done)
@@ -428,7 +481,7 @@ class BubbleScheduler:
             encoder_ready[e] = max(encoder_ready[e], done)
         for e in range(self.pp):
             latency = max(latency, encoder_ready[e] + tails.encoder[e])
-        return Evaluation(delta, latency, mapping, forward.pressure, backward_end, waiting, forward)
+        return latency
 
     def _forward_side(self, schedule: Schedule) -> ForwardSide:
         pipelines = range(self.layout.pipelines)
@@ -506,7 +559,7 @@ class BubbleScheduler:
             for begin, end, share in post_busy[g]:
                 b, f = begin - shift, end - shift
                 inside += share * max(0.0, min(f, post_to) - max(b, post_from))
-        inside += sum(p.item.seconds for p in schedule.placed if not p.item.is_comm)
+        inside += sum(item.seconds for run in schedule.runs for item in run.items if not item.is_comm)
         return inside / total if total else 1.0
 
 

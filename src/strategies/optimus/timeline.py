@@ -19,7 +19,11 @@ Times are relative to the LLM's start; the iteration's parameter all-gather come
 from __future__ import annotations
 
 import bisect
+import itertools
+import math
+import operator
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from src.costmodel.comm import CommModel
 from src.costmodel.compute import ComputeModel
@@ -40,7 +44,7 @@ class OpCost:
     tp_bins: tuple[float, ...]
     hop: float
 
-    @property
+    @cached_property  # read for every operation of every trial timing
     def total(self) -> float:
         return self.compute + sum(self.tp_bins)
 
@@ -104,19 +108,29 @@ class Deadlock(ValueError):
     stage's predecessor cannot feed)."""
 
 
-def time_pipeline(orders: list[list[PipeOp]], costs: list[list[OpCost]]) -> list[StageTimes]:
+class Overrun(ValueError):
+    """A schedule that cannot end by the deadline it was timed against."""
+
+
+def time_pipeline(orders: list[list[PipeOp]], costs: list[list[OpCost]], deadline: float = math.inf) -> list[StageTimes]:
     """Time the schedule as a dependency graph: a forward of virtual stage v waits for v-1's
     forward of its micro-batch plus the hop, a backward for v+1's backward plus the hop.
     (Run for every warm-up count GetEncLLMDep tries: each operation's input is found by
-    its virtual stage and micro-batch, and the sweep over the stages only reads lists.)"""
+    its virtual stage and micro-batch, and the sweep over the stages only reads lists.)
+    Raises Overrun as soon as a stage cannot end by `deadline`: its operations timed so
+    far end later than the deadline less the rest of its work, with a margin far above
+    the rounding of the sums (a trial found too long early is not timed to its end)."""
     pp = len(orders)
-    virtual = max((op.chunk for order in orders for op in order), default=0) * pp + pp
-    microbatches = max((op.microbatch for order in orders for op in order), default=0) + 1
+    virtual = max((max(map(_CHUNK, order), default=0) for order in orders), default=0) * pp + pp
+    microbatches = max((max(map(_MICROBATCH, order), default=0) for order in orders), default=0) + 1
     forward_end = [[-1.0] * microbatches for _ in range(virtual)]
     backward_end = [[-1.0] * microbatches for _ in range(virtual)]
     ops = [[(op.kind == "F", op.chunk * pp + s, op.microbatch) for op in order] for s, order in enumerate(orders)]
-    totals = [[cost.total for cost in stage] for stage in costs]
-    hops = [[cost.hop for cost in stage] for stage in costs]
+    totals = [list(map(_TOTAL, stage)) for stage in costs]
+    hops = [list(map(_HOP, stage)) for stage in costs]
+    # Per stage, the work after each operation (none: no deadline to check against).
+    late = deadline * (1 + 1e-6) if math.isfinite(deadline) else math.inf
+    rest = [list(itertools.accumulate(reversed(t[1:] + [0.0])))[::-1] for t in totals] if math.isfinite(late) else []
     start = [[0.0] * len(order) for order in orders]
     end = [[-1.0] * len(order) for order in orders]
     position = [0] * pp
@@ -147,12 +161,18 @@ def time_pipeline(orders: list[list[PipeOp]], costs: list[list[OpCost]]) -> list
                 (forward_end if forward else backward_end)[v][j] = ready
                 x += 1
             if x != position[s]:
+                if rest and ready + rest[s][x - 1] > late:
+                    raise Overrun(f"stage {s} ends after {deadline}")
                 remaining -= x - position[s]
                 position[s] = x
                 progressed = True
         if not progressed:
             raise Deadlock("the pipeline schedule deadlocks")
     return [StageTimes(start[s], end[s], costs[s]) for s in range(pp)]
+
+
+_CHUNK, _MICROBATCH = operator.attrgetter("chunk"), operator.attrgetter("microbatch")
+_TOTAL, _HOP = operator.attrgetter("total"), operator.attrgetter("hop")
 
 
 def makespan(times: list[StageTimes]) -> float:
@@ -178,6 +198,7 @@ def deferred_warmups(microbatches: int, chunks: int, tables: list[CostTable], ba
     pp = len(base)
     warmups = warmup_counts(base)
     target = makespan(time_pipeline(base, costs_of(base, tables)))
+    limit = target * (1 + 1e-9) + EPS
     least = (chunks - 1) * pp
     while warmups[0] > least:
         for depth in range(1, pp + 1):
@@ -186,8 +207,10 @@ def deferred_warmups(microbatches: int, chunks: int, tables: list[CostTable], ba
                 return warmups
             orders = interleaved(pp, microbatches, chunks, trial)
             try:
-                kept = makespan(time_pipeline(orders, costs_of(orders, tables))) <= target * (1 + 1e-9) + EPS
+                kept = makespan(time_pipeline(orders, costs_of(orders, tables), limit)) <= limit
             except Deadlock:  # a stage would wait for forwards its predecessor defers: take one off more stages
+                continue
+            except Overrun:  # longer than Megatron's: as a makespan over the limit
                 continue
             if kept:
                 warmups = trial
