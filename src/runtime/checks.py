@@ -108,14 +108,14 @@ def check_runnable(run: PlannedRun, data: str, data_errors: str = "fail") -> Non
 
 def _check_image_rows(plan: Plan, model: ModelSpec) -> None:
     """An interleaved micro-batch's images are rows of their own inside a unit that reads
-    them: its layers run whole on each rank (tp > 1 replicates them, pp > 1 would pass a
-    varying number of image rows between stages)."""
+    them: its stages pass their real images' token states, as many as the micro-batch holds;
+    tp > 1 replicates its layers, whose stages would pass them split among the TP peers."""
     for unit in plan.units:
-        if model.unit(unit.unit).arch.reads_images and unit.pp > 1:
+        if model.unit(unit.unit).arch.reads_images and unit.pp > 1 and unit.mesh.degree("tp") > 1:
             raise PlanRefused(
-                f"unit {unit.unit} on pp={unit.pp} with interleaved data: the real backend passes a sequence's images "
-                f"between units, not between pipeline stages of the unit that encodes them (it needs pp=1)",
-                ("pp",),
+                f"unit {unit.unit} on pp={unit.pp} with tp={unit.mesh.degree('tp')} and interleaved data: the real backend "
+                f"passes a micro-batch's images between pipeline stages of the unit that encodes them with tp=1 only",
+                ("pp", "tp"),
                 (unit.unit,),
             )
 

@@ -545,7 +545,13 @@ class Executor:
             rows = message.received.rows
             count = rows[1] - rows[0] if rows is not None else self.plan.unit(message.received.unit).micro_batch
             slots = self._image_slots(message.received)
-            shape = (count,) + self._row_shape(message.received) if slots is None else self._packed_shape(message.received, slots)
+            images = self._images_inside(message.received)
+            if images is not None:  # between an encoder's stages: its real images' token states
+                shape = (images,) + self._image_row_shape(message.received.unit)
+            elif slots is None:
+                shape = (count,) + self._row_shape(message.received)
+            else:
+                shape = self._packed_shape(message.received, slots)
             buffer = torch.empty(shape, dtype=self.dtype, device=self.device)
             group = self.groups.route(route.name)
             if not len(buffer):
@@ -574,6 +580,21 @@ class Executor:
         """The real images' rows of an encoder's hand-on, one image's elements each."""
         spec = self.model.unit(payload.unit)
         return (int(slots.sum()), spec.output_elems // spec.arch.images)
+
+    def _image_row_shape(self, unit: str) -> tuple[int, ...]:
+        """One image's token states inside an encoder: its patches and CLS, the encoder's width."""
+        spec = self.model.unit(unit)
+        return (spec.seq_len // spec.arch.images, spec.hidden)
+
+    def _images_inside(self, payload: Payload) -> int | None:
+        """How many rows a payload between an encoder's layers holds under interleaved data:
+        one per real image of the micro-batch (the encoder runs on those only), as the batch
+        of this rank's stage says; None where rows are samples."""
+        spec = self.model.unit(payload.unit)
+        if not (spec.arch.reads_images and payload.tensor == "x" and 0 < payload.layer < spec.num_layers):
+            return None
+        slots = self.batch_for(payload.unit, payload.microbatch).get("image_slots")
+        return None if slots is None else int(slots.sum())
 
     def _image_slots(self, payload: Payload) -> torch.Tensor | None:
         """The image slots of a payload's rows where it is what an encoder hands on (or its

@@ -361,9 +361,12 @@ def test_optimus_llm_distributed_optimizer_over_replicas_is_refused_naming_the_f
         _check(OPTIMUS + replicas)
 
 
-def test_interleaved_data_refuses_an_encoder_on_pipeline_stages():
-    with pytest.raises(ConfigError, match=r"unit encoder on pp=2 with interleaved data.*\[disttrain: strategy.encoder.pp\]"):
-        _check(DISTTRAIN + ["strategy.data=interleaved", "strategy.generator.pp=1", "strategy.encoder.pp=2"])
+def test_interleaved_data_refuses_an_encoder_on_pipeline_stages_of_tp_peers():
+    interleaved = DISTTRAIN + ["strategy.data=interleaved", "strategy.generator.pp=1", "strategy.encoder.pp=2"]
+    _check(interleaved)  # tp=1: its stages pass the real images' token states
+    with pytest.raises(ConfigError, match=r"unit encoder on pp=2 with tp=2 and interleaved data.*strategy.encoder.pp"):
+        wider = [o for o in interleaved if not o.startswith("cluster.devices_per_node")] + ["cluster.devices_per_node=8"]
+        _check(wider + ["strategy.encoder.tp=2", "strategy.encoder.sequence_parallel=false"])
 
 
 def test_deepspeed_is_given_the_reuse_distance_the_plan_priced():

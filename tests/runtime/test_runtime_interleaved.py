@@ -1,6 +1,7 @@
 """Interleaved data on the real backend: sequences that hold their samples' images (none to
 several, drawn as the simulator draws them or read from tar shards) train exactly like
-one process, in data order, reordered by DistTrain's plan and with a frozen encoder; a
+one process, in data order, reordered by DistTrain's plan, with a frozen encoder and with
+the encoder on two pipeline stages; a
 data-parallel rank whose micro-batch holds no image takes part in every collective of the
 encoder and generator (ZeRO-0 and ZeRO-3), under a short timeout. All runs share ONE
 launch of four workers.
@@ -53,6 +54,9 @@ CASES: dict[str, list[str]] = {
     "encoder_tp2": DISTTRAIN + ["strategy.encoder.tp=2", "strategy.encoder.sequence_parallel=false"],
     "llm_tp2": DISTTRAIN + ["strategy.llm.tp=2", "strategy.llm.sequence_parallel=false"],
     "shards": DISTTRAIN + ["strategy.reorder=none", "backend.data=SHARDS"],
+    # The encoder's two stages pass each micro-batch's real images' token states (none for
+    # its micro-batch 3).
+    "encoder_pp2_shards": DISTTRAIN + ["strategy.reorder=none", "strategy.encoder.pp=2", "backend.data=SHARDS"],
     "ddp_zero0_no_image": ["strategy=ddp", "strategy.zero_stage=0", "backend.data=SHARDS"],
     # ZeRO-3 gathers every layer's weights on every rank, also for a micro-batch of no image.
     "ddp_zero3_no_image": ["strategy=ddp", "strategy.zero_stage=3", "backend.data=SHARDS"],
