@@ -23,11 +23,10 @@ import sys
 import time
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere: this repository's src
 
+from src.config import composed
 from src.config import options_from
 from src.setup import Setup, plan_run, validate
 from src.strategies.disttrain.orchestration import UNITS, Orchestrator
@@ -41,7 +40,6 @@ RUNS = 3
 
 
 def configure(gpus: int, batch: int) -> Setup:
-    conf = Path(__file__).resolve().parent.parent / "conf"
     overrides = [
         "strategy=disttrain",
         "logger=none",
@@ -50,8 +48,7 @@ def configure(gpus: int, batch: int) -> Setup:
         f"cluster.nodes={gpus // 8}",
         f"train.global_batch={batch}",
     ]
-    with initialize_config_dir(config_dir=str(conf), version_base=None):
-        config = OmegaConf.to_container(compose(config_name="config", overrides=overrides), resolve=True)
+    config = composed(overrides)
     return validate(config)  # a new ModelSpec: no cost-model cache survives
 
 

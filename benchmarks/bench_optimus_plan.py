@@ -23,12 +23,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: this repository's src
 
+from src.config import composed
 from src.costmodel.compute import ComputeModel
 from src.setup import plan_run, validate
 from src.sim.engine import simulate
@@ -53,8 +52,7 @@ def plan_and_simulate(overrides: list[str]) -> tuple[float, float, float, float,
     """Wall time from the composed config to the simulated iteration, this process's CPU
     time and its workers' (the encoder plans scheduled in parallel), the simulation's
     share of the wall time, and the plan."""
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        config = OmegaConf.to_container(compose(config_name="config", overrides=BASE + overrides), resolve=True)
+    config = composed(BASE + overrides)
     wall, cpu, workers = time.perf_counter(), time.process_time(), children_cpu()
     setup = validate(config)
     plan = plan_run(setup)
