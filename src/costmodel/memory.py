@@ -98,6 +98,7 @@ def peak_activation_bytes(rank_program: RankProgram, model: ModelSpec, recompute
     live = 0.0
     peak = 0.0
     alive: dict[tuple, float] = {}
+    freed: set[tuple] = set()  # forwards a backward freed whole (its later kernel ranges free nothing)
     for instruction in rank_program.instructions:
         if not isinstance(instruction, Compute):
             continue
@@ -116,15 +117,19 @@ def peak_activation_bytes(rank_program: RankProgram, model: ModelSpec, recompute
                     (layer.activations.per_device(work.sharding, "none") for layer in unit.layers[start:end]), default=0.0
                 )
                 peak = max(peak, live + rematerialised * work.samples * work.fraction * work.load)
-            live -= _free(alive, key, model, instruction, recompute.get(work.unit, "none"))
+            live -= _free(alive, freed, key, model, instruction, recompute.get(work.unit, "none"))
     return peak
 
 
-def _free(alive: dict[tuple, float], key: tuple, model: ModelSpec, backward: Compute, recompute: str) -> float:
-    """Activations a backward frees: its forward's, or, for a backward split layer by layer
-    (overlap_grad_reduce's last micro-batch), its layers' share of the forward covering them."""
+def _free(alive: dict[tuple, float], freed: set[tuple], key: tuple, model: ModelSpec, backward: Compute, recompute: str) -> float:
+    """Activations a backward frees: its forward's (the first of the backward's kernel
+    ranges frees it whole), or, for a backward split layer by layer (overlap_grad_reduce's
+    last micro-batch), its layers' share of the forward covering them."""
     if key in alive:
+        freed.add(key)
         return alive.pop(key)
+    if key in freed:
+        return 0.0
     unit, (start, end), chunk, microbatch = key
     for (held_unit, (first, last), held_chunk, held_mb), held in alive.items():
         if (held_unit, held_chunk, held_mb) == (unit, chunk, microbatch) and first <= start and end <= last:
