@@ -26,6 +26,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         (
             "src.errors",
             "src.progress",
+            "src.collector",
             "src.mesh",
             "src.cluster_profile",
             "src.cluster",

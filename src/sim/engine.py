@@ -40,6 +40,7 @@ from src.costmodel.comm import CommModel
 from src.costmodel.compute import ComputeModel
 from src.models.spec import ModelSpec
 from src.cluster import ClusterSpec
+from src.collector import collector_paused
 from src.progress import Progress
 from src.program import (
     COMPUTE_STREAM,
@@ -716,6 +717,11 @@ def simulate(
     many Programs of a planner's search. Devices that share a host's cores are simulated
     again until each compute span runs at the share its node's other work left it
     (src.sim.cores)."""
+    with collector_paused():
+        return _simulate(program, model, cluster, precision, compute)
+
+
+def _simulate(program: Program, model: ModelSpec, cluster: ClusterSpec, precision: str, compute: ComputeModel | None) -> Timeline:
     simulator = Simulator(program, model, cluster, precision, compute)
     timeline = simulator.run()
     if not simulator.cores_shared:

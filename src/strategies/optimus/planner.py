@@ -23,15 +23,14 @@ schedule of all is emitted (optimus.programs) and simulated as it is.
 
 from __future__ import annotations
 
-import gc
 import math
 import time
-from contextlib import contextmanager
 from functools import partial
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
 from src.cluster import GIB, family_sharing
+from src.collector import collector_paused
 from src.config import options_from
 from src.progress import Progress
 from src.costmodel.comm import CommModel
@@ -92,25 +91,8 @@ class OptimusOptions:
 
 
 def plan_optimus(request: PlanRequest) -> Plan:
-    with _collector_paused():
+    with collector_paused():
         return _plan(request)
-
-
-@contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off while planning (and in the processes the
-    planner forks): the plan is millions of long-lived objects (the LLM's stages, the
-    emitted Program, the schedules), and each full collection walks them all again, most
-    of the planner's time on a 300k-instruction Program. They hold next to no reference
-    cycles (reference counting frees them): a collection after planning frees a few
-    thousand objects of the hundreds of MB the plan takes."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _plan(request: PlanRequest) -> Plan:
