@@ -75,6 +75,8 @@ def grid() -> list[Case]:
             strategies = {
                 "ddp-z0": ["strategy=ddp", "strategy.zero_stage=0"],
                 "ddp-z2": ["strategy=ddp", "strategy.zero_stage=2"],
+                # DeepSpeed's stage 3: every module's weights gathered before its forward and backward
+                "ddp-z3": ["strategy=ddp", "strategy.zero_stage=3"],
                 "megatron-tp": [
                     "strategy=megatron",
                     f"strategy.tp={workers}",
