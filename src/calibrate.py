@@ -174,6 +174,8 @@ def _links(rank: int, world: int) -> dict[str, list]:
     import torch
     import torch.distributed as dist
 
+    from src.runtime.comm import all_gather_single, reduce_scatter_single
+
     pairs = [dist.new_group([r, r + 1]) for r in range(0, world - 1, 2)]
     mine = pairs[rank // 2] if rank // 2 < len(pairs) else None
     peer = rank ^ 1
@@ -195,8 +197,8 @@ def _links(rank: int, world: int) -> dict[str, list]:
             if mine is not None:
                 measured["all_reduce"].append((2, nbytes, seconds))
         measured["all_reduce"].append((world, nbytes, _timed(lambda: dist.all_reduce(tensor))))
-        measured["all_gather"].append((world, nbytes, _timed(lambda: dist.all_gather_into_tensor(tensor, shard))))
-        measured["reduce_scatter"].append((world, nbytes, _timed(lambda: dist.reduce_scatter_tensor(shard, tensor))))
+        measured["all_gather"].append((world, nbytes, _timed(lambda: all_gather_single(tensor, shard))))
+        measured["reduce_scatter"].append((world, nbytes, _timed(lambda: reduce_scatter_single(shard, tensor))))
         measured["all_to_all"].append((world, nbytes, _timed(lambda: dist.all_to_all_single(received, tensor))))
         seconds = _timed(ping_pong)
         if mine is not None:
