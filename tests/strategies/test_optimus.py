@@ -26,7 +26,7 @@ from src.strategies.base import Degrees
 from src.strategies.optimus import parallel, timeline
 from src.strategies.optimus import planner as optimus_planner
 from src.strategies.optimus.llm import LLMPipelines
-from src.strategies.optimus.planner import OptimusOptions, _llm_and_encoders, _schedule
+from src.strategies.optimus.planner import OptimusOptions, _llm_and_encoders, _RungJobs
 from src.strategies.optimus.encoder import EncoderPlan, Layout
 from src.strategies.optimus.scheduler import partitions, spread
 from src.strategies.optimus.timeline import EPS, makespan, warmup_counts
@@ -75,7 +75,7 @@ def candidate(s: Setup, pp: int, tp: int, zero_stage: int = 0):
     llm, encoders = _llm_and_encoders(s.model)
     base = LLMPipelines(request, llm, encoders, opts.megatron(), opts.defer_warmup, compute, comm).base("none", zero_stage)
     layout = Layout(base.plan.mesh, EncoderPlan(pp, tp))
-    return base, _schedule(request, opts, base, layout, encoders=encoders, compute=compute, comm=comm)
+    return base, _RungJobs(request, opts, base, encoders, compute, comm).schedule(layout)
 
 
 @pytest.fixture(scope="module")

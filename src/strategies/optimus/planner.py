@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 import time
-from functools import partial
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
@@ -147,9 +146,8 @@ def _plan(request: PlanRequest) -> Plan:
                 rejected.append(problem)
             else:
                 layouts.append(layout)
-        job = partial(_schedule, request, opts, base, encoders=encoders, compute=compute, comm=comm)
-        again = partial(_reschedule, request, opts, base, encoders=encoders, compute=compute, comm=comm)
-        candidates = schedule_all(job, layouts)
+        jobs = _RungJobs(request, opts, base, encoders, compute, comm)
+        candidates = schedule_all(jobs.schedule, layouts)
         scheduled += len(candidates)
         rung["outcome"] = f"{len(candidates)} encoder plans scheduled"
         if candidates:
@@ -159,7 +157,7 @@ def _plan(request: PlanRequest) -> Plan:
         for candidate in sorted(candidates, key=lambda c: (c.schedule.latency, -c.plan.pp * c.plan.tp)):
             if (candidate.schedule.latency, index) >= best:
                 break
-            candidate = complete(again, candidate)
+            candidate = complete(jobs.reschedule, candidate)
             plan = _emit(request, opts, base, candidate, encoders, candidates, rejected, time.perf_counter() - started)
             problem = _program_memory_problem(request, plan)
             if problem is None:
@@ -315,91 +313,82 @@ def _encoder_plan_problem(
     return None
 
 
-def _schedule(
-    request: PlanRequest,
-    opts: OptimusOptions,
-    base: LLMBase,
-    layout: Layout,
-    *,
-    encoders: list[str],
-    compute: ComputeModel,
-    comm: CommModel,
-) -> Candidate:
-    scheduler = _scheduler(request, opts, base, layout, encoders, compute, comm)
-    n_mb = base.plan.num_microbatches
-    cache: dict[tuple[int, ...], float] = {}
+@dataclass(frozen=True)
+class _RungJobs:
+    """Scheduling the encoder plans of one rung of the LLM's memory ladder."""
 
-    def coarse(counts: list[int]) -> float:
-        key = tuple(counts)
-        if key not in cache:
-            cache[key] = scheduler.evaluate(Schedule(list(counts), list(counts))).latency
-        return cache[key]
+    request: PlanRequest
+    opts: OptimusOptions
+    base: LLMBase
+    encoders: list[str]
+    compute: ComputeModel
+    comm: CommModel
 
-    splits = partitions(n_mb, layout.blocks, layout.columns, opts.max_partitions)
-    total = math.comb(n_mb - layout.pipelines + layout.blocks - 1, layout.blocks - 1)
-    if splits is None:
-        ranked, evaluated = local_search(n_mb, layout.blocks, layout.columns, coarse)
-        search = "local search"
-    else:
-        ranked = sorted(splits, key=coarse)
-        evaluated, search = len(splits), "exhaustive"
-    coarse_best = scheduler.initial(ranked[0])
-    best = scheduler.best(ranked[0], opts.fine_grained)
-    for counts in ranked[1 : opts.refine]:
-        # A split's schedule is kept only if strictly faster: none is faster than the
-        # layout's floor, so once the best reaches it the remaining splits cannot win.
-        if best.latency <= scheduler.floor:
-            break
-        refined = scheduler.best(counts, opts.fine_grained)
-        if refined.latency < best.latency:
-            best = refined
-    return Candidate(
-        layout.plan,
-        layout,
-        scheduler.costs,
-        scheduler,
-        best,
-        scheduler.efficiency(coarse_best),
-        scheduler.efficiency(best),
-        coarse_best.latency,
-        total,
-        evaluated,
-        search,
-    )
+    def scheduler(self, layout: Layout) -> BubbleScheduler:
+        """The bubble scheduler of one encoder plan: its encoders' costs and tails."""
+        request, base = self.request, self.base
+        model, train = request.model, request.train
+        costs = encoder_costs(
+            model, self.encoders, request.cluster, train.precision, layout, base.plan.micro_batch, self.compute, self.comm
+        )
+        reduce, optimizer, gather = base.tails
+        tails = Tails(
+            reduce, optimizer, gather, _encoder_tails(request, layout, costs, self.encoders, self.opts, self.compute, self.comm)
+        )
+        return BubbleScheduler(base.timeline, layout, costs, tails)
 
+    def schedule(self, layout: Layout) -> Candidate:
+        """One encoder plan's best schedule: its splits ranked by the coarse estimate, the
+        first `refine` of them scheduled fine."""
+        opts = self.opts
+        scheduler = self.scheduler(layout)
+        n_mb = self.base.plan.num_microbatches
+        cache: dict[tuple[int, ...], float] = {}
 
-def _reschedule(
-    request: PlanRequest,
-    opts: OptimusOptions,
-    base: LLMBase,
-    candidate: Candidate,
-    *,
-    encoders: list[str],
-    compute: ComputeModel,
-    comm: CommModel,
-) -> Candidate:
-    """A candidate scheduled in another process, with its whole schedule: its split's
-    schedule again (the same as there: the scheduler's memos change no result)."""
-    scheduler = _scheduler(request, opts, base, candidate.layout, encoders, compute, comm)
-    schedule = scheduler.best(candidate.schedule.counts, opts.fine_grained)
-    return replace(candidate, scheduler=scheduler, schedule=schedule)
+        def coarse(counts: list[int]) -> float:
+            key = tuple(counts)
+            if key not in cache:
+                cache[key] = scheduler.evaluate(Schedule(list(counts), list(counts))).latency
+            return cache[key]
 
+        splits = partitions(n_mb, layout.blocks, layout.columns, opts.max_partitions)
+        total = math.comb(n_mb - layout.pipelines + layout.blocks - 1, layout.blocks - 1)
+        if splits is None:
+            ranked, evaluated = local_search(n_mb, layout.blocks, layout.columns, coarse)
+            search = "local search"
+        else:
+            ranked = sorted(splits, key=coarse)
+            evaluated, search = len(splits), "exhaustive"
+        coarse_best = scheduler.initial(ranked[0])
+        best = scheduler.best(ranked[0], opts.fine_grained)
+        for counts in ranked[1 : opts.refine]:
+            # A split's schedule is kept only if strictly faster: none is faster than the
+            # layout's floor, so once the best reaches it the remaining splits cannot win.
+            if best.latency <= scheduler.floor:
+                break
+            refined = scheduler.best(counts, opts.fine_grained)
+            if refined.latency < best.latency:
+                best = refined
+        return Candidate(
+            layout.plan,
+            layout,
+            scheduler.costs,
+            scheduler,
+            best,
+            scheduler.efficiency(coarse_best),
+            scheduler.efficiency(best),
+            coarse_best.latency,
+            total,
+            evaluated,
+            search,
+        )
 
-def _scheduler(
-    request: PlanRequest,
-    opts: OptimusOptions,
-    base: LLMBase,
-    layout: Layout,
-    encoders: list[str],
-    compute: ComputeModel,
-    comm: CommModel,
-) -> BubbleScheduler:
-    """The bubble scheduler of one encoder plan on one rung: its encoders' costs and tails."""
-    model, train = request.model, request.train
-    costs = encoder_costs(model, encoders, request.cluster, train.precision, layout, base.plan.micro_batch, compute, comm)
-    reduce, optimizer, gather = base.tails
-    tails = Tails(reduce, optimizer, gather, _encoder_tails(request, layout, costs, encoders, opts, compute, comm))
-    return BubbleScheduler(base.timeline, layout, costs, tails)
+    def reschedule(self, candidate: Candidate) -> Candidate:
+        """A candidate scheduled in another process, with its whole schedule: its split's
+        schedule again (the same as there: the scheduler's memos change no result)."""
+        scheduler = self.scheduler(candidate.layout)
+        schedule = scheduler.best(candidate.schedule.counts, self.opts.fine_grained)
+        return replace(candidate, scheduler=scheduler, schedule=schedule)
 
 
 def _encoder_tails(
