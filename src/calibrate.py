@@ -13,6 +13,13 @@ runs them (spawned processes, gloo, F.linear):
   by size: latency and bandwidth fits of the cost model's formulas; all-gather,
   reduce-scatter and all-to-all times by size, as the fraction of the fitted ring's rate
   they achieve (gloo's reduce-scatter falls far short of it);
+- ZeRO-3's host work: DeepSpeed's stage 3 on one worker (its hooks fetch and release
+  every module, with nothing to gather) on stacks of the real backend's transformer
+  blocks of two widths, every tensor partitioned and run as the real backend runs them;
+  what a step takes beyond the same blocks' plain step and DeepSpeed's collectives, per
+  module fetch and per byte fetched (the hooks, the fetch and release bookkeeping, the
+  buffers' copies). Over more workers DeepSpeed's all-gathers add what the cost model
+  prices as collectives; its comms logger times only their launch, not their wait;
 - the framework's cost per kernel: one transformer block of the real backend
   (src.runtime.modules.blocks.Block) so small that its arithmetic is nothing, forward and
   forward + backward, divided by the kernels the cost model counts for it;
@@ -100,7 +107,8 @@ def _worker(rank: int, world: int, port: int, task: str, results: Any) -> None:
     import torch
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # DeepSpeed (the zero3 task) reads the launcher's variables too.
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -109,6 +117,8 @@ def _worker(rank: int, world: int, port: int, task: str, results: Any) -> None:
             results[rank] = [(m, n, k, d, _rate(m, n, k, d)) for d in DTYPES for m, n, k in shapes]
         elif task == "host":
             results[rank] = _host_costs()
+        elif task == "zero3":
+            results[rank] = _zero3()
         elif task == "sync":
             results[rank] = _after_compute()
         elif task == "handover":
@@ -123,6 +133,11 @@ def _worker(rank: int, world: int, port: int, task: str, results: Any) -> None:
 
 
 HOST_BLOCK = (16, 2, 8)  # hidden, heads, tokens: arithmetic negligible beside the framework's calls
+# ZeRO-3's host work: stacks of blocks of two widths (module fetches of almost no bytes, and
+# of 0.1-1 MiB), a few tokens so that their arithmetic stays small.
+ZERO3_WIDTHS = (16, 256)
+ZERO3_BLOCKS, ZERO3_HEADS, ZERO3_TOKENS = 4, 2, 8
+ZERO3_STEPS, ZERO3_REPEATS = 8, 3
 
 
 def _host_costs() -> dict[str, float]:
@@ -153,6 +168,94 @@ def _host_costs() -> dict[str, float]:
             reps += 1
         seconds[name] = elapsed / reps
     return seconds
+
+
+def _zero3() -> dict[int, dict[str, float]]:
+    """Per width: seconds per training step of a stack of the real backend's transformer
+    blocks, plain (no DeepSpeed) and under DeepSpeed's ZeRO-3 with every tensor
+    partitioned, built and run as the real backend does (under zero.Init, each block
+    called in turn rather than through the engine's forward, the comms logger on), on one
+    worker: the hooks fetch and release every module as they do over many, with nothing
+    to gather (the all-gathers, which the cost model prices, are not run). With the
+    seconds DeepSpeed's collectives still took (its gradient reductions over a group of
+    one), and the module fetches and bytes a step makes: each module with parameters of
+    its own, fetched for its forward and again for its backward."""
+    import torch
+    import torch.distributed as dist
+
+    from src.runtime.engines import EngineSettings, ParallelGroups, backward, deepspeed_comm_seconds, make_engine, partitioned_at_init
+    from src.runtime.modules.blocks import Block
+    from src.runtime.modules.parallel import TP
+
+    groups = ParallelGroups(dist.new_group([0]), (0,), None, ())
+    settings = EngineSettings(3, 1, 1, lr=1e-3, weight_decay=0.0, eps=1e-8, persistence_threshold=0)
+    linear = torch.nn.functional.linear  # zero.Init replaces it for the whole process
+
+    def stack(hidden: int) -> torch.nn.ModuleList:
+        return torch.nn.ModuleList(Block(hidden, ZERO3_HEADS, TP(), causal=True) for _ in range(ZERO3_BLOCKS))
+
+    def run(blocks: torch.nn.ModuleList, x: torch.Tensor):
+        state = {"x": x}
+        for block in blocks:
+            state = block(state)
+        return state["x"].sum()
+
+    def per_step(step) -> float:
+        step()  # warm-up
+        start = time.perf_counter()
+        for _ in range(ZERO3_STEPS):
+            step()
+        return (time.perf_counter() - start) / ZERO3_STEPS
+
+    out: dict[int, dict[str, float]] = {}
+    for hidden in ZERO3_WIDTHS:
+        x = torch.randn(1, ZERO3_TOKENS, hidden)
+        plain = stack(hidden)
+        optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+
+        def plain_step() -> None:
+            optimizer.zero_grad()
+            run(plain, x).backward()
+            optimizer.step()
+
+        try:
+            with partitioned_at_init(groups, settings):
+                partitioned = stack(hidden)
+            engine = make_engine(torch.nn.ModuleDict({"u": partitioned}), groups, settings)
+        finally:
+            torch.nn.functional.linear = linear
+        comm = deepspeed_comm_seconds()
+
+        def zero3_step() -> None:
+            backward(engine, run(engine.module["u"], x), 0)
+            engine.step()
+
+        rounds = []
+        for _ in range(ZERO3_REPEATS):  # side by side: the host's load drifts
+            plain_s = per_step(plain_step)
+            before = comm()
+            rounds.append((plain_s, per_step(zero3_step), (comm() - before) / (ZERO3_STEPS + 1)))
+        modules = sum(1 for m in plain.modules() if next(m.parameters(recurse=False), None) is not None)
+        nbytes = sum(p.numel() * p.element_size() for p in plain.parameters())
+        out[hidden] = {
+            **{key: statistics.median(r[i] for r in rounds) for i, key in enumerate(("plain_s", "zero3_s", "collectives_s"))},
+            "fetches": 2.0 * modules,
+            "fetched_bytes": 2.0 * nbytes,
+        }
+    return out
+
+
+def zero3_fetch_costs(measured: dict[int, dict[str, float]]) -> tuple[float, float]:
+    """Host seconds per ZeRO-3 module fetch and per byte fetched: what a step takes beyond
+    the plain step and DeepSpeed's collectives, fitted over the widths as fetches x
+    per-fetch + bytes x per-byte (the narrowest width's bytes are almost none)."""
+    points = [
+        (row["fetches"], row["fetched_bytes"], max(row["zero3_s"] - row["plain_s"] - row["collectives_s"], 0.0))
+        for row in (measured[h] for h in ZERO3_WIDTHS)
+    ]
+    (f0, b0, t0), (f1, b1, t1) = points[0], points[-1]
+    per_byte = max((t1 / f1 - t0 / f0) / (b1 / f1 - b0 / f0), 0.0)
+    return max(t0 / f0 - per_byte * b0 / f0, 0.0), per_byte
 
 
 def host_kernel_costs(forward: float, forward_backward: float) -> tuple[float, float]:
@@ -444,6 +547,9 @@ def calibrate(workers: int) -> dict[str, Any]:
     host = _spawn("host", 1)[0]
     forward_kernel, backward_kernel = host_kernel_costs(host["forward"], host["forward_backward"])
     preset.update(host_forward_kernel_s=float(f"{forward_kernel:.4g}"), host_backward_kernel_s=float(f"{backward_kernel:.4g}"))
+    zero3 = _spawn("zero3", 1)[0]
+    fetch_s, fetch_byte_s = zero3_fetch_costs(zero3)
+    preset.update(host_fetch_s=float(f"{fetch_s:.4g}"), host_fetch_byte_s=float(f"{fetch_byte_s:.4g}"))
     links = {k: link_figures(_spawn("links", k), after_compute_points(_spawn("sync", k), k)) for k in range(2, workers + 1)}
     handovers = {k: _spawn("handover", k) for k in range(2, workers + 1)}
     preset["by_workers"] = {k: figures for k, (figures, _) in links.items()}
@@ -471,6 +577,10 @@ def calibrate(workers: int) -> dict[str, Any]:
             "links_by_workers": {k: kept for k, (_, kept) in links.items()},
             "handover_by_workers": {k: {r: dict(h) for r, h in handover.items()} for k, handover in handovers.items()},
             "host_block": {"hidden_heads_tokens": list(HOST_BLOCK), **host},
+            "zero3_by_width": {
+                "blocks_heads_tokens": [ZERO3_BLOCKS, ZERO3_HEADS, ZERO3_TOKENS],
+                **{hidden: zero3[hidden] for hidden in ZERO3_WIDTHS},
+            },
         },
     }
 

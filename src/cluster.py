@@ -84,6 +84,10 @@ class ClusterSpec:
       host keeps ahead; on CPU workers, whose host is the device, 0).
     host_forward_kernel_s, host_backward_kernel_s: the framework's host time per kernel of a
       layer's forward and of its backward (module calls, dispatcher, autograd).
+    host_fetch_s, host_fetch_byte_s: the framework's host time per ZeRO-3 module fetch
+      (DeepSpeed's module hooks: fetch, release, gradient partitioning, their bookkeeping)
+      and per byte fetched (the gathered buffers' allocation and copies), beside the
+      collectives themselves; host time like the per-kernel figures.
     host_async: the host queues work ahead of the device (GPUs): a Work item takes the
       longer of its device and host times; false (CPU workers): they add up.
     attention: the attention kernel of the testbed's software (flash | eager), the default
@@ -136,6 +140,8 @@ class ClusterSpec:
     nics: int = 1
     host_forward_kernel_s: float = 0.0
     host_backward_kernel_s: float = 0.0
+    host_fetch_s: float = 0.0
+    host_fetch_byte_s: float = 0.0
     host_async: bool = True
     attention: str = "eager"
     sources: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
@@ -242,6 +248,8 @@ FLOAT_FIELDS = (
     "p2p_bandwidth",
     "host_forward_kernel_s",
     "host_backward_kernel_s",
+    "host_fetch_s",
+    "host_fetch_byte_s",
 )
 # May be zero: a latency or overhead too small to state, or no SMs taken by communication.
 MAY_BE_ZERO = (
@@ -254,6 +262,8 @@ MAY_BE_ZERO = (
     "p2p_bandwidth",
     "host_forward_kernel_s",
     "host_backward_kernel_s",
+    "host_fetch_s",
+    "host_fetch_byte_s",
 )
 
 

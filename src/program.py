@@ -34,6 +34,8 @@ CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast"
 COMM_KINDS: tuple[str, ...] = ("tp", "pp", "dp", "interaction", "broker")
 COMPUTE_STREAM = "compute"
 RECOMPUTE_MODES = ("none", "selective", "full")
+# DeepSpeed's default stage3_param_persistence_threshold (elements).
+DEEPSPEED_PERSISTENCE_THRESHOLD = 100_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +93,9 @@ class Work:
     load: relative size of this micro-batch's input against the nominal sample (data
     heterogeneity); time and FLOPs scale with it.
     fraction: this is one chunk of the work (1/n of its GEMM rows), for overlap.
+    fetches, fetched: ZeRO-3's module fetches that the framework's hooks make to run this
+    work (each gathers a module's parameters: the host's part of it, beside the plan's
+    all-gather that moves them) and the parameters they fetch, this rank's TP share.
     """
 
     unit: str
@@ -104,6 +109,8 @@ class Work:
     fraction: float = 1.0
     load: float = 1.0
     shard: int = 1
+    fetches: int = 0
+    fetched: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -430,6 +437,9 @@ class UnitPlan:
     # ZeRO-3 (DeepSpeed's stage3_max_reuse_distance): a module's parameters stay gathered from
     # its recomputed forward to its backward when fewer are fetched in between; 0: not ZeRO-3.
     reuse_distance: float = 0.0
+    # ZeRO-3 (DeepSpeed's stage3_param_persistence_threshold): parameter tensors of at most
+    # this many elements are never partitioned, so no module hook fetches them.
+    persistence_threshold: float = DEEPSPEED_PERSISTENCE_THRESHOLD
     grid_overlap: tuple[str, ...] = ()  # Par4D: the overlaps that are on (all_reduce, reduce_scatter, all_gather, cache)
     cached_layers: tuple[int, ...] = ()  # Par4D with cache: layers whose recomputation reuses the forward's gathered weights
     grid_layers: tuple[GridLayer, ...] = ()  # Par4D: how each layer lies on the grid

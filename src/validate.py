@@ -75,8 +75,9 @@ def grid() -> list[Case]:
             strategies = {
                 "ddp-z0": ["strategy=ddp", "strategy.zero_stage=0"],
                 "ddp-z2": ["strategy=ddp", "strategy.zero_stage=2"],
-                # DeepSpeed's stage 3: every module's weights gathered before its forward and backward
-                "ddp-z3": ["strategy=ddp", "strategy.zero_stage=3"],
+                # DeepSpeed's stage 3: every module's tensors partitioned (the small models' are all below
+                # its default persistence threshold), gathered before its forward and backward
+                "ddp-z3": ["strategy=ddp", "strategy.zero_stage=3", "strategy.param_persistence_threshold=0"],
                 "megatron-tp": [
                     "strategy=megatron",
                     f"strategy.tp={workers}",

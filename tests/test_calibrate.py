@@ -10,7 +10,17 @@ import pytest
 import yaml
 
 import src.cluster_profile as cluster_profile
-from src.calibrate import MESSAGE_BYTES, after_compute_points, fit_gemm_curve, fit_p2p, fit_ring, handover_seconds, link_figures
+from src.calibrate import (
+    MESSAGE_BYTES,
+    ZERO3_WIDTHS,
+    after_compute_points,
+    fit_gemm_curve,
+    fit_p2p,
+    fit_ring,
+    handover_seconds,
+    link_figures,
+    zero3_fetch_costs,
+)
 from src.cluster import cluster_from_config
 from src.errors import ConfigError
 
@@ -35,6 +45,22 @@ def test_link_fits_recover_latency_and_bandwidth() -> None:
     assert fit_ring(ring) == pytest.approx((latency, bandwidth), rel=1e-6)
     p2p = [(n, 1e-3 + n / 3e9) for n in (1e3, 1e6, 1e7)]
     assert fit_p2p(p2p) == pytest.approx((1e-3, 3e9), rel=1e-6)
+
+
+def test_zero3_fit_recovers_the_host_cost_per_fetch_and_per_byte_beyond_the_plain_step_and_collectives() -> None:
+    per_fetch, per_byte = 2e-4, 5e-10
+    measured = {}
+    for hidden, nbytes in zip(ZERO3_WIDTHS, (1e5, 2.5e7)):
+        plain, collectives = 1e-3 * hidden, 2e-4 * hidden
+        extra = 48 * per_fetch + nbytes * per_byte
+        measured[hidden] = {
+            "plain_s": plain,
+            "zero3_s": plain + collectives + extra,
+            "collectives_s": collectives,
+            "fetches": 48.0,
+            "fetched_bytes": nbytes,
+        }
+    assert zero3_fetch_costs(measured) == pytest.approx((per_fetch, per_byte), rel=1e-6)
 
 
 def test_noise_without_a_bandwidth_term_is_refused() -> None:

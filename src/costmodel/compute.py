@@ -12,7 +12,9 @@ host_backward_kernel_s per kernel of a backward. A GPU runs behind its host, so 
 item takes the longer of its device time and its host time: small layers (narrow
 hidden sizes, few samples per device) are bound by the framework, large ones by the
 device. Where the host is the device (CPU workers: cluster.host_async false) the two
-add up, the host's part too at the worker's share of the cores (oversubscription). All
+add up, the host's part too at the worker's share of the cores (oversubscription). Under
+ZeRO-3 the framework's hooks also fetch each module's parameters on the host
+(cluster.host_fetch_s per fetch, host_fetch_byte_s per byte fetched). All
 constants come from the cluster preset; nothing here is specific to a strategy.
 """
 
@@ -173,7 +175,7 @@ class ComputeModel:
         if cached is not None:
             return cached
         self._models[id(model)] = model  # keeps the id in the key from being reused
-        seconds = self._price(work, model.unit(work.unit), model) * work.load
+        seconds = self._price(work, model.unit(work.unit), model)
         self._work_cache[key] = seconds
         return seconds
 
@@ -182,14 +184,18 @@ class ComputeModel:
         layers = unit.layers[start:end]
         if work.phase == "optimizer":
             params = unit.trainable_params(start, end) / (work.sharding.devices * work.shard)
-            return self.memory_time(params * ADAM_BYTES_PER_PARAM)
+            return self.memory_time(params * ADAM_BYTES_PER_PARAM) * work.load
         rows = work.samples * work.fraction
+        # The framework's ZeRO-3 fetches (its module hooks) run on the host before the first
+        # layer, whatever the micro-batch's load.
+        fetch = work.fetches * self.cluster.host_fetch_s + work.fetched * self.bytes_per_elem * self.cluster.host_fetch_byte_s
         total = 0.0
         for index, layer in enumerate(layers):
             kernels = work.kernels if (work.kernels is not None and index == 0) else None
             t = self.layer_times(layer, rows, work.sharding, work.contrastive_batch, kernels)
             device, forward_kernels, backward_kernels = self._phase(work, t, layer.forward_only, model, unit, start + index)
             host = forward_kernels * self.cluster.host_forward_kernel_s + backward_kernels * self.cluster.host_backward_kernel_s
+            device, host = device * work.load, host * work.load + (fetch if index == 0 else 0.0)
             # The host queues a GPU's kernels ahead of it (layer by layer: a sum over any
             # grouping of layers); CPU workers run what they issue, on the share of the
             # cores that their arithmetic gets (the host figures are one worker's alone).

@@ -42,7 +42,7 @@ def conv_layer(
     GroupNorm + SiLU before it. `size` is the input side in pixels."""
     size_out = size // stride
     pixels = size * size
-    kernels = [memory("groupnorm", pixels * c_in), memory("silu", pixels * c_in)] if norm else []
+    kernels = [memory("groupnorm", pixels * c_in, norm=c_in), memory("silu", pixels * c_in)] if norm else []
     kernels.append(conv_gemm("conv", size_out, c_in, c_out, ksize))
     kept = (3 if norm else 1) * pixels * c_in
     return LayerSpec(
@@ -81,14 +81,14 @@ def resblock_layer(
     pixels = size * size
     emb_out = (2 if scale_shift else 1) * c_out if emb_dim else 0
     kernels = [
-        memory("groupnorm1", pixels * c_in),
+        memory("groupnorm1", pixels * c_in, norm=c_in),
         memory("silu1", pixels * c_in),
         conv_gemm("conv1", size, c_in, c_out, 3),
     ]
     if emb_dim:
         kernels.append(replace(gemm("emb_proj", 1, emb_dim, emb_out, "n"), reads_embedding=True))
     kernels += [
-        memory("groupnorm2", pixels * c_out),
+        memory("groupnorm2", pixels * c_out, norm=c_out),
         memory("silu2", pixels * c_out),
         conv_gemm("conv2", size, c_out, c_out, 3, "k"),
     ]
@@ -120,7 +120,7 @@ def spatial_attention_layer(size: int, channels: int, heads: int, name: str = "a
     return LayerSpec(
         name=name,
         kernels=(
-            memory("groupnorm", pixels * channels),
+            memory("groupnorm", pixels * channels, norm=channels),
             gemm("qkv", pixels, channels, 3 * channels, "n"),
             gemm("scores", pixels, head_dim, pixels, "batch", weight=False, batch=heads),
             memory("softmax", heads * pixels * pixels, "batch"),

@@ -25,9 +25,14 @@ def gemm(
     )
 
 
-def memory(name: str, elems: float, split: TPSplit = "none", passes: int = 2, core: bool = False, scores: bool = False) -> Kernel:
-    """A bandwidth-bound kernel reading and writing `elems` 16-bit values (`passes` moves)."""
-    return Kernel(name, "memory", bytes=elems * ACT_BYTES * passes, tp_split=split, attention_core=core, attention_scores=scores)
+def memory(
+    name: str, elems: float, split: TPSplit = "none", passes: int = 2, core: bool = False, scores: bool = False, norm: int = 0
+) -> Kernel:
+    """A bandwidth-bound kernel reading and writing `elems` 16-bit values (`passes` moves);
+    `norm`: a normalisation of that width (its parameters a module of their own)."""
+    return Kernel(
+        name, "memory", bytes=elems * ACT_BYTES * passes, tp_split=split, attention_core=core, attention_scores=scores, norm_width=norm
+    )
 
 
 def _attention(
@@ -77,7 +82,7 @@ def transformer_layer(
     up = 2 * ffn if gated else ffn
     b = 1 if bias else 0
 
-    kernels: list[Kernel] = [memory("ln1", seq * hidden)]
+    kernels: list[Kernel] = [memory("ln1", seq * hidden, norm=hidden)]
     kernels += _attention("attn_", seq, seq, hidden, heads, kv_dim, hidden, True)
     params = hidden * (hidden + 2 * kv_dim) + b * (hidden + 2 * kv_dim) + hidden * hidden + b * hidden
     norms = 2
@@ -92,7 +97,7 @@ def transformer_layer(
 
     if cross_seq is not None:
         cross_hidden = cross_hidden or hidden
-        kernels.append(memory("ln_cross", seq * hidden))
+        kernels.append(memory("ln_cross", seq * hidden, norm=hidden))
         kernels += _attention("xattn_", seq, cross_seq, hidden, heads, hidden, cross_hidden, False)
         params += hidden * hidden + cross_hidden * 2 * hidden + hidden * hidden + b * 4 * hidden
         norms += 1
@@ -103,7 +108,7 @@ def transformer_layer(
         allreduces += 1
 
     kernels += [
-        memory("ln2", seq * hidden),
+        memory("ln2", seq * hidden, norm=hidden),
         gemm("fc1", seq, hidden, up, "n"),
         memory("act", seq * (up + ffn) / 2, "n"),
         gemm("fc2", seq, ffn, hidden, "k"),
@@ -157,7 +162,7 @@ def head_layer(
     The fp32 logits and the loss are charged as activations split by TP (vocab-parallel).
     """
     loss_elems = seq * out if loss_elems is None else loss_elems
-    kernels = ([memory("final_norm", seq * hidden)] if norm else []) + [
+    kernels = ([memory("final_norm", seq * hidden, norm=hidden)] if norm else []) + [
         gemm("projection", seq, hidden, out, "n"),
         memory("loss", loss_elems, "n"),
     ]

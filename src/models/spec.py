@@ -40,6 +40,8 @@ class Kernel:
       reads, not the previous kernel's output.
     reads_embedding: reads a per-sample embedding another layer computed (a residual
       block's projection of the timestep embedding), not the layer's feature map.
+    norm_width: a normalisation's width: its scale and shift, `norm_width` parameters
+      each, are a module of their own (which ZeRO-3 fetches as it fetches a weight).
     """
 
     name: str
@@ -57,6 +59,7 @@ class Kernel:
     backward_recompute: bool = False
     skip_projection: bool = False
     reads_embedding: bool = False
+    norm_width: int = 0
 
     def flops(self, contrastive_batch: int = 1) -> float:
         """Forward FLOPs for one sample (0 for memory-bound kernels)."""
@@ -121,6 +124,22 @@ class LayerSpec:
 
     def matmul_flops(self, contrastive_batch: int = 1) -> float:
         return sum(kern.flops(contrastive_batch) for kern in self.kernels)
+
+    def fetched_modules(self, persistence_threshold: float) -> tuple[int, ...]:
+        """Parameters of each module ZeRO-3 fetches to run this layer, in forward order:
+        a weight (its bias rides with it) or a normalisation whose tensors exceed
+        `persistence_threshold` elements (DeepSpeed's stage3_param_persistence_threshold:
+        smaller ones stay whole on every rank). A layer of no weighted product (a lookup
+        table) is one module."""
+        modules = []
+        for kern in self.kernels:
+            if kern.has_weight and kern.k * kern.n > persistence_threshold:
+                modules.append(kern.k * kern.n)
+            elif kern.norm_width > persistence_threshold:
+                modules.append(2 * kern.norm_width)
+        if not any(kern.has_weight for kern in self.kernels) and self.params > persistence_threshold:
+            return (self.params,)
+        return tuple(modules)
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-# prebuild_ops: the worker's entry imports it from here, beside the engines it prepares for.
+from src.program import DEEPSPEED_PERSISTENCE_THRESHOLD, UnitPlan
 from src.runtime.comm import all_gather_single, reduce_scatter_single
+
+# prebuild_ops: the worker's entry imports it from here, beside the engines it prepares for.
 from src.runtime.op_build import prebuild_ops, without_load_notice  # noqa: F401
 
 
@@ -79,6 +81,24 @@ class EngineSettings:
     overlap_comm: bool = False
     prefetch_params: int = 0  # ZeRO-3 with overlap_comm: parameters gathered ahead of the layer that needs them
     reuse_distance: int = 0  # ZeRO-3: DeepSpeed's stage3_max_reuse_distance as the plan priced it; 0: its default
+    persistence_threshold: int = DEEPSPEED_PERSISTENCE_THRESHOLD  # ZeRO-3: DeepSpeed's stage3_param_persistence_threshold
+
+    @classmethod
+    def of(cls, unit: UnitPlan, lr: float, weight_decay: float, eps: float) -> EngineSettings:
+        """The engine of `unit` (and of the units sharing its data-parallel group) as its
+        plan priced it."""
+        return cls(
+            zero_stage=unit.zero_stage,
+            micro_batch=unit.micro_batch,
+            accumulation=unit.num_microbatches,
+            lr=lr,
+            weight_decay=weight_decay,
+            eps=eps,
+            overlap_comm=unit.overlap_comm,
+            prefetch_params=int(unit.prefetch_params),
+            reuse_distance=int(unit.reuse_distance),
+            persistence_threshold=int(unit.persistence_threshold),
+        )
 
 
 def deepspeed_config(settings: EngineSettings, dp: int) -> dict:
@@ -87,9 +107,8 @@ def deepspeed_config(settings: EngineSettings, dp: int) -> dict:
     # prefetches unless told otherwise).
     zero: dict = {"stage": settings.zero_stage, "overlap_comm": settings.overlap_comm and settings.zero_stage == 3}
     if settings.zero_stage == 3:
-        # Partition every parameter, however small: the tiny models would otherwise be
-        # kept whole on every rank and ZeRO-3 would not be exercised.
-        zero["stage3_param_persistence_threshold"] = 0
+        # The plan's threshold (the tiny models' plans set 0 to partition every tensor).
+        zero["stage3_param_persistence_threshold"] = settings.persistence_threshold
         zero["stage3_prefetch_bucket_size"] = settings.prefetch_params if settings.overlap_comm else 0
         if settings.reuse_distance:
             zero["stage3_max_reuse_distance"] = settings.reuse_distance

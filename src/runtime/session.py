@@ -80,17 +80,7 @@ def _engine_groups(
     out = []
     for (dp_ranks, tp_ranks, _, _), names in by_group.items():
         first = plan.unit(names[0])
-        settings = EngineSettings(
-            zero_stage=first.zero_stage,
-            micro_batch=first.micro_batch,
-            accumulation=first.num_microbatches,
-            lr=backend.lr,
-            weight_decay=backend.weight_decay,
-            eps=backend.adam_eps,
-            overlap_comm=first.overlap_comm,
-            prefetch_params=int(first.prefetch_params),
-            reuse_distance=int(first.reuse_distance),
-        )
+        settings = EngineSettings.of(first, backend.lr, backend.weight_decay, backend.adam_eps)
         parallel = ParallelGroups(groups.get(dp_ranks), dp_ranks, groups.get(tp_ranks) if len(tp_ranks) > 1 else None, tp_ranks)
         out.append(_EngineGroup(names, parallel, settings))
     return out

@@ -25,7 +25,7 @@ from src.config import options_from
 from src.costmodel.memory import rank_memory
 from src.errors import ConfigError, PlanError
 from src.mesh import Mesh
-from src.program import RECOMPUTE_MODES, Instruction, Plan, Program, UnitPlan
+from src.program import DEEPSPEED_PERSISTENCE_THRESHOLD, RECOMPUTE_MODES, Instruction, Plan, Program, UnitPlan
 from src.strategies.base import PlanRequest, check_microbatch_count, microbatch_sizes
 from src.strategies.builders.colocated import ColocatedEmitter, ColocatedUnit
 from src.models.flows import unit_order
@@ -52,6 +52,7 @@ class DDPOptions:
     overlap_comm: bool = False  # ZeRO-3: asynchronous reduce-scatters and parameter prefetch
     prefetch_bucket_size: int = DEEPSPEED_PREFETCH_BUCKET
     max_reuse_distance: int = DEEPSPEED_MAX_REUSE_DISTANCE  # ZeRO-3, full recomputation: what stays gathered for the backward
+    param_persistence_threshold: int = DEEPSPEED_PERSISTENCE_THRESHOLD  # ZeRO-3: tensors this small stay whole on every rank
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):
@@ -62,6 +63,9 @@ class DDPOptions:
                 raise ConfigError(
                     f"strategy.{key} must be a positive integer{' or null' if key == 'micro_batch_size' else ''}, got {value!r}"
                 )
+        threshold = self.param_persistence_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+            raise ConfigError(f"strategy.param_persistence_threshold must be a non-negative integer (elements), got {threshold!r}")
         if self.recompute is not None and self.recompute not in RECOMPUTE_MODES:
             raise ConfigError(f"strategy.recompute={self.recompute!r}; choose one of {list(RECOMPUTE_MODES)} or null")
         if not isinstance(self.overlap_comm, bool):
@@ -125,6 +129,7 @@ def _build(
                 overlap_comm=opts.overlap_comm,
                 prefetch_params=prefetch,
                 reuse_distance=float(opts.max_reuse_distance),
+                persistence_threshold=float(opts.param_persistence_threshold),
             )
             for name in names
         ],
@@ -154,6 +159,7 @@ def _build(
             overlap_comm=opts.overlap_comm,
             prefetch_params=prefetch if opts.overlap_comm and opts.zero_stage == 3 else 0.0,
             reuse_distance=float(opts.max_reuse_distance) if opts.zero_stage == 3 else 0.0,
+            persistence_threshold=float(opts.param_persistence_threshold),
         )
         for name in names
     ]

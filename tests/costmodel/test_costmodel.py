@@ -196,6 +196,21 @@ def test_a_layer_costs_the_longer_of_device_and_host_time_on_a_gpu_and_both_on_a
     )  # 14 input-gradient + 4 weight-gradient kernels (eager)
 
 
+def test_zero3_fetches_cost_the_host_per_fetch_and_byte_whatever_the_load() -> None:
+    layer = transformer_layer(8, 64, 2)
+    model = ModelSpec("m", (UnitSpec("llm", (layer,), 64, 2, 8, 8 * 64),))
+    cpu = replace(CLUSTER, host_async=False, host_fetch_s=1e-3, host_fetch_byte_s=1e-9)
+    plain, fetching = Work("llm", "fwd", 1, (0, 1)), Work("llm", "fwd", 1, (0, 1), fetches=6, fetched=1e6)
+    fetch = 6 * 1e-3 + 1e6 * 2 * 1e-9  # bf16 parameters
+    model_cpu = ComputeModel(cpu, "bf16")
+    assert model_cpu.work_time(fetching, model) == pytest.approx(model_cpu.work_time(plain, model) + fetch)
+    heavy = replace(fetching, load=3.0)
+    assert model_cpu.work_time(heavy, model) == pytest.approx(3 * model_cpu.work_time(plain, model) + fetch)
+    # A GPU's host runs ahead: the fetches show only where they outlast the layer's kernels.
+    gpu = ComputeModel(replace(cpu, host_async=True), "bf16")
+    assert gpu.work_time(fetching, model) == pytest.approx(max(ComputeModel(CLUSTER, "bf16").work_time(plain, model), fetch))
+
+
 def test_a_send_across_nodes_leaves_through_one_nic() -> None:
     nics = replace(CLUSTER, nics=4, p2p_bandwidth=80e9)
     comm = CommModel(nics)

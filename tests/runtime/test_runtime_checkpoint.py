@@ -45,7 +45,7 @@ CASES = {
         "strategy.recompute=none",
         "train.precision=fp16",
     ],
-    "ddp_zero3": [*FOUR_WORKERS, *CLIP, "strategy=ddp", "strategy.zero_stage=3"],
+    "ddp_zero3": [*FOUR_WORKERS, *CLIP, "strategy=ddp", "strategy.zero_stage=3", "strategy.param_persistence_threshold=0"],
 }
 
 

@@ -23,11 +23,13 @@ STEPS = 5
 # With AdamW's usual eps the first updates are nearly sign(gradient), blind to a wrong
 # gradient scale; eps = 1 and lr = 1 make updates proportional to the gradients.
 SENSITIVE = ["backend.lr=1.0", "backend.adam_eps=1.0"]
+# Every tensor partitioned: the tiny models' are all below DeepSpeed's default persistence threshold.
+ZERO3 = ["strategy=ddp", "strategy.zero_stage=3", "strategy.param_persistence_threshold=0"]
 CASES = {
     "ddp_zero0": CLIP + ["strategy=ddp", "strategy.zero_stage=0"],
     "ddp_zero1": CLIP + ["strategy=ddp", "strategy.zero_stage=1"],
     "ddp_zero2": CLIP + ["strategy=ddp", "strategy.zero_stage=2"],
-    "ddp_zero3": CLIP + ["strategy=ddp", "strategy.zero_stage=3"],
+    "ddp_zero3": CLIP + ZERO3,
     # Batches made ahead by a producer process beside each worker (DistTrain's disaggregated preprocessing).
     "ddp_zero1_disaggregated": CLIP + ["strategy=ddp", "strategy.zero_stage=1", "backend.preprocess=disaggregated"],
     "coca_ddp_zero1": CLIP + ["model=coca", "strategy=ddp", "strategy.zero_stage=1"],  # + captioning loss
@@ -52,13 +54,12 @@ CASES = {
     "megatron_pp2_recompute": GPT
     + ["strategy=megatron", "strategy.tp=1", "strategy.pp=2", "strategy.micro_batch_size=2", "strategy.recompute=full"],
     # Two micro-batches per step: ZeRO-3 accumulates their gradient partitions.
-    "ddp_zero3_accumulation": GPT + ["strategy=ddp", "strategy.zero_stage=3", "strategy.micro_batch_size=2"],
+    "ddp_zero3_accumulation": GPT + [*ZERO3, "strategy.micro_batch_size=2"],
     # Each layer's gradients all-reduced as the last micro-batch's backward finishes them.
     "ddp_zero0_overlap": GPT + ["strategy=ddp", "strategy.zero_stage=0", "strategy.micro_batch_size=2", "strategy.overlap_comm=true"],
     # DeepSpeed overlaps the reduce-scatters and prefetches 1000 parameters ahead.
-    "ddp_zero3_overlap": GPT
-    + ["strategy=ddp", "strategy.zero_stage=3", "strategy.overlap_comm=true", "strategy.prefetch_bucket_size=1000"],
-    "ddp_zero3_recompute": GPT + ["strategy=ddp", "strategy.zero_stage=3", "strategy.recompute=selective"],
+    "ddp_zero3_overlap": GPT + [*ZERO3, "strategy.overlap_comm=true", "strategy.prefetch_bucket_size=1000"],
+    "ddp_zero3_recompute": GPT + [*ZERO3, "strategy.recompute=selective"],
     "megatron_pp2_balanced": GPT
     + [
         "strategy=megatron",
@@ -79,8 +80,7 @@ CASES = {
     # A U-Net's skips and timestep embedding cross the pieces its pass runs in: ZeRO-3's
     # layer-by-layer Computes (Par4D Fig 12's baseline), the backward's per-layer parts of
     # an overlapped ZeRO-0 reduction; ZeRO-2, and two micro-batches with full recomputation.
-    "unet_ddp_zero3_overlap": UNET
-    + ["strategy=ddp", "strategy.zero_stage=3", "strategy.overlap_comm=true", "strategy.prefetch_bucket_size=10000"],
+    "unet_ddp_zero3_overlap": UNET + [*ZERO3, "strategy.overlap_comm=true", "strategy.prefetch_bucket_size=10000"],
     "unet_ddp_zero0_overlap": UNET
     + ["strategy=ddp", "strategy.zero_stage=0", "strategy.overlap_comm=true", "strategy.micro_batch_size=2"],
     "unet_ddp_zero2": UNET + ["strategy=ddp", "strategy.zero_stage=2"],

@@ -232,6 +232,12 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
         "run",
         EQUALITY,
     ),
+    ("ddp", "param_persistence_threshold"): (
+        DDP,
+        ["strategy.zero_stage=3", "strategy.param_persistence_threshold=0"],
+        "run",
+        EQUALITY,
+    ),
     # Par4D runs in the simulator only: the real backend refuses its grid, naming every option.
     ("par4d", "grid"): (PAR4D, ["strategy.grid=[2,1,2,1]"], "run", PAR4D_RUNS),
     ("par4d", "model"): (PAR4D, ["strategy.model=agnostic"], "run", PAR4D_RUNS),
@@ -369,8 +375,12 @@ def test_interleaved_data_refuses_an_encoder_on_pipeline_stages_of_tp_peers():
         _check(wider + ["strategy.encoder.tp=2", "strategy.encoder.sequence_parallel=false"])
 
 
-def test_deepspeed_is_given_the_reuse_distance_the_plan_priced():
-    plan = plan_run(validate(composed(DDP + ["strategy.zero_stage=3", "strategy.max_reuse_distance=1000"])))
-    settings = EngineSettings(3, 1, 1, 1e-3, 0.0, 1e-8, reuse_distance=int(plan.units[0].reuse_distance))
-    assert deepspeed_config(settings, 2)["zero_optimization"]["stage3_max_reuse_distance"] == 1000
-    assert "stage3_max_reuse_distance" not in deepspeed_config(EngineSettings(3, 1, 1, 1e-3, 0.0, 1e-8), 2)["zero_optimization"]
+def test_deepspeed_is_given_the_reuse_distance_and_persistence_threshold_the_plan_priced():
+    def zero_config(*options: str) -> dict:
+        plan = plan_run(validate(composed(DDP + ["strategy.zero_stage=3", *options])))
+        return deepspeed_config(EngineSettings.of(plan.units[0], 1e-3, 0.0, 1e-8), 2)["zero_optimization"]
+
+    priced = zero_config("strategy.max_reuse_distance=1000", "strategy.param_persistence_threshold=0")
+    assert (priced["stage3_max_reuse_distance"], priced["stage3_param_persistence_threshold"]) == (1000, 0)
+    default = zero_config()
+    assert default["stage3_max_reuse_distance"] == 1_000_000_000 and default["stage3_param_persistence_threshold"] == 100_000

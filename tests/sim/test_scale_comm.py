@@ -284,13 +284,42 @@ def test_zero3_full_recompute_gathers_again_what_outlives_the_reuse_distance() -
     plan, setup, _ = _zero3(4, "strategy.recompute=full", "strategy.max_reuse_distance=10000000")
     kept, _, _ = _zero3(4, "strategy.recompute=full")  # DeepSpeed's 1e9 keeps every module
     block = next(i for i, layer in enumerate(setup.model.unit("llm").layers) if layer.name == "block")
-    params = setup.model.unit("llm").layers[block].params
+    weights = sum(setup.model.unit("llm").layers[block].fetched_modules(100_000))  # biases and norms stay whole
     gathers = [i for i in plan.program.classes[0].instructions if isinstance(i, Collective) and i.op == "all_gather"]
     again = [i for i in gathers if i.count == 2]
     blocks = sum(layer.name == "block" for layer in setup.model.unit("llm").layers)
     assert len(again) == blocks  # once per block, in its backward
-    assert again[0].bytes == pytest.approx(params * 4 / 12 * 2 / 2)
+    assert weights == 12 * 1024**2 and again[0].bytes == pytest.approx(weights * 4 / 12 * 2 / 2)
     assert len(gathers) == len(again) + sum(
         1 for i in kept.program.classes[0].instructions if isinstance(i, Collective) and i.op == "all_gather"
     )
     assert plan.units[0].reuse_distance == 10_000_000
+
+
+def test_zero3_fetches_each_module_above_the_persistence_threshold_once_per_pass() -> None:
+    """hidden 1024: QKV, projection and the MLP's weights hold 1-4M elements each, the layer
+    norms 1024 a tensor. DeepSpeed's default threshold (1e5) keeps the norms whole on every
+    rank; 0 partitions them too: 6 modules fetched before each block's forward and backward
+    instead of 4, each one all-gather and one fetch of the framework's hooks."""
+    for threshold, per_block in ((100_000, 4), (0, 6)):
+        plan, setup, _ = _zero3(4, f"strategy.param_persistence_threshold={threshold}")
+        layers = setup.model.unit("llm").layers
+        block = next(i for i, layer in enumerate(layers) if layer.name == "block")
+        instructions = plan.program.classes[0].instructions
+        computes = [i for i in instructions if isinstance(i, Compute) and i.work.layers == (block, block + 1)]
+        assert [c.work.fetches for c in computes] == [per_block, per_block]  # forward, backward
+        weights = sum(layers[block].fetched_modules(threshold))
+        assert computes[0].work.fetched == pytest.approx(weights)
+        gathers = [
+            i
+            for k, i in enumerate(instructions)
+            if isinstance(i, Collective) and i.op == "all_gather" and instructions[k + 1] in computes
+        ]
+        assert [g.count for g in gathers] == [per_block, per_block]
+        assert plan.units[0].persistence_threshold == threshold
+
+
+@pytest.mark.parametrize("value", ["-1", "1.5", "true"])
+def test_a_persistence_threshold_that_is_no_count_of_elements_is_one_line(value: str) -> None:
+    with pytest.raises(ConfigError, match=r"^strategy.param_persistence_threshold must be a non-negative integer \(elements\), got "):
+        _zero3(4, f"strategy.param_persistence_threshold={value}")

@@ -13,13 +13,25 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from src.cluster import ClusterSpec
 from src.costmodel.memory import element_bytes, grad_bytes
 from src.mesh import Mesh, tensor_parallel
 from src.models.spec import ModelSpec
-from src.program import Collective, CollectiveOp, Compute, Instruction, Message, Phase, Program, RankProgram, Wait, Work
+from src.program import (
+    DEEPSPEED_PERSISTENCE_THRESHOLD,
+    Collective,
+    CollectiveOp,
+    Compute,
+    Instruction,
+    Message,
+    Phase,
+    Program,
+    RankProgram,
+    Wait,
+    Work,
+)
 from src.strategies.builders.contrastive import Holder, gathered_batch, local_queries, local_routes
 from src.strategies.builders.emit import TPConfig, iteration_tail, segment_pass
 from src.strategies.builders.layout import axis_group
@@ -48,7 +60,10 @@ class ColocatedUnit:
     Under ZeRO-3 with full recomputation, `reuse_distance` (DeepSpeed's
     stage3_max_reuse_distance) keeps a module's parameters gathered from its recomputed
     forward to its backward only when fewer parameters than that are fetched in between;
-    the others are released after the recomputation and gathered again (inf: all kept)."""
+    the others are released after the recomputation and gathered again (inf: all kept).
+    Parameter tensors of at most `persistence_threshold` elements (DeepSpeed's
+    stage3_param_persistence_threshold) are never partitioned: every rank holds them whole
+    and no module hook fetches them."""
 
     unit: str
     mesh: Mesh
@@ -59,6 +74,7 @@ class ColocatedUnit:
     overlap_comm: bool = False
     prefetch_params: float = 0.0
     reuse_distance: float = math.inf
+    persistence_threshold: float = DEEPSPEED_PERSISTENCE_THRESHOLD
 
 
 class ColocatedEmitter:
@@ -92,15 +108,21 @@ class ColocatedEmitter:
             return segment_pass(self.model, Segment(unit, (0, spec.num_layers)), phase, samples, microbatch, self._tp(unit))
         backward = phase != "fwd"
         order = [i for i in (reversed(range(spec.num_layers)) if backward else range(spec.num_layers))]
-        params = [spec.layers[i].params / u.mesh.degree("tp") for i in order]
+        modules = [spec.layers[i].fetched_modules(u.persistence_threshold) for i in order]
+        params = [sum(m) / u.mesh.degree("tp") for m in modules]
         group = self.dp_group[unit]
         assert group is not None, "ZeRO-3 layers are gathered over a DP group of more than one rank"
         out: list[Instruction] = []
         for index, layer in enumerate(order):
-            out += self._gather(unit, phase, microbatch, order, params, index)
-            if backward and u.recompute == "full":
-                out += self._regather(unit, layer, params[index])
-            out += segment_pass(self.model, Segment(unit, (layer, layer + 1)), phase, samples, microbatch, self._tp(unit))
+            out += self._gather(unit, phase, microbatch, params, len(modules[index]), index)
+            again = self._released(unit, modules[index]) if backward and u.recompute == "full" else []
+            fetched = params[index]
+            if again:
+                regathered = params[index] * sum(again) / sum(modules[index])
+                out.append(Collective("all_gather", group, regathered * self.act_bytes / len(again), "dp", count=len(again)))
+                fetched += regathered
+            layer_pass = segment_pass(self.model, Segment(unit, (layer, layer + 1)), phase, samples, microbatch, self._tp(unit))
+            out += _fetching(layer_pass, len(modules[index]) + len(again), fetched)
             trainable = spec.trainable_params(layer, layer + 1) / u.mesh.degree("tp")
             if backward and trainable:
                 if u.overlap_comm:
@@ -149,10 +171,10 @@ class ColocatedEmitter:
                 self.reducing[unit].append(handle)
         return out
 
-    def _gather(self, unit: str, phase: str, microbatch: int, order: list[int], params: list[float], index: int) -> list[Instruction]:
-        """The all-gather of layer order[index]'s parameters: the part prefetched during
-        the previous layer is waited for, the rest gathered now; then the next layer's
-        prefetch is issued."""
+    def _gather(self, unit: str, phase: str, microbatch: int, params: list[float], modules: int, index: int) -> list[Instruction]:
+        """The all-gather of the `index`-th layer's partitioned parameters (of `modules`
+        modules) in the pass's order: the part prefetched during the previous layer is
+        waited for, the rest gathered now; then the next layer's prefetch is issued."""
         u, group = self.units[unit], self.dp_group[unit]
         assert group is not None, "ZeRO-3 layers are gathered over a DP group of more than one rank"
         prefetched = min(params[index], u.prefetch_params) if (u.overlap_comm and index > 0) else 0.0
@@ -161,11 +183,10 @@ class ColocatedEmitter:
             out.append(Wait(f"ag.{unit}.{phase}.mb{microbatch}.{index}"))
         if params[index] > prefetched:
             # DeepSpeed gathers a layer's parameters module by module (its pre-forward hook per
-            # submodule): one all-gather per weight, each paying the ring's latency.
-            modules = max(1, sum(k.has_weight for k in self.model.unit(unit).layers[order[index]].kernels))
+            # submodule): one all-gather per module, each paying the ring's latency.
             rest = params[index] - prefetched
             out.append(Collective("all_gather", group, rest * self.act_bytes / modules, "dp", count=modules))
-        if u.overlap_comm and index + 1 < len(order):
+        if u.overlap_comm and index + 1 < len(params):
             ahead = min(params[index + 1], u.prefetch_params)
             if ahead:
                 out.append(
@@ -181,29 +202,26 @@ class ColocatedEmitter:
                 )
         return out
 
-    def _regather(self, unit: str, layer: int, params: float) -> list[Instruction]:
-        """The all-gathers between a layer's recomputed forward and its backward: of the
-        modules whose parameters come back after more than the reuse distance (the
-        recomputed forward of the modules after it, then their backwards: twice their
-        weights), blocking (each follows the recomputation that released it)."""
-        u, group = self.units[unit], self.dp_group[unit]
-        assert group is not None, "ZeRO-3 layers are gathered over a DP group of more than one rank"
-        weights = [k.k * k.n for k in self.model.unit(unit).layers[layer].kernels if k.has_weight]
-        after = [sum(weights[i + 1 :]) for i in range(len(weights))]
-        again = [w for w, rest in zip(weights, after) if 2 * rest > u.reuse_distance]
-        if not again:
-            return []
-        share = sum(again) / sum(weights)
-        return [Collective("all_gather", group, params * share * self.act_bytes / len(again), "dp", count=len(again))]
+    def _released(self, unit: str, modules: tuple[int, ...]) -> list[int]:
+        """Of a layer's fetched `modules`, those whose parameters its recomputed forward
+        releases before its backward: they come back after more than the reuse distance
+        (the recomputed forward of the modules after it, then their backwards: twice their
+        parameters), so they are gathered again, blocking (each follows the recomputation
+        that released it)."""
+        after = [sum(modules[i + 1 :]) for i in range(len(modules))]
+        return [m for m, rest in zip(modules, after) if 2 * rest > self.units[unit].reuse_distance]
 
     def gathered_params(self, unit: str) -> float:
-        """ZeRO-3's live parameters at the peak: the layer running (and the next one's
-        prefetched part), per rank."""
+        """ZeRO-3's live parameters at the peak beyond the rank's shard: the layer running
+        (and the next one's prefetched part) and the persistent tensors, per rank."""
         spec, u = self.model.unit(unit), self.units[unit]
         if u.zero_stage < 3 or u.mesh.degree("dp") == 1:
             return 0.0
-        largest = max(layer.params for layer in spec.layers) / u.mesh.degree("tp")
-        return largest + (min(largest, u.prefetch_params) if u.overlap_comm else 0.0)
+        fetched = [sum(layer.fetched_modules(u.persistence_threshold)) for layer in spec.layers]
+        largest = max(fetched) / u.mesh.degree("tp")
+        # Whole on every rank, where the model states count 1/dp of them.
+        persistent = max(0, spec.params - sum(fetched)) / u.mesh.degree("tp") * (1 - 1 / u.mesh.degree("dp"))
+        return largest + (min(largest, u.prefetch_params) if u.overlap_comm else 0.0) + persistent
 
     def microbatch(
         self, microbatch: int, samples: dict[str, int], interaction: list[Instruction], final: bool = False
@@ -286,3 +304,16 @@ class ColocatedEmitter:
         return RankProgram(
             ranks=tuple(range(self.program.world_size)), instructions=instructions, label="all ranks", units=tuple(self.units)
         )
+
+
+def _fetching(instructions: list[Instruction], fetches: int, fetched: float) -> list[Instruction]:
+    """A ZeRO-3 layer's pass whose first Compute carries the module fetches the framework's
+    hooks make for it (and the parameters they fetch)."""
+    first = next(i for i, instruction in enumerate(instructions) if isinstance(instruction, Compute))
+    compute = instructions[first]
+    assert isinstance(compute, Compute)
+    return [
+        *instructions[:first],
+        replace(compute, work=replace(compute.work, fetches=fetches, fetched=fetched)),
+        *instructions[first + 1 :],
+    ]
