@@ -15,7 +15,7 @@ import contextlib
 import importlib
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -128,18 +128,40 @@ def deepspeed_config(settings: EngineSettings, dp: int) -> dict:
     }
 
 
-def start_deepspeed_comm() -> None:
+# Whether some engine of this process overlaps ZeRO-3's collectives with compute.
+_overlapping = False
+
+
+def start_deepspeed_comm(overlapped: bool) -> None:
     """Start DeepSpeed's communication on the process group the worker joined (it loads
     the shm op), its ZeRO all-gathers and reduce-scatters on torch's current collectives:
     DeepSpeed 0.19 picks the ones torch 2.13 deprecates, a FutureWarning per call site and
-    rank (81-137 lines before a ZeRO-3 run's results)."""
+    rank (81-137 lines before a ZeRO-3 run's results).
+
+    Unless an engine of the process overlaps them (`overlapped`, once said, for every
+    later one too), each is waited for as it is issued: DeepSpeed issues ZeRO-3's fetches
+    asynchronously and waits right after, inside its hooks, where its comms logger (which
+    times an asynchronous op's launch only) would leave the wait booked as compute."""
     import deepspeed
 
+    global _overlapping
+    _overlapping = _overlapping or overlapped
     with without_load_notice():
         deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
     backend = importlib.import_module("deepspeed.comm.comm").cdb  # the module's global, set by init_distributed
-    backend.all_gather_function = all_gather_single
-    backend.reduce_scatter_function = reduce_scatter_single
+    gather, scatter = all_gather_single, reduce_scatter_single
+    backend.all_gather_function = gather if _overlapping else _waited(gather)
+    backend.reduce_scatter_function = scatter if _overlapping else _waited(scatter)
+
+
+def _waited(collective: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*args, async_op: bool = False, **kwargs):
+        work = collective(*args, async_op=async_op, **kwargs)
+        if async_op:
+            work.wait()
+        return work
+
+    return run
 
 
 def make_engine(module: nn.Module, groups: ParallelGroups, settings: EngineSettings):
@@ -148,7 +170,7 @@ def make_engine(module: nn.Module, groups: ParallelGroups, settings: EngineSetti
     deepspeed.utils.logger.setLevel(logging.WARNING)
     params = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay, eps=settings.eps)
-    start_deepspeed_comm()
+    start_deepspeed_comm(settings.overlap_comm and settings.zero_stage == 3)
     with without_load_notice():
         engine, _, _, _ = deepspeed.initialize(
             model=module, optimizer=optimizer, mpu=groups, config=deepspeed_config(settings, len(groups.dp_ranks))
@@ -165,7 +187,7 @@ def partitioned_at_init(groups: ParallelGroups, settings: EngineSettings) -> con
 
     # zero.Init reads the world from DeepSpeed's communication, which engine creation
     # would start.
-    start_deepspeed_comm()
+    start_deepspeed_comm(settings.overlap_comm)
     return deepspeed.zero.Init(
         data_parallel_group=groups.dp, config_dict_or_path=deepspeed_config(settings, len(groups.dp_ranks)), mpu=groups
     )
