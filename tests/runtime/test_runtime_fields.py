@@ -130,7 +130,12 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
         DISTTRAIN_RUNS,
     ),
     # Each sequence holds its sample's images: micro-batches of different loads, run for real.
-    ("disttrain", "data"): (DISTTRAIN, ["strategy.data=interleaved", "strategy.generator.pp=1"], "run", INTERLEAVED_RUNS),
+    ("disttrain", "data"): (
+        DISTTRAIN,
+        ["strategy.data=interleaved", "model.image_size_spread=0", "strategy.generator.pp=1"],
+        "run",
+        INTERLEAVED_RUNS,
+    ),
     ("disttrain", "reorder"): (DISTTRAIN, ["strategy.reorder=both"], "run", DISTTRAIN_RUNS),
     ("disttrain", "tp_overlap_chunks"): (
         DISTTRAIN,
@@ -362,11 +367,29 @@ def test_optimus_llm_distributed_optimizer_over_replicas_is_refused_naming_the_f
 
 
 def test_interleaved_data_refuses_an_encoder_on_pipeline_stages_of_tp_peers():
-    interleaved = DISTTRAIN + ["strategy.data=interleaved", "strategy.generator.pp=1", "strategy.encoder.pp=2"]
+    interleaved = DISTTRAIN + [
+        "strategy.data=interleaved",
+        "model.image_size_spread=0",
+        "strategy.generator.pp=1",
+        "strategy.encoder.pp=2",
+    ]
     _check(interleaved)  # tp=1: its stages pass the real images' token states
     with pytest.raises(ConfigError, match=r"unit encoder on pp=2 with tp=2 and interleaved data.*strategy.encoder.pp"):
         wider = [o for o in interleaved if not o.startswith("cluster.devices_per_node")] + ["cluster.devices_per_node=8"]
         _check(wider + ["strategy.encoder.tp=2", "strategy.encoder.sequence_parallel=false"])
+
+
+def test_interleaved_data_of_spread_image_sides_is_refused_naming_the_spread():
+    """The plan prices the sides the sampler draws; the real backend runs every image at
+    the encoder's nominal side."""
+    interleaved = DISTTRAIN + ["strategy.data=interleaved", "strategy.generator.pp=1"]
+    with pytest.raises(ConfigError) as refused:
+        _check(interleaved + ["model.images_per_sequence=2"])
+    assert str(refused.value) == (
+        "model.image_size_spread=0.3: the plan prices the images the sampler draws, 2 to 5 patches a side, and the real "
+        "backend runs every image at the encoder's nominal 4 patches a side; it needs model.image_size_spread=0"
+    )
+    _check(interleaved + ["model.images_per_sequence=2", "model.image_size_spread=0"])
 
 
 def test_deepspeed_is_given_the_reuse_distance_the_plan_priced():
