@@ -14,12 +14,12 @@ import pytest
 import yaml
 
 from src.errors import ConfigError
-from src.plan_io import PlannedRun
+from src.plan_io import PlannedRun, read_plan, write_plan
 from src.runtime.checks import check_runnable
 from src.runtime.engines import EngineSettings, deepspeed_config
 from src.setup import options_named, plan_run, validate
 from src.strategies import STRATEGIES
-from tests.runtime.support import CLIP, GPT, UNET, composed
+from tests.runtime.support import CLIP, GPT, UNET, composed, mllm_shard
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "strategy"
 WORKERS = ["backend=torch", "cluster=local", "cluster.devices_per_node=4", "logger=none"]
@@ -390,6 +390,25 @@ def test_interleaved_data_of_spread_image_sides_is_refused_naming_the_spread():
         "backend runs every image at the encoder's nominal 4 patches a side; it needs model.image_size_spread=0"
     )
     _check(interleaved + ["model.images_per_sequence=2", "model.image_size_spread=0"])
+
+
+def test_a_written_plan_runs_on_the_images_its_loads_price_only(tmp_path):
+    """The plan prices its first batch's images (the sampler's, at spread 0); re-run with
+    plan=DIR on shards whose samples hold other images, it is refused."""
+    spread_zero = ["model.images_per_sequence=2", "model.image_size_spread=0"]
+    setup = validate(composed(DISTTRAIN + spread_zero + ["strategy.data=interleaved", "strategy.generator.pp=1"]))
+    write_plan(tmp_path, PlannedRun(setup.model, setup.cluster, setup.train, plan_run(setup)))
+    written = read_plan(tmp_path)
+    priced = written.plan.sample_images
+    assert priced is not None and len(priced) == 8 and len(set(priced)) > 1
+    check_runnable(written, "synthetic")
+    mllm_shard(tmp_path / "shard-0.tar", [2, 1, 3, 0, 1, 2, 0, 0])
+    with pytest.raises(ConfigError) as refused:
+        check_runnable(written, f"{tmp_path}/shard-*.tar")
+    assert str(refused.value) == (
+        f"backend.data={tmp_path}/shard-*.tar: the first step's samples hold [2, 1, 3, 0, 1, 2, 0, 0] images, the "
+        f"plan's loads price {list(priced)} (it was planned on other data: plan the run on this data)"
+    )
 
 
 def test_deepspeed_is_given_the_reuse_distance_the_plan_priced():
