@@ -516,6 +516,9 @@ class Plan:
     # What an MLLM's sequences hold: "uniform" (one image each) or "interleaved" (each its
     # sample's images, as data.interleaved's sampler draws them: DistTrain's strategy.data).
     sample_content: str = "uniform"
+    # Images per sample of the first step's batch (in data order) that the plan prices, where
+    # its loads follow them (DistTrain's interleaved data, or an MLLM's tar shards); None: none.
+    sample_images: tuple[int, ...] | None = None
 
     def unit(self, name: str) -> UnitPlan:
         for unit_plan in self.units:

@@ -70,10 +70,21 @@ def _backend(config: dict[str, Any]) -> TorchBackendSpec | None:
 def plan_run(setup: Setup) -> Plan:
     strategy = setup.config["strategy"]
     planner = planner_for(strategy["name"])
-    plan = planner(PlanRequest(setup.model, setup.cluster, setup.train, strategy))
+    plan = planner(PlanRequest(setup.model, setup.cluster, setup.train, strategy, _sample_images(setup)))
     if plan.devices > setup.cluster.devices:
         raise ConfigError(f"plan uses {plan.devices} devices but cluster {setup.cluster.name} has {setup.cluster.devices}")
     return plan
+
+
+def _sample_images(setup: Setup) -> tuple[int, ...] | None:
+    """The images per sample of the first step's batch of the tar shards a real run reads,
+    for its plan to price (planners read no files)."""
+    backend = setup.backend
+    if backend is None or backend.data == "synthetic":
+        return None
+    from src.runtime.inputs import shard_images  # torch: imported by runs on shards only
+
+    return shard_images(setup.model, backend.data, backend.data_errors, setup.train.global_batch)
 
 
 def prepare_run(

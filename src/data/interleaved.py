@@ -9,9 +9,11 @@ gives no parameters; ours are stated here and are the only place they live):
 - image count n = 1 + Poisson(lam), lam = (mean_images - 1) * Exponential(1): a
   Gamma-Poisson (geometric) mixture of mean `mean_images`; most sequences hold few
   images, a long tail many (Fig. 5(c)). mean_images = 1 gives one image per sequence.
-- image side in patches: round(base * exp(N(0, 0.3))) clipped to [base/2, 2*base],
-  `base` = the encoder's nominal side (16 patches: ViT-Huge/14 at 224 px). An image is
-  side^2 patch tokens (+ CLS in the encoder): median 256 tokens, 64 to 1024 (Fig. 5(b)).
+- image side in patches: round(base * exp(N(0, spread))) clipped to [base/2, 2*base],
+  `base` = the encoder's nominal side (16 patches: ViT-Huge/14 at 224 px), `spread` the
+  model's image_size_spread (0.3 by default; 0: every image at the nominal side). An
+  image is side^2 patch tokens (+ CLS in the encoder): median 256 tokens, 64 to 1024 at
+  spread 0.3 (Fig. 5(b)).
 - caption tokens: round(exp(N(ln 20, 0.8))) clipped to [2, 200] (LAION captions are
   short with a long tail, Fig. 5(a)).
 - pairs are dropped from the end while the sequence would overflow `seq_len` (one image
@@ -34,7 +36,6 @@ from typing import Sequence
 
 from src.models.spec import ModelSpec
 
-IMAGE_SPREAD = 0.3  # sigma of log(image side)
 CAPTION_MEDIAN = 20  # tokens
 CAPTION_SPREAD = 0.8  # sigma of log(caption tokens)
 CAPTION_RANGE = (2, 200)
@@ -71,6 +72,7 @@ class InterleavedData:
     seq_len: int
     mean_images: float
     base_side: int  # patches per side of the encoder's nominal image
+    side_spread: float  # sigma of log(image side)
 
     def __post_init__(self) -> None:
         if self.mean_images < 1:
@@ -83,7 +85,8 @@ class InterleavedData:
         lam = (self.mean_images - 1) * rng.expovariate(1.0)
         count = 1 + _poisson(rng, lam)
         low, high = max(1, self.base_side // 2), 2 * self.base_side
-        sides = [min(high, max(low, round(self.base_side * math.exp(rng.gauss(0.0, IMAGE_SPREAD))))) for _ in range(count)]
+        # Drawn also at spread 0, so that every spread draws the captions from the same stream.
+        sides = [min(high, max(low, round(self.base_side * math.exp(rng.gauss(0.0, self.side_spread))))) for _ in range(count)]
         captions = [
             min(CAPTION_RANGE[1], max(CAPTION_RANGE[0], round(math.exp(rng.gauss(math.log(CAPTION_MEDIAN), CAPTION_SPREAD)))))
             for _ in range(count)
@@ -101,10 +104,13 @@ class InterleavedData:
 
 
 def sampler(model: ModelSpec, seed: int) -> InterleavedData:
-    """An MLLM's sequences (model.images_per_sequence images on average, of its encoder's
-    nominal side): what DistTrain's planner prices and the real backend trains on."""
+    """An MLLM's sequences (model.images_per_sequence images on average, their sides spread
+    by model.image_size_spread around the encoder's nominal side): what DistTrain's planner
+    prices and the real backend trains on (which runs every image at the nominal side, so it
+    takes spread 0 only: runtime.checks)."""
     side = round(model.extras["image_tokens"] ** 0.5)
-    return InterleavedData(seed, model.unit("llm").seq_len, model.extras["images_per_sequence"], side)
+    extras = model.extras
+    return InterleavedData(seed, model.unit("llm").seq_len, extras["images_per_sequence"], side, extras["image_size_spread"])
 
 
 def _poisson(rng: random.Random, lam: float) -> int:

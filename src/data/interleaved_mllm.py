@@ -3,8 +3,10 @@
 Sample `index` holds n images, 0 to `capacity`: as many as the simulator's sampler draws
 for it (src/data/interleaved.py's layout of the same seed and index, mean
 model.images_per_sequence), or as its tar shard holds (src/data/shards.py, images="several").
-Every image is run at the encoder's resolution, so an image costs the encoder and the LLM
-its `image_tokens` whatever side the sampler drew (the simulator prices those sides).
+Every image is run at the encoder's nominal side, so an image costs the encoder and the LLM
+its `image_tokens`: what the plan prices for a shard's images and for the sampler's at
+model.image_size_spread=0; a spread > 0 draws sides the plan prices and this data would not
+run, which runtime.checks refuses.
 
 A sequence holds its images' tokens first (`image_tokens` each), then text: the class's
 token progression (SyntheticMLLM's), or the caption's byte tokens, cut to the sequence.

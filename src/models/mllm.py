@@ -8,9 +8,10 @@ interleaved sequence; the encoder's and the generator's sample is that sequence'
 `images_per_sequence` of them (default 1: one image in, one image out). Their layers are
 built for that many images, so every planner prices the same mean work per sequence; how
 the count and sizes vary from sequence to sequence (skewed, DistTrain Fig. 5) is the data
-module's (src/data/interleaved.py), priced as Work.load. Each encoded image becomes
-`image_tokens` LLM tokens; each generated image is conditioned on `cond_tokens` LLM hidden
-states, mapped by the output projector to SD's 77x1024 condition.
+module's (src/data/interleaved.py), priced as Work.load; `image_size_spread` states how far
+image sides spread around the encoder's nominal side (sigma of log side). Each encoded
+image becomes `image_tokens` LLM tokens; each generated image is conditioned on
+`cond_tokens` LLM hidden states, mapped by the output projector to SD's 77x1024 condition.
 
 Choices DistTrain leaves open, and ours:
 - Table 1 is named "Llama3" but its shapes are Llama 2's (FFN 11008/13824, no GQA below
@@ -63,6 +64,13 @@ COND_TOKENS = 77
 # The latent is image/8 and the U-Net halves it three times.
 IMAGE_MULTIPLE = VAE_FACTOR * 2 ** (len(SD21.unet_channels) - 1)
 SCALES = ("paper", "tiny")
+# Sigma of log(image side) of the interleaved data's images (src/data/interleaved.py):
+# sides of 64 to 1024 tokens around ViT-Huge's 256 (DistTrain Fig. 5(b)). The sampler clips
+# sides to half and twice the nominal (log side within +-ln 2): at sigma 1 about half the
+# draws (P(|Z| > 0.69) = 0.49) already land on a clip bound, beyond it the spread is two
+# spikes at the bounds rather than a spread.
+IMAGE_SIZE_SPREAD = 0.3
+MAX_IMAGE_SIZE_SPREAD = 1.0
 
 
 @dataclass(frozen=True)
@@ -127,6 +135,13 @@ def build_mllm(model: str, opts: Options, seq_len: int | None) -> ModelSpec:
     cond_tokens = opts.positive_int("cond_tokens", preset.cond_tokens)
     vae_encode = opts.flag("vae_encode", True)
     images = opts.positive_int("images_per_sequence", 1)
+    spread = opts.number(
+        "image_size_spread",
+        IMAGE_SIZE_SPREAD,
+        0.0,
+        MAX_IMAGE_SIZE_SPREAD,
+        " (sigma of log image side; sides are clipped to half and twice the nominal, so beyond 1 most land on a bound)",
+    )
     train_projectors = opts.flag("train_projectors", False)
     divisible(opts, "encoder_image_size", encoder_image, "model.patch_size", patch)
     divisible(opts, "image_size", image, "the VAE and U-Net downsampling", IMAGE_MULTIPLE)
@@ -183,6 +198,7 @@ def build_mllm(model: str, opts: Options, seq_len: int | None) -> ModelSpec:
             "per_sample": {"encoder": "sequence's images", "llm": "sequence", "generator": "sequence's images"},
             "scale": scale_name,
             "images_per_sequence": images,
+            "image_size_spread": spread,
             "image_tokens": image_tokens,
             "cond_tokens": cond_tokens,
             # model.frozen freezes these units layer by layer, keeping the projectors trained.

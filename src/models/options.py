@@ -7,6 +7,7 @@ a default.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -51,6 +52,13 @@ class Options:
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ConfigError(f"{self.key(name)}={value!r} must be a positive integer")
         return value
+
+    def number(self, name: str, default: float, low: float, high: float, why: str = "") -> float:
+        """A finite number in [low, high] (`why`: what the bounds are, for the message)."""
+        value = self.raw(name, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not low <= value <= high:
+            raise ConfigError(f"{self.key(name)}={value!r} must be a number from {low:g} to {high:g}{why}")
+        return float(value)
 
     def flag(self, name: str, default: bool) -> bool:
         value = self.raw(name, default)

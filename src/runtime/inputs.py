@@ -61,7 +61,7 @@ def dataset_for(model: ModelSpec, seed: int, source: str, errors: str = "fail", 
     if names == ["llm"]:
         llm = model.unit("llm")
         return SyntheticTokens(seed, llm.seq_len, llm.arch.vocab)
-    if names == ["encoder", "llm", "generator"]:
+    if _sequences_of_images(model):
         return _mllm_data(model, seed, source, errors, content)
     if names == ["unet"]:
         if source != "synthetic":
@@ -72,6 +72,21 @@ def dataset_for(model: ModelSpec, seed: int, source: str, errors: str = "fail", 
     raise ConfigError(
         f"the real backend has no data for model {model.name} (units {names}): it trains CLIP, CoCa, LiT, GPT, U-Nets and the MLLMs"
     )
+
+
+def _sequences_of_images(model: ModelSpec) -> bool:
+    """An MLLM whose sequences hold images to encode and to generate (DistTrain's)."""
+    return [u.name for u in model.units] == ["encoder", "llm", "generator"]
+
+
+def shard_images(model: ModelSpec, source: str, errors: str, samples: int) -> tuple[int, ...] | None:
+    """Images per sample of the first `samples` samples of an MLLM's tar shards (`source`),
+    from their index (nothing decoded); None for synthetic data and other models' shards."""
+    if source == "synthetic" or not _sequences_of_images(model):
+        return None
+    data = _mllm_data(model, 0, source, errors, "interleaved")
+    assert isinstance(data, InterleavedMLLM)
+    return tuple(data.image_count(i) for i in range(samples))
 
 
 def _mllm_data(model: ModelSpec, seed: int, source: str, errors: str, content: str) -> SyntheticMLLM | InterleavedMLLM:

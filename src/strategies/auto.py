@@ -11,7 +11,7 @@ is listed with its one-line reason.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from src.config import options_from
@@ -89,7 +89,7 @@ def price(contender: Contender, request: PlanRequest) -> Priced:
     try:
         if contender.label == "megatron-balanced" and len(request.model.units) == 1:
             raise PlanError("one unit: balancing the pipeline is Megatron-LM's own stage cut")
-        plan = contender.planner(PlanRequest(request.model, request.cluster, request.train, contender.options))
+        plan = contender.planner(replace(request, options=contender.options))
         if plan.devices > request.cluster.devices:
             raise PlanError(f"plan uses {plan.devices} devices but the cluster has {request.cluster.devices}")
         timeline = simulate(plan.program, request.model, request.cluster, request.train.precision)

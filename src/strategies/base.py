@@ -37,12 +37,17 @@ class Degrees:
 
 @dataclass(frozen=True)
 class PlanRequest:
-    """A planner's whole input. Planners are pure functions of it: no I/O."""
+    """A planner's whole input. Planners are pure functions of it: no I/O.
+
+    sample_images: images per sample of the first step's batch, in data order, every one at
+    the encoder's nominal side, where the run reads an MLLM's tar shards (the door reads
+    them: a plan prices the data its run reads); None where the data is drawn from the seed."""
 
     model: ModelSpec
     cluster: ClusterSpec
     train: TrainSpec
     options: Mapping[str, Any]
+    sample_images: tuple[int, ...] | None = None
 
 
 Planner = Callable[[PlanRequest], Plan]

@@ -3,11 +3,13 @@ algorithms, against the test vectors of ALGORITHMS.md §1.8."""
 
 from __future__ import annotations
 
+import hashlib
 import statistics
 
 import pytest
 
-from src.data.interleaved import InterleavedData, encoder_cost, generator_cost, relative_loads
+from src.data.interleaved import InterleavedData, encoder_cost, generator_cost, relative_loads, sampler
+from src.models.registry import build_model
 from src.data.reorder import StageTimes, group_loads, interval_volumes, inter_reorder, lpt
 
 
@@ -53,23 +55,41 @@ def test_inter_reorder_matches_the_spec_order_and_beats_the_input_order() -> Non
 
 
 def test_interleaved_layouts_are_seeded_skewed_and_fit_the_sequence() -> None:
-    data = InterleavedData(seed=0, seq_len=8192, mean_images=8, base_side=16)
+    data = InterleavedData(seed=0, seq_len=8192, mean_images=8, base_side=16, side_spread=0.3)
     batch = data.batch(1000)
-    assert batch == InterleavedData(0, 8192, 8, 16).batch(1000)
-    assert batch != InterleavedData(1, 8192, 8, 16).batch(1000)
+    assert batch == InterleavedData(0, 8192, 8, 16, 0.3).batch(1000)
+    assert batch != InterleavedData(1, 8192, 8, 16, 0.3).batch(1000)
     assert all(layout.padding >= 0 and layout.images >= 1 for layout in batch)
     counts = [layout.images for layout in batch]
     assert statistics.median(counts) < statistics.mean(counts) < 8.5  # skewed right; overflow trims the mean
     assert max(counts) > 3 * statistics.median(counts)
     sizes = [side * side for layout in batch for side in layout.image_sides]
     assert statistics.median(sizes) == 256 and min(sizes) >= 64 and max(sizes) <= 1024
-    assert {layout.images for layout in InterleavedData(0, 8192, 1, 16).batch(50)} == {1}
+    assert {layout.images for layout in InterleavedData(0, 8192, 1, 16, 0.3).batch(50)} == {1}
 
 
 def test_loads_are_relative_to_the_batch_mean() -> None:
-    batch = InterleavedData(seed=3, seq_len=8192, mean_images=4, base_side=16).batch(64)
+    batch = InterleavedData(seed=3, seq_len=8192, mean_images=4, base_side=16, side_spread=0.3).batch(64)
     for costs in ([encoder_cost(layout, 1.0, 0.01) for layout in batch], [generator_cost(layout) for layout in batch]):
         loads = relative_loads(costs)
         assert statistics.mean(loads) == pytest.approx(1.0) and statistics.pstdev(loads) > 0.3
-    one = InterleavedData(seed=3, seq_len=8192, mean_images=4, base_side=16).layout(0)
+    one = InterleavedData(seed=3, seq_len=8192, mean_images=4, base_side=16, side_spread=0.3).layout(0)
     assert encoder_cost(one, 1.0, 0.0) == sum(s * s + 1 for s in one.image_sides)
+
+
+def test_the_default_image_size_spread_draws_the_layouts_it_drew_as_a_module_constant() -> None:
+    """model.image_size_spread=0.3 (the default) reproduces, bit for bit, the layouts drawn
+    when the spread was the data module's constant (their digest, taken before the change)."""
+    model = build_model({"name": "mllm_9b", "images_per_sequence": 4})
+    assert model.extras["image_size_spread"] == 0.3
+    layouts = [sampler(model, 7).layout(i) for i in range(256)]
+    assert hashlib.sha256(repr(layouts).encode()).hexdigest()[:16] == "8c649c4016b1f0d9"
+
+
+def test_spread_zero_draws_every_image_at_the_nominal_side_from_the_same_stream() -> None:
+    spread, flat = (InterleavedData(3, 8192, 4, 16, sigma).batch(200) for sigma in (0.3, 0.0))
+    assert {side for layout in flat for side in layout.image_sides} == {16}
+    assert len({side for layout in spread for side in layout.image_sides}) > 5
+    # The sides are drawn at spread 0 too: the captions that follow them are the same draws.
+    kept = [(a, b) for a, b in zip(spread, flat) if a.images == b.images == 1]
+    assert kept and all(a.caption_tokens == b.caption_tokens for a, b in kept)

@@ -165,6 +165,18 @@ def test_mllm_refuses_more_images_than_its_sequence_holds() -> None:
         build_model({"name": "mllm_9b", "images_per_sequence": 8}, seq_len=2048)
 
 
+@pytest.mark.parametrize("spread", [-0.1, 1.5, float("nan"), float("inf"), "wide", True])
+def test_mllm_image_size_spread_is_a_finite_sigma_from_0_to_1(spread) -> None:
+    assert build_model({"name": "mllm_9b", "image_size_spread": 0}).extras["image_size_spread"] == 0.0
+    assert build_model({"name": "mllm_9b", "image_size_spread": 1}).extras["image_size_spread"] == 1.0
+    with pytest.raises(ConfigError) as refused:
+        build_model({"name": "mllm_9b", "image_size_spread": spread})
+    assert str(refused.value) == (
+        f"model.image_size_spread={spread!r} must be a number from 0 to 1 (sigma of log image side; sides are clipped "
+        f"to half and twice the nominal, so beyond 1 most land on a bound)"
+    )
+
+
 # ---------------------------------------------------------------------------------------
 # Optimus Tables 8 and 9.
 @pytest.mark.parametrize(

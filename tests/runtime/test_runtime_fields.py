@@ -14,12 +14,12 @@ import pytest
 import yaml
 
 from src.errors import ConfigError
-from src.plan_io import PlannedRun
+from src.plan_io import PlannedRun, read_plan, write_plan
 from src.runtime.checks import check_runnable
 from src.runtime.engines import EngineSettings, deepspeed_config
 from src.setup import options_named, plan_run, validate
 from src.strategies import STRATEGIES
-from tests.runtime.support import CLIP, GPT, UNET, composed
+from tests.runtime.support import CLIP, GPT, UNET, composed, mllm_shard
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "strategy"
 WORKERS = ["backend=torch", "cluster=local", "cluster.devices_per_node=4", "logger=none"]
@@ -130,7 +130,12 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
         DISTTRAIN_RUNS,
     ),
     # Each sequence holds its sample's images: micro-batches of different loads, run for real.
-    ("disttrain", "data"): (DISTTRAIN, ["strategy.data=interleaved", "strategy.generator.pp=1"], "run", INTERLEAVED_RUNS),
+    ("disttrain", "data"): (
+        DISTTRAIN,
+        ["strategy.data=interleaved", "model.image_size_spread=0", "strategy.generator.pp=1"],
+        "run",
+        INTERLEAVED_RUNS,
+    ),
     ("disttrain", "reorder"): (DISTTRAIN, ["strategy.reorder=both"], "run", DISTTRAIN_RUNS),
     ("disttrain", "tp_overlap_chunks"): (
         DISTTRAIN,
@@ -368,11 +373,48 @@ def test_optimus_llm_distributed_optimizer_over_replicas_is_refused_naming_the_f
 
 
 def test_interleaved_data_refuses_an_encoder_on_pipeline_stages_of_tp_peers():
-    interleaved = DISTTRAIN + ["strategy.data=interleaved", "strategy.generator.pp=1", "strategy.encoder.pp=2"]
+    interleaved = DISTTRAIN + [
+        "strategy.data=interleaved",
+        "model.image_size_spread=0",
+        "strategy.generator.pp=1",
+        "strategy.encoder.pp=2",
+    ]
     _check(interleaved)  # tp=1: its stages pass the real images' token states
     with pytest.raises(ConfigError, match=r"unit encoder on pp=2 with tp=2 and interleaved data.*strategy.encoder.pp"):
         wider = [o for o in interleaved if not o.startswith("cluster.devices_per_node")] + ["cluster.devices_per_node=8"]
         _check(wider + ["strategy.encoder.tp=2", "strategy.encoder.sequence_parallel=false"])
+
+
+def test_interleaved_data_of_spread_image_sides_is_refused_naming_the_spread():
+    """The plan prices the sides the sampler draws; the real backend runs every image at
+    the encoder's nominal side."""
+    interleaved = DISTTRAIN + ["strategy.data=interleaved", "strategy.generator.pp=1"]
+    with pytest.raises(ConfigError) as refused:
+        _check(interleaved + ["model.images_per_sequence=2"])
+    assert str(refused.value) == (
+        "model.image_size_spread=0.3: the plan prices the images the sampler draws, 2 to 5 patches a side, and the real "
+        "backend runs every image at the encoder's nominal 4 patches a side; it needs model.image_size_spread=0"
+    )
+    _check(interleaved + ["model.images_per_sequence=2", "model.image_size_spread=0"])
+
+
+def test_a_written_plan_runs_on_the_images_its_loads_price_only(tmp_path):
+    """The plan prices its first batch's images (the sampler's, at spread 0); re-run with
+    plan=DIR on shards whose samples hold other images, it is refused."""
+    spread_zero = ["model.images_per_sequence=2", "model.image_size_spread=0"]
+    setup = validate(composed(DISTTRAIN + spread_zero + ["strategy.data=interleaved", "strategy.generator.pp=1"]))
+    write_plan(tmp_path, PlannedRun(setup.model, setup.cluster, setup.train, plan_run(setup)))
+    written = read_plan(tmp_path)
+    priced = written.plan.sample_images
+    assert priced is not None and len(priced) == 8 and len(set(priced)) > 1
+    check_runnable(written, "synthetic")
+    mllm_shard(tmp_path / "shard-0.tar", [2, 1, 3, 0, 1, 2, 0, 0])
+    with pytest.raises(ConfigError) as refused:
+        check_runnable(written, f"{tmp_path}/shard-*.tar")
+    assert str(refused.value) == (
+        f"backend.data={tmp_path}/shard-*.tar: the first step's samples hold [2, 1, 3, 0, 1, 2, 0, 0] images, the "
+        f"plan's loads price {list(priced)} (it was planned on other data: plan the run on this data)"
+    )
 
 
 def test_deepspeed_is_given_the_reuse_distance_and_persistence_threshold_the_plan_priced():

@@ -28,7 +28,8 @@ WORKERS = 4
 # Per sample of the shard: DDP's rank 3 (samples 6-7) and DistTrain's encoder micro-batch 3
 # hold no image.
 SHARD_IMAGES = [2, 1, 3, 0, 1, 2, 0, 0]
-MODEL = {"name": "mllm_9b", "scale": "tiny", "train_projectors": True, "images_per_sequence": 2}
+# Every sampled image at the encoder's nominal side, which the real backend runs.
+MODEL = {"name": "mllm_9b", "scale": "tiny", "train_projectors": True, "images_per_sequence": 2, "image_size_spread": 0}
 BASE = [
     "backend=torch",
     "cluster=local",
@@ -37,6 +38,7 @@ BASE = [
     "model.scale=tiny",
     "model.train_projectors=true",
     "model.images_per_sequence=2",
+    "model.image_size_spread=0",
     f"train.global_batch={BATCH}",
     f"train.steps={STEPS}",
     "backend.lr=0.3",

@@ -18,6 +18,8 @@ from omegaconf import OmegaConf
 from src.config import options_from
 from src.errors import ConfigError
 from src.program import Compute, Table
+from src.runtime.inputs import StepSamples, dataset_for
+from src.runtime.placement import placements
 from src.setup import Setup, plan_run, validate
 from src.sim.engine import simulate
 from src.strategies.disttrain.planner import DistTrainOptions
@@ -31,6 +33,7 @@ from src.strategies.disttrain.relaxation import RelaxedOption, Subproblems, solv
 from src.strategies.disttrain.schedule import Chain, chain_orders
 from src.strategies.disttrain.timing import stage_ends
 from src.strategies.disttrain.profile import Profiler, Setting
+from tests.runtime.support import mllm_shard
 
 ROOT = Path(__file__).resolve().parents[2]
 # One 8-GPU node, four sequences: plans in well under a second.
@@ -408,6 +411,67 @@ def test_data_heterogeneity_and_reordering() -> None:
     uniform = setup(*base, "strategy.data=uniform")
     loads = {c.work.load for rp in plan_run(uniform).program.classes for c in rp.instructions if isinstance(c, Compute)}
     assert loads == {1.0}
+
+
+# The tiny MLLM on the real backend's four local workers (tests/runtime/test_runtime_interleaved.py).
+REAL = [
+    "backend=torch",
+    "cluster=local",
+    "model=mllm_9b",
+    "model.scale=tiny",
+    "model.images_per_sequence=2",
+    "train.global_batch=8",
+    "strategy.data=interleaved",
+    "strategy.generator.pp=1",
+]
+
+
+def _priced_and_run_images(s: Setup) -> list[tuple[float, float]]:
+    """Per rank, encoder or generator micro-batch: (the load the plan prices, the images the
+    real data path gives that micro-batch over the micro-batch's share of the step's images)."""
+    plan = plan_run(s)
+    assert s.backend is not None
+    data = dataset_for(s.model, s.train.seed, s.backend.data, s.backend.data_errors, plan.sample_content)
+    step = [data.image_count(i) for i in range(s.train.global_batch)]
+    units = by_unit(plan)
+    pairs = []
+    for rank in range(plan.devices):
+        for unit, place in placements(plan, rank).items():
+            if unit == "llm":
+                continue
+            samples = StepSamples(s.model, data, s.train.global_batch, units, {unit: place.dp_ranks.index(rank)}, plan.sample_order)
+            made = samples.make(0)
+            share = units[unit].micro_batch * sum(step) / len(step)
+            priced = {
+                (c.microbatch, c.work.load)
+                for c in plan.program.instructions_for(rank)
+                if isinstance(c, Compute) and c.work.unit == unit and c.work.phase == "fwd"
+            }
+            assert len(priced) == units[unit].num_microbatches  # one load per micro-batch
+            pairs += [(load, int(made[(unit, m)]["image_slots"].sum()) / share) for m, load in priced]
+    return pairs
+
+
+@pytest.mark.parametrize("reorder", ["none", "both"])
+def test_at_spread_zero_the_plan_prices_the_images_the_real_backend_runs(reorder: str) -> None:
+    """Every sampled image at the nominal side: a micro-batch's encoder and generator loads
+    are its samples' images against the step's mean, as the real data path holds them."""
+    pairs = _priced_and_run_images(setup(*REAL, "model.image_size_spread=0", f"strategy.reorder={reorder}"))
+    assert [priced for priced, _ in pairs] == pytest.approx([run for _, run in pairs], rel=1e-9)
+    assert len({run for _, run in pairs}) > 1  # micro-batches of different images: the equality says something
+
+
+def test_a_plan_on_tar_shards_prices_the_images_its_samples_hold(tmp_path: Path) -> None:
+    images = [2, 1, 3, 0, 1, 2, 0, 0]  # the encoder's micro-batch 3 holds no image
+    mllm_shard(tmp_path / "shard-0.tar", images)
+    s = setup(*REAL, f"backend.data={tmp_path}/shard-*.tar")  # spread 0.3: no sampler image is run
+    pairs = _priced_and_run_images(s)
+    assert [priced for priced, _ in pairs] == pytest.approx([run for _, run in pairs], rel=1e-9)
+    assert 0.0 in {priced for priced, _ in pairs}
+    assert plan_run(s).details["images_per_sequence"] == {"mean": sum(images) / len(images), "max": 3}
+    mllm_shard(tmp_path / "shard-0.tar", [0] * 8)
+    with pytest.raises(ConfigError, match=r"^backend.data: the first step's 8 samples hold no image: DistTrain prices"):
+        plan_run(setup(*REAL, f"backend.data={tmp_path}/shard-*.tar"))
 
 
 def test_tp_overlap_chunks_split_the_tp_collectives() -> None:

@@ -4,7 +4,8 @@ multimodal LLMs. Every component can be switched off for the paper's ablations:
 - orchestration: `disaggregated` (Algorithm 1, strategies.disttrain.orchestration) or
   `ratio` (GPUs in proportion to each unit's FLOPs, §8.2.1's baseline);
 - data: `interleaved` (LAION-like sequences whose image count and sizes vary,
-  src/data/interleaved.py) or `uniform` (every sequence alike);
+  src/data/interleaved.py) or `uniform` (every sequence alike); a real run on an MLLM's
+  tar shards prices the images their samples hold (PlanRequest.sample_images);
 - reorder: none | intra (Algorithm 2) | inter (Algorithm 3) | both;
 - tp_overlap_chunks: StepCCL's TP overlap, 1 = off.
 
@@ -93,7 +94,11 @@ def _check_model(model: ModelSpec) -> None:
         )
 
 
-def _batch_loads(model: ModelSpec, seed: int, batch: int, data: str) -> BatchLoads:
+def _batch_loads(model: ModelSpec, seed: int, batch: int, data: str, sample_images: tuple[int, ...] | None) -> BatchLoads:
+    """Each sequence's loads: of the images the run's shards hold (`sample_images`, every one
+    at the nominal side, whatever `data` says), else of the sequences `data` says."""
+    if sample_images is not None:
+        return _image_loads(sample_images)
     if data == "uniform":
         ones = (1.0,) * batch
         return BatchLoads(ones, ones, (model.extras["images_per_sequence"],) * batch)
@@ -115,6 +120,18 @@ def _batch_loads(model: ModelSpec, seed: int, batch: int, data: str) -> BatchLoa
     )
 
 
+def _image_loads(images: tuple[int, ...]) -> BatchLoads:
+    """Images all at the nominal side: a sequence's encoder and generator work is its count's
+    (none for a sequence of no image)."""
+    if not any(images):
+        raise ConfigError(
+            f"backend.data: the first step's {len(images)} samples hold no image: DistTrain prices its encoder and "
+            f"generator by the images of that batch (give data whose first batch holds images)"
+        )
+    loads = tuple(relative_loads([float(n) for n in images]))
+    return BatchLoads(loads, loads, images)
+
+
 def plan_disttrain(request: PlanRequest) -> Plan:
     opts = options_from(DistTrainOptions, request.options)
     model, cluster, train = request.model, request.cluster, request.train
@@ -123,7 +140,7 @@ def plan_disttrain(request: PlanRequest) -> Plan:
     check_microbatch_count(
         -(-train.global_batch // cluster.devices), 1, f"global batch {train.global_batch} over at most {cluster.devices} LLM replicas"
     )
-    loads = _batch_loads(model, train.seed, train.global_batch, opts.data)
+    loads = _batch_loads(model, train.seed, train.global_batch, opts.data, request.sample_images)
     profiler = Profiler(model, cluster, train.precision, opts.tp_overlap_chunks)
     fixed = {u: opts.fixed(u) for u in UNITS}
 
@@ -195,4 +212,5 @@ def plan_disttrain(request: PlanRequest) -> Plan:
         details=details,
         sample_order=best.assignment.positions,
         sample_content=opts.data,
+        sample_images=loads.images if opts.data == "interleaved" or request.sample_images is not None else None,
     )
