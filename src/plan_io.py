@@ -37,7 +37,7 @@ PLAN_FILE = "plan.json"
 RUN_FILE = "run.json"
 PLAN_FORMAT = "mmdist-plan"
 RUN_FORMAT = "mmdist-run"
-VERSION = 1
+VERSION = 2  # 2: ZeRO-3 fetches and persistence threshold, MLLM image-side spread, priced sample images
 HEADER = ("format", "version", "world_size")
 PLANNED_FROM = ("model", "strategy", "cluster", "train")  # the config groups a plan is made from
 

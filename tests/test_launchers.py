@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 from src.errors import ConfigError
-from src.plan_io import read_settings
+from src.plan_io import VERSION, read_settings
 from src.runtime.driver import free_port, launch, stop
 from src.prepare import layout
 from tests.conftest import REPO_ROOT, cli_env
@@ -160,7 +160,7 @@ def test_a_worker_refuses_a_plan_for_other_workers_or_a_truncated_one_before_joi
 def test_torchrun_refuses_a_plan_of_another_version_before_starting(prepared):
     run_dir = _copy(prepared, "newer_plan")
     plan = run_dir / "plan.json"
-    plan.write_text(plan.read_text().replace('"version":1', '"version":2', 1))
+    plan.write_text(plan.read_text().replace(f'"version":{VERSION}', f'"version":{VERSION + 1}', 1))
     proc = subprocess.run(
         ["bash", "launchers/torchrun.sh", str(run_dir), f"127.0.0.1:{free_port()}"],
         cwd=REPO_ROOT,
@@ -171,7 +171,8 @@ def test_torchrun_refuses_a_plan_of_another_version_before_starting(prepared):
     )
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
-        f"error: {plan} is plan format version 2; this mmdist reads version 1 only (plan the run again with this version)"
+        f"error: {plan} is plan format version {VERSION + 1}; this mmdist reads version {VERSION} only "
+        "(plan the run again with this version)"
     )
 
 
