@@ -4,18 +4,22 @@ Model FLOPs of an iteration = forward + backward matmul and attention FLOPs of e
 for the samples it really processes; recomputation is not counted (it is in the hardware
 FLOPs, HFU); a frozen unit has no weight-gradient FLOPs and, when nothing upstream of it
 trains, no backward at all. MFU = model FLOPs / (iteration time x devices x peak).
+
+An MLLM's units that work per image (its encoder and generator) are built for the model's
+images per sequence; where a run's sequences hold another number on average (a real run's
+interleaved data or shards, a plan priced on the shards' images) they count that many.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 from src.cluster import GIB, ClusterSpec
 from src.config import TrainSpec
 from src.costmodel.memory import rank_memory
 from src.models.spec import ModelSpec, UnitSpec
-from src.program import Plan
+from src.program import Plan, UnitPlan
 from src.timeline import BREAKDOWN_CATEGORIES, Timeline
 
 if TYPE_CHECKING:
@@ -54,37 +58,54 @@ def unit_flops(model: ModelSpec, unit: UnitSpec, contrastive_batch: int = 1) -> 
     return UnitFlops(fwd, bwd, recompute_full=fwd, recompute_selective=core, backward_recompute=rerun)
 
 
-def iteration_flops(model: ModelSpec, plan: Plan, train: TrainSpec) -> tuple[float, float]:
-    """(model FLOPs, hardware FLOPs) of one iteration: every unit processes every sample
-    of the global batch once; an interaction unit's similarity products span its
-    contrastive batch."""
-    model_flops = hardware = 0.0
+def counted_images(plan: Plan, images: float | None) -> float | None:
+    """The mean images per sequence the FLOPs count: `images`, what a run processed, where
+    its backend knows them; else what the plan's Program prices (None: the model's)."""
+    return plan.images_per_sequence if images is None else images
+
+
+def image_share(unit: UnitSpec, images: float | None) -> float:
+    """The share of its nominal work a unit does on sequences of `images` images on average
+    (None: the model's): a unit that works per image does images / the images it is built
+    for; any other unit all of it."""
+    if images is None or not unit.arch.per_image:
+        return 1.0
+    return images / unit.arch.images
+
+
+def _unit_terms(model: ModelSpec, plan: Plan, train: TrainSpec, images: float | None) -> Iterator[tuple[UnitPlan, UnitFlops, float]]:
+    """Each unit's plan, its per-sample FLOPs and how many samples' work it does in one
+    iteration: every sample of the global batch once (an interaction unit's similarity
+    products span its contrastive batch), per image for the images counted."""
+    counted = counted_images(plan, images)
     for unit_plan in plan.units:
         unit = model.unit(unit_plan.unit)
         contrastive = train.contrastive_batch if unit.name == model.interaction else 1
-        per_sample = unit_flops(model, unit, contrastive)
-        samples = train.global_batch
+        yield unit_plan, unit_flops(model, unit, contrastive), train.global_batch * image_share(unit, counted)
+
+
+def iteration_flops(model: ModelSpec, plan: Plan, train: TrainSpec, images: float | None = None) -> tuple[float, float]:
+    """(model FLOPs, hardware FLOPs) of one iteration (`images`: the mean images per
+    sequence the run processed; None: what the plan prices)."""
+    model_flops = hardware = 0.0
+    for unit_plan, per_sample, samples in _unit_terms(model, plan, train, images):
         extra = {"full": per_sample.recompute_full, "selective": per_sample.recompute_selective}.get(unit_plan.recompute, 0.0)
         extra += per_sample.backward_recompute
-        if not model.needs_backward(unit.name):
+        if not model.needs_backward(unit_plan.unit):
             extra = 0.0
         model_flops += samples * (per_sample.fwd + per_sample.bwd)
         hardware += samples * (per_sample.fwd + per_sample.bwd + extra)
     return model_flops, hardware
 
 
-def unit_model_flops(model: ModelSpec, plan: Plan, train: TrainSpec) -> dict[str, float]:
+def unit_model_flops(model: ModelSpec, plan: Plan, train: TrainSpec, images: float | None = None) -> dict[str, float]:
     """Model FLOPs of one iteration per unit (the terms iteration_flops adds up)."""
-    out = {}
-    for unit_plan in plan.units:
-        unit = model.unit(unit_plan.unit)
-        contrastive = train.contrastive_batch if unit.name == model.interaction else 1
-        per_sample = unit_flops(model, unit, contrastive)
-        out[unit.name] = train.global_batch * (per_sample.fwd + per_sample.bwd)
-    return out
+    return {u.unit: samples * (f.fwd + f.bwd) for u, f, samples in _unit_terms(model, plan, train, images)}
 
 
-def unit_utilisation(model: ModelSpec, plan: Plan, timeline: Timeline, train: TrainSpec, peak: float) -> dict[str, float]:
+def unit_utilisation(
+    model: ModelSpec, plan: Plan, timeline: Timeline, train: TrainSpec, peak: float, images: float | None = None
+) -> dict[str, float]:
     """Per unit, the GPU utilisation while it computes (DistMM §7.2, Figures 8-9): its model
     FLOPs over peak x the device-seconds its forward, backward and interaction work took
     (every rank of a class counted; optimizer steps excluded)."""
@@ -93,7 +114,7 @@ def unit_utilisation(model: ModelSpec, plan: Plan, timeline: Timeline, train: Tr
         for span in rank_timeline.spans:
             if span.category == "compute" and span.unit and not span.name.startswith("optimizer"):
                 seconds[span.unit] = seconds.get(span.unit, 0.0) + (span.end - span.start) * len(rank_timeline.ranks)
-    flops = unit_model_flops(model, plan, train)
+    flops = unit_model_flops(model, plan, train, images)
     return {unit: flops[unit] / (busy * peak) for unit, busy in seconds.items() if busy > 0 and unit in flops}
 
 
@@ -108,13 +129,21 @@ def attach_memory(timeline: Timeline, plan: Plan, model: ModelSpec, precision: s
 
 
 def build_summary(
-    names: dict[str, str], plan: Plan, timeline: Timeline, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
+    names: dict[str, str],
+    plan: Plan,
+    timeline: Timeline,
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    train: TrainSpec,
+    images: float | None = None,
 ) -> dict[str, Any]:
-    """The figures of the output contract (docs/design.md), JSON-ready."""
+    """The figures of the output contract (docs/design.md), JSON-ready (`images`: the mean
+    images per sequence the run processed, where its backend knows them)."""
     seconds = timeline.iteration_time
     devices = plan.devices
     peak = cluster.peak(plan.precision)
-    model_flops, hardware_flops = iteration_flops(model, plan, train)
+    images = counted_images(plan, images)
+    model_flops, hardware_flops = iteration_flops(model, plan, train, images)
     worst = max(timeline.ranks, key=lambda r: r.peak_memory_bytes)
     return {
         **names,
@@ -129,10 +158,12 @@ def build_summary(
         "throughput_samples_per_s": train.global_batch / seconds,
         "tflops_per_device": model_flops / seconds / devices / 1e12,
         "model_flops_per_iteration": model_flops,
+        # The images per sequence the FLOPs count, where they are not the model's.
+        **({} if images is None else {"images_per_sequence": images}),
         "model_params": model.params,
         "breakdown_s": {k: timeline.mean_breakdown()[k] for k in BREAKDOWN_CATEGORIES},
         "breakdown_by_unit_s": timeline.unit_breakdown(),
-        "unit_utilisation": unit_utilisation(model, plan, timeline, train, peak),
+        "unit_utilisation": unit_utilisation(model, plan, timeline, train, peak, images),
         "comm_share": sum(v for k, v in timeline.mean_breakdown().items() if k.startswith("comm_")) / seconds,
         "exposed_comm_s": sum(v for k, v in timeline.mean_breakdown().items() if k.startswith("comm_")),
         "peak_memory_gib": worst.peak_memory_bytes / GIB,
@@ -143,12 +174,17 @@ def build_summary(
 
 
 def summarize(
-    run: PlannedRun, timeline: Timeline, peak_flops: float | None = None, extras: dict[str, Any] | None = None
+    run: PlannedRun,
+    timeline: Timeline,
+    peak_flops: float | None = None,
+    extras: dict[str, Any] | None = None,
+    images: float | None = None,
 ) -> dict[str, Any]:
     """The run's summary, for every backend: the plan's memory attached to the timeline,
     the figures of the output contract, and what the backend adds (measured values, how
     it measured them). `peak_flops` replaces the cluster preset's per-device peak (a
-    measured one)."""
+    measured one); `images` the mean images per sequence the run processed, where the
+    backend knows them (the real backend's measured steps'; None: what the plan prices)."""
     plan = run.plan
     attach_memory(timeline, plan, run.model, plan.precision)
     cluster = run.cluster
@@ -156,4 +192,4 @@ def summarize(
         # Measured with every worker computing at once: already each one's share.
         cluster = replace(cluster, peak_flops={plan.precision: peak_flops}, oversubscription={})
     names = {"model": run.model.name, "strategy": plan.strategy, "cluster": run.cluster.name, "backend": timeline.backend}
-    return {**build_summary(names, plan, timeline, run.model, cluster, run.train), **(extras or {})}
+    return {**build_summary(names, plan, timeline, run.model, cluster, run.train, images), **(extras or {})}

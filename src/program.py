@@ -519,6 +519,10 @@ class Plan:
     # Images per sample of the first step's batch (in data order) that the plan prices, where
     # its loads follow them (DistTrain's interleaved data, or an MLLM's tar shards); None: none.
     sample_images: tuple[int, ...] | None = None
+    # The mean images per sequence its Program prices where it is not the model's
+    # images_per_sequence: loads against the model's nominal sequence (DistTrain on given
+    # sample images, an MLLM's tar shards); None: the model's (loads against the batch's mean).
+    images_per_sequence: float | None = None
 
     def unit(self, name: str) -> UnitPlan:
         for unit_plan in self.units:

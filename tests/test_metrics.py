@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from src.config import TrainSpec
-from src.metrics import build_summary, iteration_flops, unit_flops
+from src.metrics import build_summary, iteration_flops, unit_flops, unit_model_flops
 from src.mesh import Mesh
 from src.models.registry import build_model
 from src.program import Plan, Program, UnitPlan
@@ -80,3 +82,30 @@ def test_summary_figures_are_consistent() -> None:
     assert summary["throughput_samples_per_s"] == pytest.approx(16.0)
     assert sum(summary["breakdown_s"].values()) == pytest.approx(seconds)
     assert summary["peak_memory_gib"] == pytest.approx(1.0)
+
+
+def test_an_mllm_counts_the_images_its_sequences_hold() -> None:
+    """The encoder reads a sequence's images and the generator makes one per image: both are
+    built for model.images_per_sequence (2) and count the images a plan priced (a batch of
+    shards holding 1.125 a sequence) or a run processed; the LLM's sequence is the same."""
+    model = build_model({"name": "mllm_9b", "scale": "tiny", "images_per_sequence": 2})
+    assert [u.name for u in model.units if u.arch.per_image] == ["encoder", "generator"]
+    nominal = _plan(model, 8)
+    priced = replace(nominal, sample_images=(2, 1, 3, 0, 1, 2, 0, 0), images_per_sequence=1.125)
+    train = _train(8)
+    full = unit_model_flops(model, nominal, train)
+    share = 1.125 / 2
+    expected = {"encoder": full["encoder"] * share, "llm": full["llm"], "generator": full["generator"] * share}
+    assert unit_model_flops(model, priced, train) == pytest.approx(expected)
+    assert unit_model_flops(model, nominal, train, images=1.125) == pytest.approx(expected)  # a real run's measured mean
+    assert unit_model_flops(model, priced, train, images=3) == pytest.approx(
+        {u: f * (1.5 if u != "llm" else 1) for u, f in full.items()}
+    )
+    model_flops, hardware = iteration_flops(model, priced, train)
+    assert model_flops == pytest.approx(sum(expected.values())) and hardware == model_flops
+    seconds = 0.5
+    breakdown = {cat: 0.0 for cat in BREAKDOWN_CATEGORIES} | {"compute": seconds}
+    timeline = Timeline(seconds, [RankTimeline((0, 1, 2, 3), "all", ("llm",), [], breakdown, seconds, memory={"total": 1.0})])
+    summary = build_summary({}, priced, timeline, model, CLUSTER, train)
+    assert summary["model_flops_per_iteration"] == pytest.approx(model_flops) and summary["images_per_sequence"] == 1.125
+    assert "images_per_sequence" not in build_summary({}, nominal, timeline, model, CLUSTER, train)

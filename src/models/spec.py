@@ -173,6 +173,13 @@ class Architecture:
         """A ViT: patches of images (it attends both ways)."""
         return self.patch_size > 0
 
+    @property
+    def per_image(self) -> bool:
+        """Its work is its images', `images` of them a sample: it reads them (a ViT) or
+        generates them (a U-Net). An LLM whose sequence holds image tokens is not: its
+        sequence's length is the same whatever they are."""
+        return self.image_size > 0
+
 
 @dataclass(frozen=True)
 class UnitSpec:

@@ -22,7 +22,7 @@ from src.runtime.inputs import StepSamples, dataset_for
 from src.runtime.placement import placements
 from src.setup import Setup, plan_run, validate
 from src.sim.engine import simulate
-from src.strategies.disttrain.planner import DistTrainOptions
+from src.strategies.disttrain.planner import DistTrainOptions, _batch_loads
 from src.strategies.base import divisors
 from src.mesh import Mesh
 from src.program import Payload
@@ -426,13 +426,15 @@ REAL = [
 ]
 
 
-def _priced_and_run_images(s: Setup) -> list[tuple[float, float]]:
+def _priced_and_run_images(s: Setup, per_sequence: float | None = None) -> list[tuple[float, float]]:
     """Per rank, encoder or generator micro-batch: (the load the plan prices, the images the
-    real data path gives that micro-batch over the micro-batch's share of the step's images)."""
+    real data path gives that micro-batch over what a load of 1 stands for: `per_sequence`
+    images a sequence, else the step's mean)."""
     plan = plan_run(s)
     assert s.backend is not None
     data = dataset_for(s.model, s.train.seed, s.backend.data, s.backend.data_errors, plan.sample_content)
     step = [data.image_count(i) for i in range(s.train.global_batch)]
+    mean = sum(step) / len(step) if per_sequence is None else per_sequence
     units = by_unit(plan)
     pairs = []
     for rank in range(plan.devices):
@@ -441,7 +443,7 @@ def _priced_and_run_images(s: Setup) -> list[tuple[float, float]]:
                 continue
             samples = StepSamples(s.model, data, s.train.global_batch, units, {unit: place.dp_ranks.index(rank)}, plan.sample_order)
             made = samples.make(0)
-            share = units[unit].micro_batch * sum(step) / len(step)
+            share = units[unit].micro_batch * mean
             priced = {
                 (c.microbatch, c.work.load)
                 for c in plan.program.instructions_for(rank)
@@ -462,16 +464,37 @@ def test_at_spread_zero_the_plan_prices_the_images_the_real_backend_runs(reorder
 
 
 def test_a_plan_on_tar_shards_prices_the_images_its_samples_hold(tmp_path: Path) -> None:
+    """A micro-batch's load is its images against the model's images_per_sequence (2): the
+    batch prices the 9 images its 8 samples hold, not 2 a sequence."""
     images = [2, 1, 3, 0, 1, 2, 0, 0]  # the encoder's micro-batch 3 holds no image
     mllm_shard(tmp_path / "shard-0.tar", images)
     s = setup(*REAL, f"backend.data={tmp_path}/shard-*.tar")  # spread 0.3: no sampler image is run
-    pairs = _priced_and_run_images(s)
+    pairs = _priced_and_run_images(s, per_sequence=2)
     assert [priced for priced, _ in pairs] == pytest.approx([run for _, run in pairs], rel=1e-9)
     assert 0.0 in {priced for priced, _ in pairs}
-    assert plan_run(s).details["images_per_sequence"] == {"mean": sum(images) / len(images), "max": 3}
+    plan = plan_run(s)
+    assert plan.details["images_per_sequence"] == {"mean": sum(images) / len(images), "max": 3}
+    assert plan.images_per_sequence == sum(images) / len(images)
+    # The heaviest micro-batch's load is absolute too (a relative one would be 2.5 / 1.125).
+    heaviest = round(max(priced for priced, _ in pairs), 3)
+    assert plan.unit("encoder").details["max_load"] == plan.unit("generator").details["max_load"] == heaviest <= 1.5
     mllm_shard(tmp_path / "shard-0.tar", [0] * 8)
     with pytest.raises(ConfigError, match=r"^backend.data: the first step's 8 samples hold no image: DistTrain prices"):
         plan_run(setup(*REAL, f"backend.data={tmp_path}/shard-*.tar"))
+
+
+def test_given_sample_images_price_what_they_hold_and_drawn_ones_the_models_mean() -> None:
+    """On given images (shards) a sequence's load is its images over the model's 2 a
+    sequence: the batch prices its own images. The sampler draws around the model's mean, and
+    its loads are against the batch's: the batch prices the model's mean, as every strategy."""
+    model = setup(*REAL).model
+    images = (2, 1, 3, 0, 1, 2, 0, 0)
+    given = _batch_loads(model, 0, 8, "interleaved", images)
+    assert given.encoder == given.generator == (1.0, 0.5, 1.5, 0.0, 0.5, 1.0, 0.0, 0.0)
+    assert sum(given.encoder) == sum(images) / 2 and given.peak["encoder"] == 1.5
+    drawn = _batch_loads(model, 0, 8, "interleaved", None)
+    assert sum(drawn.encoder) == pytest.approx(8) and sum(drawn.generator) == pytest.approx(8)
+    assert sum(drawn.images) / 8 != 2  # the batch's own mean is not the model's: the loads say the model's
 
 
 def test_tp_overlap_chunks_split_the_tp_collectives() -> None:

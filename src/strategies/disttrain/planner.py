@@ -96,9 +96,10 @@ def _check_model(model: ModelSpec) -> None:
 
 def _batch_loads(model: ModelSpec, seed: int, batch: int, data: str, sample_images: tuple[int, ...] | None) -> BatchLoads:
     """Each sequence's loads: of the images the run's shards hold (`sample_images`, every one
-    at the nominal side, whatever `data` says), else of the sequences `data` says."""
+    at the nominal side, whatever `data` says), else of the sequences `data` says, drawn
+    around the model's mean (relative to the batch's: the batch prices the model's work)."""
     if sample_images is not None:
-        return _image_loads(sample_images)
+        return _image_loads(sample_images, model.extras["images_per_sequence"])
     if data == "uniform":
         ones = (1.0,) * batch
         return BatchLoads(ones, ones, (model.extras["images_per_sequence"],) * batch)
@@ -120,15 +121,16 @@ def _batch_loads(model: ModelSpec, seed: int, batch: int, data: str, sample_imag
     )
 
 
-def _image_loads(images: tuple[int, ...]) -> BatchLoads:
+def _image_loads(images: tuple[int, ...], nominal: int) -> BatchLoads:
     """Images all at the nominal side: a sequence's encoder and generator work is its count's
-    (none for a sequence of no image)."""
+    against the model's `nominal` images per sequence (none for a sequence of no image), so
+    the batch prices the images it holds."""
     if not any(images):
         raise ConfigError(
             f"backend.data: the first step's {len(images)} samples hold no image: DistTrain prices its encoder and "
             f"generator by the images of that batch (give data whose first batch holds images)"
         )
-    loads = tuple(relative_loads([float(n) for n in images]))
+    loads = tuple(n / nominal for n in images)
     return BatchLoads(loads, loads, images)
 
 
@@ -213,4 +215,5 @@ def plan_disttrain(request: PlanRequest) -> Plan:
         sample_order=best.assignment.positions,
         sample_content=opts.data,
         sample_images=loads.images if opts.data == "interleaved" or request.sample_images is not None else None,
+        images_per_sequence=None if request.sample_images is None else sum(loads.images) / len(loads.images),
     )

@@ -41,7 +41,8 @@ SIMULATED = 3
 @dataclass(frozen=True)
 class BatchLoads:
     """Each sequence of the step's batch: its encoder and generator loads (against the
-    batch's mean sequence) and its image count."""
+    batch's mean sequence; on given sample images, against the model's nominal one) and
+    its image count."""
 
     encoder: tuple[float, ...]
     generator: tuple[float, ...]
