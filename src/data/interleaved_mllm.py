@@ -73,13 +73,14 @@ class InterleavedMLLM:
     def scored(self, images: int) -> int:
         return self.synthetic.seq_len - max(0, images * self.synthetic.image_tokens - 1)
 
+    def images_mean(self, indices: list[int]) -> float:
+        """Images per sequence over the samples `indices`."""
+        return sum(self.image_count(i) for i in indices) / len(indices)
+
     def step_means(self, indices: list[int]) -> dict[str, torch.Tensor]:
         """Per sequence, over the step's samples: tokens scored and images generated."""
-        counts = [self.image_count(i) for i in indices]
-        return {
-            "scored_mean": torch.tensor(sum(self.scored(n) for n in counts) / len(counts)),
-            "images_mean": torch.tensor(sum(counts) / len(counts)),
-        }
+        scored = [self.scored(self.image_count(i)) for i in indices]
+        return {"scored_mean": torch.tensor(sum(scored) / len(scored)), "images_mean": torch.tensor(self.images_mean(indices))}
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         s, capacity = self.synthetic, self.capacity

@@ -201,12 +201,20 @@ class StepSamples:
     replica: Mapping[str, int]
     order: tuple[int, ...] | None = None
 
+    def step_samples(self, step: int) -> list[int]:
+        """The indices of the step's samples, in data order."""
+        return list(range(step * self.global_batch, (step + 1) * self.global_batch))
+
+    def images_per_sequence(self, step: int) -> float | None:
+        """The mean images per sequence of the step's samples where each holds its own
+        (interleaved data, an MLLM's shards); None: the model's images_per_sequence."""
+        return self.dataset.images_mean(self.step_samples(step)) if isinstance(self.dataset, InterleavedMLLM) else None
+
     def make(self, step: int) -> dict[tuple[str, int], dict[str, torch.Tensor]]:
         """Units that read the same samples (two towers) share one collated batch."""
         made: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
         rows: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}
-        step_samples = list(range(step * self.global_batch, (step + 1) * self.global_batch))
-        means = self.dataset.step_means(step_samples) if isinstance(self.dataset, InterleavedMLLM) else {}
+        means = self.dataset.step_means(self.step_samples(step)) if isinstance(self.dataset, InterleavedMLLM) else {}
         for unit in self.replica:
             reader = self.units[unit].samples_of or unit
             plan, replica = self.units[reader], self.replica[reader]

@@ -168,7 +168,6 @@ def run_session(run: PlannedRun, settings: RunSettings, run_dir: Path, rank: int
     # On a GPU the MFU denominator is the datasheet peak in the run's precision (the
     # cluster preset's); on a CPU there is none, so it is what the workers measure.
     peak = run.cluster.peak(precision) if device.type == "cuda" else measured_peak
-    flops, _ = iteration_flops(model, plan, train)
     checkpoints = Checkpoints(run_dir, rank, engines, plan)
     if resume is not None:  # last: the RNG states it restores are those of the step it resumes at
         checkpoints.load(resume, executor.loss_scale)
@@ -176,6 +175,9 @@ def run_session(run: PlannedRun, settings: RunSettings, run_dir: Path, rank: int
     sinks = open_sinks(run_dir, settings.record, settings.job) if rank == 0 else None
     try:
         losses, times, waits, breakdowns, cpu = [], [], [], [], []
+        # Each step's mean images per sequence, where its samples hold their own: what its
+        # encoder and generator FLOPs count (None: the model's).
+        images = [samples.images_per_sequence(step) for step in range(first, train.steps)]
         saves: list[Saved] = []
         for step in range(first, train.steps):
             LIFELINE.at_step(step)
@@ -199,7 +201,7 @@ def run_session(run: PlannedRun, settings: RunSettings, run_dir: Path, rank: int
                         "loss": losses[-1],
                         "step_time_s": times[-1],
                         "data_wait_s": waits[-1],
-                        "mfu": flops / (times[-1] * world * peak),
+                        "mfu": iteration_flops(model, plan, train, images[step - first])[0] / (times[-1] * world * peak),
                         "rank0_breakdown_s": breakdowns[-1],
                     }
                 )
@@ -225,6 +227,8 @@ def run_session(run: PlannedRun, settings: RunSettings, run_dir: Path, rank: int
         if sinks is not None:
             assert gathered is not None, "rank 0 writes the results, and gathers"
             timeline = _timeline(plan, gathered, times)
+            counted = [n for n in images[_measured(times)] if n is not None]
+            mean_images = statistics.fmean(counted) if counted else None
             sizes = "/".join(map(str, GEMM_SIZES[device.type]))
             measured = (
                 f"best of {sizes}-cubed {precision} GEMMs on all {world} workers at once, mean per worker: {measured_peak:.4g} FLOP/s"
@@ -249,11 +253,13 @@ def run_session(run: PlannedRun, settings: RunSettings, run_dir: Path, rank: int
                     # backend.data_errors=skip: the bad shard members every trainer left out
                     "data_skipped": sorted(set().union(*(g["data_skipped"] for g in gathered))),
                     "first_step": first,  # of the losses and times above: a resumed run starts after its checkpoint
+                    # each step's mean images per sequence (interleaved data, an MLLM's shards)
+                    **({} if mean_images is None else {"images_per_sequence": images}),
                     "checkpoint": _checkpoint_record(settings.checkpoint.every, resume, saves),
                 },
                 "measured_notes": _notes(plan),
             }
-            summary = summarize(run, timeline, peak_flops=peak, extras=extras)
+            summary = summarize(run, timeline, peak_flops=peak, extras=extras, images=mean_images)
             for rank_timeline in timeline.ranks:
                 rank_timeline.memory["measured_rss_gib"] = max(gathered[r]["rss_gib"] for r in rank_timeline.ranks)
             summary["memory_gib"]["measured_rss_gib"] = max(g["rss_gib"] for g in gathered)
@@ -318,9 +324,8 @@ def _measured_peak(world: int, device: torch.device, precision: str) -> float:
 
 def _timeline(plan: Plan, per_rank: list[dict], times: list[float]) -> Timeline:
     """One RankTimeline per rank class, as the simulator reports: the spans of the class's
-    first rank in the last step, the breakdown averaged over its ranks and over the
-    steps after the first (which pays for warm-up: allocation, DeepSpeed's first step)."""
-    measured = slice(1, None) if len(times) > 1 else slice(None)
+    first rank in the last step, the breakdown averaged over its ranks and its measured steps."""
+    measured = _measured(times)
     iteration = statistics.fmean(times[measured])
     ranks = []
     for rank_program in plan.program.classes:
@@ -344,3 +349,9 @@ def _timeline(plan: Plan, per_rank: list[dict], times: list[float]) -> Timeline:
             )
         )
     return Timeline(iteration_time=iteration, ranks=ranks, backend="torch", events=len(plan.program.classes))
+
+
+def _measured(times: list[float]) -> slice:
+    """The steps a summary's figures are of: those after the first (which pays for
+    warm-up: allocation, DeepSpeed's first step), or the only one."""
+    return slice(1, None) if len(times) > 1 else slice(None)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from src.data.interleaved import sampler
+from src.metrics import unit_flops
 from src.models.registry import build_model
 from src.runtime.reference import reference_losses
 from tests.conftest import run_cli
@@ -101,6 +103,37 @@ def test_micro_batches_differ_in_encoder_load_and_the_plan_reorders_them(runs):
     assert summary_of(runs["in_order"])["plan"]["sample_order"] == list(range(BATCH))
     assert plan["units"]["encoder"]["max_load"] > 1
     assert summary_of(runs["reordered"])["breakdown_s"]["comm_broker"] > 0
+
+
+def _model_flops(images: float) -> float:
+    """An iteration's model FLOPs on sequences of `images` images on average: the encoder
+    and the generator are built for the model's 2 a sequence and work per image."""
+    model = build_model(MODEL)
+    return BATCH * sum(
+        (f.fwd + f.bwd) * (images / 2 if unit.arch.per_image else 1) for unit in model.units for f in [unit_flops(model, unit)]
+    )
+
+
+def test_the_mfu_counts_the_images_the_measured_steps_held(runs):
+    """Every step reads the shard's 8 samples (the data wraps around): 1.125 images a
+    sequence, not the model's 2; the sampler's steps hold their own draws. The MFU's FLOPs
+    count the measured steps' (those after the first)."""
+    shards = summary_of(runs["shards"])
+    assert shards["measured"]["images_per_sequence"] == [sum(SHARD_IMAGES) / BATCH] * STEPS
+    assert shards["images_per_sequence"] == 1.125
+    assert shards["model_flops_per_iteration"] == pytest.approx(_model_flops(1.125), rel=1e-12)
+    assert _model_flops(1.125) < 0.8 * _model_flops(2)  # the images' share: the equality says something
+    for case in ("encoder_pp2_shards", "ddp_zero0_no_image", "ddp_zero3_no_image"):
+        assert summary_of(runs[case])["model_flops_per_iteration"] == shards["model_flops_per_iteration"]
+    drawn = sampler(build_model(MODEL), 0)
+    per_step = [sum(drawn.layout(i).images for i in range(s * BATCH, (s + 1) * BATCH)) / BATCH for s in range(STEPS)]
+    synthetic = summary_of(runs["in_order"])
+    assert synthetic["measured"]["images_per_sequence"] == per_step
+    mean = sum(per_step[1:]) / (STEPS - 1)
+    assert synthetic["images_per_sequence"] == pytest.approx(mean, rel=1e-12) and mean != 2
+    assert synthetic["model_flops_per_iteration"] == pytest.approx(_model_flops(mean), rel=1e-12)
+    iteration = shards["iteration_time_s"] * shards["devices"] * shards["peak_flops_per_device"]
+    assert shards["mfu"] == pytest.approx(_model_flops(1.125) / iteration, rel=1e-12)
 
 
 def test_a_shard_sample_with_images_but_no_text_is_one_line_exit_2(tmp_path):
