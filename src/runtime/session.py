@@ -12,6 +12,7 @@ checkpoint, and a run resumed from one (train.resume) starts at the step after i
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 import gc
 import resource
@@ -177,9 +178,11 @@ def run_session(run: PlannedRun, settings: RunSettings, run_dir: Path, rank: int
         losses, times, waits, breakdowns, cpu = [], [], [], [], []
         # Each step's mean images per sequence, where its samples hold their own: what its
         # encoder and generator FLOPs count (None: the model's).
-        images = [samples.images_per_sequence(step) for step in range(first, train.steps)]
+        images: list[float | None] = []
+        flops_counting = functools.cache(lambda mean_images: iteration_flops(model, plan, train, mean_images)[0])
         saves: list[Saved] = []
         for step in range(first, train.steps):
+            images.append(samples.images_per_sequence(step))
             LIFELINE.at_step(step)
             batches.start_step(step)
             dist.barrier()
@@ -201,7 +204,7 @@ def run_session(run: PlannedRun, settings: RunSettings, run_dir: Path, rank: int
                         "loss": losses[-1],
                         "step_time_s": times[-1],
                         "data_wait_s": waits[-1],
-                        "mfu": iteration_flops(model, plan, train, images[step - first])[0] / (times[-1] * world * peak),
+                        "mfu": flops_counting(images[-1]) / (times[-1] * world * peak),
                         "rank0_breakdown_s": breakdowns[-1],
                     }
                 )
