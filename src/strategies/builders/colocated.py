@@ -219,8 +219,10 @@ class ColocatedEmitter:
             return 0.0
         fetched = [sum(layer.fetched_modules(u.persistence_threshold)) for layer in spec.layers]
         largest = max(fetched) / u.mesh.degree("tp")
-        # Whole on every rank, where the model states count 1/dp of them.
-        persistent = max(0, spec.params - sum(fetched)) / u.mesh.degree("tp") * (1 - 1 / u.mesh.degree("dp"))
+        # Whole on every rank, where the model states count 1/dp of them (a tied head fetches
+        # a weight its layer does not own: none of its own then).
+        whole = sum(max(0, layer.params - f) for layer, f in zip(spec.layers, fetched))
+        persistent = whole / u.mesh.degree("tp") * (1 - 1 / u.mesh.degree("dp"))
         return largest + (min(largest, u.prefetch_params) if u.overlap_comm else 0.0) + persistent
 
     def microbatch(
