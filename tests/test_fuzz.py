@@ -13,8 +13,9 @@ from src.fuzz import FAILED, fuzz
 LIMIT_S = 60.0
 
 
-# A draw costs about a third of a second: the quick tier takes the first 25 of the 150.
-@pytest.mark.parametrize("draws", [25, pytest.param(150, marks=pytest.mark.slow)])
+# A draw costs about a quarter of a second: the quick tier takes the first 25 of the 100
+# (`python -m src.fuzz` runs thousands; the suite keeps to its 10 minutes).
+@pytest.mark.parametrize("draws", [25, pytest.param(100, marks=pytest.mark.slow)])
 def test_random_command_lines_are_answered(draws: int) -> None:
     outcomes = fuzz(draws, seed=2026, limit_s=LIMIT_S)
     bad = [f"[{o.status}] python -m src.run {' '.join(o.overrides)}\n{o.detail}" for o in outcomes if o.status in FAILED]
