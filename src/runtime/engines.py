@@ -128,8 +128,15 @@ def deepspeed_config(settings: EngineSettings, dp: int) -> dict:
     }
 
 
-# Whether some engine of this process overlaps ZeRO-3's collectives with compute.
+# Whether some engine of the run this process runs overlaps ZeRO-3's collectives with compute.
 _overlapping = False
+
+
+def new_run() -> None:
+    """A run starts in this process (runtime.worker may run several one after another): none
+    of its engines overlaps ZeRO-3's collectives yet."""
+    global _overlapping
+    _overlapping = False
 
 
 def start_deepspeed_comm(overlapped: bool) -> None:
@@ -138,8 +145,8 @@ def start_deepspeed_comm(overlapped: bool) -> None:
     DeepSpeed 0.19 picks the ones torch 2.13 deprecates, a FutureWarning per call site and
     rank (81-137 lines before a ZeRO-3 run's results).
 
-    Unless an engine of the process overlaps them (`overlapped`, once said, for every
-    later one too), each is waited for as it is issued: DeepSpeed issues ZeRO-3's fetches
+    Unless an engine of the run overlaps them (`overlapped`, once said, for every later
+    one of the run too), each is waited for as it is issued: DeepSpeed issues ZeRO-3's fetches
     asynchronously and waits right after, inside its hooks, where its comms logger (which
     times an asynchronous op's launch only) would leave the wait booked as compute."""
     import deepspeed

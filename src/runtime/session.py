@@ -32,7 +32,7 @@ from src.report import open_sinks
 from src.runtime.checkpoint import Checkpoints, Resume, Saved, check_resume
 from src.runtime.comm import CLOCK
 from src.runtime.device import DTYPES, worker_device
-from src.runtime.engines import EngineSettings, ParallelGroups, deepspeed_comm_seconds, make_engine, partitioned_at_init
+from src.runtime.engines import EngineSettings, ParallelGroups, deepspeed_comm_seconds, make_engine, new_run, partitioned_at_init
 from src.runtime.executor import Executor
 from src.runtime.groups import ProcessGroups
 from src.runtime.inputs import Batches, StepSamples, dataset_for
@@ -156,6 +156,7 @@ def run_session(run: PlannedRun, settings: RunSettings, run_dir: Path, rank: int
         for name, p in places.items()
     }
     grids = _grids(plan, places)
+    new_run()
     engine_groups = _engine_groups(plan, model, places, groups, backend, grids)
     units = _build(run, places, tp, engine_groups, device, grids)
     engines = _engines(units, engine_groups, grids, backend)
