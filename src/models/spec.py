@@ -131,14 +131,14 @@ class LayerSpec:
         `persistence_threshold` elements (DeepSpeed's stage3_param_persistence_threshold:
         smaller ones stay whole on every rank). A layer of no weighted product (a lookup
         table) is one module."""
+        if not any(kern.has_weight for kern in self.kernels):
+            return (self.params,) if self.params > persistence_threshold else ()
         modules = []
         for kern in self.kernels:
             if kern.has_weight and kern.k * kern.n > persistence_threshold:
                 modules.append(kern.k * kern.n)
             elif kern.norm_width > persistence_threshold:
                 modules.append(2 * kern.norm_width)
-        if not any(kern.has_weight for kern in self.kernels) and self.params > persistence_threshold:
-            return (self.params,)
         return tuple(modules)
 
 

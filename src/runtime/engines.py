@@ -100,12 +100,18 @@ class EngineSettings:
             persistence_threshold=int(unit.persistence_threshold),
         )
 
+    @property
+    def overlaps_zero3(self) -> bool:
+        """DeepSpeed overlaps this engine's ZeRO-3 collectives with compute (below ZeRO-3
+        the executor's buckets overlap the reductions, if anything does)."""
+        return self.overlap_comm and self.zero_stage == 3
+
 
 def deepspeed_config(settings: EngineSettings, dp: int) -> dict:
     """A plain dict (never OmegaConf): DeepSpeed inspects the type."""
     # Overlap is what the plan says, never DeepSpeed's default (stage 3 overlaps and
     # prefetches unless told otherwise).
-    zero: dict = {"stage": settings.zero_stage, "overlap_comm": settings.overlap_comm and settings.zero_stage == 3}
+    zero: dict = {"stage": settings.zero_stage, "overlap_comm": settings.overlaps_zero3}
     if settings.zero_stage == 3:
         # The plan's threshold (the tiny models' plans set 0 to partition every tensor).
         zero["stage3_param_persistence_threshold"] = settings.persistence_threshold
@@ -177,7 +183,7 @@ def make_engine(module: nn.Module, groups: ParallelGroups, settings: EngineSetti
     deepspeed.utils.logger.setLevel(logging.WARNING)
     params = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay, eps=settings.eps)
-    start_deepspeed_comm(settings.overlap_comm and settings.zero_stage == 3)
+    start_deepspeed_comm(settings.overlaps_zero3)
     with without_load_notice():
         engine, _, _, _ = deepspeed.initialize(
             model=module, optimizer=optimizer, mpu=groups, config=deepspeed_config(settings, len(groups.dp_ranks))
@@ -194,7 +200,7 @@ def partitioned_at_init(groups: ParallelGroups, settings: EngineSettings) -> con
 
     # zero.Init reads the world from DeepSpeed's communication, which engine creation
     # would start.
-    start_deepspeed_comm(settings.overlap_comm)
+    start_deepspeed_comm(settings.overlaps_zero3)
     return deepspeed.zero.Init(
         data_parallel_group=groups.dp, config_dict_or_path=deepspeed_config(settings, len(groups.dp_ranks)), mpu=groups
     )
