@@ -31,6 +31,14 @@ runs them (spawned processes, gloo, F.linear):
   worker computing and none communicating (as the simulator prices it), is the
   collective's: the ring fit of these gives the preset's intra_bandwidth and per-step
   latency; the barrier-started fit is kept beside the measurements;
+- how far apart the workers reach a collective: every worker computes blocks of GEMMs
+  of 0 to about 100 ms, each followed by a 4 MiB all-reduce. Time-sliced on shared cores,
+  one may lag the others by up to about a scheduling period, the more likely the longer
+  the block, and the all-reduce waits for the slowest: the slowest round beyond its block
+  is fitted as a constant (the all-reduce) plus sync_skew_s · (1 - exp(-block /
+  sync_skew_build_s)). The all-reduces after compute above are taken less that wait at
+  their block, so that the ring fit is the collective's own and the simulator adds the
+  wait by the compute it prices before each collective;
 - the hand-over of a core: half the workers compute blocks of GEMMs while each of the
   others waits on a message its partner sends after every block. A waiter that sleeps long
   enough leaves its core to the computing workers, who then run at the share of fewer
@@ -57,6 +65,7 @@ from typing import Any
 import yaml
 
 from src.cluster_profile import PROFILE_DIR, host_cpu_model, profile_path
+from src.costmodel.comm import lag_wait
 
 SQUARES = (64, 128, 256, 512, 1024)
 THIN = ((16, 512, 512), (64, 2048, 512), (256, 128, 1024), (2048, 64, 64))  # (m, n, k): small batches, narrow heads
@@ -71,6 +80,11 @@ SYNC_GEMMS = 8
 SYNC_BYTES = MESSAGE_BYTES[3:]
 SYNC_ROUNDS = 16
 SYNC_REPEATS = 3
+# How far apart workers reach a collective: blocks of 0..128 GEMMs of SYNC_DIM^3 (0 to about
+# 100 ms with 4 workers on 2 cores), each followed by an all-reduce of SKEW_BYTES.
+SKEW_GEMMS = (0, 2, 8, 32, 128)
+SKEW_BYTES = 4 * 2**20
+SKEW_ROUNDS = 8
 # Hand-over of a core: blocks of 1..64 GEMMs of SYNC_DIM^3 (about 0.3-20 ms on one core).
 HANDOVER_GEMMS = (1, 4, 16, 64)
 HANDOVER_ROUNDS = 12
@@ -311,33 +325,39 @@ def _links(rank: int, world: int) -> dict[str, list]:
 
 def _after_compute() -> dict[str, Any]:
     """Seconds per round of (a block of GEMMs, then an all-reduce over every worker), by
-    message size, and per block alone with every worker computing (no collective)."""
+    message size, and per block alone with every worker computing (no collective); and the
+    same, at one size, by block length (`skew`: gemms, block, round)."""
     import torch
     import torch.distributed as dist
 
     a, b = torch.randn(SYNC_DIM, SYNC_DIM), torch.randn(SYNC_DIM, SYNC_DIM)
 
-    def block() -> None:
-        for _ in range(SYNC_GEMMS):
+    def block(gemms: int) -> None:
+        for _ in range(gemms):
             torch.nn.functional.linear(a, b)
 
-    def seconds_per_round(collective) -> float:
-        block()
+    def seconds_per_round(gemms: int, collective, rounds: int) -> float:
+        block(gemms)
         collective()  # warm-up
         dist.barrier()
         start = time.perf_counter()
-        for _ in range(SYNC_ROUNDS):
-            block()
+        for _ in range(rounds):
+            block(gemms)
             collective()
-        return (time.perf_counter() - start) / SYNC_ROUNDS
+        return (time.perf_counter() - start) / rounds
 
-    rounds = []
-    for nbytes in SYNC_BYTES:
-        tensor = torch.ones(nbytes // 4)
+    def medians(gemms: int, tensor, rounds: int) -> tuple[float, float]:
         # Each beside the other, SYNC_REPEATS times (the host's load drifts): the medians.
-        pairs = [(seconds_per_round(lambda: None), seconds_per_round(lambda: dist.all_reduce(tensor))) for _ in range(SYNC_REPEATS)]
-        rounds.append((nbytes, statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)))
-    return {"rounds": rounds}
+        pairs = [
+            (seconds_per_round(gemms, lambda: None, rounds), seconds_per_round(gemms, lambda: dist.all_reduce(tensor), rounds))
+            for _ in range(SYNC_REPEATS)
+        ]
+        return statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
+
+    rounds = [(nbytes, *medians(SYNC_GEMMS, torch.ones(nbytes // 4), SYNC_ROUNDS)) for nbytes in SYNC_BYTES]
+    skew_tensor = torch.ones(SKEW_BYTES // 4)
+    skew = [(gemms, *medians(gemms, skew_tensor, SKEW_ROUNDS)) for gemms in SKEW_GEMMS]
+    return {"rounds": rounds, "skew": skew}
 
 
 def _handover(rank: int, world: int) -> dict[str, Any]:
@@ -404,16 +424,51 @@ def handover_seconds(handover: dict[int, dict[str, Any]], share_all: float, shar
     return points[-1][0]
 
 
-def after_compute_points(sync: dict[int, dict[str, Any]], world: int) -> list[tuple[int, int, float]]:
+def _slowest(sync: dict[int, dict[str, Any]], key: str) -> list[tuple[Any, float, float]]:
+    """Per measurement of `key`: (its size or block, the block as long as its slowest
+    rank's with every worker computing, the round as long as its slowest rank's)."""
+    return [
+        (row[0], max(sync[r][key][i][1] for r in sync), max(sync[r][key][i][2] for r in sync)) for i, row in enumerate(sync[0][key])
+    ]
+
+
+def fit_sync_skew(sync: dict[int, dict[str, Any]]) -> tuple[float, float]:
+    """(sync_skew_s, sync_skew_build_s) of the slowest round beyond its block against the
+    block's seconds t: least squares of a constant (the all-reduce itself) plus
+    sync_skew_s · (1 - exp(-t / sync_skew_build_s)), over a log grid of build times; (0, 0)
+    where the wait does not grow with the block (cores not shared)."""
+    points = [(block, round_ - block) for _, block, round_ in _slowest(sync, "skew")]
+    ys = [y for _, y in points]
+    best: tuple[float, float, float] | None = None
+    for step in range(0, 61):
+        build = 2.5e-4 * 2.0 ** (step / 6)  # 0.25 ms .. 256 ms
+        xs = [lag_wait(1.0, build, t) for t, _ in points]
+        mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+        spread = sum((x - mean_x) ** 2 for x in xs)
+        if spread <= 0:
+            continue
+        wait = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread
+        error = sum((mean_y + wait * (x - mean_x) - y) ** 2 for x, y in zip(xs, ys))
+        if best is None or error < best[0]:
+            best = (error, wait, build)
+    if best is None or best[1] <= 0:
+        return 0.0, 0.0
+    return best[1], best[2]
+
+
+def _rounded(wait: float, build: float) -> tuple[float, float]:
+    """Four significant digits, as the profile states them (and prices them)."""
+    return float(f"{wait:.4g}"), float(f"{build:.4g}")
+
+
+def after_compute_points(
+    sync: dict[int, dict[str, Any]], world: int, skew: tuple[float, float] = (0.0, 0.0)
+) -> list[tuple[int, int, float]]:
     """(group, bytes, seconds) of the all-reduces measured after compute: each size's
     round as long as its slowest rank's, less the block as long as its slowest rank's
-    with every worker computing (what the simulator prices it at)."""
-    out = []
-    for i, (nbytes, _, _) in enumerate(sync[0]["rounds"]):
-        block = max(sync[r]["rounds"][i][1] for r in sync)
-        round_ = max(sync[r]["rounds"][i][2] for r in sync)
-        out.append((world, nbytes, max(round_ - block, 0.0)))
-    return out
+    with every worker computing (what the simulator prices it at), less the wait for the
+    slowest that the simulator adds after that block (`skew`: fit_sync_skew's figures)."""
+    return [(world, nbytes, max(round_ - block - lag_wait(*skew, block), 0.0)) for nbytes, block, round_ in _slowest(sync, "rounds")]
 
 
 def link_figures(
@@ -550,9 +605,13 @@ def calibrate(workers: int) -> dict[str, Any]:
     zero3 = _spawn("zero3", 1)[0]
     fetch_s, fetch_byte_s = zero3_fetch_costs(zero3)
     preset.update(host_fetch_s=float(f"{fetch_s:.4g}"), host_fetch_byte_s=float(f"{fetch_byte_s:.4g}"))
-    links = {k: link_figures(_spawn("links", k), after_compute_points(_spawn("sync", k), k)) for k in range(2, workers + 1)}
+    syncs = {k: _spawn("sync", k) for k in range(2, workers + 1)}
+    skews = {k: _rounded(*fit_sync_skew(sync)) for k, sync in syncs.items()}
+    links = {k: link_figures(_spawn("links", k), after_compute_points(syncs[k], k, skews[k])) for k in range(2, workers + 1)}
     handovers = {k: _spawn("handover", k) for k in range(2, workers + 1)}
-    preset["by_workers"] = {k: figures for k, (figures, _) in links.items()}
+    preset["by_workers"] = {
+        k: {**figures, "sync_skew_s": skews[k][0], "sync_skew_build_s": skews[k][1]} for k, (figures, _) in links.items()
+    }
     for k, handover in handovers.items():
         shares = preset["oversubscription"]
         seconds = handover_seconds(handover, shares[k], shares[(k + 1) // 2])
@@ -575,6 +634,10 @@ def calibrate(workers: int) -> dict[str, Any]:
             "gemm_alone": [{"m": m, "n": n, "k": k, "dtype": d, "flops": rate} for m, n, k, d, rate in shapes],
             "gemm_concurrent": {k: {d: [rates[r][d] for r in sorted(rates)] for d in DTYPES} for k, rates in concurrent.items()},
             "links_by_workers": {k: kept for k, (_, kept) in links.items()},
+            "skew_by_workers": {
+                k: [{"gemms": g, "block_s": block, "round_s": round_} for g, block, round_ in _slowest(sync, "skew")]
+                for k, sync in syncs.items()
+            },
             "handover_by_workers": {k: {r: dict(h) for r, h in handover.items()} for k, handover in handovers.items()},
             "host_block": {"hidden_heads_tokens": list(HOST_BLOCK), **host},
             "zero3_by_width": {

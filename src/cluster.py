@@ -107,6 +107,13 @@ class ClusterSpec:
       peer) before the others take its core over; a shorter wait keeps it (src/sim/cores.py).
       Absent (0): every wait hands the core over at once; devices that share no cores have
       none to hand over.
+    sync_skew_s, sync_skew_build_s: where devices share cores, how far apart they reach a
+      collective over all of a node's devices. The scheduler time-slices them, so one that
+      has computed for t seconds since they last synchronized may lag the others; the lag
+      is bounded (a fair scheduler gives each its share within a period), so the expected
+      wait for the slowest is sync_skew_s · (1 - exp(-t / sync_skew_build_s)). The engine
+      scales it to a group by the expected maximum of its members' lags
+      (src/costmodel/comm.py). Absent (0): devices reach a collective when the model says.
     """
 
     name: str
@@ -133,6 +140,8 @@ class ClusterSpec:
     p2p_sm_fraction: float = 0.0
     oversubscription: dict[int, float] = field(default_factory=dict)
     core_handover_s: float = 0.0
+    sync_skew_s: float = 0.0
+    sync_skew_build_s: float = 0.0
     collective_efficiency: dict[str, float] = field(default_factory=dict)
     ring_protocols: dict[str, Protocol] | None = None
     tree_protocols: dict[str, Protocol] | None = None
@@ -279,6 +288,8 @@ SOURCED = (
     "collective_efficiency",
     "oversubscription",
     "core_handover_s",
+    "sync_skew_s",
+    "sync_skew_build_s",
 )
 
 
@@ -363,7 +374,9 @@ def cluster_from_config(cfg: Mapping[str, Any]) -> ClusterSpec:
         default_precision=str(cfg["default_precision"]),
         sources=sources,
         oversubscription=_oversubscription(cfg.get("oversubscription"), name),
-        core_handover_s=_handover(cfg.get("core_handover_s"), name),
+        core_handover_s=_at_least_zero(cfg.get("core_handover_s"), "core_handover_s", "a wait in seconds", name),
+        sync_skew_s=_at_least_zero(cfg.get("sync_skew_s"), "sync_skew_s", "a wait in seconds", name),
+        sync_skew_build_s=_at_least_zero(cfg.get("sync_skew_build_s"), "sync_skew_build_s", "a time in seconds", name),
         collective_efficiency=_collective_efficiency(cfg.get("collective_efficiency"), name),
         ring_protocols=ring,
         tree_protocols=tree,
@@ -391,13 +404,14 @@ def _oversubscription(table: Any, cluster: str) -> dict[int, float]:
     return out
 
 
-def _handover(value: Any, cluster: str) -> float:
+def _at_least_zero(value: Any, key: str, meaning: str, cluster: str) -> float:
+    """An optional figure (absent: 0) that may not be negative."""
     if value is None:
         return 0.0
-    seconds = _number(value, "cluster.core_handover_s", cluster)
-    if seconds < 0:
-        raise ConfigError(f"cluster.core_handover_s is a wait in seconds, at least 0, got {value!r} (cluster {cluster})")
-    return seconds
+    number = _number(value, f"cluster.{key}", cluster)
+    if number < 0:
+        raise ConfigError(f"cluster.{key} is {meaning}, at least 0, got {value!r} (cluster {cluster})")
+    return number
 
 
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")

@@ -19,6 +19,7 @@ from src.calibrate import (
     fit_ring,
     handover_seconds,
     link_figures,
+    fit_sync_skew,
     zero3_fetch_costs,
 )
 from src.cluster import cluster_from_config
@@ -163,6 +164,27 @@ def test_collectives_after_compute_set_the_ring_and_keep_the_others_relative_to_
     noisy = [(4, n, 0.0 if n == sizes[0] else t) for _, n, t in points]
     kept = link_figures(quiet, noisy)[1]["all_reduce_after_compute"][0]
     assert kept["seconds"] == pytest.approx(6 * 1e-3 + 1.5 * sizes[0] / 1.5e9)
+    # With the slowest worker 4 ms late once built up over 10 ms of compute, its wait after
+    # the 20 ms block is the simulator's to add: the points are the collective's own.
+    late = 4e-3 * (1 - math.exp(-2.0))
+    sync[0]["rounds"] = [(n, 20e-3, 20e-3 + ring[n] + late) for n in sizes]
+    assert after_compute_points(sync, 4, (4e-3, 10e-3)) == [(4, n, pytest.approx(ring[n])) for n in sizes]
+
+
+def test_the_lag_is_fitted_as_a_wait_that_builds_up_with_the_block() -> None:
+    # The slowest round beyond its block: a 5 ms all-reduce plus a lag of up to 4 ms, built
+    # up over 8 ms of compute (blocks of 0 to 100 ms); a faster rank does not set it.
+    blocks = (0.0, 1.5e-3, 6e-3, 25e-3, 100e-3)
+    gemms = (0, 2, 8, 32, 128)
+    build = 2.5e-4 * 2.0 ** (30 / 6)  # 8 ms: a point of the fit's grid
+    slowest = [(g, b, b + 5e-3 + 4e-3 * (1 - math.exp(-b / build))) for g, b in zip(gemms, blocks)]
+    faster = [(g, 0.9 * b, 0.9 * b + 5e-3) for g, b in zip(gemms, blocks)]
+    wait, built = fit_sync_skew({0: {"skew": slowest}, 1: {"skew": faster}})
+    assert (wait, built) == (pytest.approx(4e-3), pytest.approx(build))
+    steady = [(g, b, b + 5e-3) for g, b in zip(gemms, blocks)]
+    assert fit_sync_skew({0: {"skew": steady}})[0] == pytest.approx(0.0, abs=1e-12)  # no lag: nothing to add
+    shrinking = [(g, b, b + 5e-3 - 1e-3 * (1 - math.exp(-b / build))) for g, b in zip(gemms, blocks)]
+    assert fit_sync_skew({0: {"skew": shrinking}}) == (0.0, 0.0)  # noise below a constant: no negative lag
 
 
 def _handover(gained: dict[int, float]) -> dict[int, dict]:
@@ -182,8 +204,12 @@ def test_the_handover_is_the_wait_at_which_half_the_cores_gain_is_had() -> None:
     assert handover_seconds(handover, 0.98, 1.0) == 0.0  # cores not oversubscribed: nothing to hand over
 
 
-def test_the_handover_is_a_preset_figure_of_its_own() -> None:
+def test_the_handover_and_the_drift_are_preset_figures_of_their_own() -> None:
     assert cluster_from_config({**LOCAL, "profile": None}).core_handover_s == 0.0
     assert cluster_from_config({**LOCAL, "profile": None, "core_handover_s": 2e-3}).core_handover_s == 2e-3
     with pytest.raises(ConfigError, match="cluster.core_handover_s is a wait in seconds, at least 0, got -1"):
         cluster_from_config({**LOCAL, "profile": None, "core_handover_s": -1})
+    assert cluster_from_config({**LOCAL, "profile": None}).sync_skew_s == 0.0
+    assert cluster_from_config({**LOCAL, "profile": None, "sync_skew_build_s": 0.02}).sync_skew_build_s == 0.02
+    with pytest.raises(ConfigError, match="cluster.sync_skew_s is a wait in seconds, at least 0, got -0.1"):
+        cluster_from_config({**LOCAL, "profile": None, "sync_skew_s": -0.1})

@@ -23,6 +23,13 @@ collective takes the fastest, as the library does.
   leaves it, shared by its members in the group, so its data term is the larger of the
   NVLink part and the network part.
 
+Where devices share a host's cores (CPU workers), they reach a collective further apart
+than the model's clock says: the scheduler time-slices them, so one may lag the others by
+up to about a scheduling period, more likely the longer they computed since the group last
+synchronized, and the collective waits for the slowest (ClusterSpec.sync_skew_s and
+sync_skew_build_s, measured over all of a node's devices; a group of g waits for the
+expected maximum of g lags).
+
 Which link a ring crosses and how many rings share a node's NICs come from
 ClusterSpec.bandwidth (Par4D eq. 10); transfers of other families that share those NICs
 at the same time are the simulator's to account for (src/sim/engine.py).
@@ -30,6 +37,7 @@ at the same time are the simulator's to account for (src/sim/engine.py).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Mapping, Sequence
 
@@ -104,11 +112,48 @@ class CommModel:
         latency, transfer = self.collective_parts("all_to_all", ranks, nbytes, sharing)
         return layout_latency + layout_transfer + latency, transfer
 
+    def skew(self, group: int, computed_s: float) -> float:
+        """The expected wait for the slowest of `group` ranks at a collective, each having
+        computed `computed_s` seconds since they last synchronized (0 where devices do not
+        share cores)."""
+        cluster = self.cluster
+        if group <= 1:
+            return 0.0
+        measured_over = max(2, cluster.devices_per_node)
+        wait = lag_wait(cluster.sync_skew_s, cluster.sync_skew_build_s, computed_s)
+        return wait * expected_maximum(group) / expected_maximum(measured_over) if wait > 0 else 0.0
+
     def p2p_time(self, src: int, dst: int, nbytes: float, sharing: int = 1) -> float:
         if nbytes <= 0 or src == dst:
             return 0.0
         crosses = self.cluster.node_of(src) != self.cluster.node_of(dst)  # called per message: no sets
         return self.cluster.link_latency(crosses) + nbytes / self.cluster.p2p_link_bandwidth(crosses, sharing)
+
+
+def lag_wait(wait_s: float, build_s: float, computed_s: float) -> float:
+    """The wait for the slowest of a node's time-sliced devices after `computed_s` seconds
+    of compute since they last synchronized: `wait_s` once built up, over `build_s`."""
+    if wait_s <= 0 or computed_s <= 0:
+        return 0.0
+    return wait_s if build_s <= 0 else -wait_s * math.expm1(-computed_s / build_s)
+
+
+@functools.lru_cache(maxsize=None)
+def expected_maximum(n: int) -> float:
+    """The expected largest of n independent standard normal draws (0 for one): the
+    integral of x · n·φ(x)·Φ(x)^(n-1), by the midpoint rule on [-8, 8 + √(2 ln n)]."""
+    if n <= 1:
+        return 0.0
+    low, high = -8.0, 8.0 + math.sqrt(2.0 * math.log(n))
+    steps = 4000
+    width = (high - low) / steps
+    total = 0.0
+    for i in range(steps):
+        x = low + (i + 0.5) * width
+        density = math.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi)
+        below = 0.5 * (1.0 + math.erf(x / math.sqrt(2.0)))
+        total += x * n * density * below ** (n - 1)
+    return total * width
 
 
 def _bulk(table: Mapping[str, Protocol]) -> Protocol:

@@ -17,7 +17,10 @@ on another of the rank's streams (DP gradient reduction under the pipeline's sen
 ZeRO-3's reduce-scatters under its parameter gathers) gets half the NICs while they
 overlap (two flows sharing a link fairly). And a communication
 kernel holds SMs while it runs (ClusterSpec.collective_sm_fraction, p2p_sm_fraction):
-compute that overlaps it runs on the rest and takes longer. Both are decided when an
+compute that overlaps it runs on the rest and takes longer. Where devices share a
+host's cores, the scheduler lets them lag each other: a collective waits for the expected
+lag of its slowest member, a message lands late by the expected lag of its sender, both by
+the compute done since the class last synchronized (src/costmodel/comm.py, CommModel.skew). Both are decided when an
 operation is priced, from the operations already priced: one priced later does not
 re-time it, so the earlier of two overlapping transfers keeps the whole link, and compute
 priced before a collective is (one whose other participants are classes that have not
@@ -82,6 +85,8 @@ class _Op:
     a receive's transfer is the sender's); prev: the operation before it on its stream.
     nic_from: when a send really started, if it shared the node's NICs with another
     transfer and is priced as starting late at the full rate (None otherwise).
+    computed: the compute its class had done since it last synchronized (its last
+    collective or receive) when it issued this one: how far it may lag its peers.
     """
 
     kind: str
@@ -94,6 +99,7 @@ class _Op:
     next: "_Op | None" = field(default=None, repr=False)
     compute_ready: float = 0.0
     nic_from: float | None = None
+    computed: float = 0.0
 
 
 def _ready(op: _Op) -> float:
@@ -246,6 +252,9 @@ class _ClassState:
     p2p_busy: Intervals = field(default_factory=Intervals)
     # How many of the class's ranks each node holds (node, ranks): where cores are shared.
     per_node: tuple[tuple[int, int], ...] = ()
+    # Compute seconds since the class last synchronized (a collective or a receive
+    # resolved): how far it may lag its peers where devices share cores.
+    computed: float = 0.0
 
     def stream_free(self, stream: str) -> float:
         return self.free.get(stream, 0.0)
@@ -409,6 +418,7 @@ class Simulator:
         if self.p2p_rate < 1.0:
             end = state.p2p_busy.stretched_end(start, end - start, self.p2p_rate)
         state.free[COMPUTE_STREAM] = end
+        state.computed += end - start
         state.segments.append((start, end, "compute"))
         if self.cores_shared:
             self.compute_spans.append(ComputeSpan((state.index, state.ip), start, end, state.per_node))
@@ -466,6 +476,7 @@ class Simulator:
                 f"{instruction.bytes:g} B x{instruction.count} ({state.program.label})"
             )
         op = self._issue(state, instruction.kind, instruction.stream)
+        op.computed = state.computed
         arrival.ops[state.index] = op
         self.arrival_of[id(op)] = key
         if instruction.handle:
@@ -511,6 +522,11 @@ class Simulator:
             price = self.comm.row_exchange_parts if rows else functools.partial(self.comm.collective_parts, instruction.op)
             parts = self.collective_cost[cost_key] = price(group.ranks, instruction.bytes, group.sharing)
         latency, transfer = parts[0] * instruction.count, parts[1] * instruction.count
+        # Its members reach it as far apart as they drifted since they last synchronized;
+        # the wait is the collective's. A count stands for collectives spread over that
+        # compute (the layers priced as one instruction): count waits, each after its share.
+        computed = max(op.computed for op in arrival.ops.values())
+        latency += instruction.count * self.comm.skew(len(group.ranks), computed / instruction.count)
         start = max(_ready(op) for op in arrival.ops.values())
         crosses = self.crosses_nodes.get(group.name)
         if crosses is None:
@@ -522,6 +538,7 @@ class Simulator:
         end = moved + latency
         for state, op in zip(states, arrival.ops.values()):
             op.start, op.end, op.resolved = start, end, True
+            state.computed = max(0.0, state.computed - op.computed)
             if crosses and transfer > 0:
                 state.nic.add(start, moved)
             if op.stream != COMPUTE_STREAM:
@@ -555,6 +572,7 @@ class Simulator:
         if key in self.sent:
             raise SimulationError(f"{state.program.label} sends {instruction.payload} over {route.name} twice")
         op = self._issue(state, route.kind, stream)
+        op.computed = state.computed
         ready = _ready(op)
         seconds, nbytes, crosses = self.routes.send(route, state, instruction.payload.whole)
         op.start, op.end, op.resolved = ready, ready + seconds, True
@@ -599,6 +617,7 @@ class Simulator:
         if recv_key in self.received or recv_key in self.posted_recvs:
             raise SimulationError(f"{state.program.label} receives {payload} over {route.name} twice")
         op = self._issue(state, route.kind, stream)
+        op.computed = state.computed
         if instruction.handle:
             state.handles[instruction.handle] = op
         if missing:
@@ -614,11 +633,17 @@ class Simulator:
         self, state: _ClassState, op: _Op, recv: Recv, entries: dict[tuple[str, int, Payload], tuple[float, float]]
     ) -> None:
         """The receive ends when its last message lands; that message's transfer is the
-        communication, the wait before it is the sender's (a bubble)."""
+        communication, the wait before it is the sender's (a bubble). Where devices share
+        cores, the sender may lag the receiver: the message lands the later by the
+        expected lag of the pair."""
         self.received.add((recv.route, state.index, recv.payload.whole))
-        land, cost = max((self.sent[key].start + offset, cost) for key, (offset, cost) in entries.items())
+        land, cost, sender_computed = max(
+            (self.sent[key].start + offset, cost, self.sent[key].computed) for key, (offset, cost) in entries.items()
+        )
+        land += self.comm.skew(2, max(op.computed, sender_computed))
         ready = _ready(op)
         op.start, op.end, op.resolved = land - cost, max(ready, land), True
+        state.computed = max(0.0, state.computed - op.computed)
         state.p2p_busy.add(max(ready, op.start), op.end)
         self._advance_stream(state, op)
         state.spans.append(Span(op.stream, max(ready, op.start), op.end, f"recv {recv.payload}", f"comm_{op.kind}"))

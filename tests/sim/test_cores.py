@@ -3,16 +3,29 @@ computing workers leave it (src.sim.cores), hand-computed on the toy cluster."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
 
-from src.program import Compute, Program, RankProgram
+from src.program import Collective, Compute, Group, Program, RankProgram
+from src.costmodel.comm import CommModel, expected_maximum
 from src.costmodel.compute import ComputeModel
 from src.sim.cores import SETTLED, ComputeSpan, occupancy, relaxed, shares_cores, span_scales, speedup_limit
 from src.sim.engine import compute_lower_bound, simulate
-from tests.sim.test_sim_engine import F1, T_F1
-from tests.sim.test_sim_programs import MODEL, PRECISION, make_cluster
+from tests.sim.test_sim_engine import F1, T_F1, two_ranks
+from tests.sim.test_sim_programs import (
+    INTRA_BW,
+    INTRA_LAT,
+    MODEL,
+    PRECISION,
+    all_reduce_s,
+    assert_breakdown,
+    make_cluster,
+    p2p_s,
+    recv,
+    send,
+)
 
 # Two workers on one node: each alone at the peak, both at once at half of it.
 SHARED = make_cluster(nodes=1, devices_per_node=2, oversubscription={1: 1.0, 2: 0.5})
@@ -90,3 +103,59 @@ def test_the_speedup_limit_keeps_a_bound_a_bound() -> None:
     bound = compute_lower_bound(program, MODEL, ComputeModel(SHARED, PRECISION))
     assert bound == pytest.approx(4 * T_F1)  # both spans of the left at half the peak
     assert bound * speedup_limit(SHARED) <= simulate(program, MODEL, SHARED, PRECISION).iteration_time
+
+
+# ---- how far apart workers reach a collective ---------------------------------------------
+SKEW_S, SKEW_BUILD_S = 3e-3, 4e-3  # a lag of up to 3 ms, built up over 4 ms of compute
+
+
+def lag(computed: float) -> float:
+    return SKEW_S * (1 - math.exp(-computed / SKEW_BUILD_S))
+
+
+def test_a_collective_waits_for_the_lag_built_since_the_last() -> None:
+    # Two workers (the node's all): after 4 F1 (8 ms) the all-reduce waits for the slower
+    # one's lag, as communication; one right after it waits for nothing more, the two
+    # having just synchronized.
+    lagging = make_cluster(nodes=1, devices_per_node=2, sync_skew_s=SKEW_S, sync_skew_build_s=SKEW_BUILD_S)
+    ar = Collective("all_reduce", "g", 1e6, "dp", stream="compute")
+    body = [Compute(F1)] * 4 + [ar, ar]
+    program = Program(world_size=2, classes=[RankProgram(ranks=(0, 1), instructions=body, label="both")])
+    program.add_group(Group("g", (0, 1)))
+    iteration = 4 * T_F1 + 2 * all_reduce_s(2, 1e6, INTRA_BW, INTRA_LAT) + lag(4 * T_F1)
+    timeline = simulate(program, MODEL, lagging, PRECISION)
+    assert timeline.iteration_time == pytest.approx(iteration, rel=1e-9)
+    assert_breakdown(timeline.ranks[0], iteration, compute=4 * T_F1, comm_dp=iteration - 4 * T_F1)
+    steady = make_cluster(nodes=1, devices_per_node=2)
+    assert simulate(program, MODEL, steady, PRECISION).iteration_time == pytest.approx(iteration - lag(4 * T_F1), rel=1e-9)
+
+
+def test_a_count_of_collectives_waits_once_per_collective_and_a_pair_less_than_the_node() -> None:
+    # A count of 4 stands for 4 all-reduces spread over the compute before it: 4 waits
+    # after a quarter of it each. On a node of 4 workers (where the lag is measured over
+    # all 4), a pair waits for the larger of 2 lags, not of 4.
+    node = make_cluster(nodes=1, devices_per_node=4, sync_skew_s=SKEW_S, sync_skew_build_s=SKEW_BUILD_S)
+    pair = lag(T_F1 / 4) * expected_maximum(2) / expected_maximum(4)
+    assert CommModel(node).skew(2, T_F1 / 4) == pytest.approx(pair)
+    assert CommModel(node).skew(4, T_F1) == pytest.approx(lag(T_F1))
+    assert CommModel(node).skew(1, T_F1) == 0.0
+    assert expected_maximum(2) == pytest.approx(1 / math.sqrt(math.pi), rel=1e-6)
+    ar = Collective("all_reduce", "g", 1e6, "tp", stream="compute", count=4)
+    program = Program(world_size=2, classes=[RankProgram(ranks=(0, 1), instructions=[Compute(F1), ar], label="both")])
+    program.add_group(Group("g", (0, 1)))
+    steady = make_cluster(nodes=1, devices_per_node=4)
+    waits = simulate(program, MODEL, node, PRECISION).iteration_time - simulate(program, MODEL, steady, PRECISION).iteration_time
+    assert waits == pytest.approx(4 * pair, rel=1e-9)
+
+
+def test_a_message_lands_late_by_the_lag_of_its_sender() -> None:
+    # Left computes 4 F1 then sends; right receives at once: the message lands the pair's
+    # expected lag after the model's clock, a wait on the peer (a bubble), not a transfer.
+    lagging = make_cluster(nodes=1, devices_per_node=2, sync_skew_s=SKEW_S, sync_skew_build_s=SKEW_BUILD_S)
+    program = two_ranks([Compute(F1)] * 4 + [send("a")], [recv("a")], messages=(("a", 0, 1),))
+    transfer = p2p_s(1e6, INTRA_BW, INTRA_LAT)
+    iteration = 4 * T_F1 + transfer + lag(4 * T_F1)
+    timeline = simulate(program, MODEL, lagging, PRECISION)
+    assert timeline.iteration_time == pytest.approx(iteration, rel=1e-9)
+    right = [r for r in timeline.ranks if r.label == "right"][0]
+    assert_breakdown(right, iteration, bubble_imbalance=iteration - transfer, comm_pp=transfer)
