@@ -85,6 +85,7 @@ SYNC_REPEATS = 3
 SKEW_GEMMS = (0, 2, 8, 32, 128)
 SKEW_BYTES = 4 * 2**20
 SKEW_ROUNDS = 8
+SKEW_REPEATS = 5  # the wait after a long block moves most from one measurement to the next
 # Hand-over of a core: blocks of 1..64 GEMMs of SYNC_DIM^3 (about 0.3-20 ms on one core).
 HANDOVER_GEMMS = (1, 4, 16, 64)
 HANDOVER_ROUNDS = 12
@@ -346,17 +347,17 @@ def _after_compute() -> dict[str, Any]:
             collective()
         return (time.perf_counter() - start) / rounds
 
-    def medians(gemms: int, tensor, rounds: int) -> tuple[float, float]:
-        # Each beside the other, SYNC_REPEATS times (the host's load drifts): the medians.
+    def medians(gemms: int, tensor, rounds: int, repeats: int) -> tuple[float, float]:
+        # Each beside the other, `repeats` times (the host's load drifts): the medians.
         pairs = [
             (seconds_per_round(gemms, lambda: None, rounds), seconds_per_round(gemms, lambda: dist.all_reduce(tensor), rounds))
-            for _ in range(SYNC_REPEATS)
+            for _ in range(repeats)
         ]
         return statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
 
-    rounds = [(nbytes, *medians(SYNC_GEMMS, torch.ones(nbytes // 4), SYNC_ROUNDS)) for nbytes in SYNC_BYTES]
+    rounds = [(nbytes, *medians(SYNC_GEMMS, torch.ones(nbytes // 4), SYNC_ROUNDS, SYNC_REPEATS)) for nbytes in SYNC_BYTES]
     skew_tensor = torch.ones(SKEW_BYTES // 4)
-    skew = [(gemms, *medians(gemms, skew_tensor, SKEW_ROUNDS)) for gemms in SKEW_GEMMS]
+    skew = [(gemms, *medians(gemms, skew_tensor, SKEW_ROUNDS, SKEW_REPEATS)) for gemms in SKEW_GEMMS]
     return {"rounds": rounds, "skew": skew}
 
 

@@ -12,7 +12,8 @@ host_backward_kernel_s per kernel of a backward. A GPU runs behind its host, so 
 item takes the longer of its device time and its host time: small layers (narrow
 hidden sizes, few samples per device) are bound by the framework, large ones by the
 device. Where the host is the device (CPU workers: cluster.host_async false) the two
-add up, the host's part too at the worker's share of the cores (oversubscription). Under
+add up, the host's part and the bandwidth-bound kernels too at the worker's share of the
+cores (oversubscription), as its GEMMs (the peak). Under
 ZeRO-3 the framework's hooks also fetch each module's parameters on the host
 (cluster.host_fetch_s per fetch, host_fetch_byte_s per byte fetched). All
 constants come from the cluster preset; nothing here is specific to a strategy.
@@ -93,7 +94,9 @@ class ComputeModel:
         self.cluster = cluster
         self.peak = cluster.peak(precision)
         self.host_share = cluster.compute_share()
-        self.hbm = cluster.memory_bandwidth * cluster.memory_efficiency
+        # Devices that share a host's cores (CPU workers) run their bandwidth-bound kernels
+        # on their share of a core too, as their GEMMs (peak) and their host work.
+        self.hbm = cluster.memory_bandwidth * cluster.memory_efficiency * cluster.compute_share()
         self.bytes_per_elem = element_bytes(precision)
         self._layer_cache: dict[tuple, LayerTimes] = {}
         self._work_cache: dict[tuple[int, Work], float] = {}

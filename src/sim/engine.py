@@ -20,7 +20,8 @@ kernel holds SMs while it runs (ClusterSpec.collective_sm_fraction, p2p_sm_fract
 compute that overlaps it runs on the rest and takes longer. Where devices share a
 host's cores, the scheduler lets them lag each other: a collective waits for the expected
 lag of its slowest member, a message lands late by the expected lag of its sender, both by
-the compute done since the class last synchronized (src/costmodel/comm.py, CommModel.skew). Both are decided when an
+the compute done since the class last synchronized (src/costmodel/comm.py, CommModel.skew),
+and the step ends when the last rank does, as late as its lag since its last collective. Both are decided when an
 operation is priced, from the operations already priced: one priced later does not
 re-time it, so the earlier of two overlapping transfers keeps the whole link, and compute
 priced before a collective is (one whose other participants are classes that have not
@@ -690,7 +691,10 @@ class Simulator:
 
     # ---- results ------------------------------------------------------------------------
     def _timeline(self) -> Timeline:
-        iteration = max((max(s.free.values()) for s in self.states), default=0.0)
+        # A step ends when every rank has (the real backend times it between barriers): the
+        # last ranks to finish may lag by the compute since they last synchronized.
+        world = self.program.world_size
+        iteration = max((max(s.free.values()) + self.comm.skew(world, s.computed) for s in self.states), default=0.0)
         ranks = [
             RankTimeline(
                 ranks=s.program.ranks,

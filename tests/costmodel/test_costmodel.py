@@ -211,6 +211,15 @@ def test_zero3_fetches_cost_the_host_per_fetch_and_byte_whatever_the_load() -> N
     assert gpu.work_time(fetching, model) == pytest.approx(max(ComputeModel(CLUSTER, "bf16").work_time(plain, model), fetch))
 
 
+def test_devices_sharing_cores_run_bandwidth_bound_kernels_at_their_share_too() -> None:
+    # Four workers a node at a quarter of a core each: a layer norm's bytes move at a
+    # quarter of the rate, as its GEMMs' FLOPs do; devices that share nothing are unchanged.
+    alone, shared = ComputeModel(CLUSTER, "bf16"), ComputeModel(replace(CLUSTER, oversubscription={4: 0.25}), "bf16")
+    launch = CLUSTER.kernel_overhead_s
+    assert shared.memory_time(1e9) - launch == pytest.approx(4 * (alone.memory_time(1e9) - launch))
+    assert shared.gemm_time(4096, 4096, 4096) - launch == pytest.approx(4 * (alone.gemm_time(4096, 4096, 4096) - launch))
+
+
 def test_a_send_across_nodes_leaves_through_one_nic() -> None:
     nics = replace(CLUSTER, nics=4, p2p_bandwidth=80e9)
     comm = CommModel(nics)

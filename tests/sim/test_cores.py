@@ -159,3 +159,15 @@ def test_a_message_lands_late_by_the_lag_of_its_sender() -> None:
     assert timeline.iteration_time == pytest.approx(iteration, rel=1e-9)
     right = [r for r in timeline.ranks if r.label == "right"][0]
     assert_breakdown(right, iteration, bubble_imbalance=iteration - transfer, comm_pp=transfer)
+
+
+def test_the_step_ends_when_the_last_rank_does() -> None:
+    # Two workers computing 4 F1 with no collective: the step (timed between barriers) ends
+    # when the later of them does, by the lag of what they computed; the wait is idle.
+    lagging = make_cluster(nodes=1, devices_per_node=2, sync_skew_s=SKEW_S, sync_skew_build_s=SKEW_BUILD_S)
+    body = [Compute(F1)] * 4
+    program = Program(world_size=2, classes=[RankProgram(ranks=(0, 1), instructions=body, label="both")])
+    iteration = 4 * T_F1 + lag(4 * T_F1)
+    timeline = simulate(program, MODEL, lagging, PRECISION)
+    assert timeline.iteration_time == pytest.approx(iteration, rel=1e-9)
+    assert_breakdown(timeline.ranks[0], iteration, compute=4 * T_F1, idle=lag(4 * T_F1))
