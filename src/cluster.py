@@ -489,8 +489,9 @@ def with_host_profile(cfg: Mapping[str, Any]) -> tuple[Mapping[str, Any], str]:
     on this host's CPU model, if a profile has them; the note says which were used. The
     links were measured with as many workers running as the node has (`by_workers`: each
     count's figures; workers sharing cores wait on each other at every step), so a node
-    of k workers takes the figures of the largest count measured up to k."""
-    from src.cluster_profile import host_cpu_model, host_profile, profile_path
+    of k workers takes the figures of the largest count measured up to k. A figure the run
+    sets otherwise than the preset's file (a command-line override) stays the run's."""
+    from src.cluster_profile import host_cpu_model, host_profile, preset_file, profile_path
 
     name = cfg.get("profile")
     if name is None:
@@ -509,7 +510,35 @@ def with_host_profile(cfg: Mapping[str, Any]) -> tuple[Mapping[str, Any], str]:
         count = max((k for k in by_workers if k <= workers), default=min(by_workers))
         figures.update(by_workers[count])
         note += f" (links measured with {count} workers running)"
-    return {**cfg, **figures}, note
+    preset = preset_file(str(cfg.get("name")))
+    overrides = _set_otherwise(cfg, preset) if preset is not None else {}
+    kept = sorted(k for k in overrides if k in figures)
+    if kept:
+        note += f"; the run's own {', '.join(kept)}"
+    return _merged({**cfg, **figures}, overrides), note
+
+
+def _set_otherwise(cfg: Mapping[str, Any], preset: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of `cfg` whose values differ from `preset`'s, nested mappings entry by entry."""
+    out: dict[str, Any] = {}
+    for key, value in cfg.items():
+        stated = preset.get(key)
+        if isinstance(value, Mapping) and isinstance(stated, Mapping):
+            inner = _set_otherwise(value, stated)
+            if inner:
+                out[key] = inner
+        elif key not in preset or value != stated:
+            out[key] = value
+    return out
+
+
+def _merged(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    """`base` with `top`'s entries over it, nested mappings entry by entry."""
+    out = dict(base)
+    for key, value in top.items():
+        below = out.get(key)
+        out[key] = _merged(below, value) if isinstance(value, Mapping) and isinstance(below, Mapping) else value
+    return out
 
 
 def family_sharing(cluster: ClusterSpec, groups: Sequence[Sequence[int]]) -> int:

@@ -14,7 +14,8 @@ from typing import Any
 
 import yaml
 
-PROFILE_DIR = Path(__file__).resolve().parent.parent / "conf" / "cluster" / "profiles"
+PRESET_DIR = Path(__file__).resolve().parent.parent / "conf" / "cluster"
+PROFILE_DIR = PRESET_DIR / "profiles"
 
 
 def host_cpu_model() -> str:
@@ -38,3 +39,15 @@ def host_profile(preset: str) -> dict[str, Any] | None:
     if not path.exists():
         return None
     return yaml.safe_load(path.read_text())["preset"]
+
+
+def preset_file(name: str) -> dict[str, Any] | None:
+    """A preset's own figures, as its file states them and Hydra reads them (OmegaConf's
+    YAML: `37.5e9` a number, not a string); None where there is no such file."""
+    from omegaconf import OmegaConf
+
+    path = PRESET_DIR / f"{name}.yaml"
+    if not path.exists():
+        return None
+    figures = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    return {str(k): v for k, v in figures.items()} if isinstance(figures, dict) else None

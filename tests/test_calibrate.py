@@ -25,7 +25,7 @@ from src.calibrate import (
 from src.cluster import cluster_from_config
 from src.errors import ConfigError
 
-LOCAL = yaml.safe_load((Path(__file__).resolve().parent.parent / "conf" / "cluster" / "local.yaml").read_text())
+LOCAL = cluster_profile.preset_file("local") or {}  # as Hydra reads it
 
 
 def test_gemm_curve_fit_recovers_efficiency_and_half_dimension() -> None:
@@ -132,6 +132,19 @@ def test_a_profile_gives_each_worker_count_the_links_measured_with_that_many_run
     assert (two.intra_bandwidth, three.intra_bandwidth, four.intra_bandwidth) == (3e9, 3e9, 1e9)
     assert four.ring_table()["gloo"].intra_step_s == 8e-4
     assert "links measured with 2 workers running" in three.sources["profile"]
+
+
+def test_a_figure_the_run_sets_itself_stays_the_runs_over_the_profile(tmp_path: Path, monkeypatch) -> None:
+    # The profile measured peaks and a hand-over; the command line sets the fp32 peak and the
+    # hand-over itself: those stay, the profile's other figures apply, and the sources say so.
+    monkeypatch.setattr(cluster_profile, "PROFILE_DIR", tmp_path)
+    measured = {"peak_flops": {"fp32": 90e9, "bf16": 20e9}, "by_workers": {4: {"core_handover_s": 1e-3}}}
+    cluster_profile.profile_path("local").write_text(yaml.safe_dump({"preset": measured}))
+    assert cluster_from_config(LOCAL).peak_flops == {"fp32": 90e9, "bf16": 20e9}
+    overridden = cluster_from_config({**LOCAL, "peak_flops": {**LOCAL["peak_flops"], "fp32": 50e9}, "core_handover_s": 5e-3})
+    assert overridden.peak_flops == {"fp32": 50e9, "bf16": 20e9}
+    assert overridden.core_handover_s == 5e-3
+    assert overridden.sources["profile"].endswith("the run's own core_handover_s, peak_flops")
 
 
 def test_collectives_after_compute_set_the_ring_and_keep_the_others_relative_to_the_barrier_fit() -> None:
