@@ -260,7 +260,11 @@ def main() -> None:
     args, overrides = parser.parse_known_args()
     if args.plain:
         plain_worker(args.plain)
-        return
+        # Every step is measured and the group is gone: leave without the interpreter's
+        # teardown, where a thread DeepSpeed's engine left behind sometimes aborts the
+        # process ("terminate called without an active exception", exit -6).
+        sys.stdout.flush()
+        os._exit(0)
     if args.steps <= WARMUP + 1 or args.rounds < 1:
         raise SystemExit(f"error: --steps must exceed {WARMUP + 1} and --rounds be positive")
     runs: dict[str, list[Measured]] = {"harness": [], "plain": []}
