@@ -17,15 +17,16 @@ on another of the rank's streams (DP gradient reduction under the pipeline's sen
 ZeRO-3's reduce-scatters under its parameter gathers) gets half the NICs while they
 overlap (two flows sharing a link fairly). And a communication
 kernel holds SMs while it runs (ClusterSpec.collective_sm_fraction, p2p_sm_fraction):
-compute that overlaps it runs on the rest and takes longer. Where devices share a
-host's cores, the scheduler lets them lag each other: a collective waits for the expected
-lag of its slowest member, a message lands late by the expected lag of its sender, both by
-the compute done since the class last synchronized (src/costmodel/comm.py, CommModel.skew),
-and the step ends when the last rank does, as late as its lag since its last collective. Both are decided when an
+compute that overlaps it runs on the rest and takes longer. Both are decided when an
 operation is priced, from the operations already priced: one priced later does not
 re-time it, so the earlier of two overlapping transfers keeps the whole link, and compute
 priced before a collective is (one whose other participants are classes that have not
 issued it yet) runs beside it at full speed.
+
+Where devices share a host's cores, the scheduler lets them lag each other: a collective
+waits for the expected lag of its slowest member, a message lands late by the expected lag
+of its sender, and the step ends when its last rank does, each by the compute done since
+the class last synchronized (src/costmodel/comm.py, CommModel.skew).
 
 Why the compute stream waits is recorded as it happens: while the awaited transfer moves
 data the wait is exposed communication of its kind; while it waits for a peer to issue it
