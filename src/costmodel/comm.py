@@ -121,7 +121,7 @@ class CommModel:
             return 0.0
         measured_over = max(2, cluster.devices_per_node)
         wait = lag_wait(cluster.sync_skew_s, cluster.sync_skew_build_s, computed_s)
-        return wait * expected_maximum(group) / expected_maximum(measured_over) if wait > 0 else 0.0
+        return wait * expected_maximum(group) / expected_maximum(measured_over)
 
     def p2p_time(self, src: int, dst: int, nbytes: float, sharing: int = 1) -> float:
         if nbytes <= 0 or src == dst:

@@ -93,10 +93,10 @@ class ComputeModel:
     def __init__(self, cluster: ClusterSpec, precision: str):
         self.cluster = cluster
         self.peak = cluster.peak(precision)
-        self.host_share = cluster.compute_share()
-        # Devices that share a host's cores (CPU workers) run their bandwidth-bound kernels
-        # on their share of a core too, as their GEMMs (peak) and their host work.
-        self.hbm = cluster.memory_bandwidth * cluster.memory_efficiency * cluster.compute_share()
+        # Devices that share a host's cores (CPU workers) run their host work and their
+        # bandwidth-bound kernels on their share of the cores, as their GEMMs (the peak).
+        self.core_share = cluster.compute_share()
+        self.hbm = cluster.memory_bandwidth * cluster.memory_efficiency * self.core_share
         self.bytes_per_elem = element_bytes(precision)
         self._layer_cache: dict[tuple, LayerTimes] = {}
         self._work_cache: dict[tuple[int, Work], float] = {}
@@ -202,7 +202,7 @@ class ComputeModel:
             # The host queues a GPU's kernels ahead of it (layer by layer: a sum over any
             # grouping of layers); CPU workers run what they issue, on the share of the
             # cores that their arithmetic gets (the host figures are one worker's alone).
-            total += max(device, host) if self.cluster.host_async else device + host / self.host_share
+            total += max(device, host) if self.cluster.host_async else device + host / self.core_share
         return total
 
     @staticmethod
