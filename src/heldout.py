@@ -87,6 +87,7 @@ def overrides(run: Run, common: dict[str, Any]) -> list[str]:
         f"model.heads={run.heads}",
         f"model.vocab={model['vocab']}",
         f"model.attention={model['attention']}",
+        f"model.dropout={_value(model['dropout'])}",
         f"train.seq_len={model['seq_len']}",
         f"train.global_batch={run.global_batch}",
         f"train.precision={common['precision']}",

@@ -50,8 +50,18 @@ class Setup:
     backend: TorchBackendSpec | None = None
 
 
+# What the real backend's modules leave out of a model, as its config says it: `model.dropout`
+# null reads as false there (its blocks train without dropout, so that every layout's losses
+# agree with one process), and the resolved config says so.
+REAL_BACKEND_MODEL = {"dropout": False}
+
+
 def validate(config: dict[str, Any]) -> Setup:
     reject_unknown(config, TOP_LEVEL, "top-level config key(s)")
+    if config["backend"]["name"] == "torch":
+        model_cfg = config["model"]
+        resolved = {key: value for key, value in REAL_BACKEND_MODEL.items() if key in model_cfg and model_cfg[key] is None}
+        config = {**config, "model": {**model_cfg, **resolved}}
     cluster = cluster_from_config(config["cluster"])
     model = build_model(config["model"], config["train"].get("seq_len"), cluster.attention)
     train = train_from_config(config["train"], cluster, model.default_global_batch)
@@ -98,7 +108,7 @@ def prepare_run(
     if config.get("plan") is None:
         setup = validate(config)
         checkpoint = checkpoint_from_config(config["train"], config["backend"]["name"])  # before planning, which may take minutes
-        planned = PlannedRun(setup.model, setup.cluster, setup.train, plan_run(setup), {k: config[k] for k in PLANNED_FROM})
+        planned = PlannedRun(setup.model, setup.cluster, setup.train, plan_run(setup), {k: setup.config[k] for k in PLANNED_FROM})
         return planned, RunSettings(config["backend"]["name"], setup.backend, job, config, checkpoint)
     source = Path(str(config["plan"]))
     planning = [o for o in overrides or [] if o.lstrip("+~").split("=")[0].split(".")[0] in PLANNED_FROM]

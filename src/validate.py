@@ -35,11 +35,13 @@ from typing import Any
 from src.report import plotting
 from src.timeline import BREAKDOWN_CATEGORIES
 
-# Two sizes of one GPT (a transformer's GEMMs and collectives; custom sizes need no preset).
+# Two sizes of one GPT (a transformer's GEMMs and collectives; custom sizes need no preset),
+# without dropout: the real backend trains without it, and the simulator prices the same model.
 GPT_SIZES = {
     "gpt-s": [
         "model=gpt",
         "model.preset=null",
+        "model.dropout=false",
         "model.layers=4",
         "model.hidden=128",
         "model.heads=4",
@@ -50,6 +52,7 @@ GPT_SIZES = {
     "gpt-m": [
         "model=gpt",
         "model.preset=null",
+        "model.dropout=false",
         "model.layers=4",
         "model.hidden=384",
         "model.heads=8",

@@ -126,8 +126,7 @@ class ComputeModel:
         if kernel.kind == "memory":
             nbytes = kernel.bytes * rows / sharding.memory_divisor(kernel.tp_split)
             fwd = self.memory_time(nbytes)
-            # Backward reads the saved input and the output gradient, writes the input gradient: one kernel.
-            bwd = self.memory_time(2.0 * nbytes)
+            bwd = self.memory_time(kernel.backward_moves * nbytes)  # one kernel
             return LayerTimes(fwd, bwd, 0.0, fwd if kernel.attention_core else 0.0, launches)
         m_div, n_div, k_div, batch_div = sharding.gemm_divisors(kernel.tp_split)
         m = kernel.m * rows / m_div

@@ -7,7 +7,8 @@ fused attention does.
 
 flash: FlashAttention (Dao et al. 2022; FlashAttention-2, Dao 2023) tiles QK^T, softmax
 and the product with V in on-chip memory: the scores never reach HBM (no softmax traffic)
-and are not kept for backward, only the fp32 log-sum-exp per head and query row; backward
+and are not kept for backward, only the fp32 log-sum-exp per head and query row; the
+attention dropout (eager: a kernel of its own over the scores) runs inside it; backward
 recomputes QK^T (one more forward of the scores GEMM, hardware FLOPs that the model FLOPs
 of MFU do not count). Megatron-LM (--use-flash-attn, then Transformer Engine's fused
 attention by default) and torchtitan (PyTorch SDPA) train this way on Ampere and Hopper.
@@ -48,9 +49,8 @@ def _flash_layer(layer: LayerSpec) -> LayerSpec:
     if not any(kernel.attention_scores for kernel in layer.kernels):
         return layer
     a: ActivationBytes = layer.activations
-    return replace(
-        layer, kernels=tuple(_flash_kernel(kernel) for kernel in layer.kernels), activations=replace(a, attention=a.flash_attention)
-    )
+    kernels = tuple(_flash_kernel(kernel) for kernel in layer.kernels if not kernel.attention_dropout)
+    return replace(layer, kernels=kernels, activations=replace(a, attention=a.flash_attention))
 
 
 def _flash_kernel(kernel: Kernel) -> Kernel:

@@ -69,9 +69,12 @@ class DecoderPreset:
     kv_heads: int | None = None
 
 
-def decoder_unit(preset: DecoderPreset, seq: int, output_elems: int, name: str = "llm") -> UnitSpec:
-    """An LLM backbone unit: embedding, `layers` blocks, LM head with the loss."""
+def decoder_unit(preset: DecoderPreset, seq: int, output_elems: int, name: str = "llm", dropout: bool | None = None) -> UnitSpec:
+    """An LLM backbone unit: embedding, `layers` blocks, LM head with the loss. `dropout`:
+    whether its blocks run dropout (None: the style's, Megatron's 0.1 for 'gpt', none for
+    'llama')."""
     llama = preset.style == "llama"
+    dropout = not llama if dropout is None else dropout
     arch = Architecture(
         vocab=preset.vocab,
         style=preset.style,
@@ -79,7 +82,7 @@ def decoder_unit(preset: DecoderPreset, seq: int, output_elems: int, name: str =
         kv_heads=preset.kv_heads or preset.heads,
     )
     block = transformer_layer(
-        seq, preset.hidden, preset.heads, preset.ffn, kv_heads=preset.kv_heads, gated=llama, bias=not llama, dropout=not llama
+        seq, preset.hidden, preset.heads, preset.ffn, kv_heads=preset.kv_heads, gated=llama, bias=not llama, dropout=dropout
     )
     layers = (
         [embedding_layer(preset.vocab, preset.hidden, seq, positions=0 if llama else seq)]

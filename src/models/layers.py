@@ -36,16 +36,31 @@ def memory(
 
 
 def _attention(
-    prefix: str, seq: int, kv_seq: int, hidden: int, heads: int, kv_dim: int, kv_hidden: int, self_attention: bool
+    prefix: str, seq: int, kv_seq: int, hidden: int, heads: int, kv_dim: int, kv_hidden: int, self_attention: bool, dropout: bool
 ) -> list[Kernel]:
     head_dim = hidden // heads
+    scores = heads * seq * kv_seq
+    # Dropout of the probabilities (eager: its own kernel): forward reads them and writes
+    # the output and a one-byte mask, backward reads the gradient and the mask and writes
+    # the gradient, 5 bytes per score each way (Korthikanti et al.'s as² + 2as²).
+    dropped = Kernel(
+        f"{prefix}dropout",
+        "memory",
+        bytes=(ACT_BYTES + ACT_BYTES + 1) * scores,
+        tp_split="batch",
+        attention_core=True,
+        attention_scores=True,
+        backward_moves=1.0,
+        attention_dropout=True,
+    )
     if self_attention:
         projections = [gemm(f"{prefix}qkv", seq, hidden, hidden + 2 * kv_dim, "n")]
     else:
         projections = [gemm(f"{prefix}q", seq, hidden, hidden, "n"), gemm(f"{prefix}kv", kv_seq, kv_hidden, 2 * kv_dim, "n")]
     return projections + [
         gemm(f"{prefix}scores", seq, head_dim, kv_seq, "batch", weight=False, batch=heads, core=True, scores=True),
-        memory(f"{prefix}softmax", heads * seq * kv_seq, "batch", core=True, scores=True),
+        memory(f"{prefix}softmax", scores, "batch", core=True, scores=True),
+        *([dropped] if dropout else []),
         gemm(f"{prefix}context", seq, kv_seq, head_dim, "batch", weight=False, batch=heads, core=True),
         gemm(f"{prefix}proj", seq, hidden, hidden, "k"),
         memory(f"{prefix}residual", 1.5 * seq * hidden),
@@ -71,8 +86,10 @@ def transformer_layer(
     gated=True is a SwiGLU MLP (Llama); kv_heads < heads is grouped-query attention.
     Causal masking does not change the count (the usual MFU convention counts s² fully).
     dropout=True keeps Korthikanti's dropout masks and attention-dropout output (34sh +
-    5as² for a GPT block, Megatron's default); without dropout (CLIP, ViT, Llama) a block
-    keeps 32sh + 2as² (the softmax output only).
+    5as² for a GPT block, Megatron's default) and runs the attention dropout as a kernel of
+    its own; without dropout (CLIP, ViT, Llama) a block keeps 32sh + 2as² (the softmax
+    output only). The hidden dropouts are fused into the residual adds (Megatron's
+    bias-dropout-add); their one-byte masks are left out of those kernels' traffic.
     """
     if hidden % heads:
         raise ValueError(f"hidden {hidden} is not divisible by heads {heads}")
@@ -83,7 +100,7 @@ def transformer_layer(
     b = 1 if bias else 0
 
     kernels: list[Kernel] = [memory("ln1", seq * hidden, norm=hidden)]
-    kernels += _attention("attn_", seq, seq, hidden, heads, kv_dim, hidden, True)
+    kernels += _attention("attn_", seq, seq, hidden, heads, kv_dim, hidden, True, dropout)
     params = hidden * (hidden + 2 * kv_dim) + b * (hidden + 2 * kv_dim) + hidden * hidden + b * hidden
     norms = 2
     # Two dropout masks (after attention, after the MLP) are replicated; attention dropout
@@ -98,7 +115,7 @@ def transformer_layer(
     if cross_seq is not None:
         cross_hidden = cross_hidden or hidden
         kernels.append(memory("ln_cross", seq * hidden, norm=hidden))
-        kernels += _attention("xattn_", seq, cross_seq, hidden, heads, hidden, cross_hidden, False)
+        kernels += _attention("xattn_", seq, cross_seq, hidden, heads, hidden, cross_hidden, False, dropout)
         params += hidden * hidden + cross_hidden * 2 * hidden + hidden * hidden + b * 4 * hidden
         norms += 1
         replicated += (4 + mask) * seq * hidden

@@ -48,6 +48,11 @@ def check_runnable(run: PlannedRun, data: str, data_errors: str = "fail") -> Non
             )
     for unit in plan.units:
         spec = model.unit(unit.unit)
+        if any(kernel.attention_dropout for layer in spec.layers for kernel in layer.kernels):
+            raise ConfigError(
+                f"model.dropout=true (unit {unit.unit}): the real backend's blocks train without dropout, so that every "
+                f"layout's losses agree with one process; set model.dropout=false or leave it null"
+            )
         if on_grid(unit):
             _check_grid(unit, spec)
         mllm = llama_style(spec) is not None or any(layer.name.endswith("_projector") for layer in spec.layers)

@@ -40,17 +40,36 @@ def test_unknown_attention_is_a_config_error() -> None:
         build_model({**LONG_GPT, "attention": "xformers"})
 
 
-def test_flash_removes_the_softmax_traffic_and_recomputes_the_scores_in_backward() -> None:
+def test_flash_removes_the_softmax_and_dropout_traffic_and_recomputes_the_scores_in_backward() -> None:
     eager = build_model({**LONG_GPT, "attention": "eager"}, 4096).unit("llm").layers[1]
     flash = build_model({**LONG_GPT, "attention": "flash"}, 4096).unit("llm").layers[1]
     compute = ComputeModel(request(LONG_GPT, "hopper", 1, 8).cluster, "bf16")
     e, f = compute.layer_times(eager, 1), compute.layer_times(flash, 1)
-    softmax = next(k for k in eager.kernels if k.name == "attn_softmax")
-    scores = next(k for k in eager.kernels if k.name == "attn_scores")
-    softmax_time = compute.kernel_times(softmax, 1, Sharding(), 1)
-    scores_time = compute.kernel_times(scores, 1, Sharding(), 1)
-    assert f.fwd == pytest.approx(e.fwd - softmax_time.fwd)
-    assert f.bwd_input == pytest.approx(e.bwd_input - softmax_time.bwd_input + scores_time.fwd)
+    times = {name: compute.kernel_times(next(k for k in eager.kernels if k.name == name), 1, Sharding(), 1) for name in KERNELS}
+    softmax, dropout, scores = (times[name] for name in KERNELS)
+    assert f.fwd == pytest.approx(e.fwd - softmax.fwd - dropout.fwd)
+    assert f.bwd_input == pytest.approx(e.bwd_input - softmax.bwd_input - dropout.bwd_input + scores.fwd)
+    # FlashAttention drops out inside its kernel: no launch of its own either.
+    assert [k.name for k in eager.kernels if k.name not in [k.name for k in flash.kernels]] == ["attn_dropout"]
+
+
+KERNELS = ("attn_softmax", "attn_dropout", "attn_scores")
+
+
+def test_eager_attention_dropout_moves_five_bytes_per_score_each_way() -> None:
+    """16 heads x 4096² scores: the forward reads the probabilities and writes the output
+    and a byte of mask, the backward reads the gradient and the mask and writes the
+    gradient: 5 · 16 · 4096² bytes each, at the H100's bandwidth; a model without dropout
+    (model.dropout=false, a Llama block) has no such kernel."""
+    block = build_model({**LONG_GPT, "attention": "eager"}, 4096).unit("llm").layers[1]
+    compute = ComputeModel(request(LONG_GPT, "hopper", 1, 8).cluster, "bf16")
+    dropout = next(k for k in block.kernels if k.name == "attn_dropout")
+    seconds = 5 * 16 * 4096**2 / (compute.cluster.memory_bandwidth * compute.cluster.memory_efficiency)
+    t = compute.kernel_times(dropout, 1, Sharding(), 1)
+    assert (t.fwd, t.bwd_input) == pytest.approx((seconds + compute.cluster.kernel_overhead_s,) * 2)
+    assert dropout.attention_core  # selective recomputation re-runs it (Korthikanti et al.)
+    for cfg in ({**LONG_GPT, "dropout": False}, {**LONG_GPT, "style": "llama"}):
+        assert not any(k.attention_dropout for k in build_model(cfg, 4096).unit("llm").layers[1].kernels)
 
 
 def test_long_sequence_needs_recompute_under_eager_and_none_under_flash() -> None:

@@ -426,3 +426,19 @@ def test_deepspeed_is_given_the_reuse_distance_and_persistence_threshold_the_pla
     assert (priced["stage3_max_reuse_distance"], priced["stage3_param_persistence_threshold"]) == (1000, 0)
     default = zero_config()
     assert default["stage3_max_reuse_distance"] == 1_000_000_000 and default["stage3_param_persistence_threshold"] == 100_000
+
+
+def test_the_real_backend_trains_without_dropout_and_refuses_it_in_one_line():
+    """model.dropout: null reads as false under the real backend (its blocks run none, and the
+    plan it writes says so); true is refused before any worker starts, a plan written by the
+    simulator (which prices Megatron-LM's dropout) too."""
+    setup = validate(composed(MEGATRON))
+    assert setup.config["model"]["dropout"] is False
+    assert not any(k.attention_dropout for layer in setup.model.unit("llm").layers for k in layer.kernels)
+    _check(MEGATRON)
+    with pytest.raises(ConfigError, match=r"^model.dropout=true \(unit llm\): the real backend's blocks train without dropout"):
+        _check([*MEGATRON, "model.dropout=true"])
+    simulated = validate(composed([*MEGATRON, "backend=sim"]))
+    assert any(k.attention_dropout for layer in simulated.model.unit("llm").layers for k in layer.kernels)
+    with pytest.raises(ConfigError, match="model.dropout=true"):
+        check_runnable(PlannedRun(simulated.model, simulated.cluster, simulated.train, plan_run(simulated)), "synthetic")
