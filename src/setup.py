@@ -50,18 +50,12 @@ class Setup:
     backend: TorchBackendSpec | None = None
 
 
-# What the real backend's modules leave out of a model, as its config says it: `model.dropout`
-# null reads as false there (its blocks train without dropout, so that every layout's losses
-# agree with one process), and the resolved config says so.
-REAL_BACKEND_MODEL = {"dropout": False}
-
-
 def validate(config: dict[str, Any]) -> Setup:
     reject_unknown(config, TOP_LEVEL, "top-level config key(s)")
-    if config["backend"]["name"] == "torch":
-        model_cfg = config["model"]
-        resolved = {key: value for key, value in REAL_BACKEND_MODEL.items() if key in model_cfg and model_cfg[key] is None}
-        config = {**config, "model": {**model_cfg, **resolved}}
+    if config["backend"]["name"] == "torch" and "dropout" in config["model"] and config["model"]["dropout"] is None:
+        # The real backend's blocks train without dropout (so that every layout's losses agree
+        # with one process): model.dropout null reads as false there, and the plan says so.
+        config = {**config, "model": {**config["model"], "dropout": False}}
     cluster = cluster_from_config(config["cluster"])
     model = build_model(config["model"], config["train"].get("seq_len"), cluster.attention)
     train = train_from_config(config["train"], cluster, model.default_global_batch)
