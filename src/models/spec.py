@@ -42,9 +42,9 @@ class Kernel:
       block's projection of the timestep embedding), not the layer's feature map.
     norm_width: a normalisation's width: its scale and shift, `norm_width` parameters
       each, are a module of their own (which ZeRO-3 fetches as it fetches a weight).
-    backward_moves: a memory-bound kernel's backward bytes over its forward's (2: it reads
-      the saved input and the output gradient and writes the input gradient, each as large
-      as the forward's traffic; 1 for a dropout, whose backward moves what its forward did).
+    backward_moves: a memory-bound kernel's backward bytes over its forward's (2 by default,
+      for a backward that reads the saved input and the output gradient and writes the
+      input gradient; 1 for a dropout, whose backward moves what its forward did).
     attention_dropout: the dropout of the attention probabilities, its own kernel in eager
       attention; FlashAttention applies it inside its kernel (src/models/attention.py).
     """
