@@ -30,7 +30,12 @@ runs them (spawned processes, gloo, F.linear):
   from a barrier (above) pays neither. The time per round, less the block's with every
   worker computing and none communicating (as the simulator prices it), is the
   collective's: the ring fit of these gives the preset's intra_bandwidth and per-step
-  latency; the barrier-started fit is kept beside the measurements;
+  latency; the barrier-started fit is kept beside the measurements. Where the
+  barrier-started all-reduces span two group sizes (all workers and pairs, from 3
+  workers), they also give a latency per collective that the ring's steps do not explain
+  (a pair's all-reduce on shared cores costs about what the whole group's does: each
+  collective waits for its members to be scheduled, whatever its steps): the ring's
+  base_s, taken off the after-compute rounds before their fit;
 - how far apart the workers reach a collective: every worker computes blocks of GEMMs
   of 0 to about 100 ms, each followed by a 4 MiB all-reduce. Time-sliced on shared cores,
   one may lag the others by up to about a scheduling period, the more likely the longer
@@ -485,25 +490,31 @@ def link_figures(
         for size, nbytes, seconds in links[r]["all_reduce"]:
             slowest[(size, nbytes)] = max(slowest.get((size, nbytes), 0.0), seconds)
     latency, bandwidth = fit_ring([(g, n, t) for (g, n), t in slowest.items()])
+    base = fit_ring_base([(g, n, t) for (g, n), t in slowest.items()])
     p2p_latency, p2p_bandwidth = fit_p2p(links[0]["p2p"])
     one_pass = {op: [max((links[r][op][i] for r in links), key=lambda p: p[2]) for i in range(len(MESSAGE_BYTES))] for op in ONE_PASS}
     if after_compute:
         # No slower than the same all-reduce from a barrier: a round that came out shorter
         # than its block is the host's noise, not a free collective.
         after_compute = [(g, n, max(t, slowest.get((g, n), 0.0))) for g, n, t in after_compute]
-    ring_latency, ring_bandwidth = fit_ring(after_compute) if after_compute else (latency, bandwidth)
+    ring_points = after_compute or [(g, n, t) for (g, n), t in slowest.items()]
+    ring_latency, ring_bandwidth = fit_ring([(g, n, max(t - base, 0.0)) for g, n, t in ring_points])
     figures = {
         "intra_bandwidth": float(f"{ring_bandwidth:.4g}"),
         "intra_latency": float(f"{p2p_latency:.4g}"),
         "p2p_bandwidth": float(f"{p2p_bandwidth:.4g}"),
-        "collectives": gloo_collectives(ring_latency),
+        "collectives": gloo_collectives(ring_latency, base),
         "collective_efficiency": {op: round(fit_efficiency(points, latency, bandwidth), 3) for op, points in one_pass.items()},
     }
     measured: dict[str, Any] = {
         "all_reduce": [{"group": g, "bytes": n, "seconds": t} for (g, n), t in sorted(slowest.items())],
         "p2p": [{"bytes": n, "seconds": t} for n, t in links[0]["p2p"]],
         **{op: [{"group": g, "bytes": n, "seconds": t} for g, n, t in points] for op, points in one_pass.items()},
-        "barrier_ring_fit": {"step_s": float(f"{latency:.4g}"), "bandwidth": float(f"{bandwidth:.4g}")},
+        "barrier_ring_fit": {
+            "step_s": float(f"{latency:.4g}"),
+            "bandwidth": float(f"{bandwidth:.4g}"),
+            "base_s": float(f"{base:.4g}"),
+        },
     }
     if after_compute:
         measured["all_reduce_after_compute"] = [{"group": g, "bytes": n, "seconds": t} for g, n, t in after_compute]
@@ -525,11 +536,12 @@ def _spawn(task: str, workers: int) -> dict[int, Any]:
 ONE_PASS = ("all_gather", "reduce_scatter", "all_to_all")
 
 
-def gloo_collectives(step_latency: float) -> dict[str, Any]:
-    """The preset's `collectives` block for gloo: one ring protocol at the fitted per-step
-    latency (its bandwidth is intra_bandwidth's); no tree."""
+def gloo_collectives(step_latency: float, base: float = 0.0) -> dict[str, Any]:
+    """The preset's `collectives` block for gloo: one ring protocol at the fitted latency
+    per collective and per step (its bandwidth is intra_bandwidth's); no tree."""
     step = float(f"{step_latency:.4g}")
-    return {"ring": {"gloo": {"base_s": 0.0, "intra_step_s": step, "inter_step_s": step, "share": 1.0}}, "tree": {}}
+    ring = {"base_s": float(f"{base:.4g}"), "intra_step_s": step, "inter_step_s": step, "share": 1.0}
+    return {"ring": {"gloo": ring}, "tree": {}}
 
 
 def fit_gemm_curve(points: list[tuple[int, int, int, float]]) -> tuple[float, float, float]:
@@ -554,6 +566,33 @@ def fit_ring(points: list[tuple[int, int, float]]) -> tuple[float, float]:
     xs = [2.0 * (g - 1) for g, _, _ in points]
     ys = [2.0 * (g - 1) / g * nbytes for g, nbytes, _ in points]
     return _least_squares(xs, ys, [t for *_, t in points])
+
+
+def fit_ring_base(points: list[tuple[int, int, float]]) -> float:
+    """The latency per collective beyond its ring steps, from all-reduces over two or more
+    group sizes: least squares of t = base + 2(g-1)·latency + 2(g-1)/g·bytes/bandwidth
+    (0 from one group size, where base and steps cannot be told apart, or where the fit
+    finds none)."""
+    if len({g for g, _, _ in points}) < 2:
+        return 0.0
+    rows = [(1.0, 2.0 * (g - 1), 2.0 * (g - 1) / g * n) for g, n, _ in points]
+    normal = [[sum(r[i] * r[j] for r in rows) for j in range(3)] for i in range(3)]
+    rhs = [sum(r[i] * t for r, (_, _, t) in zip(rows, points)) for i in range(3)]
+    return max(_solve3(normal, rhs)[0], 0.0)
+
+
+def _solve3(a: list[list[float]], b: list[float]) -> list[float]:
+    """x with a·x = b for a 3 x 3 system (Cramer's rule)."""
+
+    def det(m: list[list[float]]) -> float:
+        return (
+            m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1])
+            - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
+            + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0])
+        )
+
+    whole = det(a)
+    return [det([[b[r] if c == i else a[r][c] for c in range(3)] for r in range(3)]) / whole for i in range(3)]
 
 
 def fit_efficiency(points: list[tuple[int, int, float]], latency: float, bandwidth: float) -> float:

@@ -17,6 +17,7 @@ from src.calibrate import (
     fit_gemm_curve,
     fit_p2p,
     fit_ring,
+    fit_ring_base,
     handover_seconds,
     link_figures,
     fit_sync_skew,
@@ -46,6 +47,31 @@ def test_link_fits_recover_latency_and_bandwidth() -> None:
     assert fit_ring(ring) == pytest.approx((latency, bandwidth), rel=1e-6)
     p2p = [(n, 1e-3 + n / 3e9) for n in (1e3, 1e6, 1e7)]
     assert fit_p2p(p2p) == pytest.approx((1e-3, 3e9), rel=1e-6)
+
+
+def test_a_latency_per_collective_is_fitted_where_two_group_sizes_tell_it_from_the_steps() -> None:
+    """On 4 workers sharing 2 cores a pair's all-reduce (2 ring steps) costs about what the
+    group's (6) does: 1.5 ms per collective beyond 0.7 ms per step. The after-compute
+    rounds over the whole group then fit the steps less that base."""
+    base, step, bandwidth = 1.5e-3, 0.7e-3, 1.3e9
+    barrier = [(g, n, base + 2 * (g - 1) * step + 2 * (g - 1) / g * n / bandwidth) for g in (2, 4) for n in MESSAGE_BYTES]
+    assert fit_ring_base(barrier) == pytest.approx(base, rel=1e-6)
+    assert fit_ring_base([p for p in barrier if p[0] == 4]) == 0.0  # one group size: no telling base from steps
+    one_pass = [(4, n, base + 3 * step + 0.75 * n / bandwidth) for n in MESSAGE_BYTES]
+    links = {
+        r: {
+            "all_reduce": barrier,
+            "p2p": [(n, 1e-4 + n / 3e9) for n in MESSAGE_BYTES],
+            **{op: one_pass for op in ("all_gather", "reduce_scatter", "all_to_all")},
+        }
+        for r in range(4)
+    }
+    after = [(4, n, base + 6 * step + 1.5 * n / bandwidth) for n in MESSAGE_BYTES]
+    figures, measured = link_figures(links, after)
+    ring = figures["collectives"]["ring"]["gloo"]
+    assert (ring["base_s"], ring["intra_step_s"]) == (pytest.approx(base, rel=1e-3), pytest.approx(step, rel=1e-3))
+    assert figures["intra_bandwidth"] == pytest.approx(bandwidth, rel=1e-3)
+    assert measured["barrier_ring_fit"]["base_s"] == pytest.approx(base, rel=1e-3)
 
 
 def test_zero3_fit_recovers_the_host_cost_per_fetch_and_per_byte_beyond_the_plain_step_and_collectives() -> None:
@@ -171,7 +197,11 @@ def test_collectives_after_compute_set_the_ring_and_keep_the_others_relative_to_
     assert figures["intra_bandwidth"] == pytest.approx(0.5e9, rel=1e-3)
     assert figures["collectives"]["ring"]["gloo"]["intra_step_s"] == pytest.approx(3e-3, rel=1e-3)
     assert figures["collective_efficiency"]["all_gather"] == pytest.approx(1.0)
-    assert measured["barrier_ring_fit"] == {"step_s": pytest.approx(1e-3, rel=1e-3), "bandwidth": pytest.approx(1.5e9, rel=1e-3)}
+    assert measured["barrier_ring_fit"] == {
+        "step_s": pytest.approx(1e-3, rel=1e-3),
+        "bandwidth": pytest.approx(1.5e9, rel=1e-3),
+        "base_s": 0.0,  # one group size
+    }
     assert link_figures(quiet)[0]["intra_bandwidth"] == pytest.approx(1.5e9, rel=1e-3)  # no rounds measured: the barrier's
     # A round shorter than its block (noise) counts as the barrier-started all-reduce, not as free.
     noisy = [(4, n, 0.0 if n == sizes[0] else t) for _, n, t in points]
