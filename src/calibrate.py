@@ -67,6 +67,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import yaml
 
 from src.cluster_profile import PROFILE_DIR, host_cpu_model, profile_path
@@ -489,15 +490,16 @@ def link_figures(
     for r in links:
         for size, nbytes, seconds in links[r]["all_reduce"]:
             slowest[(size, nbytes)] = max(slowest.get((size, nbytes), 0.0), seconds)
-    latency, bandwidth = fit_ring([(g, n, t) for (g, n), t in slowest.items()])
-    base = fit_ring_base([(g, n, t) for (g, n), t in slowest.items()])
+    barrier = [(g, n, t) for (g, n), t in slowest.items()]
+    latency, bandwidth = fit_ring(barrier)
+    base = fit_ring_base(barrier)
     p2p_latency, p2p_bandwidth = fit_p2p(links[0]["p2p"])
     one_pass = {op: [max((links[r][op][i] for r in links), key=lambda p: p[2]) for i in range(len(MESSAGE_BYTES))] for op in ONE_PASS}
     if after_compute:
         # No slower than the same all-reduce from a barrier: a round that came out shorter
         # than its block is the host's noise, not a free collective.
         after_compute = [(g, n, max(t, slowest.get((g, n), 0.0))) for g, n, t in after_compute]
-    ring_points = after_compute or [(g, n, t) for (g, n), t in slowest.items()]
+    ring_points = after_compute or barrier
     ring_latency, ring_bandwidth = fit_ring([(g, n, max(t - base, 0.0)) for g, n, t in ring_points])
     figures = {
         "intra_bandwidth": float(f"{ring_bandwidth:.4g}"),
@@ -575,24 +577,9 @@ def fit_ring_base(points: list[tuple[int, int, float]]) -> float:
     finds none)."""
     if len({g for g, _, _ in points}) < 2:
         return 0.0
-    rows = [(1.0, 2.0 * (g - 1), 2.0 * (g - 1) / g * n) for g, n, _ in points]
-    normal = [[sum(r[i] * r[j] for r in rows) for j in range(3)] for i in range(3)]
-    rhs = [sum(r[i] * t for r, (_, _, t) in zip(rows, points)) for i in range(3)]
-    return max(_solve3(normal, rhs)[0], 0.0)
-
-
-def _solve3(a: list[list[float]], b: list[float]) -> list[float]:
-    """x with a·x = b for a 3 x 3 system (Cramer's rule)."""
-
-    def det(m: list[list[float]]) -> float:
-        return (
-            m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1])
-            - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
-            + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0])
-        )
-
-    whole = det(a)
-    return [det([[b[r] if c == i else a[r][c] for c in range(3)] for r in range(3)]) / whole for i in range(3)]
+    rows = np.array([(1.0, 2.0 * (g - 1), 2.0 * (g - 1) / g * n) for g, n, _ in points])
+    solution = np.linalg.lstsq(rows, np.array([t for *_, t in points]), rcond=None)[0]
+    return max(float(solution[0]), 0.0)
 
 
 def fit_efficiency(points: list[tuple[int, int, float]], latency: float, bandwidth: float) -> float:

@@ -40,10 +40,25 @@ def _attention(
 ) -> list[Kernel]:
     head_dim = hidden // heads
     scores = heads * seq * kv_seq
-    # Dropout of the probabilities (eager: its own kernel): forward reads them and writes
-    # the output and a one-byte mask, backward reads the gradient and the mask and writes
-    # the gradient, 5 bytes per score each way (Korthikanti et al.'s as² + 2as²).
-    dropped = Kernel(
+    if self_attention:
+        projections = [gemm(f"{prefix}qkv", seq, hidden, hidden + 2 * kv_dim, "n")]
+    else:
+        projections = [gemm(f"{prefix}q", seq, hidden, hidden, "n"), gemm(f"{prefix}kv", kv_seq, kv_hidden, 2 * kv_dim, "n")]
+    return projections + [
+        gemm(f"{prefix}scores", seq, head_dim, kv_seq, "batch", weight=False, batch=heads, core=True, scores=True),
+        memory(f"{prefix}softmax", scores, "batch", core=True, scores=True),
+        *([_attention_dropout(prefix, scores)] if dropout else []),
+        gemm(f"{prefix}context", seq, kv_seq, head_dim, "batch", weight=False, batch=heads, core=True),
+        gemm(f"{prefix}proj", seq, hidden, hidden, "k"),
+        memory(f"{prefix}residual", 1.5 * seq * hidden),
+    ]
+
+
+def _attention_dropout(prefix: str, scores: int) -> Kernel:
+    """Dropout of the probabilities (eager: its own kernel): forward reads them and writes
+    the output and a one-byte mask, backward reads the gradient and the mask and writes the
+    gradient, 5 bytes per score each way (Korthikanti et al.'s as² + 2as²)."""
+    return Kernel(
         f"{prefix}dropout",
         "memory",
         bytes=(ACT_BYTES + ACT_BYTES + 1) * scores,
@@ -53,18 +68,6 @@ def _attention(
         backward_moves=1.0,
         attention_dropout=True,
     )
-    if self_attention:
-        projections = [gemm(f"{prefix}qkv", seq, hidden, hidden + 2 * kv_dim, "n")]
-    else:
-        projections = [gemm(f"{prefix}q", seq, hidden, hidden, "n"), gemm(f"{prefix}kv", kv_seq, kv_hidden, 2 * kv_dim, "n")]
-    return projections + [
-        gemm(f"{prefix}scores", seq, head_dim, kv_seq, "batch", weight=False, batch=heads, core=True, scores=True),
-        memory(f"{prefix}softmax", scores, "batch", core=True, scores=True),
-        *([dropped] if dropout else []),
-        gemm(f"{prefix}context", seq, kv_seq, head_dim, "batch", weight=False, batch=heads, core=True),
-        gemm(f"{prefix}proj", seq, hidden, hidden, "k"),
-        memory(f"{prefix}residual", 1.5 * seq * hidden),
-    ]
 
 
 def transformer_layer(
