@@ -111,7 +111,7 @@ class LayerSpec:
 
     tp_allreduces: how many activation all-reduces Megatron-style TP needs in the forward
     pass (2 for a transformer block: after attention and after the MLP), each of
-    `tp_comm_elems` elements per sample; backward has as many.
+    `tp_comm_elems` elements per sample; backward has as many (`tp_collectives`).
     forward_only: a frozen feature extractor of the unit's raw input (SD's VAE encoder
     inside the generator): no backward at all, no gradients or optimizer state, no
     activations kept.
@@ -131,6 +131,16 @@ class LayerSpec:
 
     def matmul_flops(self, contrastive_batch: int = 1) -> float:
         return sum(kern.flops(contrastive_batch) for kern in self.kernels)
+
+    def tp_collectives(self, backward: bool, recompute: str) -> int:
+        """The TP activation all-reduces of one pass of this layer. A backward under full
+        recompute runs the forward again first, its all-reduces included (Megatron-LM's
+        tensor_parallel.checkpoint and torch.utils.checkpoint re-run the layer's whole
+        forward, collectives and all), then its own; selective recompute re-runs only
+        the attention core, which holds none."""
+        if backward and recompute == "full":
+            return 2 * self.tp_allreduces
+        return self.tp_allreduces
 
     def fetched_modules(self, persistence_threshold: float) -> tuple[int, ...]:
         """Parameters of each module ZeRO-3 fetches to run this layer, in forward order:

@@ -93,8 +93,8 @@ def segment_pass(
 ) -> list[Instruction]:
     """The forward or backward of one segment for one micro-batch: its compute (with the
     payloads it reads and writes) and the TP activation all-reduces its layers need
-    (Megatron: 2 per block each way; with sequence parallelism a reduce-scatter +
-    all-gather pair of the same volume). The all-reduces block the compute stream, so
+    (Megatron: 2 per block each way, a fully recomputed backward 4; with sequence
+    parallelism a reduce-scatter + all-gather pair of the same volume). The all-reduces block the compute stream, so
     pricing them as one instruction after the compute gives the same time as
     interleaving them layer by layer."""
     unit = model.unit(segment.unit)
@@ -118,7 +118,8 @@ def segment_pass(
     by_size: dict[int, int] = {}
     for layer in unit.layers[segment.layers[0] : segment.layers[1]]:
         if layer.tp_allreduces:
-            by_size[layer.tp_comm_elems] = by_size.get(layer.tp_comm_elems, 0) + layer.tp_allreduces
+            count = layer.tp_collectives(backward, work.recompute)
+            by_size[layer.tp_comm_elems] = by_size.get(layer.tp_comm_elems, 0) + count
     if by_size and tp.overlap_chunks > 1:
         return _overlapped_pass(work, microbatch, chunk, inputs, outputs, tp, tp.group, by_size)
     for elems, count in sorted(by_size.items()):

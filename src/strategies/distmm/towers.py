@@ -205,7 +205,7 @@ class TowerCosts:
             group = tuple(range(plan.tp))
             for layer in unit.layers[layers[0] : layers[1]]:
                 if layer.tp_allreduces:
-                    seconds += layer.tp_allreduces * self.comm.collective_time(
+                    seconds += layer.tp_collectives(phase == "bwd", work.recompute) * self.comm.collective_time(
                         "all_reduce", group, layer.tp_comm_elems * plan.micro_batch * self.act_bytes
                     )
         return seconds

@@ -93,8 +93,10 @@ class StageArrays:
         return self.activations.reshape(-1, self.pp).sum(axis=0)
 
 
-# Rows of a unit's profile table: per-layer prefix sums (column i: layers [0, i)).
-FWD, BWD, LATENCY, TRANSFER, ACT, TRAINABLE, FIXED = range(7)
+# Rows of a unit's profile table: per-layer prefix sums (column i: layers [0, i)). The TP
+# all-reduces' latency and transfer seconds of the forward and of the backward (which
+# under full recompute re-runs the forward's).
+FWD, BWD, LATENCY, TRANSFER, BWD_LATENCY, BWD_TRANSFER, ACT, TRAINABLE, FIXED = range(9)
 
 
 class Profiler:
@@ -142,7 +144,7 @@ class Profiler:
         chunks = self.chunks if tp > 1 else 1
         backward = model.needs_backward(unit)
         count = spec.num_layers
-        columns = {r: np.zeros((5, count)) for r in RECOMPUTE_MODES}  # fwd, bwd, latency, transfer, act
+        columns = {r: np.zeros((ACT + 1, count)) for r in RECOMPUTE_MODES}  # FWD .. ACT
         memo: dict[tuple, dict[str, tuple]] = {}
         for i, layer in enumerate(spec.layers):
             kept = not layer.forward_only and (spec.trains(layer) or model.needs_input_grad(unit, i))
@@ -161,9 +163,10 @@ class Profiler:
 
     def _layer(
         self, unit: str, index: int, size: int, sharding: Sharding, chunks: int, backward: bool, kept: bool
-    ) -> dict[str, tuple[float, float, float, float, float]]:
-        """(forward, backward, TP all-reduce latency and transfer seconds, activation bytes
-        per sequence) of one layer for `size` sequences, per recompute mode."""
+    ) -> dict[str, tuple[float, ...]]:
+        """(forward, backward, the forward's and the backward's TP all-reduce latency and
+        transfer seconds, activation bytes per sequence) of one layer for `size`
+        sequences, per recompute mode."""
         layer = self.model.unit(unit).layers[index]
         span = (index, index + 1)
         tp = sharding.degree("tp")
@@ -177,17 +180,19 @@ class Profiler:
         if layer.tp_allreduces and tp > 1:
             group = tuple(range(tp))
             latency, transfer = self.comm.collective_parts("all_reduce", group, layer.tp_comm_elems * size * self.act_bytes)
-            latency, transfer = layer.tp_allreduces * latency, layer.tp_allreduces * transfer
-        return {
-            r: (
+        out: dict[str, tuple[float, ...]] = {}
+        for r in RECOMPUTE_MODES:
+            forward, back = layer.tp_collectives(False, r), layer.tp_collectives(True, r)
+            out[r] = (
                 fwd,
                 seconds("bwd", r) if backward else 0.0,
-                latency,
-                transfer,
+                forward * latency,
+                forward * transfer,
+                back * latency,
+                back * transfer,
                 layer.activations.per_device(sharding, r) if kept and backward else 0.0,
             )
-            for r in RECOMPUTE_MODES
-        }
+        return out
 
     # ---- stages from the profile -----------------------------------------------------------
     def _pass(self, compute: np.ndarray, latency: np.ndarray, transfer: np.ndarray, tp: int) -> np.ndarray:
@@ -241,7 +246,8 @@ class Profiler:
             weight = (b - low) / low
             sums = (1 - weight) * sums + weight * (above[:, hi] - above[:, lo])
         fwd = self._pass(sums[FWD], sums[LATENCY], sums[TRANSFER], tp)
-        bwd = self._pass(sums[BWD], sums[LATENCY], sums[TRANSFER], tp) if self.model.needs_backward(unit) else np.zeros(parts)
+        backward = self.model.needs_backward(unit)
+        bwd = self._pass(sums[BWD], sums[BWD_LATENCY], sums[BWD_TRANSFER], tp) if backward else np.zeros(parts)
         return fwd, bwd, sums[ACT] * b, sums[TRAINABLE], sums[FIXED]
 
     def whole(self, unit: str, setting: Setting, b: int, dp: int) -> StageArrays:

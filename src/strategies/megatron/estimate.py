@@ -356,7 +356,8 @@ class PipelineEstimator:
         )
         seconds = self.compute.work_time(work, self.model)
         if sharding.degree("tp") > 1 and layer.tp_allreduces:
-            seconds += layer.tp_allreduces * mesh.tp(stage, layer.tp_comm_elems * micro_batch * self.act_bytes)
+            count = layer.tp_collectives(phase == "bwd", work.recompute)
+            seconds += count * mesh.tp(stage, layer.tp_comm_elems * micro_batch * self.act_bytes)
         return seconds
 
     # ---- time -----------------------------------------------------------------------------
