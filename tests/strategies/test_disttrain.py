@@ -31,7 +31,7 @@ from src.strategies.builders.bridge import Side, pieces
 from src.strategies.disttrain.orchestration import TOLERANCE, UNITS, Orchestrator, UnitChoice, pipeline_time
 from src.strategies.disttrain.relaxation import RelaxedOption, Subproblems, solve_relaxed
 from src.strategies.disttrain.schedule import Chain, chain_orders
-from src.strategies.disttrain.timing import stage_ends
+from src.strategies.disttrain.timing import dag_ends, stage_ends
 from src.strategies.disttrain.profile import Profiler, Setting
 from tests.runtime.support import mllm_shard
 
@@ -220,6 +220,22 @@ def test_stage_ends_time_a_1f1b_pipeline_operation_by_operation() -> None:
     assert ends == pytest.approx([10.0, 7.5])
     # A frozen first stage neither runs nor waits for backwards.
     assert stage_ends(orders, [[0], [1]], [[1.0, 1.0]] * 2, [[2.0, 2.0]] * 2, [0.5], [0.5], [False, True])[0] == pytest.approx(2.0)
+
+
+def test_a_shared_replica_feeds_each_replica_it_serves_and_waits_for_all_their_gradients() -> None:
+    # One encoder stage (0) serving two LLM replicas (1, 2) whose loads differ per micro-batch:
+    # replica 1 is heavy on micro-batch 0, replica 2 on micro-batch 1 (forward 3 s, backward 6 s).
+    # Replica 1: F0 [1,4] B0 [4,10] F1 [10,11] B1 [11,13]; replica 2: F0 [1,2] B0 [2,4] F1 [4,7]
+    # B1 [7,13]; the encoder's B0 waits for both gradients (10), its B1 for both (13): it ends at 14.
+    first, second = one_f_one_b(2, 2)
+    fwd = [[1.0, 1.0], [3.0, 1.0], [1.0, 3.0]]
+    bwd = [[1.0, 1.0], [6.0, 2.0], [2.0, 6.0]]
+    fed = ((0, 0.0, 0.0),)
+    ends = dag_ends([first, second, second], [[0], [1], [2]], fwd, bwd, [(), fed, fed], [True] * 3)
+    assert ends == pytest.approx([14.0, 13.0, 13.0])
+    # Timing both replicas as one with the slower load of each micro-batch would give 20.
+    slowest = [[1.0, 1.0], [3.0, 3.0]], [[1.0, 1.0], [6.0, 6.0]]
+    assert stage_ends([first, second], [[0], [1]], *slowest, [0.0], [0.0], [True, True])[0] == pytest.approx(20.0)
 
 
 def test_an_interleaved_unit_alone_runs_megatron_lm_s_order() -> None:

@@ -12,6 +12,7 @@ the plan: never slower than the ratio baseline or any plan simulated.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -30,7 +31,7 @@ from src.strategies.disttrain.orchestration import UNITS, Choice, Orchestrator, 
 from src.strategies.disttrain.profile import StageArrays
 from src.strategies.disttrain.schedule import Chain, Deadlock, chain_orders
 from src.strategies.disttrain.programs import Broker, UnitLayout, disttrain_program, place
-from src.strategies.disttrain.timing import stage_ends
+from src.strategies.disttrain.timing import Hop, dag_ends
 
 # How many of the orchestration's choices are timed against the batch's data, and how
 # many of those (the best by that estimate) are simulated.
@@ -124,35 +125,76 @@ class Decision:
         stages = [self.o.stages(c) for c in choice]
         if not self._fits(choice, stages, orders):
             return
-        trains = [self.request.model.needs_backward(c.unit) for c in choice for _ in range(c.pp * c.setting.vpp)]
-        forward_hop: list[float] = []
-        backward_hop: list[float] = []
         offsets = {layout.unit: layout.offset for layout in place(candidate.layouts)}
-        for c, after in zip(choice, (*choice[1:], None)):
-            hops = self.o.p.hops(c.unit, c.setting, c.micro_batch, c.dp, c.pp, offsets[c.unit])
-            forward_hop += hops
-            backward_hop += hops
-            if after is not None:
-                there, back = self.o.p.broker_parts(
-                    (c.unit, c.tp, c.dp, c.micro_batch), (after.unit, after.tp, after.dp, after.micro_batch)
-                )
-                forward_hop.append(there)
-                backward_hop.append(back)
+        hops = [self.o.p.hops(c.unit, c.setting, c.micro_batch, c.dp, c.pp, offsets[c.unit]) for c in choice]
+        brokers = [
+            self.o.p.broker_parts((a.unit, a.tp, a.dp, a.micro_batch), (b.unit, b.tp, b.dp, b.micro_batch))
+            for a, b in zip(choice, choice[1:])
+        ]
+        firsts = itertools.accumulate((c.pp for c in choice), initial=0)
+        stage_orders = [orders[first : first + c.pp] for first, c in zip(firsts, choice)]
         ends = [0.0] * len(orders)
         for group in _groups(choice):
-            fwd: list[list[float]] = []
-            bwd: list[list[float]] = []
-            for c, layout, arrays in zip(choice, candidate.layouts, stages):
-                # The group's slowest replica of this unit, per micro-batch.
-                replicas = sorted({r * c.dp // choice[1].dp for r in group})
-                load = [max(layout.loads[d][j] for d in replicas) for j in range(m)]
-                for v in range(c.pp * c.setting.vpp):
-                    fwd.append([float(arrays.fwd[v]) * x for x in load])
-                    bwd.append([float(arrays.bwd[v]) * x for x in load])
-            found = stage_ends(orders, chain.virtual_of(), fwd, bwd, forward_hop, backward_hop, trains)
+            found = self._group_ends(choice, candidate.layouts, stages, stage_orders, hops, brokers, group)
             ends = [max(a, b) for a, b in zip(ends, found)]
         tails = [float(t) for arrays in stages for t in arrays.tail]
         candidate.estimate_s = max(end + tail for end, tail in zip(ends, tails))
+
+    def _group_ends(
+        self,
+        choice: Choice,
+        layouts: list[UnitLayout],
+        stages: list[StageArrays],
+        stage_orders: list[list[list[PipeOp]]],
+        hops: list[tuple[float, ...]],
+        brokers: list[tuple[float, float]],
+        group: range,
+    ) -> list[float]:
+        """When each stage of a group of LLM replicas run in step ends its last operation:
+        every replica of each unit that serves the group, each with its own micro-batch
+        loads; an LLM replica's forward waits for its encoder replica's, a generator
+        replica's for those of all the LLM replicas it serves, and backwards the other way
+        (timing.dag_ends). Per stage of the chain, the last of its replicas' ends."""
+        llm_dp = choice[1].dp
+        fwd: list[list[float]] = []
+        bwd: list[list[float]] = []
+        before: list[tuple[Hop, ...]] = []
+        trains: list[bool] = []
+        orders: list[list[PipeOp]] = []
+        virtual_of: list[list[int]] = []
+        lanes: list[tuple[int, int]] = []  # (stage of the chain, replica) per order
+        last: list[dict[int, int]] = []  # per unit: its replicas' last virtual stage
+        first_stage = 0
+        for k, (c, layout, arrays) in enumerate(zip(choice, layouts, stages)):
+            depth = c.pp * c.setting.vpp
+            trained = self.request.model.needs_backward(c.unit)
+            last.append({})
+            for d in sorted({r * c.dp // llm_dp for r in group}):
+                base = len(fwd)
+                load = layout.loads[d]
+                for v in range(depth):
+                    fwd.append([float(arrays.fwd[v]) * x for x in load])
+                    bwd.append([float(arrays.bwd[v]) * x for x in load])
+                    trains.append(trained)
+                    if v:
+                        before.append(((base + v - 1, hops[k][v - 1], hops[k][v - 1]),))
+                    elif k:
+                        there, back = brokers[k - 1]
+                        fed = {r * choice[k - 1].dp // llm_dp for r in group if r * c.dp // llm_dp == d}
+                        before.append(tuple((last[k - 1][e], there, back) for e in sorted(fed)))
+                    else:
+                        before.append(())
+                last[k][d] = base + depth - 1
+                for s, order in enumerate(stage_orders[k]):
+                    orders.append(order)
+                    virtual_of.append([base + chunk * c.pp + s for chunk in range(c.setting.vpp)])
+                    lanes.append((first_stage + s, d))
+            first_stage += c.pp
+        ends = dag_ends(orders, virtual_of, fwd, bwd, before, trains)
+        per_stage = [0.0] * first_stage
+        for (stage, _), end in zip(lanes, ends):
+            per_stage[stage] = max(per_stage[stage], end)
+        return per_stage
 
     def _fits(self, choice: Choice, stages: list[StageArrays], orders: list[list[PipeOp]]) -> bool:
         """Each stage's model states and the most activations its order keeps at once

@@ -9,9 +9,11 @@ units), a backward when the next stage's backward has sent its gradient back. Ea
 operation takes the seconds of its micro-batch's load on its unit (data heterogeneity,
 after the reordering): LLM replicas joined through a shared encoder or generator replica
 run in step (data.py's pipelines of lcm(b_me, b_mg) replicas), so each such group is
-timed with, per micro-batch, its slowest replica's load on each unit. A stage's
-iteration ends with its tail (gradient reduction over all replicas, optimizer step,
-parameter gather) once every group's last operation there has ended.
+timed as one graph of its replicas' stages, each replica with its own loads: a shared
+replica's forward feeds every replica it serves, and its backward waits for all of
+their gradients. A stage's iteration ends with its tail (gradient reduction over all
+replicas, optimizer step, parameter gather) once every group's last operation there has
+ended.
 
 What it leaves out, and the simulator does not: link contention between transfers that
 overlap in time, and sends queued behind one another on a stage's send stream.
@@ -24,6 +26,9 @@ from typing import Sequence
 from src.schedules.pipeline import PipeOp
 
 
+Hop = tuple[int, float, float]  # (virtual stage before, seconds forward, seconds back)
+
+
 def stage_ends(
     orders: list[list[PipeOp]],
     virtual_of: list[list[int]],
@@ -33,15 +38,34 @@ def stage_ends(
     backward_hop: Sequence[float],
     trains: Sequence[bool],
 ) -> list[float]:
+    """When each stage's last operation ends, for one chain of virtual stages (virtual
+    stage v + 1 after v, forward_hop[v] there and backward_hop[v] back); see dag_ends."""
+    before = [()] + [((v, forward_hop[v], backward_hop[v]),) for v in range(len(fwd) - 1)]
+    return dag_ends(orders, virtual_of, fwd, bwd, before, trains)
+
+
+def dag_ends(
+    orders: list[list[PipeOp]],
+    virtual_of: list[list[int]],
+    fwd: Sequence[Sequence[float]],
+    bwd: Sequence[Sequence[float]],
+    before: Sequence[Sequence[Hop]],
+    trains: Sequence[bool],
+) -> list[float]:
     """When each stage's last operation ends. Stage g's chunk c is virtual stage
-    virtual_of[g][c] of the chain; fwd[v][j], bwd[v][j]: virtual stage v's seconds for
-    micro-batch j; forward_hop[v] (backward_hop[v]): from virtual stage v to v + 1 (back);
-    trains[v]: whether virtual stage v runs backwards (a frozen unit's stage neither runs
-    nor waits for them)."""
-    last = len(fwd) - 1
+    virtual_of[g][c]; fwd[v][j], bwd[v][j]: virtual stage v's seconds for micro-batch j;
+    before[v]: the virtual stages whose forward v's forward waits for, each with the
+    seconds its output takes to v and v's gradient back (a replica fed by a shared one,
+    or feeding one: several); a backward waits for the backwards of every virtual stage
+    after it that trains (a frozen unit's stage neither runs nor waits for them)."""
     microbatches = len(fwd[0])
-    f_end = [[-1.0] * microbatches for _ in range(last + 1)]
-    b_end = [[-1.0] * microbatches for _ in range(last + 1)]
+    after: list[list[tuple[int, float]]] = [[] for _ in fwd]
+    for v, hops in enumerate(before):
+        for u, _, back in hops:
+            if trains[v]:
+                after[u].append((v, back))
+    f_end = [[-1.0] * microbatches for _ in fwd]
+    b_end = [[-1.0] * microbatches for _ in fwd]
     ops = [[(op.kind == "F", virtual_of[g][op.chunk], op.microbatch) for op in order] for g, order in enumerate(orders)]
     position, clock = [0] * len(orders), [0.0] * len(orders)
     remaining = sum(len(order) for order in ops)
@@ -53,24 +77,31 @@ def stage_ends(
                 forward, v, j = order[x]
                 if forward:
                     ready = 0.0
-                    if v:
-                        arrived = f_end[v - 1][j]
+                    for u, there, _ in before[v]:
+                        arrived = f_end[u][j]
                         if arrived < 0:
                             break
-                        ready = arrived + forward_hop[v - 1]
-                    t = (t if t > ready else ready) + fwd[v][j]
-                    f_end[v][j] = t
-                elif trains[v]:
+                        ready = max(ready, arrived + there)
+                    else:
+                        t = (t if t > ready else ready) + fwd[v][j]
+                        f_end[v][j] = t
+                        x += 1
+                        continue
+                    break
+                if trains[v]:
                     ready = f_end[v][j]
-                    if v < last and trains[v + 1]:
-                        arrived = b_end[v + 1][j]
+                    for w, back in after[v]:
+                        arrived = b_end[w][j]
                         if arrived < 0:
                             break
-                        ready = arrived + backward_hop[v]
-                    t = (t if t > ready else ready) + bwd[v][j]
-                    b_end[v][j] = t
-                else:
-                    b_end[v][j] = f_end[v][j]
+                        ready = max(ready, arrived + back)
+                    else:
+                        t = (t if t > ready else ready) + bwd[v][j]
+                        b_end[v][j] = t
+                        x += 1
+                        continue
+                    break
+                b_end[v][j] = f_end[v][j]
                 x += 1
             if x != position[g]:
                 remaining -= x - position[g]
