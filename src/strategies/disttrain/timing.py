@@ -59,11 +59,12 @@ def dag_ends(
     or feeding one: several); a backward waits for the backwards of every virtual stage
     after it that trains (a frozen unit's stage neither runs nor waits for them)."""
     microbatches = len(fwd[0])
-    after: list[list[tuple[int, float]]] = [[] for _ in fwd]
+    inputs = [[(u, there) for u, there, _ in hops] for hops in before]
+    grads: list[list[tuple[int, float]]] = [[] for _ in fwd]
     for v, hops in enumerate(before):
         for u, _, back in hops:
             if trains[v]:
-                after[u].append((v, back))
+                grads[u].append((v, back))
     f_end = [[-1.0] * microbatches for _ in fwd]
     b_end = [[-1.0] * microbatches for _ in fwd]
     ops = [[(op.kind == "F", virtual_of[g][op.chunk], op.microbatch) for op in order] for g, order in enumerate(orders)]
@@ -76,32 +77,19 @@ def dag_ends(
             while x < len(order):
                 forward, v, j = order[x]
                 if forward:
-                    ready = 0.0
-                    for u, there, _ in before[v]:
-                        arrived = f_end[u][j]
-                        if arrived < 0:
-                            break
-                        ready = max(ready, arrived + there)
-                    else:
-                        t = (t if t > ready else ready) + fwd[v][j]
-                        f_end[v][j] = t
-                        x += 1
-                        continue
-                    break
-                if trains[v]:
-                    ready = f_end[v][j]
-                    for w, back in after[v]:
-                        arrived = b_end[w][j]
-                        if arrived < 0:
-                            break
-                        ready = max(ready, arrived + back)
-                    else:
-                        t = (t if t > ready else ready) + bwd[v][j]
-                        b_end[v][j] = t
-                        x += 1
-                        continue
-                    break
-                b_end[v][j] = f_end[v][j]
+                    ready = _arrival(f_end, inputs[v], j, 0.0)
+                    if ready is None:
+                        break
+                    t = (t if t > ready else ready) + fwd[v][j]
+                    f_end[v][j] = t
+                elif trains[v]:
+                    ready = _arrival(b_end, grads[v], j, f_end[v][j])
+                    if ready is None:
+                        break
+                    t = (t if t > ready else ready) + bwd[v][j]
+                    b_end[v][j] = t
+                else:
+                    b_end[v][j] = f_end[v][j]
                 x += 1
             if x != position[g]:
                 remaining -= x - position[g]
@@ -110,3 +98,14 @@ def dag_ends(
         if not progressed:
             raise RuntimeError("the end-to-end pipeline's schedule deadlocks")
     return clock
+
+
+def _arrival(ends: list[list[float]], sources: list[tuple[int, float]], j: int, ready: float) -> float | None:
+    """When micro-batch j's inputs from `sources` (virtual stage, seconds on the way) have
+    all arrived, no earlier than `ready`; None while one of them has not ended."""
+    for u, seconds in sources:
+        done = ends[u][j]
+        if done < 0:
+            return None
+        ready = max(ready, done + seconds)
+    return ready
