@@ -23,7 +23,7 @@ from src.runtime.placement import placements
 from src.setup import Setup, plan_run, validate
 from src.sim.engine import simulate
 from src.strategies.disttrain.planner import DistTrainOptions, _batch_loads
-from src.strategies.base import divisors
+from src.strategies.base import MAX_MICROBATCHES, divisors
 from src.mesh import Mesh
 from src.program import Payload
 from src.schedules.pipeline import interleaved, one_f_one_b
@@ -568,10 +568,10 @@ def test_llm_dp_must_divide_the_batch() -> None:
 
 def test_an_absurd_batch_is_refused_before_a_layout_per_sequence_is_drawn() -> None:
     # One sequence per LLM micro-batch: 10^9 sequences on 8 GPUs is at least 125M micro-batches.
-    with pytest.raises(ConfigError, match=r"is 125000000 micro-batches per iteration; the planner builds at most 1024"):
+    with pytest.raises(ConfigError, match=rf"is 125000000 micro-batches per iteration; the planner builds at most {MAX_MICROBATCHES}"):
         plan_run(setup("model=mllm_9b", "cluster=a800", "cluster.nodes=1", "train.global_batch=1000000000"))
-    with pytest.raises(ConfigError, match=r"strategy.llm.dp=2 in micro-batches of 1 is 2048 micro-batches"):
-        plan_run(setup(*SMALL[:-1], "train.global_batch=4096", "strategy.llm.dp=2"))
+    with pytest.raises(ConfigError, match=rf"strategy.llm.dp=2 in micro-batches of 1 is {2 * MAX_MICROBATCHES} micro-batches"):
+        plan_run(setup(*SMALL[:-1], f"train.global_batch={4 * MAX_MICROBATCHES}", "strategy.llm.dp=2"))
 
 
 def test_other_models_are_refused() -> None:

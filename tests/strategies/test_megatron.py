@@ -22,7 +22,7 @@ from src.strategies import PlanRequest, planner_for
 from src.strategies.megatron.options import MegatronOptions
 from src.strategies.megatron.estimate import live_counts, steady_microbatches
 from src.strategies.megatron.programs import MegatronSettings, pipeline_program
-from src.strategies.base import Degrees
+from src.strategies.base import MAX_MICROBATCHES, Degrees
 from src.strategies.megatron.search import MegatronSearch
 from src.strategies.megatron.space import Shape, enumerate_space
 from src.strategies.builders.stages import balanced_cuts, linear_chain, pipeline_segments
@@ -387,7 +387,7 @@ def test_balance_needs_a_linear_chain_of_units() -> None:
 
 
 def test_an_absurd_batch_is_refused_without_building_its_micro_batches() -> None:
-    with pytest.raises(ConfigError, match=r"is 262144 micro-batches per iteration; the planner builds at most 1024"):
+    with pytest.raises(ConfigError, match=rf"is 262144 micro-batches per iteration; the planner builds at most {MAX_MICROBATCHES}"):
         planner_for("megatron")(request(GPT_SMALL, "perlmutter", 1, 2**20, tp=1, pp=1, micro_batch_size=1))
-    with pytest.raises(PlanError, match=r"micro-batches of \d+: the planner builds at most 1024 per iteration"):
+    with pytest.raises(PlanError, match=rf"micro-batches of \d+: the planner builds at most {MAX_MICROBATCHES} per iteration"):
         planner_for("megatron")(request(GPT_SMALL, "perlmutter", 1, 10**9))
