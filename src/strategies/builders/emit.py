@@ -94,9 +94,9 @@ def segment_pass(
     """The forward or backward of one segment for one micro-batch: its compute (with the
     payloads it reads and writes) and the TP activation all-reduces its layers need
     (Megatron: 2 per block each way, a fully recomputed backward 4; with sequence
-    parallelism a reduce-scatter + all-gather pair of the same volume). The all-reduces block the compute stream, so
-    pricing them as one instruction after the compute gives the same time as
-    interleaving them layer by layer."""
+    parallelism a reduce-scatter + all-gather pair of the same volume). The all-reduces
+    block the compute stream, so pricing them as one instruction after the compute gives
+    the same time as interleaving them layer by layer."""
     unit = model.unit(segment.unit)
     backward = phase in ("bwd", "bwd_input")
     work = Work(

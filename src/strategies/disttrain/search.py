@@ -162,7 +162,7 @@ class Decision:
         trains: list[bool] = []
         orders: list[list[PipeOp]] = []
         virtual_of: list[list[int]] = []
-        lanes: list[tuple[int, int]] = []  # (stage of the chain, replica) per order
+        lanes: list[int] = []  # per order: its stage of the chain
         last: list[dict[int, int]] = []  # per unit: its replicas' last virtual stage
         first_stage = 0
         for k, (c, layout, arrays) in enumerate(zip(choice, layouts, stages)):
@@ -188,11 +188,11 @@ class Decision:
                 for s, order in enumerate(stage_orders[k]):
                     orders.append(order)
                     virtual_of.append([base + chunk * c.pp + s for chunk in range(c.setting.vpp)])
-                    lanes.append((first_stage + s, d))
+                    lanes.append(first_stage + s)
             first_stage += c.pp
         ends = dag_ends(orders, virtual_of, fwd, bwd, before, trains)
         per_stage = [0.0] * first_stage
-        for (stage, _), end in zip(lanes, ends):
+        for stage, end in zip(lanes, ends):
             per_stage[stage] = max(per_stage[stage], end)
         return per_stage
 
