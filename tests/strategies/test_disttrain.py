@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 from src.config import options_from
 from src.errors import ConfigError
-from src.program import Compute, Table
+from src.program import Collective, Compute, Table
 from src.runtime.inputs import StepSamples, dataset_for
 from src.runtime.placement import placements
 from src.setup import Setup, plan_run, validate
@@ -427,6 +427,29 @@ def test_data_heterogeneity_and_reordering() -> None:
     uniform = setup(*base, "strategy.data=uniform")
     loads = {c.work.load for rp in plan_run(uniform).program.classes for c in rp.instructions if isinstance(c, Compute)}
     assert loads == {1.0}
+
+
+def test_a_micro_batch_s_tp_collectives_move_its_load_s_rows() -> None:
+    """An encoder micro-batch of more images runs more rows through its TP all-reduces as
+    well as its GEMMs: a forward's collectives' bytes over its load are the same on every
+    replica and micro-batch."""
+    s = setup(
+        "model=mllm_9b", "cluster=a800", "cluster.nodes=2", "train.global_batch=16", "strategy.encoder.dp=2",
+        "strategy.encoder.tp=2", "strategy.llm.dp=4", "strategy.generator.dp=2", "strategy.tp_overlap_chunks=1",
+    )  # fmt: skip
+    passes: list[tuple[float, list[float]]] = []  # an encoder forward's load and its TP collectives' bytes
+    for rank_program in plan_run(s).program.classes:
+        sizes: list[float] | None = None
+        for instruction in rank_program.instructions:
+            if isinstance(instruction, Compute):
+                work, sizes = instruction.work, None
+                if (work.unit, work.phase) == ("encoder", "fwd"):
+                    sizes = []
+                    passes.append((work.load, sizes))
+            elif isinstance(instruction, Collective) and instruction.kind == "tp" and sizes is not None:
+                sizes.append(instruction.bytes)
+    assert len({load for load, _ in passes}) > 1
+    assert len({tuple(round(b / load) for b in sizes) for load, sizes in passes}) == 1
 
 
 # The tiny MLLM on the real backend's four local workers (tests/runtime/test_runtime_interleaved.py).

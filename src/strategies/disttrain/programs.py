@@ -222,7 +222,7 @@ class _Builder:
             out.append(
                 RankProgram(
                     ranks=ranks,
-                    instructions=[_localised(i, unit.unit, loads, shared, own) for i in instructions],
+                    instructions=_localised(instructions, unit.unit, loads, shared, own),
                     label=f"{label} {which}",
                     units=units,
                     pipelined=True,
@@ -231,18 +231,29 @@ class _Builder:
         return out
 
 
-def _localised(instruction: Instruction, unit: str, loads: tuple[float, ...], shared: str | None, own: str | None) -> Instruction:
-    """A stage's instruction as one replica runs it: its micro-batch's load on the unit's
-    forward and backward, its own TP group for the TP collectives."""
-    if isinstance(instruction, Compute):
-        work = instruction.work
-        if work.unit == unit and work.phase in ("fwd", "bwd") and loads[instruction.microbatch] != 1.0:
-            return replace(instruction, work=replace(work, load=loads[instruction.microbatch]))
-        return instruction
-    if isinstance(instruction, Collective) and shared is not None and instruction.group == shared and own != shared:
-        assert own is not None, "a unit whose plan uses a shared TP group has its own"
-        return replace(instruction, group=own)
-    return instruction
+def _localised(
+    instructions: list[Instruction], unit: str, loads: tuple[float, ...], shared: str | None, own: str | None
+) -> list[Instruction]:
+    """A stage's instructions as one replica runs them: its micro-batch's load on the
+    unit's forward and backward, on their compute and on the bytes of the TP collectives
+    that follow it (a micro-batch of more images moves that many more rows), and its own
+    TP group for the TP collectives."""
+    out: list[Instruction] = []
+    load = 1.0
+    for instruction in instructions:
+        if isinstance(instruction, Compute):
+            work = instruction.work
+            load = loads[instruction.microbatch] if work.unit == unit and work.phase in ("fwd", "bwd") else 1.0
+            if load != 1.0:
+                instruction = replace(instruction, work=replace(work, load=load))
+        elif isinstance(instruction, Collective):
+            if instruction.kind == "tp" and load != 1.0:
+                instruction = replace(instruction, bytes=instruction.bytes * load)
+            if shared is not None and instruction.group == shared and own != shared:
+                assert own is not None, "a unit whose plan uses a shared TP group has its own"
+                instruction = replace(instruction, group=own)
+        out.append(instruction)
+    return out
 
 
 def disttrain_program(

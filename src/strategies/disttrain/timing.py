@@ -16,7 +16,9 @@ replicas, optimizer step, parameter gather) once every group's last operation th
 ended.
 
 What it leaves out, and the simulator does not: link contention between transfers that
-overlap in time, and sends queued behind one another on a stage's send stream.
+overlap in time, and sends queued behind one another on a stage's send stream; and it
+scales a pass's TP collectives by its load whole, latency included, where the Program
+scales their bytes only.
 """
 
 from __future__ import annotations
