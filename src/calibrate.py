@@ -577,9 +577,8 @@ def fit_ring_base(points: list[tuple[int, int, float]]) -> float:
     finds none)."""
     if len({g for g, _, _ in points}) < 2:
         return 0.0
-    rows = np.array([(1.0, 2.0 * (g - 1), 2.0 * (g - 1) / g * n) for g, n, _ in points])
-    solution = np.linalg.lstsq(rows, np.array([t for *_, t in points]), rcond=None)[0]
-    return max(float(solution[0]), 0.0)
+    base = _solve([(1.0, 2.0 * (g - 1), 2.0 * (g - 1) / g * n) for g, n, _ in points], [t for *_, t in points])[0]
+    return max(base, 0.0)
 
 
 def fit_efficiency(points: list[tuple[int, int, float]], latency: float, bandwidth: float) -> float:
@@ -596,13 +595,15 @@ def fit_p2p(points: list[tuple[int, float]]) -> tuple[float, float]:
     return _least_squares([1.0] * len(points), [float(n) for n, _ in points], [t for _, t in points])
 
 
+def _solve(rows: list[tuple[float, ...]], ts: list[float]) -> list[float]:
+    """Least squares of ts over the rows' columns: one coefficient per column."""
+    return [float(c) for c in np.linalg.lstsq(np.array(rows), np.array(ts), rcond=None)[0]]
+
+
 def _least_squares(xs: list[float], ys: list[float], ts: list[float]) -> tuple[float, float]:
-    sxx, syy = sum(x * x for x in xs), sum(y * y for y in ys)
-    sxy = sum(x * y for x, y in zip(xs, ys))
-    sxt, syt = sum(x * t for x, t in zip(xs, ts)), sum(y * t for y, t in zip(ys, ts))
-    det = sxx * syy - sxy * sxy
-    latency = max((sxt * syy - syt * sxy) / det, 0.0)
-    per_byte = (sxx * syt - sxy * sxt) / det
+    """A latency (per unit of xs) and a bandwidth (bytes ys) from seconds ts."""
+    latency, per_byte = _solve(list(zip(xs, ys)), ts)
+    latency = max(latency, 0.0)
     if per_byte <= 0:
         raise RuntimeError(
             f"the link fit found no bandwidth term (seconds per byte {per_byte:.3g}): measurements too noisy; rerun on an idle machine"

@@ -69,7 +69,7 @@ def build_gpt(opts: Options, seq_len: int | None) -> ModelSpec:
     divisible(opts, "heads", heads, opts.key("kv_heads"), kv_heads)
     preset = DecoderPreset(layers, hidden, heads, vocab, "llama" if style == "llama" else "gpt", ffn, kv_heads)
     seq = seq_len or PRESET_SEQ_LEN.get(name or "", GPT_SEQ_LEN)
-    unit = decoder_unit(preset, seq, output_elems=0, dropout=opts.flag("dropout", preset.style == "gpt"))
+    unit = decoder_unit(preset, seq, output_elems=0, dropout=opts.optional_flag("dropout"))
     return ModelSpec(
         name="gpt",
         units=(unit,),

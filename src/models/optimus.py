@@ -121,7 +121,7 @@ def build_optimus(opts: Options, seq_len: int | None) -> ModelSpec:
                 arch=Architecture(image_size=image, patch_size=patch),
             )
         )
-    llm = decoder_unit(llm_preset, seq, output_elems=0, dropout=opts.flag("dropout", llm_preset.style == "gpt"))
+    llm = decoder_unit(llm_preset, seq, output_elems=0, dropout=opts.optional_flag("dropout"))
     tokens = len(names) * images_per_sample * image_tokens  # every encoder's tokens of every image, first in the sequence
     llm = replace(llm, arch=replace(llm.arch, images=images_per_sample, image_tokens=tokens))
     return ModelSpec(

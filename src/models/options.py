@@ -66,6 +66,13 @@ class Options:
             raise ConfigError(f"{self.key(name)}={value!r} must be true or false")
         return value
 
+    def optional_flag(self, name: str) -> bool | None:
+        """A flag that may be left null (None: the builder's default)."""
+        value = self.raw(name)
+        if value is not None and not isinstance(value, bool):
+            raise ConfigError(f"{self.key(name)}={value!r} must be true, false or null")
+        return value
+
     def names(self, name: str, default: list[str] | None = None) -> list[str] | None:
         value = self.raw(name, default)
         if value is None:

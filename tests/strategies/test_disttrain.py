@@ -31,7 +31,7 @@ from src.strategies.builders.bridge import Side, pieces
 from src.strategies.disttrain.orchestration import TOLERANCE, UNITS, Orchestrator, UnitChoice, pipeline_time
 from src.strategies.disttrain.relaxation import RelaxedOption, Subproblems, solve_relaxed
 from src.strategies.disttrain.schedule import Chain, chain_orders
-from src.strategies.disttrain.timing import dag_ends, stage_ends
+from src.strategies.disttrain.timing import dag_ends
 from src.strategies.disttrain.profile import Profiler, Setting
 from tests.runtime.support import mllm_shard
 
@@ -210,6 +210,13 @@ def test_the_1f1b_model_of_a_uniform_pipeline_is_the_textbook_one() -> None:
     # Transfers there and back add to every period 1F1B's in-flight micro-batches cannot hide.
     trips = [0.05] * (p - 1)
     assert pipeline_time([t] * p, [t / 2] * p, trips, [0.0] * p, m) > (p + m - 1) * t + sum(trips)
+
+
+def stage_ends(orders, virtual_of, fwd, bwd, forward_hop, backward_hop, trains) -> list[float]:
+    """dag_ends for one chain of virtual stages: v + 1 after v, forward_hop[v] there and
+    backward_hop[v] back."""
+    before = [()] + [((v, forward_hop[v], backward_hop[v]),) for v in range(len(fwd) - 1)]
+    return dag_ends(orders, virtual_of, fwd, bwd, before, trains)
 
 
 def test_stage_ends_time_a_1f1b_pipeline_operation_by_operation() -> None:

@@ -31,21 +31,6 @@ from src.schedules.pipeline import PipeOp
 Hop = tuple[int, float, float]  # (virtual stage before, seconds forward, seconds back)
 
 
-def stage_ends(
-    orders: list[list[PipeOp]],
-    virtual_of: list[list[int]],
-    fwd: Sequence[Sequence[float]],
-    bwd: Sequence[Sequence[float]],
-    forward_hop: Sequence[float],
-    backward_hop: Sequence[float],
-    trains: Sequence[bool],
-) -> list[float]:
-    """When each stage's last operation ends, for one chain of virtual stages (virtual
-    stage v + 1 after v, forward_hop[v] there and backward_hop[v] back); see dag_ends."""
-    before = [()] + [((v, forward_hop[v], backward_hop[v]),) for v in range(len(fwd) - 1)]
-    return dag_ends(orders, virtual_of, fwd, bwd, before, trains)
-
-
 def dag_ends(
     orders: list[list[PipeOp]],
     virtual_of: list[list[int]],
