@@ -21,7 +21,15 @@ CONF_DIR = REPO_ROOT / "conf"
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 # Test modules that import torch (or the real backend, which does) at their top: marked
 # torch, and not even collected where it is not installed. Others mark their own tests.
-TORCH_MODULES = ("runtime/*", "data/test_data.py", "models/test_mllm_tiny.py", "strategies/test_routes.py", "test_launchers.py")
+TORCH_MODULES = (
+    "runtime/*",
+    "data/test_data.py",
+    "data/test_bad_shards.py",
+    "data/test_interleaved_mllm.py",
+    "models/test_mllm_tiny.py",
+    "strategies/test_routes.py",
+    "test_launchers.py",
+)
 collect_ignore_glob = [] if HAS_TORCH else list(TORCH_MODULES)
 
 # The planners plan serially in tests (Optimus forks its encoder scheduling otherwise): a

@@ -53,6 +53,7 @@ def test_the_runtime_never_imports_the_front_door():
 
 
 @pytest.mark.slow  # a fresh interpreter importing torch and DeepSpeed
+@pytest.mark.torch
 def test_a_worker_loads_the_written_plan_and_never_plans_or_runs_hydra():
     """What a worker imports (its entry, its session, the local driver) leaves the
     planners, the door and Hydra out: it runs the plan the door wrote (src/plan_io)."""

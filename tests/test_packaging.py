@@ -12,6 +12,7 @@ import importlib.metadata
 import re
 import subprocess
 import sys
+from fnmatch import fnmatch
 from pathlib import Path
 
 import pytest
@@ -90,3 +91,30 @@ def test_the_mmdist_command_is_the_front_door(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert (tmp_path / "summary.json").exists() and (tmp_path / "run.log").exists()
     assert result.stdout.startswith("simulated iteration | ")
+
+
+@pytest.mark.slow  # a fresh interpreter
+def test_the_torch_free_tier_collects_without_torch():
+    """A simulator-only install (`pip install -e .`, no torch) runs the tests outside
+    conftest's TORCH_MODULES: each of those modules imports in an interpreter where
+    `import torch` fails (a module that needs torch at its top belongs in TORCH_MODULES, a
+    test that needs it imports it inside and is marked torch)."""
+    from tests.conftest import TESTS, TORCH_MODULES
+
+    modules = [
+        ".".join(path.relative_to(REPO_ROOT).with_suffix("").parts)
+        for path in sorted(TESTS.rglob("test_*.py"))
+        if not any(fnmatch(path.relative_to(TESTS).as_posix(), pattern) for pattern in TORCH_MODULES)
+    ]
+    code = (
+        "import importlib, sys\n"
+        "sys.modules['torch'] = None  # `import torch` raises ImportError, as where it is not installed\n"
+        f"for name in {modules!r}:\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "    except ImportError as error:\n"
+        "        print(name, error)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert len(modules) > 40 and result.stdout == "", f"import torch at their top: {result.stdout}"

@@ -5,6 +5,7 @@ construction imports torch._dynamo, about a second on its own)."""
 
 from __future__ import annotations
 
+import gc
 import os
 
 from src.runtime.lifeline import die_with_parent
@@ -26,3 +27,9 @@ try:
     prebuild_ops()
 except OpBuildError:
     pass
+
+# Everything imported so far lives as long as the workers: out of the collector's reach
+# (Python's gc docs: freeze before forking without exec), so a worker's collections, the
+# full one after each run included, walk its own objects, not the ~300 000 of torch and
+# DeepSpeed (0.15-0.2 s of CPU each on this kind of machine).
+gc.freeze()

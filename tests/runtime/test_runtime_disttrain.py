@@ -17,7 +17,7 @@ from tests.runtime.support import launch_cases, single_threaded, summary_of
 
 pytestmark = pytest.mark.slow  # starts worker processes
 
-STEPS = 5
+STEPS = 3
 BATCH = 8
 WORKERS = 4
 BASE = [

@@ -24,7 +24,7 @@ from tests.runtime.support import launch_cases, mllm_shard, single_threaded, sum
 
 pytestmark = pytest.mark.slow  # starts worker processes
 
-STEPS = 5
+STEPS = 3
 BATCH = 8
 WORKERS = 4
 # Per sample of the shard: DDP's rank 3 (samples 6-7) and DistTrain's encoder micro-batch 3

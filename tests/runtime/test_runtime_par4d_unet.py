@@ -2,7 +2,7 @@
 and FCs 3D-parallel (channels as k and n, samples over z) on 8 workers, as grids
 (2,2,2,1) and (2,2,1,2) with every overlap on and off, with and without full
 recomputation, and two grids that place its ends otherwise: (4,2,1,1) runs the output
-conv replicated (its input all-gathered), (2,1,2,2) runs the stem as an FC. The first 5
+conv replicated (its input all-gathered), (2,1,2,2) runs the stem as an FC. The first 3
 losses equal the single-process reference within 1e-4 relative. All in ONE launch."""
 
 from __future__ import annotations

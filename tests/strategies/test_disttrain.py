@@ -18,7 +18,6 @@ from omegaconf import OmegaConf
 from src.config import options_from
 from src.errors import ConfigError
 from src.program import Collective, Compute, Table
-from src.runtime.inputs import StepSamples, dataset_for
 from src.runtime.placement import placements
 from src.setup import Setup, plan_run, validate
 from src.sim.engine import simulate
@@ -33,7 +32,6 @@ from src.strategies.disttrain.relaxation import RelaxedOption, Subproblems, solv
 from src.strategies.disttrain.schedule import Chain, chain_orders
 from src.strategies.disttrain.timing import dag_ends
 from src.strategies.disttrain.profile import Profiler, Setting
-from tests.runtime.support import mllm_shard
 
 ROOT = Path(__file__).resolve().parents[2]
 # One 8-GPU node, four sequences: plans in well under a second.
@@ -476,6 +474,8 @@ def _priced_and_run_images(s: Setup, per_sequence: float | None = None) -> list[
     """Per rank, encoder or generator micro-batch: (the load the plan prices, the images the
     real data path gives that micro-batch over what a load of 1 stands for: `per_sequence`
     images a sequence, else the step's mean)."""
+    from src.runtime.inputs import StepSamples, dataset_for
+
     plan = plan_run(s)
     assert s.backend is not None
     data = dataset_for(s.model, s.train.seed, s.backend.data, s.backend.data_errors, plan.sample_content)
@@ -500,6 +500,7 @@ def _priced_and_run_images(s: Setup, per_sequence: float | None = None) -> list[
     return pairs
 
 
+@pytest.mark.torch  # the real backend's data path
 @pytest.mark.parametrize("reorder", ["none", "both"])
 def test_at_spread_zero_the_plan_prices_the_images_the_real_backend_runs(reorder: str) -> None:
     """Every sampled image at the nominal side: a micro-batch's encoder and generator loads
@@ -509,9 +510,12 @@ def test_at_spread_zero_the_plan_prices_the_images_the_real_backend_runs(reorder
     assert len({run for _, run in pairs}) > 1  # micro-batches of different images: the equality says something
 
 
+@pytest.mark.torch  # tar shards are the real backend's data
 def test_a_plan_on_tar_shards_prices_the_images_its_samples_hold(tmp_path: Path) -> None:
     """A micro-batch's load is its images against the model's images_per_sequence (2): the
     batch prices the 9 images its 8 samples hold, not 2 a sequence."""
+    from tests.runtime.support import mllm_shard
+
     images = [2, 1, 3, 0, 1, 2, 0, 0]  # the encoder's micro-batch 3 holds no image
     mllm_shard(tmp_path / "shard-0.tar", images)
     s = setup(*REAL, f"backend.data={tmp_path}/shard-*.tar")  # spread 0.3: no sampler image is run
