@@ -53,10 +53,14 @@ class CommClock:
             self._seconds[kind] += time.perf_counter() - start
 
     def take(self) -> dict[str, float]:
+        # Taken after every instruction, most of which time nothing: that case does little.
         for kind, (total, last) in self._sources.items():
             now = total()
-            self._seconds[kind] += now - last
-            self._sources[kind] = (total, now)
+            if now != last:
+                self._seconds[kind] += now - last
+                self._sources[kind] = (total, now)
+        if not self._seconds:
+            return {}
         out = {kind: seconds for kind, seconds in self._seconds.items() if seconds > 0}
         self._seconds.clear()
         return out

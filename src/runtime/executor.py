@@ -89,6 +89,11 @@ class _StepState:
     carried_grads: dict[tuple, State] = field(default_factory=dict)  # their gradients, handed back the other way
 
 
+def _marker() -> str:
+    """An instruction whose work happens elsewhere: timed there, not here."""
+    return "marker"
+
+
 def _carried(state: State, grad: bool) -> State:
     """What a U-Net's layers hand on besides 'x' (generator.handed_on), as leaves of the next
     piece of a pass run in pieces (Computes a plan cuts it into, parts a backward cuts)."""
@@ -156,6 +161,11 @@ class Executor:
             if isinstance(instruction, Compute) and instruction.work.phase in ("bwd", BWD_INPUT):
                 key = (instruction.work.unit, instruction.microbatch, instruction.chunk)
                 self.cuts.setdefault(key, set()).add(instruction.work.layers[0])
+        # Plan and model lookups a step repeats (each a search of their units).
+        self.unit_plan = functools.cache(plan.unit)
+        self.needs_backward = functools.cache(model.needs_backward)
+        self.replicas = functools.cache(functools.partial(tensor_replicas, plan))
+        self.runners = [self._runner(instruction) for instruction in self.instructions]
 
     def _dp(self, unit: str) -> int:
         return self.places[unit].dp
@@ -163,7 +173,7 @@ class Executor:
     def _row_shape(self, payload: Payload) -> tuple[int, ...]:
         if payload.unit == self.model.interaction:
             return row_shape(self.model, payload)
-        unit = self.plan.unit(payload.unit)
+        unit = self.unit_plan(payload.unit)
         return row_shape(self.model, payload, unit.mesh.degree("tp") if unit.sequence_parallel else 1)
 
     # ---- one step ---------------------------------------------------------------------
@@ -175,12 +185,12 @@ class Executor:
         # after it, and this drops what came before the step.
         CLOCK.take()
         at = LIFELINE.at_instruction  # where this rank is, for the driver to name if it stops
-        for index, instruction in enumerate(self.instructions):
+        for index, run in enumerate(self.runners):
             at(index)
             start = time.perf_counter()
-            category = self._run(instruction)
+            category = run()
             synchronize(self.device)
-            timer.record(instruction, start, time.perf_counter(), category, CLOCK.take())
+            timer.record(start, time.perf_counter(), category, CLOCK.take())
         LIFELINE.after_instructions()
         for work, _ in self.s.sends:
             work.wait()
@@ -188,64 +198,76 @@ class Executor:
             self._overflowed()
         return float(self.s.loss)
 
-    def _run(self, instruction: Instruction) -> str:
+    def _runner(self, instruction: Instruction) -> Callable[[], str]:
+        """What runs `instruction` in a step and returns its timing category. Decided once
+        here: the walk between two instructions runs cold after their work, so what a step
+        repeats (the instruction's kind, its route, its messages) is not worked out again."""
         if isinstance(instruction, Compute):
             if instruction.work.phase == BWD_WEIGHT:
-                return "marker"  # its layer's backward pass (at the layer's bwd_input) computes the weight gradients too
-            if instruction.work.kernels is not None:
-                ranged = self._kernel_pass(instruction)
-                if ranged is None:
-                    return "marker"
-                instruction = ranged
-            phase = "bwd" if instruction.work.phase == BWD_INPUT else instruction.work.phase
-            if instruction.work.fraction != 1.0:
-                whole = self._whole_pass(instruction)
-                if whole is None:
-                    return "marker"
-                instruction = whole
-            if phase == "fwd":
-                with tp_overlap(round(1 / instruction.work.fraction)):
-                    self._forward(instruction)
-            elif phase == "bwd":
-                with tp_overlap(round(1 / instruction.work.fraction)):
-                    self._backward(instruction)
-            elif phase == "interaction":
-                self._interaction(instruction)
-            elif phase == "optimizer":
-                self._optimizer(instruction.work.unit)
-            else:
-                raise ConfigError(f"the real backend does not run {phase} Work ({instruction.work.unit})")
-            return "compute"
+                return _marker  # its layer's backward pass (at the layer's bwd_input) computes the weight gradients too
+            return functools.partial(self._compute, instruction)
         if isinstance(instruction, Collective):
             if instruction.grads_of is not None:
-                self._reduce_grads(instruction)
-                return "comm_dp"
+                return functools.partial(self._reduce_grads, instruction)
             if not (instruction.inputs or instruction.outputs):
-                if instruction.handle is not None:
-                    self.s.markers[instruction.handle] = instruction.op
-                return "marker"  # a layer's (tp) or the optimizer's (dp) own: measured where it happens
-            self._collective(instruction)
-            return f"comm_{instruction.kind}"
+                # A layer's (tp) or the optimizer's (dp) own: measured where it happens.
+                return _marker if instruction.handle is None else functools.partial(self._mark, instruction.handle, instruction.op)
+            return functools.partial(self._collective, instruction, f"comm_{instruction.kind}")
         if isinstance(instruction, Send):
-            self._send(instruction)
-            return f"comm_{self.program.route(instruction.route).kind}"
+            route = self.program.route(instruction.route)
+            messages = route.sends(self.rank, instruction.payload)
+            return functools.partial(self._send, instruction, route, messages, f"comm_{route.kind}")
         if isinstance(instruction, Recv):
             route = self.program.route(instruction.route)
-            self._recv(instruction, route)
-            return f"wait:{route.kind}"
+            messages = route.receives(self.rank, instruction.payload)
+            return functools.partial(self._recv, instruction, route, messages, f"wait:{route.kind}")
         if isinstance(instruction, Wait):
-            if instruction.handle in self.s.markers:
-                if self.s.markers.pop(instruction.handle) == "reduce_scatter":
-                    for grid in self.grids:  # Par4D's weight-gradient reduce-scatters left in flight (B)
-                        grid.finish_pending()
-                return "marker"
-            if instruction.handle in self.s.reductions:
-                self.s.reductions.pop(instruction.handle).finish()
-                return "comm_dp"
-            kind, posted = self.s.pending.pop(instruction.handle)
-            self._finish_receives(posted)
-            return f"wait:{kind}"
+            return functools.partial(self._wait, instruction.handle)
         raise ConfigError(f"the real backend cannot run {instruction!r}")
+
+    def _compute(self, instruction: Compute) -> str:
+        if instruction.work.kernels is not None:
+            ranged = self._kernel_pass(instruction)
+            if ranged is None:
+                return "marker"
+            instruction = ranged
+        phase = "bwd" if instruction.work.phase == BWD_INPUT else instruction.work.phase
+        if instruction.work.fraction != 1.0:
+            whole = self._whole_pass(instruction)
+            if whole is None:
+                return "marker"
+            instruction = whole
+        if phase == "fwd":
+            with tp_overlap(round(1 / instruction.work.fraction)):
+                self._forward(instruction)
+        elif phase == "bwd":
+            with tp_overlap(round(1 / instruction.work.fraction)):
+                self._backward(instruction)
+        elif phase == "interaction":
+            self._interaction(instruction)
+        elif phase == "optimizer":
+            self._optimizer(instruction.work.unit)
+        else:
+            raise ConfigError(f"the real backend does not run {phase} Work ({instruction.work.unit})")
+        return "compute"
+
+    def _mark(self, handle: str, op: str) -> str:
+        """An asynchronous collective a layer or DeepSpeed runs: its Wait finishes what it left."""
+        self.s.markers[handle] = op
+        return "marker"
+
+    def _wait(self, handle: str) -> str:
+        if handle in self.s.markers:
+            if self.s.markers.pop(handle) == "reduce_scatter":
+                for grid in self.grids:  # Par4D's weight-gradient reduce-scatters left in flight (B)
+                    grid.finish_pending()
+            return "marker"
+        if handle in self.s.reductions:
+            self.s.reductions.pop(handle).finish()
+            return "comm_dp"
+        kind, posted = self.s.pending.pop(handle)
+        self._finish_receives(posted)
+        return f"wait:{kind}"
 
     def _kernel_pass(self, compute: Compute) -> Compute | None:
         """A layer's pass the plan splits into kernel ranges (Par4D: one per FC, its
@@ -288,16 +310,16 @@ class Executor:
         state = dict(self.batch_for(work.unit, j))
         leaves = {}
         for payload in compute.inputs:
-            leaf = self.s.store.tensor(payload).detach().requires_grad_(self.model.needs_backward(payload.unit))
+            leaf = self.s.store.tensor(payload).detach().requires_grad_(self.needs_backward(payload.unit))
             leaves[payload] = leaf
             state[input_key(work.unit, payload)] = leaf
-        trains = self.model.needs_backward(work.unit)
+        trains = self.needs_backward(work.unit)
         piece = (work.unit, j, compute.chunk)
         carried = _carried(self.s.carried.pop(piece, {}), trains)
         state.update(carried)
         layers = unit_layers(self.units, work.unit)
         # Full recomputation keeps each layer's input only and re-runs the layer in backward.
-        full = trains and self.plan.unit(work.unit).recompute == "full"
+        full = trains and self.unit_plan(work.unit).recompute == "full"
         cuts = self.cuts.get((work.unit, j, compute.chunk), set()) if trains else set()
         start = work.layers[0]
         with torch.set_grad_enabled(trains), computing(self.device, self.precision):
@@ -315,9 +337,9 @@ class Executor:
         if "loss" in state:
             # This micro-batch's part of the step's loss: the mean over its replica's
             # micro-batches and over the replicas.
-            share = state["loss"].float() / (self.plan.unit(work.unit).num_microbatches * self._dp(work.unit))
+            share = state["loss"].float() / (self.unit_plan(work.unit).num_microbatches * self._dp(work.unit))
             state["loss_share"] = share
-            self.s.loss += share.detach() / tensor_replicas(self.plan, work.unit)
+            self.s.loss += share.detach() / self.replicas(work.unit)
         for payload in compute.outputs:
             if payload.tensor not in state:
                 raise KeyError(f"{work.unit} layers {work.layers} hand on no {payload.tensor!r} ({sorted(state)})")
@@ -338,7 +360,7 @@ class Executor:
         terms = [(saved.outputs[grad.tensor] * self.s.store.tensor(grad)).sum() for grad in compute.inputs]
         terms += [(saved.outputs[key] * grad).sum() for key, grad in self.s.carried_grads.pop(piece, {}).items()]
         if "loss_share" in saved.outputs:
-            terms.append(saved.outputs["loss_share"] * self._scale())
+            terms.append(self._scaled(saved.outputs["loss_share"]))
         total = functools.reduce(operator.add, terms)
         # A stage of frozen layers that no trained layer or input gradient depends on (a
         # frozen ViT's stage under its trained projector's) has no backward: the cost model prices it at 0.
@@ -394,8 +416,9 @@ class Executor:
             point_reduction_at(engine)
         engine.step()
 
-    def _scale(self) -> float:
-        return self.loss_scale.scale if self.loss_scale is not None else 1.0
+    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """fp16's loss scale applied (the other precisions have none: no op to run)."""
+        return loss * self.loss_scale.scale if self.loss_scale is not None else loss
 
     def _overflowed(self) -> bool:
         """fp16: whether any rank's gradients overflowed this step (every rank asks once,
@@ -424,7 +447,7 @@ class Executor:
         for payload in compute.inputs:
             tower, role = payload.tensor.rsplit(".", 1)
             start, tensor = self.s.store.read(payload)
-            leaf = tensor.detach().requires_grad_(self.model.needs_backward(tower))
+            leaf = tensor.detach().requires_grad_(self.needs_backward(tower))
             leaves[payload] = leaf
             if role == "q":
                 queries[tower] = (start, leaf)
@@ -437,19 +460,19 @@ class Executor:
                 keys[tower] = leaf
         image, text = towers  # the contrastive pair, in model order (vision, text)
         module = unit_layers(self.units, work.unit)[0]
-        batches = self.plan.unit(work.unit).num_microbatches
+        batches = self.unit_plan(work.unit).num_microbatches
         with computing(self.device, self.precision):
             loss = module(queries.get(image), queries.get(text), keys.get(image), keys.get(text))
         share = loss.float() / (work.contrastive_batch * batches)
-        self.s.loss += share.detach() / tensor_replicas(self.plan, work.unit)
-        self._backpropagate(work.unit, share * self._scale(), compute.microbatch)
+        self.s.loss += share.detach() / self.replicas(work.unit)
+        self._backpropagate(work.unit, self._scaled(share), compute.microbatch)
         for grad in compute.outputs:
             leaf = leaves[next(p for p in leaves if p.tensor == grad.tensor)]
             start = self.s.store.read(grad.value())[0]
             self.s.store.put(grad.part(start, start + leaf.shape[0]), _grad(leaf) / self._dp(work.unit))
 
     # ---- collectives ----------------------------------------------------------------------
-    def _reduce_grads(self, collective: Collective) -> None:
+    def _reduce_grads(self, collective: Collective) -> str:
         """All-reduce the parameter gradients the collective names, now or (asynchronous)
         until its Wait."""
         assert collective.grads_of is not None, "a gradient reduction names its layers"
@@ -462,13 +485,14 @@ class Executor:
             bucket.finish()
         else:
             self.s.reductions[collective.handle] = bucket
+        return "comm_dp"
 
-    def _collective(self, collective: Collective) -> None:
+    def _collective(self, collective: Collective, category: str) -> str:
         ranks = self.program.group_for(collective.group, self.rank)
         group = self.groups.get(ranks)
         if placed_by_rows(collective, self.model.interaction):
             exchange_rows(self.model, self.s.store, collective, ranks, group, self.dtype, self.device)
-            return
+            return category
         if len(collective.inputs) != len(collective.outputs):
             raise ConfigError(
                 f"{collective.op} on {collective.group} pairs {len(collective.inputs)} inputs with {len(collective.outputs)} outputs"
@@ -497,6 +521,7 @@ class Executor:
                 self._broadcast(collective, source, target, ranks, group)
             else:
                 raise ConfigError(f"the real backend does not carry payloads in a {collective.op}")
+        return category
 
     def _broadcast(
         self, collective: Collective, source: Payload, target: Payload, ranks: tuple[int, ...], group: dist.ProcessGroup
@@ -522,9 +547,9 @@ class Executor:
             self.s.store.put(target.part(start, start + tensor.shape[0]), tensor)
 
     # ---- point to point -----------------------------------------------------------------
-    def _send(self, send: Send) -> None:
-        route = self.program.route(send.route)
-        for message in route.sends(self.rank, send.payload):
+    def _send(self, send: Send, route: Route, messages: tuple[Message, ...], category: str) -> str:
+        """`messages`: what the route sends from this rank's rows of the payload."""
+        for message in messages:
             if message.dst == self.rank and message.received == message.sent:
                 continue  # it holds these rows under that name already (Optimus: an encoder and the LLM colocated)
             tensor = self.s.store.tensor(message.sent if message.sent.rows is not None else send.payload)
@@ -536,14 +561,16 @@ class Executor:
                 self.s.local.setdefault((route.name, message.received.whole), []).append((message, tensor.clone()))
             else:
                 self.s.sends.append((dist.isend(tensor, message.dst, group=self.groups.route(route.name)), tensor))
+        return category
 
-    def _recv(self, recv: Recv, route: Route) -> None:
+    def _recv(self, recv: Recv, route: Route, messages: tuple[Message, ...], category: str) -> str:
+        """`messages`: what the route delivers into this rank's rows of the payload."""
         posted: list[tuple[dist.Work | None, Message, torch.Tensor, torch.Tensor | None]] = []
-        for message in route.receives(self.rank, recv.payload):
+        for message in messages:
             if message.src == self.rank:
                 continue
             rows = message.received.rows
-            count = rows[1] - rows[0] if rows is not None else self.plan.unit(message.received.unit).micro_batch
+            count = rows[1] - rows[0] if rows is not None else self.unit_plan(message.received.unit).micro_batch
             slots = self._image_slots(message.received)
             images = self._images_inside(message.received)
             if images is not None:  # between an encoder's stages: its real images' token states
@@ -569,6 +596,7 @@ class Executor:
         else:
             assert recv.handle is not None, "an asynchronous receive names its handle"
             self.s.pending[recv.handle] = (route.kind, posted)
+        return category
 
     def _finish_receives(self, posted: list) -> None:
         for work, message, buffer, slots in posted:

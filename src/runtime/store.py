@@ -60,12 +60,13 @@ class PayloadStore:
         """(first row held, the rows held from there on) of a payload; a payload with rows
         set reads just those rows."""
         key = payload.whole
-        if key not in self._whole:
+        held = self._whole.get(key)
+        if held is None:
             pieces = self._pieces.get(key)
             if not pieces:
                 raise ConfigError(f"{key} is read before anything produced or received it")
-            self._whole[key] = self._assemble(key, pieces)
-        start, tensor = self._whole[key]
+            held = self._whole[key] = self._assemble(key, pieces)
+        start, tensor = held
         if payload.rows is None:
             return start, tensor
         lo, hi = payload.rows
