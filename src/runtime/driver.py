@@ -257,11 +257,13 @@ def _first_failure(run_dirs: list[Path], codes: list[int | None]) -> str:
     """The error line of the rank that failed first, from the exit codes seen before the
     driver stopped anyone. A worker killed by a signal wrote nothing, and its peers fail
     on the broken connection after it: it comes first. Else the earliest error file (a
-    worker writes its line as it fails)."""
+    worker writes its line as it fails, before it leaves the process group whose closed
+    connections its peers then fail on)."""
     for rank, code in enumerate(codes):
         if code is not None and code < 0 and _error_file(run_dirs, rank) is None:
             return f"rank {rank}: worker killed by signal {signal.Signals(-code).name} (exit code {code})"
-    written = [(path.stat().st_mtime, rank, path) for rank in range(len(codes)) if (path := _error_file(run_dirs, rank)) is not None]
+    paths = [(rank, path) for rank in range(len(codes)) if (path := _error_file(run_dirs, rank)) is not None]
+    written = [(path.stat().st_mtime_ns, rank, path) for rank, path in paths]
     if written:
         path = min(written)[2]
         line = path.read_text().strip()

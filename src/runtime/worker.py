@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -93,29 +94,44 @@ def main(run_dirs: list[Path]) -> int:
             # outlasts any collective's timeout.
             prebuild_ops()
         dist.init_process_group(name, timeout=timedelta(seconds=backend.timeout_s))
-        try:
-            for index, (run_dir, (planned, settings)) in enumerate(zip(run_dirs, runs)):
-                LIFELINE.start_run(index, run_dir)
-                run_session(planned, settings, run_dir, rank, world)
-            # gloo aborts a process whose peers tear down while its last sends are still
-            # in flight ("terminate called without an active exception"): leave together.
-            dist.barrier()
-        finally:
-            dist.destroy_process_group()
+        for index, (run_dir, (planned, settings)) in enumerate(zip(run_dirs, runs)):
+            LIFELINE.start_run(index, run_dir)
+            run_session(planned, settings, run_dir, rank, world)
+        # gloo aborts a process whose peers tear down while its last sends are still
+        # in flight ("terminate called without an active exception"): leave together.
+        dist.barrier()
     except KeyboardInterrupt:
         return 130
     except BaseException as err:  # one line for the driver; the traceback for whoever reads the log
-        line = f"rank {rank}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-        errors = run_dir / ERRORS_DIR
-        errors.mkdir(exist_ok=True)
-        (errors / f"rank{rank}.log").write_text(traceback.format_exc())
-        (errors / f"rank{rank}.txt").write_text(line + "\n")
-        if not LIFELINE.attached:  # the local driver reports the first failure; its peers' are consequences
-            print(line, file=sys.stderr, flush=True)
+        _write_error(run_dir / ERRORS_DIR, rank, err)
         return 1
     finally:
+        # Left only now, after any error is written: leaving closes the connections the
+        # peers then fail on, and the driver names the earliest error written.
+        _leave_group()
         LIFELINE.state(DONE)
     return 0
+
+
+def _write_error(errors: Path, rank: int, err: BaseException) -> None:
+    line = f"rank {rank}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    errors.mkdir(exist_ok=True)
+    (errors / f"rank{rank}.log").write_text(traceback.format_exc())
+    path = errors / f"rank{rank}.txt"
+    path.write_text(line + "\n")
+    # The driver orders the ranks' errors by this time: stamped to the nanosecond, as the
+    # file system stamps a write only to its clock tick, which a peer failing on this
+    # rank's closed connection can share.
+    now = time.time_ns()
+    os.utime(path, ns=(now, now))
+    if not LIFELINE.attached:  # the local driver reports the first failure; its peers' are consequences
+        print(line, file=sys.stderr, flush=True)
+
+
+def _leave_group() -> None:
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
