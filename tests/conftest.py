@@ -32,6 +32,12 @@ TORCH_MODULES = (
 )
 collect_ignore_glob = [] if HAS_TORCH else list(TORCH_MODULES)
 
+
+def imports_torch(path: Path) -> bool:
+    """Whether the test module at `path` is one of TORCH_MODULES."""
+    return any(fnmatch(path.relative_to(TESTS).as_posix(), pattern) for pattern in TORCH_MODULES)
+
+
 # The planners plan serially in tests (Optimus forks its encoder scheduling otherwise): a
 # quick test starts no process; tests/strategies/test_optimus.py checks the parallel path.
 os.environ["MMDIST_PLAN_WORKERS"] = "1"
@@ -124,7 +130,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if any(fnmatch(item.path.relative_to(TESTS).as_posix(), pattern) for pattern in TORCH_MODULES):
+        if imports_torch(item.path):
             item.add_marker(pytest.mark.torch)
         if not HAS_TORCH and item.get_closest_marker("torch") is not None:
             item.add_marker(pytest.mark.skip(reason="needs torch: pip install -e '.[runtime]'"))

@@ -12,7 +12,6 @@ import importlib.metadata
 import re
 import subprocess
 import sys
-from fnmatch import fnmatch
 from pathlib import Path
 
 import pytest
@@ -99,12 +98,12 @@ def test_the_torch_free_tier_collects_without_torch():
     conftest's TORCH_MODULES: each of those modules imports in an interpreter where
     `import torch` fails (a module that needs torch at its top belongs in TORCH_MODULES, a
     test that needs it imports it inside and is marked torch)."""
-    from tests.conftest import TESTS, TORCH_MODULES
+    from tests.conftest import TESTS, imports_torch
 
     modules = [
         ".".join(path.relative_to(REPO_ROOT).with_suffix("").parts)
         for path in sorted(TESTS.rglob("test_*.py"))
-        if not any(fnmatch(path.relative_to(TESTS).as_posix(), pattern) for pattern in TORCH_MODULES)
+        if not imports_torch(path)
     ]
     code = (
         "import importlib, sys\n"
