@@ -19,7 +19,7 @@ runs them (spawned processes, gloo, F.linear):
   what a step takes beyond the same blocks' plain step and DeepSpeed's collectives, per
   module fetch and per byte fetched (the hooks, the fetch and release bookkeeping, the
   buffers' copies). Over more workers DeepSpeed's all-gathers add what the cost model
-  prices as collectives; its comms logger times only their launch, not their wait;
+  prices as collectives; timing its collectives times only their launch, not their wait;
 - the framework's cost per kernel: one transformer block of the real backend
   (src.runtime.modules.blocks.Block) so small that its arithmetic is nothing, forward and
   forward + backward, divided by the kernels the cost model counts for it;
@@ -195,7 +195,7 @@ def _zero3() -> dict[int, dict[str, float]]:
     """Per width: seconds per training step of a stack of the real backend's transformer
     blocks, plain (no DeepSpeed) and under DeepSpeed's ZeRO-3 with every tensor
     partitioned, built and run as the real backend does (under zero.Init, each block
-    called in turn rather than through the engine's forward, the comms logger on), on one
+    called in turn rather than through the engine's forward, its collectives timed), on one
     worker: the hooks fetch and release every module as they do over many, with nothing
     to gather (the all-gathers, which the cost model prices, are not run). With the
     seconds DeepSpeed's collectives still took (its gradient reductions over a group of
@@ -204,7 +204,8 @@ def _zero3() -> dict[int, dict[str, float]]:
     import torch
     import torch.distributed as dist
 
-    from src.runtime.engines import EngineSettings, ParallelGroups, backward, deepspeed_comm_seconds, make_engine, partitioned_at_init
+    from src.runtime.comm import CLOCK
+    from src.runtime.engines import EngineSettings, ParallelGroups, backward, make_engine, partitioned_at_init, time_deepspeed_comm
     from src.runtime.modules.blocks import Block
     from src.runtime.modules.parallel import TP
 
@@ -245,17 +246,19 @@ def _zero3() -> dict[int, dict[str, float]]:
             engine = make_engine(torch.nn.ModuleDict({"u": partitioned}), groups, settings)
         finally:
             torch.nn.functional.linear = linear
-        comm = deepspeed_comm_seconds()
+        time_deepspeed_comm()
 
         def zero3_step() -> None:
-            backward(engine, run(engine.module["u"], x), 0)
+            loss = run(engine.module["u"], x)
+            backward(engine, [loss], [torch.ones_like(loss)], 0)
             engine.step()
 
         rounds = []
         for _ in range(ZERO3_REPEATS):  # side by side: the host's load drifts
             plain_s = per_step(plain_step)
-            before = comm()
-            rounds.append((plain_s, per_step(zero3_step), (comm() - before) / (ZERO3_STEPS + 1)))
+            CLOCK.take()
+            zero3_s = per_step(zero3_step)
+            rounds.append((plain_s, zero3_s, CLOCK.take().get("dp", 0.0) / (ZERO3_STEPS + 1)))
         modules = sum(1 for m in plain.modules() if next(m.parameters(recurse=False), None) is not None)
         nbytes = sum(p.numel() * p.element_size() for p in plain.parameters())
         out[hidden] = {

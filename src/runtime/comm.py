@@ -32,15 +32,6 @@ class CommClock:
     def __init__(self) -> None:
         self._seconds: dict[str, float] = defaultdict(float)
         self.device = torch.device("cpu")
-        self._sources: dict[str, tuple[Callable[[], float], float]] = {}
-
-    def add_source(self, kind: str, total: Callable[[], float]) -> None:
-        """Collectives timed by someone else (DeepSpeed's comms logger): `total()` is their
-        running sum of seconds, and `take()` charges its growth to `kind`."""
-        self._sources[kind] = (total, total())
-
-    def clear_sources(self) -> None:
-        self._sources.clear()
 
     @contextmanager
     def timed(self, kind: str) -> Iterator[None]:
@@ -54,11 +45,6 @@ class CommClock:
 
     def take(self) -> dict[str, float]:
         # Taken after every instruction, most of which time nothing: that case does little.
-        for kind, (total, last) in self._sources.items():
-            now = total()
-            if now != last:
-                self._seconds[kind] += now - last
-                self._sources[kind] = (total, now)
         if not self._seconds:
             return {}
         out = {kind: seconds for kind, seconds in self._seconds.items() if seconds > 0}

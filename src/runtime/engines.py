@@ -5,24 +5,26 @@ It runs in DeepSpeed's unmanaged gradient-accumulation mode: the executor calls
 `backward` once per instruction (micro-batch, stage, batch-sync) with losses it has
 already scaled, and `step` once at the Program's optimizer instruction, which updates.
 ZeRO-0/1 reduce gradients inside `step`, ZeRO-2/3 during backward. Wherever DeepSpeed
-communicates, its comms logger times each collective (`deepspeed_comm_seconds`), and the
-executor charges that time to DP communication instead of to the compute around it.
+communicates, each operation of its communication backend is timed
+(`time_deepspeed_comm`), and the executor charges that time to DP communication instead of to the compute around it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import logging
+import operator
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from src.program import DEEPSPEED_PERSISTENCE_THRESHOLD, UnitPlan
-from src.runtime.comm import all_gather_single, reduce_scatter_single
+from src.runtime.comm import CLOCK, all_gather_single, reduce_scatter_single
 
 # prebuild_ops: the worker's entry imports it from here, beside the engines it prepares for.
 from src.runtime.op_build import prebuild_ops, without_load_notice  # noqa: F401
@@ -153,8 +155,8 @@ def start_deepspeed_comm(overlapped: bool) -> None:
 
     Unless an engine of the run overlaps them (`overlapped`, once said, for every later
     one of the run too), each is waited for as it is issued: DeepSpeed issues ZeRO-3's fetches
-    asynchronously and waits right after, inside its hooks, where its comms logger (which
-    times an asynchronous op's launch only) would leave the wait booked as compute."""
+    asynchronously and waits right after, inside its hooks, where timing the op (its launch
+    only) would leave the wait booked as compute."""
     import deepspeed
 
     global _overlapping
@@ -206,40 +208,106 @@ def partitioned_at_init(groups: ParallelGroups, settings: EngineSettings) -> con
     )
 
 
-def deepspeed_comm_seconds() -> Callable[[], float]:
-    """Turn on DeepSpeed's comms logger for every collective it issues and return the
-    running sum of their seconds. The logger synchronises the device around each op, so
-    an op's time is its own; an asynchronous op's is the time to issue it, its wait being
-    DeepSpeed's and not told apart from compute."""
-    import deepspeed.comm as ds_comm
-    from deepspeed.comm.comm import comms_logger, timers
+# DeepSpeed's communication backend's operations: what its comms logger would time (every
+# op of deepspeed.comm that moves data or synchronises ranks).
+DEEPSPEED_OPS = (
+    "all_reduce",
+    "inference_all_reduce",
+    "all_reduce_coalesced",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "broadcast_object_list",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_base",
+    "all_gather_coalesced",
+    "all_gather_object",
+    "all_to_all_single",
+    "all_to_all",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+    "gather",
+    "scatter",
+    "barrier",
+    "monitored_barrier",
+)
 
-    ds_comm.configure(enabled=True, prof_all=True, verbose=False, debug=False)
-    seconds = 0.0
 
-    def total() -> float:
-        nonlocal seconds
-        # The logger keeps a record per op: none since the last call means no op ran and
-        # the timers hold nothing new. The executor asks around every instruction, most of
-        # which issue no DeepSpeed op: reading every timer each time cost a fixed ~1 ms per
-        # step, 5-10 % of a tiny fp32 step. Else take and drop the timers' start/stop
-        # pairs and the records, so that a long run neither slows down nor grows.
-        if comms_logger.comms_dict:
-            seconds += sum(timer.elapsed(reset=True) for timer in timers.timers.values()) / 1e3
-            comms_logger.comms_dict.clear()
-        return seconds
-
-    return total
+_inside_op = False  # whether a DeepSpeed op is running: one it calls is inside its time
 
 
-def backward(engine, loss: torch.Tensor, micro_step: int) -> None:
-    """One backward call (a layer range of one micro-batch). ZeRO-3 copies a parameter's
-    first gradient partition of a step and adds the later ones, telling them apart by its
-    micro-step, which only the engine's own forward advances; the executor runs the layers
-    without it, so it says which micro-step (the micro-batch's place in the step) this is."""
+def _timed(op: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*args, **kwargs):
+        global _inside_op
+        if _inside_op:
+            return op(*args, **kwargs)
+        _inside_op = True
+        try:
+            with CLOCK.timed("dp"):
+                return op(*args, **kwargs)
+        finally:
+            _inside_op = False
+
+    run.timed = True  # type: ignore[attr-defined]
+    return run
+
+
+def time_deepspeed_comm() -> None:
+    """From now on, charge every operation of DeepSpeed's communication backend to DP
+    communication (CLOCK, as the runtime's own collectives): an asynchronous op's time is
+    the time to issue it, its wait being DeepSpeed's and not told apart from compute
+    (start_deepspeed_comm waits inside the op for those the plan does not overlap).
+
+    DeepSpeed's comms logger would time the same ops, but it binds each call's arguments
+    to the op's signature and keeps a record of every call: 25-80 us an op, which a ZeRO-3
+    step pays for each of its parameter fetches. The backend lives as long as the process's
+    DeepSpeed communication: its ops are wrapped once."""
+    backend = importlib.import_module("deepspeed.comm.comm").cdb  # the module's global, set by init_distributed
+    for name in DEEPSPEED_OPS:
+        op = getattr(backend, name, None)
+        if op is not None and not getattr(op, "timed", False):
+            setattr(backend, name, _timed(op))
+
+
+def runs_autograd_backward(engine) -> bool:
+    """Whether DeepSpeed's `backward` for `engine` is autograd's and a count of the call:
+    ZeRO-0 on the optimizer the engine was given (no ZeRO or bf16 wrapper to scale a loss
+    or reduce in hooks), no loss scaler of DeepSpeed's, and unmanaged accumulation, so
+    nothing is reduced before `step`. Its bookkeeping around autograd costs 25-100 us a call
+    (timers, a graph tracker with a hook on the loss, the reduction's checks), and a
+    Program calls it once per unit and micro-batch: three times a step of a tiny CLIP."""
+    return (
+        engine.zero_optimization_stage() == 0
+        and type(engine.optimizer) is torch.optim.AdamW  # make_engine's, unwrapped
+        and engine.torch_autocast_z0_gradscaler is None
+        and not engine.managed_gradient_accumulation()
+    )
+
+
+def backward(engine, ends: Sequence[torch.Tensor], seeds: Sequence[torch.Tensor], micro_step: int) -> None:
+    """One backward call (a layer range of one micro-batch): the gradients of
+    sum(end . seed) into the engine's parameters and the graph's leaves.
+
+    Where DeepSpeed's backward is autograd's (`runs_autograd_backward`), autograd runs it and
+    the call is counted as DeepSpeed counts it (its `step` advances `global_samples`, which
+    checkpoints keep, by the calls since the last step). Else DeepSpeed's backward runs on
+    the surrogate loss. ZeRO-3 copies a parameter's first gradient partition of a step and
+    adds the later ones, telling them apart by its micro-step, which only the engine's own
+    forward advances; the executor runs the layers without it, so it says which micro-step
+    (the micro-batch's place in the step) this is."""
+    if runs_autograd_backward(engine):
+        torch.autograd.backward(list(ends), list(seeds))
+        engine._unmanaged_backward_count += 1
+        return
     if hasattr(engine.optimizer, "micro_step_id"):
         engine.optimizer.micro_step_id = micro_step
-    engine.backward(loss, scale_wrt_gas=False)
+    surrogate = functools.reduce(operator.add, ((end * seed).sum() for end, seed in zip(ends, seeds)))
+    engine.backward(surrogate, scale_wrt_gas=False)
 
 
 def point_reduction_at(engine) -> None:

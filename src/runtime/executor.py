@@ -14,8 +14,9 @@ reduction that names its layers' gradients (`grads_of`) is the executor's own
 (runtime.grad_reduce), and the unit's engine leaves them alone.
 
 Every Compute is a detach point: a forward's inputs become leaves, so its backward runs
-alone, with the surrogate loss sum(output · incoming gradient) that gives exact
-gradients, and writes the gradients of its inputs for whoever produced them.
+alone, from the forward's outputs seeded with their incoming gradients (the exact
+gradients of the surrogate loss sum(output · incoming gradient)), and writes the
+gradients of its inputs for whoever produced them.
 
 Gradient scale: a gradient payload is always the gradient of the step's whole loss.
 DeepSpeed averages a unit's parameter gradients over its data-parallel replicas, so a
@@ -26,7 +27,6 @@ writes are divided by its dp again; units of different dp then meet without resc
 from __future__ import annotations
 
 import functools
-import operator
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
@@ -357,15 +357,20 @@ class Executor:
             return
         saved = self.s.saved.pop((work.unit, work.layers, j, compute.chunk))
         piece = (work.unit, j, compute.chunk)
-        terms = [(saved.outputs[grad.tensor] * self.s.store.tensor(grad)).sum() for grad in compute.inputs]
-        terms += [(saved.outputs[key] * grad).sum() for key, grad in self.s.carried_grads.pop(piece, {}).items()]
+        # The backward starts from what the forward handed on, seeded with the incoming
+        # gradients, and from this rank's share of the loss where the pass ends in it.
+        ends = [saved.outputs[grad.tensor] for grad in compute.inputs]
+        seeds = [self.s.store.tensor(grad) for grad in compute.inputs]
+        for key, seed in self.s.carried_grads.pop(piece, {}).items():
+            ends.append(saved.outputs[key])
+            seeds.append(seed)
         if "loss_share" in saved.outputs:
-            terms.append(self._scaled(saved.outputs["loss_share"]))
-        total = functools.reduce(operator.add, terms)
+            ends.append(saved.outputs["loss_share"])
+            seeds.append(self._loss_seed(saved.outputs["loss_share"]))
         # A stage of frozen layers that no trained layer or input gradient depends on (a
         # frozen ViT's stage under its trained projector's) has no backward: the cost model prices it at 0.
-        if total.requires_grad:
-            self._backpropagate(work.unit, total, j)
+        if any(end.requires_grad for end in ends):
+            self._backpropagate(work.unit, ends, seeds, j)
         for grad in compute.outputs:
             leaf = saved.leaves[grad.value()]
             self.s.store.put(grad, _grad(leaf) / self._dp(work.unit))
@@ -391,18 +396,20 @@ class Executor:
             parts.append(replace(compute, work=replace(work, layers=(a, b)), inputs=inputs, outputs=outputs))
         return parts
 
-    def _backpropagate(self, unit: str, loss: torch.Tensor, microbatch: int) -> None:
-        """Gradients of `loss` (this rank's part of the step's loss) into the unit's
-        parameters, at DeepSpeed's scale, and into the leaves."""
-        scaled = loss * self._dp(unit)
+    def _backpropagate(self, unit: str, ends: list[torch.Tensor], seeds: list[torch.Tensor], microbatch: int) -> None:
+        """Gradients of sum(end . seed) (this rank's part of the step's loss) into the
+        unit's parameters, at DeepSpeed's scale, and into the leaves."""
+        dp = self._dp(unit)
+        if dp != 1:
+            seeds = [seed * dp for seed in seeds]
         engine = self.engines.get(unit)
-        if engine is not None:
-            seen = self.s.micro_steps.setdefault(id(engine), [])
-            if microbatch not in seen:
-                seen.append(microbatch)
-            backward(engine, scaled, seen.index(microbatch))
-        else:
-            scaled.backward()
+        if engine is None or isinstance(engine, GridEngine):
+            torch.autograd.backward(ends, seeds)
+            return
+        seen = self.s.micro_steps.setdefault(id(engine), [])
+        if microbatch not in seen:
+            seen.append(microbatch)
+        backward(engine, ends, seeds, seen.index(microbatch))
 
     def _optimizer(self, unit: str) -> None:
         engine = self.engines[unit]
@@ -416,9 +423,9 @@ class Executor:
             point_reduction_at(engine)
         engine.step()
 
-    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
-        """fp16's loss scale applied (the other precisions have none: no op to run)."""
-        return loss * self.loss_scale.scale if self.loss_scale is not None else loss
+    def _loss_seed(self, loss: torch.Tensor) -> torch.Tensor:
+        """The gradient a backward starts `loss` from: fp16's loss scale, else 1."""
+        return torch.full_like(loss, self.loss_scale.scale if self.loss_scale is not None else 1.0)
 
     def _overflowed(self) -> bool:
         """fp16: whether any rank's gradients overflowed this step (every rank asks once,
@@ -465,7 +472,7 @@ class Executor:
             loss = module(queries.get(image), queries.get(text), keys.get(image), keys.get(text))
         share = loss.float() / (work.contrastive_batch * batches)
         self.s.loss += share.detach() / self.replicas(work.unit)
-        self._backpropagate(work.unit, self._scaled(share), compute.microbatch)
+        self._backpropagate(work.unit, [share], [self._loss_seed(share)], compute.microbatch)
         for grad in compute.outputs:
             leaf = leaves[next(p for p in leaves if p.tensor == grad.tensor)]
             start = self.s.store.read(grad.value())[0]

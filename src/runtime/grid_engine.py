@@ -35,9 +35,6 @@ class GridEngine:
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay, eps=eps)
 
-    def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = False) -> None:
-        loss.backward()
-
     def step(self) -> None:
         self.grid.finish_backward([self.module])
         if self.grid.dp.size > 1:

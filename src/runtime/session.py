@@ -32,7 +32,7 @@ from src.report import open_sinks
 from src.runtime.checkpoint import Checkpoints, Resume, Saved, check_resume
 from src.runtime.comm import CLOCK
 from src.runtime.device import DTYPES, worker_device
-from src.runtime.engines import EngineSettings, ParallelGroups, deepspeed_comm_seconds, make_engine, new_run, partitioned_at_init
+from src.runtime.engines import EngineSettings, ParallelGroups, make_engine, new_run, partitioned_at_init, time_deepspeed_comm
 from src.runtime.executor import Executor
 from src.runtime.groups import ProcessGroups
 from src.runtime.inputs import Batches, StepSamples, dataset_for
@@ -161,7 +161,7 @@ def run_session(run: PlannedRun, settings: RunSettings, run_dir: Path, rank: int
     units = _build(run, places, tp, engine_groups, device, grids)
     engines = _engines(units, engine_groups, grids, backend)
     if engine_groups:
-        CLOCK.add_source("dp", deepspeed_comm_seconds())
+        time_deepspeed_comm()
     batches = Batches(samples, device, producer)
     executor = Executor(plan, model, rank, units, engines, groups, batches, device, precision, backend.initial_loss_scale)
     rank_program = plan.program.class_of(rank)
@@ -285,7 +285,6 @@ def run_session(run: PlannedRun, settings: RunSettings, run_dir: Path, rank: int
             sinks.close()
         # Several runs may share this process (runtime.worker): give the next one the
         # device memory of this one (DeepSpeed's hooks make reference cycles).
-        CLOCK.clear_sources()
         del executor, engines, units, checkpoints
         gc.collect()
         if device.type == "cuda":

@@ -8,8 +8,8 @@ simulator classifies it; elsewhere it is communication. Time between instruction
 after the rank's last one until the slowest rank finishes is idle.
 
 DeepSpeed's collectives (gradient reductions and parameter gathers, inside
-`engine.step()` and backward) are timed one by one by
-its comms logger (runtime.engines.deepspeed_comm_seconds) and charged to comm_dp; only
+`engine.step()` and backward) are timed one by one at its communication backend
+(runtime.engines.time_deepspeed_comm) and charged to comm_dp; only
 the wait of an asynchronous ZeRO-3 all-gather stays inside compute, as measured_notes says.
 """
 

@@ -164,7 +164,7 @@ def test_measured_summary_adds_up_and_shows_the_communication_of_each_plan(runs)
     assert json.loads((runs["megatron_tp2"] / "summary.json").read_text())["breakdown_s"]["comm_tp"] > 0
     zero0 = json.loads((runs["ddp_zero0"] / "summary.json").read_text())
     assert zero0["breakdown_s"]["comm_dp"] > 0 and zero0["measured_notes"] == []
-    # DeepSpeed's reductions inside backward under ZeRO-2 are timed by its comms logger.
+    # DeepSpeed's reductions inside backward under ZeRO-2 are timed at its communication backend.
     zero2 = json.loads((runs["ddp_zero2"] / "summary.json").read_text())
     assert zero2["breakdown_s"]["comm_dp"] > 0 and zero2["measured_notes"] == []
     # The executor's own overlapped gradient all-reduces are DP communication, not compute.
