@@ -19,7 +19,7 @@ runs them (spawned processes, gloo, F.linear):
   what a step takes beyond the same blocks' plain step and DeepSpeed's collectives, per
   module fetch and per byte fetched (the hooks, the fetch and release bookkeeping, the
   buffers' copies). Over more workers DeepSpeed's all-gathers add what the cost model
-  prices as collectives; timing its collectives times only their launch, not their wait;
+  prices as collectives (of those, what is timed here is their launch, not their wait);
 - the framework's cost per kernel: one transformer block of the real backend
   (src.runtime.modules.blocks.Block) so small that its arithmetic is nothing, forward and
   forward + backward, divided by the kernels the cost model counts for it;

@@ -2,11 +2,12 @@
 
 The engine owns gradient reduction and the optimizer (ZeRO 0-3 over the unit's DP group).
 It runs in DeepSpeed's unmanaged gradient-accumulation mode: the executor calls
-`backward` once per instruction (micro-batch, stage, batch-sync) with losses it has
-already scaled, and `step` once at the Program's optimizer instruction, which updates.
-ZeRO-0/1 reduce gradients inside `step`, ZeRO-2/3 during backward. Wherever DeepSpeed
-communicates, each operation of its communication backend is timed
-(`time_deepspeed_comm`), and the executor charges that time to DP communication instead of to the compute around it.
+`backward` once per instruction (micro-batch, stage, batch-sync) with the outputs to
+start from and their gradients, already scaled, and `step` once at the Program's optimizer
+instruction, which updates. ZeRO-0/1 reduce gradients inside `step`, ZeRO-2/3 during
+backward. Wherever DeepSpeed communicates, each operation of its communication backend is
+timed (`time_deepspeed_comm`), and the executor charges that time to DP communication
+instead of to the compute around it.
 """
 
 from __future__ import annotations

@@ -368,9 +368,11 @@ class Executor:
             ends.append(saved.outputs["loss_share"])
             seeds.append(self._loss_seed(saved.outputs["loss_share"]))
         # A stage of frozen layers that no trained layer or input gradient depends on (a
-        # frozen ViT's stage under its trained projector's) has no backward: the cost model prices it at 0.
-        if any(end.requires_grad for end in ends):
-            self._backpropagate(work.unit, ends, seeds, j)
+        # frozen ViT's stage under its trained projector's) has no backward: the cost model
+        # prices it at 0. Autograd refuses to start from an output no gradient reaches.
+        trained = [i for i, end in enumerate(ends) if end.requires_grad]
+        if trained:
+            self._backpropagate(work.unit, [ends[i] for i in trained], [seeds[i] for i in trained], j)
         for grad in compute.outputs:
             leaf = saved.leaves[grad.value()]
             self.s.store.put(grad, _grad(leaf) / self._dp(work.unit))
