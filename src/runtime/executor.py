@@ -359,20 +359,17 @@ class Executor:
         piece = (work.unit, j, compute.chunk)
         # The backward starts from what the forward handed on, seeded with the incoming
         # gradients, and from this rank's share of the loss where the pass ends in it.
-        ends = [saved.outputs[grad.tensor] for grad in compute.inputs]
-        seeds = [self.s.store.tensor(grad) for grad in compute.inputs]
-        for key, seed in self.s.carried_grads.pop(piece, {}).items():
-            ends.append(saved.outputs[key])
-            seeds.append(seed)
+        starts = [(saved.outputs[grad.tensor], self.s.store.tensor(grad)) for grad in compute.inputs]
+        starts += [(saved.outputs[key], seed) for key, seed in self.s.carried_grads.pop(piece, {}).items()]
         if "loss_share" in saved.outputs:
-            ends.append(saved.outputs["loss_share"])
-            seeds.append(self._loss_seed(saved.outputs["loss_share"]))
+            share = saved.outputs["loss_share"]
+            starts.append((share, self._loss_seed(share)))
         # A stage of frozen layers that no trained layer or input gradient depends on (a
         # frozen ViT's stage under its trained projector's) has no backward: the cost model
         # prices it at 0. Autograd refuses to start from an output no gradient reaches.
-        trained = [i for i, end in enumerate(ends) if end.requires_grad]
+        trained = [(end, seed) for end, seed in starts if end.requires_grad]
         if trained:
-            self._backpropagate(work.unit, [ends[i] for i in trained], [seeds[i] for i in trained], j)
+            self._backpropagate(work.unit, [end for end, _ in trained], [seed for _, seed in trained], j)
         for grad in compute.outputs:
             leaf = saved.leaves[grad.value()]
             self.s.store.put(grad, _grad(leaf) / self._dp(work.unit))
