@@ -55,7 +55,7 @@ def configure(gpus: int, batch: int) -> Setup:
 def orchestrate(setup: Setup) -> dict:
     """The orchestration alone, as the planner runs it first."""
     opts = options_from(DistTrainOptions, setup.config["strategy"])
-    loads = _batch_loads(setup.model, setup.train.seed, setup.train.global_batch, opts.data, None)
+    loads = _batch_loads(setup.model, setup.train.seed, setup.train.global_batch, setup.train.data, None)
     profiler = Profiler(setup.model, setup.cluster, setup.train.precision, opts.tp_overlap_chunks)
     fixed = {u: opts.fixed(u) for u in UNITS}
     return (

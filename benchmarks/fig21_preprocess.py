@@ -37,7 +37,7 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 SAMPLES = 64  # distinct images per resolution (a run's samples wrap around them)
-RUN = ["backend=torch", "cluster=local", "model=mllm_9b", "model.scale=tiny", "strategy=disttrain", "strategy.data=uniform"]
+RUN = ["backend=torch", "cluster=local", "model=mllm_9b", "model.scale=tiny", "strategy=disttrain", "train.data=uniform"]
 
 
 def write_shard(path: Path, resolution: int) -> None:

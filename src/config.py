@@ -30,10 +30,14 @@ class TrainSpec:
     precision: str
     steps: int
     seed: int
+    # What the samples hold, the workload's for every strategy of a comparison: "uniform"
+    # (every sample alike) or "interleaved" (an MLLM's LAION-like sequences whose image count
+    # and sizes vary, src/data/interleaved.py).
+    data: str = "uniform"
 
 
 TOP_LEVEL = ("model", "strategy", "cluster", "backend", "logger", "train", "run", "plan")
-TRAIN_KEYS = ("global_batch", "contrastive_batch", "seq_len", "precision", "steps", "seed", "checkpoint_every", "resume")
+TRAIN_KEYS = ("global_batch", "contrastive_batch", "seq_len", "precision", "steps", "seed", "data", "checkpoint_every", "resume")
 RUN_KEYS = ("name", "out_root")
 LOGGER_KEYS = {"none": ("name",), "wandb": ("name", "mode", "project", "entity", "group", "tags")}
 WANDB_MODES = ("offline", "online", "disabled")
@@ -50,8 +54,11 @@ def positive_int(cfg: Mapping[str, Any], key: str, prefix: str) -> int:
     return value
 
 
-def train_from_config(cfg: Mapping[str, Any], cluster: ClusterSpec, default_batch: int | None = None) -> TrainSpec:
-    """`default_batch` (the model's) stands in for a null train.global_batch."""
+def train_from_config(
+    cfg: Mapping[str, Any], cluster: ClusterSpec, default_batch: int | None = None, data: tuple[str, ...] = ("uniform",)
+) -> TrainSpec:
+    """`default_batch` (the model's) stands in for a null train.global_batch; `data`: the
+    contents the model's samples can hold, its default first (a null train.data)."""
     reject_unknown(cfg, TRAIN_KEYS, "train key(s)")
     if cfg.get("global_batch") is None and default_batch is not None:
         cfg = {**cfg, "global_batch": default_batch}
@@ -75,6 +82,9 @@ def train_from_config(cfg: Mapping[str, Any], cluster: ClusterSpec, default_batc
     seed = cfg.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ConfigError(f"train.seed must be a non-negative integer, got {seed!r}")
+    content = cfg.get("data") or data[0]
+    if content not in data:
+        raise ConfigError(f"train.data={content!r}: this model's samples hold {' or '.join(data)} data")
     return TrainSpec(
         global_batch=global_batch,
         contrastive_batch=contrastive,
@@ -82,6 +92,7 @@ def train_from_config(cfg: Mapping[str, Any], cluster: ClusterSpec, default_batc
         precision=precision,
         steps=positive_int(cfg, "steps", "train"),
         seed=seed,
+        data=content,
     )
 
 

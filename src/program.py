@@ -514,7 +514,7 @@ class Plan:
     # holds, when the strategy reorders its batch (DistTrain); None: data order.
     sample_order: tuple[int, ...] | None = None
     # What an MLLM's sequences hold: "uniform" (one image each) or "interleaved" (each its
-    # sample's images, as data.interleaved's sampler draws them: DistTrain's strategy.data).
+    # sample's images, as data.interleaved's sampler draws them: the workload's train.data).
     sample_content: str = "uniform"
     # Images per sample of the first step's batch (in data order) that the plan prices, where
     # its loads follow them (DistTrain's interleaved data, or an MLLM's tar shards); None: none.

@@ -31,7 +31,7 @@ from src.plan_io import PLANNED_FROM, PlannedRun, RunSettings, read_plan, write_
 from src.program import Plan
 from src.report import JobInfo
 from src.report.files import ERROR_FILE, SUMMARY_FILE
-from src.strategies import PlanRequest, option_keys, planner_for
+from src.strategies import PlanRequest, option_keys, planner_for, software_attention
 
 RESOLVED_FILE = "resolved.yaml"
 TRAIN_NOT_PLANNED = ("steps", "checkpoint_every", "resume")  # the train keys a written plan's re-run may set
@@ -57,8 +57,11 @@ def validate(config: dict[str, Any]) -> Setup:
         # with one process): model.dropout null reads as false there, and the plan says so.
         config = {**config, "model": {**config["model"], "dropout": False}}
     cluster = cluster_from_config(config["cluster"])
-    model = build_model(config["model"], config["train"].get("seq_len"), cluster.attention)
-    train = train_from_config(config["train"], cluster, model.default_global_batch)
+    # The attention kernel is the software's: model.attention if set, else that of the codebase
+    # the strategy models (DeepSpeed-3D's), else the cluster preset's (its testbed's era).
+    attention = software_attention(config["strategy"]) or cluster.attention
+    model = build_model(config["model"], config["train"].get("seq_len"), attention)
+    train = train_from_config(config["train"], cluster, model.default_global_batch, model.extras.get("data", ("uniform",)))
     backend = _backend(config)
     check_logger_and_run(config.get("logger") or {"name": "none"}, config.get("run") or {})
     return Setup(config, model, cluster, train, backend)

@@ -108,6 +108,10 @@ GUARD = ProcessGuard()
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # Matplotlib's first import on a fresh machine asks fc-list for the fonts (a process)
+    # and caches them: done here, before the guard, not inside whichever test plots first.
+    if importlib.util.find_spec("matplotlib") is not None:
+        import matplotlib.font_manager  # noqa: F401
     GUARD.install()
 
 

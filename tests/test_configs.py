@@ -23,6 +23,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from src.errors import ConfigError
 from src.cluster import FLOAT_FIELDS, ClusterSpec, cluster_from_config, unsourced
 from src.config import PRECISIONS, TrainSpec, options_from, train_from_config
 from src.models.registry import MODEL_NAMES, build_model
@@ -225,6 +226,14 @@ def test_train_spec_builds_for_every_model_and_cluster(model: str, cluster: str)
     assert train.precision == spec.default_precision  # precision: auto
     assert train.global_batch == model_spec.default_global_batch  # global_batch: null
     assert train.steps > 0 and 0 < train.contrastive_batch <= train.global_batch
+
+
+def test_the_data_is_the_workloads_with_the_models_default() -> None:
+    assert validate(compose_config("model=mllm_9b", "strategy=megatron")).train.data == "interleaved"
+    assert validate(compose_config("model=mllm_9b", "train.data=uniform")).train.data == "uniform"
+    assert validate(compose_config("model=clip")).train.data == "uniform"
+    with pytest.raises(ConfigError, match=r"train.data='interleaved': this model's samples hold uniform data"):
+        validate(compose_config("model=clip", "train.data=interleaved"))
 
 
 # --------------------------------------------------------------------------- cluster yaml files

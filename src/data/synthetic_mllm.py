@@ -1,6 +1,6 @@
 """Synthetic MLLM samples for the real backend, deterministic from (seed, sample index).
 
-One sample is one sequence of DistTrain's uniform data (strategy.data=uniform: every
+One sample is one sequence of DistTrain's uniform data (train.data=uniform: every
 sequence alike): one image at the encoder's resolution in its first `image_tokens`
 positions, then text; and one image to generate. Each sample has a class: its input image
 is the class's prototype plus noise, its text the class's arithmetic progression of tokens

@@ -64,11 +64,11 @@ TOWERS: dict[str, dict[str, tuple[Tower, Tower]]] = {
 }
 
 
-# The global batch per scale when train.global_batch is null. DistMM does not state its
-# batch; these are the values our Figure 7 sweep argues for (sweeps/distmm_fig7_*.yaml's
-# notes): 9 samples per V100 at single-device scale (divisible by 48 and 16 replicas), the
-# most Megatron-LM fits for CoCa at single-node scale, and at multi-node scale.
-DEFAULT_BATCH = {"single_device": 576, "single_node": 192, "multi_node": 48, "tiny": 16}
+# The global batch per scale when train.global_batch is null. DistMM states no global batch:
+# at single-device scale its Megatron-LM baseline runs 8 samples per GPU (§7.2.2: "the text
+# submodule's batch size is increased from 8 to 150"), 512 on its 64 GPUs; at the larger
+# scales, the most Megatron-LM fits for CoCa (sweeps/distmm_fig7_end_to_end.yaml's notes).
+DEFAULT_BATCH = {"single_device": 512, "single_node": 192, "multi_node": 48, "tiny": 16}
 
 
 @dataclass(frozen=True)

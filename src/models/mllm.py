@@ -199,6 +199,9 @@ def build_mllm(model: str, opts: Options, seq_len: int | None) -> ModelSpec:
             "scale": scale_name,
             "images_per_sequence": images,
             "image_size_spread": spread,
+            # The data an MLLM's sequences can hold (train.data), the default first: DistTrain's
+            # LAION-like interleaved sequences (§2.3, Fig. 5), or every sequence alike.
+            "data": ("interleaved", "uniform"),
             "image_tokens": image_tokens,
             "cond_tokens": cond_tokens,
             # model.frozen freezes these units layer by layer, keeping the projectors trained.

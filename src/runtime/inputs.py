@@ -99,7 +99,7 @@ def _mllm_data(model: ModelSpec, seed: int, source: str, errors: str, content: s
     if uniform and encoder.arch.images != 1:
         raise ConfigError(
             f"model.images_per_sequence={encoder.arch.images}: the real backend runs uniform MLLM data with one image "
-            f"per sequence (strategy.data=interleaved draws each sequence's images)"
+            f"per sequence (train.data=interleaved draws each sequence's images)"
         )
     # Uniform: the sequence's image tokens; interleaved: one image's (each drawn alone).
     tokens = llm.arch.image_tokens if uniform else model.extras["image_tokens"]

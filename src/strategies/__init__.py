@@ -8,6 +8,7 @@ A strategy written outside this package joins in one of two ways (docs/adding_a_
 from __future__ import annotations
 
 import importlib
+from typing import Callable
 
 from src.errors import ConfigError
 from src.strategies import ddp, deepspeed3d, distmm, disttrain, megatron, optimus, par4d
@@ -44,7 +45,10 @@ PLAN_FIELDS: dict[str, dict[str, str]] = {
     "optimus": optimus.PLAN_FIELDS,
     "disttrain": disttrain.PLAN_FIELDS,
 }
-RUN_FIELDS = {"precision": "train.precision"}  # plan fields every strategy takes from the run, not its options
+RUN_FIELDS = {"precision": "train.precision", "load": "train.data"}  # plan fields every strategy takes from the run, not its options
+# Per strategy that models one codebase, the attention kernel that codebase runs (from its
+# options): the door builds the model with it unless model.attention is set.
+SOFTWARE_ATTENTION: dict[str, Callable[[dict], str | None]] = {"deepspeed3d": deepspeed3d.software_attention}
 
 
 def register(name: str, planner: Planner) -> None:
@@ -75,6 +79,13 @@ def planner_for(name: str) -> Planner:
     return planner
 
 
+def software_attention(strategy: dict) -> str | None:
+    """The attention kernel the software of `strategy` (its config group) runs, where its
+    strategy models one codebase; None: the run's (the cluster preset's)."""
+    rule = SOFTWARE_ATTENTION.get(strategy["name"])
+    return None if rule is None else rule(strategy)
+
+
 def option_keys(strategy: str, fields: tuple[str, ...], units: tuple[str, ...] = ()) -> list[str]:
     """The config keys that set `fields` of a `strategy` plan (of `units`, if given)."""
     table = {**RUN_FIELDS, **PLAN_FIELDS.get(strategy, {})}
@@ -87,4 +98,4 @@ def option_keys(strategy: str, fields: tuple[str, ...], units: tuple[str, ...] =
     return list(dict.fromkeys(keys))
 
 
-__all__ = ["PLAN_FIELDS", "STRATEGIES", "Planner", "PlanRequest", "option_keys", "planner_for", "register"]
+__all__ = ["PLAN_FIELDS", "STRATEGIES", "Planner", "PlanRequest", "option_keys", "planner_for", "register", "software_attention"]

@@ -1,20 +1,29 @@
 """DeepSpeed-3D: Megatron-LM's tensor parallelism inside DeepSpeed's pipeline engine with
-ZeRO-1 over data parallelism (Microsoft's "3D parallelism with MegatronLM and ZeRO"
-example, Par4D's second baseline).
+ZeRO-1 over data parallelism, as the codebase Par4D cites for it runs ([7]: DeepSpeedExamples'
+`Megatron-LM-v1.1.5-3D_parallelism`, "3d parallelism with megatronlm and zero redundancy
+optimizer", February 2021: a snapshot of Megatron-LM v1.1.5 inside DeepSpeed's pipeline).
 
-What separates it from the Megatron-LM baseline is what DeepSpeed's integration runs:
-its pipeline engine's 1F1B schedule (TrainSchedule; no interleaving), ZeRO stage 1
-always (optimizer states sharded over data parallelism: gradients reduce-scattered and
-parameters all-gathered after the flush, not overlapped with the backward), no sequence
-parallelism, and stages balanced by parameters (partition_method "parameters", so stages
-may differ by a block). The Programs are the Megatron pipeline's, built and searched by
-the Megatron planner with these settings fixed.
+What separates it from today's Megatron-LM baseline is what that codebase runs:
+- DeepSpeed's pipeline engine's 1F1B schedule (TrainSchedule; no interleaving);
+- ZeRO stage 1 always (optimizer states sharded over data parallelism: gradients
+  reduced and parameters all-gathered after the pipeline flush, not overlapped with the
+  backward);
+- no sequence parallelism (it came with Megatron-LM 3.0, 2022);
+- the pipeline partitioned by transformer layers (GPT2ModelPipe's
+  partition_method='type:transformer'), so stages differ by at most one block;
+- eager attention: ParallelSelfAttention writes QK^T to memory (torch.baddbmm), then
+  FusedScaleMaskSoftmax and dropout over the scores; FlashAttention (2022) came later.
+  The attention kernel is the software's, so it is this strategy's option `attention`,
+  which the door builds the model with (src/strategies/__init__.py: software_attention).
+The Programs are the Megatron pipeline's, built and searched by the Megatron planner
+with these settings fixed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from src.cluster import ATTENTION_MODES
 from src.config import options_from
 from src.errors import ConfigError
 from src.program import Plan
@@ -43,6 +52,13 @@ class DeepSpeed3DOptions:
     # DeepSpeed's pipeline engine partitions activations across the TP ranks it sends them
     # from (is_pipe_partitioned) and gathers them on arrival, as Megatron's scatter/gather.
     scatter_gather: bool = True
+    # The codebase's attention kernel (eager: its scores in memory); null: the run's
+    # (model.attention, else the cluster preset's). model.attention, when set, wins.
+    attention: str | None = "eager"
+
+    def __post_init__(self) -> None:
+        if self.attention is not None and self.attention not in ATTENTION_MODES:
+            raise ConfigError(f"strategy.attention={self.attention!r}; choose one of {list(ATTENTION_MODES)} or null")
 
     def megatron_options(self) -> dict:
         return {
@@ -59,6 +75,11 @@ class DeepSpeed3DOptions:
             "uneven_pp": self.uneven_pp,
             "scatter_gather": self.scatter_gather,
         }
+
+
+def software_attention(options: dict) -> str | None:
+    """The attention kernel this strategy's software runs (the door builds the model with it)."""
+    return options_from(DeepSpeed3DOptions, options).attention
 
 
 def plan_deepspeed3d(request: PlanRequest) -> Plan:

@@ -27,7 +27,7 @@ BASE = [
     "model.scale=tiny",
     "model.train_projectors=true",
     "strategy=disttrain",
-    "strategy.data=uniform",
+    "train.data=uniform",
     f"train.global_batch={BATCH}",
     f"train.steps={STEPS}",
     # eps = 1: updates proportional to the gradients (see test_runtime_equality); lr = 1

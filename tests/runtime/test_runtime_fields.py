@@ -52,7 +52,7 @@ DS3D = (
     + GPT
     + ["strategy=deepspeed3d", "strategy.tp=1", "strategy.pp=2", "strategy.micro_batch_size=2", "strategy.recompute=none"]
 )
-DISTTRAIN = WORKERS + ["model=mllm_9b", "model.scale=tiny", "train.global_batch=8", "strategy=disttrain", "strategy.data=uniform"]
+DISTTRAIN = WORKERS + ["model=mllm_9b", "model.scale=tiny", "train.global_batch=8", "strategy=disttrain", "train.data=uniform"]
 EQUALITY, DISTMM_RUNS, DISTTRAIN_RUNS = "test_runtime_equality", "test_runtime_distmm", "test_runtime_disttrain"
 TP_PP_RUNS = "test_runtime_tp_pp"
 PAR4D_RUNS = "test_runtime_par4d"
@@ -132,7 +132,7 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
     # Each sequence holds its sample's images: micro-batches of different loads, run for real.
     ("disttrain", "data"): (
         DISTTRAIN,
-        ["strategy.data=interleaved", "model.image_size_spread=0", "strategy.generator.pp=1"],
+        ["train.data=interleaved", "model.image_size_spread=0", "strategy.generator.pp=1"],
         "run",
         INTERLEAVED_RUNS,
     ),
@@ -166,7 +166,7 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
     # layers on two stages of two chunks); the tiny ViT's and the U-Net's single stage
     # (the runtime runs a U-Net whole) have nothing to interleave, as in every run.
     ("disttrain", "llm.vpp"): (
-        WORKERS + ["model=mllm_72b", "model.scale=tiny", "train.global_batch=8", "strategy=disttrain", "strategy.data=uniform"],
+        WORKERS + ["model=mllm_72b", "model.scale=tiny", "train.global_batch=8", "strategy=disttrain", "train.data=uniform"],
         ["strategy.llm.pp=2", "strategy.llm.vpp=2"],
         "run",
         DISTTRAIN_RUNS,
@@ -374,7 +374,7 @@ def test_optimus_llm_distributed_optimizer_over_replicas_is_refused_naming_the_f
 
 def test_interleaved_data_refuses_an_encoder_on_pipeline_stages_of_tp_peers():
     interleaved = DISTTRAIN + [
-        "strategy.data=interleaved",
+        "train.data=interleaved",
         "model.image_size_spread=0",
         "strategy.generator.pp=1",
         "strategy.encoder.pp=2",
@@ -388,7 +388,7 @@ def test_interleaved_data_refuses_an_encoder_on_pipeline_stages_of_tp_peers():
 def test_interleaved_data_of_spread_image_sides_is_refused_naming_the_spread():
     """The plan prices the sides the sampler draws; the real backend runs every image at
     the encoder's nominal side."""
-    interleaved = DISTTRAIN + ["strategy.data=interleaved", "strategy.generator.pp=1"]
+    interleaved = DISTTRAIN + ["train.data=interleaved", "strategy.generator.pp=1"]
     with pytest.raises(ConfigError) as refused:
         _check(interleaved + ["model.images_per_sequence=2"])
     assert str(refused.value) == (
@@ -402,7 +402,7 @@ def test_a_written_plan_runs_on_the_images_its_loads_price_only(tmp_path):
     """The plan prices its first batch's images (the sampler's, at spread 0); re-run with
     plan=DIR on shards whose samples hold other images, it is refused."""
     spread_zero = ["model.images_per_sequence=2", "model.image_size_spread=0"]
-    setup = validate(composed(DISTTRAIN + spread_zero + ["strategy.data=interleaved", "strategy.generator.pp=1"]))
+    setup = validate(composed(DISTTRAIN + spread_zero + ["train.data=interleaved", "strategy.generator.pp=1"]))
     write_plan(tmp_path, PlannedRun(setup.model, setup.cluster, setup.train, plan_run(setup)))
     written = read_plan(tmp_path)
     priced = written.plan.sample_images

@@ -48,7 +48,7 @@ BASE = [
     "backend.timeout_s=30",  # a rank left out of a collective fails the run soon
 ]
 # The orchestrator's plan on 4 workers: encoder dp 1, LLM dp 2, generator dp 1 (a U-Net runs whole).
-DISTTRAIN = ["strategy=disttrain", "strategy.data=interleaved", "strategy.generator.pp=1"]
+DISTTRAIN = ["strategy=disttrain", "train.data=interleaved", "strategy.generator.pp=1"]
 CASES: dict[str, list[str]] = {
     "in_order": DISTTRAIN + ["strategy.reorder=none"],
     "reordered": DISTTRAIN + ["strategy.reorder=both"],

@@ -163,7 +163,7 @@ def test_coca_moves_image_tokens_between_towers() -> None:
 
 
 @pytest.mark.parametrize("model", ["clip", "coca", "lit"])
-@pytest.mark.parametrize("scale,batch", [("single_device", "576"), ("single_node", "192"), ("multi_node", "48")])
+@pytest.mark.parametrize("scale,batch", [("single_device", "512"), ("single_node", "192"), ("multi_node", "48")])
 def test_every_model_plans_and_simulates(model: str, scale: str, batch: str) -> None:
     # The batches of sweeps/distmm_fig7_end_to_end.yaml (two batch-sync groups at multi-node).
     extra = ["train.contrastive_batch=24"] if scale == "multi_node" else []

@@ -136,7 +136,7 @@ def _orchestrator(s: Setup, mode: str = "disaggregated", keep: int = 1) -> Orche
 
 
 def test_orchestration_is_within_tolerance_of_brute_force() -> None:
-    s = setup(*SMALL, "strategy.data=uniform", "strategy.tp_overlap_chunks=1", *FIXED_OPTIONS)
+    s = setup(*SMALL, "train.data=uniform", "strategy.tp_overlap_chunks=1", *FIXED_OPTIONS)
     orchestrator = _orchestrator(s)
     found = orchestrator.solve()
     batch, n = s.train.global_batch, s.cluster.devices
@@ -168,7 +168,7 @@ def test_orchestration_is_within_tolerance_of_brute_force() -> None:
 
 
 def test_the_relaxation_bounds_every_recovered_choice() -> None:
-    s = setup(*SMALL, "strategy.data=uniform", *FIXED_OPTIONS)
+    s = setup(*SMALL, "train.data=uniform", *FIXED_OPTIONS)
     found = _orchestrator(s, keep=8).solve()
     assert len(found.choices) > 1
     assert [t for t, _ in found.choices] == sorted(t for t, _ in found.choices)
@@ -179,7 +179,7 @@ def test_a_32_gpu_orchestration_is_what_it_was() -> None:
     """The best eight choices of one request and their 1F1B times, as the orchestration
     found them when it solved every sub-problem's closed form: solving fewer of them
     (the bound) and pricing faster must leave them as they are."""
-    s = setup("model=mllm_9b", "cluster=a800", "cluster.nodes=4", "train.global_batch=64", "strategy.data=uniform")
+    s = setup("model=mllm_9b", "cluster=a800", "cluster.nodes=4", "train.global_batch=64", "train.data=uniform")
     found = _orchestrator(s, keep=8).solve()
     times = [7.811594339726, 7.891059638691, 7.902449684155, 7.902688195102, 7.914078240566, 8.07303910489, 8.084429150355]
     assert [t for t, _ in found.choices] == pytest.approx([*times, 8.376899400152], rel=1e-11)
@@ -194,9 +194,9 @@ def test_a_32_gpu_orchestration_is_what_it_was() -> None:
 
 
 def test_ratio_orchestration_is_no_better_than_algorithm_1() -> None:
-    s = setup(*SMALL, "strategy.data=uniform")
+    s = setup(*SMALL, "train.data=uniform")
     disaggregated = plan_run(s)
-    ratio = plan_run(setup(*SMALL, "strategy.data=uniform", "strategy.orchestration=ratio"))
+    ratio = plan_run(setup(*SMALL, "train.data=uniform", "strategy.orchestration=ratio"))
     assert disaggregated.details["simulated_s"] <= ratio.details["simulated_s"] + 1e-12
 
 
@@ -302,7 +302,7 @@ def test_the_plan_s_estimate_is_the_simulated_time_and_its_pick_the_fastest_simu
 
 
 def test_a_unit_s_megatron_options_are_given_by_hand_or_searched() -> None:
-    fixed = ["model=mllm_9b", "cluster=a800", "cluster.nodes=2", "train.global_batch=8", "strategy.data=uniform"]
+    fixed = ["model=mllm_9b", "cluster=a800", "cluster.nodes=2", "train.global_batch=8", "train.data=uniform"]
     given = setup(
         *fixed,
         "strategy.llm.tp=4",
@@ -330,7 +330,7 @@ def test_pipeline_sends_are_priced_as_the_program_moves_them() -> None:
         "cluster=a800",
         "cluster.nodes=2",
         "train.global_batch=8",
-        "strategy.data=uniform",
+        "train.data=uniform",
         "strategy.llm.tp=4",
         "strategy.llm.pp=3",
         "strategy.llm.dp=1",
@@ -429,7 +429,7 @@ def test_data_heterogeneity_and_reordering() -> None:
         rs = setup(*base, f"strategy.reorder={reorder}")
         times[reorder] = simulate(plan_run(rs).program, rs.model, rs.cluster, rs.train.precision).iteration_time
     assert times["both"] <= times["none"]
-    uniform = setup(*base, "strategy.data=uniform")
+    uniform = setup(*base, "train.data=uniform")
     loads = {c.work.load for rp in plan_run(uniform).program.classes for c in rp.instructions if isinstance(c, Compute)}
     assert loads == {1.0}
 
@@ -465,7 +465,7 @@ REAL = [
     "model.scale=tiny",
     "model.images_per_sequence=2",
     "train.global_batch=8",
-    "strategy.data=interleaved",
+    "train.data=interleaved",
     "strategy.generator.pp=1",
 ]
 
@@ -555,7 +555,7 @@ def test_tp_overlap_chunks_split_the_tp_collectives() -> None:
         "train.global_batch=4",
         "strategy.llm.tp=4",
         "strategy.llm.dp=1",
-        "strategy.data=uniform",
+        "train.data=uniform",
     ]
     plain = setup(*fixed, "strategy.tp_overlap_chunks=1")
     overlapped = setup(*fixed, "strategy.tp_overlap_chunks=4")

@@ -10,6 +10,5 @@ PLAN_FIELDS = {
     "zero_stage": "strategy.{unit}.zero_stage",
     "sequence_parallel": "strategy.{unit}.sequence_parallel",
     "scatter": "strategy.{unit}.scatter_gather",
-    "load": "strategy.data",
     "fraction": "strategy.tp_overlap_chunks",
 }

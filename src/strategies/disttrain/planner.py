@@ -3,7 +3,8 @@ multimodal LLMs. Every component can be switched off for the paper's ablations:
 
 - orchestration: `disaggregated` (Algorithm 1, strategies.disttrain.orchestration) or
   `ratio` (GPUs in proportion to each unit's FLOPs, §8.2.1's baseline);
-- data: `interleaved` (LAION-like sequences whose image count and sizes vary,
+- the data is the workload's (train.data, the same for every strategy of a comparison):
+  `interleaved` (LAION-like sequences whose image count and sizes vary,
   src/data/interleaved.py) or `uniform` (every sequence alike); a real run on an MLLM's
   tar shards prices the images their samples hold (PlanRequest.sample_images);
 - reorder: none | intra (Algorithm 2) | inter (Algorithm 3) | both;
@@ -33,7 +34,6 @@ from src.strategies.disttrain.profile import Profiler
 from src.strategies.disttrain.search import RANKED, SIMULATED, BatchLoads, Candidate, Decision, memory_problem
 
 ORCHESTRATIONS = ("disaggregated", "ratio")
-DATA = ("interleaved", "uniform")
 UNIT_KEYS = tuple(f.name for f in fields(Fixed))
 POSITIVE = ("tp", "pp", "dp", "vpp")
 
@@ -41,7 +41,6 @@ POSITIVE = ("tp", "pp", "dp", "vpp")
 @dataclass(frozen=True)
 class DistTrainOptions:
     orchestration: str = "disaggregated"
-    data: str = "interleaved"
     reorder: str = "both"
     tp_overlap_chunks: int = 4
     recompute: str | None = None
@@ -51,7 +50,7 @@ class DistTrainOptions:
     generator: Mapping[str, Any] | None = field(default=None)
 
     def __post_init__(self) -> None:
-        for key, allowed in (("orchestration", ORCHESTRATIONS), ("data", DATA), ("reorder", REORDERS)):
+        for key, allowed in (("orchestration", ORCHESTRATIONS), ("reorder", REORDERS)):
             if getattr(self, key) not in allowed:
                 raise ConfigError(f"strategy.{key}={getattr(self, key)!r}; choose one of {list(allowed)}")
         chunks = self.tp_overlap_chunks
@@ -135,6 +134,8 @@ def _image_loads(images: tuple[int, ...], nominal: int) -> BatchLoads:
 
 
 def plan_disttrain(request: PlanRequest) -> Plan:
+    if "data" in request.options:
+        raise ConfigError("strategy.data is train.data now: the data is the workload's, the same for every strategy")
     opts = options_from(DistTrainOptions, request.options)
     model, cluster, train = request.model, request.cluster, request.train
     _check_model(model)
@@ -142,7 +143,7 @@ def plan_disttrain(request: PlanRequest) -> Plan:
     check_microbatch_count(
         -(-train.global_batch // cluster.devices), 1, f"global batch {train.global_batch} over at most {cluster.devices} LLM replicas"
     )
-    loads = _batch_loads(model, train.seed, train.global_batch, opts.data, request.sample_images)
+    loads = _batch_loads(model, train.seed, train.global_batch, train.data, request.sample_images)
     profiler = Profiler(model, cluster, train.precision, opts.tp_overlap_chunks)
     fixed = {u: opts.fixed(u) for u in UNITS}
 
@@ -189,7 +190,7 @@ def plan_disttrain(request: PlanRequest) -> Plan:
     }
     details = {
         "orchestration": opts.orchestration,
-        "data": opts.data,
+        "data": train.data,
         "reorder": opts.reorder,
         "tp_overlap_chunks": opts.tp_overlap_chunks,
         "microbatches": best.microbatches,
@@ -213,7 +214,7 @@ def plan_disttrain(request: PlanRequest) -> Plan:
         precision=request.train.precision,
         details=details,
         sample_order=best.assignment.positions,
-        sample_content=opts.data,
-        sample_images=loads.images if opts.data == "interleaved" or request.sample_images is not None else None,
+        sample_content=train.data,
+        sample_images=loads.images if train.data == "interleaved" or request.sample_images is not None else None,
         images_per_sequence=None if request.sample_images is None else sum(loads.images) / len(loads.images),
     )
