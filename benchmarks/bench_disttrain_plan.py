@@ -30,7 +30,8 @@ from src.config import composed
 from src.config import options_from
 from src.setup import Setup, plan_run, validate
 from src.strategies.disttrain.orchestration import UNITS, Orchestrator
-from src.strategies.disttrain.planner import DistTrainOptions, _batch_loads
+from src.data.loads import batch_loads
+from src.strategies.disttrain.planner import DistTrainOptions
 from src.strategies.disttrain.profile import Profiler
 
 # (GPUs, global batch) of Table 2; A800 nodes hold 8 GPUs (112 GPUs = 14 nodes).
@@ -55,7 +56,7 @@ def configure(gpus: int, batch: int) -> Setup:
 def orchestrate(setup: Setup) -> dict:
     """The orchestration alone, as the planner runs it first."""
     opts = options_from(DistTrainOptions, setup.config["strategy"])
-    loads = _batch_loads(setup.model, setup.train.seed, setup.train.global_batch, setup.train.data, None)
+    loads = batch_loads(setup.model, setup.train.seed, setup.train.global_batch, setup.train.data, None)
     profiler = Profiler(setup.model, setup.cluster, setup.train.precision, opts.tp_overlap_chunks)
     fixed = {u: opts.fixed(u) for u in UNITS}
     return (

@@ -26,6 +26,7 @@ from src.costmodel.memory import rank_memory
 from src.errors import ConfigError, PlanError
 from src.mesh import Mesh
 from src.program import DEEPSPEED_PERSISTENCE_THRESHOLD, RECOMPUTE_MODES, Instruction, Plan, Program, UnitPlan
+from src.strategies.builders.replicas import on_the_data
 from src.strategies.base import PlanRequest, check_microbatch_count, microbatch_sizes
 from src.strategies.builders.colocated import ColocatedEmitter, ColocatedUnit
 from src.models.flows import unit_order
@@ -192,7 +193,7 @@ def plan_ddp(request: PlanRequest) -> Plan:
             if memory["total"] <= usable:
                 plan, memory = _build(request, opts, dp, mb, recompute)
                 plan.details["memory_gib"] = round(memory["total"] / GIB, 3)
-                return plan
+                return on_the_data(plan, request)
             short = memory["total"] - usable
             if closest is None or short < closest[0]:
                 parts = ", ".join(

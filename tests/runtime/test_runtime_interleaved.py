@@ -1,7 +1,7 @@
 """Interleaved data on the real backend: sequences that hold their samples' images (none to
 several, drawn as the simulator draws them or read from tar shards) train exactly like
-one process, in data order, reordered by DistTrain's plan, with a frozen encoder and with
-the encoder on two pipeline stages; a
+one process, in data order, reordered by DistTrain's plan, with a frozen encoder, with
+the encoder on two pipeline stages, and under Megatron-LM's pipeline; a
 data-parallel rank whose micro-batch holds no image takes part in every collective of the
 encoder and generator (ZeRO-0 and ZeRO-3), under a short timeout. All runs share ONE
 launch of four workers.
@@ -62,6 +62,17 @@ CASES: dict[str, list[str]] = {
     # its micro-batch 3).
     "encoder_pp2_shards": DISTTRAIN + ["strategy.reorder=none", "strategy.encoder.pp=2", "backend.data=SHARDS"],
     "ddp_zero0_no_image": ["strategy=ddp", "strategy.zero_stage=0", "backend.data=SHARDS"],
+    # Megatron-LM on the same data: its two replicas' micro-batches carry their own images
+    # (rank classes per replica in the plan), the encoder in the first stage, the generator
+    # in the last.
+    "megatron": [
+        "strategy=megatron",
+        "train.data=interleaved",
+        "strategy.modality_stages=merged",
+        "strategy.tp=1",
+        "strategy.pp=2",
+        "strategy.micro_batch_size=1",
+    ],
     # ZeRO-3 gathers every layer's weights on every rank, also for a micro-batch of no image.
     "ddp_zero3_no_image": ["strategy=ddp", "strategy.zero_stage=3", "backend.data=SHARDS"],
 }

@@ -21,7 +21,8 @@ from src.program import Collective, Compute, Table
 from src.runtime.placement import placements
 from src.setup import Setup, plan_run, validate
 from src.sim.engine import simulate
-from src.strategies.disttrain.planner import DistTrainOptions, _batch_loads
+from src.data.loads import batch_loads
+from src.strategies.disttrain.planner import DistTrainOptions
 from src.strategies.base import MAX_MICROBATCHES, divisors
 from src.mesh import Mesh
 from src.program import Payload
@@ -539,10 +540,10 @@ def test_given_sample_images_price_what_they_hold_and_drawn_ones_the_models_mean
     its loads are against the batch's: the batch prices the model's mean, as every strategy."""
     model = setup(*REAL).model
     images = (2, 1, 3, 0, 1, 2, 0, 0)
-    given = _batch_loads(model, 0, 8, "interleaved", images)
+    given = batch_loads(model, 0, 8, "interleaved", images)
     assert given.encoder == given.generator == (1.0, 0.5, 1.5, 0.0, 0.5, 1.0, 0.0, 0.0)
     assert sum(given.encoder) == sum(images) / 2 and given.peak["encoder"] == 1.5
-    drawn = _batch_loads(model, 0, 8, "interleaved", None)
+    drawn = batch_loads(model, 0, 8, "interleaved", None)
     assert sum(drawn.encoder) == pytest.approx(8) and sum(drawn.generator) == pytest.approx(8)
     assert sum(drawn.images) / 8 != 2  # the batch's own mean is not the model's: the loads say the model's
 

@@ -23,7 +23,7 @@ from typing import Any, Mapping
 from src.cluster import GIB
 from src.config import options_from
 from src.costmodel.memory import check_memory_options
-from src.data.interleaved import encoder_cost, generator_cost, relative_loads, sampler
+from src.data.loads import batch_loads
 from src.errors import ConfigError, PlanError
 from src.models.spec import ModelSpec
 from src.program import RECOMPUTE_MODES, Plan, compress_ranks
@@ -31,7 +31,7 @@ from src.strategies.base import PlanRequest, check_microbatch_count
 from src.strategies.disttrain.data import REORDERS
 from src.strategies.disttrain.orchestration import UNITS, Fixed, Orchestrator
 from src.strategies.disttrain.profile import Profiler
-from src.strategies.disttrain.search import RANKED, SIMULATED, BatchLoads, Candidate, Decision, memory_problem
+from src.strategies.disttrain.search import RANKED, SIMULATED, Candidate, Decision, memory_problem
 
 ORCHESTRATIONS = ("disaggregated", "ratio")
 UNIT_KEYS = tuple(f.name for f in fields(Fixed))
@@ -93,46 +93,6 @@ def _check_model(model: ModelSpec) -> None:
         )
 
 
-def _batch_loads(model: ModelSpec, seed: int, batch: int, data: str, sample_images: tuple[int, ...] | None) -> BatchLoads:
-    """Each sequence's loads: of the images the run's shards hold (`sample_images`, every one
-    at the nominal side, whatever `data` says), else of the sequences `data` says, drawn
-    around the model's mean (relative to the batch's: the batch prices the model's work)."""
-    if sample_images is not None:
-        return _image_loads(sample_images, model.extras["images_per_sequence"])
-    if data == "uniform":
-        ones = (1.0,) * batch
-        return BatchLoads(ones, ones, (model.extras["images_per_sequence"],) * batch)
-    encoder = model.unit("encoder")
-    layouts = sampler(model, seed).batch(batch)
-    # FLOPs per token and per token squared of one nominal image, from the unit's kernels.
-    linear = quadratic = 0.0
-    tokens = encoder.seq_len / model.extras["images_per_sequence"]
-    for layer in encoder.layers:
-        for kernel in layer.kernels:
-            if kernel.attention_core:
-                quadratic += kernel.flops() / tokens**2
-            else:
-                linear += kernel.flops() / tokens
-    return BatchLoads(
-        tuple(relative_loads([encoder_cost(l, linear, quadratic) for l in layouts])),
-        tuple(relative_loads([generator_cost(l) for l in layouts])),
-        tuple(l.images for l in layouts),
-    )
-
-
-def _image_loads(images: tuple[int, ...], nominal: int) -> BatchLoads:
-    """Images all at the nominal side: a sequence's encoder and generator work is its count's
-    against the model's `nominal` images per sequence (none for a sequence of no image), so
-    the batch prices the images it holds."""
-    if not any(images):
-        raise ConfigError(
-            f"backend.data: the first step's {len(images)} samples hold no image: DistTrain prices its encoder and "
-            f"generator by the images of that batch (give data whose first batch holds images)"
-        )
-    loads = tuple(n / nominal for n in images)
-    return BatchLoads(loads, loads, images)
-
-
 def plan_disttrain(request: PlanRequest) -> Plan:
     if "data" in request.options:
         raise ConfigError("strategy.data is train.data now: the data is the workload's, the same for every strategy")
@@ -143,7 +103,7 @@ def plan_disttrain(request: PlanRequest) -> Plan:
     check_microbatch_count(
         -(-train.global_batch // cluster.devices), 1, f"global batch {train.global_batch} over at most {cluster.devices} LLM replicas"
     )
-    loads = _batch_loads(model, train.seed, train.global_batch, train.data, request.sample_images)
+    loads = batch_loads(model, train.seed, train.global_batch, train.data, request.sample_images)
     profiler = Profiler(model, cluster, train.precision, opts.tp_overlap_chunks)
     fixed = {u: opts.fixed(u) for u in UNITS}
 

@@ -32,10 +32,11 @@ from src.costmodel.memory import element_bytes
 from src.mesh import Mesh
 from src.models.flows import Flow, flows_of
 from src.models.spec import ModelSpec
-from src.program import Collective, Compute, Instruction, Payload, Program, RankProgram, Recv, Send, compress_ranks
+from src.program import Collective, Instruction, Payload, Program, Recv, Send
 from src.strategies.builders.bridge import Side, bridge
-from src.strategies.builders.layout import make_group, megatron_mesh
+from src.strategies.builders.layout import megatron_mesh
 from src.strategies.builders.pipeline import PipelineEmitter, PipelineSettings
+from src.strategies.builders.replicas import replica_classes
 from src.strategies.builders.stages import Segment
 from src.strategies.disttrain.profile import Setting
 from src.strategies.disttrain.schedule import Chain, chain_orders
@@ -182,7 +183,19 @@ class _Builder:
             )
             for stage in range(unit.pp):
                 built = emitter.stage(stage, orders[first + stage])
-                program.classes += self._replicas(program, unit, stage, built.instructions(), emitter)
+                label = unit.unit if unit.pp == 1 else f"{unit.unit} stage {stage}"
+                units = tuple(dict.fromkeys(s.unit for s in emitter.segments_of(stage)))
+                program.classes += replica_classes(
+                    program,
+                    self.cluster,
+                    unit.mesh,
+                    stage,
+                    built.instructions(),
+                    {unit.unit: unit.loads},
+                    emitter.tp_groups[stage],
+                    label,
+                    units,
+                )
             first += unit.pp
         return program, brokers
 
@@ -197,63 +210,6 @@ class _Builder:
         ):
             program.add_route(route)
         return brokers_of(flow, src, dst)
-
-    def _replicas(
-        self, program: Program, unit: UnitLayout, stage: int, instructions: list[Instruction], emitter: PipelineEmitter
-    ) -> list[RankProgram]:
-        """One rank class per set of replicas whose micro-batches carry the same loads
-        (every replica alike under uniform data, and always the LLM's), with its own TP
-        group where a stage has several."""
-        mesh = unit.mesh
-        shared = emitter.tp_groups[stage]
-        label = unit.unit if unit.pp == 1 else f"{unit.unit} stage {stage}"
-        units = tuple(dict.fromkeys(s.unit for s in emitter.segments_of(stage)))
-        alike: dict[tuple[float, ...], list[int]] = {}
-        for replica in range(unit.dp):
-            alike.setdefault(unit.loads[replica], []).append(replica)
-        out = []
-        for loads, replicas in alike.items():
-            ranks = tuple(r for replica in replicas for r in mesh.slice(pp=stage, dp=replica))
-            own = shared
-            if shared is not None and len(alike) > 1:
-                own = f"{shared}.d{replicas[0]}"
-                program.add_group(make_group(self.cluster, own, mesh.slice(pp=stage, dp=replicas[0]), mesh.family("tp")))
-            which = f"replica {replicas[0]}" if len(replicas) == 1 else f"replicas {compress_ranks(tuple(replicas))}"
-            out.append(
-                RankProgram(
-                    ranks=ranks,
-                    instructions=_localised(instructions, unit.unit, loads, shared, own),
-                    label=f"{label} {which}",
-                    units=units,
-                    pipelined=True,
-                )
-            )
-        return out
-
-
-def _localised(
-    instructions: list[Instruction], unit: str, loads: tuple[float, ...], shared: str | None, own: str | None
-) -> list[Instruction]:
-    """A stage's instructions as one replica runs them: its micro-batch's load on the
-    unit's forward and backward, on their compute and on the bytes of the TP collectives
-    that follow it (a micro-batch of more images moves that many more rows), and its own
-    TP group for the TP collectives."""
-    out: list[Instruction] = []
-    load = 1.0
-    for instruction in instructions:
-        if isinstance(instruction, Compute):
-            work = instruction.work
-            load = loads[instruction.microbatch] if work.unit == unit and work.phase in ("fwd", "bwd") else 1.0
-            if load != 1.0:
-                instruction = replace(instruction, work=replace(work, load=load))
-        elif isinstance(instruction, Collective):
-            if instruction.kind == "tp" and load != 1.0:
-                instruction = replace(instruction, bytes=instruction.bytes * load)
-            if shared is not None and instruction.group == shared and own != shared:
-                assert own is not None, "a unit whose plan uses a shared TP group has its own"
-                instruction = replace(instruction, group=own)
-        out.append(instruction)
-    return out
 
 
 def disttrain_program(

@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from src.data.loads import BatchLoads
 from src.cluster import GIB
 from src.costmodel.compute import ComputeModel
 from src.costmodel.memory import rank_memory
@@ -37,24 +38,6 @@ from src.strategies.disttrain.timing import Hop, dag_ends
 # many of those (the best by that estimate) are simulated.
 RANKED = 8
 SIMULATED = 3
-
-
-@dataclass(frozen=True)
-class BatchLoads:
-    """Each sequence of the step's batch: its encoder and generator loads (against the
-    batch's mean sequence; on given sample images, against the model's nominal one) and
-    its image count."""
-
-    encoder: tuple[float, ...]
-    generator: tuple[float, ...]
-    images: tuple[int, ...]
-
-    @property
-    def peak(self) -> dict[str, float]:
-        return {"encoder": max(self.encoder), "llm": 1.0, "generator": max(self.generator)}
-
-    def of(self, unit: str) -> tuple[float, ...] | None:
-        return {"encoder": self.encoder, "generator": self.generator}.get(unit)
 
 
 @dataclass

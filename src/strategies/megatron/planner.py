@@ -5,7 +5,8 @@ pp, vpp, micro-batch, sequence parallelism), with recomputation and the distribu
 optimizer turned on only as far as memory requires; the fastest plan that fits is kept
 (megatron.search) and every choice it made is reported, with the search's size and time
 under plan.search. `balance` cuts the layers with Optimus's "Megatron-LM balanced" DP
-instead of evenly.
+instead of evenly. The plan is chosen as Megatron-LM's users choose it, at the mean load,
+and priced on the workload's data (builders.replicas.on_the_data).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from src.costmodel.memory import rank_memory
 from src.errors import ConfigError, PlanError
 from src.program import Plan
 from src.strategies.base import PlanRequest
+from src.strategies.builders.replicas import on_the_data
 from src.strategies.builders.stages import Segment
 from src.strategies.megatron.options import MegatronOptions
 from src.strategies.megatron.programs import MegatronSettings
@@ -52,8 +54,8 @@ def plan_megatron(request: PlanRequest) -> Plan:
     opts = options_from(MegatronOptions, request.options)
     search, fitting = _fitting(request, opts)
     best = search.fastest(fitting)
-    plan = best.plan
-    assert plan is not None, "the fastest candidate was built"
+    assert best.plan is not None, "the fastest candidate was built"
+    plan = best.plan if best.virtual is None else on_the_data(best.plan, request)
     plan.details["search"] = search.record(fitting, best)
     units = {u.unit: u for u in plan.units}
     plan.details["memory_gib"] = {

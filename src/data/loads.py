@@ -1,0 +1,75 @@
+"""What each sequence of a step's batch weighs on the units that work per image: the
+workload's data (train.data) as every planner prices it.
+
+An MLLM's encoder and generator work per image; a sequence's load on each is its work
+against the batch's mean sequence (the model's images_per_sequence sets the mean work every
+strategy prices; the data decides how it spreads over the batch): drawn by the interleaved
+sampler (src/data/interleaved.py), all alike under uniform data, or counted from the images
+a run's tar shards hold.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from src.data.interleaved import encoder_cost, generator_cost, relative_loads, sampler
+from src.errors import ConfigError
+from src.models.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class BatchLoads:
+    """Each sequence of the step's batch: its encoder and generator loads (against the
+    batch's mean sequence; on given sample images, against the model's nominal one) and
+    its image count."""
+
+    encoder: tuple[float, ...]
+    generator: tuple[float, ...]
+    images: tuple[int, ...]
+
+    @property
+    def peak(self) -> dict[str, float]:
+        return {"encoder": max(self.encoder), "llm": 1.0, "generator": max(self.generator)}
+
+    def of(self, unit: str) -> tuple[float, ...] | None:
+        return {"encoder": self.encoder, "generator": self.generator}.get(unit)
+
+
+def batch_loads(model: ModelSpec, seed: int, batch: int, data: str, sample_images: tuple[int, ...] | None) -> BatchLoads:
+    """Each sequence's loads: of the images the run's shards hold (`sample_images`, every one
+    at the nominal side, whatever `data` says), else of the sequences `data` says, drawn
+    around the model's mean (relative to the batch's: the batch prices the model's work)."""
+    if sample_images is not None:
+        return image_loads(sample_images, model.extras["images_per_sequence"])
+    if data == "uniform":
+        ones = (1.0,) * batch
+        return BatchLoads(ones, ones, (model.extras["images_per_sequence"],) * batch)
+    encoder = model.unit("encoder")
+    layouts = sampler(model, seed).batch(batch)
+    # FLOPs per token and per token squared of one nominal image, from the unit's kernels.
+    linear = quadratic = 0.0
+    tokens = encoder.seq_len / model.extras["images_per_sequence"]
+    for layer in encoder.layers:
+        for kernel in layer.kernels:
+            if kernel.attention_core:
+                quadratic += kernel.flops() / tokens**2
+            else:
+                linear += kernel.flops() / tokens
+    return BatchLoads(
+        tuple(relative_loads([encoder_cost(l, linear, quadratic) for l in layouts])),
+        tuple(relative_loads([generator_cost(l) for l in layouts])),
+        tuple(l.images for l in layouts),
+    )
+
+
+def image_loads(images: tuple[int, ...], nominal: int) -> BatchLoads:
+    """Images all at the nominal side: a sequence's encoder and generator work is its count's
+    against the model's `nominal` images per sequence (none for a sequence of no image), so
+    the batch prices the images it holds."""
+    if not any(images):
+        raise ConfigError(
+            f"backend.data: the first step's {len(images)} samples hold no image: the plan prices the encoder and "
+            f"generator by the images of that batch (give data whose first batch holds images)"
+        )
+    loads = tuple(n / nominal for n in images)
+    return BatchLoads(loads, loads, images)

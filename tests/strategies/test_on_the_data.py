@@ -1,0 +1,52 @@
+"""Megatron-LM and ZeRO priced on the workload's data: under interleaved data each replica's
+micro-batches carry the images they hold, as DistTrain's do on the same data."""
+
+from __future__ import annotations
+
+import pytest
+
+from src.program import Compute
+from src.setup import plan_run, validate
+from src.sim.engine import simulate
+from tests.test_configs import compose_config
+
+MLLM = ["model=mllm_9b", "model.images_per_sequence=10", "cluster=a800", "cluster.nodes=6", "train.global_batch=32"]
+RIGID = ["strategy=megatron", "strategy.tp=8", "strategy.pp=3", "strategy.micro_batch_size=1"]
+
+
+def _priced(*overrides: str):
+    setup = validate(compose_config(*MLLM, *RIGID, *overrides))
+    plan = plan_run(setup)
+    return plan, simulate(plan.program, setup.model, setup.cluster, setup.train.precision).iteration_time
+
+
+def test_interleaved_data_gives_each_replica_its_sequences_loads():
+    uniform, uniform_s = _priced("train.data=uniform")
+    skewed, skewed_s = _priced("train.data=interleaved")
+    assert [c.label for c in uniform.program.classes] == ["stage 0", "stage 1", "stage 2"]
+    assert len(skewed.program.classes) > 3  # the encoder's and generator's stages split by replica
+    loads = {i.work.unit: [] for c in skewed.program.classes for i in c.instructions if isinstance(i, Compute)}
+    for rank_class in skewed.program.classes:
+        for instruction in rank_class.instructions:
+            if isinstance(instruction, Compute) and instruction.work.phase == "fwd":
+                loads[instruction.work.unit].append(instruction.work.load)
+    assert set(loads["llm"]) == {1.0}  # a sequence's LLM work is its fixed length
+    assert max(loads["encoder"]) > 1.5 and min(loads["generator"]) < 0.7
+    assert sum(loads["encoder"]) / len(loads["encoder"]) == pytest.approx(1.0)  # the model's mean work
+    assert skewed.sample_content == "interleaved" and skewed.sample_images is not None
+    assert skewed_s > uniform_s  # stragglers hold the pipeline up
+
+
+def test_zero_replicas_carry_their_own_sequences_too():
+    setup = validate(compose_config(*MLLM, "cluster.nodes=1", "train.global_batch=16", "strategy=ddp", "strategy.zero_stage=3"))
+    plan = plan_run(setup)
+    assert len(plan.program.classes) == 8  # one per replica: each holds its own two sequences
+    assert {c.pipelined for c in plan.program.classes} == {False}  # waiting on peers is imbalance
+    uniform = plan_run(
+        validate(
+            compose_config(
+                *MLLM, "cluster.nodes=1", "train.global_batch=16", "strategy=ddp", "strategy.zero_stage=3", "train.data=uniform"
+            )
+        )
+    )
+    assert len(uniform.program.classes) == 1
