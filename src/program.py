@@ -498,6 +498,7 @@ class UnitPlan:
             "mesh": {name: degree for name, degree in self.mesh.axes},
             "dp": self.dp,
             "tp": self.tp,
+            **({"rows": self.row_shares} if self.row_shares > 1 else {}),
             "pp": self.pp,
             "vpp": self.vpp,
             "devices": len(self.ranks),

@@ -13,6 +13,11 @@ boundary's Hop route, from the same position of the previous stage's ranks; one 
 and read on the same stage stays local; any other (a tower's feature for a contrastive
 loss, tokens another unit cross-attends to) goes through the planner's `Links`.
 Gradients flow the same ways back.
+
+A stage may be replicated over its TP group instead (stages.StageRun: a unit too small
+for TP, whole on every rank, each on its share of a micro-batch's rows): it runs no TP
+collective, its hops carry each rank's share of rows (the TP side all-gathers them), and
+it reduces its gradients over its TP x DP ranks.
 """
 
 from __future__ import annotations
