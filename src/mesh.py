@@ -22,6 +22,10 @@ lives on the layout the last FC left:
   'batch'): rows over z, columns over x ("a"), copies over y.
 Rows (tokens, pixels) are split over z by whole samples. The cost model's compute,
 activation and memory terms and the runtime's layers read the same Sharding.
+
+A unit replicated over its pipeline's TP group (DistTrain §2.1's Megatron-LM: an encoder
+too small for TP) has a `rows` mesh axis where the others have tp: each of its ranks holds
+the whole unit and runs its share of each micro-batch's rows, and it splits no tensor.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 TENSOR_AXES = ("tp", "x", "y", "z")
+# The mesh axis of a unit replicated over its pipeline's TP group: whole copies, each on its
+# share of a micro-batch's rows (data parallelism inside the TP group).
+ROWS = "rows"
 
 
 @dataclass(frozen=True, slots=True)

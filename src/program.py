@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator, Literal, Union
 
-from src.mesh import Mesh, Sharding
+from src.mesh import ROWS, Mesh, Sharding
 
 Phase = Literal["fwd", "bwd", "bwd_input", "bwd_weight", "optimizer", "interaction"]
 CommKind = Literal["tp", "pp", "dp", "interaction", "broker"]
@@ -92,7 +92,9 @@ class Work:
     sharding: how the layers' tensors are split over this device's tensor-parallel axes.
     load: relative size of this micro-batch's input against the nominal sample (data
     heterogeneity); time and FLOPs scale with it.
-    fraction: this is one chunk of the work (1/n of its GEMM rows), for overlap.
+    fraction: the part of its GEMM rows this work runs: one of n chunks of a pass, for
+    overlap; or a replicated unit's share of a micro-batch that is no whole number of
+    samples (a sequence's images split over the ranks).
     fetches, fetched: ZeRO-3's module fetches that the framework's hooks make to run this
     work (each gathers a module's parameters: the host's part of it, beside the plan's
     all-gather that moves them) and the parameters they fetch, this rank's TP share.
@@ -405,7 +407,8 @@ class UnitPlan:
 
     Everything a backend, the memory model or the metrics read is a field here; `details`
     is for display only. mesh: the unit's devices by axis (tp, dp, pp; x, y, z for a 3D
-    tensor grid). stage_layers: the [start, end) layer range of every (virtual) pipeline
+    tensor grid; rows for a unit replicated over its pipeline's TP group, whose ranks then
+    split each of its micro-batches' rows: row_shares). stage_layers: the [start, end) layer range of every (virtual) pipeline
     stage, in model order (stage s, chunk v is entry v*pp + s). batch_per_replica: samples
     each data-parallel replica processes per iteration. sample_groups: the step's batch is
     cut into this many contiguous groups, each split over the replicas and then into
@@ -473,6 +476,18 @@ class UnitPlan:
     def pp(self) -> int:
         return self.mesh.degree("pp")
 
+    @property
+    def row_shares(self) -> int:
+        """Ranks that split each micro-batch's rows, each holding the whole unit (a unit
+        replicated over its pipeline's TP group: its mesh's `rows` axis); 1: none."""
+        return self.mesh.degree(ROWS)
+
+    @property
+    def data_replicas(self) -> int:
+        """Ranks that hold the same parameters and reduce their gradients together: the
+        data-parallel replicas, times the row shares of a replicated unit."""
+        return self.dp * self.row_shares
+
     def layers_on(self, rank: int) -> set[int]:
         """The unit's layers that `rank` computes (every chunk of its pipeline stage)."""
         stage = self.mesh.coords(rank).get("pp", 0)
@@ -483,6 +498,7 @@ class UnitPlan:
             "mesh": {name: degree for name, degree in self.mesh.axes},
             "dp": self.dp,
             "tp": self.tp,
+            **({"rows": self.row_shares} if self.row_shares > 1 else {}),
             "pp": self.pp,
             "vpp": self.vpp,
             "devices": len(self.ranks),

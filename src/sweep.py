@@ -207,8 +207,9 @@ def _paper_mid(value: Any) -> float | None:
 
 
 def plan_facts(unit: dict[str, Any]) -> dict[str, Any]:
-    """A unit's degrees as its strategy states them: Par4D's (x, y, z, dp) grid, else dp/tp/pp."""
-    keys = ("grid", "micro_batch") if "grid" in unit else ("dp", "tp", "pp", "micro_batch")
+    """A unit's degrees as its strategy states them: Par4D's (x, y, z, dp) grid, else dp/tp/pp
+    (and the row shares of a unit replicated over its TP group)."""
+    keys = ("grid", "micro_batch") if "grid" in unit else ("dp", "tp", "rows", "pp", "micro_batch")
     return {k: unit[k] for k in keys if k in unit}
 
 

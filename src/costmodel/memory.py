@@ -141,7 +141,8 @@ def _free(alive: dict[tuple, float], freed: set[tuple], key: tuple, model: Model
 
 def rank_memory(rank_program: RankProgram, units: Mapping[str, UnitPlan], model: ModelSpec, precision: str) -> dict[str, float]:
     """Bytes one rank of a class needs: the model states of every layer range it computes
-    (sharded by its unit's TP, and by DP under ZeRO) and its peak live activations."""
+    (sharded by its unit's TP, and under ZeRO by its data replicas: a unit replicated over
+    its TP group holds it whole and shards it over TP x DP) and its peak live activations."""
     held: dict[tuple[str, tuple[int, int]], int] = {}
     for instruction in rank_program.instructions:
         if isinstance(instruction, Compute) and instruction.work.phase in ("fwd", "interaction"):
@@ -153,7 +154,7 @@ def rank_memory(rank_program: RankProgram, units: Mapping[str, UnitPlan], model:
         trainable = unit.trainable_params(start, end) / shards
         fixed = sum(layer.params for layer in unit.layers[start:end]) / shards - trainable
         for params, frozen in ((trainable, False), (fixed, True)):
-            for key, value in model_state_bytes(params, precision, frozen, plan.zero_stage, plan.dp).items():
+            for key, value in model_state_bytes(params, precision, frozen, plan.zero_stage, plan.data_replicas).items():
                 out[key] += value
     gathered = sum(units[name].gathered_params for name in {name for name, _ in held})
     if gathered:

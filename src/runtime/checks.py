@@ -63,6 +63,14 @@ def check_runnable(run: PlannedRun, data: str, data_errors: str = "fail") -> Non
                 ("sequence_parallel",),
                 (unit.unit,),
             )
+        if unit.micro_batch % unit.row_shares:
+            raise PlanRefused(
+                f"unit {unit.unit} is replicated over the {unit.row_shares} ranks of its TP group, which do not divide a "
+                f"micro-batch's {unit.micro_batch} rows: the real backend gives each rank an equal share of whole rows "
+                f"(it needs a micro_batch that tp divides)",
+                ("rows", "micro_batch"),
+                (unit.unit,),
+            )
         tp, seq = unit.mesh.degree("tp"), spec.seq_len
         if unit.sequence_parallel and seq % tp:
             raise PlanRefused(

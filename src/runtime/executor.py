@@ -170,6 +170,12 @@ class Executor:
     def _dp(self, unit: str) -> int:
         return self.places[unit].dp
 
+    def _own_rows(self, unit: str, payload: Payload, tensor: torch.Tensor) -> Payload:
+        """A payload a unit's pass makes, at the rows of the micro-batch this rank runs (a
+        unit replicated over its TP group runs a share of them: runtime.row_shares)."""
+        first = self.places[unit].first_row
+        return payload.part(first, first + tensor.shape[0]) if first else payload
+
     def _row_shape(self, payload: Payload) -> tuple[int, ...]:
         if payload.unit == self.model.interaction:
             return row_shape(self.model, payload)
@@ -343,7 +349,7 @@ class Executor:
         for payload in compute.outputs:
             if payload.tensor not in state:
                 raise KeyError(f"{work.unit} layers {work.layers} hand on no {payload.tensor!r} ({sorted(state)})")
-            self.s.store.put(payload, state[payload.tensor])
+            self.s.store.put(self._own_rows(work.unit, payload, state[payload.tensor]), state[payload.tensor])
         if handed := handed_on(state):
             self.s.carried[piece] = handed
         if trains:
@@ -372,7 +378,7 @@ class Executor:
             self._backpropagate(work.unit, [end for end, _ in trained], [seed for _, seed in trained], j)
         for grad in compute.outputs:
             leaf = saved.leaves[grad.value()]
-            self.s.store.put(grad, _grad(leaf) / self._dp(work.unit))
+            self.s.store.put(self._own_rows(work.unit, grad, leaf), _grad(leaf) / self._dp(work.unit))
         grads = {key: leaf.grad / self._dp(work.unit) for key, leaf in saved.carried.items() if leaf.grad is not None}
         if grads:
             self.s.carried_grads[piece] = grads

@@ -1,5 +1,6 @@
 """What one rank holds, read off the typed plan: the layers of each unit it computes, and
-each unit's TP and DP groups as its mesh places this rank."""
+each unit's TP and DP groups as its mesh places this rank (and, for a unit replicated over
+its TP group, which rows of each micro-batch it runs: runtime.row_shares)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 
 from src.mesh import TENSOR_AXES
 from src.program import Plan
+from src.runtime.row_shares import data_group, first_row
 
 
 @dataclass(frozen=True)
@@ -15,6 +17,7 @@ class UnitPlacement:
     layers: frozenset[int]
     tp_ranks: tuple[int, ...]
     dp_ranks: tuple[int, ...]
+    first_row: int = 0  # of each micro-batch, where the rank runs a share of its rows
 
     @property
     def tp(self) -> int:
@@ -30,7 +33,11 @@ def placements(plan: Plan, rank: int) -> dict[str, UnitPlacement]:
     for unit_plan in plan.units_on(rank):
         mesh = unit_plan.mesh
         out[unit_plan.unit] = UnitPlacement(
-            unit_plan.unit, frozenset(unit_plan.layers_on(rank)), mesh.group("tp", rank), mesh.group("dp", rank)
+            unit_plan.unit,
+            frozenset(unit_plan.layers_on(rank)),
+            mesh.group("tp", rank),
+            data_group(mesh, rank),
+            first_row(unit_plan, rank),
         )
     return out
 

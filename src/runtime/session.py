@@ -45,6 +45,7 @@ from src.runtime.modules.units import build_units
 from src.runtime.peak import GEMM_SIZES, peak_gemm_flops
 from src.runtime.preprocess import Producer
 from src.runtime.placement import UnitPlacement, placements
+from src.runtime.row_shares import batching
 from src.runtime.timing import StepTimer
 from src.timeline import RankTimeline, Span, Timeline
 
@@ -143,7 +144,7 @@ def run_session(run: PlannedRun, settings: RunSettings, run_dir: Path, rank: int
         model,
         dataset_for(model, train.seed, backend.data, backend.data_errors, plan.sample_content),
         train.global_batch,
-        {u.unit: u for u in plan.units},
+        {u.unit: batching(u) for u in plan.units},
         {n: p.dp_ranks.index(rank) for n, p in places.items()},
         plan.sample_order,
     )

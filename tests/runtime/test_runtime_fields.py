@@ -52,6 +52,22 @@ DS3D = (
     + GPT
     + ["strategy=deepspeed3d", "strategy.tp=1", "strategy.pp=2", "strategy.micro_batch_size=2", "strategy.recompute=none"]
 )
+MLLM_REPLICATED = [
+    "backend=torch",
+    "cluster=local",
+    "cluster.devices_per_node=6",
+    "logger=none",
+    "model=mllm_9b",
+    "model.scale=tiny",
+    "train.data=uniform",
+    "train.global_batch=8",
+    "strategy=megatron",
+    "strategy.tp=2",
+    "strategy.pp=3",
+    "strategy.sequence_parallel=false",
+    "strategy.recompute=none",
+    "strategy.zero_stage=0",
+]
 DISTTRAIN = WORKERS + ["model=mllm_9b", "model.scale=tiny", "train.global_batch=8", "strategy=disttrain", "train.data=uniform"]
 EQUALITY, DISTMM_RUNS, DISTTRAIN_RUNS = "test_runtime_equality", "test_runtime_distmm", "test_runtime_disttrain"
 TP_PP_RUNS = "test_runtime_tp_pp"
@@ -99,6 +115,13 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
         ["strategy.tp=2", "strategy.sequence_parallel=false", "strategy.scatter_gather=true"],
         "run",
         TP_PP_RUNS,
+    ),
+    # The encoder's and generator's stages replicated over their TP group (tp=2 x pp=3).
+    ("megatron", "replicate"): (
+        MLLM_REPLICATED,
+        ["strategy.replicate=[encoder,generator]", "strategy.micro_batch_size=2"],
+        "run",
+        "test_runtime_replicate",
     ),
     ("distmm", "balance"): (DISTMM, ["strategy.balance=even"], "run", DISTMM_RUNS),
     ("distmm", "placement"): (
@@ -345,6 +368,13 @@ def test_sequence_parallelism_in_an_mllm_is_refused_naming_the_fix():
     with pytest.raises(ConfigError, match=r"Llama blocks.*sequence_parallel=false.*\[megatron: strategy.sequence_parallel\]"):
         sequence_parallel = ["strategy.tp=2", "strategy.pp=1", "strategy.modality_stages=merged", "strategy.sequence_parallel=true"]
         _check(mllm + sequence_parallel + ["strategy.recompute=none"])
+
+
+def test_a_replicated_unit_s_rows_tp_does_not_divide_are_refused_naming_the_fix():
+    odd = ["strategy.replicate=[encoder,generator]", "strategy.micro_batch_size=1"]
+    fix = r"unit encoder is replicated over the 2 ranks.*1 rows.*\[megatron: strategy.replicate, strategy.micro_batch_size\]"
+    with pytest.raises(ConfigError, match=fix):
+        _check(MLLM_REPLICATED + odd)
 
 
 def test_a_scattered_transfer_of_rows_tp_does_not_divide_is_refused_naming_the_fix():

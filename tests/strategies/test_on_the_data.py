@@ -50,3 +50,9 @@ def test_zero_replicas_carry_their_own_sequences_too():
         )
     )
     assert len(uniform.program.classes) == 1
+
+
+def test_a_replicated_stage_splits_by_replica_over_all_its_ranks():
+    plan, _ = _priced("train.data=interleaved", "strategy.replicate=[encoder,generator]")
+    encoder = [c for c in plan.program.classes if "encoder" in c.units]
+    assert len(encoder) > 1 and sorted(r for c in encoder for r in c.ranks) == list(range(16))  # tp 8 x dp 2

@@ -20,13 +20,25 @@ class TPConfig:
     """How one unit's layers run on one rank: its sharding, the group of its TP
     collectives, and its recompute mode. overlap_chunks > 1 splits each pass into that
     many row chunks whose TP collectives run asynchronously under the next chunk's GEMMs
-    (DistTrain §7's StepCCL)."""
+    (DistTrain §7's StepCCL). rows: the share of a micro-batch this rank runs (a unit
+    replicated over its TP group: stages.replicated_rows); 1: all of it."""
 
     sharding: Sharding
     group: str | None
     recompute: str
     act_bytes: int
     overlap_chunks: int = 1
+    rows: float = 1.0
+
+
+def share_of(samples: int, rows: float) -> tuple[int, float]:
+    """(samples, fraction) of a Work that runs the share `rows` of a micro-batch of
+    `samples`: whole samples where the share holds a whole number of them (what the real
+    backend runs), else the micro-batch's fraction (a sequence's images split over ranks)."""
+    whole = samples * rows
+    if rows == 1.0 or abs(whole - round(whole)) > 1e-9:
+        return samples, rows
+    return round(whole), 1.0
 
 
 def produced(model: ModelSpec, segment: Segment, microbatch: int) -> tuple[Payload, ...]:
@@ -99,14 +111,16 @@ def segment_pass(
     the same time as interleaving them layer by layer."""
     unit = model.unit(segment.unit)
     backward = phase in ("bwd", "bwd_input")
+    share, fraction = share_of(samples, tp.rows)
     work = Work(
         unit.name,
         phase,
-        samples,
+        share,
         segment.layers,
         sharding=tp.sharding,
         recompute=tp.recompute if backward else "none",
         contrastive_batch=contrastive_batch,
+        fraction=fraction,
     )
     if backward:
         inputs, outputs = backward_io(model, segment, microbatch)

@@ -12,7 +12,7 @@ from collections import defaultdict
 from typing import Iterable
 
 from src.cluster import ClusterSpec, family_sharing
-from src.mesh import Mesh
+from src.mesh import ROWS, Mesh
 from src.program import CommKind, Group, Message, Program, Table
 
 
@@ -33,6 +33,24 @@ def axis_group(program: Program, cluster: ClusterSpec, name: str, mesh: Mesh, ax
     if name not in program.groups:
         program.add_group(make_group(cluster, name, mesh.group(axis, through), mesh.family(axis)))
     return name
+
+
+def stage_group(program: Program, cluster: ClusterSpec, name: str, mesh: Mesh, stage: int) -> str | None:
+    """Add the group of every rank of pipeline stage `stage` of a (tp, dp, pp) `mesh` (a
+    unit replicated over its TP group reduces its gradients over its TP and DP ranks at
+    once; its family: that one group); None for a stage of one rank."""
+    ranks = mesh.slice(pp=stage)
+    if len(ranks) == 1:
+        return None
+    if name not in program.groups:
+        program.add_group(make_group(cluster, name, ranks, [ranks]))
+    return name
+
+
+def replicated_mesh(mesh: Mesh, stage: int) -> Mesh:
+    """The mesh of a unit replicated over the TP group of stage `stage` of a (tp, dp, pp)
+    `mesh`: the stage's ranks in the same order, its tp axis become the rows axis."""
+    return Mesh(((ROWS, mesh.degree("tp")), ("dp", mesh.degree("dp")), ("pp", 1)), mesh.slice(pp=stage))
 
 
 def pipeline_pairs(mesh: Mesh) -> list[tuple[int, int]]:

@@ -13,6 +13,11 @@ boundary's Hop route, from the same position of the previous stage's ranks; one 
 and read on the same stage stays local; any other (a tower's feature for a contrastive
 loss, tokens another unit cross-attends to) goes through the planner's `Links`.
 Gradients flow the same ways back.
+
+A stage may be replicated over its TP group instead (stages.StageRun: a unit too small
+for TP, whole on every rank, each on its share of a micro-batch's rows): it runs no TP
+collective, its hops carry each rank's share of rows (the TP side all-gathers them), and
+it reduces its gradients over its TP x DP ranks.
 """
 
 from __future__ import annotations
@@ -26,8 +31,15 @@ from src.mesh import Mesh, tensor_parallel
 from src.models.spec import ModelSpec
 from src.program import Collective, CollectiveOp, Hop, Instruction, Payload, Program, RankProgram, Recv, Send
 from src.strategies.builders.emit import TPConfig, backward_io, consumed, iteration_tail, produced, segment_pass
-from src.strategies.builders.layout import axis_group, pipeline_pairs
-from src.strategies.builders.stages import Segment, StageTransfer, boundary_elems, stage_transfer
+from src.strategies.builders.layout import axis_group, pipeline_pairs, stage_group
+from src.strategies.builders.stages import (
+    Segment,
+    StageTransfer,
+    boundary_elems,
+    replicated_transfer,
+    stage_runs,
+    stage_transfer,
+)
 
 
 class Links(Protocol):
@@ -57,6 +69,7 @@ class PipelineSettings:
     overlap_grad_reduce: bool = False
     tp_overlap_chunks: int = 1
     scatter_gather: bool = False  # Megatron-LM's pipeline scatter/gather (stages.stage_transfer)
+    replicate: tuple[str, ...] = ()  # units replicated over their stage's TP group (stages.StageRun)
 
 
 @dataclass
@@ -101,11 +114,18 @@ class PipelineEmitter:
         self.vpp = len(virtual) // self.pp
         self.act_bytes = element_bytes(precision)
         self.grad_bytes = grad_bytes(precision)
-        self.sharding = tensor_parallel(mesh.degree("tp"), settings.sequence_parallel)
+        tp = mesh.degree("tp")
+        self.sharding = tensor_parallel(tp, settings.sequence_parallel)
+        self.runs = stage_runs(model, virtual, self.pp, tp, settings.sequence_parallel, settings.micro_batch, settings.replicate)
         self.needs_bwd = [any(model.needs_backward(seg.unit) for seg in segs) for segs in virtual]
-        self.tp_groups, self.dp_groups = [], []
+        self.tp_groups: list[str | None] = []
+        self.dp_groups: list[str | None] = []
         for stage in range(self.pp):
             first = mesh.rank(pp=stage)
+            if self.runs[stage].replicated:
+                self.tp_groups.append(None)
+                self.dp_groups.append(stage_group(program, cluster, f"{prefix}dp.s{stage}", mesh, stage))
+                continue
             self.tp_groups.append(axis_group(program, cluster, f"{prefix}tp.s{stage}", mesh, "tp", first))
             self.dp_groups.append(axis_group(program, cluster, f"{prefix}dp.s{stage}", mesh, "dp", first))
         pairs = pipeline_pairs(mesh)
@@ -115,7 +135,11 @@ class PipelineEmitter:
         for v in range(len(virtual) - 1):
             last = virtual[v][-1]
             nbytes = boundary_elems(model.unit(last.unit), last.layers[1]) * settings.micro_batch * self.act_bytes
-            transfer = stage_transfer(nbytes, mesh.degree("tp"), settings.sequence_parallel, settings.scatter_gather)
+            replicated = [run.rows for run in (self.runs[v % self.pp], self.runs[(v + 1) % self.pp]) if run.replicated]
+            if replicated:
+                transfer = replicated_transfer(nbytes, tp, max(replicated))
+            else:
+                transfer = stage_transfer(nbytes, tp, settings.sequence_parallel, settings.scatter_gather)
             a, b = mesh.slice(pp=v % self.pp), mesh.slice(pp=(v + 1) % self.pp)
             scatter = tuple(mesh.coords(rank)["tp"] for rank in a) if transfer.gather_bytes else ()
             route = Hop(f"{prefix}hop.v{v}", "pp", a, b, transfer.send_bytes, sharing, scatter=scatter, rows=settings.micro_batch)
@@ -125,7 +149,13 @@ class PipelineEmitter:
         self.pending: dict[int, list[str]] = {stage: [] for stage in range(self.pp)}
 
     def _tp(self, stage: int) -> TPConfig:
-        return TPConfig(self.sharding, self.tp_groups[stage], self.cfg.recompute, self.act_bytes, self.cfg.tp_overlap_chunks)
+        run = self.runs[stage]
+        return TPConfig(run.sharding, self.tp_groups[stage], self.cfg.recompute, self.act_bytes, self.cfg.tp_overlap_chunks, run.rows)
+
+    def data_replicas(self, stage: int) -> int:
+        """The ranks that reduce a stage's gradients together: its DP replicas (and its TP
+        ranks where it is replicated over them)."""
+        return self.dp * (self.mesh.degree("tp") if self.runs[stage].replicated else 1)
 
     def stage(self, stage: int, order: list, other: Callable[[object], list[Instruction]] | None = None) -> Stage:
         """A stage's instructions for its schedule `order` (ops with kind F or B, chunk,
@@ -148,9 +178,9 @@ class PipelineEmitter:
         out.tail = iteration_tail(
             self.model,
             own,
-            self.sharding,
+            self.runs[stage].sharding,
             self.dp_groups[stage],
-            self.dp,
+            self.data_replicas(stage),
             self.cfg.zero_stage,
             self.grad_bytes,
             self.act_bytes,
@@ -188,7 +218,7 @@ class PipelineEmitter:
             for payload in produced(self.model, segment, j):
                 made_here.add(payload)
                 if payload in outbound:
-                    out.append(Send(self.hops[v], payload))
+                    out += self._send(v, payload, stage, (v + 1) % self.pp)
                 elif payload not in inside:
                     out += self.links.send(payload)
         return out
@@ -211,9 +241,22 @@ class PipelineEmitter:
             out += self._segment_backward(segment, j, op.chunk, stage, reduce_into)
             for grad in grads_out:
                 if grad.value() in inbound:
-                    out.append(Send(self.hops[v - 1], grad))
+                    out += self._send(v - 1, grad, stage, (v - 1) % self.pp)
                 elif grad.value() not in made_here:
                     out += self.links.send(grad)
+        return out
+
+    def _send(self, hop: int, payload: Payload, stage: int, to: int) -> list[Instruction]:
+        """A payload (or its gradient) over hop `hop` to stage `to`. Where `to` is replicated
+        over its TP group (each of its ranks runs whole rows), a sequence-parallel stage
+        first all-gathers the payload over TP: it holds its tokens of every row."""
+        out: list[Instruction] = []
+        group = self.tp_groups[stage]
+        if self.runs[to].replicated and self.runs[stage].sharding.sequence_parallel and group is not None:
+            whole = (payload,)
+            gather = self.transfers[hop].gather_bytes
+            out.append(Collective("all_gather", group, gather, "pp", stream="compute", inputs=whole, outputs=whole))
+        out.append(Send(self.hops[hop], payload))
         return out
 
     def _receive(self, hop: int, payload: Payload, stage: int) -> list[Instruction]:
@@ -237,7 +280,7 @@ class PipelineEmitter:
         unit = self.model.unit(segment.unit)
         for layer in reversed(range(*segment.layers)):
             out += segment_pass(self.model, Segment(segment.unit, (layer, layer + 1)), "bwd", self.cfg.micro_batch, j, tp, chunk=chunk)
-            params = unit.trainable_params(layer, layer + 1) / self.sharding.devices
+            params = unit.trainable_params(layer, layer + 1) / self.runs[stage].sharding.devices
             if params:
                 handle = f"grad.{segment.unit}.{layer}"
                 op_name: CollectiveOp = "reduce_scatter" if self.cfg.zero_stage >= 1 else "all_reduce"

@@ -118,7 +118,8 @@ def on_the_data(plan: Plan, request: PlanRequest) -> Plan:
     loads = batch_loads(model, train.seed, train.global_batch, train.data, request.sample_images)
     first = plan.units[0]
     dp, micro_batch, microbatches = first.mesh.degree("dp"), first.micro_batch, first.num_microbatches
-    mesh = megatron_mesh(first.mesh.degree("tp"), dp, len(plan.program.classes))
+    # A stage's ranks: tp x dp (a unit replicated over its stage's TP group splits rows there).
+    mesh = megatron_mesh(first.mesh.size // (dp * first.mesh.degree("pp")), dp, len(plan.program.classes))
     by_unit = {}
     for unit in per_image:
         sequence_loads = loads.of(unit)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from src.errors import ConfigError
+from src.mesh import Sharding, tensor_parallel
 from src.models.flows import flows_of, unit_order
 from src.models.spec import ModelSpec, UnitSpec
 
@@ -25,8 +26,13 @@ class Segment:
 
 
 def main_unit(model: ModelSpec) -> UnitSpec:
-    """The unit a pipeline is built around: the one with the most parameters."""
-    return max(model.units, key=lambda u: u.params)
+    """The unit a pipeline is built around: its backbone, the one with the most parameters
+    among the units whose work is the whole sample rather than its images (an MLLM's LLM,
+    however large its encoder or generator: DistTrain §2.1's Megatron-LM treats them as
+    layers added to the LLM, and at tiny scale its U-Net has more parameters); of all units
+    where every one works per image."""
+    backbones = [u for u in model.units if not u.arch.per_image] or list(model.units)
+    return max(backbones, key=lambda u: u.params)
 
 
 def block_cuts(unit: UnitSpec, parts: int, uneven: bool, what: str) -> list[tuple[int, int]]:
@@ -224,3 +230,58 @@ def stage_transfer(nbytes: float, tp: int, sequence_parallel: bool, scatter_gath
     if scatter_gather:
         return StageTransfer(nbytes / tp, nbytes)
     return StageTransfer(nbytes)
+
+
+@dataclass(frozen=True)
+class StageRun:
+    """How every rank of one pipeline stage runs its layers. Megatron-LM's tensor parallelism
+    splits them over the stage's TP group (`sharding`). A stage replicated over its TP group
+    (`replicated`: a unit too small for TP, DistTrain §2.1) runs them whole on each rank, each
+    on its share of every micro-batch (`rows`: the busiest rank's share, a fraction of the
+    micro-batch's rows), and reduces their gradients over the stage's TP x DP ranks."""
+
+    sharding: Sharding
+    rows: float = 1.0
+    replicated: bool = False
+
+
+def replicated_rows(unit: UnitSpec, micro_batch: int, tp: int) -> float:
+    """The busiest rank's share of a micro-batch when `unit` is replicated over `tp` ranks,
+    as a fraction of the micro-batch: its rows (a per-image unit's images, else its samples)
+    are dealt out whole, as evenly as they go, so where tp does not divide them (or exceeds
+    them) one rank runs ceil(rows / tp) and sets the stage's pace."""
+    rows = micro_batch * (unit.arch.images if unit.arch.per_image else 1)
+    return math.ceil(rows / tp) / rows
+
+
+def stage_runs(
+    model: ModelSpec,
+    virtual: list[list[Segment]],
+    pp: int,
+    tp: int,
+    sequence_parallel: bool,
+    micro_batch: int,
+    replicate: Sequence[str] = (),
+) -> list[StageRun]:
+    """Each stage's StageRun: replicated where it holds a unit of `replicate` alone (the
+    planner allows no other), tensor-parallel otherwise (with tp = 1 they are the same)."""
+    out = []
+    for stage in range(pp):
+        units = {s.unit for segments in virtual[stage::pp] for s in segments}
+        if tp == 1 or not units & set(replicate):
+            out.append(StageRun(tensor_parallel(tp, sequence_parallel)))
+            continue
+        if len(units) > 1:
+            raise ConfigError(f"pipeline stage {stage} holds units {sorted(units)}: only a unit alone on its stage is replicated")
+        out.append(StageRun(Sharding(), replicated_rows(model.unit(units.pop()), micro_batch, tp), True))
+    return out
+
+
+def replicated_transfer(nbytes: float, tp: int, rows: float) -> StageTransfer:
+    """A boundary with a stage replicated over its TP group (`rows`: that stage's busiest
+    share): each rank sends its share of the `nbytes` activation (or gradient), whatever
+    the other side holds; a TP stage all-gathers the shares into the whole, padded to the
+    largest (an all-gather takes equal parts), when it receives them and, under sequence
+    parallelism (it holds its tokens of every row, not whole rows), before it sends."""
+    send = nbytes * rows
+    return StageTransfer(send, send * tp)

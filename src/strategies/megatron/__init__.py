@@ -12,4 +12,5 @@ PLAN_FIELDS = {
     "sequence_parallel": "strategy.sequence_parallel",
     "blocking": "strategy.overlap_grad_reduce",
     "scatter": "strategy.scatter_gather",
+    "rows": "strategy.replicate",
 }

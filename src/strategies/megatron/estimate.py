@@ -43,7 +43,16 @@ from src.schedules.pipeline import PipeOp, build_schedule
 from src.strategies.builders.layout import megatron_mesh, pipeline_pairs
 from src.strategies.megatron.programs import MegatronSettings
 from src.strategies.base import Degrees
-from src.strategies.builders.stages import Segment, StageTransfer, boundary_elems, stage_transfer
+from src.strategies.builders.emit import share_of
+from src.strategies.builders.stages import (
+    Segment,
+    StageRun,
+    StageTransfer,
+    boundary_elems,
+    replicated_transfer,
+    stage_runs,
+    stage_transfer,
+)
 
 # Rounding: the simulator adds the same prices in another order.
 BOUND_SLACK = 1e-9
@@ -102,16 +111,18 @@ def steady_microbatches(schedule: str, pp: int, microbatches: int, vpp: int) -> 
 
 class _MeshCosts:
     """Collective and hop prices of one (tp, dp, pp) mesh, as the emitter's groups and
-    routes carry them (their ranks and their family's NIC sharing)."""
+    routes carry them (their ranks and their family's NIC sharing); `replicated`: the
+    stages replicated over their TP group, which reduce gradients over all their ranks."""
 
-    def __init__(self, cluster: ClusterSpec, comm: CommModel, tp: int, dp: int, pp: int) -> None:
+    def __init__(self, cluster: ClusterSpec, comm: CommModel, tp: int, dp: int, pp: int, replicated: tuple[bool, ...]) -> None:
         self.comm = comm
         mesh = megatron_mesh(tp, dp, pp)
         firsts = [mesh.rank(pp=stage) for stage in range(pp)]
         self.tp_ranks = [mesh.group("tp", first) for first in firsts]
-        self.dp_ranks = [mesh.group("dp", first) for first in firsts]
         self.tp_sharing = family_sharing(cluster, mesh.family("tp")) if tp > 1 else 1
-        self.dp_sharing = family_sharing(cluster, mesh.family("dp")) if dp > 1 else 1
+        dp_sharing = family_sharing(cluster, mesh.family("dp")) if dp > 1 else 1
+        self.dp_ranks = [mesh.slice(pp=s) if replicated[s] else mesh.group("dp", firsts[s]) for s in range(pp)]
+        self.dp_sharing = [family_sharing(cluster, [self.dp_ranks[s]]) if replicated[s] else dp_sharing for s in range(pp)]
         pairs = pipeline_pairs(mesh)
         self.hop_sharing = family_sharing(cluster, pairs) if pairs else 1
         # A hop's price is its slowest pair's: one that crosses nodes if any does.
@@ -129,18 +140,25 @@ class _MeshCosts:
         return self._collective("all_reduce", self.tp_ranks[stage], self.tp_sharing, nbytes)
 
     def dp(self, stage: int, op: str, nbytes: float) -> float:
-        return self._collective(op, self.dp_ranks[stage], self.dp_sharing, nbytes)
+        return self._collective(op, self.dp_ranks[stage], self.dp_sharing[stage], nbytes)
 
     def hop(self, stage: int, transfer: StageTransfer) -> float:
         """Hop `stage` -> `stage`+1: the send, then the receiving stage's TP all-gather."""
         key = ("hop", stage, transfer)
         if key not in self._cache:
-            seconds = self.comm.p2p_time(*self.hop_pair[stage], transfer.send_bytes, self.hop_sharing)
+            seconds = self.send(stage, transfer.send_bytes)
             if transfer.gather_bytes:
-                receiver = (stage + 1) % len(self.tp_ranks)
-                seconds += self._collective("all_gather", self.tp_ranks[receiver], self.tp_sharing, transfer.gather_bytes)
+                seconds += self.gather((stage + 1) % len(self.tp_ranks), transfer.gather_bytes)
             self._cache[key] = seconds
         return self._cache[key]
+
+    def send(self, stage: int, nbytes: float) -> float:
+        """One message over hop `stage` -> `stage`+1 (either way)."""
+        return self.comm.p2p_time(*self.hop_pair[stage], nbytes, self.hop_sharing)
+
+    def gather(self, stage: int, nbytes: float) -> float:
+        """An all-gather over stage `stage`'s TP group."""
+        return self._collective("all_gather", self.tp_ranks[stage], self.tp_sharing, nbytes)
 
     def _collective(self, op: str, ranks: tuple[int, ...], sharing: int, nbytes: float) -> float:
         key = (op, ranks, nbytes)
@@ -156,6 +174,7 @@ class Passes:
     fwd: list[float]
     bwd: list[float]  # 0 where the virtual stage runs no backward
     hop: list[float]  # hop v: from virtual stage v to v + 1
+    hop_back: list[float]  # hop v the other way: the gradient from v + 1 to v
     grads_back: list[bool]  # B(v) waits for B(v + 1)'s gradient
     tail: list[float]  # per stage: gradient reduction, optimizer, parameter gather
     microbatches: int
@@ -167,7 +186,7 @@ class MemoryTable:
 
     estimator: PipelineEstimator
     deg: Degrees
-    sharding: Sharding
+    runs: list[StageRun]  # per stage: how its ranks run its layers
     stages: list[tuple[tuple[Segment, ...], ...]]  # per stage: its chunks' segments
     profile: list[LiveCounts]
     _states: dict[int, list[dict[str, float]]] = field(default_factory=dict)
@@ -189,16 +208,19 @@ class MemoryTable:
 
     def states(self, zero_stage: int) -> list[dict[str, float]]:
         if zero_stage not in self._states:
-            est, shards = self.estimator, self.sharding.devices
-            self._states[zero_stage] = [est.model_states(chunks, shards, zero_stage, self.deg.dp) for chunks in self.stages]
+            est = self.estimator
+            self._states[zero_stage] = [
+                est.model_states(chunks, run.sharding.devices, zero_stage, self.deg.dp * est.row_shares(run, self.deg))
+                for chunks, run in zip(self.stages, self.runs)
+            ]
         return self._states[zero_stage]
 
     def activations(self, recompute: str) -> list[float]:
         if recompute not in self._activations:
             est = self.estimator
             self._activations[recompute] = [
-                est.peak_activations(chunks, live, self.sharding, recompute, self.deg.micro_batch)
-                for chunks, live in zip(self.stages, self.profile)
+                est.peak_activations(chunks, live, run.sharding, recompute, self.deg.micro_batch * run.rows)
+                for chunks, live, run in zip(self.stages, self.profile, self.runs)
             ]
         return self._activations[recompute]
 
@@ -207,13 +229,22 @@ class PipelineEstimator:
     """Memory and time lower bounds of the Megatron-LM pipeline candidates of one
     request; caches what candidates share (meshes, schedules, per-layer prefix sums)."""
 
-    def __init__(self, model: ModelSpec, cluster: ClusterSpec, precision: str, global_batch: int, compute: ComputeModel) -> None:
+    def __init__(
+        self,
+        model: ModelSpec,
+        cluster: ClusterSpec,
+        precision: str,
+        global_batch: int,
+        compute: ComputeModel,
+        replicate: tuple[str, ...] = (),
+    ) -> None:
         self.model, self.cluster, self.precision, self.compute = model, cluster, precision, compute
         self.global_batch = global_batch
+        self.replicate = replicate
         self.comm = CommModel(cluster)
         self.act_bytes = element_bytes(precision)
         self.grad_bytes = grad_bytes(precision)
-        self._meshes: dict[tuple[int, int, int], _MeshCosts] = {}
+        self._meshes: dict[tuple[int, int, int, tuple[bool, ...]], _MeshCosts] = {}
         self._live: dict[tuple, list[LiveCounts]] = {}
         self._schedules: dict[tuple, list[list[PipeOp]]] = {}
         self._prefix: dict[tuple, list[float]] = {}
@@ -223,13 +254,21 @@ class PipelineEstimator:
     def microbatches(self, deg: Degrees) -> int:
         return self.global_batch // deg.dp // deg.micro_batch
 
+    def runs(self, deg: Degrees, sequence_parallel: bool, virtual: list[list[Segment]]) -> list[StageRun]:
+        return stage_runs(self.model, virtual, deg.pp, deg.tp, sequence_parallel, deg.micro_batch, self.replicate)
+
+    @staticmethod
+    def row_shares(run: StageRun, deg: Degrees) -> int:
+        """The TP ranks of a stage replicated over them, which split its rows; else 1."""
+        return deg.tp if run.replicated else 1
+
     # ---- memory ---------------------------------------------------------------------------
     def memory_table(self, deg: Degrees, schedule: str, sequence_parallel: bool, virtual: list[list[Segment]]) -> MemoryTable:
         stages = [tuple(tuple(virtual[chunk * deg.pp + stage]) for chunk in range(deg.vpp)) for stage in range(deg.pp)]
         return MemoryTable(
             self,
             deg,
-            tensor_parallel(deg.tp, sequence_parallel),
+            self.runs(deg, sequence_parallel, virtual),
             stages,
             self.schedule_profile(schedule, deg.pp, self.microbatches(deg), deg.vpp),
         )
@@ -252,7 +291,7 @@ class PipelineEstimator:
         return out
 
     def peak_activations(
-        self, chunks: tuple[tuple[Segment, ...], ...], live: LiveCounts, sharding: Sharding, recompute: str, micro_batch: int
+        self, chunks: tuple[tuple[Segment, ...], ...], live: LiveCounts, sharding: Sharding, recompute: str, micro_batch: float
     ) -> float:
         """The peak of live activations along the stage's order (memory.peak_activation_bytes):
         each forward adds its segments' activations, its backward frees them; under full
@@ -322,14 +361,17 @@ class PipelineEstimator:
         return prefix[segment.layers[1]] - prefix[segment.layers[0]]
 
     @staticmethod
-    def _time_key(phase: str, sharding: Sharding, recompute: str, micro_batch: int, mesh: _MeshCosts, stage: int) -> tuple:
-        return (phase, sharding, recompute, micro_batch, mesh.tp_price[stage], (mesh, stage))
+    def _time_key(
+        phase: str, sharding: Sharding, recompute: str, micro_batch: int, mesh: _MeshCosts, stage: int, rows: float = 1.0
+    ) -> tuple:
+        return (phase, sharding, recompute, micro_batch, rows, mesh.tp_price[stage], (mesh, stage))
 
     def _unit_prefix(self, what, unit_name: str) -> list[float]:
         """Cumulative sums over a unit's layers of `what`: 'params', 'trainable', per-sample
         ('activations', sharding, recompute), or seconds of one micro-batch (_time_key:
         phase, sharding, recompute, micro-batch, TP price class, and a mesh and stage of
-        that class to price the layer's TP all-reduces)."""
+        that class to price the layer's TP all-reduces; rows: the share of the micro-batch a
+        rank runs, emit.TPConfig's)."""
         # A time key's last entry only says where to price: it is left out of the cache key.
         key = (what[:-1] if what[0] in ("fwd", "bwd") else what, unit_name)
         prefix = self._prefix.get(key)
@@ -350,9 +392,16 @@ class PipelineEstimator:
         if what[0] == "activations":
             _, sharding, recompute = what
             return 0.0 if layer.forward_only else layer.activations.per_device(sharding, recompute)
-        phase, sharding, recompute, micro_batch, _, (mesh, stage) = what
+        phase, sharding, recompute, micro_batch, rows, _, (mesh, stage) = what
+        samples, fraction = share_of(micro_batch, rows)
         work = Work(
-            unit.name, phase, micro_batch, (index, index + 1), sharding=sharding, recompute=recompute if phase == "bwd" else "none"
+            unit.name,
+            phase,
+            samples,
+            (index, index + 1),
+            sharding=sharding,
+            recompute=recompute if phase == "bwd" else "none",
+            fraction=fraction,
         )
         seconds = self.compute.work_time(work, self.model)
         if sharding.degree("tp") > 1 and layer.tp_allreduces:
@@ -365,19 +414,21 @@ class PipelineEstimator:
         """Every virtual stage's forward and backward (compute and blocking TP
         collectives, as segment_pass emits them), hop and stage tail."""
         pp, mb = deg.pp, deg.micro_batch
-        sharding = tensor_parallel(deg.tp, cfg.sequence_parallel)
-        mesh = self._mesh(deg.tp, deg.dp, pp)
+        runs = self.runs(deg, cfg.sequence_parallel, virtual)
+        mesh = self._mesh(deg.tp, deg.dp, pp, runs)
         prefixes: dict[tuple, list[float]] = {}
 
         def seconds(phase: str, stage: int, segment: Segment) -> float:
-            key = (phase, segment.unit, mesh.tp_price[stage])
+            run = runs[stage]
+            key = (phase, segment.unit, mesh.tp_price[stage], run)
             prefix = prefixes.get(key)
             if prefix is None:
                 recompute = cfg.recompute if phase == "bwd" else "none"
-                prefix = prefixes[key] = self._unit_prefix(self._time_key(phase, sharding, recompute, mb, mesh, stage), segment.unit)
+                time_key = self._time_key(phase, run.sharding, recompute, mb, mesh, stage, run.rows)
+                prefix = prefixes[key] = self._unit_prefix(time_key, segment.unit)
             return prefix[segment.layers[1]] - prefix[segment.layers[0]]
 
-        fwd, bwd, hop, grads_back = [], [], [], []
+        fwd, bwd, hop, hop_back, grads_back = [], [], [], [], []
         for v, segments in enumerate(virtual):
             stage = v % pp
             fwd.append(sum(seconds("fwd", stage, s) for s in segments))
@@ -387,15 +438,39 @@ class PipelineEstimator:
             if v < len(virtual) - 1:
                 last = segments[-1]
                 nbytes = boundary_elems(self.model.unit(last.unit), last.layers[1]) * mb * self.act_bytes
-                hop.append(mesh.hop(stage, stage_transfer(nbytes, deg.tp, cfg.sequence_parallel, cfg.scatter_gather)))
-        tail = [self._tail(virtual, stage, deg, cfg, sharding, mesh) for stage in range(pp)]
-        return Passes(fwd, bwd, hop, grads_back, tail, self.microbatches(deg))
+                after = (v + 1) % pp
+                ahead, behind = runs[stage], runs[after]
+                if ahead.replicated or behind.replicated:
+                    rows = max(run.rows for run in (ahead, behind) if run.replicated)
+                    transfer = replicated_transfer(nbytes, deg.tp, rows)
+                    hop.append(self._replicated_hop(mesh, stage, (stage, after), (ahead, behind), transfer))
+                    hop_back.append(self._replicated_hop(mesh, stage, (after, stage), (behind, ahead), transfer))
+                else:
+                    hop.append(mesh.hop(stage, stage_transfer(nbytes, deg.tp, cfg.sequence_parallel, cfg.scatter_gather)))
+                    hop_back.append(hop[-1])
+        tail = [self._tail(virtual, stage, deg, cfg, runs[stage], mesh) for stage in range(pp)]
+        return Passes(fwd, bwd, hop, hop_back, grads_back, tail, self.microbatches(deg))
+
+    @staticmethod
+    def _replicated_hop(
+        mesh: _MeshCosts, hop: int, stages: tuple[int, int], runs: tuple[StageRun, StageRun], transfer: StageTransfer
+    ) -> float:
+        """One way over hop `hop` with a replicated stage, from the first of `stages` (and
+        `runs`) to the second: a share of rows, all-gathered over TP by a TP receiver, or
+        first by a sequence-parallel sender where the receiver is replicated
+        (pipeline.PipelineEmitter)."""
+        seconds = mesh.send(hop, transfer.send_bytes)
+        if not runs[1].replicated:
+            seconds += mesh.gather(stages[1], transfer.gather_bytes)
+        elif runs[0].sharding.sequence_parallel:
+            seconds += mesh.gather(stages[0], transfer.gather_bytes)
+        return seconds
 
     def layer_times(self, units: list[UnitSpec], deg: Degrees, cfg: MegatronSettings) -> list[float]:
         """Seconds of forward and backward of every layer of a chain of units, one
         micro-batch on stage 0: what the balanced cut (Optimus Appendix B) equalises."""
         sharding = tensor_parallel(deg.tp, cfg.sequence_parallel)
-        mesh = self._mesh(deg.tp, deg.dp, deg.pp)
+        mesh = self._mesh(deg.tp, deg.dp, deg.pp, [])
         out = []
         for unit in units:
             trained = self.model.needs_backward(unit.name)
@@ -410,9 +485,10 @@ class PipelineEstimator:
     def work_bound(self, deg: Degrees, cfg: MegatronSettings) -> float:
         """The busiest stage's compute stream is at least the average one's: every layer's
         forward and backward for every micro-batch, over pp. Cheaper than any other bound
-        (no virtual stage is looked at); 0 when stages price their TP collectives apart."""
-        mesh = self._mesh(deg.tp, deg.dp, deg.pp)
-        if len(set(mesh.tp_price)) > 1:
+        (no virtual stage is looked at); 0 when stages price their TP collectives apart, or
+        run their layers apart (a unit replicated over its TP group)."""
+        mesh = self._mesh(deg.tp, deg.dp, deg.pp, [])
+        if len(set(mesh.tp_price)) > 1 or (self.replicate and deg.tp > 1):
             return 0.0
         sharding = tensor_parallel(deg.tp, cfg.sequence_parallel)
         total = 0.0
@@ -438,7 +514,7 @@ class PipelineEstimator:
                 for v in range(stage - 1, -1, -1):
                     if not passes.grads_back[v]:
                         break
-                    after += hop[v] + bwd[v]
+                    after += passes.hop_back[v] + bwd[v]
                     best = max(best, after + tail[v])
             if stage < pp - 1:
                 ready += fwd[stage] + hop[stage]
@@ -464,7 +540,7 @@ class PipelineEstimator:
                     seconds, gap = fwd[v], (hop[v - 1] if v > 0 else 0.0)
                 else:
                     need = ("B", v + 1, op.microbatch) if v < last and grads_back[v] and bwd[v] > 0 else None
-                    seconds, gap = bwd[v], (hop[v] if v < last else 0.0)
+                    seconds, gap = bwd[v], (passes.hop_back[v] if v < last else 0.0)
                 start = clock[stage]
                 if need is not None:
                     arrived = done.get(need)
@@ -482,31 +558,34 @@ class PipelineEstimator:
         return max(clock[s] + passes.tail[s] for s in range(pp)) * (1.0 - BOUND_SLACK)
 
     def _tail(
-        self, virtual: list[list[Segment]], stage: int, deg: Degrees, cfg: MegatronSettings, sharding: Sharding, mesh: _MeshCosts
+        self, virtual: list[list[Segment]], stage: int, deg: Degrees, cfg: MegatronSettings, run: StageRun, mesh: _MeshCosts
     ) -> float:
         """The end of a stage's iteration (emit.iteration_tail): the blocking gradient
         reduction (asynchronous under overlap_grad_reduce: left out), the optimizer step of
         the local shard, the parameter all-gather of the distributed optimizer."""
         segments = [s for chunk in range(deg.vpp) for s in virtual[chunk * deg.pp + stage]]
-        params = sum(self.model.unit(s.unit).trainable_params(*s.layers) for s in segments) / sharding.devices
+        params = sum(self.model.unit(s.unit).trainable_params(*s.layers) for s in segments) / run.sharding.devices
         if params == 0:
             return 0.0
         seconds = 0.0
-        if deg.dp > 1 and not cfg.overlap_grad_reduce:
+        replicas = deg.dp * self.row_shares(run, deg)
+        if replicas > 1 and not cfg.overlap_grad_reduce:
             op = "reduce_scatter" if cfg.zero_stage >= 1 else "all_reduce"
             seconds += mesh.dp(stage, op, params * self.grad_bytes)
-        shard = deg.dp if cfg.zero_stage >= 1 else 1
+        shard = replicas if cfg.zero_stage >= 1 else 1
         for segment in segments:
             if not self.model.unit(segment.unit).frozen:
                 seconds += self.compute.work_time(
-                    Work(segment.unit, "optimizer", 0, segment.layers, sharding=sharding, shard=shard), self.model
+                    Work(segment.unit, "optimizer", 0, segment.layers, sharding=run.sharding, shard=shard), self.model
                 )
-        if cfg.zero_stage == 1 and deg.dp > 1:
+        if cfg.zero_stage == 1 and replicas > 1:
             seconds += mesh.dp(stage, "all_gather", params * self.act_bytes)
         return seconds
 
-    def _mesh(self, tp: int, dp: int, pp: int) -> _MeshCosts:
-        key = (tp, dp, pp)
+    def _mesh(self, tp: int, dp: int, pp: int, runs: list[StageRun]) -> _MeshCosts:
+        """`runs`: the stages' StageRuns, where any is replicated (else the mesh's DP groups)."""
+        replicated = tuple(run.replicated for run in runs) or (False,) * pp
+        key = (tp, dp, pp, replicated)
         if key not in self._meshes:
-            self._meshes[key] = _MeshCosts(self.cluster, self.comm, tp, dp, pp)
+            self._meshes[key] = _MeshCosts(self.cluster, self.comm, tp, dp, pp, replicated)
         return self._meshes[key]

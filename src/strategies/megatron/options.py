@@ -7,7 +7,9 @@ from dataclasses import dataclass
 
 from src.costmodel.memory import check_memory_options
 from src.errors import ConfigError
+from src.models.spec import ModelSpec
 from src.schedules.pipeline import SCHEDULES
+from src.strategies.builders.stages import main_unit
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,9 @@ class MegatronOptions:
     uneven_pp: bool = False
     balance: bool = False
     scatter_gather: bool = True
+    # Units replicated over their stage's TP group (DistTrain §2.1): whole on each of its
+    # ranks, each on its share of a micro-batch's rows.
+    replicate: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for key in ("tp", "pp", "dp", "vpp", "micro_batch_size"):
@@ -47,6 +52,35 @@ class MegatronOptions:
         check_memory_options(
             self.recompute, self.zero_stage, "Megatron-LM's distributed optimizer is ZeRO stage 1 (stages 2-3 belong to strategy=ddp)"
         )
+        if any(not isinstance(name, str) for name in self.replicate) or len(set(self.replicate)) != len(self.replicate):
+            raise ConfigError(f"strategy.replicate takes unit names, each once, got {list(self.replicate)}")
+        object.__setattr__(self, "replicate", tuple(self.replicate))
+
+    def check_replicate(self, model: ModelSpec) -> None:
+        """A replicated unit is a pipeline stage of its own: a unit of the model other than
+        the one the pipeline is cut from, under modality_stages=extra."""
+        if not self.replicate:
+            return
+        what = f"strategy.replicate={list(self.replicate)}"
+        names = [u.name for u in model.units]
+        unknown = [name for name in self.replicate if name not in names]
+        if unknown:
+            raise ConfigError(f"{what}: {model.name} has no unit {unknown[0]!r} (its units: {', '.join(names)})")
+        if model.interaction is not None:
+            raise ConfigError(f"{what}: the Megatron-LM baseline of contrastive models ({model.name}) has no pipeline stages")
+        if self.modality_stages != "extra" or self.balance:
+            how = "strategy.balance=true" if self.balance else f"strategy.modality_stages={self.modality_stages}"
+            raise ConfigError(
+                f"{what} replicates units on pipeline stages of their own, which {how} does not give them "
+                f"(it needs strategy.modality_stages=extra)"
+            )
+        main = main_unit(model).name
+        if main in self.replicate:
+            own = [name for name in names if name != main]
+            raise ConfigError(
+                f"{what}: {main} is cut into the pipeline's stages; only a unit on a stage of its own is replicated "
+                f"({', '.join(own) or 'none here'})"
+            )
 
     def searched(self, contrastive: bool) -> bool:
         """Whether any axis of the space is left to the planner."""

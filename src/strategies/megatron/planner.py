@@ -78,6 +78,7 @@ def _fitting(request: PlanRequest, opts: MegatronOptions) -> tuple[MegatronSearc
             f"strategy.balance=true cuts pipeline stages, but the Megatron-LM baseline of "
             f"contrastive models ({request.model.name}) does not pipeline"
         )
+    opts.check_replicate(request.model)
     searched = opts.searched(contrastive)
     search = MegatronSearch(request, opts, contrastive, searched)
     fitting: list[Candidate] = []

@@ -18,7 +18,7 @@ from src.program import Instruction, Program, UnitPlan
 from src.schedules.pipeline import build_schedule
 from src.strategies.base import Degrees
 from src.strategies.builders.colocated import ColocatedEmitter, ColocatedUnit
-from src.strategies.builders.layout import megatron_mesh
+from src.strategies.builders.layout import megatron_mesh, replicated_mesh
 from src.strategies.builders.pipeline import PipelineEmitter, PipelineSettings
 from src.models.flows import unit_order
 from src.strategies.builders.stages import Segment
@@ -34,6 +34,7 @@ class MegatronSettings:
     modality_stages: str
     uneven_pp: bool
     scatter_gather: bool = True  # pipeline sends of 1/tp plus a TP all-gather (stages.stage_transfer)
+    replicate: tuple[str, ...] = ()  # units replicated over their stage's TP group (stages.StageRun)
 
 
 def pipeline_program(
@@ -59,6 +60,7 @@ def pipeline_program(
         cfg.zero_stage,
         cfg.overlap_grad_reduce,
         scatter_gather=cfg.scatter_gather,
+        replicate=cfg.replicate,
     )
     emitter = PipelineEmitter(model, cluster, precision, program, mesh, virtual, settings)
     for stage in range(pp):
@@ -70,7 +72,8 @@ def pipeline_unit_plans(
     model: ModelSpec, mesh: Mesh, global_batch: int, deg: Degrees, cfg: MegatronSettings, virtual: list[list[Segment]]
 ) -> list[UnitPlan]:
     """Each unit's plan in a pipeline of the (tp, dp, pp) `mesh`: the stages that hold it
-    and its layers on each (virtual) stage."""
+    and its layers on each (virtual) stage; a unit replicated over its stage's TP group has
+    the rows axis where the others have tp (layout.replicated_mesh)."""
     pp, vpp = deg.pp, deg.vpp
     batch_per_replica = global_batch // deg.dp
     microbatches = batch_per_replica // deg.micro_batch
@@ -84,8 +87,12 @@ def pipeline_unit_plans(
             # pipeline, with an empty range where a virtual stage holds none of it (a
             # balanced cut's encoder-only stage).
             stages, ranges, chunks = list(range(pp)), _every_virtual_stage(name, virtual), vpp
-        ranks = tuple(r for st in stages for r in mesh.slice(pp=st))
-        unit_mesh = Mesh((("tp", deg.tp), ("dp", deg.dp), ("pp", len(stages))), ranks)
+        replicated = name in cfg.replicate and deg.tp > 1
+        if replicated:
+            unit_mesh = replicated_mesh(mesh, stages[0])
+        else:
+            ranks = tuple(r for st in stages for r in mesh.slice(pp=st))
+            unit_mesh = Mesh((("tp", deg.tp), ("dp", deg.dp), ("pp", len(stages))), ranks)
         unit_plans.append(
             UnitPlan(
                 unit=name,
@@ -98,7 +105,7 @@ def pipeline_unit_plans(
                 vpp=chunks,
                 zero_stage=cfg.zero_stage,
                 recompute=cfg.recompute,
-                sequence_parallel=cfg.sequence_parallel,
+                sequence_parallel=cfg.sequence_parallel and not replicated,
                 overlap_comm=cfg.overlap_grad_reduce,
                 details={"pipeline_stages": stages},
             )

@@ -92,7 +92,9 @@ class MegatronSearch:
         self.model, self.cluster = request.model, request.cluster
         self.precision = request.train.precision
         self.compute = ComputeModel(self.cluster, self.precision)
-        self.estimator = PipelineEstimator(self.model, self.cluster, self.precision, request.train.global_batch, self.compute)
+        self.estimator = PipelineEstimator(
+            self.model, self.cluster, self.precision, request.train.global_batch, self.compute, opts.replicate
+        )
         self.ladder = memory_ladder(opts.recompute, opts.zero_stage)
         self.stats = SearchStats()
         self.progress = Progress("megatron search")
@@ -142,6 +144,7 @@ class MegatronSearch:
                 self.opts.modality_stages,
                 self.opts.uneven_pp,
                 self.opts.scatter_gather,
+                self.opts.replicate,
             )
             try:
                 candidate = self._check(shape, settings, step, tables)

@@ -1,8 +1,8 @@
 """The space the Megatron-LM planner searches: what Megatron-LM users set.
 
-tp: powers of two dividing every unit's heads, inside a node (spanning nodes only when
-nothing fits inside one); pp: divisors of the main unit's blocks (any count with
-uneven_pp or balance); vpp: 1 (plain 1F1B) and every interleaving Megatron-LM runs;
+tp: powers of two dividing every unit's heads (a replicated unit's aside), inside a node
+(spanning nodes only when nothing fits inside one); pp: divisors of the main unit's blocks
+(any count with uneven_pp or balance); vpp: 1 (plain 1F1B) and every interleaving Megatron-LM runs;
 micro-batch sizes dividing the replica's batch; sequence parallelism on and off when
 tp > 1. A value the user fixes is the only choice of its axis. Recomputation and the
 distributed optimizer are no axes: the search turns them on only as far as memory
@@ -92,7 +92,7 @@ def _tp_choices(request: PlanRequest, opts: MegatronOptions, across_nodes: bool)
     there, degrees that span nodes (DistMM §7.1: CoCa(13B,13B) at 16)."""
     if opts.tp is not None:
         return [opts.tp]
-    heads = [u.heads for u in request.model.units if u.kind == "transformer" and u.heads > 1]
+    heads = [u.heads for u in request.model.units if u.kind == "transformer" and u.heads > 1 and u.name not in opts.replicate]
     node = request.cluster.devices_per_node
     return [t for t in powers_of_two(request.cluster.devices) if all(h % t == 0 for h in heads) and (t > node) == across_nodes]
 
@@ -145,6 +145,8 @@ def check_degrees(request: PlanRequest, opts: MegatronOptions, tp: int, pp: int)
     # are priced as an even split of the attention work, as a spatially split attention
     # would run.
     for unit in request.model.units:
+        if unit.name in opts.replicate:
+            continue  # whole on every rank of its TP group
         if unit.kind == "transformer" and unit.heads > 1 and unit.heads % tp:
             raise ConfigError(f"tp={tp} does not divide the {unit.heads} attention heads of unit {unit.name}")
     if devices % (tp * pp):
