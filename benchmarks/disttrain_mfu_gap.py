@@ -73,7 +73,8 @@ def points(setup: Setup, plan: Plan, timeline: Timeline) -> dict[str, float]:
         n = len(rank_timeline.ranks)
         for category, spent in rank_timeline.breakdown.items():
             by_category[category] += n * spent
-        optimizer += n * sum(s.end - s.start for s in rank_timeline.spans if s.category == "compute" and s.name.startswith("optimizer"))
+        steps = [s for s in rank_timeline.spans if s.category == "compute" and s.name.startswith("optimizer")]
+        optimizer += n * sum(s.end - s.start for s in steps)
     share = 100 / (seconds * devices)
     out["kernel efficiency"] = share * (by_category.pop("compute") - optimizer) - out["MFU"] - out["recomputation"]
     out["optimizer step"] = share * optimizer
