@@ -17,7 +17,9 @@ A figure's keys preset, series, field, kind and miss are its headlines' defaults
 `unstated`, the sensitivity sweeps (`sensitivity: [ids]`) over which the row is judged, for
 `simulator`, the measurements where the simulator errs the same way (`measured: {name: {file,
 row: {key: value}}}`). An `unstated` explanation explains a miss only when the paper's value is
-within what its declared range gives; otherwise the next explanation does, else none.
+within what its declared range gives; one with `when: above` (or `below`) only where ours misses
+above (below) the paper's value, the side its measurement errs to; otherwise the next
+explanation does, else none.
 
 An evidence text states no number of its own: every number comes from a placeholder, filled
 when the scorecard is written and checked to resolve when the catalogue loads:
@@ -121,6 +123,7 @@ class Explanation:
     evidence: str
     sensitivity: tuple[str, ...] = ()  # unstated: the sensitivity sweeps' ids
     measured: dict[str, Measurement] = field(default_factory=dict)  # simulator: name -> measurement
+    when: str = ""  # "above" / "below": it explains a headline only where ours misses on that side of the paper's value
 
 
 @dataclass(frozen=True)
@@ -383,7 +386,7 @@ def _explanation(raw: Any, spec: SweepSpec, group: str, context: _Context, where
     if (
         not isinstance(raw, dict)
         or not {"cause", "evidence"} <= set(raw)
-        or set(raw) - {"cause", "evidence", "sensitivity", "measured"}
+        or set(raw) - {"cause", "evidence", "sensitivity", "measured", "when"}
     ):
         raise ConfigError(f"{where}: a miss is {{cause, evidence}} (with sensitivity or measured), is {raw!r}")
     cause = raw["cause"]
@@ -403,9 +406,12 @@ def _explanation(raw: Any, spec: SweepSpec, group: str, context: _Context, where
         measured[name] = Measurement(entry["file"], dict(entry.get("row") or {}), str(entry.get("at", "")))
     if cause == "simulator" and not measured:
         raise ConfigError(f"{where}: a simulator cause names a measurement where the simulator errs the same way (measured)")
+    when = str(raw.get("when", ""))
+    if when not in ("", "above", "below") or (when and not headline):
+        raise ConfigError(f"{where}: when is 'above' or 'below' (a headline's side of the paper's value), is {when!r}")
     evidence = " ".join(str(raw["evidence"]).split())
     _check_evidence(evidence, spec, group, measured, context, where, headline)
-    return Explanation(cause, evidence, sensitivity, measured)
+    return Explanation(cause, evidence, sensitivity, measured, when)
 
 
 def _check_evidence(

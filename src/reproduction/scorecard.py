@@ -281,8 +281,11 @@ def score_headline(headline: Headline, figures: Figures, catalogue: Catalogue) -
     fill_group = group if headline.value.extreme else locus.groups[0]
     parts: list[str] = []
     if scored.verdict is not None and scored.verdict.short_of_gain:
-        parts.append(f"within the band, but a change of less than half the claimed {headline.value.text(headline.kind)}")
+        parts.append(f"within the band, but less than half the change the paper's {headline.value.text(headline.kind)} claims")
+    side = "above" if ours > headline.value.high else "below"
     for explanation in headline.miss:
+        if explanation.when and explanation.when != side:
+            continue  # its measurement errs the other way
         evidence = _fill(explanation.evidence, explanation, fill_group, locus.preset, figures, catalogue, row)
         if explanation.cause != "unstated":
             scored.status, scored.cause, scored.evidence = MISSES, explanation.cause, "; ".join([*parts, evidence])

@@ -159,6 +159,7 @@ def test_a_row_that_resolves_loads_with_its_figures_defaults(tmp_path: Path) -> 
         ({"miss": {"cause": "simulator", "evidence": "ours"}}, "names a measurement where the simulator errs"),
         ({"miss": {"cause": "unstated", "evidence": "ours"}}, "names the sensitivity sweeps"),
         ({"miss": [{"cause": "implementation", "evidence": "a"}, UNSTATED]}, "an unstated cause comes first"),
+        ({"miss": {"cause": "not explained", "when": "sideways", "evidence": "x"}}, "when is 'above' or 'below'"),
         ({"paper": [2, 1]}, "paper value [2, 1]"),
     ],
 )

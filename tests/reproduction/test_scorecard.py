@@ -87,8 +87,24 @@ CATALOGUE = {
                     "group": "small",
                     "miss": {
                         "cause": "simulator",
+                        "when": "below",  # the measurement's simulator errs low
                         "measured": {"held": {"file": "heldout.json", "row": {"id": "run-1"}}},
                         "evidence": "ours {new:mfu%} at {ours}; the simulator is {measured.held:error_pct} % off a published run",
+                    },
+                },
+                {
+                    "id": "mfu-above",
+                    "quantity": "MFU, missed the other way",
+                    "paper": 0.3,
+                    "kind": "mfu",
+                    "field": "mfu",
+                    "where": "§2",
+                    "group": "small",
+                    "miss": {
+                        "cause": "simulator",
+                        "when": "below",
+                        "measured": {"held": {"file": "heldout.json", "row": {"id": "run-1"}}},
+                        "evidence": "the simulator is {measured.held:error_pct} % off a published run",
                     },
                 },
             ],
@@ -171,15 +187,17 @@ def test_scoring_a_catalogue(tmp_path: Path) -> None:
     assert rows["up-to"].ours == pytest.approx(2.0) and rows["up-to"].holds and rows["up-to"].note == "largest at large"
     assert rows["mfu"].status == MISSES and rows["mfu"].cause == "simulator"
     assert rows["mfu"].evidence == "ours 45.0 % at 45.0 %; the simulator is -12.5 % off a published run"
+    # a measurement that errs low explains no miss above the paper's value
+    assert rows["mfu-above"].status == MISSES and rows["mfu-above"].cause == NOT_EXPLAINED and rows["mfu-above"].evidence == ""
     assert rows["bare"].status == MISSES and rows["bare"].cause == NOT_EXPLAINED and rows["bare"].evidence == "new 1.5"
-    assert paper.held == 2 and paper.count(CONSISTENT) == 1 and paper.misses("simulator") == 1 and paper.misses(NOT_EXPLAINED) == 1
+    assert paper.held == 2 and paper.count(CONSISTENT) == 1 and paper.misses("simulator") == 1 and paper.misses(NOT_EXPLAINED) == 2
     claims = {c.claim.id: c for c in paper.claims}
     assert claims["wins"].status == HOLDS
     assert claims["shrinks"].status == MISSES and claims["shrinks"].miss == "implementation: gain 1.5 then 2"
-    assert not goal_met([paper])  # 2 of 6 hold
+    assert not goal_met([paper])  # 2 of 7 hold
     text = markdown([paper], "results/", "../papers")
     assert "| up-to | Fig. 1 | largest speed-up | up to 2 | §1 | 2 (largest at large) | 1.67 | 1.00 | holds |  |" in text
-    assert "| toy | 6 | 2 (33 %) | 1 | 3 (50 %) | 1 | 1 | 0 | 1 | 0 | 1 / 2 |" in text
+    assert "| toy | 7 | 2 (29 %) | 1 | 3 (43 %) | 1 | 1 | 0 | 2 | 0 | 1 / 2 |" in text
     assert "| large | 1.5 | new's TP (a test) | 1: 1.33, 2: 1.67 | consistent |" in text
     assert "Goal: at least 45 % of the numeric headlines hold at the point value" in text
     summary = as_json([paper], "results/")["papers"]["toy"]
