@@ -425,8 +425,8 @@ def paper_section(s: PaperScore, papers_dir: str) -> str:
     lines = [
         f"## {c.title}",
         "",
-        f"Paper text: `{papers_dir}/{c.text}`. {s.held} of {len(s.headlines)} numeric headlines hold, "
-        f"{s.count(CONSISTENT)} more are consistent over a declared range.",
+        f"Paper text: `{papers_dir}/{c.text}`. Of {len(s.headlines)} numeric headlines, {s.held} hold at the point value "
+        f"and {s.count(CONSISTENT)} more are consistent over a declared range.",
         "",
         "| id | figure | quantity | paper | where | ours | ours vs best plan | ratio | verdict | cause, evidence |",
         "|---|---|---|---|---|---|---|---|---|---|",
