@@ -285,7 +285,8 @@ def score_headline(headline: Headline, figures: Figures, catalogue: Catalogue) -
     side = "above" if ours > headline.value.high else "below"
     for explanation in headline.miss:
         if explanation.when and explanation.when != side:
-            continue  # its measurement errs the other way
+            parts.append(f"ours misses {side} the paper's value, where the {explanation.cause} cause's measurement does not err")
+            continue
         evidence = _fill(explanation.evidence, explanation, fill_group, locus.preset, figures, catalogue, row)
         if explanation.cause != "unstated":
             scored.status, scored.cause, scored.evidence = MISSES, explanation.cause, "; ".join([*parts, evidence])
