@@ -613,7 +613,8 @@ def _match(locus: Locus, spec: SweepSpec, declared: Range, context: _Context, wh
         if sorted(at) != sorted(declared.values):
             raise ConfigError(
                 f"{where}: {spec.name}'s groups (and {figure.name}'s own) matching {figure.name}'s {group!r} (its jobs of "
-                f"{list(wanted)} but for {key}) set {key} to {sorted(at)}, range {declared.id} declares {list(declared.values)}"
+                f"{list(wanted)} but for {key}) set {key} to {sorted(at)}, range {declared.id} declares "
+                f"{list(declared.values)}{_nearest_difference(spec, wanted, key)}"
             )
         out[group] = tuple(at[v] for v in declared.values)
         if raw and not raw[figure.name] and any(preset == figure.name for setting in out[group] for preset, _ in setting.values()):
@@ -662,6 +663,27 @@ def _matching(
             values.add(runs[0][key])
         setting[series] = (spec.name, group["label"])
     return (values.pop(), setting) if len(values) == 1 else None
+
+
+def _nearest_difference(spec: SweepSpec, wanted: dict[str, dict[str, str]], key: str) -> str:
+    """What the closest sensitivity group's jobs set otherwise than the figure's (the drift to
+    fix when a figure preset changed and its sweep did not)."""
+    best: tuple[int, str] | None = None
+    for group in spec.groups:
+        differences = []
+        for series, job in wanted.items():
+            runs = job_overrides(spec, group["label"], series)
+            if len(runs) != 1:
+                continue
+            ours = {k: v for k, v in runs[0].items() if k != key}
+            differences += [
+                f"{series} {k}={ours.get(k, '(unset)')} (figure: {job.get(k, '(unset)')})"
+                for k in sorted(set(ours) | set(job))
+                if ours.get(k) != job.get(k)
+            ]
+        if differences and (best is None or len(differences) < best[0]):
+            best = (len(differences), f"; nearest, {group['label']!r}: " + ", ".join(differences[:3]))
+    return best[1] if best else ""
 
 
 def _unrun_job(spec: SweepSpec, group: dict[str, Any], series: str) -> dict[str, str] | None:

@@ -229,7 +229,7 @@ def _group(label: str, tp: int, *extra: str, skip: tuple[str, ...] = ("base",)) 
         (
             _with_sensitivity(series={"base": ["strategy=ddp"], "new": ["strategy=megatron", "strategy.pp=2"]}),
             None,
-            "set strategy.tp to ['2']",
+            "set strategy.tp to ['2'], range tp declares ['1', '2', '4']; nearest, 'g1, tp 1': new strategy.pp=2 (figure: (unset))",
         ),
         # the skipped series would not run as the figure's does
         (
