@@ -5,8 +5,8 @@ markdown, JSON and one plot.
 A row reads `holds` (by verdict.judge), `consistent` (it misses at the point value, but its
 first explanation is an unstated parameter and some value between our smallest and largest
 over that parameter's declared range would hold), `misses` with the cause of the first other
-explanation (or "not explained"), or `not run` (a job it needs failed, or its figure has no
-stored results yet).
+explanation (or "not explained"), or `not run` (a job it needs failed, or a figure or sweep it
+needs has no current results: none stored, or another version's).
 
 A preset series named `<series>_best` is the best plan (our searched fastest) beside the
 paper's plan `<series>`: a headline comparing against the paper's plan also shows what it
@@ -60,7 +60,7 @@ class Goal:
 
 GOAL = Goal(0.45, 0.70, 0.30)
 
-Figures = dict[str, tuple[SweepSpec, FigureResults | None]]  # None: no stored results yet
+Figures = dict[str, tuple[SweepSpec, FigureResults | None]]  # None: no current results
 
 
 @dataclass
@@ -263,7 +263,7 @@ def score_headline(headline: Headline, figures: Figures, catalogue: Catalogue) -
     locus = headline.locus
     results = _results(figures, locus.preset)
     if results is None:
-        return Scored(headline, None, None, None, note=f"not run: no stored results of {locus.preset}", status=NOT_RUN)
+        return Scored(headline, None, None, None, note=f"not run: no current results of {locus.preset}", status=NOT_RUN)
     values = {g: _quantity(locus, g, figures) for g in locus.groups}
     missing = [g for g, v in values.items() if v is None]
     if missing and (not headline.value.extreme or len(missing) == len(values)):
@@ -294,7 +294,7 @@ def score_headline(headline: Headline, figures: Figures, catalogue: Catalogue) -
         pending = [n for n in explanation.sensitivity if _results(figures, catalogue.sensitivities[n].preset) is None]
         if pending:
             presets = ", ".join(dict.fromkeys(catalogue.sensitivities[n].preset for n in pending))
-            pending_note = f"misses at the point value, not judged over its range: no results of {presets}"
+            pending_note = f"misses at the point value, not judged over its range: no current results of {presets}"
             scored.status, scored.note = NOT_RUN, "; ".join(filter(None, [scored.note, pending_note]))
             return scored
         swept = [
@@ -342,7 +342,7 @@ def score_claim(claim: Claim, figures: Figures, catalogue: Catalogue) -> ScoredC
         if explanation.cause != "unstated":
             return ScoredClaim(claim, False, MISSES, f"{explanation.cause}: {'; '.join([*parts, evidence])}")
         if any(_results(figures, catalogue.sensitivities[n].preset) is None for n in explanation.sensitivity):
-            return ScoredClaim(claim, False, NOT_RUN, "misses; not judged over its range: its sweep has no results yet")
+            return ScoredClaim(claim, False, NOT_RUN, "misses; not judged over its range: its sweep has no current results")
         held = []
         for name in explanation.sensitivity:
             sensitivity = catalogue.sensitivities[name]

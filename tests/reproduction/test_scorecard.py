@@ -207,7 +207,7 @@ def test_scoring_a_catalogue(tmp_path: Path) -> None:
 
 def test_a_row_is_not_judged_over_a_range_whose_sweep_has_not_run(tmp_path: Path) -> None:
     rows = {r.headline.id: r for r in scored(tmp_path, with_sweep=False).headlines}
-    assert rows["large"].status == NOT_RUN and "no results of toy_sens" in rows["large"].note
+    assert rows["large"].status == NOT_RUN and "no current results of toy_sens" in rows["large"].note
     assert rows["small"].status == HOLDS  # a row that holds needs no range
 
 
