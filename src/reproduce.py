@@ -5,11 +5,13 @@ ours beside it, and whether it holds.
     python -m src.reproduce paper=disttrain    # one paper
     python -m src.reproduce --rerun [--jobs 2] # re-run every figure preset the catalogue names first
 
-Reads the headline catalogue (benchmarks/reproduction/<paper>.yaml, or --catalogue; the presets
-it names from sweeps/, or --sweeps), each figure's results
-(benchmarks/results/figures/<preset>.json, or --results DIR holding <preset>/results.json
-sweep directories), and writes reproduction.md, .json and .png under --out (default
-benchmarks/results; one paper: reproduction_<paper>.* in outputs/reproduction). --rerun runs
+Reads the headline catalogue (benchmarks/reproduction/<paper>.yaml and the declared ranges of
+ranges.yaml, or --catalogue; the presets it names from sweeps/, or --sweeps), each figure's
+results (benchmarks/results/figures/<preset>.json, or --results DIR holding
+<preset>/results.json sweep directories; a figure with no current results, none or another
+version's, scores its rows "not run"),
+and writes reproduction.md, .json and .png under --out (default benchmarks/results; one
+paper: reproduction_<paper>.* in outputs/reproduction). --rerun runs
 each figure afresh in outputs/reproduction/<preset> (its jobs' logs there), printing one line
 per figure, and stores its results.json and plot in the results directory before scoring.
 """
@@ -28,7 +30,7 @@ from pathlib import Path
 
 from src.errors import ConfigError
 from src.reproduction.catalogue import CATALOGUE_DIR, SWEEPS_DIR, Catalogue, Presets, load_catalogue, papers_in
-from src.reproduction.results import STORE, load_results
+from src.reproduction.results import STORE, load_results, stale
 from src.reproduction.scorecard import paper_section, score, summary_table, write
 from src.sweep import REPO, SweepSpec, figure_jobs, multirun_command
 
@@ -114,16 +116,20 @@ def main(argv: list[str] | None = None) -> int:
             if errors:
                 print("error: " + "; ".join(errors), file=sys.stderr)
                 return 2
-        figures = {name: (presets[name], load_results(presets[name], args.results)) for name in names}
+        absent = {name: why for name in names if (why := stale(presets[name], args.results))}
+        figures = {name: (presets[name], None if name in absent else load_results(presets[name], args.results)) for name in names}
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if absent:
+        listed = ", ".join(f"{name} ({why})" for name, why in absent.items())
+        print(f"note: no current results of {listed}: their rows read 'not run' (python -m src.reproduce --rerun)", file=sys.stderr)
     scores = [score(c, figures) for c in catalogues]
     stem = "reproduction" if args.selection is None else f"reproduction_{papers[0]}"
     out = args.out or (SCORECARD if args.selection is None else REPO / RUNS)
     results = args.results.resolve()
     source = results.relative_to(REPO) if results.is_relative_to(REPO) else results
-    write(scores, out, stem, str(source), PAPERS_DIR)
+    write(scores, out, stem, str(source), PAPERS_DIR, absent)
     print(summary_table(scores))
     if len(scores) == 1:
         print("\n" + paper_section(scores[0], PAPERS_DIR))

@@ -1,5 +1,6 @@
 """python -m src.reproduce: the scorecard from stored figure results, one small figure re-run
-end to end, and bad input as one line with exit 2."""
+end to end, figures without current results named and their rows not run, and bad input as
+one line with exit 2."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ CATALOGUE = {
             "preset": "tiny_tp",
             "series": "tp2",
             "kind": "ratio",
-            "miss": {"cause": "simulator", "evidence": "TP 2 takes {tp2:iteration_time_s} s"},
+            "miss": {"cause": "implementation", "evidence": "TP two takes {tp2:iteration_time_s} s"},
             "headlines": [
                 {"id": "holds", "quantity": "TP 2 over TP 1", "paper": [0.01, 100.0], "where": "§1", "group": "8 GPUs"},
                 {"id": "misses", "quantity": "TP 2 over TP 1", "paper": 1000.0, "where": "§1", "group": "8 GPUs"},
@@ -73,7 +74,15 @@ def test_the_stored_results_score_every_paper_within_ten_seconds(tmp_path: Path)
     scorecard = json.loads((tmp_path / "reproduction.json").read_text())
     assert sorted(scorecard["papers"]) == ["distmm", "disttrain", "optimus", "par4d"]
     rows = [row for paper in scorecard["papers"].values() for row in paper["rows"]]
-    assert all(row["holds"] or (row["cause"] and row["cause"] != "not explained") for row in rows)  # every miss has a cause
+    assert {row["status"] for row in rows} <= {"holds", "consistent", "misses", "not run"}
+    assert all(row["cause"] and row["evidence"] for row in rows if row["status"] in ("misses", "consistent"))
+    # a row reads 'not run' only where a figure it needs has no current results (a preset added or
+    # changed since the figures were last re-run), and the scorecard says which
+    not_run = [row for row in rows if row["status"] == "not run"]
+    assert all(
+        row["preset"] in scorecard["not_current"] or "not judged" in row["note"] or row["note"].startswith("not run")
+        for row in not_run
+    )
     assert (tmp_path / "reproduction.md").read_text().startswith("# Reproduction scorecard")
     assert (tmp_path / "reproduction.png").stat().st_size > 10_000
 
@@ -90,12 +99,24 @@ def test_a_row_naming_a_missing_field_is_one_line(tmp_path: Path, capsys: pytest
     assert "tiny.yaml, headline 'holds': preset tiny_tp's results have no field 'mfu'" in one_error_line(capsys)
 
 
-def test_results_of_another_version_of_the_preset_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_results_of_another_version_of_the_preset_leave_its_rows_not_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     dirs = layout(tmp_path)
     (dirs["results"] / "tiny_tp.json").write_text(json.dumps({"preset_hash": "0" * 16, "rows": []}))
+    assert main(args(dirs, "paper=tiny")) == 0
+    assert "no current results of tiny_tp (results of another version of the preset)" in capsys.readouterr().err
+    scorecard = json.loads((dirs["out"] / "reproduction_tiny.json").read_text())
+    assert scorecard["not_current"] == {"tiny_tp": "results of another version of the preset"}
+    paper = scorecard["papers"]["tiny"]
+    assert {row["status"] for row in paper["rows"]} == {"not run"} and paper["not_run"] == 2 and paper["hold"] == 0
+    assert "**Not current**: `tiny_tp`" in (dirs["out"] / "reproduction_tiny.md").read_text()  # nothing that looks complete
+
+
+def test_unreadable_results_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    dirs = layout(tmp_path)
+    (dirs["results"] / "tiny_tp.json").write_text("{not json")
     assert main(args(dirs)) == 2
-    assert "written by another version of preset tiny_tp" in one_error_line(capsys)
-    assert not (dirs["out"] / "reproduction.md").exists()  # nothing that looks complete
+    assert "tiny_tp.json is not JSON" in one_error_line(capsys)
+    assert not (dirs["out"] / "reproduction.md").exists()
 
 
 @pytest.mark.slow
@@ -110,8 +131,8 @@ def test_one_small_figure_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixtu
     rows = {row["id"]: row for row in scorecard["rows"]}
     ours = next(r["value"] for r in stored["rows"] if r["series"] == "tp2")
     assert rows["holds"]["ours"] == ours and rows["holds"]["holds"]
-    assert not rows["misses"]["holds"] and rows["misses"]["cause"] == "simulator"
-    assert rows["misses"]["evidence"].startswith("TP 2 takes ") and scorecard["hold"] == 1
+    assert not rows["misses"]["holds"] and rows["misses"]["cause"] == "implementation"
+    assert rows["misses"]["evidence"].startswith("TP two takes ") and scorecard["hold"] == 1
     # from the stored results alone, without --rerun, the same scorecard
     assert main(args(dirs, "paper=tiny")) == 0
     assert json.loads((dirs["out"] / "reproduction_tiny.json").read_text())["papers"]["tiny"]["rows"] == scorecard["rows"]

@@ -1,5 +1,7 @@
 """A figure's results as the scorecard reads them: its results.json, refused when another
-version of its preset wrote it (the fingerprint src.sweep stores differs)."""
+version of its preset wrote it (the fingerprint src.sweep stores differs). `stale` says why a
+figure has no current results (none stored, or another version's), which the scorecard reports
+as rows not run until the figures are re-run."""
 
 from __future__ import annotations
 
@@ -42,6 +44,19 @@ class FigureResults:
 
     def label(self, series: str) -> str:
         return self.labels.get(series, series)
+
+
+def stale(spec: SweepSpec, directory: Path) -> str:
+    """Why a directory holds no current results of a figure ('' when it does): none stored,
+    or results another version of the preset wrote."""
+    path = results_path(directory, spec.name)
+    if not path.is_file():
+        return "no results"
+    try:
+        written = json.loads(path.read_text()).get("preset_hash")
+    except (json.JSONDecodeError, AttributeError):
+        return ""  # load_results names what is wrong with it
+    return "" if written == preset_hash(spec) else "results of another version of the preset"
 
 
 def load_results(spec: SweepSpec, directory: Path) -> FigureResults:

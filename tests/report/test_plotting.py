@@ -93,15 +93,18 @@ def test_gantt_and_validation_keep_their_text_on_the_canvas(drawn: list[Any]) ->
 
 def test_the_scorecard_plot_keeps_its_text_on_the_canvas(drawn: list[Any]) -> None:
     from src.reproduction.catalogue import Presets, load_catalogue
-    from src.reproduction.scorecard import PaperScore, Scored, plot
+    from src.reproduction.scorecard import CONSISTENT, HOLDS, MISSES, PaperScore, Scored, plot
     from src.reproduction.verdict import judge
 
     presets = Presets()
     scores = []
     for paper in ("distmm", "par4d"):
         cat = load_catalogue(paper, presets)
-        rows = [Scored(h, h.value.high * 1.05, judge(h.kind, h.value, h.value.high * 1.05), None) for h in cat.headlines]
-        scores.append(PaperScore(cat, rows, [], []))
+        rows = []
+        for i, h in enumerate(cat.headlines):
+            verdict = judge(h.kind, h.value, h.value.high * 1.05)
+            rows.append(Scored(h, h.value.high * 1.05, verdict, None, status=HOLDS if verdict.holds else (MISSES, CONSISTENT)[i % 2]))
+        scores.append(PaperScore(cat, rows, []))
     plot(scores, Path("s.png"))
     (fig,) = drawn
     assert_on_canvas(fig)

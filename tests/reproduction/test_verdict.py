@@ -1,11 +1,12 @@
-"""The scorecard's one rule on hand-made rows: numbers, ranges, "up to", points for MFU."""
+"""The scorecard's one rule on hand-made rows: numbers, ranges, "up to", points for MFU, claimed
+gains (half of one, the same way), consistency over a range, claims' order."""
 
 from __future__ import annotations
 
 import pytest
 
 from src.errors import ConfigError
-from src.reproduction.verdict import PaperValue, check_claim, judge
+from src.reproduction.verdict import PaperValue, band, check_claim, consistent, judge
 
 
 def value(raw: object) -> PaperValue:
@@ -75,3 +76,55 @@ def test_claim_checks() -> None:
     assert check_claim({"kind": "decreasing", "series": "x", "groups": ["b", "c"]}, table)
     assert check_claim({"kind": "largest_gap", "series": "y", "than": ["x"], "at": "c", "groups": groups}, table)
     assert not check_claim({"kind": "largest_gap", "series": "y", "than": ["x"], "at": "a", "groups": groups}, table)
+
+
+@pytest.mark.parametrize(
+    ("paper", "ours", "holds"),
+    [
+        (1.06, 1.02, False),  # a third of a claimed 6 % gain: within the band, but no gain to speak of
+        (1.06, 1.03, True),  # half of it
+        (1.06, 0.98, False),  # a loss never holds a claimed gain, however close
+        ([1.10, 1.18], 1.0333, False),  # a third of the nearer end's 10 %
+        ([1.10, 1.18], 1.05, True),
+        (0.95, 0.9833, False),  # "5 % faster" as a time ratio: a third of it
+        (0.95, 0.975, True),
+        (0.95, 1.01, False),
+        ({"up_to": 1.06}, 1.02, False),  # "up to": the gain is |X - 1|
+        ({"up_to": 1.06}, 1.04, True),
+        (1.0, 1.08, True),  # "matching": no gain claimed, the band alone
+    ],
+)
+def test_a_claimed_gain_holds_only_at_half_its_size_the_same_way(paper: object, ours: float, holds: bool) -> None:
+    verdict = judge("ratio", value(paper), ours)
+    assert verdict.holds is holds
+    low, high = band("ratio", value(paper))
+    assert verdict.short_of_gain is (low <= ours <= high and not holds)
+
+
+def test_the_gain_rule_is_for_ratios_alone() -> None:
+    assert judge("time", value(1.06), 1.0).holds  # a time of 1.06 s is no claimed gain
+    assert value([0.9, 1.1]).claimed_gain("ratio") is None  # a range across 1 claims none
+    assert value(1.25).claimed_gain("ratio") == (1, pytest.approx(0.25))
+    assert value([0.8, 0.9]).claimed_gain("ratio") == (-1, pytest.approx(0.1))
+
+
+@pytest.mark.parametrize(
+    ("paper", "lowest", "highest", "explained"),
+    [
+        (1.3, 0.8, 1.0, False),  # the range gives at most 1.0; the band starts at 1.17
+        (1.3, 0.8, 1.2, True),  # 1.2 would hold
+        (1.3, 1.5, 2.0, False),  # above the band's 1.43
+        (1.06, 0.95, 1.02, False),  # within the band, never half the claimed gain
+        ([1.3, 2.7], 2.9, 3.5, True),  # 2.9 is within 10 % of the upper end
+    ],
+)
+def test_a_paper_value_is_consistent_when_some_value_of_the_range_would_hold(
+    paper: object, lowest: float, highest: float, explained: bool
+) -> None:
+    assert consistent("ratio", value(paper), lowest, highest) is explained
+
+
+def test_values_equal_but_for_rounding_have_no_order() -> None:
+    table = {"a": {"x": 0.999999999999989}, "b": {"x": 0.9999999999999959}}
+    assert not check_claim({"kind": "increasing", "series": "x", "groups": ["a", "b"]}, table)
+    assert not check_claim({"kind": "decreasing", "series": "x", "groups": ["a", "b"]}, table)
