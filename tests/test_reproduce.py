@@ -12,6 +12,8 @@ import pytest
 import yaml
 
 from src.reproduce import main
+from src.reproduction.catalogue import Presets, load_catalogue, papers_in
+from src.reproduction.results import STORE, stale
 from src.sweep import load_sweep, preset_hash
 from tests.test_sweep import TINY_GPT as SWEEP_TINY_GPT
 
@@ -85,6 +87,14 @@ def test_the_stored_results_score_every_paper_within_ten_seconds(tmp_path: Path)
     )
     assert (tmp_path / "reproduction.md").read_text().startswith("# Reproduction scorecard")
     assert (tmp_path / "reproduction.png").stat().st_size > 10_000
+
+
+def test_the_committed_store_holds_current_results_of_every_preset_the_catalogue_names() -> None:
+    """A sweep changed without its figure re-run leaves the scorecard's rows 'not run': the
+    committed store must hold what the committed presets give (python -m src.reproduce --rerun)."""
+    presets = Presets()
+    names = {name for paper in papers_in() for name in load_catalogue(paper, presets).presets()}
+    assert {name: why for name in sorted(names) if (why := stale(presets[name], STORE))} == {}
 
 
 def test_an_unknown_paper_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:

@@ -530,7 +530,7 @@ def test_a_plan_on_tar_shards_prices_the_images_its_samples_hold(tmp_path: Path)
     heaviest = round(max(priced for priced, _ in pairs), 3)
     assert plan.unit("encoder").details["max_load"] == plan.unit("generator").details["max_load"] == heaviest <= 1.5
     mllm_shard(tmp_path / "shard-0.tar", [0] * 8)
-    with pytest.raises(ConfigError, match=r"^backend.data: the first step's 8 samples hold no image: DistTrain prices"):
+    with pytest.raises(ConfigError, match=r"^backend.data: the first step's 8 samples hold no image: the plan prices"):
         plan_run(setup(*REAL, f"backend.data={tmp_path}/shard-*.tar"))
 
 
