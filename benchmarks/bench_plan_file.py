@@ -106,10 +106,6 @@ def main() -> None:
             threads_per_worker=1,
             data="synthetic",
             data_errors="fail",
-            lr=1e-4,
-            weight_decay=0.0,
-            adam_eps=1e-8,
-            initial_loss_scale=65536.0,
             preprocess="inline",
             prefetch_steps=2,
         )

@@ -190,7 +190,7 @@ def _dataclass(cls: type, cache: bool = True) -> tuple[Encode, Decode]:
         for name, _, field_dec, _, _ in fields:
             if name in data:
                 kwargs[name] = field_dec(data[name])
-        if len(kwargs) + (TYPE_KEY in data) != len(data):
+        if len(kwargs) + (TYPE_KEY in data and TYPE_KEY not in kwargs) != len(data):
             unknown = sorted(set(data) - set(kwargs) - {TYPE_KEY})
             raise CodecError(f"{cls.__name__} has no field(s) {unknown}")
         return cls(**kwargs)
