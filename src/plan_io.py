@@ -41,7 +41,10 @@ PLAN_FILE = "plan.json"
 RUN_FILE = "run.json"
 PLAN_FORMAT = "mmdist-plan"
 RUN_FORMAT = "mmdist-run"
-VERSION = 2  # 2: ZeRO-3 fetches and persistence threshold, MLLM image-side spread, priced sample images
+# 2: ZeRO-3 fetches and persistence threshold, MLLM image-side spread, priced sample images;
+# 3: run.json's backend.deepspeed and backend.contrastive (lr, weight_decay, adam_eps and
+# initial_loss_scale moved there)
+VERSION = 3
 HEADER = ("format", "version", "world_size")
 PLANNED_FROM = ("model", "strategy", "cluster", "train")  # the config groups a plan is made from
 
