@@ -123,7 +123,10 @@ def _plan_file(path: Path) -> dict[str, Any]:
 
 
 def _training(path: Path) -> dict[str, Any]:
-    """The settings a run trains under (TRAINING), as its run.json records them."""
+    """The settings a run trains under (TRAINING), as its run.json records them (at their
+    defaults they are left out; so is a run.json not written)."""
+    if not path.exists():
+        return {}
     try:
         return json.loads(path.read_text()).get("torch", {})
     except (OSError, json.JSONDecodeError) as err:

@@ -188,6 +188,7 @@ def run_session(run: PlannedRun, settings: RunSettings, run_dir: Path, rank: int
     sinks = open_sinks(run_dir, settings.record, settings.job) if rank == 0 else None
     try:
         losses: list[float] = []
+        step_peaks: list[float] = []  # this rank's peak memory in each step (GiB)
         times, waits, breakdowns, cpu = [], [], [], []
         # Each step's mean images per sequence, where its samples hold their own: what its
         # encoder and generator FLOPs count (None: the model's).
@@ -213,6 +214,7 @@ def run_session(run: PlannedRun, settings: RunSettings, run_dir: Path, rank: int
             # ranks whose norm is unknown. Maxima: the slowest rank's times, the peak memory, the lr.
             sums = torch.tensor([share, norm_share, 0.0 if known else 1.0], dtype=torch.float64, device=device)
             peak_memory = step_metrics.memory_peak_gib(device)
+            step_peaks.append(peak_memory)
             longest = torch.tensor(
                 [timer.end, batches.wait_s, peak_memory, -1.0 if lr is None else lr], dtype=torch.float64, device=device
             )
@@ -254,7 +256,8 @@ def run_session(run: PlannedRun, settings: RunSettings, run_dir: Path, rank: int
             "breakdowns": breakdowns,
             "spans": [dataclasses.astuple(s) for s in timer.spans],
             "rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-            "device_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0,
+            # Each step's peak is measured from its start: the run's is the largest.
+            "device_gib": max(step_peaks, default=0.0) if device.type == "cuda" else 0.0,
             "data_skipped": batches.skipped,
         }
         gathered: list[Any] | None = [None] * world if rank == 0 else None

@@ -93,3 +93,16 @@ def test_clipping_is_refused_where_several_engines_hold_the_model(tmp_path: Path
     pipeline = GPT + ["strategy=megatron", "strategy.tp=1", "strategy.pp=2", "strategy.micro_batch_size=2"]
     with pytest.raises(ConfigError, match=r"^backend.deepspeed.gradient_clipping=1: DeepSpeed clips each engine by its own"):
         prepare_run_dir(tmp_path, [*TWO_WORKERS, *pipeline, "backend.deepspeed.gradient_clipping=1.0"])
+
+
+def test_resuming_under_other_training_settings_is_refused(tmp_path: Path) -> None:
+    from tests.runtime.test_runtime_checkpoint import _fake_checkpoint
+
+    ddp = [*TWO_WORKERS, *CLIP, "strategy=ddp", "train.steps=4"]
+    source = tmp_path / "source"
+    prepare_run_dir(source, [*ddp, *SETTINGS])
+    _fake_checkpoint(source, 2, 2)
+    prepare_run_dir(tmp_path / "same", [*ddp, *SETTINGS, f"train.resume={source}"])  # would resume
+    line = rf"^train.resume={source}: its checkpoint was trained under other backend.deepspeed settings$"
+    with pytest.raises(ConfigError, match=line):
+        prepare_run_dir(tmp_path / "other", [*ddp, *SETTINGS, "backend.deepspeed.gradient_clipping=2.0", f"train.resume={source}"])
