@@ -223,7 +223,7 @@ def plain_worker(run_dir: Path) -> None:
             "gradient_clipping": 0.0,
             "steps_per_print": 2**31,
         }
-        optimizer = torch.optim.AdamW(clip.parameters(), lr=backend.lr, weight_decay=backend.weight_decay, eps=backend.adam_eps)
+        optimizer = torch.optim.AdamW(clip.parameters(), **backend.deepspeed.optimizer.params())
         engine, *_ = deepspeed.initialize(model=clip, optimizer=optimizer, config=ds_config)
         data = dataset_for(model, seed, "synthetic")
         for step in range(setup.train.steps):

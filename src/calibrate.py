@@ -210,7 +210,7 @@ def _zero3() -> dict[int, dict[str, float]]:
     from src.runtime.modules.parallel import TP
 
     groups = ParallelGroups(dist.new_group([0]), (0,), None, ())
-    settings = EngineSettings(3, 1, 1, lr=1e-3, weight_decay=0.0, eps=1e-8, persistence_threshold=0)
+    settings = EngineSettings(3, 1, 1, persistence_threshold=0)
     linear = torch.nn.functional.linear  # zero.Init replaces it for the whole process
 
     def stack(hidden: int) -> torch.nn.ModuleList:

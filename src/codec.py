@@ -103,6 +103,7 @@ def _codec(hint: Any) -> tuple[Encode, Decode]:
 
 
 def _same(value: Any) -> Any:
+    """A value JSON holds as it is (compiled codecs read it without calling this)."""
     return value
 
 
@@ -125,14 +126,20 @@ def _make(hint: Any) -> tuple[Encode, Decode]:
             if args[0] is int:
                 return encode_ints, decode_ints
             enc, dec = _codec(args[0])
+            if enc is _same and dec is _same:
+                return list, tuple
             return (lambda v: [enc(x) for x in v]), (lambda d: tuple(dec(x) for x in d))
         codecs = [_codec(a) for a in args]
+        if all(c == (_same, _same) for c in codecs):  # scalars: as they are
+            return list, tuple
         return (
             lambda v: [c[0](x) for c, x in zip(codecs, v)],
             lambda d: tuple(c[1](x) for c, x in zip(codecs, d)),
         )
     if origin is list:
         enc, dec = _codec(args[0])
+        if enc is _same and dec is _same:
+            return list, list
         return (lambda v: [enc(x) for x in v]), (lambda d: [dec(x) for x in d])
     if origin in (dict, collections.abc.Mapping):
         if not args:
@@ -171,38 +178,48 @@ def _tagged(members: list[type], optional: bool) -> tuple[Encode, Decode]:
 
 
 def _dataclass(cls: type, cache: bool = True) -> tuple[Encode, Decode]:
+    """A dataclass's codec, compiled into one function each way (attribute reads and
+    default checks written out per field: a plan holds hundreds of thousands of objects)."""
     # Placeholders first: a dataclass may refer to itself through its fields.
-    fields: list[tuple[str, Encode, Decode, Any, Callable[[], Any] | None]] = []
-
-    def enc(value: Any) -> dict[str, Any]:
-        out = {}
-        for name, field_enc, _, default, factory in fields:
-            item = getattr(value, name)
-            if item is default or (default is not _MISSING and item == default) or (factory is not None and item == factory()):
-                continue
-            out[name] = field_enc(item)
-        return out
-
-    def dec(data: Any) -> Any:
-        if not isinstance(data, dict):
-            raise CodecError(f"{cls.__name__}: expected an object, got {type(data).__name__}")
-        kwargs = {}
-        for name, _, field_dec, _, _ in fields:
-            if name in data:
-                kwargs[name] = field_dec(data[name])
-        if len(kwargs) + (TYPE_KEY in data) != len(data):
-            unknown = sorted(set(data) - set(kwargs) - {TYPE_KEY})
-            raise CodecError(f"{cls.__name__} has no field(s) {unknown}")
-        return cls(**kwargs)
-
+    compiled: list[Callable[[Any], Any]] = []
     if cache:
-        _CACHE[cls] = (enc, dec)
+        _CACHE[cls] = (lambda value: compiled[0](value)), (lambda data: compiled[1](data))
     hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if f.name.startswith("_") or not f.init:
-            continue
+    names: dict[str, Any] = {"MISSING": _MISSING, "cls": cls, "CodecError": CodecError, "TYPE_KEY": TYPE_KEY}
+    enc_lines = ["def enc(value):", "    out = {}"]
+    dec_lines = [
+        "def dec(data):",
+        "    if type(data) is not dict:",
+        "        raise CodecError(f'{cls.__name__}: expected an object, got {type(data).__name__}')",
+    ]
+    dec_lines += ["    get = data.get", "    kwargs = {}"]
+    fields = [f for f in dataclasses.fields(cls) if not f.name.startswith("_") and f.init]
+    for i, f in enumerate(fields):
         field_enc, field_dec = _codec(hints[f.name])
-        default = f.default if f.default is not dataclasses.MISSING else _MISSING
-        factory = f.default_factory if f.default_factory is not dataclasses.MISSING else None
-        fields.append((f.name, field_enc, field_dec, default, factory))
-    return enc, dec
+        names[f"e{i}"], names[f"d{i}"] = field_enc, field_dec
+        value = "x" if field_enc is _same else f"e{i}(x)"
+        enc_lines.append(f"    x = value.{f.name}")
+        if f.default is not dataclasses.MISSING:
+            names[f"default{i}"] = f.default
+            enc_lines.append(f"    if x is not default{i} and x != default{i}:")
+            enc_lines.append(f"        out[{f.name!r}] = {value}")
+        elif f.default_factory is not dataclasses.MISSING:
+            names[f"default{i}"] = f.default_factory()
+            enc_lines.append(f"    if x != default{i}:")
+            enc_lines.append(f"        out[{f.name!r}] = {value}")
+        else:
+            enc_lines.append(f"    out[{f.name!r}] = {value}")
+        dec_lines.append(f"    x = get({f.name!r}, MISSING)")
+        dec_lines.append("    if x is not MISSING:")
+        dec_lines.append(f"        kwargs[{f.name!r}] = {'x' if field_dec is _same else f'd{i}(x)'}")
+    enc_lines.append("    return out")
+    type_field = any(f.name == TYPE_KEY for f in fields)
+    dec_lines.append(f"    if len(kwargs) + {'0' if type_field else '(TYPE_KEY in data)'} != len(data):")
+    dec_lines.append("        unknown = sorted(set(data) - set(kwargs) - {TYPE_KEY})")
+    dec_lines.append("        raise CodecError(f'{cls.__name__} has no field(s) {unknown}')")
+    dec_lines.append("    return cls(**kwargs)")
+    exec("\n".join(enc_lines + dec_lines), names)  # noqa: S102 - code built from the class's own field names
+    compiled[:] = [names["enc"], names["dec"]]
+    if cache:
+        _CACHE[cls] = (names["enc"], names["dec"])
+    return names["enc"], names["dec"]

@@ -120,6 +120,79 @@ def checkpoint_from_config(cfg: Mapping[str, Any], backend: str) -> CheckpointSp
     return CheckpointSpec(every, resume)
 
 
+OPTIMIZERS = ("AdamW", "Adam", "SGD")  # torch.optim's, as DeepSpeed names them
+NO_DECAY = ("bias", "norm", "logit_scale")  # what no_decay may exempt from weight decay
+# DeepSpeed's warm-up schedulers (deepspeed.runtime.lr_schedules) and the parameters each takes.
+SCHEDULERS: dict[str, tuple[str, ...]] = {
+    "WarmupLR": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"),
+    "WarmupDecayLR": ("total_num_steps", "warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"),
+    "WarmupCosineLR": ("total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio", "warmup_type"),
+}
+WARMUP_TYPES = ("log", "linear")
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """backend.deepspeed.optimizer: the optimizer every engine builds (type and params as in
+    DeepSpeed's config) and which parameters take no weight decay."""
+
+    type: str = "AdamW"
+    lr: float = 1.0e-3
+    betas: tuple[float, float] = (0.9, 0.999)  # Adam, AdamW
+    eps: float = 1.0e-8  # Adam, AdamW
+    weight_decay: float = 0.0
+    momentum: float = 0.0  # SGD
+    # Parameters exempt from weight decay: biases, normalisation layers' weights, the
+    # contrastive logit scale (OpenCLIP's and Megatron-LM's rule: every parameter of fewer
+    # than two dimensions).
+    no_decay: tuple[str, ...] = NO_DECAY
+
+    def params(self) -> dict[str, Any]:
+        """The torch.optim constructor's keyword arguments."""
+        if self.type == "SGD":
+            return {"lr": self.lr, "momentum": self.momentum, "weight_decay": self.weight_decay}
+        return {"lr": self.lr, "betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay}
+
+
+@dataclass(frozen=True)
+class SchedulerSpec:
+    """backend.deepspeed.scheduler: one of DeepSpeed's warm-up schedulers and its params
+    (total_num_steps, where it takes one, defaults to train.steps)."""
+
+    type: str
+    params: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class LossScaleSpec:
+    """backend.deepspeed.fp16: dynamic loss scaling under train.precision=fp16 (DeepSpeed's names)."""
+
+    initial_scale_power: int = 16  # the scale starts at 2^power
+    loss_scale_window: int = 1000  # steps without an overflow before the scale doubles
+    min_loss_scale: float = 1.0  # an overflow halves the scale down to this
+
+
+@dataclass(frozen=True)
+class DeepSpeedSpec:
+    """backend.deepspeed: the training settings merged into each DeepSpeed engine's config
+    (and kept by the optimizers of Par4D's grid units, which run without DeepSpeed)."""
+
+    optimizer: OptimizerSpec = OptimizerSpec()
+    scheduler: SchedulerSpec | None = None  # None: a constant learning rate
+    gradient_clipping: float = 0.0  # the gradients' global norm clipped to this (0: never)
+    fp16: LossScaleSpec = LossScaleSpec()
+
+
+@dataclass(frozen=True)
+class ContrastiveSpec:
+    """backend.contrastive: how the contrastive models train (OpenCLIP's defaults)."""
+
+    logit_scale_max: float | None = 100.0  # exp(logit_scale) clamped to [1, this] after each step; None: never
+    caption_loss_weight: float = 2.0  # CoCa: the captioning loss's weight ...
+    contrastive_loss_weight: float = 1.0  # ... and the contrastive loss's
+    pad_id: int | None = 0  # CoCa: caption tokens of this id are not scored; None: every token is
+
+
 @dataclass(frozen=True)
 class TorchBackendSpec:
     """The real backend's settings, checked at the door before any worker starts."""
@@ -130,12 +203,10 @@ class TorchBackendSpec:
     threads_per_worker: int
     data: str
     data_errors: str
-    lr: float
-    weight_decay: float
-    adam_eps: float
-    initial_loss_scale: float
     preprocess: str
     prefetch_steps: int
+    deepspeed: DeepSpeedSpec = DeepSpeedSpec()
+    contrastive: ContrastiveSpec = ContrastiveSpec()
 
 
 def _number(cfg: Mapping[str, Any], key: str, prefix: str, minimum: float, strict: bool) -> float:
@@ -150,6 +221,133 @@ def _number(cfg: Mapping[str, Any], key: str, prefix: str, minimum: float, stric
         bound = f"{'>' if strict else '>='} {minimum:g}"
         raise ConfigError(f"{prefix}.{key} must be a number {bound}, got {value!r}")
     return float(value)
+
+
+def _section(cfg: Any, prefix: str, keys: typing.Iterable[str]) -> Mapping[str, Any]:
+    """A mapping of settings under `prefix`, its keys among `keys`."""
+    if cfg is None:
+        return {}
+    if not isinstance(cfg, Mapping):
+        raise ConfigError(f"{prefix} takes a mapping of settings, got {cfg!r} (e.g. {prefix}.{next(iter(keys))}=...)")
+    reject_unknown(cfg, keys, f"{prefix} key(s)")
+    return cfg
+
+
+def _optional(cfg: Mapping[str, Any], key: str, default: Any, check: typing.Callable[[], Any]) -> Any:
+    return default if cfg.get(key) is None else check()
+
+
+def _integer(cfg: Mapping[str, Any], key: str, prefix: str, minimum: int) -> int:
+    value = cfg.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{prefix}.{key} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def optimizer_from_config(cfg: Any, prefix: str) -> OptimizerSpec:
+    cfg = _section(cfg, prefix, ("type", "params", "no_decay"))
+    kind = cfg.get("type", OptimizerSpec.type)
+    if kind not in OPTIMIZERS:
+        raise ConfigError(f"{prefix}.type={kind!r}: the real backend builds {', '.join(OPTIMIZERS)} (torch.optim's)")
+    at = f"{prefix}.params"
+    params = _section(cfg.get("params"), at, ("lr", "betas", "eps", "weight_decay", "momentum"))
+    default = OptimizerSpec()
+    # The config group lists every type's params at their defaults; one of another type's set
+    # to something else would be read by nobody.
+    foreign = {"betas": default.betas, "eps": default.eps} if kind == "SGD" else {"momentum": default.momentum}
+    for key, value in foreign.items():
+        given = params.get(key)
+        if given is not None and (list(given) if isinstance(given, (list, tuple)) else given) != (
+            list(value) if isinstance(value, tuple) else value
+        ):
+            raise ConfigError(f"{at}.{key}={given!r}: {kind} takes no {key} (it is {'SGD' if kind != 'SGD' else 'Adam'}'s)")
+    betas = params.get("betas")
+    if betas is not None and (
+        not isinstance(betas, (list, tuple))
+        or len(betas) != 2
+        or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas)
+    ):
+        raise ConfigError(f"{at}.betas must be two numbers in [0, 1), got {betas!r}")
+    no_decay = cfg.get("no_decay", list(NO_DECAY))
+    if not isinstance(no_decay, (list, tuple)) or not set(no_decay) <= set(NO_DECAY):
+        raise ConfigError(f"{prefix}.no_decay must be a list of {list(NO_DECAY)} (or []), got {no_decay!r}")
+    return OptimizerSpec(
+        type=kind,
+        lr=_optional(params, "lr", default.lr, lambda: _number(params, "lr", at, 0, strict=True)),
+        betas=default.betas if betas is None else (float(betas[0]), float(betas[1])),
+        eps=_optional(params, "eps", default.eps, lambda: _number(params, "eps", at, 0, strict=True)),
+        weight_decay=_optional(params, "weight_decay", 0.0, lambda: _number(params, "weight_decay", at, 0, strict=False)),
+        momentum=_optional(params, "momentum", 0.0, lambda: _number(params, "momentum", at, 0, strict=False)),
+        no_decay=tuple(dict.fromkeys(no_decay)),
+    )
+
+
+def scheduler_from_config(cfg: Any, prefix: str) -> SchedulerSpec | None:
+    """The config group lists every scheduler's params (null: DeepSpeed's default); those
+    the chosen type does not take must stay null."""
+    cfg = _section(cfg, prefix, ("type", "params"))
+    kind = cfg.get("type")
+    at = f"{prefix}.params"
+    given = {k: v for k, v in _section(cfg.get("params"), at, sorted(set().union(*SCHEDULERS.values()))).items() if v is not None}
+    if kind is None:
+        if given:
+            raise ConfigError(f"{at} sets {sorted(given)} but {prefix}.type is null (a constant lr): name the scheduler")
+        return None
+    if kind not in SCHEDULERS:
+        raise ConfigError(f"{prefix}.type={kind!r}; choose one of DeepSpeed's {list(SCHEDULERS)} or null (a constant lr)")
+    foreign = sorted(set(given) - set(SCHEDULERS[kind]))
+    if foreign:
+        raise ConfigError(f"{at}: {kind} takes no {foreign} (its params: {list(SCHEDULERS[kind])})")
+    params: dict[str, Any] = {}
+    for key, value in given.items():
+        if key in ("total_num_steps", "warmup_num_steps"):
+            params[key] = _integer(given, key, at, 1)
+        elif key == "warmup_type":
+            if value not in WARMUP_TYPES:
+                raise ConfigError(f"{at}.warmup_type={value!r}; choose one of {list(WARMUP_TYPES)}")
+            params[key] = value
+        else:
+            params[key] = _number(given, key, at, 0, strict=False)
+    return SchedulerSpec(kind, params)
+
+
+def loss_scale_from_config(cfg: Any, prefix: str) -> LossScaleSpec:
+    cfg = _section(cfg, prefix, [f.name for f in dataclasses.fields(LossScaleSpec)])
+    default = LossScaleSpec()
+    return LossScaleSpec(
+        initial_scale_power=_optional(
+            cfg, "initial_scale_power", default.initial_scale_power, lambda: _integer(cfg, "initial_scale_power", prefix, 0)
+        ),
+        loss_scale_window=_optional(
+            cfg, "loss_scale_window", default.loss_scale_window, lambda: _integer(cfg, "loss_scale_window", prefix, 1)
+        ),
+        min_loss_scale=_optional(cfg, "min_loss_scale", 1.0, lambda: _number(cfg, "min_loss_scale", prefix, 0, strict=True)),
+    )
+
+
+def deepspeed_from_config(cfg: Any, prefix: str = "backend.deepspeed") -> DeepSpeedSpec:
+    """backend.deepspeed, typed: DeepSpeed's config names, every value checked."""
+    cfg = _section(cfg, prefix, [f.name for f in dataclasses.fields(DeepSpeedSpec)])
+    return DeepSpeedSpec(
+        optimizer=optimizer_from_config(cfg.get("optimizer"), f"{prefix}.optimizer"),
+        scheduler=scheduler_from_config(cfg.get("scheduler"), f"{prefix}.scheduler"),
+        gradient_clipping=_optional(cfg, "gradient_clipping", 0.0, lambda: _number(cfg, "gradient_clipping", prefix, 0, strict=False)),
+        fp16=loss_scale_from_config(cfg.get("fp16"), f"{prefix}.fp16"),
+    )
+
+
+def contrastive_from_config(cfg: Any, prefix: str = "backend.contrastive") -> ContrastiveSpec:
+    cfg = _section(cfg, prefix, [f.name for f in dataclasses.fields(ContrastiveSpec)])
+    pad = cfg.get("pad_id")
+    if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int) or pad < 0):
+        raise ConfigError(f"{prefix}.pad_id must be a token id >= 0 or null, got {pad!r}")
+    top = cfg.get("logit_scale_max")
+    return ContrastiveSpec(
+        logit_scale_max=None if top is None else _number(cfg, "logit_scale_max", prefix, 1, strict=False),
+        caption_loss_weight=_number(cfg, "caption_loss_weight", prefix, 0, strict=False),
+        contrastive_loss_weight=_number(cfg, "contrastive_loss_weight", prefix, 0, strict=False),
+        pad_id=pad,
+    )
 
 
 def backend_from_config(cfg: Mapping[str, Any]) -> TorchBackendSpec | None:
@@ -174,12 +372,10 @@ def backend_from_config(cfg: Mapping[str, Any]) -> TorchBackendSpec | None:
         threads_per_worker=positive_int(cfg, "threads_per_worker", "backend"),
         data=cfg["data"],
         data_errors=cfg["data_errors"],
-        lr=_number(cfg, "lr", "backend", 0, strict=True),
-        weight_decay=_number(cfg, "weight_decay", "backend", 0, strict=False),
-        adam_eps=_number(cfg, "adam_eps", "backend", 0, strict=True),
-        initial_loss_scale=_number(cfg, "initial_loss_scale", "backend", 1, strict=False),
         preprocess=cfg["preprocess"],
         prefetch_steps=positive_int(cfg, "prefetch_steps", "backend"),
+        deepspeed=deepspeed_from_config(cfg.get("deepspeed")),
+        contrastive=contrastive_from_config(cfg.get("contrastive")),
     )
 
 

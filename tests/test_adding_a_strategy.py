@@ -113,11 +113,12 @@ def test_a_strategy_name_that_names_no_planner_is_one_line(
 def test_the_page_s_strategy_trains_for_real_like_one_process(outside: Path, tmp_path: Path) -> None:
     from src.models.registry import build_model
     from src.runtime.reference import reference_losses
+    from tests.runtime.support import sensitive, sensitive_optimizer
 
     steps = 3
     overrides = [*TOY, *TINY_GPT, "backend=torch", "backend.workers=2", f"train.steps={steps}"]
     # Large updates make any difference in the gradients show in the next losses.
-    overrides += ["backend.lr=1.0", "backend.adam_eps=1.0"]
+    overrides += sensitive()
     env = {**cli_env(), "PYTHONPATH": str(outside)}
     searchpath = f"hydra.searchpath=[file://{outside / 'my_conf'}]"
     command = [sys.executable, "-m", "src.run", searchpath, *overrides, f"hydra.run.dir={tmp_path}"]
@@ -126,4 +127,4 @@ def test_the_page_s_strategy_trains_for_real_like_one_process(outside: Path, tmp
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if r["type"] == "step"]
     gpt = build_model({"name": "gpt", "preset": None, "layers": 2, "hidden": 64, "heads": 4, "vocab": 128}, 16)
-    assert losses == pytest.approx(reference_losses(gpt, 0, 8, steps, 1.0, eps=1.0), rel=1e-4)
+    assert losses == pytest.approx(reference_losses(gpt, 0, 8, steps, sensitive_optimizer()), rel=1e-4)

@@ -240,8 +240,9 @@ def test_wandb_offline_sink_does_not_break_the_run(cli, tmp_path: Path) -> None:
         assert (tmp_path / name).is_file(), name
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s["model"] == "clip" and 0 < s["mfu"] < 1
-    # The offline run lands in the run directory, ready for `wandb sync`.
-    assert list((tmp_path / "wandb").glob("offline-run-*")), sorted(p.name for p in tmp_path.rglob("*"))
+    # Offline, the run keeps its W&B record for src.report.wandb_sync, and starts no W&B.
+    record = json.loads((tmp_path / "wandb.json").read_text())
+    assert record["config"]["plan"]["tp"] == s["plan"]["tp"] and not (tmp_path / "wandb").exists()
 
 
 # --------------------------------------------------------------------------- bad input

@@ -92,11 +92,11 @@ def _rewritten(run_dir: Path, tmp_path: Path, edit) -> Path:
 
 def test_another_version_a_truncated_file_or_another_world_size_is_one_line(written, tmp_path):
     planned, run_dir = written["megatron"]
-    older = _rewritten(run_dir, tmp_path, lambda text: text.replace('"version":2', '"version":1', 1))
-    with pytest.raises(ConfigError, match=r"plan format version 1; this mmdist reads version 2 only"):
+    older = _rewritten(run_dir, tmp_path, lambda text: text.replace('"version":3', '"version":2', 1))
+    with pytest.raises(ConfigError, match=r"plan format version 2; this mmdist reads version 3 only"):
         read_plan(older)
-    newer = _rewritten(run_dir, tmp_path, lambda text: text.replace('"version":2', '"version":3', 1))
-    with pytest.raises(ConfigError, match=r"plan format version 3; this mmdist reads version 2 only"):
+    newer = _rewritten(run_dir, tmp_path, lambda text: text.replace('"version":3', '"version":4', 1))
+    with pytest.raises(ConfigError, match=r"plan format version 4; this mmdist reads version 3 only"):
         read_plan(newer)
     truncated = _rewritten(run_dir, tmp_path, lambda text: text[: len(text) // 2])
     with pytest.raises(ConfigError, match=r"is not a whole plan file \(truncated or not JSON: .* of \d+\)"):

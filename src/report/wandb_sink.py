@@ -4,22 +4,35 @@ directory, login) prints one warning line and turns this sink into a no-op; the 
 files are written regardless. A server that cannot be reached costs at most INIT_TIMEOUT_S:
 the run then logs offline and one line says how to sync it later.
 
+wandb is imported only where it logs: logger.mode=online logs each step as the run makes
+it; offline (the default) keeps the run's W&B record in the run directory (wandb.json: the
+config with the chosen plan, the job's names), and `python -m src.report.wandb_sync
+RUN_DIR...` logs it from the run's files later, many runs in one process (importing wandb
+and starting its service costs about as much CPU as a small simulation); disabled logs nothing.
+
 A run is named by its job, tagged by model, strategy, cluster and backend, grouped by
-its sweep, with job_type the backend (sim or torch); every step metric is plotted
-against `step`; summary.json and trace.json are attached as an Artifact. A paper figure's
-multirun adds one run of job_type 'figure' with its table, plot and files (log_figure)."""
+its sweep, with job_type the backend (sim or torch); its config is the composed one with
+the chosen plan under `plan`; every step metric is plotted against `step`; summary.json
+and trace.json are attached as an Artifact. A paper figure's multirun adds one run of
+job_type 'figure', tagged by its jobs' models, strategies and clusters, with its table,
+plot and files (log_figure)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+import yaml
+
 from src.config import wandb_mode
 
 INIT_TIMEOUT_S = 12  # wandb's own default waits 90 s for an unreachable server
+RECORD_FILE = "wandb.json"  # an offline run's W&B record, for src.report.wandb_sync
 
 
 @dataclass(frozen=True)
@@ -36,11 +49,60 @@ class JobInfo:
 
 
 class WandbSink:
+    """The run's W&B copy: live where logger.mode is online, else (offline) its record kept
+    for wandb_sync; nothing where it is disabled."""
+
     def __init__(self, run_dir: Path, config: Mapping[str, Any], job: JobInfo) -> None:
+        self._run_dir, self._config, self._job = Path(run_dir), config, job
+        self._mode = wandb_mode(config.get("logger") or {})
+        self._live = WandbRun(run_dir, config, job, self._mode) if self._mode == "online" else None
+
+    def log_step(self, record: Mapping[str, Any]) -> None:
+        if self._live is not None:
+            self._live.log_step(record)
+
+    def finish(self, summary: Mapping[str, Any], trace_path: Path | None = None) -> None:
+        if self._live is not None:
+            self._live.finish(summary, trace_path)
+        elif self._mode == "offline":
+            self._keep(summary.get("plan"), failed=False)
+
+    def abort(self) -> None:
+        if self._live is not None:
+            self._live.abort()
+        elif self._mode == "offline":
+            self._keep(None, failed=True)
+
+    def _keep(self, plan: Any, failed: bool) -> None:
+        """The offline run's W&B record: what wandb_sync needs beside metrics.jsonl,
+        summary.json and trace.json."""
+        record = {"kind": "run", "config": with_plan(self._config, plan), "job": dataclasses.asdict(self._job), "failed": failed}
+        try:
+            (self._run_dir / RECORD_FILE).write_text(json.dumps(record, sort_keys=True))
+        except OSError as exc:
+            print(f"wandb: not kept for this run: {f'{type(exc).__name__}: {exc}'.splitlines()[0]}", file=sys.stderr, flush=True)
+
+
+def with_plan(config: Mapping[str, Any], plan: Any) -> dict[str, Any]:
+    """The config W&B holds: the composed one, with the plan the strategy chose (its
+    degrees, not the null ones requested; a search's report left out) under `plan`."""
+    if not isinstance(plan, Mapping):
+        return dict(config)
+    return {**config, "plan": _without_search(plan)}
+
+
+def _without_search(plan: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: _without_search(v) if isinstance(v, Mapping) else v for k, v in plan.items() if k != "search"}
+
+
+class WandbRun:
+    """A live W&B run of one of ours (`mode`: online, or offline for W&B's own offline files)."""
+
+    def __init__(self, run_dir: Path, config: Mapping[str, Any], job: JobInfo, mode: str) -> None:
         self._run: Any = None
         self._last_step: int | None = None
         try:
-            self._run = _start(Path(run_dir), config, job)
+            self._run = _start(Path(run_dir), config, job, mode)
         except Exception as exc:  # noqa: BLE001 - whatever wandb raises only costs us W&B
             self._disable(exc)
 
@@ -66,6 +128,8 @@ class WandbSink:
         try:
             import wandb
 
+            if isinstance(summary.get("plan"), Mapping):
+                self._run.config.update({"plan": _without_search(summary["plan"])}, allow_val_change=True)
             self._run.summary.update(_scalars(summary))
             tables = _breakdown_tables(wandb, summary)
             if tables:
@@ -108,15 +172,24 @@ class WandbSink:
 def log_figure(config: Mapping[str, Any], out: Path, figure: str) -> None:
     """A paper figure's results as one W&B run (job_type 'figure', grouped with its jobs):
     the table with the paper's values beside ours, the plot, and results.json/md/png as an
-    Artifact. Nothing happens unless the multirun logs to W&B; a failure costs only W&B."""
-    if (config.get("logger") or {}).get("name") != "wandb":
+    Artifact. Nothing happens unless the multirun logs to W&B (offline: its record is kept
+    for wandb_sync); a failure costs only W&B."""
+    logger = config.get("logger") or {}
+    if logger.get("name") != "wandb":
         return
-    try:
-        import json
+    mode = wandb_mode(logger)
+    if mode == "offline":
+        (out / RECORD_FILE).write_text(json.dumps({"kind": "figure", "figure": figure, "config": dict(config)}, sort_keys=True))
+    elif mode == "online":
+        log_figure_now(config, out, figure, mode)
 
+
+def log_figure_now(config: Mapping[str, Any], out: Path, figure: str, mode: str) -> None:
+    """log_figure's W&B run, made now (`mode`: online, or offline for W&B's own files)."""
+    try:
         import wandb
 
-        run = _start(out, {**config, "backend": {"name": "figure"}}, JobInfo(run_name=figure, sweep_name=out.name))
+        run = _start(out, _figure_config(config, out, figure), JobInfo(run_name=figure, sweep_name=out.name), mode)
         results = json.loads((out / "results.json").read_text())
         columns: list[str | int] = ["group", "series", "value", "paper"]
         rows = [[r["group"], r["series"], r.get("value"), json.dumps(r.get("paper"))] for r in results["rows"]]
@@ -135,7 +208,18 @@ def log_figure(config: Mapping[str, Any], out: Path, figure: str) -> None:
         print(f"wandb: figure {figure} not logged: {f'{type(exc).__name__}: {exc}'.splitlines()[0]}", file=sys.stderr, flush=True)
 
 
-def _start(run_dir: Path, config: Mapping[str, Any], job: JobInfo) -> Any:
+def _figure_config(config: Mapping[str, Any], out: Path, figure: str) -> dict[str, Any]:
+    """A figure run's config, from its own jobs (their resolved.yaml): the models,
+    strategies and clusters they ran (its tags), not the multirun's defaults."""
+    jobs = [yaml.safe_load(path.read_text()) or {} for path in sorted(out.glob("*/resolved.yaml"))]
+    own: dict[str, Any] = {"logger": config.get("logger") or {}, "backend": {"name": "figure"}, "figure": figure}
+    for group in ("model", "strategy", "cluster"):
+        names = sorted({str(name) for job in jobs if (name := _name_of(job.get(group))) is not None})
+        own[group] = {"name": names[0] if len(names) == 1 else None, "names": names}
+    return own
+
+
+def _start(run_dir: Path, config: Mapping[str, Any], job: JobInfo, mode: str) -> Any:
     logger = config.get("logger") or {}
     # wandb's banners and sync hints are noise in our output; a user's own WANDB_SILENT wins.
     os.environ.setdefault("WANDB_SILENT", "true")
@@ -154,7 +238,7 @@ def _start(run_dir: Path, config: Mapping[str, Any], job: JobInfo) -> Any:
     if job.sweep_name is not None and job.override_dirname:
         name = f"{name} {job.override_dirname}"  # jobs of one sweep differ by their overrides
     backend = (config.get("backend") or {}).get("name")
-    names = [_name_of(config.get(group)) for group in ("model", "strategy", "cluster")]
+    names = [name for group in ("model", "strategy", "cluster") for name in _names_of(config.get(group))]
     settings: dict[str, Any] = dict(
         silent=True,
         # Our stdout already goes to the terminal and the job log; the step records
@@ -174,7 +258,7 @@ def _start(run_dir: Path, config: Mapping[str, Any], job: JobInfo) -> Any:
         tags=[*dict.fromkeys([*filter(None, [*names, backend]), *(logger.get("tags") or [])])],
         config=dict(config),
         dir=str(wandb_dir),
-        mode=wandb_mode(logger),
+        mode=mode,
     )
     try:
         run = wandb.init(**init, settings=wandb.Settings(**settings))
@@ -195,6 +279,13 @@ def _start(run_dir: Path, config: Mapping[str, Any], job: JobInfo) -> Any:
 
 def _name_of(group: Any) -> str | None:
     return group.get("name") if isinstance(group, Mapping) else None
+
+
+def _names_of(group: Any) -> list[str]:
+    """A config group's name, or (a figure's) the names of its jobs'."""
+    if not isinstance(group, Mapping):
+        return []
+    return [str(n) for n in group.get("names") or [group.get("name")] if n is not None]
 
 
 def _scalars(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -17,6 +17,7 @@ from src.report.files import SUMMARY_FILE
 from src.runtime.checkpoint import check_resume
 from src.runtime.checks import check_runnable
 from src.runtime.driver import launch
+from src.runtime.engines import check_clipping
 
 
 def check_workers(plan: Plan, backend: TorchBackendSpec) -> None:
@@ -30,8 +31,9 @@ def ready(planned: PlannedRun, settings: RunSettings, run_dir: Path) -> TorchBac
     if backend is None:
         raise ConfigError(f"backend={settings.backend} runs no workers: workers need backend=torch")
     check_runnable(planned, backend.data, backend.data_errors)
+    check_clipping(planned.plan, planned.model, backend.deepspeed)
+    write_settings(run_dir, settings)  # first: a resume compares this run's settings with its checkpoint's
     check_resume(settings.checkpoint, run_dir)
-    write_settings(run_dir, settings)
     return backend
 
 

@@ -15,8 +15,9 @@ step: step s trains on samples [s*B, (s+1)*B) of the dataset, whatever the plan
 (runtime.inputs), so a run resumed after step k reads from sample k*B on.
 
 A resume is checked at the door, before any worker starts (and by each worker under a
-launcher): a directory without a complete checkpoint, a checkpoint of another world size or
-saved by another plan (its plan.json against this run's, train.steps aside) is one line.
+launcher): a directory without a complete checkpoint, a checkpoint of another world size,
+saved by another plan (its plan.json against this run's, train.steps aside) or trained
+under other backend.deepspeed or backend.contrastive settings (run.json's) is one line.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import torch.distributed as dist
 
 from src.config import CheckpointSpec
 from src.errors import ConfigError
-from src.plan_io import PLAN_FILE
+from src.plan_io import PLAN_FILE, RUN_FILE
 from src.program import Plan
 from src.runtime.engines import point_reduction_at
 from src.runtime.grid_engine import GridEngine
@@ -50,6 +51,7 @@ META = "meta.json"
 FORMAT = "mmdist-checkpoint"
 VERSION = 1
 TAG = "state"  # DeepSpeed's tag, under each engine's directory
+TRAINING = ("deepspeed", "contrastive")  # backend settings a resumed run must share with its checkpoint's
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,9 @@ def check_resume(spec: CheckpointSpec, run_dir: Path) -> Resume | None:
             f"{name}: its checkpoint was saved by another plan (its plan.json differs in {', '.join(differ)}; "
             f"python -m src.plan_diff {source} {run_dir} shows how)"
         )
+    trained = [key for key in TRAINING if _training(run_dir / RUN_FILE).get(key) != _training(source / RUN_FILE).get(key)]
+    if trained:
+        raise ConfigError(f"{name}: its checkpoint was trained under other {', '.join(f'backend.{key}' for key in trained)} settings")
     steps = _steps(run_dir / PLAN_FILE)
     if meta["step"] >= steps:
         raise ConfigError(f"{name}: its checkpoint holds {meta['step']} steps, and train.steps={steps} leaves none to run")
@@ -115,6 +120,17 @@ def _plan_file(path: Path) -> dict[str, Any]:
     data.get("plan", {}).pop("details", None)
     data.get("train", {}).pop("steps", None)
     return data
+
+
+def _training(path: Path) -> dict[str, Any]:
+    """The settings a run trains under (TRAINING), as its run.json records them (at their
+    defaults they are left out; so is a run.json not written)."""
+    if not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text()).get("torch", {})
+    except (OSError, json.JSONDecodeError) as err:
+        raise ConfigError(f"cannot read the run settings file {path}: {getattr(err, 'strerror', None) or err}") from None
 
 
 def _steps(path: Path) -> int:
@@ -180,7 +196,7 @@ class Checkpoints:
         for name, engine in self.engines.items():
             point_reduction_at(engine)
             loaded, _ = engine.load_checkpoint(
-                str(resume.path / "engines" / name), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False
+                str(resume.path / "engines" / name), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=True
             )
             if loaded is None:
                 raise ConfigError(f"train.resume={resume.source}: {resume.path} holds no state for engine {name}")
@@ -188,6 +204,8 @@ class Checkpoints:
         for name, grid in self.grids.items():
             grid.module.load_state_dict(state["grids"][name]["module"])
             grid.optimizer.load_state_dict(state["grids"][name]["optimizer"])
+            if grid.lr_scheduler is not None:
+                grid.lr_scheduler.load_state_dict(state["grids"][name]["lr_scheduler"])
         if loss_scale is not None:
             loss_scale.scale, loss_scale.good_steps = state["loss_scale"]
         torch.set_rng_state(state["rng"]["torch"])
@@ -198,7 +216,14 @@ class Checkpoints:
 
     def _own_state(self, loss_scale: LossScale | None) -> dict[str, Any]:
         return {
-            "grids": {n: {"module": g.module.state_dict(), "optimizer": g.optimizer.state_dict()} for n, g in self.grids.items()},
+            "grids": {
+                n: {
+                    "module": g.module.state_dict(),
+                    "optimizer": g.optimizer.state_dict(),
+                    "lr_scheduler": g.lr_scheduler.state_dict() if g.lr_scheduler is not None else None,
+                }
+                for n, g in self.grids.items()
+            },
             "loss_scale": (loss_scale.scale, loss_scale.good_steps) if loss_scale is not None else None,
             "rng": {
                 "torch": torch.get_rng_state(),

@@ -8,6 +8,9 @@ instruction, which updates. ZeRO-0/1 reduce gradients inside `step`, ZeRO-2/3 du
 backward. Wherever DeepSpeed communicates, each operation of its communication backend is
 timed (`time_deepspeed_comm`), and the executor charges that time to DP communication
 instead of to the compute around it.
+
+backend.deepspeed is merged into each engine's config (gradient clipping, the scheduler);
+the client optimizer is runtime.optimizer's (its parameter groups, the logit-scale clamp).
 """
 
 from __future__ import annotations
@@ -24,8 +27,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from src.program import DEEPSPEED_PERSISTENCE_THRESHOLD, UnitPlan
+from src.config import ContrastiveSpec, DeepSpeedSpec
+from src.errors import ConfigError
+from src.models.spec import ModelSpec
+from src.program import DEEPSPEED_PERSISTENCE_THRESHOLD, Plan, UnitPlan
 from src.runtime.comm import CLOCK, all_gather_single, reduce_scatter_single
+from src.runtime.optimizer import OPTIMIZERS, attach_zero0_norm, build_optimizer, mark_tensor_parallel, scheduler_params
 
 # prebuild_ops: the worker's entry imports it from here, beside the engines it prepares for.
 from src.runtime.op_build import prebuild_ops, without_load_notice  # noqa: F401
@@ -76,9 +83,9 @@ class EngineSettings:
     zero_stage: int
     micro_batch: int
     accumulation: int  # backward calls of one micro-batch's worth per step (for DeepSpeed's batch bookkeeping)
-    lr: float
-    weight_decay: float
-    eps: float
+    deepspeed: DeepSpeedSpec = DeepSpeedSpec()
+    contrastive: ContrastiveSpec = ContrastiveSpec()
+    steps: int = 1  # the run's train.steps: a decaying schedule's end where its config leaves it null
     # Gradients reduced during the backward: by DeepSpeed under ZeRO-3 (which also prefetches
     # parameters), by the executor's buckets (runtime.grad_reduce) under plain DP.
     overlap_comm: bool = False
@@ -87,16 +94,16 @@ class EngineSettings:
     persistence_threshold: int = DEEPSPEED_PERSISTENCE_THRESHOLD  # ZeRO-3: DeepSpeed's stage3_param_persistence_threshold
 
     @classmethod
-    def of(cls, unit: UnitPlan, lr: float, weight_decay: float, eps: float) -> EngineSettings:
+    def of(cls, unit: UnitPlan, deepspeed: DeepSpeedSpec, contrastive: ContrastiveSpec, steps: int) -> EngineSettings:
         """The engine of `unit` (and of the units sharing its data-parallel group) as its
-        plan priced it."""
+        plan priced it, trained as backend.deepspeed and backend.contrastive say."""
         return cls(
             zero_stage=unit.zero_stage,
             micro_batch=unit.micro_batch,
             accumulation=unit.num_microbatches,
-            lr=lr,
-            weight_decay=weight_decay,
-            eps=eps,
+            deepspeed=deepspeed,
+            contrastive=contrastive,
+            steps=steps,
             overlap_comm=unit.overlap_comm,
             prefetch_params=int(unit.prefetch_params),
             reuse_distance=int(unit.reuse_distance),
@@ -121,20 +128,26 @@ def deepspeed_config(settings: EngineSettings, dp: int) -> dict:
         zero["stage3_prefetch_bucket_size"] = settings.prefetch_params if settings.overlap_comm else 0
         if settings.reuse_distance:
             zero["stage3_max_reuse_distance"] = settings.reuse_distance
-    return {
+    training = settings.deepspeed
+    config = {
         "train_micro_batch_size_per_gpu": settings.micro_batch,
         "gradient_accumulation_steps": settings.accumulation,
         "train_batch_size": settings.micro_batch * settings.accumulation * dp,
         "managed_gradient_accumulation": False,
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
-        "gradient_clipping": 0.0,
+        # ZeRO-0's fp32 path clips in the client optimizer's hook (runtime.optimizer), where
+        # the norm it takes is kept.
+        "gradient_clipping": training.gradient_clipping if settings.zero_stage > 0 else 0.0,
         "steps_per_print": 2**31,
         "wall_clock_breakdown": False,
         # A checkpoint's tag is checked by an all-reduce over the whole world, which ranks
         # holding different numbers of engines would not all join (runtime.checkpoint).
         "checkpoint": {"tag_validation": "Ignore"},
     }
+    if training.scheduler is not None:
+        config["scheduler"] = {"type": training.scheduler.type, "params": scheduler_params(training.scheduler, settings.steps)}
+    return config
 
 
 # Whether some engine of the run this process runs overlaps ZeRO-3's collectives with compute.
@@ -184,15 +197,17 @@ def make_engine(module: nn.Module, groups: ParallelGroups, settings: EngineSetti
     import deepspeed
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
-    params = [p for p in module.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay, eps=settings.eps)
+    mark_tensor_parallel(module)
+    optimizer = build_optimizer(module, settings.deepspeed, settings.contrastive)
     start_deepspeed_comm(settings.overlaps_zero3)
     with without_load_notice():
         engine, _, _, _ = deepspeed.initialize(
             model=module, optimizer=optimizer, mpu=groups, config=deepspeed_config(settings, len(groups.dp_ranks))
         )
-    if settings.overlap_comm and settings.zero_stage == 0:
-        engine.enable_backward_allreduce = False  # the executor reduced them during the backward
+    if settings.zero_stage == 0:
+        attach_zero0_norm(engine, settings.deepspeed.gradient_clipping)
+        if settings.overlap_comm:
+            engine.enable_backward_allreduce = False  # the executor reduced them during the backward
     return engine
 
 
@@ -284,7 +299,7 @@ def runs_autograd_backward(engine) -> bool:
     Program calls it once per unit and micro-batch: three times a step of a tiny CLIP."""
     return (
         engine.zero_optimization_stage() == 0
-        and type(engine.optimizer) is torch.optim.AdamW  # make_engine's, unwrapped
+        and type(engine.optimizer) in OPTIMIZERS.values()  # make_engine's, unwrapped
         and engine.torch_autocast_z0_gradscaler is None
         and not engine.managed_gradient_accumulation()
     )
@@ -318,3 +333,38 @@ def point_reduction_at(engine) -> None:
     from deepspeed.utils import groups
 
     groups.mpu = engine.mpu
+
+
+def check_clipping(plan: Plan, model: ModelSpec, settings: DeepSpeedSpec) -> None:
+    """gradient_clipping clips the model's global norm only where one engine holds every
+    trained parameter on every rank: DeepSpeed clips each engine by its own norm (a
+    pipeline's stages, towers on separate groups and units under different ZeRO settings
+    each have one), and a Par4D grid's optimizer has no clipping."""
+    if settings.gradient_clipping <= 0:
+        return
+    from src.runtime.grid_engine import on_grid
+    from src.runtime.placement import placements
+
+    clip = f"backend.deepspeed.gradient_clipping={settings.gradient_clipping:g}"
+    trained = {u.name for u in model.units if u.trainable_params()}
+    for unit in plan.units:
+        if unit.unit in trained and on_grid(unit):
+            raise ConfigError(f"{clip}: unit {unit.unit} lies on a Par4D grid, whose optimizer the real backend does not clip")
+    for rank in range(plan.devices):
+        places = placements(plan, rank)
+        held = {name for name, place in places.items() if model.unit(name).trainable_params() and place.layers}
+        keys = {(places[n].dp_ranks, places[n].tp_ranks, plan.unit(n).zero_stage, plan.unit(n).overlap_comm) for n in held}
+        partial = [n for n in held if len(places[n].layers) < model.unit(n).num_layers]
+        if held != trained or len(keys) > 1 or partial:
+            why = (
+                f"rank {rank} holds {sorted(held)} of the trained units {sorted(trained)}"
+                if held != trained
+                else f"rank {rank} holds part of unit {partial[0]}'s layers (a pipeline stage)"
+                if partial
+                else f"rank {rank}'s units {sorted(held)} sit on different data-parallel groups or ZeRO settings"
+            )
+            raise ConfigError(
+                f"{clip}: DeepSpeed clips each engine by its own gradient norm, and {why}, so no engine sees the "
+                f"model's; clipping needs one engine holding every trained parameter (pp=1, one data-parallel group "
+                f"and ZeRO setting for all units)"
+            )

@@ -142,11 +142,11 @@ class Executor:
         batch_for: Callable[[str, int], State],
         device: torch.device,
         precision: str,
-        initial_loss_scale: float = 1.0,
+        loss_scale: LossScale | None = None,
     ) -> None:
         self.plan, self.model, self.rank, self.device = plan, model, rank, device
         self.precision, self.dtype = precision, DTYPES[precision]
-        self.loss_scale = LossScale(initial_loss_scale) if precision == "fp16" else None
+        self.loss_scale = (loss_scale or LossScale(1.0)) if precision == "fp16" else None
         self.program = plan.program
         rank_program = self.program.class_of(rank)
         self.instructions: list[Instruction] = rank_program.instructions

@@ -3,16 +3,19 @@
 Its layers reduce their own weight gradients over z (runtime.modules.grid3d); at the step
 the grid sums the z-replicated parameters' gradients over z and every gradient over data
 parallelism, and the engine averages the latter as DeepSpeed does (the executor runs each
-backward on its data-parallel degree times its part of the loss).
+backward on its data-parallel degree times its part of the loss). Its optimizer and
+learning-rate schedule are a DeepSpeed engine's (runtime.optimizer); gradient clipping is
+refused on a grid (runtime.optimizer.check_clipping).
 """
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
+from src.config import ContrastiveSpec, DeepSpeedSpec
 from src.program import UnitPlan
 from src.runtime.modules.grid3d import Grid3D
+from src.runtime.optimizer import build_optimizer, build_scheduler
 
 
 GRID_AXES = ("x", "y", "z", "dp")  # a Par4D grid's, X innermost
@@ -30,10 +33,11 @@ def build_grid(unit: UnitPlan) -> Grid3D:
 
 
 class GridEngine:
-    def __init__(self, module: nn.Module, grid: Grid3D, lr: float, weight_decay: float, eps: float) -> None:
+    def __init__(self, module: nn.Module, grid: Grid3D, settings: DeepSpeedSpec, contrastive: ContrastiveSpec, steps: int) -> None:
         self.module, self.grid = module, grid
         self.params = [p for p in module.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay, eps=eps)
+        self.optimizer = build_optimizer(module, settings, contrastive)
+        self.lr_scheduler = build_scheduler(self.optimizer, settings.scheduler, steps)
 
     def step(self) -> None:
         self.grid.finish_backward([self.module])
@@ -42,6 +46,8 @@ class GridEngine:
                 if param.grad is not None:
                     param.grad.div_(self.grid.dp.size)
         self.optimizer.step()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
         self.zero_grad()
 
     def zero_grad(self) -> None:

@@ -4,8 +4,9 @@ fp16 gradients underflow where fp32 ones would not: the loss is multiplied by th
 before the backward, so every gradient (parameters' and the payloads that cross ranks in
 fp16) carries it; the parameters' gradients (fp32, as their fp32 master weights) are
 divided by it before the optimizer steps. A step whose gradients hold an inf or a NaN on
-any rank is skipped on every rank and the scale halves; after `window` steps without
-one it doubles. The single-process reference scales with the same rule.
+any rank is skipped on every rank and the scale halves (down to `minimum`); after `window`
+steps without one it doubles (backend.deepspeed.fp16, DeepSpeed's rule and names). The
+single-process reference scales with the same rule.
 """
 
 from __future__ import annotations
@@ -15,20 +16,28 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-WINDOW = 1000  # steps without an overflow before the scale doubles (DeepSpeed's loss_scale_window)
+from src.config import LossScaleSpec
 
 
 @dataclass
 class LossScale:
     scale: float
+    window: int = 1000  # steps without an overflow before the scale doubles (DeepSpeed's loss_scale_window)
+    minimum: float = 1.0  # DeepSpeed's min_loss_scale
     good_steps: int = 0
+    skipped: bool = False  # whether the last step overflowed (and was skipped)
+
+    @classmethod
+    def of(cls, spec: LossScaleSpec) -> LossScale:
+        return cls(2.0**spec.initial_scale_power, spec.loss_scale_window, spec.min_loss_scale)
 
     def update(self, overflow: bool) -> None:
+        self.skipped = overflow
         if overflow:
-            self.scale, self.good_steps = max(self.scale / 2, 1.0), 0
+            self.scale, self.good_steps = max(self.scale / 2, self.minimum), 0
             return
         self.good_steps += 1
-        if self.good_steps % WINDOW == 0:
+        if self.good_steps % self.window == 0:
             self.scale *= 2
 
 

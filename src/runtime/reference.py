@@ -1,4 +1,4 @@
-"""The single-process reference: the same modules, data and optimizer in a plain loop.
+"""The single-process reference: the same modules, data, optimizer and schedule in a plain loop.
 
 What every parallel plan must reproduce: with the same seed, initial weights and global
 batch, its losses equal these (the loss-equality tests, within float reduction order).
@@ -6,41 +6,58 @@ batch, its losses equal these (the loss-equality tests, within float reduction o
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from src.config import ContrastiveSpec, DeepSpeedSpec
 from src.models.spec import ModelSpec
 from src.runtime.device import computing
 from src.runtime.inputs import Batches, Batching, StepSamples, dataset_for
 from src.runtime.loss_scale import LossScale, overflowed, unscale
 from src.runtime.modules.units import build_units, unit_layers
+from src.runtime.optimizer import build_optimizer, build_scheduler
 from src.models.flows import chain_key, flows_of, unit_order
 
 CPU = torch.device("cpu")
 
 
-def reference_losses(
+@dataclass(frozen=True)
+class ReferenceStep:
+    loss: float
+    lr: float  # the learning rate the step's update used
+    grad_norm: float | None  # the gradients' global norm before clipping (None: an fp16 step skipped)
+
+
+def reference_losses(*args: Any, **kwargs: Any) -> list[float]:
+    """reference_steps' losses."""
+    return [step.loss for step in reference_steps(*args, **kwargs)]
+
+
+def reference_steps(
     model: ModelSpec,
     seed: int,
     global_batch: int,
     steps: int,
-    lr: float,
-    weight_decay: float = 0.0,
+    deepspeed: DeepSpeedSpec = DeepSpeedSpec(),
     data: str = "synthetic",
     contrastive_batch: int | None = None,
-    eps: float = 1e-8,
     precision: str = "fp32",
-    initial_loss_scale: float = 65536.0,
     content: str = "uniform",
-) -> list[float]:
-    """Losses of `steps` steps. The contrastive loss is the mean over the step's
+    contrastive: ContrastiveSpec = ContrastiveSpec(),
+) -> list[ReferenceStep]:
+    """`steps` steps' losses, learning rates and gradient norms. The contrastive loss is the mean over the step's
     consecutive slices of `contrastive_batch` samples (default: the whole batch), each
     scored against itself only, as the parallel plans' batch-syncs score them. `precision`:
-    the GEMMs' (runtime.device.computing); `content`: an MLLM's (inputs.dataset_for)."""
+    the GEMMs' (runtime.device.computing); `content`: an MLLM's (inputs.dataset_for);
+    `deepspeed` and `contrastive`: backend.deepspeed's and backend.contrastive's settings
+    (gradient clipping here clips the whole model's norm, as one engine does)."""
     rbs = contrastive_batch or global_batch
-    units = build_units(model, seed, {}, {u.name: set(range(u.num_layers)) for u in model.units})
+    units = build_units(model, seed, {}, {u.name: set(range(u.num_layers)) for u in model.units}, contrastive=contrastive)
     params = [p for p in units.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, eps=eps)
+    optimizer = build_optimizer(units, deepspeed, contrastive)
+    scheduler = build_scheduler(optimizer, deepspeed.scheduler, steps)
     whole = Batching(batch_per_replica=global_batch, micro_batch=global_batch, num_microbatches=1, sample_groups=1)
     batches = Batches(
         StepSamples(
@@ -51,8 +68,8 @@ def reference_losses(
             {u.name: 0 for u in model.units},
         )
     )
-    scale = LossScale(initial_loss_scale) if precision == "fp16" else None  # runtime.loss_scale's rule
-    losses = []
+    scale = LossScale.of(deepspeed.fp16) if precision == "fp16" else None  # runtime.loss_scale's rule
+    done = []
     for step in range(steps):
         batches.start_step(step)
         finals: dict[str, dict[str, torch.Tensor]] = {}
@@ -78,15 +95,20 @@ def reference_losses(
             if "loss" in state:
                 loss = loss + state["loss"].float()
         optimizer.zero_grad()
-        if scale is None:
-            loss.backward()
-            optimizer.step()
-        else:
-            (loss * scale.scale).backward()
-            overflow = overflowed(params)
-            if not overflow:
+        (loss if scale is None else loss * scale.scale).backward()
+        overflow = scale is not None and overflowed(params)
+        lr, norm = float(optimizer.param_groups[0]["lr"]), None
+        if not overflow:
+            if scale is not None:
                 unscale(params, scale.scale)
-                optimizer.step()
+            grads = [p.grad for p in params if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads)
+            if deepspeed.gradient_clipping > 0:
+                torch.nn.utils.clip_grads_with_norm_(params, deepspeed.gradient_clipping, norm)
+            optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
+        if scale is not None:
             scale.update(overflow)
-        losses.append(float(loss.detach()))
-    return losses
+        done.append(ReferenceStep(float(loss.detach()), lr, None if norm is None else float(norm)))
+    return done

@@ -33,12 +33,15 @@ from src.runtime.checkpoint import Checkpoints, Resume, Saved, check_resume
 from src.runtime.comm import CLOCK
 from src.runtime.device import DTYPES, worker_device
 from src.runtime.engines import EngineSettings, ParallelGroups, make_engine, new_run, partitioned_at_init, time_deepspeed_comm
+from src.runtime.loss_scale import LossScale
+from src.runtime.modules.contrastive import CaptionHead, scored_targets
+from src.runtime import step_metrics
 from src.runtime.executor import Executor
 from src.runtime.groups import ProcessGroups
 from src.runtime.inputs import Batches, StepSamples, dataset_for
 from src.runtime.lifeline import LIFELINE, REPORTING, SAVING, TRAINING
 from src.runtime.modules.parallel import TP
-from src.models.spec import ModelSpec
+from src.models.spec import UnitSpec
 from src.runtime.grid_engine import GridEngine, build_grid, on_grid
 from src.runtime.modules.grid3d import Grid3D
 from src.runtime.modules.units import build_units
@@ -69,8 +72,9 @@ def _grids(plan: Plan, places: dict[str, UnitPlacement]) -> dict[str, Grid3D]:
 
 
 def _engine_groups(
-    plan: Plan, model: ModelSpec, places: dict[str, UnitPlacement], groups: ProcessGroups, backend: TorchBackendSpec, grids: dict
+    run: PlannedRun, places: dict[str, UnitPlacement], groups: ProcessGroups, backend: TorchBackendSpec, grids: dict
 ) -> list[_EngineGroup]:
+    plan, model = run.plan, run.model
     by_group: dict[tuple, list[str]] = {}
     for name, place in places.items():
         if name in grids:  # a GridEngine's (runtime.grid_engine)
@@ -82,7 +86,7 @@ def _engine_groups(
     out = []
     for (dp_ranks, tp_ranks, _, _), names in by_group.items():
         first = plan.unit(names[0])
-        settings = EngineSettings.of(first, backend.lr, backend.weight_decay, backend.adam_eps)
+        settings = EngineSettings.of(first, backend.deepspeed, backend.contrastive, run.train.steps)
         parallel = ParallelGroups(groups.get(dp_ranks), dp_ranks, groups.get(tp_ranks) if len(tp_ranks) > 1 else None, tp_ranks)
         out.append(_EngineGroup(names, parallel, settings))
     return out
@@ -95,6 +99,7 @@ def _build(
     engine_groups: list[_EngineGroup],
     device,
     grids: dict[str, Grid3D],
+    backend: TorchBackendSpec,
 ) -> torch.nn.ModuleDict:
     """This rank's layers. A ZeRO-3 unit's parameters are partitioned over its replicas as
     each layer is built, so no rank ever holds more of it than the layer being built."""
@@ -102,23 +107,24 @@ def _build(
     recompute = {u.unit: u.recompute for u in run.plan.units}
     keep = {n: set(p.layers) for n, p in places.items()}
     partitioned = {n for g in engine_groups if g.partitions_weights for n in g.names}
-    units = build_units(model, seed, tp, {n: k for n, k in keep.items() if n not in partitioned}, recompute, grids)
+    contrastive = backend.contrastive
+    units = build_units(model, seed, tp, {n: k for n, k in keep.items() if n not in partitioned}, recompute, grids, contrastive)
     units = units.to(device)
     for group in engine_groups:
         if group.partitions_weights:
             with partitioned_at_init(group.groups, group.settings):
-                built = build_units(model, seed, tp, {n: keep[n] for n in group.names}, recompute)
+                built = build_units(model, seed, tp, {n: keep[n] for n in group.names}, recompute, contrastive=contrastive)
             units.update(dict(built.items()))
     return units
 
 
 def _engines(
-    units: torch.nn.ModuleDict, engine_groups: list[_EngineGroup], grids: dict[str, Grid3D], backend: TorchBackendSpec
+    units: torch.nn.ModuleDict, engine_groups: list[_EngineGroup], grids: dict[str, Grid3D], backend: TorchBackendSpec, steps: int
 ) -> dict[str, Any]:
     """One DeepSpeed engine per data-parallel group: units that share it share an engine;
     a unit on a Par4D grid has its own."""
     engines: dict[str, Any] = {
-        name: GridEngine(units[name], grid, backend.lr, backend.weight_decay, backend.adam_eps) for name, grid in grids.items()
+        name: GridEngine(units[name], grid, backend.deepspeed, backend.contrastive, steps) for name, grid in grids.items()
     }
     for group in engine_groups:
         engine = make_engine(torch.nn.ModuleDict({n: units[n] for n in group.names}), group.groups, group.settings)
@@ -158,13 +164,18 @@ def run_session(run: PlannedRun, settings: RunSettings, run_dir: Path, rank: int
     }
     grids = _grids(plan, places)
     new_run()
-    engine_groups = _engine_groups(plan, model, places, groups, backend, grids)
-    units = _build(run, places, tp, engine_groups, device, grids)
-    engines = _engines(units, engine_groups, grids, backend)
+    engine_groups = _engine_groups(run, places, groups, backend, grids)
+    units = _build(run, places, tp, engine_groups, device, grids, backend)
+    engines = _engines(units, engine_groups, grids, backend, train.steps)
     if engine_groups:
         time_deepspeed_comm()
     batches = Batches(samples, device, producer)
-    executor = Executor(plan, model, rank, units, engines, groups, batches, device, precision, backend.initial_loss_scale)
+    executor = Executor(plan, model, rank, units, engines, groups, batches, device, precision, LossScale.of(backend.deepspeed.fp16))
+    pad_id = backend.contrastive.pad_id
+    captions = (
+        _CaptionSteps(run, places, units, batches, pad_id) if pad_id is not None and any(map(_has_caption_head, model.units)) else None
+    )
+    tokens = step_metrics.tokens_per_sample(model)
     rank_program = plan.program.class_of(rank)
     timer = StepTimer(rank_program.instructions, rank_program.pipelined)
     measured_peak = _measured_peak(world, device, precision)
@@ -177,7 +188,9 @@ def run_session(run: PlannedRun, settings: RunSettings, run_dir: Path, rank: int
 
     sinks = open_sinks(run_dir, settings.record, settings.job) if rank == 0 else None
     try:
-        losses, times, waits, breakdowns, cpu = [], [], [], [], []
+        losses: list[float] = []
+        step_peaks: list[float] = []  # this rank's peak memory in each step (GiB)
+        times, waits, breakdowns, cpu = [], [], [], []
         # Each step's mean images per sequence, where its samples hold their own: what its
         # encoder and generator FLOPs count (None: the model's).
         images: list[float | None] = []
@@ -187,19 +200,33 @@ def run_session(run: PlannedRun, settings: RunSettings, run_dir: Path, rank: int
             images.append(samples.images_per_sequence(step))
             LIFELINE.at_step(step)
             batches.start_step(step)
+            if captions is not None:
+                captions.start_step(device)
+            lr = step_metrics.learning_rate(engines)
+            loss_scale = executor.loss_scale.scale if executor.loss_scale is not None else 1.0
+            step_metrics.start_memory_peak(device)
             dist.barrier()
             timer.reset(time.perf_counter())
             cpu_start = time.process_time()
-            loss = torch.tensor([executor.run_step(timer)], dtype=torch.float64, device=device)
+            share = executor.run_step(timer)
             cpu.append(time.process_time() - cpu_start)  # the step's instructions, as timer.end times them
-            longest = torch.tensor([timer.end, batches.wait_s], dtype=torch.float64, device=device)
-            dist.all_reduce(loss)  # every rank holds its share of the loss
+            norm_share, known = step_metrics.gradient_norm_share(engines)
+            # Summed: every rank's share of the loss and of the squared gradient norm, and the
+            # ranks whose norm is unknown. Maxima: the slowest rank's times, the peak memory, the lr.
+            sums = torch.tensor([share, norm_share, 0.0 if known else 1.0], dtype=torch.float64, device=device)
+            peak_memory = step_metrics.memory_peak_gib(device)
+            step_peaks.append(peak_memory)
+            longest = torch.tensor(
+                [timer.end, batches.wait_s, peak_memory, -1.0 if lr is None else lr], dtype=torch.float64, device=device
+            )
+            dist.all_reduce(sums)
             dist.all_reduce(longest, op=dist.ReduceOp.MAX)
-            losses.append(float(loss))
+            losses.append(float(sums[0]))
             times.append(float(longest[0]))
             waits.append(float(longest[1]))
             breakdowns.append(timer.finish(times[-1]))
             if sinks is not None:
+                skipped = executor.loss_scale is not None and executor.loss_scale.skipped
                 sinks.log_step(
                     {
                         "step": step,
@@ -207,6 +234,12 @@ def run_session(run: PlannedRun, settings: RunSettings, run_dir: Path, rank: int
                         "step_time_s": times[-1],
                         "data_wait_s": waits[-1],
                         "mfu": flops_counting(images[-1]) / (times[-1] * world * peak),
+                        "lr": float(longest[3]) if longest[3] >= 0 else None,
+                        "grad_norm": step_metrics.gradient_norm(float(sums[1]), float(sums[2]), skipped),
+                        "loss_scale": loss_scale,
+                        "samples_per_s": train.global_batch / times[-1],
+                        "tokens_per_s": None if tokens is None else train.global_batch * tokens / times[-1],
+                        "peak_memory_gib": float(longest[2]),
                         "rank0_breakdown_s": breakdowns[-1],
                     }
                 )
@@ -224,7 +257,8 @@ def run_session(run: PlannedRun, settings: RunSettings, run_dir: Path, rank: int
             "breakdowns": breakdowns,
             "spans": [dataclasses.astuple(s) for s in timer.spans],
             "rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-            "device_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0,
+            # Each step's peak is measured from its start: the run's is the largest.
+            "device_gib": max(step_peaks, default=0.0) if device.type == "cuda" else 0.0,
             "data_skipped": batches.skipped,
         }
         gathered: list[Any] | None = [None] * world if rank == 0 else None
@@ -291,6 +325,37 @@ def run_session(run: PlannedRun, settings: RunSettings, run_dir: Path, rank: int
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
+
+
+class _CaptionSteps:
+    """CoCa's captioning loss is the mean over the step's caption tokens that are not padding
+    (runtime.modules.contrastive.CaptionHead): before each step, the ranks count the scored
+    tokens of the micro-batches they read (each data-parallel replica's once) and every
+    caption head of this rank takes the step's scored tokens per sample. Every rank joins
+    the count (a collective), those without a caption head too."""
+
+    def __init__(
+        self, run: PlannedRun, places: dict[str, UnitPlacement], units: torch.nn.ModuleDict, batches: Batches, pad_id: int
+    ) -> None:
+        self.heads = [m for m in units.modules() if isinstance(m, CaptionHead)]
+        self.units = [n for n in places if _has_caption_head(run.model.unit(n))]
+        self.plan, self.batches, self.batch, self.pad_id = run.plan, batches, run.train.global_batch, pad_id
+
+    def start_step(self, device: torch.device) -> None:
+        count = 0.0
+        for name in self.units:
+            unit = self.plan.unit(name)
+            readers = len(unit.ranks) // unit.dp  # the ranks that read one replica's micro-batches
+            for j in range(unit.num_microbatches):
+                count += float(scored_targets(self.batches(name, j)["targets"], self.pad_id).sum()) / readers
+        total = torch.tensor([count], dtype=torch.float64, device=device)
+        dist.all_reduce(total)
+        for head in self.heads:
+            head.scored_per_sample = float(total) / self.batch
+
+
+def _has_caption_head(unit: UnitSpec) -> bool:
+    return any(layer.name == "caption_head" for layer in unit.layers)
 
 
 def _checkpoint_record(every: int | None, resume: Resume | None, saves: list[Saved]) -> dict[str, Any]:

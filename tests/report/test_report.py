@@ -232,47 +232,71 @@ def test_console_table_and_step_line() -> None:
     assert format_step({"step": 0, "iteration_time_s": 2.0381, "mfu": 0.0934}) == "simulated iteration | 2.038 s | MFU 9.34 %"
 
 
-@pytest.mark.slow
-def test_wandb_offline_logs_without_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    wandb = pytest.importorskip("wandb")
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_home"))
-    # Spy on the calls, not on W&B's files: their layout is wandb's business.
-    calls: dict[str, list] = {"init": [], "log": [], "finish": []}
+def _spy_wandb(wandb, monkeypatch: pytest.MonkeyPatch) -> dict[str, list]:
+    """Spy on W&B's calls, not on its files: their layout is wandb's business."""
+    calls: dict[str, list] = {"init": [], "log": [], "finish": [], "artifact": []}
     real_init = wandb.init
 
     def spy_init(**kwargs):
         calls["init"].append(kwargs)
         run = real_init(**kwargs)
-        real_log, real_finish = run.log, run.finish
+        real_log, real_finish, real_artifact = run.log, run.finish, run.log_artifact
         monkeypatch.setattr(run, "log", lambda data, **kw: (calls["log"].append(data), real_log(data, **kw))[1])
         monkeypatch.setattr(run, "finish", lambda **kw: (calls["finish"].append(kw), real_finish(**kw))[1])
+        monkeypatch.setattr(run, "log_artifact", lambda a, **kw: (calls["artifact"].append(a), real_artifact(a, **kw))[1])
         return run
 
     monkeypatch.setattr(wandb, "init", spy_init)
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
+    return calls
+
+
+def test_an_offline_run_imports_no_wandb_and_keeps_its_record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` fail
+    run_all(tmp_path, wandb_config("offline"))
+    record = json.loads((tmp_path / "wandb.json").read_text())
+    assert record["config"]["plan"] == make_summary()["plan"]  # the chosen plan, beside the requested config
+    assert record["job"] == {"run_name": CONFIG_NONE["run"]["name"], "sweep_name": None, "override_dirname": None}
+    assert not record["failed"]
+
+
+@pytest.mark.slow
+def test_wandb_sync_logs_an_offline_run_as_it_would_have_been_online(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    wandb = pytest.importorskip("wandb")
+    from src.report.wandb_sync import main
+
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_home"))
+    run_dir = tmp_path / "sweep" / "0"
+    run_dir.mkdir(parents=True)
     run_all(run_dir, wandb_config("offline"))
+    calls = _spy_wandb(wandb, monkeypatch)
+    assert main(["--offline", str(tmp_path / "sweep")]) == 0  # a multirun's directory: every run in it
     assert "wandb: disabled" not in capsys.readouterr().err
     (init,) = calls["init"]
     assert init["dir"] == str(tmp_path / "wandb_home") and init["mode"] == "offline"
     assert init["job_type"] == CONFIG_NONE["backend"]["name"]
     assert init["tags"][-1] == "unit-test" and CONFIG_NONE["strategy"]["name"] in init["tags"]
+    assert init["config"]["plan"] == make_summary()["plan"]
     assert calls["log"][0] == {"step": 0, "iteration_time_s": 1.0, "mfu": 0.4123}  # step: the x axis
     assert {"breakdown", "breakdown_chart", "breakdown_by_unit"} <= set(calls["log"][-1])
-    assert calls["finish"] == [{}]
-    assert json.loads((run_dir / "summary.json").read_text())["mfu"] == 0.4123
+    assert calls["finish"] == [{}] and "run-results" in [a.type for a in calls["artifact"]]
+    assert main(["--offline", str(run_dir)]) == 0 and len(calls["init"]) == 1  # logged once
+    assert main([str(tmp_path / "nothing")]) == 2
 
 
 @pytest.mark.slow
 def test_wandb_name_group_and_dir_in_a_multirun(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     wandb = pytest.importorskip("wandb")
+    from src.report.wandb_sync import sync
+
     monkeypatch.delenv("WANDB_DIR", raising=False)
     seen: list[dict] = []
     real_init = wandb.init
     monkeypatch.setattr(wandb, "init", lambda **kw: (seen.append(kw), real_init(**kw))[1])
     job = JobInfo("clip-distmm", sweep_name="2025-01-01_00-00-00", override_dirname="train.global_batch=1024")
-    run_all(tmp_path, wandb_config("disabled"), job)  # disabled: no W&B process needed
+    run_all(tmp_path, wandb_config("offline"), job)
+    sync(tmp_path / "wandb.json", "disabled")  # disabled: no W&B process needed
     assert seen[0]["name"] == "clip-distmm train.global_batch=1024"
     assert seen[0]["group"] == "2025-01-01_00-00-00"
     assert seen[0]["dir"] == str(tmp_path)
@@ -289,7 +313,7 @@ def test_wandb_failure_warns_and_run_goes_on(
         monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` fail
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    run_all(run_dir, wandb_config("offline"))
+    run_all(run_dir, wandb_config("online"))  # both fail before any server is asked
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("wandb")]
     assert len(warnings) == 1 and warnings[0].startswith("wandb: disabled for this run: ")
     assert (run_dir / "summary.json").exists() and (run_dir / "trace.json").exists()
@@ -328,31 +352,24 @@ def test_a_figure_is_logged_as_one_wandb_run_with_table_plot_and_files(
 ) -> None:
     wandb = pytest.importorskip("wandb")
     from src.report.wandb_sink import log_figure
+    from src.report.wandb_sync import main
 
-    monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_home"))
-    calls: dict[str, list] = {"init": [], "log": [], "artifact": []}
-    real_init = wandb.init
-
-    def spy_init(**kwargs):
-        calls["init"].append(kwargs)
-        run = real_init(**kwargs)
-        real_log, real_artifact = run.log, run.log_artifact
-        monkeypatch.setattr(run, "log", lambda data, **kw: (calls["log"].append(data), real_log(data, **kw))[1])
-        monkeypatch.setattr(run, "log_artifact", lambda a, **kw: (calls["artifact"].append(a), real_artifact(a, **kw))[1])
-        return run
-
-    monkeypatch.setattr(wandb, "init", spy_init)
+    calls = _spy_wandb(wandb, monkeypatch)
     out = tmp_path / "fig"
-    out.mkdir()
+    (out / "0_megatron").mkdir(parents=True)
     (out / "results.json").write_text(json.dumps({"rows": [{"group": "g", "series": "s", "value": 1.5, "paper": 2}]}))
     (out / "results.md").write_text("| g | s |\n")
+    job = {"model": {"name": "gpt"}, "strategy": {"name": "megatron"}, "cluster": {"name": "perlmutter"}}
+    (out / "0_megatron" / "resolved.yaml").write_text(json.dumps(job))
     log_figure({"logger": {"name": "none"}}, out, "fig")
-    assert calls["init"] == []  # no W&B unless the multirun logs to it
-    log_figure(wandb_config("offline"), out, "fig")
+    assert not (out / "wandb.json").exists()  # no W&B unless the multirun logs to it
+    log_figure(wandb_config("offline"), out, "fig")  # the multirun's defaults: clip, distmm, p3_16xlarge
+    assert calls["init"] == [] and main(["--offline", str(out)]) == 0
     assert "wandb:" not in capsys.readouterr().err
     (init,) = calls["init"]
     assert init["job_type"] == "figure" and init["group"] == "fig"
+    assert {"gpt", "megatron", "perlmutter"} <= set(init["tags"]) and not {"clip", "distmm"} & set(init["tags"])  # its own
     assert calls["log"][0]["results"].data == [["g", "s", 1.5, "2"]]
     assert "figure-results" in [a.type for a in calls["artifact"]]  # (W&B logs the table as one of its own)
 

@@ -15,7 +15,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from src.config import TorchBackendSpec, composed  # noqa: F401 (the runtime tests' import)
+from src.config import DeepSpeedSpec, OptimizerSpec, TorchBackendSpec, composed  # noqa: F401 (the runtime tests' import)
 from tests.conftest import REPO_ROOT, cli_env
 
 # Two tiny CPU workers: what CI's 2 cores can run.
@@ -37,6 +37,17 @@ TINY_UNET = {"channels": 32, "image_size": 8, "channel_mult": [1, 2], "res_block
 UNET = ["model=unet", "model.preset=null", "train.global_batch=8"] + [
     f"model.{key}={str(value).replace(' ', '')}" for key, value in TINY_UNET.items()
 ]
+
+
+def sensitive(lr: float = 1.0) -> list[str]:
+    """Overrides that make each update proportional to its gradients (AdamW with eps=1, the
+    loss-equality tests': a gradient off by a rounding error moves the next loss visibly)."""
+    return [f"backend.deepspeed.optimizer.params.lr={lr}", "backend.deepspeed.optimizer.params.eps=1.0"]
+
+
+def sensitive_optimizer(lr: float = 1.0) -> DeepSpeedSpec:
+    """The reference's optimizer under sensitive(lr)."""
+    return DeepSpeedSpec(optimizer=OptimizerSpec(lr=lr, eps=1.0))
 
 
 def prepare_run_dir(run_dir: Path, overrides: list[str]) -> TorchBackendSpec:

@@ -19,12 +19,16 @@ MICRO_BATCHES, CALLS = 2, 2  # backward calls per micro-batch: a Program's units
 
 
 def _engine(zero_stage: int):
+    from src.config import DeepSpeedSpec, OptimizerSpec
     from src.runtime.engines import EngineSettings, ParallelGroups, make_engine
 
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
     groups = ParallelGroups(dist.group.WORLD, (0,), None, ())
-    settings = EngineSettings(zero_stage, micro_batch=2, accumulation=MICRO_BATCHES * CALLS, lr=0.1, weight_decay=0.01, eps=1e-8)
+    optimizer = OptimizerSpec(lr=0.1, weight_decay=0.01)
+    settings = EngineSettings(
+        zero_stage, micro_batch=2, accumulation=MICRO_BATCHES * CALLS, deepspeed=DeepSpeedSpec(optimizer=optimizer)
+    )
     return make_engine(module, groups, settings)
 
 

@@ -14,7 +14,7 @@ import torch
 from src.models.registry import build_model
 from src.runtime.driver import launch
 from src.runtime.reference import reference_losses
-from tests.runtime.support import CLIP, prepare_run_dir
+from tests.runtime.support import CLIP, prepare_run_dir, sensitive, sensitive_optimizer
 
 pytestmark = [
     pytest.mark.gpu,
@@ -29,8 +29,7 @@ ONE_GPU = [
     "cluster.nodes=1",
     "cluster.devices_per_node=1",
     "logger=none",
-    "backend.lr=1.0",
-    "backend.adam_eps=1.0",
+    *sensitive(),
     f"train.steps={STEPS}",
 ]
 STRATEGIES = {
@@ -68,5 +67,7 @@ def test_each_strategy_trains_on_the_gpu_like_the_reference(runs, name, precisio
     assert summary["dist_backend"] == "nccl" and summary["precision"] == precision
     assert summary["peak_flops_per_device"] == pytest.approx(HOPPER_PEAK[precision])  # the preset's datasheet
     assert summary["measured_gemm_flops_per_device"] > 0 and 0 < summary["mfu"] < 1
-    expected = reference_losses(build_model({"name": "clip", "scale": "tiny"}), 0, 8, STEPS, 1.0, eps=1.0, precision=precision)
+    expected = reference_losses(
+        build_model({"name": "clip", "scale": "tiny"}), 0, 8, STEPS, sensitive_optimizer(), precision=precision
+    )
     assert summary["measured"]["loss"] == pytest.approx(expected, rel=TOLERANCE[precision])

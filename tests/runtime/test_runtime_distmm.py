@@ -24,12 +24,11 @@ import pytest
 from src.models.registry import build_model
 from src.runtime.reference import reference_losses
 from src.timeline import BREAKDOWN_CATEGORIES
-from tests.runtime.support import launch_cases
+from tests.runtime.support import launch_cases, sensitive, sensitive_optimizer
 
 pytestmark = pytest.mark.slow  # starts worker processes
 
 STEPS, BATCH, CONTRASTIVE = 5, 12, 6  # two batch-sync groups per step
-LR, EPS = 1.0, 1.0
 FOUR_WORKERS = [
     "backend=torch",
     "cluster=local",
@@ -39,8 +38,7 @@ FOUR_WORKERS = [
     "model.scale=tiny",
     f"train.global_batch={BATCH}",
     f"train.contrastive_batch={CONTRASTIVE}",
-    f"backend.lr={LR}",
-    f"backend.adam_eps={EPS}",
+    *sensitive(),
 ]
 PIPELINED = ["strategy.vision.pp=2", "strategy.text.pp=2", "strategy.microbatches=2"]
 CASES = {
@@ -71,7 +69,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 def references() -> dict[str, list[float]]:
     return {
         name: reference_losses(
-            build_model({"name": name, "scale": "tiny"}), 0, BATCH, STEPS, LR, contrastive_batch=CONTRASTIVE, eps=EPS
+            build_model({"name": name, "scale": "tiny"}), 0, BATCH, STEPS, sensitive_optimizer(), contrastive_batch=CONTRASTIVE
         )
         for name in ("clip", "coca", "lit")
     }

@@ -13,7 +13,7 @@ import pytest
 
 from src.models.registry import build_model
 from src.runtime.reference import reference_losses
-from tests.runtime.support import launch_cases, single_threaded, summary_of
+from tests.runtime.support import launch_cases, sensitive, sensitive_optimizer, single_threaded, summary_of
 
 pytestmark = pytest.mark.slow  # starts worker processes
 
@@ -32,8 +32,7 @@ BASE = [
     f"train.steps={STEPS}",
     # eps = 1: updates proportional to the gradients (see test_runtime_equality); lr = 1
     # makes this model's loss blow up by step 3 (it still matches, but says less).
-    "backend.lr=0.3",
-    "backend.adam_eps=1.0",
+    *sensitive(0.3),
 ]
 # DistTrain §8.3's frozen settings (sweeps/disttrain_fig19_frozen.yaml), projectors trained.
 FROZEN = {
@@ -78,7 +77,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 @functools.cache
 def _reference(name: str, frozen: tuple[str, ...] = ()) -> list[float]:
     model = build_model({"name": name, "scale": "tiny", "train_projectors": True, "frozen": list(frozen)})
-    return single_threaded(reference_losses, model, 0, BATCH, STEPS, 0.3, eps=1.0)
+    return single_threaded(reference_losses, model, 0, BATCH, STEPS, sensitive_optimizer(0.3))
 
 
 @pytest.mark.parametrize("case", list(CASES))

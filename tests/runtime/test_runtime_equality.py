@@ -15,14 +15,14 @@ import pytest
 from src.models.registry import build_model
 from src.runtime.reference import reference_losses
 from src.timeline import BREAKDOWN_CATEGORIES
-from tests.runtime.support import CLIP, GPT, TINY_UNET, TWO_WORKERS, UNET, launch_cases
+from tests.runtime.support import CLIP, GPT, TINY_UNET, TWO_WORKERS, UNET, launch_cases, sensitive, sensitive_optimizer
 
 pytestmark = pytest.mark.slow  # starts worker processes
 
 STEPS = 5
 # With AdamW's usual eps the first updates are nearly sign(gradient), blind to a wrong
 # gradient scale; eps = 1 and lr = 1 make updates proportional to the gradients.
-SENSITIVE = ["backend.lr=1.0", "backend.adam_eps=1.0"]
+SENSITIVE = sensitive()
 # Every tensor partitioned: the tiny models' are all below DeepSpeed's default persistence threshold.
 ZERO3 = ["strategy=ddp", "strategy.zero_stage=3", "strategy.param_persistence_threshold=0"]
 CASES = {
@@ -90,7 +90,7 @@ CASES = {
     + ["strategy=megatron", "strategy.tp=1", "strategy.pp=2", "strategy.micro_batch_size=2", "train.precision=fp16"],
 }
 # At this loss scale every step's gradients overflow fp16: each is skipped on every rank.
-OVERFLOW = GPT + ["strategy=ddp", "strategy.zero_stage=0", "train.precision=fp16", "backend.initial_loss_scale=1e30"]
+OVERFLOW = GPT + ["strategy=ddp", "strategy.zero_stage=0", "train.precision=fp16", "backend.deepspeed.fp16.initial_scale_power=100"]
 # The bf16 runs against a bf16 single-process reference: rounding the payloads that cross
 # ranks to bf16 (which the reference never does) may move the losses by about 1e-4 here.
 # (A contrastive loss is more sensitive: CLIP's features gathered in bf16 move it by ~4e-3
@@ -119,7 +119,7 @@ def references() -> dict[str, list[float]]:
     models["gpt"] = build_model({"name": "gpt", "preset": None, "layers": 4, "hidden": 64, "heads": 4, "vocab": 128}, 16)
     models["unet"] = build_model({"name": "unet", "preset": None, **TINY_UNET}, None)
     return {
-        (name, precision): reference_losses(model, 0, 8, STEPS, 1.0, eps=1.0, precision=precision)
+        (name, precision): reference_losses(model, 0, 8, STEPS, sensitive_optimizer(), precision=precision)
         for name, model in models.items()
         for precision in ("fp32", "bf16", "fp16")
         if precision == "fp32" or any(_setting(c, "model") == name and _setting(c, "train.precision") == precision for c in CASES)
@@ -141,7 +141,7 @@ def test_first_losses_equal_the_single_process_reference(runs, references, case)
 
 def test_an_fp16_step_whose_gradients_overflow_is_skipped_on_every_rank(runs, references):
     gpt = build_model({"name": "gpt", "preset": None, "layers": 4, "hidden": 64, "heads": 4, "vocab": 128}, 16)
-    never_updated = reference_losses(gpt, 0, 8, STEPS, 1e-30, eps=1.0, precision="fp16")
+    never_updated = reference_losses(gpt, 0, 8, STEPS, sensitive_optimizer(1e-30), precision="fp16")
     assert _losses(runs["fp16_overflow"]) == pytest.approx(never_updated, rel=1e-3)
     assert never_updated != pytest.approx(references[("gpt", "fp16")], rel=1e-3)
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from src.config import ContrastiveSpec, DeepSpeedSpec
 from src.errors import ConfigError
 from src.plan_io import PlannedRun, read_plan, write_plan
 from src.runtime.checks import check_runnable
@@ -452,7 +453,7 @@ def test_a_written_plan_runs_on_the_images_its_loads_price_only(tmp_path):
 def test_deepspeed_is_given_the_reuse_distance_and_persistence_threshold_the_plan_priced():
     def zero_config(*options: str) -> dict:
         plan = plan_run(validate(composed(DDP + ["strategy.zero_stage=3", *options])))
-        return deepspeed_config(EngineSettings.of(plan.units[0], 1e-3, 0.0, 1e-8), 2)["zero_optimization"]
+        return deepspeed_config(EngineSettings.of(plan.units[0], DeepSpeedSpec(), ContrastiveSpec(), 1), 2)["zero_optimization"]
 
     priced = zero_config("strategy.max_reuse_distance=1000", "strategy.param_persistence_threshold=0")
     assert (priced["stage3_max_reuse_distance"], priced["stage3_param_persistence_threshold"]) == (1000, 0)

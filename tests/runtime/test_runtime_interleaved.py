@@ -20,7 +20,7 @@ from src.metrics import unit_flops
 from src.models.registry import build_model
 from src.runtime.reference import reference_losses
 from tests.conftest import run_cli
-from tests.runtime.support import launch_cases, mllm_shard, single_threaded, summary_of
+from tests.runtime.support import launch_cases, mllm_shard, sensitive, sensitive_optimizer, single_threaded, summary_of
 
 pytestmark = pytest.mark.slow  # starts worker processes
 
@@ -43,8 +43,7 @@ BASE = [
     "model.image_size_spread=0",
     f"train.global_batch={BATCH}",
     f"train.steps={STEPS}",
-    "backend.lr=0.3",
-    "backend.adam_eps=1.0",  # updates proportional to the gradients (see test_runtime_equality)
+    *sensitive(0.3),
     "backend.timeout_s=30",  # a rank left out of a collective fails the run soon
 ]
 # The orchestrator's plan on 4 workers: encoder dp 1, LLM dp 2, generator dp 1 (a U-Net runs whole).
@@ -94,7 +93,7 @@ def runs(tmp_path_factory, shards) -> dict[str, Path]:
 @functools.cache
 def _reference(data: str, frozen: tuple[str, ...] = ()) -> list[float]:
     model = build_model(MODEL | {"frozen": list(frozen)})
-    return single_threaded(reference_losses, model, 0, BATCH, STEPS, 0.3, eps=1.0, data=data, content="interleaved")
+    return single_threaded(reference_losses, model, 0, BATCH, STEPS, sensitive_optimizer(0.3), data=data, content="interleaved")
 
 
 @pytest.mark.parametrize("case", list(CASES))

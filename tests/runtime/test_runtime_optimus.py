@@ -18,7 +18,7 @@ from src.models.registry import build_model
 from src.plan_io import read_plan
 from src.program import Compute, RankProgram
 from src.runtime.reference import reference_losses
-from tests.runtime.support import launch_cases, single_threaded, summary_of
+from tests.runtime.support import launch_cases, sensitive, sensitive_optimizer, single_threaded, summary_of
 
 pytestmark = pytest.mark.slow  # starts worker processes
 
@@ -35,8 +35,7 @@ BASE = [
     "strategy=optimus",
     f"train.global_batch={BATCH}",
     f"train.steps={STEPS}",
-    "backend.lr=1.0",
-    "backend.adam_eps=1.0",  # updates proportional to the gradients (test_runtime_equality)
+    *sensitive(),
 ]
 # The LLM's four layers on four pipeline stages: its bubbles hold encoder kernels.
 PIPELINE = ["strategy.llm.pp=4", "strategy.llm.dp=1", "strategy.llm.tp=1", "strategy.llm.micro_batch_size=1"]
@@ -111,7 +110,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 @functools.cache
 def _reference(encoders: tuple[str, ...] = (), frozen: tuple[str, ...] = ()) -> list[float]:
     options = {"name": "optimus", "scale": "tiny", "frozen": list(frozen), **({"encoders": list(encoders)} if encoders else {})}
-    return single_threaded(reference_losses, build_model(options), 0, BATCH, STEPS, 1.0, eps=1.0)
+    return single_threaded(reference_losses, build_model(options), 0, BATCH, STEPS, sensitive_optimizer())
 
 
 @pytest.mark.parametrize("case", list(CASES))

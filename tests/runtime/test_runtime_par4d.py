@@ -13,13 +13,13 @@ import pytest
 
 from src.models.registry import build_model
 from src.runtime.reference import reference_losses
-from tests.runtime.support import GPT, launch_cases
+from tests.runtime.support import GPT, launch_cases, sensitive, sensitive_optimizer
 
 pytestmark = pytest.mark.slow  # starts worker processes
 
 STEPS = 3  # two updates: each step's loss follows from the update before it
 EIGHT_WORKERS = ["backend=torch", "backend.workers=8", "cluster=local", "cluster.devices_per_node=8", "logger=none"]
-SENSITIVE = ["backend.lr=1.0", "backend.adam_eps=1.0"]  # updates proportional to gradients (test_runtime_equality)
+SENSITIVE = sensitive()
 PAR4D = ["strategy=par4d", "strategy.micro_batch_size=2"]
 NO_OVERLAP = "strategy.overlap=[]"
 CASES = {
@@ -41,7 +41,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def references() -> dict[str, list[float]]:
     gpt = build_model({"name": "gpt", "preset": None, "layers": 4, "hidden": 64, "heads": 4, "vocab": 128}, 16)
-    return {p: reference_losses(gpt, 0, 8, STEPS, 1.0, eps=1.0, precision=p) for p in ("fp32", "bf16", "fp16")}
+    return {p: reference_losses(gpt, 0, 8, STEPS, sensitive_optimizer(), precision=p) for p in ("fp32", "bf16", "fp16")}
 
 
 @pytest.mark.parametrize("case", list(CASES))

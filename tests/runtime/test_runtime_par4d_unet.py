@@ -15,7 +15,7 @@ import pytest
 from src.models.registry import build_model
 from src.runtime.reference import reference_losses
 from tests.runtime.test_runtime_par4d import EIGHT_WORKERS, NO_OVERLAP, SENSITIVE, STEPS
-from tests.runtime.support import TINY_UNET, UNET, launch_cases
+from tests.runtime.support import TINY_UNET, UNET, launch_cases, sensitive_optimizer
 
 pytestmark = pytest.mark.slow  # starts worker processes
 
@@ -38,7 +38,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def reference() -> list[float]:
     unet = build_model({"name": "unet", "preset": None, **TINY_UNET}, None)
-    return reference_losses(unet, 0, 8, STEPS, 1.0, eps=1.0)
+    return reference_losses(unet, 0, 8, STEPS, sensitive_optimizer())
 
 
 @pytest.mark.parametrize("case", list(CASES))

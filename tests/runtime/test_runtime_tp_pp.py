@@ -13,13 +13,13 @@ import pytest
 
 from src.models.registry import build_model
 from src.runtime.reference import reference_losses
-from tests.runtime.support import GPT, launch_cases
+from tests.runtime.support import GPT, launch_cases, sensitive, sensitive_optimizer
 
 pytestmark = pytest.mark.slow  # starts worker processes
 
 STEPS = 5
 FOUR_WORKERS = ["backend=torch", "cluster=local", "cluster.devices_per_node=4", "logger=none"]
-SENSITIVE = ["backend.lr=1.0", "backend.adam_eps=1.0"]  # updates proportional to gradients (test_runtime_equality)
+SENSITIVE = sensitive()
 TP_PP = ["strategy.tp=2", "strategy.pp=2", "strategy.micro_batch_size=2"]
 CASES = {
     "megatron_scatter_gather": ["strategy=megatron", *TP_PP, "strategy.sequence_parallel=false", "strategy.scatter_gather=true"],
@@ -42,7 +42,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def reference() -> list[float]:
     gpt = build_model({"name": "gpt", "preset": None, "layers": 4, "hidden": 64, "heads": 4, "vocab": 128}, 16)
-    return reference_losses(gpt, 0, 8, STEPS, 1.0, eps=1.0)
+    return reference_losses(gpt, 0, 8, STEPS, sensitive_optimizer())
 
 
 @pytest.mark.parametrize("case", list(CASES))

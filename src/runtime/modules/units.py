@@ -17,9 +17,10 @@ import torch
 from torch import nn
 
 from src.models.flows import chain_sources
+from src.config import ContrastiveSpec
 from src.models.spec import Kernel, LayerSpec, ModelSpec, UnitSpec
 from src.runtime.modules.blocks import Attention, Block, FeatureHead, Llama, LMHead, PatchEmbedding, TokenEmbedding
-from src.runtime.modules.contrastive import ContrastiveLoss
+from src.runtime.modules.contrastive import CaptionHead, ContrastiveLoss
 from src.runtime.modules.generator import generator_layer
 from src.runtime.modules.gpt3d import Attention3D, grid_layer
 from src.runtime.modules.grid3d import Grid3D, link_prefetches, narrow_cache
@@ -41,7 +42,12 @@ def llama_style(unit: UnitSpec) -> Llama | None:
     return Llama(arch.ffn, arch.kv_heads) if arch.style == "llama" else None
 
 
-def _layer(model: ModelSpec, unit: UnitSpec, index: int, tp: TP) -> nn.Module:
+def _captions(model: ModelSpec) -> bool:
+    """A CoCa: a contrastive model with a captioning head, whose two losses are weighted."""
+    return any(layer.name == "caption_head" for unit in model.units for layer in unit.layers)
+
+
+def _layer(model: ModelSpec, unit: UnitSpec, index: int, tp: TP, contrastive: ContrastiveSpec) -> nn.Module:
     layer = unit.layers[index]
     causal = not unit.arch.reads_images  # a unit that reads images attends both ways
     last = index == unit.num_layers - 1
@@ -68,10 +74,12 @@ def _layer(model: ModelSpec, unit: UnitSpec, index: int, tp: TP) -> nn.Module:
         return Block(unit.hidden, unit.heads, tp, causal, cross_dim=_kernel(layer, "xattn_kv").k)
     if layer.name == "projection":
         return FeatureHead(unit.hidden, _kernel(layer, "projection").n, "last" if causal else "first", tp, keep_x=not last)
-    if layer.name in ("head", "caption_head"):
+    if layer.name == "caption_head":
+        return CaptionHead(unit.hidden, unit.arch.vocab, tp, contrastive.caption_loss_weight, contrastive.pad_id)
+    if layer.name == "head":
         return LMHead(unit.hidden, unit.arch.vocab, tp)
     if layer.name == "contrastive":
-        return ContrastiveLoss()
+        return ContrastiveLoss(contrastive.contrastive_loss_weight if _captions(model) else 1.0)
     raise ValueError(f"the real backend has no module for layer {layer.name!r} of unit {unit.name} ({model.name})")
 
 
@@ -95,12 +103,14 @@ def build_units(
     keep: dict[str, set[int]],
     recompute: dict[str, str] | None = None,
     grids: dict[str, Grid3D] | None = None,
+    contrastive: ContrastiveSpec = ContrastiveSpec(),
 ) -> nn.ModuleDict:
     """Each unit in `keep` as a ModuleList indexed like its LayerSpecs, holding only the
     layers in `keep[unit]` (None elsewhere); only those are ever built (a TP layer
     draws its whole weight, then keeps its slice). `recompute`: a unit's mode;
     'selective' re-runs its attention cores in backward. `grids`: the units on a Par4D
-    grid, built of its 3D-parallel layers."""
+    grid, built of its 3D-parallel layers. `contrastive`: CoCa's loss weights and padding
+    (backend.contrastive)."""
     grids = grids or {}
     units = nn.ModuleDict()
     for unit in model.units:
@@ -108,7 +118,11 @@ def build_units(
             continue
         layers = nn.ModuleList()
         grid = grids.get(unit.name)
-        build = _grid_builder(unit, grid) if grid is not None else partial(_layer, model, unit, tp=tp.get(unit.name, TP()))
+        build = (
+            _grid_builder(unit, grid)
+            if grid is not None
+            else partial(_layer, model, unit, tp=tp.get(unit.name, TP()), contrastive=contrastive)
+        )
         for i in range(unit.num_layers):
             if i not in keep[unit.name]:
                 layers.add_module(str(i), None)
