@@ -13,7 +13,7 @@ import pytest
 
 from src.models.registry import build_model
 from src.runtime.reference import reference_losses
-from tests.runtime.support import launch_cases, single_threaded, summary_of
+from tests.runtime.support import launch_cases, sensitive, sensitive_optimizer, single_threaded, summary_of
 
 pytestmark = pytest.mark.slow  # starts worker processes
 
@@ -37,9 +37,7 @@ BASE = [
     "strategy.sequence_parallel=false",
     "strategy.recompute=none",
     "strategy.replicate=[encoder,generator]",
-    # eps = 1: updates proportional to the gradients (see test_runtime_equality).
-    "backend.lr=0.3",
-    "backend.adam_eps=1.0",
+    *sensitive(0.3),
 ]
 CASES = {
     "replicated": ["strategy.zero_stage=0"],
@@ -55,7 +53,9 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def reference() -> list[float]:
-    return single_threaded(reference_losses, build_model({"name": "mllm_9b", "scale": "tiny"}), 0, BATCH, STEPS, 0.3, eps=1.0)
+    return single_threaded(
+        reference_losses, build_model({"name": "mllm_9b", "scale": "tiny"}), 0, BATCH, STEPS, sensitive_optimizer(0.3)
+    )
 
 
 @pytest.mark.parametrize("case", list(CASES))
