@@ -96,6 +96,8 @@ class Work:
     fetches, fetched: ZeRO-3's module fetches that the framework's hooks make to run this
     work (each gathers a module's parameters: the host's part of it, beside the plan's
     all-gather that moves them) and the parameters they fetch, this rank's TP share.
+    fetch_blocking: the fetches wait for their gathers (none prefetched), so the device has
+    nothing of this work queued while the hooks run: their host time precedes its kernels.
     """
 
     unit: str
@@ -111,6 +113,7 @@ class Work:
     shard: int = 1
     fetches: int = 0
     fetched: float = 0.0
+    fetch_blocking: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -440,6 +443,8 @@ class UnitPlan:
     # ZeRO-3 (DeepSpeed's stage3_param_persistence_threshold): parameter tensors of at most
     # this many elements are never partitioned, so no module hook fetches them.
     persistence_threshold: float = DEEPSPEED_PERSISTENCE_THRESHOLD
+    # ZeRO-3's fetch as a DeepSpeed release ran it: per_tensor (before 0.5.5), coalesced, prefetched.
+    zero3_fetch: str = "prefetched"
     grid_overlap: tuple[str, ...] = ()  # Par4D: the overlaps that are on (all_reduce, reduce_scatter, all_gather, cache)
     cached_layers: tuple[int, ...] = ()  # Par4D with cache: layers whose recomputation reuses the forward's gathered weights
     grid_layers: tuple[GridLayer, ...] = ()  # Par4D: how each layer lies on the grid

@@ -189,15 +189,18 @@ class ComputeModel:
             return self.memory_time(params * ADAM_BYTES_PER_PARAM) * work.load
         rows = work.samples * work.fraction
         # The framework's ZeRO-3 fetches (its module hooks) run on the host before the first
-        # layer, whatever the micro-batch's load.
+        # layer, whatever the micro-batch's load; after a blocking gather nothing of the
+        # work is queued yet, so a GPU waits for them (otherwise they run while earlier
+        # kernels do).
         fetch = work.fetches * self.cluster.host_fetch_s + work.fetched * self.bytes_per_elem * self.cluster.host_fetch_byte_s
-        total = 0.0
+        waited = fetch if work.fetch_blocking and self.cluster.host_async else 0.0
+        total = waited
         for index, layer in enumerate(layers):
             kernels = work.kernels if (work.kernels is not None and index == 0) else None
             t = self.layer_times(layer, rows, work.sharding, work.contrastive_batch, kernels)
             device, forward_kernels, backward_kernels = self._phase(work, t, layer.forward_only, model, unit, start + index)
             host = forward_kernels * self.cluster.host_forward_kernel_s + backward_kernels * self.cluster.host_backward_kernel_s
-            device, host = device * work.load, host * work.load + (fetch if index == 0 else 0.0)
+            device, host = device * work.load, host * work.load + (fetch - waited if index == 0 else 0.0)
             # The host queues a GPU's kernels ahead of it (layer by layer: a sum over any
             # grouping of layers); CPU workers run what they issue, on the share of the
             # cores that their arithmetic gets (the host figures are one worker's alone).
