@@ -98,6 +98,9 @@ class Work:
     all-gather that moves them) and the parameters they fetch, this rank's TP share.
     fetch_blocking: the fetches wait for their gathers (none prefetched), so the device has
     nothing of this work queued while the hooks run: their host time precedes its kernels.
+    fetch_copies: each fetch gathers into a zero-filled buffer through a list of the group's
+    partitions, which the collective's flat buffer is copied out to one by one (DeepSpeed
+    before 0.5.5 over PyTorch's list all_gather): that many copies a fetch; 0: none.
     """
 
     unit: str
@@ -114,6 +117,7 @@ class Work:
     fetches: int = 0
     fetched: float = 0.0
     fetch_blocking: bool = False
+    fetch_copies: int = 0
 
 
 @dataclass(frozen=True, slots=True)

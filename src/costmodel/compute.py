@@ -194,7 +194,7 @@ class ComputeModel:
         # kernels do).
         fetch = work.fetches * self.cluster.host_fetch_s + work.fetched * self.bytes_per_elem * self.cluster.host_fetch_byte_s
         waited = fetch if work.fetch_blocking and self.cluster.host_async else 0.0
-        total = waited
+        total = waited + self._fetch_copies(work)
         for index, layer in enumerate(layers):
             kernels = work.kernels if (work.kernels is not None and index == 0) else None
             t = self.layer_times(layer, rows, work.sharding, work.contrastive_batch, kernels)
@@ -206,6 +206,15 @@ class ComputeModel:
             # cores that their arithmetic gets (the host figures are one worker's alone).
             total += max(device, host) if self.cluster.host_async else device + host / self.core_share
         return total
+
+    def _fetch_copies(self, work: Work) -> float:
+        """Device seconds of fetches gathered through a list of partitions: the buffer's
+        zero fill, then the collective's flat buffer copied out partition by partition
+        (read and written), each copy a kernel; before the work's own kernels."""
+        if not work.fetch_copies or not work.fetches:
+            return 0.0
+        moved = 3.0 * work.fetched * self.bytes_per_elem
+        return moved / self.hbm + work.fetches * (1 + work.fetch_copies) * self.cluster.kernel_overhead_s
 
     @staticmethod
     def _phase(work: Work, t: LayerTimes, forward_only: bool, model: ModelSpec, unit: UnitSpec, layer: int) -> tuple[float, int, int]:

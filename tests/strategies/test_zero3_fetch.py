@@ -90,10 +90,18 @@ def test_a_blocking_fetch_waits_on_the_host_and_a_prefetched_one_hides_under_the
     compute = ComputeModel(setup.cluster, "bf16")
     host = work.fetches * setup.cluster.host_fetch_s
     assert setup.cluster.host_fetch_s > 0
-    blocking = compute.work_time(work, setup.model)
-    overlapped = compute.work_time(replace(work, fetch_blocking=False), setup.model)
-    assert blocking == pytest.approx(host + compute.work_time(replace(work, fetches=0, fetched=0.0), setup.model))
+    assert work.fetch_copies == 8  # one copy out per rank of the group
+    plain = replace(work, fetch_copies=0)
+    blocking = compute.work_time(plain, setup.model)
+    overlapped = compute.work_time(replace(plain, fetch_blocking=False), setup.model)
+    assert blocking == pytest.approx(host + compute.work_time(replace(plain, fetches=0, fetched=0.0), setup.model))
     assert overlapped < blocking
+    # The zero fill and the copies out: three passes over the gathered bytes, and a kernel each.
+    cluster = setup.cluster
+    copies = (
+        3 * work.fetched * 2 / (cluster.memory_bandwidth * cluster.memory_efficiency) + work.fetches * 9 * cluster.kernel_overhead_s
+    )
+    assert compute.work_time(work, setup.model) == pytest.approx(blocking + copies)
 
 
 def test_tensor_by_tensor_a_partitioned_norm_is_two_gathers() -> None:

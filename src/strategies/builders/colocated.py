@@ -64,8 +64,10 @@ class ColocatedUnit:
     Parameter tensors of at most `persistence_threshold` elements (DeepSpeed's
     stage3_param_persistence_threshold) are never partitioned: every rank holds them whole
     and no module hook fetches them. `fetch_per_tensor`: each partitioned tensor is
-    fetched by an all-gather of its own (DeepSpeed before 0.5.5) rather than a module's
-    tensors by one (its coalesced fetch since)."""
+    fetched by an all-gather of its own into a zero-filled buffer, through PyTorch's list
+    all_gather (one copy out per rank of the group: DeepSpeed before 0.5.5,
+    partition_parameters.py _allgather_param) rather than a module's tensors by one (its
+    coalesced fetch since)."""
 
     unit: str
     mesh: Mesh
@@ -127,7 +129,8 @@ class ColocatedEmitter:
                 out.append(Collective("all_gather", group, regathered * self.act_bytes / len(again), "dp", count=len(again)))
                 fetched, fetches, blocked = fetched + regathered, fetches + len(again), True
             layer_pass = segment_pass(self.model, Segment(unit, (layer, layer + 1)), phase, samples, microbatch, self._tp(unit))
-            out += _fetching(layer_pass, fetches, fetched, blocked)
+            copies = u.mesh.degree("dp") if u.fetch_per_tensor else 0
+            out += _fetching(layer_pass, fetches, fetched, blocked, copies)
             trainable = spec.trainable_params(layer, layer + 1) / u.mesh.degree("tp")
             if backward and trainable:
                 if u.overlap_comm:
@@ -327,12 +330,12 @@ def _gathers(layer: LayerSpec, modules: tuple[int, ...], per_tensor: bool) -> in
     return len(modules) + sum(1 for kern in layer.kernels if kern.norm_width and 2 * kern.norm_width in modules)
 
 
-def _fetching(instructions: list[Instruction], fetches: int, fetched: float, blocking: bool) -> list[Instruction]:
+def _fetching(instructions: list[Instruction], fetches: int, fetched: float, blocking: bool, copies: int) -> list[Instruction]:
     """A ZeRO-3 layer's pass whose first Compute carries the fetches the framework's hooks
-    make for it (and the parameters they fetch), and whether any of them waited for its
-    gather."""
+    make for it (and the parameters they fetch), whether any of them waited for its gather,
+    and the copies each makes of its partitions."""
     first = next(i for i, instruction in enumerate(instructions) if isinstance(instruction, Compute))
     compute = instructions[first]
     assert isinstance(compute, Compute)
-    work = replace(compute.work, fetches=fetches, fetched=fetched, fetch_blocking=blocking)
+    work = replace(compute.work, fetches=fetches, fetched=fetched, fetch_blocking=blocking, fetch_copies=copies)
     return [*instructions[:first], replace(compute, work=work), *instructions[first + 1 :]]
