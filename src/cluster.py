@@ -8,14 +8,21 @@ default for an unknown device.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
+
+import yaml
 
 from src.errors import ConfigError, reject_unknown
 
 GIB = 1024**3
+MIB = 1024**2
+# Measured collective tables a preset names (`collective_measurements`), one file per library and machine.
+MEASURED_DIR = Path(__file__).resolve().parent.parent / "conf" / "cluster" / "measured"
 # A library's size correction is indexed by log2(bytes / 64): powers of two from 64 B.
 CORRECTION_BASE_BYTES = 64
 
@@ -55,6 +62,43 @@ class Protocol:
             if index < len(self.size_correction):
                 rate *= self.size_correction[index]
         return rate
+
+
+@dataclass(frozen=True)
+class MeasuredCollective:
+    """One collective's measured time by group size and buffer size: `seconds[i][j]` for
+    `groups[i]` consecutive ranks (whole nodes of the machine) on a buffer of `sizes[j]`
+    bytes (an all-gather's output, a reduce-scatter's input: what CommModel is given);
+    None where the source has no usable time. `source` says which runs each came from."""
+
+    groups: tuple[int, ...]
+    sizes: tuple[float, ...]
+    seconds: tuple[tuple[float | None, ...], ...]
+    source: str
+
+
+@dataclass(frozen=True)
+class PlacementBandwidth:
+    """The bus bandwidth (bytes/s) a collective reaches over `size` devices of one node
+    whose ranks are `stride` apart (a grid axis inside a node, its inner axes' product
+    the stride)."""
+
+    stride: int
+    size: int
+    bus_bandwidth: float
+
+
+@dataclass(frozen=True)
+class CollectiveMeasurements:
+    """A collective library's measurements on one machine (conf/cluster/measured/<name>.yaml):
+    per op its times by group and buffer size, and the bus bandwidth of groups inside a node
+    by placement. CommModel interpolates them and takes the library's model elsewhere."""
+
+    name: str
+    library: str
+    collectives: dict[str, MeasuredCollective]
+    placements: tuple[PlacementBandwidth, ...] = ()
+    placement_source: str = ""
 
 
 @dataclass(frozen=True)
@@ -114,6 +158,9 @@ class ClusterSpec:
       wait for the slowest is sync_skew_s · (1 - exp(-t / sync_skew_build_s)). The engine
       scales it to a group by the expected maximum of its members' lags
       (src/costmodel/comm.py). Absent (0): devices reach a collective when the model says.
+    collective_measurements: the testbed's collective library as measured on it, by group
+      size, buffer size and placement (conf/cluster/measured/); CommModel takes them over
+      its model where they cover a collective, the model elsewhere. Empty: none public.
     """
 
     name: str
@@ -153,6 +200,7 @@ class ClusterSpec:
     host_fetch_byte_s: float = 0.0
     host_async: bool = True
     attention: str = "eager"
+    collective_measurements: tuple[CollectiveMeasurements, ...] = ()
     sources: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -290,6 +338,7 @@ SOURCED = (
     "core_handover_s",
     "sync_skew_s",
     "sync_skew_build_s",
+    "collective_measurements",
 )
 
 
@@ -383,6 +432,7 @@ def cluster_from_config(cfg: Mapping[str, Any]) -> ClusterSpec:
         nics=int(cfg["nics"]),
         host_async=_flag(cfg.get("host_async"), "cluster.host_async", name),
         attention=_attention(cfg.get("attention"), name),
+        collective_measurements=tuple(measured_collectives(str(m), name) for m in _names(cfg.get("collective_measurements"), name)),
         **{key: float(cfg[key]) for key in FLOAT_FIELDS},
     )
 
@@ -465,6 +515,97 @@ def _protocol(spec: Any, key: str, cluster: str) -> Protocol:
             f"{key}.allreduce_plateau multiplies a latency, at least 1, got {values['allreduce_plateau']} (cluster {cluster})"
         )
     return Protocol(**values)
+
+
+def _names(value: Any, cluster: str) -> list[str]:
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
+        raise ConfigError(
+            f"cluster.collective_measurements lists measured tables of conf/cluster/measured/ by name, "
+            f"got {value!r} (cluster {cluster})"
+        )
+    return list(value)
+
+
+def measured_collectives(name: str, cluster: str = "?") -> CollectiveMeasurements:
+    """The measured tables of conf/cluster/measured/<name>.yaml, checked."""
+    path = MEASURED_DIR / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in MEASURED_DIR.glob("*.yaml"))
+        raise ConfigError(
+            f"cluster {cluster} names collective measurements {name!r}: no conf/cluster/measured/{name}.yaml (known: {known})"
+        )
+    return _read_measurements(path, path.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _read_measurements(path: Path, mtime_ns: int) -> CollectiveMeasurements:
+    """A measured file, read once per version (every run validates its cluster)."""
+    name = path.stem
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    data = yaml.load(path.read_text(), Loader=loader)
+    where = f"conf/cluster/measured/{name}.yaml"
+    if not isinstance(data, Mapping) or not isinstance(data.get("collectives"), Mapping):
+        raise ConfigError(f"{where} must map `collectives` to measured tables")
+    reject_unknown(data, ["name", "library", "source", "collectives", "placement"], f"key(s) of {where}")
+    for key in ("library", "source"):
+        if not str(data.get(key) or "").strip():
+            raise ConfigError(f"{where} must say its {key}")
+    tables = {}
+    for op, table in data["collectives"].items():
+        if op not in COLLECTIVE_OPS:
+            raise ConfigError(f"{where}: {op!r} is not a collective; one of {list(COLLECTIVE_OPS)}")
+        tables[str(op)] = _measured_table(table, f"{where} {op}")
+    placement = data.get("placement") or {}
+    return CollectiveMeasurements(
+        name=name,
+        library=str(data["library"]),
+        collectives=tables,
+        placements=_placements(placement.get("bus_gbps") or [], where),
+        placement_source=str(placement.get("source") or ""),
+    )
+
+
+def _measured_table(table: Any, where: str) -> MeasuredCollective:
+    if not isinstance(table, Mapping):
+        raise ConfigError(f"{where}: a table maps sizes_mib, ms (group size -> a time per size) and source, got {table!r}")
+    reject_unknown(table, ["sizes_mib", "ms", "source"], f"key(s) of {where}")
+    sizes = [_number(v, "sizes_mib", where) for v in table.get("sizes_mib") or []]
+    if not sizes or any(b <= a for a, b in zip(sizes, sizes[1:])) or sizes[0] <= 0:
+        raise ConfigError(f"{where}: sizes_mib must be positive and ascending, got {sizes}")
+    rows = table.get("ms")
+    if not isinstance(rows, Mapping) or not rows:
+        raise ConfigError(f"{where}: ms maps group sizes to one time per size, got {rows!r}")
+    groups = sorted(int(g) for g in rows)
+    if groups[0] < 2:
+        raise ConfigError(f"{where}: groups have 2 ranks or more, got {groups}")
+    seconds = []
+    for g in groups:
+        row = rows[g]
+        if not isinstance(row, (list, tuple)) or len(row) != len(sizes):
+            raise ConfigError(f"{where}: group {g} gives {row!r}, one time (ms, or null) per size of {len(sizes)}")
+        times = [None if v is None else _number(v, f"ms[{g}]", where) / 1e3 for v in row]
+        if any(t is not None and t <= 0 for t in times):
+            raise ConfigError(f"{where}: group {g} has a time that is not positive: {row}")
+        seconds.append(tuple(times))
+    if not str(table.get("source") or "").strip():
+        raise ConfigError(f"{where}: every table says where its times come from (source)")
+    return MeasuredCollective(tuple(groups), tuple(s * MIB for s in sizes), tuple(seconds), str(table["source"]))
+
+
+def _placements(rows: Any, where: str) -> tuple[PlacementBandwidth, ...]:
+    if not isinstance(rows, (list, tuple)):
+        raise ConfigError(f"{where}: placement.bus_gbps lists {{stride, size, gbps}} entries, got {rows!r}")
+    out = []
+    for row in rows:
+        if not isinstance(row, Mapping) or set(row) != {"stride", "size", "gbps"}:
+            raise ConfigError(f"{where}: a placement entry is {{stride, size, gbps}}, got {row!r}")
+        stride, size, gbps = int(row["stride"]), int(row["size"]), _number(row["gbps"], "gbps", where)
+        if stride < 1 or size < 2 or gbps <= 0:
+            raise ConfigError(f"{where}: placement stride >= 1, size >= 2, gbps > 0, got {dict(row)}")
+        out.append(PlacementBandwidth(stride, size, gbps * 1e9))
+    return tuple(out)
 
 
 def _collective_efficiency(table: Any, cluster: str) -> dict[str, float]:

@@ -2,13 +2,17 @@
 
     python -m src.heldout [--runs benchmarks/heldout/runs.yaml] [--out benchmarks/results] [--only k22]
 
-Each run of the data file (Megatron-LM's and ZeRO-3's published runs on DGX A100 clusters,
-with the configuration and the source each states) is planned with that configuration on
-the `dgx_a100` preset (nodes = GPUs / 8, the run's era's attention kernel and precision) and
-simulated; the published iteration time is the source's, or, where the source gives achieved
-teraFLOP/s per GPU, its own FLOP count (Narayanan et al. 2021, Eq. 3) over that rate. Writes
-heldout.json and heldout.md under --out: per run the published and simulated seconds and the
-error (negative: the simulator is faster), per source the mean absolute error and how many
+Each training run of the data file (Megatron-LM's and ZeRO-3's published runs on DGX A100
+clusters, small GPTs on one 8 x A100 node, ...) is planned with the configuration its source
+states on the preset the source ran on (a source's `common`: its preset, model settings and
+precision; nodes = GPUs / the preset's devices per node) and simulated; the published
+iteration time is the source's, or, where the source gives achieved teraFLOP/s per GPU, its
+own FLOP count (Narayanan et al. 2021, Eq. 3) over that rate, or, where it gives tokens per
+second, the batch's tokens over that rate. Each collective of the file (a library's time on
+a machine, from runs its preset's measured tables did not take) is priced by the preset's
+communication model over that many consecutive ranks. Writes heldout.json and heldout.md
+under --out: per run the published and simulated seconds and the error (negative: the
+simulator is faster), per source, series and preset the mean absolute error and how many
 runs fall on each side. No constant is set from these numbers: a gap is reported with what
 we believe causes it.
 """
@@ -30,7 +34,7 @@ from src.errors import ConfigError
 REPO = Path(__file__).resolve().parent.parent
 RUNS = REPO / "benchmarks" / "heldout" / "runs.yaml"
 OUT = REPO / "benchmarks" / "results"
-GPUS_PER_NODE = 8  # dgx_a100
+DEFAULT_CLUSTER = "dgx_a100"
 
 
 @dataclass(frozen=True)
@@ -49,14 +53,42 @@ class Run:
     assumed: str = ""
 
 
+@dataclass(frozen=True)
+class CollectiveRun:
+    """A collective a source timed on a machine: `op` over `ranks` consecutive ranks (whole
+    nodes of `cluster`) on a buffer of `mib` MiB (an all-gather's output, a reduce-scatter's
+    input), `published_ms` milliseconds."""
+
+    id: str
+    source: str
+    where: str
+    cluster: str
+    op: str
+    ranks: int
+    mib: float
+    published_ms: float
+    assumed: str = ""
+
+
 def load(path: Path) -> tuple[dict[str, Any], list[Run]]:
-    """The data file's sources and common settings, and its runs."""
+    """The data file's sources and common settings, and its training runs."""
     data = yaml.safe_load(path.read_text())
     runs = [Run(**row) for row in data["runs"]]
-    unknown = sorted({r.source for r in runs} - set(data["sources"]))
+    cited = {r.source for r in runs} | {c["source"] for c in data.get("collectives") or []}
+    unknown = sorted(cited - set(data["sources"]))
     if unknown:
         raise ConfigError(f"{path}: runs cite sources {unknown} that `sources` does not list")
     return data, runs
+
+
+def collective_runs(data: dict[str, Any]) -> list[CollectiveRun]:
+    return [CollectiveRun(**row) for row in data.get("collectives") or []]
+
+
+def settings(run: Run, data: dict[str, Any]) -> dict[str, Any]:
+    """The model settings, precision and preset of the run's source (the file's `common`
+    where the source states none of its own)."""
+    return {**data["common"], **(data["sources"][run.source].get("common") or {})}
 
 
 def narayanan_flops(run: Run, seq_len: int, vocab: int) -> float:
@@ -71,13 +103,26 @@ def published_seconds(run: Run, seq_len: int, vocab: int) -> float:
         return float(run.published["iteration_s"])
     if "tflops_per_gpu" in run.published:
         return narayanan_flops(run, seq_len, vocab) / (run.published["tflops_per_gpu"] * 1e12 * run.gpus)
-    raise ConfigError(f"run {run.id}: published needs iteration_s or tflops_per_gpu, got {sorted(run.published)}")
+    if "tokens_per_s" in run.published:
+        return run.global_batch * seq_len / float(run.published["tokens_per_s"])
+    raise ConfigError(f"run {run.id}: published needs iteration_s, tflops_per_gpu or tokens_per_s, got {sorted(run.published)}")
+
+
+def _devices_per_node(cluster: str) -> int:
+    from src.cluster_profile import preset_file
+
+    preset = preset_file(cluster)
+    if preset is None:
+        raise ConfigError(f"no cluster preset {cluster!r} (conf/cluster/{cluster}.yaml)")
+    return int(preset["devices_per_node"])
 
 
 def overrides(run: Run, common: dict[str, Any]) -> list[str]:
     """The front door's overrides for the run's stated configuration."""
-    if run.gpus % GPUS_PER_NODE:
-        raise ConfigError(f"run {run.id}: {run.gpus} GPUs is not a whole number of {GPUS_PER_NODE}-GPU DGX A100 nodes")
+    cluster = str(common.get("cluster", DEFAULT_CLUSTER))
+    per_node = _devices_per_node(cluster)
+    if run.gpus % per_node:
+        raise ConfigError(f"run {run.id}: {run.gpus} GPUs is not a whole number of {per_node}-GPU {cluster} nodes")
     model = common["model"]
     out = [
         "model=gpt",
@@ -91,8 +136,8 @@ def overrides(run: Run, common: dict[str, Any]) -> list[str]:
         f"train.seq_len={model['seq_len']}",
         f"train.global_batch={run.global_batch}",
         f"train.precision={common['precision']}",
-        "cluster=dgx_a100",
-        f"cluster.nodes={run.gpus // GPUS_PER_NODE}",
+        f"cluster={cluster}",
+        f"cluster.nodes={run.gpus // per_node}",
         "logger=none",
     ]
     strategy = dict(run.strategy)
@@ -123,14 +168,15 @@ def simulate_run(run: Run, common: dict[str, Any]) -> float:
 
 
 def check(runs: list[Run], data: dict[str, Any]) -> list[dict[str, Any]]:
-    common = data["common"]
     rows = []
     for run in runs:
+        common = settings(run, data)
         row: dict[str, Any] = {
             "id": run.id,
             "source": run.source,
             "where": run.where,
             "series": series(run),
+            "preset": str(common.get("cluster", DEFAULT_CLUSTER)),
             "gpus": run.gpus,
             "assumed": run.assumed,
         }
@@ -145,6 +191,45 @@ def check(runs: list[Run], data: dict[str, Any]) -> list[dict[str, Any]]:
         rows.append(row)
         shown = row.get("error") or f"published {published:.3f} s, simulated {row['simulated_s']:.3f} s ({row['error_pct']:+.1f} %)"
         print(f"{run.id}: {shown}", file=sys.stderr, flush=True)
+    return rows
+
+
+def collective_seconds(run: CollectiveRun) -> float:
+    """Seconds of the collective on its preset, over that many consecutive ranks."""
+    from dataclasses import replace
+
+    from src.cluster import MIB
+    from src.config import composed
+    from src.costmodel.comm import CommModel
+    from src.setup import validate
+
+    per_node = _devices_per_node(run.cluster)
+    if run.ranks % per_node:
+        raise ConfigError(f"collective {run.id}: {run.ranks} ranks is not a whole number of {per_node}-device {run.cluster} nodes")
+    cluster = validate(composed([f"cluster={run.cluster}", "model=gpt", "strategy=ddp", "logger=none"])).cluster
+    cluster = replace(cluster, nodes=run.ranks // per_node)
+    return CommModel(cluster).collective_time(run.op, tuple(range(run.ranks)), run.mib * MIB)
+
+
+def check_collectives(runs: list[CollectiveRun]) -> list[dict[str, Any]]:
+    rows = []
+    for run in runs:
+        published = run.published_ms / 1e3
+        simulated = collective_seconds(run)
+        rows.append(
+            {
+                "id": run.id,
+                "source": run.source,
+                "where": run.where,
+                "series": f"{run.source}, {run.cluster} {run.op}",
+                "preset": run.cluster,
+                "gpus": run.ranks,
+                "assumed": run.assumed,
+                "published_s": published,
+                "simulated_s": simulated,
+                "error_pct": 100.0 * (simulated - published) / published,
+            }
+        )
     return rows
 
 
@@ -174,20 +259,21 @@ def summarize(rows: list[dict[str, Any]], key: str) -> dict[str, dict[str, Any]]
 
 def table(rows: list[dict[str, Any]], summaries: dict[str, dict[str, dict[str, Any]]], data: dict[str, Any]) -> str:
     lines = [
-        "# Held-out public runs on the dgx_a100 preset",
+        "# Held-out public runs",
         "",
-        "`python -m src.heldout`: each run priced with its source's configuration (benchmarks/heldout/runs.yaml).",
+        "`python -m src.heldout`: each run priced with its source's configuration on the preset it ran on",
+        "(benchmarks/heldout/runs.yaml); each collective by the preset's communication model.",
         "Error = (simulated - published) / published: negative, the simulator is faster. A check: no constant is",
         "set from these numbers.",
         "",
-        "| run | source | GPUs | published s | simulated s | error % | assumed |",
-        "|---|---|---|---|---|---|---|",
+        "| run | source | preset | GPUs | published s | simulated s | error % | assumed |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        simulated = f"{r['simulated_s']:.3f}" if "simulated_s" in r else f"failed: {r['error']}"
+        simulated = f"{r['simulated_s']:.4g}" if "simulated_s" in r else f"failed: {r['error']}"
         error = f"{r['error_pct']:+.1f}" if "error_pct" in r else ""
-        cells = [r["id"], f"{r['source']} ({r['where']})", str(r["gpus"]), f"{r['published_s']:.3f}", simulated, error, r["assumed"]]
-        lines.append("| " + " | ".join(cells) + " |")
+        cells = [r["id"], f"{r['source']} ({r['where']})", r["preset"], str(r["gpus"]), f"{r['published_s']:.4g}", simulated, error]
+        lines.append("| " + " | ".join([*cells, r["assumed"]]) + " |")
     for key, summary in summaries.items():
         lines += ["", f"| {key} | runs | MAPE % | mean error % | simulated faster / slower |", "|---|---|---|---|---|"]
         for group, s in summary.items():
@@ -212,10 +298,11 @@ def main() -> None:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     runs = [r for r in runs if args.only in r.id]
-    if not runs:
+    collectives = [c for c in collective_runs(data) if args.only in c.id]
+    if not runs and not collectives:
         parser.error(f"--only {args.only!r} matches no run of {args.runs}")
-    rows = check(runs, data)
-    summaries = {"source": summarize(rows, "source"), "series": summarize(rows, "series")}
+    rows = check(runs, data) + check_collectives(collectives)
+    summaries = {key: summarize(rows, key) for key in ("preset", "source", "series")}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "heldout.json").write_text(json.dumps({"rows": rows, "by": summaries}, indent=2) + "\n")
     text = table(rows, summaries, data)

@@ -98,6 +98,11 @@ class Work:
     fetches, fetched: ZeRO-3's module fetches that the framework's hooks make to run this
     work (each gathers a module's parameters: the host's part of it, beside the plan's
     all-gather that moves them) and the parameters they fetch, this rank's TP share.
+    fetch_blocking: the fetches wait for their gathers (none prefetched), so the device has
+    nothing of this work queued while the hooks run: their host time precedes its kernels.
+    fetch_copies: each fetch gathers into a zero-filled buffer through a list of the group's
+    partitions, which the collective's flat buffer is copied out to one by one (DeepSpeed
+    before 0.5.5 over PyTorch's list all_gather): that many copies a fetch; 0: none.
     """
 
     unit: str
@@ -113,6 +118,8 @@ class Work:
     shard: int = 1
     fetches: int = 0
     fetched: float = 0.0
+    fetch_blocking: bool = False
+    fetch_copies: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -443,6 +450,8 @@ class UnitPlan:
     # ZeRO-3 (DeepSpeed's stage3_param_persistence_threshold): parameter tensors of at most
     # this many elements are never partitioned, so no module hook fetches them.
     persistence_threshold: float = DEEPSPEED_PERSISTENCE_THRESHOLD
+    # ZeRO-3's fetch as a DeepSpeed release ran it: per_tensor (before 0.5.5), coalesced, prefetched.
+    zero3_fetch: str = "prefetched"
     grid_overlap: tuple[str, ...] = ()  # Par4D: the overlaps that are on (all_reduce, reduce_scatter, all_gather, cache)
     cached_layers: tuple[int, ...] = ()  # Par4D with cache: layers whose recomputation reuses the forward's gathered weights
     grid_layers: tuple[GridLayer, ...] = ()  # Par4D: how each layer lies on the grid

@@ -19,7 +19,7 @@ def test_every_run_cites_a_source_and_a_published_number() -> None:
     assert len(RUNS) == len(BY_ID) >= 26
     for run in RUNS:
         assert run.source in DATA["sources"] and run.where
-        assert set(run.published) & {"iteration_s", "tflops_per_gpu"}
+        assert set(run.published) & {"iteration_s", "tflops_per_gpu", "tokens_per_s"}
 
 
 def test_a_rate_per_gpu_becomes_seconds_by_narayanans_flop_count() -> None:
@@ -55,3 +55,31 @@ def test_the_smallest_run_is_simulated_and_summed_up_by_source() -> None:
     summary = heldout.summarize(rows, "source")["korthikanti2022"]
     assert summary["runs"] == 1 and summary["mape_pct"] == pytest.approx(abs(rows[0]["error_pct"]))
     assert summary["simulated_faster"] + summary["simulated_slower"] == 1
+
+
+def test_a_source_runs_on_its_own_preset_and_settings() -> None:
+    small = BY_ID["fa-gpt3-355m"]
+    common = heldout.settings(small, DATA)
+    assert common["cluster"] == "dgx_a100" and common["model"]["attention"] == "flash" and common["precision"] == "bf16"
+    assert {"model.vocab=50264", "model.attention=flash", "train.precision=bf16", "cluster.nodes=1"} <= set(
+        heldout.overrides(small, common)
+    )
+    assert heldout.settings(BY_ID["t1-1.7b"], DATA)["model"]["attention"] == "eager"  # the file's common settings
+
+
+def test_tokens_per_second_become_the_batch_s_tokens_over_that_rate() -> None:
+    run = BY_ID["fa-gpt3-2.7b"]  # 512 sequences of 2048 tokens at 85k tokens/s
+    assert heldout.published_seconds(run, 2048, 50264) == pytest.approx(512 * 2048 / 85000)
+
+
+def test_a_held_out_collective_is_priced_by_its_preset_over_consecutive_ranks() -> None:
+    from src.cluster import MIB, measured_collectives
+    from src.costmodel.measured import table_seconds
+
+    runs = {c.id: c for c in heldout.collective_runs(DATA)}
+    assert runs and {c.source for c in runs.values()} <= set(DATA["sources"])
+    run = runs["pm-ag2-64-64mib"]  # Perlmutter's second campaign; the table took the first
+    table = measured_collectives("perlmutter_nccl").collectives["all_gather"]
+    assert heldout.collective_seconds(run) == pytest.approx(table_seconds(table, 64, 64 * MIB))
+    row = heldout.check_collectives([run])[0]
+    assert row["preset"] == "perlmutter" and row["published_s"] == pytest.approx(run.published_ms / 1e3)

@@ -33,6 +33,14 @@ expected maximum of g lags).
 Which link a ring crosses and how many rings share a node's NICs come from
 ClusterSpec.bandwidth (Par4D eq. 10); transfers of other families that share those NICs
 at the same time are the simulator's to account for (src/sim/engine.py).
+
+Where the preset has measurements of its library on the machine
+(ClusterSpec.collective_measurements, src/costmodel/measured.py), they price what they
+cover instead of the model: a group spanning nodes (or a whole node) by its size and
+buffer, its latency the model's, the rest transfer, which `sharing` groups of a family
+crossing a node's NICs at once divide among them (Par4D eq. 10, as its authors' own
+model: the measured bandwidth over min(devices per node, the inner axes' product)); a
+group inside a node, smaller than it, at the bus bandwidth measured for its placement.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ import math
 from typing import Mapping, Sequence
 
 from src.cluster import ClusterSpec, Protocol
+from src.costmodel.measured import measured_seconds, placement_bandwidth
 
 # What the real backend's batch-sync exchange first tells the group (src/runtime/batch_rows.py):
 # four int64 per rank (tower, first row, end row, wanted towers).
@@ -69,6 +78,23 @@ class CommModel:
             return self._all_to_all(ranks, g, n, nbytes, bus)
         if op not in ("all_reduce", "all_gather", "reduce_scatter", "broadcast"):
             raise ValueError(f"unknown collective {op!r}")
+        best = self._modelled(op, g, n, nbytes, bus)
+        per_node = self.cluster.devices_per_node
+        for measured in self.cluster.collective_measurements:
+            # The tables measured whole nodes: one node, or two and more; a group of fewer
+            # ranks across nodes was not measured.
+            whole = g == per_node if n == 1 else g >= 2 * per_node
+            seconds = measured_seconds(measured, op, g, nbytes, sum(best)) if whole else None
+            if seconds is not None:
+                latency = min(best[0], seconds)
+                return latency, (seconds - latency) * (sharing if n > 1 else 1)
+            placed = placement_bandwidth(measured, ranks) if n == 1 else None
+            if placed is not None:
+                return self._modelled(op, g, n, nbytes, placed)
+        return best
+
+    def _modelled(self, op: str, g: int, n: int, nbytes: float, bus: float) -> tuple[float, float]:
+        """The library's model: its fastest algorithm and protocol at bus bandwidth `bus`."""
         best = min((self._ring(p, op, g, n, nbytes, bus) for p in self.cluster.ring_table().values()), key=sum)
         if op == "all_reduce" and n > 1:
             trees = [self._tree(p, g, n, nbytes, bus) for p in self.cluster.tree_table().values()]

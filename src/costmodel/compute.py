@@ -21,6 +21,7 @@ constants come from the cluster preset; nothing here is specific to a strategy.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from src.cluster import ClusterSpec
@@ -28,6 +29,12 @@ from src.costmodel.memory import element_bytes
 from src.mesh import Sharding
 from src.models.spec import Kernel, LayerSpec, ModelSpec, UnitSpec
 from src.program import Work
+
+# FlashAttention's tile of query rows (kBlockM = 128 for head dimensions up to 128 on Ampere
+# and Hopper: Dao-AILab/flash-attention csrc/flash_attn/src/flash_fwd_launch_template.h,
+# run_mha_fwd_hdim64/128, and its backward's key tile). A causal mask leaves the tiles above
+# the diagonal out: of n x n tiles, n (n + 1) / 2 run.
+FLASH_TILE = 128
 
 # The optimizer step of mixed-precision Adam touches, per parameter: fp32 gradient (read 4),
 # fp32 master weight (read + write 8), two fp32 moments (read + write 16), 16-bit weight
@@ -120,8 +127,11 @@ class ComputeModel:
             return 0.0
         return nbytes / self.hbm + self.cluster.kernel_overhead_s
 
-    def kernel_times(self, kernel: Kernel, rows: float, sharding: Sharding, contrastive_batch: int) -> LayerTimes:
-        """Times of one kernel over `rows` samples' worth of input on one device."""
+    def kernel_times(
+        self, kernel: Kernel, rows: float, sharding: Sharding, contrastive_batch: int, causal: bool = False
+    ) -> LayerTimes:
+        """Times of one kernel over `rows` samples' worth of input on one device; `causal`:
+        FlashAttention under a causal mask, which skips the score tiles it hides."""
         launches = kernel_launches(kernel)
         if kernel.kind == "memory":
             nbytes = kernel.bytes * rows / sharding.memory_divisor(kernel.tp_split)
@@ -136,6 +146,11 @@ class ComputeModel:
         # dX = dY @ W^T is an (m x n)@(n x k) product; dW = X^T @ dY is (k x m)@(m x n).
         bwd_input = self.gemm_time(m, k, n, batch)
         bwd_weight = self.gemm_time(k, n, m, batch) if kernel.has_weight else 0.0
+        if causal and kernel.attention_core and kernel.name.startswith("attn_"):
+            # A self-attention core's products over the s x s scores (QK^T: n = s; PV: k = s).
+            tiles = math.ceil((n if kernel.attention_scores else k) / FLASH_TILE)
+            ran = (tiles + 1) / (2 * tiles)
+            fwd, bwd_input = fwd * ran, bwd_input * ran
         if not kernel.has_weight:
             # A product of two activations (attention) has two input gradients.
             bwd_input *= 2.0
@@ -151,16 +166,21 @@ class ComputeModel:
         sharding: Sharding = Sharding(),
         contrastive_batch: int = 1,
         kernels: tuple[int, int] | None = None,
+        causal: bool = False,
     ) -> LayerTimes:
-        key = (layer, samples, sharding, contrastive_batch, kernels)
+        """A layer's times; `causal`: its unit's self-attention is causally masked, which
+        FlashAttention (a layer whose scores GEMM recomputes in backward) turns into tiles
+        it skips; eager attention computes every score and masks them."""
+        key = (layer, samples, sharding, contrastive_batch, kernels, causal)
         cached = self._layer_cache.get(key)
         if cached is not None:
             return cached
         selected = layer.kernels if kernels is None else layer.kernels[kernels[0] : kernels[1]]
+        flash_causal = causal and any(kernel.backward_recompute for kernel in layer.kernels)
         fwd = bwd_in = bwd_w = core = 0.0
         launches = Launches()
         for kernel in selected:
-            t = self.kernel_times(kernel, samples, sharding, contrastive_batch)
+            t = self.kernel_times(kernel, samples, sharding, contrastive_batch, flash_causal)
             fwd += t.fwd
             bwd_in += t.bwd_input
             bwd_w += t.bwd_weight
@@ -188,21 +208,34 @@ class ComputeModel:
             params = unit.trainable_params(start, end) / (work.sharding.devices * work.shard)
             return self.memory_time(params * ADAM_BYTES_PER_PARAM) * work.load
         rows = work.samples * work.fraction
+        causal = not unit.arch.per_image  # a unit that reads or makes images attends both ways
         # The framework's ZeRO-3 fetches (its module hooks) run on the host before the first
-        # layer, whatever the micro-batch's load.
+        # layer, whatever the micro-batch's load; after a blocking gather nothing of the
+        # work is queued yet, so a GPU waits for them (otherwise they run while earlier
+        # kernels do).
         fetch = work.fetches * self.cluster.host_fetch_s + work.fetched * self.bytes_per_elem * self.cluster.host_fetch_byte_s
-        total = 0.0
+        waited = fetch if work.fetch_blocking and self.cluster.host_async else 0.0
+        total = waited + self._fetch_copies(work)
         for index, layer in enumerate(layers):
             kernels = work.kernels if (work.kernels is not None and index == 0) else None
-            t = self.layer_times(layer, rows, work.sharding, work.contrastive_batch, kernels)
+            t = self.layer_times(layer, rows, work.sharding, work.contrastive_batch, kernels, causal)
             device, forward_kernels, backward_kernels = self._phase(work, t, layer.forward_only, model, unit, start + index)
             host = forward_kernels * self.cluster.host_forward_kernel_s + backward_kernels * self.cluster.host_backward_kernel_s
-            device, host = device * work.load, host * work.load + (fetch if index == 0 else 0.0)
+            device, host = device * work.load, host * work.load + (fetch - waited if index == 0 else 0.0)
             # The host queues a GPU's kernels ahead of it (layer by layer: a sum over any
             # grouping of layers); CPU workers run what they issue, on the share of the
             # cores that their arithmetic gets (the host figures are one worker's alone).
             total += max(device, host) if self.cluster.host_async else device + host / self.core_share
         return total
+
+    def _fetch_copies(self, work: Work) -> float:
+        """Device seconds of fetches gathered through a list of partitions: the buffer's
+        zero fill, then the collective's flat buffer copied out partition by partition
+        (read and written), each copy a kernel; before the work's own kernels."""
+        if not work.fetch_copies or not work.fetches:
+            return 0.0
+        moved = 3.0 * work.fetched * self.bytes_per_elem
+        return moved / self.hbm + work.fetches * (1 + work.fetch_copies) * self.cluster.kernel_overhead_s
 
     @staticmethod
     def _phase(work: Work, t: LayerTimes, forward_only: bool, model: ModelSpec, unit: UnitSpec, layer: int) -> tuple[float, int, int]:

@@ -79,6 +79,14 @@ def check_runnable(run: PlannedRun, data: str, data_errors: str = "fail") -> Non
                 ("sequence_parallel", "tp"),
                 (unit.unit,),
             )
+        if unit.zero3_fetch == "per_tensor" and unit.zero_stage == 3 and unit.dp > 1:
+            raise PlanRefused(
+                f"unit {unit.unit}: zero3_fetch=per_tensor is DeepSpeed's fetch before 0.5.5 (an all-gather per "
+                f"tensor); the real backend runs the installed DeepSpeed, which fetches a module's tensors together "
+                f"(it needs zero3_fetch=coalesced or prefetched, or a deepspeed_version from 0.5.5)",
+                ("zero3_fetch",),
+                (unit.unit,),
+            )
         if spec.kind == "unet" and (unit.tp > 1 or unit.pp > 1):
             raise PlanRefused(
                 f"unit {unit.unit} is a U-Net on tp={unit.tp} x pp={unit.pp}: the real backend runs a U-Net whole "

@@ -11,6 +11,17 @@ reduce-scatters each layer's gradients after its backward (with `overlap_comm`, 
 stage-3 behaviour: asynchronously, with the next layer's parameters prefetched up to
 `prefetch_bucket_size`).
 
+How ZeRO-3 fetches parameters changed with DeepSpeed's releases (`zero3_fetch`, by default
+that of the `deepspeed_version` a run names, the current one when it names none):
+- per_tensor (before 0.5.5): every partitioned tensor an all-gather of its own, each
+  launched after a torch.cuda.synchronize(), so no gather overlaps compute or another
+  (deepspeed/runtime/zero/partition_parameters.py _allgather_param of v0.3.13-0.5.4; issue
+  #1069: one all-gather per parameter, 0.5 ms each with a synchronize; PR #1188: "the async
+  version is not async at all"). Prefetching them gained nothing: none is priced.
+- coalesced (0.5.5 to 0.5.x, PR #1188): a module's tensors in one all-gather, synchronous.
+- prefetched (0.6.0 on, PR #1453): as above, the next module's prefetched on a side stream
+  with `overlap_comm`.
+
 Memory is checked: the micro-batch (the whole per-replica batch unless fixed or too big)
 and recomputation (none, selective, full) are the least memory-saving that fit, as the
 other planners choose them; a plan that fits nowhere is refused with its numbers.
@@ -34,6 +45,10 @@ from src.models.flows import unit_order
 # DeepSpeed's defaults (parameters): stage3_prefetch_bucket_size, stage3_max_reuse_distance.
 DEEPSPEED_PREFETCH_BUCKET = 50_000_000
 DEEPSPEED_MAX_REUSE_DISTANCE = 1_000_000_000
+# ZeRO-3's fetch by DeepSpeed release: the first release of each (git tag --contains of the
+# merge commits of PR #1188, 2021-10-31, and PR #1453, 2022-01-20).
+ZERO3_FETCHES = ("per_tensor", "coalesced", "prefetched")
+ZERO3_FETCH_SINCE = ((0, 6, 0), "prefetched"), ((0, 5, 5), "coalesced")
 
 
 # The real backend's refusals name plan fields (src.errors.PlanRefused); these options set them.
@@ -42,6 +57,7 @@ PLAN_FIELDS = {
     "recompute": "strategy.recompute",
     "zero_stage": "strategy.zero_stage",
     "blocking": "strategy.overlap_comm",
+    "zero3_fetch": "strategy.zero3_fetch",
 }
 
 
@@ -54,6 +70,8 @@ class DDPOptions:
     prefetch_bucket_size: int = DEEPSPEED_PREFETCH_BUCKET
     max_reuse_distance: int = DEEPSPEED_MAX_REUSE_DISTANCE  # ZeRO-3, full recomputation: what stays gathered for the backward
     param_persistence_threshold: int = DEEPSPEED_PERSISTENCE_THRESHOLD  # ZeRO-3: tensors this small stay whole on every rank
+    deepspeed_version: str | None = None  # the DeepSpeed release the run names (X.Y.Z); null: the current one
+    zero3_fetch: str | None = None  # per_tensor | coalesced | prefetched; null: the named release's
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):
@@ -71,6 +89,28 @@ class DDPOptions:
             raise ConfigError(f"strategy.recompute={self.recompute!r}; choose one of {list(RECOMPUTE_MODES)} or null")
         if not isinstance(self.overlap_comm, bool):
             raise ConfigError(f"strategy.overlap_comm must be true or false, got {self.overlap_comm!r}")
+        if self.deepspeed_version is not None and _release(self.deepspeed_version) is None:
+            raise ConfigError(f"strategy.deepspeed_version is a DeepSpeed release like 0.3.15, got {self.deepspeed_version!r}")
+        if self.zero3_fetch is not None and self.zero3_fetch not in ZERO3_FETCHES:
+            raise ConfigError(f"strategy.zero3_fetch={self.zero3_fetch!r}; choose one of {list(ZERO3_FETCHES)} or null")
+
+    @property
+    def fetch(self) -> str:
+        """ZeRO-3's fetch: the one set, else the named release's, else the current one's."""
+        if self.zero3_fetch is not None:
+            return self.zero3_fetch
+        release = _release(self.deepspeed_version) if self.deepspeed_version is not None else None
+        if release is None:
+            return "prefetched"
+        return next((fetch for since, fetch in ZERO3_FETCH_SINCE if release >= since), "per_tensor")
+
+
+def _release(version: object) -> tuple[int, int, int] | None:
+    parts = version.split(".") if isinstance(version, str) else []
+    if len(parts) != 3 or not all(p.isdigit() for p in parts):
+        return None
+    major, minor, patch = (int(p) for p in parts)
+    return major, minor, patch
 
 
 def _micro_batches(request: PlanRequest, opts: DDPOptions, dp: int) -> list[int]:
@@ -115,7 +155,8 @@ def _build(
     mesh = Mesh.contiguous((("dp", dp),))
     program = Program(world_size=dp, classes=[])
     names = unit_order(model)
-    prefetch = float(opts.prefetch_bucket_size)
+    # Only the current fetch prefetches (see the module's docstring).
+    prefetch = float(opts.prefetch_bucket_size) if opts.fetch == "prefetched" else 0.0
     emitter = ColocatedEmitter(
         model,
         request.cluster,
@@ -131,6 +172,7 @@ def _build(
                 prefetch_params=prefetch,
                 reuse_distance=float(opts.max_reuse_distance),
                 persistence_threshold=float(opts.param_persistence_threshold),
+                fetch_per_tensor=opts.fetch == "per_tensor",
             )
             for name in names
         ],
@@ -161,6 +203,7 @@ def _build(
             prefetch_params=prefetch if opts.overlap_comm and opts.zero_stage == 3 else 0.0,
             reuse_distance=float(opts.max_reuse_distance) if opts.zero_stage == 3 else 0.0,
             persistence_threshold=float(opts.param_persistence_threshold),
+            zero3_fetch=opts.fetch if opts.zero_stage == 3 else "prefetched",
         )
         for name in names
     ]
@@ -176,6 +219,7 @@ def _build(
             "zero_stage": opts.zero_stage,
             "recompute": recompute,
             "overlap_comm": opts.overlap_comm,
+            **({"zero3_fetch": opts.fetch} if opts.zero_stage == 3 else {}),
         },
     )
     memory = rank_memory(program.classes[0], {u.unit: u for u in unit_plans}, model, request.train.precision)

@@ -9,7 +9,7 @@ import pytest
 
 from src.cluster import ClusterSpec, family_sharing
 from src.costmodel.comm import CommModel
-from src.mesh import tensor_parallel
+from src.mesh import Sharding, tensor_parallel
 from src.costmodel.compute import ComputeModel
 from src.costmodel.memory import model_state_bytes
 from src.models.layers import transformer_layer
@@ -261,3 +261,27 @@ def test_nccls_model_reproduces_a_public_8_gpu_all_reduce_curve() -> None:
     for size, measured in ((2**20, 27.8e-6), (2**22, 53.2e-6), (2**24, 121.3e-6), (2**25, 195.4e-6)):
         modelled = comm.collective_time("all_reduce", tuple(range(8)), size)
         assert 0.9 < modelled / measured < 1.3, (size, modelled, measured)
+
+
+def test_causal_flash_attention_runs_the_score_tiles_on_and_below_the_diagonal() -> None:
+    """FlashAttention under a causal mask skips the tiles of scores above the diagonal: of
+    16 x 16 tiles of 128 rows (a 2048-token sequence), 136 run; eager attention computes
+    every score before masking, and a unit that attends both ways masks none."""
+    from src.costmodel.compute import FLASH_TILE
+    from src.models.attention import with_attention
+
+    compute = ComputeModel(CLUSTER, "bf16")
+    eager = transformer_layer(2048, 1024, 16)
+    unit = UnitSpec(name="u", layers=(eager,), hidden=1024, heads=16, seq_len=2048, output_elems=0)
+    flash = with_attention(ModelSpec(name="m", units=(unit,)), "flash").units[0].layers[0]
+    ran = (2048 // FLASH_TILE + 1) / (2 * (2048 // FLASH_TILE))
+    assert ran == pytest.approx(136 / 256)
+    core = [k for k in flash.kernels if k.kind == "gemm" and k.attention_core]
+    assert {k.name for k in core} == {"attn_scores", "attn_context"}
+    for kernel in core:
+        full, causal = compute.kernel_times(kernel, 2, Sharding(), 1), compute.kernel_times(kernel, 2, Sharding(), 1, causal=True)
+        assert causal.fwd == pytest.approx(ran * full.fwd) and causal.bwd_input == pytest.approx(ran * full.bwd_input)
+    others = [k for k in flash.kernels if not k.attention_core]
+    assert all(compute.kernel_times(k, 2, Sharding(), 1, causal=True) == compute.kernel_times(k, 2, Sharding(), 1) for k in others)
+    assert compute.layer_times(flash, 2, causal=True).fwd < compute.layer_times(flash, 2).fwd
+    assert compute.layer_times(eager, 2, causal=True) == compute.layer_times(eager, 2)

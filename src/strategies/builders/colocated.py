@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from src.cluster import ClusterSpec
 from src.costmodel.memory import element_bytes, grad_bytes
 from src.mesh import Mesh, tensor_parallel
-from src.models.spec import ModelSpec
+from src.models.spec import LayerSpec, ModelSpec
 from src.program import (
     DEEPSPEED_PERSISTENCE_THRESHOLD,
     Collective,
@@ -63,7 +63,11 @@ class ColocatedUnit:
     the others are released after the recomputation and gathered again (inf: all kept).
     Parameter tensors of at most `persistence_threshold` elements (DeepSpeed's
     stage3_param_persistence_threshold) are never partitioned: every rank holds them whole
-    and no module hook fetches them."""
+    and no module hook fetches them. `fetch_per_tensor`: each partitioned tensor is
+    fetched by an all-gather of its own into a zero-filled buffer, through PyTorch's list
+    all_gather (one copy out per rank of the group: DeepSpeed before 0.5.5,
+    partition_parameters.py _allgather_param) rather than a module's tensors by one (its
+    coalesced fetch since)."""
 
     unit: str
     mesh: Mesh
@@ -75,6 +79,7 @@ class ColocatedUnit:
     prefetch_params: float = 0.0
     reuse_distance: float = math.inf
     persistence_threshold: float = DEEPSPEED_PERSISTENCE_THRESHOLD
+    fetch_per_tensor: bool = False
 
 
 class ColocatedEmitter:
@@ -109,20 +114,23 @@ class ColocatedEmitter:
         backward = phase != "fwd"
         order = [i for i in (reversed(range(spec.num_layers)) if backward else range(spec.num_layers))]
         modules = [spec.layers[i].fetched_modules(u.persistence_threshold) for i in order]
+        gathers = [_gathers(spec.layers[i], m, u.fetch_per_tensor) for i, m in zip(order, modules)]
         params = [sum(m) / u.mesh.degree("tp") for m in modules]
         group = self.dp_group[unit]
         assert group is not None, "ZeRO-3 layers are gathered over a DP group of more than one rank"
         out: list[Instruction] = []
         for index, layer in enumerate(order):
-            out += self._gather(unit, phase, microbatch, params, len(modules[index]), index)
+            out += self._gather(unit, phase, microbatch, params, gathers[index], index)
+            blocked = params[index] > self._prefetched(u, params, index)
             again = self._released(unit, modules[index]) if backward and u.recompute == "full" else []
-            fetched = params[index]
+            fetched, fetches = params[index], gathers[index]
             if again:
                 regathered = params[index] * sum(again) / sum(modules[index])
                 out.append(Collective("all_gather", group, regathered * self.act_bytes / len(again), "dp", count=len(again)))
-                fetched += regathered
+                fetched, fetches, blocked = fetched + regathered, fetches + len(again), True
             layer_pass = segment_pass(self.model, Segment(unit, (layer, layer + 1)), phase, samples, microbatch, self._tp(unit))
-            out += _fetching(layer_pass, len(modules[index]) + len(again), fetched)
+            copies = u.mesh.degree("dp") if u.fetch_per_tensor else 0
+            out += _fetching(layer_pass, fetches, fetched, blocked, copies)
             trainable = spec.trainable_params(layer, layer + 1) / u.mesh.degree("tp")
             if backward and trainable:
                 if u.overlap_comm:
@@ -171,21 +179,25 @@ class ColocatedEmitter:
                 self.reducing[unit].append(handle)
         return out
 
-    def _gather(self, unit: str, phase: str, microbatch: int, params: list[float], modules: int, index: int) -> list[Instruction]:
-        """The all-gather of the `index`-th layer's partitioned parameters (of `modules`
-        modules) in the pass's order: the part prefetched during the previous layer is
+    @staticmethod
+    def _prefetched(u: ColocatedUnit, params: list[float], index: int) -> float:
+        """The parameters of the `index`-th layer gathered while the previous one ran."""
+        return min(params[index], u.prefetch_params) if (u.overlap_comm and index > 0) else 0.0
+
+    def _gather(self, unit: str, phase: str, microbatch: int, params: list[float], gathers: int, index: int) -> list[Instruction]:
+        """The all-gather of the `index`-th layer's partitioned parameters (in `gathers`
+        all-gathers) in the pass's order: the part prefetched during the previous layer is
         waited for, the rest gathered now; then the next layer's prefetch is issued."""
         u, group = self.units[unit], self.dp_group[unit]
         assert group is not None, "ZeRO-3 layers are gathered over a DP group of more than one rank"
-        prefetched = min(params[index], u.prefetch_params) if (u.overlap_comm and index > 0) else 0.0
+        prefetched = self._prefetched(u, params, index)
         out: list[Instruction] = []
         if prefetched:
             out.append(Wait(f"ag.{unit}.{phase}.mb{microbatch}.{index}"))
         if params[index] > prefetched:
-            # DeepSpeed gathers a layer's parameters module by module (its pre-forward hook per
-            # submodule): one all-gather per module, each paying the ring's latency.
+            # Each all-gather pays the ring's latency.
             rest = params[index] - prefetched
-            out.append(Collective("all_gather", group, rest * self.act_bytes / modules, "dp", count=modules))
+            out.append(Collective("all_gather", group, rest * self.act_bytes / gathers, "dp", count=gathers))
         if u.overlap_comm and index + 1 < len(params):
             ahead = min(params[index + 1], u.prefetch_params)
             if ahead:
@@ -308,14 +320,22 @@ class ColocatedEmitter:
         )
 
 
-def _fetching(instructions: list[Instruction], fetches: int, fetched: float) -> list[Instruction]:
-    """A ZeRO-3 layer's pass whose first Compute carries the module fetches the framework's
-    hooks make for it (and the parameters they fetch)."""
+def _gathers(layer: LayerSpec, modules: tuple[int, ...], per_tensor: bool) -> int:
+    """How many all-gathers fetch a layer: one per module (DeepSpeed's pre-forward hook per
+    submodule), or, fetching tensor by tensor, one per partitioned tensor (a normalisation
+    has two; a weighted product's bias stays whole below the persistence threshold, under
+    which every model here keeps it)."""
+    if not per_tensor:
+        return len(modules)
+    return len(modules) + sum(1 for kern in layer.kernels if kern.norm_width and 2 * kern.norm_width in modules)
+
+
+def _fetching(instructions: list[Instruction], fetches: int, fetched: float, blocking: bool, copies: int) -> list[Instruction]:
+    """A ZeRO-3 layer's pass whose first Compute carries the fetches the framework's hooks
+    make for it (and the parameters they fetch), whether any of them waited for its gather,
+    and the copies each makes of its partitions."""
     first = next(i for i, instruction in enumerate(instructions) if isinstance(instruction, Compute))
     compute = instructions[first]
     assert isinstance(compute, Compute)
-    return [
-        *instructions[:first],
-        replace(compute, work=replace(compute.work, fetches=fetches, fetched=fetched)),
-        *instructions[first + 1 :],
-    ]
+    work = replace(compute.work, fetches=fetches, fetched=fetched, fetch_blocking=blocking, fetch_copies=copies)
+    return [*instructions[:first], replace(compute, work=work), *instructions[first + 1 :]]

@@ -1,0 +1,97 @@
+"""Collective times from a library's measurements on the machine (ClusterSpec.collective_measurements).
+
+A measured table gives the time of a collective over g consecutive ranks (whole nodes) on a
+buffer of S bytes. Between measured points the time is interpolated linearly in
+(log g, log S, log t), which keeps it monotone along each axis wherever the measured points
+around it are; past the largest buffer the largest one's bandwidth holds (time in proportion
+to S); below the smallest buffer the caller takes the library's model, capped by the
+smallest buffer's measured time (a smaller message does not take longer). Outside the
+measured group sizes, or next to a point the source has no usable time for, there is no
+measured time and the library's model prices the collective. An all-reduce with no table
+of its own runs as a ring does: a reduce-scatter, then an all-gather of the same buffer.
+
+A group inside one node, smaller than the node, takes the placement table instead: the bus
+bandwidth measured for that many devices whose ranks are `stride` apart.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from typing import Sequence
+
+from src.cluster import CollectiveMeasurements, MeasuredCollective
+
+
+def _log_between(x0: float, x1: float, y0: float, y1: float, x: float) -> float:
+    """y at x on the straight line through (log x0, log y0) and (log x1, log y1)."""
+    w = math.log(x / x0) / math.log(x1 / x0)
+    return math.exp((1.0 - w) * math.log(y0) + w * math.log(y1))
+
+
+def _row_seconds(table: MeasuredCollective, row: int, nbytes: float) -> float | None:
+    sizes, times = table.sizes, table.seconds[row]
+    if nbytes >= sizes[-1]:
+        last = times[-1]
+        return None if last is None else last * nbytes / sizes[-1]
+    j = bisect.bisect_right(sizes, nbytes) - 1
+    low, high = times[j], times[j + 1]
+    if nbytes == sizes[j]:
+        return low
+    if low is None or high is None:
+        return None
+    return _log_between(sizes[j], sizes[j + 1], low, high, nbytes)
+
+
+def table_seconds(table: MeasuredCollective, group: int, nbytes: float) -> float | None:
+    """Seconds of the collective over `group` ranks on `nbytes` (at least the smallest
+    measured buffer: the caller prices smaller ones), or None where the table does not
+    cover it."""
+    groups = table.groups
+    if group < groups[0] or group > groups[-1]:
+        return None
+    nbytes = max(nbytes, table.sizes[0])
+    i = bisect.bisect_left(groups, group)
+    if groups[i] == group:
+        return _row_seconds(table, i, nbytes)
+    low, high = _row_seconds(table, i - 1, nbytes), _row_seconds(table, i, nbytes)
+    if low is None or high is None:
+        return None
+    return _log_between(groups[i - 1], groups[i], low, high, group)
+
+
+def measured_seconds(measured: CollectiveMeasurements, op: str, group: int, nbytes: float, modelled: float) -> float | None:
+    """The measured time of `op` over `group` consecutive ranks on `nbytes`, None where
+    the tables do not cover it; below the smallest measured buffer, the library's model
+    (`modelled` seconds) up to that buffer's measured time."""
+    table = measured.collectives.get(op)
+    if table is not None:
+        parts: list[MeasuredCollective] = [table]
+    elif op == "all_reduce" and {"reduce_scatter", "all_gather"} <= set(measured.collectives):
+        parts = [measured.collectives["reduce_scatter"], measured.collectives["all_gather"]]
+    else:
+        return None
+    total = 0.0
+    for part in parts:
+        seconds = table_seconds(part, group, nbytes)
+        if seconds is None:
+            return None
+        total += seconds
+    if any(nbytes < part.sizes[0] for part in parts):
+        return min(total, modelled)
+    return total
+
+
+def placement_bandwidth(measured: CollectiveMeasurements, ranks: Sequence[int]) -> float | None:
+    """The measured bus bandwidth of a group inside one node whose ranks are evenly
+    spaced, None where no placement of its stride and size was measured."""
+    if len(ranks) < 2:
+        return None
+    ordered = sorted(ranks)
+    stride = ordered[1] - ordered[0]
+    if any(b - a != stride for a, b in zip(ordered, ordered[1:])):
+        return None
+    for placement in measured.placements:
+        if placement.stride == stride and placement.size == len(ordered):
+            return placement.bus_bandwidth
+    return None
