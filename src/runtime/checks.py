@@ -85,7 +85,6 @@ def check_runnable(run: PlannedRun, data: str, data_errors: str = "fail") -> Non
     # sequence, and each micro-batch runs the load its images make.
     interleaved = isinstance(dataset, InterleavedMLLM)
     if interleaved:
-        _check_image_sides(dataset, model, run.train.global_batch)
         _check_priced_images(plan, dataset, data, run.train.global_batch)
         dataset.check(range(run.train.global_batch * run.train.steps))
         _check_image_rows(plan, model)
@@ -111,21 +110,6 @@ def check_runnable(run: PlannedRun, data: str, data_errors: str = "fail") -> Non
         if rank_program.ranks:
             _check_gathered_batches(plan, rank_program.ranks[0], rank_program.instructions)
     check_message_order(plan)
-
-
-def _check_image_sides(dataset: InterleavedMLLM, model: ModelSpec, batch: int) -> None:
-    """The plan prices the sides the sampler draws for the batch's images; the real backend
-    runs every image at the encoder's nominal side, which is what the sampler draws at
-    spread 0 only (a shard's images are all at the nominal side)."""
-    spread = model.extras["image_size_spread"]
-    if dataset.layouts is None or spread == 0:
-        return
-    sides = [side for layout in dataset.layouts.batch(batch) for side in layout.image_sides]
-    raise ConfigError(
-        f"model.image_size_spread={spread:g}: the plan prices the images the sampler draws, {min(sides)} to "
-        f"{max(sides)} patches a side, and the real backend runs every image at the encoder's nominal "
-        f"{dataset.layouts.base_side} patches a side; it needs model.image_size_spread=0"
-    )
 
 
 def _check_priced_images(plan: Plan, dataset: InterleavedMLLM, data: str, batch: int) -> None:

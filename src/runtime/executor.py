@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
+from src.data.interleaved_mllm import token_mask
 from src.errors import ConfigError
 from src.models.flows import chain_key
 from src.models.spec import ModelSpec
@@ -106,15 +107,15 @@ def _grad(leaf: torch.Tensor) -> torch.Tensor:
     return leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
 
 
-def _packed(rows: torch.Tensor, slots: torch.Tensor | None) -> torch.Tensor:
-    """An encoder's hand-on under interleaved data travels as its real images' rows only
-    (`slots`: each row's image slots; None: the rows as they are)."""
-    return rows if slots is None else rows.reshape(slots.shape + (-1,))[slots]
+def _packed(rows: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
+    """An encoder's hand-on under interleaved data travels as its real images' tokens only
+    (`tokens`: each row's image-token positions; None: the rows as they are)."""
+    return rows if tokens is None else rows.reshape(tokens.shape + (-1,))[tokens]
 
 
-def _unpacked(images: torch.Tensor, slots: torch.Tensor | None) -> torch.Tensor:
-    """The rows back from their real images' rows, the empty slots zero."""
-    return images if slots is None else images.new_zeros(slots.shape + images.shape[1:]).index_put_((slots,), images).flatten(1)
+def _unpacked(images: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
+    """The rows back from their real images' tokens, the other positions zero."""
+    return images if tokens is None else images.new_zeros(tokens.shape + images.shape[1:]).index_put_((tokens,), images).flatten(1)
 
 
 def input_key(work_unit: str, payload: Payload) -> str:
@@ -534,8 +535,8 @@ class Executor:
     ) -> None:
         """The group's first rank shares what it holds; the others size their buffer from
         the collective's bytes (its rows of the payload's row shape), or from their batch's
-        images where only the real images' rows travel."""
-        slots = self._image_slots(source)
+        images where only the real images' tokens travel."""
+        slots = self._image_tokens(source)
         if self.rank == ranks[0]:
             start, tensor = self.s.store.read(source)
             tensor = _packed(tensor.detach().to(self.dtype), slots).contiguous()
@@ -559,7 +560,7 @@ class Executor:
             if message.dst == self.rank and message.received == message.sent:
                 continue  # it holds these rows under that name already (Optimus: an encoder and the LLM colocated)
             tensor = self.s.store.tensor(message.sent if message.sent.rows is not None else send.payload)
-            tensor = _packed(tensor, self._image_slots(message.sent) if message.dst != self.rank else None)
+            tensor = _packed(tensor, self._image_tokens(message.sent) if message.dst != self.rank else None)
             if not len(tensor):
                 continue  # no image: nothing travels (the receiver knows it from its own batch)
             tensor = tensor.detach().to(self.dtype).contiguous()
@@ -577,10 +578,10 @@ class Executor:
                 continue
             rows = message.received.rows
             count = rows[1] - rows[0] if rows is not None else self.unit_plan(message.received.unit).micro_batch
-            slots = self._image_slots(message.received)
-            images = self._images_inside(message.received)
-            if images is not None:  # between an encoder's stages: its real images' token states
-                shape = (images,) + self._image_row_shape(message.received.unit)
+            slots = self._image_tokens(message.received)
+            inside = self._packed_inside(message.received)
+            if inside is not None:  # between an encoder's stages: its real images' token states, packed
+                shape = inside
             elif slots is None:
                 shape = (count,) + self._row_shape(message.received)
             else:
@@ -610,35 +611,37 @@ class Executor:
                 work.wait()
             self.s.store.put(message.received, _unpacked(buffer, slots))
 
-    def _packed_shape(self, payload: Payload, slots: torch.Tensor) -> tuple[int, ...]:
-        """The real images' rows of an encoder's hand-on, one image's elements each."""
-        spec = self.model.unit(payload.unit)
-        return (int(slots.sum()), spec.output_elems // spec.arch.images)
+    def _packed_shape(self, payload: Payload, tokens: torch.Tensor) -> tuple[int, ...]:
+        """The real images' tokens of an encoder's hand-on: each of the LLM's width."""
+        return (int(tokens.sum()), self._consumer(payload.unit).hidden)
 
-    def _image_row_shape(self, unit: str) -> tuple[int, ...]:
-        """One image's token states inside an encoder: its patches and CLS, the encoder's width."""
-        spec = self.model.unit(unit)
-        return (spec.seq_len // spec.arch.images, spec.hidden)
+    def _consumer(self, unit: str):
+        """The unit `unit` hands its output on to along a chain (an MLLM's encoder: its LLM)."""
+        return self.model.unit(next(c for p, c in self.model.flows if p == unit))
 
-    def _images_inside(self, payload: Payload) -> int | None:
-        """How many rows a payload between an encoder's layers holds under interleaved data:
-        one per real image of the micro-batch (the encoder runs on those only), as the batch
-        of this rank's stage says; None where rows are samples."""
+    def _packed_inside(self, payload: Payload) -> tuple[int, ...] | None:
+        """The shape of a payload between an encoder's layers under interleaved data: its
+        micro-batch's real images (the encoder runs on those only) packed along one row,
+        each its patches and CLS, as the batch of this rank's stage says; None where rows
+        are samples."""
         spec = self.model.unit(payload.unit)
         if not (spec.arch.reads_images and payload.tensor == "x" and 0 < payload.layer < spec.num_layers):
             return None
-        slots = self.batch_for(payload.unit, payload.microbatch).get("image_slots")
-        return None if slots is None else int(slots.sum())
+        sides = self.batch_for(payload.unit, payload.microbatch).get("patch_sides")
+        return None if sides is None else (1, int((sides**2 + 1).sum()), spec.hidden)
 
-    def _image_slots(self, payload: Payload) -> torch.Tensor | None:
-        """The image slots of a payload's rows where it is what an encoder hands on (or its
-        gradient) under interleaved data: only its real images' rows travel, as many as the
-        batch of the unit this rank runs on those rows says (data.interleaved_mllm)."""
+    def _image_tokens(self, payload: Payload) -> torch.Tensor | None:
+        """The image-token positions of a payload's rows where it is what an encoder hands on
+        (or its gradient) under interleaved data: only its real images' tokens travel, as
+        many as the batch of the unit this rank runs on those rows says (data.interleaved_mllm)."""
         spec = self.model.unit(payload.unit)
         if not (spec.arch.reads_images and payload.tensor == "x" and payload.layer == spec.num_layers):
             return None
-        unit = payload.unit if payload.unit in self.places else next(c for p, c in self.model.flows if p == payload.unit)
-        slots = self.batch_for(unit, payload.microbatch).get("image_slots")
-        if slots is None or payload.rows is None:
-            return slots
-        return slots[payload.rows[0] : payload.rows[1]]
+        consumer = self._consumer(payload.unit)
+        unit = payload.unit if payload.unit in self.places else consumer.name
+        tokens = self.batch_for(unit, payload.microbatch).get("image_tokens")
+        if tokens is None:
+            return None
+        if payload.rows is not None:
+            tokens = tokens[payload.rows[0] : payload.rows[1]]
+        return token_mask(tokens, consumer.seq_len)
