@@ -16,6 +16,7 @@ from src.errors import ConfigError, PlanRefused
 from src.models.spec import ModelSpec, UnitSpec
 from src.program import Collective, Compute, Hop, Plan, Recv, Send, UnitPlan, Wait
 from src.runtime.batch_rows import placed_by_rows
+from src.runtime.dist_optimizer import SHARDED
 from src.runtime.executor import input_key
 from src.data.interleaved_mllm import InterleavedMLLM
 from src.runtime.inputs import dataset_for, tell_repeats
@@ -107,6 +108,7 @@ def check_runnable(run: PlannedRun, data: str, data_errors: str = "fail") -> Non
         _check_backward_ranges(rank_program.label, rank_program.instructions)
         _check_kernel_ranges(rank_program.label, rank_program.instructions, model)
         _check_work_under_tp(rank_program.label, rank_program.instructions)
+        _check_distributed_optimizer(plan, rank_program.label, rank_program.instructions)
         if rank_program.ranks:
             _check_gathered_batches(plan, rank_program.ranks[0], rank_program.instructions)
     check_message_order(plan)
@@ -268,6 +270,23 @@ def _check_work_under_tp(label: str, instructions: list) -> None:
             )
 
 
+def _check_distributed_optimizer(plan: Plan, label: str, instructions: list) -> None:
+    """A DP reduce-scatter or all-gather that names its unit's layers is the executor's
+    distributed optimizer's (runtime.dist_optimizer): Megatron-LM's, ZeRO-1 over a unit's
+    data-parallel replicas, off a Par4D grid."""
+    for instruction in instructions:
+        if isinstance(instruction, Collective) and instruction.grads_of is not None and instruction.op in SHARDED:
+            unit = plan.unit(instruction.grads_of[0])
+            if unit.zero_stage != 1 or on_grid(unit):
+                raise PlanRefused(
+                    f"{label}: {instruction.op} on {instruction.group} names unit {unit.unit}'s layers, which the real "
+                    f"backend runs as Megatron-LM's distributed optimizer: ZeRO-1 off a Par4D grid (the unit has "
+                    f"zero_stage={unit.zero_stage}{' on a grid' if on_grid(unit) else ''})",
+                    ("zero_stage",),
+                    (unit.unit,),
+                )
+
+
 def _check_gathered_batches(plan: Plan, rank: int, instructions: list) -> None:
     """A batch all-gathered for an interaction must hold its contrastive batch: ranks that
     hold the same rows (TP peers of a tower) would bring them twice."""
@@ -332,13 +351,14 @@ def _check_instruction(
                 f"{instruction.kind} on group {instruction.group}: no tensor of the model travels in it"
             )
         elif not instruction.blocking:
-            bucketed = instruction.grads_of is not None and instruction.op == "all_reduce"
+            own = instruction.grads_of is not None  # the executor's: a gradient bucket, or the distributed optimizer's
             chunked = instruction.kind == "tp"  # a chunked pass's TP all-reduces, its layers' own (Executor._chunk_done)
-            if not chunked and (instruction.kind != "dp" or not (overlapped or bucketed)):
+            if not chunked and (instruction.kind != "dp" or not (overlapped or own)):
                 raise PlanRefused(
                     f"{label}: asynchronous {instruction.kind} {instruction.op} on {instruction.group} (blocking=false): "
-                    f"the real backend overlaps plain DP's gradient all-reduce and ZeRO-3's reduction and prefetch, not "
-                    f"ZeRO-1/2's overlapped reduce-scatter (it needs blocking=true, or zero_stage=0, or 3)",
+                    f"the real backend overlaps plain DP's gradient all-reduce, ZeRO-3's reduction and prefetch, and the "
+                    f"distributed optimizer's collectives that name their layers, not DeepSpeed's ZeRO-1/2 overlapped "
+                    f"reduce-scatter (it needs blocking=true, or zero_stage=0, or 3)",
                     ("blocking", "zero_stage"),
                     partitioned,
                 )

@@ -45,6 +45,7 @@ from src.runtime.comm import CLOCK, all_reduce
 from src.runtime.device import DTYPES, computing, synchronize
 from src.runtime.engines import backward, point_reduction_at
 from src.runtime.grid_engine import GridEngine
+from src.runtime.dist_optimizer import DistributedOptimizer, Pending
 from src.runtime.grad_reduce import GradBucket, start_reduction
 from src.runtime.groups import ProcessGroups
 from src.runtime.lifeline import LIFELINE
@@ -82,7 +83,7 @@ class _StepState:
     stepped: set = field(default_factory=set)
     micro_steps: dict[int, list[int]] = field(default_factory=dict)  # engine -> its micro-batches in backward order
     markers: dict[str, str] = field(default_factory=dict)  # handle -> op of an asynchronous collective a layer or DeepSpeed runs
-    reductions: dict[str, GradBucket] = field(default_factory=dict)  # handle -> gradient all-reduce in flight
+    reductions: dict[str, GradBucket | Pending] = field(default_factory=dict)  # handle -> DP collective in flight
     skip: bool | None = None  # fp16: whether the step overflowed (None: not decided yet)
     chunked: dict[tuple, list[Compute]] = field(default_factory=dict)  # a chunked pass -> its chunks so far
     ranged: dict[tuple, list[Compute]] = field(default_factory=dict)  # a layer pass in kernel ranges -> its ranges so far
@@ -403,7 +404,7 @@ class Executor:
         if dp != 1:
             seeds = [seed * dp for seed in seeds]
         engine = self.engines.get(unit)
-        if engine is None or isinstance(engine, GridEngine):
+        if engine is None or isinstance(engine, (GridEngine, DistributedOptimizer)):
             torch.autograd.backward(ends, seeds)
             return
         seen = self.s.micro_steps.setdefault(id(engine), [])
@@ -419,7 +420,7 @@ class Executor:
         if self.loss_scale is not None and (self._overflowed() if self.s.skip is None else self.s.skip):
             engine.zero_grad()
             return
-        if not isinstance(engine, GridEngine):  # which reduces its own gradients
+        if not isinstance(engine, (GridEngine, DistributedOptimizer)):  # which reduce their own gradients
             point_reduction_at(engine)
         engine.step()
 
@@ -480,18 +481,25 @@ class Executor:
 
     # ---- collectives ----------------------------------------------------------------------
     def _reduce_grads(self, collective: Collective) -> str:
-        """All-reduce the parameter gradients the collective names, now or (asynchronous)
-        until its Wait."""
+        """A DP collective of the parameters or gradients of the layers it names, now or
+        (asynchronous) until its Wait: their gradients' all-reduce (Megatron-LM's overlapped
+        buckets), or the unit's distributed optimizer's reduce-scatter or all-gather."""
         assert collective.grads_of is not None, "a gradient reduction names its layers"
         unit, (start, end) = collective.grads_of
-        ranks = self.program.group_for(collective.group, self.rank)
-        # The range's layers this rank holds (a virtual pipeline stage holds every pp-th range).
-        layers = [layer for layer in unit_layers(self.units, unit)[start:end] if layer is not None]
-        bucket = start_reduction(layers, self.groups.get(ranks), len(ranks))
-        if collective.blocking or collective.handle is None:
-            bucket.finish()
+        pending: GradBucket | Pending
+        if collective.op == "all_reduce":
+            ranks = self.program.group_for(collective.group, self.rank)
+            # The range's layers this rank holds (a virtual pipeline stage holds every pp-th range).
+            layers = [layer for layer in unit_layers(self.units, unit)[start:end] if layer is not None]
+            pending = start_reduction(layers, self.groups.get(ranks), len(ranks))
         else:
-            self.s.reductions[collective.handle] = bucket
+            engine = self.engines[unit]
+            assert isinstance(engine, DistributedOptimizer), "the plan's reduce-scatters and all-gathers are its optimizer's"
+            pending = engine.reduce_scatter() if collective.op == "reduce_scatter" else engine.all_gather()
+        if collective.blocking or collective.handle is None:
+            pending.finish()
+        else:
+            self.s.reductions[collective.handle] = pending
         return "comm_dp"
 
     def _collective(self, collective: Collective, category: str) -> str:

@@ -32,6 +32,7 @@ from src.report import open_sinks
 from src.runtime.checkpoint import Checkpoints, Resume, Saved, check_resume
 from src.runtime.comm import CLOCK
 from src.runtime.device import DTYPES, worker_device
+from src.runtime.dist_optimizer import DistributedOptimizer, sharded_units
 from src.runtime.engines import EngineSettings, ParallelGroups, make_engine, new_run, partitioned_at_init, time_deepspeed_comm
 from src.runtime.executor import Executor
 from src.runtime.groups import ProcessGroups
@@ -67,22 +68,31 @@ def _grids(plan: Plan, places: dict[str, UnitPlacement]) -> dict[str, Grid3D]:
     return {name: build_grid(plan.unit(name)) for name in places if on_grid(plan.unit(name))}
 
 
+def _trains(model: ModelSpec, name: str, place: UnitPlacement) -> bool:
+    return sum(model.unit(name).trainable_params(i, i + 1) for i in place.layers) > 0
+
+
+def _parallel(place: UnitPlacement, groups: ProcessGroups) -> ParallelGroups:
+    tp = groups.get(place.tp_ranks) if place.tp > 1 else None
+    return ParallelGroups(groups.get(place.dp_ranks), place.dp_ranks, tp, place.tp_ranks)
+
+
 def _engine_groups(
-    plan: Plan, model: ModelSpec, places: dict[str, UnitPlacement], groups: ProcessGroups, backend: TorchBackendSpec, grids: dict
+    plan: Plan, model: ModelSpec, places: dict[str, UnitPlacement], groups: ProcessGroups, backend: TorchBackendSpec, own: set[str]
 ) -> list[_EngineGroup]:
     by_group: dict[tuple, list[str]] = {}
     for name, place in places.items():
-        if name in grids:  # a GridEngine's (runtime.grid_engine)
+        if name in own:  # a GridEngine's (runtime.grid_engine) or the plan's distributed optimizer (runtime.dist_optimizer)
             continue
-        if sum(model.unit(name).trainable_params(i, i + 1) for i in place.layers):
+        if _trains(model, name, place):
             # Units on one DP group under different ZeRO settings (Optimus's encoders and LLM) get an engine each.
             unit = plan.unit(name)
             by_group.setdefault((place.dp_ranks, place.tp_ranks, unit.zero_stage, unit.overlap_comm), []).append(name)
     out = []
-    for (dp_ranks, tp_ranks, _, _), names in by_group.items():
+    for names in by_group.values():
         first = plan.unit(names[0])
         settings = EngineSettings.of(first, backend.lr, backend.weight_decay, backend.adam_eps)
-        parallel = ParallelGroups(groups.get(dp_ranks), dp_ranks, groups.get(tp_ranks) if len(tp_ranks) > 1 else None, tp_ranks)
+        parallel = _parallel(places[names[0]], groups)
         out.append(_EngineGroup(names, parallel, settings))
     return out
 
@@ -112,13 +122,22 @@ def _build(
 
 
 def _engines(
-    units: torch.nn.ModuleDict, engine_groups: list[_EngineGroup], grids: dict[str, Grid3D], backend: TorchBackendSpec
+    units: torch.nn.ModuleDict,
+    engine_groups: list[_EngineGroup],
+    grids: dict[str, Grid3D],
+    sharded: dict[str, ParallelGroups],
+    backend: TorchBackendSpec,
 ) -> dict[str, Any]:
     """One DeepSpeed engine per data-parallel group: units that share it share an engine;
-    a unit on a Par4D grid has its own."""
+    a unit on a Par4D grid has its own, and so has one whose plan runs its distributed
+    optimizer's collectives."""
     engines: dict[str, Any] = {
         name: GridEngine(units[name], grid, backend.lr, backend.weight_decay, backend.adam_eps) for name, grid in grids.items()
     }
+    for name, parallel in sharded.items():
+        engines[name] = DistributedOptimizer(
+            units[name], parallel.dp, parallel.dp_ranks, backend.lr, backend.weight_decay, backend.adam_eps, parallel
+        )
     for group in engine_groups:
         engine = make_engine(torch.nn.ModuleDict({n: units[n] for n in group.names}), group.groups, group.settings)
         engines.update({n: engine for n in group.names})
@@ -156,10 +175,11 @@ def run_session(run: PlannedRun, settings: RunSettings, run_dir: Path, rank: int
         for name, p in places.items()
     }
     grids = _grids(plan, places)
+    sharded = {n: _parallel(places[n], groups) for n in sharded_units(plan, rank) if _trains(model, n, places[n])}
     new_run()
-    engine_groups = _engine_groups(plan, model, places, groups, backend, grids)
+    engine_groups = _engine_groups(plan, model, places, groups, backend, set(grids) | set(sharded))
     units = _build(run, places, tp, engine_groups, device, grids)
-    engines = _engines(units, engine_groups, grids, backend)
+    engines = _engines(units, engine_groups, grids, sharded, backend)
     if engine_groups:
         time_deepspeed_comm()
     batches = Batches(samples, device, producer)
