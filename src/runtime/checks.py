@@ -108,8 +108,8 @@ def check_runnable(run: PlannedRun, data: str, data_errors: str = "fail") -> Non
         _check_backward_ranges(rank_program.label, rank_program.instructions)
         _check_kernel_ranges(rank_program.label, rank_program.instructions, model)
         _check_work_under_tp(rank_program.label, rank_program.instructions)
-        _check_distributed_optimizer(plan, rank_program.label, rank_program.instructions)
         if rank_program.ranks:
+            _check_distributed_optimizer(plan, rank_program.label, rank_program.ranks[0], rank_program.instructions)
             _check_gathered_batches(plan, rank_program.ranks[0], rank_program.instructions)
     check_message_order(plan)
 
@@ -270,20 +270,36 @@ def _check_work_under_tp(label: str, instructions: list) -> None:
             )
 
 
-def _check_distributed_optimizer(plan: Plan, label: str, instructions: list) -> None:
+def _check_distributed_optimizer(plan: Plan, label: str, rank: int, instructions: list) -> None:
     """A DP reduce-scatter or all-gather that names its unit's layers is the executor's
     distributed optimizer's (runtime.dist_optimizer): Megatron-LM's, ZeRO-1 over a unit's
-    data-parallel replicas, off a Par4D grid."""
+    data-parallel replicas, off a Par4D grid, which reduce-scatters the gradients of all the
+    unit's layers a rank holds and all-gathers their parameters, once a step each (not layer
+    by layer, and not one without the other)."""
+    named: dict[str, dict[str, list[tuple[int, int]]]] = {}
     for instruction in instructions:
         if isinstance(instruction, Collective) and instruction.grads_of is not None and instruction.op in SHARDED:
-            unit = plan.unit(instruction.grads_of[0])
-            if unit.zero_stage != 1 or on_grid(unit):
+            owner, layers = instruction.grads_of
+            named.setdefault(owner, {op: [] for op in SHARDED})[instruction.op].append(layers)
+    for name, ops in named.items():
+        unit = plan.unit(name)
+        if unit.zero_stage != 1 or on_grid(unit):
+            raise PlanRefused(
+                f"{label}: a DP reduce-scatter or all-gather names unit {name}'s layers, which the real backend runs as "
+                f"Megatron-LM's distributed optimizer: ZeRO-1 off a Par4D grid (the unit has zero_stage="
+                f"{unit.zero_stage}{' on a grid' if on_grid(unit) else ''})",
+                ("zero_stage",),
+                (name,),
+            )
+        held = unit.layers_on(rank)
+        for op, ranges in ops.items():
+            if len(ranges) != 1 or not all(ranges[0][0] <= layer < ranges[0][1] for layer in held):
                 raise PlanRefused(
-                    f"{label}: {instruction.op} on {instruction.group} names unit {unit.unit}'s layers, which the real "
-                    f"backend runs as Megatron-LM's distributed optimizer: ZeRO-1 off a Par4D grid (the unit has "
-                    f"zero_stage={unit.zero_stage}{' on a grid' if on_grid(unit) else ''})",
-                    ("zero_stage",),
-                    (unit.unit,),
+                    f"{label}: the {op}(s) of unit {name}'s layers {ranges}: the real backend's distributed optimizer "
+                    f"reduce-scatters a unit's gradients and all-gathers its parameters whole, once a step each, not "
+                    f"layer by layer (it needs blocking=true: DeepSpeed's ZeRO-1)",
+                    ("blocking", "zero_stage"),
+                    (name,),
                 )
 
 

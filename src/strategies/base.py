@@ -62,7 +62,7 @@ class BackendLimits:
             return
         raise ConfigError(
             f"unit {unit.name} is a U-Net {split}: backend={self.backend} runs a U-Net whole on each rank "
-            f"(it needs tp=1 and one stage)"
+            f"(it needs tp=1 and one pipeline stage, pp=1)"
         )
 
 

@@ -61,17 +61,17 @@ def test_an_mllm_s_generator_stays_on_one_stage_merged_where_extra_stages_leave_
         (
             [*TINY_UNET, "strategy=megatron", "strategy.tp=1", "strategy.pp=2"],
             "unit unet is a U-Net cut over 2 pipeline stages (its skip connections do not cross stages there): "
-            "backend=torch runs a U-Net whole on each rank (it needs tp=1 and one stage)",
+            "backend=torch runs a U-Net whole on each rank (it needs tp=1 and one pipeline stage, pp=1)",
         ),
         (
             [*TINY_UNET, "strategy=megatron", "strategy.tp=2", "strategy.pp=1"],
             "unit unet is a U-Net on tp=2 (its convolutions have no TP there): backend=torch runs a U-Net whole "
-            "on each rank (it needs tp=1 and one stage)",
+            "on each rank (it needs tp=1 and one pipeline stage, pp=1)",
         ),
         (
             [*TINY_MLLM, "strategy=disttrain", "strategy.generator.pp=2"],
             "unit generator is a U-Net cut over 2 pipeline stages (its skip connections do not cross stages there): "
-            "backend=torch runs a U-Net whole on each rank (it needs tp=1 and one stage)",
+            "backend=torch runs a U-Net whole on each rank (it needs tp=1 and one pipeline stage, pp=1)",
         ),
     ],
 )
