@@ -38,7 +38,7 @@ from torch.utils.checkpoint import checkpoint
 from src.data.interleaved_mllm import token_mask
 from src.errors import ConfigError
 from src.models.flows import chain_key
-from src.models.spec import ModelSpec
+from src.models.spec import ModelSpec, UnitSpec
 from src.program import Collective, Compute, Instruction, Message, Payload, Plan, Recv, Route, Send, Wait
 from src.runtime.batch_rows import exchange_rows, placed_by_rows
 from src.runtime.comm import CLOCK, all_reduce
@@ -544,12 +544,12 @@ class Executor:
         """The group's first rank shares what it holds; the others size their buffer from
         the collective's bytes (its rows of the payload's row shape), or from their batch's
         images where only the real images' tokens travel."""
-        slots = self._image_tokens(source)
+        tokens = self._image_tokens(source)
         if self.rank == ranks[0]:
             start, tensor = self.s.store.read(source)
-            tensor = _packed(tensor.detach().to(self.dtype), slots).contiguous()
-        elif slots is not None:
-            start, tensor = 0, torch.empty(self._packed_shape(source, slots), dtype=self.dtype, device=self.device)
+            tensor = _packed(tensor.detach().to(self.dtype), tokens).contiguous()
+        elif tokens is not None:
+            start, tensor = 0, torch.empty(self._packed_shape(source, tokens), dtype=self.dtype, device=self.device)
         else:
             shape = self._row_shape(source)
             row_bytes = torch.Size(shape).numel() * torch.tensor([], dtype=self.dtype).element_size()
@@ -558,7 +558,7 @@ class Executor:
             with CLOCK.timed(collective.kind):
                 dist.broadcast(tensor, src=ranks[0], group=group)
         if self.rank != ranks[0]:
-            tensor = _unpacked(tensor, slots)
+            tensor = _unpacked(tensor, tokens)
             self.s.store.put(target.part(start, start + tensor.shape[0]), tensor)
 
     # ---- point to point -----------------------------------------------------------------
@@ -586,24 +586,24 @@ class Executor:
                 continue
             rows = message.received.rows
             count = rows[1] - rows[0] if rows is not None else self.unit_plan(message.received.unit).micro_batch
-            slots = self._image_tokens(message.received)
+            tokens = self._image_tokens(message.received)
             inside = self._packed_inside(message.received)
             if inside is not None:  # between an encoder's stages: its real images' token states, packed
                 shape = inside
-            elif slots is None:
+            elif tokens is None:
                 shape = (count,) + self._row_shape(message.received)
             else:
-                shape = self._packed_shape(message.received, slots)
+                shape = self._packed_shape(message.received, tokens)
             buffer = torch.empty(shape, dtype=self.dtype, device=self.device)
             group = self.groups.route(route.name)
             if not len(buffer):
-                posted.append((None, message, buffer, slots))  # no image: nothing travels, every slot stays empty
+                posted.append((None, message, buffer, tokens))  # no image: nothing travels, every slot stays empty
             elif recv.blocking:
                 with CLOCK.timed(route.kind):
                     dist.recv(buffer, message.src, group=group)
-                posted.append((None, message, buffer, slots))
+                posted.append((None, message, buffer, tokens))
             else:
-                posted.append((dist.irecv(buffer, message.src, group=group), message, buffer, slots))
+                posted.append((dist.irecv(buffer, message.src, group=group), message, buffer, tokens))
         for message, tensor in self.s.local.pop((route.name, recv.payload.whole), []):
             self.s.store.put(message.received, tensor)
         if recv.blocking:
@@ -614,16 +614,16 @@ class Executor:
         return category
 
     def _finish_receives(self, posted: list) -> None:
-        for work, message, buffer, slots in posted:
+        for work, message, buffer, tokens in posted:
             if work is not None:
                 work.wait()
-            self.s.store.put(message.received, _unpacked(buffer, slots))
+            self.s.store.put(message.received, _unpacked(buffer, tokens))
 
     def _packed_shape(self, payload: Payload, tokens: torch.Tensor) -> tuple[int, ...]:
         """The real images' tokens of an encoder's hand-on: each of the LLM's width."""
         return (int(tokens.sum()), self._consumer(payload.unit).hidden)
 
-    def _consumer(self, unit: str):
+    def _consumer(self, unit: str) -> UnitSpec:
         """The unit `unit` hands its output on to along a chain (an MLLM's encoder: its LLM)."""
         return self.model.unit(next(c for p, c in self.model.flows if p == unit))
 
