@@ -17,8 +17,8 @@ shard's image at the nominal side) travels as its patches, packed: the sample's
 length; the generator's target and SD's diffusion draws are that draw's too.
 
 A sample carries `capacity` image slots, the first n of them real (`image_slots`, their
-sides `image_sides`, 0 for an empty slot): the encoder and the generator run on the real
-ones only (runtime.inputs.unit_fields). Sequences score different numbers of tokens and
+sides `image_sides`, 0 for an empty slot, whose draws are zero): the encoder and the
+generator run on the real ones only (runtime.inputs.unit_fields). Sequences score different numbers of tokens and
 generate different numbers of images, so the losses are sums over the micro-batch divided
 by the step's mean per sequence (`step_means`) times its rows: a micro-batch's loss is its
 share of the step's, whatever its size, its images or the batch's order.
@@ -116,8 +116,12 @@ class InterleavedMLLM:
         if len(sides) > capacity or sum(side * side for side in sides) >= s.seq_len:
             self.check([index])
         images = sum(side * side for side in sides)
-        draws = [s[index * capacity + k] for k in range(capacity)]
-        per_image = {key: torch.stack([d[key] for d in draws]) for key in PER_IMAGE if key in drawn}
+        # Each real image's draws; an empty slot's stay zero (nothing reads them).
+        draws = [s[index * capacity + k] for k in range(len(sides))]
+        per_image = {key: torch.zeros((capacity,) + drawn[key].shape) for key in PER_IMAGE if key in drawn}
+        for key, stacked in per_image.items():
+            for k, draw in enumerate(draws):
+                stacked[k] = draw[key]
         if self.shards is not None:
             found, caption = self.shards.read(index)
             pictures = [pixels(picture, s.image_size) for picture in found]
