@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from src.program import Collective, Plan
+from src.runtime.engines import ParallelGroups
 
 SHARDED = ("reduce_scatter", "all_gather")  # the distributed optimizer's collectives a plan may issue itself
 
@@ -66,11 +67,10 @@ class Pending:
 
 
 class DistributedOptimizer:
-    def __init__(
-        self, module: nn.Module, group: dist.ProcessGroup, ranks: tuple[int, ...], lr: float, weight_decay: float, eps: float, mpu
-    ) -> None:
-        self.module, self.group, self.replicas = module, group, len(ranks)
-        self.mpu = mpu  # its groups, as a DeepSpeed engine's (runtime.engines.point_reduction_at reads them)
+    def __init__(self, module: nn.Module, groups: ParallelGroups, lr: float, weight_decay: float, eps: float) -> None:
+        ranks = groups.dp_ranks
+        self.module, self.group, self.replicas = module, groups.dp, len(ranks)
+        self.mpu = groups  # as a DeepSpeed engine's (runtime.engines.point_reduction_at reads them)
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.device = self.params[0].device
         self.sizes = [p.numel() for p in self.params]

@@ -135,9 +135,7 @@ def _engines(
         name: GridEngine(units[name], grid, backend.lr, backend.weight_decay, backend.adam_eps) for name, grid in grids.items()
     }
     for name, parallel in sharded.items():
-        engines[name] = DistributedOptimizer(
-            units[name], parallel.dp, parallel.dp_ranks, backend.lr, backend.weight_decay, backend.adam_eps, parallel
-        )
+        engines[name] = DistributedOptimizer(units[name], parallel, backend.lr, backend.weight_decay, backend.adam_eps)
     for group in engine_groups:
         engine = make_engine(torch.nn.ModuleDict({n: units[n] for n in group.names}), group.groups, group.settings)
         engines.update({n: engine for n in group.names})
