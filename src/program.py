@@ -141,7 +141,9 @@ class Collective:
     contrastive loss); without them it is a layer's (tp) or the optimizer's (dp) own.
     `grads_of`: the (unit, [start, end) layers) whose parameter gradients a DP reduction
     reduces, where the plan reduces them itself during the backward (Megatron-LM's
-    overlapped buckets) rather than all at once in the optimizer's step."""
+    overlapped buckets) rather than all at once in the optimizer's step; on a reduce-scatter
+    or all-gather, the layers whose gradients and parameters the plan's distributed
+    optimizer (ZeRO-1) moves where the plan places it (Optimus's LLM)."""
 
     op: CollectiveOp
     group: str

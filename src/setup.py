@@ -32,9 +32,13 @@ from src.program import Plan
 from src.report import JobInfo
 from src.report.files import ERROR_FILE, SUMMARY_FILE
 from src.strategies import PlanRequest, option_keys, planner_for, software_attention
+from src.strategies.base import BackendLimits
 
 RESOLVED_FILE = "resolved.yaml"
 TRAIN_NOT_PLANNED = ("steps", "checkpoint_every", "resume")  # the train keys a written plan's re-run may set
+# What each backend runs of what planners may emit: planners plan within it (the real
+# backend's checks, src/runtime/checks.py, refuse the rest before any worker starts).
+LIMITS = {"sim": BackendLimits(), "torch": BackendLimits("torch", split_unets=False)}
 
 
 @dataclass(frozen=True)
@@ -77,7 +81,8 @@ def _backend(config: dict[str, Any]) -> TorchBackendSpec | None:
 def plan_run(setup: Setup) -> Plan:
     strategy = setup.config["strategy"]
     planner = planner_for(strategy["name"])
-    plan = planner(PlanRequest(setup.model, setup.cluster, setup.train, strategy, _sample_images(setup)))
+    limits = LIMITS[setup.config["backend"]["name"]]
+    plan = planner(PlanRequest(setup.model, setup.cluster, setup.train, strategy, _sample_images(setup), limits))
     if plan.devices > setup.cluster.devices:
         raise ConfigError(f"plan uses {plan.devices} devices but cluster {setup.cluster.name} has {setup.cluster.devices}")
     return plan

@@ -106,8 +106,7 @@ class InterleavedData:
 def sampler(model: ModelSpec, seed: int) -> InterleavedData:
     """An MLLM's sequences (model.images_per_sequence images on average, their sides spread
     by model.image_size_spread around the encoder's nominal side): what DistTrain's planner
-    prices and the real backend trains on (which runs every image at the nominal side, so it
-    takes spread 0 only: runtime.checks)."""
+    prices and the real backend trains on (data.interleaved_mllm)."""
     side = round(model.extras["image_tokens"] ** 0.5)
     extras = model.extras
     return InterleavedData(seed, model.unit("llm").seq_len, extras["images_per_sequence"], side, extras["image_size_spread"])

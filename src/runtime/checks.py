@@ -16,6 +16,7 @@ from src.errors import ConfigError, PlanRefused
 from src.models.spec import ModelSpec, UnitSpec
 from src.program import Collective, Compute, Hop, Plan, Recv, Send, UnitPlan, Wait
 from src.runtime.batch_rows import placed_by_rows
+from src.runtime.dist_optimizer import SHARDED
 from src.runtime.executor import input_key
 from src.data.interleaved_mllm import InterleavedMLLM
 from src.runtime.inputs import dataset_for, tell_repeats
@@ -101,7 +102,6 @@ def check_runnable(run: PlannedRun, data: str, data_errors: str = "fail") -> Non
     # sequence, and each micro-batch runs the load its images make.
     interleaved = isinstance(dataset, InterleavedMLLM)
     if interleaved:
-        _check_image_sides(dataset, model, run.train.global_batch)
         _check_priced_images(plan, dataset, data, run.train.global_batch)
         dataset.check(range(run.train.global_batch * run.train.steps))
         _check_image_rows(plan, model)
@@ -125,23 +125,9 @@ def check_runnable(run: PlannedRun, data: str, data_errors: str = "fail") -> Non
         _check_kernel_ranges(rank_program.label, rank_program.instructions, model)
         _check_work_under_tp(rank_program.label, rank_program.instructions)
         if rank_program.ranks:
+            _check_distributed_optimizer(plan, rank_program.label, rank_program.ranks[0], rank_program.instructions)
             _check_gathered_batches(plan, rank_program.ranks[0], rank_program.instructions)
     check_message_order(plan)
-
-
-def _check_image_sides(dataset: InterleavedMLLM, model: ModelSpec, batch: int) -> None:
-    """The plan prices the sides the sampler draws for the batch's images; the real backend
-    runs every image at the encoder's nominal side, which is what the sampler draws at
-    spread 0 only (a shard's images are all at the nominal side)."""
-    spread = model.extras["image_size_spread"]
-    if dataset.layouts is None or spread == 0:
-        return
-    sides = [side for layout in dataset.layouts.batch(batch) for side in layout.image_sides]
-    raise ConfigError(
-        f"model.image_size_spread={spread:g}: the plan prices the images the sampler draws, {min(sides)} to "
-        f"{max(sides)} patches a side, and the real backend runs every image at the encoder's nominal "
-        f"{dataset.layouts.base_side} patches a side; it needs model.image_size_spread=0"
-    )
 
 
 def _check_priced_images(plan: Plan, dataset: InterleavedMLLM, data: str, batch: int) -> None:
@@ -300,6 +286,39 @@ def _check_work_under_tp(label: str, instructions: list) -> None:
             )
 
 
+def _check_distributed_optimizer(plan: Plan, label: str, rank: int, instructions: list) -> None:
+    """A DP reduce-scatter or all-gather that names its unit's layers is the executor's
+    distributed optimizer's (runtime.dist_optimizer): Megatron-LM's, ZeRO-1 over a unit's
+    data-parallel replicas, off a Par4D grid, which reduce-scatters the gradients of all the
+    unit's layers a rank holds and all-gathers their parameters, once a step each (not layer
+    by layer, and not one without the other)."""
+    named: dict[str, dict[str, list[tuple[int, int]]]] = {}
+    for instruction in instructions:
+        if isinstance(instruction, Collective) and instruction.grads_of is not None and instruction.op in SHARDED:
+            owner, layers = instruction.grads_of
+            named.setdefault(owner, {op: [] for op in SHARDED})[instruction.op].append(layers)
+    for name, ops in named.items():
+        unit = plan.unit(name)
+        if unit.zero_stage != 1 or on_grid(unit):
+            raise PlanRefused(
+                f"{label}: a DP reduce-scatter or all-gather names unit {name}'s layers, which the real backend runs as "
+                f"Megatron-LM's distributed optimizer: ZeRO-1 off a Par4D grid (the unit has zero_stage="
+                f"{unit.zero_stage}{' on a grid' if on_grid(unit) else ''})",
+                ("zero_stage",),
+                (name,),
+            )
+        held = unit.layers_on(rank)
+        for op, ranges in ops.items():
+            if len(ranges) != 1 or not all(ranges[0][0] <= layer < ranges[0][1] for layer in held):
+                raise PlanRefused(
+                    f"{label}: the {op}(s) of unit {name}'s layers {ranges}: the real backend's distributed optimizer "
+                    f"reduce-scatters a unit's gradients and all-gathers its parameters whole, once a step each, not "
+                    f"layer by layer (it needs blocking=true: DeepSpeed's ZeRO-1)",
+                    ("blocking", "zero_stage"),
+                    (name,),
+                )
+
+
 def _check_gathered_batches(plan: Plan, rank: int, instructions: list) -> None:
     """A batch all-gathered for an interaction must hold its contrastive batch: ranks that
     hold the same rows (TP peers of a tower) would bring them twice."""
@@ -364,13 +383,14 @@ def _check_instruction(
                 f"{instruction.kind} on group {instruction.group}: no tensor of the model travels in it"
             )
         elif not instruction.blocking:
-            bucketed = instruction.grads_of is not None and instruction.op == "all_reduce"
+            own = instruction.grads_of is not None  # the executor's: a gradient bucket, or the distributed optimizer's
             chunked = instruction.kind == "tp"  # a chunked pass's TP all-reduces, its layers' own (Executor._chunk_done)
-            if not chunked and (instruction.kind != "dp" or not (overlapped or bucketed)):
+            if not chunked and (instruction.kind != "dp" or not (overlapped or own)):
                 raise PlanRefused(
                     f"{label}: asynchronous {instruction.kind} {instruction.op} on {instruction.group} (blocking=false): "
-                    f"the real backend overlaps plain DP's gradient all-reduce and ZeRO-3's reduction and prefetch, not "
-                    f"ZeRO-1/2's overlapped reduce-scatter (it needs blocking=true, or zero_stage=0, or 3)",
+                    f"the real backend overlaps plain DP's gradient all-reduce, ZeRO-3's reduction and prefetch, and the "
+                    f"distributed optimizer's collectives that name their layers, not DeepSpeed's ZeRO-1/2 overlapped "
+                    f"reduce-scatter (it needs blocking=true, or zero_stage=0, or 3)",
                     ("blocking", "zero_stage"),
                     partitioned,
                 )

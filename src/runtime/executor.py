@@ -35,15 +35,17 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
+from src.data.interleaved_mllm import token_mask
 from src.errors import ConfigError
 from src.models.flows import chain_key
-from src.models.spec import ModelSpec
+from src.models.spec import ModelSpec, UnitSpec
 from src.program import Collective, Compute, Instruction, Message, Payload, Plan, Recv, Route, Send, Wait
 from src.runtime.batch_rows import exchange_rows, placed_by_rows
 from src.runtime.comm import CLOCK, all_reduce
 from src.runtime.device import DTYPES, computing, synchronize
 from src.runtime.engines import backward, point_reduction_at
 from src.runtime.grid_engine import GridEngine
+from src.runtime.dist_optimizer import DistributedOptimizer, Pending
 from src.runtime.grad_reduce import GradBucket, start_reduction
 from src.runtime.groups import ProcessGroups
 from src.runtime.lifeline import LIFELINE
@@ -81,7 +83,7 @@ class _StepState:
     stepped: set = field(default_factory=set)
     micro_steps: dict[int, list[int]] = field(default_factory=dict)  # engine -> its micro-batches in backward order
     markers: dict[str, str] = field(default_factory=dict)  # handle -> op of an asynchronous collective a layer or DeepSpeed runs
-    reductions: dict[str, GradBucket] = field(default_factory=dict)  # handle -> gradient all-reduce in flight
+    reductions: dict[str, GradBucket | Pending] = field(default_factory=dict)  # handle -> DP collective in flight
     skip: bool | None = None  # fp16: whether the step overflowed (None: not decided yet)
     chunked: dict[tuple, list[Compute]] = field(default_factory=dict)  # a chunked pass -> its chunks so far
     ranged: dict[tuple, list[Compute]] = field(default_factory=dict)  # a layer pass in kernel ranges -> its ranges so far
@@ -106,15 +108,15 @@ def _grad(leaf: torch.Tensor) -> torch.Tensor:
     return leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
 
 
-def _packed(rows: torch.Tensor, slots: torch.Tensor | None) -> torch.Tensor:
-    """An encoder's hand-on under interleaved data travels as its real images' rows only
-    (`slots`: each row's image slots; None: the rows as they are)."""
-    return rows if slots is None else rows.reshape(slots.shape + (-1,))[slots]
+def _packed(rows: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
+    """An encoder's hand-on under interleaved data travels as its real images' tokens only
+    (`tokens`: each row's image-token positions; None: the rows as they are)."""
+    return rows if tokens is None else rows.reshape(tokens.shape + (-1,))[tokens]
 
 
-def _unpacked(images: torch.Tensor, slots: torch.Tensor | None) -> torch.Tensor:
-    """The rows back from their real images' rows, the empty slots zero."""
-    return images if slots is None else images.new_zeros(slots.shape + images.shape[1:]).index_put_((slots,), images).flatten(1)
+def _unpacked(images: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
+    """The rows back from their real images' tokens, the other positions zero."""
+    return images if tokens is None else images.new_zeros(tokens.shape + images.shape[1:]).index_put_((tokens,), images).flatten(1)
 
 
 def input_key(work_unit: str, payload: Payload) -> str:
@@ -408,7 +410,7 @@ class Executor:
         if dp != 1:
             seeds = [seed * dp for seed in seeds]
         engine = self.engines.get(unit)
-        if engine is None or isinstance(engine, GridEngine):
+        if engine is None or isinstance(engine, (GridEngine, DistributedOptimizer)):
             torch.autograd.backward(ends, seeds)
             return
         seen = self.s.micro_steps.setdefault(id(engine), [])
@@ -424,7 +426,7 @@ class Executor:
         if self.loss_scale is not None and (self._overflowed() if self.s.skip is None else self.s.skip):
             engine.zero_grad()
             return
-        if not isinstance(engine, GridEngine):  # which reduces its own gradients
+        if not isinstance(engine, (GridEngine, DistributedOptimizer)):  # which reduce their own gradients
             point_reduction_at(engine)
         engine.step()
 
@@ -485,18 +487,25 @@ class Executor:
 
     # ---- collectives ----------------------------------------------------------------------
     def _reduce_grads(self, collective: Collective) -> str:
-        """All-reduce the parameter gradients the collective names, now or (asynchronous)
-        until its Wait."""
+        """A DP collective of the parameters or gradients of the layers it names, now or
+        (asynchronous) until its Wait: their gradients' all-reduce (Megatron-LM's overlapped
+        buckets), or the unit's distributed optimizer's reduce-scatter or all-gather."""
         assert collective.grads_of is not None, "a gradient reduction names its layers"
         unit, (start, end) = collective.grads_of
-        ranks = self.program.group_for(collective.group, self.rank)
-        # The range's layers this rank holds (a virtual pipeline stage holds every pp-th range).
-        layers = [layer for layer in unit_layers(self.units, unit)[start:end] if layer is not None]
-        bucket = start_reduction(layers, self.groups.get(ranks), len(ranks))
-        if collective.blocking or collective.handle is None:
-            bucket.finish()
+        pending: GradBucket | Pending
+        if collective.op == "all_reduce":
+            ranks = self.program.group_for(collective.group, self.rank)
+            # The range's layers this rank holds (a virtual pipeline stage holds every pp-th range).
+            layers = [layer for layer in unit_layers(self.units, unit)[start:end] if layer is not None]
+            pending = start_reduction(layers, self.groups.get(ranks), len(ranks))
         else:
-            self.s.reductions[collective.handle] = bucket
+            engine = self.engines[unit]
+            assert isinstance(engine, DistributedOptimizer), "the plan's reduce-scatters and all-gathers are its optimizer's"
+            pending = engine.reduce_scatter() if collective.op == "reduce_scatter" else engine.all_gather()
+        if collective.blocking or collective.handle is None:
+            pending.finish()
+        else:
+            self.s.reductions[collective.handle] = pending
         return "comm_dp"
 
     def _collective(self, collective: Collective, category: str) -> str:
@@ -540,13 +549,13 @@ class Executor:
     ) -> None:
         """The group's first rank shares what it holds; the others size their buffer from
         the collective's bytes (its rows of the payload's row shape), or from their batch's
-        images where only the real images' rows travel."""
-        slots = self._image_slots(source)
+        images where only the real images' tokens travel."""
+        tokens = self._image_tokens(source)
         if self.rank == ranks[0]:
             start, tensor = self.s.store.read(source)
-            tensor = _packed(tensor.detach().to(self.dtype), slots).contiguous()
-        elif slots is not None:
-            start, tensor = 0, torch.empty(self._packed_shape(source, slots), dtype=self.dtype, device=self.device)
+            tensor = _packed(tensor.detach().to(self.dtype), tokens).contiguous()
+        elif tokens is not None:
+            start, tensor = 0, torch.empty(self._packed_shape(source, tokens), dtype=self.dtype, device=self.device)
         else:
             shape = self._row_shape(source)
             row_bytes = torch.Size(shape).numel() * torch.tensor([], dtype=self.dtype).element_size()
@@ -555,7 +564,7 @@ class Executor:
             with CLOCK.timed(collective.kind):
                 dist.broadcast(tensor, src=ranks[0], group=group)
         if self.rank != ranks[0]:
-            tensor = _unpacked(tensor, slots)
+            tensor = _unpacked(tensor, tokens)
             self.s.store.put(target.part(start, start + tensor.shape[0]), tensor)
 
     # ---- point to point -----------------------------------------------------------------
@@ -565,7 +574,7 @@ class Executor:
             if message.dst == self.rank and message.received == message.sent:
                 continue  # it holds these rows under that name already (Optimus: an encoder and the LLM colocated)
             tensor = self.s.store.tensor(message.sent if message.sent.rows is not None else send.payload)
-            tensor = _packed(tensor, self._image_slots(message.sent) if message.dst != self.rank else None)
+            tensor = _packed(tensor, self._image_tokens(message.sent) if message.dst != self.rank else None)
             if not len(tensor):
                 continue  # no image: nothing travels (the receiver knows it from its own batch)
             tensor = tensor.detach().to(self.dtype).contiguous()
@@ -583,24 +592,24 @@ class Executor:
                 continue
             rows = message.received.rows
             count = rows[1] - rows[0] if rows is not None else self.unit_plan(message.received.unit).micro_batch
-            slots = self._image_slots(message.received)
-            images = self._images_inside(message.received)
-            if images is not None:  # between an encoder's stages: its real images' token states
-                shape = (images,) + self._image_row_shape(message.received.unit)
-            elif slots is None:
+            tokens = self._image_tokens(message.received)
+            inside = self._packed_inside(message.received)
+            if inside is not None:  # between an encoder's stages: its real images' token states, packed
+                shape = inside
+            elif tokens is None:
                 shape = (count,) + self._row_shape(message.received)
             else:
-                shape = self._packed_shape(message.received, slots)
+                shape = self._packed_shape(message.received, tokens)
             buffer = torch.empty(shape, dtype=self.dtype, device=self.device)
             group = self.groups.route(route.name)
             if not len(buffer):
-                posted.append((None, message, buffer, slots))  # no image: nothing travels, every slot stays empty
+                posted.append((None, message, buffer, tokens))  # no image: nothing travels, every slot stays empty
             elif recv.blocking:
                 with CLOCK.timed(route.kind):
                     dist.recv(buffer, message.src, group=group)
-                posted.append((None, message, buffer, slots))
+                posted.append((None, message, buffer, tokens))
             else:
-                posted.append((dist.irecv(buffer, message.src, group=group), message, buffer, slots))
+                posted.append((dist.irecv(buffer, message.src, group=group), message, buffer, tokens))
         for message, tensor in self.s.local.pop((route.name, recv.payload.whole), []):
             self.s.store.put(message.received, tensor)
         if recv.blocking:
@@ -611,40 +620,42 @@ class Executor:
         return category
 
     def _finish_receives(self, posted: list) -> None:
-        for work, message, buffer, slots in posted:
+        for work, message, buffer, tokens in posted:
             if work is not None:
                 work.wait()
-            self.s.store.put(message.received, _unpacked(buffer, slots))
+            self.s.store.put(message.received, _unpacked(buffer, tokens))
 
-    def _packed_shape(self, payload: Payload, slots: torch.Tensor) -> tuple[int, ...]:
-        """The real images' rows of an encoder's hand-on, one image's elements each."""
-        spec = self.model.unit(payload.unit)
-        return (int(slots.sum()), spec.output_elems // spec.arch.images)
+    def _packed_shape(self, payload: Payload, tokens: torch.Tensor) -> tuple[int, ...]:
+        """The real images' tokens of an encoder's hand-on: each of the LLM's width."""
+        return (int(tokens.sum()), self._consumer(payload.unit).hidden)
 
-    def _image_row_shape(self, unit: str) -> tuple[int, ...]:
-        """One image's token states inside an encoder: its patches and CLS, the encoder's width."""
-        spec = self.model.unit(unit)
-        return (spec.seq_len // spec.arch.images, spec.hidden)
+    def _consumer(self, unit: str) -> UnitSpec:
+        """The unit `unit` hands its output on to along a chain (an MLLM's encoder: its LLM)."""
+        return self.model.unit(next(c for p, c in self.model.flows if p == unit))
 
-    def _images_inside(self, payload: Payload) -> int | None:
-        """How many rows a payload between an encoder's layers holds under interleaved data:
-        one per real image of the micro-batch (the encoder runs on those only), as the batch
-        of this rank's stage says; None where rows are samples."""
+    def _packed_inside(self, payload: Payload) -> tuple[int, ...] | None:
+        """The shape of a payload between an encoder's layers under interleaved data: its
+        micro-batch's real images (the encoder runs on those only) packed along one row,
+        each its patches and CLS, as the batch of this rank's stage says; None where rows
+        are samples."""
         spec = self.model.unit(payload.unit)
         if not (spec.arch.reads_images and payload.tensor == "x" and 0 < payload.layer < spec.num_layers):
             return None
-        slots = self.batch_for(payload.unit, payload.microbatch).get("image_slots")
-        return None if slots is None else int(slots.sum())
+        sides = self.batch_for(payload.unit, payload.microbatch).get("patch_sides")
+        return None if sides is None else (1, int((sides**2 + 1).sum()), spec.hidden)
 
-    def _image_slots(self, payload: Payload) -> torch.Tensor | None:
-        """The image slots of a payload's rows where it is what an encoder hands on (or its
-        gradient) under interleaved data: only its real images' rows travel, as many as the
-        batch of the unit this rank runs on those rows says (data.interleaved_mllm)."""
+    def _image_tokens(self, payload: Payload) -> torch.Tensor | None:
+        """The image-token positions of a payload's rows where it is what an encoder hands on
+        (or its gradient) under interleaved data: only its real images' tokens travel, as
+        many as the batch of the unit this rank runs on those rows says (data.interleaved_mllm)."""
         spec = self.model.unit(payload.unit)
         if not (spec.arch.reads_images and payload.tensor == "x" and payload.layer == spec.num_layers):
             return None
-        unit = payload.unit if payload.unit in self.places else next(c for p, c in self.model.flows if p == payload.unit)
-        slots = self.batch_for(unit, payload.microbatch).get("image_slots")
-        if slots is None or payload.rows is None:
-            return slots
-        return slots[payload.rows[0] : payload.rows[1]]
+        consumer = self._consumer(payload.unit)
+        unit = payload.unit if payload.unit in self.places else consumer.name
+        tokens = self.batch_for(unit, payload.microbatch).get("image_tokens")
+        if tokens is None:
+            return None
+        if payload.rows is not None:
+            tokens = tokens[payload.rows[0] : payload.rows[1]]
+        return token_mask(tokens, consumer.seq_len)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 
 from src.data.interleaved import sampler
-from src.data.interleaved_mllm import InterleavedMLLM
+from src.data.interleaved_mllm import InterleavedMLLM, image_tokens, token_mask
 from src.data.shards import TarShards
 from src.data.synthetic import SyntheticImageText, SyntheticTokens, collate
 from src.data.synthetic_diffusion import SyntheticDiffusion
@@ -106,9 +106,10 @@ def _mllm_data(model: ModelSpec, seed: int, source: str, errors: str, content: s
     synthetic = SyntheticMLLM(seed, image, tokens, llm.seq_len, vocab, out.image_size, LATENT_CHANNELS, out.latent_size)
     if uniform:
         return synthetic
+    patch = encoder.arch.patch_size
     if source == "synthetic":
-        return InterleavedMLLM(synthetic, layouts=sampler(model, seed))
-    return InterleavedMLLM(synthetic, shards=TarShards(source, image, llm.seq_len, vocab, errors, images="several"))
+        return InterleavedMLLM(synthetic, patch, layouts=sampler(model, seed))
+    return InterleavedMLLM(synthetic, patch, shards=TarShards(source, image, llm.seq_len, vocab, errors, images="several"))
 
 
 def _encoders_llm_data(model: ModelSpec, seed: int, source: str, encoders: list[str]) -> SyntheticMLLM:
@@ -151,12 +152,17 @@ def unit_fields(model: ModelSpec, unit: str, batch: Mapping[str, torch.Tensor]) 
     in a language-model head (GPT; CoCa's captioner: the caption shifted by one); an SD
     generator its target image (or latent, without the VAE), noise and timestep."""
     spec = model.unit(unit)
-    # Interleaved sequences (data.interleaved_mllm): the encoder and generator take the
-    # real images of the micro-batch's slots; each loss its normaliser.
+    # Interleaved sequences (data.interleaved_mllm): the encoder takes the patches of the
+    # micro-batch's real images, packed, and their sides; the generator their slots' draws;
+    # every unit the image slots and the tokens they take in each sequence; each loss its
+    # normaliser.
     slots = batch.get("image_slots")
-    held: dict[str, torch.Tensor] = {} if slots is None else {"image_slots": slots}
+    held: dict[str, torch.Tensor] = {} if slots is None else {"image_slots": slots, "image_tokens": image_tokens(batch)}
     if spec.arch.reads_images:
-        return {"images": batch["images"] if slots is None else batch["images"][slots]} | held
+        if slots is None:
+            return {"images": batch["images"]}
+        packed = batch["patches"][token_mask(held["image_tokens"], batch["patches"].shape[1])]
+        return {"patches": packed, "patch_sides": batch["image_sides"][slots]} | held
     if spec.kind == "contrastive":
         return {}
     if spec.kind == "unet":

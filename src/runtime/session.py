@@ -32,6 +32,7 @@ from src.report import open_sinks
 from src.runtime.checkpoint import Checkpoints, Resume, Saved, check_resume
 from src.runtime.comm import CLOCK
 from src.runtime.device import DTYPES, worker_device
+from src.runtime.dist_optimizer import DistributedOptimizer, sharded_units
 from src.runtime.engines import EngineSettings, ParallelGroups, make_engine, new_run, partitioned_at_init, time_deepspeed_comm
 from src.runtime.loss_scale import LossScale
 from src.runtime.modules.contrastive import CaptionHead, scored_targets
@@ -41,7 +42,7 @@ from src.runtime.groups import ProcessGroups
 from src.runtime.inputs import Batches, StepSamples, dataset_for
 from src.runtime.lifeline import LIFELINE, REPORTING, SAVING, TRAINING
 from src.runtime.modules.parallel import TP
-from src.models.spec import UnitSpec
+from src.models.spec import ModelSpec, UnitSpec
 from src.runtime.grid_engine import GridEngine, build_grid, on_grid
 from src.runtime.modules.grid3d import Grid3D
 from src.runtime.modules.units import build_units
@@ -71,23 +72,32 @@ def _grids(plan: Plan, places: dict[str, UnitPlacement]) -> dict[str, Grid3D]:
     return {name: build_grid(plan.unit(name)) for name in places if on_grid(plan.unit(name))}
 
 
+def _trains(model: ModelSpec, name: str, place: UnitPlacement) -> bool:
+    return sum(model.unit(name).trainable_params(i, i + 1) for i in place.layers) > 0
+
+
+def _parallel(place: UnitPlacement, groups: ProcessGroups) -> ParallelGroups:
+    tp = groups.get(place.tp_ranks) if place.tp > 1 else None
+    return ParallelGroups(groups.get(place.dp_ranks), place.dp_ranks, tp, place.tp_ranks)
+
+
 def _engine_groups(
-    run: PlannedRun, places: dict[str, UnitPlacement], groups: ProcessGroups, backend: TorchBackendSpec, grids: dict
+    run: PlannedRun, places: dict[str, UnitPlacement], groups: ProcessGroups, backend: TorchBackendSpec, own: set[str]
 ) -> list[_EngineGroup]:
     plan, model = run.plan, run.model
     by_group: dict[tuple, list[str]] = {}
     for name, place in places.items():
-        if name in grids:  # a GridEngine's (runtime.grid_engine)
+        if name in own:  # a GridEngine's (runtime.grid_engine) or the plan's distributed optimizer (runtime.dist_optimizer)
             continue
-        if sum(model.unit(name).trainable_params(i, i + 1) for i in place.layers):
+        if _trains(model, name, place):
             # Units on one DP group under different ZeRO settings (Optimus's encoders and LLM) get an engine each.
             unit = plan.unit(name)
             by_group.setdefault((place.dp_ranks, place.tp_ranks, unit.zero_stage, unit.overlap_comm), []).append(name)
     out = []
-    for (dp_ranks, tp_ranks, _, _), names in by_group.items():
+    for names in by_group.values():
         first = plan.unit(names[0])
         settings = EngineSettings.of(first, backend.deepspeed, backend.contrastive, run.train.steps)
-        parallel = ParallelGroups(groups.get(dp_ranks), dp_ranks, groups.get(tp_ranks) if len(tp_ranks) > 1 else None, tp_ranks)
+        parallel = _parallel(places[names[0]], groups)
         out.append(_EngineGroup(names, parallel, settings))
     return out
 
@@ -119,13 +129,21 @@ def _build(
 
 
 def _engines(
-    units: torch.nn.ModuleDict, engine_groups: list[_EngineGroup], grids: dict[str, Grid3D], backend: TorchBackendSpec, steps: int
+    units: torch.nn.ModuleDict,
+    engine_groups: list[_EngineGroup],
+    grids: dict[str, Grid3D],
+    sharded: dict[str, ParallelGroups],
+    backend: TorchBackendSpec,
+    steps: int,
 ) -> dict[str, Any]:
     """One DeepSpeed engine per data-parallel group: units that share it share an engine;
-    a unit on a Par4D grid has its own."""
+    a unit on a Par4D grid has its own, and so has one whose plan runs its distributed
+    optimizer's collectives."""
     engines: dict[str, Any] = {
         name: GridEngine(units[name], grid, backend.deepspeed, backend.contrastive, steps) for name, grid in grids.items()
     }
+    for name, parallel in sharded.items():
+        engines[name] = DistributedOptimizer(units[name], parallel, backend.deepspeed, backend.contrastive, steps)
     for group in engine_groups:
         engine = make_engine(torch.nn.ModuleDict({n: units[n] for n in group.names}), group.groups, group.settings)
         engines.update({n: engine for n in group.names})
@@ -163,10 +181,11 @@ def run_session(run: PlannedRun, settings: RunSettings, run_dir: Path, rank: int
         for name, p in places.items()
     }
     grids = _grids(plan, places)
+    sharded = {n: _parallel(places[n], groups) for n in sharded_units(plan, rank) if _trains(model, n, places[n])}
     new_run()
-    engine_groups = _engine_groups(run, places, groups, backend, grids)
+    engine_groups = _engine_groups(run, places, groups, backend, set(grids) | set(sharded))
     units = _build(run, places, tp, engine_groups, device, grids, backend)
-    engines = _engines(units, engine_groups, grids, backend, train.steps)
+    engines = _engines(units, engine_groups, grids, sharded, backend, train.steps)
     if engine_groups:
         time_deepspeed_comm()
     batches = Batches(samples, device, producer)

@@ -8,7 +8,7 @@ from typing import Any, Callable, Mapping
 from src.cluster import ClusterSpec
 from src.config import TrainSpec
 from src.errors import ConfigError
-from src.models.spec import ModelSpec
+from src.models.spec import ModelSpec, UnitSpec
 from src.program import Plan
 
 
@@ -36,18 +36,51 @@ class Degrees:
 
 
 @dataclass(frozen=True)
+class BackendLimits:
+    """What the backend a plan is made for runs, where a planner could emit more. The
+    simulator prices every Program (the defaults: no limit); the real backend refuses the
+    rest before any worker starts (src/runtime/checks.py), so a planner searches only plans
+    its backend runs, and one fixed by hand beyond them is refused in one line.
+
+    split_unets: a U-Net unit's layers may be split over TP ranks or pipeline stages
+    (the real backend runs a U-Net whole on each rank: its skips do not cross stages, its
+    convolutions have no TP)."""
+
+    backend: str = "sim"  # the backend's name, for the lines that refuse a plan beyond it
+    split_unets: bool = True
+
+    def whole_unet(self, unit: UnitSpec, tp: int, stages: int) -> None:
+        """Refuse a U-Net unit on `tp` ranks or cut over `stages` pipeline stages where the
+        backend runs U-Nets whole."""
+        if self.split_unets or unit.kind != "unet":
+            return
+        if tp > 1:
+            split = f"on tp={tp} (its convolutions have no TP there)"
+        elif stages > 1:
+            split = f"cut over {stages} pipeline stages (its skip connections do not cross stages there)"
+        else:
+            return
+        raise ConfigError(
+            f"unit {unit.name} is a U-Net {split}: backend={self.backend} runs a U-Net whole on each rank "
+            f"(it needs tp=1 and one pipeline stage, pp=1)"
+        )
+
+
+@dataclass(frozen=True)
 class PlanRequest:
     """A planner's whole input. Planners are pure functions of it: no I/O.
 
     sample_images: images per sample of the first step's batch, in data order, every one at
     the encoder's nominal side, where the run reads an MLLM's tar shards (the door reads
-    them: a plan prices the data its run reads); None where the data is drawn from the seed."""
+    them: a plan prices the data its run reads); None where the data is drawn from the seed.
+    limits: what the backend the plan is for runs (the door's; the simulator's by default)."""
 
     model: ModelSpec
     cluster: ClusterSpec
     train: TrainSpec
     options: Mapping[str, Any]
     sample_images: tuple[int, ...] | None = None
+    limits: BackendLimits = BackendLimits()
 
 
 Planner = Callable[[PlanRequest], Plan]

@@ -2,7 +2,8 @@
 resumed from it trains on to the very losses of one run of 4 steps, for Megatron-LM's
 tp2 x pp2 (model states per TP rank and stage; with ZeRO-1, at dp=1, DeepSpeed's ZeRO
 optimizer states of each, and fp16's loss scale), DistMM's towers on disjoint groups (one
-engine per tower), Par4D's grid units (per-rank shards of its own, not DeepSpeed's) and
+engine per tower), Par4D's grid units (per-rank shards of its own, not DeepSpeed's),
+Optimus's LLM under the distributed optimizer its plan runs (per-rank shards too) and
 ZeRO-3 (loaded into freshly partitioned parameters). The stopped and the uninterrupted
 runs, then the resumed runs, each run in ONE launch of four workers (test_runtime_faults
 resumes a ddp ZeRO-2 run killed by SIGKILL). Bad input for checkpoints and resume is one
@@ -46,6 +47,10 @@ CASES = {
         "train.precision=fp16",
     ],
     "ddp_zero3": [*FOUR_WORKERS, *CLIP, "strategy=ddp", "strategy.zero_stage=3", "strategy.param_persistence_threshold=0"],
+    # Optimus's LLM under the distributed optimizer the plan runs (runtime.dist_optimizer): each
+    # replica's parameters, shard and AdamW states; the next step's all-gather brings the
+    # parameters up to date.
+    "optimus_distributed_optimizer": [*FOUR_WORKERS, "model=optimus", "model.scale=tiny", "strategy=optimus"],
 }
 
 

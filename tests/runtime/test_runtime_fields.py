@@ -8,6 +8,7 @@ test that trains with the option and compares the losses with one process.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -153,13 +154,6 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
         "run",
         DISTTRAIN_RUNS,
     ),
-    # Each sequence holds its sample's images: micro-batches of different loads, run for real.
-    ("disttrain", "data"): (
-        DISTTRAIN,
-        ["train.data=interleaved", "model.image_size_spread=0", "strategy.generator.pp=1"],
-        "run",
-        INTERLEAVED_RUNS,
-    ),
     ("disttrain", "reorder"): (DISTTRAIN, ["strategy.reorder=both"], "run", DISTTRAIN_RUNS),
     ("disttrain", "tp_overlap_chunks"): (
         DISTTRAIN,
@@ -212,8 +206,15 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
             "refused",
             "",
         )
-        for u in ("encoder", "llm", "generator")
+        for u in ("encoder", "llm")
     },
+    # The U-Net runs on tp=1 (below), where sequence parallelism has nothing to split.
+    ("disttrain", "generator.sequence_parallel"): (
+        DISTTRAIN,
+        ["strategy.generator.sequence_parallel=true", "strategy.tp_overlap_chunks=1"],
+        "run",
+        DISTTRAIN_RUNS,
+    ),
     # Scattered pipeline sends split a micro-batch's rows: one sequence over tp=2 is refused.
     **{
         ("disttrain", f"{u}.scatter_gather"): (
@@ -370,10 +371,11 @@ def test_fp16_with_zero_partitions_is_refused_naming_the_fix():
 
 
 def test_sequence_parallelism_in_an_mllm_is_refused_naming_the_fix():
-    mllm = WORKERS + ["model=mllm_9b", "model.scale=tiny", "train.global_batch=8", "strategy=megatron"]
-    with pytest.raises(ConfigError, match=r"Llama blocks.*sequence_parallel=false.*\[megatron: strategy.sequence_parallel\]"):
-        sequence_parallel = ["strategy.tp=2", "strategy.pp=1", "strategy.modality_stages=merged", "strategy.sequence_parallel=true"]
-        _check(mllm + sequence_parallel + ["strategy.recompute=none"])
+    # An MLLM's LLM on tp=2 of its own (Megatron-LM's tp would split the U-Net generator too,
+    # which the planner keeps whole for the real backend: tests/strategies/test_backend_limits.py).
+    sequence_parallel = ["cluster.nodes=2", "strategy.llm.tp=2", "strategy.llm.sequence_parallel=true", "strategy.tp_overlap_chunks=1"]
+    with pytest.raises(ConfigError, match=r"Llama blocks.*sequence_parallel=false.*\[disttrain: strategy.llm.sequence_parallel\]"):
+        _check(DISTTRAIN + sequence_parallel)
 
 
 def test_a_replicated_unit_s_rows_tp_does_not_divide_are_refused_naming_the_fix():
@@ -401,11 +403,19 @@ def test_a_unet_runs_on_each_rank_and_on_a_grid_unless_z_cannot_shard_a_weight()
         _check(five + UNET + z5)
 
 
-def test_optimus_llm_distributed_optimizer_over_replicas_is_refused_naming_the_fix():
-    # Its parameter all-gather and gradient reduce-scatter run under the encoders' work.
+def test_optimus_llm_distributed_optimizer_over_replicas_runs_and_only_as_zero_1():
+    """Its parameter all-gather and gradient reduce-scatter run under the encoders' work, as
+    the executor's distributed optimizer (runs: test_runtime_optimus, as_typed); the same
+    collectives on a unit of another ZeRO stage are refused naming it."""
     replicas = ["strategy.llm.pp=2", "strategy.llm.dp=2", "strategy.llm.zero_stage=1"]
-    with pytest.raises(ConfigError, match=r"all_gather.*\[optimus: .*strategy.llm.zero_stage"):
-        _check(OPTIMUS + replicas)
+    _check(OPTIMUS + replicas)
+    setup = validate(composed(OPTIMUS + replicas))
+    plan = plan_run(setup)
+    unsharded = replace(plan, units=tuple(replace(u, zero_stage=0) if u.unit == "llm" else u for u in plan.units))
+    fix = r"names unit llm's layers.*zero_stage=0\) \[optimus: strategy.llm.zero_stage\]"
+    with pytest.raises(ConfigError, match=fix):
+        with options_named(plan.strategy):
+            check_runnable(PlannedRun(setup.model, setup.cluster, setup.train, unsharded), "synthetic")
 
 
 def test_interleaved_data_refuses_an_encoder_on_pipeline_stages_of_tp_peers():
@@ -421,17 +431,10 @@ def test_interleaved_data_refuses_an_encoder_on_pipeline_stages_of_tp_peers():
         _check(wider + ["strategy.encoder.tp=2", "strategy.encoder.sequence_parallel=false"])
 
 
-def test_interleaved_data_of_spread_image_sides_is_refused_naming_the_spread():
-    """The plan prices the sides the sampler draws; the real backend runs every image at
-    the encoder's nominal side."""
-    interleaved = DISTTRAIN + ["train.data=interleaved", "strategy.generator.pp=1"]
-    with pytest.raises(ConfigError) as refused:
-        _check(interleaved + ["model.images_per_sequence=2"])
-    assert str(refused.value) == (
-        "model.image_size_spread=0.3: the plan prices the images the sampler draws, 2 to 5 patches a side, and the real "
-        "backend runs every image at the encoder's nominal 4 patches a side; it needs model.image_size_spread=0"
-    )
-    _check(interleaved + ["model.images_per_sequence=2", "model.image_size_spread=0"])
+def test_interleaved_data_of_spread_image_sides_runs():
+    """The plan prices the sides the sampler draws, and the real backend runs each image at
+    its side (runs: test_runtime_interleaved, drawn_sides)."""
+    _check(DISTTRAIN + ["train.data=interleaved", "model.images_per_sequence=2"])
 
 
 def test_a_written_plan_runs_on_the_images_its_loads_price_only(tmp_path):

@@ -1,7 +1,8 @@
 """Interleaved data on the real backend: sequences that hold their samples' images (none to
-several, drawn as the simulator draws them or read from tar shards) train exactly like
-one process, in data order, reordered by DistTrain's plan, with a frozen encoder, with
-the encoder on two pipeline stages, and under Megatron-LM's pipeline; a
+several, drawn as the simulator draws them, at the nominal side or at the sides it draws,
+or read from tar shards) train exactly like one process, in data order, reordered by
+DistTrain's plan, with a frozen encoder, with the encoder on two pipeline stages, and under
+Megatron-LM's pipeline; a
 data-parallel rank whose micro-batch holds no image takes part in every collective of the
 encoder and generator (ZeRO-0 and ZeRO-3), under a short timeout. All runs share ONE
 launch of four workers.
@@ -46,6 +47,7 @@ BASE = [
     *sensitive(0.3),
     "backend.timeout_s=30",  # a rank left out of a collective fails the run soon
 ]
+DRAWN = "model.image_size_spread=0.3"
 # The orchestrator's plan on 4 workers: encoder dp 1, LLM dp 2, generator dp 1 (a U-Net runs whole).
 DISTTRAIN = ["strategy=disttrain", "train.data=interleaved", "strategy.generator.pp=1"]
 CASES: dict[str, list[str]] = {
@@ -60,6 +62,12 @@ CASES: dict[str, list[str]] = {
     # The encoder's two stages pass each micro-batch's real images' token states (none for
     # its micro-batch 3).
     "encoder_pp2_shards": DISTTRAIN + ["strategy.reorder=none", "strategy.encoder.pp=2", "backend.data=SHARDS"],
+    # Images at the sides the sampler draws (the model's default spread): the encoder runs
+    # each at its own, packed; its two stages pass the packed token states, its TP peers
+    # the packed image tokens.
+    "drawn_sides": DISTTRAIN + ["strategy.reorder=both", DRAWN],
+    "drawn_sides_encoder_pp2": DISTTRAIN + ["strategy.reorder=none", "strategy.encoder.pp=2", DRAWN],
+    "drawn_sides_encoder_tp2": DISTTRAIN + ["strategy.encoder.tp=2", "strategy.encoder.sequence_parallel=false", DRAWN],
     "ddp_zero0_no_image": ["strategy=ddp", "strategy.zero_stage=0", "backend.data=SHARDS"],
     # Megatron-LM on the same data: its two replicas' micro-batches carry their own images
     # (rank classes per replica in the plan), the encoder in the first stage, the generator
@@ -91,8 +99,8 @@ def runs(tmp_path_factory, shards) -> dict[str, Path]:
 
 
 @functools.cache
-def _reference(data: str, frozen: tuple[str, ...] = ()) -> list[float]:
-    model = build_model(MODEL | {"frozen": list(frozen)})
+def _reference(data: str, frozen: tuple[str, ...] = (), spread: float = 0.0) -> list[float]:
+    model = build_model(MODEL | {"frozen": list(frozen), "image_size_spread": spread})
     return single_threaded(reference_losses, model, 0, BATCH, STEPS, sensitive_optimizer(0.3), data=data, content="interleaved")
 
 
@@ -100,7 +108,7 @@ def _reference(data: str, frozen: tuple[str, ...] = ()) -> list[float]:
 def test_first_losses_equal_the_single_process_reference(runs, shards, case):
     data = shards if "backend.data=SHARDS" in CASES[case] else "synthetic"
     frozen = ("encoder",) if case == "frozen_encoder" else ()
-    expected = _reference(data, frozen)
+    expected = _reference(data, frozen, 0.3 if DRAWN in CASES[case] else 0.0)
     assert summary_of(runs[case])["measured"]["loss"] == pytest.approx(expected, rel=1e-4)
     assert expected[-1] != pytest.approx(expected[0], rel=1e-3)  # it trains, so equality says something
     if frozen:

@@ -2,8 +2,9 @@
 the encoders and the LLM colocated on every worker under separate plans, the encoders'
 work run where the bubble scheduler places it (before, after and between the LLM's
 pipeline operations, layer kernels in its bubbles), trains exactly like one process: with
-one encoder, two encoders and a frozen encoder, with two LLM replicas, and coarse-grained
-with TP and an interleaved schedule. All runs share ONE launch of four workers.
+one encoder, two encoders and a frozen encoder, with four LLM replicas under the distributed
+optimizer (the plan as typed) and two under ZeRO-0, and coarse-grained with TP and an
+interleaved schedule. All runs share ONE launch of four workers.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 
 from src.models.registry import build_model
 from src.plan_io import read_plan
-from src.program import Compute, RankProgram
+from src.program import Collective, Compute, RankProgram
 from src.runtime.reference import reference_losses
 from tests.runtime.support import launch_cases, sensitive, sensitive_optimizer, single_threaded, summary_of
 
@@ -68,9 +69,12 @@ CASES: dict[str, tuple[dict, list[str]]] = {
             "strategy.defer_warmup=false",
         ],
     ),
-    # Two LLM replicas: their gradient all-reduce runs asynchronously under the encoders'
-    # backward; the encoders (ZeRO-1) and the LLM (ZeRO-0: the planner's faster ZeRO-1
-    # gathers asynchronously, which the real backend refuses) share DP groups, not engines.
+    # The plan as typed: four LLM replicas under the distributed optimizer, its gradient
+    # reduce-scatter under the encoders' backward, its parameter all-gather under the next
+    # step's encoder forwards (runtime.dist_optimizer).
+    "as_typed": ({}, []),
+    # Two LLM replicas under ZeRO-0: their gradient all-reduce runs asynchronously under the
+    # encoders' backward; the encoders (ZeRO-1) and the LLM share DP groups, not engines.
     "llm_dp2": (
         {},
         [
@@ -123,6 +127,20 @@ def test_first_losses_equal_the_single_process_reference(runs, case):
     assert expected[-1] != pytest.approx(expected[0], rel=1e-3)  # it trains, so equality says something
     if frozen:  # and freezing changes what it trains
         assert expected != pytest.approx(_reference(), rel=1e-6)
+
+
+def test_the_plan_as_typed_overlaps_its_distributed_optimizer_s_collectives(runs):
+    """What the as_typed losses say something about: the LLM's ZeRO-1 reduce-scatter and
+    all-gather, asynchronous, each naming the LLM's layers, on every rank."""
+    plan = read_plan(runs["as_typed"]).plan
+    assert plan.unit("llm").zero_stage == 1 and plan.unit("llm").dp == WORKERS
+    for rank_program in plan.program.classes:
+        own = {
+            i.op
+            for i in rank_program.instructions
+            if isinstance(i, Collective) and i.grads_of is not None and i.grads_of[0] == "llm" and not i.blocking
+        }
+        assert own == {"reduce_scatter", "all_gather"}
 
 
 def test_encoders_and_llm_share_every_worker_under_separate_plans(runs):

@@ -11,6 +11,8 @@ tower's final token states, handed to another unit); loss.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +57,35 @@ def qkv_rows(heads: int, kv_heads: int, head_dim: int, tp: TP) -> torch.Tensor:
     )
 
 
+def packed_lengths(state: State) -> list[int] | None:
+    """The lengths of the images packed along the tokens of a ViT's state (each image's
+    patches and CLS, runtime.inputs.unit_fields); None where its rows are whole images."""
+    sides = state.get("patch_sides")
+    return None if sides is None else [side * side + 1 for side in sides.tolist()]
+
+
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Attention of each sequence packed along the tokens of q, k, v (1, heads, tokens,
+    head_dim), `lengths` long in order, over itself alone: the sequences of one length at
+    once, so the scores are each image's own (its tokens squared), as the plan prices them."""
+    starts: dict[int, list[int]] = {}
+    first = 0
+    for length in lengths:
+        starts.setdefault(length, []).append(first)
+        first += length
+    heads, dim = q.shape[1], q.shape[3]
+    indices, outputs = [], []
+    for length, firsts in starts.items():
+        index = (torch.tensor(firsts, device=q.device)[:, None] + torch.arange(length, device=q.device)).reshape(-1)
+        qs, ks, vs = (z[0][:, index].reshape(heads, len(firsts), length, dim).transpose(0, 1) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(qs, ks, vs)  # (images, heads, length, head_dim)
+        indices.append(index)
+        outputs.append(y.transpose(0, 1).reshape(heads, -1, dim))
+    if not indices:  # no image: nothing to attend, q, k and v still in the graph (ZeRO-3 reduces their weights' gradients)
+        return q + k + v
+    return q.new_zeros(q.shape[1:]).index_copy(1, torch.cat(indices), torch.cat(outputs, dim=1))[None]
+
+
 class Attention(nn.Module):
     """Multi-head attention; with `kv_dim` it is cross-attention over `memory`. TP splits
     the heads (q/k/v column-parallel by head, output projection row-parallel). `llama`:
@@ -78,7 +109,9 @@ class Attention(nn.Module):
         self.proj = RowParallelLinear(hidden, hidden, tp, local, bias=bias)
         self.recompute_core = False
 
-    def forward(self, x: torch.Tensor, memory: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, memory: torch.Tensor | None = None, packed: list[int] | None = None) -> torch.Tensor:
+        """`packed`: the lengths of the sequences packed along x's tokens (a ViT's images at
+        their own sides), each attending to itself alone."""
         if self.cross is None:
             kv = self.kv_heads * self.head_dim
             q, k, v = self.qkv(x).split([self.heads * self.head_dim, kv, kv], dim=-1)
@@ -92,11 +125,16 @@ class Attention(nn.Module):
         if self.kv_heads != self.heads and self.cross is None:
             k, v = (z.repeat_interleave(self.heads // self.kv_heads, dim=1) for z in (k, v))
         causal = self.causal and self.cross is None
+        core: Callable[..., torch.Tensor]
+        if packed is None:
+            core = partial(F.scaled_dot_product_attention, is_causal=causal)
+        else:
+            core = partial(packed_attention, lengths=packed)
         if self.recompute_core and torch.is_grad_enabled():
             # Selective recomputation (Korthikanti et al.): keep q, k, v, re-run the core in backward.
-            y = checkpoint(F.scaled_dot_product_attention, q, k, v, is_causal=causal, use_reentrant=False)
+            y = checkpoint(core, q, k, v, use_reentrant=False)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            y = core(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
 
@@ -183,7 +221,7 @@ class Block(nn.Module):
 
     def forward(self, state: State) -> State:
         x = state["x"]
-        x = x + self.attn(self.ln1(x))
+        x = x + self.attn(self.ln1(x), packed=packed_lengths(state))
         if hasattr(self, "cross"):
             x = x + self.cross(self.ln_cross(x), state["memory"])
         x = x + self.mlp(self.ln2(x))
@@ -202,12 +240,41 @@ class PatchEmbedding(nn.Module):
         self.pos = nn.Parameter(torch.randn(1, (image // patch) ** 2 + 1, hidden) * 0.02)
 
     def forward(self, state: State) -> State:
+        if "patches" in state:  # images at their own sides, their patches packed
+            return {**state, "x": self._packed(state["patches"], state["patch_sides"])}
         images = state["images"]
         b, c, height, width = images.shape
         p = self.patch
         patches = images.unfold(2, p, p).unfold(3, p, p).permute(0, 2, 3, 1, 4, 5).reshape(b, height // p * (width // p), c * p * p)
         x = torch.cat([self.cls.expand(b, -1, -1), self.proj(patches)], dim=1) + self.pos
         return {**state, "x": split_sequence(x, self.tp)}
+
+    def _packed(self, patches: torch.Tensor, sides: torch.Tensor) -> torch.Tensor:
+        """(1, tokens, hidden): each image's CLS then its side^2 patches, image after image,
+        its positions the learned grid's resized to its side."""
+        tokens = self.proj(patches)
+        cls = self.cls[0] + self.pos[0, :1]
+        grids: dict[int, torch.Tensor] = {}
+        # Every parameter in the graph, also on a rank whose micro-batch holds no image: ZeRO-3
+        # reduces each one's gradient as autograd reaches it, on every rank alike.
+        pieces, first = [cls[:0], tokens[:0]], 0
+        for side in sides.tolist():
+            if side not in grids:
+                grids[side] = self._positions(side)
+            pieces += [cls, tokens[first : first + side * side] + grids[side]]
+            first += side * side
+        return torch.cat(pieces)[None]
+
+    def _positions(self, side: int) -> torch.Tensor:
+        """The learned positions of the nominal side x side grid, bilinearly resized (as
+        timm and OpenCLIP resize them for another resolution): (side^2, hidden)."""
+        grid = self.pos[0, 1:]
+        base = round(grid.shape[0] ** 0.5)
+        if side == base:
+            return grid
+        square = grid.reshape(base, base, -1).permute(2, 0, 1)[None]
+        resized = F.interpolate(square, size=(side, side), mode="bilinear", align_corners=False)
+        return resized[0].permute(1, 2, 0).reshape(side * side, -1)
 
 
 def with_images(x: torch.Tensor, state: State, sources: tuple[str, ...]) -> torch.Tensor:

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from src.models.flows import chain_key
-from src.runtime.modules.blocks import State, with_images
+from src.data.interleaved_mllm import token_mask
+from src.runtime.modules.blocks import State, packed_lengths, with_images
 from src.runtime.modules.generator import COND
 from src.runtime.modules.parallel import TP, ColumnParallelLinear, RowParallelLinear
 
@@ -24,16 +25,23 @@ class Projector(nn.Module):
     """LLaVA's two-layer GELU MLP on every token, Megatron-TP (fc1 by columns, fc2 by rows).
     input: the ViT's patch tokens (its CLS dropped) become LLM-wide image tokens, handed
     on flattened; output: the LLM's handed-on states become the U-Net's condition
-    (generator.COND, which its cross-attention reads)."""
+    (generator.COND, which its cross-attention reads). `sequence`: the LLM's length, the
+    row an input projector hands each sequence's images on in under interleaved data."""
 
-    def __init__(self, d_in: int, d_hidden: int, d_out: int, tp: TP, role: str, source: str | None = None) -> None:
+    def __init__(self, d_in: int, d_hidden: int, d_out: int, tp: TP, role: str, source: str | None = None, sequence: int = 0) -> None:
         super().__init__()
         self.fc1 = ColumnParallelLinear(d_in, d_hidden, tp)
         self.fc2 = RowParallelLinear(d_hidden, d_out, tp)
-        self.d_in, self.role, self.source = d_in, role, source
+        self.d_in, self.role, self.source, self.sequence = d_in, role, source, sequence
 
     def forward(self, state: State) -> State:
-        if self.role == "input":
+        lengths = packed_lengths(state)
+        if self.role == "input" and lengths is not None:  # images packed: every token but each image's CLS
+            ends = torch.tensor(lengths, dtype=torch.long, device=state["x"].device).cumsum(0)
+            keep = torch.ones(state["x"].shape[1], dtype=torch.bool, device=state["x"].device)
+            keep[ends - torch.tensor(lengths, dtype=torch.long, device=ends.device)] = False
+            tokens = state["x"][:, keep]
+        elif self.role == "input":
             tokens = state["x"][:, 1:]
         else:
             assert self.source is not None, "an output projector reads the unit chained into it"
@@ -42,9 +50,9 @@ class Projector(nn.Module):
         out = self.fc2(F.gelu(self.fc1(tokens)))
         slots = state.get("image_slots")  # interleaved sequences: images by slot (data.interleaved_mllm)
         if self.role == "input":
-            if slots is not None:  # each real image's tokens into its slot, the empty slots zero
-                held = slots.flatten().nonzero().squeeze(1)
-                out = out.new_zeros((slots.numel(),) + out.shape[1:]).index_copy(0, held, out).reshape(slots.shape[0], -1)
+            if lengths is not None:  # each sequence's image tokens at its start, the rest of its row zero
+                mask = token_mask(state["image_tokens"], self.sequence)
+                out = out.new_zeros(mask.shape + out.shape[-1:]).index_put((mask,), out[0])
             return {**state, "x": out.flatten(1)}
         if slots is not None:  # every image a sequence holds is generated under its condition
             out = out[slots.nonzero()[:, 0]]
@@ -67,12 +75,10 @@ class MultimodalEmbedding(nn.Module):
         slots = state.get("image_slots")
         if slots is None or chain_key(self.sources[0]) not in state:
             return {**state, "x": with_images(x, state, self.sources)}
-        # Interleaved sequences: a row's image slots, of which its images fill the first positions.
+        # Interleaved sequences: a row's images fill its first image_tokens positions.
         (source,) = self.sources
-        images = state[chain_key(source)].reshape(x.shape[0], -1, x.shape[-1]).to(x.dtype)
-        held = slots.sum(1) * (images.shape[1] // slots.shape[1])
-        images = F.pad(images, (0, 0, 0, x.shape[1] - images.shape[1]))
-        mask = torch.arange(x.shape[1], device=x.device)[None, :] < held[:, None]
+        images = state[chain_key(source)].reshape(x.shape).to(x.dtype)
+        mask = token_mask(state["image_tokens"], x.shape[1])
         return {**state, "x": torch.where(mask[..., None], images, x)}
 
 

@@ -61,7 +61,9 @@ def _layer(model: ModelSpec, unit: UnitSpec, index: int, tp: TP, contrastive: Co
     if layer.name in ("input_projector", "output_projector"):
         fc1, fc2 = _kernel(layer, "fc1"), _kernel(layer, "fc2")
         sources = chain_sources(model, unit.name)
-        return Projector(fc1.k, fc1.n, fc2.n, tp, layer.name.removesuffix("_projector"), sources[0] if sources else None)
+        consumers = [model.unit(c).seq_len for p, c in model.flows if p == unit.name]
+        role = layer.name.removesuffix("_projector")
+        return Projector(fc1.k, fc1.n, fc2.n, tp, role, sources[0] if sources else None, consumers[0] if consumers else 0)
     if layer.name == "embedding" and llama is not None:
         return MultimodalEmbedding(unit.arch.vocab, unit.hidden, chain_sources(model, unit.name))
     if layer.name == "head" and llama is not None:

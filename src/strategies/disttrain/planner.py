@@ -17,7 +17,7 @@ strategy.llm.tp=8 ...); the Program is strategies.disttrain.programs'.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Mapping
 
 from src.cluster import GIB
@@ -93,6 +93,16 @@ def _check_model(model: ModelSpec) -> None:
         )
 
 
+def _whole_unet(request: PlanRequest, unit: str, fixed: Fixed) -> Fixed:
+    """A U-Net unit (the generator) on tp=1 and one stage where the plan's backend runs
+    U-Nets whole (PlanRequest.limits); given degrees beyond that are refused."""
+    spec = request.model.unit(unit)
+    if request.limits.split_unets or spec.kind != "unet":
+        return fixed
+    request.limits.whole_unet(spec, fixed.tp or 1, fixed.pp or 1)
+    return replace(fixed, tp=1, pp=1)
+
+
 def plan_disttrain(request: PlanRequest) -> Plan:
     if "data" in request.options:
         raise ConfigError("strategy.data is train.data now: the data is the workload's, the same for every strategy")
@@ -105,7 +115,7 @@ def plan_disttrain(request: PlanRequest) -> Plan:
     )
     loads = batch_loads(model, train.seed, train.global_batch, train.data, request.sample_images)
     profiler = Profiler(model, cluster, train.precision, opts.tp_overlap_chunks)
-    fixed = {u: opts.fixed(u) for u in UNITS}
+    fixed = {u: _whole_unet(request, u, opts.fixed(u)) for u in UNITS}
 
     orchestrator = Orchestrator(profiler, train.global_batch, cluster.devices, fixed, opts.orchestration, loads.peak, RANKED)
     found = orchestrator.solve()

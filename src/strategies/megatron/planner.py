@@ -11,7 +11,7 @@ and priced on the workload's data (builders.replicas.on_the_data).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from src.cluster import GIB
 from src.config import options_from
@@ -80,15 +80,33 @@ def _fitting(request: PlanRequest, opts: MegatronOptions) -> tuple[MegatronSearc
         )
     opts.check_replicate(request.model)
     searched = opts.searched(contrastive)
+    search, fitting = _search(request, opts, contrastive, searched)
+    if not fitting and opts.modality_stages == "extra" and _cuts_unets(request):
+        # A backend that runs U-Nets whole keeps an MLLM's generator on one stage: where no
+        # pipeline of extra modality stages is left so, the units share stages (merged).
+        merged, fitting = _search(request, replace(opts, modality_stages="merged"), contrastive, searched)
+        if fitting:
+            merged.merged = True
+            return merged, fitting
+    if not fitting:
+        raise PlanError(_nothing_fits(request, search, searched))
+    return search, fitting
+
+
+def _search(request: PlanRequest, opts: MegatronOptions, contrastive: bool, searched: bool) -> tuple[MegatronSearch, list[Candidate]]:
     search = MegatronSearch(request, opts, contrastive, searched)
     fitting: list[Candidate] = []
     for across_nodes in (False, True):
         if fitting or (across_nodes and opts.tp is not None):
             break
         fitting = search.candidates(enumerate_space(request, opts, contrastive, across_nodes, searched))
-    if not fitting:
-        raise PlanError(_nothing_fits(request, search, searched))
     return search, fitting
+
+
+def _cuts_unets(request: PlanRequest) -> bool:
+    """Whether the plan's backend keeps a U-Net of a model of several units whole."""
+    units = request.model.units
+    return not request.limits.split_unets and len(units) > 1 and any(u.kind == "unet" for u in units)
 
 
 def _nothing_fits(request: PlanRequest, search: MegatronSearch, searched: bool) -> str:

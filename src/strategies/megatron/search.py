@@ -105,6 +105,8 @@ class MegatronSearch:
         self.even_cuts: dict[tuple[int, int], list[list[Segment]]] = {}
         self.chain_times: dict[tuple, tuple[float, ...]] = {}
         self.balanced: dict[tuple, list[list[Segment]]] = {}
+        self.merged = False  # modality_stages=extra fell back to merged: the backend runs no extra-stage layout here
+        self.backend = request.limits.backend
 
     # ---- memory: one candidate per shape ----------------------------------------------------
     def candidates(self, space: Space) -> list[Candidate]:
@@ -173,6 +175,8 @@ class MegatronSearch:
             worst = max(need["total"] for need in candidate.memory)
         else:
             virtual = self.virtual_stages(shape, settings)
+            for unit in self.model.units:  # a backend that runs U-Nets whole: on one stage
+                self.request.limits.whole_unet(unit, shape.degrees.tp, sum(s.unit == unit.name for v in virtual for s in v))
             key = tuple(tuple(stage) for stage in virtual)
             table = tables.get(key)
             if table is None:
@@ -363,6 +367,7 @@ class MegatronSearch:
         )
         return {
             "searched": self.searched,
+            **({"modality_stages": f"merged (backend={self.backend} runs no extra-stage layout)"} if self.merged else {}),
             **{key: (round(value, 3) if isinstance(value, float) else value) for key, value in vars(self.stats).items()},
             "fitting": len(candidates),
             "ranking": [

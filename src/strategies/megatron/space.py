@@ -149,6 +149,7 @@ def check_degrees(request: PlanRequest, opts: MegatronOptions, tp: int, pp: int)
             continue  # whole on every rank of its TP group
         if unit.kind == "transformer" and unit.heads > 1 and unit.heads % tp:
             raise ConfigError(f"tp={tp} does not divide the {unit.heads} attention heads of unit {unit.name}")
+        request.limits.whole_unet(unit, tp, 1)
     if devices % (tp * pp):
         raise ConfigError(f"tp x pp = {tp} x {pp} = {tp * pp} does not divide the cluster's {devices} devices")
     dp = devices // (tp * pp)

@@ -92,7 +92,7 @@ class LLMPipelines:
         self.defer_warmup, self.compute, self.comm = defer_warmup, compute, comm
         model, train = request.model, request.train
         self.llm_model = replace(model, name=f"{model.name}-llm", units=(model.unit(llm),), flows=())
-        self.choice = self._choose(PlanRequest(self.llm_model, request.cluster, train, {}), megatron)
+        self.choice = self._choose(PlanRequest(self.llm_model, request.cluster, train, {}, limits=request.limits), megatron)
         self.rungs = memory_ladder(megatron.recompute, megatron.zero_stage)
         self._estimator = PipelineEstimator(self.llm_model, request.cluster, train.precision, train.global_batch, compute)
         self._priced: dict[str, _Priced] = {}

@@ -286,7 +286,11 @@ def class_program(emitter: ClassEmitter, klass: int, stage: Stage, items: list[P
     gather = [i for i in stage.tail if isinstance(i, Collective) and i.op == "all_gather"]
     reduce = [i for i in stage.tail if isinstance(i, Collective) and i.kind == "dp" and i.op != "all_gather"]
     rest = [i for i in stage.tail if i not in gather and i not in reduce]
-    out: list[Instruction] = [replace(c, stream="dp", blocking=False, handle=LLM_GATHER) for c in gather]
+    # The LLM's DP collectives name the stage's layers: the all-reduce (ZeRO-0) their
+    # gradients, the distributed optimizer's reduce-scatter and all-gather (ZeRO-1) their
+    # gradients and parameters, which these run where the schedule places them.
+    held = _llm_layers(stage)
+    out: list[Instruction] = [replace(c, stream="dp", blocking=False, handle=LLM_GATHER, grads_of=held) for c in gather]
     for t in range(schedule.pre[pipeline]):
         out += emitter.stage_pass(e, mapping[(pipeline, t)], "fwd")
     out += [Wait(LLM_GATHER)] if gather else []
@@ -310,11 +314,7 @@ def class_program(emitter: ClassEmitter, klass: int, stage: Stage, items: list[P
                 out.append(instruction)
             if tp_indices and n == tp_indices[-1]:
                 out += bins + [Wait(h) for h in handles]
-    # An all-reduce (ZeRO-0) names the gradients it reduces: those of the stage's layers.
-    held = _llm_layers(stage)
-    out += [
-        replace(c, stream="dp", blocking=False, handle=LLM_REDUCE, grads_of=held if c.op == "all_reduce" else None) for c in reduce
-    ]
+    out += [replace(c, stream="dp", blocking=False, handle=LLM_REDUCE, grads_of=held) for c in reduce]
     if any(emitter.model.needs_backward(u) for u in emitter.encoders):
         waiting = sorted(
             (emitter.backward_points[mapping[(pipeline, t)]], t)

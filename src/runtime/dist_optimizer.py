@@ -1,0 +1,182 @@
+"""Megatron-LM's distributed optimizer (ZeRO-1) where the plan issues its collectives, in a
+DeepSpeed engine's place.
+
+A unit whose plan reduce-scatters its gradients and all-gathers its parameters itself (DP
+collectives naming its layers, Collective.grads_of: Optimus's LLM, whose reduce-scatter
+runs under the encoders' backward and whose all-gather under the next step's encoder
+forwards, Megatron-LM's --overlap-param-gather) steps here. Its trainable parameters are
+flattened into one buffer, Megatron-LM's and DeepSpeed's contiguous one, of which each
+data-parallel replica owns a contiguous shard (the buffer padded to a multiple of the
+replicas) and keeps the AdamW states of that shard only:
+
+- reduce-scatter: the gradients, flattened, reduced over the replicas, each keeping its
+  shard averaged as DeepSpeed averages (gloo has no reduce-scatter: an all-reduce whose
+  rank keeps its part, as elsewhere);
+- step: the run's optimizer (backend.deepspeed.optimizer, its learning-rate schedule) on
+  the shard, the very update a whole optimizer makes there (it is elementwise). The buffer
+  holds the decayed parameters first and those exempt from decay (no_decay) after them, so
+  a shard is at most two pieces, one parameter group each;
+- all-gather: every replica's shard to every replica, copied into the parameters.
+
+Each collective starts where its instruction stands and, asynchronous, is finished at the
+plan's Wait (Pending.finish); the forward after that Wait reads the gathered parameters.
+A checkpoint holds each rank's parameters, shard, optimizer states and schedule (the
+DeepSpeed engine's save_checkpoint and load_checkpoint, which runtime.checkpoint calls). It
+takes no gradient norm (the step's record says so: grad_norm null), so it refuses nothing
+more than the pipelines it serves already do (clipping over a pipeline is refused).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from src.config import ContrastiveSpec, DeepSpeedSpec
+from src.program import Collective, Plan
+from src.runtime.engines import ParallelGroups
+from src.runtime.optimizer import OPTIMIZERS, build_scheduler, exempt_from_decay
+
+SHARDED = ("reduce_scatter", "all_gather")  # the distributed optimizer's collectives a plan may issue itself
+
+
+def sharded_units(plan: Plan, rank: int) -> set[str]:
+    """The units whose distributed optimizer `rank`'s instructions run (their DP
+    reduce-scatter or all-gather names their layers)."""
+    return {
+        instruction.grads_of[0]
+        for instruction in plan.program.class_of(rank).instructions
+        if isinstance(instruction, Collective) and instruction.grads_of is not None and instruction.op in SHARDED
+    }
+
+
+@dataclass
+class Pending:
+    """A collective in flight and what finishes it once it has arrived (once: a finished
+    one is finished)."""
+
+    work: dist.Work | None
+    then: Callable[[], None]
+    done: bool = False
+
+    def finish(self) -> None:
+        if self.done:
+            return
+        if self.work is not None:
+            self.work.wait()
+        self.then()
+        self.done = True
+
+
+class DistributedOptimizer:
+    def __init__(
+        self, module: nn.Module, groups: ParallelGroups, settings: DeepSpeedSpec, contrastive: ContrastiveSpec, steps: int
+    ) -> None:
+        ranks = groups.dp_ranks
+        self.module, self.group, self.replicas = module, groups.dp, len(ranks)
+        self.mpu = groups  # as a DeepSpeed engine's (runtime.engines.point_reduction_at reads them)
+        spec = settings.optimizer
+        decayed: list[nn.Parameter] = []
+        exempt: list[nn.Parameter] = []
+        for owner in module.modules():
+            for name, param in owner.named_parameters(recurse=False):
+                if param.requires_grad:
+                    (exempt if exempt_from_decay(owner, name, spec.no_decay) else decayed).append(param)
+        self.params = decayed + exempt
+        self.device = self.params[0].device
+        self.sizes = [p.numel() for p in self.params]
+        self.shard = -(-sum(self.sizes) // self.replicas)
+        self.first = ranks.index(dist.get_rank()) * self.shard
+        flat = self._flat([p.detach() for p in self.params])
+        self.master = flat[self.first : self.first + self.shard].float().clone()
+        # The shard's decayed piece and its exempt piece: parameters viewing the master shard.
+        split = min(max(sum(p.numel() for p in decayed) - self.first, 0), self.shard)
+        self.pieces = [nn.Parameter(self.master[:split]), nn.Parameter(self.master[split:])]
+        extras: list[dict] = [{}, {"weight_decay": 0.0}]
+        groups_of = [{"params": [piece], **extra} for piece, extra in zip(self.pieces, extras) if piece.numel()]
+        self.optimizer = OPTIMIZERS[spec.type](groups_of, **spec.params())
+        self.lr_scheduler = build_scheduler(self.optimizer, settings.scheduler, steps)
+        self._reduced: Pending | None = None
+
+    def get_global_grad_norm(self) -> None:
+        """It takes none (runtime.step_metrics records grad_norm null)."""
+        return None
+
+    def _flat(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """The tensors side by side in one buffer of every replica's shard, zero-padded."""
+        flat = torch.zeros(self.shard * self.replicas, dtype=torch.float32, device=self.device)
+        torch.cat([t.reshape(-1).float() for t in tensors], out=flat[: sum(self.sizes)])
+        return flat
+
+    def reduce_scatter(self) -> Pending:
+        """Start reducing the gradients; once finished, this replica's shard holds their mean."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = self._flat(grads)
+        work = dist.all_reduce(flat, group=self.group, async_op=True)
+
+        def keep() -> None:
+            grad = flat[self.first : self.first + self.shard].div_(self.replicas)
+            split = self.pieces[0].numel()
+            self.pieces[0].grad, self.pieces[1].grad = grad[:split], grad[split:]
+
+        self._reduced = Pending(work, keep)
+        return self._reduced
+
+    def all_gather(self) -> Pending:
+        """Start gathering every replica's shard; once finished, the parameters hold them."""
+        out = torch.empty(self.shard * self.replicas, dtype=self.master.dtype, device=self.master.device)
+        work = dist.all_gather(list(out.chunk(self.replicas)), self.master.detach(), group=self.group, async_op=True)
+
+        def copy() -> None:
+            with torch.no_grad():
+                for param, piece in zip(self.params, out[: sum(self.sizes)].split(self.sizes)):
+                    param.copy_(piece.view_as(param))
+
+        return Pending(work, copy)
+
+    def step(self) -> None:
+        """AdamW on this replica's shard, from the reduced gradients (reduced here if the
+        plan did not reduce them before, waited for if the plan did not wait)."""
+        (self._reduced or self.reduce_scatter()).finish()
+        self._reduced = None
+        self.optimizer.step()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.zero_grad()
+
+    def zero_grad(self) -> None:
+        for param in self.params:
+            param.grad = None
+
+    # ---- checkpoints, as a DeepSpeed engine's (runtime.checkpoint) -----------------------
+    def save_checkpoint(self, directory: str, tag: str, save_latest: bool = False) -> None:
+        path = Path(directory) / tag
+        path.mkdir(parents=True, exist_ok=True)
+        state = {
+            "module": self.module.state_dict(),
+            "master": self.master.detach(),
+            "optimizer": self.optimizer.state_dict(),
+            "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
+        }
+        torch.save(state, path / f"rank{dist.get_rank()}.pt")
+
+    def load_checkpoint(
+        self, directory: str, tag: str, load_optimizer_states: bool = True, load_lr_scheduler_states: bool = False
+    ) -> tuple[str | None, dict]:
+        path = Path(directory) / tag / f"rank{dist.get_rank()}.pt"
+        if not path.exists():
+            return None, {}
+        state = torch.load(path, weights_only=False)
+        self.module.load_state_dict(state["module"])
+        with torch.no_grad():
+            self.master.copy_(state["master"])
+        if load_optimizer_states:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if load_lr_scheduler_states and self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        return str(path), {}

@@ -1,0 +1,81 @@
+"""Planners plan within what the backend they plan for runs (PlanRequest.limits): the real
+backend runs a U-Net whole on each rank, so with its limits the Megatron-LM search (and
+DeepSpeed-3D's, which is the same search) keeps every U-Net on tp=1 and one pipeline
+stage, an MLLM's extra modality stages give way to merged ones where no extra-stage layout
+is left, DistTrain keeps its generator whole, and a degree given by hand beyond that is one
+line; the simulator's plans still cut them."""
+
+from __future__ import annotations
+
+import pytest
+
+from src.config import composed
+from src.errors import ConfigError
+from src.setup import LIMITS, validate
+from src.strategies import PlanRequest, planner_for
+
+pytestmark = pytest.mark.slow  # a dozen searches: 15-30 s
+
+TINY_UNET = [
+    "model=unet",
+    "model.preset=null",
+    "model.channels=32",
+    "model.image_size=8",
+    "model.channel_mult=[1,2]",
+    "model.res_blocks=1",
+    "model.attention_resolutions=[4]",
+    "model.heads=2",
+    "train.global_batch=8",
+    "strategy.micro_batch_size=2",  # a smaller search
+]
+TINY_MLLM = ["model=mllm_9b", "model.scale=tiny", "model.image_size_spread=0"]
+
+
+def _plan(overrides: list[str], backend: str):
+    setup = validate(composed(["cluster=local", "logger=none", *overrides]))
+    strategy = setup.config["strategy"]
+    return planner_for(strategy["name"])(PlanRequest(setup.model, setup.cluster, setup.train, strategy, limits=LIMITS[backend]))
+
+
+def test_a_unet_stays_whole_for_the_real_backend_and_is_cut_for_the_simulator():
+    simulated = _plan([*TINY_UNET, "strategy=megatron"], "sim").unit("unet")
+    assert simulated.pp > 1  # the fastest plan cuts it: the limit is what keeps it whole
+    for strategy in ("megatron", "deepspeed3d"):
+        real = _plan([*TINY_UNET, f"strategy={strategy}"], "torch").unit("unet")
+        assert (real.tp, real.pp, real.dp) == (1, 1, 4)
+
+
+def test_an_mllm_s_generator_stays_on_one_stage_merged_where_extra_stages_leave_none():
+    simulated = _plan([*TINY_MLLM, "strategy=megatron"], "sim")
+    real = _plan([*TINY_MLLM, "strategy=megatron"], "torch")
+    assert simulated.unit("generator").pp > 1  # the tiny generator is the largest unit: the one cut
+    assert "modality_stages" not in simulated.details["search"]
+    # Encoder, LLM and a whole generator are 3 extra-style stages, which 4 devices do not take.
+    assert real.details["search"]["modality_stages"] == "merged (backend=torch runs no extra-stage layout)"
+    assert all((real.unit(u).tp, real.unit(u).pp) == (1, 1) for u in ("encoder", "llm", "generator"))
+
+
+@pytest.mark.parametrize(
+    "overrides, line",
+    [
+        (
+            [*TINY_UNET, "strategy=megatron", "strategy.tp=1", "strategy.pp=2"],
+            "unit unet is a U-Net cut over 2 pipeline stages (its skip connections do not cross stages there): "
+            "backend=torch runs a U-Net whole on each rank (it needs tp=1 and one pipeline stage, pp=1)",
+        ),
+        (
+            [*TINY_UNET, "strategy=megatron", "strategy.tp=2", "strategy.pp=1"],
+            "unit unet is a U-Net on tp=2 (its convolutions have no TP there): backend=torch runs a U-Net whole "
+            "on each rank (it needs tp=1 and one pipeline stage, pp=1)",
+        ),
+        (
+            [*TINY_MLLM, "strategy=disttrain", "strategy.generator.pp=2"],
+            "unit generator is a U-Net cut over 2 pipeline stages (its skip connections do not cross stages there): "
+            "backend=torch runs a U-Net whole on each rank (it needs tp=1 and one pipeline stage, pp=1)",
+        ),
+    ],
+)
+def test_a_unet_split_by_hand_is_one_line_for_the_real_backend(overrides, line):
+    with pytest.raises(ConfigError) as refused:
+        _plan(overrides, "torch")
+    assert str(refused.value) == line
