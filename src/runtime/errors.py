@@ -21,8 +21,26 @@ class WorkerFailure(RuntimeError):
 
 
 class Terminated(WorkerFailure):
-    """The front door was sent SIGTERM while its workers ran; it stopped them."""
+    """A signal ended the run (SIGTERM, or Ctrl-C's SIGINT); the front door stopped what it
+    started. Exit code 128 + the signal's number, as a shell reports a process it killed."""
+
+    def __init__(self, message: str, signum: int = signal.SIGTERM) -> None:
+        super().__init__(message)
+        self.signum = signum
 
     @property
     def exit_code(self) -> int:
-        return 128 + signal.SIGTERM
+        return 128 + self.signum
+
+
+class TerminateSignal(BaseException):
+    """SIGTERM reached the front door: raised in its main thread wherever it is (as Ctrl-C
+    raises KeyboardInterrupt), so that it stops what it started and says where it was."""
+
+
+def signal_line(signalled: BaseException) -> tuple[str, int]:
+    """How a run ended by `signalled` (TerminateSignal or KeyboardInterrupt) begins its
+    line, and the signal."""
+    if isinstance(signalled, TerminateSignal):
+        return "terminated by SIGTERM", signal.SIGTERM
+    return "interrupted by Ctrl-C (SIGINT)", signal.SIGINT

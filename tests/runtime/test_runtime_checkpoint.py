@@ -10,7 +10,9 @@ line before any process starts (the quick tests at the end)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -94,12 +96,20 @@ def _run_dir(tmp_path: Path, name: str, overrides: list[str]) -> Path:
     return run_dir
 
 
-def _fake_checkpoint(run_dir: Path, step: int, world_size: int) -> None:
-    """What check_resume reads of a checkpoint: latest and meta.json."""
+def _fake_checkpoint(run_dir: Path, step: int, world_size: int) -> Path:
+    """What check_resume reads of a checkpoint: latest, meta.json and its manifest's files
+    (a rank file each, and an engine's model states)."""
     path = run_dir / CHECKPOINT_DIR / f"step{step}"
-    path.mkdir(parents=True)
-    (path / META).write_text(json.dumps({"format": FORMAT, "version": VERSION, "step": step, "world_size": world_size}))
+    files = {f"ranks/rank{rank}.pt": bytes([rank]) * 100 for rank in range(world_size)}
+    files["engines/vision.rank0/state/mp_rank_00_model_states.pt"] = bytes(range(256)) * 8
+    for relative, data in files.items():
+        (path / relative).parent.mkdir(parents=True, exist_ok=True)
+        (path / relative).write_bytes(data)
+    manifest = {relative: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()} for relative, data in files.items()}
+    meta = {"format": FORMAT, "version": VERSION, "step": step, "world_size": world_size, "files": manifest}
+    (path / META).write_text(json.dumps(meta))
     (run_dir / CHECKPOINT_DIR / LATEST).write_text(path.name)
+    return path
 
 
 DDP = ["backend=torch", "cluster=local", "cluster.devices_per_node=2", "model=clip", "model.scale=tiny", "train.global_batch=8"]
@@ -136,3 +146,35 @@ def test_resuming_from_a_checkpoint_of_another_plan_is_refused(tmp_path):
     other_world = _run_dir(tmp_path, "four", [*DDP, "cluster.devices_per_node=4", "strategy=ddp", "train.steps=4"])
     with pytest.raises(ConfigError, match=r"its checkpoint is of 2 ranks, this plan runs 4$"):
         check_resume(CheckpointSpec(resume=str(source)), other_world)
+
+
+def test_a_damaged_checkpoint_is_refused_naming_its_file(tmp_path):
+    """A file of the manifest deleted, cut short or changed in place: one line naming it."""
+    source = _run_dir(tmp_path, "source", [*DDP, "strategy=ddp", "train.steps=2"])
+    run_dir = _run_dir(tmp_path, "run", [*DDP, "strategy=ddp", "train.steps=4"])
+    spec = CheckpointSpec(resume=str(source))
+    damaged = rf"^train.resume={source}: its checkpoint {source}/checkpoint/step2 is damaged: "
+    path = _fake_checkpoint(source, 2, 2)
+    (path / "ranks" / "rank1.pt").unlink()
+    with pytest.raises(ConfigError, match=damaged + r"ranks/rank1.pt is missing \(the manifest lists 100 bytes\); "):
+        check_resume(spec, run_dir)
+
+    shutil.rmtree(source / CHECKPOINT_DIR)
+    path = _fake_checkpoint(source, 2, 2)
+    states = path / "engines" / "vision.rank0" / "state" / "mp_rank_00_model_states.pt"
+    states.write_bytes(states.read_bytes()[:1000])
+    cut = r"engines/vision.rank0/state/mp_rank_00_model_states.pt has 1000 bytes, the manifest 2048; "
+    with pytest.raises(ConfigError, match=damaged + cut):
+        check_resume(spec, run_dir)
+
+    shutil.rmtree(source / CHECKPOINT_DIR)
+    path = _fake_checkpoint(source, 2, 2)
+    (path / "ranks" / "rank0.pt").write_bytes(bytes([7]) * 100)  # the same size, other bytes
+    with pytest.raises(ConfigError, match=damaged + r"ranks/rank0.pt does not match its checksum \(SHA-256 [0-9a-f]{12}\.\.\., "):
+        check_resume(spec, run_dir)
+    assert check_resume(spec, run_dir, checksums=False).step == 2  # a launcher's worker checks sizes only
+
+    meta = json.loads((path / META).read_text())
+    (path / META).write_text(json.dumps({k: v for k, v in meta.items() if k != "files"}))
+    with pytest.raises(ConfigError, match=rf"^train.resume={source}: {path}/meta.json lists no files \(its manifest is missing\)$"):
+        check_resume(spec, run_dir)
