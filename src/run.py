@@ -24,9 +24,9 @@ from omegaconf import DictConfig
 from src.backends import backend_for
 from src.config import TRAIN_KEYS, plain_config
 from src.errors import ConfigError
-from src.progress import doing, heartbeat
+from src.progress import heartbeat
 from src.report import JobInfo
-from src.report.files import WriteError, unwritable_dir
+from src.report.files import SUMMARY_FILE, WriteError, unwritable_dir
 from src.runtime.errors import Terminated, TerminateSignal, WorkerFailure, signal_line
 from src.runtime.processes import kill_descendants, leave, signals_end_the_run
 from src.setup import job_info, options_named, prepare_run, start_run_dir, write_run_dir
@@ -154,12 +154,12 @@ def main(cfg: DictConfig) -> None:
                 raise
             fail(run_dir, job, f"error: {describe(err, run_dir)}", 2)  # a file of the front door's own (resolved.yaml)
         except Terminated as err:  # the driver stopped its workers; a signal stops a multirun, not only this job
-            stopped(run_dir, job, f"error: {err}", err.exit_code)
+            stopped(run_dir, f"error: {err}", err.exit_code)
         except WorkerFailure as err:
             fail(run_dir, job, f"error: {err}", err.exit_code)
         except (TerminateSignal, KeyboardInterrupt) as signalled:
-            how, signum = signal_line(signalled)
-            stopped(run_dir, job, f"error: {how} while {doing() or 'starting'}: no results written", 128 + signum)
+            how, signum = signal_line(signalled, "preparing the run")
+            stopped(run_dir, f"error: {how}: no results written", 128 + signum)
 
 
 def _multirun() -> bool:
@@ -170,23 +170,33 @@ def _multirun() -> bool:
 
 
 def fail(run_dir: Path, job: JobInfo, line: str, code: int) -> None:
-    """One line on stderr, in run.log and in the run's error.txt (in the room reserved for
-    it: a full disk is reported too). A single run exits with `code`; a multirun's job
-    returns, so that the other jobs go on (the error file records it)."""
-    release(run_dir)
-    log.error(line)
-    write_error_file(run_dir, line.removeprefix("error: "))
+    """The run's failure said; a single run exits with `code`, a multirun's job returns,
+    so that the other jobs go on (the error file records it)."""
+    _say_failed(run_dir, line)
     if job.sweep_name is None:
         sys.exit(code)
 
 
-def stopped(run_dir: Path, job: JobInfo, line: str, code: int) -> None:
-    """A signal ended the run (a multirun too): what the door started is killed, the line
-    written, and the process leaves at once, without the seconds an interpreter holding
-    torch takes to tear down."""
+def stopped(run_dir: Path, line: str, code: int) -> None:
+    """A signal ended the run (a multirun too): what the door started is killed, the failure
+    said, and the process leaves at once, without the seconds an interpreter holding torch
+    takes to tear itself down. A signal in the workers' teardown, after the run's results
+    were written, leaves them standing: no error.txt."""
     kill_descendants()
-    fail(run_dir, job, line, code)
+    if (run_dir / SUMMARY_FILE).exists():
+        release(run_dir)
+        log.error(line)
+    else:
+        _say_failed(run_dir, line)
     leave(code)
+
+
+def _say_failed(run_dir: Path, line: str) -> None:
+    """One line on stderr, in run.log and in the run's error.txt (in the room reserved for
+    it: a full disk is reported too)."""
+    release(run_dir)
+    log.error(line)
+    write_error_file(run_dir, line.removeprefix("error: "))
 
 
 def cli() -> None:

@@ -286,12 +286,17 @@ class _Hashing(io.RawIOBase):
 
     def __init__(self, file: io.BufferedWriter) -> None:
         self.file, self.bytes, self.digest = file, 0, hashlib.sha256()
+        self.refused: OSError | None = None  # the disk's error: torch's writer raises one of its own over it
 
     def writable(self) -> bool:
         return True
 
     def write(self, data: Any) -> int:
-        count = self.file.write(data) or 0
+        try:
+            count = self.file.write(data) or 0
+        except OSError as err:
+            self.refused = err
+            raise
         self.digest.update(memoryview(data).cast("B")[:count])
         self.bytes += count
         return count
@@ -310,7 +315,12 @@ def _through_our_files(root: Path, written: dict[str, dict[str, Any]]) -> Iterat
         path = Path(f)
         with writing(path), open(path, "wb") as file:
             sink = _Hashing(file)
-            original(obj, cast(IO[bytes], sink), *args, **kwargs)
+            try:
+                original(obj, cast(IO[bytes], sink), *args, **kwargs)
+            except Exception:
+                if sink.refused is not None:
+                    raise sink.refused from None
+                raise
             file.flush()
             os.fsync(file.fileno())
         written[path.relative_to(root).as_posix()] = {"bytes": sink.bytes, "sha256": sink.digest.hexdigest()}

@@ -41,8 +41,9 @@ from typing import Sequence
 
 from src.config import TorchBackendSpec
 from src.plan_io import read_plan
-from src.progress import doing, heartbeat
+from src.progress import heartbeat
 from src.program import Collective, Compute, Instruction, Recv, Send, Wait
+from src.report.files import SUMMARY_FILE
 from src.runtime.errors import Terminated, TerminateSignal, WorkerFailure, signal_line
 from src.runtime.lifeline import BEAT_S, BOARD_ENV, DOOR_ENV, DONE, TRAINING, Beat, Board
 from src.runtime.op_build import build_in_door
@@ -148,8 +149,11 @@ def launch(run_dirs: list[Path], world: int, backend: TorchBackendSpec) -> None:
             _watch(procs, run_dirs, board, started, backend)
         except (KeyboardInterrupt, TerminateSignal) as signalled:
             stop(procs)
-            how, signum = signal_line(signalled)
-            raise Terminated(f"{how} {_where(board, procs)}: all {world} workers stopped, no results written", signum) from None
+            how, signum = signal_line(signalled, _doing(board, procs))
+            stopped = f"all {world} workers stopped" if procs else "no worker had started"
+            # Their teardown: the run's results are whole (rank 0 writes summary.json last).
+            written = all((run_dir / SUMMARY_FILE).exists() for run_dir in run_dirs)
+            raise Terminated(f"{how}: {stopped}, {'its results written' if written else 'no results written'}", signum) from None
         finally:
             board.close()
 
@@ -231,15 +235,15 @@ def describe(instruction: Instruction) -> str:
     return f"wait for {instruction.handle}"
 
 
-def _where(board: Board, procs: list) -> str:
-    """'during step 3' (the furthest rank's), or what the workers were doing."""
+def _doing(board: Board, procs: list) -> str:
+    """'in step 3' (the furthest rank's), or what the workers were doing."""
     beats = [board.read(rank) for rank in range(board.world)]
     steps = [b.step for b in beats if b.state == TRAINING]
     if steps:
-        return f"during step {max(steps)}"
+        return f"in step {max(steps)}"
     if not procs:
-        return f"while {doing() or 'starting its workers'}"
-    return f"while its workers were {max(beats, key=lambda b: b.state).doing()}"
+        return "starting its workers"
+    return f"its workers were {max(beats, key=lambda b: b.state).doing()}"
 
 
 def stop(procs: Sequence[ForkedWorker | subprocess.Popen]) -> None:

@@ -35,12 +35,27 @@ class Terminated(WorkerFailure):
 
 class TerminateSignal(BaseException):
     """SIGTERM reached the front door: raised in its main thread wherever it is (as Ctrl-C
-    raises KeyboardInterrupt), so that it stops what it started and says where it was."""
+    raises KeyboardInterrupt), so that it stops what it started and says where it was
+    (`doing`: what the process was doing when the signal came, src.progress.doing)."""
+
+    def __init__(self, doing: str | None = None) -> None:
+        super().__init__(doing)
+        self.doing = doing
 
 
-def signal_line(signalled: BaseException) -> tuple[str, int]:
-    """How a run ended by `signalled` (TerminateSignal or KeyboardInterrupt) begins its
-    line, and the signal."""
+class InterruptSignal(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) reached the front door: as TerminateSignal."""
+
+    def __init__(self, doing: str | None = None) -> None:
+        super().__init__(doing)
+        self.doing = doing
+
+
+def signal_line(signalled: BaseException, default: str) -> tuple[str, int]:
+    """How a run ended by `signalled` (a signal's exception, or a bare KeyboardInterrupt)
+    begins its line, 'terminated by SIGTERM while planning ...' (`default`: what it was
+    doing when the exception does not say), and the signal."""
+    doing = getattr(signalled, "doing", None) or default
     if isinstance(signalled, TerminateSignal):
-        return "terminated by SIGTERM", signal.SIGTERM
-    return "interrupted by Ctrl-C (SIGINT)", signal.SIGINT
+        return f"terminated by SIGTERM while {doing}", signal.SIGTERM
+    return f"interrupted by Ctrl-C (SIGINT) while {doing}", signal.SIGINT

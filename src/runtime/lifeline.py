@@ -46,7 +46,7 @@ BEAT, STATE, RUN, STEP, INSTRUCTION, FAILED = range(6)  # word offsets in a slot
 LINE_BYTES = 1024  # each rank's error line, after all the slots
 # What a rank is doing (STATE): its step and instruction mean something while TRAINING.
 IDLE, STARTING, TRAINING, SAVING, REPORTING, DONE = range(6)
-DOING = {STARTING: "starting", REPORTING: "writing its results"}
+DOING = {STARTING: "starting", REPORTING: "writing its results", DONE: "leaving"}
 # INSTRUCTION outside the instruction list: a step's batch and barrier; its loss and timing all-reduces.
 BEFORE_INSTRUCTIONS, AFTER_INSTRUCTIONS = -1, -2
 

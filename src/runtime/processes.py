@@ -14,7 +14,8 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from src.runtime.errors import TerminateSignal
+from src.progress import doing
+from src.runtime.errors import InterruptSignal, TerminateSignal
 
 STOP_WITHIN_S = 4.0  # after a signal, the door is gone by then, whatever it was doing
 
@@ -50,10 +51,10 @@ def kill_descendants() -> None:
 @contextlib.contextmanager
 def signals_end_the_run() -> Iterator[None]:
     """SIGTERM raises TerminateSignal and SIGINT KeyboardInterrupt in the main thread
-    wherever it is, once: a second signal changes nothing. The process is gone
-    STOP_WITHIN_S after the first, with what it started, whatever it was doing (a main
-    thread stuck where no Python runs is left to a timer). Elsewhere than in the main
-    thread, nothing changes."""
+    wherever it is, once, after killing every process below this one: a second signal
+    changes nothing. The process is gone STOP_WITHIN_S after the first, whatever it was
+    doing (a main thread stuck where no Python runs is left to a timer). Elsewhere than in
+    the main thread, nothing changes."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -64,7 +65,11 @@ def signals_end_the_run() -> Iterator[None]:
             return
         received.append(signum)
         threading.Thread(target=_deadline, args=(128 + signum,), name="mmdist-stop-deadline", daemon=True).start()
-        raise TerminateSignal() if signum == signal.SIGTERM else KeyboardInterrupt()
+        # Now, while they are below this process: a child the exception unwinds through
+        # (ninja under torch's builder) is killed on the way, and its children would be
+        # orphans out of reach.
+        kill_descendants()
+        raise TerminateSignal(doing()) if signum == signal.SIGTERM else InterruptSignal(doing())
 
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:

@@ -5,13 +5,16 @@ optimizer states of each, and fp16's loss scale), DistMM's towers on disjoint gr
 engine per tower), Par4D's grid units (per-rank shards of its own, not DeepSpeed's) and
 ZeRO-3 (loaded into freshly partitioned parameters). The stopped and the uninterrupted
 runs, then the resumed runs, each run in ONE launch of four workers (test_runtime_faults
-resumes a ddp ZeRO-2 run killed by SIGKILL). Bad input for checkpoints and resume is one
-line before any process starts (the quick tests at the end)."""
+resumes a ddp ZeRO-2 run killed by SIGKILL). A checkpoint damaged after it was sealed (a rank
+file deleted, the model states cut short) is refused by the front door in one line naming
+the file, before any worker starts. Bad input for checkpoints and resume is one line
+before any process starts (the quick tests at the end)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -20,6 +23,7 @@ import pytest
 from src.config import CheckpointSpec
 from src.errors import ConfigError
 from src.runtime.checkpoint import CHECKPOINT_DIR, FORMAT, LATEST, META, VERSION, check_resume
+from tests.conftest import run_cli
 from tests.runtime.support import CLIP, GPT, composed, launch_cases, summary_of
 
 STOP, STEPS = 2, 4
@@ -62,6 +66,29 @@ def runs(tmp_path_factory) -> dict[str, dict[str, Path]]:
     resumed = {f"{name}/resumed": [*o, f"train.steps={STEPS}", f"train.resume={dirs[f'{name}/stopped']}"] for name, o in CASES.items()}
     dirs |= launch_cases(root, resumed, 4)
     return {name: {kind: dirs[f"{name}/{kind}"] for kind in ("stopped", "whole", "resumed")} for name in CASES}
+
+
+@pytest.mark.slow  # the front door in a process
+@pytest.mark.parametrize("damage", ["a rank file deleted", "the model states cut short"])
+def test_a_damaged_checkpoint_is_refused_before_any_worker_starts(runs, tmp_path, damage):
+    source = tmp_path / "source"
+    shutil.copytree(runs["ddp_zero3"]["stopped"], source)
+    step = source / CHECKPOINT_DIR / f"step{STOP}"
+    if damage == "a rank file deleted":
+        (step / "ranks" / "rank3.pt").unlink()
+        named = r"ranks/rank3\.pt is missing \(the manifest lists \d+ bytes\)"
+    else:
+        (states,) = step.glob("engines/*/state/mp_rank_00_model_states.pt")
+        states.write_bytes(states.read_bytes()[:1000])
+        named = rf"{re.escape(str(states.relative_to(step)))} has 1000 bytes, the manifest \d+"
+    run_dir = tmp_path / "resumed"
+    result = run_cli(*CASES["ddp_zero3"], f"train.steps={STEPS}", f"train.resume={source}", f"hydra.run.dir={run_dir}")
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    damaged = rf"error: train\.resume={re.escape(str(source))}: its checkpoint {re.escape(str(step))} is damaged: "
+    assert len(lines) == 1 and re.fullmatch(rf"{damaged}{named}; .+", lines[0]), lines
+    assert (run_dir / "error.txt").read_text() == lines[0].removeprefix("error: ") + "\n"
+    assert not (run_dir / "run.json").exists() and not (run_dir / "errors").exists()  # no worker was started
 
 
 def _losses(run_dir: Path) -> list[float]:

@@ -102,7 +102,7 @@ def test_ctrl_c_stops_every_worker_and_exits_130(tmp_path):
     stderr = finish(driver)
     assert driver.returncode == 130
     line = stderr.strip().splitlines()[-1]
-    expected = r"error: interrupted by Ctrl-C \(SIGINT\) during step \d+: all 2 workers stopped, no results written"
+    expected = r"error: interrupted by Ctrl-C \(SIGINT\) while in step \d+: all 2 workers stopped, no results written"
     assert re.fullmatch(expected, line), line
     assert "Traceback" not in stderr
     assert (tmp_path / "error.txt").read_text() == line.removeprefix("error: ") + "\n"
