@@ -14,9 +14,10 @@ checked against the promise of every run: it ends with a one-line refusal
 (ConfigError/SimulationError: exit 2) or with a summary whose 0 < MFU <= 1, whose
 breakdown adds up to the iteration time on every rank, and whose plan fits the devices'
 memory; nothing else escapes (a traceback); a run that used more than SAY_AFTER_S of CPU
-prints progress on stderr, and none stays silent for QUIET_MAX_S (the time a busy machine
-kept it waiting for a CPU left out, as src.progress leaves it out). A run still going at
-`limit_s` is stopped: `long` if it was printing progress, `slow` if it was silent. The
+prints progress on stderr, and none stays silent for QUIET_MAX_S. A run still going at
+`limit_s` is stopped: `long` if it was printing progress, `slow` if it was silent. Both
+times leave out the time a busy machine kept the draw waiting for a CPU, as src.progress
+does (run it with `nice` on a shared machine: the verdicts stay those of a quiet one). The
 test suite runs a few hundred draws; this script runs thousands.
 """
 
@@ -35,7 +36,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from src.config import composed
 from src.errors import ConfigError
@@ -187,8 +188,11 @@ class _Lines(io.TextIOBase):
         self.text.append(text)
         return len(text)
 
+    def elapsed(self) -> float:
+        return self._clock() - self.start
+
     def longest_silence(self) -> float:
-        marks = [0.0, *self.arrivals, self._clock() - self.start]
+        marks = [0.0, *self.arrivals, self.elapsed()]
         return max(b - a for a, b in zip(marks, marks[1:]))
 
 
@@ -196,8 +200,18 @@ class _TooSlow(Exception):
     pass
 
 
-def _alarm(signum: int, frame: Any) -> None:
-    raise _TooSlow()
+def _stop_at(limit_s: float, clock: _Lines) -> Callable[[int, Any], None]:
+    """SIGALRM's handler: the draw stops once `clock` (its time less the time the machine
+    kept it waiting for a CPU) reaches `limit_s`; before that, the timer is set again."""
+
+    def alarm(signum: int, frame: Any) -> None:
+        left = limit_s - clock.elapsed()
+        if left > 0:
+            signal.setitimer(signal.ITIMER_REAL, left)
+            return
+        raise _TooSlow()
+
+    return alarm
 
 
 def check(summary: dict[str, Any], config: dict[str, Any]) -> str:
@@ -221,9 +235,9 @@ def run_draw(overrides: list[str], limit_s: float) -> Outcome:
     from src.run import compose_config, config_of, execute
 
     start, start_cpu = time.perf_counter(), time.process_time()
-    previous = signal.signal(signal.SIGALRM, _alarm)
-    signal.setitimer(signal.ITIMER_REAL, limit_s)
     stderr = _Lines()
+    previous = signal.signal(signal.SIGALRM, _stop_at(limit_s, stderr))
+    signal.setitimer(signal.ITIMER_REAL, limit_s)
     try:
         # The console's tables of hundreds of runs would bury the findings; stderr is kept
         # to see whether a long run said what it was doing.

@@ -26,7 +26,7 @@ from src.config import TRAIN_KEYS, plain_config
 from src.errors import ConfigError
 from src.progress import heartbeat
 from src.report import JobInfo
-from src.report.files import SUMMARY_FILE, WriteError, unwritable_dir
+from src.report.files import WriteError, unwritable_dir
 from src.runtime.errors import Terminated, TerminateSignal, WorkerFailure, signal_line
 from src.runtime.processes import kill_descendants, leave, signals_end_the_run
 from src.setup import job_info, options_named, prepare_run, start_run_dir, write_run_dir
@@ -154,7 +154,7 @@ def main(cfg: DictConfig) -> None:
                 raise
             fail(run_dir, job, f"error: {describe(err, run_dir)}", 2)  # a file of the front door's own (resolved.yaml)
         except Terminated as err:  # the driver stopped its workers; a signal stops a multirun, not only this job
-            stopped(run_dir, f"error: {err}", err.exit_code)
+            stopped(run_dir, f"error: {err}", err.exit_code, err.results_written)
         except WorkerFailure as err:
             fail(run_dir, job, f"error: {err}", err.exit_code)
         except (TerminateSignal, KeyboardInterrupt) as signalled:
@@ -177,13 +177,13 @@ def fail(run_dir: Path, job: JobInfo, line: str, code: int) -> None:
         sys.exit(code)
 
 
-def stopped(run_dir: Path, line: str, code: int) -> None:
+def stopped(run_dir: Path, line: str, code: int, results_written: bool = False) -> None:
     """A signal ended the run (a multirun too): what the door started is killed, the failure
     said, and the process leaves at once, without the seconds an interpreter holding torch
     takes to tear itself down. A signal in the workers' teardown, after the run's results
     were written, leaves them standing: no error.txt."""
     kill_descendants()
-    if (run_dir / SUMMARY_FILE).exists():
+    if results_written:
         release(run_dir)
         log.error(line)
     else:

@@ -132,7 +132,7 @@ def start_worker(run_dirs: list[Path], env: dict[str, str], backend: TorchBacken
 def launch(run_dirs: list[Path], world: int, backend: TorchBackendSpec) -> None:
     """Run `world` workers on this machine until all finish (over each run directory in
     turn, as its plan.json and run.json say); raise WorkerFailure if one fails or stalls,
-    Terminated on SIGTERM."""
+    Terminated on SIGTERM or Ctrl-C."""
     port = free_port()
     procs: list[ForkedWorker | subprocess.Popen] = []
     with signals_end_the_run():
@@ -153,7 +153,8 @@ def launch(run_dirs: list[Path], world: int, backend: TorchBackendSpec) -> None:
             stopped = f"all {world} workers stopped" if procs else "no worker had started"
             # Their teardown: the run's results are whole (rank 0 writes summary.json last).
             written = all((run_dir / SUMMARY_FILE).exists() for run_dir in run_dirs)
-            raise Terminated(f"{how}: {stopped}, {'its results written' if written else 'no results written'}", signum) from None
+            results = "its results written" if written else "no results written"
+            raise Terminated(f"{how}: {stopped}, {results}", signum, written) from None
         finally:
             board.close()
 

@@ -24,9 +24,10 @@ class Terminated(WorkerFailure):
     """A signal ended the run (SIGTERM, or Ctrl-C's SIGINT); the front door stopped what it
     started. Exit code 128 + the signal's number, as a shell reports a process it killed."""
 
-    def __init__(self, message: str, signum: int = signal.SIGTERM) -> None:
+    def __init__(self, message: str, signum: int = signal.SIGTERM, results_written: bool = False) -> None:
         super().__init__(message)
         self.signum = signum
+        self.results_written = results_written  # it came in the workers' teardown: the run's results stand
 
     @property
     def exit_code(self) -> int:

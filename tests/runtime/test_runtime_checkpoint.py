@@ -72,17 +72,17 @@ def runs(tmp_path_factory) -> dict[str, dict[str, Path]]:
 @pytest.mark.parametrize("damage", ["a rank file deleted", "the model states cut short"])
 def test_a_damaged_checkpoint_is_refused_before_any_worker_starts(runs, tmp_path, damage):
     source = tmp_path / "source"
-    shutil.copytree(runs["ddp_zero3"]["stopped"], source)
+    shutil.copytree(runs["megatron_tp2_pp2"]["stopped"], source)
     step = source / CHECKPOINT_DIR / f"step{STOP}"
     if damage == "a rank file deleted":
         (step / "ranks" / "rank3.pt").unlink()
         named = r"ranks/rank3\.pt is missing \(the manifest lists \d+ bytes\)"
     else:
-        (states,) = step.glob("engines/*/state/mp_rank_00_model_states.pt")
+        states = sorted(step.glob("engines/*/state/mp_rank_00_model_states.pt"))[0]
         states.write_bytes(states.read_bytes()[:1000])
         named = rf"{re.escape(str(states.relative_to(step)))} has 1000 bytes, the manifest \d+"
     run_dir = tmp_path / "resumed"
-    result = run_cli(*CASES["ddp_zero3"], f"train.steps={STEPS}", f"train.resume={source}", f"hydra.run.dir={run_dir}")
+    result = run_cli(*CASES["megatron_tp2_pp2"], f"train.steps={STEPS}", f"train.resume={source}", f"hydra.run.dir={run_dir}")
     assert result.returncode == 2, result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
     damaged = rf"error: train\.resume={re.escape(str(source))}: its checkpoint {re.escape(str(step))} is damaged: "
