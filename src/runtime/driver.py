@@ -46,8 +46,8 @@ from src.program import Collective, Compute, Instruction, Recv, Send, Wait
 from src.report.files import SUMMARY_FILE
 from src.runtime.errors import Terminated, TerminateSignal, WorkerFailure, signal_line
 from src.runtime.lifeline import BEAT_S, BOARD_ENV, DOOR_ENV, DONE, TRAINING, Beat, Board
-from src.runtime.op_build import build_in_door
-from src.runtime.processes import signals_end_the_run
+from src.runtime.op_build import build_in_door, lock_wait
+from src.runtime.processes import descendants, signals_end_the_run
 from src.runtime.worker import ERRORS_DIR
 
 POLL_S = 0.1
@@ -162,7 +162,8 @@ def launch(run_dirs: list[Path], world: int, backend: TorchBackendSpec) -> None:
 def _starting(board: Board, procs: list) -> str:
     """How the workers' start goes, for its progress lines."""
     if len(procs) < board.world:
-        return f"the forkserver imports torch and DeepSpeed ({len(procs)} of {board.world} workers forked)"
+        waiting = lock_wait(list(descendants()))
+        return f"the forkserver {waiting or 'imports torch and DeepSpeed'} ({len(procs)} of {board.world} workers forked)"
     states = [board.read(rank).state for rank in range(board.world)]
     joined = sum(state >= TRAINING for state in states)
     return f"{joined} of {board.world} ranks training; the others join the group and build their units"

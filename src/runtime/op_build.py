@@ -34,7 +34,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import IO, Callable, Iterator
+from typing import IO, Callable, Iterable, Iterator
 
 from src.progress import heartbeat, say
 from src.runtime.processes import descendants
@@ -116,6 +116,21 @@ def build_activity() -> str:
     if any(argv and Path(argv[0]).name == "ninja" for argv in running):
         return "ninja is running"
     return "probing the compiler, or loading the built op"
+
+
+def lock_wait(pids: Iterable[int]) -> str | None:
+    """'waits for DeepSpeed's op build lock (held by pid 42)' if one of `pids` has the lock
+    file open while another process's pid is in it (the holder writes its pid once it has
+    the lock): what a forkserver or worker that makes no progress is doing."""
+    path = op_cache_dir() / LOCK_FILE
+    holder = _holder(path) if path.exists() else ""
+    if not holder.startswith("pid ") or int(holder[4:]) in pids:
+        return None
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            if any(os.readlink(fd.path) == str(path) for fd in os.scandir(f"/proc/{pid}/fd")):
+                return f"waits for DeepSpeed's op build lock {path} (held by {holder})"
+    return None
 
 
 def _built(cache: Path, op: str) -> bool:

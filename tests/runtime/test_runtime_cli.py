@@ -40,6 +40,16 @@ def test_a_tiny_clip_trains_for_real_and_reports_like_the_simulator(clip_run):
     assert summary["peak_flops_source"].startswith("measured")
     for name in ("resolved.yaml", "trace.json", "plan.json", "run.json"):
         assert (tmp_path / name).exists()
+    assert not (tmp_path / ".error.reserve").exists()  # the room kept for error.txt, given back
+
+
+def test_every_progress_line_of_a_real_start_is_in_run_log(clip_run):
+    """However many the machine's speed makes (the workers' start speaks every 15 s, its
+    first line after 3 s): each one printed is in run.log too."""
+    result, run_dir = clip_run
+    progress = [line for line in result.stderr.splitlines() if re.match(r"^[^\[]+ \[\d+ s\]: ", line)]
+    log = (run_dir / "run.log").read_text()
+    assert all(f"[progress][INFO] - {line}" in log for line in progress), (progress, log[-2000:])
 
 
 def test_a_written_plan_runs_again_with_the_same_losses(clip_run, tmp_path):
