@@ -2,11 +2,13 @@
 preset lies within them; a figure no real device has (1e-30 FLOP/s, 1 B/s of memory
 bandwidth) is one line naming the figure, its bounds and how to lift them for a what-if
 study; a count past the size bounds is refused before anything is built; a scalar where a
-mapping goes is named."""
+mapping goes is named. (src.fuzz sends such values through Hydra's parser.)"""
 
 from __future__ import annotations
 
+import functools
 import time
+from typing import Any
 
 import pytest
 
@@ -19,52 +21,67 @@ from src.models.registry import build_model
 from src.setup import validate
 
 
+@functools.cache
+def _preset(name: str) -> dict[str, Any]:
+    return composed([f"cluster={name}"])["cluster"]
+
+
+def _cluster(**figures: Any) -> dict[str, Any]:
+    """p3_16xlarge's config with `figures` set (peak_flops_<precision> sets one peak)."""
+    config = {**_preset("p3_16xlarge"), "peak_flops": dict(_preset("p3_16xlarge")["peak_flops"])}
+    for key, value in figures.items():
+        if key.startswith("peak_flops_"):
+            config["peak_flops"][key.removeprefix("peak_flops_")] = value
+        else:
+            config[key] = value
+    return config
+
+
 @pytest.mark.parametrize("cluster", options("cluster"))
 def test_every_preset_is_within_the_bounds(cluster: str) -> None:
-    cluster_from_config(composed([f"cluster={cluster}"])["cluster"])
+    cluster_from_config(_preset(cluster))
 
 
 @pytest.mark.parametrize(
-    "override,line",
+    "figures,line",
     [
         (
-            "cluster.peak_flops.fp16=1e-30",
+            {"peak_flops_fp16": 1e-30},
             r"^cluster\.peak_flops\.fp16=1e-30 FLOP/s is outside 1e\+08 to 1e\+17 FLOP/s \(.+; cluster p3_16xlarge\); "
             r"a what-if study of such a device: \+cluster\.what_if=true$",
         ),
-        ("cluster.memory_bandwidth=1", r"^cluster\.memory_bandwidth=1 B/s is outside 1e\+08 to 1e\+14 B/s \("),
-        ("cluster.inter_latency=5", r"^cluster\.inter_latency=5 s is outside 0 to 0\.1 s \("),
-        ("cluster.intra_bandwidth=1e20", r"^cluster\.intra_bandwidth=1e\+20 B/s is outside 1e\+06 to 1e\+13 B/s \("),
-        ("cluster.nodes=99999999999999999999", r"^cluster p3_16xlarge: 99999999999999999999 nodes x 8 devices, .+ 1048576 devices"),
+        ({"memory_bandwidth": 1}, r"^cluster\.memory_bandwidth=1 B/s is outside 1e\+08 to 1e\+14 B/s \("),
+        ({"inter_latency": 5}, r"^cluster\.inter_latency=5 s is outside 0 to 0\.1 s \("),
+        ({"intra_bandwidth": 1e20}, r"^cluster\.intra_bandwidth=1e\+20 B/s is outside 1e\+06 to 1e\+13 B/s \("),
+        ({"nodes": 99999999999999999999}, r"^cluster p3_16xlarge: 99999999999999999999 nodes x 8 devices, .+ 1048576 devices"),
     ],
 )
-def test_a_figure_no_device_has_is_one_line_naming_it(override: str, line: str) -> None:
+def test_a_figure_no_device_has_is_one_line_naming_it(figures: dict[str, Any], line: str) -> None:
     with pytest.raises(ConfigError, match=line):
-        cluster_from_config(composed([override])["cluster"])
+        cluster_from_config(_cluster(**figures))
 
 
 def test_a_what_if_study_lifts_the_physical_bounds_not_the_checks() -> None:
-    spec = cluster_from_config(composed(["cluster.peak_flops.fp16=1e-30", "+cluster.what_if=true"])["cluster"])
-    assert spec.peak_flops["fp16"] == 1e-30
+    assert cluster_from_config(_cluster(peak_flops_fp16=1e-30, what_if=True)).peak_flops["fp16"] == 1e-30
     with pytest.raises(ConfigError, match=r"cluster\.memory_bandwidth must be positive"):
-        cluster_from_config(composed(["cluster.memory_bandwidth=-1", "+cluster.what_if=true"])["cluster"])
+        cluster_from_config(_cluster(memory_bandwidth=-1, what_if=True))
     with pytest.raises(ConfigError, match=r"^cluster\.what_if must be true or false, got 'yes'"):
-        cluster_from_config(composed(["+cluster.what_if=yes"])["cluster"])
+        cluster_from_config(_cluster(what_if="yes"))
 
 
 @pytest.mark.parametrize(
-    "override,line",
+    "figures,line",
     [
         (
-            "cluster.peak_flops=1e15",
+            {"peak_flops": 1e15},
             r"^cluster\.peak_flops is a group of settings, got 1000000000000000\.0; set one entry of it, e\.g\. cluster\.peak",
         ),
-        ("cluster.sources=3", r"^cluster\.sources is a group of settings, got 3; "),
+        ({"sources": 3}, r"^cluster\.sources is a group of settings, got 3; "),
     ],
 )
-def test_a_scalar_where_a_mapping_goes_is_named(override: str, line: str) -> None:
+def test_a_scalar_where_a_mapping_goes_is_named(figures: dict[str, Any], line: str) -> None:
     with pytest.raises(ConfigError, match=line):
-        cluster_from_config(composed([override])["cluster"])
+        cluster_from_config(_cluster(**figures))
 
 
 @pytest.mark.parametrize(
