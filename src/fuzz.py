@@ -11,7 +11,9 @@ through Hydra's parser and composition as the front door's does (src.run: its on
 refusal of what Hydra cannot compose, its check of the composed groups), then the door's
 own steps in process (validate, plan, simulate, write the run directory); and each draw is
 checked against the promise of every run: it ends with a one-line refusal
-(ConfigError/SimulationError: exit 2) or with a summary whose 0 < MFU <= 1, whose
+(ConfigError/SimulationError: exit 2), with no progress line ahead of it unless it is the
+finding of a search that ran past src.progress.FIRST_CPU_S of CPU ("refused late": no plan
+fits, after strategy=auto priced every strategy), or with a summary whose 0 < MFU <= 1, whose
 breakdown adds up to the iteration time on every rank, and whose plan fits the devices'
 memory; nothing else escapes (a traceback); a run that used more than SAY_AFTER_S of CPU
 prints progress on stderr, and none stays silent for QUIET_MAX_S. A run still going at
@@ -109,7 +111,9 @@ QUIET_MAX_S = 60.0  # and never stays silent longer than this
 @dataclass
 class Outcome:
     overrides: list[str]
-    status: str  # ok | refused | broken (a traceback, a summary that breaks a promise) | long | slow | silent
+    # ok | refused | refused late (after a search's progress lines) | broken (a traceback, a
+    # summary that breaks a promise, a progress line before a refusal of little work) | long | slow | silent
+    status: str
     seconds: float
     detail: str = ""
 
@@ -270,7 +274,10 @@ def run_draw(overrides: list[str], limit_s: float) -> Outcome:
         status = "silent"
         detail = f"{seconds:.1f} s ({cpu:.1f} s CPU), {silence:.1f} s of it without a line on stderr (last: {last[0]})"
     if status == "refused" and stderr.arrivals:
-        status, detail = "broken", f"progress lines before the refusal: {''.join(stderr.text)!r}; {detail}"
+        # Checks refuse before any progress line; a search that finds no plan refuses after
+        # the lines of its work (past FIRST_CPU_S of CPU: the same on any machine).
+        status = "refused late" if cpu > FIRST_CPU_S else "broken"
+        detail = f"after {cpu:.1f} s of CPU and its progress lines ({len(stderr.arrivals)}): {detail}"
     return Outcome(overrides, status, seconds, detail)
 
 
@@ -291,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit-s", type=float, default=60.0)
     args = parser.parse_args(argv)
     outcomes = fuzz(args.draws, args.seed, args.limit_s, progress=True)
-    counts = {s: sum(o.status == s for o in outcomes) for s in ("ok", "refused", "long", "broken", "slow", "silent")}
+    counts = {s: sum(o.status == s for o in outcomes) for s in ("ok", "refused", "refused late", "long", "broken", "slow", "silent")}
     print(
         f"{args.draws} draws (seed {args.seed}): "
         + ", ".join(f"{n} {s}" for s, n in counts.items())
