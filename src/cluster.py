@@ -17,7 +17,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import yaml
 
-from src.errors import ConfigError, reject_unknown
+from src.bounds import WHAT_IF, check_cluster
+from src.errors import ConfigError, expect_mapping, reject_unknown
 
 GIB = 1024**3
 MIB = 1024**2
@@ -379,7 +380,9 @@ def cluster_from_config(cfg: Mapping[str, Any]) -> ClusterSpec:
     """Build and validate a ClusterSpec from the `cluster` config group."""
     name = cfg.get("name", "?")
     stated = [f.name for f in dataclasses.fields(ClusterSpec) if f.name not in ("ring_protocols", "tree_protocols")]
-    reject_unknown(cfg, stated + ["devices", "profile", "collectives"], "cluster key(s)")
+    reject_unknown(cfg, stated + ["devices", "profile", "collectives", WHAT_IF], "cluster key(s)")
+    for key, example in (("peak_flops", "peak_flops.bf16=312e12"), ("sources", "sources.memory_gib='datasheet'")):
+        expect_mapping(cfg.get(key) or {}, f"cluster.{key}", f"cluster.{example}")
     cfg, profile_note = with_host_profile(cfg)
     for key in ("nodes", "devices_per_node", "nics"):
         value = cfg.get(key)
@@ -414,7 +417,7 @@ def cluster_from_config(cfg: Mapping[str, Any]) -> ClusterSpec:
     sources = {str(k): str(v) for k, v in dict(cfg.get("sources") or {}).items()}
     if profile_note:
         sources["profile"] = profile_note
-    return ClusterSpec(
+    spec = ClusterSpec(
         name=str(name),
         device=str(cfg.get("device")),
         nodes=int(cfg["nodes"]),
@@ -435,6 +438,8 @@ def cluster_from_config(cfg: Mapping[str, Any]) -> ClusterSpec:
         collective_measurements=tuple(measured_collectives(str(m), name) for m in _names(cfg.get("collective_measurements"), name)),
         **{key: float(cfg[key]) for key in FLOAT_FIELDS},
     )
+    check_cluster(spec, cfg.get(WHAT_IF, False))
+    return spec
 
 
 def _oversubscription(table: Any, cluster: str) -> dict[int, float]:

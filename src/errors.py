@@ -36,3 +36,10 @@ def reject_unknown(cfg: Mapping[str, Any], allowed: Iterable[str], what: str) ->
     unknown = sorted(set(cfg) - allowed)
     if unknown:
         raise ConfigError(f"unknown {what} {unknown}; valid: {sorted(allowed)}")
+
+
+def expect_mapping(value: Any, key: str, example: str) -> None:
+    """A scalar or a list where a group of settings goes (`cluster.peak_flops=1e15`) is
+    named, with how to set one entry instead (`example`)."""
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{key} is a group of settings, got {value!r}; set one entry of it, e.g. {example}")

@@ -3,16 +3,23 @@
     python -m src.fuzz [--draws 2000] [--seed 0] [--limit-s 60]
 
 A draw picks a model, a strategy and a cluster and sets a few knobs (node count, batch,
-precision, cluster constants, the strategy's degrees and options, a model's size) to
-values a user might type: sensible ones, zeros, negatives, strings, NaN and infinity,
-huge numbers, a list where one value goes and one value where a list or a mapping goes.
-It runs the simulator's front door in process (the composed config, validate, plan,
-simulate, write the run directory) and checks the promise of every run: it ends with a
-one-line refusal (ConfigError/SimulationError: exit 2) or with a summary whose 0 < MFU <=
-1, whose breakdown adds up to the iteration time on every rank, and whose plan fits the
-devices' memory; nothing else escapes (a traceback); a run longer than SAY_AFTER_S prints
-progress on stderr, and none stays silent for QUIET_MAX_S. A run still going at
-`limit_s` is stopped: `long` if it was printing progress, `slow` if it was silent. The
+precision, cluster constants and peaks, the strategy's degrees and options, a model's
+sizes) to values a user might type: sensible ones, zeros, negatives, strings, NaN and
+infinity, huge numbers (past any index), a list where one value goes and one value where a
+list or a mapping goes, a group or a key removed (`~train.seed`). The command line goes
+through Hydra's parser and composition as the front door's does (src.run: its one-line
+refusal of what Hydra cannot compose, its check of the composed groups), then the door's
+own steps in process (validate, plan, simulate, write the run directory); and each draw is
+checked against the promise of every run: it ends with a one-line refusal
+(ConfigError/SimulationError: exit 2), with no progress line ahead of it unless it is the
+finding of a search that ran past src.progress.FIRST_CPU_S of CPU ("refused late": no plan
+fits, after strategy=auto priced every strategy), or with a summary whose 0 < MFU <= 1, whose
+breakdown adds up to the iteration time on every rank, and whose plan fits the devices'
+memory; nothing else escapes (a traceback); a run that used more than SAY_AFTER_S of CPU
+prints progress on stderr, and none stays silent for QUIET_MAX_S. A run still going at
+`limit_s` is stopped: `long` if it was printing progress, `slow` if it was silent. Both
+times leave out the time a busy machine kept the draw waiting for a CPU, as src.progress
+does (run it with `nice` on a shared machine: the verdicts stay those of a quiet one). The
 test suite runs a few hundred draws; this script runs thousands.
 """
 
@@ -20,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import functools
 import io
 import math
@@ -32,23 +38,33 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from src.config import composed
 from src.errors import ConfigError
+from src.progress import FIRST_CPU_S, scheduled
 from src.report import JobInfo
 from src.sim.engine import SimulationError
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 
 NAN, INF = float("nan"), float("inf")
-NODES = [1, 1, 2, 4, 8, 16, 3, 0, -2, "abc", 10**6, INF, [2]]
-BATCHES = [None, 1, 8, 64, 96, 512, 1536, 0, -5, "x", 10**9, NAN, [8, 16]]
+HUGE = 99999999999999999999  # past any index (2^63)
+NODES = [1, 1, 2, 4, 8, 16, 3, 0, -2, "abc", 10**6, HUGE, INF, [2]]
+BATCHES = [None, 1, 8, 64, 96, 512, 1536, 0, -5, "x", 10**9, HUGE, NAN, [8, 16]]
 PRECISIONS = ["auto", "fp32", "bf16", "fp16", "int4", ["fp32"]]
-DEGREES = [None, 1, 2, 4, 8, 3, 0, -1, "two", 10**6, INF, NAN, [2, 2]]
+DEGREES = [None, 1, 2, 4, 8, 3, 0, -1, "two", 10**6, HUGE, INF, NAN, [2, 2]]
 # Cluster constants a user overrides to try a machine (any preset has them).
-CONSTANTS = [NAN, INF, -INF, -1.0, 0.0, 1e-30, 1e30, [1.0]]
-CLUSTER_KNOBS = ["inter_bandwidth", "intra_bandwidth", "inter_latency", "memory_gib", "gemm_max_efficiency", "kernel_overhead_s"]
+CONSTANTS = [NAN, INF, -INF, -1.0, 0.0, 1e-30, 1.0, 1e30, HUGE, [1.0]]
+CLUSTER_KNOBS = [
+    "inter_bandwidth",
+    "intra_bandwidth",
+    "inter_latency",
+    "memory_gib",
+    "memory_bandwidth",
+    "gemm_max_efficiency",
+    "kernel_overhead_s",
+]
 # Strategy knobs a user types, with the values to draw (others keep their defaults).
 KNOBS: dict[str, list[Any]] = {
     "tp": DEGREES,
@@ -68,18 +84,36 @@ KNOBS: dict[str, list[Any]] = {
     "llm": [None, 2, [1], {"pp": 4}, {"tp": INF}],
     "encoder": [None, 1, {"tp": 2}],
 }
-# Model sizes past any cluster (a GPT of 100 000 layers) and malformed ones.
-MODEL_KNOBS: dict[str, list[Any]] = {"layers": [100_000, 10**9, NAN, 0, [4]], "hidden": [10**7, INF, -64, [64]]}
+# Model sizes past any cluster (a GPT of 100 000 layers), past any index, and malformed ones.
+SIZES = [100_000, 10**9, HUGE, NAN, 0, [4]]
+MODEL_KNOBS: dict[str, list[Any]] = {"layers": SIZES, "hidden": [10**7, 10**6, HUGE, INF, -64, [64]]}
+TOWERS = ("vision", "text")  # the contrastive models' sub-groups
+# Whole groups and keys removed or replaced by one value: the config's shape broken.
+SHAPES = [
+    "~train.seed",
+    "~train",
+    "~model.name",
+    "~strategy.name",
+    "~cluster.memory_gib",
+    "~cluster.peak_flops",
+    "train=5",
+    "run=3",
+    "cluster.collectives=3",
+    "cluster.peak_flops=1e15",
+    "cluster.peak_flops=[1e15]",
+]
 EXIT_REFUSED = (ConfigError, SimulationError)
 FAILED = ("broken", "slow", "silent")
-SAY_AFTER_S = 5.0  # a run longer than this prints progress
+SAY_AFTER_S = FIRST_CPU_S + 2.0  # a run that used more CPU than this prints progress
 QUIET_MAX_S = 60.0  # and never stays silent longer than this
 
 
 @dataclass
 class Outcome:
     overrides: list[str]
-    status: str  # ok | refused | broken (a traceback, a summary that breaks a promise) | long | slow | silent
+    # ok | refused | refused late (after a search's progress lines) | broken (a traceback, a
+    # summary that breaks a promise, a progress line before a refusal of little work) | long | slow | silent
+    status: str
     seconds: float
     detail: str = ""
 
@@ -93,25 +127,37 @@ def _composed(model: str, strategy: str, cluster: str) -> dict[str, Any]:
     return composed([f"model={model}", f"strategy={strategy}", f"cluster={cluster}", "logger=none"])
 
 
-def draw(rng: random.Random) -> tuple[dict[str, Any], list[str]]:
-    """A composed config with a few knobs set, and the command line that says so."""
+def draw(rng: random.Random) -> list[str]:
+    """A command line: a model, a strategy and a cluster, with a few knobs set."""
     model, strategy, cluster = (rng.choice(options(g)) for g in ("model", "strategy", "cluster"))
-    config = copy.deepcopy(_composed(model, strategy, cluster))
+    config = _composed(model, strategy, cluster)
     overrides = [f"model={model}", f"strategy={strategy}", f"cluster={cluster}"]
-    knobs: list[tuple[str, str, Sequence[Any]]] = [
-        ("cluster", "nodes", NODES),
-        ("train", "global_batch", BATCHES),
-        ("train", "precision", PRECISIONS),
-        ("cluster", rng.choice(CLUSTER_KNOBS), CONSTANTS),
+    knobs: list[tuple[str, Sequence[Any]]] = [
+        ("cluster.nodes", NODES),
+        ("train.global_batch", BATCHES),
+        ("train.precision", PRECISIONS),
+        (f"cluster.{rng.choice(CLUSTER_KNOBS)}", CONSTANTS),
+        (f"cluster.peak_flops.{rng.choice(sorted(config['cluster']['peak_flops']))}", CONSTANTS),
+        ("", SHAPES),
     ]
-    knobs += [("strategy", key, values) for key, values in KNOBS.items() if key in config["strategy"]]
-    knobs += [("model", key, values) for key, values in MODEL_KNOBS.items() if key in config["model"]]
-    for group, key, values in rng.sample(knobs, k=rng.randint(0, min(3, len(knobs)))):
+    knobs += [(f"strategy.{key}", values) for key, values in KNOBS.items() if key in config["strategy"]]
+    knobs += [(f"model.{key}", values) for key, values in MODEL_KNOBS.items() if key in config["model"]]
+    knobs += [(f"model.{tower}.{key}", values) for tower in TOWERS for key, values in MODEL_KNOBS.items() if tower in config["model"]]
+    knobs += [(f"model.{tower}", [4, [2]]) for tower in TOWERS if tower in config["model"]]
+    for key, values in rng.sample(knobs, k=rng.randint(0, min(3, len(knobs)))):
         value: Any = rng.choice(values)
-        config[group][key] = value
-        overrides.append(f"{group}.{key}={_typed(value)}")
-    config["run"]["name"] = f"{model}-{strategy}-{cluster}"
-    return config, overrides
+        overrides.append(value if not key else f"{'+' if _absent(config, key) else ''}{key}={_typed(value)}")
+    return overrides
+
+
+def _absent(config: dict[str, Any], key: str) -> bool:
+    """Whether `key` (dotted) is not in the composed config: Hydra adds it with a `+`."""
+    node: Any = config
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return True
+        node = node[part]
+    return False
 
 
 def _typed(value: Any) -> str:
@@ -128,21 +174,29 @@ def _typed(value: Any) -> str:
 
 
 class _Lines(io.TextIOBase):
-    """stderr of a run: when each line arrived, for the progress check."""
+    """stderr of a run: when each line arrived, for the progress check, on a clock that
+    leaves out the time the machine kept the run waiting for a CPU (a busy machine
+    stretches a silence that the run could not have filled)."""
 
     def __init__(self) -> None:
-        self.start = time.perf_counter()
+        self.start = self._clock()
         self.arrivals: list[float] = []
         self.text: list[str] = []
 
+    def _clock(self) -> float:
+        return time.perf_counter() - scheduled()[1]
+
     def write(self, text: str) -> int:
-        now = time.perf_counter() - self.start
+        now = self._clock() - self.start
         self.arrivals += [now] * text.count("\n")
         self.text.append(text)
         return len(text)
 
-    def longest_silence(self, end: float) -> float:
-        marks = [0.0, *self.arrivals, end]
+    def elapsed(self) -> float:
+        return self._clock() - self.start
+
+    def longest_silence(self) -> float:
+        marks = [0.0, *self.arrivals, self.elapsed()]
         return max(b - a for a, b in zip(marks, marks[1:]))
 
 
@@ -150,8 +204,18 @@ class _TooSlow(Exception):
     pass
 
 
-def _alarm(signum: int, frame: Any) -> None:
-    raise _TooSlow()
+def _stop_at(limit_s: float, clock: _Lines) -> Callable[[int, Any], None]:
+    """SIGALRM's handler: the draw stops once `clock` (its time less the time the machine
+    kept it waiting for a CPU) reaches `limit_s`; before that, the timer is set again."""
+
+    def alarm(signum: int, frame: Any) -> None:
+        left = limit_s - clock.elapsed()
+        if left > 0:
+            signal.setitimer(signal.ITIMER_REAL, left)
+            return
+        raise _TooSlow()
+
+    return alarm
 
 
 def check(summary: dict[str, Any], config: dict[str, Any]) -> str:
@@ -169,13 +233,15 @@ def check(summary: dict[str, Any], config: dict[str, Any]) -> str:
     return ""
 
 
-def run_draw(config: dict[str, Any], overrides: list[str], limit_s: float) -> Outcome:
-    from src.run import execute
+def run_draw(overrides: list[str], limit_s: float) -> Outcome:
+    """One command line through the front door's steps, in process: its composition by
+    Hydra, the composed groups' check, validate, plan, simulate, write the run directory."""
+    from src.run import compose_config, config_of, execute
 
-    start = time.perf_counter()
-    previous = signal.signal(signal.SIGALRM, _alarm)
-    signal.setitimer(signal.ITIMER_REAL, limit_s)
+    start, start_cpu = time.perf_counter(), time.process_time()
     stderr = _Lines()
+    previous = signal.signal(signal.SIGALRM, _stop_at(limit_s, stderr))
+    signal.setitimer(signal.ITIMER_REAL, limit_s)
     try:
         # The console's tables of hundreds of runs would bury the findings; stderr is kept
         # to see whether a long run said what it was doing.
@@ -184,6 +250,7 @@ def run_draw(config: dict[str, Any], overrides: list[str], limit_s: float) -> Ou
             contextlib.redirect_stdout(io.StringIO()),
             contextlib.redirect_stderr(stderr),
         ):
+            config = config_of(compose_config([*overrides, "logger=none"]))
             summary = execute(config, Path(run_dir), JobInfo(run_name=config["run"]["name"]))
         problem = check(summary, config)
         status, detail = ("broken", problem) if problem else ("ok", "")
@@ -200,11 +267,17 @@ def run_draw(config: dict[str, Any], overrides: list[str], limit_s: float) -> Ou
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
-    seconds = time.perf_counter() - start
-    silence = stderr.longest_silence(seconds)
-    if status in ("ok", "refused", "long") and (silence > QUIET_MAX_S or (seconds > SAY_AFTER_S and not stderr.arrivals)):
+    seconds, cpu = time.perf_counter() - start, time.process_time() - start_cpu
+    silence = stderr.longest_silence()
+    if status in ("ok", "refused", "long") and (silence > QUIET_MAX_S or (cpu > SAY_AFTER_S and not stderr.arrivals)):
         last = "".join(stderr.text).strip().splitlines()[-1:] or ["nothing"]
-        status, detail = "silent", f"{seconds:.1f} s, {silence:.1f} s of it without a line on stderr (last: {last[0]})"
+        status = "silent"
+        detail = f"{seconds:.1f} s ({cpu:.1f} s CPU), {silence:.1f} s of it without a line on stderr (last: {last[0]})"
+    if status == "refused" and stderr.arrivals:
+        # Checks refuse before any progress line; a search that finds no plan refuses after
+        # the lines of its work (past FIRST_CPU_S of CPU: the same on any machine).
+        status = "refused late" if cpu > FIRST_CPU_S else "broken"
+        detail = f"after {cpu:.1f} s of CPU and its progress lines ({len(stderr.arrivals)}): {detail}"
     return Outcome(overrides, status, seconds, detail)
 
 
@@ -212,8 +285,7 @@ def fuzz(draws: int, seed: int, limit_s: float, progress: bool = False) -> list[
     rng = random.Random(seed)
     outcomes = []
     for index in range(draws):
-        config, overrides = draw(rng)
-        outcomes.append(run_draw(config, overrides, limit_s))
+        outcomes.append(run_draw(draw(rng), limit_s))
         if progress and (index + 1) % 50 == 0:
             print(f"{index + 1}/{draws} draws", file=sys.stderr, flush=True)
     return outcomes
@@ -226,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit-s", type=float, default=60.0)
     args = parser.parse_args(argv)
     outcomes = fuzz(args.draws, args.seed, args.limit_s, progress=True)
-    counts = {s: sum(o.status == s for o in outcomes) for s in ("ok", "refused", "long", "broken", "slow", "silent")}
+    counts = {s: sum(o.status == s for o in outcomes) for s in ("ok", "refused", "refused late", "long", "broken", "slow", "silent")}
     print(
         f"{args.draws} draws (seed {args.seed}): "
         + ", ".join(f"{n} {s}" for s, n in counts.items())

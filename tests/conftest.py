@@ -55,8 +55,9 @@ def cli_env() -> dict[str, str]:
     return env
 
 
-def run_cli(*overrides: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """`python -m src.run <overrides>` from the repository root; stdout/stderr captured."""
+def run_cli(*overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`python -m src.run <overrides>` from the repository root; stdout/stderr captured (`timeout`:
+    a guard against a hang, not a check of speed: a loaded machine takes its time)."""
     return subprocess.run(
         [sys.executable, "-m", "src.run", *overrides], cwd=REPO_ROOT, env=cli_env(), capture_output=True, text=True, timeout=timeout
     )

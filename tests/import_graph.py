@@ -25,6 +25,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "foundation",
         (
             "src.errors",
+            "src.bounds",
             "src.progress",
             "src.collector",
             "src.mesh",
@@ -39,7 +40,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("descriptions", ("src.models", "src.costmodel", "src.program", "src.schedules", "src.data")),
     (
         "measures and backends",
-        ("src.metrics", "src.report", "src.plan_io", "src.sim", "src.runtime", "src.runtime.modules"),
+        ("src.metrics", "src.report", "src.write_failures", "src.plan_io", "src.sim", "src.runtime", "src.runtime.modules"),
     ),
     ("planners", ("src.strategies", "src.strategies.*")),
     ("front door", ("src.setup",)),

@@ -1,8 +1,9 @@
-"""Random command lines over the whole config space (src.fuzz), a fixed seed: each ends in
-a one-line refusal or in a summary that keeps every promise (0 < MFU <= 1, a breakdown
-that adds up, a plan that fits memory); none raises anything else, none stays silent
-past the limit or runs over 5 s without a progress line. `python -m src.fuzz --draws 5000`
-runs thousands of draws."""
+"""Random command lines over the whole config space (src.fuzz), through Hydra's parser as the
+front door reads them, a fixed seed: each ends in a one-line refusal with no progress line
+ahead of it, or in a summary that keeps every promise (0 < MFU <= 1, a breakdown that adds
+up, a plan that fits memory); none raises anything else, none stays silent past the limit
+or works past src.fuzz.SAY_AFTER_S of CPU without a progress line.
+`python -m src.fuzz --draws 5000` runs thousands of draws."""
 
 from __future__ import annotations
 

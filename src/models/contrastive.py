@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from src.bounds import MAX_LAYERS
 from src.errors import ConfigError
 from src.models.blocks import feature_head, text_layers, vit_layers
 from src.models.layers import contrastive_layer, embedding_layer, head_layer, transformer_layer
@@ -91,7 +92,7 @@ def default_heads(hidden: int) -> int:
 
 def _tower(opts: Options, preset: Tower, tiny: bool) -> tuple[int, int, int]:
     """(layers, hidden, heads) of one tower: the preset unless model.<tower>.* overrides."""
-    layers = opts.positive_int("layers", preset.layers)
+    layers = opts.positive_int("layers", preset.layers, MAX_LAYERS)
     hidden = opts.positive_int("hidden", preset.hidden)
     heads = opts.positive_int("heads", TINY_HEADS if tiny else default_heads(hidden))
     divisible(opts, "hidden", hidden, opts.key("heads"), heads)

@@ -13,6 +13,7 @@ model.kv_heads. The Llama 3 presets default to its 8192-token pre-training seque
 
 from __future__ import annotations
 
+from src.bounds import MAX_LAYERS, MAX_SIZE
 from src.errors import ConfigError
 from src.models.blocks import DecoderPreset, decoder_unit
 from src.models.options import Options, divisible
@@ -44,7 +45,6 @@ STYLES = ("gpt", "llama")
 DEFAULT_PRESET = "gpt_5b"
 GPT_DEFAULT_BATCH = 2048  # Par4D §VI: batches of 4M tokens = 2048 sequences of 2048
 CUSTOM_KEYS = ("layers", "hidden", "heads", "vocab")
-MAX_LAYERS = 100_000
 
 
 def build_gpt(opts: Options, seq_len: int | None) -> ModelSpec:
@@ -56,12 +56,10 @@ def build_gpt(opts: Options, seq_len: int | None) -> ModelSpec:
             f"model.preset=null needs a custom size: set model.{', model.'.join(missing)} (or a preset: {', '.join(GPT_PRESETS)})"
         )
     # Each key overrides the preset's value.
-    layers, hidden, heads, vocab = (opts.positive_int(key, None if base is None else getattr(base, key)) for key in CUSTOM_KEYS)
-    if layers > MAX_LAYERS:  # checked before a spec per layer is built: 10^9 of them fill the machine's memory
-        raise ConfigError(
-            f"{opts.key('layers')}={layers}: at most {MAX_LAYERS} layers (the deepest presets have 126); every layer is planned "
-            f"and simulated one by one"
-        )
+    layers, hidden, heads, vocab = (
+        opts.positive_int(key, None if base is None else getattr(base, key), MAX_LAYERS if key == "layers" else MAX_SIZE)
+        for key in CUSTOM_KEYS
+    )
     style = opts.choice("style", STYLES, "gpt" if base is None else base.style)
     ffn = opts.positive_int("ffn", 4 * hidden if base is None or base.ffn is None else base.ffn)
     kv_heads = opts.positive_int("kv_heads", heads if base is None or base.kv_heads is None else base.kv_heads)

@@ -11,6 +11,7 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from src.bounds import MAX_SIZE, check_count
 from src.errors import ConfigError
 
 
@@ -45,12 +46,14 @@ class Options:
             return None
         return self.choice(name, choices, default)
 
-    def positive_int(self, name: str, default: int | None = None) -> int:
+    def positive_int(self, name: str, default: int | None = None, maximum: int = MAX_SIZE) -> int:
+        """A positive integer of at most `maximum` (src.bounds: a count that fits memory)."""
         value = self.raw(name, default)
         if value is None:
             raise ConfigError(f"{self.key(name)} is required: give a positive integer")
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ConfigError(f"{self.key(name)}={value!r} must be a positive integer")
+        check_count(self.key(name), value, maximum)
         return value
 
     def number(self, name: str, default: float, low: float, high: float, why: str = "") -> float:

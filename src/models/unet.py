@@ -17,6 +17,7 @@ The batch of 2048 images is a training setting (train.global_batch), not a model
 
 from __future__ import annotations
 
+from src.bounds import MAX_LAYERS, check_count
 from src.errors import ConfigError
 from src.models.conv import GROUPNORM_GROUPS, conv_layer, resblock_layer, spatial_attention_layer, time_embedding_layer, upsample_layer
 from src.models.options import Options, divisible, no_seq_len
@@ -80,7 +81,7 @@ def build_unet(opts: Options, seq_len: int | None) -> ModelSpec:
     preset = opts.preset("preset", UNET_CHANNELS, DEFAULT_PRESET)
     channels = opts.positive_int("channels", None if preset is None else UNET_CHANNELS[preset])
     image = opts.positive_int("image_size", 32)
-    res_blocks = opts.positive_int("res_blocks", 3)
+    res_blocks = opts.positive_int("res_blocks", 3, MAX_LAYERS)
     heads = opts.positive_int("heads", 4)
     mult = opts.raw("channel_mult", [1, 2, 2, 2])
     attention_res = opts.raw("attention_resolutions", [16, 8])
@@ -91,6 +92,8 @@ def build_unet(opts: Options, seq_len: int | None) -> ModelSpec:
             or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values)
         ):
             raise ConfigError(f"{opts.key(key)}={values!r} must be a non-empty list of positive integers")
+        for value in values:
+            check_count(opts.key(key), value)
     divisible(opts, "channels", channels, "GroupNorm groups", GROUPNORM_GROUPS)
     divisible(opts, "image_size", image, "2^(levels-1) of model.channel_mult", 2 ** (len(mult) - 1))
     # Attention uses `heads` heads at every width (a multiple of the base channels).

@@ -95,6 +95,16 @@ class RunFiles:
 
     def _append(self, line: Mapping[str, Any]) -> None:
         # Opened per line: each record is on disk as soon as it is logged (a crashed run
-        # keeps its steps) and no handle outlives the run.
-        with writing(self.metrics_path), open(self.metrics_path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(line) + "\n")
+        # keeps its steps) and no handle outlives the run. Unbuffered: a line the disk
+        # refused is cut off again (a truncation needs no space) and nothing of it is left
+        # to a buffer's flush on close, so that the lines before it stay readable.
+        data = memoryview((json.dumps(line) + "\n").encode())
+        with writing(self.metrics_path), open(self.metrics_path, "ab", buffering=0) as f:
+            whole = f.tell()
+            try:
+                while data:
+                    data = data[f.write(data) :]
+            except OSError:
+                with contextlib.suppress(OSError):  # not a file that truncates (a device): the error stands
+                    os.truncate(self.metrics_path, whole)
+                raise

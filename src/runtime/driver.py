@@ -7,15 +7,22 @@ itself costs seconds of start-up. GPU workers start as fresh processes (`python 
 src.runtime.worker`), since CUDA must not be touched in a process that forks.
 Each worker runs in its own session so that stopping it stops whatever it started.
 
+Before the first worker starts, the door builds DeepSpeed's CPU op if this environment
+has none yet (runtime.op_build: minutes, once), saying what the build does; then it says
+how the workers' start goes (the forkserver's imports, the ranks joining) until every rank
+trains.
+
 What ends a run early, and the one line it ends with:
 - a worker fails: the others are stopped at once, and the error line of the rank that
   failed first is raised (its peers' failures are consequences; their tracebacks are in
-  their log files, errors/rank<r>.log);
+  their log files, errors/rank<r>.log). The line comes through the heartbeat board
+  (runtime.lifeline), which needs no disk space;
 - a rank stops making progress (runtime.lifeline: its heartbeat stops, e.g. SIGSTOP):
   after a third of backend.timeout_s (at least STALL_BEATS beats), before any peer's collective times out, it is named
   with its last instruction and every worker is stopped;
-- Ctrl-C, or SIGTERM to the front door: every worker is stopped (SIGTERM: a WorkerFailure
-  the door writes to error.txt, exit code 143);
+- Ctrl-C, or SIGTERM to the front door: every worker is stopped, and the door says where
+  the run was (Terminated, exit code 130 or 143), in whatever phase: the op build, the
+  workers' start, a step, their teardown;
 - SIGKILL to the front door: each worker sees its door die (runtime.lifeline), writes
   error.txt and kills itself within a beat, and the forkserver leaves with its parent.
 """
@@ -28,21 +35,23 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Sequence
 
 from src.config import TorchBackendSpec
 from src.plan_io import read_plan
+from src.progress import heartbeat
 from src.program import Collective, Compute, Instruction, Recv, Send, Wait
-from src.runtime.errors import Terminated, WorkerFailure
+from src.report.files import SUMMARY_FILE
+from src.runtime.errors import Terminated, TerminateSignal, WorkerFailure, signal_line
 from src.runtime.lifeline import BEAT_S, BOARD_ENV, DOOR_ENV, DONE, TRAINING, Beat, Board
+from src.runtime.op_build import build_in_door, lock_wait
+from src.runtime.processes import descendants, signals_end_the_run
 from src.runtime.worker import ERRORS_DIR
 
 POLL_S = 0.1
-KILL_GRACE_S = 5.0
+KILL_GRACE_S = 2.0  # SIGTERM ends a worker at once (its default action): a grace for what it started
 BOARD_FILE = ".lifeline"  # the workers' heartbeats, in the first run directory while they run
 STALL_SHARE = 1 / 3  # of backend.timeout_s: a rank silent this long is named before a peer's collective times out
 STALL_BEATS = 4  # and at least this many missed beats: a tiny backend.timeout_s must not name a rank between two beats
@@ -123,43 +132,70 @@ def start_worker(run_dirs: list[Path], env: dict[str, str], backend: TorchBacken
 def launch(run_dirs: list[Path], world: int, backend: TorchBackendSpec) -> None:
     """Run `world` workers on this machine until all finish (over each run directory in
     turn, as its plan.json and run.json say); raise WorkerFailure if one fails or stalls,
-    Terminated on SIGTERM."""
+    Terminated on SIGTERM or Ctrl-C."""
     port = free_port()
-    board = Board(run_dirs[0] / BOARD_FILE, world)
-    lifeline = {BOARD_ENV: str(board.path), DOOR_ENV: str(os.getpid())}
     procs: list[ForkedWorker | subprocess.Popen] = []
-    try:
-        with _sigterm_raises():
-            try:
+    with signals_end_the_run():
+        board = Board(run_dirs[0] / BOARD_FILE, world)
+        try:
+            if _cpu_workers(backend):
+                build_in_door()  # before the forkserver, which loads it: its build is said and stopped here
+            lifeline = {BOARD_ENV: str(board.path), DOOR_ENV: str(os.getpid())}
+            with heartbeat(f"starting {world} workers", at_once=True, detail=lambda: _starting(board, procs)):
                 for rank in range(world):
                     procs.append(start_worker(run_dirs, {**worker_env(rank, world, port, backend), **lifeline}, backend))
-                # A rank not beating yet counts from here: the forkserver's imports are behind it.
-                _watch(procs, run_dirs, board, time.monotonic_ns(), backend)
-            except (KeyboardInterrupt, _SigTerm):
-                stop(procs)
-                raise
-    except _SigTerm:
-        raise Terminated(f"terminated by SIGTERM {_where(board)}: all {world} workers stopped, no results written") from None
-    finally:
-        board.close()
+                started = time.monotonic_ns()  # a rank not beating yet counts from here: the forkserver's imports are behind it
+                _wait_until_training(procs, run_dirs, board, started, backend)
+            _watch(procs, run_dirs, board, started, backend)
+        except (KeyboardInterrupt, TerminateSignal) as signalled:
+            stop(procs)
+            how, signum = signal_line(signalled, _doing(board, procs))
+            stopped = f"all {world} workers stopped" if procs else "no worker had started"
+            # Their teardown: the run's results are whole (rank 0 writes summary.json last).
+            written = all((run_dir / SUMMARY_FILE).exists() for run_dir in run_dirs)
+            results = "its results written" if written else "no results written"
+            raise Terminated(f"{how}: {stopped}, {results}", signum, written) from None
+        finally:
+            board.close()
+
+
+def _starting(board: Board, procs: list) -> str:
+    """How the workers' start goes, for its progress lines."""
+    if len(procs) < board.world:
+        waiting = lock_wait(list(descendants()))
+        return f"the forkserver {waiting or 'imports torch and DeepSpeed'} ({len(procs)} of {board.world} workers forked)"
+    states = [board.read(rank).state for rank in range(board.world)]
+    joined = sum(state >= TRAINING for state in states)
+    return f"{joined} of {board.world} ranks training; the others join the group and build their units"
+
+
+def _wait_until_training(procs: list, run_dirs: list[Path], board: Board, started: int, backend: TorchBackendSpec) -> None:
+    """Watch the workers until every rank trains (or has finished): the start's progress."""
+    while not all(board.read(rank).state >= TRAINING for rank in range(board.world)):
+        if _check(procs, run_dirs, board, started, backend):
+            return
+        time.sleep(POLL_S)
 
 
 def _watch(procs: list, run_dirs: list[Path], board: Board, started: int, backend: TorchBackendSpec) -> None:
-    stall_ns = int(max(backend.timeout_s * STALL_SHARE, STALL_BEATS * BEAT_S) * 1e9)
-    while True:
-        codes = [p.poll() for p in procs]
-        if any(c not in (None, 0) for c in codes):
-            stalled = _stalled(procs, board, started, int(STALE_S * 1e9))
-            stop(procs)
-            line = _stall_line(run_dirs, *stalled, backend) if stalled else _first_failure(run_dirs, codes)
-            raise WorkerFailure(line)
-        if all(c == 0 for c in codes):
-            return
-        stalled = _stalled(procs, board, started, stall_ns)
-        if stalled:
-            stop(procs)
-            raise WorkerFailure(_stall_line(run_dirs, *stalled, backend))
+    while not _check(procs, run_dirs, board, started, backend):
         time.sleep(POLL_S)
+
+
+def _check(procs: list, run_dirs: list[Path], board: Board, started: int, backend: TorchBackendSpec) -> bool:
+    """True once every worker finished; WorkerFailure (all stopped) if one failed or stalls."""
+    codes = [p.poll() for p in procs]
+    if any(c not in (None, 0) for c in codes):
+        stalled = _stalled(procs, board, started, int(STALE_S * 1e9))
+        stop(procs)
+        raise WorkerFailure(_stall_line(run_dirs, *stalled, backend) if stalled else _first_failure(run_dirs, board, codes))
+    if all(c == 0 for c in codes):
+        return True
+    stalled = _stalled(procs, board, started, int(max(backend.timeout_s * STALL_SHARE, STALL_BEATS * BEAT_S) * 1e9))
+    if stalled:
+        stop(procs)
+        raise WorkerFailure(_stall_line(run_dirs, *stalled, backend))
+    return False
 
 
 def _stalled(procs: list, board: Board, started: int, limit_ns: int) -> tuple[int, Beat, float] | None:
@@ -201,33 +237,15 @@ def describe(instruction: Instruction) -> str:
     return f"wait for {instruction.handle}"
 
 
-def _where(board: Board) -> str:
-    """'during step 3' (the furthest rank's), or what the workers were doing."""
+def _doing(board: Board, procs: list) -> str:
+    """'in step 3' (the furthest rank's), or what the workers were doing."""
     beats = [board.read(rank) for rank in range(board.world)]
     steps = [b.step for b in beats if b.state == TRAINING]
-    return f"during step {max(steps)}" if steps else f"while its workers were {max(beats, key=lambda b: b.state).doing()}"
-
-
-class _SigTerm(BaseException):
-    """SIGTERM reached the driver while it watched its workers."""
-
-
-@contextmanager
-def _sigterm_raises() -> Iterator[None]:
-    """SIGTERM raises _SigTerm in the driver (the main thread) while workers run, so that
-    it stops them instead of dying and leaving them to train on."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum: int, frame: object) -> None:
-        raise _SigTerm
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    if steps:
+        return f"in step {max(steps)}"
+    if not procs:
+        return "starting its workers"
+    return f"its workers were {max(beats, key=lambda b: b.state).doing()}"
 
 
 def stop(procs: Sequence[ForkedWorker | subprocess.Popen]) -> None:
@@ -253,29 +271,21 @@ def _signal(proc: ForkedWorker | subprocess.Popen, sig: int) -> None:
         pass
 
 
-def _first_failure(run_dirs: list[Path], codes: list[int | None]) -> str:
+def _first_failure(run_dirs: list[Path], board: Board, codes: list[int | None]) -> str:
     """The error line of the rank that failed first, from the exit codes seen before the
     driver stopped anyone. A worker killed by a signal wrote nothing, and its peers fail
-    on the broken connection after it: it comes first. Else the earliest error file (a
-    worker writes its line as it fails, before it leaves the process group whose closed
-    connections its peers then fail on)."""
+    on the broken connection after it: it comes first. Else the earliest line on the board
+    (a worker writes its line as it fails, before it leaves the process group whose closed
+    connections its peers then fail on), with where its traceback is, if it is a failure
+    of the run and its log could be written."""
+    lines = {rank: written for rank in range(len(codes)) if (written := board.error_line(rank)) is not None}
     for rank, code in enumerate(codes):
-        if code is not None and code < 0 and _error_file(run_dirs, rank) is None:
+        if code is not None and code < 0 and rank not in lines:
             return f"rank {rank}: worker killed by signal {signal.Signals(-code).name} (exit code {code})"
-    paths = [(rank, path) for rank in range(len(codes)) if (path := _error_file(run_dirs, rank)) is not None]
-    written = [(path.stat().st_mtime_ns, rank, path) for rank, path in paths]
-    if written:
-        path = min(written)[2]
-        line = path.read_text().strip()
-        trace = path.with_suffix(".log")
-        return line if WorkerFailure(line).exit_code == 2 or not trace.exists() else f"{line} (traceback: {trace})"
+    if lines:
+        rank = min(lines, key=lambda r: lines[r][0])
+        line = lines[rank][1]
+        traces = [trace for run_dir in run_dirs if (trace := run_dir / ERRORS_DIR / f"rank{rank}.log").exists()]
+        return line if WorkerFailure(line).exit_code == 2 or not traces else f"{line} (traceback: {traces[0]})"
     rank = next(r for r, c in enumerate(codes) if c not in (None, 0))
     return f"rank {rank}: worker exited with code {codes[rank]}"
-
-
-def _error_file(run_dirs: list[Path], rank: int) -> Path | None:
-    for run_dir in run_dirs:
-        path = run_dir / ERRORS_DIR / f"rank{rank}.txt"
-        if path.exists():
-            return path
-    return None

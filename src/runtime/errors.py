@@ -21,8 +21,42 @@ class WorkerFailure(RuntimeError):
 
 
 class Terminated(WorkerFailure):
-    """The front door was sent SIGTERM while its workers ran; it stopped them."""
+    """A signal ended the run (SIGTERM, or Ctrl-C's SIGINT); the front door stopped what it
+    started. Exit code 128 + the signal's number, as a shell reports a process it killed."""
+
+    def __init__(self, message: str, signum: int = signal.SIGTERM, results_written: bool = False) -> None:
+        super().__init__(message)
+        self.signum = signum
+        self.results_written = results_written  # it came in the workers' teardown: the run's results stand
 
     @property
     def exit_code(self) -> int:
-        return 128 + signal.SIGTERM
+        return 128 + self.signum
+
+
+class TerminateSignal(BaseException):
+    """SIGTERM reached the front door: raised in its main thread wherever it is (as Ctrl-C
+    raises KeyboardInterrupt), so that it stops what it started and says where it was
+    (`doing`: what the process was doing when the signal came, src.progress.doing)."""
+
+    def __init__(self, doing: str | None = None) -> None:
+        super().__init__(doing)
+        self.doing = doing
+
+
+class InterruptSignal(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) reached the front door: as TerminateSignal."""
+
+    def __init__(self, doing: str | None = None) -> None:
+        super().__init__(doing)
+        self.doing = doing
+
+
+def signal_line(signalled: BaseException, default: str) -> tuple[str, int]:
+    """How a run ended by `signalled` (a signal's exception, or a bare KeyboardInterrupt)
+    begins its line, 'terminated by SIGTERM while planning ...' (`default`: what it was
+    doing when the exception does not say), and the signal."""
+    doing = getattr(signalled, "doing", None) or default
+    if isinstance(signalled, TerminateSignal):
+        return f"terminated by SIGTERM while {doing}", signal.SIGTERM
+    return f"interrupted by Ctrl-C (SIGINT) while {doing}", signal.SIGINT

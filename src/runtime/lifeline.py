@@ -8,7 +8,9 @@ it is as it goes: its run, its step and the instruction it runs (the executor, p
 instruction: one store into the mapped slot). A rank whose beat stops (a stopped process,
 SIGSTOP or a debugger; a process hung with the interpreter's lock held) is named by the
 driver with its last instruction, within backend.timeout_s, before any peer's collective
-times out (runtime.driver).
+times out (runtime.driver). A failing worker writes its error line into the board too
+(`failed`): the board's pages were allocated when the driver made it, so the line reaches
+the driver on a full disk, where no file can be written.
 
 The same thread watches the front door's process through a pidfd (which no later process
 reusing the pid can answer for): when the door dies (SIGKILL, a crash), the worker writes
@@ -32,17 +34,19 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from src.report.files import ERROR_FILE
+from src.report.files import writing
+from src.write_failures import write_error_file
 
 PR_SET_PDEATHSIG = 1  # prctl(2)
 BOARD_ENV = "MMDIST_BOARD"  # the board's path, set by the driver
 DOOR_ENV = "MMDIST_DOOR_PID"  # the front door's pid, set by the driver
 BEAT_S = 0.5
 SLOT_WORDS = 8  # int64 words per rank: a 64-byte slot
-BEAT, STATE, RUN, STEP, INSTRUCTION = range(5)  # word offsets in a slot
+BEAT, STATE, RUN, STEP, INSTRUCTION, FAILED = range(6)  # word offsets in a slot (FAILED: when its error line was written)
+LINE_BYTES = 1024  # each rank's error line, after all the slots
 # What a rank is doing (STATE): its step and instruction mean something while TRAINING.
 IDLE, STARTING, TRAINING, SAVING, REPORTING, DONE = range(6)
-DOING = {STARTING: "starting", REPORTING: "writing its results"}
+DOING = {STARTING: "starting", REPORTING: "writing its results", DONE: "leaving"}
 # INSTRUCTION outside the instruction list: a step's batch and barrier; its loss and timing all-reduces.
 BEFORE_INSTRUCTIONS, AFTER_INSTRUCTIONS = -1, -2
 
@@ -72,7 +76,8 @@ class Board:
 
     def __init__(self, path: Path, world: int) -> None:
         self.path, self.world = path, world
-        path.write_bytes(bytes(world * SLOT_WORDS * 8))
+        with writing(path):
+            path.write_bytes(bytes(world * (SLOT_WORDS * 8 + LINE_BYTES)))
         with open(path, "r+b") as file:
             self._map = mmap.mmap(file.fileno(), 0)
         self._words = memoryview(self._map).cast("q")
@@ -80,6 +85,14 @@ class Board:
     def read(self, rank: int) -> Beat:
         base = rank * SLOT_WORDS
         return Beat(*(int(self._words[base + i]) for i in range(INSTRUCTION + 1)))
+
+    def error_line(self, rank: int) -> tuple[int, str] | None:
+        """(when, the line) of the error `rank` wrote, if it wrote one."""
+        when = int(self._words[rank * SLOT_WORDS + FAILED])
+        if not when:
+            return None
+        start = self.world * SLOT_WORDS * 8 + rank * LINE_BYTES
+        return when, bytes(self._map[start : start + LINE_BYTES]).rstrip(b"\0").decode(errors="replace")
 
     def close(self) -> None:
         self._words.release()
@@ -103,8 +116,10 @@ class Lifeline:
         """Map this rank's slot, then beat and watch the door from a daemon thread."""
         self._board = board
         with open(board, "r+b") as file:
-            self._map = mmap.mmap(file.fileno(), SLOT_WORDS * 8 * (rank + 1))
+            self._map = mmap.mmap(file.fileno(), 0)
+        world = len(self._map) // (SLOT_WORDS * 8 + LINE_BYTES)
         self._words = memoryview(self._map).cast("q")[rank * SLOT_WORDS : (rank + 1) * SLOT_WORDS]
+        self._line = world * SLOT_WORDS * 8 + rank * LINE_BYTES
         self.attached, self.rank = True, rank
         self.state(STARTING)
         self._words[BEAT] = time.monotonic_ns()
@@ -138,6 +153,14 @@ class Lifeline:
     def finished(self) -> None:
         self._finished = True
 
+    def failed(self, line: str) -> None:
+        """This rank's error line, for the driver (attached only; no disk space needed)."""
+        if not self.attached:
+            return
+        data = line.encode()[: LINE_BYTES - 1]
+        self._map[self._line : self._line + len(data)] = data
+        self._words[FAILED] = time.monotonic_ns()  # last: the line is whole once this is set
+
     # ---- the thread -------------------------------------------------------------------
     def _watch(self, door_pid: int) -> None:
         door = _pidfd(door_pid)
@@ -159,8 +182,8 @@ class Lifeline:
             if self.rank == 0 and not self._finished and self.run_dir is not None:
                 beat = Beat(0, *(int(self._words[i]) for i in range(STATE, INSTRUCTION + 1)))
                 line = f"the front door (pid {door_pid}) died while rank 0 was {beat.doing()}"
+                write_error_file(self.run_dir, f"{line}: workers stopped, no results written")
                 with contextlib.suppress(OSError):
-                    (self.run_dir / ERROR_FILE).write_text(f"{line}: workers stopped, no results written\n")
                     self._board.unlink(missing_ok=True)  # the door's to remove, had it lived
         # This worker leads its own session (runtime.driver): its group is it and what it started.
         os.killpg(os.getpgrp(), signal.SIGKILL) if os.getpgrp() == os.getpid() else os.kill(os.getpid(), signal.SIGKILL)

@@ -13,6 +13,11 @@ extension builder. Left to their defaults, three things go wrong:
   dies: a baton found while holding the flock is a dead builder's, and is removed;
 - nothing bounds the wait: the flock's wait ends after `wait_s` in one line naming the
   lock file and the process that holds it.
+Every process that loads the op (the front door's build, the forkserver, a worker under a
+launcher, a test) does so through prebuild_ops, under the flock: a baton is a dead
+builder's only if no builder runs without it. A first build runs in the front door
+(`build_in_door`), whose progress lines say how long it has run and what the compiler is
+doing, and whose signals stop it; the forkserver then only loads the op.
 """
 
 from __future__ import annotations
@@ -22,13 +27,17 @@ import errno
 import fcntl
 import hashlib
 import importlib
+import importlib.metadata
 import io
 import logging
 import os
 import sys
 import time
 from pathlib import Path
-from typing import IO, Callable, Iterator
+from typing import IO, Callable, Iterable, Iterator
+
+from src.progress import heartbeat, say
+from src.runtime.processes import descendants
 
 OP = "deepspeed_shm_comm"  # the folder torch's builder gives DeepSpeed's ShareMemCommBuilder
 LOCK_FILE = "build.lock"  # the project's flock, one per cache folder
@@ -53,11 +62,9 @@ def op_cache_dir() -> Path:
     chosen = os.environ.get("TORCH_EXTENSIONS_DIR")
     if chosen:
         return Path(chosen)
-    import deepspeed
-    import torch
-
+    torch, deepspeed = (importlib.metadata.version(package) for package in ("torch", "deepspeed"))  # without importing them
     interpreter = hashlib.sha256(sys.prefix.encode()).hexdigest()[:10]
-    key = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}-deepspeed{deepspeed.__version__}-{interpreter}"
+    key = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch}-deepspeed{deepspeed}-{interpreter}"
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return root / "mmdist" / "torch_extensions" / key
 
@@ -82,6 +89,54 @@ def prebuild_ops(wait_s: float = BUILD_WAIT_S) -> None:
     _loaded = True
 
 
+def build_in_door(wait_s: float = BUILD_WAIT_S) -> None:
+    """In the front door, before it starts CPU workers: build the op if this environment has
+    none yet (or a killed build left it unfinished), saying what the build does while it
+    runs; with the op built, nothing (the forkserver loads it)."""
+    cache = op_cache_dir()
+    if _built(cache, OP) and not (cache / OP / BATON).exists():
+        return
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # gloo workers: no accelerator probe
+    with heartbeat("building DeepSpeed's CPU op, first start only", at_once=True, detail=build_activity):
+        prebuild_ops(wait_s)
+
+
+def build_activity() -> str:
+    """What the op build does now, told by the processes below this one: a compiler's
+    source file, the link, ninja itself, or none (DeepSpeed's probes, the load)."""
+    running = descendants().values()
+    for argv in running:
+        if "-c" in argv:
+            sources = [arg for arg in argv if arg.endswith((".cpp", ".cc", ".c"))]
+            if sources:
+                return f"compiling {Path(sources[0]).name} ({Path(argv[0]).name})"
+    for argv in running:
+        if "-shared" in argv and "-o" in argv[:-1]:
+            return f"linking {Path(argv[argv.index('-o') + 1]).name}"
+    if any(argv and Path(argv[0]).name == "ninja" for argv in running):
+        return "ninja is running"
+    return "probing the compiler, or loading the built op"
+
+
+def lock_wait(pids: Iterable[int]) -> str | None:
+    """'waits for DeepSpeed's op build lock (held by pid 42)' if one of `pids` has the lock
+    file open while another process's pid is in it (the holder writes its pid once it has
+    the lock): what a forkserver or worker that makes no progress is doing."""
+    path = op_cache_dir() / LOCK_FILE
+    holder = _holder(path) if path.exists() else ""
+    if not holder.startswith("pid ") or int(holder[4:]) in pids:
+        return None
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            if any(os.readlink(fd.path) == str(path) for fd in os.scandir(f"/proc/{pid}/fd")):
+                return f"waits for DeepSpeed's op build lock {path} (held by {holder})"
+    return None
+
+
+def _built(cache: Path, op: str) -> bool:
+    return any((cache / op).glob("*.so"))
+
+
 def build_once(cache: Path, op: str, build: Callable[[], object], wait_s: float) -> None:
     """Run `build` (which builds `op` in `cache`, or loads it) under the cache's flock:
     after a bounded wait for it, with a dead builder's baton cleared, and saying so when the
@@ -99,10 +154,10 @@ def build_once(cache: Path, op: str, build: Callable[[], object], wait_s: float)
         lock.flush()
         baton = cache / op / BATON
         if baton.exists():
-            print(f"removing {baton}: a DeepSpeed op build that was killed left it (its builder is gone)", file=sys.stderr, flush=True)
+            say(f"removing {baton}: a DeepSpeed op build that was killed left it (its builder is gone)")
             baton.unlink()
-        if not any((cache / op).glob("*.so")):
-            print(f"building DeepSpeed's CPU op, first start only (a few minutes): {cache / op}", file=sys.stderr, flush=True)
+        if not _built(cache, op):
+            say(f"building DeepSpeed's CPU op, first start only (a few minutes): {cache / op}")
         try:
             build()
         except Exception as err:  # a compiler's or loader's failure, whatever DeepSpeed raises for it
@@ -129,11 +184,7 @@ def _acquire(lock: IO[str], path: Path, wait_s: float) -> None:
             )
         if now - said >= WAIT_LINE_EVERY_S:
             said = now
-            print(
-                f"waiting for DeepSpeed's op build lock {path} ({_holder(path)}), {now - start:.0f} s so far",
-                file=sys.stderr,
-                flush=True,
-            )
+            say(f"waiting for DeepSpeed's op build lock {path} ({_holder(path)}), {now - start:.0f} s so far")
         time.sleep(POLL_S)
 
 

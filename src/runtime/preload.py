@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 
 from src.runtime.lifeline import die_with_parent
 
 die_with_parent()  # first: a door killed while this imports leaves no forkserver behind
+# Ctrl-C reaches the door's whole process group, this forkserver with it: the door stops
+# it (and a KeyboardInterrupt here would print the traceback of an import).
+signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 # Before DeepSpeed's first import: gloo workers use no accelerator (no probe).
 os.environ.setdefault("DS_ACCELERATOR", "cpu")

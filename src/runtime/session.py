@@ -155,7 +155,8 @@ def run_session(run: PlannedRun, settings: RunSettings, run_dir: Path, rank: int
     assert settings.torch is not None, "a worker runs the real backend's settings"
     backend, plan, model, train = settings.torch, run.plan, run.model, run.train
     precision = plan.precision
-    resume = check_resume(settings.checkpoint, run_dir)  # the door checked it; a launcher's worker checks here
+    # The door checked it whole; under a launcher the workers check here, rank 0 its checksums.
+    resume = check_resume(settings.checkpoint, run_dir, checksums=rank == 0 and not LIFELINE.attached)
     first = resume.step if resume is not None else 0
     # ZeRO-3's zero.Init replaces torch.nn.functional.linear for the whole process ("this
     # will persist unless manually reset"): restored below, or every later run of this

@@ -6,11 +6,14 @@ It reads the plan the door wrote, RUN_DIR/plan.json, and how to run it, RUN_DIR/
 torchrun set them, so it runs unchanged under torchrun or srun on several nodes (see
 launchers/; src/prepare.py writes the run directory there). A plan file that is
 missing, truncated, of another version or for another world size is one line and exit
-code 2 before any process group forms. A failure after that is one line in
-RUN_DIR/errors/rank<r>.txt, for the driver to report (and on stderr under a launcher,
-which reports none), and its traceback in RUN_DIR/errors/rank<r>.log; the process group is
-destroyed on every exit (gloo aborts a process that exits with one alive). Under the local
-driver a worker beats, says where it is and dies with the front door (runtime.lifeline).
+code 2 before any process group forms. A failure after that is one line for the driver to
+report, on the heartbeat board (runtime.lifeline: no disk space needed), in
+RUN_DIR/errors/rank<r>.txt and on stderr under a launcher (which reports none), and its
+traceback in RUN_DIR/errors/rank<r>.log, as far as the disk lets them be written; a write
+the disk refused (full, read-only, failing, past `ulimit -f`) is a WriteError naming the
+file. The process group is destroyed on every exit (gloo aborts a process that exits with
+one alive). Under the local driver a worker beats, says where it is and dies with the
+front door (runtime.lifeline).
 Several run directories (same world size) run back to back in one process group, paying
 the start-up (imports, rendezvous) once: small sweeps and the tests use this. A worker is
 named `mmdist-rank<r>` in ps and pgrep.
@@ -18,16 +21,18 @@ named `mmdist-rank<r>` in ps and pgrep.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
-import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
 
 from src.errors import ConfigError
 from src.plan_io import PlannedRun, RunSettings, read_plan, read_settings
+from src.report.files import WriteError
 from src.runtime.lifeline import DONE, LIFELINE, attach_from_env
+from src.write_failures import describe, is_write_failure
 
 ERRORS_DIR = "errors"
 
@@ -69,7 +74,9 @@ def main(run_dirs: list[Path]) -> int:
     try:
         runs = load(run_dirs, world)
     except ConfigError as err:  # before any process group: the launcher's peers fail the same way
-        print(f"error: rank {rank}: {err}", file=sys.stderr, flush=True)
+        LIFELINE.failed(f"rank {rank}: {type(err).__name__}: {err}")
+        if not LIFELINE.attached:
+            print(f"error: rank {rank}: {err}", file=sys.stderr, flush=True)
         return 2
     run_dir = run_dirs[0]
     LIFELINE.start_run(0, run_dir)
@@ -103,7 +110,7 @@ def main(run_dirs: list[Path]) -> int:
     except KeyboardInterrupt:
         return 130
     except BaseException as err:  # one line for the driver; the traceback for whoever reads the log
-        _write_error(run_dir / ERRORS_DIR, rank, err)
+        _report(run_dir, rank, err)
         return 1
     finally:
         # Left only now, after any error is written: leaving closes the connections the
@@ -113,17 +120,42 @@ def main(run_dirs: list[Path]) -> int:
     return 0
 
 
-def _write_error(errors: Path, rank: int, err: BaseException) -> None:
-    line = f"rank {rank}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-    errors.mkdir(exist_ok=True)
-    (errors / f"rank{rank}.log").write_text(traceback.format_exc())
-    path = errors / f"rank{rank}.txt"
-    path.write_text(line + "\n")
-    # The driver orders the ranks' errors by this time: stamped to the nanosecond, as the
-    # file system stamps a write only to its clock tick, which a peer failing on this
-    # rank's closed connection can share.
-    now = time.time_ns()
-    os.utime(path, ns=(now, now))
+def error_line(rank: int, err: BaseException) -> str:
+    """'rank 1: DataError: ...'; a write the disk refused, wherever it was made (ours, torch's,
+    DeepSpeed's), as the WriteError naming its file: the first one, where closing the
+    run's files on the way out failed again."""
+    failures = [e for e in _chain(err) if isinstance(e, WriteError) or is_write_failure(e)]
+    if failures:
+        first = failures[-1]
+        assert isinstance(first, OSError)
+        return f"rank {rank}: {WriteError.__name__}: {first if isinstance(first, WriteError) else describe(first)}"
+    text = str(err)
+    return f"rank {rank}: {type(err).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _chain(err: BaseException) -> list[BaseException]:
+    """`err` and the exceptions it was raised from or while handling."""
+    seen: list[BaseException] = []
+    current: BaseException | None = err
+    while current is not None and current not in seen:
+        seen.append(current)
+        current = current.__cause__ or current.__context__
+    return seen
+
+
+def _report(run_dir: Path, rank: int, err: BaseException) -> None:
+    """The error line on the board first (it needs no disk space), then in files as far as
+    the disk allows; never an exception of its own (it would print a traceback)."""
+    line = error_line(rank, err)
+    LIFELINE.failed(line)
+    errors = run_dir / ERRORS_DIR
+    for name, text in ((f"rank{rank}.log", traceback.format_exc()), (f"rank{rank}.txt", line + "\n")):
+        try:
+            errors.mkdir(exist_ok=True)
+            (errors / name).write_text(text)
+        except OSError:
+            with contextlib.suppress(OSError):
+                (errors / name).unlink(missing_ok=True)  # an empty or cut one would mislead
     if not LIFELINE.attached:  # the local driver reports the first failure; its peers' are consequences
         print(line, file=sys.stderr, flush=True)
 
@@ -131,7 +163,8 @@ def _write_error(errors: Path, rank: int, err: BaseException) -> None:
 def _leave_group() -> None:
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_initialized():
-        dist.destroy_process_group()
+        with contextlib.suppress(Exception):  # a peer gone already: nothing left to leave cleanly
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

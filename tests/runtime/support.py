@@ -154,10 +154,10 @@ def alive(pid: int) -> bool:
         return False
 
 
-def start_door(run_dir: Path, overrides: list[str]) -> subprocess.Popen:
+def start_door(run_dir: Path, overrides: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
     """The front door in a session of its own, as Ctrl-C in a terminal reaches it: SIGINT
-    to its whole process group. The child restores Python's SIGINT handler in case this
-    test runs where SIGINT is ignored."""
+    to its whole process group (`env`: variables of its own). The child restores Python's
+    SIGINT handler in case this test runs where SIGINT is ignored."""
     build_deepspeed_ops()
     start = (
         "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
@@ -166,7 +166,7 @@ def start_door(run_dir: Path, overrides: list[str]) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-c", start, *overrides, "logger=none", f"hydra.run.dir={run_dir}"],
         cwd=REPO_ROOT,
-        env=cli_env(),
+        env={**cli_env(), **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -174,7 +174,7 @@ def start_door(run_dir: Path, overrides: list[str]) -> subprocess.Popen:
     )
 
 
-def wait_for(door: subprocess.Popen, ready: Callable[[], bool], what: str, timeout_s: float = 120) -> None:
+def wait_for(door: subprocess.Popen, ready: Callable[[], bool], what: str, timeout_s: float = 600) -> None:
     """Until `ready()`; the door and all it started killed if it ends or takes too long."""
     deadline = time.monotonic() + timeout_s
     while not ready():

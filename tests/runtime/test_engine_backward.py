@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from src.runtime.driver import free_port
+from tests.runtime.support import build_deepspeed_ops
 
 MICRO_BATCHES, CALLS = 2, 2  # backward calls per micro-batch: a Program's units, one by one
 
@@ -57,7 +58,9 @@ def _deepspeeds(engine, outputs, grads, micro_step) -> None:
 
 def _worker(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # DeepSpeed's CPU op under the project's build lock, as every process loads it: left to
+    # the engine, DeepSpeed's own load would race a build running elsewhere.
+    build_deepspeed_ops()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
         from src.runtime.engines import backward, runs_autograd_backward

@@ -1,17 +1,18 @@
 """DeepSpeed's CPU op build (runtime.op_build): a killed build's baton is cleared, a lock
-held too long ends the wait in one line naming it, a first build says so, and each
-environment has its own cache."""
+held too long ends the wait in one line naming it, a first build says so, a process
+waiting on another's build is told, and each environment has its own cache."""
 
 from __future__ import annotations
 
 import fcntl
+import os
 import subprocess
 import sys
 
 import pytest
 
 from src.runtime import op_build
-from src.runtime.op_build import BATON, LOCK_FILE, OP, OpBuildError, build_once, op_cache_dir
+from src.runtime.op_build import BATON, LOCK_FILE, OP, OpBuildError, build_once, lock_wait, op_cache_dir
 from tests.conftest import REPO_ROOT, cli_env
 
 
@@ -95,3 +96,13 @@ def test_a_stale_baton_no_longer_hangs_a_real_start():
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"removing {baton}" in result.stderr and not baton.exists()
+
+
+def test_a_process_waiting_on_anothers_build_lock_is_told(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / LOCK_FILE
+    lock.write_text("4242\n")  # the holder's pid, as it writes it once it has the lock
+    assert lock_wait([os.getpid()]) is None  # this process has not opened it
+    with open(lock):
+        assert lock_wait([os.getpid()]) == f"waits for DeepSpeed's op build lock {lock} (held by pid 4242)"
+        assert lock_wait([4242, os.getpid()]) is None  # the holder is among them: it builds

@@ -6,12 +6,17 @@ engine per tower), Par4D's grid units (per-rank shards of its own, not DeepSpeed
 Optimus's LLM under the distributed optimizer its plan runs (per-rank shards too) and
 ZeRO-3 (loaded into freshly partitioned parameters). The stopped and the uninterrupted
 runs, then the resumed runs, each run in ONE launch of four workers (test_runtime_faults
-resumes a ddp ZeRO-2 run killed by SIGKILL). Bad input for checkpoints and resume is one
-line before any process starts (the quick tests at the end)."""
+resumes a ddp ZeRO-2 run killed by SIGKILL). A checkpoint damaged after it was sealed (a rank
+file deleted, the model states cut short) is refused by the front door in one line naming
+the file, before any worker starts. Bad input for checkpoints and resume is one line
+before any process starts (the quick tests at the end)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -19,6 +24,7 @@ import pytest
 from src.config import CheckpointSpec
 from src.errors import ConfigError
 from src.runtime.checkpoint import CHECKPOINT_DIR, FORMAT, LATEST, META, VERSION, check_resume
+from tests.conftest import run_cli
 from tests.runtime.support import CLIP, GPT, composed, launch_cases, summary_of
 
 STOP, STEPS = 2, 4
@@ -67,6 +73,29 @@ def runs(tmp_path_factory) -> dict[str, dict[str, Path]]:
     return {name: {kind: dirs[f"{name}/{kind}"] for kind in ("stopped", "whole", "resumed")} for name in CASES}
 
 
+@pytest.mark.slow  # the front door in a process
+@pytest.mark.parametrize("damage", ["a rank file deleted", "the model states cut short"])
+def test_a_damaged_checkpoint_is_refused_before_any_worker_starts(runs, tmp_path, damage):
+    source = tmp_path / "source"
+    shutil.copytree(runs["megatron_tp2_pp2"]["stopped"], source)
+    step = source / CHECKPOINT_DIR / f"step{STOP}"
+    if damage == "a rank file deleted":
+        (step / "ranks" / "rank3.pt").unlink()
+        named = r"ranks/rank3\.pt is missing \(the manifest lists \d+ bytes\)"
+    else:
+        states = sorted(step.glob("engines/*/state/mp_rank_00_model_states.pt"))[0]
+        states.write_bytes(states.read_bytes()[:1000])
+        named = rf"{re.escape(str(states.relative_to(step)))} has 1000 bytes, the manifest \d+"
+    run_dir = tmp_path / "resumed"
+    result = run_cli(*CASES["megatron_tp2_pp2"], f"train.steps={STEPS}", f"train.resume={source}", f"hydra.run.dir={run_dir}")
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    damaged = rf"error: train\.resume={re.escape(str(source))}: its checkpoint {re.escape(str(step))} is damaged: "
+    assert len(lines) == 1 and re.fullmatch(rf"{damaged}{named}; .+", lines[0]), lines
+    assert (run_dir / "error.txt").read_text() == lines[0].removeprefix("error: ") + "\n"
+    assert not (run_dir / "run.json").exists() and not (run_dir / "errors").exists()  # no worker was started
+
+
 def _losses(run_dir: Path) -> list[float]:
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r["loss"] for r in lines if r["type"] == "step"]
@@ -99,12 +128,20 @@ def _run_dir(tmp_path: Path, name: str, overrides: list[str]) -> Path:
     return run_dir
 
 
-def _fake_checkpoint(run_dir: Path, step: int, world_size: int) -> None:
-    """What check_resume reads of a checkpoint: latest and meta.json."""
+def _fake_checkpoint(run_dir: Path, step: int, world_size: int) -> Path:
+    """What check_resume reads of a checkpoint: latest, meta.json and its manifest's files
+    (a rank file each, and an engine's model states)."""
     path = run_dir / CHECKPOINT_DIR / f"step{step}"
-    path.mkdir(parents=True)
-    (path / META).write_text(json.dumps({"format": FORMAT, "version": VERSION, "step": step, "world_size": world_size}))
+    files = {f"ranks/rank{rank}.pt": bytes([rank]) * 100 for rank in range(world_size)}
+    files["engines/vision.rank0/state/mp_rank_00_model_states.pt"] = bytes(range(256)) * 8
+    for relative, data in files.items():
+        (path / relative).parent.mkdir(parents=True, exist_ok=True)
+        (path / relative).write_bytes(data)
+    manifest = {relative: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()} for relative, data in files.items()}
+    meta = {"format": FORMAT, "version": VERSION, "step": step, "world_size": world_size, "files": manifest}
+    (path / META).write_text(json.dumps(meta))
     (run_dir / CHECKPOINT_DIR / LATEST).write_text(path.name)
+    return path
 
 
 DDP = ["backend=torch", "cluster=local", "cluster.devices_per_node=2", "model=clip", "model.scale=tiny", "train.global_batch=8"]
@@ -141,3 +178,35 @@ def test_resuming_from_a_checkpoint_of_another_plan_is_refused(tmp_path):
     other_world = _run_dir(tmp_path, "four", [*DDP, "cluster.devices_per_node=4", "strategy=ddp", "train.steps=4"])
     with pytest.raises(ConfigError, match=r"its checkpoint is of 2 ranks, this plan runs 4$"):
         check_resume(CheckpointSpec(resume=str(source)), other_world)
+
+
+def test_a_damaged_checkpoint_is_refused_naming_its_file(tmp_path):
+    """A file of the manifest deleted, cut short or changed in place: one line naming it."""
+    source = _run_dir(tmp_path, "source", [*DDP, "strategy=ddp", "train.steps=2"])
+    run_dir = _run_dir(tmp_path, "run", [*DDP, "strategy=ddp", "train.steps=4"])
+    spec = CheckpointSpec(resume=str(source))
+    damaged = rf"^train.resume={source}: its checkpoint {source}/checkpoint/step2 is damaged: "
+    path = _fake_checkpoint(source, 2, 2)
+    (path / "ranks" / "rank1.pt").unlink()
+    with pytest.raises(ConfigError, match=damaged + r"ranks/rank1.pt is missing \(the manifest lists 100 bytes\); "):
+        check_resume(spec, run_dir)
+
+    shutil.rmtree(source / CHECKPOINT_DIR)
+    path = _fake_checkpoint(source, 2, 2)
+    states = path / "engines" / "vision.rank0" / "state" / "mp_rank_00_model_states.pt"
+    states.write_bytes(states.read_bytes()[:1000])
+    cut = r"engines/vision.rank0/state/mp_rank_00_model_states.pt has 1000 bytes, the manifest 2048; "
+    with pytest.raises(ConfigError, match=damaged + cut):
+        check_resume(spec, run_dir)
+
+    shutil.rmtree(source / CHECKPOINT_DIR)
+    path = _fake_checkpoint(source, 2, 2)
+    (path / "ranks" / "rank0.pt").write_bytes(bytes([7]) * 100)  # the same size, other bytes
+    with pytest.raises(ConfigError, match=damaged + r"ranks/rank0.pt does not match its checksum \(SHA-256 [0-9a-f]{12}\.\.\., "):
+        check_resume(spec, run_dir)
+    assert check_resume(spec, run_dir, checksums=False).step == 2  # a launcher's worker checks sizes only
+
+    meta = json.loads((path / META).read_text())
+    (path / META).write_text(json.dumps({k: v for k, v in meta.items() if k != "files"}))
+    with pytest.raises(ConfigError, match=rf"^train.resume={source}: {path}/meta.json lists no files \(its manifest is missing\)$"):
+        check_resume(spec, run_dir)

@@ -459,6 +459,8 @@ def test_long_simulations_report_progress_on_stderr(monkeypatch, capsys) -> None
     import src.sim.engine as engine
 
     monkeypatch.setattr(progress, "EVERY_S", 0.0)
+    monkeypatch.setattr(progress, "FIRST_CPU_S", 0.0)  # a task's first line: at once here
+    monkeypatch.setattr(progress, "CHECK_EVERY_S", 0.0)
     monkeypatch.setattr(engine, "PROGRESS_EVENTS", 1)
     program = random_program(3)
     quiet = run(random_program(3))

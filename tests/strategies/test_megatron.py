@@ -320,6 +320,8 @@ def test_long_schedules_hold_the_in_flight_counts_of_their_first_rounds() -> Non
 
 def test_long_searches_report_progress_on_stderr(monkeypatch, capsys) -> None:
     monkeypatch.setattr(progress, "EVERY_S", 0.0)
+    monkeypatch.setattr(progress, "FIRST_CPU_S", 0.0)  # a task's first line: at once here
+    monkeypatch.setattr(progress, "CHECK_EVERY_S", 0.0)
     planner_for("megatron")(request(GPT_SMALL, "perlmutter", 4, 64))
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("megatron search [")]
     assert len(lines) > 2

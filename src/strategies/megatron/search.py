@@ -175,8 +175,9 @@ class MegatronSearch:
             worst = max(need["total"] for need in candidate.memory)
         else:
             virtual = self.virtual_stages(shape, settings)
-            for unit in self.model.units:  # a backend that runs U-Nets whole: on one stage
-                self.request.limits.whole_unet(unit, shape.degrees.tp, sum(s.unit == unit.name for v in virtual for s in v))
+            for unit in self.model.units:  # a backend that runs U-Nets whole: on one stage (a replicated one is whole on each rank)
+                tp = 1 if unit.name in self.opts.replicate else shape.degrees.tp
+                self.request.limits.whole_unet(unit, tp, sum(s.unit == unit.name for v in virtual for s in v))
             key = tuple(tuple(stage) for stage in virtual)
             table = tables.get(key)
             if table is None:
