@@ -307,7 +307,8 @@ def score_headline(headline: Headline, figures: Figures, catalogue: Catalogue) -
         if over and consistent(headline.kind, headline.value, min(over), max(over)):
             scored.status, scored.cause, scored.evidence = CONSISTENT, "unstated", f"{over_range}; {evidence}"
             return scored
-        parts.append(f"{over_range}, short of the paper's value; {evidence}")
+        beyond = "above" if over and min(over) > headline.value.high else "short of"
+        parts.append(f"{over_range}, {beyond} the paper's value; {evidence}")
     scored.status, scored.cause, scored.evidence = MISSES, NOT_EXPLAINED, "; ".join(parts)
     return scored
 
