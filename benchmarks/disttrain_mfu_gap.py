@@ -113,6 +113,7 @@ def main() -> None:
             f"strategy.zero_stage={llm.zero_stage}",
             f"strategy.sequence_parallel={str(llm.sequence_parallel).lower()}",
             f"strategy.vpp={llm.vpp}",
+            "strategy.uneven_pp=true",  # DistTrain cuts its LLM's stages as evenly as they go
         ]
     )
     tables = {name: points(*run) for name, run in runs.items()}
