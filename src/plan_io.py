@@ -112,8 +112,13 @@ def write_plan(run_dir: Path, planned: PlannedRun) -> Path:
         return _write(Path(run_dir) / PLAN_FILE, {**header, **encode(planned, PlannedRun)})
 
 
+def settings_record(settings: RunSettings) -> dict[str, Any]:
+    """run.json's content for `settings`, as a reader of the file gets it back."""
+    return orjson.loads(orjson.dumps({"format": RUN_FORMAT, "version": VERSION, **encode(settings, RunSettings)}))
+
+
 def write_settings(run_dir: Path, settings: RunSettings) -> Path:
-    return _write(Path(run_dir) / RUN_FILE, {"format": RUN_FORMAT, "version": VERSION, **encode(settings, RunSettings)})
+    return _write(Path(run_dir) / RUN_FILE, settings_record(settings))
 
 
 def read_plan(source: Path, world_size: int | None = None) -> PlannedRun:

@@ -11,7 +11,7 @@ from typing import Any
 
 from src.config import TorchBackendSpec
 from src.errors import ConfigError
-from src.plan_io import PlannedRun, RunSettings, write_settings
+from src.plan_io import PlannedRun, RunSettings, settings_record, write_settings
 from src.program import Plan
 from src.report.files import SUMMARY_FILE
 from src.runtime.checkpoint import check_resume
@@ -32,8 +32,8 @@ def ready(planned: PlannedRun, settings: RunSettings, run_dir: Path) -> TorchBac
         raise ConfigError(f"backend={settings.backend} runs no workers: workers need backend=torch")
     check_runnable(planned, backend.data, backend.data_errors)
     check_clipping(planned.plan, planned.model, backend.deepspeed)
-    write_settings(run_dir, settings)  # first: a resume compares this run's settings with its checkpoint's
-    check_resume(settings.checkpoint, run_dir)
+    check_resume(settings.checkpoint, run_dir, settings_record(settings).get("torch", {}))
+    write_settings(run_dir, settings)  # after the checks: a refused run starts no worker and leaves no run.json
     return backend
 
 

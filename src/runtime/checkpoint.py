@@ -83,10 +83,11 @@ class Saved:
     seconds: float
 
 
-def check_resume(spec: CheckpointSpec, run_dir: Path, checksums: bool = True) -> Resume | None:
+def check_resume(spec: CheckpointSpec, run_dir: Path, training: dict[str, Any], checksums: bool = True) -> Resume | None:
     """The checkpoint `spec.resume` names, checked against this run's plan (RUN_DIR/plan.json,
-    written) and its manifest (each file's size, and with `checksums` its SHA-256):
-    ConfigError if there is none, it is damaged, or it cannot serve this plan."""
+    written), its training settings (`training`: run.json's "torch" part, which is written only
+    once the checkpoint passes) and its manifest (each file's size, and with `checksums` its
+    SHA-256): ConfigError if there is none, it is damaged, or it cannot serve this plan."""
     if spec.resume is None:
         return None
     source = Path(spec.resume)
@@ -118,7 +119,8 @@ def check_resume(spec: CheckpointSpec, run_dir: Path, checksums: bool = True) ->
             f"{name}: its checkpoint was saved by another plan (its plan.json differs in {', '.join(differ)}; "
             f"python -m src.plan_diff {source} {run_dir} shows how)"
         )
-    trained = [key for key in TRAINING if _training(run_dir / RUN_FILE).get(key) != _training(source / RUN_FILE).get(key)]
+    saved = _training(source / RUN_FILE)
+    trained = [key for key in TRAINING if training.get(key) != saved.get(key)]
     if trained:
         raise ConfigError(f"{name}: its checkpoint was trained under other {', '.join(f'backend.{key}' for key in trained)} settings")
     steps = _steps(run_dir / PLAN_FILE)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from src.config import TorchBackendSpec
 from src.metrics import iteration_flops, summarize
-from src.plan_io import PlannedRun, RunSettings
+from src.plan_io import PlannedRun, RunSettings, settings_record
 from src.program import Compute, Plan
 from src.report import open_sinks
 from src.runtime.checkpoint import Checkpoints, Resume, Saved, check_resume
@@ -156,7 +156,9 @@ def run_session(run: PlannedRun, settings: RunSettings, run_dir: Path, rank: int
     backend, plan, model, train = settings.torch, run.plan, run.model, run.train
     precision = plan.precision
     # The door checked it whole; under a launcher the workers check here, rank 0 its checksums.
-    resume = check_resume(settings.checkpoint, run_dir, checksums=rank == 0 and not LIFELINE.attached)
+    resume = check_resume(
+        settings.checkpoint, run_dir, settings_record(settings).get("torch", {}), checksums=rank == 0 and not LIFELINE.attached
+    )
     first = resume.step if resume is not None else 0
     # ZeRO-3's zero.Init replaces torch.nn.functional.linear for the whole process ("this
     # will persist unless manually reset"): restored below, or every later run of this

@@ -144,6 +144,7 @@ def _fake_checkpoint(run_dir: Path, step: int, world_size: int) -> Path:
     return path
 
 
+DEFAULTS: dict = {}  # the training settings (run.json's "torch" part) of a run at the defaults: none written
 DDP = ["backend=torch", "cluster=local", "cluster.devices_per_node=2", "model=clip", "model.scale=tiny", "train.global_batch=8"]
 
 
@@ -160,12 +161,12 @@ def test_resuming_from_a_run_without_a_checkpoint_is_refused(tmp_path):
     source = _run_dir(tmp_path, "source", [*DDP, "strategy=ddp", "train.steps=2"])
     run_dir = _run_dir(tmp_path, "run", [*DDP, "strategy=ddp", "train.steps=4"])
     with pytest.raises(ConfigError, match=rf"^train.resume={source}: no checkpoint there \(no {source}/checkpoint/latest; .+\)$"):
-        check_resume(CheckpointSpec(resume=str(source)), run_dir)
+        check_resume(CheckpointSpec(resume=str(source)), run_dir, DEFAULTS)
     _fake_checkpoint(source, 2, 2)
-    assert check_resume(CheckpointSpec(resume=str(source)), run_dir).step == 2  # the same plan: it would resume
+    assert check_resume(CheckpointSpec(resume=str(source)), run_dir, DEFAULTS).step == 2  # the same plan: it would resume
     (source / CHECKPOINT_DIR / "step2" / META).write_text('{"format": "mmdist-checkpoint", "version": 1}')  # cut short
     with pytest.raises(ConfigError, match=rf"^train.resume={source}: {source}/checkpoint/step2/meta.json is not an mmdist checkpoint"):
-        check_resume(CheckpointSpec(resume=str(source)), run_dir)
+        check_resume(CheckpointSpec(resume=str(source)), run_dir, DEFAULTS)
 
 
 def test_resuming_from_a_checkpoint_of_another_plan_is_refused(tmp_path):
@@ -174,10 +175,10 @@ def test_resuming_from_a_checkpoint_of_another_plan_is_refused(tmp_path):
     run_dir = _run_dir(tmp_path, "run", [*DDP, "strategy=ddp", "strategy.zero_stage=1", "train.steps=4"])
     line = rf"^train.resume={source}: its checkpoint was saved by another plan \(its plan.json differs in plan; "
     with pytest.raises(ConfigError, match=line):
-        check_resume(CheckpointSpec(resume=str(source)), run_dir)
+        check_resume(CheckpointSpec(resume=str(source)), run_dir, DEFAULTS)
     other_world = _run_dir(tmp_path, "four", [*DDP, "cluster.devices_per_node=4", "strategy=ddp", "train.steps=4"])
     with pytest.raises(ConfigError, match=r"its checkpoint is of 2 ranks, this plan runs 4$"):
-        check_resume(CheckpointSpec(resume=str(source)), other_world)
+        check_resume(CheckpointSpec(resume=str(source)), other_world, DEFAULTS)
 
 
 def test_a_damaged_checkpoint_is_refused_naming_its_file(tmp_path):
@@ -189,7 +190,7 @@ def test_a_damaged_checkpoint_is_refused_naming_its_file(tmp_path):
     path = _fake_checkpoint(source, 2, 2)
     (path / "ranks" / "rank1.pt").unlink()
     with pytest.raises(ConfigError, match=damaged + r"ranks/rank1.pt is missing \(the manifest lists 100 bytes\); "):
-        check_resume(spec, run_dir)
+        check_resume(spec, run_dir, DEFAULTS)
 
     shutil.rmtree(source / CHECKPOINT_DIR)
     path = _fake_checkpoint(source, 2, 2)
@@ -197,16 +198,16 @@ def test_a_damaged_checkpoint_is_refused_naming_its_file(tmp_path):
     states.write_bytes(states.read_bytes()[:1000])
     cut = r"engines/vision.rank0/state/mp_rank_00_model_states.pt has 1000 bytes, the manifest 2048; "
     with pytest.raises(ConfigError, match=damaged + cut):
-        check_resume(spec, run_dir)
+        check_resume(spec, run_dir, DEFAULTS)
 
     shutil.rmtree(source / CHECKPOINT_DIR)
     path = _fake_checkpoint(source, 2, 2)
     (path / "ranks" / "rank0.pt").write_bytes(bytes([7]) * 100)  # the same size, other bytes
     with pytest.raises(ConfigError, match=damaged + r"ranks/rank0.pt does not match its checksum \(SHA-256 [0-9a-f]{12}\.\.\., "):
-        check_resume(spec, run_dir)
-    assert check_resume(spec, run_dir, checksums=False).step == 2  # a launcher's worker checks sizes only
+        check_resume(spec, run_dir, DEFAULTS)
+    assert check_resume(spec, run_dir, DEFAULTS, checksums=False).step == 2  # a launcher's worker checks sizes only
 
     meta = json.loads((path / META).read_text())
     (path / META).write_text(json.dumps({k: v for k, v in meta.items() if k != "files"}))
     with pytest.raises(ConfigError, match=rf"^train.resume={source}: {path}/meta.json lists no files \(its manifest is missing\)$"):
-        check_resume(spec, run_dir)
+        check_resume(spec, run_dir, DEFAULTS)
