@@ -39,7 +39,7 @@ from torch import nn
 from src.config import ContrastiveSpec, DeepSpeedSpec
 from src.program import Collective, Plan
 from src.runtime.engines import ParallelGroups
-from src.runtime.optimizer import OPTIMIZERS, build_scheduler, exempt_from_decay
+from src.runtime.optimizer import OPTIMIZERS, build_scheduler, parameter_groups
 
 SHARDED = ("reduce_scatter", "all_gather")  # the distributed optimizer's collectives a plan may issue itself
 
@@ -80,12 +80,7 @@ class DistributedOptimizer:
         self.module, self.group, self.replicas = module, groups.dp, len(ranks)
         self.mpu = groups  # as a DeepSpeed engine's (runtime.engines.point_reduction_at reads them)
         spec = settings.optimizer
-        decayed: list[nn.Parameter] = []
-        exempt: list[nn.Parameter] = []
-        for owner in module.modules():
-            for name, param in owner.named_parameters(recurse=False):
-                if param.requires_grad:
-                    (exempt if exempt_from_decay(owner, name, spec.no_decay) else decayed).append(param)
+        decayed, exempt = (group["params"] for group in parameter_groups(module, spec))
         self.params = decayed + exempt
         self.device = self.params[0].device
         self.sizes = [p.numel() for p in self.params]
