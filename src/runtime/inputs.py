@@ -47,6 +47,16 @@ class Batching:
     samples_of: str | None = None
 
 
+def batching(plan: UnitPlan) -> UnitPlan | Batching:
+    """How a rank's samples of the unit are cut from the step's batch: a replicated unit's
+    row shares are its data group's replicas (row_shares.data_group: rows fastest), each taking its
+    share of every micro-batch of its TP group's replica."""
+    shares = plan.row_shares
+    if shares == 1:
+        return plan
+    return Batching(plan.batch_per_replica // shares, plan.micro_batch // shares, plan.num_microbatches, plan.sample_groups)
+
+
 def dataset_for(model: ModelSpec, seed: int, source: str, errors: str = "fail", content: str = "uniform") -> Any:
     """The run's dataset: synthetic from the seed, or tar shards matching `source` (whose
     bad members fail the run, or are left out with errors="skip": backend.data_errors).

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from src.mesh import ROWS, Mesh
 from src.program import UnitPlan
-from src.runtime.inputs import Batching
 
 
 def data_group(mesh: Mesh, rank: int) -> tuple[int, ...]:
@@ -27,13 +26,3 @@ def first_row(plan: UnitPlan, rank: int) -> int:
     """The first row of each micro-batch that `rank` runs of the unit (0 unless replicated)."""
     shares = plan.row_shares
     return plan.mesh.coords(rank).get(ROWS, 0) * (plan.micro_batch // shares) if shares > 1 else 0
-
-
-def batching(plan: UnitPlan) -> UnitPlan | Batching:
-    """How a rank's samples of the unit are cut from the step's batch: a replicated unit's
-    row shares are its data group's replicas (data_group: rows fastest), each taking its
-    share of every micro-batch of its TP group's replica."""
-    shares = plan.row_shares
-    if shares == 1:
-        return plan
-    return Batching(plan.batch_per_replica // shares, plan.micro_batch // shares, plan.num_microbatches, plan.sample_groups)

@@ -39,7 +39,7 @@ from src.runtime.modules.contrastive import CaptionHead, scored_targets
 from src.runtime import step_metrics
 from src.runtime.executor import Executor
 from src.runtime.groups import ProcessGroups
-from src.runtime.inputs import Batches, StepSamples, dataset_for
+from src.runtime.inputs import Batches, StepSamples, batching, dataset_for
 from src.runtime.lifeline import LIFELINE, REPORTING, SAVING, TRAINING
 from src.runtime.modules.parallel import TP
 from src.models.spec import ModelSpec, UnitSpec
@@ -49,7 +49,6 @@ from src.runtime.modules.units import build_units
 from src.runtime.peak import GEMM_SIZES, peak_gemm_flops
 from src.runtime.preprocess import Producer
 from src.runtime.placement import UnitPlacement, placements
-from src.runtime.row_shares import batching
 from src.runtime.timing import StepTimer
 from src.timeline import RankTimeline, Span, Timeline
 

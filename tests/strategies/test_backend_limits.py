@@ -46,13 +46,14 @@ def test_a_unet_stays_whole_for_the_real_backend_and_is_cut_for_the_simulator():
 
 
 def test_an_mllm_s_generator_stays_on_one_stage_merged_where_extra_stages_leave_none():
-    simulated = _plan([*TINY_MLLM, "strategy=megatron"], "sim")
-    real = _plan([*TINY_MLLM, "strategy=megatron"], "torch")
-    assert simulated.unit("generator").pp > 1  # the tiny generator is the largest unit: the one cut
-    assert "modality_stages" not in simulated.details["search"]
-    # Encoder, LLM and a whole generator are 3 extra-style stages, which 4 devices do not take.
+    # Encoder, LLM and a whole generator are 3 extra-style stages, which 2 devices do not take.
+    real = _plan([*TINY_MLLM, "strategy=megatron", "cluster.devices_per_node=2"], "torch")
     assert real.details["search"]["modality_stages"] == "merged (backend=torch runs no extra-stage layout)"
     assert all((real.unit(u).tp, real.unit(u).pp) == (1, 1) for u in ("encoder", "llm", "generator"))
+    # 4 devices take them (the LLM, the backbone, cut in two): the limit leaves the fastest plan as it is.
+    simulated, real = (_plan([*TINY_MLLM, "strategy=megatron"], backend) for backend in ("sim", "torch"))
+    assert [(u.unit, u.tp, u.pp) for u in real.units] == [(u.unit, u.tp, u.pp) for u in simulated.units]
+    assert (real.unit("generator").pp, real.unit("llm").pp) == (1, 2) and "modality_stages" not in real.details["search"]
 
 
 @pytest.mark.parametrize(
