@@ -124,6 +124,10 @@ def test_mllm_encoder_and_generator_are_extra_stages_or_merged() -> None:
     assert merged.unit("generator").details["pipeline_stages"] == [1]
     timeline = simulate(merged.program, build_model(model), request(model, "a800", 8, 64).cluster, "bf16")
     assert timeline.iteration_time > 0
+    # Extra stages that leave the devices no whole pipeline: the refusal says what pp counts and the way out.
+    line = r"^tp x pp = 8 x 3 = 24 does not divide the cluster's 64 devices \(pp includes 2 stages of the modality units under "
+    with pytest.raises(ConfigError, match=line + r"strategy.modality_stages=extra; merged puts them on the LLM's stages\)$"):
+        planner_for("megatron")(request(model, "a800", 8, 64, tp=8, pp=3, micro_batch_size=1))
 
 
 def test_contrastive_models_are_colocated_without_pipelining() -> None:
