@@ -1,6 +1,6 @@
 """Benchmark: how close DistTrain's estimate of its own pick comes to the simulated time,
 on every configuration of DistTrain Figs. 15 and 17 (the presets' DistTrain series, run
-as the figures run them). Target (issue 26): within 5 % on each.
+as the figures run them). Target: within 5 % on each.
 
 The estimate (src/strategies/disttrain/timing.py) times the chosen plan's stages operation
 by operation against the batch's loads; the simulator runs the plan's Program. Planning

@@ -2,7 +2,7 @@
 parallelism, recomputation, distributed optimizer), nothing fixed by hand.
 
 - GPT-175B on 1024 dgx_a100 GPUs, global batch 1536. Target: <= 5 s on a 2-core machine.
-- The two command lines of issue 13 that ran past 60 s: an absurd batch, and a space with
+- Two command lines that once ran past 60 s: an absurd batch, and a space with
   up to 1024 micro-batches per pipeline. Target: a plan or a one-line refusal, <= 60 s.
 
 Prints the search's size (shapes, memory settings tried, fitting candidates, bounds
@@ -36,11 +36,11 @@ CASES = {
             "train.seq_len=2048",
         ],
     ),
-    "MLLM-15B, 3072 GPUs, batch 10^9 (issue 13)": (
+    "MLLM-15B, 3072 GPUs, batch 10^9 (once past 60 s)": (
         60.0,
         ["model=mllm_15b", "cluster=dgx_a100", "strategy.schedule=interleaved", "train.global_batch=1000000000"],
     ),
-    "GPT-175B, 128 H100s, batch 1024, vpp 3, micro-batch 1 (issue 13)": (
+    "GPT-175B, 128 H100s, batch 1024, vpp 3, micro-batch 1 (once past 60 s)": (
         60.0,
         [
             "model=gpt",
