@@ -137,6 +137,28 @@ def test_strategy_options_validate(name: str) -> None:
     options_from(strategy_options(name), config["strategy"])
 
 
+def _same_default(yaml_value: Any, default: Any) -> bool:
+    """A YAML list is a tuple option's value; a per-unit mapping whose settings are all
+    unset is the dataclass's None (no unit's option given)."""
+    if isinstance(yaml_value, dict) and default is None:
+        return all(v is None for v in yaml_value.values())
+    if isinstance(yaml_value, list):
+        return isinstance(default, (list, tuple)) and len(yaml_value) == len(default) and all(map(_same_default, yaml_value, default))
+    return yaml_value == default and type(yaml_value) is type(default)
+
+
+@pytest.mark.parametrize("name", options("strategy"))
+def test_every_strategy_yaml_default_is_its_options_dataclass_default(name: str) -> None:
+    """The YAML file a user reads names every option at the value the planner takes when it is left out."""
+    written = {k: v for k, v in OmegaConf.to_container(OmegaConf.load(CONF / "strategy" / f"{name}.yaml")).items() if k != "name"}
+    fields = {f.name: f for f in dataclasses.fields(strategy_options(name))}
+    assert sorted(written) == sorted(fields), f"strategy/{name}.yaml names {sorted(written)}, its options {sorted(fields)}"
+    for key, field in fields.items():
+        default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+        assert default is not dataclasses.MISSING, f"strategy.{key} has no default in {strategy_options(name).__name__}"
+        assert _same_default(written[key], default), f"strategy/{name}.yaml: {key}={written[key]!r}, its dataclass default {default!r}"
+
+
 @pytest.mark.parametrize("name", options("backend"))
 def test_backend_is_available(name: str) -> None:
     config = compose_config(f"backend={name}")
