@@ -1,4 +1,4 @@
-"""DistTrain's data reordering within one global batch (§6; ALGORITHMS.md §1.6-§1.7).
+"""DistTrain's data reordering within one global batch (§6, Algorithms 2 and 3; docs/strategies.md, DistTrain).
 
 Intra-microbatch reordering (Algorithm 2) balances the samples' sizes over the
 data-parallel groups: greedy number partitioning (LPT), largest first, each sample to the

@@ -119,7 +119,9 @@ def resident(order: list[SyncOp]) -> int:
 def max_contrastive_batch(memory: float, static: float, activation: float, stages: int) -> float:
     """DistMM §5.4: the largest batch DistMM-Pipe's interaction can see, (M·P - M_s)/(2·M_a),
     for memory M per device, static memory M_s and activation memory M_a per sample of the
-    whole model (the paper's intermediate expression has a typo: ALGORITHMS.md §2.5)."""
+    whole model. The paper's intermediate step, (M - M_s/P)/(M_a/(2P)), equals twice this; its
+    final form is what the derivation gives: (M·P - M_s)/M_a samples fit a pipeline, and two
+    K-groups are resident at once, so half of them."""
     return (memory * stages - static) / (2 * activation)
 
 

@@ -18,7 +18,7 @@ tower's backward and gradient reduction), while in the aligned run both wait for
 other's slow phase.
 
 The paper states the optimal-substructure property and a dynamic program over towers and
-devices (ALGORITHMS.md §2.2). With one phase (weight 1) the objective is its recurrence,
+devices (§5.2). With one phase (weight 1) the objective is its recurrence,
 OPT[k][n] = min over n_k of max(OPT[k-1][n - n_k], T_k(n_k)). With several phases a
 single number per (k, n) no longer suffices, since the best plan for towers 1..k-1 depends
 on which phase tower k will dominate; the program keeps instead, per (k, n), the Pareto

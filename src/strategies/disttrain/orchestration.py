@@ -1,4 +1,4 @@
-"""DistTrain's disaggregated model orchestration (§5, Algorithm 1; ALGORITHMS.md §1.2-§1.5).
+"""DistTrain's disaggregated model orchestration (§5, Algorithm 1; docs/strategies.md, DistTrain).
 
 The encoder, the LLM and the generator are units on disjoint GPUs, each with its own TP,
 DP and PP and Megatron-LM's options (profile.Setting: sequence parallelism, the

@@ -1,5 +1,5 @@
 """The Optimus planner (Feng et al., "Optimus: accelerating large-scale multi-modal LLM
-training by bubble exploitation"; spec §3): separate plans for the encoders and the LLM,
+training by bubble exploitation"; docs/strategies.md, Optimus): separate plans for the encoders and the LLM,
 colocated on every device, and the encoders' work scheduled into the LLM's bubbles.
 
 Model planner (§4.1, Algorithm 1):

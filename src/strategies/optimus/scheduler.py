@@ -1,4 +1,4 @@
-"""Optimus's bubble scheduler (Optimus §4.2-4.3, Algorithm 2; spec §3.4-3.5).
+"""Optimus's bubble scheduler (Optimus §4.2-4.3, Algorithm 2; docs/strategies.md, Optimus).
 
 For one encoder plan and one split of the LLM's micro-batches among the encoder pipelines:
 
@@ -12,9 +12,10 @@ For one encoder plan and one split of the LLM's micro-batches among the encoder 
   a kernel goes into a pipeline gap or a TP all-reduce bin only whole; an encoder
   all-reduce never sits in a TP bin: it starts where an LLM compute starts and must end
   within it, and the kernels after it wait for that compute to end. CheckEncLLMDep checks
-  the NEW schedule (the printed Algorithm 2 checks the old one, spec §3.4): sorted encoder
-  finish times EF must stay before the LLM's F_i without delaying the LLM. The loop stops
-  at the first move that fails, as Algorithm 2 does.
+  the NEW schedule (the printed Algorithm 2 checks the old one, a slip: a move is kept
+  only if the schedule it makes is valid): sorted encoder finish times EF must stay
+  before the LLM's F_i without delaying the LLM. The loop stops at the first move that
+  fails, as Algorithm 2 does.
 - OptimizeSchedule(BWD): the same for backwards (the pipeline whose backwards end last; its
   micro-batch whose gradient comes first, placed after B_i, last stage first).
 
