@@ -27,7 +27,7 @@ TORCH_MODULES = (
     "data/test_bad_shards.py",
     "data/test_interleaved_mllm.py",
     "models/test_mllm_tiny.py",
-    "strategies/test_routes.py",
+    "strategies/builders/test_routes.py",
     "test_launchers.py",
 )
 collect_ignore_glob = [] if HAS_TORCH else list(TORCH_MODULES)
@@ -39,7 +39,7 @@ def imports_torch(path: Path) -> bool:
 
 
 # The planners plan serially in tests (Optimus forks its encoder scheduling otherwise): a
-# quick test starts no process; tests/strategies/test_optimus.py checks the parallel path.
+# quick test starts no process; tests/strategies/optimus/test_optimus.py checks the parallel path.
 os.environ["MMDIST_PLAN_WORKERS"] = "1"
 
 CliRunner = Callable[..., subprocess.CompletedProcess]

@@ -13,7 +13,7 @@ from src.mesh import Sharding
 from src.metrics import iteration_flops
 from src.models.registry import build_model
 from src.strategies import planner_for
-from tests.strategies.test_megatron import request
+from tests.strategies.megatron.test_megatron import request
 
 SEQ = 32768
 LONG_GPT = {"name": "gpt", "preset": None, "layers": 8, "hidden": 1024, "heads": 16, "vocab": 32000}

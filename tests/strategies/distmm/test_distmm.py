@@ -17,7 +17,7 @@ from src.setup import Setup, plan_run, validate
 from src.sim.engine import simulate
 from src.strategies.distmm.towers import partition
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 # A tiny pipelined case that runs in milliseconds: both towers cut in two stages, four
 # batch-sync groups of 8 samples.
 TINY_PIPE = [

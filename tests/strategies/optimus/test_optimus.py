@@ -32,7 +32,7 @@ from src.strategies.optimus.scheduler import partitions, spread
 from src.strategies.optimus.timeline import EPS, makespan, warmup_counts
 from src.config import options_from
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 # 64 H100s, GPT-11B + ViT-3B, the LLM's plan by hand (Table 11's model A shape): 32
 # micro-batches per pipeline, eight encoder pipelines (PP_enc 4, TP_enc 1) per LLM pipeline.
 SMALL = [

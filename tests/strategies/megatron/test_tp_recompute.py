@@ -11,7 +11,7 @@ from src.models.registry import build_model
 from src.program import Collective, Compute
 from src.sim.engine import simulate
 from src.strategies import planner_for
-from tests.strategies.test_megatron import GPT_SMALL, request
+from tests.strategies.megatron.test_megatron import GPT_SMALL, request
 
 SEQ, HIDDEN, MICRO, BLOCKS, MICROBATCHES = 2048, 1024, 2, 8, 4
 

@@ -27,7 +27,7 @@ from src.strategies.megatron.search import MegatronSearch
 from src.strategies.megatron.space import Shape, enumerate_space
 from src.strategies.builders.stages import balanced_cuts, linear_chain, pipeline_segments
 
-CONF = Path(__file__).resolve().parents[2] / "conf"
+CONF = Path(__file__).resolve().parents[3] / "conf"
 
 
 def request(model: dict, cluster: str, nodes: int, batch: int, **options) -> PlanRequest:

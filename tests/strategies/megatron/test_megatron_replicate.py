@@ -23,7 +23,7 @@ from src.strategies.megatron.options import MegatronOptions
 from src.strategies.megatron.programs import MegatronSettings, pipeline_program
 from src.strategies.megatron.search import MegatronSearch
 from src.strategies.megatron.space import Shape
-from tests.strategies.test_megatron import GPT_SMALL, request
+from tests.strategies.megatron.test_megatron import GPT_SMALL, request
 
 REPLICATE = ["encoder", "generator"]
 FIXED = {"tp": 8, "pp": 4, "micro_batch_size": 2, "vpp": 1, "recompute": "selective", "zero_stage": 1}

@@ -11,7 +11,7 @@ import pytest
 
 from src.strategies.optimus import planner as optimus_planner
 from src.strategies.optimus.scheduler import BubbleScheduler, Schedule, partitions
-from tests.strategies.test_optimus import MODEL_A, SMALL, candidate, setup
+from tests.strategies.optimus.test_optimus import MODEL_A, SMALL, candidate, setup
 
 
 def from_scratch(sch: BubbleScheduler, schedule: Schedule) -> tuple[float, float, dict[tuple[int, int], int]]:

@@ -10,7 +10,7 @@ from src.program import Collective, Recv
 from src.sim.engine import simulate
 from src.strategies import planner_for
 from src.strategies.builders.stages import StageTransfer, stage_transfer
-from tests.strategies.test_megatron import GPT_SMALL, request
+from tests.strategies.megatron.test_megatron import GPT_SMALL, request
 
 SEQ, HIDDEN, MICRO = 2048, 1024, 2  # GPT_SMALL's boundary: seq x hidden per sample, 2 bytes (bf16)
 FULL = SEQ * HIDDEN * MICRO * 2

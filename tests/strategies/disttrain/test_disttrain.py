@@ -34,7 +34,7 @@ from src.strategies.disttrain.schedule import Chain, chain_orders
 from src.strategies.disttrain.timing import dag_ends
 from src.strategies.disttrain.profile import Profiler, Setting
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 # One 8-GPU node, four sequences: plans in well under a second.
 SMALL = ["model=mllm_9b", "cluster=a800", "cluster.nodes=1", "train.global_batch=4"]
 
