@@ -47,11 +47,18 @@ DATA_ERRORS = ("fail", "skip")  # a bad shard or member fails the run, or is lef
 PREPROCESS = ("inline", "disaggregated")  # DistTrain: batches made by the trainer, or by a producer process beside it
 
 
+def check_positive(name: str, value: Any, optional: bool = False, meaning: str = "") -> None:
+    """A count a user sets (a degree, a batch, a number of chunks): a positive integer, or
+    null where `optional`; else one line naming it (`meaning`: what 1 means, where it says more)."""
+    if (value is None and optional) or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        return
+    raise ConfigError(f"{name} must be a positive integer{' or null' if optional else ''}{meaning}, got {value!r}")
+
+
 def positive_int(cfg: Mapping[str, Any], key: str, prefix: str) -> int:
     value = cfg.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{prefix}.{key} must be a positive integer, got {value!r}")
-    return value
+    check_positive(f"{prefix}.{key}", value)
+    return typing.cast(int, value)
 
 
 def train_from_config(
@@ -66,8 +73,7 @@ def train_from_config(
     contrastive = cfg.get("contrastive_batch")
     if contrastive is None:
         contrastive = global_batch
-    elif isinstance(contrastive, bool) or not isinstance(contrastive, int) or contrastive <= 0:
-        raise ConfigError(f"train.contrastive_batch must be a positive integer, got {contrastive!r}")
+    check_positive("train.contrastive_batch", contrastive)
     if contrastive > global_batch:
         raise ConfigError(f"train.contrastive_batch={contrastive} exceeds train.global_batch={global_batch}")
     seq_len = cfg.get("seq_len")

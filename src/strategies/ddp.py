@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from src.cluster import GIB
-from src.config import options_from
+from src.config import check_positive, options_from
 from src.costmodel.memory import rank_memory
 from src.errors import ConfigError, PlanError
 from src.mesh import Mesh
@@ -77,11 +77,7 @@ class DDPOptions:
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"strategy.zero_stage={self.zero_stage!r}; choose 0, 1, 2 or 3")
         for key in ("micro_batch_size", "prefetch_bucket_size", "max_reuse_distance"):
-            value = getattr(self, key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-                raise ConfigError(
-                    f"strategy.{key} must be a positive integer{' or null' if key == 'micro_batch_size' else ''}, got {value!r}"
-                )
+            check_positive(f"strategy.{key}", getattr(self, key), optional=True)
         threshold = self.param_persistence_threshold
         if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
             raise ConfigError(f"strategy.param_persistence_threshold must be a non-negative integer (elements), got {threshold!r}")

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from src.cluster import GIB
-from src.config import options_from
+from src.config import check_positive, options_from
 from src.costmodel.memory import check_memory_options, memory_ladder, rank_memory
 from src.errors import ConfigError, PlanError
 from src.models.spec import ModelSpec
@@ -65,10 +65,7 @@ class DistMMOptions:
         for key, allowed in (("balance", BALANCE), ("placement", PLACEMENT), ("pipeline", SYNC_SCHEDULES)):
             if getattr(self, key) not in allowed:
                 raise ConfigError(f"strategy.{key}={getattr(self, key)!r}; choose one of {list(allowed)}")
-        if self.microbatches is not None and (
-            isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) or self.microbatches <= 0
-        ):
-            raise ConfigError(f"strategy.microbatches must be a positive integer or null, got {self.microbatches!r}")
+        check_positive("strategy.microbatches", self.microbatches, optional=True)
         if not isinstance(self.use_all_devices, bool):
             raise ConfigError(f"strategy.use_all_devices={self.use_all_devices!r} must be true or false")
         check_memory_options(self.recompute, self.zero_stage, "DistMM shards the optimizer as the baseline does")
@@ -80,8 +77,7 @@ class DistMMOptions:
         if unknown:
             raise ConfigError(f"strategy.{tower} has unknown key(s) {unknown}; valid: {list(TOWER_KEYS)}")
         for key, value in given.items():
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-                raise ConfigError(f"strategy.{tower}.{key} must be a positive integer or null, got {value!r}")
+            check_positive(f"strategy.{tower}.{key}", value, optional=True)
         return {key: given.get(key) for key in TOWER_KEYS}
 
     def settings(self) -> tuple[tuple[str, int], ...]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Mapping
 
 from src.cluster import GIB
-from src.config import options_from
+from src.config import check_positive, options_from
 from src.costmodel.memory import check_memory_options
 from src.data.loads import batch_loads
 from src.errors import ConfigError, PlanError
@@ -53,9 +53,7 @@ class DistTrainOptions:
         for key, allowed in (("orchestration", ORCHESTRATIONS), ("reorder", REORDERS)):
             if getattr(self, key) not in allowed:
                 raise ConfigError(f"strategy.{key}={getattr(self, key)!r}; choose one of {list(allowed)}")
-        chunks = self.tp_overlap_chunks
-        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-            raise ConfigError(f"strategy.tp_overlap_chunks must be a positive integer (1 = no overlap), got {chunks!r}")
+        check_positive("strategy.tp_overlap_chunks", self.tp_overlap_chunks, meaning=" (1 = no overlap)")
         check_memory_options(self.recompute, self.zero_stage, "DistTrain's units run Megatron-LM's distributed optimizer (ZeRO-1)")
 
     def fixed(self, unit: str) -> Fixed:
@@ -66,9 +64,7 @@ class DistTrainOptions:
         if unknown:
             raise ConfigError(f"strategy.{unit} has unknown key(s) {unknown}; valid: {list(UNIT_KEYS)}")
         for key in POSITIVE:
-            value = given.get(key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-                raise ConfigError(f"strategy.{unit}.{key} must be a positive integer or null, got {value!r}")
+            check_positive(f"strategy.{unit}.{key}", given.get(key), optional=True)
         for key in ("sequence_parallel", "scatter_gather"):
             value = given.get(key)
             if value is not None and not isinstance(value, bool):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from src.costmodel.memory import check_memory_options
+from src.config import check_positive
 from src.errors import ConfigError
 from src.models.spec import ModelSpec
 from src.schedules.pipeline import SCHEDULES
@@ -34,9 +35,7 @@ class MegatronOptions:
 
     def __post_init__(self) -> None:
         for key in ("tp", "pp", "dp", "vpp", "micro_batch_size"):
-            value = getattr(self, key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-                raise ConfigError(f"strategy.{key} must be a positive integer, got {value!r}")
+            check_positive(f"strategy.{key}", getattr(self, key), optional=True)
         if self.schedule is not None and self.schedule not in SCHEDULES:
             raise ConfigError(f"strategy.schedule={self.schedule!r}; choose one of {list(SCHEDULES)} or null")
         if self.vpp is not None and self.vpp > 1 and self.schedule in ("gpipe", "1f1b"):

@@ -30,7 +30,7 @@ from typing import Any, Mapping
 
 from src.cluster import GIB, family_sharing
 from src.collector import collector_paused
-from src.config import options_from
+from src.config import check_positive, options_from
 from src.progress import Progress
 from src.costmodel.comm import CommModel
 from src.costmodel.compute import ComputeModel
@@ -69,8 +69,7 @@ class OptimusOptions:
             if unknown:
                 raise ConfigError(f"strategy.{key} has unknown key(s) {unknown}; valid: {list(allowed)}")
         for key, value in (self.encoder or {}).items():
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-                raise ConfigError(f"strategy.encoder.{key} must be a positive integer or null, got {value!r}")
+            check_positive(f"strategy.encoder.{key}", value, optional=True)
         if self.encoder_zero_stage not in (0, 1):
             raise ConfigError(
                 f"strategy.encoder_zero_stage={self.encoder_zero_stage!r}: 0 or 1 (the distributed optimizer, as the LLM's)"
@@ -79,9 +78,7 @@ class OptimusOptions:
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"strategy.{key}={getattr(self, key)!r} must be true or false")
         for key in ("max_partitions", "refine"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"strategy.{key} must be a positive integer, got {value!r}")
+            check_positive(f"strategy.{key}", getattr(self, key))
 
     def megatron(self) -> MegatronOptions:
         """The LLM's Megatron-LM options: those given under strategy.llm, the rest searched."""

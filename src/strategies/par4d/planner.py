@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from src.cluster import GIB
-from src.config import options_from
+from src.config import check_positive, options_from
 from src.costmodel.compute import ComputeModel
 from src.costmodel.memory import element_bytes, rank_memory
 from src.errors import ConfigError, PlanError
@@ -28,11 +28,6 @@ from src.strategies.par4d.model import COMM_MODELS, RankedGrid, rank_grids, vali
 from src.strategies.par4d.programs import OVERLAPS, Par4DSettings, par4d_program
 
 RANKING_SHOWN = 10
-
-
-def _positive(value, key: str) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-        raise ConfigError(f"strategy.{key} must be a positive integer or null, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -52,8 +47,8 @@ class Par4DOptions:
             object.__setattr__(self, "grid", tuple(grid))
         if self.model not in COMM_MODELS:
             raise ConfigError(f"strategy.model={self.model!r}; choose one of {list(COMM_MODELS)}")
-        _positive(self.top_k, "top_k")
-        _positive(self.micro_batch_size, "micro_batch_size")
+        check_positive("strategy.top_k", self.top_k, optional=True)
+        check_positive("strategy.micro_batch_size", self.micro_batch_size, optional=True)
         overlap = list(self.overlap or [])
         unknown = sorted(set(overlap) - set(OVERLAPS))
         if unknown:
