@@ -151,11 +151,11 @@ def check_degrees(request: PlanRequest, opts: MegatronOptions, tp: int, pp: int)
             raise ConfigError(f"tp={tp} does not divide the {unit.heads} attention heads of unit {unit.name}")
         request.limits.whole_unet(unit, tp, 1)
     if devices % (tp * pp):
-        extra = extra_stages(request.model, opts)
-        plural = "s" if extra > 1 else ""
-        why = f" (pp includes {extra} stage{plural} of the modality units under strategy.modality_stages=extra; "
-        why += "merged puts them on the LLM's stages)"
-        raise ConfigError(f"tp x pp = {tp} x {pp} = {tp * pp} does not divide the cluster's {devices} devices{why if extra else ''}")
+        why = ""
+        if extra := extra_stages(request.model, opts):
+            why = f" (pp includes {extra} stage{'s' if extra > 1 else ''} of the modality units under "
+            why += "strategy.modality_stages=extra; merged puts them on the LLM's stages)"
+        raise ConfigError(f"tp x pp = {tp} x {pp} = {tp * pp} does not divide the cluster's {devices} devices{why}")
     dp = devices // (tp * pp)
     if opts.dp is not None and opts.dp != dp:
         raise ConfigError(
