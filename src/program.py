@@ -397,7 +397,7 @@ class Program:
 
 @dataclass(frozen=True)
 class GridLayer:
-    """How one layer lies on a Par4D grid. transposed: its first FC writes its output
+    """How one layer lies on a tensor grid. transposed: its first FC writes its output
     columns over y (else x); replicated: the whole layer on each rank of the tensor grid,
     rows split over z, its input all-gathered over `gathers` (split there before) and its
     output sliced over `scatters` for the next FC; resplit: its skip projection's output
@@ -408,6 +408,31 @@ class GridLayer:
     gathers: str | None = None
     scatters: str | None = None
     resplit: bool = False
+
+
+GRID_OVERLAPS = ("all_reduce", "reduce_scatter", "all_gather", "cache")
+TENSOR_GRID_AXES = ("x", "y", "z")
+
+
+@dataclass(frozen=True)
+class TensorGrid:
+    """A unit whose tensors lie on a 3D grid of ranks, the mesh axes x, y and z (3D tensor
+    parallelism, docs/strategies.md): each FC's weight split over two of them, its rows over
+    the third. layers: how each of the unit's layers lies on the grid. overlaps: the
+    communication overlaps that are on (all_reduce: an input gradient's all-reduce under the
+    weight gradient's GEMM; reduce_scatter: weight gradients reduced in flight; all_gather:
+    the next weight block prefetched; cache: gathered weights kept for the recomputation).
+    cached_layers: with cache on, the layers whose recomputation reuses the forward's
+    gathered weights."""
+
+    layers: tuple[GridLayer, ...]
+    overlaps: tuple[str, ...] = ()
+    cached_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.overlaps) - set(GRID_OVERLAPS))
+        if unknown:
+            raise ValueError(f"tensor grid overlaps {unknown}: choose from {list(GRID_OVERLAPS)}")
 
 
 @dataclass
@@ -424,7 +449,7 @@ class UnitPlan:
     micro-batches in order (DistMM's contrastive batches; elsewhere one group per
     micro-batch index), unless `samples_of` names the unit whose samples it reads.
     gathered_params: parameters a rank holds gathered (16-bit) beyond its own shard at
-    its peak: ZeRO-3's live layers, Par4D's all-gathered weight blocks
+    its peak: ZeRO-3's live layers, a tensor grid's all-gathered weight blocks
     kept for the backward or cached for recomputation.
     """
 
@@ -454,9 +479,7 @@ class UnitPlan:
     persistence_threshold: float = DEEPSPEED_PERSISTENCE_THRESHOLD
     # ZeRO-3's fetch as a DeepSpeed release ran it: per_tensor (before 0.5.5), coalesced, prefetched.
     zero3_fetch: str = "prefetched"
-    grid_overlap: tuple[str, ...] = ()  # Par4D: the overlaps that are on (all_reduce, reduce_scatter, all_gather, cache)
-    cached_layers: tuple[int, ...] = ()  # Par4D with cache: layers whose recomputation reuses the forward's gathered weights
-    grid_layers: tuple[GridLayer, ...] = ()  # Par4D: how each layer lies on the grid
+    grid: TensorGrid | None = None  # a unit whose mesh has the tensor grid's axes: how it lies on them
     details: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -470,6 +493,12 @@ class UnitPlan:
             )
         if len(self.stage_layers) != self.pp * self.vpp:
             raise ValueError(f"unit {self.unit}: {len(self.stage_layers)} stage layer ranges for pp={self.pp} x vpp={self.vpp}")
+        on_grid = any(axis in TENSOR_GRID_AXES for axis, _ in self.mesh.axes)
+        if on_grid != (self.grid is not None):
+            raise ValueError(
+                f"unit {self.unit}: mesh {self.mesh.shape()} {'has' if on_grid else 'has no'} tensor grid axes "
+                f"{list(TENSOR_GRID_AXES)} but the plan {'gives no' if on_grid else 'gives a'} tensor grid layout"
+            )
 
     @property
     def ranks(self) -> tuple[int, ...]:

@@ -17,7 +17,7 @@ from src.errors import ConfigError
 from src.metrics import summarize
 from src.plan_diff import main as plan_diff_main
 from src.plan_diff import plan_diff
-from src.plan_io import PLAN_FILE, PLANNED_FROM, PlannedRun, read_plan, write_plan
+from src.plan_io import PLAN_FILE, PLANNED_FROM, VERSION, PlannedRun, read_plan, write_plan
 from src.setup import plan_run, validate
 from src.sim.engine import simulate
 from tests.conftest import CONF_DIR
@@ -32,7 +32,7 @@ PLANS = {
     # Brokers between units, a reordered batch (sample_order), chunked TP passes, a U-Net.
     "disttrain": ["model=mllm_9b", "model.scale=tiny", "cluster=local", "cluster.devices_per_node=8", "train.global_batch=8"]
     + ["strategy=disttrain"],
-    # A 3D grid: its layers' layout (grid_layers), kernel ranges, cached layers.
+    # A 3D grid: its layers' layout (UnitPlan.grid), kernel ranges, cached layers.
     "par4d": TINY_GPT + LOCAL8 + ["strategy=par4d", "strategy.grid=[2,2,2,1]", "strategy.micro_batch_size=2"],
 }
 
@@ -92,11 +92,11 @@ def _rewritten(run_dir: Path, tmp_path: Path, edit) -> Path:
 
 def test_another_version_a_truncated_file_or_another_world_size_is_one_line(written, tmp_path):
     planned, run_dir = written["megatron"]
-    older = _rewritten(run_dir, tmp_path, lambda text: text.replace('"version":3', '"version":2', 1))
-    with pytest.raises(ConfigError, match=r"plan format version 2; this mmdist reads version 3 only"):
+    older = _rewritten(run_dir, tmp_path, lambda text: text.replace(f'"version":{VERSION}', '"version":2', 1))
+    with pytest.raises(ConfigError, match=rf"plan format version 2; this mmdist reads version {VERSION} only"):
         read_plan(older)
-    newer = _rewritten(run_dir, tmp_path, lambda text: text.replace('"version":3', '"version":4', 1))
-    with pytest.raises(ConfigError, match=r"plan format version 4; this mmdist reads version 3 only"):
+    newer = _rewritten(run_dir, tmp_path, lambda text: text.replace(f'"version":{VERSION}', f'"version":{VERSION + 1}', 1))
+    with pytest.raises(ConfigError, match=rf"plan format version {VERSION + 1}; this mmdist reads version {VERSION} only"):
         read_plan(newer)
     truncated = _rewritten(run_dir, tmp_path, lambda text: text[: len(text) // 2])
     with pytest.raises(ConfigError, match=r"is not a whole plan file \(truncated or not JSON: .* of \d+\)"):

@@ -5,7 +5,7 @@ After every N-th step, RUN_DIR/checkpoint/step<k>/ (k: steps done) holds:
   engines/<units>.rank<r>/   each DeepSpeed engine's save_checkpoint (its model states from its
                              first data-parallel rank, ZeRO's optimizer partitions from each),
                              named by its units and the first rank of its data-parallel group
-  ranks/rank<r>.pt           each rank's own: the layers and optimizers of its Par4D grid
+  ranks/rank<r>.pt           each rank's own: the layers and optimizers of its tensor grid
                              units (per-rank shards, runtime.grid_engine), the fp16 loss
                              scale, the RNG states
   meta.json                  written last, once every rank saved: the step, the world size,

@@ -14,13 +14,12 @@ from typing import TYPE_CHECKING
 
 from src.errors import ConfigError, PlanRefused
 from src.models.spec import ModelSpec, UnitSpec
-from src.program import Collective, Compute, Hop, Plan, Recv, Send, UnitPlan, Wait
+from src.program import Collective, Compute, Hop, Plan, Recv, Send, TensorGrid, UnitPlan, Wait
 from src.runtime.batch_rows import placed_by_rows
 from src.runtime.dist_optimizer import SHARDED
 from src.runtime.executor import input_key
 from src.data.interleaved_mllm import InterleavedMLLM
 from src.runtime.inputs import dataset_for, tell_repeats
-from src.runtime.grid_engine import on_grid
 from src.runtime.modules.grid3d import Axis, Grid3D
 from src.runtime.modules.unet3d import UNetOnGrid
 from src.runtime.modules.units import llama_style
@@ -54,8 +53,8 @@ def check_runnable(run: PlannedRun, data: str, data_errors: str = "fail") -> Non
                 f"model.dropout=true (unit {unit.unit}): the real backend's blocks train without dropout, so that every "
                 f"layout's losses agree with one process; set model.dropout=false or leave it null"
             )
-        if on_grid(unit):
-            _check_grid(unit, spec)
+        if unit.grid is not None:
+            _check_grid(unit, unit.grid, spec)
         mllm = llama_style(spec) is not None or any(layer.name.endswith("_projector") for layer in spec.layers)
         if unit.sequence_parallel and mllm:
             raise PlanRefused(
@@ -155,15 +154,15 @@ def _check_image_rows(plan: Plan, model: ModelSpec) -> None:
             )
 
 
-def _check_grid(unit: UnitPlan, spec: UnitSpec) -> None:
+def _check_grid(unit: UnitPlan, layout: TensorGrid, spec: UnitSpec) -> None:
     """What runtime.modules.gpt3d and unet3d build: a GPT whose embedding table and
     vocabulary the grid divides, or an ADM U-Net whose layers it divides (the planner
     checks the FCs, heads and micro-batch)."""
     x, y, z = (unit.mesh.degree(axis) for axis in ("x", "y", "z"))
-    where = f"unit {unit.unit} on the Par4D grid {unit.mesh.shape()}"
+    where = f"unit {unit.unit} on the tensor grid {unit.mesh.shape()}"
     if spec.kind == "unet":
         # Built as rank 0 of each axis builds it (no groups: nothing communicates).
-        grid = Grid3D(Axis(x), Axis(y), Axis(z), Axis(unit.mesh.degree("dp")), layers=unit.grid_layers)
+        grid = Grid3D(Axis(x), Axis(y), Axis(z), Axis(unit.mesh.degree("dp")), layers=layout.layers)
         unet = UNetOnGrid(spec, grid)
         for index, layer in enumerate(spec.layers):
             try:
@@ -176,7 +175,7 @@ def _check_grid(unit: UnitPlan, spec: UnitSpec) -> None:
         what = f"layer {other[0]}" if other else "Llama blocks"
         raise PlanRefused(
             f"{where}: the real backend's 3D-parallel model is a GPT (embedding, blocks, head) or an ADM U-Net, it has "
-            f"no {what} (a Llama on Par4D runs in the simulator only)",
+            f"no {what} (a Llama on a tensor grid runs in the simulator only)",
             ("mesh",),
             (unit.unit,),
         )
@@ -260,7 +259,7 @@ def _check_kernel_ranges(label: str, instructions: list, model: ModelSpec) -> No
 def _check_work_under_tp(label: str, instructions: list) -> None:
     """An asynchronous TP collective without payloads is a layer's own, which its modules
     run inside the layer: the real backend overlaps one with what follows only inside a
-    pass that overlaps its own (StepCCL's row chunks, a Par4D grid's kernel ranges). A
+    pass that overlaps its own (StepCCL's row chunks, a tensor grid's kernel ranges). A
     whole pass placed under it (Optimus's encoder kernels in the LLM's TP bins, the LLM
     under the encoders' all-reduces) would run after it, not beside it."""
     issued: dict[str, str] = {}
@@ -289,7 +288,7 @@ def _check_work_under_tp(label: str, instructions: list) -> None:
 def _check_distributed_optimizer(plan: Plan, label: str, rank: int, instructions: list) -> None:
     """A DP reduce-scatter or all-gather that names its unit's layers is the executor's
     distributed optimizer's (runtime.dist_optimizer): Megatron-LM's, ZeRO-1 over a unit's
-    data-parallel replicas, off a Par4D grid, which reduce-scatters the gradients of all the
+    data-parallel replicas, off a tensor grid, which reduce-scatters the gradients of all the
     unit's layers a rank holds and all-gathers their parameters, once a step each (not layer
     by layer, and not one without the other)."""
     named: dict[str, dict[str, list[tuple[int, int]]]] = {}
@@ -299,11 +298,11 @@ def _check_distributed_optimizer(plan: Plan, label: str, rank: int, instructions
             named.setdefault(owner, {op: [] for op in SHARDED})[instruction.op].append(layers)
     for name, ops in named.items():
         unit = plan.unit(name)
-        if unit.zero_stage != 1 or on_grid(unit):
+        if unit.zero_stage != 1 or unit.grid is not None:
             raise PlanRefused(
                 f"{label}: a DP reduce-scatter or all-gather names unit {name}'s layers, which the real backend runs as "
-                f"Megatron-LM's distributed optimizer: ZeRO-1 off a Par4D grid (the unit has zero_stage="
-                f"{unit.zero_stage}{' on a grid' if on_grid(unit) else ''})",
+                f"Megatron-LM's distributed optimizer: ZeRO-1 off a tensor grid (the unit has zero_stage="
+                f"{unit.zero_stage}{' on a tensor grid' if unit.grid is not None else ''})",
                 ("zero_stage",),
                 (name,),
             )

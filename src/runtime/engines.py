@@ -339,17 +339,16 @@ def check_clipping(plan: Plan, model: ModelSpec, settings: DeepSpeedSpec) -> Non
     """gradient_clipping clips the model's global norm only where one engine holds every
     trained parameter on every rank: DeepSpeed clips each engine by its own norm (a
     pipeline's stages, towers on separate groups and units under different ZeRO settings
-    each have one), and a Par4D grid's optimizer has no clipping."""
+    each have one), and a tensor grid's optimizer has no clipping."""
     if settings.gradient_clipping <= 0:
         return
-    from src.runtime.grid_engine import on_grid
     from src.runtime.placement import placements
 
     clip = f"backend.deepspeed.gradient_clipping={settings.gradient_clipping:g}"
     trained = {u.name for u in model.units if u.trainable_params()}
     for unit in plan.units:
-        if unit.unit in trained and on_grid(unit):
-            raise ConfigError(f"{clip}: unit {unit.unit} lies on a Par4D grid, whose optimizer the real backend does not clip")
+        if unit.unit in trained and unit.grid is not None:
+            raise ConfigError(f"{clip}: unit {unit.unit} lies on a tensor grid, whose optimizer the real backend does not clip")
     for rank in range(plan.devices):
         places = placements(plan, rank)
         held = {name for name, place in places.items() if model.unit(name).trainable_params() and place.layers}

@@ -59,7 +59,7 @@ from src.runtime.store import PayloadStore, row_shape
 from src.runtime.timing import StepTimer
 
 State = dict[str, torch.Tensor]
-BWD_INPUT, BWD_WEIGHT = "bwd_input", "bwd_weight"  # a backward split into its input- and weight-gradient GEMMs (Par4D)
+BWD_INPUT, BWD_WEIGHT = "bwd_input", "bwd_weight"  # a backward split into its input- and weight-gradient GEMMs (a tensor grid's)
 
 
 @dataclass
@@ -267,7 +267,7 @@ class Executor:
     def _wait(self, handle: str) -> str:
         if handle in self.s.markers:
             if self.s.markers.pop(handle) == "reduce_scatter":
-                for grid in self.grids:  # Par4D's weight-gradient reduce-scatters left in flight (B)
+                for grid in self.grids:  # a tensor grid's weight-gradient reduce-scatters left in flight (overlap B)
                     grid.finish_pending()
             return "marker"
         if handle in self.s.reductions:
@@ -278,7 +278,7 @@ class Executor:
         return f"wait:{kind}"
 
     def _kernel_pass(self, compute: Compute) -> Compute | None:
-        """A layer's pass the plan splits into kernel ranges (Par4D: one per FC, its
+        """A layer's pass the plan splits into kernel ranges (a tensor grid's: one per FC, its
         collectives between them) runs once its ranges cover the layer's kernels: at its
         last range, with the inputs and outputs that all its ranges name. The layer's own
         collectives run inside it, where its modules issue them."""

@@ -1,4 +1,4 @@
-"""The optimizer of a unit on a Par4D grid, in a DeepSpeed engine's place.
+"""The optimizer of a unit on a tensor grid, in a DeepSpeed engine's place.
 
 Its layers reduce their own weight gradients over z (runtime.modules.grid3d); at the step
 the grid sums the z-replicated parameters' gradients over z and every gradient over data
@@ -13,23 +13,20 @@ from __future__ import annotations
 from torch import nn
 
 from src.config import ContrastiveSpec, DeepSpeedSpec
-from src.program import UnitPlan
+from src.program import TENSOR_GRID_AXES, UnitPlan
 from src.runtime.modules.grid3d import Grid3D
 from src.runtime.optimizer import build_optimizer, build_scheduler
 
 
-GRID_AXES = ("x", "y", "z", "dp")  # a Par4D grid's, X innermost
-
-
-def on_grid(unit: UnitPlan) -> bool:
-    """Whether a unit's plan places it on a Par4D grid."""
-    return any(axis in GRID_AXES[:3] for axis, _ in unit.mesh.axes)
+GRID_AXES = (*TENSOR_GRID_AXES, "dp")  # X innermost
 
 
 def build_grid(unit: UnitPlan) -> Grid3D:
     """The unit's grid, its groups made by every rank, with the plan's overlaps and cached layers."""
+    assert unit.grid is not None, f"unit {unit.unit} lies on no tensor grid"
     degrees = tuple(unit.mesh.degree(axis) for axis in GRID_AXES)
-    return Grid3D.build(degrees, frozenset(unit.grid_overlap), frozenset(unit.cached_layers), unit.grid_layers)  # type: ignore[arg-type]
+    layout = unit.grid
+    return Grid3D.build(degrees, frozenset(layout.overlaps), frozenset(layout.cached_layers), layout.layers)  # type: ignore[arg-type]
 
 
 class GridEngine:

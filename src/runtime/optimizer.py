@@ -1,5 +1,5 @@
 """What every optimizer of a real run is built with (backend.deepspeed, backend.contrastive):
-DeepSpeed's engines, the optimizers of Par4D's grid units and the single-process reference
+DeepSpeed's engines, the optimizers of units on a tensor grid and the single-process reference
 build theirs here, so that any plan trains as one process does.
 
 - The optimizer: torch.optim's AdamW, Adam or SGD over two parameter groups, the second

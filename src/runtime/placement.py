@@ -44,7 +44,7 @@ def placements(plan: Plan, rank: int) -> dict[str, UnitPlacement]:
 
 def tensor_replicas(plan: Plan, unit: str) -> int:
     """How many ranks of a unit compute the same values (its tensor-parallel peers; a
-    Par4D grid's z splits a micro-batch's rows, so its ranks compute different values)."""
+    tensor grid's z splits a micro-batch's rows, so its ranks compute different values)."""
     mesh = plan.unit(unit).mesh
     replicas = 1
     for axis in TENSOR_AXES:

@@ -43,7 +43,7 @@ from src.runtime.inputs import Batches, StepSamples, batching, dataset_for
 from src.runtime.lifeline import LIFELINE, REPORTING, SAVING, TRAINING
 from src.runtime.modules.parallel import TP
 from src.models.spec import ModelSpec, UnitSpec
-from src.runtime.grid_engine import GridEngine, build_grid, on_grid
+from src.runtime.grid_engine import GridEngine, build_grid
 from src.runtime.modules.grid3d import Grid3D
 from src.runtime.modules.units import build_units
 from src.runtime.peak import GEMM_SIZES, peak_gemm_flops
@@ -67,8 +67,8 @@ class _EngineGroup:
 
 
 def _grids(plan: Plan, places: dict[str, UnitPlacement]) -> dict[str, Grid3D]:
-    """The Par4D grid of each unit that lies on one."""
-    return {name: build_grid(plan.unit(name)) for name in places if on_grid(plan.unit(name))}
+    """The tensor grid of each unit that lies on one."""
+    return {name: build_grid(plan.unit(name)) for name in places if plan.unit(name).grid is not None}
 
 
 def _trains(model: ModelSpec, name: str, place: UnitPlacement) -> bool:
@@ -136,7 +136,7 @@ def _engines(
     steps: int,
 ) -> dict[str, Any]:
     """One DeepSpeed engine per data-parallel group: units that share it share an engine;
-    a unit on a Par4D grid has its own, and so has one whose plan runs its distributed
+    a unit on a tensor grid has its own, and so has one whose plan runs its distributed
     optimizer's collectives."""
     engines: dict[str, Any] = {
         name: GridEngine(units[name], grid, backend.deepspeed, backend.contrastive, steps) for name, grid in grids.items()
@@ -400,7 +400,7 @@ def _notes(plan: Plan) -> list[str]:
         )
     if any(isinstance(i, Compute) and i.work.kernels is not None for c in plan.program.classes for i in c.instructions):
         notes.append(
-            "a layer the plan splits into kernel ranges (Par4D's FCs, Optimus's encoder kernels in bubbles) runs "
+            "a layer the plan splits into kernel ranges (a tensor grid's FCs, encoder kernels in another unit's bubbles) runs "
             "whole where its last range stands: its time is measured there, its earlier ranges take none"
         )
     return notes

@@ -16,7 +16,8 @@ from torch.utils.checkpoint import checkpoint
 
 from src.runtime.driver import free_port
 from src.runtime.modules.parallel import linear_shard
-from src.runtime.modules.grid3d import OVERLAPS, Axis, Conv3D, Grid3D, Linear3D, axis_part
+from src.program import GRID_OVERLAPS
+from src.runtime.modules.grid3d import Axis, Conv3D, Grid3D, Linear3D, axis_part
 from src.runtime.modules.unet3d import GroupNorm3D
 
 ROWS, D_IN, D_MID, D_OUT = 8, 8, 12, 8
@@ -133,12 +134,12 @@ def _worker(rank: int, port: int) -> None:
     try:
         grids = [Grid3D.build(degrees) for degrees in GRIDS]
         for grid in grids:
-            for overlap in (frozenset(), frozenset(OVERLAPS)):
+            for overlap in (frozenset(), frozenset(GRID_OVERLAPS)):
                 _check(grid.with_overlap(overlap), recompute=False)
                 _check_conv(grid.with_overlap(overlap))
         # Checkpointed: each layer's forward runs twice; D serves the second from its cache.
         gathers = {}
-        for overlap in (frozenset(OVERLAPS) - {"cache"}, frozenset(OVERLAPS)):
+        for overlap in (frozenset(GRID_OVERLAPS) - {"cache"}, frozenset(GRID_OVERLAPS)):
             grid = grids[0].with_overlap(overlap)
             _check(grid, recompute=True)
             gathers["cache" in overlap] = grid.gathers

@@ -1,6 +1,6 @@
 """The real layers of a diffusion U-Net: an SD-style generator's (src/models/sd21.py's
 LayerSpecs: the frozen VAE encoder that turns the target image into a latent, and the
-conditional U-Net) and Par4D's ADM U-Nets on pixels (src/models/unet.py: scale-shift
+conditional U-Net) and the ADM U-Nets on pixels (src/models/unet.py: scale-shift
 residual blocks, self-attention blocks). Each learns to predict the noise added to its
 input (the epsilon objective of DDPM/SD; an ADM U-Net's variance channels, which Improved
 DDPM trains with its variational bound, are not scored, so they learn nothing here).

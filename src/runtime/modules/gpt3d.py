@@ -1,14 +1,14 @@
-"""Par4D's GPT on the (x, y, z, data) grid: nanoGPT's layers with every FC a Linear3D
+"""A GPT on the tensor grid (x, y, z, data): nanoGPT's layers with every FC a Linear3D
 (runtime.modules.grid3d), each layer mapping a state dict to a state dict as
 runtime.modules.blocks' do, and drawing the very weights of a one-process build.
 
-Layout between layers (Algorithm 1's chain, as strategies.par4d.layout prices it): token
+Layout between layers (docs/strategies.md, "The tensor grid in a plan"): token
 states hold this rank's z part of the micro-batch's samples (whole sequences, so
 attention needs no communication) and the hidden columns over y, replicated over x.
 A block's q|k|v FC writes its heads over x; the output projection (transposed) reads
 them and writes the hidden over y again; fc1 and fc2 likewise.
 
-Besides the FCs' own collectives (strategies.par4d.programs lists them all):
+Besides the FCs' own collectives (the plan's Program lists them all):
   LayerNorm    its rows' sum and sum of squares all-reduced over y, forward and backward
                (each rank's normalised columns feed only its own FC block: partial gradients)
   embedding    token and position rows of one table split over x, lookups summed over x
@@ -219,5 +219,5 @@ def grid_layer(unit: UnitSpec, index: int, grid: Grid3D, vocab: int) -> nn.Modul
     elif name == "head":
         module = Head3D(unit.hidden, vocab, grid)
     else:
-        raise ValueError(f"the real backend has no Par4D module for layer {name!r} of unit {unit.name}")
+        raise ValueError(f"the real backend has no tensor grid module for layer {name!r} of unit {unit.name}")
     return module

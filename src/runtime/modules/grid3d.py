@@ -1,4 +1,4 @@
-"""Par4D's 3D-parallel linear layer (Algorithm 1), one autograd Function per layer.
+"""The 3D-parallel linear layer of a tensor grid (docs/strategies.md), one autograd Function per layer.
 
 A rank g(i, j, k) of a (G_x, G_y, G_z) tensor grid holds, for O = I·W with W (k x n):
 the weight block W[j, i] (rows split over y, columns over x), itself sharded over z so
@@ -28,11 +28,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from src.program import GridLayer
+from src.program import GRID_OVERLAPS, GridLayer
 from src.runtime.comm import CLOCK, all_gather_single, reduce_scatter_single
 from src.runtime.modules.parallel import linear_shard
-
-OVERLAPS = ("all_reduce", "reduce_scatter", "all_gather", "cache")
 
 
 @dataclass(frozen=True)
@@ -69,9 +67,9 @@ class Grid3D:
     ) -> Grid3D:
         """Every group of the grid (X innermost, then Y, Z, data: rank = i + G_x(j + G_y(k +
         G_z d))), made collectively by every rank; this rank's own axes."""
-        unknown = set(overlap) - set(OVERLAPS)
+        unknown = set(overlap) - set(GRID_OVERLAPS)
         if unknown:
-            raise ValueError(f"unknown overlaps {sorted(unknown)}; choose from {list(OVERLAPS)}")
+            raise ValueError(f"unknown overlaps {sorted(unknown)}; choose from {list(GRID_OVERLAPS)}")
         rank, strides = dist.get_rank(), []
         stride = 1
         for degree in degrees:
@@ -359,7 +357,7 @@ class Linear3D(ZSharded):
 
 
 class Conv3D(nn.Module):
-    """A convolution on the grid as Par4D/AxoNN parallelise it, like a linear layer over its
+    """A convolution on the grid as 3D tensor parallelism (AxoNN's) parallelises it, like a linear layer over its
     weight: input channels as k (over the rows axis), output channels as n (over the
     columns axis), each sample's pixels on the z rank that holds the sample. Unfolding a
     rank's input channels gives their patches channel-major, i.e. the rank's contiguous

@@ -1,13 +1,13 @@
-"""Par4D's ADM U-Net on the (x, y, z, data) grid: runtime.modules.generator's layers with
+"""An ADM U-Net on the tensor grid (x, y, z, data): runtime.modules.generator's layers with
 every convolution a Conv3D and every FC a Linear3D (runtime.modules.grid3d), oriented as the
-plan lays the unit out (UnitPlan.grid_layers). Each grid layer is sliced from its whole layer,
+plan lays the unit out (UnitPlan.grid's layers). Each grid layer is sliced from its whole layer,
 built first from the layer's seed, so every grid starts from the weights of one process.
 
 Layout between layers: a feature map holds this rank's z part of the micro-batch's
 samples, its channels split over the axis its next FC reads them over (x or y) and
 replicated over the other. A residual block's two convs alternate orientation, so it
 leaves its output where its input lay; a down- or upsampling conv moves it to the other
-axis; a skip lies where the up path pops it (par4d.layout's chain).
+axis; a skip lies where the up path pops it (docs/strategies.md, "The tensor grid in a plan").
 
 Besides the FCs' own collectives:
   stem, timestep    replicated on the tensor grid (rows over z, weights z-sharded): a
@@ -244,7 +244,7 @@ class Conv3DLayer(nn.Module):
     def __init__(self, whole: Conv, grid: Grid3D, placement: GridLayer) -> None:
         super().__init__()
         if whole.role not in ("unet_in", "down", "unet_out"):
-            raise ValueError(f"the real backend has no Par4D module for a {whole.role!r} convolution")
+            raise ValueError(f"the real backend has no tensor grid module for a {whole.role!r} convolution")
         self.role, self.z = whole.role, grid.z
         self.gathers = grid.axis(placement.gathers) if placement.gathers else Axis()
         self.scatters = grid.axis(placement.scatters) if placement.scatters else Axis()
@@ -314,4 +314,4 @@ class UNetOnGrid:
             return TimeEmbedding3D(whole, self.grid)
         if isinstance(whole, Conv):
             return Conv3DLayer(whole, self.grid, placement)
-        raise ValueError(f"the real backend has no Par4D module for layer {layers[index].name!r} of unit {self.unit.name}")
+        raise ValueError(f"the real backend has no tensor grid module for layer {layers[index].name!r} of unit {self.unit.name}")

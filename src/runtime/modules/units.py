@@ -86,7 +86,7 @@ def _layer(model: ModelSpec, unit: UnitSpec, index: int, tp: TP, contrastive: Co
 
 
 def _grid_builder(unit: UnitSpec, grid: Grid3D) -> Callable[..., nn.Module]:
-    """What builds a unit's layers on a Par4D grid: a U-Net's or a GPT's."""
+    """What builds a unit's layers on a tensor grid: a U-Net's or a GPT's."""
     if unit.kind == "unet":
         return UNetOnGrid(unit, grid).layer
     return partial(grid_layer, unit, grid=grid, vocab=unit.arch.vocab)
@@ -110,7 +110,7 @@ def build_units(
     """Each unit in `keep` as a ModuleList indexed like its LayerSpecs, holding only the
     layers in `keep[unit]` (None elsewhere); only those are ever built (a TP layer
     draws its whole weight, then keeps its slice). `recompute`: a unit's mode;
-    'selective' re-runs its attention cores in backward. `grids`: the units on a Par4D
+    'selective' re-runs its attention cores in backward. `grids`: the units on a tensor
     grid, built of its 3D-parallel layers. `contrastive`: CoCa's loss weights and padding
     (backend.contrastive)."""
     grids = grids or {}

@@ -20,12 +20,12 @@ from src.config import check_positive, options_from
 from src.costmodel.compute import ComputeModel
 from src.costmodel.memory import element_bytes, rank_memory
 from src.errors import ConfigError, PlanError
-from src.program import RECOMPUTE_MODES, Plan, Program, UnitPlan
+from src.program import GRID_OVERLAPS, RECOMPUTE_MODES, Plan, Program, UnitPlan
 from src.sim.engine import simulate
 from src.strategies.base import PlanRequest, check_microbatch_count, microbatch_sizes
 from src.strategies.par4d.layout import Grid, LayerLayout, UnitGrid
 from src.strategies.par4d.model import COMM_MODELS, RankedGrid, rank_grids, valid_grids
-from src.strategies.par4d.programs import OVERLAPS, Par4DSettings, par4d_program
+from src.strategies.par4d.programs import Par4DSettings, par4d_program
 
 RANKING_SHOWN = 10
 
@@ -35,7 +35,7 @@ class Par4DOptions:
     grid: tuple[int, ...] | None = None  # (G_x, G_y, G_z, G_data); null: ranked and simulated
     model: str = "aware"  # the communication model that ranks the grids
     top_k: int | None = 5  # grids simulated; null: every grid that fits
-    overlap: tuple[str, ...] = field(default=OVERLAPS)
+    overlap: tuple[str, ...] = field(default=GRID_OVERLAPS)
     micro_batch_size: int | None = None  # samples per replica per micro-batch; null: searched
     recompute: str | None = None  # none | selective | full; null: the least that fits
 
@@ -50,9 +50,9 @@ class Par4DOptions:
         check_positive("strategy.top_k", self.top_k, optional=True)
         check_positive("strategy.micro_batch_size", self.micro_batch_size, optional=True)
         overlap = list(self.overlap or [])
-        unknown = sorted(set(overlap) - set(OVERLAPS))
+        unknown = sorted(set(overlap) - set(GRID_OVERLAPS))
         if unknown:
-            raise ConfigError(f"strategy.overlap has {unknown}; choose any of {list(OVERLAPS)}")
+            raise ConfigError(f"strategy.overlap has {unknown}; choose any of {list(GRID_OVERLAPS)}")
         object.__setattr__(self, "overlap", tuple(overlap))
         if self.recompute is not None and self.recompute not in RECOMPUTE_MODES:
             raise ConfigError(f"strategy.recompute={self.recompute!r}; choose one of {list(RECOMPUTE_MODES)} or null")

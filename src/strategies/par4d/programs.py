@@ -45,13 +45,12 @@ from src.cluster import ClusterSpec
 from src.costmodel.memory import element_bytes, grad_bytes
 from src.models.layers import ACT_BYTES
 from src.models.spec import ModelSpec
-from src.program import Collective, Compute, Instruction, Phase, Program, RankProgram, UnitPlan, Wait, Work
+from src.program import Collective, Compute, Instruction, Phase, Program, RankProgram, TensorGrid, UnitPlan, Wait, Work
 from src.strategies.builders.emit import range_io
 from src.strategies.builders.layout import axis_group
 from src.strategies.par4d.layout import FC, Grid, LayerLayout
 from src.strategies.builders.stages import Segment
 
-OVERLAPS = ("all_reduce", "reduce_scatter", "all_gather", "cache")
 STATS_BYTES = 2 * 4  # a row's two fp32 statistics (a norm's sum and sum of squares; the loss's sum of exponentials and target logit)
 
 
@@ -407,9 +406,11 @@ def par4d_program(
         sample_groups=microbatches,
         recompute=settings.recompute,
         gathered_params=emitter.gathered_params(),
-        grid_overlap=tuple(sorted(settings.overlap)),
-        cached_layers=tuple(sorted(emitter.cached)),
-        grid_layers=tuple(layout.placement() for layout in layouts),
+        grid=TensorGrid(
+            layers=tuple(layout.placement() for layout in layouts),
+            overlaps=tuple(sorted(settings.overlap)),
+            cached_layers=tuple(sorted(emitter.cached)),
+        ),
         details={
             "grid": grid.label(),
             "grid_x": grid.x,
