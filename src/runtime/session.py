@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 import gc
 import resource
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -149,11 +149,44 @@ def _engines(
     return engines
 
 
+@dataclass
+class _Worker:
+    """What this rank builds before its first step."""
+
+    device: torch.device
+    samples: StepSamples
+    producer: Producer | None
+    units: torch.nn.ModuleDict
+    engines: dict[str, Any]
+    batches: Batches
+    executor: Executor
+    captions: _CaptionSteps | None
+    timer: StepTimer
+    measured_peak: float  # the workers' mean best GEMM rate (FLOP/s)
+    peak: float  # the MFU denominator
+    checkpoints: Checkpoints
+
+
+@dataclass
+class _Measured:
+    """What the steps measured: per step, the loss summed over the ranks and the slowest
+    rank's times; this rank's peaks and breakdowns."""
+
+    losses: list[float] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    waits: list[float] = field(default_factory=list)
+    step_peaks: list[float] = field(default_factory=list)  # this rank's peak memory in each step (GiB)
+    breakdowns: list[dict[str, float]] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
+    # Each step's mean images per sequence, where its samples hold their own: what its
+    # encoder and generator FLOPs count (None: the model's).
+    images: list[float | None] = field(default_factory=list)
+    saves: list[Saved] = field(default_factory=list)
+
+
 def run_session(run: PlannedRun, settings: RunSettings, run_dir: Path, rank: int, world: int) -> None:
     """Train `run`'s plan on this rank as `settings` say (the real backend's)."""
     assert settings.torch is not None, "a worker runs the real backend's settings"
-    backend, plan, model, train = settings.torch, run.plan, run.model, run.train
-    precision = plan.precision
     # The door checked it whole; under a launcher the workers check here, rank 0 its checksums.
     resume = check_resume(
         settings.checkpoint, run_dir, settings_record(settings).get("torch", {}), checksums=rank == 0 and not LIFELINE.attached
@@ -163,6 +196,48 @@ def run_session(run: PlannedRun, settings: RunSettings, run_dir: Path, rank: int
     # will persist unless manually reset"): restored below, or every later run of this
     # process computes its linears as matmul + bias (losses off in the 7th digit).
     linear = torch.nn.functional.linear
+    worker = _build_worker(run, settings.torch, run_dir, rank, world, first)
+    if resume is not None:  # last: the RNG states it restores are those of the step it resumes at
+        worker.checkpoints.load(resume, worker.executor.loss_scale)
+    sinks = open_sinks(run_dir, settings.record, settings.job) if rank == 0 else None
+    try:
+        measured = _Measured()
+        flops_counting = functools.cache(lambda mean_images: iteration_flops(run.model, run.plan, run.train, mean_images)[0])
+        for step in range(first, run.train.steps):
+            _train_step(worker, run, world, step, measured, sinks, flops_counting)
+            every = settings.checkpoint.every
+            if every is not None and (step + 1) % every == 0:
+                LIFELINE.at_step(step + 1, SAVING)
+                saved = worker.checkpoints.save(step + 1, worker.executor.loss_scale, samples_read=(step + 1) * run.train.global_batch)
+                LIFELINE.state(TRAINING)  # saved: between steps again
+                if saved is not None:
+                    measured.saves.append(saved)
+                    print(f"checkpoint of {saved.step} steps: {saved.bytes / 2**20:.3g} MiB in {saved.seconds:.3g} s", flush=True)
+        LIFELINE.state(REPORTING)
+        _report(run, settings, worker, measured, rank, world, resume, first, sinks)
+    except BaseException:
+        if sinks is not None:
+            sinks.abort()
+        raise
+    finally:
+        torch.nn.functional.linear = linear
+        if worker.producer is not None:
+            worker.producer.close()
+        if sinks is not None:
+            sinks.close()
+        # Several runs may share this process (runtime.worker): give the next one the
+        # device memory of this one (DeepSpeed's hooks make reference cycles).
+        device = worker.device
+        del worker
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+
+
+def _build_worker(run: PlannedRun, backend: TorchBackendSpec, run_dir: Path, rank: int, world: int, first: int) -> _Worker:
+    """This rank's data, groups, layers, engines and executor, from the plan and the seed."""
+    plan, model, train = run.plan, run.model, run.train
     device = worker_device(dist.get_backend())
     CLOCK.device = device
     places = placements(plan, rank)
@@ -191,161 +266,164 @@ def run_session(run: PlannedRun, settings: RunSettings, run_dir: Path, rank: int
     if engine_groups:
         time_deepspeed_comm()
     batches = Batches(samples, device, producer)
-    executor = Executor(plan, model, rank, units, engines, groups, batches, device, precision, LossScale.of(backend.deepspeed.fp16))
+    loss_scale = LossScale.of(backend.deepspeed.fp16)
+    executor = Executor(plan, model, rank, units, engines, groups, batches, device, plan.precision, loss_scale)
     pad_id = backend.contrastive.pad_id
     captions = (
         _CaptionSteps(run, places, units, batches, pad_id) if pad_id is not None and any(map(_has_caption_head, model.units)) else None
     )
-    tokens = step_metrics.tokens_per_sample(model)
     rank_program = plan.program.class_of(rank)
-    timer = StepTimer(rank_program.instructions, rank_program.pipelined)
-    measured_peak = _measured_peak(world, device, precision)
+    measured_peak = _measured_peak(world, device, plan.precision)
     # On a GPU the MFU denominator is the datasheet peak in the run's precision (the
     # cluster preset's); on a CPU there is none, so it is what the workers measure.
-    peak = run.cluster.peak(precision) if device.type == "cuda" else measured_peak
-    checkpoints = Checkpoints(run_dir, rank, engines, plan)
-    if resume is not None:  # last: the RNG states it restores are those of the step it resumes at
-        checkpoints.load(resume, executor.loss_scale)
+    peak = run.cluster.peak(plan.precision) if device.type == "cuda" else measured_peak
+    return _Worker(
+        device=device,
+        samples=samples,
+        producer=producer,
+        units=units,
+        engines=engines,
+        batches=batches,
+        executor=executor,
+        captions=captions,
+        timer=StepTimer(rank_program.instructions, rank_program.pipelined),
+        measured_peak=measured_peak,
+        peak=peak,
+        checkpoints=Checkpoints(run_dir, rank, engines, plan),
+    )
 
-    sinks = open_sinks(run_dir, settings.record, settings.job) if rank == 0 else None
-    try:
-        losses: list[float] = []
-        step_peaks: list[float] = []  # this rank's peak memory in each step (GiB)
-        times, waits, breakdowns, cpu = [], [], [], []
-        # Each step's mean images per sequence, where its samples hold their own: what its
-        # encoder and generator FLOPs count (None: the model's).
-        images: list[float | None] = []
-        flops_counting = functools.cache(lambda mean_images: iteration_flops(model, plan, train, mean_images)[0])
-        saves: list[Saved] = []
-        for step in range(first, train.steps):
-            images.append(samples.images_per_sequence(step))
-            LIFELINE.at_step(step)
-            batches.start_step(step)
-            if captions is not None:
-                captions.start_step(device)
-            lr = step_metrics.learning_rate(engines)
-            loss_scale = executor.loss_scale.scale if executor.loss_scale is not None else 1.0
-            step_metrics.start_memory_peak(device)
-            dist.barrier()
-            timer.reset(time.perf_counter())
-            cpu_start = time.process_time()
-            share = executor.run_step(timer)
-            cpu.append(time.process_time() - cpu_start)  # the step's instructions, as timer.end times them
-            norm_share, known = step_metrics.gradient_norm_share(engines)
-            # Summed: every rank's share of the loss and of the squared gradient norm, and the
-            # ranks whose norm is unknown. Maxima: the slowest rank's times, the peak memory, the lr.
-            sums = torch.tensor([share, norm_share, 0.0 if known else 1.0], dtype=torch.float64, device=device)
-            peak_memory = step_metrics.memory_peak_gib(device)
-            step_peaks.append(peak_memory)
-            longest = torch.tensor(
-                [timer.end, batches.wait_s, peak_memory, -1.0 if lr is None else lr], dtype=torch.float64, device=device
-            )
-            dist.all_reduce(sums)
-            dist.all_reduce(longest, op=dist.ReduceOp.MAX)
-            losses.append(float(sums[0]))
-            times.append(float(longest[0]))
-            waits.append(float(longest[1]))
-            breakdowns.append(timer.finish(times[-1]))
-            if sinks is not None:
-                skipped = executor.loss_scale is not None and executor.loss_scale.skipped
-                sinks.log_step(
-                    {
-                        "step": step,
-                        "loss": losses[-1],
-                        "step_time_s": times[-1],
-                        "data_wait_s": waits[-1],
-                        "mfu": flops_counting(images[-1]) / (times[-1] * world * peak),
-                        "lr": float(longest[3]) if longest[3] >= 0 else None,
-                        "grad_norm": step_metrics.gradient_norm(float(sums[1]), float(sums[2]), skipped),
-                        "loss_scale": loss_scale,
-                        "samples_per_s": train.global_batch / times[-1],
-                        "tokens_per_s": None if tokens is None else train.global_batch * tokens / times[-1],
-                        "peak_memory_gib": float(longest[2]),
-                        "rank0_breakdown_s": breakdowns[-1],
-                    }
-                )
-            every = settings.checkpoint.every
-            if every is not None and (step + 1) % every == 0:
-                LIFELINE.at_step(step + 1, SAVING)
-                saved = checkpoints.save(step + 1, executor.loss_scale, samples_read=(step + 1) * train.global_batch)
-                LIFELINE.state(TRAINING)  # saved: between steps again
-                if saved is not None:
-                    saves.append(saved)
-                    print(f"checkpoint of {saved.step} steps: {saved.bytes / 2**20:.3g} MiB in {saved.seconds:.3g} s", flush=True)
-        LIFELINE.state(REPORTING)
-        mine = {
-            "rank": rank,
-            "breakdowns": breakdowns,
-            "spans": [dataclasses.astuple(s) for s in timer.spans],
-            "rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-            # Each step's peak is measured from its start: the run's is the largest.
-            "device_gib": max(step_peaks, default=0.0) if device.type == "cuda" else 0.0,
-            "data_skipped": batches.skipped,
+
+def _train_step(
+    worker: _Worker,
+    run: PlannedRun,
+    world: int,
+    step: int,
+    measured: _Measured,
+    sinks: Any,
+    flops_counting: Callable[[float | None], float],
+) -> None:
+    """One step on this rank, its figures reduced over the ranks; rank 0 logs them."""
+    device, executor, timer, batches, engines = worker.device, worker.executor, worker.timer, worker.batches, worker.engines
+    train = run.train
+    measured.images.append(worker.samples.images_per_sequence(step))
+    LIFELINE.at_step(step)
+    batches.start_step(step)
+    if worker.captions is not None:
+        worker.captions.start_step(device)
+    lr = step_metrics.learning_rate(engines)
+    loss_scale = executor.loss_scale.scale if executor.loss_scale is not None else 1.0
+    step_metrics.start_memory_peak(device)
+    dist.barrier()
+    timer.reset(time.perf_counter())
+    cpu_start = time.process_time()
+    share = executor.run_step(timer)
+    measured.cpu.append(time.process_time() - cpu_start)  # the step's instructions, as timer.end times them
+    norm_share, known = step_metrics.gradient_norm_share(engines)
+    # Summed: every rank's share of the loss and of the squared gradient norm, and the
+    # ranks whose norm is unknown. Maxima: the slowest rank's times, the peak memory, the lr.
+    sums = torch.tensor([share, norm_share, 0.0 if known else 1.0], dtype=torch.float64, device=device)
+    peak_memory = step_metrics.memory_peak_gib(device)
+    measured.step_peaks.append(peak_memory)
+    longest = torch.tensor([timer.end, batches.wait_s, peak_memory, -1.0 if lr is None else lr], dtype=torch.float64, device=device)
+    dist.all_reduce(sums)
+    dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+    measured.losses.append(float(sums[0]))
+    measured.times.append(float(longest[0]))
+    measured.waits.append(float(longest[1]))
+    measured.breakdowns.append(timer.finish(measured.times[-1]))
+    if sinks is None:
+        return
+    seconds = measured.times[-1]
+    skipped = executor.loss_scale is not None and executor.loss_scale.skipped
+    tokens = step_metrics.tokens_per_sample(run.model)
+    sinks.log_step(
+        {
+            "step": step,
+            "loss": measured.losses[-1],
+            "step_time_s": seconds,
+            "data_wait_s": measured.waits[-1],
+            "mfu": flops_counting(measured.images[-1]) / (seconds * world * worker.peak),
+            "lr": float(longest[3]) if longest[3] >= 0 else None,
+            "grad_norm": step_metrics.gradient_norm(float(sums[1]), float(sums[2]), skipped),
+            "loss_scale": loss_scale,
+            "samples_per_s": train.global_batch / seconds,
+            "tokens_per_s": None if tokens is None else train.global_batch * tokens / seconds,
+            "peak_memory_gib": float(longest[2]),
+            "rank0_breakdown_s": measured.breakdowns[-1],
         }
-        gathered: list[Any] | None = [None] * world if rank == 0 else None
-        dist.gather_object(mine, gathered, dst=0)
-        if sinks is not None:
-            assert gathered is not None, "rank 0 writes the results, and gathers"
-            timeline = _timeline(plan, gathered, times)
-            counted = [n for n in images[_measured(times)] if n is not None]
-            mean_images = statistics.fmean(counted) if counted else None
-            sizes = "/".join(map(str, GEMM_SIZES[device.type]))
-            measured = (
-                f"best of {sizes}-cubed {precision} GEMMs on all {world} workers at once, mean per worker: {measured_peak:.4g} FLOP/s"
-            )
-            extras = {
-                "peak_flops_source": (
-                    f"cluster preset {run.cluster.name} ({run.cluster.device} datasheet); measured {measured}"
-                    if device.type == "cuda"
-                    else f"measured: {measured}"
-                ),
-                "measured_gemm_flops_per_device": measured_peak,
-                "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
-                "dist_backend": dist.get_backend(),
-                # data_wait_s: the longest wait of any trainer for its step's batches, before
-                # the step's timed window (backend.preprocess)
-                "measured": {
-                    "loss": losses,
-                    "step_time_s": times,
-                    "data_wait_s": waits,
-                    "rank0_process_time_s": cpu,  # CPU seconds of rank 0's process per step (wall time beside it: a loaded machine)
-                    "preprocess": backend.preprocess,
-                    # backend.data_errors=skip: the bad shard members every trainer left out
-                    "data_skipped": sorted(set().union(*(g["data_skipped"] for g in gathered))),
-                    "first_step": first,  # of the losses and times above: a resumed run starts after its checkpoint
-                    # each step's mean images per sequence (interleaved data, an MLLM's shards)
-                    **({} if mean_images is None else {"images_per_sequence": images}),
-                    "checkpoint": _checkpoint_record(settings.checkpoint.every, resume, saves),
-                },
-                "measured_notes": _notes(plan),
-            }
-            summary = summarize(run, timeline, peak_flops=peak, extras=extras, images=mean_images)
-            for rank_timeline in timeline.ranks:
-                rank_timeline.memory["measured_rss_gib"] = max(gathered[r]["rss_gib"] for r in rank_timeline.ranks)
-            summary["memory_gib"]["measured_rss_gib"] = max(g["rss_gib"] for g in gathered)
-            summary["memory_gib"]["measured_rss_gib_by_rank"] = [g["rss_gib"] for g in gathered]
-            if device.type == "cuda":
-                summary["memory_gib"]["measured_device_peak_gib"] = max(g["device_gib"] for g in gathered)
-            with LIFELINE.writing_results():
-                sinks.finish(summary, timeline)
-                LIFELINE.finished()
-    except BaseException:
-        if sinks is not None:
-            sinks.abort()
-        raise
-    finally:
-        torch.nn.functional.linear = linear
-        if producer is not None:
-            producer.close()
-        if sinks is not None:
-            sinks.close()
-        # Several runs may share this process (runtime.worker): give the next one the
-        # device memory of this one (DeepSpeed's hooks make reference cycles).
-        del executor, engines, units, checkpoints
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
+    )
+
+
+def _report(
+    run: PlannedRun,
+    settings: RunSettings,
+    worker: _Worker,
+    measured: _Measured,
+    rank: int,
+    world: int,
+    resume: Resume | None,
+    first: int,
+    sinks: Any,
+) -> None:
+    """Every rank gives rank 0 its spans, breakdowns and memory; rank 0 writes the summary."""
+    assert settings.torch is not None, "a worker runs the real backend's settings"
+    device, timer, precision, times = worker.device, worker.timer, run.plan.precision, measured.times
+    peak_gemm = worker.measured_peak
+    mine = {
+        "rank": rank,
+        "breakdowns": measured.breakdowns,
+        "spans": [dataclasses.astuple(s) for s in timer.spans],
+        "rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        # Each step's peak is measured from its start: the run's is the largest.
+        "device_gib": max(measured.step_peaks, default=0.0) if device.type == "cuda" else 0.0,
+        "data_skipped": worker.batches.skipped,
+    }
+    gathered: list[Any] | None = [None] * world if rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    if sinks is None:
+        return
+    assert gathered is not None, "rank 0 writes the results, and gathers"
+    timeline = _timeline(run.plan, gathered, times)
+    counted = [n for n in measured.images[_measured(times)] if n is not None]
+    mean_images = statistics.fmean(counted) if counted else None
+    sizes = "/".join(map(str, GEMM_SIZES[device.type]))
+    gemms = f"best of {sizes}-cubed {precision} GEMMs on all {world} workers at once, mean per worker: {peak_gemm:.4g} FLOP/s"
+    extras = {
+        "peak_flops_source": (
+            f"cluster preset {run.cluster.name} ({run.cluster.device} datasheet); measured {gemms}"
+            if device.type == "cuda"
+            else f"measured: {gemms}"
+        ),
+        "measured_gemm_flops_per_device": peak_gemm,
+        "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
+        "dist_backend": dist.get_backend(),
+        # data_wait_s: the longest wait of any trainer for its step's batches, before
+        # the step's timed window (backend.preprocess)
+        "measured": {
+            "loss": measured.losses,
+            "step_time_s": times,
+            "data_wait_s": measured.waits,
+            "rank0_process_time_s": measured.cpu,  # CPU seconds of rank 0's process per step (wall time beside it: a loaded machine)
+            "preprocess": settings.torch.preprocess,
+            # backend.data_errors=skip: the bad shard members every trainer left out
+            "data_skipped": sorted(set().union(*(g["data_skipped"] for g in gathered))),
+            "first_step": first,  # of the losses and times above: a resumed run starts after its checkpoint
+            # each step's mean images per sequence (interleaved data, an MLLM's shards)
+            **({} if mean_images is None else {"images_per_sequence": measured.images}),
+            "checkpoint": _checkpoint_record(settings.checkpoint.every, resume, measured.saves),
+        },
+        "measured_notes": _notes(run.plan),
+    }
+    summary = summarize(run, timeline, peak_flops=worker.peak, extras=extras, images=mean_images)
+    for rank_timeline in timeline.ranks:
+        rank_timeline.memory["measured_rss_gib"] = max(gathered[r]["rss_gib"] for r in rank_timeline.ranks)
+    summary["memory_gib"]["measured_rss_gib"] = max(g["rss_gib"] for g in gathered)
+    summary["memory_gib"]["measured_rss_gib_by_rank"] = [g["rss_gib"] for g in gathered]
+    if device.type == "cuda":
+        summary["memory_gib"]["measured_device_peak_gib"] = max(g["device_gib"] for g in gathered)
+    with LIFELINE.writing_results():
+        sinks.finish(summary, timeline)
+        LIFELINE.finished()
 
 
 class _CaptionSteps:
