@@ -2,12 +2,12 @@
 (train.resume=RUN_DIR).
 
 After every N-th step, RUN_DIR/checkpoint/step<k>/ (k: steps done) holds:
-  engines/<units>.rank<r>/   each DeepSpeed engine's save_checkpoint (its model states from its
-                             first data-parallel rank, ZeRO's optimizer partitions from each),
-                             named by its units and the first rank of its data-parallel group
-  ranks/rank<r>.pt           each rank's own: the layers and optimizers of its tensor grid
-                             units (per-rank shards, runtime.grid_engine), the fp16 loss
-                             scale, the RNG states
+  engines/<units>.rank<r>/   each engine's save_checkpoint, named by its units and the first
+                             rank of its data-parallel group: a DeepSpeed engine's model
+                             states from that rank and ZeRO's optimizer partitions from each;
+                             an engine of our own (runtime.own_engine: a tensor grid's, the
+                             plan's distributed optimizer) one file per rank
+  ranks/rank<r>.pt           each rank's own: the fp16 loss scale, the RNG states
   meta.json                  written last, once every rank saved: the step, the world size,
                              the samples read, its bytes and the seconds it took, and its
                              manifest: every file the ranks wrote (torch.save, theirs and
@@ -54,14 +54,13 @@ from src.program import Plan
 from src.progress import Progress
 from src.report.files import writing
 from src.runtime.engines import point_reduction_at
-from src.runtime.grid_engine import GridEngine
 from src.runtime.loss_scale import LossScale
 
 CHECKPOINT_DIR = "checkpoint"
 LATEST = "latest"
 META = "meta.json"
 FORMAT = "mmdist-checkpoint"
-VERSION = 2  # 2: meta.json holds the manifest
+VERSION = 3  # 2: meta.json holds the manifest; 3: a tensor grid's states under engines/
 TAG = "state"  # DeepSpeed's tag, under each engine's directory
 TRAINING = ("deepspeed", "contrastive")  # backend settings a resumed run must share with its checkpoint's
 HASH_CHUNK = 2**20
@@ -187,16 +186,14 @@ def _steps(path: Path) -> int:
 
 
 class Checkpoints:
-    """One rank's part of saving and loading: its DeepSpeed engines (each once, however many
-    units share it), its grid engines and its own state."""
+    """One rank's part of saving and loading: its engines (each once, however many units
+    share it) and its own state."""
 
     def __init__(self, run_dir: Path, rank: int, engines: dict[str, Any], plan: Plan) -> None:
         self.run_dir, self.rank, self.plan = run_dir, rank, plan
-        self.grids = {name: engine for name, engine in engines.items() if isinstance(engine, GridEngine)}
         self._shared: dict[int, tuple[list[str], Any]] = {}
         for name, engine in engines.items():
-            if not isinstance(engine, GridEngine):
-                self._shared.setdefault(id(engine), ([], engine))[0].append(name)
+            self._shared.setdefault(id(engine), ([], engine))[0].append(name)
 
     @functools.cached_property
     def engines(self) -> dict[str, Any]:
@@ -248,7 +245,7 @@ class Checkpoints:
         return saved
 
     def load(self, resume: Resume, loss_scale: LossScale | None) -> None:
-        """Each engine, grid and this rank's state as saved: call right after building the
+        """Each engine and this rank's state as saved: call right after building the
         engines (ZeRO-3 loads into freshly partitioned parameters only)."""
         for name, engine in self.engines.items():
             point_reduction_at(engine)
@@ -258,11 +255,6 @@ class Checkpoints:
             if loaded is None:
                 raise ConfigError(f"train.resume={resume.source}: {resume.path} holds no state for engine {name}")
         state = torch.load(resume.path / "ranks" / f"rank{self.rank}.pt", weights_only=False)
-        for name, grid in self.grids.items():
-            grid.module.load_state_dict(state["grids"][name]["module"])
-            grid.optimizer.load_state_dict(state["grids"][name]["optimizer"])
-            if grid.lr_scheduler is not None:
-                grid.lr_scheduler.load_state_dict(state["grids"][name]["lr_scheduler"])
         if loss_scale is not None:
             loss_scale.scale, loss_scale.good_steps = state["loss_scale"]
         torch.set_rng_state(state["rng"]["torch"])
@@ -273,14 +265,6 @@ class Checkpoints:
 
     def _own_state(self, loss_scale: LossScale | None) -> dict[str, Any]:
         return {
-            "grids": {
-                n: {
-                    "module": g.module.state_dict(),
-                    "optimizer": g.optimizer.state_dict(),
-                    "lr_scheduler": g.lr_scheduler.state_dict() if g.lr_scheduler is not None else None,
-                }
-                for n, g in self.grids.items()
-            },
             "loss_scale": (loss_scale.scale, loss_scale.good_steps) if loss_scale is not None else None,
             "rng": {
                 "torch": torch.get_rng_state(),

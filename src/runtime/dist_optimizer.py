@@ -20,8 +20,8 @@ replicas) and keeps the AdamW states of that shard only:
 
 Each collective starts where its instruction stands and, asynchronous, is finished at the
 plan's Wait (Pending.finish); the forward after that Wait reads the gathered parameters.
-A checkpoint holds each rank's parameters, shard, optimizer states and schedule (the
-DeepSpeed engine's save_checkpoint and load_checkpoint, which runtime.checkpoint calls). It
+A checkpoint holds each rank's parameters, shard, optimizer states and schedule
+(runtime.own_engine's files, which runtime.checkpoint saves as a DeepSpeed engine's). It
 takes no gradient norm (the step's record says so: grad_norm null), so it refuses nothing
 more than the pipelines it serves already do (clipping over a pipeline is refused).
 """
@@ -29,7 +29,6 @@ more than the pipelines it serves already do (clipping over a pipeline is refuse
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -40,6 +39,7 @@ from src.config import ContrastiveSpec, DeepSpeedSpec
 from src.program import Collective, Plan
 from src.runtime.engines import ParallelGroups
 from src.runtime.optimizer import OPTIMIZERS, build_scheduler, parameter_groups
+from src.runtime.own_engine import OwnEngine
 
 SHARDED = ("reduce_scatter", "all_gather")  # the distributed optimizer's collectives a plan may issue itself
 
@@ -72,7 +72,7 @@ class Pending:
         self.done = True
 
 
-class DistributedOptimizer:
+class DistributedOptimizer(OwnEngine):
     def __init__(
         self, module: nn.Module, groups: ParallelGroups, settings: DeepSpeedSpec, contrastive: ContrastiveSpec, steps: int
     ) -> None:
@@ -96,10 +96,6 @@ class DistributedOptimizer:
         self.optimizer = OPTIMIZERS[spec.type](groups_of, **spec.params())
         self.lr_scheduler = build_scheduler(self.optimizer, settings.scheduler, steps)
         self._reduced: Pending | None = None
-
-    def get_global_grad_norm(self) -> None:
-        """It takes none (runtime.step_metrics records grad_norm null)."""
-        return None
 
     def _flat(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         """The tensors side by side in one buffer of every replica's shard, zero-padded."""
@@ -144,34 +140,9 @@ class DistributedOptimizer:
         self.optimizer.zero_grad(set_to_none=True)
         self.zero_grad()
 
-    def zero_grad(self) -> None:
-        for param in self.params:
-            param.grad = None
+    def _extra_state(self) -> dict[str, torch.Tensor]:
+        return {"master": self.master.detach()}
 
-    # ---- checkpoints, as a DeepSpeed engine's (runtime.checkpoint) -----------------------
-    def save_checkpoint(self, directory: str, tag: str, save_latest: bool = False) -> None:
-        path = Path(directory) / tag
-        path.mkdir(parents=True, exist_ok=True)
-        state = {
-            "module": self.module.state_dict(),
-            "master": self.master.detach(),
-            "optimizer": self.optimizer.state_dict(),
-            "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
-        }
-        torch.save(state, path / f"rank{dist.get_rank()}.pt")
-
-    def load_checkpoint(
-        self, directory: str, tag: str, load_optimizer_states: bool = True, load_lr_scheduler_states: bool = False
-    ) -> tuple[str | None, dict]:
-        path = Path(directory) / tag / f"rank{dist.get_rank()}.pt"
-        if not path.exists():
-            return None, {}
-        state = torch.load(path, weights_only=False)
-        self.module.load_state_dict(state["module"])
+    def _load_extra_state(self, state: dict) -> None:
         with torch.no_grad():
             self.master.copy_(state["master"])
-        if load_optimizer_states:
-            self.optimizer.load_state_dict(state["optimizer"])
-        if load_lr_scheduler_states and self.lr_scheduler is not None:
-            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        return str(path), {}

@@ -33,6 +33,7 @@ from src.models.spec import ModelSpec
 from src.program import DEEPSPEED_PERSISTENCE_THRESHOLD, Plan, UnitPlan
 from src.runtime.comm import CLOCK, all_gather_single, reduce_scatter_single
 from src.runtime.optimizer import OPTIMIZERS, attach_zero0_norm, build_optimizer, mark_tensor_parallel, scheduler_params
+from src.runtime.own_engine import OwnEngine
 
 # prebuild_ops: the worker's entry imports it from here, beside the engines it prepares for.
 from src.runtime.op_build import prebuild_ops, without_load_notice  # noqa: F401
@@ -329,7 +330,10 @@ def backward(engine, ends: Sequence[torch.Tensor], seeds: Sequence[torch.Tensor]
 def point_reduction_at(engine) -> None:
     """Call just before `step`, which reduces gradients (ZeRO-0/1; ZeRO-2/3 reduced during
     backward). DeepSpeed's reduction reads the data-parallel group of the LAST engine
-    initialised in the process (a module global): point it at this engine's."""
+    initialised in the process (a module global): point it at this engine's. An engine of
+    our own (runtime.own_engine) reduces its gradients itself: nothing to point."""
+    if isinstance(engine, OwnEngine):
+        return
     from deepspeed.utils import groups
 
     groups.mpu = engine.mpu

@@ -44,8 +44,8 @@ from src.runtime.batch_rows import exchange_rows, placed_by_rows
 from src.runtime.comm import CLOCK, all_reduce
 from src.runtime.device import DTYPES, computing, synchronize
 from src.runtime.engines import backward, point_reduction_at
-from src.runtime.grid_engine import GridEngine
 from src.runtime.dist_optimizer import DistributedOptimizer, Pending
+from src.runtime.own_engine import OwnEngine
 from src.runtime.grad_reduce import GradBucket, start_reduction
 from src.runtime.groups import ProcessGroups
 from src.runtime.lifeline import LIFELINE
@@ -410,7 +410,7 @@ class Executor:
         if dp != 1:
             seeds = [seed * dp for seed in seeds]
         engine = self.engines.get(unit)
-        if engine is None or isinstance(engine, (GridEngine, DistributedOptimizer)):
+        if engine is None or isinstance(engine, OwnEngine):  # which reduces its own gradients
             torch.autograd.backward(ends, seeds)
             return
         seen = self.s.micro_steps.setdefault(id(engine), [])
@@ -426,8 +426,7 @@ class Executor:
         if self.loss_scale is not None and (self._overflowed() if self.s.skip is None else self.s.skip):
             engine.zero_grad()
             return
-        if not isinstance(engine, (GridEngine, DistributedOptimizer)):  # which reduce their own gradients
-            point_reduction_at(engine)
+        point_reduction_at(engine)
         engine.step()
 
     def _loss_seed(self, loss: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,8 @@ the grid sums the z-replicated parameters' gradients over z and every gradient o
 parallelism, and the engine averages the latter as DeepSpeed does (the executor runs each
 backward on its data-parallel degree times its part of the loss). Its optimizer and
 learning-rate schedule are a DeepSpeed engine's (runtime.optimizer); gradient clipping is
-refused on a grid (runtime.optimizer.check_clipping).
+refused on a grid (runtime.engines.check_clipping). Its checkpoint is each rank's own
+(runtime.own_engine).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from src.config import ContrastiveSpec, DeepSpeedSpec
 from src.program import TENSOR_GRID_AXES, UnitPlan
 from src.runtime.modules.grid3d import Grid3D
 from src.runtime.optimizer import build_optimizer, build_scheduler
+from src.runtime.own_engine import OwnEngine
 
 
 GRID_AXES = (*TENSOR_GRID_AXES, "dp")  # X innermost
@@ -29,7 +31,7 @@ def build_grid(unit: UnitPlan) -> Grid3D:
     return Grid3D.build(degrees, frozenset(layout.overlaps), frozenset(layout.cached_layers), layout.layers)  # type: ignore[arg-type]
 
 
-class GridEngine:
+class GridEngine(OwnEngine):
     def __init__(self, module: nn.Module, grid: Grid3D, settings: DeepSpeedSpec, contrastive: ContrastiveSpec, steps: int) -> None:
         self.module, self.grid = module, grid
         self.params = [p for p in module.parameters() if p.requires_grad]
@@ -46,7 +48,3 @@ class GridEngine:
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.zero_grad()
-
-    def zero_grad(self) -> None:
-        for param in self.params:
-            param.grad = None

@@ -13,7 +13,6 @@ from typing import Any
 import torch
 
 from src.models.spec import ModelSpec
-from src.runtime.grid_engine import GridEngine
 from src.runtime.optimizer import norm_share
 
 
@@ -33,12 +32,9 @@ def learning_rate(engines: dict[str, Any]) -> float | None:
 
 def gradient_norm_share(engines: dict[str, Any]) -> tuple[float, bool]:
     """This rank's share of the model's squared gradient norm after its step, and whether
-    every engine of this rank took its norm (a grid's optimizer takes none)."""
+    every engine of this rank took its norm (an engine of our own takes none)."""
     share, known = 0.0, True
     for engine in distinct(engines):
-        if isinstance(engine, GridEngine):
-            known = False
-            continue
         norm = engine.get_global_grad_norm()
         if norm is None:
             known = False
