@@ -417,14 +417,36 @@ Options = TypeVar("Options", bound="DataclassInstance")
 
 def options_from(cls: type[Options], cfg: Mapping[str, Any], prefix: str = "strategy") -> Options:
     """Fill a strategy's options dataclass from its config group; unknown keys are errors
-    (a typo must not silently fall back to a default)."""
+    (a typo must not silently fall back to a default). A field whose type is itself an
+    options dataclass (a unit's options, `strategy.encoder`) is filled the same way from
+    its mapping; null gives that type's defaults."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
     reject_unknown({k: v for k, v in cfg.items() if k != "name"}, fields, f"{prefix} option(s)")
     hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
     for key, value in cfg.items():
-        if key in fields and value is not None:
+        if key not in fields:
+            continue
+        nested = hints[key] if dataclasses.is_dataclass(hints[key]) else None
+        if nested is not None:
+            if value is not None and not isinstance(value, Mapping):
+                raise ConfigError(f"{prefix}.{key} takes a mapping of settings, got {value!r} (e.g. {prefix}.{key}.tp=2)")
+            value = options_from(nested, value or {}, f"{prefix}.{key}")
+        elif value is not None:
             _check_shape(f"{prefix}.{key}", value, hints[key])
-    return cls(**{k: v for k, v in cfg.items() if k in fields})
+        values[key] = value
+    return cls(**values)
+
+
+@dataclass(frozen=True)
+class UnitCounts:
+    """Base of a unit's options set by hand whose fields are all counts (degrees, micro-batch
+    sizes): each a positive integer, or None for the planner's choice."""
+
+    def check(self, where: str) -> None:
+        """`where`: the options' place in the config (strategy.vision), for the message."""
+        for field in dataclasses.fields(self):
+            check_positive(f"{where}.{field.name}", getattr(self, field.name), optional=True)
 
 
 def _check_shape(key: str, value: Any, hint: Any) -> None:

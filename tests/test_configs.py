@@ -138,10 +138,12 @@ def test_strategy_options_validate(name: str) -> None:
 
 
 def _same_default(yaml_value: Any, default: Any) -> bool:
-    """A YAML list is a tuple option's value; a per-unit mapping whose settings are all
-    unset is the dataclass's None (no unit's option given)."""
-    if isinstance(yaml_value, dict) and default is None:
-        return all(v is None for v in yaml_value.values())
+    """A YAML list is a tuple option's value; a per-unit mapping is its options dataclass,
+    key by key (every dataclass field written, none more)."""
+    if isinstance(yaml_value, dict):
+        assert dataclasses.is_dataclass(default), f"a mapping {yaml_value!r} where the dataclass default is {default!r}"
+        fields = {f.name: getattr(default, f.name) for f in dataclasses.fields(default)}
+        return set(yaml_value) == set(fields) and all(_same_default(yaml_value[k], fields[k]) for k in fields)
     if isinstance(yaml_value, list):
         return isinstance(default, (list, tuple)) and len(yaml_value) == len(default) and all(map(_same_default, yaml_value, default))
     return yaml_value == default and type(yaml_value) is type(default)

@@ -19,10 +19,9 @@ as far as memory requires, as the Megatron baseline chooses them for the whole m
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
 
 from src.cluster import GIB
-from src.config import check_positive, options_from
+from src.config import UnitCounts, check_positive, options_from
 from src.costmodel.memory import check_memory_options, memory_ladder, rank_memory
 from src.errors import ConfigError, PlanError
 from src.models.spec import ModelSpec
@@ -45,8 +44,16 @@ from src.models.flows import unit_order
 
 BALANCE = ("dp", "even")
 PLACEMENT = ("separate", "naive")
-TOWER_KEYS = ("tp", "pp", "dp")
 ALIGNED = "aligned"
+
+
+@dataclass(frozen=True)
+class TowerDegrees(UnitCounts):
+    """A tower's degrees set by hand (strategy.vision, strategy.text); None: planned."""
+
+    tp: int | None = None
+    pp: int | None = None
+    dp: int | None = None  # replicas
 
 
 @dataclass(frozen=True)
@@ -58,8 +65,8 @@ class DistMMOptions:
     microbatches: int | None = None
     recompute: str | None = None
     zero_stage: int | None = None
-    vision: Mapping[str, Any] | None = field(default=None)
-    text: Mapping[str, Any] | None = field(default=None)
+    vision: TowerDegrees = field(default_factory=TowerDegrees)
+    text: TowerDegrees = field(default_factory=TowerDegrees)
 
     def __post_init__(self) -> None:
         for key, allowed in (("balance", BALANCE), ("placement", PLACEMENT), ("pipeline", SYNC_SCHEDULES)):
@@ -69,16 +76,12 @@ class DistMMOptions:
         if not isinstance(self.use_all_devices, bool):
             raise ConfigError(f"strategy.use_all_devices={self.use_all_devices!r} must be true or false")
         check_memory_options(self.recompute, self.zero_stage, "DistMM shards the optimizer as the baseline does")
+        for tower in ("vision", "text"):
+            getattr(self, tower).check(f"strategy.{tower}")
 
-    def fixed(self, tower: str) -> dict[str, int | None]:
-        """A tower's hand-set degrees (None = planned)."""
-        given = dict(getattr(self, tower, None) or {})
-        unknown = sorted(set(given) - set(TOWER_KEYS))
-        if unknown:
-            raise ConfigError(f"strategy.{tower} has unknown key(s) {unknown}; valid: {list(TOWER_KEYS)}")
-        for key, value in given.items():
-            check_positive(f"strategy.{tower}.{key}", value, optional=True)
-        return {key: given.get(key) for key in TOWER_KEYS}
+    def fixed(self, tower: str) -> TowerDegrees:
+        """A tower's hand-set degrees (a tower other than vision and text sets none)."""
+        return getattr(self, tower, TowerDegrees())
 
     def settings(self) -> tuple[tuple[str, int], ...]:
         return memory_ladder(self.recompute, self.zero_stage)
@@ -89,15 +92,15 @@ def _towers(model: ModelSpec, opts: DistMMOptions) -> list[str]:
         raise PlanError(f"distmm plans towers around a contrastive interaction; model {model.name} has none")
     towers = [name for name in unit_order(model) if name != model.interaction]
     for name in ("vision", "text"):
-        if getattr(opts, name) and name not in towers:
+        if getattr(opts, name) != TowerDegrees() and name not in towers:
             raise ConfigError(f"strategy.{name} is set but model {model.name} has no tower {name!r}: {towers}")
     return towers
 
 
-def _degrees(request: PlanRequest, tower: str, fixed: dict[str, int | None]) -> Degrees:
+def _degrees(request: PlanRequest, tower: str, fixed: TowerDegrees) -> Degrees:
     unit = request.model.unit(tower)
     node = request.cluster.devices_per_node
-    tp, pp = fixed["tp"], fixed["pp"]
+    tp, pp = fixed.tp, fixed.pp
     if tp is not None and (unit.heads % tp or tp > node):
         raise ConfigError(
             f"strategy.{tower}.tp={tp} must divide the {unit.heads} heads of {tower} and stay inside a node of {node} devices"
@@ -107,12 +110,12 @@ def _degrees(request: PlanRequest, tower: str, fixed: dict[str, int | None]) -> 
     return partition(unit, request.cluster, request.train.precision, tp, pp)
 
 
-def _depths(request: PlanRequest, tower: str, degrees: Degrees, fixed: dict[str, int | None]) -> list[Degrees]:
+def _depths(request: PlanRequest, tower: str, degrees: Degrees, fixed: TowerDegrees) -> list[Degrees]:
     """The partitioner's degrees and, for a pipelined tower whose pp is not fixed, the
     deeper pipelines, shallowest first: a batch-sync group's activations stay resident
     until its barrier, and more stages hold a larger contrastive batch
     ((M·P - M_s)/(2·M_a), §5.4)."""
-    if degrees.pp == 1 or fixed["pp"] is not None:
+    if degrees.pp == 1 or fixed.pp is not None:
         return [degrees]
     deepest = min(blocks_of(request.model.unit(tower)), request.cluster.devices // degrees.tp)
     return [Degrees(degrees.tp, pp) for pp in range(degrees.pp, deepest + 1)]
@@ -194,7 +197,7 @@ def _separate(request: PlanRequest, opts: DistMMOptions, towers: list[str], grou
         # consumer: towers linked that way run GPipe with batch-sync.
         schedule = "gpipe_sync" if tower in linked else opts.pipeline
         depths = _depths(request, tower, _degrees(request, tower, fixed), fixed)
-        choices, skipped = _choices(request, costs, tower, depths, fixed["dp"], groups, schedule, opts.settings(), opts.microbatches)
+        choices, skipped = _choices(request, costs, tower, depths, fixed.dp, groups, schedule, opts.settings(), opts.microbatches)
         if not choices:
             why = skipped[-1] if skipped else "no replica count is possible"
             raise PlanError(f"distmm: no size of tower {tower} fits on {request.cluster.devices} devices: {why}")

@@ -57,6 +57,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from src.cluster import GIB
+from src.config import check_positive
 from src.errors import ConfigError, PlanError
 from src.metrics import unit_flops
 from src.program import RECOMPUTE_MODES
@@ -74,16 +75,31 @@ MAX_VPPS = 3  # interleavings of the LLM offered per choice
 
 @dataclass(frozen=True)
 class Fixed:
-    """A unit's degrees and options given by hand (None: searched)."""
+    """A unit's degrees and options given by hand (strategy.encoder, .llm, .generator; None:
+    searched)."""
 
     tp: int | None = None
     pp: int | None = None
     dp: int | None = None
-    vpp: int | None = None
+    vpp: int | None = None  # virtual stages per pipeline stage (interleaved 1F1B)
     recompute: str | None = None
     zero_stage: int | None = None
     sequence_parallel: bool | None = None
+    # Pipeline sends of 1/tp per TP rank plus a TP all-gather (the real backend needs rows tp divides).
     scatter_gather: bool | None = None
+
+    def check(self, where: str) -> None:
+        """`where`: the options' place in the config (strategy.llm), for the message."""
+        for key in ("tp", "pp", "dp", "vpp"):
+            check_positive(f"{where}.{key}", getattr(self, key), optional=True)
+        for key in ("sequence_parallel", "scatter_gather"):
+            value = getattr(self, key)
+            if value is not None and not isinstance(value, bool):
+                raise ConfigError(f"{where}.{key} must be true, false or null, got {value!r}")
+        if self.recompute not in (None, *RECOMPUTE_MODES):
+            raise ConfigError(f"{where}.recompute={self.recompute!r}; choose one of {list(RECOMPUTE_MODES)} or null")
+        if self.zero_stage not in (None, 0, 1):
+            raise ConfigError(f"{where}.zero_stage={self.zero_stage!r}: 0, 1 (Megatron-LM's distributed optimizer) or null")
 
 
 @dataclass(frozen=True)

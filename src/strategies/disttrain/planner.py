@@ -17,8 +17,7 @@ strategy.llm.tp=8 ...); the Program is strategies.disttrain.programs'.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields, replace
-from typing import Any, Mapping
+from dataclasses import dataclass, field, replace
 
 from src.cluster import GIB
 from src.config import check_positive, options_from
@@ -26,7 +25,7 @@ from src.costmodel.memory import check_memory_options
 from src.data.loads import batch_loads
 from src.errors import ConfigError, PlanError
 from src.models.spec import ModelSpec
-from src.program import RECOMPUTE_MODES, Plan, compress_ranks
+from src.program import Plan, compress_ranks
 from src.strategies.base import PlanRequest, check_microbatch_count
 from src.strategies.disttrain.data import REORDERS
 from src.strategies.disttrain.orchestration import UNITS, Fixed, Orchestrator
@@ -34,8 +33,6 @@ from src.strategies.disttrain.profile import Profiler
 from src.strategies.disttrain.search import RANKED, SIMULATED, Candidate, Decision, memory_problem
 
 ORCHESTRATIONS = ("disaggregated", "ratio")
-UNIT_KEYS = tuple(f.name for f in fields(Fixed))
-POSITIVE = ("tp", "pp", "dp", "vpp")
 
 
 @dataclass(frozen=True)
@@ -45,9 +42,9 @@ class DistTrainOptions:
     tp_overlap_chunks: int = 4
     recompute: str | None = None
     zero_stage: int | None = None
-    encoder: Mapping[str, Any] | None = field(default=None)
-    llm: Mapping[str, Any] | None = field(default=None)
-    generator: Mapping[str, Any] | None = field(default=None)
+    encoder: Fixed = field(default_factory=Fixed)
+    llm: Fixed = field(default_factory=Fixed)
+    generator: Fixed = field(default_factory=Fixed)
 
     def __post_init__(self) -> None:
         for key, allowed in (("orchestration", ORCHESTRATIONS), ("reorder", REORDERS)):
@@ -55,29 +52,16 @@ class DistTrainOptions:
                 raise ConfigError(f"strategy.{key}={getattr(self, key)!r}; choose one of {list(allowed)}")
         check_positive("strategy.tp_overlap_chunks", self.tp_overlap_chunks, meaning=" (1 = no overlap)")
         check_memory_options(self.recompute, self.zero_stage, "DistTrain's units run Megatron-LM's distributed optimizer (ZeRO-1)")
+        for unit in UNITS:
+            getattr(self, unit).check(f"strategy.{unit}")
 
     def fixed(self, unit: str) -> Fixed:
         """A unit's options given by hand; the strategy-wide recompute and zero_stage
         stand for every unit that does not set its own."""
-        given = dict(getattr(self, unit, None) or {})
-        unknown = sorted(set(given) - set(UNIT_KEYS))
-        if unknown:
-            raise ConfigError(f"strategy.{unit} has unknown key(s) {unknown}; valid: {list(UNIT_KEYS)}")
-        for key in POSITIVE:
-            check_positive(f"strategy.{unit}.{key}", given.get(key), optional=True)
-        for key in ("sequence_parallel", "scatter_gather"):
-            value = given.get(key)
-            if value is not None and not isinstance(value, bool):
-                raise ConfigError(f"strategy.{unit}.{key} must be true, false or null, got {value!r}")
-        if given.get("recompute") not in (None, *RECOMPUTE_MODES):
-            raise ConfigError(f"strategy.{unit}.recompute={given['recompute']!r}; choose one of {list(RECOMPUTE_MODES)} or null")
-        if given.get("zero_stage") not in (None, 0, 1):
-            raise ConfigError(
-                f"strategy.{unit}.zero_stage={given['zero_stage']!r}: 0, 1 (Megatron-LM's distributed optimizer) or null"
-            )
-        recompute = given.get("recompute") or self.recompute
-        zero = self.zero_stage if given.get("zero_stage") is None else given["zero_stage"]
-        return Fixed(**{key: given.get(key) for key in UNIT_KEYS} | {"recompute": recompute, "zero_stage": zero})
+        given: Fixed = getattr(self, unit)
+        recompute = given.recompute or self.recompute
+        zero = self.zero_stage if given.zero_stage is None else given.zero_stage
+        return replace(given, recompute=recompute, zero_stage=zero)
 
 
 def _check_model(model: ModelSpec) -> None:

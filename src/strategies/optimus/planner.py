@@ -26,11 +26,11 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping
+from typing import Any
 
 from src.cluster import GIB, family_sharing
 from src.collector import collector_paused
-from src.config import check_positive, options_from
+from src.config import UnitCounts, check_positive, options_from
 from src.progress import Progress
 from src.costmodel.comm import CommModel
 from src.costmodel.compute import ComputeModel
@@ -49,14 +49,40 @@ from src.strategies.optimus.programs import ClassEmitter, add_encoder_routes, cl
 from src.strategies.optimus.parallel import complete, schedule_all
 from src.strategies.optimus.scheduler import BubbleScheduler, Candidate, Schedule, Tails, local_search, partitions
 
-LLM_KEYS = ("tp", "pp", "dp", "vpp", "micro_batch_size", "schedule", "recompute", "zero_stage", "sequence_parallel")
-ENCODER_KEYS = ("tp", "pp")
+
+@dataclass(frozen=True)
+class LLMSettings:
+    """The LLM's Megatron-LM options set by hand (strategy.llm; Optimus's Tables 11-12 give
+    them); None: searched by the Megatron-LM planner."""
+
+    tp: int | None = None
+    pp: int | None = None
+    dp: int | None = None
+    vpp: int | None = None
+    micro_batch_size: int | None = None
+    schedule: str | None = None
+    recompute: str | None = None
+    zero_stage: int | None = None
+    sequence_parallel: bool | None = None
+
+    def megatron(self) -> MegatronOptions:
+        """The Megatron-LM options: those given here, the rest its defaults (searched)."""
+        given = {key: value for key, value in vars(self).items() if value is not None}
+        return options_from(MegatronOptions, given, prefix="strategy.llm")
+
+
+@dataclass(frozen=True)
+class EncoderDegrees(UnitCounts):
+    """One plan for every encoder (Optimus §4.4), set by hand (strategy.encoder); None: enumerated."""
+
+    tp: int | None = None  # must divide the LLM's tp and the encoders' heads
+    pp: int | None = None  # must divide the LLM's pp and the encoders' blocks
 
 
 @dataclass(frozen=True)
 class OptimusOptions:
-    llm: Mapping[str, Any] | None = field(default=None)
-    encoder: Mapping[str, Any] | None = field(default=None)
+    llm: LLMSettings = field(default_factory=LLMSettings)
+    encoder: EncoderDegrees = field(default_factory=EncoderDegrees)
     encoder_zero_stage: int = 1
     fine_grained: bool = True
     defer_warmup: bool = True
@@ -64,12 +90,7 @@ class OptimusOptions:
     refine: int = 3
 
     def __post_init__(self) -> None:
-        for key, allowed in (("llm", LLM_KEYS), ("encoder", ENCODER_KEYS)):
-            unknown = sorted(set(getattr(self, key) or {}) - set(allowed))
-            if unknown:
-                raise ConfigError(f"strategy.{key} has unknown key(s) {unknown}; valid: {list(allowed)}")
-        for key, value in (self.encoder or {}).items():
-            check_positive(f"strategy.encoder.{key}", value, optional=True)
+        self.encoder.check("strategy.encoder")
         if self.encoder_zero_stage not in (0, 1):
             raise ConfigError(
                 f"strategy.encoder_zero_stage={self.encoder_zero_stage!r}: 0 or 1 (the distributed optimizer, as the LLM's)"
@@ -79,11 +100,6 @@ class OptimusOptions:
                 raise ConfigError(f"strategy.{key}={getattr(self, key)!r} must be true or false")
         for key in ("max_partitions", "refine"):
             check_positive(f"strategy.{key}", getattr(self, key))
-
-    def megatron(self) -> MegatronOptions:
-        """The LLM's Megatron-LM options: those given under strategy.llm, the rest searched."""
-        given = {key: value for key, value in (self.llm or {}).items() if value is not None}
-        return options_from(MegatronOptions, given, prefix="strategy.llm")
 
 
 def plan_optimus(request: PlanRequest) -> Plan:
@@ -97,7 +113,7 @@ def _plan(request: PlanRequest) -> Plan:
     llm, encoders = _llm_and_encoders(model)
     started = time.perf_counter()
     compute, comm = ComputeModel(cluster, train.precision), CommModel(cluster)
-    pipelines = LLMPipelines(request, llm, encoders, opts.megatron(), opts.defer_warmup, compute, comm)
+    pipelines = LLMPipelines(request, llm, encoders, opts.llm.megatron(), opts.defer_warmup, compute, comm)
     rejected: list[tuple[float, str]] = []
     progress = Progress("optimus planner")
     # Every rung of the LLM's memory ladder whose LLM alone fits, and could beat the best
@@ -212,23 +228,23 @@ def _llm_and_encoders(model: ModelSpec) -> tuple[str, list[str]]:
 
 # ---- encoder plans ---------------------------------------------------------------------------
 def _encoder_plans(request: PlanRequest, opts: OptimusOptions, llm: UnitPlan, encoders: list[str]) -> list[EncoderPlan]:
-    given = dict(opts.encoder or {})
+    given = opts.encoder
     for key, degree in (("pp", llm.pp), ("tp", llm.tp)):
-        value = given.get(key)
+        value = getattr(given, key)
         if value is not None and degree % value:
             raise ConfigError(
                 f"strategy.encoder.{key}={value} does not divide the LLM's {key}={degree} "
                 f"(Optimus needs PP_enc | PP_llm and TP_enc | TP_llm)"
             )
     heads = [request.model.unit(u).heads for u in encoders]
-    tps = [given["tp"]] if given.get("tp") else [t for t in divisors(llm.tp) if all(h % t == 0 for h in heads)]
+    tps = [given.tp] if given.tp else [t for t in divisors(llm.tp) if all(h % t == 0 for h in heads)]
     for t in tps:
         bad = [u for u, h in zip(encoders, heads) if h % t]
         if bad:
             raise ConfigError(
                 f"strategy.encoder.tp={t} does not divide the heads of {bad}: {[request.model.unit(u).heads for u in bad]}"
             )
-    pps = [given["pp"]] if given.get("pp") else divisors(llm.pp)
+    pps = [given.pp] if given.pp else divisors(llm.pp)
     return [EncoderPlan(p, t) for p in pps for t in tps]
 
 

@@ -89,8 +89,10 @@ def test_fixed_degrees_are_kept() -> None:
     assert (text.tp, text.dp) == (8, 2)
     with pytest.raises(ConfigError, match="heads"):
         plan_run(setup("model=clip", "strategy.text.tp=3"))
-    with pytest.raises(ConfigError, match="unknown key"):
+    with pytest.raises(ConfigError, match=r"unknown strategy.text option\(s\) \['vpp'\]"):
         plan_run(setup("model=clip", "+strategy.text.vpp=2"))
+    with pytest.raises(ConfigError, match="strategy.text.dp must be a positive integer or null, got 0"):
+        plan_run(setup("model=clip", "strategy.text.dp=0"))
 
 
 def interactions(plan) -> list[Compute]:

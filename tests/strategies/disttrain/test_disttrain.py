@@ -28,7 +28,7 @@ from src.mesh import Mesh
 from src.program import Payload
 from src.schedules.pipeline import interleaved, one_f_one_b
 from src.strategies.builders.bridge import Side, pieces
-from src.strategies.disttrain.orchestration import TOLERANCE, UNITS, Orchestrator, UnitChoice, pipeline_time
+from src.strategies.disttrain.orchestration import TOLERANCE, UNITS, Fixed, Orchestrator, UnitChoice, pipeline_time
 from src.strategies.disttrain.relaxation import RelaxedOption, Subproblems, solve_relaxed
 from src.strategies.disttrain.schedule import Chain, chain_orders
 from src.strategies.disttrain.timing import dag_ends
@@ -593,9 +593,25 @@ def test_bad_options_are_named(options, match) -> None:
         DistTrainOptions(**options)
 
 
-def test_unknown_unit_key_is_named() -> None:
-    with pytest.raises(ConfigError, match="strategy.llm has unknown key"):
-        DistTrainOptions(llm={"ep": 2}).fixed("llm")
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"llm": {"ep": 2}}, r"unknown strategy.llm option\(s\) \['ep'\]"),
+        ({"llm": {"tp": 0}}, r"strategy.llm.tp must be a positive integer or null, got 0"),
+        ({"encoder": {"sequence_parallel": "yes"}}, r"strategy.encoder.sequence_parallel must be true, false or null"),
+        ({"generator": {"zero_stage": 3}}, r"strategy.generator.zero_stage=3: 0, 1"),
+        ({"llm": 4}, r"strategy.llm takes a mapping of settings, got 4"),
+    ],
+)
+def test_a_units_bad_option_is_named(options, match) -> None:
+    with pytest.raises(ConfigError, match=match):
+        options_from(DistTrainOptions, options)
+
+
+def test_a_units_options_are_typed_and_take_the_strategy_wide_memory_settings() -> None:
+    opts = options_from(DistTrainOptions, {"recompute": "full", "llm": {"tp": 2, "recompute": None}, "encoder": None})
+    assert opts.llm == Fixed(tp=2) and opts.encoder == Fixed()
+    assert opts.fixed("llm") == Fixed(tp=2, recompute="full")
 
 
 def test_llm_dp_must_divide_the_batch() -> None:
