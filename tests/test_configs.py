@@ -134,16 +134,21 @@ def _same_default(yaml_value: Any, default: Any) -> bool:
     return yaml_value == default and type(yaml_value) is type(default)
 
 
-@pytest.mark.parametrize("name", options("strategy"))
-def test_every_strategy_yaml_default_is_its_options_dataclass_default(name: str) -> None:
+def check_yaml_defaults(path: Path, options: type) -> None:
     """The YAML file a user reads names every option at the value the planner takes when it is left out."""
-    written = {k: v for k, v in OmegaConf.to_container(OmegaConf.load(CONF / "strategy" / f"{name}.yaml")).items() if k != "name"}
-    fields = {f.name: f for f in dataclasses.fields(strategy_options(name))}
-    assert sorted(written) == sorted(fields), f"strategy/{name}.yaml names {sorted(written)}, its options {sorted(fields)}"
+    shown = f"{path.parent.name}/{path.name}"
+    written = {k: v for k, v in OmegaConf.to_container(OmegaConf.load(path)).items() if k != "name"}
+    fields = {f.name: f for f in dataclasses.fields(options)}
+    assert sorted(written) == sorted(fields), f"{shown} names {sorted(written)}, its options {sorted(fields)}"
     for key, field in fields.items():
         default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
-        assert default is not dataclasses.MISSING, f"strategy.{key} has no default in {strategy_options(name).__name__}"
-        assert _same_default(written[key], default), f"strategy/{name}.yaml: {key}={written[key]!r}, its dataclass default {default!r}"
+        assert default is not dataclasses.MISSING, f"strategy.{key} has no default in {options.__name__}"
+        assert _same_default(written[key], default), f"{shown}: {key}={written[key]!r}, its dataclass default {default!r}"
+
+
+@pytest.mark.parametrize("name", options("strategy"))
+def test_every_strategy_yaml_default_is_its_options_dataclass_default(name: str) -> None:
+    check_yaml_defaults(CONF / "strategy" / f"{name}.yaml", strategy_options(name))
 
 
 @pytest.mark.parametrize("name", options("backend"))
