@@ -4,11 +4,12 @@
     python -m src.compare -m model=gpt cluster=perlmutter cluster.nodes=4,8,16,32   # a scaling chart
 
 Composes the front door's config (any model, cluster and train override) and prices each
-of strategy=auto's contenders (src/strategies/auto.py; `strategy.contenders=[...]` picks
-some) in parallel on all cores. Writes, in the run directory, compare.md (ranked: iteration
-time, MFU, throughput, peak memory, breakdown, plan; then the contenders that do not apply
-or do not fit, with their one-line reason), compare.json and compare.png. A multirun adds
-scaling.md and scaling.png over its jobs in the sweep directory.
+of strategy=auto's contenders (each strategy descriptor's `auto_variants`;
+`strategy.contenders=[...]` picks some) in parallel on all cores. Writes, in the run
+directory, compare.md (ranked: iteration time, MFU, throughput, peak memory, breakdown,
+plan; then the contenders that do not apply or do not fit, with their one-line reason),
+compare.json and compare.png. A multirun adds scaling.md and scaling.png over its jobs in
+the sweep directory.
 """
 
 from __future__ import annotations

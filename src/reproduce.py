@@ -14,6 +14,9 @@ and writes reproduction.md, .json and .png under --out (default benchmarks/resul
 paper: reproduction_<paper>.* in outputs/reproduction). --rerun runs
 each figure afresh in outputs/reproduction/<preset> (its jobs' logs there), printing one line
 per figure, and stores its results.json and plot in the results directory before scoring.
+--papers DIR: the folder holding the papers' texts (each catalogue's `text` file), which the
+scorecard then cites there; the repository holds none of them, so by default it cites their
+file names alone.
 """
 
 from __future__ import annotations
@@ -36,7 +39,6 @@ from src.sweep import REPO, SweepSpec, figure_jobs, multirun_command
 
 RUNS = Path("outputs") / "reproduction"
 SCORECARD = REPO / "benchmarks" / "results"  # the committed scorecard: all papers
-PAPERS_DIR = "../shared/papers"
 
 
 def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
@@ -48,6 +50,7 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--out", type=Path, default=None, help="where the scorecard goes (default: see above)")
     parser.add_argument("--catalogue", type=Path, default=CATALOGUE_DIR, help="the headline catalogue, <paper>.yaml each")
     parser.add_argument("--sweeps", type=Path, default=SWEEPS_DIR, help="the figure presets the catalogue names")
+    parser.add_argument("--papers", type=Path, default=None, help="the folder of the papers' texts, for the scorecard to cite")
     args = parser.parse_args(argv)
     if args.jobs < 1:
         raise ConfigError(f"--jobs {args.jobs}: at least one figure must run at a time")
@@ -105,11 +108,20 @@ def rerun(specs: list[SweepSpec], presets: Presets, results: Path, jobs: int) ->
     return errors
 
 
+def check_papers(folder: Path, catalogues: list[Catalogue]) -> None:
+    """A scorecard cites only texts that are there."""
+    missing = [c.text for c in catalogues if not (folder / c.text).is_file()]
+    if missing:
+        raise ConfigError(f"--papers {folder}: no {', '.join(missing)} there (the catalogue's paper texts)")
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args, papers = parse(argv)
         presets = Presets(args.sweeps)
         catalogues: list[Catalogue] = [load_catalogue(paper, presets, args.catalogue) for paper in papers]
+        if args.papers is not None:
+            check_papers(args.papers, catalogues)
         names = list(dict.fromkeys(name for c in catalogues for name in c.presets()))
         if args.rerun:
             errors = rerun([presets[name] for name in names], presets, args.results, args.jobs)
@@ -129,10 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or (SCORECARD if args.selection is None else REPO / RUNS)
     results = args.results.resolve()
     source = results.relative_to(REPO) if results.is_relative_to(REPO) else results
-    write(scores, out, stem, str(source), PAPERS_DIR, absent)
+    papers_dir = None if args.papers is None else str(args.papers)
+    write(scores, out, stem, str(source), papers_dir, absent)
     print(summary_table(scores))
     if len(scores) == 1:
-        print("\n" + paper_section(scores[0], PAPERS_DIR))
+        print("\n" + paper_section(scores[0], papers_dir))
     print(f"\nwrote {out / stem}.md, .json and .png")
     return 0
 

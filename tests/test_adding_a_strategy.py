@@ -1,7 +1,9 @@
-"""docs/adding_a_strategy.md as written: its planner and config group, copied out of the
-page into a directory outside src/strategies, plan a tiny GPT that the simulator prices
-as it prices strategy=ddp's same instructions, and train it on two workers (slow) to the
-single process's losses. The registry's public calls and their refusals."""
+"""docs/adding_a_strategy.md as written: its package (planner, options, descriptor) and its
+config group, copied out of the page into a directory outside src/strategies, plan a tiny
+GPT that the simulator prices as it prices strategy=ddp's same instructions, and train it
+on two workers (slow) to the single process's losses. The config group states the
+descriptor's options at their defaults; a backend's refusal names the option the
+descriptor maps its plan field to. The registry's public calls and their refusals."""
 
 from __future__ import annotations
 
@@ -15,11 +17,12 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from src.errors import ConfigError
-from src.setup import plan_run, validate
+from src.errors import ConfigError, PlanRefused
+from src.setup import options_named, plan_run, validate
 from src.sim.engine import simulate
-from src.strategies import STRATEGIES, planner_for, register
+from src.strategies import STRATEGIES, planner_for, register, strategy_for
 from tests.conftest import CONF_DIR, REPO_ROOT, cli_env
+from tests.test_configs import check_yaml_defaults
 
 PAGE = REPO_ROOT / "docs" / "adding_a_strategy.md"
 # A fenced block whose first line names the file it is: "# my_strategies/toy.py".
@@ -38,6 +41,7 @@ TINY_GPT = [
     "logger=none",
 ]
 TOY = ["strategy=toy", "strategy.microbatches=2"]
+DESCRIPTOR = "my_strategies.toy:STRATEGY"  # the config group's name
 
 
 @pytest.fixture(scope="module")
@@ -77,14 +81,42 @@ def test_the_page_s_strategy_refuses_a_batch_it_cannot_split(outside: Path, monk
         plan_run(setup)
 
 
-def test_a_registered_name_plans_with_its_planner(outside: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_page_s_config_group_names_its_descriptor_and_states_its_options_defaults(
+    outside: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.syspath_prepend(str(outside))
-    from my_strategies.toy import plan_toy
+    from my_strategies.toy import STRATEGY, ToyOptions, plan_toy
+
+    assert _config(outside, "strategy=toy")["strategy"]["name"] == DESCRIPTOR
+    assert strategy_for(DESCRIPTOR) is STRATEGY and planner_for(DESCRIPTOR) is plan_toy
+    assert STRATEGY.options is ToyOptions
+    check_yaml_defaults(outside / "my_conf" / "strategy" / "toy.yaml", ToyOptions)
+
+
+def test_a_refusal_of_the_page_s_plan_names_the_option_its_descriptor_maps(outside: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(outside))
+    with pytest.raises(ConfigError, match=rf"^no such micro-batch \[{DESCRIPTOR}: strategy.microbatches, train.precision\]$"):
+        with options_named(DESCRIPTOR):
+            raise PlanRefused("no such micro-batch", ("micro_batch", "precision"))
+    # A planner alone maps no plan field to an option: the refusal names the fields alone.
+    with pytest.raises(ConfigError, match=r"^no such micro-batch$"):
+        with options_named("my_strategies.toy:plan_toy"):
+            raise PlanRefused("no such micro-batch", ("micro_batch",))
+
+
+def test_a_registered_name_plans_with_its_descriptor_or_a_planner_alone(outside: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(outside))
+    from my_strategies.toy import STRATEGY, plan_toy
 
     monkeypatch.setattr("src.strategies.STRATEGIES", dict(STRATEGIES))  # this test's registrations end with it
-    register("toy", plan_toy)
-    register("toy", plan_toy)  # the same planner again: nothing changes
-    assert planner_for("toy") is plan_toy is planner_for("my_strategies.toy:plan_toy")
+    register("toy", STRATEGY)
+    register("toy", STRATEGY)  # the same descriptor again: nothing changes
+    assert strategy_for("toy") is STRATEGY and planner_for("toy") is plan_toy
+    with pytest.raises(ValueError, match="strategy 'toy' is already registered"):
+        register("toy", plan_toy)  # the planner alone is another description
+    register("toy_alone", plan_toy)
+    assert planner_for("toy_alone") is plan_toy is planner_for("my_strategies.toy:plan_toy")
+    assert strategy_for("toy_alone").plan_fields == {}
     with pytest.raises(ValueError, match="strategy 'ddp' is already registered"):
         register("ddp", plan_toy)
     with pytest.raises(ValueError, match="has no ':'"):

@@ -13,8 +13,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import importlib
-import inspect
 import math
 from pathlib import Path
 from typing import Any
@@ -54,21 +52,10 @@ def compose_config(*overrides: str) -> dict[str, Any]:
 
 
 def strategy_options(name: str) -> type:
-    """The options dataclass of strategy `name`: by convention the one dataclass named
-    `*Options` that its planner's module defines or takes from its own package
-    (MegatronOptions from megatron.options, ...)."""
-    module = importlib.import_module(planner_for(name).__module__)
-    package = module.__name__.rpartition(".")[0]
-    found = [
-        obj
-        for obj in vars(module).values()
-        if inspect.isclass(obj)
-        and dataclasses.is_dataclass(obj)
-        and obj.__name__.endswith("Options")
-        and obj.__module__.startswith(package + ".")
-    ]
-    assert len(found) == 1, f"{module.__name__} should define one *Options dataclass, found {found}"
-    return found[0]
+    """The options dataclass strategy `name`'s descriptor reads its config group with."""
+    options = STRATEGIES[name].options
+    assert options is not None, f"strategy {name} declares no options dataclass"
+    return options
 
 
 ALL_OPTIONS = [(group, name) for group in GROUPS for name in options(group)]
@@ -130,7 +117,7 @@ def test_model_builds(name: str) -> None:
 @pytest.mark.parametrize("name", options("strategy"))
 def test_strategy_options_validate(name: str) -> None:
     config = compose_config(f"strategy={name}")
-    assert name in STRATEGIES
+    assert STRATEGIES[name].name == name, f"conf/strategy/{name}.yaml is described as {STRATEGIES[name].name!r}"
     assert callable(planner_for(name))
     # Every key of the yaml is an option the planner reads (unknown keys are errors), and
     # the defaults pass the options' own validation.
@@ -149,16 +136,21 @@ def _same_default(yaml_value: Any, default: Any) -> bool:
     return yaml_value == default and type(yaml_value) is type(default)
 
 
-@pytest.mark.parametrize("name", options("strategy"))
-def test_every_strategy_yaml_default_is_its_options_dataclass_default(name: str) -> None:
+def check_yaml_defaults(path: Path, options: type) -> None:
     """The YAML file a user reads names every option at the value the planner takes when it is left out."""
-    written = {k: v for k, v in OmegaConf.to_container(OmegaConf.load(CONF / "strategy" / f"{name}.yaml")).items() if k != "name"}
-    fields = {f.name: f for f in dataclasses.fields(strategy_options(name))}
-    assert sorted(written) == sorted(fields), f"strategy/{name}.yaml names {sorted(written)}, its options {sorted(fields)}"
+    shown = f"{path.parent.name}/{path.name}"
+    written = {k: v for k, v in OmegaConf.to_container(OmegaConf.load(path)).items() if k != "name"}
+    fields = {f.name: f for f in dataclasses.fields(options)}
+    assert sorted(written) == sorted(fields), f"{shown} names {sorted(written)}, its options {sorted(fields)}"
     for key, field in fields.items():
         default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
-        assert default is not dataclasses.MISSING, f"strategy.{key} has no default in {strategy_options(name).__name__}"
-        assert _same_default(written[key], default), f"strategy/{name}.yaml: {key}={written[key]!r}, its dataclass default {default!r}"
+        assert default is not dataclasses.MISSING, f"strategy.{key} has no default in {options.__name__}"
+        assert _same_default(written[key], default), f"{shown}: {key}={written[key]!r}, its dataclass default {default!r}"
+
+
+@pytest.mark.parametrize("name", options("strategy"))
+def test_every_strategy_yaml_default_is_its_options_dataclass_default(name: str) -> None:
+    check_yaml_defaults(CONF / "strategy" / f"{name}.yaml", strategy_options(name))
 
 
 @pytest.mark.parametrize("name", options("backend"))

@@ -129,6 +129,23 @@ def test_unreadable_results_are_one_line(tmp_path: Path, capsys: pytest.CaptureF
     assert not (dirs["out"] / "reproduction.md").exists()
 
 
+def test_the_scorecard_cites_the_paper_s_text_where_papers_says_and_refuses_a_folder_without_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dirs = layout(tmp_path)
+    (dirs["results"] / "tiny_tp.json").write_text(json.dumps({"preset_hash": "0" * 16, "rows": []}))
+    assert main(args(dirs, "paper=tiny")) == 0
+    assert "Paper text: `tiny.txt`." in (dirs["out"] / "reproduction_tiny.md").read_text()
+    capsys.readouterr()  # the note that the figure has no current results
+    papers = tmp_path / "papers"
+    papers.mkdir()
+    assert main(args(dirs, "paper=tiny", "--papers", str(papers))) == 2
+    assert f"--papers {papers}: no tiny.txt there" in one_error_line(capsys)
+    (papers / "tiny.txt").write_text("A tiny paper.")
+    assert main(args(dirs, "paper=tiny", "--papers", str(papers))) == 0
+    assert f"Paper text: `{papers}/tiny.txt`." in (dirs["out"] / "reproduction_tiny.md").read_text()
+
+
 @pytest.mark.slow
 def test_one_small_figure_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     dirs = layout(tmp_path)

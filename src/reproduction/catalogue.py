@@ -182,7 +182,7 @@ class Sensitivity:
 class Catalogue:
     paper: str
     title: str
-    text: str  # the paper's file in ../shared/papers/
+    text: str  # the file name of the paper's text (kept outside the repository: reproduce --papers)
     headlines: tuple[Headline, ...]
     claims: tuple[Claim, ...]
     sensitivities: dict[str, Sensitivity]

@@ -422,12 +422,14 @@ def _status_text(status: str) -> str:
     return status if status in (HOLDS, CONSISTENT, NOT_RUN) else "**misses**"
 
 
-def paper_section(s: PaperScore, papers_dir: str) -> str:
+def paper_section(s: PaperScore, papers_dir: str | None) -> str:
+    """papers_dir: the folder of the papers' texts (None: cite the text's file name alone)."""
     c = s.catalogue
+    cited = c.text if papers_dir is None else f"{papers_dir}/{c.text}"
     lines = [
         f"## {c.title}",
         "",
-        f"Paper text: `{papers_dir}/{c.text}`. Of {len(s.headlines)} numeric headlines, {s.held} hold at the point value "
+        f"Paper text: `{cited}`. Of {len(s.headlines)} numeric headlines, {s.held} hold at the point value "
         f"and {s.count(CONSISTENT)} more are consistent over a declared range.",
         "",
         "| id | figure | quantity | paper | where | ours | ours vs best plan | ratio | verdict | cause, evidence |",
@@ -457,7 +459,7 @@ def paper_section(s: PaperScore, papers_dir: str) -> str:
     return "\n".join(lines)
 
 
-def markdown(scores: list[PaperScore], source: str, papers_dir: str, absent: dict[str, str] | None = None) -> str:
+def markdown(scores: list[PaperScore], source: str, papers_dir: str | None, absent: dict[str, str] | None = None) -> str:
     met = goal_met(scores)
     lines = [
         "# Reproduction scorecard",
@@ -599,7 +601,9 @@ def plot(scores: list[PaperScore], path: Path) -> None:
     plotting.save(fig, path)
 
 
-def write(scores: list[PaperScore], out: Path, stem: str, source: str, papers_dir: str, absent: dict[str, str] | None = None) -> str:
+def write(
+    scores: list[PaperScore], out: Path, stem: str, source: str, papers_dir: str | None, absent: dict[str, str] | None = None
+) -> str:
     out.mkdir(parents=True, exist_ok=True)
     text = markdown(scores, source, papers_dir, absent)
     (out / f"{stem}.md").write_text(text)

@@ -1,68 +1,40 @@
-"""The registry from strategy names (conf/strategy/<name>.yaml's `name`) to planners.
+"""The registry from strategy names (conf/strategy/<name>.yaml's `name`) to their
+descriptors (src/strategies/spec.py): the built-in strategies and `auto`.
 
 A strategy written outside this package joins in one of two ways (docs/adding_a_strategy.md):
-`register(name, planner)` in the process that plans, or its import path as the name
-(`strategy.name=my_package.my_module:plan_mine`), which every process that plans finds.
+`register(name, strategy)` in the process that plans, or its import path as the name
+(`strategy.name=my_package.my_module:STRATEGY`), which every process that plans finds. Either
+names its descriptor, or its planner alone (`my_package.my_module:plan_mine`).
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Callable
 
 from src.errors import ConfigError
-from src.strategies import ddp, deepspeed3d, distmm, disttrain, megatron, optimus, par4d
-from src.strategies.auto import plan_auto
+from src.strategies.auto import STRATEGY as AUTO
 from src.strategies.base import Planner, PlanRequest
-from src.strategies.ddp import plan_ddp
-from src.strategies.deepspeed3d import plan_deepspeed3d
-from src.strategies.distmm.planner import plan_distmm
-from src.strategies.disttrain.planner import plan_disttrain
-from src.strategies.megatron.planner import plan_megatron
-from src.strategies.optimus.planner import plan_optimus
-from src.strategies.par4d.planner import plan_par4d
+from src.strategies.built_in import BUILT_IN
+from src.strategies.spec import StrategySpec
 
-STRATEGIES: dict[str, Planner] = {
-    "megatron": plan_megatron,
-    "distmm": plan_distmm,
-    "ddp": plan_ddp,
-    "par4d": plan_par4d,
-    "deepspeed3d": plan_deepspeed3d,
-    "optimus": plan_optimus,
-    "disttrain": plan_disttrain,
-    "auto": plan_auto,
-}
-
-
-# Per strategy, the options that set the plan fields a backend's refusal names (each
-# strategy's own table; strategy=auto's plan is its winner's, under the winner's name).
-PLAN_FIELDS: dict[str, dict[str, str]] = {
-    "megatron": megatron.PLAN_FIELDS,
-    "distmm": distmm.PLAN_FIELDS,
-    "ddp": ddp.PLAN_FIELDS,
-    "par4d": par4d.PLAN_FIELDS,
-    "deepspeed3d": deepspeed3d.PLAN_FIELDS,
-    "optimus": optimus.PLAN_FIELDS,
-    "disttrain": disttrain.PLAN_FIELDS,
-}
+STRATEGIES: dict[str, StrategySpec] = {spec.name: spec for spec in (*BUILT_IN, AUTO)}
 RUN_FIELDS = {"precision": "train.precision", "load": "train.data"}  # plan fields every strategy takes from the run, not its options
-# Per strategy that models one codebase, the attention kernel that codebase runs (from its
-# options): the door builds the model with it unless model.attention is set.
-SOFTWARE_ATTENTION: dict[str, Callable[[dict], str | None]] = {"deepspeed3d": deepspeed3d.software_attention}
 
 
-def register(name: str, planner: Planner) -> None:
-    """Plan strategy `name` with `planner`, a function of a PlanRequest returning a Plan."""
+def register(name: str, strategy: StrategySpec | Planner) -> None:
+    """Plan strategy `name` as `strategy` describes it, or with a planner alone (a function
+    of a PlanRequest returning a Plan)."""
     if not name or ":" in name:
         raise ValueError(f"strategy name {name!r}: a registered name is not empty and has no ':' (import paths do)")
-    if STRATEGIES.get(name, planner) is not planner:
-        raise ValueError(f"strategy {name!r} is already registered (to {STRATEGIES[name].__module__})")
-    STRATEGIES[name] = planner
+    spec = strategy if isinstance(strategy, StrategySpec) else StrategySpec(name, strategy)
+    if STRATEGIES.get(name, spec) != spec:
+        raise ValueError(f"strategy {name!r} is already registered (to {STRATEGIES[name].planner.__module__})")
+    STRATEGIES[name] = spec
 
 
-def planner_for(name: str) -> Planner:
-    """The planner registered as `name`, or the one its import path names
-    ("package.module:function")."""
+def strategy_for(name: str) -> StrategySpec:
+    """The strategy registered as `name`, or the descriptor or planner its import path names
+    ("package.module:attribute")."""
     if name in STRATEGIES:
         return STRATEGIES[name]
     module, colon, attribute = name.partition(":")
@@ -71,24 +43,31 @@ def planner_for(name: str) -> Planner:
             f"strategy {name!r} has no planner; available: {sorted(STRATEGIES)}, or a planner's import path (package.module:function)"
         )
     try:
-        planner = getattr(importlib.import_module(module), attribute)
+        found = getattr(importlib.import_module(module), attribute)
     except (ImportError, AttributeError) as err:
         raise ConfigError(f"strategy {name!r}: cannot import its planner ({err})") from None
-    if not callable(planner):
-        raise ConfigError(f"strategy {name!r}: {attribute} in {module} is a {type(planner).__name__}, not a planner")
-    return planner
+    if isinstance(found, StrategySpec):
+        return found
+    if not callable(found):
+        raise ConfigError(f"strategy {name!r}: {attribute} in {module} is a {type(found).__name__}, not a planner")
+    return StrategySpec(name, found)
+
+
+def planner_for(name: str) -> Planner:
+    """The planner of the strategy `name` names (strategy_for)."""
+    return strategy_for(name).planner
 
 
 def software_attention(strategy: dict) -> str | None:
     """The attention kernel the software of `strategy` (its config group) runs, where its
     strategy models one codebase; None: the run's (the cluster preset's)."""
-    rule = SOFTWARE_ATTENTION.get(strategy["name"])
+    rule = strategy_for(strategy["name"]).attention
     return None if rule is None else rule(strategy)
 
 
 def option_keys(strategy: str, fields: tuple[str, ...], units: tuple[str, ...] = ()) -> list[str]:
     """The config keys that set `fields` of a `strategy` plan (of `units`, if given)."""
-    table = {**RUN_FIELDS, **PLAN_FIELDS.get(strategy, {})}
+    table = {**RUN_FIELDS, **strategy_for(strategy).plan_fields}
     keys = []
     for name in fields:
         for unit in units or (None,):
@@ -98,4 +77,14 @@ def option_keys(strategy: str, fields: tuple[str, ...], units: tuple[str, ...] =
     return list(dict.fromkeys(keys))
 
 
-__all__ = ["PLAN_FIELDS", "STRATEGIES", "Planner", "PlanRequest", "option_keys", "planner_for", "register", "software_attention"]
+__all__ = [
+    "STRATEGIES",
+    "Planner",
+    "PlanRequest",
+    "StrategySpec",
+    "option_keys",
+    "planner_for",
+    "register",
+    "software_attention",
+    "strategy_for",
+]

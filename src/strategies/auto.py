@@ -12,7 +12,7 @@ is listed with its one-line reason.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Mapping
 
 from src.config import options_from
 from src.errors import ConfigError, PlanError
@@ -20,38 +20,22 @@ from src.program import Plan
 from src.progress import Progress
 from src.sim.engine import SimulationError, simulate
 from src.strategies.base import Planner, PlanRequest
-from src.strategies.ddp import plan_ddp
-from src.strategies.deepspeed3d import plan_deepspeed3d
-from src.strategies.distmm.planner import plan_distmm
-from src.strategies.disttrain.planner import plan_disttrain
-from src.strategies.megatron.planner import plan_megatron
-from src.strategies.optimus.planner import plan_optimus
-from src.strategies.par4d.planner import plan_par4d
+from src.strategies.built_in import BUILT_IN
+from src.strategies.spec import StrategySpec
 from src.timeline import Timeline
 
 
 @dataclass(frozen=True)
 class Contender:
-    """A strategy's planner with its variant's options; every other option keeps its
-    options dataclass's default, which is its config group's (a planner reads no files).
-    The planners are named here, not looked up in the registry, which registers auto."""
+    """A built-in strategy's variant (spec.AutoVariant) with the strategy's planner."""
 
     label: str
     planner: Planner
-    options: dict[str, Any] = field(default_factory=dict)
+    options: Mapping[str, Any] = field(default_factory=dict)
 
 
-CONTENDERS = (
-    Contender("megatron", plan_megatron),
-    Contender("megatron-balanced", plan_megatron, {"balance": True}),
-    # DeepSpeed's stage-3 default overlaps the per-layer reduce-scatter and the prefetch.
-    Contender("zero3", plan_ddp, {"zero_stage": 3, "overlap_comm": True}),
-    Contender("deepspeed3d", plan_deepspeed3d),
-    Contender("distmm", plan_distmm),
-    Contender("disttrain", plan_disttrain),
-    Contender("optimus", plan_optimus),
-    Contender("par4d", plan_par4d),
-)
+# Each built-in strategy's variants, as its descriptor lists them (auto is not among them).
+CONTENDERS = tuple(Contender(variant.label, spec.planner, variant.options) for spec in BUILT_IN for variant in spec.auto_variants)
 
 
 @dataclass(frozen=True)
@@ -125,3 +109,6 @@ def plan_auto(request: PlanRequest) -> Plan:
     choice["refused"] = {p.label: p.reason for p in priced if p.plan is None}
     winner.plan.details["auto"] = choice
     return winner.plan
+
+
+STRATEGY = StrategySpec("auto", plan_auto, AutoOptions)

@@ -40,6 +40,7 @@ from src.program import DEEPSPEED_PERSISTENCE_THRESHOLD, RECOMPUTE_MODES, Instru
 from src.strategies.builders.replicas import on_the_data
 from src.strategies.base import PlanRequest, check_microbatch_count, microbatch_sizes
 from src.strategies.builders.colocated import ColocatedEmitter, ColocatedUnit
+from src.strategies.spec import AutoVariant, StrategySpec
 from src.models.flows import unit_order
 
 # DeepSpeed's defaults (parameters): stage3_prefetch_bucket_size, stage3_max_reuse_distance.
@@ -49,16 +50,6 @@ DEEPSPEED_MAX_REUSE_DISTANCE = 1_000_000_000
 # merge commits of PR #1188, 2021-10-31, and PR #1453, 2022-01-20).
 ZERO3_FETCHES = ("per_tensor", "coalesced", "prefetched")
 ZERO3_FETCH_SINCE = ((0, 6, 0), "prefetched"), ((0, 5, 5), "coalesced")
-
-
-# The real backend's refusals name plan fields (src.errors.PlanRefused); these options set them.
-PLAN_FIELDS = {
-    "micro_batch": "strategy.micro_batch_size",
-    "recompute": "strategy.recompute",
-    "zero_stage": "strategy.zero_stage",
-    "blocking": "strategy.overlap_comm",
-    "zero3_fetch": "strategy.zero3_fetch",
-}
 
 
 @dataclass(frozen=True)
@@ -248,3 +239,19 @@ def plan_ddp(request: PlanRequest) -> Plan:
                 )
     assert closest is not None, "_micro_batches yields a size or refuses the batch"
     raise PlanError(closest[1])
+
+
+STRATEGY = StrategySpec(
+    "ddp",
+    plan_ddp,
+    DDPOptions,
+    plan_fields={
+        "micro_batch": "strategy.micro_batch_size",
+        "recompute": "strategy.recompute",
+        "zero_stage": "strategy.zero_stage",
+        "blocking": "strategy.overlap_comm",
+        "zero3_fetch": "strategy.zero3_fetch",
+    },
+    # DeepSpeed's stage-3 default overlaps the per-layer reduce-scatter and the prefetch.
+    auto_variants=(AutoVariant("zero3", {"zero_stage": 3, "overlap_comm": True}),),
+)

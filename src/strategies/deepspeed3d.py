@@ -14,7 +14,7 @@ What separates it from today's Megatron-LM baseline is what that codebase runs:
 - eager attention: ParallelSelfAttention writes QK^T to memory (torch.baddbmm), then
   FusedScaleMaskSoftmax and dropout over the scores; FlashAttention (2022) came later.
   The attention kernel is the software's, so it is this strategy's option `attention`,
-  which the door builds the model with (src/strategies/__init__.py: software_attention).
+  which the door builds the model with (its descriptor's `attention`, src/strategies/spec.py).
 The Programs are the Megatron pipeline's, built and searched by the Megatron planner
 with these settings fixed.
 """
@@ -29,16 +29,7 @@ from src.errors import ConfigError
 from src.program import Plan
 from src.strategies.base import PlanRequest
 from src.strategies.megatron.planner import plan_megatron
-
-
-# The real backend's refusals name plan fields (src.errors.PlanRefused); these options set them.
-PLAN_FIELDS = {
-    "tp": "strategy.tp",
-    "pp": "strategy.pp",
-    "micro_batch": "strategy.micro_batch_size",
-    "recompute": "strategy.recompute",
-    "scatter": "strategy.scatter_gather",
-}
+from src.strategies.spec import AutoVariant, StrategySpec
 
 
 @dataclass(frozen=True)
@@ -95,3 +86,19 @@ def plan_deepspeed3d(request: PlanRequest) -> Plan:
         raise type(err)(f"deepspeed3d (Megatron-LM pipeline, ZeRO-1): {err}") from None
     plan.strategy = "deepspeed3d"
     return plan
+
+
+STRATEGY = StrategySpec(
+    "deepspeed3d",
+    plan_deepspeed3d,
+    DeepSpeed3DOptions,
+    plan_fields={
+        "tp": "strategy.tp",
+        "pp": "strategy.pp",
+        "micro_batch": "strategy.micro_batch_size",
+        "recompute": "strategy.recompute",
+        "scatter": "strategy.scatter_gather",
+    },
+    attention=software_attention,
+    auto_variants=(AutoVariant("deepspeed3d"),),
+)

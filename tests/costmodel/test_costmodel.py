@@ -98,7 +98,7 @@ def _par4d_groups(gx: int, gy: int, gz: int, gd: int, axis: int) -> list[tuple[i
 @pytest.mark.parametrize(
     "grid,expected",
     [
-        # ALGORITHMS.md §4.3 (derived): placement-aware beta with G_node = 4 and beta_inter = 1.
+        # Par4D's placement-aware beta (eq. 10; docs/strategies.md, Par4D), derived by hand with G_node = 4 and beta_inter = 1.
         ((2, 2, 2, 2), (None, None, 4, 4)),
         ((1, 1, 8, 2), (None, None, 1, 4)),
         ((8, 1, 1, 2), (1, 4, 4, 4)),

@@ -1,5 +1,5 @@
 """DistTrain's data side: the interleaved-sequence distribution and the reordering
-algorithms, against the test vectors of ALGORITHMS.md §1.8."""
+algorithms (docs/strategies.md, DistTrain), against hand-derived test vectors."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def test_equal_count_lpt_caps_every_group() -> None:
 
 
 def _toy(size: float) -> StageTimes:
-    """ALGORITHMS.md §1.8's toy pipeline: stage costs [s, 2, 2, s/2], backward twice forward."""
+    """A hand-derived toy pipeline: stage costs [s, 2, 2, s/2], backward twice forward."""
     fwd = (size, 2.0, 2.0, 0.5 * size)
     return StageTimes(fwd, tuple(2 * f for f in fwd))
 

@@ -661,7 +661,7 @@ def test_par4d_family_sharing_of_the_grid():
 @pytest.mark.parametrize(
     "grid, betas",
     [
-        # ALGORITHMS.md §4.4 "Placement-aware β with G_node = 4 and β_inter = 1" (Par4D eq. 10)
+        # Placement-aware β with G_node = 4 and β_inter = 1 (Par4D eq. 10; docs/strategies.md, Par4D)
         ((2, 2, 2, 2), ("intra", "intra", 1 / 4, 1 / 4)),
         ((1, 1, 8, 2), ("intra", "intra", 1, 1 / 4)),
         ((8, 1, 1, 2), (1, 1 / 4, 1 / 4, 1 / 4)),

@@ -1,5 +1,5 @@
 """Each strategy's table from the plan fields a backend's refusal names to the options that
-set them (src/strategies/<strategy>): every option it names is one of its config group's."""
+set them (its descriptor, src/strategies/spec.py): every option it names is one of its config group's."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from src.strategies import PLAN_FIELDS, option_keys
+from src.strategies import STRATEGIES, option_keys
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "strategy"
 UNITS = {"distmm": ("vision", "text"), "disttrain": ("encoder", "llm", "generator")}  # a {unit} option's units
@@ -24,10 +24,10 @@ def _option_keys(strategy: str) -> set[str]:
     return flat("strategy.", yaml.safe_load((CONF / f"{strategy}.yaml").read_text()))
 
 
-@pytest.mark.parametrize("strategy", sorted(PLAN_FIELDS))
+@pytest.mark.parametrize("strategy", sorted(name for name, spec in STRATEGIES.items() if spec.plan_fields))
 def test_every_option_a_table_names_is_one_of_the_strategy_s(strategy):
     options = _option_keys(strategy)
-    for field, key in PLAN_FIELDS[strategy].items():
+    for field, key in STRATEGIES[strategy].plan_fields.items():
         for unit in UNITS.get(strategy, ("llm",)) if "{unit}" in key else (None,):
             assert key.format(unit=unit) in options, f"{strategy}: plan field {field} -> {key}"
 

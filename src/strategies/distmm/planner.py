@@ -40,6 +40,7 @@ from src.strategies.distmm.towers import (
     replica_state_bytes,
     stage_ranges,
 )
+from src.strategies.spec import AutoVariant, StrategySpec
 from src.models.flows import unit_order
 
 BALANCE = ("dp", "even")
@@ -323,3 +324,18 @@ def plan_distmm(request: PlanRequest) -> Plan:
         precision=request.train.precision,
         details=details,
     )
+
+
+STRATEGY = StrategySpec(
+    "distmm",
+    plan_distmm,
+    DistMMOptions,
+    plan_fields={
+        "tp": "strategy.{unit}.tp",
+        "pp": "strategy.{unit}.pp",
+        "micro_batch": "strategy.microbatches",
+        "recompute": "strategy.recompute",
+        "zero_stage": "strategy.zero_stage",
+    },
+    auto_variants=(AutoVariant("distmm"),),
+)

@@ -31,6 +31,7 @@ from src.strategies.disttrain.data import REORDERS
 from src.strategies.disttrain.orchestration import UNITS, Fixed, Orchestrator
 from src.strategies.disttrain.profile import Profiler
 from src.strategies.disttrain.search import RANKED, SIMULATED, Candidate, Decision, memory_problem
+from src.strategies.spec import AutoVariant, StrategySpec
 
 ORCHESTRATIONS = ("disaggregated", "ratio")
 
@@ -168,3 +169,20 @@ def plan_disttrain(request: PlanRequest) -> Plan:
         sample_images=loads.images if train.data == "interleaved" or request.sample_images is not None else None,
         images_per_sequence=None if request.sample_images is None else sum(loads.images) / len(loads.images),
     )
+
+
+STRATEGY = StrategySpec(
+    "disttrain",
+    plan_disttrain,
+    DistTrainOptions,
+    plan_fields={
+        "tp": "strategy.{unit}.tp",
+        "pp": "strategy.{unit}.pp",
+        "recompute": "strategy.{unit}.recompute",
+        "zero_stage": "strategy.{unit}.zero_stage",
+        "sequence_parallel": "strategy.{unit}.sequence_parallel",
+        "scatter": "strategy.{unit}.scatter_gather",
+        "fraction": "strategy.tp_overlap_chunks",
+    },
+    auto_variants=(AutoVariant("disttrain"),),
+)

@@ -26,6 +26,7 @@ from src.strategies.megatron.programs import MegatronSettings
 from src.strategies.base import Degrees
 from src.strategies.megatron.search import Candidate, MegatronSearch
 from src.strategies.megatron.space import enumerate_space
+from src.strategies.spec import AutoVariant, StrategySpec
 
 
 @dataclass(frozen=True)
@@ -118,3 +119,22 @@ def _nothing_fits(request: PlanRequest, search: MegatronSearch, searched: bool) 
     if not searched:
         return closest
     return f"no Megatron-LM plan fits memory ({search.stats.rejected_by_memory} candidates rejected); closest: {closest}"
+
+
+STRATEGY = StrategySpec(
+    "megatron",
+    plan_megatron,
+    MegatronOptions,
+    plan_fields={
+        "tp": "strategy.tp",
+        "pp": "strategy.pp",
+        "micro_batch": "strategy.micro_batch_size",
+        "recompute": "strategy.recompute",
+        "zero_stage": "strategy.zero_stage",
+        "sequence_parallel": "strategy.sequence_parallel",
+        "blocking": "strategy.overlap_grad_reduce",
+        "scatter": "strategy.scatter_gather",
+        "rows": "strategy.replicate",
+    },
+    auto_variants=(AutoVariant("megatron"), AutoVariant("megatron-balanced", {"balance": True})),
+)

@@ -48,6 +48,7 @@ from src.strategies.builders.stages import Segment
 from src.strategies.optimus.programs import ClassEmitter, add_encoder_routes, class_program
 from src.strategies.optimus.parallel import complete, schedule_all
 from src.strategies.optimus.scheduler import BubbleScheduler, Candidate, Schedule, Tails, local_search, partitions
+from src.strategies.spec import AutoVariant, StrategySpec
 
 
 @dataclass(frozen=True)
@@ -543,3 +544,23 @@ def _emit(
         "rejected": [message for _, message in rejected],
     }
     return plan
+
+
+STRATEGY = StrategySpec(
+    "optimus",
+    plan_optimus,
+    OptimusOptions,
+    plan_fields={
+        "llm.tp": "strategy.llm.tp",
+        "llm.pp": "strategy.llm.pp",
+        "llm.micro_batch": "strategy.llm.micro_batch_size",
+        "llm.recompute": "strategy.llm.recompute",
+        "llm.zero_stage": "strategy.llm.zero_stage",
+        "llm.sequence_parallel": "strategy.llm.sequence_parallel",
+        "tp": "strategy.encoder.tp",
+        "pp": "strategy.encoder.pp",
+        "zero_stage": "strategy.encoder_zero_stage",
+        "kernels": "strategy.fine_grained",
+    },
+    auto_variants=(AutoVariant("optimus"),),
+)

@@ -26,6 +26,7 @@ from src.strategies.base import PlanRequest, check_microbatch_count, microbatch_
 from src.strategies.par4d.layout import Grid, LayerLayout, UnitGrid
 from src.strategies.par4d.model import COMM_MODELS, RankedGrid, rank_grids, valid_grids
 from src.strategies.par4d.programs import Par4DSettings, par4d_program
+from src.strategies.spec import AutoVariant, StrategySpec
 
 RANKING_SHOWN = 10
 
@@ -274,3 +275,16 @@ class _Planner:
 def plan_par4d(request: PlanRequest) -> Plan:
     opts = options_from(Par4DOptions, request.options)
     return _Planner(request, opts).plan()
+
+
+STRATEGY = StrategySpec(
+    "par4d",
+    plan_par4d,
+    Par4DOptions,
+    plan_fields={
+        "mesh": "strategy.grid",
+        "micro_batch": "strategy.micro_batch_size",
+        "recompute": "strategy.recompute",
+    },
+    auto_variants=(AutoVariant("par4d"),),
+)

@@ -1,5 +1,5 @@
 """DistMM's components on small hand-checked cases: the balancer's dynamic program, the
-batch-sync schedules and the pipeline's batch-size bounds (ALGORITHMS.md §2.2-2.6)."""
+batch-sync schedules and the pipeline's batch-size bounds (docs/strategies.md, DistMM)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ def per_sample_choices(devices: int, batch: int, units_per_sample: float) -> lis
 
 
 @pytest.mark.parametrize("fill", [False, True])
-def test_balancer_toy_of_the_spec(fill: bool) -> None:
-    # ALGORITHMS.md §2.6 [D]: 8 GPUs, B = 24, vision 3 units/sample, text 1 -> vision 6 GPUs
+def test_balancer_on_a_hand_derived_toy(fill: bool) -> None:
+    # Derived by hand: 8 GPUs, B = 24, vision 3 units/sample, text 1 -> vision 6 GPUs
     # (b = 4), text 2 GPUs (b = 12), slowest tower 12. One phase: the paper's min-max.
     vision, text = balance([per_sample_choices(8, 24, 3.0), per_sample_choices(8, 24, 1.0)], 8, fill=fill)
     assert (vision.devices, 24 // vision.devices) == (6, 4)
@@ -130,8 +130,8 @@ def test_distmm_pipe_keeps_at_most_two_groups_resident() -> None:
         assert all(resident(o) == k for o in gpipe_sync(stages, 3, k))
 
 
-def test_maximum_batches_of_the_spec() -> None:
-    # ALGORITHMS.md §2.6 [D]: M = 16, M_s = 32, M_a = 1, P = 4 -> existing PP 8, DistMM-Pipe 16.
+def test_maximum_batches_of_a_hand_derived_case() -> None:
+    # Derived by hand: M = 16, M_s = 32, M_a = 1, P = 4 -> existing PP 8, DistMM-Pipe 16.
     assert max_pipeline_batch(16, 32, 1, 4) == pytest.approx(8)
     assert max_contrastive_batch(16, 32, 1, 4) == pytest.approx(16)
     # The same bound from the schedule: a stage holds M_s/P of static memory and M_a/P per

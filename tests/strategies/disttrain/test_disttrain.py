@@ -1,5 +1,5 @@
 """The DistTrain planner end to end: the orchestration's relaxation and integer recovery
-against brute force, the brokers (ALGORITHMS.md §1.5), the Program's routes, its switches,
+against brute force, the brokers (docs/strategies.md, DistTrain), the Program's routes, its switches,
 and the errors a user gets."""
 
 from __future__ import annotations

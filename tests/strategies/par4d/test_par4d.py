@@ -1,4 +1,4 @@
-"""Par4D in the simulator: the communication model against ALGORITHMS.md §4.4's vectors,
+"""Par4D in the simulator: the communication model against hand-derived vectors,
 the grid's layouts and shardings, the planner's search and its bad inputs; and the
 baselines it is compared with (ZeRO-3 with recompute and a memory check, DeepSpeed-3D)."""
 
@@ -56,8 +56,8 @@ def _plan(*overrides: str):
 
 
 # ---- the communication model (eqs. 1-10) ----------------------------------------------------
-def test_eqs_4_to_9_reproduce_the_spec_vectors():
-    # ALGORITHMS.md §4.4 [D]: m = k = n = 1024, G = (2, 2, 2, 2), every β = 1.
+def test_eqs_4_to_9_reproduce_hand_derived_vectors():
+    # Derived by hand from eqs. 4-9 (docs/strategies.md, Par4D): m = k = n = 1024, G = (2, 2, 2, 2), every β = 1.
     terms = fc_comm(1024, 1024, 1024, Grid(2, 2, 2, 2), (1, 1, 1, 1))
     assert (terms.ag_z, terms.rs_z, terms.ar_y, terms.ar_x, terms.ar_data) == (131072, 131072, 262144, 262144, 131072)
     assert terms.total == 917504
@@ -74,7 +74,7 @@ def test_a_transposed_layer_swaps_x_and_y_and_their_bandwidths():
 @pytest.mark.parametrize(
     "grid, betas",
     [
-        # ALGORITHMS.md §4.4, G_node = 4, β_inter = 1.
+        # Placement-aware β (eq. 10), G_node = 4, β_inter = 1.
         ((2, 2, 2, 2), ("intra", "intra", 1 / 4, 1 / 4)),
         ((1, 1, 8, 2), ("intra", "intra", 1, 1 / 4)),
         ((8, 1, 1, 2), (1, 1 / 4, 1 / 4, 1 / 4)),
@@ -104,7 +104,7 @@ def test_every_grid_of_the_device_count_is_ranked_by_the_model():
 
 # ---- the grid's rank mapping ------------------------------------------------------------------
 def test_rank_mapping_puts_x_innermost_then_y_z_data():
-    # ALGORITHMS.md §4.1: rank = i + G_x(j + G_y(k + G_z d)); (2,2,2,2) as in the paper.
+    # The paper's rank mapping: rank = i + G_x(j + G_y(k + G_z d)); (2,2,2,2) as in the paper.
     mesh = Grid(2, 2, 2, 2).mesh()
     assert mesh.family("x")[:3] == [(0, 1), (2, 3), (4, 5)]
     assert mesh.family("y")[:4] == [(0, 2), (1, 3), (4, 6), (5, 7)]

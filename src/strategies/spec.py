@@ -1,0 +1,40 @@
+"""A strategy's one descriptor: everything the harness knows about it besides its config
+group's YAML file (conf/strategy/<name>.yaml, whose keys are its options' fields)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from src.strategies.base import Planner
+
+
+@dataclass(frozen=True)
+class AutoVariant:
+    """One contender `strategy=auto` prices: the strategy's planner with these options, every
+    other option at its options dataclass's default (its config group's)."""
+
+    label: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """name: the config group's `name` (a plan's `strategy`).
+    options: the options dataclass its planner reads the config group with (None: a
+    strategy registered from outside with its planner alone).
+    plan_fields: the options that set the plan fields a backend's refusal names
+    (src.errors.PlanRefused), so the refusal can say which `strategy.X` to change;
+    '{unit}' in an option stands for the unit the field belongs to, and a unit-specific
+    field is written 'unit.field'.
+    attention: where the strategy models one codebase, the attention kernel that codebase
+    runs, from its config group (the door builds the model with it unless model.attention
+    is set).
+    auto_variants: the contenders `strategy=auto` compares it as (none: auto leaves it out)."""
+
+    name: str
+    planner: Planner
+    options: type | None = None
+    plan_fields: Mapping[str, str] = field(default_factory=dict)
+    attention: Callable[[dict], str | None] | None = None
+    auto_variants: tuple[AutoVariant, ...] = ()
