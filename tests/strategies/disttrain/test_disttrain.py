@@ -477,7 +477,7 @@ def _priced_and_run_images(s: Setup, per_sequence: float | None = None) -> list[
     """Per rank, encoder or generator micro-batch: (the load the plan prices, the images the
     real data path gives that micro-batch over what a load of 1 stands for: `per_sequence`
     images a sequence, else the step's mean)."""
-    from src.runtime.inputs import StepSamples, dataset_for
+    from src.runtime.inputs import StepSamples, dataset_for, rank_reads
 
     plan = plan_run(s)
     assert s.backend is not None
@@ -490,7 +490,8 @@ def _priced_and_run_images(s: Setup, per_sequence: float | None = None) -> list[
         for unit, place in placements(plan, rank).items():
             if unit == "llm":
                 continue
-            samples = StepSamples(s.model, data, s.train.global_batch, units, {unit: place.dp_ranks.index(rank)}, plan.sample_order)
+            reads = rank_reads(plan, s.train.global_batch, {unit: place.dp_ranks.index(rank)})
+            samples = StepSamples(s.model, data, s.train.global_batch, reads, plan.sample_order)
             made = samples.make(0)
             share = units[unit].micro_batch * mean
             priced = {
