@@ -29,8 +29,8 @@ class BatchLayout:
             raise ConfigError(f"global batch {self.global_batch} is not divisible by dp={self.dp}")
         if self.per_replica % self.micro_batch:
             raise ConfigError(
-                f"per-replica batch {self.per_replica} (global batch {self.global_batch} / dp {self.dp}) "
-                f"is not divisible by micro-batch {self.micro_batch}"
+                f"global batch {self.global_batch} is not divisible by dp x micro-batch = "
+                f"{self.dp} x {self.micro_batch} = {self.dp * self.micro_batch}"
             )
         if self.microbatches % self.sample_groups:
             raise ConfigError(

@@ -52,9 +52,7 @@ def _step(recompute: str) -> dict[str, torch.Tensor]:
     plan = plan_run(setup)
     assert plan.unit("llm").recompute == recompute
     units = build_units(setup.model, 0, {}, {"llm": set(range(setup.model.unit("llm").num_layers))}, {"llm": recompute})
-    batches = Batches(
-        StepSamples(setup.model, dataset_for(setup.model, 0, "synthetic"), 8, rank_reads(plan, 8, {"llm": 0}))
-    )
+    batches = Batches(StepSamples(setup.model, dataset_for(setup.model, 0, "synthetic"), 8, rank_reads(plan, 8, {"llm": 0})))
     batches.start_step(0)
     executor = Executor(plan, setup.model, 0, units, {"llm": _Engine()}, None, batches, torch.device("cpu"), "fp32")
     instructions = plan.program.class_of(0).instructions
