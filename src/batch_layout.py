@@ -17,7 +17,8 @@ class BatchLayout:
     samples one contrastive loss scores together); None: one group per micro-batch index.
     Every unit thus holds a group's samples at the same step positions whatever its
     replicas and micro-batches: units of different dp pair up row by row, and any plan
-    trains on the very samples of a 1-process run."""
+    trains on the very samples of a 1-process run. A planner that has not chosen the
+    micro-batch yet reads the replicas' batch off a layout of micro-batches of 1."""
 
     global_batch: int
     dp: int = 1
@@ -39,10 +40,9 @@ class BatchLayout:
             )
 
     @classmethod
-    def of_replicas(cls, global_batch: int, per_replica: int, micro_batch: int, groups: int) -> BatchLayout:
-        """The layout whose replicas take `per_replica` samples each: a UnitPlan's, which
-        states its batch per replica rather than its replicas (a unit's rows split by its
-        TP group count as replicas of their share)."""
+    def of_replica_batch(cls, global_batch: int, per_replica: int, micro_batch: int, groups: int) -> BatchLayout:
+        """The layout whose replicas take `per_replica` samples each: a UnitPlan states its
+        batch per replica, not how many replicas share the step's batch."""
         return cls(global_batch, global_batch // per_replica, micro_batch, groups)
 
     @property

@@ -40,7 +40,7 @@ def batch_layout(plan: UnitPlan, global_batch: int) -> BatchLayout:
     row shares are its data group's replicas (row_shares.data_group: rows fastest), each taking its
     share of every micro-batch of its TP group's replica."""
     shares = plan.row_shares
-    return BatchLayout.of_replicas(global_batch, plan.batch_per_replica // shares, plan.micro_batch // shares, plan.sample_groups)
+    return BatchLayout.of_replica_batch(global_batch, plan.batch_per_replica // shares, plan.micro_batch // shares, plan.sample_groups)
 
 
 def rank_reads(plan: Plan, global_batch: int, replica: Mapping[str, int]) -> dict[str, tuple[BatchLayout, int]]:
