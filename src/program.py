@@ -447,7 +447,8 @@ class UnitPlan:
     each data-parallel replica processes per iteration. sample_groups: the step's batch is
     cut into this many contiguous groups, each split over the replicas and then into
     micro-batches in order (DistMM's contrastive batches; elsewhere one group per
-    micro-batch index), unless `samples_of` names the unit whose samples it reads.
+    micro-batch index: src/batch_layout.py), unless `samples_of` names the unit whose
+    samples it reads.
     gathered_params: parameters a rank holds gathered (16-bit) beyond its own shard at
     its peak: ZeRO-3's live layers, a tensor grid's all-gathered weight blocks
     kept for the backward or cached for recomputation.

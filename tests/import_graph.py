@@ -37,7 +37,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "src.codec",
         ),
     ),
-    ("descriptions", ("src.models", "src.costmodel", "src.program", "src.schedules", "src.data")),
+    ("descriptions", ("src.models", "src.costmodel", "src.batch_layout", "src.program", "src.schedules", "src.data")),
     (
         "measures and backends",
         ("src.metrics", "src.report", "src.write_failures", "src.plan_io", "src.sim", "src.runtime", "src.runtime.modules"),

@@ -1,11 +1,10 @@
 """Each unit's micro-batches for one step, cut from the global batch of that step.
 
-Step s uses global samples [s·B, (s+1)·B), cut into the step's batch-sync groups (DistMM's
-contrastive batches; elsewhere one group per micro-batch index): group g is the g-th
-contiguous slice of B/G samples, data-parallel replica d takes the d-th share of each
-group, and the group's micro-batches cut that share in order. Every unit thus sees the
-samples of a batch-sync at the same step positions whatever its replicas and
-micro-batches (towers of different dp pair up row by row), and any plan trains on the
+Step s uses global samples [s·B, (s+1)·B), which each unit cuts by its BatchLayout
+(src/batch_layout.py): into the step's batch-sync groups, each split over the unit's
+data-parallel replicas, each replica's share cut into micro-batches in order. Every unit
+thus sees the samples of a batch-sync at the same step positions whatever its replicas
+and micro-batches (towers of different dp pair up row by row), and any plan trains on the
 very samples of a 1-process run.
 """
 
@@ -18,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
+from src.batch_layout import BatchLayout
 from src.data.interleaved import sampler
 from src.data.interleaved_mllm import InterleavedMLLM, image_tokens, token_mask
 from src.data.shards import TarShards
@@ -27,7 +27,7 @@ from src.data.synthetic_mllm import SyntheticMLLM
 from src.errors import ConfigError
 from src.models.sd21 import LATENT_CHANNELS
 from src.models.spec import ModelSpec
-from src.program import UnitPlan
+from src.program import Plan, UnitPlan
 
 if TYPE_CHECKING:
     from src.runtime.preprocess import Producer
@@ -35,26 +35,23 @@ if TYPE_CHECKING:
 IGNORE = -100  # cross_entropy's ignore_index
 
 
-@dataclass(frozen=True)
-class Batching:
-    """How a unit's batch is split when no plan splits it (the single-process reference
-    takes the whole batch as one micro-batch); the fields are a UnitPlan's namesakes."""
-
-    batch_per_replica: int
-    micro_batch: int
-    num_microbatches: int
-    sample_groups: int
-    samples_of: str | None = None
-
-
-def batching(plan: UnitPlan) -> UnitPlan | Batching:
+def batch_layout(plan: UnitPlan, global_batch: int) -> BatchLayout:
     """How a rank's samples of the unit are cut from the step's batch: a replicated unit's
     row shares are its data group's replicas (row_shares.data_group: rows fastest), each taking its
     share of every micro-batch of its TP group's replica."""
     shares = plan.row_shares
-    if shares == 1:
-        return plan
-    return Batching(plan.batch_per_replica // shares, plan.micro_batch // shares, plan.num_microbatches, plan.sample_groups)
+    return BatchLayout.of_replica_batch(global_batch, plan.batch_per_replica // shares, plan.micro_batch // shares, plan.sample_groups)
+
+
+def rank_reads(plan: Plan, global_batch: int, replica: Mapping[str, int]) -> dict[str, tuple[BatchLayout, int]]:
+    """What each of a rank's units (`replica`: its replica in each) reads: the layout of
+    the unit whose samples it takes (its own, or the one `samples_of` names) and the rank's
+    replica there."""
+    reads = {}
+    for unit in replica:
+        reader = plan.unit(unit).samples_of or unit
+        reads[unit] = (batch_layout(plan.unit(reader), global_batch), replica[reader])
+    return reads
 
 
 def dataset_for(model: ModelSpec, seed: int, source: str, errors: str = "fail", content: str = "uniform") -> Any:
@@ -193,28 +190,19 @@ def unit_fields(model: ModelSpec, unit: str, batch: Mapping[str, torch.Tensor]) 
     return out
 
 
-def first_sample(plan: UnitPlan | Batching, global_batch: int, replica: int, microbatch: int) -> int:
-    """Position in the step's batch of the first sample of `replica`'s micro-batch."""
-    groups = plan.sample_groups
-    per_group = plan.num_microbatches // groups
-    group, local = divmod(microbatch, per_group)
-    share = plan.batch_per_replica // groups
-    return group * (global_batch // groups) + replica * share + local * plan.micro_batch
-
-
 @dataclass(frozen=True)
 class StepSamples:
     """Every micro-batch one trainer reads in a step, cut from the step's global batch (CPU
     tensors). Picklable: a preprocessing producer process makes them too.
 
+    reads[unit]: the layout the unit reads its samples by and its replica there (rank_reads).
     order[p]: which of the step's samples (in data order) position p of the batch holds
     (a plan that reorders its batch); None: data order."""
 
     model: ModelSpec
     dataset: Any
     global_batch: int
-    units: Mapping[str, UnitPlan | Batching]
-    replica: Mapping[str, int]
+    reads: Mapping[str, tuple[BatchLayout, int]]
     order: tuple[int, ...] | None = None
 
     def step_samples(self, step: int) -> list[int]:
@@ -231,12 +219,10 @@ class StepSamples:
         made: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
         rows: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}
         means = self.dataset.step_means(self.step_samples(step)) if isinstance(self.dataset, InterleavedMLLM) else {}
-        for unit in self.replica:
-            reader = self.units[unit].samples_of or unit
-            plan, replica = self.units[reader], self.replica[reader]
-            for microbatch in range(plan.num_microbatches):
-                first = first_sample(plan, self.global_batch, replica, microbatch)
-                positions = range(first, first + plan.micro_batch)
+        for unit, (layout, replica) in self.reads.items():
+            for microbatch in range(layout.microbatches):
+                first = layout.first_sample(replica, microbatch)
+                positions = range(first, first + layout.micro_batch)
                 key = tuple(step * self.global_batch + (p if self.order is None else self.order[p]) for p in positions)
                 if key not in rows:
                     rows[key] = collate([self.dataset[i] for i in key]) | {name: m.repeat(len(key)) for name, m in means.items()}

@@ -11,10 +11,11 @@ from typing import Any
 
 import torch
 
+from src.batch_layout import BatchLayout
 from src.config import ContrastiveSpec, DeepSpeedSpec
 from src.models.spec import ModelSpec
 from src.runtime.device import computing
-from src.runtime.inputs import Batches, Batching, StepSamples, dataset_for
+from src.runtime.inputs import Batches, StepSamples, dataset_for
 from src.runtime.loss_scale import LossScale, overflowed, unscale
 from src.runtime.modules.units import build_units, unit_layers
 from src.runtime.optimizer import build_optimizer, build_scheduler
@@ -58,14 +59,13 @@ def reference_steps(
     params = [p for p in units.parameters() if p.requires_grad]
     optimizer = build_optimizer(units, deepspeed, contrastive)
     scheduler = build_scheduler(optimizer, deepspeed.scheduler, steps)
-    whole = Batching(batch_per_replica=global_batch, micro_batch=global_batch, num_microbatches=1, sample_groups=1)
+    whole = BatchLayout(global_batch, micro_batch=global_batch)  # one micro-batch: no plan splits the batch here
     batches = Batches(
         StepSamples(
             model,
             dataset_for(model, seed, data, content=content),
             global_batch,
-            {u.name: whole for u in model.units},
-            {u.name: 0 for u in model.units},
+            {u.name: (whole, 0) for u in model.units},
         )
     )
     scale = LossScale.of(deepspeed.fp16) if precision == "fp16" else None  # runtime.loss_scale's rule

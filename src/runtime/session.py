@@ -39,7 +39,7 @@ from src.runtime.modules.contrastive import CaptionHead, scored_targets
 from src.runtime import step_metrics
 from src.runtime.executor import Executor
 from src.runtime.groups import ProcessGroups
-from src.runtime.inputs import Batches, StepSamples, batching, dataset_for
+from src.runtime.inputs import Batches, StepSamples, dataset_for, rank_reads
 from src.runtime.lifeline import LIFELINE, REPORTING, SAVING, TRAINING
 from src.runtime.modules.parallel import TP
 from src.models.spec import ModelSpec, UnitSpec
@@ -245,8 +245,7 @@ def _build_worker(run: PlannedRun, backend: TorchBackendSpec, run_dir: Path, ran
         model,
         dataset_for(model, train.seed, backend.data, backend.data_errors, plan.sample_content),
         train.global_batch,
-        {u.unit: batching(u) for u in plan.units},
-        {n: p.dp_ranks.index(rank) for n, p in places.items()},
+        rank_reads(plan, train.global_batch, {n: p.dp_ranks.index(rank) for n, p in places.items()}),
         plan.sample_order,
     )
     producer = None

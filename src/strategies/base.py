@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from src.batch_layout import BatchLayout
 from src.cluster import ClusterSpec
 from src.config import TrainSpec
 from src.errors import ConfigError
@@ -33,6 +34,11 @@ class Degrees:
     @property
     def devices(self) -> int:
         return self.tp * self.pp * self.dp
+
+    def batch_layout(self, global_batch: int) -> BatchLayout:
+        """The step's batch over the replicas and their micro-batches, one sample group per
+        micro-batch index."""
+        return BatchLayout(global_batch, self.dp, self.micro_batch)
 
 
 @dataclass(frozen=True)

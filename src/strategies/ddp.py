@@ -29,8 +29,9 @@ other planners choose them; a plan that fits nowhere is refused with its numbers
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from src.batch_layout import BatchLayout
 from src.cluster import GIB
 from src.config import check_positive, options_from
 from src.costmodel.memory import rank_memory
@@ -104,20 +105,13 @@ def _micro_batches(request: PlanRequest, opts: DDPOptions, dp: int) -> list[int]
     """Micro-batch sizes to try, largest first: the fixed one, or the whole per-replica
     batch and then its divisors (those the contrastive batch allows)."""
     train = request.train
-    if train.global_batch % dp:
-        raise ConfigError(f"global batch {train.global_batch} is not divisible by dp={dp} devices")
-    per_replica = train.global_batch // dp
+    batch = BatchLayout(train.global_batch, dp)
     if opts.micro_batch_size is not None:
-        mb = opts.micro_batch_size
-        if per_replica % mb:
-            raise ConfigError(
-                f"per-replica batch {per_replica} (global {train.global_batch} / dp {dp}) is not "
-                f"divisible by strategy.micro_batch_size={mb}"
-            )
-        check_microbatch_count(per_replica, mb, f"per-replica batch {per_replica}")
-        choices = [mb]
+        fixed = replace(batch, micro_batch=opts.micro_batch_size)
+        check_microbatch_count(fixed.per_replica, fixed.micro_batch, f"per-replica batch {fixed.per_replica}")
+        choices = [fixed.micro_batch]
     else:
-        choices = microbatch_sizes(per_replica)
+        choices = microbatch_sizes(batch.per_replica)
     if request.model.interaction is not None:
         fitting = [m for m in choices if m * dp >= train.contrastive_batch]
         if not fitting:
@@ -137,8 +131,8 @@ def _build(
     backward follows its forward, so their memory is the whole iteration's, priced before a
     Program of up to MAX_MICROBATCHES micro-batches is built."""
     model = request.model
-    per_replica = request.train.global_batch // dp
-    microbatches = min(2, per_replica // mb) if probe else per_replica // mb
+    batch = BatchLayout(request.train.global_batch, dp, mb)
+    microbatches = min(2, batch.microbatches) if probe else batch.microbatches
     mesh = Mesh.contiguous((("dp", dp),))
     program = Program(world_size=dp, classes=[])
     names = unit_order(model)
@@ -180,7 +174,7 @@ def _build(
             mesh=mesh,
             micro_batch=mb,
             num_microbatches=microbatches,
-            batch_per_replica=per_replica,
+            batch_per_replica=batch.per_replica,
             stage_layers=((0, model.unit(name).num_layers),),
             sample_groups=microbatches,
             zero_stage=opts.zero_stage,

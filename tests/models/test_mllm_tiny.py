@@ -8,7 +8,8 @@ import torch
 
 from src.models.flows import chain_key
 from src.models.registry import build_model
-from src.runtime.inputs import Batches, Batching, StepSamples, dataset_for
+from src.batch_layout import BatchLayout
+from src.runtime.inputs import Batches, StepSamples, dataset_for
 from src.runtime.modules.units import build_units, llama_style, unit_layers
 
 MODELS = ("mllm_9b", "mllm_15b", "mllm_72b")
@@ -41,8 +42,8 @@ def test_the_generator_scores_the_noise_and_uses_every_skip_it_keeps():
     model = build_model({"name": "mllm_9b", "scale": "tiny"})
     generator = model.unit("generator")
     units = build_units(model, 0, {}, {"generator": set(range(generator.num_layers))})
-    whole = Batching(batch_per_replica=2, micro_batch=2, num_microbatches=1, sample_groups=1)
-    batches = Batches(StepSamples(model, dataset_for(model, 0, "synthetic"), 2, {"generator": whole}, {"generator": 0}))
+    whole = BatchLayout(2, micro_batch=2)
+    batches = Batches(StepSamples(model, dataset_for(model, 0, "synthetic"), 2, {"generator": (whole, 0)}))
     batches.start_step(0)
     state = dict(batches("generator", 0))
     state[chain_key("llm")] = torch.randn(2, generator.layers[0].kernels[0].m * generator.layers[0].kernels[0].k)

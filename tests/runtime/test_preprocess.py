@@ -7,16 +7,17 @@ import pytest
 import torch
 
 from src.models.registry import build_model
-from src.runtime.inputs import Batches, Batching, StepSamples, dataset_for
+from src.batch_layout import BatchLayout
+from src.runtime.inputs import Batches, StepSamples, dataset_for
 from src.runtime.preprocess import Producer
 
 
 def _samples(dataset=None) -> StepSamples:
     model = build_model({"name": "clip", "scale": "tiny"})
-    two = Batching(batch_per_replica=4, micro_batch=2, num_microbatches=2, sample_groups=1)
-    units = {u.name: two for u in model.units}
+    two = BatchLayout(8, dp=2, micro_batch=2, groups=1)
+    reads = {"vision": (two, 1), "text": (two, 1)}
     order = (7, 6, 5, 4, 3, 2, 1, 0)
-    return StepSamples(model, dataset or dataset_for(model, 0, "synthetic"), 8, units, {"vision": 1, "text": 1}, order)
+    return StepSamples(model, dataset or dataset_for(model, 0, "synthetic"), 8, reads, order)
 
 
 class _Unreadable:

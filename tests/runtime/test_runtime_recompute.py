@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from src.runtime.executor import Executor
-from src.runtime.inputs import Batches, StepSamples, dataset_for
+from src.runtime.inputs import Batches, StepSamples, dataset_for, rank_reads
 from src.runtime.modules import blocks
 from src.runtime.modules.units import build_units
 from src.runtime.timing import StepTimer
@@ -52,9 +52,7 @@ def _step(recompute: str) -> dict[str, torch.Tensor]:
     plan = plan_run(setup)
     assert plan.unit("llm").recompute == recompute
     units = build_units(setup.model, 0, {}, {"llm": set(range(setup.model.unit("llm").num_layers))}, {"llm": recompute})
-    batches = Batches(
-        StepSamples(setup.model, dataset_for(setup.model, 0, "synthetic"), 8, {u.unit: u for u in plan.units}, {"llm": 0})
-    )
+    batches = Batches(StepSamples(setup.model, dataset_for(setup.model, 0, "synthetic"), 8, rank_reads(plan, 8, {"llm": 0})))
     batches.start_step(0)
     executor = Executor(plan, setup.model, 0, units, {"llm": _Engine()}, None, batches, torch.device("cpu"), "fp32")
     instructions = plan.program.class_of(0).instructions

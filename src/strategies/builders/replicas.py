@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Mapping
 
+from src.batch_layout import BatchLayout
 from src.cluster import ClusterSpec
 from src.data.loads import batch_loads
 from src.mesh import Mesh
@@ -91,17 +92,16 @@ def localised(
     return out
 
 
-def replica_loads(sequence_loads: tuple[float, ...], dp: int, micro_batch: int, microbatches: int) -> tuple[tuple[float, ...], ...]:
-    """loads[replica][microbatch] of a pipeline that takes the batch in data order:
-    replica r's micro-batch j holds positions j·dp·mb + r·mb ... + mb - 1 (the real
-    backend's first_sample), each micro-batch the mean load of its sequences."""
-    per = dp * micro_batch
-    return tuple(
-        tuple(
-            sum(sequence_loads[j * per + r * micro_batch : j * per + (r + 1) * micro_batch]) / micro_batch for j in range(microbatches)
-        )
-        for r in range(dp)
-    )
+def replica_loads(sequence_loads: tuple[float, ...], batch: BatchLayout) -> tuple[tuple[float, ...], ...]:
+    """loads[replica][microbatch] of a pipeline that takes the batch in data order (the
+    sequences the real backend gives each micro-batch), each micro-batch the mean load of
+    its sequences."""
+
+    def mean_load(replica: int, microbatch: int) -> float:
+        first = batch.first_sample(replica, microbatch)
+        return sum(sequence_loads[first : first + batch.micro_batch]) / batch.micro_batch
+
+    return tuple(tuple(mean_load(r, j) for j in range(batch.microbatches)) for r in range(batch.dp))
 
 
 PER_IMAGE = "sequence's images"  # an MLLM's per_sample convention for units that work per image
@@ -117,14 +117,15 @@ def on_the_data(plan: Plan, request: PlanRequest) -> Plan:
         return plan
     loads = batch_loads(model, train.seed, train.global_batch, train.data, request.sample_images)
     first = plan.units[0]
-    dp, micro_batch, microbatches = first.mesh.degree("dp"), first.micro_batch, first.num_microbatches
+    dp = first.mesh.degree("dp")
+    batch = BatchLayout(train.global_batch, dp, first.micro_batch)
     # A stage's ranks: tp x dp (a unit replicated over its stage's TP group splits rows there).
     mesh = megatron_mesh(first.mesh.size // (dp * first.mesh.degree("pp")), dp, len(plan.program.classes))
     by_unit = {}
     for unit in per_image:
         sequence_loads = loads.of(unit)
         assert sequence_loads is not None, f"{unit} works per image"
-        by_unit[unit] = replica_loads(sequence_loads, dp, micro_batch, microbatches)
+        by_unit[unit] = replica_loads(sequence_loads, batch)
     program = plan.program
     classes = []
     for stage, rank_program in enumerate(program.classes):

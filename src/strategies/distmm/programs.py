@@ -126,7 +126,6 @@ class _Separate:
         self.inter = model.unit(interaction_of(model))
         self.cross = cross_flows(model, list(self.placed))
         first = next(iter(self.placed.values())).plan
-        self.global_batch = first.batch * first.replicas
         self.groups = first.groups
         self._holders: dict[int, list[Holder]] = {}
 
@@ -268,7 +267,7 @@ class _Separate:
         cross_stage = next(s for s, (a, b) in enumerate(dst.plan.stages) if a <= flow.layer < b)
         tokens = Payload(flow.producer, self.model.unit(flow.producer).num_layers, 0, "tokens")
         ends = [
-            Side(_stage_mesh(placed, stage), placed.plan.micro_batch, placed.plan.microbatches, placed.plan.groups, tokens)
+            Side(_stage_mesh(placed, stage), placed.plan.batch_layout(), tokens)
             for placed, stage in ((src, src.plan.pp - 1), (dst, cross_stage))
         ]
         sender, receiver = ends
@@ -278,7 +277,6 @@ class _Separate:
             "broker",
             sender,
             receiver,
-            self.global_batch,
             flow.elems * self.act_bytes,
         ):
             program.add_route(route)

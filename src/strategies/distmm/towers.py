@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
+from src.batch_layout import BatchLayout
 from src.cluster import GIB, ClusterSpec, family_sharing
 from src.costmodel.comm import CommModel
 from src.costmodel.compute import ComputeModel
@@ -57,6 +58,9 @@ class TowerPlan:
     @property
     def micro_batch(self) -> int:
         return self.share // self.microbatches
+
+    def batch_layout(self) -> BatchLayout:
+        return BatchLayout(self.batch * self.replicas, self.replicas, self.micro_batch, self.groups)
 
 
 def stage_ranges(unit: UnitSpec, pp: int) -> tuple[tuple[int, int], ...]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from src.batch_layout import BatchLayout
 from src.cluster import ClusterSpec
 from src.costmodel.memory import element_bytes
 from src.mesh import Mesh
@@ -203,11 +204,10 @@ class _Builder:
         src, dst = self.units[flow.producer], self.units[flow.consumer]
         tensor = Payload(flow.producer, flow.source, 0, flow.tensor)
         sender, receiver = (
-            Side(unit.stage_mesh(stage), unit.micro_batch, 1, self.m, tensor) for unit, stage in ((src, src.pp - 1), (dst, 0))
+            Side(unit.stage_mesh(stage), BatchLayout(self.batch, unit.dp, unit.micro_batch, self.m), tensor)
+            for unit, stage in ((src, src.pp - 1), (dst, 0))
         )
-        for route in bridge(
-            self.cluster, f"{flow.producer}>{flow.consumer}", "broker", sender, receiver, self.batch, flow.elems * self.act_bytes
-        ):
+        for route in bridge(self.cluster, f"{flow.producer}>{flow.consumer}", "broker", sender, receiver, flow.elems * self.act_bytes):
             program.add_route(route)
         return brokers_of(flow, src, dst)
 

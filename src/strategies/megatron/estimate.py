@@ -252,7 +252,7 @@ class PipelineEstimator:
         self._largest: dict[tuple, float] = {}
 
     def microbatches(self, deg: Degrees) -> int:
-        return self.global_batch // deg.dp // deg.micro_batch
+        return deg.batch_layout(self.global_batch).microbatches
 
     def runs(self, deg: Degrees, sequence_parallel: bool, virtual: list[list[Segment]]) -> list[StageRun]:
         return stage_runs(self.model, virtual, deg.pp, deg.tp, sequence_parallel, deg.micro_batch, self.replicate)

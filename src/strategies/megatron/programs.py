@@ -49,9 +49,7 @@ def pipeline_program(
     """`virtual`: the pp x vpp virtual stages (stages.pipeline_segments, or a balanced cut)."""
     pp, vpp = deg.pp, deg.vpp
     mesh = megatron_mesh(deg.tp, deg.dp, pp)
-    batch_per_replica = global_batch // deg.dp
-    microbatches = batch_per_replica // deg.micro_batch
-    orders = build_schedule(cfg.schedule, pp, microbatches, vpp)
+    orders = build_schedule(cfg.schedule, pp, deg.batch_layout(global_batch).microbatches, vpp)
     program = Program(world_size=mesh.size, classes=[])
     settings = PipelineSettings(
         deg.micro_batch,
@@ -75,8 +73,7 @@ def pipeline_unit_plans(
     and its layers on each (virtual) stage; a unit replicated over its stage's TP group has
     the rows axis where the others have tp (layout.replicated_mesh)."""
     pp, vpp = deg.pp, deg.vpp
-    batch_per_replica = global_batch // deg.dp
-    microbatches = batch_per_replica // deg.micro_batch
+    batch = deg.batch_layout(global_batch)
     unit_plans = []
     for name in unit_order(model):
         stages = sorted({v % pp for v, segs in enumerate(virtual) for s in segs if s.unit == name})
@@ -97,11 +94,11 @@ def pipeline_unit_plans(
             UnitPlan(
                 unit=name,
                 mesh=unit_mesh,
-                micro_batch=deg.micro_batch,
-                num_microbatches=microbatches,
-                batch_per_replica=batch_per_replica,
+                micro_batch=batch.micro_batch,
+                num_microbatches=batch.microbatches,
+                batch_per_replica=batch.per_replica,
                 stage_layers=ranges,
-                sample_groups=microbatches,
+                sample_groups=batch.sample_groups,
                 vpp=chunks,
                 zero_stage=cfg.zero_stage,
                 recompute=cfg.recompute,
@@ -133,9 +130,8 @@ def colocated_program(
     """Both towers on every device, same TP and DP; the contrastive loss sees the features
     of all DP replicas (all-gather over DP, reduce-scatter of their gradients back)."""
     mesh = Mesh.contiguous((("tp", deg.tp), ("dp", deg.dp)))
-    batch_per_replica = global_batch // deg.dp
-    microbatches = batch_per_replica // deg.micro_batch
-    mb = deg.micro_batch
+    batch = deg.batch_layout(global_batch)
+    microbatches, mb = batch.microbatches, batch.micro_batch
     program = Program(world_size=mesh.size, classes=[])
     names = unit_order(model)
     emitter = ColocatedEmitter(
@@ -164,9 +160,9 @@ def colocated_program(
             mesh=mesh,
             micro_batch=mb,
             num_microbatches=microbatches,
-            batch_per_replica=batch_per_replica,
+            batch_per_replica=batch.per_replica,
             stage_layers=((0, model.unit(name).num_layers),),
-            sample_groups=microbatches,
+            sample_groups=batch.sample_groups,
             zero_stage=cfg.zero_stage,
             recompute=cfg.recompute,
             sequence_parallel=cfg.sequence_parallel,

@@ -11,8 +11,9 @@ requires (memory_ladder).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from src.batch_layout import BatchLayout
 from src.errors import ConfigError
 from src.models.spec import ModelSpec
 from src.strategies.base import PlanRequest, check_microbatch_count, microbatch_sizes
@@ -79,7 +80,7 @@ def enumerate_space(request: PlanRequest, opts: MegatronOptions, contrastive: bo
                 space.invalid.append(str(err))
                 continue
             for mb in micro_batches:
-                microbatches = request.train.global_batch // dp // mb
+                microbatches = BatchLayout(request.train.global_batch, dp, mb).microbatches
                 for vpp in _vpp_choices(request.model, opts, pp, microbatches, contrastive):
                     for sp in _sp_choices(opts, tp, contrastive):
                         schedule = "interleaved" if vpp > 1 else opts.schedule or "1f1b"
@@ -161,26 +162,20 @@ def check_degrees(request: PlanRequest, opts: MegatronOptions, tp: int, pp: int)
         raise ConfigError(
             f"tp x pp x dp = {tp} x {pp} x {opts.dp} = {tp * pp * opts.dp} but cluster {request.cluster.name} has {devices} devices"
         )
-    if request.train.global_batch % dp:
-        raise ConfigError(f"global batch {request.train.global_batch} is not divisible by dp={dp}")
     return dp
 
 
 def _micro_batch_choices(request: PlanRequest, opts: MegatronOptions, dp: int, contrastive: bool) -> list[int]:
-    per_replica = request.train.global_batch // dp
+    batch = BatchLayout(request.train.global_batch, dp)
     if opts.micro_batch_size is not None:
-        if per_replica % opts.micro_batch_size:
-            raise ConfigError(
-                f"global batch {request.train.global_batch} is not divisible by dp x micro-batch = "
-                f"{dp} x {opts.micro_batch_size} = {dp * opts.micro_batch_size}"
-            )
-        check_microbatch_count(per_replica, opts.micro_batch_size, f"global batch {request.train.global_batch} over dp={dp}")
-        choices = [opts.micro_batch_size]
+        fixed = replace(batch, micro_batch=opts.micro_batch_size)
+        check_microbatch_count(fixed.per_replica, fixed.micro_batch, f"global batch {fixed.global_batch} over dp={dp}")
+        choices = [fixed.micro_batch]
     else:
         # Largest first: for contrastive models the whole replica batch is one micro-batch
         # unless memory forces accumulation. A batch too large for micro-batches of at most
         # MAX_PIPELINE_MICRO_BATCH gets the smallest size that keeps the count in bounds.
-        sizes = microbatch_sizes(per_replica)
+        sizes = microbatch_sizes(batch.per_replica)
         choices = [m for m in sizes if contrastive or m <= MAX_PIPELINE_MICRO_BATCH] or sizes[-1:]
     if contrastive:
         rbs = request.train.contrastive_batch

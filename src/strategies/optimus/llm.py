@@ -111,8 +111,7 @@ class LLMPipelines:
 
     @property
     def microbatches(self) -> int:
-        d = self.choice.degrees
-        return self.request.train.global_batch // d.dp // d.micro_batch
+        return self.choice.degrees.batch_layout(self.request.train.global_batch).microbatches
 
     def fits_alone(self, recompute: str, zero: int) -> tuple[bool, float]:
         """Whether the LLM alone fits every stage on this rung (Megatron-LM's memory model,

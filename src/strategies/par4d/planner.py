@@ -13,8 +13,9 @@ paper caches 28 of GPT-20B's 32 layers on 16 GPUs).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from src.batch_layout import BatchLayout
 from src.cluster import GIB
 from src.config import check_positive, options_from
 from src.costmodel.compute import ComputeModel
@@ -109,18 +110,15 @@ class _Planner:
         return program, unit_plan, memory
 
     def _micro_batches(self, grid: Grid) -> list[int]:
-        per_replica = self.train.global_batch // grid.dp
+        batch = BatchLayout(self.train.global_batch, grid.dp)
         mb = self.opts.micro_batch_size
         if mb is not None:
-            if per_replica % mb or mb % grid.z:
-                raise ConfigError(
-                    f"grid {grid.label()}: strategy.micro_batch_size={mb} must divide the replica's "
-                    f"batch {per_replica} (global {self.train.global_batch} / G_data {grid.dp}) and be a "
-                    f"multiple of G_z={grid.z}"
-                )
-            check_microbatch_count(per_replica, mb, f"grid {grid.label()}: the replica's batch {per_replica}")
+            if mb % grid.z:
+                raise ConfigError(f"grid {grid.label()}: strategy.micro_batch_size={mb} must be a multiple of G_z={grid.z}")
+            fixed = replace(batch, micro_batch=mb)
+            check_microbatch_count(fixed.per_replica, mb, f"grid {grid.label()}: the replica's batch {fixed.per_replica}")
             return [mb]
-        return microbatch_sizes(per_replica, multiple_of=grid.z)
+        return microbatch_sizes(batch.per_replica, multiple_of=grid.z)
 
     def _settle(self, candidate: _Candidate, layouts: list[LayerLayout]) -> None:
         """The least memory-saving settings that fit (largest micro-batch, then the

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from src.batch_layout import BatchLayout
 from src.cluster import ClusterSpec
 from src.costmodel.memory import element_bytes, grad_bytes
 from src.models.layers import ACT_BYTES
@@ -388,8 +389,8 @@ def par4d_program(
 ) -> tuple[Program, UnitPlan]:
     program = Program(world_size=grid.devices, classes=[])
     emitter = Par4DEmitter(model, cluster, precision, program, grid, layouts, settings, unit)
-    per_replica = global_batch // grid.dp
-    microbatches = per_replica // settings.micro_batch
+    batch = BatchLayout(global_batch, grid.dp, settings.micro_batch)
+    microbatches = batch.microbatches
     instructions: list[Instruction] = []
     for j in range(microbatches):
         instructions += emitter.microbatch(j, last=j == microbatches - 1)
@@ -401,9 +402,9 @@ def par4d_program(
         mesh=grid.mesh(),
         micro_batch=settings.micro_batch,
         num_microbatches=microbatches,
-        batch_per_replica=per_replica,
+        batch_per_replica=batch.per_replica,
         stage_layers=((0, spec.num_layers),),
-        sample_groups=microbatches,
+        sample_groups=batch.sample_groups,
         recompute=settings.recompute,
         gathered_params=emitter.gathered_params(),
         grid=TensorGrid(

@@ -17,6 +17,7 @@ import random
 import pytest
 import torch
 
+from src.batch_layout import BatchLayout
 from src.mesh import Mesh
 from src.models.registry import build_model
 from src.program import Payload, Program, RankProgram, Recv, Send
@@ -50,7 +51,7 @@ def _random_sides(seed: int) -> tuple[Side, Side, int]:
         share = batch // groups // dp
         micro_batch = rng.choice([d for d in range(1, share + 1) if share % d == 0])
         mesh = Mesh.contiguous((("tp", tp), ("dp", dp)), offset)
-        return Side(mesh, micro_batch, share // micro_batch, groups, Payload("encoder", 1, 0))
+        return Side(mesh, BatchLayout(batch, dp, micro_batch, groups), Payload("encoder", 1, 0))
 
     src = side(dp_a, tp_a, 0, "encoder")
     return src, side(dp_b, tp_b, src.mesh.size, "llm"), batch
@@ -59,17 +60,17 @@ def _random_sides(seed: int) -> tuple[Side, Side, int]:
 @pytest.mark.parametrize("seed", range(20))
 def test_bridge_sends_every_row_once_to_where_it_is_consumed(seed):
     src, dst, batch = _random_sides(seed)
-    forward, backward = bridge(CLUSTER, "enc>llm", "broker", src, dst, batch, ROW_BYTES)
+    forward, backward = bridge(CLUSTER, "enc>llm", "broker", src, dst, ROW_BYTES)
     # Every sample of the step leaves exactly one producer row and lands on exactly one consumer row.
     sent: dict[int, int] = {}
     landed: dict[int, int] = {}
-    leads_a = {src.lead(d): d for d in range(src.replicas)}
-    leads_b = {dst.lead(d): d for d in range(dst.replicas)}
+    leads_a = {src.lead(d): d for d in range(src.batch.dp)}
+    leads_b = {dst.lead(d): d for d in range(dst.batch.dp)}
     for message in forward.messages():
         assert message.src in leads_a and message.dst in leads_b  # only a replica's lead sends or receives
         pd, cd = leads_a[message.src], leads_b[message.dst]
-        p0 = src.first_row(batch, pd, message.sent.microbatch)
-        c0 = dst.first_row(batch, cd, message.received.microbatch)
+        p0 = src.batch.first_sample(pd, message.sent.microbatch)
+        c0 = dst.batch.first_sample(cd, message.received.microbatch)
         (a, b), (c, d) = message.sent.rows, message.received.rows
         assert b - a == d - c > 0 and message.bytes == (b - a) * ROW_BYTES
         for row in range(b - a):
@@ -81,23 +82,22 @@ def test_bridge_sends_every_row_once_to_where_it_is_consumed(seed):
     back = {(m.dst, m.src, m.received.value(), m.sent.value(), m.received.rows, m.sent.rows) for m in backward.messages()}
     fwd = {(m.src, m.dst, m.sent.value(), m.received.value(), m.sent.rows, m.received.rows) for m in forward.messages()}
     assert back == fwd and all(m.sent.grad and m.received.grad for m in backward.messages())
-    assert len(pieces(src, dst, batch)) == len(list(forward.messages()))
+    assert len(pieces(src, dst)) == len(list(forward.messages()))
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_the_simulator_prices_exactly_the_routes_messages(seed):
     src, dst, batch = _random_sides(seed)
-    forward, _ = bridge(CLUSTER, "enc>llm", "broker", src, dst, batch, ROW_BYTES)
+    forward, _ = bridge(CLUSTER, "enc>llm", "broker", src, dst, ROW_BYTES)
     world = src.mesh.size + dst.mesh.size
     program = Program(world_size=world, classes=[])
     program.add_route(forward)
-    total = src.groups * src.microbatches
     for rank in range(world):
         instructions = []
-        if rank in (src.lead(d) for d in range(src.replicas)):
-            instructions = [Send("enc>llm", src.at(j)) for j in range(total)]
-        elif rank in (dst.lead(d) for d in range(dst.replicas)):
-            instructions = [Recv("enc>llm", dst.at(j)) for j in range(dst.groups * dst.microbatches)]
+        if rank in (src.lead(d) for d in range(src.batch.dp)):
+            instructions = [Send("enc>llm", src.at(j)) for j in range(src.batch.microbatches)]
+        elif rank in (dst.lead(d) for d in range(dst.batch.dp)):
+            instructions = [Recv("enc>llm", dst.at(j)) for j in range(dst.batch.microbatches)]
         program.classes.append(RankProgram(ranks=(rank,), instructions=instructions, label=f"r{rank}"))
     timeline = simulate(program, MODEL, CLUSTER, PRECISION)
     assert timeline.p2p_bytes == pytest.approx(sum(m.bytes for m in forward.messages()))

@@ -15,6 +15,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from src.batch_layout import BatchLayout
 from src.config import options_from
 from src.errors import ConfigError
 from src.program import Collective, Compute, Table
@@ -346,14 +347,14 @@ def test_pipeline_sends_are_priced_as_the_program_moves_them() -> None:
 
 
 def test_broker_pieces_match_every_overlap_of_the_two_sides() -> None:
-    def naive(src: Side, dst: Side, batch: int) -> list:
+    def naive(src: BatchLayout, dst: BatchLayout) -> list:
         out = []
-        for pd in range(src.replicas):
-            for pj in range(src.groups * src.microbatches):
-                p0 = src.first_row(batch, pd, pj)
-                for cd in range(dst.replicas):
-                    for cj in range(dst.groups * dst.microbatches):
-                        c0 = dst.first_row(batch, cd, cj)
+        for pd in range(src.dp):
+            for pj in range(src.microbatches):
+                p0 = src.first_sample(pd, pj)
+                for cd in range(dst.dp):
+                    for cj in range(dst.microbatches):
+                        c0 = dst.first_sample(cd, cj)
                         lo, hi = max(p0, c0), min(p0 + src.micro_batch, c0 + dst.micro_batch)
                         if lo < hi:
                             out.append((pd, pj, cd, cj, lo, hi - lo))
@@ -361,9 +362,9 @@ def test_broker_pieces_match_every_overlap_of_the_two_sides() -> None:
 
     batch = 24
     for (sd, smb, sg), (dd, dmb, dg) in itertools.product([(1, 2, 1), (2, 3, 2), (4, 1, 1)], [(3, 1, 1), (2, 4, 1), (6, 2, 2)]):
-        src = Side(Mesh((("tp", 1), ("dp", sd)), tuple(range(sd))), smb, batch // (sg * sd * smb), sg, Payload("a", 0, 0))
-        dst = Side(Mesh((("tp", 1), ("dp", dd)), tuple(range(dd))), dmb, batch // (dg * dd * dmb), dg, Payload("b", 0, 0))
-        assert pieces(src, dst, batch) == naive(src, dst, batch)
+        src = Side(Mesh((("tp", 1), ("dp", sd)), tuple(range(sd))), BatchLayout(batch, sd, smb, sg), Payload("a", 0, 0))
+        dst = Side(Mesh((("tp", 1), ("dp", dd)), tuple(range(dd))), BatchLayout(batch, dd, dmb, dg), Payload("b", 0, 0))
+        assert pieces(src, dst) == naive(src.batch, dst.batch)
 
 
 # ---- the Program ---------------------------------------------------------------------------
@@ -477,7 +478,7 @@ def _priced_and_run_images(s: Setup, per_sequence: float | None = None) -> list[
     """Per rank, encoder or generator micro-batch: (the load the plan prices, the images the
     real data path gives that micro-batch over what a load of 1 stands for: `per_sequence`
     images a sequence, else the step's mean)."""
-    from src.runtime.inputs import StepSamples, dataset_for
+    from src.runtime.inputs import StepSamples, dataset_for, rank_reads
 
     plan = plan_run(s)
     assert s.backend is not None
@@ -490,7 +491,8 @@ def _priced_and_run_images(s: Setup, per_sequence: float | None = None) -> list[
         for unit, place in placements(plan, rank).items():
             if unit == "llm":
                 continue
-            samples = StepSamples(s.model, data, s.train.global_batch, units, {unit: place.dp_ranks.index(rank)}, plan.sample_order)
+            reads = rank_reads(plan, s.train.global_batch, {unit: place.dp_ranks.index(rank)})
+            samples = StepSamples(s.model, data, s.train.global_batch, reads, plan.sample_order)
             made = samples.make(0)
             share = units[unit].micro_batch * mean
             priced = {

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.torch  # the real backend's data path
 
 
 def test_each_encoder_micro_batch_is_priced_for_the_sides_it_packs():
-    from src.runtime.inputs import StepSamples, dataset_for
+    from src.runtime.inputs import StepSamples, dataset_for, rank_reads
 
     overrides = ["backend=torch", "cluster=local", "model=mllm_9b", "model.scale=tiny", "model.images_per_sequence=2"]
     s = validate(composed([*overrides, "train.global_batch=8", "strategy=disttrain", "strategy.reorder=both", "logger=none"]))
@@ -37,9 +37,8 @@ def test_each_encoder_micro_batch_is_priced_for_the_sides_it_packs():
         place = placements(plan, rank).get("encoder")
         if place is None:
             continue
-        made = StepSamples(
-            s.model, data, s.train.global_batch, units, {"encoder": place.dp_ranks.index(rank)}, plan.sample_order
-        ).make(0)
+        reads = rank_reads(plan, s.train.global_batch, {"encoder": place.dp_ranks.index(rank)})
+        made = StepSamples(s.model, data, s.train.global_batch, reads, plan.sample_order).make(0)
         for c in plan.program.instructions_for(rank):
             if isinstance(c, Compute) and c.work.unit == "encoder" and c.work.phase == "fwd":
                 tokens_each = (made[("encoder", c.microbatch)]["patch_sides"] ** 2 + 1).tolist()
