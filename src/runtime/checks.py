@@ -13,15 +13,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from src.errors import ConfigError, PlanRefused
-from src.models.spec import ModelSpec, UnitSpec
-from src.program import Collective, Compute, Hop, Plan, Recv, Send, TensorGrid, UnitPlan, Wait
+from src.models.spec import ModelSpec
+from src.program import Collective, Compute, Hop, Plan, Recv, Send, Wait
 from src.runtime.batch_rows import placed_by_rows
 from src.runtime.dist_optimizer import SHARDED
 from src.runtime.executor import input_key
 from src.data.interleaved_mllm import InterleavedMLLM
 from src.runtime.inputs import dataset_for, tell_repeats
-from src.runtime.modules.grid3d import Axis, Grid3D
-from src.runtime.modules.unet3d import UNetOnGrid
+from src.runtime.layouts import layout_runtime
 from src.runtime.modules.units import llama_style
 
 if TYPE_CHECKING:
@@ -29,7 +28,6 @@ if TYPE_CHECKING:
 
 PHASES = ("fwd", "bwd", "bwd_input", "bwd_weight", "optimizer", "interaction")
 PAYLOAD_COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
-GRID_LAYERS = ("embedding", "block", "head")  # runtime.modules.gpt3d's
 
 
 def check_runnable(run: PlannedRun, data: str, data_errors: str = "fail") -> None:
@@ -53,8 +51,9 @@ def check_runnable(run: PlannedRun, data: str, data_errors: str = "fail") -> Non
                 f"model.dropout=true (unit {unit.unit}): the real backend's blocks train without dropout, so that every "
                 f"layout's losses agree with one process; set model.dropout=false or leave it null"
             )
-        if unit.grid is not None:
-            _check_grid(unit, unit.grid, spec)
+        layout = layout_runtime(unit)
+        if layout is not None:
+            layout.check(unit, spec)
         mllm = llama_style(spec) is not None or any(layer.name.endswith("_projector") for layer in spec.layers)
         if unit.sequence_parallel and mllm:
             raise PlanRefused(
@@ -154,45 +153,6 @@ def _check_image_rows(plan: Plan, model: ModelSpec) -> None:
             )
 
 
-def _check_grid(unit: UnitPlan, layout: TensorGrid, spec: UnitSpec) -> None:
-    """What runtime.modules.gpt3d and unet3d build: a GPT whose embedding table and
-    vocabulary the grid divides, or an ADM U-Net whose layers it divides (the planner
-    checks the FCs, heads and micro-batch)."""
-    x, y, z = (unit.mesh.degree(axis) for axis in ("x", "y", "z"))
-    where = f"unit {unit.unit} on the tensor grid {unit.mesh.shape()}"
-    if spec.kind == "unet":
-        # Built as rank 0 of each axis builds it (no groups: nothing communicates).
-        grid = Grid3D(Axis(x), Axis(y), Axis(z), Axis(unit.mesh.degree("dp")), layers=layout.layers)
-        unet = UNetOnGrid(spec, grid)
-        for index, layer in enumerate(spec.layers):
-            try:
-                unet.layer(index)
-            except ValueError as error:
-                raise PlanRefused(f"{where}: layer {index} ({layer.name}): {error}", ("mesh",), (unit.unit,)) from None
-        return
-    other = [layer.name for layer in spec.layers if layer.name not in GRID_LAYERS]
-    if other or llama_style(spec) is not None:
-        what = f"layer {other[0]}" if other else "Llama blocks"
-        raise PlanRefused(
-            f"{where}: the real backend's 3D-parallel model is a GPT (embedding, blocks, head) or an ADM U-Net, it has "
-            f"no {what} (a Llama on a tensor grid runs in the simulator only)",
-            ("mesh",),
-            (unit.unit,),
-        )
-    vocab = spec.arch.vocab
-    if (vocab + spec.seq_len) % (x * z):
-        raise PlanRefused(
-            f"{where}: the embedding's {vocab} token + {spec.seq_len} position rows split over G_x x G_z = {x * z}, "
-            f"which does not divide them",
-            ("mesh",),
-            (unit.unit,),
-        )
-    if vocab % x:
-        raise PlanRefused(
-            f"{where}: the head's {vocab}-word vocabulary splits over G_x={x}, which does not divide it", ("mesh",), (unit.unit,)
-        )
-
-
 def _check_backward_ranges(label: str, instructions: list) -> None:
     """A backward runs the layers of one forward of its micro-batch, all or a part of them
     (the executor cuts that forward where the backward starts), or of consecutive forwards
@@ -288,7 +248,7 @@ def _check_work_under_tp(label: str, instructions: list) -> None:
 def _check_distributed_optimizer(plan: Plan, label: str, rank: int, instructions: list) -> None:
     """A DP reduce-scatter or all-gather that names its unit's layers is the executor's
     distributed optimizer's (runtime.dist_optimizer): Megatron-LM's, ZeRO-1 over a unit's
-    data-parallel replicas, off a tensor grid, which reduce-scatters the gradients of all the
+    data-parallel replicas of a unit without a layout of its own (runtime.layouts), which reduce-scatters the gradients of all the
     unit's layers a rank holds and all-gathers their parameters, once a step each (not layer
     by layer, and not one without the other)."""
     named: dict[str, dict[str, list[tuple[int, int]]]] = {}
@@ -298,11 +258,12 @@ def _check_distributed_optimizer(plan: Plan, label: str, rank: int, instructions
             named.setdefault(owner, {op: [] for op in SHARDED})[instruction.op].append(layers)
     for name, ops in named.items():
         unit = plan.unit(name)
-        if unit.zero_stage != 1 or unit.grid is not None:
+        layout = layout_runtime(unit)  # which steps the unit with its own optimizer
+        if unit.zero_stage != 1 or layout is not None:
             raise PlanRefused(
                 f"{label}: a DP reduce-scatter or all-gather names unit {name}'s layers, which the real backend runs as "
-                f"Megatron-LM's distributed optimizer: ZeRO-1 off a tensor grid (the unit has zero_stage="
-                f"{unit.zero_stage}{' on a tensor grid' if unit.grid is not None else ''})",
+                f"Megatron-LM's distributed optimizer: ZeRO-1 of a unit on its mesh's tp, dp and pp axes (the unit has zero_stage="
+                f"{unit.zero_stage}{f' on a {layout.name}' if layout is not None else ''})",
                 ("zero_stage",),
                 (name,),
             )

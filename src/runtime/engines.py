@@ -343,16 +343,18 @@ def check_clipping(plan: Plan, model: ModelSpec, settings: DeepSpeedSpec) -> Non
     """gradient_clipping clips the model's global norm only where one engine holds every
     trained parameter on every rank: DeepSpeed clips each engine by its own norm (a
     pipeline's stages, towers on separate groups and units under different ZeRO settings
-    each have one), and a tensor grid's optimizer has no clipping."""
+    each have one), and a layout's optimizer may have none (runtime.layouts)."""
     if settings.gradient_clipping <= 0:
         return
+    from src.runtime.layouts import layout_runtime
     from src.runtime.placement import placements
 
     clip = f"backend.deepspeed.gradient_clipping={settings.gradient_clipping:g}"
     trained = {u.name for u in model.units if u.trainable_params()}
     for unit in plan.units:
-        if unit.unit in trained and unit.grid is not None:
-            raise ConfigError(f"{clip}: unit {unit.unit} lies on a tensor grid, whose optimizer the real backend does not clip")
+        layout = layout_runtime(unit)
+        if unit.unit in trained and layout is not None and not layout.clips:
+            raise ConfigError(f"{clip}: unit {unit.unit} lies on a {layout.name}, whose optimizer the real backend does not clip")
     for rank in range(plan.devices):
         places = placements(plan, rank)
         held = {name for name, place in places.items() if model.unit(name).trainable_params() and place.layers}

@@ -43,8 +43,7 @@ from src.runtime.inputs import Batches, StepSamples, dataset_for, rank_reads
 from src.runtime.lifeline import LIFELINE, REPORTING, SAVING, TRAINING
 from src.runtime.modules.parallel import TP
 from src.models.spec import ModelSpec, UnitSpec
-from src.runtime.grid_engine import GridEngine, build_grid
-from src.runtime.modules.grid3d import Grid3D
+from src.runtime.layouts import LaidOut, layout_runtime
 from src.runtime.modules.units import build_units
 from src.runtime.peak import GEMM_SIZES, peak_gemm_flops
 from src.runtime.preprocess import Producer
@@ -66,9 +65,14 @@ class _EngineGroup:
         return self.settings.zero_stage == 3 and len(self.groups.dp_ranks) > 1
 
 
-def _grids(plan: Plan, places: dict[str, UnitPlacement]) -> dict[str, Grid3D]:
-    """The tensor grid of each unit that lies on one."""
-    return {name: build_grid(plan.unit(name)) for name in places if plan.unit(name).grid is not None}
+def _laid_out(run: PlannedRun, places: dict[str, UnitPlacement]) -> dict[str, LaidOut]:
+    """Each unit of this rank on a layout of its own, as its layout's runtime lays it out."""
+    out = {}
+    for name in places:
+        layout = layout_runtime(run.plan.unit(name))
+        if layout is not None:
+            out[name] = layout.lay_out(run.plan.unit(name), run.model.unit(name))
+    return out
 
 
 def _trains(model: ModelSpec, name: str, place: UnitPlacement) -> bool:
@@ -86,7 +90,7 @@ def _engine_groups(
     plan, model = run.plan, run.model
     by_group: dict[tuple, list[str]] = {}
     for name, place in places.items():
-        if name in own:  # a GridEngine's (runtime.grid_engine) or the plan's distributed optimizer (runtime.dist_optimizer)
+        if name in own:  # its layout's optimizer (runtime.layouts) or the plan's distributed optimizer (runtime.dist_optimizer)
             continue
         if _trains(model, name, place):
             # Units on one DP group under different ZeRO settings (Optimus's encoders and LLM) get an engine each.
@@ -107,7 +111,7 @@ def _build(
     tp: dict[str, TP],
     engine_groups: list[_EngineGroup],
     device,
-    grids: dict[str, Grid3D],
+    laid_out: dict[str, LaidOut],
     backend: TorchBackendSpec,
 ) -> torch.nn.ModuleDict:
     """This rank's layers. A ZeRO-3 unit's parameters are partitioned over its replicas as
@@ -117,7 +121,7 @@ def _build(
     keep = {n: set(p.layers) for n, p in places.items()}
     partitioned = {n for g in engine_groups if g.partitions_weights for n in g.names}
     contrastive = backend.contrastive
-    units = build_units(model, seed, tp, {n: k for n, k in keep.items() if n not in partitioned}, recompute, grids, contrastive)
+    units = build_units(model, seed, tp, {n: k for n, k in keep.items() if n not in partitioned}, recompute, laid_out, contrastive)
     units = units.to(device)
     for group in engine_groups:
         if group.partitions_weights:
@@ -130,16 +134,16 @@ def _build(
 def _engines(
     units: torch.nn.ModuleDict,
     engine_groups: list[_EngineGroup],
-    grids: dict[str, Grid3D],
+    laid_out: dict[str, LaidOut],
     sharded: dict[str, ParallelGroups],
     backend: TorchBackendSpec,
     steps: int,
 ) -> dict[str, Any]:
     """One DeepSpeed engine per data-parallel group: units that share it share an engine;
-    a unit on a tensor grid has its own, and so has one whose plan runs its distributed
-    optimizer's collectives."""
+    a unit on a layout of its own has its layout's, and one whose plan runs its distributed
+    optimizer's collectives has that."""
     engines: dict[str, Any] = {
-        name: GridEngine(units[name], grid, backend.deepspeed, backend.contrastive, steps) for name, grid in grids.items()
+        name: layout.engine(units[name], backend.deepspeed, backend.contrastive, steps) for name, layout in laid_out.items()
     }
     for name, parallel in sharded.items():
         engines[name] = DistributedOptimizer(units[name], parallel, backend.deepspeed, backend.contrastive, steps)
@@ -256,12 +260,12 @@ def _build_worker(run: PlannedRun, backend: TorchBackendSpec, run_dir: Path, ran
         name: TP(p.tp, p.tp_ranks.index(rank), groups.get(p.tp_ranks), plan.unit(name).sequence_parallel) if p.tp > 1 else TP()
         for name, p in places.items()
     }
-    grids = _grids(plan, places)
+    laid_out = _laid_out(run, places)
     sharded = {n: _parallel(places[n], groups) for n in sharded_units(plan, rank) if _trains(model, n, places[n])}
     new_run()
-    engine_groups = _engine_groups(run, places, groups, backend, set(grids) | set(sharded))
-    units = _build(run, places, tp, engine_groups, device, grids, backend)
-    engines = _engines(units, engine_groups, grids, sharded, backend, train.steps)
+    engine_groups = _engine_groups(run, places, groups, backend, set(laid_out) | set(sharded))
+    units = _build(run, places, tp, engine_groups, device, laid_out, backend)
+    engines = _engines(units, engine_groups, laid_out, sharded, backend, train.steps)
     if engine_groups:
         time_deepspeed_comm()
     batches = Batches(samples, device, producer)

@@ -208,6 +208,9 @@ class Head3D(nn.Module):
         return {**state, "loss": losses.sum() / (losses.numel() * self.grid.z.size)}
 
 
+GRID_LAYERS = ("embedding", "block", "head")  # the layers grid_layer builds
+
+
 def grid_layer(unit: UnitSpec, index: int, grid: Grid3D, vocab: int) -> nn.Module:
     """Layer `index` of a GPT unit on the grid (runtime.modules.units builds the others)."""
     name = unit.layers[index].name

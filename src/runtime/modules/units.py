@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import zlib
 from functools import partial
-from typing import Callable
+from typing import Mapping, Protocol
 
 import torch
 from torch import nn
@@ -22,11 +22,9 @@ from src.models.spec import Kernel, LayerSpec, ModelSpec, UnitSpec
 from src.runtime.modules.blocks import Attention, Block, FeatureHead, Llama, LMHead, PatchEmbedding, TokenEmbedding
 from src.runtime.modules.contrastive import CaptionHead, ContrastiveLoss
 from src.runtime.modules.generator import generator_layer
-from src.runtime.modules.gpt3d import Attention3D, grid_layer
-from src.runtime.modules.grid3d import Grid3D, link_prefetches, narrow_cache
+from src.runtime.modules.gpt3d import Attention3D
 from src.runtime.modules.mllm import ConditioningHead, MultimodalEmbedding, Projector
 from src.runtime.modules.parallel import TP
-from src.runtime.modules.unet3d import UNetOnGrid
 
 
 def _kernel(layer: LayerSpec, name: str) -> Kernel:
@@ -85,11 +83,12 @@ def _layer(model: ModelSpec, unit: UnitSpec, index: int, tp: TP, contrastive: Co
     raise ValueError(f"the real backend has no module for layer {layer.name!r} of unit {unit.name} ({model.name})")
 
 
-def _grid_builder(unit: UnitSpec, grid: Grid3D) -> Callable[..., nn.Module]:
-    """What builds a unit's layers on a tensor grid: a U-Net's or a GPT's."""
-    if unit.kind == "unet":
-        return UNetOnGrid(unit, grid).layer
-    return partial(grid_layer, unit, grid=grid, vocab=unit.arch.vocab)
+class LaidOutLayers(Protocol):
+    """A unit's layers on a layout of its own (runtime.layouts): built by index, then linked."""
+
+    def layer(self, index: int) -> nn.Module: ...
+
+    def link(self, layers: nn.ModuleList) -> None: ...
 
 
 def layer_seed(seed: int, unit: str, index: int) -> int:
@@ -104,26 +103,24 @@ def build_units(
     tp: dict[str, TP],
     keep: dict[str, set[int]],
     recompute: dict[str, str] | None = None,
-    grids: dict[str, Grid3D] | None = None,
+    laid_out: Mapping[str, LaidOutLayers] | None = None,
     contrastive: ContrastiveSpec = ContrastiveSpec(),
 ) -> nn.ModuleDict:
     """Each unit in `keep` as a ModuleList indexed like its LayerSpecs, holding only the
     layers in `keep[unit]` (None elsewhere); only those are ever built (a TP layer
     draws its whole weight, then keeps its slice). `recompute`: a unit's mode;
-    'selective' re-runs its attention cores in backward. `grids`: the units on a tensor
-    grid, built of its 3D-parallel layers. `contrastive`: CoCa's loss weights and padding
+    'selective' re-runs its attention cores in backward. `laid_out`: the units on a layout
+    of their own, built of its layers (a tensor grid's 3D-parallel layers). `contrastive`: CoCa's loss weights and padding
     (backend.contrastive)."""
-    grids = grids or {}
+    laid_out = laid_out or {}
     units = nn.ModuleDict()
     for unit in model.units:
         if unit.name not in keep:
             continue
         layers = nn.ModuleList()
-        grid = grids.get(unit.name)
+        layout = laid_out.get(unit.name)
         build = (
-            _grid_builder(unit, grid)
-            if grid is not None
-            else partial(_layer, model, unit, tp=tp.get(unit.name, TP()), contrastive=contrastive)
+            layout.layer if layout is not None else partial(_layer, model, unit, tp=tp.get(unit.name, TP()), contrastive=contrastive)
         )
         for i in range(unit.num_layers):
             if i not in keep[unit.name]:
@@ -131,13 +128,11 @@ def build_units(
                 continue
             torch.manual_seed(layer_seed(seed, unit.name, i))
             module = build(index=i)
-            if grid is not None:
-                narrow_cache(module, i, grid)
             # A frozen unit, or a frozen or forward-only layer of a trained one (an MLLM's
             # ViT under its trained projector, SD's VAE encoder), keeps no gradients.
             layers.append(module.requires_grad_(unit.trains(unit.layers[i])))
-        if unit.name in grids:
-            link_prefetches(layers)
+        if layout is not None:
+            layout.link(layers)
         units[unit.name] = layers
         if (recompute or {}).get(unit.name) == "selective":
             for module in units[unit.name].modules():
