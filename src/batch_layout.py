@@ -45,6 +45,12 @@ class BatchLayout:
         batch per replica, not how many replicas share the step's batch."""
         return cls(global_batch, global_batch // per_replica, micro_batch, groups)
 
+    @staticmethod
+    def busiest_share(global_batch: int, replicas: int) -> int:
+        """The samples the busiest of `replicas` replicas sharing the batch takes (the others
+        one fewer where they do not divide it): fewer replicas take no fewer."""
+        return -(-global_batch // replicas)
+
     @property
     def per_replica(self) -> int:
         """Samples each replica takes per step."""

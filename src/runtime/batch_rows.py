@@ -1,4 +1,4 @@
-"""The batch-sync all-to-alls of separate towers (DistMM) on the real backend.
+"""The batch-sync all-to-alls of towers on separate ranks on the real backend.
 
 Every scorer of every tower takes part with the rows it scores: unequal numbers of rows
 (the towers have different replica counts and TP degrees, and a TP rank may score none).

@@ -220,7 +220,7 @@ def _check_work_under_tp(label: str, instructions: list) -> None:
     """An asynchronous TP collective without payloads is a layer's own, which its modules
     run inside the layer: the real backend overlaps one with what follows only inside a
     pass that overlaps its own (StepCCL's row chunks, a tensor grid's kernel ranges). A
-    whole pass placed under it (Optimus's encoder kernels in the LLM's TP bins, the LLM
+    whole pass placed under it (encoder kernels in an LLM's TP bins, the LLM
     under the encoders' all-reduces) would run after it, not beside it."""
     issued: dict[str, str] = {}
     owner: dict[str, str] = {}  # the unit of the pass that issued each

@@ -2,7 +2,7 @@
 DeepSpeed engine's place.
 
 A unit whose plan reduce-scatters its gradients and all-gathers its parameters itself (DP
-collectives naming its layers, Collective.grads_of: Optimus's LLM, whose reduce-scatter
+collectives naming its layers, Collective.grads_of: an LLM sharing its ranks with encoders, whose reduce-scatter
 runs under the encoders' backward and whose all-gather under the next step's encoder
 forwards, Megatron-LM's --overlap-param-gather) steps here. Its trainable parameters are
 flattened into one buffer, Megatron-LM's and DeepSpeed's contiguous one, of which each

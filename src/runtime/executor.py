@@ -386,7 +386,7 @@ class Executor:
             self.s.carried_grads[piece] = grads
 
     def _forward_parts(self, compute: Compute) -> list[Compute]:
-        """A backward over the layers of several forwards (Optimus: a micro-batch's encoder
+        """A backward over the layers of several forwards (a micro-batch's encoder
         layers run forward one by one in the LLM's bubbles and backward as one stage pass)
         runs as their backwards, last first, each handing its input gradient to the one
         before through the store."""
@@ -571,7 +571,7 @@ class Executor:
         """`messages`: what the route sends from this rank's rows of the payload."""
         for message in messages:
             if message.dst == self.rank and message.received == message.sent:
-                continue  # it holds these rows under that name already (Optimus: an encoder and the LLM colocated)
+                continue  # it holds these rows under that name already (an encoder and the LLM colocated)
             tensor = self.s.store.tensor(message.sent if message.sent.rows is not None else send.payload)
             tensor = _packed(tensor, self._image_tokens(message.sent) if message.dst != self.rank else None)
             if not len(tensor):

@@ -82,7 +82,7 @@ def dataset_for(model: ModelSpec, seed: int, source: str, errors: str = "fail", 
 
 
 def _sequences_of_images(model: ModelSpec) -> bool:
-    """An MLLM whose sequences hold images to encode and to generate (DistTrain's)."""
+    """An MLLM whose sequences hold images to encode and to generate (encoder, LLM, generator)."""
     return [u.name for u in model.units] == ["encoder", "llm", "generator"]
 
 
@@ -120,7 +120,7 @@ def _mllm_data(model: ModelSpec, seed: int, source: str, errors: str, content: s
 
 
 def _encoders_llm_data(model: ModelSpec, seed: int, source: str, encoders: list[str]) -> SyntheticMLLM:
-    """ViT encoders chained into an LLM (Optimus's MLLMs): one image per sequence, which
+    """ViT encoders chained into an LLM (the multi-encoder MLLMs): one image per sequence, which
     every encoder reads, its tokens of all encoders first in the sequence."""
     llm = model.unit("llm")
     images = llm.arch.images

@@ -1,4 +1,4 @@
-"""DistTrain's disaggregated preprocessing (`backend.preprocess=disaggregated`): a producer
+"""Disaggregated preprocessing (`backend.preprocess=disaggregated`): a producer
 process beside each trainer decodes and resizes its samples, applies the plan's sample
 order and collates every micro-batch of the coming steps, at most `backend.prefetch_steps`
 steps ahead (a bounded queue), so the trainer only takes finished batches off the queue.

@@ -93,7 +93,7 @@ def _engine_groups(
         if name in own:  # its layout's optimizer (runtime.layouts) or the plan's distributed optimizer (runtime.dist_optimizer)
             continue
         if _trains(model, name, place):
-            # Units on one DP group under different ZeRO settings (Optimus's encoders and LLM) get an engine each.
+            # Units on one DP group under different ZeRO settings (encoders colocated with an LLM) get an engine each.
             unit = plan.unit(name)
             by_group.setdefault((place.dp_ranks, place.tp_ranks, unit.zero_stage, unit.overlap_comm), []).append(name)
     out = []

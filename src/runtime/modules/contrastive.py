@@ -5,8 +5,8 @@ A rank scores the rows it holds (queries) against every row of the other modalit
 contrastive batch (keys): its images against all texts, its texts against all images.
 It returns half the SUMMED cross-entropy of its rows, so the caller normalises by what
 the whole batch has: a rank holding both modalities of its rows (data parallel) divides
-by its rows and averages over ranks; a rank holding one modality (DistMM's separate
-towers) divides by the contrastive batch, and the ranks' values add up to the loss.
+by its rows and averages over ranks; a rank holding one modality (towers on separate
+ranks) divides by the contrastive batch, and the ranks' values add up to the loss.
 
 CoCa's captioning head scores the caption tokens that are not padding (OpenCLIP's pad_id)
 and takes their mean over the step: a micro-batch's summed cross-entropy over the step's

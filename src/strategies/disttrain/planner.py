@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from src.batch_layout import BatchLayout
 from src.cluster import GIB
 from src.config import check_positive, options_from
 from src.costmodel.memory import check_memory_options
@@ -91,9 +92,8 @@ def plan_disttrain(request: PlanRequest) -> Plan:
     model, cluster, train = request.model, request.cluster, request.train
     _check_model(model)
     # Before drawing a layout per sequence: the LLM takes one sequence per micro-batch.
-    check_microbatch_count(
-        -(-train.global_batch // cluster.devices), 1, f"global batch {train.global_batch} over at most {cluster.devices} LLM replicas"
-    )
+    busiest = BatchLayout.busiest_share(train.global_batch, cluster.devices)
+    check_microbatch_count(busiest, 1, f"global batch {train.global_batch} over at most {cluster.devices} LLM replicas")
     loads = batch_loads(model, train.seed, train.global_batch, train.data, request.sample_images)
     profiler = Profiler(model, cluster, train.precision, opts.tp_overlap_chunks)
     fixed = {u: _whole_unet(request, u, opts.fixed(u)) for u in UNITS}
