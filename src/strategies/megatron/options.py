@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from src.costmodel.memory import check_memory_options
-from src.config import check_positive
+from src.config import check_positive, options_from
 from src.errors import ConfigError
 from src.models.spec import ModelSpec
 from src.schedules.pipeline import SCHEDULES
@@ -14,7 +14,10 @@ from src.strategies.builders.stages import main_unit
 
 
 @dataclass(frozen=True)
-class MegatronOptions:
+class MegatronChoices:
+    """The choices of Megatron-LM's search a user may fix (None: searched). A strategy that
+    plans one of its units with Megatron-LM takes them for that unit (Optimus: strategy.llm)."""
+
     tp: int | None = None
     pp: int | None = None
     dp: int | None = None
@@ -24,6 +27,16 @@ class MegatronOptions:
     recompute: str | None = None
     sequence_parallel: bool | None = None
     zero_stage: int | None = None
+
+    def options(self, where: str) -> MegatronOptions:
+        """Megatron-LM's options with these choices, the rest at their defaults; `where`:
+        the choices' place in the config, for the messages of their checks."""
+        given = {key: value for key, value in vars(self).items() if value is not None}
+        return options_from(MegatronOptions, given, prefix=where)
+
+
+@dataclass(frozen=True)
+class MegatronOptions(MegatronChoices):
     overlap_grad_reduce: bool = False
     modality_stages: str = "extra"
     uneven_pp: bool = False

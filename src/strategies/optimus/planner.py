@@ -40,7 +40,7 @@ from src.errors import ConfigError, PlanError
 from src.models.spec import ModelSpec
 from src.program import Collective, Compute, Plan, Program, UnitPlan, Work
 from src.strategies.base import PlanRequest, divisors
-from src.strategies.megatron.planner import MegatronOptions
+from src.strategies.megatron.options import MegatronChoices
 from src.strategies.optimus.llm import LLMBase, LLMPipelines
 from src.strategies.optimus.encoder import EncoderCosts, EncoderPlan, Layout, encoder_costs, encoder_stages
 from src.strategies.builders.emit import iteration_tail
@@ -49,27 +49,6 @@ from src.strategies.optimus.programs import ClassEmitter, add_encoder_routes, cl
 from src.strategies.optimus.parallel import complete, schedule_all
 from src.strategies.optimus.scheduler import BubbleScheduler, Candidate, Schedule, Tails, local_search, partitions
 from src.strategies.spec import AutoVariant, StrategySpec
-
-
-@dataclass(frozen=True)
-class LLMSettings:
-    """The LLM's Megatron-LM options set by hand (strategy.llm; Optimus's Tables 11-12 give
-    them); None: searched by the Megatron-LM planner."""
-
-    tp: int | None = None
-    pp: int | None = None
-    dp: int | None = None
-    vpp: int | None = None
-    micro_batch_size: int | None = None
-    schedule: str | None = None
-    recompute: str | None = None
-    zero_stage: int | None = None
-    sequence_parallel: bool | None = None
-
-    def megatron(self) -> MegatronOptions:
-        """The Megatron-LM options: those given here, the rest its defaults (searched)."""
-        given = {key: value for key, value in vars(self).items() if value is not None}
-        return options_from(MegatronOptions, given, prefix="strategy.llm")
 
 
 @dataclass(frozen=True)
@@ -82,7 +61,7 @@ class EncoderDegrees(UnitCounts):
 
 @dataclass(frozen=True)
 class OptimusOptions:
-    llm: LLMSettings = field(default_factory=LLMSettings)
+    llm: MegatronChoices = field(default_factory=MegatronChoices)  # the LLM's (Optimus's Tables 11-12 give them)
     encoder: EncoderDegrees = field(default_factory=EncoderDegrees)
     encoder_zero_stage: int = 1
     fine_grained: bool = True
@@ -114,7 +93,7 @@ def _plan(request: PlanRequest) -> Plan:
     llm, encoders = _llm_and_encoders(model)
     started = time.perf_counter()
     compute, comm = ComputeModel(cluster, train.precision), CommModel(cluster)
-    pipelines = LLMPipelines(request, llm, encoders, opts.llm.megatron(), opts.defer_warmup, compute, comm)
+    pipelines = LLMPipelines(request, llm, encoders, opts.llm.options("strategy.llm"), opts.defer_warmup, compute, comm)
     rejected: list[tuple[float, str]] = []
     progress = Progress("optimus planner")
     # Every rung of the LLM's memory ladder whose LLM alone fits, and could beat the best
