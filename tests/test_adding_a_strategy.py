@@ -126,10 +126,10 @@ def test_a_registered_name_plans_with_its_descriptor_or_a_planner_alone(outside:
 @pytest.mark.parametrize(
     "name, message",
     [
-        ("toi", r"strategy 'toi' has no planner; available: \['auto', "),
-        ("my_strategies.nothing:plan", "strategy 'my_strategies.nothing:plan': cannot import its planner"),
-        ("my_strategies.toy:plan_nothing", "cannot import its planner .*has no attribute 'plan_nothing'"),
-        ("my_strategies.toy:__doc__", "__doc__ in my_strategies.toy is a str, not a planner"),
+        ("toi", r"strategy 'toi' is not registered; available: \['auto', "),
+        ("my_strategies.nothing:plan", "strategy 'my_strategies.nothing:plan': cannot import its descriptor or planner"),
+        ("my_strategies.toy:plan_nothing", "cannot import its descriptor or planner .*has no attribute 'plan_nothing'"),
+        ("my_strategies.toy:__doc__", "__doc__ in my_strategies.toy is a str, not a StrategySpec or a planner"),
     ],
 )
 def test_a_strategy_name_that_names_no_planner_is_one_line(

@@ -40,16 +40,17 @@ def strategy_for(name: str) -> StrategySpec:
     module, colon, attribute = name.partition(":")
     if not colon:
         raise ConfigError(
-            f"strategy {name!r} has no planner; available: {sorted(STRATEGIES)}, or a planner's import path (package.module:function)"
+            f"strategy {name!r} is not registered; available: {sorted(STRATEGIES)}, or the import path of a strategy's "
+            f"descriptor or planner (package.module:STRATEGY or package.module:plan_function)"
         )
     try:
         found = getattr(importlib.import_module(module), attribute)
     except (ImportError, AttributeError) as err:
-        raise ConfigError(f"strategy {name!r}: cannot import its planner ({err})") from None
+        raise ConfigError(f"strategy {name!r}: cannot import its descriptor or planner ({err})") from None
     if isinstance(found, StrategySpec):
         return found
     if not callable(found):
-        raise ConfigError(f"strategy {name!r}: {attribute} in {module} is a {type(found).__name__}, not a planner")
+        raise ConfigError(f"strategy {name!r}: {attribute} in {module} is a {type(found).__name__}, not a StrategySpec or a planner")
     return StrategySpec(name, found)
 
 
