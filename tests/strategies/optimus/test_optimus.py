@@ -73,7 +73,9 @@ def candidate(s: Setup, pp: int, tp: int, zero_stage: int = 0):
     opts = options_from(OptimusOptions, s.config["strategy"])
     compute, comm = ComputeModel(s.cluster, s.train.precision), CommModel(s.cluster)
     llm, encoders = _llm_and_encoders(s.model)
-    base = LLMPipelines(request, llm, encoders, opts.llm.options("strategy.llm"), opts.defer_warmup, compute, comm).base("none", zero_stage)
+    base = LLMPipelines(request, llm, encoders, opts.llm.options("strategy.llm"), opts.defer_warmup, compute, comm).base(
+        "none", zero_stage
+    )
     layout = Layout(base.plan.mesh, EncoderPlan(pp, tp))
     return base, _RungJobs(request, opts, base, encoders, compute, comm).schedule(layout)
 
