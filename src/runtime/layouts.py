@@ -21,20 +21,13 @@ from src.runtime.grid_engine import GridEngine, build_grid
 from src.runtime.modules.gpt3d import GRID_LAYERS, grid_layer
 from src.runtime.modules.grid3d import Axis, Grid3D, link_prefetches, narrow_cache
 from src.runtime.modules.unet3d import UNetOnGrid
-from src.runtime.modules.units import llama_style
+from src.runtime.modules.units import LaidOutLayers, llama_style
 from src.runtime.own_engine import OwnEngine
 
 
-class LaidOut(Protocol):
-    """A unit's layout as this rank holds it: its groups, made at the run's start."""
-
-    def layer(self, index: int) -> nn.Module:
-        """The unit's layer `index` on the layout, drawn from the seed already set."""
-        ...
-
-    def link(self, layers: nn.ModuleList) -> None:
-        """What ties the unit's built layers together (a prefetch chain)."""
-        ...
+class LaidOut(LaidOutLayers, Protocol):
+    """A unit's layout as this rank holds it (its groups, made at the run's start): its
+    layers, built by index and linked (runtime.modules.units.LaidOutLayers), and its optimizer."""
 
     def engine(self, module: nn.Module, settings: DeepSpeedSpec, contrastive: ContrastiveSpec, steps: int) -> OwnEngine:
         """The optimizer that steps the unit: the layout's gradients are its own to reduce."""

@@ -86,9 +86,13 @@ def _layer(model: ModelSpec, unit: UnitSpec, index: int, tp: TP, contrastive: Co
 class LaidOutLayers(Protocol):
     """A unit's layers on a layout of its own (runtime.layouts): built by index, then linked."""
 
-    def layer(self, index: int) -> nn.Module: ...
+    def layer(self, index: int) -> nn.Module:
+        """The unit's layer `index` on the layout, drawn from the seed already set."""
+        ...
 
-    def link(self, layers: nn.ModuleList) -> None: ...
+    def link(self, layers: nn.ModuleList) -> None:
+        """What ties the unit's built layers together (a prefetch chain)."""
+        ...
 
 
 def layer_seed(seed: int, unit: str, index: int) -> int:
