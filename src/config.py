@@ -34,10 +34,26 @@ class TrainSpec:
     # (every sample alike) or "interleaved" (an MLLM's LAION-like sequences whose image count
     # and sizes vary, src/data/interleaved.py).
     data: str = "uniform"
+    # How the step's sequences are placed over replicas and micro-batches (src/data/balance.py):
+    # one of BALANCE_POLICIES, or None for the strategy's own (DistTrain reorders, the others keep
+    # the data order).
+    balance: str | None = None
 
 
+BALANCE_POLICIES = ("none", "reorder", "cost")
 TOP_LEVEL = ("model", "strategy", "cluster", "backend", "logger", "train", "run", "plan")
-TRAIN_KEYS = ("global_batch", "contrastive_batch", "seq_len", "precision", "steps", "seed", "data", "checkpoint_every", "resume")
+TRAIN_KEYS = (
+    "global_batch",
+    "contrastive_batch",
+    "seq_len",
+    "precision",
+    "steps",
+    "seed",
+    "data",
+    "balance",
+    "checkpoint_every",
+    "resume",
+)
 RUN_KEYS = ("name", "out_root")
 LOGGER_KEYS = {"none": ("name",), "wandb": ("name", "mode", "project", "entity", "group", "tags")}
 WANDB_MODES = ("offline", "online", "disabled")
@@ -91,6 +107,9 @@ def train_from_config(
     content = cfg.get("data") or data[0]
     if content not in data:
         raise ConfigError(f"train.data={content!r}: this model's samples hold {' or '.join(data)} data")
+    balance = cfg.get("balance")
+    if balance is not None and balance not in BALANCE_POLICIES:
+        raise ConfigError(f"train.balance={balance!r}; choose one of {list(BALANCE_POLICIES)} (null: the strategy's own)")
     return TrainSpec(
         global_batch=global_batch,
         contrastive_batch=contrastive,
@@ -99,6 +118,7 @@ def train_from_config(
         steps=positive_int(cfg, "steps", "train"),
         seed=seed,
         data=content,
+        balance=balance,
     )
 
 

@@ -52,6 +52,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "src.sweep",
             "src.gantt",
             "src.compare",
+            "src.balance_study",
             "src.calibrate",
             "src.fuzz",
             "src.validate",

@@ -35,17 +35,20 @@ class BatchLoads:
         return {"encoder": self.encoder, "generator": self.generator}.get(unit)
 
 
-def batch_loads(model: ModelSpec, seed: int, batch: int, data: str, sample_images: tuple[int, ...] | None) -> BatchLoads:
-    """Each sequence's loads: of the images the run's shards hold (`sample_images`, every one
-    at the nominal side, whatever `data` says), else of the sequences `data` says, drawn
-    around the model's mean (relative to the batch's: the batch prices the model's work)."""
+def batch_loads(
+    model: ModelSpec, seed: int, batch: int, data: str, sample_images: tuple[int, ...] | None, step: int = 0
+) -> BatchLoads:
+    """Each sequence's loads in global batch `step`: of the images the run's shards hold
+    (`sample_images`, every one at the nominal side, whatever `data` says), else of the
+    sequences `data` says, drawn around the model's mean (relative to the batch's: the batch
+    prices the model's work)."""
     if sample_images is not None:
         return image_loads(sample_images, model.extras["images_per_sequence"])
     if data == "uniform":
         ones = (1.0,) * batch
         return BatchLoads(ones, ones, (model.extras["images_per_sequence"],) * batch)
     encoder = model.unit("encoder")
-    layouts = sampler(model, seed).batch(batch)
+    layouts = sampler(model, seed).batch(batch, step)
     # FLOPs per token and per token squared of one nominal image, from the unit's kernels.
     linear = quadratic = 0.0
     tokens = encoder.seq_len / model.extras["images_per_sequence"]

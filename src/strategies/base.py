@@ -79,7 +79,9 @@ class PlanRequest:
     sample_images: images per sample of the first step's batch, in data order, every one at
     the encoder's nominal side, where the run reads an MLLM's tar shards (the door reads
     them: a plan prices the data its run reads); None where the data is drawn from the seed.
-    limits: what the backend the plan is for runs (the door's; the simulator's by default)."""
+    limits: what the backend the plan is for runs (the door's; the simulator's by default).
+    batch_index: which of the workload's global batches the plan is priced on (the first by
+    default; a study of many batches prices the others)."""
 
     model: ModelSpec
     cluster: ClusterSpec
@@ -87,6 +89,7 @@ class PlanRequest:
     options: Mapping[str, Any]
     sample_images: tuple[int, ...] | None = None
     limits: BackendLimits = BackendLimits()
+    batch_index: int = 0
 
 
 Planner = Callable[[PlanRequest], Plan]

@@ -30,6 +30,7 @@ other planners choose them; a plan that fits nowhere is refused with its numbers
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Sequence
 
 from src.batch_layout import BatchLayout
 from src.cluster import GIB
@@ -38,7 +39,7 @@ from src.costmodel.memory import rank_memory
 from src.errors import ConfigError, PlanError
 from src.mesh import Mesh
 from src.program import DEEPSPEED_PERSISTENCE_THRESHOLD, RECOMPUTE_MODES, Instruction, Plan, Program, UnitPlan
-from src.strategies.builders.replicas import on_the_data
+from src.strategies.builders.replicas import on_batches, on_the_data
 from src.strategies.base import PlanRequest, check_microbatch_count, microbatch_sizes
 from src.strategies.builders.colocated import ColocatedEmitter, ColocatedUnit
 from src.strategies.spec import AutoVariant, StrategySpec
@@ -208,6 +209,15 @@ def _build(
 
 
 def plan_ddp(request: PlanRequest) -> Plan:
+    return on_the_data(_plan_at_mean(request), request)
+
+
+def plan_ddp_batches(request: PlanRequest, batches: Sequence[int]) -> list[Plan]:
+    return on_batches(_plan_at_mean(request), request, batches)
+
+
+def _plan_at_mean(request: PlanRequest) -> Plan:
+    """The first micro-batch and recomputation (least first) whose rank fits memory."""
     opts = options_from(DDPOptions, request.options)
     dp = request.cluster.devices
     usable = request.cluster.usable_memory_bytes
@@ -218,7 +228,7 @@ def plan_ddp(request: PlanRequest) -> Plan:
             if memory["total"] <= usable:
                 plan, memory = _build(request, opts, dp, mb, recompute)
                 plan.details["memory_gib"] = round(memory["total"] / GIB, 3)
-                return on_the_data(plan, request)
+                return plan
             short = memory["total"] - usable
             if closest is None or short < closest[0]:
                 parts = ", ".join(
@@ -239,6 +249,7 @@ STRATEGY = StrategySpec(
     "ddp",
     plan_ddp,
     DDPOptions,
+    batches=plan_ddp_batches,
     plan_fields={
         "micro_batch": "strategy.micro_batch_size",
         "recompute": "strategy.recompute",

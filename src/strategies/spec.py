@@ -4,9 +4,10 @@ group's YAML file (conf/strategy/<name>.yaml, whose keys are its options' fields
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
-from src.strategies.base import Planner
+from src.program import Plan
+from src.strategies.base import Planner, PlanRequest
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,11 @@ class StrategySpec:
     attention: where the strategy models one codebase, the attention kernel that codebase
     runs, from its config group (the door builds the model with it unless model.attention
     is set).
-    auto_variants: the contenders `strategy=auto` compares it as (none: auto leaves it out)."""
+    auto_variants: the contenders `strategy=auto` compares it as (none: auto leaves it out).
+    batches: plans once and prices that plan on each of the given global batches of the
+    workload's data (PlanRequest.batch_index), as a run keeps its choices from step to step:
+    how src.balance_study sees an iteration's spread (None: the strategy's plan is priced at
+    the mean load whatever the data)."""
 
     name: str
     planner: Planner
@@ -38,3 +43,4 @@ class StrategySpec:
     plan_fields: Mapping[str, str] = field(default_factory=dict)
     attention: Callable[[dict], str | None] | None = None
     auto_variants: tuple[AutoVariant, ...] = ()
+    batches: Callable[[PlanRequest, Sequence[int]], list[Plan]] | None = None

@@ -9,17 +9,21 @@ so stragglers and the gaps they leave are simulated where they occur. Replicas a
 one class.
 
 `on_the_data` prices a plan made at the mean load (Megatron-LM's, ZeRO/DDP's: planned as
-their users plan, without the data) on the batch's sequences in data order; DistTrain
+their users plan, without the data) on the batch's sequences, placed by the workload's
+balancing policy (train.balance, src/data/balance.py; by default the data order); DistTrain
 builds its classes with its own sample order.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
-from typing import Mapping
+from typing import Hashable, Mapping, Sequence
 
 from src.batch_layout import BatchLayout
 from src.cluster import ClusterSpec
+from src.costmodel.compute import ComputeModel
+from src.data.balance import Balancer, StageCosts
 from src.data.loads import batch_loads
 from src.mesh import Mesh
 from src.program import Collective, Compute, Instruction, Plan, Program, RankProgram, compress_ranks
@@ -40,25 +44,30 @@ def replica_classes(
     label: str,
     units: tuple[str, ...],
     pipelined: bool = True,
+    alike: Sequence[Hashable] | None = None,
 ) -> list[RankProgram]:
-    """Stage `stage` of the (tp, dp, pp) `mesh` as one rank class per set of replicas whose
-    micro-batches carry the same loads of the units in `loads`; each class of several has
-    its own TP group (`tp_group`: the stage's)."""
-    alike: dict[tuple[tuple[float, ...], ...], list[int]] = {}
-    for replica in range(mesh.degree("dp")):
-        alike.setdefault(tuple(loads[unit][replica] for unit in loads), []).append(replica)
+    """Stage `stage` of the (tp, dp, pp) `mesh` as one rank class per set of replicas that
+    run alike: whose micro-batches carry the same loads of the units in `loads`, or, given
+    `alike` (a key per replica), whose keys are equal (a stage's timing also follows the
+    loads its pipeline neighbours carry: replicas are interchangeable only where their
+    whole pipeline is). Each class of several has its own TP group (`tp_group`: the stage's)."""
+    keys = alike if alike is not None else [tuple(loads[unit][replica] for unit in loads) for replica in range(mesh.degree("dp"))]
+    classes: dict[Hashable, list[int]] = {}
+    for replica, key in enumerate(keys):
+        classes.setdefault(key, []).append(replica)
     out = []
-    for key, replicas in alike.items():
+    for replicas in classes.values():
         ranks = tuple(r for replica in replicas for r in mesh.slice(pp=stage, dp=replica))
         own = tp_group
-        if tp_group is not None and len(alike) > 1:
+        if tp_group is not None and len(classes) > 1:
             own = f"{tp_group}.d{replicas[0]}"
             program.add_group(make_group(cluster, own, mesh.slice(pp=stage, dp=replicas[0]), mesh.family("tp")))
         which = f"replica {replicas[0]}" if len(replicas) == 1 else f"replicas {compress_ranks(tuple(replicas))}"
+        held = {unit: per_replica[replicas[0]] for unit, per_replica in loads.items()}
         out.append(
             RankProgram(
                 ranks=ranks,
-                instructions=localised(instructions, dict(zip(loads, key)), tp_group, own),
+                instructions=localised(instructions, held, tp_group, own),
                 label=f"{label} {which}",
                 units=units,
                 pipelined=pipelined,
@@ -92,14 +101,14 @@ def localised(
     return out
 
 
-def replica_loads(sequence_loads: tuple[float, ...], batch: BatchLayout) -> tuple[tuple[float, ...], ...]:
-    """loads[replica][microbatch] of a pipeline that takes the batch in data order (the
-    sequences the real backend gives each micro-batch), each micro-batch the mean load of
-    its sequences."""
+def replica_loads(sequence_loads: tuple[float, ...], batch: BatchLayout, order: tuple[int, ...]) -> tuple[tuple[float, ...], ...]:
+    """loads[replica][microbatch] of a pipeline that takes the batch's sequences in `order`
+    (order[p]: the sequence at batch position p; the real backend gives each micro-batch
+    those), each micro-batch the mean load of its sequences."""
 
     def mean_load(replica: int, microbatch: int) -> float:
         first = batch.first_sample(replica, microbatch)
-        return sum(sequence_loads[first : first + batch.micro_batch]) / batch.micro_batch
+        return sum(sequence_loads[q] for q in order[first : first + batch.micro_batch]) / batch.micro_batch
 
     return tuple(tuple(mean_load(r, j) for j in range(batch.microbatches)) for r in range(batch.dp))
 
@@ -107,39 +116,74 @@ def replica_loads(sequence_loads: tuple[float, ...], batch: BatchLayout) -> tupl
 PER_IMAGE = "sequence's images"  # an MLLM's per_sample convention for units that work per image
 
 
+def stage_costs(program: Program, request: PlanRequest, units: list[str]) -> tuple[StageCosts, ...]:
+    """Each pipeline stage's seconds for one micro-batch at the mean load (its first, as the
+    plan prices every one alike), the per-image `units`' part per unit of load."""
+    compute = ComputeModel(request.cluster, request.train.precision)
+    out = []
+    for rank_program in program.classes:
+        fixed = {"fwd": 0.0, "bwd": 0.0}
+        per_load: dict[str, dict[str, float]] = {"fwd": {}, "bwd": {}}
+        for instruction in rank_program.instructions:
+            if not isinstance(instruction, Compute) or instruction.microbatch != 0 or instruction.work.phase not in fixed:
+                continue
+            work = instruction.work
+            seconds = compute.work_time(work, request.model)
+            if work.unit in units:
+                per_load[work.phase][work.unit] = per_load[work.phase].get(work.unit, 0.0) + seconds
+            else:
+                fixed[work.phase] += seconds
+        out.append(StageCosts(fixed["fwd"], fixed["bwd"], tuple(per_load["fwd"].items()), tuple(per_load["bwd"].items())))
+    return tuple(out)
+
+
 def on_the_data(plan: Plan, request: PlanRequest) -> Plan:
-    """`plan`, whose rank classes are the stages of one (tp, dp, pp) mesh taking the batch in
-    data order, with its per-image units' micro-batches at the loads of the sequences they
-    hold (the plan itself where every sequence weighs the same)."""
+    """`plan`, whose rank classes are the stages of one (tp, dp, pp) mesh, with its per-image
+    units' micro-batches at the loads of the sequences they hold, placed by the workload's
+    balancing policy (train.balance; none: the data order); the plan itself where every
+    sequence weighs the same."""
     model, train = request.model, request.train
     per_image = [u for u, sample in model.extras.get("per_sample", {}).items() if sample == PER_IMAGE]
+    policy = train.balance or "none"
     if not per_image or (train.data == "uniform" and request.sample_images is None):
+        if policy != "none":
+            plan.details["balance_policy"] = policy  # every sequence alike: nothing to move
         return plan
-    loads = batch_loads(model, train.seed, train.global_batch, train.data, request.sample_images)
+    loads = batch_loads(model, train.seed, train.global_batch, train.data, request.sample_images, request.batch_index)
     first = plan.units[0]
     dp = first.mesh.degree("dp")
     batch = BatchLayout(train.global_batch, dp, first.micro_batch)
-    # A stage's ranks: tp x dp (a unit replicated over its stage's TP group splits rows there).
-    mesh = megatron_mesh(first.mesh.size // (dp * first.mesh.degree("pp")), dp, len(plan.program.classes))
-    by_unit = {}
+    program = plan.program
+    by_sequence = {}
     for unit in per_image:
         sequence_loads = loads.of(unit)
         assert sequence_loads is not None, f"{unit} works per image"
-        by_unit[unit] = replica_loads(sequence_loads, batch)
-    program = plan.program
+        by_sequence[unit] = sequence_loads
+    order = Balancer(batch, stage_costs(program, request, per_image)).order(policy, by_sequence)
+    by_unit = {unit: replica_loads(by_sequence[unit], batch, order) for unit in per_image}
+    # A stage's ranks: tp x dp (a unit replicated over its stage's TP group splits rows there).
+    mesh = megatron_mesh(first.mesh.size // (dp * first.mesh.degree("pp")), dp, len(program.classes))
+    # Every stage of a replica's pipeline waits on the others: its stages are split alike.
+    alike = [tuple(by_unit[unit][replica] for unit in per_image) for replica in range(dp)]
     classes = []
     for stage, rank_program in enumerate(program.classes):
         held = {unit: by_unit[unit] for unit in rank_program.units if unit in by_unit}
-        if not held:
-            classes.append(rank_program)
-            continue
         group = f"tp.s{stage}" if f"tp.s{stage}" in program.groups else None
         label, units = rank_program.label, rank_program.units
         classes += replica_classes(
-            program, request.cluster, mesh, stage, rank_program.instructions, held, group, label, units, rank_program.pipelined
+            program, request.cluster, mesh, stage, rank_program.instructions, held, group, label, units, rank_program.pipelined, alike
         )
     program.classes = classes
     plan.sample_content = train.data
     plan.sample_images = loads.images
     plan.details["data"] = train.data
+    if policy != "none":
+        plan.sample_order = order
+        plan.details["balance_policy"] = policy
     return plan
+
+
+def on_batches(plan: Plan, request: PlanRequest, batches: Sequence[int]) -> list[Plan]:
+    """`plan` (at the mean load, as on_the_data takes it) priced on each of the workload's
+    global `batches`: its choices made once, as a run keeps them from step to step."""
+    return [on_the_data(copy.deepcopy(plan), replace(request, batch_index=batch)) for batch in batches]

@@ -17,6 +17,9 @@ once per step.
   like sizes) are ordered by Algorithm 3 on the slots' stage times, a slot's encoder
   and generator stages taking its slowest replica's load.
 - both: intra, then inter.
+- cost: the cost model's balance (src/data/balance.py, policy cost): vector LPT gives every
+  LLM replica m sequences whose encoder seconds and generator seconds are balanced each on
+  its own, not in sum; then inter.
 """
 
 from __future__ import annotations
@@ -25,9 +28,14 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import numpy as np
+
+from src.data.balance import vector_lpt
 from src.data.reorder import StageTimes, inter_reorder, lpt
 
-REORDERS = ("none", "intra", "inter", "both")
+REORDERS = ("none", "intra", "inter", "both", "cost")
+# train.balance's policies as DistTrain's reorderings: its own algorithms are `reorder`.
+BALANCE_REORDERS = {"none": "none", "reorder": "both", "cost": "cost"}
 
 
 @dataclass(frozen=True)
@@ -51,7 +59,7 @@ def unit_loads(assignment: Assignment, loads: Sequence[float], dp: int, microbat
 
 def assign(
     reorder: str,
-    sizes: Sequence[float],
+    seconds: np.ndarray,
     enc: Sequence[float],
     gen: Sequence[float],
     dp_lm: int,
@@ -59,15 +67,18 @@ def assign(
     dp_mg: int,
     slot_times: Callable[[float, float], StageTimes],
 ) -> Assignment:
-    """The positions of a batch's sequences under a reordering. sizes: a sequence's
-    encoder + generator seconds; enc, gen: its loads; slot_times(enc load, gen load):
+    """The positions of a batch's sequences under a reordering. seconds[q]: sequence q's
+    encoder and generator seconds; enc, gen: its loads; slot_times(enc load, gen load):
     a micro-batch slot's stage times."""
-    count = len(sizes)
+    count = len(seconds)
+    sizes = seconds.sum(axis=1).tolist()
     if reorder in ("intra", "both"):
         groups = [sorted(g) for g in lpt(sizes, dp_lm, equal_count=True)]
+    elif reorder == "cost":
+        groups = vector_lpt(seconds, range(count), dp_lm)
     else:
         groups = [list(range(r, count, dp_lm)) for r in range(dp_lm)]  # replica r's data-order sequences
-    if reorder in ("inter", "both"):
+    if reorder in ("inter", "both", "cost"):
         groups = _inter(groups, sizes, enc, gen, dp_lm, dp_me, dp_mg, slot_times)
     positions = [0] * count
     for r, members in enumerate(groups):

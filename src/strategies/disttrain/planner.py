@@ -7,7 +7,9 @@ multimodal LLMs. Every component can be switched off for the paper's ablations:
   `interleaved` (LAION-like sequences whose image count and sizes vary,
   src/data/interleaved.py) or `uniform` (every sequence alike); a real run on an MLLM's
   tar shards prices the images their samples hold (PlanRequest.sample_images);
-- reorder: none | intra (Algorithm 2) | inter (Algorithm 3) | both;
+- reorder: none | intra (Algorithm 2) | inter (Algorithm 3) | both | cost (the cost model's
+  balance, src/data/balance.py); the workload's train.balance, where given, says which
+  (none, reorder = both, cost);
 - tp_overlap_chunks: StepCCL's TP overlap, 1 = off.
 
 The encoder, LLM and generator take their degrees from the orchestration (or by hand:
@@ -18,17 +20,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import Sequence
 
 from src.batch_layout import BatchLayout
 from src.cluster import GIB
 from src.config import check_positive, options_from
 from src.costmodel.memory import check_memory_options
-from src.data.loads import batch_loads
+from src.data.loads import BatchLoads, batch_loads
 from src.errors import ConfigError, PlanError
 from src.models.spec import ModelSpec
 from src.program import Plan, compress_ranks
 from src.strategies.base import PlanRequest, check_microbatch_count
-from src.strategies.disttrain.data import REORDERS
+from src.strategies.disttrain.data import BALANCE_REORDERS, REORDERS
 from src.strategies.disttrain.orchestration import UNITS, Fixed, Orchestrator
 from src.strategies.disttrain.profile import Profiler
 from src.strategies.disttrain.search import RANKED, SIMULATED, Candidate, Decision, memory_problem
@@ -40,7 +43,7 @@ ORCHESTRATIONS = ("disaggregated", "ratio")
 @dataclass(frozen=True)
 class DistTrainOptions:
     orchestration: str = "disaggregated"
-    reorder: str = "both"
+    reorder: str | None = None  # None: train.balance's, else both (DistTrain's own)
     tp_overlap_chunks: int = 4
     recompute: str | None = None
     zero_stage: int | None = None
@@ -50,7 +53,7 @@ class DistTrainOptions:
 
     def __post_init__(self) -> None:
         for key, allowed in (("orchestration", ORCHESTRATIONS), ("reorder", REORDERS)):
-            if getattr(self, key) not in allowed:
+            if getattr(self, key) not in allowed and not (key == "reorder" and self.reorder is None):
                 raise ConfigError(f"strategy.{key}={getattr(self, key)!r}; choose one of {list(allowed)}")
         check_positive("strategy.tp_overlap_chunks", self.tp_overlap_chunks, meaning=" (1 = no overlap)")
         check_memory_options(self.recompute, self.zero_stage, "DistTrain's units run Megatron-LM's distributed optimizer (ZeRO-1)")
@@ -85,22 +88,45 @@ def _whole_unet(request: PlanRequest, unit: str, fixed: Fixed) -> Fixed:
     return replace(fixed, tp=1, pp=1)
 
 
+def _reorder(given: str | None, balance: str | None) -> str:
+    """strategy.reorder, or the workload's balancing policy as DistTrain's reordering."""
+    if balance is None:
+        return given or "both"
+    wanted = BALANCE_REORDERS[balance]
+    if given is not None and given != wanted:
+        raise ConfigError(
+            f"strategy.reorder={given!r} and train.balance={balance!r} disagree "
+            f"(train.balance={balance} is DistTrain's reorder={wanted!r}); set one"
+        )
+    return wanted
+
+
 def plan_disttrain(request: PlanRequest) -> Plan:
+    return plan_disttrain_batches(request, (request.batch_index,))[0]
+
+
+def plan_disttrain_batches(request: PlanRequest, batches: Sequence[int]) -> list[Plan]:
+    """The plan for the first of `batches` (orchestrated and decided on its data), then the
+    same degrees and micro-batches on each other batch, its sequences placed anew by the
+    reordering (as DistTrain reorders every global batch; §6)."""
+    request = replace(request, batch_index=batches[0])
     if "data" in request.options:
         raise ConfigError("strategy.data is train.data now: the data is the workload's, the same for every strategy")
     opts = options_from(DistTrainOptions, request.options)
     model, cluster, train = request.model, request.cluster, request.train
+    reorder = _reorder(opts.reorder, train.balance)
+    opts = replace(opts, reorder=reorder)
     _check_model(model)
     # Before drawing a layout per sequence: the LLM takes one sequence per micro-batch.
     busiest = BatchLayout.busiest_share(train.global_batch, cluster.devices)
     check_microbatch_count(busiest, 1, f"global batch {train.global_batch} over at most {cluster.devices} LLM replicas")
-    loads = batch_loads(model, train.seed, train.global_batch, train.data, request.sample_images)
+    loads = batch_loads(model, train.seed, train.global_batch, train.data, request.sample_images, request.batch_index)
     profiler = Profiler(model, cluster, train.precision, opts.tp_overlap_chunks)
     fixed = {u: _whole_unet(request, u, opts.fixed(u)) for u in UNITS}
 
     orchestrator = Orchestrator(profiler, train.global_batch, cluster.devices, fixed, opts.orchestration, loads.peak, RANKED)
     found = orchestrator.solve()
-    decision = Decision(request, orchestrator, loads, opts.reorder, opts.tp_overlap_chunks)
+    decision = Decision(request, orchestrator, loads, reorder, opts.tp_overlap_chunks)
     candidates = [Candidate(c, found.microbatches[c], t, opts.orchestration) for t, c in found.choices]
     m = found.microbatches[found.best]
     candidates += [Candidate(c, m, t, f"{opts.orchestration}, interleaved") for t, c in orchestrator.interleavings(found.best, m)]
@@ -133,12 +159,27 @@ def plan_disttrain(request: PlanRequest) -> Plan:
     if not simulated:
         raise PlanError(memory_problem(request, min(chosen, key=lambda c: c.estimate_s)))
     best = min(simulated, key=lambda c: c.simulated_s or math.inf)
-    assert best.program is not None and best.assignment is not None
     search = found.search | {
         "ranked": len(candidates),
         "simulated": len(simulated),
         "candidates": [c.record() for c in sorted(candidates, key=lambda c: (c.simulated_s is None, c.simulated_s or c.estimate_s))],
     }
+    plans = [_plan(request, opts, loads, best, search, found.relaxed_s)]
+    for batch in batches[1:]:
+        again = replace(request, batch_index=batch)
+        batch_data = batch_loads(model, train.seed, train.global_batch, train.data, request.sample_images, batch)
+        redo = Decision(again, orchestrator, batch_data, reorder, opts.tp_overlap_chunks)
+        candidate = Candidate(best.choice, best.microbatches, best.model_s, best.origin)
+        redo.estimate(candidate)
+        redo.build(candidate)
+        redo.simulate(candidate)
+        plans.append(_plan(again, opts, batch_data, candidate, search, found.relaxed_s))
+    return plans
+
+
+def _plan(request: PlanRequest, opts: DistTrainOptions, loads: BatchLoads, best: Candidate, search: dict, relaxed_s: float) -> Plan:
+    cluster, train = request.cluster, request.train
+    assert best.program is not None and best.assignment is not None
     details = {
         "orchestration": opts.orchestration,
         "data": train.data,
@@ -148,7 +189,7 @@ def plan_disttrain(request: PlanRequest) -> Plan:
         "brokers": [b.as_dict() | {"ranks": compress_ranks(b.ranks)} for b in best.brokers],
         "estimate_s": round(best.estimate_s, 6),
         "model_s": round(best.model_s, 6),
-        "relaxed_s": round(found.relaxed_s, 6),
+        "relaxed_s": round(relaxed_s, 6),
         "simulated_s": best.simulated_s,
         "picked_from": best.origin,
         "search": search,
@@ -175,6 +216,7 @@ STRATEGY = StrategySpec(
     "disttrain",
     plan_disttrain,
     DistTrainOptions,
+    batches=plan_disttrain_batches,
     plan_fields={
         "tp": "strategy.{unit}.tp",
         "pp": "strategy.{unit}.pp",

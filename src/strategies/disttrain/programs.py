@@ -161,6 +161,7 @@ class _Builder:
         program = Program(world_size=world, classes=[])
         brokers = [self._broker_routes(program, flow) for flow in self.flows]
         orders = chain_orders(Chain(tuple((self.units[name].pp, self.units[name].setting.vpp) for name in self.order)), self.m)
+        alike = self._alike()
         first = 0
         for name in self.order:
             unit = self.units[name]
@@ -196,9 +197,28 @@ class _Builder:
                     emitter.tp_groups[stage],
                     label,
                     units,
+                    alike=alike[name],
                 )
             first += unit.pp
         return program, brokers
+
+    def _alike(self) -> dict[str, list[tuple]]:
+        """Per unit, a key per replica: the loads of every replica of the group of LLM
+        replicas it serves that run in step (joined through a shared encoder or generator
+        replica). A replica's timing follows the loads of the replicas it waits on, so only
+        replicas whose groups carry the same loads are interchangeable."""
+        widest = max(u.dp for u in self.units.values())
+        shares = {name: widest // u.dp for name, u in self.units.items()}
+        width = math.lcm(*shares.values())
+        groups = widest // width
+        key = [
+            tuple(
+                tuple(u.loads[d] for d in range(g * width // shares[name], (g + 1) * width // shares[name]))
+                for name, u in self.units.items()
+            )
+            for g in range(groups)
+        ]
+        return {name: [key[d * shares[name] // width] for d in range(u.dp)] for name, u in self.units.items()}
 
     def _broker_routes(self, program: Program, flow: Flow) -> Broker:
         src, dst = self.units[flow.producer], self.units[flow.consumer]

@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 from src.data.loads import BatchLoads
 from src.cluster import GIB
 from src.costmodel.compute import ComputeModel
@@ -202,7 +203,9 @@ class Decision:
         stages = {c.unit: self.o.stages(c) for c in choice}
         per_sequence = {c.unit: float(stages[c.unit].fb.sum()) / c.micro_batch for c in (enc, gen)}
         loads = self.loads
-        sizes = [per_sequence["encoder"] * e + per_sequence["generator"] * g for e, g in zip(loads.encoder, loads.generator)]
+        seconds = np.column_stack(
+            [per_sequence["encoder"] * np.asarray(loads.encoder), per_sequence["generator"] * np.asarray(loads.generator)]
+        )
 
         def slot_times(e: float, g: float) -> StageTimes:
             scale = {"encoder": e, "llm": 1.0, "generator": g}
@@ -210,7 +213,7 @@ class Decision:
             bwd = tuple(b * scale[u] for u in UNITS for b in stages[u].bwd.tolist())
             return StageTimes(fwd, bwd)
 
-        return assign(self.reorder, sizes, loads.encoder, loads.generator, llm.dp, enc.dp, gen.dp, slot_times)
+        return assign(self.reorder, seconds, loads.encoder, loads.generator, llm.dp, enc.dp, gen.dp, slot_times)
 
     def _layout(self, c: UnitChoice, assignment: Assignment, m: int) -> UnitLayout:
         per_sequence = self.loads.of(c.unit)

@@ -12,6 +12,7 @@ and priced on the workload's data (builders.replicas.on_the_data).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Sequence
 
 from src.cluster import GIB
 from src.config import options_from
@@ -19,7 +20,7 @@ from src.costmodel.memory import rank_memory
 from src.errors import ConfigError, PlanError
 from src.program import Plan
 from src.strategies.base import PlanRequest
-from src.strategies.builders.replicas import on_the_data
+from src.strategies.builders.replicas import on_batches
 from src.strategies.builders.stages import Segment
 from src.strategies.megatron.options import MegatronOptions
 from src.strategies.megatron.programs import MegatronSettings
@@ -52,18 +53,24 @@ def choose_megatron(request: PlanRequest, opts: MegatronOptions, simulate: bool 
 
 
 def plan_megatron(request: PlanRequest) -> Plan:
+    return plan_megatron_batches(request, (request.batch_index,))[0]
+
+
+def plan_megatron_batches(request: PlanRequest, batches: Sequence[int]) -> list[Plan]:
+    """The search's plan, chosen once at the mean load, priced on each of `batches`."""
     opts = options_from(MegatronOptions, request.options)
     search, fitting = _fitting(request, opts)
     best = search.fastest(fitting)
     assert best.plan is not None, "the fastest candidate was built"
-    plan = best.plan if best.virtual is None else on_the_data(best.plan, request)
-    plan.details["search"] = search.record(fitting, best)
-    units = {u.unit: u for u in plan.units}
-    plan.details["memory_gib"] = {
-        rp.label: round(rank_memory(rp, units, request.model, request.train.precision)["total"] / GIB, 3)
-        for rp in plan.program.classes
-    }
-    return plan
+    plans = [best.plan] * len(batches) if best.virtual is None else on_batches(best.plan, request, batches)
+    for plan in plans:
+        plan.details["search"] = search.record(fitting, best)
+        units = {u.unit: u for u in plan.units}
+        plan.details["memory_gib"] = {
+            rp.label: round(rank_memory(rp, units, request.model, request.train.precision)["total"] / GIB, 3)
+            for rp in plan.program.classes
+        }
+    return plans
 
 
 def _fitting(request: PlanRequest, opts: MegatronOptions) -> tuple[MegatronSearch, list[Candidate]]:
@@ -125,6 +132,7 @@ STRATEGY = StrategySpec(
     "megatron",
     plan_megatron,
     MegatronOptions,
+    batches=plan_megatron_batches,
     plan_fields={
         "tp": "strategy.tp",
         "pp": "strategy.pp",

@@ -56,3 +56,32 @@ def test_a_replicated_stage_splits_by_replica_over_all_its_ranks():
     plan, _ = _priced("train.data=interleaved", "strategy.replicate=[encoder,generator]")
     encoder = [c for c in plan.program.classes if "encoder" in c.units]
     assert len(encoder) > 1 and sorted(r for c in encoder for r in c.ranks) == list(range(16))  # tp 8 x dp 2
+
+
+def test_every_stage_of_a_replica_s_pipeline_is_split_alike():
+    """A stage between the encoder's and the generator's waits on its own replica's: were it
+    one class for every replica, the simulator would time all of them by one replica's
+    neighbours and hide the stragglers."""
+    plan, _ = _priced("train.data=interleaved")
+    per_stage: dict[str, list[str]] = {}
+    for rank_class in plan.program.classes:
+        stage, _, replicas = rank_class.label.partition(" replica")
+        per_stage.setdefault(stage, []).append(replicas)
+    assert list(per_stage) == ["stage 0", "stage 1", "stage 2"]
+    assert per_stage["stage 0"] == per_stage["stage 1"] == per_stage["stage 2"]
+    assert len(per_stage["stage 1"]) == 2  # the LLM's stage too, one class per replica
+
+
+@pytest.mark.parametrize("policy", ["reorder", "cost"])
+def test_a_balancing_policy_places_the_sequences_and_shortens_the_iteration(policy):
+    plain, plain_s = _priced("train.data=interleaved", "train.balance=none")
+    balanced, balanced_s = _priced("train.data=interleaved", f"train.balance={policy}")
+    assert plain.sample_order is None and plain.details.get("balance_policy") is None
+    assert balanced.sample_order is not None and sorted(balanced.sample_order) == list(range(32))
+    assert balanced.sample_order != tuple(range(32)) and balanced.details["balance_policy"] == policy
+    assert balanced_s < plain_s
+
+
+def test_balancing_uniform_data_moves_nothing():
+    plan, _ = _priced("train.data=uniform", "train.balance=cost")
+    assert plan.sample_order is None and plan.details["balance_policy"] == "cost"

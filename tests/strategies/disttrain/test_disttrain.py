@@ -412,16 +412,19 @@ def test_broker_routes_carry_every_sequence_once_each_way() -> None:
     assert {m.dst for m in tables["encoder>llm"].messages()} <= llm_first
 
 
+HETEROGENEOUS = [
+    "model=mllm_9b",
+    "cluster=a800",
+    "cluster.nodes=2",
+    "train.global_batch=16",
+    "strategy.encoder.dp=2",
+    "strategy.llm.dp=4",
+    "strategy.generator.dp=2",
+]
+
+
 def test_data_heterogeneity_and_reordering() -> None:
-    base = [
-        "model=mllm_9b",
-        "cluster=a800",
-        "cluster.nodes=2",
-        "train.global_batch=16",
-        "strategy.encoder.dp=2",
-        "strategy.llm.dp=4",
-        "strategy.generator.dp=2",
-    ]
+    base = HETEROGENEOUS
     s = setup(*base, "strategy.reorder=none")
     plan = plan_run(s)
     loads = {
@@ -429,10 +432,10 @@ def test_data_heterogeneity_and_reordering() -> None:
     }
     assert len(loads) > 1  # sequences of different image counts load the encoder differently
     times = {}
-    for reorder in ("none", "intra", "inter", "both"):
+    for reorder in ("none", "intra", "inter", "both", "cost"):
         rs = setup(*base, f"strategy.reorder={reorder}")
         times[reorder] = simulate(plan_run(rs).program, rs.model, rs.cluster, rs.train.precision).iteration_time
-    assert times["both"] <= times["none"]
+    assert times["both"] <= times["none"] and times["cost"] <= times["none"]
     uniform = setup(*base, "train.data=uniform")
     loads = {c.work.load for rp in plan_run(uniform).program.classes for c in rp.instructions if isinstance(c, Compute)}
     assert loads == {1.0}
@@ -582,6 +585,29 @@ def test_frozen_units_plan_and_simulate() -> None:
 
 
 # ---- options and errors ---------------------------------------------------------------------
+def test_llm_replicas_are_timed_by_the_encoder_and_generator_replicas_they_wait_on() -> None:
+    """Under skew an LLM replica's class holds only replicas whose in-step group (the LLM
+    replicas joined through one encoder or generator replica) carries the same loads: one
+    class for every LLM replica would wait on the slowest encoder replica's each micro-batch."""
+    plan = plan_run(setup(*HETEROGENEOUS, "strategy.reorder=none"))
+    llm = [c for c in plan.program.classes if c.units == ("llm",)]
+    assert len(llm) == 2 * by_unit(plan)["llm"].mesh.degree("pp")  # two in-step groups of two LLM replicas
+    uniform = plan_run(setup(*HETEROGENEOUS, "train.data=uniform"))
+    assert len([c for c in uniform.program.classes if c.units == ("llm",)]) == by_unit(uniform)["llm"].mesh.degree("pp")
+
+
+@pytest.mark.parametrize("balance, reorder", [("none", "none"), ("reorder", "both"), ("cost", "cost")])
+def test_train_balance_is_disttrain_s_reordering(balance, reorder) -> None:
+    plan = plan_run(setup(*HETEROGENEOUS, f"train.balance={balance}"))
+    assert plan.details["reorder"] == reorder
+    assert plan_run(setup(*HETEROGENEOUS)).details["reorder"] == "both"  # its own, by default
+
+
+def test_a_reordering_and_a_balance_that_disagree_are_refused() -> None:
+    with pytest.raises(ConfigError, match=r"strategy.reorder='intra' and train.balance='cost' disagree"):
+        plan_run(setup(*HETEROGENEOUS, "train.balance=cost", "strategy.reorder=intra"))
+
+
 @pytest.mark.parametrize(
     "options, match",
     [

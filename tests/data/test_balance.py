@@ -1,0 +1,94 @@
+"""The balancing step: a permutation of the step's batch that shortens the cost model's
+critical path, each policy as documented in src/data/balance.py."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from src.batch_layout import BatchLayout
+from src.config import train_from_config
+from src.data.balance import Balancer, StageCosts, vector_lpt
+from src.data.reorder import lpt
+from src.errors import ConfigError
+from src.setup import validate
+from tests.test_configs import compose_config
+
+# An encoder stage, two LLM stages and a generator stage, as Megatron-LM's MLLM pipelines are cut.
+STAGES = (
+    StageCosts(0.0, 0.0, (("encoder", 0.02),), (("encoder", 0.04),)),
+    StageCosts(0.15, 0.30),
+    StageCosts(0.15, 0.30),
+    StageCosts(0.0, 0.0, (("generator", 0.14),), (("generator", 0.12),)),
+)
+
+
+def _skewed(count: int, seed: int = 3) -> dict[str, list[float]]:
+    """Loads of mean 1 with a long tail, the generator's (images) and encoder's (their sizes) apart."""
+    rng = random.Random(seed)
+    images = [1 + int(rng.expovariate(1 / 9)) for _ in range(count)]
+    sizes = [n * rng.uniform(0.5, 1.5) for n in images]
+    return {
+        "encoder": [s * count / sum(sizes) for s in sizes],
+        "generator": [n * count / sum(images) for n in images],
+    }
+
+
+@pytest.mark.parametrize("dp, micro_batch", [(1, 1), (4, 1), (4, 2), (3, 4)])
+@pytest.mark.parametrize("policy", ["none", "reorder", "cost"])
+def test_every_policy_permutes_the_batch(dp, micro_batch, policy):
+    layout = BatchLayout(24, dp, micro_batch)
+    order = Balancer(layout, STAGES).order(policy, _skewed(24))
+    assert sorted(order) == list(range(24))
+
+
+def test_none_keeps_the_data_order():
+    assert Balancer(BatchLayout(16, 4), STAGES).order("none", _skewed(16)) == tuple(range(16))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_balanced_policies_shorten_the_critical_path(seed):
+    layout = BatchLayout(96, 8, 1)
+    balancer, loads = Balancer(layout, STAGES), _skewed(96, seed)
+    alike = {unit: [1.0] * 96 for unit in loads}
+    spans = {policy: balancer.makespan(loads, balancer.order(policy, loads)) for policy in ("none", "reorder", "cost")}
+    uniform = balancer.makespan(alike, tuple(range(96)))
+    assert spans["none"] > uniform  # skew costs
+    assert spans["cost"] < spans["none"] and spans["reorder"] < spans["none"]
+
+
+def test_cost_balances_each_stage_where_a_sum_does_not():
+    """Scalar LPT (Algorithm 2) sees two sequences of size 3 and two of 1.5 and pairs each
+    large with a small; split by stage, one replica gets all the encoder's work."""
+    seconds = np.array([[3.0, 0.0], [0.0, 3.0], [1.5, 0.0], [0.0, 1.5]])
+    scalar = lpt(seconds.sum(axis=1).tolist(), 2)
+    vector = vector_lpt(seconds, range(4), 2)
+    busiest = lambda groups: max(seconds[g].sum(axis=0).max() for g in groups)  # noqa: E731
+    assert busiest(scalar) == 4.5 and busiest(vector) == 3.0
+    assert sorted(len(g) for g in vector) == [2, 2]
+
+
+def test_a_micro_batch_of_several_sequences_takes_their_mean_load():
+    balancer = Balancer(BatchLayout(4, 1, 2), STAGES)
+    loads = {"encoder": [1.0, 3.0, 1.0, 1.0], "generator": [2.0, 0.0, 1.0, 1.0]}
+    times = balancer.times([0, 1], loads)
+    assert times.fwd[0] == pytest.approx(0.02 * 2.0) and times.fwd[3] == pytest.approx(0.14 * 1.0)
+    assert times.bwd[1] == pytest.approx(0.30)
+
+
+def test_bad_requests_are_one_line():
+    with pytest.raises(ConfigError, match="choose one of"):
+        Balancer(BatchLayout(8, 2), STAGES).order("greedy", _skewed(8))
+    with pytest.raises(ConfigError, match="sample groups scored together"):
+        Balancer(BatchLayout(8, 2, 1, groups=2), STAGES)
+    with pytest.raises(ConfigError, match="7 encoder loads for a batch of 8"):
+        Balancer(BatchLayout(8, 2), STAGES).order("cost", {"encoder": [1.0] * 7, "generator": [1.0] * 8})
+
+
+def test_train_balance_is_checked_at_the_door():
+    cluster = validate(compose_config("model=mllm_9b", "cluster=a800")).cluster
+    with pytest.raises(ConfigError, match=r"train.balance='fast'; choose one of \['none', 'reorder', 'cost'\]"):
+        train_from_config({"global_batch": 8, "steps": 1, "balance": "fast"}, cluster)
+    assert train_from_config({"global_batch": 8, "steps": 1}, cluster).balance is None
