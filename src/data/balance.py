@@ -22,7 +22,9 @@ holds positions first_sample(r, j) ...):
 The costs are linear in a micro-batch's load (a Work's compute scales with its load,
 src/costmodel/compute.py): a stage's forward and backward seconds are a fixed part plus,
 per unit that works per image, seconds per unit of the micro-batch's mean load over its
-sequences. A planner reads these off its plan at the mean load (StageCosts per stage).
+sequences. A planner reads these off its plan at the mean load (StageCosts per stage); the
+plan carries them (Plan.balancing) so that the real backend places every step's batch by the
+same policy.
 """
 
 from __future__ import annotations
@@ -92,13 +94,17 @@ class Balancer:
         if policy == "none":
             return tuple(range(count))
         seconds = self._sequence_seconds(loads)
+        fwd, bwd = self._stage_parts(loads)
         if policy == "reorder":
             replicas = [sorted(group) for group in lpt(seconds.sum(axis=1).tolist(), self.layout.dp, equal_count=True)]
             microbatches = [self._cut(members) for members in replicas]
         else:
             replicas = vector_lpt(seconds, range(count), self.layout.dp)
-            microbatches = [vector_lpt(seconds, members, self.layout.microbatches) for members in replicas]
-        return self._positions([self._ordered(mbs, loads) for mbs in microbatches])
+            microbatches = [
+                self._cut(members) if self.layout.micro_batch == 1 else vector_lpt(seconds, members, self.layout.microbatches)
+                for members in replicas
+            ]
+        return self._positions([self._ordered(mbs, fwd, bwd) for mbs in microbatches])
 
     def makespan(self, loads: Mapping[str, Sequence[float]], order: Sequence[int]) -> float:
         """The cost model's iteration: the slowest replica's 1F1B recurrence over its
@@ -122,18 +128,35 @@ class Balancer:
     def _sequence_seconds(self, loads: Mapping[str, Sequence[float]]) -> np.ndarray:
         """seconds[q, s]: what sequence q adds to stage s (forward and backward) in a
         micro-batch it shares with micro_batch - 1 others."""
-        out = np.zeros((self.layout.global_batch, len(self.stages)))
-        for s, stage in enumerate(self.stages):
-            for unit in self.units:
-                out[:, s] += stage.per_load(unit) * np.asarray(loads[unit], dtype=float)
-        return out / self.layout.micro_batch
+        fwd, bwd = self._stage_parts(loads)
+        return fwd + bwd
+
+    def _stage_parts(self, loads: Mapping[str, Sequence[float]]) -> tuple[np.ndarray, np.ndarray]:
+        """Per sequence and stage, its share of a micro-batch's forward and backward seconds
+        beyond the fixed part."""
+        count, stages = self.layout.global_batch, len(self.stages)
+        fwd, bwd = np.zeros((count, stages)), np.zeros((count, stages))
+        for unit in self.units:
+            column = np.asarray(loads[unit], dtype=float) / self.layout.micro_batch
+            for s, stage in enumerate(self.stages):
+                fwd[:, s] += dict(stage.fwd_per_load).get(unit, 0.0) * column
+                bwd[:, s] += dict(stage.bwd_per_load).get(unit, 0.0) * column
+        return fwd, bwd
 
     def _cut(self, members: list[int]) -> list[list[int]]:
         b = self.layout.micro_batch
         return [members[i : i + b] for i in range(0, len(members), b)]
 
-    def _ordered(self, microbatches: list[list[int]], loads: Mapping[str, Sequence[float]]) -> list[list[int]]:
-        order = inter_reorder([self.times(mb, loads) for mb in microbatches])
+    def _ordered(self, microbatches: list[list[int]], fwd: np.ndarray, bwd: np.ndarray) -> list[list[int]]:
+        """Algorithm 3's order of a replica's micro-batches, timed by their sequences' parts."""
+        fixed_fwd = np.array([stage.fwd for stage in self.stages])
+        fixed_bwd = np.array([stage.bwd for stage in self.stages])
+        rows = np.array(microbatches)
+        times = [
+            StageTimes(tuple(f), tuple(b))
+            for f, b in zip((fixed_fwd + fwd[rows].sum(axis=1)).tolist(), (fixed_bwd + bwd[rows].sum(axis=1)).tolist())
+        ]
+        order = inter_reorder(times)
         return [microbatches[i] for i in order]
 
     def _positions(self, replicas: list[list[list[int]]]) -> tuple[int, ...]:
@@ -146,6 +169,18 @@ class Balancer:
         return tuple(positions)
 
 
+@dataclass(frozen=True)
+class Balancing:
+    """A plan's balancing, redone on every step's batch: the policy and the pipeline it
+    balances for (the plan's sample order is the first step's)."""
+
+    policy: str
+    balancer: Balancer
+
+    def order(self, loads: Mapping[str, Sequence[float]]) -> tuple[int, ...]:
+        return self.balancer.order(self.policy, loads)
+
+
 def vector_lpt(seconds: np.ndarray, members: Sequence[int] | range, groups: int) -> list[list[int]]:
     """`members` over `groups` groups of equal count, each stage's total balanced: largest
     sequence first (by its busiest stage), each to the group whose busiest stage it raises
@@ -153,14 +188,18 @@ def vector_lpt(seconds: np.ndarray, members: Sequence[int] | range, groups: int)
     members = list(members)
     cap = len(members) // groups
     assert cap * groups == len(members), f"{len(members)} sequences do not split into {groups} equal groups"
-    totals = np.zeros((groups, seconds.shape[1]))
-    counts = np.zeros(groups, dtype=int)
+    rows = seconds[members][:, seconds.any(axis=0)]  # stages no sequence weighs on are left out
+    if rows.shape[1] == 0:
+        rows = np.zeros((len(members), 1))
+    totals = np.zeros((groups, rows.shape[1]))  # a full group's row is infinite: nothing more goes there
+    room = [cap] * groups
     out: list[list[int]] = [[] for _ in range(groups)]
-    for q in sorted(members, key=lambda q: (-float(seconds[q].max()), q)):
-        peaks = (totals + seconds[q]).max(axis=1)
-        peaks[counts >= cap] = np.inf
-        g = int(np.argmin(peaks))
-        totals[g] += seconds[q]
-        counts[g] += 1
-        out[g].append(q)
+    largest_first = np.lexsort((np.asarray(members), -rows.max(axis=1)))
+    for i in largest_first.tolist():
+        g = int((totals + rows[i]).max(axis=1).argmin())
+        totals[g] += rows[i]
+        room[g] -= 1
+        if room[g] == 0:
+            totals[g] = np.inf
+        out[g].append(members[i])
     return [sorted(group) for group in out]

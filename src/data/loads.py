@@ -11,8 +11,9 @@ a run's tar shards hold.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
-from src.data.interleaved import encoder_cost, generator_cost, relative_loads, sampler
+from src.data.interleaved import Layout, encoder_cost, generator_cost, relative_loads, sampler
 from src.errors import ConfigError
 from src.models.spec import ModelSpec
 
@@ -47,8 +48,12 @@ def batch_loads(
     if data == "uniform":
         ones = (1.0,) * batch
         return BatchLoads(ones, ones, (model.extras["images_per_sequence"],) * batch)
+    return layout_loads(model, sampler(model, seed).batch(batch, step))
+
+
+def layout_loads(model: ModelSpec, layouts: Sequence[Layout]) -> BatchLoads:
+    """The loads of sequences whose images the sampler drew, against their batch's mean."""
     encoder = model.unit("encoder")
-    layouts = sampler(model, seed).batch(batch, step)
     # FLOPs per token and per token squared of one nominal image, from the unit's kernels.
     linear = quadratic = 0.0
     tokens = encoder.seq_len / model.extras["images_per_sequence"]

@@ -18,12 +18,13 @@ semantics (and the loss) do not change.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from src.schedules.pipeline import one_f_one_b
+from src.schedules.pipeline import PipeOp, one_f_one_b
 
 
 def lpt(sizes: Sequence[float], groups: int, equal_count: bool = True) -> list[list[int]]:
@@ -40,6 +41,13 @@ def lpt(sizes: Sequence[float], groups: int, equal_count: bool = True) -> list[l
         if len(members[group]) < cap:
             heapq.heappush(heap, (load + sizes[index], group))
     return members
+
+
+@functools.lru_cache(maxsize=64)
+def _one_f_one_b(stages: int, microbatches: int) -> list[list[PipeOp]]:
+    """1F1B's orders, made once per shape: every replica's reordering walks the same ones
+    (read, never changed)."""
+    return one_f_one_b(stages, microbatches)
 
 
 def group_loads(sizes: Sequence[float], members: list[list[int]]) -> list[float]:
@@ -62,7 +70,7 @@ class IntervalSim:
 
     def __init__(self, stages: int, microbatches: int) -> None:
         self.p, self.m = stages, microbatches
-        self.orders = one_f_one_b(stages, microbatches)
+        self.orders = _one_f_one_b(stages, microbatches)
         self.next = [0] * stages
         self.free = [0.0] * stages
         self.fwd_end: dict[tuple[int, int], float] = {}

@@ -18,7 +18,9 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 
 from src.batch_layout import BatchLayout
+from src.data.balance import Balancing
 from src.data.interleaved import sampler
+from src.data.loads import image_loads, layout_loads
 from src.data.interleaved_mllm import InterleavedMLLM, image_tokens, token_mask
 from src.data.shards import TarShards
 from src.data.synthetic import SyntheticImageText, SyntheticTokens, collate
@@ -197,13 +199,30 @@ class StepSamples:
 
     reads[unit]: the layout the unit reads its samples by and its replica there (rank_reads).
     order[p]: which of the step's samples (in data order) position p of the batch holds
-    (a plan that reorders its batch); None: data order."""
+    (a plan that reorders its batch); None: data order. balancing: the policy that placed
+    `order` for the first step, to place every step's batch by its own loads (Plan.balancing)."""
 
     model: ModelSpec
     dataset: Any
     global_batch: int
     reads: Mapping[str, tuple[BatchLayout, int]]
     order: tuple[int, ...] | None = None
+    balancing: Balancing | None = None
+
+    def order_of(self, step: int) -> tuple[int, ...] | None:
+        """The step's order: the plan's, or its balancing's on the step's sequences."""
+        if self.balancing is None or not isinstance(self.dataset, InterleavedMLLM):
+            return self.order
+        indices = self.step_samples(step)
+        if self.dataset.shards is not None:
+            images = tuple(self.dataset.image_count(i) for i in indices)
+            if not any(images):
+                return None  # no sequence weighs on the per-image units more than another
+            loads = image_loads(images, self.model.extras["images_per_sequence"])
+        else:
+            assert self.dataset.layouts is not None, "drawn images come from the sampler"
+            loads = layout_loads(self.model, [self.dataset.layouts.layout(i) for i in indices])
+        return self.balancing.order({unit: loads.of(unit) or () for unit in self.balancing.balancer.units})
 
     def step_samples(self, step: int) -> list[int]:
         """The indices of the step's samples, in data order."""
@@ -219,11 +238,12 @@ class StepSamples:
         made: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
         rows: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}
         means = self.dataset.step_means(self.step_samples(step)) if isinstance(self.dataset, InterleavedMLLM) else {}
+        order = self.order_of(step)
         for unit, (layout, replica) in self.reads.items():
             for microbatch in range(layout.microbatches):
                 first = layout.first_sample(replica, microbatch)
                 positions = range(first, first + layout.micro_batch)
-                key = tuple(step * self.global_batch + (p if self.order is None else self.order[p]) for p in positions)
+                key = tuple(step * self.global_batch + (p if order is None else order[p]) for p in positions)
                 if key not in rows:
                     rows[key] = collate([self.dataset[i] for i in key]) | {name: m.repeat(len(key)) for name, m in means.items()}
                 made[(unit, microbatch)] = unit_fields(self.model, unit, rows[key])

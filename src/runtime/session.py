@@ -251,6 +251,7 @@ def _build_worker(run: PlannedRun, backend: TorchBackendSpec, run_dir: Path, ran
         train.global_batch,
         rank_reads(plan, train.global_batch, {n: p.dp_ranks.index(rank) for n, p in places.items()}),
         plan.sample_order,
+        plan.balancing,
     )
     producer = None
     if backend.preprocess == "disaggregated":  # started first: it works while the model is built

@@ -1,8 +1,8 @@
 """Interleaved data on the real backend: sequences that hold their samples' images (none to
 several, drawn as the simulator draws them, at the nominal side or at the sides it draws,
 or read from tar shards) train exactly like one process, in data order, reordered by
-DistTrain's plan, with a frozen encoder, with the encoder on two pipeline stages, and under
-Megatron-LM's pipeline; a
+DistTrain's plan, with a frozen encoder, with the encoder on two pipeline stages, under
+Megatron-LM's pipeline, and balanced by each train.balance policy (every step placed anew); a
 data-parallel rank whose micro-batch holds no image takes part in every collective of the
 encoder and generator (ZeRO-0 and ZeRO-3), under a short timeout. All runs share ONE
 launch of four workers.
@@ -82,6 +82,32 @@ CASES: dict[str, list[str]] = {
     ],
     # ZeRO-3 gathers every layer's weights on every rank, also for a micro-batch of no image.
     "ddp_zero3_no_image": ["strategy=ddp", "strategy.zero_stage=3", "backend.data=SHARDS"],
+    # Balanced (train.balance): every step's sequences placed anew by the policy on that step's
+    # loads; where a sample runs changes, what the step learns does not.
+    "megatron_cost": [
+        "strategy=megatron",
+        "train.data=interleaved",
+        "train.balance=cost",
+        "strategy.modality_stages=merged",
+        "strategy.tp=1",
+        "strategy.pp=2",
+        "strategy.micro_batch_size=1",
+    ],
+    "ddp_zero0_reorder_shards": [
+        "strategy=ddp",
+        "strategy.zero_stage=0",
+        "strategy.micro_batch_size=1",
+        "train.balance=reorder",
+        "backend.data=SHARDS",
+    ],
+    "ddp_zero3_cost_shards": [
+        "strategy=ddp",
+        "strategy.zero_stage=3",
+        "strategy.micro_batch_size=1",
+        "train.balance=cost",
+        "backend.data=SHARDS",
+    ],
+    "disttrain_cost": DISTTRAIN + ["train.balance=cost"],
 }
 
 
@@ -164,3 +190,12 @@ def test_a_shard_sample_with_images_but_no_text_is_one_line_exit_2(tmp_path):
         f"error: backend.data: shard {tmp_path}/shard-1.tar sample s009: 1 image(s) but no text (s009.txt) "
         "(backend.data_errors=skip leaves bad members out)"
     ]
+
+
+def test_a_balanced_run_places_the_sequences_where_the_policy_says(runs):
+    for case, policy in (("megatron_cost", "cost"), ("ddp_zero3_cost_shards", "cost"), ("ddp_zero0_reorder_shards", "reorder")):
+        plan = summary_of(runs[case])["plan"]
+        assert plan["balance_policy"] == policy and sorted(plan["sample_order"]) == list(range(BATCH))
+    # One sequence per micro-batch, and samples 3, 6 and 7 of the shard hold no image: some
+    # balanced micro-batch holds none, and its rank takes part in every collective all the same.
+    assert summary_of(runs["ddp_zero3_cost_shards"])["plan"]["sample_order"] != list(range(BATCH))

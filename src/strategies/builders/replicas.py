@@ -23,7 +23,7 @@ from typing import Hashable, Mapping, Sequence
 from src.batch_layout import BatchLayout
 from src.cluster import ClusterSpec
 from src.costmodel.compute import ComputeModel
-from src.data.balance import Balancer, StageCosts
+from src.data.balance import Balancer, Balancing, StageCosts
 from src.data.loads import batch_loads
 from src.mesh import Mesh
 from src.program import Collective, Compute, Instruction, Plan, Program, RankProgram, compress_ranks
@@ -159,7 +159,8 @@ def on_the_data(plan: Plan, request: PlanRequest) -> Plan:
         sequence_loads = loads.of(unit)
         assert sequence_loads is not None, f"{unit} works per image"
         by_sequence[unit] = sequence_loads
-    order = Balancer(batch, stage_costs(program, request, per_image)).order(policy, by_sequence)
+    balancing = Balancing(policy, Balancer(batch, stage_costs(program, request, per_image)))
+    order = balancing.order(by_sequence)
     by_unit = {unit: replica_loads(by_sequence[unit], batch, order) for unit in per_image}
     # A stage's ranks: tp x dp (a unit replicated over its stage's TP group splits rows there).
     mesh = megatron_mesh(first.mesh.size // (dp * first.mesh.degree("pp")), dp, len(program.classes))
@@ -178,8 +179,8 @@ def on_the_data(plan: Plan, request: PlanRequest) -> Plan:
     plan.sample_images = loads.images
     plan.details["data"] = train.data
     if policy != "none":
-        plan.sample_order = order
-        plan.details["balance_policy"] = policy
+        plan.sample_order, plan.balancing = order, balancing
+        plan.details |= {"balance_policy": policy, "sample_order": list(order)}
     return plan
 
 

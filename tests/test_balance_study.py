@@ -1,0 +1,66 @@
+"""src.balance_study: each series x policy priced over several batches, against uniform data."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from src import balance_study
+from src.balance_study import aggregate, percentile
+
+SMALL = ["logger=none", "model=mllm_9b", "model.images_per_sequence=10", "cluster=a800", "cluster.nodes=6", "train.global_batch=32"]
+MEGATRON = "megatron=strategy=megatron strategy.tp=8 strategy.pp=3 strategy.micro_batch_size=1"
+
+
+def _batch(seconds: float) -> dict:
+    return {"iteration_time_s": seconds, "mfu": 0.0, "model_flops_per_iteration": 2e15, "devices": 8, "peak_flops_per_device": 1e14}
+
+
+def test_the_policies_are_judged_on_the_distribution_against_uniform_data():
+    outcomes = [
+        {"series": "s", "policy": "uniform", "batches": [_batch(10.0)]},
+        {"series": "s", "policy": "none", "batches": [_batch(t) for t in (12.0, 14.0, 13.0, 13.0)]},
+        {"series": "s", "policy": "cost", "batches": [_batch(t) for t in (11.0, 11.5, 10.5, 11.0)]},
+        {"series": "t", "policy": "none", "reason": "no plan"},
+    ]
+    rows = {(r["series"], r["policy"]): r for r in aggregate(outcomes)}
+    cost = rows[("s", "cost")]
+    assert cost["mean_s"] == 11.0 and cost["max_s"] == 11.5
+    assert cost["recovered"] == pytest.approx(2.0 / 3.0)  # none's mean 13 against uniform's 10
+    assert cost["gain"] == pytest.approx(13.0 / 11.0)
+    assert cost["mfu"] == pytest.approx(2e15 / (11.0 * 8 * 1e14))
+    assert "recovered" not in rows[("s", "none")] and rows[("t", "none")]["reason"] == "no plan"
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 95) == pytest.approx(4.8)
+
+
+def test_a_small_study_runs_end_to_end(tmp_path, capsys):
+    argv = ["--batches=2", "--jobs=1", "--policies=none,cost", f"--out={tmp_path}", f"--series={MEGATRON}", *SMALL]
+    assert balance_study.main(argv) == 0
+    record = json.loads((tmp_path / "balance.json").read_text())
+    rows = {r["policy"]: r for r in record["rows"]}
+    assert set(rows) == {"uniform", "none", "cost"} and rows["none"]["batches"] == 2 and rows["uniform"]["batches"] == 1
+    times = {o["policy"]: [b["iteration_time_s"] for b in o["batches"]] for o in record["outcomes"]}
+    assert times["none"][0] != times["none"][1]  # two batches of other sequences
+    assert rows["cost"]["mean_s"] < rows["none"]["mean_s"] and rows["none"]["mean_s"] > rows["uniform"]["mean_s"]
+    assert "| megatron | cost | 2 |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--policies=none,fast"], "--policies: 'fast'"),
+        (["--batches=0"], "--batches 0"),
+        (["--series=megatron"], "--series 'megatron': write LABEL='OVERRIDES'"),
+    ],
+)
+def test_bad_arguments_are_one_line(argv, message, capsys):
+    assert balance_study.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_strategy_priced_at_the_mean_load_is_refused_per_series(tmp_path):
+    argv = ["--batches=1", "--jobs=1", "--policies=none", f"--out={tmp_path}", "--series=distmm=strategy=distmm", "logger=none"]
+    assert balance_study.main(argv + ["model=clip", "cluster=p3_16xlarge"]) == 0
+    rows = json.loads((tmp_path / "balance.json").read_text())["rows"]
+    assert all("no batch to balance" in r["reason"] for r in rows)
