@@ -88,7 +88,7 @@ def _whole_unet(request: PlanRequest, unit: str, fixed: Fixed) -> Fixed:
     return replace(fixed, tp=1, pp=1)
 
 
-def _reorder(given: str | None, balance: str | None) -> str:
+def reordering(given: str | None, balance: str | None) -> str:
     """strategy.reorder, or the workload's balancing policy as DistTrain's reordering."""
     if balance is None:
         return given or "both"
@@ -114,7 +114,7 @@ def plan_disttrain_batches(request: PlanRequest, batches: Sequence[int]) -> list
         raise ConfigError("strategy.data is train.data now: the data is the workload's, the same for every strategy")
     opts = options_from(DistTrainOptions, request.options)
     model, cluster, train = request.model, request.cluster, request.train
-    reorder = _reorder(opts.reorder, train.balance)
+    reorder = reordering(opts.reorder, train.balance)
     opts = replace(opts, reorder=reorder)
     _check_model(model)
     # Before drawing a layout per sequence: the LLM takes one sequence per micro-batch.

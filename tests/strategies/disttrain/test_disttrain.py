@@ -23,7 +23,7 @@ from src.runtime.placement import placements
 from src.setup import Setup, plan_run, validate
 from src.sim.engine import simulate
 from src.data.loads import batch_loads
-from src.strategies.disttrain.planner import DistTrainOptions
+from src.strategies.disttrain.planner import DistTrainOptions, reordering
 from src.strategies.base import MAX_MICROBATCHES, divisors
 from src.mesh import Mesh
 from src.program import Payload
@@ -596,11 +596,14 @@ def test_llm_replicas_are_timed_by_the_encoder_and_generator_replicas_they_wait_
     assert len([c for c in uniform.program.classes if c.units == ("llm",)]) == by_unit(uniform)["llm"].mesh.degree("pp")
 
 
-@pytest.mark.parametrize("balance, reorder", [("none", "none"), ("reorder", "both"), ("cost", "cost")])
+@pytest.mark.parametrize("balance, reorder", [("none", "none"), ("reorder", "both"), ("cost", "cost"), (None, "both")])
 def test_train_balance_is_disttrain_s_reordering(balance, reorder) -> None:
-    plan = plan_run(setup(*HETEROGENEOUS, f"train.balance={balance}"))
-    assert plan.details["reorder"] == reorder
-    assert plan_run(setup(*HETEROGENEOUS)).details["reorder"] == "both"  # its own, by default
+    assert reordering(None, balance) == reorder  # null: DistTrain's own
+    assert reordering(reorder, balance) == reorder
+
+
+def test_the_balance_policy_reaches_the_plan() -> None:
+    assert plan_run(setup(*HETEROGENEOUS, "train.balance=cost")).details["reorder"] == "cost"
 
 
 def test_a_reordering_and_a_balance_that_disagree_are_refused() -> None:
