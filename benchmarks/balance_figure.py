@@ -1,7 +1,8 @@
 """The balancing figure: every balancing policy for Megatron-LM and DistTrain on MLLM-9B/15B/72B
-on 1152 A800s (global batch 1920, DistTrain's Figure 15 sizes), each plan priced on 16 global
-batches of interleaved data; then the skew swept for MLLM-9B over a range declared here
-before any result was seen.
+on 1152 A800s (global batch 1920, DistTrain's Figure 15 sizes), each plan priced on 16 (9B) or
+8 global batches of interleaved data; then the skew swept for MLLM-9B over a range declared
+here before any result was seen, 4 batches a point (a simulated batch of 1152 GPUs, each
+replica's pipeline its own rank classes, takes 10-20 s on a 2-core machine).
 
 The skew's range: a sequence's mean image count (model.images_per_sequence) of 5, 10 and 20
 (10 is DistTrain's "typical training sample" of ten images, §4.2; half and twice it bracket
@@ -35,12 +36,12 @@ SERIES = [
 ]
 CASES: dict[str, tuple[list[str], int]] = {
     "mllm_9b": (["model=mllm_9b", "model.images_per_sequence=10"], 16),
-    "mllm_15b": (["model=mllm_15b", "model.images_per_sequence=10"], 16),
-    "mllm_72b": (["model=mllm_72b", "model.images_per_sequence=10"], 16),
-    "mllm_9b_images_5": (["model=mllm_9b", "model.images_per_sequence=5"], 8),
-    "mllm_9b_images_20": (["model=mllm_9b", "model.images_per_sequence=20"], 8),
-    "mllm_9b_spread_0": (["model=mllm_9b", "model.images_per_sequence=10", "model.image_size_spread=0"], 8),
-    "mllm_9b_spread_0.6": (["model=mllm_9b", "model.images_per_sequence=10", "model.image_size_spread=0.6"], 8),
+    "mllm_15b": (["model=mllm_15b", "model.images_per_sequence=10"], 8),
+    "mllm_72b": (["model=mllm_72b", "model.images_per_sequence=10"], 8),
+    "mllm_9b_images_5": (["model=mllm_9b", "model.images_per_sequence=5"], 4),
+    "mllm_9b_images_20": (["model=mllm_9b", "model.images_per_sequence=20"], 4),
+    "mllm_9b_spread_0": (["model=mllm_9b", "model.images_per_sequence=10", "model.image_size_spread=0"], 4),
+    "mllm_9b_spread_0.6": (["model=mllm_9b", "model.images_per_sequence=10", "model.image_size_spread=0.6"], 4),
 }
 
 

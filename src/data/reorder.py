@@ -73,8 +73,9 @@ class IntervalSim:
         self.orders = _one_f_one_b(stages, microbatches)
         self.next = [0] * stages
         self.free = [0.0] * stages
-        self.fwd_end: dict[tuple[int, int], float] = {}
-        self.bwd_end: dict[tuple[int, int], float] = {}
+        # end of F(s, j) and B(s, j), None until run: indexed [stage][microbatch]
+        self.fwd_end: list[list[float | None]] = [[None] * microbatches for _ in range(stages)]
+        self.bwd_end: list[list[float | None]] = [[None] * microbatches for _ in range(stages)]
         self.times: list[StageTimes] = []
 
     def place(self, times: StageTimes) -> None:
@@ -84,35 +85,48 @@ class IntervalSim:
         self._advance()
 
     def _advance(self) -> None:
-        progressed = True
-        while progressed:
-            progressed = False
-            for s in range(self.p):
-                while self.next[s] < len(self.orders[s]):
-                    op = self.orders[s][self.next[s]]
-                    j = op.microbatch
-                    if j >= len(self.times):
-                        break
-                    if op.kind == "F":
-                        dep = 0.0 if s == 0 else self.fwd_end.get((s - 1, j))
-                        duration = self.times[j].fwd[s]
-                    else:
-                        dep = self.fwd_end.get((s, j)) if s == self.p - 1 else self.bwd_end.get((s + 1, j))
-                        duration = self.times[j].bwd[s]
+        # Every replica's reordering places each of its micro-batches here: kept to plain
+        # lists and locals, as it is most of a balancing policy's time.
+        p, orders, fwd_end, bwd_end, times = self.p, self.orders, self.fwd_end, self.bwd_end, self.times
+        placed = len(times)
+        # A stage that moves on may let its neighbours move on (a forward feeds the next
+        # stage, a backward the one before): revisit those only.
+        pending, queued = list(range(p - 1, -1, -1)), [True] * p
+        while pending:
+            s = pending.pop()
+            queued[s] = False
+            order, i, clock = orders[s], self.next[s], self.free[s]
+            while i < len(order):
+                op = order[i]
+                j = op.microbatch
+                if j >= placed:
+                    break
+                if op.kind == "F":
+                    dep = 0.0 if s == 0 else fwd_end[s - 1][j]
                     if dep is None:
                         break
-                    end = max(self.free[s], dep) + duration
-                    (self.fwd_end if op.kind == "F" else self.bwd_end)[(s, j)] = end
-                    self.free[s] = end
-                    self.next[s] += 1
-                    progressed = True
+                    clock = max(clock, dep) + times[j].fwd[s]
+                    fwd_end[s][j] = clock
+                else:
+                    dep = fwd_end[s][j] if s == p - 1 else bwd_end[s + 1][j]
+                    if dep is None:
+                        break
+                    clock = max(clock, dep) + times[j].bwd[s]
+                    bwd_end[s][j] = clock
+                i += 1
+            if i != self.next[s]:
+                self.next[s], self.free[s] = i, clock
+                for neighbour in (s - 1, s + 1):
+                    if 0 <= neighbour < p and not queued[neighbour]:
+                        queued[neighbour] = True
+                        pending.append(neighbour)
 
     def volume(self, k: int) -> float | None:
         """V_k = r_k - a_k (0-based k; may be negative) if both ends are known: a_0 = end
         of F_0 on stage 0, a_k = end of B_{k-1} there; r_k = when B_k's input gradient
         reaches stage 0 (the end of B_k on stage 1)."""
-        anchor = self.fwd_end.get((0, 0)) if k == 0 else self.bwd_end.get((0, k - 1))
-        ready = self.bwd_end.get((1, k)) if self.p > 1 else self.fwd_end.get((0, k))
+        anchor = self.fwd_end[0][0] if k == 0 else self.bwd_end[0][k - 1]
+        ready = self.bwd_end[1][k] if self.p > 1 else self.fwd_end[0][k]
         if anchor is None or ready is None:
             return None
         return ready - anchor
