@@ -207,10 +207,13 @@ class Decision:
             [per_sequence["encoder"] * np.asarray(loads.encoder), per_sequence["generator"] * np.asarray(loads.generator)]
         )
 
+        fwd_of = {u: stages[u].fwd.tolist() for u in UNITS}
+        bwd_of = {u: stages[u].bwd.tolist() for u in UNITS}
+
         def slot_times(e: float, g: float) -> StageTimes:
             scale = {"encoder": e, "llm": 1.0, "generator": g}
-            fwd = tuple(f * scale[u] for u in UNITS for f in stages[u].fwd.tolist())
-            bwd = tuple(b * scale[u] for u in UNITS for b in stages[u].bwd.tolist())
+            fwd = tuple(f * scale[u] for u in UNITS for f in fwd_of[u])
+            bwd = tuple(b * scale[u] for u in UNITS for b in bwd_of[u])
             return StageTimes(fwd, bwd)
 
         return assign(self.reorder, seconds, loads.encoder, loads.generator, llm.dp, enc.dp, gen.dp, slot_times)
