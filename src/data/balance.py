@@ -29,6 +29,7 @@ same policy.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -49,15 +50,6 @@ class StageCosts:
     bwd: float
     fwd_per_load: tuple[tuple[str, float], ...] = ()
     bwd_per_load: tuple[tuple[str, float], ...] = ()
-
-    def times(self, loads: Mapping[str, float]) -> tuple[float, float]:
-        fwd = self.fwd + sum(seconds * loads[unit] for unit, seconds in self.fwd_per_load)
-        bwd = self.bwd + sum(seconds * loads[unit] for unit, seconds in self.bwd_per_load)
-        return fwd, bwd
-
-    def per_load(self, unit: str) -> float:
-        """Forward plus backward seconds per unit of `unit`'s load."""
-        return dict(self.fwd_per_load).get(unit, 0.0) + dict(self.bwd_per_load).get(unit, 0.0)
 
 
 @dataclass(frozen=True)
@@ -93,8 +85,8 @@ class Balancer:
                 raise ConfigError(f"train.balance: {len(loads[unit])} {unit} loads for a batch of {count} sequences")
         if policy == "none":
             return tuple(range(count))
-        seconds = self._sequence_seconds(loads)
         fwd, bwd = self._stage_parts(loads)
+        seconds = fwd + bwd  # what each sequence adds to each stage, forward and backward
         if policy == "reorder":
             replicas = [sorted(group) for group in lpt(seconds.sum(axis=1).tolist(), self.layout.dp, equal_count=True)]
             microbatches = [self._cut(members) for members in replicas]
@@ -111,29 +103,22 @@ class Balancer:
         micro-batches (communication left out) — what the policies are judged by here; the
         simulator prices the Program itself."""
         layout, worst = self.layout, 0.0
+        fwd, bwd = self._stage_parts(loads)
         for replica in range(layout.dp):
+            firsts = [layout.first_sample(replica, j) for j in range(layout.microbatches)]
             sim = IntervalSim(len(self.stages), layout.microbatches)
-            for j in range(layout.microbatches):
-                first = layout.first_sample(replica, j)
-                sim.place(self.times([order[p] for p in range(first, first + layout.micro_batch)], loads))
+            for times in self._times([list(order[p : p + layout.micro_batch]) for p in firsts], fwd, bwd):
+                sim.place(times)
             worst = max(worst, sim.makespan)
         return worst
 
     def times(self, sequences: Sequence[int], loads: Mapping[str, Sequence[float]]) -> StageTimes:
         """A micro-batch's stage times: each unit at its sequences' mean load."""
-        mean = {unit: sum(loads[unit][q] for q in sequences) / len(sequences) for unit in self.units}
-        fwd, bwd = zip(*(stage.times(mean) for stage in self.stages))
-        return StageTimes(tuple(fwd), tuple(bwd))
-
-    def _sequence_seconds(self, loads: Mapping[str, Sequence[float]]) -> np.ndarray:
-        """seconds[q, s]: what sequence q adds to stage s (forward and backward) in a
-        micro-batch it shares with micro_batch - 1 others."""
-        fwd, bwd = self._stage_parts(loads)
-        return fwd + bwd
+        return self._times([list(sequences)], *self._stage_parts(loads))[0]
 
     def _stage_parts(self, loads: Mapping[str, Sequence[float]]) -> tuple[np.ndarray, np.ndarray]:
         """Per sequence and stage, its share of a micro-batch's forward and backward seconds
-        beyond the fixed part."""
+        beyond the fixed part (a micro-batch's time is the fixed part plus its sequences')."""
         count, stages = self.layout.global_batch, len(self.stages)
         fwd, bwd = np.zeros((count, stages)), np.zeros((count, stages))
         for unit in self.units:
@@ -143,21 +128,28 @@ class Balancer:
                 bwd[:, s] += dict(stage.bwd_per_load).get(unit, 0.0) * column
         return fwd, bwd
 
+    def _times(self, microbatches: list[list[int]], fwd: np.ndarray, bwd: np.ndarray) -> list[StageTimes]:
+        """Each micro-batch's stage times, from its sequences' parts (_stage_parts)."""
+        rows = np.array(microbatches)
+        forward = (self._fixed_fwd + fwd[rows].sum(axis=1)).tolist()
+        backward = (self._fixed_bwd + bwd[rows].sum(axis=1)).tolist()
+        return [StageTimes(tuple(f), tuple(b)) for f, b in zip(forward, backward)]
+
+    @functools.cached_property
+    def _fixed_fwd(self) -> np.ndarray:
+        return np.array([stage.fwd for stage in self.stages])
+
+    @functools.cached_property
+    def _fixed_bwd(self) -> np.ndarray:
+        return np.array([stage.bwd for stage in self.stages])
+
     def _cut(self, members: list[int]) -> list[list[int]]:
         b = self.layout.micro_batch
         return [members[i : i + b] for i in range(0, len(members), b)]
 
     def _ordered(self, microbatches: list[list[int]], fwd: np.ndarray, bwd: np.ndarray) -> list[list[int]]:
-        """Algorithm 3's order of a replica's micro-batches, timed by their sequences' parts."""
-        fixed_fwd = np.array([stage.fwd for stage in self.stages])
-        fixed_bwd = np.array([stage.bwd for stage in self.stages])
-        rows = np.array(microbatches)
-        times = [
-            StageTimes(tuple(f), tuple(b))
-            for f, b in zip((fixed_fwd + fwd[rows].sum(axis=1)).tolist(), (fixed_bwd + bwd[rows].sum(axis=1)).tolist())
-        ]
-        order = inter_reorder(times)
-        return [microbatches[i] for i in order]
+        """Algorithm 3's order of a replica's micro-batches."""
+        return [microbatches[i] for i in inter_reorder(self._times(microbatches, fwd, bwd))]
 
     def _positions(self, replicas: list[list[list[int]]]) -> tuple[int, ...]:
         positions = [0] * self.layout.global_batch

@@ -159,8 +159,8 @@ def on_the_data(plan: Plan, request: PlanRequest) -> Plan:
         sequence_loads = loads.of(unit)
         assert sequence_loads is not None, f"{unit} works per image"
         by_sequence[unit] = sequence_loads
-    balancing = Balancing(policy, Balancer(batch, stage_costs(program, request, per_image)))
-    order = balancing.order(by_sequence)
+    balancing = None if policy == "none" else Balancing(policy, Balancer(batch, stage_costs(program, request, per_image)))
+    order = tuple(range(train.global_batch)) if balancing is None else balancing.order(by_sequence)
     by_unit = {unit: replica_loads(by_sequence[unit], batch, order) for unit in per_image}
     # A stage's ranks: tp x dp (a unit replicated over its stage's TP group splits rows there).
     mesh = megatron_mesh(first.mesh.size // (dp * first.mesh.degree("pp")), dp, len(program.classes))
@@ -178,7 +178,7 @@ def on_the_data(plan: Plan, request: PlanRequest) -> Plan:
     plan.sample_content = train.data
     plan.sample_images = loads.images
     plan.details["data"] = train.data
-    if policy != "none":
+    if balancing is not None:
         plan.sample_order, plan.balancing = order, balancing
         plan.details |= {"balance_policy": policy, "sample_order": list(order)}
     return plan
