@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     panels = [
         (f"{job.group}, {job.series}", load_trace(out / job.subdir / TRACE_FILE))
         for job in figure_jobs(spec)
-        if (out / job.subdir / TRACE_FILE).exists()
+        if not job.repeat and (out / job.subdir / TRACE_FILE).exists()
     ]
     path = out / f"{spec.name}_gantt.png"
     render(panels, path)

@@ -21,7 +21,11 @@ fastest that ran, for a baseline the paper pins down only partly, e.g. "PP > 1")
 (optional): {series: overrides of that series in this group only}, skip (optional: series
 not run in this group, e.g. a baseline the paper did not run there), paper: {series: value
 or [low, high]}, paper_extra (optional): {extra metric: {series: value}}}), extra_metrics
-(optional: more summary keys shown per row), notes (why the settings are what they are).
+(optional: more summary keys shown per row), timed (optional: {repeats: N, metrics: [...]}:
+every job runs N times and each of those metrics, a running time of this machine, is the
+least over the repeats, the measurement the machine's other load disturbed least; every
+other value is the first repeat's, and repeats that disagree on the iteration time are a
+failed row), notes (why the settings are what they are).
 
 results.json carries the preset's fingerprint (`preset_hash`, over every job's overrides
 and the reported metrics), so a reader can tell results of another version of the preset.
@@ -63,6 +67,8 @@ class SweepSpec:
     extra_metrics: list[str] = field(default_factory=list)
     variants: dict[str, list[list[str]]] = field(default_factory=dict)  # series -> fastest_of
     labels: dict[str, str] = field(default_factory=dict)
+    repeats: int = 1
+    timed_metrics: list[str] = field(default_factory=list)
 
     def label(self, series: str) -> str:
         return self.labels.get(series, series)
@@ -81,6 +87,20 @@ def _series(name: str, raw: Any, sweep: str) -> tuple[list[str], list[list[str]]
     return list(raw.get("overrides") or []), variants
 
 
+def _timed(raw: Any, sweep: str) -> tuple[int, list[str]]:
+    """A sweep's repeats and the running-time metrics taken as their least."""
+    if raw is None:
+        return 1, []
+    if not isinstance(raw, dict) or set(raw) != {"repeats", "metrics"}:
+        raise ConfigError(f"sweep {sweep}: timed must be {{repeats: N, metrics: [...]}}, got {raw!r}")
+    repeats, metrics = raw["repeats"], raw["metrics"]
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 2:
+        raise ConfigError(f"sweep {sweep}: timed.repeats={repeats!r} must be an integer of at least 2")
+    if not metrics or not isinstance(metrics, list) or not all(isinstance(m, str) for m in metrics):
+        raise ConfigError(f"sweep {sweep}: timed.metrics={metrics!r} must name at least one summary key")
+    return repeats, list(metrics)
+
+
 def load_sweep(path: Path) -> SweepSpec:
     raw = yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # libyaml: the scorecard reads every sweep
     required = ("name", "title", "source", "metric", "series", "groups")
@@ -88,6 +108,7 @@ def load_sweep(path: Path) -> SweepSpec:
     if missing:
         raise ConfigError(f"sweep {path} lacks {missing}")
     series = {name: _series(name, value, raw["name"]) for name, value in raw["series"].items()}
+    repeats, timed_metrics = _timed(raw.get("timed"), raw["name"])
     spec = SweepSpec(
         name=raw["name"],
         title=raw["title"],
@@ -102,6 +123,8 @@ def load_sweep(path: Path) -> SweepSpec:
         extra_metrics=list(raw.get("extra_metrics", [])),
         variants={name: variants for name, (_, variants) in series.items() if variants},
         labels=dict(raw.get("labels") or {}),
+        repeats=repeats,
+        timed_metrics=timed_metrics,
     )
     if spec.normalize and spec.normalize.get("by") not in spec.series:
         raise ConfigError(f"sweep {spec.name}: normalize.by={spec.normalize.get('by')!r} is not a series ({sorted(spec.series)})")
@@ -131,12 +154,13 @@ class FigureJob:
     group: str
     series: str
     overrides: tuple[str, ...]
-    subdir: str  # short and unique: the job's index and its series (and variant)
+    subdir: str  # short and unique: the job's index and its series (and variant, and repeat)
     variant: int | None = None  # index into the series' fastest_of
+    repeat: int = 0  # which of the sweep's timed repeats
 
     @property
-    def key(self) -> tuple[str, str, int | None]:
-        return (self.group, self.series, self.variant)
+    def key(self) -> JobKey:
+        return (self.group, self.series, self.variant, self.repeat)
 
 
 def group_series(spec: SweepSpec, group: dict[str, Any]) -> list[str]:
@@ -158,7 +182,10 @@ def figure_jobs(spec: SweepSpec) -> list[FigureJob]:
             variants: list[tuple[int | None, list[str]]] = list(enumerate(spec.variants.get(series, []))) or [(None, [])]
             for variant, extra in variants:
                 suffix = "" if variant is None else f"_{variant}"
-                jobs.append(FigureJob(group["label"], series, tuple(overrides + extra), f"{len(jobs):02d}_{series}{suffix}", variant))
+                subdir = f"{len(jobs):02d}_{series}{suffix}"
+                for repeat in range(spec.repeats):
+                    again = f"_r{repeat}" if repeat else ""
+                    jobs.append(FigureJob(group["label"], series, tuple(overrides + extra), subdir + again, variant, repeat))
     return jobs
 
 
@@ -169,6 +196,7 @@ def preset_hash(spec: SweepSpec) -> str:
         "metric": spec.metric,
         "normalize": spec.normalize,
         "extra_metrics": spec.extra_metrics,
+        **({"timed": {"repeats": spec.repeats, "metrics": spec.timed_metrics}} if spec.timed_metrics else {}),
     }
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -219,14 +247,42 @@ def plan_text(facts: dict[str, dict[str, Any]]) -> str:
 
 
 Outcome = dict[str, Any]
+JobKey = tuple[str, str, int | None, int]  # group, series, variant, repeat
 
 
-def chosen_outcomes(spec: SweepSpec, outcomes: dict[tuple[str, str, int | None], Outcome | None]) -> dict[tuple[str, str], Outcome]:
-    """Each (group, series)'s outcome: its job's, or for a series with variants the fastest
-    variant that ran (its index under 'variant'), else the first variant's failure."""
+def _with_value(summary: Outcome, dotted: str, value: Any) -> Outcome:
+    """A copy of a summary with one (dotted) key set, the dictionaries on its path copied."""
+    head, _, rest = dotted.partition(".")
+    return {**summary, head: _with_value(summary[head], rest, value) if rest else value}
+
+
+def _least_of_repeats(spec: SweepSpec, repeats: list[Outcome | None]) -> Outcome | None:
+    """One job's outcome from its repeats: the first that ran, each timed metric the least
+    over those that ran. Repeats that price another iteration are not one measurement."""
+    ran = [o for o in repeats if o is not None and "error" not in o]
+    if not ran:
+        return next((o for o in repeats if o is not None), None)
+    times = sorted({o["iteration_time_s"] for o in ran})
+    if len(times) > 1:
+        return {"error": f"the {len(ran)} timed repeats price different iterations ({times[0]:g} to {times[-1]:g} s)"}
+    merged = ran[0]
+    for metric in spec.timed_metrics:
+        values = [lookup_or_none(o, metric) for o in ran]
+        if all(v is not None for v in values):
+            merged = _with_value(merged, metric, min(values))
+    return {**merged, "timed_repeats": len(ran)}
+
+
+def chosen_outcomes(spec: SweepSpec, outcomes: dict[JobKey, Outcome | None]) -> dict[tuple[str, str], Outcome]:
+    """Each (group, series)'s outcome: its job's (the least of its timed repeats), or for a
+    series with variants the fastest variant that ran (its index under 'variant'), else the
+    first variant's failure."""
     chosen: dict[tuple[str, str], Outcome] = {}
     for job in figure_jobs(spec):
-        outcome = outcomes.get(job.key) or {"error": "did not finish"}
+        if job.repeat:
+            continue
+        repeats = [outcomes.get((job.group, job.series, job.variant, r)) for r in range(spec.repeats)]
+        outcome = _least_of_repeats(spec, repeats) or {"error": "did not finish"}
         if job.variant is not None and "error" not in outcome:
             outcome = {**outcome, "variant": job.variant}
         held = chosen.get((job.group, job.series))
@@ -237,7 +293,7 @@ def chosen_outcomes(spec: SweepSpec, outcomes: dict[tuple[str, str, int | None],
     return chosen
 
 
-def write_report(spec: SweepSpec, outcomes: dict[tuple[str, str, int | None], Outcome | None], out: Path) -> str:
+def write_report(spec: SweepSpec, outcomes: dict[JobKey, Outcome | None], out: Path) -> str:
     """results.json, results.md and the plot of a figure from its jobs' outcomes (keyed by
     FigureJob.key: a summary, an error, or None for a job that never finished); returns
     the table."""
@@ -276,6 +332,8 @@ def write_report(spec: SweepSpec, outcomes: dict[tuple[str, str, int | None], Ou
                 for key in spec.extra_metrics:
                     row[key] = lookup_or_none(summary, key)
                 row["plan"] = {u: plan_facts(p) for u, p in summary["plan"]["units"].items()}
+                if "timed_repeats" in summary:
+                    row["timed_repeats"] = summary["timed_repeats"]
                 if "variant" in summary:
                     row["variant"] = spec.variants[series][summary["variant"]]
             results["rows"].append(row)
@@ -315,6 +373,8 @@ def markdown_table(spec: SweepSpec, results: dict[str, Any]) -> str:
         ]
         label = spec.label(row["series"])
         lines.append("| " + " | ".join([row["group"], label, ours, _paper_text(row["paper"]), gap] + extras + [plan]) + " |")
+    if spec.timed_metrics:
+        lines += ["", f"Running times ({', '.join(spec.timed_metrics)}): the least of {spec.repeats} runs of each job."]
     if spec.notes:
         lines += ["", "## Notes", "", spec.notes.strip()]
     return "\n".join(lines) + "\n"

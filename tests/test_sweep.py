@@ -163,3 +163,44 @@ def test_fastest_of_runs_every_variant_and_keeps_the_fastest_skip_runs_none(tmp_
     sweep["groups"][0]["overrides"] = ["model.layers=2"]  # another version of the preset
     path.write_text(yaml.safe_dump(sweep))
     assert preset_hash(load_sweep(path)) != results["preset_hash"]
+
+
+def test_timed_repeats_take_the_least_running_time_and_refuse_repeats_that_disagree(tmp_path: Path) -> None:
+    from src.errors import ConfigError
+    from src.sweep import figure_jobs, load_sweep, write_report
+
+    sweep = {
+        "name": "timed",
+        "title": "timed",
+        "source": "a test",
+        "metric": "plan.search.solve_cpu_s",
+        "extra_metrics": ["plan.search.solved"],
+        "timed": {"repeats": 3, "metrics": ["plan.search.solve_cpu_s"]},
+        "base": ["model=gpt"],
+        "series": {"s": ["strategy=ddp"]},
+        "groups": [{"label": "g"}],
+    }
+    path = tmp_path / "timed.yaml"
+    path.write_text(yaml.safe_dump(sweep))
+    spec = load_sweep(path)
+    jobs = figure_jobs(spec)
+    assert [(j.subdir, j.repeat) for j in jobs] == [("00_s", 0), ("00_s_r1", 1), ("00_s_r2", 2)]
+    assert len({j.overrides for j in jobs}) == 1
+
+    def summary(cpu: float, iteration: float = 2.0) -> dict:
+        units = {"llm": {"dp": 1, "tp": 1, "pp": 1, "micro_batch": 1}}
+        return {"iteration_time_s": iteration, "plan": {"units": units, "search": {"solve_cpu_s": cpu, "solved": 7}}}
+
+    outcomes = {jobs[0].key: summary(0.16), jobs[1].key: summary(0.14), jobs[2].key: {"error": "killed"}}
+    table = write_report(spec, outcomes, tmp_path / "out")
+    row = json.loads((tmp_path / "out" / "results.json").read_text())["rows"][0]
+    assert row["value"] == 0.14 and row["plan.search.solved"] == 7 and row["timed_repeats"] == 2
+    assert "the least of 3 runs of each job" in table
+    outcomes[jobs[2].key] = summary(0.12, iteration=2.5)  # a repeat that priced another iteration
+    write_report(spec, outcomes, tmp_path / "out")
+    row = json.loads((tmp_path / "out" / "results.json").read_text())["rows"][0]
+    assert row["value"] is None and "price different iterations" in row["error"]
+    for bad in ({"repeats": 1, "metrics": ["x"]}, {"repeats": 3, "metrics": []}, {"repeats": 3}):
+        path.write_text(yaml.safe_dump({**sweep, "timed": bad}))
+        with pytest.raises(ConfigError, match="timed"):
+            load_sweep(path)

@@ -473,6 +473,8 @@ def job_overrides(spec: SweepSpec, group: str, series: str) -> list[dict[str, st
     if id(spec) not in _JOBS:  # a spec is loaded once per Presets; its jobs are read many times
         jobs: dict[tuple[str, str], list[dict[str, str]]] = {}
         for job in figure_jobs(spec):
+            if job.repeat:  # a timed repeat runs its job's overrides again
+                continue
             overrides = {key: value for key, _, value in (o.partition("=") for o in job.overrides)}
             jobs.setdefault((job.group, job.series), []).append(overrides)
         _JOBS[id(spec)] = (spec, jobs)
