@@ -4,7 +4,7 @@ for MLLM-9B/15B/72B on 1152 A800s, batch 1920 (DistTrain's Figure 15 sizes). Tar
 
 - Megatron-LM: the plan's own balancer (src/data/balance.py) on the plan's pipeline, placing
   the batch's 1920 sequences over its replicas and micro-batches;
-- DistTrain: its sequence assignment (strategies/disttrain/data.py) for the orchestration's
+- DistTrain: its reordering (src/data/disaggregated.py), as its plan carries it, for the orchestration's
   best choice, the policy as DistTrain's reordering.
 
 Each figure is the fastest of five runs by CPU time (time.process_time), wall time beside it:
@@ -23,10 +23,11 @@ from typing import Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere: this repository's src
 
 from src.config import BALANCE_POLICIES, composed, options_from
+from src.data.balance import Balancing
 from src.data.loads import batch_loads
 from src.setup import LIMITS, Setup, plan_run, validate
 from src.strategies.base import PlanRequest
-from src.strategies.disttrain.data import BALANCE_REORDERS
+from src.data.disaggregated import BALANCE_REORDERS
 from src.strategies.disttrain.orchestration import UNITS, Orchestrator
 from src.strategies.disttrain.planner import DistTrainOptions
 from src.strategies.disttrain.profile import Profiler
@@ -55,7 +56,7 @@ def fastest(work: Callable[[], object]) -> tuple[float, float]:
 def megatron(model: str) -> dict[str, tuple[float, float]]:
     setup = configure(model, "strategy=megatron", "train.balance=cost")
     plan = plan_run(setup)
-    assert plan.balancing is not None, "an MLLM on interleaved data is balanced"
+    assert isinstance(plan.balancing, Balancing), "an MLLM on interleaved data is balanced"
     train = setup.train
     loads = batch_loads(setup.model, train.seed, train.global_batch, train.data, None)
     balancer = plan.balancing.balancer
@@ -80,8 +81,9 @@ def disttrain(model: str) -> dict[str, tuple[float, float]]:
     print(f"  disttrain {model}: " + ", ".join(f"{c.unit} dp {c.dp} pp {c.pp}" for c in best))
     out = {}
     for policy in BALANCE_POLICIES:
-        decision = Decision(request, orchestrator, loads, BALANCE_REORDERS[policy], opts.tp_overlap_chunks)
-        out[policy] = fastest(lambda: decision._assignment(best))
+        # What the plan carries and every step runs: its stage costs read once, the order per batch.
+        reordering = Decision(request, orchestrator, loads, BALANCE_REORDERS[policy], opts.tp_overlap_chunks)._reordering(best)
+        out[policy] = fastest(lambda: reordering.order({"encoder": loads.encoder, "generator": loads.generator}))
     return out
 
 

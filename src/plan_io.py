@@ -43,8 +43,9 @@ PLAN_FORMAT = "mmdist-plan"
 RUN_FORMAT = "mmdist-run"
 # 2: ZeRO-3 fetches and persistence threshold, MLLM image-side spread, priced sample images;
 # 3: run.json's backend.deepspeed and backend.contrastive (lr, weight_decay, adam_eps and
-# initial_loss_scale moved there); 4: a unit's tensor grid layout in one field (UnitPlan.grid)
-VERSION = 4
+# initial_loss_scale moved there); 4: a unit's tensor grid layout in one field (UnitPlan.grid);
+# 5: Plan.balancing names its kind (a pipeline's balancing policy or DistTrain's reordering)
+VERSION = 5
 HEADER = ("format", "version", "world_size")
 PLANNED_FROM = ("model", "strategy", "cluster", "train")  # the config groups a plan is made from
 

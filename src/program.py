@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Literal, Union
 
 from src.data.balance import Balancing
+from src.data.disaggregated import Reordering
 from src.mesh import ROWS, Mesh, Sharding
 
 Phase = Literal["fwd", "bwd", "bwd_input", "bwd_weight", "optimizer", "interaction"]
@@ -582,8 +583,9 @@ class Plan:
     # sample images, an MLLM's tar shards); None: the model's (loads against the batch's mean).
     images_per_sequence: float | None = None
     # Where set, the policy that placed sample_order (for the first step's batch) places every
-    # step's batch by that step's loads (train.balance on Megatron-LM's and ZeRO's pipelines).
-    balancing: Balancing | None = None
+    # step's batch by that step's loads (train.balance on Megatron-LM's and ZeRO's pipelines,
+    # DistTrain's reordering).
+    balancing: Balancing | Reordering | None = None
 
     def unit(self, name: str) -> UnitPlan:
         for unit_plan in self.units:

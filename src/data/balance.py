@@ -169,6 +169,10 @@ class Balancing:
     policy: str
     balancer: Balancer
 
+    @property
+    def units(self) -> tuple[str, ...]:
+        return self.balancer.units
+
     def order(self, loads: Mapping[str, Sequence[float]]) -> tuple[int, ...]:
         return self.balancer.order(self.policy, loads)
 

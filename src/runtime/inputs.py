@@ -19,6 +19,7 @@ import torch
 
 from src.batch_layout import BatchLayout
 from src.data.balance import Balancing
+from src.data.disaggregated import Reordering
 from src.data.interleaved import sampler
 from src.data.loads import image_loads, layout_loads
 from src.data.interleaved_mllm import InterleavedMLLM, image_tokens, token_mask
@@ -207,7 +208,7 @@ class StepSamples:
     global_batch: int
     reads: Mapping[str, tuple[BatchLayout, int]]
     order: tuple[int, ...] | None = None
-    balancing: Balancing | None = None
+    balancing: Balancing | Reordering | None = None
 
     def order_of(self, step: int) -> tuple[int, ...] | None:
         """The step's order: the plan's, or its balancing's on the step's sequences."""
@@ -222,7 +223,7 @@ class StepSamples:
         else:
             assert self.dataset.layouts is not None, "drawn images come from the sampler"
             loads = layout_loads(self.model, [self.dataset.layouts.layout(i) for i in indices])
-        return self.balancing.order({unit: loads.of(unit) or () for unit in self.balancing.balancer.units})
+        return self.balancing.order({unit: loads.of(unit) or () for unit in self.balancing.units})
 
     def step_samples(self, step: int) -> list[int]:
         """The indices of the step's samples, in data order."""

@@ -8,6 +8,7 @@ import pytest
 from src.runtime.inputs import StepSamples, dataset_for, rank_reads
 from src.setup import LIMITS, plan_run, validate
 from src.strategies.base import PlanRequest
+from src.strategies.disttrain.planner import plan_disttrain_batches
 from src.strategies.megatron.planner import plan_megatron_batches
 from tests.runtime.support import mllm_shard
 from tests.test_configs import compose_config
@@ -48,6 +49,22 @@ def test_each_step_is_placed_as_the_planner_places_that_batch():
     assert samples.order_of(1) != samples.order_of(0)  # a batch of other sequences, placed anew
 
 
+@pytest.mark.parametrize("reorder", ["both", "cost"])
+def test_disttrain_places_each_step_as_its_planner_reorders_that_batch(reorder):
+    """DistTrain reorders every global batch (its §6): the plan carries its reordering, and
+    each step is placed as the planner places that batch with the plan's degrees."""
+    base = [o for o in BASE if not o.startswith(("strategy", "train.balance"))]
+    setup = validate(compose_config(*base, "strategy=disttrain", "strategy.generator.pp=1", f"strategy.reorder={reorder}"))
+    plan = plan_run(setup)
+    assert plan.balancing is not None and plan.balancing.policy == reorder
+    samples = _samples(plan, setup, dataset_for(setup.model, setup.train.seed, "synthetic", content="interleaved"))
+    request = PlanRequest(setup.model, setup.cluster, setup.train, setup.config["strategy"], None, LIMITS["sim"])
+    first, *later = plan_disttrain_batches(request, (0, 1, 2))
+    assert samples.order_of(0) == plan.sample_order == first.sample_order
+    assert [samples.order_of(1), samples.order_of(2)] == [p.sample_order for p in later]
+    assert len({samples.order_of(s) for s in range(3)}) == 3  # each batch placed anew
+
+
 def test_on_shards_a_step_is_placed_by_the_images_its_samples_hold(tmp_path):
     mllm_shard(tmp_path / "shard-0.tar", [2, 1, 3, 0, 1, 2, 0, 0] + [0, 4, 1, 1, 0, 2, 1, 1])
     shards = f"{tmp_path}/shard-*.tar"
@@ -66,3 +83,10 @@ def test_a_plan_without_a_policy_keeps_its_order(balance):
     plan = plan_run(setup)
     samples = _samples(plan, setup, dataset_for(setup.model, setup.train.seed, "synthetic", content="interleaved"))
     assert plan.balancing is None and samples.order_of(0) is None and samples.order_of(3) is None
+
+
+def test_disttrain_in_data_order_carries_no_reordering():
+    base = [o for o in BASE if not o.startswith(("strategy", "train.balance"))]
+    setup = validate(compose_config(*base, "strategy=disttrain", "strategy.generator.pp=1", "strategy.reorder=none"))
+    plan = plan_run(setup)
+    assert plan.balancing is None and plan.sample_order == tuple(range(8))

@@ -31,7 +31,7 @@ from src.errors import ConfigError, PlanError
 from src.models.spec import ModelSpec
 from src.program import Plan, compress_ranks
 from src.strategies.base import PlanRequest, check_microbatch_count
-from src.strategies.disttrain.data import BALANCE_REORDERS, REORDERS
+from src.data.disaggregated import BALANCE_REORDERS, REORDERS
 from src.strategies.disttrain.orchestration import UNITS, Fixed, Orchestrator
 from src.strategies.disttrain.profile import Profiler
 from src.strategies.disttrain.search import RANKED, SIMULATED, Candidate, Decision, memory_problem
@@ -179,7 +179,7 @@ def plan_disttrain_batches(request: PlanRequest, batches: Sequence[int]) -> list
 
 def _plan(request: PlanRequest, opts: DistTrainOptions, loads: BatchLoads, best: Candidate, search: dict, relaxed_s: float) -> Plan:
     cluster, train = request.cluster, request.train
-    assert best.program is not None and best.assignment is not None
+    assert best.program is not None and best.assignment is not None and best.reordering is not None
     details = {
         "orchestration": opts.orchestration,
         "data": train.data,
@@ -209,6 +209,7 @@ def _plan(request: PlanRequest, opts: DistTrainOptions, loads: BatchLoads, best:
         sample_content=train.data,
         sample_images=loads.images if train.data == "interleaved" or request.sample_images is not None else None,
         images_per_sequence=None if request.sample_images is None else sum(loads.images) / len(loads.images),
+        balancing=None if opts.reorder == "none" else best.reordering,
     )
 
 

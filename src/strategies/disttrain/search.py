@@ -17,18 +17,16 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
-import numpy as np
 from src.data.loads import BatchLoads
 from src.cluster import GIB
 from src.costmodel.compute import ComputeModel
 from src.costmodel.memory import rank_memory
-from src.data.reorder import StageTimes
 from src.models.spec import ModelSpec
 from src.program import Program, UnitPlan, compress_ranks
 from src.schedules.pipeline import PipeOp
 from src.sim.engine import simulate
 from src.strategies.base import PlanRequest
-from src.strategies.disttrain.data import Assignment, assign, unit_loads
+from src.data.disaggregated import Assignment, Reordering, unit_loads
 from src.strategies.disttrain.orchestration import UNITS, Choice, Orchestrator, UnitChoice
 from src.strategies.disttrain.profile import StageArrays
 from src.strategies.disttrain.schedule import Chain, Deadlock, chain_orders
@@ -49,7 +47,8 @@ class Candidate:
     microbatches: int
     model_s: float  # the orchestration's 1F1B model
     origin: str  # which orchestration found it
-    assignment: Assignment | None = None
+    reordering: Reordering | None = None
+    assignment: Assignment | None = None  # the reordering on the batch's loads
     layouts: list[UnitLayout] = field(default_factory=list)
     estimate_s: float = math.inf  # timed with the batch's loads
     program: Program | None = None
@@ -99,7 +98,8 @@ class Decision:
         every micro-batch's load; infinite where a stage's memory does not hold the
         forwards its order keeps in flight."""
         choice, m = candidate.choice, candidate.microbatches
-        candidate.assignment = self._assignment(choice)
+        candidate.reordering = self._reordering(choice)
+        candidate.assignment = candidate.reordering.assignment(self.loads.encoder, self.loads.generator)
         candidate.layouts = [self._layout(c, candidate.assignment, m) for c in choice]
         chain = Chain(tuple((c.pp, c.setting.vpp) for c in choice))
         try:
@@ -198,25 +198,12 @@ class Decision:
             first += c.pp
         return True
 
-    def _assignment(self, choice: Choice) -> Assignment:
+    def _reordering(self, choice: Choice) -> Reordering:
         enc, llm, gen = choice
         stages = {c.unit: self.o.stages(c) for c in choice}
-        per_sequence = {c.unit: float(stages[c.unit].fb.sum()) / c.micro_batch for c in (enc, gen)}
-        loads = self.loads
-        seconds = np.column_stack(
-            [per_sequence["encoder"] * np.asarray(loads.encoder), per_sequence["generator"] * np.asarray(loads.generator)]
-        )
-
-        fwd_of = {u: stages[u].fwd.tolist() for u in UNITS}
-        bwd_of = {u: stages[u].bwd.tolist() for u in UNITS}
-
-        def slot_times(e: float, g: float) -> StageTimes:
-            scale = {"encoder": e, "llm": 1.0, "generator": g}
-            fwd = tuple(f * scale[u] for u in UNITS for f in fwd_of[u])
-            bwd = tuple(b * scale[u] for u in UNITS for b in bwd_of[u])
-            return StageTimes(fwd, bwd)
-
-        return assign(self.reorder, seconds, loads.encoder, loads.generator, llm.dp, enc.dp, gen.dp, slot_times)
+        per_sequence = (float(stages[enc.unit].fb.sum()) / enc.micro_batch, float(stages[gen.unit].fb.sum()) / gen.micro_batch)
+        fwd, bwd = (tuple(tuple(getattr(stages[u], phase).tolist()) for u in UNITS) for phase in ("fwd", "bwd"))
+        return Reordering(self.reorder, llm.dp, enc.dp, gen.dp, per_sequence, fwd, bwd)
 
     def _layout(self, c: UnitChoice, assignment: Assignment, m: int) -> UnitLayout:
         per_sequence = self.loads.of(c.unit)

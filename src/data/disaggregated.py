@@ -1,4 +1,5 @@
-"""Which sequence each position of DistTrain's global batch holds, and the loads that follow.
+"""Which sequence each position of a disaggregated MLLM's global batch holds (DistTrain's
+reorderings), and the loads that follow.
 
 Position p = j * DP_lm + r is LLM replica r's micro-batch j (micro-batches of one
 sequence); encoder replica e's micro-batch j holds positions j * DP_lm + e * b_me ...
@@ -20,13 +21,17 @@ once per step.
 - cost: the cost model's balance (src/data/balance.py, policy cost): vector LPT gives every
   LLM replica m sequences whose encoder seconds and generator seconds are balanced each on
   its own, not in sum; then inter.
+
+A plan carries its reordering (Reordering: the policy, the units' replicas and the stage
+costs it was decided on) so that the real backend places every step's batch the way the
+planner places that batch.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -48,6 +53,48 @@ class Assignment:
     def sequences(self, microbatch: int, first: int, count: int) -> tuple[int, ...]:
         start = microbatch * self.dp_lm + first
         return self.positions[start : start + count]
+
+
+@dataclass(frozen=True)
+class Reordering:
+    """A plan's reordering, redone on every step's batch. per_sequence: the encoder's and
+    the generator's seconds (forward and backward) per sequence at unit load; fwd, bwd:
+    every stage's seconds for one micro-batch at unit load, the encoder's stages, the
+    LLM's, then the generator's (a slot's encoder and generator stages scale with its load)."""
+
+    policy: str
+    dp_lm: int
+    dp_me: int
+    dp_mg: int
+    per_sequence: tuple[float, float]
+    fwd: tuple[tuple[float, ...], ...]
+    bwd: tuple[tuple[float, ...], ...]
+
+    def __post_init__(self) -> None:
+        if self.policy not in REORDERS:
+            raise ValueError(f"reordering {self.policy!r}: one of {list(REORDERS)}")
+        if len(self.fwd) != 3 or len(self.bwd) != 3:
+            raise ValueError(f"a reordering's stages are the encoder's, the LLM's and the generator's, not {len(self.fwd)} units")
+
+    @property
+    def units(self) -> tuple[str, ...]:
+        """The units whose loads place the batch."""
+        return ("encoder", "generator")
+
+    def order(self, loads: Mapping[str, Sequence[float]]) -> tuple[int, ...]:
+        """order[p]: which sequence (in data order) position p of the batch holds."""
+        return self.assignment(loads["encoder"], loads["generator"]).positions
+
+    def assignment(self, enc: Sequence[float], gen: Sequence[float]) -> Assignment:
+        seconds = np.column_stack([self.per_sequence[0] * np.asarray(enc), self.per_sequence[1] * np.asarray(gen)])
+
+        def slot_times(e: float, g: float) -> StageTimes:
+            scales = (e, 1.0, g)
+            fwd = tuple(f * scale for scale, stages in zip(scales, self.fwd) for f in stages)
+            bwd = tuple(b * scale for scale, stages in zip(scales, self.bwd) for b in stages)
+            return StageTimes(fwd, bwd)
+
+        return assign(self.policy, seconds, enc, gen, self.dp_lm, self.dp_me, self.dp_mg, slot_times)
 
 
 def unit_loads(assignment: Assignment, loads: Sequence[float], dp: int, microbatches: int) -> tuple[tuple[float, ...], ...]:
