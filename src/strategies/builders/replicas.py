@@ -16,7 +16,6 @@ builds its classes with its own sample order.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import replace
 from typing import Hashable, Mapping, Sequence
 
@@ -186,5 +185,15 @@ def on_the_data(plan: Plan, request: PlanRequest) -> Plan:
 
 def on_batches(plan: Plan, request: PlanRequest, batches: Sequence[int]) -> list[Plan]:
     """`plan` (at the mean load, as on_the_data takes it) priced on each of the workload's
-    global `batches`: its choices made once, as a run keeps them from step to step."""
-    return [on_the_data(copy.deepcopy(plan), replace(request, batch_index=batch)) for batch in batches]
+    global `batches`: its choices made once, as a run keeps them from step to step. The
+    first batch takes the plan itself, each other a copy made before it changes."""
+    plans = [plan] + [_to_place_again(plan) for _ in batches[1:]]
+    return [on_the_data(each, replace(request, batch_index=batch)) for each, batch in zip(plans, batches)]
+
+
+def _to_place_again(plan: Plan) -> Plan:
+    """A copy of `plan` that on_the_data may change without changing `plan`: it sets the
+    plan's fields and details, the program's classes and adds groups; instructions, units
+    and routes are read and replaced, never changed, so they are shared."""
+    program = replace(plan.program, classes=list(plan.program.classes), groups=dict(plan.program.groups))
+    return replace(plan, program=program, details=dict(plan.details))
