@@ -157,8 +157,13 @@ class _RoutePrices:
     def _hop_cost(self, route: Hop) -> float:
         cost = self._hop.get(route.name)
         if cost is None:
-            # The pairs of a hop move at once; the slowest one bounds the stage.
-            cost = self._hop[route.name] = max((self._cost(route, a, b, route.bytes) for a, b in zip(route.a, route.b)), default=0.0)
+            # The pairs of a hop move at once; the slowest one bounds the stage. A pair's
+            # time depends only on whether it stays on its rank and whether it leaves its
+            # node (CommModel.p2p_time): one pair of each kind is priced.
+            node_of = self.comm.cluster.node_of
+            kinds = {(a == b, node_of(a) != node_of(b)): (a, b) for a, b in zip(route.a, route.b)}
+            cost = self._hop[route.name] = max((self._cost(route, a, b, route.bytes) for a, b in kinds.values()), default=0.0)
+            self._hop_crosses[route.name] = any(crosses for _, crosses in kinds)
         return cost
 
     def _sender_class(self, route: Route, rank: int) -> int:
@@ -173,10 +178,7 @@ class _RoutePrices:
         ranks = state.program.ranks
         node_of = self.comm.cluster.node_of
         if isinstance(route, Hop):
-            crosses = self._hop_crosses.get(route.name)
-            if crosses is None:
-                crosses = self._hop_crosses[route.name] = any(node_of(a) != node_of(b) for a, b in zip(route.a, route.b))
-            return self._hop_cost(route), route.bytes * len(ranks), crosses
+            return self._hop_cost(route), route.bytes * len(ranks), self._hop_crosses[route.name]
         key = (route.name, state.index, payload)
         cached = self._send.get(key)
         if cached is None:
