@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -86,15 +86,48 @@ class Reordering:
         return self.assignment(loads["encoder"], loads["generator"]).positions
 
     def assignment(self, enc: Sequence[float], gen: Sequence[float]) -> Assignment:
+        """The positions of a batch's sequences (their encoder and generator loads)."""
         seconds = np.column_stack([self.per_sequence[0] * np.asarray(enc), self.per_sequence[1] * np.asarray(gen)])
+        count, dp_lm = len(seconds), self.dp_lm
+        sizes = seconds.sum(axis=1).tolist()
+        if self.policy in ("intra", "both"):
+            groups = [sorted(g) for g in lpt(sizes, dp_lm, equal_count=True)]
+        elif self.policy == "cost":
+            groups = vector_lpt(seconds, range(count), dp_lm)
+        else:
+            groups = [list(range(r, count, dp_lm)) for r in range(dp_lm)]  # replica r's data-order sequences
+        if self.policy in ("inter", "both", "cost"):
+            groups = self._inter(groups, sizes, enc, gen)
+        positions = [0] * count
+        for r, members in enumerate(groups):
+            for j, sequence in enumerate(members):
+                positions[j * dp_lm + r] = sequence
+        return Assignment(tuple(positions), dp_lm)
 
-        def slot_times(e: float, g: float) -> StageTimes:
-            scales = (e, 1.0, g)
-            fwd = tuple(f * scale for scale, stages in zip(scales, self.fwd) for f in stages)
-            bwd = tuple(b * scale for scale, stages in zip(scales, self.bwd) for b in stages)
-            return StageTimes(fwd, bwd)
+    def _slot_times(self, enc: float, gen: float) -> StageTimes:
+        """A micro-batch slot's stage times at its encoder and generator loads."""
+        scales = (enc, 1.0, gen)
+        fwd = tuple(f * scale for scale, stages in zip(scales, self.fwd) for f in stages)
+        bwd = tuple(b * scale for scale, stages in zip(scales, self.bwd) for b in stages)
+        return StageTimes(fwd, bwd)
 
-        return assign(self.policy, seconds, enc, gen, self.dp_lm, self.dp_me, self.dp_mg, slot_times)
+    def _inter(self, groups: list[list[int]], sizes: Sequence[float], enc: Sequence[float], gen: Sequence[float]) -> list[list[int]]:
+        """Algorithm 3 over each pipeline of LLM replicas joined through a shared encoder or
+        generator replica, on its slots' stage times (a slot's unit takes its slowest replica's load)."""
+        b_me, b_mg = self.dp_lm // self.dp_me, self.dp_lm // self.dp_mg
+        width = b_me * b_mg // math.gcd(b_me, b_mg)
+        out = [list(g) for g in groups]
+        for first in range(0, self.dp_lm, width):
+            members = [sorted(out[r], key=lambda s: (-sizes[s], s)) for r in range(first, first + width)]
+            slots = list(zip(*members))
+
+            def worst(slot: tuple[int, ...], loads: Sequence[float], b: int) -> float:
+                return max(sum(loads[s] for s in slot[i : i + b]) / b for i in range(0, width, b))
+
+            order = inter_reorder([self._slot_times(worst(slot, enc, b_me), worst(slot, gen, b_mg)) for slot in slots])
+            for k, r in enumerate(range(first, first + width)):
+                out[r] = [slots[i][k] for i in order]
+        return out
 
 
 def unit_loads(assignment: Assignment, loads: Sequence[float], dp: int, microbatches: int) -> tuple[tuple[float, ...], ...]:
@@ -102,60 +135,3 @@ def unit_loads(assignment: Assignment, loads: Sequence[float], dp: int, microbat
     sequences its micro-batch holds."""
     b = assignment.dp_lm // dp
     return tuple(tuple(sum(loads[s] for s in assignment.sequences(j, d * b, b)) / b for j in range(microbatches)) for d in range(dp))
-
-
-def assign(
-    reorder: str,
-    seconds: np.ndarray,
-    enc: Sequence[float],
-    gen: Sequence[float],
-    dp_lm: int,
-    dp_me: int,
-    dp_mg: int,
-    slot_times: Callable[[float, float], StageTimes],
-) -> Assignment:
-    """The positions of a batch's sequences under a reordering. seconds[q]: sequence q's
-    encoder and generator seconds; enc, gen: its loads; slot_times(enc load, gen load):
-    a micro-batch slot's stage times."""
-    count = len(seconds)
-    sizes = seconds.sum(axis=1).tolist()
-    if reorder in ("intra", "both"):
-        groups = [sorted(g) for g in lpt(sizes, dp_lm, equal_count=True)]
-    elif reorder == "cost":
-        groups = vector_lpt(seconds, range(count), dp_lm)
-    else:
-        groups = [list(range(r, count, dp_lm)) for r in range(dp_lm)]  # replica r's data-order sequences
-    if reorder in ("inter", "both", "cost"):
-        groups = _inter(groups, sizes, enc, gen, dp_lm, dp_me, dp_mg, slot_times)
-    positions = [0] * count
-    for r, members in enumerate(groups):
-        for j, sequence in enumerate(members):
-            positions[j * dp_lm + r] = sequence
-    return Assignment(tuple(positions), dp_lm)
-
-
-def _inter(
-    groups: list[list[int]],
-    sizes: Sequence[float],
-    enc: Sequence[float],
-    gen: Sequence[float],
-    dp_lm: int,
-    dp_me: int,
-    dp_mg: int,
-    slot_times: Callable[[float, float], StageTimes],
-) -> list[list[int]]:
-    b_me, b_mg = dp_lm // dp_me, dp_lm // dp_mg
-    width = b_me * b_mg // math.gcd(b_me, b_mg)
-    out = [list(g) for g in groups]
-    for first in range(0, dp_lm, width):
-        members = [sorted(out[r], key=lambda s: (-sizes[s], s)) for r in range(first, first + width)]
-        slots = list(zip(*members))
-
-        def worst(slot: tuple[int, ...], loads: Sequence[float], b: int) -> float:
-            return max(sum(loads[s] for s in slot[i : i + b]) / b for i in range(0, width, b))
-
-        times = [slot_times(worst(slot, enc, b_me), worst(slot, gen, b_mg)) for slot in slots]
-        order = inter_reorder(times)
-        for k, r in enumerate(range(first, first + width)):
-            out[r] = [slots[i][k] for i in order]
-    return out
