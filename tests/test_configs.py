@@ -10,10 +10,9 @@ default), the numbers positive, the sources given.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import functools
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +23,13 @@ from omegaconf import OmegaConf
 from src.errors import ConfigError
 from src.cluster import FLOAT_FIELDS, ClusterSpec, cluster_from_config, unsourced
 from src.config import PRECISIONS, TrainSpec, options_from, train_from_config
+from src.config import composed as hydra_composed
 from src.models.registry import MODEL_NAMES, build_model
 from src.models.spec import ModelSpec
 from src.setup import validate
 from src.sweep import figure_jobs, find_sweep_file, load_sweep
 from src.strategies import STRATEGIES, planner_for
+from tests.composing import composed
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 GROUPS = ("model", "strategy", "cluster", "backend", "logger")
@@ -38,17 +39,10 @@ def options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 
 
-@functools.lru_cache(maxsize=None)
-def _composed(overrides: tuple[str, ...]) -> dict[str, Any]:
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        cfg = compose(config_name="config", overrides=list(overrides))
-    return OmegaConf.to_container(cfg, resolve=True)
-
-
 def compose_config(*overrides: str) -> dict[str, Any]:
-    """The run's config as a plain dict, resolved, exactly as run.py gets it (a fresh
-    copy of a cached composition: composing is the slow part of these tests)."""
-    return copy.deepcopy(_composed(tuple(overrides)))
+    """The run's config as a plain dict, resolved, exactly as run.py gets it (a fresh one
+    each call; tests/composing.py composes each set of group choices once)."""
+    return composed(overrides)
 
 
 def strategy_options(name: str) -> type:
@@ -174,16 +168,16 @@ def test_logger_option(name: str) -> None:
 def _compose_figure_jobs(name: str, every: bool) -> None:
     # An experiment is a Hydra preset over the sweeper: its figure's sweep file loads, and
     # each job of the figure composes and validates as the multirun will run it (Hydra
-    # composes one in about 75 ms: the 264 jobs of the 20 figures take 20 s).
+    # composes one in about 0.3 s; tests/composing.py, which composes the jobs, reuses each
+    # set of group choices).
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         cfg = compose(config_name="config", overrides=[f"+experiment={name}"], return_hydra_config=True)
         assert cfg.hydra.sweeper._target_.endswith("FigureSweeper")
         spec = load_sweep(find_sweep_file(cfg.hydra.sweeper.figure))
         assert spec.name == name and cfg.hydra.sweep.dir.endswith(f"figures/{name}")
         jobs = figure_jobs(spec)
-        for job in jobs if every else jobs[:1] + jobs[1:][-1:]:
-            job_cfg = compose(config_name="config", overrides=[f"+experiment={name}", *job.overrides])
-            validate(OmegaConf.to_container(job_cfg, resolve=True))
+    for job in jobs if every else jobs[:1] + jobs[1:][-1:]:
+        validate(composed([f"+experiment={name}", *job.overrides]))
 
 
 @pytest.mark.parametrize("name", options("experiment"))
@@ -200,6 +194,30 @@ def test_experiment_preset_composes_a_figure_and_its_jobs(name: str) -> None:
 def test_every_figure_has_an_experiment_preset() -> None:
     figures = sorted(load_sweep(path).name for path in (CONF.parent / "sweeps").glob("*.yaml"))
     assert figures == options("experiment")
+
+
+COMPOSING = [
+    [],
+    ["model=gpt", "model.layers=4", "strategy=megatron", "strategy.tp=1", "backend=torch", "cluster=local", "logger=none"],
+    ["strategy=par4d", "strategy.grid=[2,2,1,1]", "model=unet", "model.channel_mult=[1,2]", "~model.preset"],
+    ["+experiment=par4d_fig3_overlaps", "model.scale=tiny"],
+    ["train.global_batch=8", "cluster.nodes=2"],
+]
+
+
+@pytest.mark.parametrize("overrides", COMPOSING, ids=lambda o: " ".join(o) or "defaults")
+def test_the_tests_composing_is_hydra_s(overrides: list[str]) -> None:
+    """tests/composing.py's shortcut (group choices composed once, value overrides applied to
+    a copy) gives what Hydra's full composition gives, twice in a row (the cache stays intact)."""
+    assert composed(overrides) == composed(overrides) == hydra_composed(overrides)
+
+
+@pytest.mark.parametrize("bad", [["model.layer=4"], ["model=gpt", "strategy.tp=[1"]])
+def test_the_tests_composing_refuses_what_hydra_refuses(bad: list[str]) -> None:
+    with pytest.raises(Exception) as hydra_refusal:
+        hydra_composed(bad)
+    with pytest.raises(type(hydra_refusal.value), match=re.escape(str(hydra_refusal.value))):
+        composed(bad)
 
 
 def test_default_config_is_clip_megatron_on_p3() -> None:

@@ -9,8 +9,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 from src.costmodel.comm import CommModel
 from src.costmodel.compute import ComputeModel
@@ -31,8 +29,8 @@ from src.strategies.optimus.encoder import EncoderPlan, Layout
 from src.strategies.optimus.scheduler import partitions, spread
 from src.strategies.optimus.timeline import EPS, makespan, warmup_counts
 from src.config import options_from
+from tests.composing import composed
 
-ROOT = Path(__file__).resolve().parents[3]
 # 64 H100s, GPT-11B + ViT-3B, the LLM's plan by hand (Table 11's model A shape): 32
 # micro-batches per pipeline, eight encoder pipelines (PP_enc 4, TP_enc 1) per LLM pipeline.
 SMALL = [
@@ -62,9 +60,7 @@ MODEL_A = [
 
 
 def setup(*overrides: str) -> Setup:
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        cfg = compose(config_name="config", overrides=["model=optimus", "strategy=optimus", "logger=none", *overrides])
-    return validate(OmegaConf.to_container(cfg, resolve=True))
+    return validate(composed(["model=optimus", "strategy=optimus", "logger=none", *overrides]))
 
 
 def candidate(s: Setup, pp: int, tp: int, zero_stage: int = 0):
