@@ -5,9 +5,11 @@ Hydra composes a config in two steps: the group choices (model=clip, strategy=dd
 the files it merges, then the value overrides (model.scale=tiny, ...) are applied to the
 merged config, in struct mode, by Hydra's own `_apply_overrides_to_config`. The first step
 reads and merges a dozen YAML files (a third of a second on CI's cores) and most tests share
-their group choices; so it is done once per distinct set of choices, and each call applies its
-value overrides, with Hydra's own function, to a copy. tests/test_configs.py checks the result
-equals `src.config.composed` on override lists of every kind."""
+their group choices; so it is done once per group choice (the defaults' config with each
+chosen group's node swapped in) or, for choices of another kind (`+experiment=`, Hydra's
+own), once per distinct set, and each call applies its value overrides, with Hydra's own
+function, to a copy. tests/test_configs.py checks the result equals `src.config.composed`
+on override lists of every kind."""
 
 from __future__ import annotations
 
@@ -30,6 +32,11 @@ def _parser() -> OverridesParser:
     return OverridesParser.create()
 
 
+# conf/config.yaml's groups: each file fills its own node only (no `@package`) and refers to
+# no other node, so a set of choices composes group by group.
+OWN_PACKAGES = ("model", "strategy", "cluster", "backend", "logger")
+
+
 def _is_group(override: Override) -> bool:
     """Whether Hydra reads `override` as a group choice (a folder of conf/, or one of Hydra's own)."""
     key = override.key_or_group
@@ -43,7 +50,14 @@ def _compose(config_name: str, overrides: list[str]) -> DictConfig:
 
 @functools.lru_cache(maxsize=None)
 def _choices_composed(config_name: str, choices: tuple[str, ...]) -> DictConfig:
-    return _compose(config_name, list(choices))
+    groups = [choice.partition("=")[0] for choice in choices]
+    if config_name != "config" or len(choices) < 2 or not set(groups) <= set(OWN_PACKAGES) or len(set(groups)) < len(groups):
+        return _compose(config_name, list(choices))
+    # Each choice replaces its group's node of the defaults' config (none reaches another's).
+    config = copy.deepcopy(_choices_composed(config_name, ()))
+    for group, choice in zip(groups, choices):
+        config[group] = copy.deepcopy(_choices_composed(config_name, (choice,))[group])
+    return config
 
 
 def composed(overrides: Iterable[str], config_name: str = "config") -> dict[str, Any]:

@@ -206,6 +206,8 @@ COMPOSING = [
     ["strategy=par4d", "strategy.grid=[2,2,1,1]", "model=unet", "model.channel_mult=[1,2]", "~model.preset"],
     ["+experiment=par4d_fig3_overlaps", "model.scale=tiny"],
     ["train.global_batch=8", "cluster.nodes=2"],
+    ["logger=none", "cluster=a800", "strategy=disttrain", "model=mllm_9b", "backend=torch", "strategy.llm.tp=2"],
+    ["model=gpt", "model=unet", "strategy=par4d"],
 ]
 
 
