@@ -165,34 +165,54 @@ def test_logger_option(name: str) -> None:
         assert config["logger"]["mode"] is None
 
 
-def _compose_figure_jobs(name: str, every: bool) -> None:
-    # An experiment is a Hydra preset over the sweeper: its figure's sweep file loads, and
-    # each job of the figure composes and validates as the multirun will run it.
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        cfg = compose(config_name="config", overrides=[f"+experiment={name}"], return_hydra_config=True)
-        assert cfg.hydra.sweeper._target_.endswith("FigureSweeper")
-        spec = load_sweep(find_sweep_file(cfg.hydra.sweeper.figure))
-        assert spec.name == name and cfg.hydra.sweep.dir.endswith(f"figures/{name}")
-        jobs = figure_jobs(spec)
-    with open_dict(cfg):
-        del cfg["hydra"]
-    # A preset that sets nothing outside Hydra's settings leaves each job's config what the
-    # job's overrides alone compose (and tests/composing.py composes those once for all the
-    # figures sharing their group choices).
-    preset = [] if OmegaConf.to_container(cfg, resolve=True) == composed([]) else [f"+experiment={name}"]
+def _validate_jobs(name: str, figure: str, sweep_dir: str, preset: list[str], every: bool) -> None:
+    """The figure's sweep file loads, and each job of the figure (or its first and last)
+    composes and validates as the multirun will run it."""
+    spec = load_sweep(find_sweep_file(figure))
+    assert spec.name == name and sweep_dir.endswith(f"figures/{name}")
+    jobs = figure_jobs(spec)
     for job in jobs if every else jobs[:1] + jobs[1:][-1:]:
         validate(composed([*preset, *job.overrides]))
 
 
+def _composed_preset(name: str) -> tuple[str, str, list[str]]:
+    """An experiment is a Hydra preset over the sweeper: composed by Hydra, its figure, its
+    sweep directory, and what its jobs compose with (nothing where it sets nothing outside
+    Hydra's settings: then tests/composing.py composes each job's groups once for all figures)."""
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        cfg = compose(config_name="config", overrides=[f"+experiment={name}"], return_hydra_config=True)
+    assert cfg.hydra.sweeper._target_.endswith("FigureSweeper")
+    figure, sweep_dir = cfg.hydra.sweeper.figure, cfg.hydra.sweep.dir
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return figure, sweep_dir, [] if OmegaConf.to_container(cfg, resolve=True) == composed([]) else [f"+experiment={name}"]
+
+
+def _preset_file(name: str) -> tuple[str, str, list[str]]:
+    """What _composed_preset finds, read from the preset's file (Hydra's composition costs 0.3 s
+    a preset: the quick tier composes one, test_an_experiment_preset_s_file_is_what_hydra_composes)."""
+    raw = OmegaConf.to_container(OmegaConf.load(CONF / "experiment" / f"{name}.yaml"))
+    assert {"override /hydra/sweeper": "figure"} in raw["defaults"], raw["defaults"]
+    figure, sweep_dir = raw["hydra"]["sweeper"]["figure"], raw["hydra"]["sweep"]["dir"]
+    return figure, sweep_dir, [] if set(raw) == {"defaults", "hydra"} else [f"+experiment={name}"]
+
+
+def test_an_experiment_preset_s_file_is_what_hydra_composes() -> None:
+    name = options("experiment")[0]
+    figure, sweep_dir, preset = _composed_preset(name)
+    read = _preset_file(name)
+    assert (figure, preset) == (read[0], read[2]) and sweep_dir == read[1].replace("${run.out_root}", "outputs")
+
+
 @pytest.mark.parametrize("name", options("experiment"))
 def test_experiment_preset_composes_a_figure_and_its_first_and_last_jobs(name: str) -> None:
-    _compose_figure_jobs(name, every=False)
+    _validate_jobs(name, *_preset_file(name), every=False)
 
 
-@pytest.mark.slow  # long, not a process: every job of every figure
+@pytest.mark.slow  # long, not a process: every job of every figure, each preset composed by Hydra
 @pytest.mark.parametrize("name", options("experiment"))
 def test_experiment_preset_composes_a_figure_and_its_jobs(name: str) -> None:
-    _compose_figure_jobs(name, every=True)
+    _validate_jobs(name, *_composed_preset(name), every=True)
 
 
 def test_every_figure_has_an_experiment_preset() -> None:
