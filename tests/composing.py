@@ -62,11 +62,15 @@ def _choices_composed(config_name: str, choices: tuple[str, ...]) -> DictConfig:
 
 def composed(overrides: Iterable[str], config_name: str = "config") -> dict[str, Any]:
     """`src.config.composed(overrides)` (or conf/<config_name>.yaml composed with them):
-    the same plain, resolved config, the same errors."""
-    overrides = list(overrides)
-    parsed = _parser().parse_overrides(overrides)
+    the same plain, resolved config, the same errors; a fresh copy each call."""
+    return copy.deepcopy(_composed(tuple(overrides), config_name))
+
+
+@functools.lru_cache(maxsize=None)
+def _composed(overrides: tuple[str, ...], config_name: str) -> dict[str, Any]:
+    parsed = _parser().parse_overrides(list(overrides))
     if any(o.key_or_group.startswith("hydra") for o in parsed):
-        return plain_config(_compose(config_name, overrides))  # the hydra node is dropped after its overrides apply
+        return plain_config(_compose(config_name, list(overrides)))  # the hydra node is dropped after its overrides apply
     choices = tuple(o.input_line for o in parsed if _is_group(o))
     config = copy.deepcopy(_choices_composed(config_name, choices))
     ConfigLoaderImpl._apply_overrides_to_config([o for o in parsed if not _is_group(o)], config)
