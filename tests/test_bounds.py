@@ -14,11 +14,11 @@ import pytest
 
 from src.bounds import MAX_LAYERS, MAX_SIZE
 from src.cluster import cluster_from_config
-from src.config import composed
 from src.errors import ConfigError
 from src.fuzz import options
 from src.models.registry import build_model
 from src.setup import validate
+from tests.composing import composed
 
 
 @functools.cache

@@ -10,25 +10,26 @@ default), the numbers positive, the sources given.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import functools
 import math
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
 from src.errors import ConfigError
 from src.cluster import FLOAT_FIELDS, ClusterSpec, cluster_from_config, unsourced
 from src.config import PRECISIONS, TrainSpec, options_from, train_from_config
+from src.config import composed as hydra_composed
 from src.models.registry import MODEL_NAMES, build_model
 from src.models.spec import ModelSpec
 from src.setup import validate
 from src.sweep import figure_jobs, find_sweep_file, load_sweep
 from src.strategies import STRATEGIES, planner_for
+from tests.composing import composed
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 GROUPS = ("model", "strategy", "cluster", "backend", "logger")
@@ -38,17 +39,10 @@ def options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 
 
-@functools.lru_cache(maxsize=None)
-def _composed(overrides: tuple[str, ...]) -> dict[str, Any]:
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        cfg = compose(config_name="config", overrides=list(overrides))
-    return OmegaConf.to_container(cfg, resolve=True)
-
-
 def compose_config(*overrides: str) -> dict[str, Any]:
-    """The run's config as a plain dict, resolved, exactly as run.py gets it (a fresh
-    copy of a cached composition: composing is the slow part of these tests)."""
-    return copy.deepcopy(_composed(tuple(overrides)))
+    """The run's config as a plain dict, resolved, exactly as run.py gets it (a fresh one
+    each call; tests/composing.py composes each set of group choices once)."""
+    return composed(overrides)
 
 
 def strategy_options(name: str) -> type:
@@ -171,35 +165,85 @@ def test_logger_option(name: str) -> None:
         assert config["logger"]["mode"] is None
 
 
-def _compose_figure_jobs(name: str, every: bool) -> None:
-    # An experiment is a Hydra preset over the sweeper: its figure's sweep file loads, and
-    # each job of the figure composes and validates as the multirun will run it (Hydra
-    # composes one in about 75 ms: the 264 jobs of the 20 figures take 20 s).
+def _validate_jobs(name: str, figure: str, sweep_dir: str, preset: list[str], every: bool) -> None:
+    """The figure's sweep file loads, and each job of the figure (or its first and last)
+    composes and validates as the multirun will run it."""
+    spec = load_sweep(find_sweep_file(figure))
+    assert spec.name == name and sweep_dir.endswith(f"figures/{name}")
+    jobs = figure_jobs(spec)
+    for job in jobs if every else jobs[:1] + jobs[1:][-1:]:
+        validate(composed([*preset, *job.overrides]))
+
+
+def _composed_preset(name: str) -> tuple[str, str, list[str]]:
+    """An experiment is a Hydra preset over the sweeper: composed by Hydra, its figure, its
+    sweep directory, and what its jobs compose with (nothing where it sets nothing outside
+    Hydra's settings: then tests/composing.py composes each job's groups once for all figures)."""
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         cfg = compose(config_name="config", overrides=[f"+experiment={name}"], return_hydra_config=True)
-        assert cfg.hydra.sweeper._target_.endswith("FigureSweeper")
-        spec = load_sweep(find_sweep_file(cfg.hydra.sweeper.figure))
-        assert spec.name == name and cfg.hydra.sweep.dir.endswith(f"figures/{name}")
-        jobs = figure_jobs(spec)
-        for job in jobs if every else jobs[:1] + jobs[1:][-1:]:
-            job_cfg = compose(config_name="config", overrides=[f"+experiment={name}", *job.overrides])
-            validate(OmegaConf.to_container(job_cfg, resolve=True))
+    assert cfg.hydra.sweeper._target_.endswith("FigureSweeper")
+    figure, sweep_dir = cfg.hydra.sweeper.figure, cfg.hydra.sweep.dir
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return figure, sweep_dir, [] if OmegaConf.to_container(cfg, resolve=True) == composed([]) else [f"+experiment={name}"]
+
+
+def _preset_file(name: str) -> tuple[str, str, list[str]]:
+    """What _composed_preset finds, read from the preset's file (Hydra's composition costs 0.3 s
+    a preset: the quick tier composes one, test_an_experiment_preset_s_file_is_what_hydra_composes)."""
+    raw = OmegaConf.to_container(OmegaConf.load(CONF / "experiment" / f"{name}.yaml"))
+    assert {"override /hydra/sweeper": "figure"} in raw["defaults"], raw["defaults"]
+    figure, sweep_dir = raw["hydra"]["sweeper"]["figure"], raw["hydra"]["sweep"]["dir"]
+    return figure, sweep_dir, [] if set(raw) == {"defaults", "hydra"} else [f"+experiment={name}"]
+
+
+def test_an_experiment_preset_s_file_is_what_hydra_composes() -> None:
+    name = options("experiment")[0]
+    figure, sweep_dir, preset = _composed_preset(name)
+    read = _preset_file(name)
+    assert (figure, preset) == (read[0], read[2]) and sweep_dir == read[1].replace("${run.out_root}", "outputs")
 
 
 @pytest.mark.parametrize("name", options("experiment"))
 def test_experiment_preset_composes_a_figure_and_its_first_and_last_jobs(name: str) -> None:
-    _compose_figure_jobs(name, every=False)
+    _validate_jobs(name, *_preset_file(name), every=False)
 
 
-@pytest.mark.slow  # long, not a process: every job of every figure
+@pytest.mark.slow  # long, not a process: every job of every figure, each preset composed by Hydra
 @pytest.mark.parametrize("name", options("experiment"))
 def test_experiment_preset_composes_a_figure_and_its_jobs(name: str) -> None:
-    _compose_figure_jobs(name, every=True)
+    _validate_jobs(name, *_composed_preset(name), every=True)
 
 
 def test_every_figure_has_an_experiment_preset() -> None:
     figures = sorted(load_sweep(path).name for path in (CONF.parent / "sweeps").glob("*.yaml"))
     assert figures == options("experiment")
+
+
+COMPOSING = [
+    [],
+    ["model=gpt", "model.layers=4", "strategy=megatron", "strategy.tp=1", "backend=torch", "cluster=local", "logger=none"],
+    ["strategy=par4d", "strategy.grid=[2,2,1,1]", "model=unet", "model.channel_mult=[1,2]", "~model.preset"],
+    ["+experiment=par4d_fig3_overlaps", "model.scale=tiny"],
+    ["train.global_batch=8", "cluster.nodes=2"],
+    ["logger=none", "cluster=a800", "strategy=disttrain", "model=mllm_9b", "backend=torch", "strategy.llm.tp=2"],
+    ["model=gpt", "model=unet", "strategy=par4d"],
+]
+
+
+@pytest.mark.parametrize("overrides", COMPOSING, ids=lambda o: " ".join(o) or "defaults")
+def test_the_tests_composing_is_hydra_s(overrides: list[str]) -> None:
+    """tests/composing.py's shortcut (group choices composed once, value overrides applied to
+    a copy) gives what Hydra's full composition gives, twice in a row (the cache stays intact)."""
+    assert composed(overrides) == composed(overrides) == hydra_composed(overrides)
+
+
+@pytest.mark.parametrize("bad", [["model.layer=4"], ["model=gpt", "strategy.tp=[1"]])
+def test_the_tests_composing_refuses_what_hydra_refuses(bad: list[str]) -> None:
+    with pytest.raises(Exception) as hydra_refusal:
+        hydra_composed(bad)
+    with pytest.raises(type(hydra_refusal.value), match=re.escape(str(hydra_refusal.value))):
+        composed(bad)
 
 
 def test_default_config_is_clip_megatron_on_p3() -> None:

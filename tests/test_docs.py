@@ -11,11 +11,11 @@ import shlex
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from src.config import options_from
 from src.setup import validate
+from tests.composing import composed
 from tests.conftest import CONF_DIR, REPO_ROOT
 from tests.test_configs import strategy_options
 
@@ -137,9 +137,7 @@ def test_every_front_door_command_composes_and_validates() -> None:
             jobs.setdefault((CONFIG_OF[argv[2]], *_overrides(argv)), f"{page}: {' '.join(argv)}")
     for (config_name, *overrides), where in jobs.items():
         try:
-            with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-                config = OmegaConf.to_container(compose(config_name=config_name, overrides=overrides), resolve=True)
-            assert isinstance(config, dict)
+            config = composed(overrides, config_name)
             validate(config)
             options_from(strategy_options(config["strategy"]["name"]), config["strategy"])
         except Exception as err:

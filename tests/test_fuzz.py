@@ -14,9 +14,10 @@ from src.fuzz import FAILED, fuzz
 LIMIT_S = 60.0
 
 
-# A draw costs about a quarter of a second: the quick tier takes the first 25 of the 100
+# A refusal costs about a quarter of a second, a plan up to seconds (the fourth draw, DistTrain
+# on 9B, five): the quick tier takes the first 4 of the 100, which reach both ends
 # (`python -m src.fuzz` runs thousands; the suite keeps to its 10 minutes).
-@pytest.mark.parametrize("draws", [25, pytest.param(100, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("draws", [4, pytest.param(100, marks=pytest.mark.slow)])
 def test_random_command_lines_are_answered(draws: int) -> None:
     outcomes = fuzz(draws, seed=2026, limit_s=LIMIT_S)
     bad = [f"[{o.status}] python -m src.run {' '.join(o.overrides)}\n{o.detail}" for o in outcomes if o.status in FAILED]

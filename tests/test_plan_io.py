@@ -9,8 +9,6 @@ import json
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 from src.codec import CodecError, decode_ints, encode_ints
 from src.errors import ConfigError
@@ -20,7 +18,7 @@ from src.plan_diff import plan_diff
 from src.plan_io import PLAN_FILE, PLANNED_FROM, VERSION, PlannedRun, read_plan, write_plan
 from src.setup import plan_run, validate
 from src.sim.engine import simulate
-from tests.conftest import CONF_DIR
+from tests.composing import composed
 
 TINY_GPT = ["model=gpt", "model.preset=null", "model.layers=4", "model.hidden=64", "model.heads=4", "model.vocab=128"]
 LOCAL8 = ["cluster=local", "cluster.devices_per_node=8", "train.seq_len=16", "train.global_batch=16"]
@@ -38,8 +36,7 @@ PLANS = {
 
 
 def _planned(overrides: list[str]) -> PlannedRun:
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        config = OmegaConf.to_container(compose(config_name="config", overrides=[*overrides, "logger=none"]), resolve=True)
+    config = composed([*overrides, "logger=none"])
     setup = validate(config)
     return PlannedRun(setup.model, setup.cluster, setup.train, plan_run(setup), {k: config[k] for k in PLANNED_FROM})
 

@@ -12,11 +12,11 @@ from src.config import (
     OptimizerSpec,
     SchedulerSpec,
     backend_from_config,
-    composed,
     contrastive_from_config,
     deepspeed_from_config,
 )
 from src.errors import ConfigError
+from tests.composing import composed
 
 
 def _backend(*overrides: str):

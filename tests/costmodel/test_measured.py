@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from src.cluster import MEASURED_DIR, MIB, ClusterSpec, measured_collectives
-from src.config import composed
 from src.costmodel.comm import CommModel
 from src.costmodel.measured import measured_seconds, table_seconds
 from src.errors import ConfigError
 from src.setup import validate
+from tests.composing import composed
 
 TABLES = sorted(p.stem for p in MEASURED_DIR.glob("*.yaml"))
 

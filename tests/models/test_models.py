@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize
 from omegaconf import OmegaConf
 
 from src.errors import ConfigError
@@ -19,6 +18,7 @@ from src.models import MODEL_NAMES, build_model
 from src.models.layers import transformer_layer
 from src.metrics import unit_flops
 from src.models.spec import ModelSpec, UnitSpec
+from tests.composing import composed
 
 CONF_MODEL = Path(__file__).resolve().parents[2] / "conf" / "model"
 SCALES = ("single_device", "single_node", "multi_node", "tiny")
@@ -279,11 +279,10 @@ def test_gpt_layer_flops(seq: int, hidden: int, heads: int) -> None:
 # Configs.
 @pytest.mark.parametrize("name", sorted(path.stem for path in CONF_MODEL.glob("*.yaml")))
 def test_every_model_config_composes_and_builds(name: str) -> None:
-    with initialize(version_base=None, config_path="../../conf"):
-        cfg = compose(config_name="config", overrides=[f"model={name}"])
-    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    config = composed([f"model={name}"])
+    model_cfg = config["model"]
     assert model_cfg["name"] in MODEL_NAMES
-    spec = build_model(model_cfg, cfg.train.seq_len)
+    spec = build_model(model_cfg, config["train"]["seq_len"])
     assert isinstance(spec, ModelSpec) and spec.params > 0
 
 
@@ -322,9 +321,7 @@ def test_lit_vision_frozen_by_default() -> None:
     spec = build_model({"name": "lit"})
     assert spec.unit("vision").frozen and not spec.needs_backward("vision")
     assert spec.needs_backward("text") and spec.needs_backward("interaction")
-    with initialize(version_base=None, config_path="../../conf"):
-        cfg = compose(config_name="config", overrides=["model=lit"])
-    assert not build_model(OmegaConf.to_container(cfg.model)).needs_backward("vision")
+    assert not build_model(composed(["model=lit"])["model"]).needs_backward("vision")
     assert build_model({"name": "lit", "frozen": []}).needs_backward("vision")
 
 

@@ -12,6 +12,16 @@ from src.report import plotting
 from src.sweep import REPO, figure_jobs, group_series, load_sweep
 
 SWEEPS = sorted((REPO / "sweeps").glob("*.yaml"))
+# A figure costs a third of a second to draw: the quick tier draws five that span the layouts
+# (the most groups, the most series with paper values and ranges, one group of five series,
+# paper ranges beside values, no paper numbers); the full suite draws every one.
+QUICK = (
+    "par4d_megatron_pp_sensitivity",
+    "par4d_fig11_weak",
+    "par4d_fig3_overlaps",
+    "disttrain_fig17_orchestration",
+    "distmm_fig8_partitioner",
+)
 
 
 @pytest.fixture
@@ -28,7 +38,7 @@ def assert_on_canvas(fig: Any) -> None:
     assert plotting.text_off_canvas(fig) == []
 
 
-@pytest.mark.parametrize("path", SWEEPS, ids=[p.stem for p in SWEEPS])
+@pytest.mark.parametrize("path", [pytest.param(p, id=p.stem, marks=() if p.stem in QUICK else pytest.mark.slow) for p in SWEEPS])
 def test_every_paper_figure_keeps_its_text_on_the_canvas(path: Path, drawn: list[Any]) -> None:
     from src.sweep import plot
 
@@ -47,6 +57,10 @@ def test_every_paper_figure_keeps_its_text_on_the_canvas(path: Path, drawn: list
     assert ("paper: value" in legend) == any(not isinstance(p, list) for p in papers)  # named only where drawn
     assert ("paper: range" in legend) == any(isinstance(p, list) for p in papers)
     assert len(figure_jobs(spec)) >= len(rows)
+
+
+def test_the_quick_tier_draws_figures_that_exist() -> None:
+    assert set(QUICK) <= {p.stem for p in SWEEPS}
 
 
 def test_optimus_speed_ups_say_what_they_are_normalised_to() -> None:

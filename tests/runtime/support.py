@@ -15,7 +15,8 @@ from typing import Callable, Iterable
 
 import torch
 
-from src.config import DeepSpeedSpec, OptimizerSpec, TorchBackendSpec, composed  # noqa: F401 (the runtime tests' import)
+from src.config import DeepSpeedSpec, OptimizerSpec, TorchBackendSpec  # noqa: F401 (the runtime tests' import)
+from tests.composing import composed
 from tests.conftest import REPO_ROOT, cli_env
 
 # Two tiny CPU workers: what CI's 2 cores can run.

@@ -391,6 +391,7 @@ def test_a_scattered_transfer_of_rows_tp_does_not_divide_is_refused_naming_the_f
         _check(MEGATRON + odd)
 
 
+@pytest.mark.slow  # long, not a process: six U-Net plans (4.5 s of CPU)
 def test_a_unet_runs_on_each_rank_and_on_a_grid_unless_z_cannot_shard_a_weight():
     unet = ["model=unet", "model.preset=unet_50m", "model.image_size=16", "train.global_batch=8"]
     for zero_stage in range(4):  # runs: tests/runtime/test_runtime_equality.py

@@ -14,8 +14,6 @@ import math
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 from src.cluster import cluster_from_config
 from src.costmodel.comm import CommModel
@@ -24,9 +22,9 @@ from src.program import Collective, Compute, Group, Program, RankProgram, Wait, 
 from src.setup import plan_run, validate
 from src.sim.engine import simulate
 from src.sim.intervals import Intervals
+from tests.composing import composed
 from tests.sim.test_sim_programs import INTER_BW, INTER_LAT, INTRA_LAT, MODEL, MS, PRECISION, link, make_cluster, recv, send
 
-CONF = Path(__file__).resolve().parents[2] / "conf"
 F1 = Work("llm", "fwd", 1, (0, 1))  # 2 ms on the toy cluster
 REL = 1e-9
 
@@ -158,8 +156,7 @@ def test_intervals_stretch_only_the_overlapping_part() -> None:
 
 # ---- presets -----------------------------------------------------------------------------
 def _preset(name: str) -> dict:
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        return OmegaConf.to_container(compose(config_name="config", overrides=[f"cluster={name}"]), resolve=True)["cluster"]
+    return composed([f"cluster={name}"])["cluster"]
 
 
 @pytest.mark.parametrize("name", ["a800", "dgx_a100", "frontier", "hopper", "local", "p3_16xlarge", "perlmutter"])
@@ -194,9 +191,7 @@ def _zero3(nodes: int, *extra: str):
         "logger=none",
         *extra,
     ]
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        config = OmegaConf.to_container(compose(config_name="config", overrides=overrides), resolve=True)
-    setup = validate(config)
+    setup = validate(composed(overrides))
     plan = plan_run(setup)
     return plan, setup, simulate(plan.program, setup.model, setup.cluster, setup.train.precision)
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from src.config import composed
 from src.errors import ConfigError
 from src.setup import LIMITS, validate
 from src.strategies import PlanRequest, planner_for
+from tests.composing import composed
 
 pytestmark = pytest.mark.slow  # a dozen searches: 15-30 s
 

@@ -8,12 +8,12 @@ import pytest
 
 from dataclasses import replace
 
-from src.config import composed
 from src.costmodel.compute import ComputeModel
 from src.errors import ConfigError
 from src.program import Collective, Compute, Plan
 from src.setup import Setup, plan_run, validate
 from src.strategies.ddp import DDPOptions
+from tests.composing import composed
 
 # A GPT of 2 blocks, hidden 512: QKV 512 x 1536, projection 512 x 512, MLP 512 x 2048 and back
 # (above DeepSpeed's 1e5-element persistence threshold: fetched); biases and norms (512, 1536,

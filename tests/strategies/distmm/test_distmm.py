@@ -8,14 +8,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 from src.errors import ConfigError, PlanError
 from src.program import Collective, Compute, Recv
 from src.setup import Setup, plan_run, validate
 from src.sim.engine import simulate
 from src.strategies.distmm.towers import partition
+from tests.composing import composed
 
 ROOT = Path(__file__).resolve().parents[3]
 # A tiny pipelined case that runs in milliseconds: both towers cut in two stages, four
@@ -32,9 +31,7 @@ TINY_PIPE = [
 
 
 def setup(*overrides: str) -> Setup:
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        cfg = compose(config_name="config", overrides=["strategy=distmm", "logger=none", *overrides])
-    return validate(OmegaConf.to_container(cfg, resolve=True))
+    return validate(composed(["strategy=distmm", "logger=none", *overrides]))
 
 
 def iteration(s: Setup, plan) -> float:

@@ -12,8 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 from src.batch_layout import BatchLayout
 from src.config import options_from
@@ -34,6 +32,7 @@ from src.strategies.disttrain.relaxation import RelaxedOption, Subproblems, solv
 from src.strategies.disttrain.schedule import Chain, chain_orders
 from src.strategies.disttrain.timing import dag_ends
 from src.strategies.disttrain.profile import Profiler, Setting
+from tests.composing import composed
 
 ROOT = Path(__file__).resolve().parents[3]
 # One 8-GPU node, four sequences: plans in well under a second.
@@ -41,9 +40,7 @@ SMALL = ["model=mllm_9b", "cluster=a800", "cluster.nodes=1", "train.global_batch
 
 
 def setup(*overrides: str) -> Setup:
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        cfg = compose(config_name="config", overrides=["strategy=disttrain", "logger=none", *overrides])
-    return validate(OmegaConf.to_container(cfg, resolve=True))
+    return validate(composed(["strategy=disttrain", "logger=none", *overrides]))
 
 
 def by_unit(plan) -> dict:
@@ -425,16 +422,18 @@ HETEROGENEOUS = [
 
 def test_data_heterogeneity_and_reordering() -> None:
     base = HETEROGENEOUS
-    s = setup(*base, "strategy.reorder=none")
-    plan = plan_run(s)
-    loads = {
-        c.work.load for rp in plan.program.classes for c in rp.instructions if isinstance(c, Compute) and c.work.unit == "encoder"
-    }
-    assert len(loads) > 1  # sequences of different image counts load the encoder differently
-    times = {}
+    times, plans = {}, {}
     for reorder in ("none", "intra", "inter", "both", "cost"):
         rs = setup(*base, f"strategy.reorder={reorder}")
-        times[reorder] = simulate(plan_run(rs).program, rs.model, rs.cluster, rs.train.precision).iteration_time
+        plans[reorder] = plan_run(rs)
+        times[reorder] = simulate(plans[reorder].program, rs.model, rs.cluster, rs.train.precision).iteration_time
+    loads = {
+        c.work.load
+        for rp in plans["none"].program.classes
+        for c in rp.instructions
+        if isinstance(c, Compute) and c.work.unit == "encoder"
+    }
+    assert len(loads) > 1  # sequences of different image counts load the encoder differently
     assert times["both"] <= times["none"] and times["cost"] <= times["none"]
     uniform = setup(*base, "train.data=uniform")
     loads = {c.work.load for rp in plan_run(uniform).program.classes for c in rp.instructions if isinstance(c, Compute)}

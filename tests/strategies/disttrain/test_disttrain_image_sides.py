@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from src.config import composed
 from src.data.interleaved import encoder_cost, sampler
 from src.program import Compute
 from src.runtime.placement import placements
 from src.setup import plan_run, validate
+from tests.composing import composed
 
 pytestmark = pytest.mark.torch  # the real backend's data path
 

@@ -9,8 +9,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 from src.costmodel.comm import CommModel
 from src.costmodel.compute import ComputeModel
@@ -31,8 +29,8 @@ from src.strategies.optimus.encoder import EncoderPlan, Layout
 from src.strategies.optimus.scheduler import partitions, spread
 from src.strategies.optimus.timeline import EPS, makespan, warmup_counts
 from src.config import options_from
+from tests.composing import composed
 
-ROOT = Path(__file__).resolve().parents[3]
 # 64 H100s, GPT-11B + ViT-3B, the LLM's plan by hand (Table 11's model A shape): 32
 # micro-batches per pipeline, eight encoder pipelines (PP_enc 4, TP_enc 1) per LLM pipeline.
 SMALL = [
@@ -62,9 +60,7 @@ MODEL_A = [
 
 
 def setup(*overrides: str) -> Setup:
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        cfg = compose(config_name="config", overrides=["model=optimus", "strategy=optimus", "logger=none", *overrides])
-    return validate(OmegaConf.to_container(cfg, resolve=True))
+    return validate(composed(["model=optimus", "strategy=optimus", "logger=none", *overrides]))
 
 
 def candidate(s: Setup, pp: int, tp: int, zero_stage: int = 0):
@@ -155,7 +151,10 @@ def test_frozen_encoder_has_no_backward() -> None:
 
 
 def test_two_encoders_share_one_plan() -> None:
-    s = setup(*SMALL, "model.encoders=[vit_3b,vit_3b]")
+    # SMALL on 16 GPUs (an LLM of two stages, one replica): a plan of two encoders needs no more.
+    s = setup(
+        *SMALL, "model.encoders=[vit_3b,vit_3b]", "cluster.nodes=2", "strategy.llm.pp=2", "strategy.llm.dp=1", "train.global_batch=32"
+    )
     plan = plan_run(s)
     encoders = [u for u in plan.units if u.unit != "llm"]
     assert [u.unit for u in encoders] == ["encoder0", "encoder1"]
@@ -180,6 +179,7 @@ def test_deferred_warmups_in_the_schedule() -> None:
         interleaved(4, 8, 2, [1, 6, 5, 4])  # stage 0 needs 4 forwards before its last chunk
 
 
+@pytest.mark.slow  # long, not a process: planning the configuration that crashed the planner (3 s)
 def test_deferring_warmups_skips_trials_that_would_deadlock() -> None:
     # 8 H100s, batch 16: an interleaved LLM pipeline whose warm-ups nearly fill it. Taking
     # one forward off the first stage alone stalls the next (it crashed the planner).
@@ -190,6 +190,7 @@ def test_deferring_warmups_skips_trials_that_would_deadlock() -> None:
     assert all(a >= b for a, b in zip(warmups, warmups[1:]))
 
 
+@pytest.mark.slow  # long, not a process: SMALL planned twice, each trial cut short timed in full (7 s)
 def test_trials_cut_short_keep_the_deferred_warmups(monkeypatch) -> None:
     s = setup(*SMALL)
     overruns = []
@@ -284,6 +285,7 @@ def _chosen(plan) -> tuple:
     return plan.units, plan.program, details
 
 
+@pytest.mark.slow  # long, not a process: model A planned in both orders (2.5 s)
 def test_trying_the_fastest_rung_first_keeps_the_plan_of_ladder_order(monkeypatch) -> None:
     s = setup(*MODEL_A)
     fastest_first = plan_run(s)
