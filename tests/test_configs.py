@@ -78,6 +78,11 @@ def test_option_composes(group: str, name: str) -> None:
     for g in GROUPS + ("train", "run"):
         assert g in config, f"{group}={name}: the composed config lacks {g}"
     assert config[group]["name"] == name, f"conf/{group}/{name}.yaml has name {config[group].get('name')!r}"
+    # tests/composing.py composes a set of choices group by group: an option touches its own node only.
+    outside = {key: value for key, value in config.items() if key not in (group, "run")}
+    assert outside == {key: value for key, value in compose_config().items() if key not in (group, "run")}, (
+        f"conf/{group}/{name}.yaml sets values outside {group}"
+    )
     # ${model.name}-${strategy.name}-${cluster.name}
     assert config["run"]["name"] == f"{config['model']['name']}-{config['strategy']['name']}-{config['cluster']['name']}"
 
