@@ -12,7 +12,7 @@ import functools
 import platform
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -39,10 +39,14 @@ def profile_path(preset: str = "local", cpu_model: str | None = None) -> Path:
 def host_profile(preset: str) -> dict[str, Any] | None:
     """The preset figures measured on this host's CPU model, if a profile has them."""
     path = profile_path(preset)
-    if not path.exists():
-        return None
+    return _this_version(_preset_figures, path) if path.exists() else None
+
+
+def _this_version(read: Callable[[Path, int, int], Any], path: Path) -> Any:
+    """A copy of what `read` (cached by path, time and size) gives for the file as it is
+    now: a file rewritten since is read again."""
     stat = path.stat()
-    return copy.deepcopy(_preset_figures(path, stat.st_mtime_ns, stat.st_size))
+    return copy.deepcopy(read(path, stat.st_mtime_ns, stat.st_size))
 
 
 @functools.lru_cache(maxsize=8)
@@ -58,10 +62,7 @@ def preset_file(name: str) -> dict[str, Any] | None:
     """A preset's own figures, as its file states them and Hydra reads them (OmegaConf's
     YAML: `37.5e9` a number, not a string); None where there is no such file."""
     path = PRESET_DIR / f"{name}.yaml"
-    if not path.exists():
-        return None
-    stat = path.stat()
-    return copy.deepcopy(_preset_file_figures(path, stat.st_mtime_ns, stat.st_size))
+    return _this_version(_preset_file_figures, path) if path.exists() else None
 
 
 @functools.lru_cache(maxsize=32)
