@@ -38,7 +38,7 @@ from src.costmodel.memory import element_bytes, grad_bytes, model_state_bytes, r
 from src.mesh import tensor_parallel
 from src.errors import ConfigError, PlanError
 from src.models.spec import ModelSpec
-from src.program import Collective, Compute, Plan, Program, UnitPlan, Work
+from src.program import Collective, Compute, Plan, Program, RankProgram, UnitPlan, Work
 from src.strategies.base import PlanRequest, divisors
 from src.strategies.megatron.options import MegatronChoices
 from src.strategies.optimus.llm import LLMBase, LLMPipelines
@@ -151,12 +151,11 @@ def _plan(request: PlanRequest) -> Plan:
             if (candidate.schedule.latency, index) >= best:
                 break
             candidate = complete(jobs.reschedule, candidate)
-            plan = _emit(request, opts, base, candidate, encoders, candidates, rejected, time.perf_counter() - started)
-            problem = _program_memory_problem(request, plan)
-            if problem is None:
-                chosen, best = plan, (candidate.schedule.latency, index)
+            emitted = _emit(request, opts, base, candidate, encoders, candidates, rejected, time.perf_counter() - started)
+            if isinstance(emitted, Plan):
+                chosen, best = emitted, (candidate.schedule.latency, index)
                 break
-            rejected.append(problem)
+            rejected.append(emitted)
     if chosen is None:
         raise PlanError(min(rejected)[1] if rejected else f"no LLM plan for {model.name}")
     progress.end(f"done: {scheduled} encoder plans scheduled")
@@ -172,19 +171,18 @@ def _trial_order(ladder: list[tuple[float, int]]) -> list[int]:
     return [index for _, index in sorted(ladder)]
 
 
-def _program_memory_problem(request: PlanRequest, plan: Plan) -> tuple[float, str] | None:
-    """The emitted schedule's memory as the simulator counts it (an uneven split holds
-    more encoder activations than the pruning's even one)."""
-    units = {u.unit: u for u in plan.units}
+def _class_memory_problem(
+    request: PlanRequest, units: dict[str, UnitPlan], rank_program: RankProgram, what: str
+) -> tuple[float, str] | None:
+    """One emitted class's memory as the simulator counts it (an uneven split holds more
+    encoder activations than the pruning's even one); `what`: the plan, for the message."""
     usable = request.cluster.usable_memory_bytes
-    need, label = max((rank_memory(c, units, request.model, request.train.precision)["total"], c.label) for c in plan.program.classes)
+    need = rank_memory(rank_program, units, request.model, request.train.precision)["total"]
     if need <= usable:
         return None
-    d = plan.details
     return (need - usable) / GIB, (
-        f"encoder pp={d['encoder']['pp']} tp={d['encoder']['tp']}, LLM recompute={d['llm']['recompute']} "
-        f"zero_stage={d['llm']['zero_stage']}, partition {d['partition']}: {label} needs {need / GIB:.1f} GiB but a "
-        f"{request.cluster.device} has {usable / GIB:.1f} GiB usable, short by {(need - usable) / GIB:.1f} GiB"
+        f"{what}: {rank_program.label} needs {need / GIB:.1f} GiB but a {request.cluster.device} has "
+        f"{usable / GIB:.1f} GiB usable, short by {(need - usable) / GIB:.1f} GiB"
     )
 
 
@@ -431,7 +429,10 @@ def _emit(
     candidates: list[Candidate],
     rejected: list[tuple[float, str]],
     scheduler_seconds: float,
-) -> Plan:
+) -> Plan | tuple[float, str]:
+    """The candidate's plan, or why it does not fit memory: each class is checked as it is
+    emitted, so that a schedule too big stops at its first class over (emitting every
+    class of a 1024-GPU plan costs about a second)."""
     model, cluster, train = request.model, request.cluster, request.train
     layout, schedule = best.layout, best.schedule
     # A copy of the LLM's Program: the rung's other schedules may be emitted from it too.
@@ -442,15 +443,6 @@ def _emit(
     emitter = ClassEmitter(
         model, layout, best.costs, schedule, base.timeline.backward_points, routes, samples, train.precision, opts.encoder_zero_stage
     )
-    placed = schedule.placed
-    items: list[list] = [[] for _ in range(layout.classes)]
-    for p in placed:
-        items[p.klass].append(p)
-    for g in range(layout.classes):
-        s, _, e = layout.position(g)
-        program.classes.append(
-            class_program(emitter, g, base.stages[s], items[g], f"stage {s} col {g % layout.columns} (encoder stage {e})")
-        )
     enc_mesh = layout.encoder_mesh()
     counts = schedule.counts
     partition = ",".join(map(str, counts))
@@ -475,6 +467,22 @@ def _emit(
         )
         for u in encoders
     ] + [base.plan]
+    units = {u.unit: u for u in unit_plans}
+    what = (
+        f"encoder pp={layout.plan.pp} tp={layout.plan.tp}, LLM recompute={base.plan.recompute} "
+        f"zero_stage={base.plan.zero_stage}, partition {counts}"
+    )
+    placed = schedule.placed
+    items: list[list] = [[] for _ in range(layout.classes)]
+    for p in placed:
+        items[p.klass].append(p)
+    for g in range(layout.classes):
+        s, _, e = layout.position(g)
+        rank_program = class_program(emitter, g, base.stages[s], items[g], f"stage {s} col {g % layout.columns} (encoder stage {e})")
+        problem = _class_memory_problem(request, units, rank_program, what)
+        if problem is not None:
+            return problem
+        program.classes.append(rank_program)
     plan = Plan(strategy="optimus", devices=program.world_size, units=unit_plans, program=program, precision=request.train.precision)
     fine = [p for p in placed if not p.item.is_comm]
     plan.details = {

@@ -12,6 +12,7 @@ import pytest
 
 from src.costmodel.comm import CommModel
 from src.costmodel.compute import ComputeModel
+from src.costmodel.memory import rank_memory
 from src.errors import ConfigError, PlanError
 from src.program import Compute, RankProgram
 from src.schedules.pipeline import interleaved, one_f_one_b
@@ -227,6 +228,18 @@ def test_no_encoder_plan_fits_memory() -> None:
     with pytest.raises(PlanError, match="short by"):
         # FlashAttention (the Hopper default) keeps no s x s scores: 12 GiB, not 24, is short.
         plan_run(setup(*SMALL, "cluster.memory_gib=12", "strategy.llm.recompute=none"))
+
+
+def test_an_emitted_schedule_over_memory_is_rejected_and_the_next_one_fits() -> None:
+    # 18 GiB: the fastest schedule's uneven split holds more encoder activations than the
+    # pruning counted; its emission stops at the first class over, and the plan kept fits.
+    s = setup(*SMALL, "cluster.memory_gib=18", "strategy.llm.recompute=none")
+    plan = plan_run(s)
+    over = [r for r in plan.details["rejected"] if ", partition [" in r]
+    assert over and all("short by" in r for r in over)
+    units = {u.unit: u for u in plan.units}
+    need = max(rank_memory(c, units, s.model, s.train.precision)["total"] for c in plan.program.classes)
+    assert need <= s.cluster.usable_memory_bytes
 
 
 @pytest.mark.slow
