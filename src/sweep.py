@@ -23,9 +23,10 @@ not run in this group, e.g. a baseline the paper did not run there), paper: {ser
 or [low, high]}, paper_extra (optional): {extra metric: {series: value}}}), extra_metrics
 (optional: more summary keys shown per row), timed (optional: {repeats: N, metrics: [...]}:
 every job runs N times and each of those metrics, a running time of this machine, is the
-least over the repeats, the measurement the machine's other load disturbed least; every
-other value is the first repeat's, and repeats that disagree on the iteration time are a
-failed row), notes (why the settings are what they are).
+least over the repeats, the measurement the machine's other load disturbed least, its
+largest kept beside it (`timed_spread`: the scorecard judges a running time over both);
+every other value is the first repeat's, and repeats that disagree on the iteration time
+are a failed row), notes (why the settings are what they are).
 
 results.json carries the preset's fingerprint (`preset_hash`, over every job's overrides
 and the reported metrics), so a reader can tell results of another version of the preset.
@@ -265,12 +266,13 @@ def _least_of_repeats(spec: SweepSpec, repeats: list[Outcome | None]) -> Outcome
     times = sorted({o["iteration_time_s"] for o in ran})
     if len(times) > 1:
         return {"error": f"the {len(ran)} timed repeats price different iterations ({times[0]:g} to {times[-1]:g} s)"}
-    merged = ran[0]
+    merged, spread = ran[0], {}
     for metric in spec.timed_metrics:
         values = [lookup_or_none(o, metric) for o in ran]
         if all(v is not None for v in values):
             merged = _with_value(merged, metric, min(values))
-    return {**merged, "timed_repeats": len(ran)}
+            spread[metric] = [min(values), max(values)]
+    return {**merged, "timed_repeats": len(ran), "timed_spread": spread}
 
 
 def chosen_outcomes(spec: SweepSpec, outcomes: dict[JobKey, Outcome | None]) -> dict[tuple[str, str], Outcome]:
@@ -291,6 +293,15 @@ def chosen_outcomes(spec: SweepSpec, outcomes: dict[JobKey, Outcome | None]) -> 
         elif "error" not in outcome and outcome["iteration_time_s"] < held["iteration_time_s"]:
             chosen[(job.group, job.series)] = outcome
     return chosen
+
+
+def _row_spread(spec: SweepSpec, spread: dict[str, list[float]]) -> dict[str, list[float]]:
+    """A row's timed metrics' [least, largest] by the row's field names: an extra metric's
+    own, and 'value' where it is the metric as measured (not normalised by another series)."""
+    out = {key: spread[key] for key in spec.extra_metrics if key in spread}
+    if spec.metric in spread and not spec.normalize:
+        out["value"] = spread[spec.metric]
+    return out
 
 
 def write_report(spec: SweepSpec, outcomes: dict[JobKey, Outcome | None], out: Path) -> str:
@@ -334,6 +345,7 @@ def write_report(spec: SweepSpec, outcomes: dict[JobKey, Outcome | None], out: P
                 row["plan"] = {u: plan_facts(p) for u, p in summary["plan"]["units"].items()}
                 if "timed_repeats" in summary:
                     row["timed_repeats"] = summary["timed_repeats"]
+                    row["timed_spread"] = _row_spread(spec, summary["timed_spread"])
                 if "variant" in summary:
                     row["variant"] = spec.variants[series][summary["variant"]]
             results["rows"].append(row)
@@ -374,7 +386,11 @@ def markdown_table(spec: SweepSpec, results: dict[str, Any]) -> str:
         label = spec.label(row["series"])
         lines.append("| " + " | ".join([row["group"], label, ours, _paper_text(row["paper"]), gap] + extras + [plan]) + " |")
     if spec.timed_metrics:
-        lines += ["", f"Running times ({', '.join(spec.timed_metrics)}): the least of {spec.repeats} runs of each job."]
+        lines += [
+            "",
+            f"Running times ({', '.join(spec.timed_metrics)}): the least of {spec.repeats} runs of each job "
+            "(results.json keeps the largest beside it, `timed_spread`).",
+        ]
     if spec.notes:
         lines += ["", "## Notes", "", spec.notes.strip()]
     return "\n".join(lines) + "\n"

@@ -195,6 +195,7 @@ def test_timed_repeats_take_the_least_running_time_and_refuse_repeats_that_disag
     table = write_report(spec, outcomes, tmp_path / "out")
     row = json.loads((tmp_path / "out" / "results.json").read_text())["rows"][0]
     assert row["value"] == 0.14 and row["plan.search.solved"] == 7 and row["timed_repeats"] == 2
+    assert row["timed_spread"] == {"value": [0.14, 0.16]}  # the largest kept beside the least
     assert "the least of 3 runs of each job" in table
     outcomes[jobs[2].key] = summary(0.12, iteration=2.5)  # a repeat that priced another iteration
     write_report(spec, outcomes, tmp_path / "out")

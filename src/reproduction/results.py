@@ -39,6 +39,12 @@ class FigureResults:
         value = row[field]
         return None if value is None else float(value)
 
+    def largest(self, group: str, series: str, field: str) -> float | None:
+        """The largest of a running time's repeated runs (the row's value is their least);
+        None where the field was measured once."""
+        spread = self.rows[(group, series)].get("timed_spread", {}).get(field)
+        return None if spread is None else float(spread[1])
+
     def error(self, group: str, series: str) -> str:
         return str(self.rows[(group, series)].get("error", "its baseline did not run"))
 

@@ -36,7 +36,18 @@ from src.reproduction.catalogue import (
     paper_value,
 )
 from src.reproduction.results import FigureResults
-from src.reproduction.verdict import CAUSES, NOT_EXPLAINED, POINT_KINDS, RULE, Verdict, check_claim, consistent, judge, show
+from src.reproduction.verdict import (
+    CAUSES,
+    NOT_EXPLAINED,
+    POINT_KINDS,
+    RULE,
+    Verdict,
+    check_claim,
+    check_claim_over_spread,
+    consistent,
+    judge,
+    show,
+)
 from src.sweep import SweepSpec
 
 BEST = "_best"
@@ -274,12 +285,13 @@ def score_headline(headline: Headline, figures: Figures, catalogue: Catalogue) -
     ours = ran[group]
     note = f"{'smallest' if smallest else 'largest'} at {group}" if len(values) > 1 else ""
     scored = Scored(headline, ours, judge(headline.kind, headline.value, ours), _best(locus, group, figures), note)
-    if scored.verdict is not None and scored.verdict.holds:
+    turns = _turning_within_spread(headline, results, group, ours)
+    if scored.verdict is not None and scored.verdict.holds and not turns:
         scored.status = HOLDS
         return scored
     row = {"ours": show(headline.kind, ours), "at": group}
     fill_group = group if headline.value.extreme else locus.groups[0]
-    parts: list[str] = []
+    parts: list[str] = [turns] if turns else []
     if scored.verdict is not None and scored.verdict.short_of_gain:
         parts.append(f"within the band, but less than half the change the paper's {headline.value.text(headline.kind)} claims")
     side = "above" if ours > headline.value.high else "below"
@@ -313,11 +325,30 @@ def score_headline(headline: Headline, figures: Figures, catalogue: Catalogue) -
     return scored
 
 
+def _turning_within_spread(headline: Headline, results: FigureResults, group: str, ours: float) -> str:
+    """Where ours is the least of a running time's repeated runs and the verdict at the
+    largest of them differs, why it is no verdict; '' otherwise."""
+    locus = headline.locus
+    largest = None if locus.over else results.largest(group, locus.series, locus.field)
+    if largest is None or judge(headline.kind, headline.value, largest).holds == judge(headline.kind, headline.value, ours).holds:
+        return ""
+    at_least, at_largest = ("holds", "misses") if judge(headline.kind, headline.value, ours).holds else ("misses", "holds")
+    return (
+        f"{at_least} at the least of its timed runs ({show(headline.kind, ours)}) and {at_largest} at their largest "
+        f"({show(headline.kind, largest)}): the verdict turns with this machine's load"
+    )
+
+
 def _claim_table(
-    claim: Claim, figures: Figures, places: dict[str, Callable[[str], Place | None]], match: RowMatch | None = None
+    claim: Claim,
+    figures: Figures,
+    places: dict[str, Callable[[str], Place | None]],
+    match: RowMatch | None = None,
+    largest: bool = False,
 ) -> dict[str, dict[str, float]] | None:
     """The check's values (group -> series -> value), each group's series read where
-    `places[group]` puts them; None where a job did not run."""
+    `places[group]` puts them; None where a job did not run. `largest`: a running time
+    measured in repeated runs at the largest of them (the value, their least, elsewhere)."""
     check = claim.check
     table: dict[str, dict[str, float]] = {}
     for group in check["groups"]:
@@ -326,18 +357,29 @@ def _claim_table(
             value = _read(places[group], series, claim.field, match)
             if value is None:
                 return None
+            if largest and match is None:
+                at = places[group](series)
+                spread = None if at is None else at[0].largest(at[1], series, claim.field)
+                value = value if spread is None else spread
             table[group][series] = value
     return table
 
 
 def score_claim(claim: Claim, figures: Figures, catalogue: Catalogue) -> ScoredClaim:
-    table = _claim_table(claim, figures, {g: _in_figure(figures, claim.preset, g) for g in claim.check["groups"]})
+    places = {g: _in_figure(figures, claim.preset, g) for g in claim.check["groups"]}
+    table = _claim_table(claim, figures, places)
     if table is None:
         return ScoredClaim(claim, None, NOT_RUN)
-    if check_claim(claim.check, table):
+    largest = _claim_table(claim, figures, places, largest=True)
+    assert largest is not None, "every value read above has its largest"
+    holds = check_claim(claim.check, table)
+    beyond_spread = check_claim_over_spread(claim.check, table, largest)
+    if holds and beyond_spread:
         return ScoredClaim(claim, True, HOLDS)
     group = claim.check["groups"][0]
     parts: list[str] = []
+    if holds:
+        parts.append("holds at the least of the timed runs, not over their spread: the order turns with this machine's load")
     for explanation in claim.miss:
         evidence = _fill(explanation.evidence, explanation, group, claim.preset, figures, catalogue, {})
         if explanation.cause != "unstated":

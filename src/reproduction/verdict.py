@@ -14,6 +14,10 @@ holds only when it is a change the same way of at least half that size. Every ve
 thus an interval of ours that holds (`holding`), which the sensitivity sweeps reuse: a
 paper's value is consistent with a declared range of an unstated parameter when some value
 between our smallest and largest over that range would hold.
+
+A running time of this machine, measured in repeated runs, holds only where it holds at the
+least and at the largest of its runs, and an order of such times only where it holds with
+each anywhere between the two: a verdict the machine's load can turn is no verdict.
 """
 
 from __future__ import annotations
@@ -47,7 +51,9 @@ RULE = (
     '(or a loss) of |the end nearer 1 - 1| (for "up to X", |X - 1|): ours holds only when it is a change the same '
     "way of at least half that size, and within the band. A miss whose cause is an unstated parameter is "
     "consistent when some value between our smallest and largest over the parameter's declared range would "
-    "hold by this rule. The ratio column is ours over the paper's value (over the nearer end of a range, 1 inside it)."
+    "hold by this rule. A running time of this machine measured in repeated runs (ours: the least of them) holds only "
+    "where the largest of them holds too, and an order of such times only where their spreads do not overlap. The ratio "
+    "column is ours over the paper's value (over the nearer end of a range, 1 inside it)."
 )
 
 
@@ -182,6 +188,23 @@ def check_claim(check: dict[str, Any], values: Table) -> bool:
         gaps = {g: values[g][check["series"]] - values[g][check["than"][0]] for g in groups}
         return max(gaps, key=lambda g: gaps[g]) == check["at"]
     raise ConfigError(f"unknown claim check {kind!r} (lowest, highest, increasing, decreasing, largest_gap)")
+
+
+def check_claim_over_spread(check: dict[str, Any], least: Table, largest: Table) -> bool:
+    """A claim's order on running times measured in repeated runs (each value the least of
+    its runs, `largest` the largest): it holds only where it holds however the runs fall,
+    each value anywhere between its least and largest."""
+    kind, groups = check["kind"], check["groups"]
+    if kind in ("increasing", "decreasing"):
+        pairs = list(zip(groups, groups[1:])) if kind == "increasing" else list(zip(groups[1:], groups))
+        series = check["series"]
+        return all(_below(largest[a][series], least[b][series]) for a, b in pairs)
+    if kind in ("lowest", "highest"):
+        series = check["series"]
+        if kind == "lowest":
+            return all(_below(largest[g][series], least[g][other]) for g in groups for other in check["than"])
+        return all(_below(largest[g][other], least[g][series]) for g in groups for other in check["than"])
+    return check_claim(check, least) and check_claim(check, largest)
 
 
 CHECKS = ("lowest", "highest", "increasing", "decreasing", "largest_gap")

@@ -218,3 +218,85 @@ def test_results_of_another_version_of_the_preset_are_refused(tmp_path: Path) ->
         load_results(spec, results)
     with pytest.raises(ConfigError, match="no results of figure toy_fig"):
         load_results(spec, tmp_path)
+
+
+TIMED_SWEEP = {
+    "name": "toy_timed",
+    "title": "toy running times",
+    "source": "a test",
+    "metric": "plan.solve_s",
+    "timed": {"repeats": 3, "metrics": ["plan.solve_s"]},
+    "base": ["model=gpt"],
+    "series": {"new": ["strategy=ddp"]},
+    "groups": [{"label": "small"}, {"label": "large"}],
+}
+# (least, largest) of each group's three runs
+TIMED_RUNS = {"small": (0.95, 1.05), "large": (1.02, 1.30)}
+
+
+def test_a_running_time_holds_only_over_its_runs_spread(tmp_path: Path) -> None:
+    sweeps, cat, results = tmp_path / "sweeps", tmp_path / "cat", tmp_path / "results"
+    for d in (sweeps, cat, results):
+        d.mkdir()
+    (sweeps / "toy_timed.yaml").write_text(yaml.safe_dump(TIMED_SWEEP))
+    time_miss = {"cause": "implementation", "evidence": "another solver"}
+    catalogue = {
+        "paper": "toy",
+        "title": "Toy (a test)",
+        "text": "toy.txt",
+        "figures": [
+            {
+                "figure": "Table 1",
+                "preset": "toy_timed",
+                "series": "new",
+                "kind": "time",
+                "miss": time_miss,
+                "headlines": [
+                    # small: 0.95-1.05 s, inside 1.0's band at both ends; large: 1.02 holds, 1.30 does not
+                    {"id": "small", "quantity": "solve time, small", "paper": 1.0, "where": "§1", "group": "small"},
+                    {"id": "large", "quantity": "solve time, large", "paper": 1.1, "where": "§1", "group": "large"},
+                ],
+                "claims": [
+                    {
+                        "id": "grows",
+                        "claim": "the solver takes longer at the larger size",
+                        "where": "§1",
+                        "check": {"kind": "increasing", "series": "new", "groups": ["small", "large"]},
+                        "miss": time_miss,
+                    }
+                ],
+            }
+        ],
+    }
+    (cat / "toy.yaml").write_text(yaml.safe_dump(catalogue))
+    (cat / "ranges.yaml").write_text(yaml.safe_dump({"ranges": []}))
+    rows = [
+        {"group": g, "series": "new", "value": low, "timed_repeats": 3, "timed_spread": {"value": [low, high]}}
+        for g, (low, high) in TIMED_RUNS.items()
+    ]
+    presets = Presets(sweeps)
+    (results / "toy_timed.json").write_text(json.dumps({"preset_hash": preset_hash(presets["toy_timed"]), "rows": rows}))
+    paper = score(
+        load_catalogue("toy", presets, cat, root=tmp_path),
+        {"toy_timed": (presets["toy_timed"], load_results(presets["toy_timed"], results))},
+    )
+    rows_by_id = {r.headline.id: r for r in paper.headlines}
+    assert rows_by_id["small"].status == HOLDS
+    large = rows_by_id["large"]
+    assert large.ours == pytest.approx(1.02) and large.status == MISSES and large.cause == "implementation"
+    assert large.evidence == (
+        "holds at the least of its timed runs (1.02) and misses at their largest (1.3): the verdict turns with this "
+        "machine's load; another solver"
+    )
+    # 0.95 < 1.02 at the least of the runs, but small's 1.05 reaches past large's 1.02
+    (grows,) = paper.claims
+    assert grows.status == MISSES and grows.miss.startswith(
+        "implementation: holds at the least of the timed runs, not over their spread"
+    )
+    rows[0]["timed_spread"]["value"] = [0.95, 1.0]  # spreads apart: the order holds
+    (results / "toy_timed.json").write_text(json.dumps({"preset_hash": preset_hash(presets["toy_timed"]), "rows": rows}))
+    paper = score(
+        load_catalogue("toy", presets, cat, root=tmp_path),
+        {"toy_timed": (presets["toy_timed"], load_results(presets["toy_timed"], results))},
+    )
+    assert paper.claims[0].status == HOLDS
