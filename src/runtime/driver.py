@@ -149,7 +149,9 @@ def launch(run_dirs: list[Path], world: int, backend: TorchBackendSpec) -> None:
             _watch(procs, run_dirs, board, started, backend)
         except (KeyboardInterrupt, TerminateSignal) as signalled:
             stop(procs)
-            how, signum = signal_line(signalled, _doing(board, procs))
+            # The board knows better than the door's heartbeat: ranks may train before the
+            # door has seen them all start.
+            how, signum = signal_line(signalled, _doing(board, procs), known=_in_step(board))
             stopped = f"all {world} workers stopped" if procs else "no worker had started"
             # Their teardown: the run's results are whole (rank 0 writes summary.json last).
             written = all((run_dir / SUMMARY_FILE).exists() for run_dir in run_dirs)
@@ -237,14 +239,20 @@ def describe(instruction: Instruction) -> str:
     return f"wait for {instruction.handle}"
 
 
+def _in_step(board: Board) -> str | None:
+    """'in step 3' (the furthest training rank's); None where no rank trains."""
+    steps = [b.step for b in (board.read(rank) for rank in range(board.world)) if b.state == TRAINING]
+    return f"in step {max(steps)}" if steps else None
+
+
 def _doing(board: Board, procs: list) -> str:
     """'in step 3' (the furthest rank's), or what the workers were doing."""
-    beats = [board.read(rank) for rank in range(board.world)]
-    steps = [b.step for b in beats if b.state == TRAINING]
-    if steps:
-        return f"in step {max(steps)}"
+    in_step = _in_step(board)
+    if in_step:
+        return in_step
     if not procs:
         return "starting its workers"
+    beats = [board.read(rank) for rank in range(board.world)]
     return f"its workers were {max(beats, key=lambda b: b.state).doing()}"
 
 

@@ -52,11 +52,12 @@ class InterruptSignal(KeyboardInterrupt):
         self.doing = doing
 
 
-def signal_line(signalled: BaseException, default: str) -> tuple[str, int]:
+def signal_line(signalled: BaseException, default: str, known: str | None = None) -> tuple[str, int]:
     """How a run ended by `signalled` (a signal's exception, or a bare KeyboardInterrupt)
     begins its line, 'terminated by SIGTERM while planning ...' (`default`: what it was
-    doing when the exception does not say), and the signal."""
-    doing = getattr(signalled, "doing", None) or default
+    doing when the exception does not say; `known`: what the caller knows it was doing,
+    ahead of what the exception says), and the signal."""
+    doing = known or getattr(signalled, "doing", None) or default
     if isinstance(signalled, TerminateSignal):
         return f"terminated by SIGTERM while {doing}", signal.SIGTERM
     return f"interrupted by Ctrl-C (SIGINT) while {doing}", signal.SIGINT

@@ -409,7 +409,7 @@ def test_a_unet_runs_on_each_rank_and_on_a_grid_unless_z_cannot_shard_a_weight()
 
 def test_optimus_llm_distributed_optimizer_over_replicas_runs_and_only_as_zero_1():
     """Its parameter all-gather and gradient reduce-scatter run under the encoders' work, as
-    the executor's distributed optimizer (runs: test_runtime_optimus, as_typed); the same
+    the executor's distributed optimizer (runs: test_runtime_optimus, distributed_optimizer); the same
     collectives on a unit of another ZeRO stage are refused naming it."""
     replicas = ["strategy.llm.pp=2", "strategy.llm.dp=2", "strategy.llm.zero_stage=1"]
     _check(OPTIMUS + replicas)
