@@ -11,10 +11,11 @@ BUBBLE_CATEGORIES = ("bubble_warmup", "bubble_cooldown", "bubble_imbalance")
 BREAKDOWN_CATEGORIES = ("compute", "comm_tp", "comm_pp", "comm_dp", "comm_interaction", "comm_broker") + BUBBLE_CATEGORIES + ("idle",)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Span:
     """One instruction's execution on one stream. `category` is 'compute' for compute
-    work, 'comm_<kind>' for communication."""
+    work, 'comm_<kind>' for communication. Not frozen (cheaper to build, as the instruction
+    types, src/program.py); never changed once recorded."""
 
     stream: str
     start: float

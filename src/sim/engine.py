@@ -78,7 +78,7 @@ class SimulationError(RuntimeError):
     """A Program that cannot run: a deadlock, a receive with no send, a bad group."""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Op:
     """A communication operation as one rank class sees it.
 
@@ -110,7 +110,7 @@ def _ready(op: _Op) -> float:
     return op.ready
 
 
-@dataclass
+@dataclass(slots=True)
 class _Arrival:
     """One collective instance: the classes that issued it, and their operations."""
 
@@ -233,7 +233,7 @@ class _RoutePrices:
         return cached
 
 
-@dataclass
+@dataclass(slots=True)
 class _ClassState:
     index: int
     program: RankProgram
@@ -416,7 +416,10 @@ class Simulator:
     def _compute(self, state: _ClassState, instruction: Compute) -> bool:
         work = instruction.work
         start = state.stream_free(COMPUTE_STREAM)
-        end = start + self.compute.work_time(work, self.model) * self.compute_scale.get((state.index, state.ip), 1.0)
+        seconds = self.compute.work_time(work, self.model)
+        if self.compute_scale:  # shared cores (src.sim.cores): this span's share
+            seconds *= self.compute_scale.get((state.index, state.ip), 1.0)
+        end = start + seconds
         if self.collective_rate < 1.0:
             end = state.collective_busy.stretched_end(start, end - start, self.collective_rate)
         if self.p2p_rate < 1.0:
