@@ -543,6 +543,7 @@ class Simulator:
         if crosses and transfer > 0:
             moved = max(state.nic.stretched_end(start, transfer, SHARED_LINK_RATE) for state in states)
         end = moved + latency
+        name, category = f"{instruction.op} {group.name}", f"comm_{instruction.kind}"
         for state, op in zip(states, arrival.ops.values()):
             op.start, op.end, op.resolved = start, end, True
             state.computed = max(0.0, state.computed - op.computed)
@@ -551,7 +552,7 @@ class Simulator:
             if op.stream != COMPUTE_STREAM:
                 state.collective_busy.add(start, end)
             self._advance_stream(state, op)
-            state.spans.append(Span(op.stream, start, end, f"{instruction.op} {group.name}", f"comm_{instruction.kind}"))
+            state.spans.append(Span(op.stream, start, end, name, category))
             self._release(op)
 
     @staticmethod
