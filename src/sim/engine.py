@@ -337,7 +337,19 @@ class Simulator:
                 self._flush_blocker(state)
         self._check_finished()
         self.progress.end(f"done: {self.events} instructions")
-        return self._timeline()
+        timeline = self._timeline()
+        self._unlink_streams()
+        return timeline
+
+    def _unlink_streams(self) -> None:
+        """A stream's operations link both ways (prev, next): cycles only the cyclic
+        collector frees, 10^5 of them on a large Program, walked again by its first pass.
+        Unlinked once the run is priced, reference counting frees them."""
+        for state in self.states:
+            for last in state.tail.values():
+                op: _Op | None = last
+                while op is not None:
+                    op.next, op.prev, op = None, None, op.prev
 
     def _check_finished(self) -> None:
         stuck = [s for s in self.states if s.ip < len(s.instructions)]
