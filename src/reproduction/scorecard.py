@@ -43,7 +43,6 @@ from src.reproduction.verdict import (
     RULE,
     Verdict,
     check_claim,
-    check_claim_over_spread,
     consistent,
     judge,
     show,
@@ -330,9 +329,12 @@ def _turning_within_spread(headline: Headline, results: FigureResults, group: st
     largest of them differs, why it is no verdict; '' otherwise."""
     locus = headline.locus
     largest = None if locus.over else results.largest(group, locus.series, locus.field)
-    if largest is None or judge(headline.kind, headline.value, largest).holds == judge(headline.kind, headline.value, ours).holds:
+    if largest is None:
         return ""
-    at_least, at_largest = ("holds", "misses") if judge(headline.kind, headline.value, ours).holds else ("misses", "holds")
+    holds = judge(headline.kind, headline.value, ours).holds
+    if judge(headline.kind, headline.value, largest).holds == holds:
+        return ""
+    at_least, at_largest = ("holds", "misses") if holds else ("misses", "holds")
     return (
         f"{at_least} at the least of its timed runs ({show(headline.kind, ours)}) and {at_largest} at their largest "
         f"({show(headline.kind, largest)}): the verdict turns with this machine's load"
@@ -373,7 +375,7 @@ def score_claim(claim: Claim, figures: Figures, catalogue: Catalogue) -> ScoredC
     largest = _claim_table(claim, figures, places, largest=True)
     assert largest is not None, "every value read above has its largest"
     holds = check_claim(claim.check, table)
-    beyond_spread = check_claim_over_spread(claim.check, table, largest)
+    beyond_spread = check_claim(claim.check, table, largest)
     if holds and beyond_spread:
         return ScoredClaim(claim, True, HOLDS)
     group = claim.check["groups"][0]
