@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from typing import Mapping
+from typing import Iterable, Mapping
 
 from src.errors import ConfigError
+from src.mesh import Sharding
 from src.models.spec import ModelSpec
 from src.program import RECOMPUTE_MODES, Compute, RankProgram, UnitPlan
 
@@ -74,38 +75,44 @@ def model_state_bytes(params: float, precision: str, frozen: bool, zero_stage: i
     }
 
 
-def work_activation_bytes(model: ModelSpec, compute: Compute, recompute: str) -> float:
+def work_activation_bytes(model: ModelSpec, compute: Compute, recompute: str, per_sample: dict[tuple, float] | None = None) -> float:
     """Activations one forward Work leaves alive until its backward. A layer run as
-    several kernel ranges keeps its activations once, counted on the range that starts it."""
+    several kernel ranges keeps its activations once, counted on the range that starts it.
+    `per_sample`: a memo of one sample's bytes by layer range, sharding and recompute mode
+    (a rank's micro-batches repeat the same few)."""
     work = compute.work
     if work.kernels is not None and work.kernels[0] > 0:
         return 0.0
-    unit = model.unit(work.unit)
-    start, end = work.layers
-    per_sample = sum(
-        layer.activations.per_device(work.sharding, recompute)
-        for index, layer in enumerate(unit.layers[start:end], start)
-        if not layer.forward_only and (unit.trains(layer) or model.needs_input_grad(work.unit, index))
-    )
-    return per_sample * work.samples * work.fraction * work.load
+    key = (work.unit, work.layers, work.sharding, recompute)
+    sample = per_sample.get(key) if per_sample is not None else None
+    if sample is None:
+        unit = model.unit(work.unit)
+        start, end = work.layers
+        sample = sum(
+            layer.activations.per_device(work.sharding, recompute)
+            for index, layer in enumerate(unit.layers[start:end], start)
+            if not layer.forward_only and (unit.trains(layer) or model.needs_input_grad(work.unit, index))
+        )
+        if per_sample is not None:
+            per_sample[key] = sample
+    return sample * work.samples * work.fraction * work.load
 
 
-def peak_activation_bytes(rank_program: RankProgram, model: ModelSpec, recompute: Mapping[str, str]) -> float:
-    """Peak of live activations over the rank's instruction order: a forward adds its
-    activations, the matching backward frees them. Under full recompute a backward also
-    rematerialises its largest layer's full activations for a moment. `recompute` maps
-    each unit to its mode (none, selective, full)."""
+def peak_activation_bytes(computes: Iterable[Compute], model: ModelSpec, recompute: Mapping[str, str]) -> float:
+    """Peak of live activations over a rank's computations in instruction order: a forward
+    adds its activations, the matching backward frees them. Under full recompute a
+    backward also rematerialises its largest layer's full activations for a moment.
+    `recompute` maps each unit to its mode (none, selective, full)."""
     live = 0.0
     peak = 0.0
     alive: dict[tuple, float] = {}
     freed: set[tuple] = set()  # forwards a backward freed whole (its later kernel ranges free nothing)
-    for instruction in rank_program.instructions:
-        if not isinstance(instruction, Compute):
-            continue
+    per_sample: dict[tuple, float] = {}
+    for instruction in computes:
         work = instruction.work
         key = (work.unit, work.layers, instruction.chunk, instruction.microbatch)
         if work.phase == "fwd" and model.needs_backward(work.unit):
-            size = work_activation_bytes(model, instruction, recompute.get(work.unit, "none"))
+            size = work_activation_bytes(model, instruction, recompute.get(work.unit, "none"), per_sample)
             alive[key] = alive.get(key, 0.0) + size
             live += size
             peak = max(peak, live)
@@ -143,14 +150,16 @@ def rank_memory(rank_program: RankProgram, units: Mapping[str, UnitPlan], model:
     """Bytes one rank of a class needs: the model states of every layer range it computes
     (sharded by its unit's TP, and under ZeRO by its data replicas: a unit replicated over
     its TP group holds it whole and shards it over TP x DP) and its peak live activations."""
-    held: dict[tuple[str, tuple[int, int]], int] = {}
-    for instruction in rank_program.instructions:
-        if isinstance(instruction, Compute) and instruction.work.phase in ("fwd", "interaction"):
-            held[(instruction.work.unit, instruction.work.layers)] = instruction.work.sharding.devices
+    computes = [i for i in rank_program.instructions if isinstance(i, Compute)]
+    held: dict[tuple[str, tuple[int, int]], Sharding] = {}
+    for instruction in computes:
+        if instruction.work.phase in ("fwd", "interaction"):
+            held[(instruction.work.unit, instruction.work.layers)] = instruction.work.sharding
     out = {"weights": 0.0, "grads": 0.0, "optimizer": 0.0}
-    for (name, (start, end)), shards in held.items():
+    for (name, (start, end)), sharding in held.items():
         unit = model.unit(name)
         plan = units[name]
+        shards = sharding.devices
         trainable = unit.trainable_params(start, end) / shards
         fixed = sum(layer.params for layer in unit.layers[start:end]) / shards - trainable
         for params, frozen in ((trainable, False), (fixed, True)):
@@ -160,6 +169,6 @@ def rank_memory(rank_program: RankProgram, units: Mapping[str, UnitPlan], model:
     if gathered:
         out["gathered"] = gathered * element_bytes(precision)
     recompute = {name: plan.recompute for name, plan in units.items()}
-    out["activations"] = peak_activation_bytes(rank_program, model, recompute)
+    out["activations"] = peak_activation_bytes(computes, model, recompute)
     out["total"] = sum(out.values())
     return out

@@ -4,6 +4,8 @@ independently), so they run in worker processes forked from the planner, which i
 the LLM's pipeline instead of receiving it, and send back what ranks them (the latency,
 efficiencies and split; a schedule's placed kernels would cost more to send than to
 place again): the planner schedules the split of a plan it emits again (`complete`).
+The planner is one of the processes: it schedules the plans no worker has taken yet,
+last first, and keeps their whole schedules (nothing to schedule again, one fork fewer).
 Serial with one plan, one core, inside a daemon process (a pool's worker cannot start
 processes of its own), or where the environment sets MMDIST_PLAN_WORKERS=1 (a shared
 login node, the quick test tier); MMDIST_PLAN_WORKERS=n caps the processes at n."""
@@ -12,9 +14,9 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import replace
-from typing import Callable
+from typing import Callable, Iterator
 
 from src.errors import ConfigError
 from src.strategies.optimus.encoder import Layout
@@ -58,6 +60,12 @@ def _cap() -> int | None:
     return int(value)
 
 
+def _untaken(futures: list[Future[Candidate]]) -> Iterator[int]:
+    """The futures no worker has started, last first, each cancelled as it is reached (the
+    workers take them first first): this process takes them."""
+    return (i for i in reversed(range(len(futures))) if futures[i].cancel())
+
+
 def schedule_all(job: Callable[[Layout], Candidate], layouts: list[Layout]) -> list[Candidate]:
     """job(layout) for every layout, in order."""
     global _JOB
@@ -66,7 +74,9 @@ def schedule_all(job: Callable[[Layout], Candidate], layouts: list[Layout]) -> l
         return [job(layout) for layout in layouts]
     _JOB = job
     try:
-        with ProcessPoolExecutor(count, mp_context=multiprocessing.get_context("fork")) as pool:
-            return list(pool.map(_run, layouts))
+        with ProcessPoolExecutor(count - 1, mp_context=multiprocessing.get_context("fork")) as pool:
+            futures = [pool.submit(_run, layout) for layout in layouts]
+            here = {i: job(layouts[i]) for i in _untaken(futures)}
+            return [here[i] if i in here else futures[i].result() for i in range(len(layouts))]
     finally:
         _JOB = None
