@@ -22,6 +22,15 @@ from src.errors import ConfigError, expect_mapping, reject_unknown
 
 GIB = 1024**3
 MIB = 1024**2
+
+
+def gib(nbytes: float) -> str:
+    """Bytes as GiB in a message: one decimal from 1 GiB up, three significant digits
+    below (a tiny model's 5 MiB is 0.00488 GiB, not 0.0)."""
+    value = nbytes / GIB
+    return f"{value:.1f}" if abs(value) >= 1 else f"{value:.3g}"
+
+
 # Measured collective tables a preset names (`collective_measurements`), one file per library and machine.
 MEASURED_DIR = Path(__file__).resolve().parent.parent / "conf" / "cluster" / "measured"
 # A library's size correction is indexed by log2(bytes / 64): powers of two from 64 B.

@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from src.batch_layout import BatchLayout
-from src.cluster import GIB
+from src.cluster import GIB, gib
 from src.config import check_positive, options_from
 from src.costmodel.memory import rank_memory
 from src.errors import ConfigError, PlanError
@@ -232,14 +232,14 @@ def _plan_at_mean(request: PlanRequest) -> Plan:
             short = memory["total"] - usable
             if closest is None or short < closest[0]:
                 parts = ", ".join(
-                    f"{k} {memory[k] / GIB:.1f}" for k in ("weights", "grads", "optimizer", "gathered", "activations") if k in memory
+                    f"{k} {gib(memory[k])}" for k in ("weights", "grads", "optimizer", "gathered", "activations") if k in memory
                 )
                 closest = (
                     short,
                     f"ddp zero_stage={opts.zero_stage} dp={dp} micro-batch={mb} recompute={recompute}: "
-                    f"a rank needs {memory['total'] / GIB:.1f} GiB ({parts}) but each "
-                    f"{request.cluster.device} has {usable / GIB:.1f} GiB usable, short by "
-                    f"{short / GIB:.1f} GiB",
+                    f"a rank needs {gib(memory['total'])} GiB ({parts}) but each "
+                    f"{request.cluster.device} has {gib(usable)} GiB usable, short by "
+                    f"{gib(short)} GiB",
                 )
     assert closest is not None, "_micro_batches yields a size or refuses the batch"
     raise PlanError(closest[1])

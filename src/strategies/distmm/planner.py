@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from src.cluster import GIB
+from src.cluster import GIB, gib
 from src.config import UnitCounts, check_positive, options_from
 from src.costmodel.memory import check_memory_options, memory_ladder, rank_memory
 from src.errors import ConfigError, PlanError
@@ -176,8 +176,8 @@ def _short(
         bound = f" (DistMM-Pipe's (M·P - M_s)/(2·M_a) allows about {max(0, int(samples))} samples per group here)"
     return (
         f"tower {tower} at tp={degrees.tp} pp={degrees.pp} with {replicas} replicas of {batch} samples needs "
-        f"{need / GIB:.1f} GiB per device even with full recompute and ZeRO-1; {usable / GIB:.1f} GiB usable, "
-        f"short by {(need - usable) / GIB:.1f} GiB{bound}"
+        f"{gib(need)} GiB per device even with full recompute and ZeRO-1; {gib(usable)} GiB usable, "
+        f"short by {gib(need - usable)} GiB{bound}"
     )
 
 
@@ -259,8 +259,8 @@ def _colocated(request: PlanRequest, opts: DistMMOptions, towers: list[str], gro
         if need <= request.cluster.usable_memory_bytes:
             return plans, program
         last = (
-            f"needs {need / GIB:.1f} GiB per device with recompute={recompute} zero_stage={zero}, "
-            f"{request.cluster.usable_memory_bytes / GIB:.1f} GiB usable"
+            f"needs {gib(need)} GiB per device with recompute={recompute} zero_stage={zero}, "
+            f"{gib(request.cluster.usable_memory_bytes)} GiB usable"
         )
     raise PlanError(f"distmm: placement=naive does not fit: every device holds all towers and {last}")
 
@@ -300,8 +300,8 @@ def plan_distmm(request: PlanRequest) -> Plan:
     worst = max(memory, key=lambda label: memory[label])
     if memory[worst] > request.cluster.usable_memory_bytes:
         raise PlanError(
-            f"distmm: {worst} needs {memory[worst] / GIB:.1f} GiB but a {request.cluster.device} has "
-            f"{request.cluster.usable_memory_bytes / GIB:.1f} GiB usable (the balancer's estimate "
+            f"distmm: {worst} needs {gib(memory[worst])} GiB but a {request.cluster.device} has "
+            f"{gib(request.cluster.usable_memory_bytes)} GiB usable (the balancer's estimate "
             f"disagrees with the Program)"
         )
     used = sum(p.devices for p in plans) if not colocated else request.cluster.devices

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
 from src.batch_layout import BatchLayout
-from src.cluster import GIB, ClusterSpec, family_sharing
+from src.cluster import gib, ClusterSpec, family_sharing
 from src.costmodel.comm import CommModel
 from src.costmodel.compute import ComputeModel
 from src.costmodel.memory import element_bytes, grad_bytes, memory_ladder, model_state_bytes
@@ -123,9 +123,9 @@ def partition(unit: UnitSpec, cluster: ClusterSpec, precision: str, tp: int | No
     have = usable * cluster.devices
     if total > have:
         raise PlanError(
-            f"distmm: tower {unit.name} ({unit.params / 1e9:.2f}B parameters) needs {total / GIB:.1f} GiB "
-            f"of model states, more than the {have / GIB:.1f} GiB of all {cluster.devices} devices of "
-            f"cluster {cluster.name}: short by {(total - have) / GIB:.1f} GiB"
+            f"distmm: tower {unit.name} ({unit.params / 1e9:.2f}B parameters) needs {gib(total)} GiB "
+            f"of model states, more than the {gib(have)} GiB of all {cluster.devices} devices of "
+            f"cluster {cluster.name}: short by {gib(total - have)} GiB"
         )
     finest = candidates[-1]
     need = max(
@@ -134,8 +134,8 @@ def partition(unit: UnitSpec, cluster: ClusterSpec, precision: str, tp: int | No
     )
     raise PlanError(
         f"distmm: tower {unit.name} fits no tp x pp on cluster {cluster.name}: even at tp={finest.tp} "
-        f"pp={finest.pp} its fullest stage needs {need / GIB:.1f} GiB, a device has {usable / GIB:.1f} GiB "
-        f"usable, short by {(need - usable) / GIB:.1f} GiB"
+        f"pp={finest.pp} its fullest stage needs {gib(need)} GiB, a device has {gib(usable)} GiB "
+        f"usable, short by {gib(need - usable)} GiB"
     )
 
 

@@ -56,7 +56,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from src.cluster import GIB
+from src.cluster import GIB, gib
 from src.config import check_positive
 from src.errors import ConfigError, PlanError
 from src.metrics import unit_flops
@@ -567,7 +567,7 @@ class Orchestrator:
                 assert lightest is not None, "every unit has a setting"
                 return PlanError(
                     f"disttrain: unit {unit} fits no allocation: even at pp={blocks} (one block per stage) with "
-                    f"{lightest.describe()} its fullest stage needs {closest / GIB:.1f} GiB for one sequence, a "
+                    f"{lightest.describe()} its fullest stage needs {gib(closest)} GiB for one sequence, a "
                     f"{self.p.cluster.device} has {usable:.1f} GiB usable"
                 )
             least[unit] = fewest

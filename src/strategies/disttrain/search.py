@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from src.data.loads import BatchLoads
-from src.cluster import GIB
+from src.cluster import gib
 from src.costmodel.compute import ComputeModel
 from src.costmodel.memory import rank_memory
 from src.models.spec import ModelSpec
@@ -280,6 +280,6 @@ def memory_problem(request: PlanRequest, candidate: Candidate) -> str:
     usable = request.cluster.usable_memory_bytes
     unit, (need, label) = max(candidate.memory.items(), key=lambda item: item[1][0] - usable)
     return (
-        f"disttrain: {label} ({unit} of {candidate.describe()}) needs {need / GIB:.1f} GiB but a "
-        f"{request.cluster.device} has {usable / GIB:.1f} GiB usable, short by {(need - usable) / GIB:.1f} GiB"
+        f"disttrain: {label} ({unit} of {candidate.describe()}) needs {gib(need)} GiB but a "
+        f"{request.cluster.device} has {gib(usable)} GiB usable, short by {gib(need - usable)} GiB"
     )

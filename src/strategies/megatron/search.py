@@ -17,7 +17,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from src.cluster import GIB
+from src.cluster import gib
 from src.costmodel.compute import ComputeModel
 from src.costmodel.memory import memory_ladder, rank_memory
 from src.errors import ConfigError
@@ -221,7 +221,7 @@ class MegatronSearch:
         usable = self.cluster.usable_memory_bytes
         worst = max(range(len(candidate.memory)), key=lambda i: candidate.memory[i]["total"])
         need = candidate.memory[worst]
-        parts = ", ".join(f"{k} {need[k] / GIB:.1f}" for k in ("weights", "grads", "optimizer", "activations"))
+        parts = ", ".join(f"{k} {gib(need[k])}" for k in ("weights", "grads", "optimizer", "activations"))
         why = ""
         if (
             self.opts.micro_batch_size is None
@@ -234,8 +234,8 @@ class MegatronSearch:
             )
         return (
             f"megatron {candidate.describe()}: {candidate.labels[worst]} needs "
-            f"{need['total'] / GIB:.1f} GiB ({parts}) but a {self.cluster.device} has "
-            f"{usable / GIB:.1f} GiB usable, short by {(need['total'] - usable) / GIB:.1f} GiB{why}"
+            f"{gib(need['total'])} GiB ({parts}) but a {self.cluster.device} has "
+            f"{gib(usable)} GiB usable, short by {gib(need['total'] - usable)} GiB{why}"
         )
 
     def closest_memory_problem(self) -> str | None:

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from src.cluster import GIB, family_sharing
+from src.cluster import GIB, gib, family_sharing
 from src.collector import collector_paused
 from src.config import UnitCounts, check_positive, options_from
 from src.progress import Progress
@@ -116,8 +116,8 @@ def _plan(request: PlanRequest) -> Plan:
             rejected.append(
                 (
                     (need - usable) / GIB,
-                    f"LLM recompute={recompute} zero_stage={zero}: the LLM alone needs {need / GIB:.1f} GiB on its fullest "
-                    f"stage but a {cluster.device} has {usable / GIB:.1f} GiB usable, short by {(need - usable) / GIB:.1f} GiB",
+                    f"LLM recompute={recompute} zero_stage={zero}: the LLM alone needs {gib(need)} GiB on its fullest "
+                    f"stage but a {cluster.device} has {gib(usable)} GiB usable, short by {gib(need - usable)} GiB",
                 )
             )
             continue
@@ -181,8 +181,8 @@ def _class_memory_problem(
     if need <= usable:
         return None
     return (need - usable) / GIB, (
-        f"{what}: {rank_program.label} needs {need / GIB:.1f} GiB but a {request.cluster.device} has "
-        f"{usable / GIB:.1f} GiB usable, short by {(need - usable) / GIB:.1f} GiB"
+        f"{what}: {rank_program.label} needs {gib(need)} GiB but a {request.cluster.device} has "
+        f"{gib(usable)} GiB usable, short by {gib(need - usable)} GiB"
     )
 
 
@@ -296,10 +296,10 @@ def _encoder_plan_problem(
         short = (llm + enc + acts - usable) / GIB
         return short, (
             f"{label}, LLM recompute={base.plan.recompute} zero_stage={base.plan.zero_stage}: "
-            f"LLM stage {worst} needs {(llm + enc + acts) / GIB:.1f} GiB (LLM states and activations "
-            f"{llm / GIB:.1f}, encoder states {enc / GIB:.1f}, encoder activations {acts / GIB:.1f}) "
+            f"LLM stage {worst} needs {gib(llm + enc + acts)} GiB (LLM states and activations "
+            f"{gib(llm)}, encoder states {gib(enc)}, encoder activations {gib(acts)}) "
             f"but a {request.cluster.device} has "
-            f"{usable / GIB:.1f} GiB usable, short by {short:.1f} GiB"
+            f"{gib(usable)} GiB usable, short by {short:.1f} GiB"
         )
     return None
 

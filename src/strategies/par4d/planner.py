@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from src.batch_layout import BatchLayout
-from src.cluster import GIB
+from src.cluster import GIB, gib
 from src.config import check_positive, options_from
 from src.costmodel.compute import ComputeModel
 from src.costmodel.memory import element_bytes, rank_memory
@@ -156,13 +156,11 @@ class _Planner:
         return Par4DSettings(settings.micro_batch, settings.recompute, settings.overlap, cached)
 
     def _memory_problem(self, grid: Grid, settings: Par4DSettings, memory: dict[str, float]) -> str:
-        parts = ", ".join(
-            f"{k} {memory[k] / GIB:.1f}" for k in ("weights", "grads", "optimizer", "gathered", "activations") if k in memory
-        )
+        parts = ", ".join(f"{k} {gib(memory[k])}" for k in ("weights", "grads", "optimizer", "gathered", "activations") if k in memory)
         return (
             f"par4d grid {grid.label()} micro-batch={settings.micro_batch} recompute={settings.recompute}: a rank "
-            f"needs {memory['total'] / GIB:.1f} GiB ({parts}) but a {self.cluster.device} has "
-            f"{self.usable / GIB:.1f} GiB usable, short by {(memory['total'] - self.usable) / GIB:.1f} GiB"
+            f"needs {gib(memory['total'])} GiB ({parts}) but a {self.cluster.device} has "
+            f"{gib(self.usable)} GiB usable, short by {gib(memory['total'] - self.usable)} GiB"
         )
 
     # ---- the search ----------------------------------------------------------------------------
