@@ -30,6 +30,7 @@ class CodecError(ValueError):
 def register(cls: type, enc: Encode, dec: Decode) -> None:
     """A class's own codec in place of its fields' (one that keeps shared objects shared)."""
     _CACHE[cls] = (enc, dec)
+    _REGISTERED.add(cls)
 
 
 def fields_codec(cls: type) -> tuple[Encode, Decode]:
@@ -87,6 +88,7 @@ def decode_ints(text: Any) -> tuple[int, ...]:
 
 
 _CACHE: dict[Any, tuple[Encode, Decode]] = {}
+_REGISTERED: set[type] = set()  # classes with a codec of their own (register)
 
 
 def _codec(hint: Any) -> tuple[Encode, Decode]:
@@ -160,11 +162,19 @@ def _tagged(members: list[type], optional: bool) -> tuple[Encode, Decode]:
     """A union of dataclasses: each object names its class."""
     by_class = {m: _codec(m) for m in members}
     by_name = {m.__name__: c[1] for m, c in by_class.items()}
+    # A member coded by its fields is compiled to write its name first itself (a Program's
+    # instructions are hundreds of thousands of these: one dict each, not two).
+    named = {
+        m: _dataclass(m, cache=False, tag=m.__name__)[0]
+        if dataclasses.is_dataclass(m) and m not in _REGISTERED
+        else lambda value, c=c, name=m.__name__: {TYPE_KEY: name, **c[0](value)}
+        for m, c in by_class.items()
+    }
 
     def enc(value: Any) -> Any:
         if value is None and optional:
             return None
-        return {TYPE_KEY: type(value).__name__, **by_class[type(value)][0](value)}
+        return named[type(value)](value)
 
     def dec(data: Any) -> Any:
         if data is None and optional:
@@ -177,16 +187,17 @@ def _tagged(members: list[type], optional: bool) -> tuple[Encode, Decode]:
     return enc, dec
 
 
-def _dataclass(cls: type, cache: bool = True) -> tuple[Encode, Decode]:
+def _dataclass(cls: type, cache: bool = True, tag: str | None = None) -> tuple[Encode, Decode]:
     """A dataclass's codec, compiled into one function each way (attribute reads and
-    default checks written out per field: a plan holds hundreds of thousands of objects)."""
+    default checks written out per field: a plan holds hundreds of thousands of objects);
+    `tag`: a class name its encoding starts with (a member of a union)."""
     # Placeholders first: a dataclass may refer to itself through its fields.
     compiled: list[Callable[[Any], Any]] = []
     if cache:
         _CACHE[cls] = (lambda value: compiled[0](value)), (lambda data: compiled[1](data))
     hints = typing.get_type_hints(cls)
     names: dict[str, Any] = {"MISSING": _MISSING, "cls": cls, "CodecError": CodecError, "TYPE_KEY": TYPE_KEY}
-    enc_lines = ["def enc(value):", "    out = {}"]
+    enc_lines = ["def enc(value):", "    out = {}" if tag is None else f"    out = {{TYPE_KEY: {tag!r}}}"]
     dec_lines = [
         "def dec(data):",
         "    if type(data) is not dict:",
