@@ -102,15 +102,21 @@ class Balancer:
         """The cost model's iteration: the slowest replica's 1F1B recurrence over its
         micro-batches (communication left out) — what the policies are judged by here; the
         simulator prices the Program itself."""
-        layout, worst = self.layout, 0.0
+        return max(self.replica_makespans(loads, order))
+
+    def replica_makespans(
+        self, loads: Mapping[str, Sequence[float]], order: Sequence[int], replicas: Sequence[int] | None = None
+    ) -> list[float]:
+        """Each replica's 1F1B recurrence over its micro-batches (`replicas`: these only)."""
+        layout, spans = self.layout, []
         fwd, bwd = self._stage_parts(loads)
-        for replica in range(layout.dp):
+        for replica in range(layout.dp) if replicas is None else replicas:
             firsts = [layout.first_sample(replica, j) for j in range(layout.microbatches)]
             sim = IntervalSim(len(self.stages), layout.microbatches)
             for times in self._times([list(order[p : p + layout.micro_batch]) for p in firsts], fwd, bwd):
                 sim.place(times)
-            worst = max(worst, sim.makespan)
-        return worst
+            spans.append(sim.makespan)
+        return spans
 
     def times(self, sequences: Sequence[int], loads: Mapping[str, Sequence[float]]) -> StageTimes:
         """A micro-batch's stage times: each unit at its sequences' mean load."""
