@@ -25,6 +25,7 @@ from src.costmodel.compute import ComputeModel
 from src.data.balance import Balancer, Balancing, StageCosts
 from src.data.loads import batch_loads
 from src.mesh import Mesh
+from src.models.spec import ModelSpec
 from src.program import Collective, Compute, Instruction, Plan, Program, RankProgram, compress_ranks
 from src.strategies.base import PlanRequest
 from src.strategies.builders.layout import make_group, megatron_mesh
@@ -142,9 +143,9 @@ def on_the_data(plan: Plan, request: PlanRequest) -> Plan:
     balancing policy (train.balance; none: the data order); the plan itself where every
     sequence weighs the same."""
     model, train = request.model, request.train
-    per_image = [u for u, sample in model.extras.get("per_sample", {}).items() if sample == PER_IMAGE]
+    per_image = _per_image(model)
     policy = train.balance or "none"
-    if not per_image or (train.data == "uniform" and request.sample_images is None):
+    if not skewed(request):
         if policy != "none":
             plan.details["balance_policy"] = policy  # every sequence alike: nothing to move
         return plan
@@ -183,15 +184,26 @@ def on_the_data(plan: Plan, request: PlanRequest) -> Plan:
     return plan
 
 
+def skewed(request: PlanRequest) -> bool:
+    """Whether the workload's sequences weigh differently: a unit works per image and the
+    data (or the images a run sampled) is not uniform."""
+    train = request.train
+    return bool(_per_image(request.model)) and not (train.data == "uniform" and request.sample_images is None)
+
+
+def _per_image(model: ModelSpec) -> list[str]:
+    return [u for u, sample in model.extras.get("per_sample", {}).items() if sample == PER_IMAGE]
+
+
 def on_batches(plan: Plan, request: PlanRequest, batches: Sequence[int]) -> list[Plan]:
     """`plan` (at the mean load, as on_the_data takes it) priced on each of the workload's
     global `batches`: its choices made once, as a run keeps them from step to step. The
     first batch takes the plan itself, each other a copy made before it changes."""
-    plans = [plan] + [_to_place_again(plan) for _ in batches[1:]]
+    plans = [plan] + [copy_to_place(plan) for _ in batches[1:]]
     return [on_the_data(each, replace(request, batch_index=batch)) for each, batch in zip(plans, batches)]
 
 
-def _to_place_again(plan: Plan) -> Plan:
+def copy_to_place(plan: Plan) -> Plan:
     """A copy of `plan` that on_the_data may change without changing `plan`: it sets the
     plan's fields and details, the program's classes and adds groups; instructions, units
     and routes are read and replaced, never changed, so they are shared."""

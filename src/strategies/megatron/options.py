@@ -12,6 +12,8 @@ from src.models.spec import ModelSpec
 from src.schedules.pipeline import SCHEDULES
 from src.strategies.builders.stages import main_unit
 
+CHOOSE_ON = ("mean", "data")
+
 
 @dataclass(frozen=True)
 class MegatronChoices:
@@ -45,6 +47,9 @@ class MegatronOptions(MegatronChoices):
     # Units replicated over their stage's TP group (DistTrain §2.1): whole on each of its
     # ranks, each on its share of a micro-batch's rows.
     replicate: tuple[str, ...] = ()
+    # mean: the plan chosen as Megatron-LM's users choose it, at the mean load; data: the
+    # search's ranking priced on the workload's first batch under its balancing policy.
+    choose_on: str = "mean"
 
     def __post_init__(self) -> None:
         for key in ("tp", "pp", "dp", "vpp", "micro_batch_size"):
@@ -64,6 +69,8 @@ class MegatronOptions(MegatronChoices):
         check_memory_options(
             self.recompute, self.zero_stage, "Megatron-LM's distributed optimizer is ZeRO stage 1 (stages 2-3 belong to strategy=ddp)"
         )
+        if self.choose_on not in CHOOSE_ON:
+            raise ConfigError(f"strategy.choose_on={self.choose_on!r}; choose one of {list(CHOOSE_ON)}")
         if any(not isinstance(name, str) for name in self.replicate) or len(set(self.replicate)) != len(self.replicate):
             raise ConfigError(f"strategy.replicate takes unit names, each once, got {list(self.replicate)}")
         object.__setattr__(self, "replicate", tuple(self.replicate))

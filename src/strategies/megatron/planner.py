@@ -19,8 +19,9 @@ from src.config import options_from
 from src.costmodel.memory import rank_memory
 from src.errors import ConfigError, PlanError
 from src.program import Plan
+from src.sim.engine import simulate
 from src.strategies.base import PlanRequest
-from src.strategies.builders.replicas import on_batches
+from src.strategies.builders.replicas import copy_to_place, on_batches, on_the_data, skewed
 from src.strategies.builders.stages import Segment
 from src.strategies.megatron.options import MegatronOptions
 from src.strategies.megatron.programs import MegatronSettings
@@ -57,20 +58,57 @@ def plan_megatron(request: PlanRequest) -> Plan:
 
 
 def plan_megatron_batches(request: PlanRequest, batches: Sequence[int]) -> list[Plan]:
-    """The search's plan, chosen once at the mean load, priced on each of `batches`."""
+    """The search's plan, chosen once (at the mean load, or on the first of `batches` with
+    strategy.choose_on=data), priced on each of `batches`."""
     opts = options_from(MegatronOptions, request.options)
     search, fitting = _fitting(request, opts)
     best = search.fastest(fitting)
+    trials: list[dict] | None = None
+    if opts.choose_on == "data" and best.virtual is not None and skewed(request):
+        best, trials = _fastest_on_the_data(search, fitting, replace(request, batch_index=batches[0]))
     assert best.plan is not None, "the fastest candidate was built"
     plans = [best.plan] * len(batches) if best.virtual is None else on_batches(best.plan, request, batches)
     for plan in plans:
         plan.details["search"] = search.record(fitting, best)
+        if trials is not None:
+            plan.details["search"]["on_the_data"] = trials
         units = {u.unit: u for u in plan.units}
         plan.details["memory_gib"] = {
             rp.label: round(rank_memory(rp, units, request.model, request.train.precision)["total"] / GIB, 3)
             for rp in plan.program.classes
         }
     return plans
+
+
+def _fastest_on_the_data(search: MegatronSearch, fitting: list[Candidate], request: PlanRequest) -> tuple[Candidate, list[dict]]:
+    """Of the search's ranking at the mean load, the candidate fastest on the request's
+    batch: each one's plan placed on it by the workload's balancing policy (on_the_data, on
+    a copy: the pick is placed again on every batch) and simulated; and each one's times.
+    Only the ranking is tried (each is a whole simulation): a plan outside it is slower at
+    the mean load, though it could be faster on the data."""
+    timed: list[tuple[float, Candidate]] = []
+    for candidate in search.leaders(fitting):
+        if candidate.virtual is None:
+            continue
+        placed = on_the_data(copy_to_place(search.plan_of(candidate)), request)
+        timed.append((simulate(placed.program, request.model, request.cluster, request.train.precision).iteration_time, candidate))
+    seconds, best = min(timed, key=lambda pair: (pair[0], pair[1].order()))
+    trials = [
+        {
+            "tp": candidate.shape.degrees.tp,
+            "pp": candidate.shape.degrees.pp,
+            "dp": candidate.shape.degrees.dp,
+            "vpp": candidate.shape.degrees.vpp,
+            "micro_batch": candidate.shape.degrees.micro_batch,
+            "recompute": candidate.settings.recompute,
+            "zero_stage": candidate.settings.zero_stage,
+            "mean_load_s": candidate.time if candidate.time is not None else candidate.path_bound,
+            "on_the_data_s": data_s,
+            "chosen": candidate is best,
+        }
+        for data_s, candidate in timed
+    ]
+    return best, trials
 
 
 def _fitting(request: PlanRequest, opts: MegatronOptions) -> tuple[MegatronSearch, list[Candidate]]:

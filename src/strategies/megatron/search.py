@@ -318,7 +318,7 @@ class MegatronSearch:
                 known += 1
 
     def _simulate(self, candidate: Candidate) -> float:
-        plan = candidate.plan if candidate.plan is not None else self._build(candidate)
+        plan = self.plan_of(candidate)
         candidate.time = simulate(plan.program, self.model, self.cluster, self.precision, self.compute).iteration_time
         self.stats.simulated += 1
         return candidate.time
@@ -361,8 +361,7 @@ class MegatronSearch:
         the best candidates (simulated, or else known by their path bound, a lower bound
         that the simulation reached within rounding in every case we checked)."""
         self.stats.wall_time_s = self.progress.elapsed_s
-        known = [c for c in candidates if c.time is not None] + self.ranked
-        known.sort(key=lambda c: (c.time if c.time is not None else c.path_bound, c.order()))
+        known = self.leaders(candidates)
         self.progress.end(
             f"done: {self.stats.shapes} shapes, {len(candidates)} fit, {self.stats.simulated} simulated; best {best.describe()}"
         )
@@ -384,6 +383,17 @@ class MegatronSearch:
                     "simulated": c.time is not None,
                     "iteration_time_s": c.time if c.time is not None else c.path_bound,
                 }
-                for c in known[:RANKING_SIZE]
+                for c in known
             ],
         }
+
+    def leaders(self, candidates: list[Candidate]) -> list[Candidate]:
+        """The ranking after `fastest`: the RANKING_SIZE fastest known candidates (simulated,
+        or path-bounded with no unbounded candidate below), fastest first."""
+        known = [c for c in candidates if c.time is not None] + self.ranked
+        known.sort(key=lambda c: (c.time if c.time is not None else c.path_bound, c.order()))
+        return known[:RANKING_SIZE]
+
+    def plan_of(self, candidate: Candidate) -> Plan:
+        """The candidate's plan, built if no simulation built it."""
+        return candidate.plan if candidate.plan is not None else self._build(candidate)

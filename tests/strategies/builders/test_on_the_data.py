@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from src.errors import ConfigError
 from src.program import Compute
 from src.setup import plan_run, validate
 from src.sim.engine import simulate
@@ -85,3 +86,27 @@ def test_a_balancing_policy_places_the_sequences_and_shortens_the_iteration(poli
 def test_balancing_uniform_data_moves_nothing():
     plan, _ = _priced("train.data=uniform", "train.balance=cost")
     assert plan.sample_order is None and plan.details["balance_policy"] == "cost"
+
+
+def test_a_plan_chosen_on_the_data_is_the_ranking_s_fastest_there_and_runs_as_priced():
+    searched = [*MLLM, "strategy=megatron", "train.data=interleaved", "train.balance=cost", "strategy.choose_on=data"]
+    setup = validate(compose_config(*searched))
+    plan = plan_run(setup)
+    trials = plan.details["search"]["on_the_data"]
+    assert len(trials) > 1
+    (chosen,) = [t for t in trials if t["chosen"]]
+    assert chosen["on_the_data_s"] == min(t["on_the_data_s"] for t in trials)
+    assert all(t["on_the_data_s"] >= t["mean_load_s"] * 0.999 for t in trials)  # skew costs each plan time
+    assert (plan.details["tp"], plan.details["pp"], plan.details["micro_batch"]) == (chosen["tp"], chosen["pp"], chosen["micro_batch"])
+    # The plan kept is the one priced: placed on the same batch, it simulates to the same time.
+    assert simulate(plan.program, setup.model, setup.cluster, setup.train.precision).iteration_time == pytest.approx(
+        chosen["on_the_data_s"]
+    )
+    # Uniform data leaves nothing to choose on: the mean-load pick, no trials.
+    uniform = plan_run(validate(compose_config(*searched, "train.data=uniform")))
+    assert "on_the_data" not in uniform.details["search"]
+
+
+def test_choosing_a_plan_on_something_else_is_one_line():
+    with pytest.raises(ConfigError, match=r"strategy.choose_on='median'; choose one of \['mean', 'data'\]"):
+        plan_run(validate(compose_config(*MLLM, "strategy=megatron", "strategy.choose_on=median")))
