@@ -1,8 +1,9 @@
-"""The balancing figure: every balancing policy for Megatron-LM and DistTrain on MLLM-9B/15B/72B
-on 1152 A800s (global batch 1920, DistTrain's Figure 15 sizes), each plan priced on 16 (9B) or
-8 global batches of interleaved data; then the skew swept for MLLM-9B over a range declared
-here before any result was seen, 4 batches a point (a simulated batch of 1152 GPUs, each
-replica's pipeline its own rank classes, takes 10-20 s on a 2-core machine).
+"""The balancing figure: every balancing policy for Megatron-LM (its plan chosen at the mean load,
+and chosen on the data: strategy.choose_on=data) and DistTrain on MLLM-9B/15B/72B on 1152 A800s
+(global batch 1920, DistTrain's Figure 15 sizes), each plan priced on 16 (9B) or 8 global
+batches of interleaved data; then the skew swept for MLLM-9B over a range declared here before
+any result was seen, 4 batches a point (a simulated batch of 1152 GPUs, each replica's pipeline
+its own rank classes, takes 10-20 s on a 2-core machine).
 
 The skew's range: a sequence's mean image count (model.images_per_sequence) of 5, 10 and 20
 (10 is DistTrain's "typical training sample" of ten images, §4.2; half and twice it bracket
@@ -32,6 +33,8 @@ BASE = ["logger=none", "cluster=a800", "cluster.nodes=144", "train.global_batch=
 # their own, replicated over each TP group (§2.1).
 SERIES = [
     "megatron=strategy=megatron strategy.modality_stages=extra strategy.replicate=[encoder,generator]",
+    # The same search with its plan chosen on the first batch under each policy (strategy.choose_on).
+    "megatron_on_data=strategy=megatron strategy.modality_stages=extra strategy.replicate=[encoder,generator] strategy.choose_on=data",
     "disttrain=strategy=disttrain",
 ]
 CASES: dict[str, tuple[list[str], int]] = {

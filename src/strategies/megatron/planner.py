@@ -26,7 +26,7 @@ from src.strategies.builders.stages import Segment
 from src.strategies.megatron.options import MegatronOptions
 from src.strategies.megatron.programs import MegatronSettings
 from src.strategies.base import Degrees
-from src.strategies.megatron.search import Candidate, MegatronSearch
+from src.strategies.megatron.search import RANKING_SIZE, Candidate, MegatronSearch
 from src.strategies.megatron.space import enumerate_space
 from src.strategies.spec import AutoVariant, StrategySpec
 
@@ -81,13 +81,15 @@ def plan_megatron_batches(request: PlanRequest, batches: Sequence[int]) -> list[
 
 
 def _fastest_on_the_data(search: MegatronSearch, fitting: list[Candidate], request: PlanRequest) -> tuple[Candidate, list[dict]]:
-    """Of the search's ranking at the mean load, the candidate fastest on the request's
-    batch: each one's plan placed on it by the workload's balancing policy (on_the_data, on
-    a copy: the pick is placed again on every batch) and simulated; and each one's times.
-    Only the ranking is tried (each is a whole simulation): a plan outside it is slower at
-    the mean load, though it could be faster on the data."""
+    """Of the fastest shapes at the mean load (RANKING_SIZE of them, each with its best
+    memory settings), the candidate fastest on the request's batch: each one's plan placed
+    on it by the workload's balancing policy (on_the_data, on a copy: the pick is placed
+    again on every batch) and simulated; and each one's times. Shapes, not the ranking's
+    candidates, are tried, since a skewed batch weighs on a shape (its stages' slack, its
+    micro-batches' sequences) and hardly on its memory settings; only so many (each is a
+    whole simulation): a shape slower at the mean load could still be faster on the data."""
     timed: list[tuple[float, Candidate]] = []
-    for candidate in search.leaders(fitting):
+    for candidate in search.shape_leaders(fitting, RANKING_SIZE):
         if candidate.virtual is None:
             continue
         placed = on_the_data(copy_to_place(search.plan_of(candidate)), request)

@@ -15,7 +15,8 @@ that could win are built. Searches longer than a few seconds report progress on 
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
+from typing import Callable
 
 from src.cluster import gib
 from src.costmodel.compute import ComputeModel
@@ -101,6 +102,7 @@ class MegatronSearch:
         self.invalid: list[str] = []
         self.closest: tuple[float, Candidate] | None = None
         self.ranked: list[Candidate] = []  # path-bounded next best, not simulated
+        self._heap: list = []  # what `fastest` left to rank: (bound, order, level, index)
         self.chain = linear_chain(self.model) if opts.balance else None
         self.even_cuts: dict[tuple[int, int], list[list[Segment]]] = {}
         self.chain_times: dict[tuple, tuple[float, ...]] = {}
@@ -283,6 +285,7 @@ class MegatronSearch:
                 time = self._simulate(candidate)
                 if best is None or (time, candidate.order()) < (best_time, best.order()):
                     best, best_time = candidate, time
+            self._heap = heap
             self._rank(candidates, heap)
         assert best is not None, "every candidate is simulated while none is best"
         if best.plan is None and build:
@@ -302,11 +305,11 @@ class MegatronSearch:
         self.stats.path_bounds += 1
         return candidate.path_bound
 
-    def _rank(self, candidates: list[Candidate], heap: list) -> None:
+    def _rank(self, candidates: list[Candidate], heap: list, enough: Callable[[], bool] | None = None) -> None:
         """Path-bound the next candidates until RANKING_SIZE are known (simulated, or
-        path-bounded with no unbounded candidate below)."""
-        known = sum(1 for c in candidates if c.time is not None)
-        while heap and known < RANKING_SIZE:
+        path-bounded with no unbounded candidate below), or until `enough()`."""
+        known = sum(1 for c in candidates if c.time is not None) + len(self.ranked)
+        while heap and (known < RANKING_SIZE if enough is None else not enough()):
             _, _, level, index = heapq.heappop(heap)
             candidate = candidates[index]
             if candidate.virtual is None:
@@ -316,6 +319,22 @@ class MegatronSearch:
             else:
                 self.ranked.append(candidate)
                 known += 1
+
+    def shape_leaders(self, candidates: list[Candidate], count: int) -> list[Candidate]:
+        """After `fastest`: the fastest known candidate of each of the `count` fastest
+        shapes (degrees and micro-batch; its memory settings the least ranked), ranking on
+        as far as that takes."""
+
+        def leaders() -> list[Candidate]:
+            known = [c for c in candidates if c.time is not None] + self.ranked
+            known.sort(key=lambda c: (c.time if c.time is not None else c.path_bound, c.order()))
+            first: dict[tuple, Candidate] = {}
+            for c in known:
+                first.setdefault(astuple(c.shape.degrees), c)
+            return list(first.values())[:count]
+
+        self._rank(candidates, self._heap, lambda: len(leaders()) >= count)
+        return leaders()
 
     def _simulate(self, candidate: Candidate) -> float:
         plan = self.plan_of(candidate)

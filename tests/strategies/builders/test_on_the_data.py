@@ -88,7 +88,7 @@ def test_balancing_uniform_data_moves_nothing():
     assert plan.sample_order is None and plan.details["balance_policy"] == "cost"
 
 
-def test_a_plan_chosen_on_the_data_is_the_ranking_s_fastest_there_and_runs_as_priced():
+def test_a_plan_chosen_on_the_data_is_the_fastest_there_of_the_leading_shapes_and_runs_as_priced():
     searched = [*MLLM, "strategy=megatron", "train.data=interleaved", "train.balance=cost", "strategy.choose_on=data"]
     setup = validate(compose_config(*searched))
     plan = plan_run(setup)
@@ -96,7 +96,8 @@ def test_a_plan_chosen_on_the_data_is_the_ranking_s_fastest_there_and_runs_as_pr
     assert len(trials) > 1
     (chosen,) = [t for t in trials if t["chosen"]]
     assert chosen["on_the_data_s"] == min(t["on_the_data_s"] for t in trials)
-    assert all(t["on_the_data_s"] >= t["mean_load_s"] * 0.999 for t in trials)  # skew costs each plan time
+    shapes = [(t["tp"], t["pp"], t["dp"], t["vpp"], t["micro_batch"]) for t in trials]
+    assert len(set(shapes)) == len(shapes)  # each a shape of its own
     assert (plan.details["tp"], plan.details["pp"], plan.details["micro_batch"]) == (chosen["tp"], chosen["pp"], chosen["micro_batch"])
     # The plan kept is the one priced: placed on the same batch, it simulates to the same time.
     assert simulate(plan.program, setup.model, setup.cluster, setup.train.precision).iteration_time == pytest.approx(
