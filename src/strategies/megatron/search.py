@@ -308,7 +308,7 @@ class MegatronSearch:
     def _rank(self, candidates: list[Candidate], heap: list, enough: Callable[[], bool] | None = None) -> None:
         """Path-bound the next candidates until RANKING_SIZE are known (simulated, or
         path-bounded with no unbounded candidate below), or until `enough()`."""
-        known = sum(1 for c in candidates if c.time is not None) + len(self.ranked)
+        known = sum(1 for c in candidates if c.time is not None)
         while heap and (known < RANKING_SIZE if enough is None else not enough()):
             _, _, level, index = heapq.heappop(heap)
             candidate = candidates[index]
