@@ -65,7 +65,7 @@ def plan_megatron_batches(request: PlanRequest, batches: Sequence[int]) -> list[
     best = search.fastest(fitting)
     trials: list[dict] | None = None
     if opts.choose_on == "data" and best.virtual is not None and skewed(request):
-        best, trials = _fastest_on_the_data(search, fitting, replace(request, batch_index=batches[0]))
+        best, trials = _fastest_on_the_data(search, fitting, best, replace(request, batch_index=batches[0]))
     assert best.plan is not None, "the fastest candidate was built"
     plans = [best.plan] * len(batches) if best.virtual is None else on_batches(best.plan, request, batches)
     for plan in plans:
@@ -80,7 +80,9 @@ def plan_megatron_batches(request: PlanRequest, batches: Sequence[int]) -> list[
     return plans
 
 
-def _fastest_on_the_data(search: MegatronSearch, fitting: list[Candidate], request: PlanRequest) -> tuple[Candidate, list[dict]]:
+def _fastest_on_the_data(
+    search: MegatronSearch, fitting: list[Candidate], fastest: Candidate, request: PlanRequest
+) -> tuple[Candidate, list[dict]]:
     """Of the fastest shapes at the mean load (RANKING_SIZE of them, each with its best
     memory settings), the candidate fastest on the request's batch: each one's plan placed
     on it by the workload's balancing policy (on_the_data, on a copy: the pick is placed
@@ -89,7 +91,10 @@ def _fastest_on_the_data(search: MegatronSearch, fitting: list[Candidate], reque
     micro-batches' sequences) and hardly on its memory settings; only so many (each is a
     whole simulation): a shape slower at the mean load could still be faster on the data."""
     timed: list[tuple[float, Candidate]] = []
-    for candidate in search.shape_leaders(fitting, RANKING_SIZE):
+    leaders = search.shape_leaders(fitting, RANKING_SIZE)
+    if all(c is not fastest for c in leaders):  # a search of one candidate ranks none
+        leaders = [fastest, *leaders][:RANKING_SIZE]
+    for candidate in leaders:
         if candidate.virtual is None:
             continue
         placed = on_the_data(copy_to_place(search.plan_of(candidate)), request)

@@ -103,6 +103,13 @@ def test_a_plan_chosen_on_the_data_is_the_fastest_there_of_the_leading_shapes_an
     assert simulate(plan.program, setup.model, setup.cluster, setup.train.precision).iteration_time == pytest.approx(
         chosen["on_the_data_s"]
     )
+    # Every choice fixed by hand leaves one candidate, which no ranking holds: it is priced
+    # on the data all the same.
+    by_hand = [*RIGID[1:], "strategy.vpp=1", "strategy.sequence_parallel=true", "strategy.recompute=none", "strategy.zero_stage=0"]
+    only = plan_run(validate(compose_config(*searched, *by_hand)))
+    assert only.details["search"]["fitting"] == 1
+    (fixed,) = only.details["search"]["on_the_data"]
+    assert fixed["chosen"] and (fixed["tp"], fixed["pp"]) == (8, 3)
     # Uniform data leaves nothing to choose on: the mean-load pick, no trials.
     uniform = plan_run(validate(compose_config(*searched, "train.data=uniform")))
     assert "on_the_data" not in uniform.details["search"]
