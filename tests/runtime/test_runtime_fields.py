@@ -71,6 +71,17 @@ MLLM_REPLICATED = [
     "strategy.zero_stage=0",
 ]
 DISTTRAIN = WORKERS + ["model=mllm_9b", "model.scale=tiny", "train.global_batch=8", "strategy=disttrain", "train.data=uniform"]
+MLLM_SKEWED = WORKERS + [
+    "model=mllm_9b",
+    "model.scale=tiny",
+    "model.images_per_sequence=2",
+    "model.image_size_spread=0",
+    "train.global_batch=8",
+    "train.data=interleaved",
+    "train.balance=cost",
+    "strategy=megatron",
+    "strategy.modality_stages=merged",
+]
 EQUALITY, DISTMM_RUNS, DISTTRAIN_RUNS = "test_runtime_equality", "test_runtime_distmm", "test_runtime_disttrain"
 TP_PP_RUNS = "test_runtime_tp_pp"
 PAR4D_RUNS = "test_runtime_par4d"
@@ -125,6 +136,8 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
         "run",
         "test_runtime_replicate",
     ),
+    # Which of the search's plans runs, chosen on the first batch of skewed data.
+    ("megatron", "choose_on"): (MLLM_SKEWED, ["strategy.choose_on=data"], "run", INTERLEAVED_RUNS),
     ("distmm", "balance"): (DISTMM, ["strategy.balance=even"], "run", DISTMM_RUNS),
     ("distmm", "placement"): (
         DISTMM,

@@ -93,6 +93,15 @@ CASES: dict[str, list[str]] = {
         "strategy.pp=2",
         "strategy.micro_batch_size=1",
     ],
+    # The plan chosen on the data (strategy.choose_on=data): the searched shapes priced on the
+    # first batch under the policy, the fastest there run.
+    "megatron_cost_on_data": [
+        "strategy=megatron",
+        "train.data=interleaved",
+        "train.balance=cost",
+        "strategy.modality_stages=merged",
+        "strategy.choose_on=data",
+    ],
     "ddp_zero0_reorder_shards": [
         "strategy=ddp",
         "strategy.zero_stage=0",
