@@ -80,13 +80,19 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
 
 
-def aggregate(outcomes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def aggregate(outcomes: list[dict[str, Any]], skew_of: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """Per series and policy: mean, p95 and worst iteration, MFU at the mean, and the share
-    of the skew's cost won back against policy none."""
+    of the skew's cost won back against policy none. `skew_of` maps a series to the series
+    whose uniform and none rows measure its skew (a series whose plan itself depends on the
+    data is judged against the skew of the plan it replaces; its own none row then too)."""
     rows = []
+    skew_of = skew_of or {}
     by_key = {(o["series"], o["policy"]): o for o in outcomes}
     for o in outcomes:
         row: dict[str, Any] = {"series": o["series"], "policy": o["policy"]}
+        reference = skew_of.get(o["series"], o["series"])
+        if reference != o["series"]:
+            row["against"] = reference
         if "reason" in o:
             rows.append(row | {"reason": o["reason"]})
             continue
@@ -101,8 +107,9 @@ def aggregate(outcomes: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "max_s": max(times),
             "mfu": flops / (mean * first["devices"] * first["peak_flops_per_device"]),
         }
-        uniform, none = by_key.get((o["series"], UNIFORM)), by_key.get((o["series"], "none"))
-        if o["policy"] not in (UNIFORM, "none") and uniform and none and "batches" in uniform and "batches" in none:
+        uniform, none = by_key.get((reference, UNIFORM)), by_key.get((reference, "none"))
+        judged = o["policy"] != UNIFORM and (o["policy"] != "none" or reference != o["series"])
+        if judged and uniform and none and "batches" in uniform and "batches" in none:
             base = uniform["batches"][0]["iteration_time_s"]
             skewed = sum(b["iteration_time_s"] for b in none["batches"]) / len(none["batches"])
             row["gain"] = skewed / mean
@@ -126,8 +133,9 @@ def table(rows: list[dict[str, Any]], title: str) -> str:
             continue
         recovered = f"{100 * r['recovered']:.0f} %" if "recovered" in r else ""
         gain = f"{r['gain']:.3f}x" if "gain" in r else ""
+        series = f"{r['series']} (skew of {r['against']})" if "against" in r else r["series"]
         out.append(
-            f"| {r['series']} | {r['policy']} | {r['batches']} | {r['mean_s']:.3f} | {r['p95_s']:.3f} | "
+            f"| {series} | {r['policy']} | {r['batches']} | {r['mean_s']:.3f} | {r['p95_s']:.3f} | "
             f"{r['max_s']:.3f} | {100 * r['mfu']:.1f} % | {gain} | {recovered} |"
         )
     return "\n".join(out) + "\n"
@@ -138,6 +146,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batches", type=int, default=16, help="global batches each plan is priced on (default 16)")
     parser.add_argument("--policies", default=",".join(BALANCE_POLICIES), help="comma-separated train.balance policies")
     parser.add_argument("--series", action="append", help="LABEL='OVERRIDES' (repeatable); default: megatron, disttrain")
+    parser.add_argument(
+        "--skew-of",
+        action="append",
+        default=[],
+        help="LABEL=REFERENCE (repeatable): series LABEL's skew and speed-ups measured against REFERENCE's uniform and none rows",
+    )
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="jobs priced at once")
     parser.add_argument("--out", type=Path, default=Path("outputs/balance_study"), help="where balance.json and balance.md go")
     parser.add_argument("--title", default="Balancing policies on skewed data")
@@ -157,6 +171,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
             raise ConfigError(f"--series {item!r}: write LABEL='OVERRIDES', e.g. megatron='strategy=megatron strategy.pp=3'")
         series.append((label, tuple(shlex.split(overrides))))
     args.series = series
+    labels = [label for label, _ in series]
+    skew_of = {}
+    for item in args.skew_of:
+        label, sep, reference = item.partition("=")
+        if not sep or label not in labels or reference not in labels:
+            raise ConfigError(f"--skew-of {item!r}: write LABEL=REFERENCE, two of the series {labels}")
+        skew_of[label] = reference
+    args.skew_of = skew_of
     return args
 
 
@@ -174,10 +196,17 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    rows = aggregate(outcomes)
+    rows = aggregate(outcomes, args.skew_of)
     text = table(rows, args.title)
     args.out.mkdir(parents=True, exist_ok=True)
-    record = {"title": args.title, "overrides": args.overrides, "batches": args.batches, "rows": rows, "outcomes": outcomes}
+    record = {
+        "title": args.title,
+        "overrides": args.overrides,
+        "batches": args.batches,
+        "skew_of": args.skew_of,
+        "rows": rows,
+        "outcomes": outcomes,
+    }
     (args.out / "balance.json").write_text(json.dumps(record, indent=1) + "\n")
     (args.out / "balance.md").write_text(text)
     print(text)

@@ -34,6 +34,21 @@ def test_the_policies_are_judged_on_the_distribution_against_uniform_data():
     assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 95) == pytest.approx(4.8)
 
 
+def test_a_series_whose_plan_depends_on_the_data_is_judged_against_the_skew_it_replaces():
+    outcomes = [
+        {"series": "mean", "policy": "uniform", "batches": [_batch(10.0)]},
+        {"series": "mean", "policy": "none", "batches": [_batch(14.0)]},
+        {"series": "data", "policy": "uniform", "batches": [_batch(10.0)]},
+        {"series": "data", "policy": "none", "batches": [_batch(12.0)]},
+        {"series": "data", "policy": "cost", "batches": [_batch(11.5)]},
+    ]
+    rows = {(r["series"], r["policy"]): r for r in aggregate(outcomes, {"data": "mean"})}
+    # Against its own none (12 s) cost would win back a quarter; against the plan it replaces, more.
+    assert rows[("data", "cost")]["recovered"] == pytest.approx((14.0 - 11.5) / (14.0 - 10.0))
+    assert rows[("data", "none")]["recovered"] == pytest.approx(0.5) and rows[("data", "none")]["against"] == "mean"
+    assert "recovered" not in rows[("mean", "none")] and "against" not in rows[("mean", "none")]
+
+
 def test_a_small_study_runs_end_to_end(tmp_path, capsys):
     argv = ["--batches=2", "--jobs=1", "--policies=none,cost", f"--out={tmp_path}", f"--series={MEGATRON}", *SMALL]
     assert balance_study.main(argv) == 0
@@ -52,6 +67,7 @@ def test_a_small_study_runs_end_to_end(tmp_path, capsys):
         (["--policies=none,fast"], "--policies: 'fast'"),
         (["--batches=0"], "--batches 0"),
         (["--series=megatron"], "--series 'megatron': write LABEL='OVERRIDES'"),
+        ([f"--series={MEGATRON}", "--skew-of=megatron=disttrain"], "--skew-of 'megatron=disttrain': write LABEL=REFERENCE"),
     ],
 )
 def test_bad_arguments_are_one_line(argv, message, capsys):
