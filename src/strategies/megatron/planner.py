@@ -99,7 +99,7 @@ def _fastest_on_the_data(
             continue
         placed = on_the_data(copy_to_place(search.plan_of(candidate)), request)
         timed.append((simulate(placed.program, request.model, request.cluster, request.train.precision).iteration_time, candidate))
-    seconds, best = min(timed, key=lambda pair: (pair[0], pair[1].order()))
+    _, best = min(timed, key=lambda pair: (pair[0], pair[1].order()))
     trials = [
         {
             "tp": candidate.shape.degrees.tp,

@@ -326,10 +326,8 @@ class MegatronSearch:
         as far as that takes."""
 
         def leaders() -> list[Candidate]:
-            known = [c for c in candidates if c.time is not None] + self.ranked
-            known.sort(key=lambda c: (c.time if c.time is not None else c.path_bound, c.order()))
             first: dict[tuple, Candidate] = {}
-            for c in known:
+            for c in self._known(candidates):
                 first.setdefault(astuple(c.shape.degrees), c)
             return list(first.values())[:count]
 
@@ -409,9 +407,14 @@ class MegatronSearch:
     def leaders(self, candidates: list[Candidate]) -> list[Candidate]:
         """The ranking after `fastest`: the RANKING_SIZE fastest known candidates (simulated,
         or path-bounded with no unbounded candidate below), fastest first."""
+        return self._known(candidates)[:RANKING_SIZE]
+
+    def _known(self, candidates: list[Candidate]) -> list[Candidate]:
+        """Every candidate whose time is known (simulated, or path-bounded by the ranking),
+        fastest first."""
         known = [c for c in candidates if c.time is not None] + self.ranked
         known.sort(key=lambda c: (c.time if c.time is not None else c.path_bound, c.order()))
-        return known[:RANKING_SIZE]
+        return known
 
     def plan_of(self, candidate: Candidate) -> Plan:
         """The candidate's plan, built if no simulation built it."""
