@@ -98,7 +98,8 @@ def _fastest_on_the_data(
         if candidate.virtual is None:
             continue
         placed = on_the_data(copy_to_place(search.plan_of(candidate)), request)
-        timed.append((simulate(placed.program, request.model, request.cluster, request.train.precision).iteration_time, candidate))
+        seconds = simulate(placed.program, request.model, request.cluster, request.train.precision, search.compute).iteration_time
+        timed.append((seconds, candidate))
     _, best = min(timed, key=lambda pair: (pair[0], pair[1].order()))
     trials = [
         {
