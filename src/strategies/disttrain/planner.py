@@ -10,7 +10,9 @@ multimodal LLMs. Every component can be switched off for the paper's ablations:
 - reorder: none | intra (Algorithm 2) | inter (Algorithm 3) | both | cost (the cost model's
   balance, src/data/balance.py); the workload's train.balance, where given, says which
   (none, reorder = both, cost);
-- tp_overlap_chunks: StepCCL's TP overlap, 1 = off.
+- tp_overlap_chunks: StepCCL's TP overlap, 1 = off;
+- ranked: how many of the orchestration's best choices (at the mean load) are timed
+  against the batch's data (ours: the breadth of the choice on the data).
 
 The encoder, LLM and generator take their degrees from the orchestration (or by hand:
 strategy.llm.tp=8 ...); the Program is strategies.disttrain.programs'.
@@ -45,6 +47,7 @@ class DistTrainOptions:
     orchestration: str = "disaggregated"
     reorder: str | None = None  # None: train.balance's, else both (DistTrain's own)
     tp_overlap_chunks: int = 4
+    ranked: int = RANKED
     recompute: str | None = None
     zero_stage: int | None = None
     encoder: Fixed = field(default_factory=Fixed)
@@ -56,6 +59,7 @@ class DistTrainOptions:
             if getattr(self, key) not in allowed and not (key == "reorder" and self.reorder is None):
                 raise ConfigError(f"strategy.{key}={getattr(self, key)!r}; choose one of {list(allowed)}")
         check_positive("strategy.tp_overlap_chunks", self.tp_overlap_chunks, meaning=" (1 = no overlap)")
+        check_positive("strategy.ranked", self.ranked, meaning=" (the orchestration's choices timed on the data)")
         check_memory_options(self.recompute, self.zero_stage, "DistTrain's units run Megatron-LM's distributed optimizer (ZeRO-1)")
         for unit in UNITS:
             getattr(self, unit).check(f"strategy.{unit}")
@@ -124,7 +128,7 @@ def plan_disttrain_batches(request: PlanRequest, batches: Sequence[int]) -> list
     profiler = Profiler(model, cluster, train.precision, opts.tp_overlap_chunks)
     fixed = {u: _whole_unet(request, u, opts.fixed(u)) for u in UNITS}
 
-    orchestrator = Orchestrator(profiler, train.global_batch, cluster.devices, fixed, opts.orchestration, loads.peak, RANKED)
+    orchestrator = Orchestrator(profiler, train.global_batch, cluster.devices, fixed, opts.orchestration, loads.peak, opts.ranked)
     found = orchestrator.solve()
     decision = Decision(request, orchestrator, loads, reorder, opts.tp_overlap_chunks)
     candidates = [Candidate(c, found.microbatches[c], t, opts.orchestration) for t, c in found.choices]

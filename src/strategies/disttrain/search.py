@@ -33,8 +33,8 @@ from src.strategies.disttrain.schedule import Chain, Deadlock, chain_orders
 from src.strategies.disttrain.programs import Broker, UnitLayout, disttrain_program, place
 from src.strategies.disttrain.timing import Hop, dag_ends
 
-# How many of the orchestration's choices are timed against the batch's data, and how
-# many of those (the best by that estimate) are simulated.
+# How many of the orchestration's choices are timed against the batch's data by default
+# (strategy.ranked), and how many of those (the best by that estimate) are simulated.
 RANKED = 8
 SIMULATED = 3
 

@@ -302,6 +302,13 @@ def test_the_plan_s_estimate_is_the_simulated_time_and_its_pick_the_fastest_simu
     assert len(tried) >= 2 and simulated == pytest.approx(min(tried))
 
 
+@pytest.mark.parametrize("ranked", [1, 3])
+def test_ranked_is_how_many_of_the_orchestration_s_choices_are_timed_on_the_data(ranked: int) -> None:
+    plan = plan_run(setup(*SMALL, f"strategy.ranked={ranked}"))
+    timed = [c for c in plan.details["search"]["candidates"] if c["origin"] == "disaggregated"]
+    assert len(timed) == ranked
+
+
 def test_a_unit_s_megatron_options_are_given_by_hand_or_searched() -> None:
     fixed = ["model=mllm_9b", "cluster=a800", "cluster.nodes=2", "train.global_batch=8", "train.data=uniform"]
     given = setup(
@@ -616,6 +623,7 @@ def test_a_reordering_and_a_balance_that_disagree_are_refused() -> None:
         ({"orchestration": "magic"}, "strategy.orchestration"),
         ({"reorder": "sideways"}, "strategy.reorder"),
         ({"tp_overlap_chunks": 0}, "tp_overlap_chunks"),
+        ({"ranked": 0}, r"strategy.ranked must be a positive integer \(the orchestration's choices timed on the data\), got 0"),
     ],
 )
 def test_bad_options_are_named(options, match) -> None:
