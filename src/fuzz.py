@@ -220,16 +220,16 @@ def _stop_at(limit_s: float, clock: _Lines) -> Callable[[int, Any], None]:
 
 def check(summary: dict[str, Any], config: dict[str, Any]) -> str:
     """What is wrong with a finished run's summary ('' if nothing)."""
-    from src.cluster import GIB, cluster_from_config
+    from src.cluster import GIB, cluster_from_config, gib
 
     if not 0 < summary["mfu"] <= 1:
         return f"MFU {summary['mfu']}"
     total = sum(summary["breakdown_s"].values())
     if abs(total - summary["iteration_time_s"]) > 1e-6 * summary["iteration_time_s"]:
         return f"breakdown adds up to {total}, iteration {summary['iteration_time_s']}"
-    usable = cluster_from_config(config["cluster"]).usable_memory_bytes / GIB
-    if summary["peak_memory_gib"] > usable * (1 + 1e-9):
-        return f"peak memory {summary['peak_memory_gib']:.1f} GiB > usable {usable:.1f} GiB"
+    usable = cluster_from_config(config["cluster"]).usable_memory_bytes
+    if summary["peak_memory_gib"] * GIB > usable * (1 + 1e-9):
+        return f"peak memory {gib(summary['peak_memory_gib'] * GIB)} GiB > usable {gib(usable)} GiB"
     return ""
 
 

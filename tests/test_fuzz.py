@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from src.fuzz import FAILED, fuzz
+from src.config import composed
+from src.fuzz import FAILED, check, fuzz
 
 LIMIT_S = 60.0
 
@@ -24,3 +25,11 @@ def test_random_command_lines_are_answered(draws: int) -> None:
     assert not bad, "\n\n".join(bad)
     # The draws reach both ends: plans that run and inputs that are refused.
     assert {"ok", "refused"} <= {o.status for o in outcomes}
+
+
+def test_a_summary_over_a_tiny_device_s_memory_names_both_sizes() -> None:
+    """A tiny model's peak memory over a tiny device's is told in significant digits, not 0.0 GiB."""
+    config = composed(["cluster=local", "cluster.memory_gib=0.0055", "cluster.reserved_memory_gib=0"])
+    summary = {"mfu": 0.5, "breakdown_s": {"compute": 1.0}, "iteration_time_s": 1.0, "peak_memory_gib": 0.00725}
+    assert check(summary, config) == "peak memory 0.00725 GiB > usable 0.0055 GiB"
+    assert check(summary | {"peak_memory_gib": 0.005}, config) == ""
