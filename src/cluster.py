@@ -39,6 +39,9 @@ CORRECTION_BASE_BYTES = 64
 
 # The attention kernels a run's software may have (model.attention; a preset states its era's).
 ATTENTION_MODES = ("flash", "eager")
+# How a framework issues a layer's kernels (cluster.host_launch): one by one, or a layer's
+# forward and backward each replayed from a captured CUDA graph.
+HOST_LAUNCHES = ("eager", "graphed")
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,11 @@ class ClusterSpec:
       host keeps ahead; on CPU workers, whose host is the device, 0).
     host_forward_kernel_s, host_backward_kernel_s: the framework's host time per kernel of a
       layer's forward and of its backward (module calls, dispatcher, autograd).
+    host_launch: how the framework issues a layer's kernels: eager (each kernel at the
+      per-kernel host times above) or graphed (a GPU framework that captures each layer's
+      forward and backward in a CUDA graph, as Megatron-LM's and Transformer Engine's
+      CUDA-graph options do: the host issues one launch per layer and pass, priced at one
+      kernel's host time; the device's per-kernel gap is unchanged).
     host_fetch_s, host_fetch_byte_s: the framework's host time per ZeRO-3 module fetch
       (DeepSpeed's module hooks: fetch, release, gradient partitioning, their bookkeeping)
       and per byte fetched (the gathered buffers' allocation and copies), beside the
@@ -209,6 +217,7 @@ class ClusterSpec:
     host_fetch_s: float = 0.0
     host_fetch_byte_s: float = 0.0
     host_async: bool = True
+    host_launch: str = "eager"
     attention: str = "eager"
     collective_measurements: tuple[CollectiveMeasurements, ...] = ()
     sources: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
@@ -340,6 +349,7 @@ SOURCED = (
     "peak_flops",
     *FLOAT_FIELDS,
     "host_async",
+    "host_launch",
     "attention",
     "nics",
     "collectives",
@@ -376,6 +386,17 @@ def _number(value: Any, key: str, cluster: str) -> float:
 def _attention(value: Any, cluster: str) -> str:
     if value not in ATTENTION_MODES:
         raise ConfigError(f"cluster.attention must be one of {list(ATTENTION_MODES)}, got {value!r} (cluster {cluster})")
+    return str(value)
+
+
+def _host_launch(value: Any, host_async: bool, cluster: str) -> str:
+    if value not in HOST_LAUNCHES:
+        raise ConfigError(f"cluster.host_launch must be one of {list(HOST_LAUNCHES)}, got {value!r} (cluster {cluster})")
+    if value == "graphed" and not host_async:
+        raise ConfigError(
+            f"cluster.host_launch=graphed replays CUDA graphs, which a host that runs its own kernels (host_async false) "
+            f"has none of (cluster {cluster})"
+        )
     return str(value)
 
 
@@ -443,6 +464,7 @@ def cluster_from_config(cfg: Mapping[str, Any]) -> ClusterSpec:
         tree_protocols=tree,
         nics=int(cfg["nics"]),
         host_async=_flag(cfg.get("host_async"), "cluster.host_async", name),
+        host_launch=_host_launch(cfg.get("host_launch"), bool(cfg.get("host_async")), name),
         attention=_attention(cfg.get("attention"), name),
         collective_measurements=tuple(measured_collectives(str(m), name) for m in _names(cfg.get("collective_measurements"), name)),
         **{key: float(cfg[key]) for key in FLOAT_FIELDS},

@@ -331,6 +331,15 @@ def test_cluster_yaml_states_every_field(name: str) -> None:
     assert isinstance(raw["sources"], dict) and raw["sources"]
 
 
+def test_a_cluster_refuses_an_unknown_host_launch_and_graphs_on_cpu_workers() -> None:
+    cfg = _raw_cluster("hopper")
+    with pytest.raises(ConfigError, match=r"host_launch must be one of \['eager', 'graphed'\], got 'graph'"):
+        cluster_from_config({**cfg, "host_launch": "graph"})
+    local = _raw_cluster("local")
+    with pytest.raises(ConfigError, match="host_launch=graphed replays CUDA graphs"):
+        cluster_from_config({**local, "host_launch": "graphed"})
+
+
 @pytest.mark.parametrize("name", options("cluster"))
 def test_cluster_yaml_numbers_are_positive(name: str) -> None:
     raw = _raw_cluster(name)

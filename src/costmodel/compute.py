@@ -8,7 +8,8 @@ below by the bytes it moves over HBM, and costs the device a fixed gap
 
 The framework issues every kernel from the host (eager PyTorch: module calls, the
 dispatcher, autograd), at host_forward_kernel_s per kernel of a forward and
-host_backward_kernel_s per kernel of a backward. A GPU runs behind its host, so a Work
+host_backward_kernel_s per kernel of a backward; one launch per layer and pass where it
+replays each layer from CUDA graphs (cluster.host_launch). A GPU runs behind its host, so a Work
 item takes the longer of its device time and its host time: small layers (narrow
 hidden sizes, few samples per device) are bound by the framework, large ones by the
 device. Where the host is the device (CPU workers: cluster.host_async false) the two
@@ -220,6 +221,8 @@ class ComputeModel:
             kernels = work.kernels if (work.kernels is not None and index == 0) else None
             t = self.layer_times(layer, rows, work.sharding, work.contrastive_batch, kernels, causal)
             device, forward_kernels, backward_kernels = self._phase(work, t, layer.forward_only, model, unit, start + index)
+            if self.cluster.host_launch == "graphed":  # one graph launch per layer and pass
+                forward_kernels, backward_kernels = min(forward_kernels, 1), min(backward_kernels, 1)
             host = forward_kernels * self.cluster.host_forward_kernel_s + backward_kernels * self.cluster.host_backward_kernel_s
             device, host = device * work.load, host * work.load + (fetch - waited if index == 0 else 0.0)
             # The host queues a GPU's kernels ahead of it (layer by layer: a sum over any

@@ -196,6 +196,19 @@ def test_a_layer_costs_the_longer_of_device_and_host_time_on_a_gpu_and_both_on_a
     )  # 14 input-gradient + 4 weight-gradient kernels (eager)
 
 
+def test_a_layer_replayed_from_cuda_graphs_costs_the_host_one_launch_per_pass() -> None:
+    layer = transformer_layer(8, 64, 2)  # host-bound when issued kernel by kernel
+    model = ModelSpec("m", (UnitSpec("llm", (layer,), 64, 2, 8, 8 * 64),))
+    eager = replace(CLUSTER, host_forward_kernel_s=30e-6, host_backward_kernel_s=60e-6)
+    graphed = replace(eager, host_launch="graphed")
+    for phase, launch, kernels in (("fwd", 30e-6, 12), ("bwd", 60e-6, 18)):
+        work = Work("llm", phase, 1, (0, 1))
+        device = ComputeModel(CLUSTER, "bf16").work_time(work, model)
+        assert device < launch * kernels
+        assert ComputeModel(eager, "bf16").work_time(work, model) == pytest.approx(launch * kernels)
+        assert ComputeModel(graphed, "bf16").work_time(work, model) == pytest.approx(max(device, launch))
+
+
 def test_zero3_fetches_cost_the_host_per_fetch_and_byte_whatever_the_load() -> None:
     layer = transformer_layer(8, 64, 2)
     model = ModelSpec("m", (UnitSpec("llm", (layer,), 64, 2, 8, 8 * 64),))
