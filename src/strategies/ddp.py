@@ -19,6 +19,9 @@ that of the `deepspeed_version` a run names, the current one when it names none)
   #1069: one all-gather per parameter, 0.5 ms each with a synchronize; PR #1188: "the async
   version is not async at all"). Prefetching them gained nothing: none is priced.
 - coalesced (0.5.5 to 0.5.x, PR #1188): a module's tensors in one all-gather, synchronous.
+  Both of these synchronize the device at every fetch, so a layer's gradients, reduce-scattered
+  asynchronously with overlap_comm, are waited for by the next layer's fetch; and both
+  reduce-scatter the gradients tensor by tensor (reduce_scatter_coalesced came with 0.6.0).
 - prefetched (0.6.0 on, PR #1453): as above, the next module's prefetched on a side stream
   with `overlap_comm`.
 
@@ -155,6 +158,8 @@ def _build(
                 reuse_distance=float(opts.max_reuse_distance),
                 persistence_threshold=float(opts.param_persistence_threshold),
                 fetch_per_tensor=opts.fetch == "per_tensor",
+                fetch_synchronizes=opts.fetch != "prefetched",
+                reduce_per_tensor=opts.fetch != "prefetched",
             )
             for name in names
         ],

@@ -75,8 +75,16 @@ def test_before_0_5_5_every_gather_blocks_and_nothing_is_prefetched() -> None:
     assert gathers and all(i.blocking for i in gathers)
     assert old.units[0].prefetch_params == 0 and new.units[0].prefetch_params > 0
     assert any(not i.blocking for i in new.program.classes[0].instructions if isinstance(i, Collective) and i.op == "all_gather")
-    # The gradients' reduce-scatters stay asynchronous (overlap_comm), as DeepSpeed's were.
-    assert any(not i.blocking for i in old.program.classes[0].instructions if isinstance(i, Collective) and i.op == "reduce_scatter")
+    # DeepSpeed issued the gradients' reduce-scatters asynchronously (overlap_comm), but the next
+    # fetch's device-wide synchronize waits for them: they block, and before 0.6.0 there is one
+    # per trained tensor (a block's four weights and biases, two norms' scales and shifts);
+    # a prefetching release overlaps them, one per layer.
+    for version in ("0.3.15", "0.5.5"):
+        plan, _ = _plan(8, 8, f"strategy.deepspeed_version={version}")
+        scatters = [i for i in plan.program.classes[0].instructions if isinstance(i, Collective) and i.op == "reduce_scatter"]
+        assert scatters and all(i.blocking for i in scatters) and max(i.count for i in scatters) == 12
+    scatters = [i for i in new.program.classes[0].instructions if isinstance(i, Collective) and i.op == "reduce_scatter"]
+    assert scatters and all(not i.blocking and i.count == 1 for i in scatters)
     fetching = [i.work for i in old.program.classes[0].instructions if isinstance(i, Compute) and i.work.fetches]
     assert fetching and all(w.fetch_blocking for w in fetching)
 

@@ -67,7 +67,13 @@ class ColocatedUnit:
     fetched by an all-gather of its own into a zero-filled buffer, through PyTorch's list
     all_gather (one copy out per rank of the group: DeepSpeed before 0.5.5,
     partition_parameters.py _allgather_param) rather than a module's tensors by one (its
-    coalesced fetch since)."""
+    coalesced fetch since). `fetch_synchronizes`: every fetch ends (per tensor: begins) with a
+    torch.cuda.synchronize() (DeepSpeed before 0.6.0: _allgather_param, and
+    _allgather_params_coalesced's "guarantee the communication to be completed"), which waits
+    for every stream, so the reduce-scatter overlap_comm issued after a layer's backward
+    holds the next layer's fetch: it overlaps nothing. `reduce_per_tensor`: the gradients are
+    reduce-scattered by one collective per trained tensor (DeepSpeed before 0.6.0, stage3's
+    _reduce_scatter_gradients; coalesced since)."""
 
     unit: str
     mesh: Mesh
@@ -80,6 +86,8 @@ class ColocatedUnit:
     reuse_distance: float = math.inf
     persistence_threshold: float = DEEPSPEED_PERSISTENCE_THRESHOLD
     fetch_per_tensor: bool = False
+    fetch_synchronizes: bool = False
+    reduce_per_tensor: bool = False
 
 
 class ColocatedEmitter:
@@ -133,7 +141,7 @@ class ColocatedEmitter:
             out += _fetching(layer_pass, fetches, fetched, blocked, copies)
             trainable = spec.trainable_params(layer, layer + 1) / u.mesh.degree("tp")
             if backward and trainable:
-                if u.overlap_comm:
+                if u.overlap_comm and not u.fetch_synchronizes:
                     handle = f"rs.{unit}.mb{microbatch}.L{layer}"
                     out.append(
                         Collective(
@@ -148,7 +156,9 @@ class ColocatedEmitter:
                     )
                     self.pending.append(handle)
                 else:
-                    out.append(Collective("reduce_scatter", group, trainable * self.act_bytes, "dp"))
+                    # Each collective pays the ring's latency.
+                    scatters = _trained_tensors(spec.layers[layer], spec.arch.style == "gpt") if u.reduce_per_tensor else 1
+                    out.append(Collective("reduce_scatter", group, trainable * self.act_bytes / scatters, "dp", count=scatters))
         return out
 
     def _reducing_backward(self, unit: str, samples: int, microbatch: int) -> list[Instruction]:
@@ -328,6 +338,13 @@ def _gathers(layer: LayerSpec, modules: tuple[int, ...], per_tensor: bool) -> in
     if not per_tensor:
         return len(modules)
     return len(modules) + sum(1 for kern in layer.kernels if kern.norm_width and 2 * kern.norm_width in modules)
+
+
+def _trained_tensors(layer: LayerSpec, biased: bool) -> int:
+    """A layer's parameter tensors: each weighted product's weight and each normalisation's
+    scale, with their biases and shifts where the model has them; a lookup table is one."""
+    per = 2 if biased else 1
+    return max(1, sum(per for kern in layer.kernels if kern.has_weight or kern.norm_width))
 
 
 def _fetching(instructions: list[Instruction], fetches: int, fetched: float, blocking: bool, copies: int) -> list[Instruction]:
