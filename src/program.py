@@ -110,6 +110,10 @@ class Work:
     fetch_copies: each fetch gathers into a zero-filled buffer through a list of the group's
     partitions, which the collective's flat buffer is copied out to one by one (DeepSpeed
     before 0.5.5 over PyTorch's list all_gather): that many copies a fetch; 0: none.
+    scatters, scattered, scatter_copies: the gradient reduce-scatters that follow this work
+    through a list of the group's partitions (DeepSpeed before 0.6.0 over PyTorch's list
+    reduce_scatter, one per trained tensor), the parameters they reduce, and the copies each
+    makes flattening its list into the collective's buffer; 0: none.
     """
 
     unit: str
@@ -127,6 +131,9 @@ class Work:
     fetched: float = 0.0
     fetch_blocking: bool = False
     fetch_copies: int = 0
+    scatters: int = 0
+    scattered: float = 0.0
+    scatter_copies: int = 0
 
 
 @dataclass(unsafe_hash=True, slots=True)

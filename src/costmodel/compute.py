@@ -216,7 +216,7 @@ class ComputeModel:
         # kernels do).
         fetch = work.fetches * self.cluster.host_fetch_s + work.fetched * self.bytes_per_elem * self.cluster.host_fetch_byte_s
         waited = fetch if work.fetch_blocking and self.cluster.host_async else 0.0
-        total = waited + self._fetch_copies(work)
+        total = waited + self._fetch_copies(work) + self._scatter_copies(work)
         for index, layer in enumerate(layers):
             kernels = work.kernels if (work.kernels is not None and index == 0) else None
             t = self.layer_times(layer, rows, work.sharding, work.contrastive_batch, kernels, causal)
@@ -239,6 +239,15 @@ class ComputeModel:
             return 0.0
         moved = 3.0 * work.fetched * self.bytes_per_elem
         return moved / self.hbm + work.fetches * (1 + work.fetch_copies) * self.cluster.kernel_overhead_s
+
+    def _scatter_copies(self, work: Work) -> float:
+        """Device seconds of reduce-scatters through a list of partitions: each list copied
+        into the collective's flat buffer partition by partition (read and written), each
+        copy a kernel."""
+        if not work.scatter_copies or not work.scatters:
+            return 0.0
+        moved = 2.0 * work.scattered * self.bytes_per_elem
+        return moved / self.hbm + work.scatters * work.scatter_copies * self.cluster.kernel_overhead_s
 
     @staticmethod
     def _phase(work: Work, t: LayerTimes, forward_only: bool, model: ModelSpec, unit: UnitSpec, layer: int) -> tuple[float, int, int]:

@@ -112,6 +112,20 @@ def test_a_blocking_fetch_waits_on_the_host_and_a_prefetched_one_hides_under_the
     assert compute.work_time(work, setup.model) == pytest.approx(blocking + copies)
 
 
+def test_a_list_reduce_scatter_flattens_its_gradients_rank_by_rank() -> None:
+    plan, setup = _plan(8, 8, "strategy.deepspeed_version=0.5.5")
+    block = next(i for i, layer in enumerate(setup.model.unit("llm").layers) if layer.name == "block")
+    works = [i.work for i in plan.program.classes[0].instructions if isinstance(i, Compute) and i.work.layers == (block, block + 1)]
+    (work,) = [w for w in works if w.scatters]
+    assert work.phase == "bwd" and (work.scatters, work.scatter_copies) == (12, 8)
+    assert work.scattered == setup.model.unit("llm").trainable_params(block, block + 1)
+    compute, cluster = ComputeModel(setup.cluster, "bf16"), setup.cluster
+    copies = 2 * work.scattered * 2 / (cluster.memory_bandwidth * cluster.memory_efficiency) + 12 * 8 * cluster.kernel_overhead_s
+    assert compute.work_time(work, setup.model) == pytest.approx(compute.work_time(replace(work, scatters=0), setup.model) + copies)
+    prefetching, _ = _plan(8, 8)
+    assert not any(i.work.scatters for i in prefetching.program.classes[0].instructions if isinstance(i, Compute))
+
+
 def test_tensor_by_tensor_a_partitioned_norm_is_two_gathers() -> None:
     per_tensor, _ = _plan(8, 8, "strategy.zero3_fetch=per_tensor", "strategy.param_persistence_threshold=0")
     coalesced, _ = _plan(8, 8, "strategy.zero3_fetch=coalesced", "strategy.param_persistence_threshold=0")

@@ -138,8 +138,12 @@ class ColocatedEmitter:
                 fetched, fetches, blocked = fetched + regathered, fetches + len(again), True
             layer_pass = segment_pass(self.model, Segment(unit, (layer, layer + 1)), phase, samples, microbatch, self._tp(unit))
             copies = u.mesh.degree("dp") if u.fetch_per_tensor else 0
-            out += _fetching(layer_pass, fetches, fetched, blocked, copies)
+            layer_pass = _fetching(layer_pass, fetches, fetched, blocked, copies)
             trainable = spec.trainable_params(layer, layer + 1) / u.mesh.degree("tp")
+            scatters = _trained_tensors(spec.layers[layer], spec.arch.style == "gpt") if u.reduce_per_tensor else 1
+            if backward and trainable and u.reduce_per_tensor:
+                layer_pass = _scattering(layer_pass, scatters, trainable, u.mesh.degree("dp"))
+            out += layer_pass
             if backward and trainable:
                 if u.overlap_comm and not u.fetch_synchronizes:
                     handle = f"rs.{unit}.mb{microbatch}.L{layer}"
@@ -157,7 +161,6 @@ class ColocatedEmitter:
                     self.pending.append(handle)
                 else:
                     # Each collective pays the ring's latency.
-                    scatters = _trained_tensors(spec.layers[layer], spec.arch.style == "gpt") if u.reduce_per_tensor else 1
                     out.append(Collective("reduce_scatter", group, trainable * self.act_bytes / scatters, "dp", count=scatters))
         return out
 
@@ -338,6 +341,16 @@ def _gathers(layer: LayerSpec, modules: tuple[int, ...], per_tensor: bool) -> in
     if not per_tensor:
         return len(modules)
     return len(modules) + sum(1 for kern in layer.kernels if kern.norm_width and 2 * kern.norm_width in modules)
+
+
+def _scattering(instructions: list[Instruction], scatters: int, scattered: float, copies: int) -> list[Instruction]:
+    """A layer's backward whose last Compute carries the list reduce-scatters of its
+    gradients that follow it (their count, the parameters, the copies each makes)."""
+    last = max(i for i, instruction in enumerate(instructions) if isinstance(instruction, Compute))
+    compute = instructions[last]
+    assert isinstance(compute, Compute)
+    work = replace(compute.work, scatters=scatters, scattered=scattered, scatter_copies=copies)
+    return [*instructions[:last], replace(compute, work=work), *instructions[last + 1 :]]
 
 
 def _trained_tensors(layer: LayerSpec, biased: bool) -> int:
