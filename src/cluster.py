@@ -390,6 +390,8 @@ def _attention(value: Any, cluster: str) -> str:
 
 
 def _host_launch(value: Any, host_async: bool, cluster: str) -> str:
+    if value is None:
+        raise ConfigError(f"cluster {cluster} has no host_launch: every preset must state it ({' or '.join(HOST_LAUNCHES)})")
     if value not in HOST_LAUNCHES:
         raise ConfigError(f"cluster.host_launch must be one of {list(HOST_LAUNCHES)}, got {value!r} (cluster {cluster})")
     if value == "graphed" and not host_async:

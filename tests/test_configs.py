@@ -335,6 +335,8 @@ def test_a_cluster_refuses_an_unknown_host_launch_and_graphs_on_cpu_workers() ->
     cfg = _raw_cluster("hopper")
     with pytest.raises(ConfigError, match=r"host_launch must be one of \['eager', 'graphed'\], got 'graph'"):
         cluster_from_config({**cfg, "host_launch": "graph"})
+    with pytest.raises(ConfigError, match="cluster hopper has no host_launch: every preset must state it"):
+        cluster_from_config({k: v for k, v in cfg.items() if k != "host_launch"})
     local = _raw_cluster("local")
     with pytest.raises(ConfigError, match="host_launch=graphed replays CUDA graphs"):
         cluster_from_config({**local, "host_launch": "graphed"})
