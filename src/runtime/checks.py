@@ -34,6 +34,11 @@ def check_runnable(run: PlannedRun, data: str, data_errors: str = "fail") -> Non
     """Refuse what the real backend cannot run of `run`'s plan, training on `data`
     (backend.data: synthetic or a glob of tar shards; bad members per `data_errors`)."""
     plan, model = run.plan, run.model
+    if run.cluster.host_launch != "eager":
+        raise ConfigError(
+            f"cluster.host_launch={run.cluster.host_launch}: the real backend issues every kernel from the host, "
+            f"so a plan priced with CUDA-graph launches is not what it runs; set cluster.host_launch=eager"
+        )
     if plan.precision == "fp16":
         zero = [u for u in plan.units if u.zero_stage > 0 and u.dp > 1]
         if zero:

@@ -387,6 +387,13 @@ def test_fp16_with_zero_partitions_is_refused_naming_the_fix():
         _check(overrides)
 
 
+def test_a_plan_priced_with_cuda_graph_launches_is_refused():
+    overrides = WORKERS + GPT + ["cluster=hopper", "cluster.nodes=1", "strategy=ddp"]
+    _check(overrides)
+    with pytest.raises(ConfigError, match=r"^cluster.host_launch=graphed: the real backend issues every kernel from the host"):
+        _check([*overrides, "cluster.host_launch=graphed"])
+
+
 def test_sequence_parallelism_in_an_mllm_is_refused_naming_the_fix():
     # An MLLM's LLM on tp=2 of its own (Megatron-LM's tp would split the U-Net generator too,
     # which the planner keeps whole for the real backend: tests/strategies/test_backend_limits.py).
