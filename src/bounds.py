@@ -57,6 +57,7 @@ PHYSICAL: dict[str, Bound] = {
     "host_backward_kernel_s": HOST_COST,
     "host_fetch_s": HOST_COST,
     "host_fetch_byte_s": HOST_BYTE_COST,
+    "host_list_entry_s": HOST_COST,
     "core_handover_s": HOST_COST,
     "sync_skew_s": HOST_COST,
     "sync_skew_build_s": HOST_COST,

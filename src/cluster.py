@@ -150,6 +150,10 @@ class ClusterSpec:
       (DeepSpeed's module hooks: fetch, release, gradient partitioning, their bookkeeping)
       and per byte fetched (the gathered buffers' allocation and copies), beside the
       collectives themselves; host time like the per-kernel figures.
+    host_list_entry_s: the host's time per rank of the group for a collective on a list of
+      tensors (ZeRO-3 before DeepSpeed 0.6.0 over PyTorch's list all_gather and
+      reduce_scatter): the framework's loop building the list and c10d's copy between it
+      and the collective's flat buffer, per entry.
     host_async: the host queues work ahead of the device (GPUs): a Work item takes the
       longer of its device and host times; false (CPU workers): they add up.
     attention: the attention kernel of the testbed's software (flash | eager), the default
@@ -216,6 +220,7 @@ class ClusterSpec:
     host_backward_kernel_s: float = 0.0
     host_fetch_s: float = 0.0
     host_fetch_byte_s: float = 0.0
+    host_list_entry_s: float = 0.0
     host_async: bool = True
     host_launch: str = "eager"
     attention: str = "eager"
@@ -326,6 +331,7 @@ FLOAT_FIELDS = (
     "host_backward_kernel_s",
     "host_fetch_s",
     "host_fetch_byte_s",
+    "host_list_entry_s",
 )
 # May be zero: a latency or overhead too small to state, or no SMs taken by communication.
 MAY_BE_ZERO = (
@@ -340,6 +346,7 @@ MAY_BE_ZERO = (
     "host_backward_kernel_s",
     "host_fetch_s",
     "host_fetch_byte_s",
+    "host_list_entry_s",
 )
 
 

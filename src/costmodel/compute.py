@@ -16,7 +16,9 @@ device. Where the host is the device (CPU workers: cluster.host_async false) the
 add up, the host's part and the bandwidth-bound kernels too at the worker's share of the
 cores (oversubscription), as its GEMMs (the peak). Under
 ZeRO-3 the framework's hooks also fetch each module's parameters on the host
-(cluster.host_fetch_s per fetch, host_fetch_byte_s per byte fetched). All
+(cluster.host_fetch_s per fetch, host_fetch_byte_s per byte fetched; host_list_entry_s per
+rank of a list collective's list, where the framework gathers and reduce-scatters through
+lists). All
 constants come from the cluster preset; nothing here is specific to a strategy.
 """
 
@@ -215,6 +217,11 @@ class ComputeModel:
         # work is queued yet, so a GPU waits for them (otherwise they run while earlier
         # kernels do).
         fetch = work.fetches * self.cluster.host_fetch_s + work.fetched * self.bytes_per_elem * self.cluster.host_fetch_byte_s
+        # A list collective's list is built and copied entry by entry on the host: a fetch's
+        # before its gather, waited for with it; a gradient's reduce-scatter's after the
+        # work's kernels are issued, while they run.
+        fetch += work.fetches * work.fetch_copies * self.cluster.host_list_entry_s
+        scatter = work.scatters * work.scatter_copies * self.cluster.host_list_entry_s
         waited = fetch if work.fetch_blocking and self.cluster.host_async else 0.0
         total = waited + self._fetch_copies(work) + self._scatter_copies(work)
         for index, layer in enumerate(layers):
@@ -225,6 +232,7 @@ class ComputeModel:
                 forward_kernels, backward_kernels = min(forward_kernels, 1), min(backward_kernels, 1)
             host = forward_kernels * self.cluster.host_forward_kernel_s + backward_kernels * self.cluster.host_backward_kernel_s
             device, host = device * work.load, host * work.load + (fetch - waited if index == 0 else 0.0)
+            host += scatter if index == len(layers) - 1 else 0.0
             # The host queues a GPU's kernels ahead of it (layer by layer: a sum over any
             # grouping of layers); CPU workers run what they issue, on the share of the
             # cores that their arithmetic gets (the host figures are one worker's alone).

@@ -109,7 +109,10 @@ def test_a_blocking_fetch_waits_on_the_host_and_a_prefetched_one_hides_under_the
     copies = (
         3 * work.fetched * 2 / (cluster.memory_bandwidth * cluster.memory_efficiency) + work.fetches * 9 * cluster.kernel_overhead_s
     )
-    assert compute.work_time(work, setup.model) == pytest.approx(blocking + copies)
+    # ... and on the host, the list of 8 partitions built and copied entry by entry, waited for.
+    entries = work.fetches * 8 * cluster.host_list_entry_s
+    assert cluster.host_list_entry_s > 0
+    assert compute.work_time(work, setup.model) == pytest.approx(blocking + copies + entries)
 
 
 def test_a_list_reduce_scatter_flattens_its_gradients_rank_by_rank() -> None:
@@ -119,9 +122,14 @@ def test_a_list_reduce_scatter_flattens_its_gradients_rank_by_rank() -> None:
     (work,) = [w for w in works if w.scatters]
     assert work.phase == "bwd" and (work.scatters, work.scatter_copies) == (12, 8)
     assert work.scattered == setup.model.unit("llm").trainable_params(block, block + 1)
-    compute, cluster = ComputeModel(setup.cluster, "bf16"), setup.cluster
+    cluster = replace(setup.cluster, host_list_entry_s=0.0)
+    compute = ComputeModel(cluster, "bf16")
     copies = 2 * work.scattered * 2 / (cluster.memory_bandwidth * cluster.memory_efficiency) + 12 * 8 * cluster.kernel_overhead_s
     assert compute.work_time(work, setup.model) == pytest.approx(compute.work_time(replace(work, scatters=0), setup.model) + copies)
+    # The lists are built on the host after the backward's kernels are issued, while they run:
+    # where the host is the longer, each entry adds its time.
+    slow, slower = (ComputeModel(replace(cluster, host_list_entry_s=e), "bf16").work_time(work, setup.model) for e in (1e-3, 2e-3))
+    assert slower - slow == pytest.approx(12 * 8 * 1e-3)
     prefetching, _ = _plan(8, 8)
     assert not any(i.work.scatters for i in prefetching.program.classes[0].instructions if isinstance(i, Compute))
 
