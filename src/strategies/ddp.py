@@ -158,8 +158,7 @@ def _build(
                 reuse_distance=float(opts.max_reuse_distance),
                 persistence_threshold=float(opts.param_persistence_threshold),
                 fetch_per_tensor=opts.fetch == "per_tensor",
-                fetch_synchronizes=opts.fetch != "prefetched",
-                reduce_per_tensor=opts.fetch != "prefetched",
+                synchronous_release=opts.fetch != "prefetched",
             )
             for name in names
         ],

@@ -11,7 +11,7 @@ then each unit's gradient reduction and optimizer step.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 from dataclasses import dataclass, replace
 
@@ -67,13 +67,13 @@ class ColocatedUnit:
     fetched by an all-gather of its own into a zero-filled buffer, through PyTorch's list
     all_gather (one copy out per rank of the group: DeepSpeed before 0.5.5,
     partition_parameters.py _allgather_param) rather than a module's tensors by one (its
-    coalesced fetch since). `fetch_synchronizes`: every fetch ends (per tensor: begins) with a
-    torch.cuda.synchronize() (DeepSpeed before 0.6.0: _allgather_param, and
+    coalesced fetch since). `synchronous_release` (DeepSpeed before 0.6.0): every fetch ends
+    (per tensor: begins) with a torch.cuda.synchronize() (_allgather_param, and
     _allgather_params_coalesced's "guarantee the communication to be completed"), which waits
     for every stream, so the reduce-scatter overlap_comm issued after a layer's backward
-    holds the next layer's fetch: it overlaps nothing. `reduce_per_tensor`: the gradients are
-    reduce-scattered by one collective per trained tensor (DeepSpeed before 0.6.0, stage3's
-    _reduce_scatter_gradients; coalesced since)."""
+    holds the next layer's fetch: it overlaps nothing; and the gradients are reduce-scattered
+    by one list collective per trained tensor (stage3's _reduce_scatter_gradients; coalesced
+    since)."""
 
     unit: str
     mesh: Mesh
@@ -86,8 +86,7 @@ class ColocatedUnit:
     reuse_distance: float = math.inf
     persistence_threshold: float = DEEPSPEED_PERSISTENCE_THRESHOLD
     fetch_per_tensor: bool = False
-    fetch_synchronizes: bool = False
-    reduce_per_tensor: bool = False
+    synchronous_release: bool = False
 
 
 class ColocatedEmitter:
@@ -138,14 +137,14 @@ class ColocatedEmitter:
                 fetched, fetches, blocked = fetched + regathered, fetches + len(again), True
             layer_pass = segment_pass(self.model, Segment(unit, (layer, layer + 1)), phase, samples, microbatch, self._tp(unit))
             copies = u.mesh.degree("dp") if u.fetch_per_tensor else 0
-            layer_pass = _fetching(layer_pass, fetches, fetched, blocked, copies)
+            layer_pass = _with_work(layer_pass, False, fetches=fetches, fetched=fetched, fetch_blocking=blocked, fetch_copies=copies)
             trainable = spec.trainable_params(layer, layer + 1) / u.mesh.degree("tp")
-            scatters = _trained_tensors(spec.layers[layer], spec.arch.style == "gpt") if u.reduce_per_tensor else 1
-            if backward and trainable and u.reduce_per_tensor:
-                layer_pass = _scattering(layer_pass, scatters, trainable, u.mesh.degree("dp"))
+            scatters = _trained_tensors(spec.layers[layer], spec.arch.style == "gpt") if u.synchronous_release else 1
+            if backward and trainable and u.synchronous_release:
+                layer_pass = _with_work(layer_pass, True, scatters=scatters, scattered=trainable, scatter_copies=dp)
             out += layer_pass
             if backward and trainable:
-                if u.overlap_comm and not u.fetch_synchronizes:
+                if u.overlap_comm and not u.synchronous_release:
                     handle = f"rs.{unit}.mb{microbatch}.L{layer}"
                     out.append(
                         Collective(
@@ -343,16 +342,6 @@ def _gathers(layer: LayerSpec, modules: tuple[int, ...], per_tensor: bool) -> in
     return len(modules) + sum(1 for kern in layer.kernels if kern.norm_width and 2 * kern.norm_width in modules)
 
 
-def _scattering(instructions: list[Instruction], scatters: int, scattered: float, copies: int) -> list[Instruction]:
-    """A layer's backward whose last Compute carries the list reduce-scatters of its
-    gradients that follow it (their count, the parameters, the copies each makes)."""
-    last = max(i for i, instruction in enumerate(instructions) if isinstance(instruction, Compute))
-    compute = instructions[last]
-    assert isinstance(compute, Compute)
-    work = replace(compute.work, scatters=scatters, scattered=scattered, scatter_copies=copies)
-    return [*instructions[:last], replace(compute, work=work), *instructions[last + 1 :]]
-
-
 def _trained_tensors(layer: LayerSpec, biased: bool) -> int:
     """A layer's parameter tensors: each weighted product's weight and each normalisation's
     scale, with their biases and shifts where the model has them; a lookup table is one."""
@@ -360,12 +349,12 @@ def _trained_tensors(layer: LayerSpec, biased: bool) -> int:
     return max(1, sum(per for kern in layer.kernels if kern.has_weight or kern.norm_width))
 
 
-def _fetching(instructions: list[Instruction], fetches: int, fetched: float, blocking: bool, copies: int) -> list[Instruction]:
-    """A ZeRO-3 layer's pass whose first Compute carries the fetches the framework's hooks
-    make for it (and the parameters they fetch), whether any of them waited for its gather,
-    and the copies each makes of its partitions."""
-    first = next(i for i, instruction in enumerate(instructions) if isinstance(instruction, Compute))
-    compute = instructions[first]
+def _with_work(instructions: list[Instruction], last: bool, **fields: Any) -> list[Instruction]:
+    """A layer's pass whose first (or last) Compute carries `fields` of its Work: the fetches
+    the framework's hooks make before it, or the list reduce-scatters of its gradients that
+    follow it."""
+    computes = [i for i, instruction in enumerate(instructions) if isinstance(instruction, Compute)]
+    index = computes[-1] if last else computes[0]
+    compute = instructions[index]
     assert isinstance(compute, Compute)
-    work = replace(compute.work, fetches=fetches, fetched=fetched, fetch_blocking=blocking, fetch_copies=copies)
-    return [*instructions[:first], replace(compute, work=work), *instructions[first + 1 :]]
+    return [*instructions[:index], replace(compute, work=replace(compute.work, **fields)), *instructions[index + 1 :]]
