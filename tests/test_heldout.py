@@ -83,3 +83,13 @@ def test_a_held_out_collective_is_priced_by_its_preset_over_consecutive_ranks() 
     assert heldout.collective_seconds(run) == pytest.approx(table_seconds(table, 64, 64 * MIB))
     row = heldout.check_collectives([run])[0]
     assert row["preset"] == "perlmutter" and row["published_s"] == pytest.approx(run.published_ms / 1e3)
+
+
+def test_a_subset_is_printed_and_never_replaces_the_full_results(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setattr(heldout, "OUT", tmp_path / "default")
+    monkeypatch.setattr("sys.argv", ["heldout", "--only", "pm-ag2-64-64mib"])
+    heldout.main()
+    assert "pm-ag2-64-64mib" in capsys.readouterr().out and not (tmp_path / "default").exists()
+    monkeypatch.setattr("sys.argv", ["heldout", "--only", "pm-ag2-64-64mib", "--out", str(tmp_path / "chosen")])
+    heldout.main()
+    assert (tmp_path / "chosen" / "heldout.json").exists()
