@@ -12,9 +12,9 @@ second, the batch's tokens over that rate. Each collective of the file (a librar
 a machine, from runs its preset's measured tables did not take) is priced by the preset's
 communication model over that many consecutive ranks. Writes heldout.json and heldout.md
 under --out (with --only, a subset, only under an --out given): per run the published and
-simulated seconds and the error (negative: the simulator is faster), per source, series and preset the mean absolute error and how many
-runs fall on each side. No constant is set from these numbers: a gap is reported with what
-we believe causes it.
+simulated seconds and the error (negative: the simulator is faster), per source, series and
+preset the mean absolute error and how many runs fall on each side. No constant is set from
+these numbers: a gap is reported with what we believe causes it.
 """
 
 from __future__ import annotations
