@@ -84,6 +84,20 @@ def test_summary_figures_are_consistent() -> None:
     assert summary["peak_memory_gib"] == pytest.approx(1.0)
 
 
+def test_a_profiler_counts_bubbles_as_communication_and_the_breakdown_does_not() -> None:
+    """Two classes of ranks: one waits on its peers (a bubble), the other on a transfer. The
+    exposed communication is the transfers'; the profiler's view is all that is not compute."""
+    model = build_model({"name": "gpt", "preset": None, "layers": 2, "hidden": 256, "heads": 4, "vocab": 1000})
+    zero = {cat: 0.0 for cat in BREAKDOWN_CATEGORIES}
+    waits = zero | {"compute": 0.6, "bubble_warmup": 0.3, "comm_pp": 0.1}
+    sends = zero | {"compute": 0.8, "comm_pp": 0.1, "idle": 0.1}
+    classes = [RankTimeline((0, 1), "first", ("llm",), [], waits, 1.0), RankTimeline((2, 3), "last", ("llm",), [], sends, 1.0)]
+    timeline = Timeline(1.0, classes)
+    summary = build_summary({"model": "gpt"}, _plan(model, 8), timeline, model, CLUSTER, _train(8))
+    assert summary["exposed_comm_s"] == pytest.approx(0.1)
+    assert summary["profiled_comm_s"] == pytest.approx(0.3)  # 1.0 - (0.6 + 0.8) / 2
+
+
 def test_an_mllm_counts_the_images_its_sequences_hold() -> None:
     """The encoder reads a sequence's images and the generator makes one per image: both are
     built for model.images_per_sequence (2) and count the images a plan priced (a batch of
