@@ -165,6 +165,8 @@ def build_summary(
         "model_params": model.params,
         "breakdown_s": {k: breakdown[k] for k in BREAKDOWN_CATEGORIES},
         "breakdown_by_unit_s": timeline.unit_breakdown(),
+        # The bubbles again, by where they fall on a rank, where the backend tells them apart.
+        **({"bubbles_by_position_s": positions} if (positions := timeline.mean_bubble_positions()) else {}),
         "unit_utilisation": unit_utilisation(model, plan, timeline, train, peak, images),
         "comm_share": exposed / seconds,
         "exposed_comm_s": exposed,

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 # Breakdown categories, in the order reports show them. They add up to the iteration
 # time on every rank: compute + exposed communication by kind + bubbles + idle.
 BUBBLE_CATEGORIES = ("bubble_warmup", "bubble_cooldown", "bubble_imbalance")
+# The same bubbles by where they fall on a rank (Optimus's Table 1 and Fig. 8 count them so):
+# before its first forward or backward, between its passes, after its last.
+BUBBLE_POSITIONS = ("leading", "inner", "trailing")
 BREAKDOWN_CATEGORIES = ("compute", "comm_tp", "comm_pp", "comm_dp", "comm_interaction", "comm_broker") + BUBBLE_CATEGORIES + ("idle",)
 
 
@@ -38,6 +41,8 @@ class RankTimeline:
     end: float
     peak_memory_bytes: float = 0.0
     memory: dict[str, float] = field(default_factory=dict)
+    # Its bubbles by position (BUBBLE_POSITIONS), where its backend tells them apart.
+    bubble_positions: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -57,6 +62,15 @@ class Timeline:
             for cat, seconds in rank_timeline.breakdown.items():
                 out[cat] += weight * seconds
         return out
+
+    def mean_bubble_positions(self) -> dict[str, float]:
+        """Bubbles by position averaged over all ranks; empty unless every class has them."""
+        if not self.ranks or not all(r.bubble_positions for r in self.ranks):
+            return {}
+        total = sum(len(r.ranks) for r in self.ranks)
+        return {
+            position: sum(len(r.ranks) / total * r.bubble_positions[position] for r in self.ranks) for position in BUBBLE_POSITIONS
+        }
 
     def unit_breakdown(self) -> dict[str, dict[str, float]]:
         """Breakdown averaged over the ranks of each unit."""

@@ -37,6 +37,7 @@ operation on the same stream, the wait is charged to that operation, and so on b
 from __future__ import annotations
 
 import functools
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Mapping
@@ -65,7 +66,7 @@ from src.program import (
 )
 from src.sim.cores import MAX_PASSES, SETTLED, ComputeSpan, relaxed, shares_cores, span_scales
 from src.sim.intervals import Intervals
-from src.timeline import BREAKDOWN_CATEGORIES, RankTimeline, Span, Timeline
+from src.timeline import BREAKDOWN_CATEGORIES, BUBBLE_POSITIONS, RankTimeline, Span, Timeline
 
 EPS = 1e-12
 PROGRESS_EVENTS = 4096  # instructions between looks at the clock
@@ -248,6 +249,9 @@ class _ClassState:
     spans: list[Span] = field(default_factory=list)
     first_backward: float | None = None
     last_forward: float | None = None
+    # The start of its first forward or backward and the end of its last.
+    first_pass: float | None = None
+    last_pass: float = 0.0
     queued: bool = False
     # The rank's share of its node's NICs (node-crossing transfers); SMs held by
     # collectives and by sends/receives.
@@ -456,6 +460,10 @@ class Simulator:
             state.first_backward = start
         if work.phase in ("fwd", "interaction"):
             state.last_forward = end
+        if work.phase != "optimizer":
+            if state.first_pass is None:
+                state.first_pass = start
+            state.last_pass = end
         return True
 
     def _issue(self, state: _ClassState, kind: str, stream: str) -> _Op:
@@ -722,6 +730,7 @@ class Simulator:
                 spans=s.spans,
                 breakdown=self._breakdown(s, iteration),
                 end=max(s.free.values()),
+                bubble_positions=self._bubble_positions(s, iteration),
             )
             for s in self.states
         ]
@@ -740,6 +749,25 @@ class Simulator:
                 out[self._bubble_kind(state, tail_start, iteration)] += iteration - tail_start
             else:
                 out["idle"] += iteration - tail_start
+        return out
+
+    @staticmethod
+    def _bubble_positions(state: _ClassState, iteration: float) -> dict[str, float]:
+        """The bubbles of _breakdown by where they fall: before the rank's first forward
+        or backward, after its last, or between."""
+        out = dict.fromkeys(BUBBLE_POSITIONS, 0.0)
+        first = state.first_pass if state.first_pass is not None else math.inf
+        waits = [(start, end) for start, end, category in state.segments if category == PEER_WAIT]
+        tail_start = state.stream_free(COMPUTE_STREAM)
+        if state.program.pipelined and iteration > tail_start:
+            waits.append((tail_start, iteration))
+        for start, end in waits:
+            if end <= first + EPS:
+                out["leading"] += end - start
+            elif start >= state.last_pass - EPS:
+                out["trailing"] += end - start
+            else:
+                out["inner"] += end - start
         return out
 
     @staticmethod

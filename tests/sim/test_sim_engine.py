@@ -14,7 +14,7 @@ from src import progress
 from src.mesh import tensor_parallel
 from src.program import COMM_KINDS, Collective, Compute, Group, Program, RankProgram, Wait, Work
 from src.sim.engine import SimulationError, simulate
-from src.timeline import BREAKDOWN_CATEGORIES
+from src.timeline import BREAKDOWN_CATEGORIES, BUBBLE_CATEGORIES
 from tests.sim.test_sim_programs import (
     INTRA_BW,
     INTRA_LAT,
@@ -161,6 +161,9 @@ def test_breakdown_adds_up_on_every_rank(name):
         bd = rank_timeline.breakdown
         assert tuple(bd) == BREAKDOWN_CATEGORIES
         assert all(v >= -1e-15 for v in bd.values()), (rank_timeline.label, bd)
+        # The same bubbles, by where they fall on the rank.
+        bubbles = sum(bd[cat] for cat in BUBBLE_CATEGORIES)
+        assert sum(rank_timeline.bubble_positions.values()) == pytest.approx(bubbles, rel=REL, abs=1e-15)
         assert sum(bd.values()) == pytest.approx(timeline.iteration_time, rel=REL), (rank_timeline.label, bd)
         # compute equals the compute spans; every stream executes its spans in order
         compute = sum(s.end - s.start for s in rank_timeline.spans if s.category == "compute")

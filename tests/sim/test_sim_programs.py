@@ -332,6 +332,12 @@ def test_megatron_1f1b_pipeline_tp_dp():
     # Bubbles of each stage add up to the classic (p - 1)(F' + B') plus message waits.
     s0 = timeline_of(timeline, "s0.t0.d0").breakdown
     assert s0["bubble_warmup"] + s0["bubble_cooldown"] == pytest.approx((p - 1) * (Fp + Bp) + d)
+    # By position (Optimus's Table 1): the first stage waits only between its passes; the
+    # last waits F' before its first, d between, and B' + d after its last.
+    first = timeline_of(timeline, "s0.t0.d0").bubble_positions
+    assert first == pytest.approx({"leading": 0.0, "inner": Bp + d + Fp, "trailing": 0.0}, rel=REL, abs=1e-12)
+    last = timeline_of(timeline, "s1.t0.d0").bubble_positions
+    assert last == pytest.approx({"leading": Fp, "inner": d, "trailing": Bp + d}, rel=REL, abs=1e-12)
 
 
 def test_megatron_without_messages_is_the_classic_formula():
