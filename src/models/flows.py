@@ -41,21 +41,27 @@ def feature_boundary(unit: UnitSpec) -> int:
     return next((i + 1 for i, layer in enumerate(unit.layers) if layer.name == "projection"), unit.num_layers)
 
 
-# Emitters ask for a model's flows once per instruction; finding a cross flow scans the
-# consumer's kernels. Keyed by identity: hashing a ModelSpec walks all its layers.
-_FLOWS: dict[int, tuple[ModelSpec, tuple[Flow, ...]]] = {}
+# Emitters ask for a model's flows (and a unit's outputs) once per instruction; finding a
+# cross flow scans the consumer's kernels. Keyed by identity: hashing a ModelSpec walks all
+# its layers.
+_FLOWS: dict[int, tuple[ModelSpec, tuple[Flow, ...], dict[str, tuple[tuple[int, str], ...]]]] = {}
 _FLOWS_KEPT = 16
 
 
-def flows_of(model: ModelSpec) -> tuple[Flow, ...]:
+def _cached(model: ModelSpec) -> tuple[ModelSpec, tuple[Flow, ...], dict[str, tuple[tuple[int, str], ...]]]:
     cached = _FLOWS.get(id(model))
     if cached is not None and cached[0] is model:
-        return cached[1]
+        return cached
     flows = _find_flows(model)
+    outputs = {u.name: tuple(dict.fromkeys((f.source, f.tensor) for f in flows if f.producer == u.name)) for u in model.units}
     if len(_FLOWS) >= _FLOWS_KEPT:
         del _FLOWS[next(iter(_FLOWS))]
-    _FLOWS[id(model)] = (model, flows)
-    return flows
+    cached = _FLOWS[id(model)] = (model, flows, outputs)
+    return cached
+
+
+def flows_of(model: ModelSpec) -> tuple[Flow, ...]:
+    return _cached(model)[1]
 
 
 def _find_flows(model: ModelSpec) -> tuple[Flow, ...]:
@@ -95,9 +101,9 @@ def chain_sources(model: ModelSpec, unit: str) -> tuple[str, ...]:
     return tuple(f.producer for f in flows_of(model) if f.consumer == unit and f.kind == "chain")
 
 
-def outputs_of(model: ModelSpec, unit: str) -> list[tuple[int, str]]:
+def outputs_of(model: ModelSpec, unit: str) -> tuple[tuple[int, str], ...]:
     """(layer boundary, tensor) of what a unit hands on (nothing for a unit ending in its loss)."""
-    return list(dict.fromkeys((f.source, f.tensor) for f in flows_of(model) if f.producer == unit))
+    return _cached(model)[2].get(unit, ())
 
 
 def unit_order(model: ModelSpec) -> list[str]:

@@ -304,6 +304,8 @@ class Simulator:
         self.sent: dict[tuple[str, int, Payload], _Op] = {}
         self.received: set[tuple[str, int, Payload]] = set()
         self.posted_recvs: dict[tuple[str, int, Payload], _PostedRecv] = {}
+        # The posted receives by a send each still waits on (as they were posted).
+        self.posted_on: dict[tuple[str, int, Payload], list[tuple[str, int, Payload]]] = {}
         self.waiting_for_send: dict[tuple[str, int, Payload], list[int]] = {}
         self.waiting_for_op: dict[int, list[int]] = {}
         self.ready: deque[int] = deque()
@@ -382,7 +384,11 @@ class Simulator:
             route = self.program.routes[route_name]
             senders = self.states[index].program.ranks
             if isinstance(route, Hop):
-                senders = senders[:1]
+                # A hop's message carries the payload (or a part of it) to one peer class.
+                peer = route.peer(senders[0])
+                if (route_name, self.class_of_rank.get(peer), payload) not in self.received:
+                    out.append(f"{payload} from rank {senders[0]} to rank {peer} over {route_name}")
+                continue
             for rank in senders:
                 for message in route.sends(rank, payload):
                     receiver = self.class_of_rank.get(message.dst)
@@ -621,7 +627,7 @@ class Simulator:
         self.sent[key] = op
         for waiter in self.waiting_for_send.pop(key, []):
             self._wake(waiter)
-        for recv_key in [k for k, posted in self.posted_recvs.items() if key in posted.entries]:
+        for recv_key in self.posted_on.pop(key, ()):
             posted = self.posted_recvs[recv_key]
             if all(k in self.sent for k in posted.entries):
                 del self.posted_recvs[recv_key]
@@ -651,6 +657,8 @@ class Simulator:
         if missing:
             # Posted before its sends (an irecv): it completes when the last one lands.
             self.posted_recvs[recv_key] = _PostedRecv(state.index, op, instruction, entries)
+            for key in missing:
+                self.posted_on.setdefault(key, []).append(recv_key)
             return True
         self._complete_recv(state, op, instruction, entries)
         if blocking:
