@@ -147,10 +147,15 @@ class PipelineEmitter:
             program.add_route(route)
             self.hops.append(route.name)
         self.pending: dict[int, list[str]] = {stage: [] for stage in range(self.pp)}
+        self._tp_configs: dict[int, TPConfig] = {}
 
     def _tp(self, stage: int) -> TPConfig:
-        run = self.runs[stage]
-        return TPConfig(run.sharding, self.tp_groups[stage], self.cfg.recompute, self.act_bytes, self.cfg.tp_overlap_chunks, run.rows)
+        tp = self._tp_configs.get(stage)
+        if tp is None:  # asked for by every pass of every micro-batch
+            run, cfg = self.runs[stage], self.cfg
+            tp = TPConfig(run.sharding, self.tp_groups[stage], cfg.recompute, self.act_bytes, cfg.tp_overlap_chunks, run.rows)
+            self._tp_configs[stage] = tp
+        return tp
 
     def data_replicas(self, stage: int) -> int:
         """The ranks that reduce a stage's gradients together: its DP replicas (and its TP

@@ -141,7 +141,7 @@ class Journal:
         for cells, index, value in reversed(self.cells):
             cells[index] = value
         if self.cells:  # slots it filled have room again
-            s.skip = [list(range(len(used) + 1)) for used in s.used]
+            s.skip = [_open_slots(len(used)) for used in s.used]
 
 
 @dataclass(frozen=True)
@@ -229,7 +229,7 @@ class BubbleScheduler:
             list(counts),
             used=[[0.0] * len(slots[s].start) for s in self.stage_of_class],
             issued=[[0.0] * len(slots[s].issue_time) for s in self.stage_of_class],
-            skip=[list(range(len(slots[s].start) + 1)) for s in self.stage_of_class],
+            skip=[_open_slots(len(slots[s].start)) for s in self.stage_of_class],
         )
         self._settle(schedule, self.evaluate(schedule))
         return schedule
@@ -562,6 +562,18 @@ class BubbleScheduler:
                 inside += share * max(0.0, min(f, post_to) - max(b, post_from))
         inside += sum(item.seconds for run in schedule.runs for item in run.items if not item.is_comm)
         return inside / total if total else 1.0
+
+
+_OPEN: dict[int, list[int]] = {}
+
+
+def _open_slots(slots: int) -> list[int]:
+    """Skip pointers of `slots` slots none of which is full (and one past the last): a
+    copy of one list per length, which the search makes again and again."""
+    template = _OPEN.get(slots)
+    if template is None:
+        template = _OPEN[slots] = list(range(slots + 1))
+    return template.copy()
 
 
 def _next_open(skip: list[int], slot: int) -> int:
