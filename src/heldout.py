@@ -98,11 +98,25 @@ def narayanan_flops(run: Run, seq_len: int, vocab: int) -> float:
     return 96.0 * b * s * l * h * h * (1.0 + s / (6.0 * h) + vocab / (16.0 * l * h))
 
 
-def published_seconds(run: Run, seq_len: int, vocab: int) -> float:
+def megatron_core_flops(run: Run, seq_len: int, vocab: int) -> float:
+    """FLOPs of one iteration as Megatron-LM's num_floating_point_operations counts them
+    for a GPT (4h MLP, every head its own keys and values, no recomputation):
+    72 B s l h^2 (1 + s/6h + V/12lh)."""
+    b, s, l, h = run.global_batch, seq_len, run.layers, run.hidden
+    return 72.0 * b * s * l * h * h * (1.0 + s / (6.0 * h) + vocab / (12.0 * l * h))
+
+
+# How a source counts the FLOPs behind the teraFLOP/s it reports (its `flops`).
+FLOP_COUNTS = {"narayanan2021": narayanan_flops, "megatron_core": megatron_core_flops}
+
+
+def published_seconds(run: Run, seq_len: int, vocab: int, flops: str = "narayanan2021") -> float:
     if "iteration_s" in run.published:
         return float(run.published["iteration_s"])
     if "tflops_per_gpu" in run.published:
-        return narayanan_flops(run, seq_len, vocab) / (run.published["tflops_per_gpu"] * 1e12 * run.gpus)
+        if flops not in FLOP_COUNTS:
+            raise ConfigError(f"run {run.id}: its source counts FLOPs as {flops!r}; known: {sorted(FLOP_COUNTS)}")
+        return FLOP_COUNTS[flops](run, seq_len, vocab) / (run.published["tflops_per_gpu"] * 1e12 * run.gpus)
     if "tokens_per_s" in run.published:
         return run.global_batch * seq_len / float(run.published["tokens_per_s"])
     raise ConfigError(f"run {run.id}: published needs iteration_s, tflops_per_gpu or tokens_per_s, got {sorted(run.published)}")
@@ -143,11 +157,11 @@ def overrides(run: Run, common: dict[str, Any]) -> list[str]:
     strategy = dict(run.strategy)
     name = strategy.pop("name")
     out.append(f"strategy={name}")
-    if name == "megatron":
-        # The 2021-2022 runs: no distributed optimizer; sequence parallelism only where stated.
-        strategy.setdefault("sequence_parallel", False)
-        strategy.setdefault("zero_stage", 0)
-        strategy["schedule"] = "interleaved" if strategy.get("vpp", 1) > 1 else "1f1b"
+    # The source's settings of this strategy where the run states none (the data file's
+    # `common`), then the run's; what neither states, the planner searches.
+    strategy = {**(common.get(name) or {}), **strategy}
+    if name == "megatron" and "vpp" in strategy:
+        strategy["schedule"] = "interleaved" if strategy["vpp"] > 1 else "1f1b"
     out += [f"strategy.{key}={_value(value)}" for key, value in strategy.items()]
     return out
 
@@ -180,7 +194,7 @@ def check(runs: list[Run], data: dict[str, Any]) -> list[dict[str, Any]]:
             "gpus": run.gpus,
             "assumed": run.assumed,
         }
-        published = published_seconds(run, common["model"]["seq_len"], common["model"]["vocab"])
+        published = published_seconds(run, common["model"]["seq_len"], common["model"]["vocab"], common.get("flops", "narayanan2021"))
         row["published_s"] = published
         try:
             simulated = simulate_run(run, common)

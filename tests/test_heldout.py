@@ -30,6 +30,23 @@ def test_a_rate_per_gpu_becomes_seconds_by_narayanans_flop_count() -> None:
     assert heldout.published_seconds(BY_ID["k22-175b-full"], s, v) == 18.13  # stated as seconds
 
 
+def test_megatron_lm_s_own_flop_count_counts_no_recomputation() -> None:
+    # The Megatron-Core table's 1.7B row: 72 B s l h^2 (1 + s/6h + V/12lh) FLOPs at 408.8 TFLOP/s on each of 48 GPUs.
+    b, s, l, h, v = 192, 4096, 24, 2048, 131072
+    flops = 72 * b * s * l * h**2 * (1 + s / (6 * h) + v / (12 * l * h))
+    assert heldout.published_seconds(BY_ID["mc24-1.7b"], s, v, "megatron_core") == pytest.approx(flops / (408.8e12 * 48))
+    with pytest.raises(ConfigError, match="counts FLOPs as 'palm'"):
+        heldout.published_seconds(BY_ID["mc24-1.7b"], s, v, "palm")
+
+
+def test_a_source_states_its_megatron_lm_settings_and_the_search_fills_the_rest() -> None:
+    run = BY_ID["mc24-70b"]
+    stated = heldout.overrides(run, heldout.settings(run, DATA))
+    assert {"strategy.sequence_parallel=true", "strategy.zero_stage=1", "strategy.overlap_grad_reduce=true"} <= set(stated)
+    assert {"cluster=hopper", "cluster.nodes=96", "model.vocab=131072", "train.seq_len=4096"} <= set(stated)
+    assert not any(o.startswith(("strategy.schedule", "strategy.vpp", "strategy.recompute")) for o in stated)
+
+
 def test_overrides_state_the_runs_configuration() -> None:
     interleaved = heldout.overrides(BY_ID["t1-145.6b"], DATA["common"])
     assert {"cluster.nodes=192", "strategy.vpp=2", "strategy.schedule=interleaved", "model.attention=eager"} <= set(interleaved)
