@@ -75,26 +75,13 @@ def plan_and_simulate(overrides: list[str]) -> tuple[float, float, float, float,
     return wall, cpu, workers, simulated, what
 
 
-def whole_command(overrides: list[str]) -> tuple[float, float]:
-    """`python -m src.run` as a user types it, plan file, trace and reports included: its
-    wall time and the CPU time of its process and the workers it forks."""
+def timed_module(module: str, args: list[str]) -> tuple[float, float]:
+    """`python -m MODULE ARGS` as a user types it (its files in a scratch run directory): its
+    wall time and the CPU time of its process and the processes it starts."""
     before = children_cpu()
     wall = time.perf_counter()
     with tempfile.TemporaryDirectory() as out:
-        subprocess.run(
-            [sys.executable, "-m", "src.run", *BASE, *overrides, f"hydra.run.dir={out}"], cwd=ROOT, check=True, capture_output=True
-        )
-    return time.perf_counter() - wall, children_cpu() - before
-
-
-def compare() -> tuple[float, float]:
-    """src.compare as a user runs it: its wall time and its processes' CPU time."""
-    before = children_cpu()
-    wall = time.perf_counter()
-    with tempfile.TemporaryDirectory() as out:
-        subprocess.run(
-            [sys.executable, "-m", "src.compare", *COMPARE, f"hydra.run.dir={out}"], cwd=ROOT, check=True, capture_output=True
-        )
+        subprocess.run([sys.executable, "-m", module, *args, f"hydra.run.dir={out}"], cwd=ROOT, check=True, capture_output=True)
     return time.perf_counter() - wall, children_cpu() - before
 
 
@@ -117,10 +104,10 @@ def main() -> None:
         print(f"{label:<20s} {wall:8.2f} {cpu:8.2f} {workers:8.2f} {simulated:8.2f} {target:7.0f}  {what}")
     print(f"{'whole command':<20s} {'wall (s)':>8s} {'cpu (s)':>8s}  target: CPU (process and workers), least of {args.commands}")
     for label, overrides in COMMANDS:
-        wall, cpu = min((whole_command(overrides) for _ in range(args.commands)), key=lambda run: run[1])
+        wall, cpu = min((timed_module("src.run", BASE + overrides) for _ in range(args.commands)), key=lambda run: run[1])
         print(f"{label:<20s} {wall:8.2f} {cpu:8.2f} {COMMAND_TARGET_S:7.0f}  python -m src.run {' '.join(BASE + overrides)}")
     if not args.no_compare:
-        wall, cpu = compare()
+        wall, cpu = timed_module("src.compare", COMPARE)
         print(
             f"{'compare dgx_a100 128':<20s} {wall:8.2f} {0.0:8.2f} {cpu:8.2f} {'':>8s} {COMPARE_TARGET_S:7.0f}  "
             "every contender, in parallel"

@@ -55,22 +55,23 @@ class Timeline:
 
     def mean_breakdown(self) -> dict[str, float]:
         """Breakdown averaged over all ranks (each class weighted by its rank count)."""
-        total = sum(len(r.ranks) for r in self.ranks)
-        out = {cat: 0.0 for cat in BREAKDOWN_CATEGORIES}
-        for rank_timeline in self.ranks:
-            weight = len(rank_timeline.ranks) / total
-            for cat, seconds in rank_timeline.breakdown.items():
-                out[cat] += weight * seconds
-        return out
+        return self._rank_mean([r.breakdown for r in self.ranks], BREAKDOWN_CATEGORIES)
 
     def mean_bubble_positions(self) -> dict[str, float]:
         """Bubbles by position averaged over all ranks; empty unless every class has them."""
         if not self.ranks or not all(r.bubble_positions for r in self.ranks):
             return {}
+        return self._rank_mean([r.bubble_positions for r in self.ranks], BUBBLE_POSITIONS)
+
+    def _rank_mean(self, per_class: list[dict[str, float]], keys: tuple[str, ...]) -> dict[str, float]:
+        """Each class's figures weighted by its rank count."""
         total = sum(len(r.ranks) for r in self.ranks)
-        return {
-            position: sum(len(r.ranks) / total * r.bubble_positions[position] for r in self.ranks) for position in BUBBLE_POSITIONS
-        }
+        out = dict.fromkeys(keys, 0.0)
+        for rank_timeline, figures in zip(self.ranks, per_class):
+            weight = len(rank_timeline.ranks) / total
+            for key, seconds in figures.items():
+                out[key] += weight * seconds
+        return out
 
     def unit_breakdown(self) -> dict[str, dict[str, float]]:
         """Breakdown averaged over the ranks of each unit."""
