@@ -332,8 +332,9 @@ class Simulator:
             index = self.ready.popleft()
             state = self.states[index]
             state.queued = False
-            while state.ip < len(state.instructions):
-                if not self._step(state, state.instructions[state.ip]):
+            instructions, step = state.instructions, self._step
+            while state.ip < len(instructions):
+                if not step(state, instructions[state.ip]):
                     break
                 state.ip += 1
                 self.events += 1
@@ -535,12 +536,18 @@ class Simulator:
         arrival = self.arrivals.get(key)
         if arrival is None or len(arrival.ops) < len(self._participants(key[0])):
             return
+        start = computed = 0.0  # when the last member is ready; the most compute one did since it synchronized
         for op in arrival.ops.values():
-            if op.ready is None:
+            ready = op.ready
+            if ready is None:
                 assert op.prev is not None, "an operation without a predecessor is ready when issued"
                 if not op.prev.resolved:
                     return
-                op.ready = max(op.compute_ready, op.prev.end)
+                ready = op.ready = max(op.compute_ready, op.prev.end)
+            if ready > start:
+                start = ready
+            if op.computed > computed:
+                computed = op.computed
         del self.arrivals[key]
         for op in arrival.ops.values():
             del self.arrival_of[id(op)]
@@ -558,9 +565,7 @@ class Simulator:
         # Its members reach it as far apart as they drifted since they last synchronized;
         # the wait is the collective's. A count stands for collectives spread over that
         # compute (the layers priced as one instruction): count waits, each after its share.
-        computed = max(op.computed for op in arrival.ops.values())
         latency += instruction.count * self.comm.skew(len(group.ranks), computed / instruction.count)
-        start = max(_ready(op) for op in arrival.ops.values())
         crosses = self.crosses_nodes.get(group.name)
         if crosses is None:
             crosses = self.crosses_nodes[group.name] = self.cluster.spans_nodes(group.ranks)

@@ -19,6 +19,10 @@ class Intervals:
         if end <= start:
             return
         starts, ends = self.starts, self.ends
+        if not starts or start > ends[-1]:  # after every interval: the usual case
+            starts.append(start)
+            ends.append(end)
+            return
         i = bisect_right(starts, start)
         if i and ends[i - 1] >= start:  # merges with the one before
             i -= 1

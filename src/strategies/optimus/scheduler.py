@@ -560,7 +560,8 @@ class BubbleScheduler:
             for begin, end, share in post_busy[g]:
                 b, f = begin - shift, end - shift
                 inside += share * max(0.0, min(f, post_to) - max(b, post_from))
-        inside += sum(item.seconds for run in schedule.runs for item in run.items if not item.is_comm)
+        # Every placed kernel (not an all-reduce): Item.is_comm read directly, over millions of items.
+        inside += sum(item.seconds for run in schedule.runs for item in run.items if item.kernel >= 0)
         return inside / total if total else 1.0
 
 
