@@ -36,6 +36,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from src.data.balance import vector_lpt
+from src.data.order_search import improve
 from src.data.reorder import StageTimes, inter_reorder, lpt
 
 REORDERS = ("none", "intra", "inter", "both", "cost")
@@ -117,6 +118,7 @@ class Reordering:
         b_me, b_mg = self.dp_lm // self.dp_me, self.dp_lm // self.dp_mg
         width = b_me * b_mg // math.gcd(b_me, b_mg)
         out = [list(g) for g in groups]
+        pipelines = []  # per pipeline: its first replica, slots, their stage times and Algorithm 3's order
         for first in range(0, self.dp_lm, width):
             members = [sorted(out[r], key=lambda s: (-sizes[s], s)) for r in range(first, first + width)]
             slots = list(zip(*members))
@@ -124,7 +126,12 @@ class Reordering:
             def worst(slot: tuple[int, ...], loads: Sequence[float], b: int) -> float:
                 return max(sum(loads[s] for s in slot[i : i + b]) / b for i in range(0, width, b))
 
-            order = inter_reorder([self._slot_times(worst(slot, enc, b_me), worst(slot, gen, b_mg)) for slot in slots])
+            times = [self._slot_times(worst(slot, enc, b_me), worst(slot, gen, b_mg)) for slot in slots]
+            pipelines.append((first, slots, times, inter_reorder(times)))
+        orders = [order for *_, order in pipelines]
+        if self.policy == "cost":  # the cost model's order: searched on from Algorithm 3's
+            orders = improve([times for _, _, times, _ in pipelines], orders)
+        for (first, slots, _, _), order in zip(pipelines, orders):
             for k, r in enumerate(range(first, first + width)):
                 out[r] = [slots[i][k] for i in order]
         return out
