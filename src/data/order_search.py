@@ -137,8 +137,8 @@ def improve(times: Sequence[Sequence[StageTimes]], starts: Sequence[Sequence[int
         candidates[rows, first], candidates[rows, second] = orders[pipelines, second], orders[pipelines, first]
         spans = makespans(tables, pipelines, candidates).reshape(count, per)
         pick = spans.argmin(axis=1)
-        better = spans[every, pick] < best
-        chosen = every * per + pick
-        orders[better] = candidates[chosen[better]]
-        best[better] = spans[every, pick][better]
+        shortest = spans[every, pick]
+        better = shortest < best
+        orders[better] = candidates[(every * per + pick)[better]]
+        best[better] = shortest[better]
     return orders.tolist()

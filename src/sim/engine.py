@@ -142,6 +142,7 @@ class _RoutePrices:
         self.program, self.comm, self.class_of_rank = program, comm, class_of_rank
         self._hop: dict[str, float] = {}
         self._hop_crosses: dict[str, bool] = {}
+        self._hop_sender: dict[tuple[str, int], tuple[int, float]] = {}  # (hop, receiving class): (sender class, cost)
         self._send: dict[tuple[str, int, Payload], tuple[float, float, bool]] = {}
         self._recv: dict[tuple[str, int, Payload], dict] = {}
         self._offsets: dict[tuple[str, int, Payload], dict[int, tuple[float, float]]] = {}
@@ -211,9 +212,12 @@ class _RoutePrices:
         its last message to the class lands after that send starts, and that message's
         own transfer time."""
         if isinstance(route, Hop):
-            peer = route.peer(state.program.ranks[0])
-            cost = self._hop_cost(route)
-            return {(route.name, self._sender_class(route, peer), payload): (cost, cost)}
+            sender = self._hop_sender.get((route.name, state.index))
+            if sender is None:
+                peer = route.peer(state.program.ranks[0])
+                sender = self._hop_sender[(route.name, state.index)] = (self._sender_class(route, peer), self._hop_cost(route))
+            index, cost = sender
+            return {(route.name, index, payload): (cost, cost)}
         key = (route.name, state.index, payload)
         cached = self._recv.get(key)
         if cached is None:
@@ -607,13 +611,14 @@ class Simulator:
         if last is not None and not last.resolved:
             return self._wait_on(last, state)
         route = self.routes.route(instruction.route)
-        key = (route.name, state.index, instruction.payload.whole)
+        payload = instruction.payload.whole
+        key = (route.name, state.index, payload)
         if key in self.sent:
             raise SimulationError(f"{state.program.label} sends {instruction.payload} over {route.name} twice")
         op = self._issue(state, route.kind, stream)
         op.computed = state.computed
         ready = _ready(op)
-        seconds, nbytes, crosses = self.routes.send(route, state, instruction.payload.whole)
+        seconds, nbytes, crosses = self.routes.send(route, state, payload)
         op.start, op.end, op.resolved = ready, ready + seconds, True
         if crosses and seconds > 0:
             op.end = state.nic.stretched_end(ready, seconds, SHARED_LINK_RATE)
