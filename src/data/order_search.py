@@ -128,12 +128,11 @@ def improve(times: Sequence[Sequence[StageTimes]], starts: Sequence[Sequence[int
     best = makespans(tables, every, orders)
     per = max(1, CANDIDATES // count)
     rng = np.random.default_rng(SEED)
-    pipelines = np.repeat(every, per)
+    pipelines, rows = np.repeat(every, per), np.arange(count * per)
     for _ in range(ROUNDS):
         first = rng.integers(0, microbatches, size=count * per)
         second = (first + rng.integers(1, microbatches, size=count * per)) % microbatches  # another position
-        candidates = orders[pipelines].copy()
-        rows = np.arange(count * per)
+        candidates = orders[pipelines]  # a copy: fancy indexing
         candidates[rows, first], candidates[rows, second] = orders[pipelines, second], orders[pipelines, first]
         spans = makespans(tables, pipelines, candidates).reshape(count, per)
         pick = spans.argmin(axis=1)

@@ -756,30 +756,33 @@ class Simulator:
 
     def _breakdown(self, state: _ClassState, iteration: float) -> dict[str, float]:
         out = {cat: 0.0 for cat in BREAKDOWN_CATEGORIES}
-        tail_start = state.stream_free(COMPUTE_STREAM)
         for start, end, category in state.segments:
-            if category == PEER_WAIT:
-                out[self._bubble_kind(state, start, end)] += end - start
-            else:
+            if category != PEER_WAIT:
                 out[category] += end - start
-        if iteration > tail_start:
-            if state.program.pipelined:
-                out[self._bubble_kind(state, tail_start, iteration)] += iteration - tail_start
-            else:
-                out["idle"] += iteration - tail_start
+        for start, end in self._bubbles(state, iteration):
+            out[self._bubble_kind(state, start, end)] += end - start
+        tail_start = state.stream_free(COMPUTE_STREAM)
+        if not state.program.pipelined and iteration > tail_start:
+            out["idle"] += iteration - tail_start
         return out
 
     @staticmethod
-    def _bubble_positions(state: _ClassState, iteration: float) -> dict[str, float]:
-        """The bubbles of _breakdown by where they fall: before the rank's first forward
-        or backward, after its last, or between."""
-        out = dict.fromkeys(BUBBLE_POSITIONS, 0.0)
-        first = state.first_pass if state.first_pass is not None else math.inf
+    def _bubbles(state: _ClassState, iteration: float) -> list[tuple[float, float]]:
+        """A rank's waits on its peers and, on a pipelined rank, its tail until the step
+        ends (on others the tail is idle)."""
         waits = [(start, end) for start, end, category in state.segments if category == PEER_WAIT]
         tail_start = state.stream_free(COMPUTE_STREAM)
         if state.program.pipelined and iteration > tail_start:
             waits.append((tail_start, iteration))
-        for start, end in waits:
+        return waits
+
+    @classmethod
+    def _bubble_positions(cls, state: _ClassState, iteration: float) -> dict[str, float]:
+        """The bubbles of _breakdown by where they fall: before the rank's first forward
+        or backward, after its last, or between."""
+        out = dict.fromkeys(BUBBLE_POSITIONS, 0.0)
+        first = state.first_pass if state.first_pass is not None else math.inf
+        for start, end in cls._bubbles(state, iteration):
             if end <= first + EPS:
                 out["leading"] += end - start
             elif start >= state.last_pass - EPS:
