@@ -31,14 +31,15 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Mapping, Sequence
-
-import numpy as np
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from src.batch_layout import BatchLayout
 from src.data.reorder import IntervalSim, StageTimes, inter_reorder, lpt
 from src.config import BALANCE_POLICIES as POLICIES
 from src.errors import ConfigError
+
+if TYPE_CHECKING:  # numpy is imported where a batch is balanced: every plan imports this module, few balance
+    import numpy as np
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,8 @@ class Balancer:
     def _stage_parts(self, loads: Mapping[str, Sequence[float]]) -> tuple[np.ndarray, np.ndarray]:
         """Per sequence and stage, its share of a micro-batch's forward and backward seconds
         beyond the fixed part (a micro-batch's time is the fixed part plus its sequences')."""
+        import numpy as np
+
         count, stages = self.layout.global_batch, len(self.stages)
         fwd, bwd = np.zeros((count, stages)), np.zeros((count, stages))
         for unit in self.units:
@@ -136,18 +139,20 @@ class Balancer:
 
     def _times(self, microbatches: list[list[int]], fwd: np.ndarray, bwd: np.ndarray) -> list[StageTimes]:
         """Each micro-batch's stage times, from its sequences' parts (_stage_parts)."""
+        import numpy as np
+
         rows = np.array(microbatches)
-        forward = (self._fixed_fwd + fwd[rows].sum(axis=1)).tolist()
-        backward = (self._fixed_bwd + bwd[rows].sum(axis=1)).tolist()
+        forward = (fwd[rows].sum(axis=1) + self._fixed_fwd).tolist()
+        backward = (bwd[rows].sum(axis=1) + self._fixed_bwd).tolist()
         return [StageTimes(tuple(f), tuple(b)) for f, b in zip(forward, backward)]
 
     @functools.cached_property
-    def _fixed_fwd(self) -> np.ndarray:
-        return np.array([stage.fwd for stage in self.stages])
+    def _fixed_fwd(self) -> tuple[float, ...]:
+        return tuple(stage.fwd for stage in self.stages)
 
     @functools.cached_property
-    def _fixed_bwd(self) -> np.ndarray:
-        return np.array([stage.bwd for stage in self.stages])
+    def _fixed_bwd(self) -> tuple[float, ...]:
+        return tuple(stage.bwd for stage in self.stages)
 
     def _cut(self, members: list[int]) -> list[list[int]]:
         b = self.layout.micro_batch
@@ -187,6 +192,8 @@ def vector_lpt(seconds: np.ndarray, members: Sequence[int] | range, groups: int)
     """`members` over `groups` groups of equal count, each stage's total balanced: largest
     sequence first (by its busiest stage), each to the group whose busiest stage it raises
     least (ties: the lower group). Groups list their members in data order."""
+    import numpy as np
+
     members = list(members)
     cap = len(members) // groups
     assert cap * groups == len(members), f"{len(members)} sequences do not split into {groups} equal groups"

@@ -33,10 +33,7 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-import numpy as np
-
 from src.data.balance import vector_lpt
-from src.data.order_search import improve
 from src.data.reorder import StageTimes, inter_reorder, lpt
 
 REORDERS = ("none", "intra", "inter", "both", "cost")
@@ -88,6 +85,8 @@ class Reordering:
 
     def assignment(self, enc: Sequence[float], gen: Sequence[float]) -> Assignment:
         """The positions of a batch's sequences (their encoder and generator loads)."""
+        import numpy as np  # here, not at the top: every plan imports this module (src/data/balance.py)
+
         seconds = np.column_stack([self.per_sequence[0] * np.asarray(enc), self.per_sequence[1] * np.asarray(gen)])
         count, dp_lm = len(seconds), self.dp_lm
         sizes = seconds.sum(axis=1).tolist()
@@ -130,6 +129,8 @@ class Reordering:
             pipelines.append((first, slots, times, inter_reorder(times)))
         orders = [order for *_, order in pipelines]
         if self.policy == "cost":  # the cost model's order: searched on from Algorithm 3's
+            from src.data.order_search import improve  # numpy's: imported where it runs
+
             orders = improve([times for _, _, times, _ in pipelines], orders)
         for (first, slots, _, _), order in zip(pipelines, orders):
             for k, r in enumerate(range(first, first + width)):

@@ -10,14 +10,44 @@ names its descriptor, or its planner alone (`my_package.my_module:plan_mine`).
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterator, MutableMapping
 
 from src.errors import ConfigError
-from src.strategies.auto import STRATEGY as AUTO
 from src.strategies.base import Planner, PlanRequest
-from src.strategies.built_in import BUILT_IN
+from src.strategies.built_in import BUILT_IN, descriptor
 from src.strategies.spec import StrategySpec
 
-STRATEGIES: dict[str, StrategySpec] = {spec.name: spec for spec in (*BUILT_IN, AUTO)}
+
+class Registry(MutableMapping[str, StrategySpec]):
+    """Strategy names to descriptors; a built-in one's module is imported the first time its
+    name is looked up (src/strategies/built_in.py says why), in order of registration."""
+
+    def __init__(self, modules: dict[str, str]) -> None:
+        self._entries: dict[str, StrategySpec | str] = dict(modules)  # a str: the module still to import
+
+    def __getitem__(self, name: str) -> StrategySpec:
+        entry = self._entries[name]
+        if isinstance(entry, str):
+            entry = self._entries[name] = descriptor(entry, name)
+        return entry
+
+    def __setitem__(self, name: str, spec: StrategySpec) -> None:
+        self._entries[name] = spec
+
+    def __delitem__(self, name: str) -> None:
+        del self._entries[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries  # without importing it
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+STRATEGIES = Registry({**BUILT_IN, "auto": "src.strategies.auto"})
 RUN_FIELDS = {"precision": "train.precision", "load": "train.data"}  # plan fields every strategy takes from the run, not its options
 
 

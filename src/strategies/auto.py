@@ -11,6 +11,7 @@ is listed with its one-line reason.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
@@ -20,7 +21,7 @@ from src.program import Plan
 from src.progress import Progress
 from src.sim.engine import SimulationError, simulate
 from src.strategies.base import Planner, PlanRequest
-from src.strategies.built_in import BUILT_IN
+from src.strategies.built_in import built_in
 from src.strategies.spec import StrategySpec
 from src.timeline import Timeline
 
@@ -34,25 +35,27 @@ class Contender:
     options: Mapping[str, Any] = field(default_factory=dict)
 
 
-# Each built-in strategy's variants, as its descriptor lists them (auto is not among them).
-CONTENDERS = tuple(Contender(variant.label, spec.planner, variant.options) for spec in BUILT_IN for variant in spec.auto_variants)
+@functools.cache
+def contenders() -> tuple[Contender, ...]:
+    """Each built-in strategy's variants, as its descriptor lists them (auto is not among them)."""
+    return tuple(Contender(variant.label, spec.planner, variant.options) for spec in built_in() for variant in spec.auto_variants)
 
 
 @dataclass(frozen=True)
 class AutoOptions:
-    """contenders: the labels to compare (null: all of CONTENDERS)."""
+    """contenders: the labels to compare (null: all of contenders())."""
 
     contenders: list[str] | None = None
 
     def __post_init__(self) -> None:
-        labels = [c.label for c in CONTENDERS]
+        labels = [c.label for c in contenders()]
         if self.contenders is not None:
             unknown = [c for c in self.contenders if c not in labels]
             if unknown or not self.contenders:
                 raise ConfigError(f"strategy.contenders={self.contenders}: choose among {labels} (null: all)")
 
     def chosen(self) -> list[Contender]:
-        return [c for c in CONTENDERS if self.contenders is None or c.label in self.contenders]
+        return [c for c in contenders() if self.contenders is None or c.label in self.contenders]
 
 
 @dataclass
