@@ -1,11 +1,14 @@
-"""Optimus's encoder plans scheduled in parallel: each plan's bubble schedule depends on
-the LLM's timeline and its own layout only (Optimus §4.1: the planner enumerates them
-independently), so they run in worker processes forked from the planner, which inherit
-the LLM's pipeline instead of receiving it, and send back what ranks them (the latency,
-efficiencies and split; a schedule's placed kernels would cost more to send than to
-place again): the planner schedules the split of a plan it emits again (`complete`).
-The planner is one of the processes: it schedules the plans no worker has taken yet,
-last first, and keeps their whole schedules (nothing to schedule again, one fork fewer).
+"""Optimus's encoder plans scheduled ahead in parallel: each plan's bubble schedule
+depends on the LLM's timeline and its own layout only (Optimus §4.1: the planner enumerates
+them independently), so they run in worker processes forked from the planner, which inherit
+the LLM's pipeline and the plans' schedulers instead of receiving them, and send back what
+ranks them (the latency, efficiencies and split; a schedule's placed kernels would cost more
+to send than to place again): the planner schedules the split of a plan it emits again
+(`complete`). The planner asks for the plans one at a time, in the order it may need them
+(it stops once no plan left can beat the best found); while it schedules the one it asks
+for, the workers schedule the next ones, which it takes from them when it asks for them (or
+schedules itself, if no worker has started one yet). What the planner gets is the same
+whatever the number of processes: a plan scheduled ahead and never asked for is dropped.
 Serial with one plan, one core, inside a daemon process (a pool's worker cannot start
 processes of its own), or where the environment sets MMDIST_PLAN_WORKERS=1 (a shared
 login node, the quick test tier); MMDIST_PLAN_WORKERS=n caps the processes at n."""
@@ -16,21 +19,20 @@ import multiprocessing
 import os
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import replace
-from typing import Callable, Iterator
+from typing import Callable
 
 from src.errors import ConfigError
-from src.strategies.optimus.encoder import Layout
 from src.strategies.optimus.scheduler import Candidate, Schedule
 
 
 # The job the forked workers run: set before the pool forks, read in the workers.
-_JOB: Callable[[Layout], Candidate] | None = None
+_JOB: Callable[[int], Candidate] | None = None
 CAP_ENV = "MMDIST_PLAN_WORKERS"
 
 
-def _run(layout: Layout) -> Candidate:
+def _run(index: int) -> Candidate:
     assert _JOB is not None, "the pool forked after the job was set"
-    found = _JOB(layout)
+    found = _JOB(index)
     s = found.schedule
     return replace(found, scheduler=None, schedule=Schedule(s.counts, s.pre, delta=s.delta, latency=s.latency))
 
@@ -60,23 +62,45 @@ def _cap() -> int | None:
     return int(value)
 
 
-def _untaken(futures: list[Future[Candidate]]) -> Iterator[int]:
-    """The futures no worker has started, last first, each cancelled as it is reached (the
-    workers take them first first): this process takes them."""
-    return (i for i in reversed(range(len(futures))) if futures[i].cancel())
+def _take(future: Future[Candidate]) -> bool:
+    """Whether this process takes a plan asked for from the worker meant for it: it does where
+    no worker has started it yet (cancelled here)."""
+    return future.cancel()
 
 
-def schedule_all(job: Callable[[Layout], Candidate], layouts: list[Layout]) -> list[Candidate]:
-    """job(layout) for every layout, in order."""
-    global _JOB
-    count = workers(len(layouts))
-    if count == 1:
-        return [job(layout) for layout in layouts]
-    _JOB = job
-    try:
-        with ProcessPoolExecutor(count - 1, mp_context=multiprocessing.get_context("fork")) as pool:
-            futures = [pool.submit(_run, layout) for layout in layouts]
-            here = {i: job(layouts[i]) for i in _untaken(futures)}
-            return [here[i] if i in here else futures[i].result() for i in range(len(layouts))]
-    finally:
-        _JOB = None
+class Ahead:
+    """job(i) for the plans 0 .. jobs-1 the planner asks for (`ahead[i]`), each once, the
+    next ones scheduled in worker processes meanwhile. Use it as a context manager: the
+    workers end with it (a plan still being scheduled ahead is waited for, then dropped)."""
+
+    def __init__(self, job: Callable[[int], Candidate], jobs: int) -> None:
+        self.job, self.jobs = job, jobs
+        self.count = workers(jobs)
+        self.done: dict[int, Candidate] = {}
+        self.futures: dict[int, Future[Candidate]] = {}
+        self.pool: ProcessPoolExecutor | None = None
+
+    def __enter__(self) -> Ahead:
+        global _JOB
+        if self.count > 1:
+            _JOB = self.job
+            self.pool = ProcessPoolExecutor(self.count - 1, mp_context=multiprocessing.get_context("fork"))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        global _JOB
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            _JOB = None
+
+    def __getitem__(self, index: int) -> Candidate:
+        if index in self.done:
+            return self.done[index]
+        if self.pool is not None:  # the workers take the plans after this one
+            for ahead in range(index + 1, min(index + self.count, self.jobs)):
+                if ahead not in self.done and ahead not in self.futures:
+                    self.futures[ahead] = self.pool.submit(_run, ahead)
+        future = self.futures.pop(index, None)
+        found = self.job(index) if future is None or _take(future) else future.result()
+        self.done[index] = found
+        return found

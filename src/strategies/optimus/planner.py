@@ -23,10 +23,11 @@ schedule of all is emitted (optimus.programs) and simulated as it is.
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Iterator
 
 from src.cluster import GIB, gib, family_sharing
 from src.collector import collector_paused
@@ -46,7 +47,7 @@ from src.strategies.optimus.encoder import EncoderCosts, EncoderPlan, Layout, en
 from src.strategies.builders.emit import iteration_tail
 from src.strategies.builders.stages import Segment
 from src.strategies.optimus.programs import ClassEmitter, add_encoder_routes, class_program
-from src.strategies.optimus.parallel import complete, schedule_all
+from src.strategies.optimus.parallel import Ahead, complete
 from src.strategies.optimus.scheduler import BubbleScheduler, Candidate, Schedule, Tails, local_search, partitions
 from src.strategies.spec import AutoVariant, StrategySpec
 
@@ -140,22 +141,23 @@ def _plan(request: PlanRequest) -> Plan:
             else:
                 layouts.append(layout)
         jobs = _RungJobs(request, opts, base, encoders, compute, comm)
-        candidates = schedule_all(jobs.schedule, layouts)
-        scheduled += len(candidates)
-        rung["outcome"] = f"{len(candidates)} encoder plans scheduled"
-        if candidates:
-            rung["best_s"] = min(c.schedule.latency for c in candidates)
+        ranked = _Ranked(jobs, layouts, index, best)
+        with Ahead(ranked.schedule, len(layouts)) as ahead:
+            for candidate in ranked.fastest_first(ahead):
+                rung.setdefault("best_s", candidate.schedule.latency)
+                if (candidate.schedule.latency, index) >= best:
+                    break
+                candidate = complete(ranked.reschedule, candidate)
+                emitted = _emit(request, opts, base, candidate, encoders, ranked, rejected, time.perf_counter() - started)
+                if isinstance(emitted, Plan):
+                    chosen, best = emitted, (candidate.schedule.latency, index)
+                    break
+                rejected.append(emitted)
+        scheduled += len(ranked.scheduled)
+        left = len(layouts) - len(ranked.scheduled)
+        rung["outcome"] = f"{len(ranked.scheduled)} encoder plans scheduled" + (f", {left} could not be chosen" if left else "")
         if progress.due():
             progress.show(f"recompute={recompute} zero_stage={zero}: {scheduled} encoder plans scheduled, {len(rejected)} rejected")
-        for candidate in sorted(candidates, key=lambda c: (c.schedule.latency, -c.plan.pp * c.plan.tp)):
-            if (candidate.schedule.latency, index) >= best:
-                break
-            candidate = complete(jobs.reschedule, candidate)
-            emitted = _emit(request, opts, base, candidate, encoders, candidates, rejected, time.perf_counter() - started)
-            if isinstance(emitted, Plan):
-                chosen, best = emitted, (candidate.schedule.latency, index)
-                break
-            rejected.append(emitted)
     if chosen is None:
         raise PlanError(min(rejected)[1] if rejected else f"no LLM plan for {model.name}")
     progress.end(f"done: {scheduled} encoder plans scheduled")
@@ -328,11 +330,10 @@ class _RungJobs:
         )
         return BubbleScheduler(base.timeline, layout, costs, tails)
 
-    def schedule(self, layout: Layout) -> Candidate:
-        """One encoder plan's best schedule: its splits ranked by the coarse estimate, the
-        first `refine` of them scheduled fine."""
+    def schedule(self, layout: Layout, scheduler: BubbleScheduler) -> Candidate:
+        """One encoder plan's best schedule (`scheduler`: the plan's): its splits ranked by
+        the coarse estimate, the first `refine` of them scheduled fine."""
         opts = self.opts
-        scheduler = self.scheduler(layout)
         n_mb = self.base.plan.num_microbatches
         cache: dict[tuple[int, ...], float] = {}
 
@@ -374,11 +375,54 @@ class _RungJobs:
             search,
         )
 
+
+class _Ranked:
+    """A rung's encoder plans scheduled fastest first, each only while it could still be the
+    plan chosen: a plan's scheduler knows its floor (no schedule of it ends sooner), so a plan
+    whose floor is no faster than a schedule found (or than `best`, the plan chosen on the
+    rungs tried before: its latency and rung) is not scheduled. The plan chosen is the one
+    scheduling every plan would choose, ties broken alike (more encoder devices a pipeline
+    stage first, then the plans' order)."""
+
+    def __init__(self, jobs: _RungJobs, layouts: list[Layout], rung: int, best: tuple[float, int]) -> None:
+        self.jobs, self.layouts, self.rung, self.best = jobs, layouts, rung, best
+        self.schedulers = [jobs.scheduler(layout) for layout in layouts]
+        self.order = sorted(range(len(layouts)), key=lambda i: self._key(i, self.schedulers[i].floor))
+        self.scheduled: list[Candidate] = []
+
+    def _key(self, i: int, seconds: float) -> tuple[float, int, int]:
+        plan = self.layouts[i].plan
+        return seconds, -plan.pp * plan.tp, i
+
+    def schedule(self, k: int) -> Candidate:
+        """The plan k-th by floor, scheduled (in this process or a forked worker)."""
+        i = self.order[k]
+        return self.jobs.schedule(self.layouts[i], self.schedulers[i])
+
+    def fastest_first(self, ahead: Ahead) -> Iterator[Candidate]:
+        """The rung's schedules by latency, each plan scheduled (by `ahead`) when it could be next."""
+        found: list[tuple[tuple[float, int, int], Candidate]] = []
+        for k, i in enumerate(self.order):
+            floor = self.schedulers[i].floor
+            while found and found[0][0] <= self._key(i, floor):
+                yield heapq.heappop(found)[1]
+            if (floor, self.rung) >= self.best:  # nor can any plan after it
+                break
+            candidate = ahead[k]
+            self.scheduled.append(candidate)
+            heapq.heappush(found, (self._key(i, candidate.schedule.latency), candidate))
+        while found:
+            yield heapq.heappop(found)[1]
+
+    def not_scheduled(self) -> list[tuple[EncoderPlan, float]]:
+        """The plans not scheduled and their floors."""
+        return [(self.layouts[i].plan, self.schedulers[i].floor) for i in self.order[len(self.scheduled) :]]
+
     def reschedule(self, candidate: Candidate) -> Candidate:
         """A candidate scheduled in another process, with its whole schedule: its split's
         schedule again (the same as there: the scheduler's memos change no result)."""
-        scheduler = self.scheduler(candidate.layout)
-        schedule = scheduler.best(candidate.schedule.counts, self.opts.fine_grained)
+        scheduler = self.schedulers[self.layouts.index(candidate.layout)]
+        schedule = scheduler.best(candidate.schedule.counts, self.jobs.opts.fine_grained)
         return replace(candidate, scheduler=scheduler, schedule=schedule)
 
 
@@ -426,7 +470,7 @@ def _emit(
     base: LLMBase,
     best: Candidate,
     encoders: list[str],
-    candidates: list[Candidate],
+    ranked: _Ranked,
     rejected: list[tuple[float, str]],
     scheduler_seconds: float,
 ) -> Plan | tuple[float, str]:
@@ -526,8 +570,11 @@ def _emit(
                 "eff_fine": c.eff_fine,
                 "partition": c.schedule.counts,
             }
-            for c in sorted(candidates, key=lambda c: c.schedule.latency)
+            for c in sorted(ranked.scheduled, key=lambda c: c.schedule.latency)
         ],
+        # The encoder plans whose floor (no schedule of theirs ends sooner) was no faster
+        # than a schedule found: not scheduled.
+        "not_scheduled": [{"pp": p.pp, "tp": p.tp, "floor_s": floor} for p, floor in ranked.not_scheduled()],
         "rejected": [message for _, message in rejected],
     }
     return plan

@@ -27,7 +27,7 @@ from src.strategies.optimus import planner as optimus_planner
 from src.strategies.optimus.llm import LLMPipelines
 from src.strategies.optimus.planner import OptimusOptions, _llm_and_encoders, _RungJobs
 from src.strategies.optimus.encoder import EncoderPlan, Layout
-from src.strategies.optimus.scheduler import partitions, spread
+from src.strategies.optimus.scheduler import BubbleScheduler, partitions, spread
 from src.strategies.optimus.timeline import EPS, makespan, warmup_counts
 from src.config import options_from
 from tests.composing import composed
@@ -74,7 +74,8 @@ def candidate(s: Setup, pp: int, tp: int, zero_stage: int = 0):
         "none", zero_stage
     )
     layout = Layout(base.plan.mesh, EncoderPlan(pp, tp))
-    return base, _RungJobs(request, opts, base, encoders, compute, comm).schedule(layout)
+    jobs = _RungJobs(request, opts, base, encoders, compute, comm)
+    return base, jobs.schedule(layout, jobs.scheduler(layout))
 
 
 @pytest.fixture(scope="module")
@@ -320,10 +321,36 @@ def test_encoder_plans_scheduled_in_parallel_equal_the_serial_ones(monkeypatch, 
     serial = plan_run(setup(*SMALL))  # conftest: MMDIST_PLAN_WORKERS=1
     monkeypatch.setattr(parallel, "workers", lambda jobs: 1 if jobs < 2 else 2)
     if not planner_takes_some:  # every plan from the worker: the one emitted is scheduled again here
-        monkeypatch.setattr(parallel, "_untaken", lambda futures: iter(()))
+        monkeypatch.setattr(parallel, "_take", lambda future: False)
     forked = plan_run(setup(*SMALL))
+    assert len(serial.details["candidates"]) > 2  # plans scheduled ahead were asked for
     assert forked.details["candidates"] == serial.details["candidates"]
     assert _chosen(forked) == _chosen(serial)
+
+
+@pytest.mark.slow  # long, not a process: model A planned twice (3 s)
+def test_the_encoder_plans_left_unscheduled_could_not_have_been_chosen(monkeypatch) -> None:
+    pruned = plan_run(setup(*MODEL_A))
+    left = pruned.details["not_scheduled"]
+    assert left, "model A's plans mostly end at their floor: the first found rules out the rest"
+    # With every floor at zero, no plan is ruled out: every one is scheduled.
+    built = BubbleScheduler.__init__
+
+    def no_floor(self, *args) -> None:
+        built(self, *args)
+        self.floor = 0.0
+
+    monkeypatch.setattr(BubbleScheduler, "__init__", no_floor)
+    every = plan_run(setup(*MODEL_A))
+    assert not every.details["not_scheduled"]
+    (units, program, details), (every_units, every_program, every_details) = _chosen(pruned), _chosen(every)
+    assert (units, program) == (every_units, every_program)
+    listed = ("candidates", "not_scheduled")  # which plans were scheduled: the difference
+    assert {k: v for k, v in details.items() if k not in listed} == {k: v for k, v in every_details.items() if k not in listed}
+    latency = {(c["pp"], c["tp"]): c["estimated_iteration_s"] for c in every.details["candidates"]}
+    chosen = pruned.details["estimated_iteration_s"]
+    for plan in left:  # each floor bounds its plan's schedule, and none is faster than the plan chosen
+        assert chosen <= plan["floor_s"] <= latency[(plan["pp"], plan["tp"])]
 
 
 @pytest.mark.parametrize("value, workers", [("1", 1), ("3", 2), ("", 2)])
