@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
+import torch.multiprocessing as mp
 
 from src.config import DeepSpeedSpec, OptimizerSpec, TorchBackendSpec  # noqa: F401 (the runtime tests' import)
 from tests.composing import composed
@@ -71,6 +73,17 @@ def build_deepspeed_ops() -> None:
     from src.runtime.op_build import prebuild_ops
 
     prebuild_ops()
+
+
+def run_forked(worker: Callable[..., None], args: tuple, nprocs: int) -> None:
+    """`worker(rank, *args)` on `nprocs` processes until all end, as torch's `mp.spawn` runs
+    it (a failure in one raised here, the others stopped), but forked from the local driver's
+    forkserver, which has imported torch, DeepSpeed and our modules once (a spawned process
+    imports them itself: seconds each on 2 cores). A plain fork would not do: a fork of a
+    process whose OpenMP threads have run hangs in torch ops; the forkserver runs none."""
+    # The driver's preload (runtime.driver.ForkedWorker): whichever starts the forkserver, it serves both.
+    multiprocessing.get_context("forkserver").set_forkserver_preload(["src.runtime.preload"])
+    mp.start_processes(worker, args=args, nprocs=nprocs, start_method="forkserver")
 
 
 def single_threaded(losses_of, *args, **kwargs) -> list[float]:

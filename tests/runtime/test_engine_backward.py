@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from src.runtime.driver import free_port
-from tests.runtime.support import build_deepspeed_ops
+from tests.runtime.support import build_deepspeed_ops, run_forked
 
 MICRO_BATCHES, CALLS = 2, 2  # backward calls per micro-batch: a Program's units, one by one
 
@@ -74,7 +73,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 @pytest.mark.slow
 def test_zero0_backward_through_autograd_equals_deepspeeds(tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=1)
+    run_forked(_worker, (free_port(), str(tmp_path)), 1)
     results = torch.load(tmp_path / "results.pt")
     taken, deepspeed = results["taken"], results["deepspeed"]
     for ours, theirs in zip(taken["grads"], deepspeed["grads"]):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -19,6 +18,7 @@ from src.runtime.modules.parallel import linear_shard
 from src.program import GRID_OVERLAPS
 from src.runtime.modules.grid3d import Axis, Conv3D, Grid3D, Linear3D, axis_part
 from src.runtime.modules.unet3d import GroupNorm3D
+from tests.runtime.support import run_forked
 
 ROWS, D_IN, D_MID, D_OUT = 8, 8, 12, 8
 C_IN, C_MID, C_OUT, SIDE = 4, 8, 4, 4  # channels of two convs (3x3, then 3x3 with stride 2) on 4x4 maps
@@ -152,5 +152,4 @@ def _worker(rank: int, port: int) -> None:
 
 @pytest.mark.slow
 def test_linear3d_and_conv3d_equal_nn_linear_and_conv2d_on_two_grids_with_overlaps_on_and_off() -> None:
-    # spawn, not fork: a fork of a process whose OpenMP threads have run hangs in torch ops.
-    mp.spawn(_worker, args=(free_port(),), nprocs=8)
+    run_forked(_worker, (free_port(),), 8)

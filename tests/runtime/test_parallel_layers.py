@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from src.runtime.driver import free_port
 from src.runtime.modules.blocks import Attention
 from src.runtime.modules.parallel import TP, ColumnParallelLinear, RowParallelLinear
+from tests.runtime.support import run_forked
 
 HIDDEN, HEADS, TOKENS, BATCH = 8, 4, 5, 3
 
@@ -69,8 +69,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 @pytest.mark.slow
 def test_tensor_parallel_layers_equal_their_sequential_selves(tmp_path: Path) -> None:
-    # spawn, not fork: a fork of a process whose OpenMP threads have run hangs in torch ops.
-    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=2)
+    run_forked(_worker, (free_port(), str(tmp_path)), 2)
     parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     whole = _run(_layers(TP()), _inputs())
 
