@@ -113,6 +113,13 @@ def pytest_configure(config: pytest.Config) -> None:
     # and caches them: done here, before the guard, not inside whichever test plots first.
     if importlib.util.find_spec("matplotlib") is not None:
         import matplotlib.font_manager  # noqa: F401
+    # The tests' tensors are tiny: on a busy 2-core machine a second intra-op thread only
+    # waits for a core at each op (a reference's few steps take seconds instead of a tenth
+    # of one). One thread, as each CPU worker computes (backend.threads_per_worker).
+    if HAS_TORCH:
+        import torch
+
+        torch.set_num_threads(1)
     GUARD.install()
 
 

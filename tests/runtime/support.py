@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable
 
-import torch
 import torch.multiprocessing as mp
 
 from src.config import DeepSpeedSpec, OptimizerSpec, TorchBackendSpec  # noqa: F401 (the runtime tests' import)
@@ -84,17 +83,6 @@ def run_forked(worker: Callable[..., None], args: tuple, nprocs: int) -> None:
     # The driver's preload (runtime.driver.ForkedWorker): whichever starts the forkserver, it serves both.
     multiprocessing.get_context("forkserver").set_forkserver_preload(["src.runtime.preload"])
     mp.start_processes(worker, args=args, nprocs=nprocs, start_method="forkserver")
-
-
-def single_threaded(losses_of, *args, **kwargs) -> list[float]:
-    """A reference's losses computed on one thread: tiny GEMMs and convolutions on a busy
-    machine only contend for more."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return losses_of(*args, **kwargs)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def summary_of(run_dir: Path) -> dict:

@@ -13,7 +13,7 @@ import pytest
 
 from src.models.registry import build_model
 from src.runtime.reference import reference_losses
-from tests.runtime.support import launch_cases, sensitive, sensitive_optimizer, single_threaded, summary_of
+from tests.runtime.support import launch_cases, sensitive, sensitive_optimizer, summary_of
 
 pytestmark = pytest.mark.slow  # starts worker processes
 
@@ -77,7 +77,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 @functools.cache
 def _reference(name: str, frozen: tuple[str, ...] = ()) -> list[float]:
     model = build_model({"name": name, "scale": "tiny", "train_projectors": True, "frozen": list(frozen)})
-    return single_threaded(reference_losses, model, 0, BATCH, STEPS, sensitive_optimizer(0.3))
+    return reference_losses(model, 0, BATCH, STEPS, sensitive_optimizer(0.3))
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -21,7 +21,7 @@ from src.metrics import unit_flops
 from src.models.registry import build_model
 from src.runtime.reference import reference_losses
 from tests.conftest import run_cli
-from tests.runtime.support import launch_cases, mllm_shard, sensitive, sensitive_optimizer, single_threaded, summary_of
+from tests.runtime.support import launch_cases, mllm_shard, sensitive, sensitive_optimizer, summary_of
 
 pytestmark = pytest.mark.slow  # starts worker processes
 
@@ -136,7 +136,7 @@ def runs(tmp_path_factory, shards) -> dict[str, Path]:
 @functools.cache
 def _reference(data: str, frozen: tuple[str, ...] = (), spread: float = 0.0) -> list[float]:
     model = build_model(MODEL | {"frozen": list(frozen), "image_size_spread": spread})
-    return single_threaded(reference_losses, model, 0, BATCH, STEPS, sensitive_optimizer(0.3), data=data, content="interleaved")
+    return reference_losses(model, 0, BATCH, STEPS, sensitive_optimizer(0.3), data=data, content="interleaved")
 
 
 @pytest.mark.parametrize("case", list(CASES))

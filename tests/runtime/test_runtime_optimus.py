@@ -19,7 +19,7 @@ from src.models.registry import build_model
 from src.plan_io import read_plan
 from src.program import Collective, Compute, RankProgram
 from src.runtime.reference import reference_losses
-from tests.runtime.support import launch_cases, sensitive, sensitive_optimizer, single_threaded, summary_of
+from tests.runtime.support import launch_cases, sensitive, sensitive_optimizer, summary_of
 
 pytestmark = pytest.mark.slow  # starts worker processes
 
@@ -116,7 +116,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 @functools.cache
 def _reference(encoders: tuple[str, ...] = (), frozen: tuple[str, ...] = ()) -> list[float]:
     options = {"name": "optimus", "scale": "tiny", "frozen": list(frozen), **({"encoders": list(encoders)} if encoders else {})}
-    return single_threaded(reference_losses, build_model(options), 0, BATCH, STEPS, sensitive_optimizer())
+    return reference_losses(build_model(options), 0, BATCH, STEPS, sensitive_optimizer())
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -13,7 +13,7 @@ import pytest
 
 from src.models.registry import build_model
 from src.runtime.reference import reference_losses
-from tests.runtime.support import launch_cases, sensitive, sensitive_optimizer, single_threaded, summary_of
+from tests.runtime.support import launch_cases, sensitive, sensitive_optimizer, summary_of
 
 pytestmark = pytest.mark.slow  # starts worker processes
 
@@ -53,9 +53,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def reference() -> list[float]:
-    return single_threaded(
-        reference_losses, build_model({"name": "mllm_9b", "scale": "tiny"}), 0, BATCH, STEPS, sensitive_optimizer(0.3)
-    )
+    return reference_losses(build_model({"name": "mllm_9b", "scale": "tiny"}), 0, BATCH, STEPS, sensitive_optimizer(0.3))
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -17,7 +17,7 @@ from src.config import DeepSpeedSpec, OptimizerSpec, SchedulerSpec
 from src.errors import ConfigError
 from src.models.registry import build_model
 from src.runtime.reference import ReferenceStep, reference_steps
-from tests.runtime.support import CLIP, GPT, TWO_WORKERS, launch_cases, prepare_run_dir, sensitive, single_threaded
+from tests.runtime.support import CLIP, GPT, TWO_WORKERS, launch_cases, prepare_run_dir, sensitive
 
 STOP, STEPS = 2, 4
 CLIPPING, LR = 1.0, 0.5
@@ -53,7 +53,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 def references() -> dict[str, list[ReferenceStep]]:
     clip = build_model({"name": "clip", "scale": "tiny"})
     gpt = build_model({"name": "gpt", "preset": None, "layers": 4, "hidden": 64, "heads": 4, "vocab": 128}, 16)
-    return {name: single_threaded(reference_steps, model, 0, 8, STEPS, DEEPSPEED) for name, model in (("clip", clip), ("gpt", gpt))}
+    return {name: reference_steps(model, 0, 8, STEPS, DEEPSPEED) for name, model in (("clip", clip), ("gpt", gpt))}
 
 
 def _steps(run_dir: Path) -> list[dict]:
