@@ -320,7 +320,7 @@ def test_trying_the_fastest_rung_first_keeps_the_plan_of_ladder_order(monkeypatc
 def test_encoder_plans_scheduled_in_parallel_equal_the_serial_ones(monkeypatch, small, planner_takes_some: bool) -> None:
     _, serial = small  # conftest: MMDIST_PLAN_WORKERS=1
     monkeypatch.setattr(parallel, "workers", lambda jobs: 1 if jobs < 2 else 2)
-    if not planner_takes_some:  # every plan from the worker: the one emitted is scheduled again here
+    if not planner_takes_some:  # every plan after the first from the worker: one emitted is scheduled again here
         monkeypatch.setattr(parallel, "_take", lambda future: False)
     forked = plan_run(setup(*SMALL))
     assert len(serial.details["candidates"]) > 2  # plans scheduled ahead were asked for
