@@ -60,15 +60,6 @@ CASES = {
     # DeepSpeed overlaps the reduce-scatters and prefetches 1000 parameters ahead.
     "ddp_zero3_overlap": GPT + [*ZERO3, "strategy.overlap_comm=true", "strategy.prefetch_bucket_size=1000"],
     "ddp_zero3_recompute": GPT + [*ZERO3, "strategy.recompute=selective"],
-    "megatron_pp2_balanced": GPT
-    + [
-        "strategy=megatron",
-        "strategy.tp=1",
-        "strategy.pp=2",
-        "strategy.vpp=1",
-        "strategy.micro_batch_size=2",
-        "strategy.balance=true",
-    ],
     "deepspeed3d_tp2": GPT + ["strategy=deepspeed3d", "strategy.tp=2", "strategy.pp=1", "strategy.micro_batch_size=2"],
     # bf16 GEMMs (autocast, fp32 master weights and gradients); activations cross the
     # pipeline stage in bf16.
@@ -89,6 +80,18 @@ CASES = {
     "megatron_pp2_fp16": GPT
     + ["strategy=megatron", "strategy.tp=1", "strategy.pp=2", "strategy.micro_batch_size=2", "train.precision=fp16"],
 }
+# Megatron-LM balanced (Optimus App. B) on a GPT whose head is heavy enough that the stages of
+# equal time are not the even cut: the embedding and three blocks, then a block and the head.
+BALANCED_VOCAB = 2048
+BALANCED = GPT + [
+    f"model.vocab={BALANCED_VOCAB}",
+    "strategy=megatron",
+    "strategy.tp=1",
+    "strategy.pp=2",
+    "strategy.vpp=1",
+    "strategy.micro_batch_size=2",
+    "strategy.balance=true",
+]
 # At this loss scale every step's gradients overflow fp16: each is skipped on every rank.
 OVERFLOW = GPT + ["strategy=ddp", "strategy.zero_stage=0", "train.precision=fp16", "backend.deepspeed.fp16.initial_scale_power=100"]
 # The bf16 runs against a bf16 single-process reference: rounding the payloads that cross
@@ -100,7 +103,7 @@ TOLERANCE = {"fp32": 1e-4, "bf16": 1e-3, "fp16": 1e-3}
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    all_cases = {**CASES, "fp16_overflow": OVERFLOW}
+    all_cases = {**CASES, "fp16_overflow": OVERFLOW, "megatron_pp2_balanced": BALANCED}
     cases = {name: TWO_WORKERS + overrides + [f"train.steps={STEPS}"] + SENSITIVE for name, overrides in all_cases.items()}
     return launch_cases(tmp_path_factory.mktemp("equality"), cases, 2)
 
@@ -144,6 +147,14 @@ def test_an_fp16_step_whose_gradients_overflow_is_skipped_on_every_rank(runs, re
     never_updated = reference_losses(gpt, 0, 8, STEPS, sensitive_optimizer(1e-30), precision="fp16")
     assert _losses(runs["fp16_overflow"]) == pytest.approx(never_updated, rel=1e-3)
     assert never_updated != pytest.approx(references[("gpt", "fp16")], rel=1e-3)
+
+
+def test_a_balanced_pipeline_cut_unevenly_trains_as_one_process(runs):
+    plan = json.loads((runs["megatron_pp2_balanced"] / "summary.json").read_text())["plan"]
+    assert plan["units"]["llm"]["stage_layers"] == [[0, 4], [4, 6]]  # not the even [0, 3), [3, 6)
+    gpt = build_model({"name": "gpt", "preset": None, "layers": 4, "hidden": 64, "heads": 4, "vocab": BALANCED_VOCAB}, 16)
+    expected = reference_losses(gpt, 0, 8, STEPS, sensitive_optimizer())
+    assert _losses(runs["megatron_pp2_balanced"]) == pytest.approx(expected, rel=TOLERANCE["fp32"])
 
 
 def test_the_reference_learns(references):
