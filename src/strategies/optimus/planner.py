@@ -381,8 +381,8 @@ class _Ranked:
     plan chosen: a plan's scheduler knows its floor (no schedule of it ends sooner), so a plan
     whose floor is no faster than a schedule found (or than `best`, the plan chosen on the
     rungs tried before: its latency and rung) is not scheduled. The plan chosen is the one
-    scheduling every plan would choose, ties broken alike (more encoder devices a pipeline
-    stage first, then the plans' order)."""
+    scheduling every plan would choose, ties broken alike (the plan whose encoder pipeline
+    spans more devices first, then the plans' order)."""
 
     def __init__(self, jobs: _RungJobs, layouts: list[Layout], rung: int, best: tuple[float, int]) -> None:
         self.jobs, self.layouts, self.rung, self.best = jobs, layouts, rung, best
