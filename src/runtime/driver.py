@@ -80,12 +80,19 @@ def worker_env(rank: int, world: int, port: int, backend: TorchBackendSpec) -> d
     return env
 
 
+def preloaded_forkserver() -> multiprocessing.context.ForkServerContext:
+    """The forkserver context whose server imports torch, DeepSpeed and our modules once
+    (src/runtime/preload.py) before it forks any worker."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["src.runtime.preload"])
+    return context
+
+
 class ForkedWorker:
     """A worker forked from the preloaded forkserver, with the Popen calls the driver uses."""
 
     def __init__(self, run_dirs: list[Path], env: dict[str, str]) -> None:
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(["src.runtime.preload"])
+        context = preloaded_forkserver()
         self._process = context.Process(target=_forked_worker, args=(run_dirs, env), daemon=False)
         self._process.start()
         assert self._process.pid is not None

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import multiprocessing
 import os
 import signal
 import subprocess
@@ -17,6 +16,7 @@ from typing import Callable, Iterable
 import torch.multiprocessing as mp
 
 from src.config import DeepSpeedSpec, OptimizerSpec, TorchBackendSpec  # noqa: F401 (the runtime tests' import)
+from src.runtime.driver import preloaded_forkserver
 from tests.composing import composed
 from tests.conftest import REPO_ROOT, cli_env
 
@@ -80,8 +80,7 @@ def run_forked(worker: Callable[..., None], args: tuple, nprocs: int) -> None:
     forkserver, which has imported torch, DeepSpeed and our modules once (a spawned process
     imports them itself: seconds each on 2 cores). A plain fork would not do: a fork of a
     process whose OpenMP threads have run hangs in torch ops; the forkserver runs none."""
-    # The driver's preload (runtime.driver.ForkedWorker): whichever starts the forkserver, it serves both.
-    multiprocessing.get_context("forkserver").set_forkserver_preload(["src.runtime.preload"])
+    preloaded_forkserver()  # the driver's: whichever starts the forkserver, it serves both
     mp.start_processes(worker, args=args, nprocs=nprocs, start_method="forkserver")
 
 

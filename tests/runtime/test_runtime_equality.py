@@ -116,10 +116,15 @@ def _losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in steps]
 
 
+def _gpt(vocab: int = 128):
+    """The tiny GPT of the GPT cases (tests.runtime.support.GPT), at `vocab`."""
+    return build_model({"name": "gpt", "preset": None, "layers": 4, "hidden": 64, "heads": 4, "vocab": vocab}, 16)
+
+
 @pytest.fixture(scope="module")
 def references() -> dict[str, list[float]]:
     models = {name: build_model({"name": name, "scale": "tiny"}) for name in ("clip", "coca", "lit")}
-    models["gpt"] = build_model({"name": "gpt", "preset": None, "layers": 4, "hidden": 64, "heads": 4, "vocab": 128}, 16)
+    models["gpt"] = _gpt()
     models["unet"] = build_model({"name": "unet", "preset": None, **TINY_UNET}, None)
     return {
         (name, precision): reference_losses(model, 0, 8, STEPS, sensitive_optimizer(), precision=precision)
@@ -143,7 +148,7 @@ def test_first_losses_equal_the_single_process_reference(runs, references, case)
 
 
 def test_an_fp16_step_whose_gradients_overflow_is_skipped_on_every_rank(runs, references):
-    gpt = build_model({"name": "gpt", "preset": None, "layers": 4, "hidden": 64, "heads": 4, "vocab": 128}, 16)
+    gpt = _gpt()
     never_updated = reference_losses(gpt, 0, 8, STEPS, sensitive_optimizer(1e-30), precision="fp16")
     assert _losses(runs["fp16_overflow"]) == pytest.approx(never_updated, rel=1e-3)
     assert never_updated != pytest.approx(references[("gpt", "fp16")], rel=1e-3)
@@ -152,7 +157,7 @@ def test_an_fp16_step_whose_gradients_overflow_is_skipped_on_every_rank(runs, re
 def test_a_balanced_pipeline_cut_unevenly_trains_as_one_process(runs):
     plan = json.loads((runs["megatron_pp2_balanced"] / "summary.json").read_text())["plan"]
     assert plan["units"]["llm"]["stage_layers"] == [[0, 4], [4, 6]]  # not the even [0, 3), [3, 6)
-    gpt = build_model({"name": "gpt", "preset": None, "layers": 4, "hidden": 64, "heads": 4, "vocab": BALANCED_VOCAB}, 16)
+    gpt = _gpt(BALANCED_VOCAB)
     expected = reference_losses(gpt, 0, 8, STEPS, sensitive_optimizer())
     assert _losses(runs["megatron_pp2_balanced"]) == pytest.approx(expected, rel=TOLERANCE["fp32"])
 
