@@ -14,10 +14,13 @@ of the group the host then does, besides the collective itself:
 This measures both on this host's CPU with tiny CPU tensors, where a copy's bytes cost
 nothing: the Python loops as DeepSpeed wrote them, and c10d's C++ loop as ATen's own C++ loop
 of selects and copies (unbind, then _foreach_copy_, whose CPU kernel copies tensor by tensor).
-What it cannot measure here is a GPU copy's launch (cudaMemcpyAsync and the caching
-allocator's recordStream per entry): the figures are a lower bound of a GPU host's.
+Without a GPU the figures leave out a GPU copy's launch (cudaMemcpyAsync and the caching
+allocator's recordStream per entry) and are a lower bound of a GPU host's. With `--cuda` (a
+GPU) it also measures what an entry adds on the GPU's host: the same loop of copies between
+tiny tensors on the GPU less on the CPU (the copy's launch beyond its dispatch), and a loop of
+recordStream calls.
 
-    python benchmarks/measure_list_collective_host.py [--ranks 1536] [--out FILE.json]
+    python benchmarks/measure_list_collective_host.py [--ranks 1536] [--cuda] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -49,13 +52,44 @@ def timed(run: Callable[[], object], ranks: int) -> dict[str, float]:
     return {"wall_s_per_rank": min(walls) / ranks, "cpu_s_per_rank": min(cpus) / ranks}
 
 
+def gpu_entry(ranks: int, part: int) -> dict[str, dict[str, float]]:
+    """Per entry, what a list collective's copy adds on a GPU: a copy between tiny GPU
+    tensors launched from a loop, less the same loop on CPU tensors; and recordStream."""
+    stream = torch.cuda.current_stream()
+    figures = {}
+    for device in ("cpu", "cuda"):
+        flat = torch.zeros(ranks * part, dtype=torch.float16, device=device)
+        outputs = [torch.empty(part, dtype=torch.float16, device=device) for _ in range(ranks)]
+        rows = flat.view(ranks, part).unbind(0)
+
+        def copies() -> None:
+            for out, row in zip(outputs, rows):
+                out.copy_(row, non_blocking=True)
+            torch.cuda.synchronize()  # on both devices: the loops differ by the copies alone
+
+        figures[device] = timed(copies, ranks)
+    records = [torch.empty(part, dtype=torch.float16, device="cuda") for _ in range(ranks)]
+
+    def record() -> None:
+        for tensor in records:
+            tensor.record_stream(stream)
+
+    launch = {k: figures["cuda"][k] - figures["cpu"][k] for k in figures["cpu"]}
+    return {"gpu_copy_launch": launch, "record_stream": timed(record, ranks), "cpu_copy_loop": figures["cpu"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=1536, help="the group's size: the list's length (default 1536)")
+    parser.add_argument("--cuda", action="store_true", help="also measure a GPU copy's launch per entry (needs a GPU)")
     parser.add_argument("--out", type=Path, default=None, help="also write the figures here (JSON)")
     args = parser.parse_args()
-    if args.ranks < 2:
-        sys.exit(f"error: --ranks must be at least 2, got {args.ranks}")
+    problem = f"--ranks must be at least 2, got {args.ranks}" if args.ranks < 2 else None
+    if args.cuda and not torch.cuda.is_available():
+        problem = "--cuda needs a CUDA GPU, and torch sees none on this machine"
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
     with tempfile.TemporaryDirectory() as store:
         dist.init_process_group("gloo", init_method=f"file://{store}/store", rank=0, world_size=1)
         group = dist.new_group([0])
@@ -89,10 +123,17 @@ def main() -> None:
             "c10d_entry_without_launch": timed(c10d_entries, ranks),
         }
         dist.destroy_process_group()
+    if args.cuda:
+        figures.update(gpu_entry(ranks, part))
     result = {
         "what": f"{__file__.rsplit('/', 1)[-1]} on {platform.processor() or platform.machine()}, "
         f"Python {platform.python_version()}, torch {torch.__version__}: host seconds per rank of a list collective's list "
-        f"({ranks} ranks; least of {REPEATS} runs), without a GPU copy's launch",
+        f"({ranks} ranks; least of {REPEATS} runs)"
+        + (
+            f", and on {torch.cuda.get_device_name(0)} what an entry's copy launch and recordStream add"
+            if args.cuda
+            else ", without a GPU copy's launch"
+        ),
         **figures,
     }
     for name, figure in figures.items():
