@@ -207,8 +207,10 @@ def make_engine(module: nn.Module, groups: ParallelGroups, settings: EngineSetti
         )
     if settings.zero_stage == 0:
         attach_zero0_norm(engine, settings.deepspeed.gradient_clipping)
-        if settings.overlap_comm:
-            engine.enable_backward_allreduce = False  # the executor reduced them during the backward
+        # The executor reduced them during the backward; or a group of one has nothing to reduce
+        # with (DeepSpeed would still copy every gradient into its buckets and back: two passes).
+        if settings.overlap_comm or len(groups.dp_ranks) == 1:
+            engine.enable_backward_allreduce = False
     return engine
 
 

@@ -49,7 +49,7 @@ from src.runtime.own_engine import OwnEngine
 from src.runtime.grad_reduce import GradBucket, start_reduction
 from src.runtime.groups import ProcessGroups
 from src.runtime.lifeline import LIFELINE
-from src.runtime.loss_scale import LossScale, overflowed, unscale
+from src.runtime.loss_scale import LossScale, unscale_and_check
 from src.runtime.modules.generator import handed_on
 from src.runtime.modules.grid3d import ZSharded
 from src.runtime.modules.parallel import tp_overlap
@@ -435,15 +435,14 @@ class Executor:
 
     def _overflowed(self) -> bool:
         """fp16: whether any rank's gradients overflowed this step (every rank asks once,
-        before its first optimizer step or at the end of its step); if none did, this
-        rank's gradients are unscaled (ZeRO-0 reduces them in the step: linear in them)."""
+        before its first optimizer step or at the end of its step). This rank's gradients are
+        unscaled in the same pass (ZeRO-0 reduces them in the step: linear in them); a step
+        that overflowed on any rank drops them."""
         assert self.loss_scale is not None, "only fp16 scales its loss"
         params = [p for p in self.units.parameters() if p.requires_grad]
-        flag = torch.tensor([float(overflowed(params))], device=self.device)
+        flag = unscale_and_check(params, self.loss_scale.scale, self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         self.s.skip = bool(flag.item())
-        if not self.s.skip:
-            unscale(params, self.loss_scale.scale)
         self.loss_scale.update(self.s.skip)
         return self.s.skip
 

@@ -41,12 +41,19 @@ class LossScale:
             self.scale *= 2
 
 
-def overflowed(params: list[nn.Parameter]) -> bool:
-    """Whether any gradient holds an inf or a NaN."""
-    return any(not bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None)
-
-
-def unscale(params: list[nn.Parameter], scale: float) -> None:
+def unscale_and_check(params: list[nn.Parameter], scale: float, device: torch.device) -> torch.Tensor:
+    """Divide every gradient by the loss scale and return, on `device`, 1.0 where any of them
+    held an inf or a NaN, else 0.0 (a step that overflowed drops its gradients: that they were
+    divided too does not matter). One fused pass over each dtype's gradients, as torch's
+    GradScaler checks and unscales: no wait on the device per tensor. Multiplying by the
+    inverse of a power-of-two scale (what LossScale keeps, unless its minimum is not one) gives
+    the quotient exactly."""
+    found = torch.zeros(1, device=device)
+    inverse = torch.full((1,), 1.0 / scale, device=device)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is not None:
-            p.grad.div_(scale)
+            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    for grads in by_dtype.values():
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inverse)
+    return found

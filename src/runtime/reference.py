@@ -16,7 +16,7 @@ from src.config import ContrastiveSpec, DeepSpeedSpec
 from src.models.spec import ModelSpec
 from src.runtime.device import computing
 from src.runtime.inputs import Batches, StepSamples, dataset_for
-from src.runtime.loss_scale import LossScale, overflowed, unscale
+from src.runtime.loss_scale import LossScale, unscale_and_check
 from src.runtime.modules.units import build_units, unit_layers
 from src.runtime.optimizer import build_optimizer, build_scheduler
 from src.models.flows import chain_key, flows_of, unit_order
@@ -96,11 +96,9 @@ def reference_steps(
                 loss = loss + state["loss"].float()
         optimizer.zero_grad()
         (loss if scale is None else loss * scale.scale).backward()
-        overflow = scale is not None and overflowed(params)
+        overflow = scale is not None and bool(unscale_and_check(params, scale.scale, CPU).item())
         lr, norm = float(optimizer.param_groups[0]["lr"]), None
         if not overflow:
-            if scale is not None:
-                unscale(params, scale.scale)
             grads = [p.grad for p in params if p.grad is not None]
             norm = torch.nn.utils.get_total_norm(grads)
             if deepspeed.gradient_clipping > 0:

@@ -66,6 +66,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 
         results = {"taken": _steps(_engine(0), backward), "deepspeed": _steps(_engine(0), _deepspeeds)}
         results["autograd"] = {stage: runs_autograd_backward(_engine(stage)) for stage in (0, 1, 2)}
+        results["reduces_alone"] = _engine(0).enable_backward_allreduce
         torch.save(results, f"{out}/results.pt")
     finally:
         dist.destroy_process_group()
@@ -84,3 +85,5 @@ def test_zero0_backward_through_autograd_equals_deepspeeds(tmp_path: Path) -> No
     # Two steps of 4 backward calls each, counted as DeepSpeed counts them.
     assert taken["samples"] == deepspeed["samples"] > 0
     assert results["autograd"] == {0: True, 1: False, 2: False}
+    # A data-parallel group of one: no all-reduce (DeepSpeed's would copy every gradient out and back).
+    assert results["reduces_alone"] is False
