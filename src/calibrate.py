@@ -204,8 +204,10 @@ def _zero3() -> dict[int, dict[str, float]]:
     import torch
     import torch.distributed as dist
 
+    from src.config import ContrastiveSpec, DeepSpeedSpec
     from src.runtime.comm import CLOCK
     from src.runtime.engines import EngineSettings, ParallelGroups, backward, make_engine, partitioned_at_init, time_deepspeed_comm
+    from src.runtime.optimizer import build_optimizer
     from src.runtime.modules.blocks import Block
     from src.runtime.modules.parallel import TP
 
@@ -233,7 +235,7 @@ def _zero3() -> dict[int, dict[str, float]]:
     for hidden in ZERO3_WIDTHS:
         x = torch.randn(1, ZERO3_TOKENS, hidden)
         plain = stack(hidden)
-        optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+        optimizer = build_optimizer(plain, DeepSpeedSpec(), ContrastiveSpec())  # the engine's, as DeepSpeed gets it
 
         def plain_step() -> None:
             optimizer.zero_grad()

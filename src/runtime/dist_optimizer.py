@@ -38,7 +38,7 @@ from torch import nn
 from src.config import ContrastiveSpec, DeepSpeedSpec
 from src.program import Collective, Plan
 from src.runtime.engines import ParallelGroups
-from src.runtime.optimizer import OPTIMIZERS, build_scheduler, parameter_groups
+from src.runtime.optimizer import build_scheduler, new_optimizer, parameter_groups
 from src.runtime.own_engine import OwnEngine
 
 SHARDED = ("reduce_scatter", "all_gather")  # the distributed optimizer's collectives a plan may issue itself
@@ -93,7 +93,7 @@ class DistributedOptimizer(OwnEngine):
         self.pieces = [nn.Parameter(self.master[:split]), nn.Parameter(self.master[split:])]
         extras: list[dict] = [{}, {"weight_decay": 0.0}]
         groups_of = [{"params": [piece], **extra} for piece, extra in zip(self.pieces, extras) if piece.numel()]
-        self.optimizer = OPTIMIZERS[spec.type](groups_of, **spec.params())
+        self.optimizer = new_optimizer(spec, groups_of)
         self.lr_scheduler = build_scheduler(self.optimizer, settings.scheduler, steps)
         self._reduced: Pending | None = None
 

@@ -2,7 +2,7 @@
 DeepSpeed's engines, the optimizers of units on a tensor grid and the single-process reference
 build theirs here, so that any plan trains as one process does.
 
-- The optimizer: torch.optim's AdamW, Adam or SGD over two parameter groups, the second
+- The optimizer: torch.optim's AdamW, Adam (their fused kernels) or SGD over two parameter groups, the second
   (biases, normalisation layers' weights, the contrastive logit scale, as `no_decay` names
   them) without weight decay. DeepSpeed gets it as its client optimizer.
 - The learning-rate schedule: one of DeepSpeed's warm-up schedulers, stepped after every
@@ -30,6 +30,18 @@ from src.config import ContrastiveSpec, DeepSpeedSpec, OptimizerSpec, SchedulerS
 from src.runtime.modules.contrastive import ContrastiveLoss
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "SGD": torch.optim.SGD}
+# Adam and AdamW run torch's fused kernel, one pass over each parameter with its gradient and
+# moments (CPU and CUDA); torch's default multi-tensor and per-tensor paths make several. On an
+# H200 the fused step takes 0.43x the multi-tensor one's kernel time (1.7B GPT:
+# benchmarks/results/small_gpt_h200.md); on a CPU about a ninth of the per-tensor one's.
+FUSED = frozenset({"AdamW", "Adam"})
+
+
+def new_optimizer(spec: OptimizerSpec, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    """The spec's optimizer over `groups`: every optimizer of a run is made here, so that all
+    update their parameters with the same kernels (element for element the same arithmetic)."""
+    kernels: dict[str, Any] = {"fused": True} if spec.type in FUSED else {}
+    return OPTIMIZERS[spec.type](groups, **spec.params(), **kernels)
 
 
 def exempt_from_decay(module: nn.Module, name: str, categories: Iterable[str]) -> bool:
@@ -58,7 +70,7 @@ def build_optimizer(module: nn.Module, settings: DeepSpeedSpec, contrastive: Con
     """The optimizer of `module`'s trained parameters; it clamps the logit scale of each
     contrastive loss it holds after every update."""
     spec = settings.optimizer
-    optimizer = OPTIMIZERS[spec.type](parameter_groups(module, spec), **spec.params())
+    optimizer = new_optimizer(spec, parameter_groups(module, spec))
     scales = [m.logit_scale for m in module.modules() if isinstance(m, ContrastiveLoss) and m.logit_scale.requires_grad]
     if scales and contrastive.logit_scale_max is not None:
         top = math.log(contrastive.logit_scale_max)
