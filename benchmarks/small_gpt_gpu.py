@@ -274,6 +274,12 @@ def main() -> None:
     if not cases:
         print(f"error: --only {' '.join(args.only)} names none of: {', '.join(c.name for c in CASES)}", file=sys.stderr)
         sys.exit(2)
+    if not args.sim_only:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("error: benchmarks/small_gpt_gpu.py needs a CUDA GPU (or --sim-only), and torch sees none here", file=sys.stderr)
+            sys.exit(2)
     results: dict[str, Any] = {"cases": {}}
     for case in cases:
         results["cases"][case.name] = {
@@ -282,11 +288,6 @@ def main() -> None:
             "sim_h200": simulated(case.overrides() + H200),
         }
     if not args.sim_only:
-        import torch
-
-        if not torch.cuda.is_available():
-            print("error: benchmarks/small_gpt_gpu.py needs a CUDA GPU (or --sim-only), and torch sees none here", file=sys.stderr)
-            sys.exit(2)
         from bench_runtime_gpu import run_all
 
         results["device"] = torch.cuda.get_device_name(0)

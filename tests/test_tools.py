@@ -20,3 +20,27 @@ def test_the_gpu_benchmark_refuses_a_machine_without_a_gpu():
     )
     assert result.returncode == 2
     assert result.stderr.strip() == "error: benchmarks/bench_runtime_gpu.py needs a CUDA GPU, and torch sees none on this machine"
+
+
+def _script(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=REPO_ROOT, env=cli_env(), capture_output=True, text=True, timeout=180)
+
+
+@pytest.mark.slow  # subprocesses that import torch
+def test_the_small_gpt_benchmark_refuses_without_a_gpu_and_prices_without_one():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    refused = _script("benchmarks/small_gpt_gpu.py", "--only", "h256")
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert refused.stderr.strip() == "error: benchmarks/small_gpt_gpu.py needs a CUDA GPU (or --sim-only), and torch sees none here"
+    unknown = _script("benchmarks/small_gpt_gpu.py", "--sim-only", "--only", "h3")
+    assert unknown.returncode == 2 and len(unknown.stderr.strip().splitlines()) == 1
+    assert unknown.stderr.startswith("error: --only h3 names none of: h256-L4-mb4, ")
+    priced = _script("benchmarks/small_gpt_gpu.py", "--sim-only", "--only", "h256")
+    assert priced.returncode == 0, priced.stderr
+    (line,) = priced.stdout.strip().splitlines()
+    assert line.startswith("h256-L4-mb4") and '"sim_hopper_s": ' in line and '"sim_h200_s": ' in line
+    listed = _script("benchmarks/measure_list_collective_host.py", "--cuda")
+    assert listed.returncode == 2
+    assert listed.stderr.strip() == "error: --cuda needs a CUDA GPU, and torch sees none on this machine"
