@@ -99,21 +99,13 @@ H200 = ["cluster.device=H200-SXM-141GB", "cluster.memory_bandwidth=4800.0e9", "c
 
 def simulated(overrides: list[str]) -> dict[str, Any]:
     """The simulator's iteration time and its forward / backward / optimizer seconds."""
-    from src.config import composed
-    from src.metrics import summarize
-    from src.plan_io import PlannedRun
-    from src.setup import plan_run, validate
-    from src.sim.engine import simulate
+    from src.validate import simulated as priced
 
-    setup = validate(composed([*overrides, "backend=sim"]))
-    plan = plan_run(setup)
-    timeline = simulate(plan.program, setup.model, setup.cluster, plan.precision)
-    summary = summarize(PlannedRun(setup.model, setup.cluster, setup.train, plan), timeline)
+    summary, timeline = priced(overrides)
     phases: dict[str, float] = {}
-    for rank in timeline.ranks[:1]:
-        for span in rank.spans:
-            kind = span.name.split(" ")[0]
-            phases[kind] = phases.get(kind, 0.0) + span.end - span.start
+    for span in timeline.ranks[0].spans:
+        kind = span.name.split(" ")[0]
+        phases[kind] = phases.get(kind, 0.0) + span.end - span.start
     return {"iteration_s": summary["iteration_time_s"], "phases_s": phases, "breakdown_s": summary["breakdown_s"]}
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from src.report import plotting
-from src.timeline import BREAKDOWN_CATEGORIES
+from src.timeline import BREAKDOWN_CATEGORIES, Timeline
 
 # Two sizes of one GPT (a transformer's GEMMs and collectives; custom sizes need no preset),
 # without dropout: the real backend trains without it, and the simulator prices the same model.
@@ -140,20 +140,23 @@ def validate_case(case: Case, out: Path, steps: int) -> dict[str, Any]:
     }
 
 
-def predict(case: Case) -> dict[str, Any]:
-    """The simulator's summary of one case, in this process (what `backend=sim` reports)."""
+def simulated(overrides: list[str]) -> tuple[dict[str, Any], Timeline]:
+    """The summary a `backend=sim` run of these overrides reports, and its timeline, in this process."""
     from src.config import composed
     from src.metrics import summarize
     from src.plan_io import PlannedRun
     from src.setup import plan_run, validate
     from src.sim.engine import simulate
 
-    setup = validate(
-        composed([*case.overrides, "cluster=local", f"cluster.devices_per_node={case.workers}", "backend=sim", "logger=none"])
-    )
+    setup = validate(composed([*overrides, "backend=sim", "logger=none"]))
     plan = plan_run(setup)
     timeline = simulate(plan.program, setup.model, setup.cluster, plan.precision)
-    return summarize(PlannedRun(setup.model, setup.cluster, setup.train, plan), timeline)
+    return summarize(PlannedRun(setup.model, setup.cluster, setup.train, plan), timeline), timeline
+
+
+def predict(case: Case) -> dict[str, Any]:
+    """The simulator's summary of one case, in this process (what `backend=sim` reports)."""
+    return simulated([*case.overrides, "cluster=local", f"cluster.devices_per_node={case.workers}"])[0]
 
 
 def reprice(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
