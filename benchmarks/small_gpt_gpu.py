@@ -59,6 +59,7 @@ class Case:
             f"model.heads={self.heads}",
             f"model.vocab={self.vocab}",
             "model.dropout=false",  # the real backend trains without dropout: the simulator prices none either
+            "model.param_grad_kernels=separate",  # both loops are eager PyTorch: a reduction kernel per bias and norm
             f"train.seq_len={self.seq}",
             f"train.global_batch={self.micro_batch * self.micro_batches}",
             "train.precision=bf16",

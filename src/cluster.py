@@ -39,6 +39,10 @@ CORRECTION_BASE_BYTES = 64
 
 # The attention kernels a run's software may have (model.attention; a preset states its era's).
 ATTENTION_MODES = ("flash", "eager")
+# How the software reduces biases' and normalisations' gradients over the tokens
+# (model.param_grad_kernels; a preset states its era's): kernels of their own, or folded into
+# the weight-gradient GEMM's epilogue and the normalisation's backward kernel.
+PARAM_GRAD_KERNELS = ("separate", "fused")
 # How a framework issues a layer's kernels (cluster.host_launch): one by one, or a layer's
 # forward and backward each replayed from a captured CUDA graph.
 HOST_LAUNCHES = ("eager", "graphed")
@@ -158,6 +162,9 @@ class ClusterSpec:
       longer of its device and host times; false (CPU workers): they add up.
     attention: the attention kernel of the testbed's software (flash | eager), the default
       of model.attention (src/models/attention.py).
+    param_grad_kernels: how the testbed's software reduces biases' and normalisations'
+      gradients (separate | fused), the default of model.param_grad_kernels
+      (src/models/grad_kernels.py).
     collective_sm_fraction, p2p_sm_fraction: fraction of the device's SMs a collective's
       (resp. a send's or receive's) kernels hold while they run: NCCL runs one CTA per
       channel, each on an SM of its own, so compute overlapping them runs on the rest.
@@ -224,6 +231,7 @@ class ClusterSpec:
     host_async: bool = True
     host_launch: str = "eager"
     attention: str = "eager"
+    param_grad_kernels: str = "separate"
     collective_measurements: tuple[CollectiveMeasurements, ...] = ()
     sources: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
@@ -390,9 +398,9 @@ def _number(value: Any, key: str, cluster: str) -> float:
     return number
 
 
-def _attention(value: Any, cluster: str) -> str:
-    if value not in ATTENTION_MODES:
-        raise ConfigError(f"cluster.attention must be one of {list(ATTENTION_MODES)}, got {value!r} (cluster {cluster})")
+def _mode(key: str, value: Any, modes: tuple[str, ...], cluster: str) -> str:
+    if value not in modes:
+        raise ConfigError(f"cluster.{key} must be one of {list(modes)}, got {value!r} (cluster {cluster})")
     return str(value)
 
 
@@ -474,7 +482,8 @@ def cluster_from_config(cfg: Mapping[str, Any]) -> ClusterSpec:
         nics=int(cfg["nics"]),
         host_async=_flag(cfg.get("host_async"), "cluster.host_async", name),
         host_launch=_host_launch(cfg.get("host_launch"), bool(cfg.get("host_async")), name),
-        attention=_attention(cfg.get("attention"), name),
+        attention=_mode("attention", cfg.get("attention"), ATTENTION_MODES, name),
+        param_grad_kernels=_mode("param_grad_kernels", cfg.get("param_grad_kernels"), PARAM_GRAD_KERNELS, name),
         collective_measurements=tuple(measured_collectives(str(m), name) for m in _names(cfg.get("collective_measurements"), name)),
         **{key: float(cfg[key]) for key in FLOAT_FIELDS},
     )

@@ -64,7 +64,7 @@ def validate(config: dict[str, Any]) -> Setup:
     # The attention kernel is the software's: model.attention if set, else that of the codebase
     # the strategy models (DeepSpeed-3D's), else the cluster preset's (its testbed's era).
     attention = software_attention(config["strategy"]) or cluster.attention
-    model = build_model(config["model"], config["train"].get("seq_len"), attention)
+    model = build_model(config["model"], config["train"].get("seq_len"), attention, cluster.param_grad_kernels)
     train = train_from_config(config["train"], cluster, model.default_global_batch, model.extras.get("data", ("uniform",)))
     backend = _backend(config)
     check_logger_and_run(config.get("logger") or {"name": "none"}, config.get("run") or {})

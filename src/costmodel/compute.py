@@ -82,7 +82,10 @@ class LayerTimes:
 def kernel_launches(kernel: Kernel) -> Launches:
     """The kernels one of the layer's kernels launches per micro-batch: its forward; in
     backward one per input gradient (two for a product of activations, one more where
-    FlashAttention recomputes its scores) and one for the weight gradient."""
+    FlashAttention recomputes its scores) and one for the weight gradient. A parameter
+    gradient's reduction kernel (Kernel.grad_reduction_bytes) is not counted: the host's
+    per-kernel times were measured on blocks that run them and are per kernel of this count
+    (src/models/grad_kernels.py)."""
     core = 1 if kernel.attention_core else 0
     if kernel.kind == "memory":
         return Launches(1, 1, 0, core)
@@ -137,10 +140,12 @@ class ComputeModel:
         FlashAttention under a causal mask, which skips the score tiles it hides."""
         launches = kernel_launches(kernel)
         if kernel.kind == "memory":
-            nbytes = kernel.bytes * rows / sharding.memory_divisor(kernel.tp_split)
+            divisor = sharding.memory_divisor(kernel.tp_split)
+            nbytes = kernel.bytes * rows / divisor
             fwd = self.memory_time(nbytes)
             bwd = self.memory_time(kernel.backward_moves * nbytes)  # one kernel
-            return LayerTimes(fwd, bwd, 0.0, fwd if kernel.attention_core else 0.0, launches)
+            reduction = self.memory_time(kernel.grad_reduction_bytes * rows / divisor)
+            return LayerTimes(fwd, bwd, reduction, fwd if kernel.attention_core else 0.0, launches)
         m_div, n_div, k_div, batch_div = sharding.gemm_divisors(kernel.tp_split)
         m = kernel.m * rows / m_div
         n = (contrastive_batch if kernel.n_contrastive else kernel.n) / n_div
@@ -149,6 +154,11 @@ class ComputeModel:
         # dX = dY @ W^T is an (m x n)@(n x k) product; dW = X^T @ dY is (k x m)@(m x n).
         bwd_input = self.gemm_time(m, k, n, batch)
         bwd_weight = self.gemm_time(k, n, m, batch) if kernel.has_weight else 0.0
+        # A bias's gradient reduces the output's gradient, which lies as the output does: a
+        # row-parallel product's is whole on each rank (or sequence-split), a column-parallel
+        # one's split by TP.
+        out_split = "none" if kernel.tp_split == "k" else kernel.tp_split
+        bwd_weight += self.memory_time(kernel.grad_reduction_bytes * rows / sharding.memory_divisor(out_split))
         if causal and kernel.attention_core and kernel.name.startswith("attn_"):
             # A self-attention core's products over the s x s scores (QK^T: n = s; PV: k = s).
             tiles = math.ceil((n if kernel.attention_scores else k) / FLASH_TILE)

@@ -39,9 +39,9 @@ def mlp_projector(tokens: int, d_in: int, d_hidden: int, d_out: int, name: str) 
     return LayerSpec(
         name=name,
         kernels=(
-            gemm("fc1", tokens, d_in, d_hidden, "n"),
+            gemm("fc1", tokens, d_in, d_hidden, "n", bias=True),
             memory("gelu", tokens * d_hidden, "n"),
-            gemm("fc2", tokens, d_hidden, d_out, "k"),
+            gemm("fc2", tokens, d_hidden, d_out, "k", bias=True),
         ),
         params=d_in * d_hidden + d_hidden + d_hidden * d_out + d_out,
         activations=ActivationBytes(

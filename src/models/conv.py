@@ -28,7 +28,7 @@ GROUPNORM_GROUPS = 32  # every U-Net here (ADM, SD, its VAE) uses GroupNorm(32)
 
 
 def conv_gemm(name: str, size_out: int, c_in: int, c_out: int, ksize: int, split: TPSplit = "n") -> Kernel:
-    return gemm(name, size_out * size_out, c_in * ksize * ksize, c_out, split)
+    return gemm(name, size_out * size_out, c_in * ksize * ksize, c_out, split, bias=True)
 
 
 def conv_params(c_in: int, c_out: int, ksize: int) -> int:
@@ -86,7 +86,7 @@ def resblock_layer(
         conv_gemm("conv1", size, c_in, c_out, 3),
     ]
     if emb_dim:
-        kernels.append(replace(gemm("emb_proj", 1, emb_dim, emb_out, "n"), reads_embedding=True))
+        kernels.append(replace(gemm("emb_proj", 1, emb_dim, emb_out, "n", bias=True), reads_embedding=True))
     kernels += [
         memory("groupnorm2", pixels * c_out, norm=c_out),
         memory("silu2", pixels * c_out),
@@ -121,11 +121,11 @@ def spatial_attention_layer(size: int, channels: int, heads: int, name: str = "a
         name=name,
         kernels=(
             memory("groupnorm", pixels * channels, norm=channels),
-            gemm("qkv", pixels, channels, 3 * channels, "n"),
+            gemm("qkv", pixels, channels, 3 * channels, "n", bias=True),
             gemm("scores", pixels, head_dim, pixels, "batch", weight=False, batch=heads),
             memory("softmax", heads * pixels * pixels, "batch"),
             gemm("context", pixels, pixels, head_dim, "batch", weight=False, batch=heads),
-            gemm("proj", pixels, channels, channels, "k"),
+            gemm("proj", pixels, channels, channels, "k", bias=True),
             memory("residual", 1.5 * pixels * channels),
         ),
         params=2 * channels + conv_params(channels, 3 * channels, 1) + conv_params(channels, channels, 1),
@@ -145,7 +145,11 @@ def time_embedding_layer(channels: int, emb_dim: int, name: str = "time_embeddin
     `emb_dim`; one row per image, replicated on every TP rank (it is tiny)."""
     return LayerSpec(
         name=name,
-        kernels=(gemm("fc1", 1, channels, emb_dim, "none"), memory("silu", emb_dim), gemm("fc2", 1, emb_dim, emb_dim, "none")),
+        kernels=(
+            gemm("fc1", 1, channels, emb_dim, "none", bias=True),
+            memory("silu", emb_dim),
+            gemm("fc2", 1, emb_dim, emb_dim, "none", bias=True),
+        ),
         params=channels * emb_dim + emb_dim + emb_dim * emb_dim + emb_dim,
         activations=ActivationBytes(replicated=ACT_BYTES * (channels + 2 * emb_dim), checkpoint=ACT_BYTES * channels),
     )

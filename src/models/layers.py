@@ -17,11 +17,32 @@ FLASH_STATS_BYTES = 4  # FlashAttention's fp32 log-sum-exp per head and query ro
 
 
 def gemm(
-    name: str, m: int, k: int, n: int, split: TPSplit, weight: bool = True, batch: int = 1, core: bool = False, scores: bool = False
+    name: str,
+    m: int,
+    k: int,
+    n: int,
+    split: TPSplit,
+    weight: bool = True,
+    batch: int = 1,
+    core: bool = False,
+    scores: bool = False,
+    bias: bool = False,
 ) -> Kernel:
-    """An (m x k) @ (k x n) product, `batch` times; `weight` = a trainable weight operand."""
+    """An (m x k) @ (k x n) product, `batch` times; `weight` = a trainable weight operand,
+    `bias` = one added to its output (its gradient: the output's gradient summed over the
+    m rows, a reduction kernel of its own in eager PyTorch)."""
     return Kernel(
-        name, "gemm", m=m, n=n, k=k, batch=batch, tp_split=split, has_weight=weight, attention_core=core, attention_scores=scores
+        name,
+        "gemm",
+        m=m,
+        n=n,
+        k=k,
+        batch=batch,
+        tp_split=split,
+        has_weight=weight,
+        attention_core=core,
+        attention_scores=scores,
+        grad_reduction_bytes=ACT_BYTES * m * n * batch if bias and weight else 0.0,
     )
 
 
@@ -29,27 +50,47 @@ def memory(
     name: str, elems: float, split: TPSplit = "none", passes: int = 2, core: bool = False, scores: bool = False, norm: int = 0
 ) -> Kernel:
     """A bandwidth-bound kernel reading and writing `elems` 16-bit values (`passes` moves);
-    `norm`: a normalisation of that width (its parameters a module of their own)."""
+    `norm`: a normalisation of that width (its parameters a module of their own, whose
+    gradients a second backward kernel reduces from the output's gradient and the input)."""
     return Kernel(
-        name, "memory", bytes=elems * ACT_BYTES * passes, tp_split=split, attention_core=core, attention_scores=scores, norm_width=norm
+        name,
+        "memory",
+        bytes=elems * ACT_BYTES * passes,
+        tp_split=split,
+        attention_core=core,
+        attention_scores=scores,
+        norm_width=norm,
+        grad_reduction_bytes=2 * ACT_BYTES * elems if norm else 0.0,
     )
 
 
 def _attention(
-    prefix: str, seq: int, kv_seq: int, hidden: int, heads: int, kv_dim: int, kv_hidden: int, self_attention: bool, dropout: bool
+    prefix: str,
+    seq: int,
+    kv_seq: int,
+    hidden: int,
+    heads: int,
+    kv_dim: int,
+    kv_hidden: int,
+    self_attention: bool,
+    dropout: bool,
+    bias: bool,
 ) -> list[Kernel]:
     head_dim = hidden // heads
     scores = heads * seq * kv_seq
     if self_attention:
-        projections = [gemm(f"{prefix}qkv", seq, hidden, hidden + 2 * kv_dim, "n")]
+        projections = [gemm(f"{prefix}qkv", seq, hidden, hidden + 2 * kv_dim, "n", bias=bias)]
     else:
-        projections = [gemm(f"{prefix}q", seq, hidden, hidden, "n"), gemm(f"{prefix}kv", kv_seq, kv_hidden, 2 * kv_dim, "n")]
+        projections = [
+            gemm(f"{prefix}q", seq, hidden, hidden, "n", bias=bias),
+            gemm(f"{prefix}kv", kv_seq, kv_hidden, 2 * kv_dim, "n", bias=bias),
+        ]
     return projections + [
         gemm(f"{prefix}scores", seq, head_dim, kv_seq, "batch", weight=False, batch=heads, core=True, scores=True),
         memory(f"{prefix}softmax", scores, "batch", core=True, scores=True),
         *([_attention_dropout(prefix, scores)] if dropout else []),
         gemm(f"{prefix}context", seq, kv_seq, head_dim, "batch", weight=False, batch=heads, core=True),
-        gemm(f"{prefix}proj", seq, hidden, hidden, "k"),
+        gemm(f"{prefix}proj", seq, hidden, hidden, "k", bias=bias),
         memory(f"{prefix}residual", 1.5 * seq * hidden),
     ]
 
@@ -103,7 +144,7 @@ def transformer_layer(
     b = 1 if bias else 0
 
     kernels: list[Kernel] = [memory("ln1", seq * hidden, norm=hidden)]
-    kernels += _attention("attn_", seq, seq, hidden, heads, kv_dim, hidden, True, dropout)
+    kernels += _attention("attn_", seq, seq, hidden, heads, kv_dim, hidden, True, dropout, bias)
     params = hidden * (hidden + 2 * kv_dim) + b * (hidden + 2 * kv_dim) + hidden * hidden + b * hidden
     norms = 2
     # Two dropout masks (after attention, after the MLP) are replicated; attention dropout
@@ -118,7 +159,7 @@ def transformer_layer(
     if cross_seq is not None:
         cross_hidden = cross_hidden or hidden
         kernels.append(memory("ln_cross", seq * hidden, norm=hidden))
-        kernels += _attention("xattn_", seq, cross_seq, hidden, heads, hidden, cross_hidden, False, dropout)
+        kernels += _attention("xattn_", seq, cross_seq, hidden, heads, hidden, cross_hidden, False, dropout, bias)
         params += hidden * hidden + cross_hidden * 2 * hidden + hidden * hidden + b * 4 * hidden
         norms += 1
         replicated += (4 + mask) * seq * hidden
@@ -129,9 +170,9 @@ def transformer_layer(
 
     kernels += [
         memory("ln2", seq * hidden, norm=hidden),
-        gemm("fc1", seq, hidden, up, "n"),
+        gemm("fc1", seq, hidden, up, "n", bias=bias),
         memory("act", seq * (up + ffn) / 2, "n"),
-        gemm("fc2", seq, ffn, hidden, "k"),
+        gemm("fc2", seq, ffn, hidden, "k", bias=bias),
         memory("mlp_residual", 1.5 * seq * hidden),
     ]
     params += hidden * up + b * up + ffn * hidden + b * hidden + norms * 2 * hidden
@@ -167,7 +208,7 @@ def patch_embedding_layer(
     tokens = patches + (1 if cls_token else 0)
     return LayerSpec(
         name=name,
-        kernels=(gemm("patchify", patches, channels * patch * patch, hidden, "none"),),
+        kernels=(gemm("patchify", patches, channels * patch * patch, hidden, "none", bias=True),),
         params=channels * patch * patch * hidden + hidden + tokens * hidden + (hidden if cls_token else 0),
         activations=ActivationBytes(replicated=ACT_BYTES * channels * image * image, checkpoint=ACT_BYTES * tokens * hidden),
     )

@@ -62,9 +62,9 @@ def spatial_transformer_layer(size: int, channels: int, context_tokens: int, nam
     )
     return LayerSpec(
         name=name,
-        kernels=(memory("groupnorm", pixels * channels, norm=channels), gemm("proj_in", pixels, channels, channels, "none"))
+        kernels=(memory("groupnorm", pixels * channels, norm=channels), gemm("proj_in", pixels, channels, channels, "none", bias=True))
         + block.kernels
-        + (gemm("proj_out", pixels, channels, channels, "none"), memory("residual", 1.5 * pixels * channels)),
+        + (gemm("proj_out", pixels, channels, channels, "none", bias=True), memory("residual", 1.5 * pixels * channels)),
         params=block.params + 2 * channels + 2 * (channels * channels + channels),
         activations=replace(
             block.activations,

@@ -47,6 +47,11 @@ class Kernel:
       input gradient; 1 for a dropout, whose backward moves what its forward did).
     attention_dropout: the dropout of the attention probabilities, its own kernel in eager
       attention; FlashAttention applies it inside its kernel (src/models/attention.py).
+    grad_reduction_bytes: what a kernel of its own reads in backward to reduce this kernel's
+      parameter gradients over the rows, per sample: a bias's output gradient (a GEMM's
+      m x n), a normalisation's output gradient and input (its scale's and shift's
+      gradients); 0 where there are none or the framework folds them into another kernel
+      (src/models/grad_kernels.py). Part of the weight gradient.
     """
 
     name: str
@@ -67,6 +72,7 @@ class Kernel:
     norm_width: int = 0
     backward_moves: float = 2.0
     attention_dropout: bool = False
+    grad_reduction_bytes: float = 0.0
 
     def flops(self, contrastive_batch: int = 1) -> float:
         """Forward FLOPs for one sample (0 for memory-bound kernels)."""
