@@ -56,6 +56,8 @@ RANGES_FILE = "ranges.yaml"
 # {source:field} or {source:field@group}; source a series, measured.NAME or config.SERIES
 PLACEHOLDER = re.compile(r"\{([^{}:@]+):([^{}@]+)(?:@([^{}]+))?\}")
 ROW_PLACEHOLDER = re.compile(r"\{(ours|at)\}")
+# A degree of a row's plan: plan.<unit>.<degree> (tp, pp, dp, micro_batch, ...)
+PLAN_FIELD = re.compile(r"plan\.[a-z_0-9]+\.[a-z_]+")
 # A number standing alone in a text (not a part of a name such as MLLM-72B, A800 or Llama3), and
 # a reference to a part of the paper (Table 5, Fig. 5(c), §8.1, line 99) or a ZeRO stage, whose number is a name too.
 TYPED_NUMBER = re.compile(r"(?<![A-Za-z0-9.])\d+(?:[.,]\d+)*(?:[eE][+-]?\d+)?(?![A-Za-z0-9])")
@@ -343,9 +345,13 @@ def _locus(row: dict[str, Any], context: _Context, where: str, groups: list[str]
 
 
 def _check_field(spec: SweepSpec, field_name: str, where: str) -> None:
+    """A field every row of the preset's results has: its value, an extra metric, or a
+    degree of its plan (`plan.<unit>.<degree>`, as every run's summary states it)."""
     fields = ["value", *spec.extra_metrics]
-    if field_name not in fields:
-        raise ConfigError(f"{where}: preset {spec.name}'s results have no field {field_name!r} (its fields: {fields})")
+    if field_name not in fields and not PLAN_FIELD.fullmatch(field_name):
+        raise ConfigError(
+            f"{where}: preset {spec.name}'s results have no field {field_name!r} (its fields: {fields}, plan.<unit>.<degree>)"
+        )
 
 
 def _headline(row: dict[str, Any], paper: str, figure: str, context: _Context) -> Headline:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from src.errors import ConfigError
-from src.sweep import REPO, SweepSpec, preset_hash
+from src.sweep import REPO, SweepSpec, lookup, preset_hash
 
 # The committed results of every figure the catalogue names (`python -m src.reproduce --rerun` writes them).
 STORE = REPO / "benchmarks" / "results" / "figures"
@@ -32,11 +32,15 @@ class FigureResults:
     labels: dict[str, str]
 
     def value(self, group: str, series: str, field: str) -> float | None:
-        """A row's field; None where the row's job did not run."""
+        """A row's field (dotted: a degree of its plan, `plan.llm.pp`); None where the row's
+        job did not run."""
         row = self.rows[(group, series)]
         if row.get("value") is None:
             return None
-        value = row[field]
+        try:
+            value = row[field] if field in row else lookup(row, field)
+        except (KeyError, TypeError):
+            raise ConfigError(f"figure {self.name}: the row of {series} at {group!r} has no {field}") from None
         return None if value is None else float(value)
 
     def largest(self, group: str, series: str, field: str) -> float | None:
