@@ -36,13 +36,7 @@ __all__ = ["ATTENTION_MODES", "with_attention"]
 def with_attention(spec: ModelSpec, mode: str) -> ModelSpec:
     """The model with every attention core run as `mode` (the builders make eager layers).
     Repeated layers stay one object: consumers cache by identity."""
-    if mode == "eager":
-        return spec
-    made: dict[int, LayerSpec] = {}
-    units = tuple(
-        replace(unit, layers=tuple(made.setdefault(id(layer), _flash_layer(layer)) for layer in unit.layers)) for unit in spec.units
-    )
-    return replace(spec, units=units)
+    return spec if mode == "eager" else spec.map_layers(_flash_layer)
 
 
 def _flash_layer(layer: LayerSpec) -> LayerSpec:

@@ -39,13 +39,7 @@ __all__ = ["PARAM_GRAD_KERNELS", "with_param_grad_kernels"]
 def with_param_grad_kernels(spec: ModelSpec, mode: str) -> ModelSpec:
     """The model with its parameter-gradient reductions run as `mode` (the builders make
     them separate). Repeated layers stay one object: consumers cache by identity."""
-    if mode == "separate":
-        return spec
-    made: dict[int, LayerSpec] = {}
-    units = tuple(
-        replace(unit, layers=tuple(made.setdefault(id(layer), _fused(layer)) for layer in unit.layers)) for unit in spec.units
-    )
-    return replace(spec, units=units)
+    return spec if mode == "separate" else spec.map_layers(_fused)
 
 
 def _fused(layer: LayerSpec) -> LayerSpec:

@@ -8,7 +8,8 @@ pass; the micro-batch size and the tensor-parallel degree are applied by the con
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from src.mesh import Sharding
@@ -267,6 +268,15 @@ class ModelSpec:
     description: str = ""
     default_global_batch: int | None = None
     extras: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def map_layers(self, change: Callable[[LayerSpec], LayerSpec]) -> ModelSpec:
+        """The model with `change` applied to every layer; a layer repeated in it (one
+        object in several places) stays one object, as consumers cache by identity."""
+        made: dict[int, LayerSpec] = {}
+        units = tuple(
+            replace(unit, layers=tuple(made.setdefault(id(layer), change(layer)) for layer in unit.layers)) for unit in self.units
+        )
+        return replace(self, units=units)
 
     def unit(self, name: str) -> UnitSpec:
         for unit in self.units:
