@@ -31,7 +31,7 @@ from src.plan_io import PLANNED_FROM, PlannedRun, RunSettings, read_plan, write_
 from src.program import Plan
 from src.report import JobInfo
 from src.report.files import ERROR_FILE, SUMMARY_FILE
-from src.strategies import PlanRequest, option_keys, planner_for, software_attention
+from src.strategies import PlanRequest, option_keys, planner_for, software_settings
 from src.strategies.base import BackendLimits
 
 RESOLVED_FILE = "resolved.yaml"
@@ -61,10 +61,12 @@ def validate(config: dict[str, Any]) -> Setup:
         # with one process): model.dropout null reads as false there, and the plan says so.
         config = {**config, "model": {**config["model"], "dropout": False}}
     cluster = cluster_from_config(config["cluster"])
-    # The attention kernel is the software's: model.attention if set, else that of the codebase
-    # the strategy models (DeepSpeed-3D's), else the cluster preset's (its testbed's era).
-    attention = software_attention(config["strategy"]) or cluster.attention
-    model = build_model(config["model"], config["train"].get("seq_len"), attention, cluster.param_grad_kernels)
+    # The attention kernel and the parameter gradients' reductions are the software's: the
+    # model's option if set, else that of the codebase the strategy models (DeepSpeed-3D's),
+    # else the cluster preset's (its testbed's era).
+    software = {"attention": cluster.attention, "param_grad_kernels": cluster.param_grad_kernels}
+    software |= software_settings(config["strategy"])
+    model = build_model(config["model"], config["train"].get("seq_len"), software["attention"], software["param_grad_kernels"])
     train = train_from_config(config["train"], cluster, model.default_global_batch, model.extras.get("data", ("uniform",)))
     backend = _backend(config)
     check_logger_and_run(config.get("logger") or {"name": "none"}, config.get("run") or {})

@@ -10,7 +10,7 @@ names its descriptor, or its planner alone (`my_package.my_module:plan_mine`).
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
 
 from src.errors import ConfigError
 from src.strategies.base import Planner, PlanRequest
@@ -89,11 +89,12 @@ def planner_for(name: str) -> Planner:
     return strategy_for(name).planner
 
 
-def software_attention(strategy: dict) -> str | None:
-    """The attention kernel the software of `strategy` (its config group) runs, where its
-    strategy models one codebase; None: the run's (the cluster preset's)."""
-    rule = strategy_for(strategy["name"]).attention
-    return None if rule is None else rule(strategy)
+def software_settings(strategy: dict) -> Mapping[str, str]:
+    """The model settings the software of `strategy` (its config group) fixes, where its
+    strategy models one codebase (model option -> value); none: the run's (the cluster
+    preset's)."""
+    rule = strategy_for(strategy["name"]).software
+    return {} if rule is None else rule(strategy)
 
 
 def option_keys(strategy: str, fields: tuple[str, ...], units: tuple[str, ...] = ()) -> list[str]:
@@ -116,6 +117,6 @@ __all__ = [
     "option_keys",
     "planner_for",
     "register",
-    "software_attention",
+    "software_settings",
     "strategy_for",
 ]

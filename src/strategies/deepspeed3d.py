@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from src.cluster import ATTENTION_MODES
+from src.cluster import ATTENTION_MODES, PARAM_GRAD_KERNELS
 from src.config import options_from
 from src.errors import ConfigError
 from src.program import Plan
@@ -43,13 +43,18 @@ class DeepSpeed3DOptions:
     # DeepSpeed's pipeline engine partitions activations across the TP ranks it sends them
     # from (is_pipe_partitioned) and gathers them on arrival, as Megatron's scatter/gather.
     scatter_gather: bool = True
-    # The codebase's attention kernel (eager: its scores in memory); null: the run's
-    # (model.attention, else the cluster preset's). model.attention, when set, wins.
+    # The codebase's attention kernel (eager: its scores in memory) and its parameter
+    # gradients' reductions (separate: Megatron-LM v1.1.5's own layers and apex's LayerNorm);
+    # null: the run's (the cluster preset's). model.attention and model.param_grad_kernels,
+    # when set, win.
     attention: str | None = "eager"
+    param_grad_kernels: str | None = "separate"
 
     def __post_init__(self) -> None:
-        if self.attention is not None and self.attention not in ATTENTION_MODES:
-            raise ConfigError(f"strategy.attention={self.attention!r}; choose one of {list(ATTENTION_MODES)} or null")
+        for key, modes in (("attention", ATTENTION_MODES), ("param_grad_kernels", PARAM_GRAD_KERNELS)):
+            value = getattr(self, key)
+            if value is not None and value not in modes:
+                raise ConfigError(f"strategy.{key}={value!r}; choose one of {list(modes)} or null")
 
     def megatron_options(self) -> dict:
         return {
@@ -68,9 +73,11 @@ class DeepSpeed3DOptions:
         }
 
 
-def software_attention(options: dict) -> str | None:
-    """The attention kernel this strategy's software runs (the door builds the model with it)."""
-    return options_from(DeepSpeed3DOptions, options).attention
+def software(options: dict) -> dict[str, str]:
+    """The model settings this strategy's software fixes (the door builds the model with them)."""
+    opts = options_from(DeepSpeed3DOptions, options)
+    settings = {"attention": opts.attention, "param_grad_kernels": opts.param_grad_kernels}
+    return {key: value for key, value in settings.items() if value is not None}
 
 
 def plan_deepspeed3d(request: PlanRequest) -> Plan:
@@ -99,6 +106,6 @@ STRATEGY = StrategySpec(
         "recompute": "strategy.recompute",
         "scatter": "strategy.scatter_gather",
     },
-    attention=software_attention,
+    software=software,
     auto_variants=(AutoVariant("deepspeed3d"),),
 )

@@ -28,9 +28,10 @@ class StrategySpec:
     (src.errors.PlanRefused), so the refusal can say which `strategy.X` to change;
     '{unit}' in an option stands for the unit the field belongs to, and a unit-specific
     field is written 'unit.field'.
-    attention: where the strategy models one codebase, the attention kernel that codebase
-    runs, from its config group (the door builds the model with it unless model.attention
-    is set).
+    software: where the strategy models one codebase, the model settings that codebase's
+    software fixes, from its config group: model option -> value (its attention kernel,
+    how it reduces parameter gradients); the door builds the model with them where the
+    model's own option is unset.
     auto_variants: the contenders `strategy=auto` compares it as (none: auto leaves it out).
     batches: plans once and prices that plan on each of the given global batches of the
     workload's data (PlanRequest.batch_index), as a run keeps its choices from step to step:
@@ -41,6 +42,6 @@ class StrategySpec:
     planner: Planner
     options: type | None = None
     plan_fields: Mapping[str, str] = field(default_factory=dict)
-    attention: Callable[[dict], str | None] | None = None
+    software: Callable[[dict], Mapping[str, str]] | None = None
     auto_variants: tuple[AutoVariant, ...] = ()
     batches: Callable[[PlanRequest, Sequence[int]], list[Plan]] | None = None

@@ -301,6 +301,8 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
     ("deepspeed3d", "scatter_gather"): (DS3D, ["strategy.tp=2", "strategy.scatter_gather=true"], "run", TP_PP_RUNS),
     # The attention kernel the model is priced with; the workers' attention (PyTorch's SDPA) computes the same.
     ("deepspeed3d", "attention"): (DS3D, ["strategy.attention=flash"], "run", EQUALITY),
+    # How the parameter gradients' reductions are priced; the workers' autograd computes the same gradients.
+    ("deepspeed3d", "param_grad_kernels"): (DS3D, ["strategy.param_grad_kernels=fused"], "run", EQUALITY),
     ("optimus", "llm.tp"): (OPTIMUS, ["strategy.llm.pp=2", "strategy.llm.tp=2", "strategy.fine_grained=false"], "run", OPTIMUS_RUNS),
     ("optimus", "llm.pp"): (OPTIMUS, ["strategy.llm.pp=4"], "run", OPTIMUS_RUNS),
     ("optimus", "llm.dp"): (OPTIMUS, ["strategy.llm.pp=2", "strategy.llm.dp=2", "strategy.llm.zero_stage=0"], "run", OPTIMUS_RUNS),

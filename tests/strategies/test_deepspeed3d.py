@@ -1,4 +1,5 @@
-"""DeepSpeed-3D as the codebase Par4D cites for it runs: its attention kernel is its own."""
+"""DeepSpeed-3D as the codebase Par4D cites for it runs: its attention kernel and its parameter
+gradients' reductions are its own."""
 
 from __future__ import annotations
 
@@ -33,3 +34,20 @@ def test_model_attention_set_by_hand_wins_and_null_takes_the_clusters():
 def test_a_bad_attention_kernel_is_one_line():
     with pytest.raises(ConfigError, match=r"strategy.attention='fused'; choose one of \['flash', 'eager'\]"):
         validate(compose_config(*GPT_PERLMUTTER, "strategy=deepspeed3d", "strategy.attention=fused"))
+
+
+def _separate(model) -> bool:
+    return any(kernel.grad_reduction_bytes for unit in model.units for layer in unit.layers for kernel in layer.kernels)
+
+
+def test_deepspeed3d_reduces_its_parameter_gradients_in_kernels_of_their_own_on_a_fused_era_cluster():
+    """hopper's software (Transformer Engine) fuses them; DeepSpeed-3D's codebase does not,
+    unless model.param_grad_kernels says otherwise or strategy.param_grad_kernels leaves it
+    to the run."""
+    gpt_hopper = ["model=gpt", "model.preset=gpt_5b", "cluster=hopper", "cluster.nodes=2", "train.global_batch=64"]
+    assert not _separate(validate(compose_config(*gpt_hopper, "strategy=megatron")).model)
+    assert _separate(validate(compose_config(*gpt_hopper, "strategy=deepspeed3d")).model)
+    assert not _separate(validate(compose_config(*gpt_hopper, "strategy=deepspeed3d", "model.param_grad_kernels=fused")).model)
+    assert not _separate(validate(compose_config(*gpt_hopper, "strategy=deepspeed3d", "strategy.param_grad_kernels=null")).model)
+    with pytest.raises(ConfigError, match=r"strategy.param_grad_kernels='te'; choose one of \['separate', 'fused'\]"):
+        validate(compose_config(*gpt_hopper, "strategy=deepspeed3d", "strategy.param_grad_kernels=te"))
