@@ -26,7 +26,7 @@ from typing import cast
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere: `src` is the repository's package
-ONE_GPU = ["backend=torch", "cluster=hopper", "cluster.nodes=1", "cluster.devices_per_node=1", "logger=none"]
+ONE_GPU = ["backend=torch", "cluster=hopper", "cluster.nodes=1", "cluster.devices_per_node=1", "cluster.amp=true", "logger=none"]
 TINY = ["model=clip", "model.scale=tiny", "train.global_batch=8", "train.steps=5"]
 STRATEGIES = {f"ddp zero{z}": ["strategy=ddp", f"strategy.zero_stage={z}"] for z in range(4)}
 STRATEGIES["megatron tp1 pp1"] = [

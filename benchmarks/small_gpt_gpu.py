@@ -72,6 +72,7 @@ class Case:
             "cluster=hopper",
             "cluster.nodes=1",
             "cluster.devices_per_node=1",
+            "cluster.amp=true",  # both loops keep fp32 weights under bf16 autocast
             "logger=none",
         ]
 

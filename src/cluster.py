@@ -158,6 +158,12 @@ class ClusterSpec:
       tensors (ZeRO-3 before DeepSpeed 0.6.0 over PyTorch's list all_gather and
       reduce_scatter): the framework's loop building the list and c10d's copy between it
       and the collective's flat buffer, per entry.
+    amp: the framework trains under PyTorch's automatic mixed precision: the model keeps
+      fp32 weights, autocast casts each one to the training precision where a GEMM uses it
+      (every micro-batch's forward, again in a recomputed one), and its gradient comes back
+      to fp32 and is added into `.grad` (the real backend, PyTorch Lightning, Hugging Face's
+      Trainer); false: the weights are kept in the training precision and the optimizer holds
+      the fp32 master copy (Megatron-LM, DeepSpeed), cast once a step. Nothing under fp32.
     host_async: the host queues work ahead of the device (GPUs): a Work item takes the
       longer of its device and host times; false (CPU workers): they add up.
     attention: the attention kernel of the testbed's software (flash | eager), the default
@@ -230,6 +236,7 @@ class ClusterSpec:
     host_list_entry_s: float = 0.0
     host_async: bool = True
     host_launch: str = "eager"
+    amp: bool = False
     attention: str = "eager"
     param_grad_kernels: str = "separate"
     collective_measurements: tuple[CollectiveMeasurements, ...] = ()
@@ -365,7 +372,9 @@ SOURCED = (
     *FLOAT_FIELDS,
     "host_async",
     "host_launch",
+    "amp",
     "attention",
+    "param_grad_kernels",
     "nics",
     "collectives",
     "collective_efficiency",
@@ -482,6 +491,7 @@ def cluster_from_config(cfg: Mapping[str, Any]) -> ClusterSpec:
         nics=int(cfg["nics"]),
         host_async=_flag(cfg.get("host_async"), "cluster.host_async", name),
         host_launch=_host_launch(cfg.get("host_launch"), bool(cfg.get("host_async")), name),
+        amp=_flag(cfg.get("amp", False), "cluster.amp", name),
         attention=_mode("attention", cfg.get("attention"), ATTENTION_MODES, name),
         param_grad_kernels=_mode("param_grad_kernels", cfg.get("param_grad_kernels"), PARAM_GRAD_KERNELS, name),
         collective_measurements=tuple(measured_collectives(str(m), name) for m in _names(cfg.get("collective_measurements"), name)),

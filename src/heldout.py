@@ -153,6 +153,7 @@ def overrides(run: Run, common: dict[str, Any]) -> list[str]:
         f"train.precision={common['precision']}",
         f"cluster={cluster}",
         f"cluster.nodes={run.gpus // per_node}",
+        f"cluster.amp={_value(bool(common.get('amp', False)))}",
         "logger=none",
     ]
     strategy = dict(run.strategy)

@@ -111,6 +111,7 @@ class ComputeModel:
         self.core_share = cluster.compute_share()
         self.hbm = cluster.memory_bandwidth * cluster.memory_efficiency * self.core_share
         self.bytes_per_elem = element_bytes(precision)
+        self.casts_weights = cluster.amp and precision != "fp32"
         self._layer_cache: dict[tuple, LayerTimes] = {}
         self._work_cache: dict[tuple[int, Work], float] = {}
         self._models: dict[int, ModelSpec] = {}
@@ -170,6 +171,13 @@ class ComputeModel:
         if kernel.backward_recompute:
             # FlashAttention's backward first recomputes the scores it did not keep.
             bwd_input += fwd
+        if kernel.has_weight and self.casts_weights:
+            # Autocast casts the fp32 weight where the forward uses it (read 4, write 2 bytes
+            # an element); backward casts its gradient back (read 2, write 4) and adds it into
+            # `.grad` (read 4 + 4, write 4): once a micro-batch, whatever its rows.
+            weights = k * n * batch
+            fwd += self.memory_time(6.0 * weights)
+            bwd_weight += self.memory_time(18.0 * weights)
         return LayerTimes(fwd, bwd_input, bwd_weight, fwd if kernel.attention_core else 0.0, launches)
 
     def layer_times(

@@ -39,6 +39,12 @@ def check_runnable(run: PlannedRun, data: str, data_errors: str = "fail") -> Non
             f"cluster.host_launch={run.cluster.host_launch}: the real backend issues every kernel from the host, "
             f"so a plan priced with CUDA-graph launches is not what it runs; set cluster.host_launch=eager"
         )
+    if plan.precision != "fp32" and not run.cluster.amp:
+        raise ConfigError(
+            f"cluster.amp=false with precision={plan.precision}: the real backend trains under PyTorch's automatic "
+            f"mixed precision (fp32 weights cast at each use, fp32 gradients), so a plan priced with {plan.precision} "
+            f"weights is not what it runs; set cluster.amp=true"
+        )
     if plan.precision == "fp16":
         zero = [u for u in plan.units if u.zero_stage > 0 and u.dp > 1]
         if zero:

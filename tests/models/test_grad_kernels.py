@@ -1,8 +1,10 @@
 """model.param_grad_kernels: the biases' and the normalisations' gradient reductions, kernels
 of their own (eager PyTorch, Megatron-LM's own layers) or folded into other kernels
-(Transformer Engine)."""
+(Transformer Engine); cluster.amp: the weights' casts and fp32 gradients of PyTorch AMP."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 
@@ -91,3 +93,23 @@ def test_the_default_is_the_cluster_presets_and_a_bad_value_is_refused() -> None
     assert presets == {"hopper": "fused", "a800": "fused", "dgx_a100": "separate"}
     with pytest.raises(ConfigError, match=r"cluster.param_grad_kernels must be one of \['separate', 'fused'\], got 'te'"):
         cluster_from_config(composed(["cluster=hopper", "cluster.param_grad_kernels=te"])["cluster"])
+
+
+def test_pytorch_amp_casts_each_weight_once_a_micro_batch_and_accumulates_its_fp32_gradient() -> None:
+    """cluster.amp: fc1's 1024 x 4096 fp32 weight is cast to bf16 in the forward (6 bytes an
+    element), its gradient cast back and added into `.grad` in the backward (18 bytes): per
+    micro-batch, whatever its rows; 16-bit weights (Megatron-LM's) and fp32 runs cast nothing."""
+    amp = cluster_from_config(composed(["cluster=hopper", "cluster.amp=true"])["cluster"])
+    fc1 = next(k for k in block("fused").kernels if k.name == "fc1")
+    hbm = amp.memory_bandwidth * amp.memory_efficiency
+
+    def extra(rows: int) -> tuple[float, float]:
+        cast, plain = ComputeModel(amp, "bf16").kernel_times(fc1, rows, Sharding(), 1), hopper().kernel_times(fc1, rows, Sharding(), 1)
+        return cast.fwd - plain.fwd, cast.bwd_weight - plain.bwd_weight
+
+    gap = amp.kernel_overhead_s
+    assert extra(1) == pytest.approx(extra(8))
+    assert extra(1) == pytest.approx((6 * 1024 * 4096 / hbm + gap, 18 * 1024 * 4096 / hbm + gap))
+    assert ComputeModel(amp, "fp32").kernel_times(fc1, 1, Sharding(), 1) == ComputeModel(replace(amp, amp=False), "fp32").kernel_times(
+        fc1, 1, Sharding(), 1
+    )

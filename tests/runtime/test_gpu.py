@@ -28,6 +28,7 @@ ONE_GPU = [
     "cluster=hopper",
     "cluster.nodes=1",
     "cluster.devices_per_node=1",
+    "cluster.amp=true",  # the real backend trains under PyTorch AMP
     "logger=none",
     *sensitive(),
     f"train.steps={STEPS}",

@@ -25,6 +25,8 @@ from tests.runtime.support import CLIP, GPT, UNET, composed, mllm_shard
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "strategy"
 WORKERS = ["backend=torch", "cluster=local", "cluster.devices_per_node=4", "logger=none"]
+# A GPU preset priced as the real backend trains: PyTorch AMP.
+HOPPER = ["cluster=hopper", "cluster.nodes=1", "cluster.amp=true"]
 MEGATRON = (
     WORKERS
     + GPT
@@ -367,7 +369,13 @@ def test_an_option_runs_for_real_or_is_refused_naming_it(strategy, option):
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 def test_a_precision_runs_for_real_or_is_refused_naming_it(precision):
     # A cluster whose device has a peak in every precision: the runtime, not the preset, decides.
-    overrides = MEGATRON + ["cluster=hopper", "cluster.nodes=1", "cluster.devices_per_node=4", f"train.precision={precision}"]
+    overrides = MEGATRON + [
+        "cluster=hopper",
+        "cluster.nodes=1",
+        "cluster.devices_per_node=4",
+        "cluster.amp=true",
+        f"train.precision={precision}",
+    ]
     if PRECISIONS[precision] == "run":
         _check(overrides)
         return
@@ -384,16 +392,26 @@ def test_overlapped_reduce_scatter_of_the_distributed_optimizer_is_refused_namin
 def test_fp16_with_zero_partitions_is_refused_naming_the_fix():
     # A device with an fp16 peak: the local preset has one only where this host's profile
     # measured it (a CPU without fp16 GEMMs has none).
-    overrides = WORKERS + GPT + ["cluster=hopper", "cluster.nodes=1", "strategy=ddp", "strategy.zero_stage=1", "train.precision=fp16"]
+    overrides = WORKERS + GPT + HOPPER + ["strategy=ddp", "strategy.zero_stage=1", "train.precision=fp16"]
     with pytest.raises(ConfigError, match=r"fp16 with ZeRO-1.*zero_stage=0.*\[ddp: strategy.zero_stage, train.precision\]"):
         _check(overrides)
 
 
 def test_a_plan_priced_with_cuda_graph_launches_is_refused():
-    overrides = WORKERS + GPT + ["cluster=hopper", "cluster.nodes=1", "strategy=ddp"]
+    overrides = WORKERS + GPT + HOPPER + ["strategy=ddp"]
     _check(overrides)
     with pytest.raises(ConfigError, match=r"^cluster.host_launch=graphed: the real backend issues every kernel from the host"):
         _check([*overrides, "cluster.host_launch=graphed"])
+
+
+def test_a_plan_priced_with_16_bit_weights_is_refused():
+    """The preset's software (Megatron-LM) keeps bf16 weights; the real backend trains under
+    PyTorch AMP, which the simulator prices only with cluster.amp=true; fp32 casts nothing."""
+    overrides = WORKERS + GPT + ["cluster=hopper", "cluster.nodes=1", "strategy=ddp"]
+    with pytest.raises(ConfigError, match=r"^cluster.amp=false with precision=bf16: the real backend trains under PyTorch's"):
+        _check(overrides)
+    _check([*overrides, "cluster.amp=true"])
+    _check([*overrides, "train.precision=fp32"])
 
 
 def test_sequence_parallelism_in_an_mllm_is_refused_naming_the_fix():
