@@ -93,6 +93,22 @@ def kernel_launches(kernel: Kernel) -> Launches:
     return Launches(1, inputs, 1 if kernel.has_weight else 0, core)
 
 
+def _amp_stream(kernel: Kernel, forward: float, backward: float, reduction: float) -> tuple[float, float, float]:
+    """A memory-bound kernel's bytes (forward, backward, its parameters' reduction) under
+    PyTorch AMP, which keeps the residual stream in fp32: a residual add reads the stream (4
+    bytes a value) and a block's 16-bit output (2) and writes the stream (4), 10 bytes where
+    16-bit weights move 6 (a fused dropout-add-LayerNorm moves the same); an eager
+    normalisation (one whose parameters' gradients are a kernel of their own) runs in fp32,
+    twice its bytes, and the GEMM after it casts its output (read 4, write 2 a value: 6 more
+    over its 4 forward; the cast's backward the other way, 6 over its 8). A fused framework's
+    normalisation takes and gives the stream's dtypes itself."""
+    if kernel.residual:
+        return forward * 10 / 6, backward * 10 / 6, reduction
+    if kernel.norm_width and kernel.grad_reduction_bytes:
+        return 3.5 * forward, 2.75 * backward, 2.0 * reduction
+    return forward, backward, reduction
+
+
 def layer_launches(layer: LayerSpec) -> Launches:
     total = Launches()
     for kernel in layer.kernels:
@@ -142,11 +158,13 @@ class ComputeModel:
         launches = kernel_launches(kernel)
         if kernel.kind == "memory":
             divisor = sharding.memory_divisor(kernel.tp_split)
-            nbytes = kernel.bytes * rows / divisor
-            fwd = self.memory_time(nbytes)
-            bwd = self.memory_time(kernel.backward_moves * nbytes)  # one kernel
-            reduction = self.memory_time(kernel.grad_reduction_bytes * rows / divisor)
-            return LayerTimes(fwd, bwd, reduction, fwd if kernel.attention_core else 0.0, launches)
+            forward = kernel.bytes * rows / divisor
+            backward, reduction = kernel.backward_moves * forward, kernel.grad_reduction_bytes * rows / divisor
+            if self.casts_weights:
+                forward, backward, reduction = _amp_stream(kernel, forward, backward, reduction)
+            fwd = self.memory_time(forward)
+            bwd = self.memory_time(backward)  # one kernel
+            return LayerTimes(fwd, bwd, self.memory_time(reduction), fwd if kernel.attention_core else 0.0, launches)
         m_div, n_div, k_div, batch_div = sharding.gemm_divisors(kernel.tp_split)
         m = kernel.m * rows / m_div
         n = (contrastive_batch if kernel.n_contrastive else kernel.n) / n_div

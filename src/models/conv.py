@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from src.models.layers import ACT_BYTES, gemm, memory
+from src.models.layers import ACT_BYTES, gemm, memory, residual
 from src.models.spec import ActivationBytes, Kernel, LayerSpec, TPSplit
 
 GROUPNORM_GROUPS = 32  # every U-Net here (ADM, SD, its VAE) uses GroupNorm(32)
@@ -97,7 +97,7 @@ def resblock_layer(
     if c_in != c_out:
         kernels.append(replace(conv_gemm("skip", size, c_in, c_out, 1), skip_projection=True))
         params += conv_params(c_in, c_out, 1)
-    kernels.append(memory("residual", 1.5 * pixels * c_out))
+    kernels.append(residual("residual", pixels * c_out))
     convs = sum(1 for kern in kernels if kern.kind == "gemm" and kern.name != "emb_proj")
     return LayerSpec(
         name=name,
@@ -126,7 +126,7 @@ def spatial_attention_layer(size: int, channels: int, heads: int, name: str = "a
             memory("softmax", heads * pixels * pixels, "batch"),
             gemm("context", pixels, pixels, head_dim, "batch", weight=False, batch=heads),
             gemm("proj", pixels, channels, channels, "k", bias=True),
-            memory("residual", 1.5 * pixels * channels),
+            residual("residual", pixels * channels),
         ),
         params=2 * channels + conv_params(channels, 3 * channels, 1) + conv_params(channels, channels, 1),
         activations=ActivationBytes(

@@ -10,6 +10,8 @@ fp32 softmax statistics (a log-sum-exp per head and query, FLASH_STATS_BYTES eac
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from src.models.spec import ActivationBytes, Kernel, LayerSpec, TPSplit
 
 ACT_BYTES = 2  # bf16/fp16 activations
@@ -64,6 +66,11 @@ def memory(
     )
 
 
+def residual(name: str, elems: float) -> Kernel:
+    """A residual add of `elems` values: reads the stream and a block's output, writes the stream."""
+    return replace(memory(name, 1.5 * elems), residual=True)
+
+
 def _attention(
     prefix: str,
     seq: int,
@@ -91,7 +98,7 @@ def _attention(
         *([_attention_dropout(prefix, scores)] if dropout else []),
         gemm(f"{prefix}context", seq, kv_seq, head_dim, "batch", weight=False, batch=heads, core=True),
         gemm(f"{prefix}proj", seq, hidden, hidden, "k", bias=bias),
-        memory(f"{prefix}residual", 1.5 * seq * hidden),
+        residual(f"{prefix}residual", seq * hidden),
     ]
 
 
@@ -173,7 +180,7 @@ def transformer_layer(
         gemm("fc1", seq, hidden, up, "n", bias=bias),
         memory("act", seq * (up + ffn) / 2, "n"),
         gemm("fc2", seq, ffn, hidden, "k", bias=bias),
-        memory("mlp_residual", 1.5 * seq * hidden),
+        residual("mlp_residual", seq * hidden),
     ]
     params += hidden * up + b * up + ffn * hidden + b * hidden + norms * 2 * hidden
     split += ACT_BYTES * (seq * up + seq * ffn)

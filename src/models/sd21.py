@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from src.models.conv import conv_layer, resblock_layer, spatial_attention_layer, time_embedding_layer, upsample_layer
-from src.models.layers import ACT_BYTES, gemm, memory, transformer_layer
+from src.models.layers import ACT_BYTES, gemm, memory, residual, transformer_layer
 from src.models.spec import LayerSpec
 
 UNET_CHANNELS = (320, 640, 1280, 1280)
@@ -64,7 +64,7 @@ def spatial_transformer_layer(size: int, channels: int, context_tokens: int, nam
         name=name,
         kernels=(memory("groupnorm", pixels * channels, norm=channels), gemm("proj_in", pixels, channels, channels, "none", bias=True))
         + block.kernels
-        + (gemm("proj_out", pixels, channels, channels, "none", bias=True), memory("residual", 1.5 * pixels * channels)),
+        + (gemm("proj_out", pixels, channels, channels, "none", bias=True), residual("residual", pixels * channels)),
         params=block.params + 2 * channels + 2 * (channels * channels + channels),
         activations=replace(
             block.activations,

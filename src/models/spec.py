@@ -48,6 +48,8 @@ class Kernel:
       input gradient; 1 for a dropout, whose backward moves what its forward did).
     attention_dropout: the dropout of the attention probabilities, its own kernel in eager
       attention; FlashAttention applies it inside its kernel (src/models/attention.py).
+    residual: a residual add: it reads the residual stream and a block's output and writes
+      the stream (which PyTorch AMP keeps in fp32).
     grad_reduction_bytes: what a kernel of its own reads in backward to reduce this kernel's
       parameter gradients over the rows, per sample: a bias's output gradient (a GEMM's
       m x n), a normalisation's output gradient and input (its scale's and shift's
@@ -73,6 +75,7 @@ class Kernel:
     norm_width: int = 0
     backward_moves: float = 2.0
     attention_dropout: bool = False
+    residual: bool = False
     grad_reduction_bytes: float = 0.0
 
     def flops(self, contrastive_batch: int = 1) -> float:

@@ -113,3 +113,24 @@ def test_pytorch_amp_casts_each_weight_once_a_micro_batch_and_accumulates_its_fp
     assert ComputeModel(amp, "fp32").kernel_times(fc1, 1, Sharding(), 1) == ComputeModel(replace(amp, amp=False), "fp32").kernel_times(
         fc1, 1, Sharding(), 1
     )
+
+
+@pytest.mark.parametrize(("mode", "norm"), [("separate", (3.5, 2.75)), ("fused", (1.0, 1.0))])
+def test_pytorch_amp_keeps_the_residual_stream_in_fp32_and_an_eager_norm_too(mode: str, norm: tuple[float, float]) -> None:
+    """Under AMP a residual add reads the fp32 stream and a block's 16-bit output and writes
+    the stream: 10 bytes a value for 6. An eager LayerNorm (its parameters' gradients a kernel
+    of their own) runs in fp32 (8 bytes a value forward) and the GEMM after it casts its output
+    (6 more): 3.5 times its 16-bit forward, 2.75 times its backward; a fused framework's norm
+    (Transformer Engine's, FlashAttention's dropout-add-LayerNorm) moves what it did. Other
+    memory-bound kernels (GELU on a GEMM's 16-bit output) move as before."""
+    amp = ComputeModel(cluster_from_config(composed(["cluster=hopper", "cluster.amp=true"])["cluster"]), "bf16")
+    plain, gap = hopper(), amp.cluster.kernel_overhead_s
+    kernels = {k.name: k for k in block(mode).kernels}
+
+    def ratio(name: str) -> tuple[float, float]:
+        a, p = (c.kernel_times(kernels[name], 1, Sharding(), 1) for c in (amp, plain))
+        return (a.fwd - gap) / (p.fwd - gap), (a.bwd_input - gap) / (p.bwd_input - gap)
+
+    assert ratio("ln1") == pytest.approx(norm)
+    assert ratio("mlp_residual") == pytest.approx((10 / 6, 10 / 6))
+    assert ratio("act") == pytest.approx((1.0, 1.0))
