@@ -127,7 +127,7 @@ class ComputeModel:
         self.core_share = cluster.compute_share()
         self.hbm = cluster.memory_bandwidth * cluster.memory_efficiency * self.core_share
         self.bytes_per_elem = element_bytes(precision)
-        self.casts_weights = cluster.amp and precision != "fp32"
+        self.amp = cluster.amp and precision != "fp32"  # PyTorch AMP over 16-bit GEMMs (fp32 runs cast nothing)
         self._layer_cache: dict[tuple, LayerTimes] = {}
         self._work_cache: dict[tuple[int, Work], float] = {}
         self._models: dict[int, ModelSpec] = {}
@@ -160,7 +160,7 @@ class ComputeModel:
             divisor = sharding.memory_divisor(kernel.tp_split)
             forward = kernel.bytes * rows / divisor
             backward, reduction = kernel.backward_moves * forward, kernel.grad_reduction_bytes * rows / divisor
-            if self.casts_weights:
+            if self.amp:
                 forward, backward, reduction = _amp_stream(kernel, forward, backward, reduction)
             fwd = self.memory_time(forward)
             bwd = self.memory_time(backward)  # one kernel
@@ -189,7 +189,7 @@ class ComputeModel:
         if kernel.backward_recompute:
             # FlashAttention's backward first recomputes the scores it did not keep.
             bwd_input += fwd
-        if kernel.has_weight and self.casts_weights:
+        if kernel.has_weight and self.amp:
             # Autocast casts the fp32 weight where the forward uses it (read 4, write 2 bytes
             # an element); backward casts its gradient back (read 2, write 4) and adds it into
             # `.grad` (read 4 + 4, write 4): once a micro-batch, whatever its rows.

@@ -1,0 +1,55 @@
+"""cluster.amp: PyTorch's automatic mixed precision, priced where a run's software trains under
+it: the weights' casts and fp32 gradients, the fp32 residual stream, eager norms in fp32."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from src.cluster import cluster_from_config
+from src.config import composed
+from src.costmodel.compute import ComputeModel
+from src.mesh import Sharding
+from tests.models.test_grad_kernels import block, hopper
+
+
+def test_pytorch_amp_casts_each_weight_once_a_micro_batch_and_accumulates_its_fp32_gradient() -> None:
+    """cluster.amp: fc1's 1024 x 4096 fp32 weight is cast to bf16 in the forward (6 bytes an
+    element), its gradient cast back and added into `.grad` in the backward (18 bytes): per
+    micro-batch, whatever its rows; 16-bit weights (Megatron-LM's) and fp32 runs cast nothing."""
+    amp = cluster_from_config(composed(["cluster=hopper", "cluster.amp=true"])["cluster"])
+    fc1 = next(k for k in block("fused").kernels if k.name == "fc1")
+    hbm = amp.memory_bandwidth * amp.memory_efficiency
+
+    def extra(rows: int) -> tuple[float, float]:
+        cast, plain = ComputeModel(amp, "bf16").kernel_times(fc1, rows, Sharding(), 1), hopper().kernel_times(fc1, rows, Sharding(), 1)
+        return cast.fwd - plain.fwd, cast.bwd_weight - plain.bwd_weight
+
+    gap = amp.kernel_overhead_s
+    assert extra(1) == pytest.approx(extra(8))
+    assert extra(1) == pytest.approx((6 * 1024 * 4096 / hbm + gap, 18 * 1024 * 4096 / hbm + gap))
+    assert ComputeModel(amp, "fp32").kernel_times(fc1, 1, Sharding(), 1) == ComputeModel(replace(amp, amp=False), "fp32").kernel_times(
+        fc1, 1, Sharding(), 1
+    )
+
+
+@pytest.mark.parametrize(("mode", "norm"), [("separate", (3.5, 2.75)), ("fused", (1.0, 1.0))])
+def test_pytorch_amp_keeps_the_residual_stream_in_fp32_and_an_eager_norm_too(mode: str, norm: tuple[float, float]) -> None:
+    """Under AMP a residual add reads the fp32 stream and a block's 16-bit output and writes
+    the stream: 10 bytes a value for 6. An eager LayerNorm (its parameters' gradients a kernel
+    of their own) runs in fp32 (8 bytes a value forward) and the GEMM after it casts its output
+    (6 more): 3.5 times its 16-bit forward, 2.75 times its backward; a fused framework's norm
+    (Transformer Engine's, FlashAttention's dropout-add-LayerNorm) moves what it did. Other
+    memory-bound kernels (GELU on a GEMM's 16-bit output) move as before."""
+    amp = ComputeModel(cluster_from_config(composed(["cluster=hopper", "cluster.amp=true"])["cluster"]), "bf16")
+    plain, gap = hopper(), amp.cluster.kernel_overhead_s
+    kernels = {k.name: k for k in block(mode).kernels}
+
+    def ratio(name: str) -> tuple[float, float]:
+        a, p = (c.kernel_times(kernels[name], 1, Sharding(), 1) for c in (amp, plain))
+        return (a.fwd - gap) / (p.fwd - gap), (a.bwd_input - gap) / (p.bwd_input - gap)
+
+    assert ratio("ln1") == pytest.approx(norm)
+    assert ratio("mlp_residual") == pytest.approx((10 / 6, 10 / 6))
+    assert ratio("act") == pytest.approx((1.0, 1.0))
