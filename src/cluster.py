@@ -161,9 +161,10 @@ class ClusterSpec:
     amp: the framework trains under PyTorch's automatic mixed precision: the model keeps
       fp32 weights, autocast casts each one to the training precision where a GEMM uses it
       (every micro-batch's forward, again in a recomputed one), and its gradient comes back
-      to fp32 and is added into `.grad` (the real backend, PyTorch Lightning, Hugging Face's
-      Trainer); false: the weights are kept in the training precision and the optimizer holds
-      the fp32 master copy (Megatron-LM, DeepSpeed), cast once a step. Nothing under fp32.
+      to fp32 and is added into `.grad`; the residual stream, and an eager normalisation,
+      stay fp32 (the real backend, PyTorch Lightning, Hugging Face's Trainer); false: the
+      weights are kept in the training precision and the optimizer holds the fp32 master
+      copy (Megatron-LM, DeepSpeed), cast once a step. Nothing under fp32.
     host_async: the host queues work ahead of the device (GPUs): a Work item takes the
       longer of its device and host times; false (CPU workers): they add up.
     attention: the attention kernel of the testbed's software (flash | eager), the default
