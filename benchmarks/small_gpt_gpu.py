@@ -60,6 +60,7 @@ class Case:
             f"model.vocab={self.vocab}",
             "model.dropout=false",  # the real backend trains without dropout: the simulator prices none either
             "model.param_grad_kernels=separate",  # both loops are eager PyTorch: a reduction kernel per bias and norm
+            "model.cross_entropy=eager",  # and PyTorch's F.cross_entropy for the loss
             f"train.seq_len={self.seq}",
             f"train.global_batch={self.micro_batch * self.micro_batches}",
             "train.precision=bf16",

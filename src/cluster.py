@@ -43,6 +43,10 @@ ATTENTION_MODES = ("flash", "eager")
 # (model.param_grad_kernels; a preset states its era's): kernels of their own, or folded into
 # the weight-gradient GEMM's epilogue and the normalisation's backward kernel.
 PARAM_GRAD_KERNELS = ("separate", "fused")
+# How the software computes the loss over the vocabulary's logits (model.cross_entropy; a preset
+# states its era's): PyTorch's cross entropy, Megatron-LM's vocab-parallel one on an fp32 copy, or
+# one fused kernel each way (src/models/cross_entropy.py).
+CROSS_ENTROPY_MODES = ("eager", "fp32", "fused")
 # How a framework issues a layer's kernels (cluster.host_launch): one by one, or a layer's
 # forward and backward each replayed from a captured CUDA graph.
 HOST_LAUNCHES = ("eager", "graphed")
@@ -172,6 +176,8 @@ class ClusterSpec:
     param_grad_kernels: how the testbed's software reduces biases' and normalisations'
       gradients (separate | fused), the default of model.param_grad_kernels
       (src/models/grad_kernels.py).
+    cross_entropy: how the testbed's software computes the loss over the logits (eager |
+      fp32 | fused), the default of model.cross_entropy (src/models/cross_entropy.py).
     collective_sm_fraction, p2p_sm_fraction: fraction of the device's SMs a collective's
       (resp. a send's or receive's) kernels hold while they run: NCCL runs one CTA per
       channel, each on an SM of its own, so compute overlapping them runs on the rest.
@@ -240,6 +246,7 @@ class ClusterSpec:
     amp: bool = False
     attention: str = "eager"
     param_grad_kernels: str = "separate"
+    cross_entropy: str = "eager"
     collective_measurements: tuple[CollectiveMeasurements, ...] = ()
     sources: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
@@ -376,6 +383,7 @@ SOURCED = (
     "amp",
     "attention",
     "param_grad_kernels",
+    "cross_entropy",
     "nics",
     "collectives",
     "collective_efficiency",
@@ -495,6 +503,7 @@ def cluster_from_config(cfg: Mapping[str, Any]) -> ClusterSpec:
         amp=_flag(cfg.get("amp", False), "cluster.amp", name),
         attention=_mode("attention", cfg.get("attention"), ATTENTION_MODES, name),
         param_grad_kernels=_mode("param_grad_kernels", cfg.get("param_grad_kernels"), PARAM_GRAD_KERNELS, name),
+        cross_entropy=_mode("cross_entropy", cfg.get("cross_entropy"), CROSS_ENTROPY_MODES, name),
         collective_measurements=tuple(measured_collectives(str(m), name) for m in _names(cfg.get("collective_measurements"), name)),
         **{key: float(cfg[key]) for key in FLOAT_FIELDS},
     )

@@ -61,12 +61,16 @@ def validate(config: dict[str, Any]) -> Setup:
         # with one process): model.dropout null reads as false there, and the plan says so.
         config = {**config, "model": {**config["model"], "dropout": False}}
     cluster = cluster_from_config(config["cluster"])
-    # The attention kernel and the parameter gradients' reductions are the software's: the
-    # model's option if set, else that of the codebase the strategy models (DeepSpeed-3D's),
-    # else the cluster preset's (its testbed's era).
-    software = {"attention": cluster.attention, "param_grad_kernels": cluster.param_grad_kernels}
+    # The attention kernel, the parameter gradients' reductions and the loss's kernels are the
+    # software's: the model's option if set, else that of the codebase the strategy models
+    # (DeepSpeed-3D's), else the cluster preset's (its testbed's era).
+    software = {
+        "attention": cluster.attention,
+        "param_grad_kernels": cluster.param_grad_kernels,
+        "cross_entropy": cluster.cross_entropy,
+    }
     software |= software_settings(config["strategy"])
-    model = build_model(config["model"], config["train"].get("seq_len"), software["attention"], software["param_grad_kernels"])
+    model = build_model(config["model"], config["train"].get("seq_len"), **software)
     train = train_from_config(config["train"], cluster, model.default_global_batch, model.extras.get("data", ("uniform",)))
     backend = _backend(config)
     check_logger_and_run(config.get("logger") or {"name": "none"}, config.get("run") or {})

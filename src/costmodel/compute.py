@@ -100,11 +100,13 @@ def _amp_stream(kernel: Kernel, forward: float, backward: float, reduction: floa
     16-bit weights move 6 (a fused dropout-add-LayerNorm moves the same); an eager
     normalisation (one whose parameters' gradients are a kernel of their own) runs in fp32,
     twice its bytes, and the GEMM after it casts its output (read 4, write 2 a value: 6 more
-    over its 4 forward; the cast's backward the other way, 6 over its 8). A fused framework's
-    normalisation takes and gives the stream's dtypes itself."""
+    over its 4 forward; the cast's backward the other way, 6 over its 8). PyTorch's cross
+    entropy runs in fp32 the same way (the logits cast up, the gradient cast back:
+    src/models/cross_entropy.py). A fused framework's normalisation, and a fused or fp32
+    cross entropy, take and give their dtypes themselves."""
     if kernel.residual:
         return forward * 10 / 6, backward * 10 / 6, reduction
-    if kernel.norm_width and kernel.grad_reduction_bytes:
+    if kernel.cross_entropy == "eager" or (kernel.norm_width and kernel.grad_reduction_bytes):
         return 3.5 * forward, 2.75 * backward, 2.0 * reduction
     return forward, backward, reduction
 

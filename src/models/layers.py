@@ -227,12 +227,13 @@ def head_layer(
     """Final norm and an output projection (LM logits or a feature projection).
 
     tied=True shares the weight with the embedding: FLOPs count, parameters do not.
-    The fp32 logits and the loss are charged as activations split by TP (vocab-parallel).
+    The fp32 logits and the loss are charged as activations split by TP (vocab-parallel);
+    the loss is PyTorch's cross entropy (src/models/cross_entropy.py sets other software's).
     """
     loss_elems = seq * out if loss_elems is None else loss_elems
     kernels = ([memory("final_norm", seq * hidden, norm=hidden)] if norm else []) + [
         gemm("projection", seq, hidden, out, "n"),
-        memory("loss", loss_elems, "n"),
+        replace(memory("loss", loss_elems, "n"), cross_entropy="eager"),
     ]
     return LayerSpec(
         name=name,

@@ -2,8 +2,8 @@
 
 Every builder takes the config's Options and the training sequence length (train.seq_len,
 None = the model's default; only models with an LLM unit accept one). The registry then
-applies `model.attention`, `model.param_grad_kernels` and `model.frozen`, which work for
-every model, and rejects keys
+applies `model.attention`, `model.param_grad_kernels`, `model.cross_entropy` and
+`model.frozen`, which work for every model, and rejects keys
 nobody read.
 """
 
@@ -16,6 +16,7 @@ from typing import Any
 from src.errors import ConfigError
 from src.models.attention import ATTENTION_MODES, with_attention
 from src.models.contrastive import build_clip, build_coca, build_lit
+from src.models.cross_entropy import CROSS_ENTROPY_MODES, with_cross_entropy
 from src.models.gpt import build_gpt
 from src.models.grad_kernels import PARAM_GRAD_KERNELS, with_param_grad_kernels
 from src.models.mllm import MLLM_BUILDERS
@@ -39,11 +40,15 @@ MODEL_NAMES: tuple[str, ...] = tuple(MODEL_BUILDERS)
 
 
 def build_model(
-    model_cfg: Mapping[str, Any], seq_len: int | None = None, attention: str = "eager", param_grad_kernels: str = "separate"
+    model_cfg: Mapping[str, Any],
+    seq_len: int | None = None,
+    attention: str = "eager",
+    param_grad_kernels: str = "separate",
+    cross_entropy: str = "eager",
 ) -> ModelSpec:
-    """Build the ModelSpec the Hydra `model` group describes (as a plain dict); `attention`
-    and `param_grad_kernels` (the cluster preset's) are the defaults of model.attention and
-    model.param_grad_kernels."""
+    """Build the ModelSpec the Hydra `model` group describes (as a plain dict); `attention`,
+    `param_grad_kernels` and `cross_entropy` (the cluster preset's) are the defaults of
+    model.attention, model.param_grad_kernels and model.cross_entropy."""
     opts = Options(model_cfg)
     name = opts.choice("name", MODEL_NAMES)
     if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0):
@@ -51,9 +56,10 @@ def build_model(
     spec = MODEL_BUILDERS[name](opts, seq_len)
     mode = opts.choice("attention", ATTENTION_MODES, attention)
     grad_kernels = opts.choice("param_grad_kernels", PARAM_GRAD_KERNELS, param_grad_kernels)
+    loss = opts.choice("cross_entropy", CROSS_ENTROPY_MODES, cross_entropy)
     frozen = opts.names("frozen")
     opts.finish(name)
-    spec = with_param_grad_kernels(with_attention(spec, mode), grad_kernels)
+    spec = with_cross_entropy(with_param_grad_kernels(with_attention(spec, mode), grad_kernels), loss)
     return spec if frozen is None else _freeze(spec, frozen)
 
 

@@ -55,6 +55,8 @@ class Kernel:
       m x n), a normalisation's output gradient and input (its scale's and shift's
       gradients); 0 where there are none or the framework folds them into another kernel
       (src/models/grad_kernels.py). Part of the weight gradient.
+    cross_entropy: the loss over a vocabulary's logits, computed as this mode says
+      (src/models/cross_entropy.py); empty for every other kernel.
     """
 
     name: str
@@ -77,6 +79,7 @@ class Kernel:
     attention_dropout: bool = False
     residual: bool = False
     grad_reduction_bytes: float = 0.0
+    cross_entropy: str = ""
 
     def flops(self, contrastive_batch: int = 1) -> float:
         """Forward FLOPs for one sample (0 for memory-bound kernels)."""

@@ -14,7 +14,10 @@ What separates it from today's Megatron-LM baseline is what that codebase runs:
 - eager attention: ParallelSelfAttention writes QK^T to memory (torch.baddbmm), then
   FusedScaleMaskSoftmax and dropout over the scores; FlashAttention (2022) came later.
   The attention kernel is the software's, so it is this strategy's option `attention`,
-  which the door builds the model with (its descriptor's `attention`, src/strategies/spec.py).
+  which the door builds the model with (its descriptor's `software`, src/strategies/spec.py);
+- the loss as Megatron-LM's vocab-parallel cross entropy on an fp32 copy of the logits
+  (megatron/model/gpt2_model.py: `output.float()`, its example scripts
+  ds_pretrain_gpt2*.sh passing --fp16 and no --fp16-lm-cross-entropy).
 The Programs are the Megatron pipeline's, built and searched by the Megatron planner
 with these settings fixed.
 """
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from src.cluster import ATTENTION_MODES, PARAM_GRAD_KERNELS
+from src.cluster import ATTENTION_MODES, CROSS_ENTROPY_MODES, PARAM_GRAD_KERNELS
 from src.config import options_from
 from src.errors import ConfigError
 from src.program import Plan
@@ -43,15 +46,20 @@ class DeepSpeed3DOptions:
     # DeepSpeed's pipeline engine partitions activations across the TP ranks it sends them
     # from (is_pipe_partitioned) and gathers them on arrival, as Megatron's scatter/gather.
     scatter_gather: bool = True
-    # The codebase's attention kernel (eager: its scores in memory) and its parameter
-    # gradients' reductions (separate: Megatron-LM v1.1.5's own layers and apex's LayerNorm);
-    # null: the run's (the cluster preset's). model.attention and model.param_grad_kernels,
-    # when set, win.
+    # The codebase's attention kernel (eager: its scores in memory), its parameter
+    # gradients' reductions (separate: Megatron-LM v1.1.5's own layers and apex's LayerNorm)
+    # and its loss (fp32: the vocab-parallel cross entropy on an fp32 copy); null: the run's
+    # (the cluster preset's). The model's options, when set, win.
     attention: str | None = "eager"
     param_grad_kernels: str | None = "separate"
+    cross_entropy: str | None = "fp32"
 
     def __post_init__(self) -> None:
-        for key, modes in (("attention", ATTENTION_MODES), ("param_grad_kernels", PARAM_GRAD_KERNELS)):
+        for key, modes in (
+            ("attention", ATTENTION_MODES),
+            ("param_grad_kernels", PARAM_GRAD_KERNELS),
+            ("cross_entropy", CROSS_ENTROPY_MODES),
+        ):
             value = getattr(self, key)
             if value is not None and value not in modes:
                 raise ConfigError(f"strategy.{key}={value!r}; choose one of {list(modes)} or null")
@@ -76,7 +84,7 @@ class DeepSpeed3DOptions:
 def software(options: dict) -> dict[str, str]:
     """The model settings this strategy's software fixes (the door builds the model with them)."""
     opts = options_from(DeepSpeed3DOptions, options)
-    settings = {"attention": opts.attention, "param_grad_kernels": opts.param_grad_kernels}
+    settings = {"attention": opts.attention, "param_grad_kernels": opts.param_grad_kernels, "cross_entropy": opts.cross_entropy}
     return {key: value for key, value in settings.items() if value is not None}
 
 

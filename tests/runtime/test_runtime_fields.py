@@ -305,6 +305,7 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
     ("deepspeed3d", "attention"): (DS3D, ["strategy.attention=flash"], "run", EQUALITY),
     # How the parameter gradients' reductions are priced; the workers' autograd computes the same gradients.
     ("deepspeed3d", "param_grad_kernels"): (DS3D, ["strategy.param_grad_kernels=fused"], "run", EQUALITY),
+    ("deepspeed3d", "cross_entropy"): (DS3D, ["strategy.cross_entropy=fused"], "run", EQUALITY),
     ("optimus", "llm.tp"): (OPTIMUS, ["strategy.llm.pp=2", "strategy.llm.tp=2", "strategy.fine_grained=false"], "run", OPTIMUS_RUNS),
     ("optimus", "llm.pp"): (OPTIMUS, ["strategy.llm.pp=4"], "run", OPTIMUS_RUNS),
     ("optimus", "llm.dp"): (OPTIMUS, ["strategy.llm.pp=2", "strategy.llm.dp=2", "strategy.llm.zero_stage=0"], "run", OPTIMUS_RUNS),

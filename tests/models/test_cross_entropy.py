@@ -1,0 +1,99 @@
+"""model.cross_entropy: the loss over the vocabulary's logits as the software computes it:
+PyTorch's cross entropy (in fp32 under autocast), Megatron-LM's vocab-parallel one on an fp32
+copy, or one fused kernel each way."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from src.cluster import cluster_from_config
+from src.config import composed
+from src.costmodel.compute import ComputeModel
+from src.errors import ConfigError
+from src.mesh import Sharding, tensor_parallel
+from src.models.registry import build_model
+from src.setup import validate
+
+GPT = {"name": "gpt", "preset": None, "layers": 2, "hidden": 1024, "heads": 16, "vocab": 32000}
+SEQ = 2048
+LOGITS = SEQ * 32000
+
+
+def loss(mode: str):
+    head = build_model({**GPT, "cross_entropy": mode}, SEQ).unit("llm").layers[-1]
+    return next(kernel for kernel in head.kernels if kernel.cross_entropy)
+
+
+def priced(mode: str, amp: bool, sharding: Sharding = Sharding()) -> tuple[float, float]:
+    """The loss kernel's (forward, backward) bytes per logit on hopper, read back from its times."""
+    cluster = replace(cluster_from_config(composed(["cluster=hopper"])["cluster"]), amp=amp)
+    compute = ComputeModel(cluster, "bf16")
+    times = compute.kernel_times(loss(mode), 1, sharding, 1)
+    hbm, gap = cluster.memory_bandwidth * cluster.memory_efficiency, cluster.kernel_overhead_s
+    return (times.fwd - gap) * hbm / LOGITS, (times.bwd_input - gap) * hbm / LOGITS
+
+
+@pytest.mark.parametrize(
+    ("mode", "plain", "autocast"),
+    [("eager", (4, 8), (14, 22)), ("fp32", (38, 14), (38, 14)), ("fused", (2, 4), (2, 4))],
+)
+def test_each_mode_moves_its_bytes_a_logit_and_only_pytorchs_runs_in_fp32_under_autocast(
+    mode: str, plain: tuple[int, int], autocast: tuple[int, int]
+) -> None:
+    """PyTorch's cross entropy reads and writes each 16-bit logit once forward, and writes the
+    loss's gradient for log_softmax's backward to read with the saved output (4 and 8 bytes);
+    under autocast the logits are cast to fp32 first and the gradient cast back (14 and 22).
+    Megatron-LM's casts them itself and runs max, subtract, exp, sum, normalise (38), then
+    scales the saved softmax and casts back (14). A fused kernel reads them once and writes
+    the gradient over them (2 and 4)."""
+    assert priced(mode, amp=False) == pytest.approx(plain)
+    assert priced(mode, amp=True) == pytest.approx(autocast)
+
+
+def test_vocab_parallelism_splits_the_loss_and_nothing_but_the_loss_changes() -> None:
+    """The loss is vocab-parallel: each TP rank prices its share of the logits. The other
+    kernels of the model are the same in every mode."""
+    forward, backward = priced("fp32", amp=False, sharding=tensor_parallel(8))
+    assert (forward * 8, backward * 8) == pytest.approx((38, 14))
+    eager, fp32 = (build_model({**GPT, "cross_entropy": mode}, SEQ) for mode in ("eager", "fp32"))
+    assert eager.unit("llm").layers[:-1] == fp32.unit("llm").layers[:-1]
+    assert [k.name for k in eager.unit("llm").layers[-1].kernels] == [k.name for k in fp32.unit("llm").layers[-1].kernels]
+
+
+def _loss_mode(*overrides: str) -> str:
+    layers = validate(composed(["model=gpt", "model.preset=gpt_5b", *overrides])).model.unit("llm").layers
+    return next(kernel.cross_entropy for kernel in layers[-1].kernels if kernel.cross_entropy)
+
+
+def test_the_default_is_the_presets_software_a_strategys_codebase_or_the_models_option() -> None:
+    """Megatron-LM's testbeds compute it in fp32 (hopper, a800, dgx_a100, perlmutter), LitGPT on
+    Frontier and the real backend in PyTorch; DeepSpeed-3D's codebase (Megatron-LM v1.1.5) in
+    fp32 on any preset; model.cross_entropy wins over both."""
+    presets = {
+        name: cluster_from_config(composed([f"cluster={name}"])["cluster"]).cross_entropy
+        for name in ("hopper", "a800", "dgx_a100", "perlmutter", "frontier", "p3_16xlarge", "local")
+    }
+    assert presets == {
+        "hopper": "fp32",
+        "a800": "fp32",
+        "dgx_a100": "fp32",
+        "perlmutter": "fp32",
+        "frontier": "eager",
+        "p3_16xlarge": "eager",
+        "local": "eager",
+    }
+    assert _loss_mode("cluster=frontier", "cluster.nodes=8") == "eager"
+    assert _loss_mode("cluster=frontier", "cluster.nodes=8", "strategy=deepspeed3d") == "fp32"
+    assert _loss_mode("cluster=frontier", "cluster.nodes=8", "strategy=deepspeed3d", "strategy.cross_entropy=null") == "eager"
+    assert _loss_mode("cluster=frontier", "cluster.nodes=8", "strategy=deepspeed3d", "model.cross_entropy=fused") == "fused"
+
+
+def test_a_bad_mode_is_refused_in_one_line() -> None:
+    with pytest.raises(ConfigError, match=r"model.cross_entropy='apex' is not one of: eager, fp32, fused"):
+        build_model({**GPT, "cross_entropy": "apex"}, SEQ)
+    with pytest.raises(ConfigError, match=r"cluster.cross_entropy must be one of \['eager', 'fp32', 'fused'\], got 'bf16'"):
+        cluster_from_config(composed(["cluster=hopper", "cluster.cross_entropy=bf16"])["cluster"])
+    with pytest.raises(ConfigError, match=r"strategy.cross_entropy='te'; choose one of \['eager', 'fp32', 'fused'\] or null"):
+        validate(composed(["model=gpt", "strategy=deepspeed3d", "strategy.cross_entropy=te"]))
