@@ -1,20 +1,20 @@
 """How the loss over the vocabulary's logits is computed (model.cross_entropy).
 
 A language model's loss reads a logit per token and vocabulary entry: 4096 tokens of a
-131,072-entry vocabulary are 537 M values a sequence, more than the rest of a small model's
-memory-bound kernels together. What it costs is the bytes its kernels move per logit, which
-depend on the software, not on the model:
+131,072-entry vocabulary are 537 M values a sequence, whose passes move as many bytes as a
+small model's other memory-bound kernels together. What it costs is the bytes its kernels
+move per logit, which depend on the software, not on the model:
 
 eager: PyTorch's `F.cross_entropy` on the 16-bit logits, `log_softmax` then `nll_loss`:
   forward reads and writes each logit once (4 bytes); backward writes the dense gradient of
-  `nll_loss` and `log_softmax`'s backward reads it and the saved output and writes the
-  input's gradient (8). Under PyTorch AMP, autocast runs it in fp32: the logits are cast up
-  first and the gradient cast back (src.costmodel.compute prices that from `cluster.amp`).
-  Under autocast that is 14 bytes forward (the cast: read 2, write 4; `log_softmax`: 8) and
-  22 backward (`nll_loss`'s fp32 gradient: 4; `log_softmax`'s: 12; the cast back: 6). On one
-  H200 (benchmarks/results/small_gpt_h200.md, the 1.7B case: 2.15 G logits of a 131,072-entry
-  vocabulary a step) the softmax and loss kernels took 8.2 ms, about 16 bytes a logit at 90 %
-  of its 4.8 TB/s, where the two `log_softmax` kernels are priced at 20.
+  `nll_loss`, which `log_softmax`'s backward reads with the saved output to write the
+  input's gradient (8). Under PyTorch AMP autocast runs it in fp32 (src.costmodel.compute
+  prices that from `cluster.amp`): 14 bytes forward (the cast: read 2, write 4;
+  `log_softmax`: 8) and 22 backward (`nll_loss`'s fp32 gradient: 4; `log_softmax`'s: 12;
+  the cast back: 6). On one H200 (benchmarks/results/small_gpt_h200.md, the 1.7B case: 2.15 G
+  logits of a 131,072-entry vocabulary a step) the softmax and loss kernels took 8.2 ms,
+  about 16 bytes a logit at 90 % of its 4.8 TB/s, where the two `log_softmax` kernels are
+  priced at 20.
 fp32: Megatron-LM's vocab-parallel cross entropy on an fp32 copy of the logits, as it runs
   unless `--fp16-lm-cross-entropy` is given (megatron/model/gpt_model.py's
   `post_language_model_processing` of 2021, `output.float()`; Megatron-Core's
@@ -25,8 +25,7 @@ fp32: Megatron-LM's vocab-parallel cross entropy on an fp32 copy of the logits, 
   the fp32 gradient back to the logits' dtype (read 4, write 2): 14.
 fused: one kernel each way on the 16-bit logits, the gradient written over them (apex's
   `xentropy` and FlashAttention's `CrossEntropyLoss(inplace_backward=True)`): forward reads
-  them (2),
-  backward reads them and writes the gradient (4).
+  them (2), backward reads them and writes the gradient (4).
 
 The default is the cluster preset's (cluster.cross_entropy): the software its testbed ran.
 Each mode is priced as one kernel each way (its host launches as one), and the loss's saved
