@@ -27,9 +27,12 @@ fused: one kernel each way on the 16-bit logits, the gradient written over them 
   `xentropy` and FlashAttention's `CrossEntropyLoss(inplace_backward=True)`): forward reads
   them (2), backward reads them and writes the gradient (4).
 
+What each keeps for backward is an activation of the head: `log_softmax`'s 16-bit output
+(2 bytes a logit), Megatron-LM's fp32 softmax (4), the fused kernel's logits (2). As
+elsewhere, the memory model is the 16-bit regime's: under autocast `log_softmax` keeps fp32.
+
 The default is the cluster preset's (cluster.cross_entropy): the software its testbed ran.
-Each mode is priced as one kernel each way (its host launches as one), and the loss's saved
-activations stay the fp32 softmax's 4 bytes a logit whatever the mode.
+Each mode is priced as one kernel each way (its host launches as one).
 """
 
 from __future__ import annotations
@@ -39,11 +42,13 @@ from dataclasses import replace
 from src.cluster import CROSS_ENTROPY_MODES
 from src.models.spec import Kernel, LayerSpec, ModelSpec
 
-__all__ = ["CROSS_ENTROPY_MODES", "LOGIT_BYTES", "with_cross_entropy"]
+__all__ = ["CROSS_ENTROPY_MODES", "LOGIT_BYTES", "SAVED_BYTES", "with_cross_entropy"]
 
 # Bytes each mode's forward and backward move per logit (16-bit logits; fp32 under autocast
 # is the compute model's, from cluster.amp).
 LOGIT_BYTES: dict[str, tuple[float, float]] = {"eager": (4.0, 8.0), "fp32": (38.0, 14.0), "fused": (2.0, 4.0)}
+# Bytes a logit each mode keeps for backward.
+SAVED_BYTES: dict[str, float] = {"eager": 2.0, "fp32": 4.0, "fused": 2.0}
 
 
 def with_cross_entropy(spec: ModelSpec, mode: str) -> ModelSpec:
@@ -53,14 +58,23 @@ def with_cross_entropy(spec: ModelSpec, mode: str) -> ModelSpec:
 
 
 def _computed_as(layer: LayerSpec, mode: str) -> LayerSpec:
-    if not any(kernel.cross_entropy for kernel in layer.kernels):
+    losses = [kernel for kernel in layer.kernels if kernel.cross_entropy]
+    if not losses:
         return layer
-    return replace(layer, kernels=tuple(_kernel(kernel, mode) for kernel in layer.kernels))
+    saved = sum(_logits(kernel) * (SAVED_BYTES[mode] - SAVED_BYTES[kernel.cross_entropy]) for kernel in losses)
+    return replace(
+        layer,
+        kernels=tuple(_kernel(kernel, mode) for kernel in layer.kernels),
+        activations=replace(layer.activations, split=layer.activations.split + saved),
+    )
+
+
+def _logits(kernel: Kernel) -> float:
+    return kernel.bytes / LOGIT_BYTES[kernel.cross_entropy][0]
 
 
 def _kernel(kernel: Kernel, mode: str) -> Kernel:
     if not kernel.cross_entropy:
         return kernel
-    logits = kernel.bytes / LOGIT_BYTES[kernel.cross_entropy][0]
     forward, backward = LOGIT_BYTES[mode]
-    return replace(kernel, bytes=logits * forward, backward_moves=backward / forward, cross_entropy=mode)
+    return replace(kernel, bytes=_logits(kernel) * forward, backward_moves=backward / forward, cross_entropy=mode)

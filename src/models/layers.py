@@ -227,8 +227,8 @@ def head_layer(
     """Final norm and an output projection (LM logits or a feature projection).
 
     tied=True shares the weight with the embedding: FLOPs count, parameters do not.
-    The fp32 logits and the loss are charged as activations split by TP (vocab-parallel);
-    the loss is PyTorch's cross entropy (src/models/cross_entropy.py sets other software's).
+    The loss is PyTorch's cross entropy (src/models/cross_entropy.py sets other software's),
+    its saved 16-bit log-probabilities charged as activations split by TP (vocab-parallel).
     """
     loss_elems = seq * out if loss_elems is None else loss_elems
     kernels = ([memory("final_norm", seq * hidden, norm=hidden)] if norm else []) + [
@@ -239,7 +239,7 @@ def head_layer(
         name=name,
         kernels=tuple(kernels),
         params=(0 if tied else hidden * out) + (2 * hidden if norm else 0),
-        activations=ActivationBytes(replicated=ACT_BYTES * seq * hidden, split=4 * loss_elems, checkpoint=ACT_BYTES * seq * hidden),
+        activations=ActivationBytes(replicated=ACT_BYTES * seq * hidden, split=ACT_BYTES * loss_elems, checkpoint=ACT_BYTES * seq * hidden),
     )
 
 

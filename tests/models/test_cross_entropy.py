@@ -97,3 +97,15 @@ def test_a_bad_mode_is_refused_in_one_line() -> None:
         cluster_from_config(composed(["cluster=hopper", "cluster.cross_entropy=bf16"])["cluster"])
     with pytest.raises(ConfigError, match=r"strategy.cross_entropy='te'; choose one of \['eager', 'fp32', 'fused'\] or null"):
         validate(composed(["model=gpt", "strategy=deepspeed3d", "strategy.cross_entropy=te"]))
+
+
+def test_each_mode_keeps_what_its_backward_reads() -> None:
+    """PyTorch's cross entropy keeps log_softmax's 16-bit output, Megatron-LM's its fp32
+    softmax, a fused kernel the logits it writes the gradient over: 2, 4 and 2 bytes a logit,
+    an activation of the head that tensor parallelism splits with the vocabulary."""
+
+    def head(mode: str):
+        return build_model({**GPT, "cross_entropy": mode}, SEQ).unit("llm").layers[-1].activations
+
+    assert {mode: head(mode).split / LOGITS for mode in ("eager", "fp32", "fused")} == {"eager": 2, "fp32": 4, "fused": 2}
+    assert head("fp32").replicated == head("eager").replicated
