@@ -308,8 +308,9 @@ class ComputeModel:
         # A layer with no backward at all (a frozen ViT under a trained projector) keeps
         # nothing to recompute.
         backward = needs_input_grad or trains_weights
-        recompute = t.recompute(work.recompute) if backward else 0.0
-        recompute_kernels = t.recompute_launches(work.recompute) if backward else 0
+        mode = unit.layers[layer].recompute_mode(work.recompute)
+        recompute = t.recompute(mode) if backward else 0.0
+        recompute_kernels = t.recompute_launches(mode) if backward else 0
         if work.phase == "fwd":
             return t.fwd, n.fwd, 0
         if work.phase == "bwd":

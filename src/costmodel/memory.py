@@ -89,7 +89,7 @@ def work_activation_bytes(model: ModelSpec, compute: Compute, recompute: str, pe
         unit = model.unit(work.unit)
         start, end = work.layers
         sample = sum(
-            layer.activations.per_device(work.sharding, recompute)
+            layer.activations.per_device(work.sharding, layer.recompute_mode(recompute))
             for index, layer in enumerate(unit.layers[start:end], start)
             if not layer.forward_only and (unit.trains(layer) or model.needs_input_grad(work.unit, index))
         )
@@ -121,7 +121,8 @@ def peak_activation_bytes(computes: Iterable[Compute], model: ModelSpec, recompu
                 unit = model.unit(work.unit)
                 start, end = work.layers
                 rematerialised = max(
-                    (layer.activations.per_device(work.sharding, "none") for layer in unit.layers[start:end]), default=0.0
+                    (layer.activations.per_device(work.sharding, "none") for layer in unit.layers[start:end] if layer.block),
+                    default=0.0,
                 )
                 peak = max(peak, live + rematerialised * work.samples * work.fraction * work.load)
             live -= _free(alive, freed, key, model, instruction, recompute.get(work.unit, "none"))

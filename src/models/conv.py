@@ -108,6 +108,7 @@ def resblock_layer(
         ),
         tp_allreduces=convs,
         tp_comm_elems=pixels * c_out,
+        block=True,
     )
 
 
@@ -137,6 +138,7 @@ def spatial_attention_layer(size: int, channels: int, heads: int, name: str = "a
         ),
         tp_allreduces=1,
         tp_comm_elems=pixels * channels,
+        block=True,
     )
 
 

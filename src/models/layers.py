@@ -194,6 +194,7 @@ def transformer_layer(
         ),
         tp_allreduces=allreduces,
         tp_comm_elems=seq * hidden,
+        block=True,
     )
 
 
@@ -239,7 +240,9 @@ def head_layer(
         name=name,
         kernels=tuple(kernels),
         params=(0 if tied else hidden * out) + (2 * hidden if norm else 0),
-        activations=ActivationBytes(replicated=ACT_BYTES * seq * hidden, split=ACT_BYTES * loss_elems, checkpoint=ACT_BYTES * seq * hidden),
+        activations=ActivationBytes(
+            replicated=ACT_BYTES * seq * hidden, split=ACT_BYTES * loss_elems, checkpoint=ACT_BYTES * seq * hidden
+        ),
     )
 
 

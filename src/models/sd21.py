@@ -73,6 +73,7 @@ def spatial_transformer_layer(size: int, channels: int, context_tokens: int, nam
         ),
         tp_allreduces=block.tp_allreduces,
         tp_comm_elems=block.tp_comm_elems,
+        block=True,
     )
 
 

@@ -131,6 +131,14 @@ class LayerSpec:
     frozen: its weights do not train (no weight gradient, no optimizer state) while other
     layers of its unit do (a frozen ViT under a trained projector); an input gradient
     still flows through it to any trained layer before it.
+    block: a transformer or residual block, what full recomputation checkpoints: it keeps
+    its input only and re-runs its forward in backward. The layers around a model's blocks
+    (an embedding, a projector, a U-Net's first and last convolutions, a head and its loss)
+    keep their activations and run once, as the frameworks checkpoint (Megatron-LM's
+    checkpointed forward covers its transformer layers, the embedding, final norm, output
+    layer and loss outside it; DeepSpeed's GPT2ModelPipe checkpoints its
+    ParallelTransformerLayerPipe layers only; improved-diffusion its ResBlocks and
+    AttentionBlocks; PyTorch users wrap blocks in torch.utils.checkpoint).
     """
 
     name: str
@@ -141,9 +149,15 @@ class LayerSpec:
     tp_comm_elems: int = 0
     forward_only: bool = False
     frozen: bool = False
+    block: bool = False
 
     def matmul_flops(self, contrastive_batch: int = 1) -> float:
         return sum(kern.flops(contrastive_batch) for kern in self.kernels)
+
+    def recompute_mode(self, mode: str) -> str:
+        """The unit's recomputation `mode` as it applies to this layer: full recomputation
+        re-runs the blocks only (`block`)."""
+        return "none" if mode == "full" and not self.block else mode
 
     def tp_collectives(self, backward: bool, recompute: str) -> int:
         """The TP activation all-reduces of one pass of this layer. A backward under full
@@ -151,7 +165,7 @@ class LayerSpec:
         tensor_parallel.checkpoint and torch.utils.checkpoint re-run the layer's whole
         forward, collectives and all), then its own; selective recompute re-runs only
         the attention core, which holds none."""
-        if backward and recompute == "full":
+        if backward and self.recompute_mode(recompute) == "full":
             return 2 * self.tp_allreduces
         return self.tp_allreduces
 

@@ -326,7 +326,9 @@ class Executor:
         carried = _carried(self.s.carried.pop(piece, {}), trains)
         state.update(carried)
         layers = unit_layers(self.units, work.unit)
-        # Full recomputation keeps each layer's input only and re-runs the layer in backward.
+        specs = self.model.unit(work.unit).layers
+        # Full recomputation keeps each block's input only and re-runs the block in backward
+        # (LayerSpec.block); the layers around the blocks keep their activations.
         full = trains and self.unit_plan(work.unit).recompute == "full"
         cuts = self.cuts.get((work.unit, j, compute.chunk), set()) if trains else set()
         start = work.layers[0]
@@ -341,7 +343,7 @@ class Executor:
                     x = state["x"].detach().requires_grad_()
                     carried = _carried(state, True)
                     leaves, state, start = {Payload(work.unit, i, j): x}, {**state, **carried, "x": x}, i
-                state = checkpoint(layers[i], state, use_reentrant=False) if full else layers[i](state)
+                state = checkpoint(layers[i], state, use_reentrant=False) if full and specs[i].block else layers[i](state)
         if "loss" in state:
             # This micro-batch's part of the step's loss: the mean over its replica's
             # micro-batches and over the replicas.

@@ -97,7 +97,7 @@ def p2p_s(nbytes: float, bw: float, lat: float) -> float:
 
 # ---- the toy model: every layer is one or a few GEMMs of known shape ---------------------
 def _layer(name: str, *kernels) -> LayerSpec:
-    return LayerSpec(name=name, kernels=tuple(kernels), params=1_000_000, activations=ActivationBytes())
+    return LayerSpec(name=name, kernels=tuple(kernels), params=1_000_000, activations=ActivationBytes(), block=True)
 
 
 def _unit(name: str, layers: tuple[LayerSpec, ...]) -> UnitSpec:

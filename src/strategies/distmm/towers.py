@@ -92,7 +92,7 @@ def replica_state_bytes(unit: UnitSpec, layers: tuple[int, int], tp: int, precis
 
 def activation_per_sample(unit: UnitSpec, layers: tuple[int, int], tp: int, recompute: str) -> float:
     sharding = tensor_parallel(tp)
-    return sum(layer.activations.per_device(sharding, recompute) for layer in unit.layers[layers[0] : layers[1]])
+    return sum(layer.activations.per_device(sharding, layer.recompute_mode(recompute)) for layer in unit.layers[layers[0] : layers[1]])
 
 
 def _fits(unit: UnitSpec, degrees: Degrees, precision: str, usable: float) -> bool:
@@ -187,7 +187,12 @@ class TowerCosts:
                 activations = live * plan.micro_batch * activation_per_sample(unit, layers, plan.tp, plan.recompute)
                 if plan.recompute == "full":
                     activations += plan.micro_batch * max(
-                        layer.activations.per_device(tensor_parallel(plan.tp), "none") for layer in unit.layers[layers[0] : layers[1]]
+                        (
+                            layer.activations.per_device(tensor_parallel(plan.tp), "none")
+                            for layer in unit.layers[layers[0] : layers[1]]
+                            if layer.block
+                        ),
+                        default=0.0,
                     )
             worst = max(worst, states + activations)
         return worst

@@ -340,7 +340,7 @@ class PipelineEstimator:
         key = (segment, sharding)
         if key not in self._largest:
             layers = self.model.unit(segment.unit).layers[segment.layers[0] : segment.layers[1]]
-            self._largest[key] = max((layer.activations.per_device(sharding, "none") for layer in layers), default=0.0)
+            self._largest[key] = max((layer.activations.per_device(sharding, "none") for layer in layers if layer.block), default=0.0)
         return self._largest[key]
 
     def _orders(self, schedule: str, pp: int, microbatches: int, vpp: int) -> list[list[PipeOp]]:
@@ -391,7 +391,7 @@ class PipelineEstimator:
             return float(unit.trainable_params(index, index + 1))
         if what[0] == "activations":
             _, sharding, recompute = what
-            return 0.0 if layer.forward_only else layer.activations.per_device(sharding, recompute)
+            return 0.0 if layer.forward_only else layer.activations.per_device(sharding, layer.recompute_mode(recompute))
         phase, sharding, recompute, micro_batch, rows, _, (mesh, stage) = what
         samples, fraction = share_of(micro_batch, rows)
         work = Work(
