@@ -39,7 +39,8 @@ class UnitFlops:
 
 
 def unit_flops(model: ModelSpec, unit: UnitSpec, contrastive_batch: int = 1) -> UnitFlops:
-    fwd = bwd = core = rerun = 0.0
+    """Full recomputation re-runs the blocks' forwards only (LayerSpec.block)."""
+    fwd = bwd = core = rerun = blocks = 0.0
     for index, layer in enumerate(unit.layers):
         input_grad = model.needs_input_grad(unit.name, index)
         for kernel in layer.kernels:
@@ -47,6 +48,8 @@ def unit_flops(model: ModelSpec, unit: UnitSpec, contrastive_batch: int = 1) -> 
             fwd += flops
             if layer.forward_only:
                 continue
+            if layer.block:
+                blocks += flops
             if kernel.attention_core and (input_grad or unit.trains(layer)):
                 core += flops
             if kernel.backward_recompute and (input_grad or unit.trains(layer)):
@@ -55,7 +58,7 @@ def unit_flops(model: ModelSpec, unit: UnitSpec, contrastive_batch: int = 1) -> 
                 bwd += flops if kernel.has_weight else 2 * flops
             if kernel.has_weight and unit.trains(layer):
                 bwd += flops
-    return UnitFlops(fwd, bwd, recompute_full=fwd, recompute_selective=core, backward_recompute=rerun)
+    return UnitFlops(fwd, bwd, recompute_full=blocks, recompute_selective=core, backward_recompute=rerun)
 
 
 def counted_images(plan: Plan, images: float | None) -> float | None:
