@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 from src.errors import ConfigError
 from src.mesh import Sharding
-from src.models.spec import ModelSpec
+from src.models.spec import LayerSpec, ModelSpec
 from src.program import RECOMPUTE_MODES, Compute, RankProgram, UnitPlan
 
 
@@ -89,13 +89,19 @@ def work_activation_bytes(model: ModelSpec, compute: Compute, recompute: str, pe
         unit = model.unit(work.unit)
         start, end = work.layers
         sample = sum(
-            layer.activations.per_device(work.sharding, layer.recompute_mode(recompute))
+            layer.kept_activations(work.sharding, recompute)
             for index, layer in enumerate(unit.layers[start:end], start)
             if not layer.forward_only and (unit.trains(layer) or model.needs_input_grad(work.unit, index))
         )
         if per_sample is not None:
             per_sample[key] = sample
     return sample * work.samples * work.fraction * work.load
+
+
+def rematerialised_bytes(layers: Sequence[LayerSpec], sharding: Sharding) -> float:
+    """One sample's bytes that full recomputation brings back for a moment in a backward: its
+    largest block's whole activations (the layers around the blocks keep theirs anyway)."""
+    return max((layer.activations.per_device(sharding, "none") for layer in layers if layer.block), default=0.0)
 
 
 def peak_activation_bytes(computes: Iterable[Compute], model: ModelSpec, recompute: Mapping[str, str]) -> float:
@@ -120,10 +126,7 @@ def peak_activation_bytes(computes: Iterable[Compute], model: ModelSpec, recompu
             if recompute.get(work.unit, "none") == "full":
                 unit = model.unit(work.unit)
                 start, end = work.layers
-                rematerialised = max(
-                    (layer.activations.per_device(work.sharding, "none") for layer in unit.layers[start:end] if layer.block),
-                    default=0.0,
-                )
+                rematerialised = rematerialised_bytes(unit.layers[start:end], work.sharding)
                 peak = max(peak, live + rematerialised * work.samples * work.fraction * work.load)
             live -= _free(alive, freed, key, model, instruction, recompute.get(work.unit, "none"))
     return peak

@@ -159,6 +159,11 @@ class LayerSpec:
         re-runs the blocks only (`block`)."""
         return "none" if mode == "full" and not self.block else mode
 
+    def kept_activations(self, sharding: Sharding, recompute: str) -> float:
+        """Bytes of one sample this layer keeps for its backward on one device under the
+        unit's recomputation mode."""
+        return self.activations.per_device(sharding, self.recompute_mode(recompute))
+
     def tp_collectives(self, backward: bool, recompute: str) -> int:
         """The TP activation all-reduces of one pass of this layer. A backward under full
         recompute runs the forward again first, its all-reduces included (Megatron-LM's

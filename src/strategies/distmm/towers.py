@@ -17,7 +17,7 @@ from src.batch_layout import BatchLayout
 from src.cluster import gib, ClusterSpec, family_sharing
 from src.costmodel.comm import CommModel
 from src.costmodel.compute import ComputeModel
-from src.costmodel.memory import element_bytes, grad_bytes, memory_ladder, model_state_bytes
+from src.costmodel.memory import element_bytes, grad_bytes, memory_ladder, model_state_bytes, rematerialised_bytes
 from src.errors import PlanError
 from src.models.spec import ModelSpec, UnitSpec
 from src.mesh import tensor_parallel
@@ -92,7 +92,7 @@ def replica_state_bytes(unit: UnitSpec, layers: tuple[int, int], tp: int, precis
 
 def activation_per_sample(unit: UnitSpec, layers: tuple[int, int], tp: int, recompute: str) -> float:
     sharding = tensor_parallel(tp)
-    return sum(layer.activations.per_device(sharding, layer.recompute_mode(recompute)) for layer in unit.layers[layers[0] : layers[1]])
+    return sum(layer.kept_activations(sharding, recompute) for layer in unit.layers[layers[0] : layers[1]])
 
 
 def _fits(unit: UnitSpec, degrees: Degrees, precision: str, usable: float) -> bool:
@@ -186,13 +186,8 @@ class TowerCosts:
                 live = _resident(plan.schedule, plan.pp, plan.groups, plan.microbatches)[stage]
                 activations = live * plan.micro_batch * activation_per_sample(unit, layers, plan.tp, plan.recompute)
                 if plan.recompute == "full":
-                    activations += plan.micro_batch * max(
-                        (
-                            layer.activations.per_device(tensor_parallel(plan.tp), "none")
-                            for layer in unit.layers[layers[0] : layers[1]]
-                            if layer.block
-                        ),
-                        default=0.0,
+                    activations += plan.micro_batch * rematerialised_bytes(
+                        unit.layers[layers[0] : layers[1]], tensor_parallel(plan.tp)
                     )
             worst = max(worst, states + activations)
         return worst

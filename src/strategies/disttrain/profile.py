@@ -190,7 +190,7 @@ class Profiler:
                 forward * transfer,
                 back * latency,
                 back * transfer,
-                layer.activations.per_device(sharding, layer.recompute_mode(r)) if kept and backward else 0.0,
+                layer.kept_activations(sharding, r) if kept and backward else 0.0,
             )
         return out
 

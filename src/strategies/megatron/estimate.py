@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from src.cluster import ClusterSpec, family_sharing
 from src.costmodel.comm import CommModel
 from src.costmodel.compute import ComputeModel
-from src.costmodel.memory import element_bytes, grad_bytes, model_state_bytes
+from src.costmodel.memory import element_bytes, grad_bytes, model_state_bytes, rematerialised_bytes
 from src.mesh import Sharding, tensor_parallel
 from src.models.spec import ModelSpec, UnitSpec
 from src.program import Work
@@ -340,7 +340,7 @@ class PipelineEstimator:
         key = (segment, sharding)
         if key not in self._largest:
             layers = self.model.unit(segment.unit).layers[segment.layers[0] : segment.layers[1]]
-            self._largest[key] = max((layer.activations.per_device(sharding, "none") for layer in layers if layer.block), default=0.0)
+            self._largest[key] = rematerialised_bytes(layers, sharding)
         return self._largest[key]
 
     def _orders(self, schedule: str, pp: int, microbatches: int, vpp: int) -> list[list[PipeOp]]:
@@ -391,7 +391,7 @@ class PipelineEstimator:
             return float(unit.trainable_params(index, index + 1))
         if what[0] == "activations":
             _, sharding, recompute = what
-            return 0.0 if layer.forward_only else layer.activations.per_device(sharding, layer.recompute_mode(recompute))
+            return 0.0 if layer.forward_only else layer.kept_activations(sharding, recompute)
         phase, sharding, recompute, micro_batch, rows, _, (mesh, stage) = what
         samples, fraction = share_of(micro_batch, rows)
         work = Work(
