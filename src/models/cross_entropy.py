@@ -42,13 +42,20 @@ from dataclasses import replace
 from src.cluster import CROSS_ENTROPY_MODES
 from src.models.spec import Kernel, LayerSpec, ModelSpec
 
-__all__ = ["CROSS_ENTROPY_MODES", "LOGIT_BYTES", "SAVED_BYTES", "with_cross_entropy"]
+__all__ = ["CROSS_ENTROPY_MODES", "LOGIT_BYTES", "SAVED_BYTES", "eager_loss", "with_cross_entropy"]
 
 # Bytes each mode's forward and backward move per logit (16-bit logits; fp32 under autocast
 # is the compute model's, from cluster.amp).
 LOGIT_BYTES: dict[str, tuple[float, float]] = {"eager": (4.0, 8.0), "fp32": (38.0, 14.0), "fused": (2.0, 4.0)}
 # Bytes a logit each mode keeps for backward.
 SAVED_BYTES: dict[str, float] = {"eager": 2.0, "fp32": 4.0, "fused": 2.0}
+
+
+def eager_loss(logits: float) -> Kernel:
+    """The loss over `logits` values a sample as the builders make it: PyTorch's cross
+    entropy, vocab-parallel (split with TP's column split of the head)."""
+    forward, backward = LOGIT_BYTES["eager"]
+    return Kernel("loss", "memory", bytes=logits * forward, tp_split="n", backward_moves=backward / forward, cross_entropy="eager")
 
 
 def with_cross_entropy(spec: ModelSpec, mode: str) -> ModelSpec:

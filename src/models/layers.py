@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from src.models.cross_entropy import SAVED_BYTES, eager_loss
 from src.models.spec import ActivationBytes, Kernel, LayerSpec, TPSplit
 
 ACT_BYTES = 2  # bf16/fp16 activations
@@ -234,14 +235,14 @@ def head_layer(
     loss_elems = seq * out if loss_elems is None else loss_elems
     kernels = ([memory("final_norm", seq * hidden, norm=hidden)] if norm else []) + [
         gemm("projection", seq, hidden, out, "n"),
-        replace(memory("loss", loss_elems, "n"), cross_entropy="eager"),
+        eager_loss(loss_elems),
     ]
     return LayerSpec(
         name=name,
         kernels=tuple(kernels),
         params=(0 if tied else hidden * out) + (2 * hidden if norm else 0),
         activations=ActivationBytes(
-            replicated=ACT_BYTES * seq * hidden, split=ACT_BYTES * loss_elems, checkpoint=ACT_BYTES * seq * hidden
+            replicated=ACT_BYTES * seq * hidden, split=SAVED_BYTES["eager"] * loss_elems, checkpoint=ACT_BYTES * seq * hidden
         ),
     )
 

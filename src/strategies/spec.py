@@ -30,8 +30,8 @@ class StrategySpec:
     field is written 'unit.field'.
     software: where the strategy models one codebase, the model settings that codebase's
     software fixes, from its config group: model option -> value (its attention kernel,
-    how it reduces parameter gradients); the door builds the model with them where the
-    model's own option is unset.
+    how it reduces parameter gradients, how it computes the loss); the door builds the
+    model with them where the model's own option is unset.
     auto_variants: the contenders `strategy=auto` compares it as (none: auto leaves it out).
     batches: plans once and prices that plan on each of the given global batches of the
     workload's data (PlanRequest.batch_index), as a run keeps its choices from step to step:
