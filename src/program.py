@@ -94,7 +94,8 @@ class Work:
     phase: fwd; bwd (input and weight gradients; preceded by re-running the forward, or
     only its attention core, when recompute is 'full' or 'selective'); bwd_input /
     bwd_weight separately; optimizer (the update of the layers' local parameter shard,
-    `shard` = how many ranks share the optimizer state);
+    `shard` = how many ranks share the optimizer state, `grad_shard` how many their
+    gradients: ZeRO-2/3's partitions);
     interaction (forward + backward of an interaction unit on a gathered batch).
     sharding: how the layers' tensors are split over this device's tensor-parallel axes.
     load: relative size of this micro-batch's input against the nominal sample (data
@@ -127,6 +128,7 @@ class Work:
     fraction: float = 1.0
     load: float = 1.0
     shard: int = 1
+    grad_shard: int = 1
     fetches: int = 0
     fetched: float = 0.0
     fetch_blocking: bool = False

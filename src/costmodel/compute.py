@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from src.cluster import ClusterSpec
 from src.costmodel.memory import element_bytes
+from src.costmodel.optimizer_step import step_bytes
 from src.mesh import Sharding
 from src.models.spec import Kernel, LayerSpec, ModelSpec, UnitSpec
 from src.program import Work
@@ -38,11 +39,6 @@ from src.program import Work
 # run_mha_fwd_hdim64/128, and its backward's key tile). A causal mask leaves the tiles above
 # the diagonal out: of n x n tiles, n (n + 1) / 2 run.
 FLASH_TILE = 128
-
-# The optimizer step of mixed-precision Adam touches, per parameter: fp32 gradient (read 4),
-# fp32 master weight (read + write 8), two fp32 moments (read + write 16), 16-bit weight
-# (write 2). It is bandwidth-bound.
-ADAM_BYTES_PER_PARAM = 30.0
 
 
 @dataclass(frozen=True)
@@ -130,6 +126,7 @@ class ComputeModel:
         self.hbm = cluster.memory_bandwidth * cluster.memory_efficiency * self.core_share
         self.bytes_per_elem = element_bytes(precision)
         self.amp = cluster.amp and precision != "fp32"  # PyTorch AMP over 16-bit GEMMs (fp32 runs cast nothing)
+        self.step = step_bytes(precision, cluster.amp)
         self._layer_cache: dict[tuple, LayerTimes] = {}
         self._work_cache: dict[tuple[int, Work], float] = {}
         self._models: dict[int, ModelSpec] = {}
@@ -151,6 +148,12 @@ class ComputeModel:
         if nbytes <= 0:
             return 0.0
         return nbytes / self.hbm + self.cluster.kernel_overhead_s
+
+    def optimizer_time(self, params: float, shard: int = 1, grad_shard: int = 1) -> float:
+        """One optimizer step over `params` parameters on one device, its optimizer state
+        shared by `shard` ranks and its gradients by `grad_shard` (ZeRO-2/3's partitions):
+        the passes src/costmodel/optimizer_step.py lists."""
+        return self.memory_time(params / grad_shard * self.step.grads + params / shard * self.step.shard)
 
     def kernel_times(
         self, kernel: Kernel, rows: float, sharding: Sharding, contrastive_batch: int, causal: bool = False
@@ -246,8 +249,8 @@ class ComputeModel:
         start, end = work.layers
         layers = unit.layers[start:end]
         if work.phase == "optimizer":
-            params = unit.trainable_params(start, end) / (work.sharding.devices * work.shard)
-            return self.memory_time(params * ADAM_BYTES_PER_PARAM) * work.load
+            params = unit.trainable_params(start, end) / work.sharding.devices
+            return self.optimizer_time(params, work.shard, work.grad_shard) * work.load
         rows = work.samples * work.fraction
         causal = not unit.arch.per_image  # a unit that reads or makes images attends both ways
         # The framework's ZeRO-3 fetches (its module hooks) run on the host before the first

@@ -307,8 +307,9 @@ class ColocatedEmitter:
             layered = u.zero_stage >= 3 and mesh.degree("dp") > 1
             shard = mesh.degree("dp") if u.zero_stage >= 1 else 1
             if layered:
+                sharding = tensor_parallel(mesh.degree("tp"))
                 out += [
-                    Compute(Work(s.unit, "optimizer", 0, s.layers, sharding=tensor_parallel(mesh.degree("tp")), shard=shard))
+                    Compute(Work(s.unit, "optimizer", 0, s.layers, sharding=sharding, shard=shard, grad_shard=shard))
                     for s in segments
                     if not self.model.unit(s.unit).frozen
                 ]

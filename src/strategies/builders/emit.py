@@ -209,10 +209,11 @@ def iteration_tail(
     if dp > 1 and dp_group is not None and not pending:
         op: CollectiveOp = "reduce_scatter" if zero_stage >= 1 else "all_reduce"
         out.append(Collective(op, dp_group, params * grad_bytes, "dp"))
-    shard = dp if zero_stage >= 1 else 1
+    shard, grad_shard = (dp if zero_stage >= 1 else 1), (dp if zero_stage >= 2 else 1)
     for segment in segments:
         if not model.unit(segment.unit).frozen:
-            out.append(Compute(Work(segment.unit, "optimizer", 0, segment.layers, sharding=sharding, shard=shard)))
+            work = Work(segment.unit, "optimizer", 0, segment.layers, sharding=sharding, shard=shard, grad_shard=grad_shard)
+            out.append(Compute(work))
     # ZeRO-1/2 gather the updated parameters; ZeRO-3 gathers each layer's before it runs.
     if zero_stage in (1, 2) and dp > 1 and dp_group is not None:
         out.append(Collective("all_gather", dp_group, params * param_bytes, "dp"))
