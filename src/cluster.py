@@ -47,6 +47,10 @@ PARAM_GRAD_KERNELS = ("separate", "fused")
 # states its era's): PyTorch's cross entropy, Megatron-LM's vocab-parallel one on an fp32 copy, or
 # one fused kernel each way (src/models/cross_entropy.py).
 CROSS_ENTROPY_MODES = ("eager", "fp32", "fused")
+# How the software adds each micro-batch's weight gradients into the step's accumulated ones
+# (model.grad_accumulation; a preset states its era's): a pass of its own after the weight
+# gradient's GEMM, or inside that GEMM (src/models/grad_accumulation.py).
+GRAD_ACCUMULATIONS = ("hook", "fused")
 # How a framework issues a layer's kernels (cluster.host_launch): one by one, or a layer's
 # forward and backward each replayed from a captured CUDA graph.
 HOST_LAUNCHES = ("eager", "graphed")
@@ -178,6 +182,9 @@ class ClusterSpec:
       (src/models/grad_kernels.py).
     cross_entropy: how the testbed's software computes the loss over the logits (eager |
       fp32 | fused), the default of model.cross_entropy (src/models/cross_entropy.py).
+    grad_accumulation: how the testbed's software adds a micro-batch's weight gradients into
+      the accumulated ones (hook | fused), the default of model.grad_accumulation
+      (src/models/grad_accumulation.py).
     collective_sm_fraction, p2p_sm_fraction: fraction of the device's SMs a collective's
       (resp. a send's or receive's) kernels hold while they run: NCCL runs one CTA per
       channel, each on an SM of its own, so compute overlapping them runs on the rest.
@@ -247,6 +254,7 @@ class ClusterSpec:
     attention: str = "eager"
     param_grad_kernels: str = "separate"
     cross_entropy: str = "eager"
+    grad_accumulation: str = "fused"
     collective_measurements: tuple[CollectiveMeasurements, ...] = ()
     sources: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
@@ -384,6 +392,7 @@ SOURCED = (
     "attention",
     "param_grad_kernels",
     "cross_entropy",
+    "grad_accumulation",
     "nics",
     "collectives",
     "collective_efficiency",
@@ -504,6 +513,7 @@ def cluster_from_config(cfg: Mapping[str, Any]) -> ClusterSpec:
         attention=_mode("attention", cfg.get("attention"), ATTENTION_MODES, name),
         param_grad_kernels=_mode("param_grad_kernels", cfg.get("param_grad_kernels"), PARAM_GRAD_KERNELS, name),
         cross_entropy=_mode("cross_entropy", cfg.get("cross_entropy"), CROSS_ENTROPY_MODES, name),
+        grad_accumulation=_mode("grad_accumulation", cfg.get("grad_accumulation"), GRAD_ACCUMULATIONS, name),
         collective_measurements=tuple(measured_collectives(str(m), name) for m in _names(cfg.get("collective_measurements"), name)),
         **{key: float(cfg[key]) for key in FLOAT_FIELDS},
     )

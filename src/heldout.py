@@ -148,6 +148,7 @@ def overrides(run: Run, common: dict[str, Any]) -> list[str]:
         f"model.attention={model['attention']}",
         f"model.param_grad_kernels={model['param_grad_kernels']}",
         f"model.cross_entropy={model['cross_entropy']}",
+        f"model.grad_accumulation={model['grad_accumulation']}",
         f"model.dropout={_value(model['dropout'])}",
         f"train.seq_len={model['seq_len']}",
         f"train.global_batch={run.global_batch}",

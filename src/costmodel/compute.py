@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass
 
 from src.cluster import ClusterSpec
-from src.costmodel.memory import element_bytes
+from src.costmodel.memory import element_bytes, grad_bytes
 from src.costmodel.optimizer_step import step_bytes
 from src.mesh import Sharding
 from src.models.spec import Kernel, LayerSpec, ModelSpec, UnitSpec
@@ -127,6 +127,9 @@ class ComputeModel:
         self.bytes_per_elem = element_bytes(precision)
         self.amp = cluster.amp and precision != "fp32"  # PyTorch AMP over 16-bit GEMMs (fp32 runs cast nothing)
         self.step = step_bytes(precision, cluster.amp)
+        # A micro-batch's weight gradient added into the accumulated one in a pass of its own:
+        # the fresh gradient read, the buffer's element read and written.
+        self.accumulation_bytes = self.bytes_per_elem + 2.0 * grad_bytes(precision)
         self._layer_cache: dict[tuple, LayerTimes] = {}
         self._work_cache: dict[tuple[int, Work], float] = {}
         self._models: dict[int, ModelSpec] = {}
@@ -201,6 +204,8 @@ class ComputeModel:
             weights = k * n * batch
             fwd += self.memory_time(6.0 * weights)
             bwd_weight += self.memory_time(18.0 * weights)
+        elif kernel.accumulation_pass:
+            bwd_weight += self.memory_time(self.accumulation_bytes * k * n * batch)
         return LayerTimes(fwd, bwd_input, bwd_weight, fwd if kernel.attention_core else 0.0, launches)
 
     def layer_times(

@@ -2,8 +2,8 @@
 
 Every builder takes the config's Options and the training sequence length (train.seq_len,
 None = the model's default; only models with an LLM unit accept one). The registry then
-applies `model.attention`, `model.param_grad_kernels`, `model.cross_entropy` and
-`model.frozen`, which work for every model, and rejects keys
+applies `model.attention`, `model.param_grad_kernels`, `model.cross_entropy`,
+`model.grad_accumulation` and `model.frozen`, which work for every model, and rejects keys
 nobody read.
 """
 
@@ -18,6 +18,7 @@ from src.models.attention import ATTENTION_MODES, with_attention
 from src.models.contrastive import build_clip, build_coca, build_lit
 from src.models.cross_entropy import CROSS_ENTROPY_MODES, with_cross_entropy
 from src.models.gpt import build_gpt
+from src.models.grad_accumulation import GRAD_ACCUMULATIONS, with_grad_accumulation
 from src.models.grad_kernels import PARAM_GRAD_KERNELS, with_param_grad_kernels
 from src.models.mllm import MLLM_BUILDERS
 from src.models.optimus import build_optimus
@@ -45,10 +46,12 @@ def build_model(
     attention: str = "eager",
     param_grad_kernels: str = "separate",
     cross_entropy: str = "eager",
+    grad_accumulation: str = "fused",
 ) -> ModelSpec:
     """Build the ModelSpec the Hydra `model` group describes (as a plain dict); `attention`,
-    `param_grad_kernels` and `cross_entropy` (the cluster preset's) are the defaults of
-    model.attention, model.param_grad_kernels and model.cross_entropy."""
+    `param_grad_kernels`, `cross_entropy` and `grad_accumulation` (the cluster preset's) are
+    the defaults of model.attention, model.param_grad_kernels, model.cross_entropy and
+    model.grad_accumulation."""
     opts = Options(model_cfg)
     name = opts.choice("name", MODEL_NAMES)
     if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0):
@@ -57,9 +60,11 @@ def build_model(
     mode = opts.choice("attention", ATTENTION_MODES, attention)
     grad_kernels = opts.choice("param_grad_kernels", PARAM_GRAD_KERNELS, param_grad_kernels)
     loss = opts.choice("cross_entropy", CROSS_ENTROPY_MODES, cross_entropy)
+    accumulation = opts.choice("grad_accumulation", GRAD_ACCUMULATIONS, grad_accumulation)
     frozen = opts.names("frozen")
     opts.finish(name)
     spec = with_cross_entropy(with_param_grad_kernels(with_attention(spec, mode), grad_kernels), loss)
+    spec = with_grad_accumulation(spec, accumulation)
     return spec if frozen is None else _freeze(spec, frozen)
 
 

@@ -57,6 +57,9 @@ class Kernel:
       (src/models/grad_kernels.py). Part of the weight gradient.
     cross_entropy: the loss over a vocabulary's logits, computed as this mode says
       (src/models/cross_entropy.py); empty for every other kernel.
+    accumulation_pass: a weighted product whose weight gradient the framework adds into the
+      step's accumulated gradient in a pass of its own, every micro-batch
+      (src/models/grad_accumulation.py); false where the GEMM accumulates it.
     """
 
     name: str
@@ -80,6 +83,7 @@ class Kernel:
     residual: bool = False
     grad_reduction_bytes: float = 0.0
     cross_entropy: str = ""
+    accumulation_pass: bool = False
 
     def flops(self, contrastive_batch: int = 1) -> float:
         """Forward FLOPs for one sample (0 for memory-bound kernels)."""

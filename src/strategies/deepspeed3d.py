@@ -17,7 +17,9 @@ What separates it from today's Megatron-LM baseline is what that codebase runs:
   which the door builds the model with (its descriptor's `software`, src/strategies/spec.py);
 - the loss as Megatron-LM's vocab-parallel cross entropy on an fp32 copy of the logits
   (megatron/model/gpt2_model.py: `output.float()`, its example scripts
-  ds_pretrain_gpt2*.sh passing --fp16 and no --fp16-lm-cross-entropy).
+  ds_pretrain_gpt2*.sh passing --fp16 and no --fp16-lm-cross-entropy);
+- weight gradients added into the 16-bit `.grad` by autograd every micro-batch (2020: before
+  Megatron-LM's gradient accumulation fusion).
 The Programs are the Megatron pipeline's, built and searched by the Megatron planner
 with these settings fixed.
 """
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from src.cluster import ATTENTION_MODES, CROSS_ENTROPY_MODES, PARAM_GRAD_KERNELS
+from src.cluster import ATTENTION_MODES, CROSS_ENTROPY_MODES, GRAD_ACCUMULATIONS, PARAM_GRAD_KERNELS
 from src.config import options_from
 from src.errors import ConfigError
 from src.program import Plan
@@ -53,12 +55,16 @@ class DeepSpeed3DOptions:
     attention: str | None = "eager"
     param_grad_kernels: str | None = "separate"
     cross_entropy: str | None = "fp32"
+    # Its weight gradients accumulate through autograd's AccumulateGrad into the 16-bit `.grad`
+    # (DeepSpeed's engine over Megatron-LM v1.1.5's layers, before gradient accumulation fusion).
+    grad_accumulation: str | None = "hook"
 
     def __post_init__(self) -> None:
         for key, modes in (
             ("attention", ATTENTION_MODES),
             ("param_grad_kernels", PARAM_GRAD_KERNELS),
             ("cross_entropy", CROSS_ENTROPY_MODES),
+            ("grad_accumulation", GRAD_ACCUMULATIONS),
         ):
             value = getattr(self, key)
             if value is not None and value not in modes:
@@ -84,7 +90,12 @@ class DeepSpeed3DOptions:
 def software(options: dict) -> dict[str, str]:
     """The model settings this strategy's software fixes (the door builds the model with them)."""
     opts = options_from(DeepSpeed3DOptions, options)
-    settings = {"attention": opts.attention, "param_grad_kernels": opts.param_grad_kernels, "cross_entropy": opts.cross_entropy}
+    settings = {
+        "attention": opts.attention,
+        "param_grad_kernels": opts.param_grad_kernels,
+        "cross_entropy": opts.cross_entropy,
+        "grad_accumulation": opts.grad_accumulation,
+    }
     return {key: value for key, value in settings.items() if value is not None}
 
 

@@ -306,6 +306,8 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
     # How the parameter gradients' reductions are priced; the workers' autograd computes the same gradients.
     ("deepspeed3d", "param_grad_kernels"): (DS3D, ["strategy.param_grad_kernels=fused"], "run", EQUALITY),
     ("deepspeed3d", "cross_entropy"): (DS3D, ["strategy.cross_entropy=fused"], "run", EQUALITY),
+    # How each micro-batch's weight gradients are added into the step's is priced; autograd accumulates them the same.
+    ("deepspeed3d", "grad_accumulation"): (DS3D, ["strategy.grad_accumulation=fused"], "run", EQUALITY),
     ("optimus", "llm.tp"): (OPTIMUS, ["strategy.llm.pp=2", "strategy.llm.tp=2", "strategy.fine_grained=false"], "run", OPTIMUS_RUNS),
     ("optimus", "llm.pp"): (OPTIMUS, ["strategy.llm.pp=4"], "run", OPTIMUS_RUNS),
     ("optimus", "llm.dp"): (OPTIMUS, ["strategy.llm.pp=2", "strategy.llm.dp=2", "strategy.llm.zero_stage=0"], "run", OPTIMUS_RUNS),

@@ -1,0 +1,98 @@
+"""model.grad_accumulation: a micro-batch's weight gradients added into the step's in a pass of
+their own (Megatron-LM's DDP hook of 2021-22, PyTorch's autograd) or inside the GEMM
+(gradient accumulation fusion)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from src.cluster import cluster_from_config
+from src.config import composed
+from src.costmodel.compute import ComputeModel
+from src.errors import ConfigError
+from src.mesh import Sharding, tensor_parallel
+from src.models.registry import build_model
+from src.setup import validate
+
+GPT = {"name": "gpt", "preset": None, "layers": 2, "hidden": 1024, "heads": 16, "vocab": 32000}
+SEQ = 2048
+# A GPT block's weights: qkv 3h^2, projection h^2, fc1 and fc2 4h^2 each.
+BLOCK_WEIGHTS = 12 * 1024 * 1024
+
+
+def block(mode: str):
+    return build_model({**GPT, "grad_accumulation": mode}, SEQ).unit("llm").layers[1]
+
+
+def cluster(amp: bool = False):
+    return replace(cluster_from_config(composed(["cluster=dgx_a100"])["cluster"]), amp=amp)
+
+
+@pytest.mark.parametrize(("precision", "per_weight"), [("fp16", 6.0), ("bf16", 10.0), ("fp32", 12.0)])
+def test_a_hook_adds_each_weights_gradient_once_a_micro_batch_whatever_its_rows(precision: str, per_weight: float) -> None:
+    """The fresh gradient read (2 bytes, 4 at fp32), the buffer's element read and written (fp16's
+    in fp16, bf16's and fp32's in fp32): per micro-batch, not per row; the fused GEMM adds none."""
+    compute = ComputeModel(cluster(), precision)
+    hbm, gap = compute.cluster.memory_bandwidth * compute.cluster.memory_efficiency, compute.cluster.kernel_overhead_s
+    for rows in (1, 8):
+        hooked, fused = compute.layer_times(block("hook"), rows), compute.layer_times(block("fused"), rows)
+        assert hooked.bwd_weight - fused.bwd_weight == pytest.approx(per_weight * BLOCK_WEIGHTS / hbm + 4 * gap)
+        assert (hooked.fwd, hooked.bwd_input) == (fused.fwd, fused.bwd_input)
+
+
+def test_tensor_parallelism_splits_the_pass_with_the_weights() -> None:
+    compute = ComputeModel(cluster(), "fp16")
+    extra = [
+        compute.layer_times(block("hook"), 1, sharding).bwd_weight - compute.layer_times(block("fused"), 1, sharding).bwd_weight
+        for sharding in (Sharding(), tensor_parallel(8))
+    ]
+    gap = 4 * compute.cluster.kernel_overhead_s
+    assert extra[1] - gap == pytest.approx((extra[0] - gap) / 8)
+
+
+def test_under_amp_autograd_accumulates_into_the_fp32_grad_whatever_the_mode() -> None:
+    compute = ComputeModel(cluster(amp=True), "bf16")
+    assert compute.layer_times(block("hook"), 1) == compute.layer_times(block("fused"), 1)
+
+
+def _mode(*overrides: str) -> bool:
+    setup = validate(
+        composed(
+            ["model=gpt", "model.preset=null", "model.layers=2", "model.hidden=256", "model.heads=4", "model.vocab=1024", *overrides]
+        )
+    )
+    return any(k.accumulation_pass for layer in setup.model.unit("llm").layers for k in layer.kernels)
+
+
+def test_the_default_is_the_presets_software_a_strategys_codebase_or_the_models_option() -> None:
+    """Megatron-LM with fp32 accumulation fuses it (hopper, a800, perlmutter); Megatron-LM of
+    2021-22 in fp16, LitGPT, PyTorch loops and the real backend add it in a pass; DeepSpeed-3D's
+    codebase (2020) too, on any preset; model.grad_accumulation wins over both."""
+    presets = {
+        name: cluster_from_config(composed([f"cluster={name}"])["cluster"]).grad_accumulation
+        for name in ("hopper", "a800", "dgx_a100", "perlmutter", "frontier", "p3_16xlarge", "local")
+    }
+    assert presets == {
+        "hopper": "fused",
+        "a800": "fused",
+        "perlmutter": "fused",
+        "dgx_a100": "hook",
+        "frontier": "hook",
+        "p3_16xlarge": "hook",
+        "local": "hook",
+    }
+    assert not _mode("cluster=perlmutter", "cluster.nodes=2")
+    assert _mode("cluster=perlmutter", "cluster.nodes=2", "strategy=deepspeed3d")
+    assert not _mode("cluster=perlmutter", "cluster.nodes=2", "strategy=deepspeed3d", "strategy.grad_accumulation=null")
+    assert not _mode("cluster=perlmutter", "cluster.nodes=2", "strategy=deepspeed3d", "model.grad_accumulation=fused")
+
+
+def test_a_bad_mode_is_refused_in_one_line() -> None:
+    with pytest.raises(ConfigError, match=r"model.grad_accumulation='apex' is not one of: hook, fused"):
+        build_model({**GPT, "grad_accumulation": "apex"}, SEQ)
+    with pytest.raises(ConfigError, match=r"cluster.grad_accumulation must be one of \['hook', 'fused'\], got 'yes'"):
+        cluster_from_config(composed(["cluster=hopper", "cluster.grad_accumulation=yes"])["cluster"])
+    with pytest.raises(ConfigError, match=r"strategy.grad_accumulation='te'; choose one of \['hook', 'fused'\] or null"):
+        validate(composed(["model=gpt", "strategy=deepspeed3d", "strategy.grad_accumulation=te"]))
