@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from src.cluster import GRAD_ACCUMULATIONS
-from src.models.spec import LayerSpec, ModelSpec
+from src.models.spec import ModelSpec
 
 __all__ = ["GRAD_ACCUMULATIONS", "with_grad_accumulation"]
 
@@ -41,10 +41,6 @@ __all__ = ["GRAD_ACCUMULATIONS", "with_grad_accumulation"]
 def with_grad_accumulation(spec: ModelSpec, mode: str) -> ModelSpec:
     """The model with its weight gradients accumulated as `mode` says (the builders make
     them fused). Repeated layers stay one object: consumers cache by identity."""
-    return spec if mode == "fused" else spec.map_layers(_hooked)
-
-
-def _hooked(layer: LayerSpec) -> LayerSpec:
-    if not any(kernel.has_weight for kernel in layer.kernels):
-        return layer
-    return replace(layer, kernels=tuple(replace(k, accumulation_pass=True) if k.has_weight else k for k in layer.kernels))
+    if mode == "fused":
+        return spec
+    return spec.map_kernels(lambda kernel: replace(kernel, accumulation_pass=True) if kernel.has_weight else kernel)

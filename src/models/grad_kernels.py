@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from src.cluster import PARAM_GRAD_KERNELS
-from src.models.spec import LayerSpec, ModelSpec
+from src.models.spec import ModelSpec
 
 __all__ = ["PARAM_GRAD_KERNELS", "with_param_grad_kernels"]
 
@@ -39,10 +39,6 @@ __all__ = ["PARAM_GRAD_KERNELS", "with_param_grad_kernels"]
 def with_param_grad_kernels(spec: ModelSpec, mode: str) -> ModelSpec:
     """The model with its parameter-gradient reductions run as `mode` (the builders make
     them separate). Repeated layers stay one object: consumers cache by identity."""
-    return spec if mode == "separate" else spec.map_layers(_fused)
-
-
-def _fused(layer: LayerSpec) -> LayerSpec:
-    if not any(kernel.grad_reduction_bytes for kernel in layer.kernels):
-        return layer
-    return replace(layer, kernels=tuple(replace(kernel, grad_reduction_bytes=0.0) for kernel in layer.kernels))
+    if mode == "separate":
+        return spec
+    return spec.map_kernels(lambda kernel: replace(kernel, grad_reduction_bytes=0.0) if kernel.grad_reduction_bytes else kernel)

@@ -307,6 +307,16 @@ class ModelSpec:
         )
         return replace(self, units=units)
 
+    def map_kernels(self, change: Callable[[Kernel], Kernel]) -> ModelSpec:
+        """The model with `change` applied to every layer's kernels; a layer none of whose
+        kernels it changes stays the same object (map_layers keeps repeated layers one)."""
+
+        def changed(layer: LayerSpec) -> LayerSpec:
+            kernels = tuple(change(kernel) for kernel in layer.kernels)
+            return layer if all(a is b for a, b in zip(kernels, layer.kernels)) else replace(layer, kernels=kernels)
+
+        return self.map_layers(changed)
+
     def unit(self, name: str) -> UnitSpec:
         for unit in self.units:
             if unit.name == name:

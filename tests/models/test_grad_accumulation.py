@@ -13,6 +13,7 @@ from src.config import composed
 from src.costmodel.compute import ComputeModel
 from src.errors import ConfigError
 from src.mesh import Sharding, tensor_parallel
+from src.models.grad_accumulation import with_grad_accumulation
 from src.models.registry import build_model
 from src.setup import validate
 
@@ -96,3 +97,14 @@ def test_a_bad_mode_is_refused_in_one_line() -> None:
         cluster_from_config(composed(["cluster=hopper", "cluster.grad_accumulation=yes"])["cluster"])
     with pytest.raises(ConfigError, match=r"strategy.grad_accumulation='te'; choose one of \['hook', 'fused'\] or null"):
         validate(composed(["model=gpt", "strategy=deepspeed3d", "strategy.grad_accumulation=te"]))
+
+
+def test_the_hooked_model_keeps_repeated_layers_one_object_and_unweighted_ones_as_they_were() -> None:
+    """Consumers cache layer times by identity: a GPT's blocks (one object repeated) stay one
+    object, and a layer with no weighted product (the embedding's lookup) is not copied."""
+    spec = build_model({**GPT, "layers": 4, "grad_accumulation": "fused"}, SEQ)
+    fused, hooked = spec.unit("llm").layers, with_grad_accumulation(spec, "hook").unit("llm").layers
+    blocks = [i for i, layer in enumerate(fused) if layer.block]
+    assert len({id(hooked[i]) for i in blocks}) == 1 and hooked[blocks[0]] is not fused[blocks[0]]
+    unweighted = [i for i, layer in enumerate(fused) if not any(k.has_weight for k in layer.kernels)]
+    assert unweighted and [i for i, (a, b) in enumerate(zip(fused, hooked)) if a is b] == unweighted
