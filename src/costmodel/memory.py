@@ -62,16 +62,29 @@ def state_bytes(precision: str, frozen: bool) -> StateBytes:
     return StateBytes(weights, float(grad_bytes(precision)), 12.0)
 
 
+@dataclass(frozen=True)
+class ZeroShards:
+    """How many data-parallel ranks share each model state of a parameter."""
+
+    weights: int
+    grads: int
+    optimizer: int
+
+
+def zero_shards(dp: int, zero_stage: int) -> ZeroShards:
+    """ZeRO-1 (Megatron's distributed optimizer) shards the optimizer state over the `dp`
+    replicas, ZeRO-2 also the gradients, ZeRO-3 also the weights."""
+    return ZeroShards(dp if zero_stage >= 3 else 1, dp if zero_stage >= 2 else 1, dp if zero_stage >= 1 else 1)
+
+
 def model_state_bytes(params: float, precision: str, frozen: bool, zero_stage: int, dp: int) -> dict[str, float]:
     """Per-device bytes of weights, gradients and optimizer state for `params` parameters
-    held by one model-parallel shard replicated `dp` times. ZeRO-1 (Megatron's distributed
-    optimizer) shards the optimizer state over dp, ZeRO-2 also the gradients, ZeRO-3 also
-    the weights."""
-    per = state_bytes(precision, frozen)
+    held by one model-parallel shard replicated `dp` times, sharded as zero_shards says."""
+    per, shards = state_bytes(precision, frozen), zero_shards(dp, zero_stage)
     return {
-        "weights": params * per.weights / (dp if zero_stage >= 3 else 1),
-        "grads": params * per.grads / (dp if zero_stage >= 2 else 1),
-        "optimizer": params * per.optimizer / (dp if zero_stage >= 1 else 1),
+        "weights": params * per.weights / shards.weights,
+        "grads": params * per.grads / shards.grads,
+        "optimizer": params * per.optimizer / shards.optimizer,
     }
 
 

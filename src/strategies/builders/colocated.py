@@ -16,7 +16,7 @@ from typing import Any, Sequence
 from dataclasses import dataclass, replace
 
 from src.cluster import ClusterSpec
-from src.costmodel.memory import element_bytes, grad_bytes
+from src.costmodel.memory import element_bytes, grad_bytes, zero_shards
 from src.mesh import Mesh, tensor_parallel
 from src.models.spec import LayerSpec, ModelSpec
 from src.program import (
@@ -305,11 +305,10 @@ class ColocatedEmitter:
             u = self.units[names[0]]
             segments = [Segment(n, (0, self.model.unit(n).num_layers)) for n in names]
             layered = u.zero_stage >= 3 and mesh.degree("dp") > 1
-            shard = mesh.degree("dp") if u.zero_stage >= 1 else 1
             if layered:
-                sharding = tensor_parallel(mesh.degree("tp"))
+                sharding, shards = tensor_parallel(mesh.degree("tp")), zero_shards(mesh.degree("dp"), u.zero_stage)
                 out += [
-                    Compute(Work(s.unit, "optimizer", 0, s.layers, sharding=sharding, shard=shard, grad_shard=shard))
+                    Compute(Work(s.unit, "optimizer", 0, s.layers, sharding=sharding, shard=shards.optimizer, grad_shard=shards.grads))
                     for s in segments
                     if not self.model.unit(s.unit).frozen
                 ]

@@ -8,6 +8,7 @@ from typing import Sequence
 
 from dataclasses import dataclass, replace
 
+from src.costmodel.memory import zero_shards
 from src.mesh import Sharding
 from src.models.flows import flows_of, outputs_of
 from src.models.spec import ModelSpec
@@ -209,10 +210,12 @@ def iteration_tail(
     if dp > 1 and dp_group is not None and not pending:
         op: CollectiveOp = "reduce_scatter" if zero_stage >= 1 else "all_reduce"
         out.append(Collective(op, dp_group, params * grad_bytes, "dp"))
-    shard, grad_shard = (dp if zero_stage >= 1 else 1), (dp if zero_stage >= 2 else 1)
+    shards = zero_shards(dp, zero_stage)
     for segment in segments:
         if not model.unit(segment.unit).frozen:
-            work = Work(segment.unit, "optimizer", 0, segment.layers, sharding=sharding, shard=shard, grad_shard=grad_shard)
+            work = Work(
+                segment.unit, "optimizer", 0, segment.layers, sharding=sharding, shard=shards.optimizer, grad_shard=shards.grads
+            )
             out.append(Compute(work))
     # ZeRO-1/2 gather the updated parameters; ZeRO-3 gathers each layer's before it runs.
     if zero_stage in (1, 2) and dp > 1 and dp_group is not None:

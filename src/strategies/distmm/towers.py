@@ -17,7 +17,7 @@ from src.batch_layout import BatchLayout
 from src.cluster import gib, ClusterSpec, family_sharing
 from src.costmodel.comm import CommModel
 from src.costmodel.compute import ComputeModel
-from src.costmodel.memory import element_bytes, grad_bytes, memory_ladder, model_state_bytes, rematerialised_bytes
+from src.costmodel.memory import element_bytes, grad_bytes, memory_ladder, model_state_bytes, rematerialised_bytes, zero_shards
 from src.errors import PlanError
 from src.models.spec import ModelSpec, UnitSpec
 from src.mesh import tensor_parallel
@@ -270,7 +270,7 @@ class TowerCosts:
                     seconds += self.comm.collective_time("all_gather", group, params * self.act_bytes, sharing)
                 else:
                     seconds += self.comm.collective_time("all_reduce", group, params * grad_bytes(self.precision), sharing)
-            shard = plan.replicas if plan.zero_stage >= 1 else 1
+            shard = zero_shards(plan.replicas, plan.zero_stage).optimizer
             seconds += self.compute.work_time(
                 Work(unit.name, "optimizer", 0, layers, sharding=tensor_parallel(plan.tp), shard=shard), self.model
             )

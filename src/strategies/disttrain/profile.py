@@ -31,7 +31,7 @@ import numpy as np
 from src.cluster import ClusterSpec
 from src.costmodel.comm import CommModel
 from src.costmodel.compute import ComputeModel
-from src.costmodel.memory import element_bytes, grad_bytes, model_state_bytes
+from src.costmodel.memory import element_bytes, grad_bytes, model_state_bytes, zero_shards
 from src.mesh import Sharding, tensor_parallel
 from src.models.flows import flows_of
 from src.models.spec import ModelSpec
@@ -356,11 +356,11 @@ class Profiler:
         cuts = np.array(self.cuts(unit, pp * vpp))
         prefix = self._grid(unit, tp, False, 1)["none"][TRAINABLE]
         chunks = prefix[cuts[:, 1]] - prefix[cuts[:, 0]]  # trainable parameters per TP rank
-        shard, grad_shard = (dp if zero_stage >= 1 else 1), (dp if zero_stage >= 2 else 1)
+        shards = zero_shards(dp, zero_stage)
         out = np.zeros(pp)
         if not self.model.unit(unit).frozen:
             for v, params in enumerate(chunks.tolist()):
-                out[v % pp] += self.compute.optimizer_time(params, shard, grad_shard) if params else 0.0
+                out[v % pp] += self.compute.optimizer_time(params, shards.optimizer, shards.grads) if params else 0.0
         if dp == 1:
             return out
         sharing = self._dp_sharing(tp, dp, pp)

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from src.cluster import ClusterSpec, family_sharing
 from src.costmodel.comm import CommModel
 from src.costmodel.compute import ComputeModel
-from src.costmodel.memory import element_bytes, grad_bytes, model_state_bytes, rematerialised_bytes
+from src.costmodel.memory import element_bytes, grad_bytes, model_state_bytes, rematerialised_bytes, zero_shards
 from src.mesh import Sharding, tensor_parallel
 from src.models.spec import ModelSpec, UnitSpec
 from src.program import Work
@@ -572,7 +572,7 @@ class PipelineEstimator:
         if replicas > 1 and not cfg.overlap_grad_reduce:
             op = "reduce_scatter" if cfg.zero_stage >= 1 else "all_reduce"
             seconds += mesh.dp(stage, op, params * self.grad_bytes)
-        shard = replicas if cfg.zero_stage >= 1 else 1
+        shard = zero_shards(replicas, cfg.zero_stage).optimizer
         for segment in segments:
             if not self.model.unit(segment.unit).frozen:
                 seconds += self.compute.work_time(
