@@ -103,6 +103,10 @@ class Work:
     fraction: the part of its GEMM rows this work runs: one of n chunks of a pass, for
     overlap; or a replicated unit's share of a micro-batch that is no whole number of
     samples (a sequence's images split over the ranks).
+    chunks: n where the work is one of a pass's n row chunks that overlap its GEMMs with
+    their TP collectives (DistTrain's StepCCL): the framework still issues the pass once,
+    so a chunk carries 1/n of the pass's kernel launches on the host, but each GEMM paired
+    with a collective launches once per chunk.
     fetches, fetched: ZeRO-3's module fetches that the framework's hooks make to run this
     work (each gathers a module's parameters: the host's part of it, beside the plan's
     all-gather that moves them) and the parameters they fetch, this rank's TP share.
@@ -127,6 +131,7 @@ class Work:
     kernels: tuple[int, int] | None = None
     fraction: float = 1.0
     load: float = 1.0
+    chunks: int = 1
     shard: int = 1
     grad_shard: int = 1
     fetches: int = 0
@@ -159,7 +164,9 @@ class Collective:
     reduces, where the plan reduces them itself during the backward (Megatron-LM's
     overlapped buckets) rather than all at once in the optimizer's step; on a reduce-scatter
     or all-gather, the layers whose gradients and parameters the plan's distributed
-    optimizer (ZeRO-1) moves where the plan places it (Optimus's LLM)."""
+    optimizer (ZeRO-1) moves where the plan places it (Optimus's LLM).
+    `sms`: its kernels hold SMs while it runs (NCCL's), so compute beside it is slower;
+    False where the GPU's copy engines move the data (DistTrain's StepCCL, §7)."""
 
     op: CollectiveOp
     group: str
@@ -172,6 +179,7 @@ class Collective:
     inputs: tuple[Payload, ...] = ()
     outputs: tuple[Payload, ...] = ()
     grads_of: tuple[str, tuple[int, int]] | None = None
+    sms: bool = True
 
 
 @dataclass(unsafe_hash=True, slots=True)

@@ -277,6 +277,8 @@ class ComputeModel:
             if self.cluster.host_launch == "graphed":  # one graph launch per layer and pass
                 forward_kernels, backward_kernels = min(forward_kernels, 1), min(backward_kernels, 1)
             host = forward_kernels * self.cluster.host_forward_kernel_s + backward_kernels * self.cluster.host_backward_kernel_s
+            if work.chunks > 1:
+                host = self._chunk_host(work, layer, host)
             device, host = device * work.load, host * work.load + (fetch - waited if index == 0 else 0.0)
             host += scatter if index == len(layers) - 1 else 0.0
             # The host queues a GPU's kernels ahead of it (layer by layer: a sum over any
@@ -284,6 +286,19 @@ class ComputeModel:
             # cores that their arithmetic gets (the host figures are one worker's alone).
             total += max(device, host) if self.cluster.host_async else device + host / self.core_share
         return total
+
+    def _chunk_host(self, work: Work, layer: LayerSpec, host: float) -> float:
+        """A chunk's share of a layer's host seconds (Work.chunks): the pass's kernels are
+        issued once, but each GEMM paired with a TP collective launches once a chunk: one
+        per collective the pass runs, two under sequence parallelism (the all-gather's and
+        the reduce-scatter's GEMMs, priced as one all-reduce). A layer replayed from a CUDA
+        graph is one launch, shared."""
+        if self.cluster.host_launch == "graphed" or not layer.tp_allreduces:
+            return host / work.chunks
+        backward = work.phase in ("bwd", "bwd_input")
+        pairs = layer.tp_collectives(backward, work.recompute) * (2 if work.sharding.sequence_parallel else 1)
+        split = pairs * (self.cluster.host_backward_kernel_s if backward else self.cluster.host_forward_kernel_s)
+        return max(host - split, 0.0) / work.chunks + split
 
     def _fetch_copies(self, work: Work) -> float:
         """Device seconds of fetches gathered through a list of partitions: the buffer's

@@ -17,7 +17,8 @@ on another of the rank's streams (DP gradient reduction under the pipeline's sen
 ZeRO-3's reduce-scatters under its parameter gathers) gets half the NICs while they
 overlap (two flows sharing a link fairly). And a communication
 kernel holds SMs while it runs (ClusterSpec.collective_sm_fraction, p2p_sm_fraction):
-compute that overlaps it runs on the rest and takes longer. Both are decided when an
+compute that overlaps it runs on the rest and takes longer (a collective that the copy
+engines move, Collective.sms false, holds none). Both are decided when an
 operation is priced, from the operations already priced: one priced later does not
 re-time it, so the earlier of two overlapping transfers keeps the whole link, and compute
 priced before a collective is (one whose other participants are classes that have not
@@ -584,7 +585,7 @@ class Simulator:
             state.computed = max(0.0, state.computed - op.computed)
             if crosses and transfer > 0:
                 state.nic.add(start, moved)
-            if op.stream != COMPUTE_STREAM:
+            if op.stream != COMPUTE_STREAM and instruction.sms:
                 state.collective_busy.add(start, end)
             self._advance_stream(state, op)
             state.spans.append(Span(op.stream, start, end, name, category))

@@ -209,6 +209,26 @@ def test_a_layer_replayed_from_cuda_graphs_costs_the_host_one_launch_per_pass() 
         assert ComputeModel(graphed, "bf16").work_time(work, model) == pytest.approx(max(device, launch))
 
 
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_a_stepccl_chunk_issues_the_pass_once_and_its_paired_gemms_once_a_chunk(sequence_parallel: bool) -> None:
+    """StepCCL cuts only the GEMMs paired with a TP collective (DistTrain §7): the host
+    issues a pass's other kernels once over its chunks and each paired GEMM once a chunk:
+    one per all-reduce, two under sequence parallelism (all-gather and reduce-scatter)."""
+    layer = transformer_layer(8, 64, 2)  # host-bound: its time is the host's
+    assert layer.tp_allreduces == 2
+    model = ModelSpec("m", (UnitSpec("llm", (layer,), 64, 2, 8, 8 * 64),))
+    eager = ComputeModel(replace(CLUSTER, host_forward_kernel_s=30e-6, host_backward_kernel_s=60e-6), "bf16")
+    sharding = tensor_parallel(2, sequence_parallel)
+    paired = 2 * (2 if sequence_parallel else 1)
+    for phase, launch, kernels in (("fwd", 30e-6, 12), ("bwd", 60e-6, 18)):
+        whole = Work("llm", phase, 1, (0, 1), sharding=sharding)
+        assert eager.work_time(whole, model) == pytest.approx(kernels * launch)
+        chunk = replace(whole, fraction=0.25, chunks=4)
+        assert eager.work_time(chunk, model) == pytest.approx((kernels - paired) * launch / 4 + paired * launch)
+        # The four chunks: the pass once, and three more launches of each paired GEMM.
+        assert 4 * eager.work_time(chunk, model) == pytest.approx((kernels + 3 * paired) * launch)
+
+
 def test_zero3_fetches_cost_the_host_per_fetch_and_byte_whatever_the_load() -> None:
     layer = transformer_layer(8, 64, 2)
     model = ModelSpec("m", (UnitSpec("llm", (layer,), 64, 2, 8, 8 * 64),))

@@ -105,22 +105,14 @@ def test_transfers_inside_a_node_do_not_touch_the_nics() -> None:
 
 
 # ---- compute beside communication kernels ------------------------------------------------
-def _compute_beside(op: str, **cluster_overrides) -> float:
+def _compute_beside(op: str, sms: bool = True, **cluster_overrides) -> float:
     """When a 2 ms GEMM ends that starts beside a 10 ms transfer over NVLink: an
-    all-reduce of ranks 0 and 1 (one class: its collective is priced when issued), or a
-    send from rank 0 to rank 1."""
+    all-reduce of ranks 0 and 1 (one class: its collective is priced when issued; `sms`:
+    whether its kernels hold SMs), or a send from rank 0 to rank 1."""
     cluster = make_cluster(nodes=1, devices_per_node=2, **cluster_overrides)
     if op == "collective":
-        program = Program(
-            world_size=2,
-            classes=[
-                RankProgram(
-                    (0, 1),
-                    [Collective("all_reduce", "tp", 1e9, "tp", stream="comm", blocking=False, handle="h"), Compute(F1), Wait("h")],
-                    label="both",
-                )
-            ],
-        )
+        collective = Collective("all_reduce", "tp", 1e9, "tp", stream="comm", blocking=False, handle="h", sms=sms)
+        program = Program(world_size=2, classes=[RankProgram((0, 1), [collective, Compute(F1), Wait("h")], label="both")])
         program.add_group(Group("tp", (0, 1)))
     else:
         program = Program(
@@ -136,6 +128,11 @@ def test_compute_overlapping_a_collective_runs_on_the_sms_it_leaves() -> None:
     assert _compute_beside("collective") == pytest.approx(2 * MS, rel=REL)
     assert _compute_beside("collective", collective_sm_fraction=0.2) == pytest.approx(2 * MS / 0.8, rel=REL)
     assert _compute_beside("collective", p2p_sm_fraction=0.2) == pytest.approx(2 * MS, rel=REL)
+
+
+def test_compute_beside_a_copy_engine_collective_keeps_every_sm() -> None:
+    """StepCCL moves its data with the copy engines (DistTrain §7): no SM is taken."""
+    assert _compute_beside("collective", sms=False, collective_sm_fraction=0.2) == pytest.approx(2 * MS, rel=REL)
 
 
 def test_compute_overlapping_a_send_runs_on_the_sms_it_leaves() -> None:

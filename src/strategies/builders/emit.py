@@ -156,9 +156,13 @@ def _overlapped_pass(
     collectives start on their own stream when the chunk's GEMMs end, under the next
     chunk's GEMMs, and the pass ends when the last one has landed. Pricing a whole
     segment this way exposes the same last-chunk communication per layer as chunking
-    layer by layer does, for layers alike; smaller chunks run less efficient GEMMs."""
+    layer by layer does, for layers alike; smaller chunks run less efficient GEMMs.
+    StepCCL moves the data with the GPU's copy engines, "without using any SM at all"
+    (§7, line 105), so its collectives do not slow the GEMMs they run beside; only the
+    GEMMs paired with a collective are cut (line 106), the rest of the pass is issued once
+    (Work.chunks)."""
     n = tp.overlap_chunks
-    part = replace(work, fraction=work.fraction / n)
+    part = replace(work, fraction=work.fraction / n, chunks=n)
     out: list[Instruction] = []
     handles: list[str] = []
     for c in range(n):
@@ -177,6 +181,7 @@ def _overlapped_pass(
                     blocking=False,
                     handle=handle,
                     count=count,
+                    sms=False,
                 )
             )
             handles.append(handle)

@@ -172,7 +172,7 @@ class Profiler:
         tp = sharding.degree("tp")
 
         def seconds(phase: Phase, recompute: str = "none") -> float:
-            work = Work(unit, phase, size, span, sharding=sharding, recompute=recompute, fraction=1.0 / chunks)
+            work = Work(unit, phase, size, span, sharding=sharding, recompute=recompute, fraction=1.0 / chunks, chunks=chunks)
             return chunks * self.compute.work_time(work, self.model)
 
         fwd = seconds("fwd")
@@ -199,18 +199,15 @@ class Profiler:
         """A stage's pass as emit.segment_pass runs it: compute, then its TP collectives on
         the compute stream; or StepCCL's n row chunks, each chunk's collectives (each with
         its whole latency and 1/n of the transfer) on their own stream under the next
-        chunk's compute, which runs at the share of the SMs they leave it."""
+        chunk's compute, which they do not slow (StepCCL's copy engines hold no SMs)."""
         n = self.chunks if tp > 1 else 1
         if n == 1:
             return compute + latency + transfer
-        share = 1.0 - self.cluster.collective_sm_fraction
         part, comm = compute / n, latency + transfer / n
         done = part.copy()  # the first chunk's compute ends
         landed = done + comm  # and its collectives
         for _ in range(n - 1):
-            under = np.maximum(landed - done, 0.0)  # collectives still running as the next chunk starts
-            slowed = done + part / share if share > 0 else np.full_like(done, np.inf)
-            done = np.where(share * under >= part, slowed, done + part + (1.0 - share) * under)
+            done = done + part
             landed = np.maximum(done, landed) + comm
         return np.where(latency + transfer > 0, landed, compute)
 
