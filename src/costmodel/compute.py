@@ -152,6 +152,16 @@ class ComputeModel:
             return 0.0
         return nbytes / self.hbm + self.cluster.kernel_overhead_s
 
+    def _table_gradient(self, kernel: Kernel, sharding: Sharding) -> float:
+        """A lookup table's dense gradient, once a micro-batch however many rows it looked up
+        (Kernel.table, this device's share of the table): zero-filled in the weights' dtype,
+        then added into the accumulated gradient (its read, the buffer's read and write);
+        under PyTorch AMP an fp32 table's gradient, added into `.grad` (4 + 12 bytes)."""
+        if not kernel.table:
+            return 0.0
+        per_entry = 16.0 if self.amp else self.bytes_per_elem + self.accumulation_bytes
+        return self.memory_time(per_entry * kernel.table / sharding.devices)
+
     def optimizer_time(self, params: float, shard: int = 1, grad_shard: int = 1) -> float:
         """One optimizer step over `params` parameters on one device, its optimizer state
         shared by `shard` ranks and its gradients by `grad_shard` (ZeRO-2/3's partitions):
@@ -172,7 +182,8 @@ class ComputeModel:
                 forward, backward, reduction = _amp_stream(kernel, forward, backward, reduction)
             fwd = self.memory_time(forward)
             bwd = self.memory_time(backward)  # one kernel
-            return LayerTimes(fwd, bwd, self.memory_time(reduction), fwd if kernel.attention_core else 0.0, launches)
+            weight = self.memory_time(reduction) + self._table_gradient(kernel, sharding)
+            return LayerTimes(fwd, bwd, weight, fwd if kernel.attention_core else 0.0, launches)
         m_div, n_div, k_div, batch_div = sharding.gemm_divisors(kernel.tp_split)
         m = kernel.m * rows / m_div
         n = (contrastive_batch if kernel.n_contrastive else kernel.n) / n_div

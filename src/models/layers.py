@@ -203,7 +203,7 @@ def embedding_layer(vocab: int, hidden: int, seq: int, positions: int = 0, name:
     """Token (and learned position) embedding: a lookup, no matmul FLOPs."""
     return LayerSpec(
         name=name,
-        kernels=(memory("lookup", seq * hidden, "none", passes=1),),
+        kernels=(replace(memory("lookup", seq * hidden, "none", passes=1), table=vocab * hidden + positions * hidden),),
         params=vocab * hidden + positions * hidden,
         activations=ActivationBytes(replicated=ACT_BYTES * seq * hidden, checkpoint=ACT_BYTES * seq * hidden),
     )

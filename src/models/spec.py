@@ -60,6 +60,10 @@ class Kernel:
     accumulation_pass: a weighted product whose weight gradient the framework adds into the
       step's accumulated gradient in a pass of its own, every micro-batch
       (src/models/grad_accumulation.py); false where the GEMM accumulates it.
+    table: a lookup's table entries (rows x width, all of the layer's tables): its backward
+      writes the table's dense gradient (zero-filled, then the looked-up rows added: PyTorch's
+      embedding backward), which the framework adds into the step's accumulated gradient,
+      every micro-batch whatever model.grad_accumulation says (no GEMM accumulates it).
     """
 
     name: str
@@ -84,6 +88,7 @@ class Kernel:
     grad_reduction_bytes: float = 0.0
     cross_entropy: str = ""
     accumulation_pass: bool = False
+    table: float = 0.0
 
     def flops(self, contrastive_batch: int = 1) -> float:
         """Forward FLOPs for one sample (0 for memory-bound kernels)."""

@@ -58,6 +58,23 @@ def test_under_amp_autograd_accumulates_into_the_fp32_grad_whatever_the_mode() -
     assert compute.layer_times(block("hook"), 1) == compute.layer_times(block("fused"), 1)
 
 
+@pytest.mark.parametrize("mode", ["hook", "fused"])
+@pytest.mark.parametrize(("precision", "amp", "per_entry"), [("fp16", False, 8.0), ("bf16", False, 12.0), ("bf16", True, 16.0)])
+def test_an_embeddings_dense_gradient_is_added_once_a_micro_batch(mode: str, precision: str, amp: bool, per_entry: float) -> None:
+    """PyTorch's embedding backward zero-fills the table's gradient (the weights' bytes) and the
+    framework adds it into the step's (as a hook adds a weight's): in either mode, since no GEMM
+    accumulates it; split over TP with the table; under AMP the fp32 table's into `.grad`."""
+    compute = ComputeModel(cluster(amp=amp), precision)
+    hbm, gap = compute.cluster.memory_bandwidth * compute.cluster.memory_efficiency, compute.cluster.kernel_overhead_s
+    embedding = build_model({**GPT, "grad_accumulation": mode}, SEQ).unit("llm").layers[0]
+    (lookup,) = embedding.kernels
+    assert lookup.table == (32000 + SEQ) * 1024 == embedding.params  # tokens' and learned positions' tables
+    without = replace(embedding, kernels=(replace(lookup, table=0.0),))
+    for rows, sharding, tp in ((1, Sharding(), 1), (8, Sharding(), 1), (1, tensor_parallel(8), 8)):
+        extra = compute.layer_times(embedding, rows, sharding).bwd_weight - compute.layer_times(without, rows, sharding).bwd_weight
+        assert extra == pytest.approx(per_entry * embedding.params / tp / hbm + gap)
+
+
 def _mode(*overrides: str) -> bool:
     setup = validate(
         composed(
