@@ -25,7 +25,8 @@ fused: the weight-gradient GEMM accumulates into the fp32 buffer in its epilogue
 Under PyTorch AMP (cluster.amp) the weights are fp32 and autograd adds the cast-back gradient
 into `.grad` whatever this says (src.costmodel.compute prices it with the casts). The default
 is the cluster preset's (cluster.grad_accumulation): the software its testbed ran. The weights
-of products only: a lookup table's and a normalisation's are left out.
+of products only: a normalisation's are left out; a lookup table's dense gradient, which no GEMM
+accumulates, is added in every mode (Kernel.table, priced by src.costmodel.compute).
 """
 
 from __future__ import annotations
