@@ -82,7 +82,7 @@ CASES = {
 }
 # Megatron-LM balanced (Optimus App. B) on a GPT whose head is heavy enough that the stages of
 # equal time are not the even cut: the embedding and three blocks, then a block and the head.
-BALANCED_VOCAB = 2048
+BALANCED_VOCAB = 4096
 BALANCED = GPT + [
     f"model.vocab={BALANCED_VOCAB}",
     "strategy=megatron",
