@@ -2,7 +2,8 @@
 
 On CPU there is no datasheet figure for "one worker's share of this machine", so every
 worker times square GEMMs in the run's precision at once (sharing the cores as training
-does) and the run uses the mean of each worker's best size. On a GPU the MFU denominator is the
+does) and the run uses the mean of each worker's best size, measured once a launch and
+precision (its first run in that precision; the later ones reuse it). On a GPU the MFU denominator is the
 datasheet peak of the cluster preset; the same micro-benchmark is recorded beside it.
 """
 

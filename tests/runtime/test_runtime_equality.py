@@ -177,6 +177,12 @@ def test_measured_summary_adds_up_and_shows_the_communication_of_each_plan(runs)
         assert set(breakdown) == set(BREAKDOWN_CATEGORIES)
         assert sum(breakdown.values()) == pytest.approx(summary["iteration_time_s"], rel=1e-6)
         assert (run_dir / "trace.json").exists()
+    # The launch's workers timed their GEMMs once per precision, in its first run of it.
+    peaks: dict[str, set[float]] = {}
+    for run_dir in runs.values():
+        summary = json.loads((run_dir / "summary.json").read_text())
+        peaks.setdefault(summary["precision"], set()).add(summary["measured_gemm_flops_per_device"])
+    assert set(peaks) == {"fp32", "bf16", "fp16"} and all(len(measured) == 1 for measured in peaks.values()), peaks
     assert json.loads((runs["megatron_tp2"] / "summary.json").read_text())["breakdown_s"]["comm_tp"] > 0
     zero0 = json.loads((runs["ddp_zero0"] / "summary.json").read_text())
     assert zero0["breakdown_s"]["comm_dp"] > 0 and zero0["measured_notes"] == []
