@@ -22,6 +22,14 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch._dynamo  # noqa: E402,F401  (torch.optim constructors import it lazily)
 
 import src.runtime.session  # noqa: E402,F401  (torch, DeepSpeed, our modules)
+
+# DeepSpeed's optimizer check imports its Muon optimizer at a ZeRO engine's first
+# construction, whose kernels' torch.compile wrappers import torch._inductor: 1.6 s of CPU
+# in every worker of every launch, paid here once.
+try:
+    import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: E402,F401
+except ImportError:  # a DeepSpeed without Muon checks for none
+    pass
 from src.runtime.op_build import OpBuildError, prebuild_ops  # noqa: E402
 
 # DeepSpeed's CPU op, built (or loaded from the cache) once, before any worker joins a group.
