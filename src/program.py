@@ -36,6 +36,7 @@ CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast"
 COMM_KINDS: tuple[str, ...] = ("tp", "pp", "dp", "interaction", "broker")
 COMPUTE_STREAM = "compute"
 RECOMPUTE_MODES = ("none", "selective", "full")
+PARAM_GATHERS = ("step_end", "overlapped")  # UnitPlan.param_gather
 # DeepSpeed's default stage3_param_persistence_threshold (elements).
 DEEPSPEED_PERSISTENCE_THRESHOLD = 100_000
 
@@ -504,6 +505,10 @@ class UnitPlan:
     persistence_threshold: float = DEEPSPEED_PERSISTENCE_THRESHOLD
     # ZeRO-3's fetch as a DeepSpeed release ran it: per_tensor (before 0.5.5), coalesced, prefetched.
     zero3_fetch: str = "prefetched"
+    # When the distributed optimizer all-gathers the updated parameters: at the step's end
+    # (step_end), or layer by layer into the next forward (overlapped: Megatron-Core's
+    # --overlap-param-gather, strategies/builders/pipeline.py's ParamGathers).
+    param_gather: str = "step_end"
     grid: TensorGrid | None = None  # a unit whose mesh has the tensor grid's axes: how it lies on them
     details: dict = field(default_factory=dict)
 
@@ -512,6 +517,8 @@ class UnitPlan:
             raise ValueError(f"unit {self.unit}: recompute {self.recompute!r} is not one of {RECOMPUTE_MODES}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"unit {self.unit}: zero_stage {self.zero_stage!r} is not 0-3")
+        if self.param_gather not in PARAM_GATHERS:
+            raise ValueError(f"unit {self.unit}: param_gather {self.param_gather!r} is not one of {PARAM_GATHERS}")
         if self.num_microbatches % self.sample_groups:
             raise ValueError(
                 f"unit {self.unit}: {self.num_microbatches} micro-batches do not split into {self.sample_groups} sample groups"
@@ -576,6 +583,7 @@ class UnitPlan:
             "recompute": self.recompute,
             "sequence_parallel": self.sequence_parallel,
             **({"gathered_params": self.gathered_params} if self.gathered_params else {}),
+            **({"param_gather": self.param_gather} if self.param_gather != "step_end" else {}),
             **self.details,
         }
 

@@ -42,7 +42,8 @@ def test_megatron_lm_s_own_flop_count_counts_no_recomputation() -> None:
 def test_a_source_states_its_megatron_lm_settings_and_the_search_fills_the_rest() -> None:
     run = BY_ID["mc24-70b"]
     stated = heldout.overrides(run, heldout.settings(run, DATA))
-    assert {"strategy.sequence_parallel=true", "strategy.zero_stage=1", "strategy.overlap_grad_reduce=true"} <= set(stated)
+    settings = {"strategy.sequence_parallel=true", "strategy.zero_stage=1", "strategy.overlap_grad_reduce=true"}
+    assert settings | {"strategy.overlap_param_gather=true"} <= set(stated)
     assert {"cluster=hopper", "cluster.nodes=96", "model.vocab=131072", "train.seq_len=4096"} <= set(stated)
     assert not any(o.startswith(("strategy.schedule", "strategy.vpp", "strategy.recompute")) for o in stated)
 

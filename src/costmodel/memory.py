@@ -147,8 +147,9 @@ def peak_activation_bytes(computes: Iterable[Compute], model: ModelSpec, recompu
 
 def _free(alive: dict[tuple, float], freed: set[tuple], key: tuple, model: ModelSpec, backward: Compute, recompute: str) -> float:
     """Activations a backward frees: its forward's (the first of the backward's kernel
-    ranges frees it whole), or, for a backward split layer by layer (overlap_grad_reduce's
-    last micro-batch), its layers' share of the forward covering them."""
+    ranges frees it whole); for a backward split layer by layer (overlap_grad_reduce's
+    last micro-batch), its layers' share of the forward covering them; for a forward split
+    layer by layer (the parameter gathers' first forward), every piece it covers."""
     if key in alive:
         freed.add(key)
         return alive.pop(key)
@@ -160,7 +161,16 @@ def _free(alive: dict[tuple, float], freed: set[tuple], key: tuple, model: Model
             part = min(held, work_activation_bytes(model, backward, recompute))
             alive[(held_unit, (first, last), held_chunk, held_mb)] = held - part
             return part
-    return 0.0
+    pieces = [k for k in alive if (k[0], k[2], k[3]) == (unit, chunk, microbatch) and start <= k[1][0] and k[1][1] <= end]
+    for piece in pieces:
+        freed.add(piece)
+    return sum(alive.pop(piece) for piece in pieces)
+
+
+def _inside_another(unit: str, layers: tuple[int, int], held: Mapping[tuple[str, tuple[int, int]], Sharding]) -> bool:
+    """Whether another held range of `unit` covers `layers`."""
+    start, end = layers
+    return any(name == unit and other != layers and other[0] <= start and end <= other[1] for name, other in held)
 
 
 def rank_memory(rank_program: RankProgram, units: Mapping[str, UnitPlan], model: ModelSpec, precision: str) -> dict[str, float]:
@@ -172,6 +182,8 @@ def rank_memory(rank_program: RankProgram, units: Mapping[str, UnitPlan], model:
     for instruction in computes:
         if instruction.work.phase in ("fwd", "interaction"):
             held[(instruction.work.unit, instruction.work.layers)] = instruction.work.sharding
+    # A range one forward runs layer by layer and the others whole holds its states once.
+    held = {(name, layers): sharding for (name, layers), sharding in held.items() if not _inside_another(name, layers, held)}
     out = {"weights": 0.0, "grads": 0.0, "optimizer": 0.0}
     for (name, (start, end)), sharding in held.items():
         unit = model.unit(name)

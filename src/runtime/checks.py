@@ -57,6 +57,14 @@ def check_runnable(run: PlannedRun, data: str, data_errors: str = "fail") -> Non
             )
     for unit in plan.units:
         spec = model.unit(unit.unit)
+        if unit.param_gather == "overlapped":
+            raise PlanRefused(
+                f"unit {unit.unit}: its distributed optimizer's parameter all-gather is chained into the next forward "
+                f"(Megatron-Core's --overlap-param-gather), which the simulator prices; the real backend gathers a step's "
+                f"parameters at its end, blocking (it needs param_gather=step_end)",
+                ("param_gather",),
+                (unit.unit,),
+            )
         if any(kernel.attention_dropout for layer in spec.layers for kernel in layer.kernels):
             raise ConfigError(
                 f"model.dropout=true (unit {unit.unit}): the real backend's blocks train without dropout, so that every "

@@ -122,6 +122,13 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
     ("megatron", "sequence_parallel"): (MEGATRON, ["strategy.tp=2", "strategy.sequence_parallel=true"], "run", EQUALITY),
     ("megatron", "zero_stage"): (MEGATRON, ["strategy.zero_stage=1"], "run", EQUALITY),
     ("megatron", "overlap_grad_reduce"): (MEGATRON, ["strategy.overlap_grad_reduce=true", "strategy.dp=2"], "run", EQUALITY),
+    # Priced by the simulator; the real backend gathers the parameters at the step's end.
+    ("megatron", "overlap_param_gather"): (
+        MEGATRON,
+        ["strategy.overlap_param_gather=true", "strategy.zero_stage=1", "strategy.dp=2"],
+        "refused",
+        "",
+    ),
     ("megatron", "modality_stages"): (MEGATRON, ["strategy.modality_stages=merged"], "run", EQUALITY),
     ("megatron", "uneven_pp"): (MEGATRON, ["strategy.uneven_pp=true"], "run", EQUALITY),
     ("megatron", "balance"): (MEGATRON, ["strategy.balance=true"], "run", EQUALITY),

@@ -203,11 +203,13 @@ def iteration_tail(
     grad_bytes: int,
     param_bytes: int,
     pending: Sequence[str] = (),
+    gather_params: bool = True,
 ) -> list[Instruction]:
     """Finish an iteration: wait for asynchronous gradient reductions (`pending`
     handles), reduce the rest (all-reduce; reduce-scatter under the distributed
     optimizer), step the optimizer on the local shard, and all-gather the updated
-    16-bit parameters when the optimizer state (not the parameters) is sharded."""
+    16-bit parameters when the optimizer state (not the parameters) is sharded, unless
+    the next forward gathers them (`gather_params` false: pipeline.ParamGathers)."""
     out: list[Instruction] = [Wait(h) for h in pending]
     params = trainable_params(model, segments, sharding.devices)
     if params == 0:
@@ -223,6 +225,6 @@ def iteration_tail(
             )
             out.append(Compute(work))
     # ZeRO-1/2 gather the updated parameters; ZeRO-3 gathers each layer's before it runs.
-    if zero_stage in (1, 2) and dp > 1 and dp_group is not None:
+    if gather_params and zero_stage in (1, 2) and dp > 1 and dp_group is not None:
         out.append(Collective("all_gather", dp_group, params * param_bytes, "dp"))
     return out

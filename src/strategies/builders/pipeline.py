@@ -22,14 +22,14 @@ it reduces its gradients over its TP x DP ranks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Protocol
 
 from src.cluster import ClusterSpec, family_sharing
 from src.costmodel.memory import element_bytes, grad_bytes
 from src.mesh import Mesh, tensor_parallel
 from src.models.spec import ModelSpec
-from src.program import Collective, CollectiveOp, Hop, Instruction, Payload, Program, RankProgram, Recv, Send
+from src.program import Collective, CollectiveOp, Compute, Hop, Instruction, Payload, Program, RankProgram, Recv, Send, Wait
 from src.strategies.builders.emit import TPConfig, backward_io, consumed, iteration_tail, produced, segment_pass
 from src.strategies.builders.layout import axis_group, pipeline_pairs, stage_group
 from src.strategies.builders.stages import (
@@ -70,6 +70,7 @@ class PipelineSettings:
     tp_overlap_chunks: int = 1
     scatter_gather: bool = False  # Megatron-LM's pipeline scatter/gather (stages.stage_transfer)
     replicate: tuple[str, ...] = ()  # units replicated over their stage's TP group (stages.StageRun)
+    overlap_param_gather: bool = False  # the distributed optimizer's all-gather chained into the next forward (ParamGathers)
 
 
 @dataclass
@@ -84,11 +85,46 @@ class StageOp:
 class Stage:
     index: int
     ranks: tuple[int, ...]
+    head: list[Instruction] = field(default_factory=list)
     ops: list[StageOp] = field(default_factory=list)
     tail: list[Instruction] = field(default_factory=list)
 
     def instructions(self) -> list[Instruction]:
-        return [i for op in self.ops for i in op.instructions] + self.tail
+        return self.head + [i for op in self.ops for i in op.instructions] + self.tail
+
+
+class ParamGathers:
+    """Megatron-Core's --overlap-param-gather: the distributed optimizer's all-gather of the
+    updated parameters, layer by layer in forward order. The step issues the first layer's
+    (in zero_grad, before the forward); the forward pre-hook of a layer's first use waits
+    for its gather and issues the next layer's (one at a time, so that no gather queues
+    ahead of the compute kernels: distrib_optimizer.py, _finish_param_sync_helper, at
+    NVIDIA/Megatron-LM 937571c). Its buckets are priced as layers. In the Program the
+    gathers serve this iteration's forward; in a run they are the previous step's,
+    overlapping the same forward."""
+
+    def __init__(self, layers: list[tuple[str, int, float]], group: str, prefix: str) -> None:
+        """`layers`: (unit, layer, bytes gathered) in forward order."""
+        self._gathers: list[Instruction] = [
+            Collective("all_gather", group, nbytes, "dp", blocking=False, handle=f"{prefix}pg{k}")
+            for k, (_, _, nbytes) in enumerate(layers)
+        ]
+        self._index = {(unit, layer): k for k, (unit, layer, _) in enumerate(layers)}
+
+    def head(self) -> list[Instruction]:
+        return self._gathers[:1]
+
+    def holds(self, unit: str, layers: tuple[int, int]) -> bool:
+        return any((unit, layer) in self._index for layer in range(*layers))
+
+    def before(self, unit: str, layer: int) -> list[Instruction]:
+        """What a layer's first forward issues first: the wait for its gather, the next's."""
+        k = self._index.get((unit, layer))
+        if k is None:
+            return []
+        gather = self._gathers[k]
+        assert isinstance(gather, Collective) and gather.handle is not None, "every gather of the chain returns a handle"
+        return [Wait(gather.handle), *self._gathers[k + 1 : k + 2]]
 
 
 class PipelineEmitter:
@@ -167,10 +203,14 @@ class PipelineEmitter:
         microbatch); ops of any other kind are `other`'s (DistMM's batch-sync)."""
         out = Stage(stage, self.mesh.slice(pp=stage))
         last_backward = {op.chunk: i for i, op in enumerate(order) if op.kind == "B"}
+        first_forward = {op.chunk: i for i, op in reversed(list(enumerate(order))) if op.kind == "F"}
+        gathers = self._param_gathers(stage)
+        if gathers is not None:
+            out.head = gathers.head()
         for index, op in enumerate(order):
             v = op.chunk * self.pp + stage
             if op.kind == "F":
-                instructions = self._forward(v, op)
+                instructions = self._forward(v, op, gathers if index == first_forward[op.chunk] else None)
             elif op.kind == "B":
                 final = index == last_backward[op.chunk]
                 reduce_into = self.dp_groups[stage] if self.cfg.overlap_grad_reduce and final else None
@@ -190,8 +230,25 @@ class PipelineEmitter:
             self.grad_bytes,
             self.act_bytes,
             self.pending[stage],
+            gather_params=gathers is None,
         )
         return out
+
+    def _param_gathers(self, stage: int) -> ParamGathers | None:
+        """The stage's chain of parameter gathers under overlap_param_gather (the
+        distributed optimizer over more than one replica), else None."""
+        group = self.dp_groups[stage]
+        if not self.cfg.overlap_param_gather or self.cfg.zero_stage not in (1, 2) or self.data_replicas(stage) < 2 or group is None:
+            return None
+        assert self.cfg.tp_overlap_chunks == 1, "a chunked pass is not cut into layers for the gathers"
+        devices = self.runs[stage].sharding.devices
+        layers = [
+            (seg.unit, layer, self.model.unit(seg.unit).trainable_params(layer, layer + 1) / devices * self.act_bytes)
+            for seg in self.segments_of(stage)
+            for layer in range(*seg.layers)
+        ]
+        layers = [entry for entry in layers if entry[2] > 0]
+        return ParamGathers(layers, group, f"s{stage}.") if layers else None
 
     def segments_of(self, stage: int) -> list[Segment]:
         return [seg for chunk in range(self.vpp) for seg in self.virtual[chunk * self.pp + stage]]
@@ -209,7 +266,8 @@ class PipelineEmitter:
             outbound = set(consumed(self.model, self.virtual[v + 1][0], microbatch))
         return inbound, outbound
 
-    def _forward(self, v: int, op) -> list[Instruction]:
+    def _forward(self, v: int, op, gathers: ParamGathers | None = None) -> list[Instruction]:
+        """`gathers`: the parameter gathers this (a chunk's first) forward waits for."""
         j, stage = op.microbatch, v % self.pp
         inbound, outbound = self._boundary(v, j)
         inside = {p for s in self.virtual[v] for p in consumed(self.model, s, j)}
@@ -219,13 +277,34 @@ class PipelineEmitter:
             for payload in consumed(self.model, segment, j):
                 if payload not in made_here:
                     out += self._receive(v - 1, payload, stage) if payload in inbound else self.links.receive(payload)
-            out += segment_pass(self.model, segment, "fwd", self.cfg.micro_batch, j, self._tp(stage), chunk=op.chunk)
+            if gathers is not None and gathers.holds(segment.unit, segment.layers):
+                out += self._gathered_pass(segment, j, op.chunk, stage, gathers)
+            else:
+                out += segment_pass(self.model, segment, "fwd", self.cfg.micro_batch, j, self._tp(stage), chunk=op.chunk)
             for payload in produced(self.model, segment, j):
                 made_here.add(payload)
                 if payload in outbound:
                     out += self._send(v, payload, stage, (v + 1) % self.pp)
                 elif payload not in inside:
                     out += self.links.send(payload)
+        return out
+
+    def _gathered_pass(self, segment: Segment, microbatch: int, chunk: int, stage: int, gathers: ParamGathers) -> list[Instruction]:
+        """A segment's forward layer by layer, each after its parameters' gather (and
+        issuing the next's); the segment's payloads read by its first layer, written by its
+        last."""
+        start, end = segment.layers
+        out: list[Instruction] = []
+        for layer in range(start, end):
+            out += gathers.before(segment.unit, layer)
+            part = segment_pass(
+                self.model, Segment(segment.unit, (layer, layer + 1)), "fwd", self.cfg.micro_batch, microbatch, self._tp(stage), chunk
+            )
+            compute = part[0]
+            assert isinstance(compute, Compute), "a pass begins with its compute"
+            inputs = consumed(self.model, segment, microbatch) if layer == start else ()
+            outputs = produced(self.model, segment, microbatch) if layer == end - 1 else ()
+            out += [replace(compute, inputs=inputs, outputs=outputs), *part[1:]]
         return out
 
     def _backward(self, v: int, op, reduce_into: str | None) -> list[Instruction]:

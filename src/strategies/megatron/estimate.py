@@ -562,7 +562,8 @@ class PipelineEstimator:
     ) -> float:
         """The end of a stage's iteration (emit.iteration_tail): the blocking gradient
         reduction (asynchronous under overlap_grad_reduce: left out), the optimizer step of
-        the local shard, the parameter all-gather of the distributed optimizer."""
+        the local shard, the parameter all-gather of the distributed optimizer (chained into
+        the next forward under overlap_param_gather: left out)."""
         segments = [s for chunk in range(deg.vpp) for s in virtual[chunk * deg.pp + stage]]
         params = sum(self.model.unit(s.unit).trainable_params(*s.layers) for s in segments) / run.sharding.devices
         if params == 0:
@@ -578,7 +579,7 @@ class PipelineEstimator:
                 seconds += self.compute.work_time(
                     Work(segment.unit, "optimizer", 0, segment.layers, sharding=run.sharding, shard=shard), self.model
                 )
-        if cfg.zero_stage == 1 and replicas > 1:
+        if cfg.zero_stage == 1 and replicas > 1 and not cfg.overlap_param_gather:
             seconds += mesh.dp(stage, "all_gather", params * self.act_bytes)
         return seconds
 

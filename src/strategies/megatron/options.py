@@ -40,6 +40,9 @@ class MegatronChoices:
 @dataclass(frozen=True)
 class MegatronOptions(MegatronChoices):
     overlap_grad_reduce: bool = False
+    # Megatron-Core's --overlap-param-gather: the distributed optimizer's parameter
+    # all-gather, layer by layer, each waited for where the next forward first uses it.
+    overlap_param_gather: bool = False
     modality_stages: str = "extra"
     uneven_pp: bool = False
     balance: bool = False
@@ -58,7 +61,7 @@ class MegatronOptions(MegatronChoices):
             raise ConfigError(f"strategy.schedule={self.schedule!r}; choose one of {list(SCHEDULES)} or null")
         if self.vpp is not None and self.vpp > 1 and self.schedule in ("gpipe", "1f1b"):
             raise ConfigError(f"strategy.vpp={self.vpp} needs the interleaved schedule, not strategy.schedule={self.schedule}")
-        for key in ("sequence_parallel", "overlap_grad_reduce", "uneven_pp", "balance", "scatter_gather"):
+        for key in ("sequence_parallel", "overlap_grad_reduce", "overlap_param_gather", "uneven_pp", "balance", "scatter_gather"):
             value = getattr(self, key)
             if not isinstance(value, bool) and not (key == "sequence_parallel" and value is None):
                 raise ConfigError(f"strategy.{key} must be true or false, got {value!r}")
@@ -69,6 +72,12 @@ class MegatronOptions(MegatronChoices):
         check_memory_options(
             self.recompute, self.zero_stage, "Megatron-LM's distributed optimizer is ZeRO stage 1 (stages 2-3 belong to strategy=ddp)"
         )
+        if self.overlap_param_gather and self.zero_stage != 1:
+            raise ConfigError(
+                f"strategy.overlap_param_gather=true overlaps the distributed optimizer's parameter all-gather "
+                f"(Megatron-LM requires --use-distributed-optimizer with it): it needs strategy.zero_stage=1, "
+                f"got {self.zero_stage}"
+            )
         if self.choose_on not in CHOOSE_ON:
             raise ConfigError(f"strategy.choose_on={self.choose_on!r}; choose one of {list(CHOOSE_ON)}")
         if any(not isinstance(name, str) for name in self.replicate) or len(set(self.replicate)) != len(self.replicate):

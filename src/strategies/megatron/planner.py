@@ -127,6 +127,11 @@ def _fitting(request: PlanRequest, opts: MegatronOptions) -> tuple[MegatronSearc
             f"strategy.pp={opts.pp}: the Megatron-LM baseline of contrastive models uses only TP "
             f"and DP (pipelining would shrink the contrastive batch; DistMM §5.4, §7.1)"
         )
+    if contrastive and opts.overlap_param_gather:
+        raise ConfigError(
+            f"strategy.overlap_param_gather=true chains the parameter gathers into a pipeline's forward; the Megatron-LM "
+            f"baseline of contrastive models ({request.model.name}) runs its towers colocated, without a pipeline"
+        )
     if contrastive and opts.balance:
         raise ConfigError(
             f"strategy.balance=true cuts pipeline stages, but the Megatron-LM baseline of "
@@ -187,6 +192,7 @@ STRATEGY = StrategySpec(
         "zero_stage": "strategy.zero_stage",
         "sequence_parallel": "strategy.sequence_parallel",
         "blocking": "strategy.overlap_grad_reduce",
+        "param_gather": "strategy.overlap_param_gather",
         "scatter": "strategy.scatter_gather",
         "rows": "strategy.replicate",
     },

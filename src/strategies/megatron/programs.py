@@ -35,6 +35,7 @@ class MegatronSettings:
     uneven_pp: bool
     scatter_gather: bool = True  # pipeline sends of 1/tp plus a TP all-gather (stages.stage_transfer)
     replicate: tuple[str, ...] = ()  # units replicated over their stage's TP group (stages.StageRun)
+    overlap_param_gather: bool = False  # the distributed optimizer's all-gather chained into the next forward
 
 
 def pipeline_program(
@@ -59,6 +60,7 @@ def pipeline_program(
         cfg.overlap_grad_reduce,
         scatter_gather=cfg.scatter_gather,
         replicate=cfg.replicate,
+        overlap_param_gather=cfg.overlap_param_gather,
     )
     emitter = PipelineEmitter(model, cluster, precision, program, mesh, virtual, settings)
     for stage in range(pp):
@@ -104,6 +106,7 @@ def pipeline_unit_plans(
                 recompute=cfg.recompute,
                 sequence_parallel=cfg.sequence_parallel and not replicated,
                 overlap_comm=cfg.overlap_grad_reduce,
+                param_gather="overlapped" if cfg.overlap_param_gather else "step_end",
                 details={"pipeline_stages": stages},
             )
         )
@@ -129,6 +132,7 @@ def colocated_program(
 ) -> tuple[Program, list[UnitPlan]]:
     """Both towers on every device, same TP and DP; the contrastive loss sees the features
     of all DP replicas (all-gather over DP, reduce-scatter of their gradients back)."""
+    assert not cfg.overlap_param_gather, "the planner refuses chained parameter gathers for colocated towers"
     mesh = Mesh.contiguous((("tp", deg.tp), ("dp", deg.dp)))
     batch = deg.batch_layout(global_batch)
     microbatches, mb = batch.microbatches, batch.micro_batch

@@ -149,6 +149,7 @@ class MegatronSearch:
                 self.opts.uneven_pp,
                 self.opts.scatter_gather,
                 self.opts.replicate,
+                self.opts.overlap_param_gather,
             )
             try:
                 candidate = self._check(shape, settings, step, tables)
