@@ -167,10 +167,17 @@ def _free(alive: dict[tuple, float], freed: set[tuple], key: tuple, model: Model
     return sum(alive.pop(piece) for piece in pieces)
 
 
-def _inside_another(unit: str, layers: tuple[int, int], held: Mapping[tuple[str, tuple[int, int]], Sharding]) -> bool:
-    """Whether another held range of `unit` covers `layers`."""
-    start, end = layers
-    return any(name == unit and other != layers and other[0] <= start and end <= other[1] for name, other in held)
+def _outermost(held: dict[tuple[str, tuple[int, int]], Sharding]) -> dict[tuple[str, tuple[int, int]], Sharding]:
+    """The held ranges no other range of their unit covers: a range one forward runs layer
+    by layer and the others whole holds its states once. By start, the longest first: a
+    range is covered when an earlier one of its unit reaches as far."""
+    kept: set[tuple[str, tuple[int, int]]] = set()
+    reach: dict[str, int] = {}
+    for name, (start, end) in sorted(held, key=lambda key: (key[0], key[1][0], -key[1][1])):
+        if reach.get(name, -1) < end:
+            kept.add((name, (start, end)))
+        reach[name] = max(reach.get(name, -1), end)
+    return {key: sharding for key, sharding in held.items() if key in kept}
 
 
 def rank_memory(rank_program: RankProgram, units: Mapping[str, UnitPlan], model: ModelSpec, precision: str) -> dict[str, float]:
@@ -182,8 +189,7 @@ def rank_memory(rank_program: RankProgram, units: Mapping[str, UnitPlan], model:
     for instruction in computes:
         if instruction.work.phase in ("fwd", "interaction"):
             held[(instruction.work.unit, instruction.work.layers)] = instruction.work.sharding
-    # A range one forward runs layer by layer and the others whole holds its states once.
-    held = {(name, layers): sharding for (name, layers), sharding in held.items() if not _inside_another(name, layers, held)}
+    held = _outermost(held)
     out = {"weights": 0.0, "grads": 0.0, "optimizer": 0.0}
     for (name, (start, end)), sharding in held.items():
         unit = model.unit(name)
