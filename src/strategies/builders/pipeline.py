@@ -105,9 +105,10 @@ class ParamGathers:
 
     def __init__(self, layers: list[tuple[str, int, float]], group: str, prefix: str) -> None:
         """`layers`: (unit, layer, bytes gathered) in forward order."""
+        self._handles = [f"{prefix}pg{k}" for k in range(len(layers))]
         self._gathers: list[Instruction] = [
-            Collective("all_gather", group, nbytes, "dp", blocking=False, handle=f"{prefix}pg{k}")
-            for k, (_, _, nbytes) in enumerate(layers)
+            Collective("all_gather", group, nbytes, "dp", blocking=False, handle=handle)
+            for handle, (_, _, nbytes) in zip(self._handles, layers)
         ]
         self._index = {(unit, layer): k for k, (unit, layer, _) in enumerate(layers)}
 
@@ -122,9 +123,7 @@ class ParamGathers:
         k = self._index.get((unit, layer))
         if k is None:
             return []
-        gather = self._gathers[k]
-        assert isinstance(gather, Collective) and gather.handle is not None, "every gather of the chain returns a handle"
-        return [Wait(gather.handle), *self._gathers[k + 1 : k + 2]]
+        return [Wait(self._handles[k]), *self._gathers[k + 1 : k + 2]]
 
 
 class PipelineEmitter:
