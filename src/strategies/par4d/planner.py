@@ -143,11 +143,13 @@ class _Planner:
         candidate.problem = closest[1] if closest else f"grid {grid.label()}: no micro-batch"
 
     def _with_cache(self, grid: Grid, layouts: list[LayerLayout], settings: Par4DSettings, memory: dict[str, float]) -> Par4DSettings:
-        """Cache the gathered weights of as many layers (in order) as the memory left holds."""
+        """Cache the gathered weights of as many recomputed layers (in order) as the memory
+        left holds."""
         room = self.usable - memory["total"]
         cached = 0
         for layout in layouts:
-            if grid.z == 1 or not layout.params:
+            # Full recomputation re-runs (and re-gathers for) blocks only.
+            if grid.z == 1 or not layout.params or not self.unit.layers[layout.index].block:
                 continue
             room -= layout.gathered_params(grid) * element_bytes(self.train.precision)
             if room < 0:

@@ -6,9 +6,10 @@ unique weight shards and the optimizer step. Per FC (par4d.layout.FC, axes a/b =
 y/x when transposed):
 
   forward   all-gather Ŵ over z (the k·n/(a·b) block), GEMM, all-reduce O over b
-  backward  [full recompute: gather Ŵ again unless cached, re-run the forward and its
-            all-reduce over b] input-gradient GEMM, all-reduce dI over a, weight-gradient
-            GEMM, reduce-scatter dW over z
+  backward  [full recompute, a block: gather Ŵ again unless cached, re-run the forward and
+            its all-reduce over b; a layer full recomputation does not re-run keeps the
+            forward's Ŵ] input-gradient GEMM, all-reduce dI over a, weight-gradient GEMM,
+            reduce-scatter dW over z
 
 Overlaps (§IV), each one switchable:
   all_reduce      (A) the all-reduce over a is issued asynchronously and waited after the
@@ -18,7 +19,7 @@ Overlaps (§IV), each one switchable:
   all_gather      (C) each weight all-gather is issued while the previous FC computes
                   (topological order, recomputation included), and waited before its GEMM;
   cache           (D) under full recomputation the forward's gathered weights of the first
-                  `cached_layers` layers stay in memory, so their recompute needs no gather.
+                  `cached_layers` blocks stay in memory, so their recompute needs no gather.
 Without an overlap the collective blocks the compute stream where it is issued. Each axis
 has one communication stream (NCCL runs a communicator's collectives in order).
 
@@ -97,7 +98,7 @@ class Par4DEmitter:
         self.grad_bytes = grad_bytes(precision)
         mesh = grid.mesh()
         self.groups = {axis: axis_group(program, cluster, axis, mesh, axis, mesh.ranks[0]) for axis in ("x", "y", "z", "dp")}
-        self.cached = {lay.index for lay in layouts if self._gathers(lay)}
+        self.cached = {lay.index for lay in layouts if self._gathers(lay) and self._recomputed(lay)}
         self.cached = set(sorted(self.cached)[: settings.cached_layers]) if "cache" in settings.overlap else set()
         self._issued: set[str] = set()
         self._pending_rs: list[str] = []
@@ -114,6 +115,13 @@ class Par4DEmitter:
 
     def _gathers(self, layout: LayerLayout) -> bool:
         return self.grid.z > 1 and layout.params > 0
+
+    def _recomputed(self, layout: LayerLayout) -> bool:
+        """Whether the layer's forward runs again in its backward: under full recomputation,
+        a block's (LayerSpec.block). The layers around the blocks (an embedding, a head) run
+        once and keep their gathered W for their backward, as Algorithm 1 keeps it (line 5)
+        and the real backend's grid layer saves it."""
+        return self.cfg.recompute == "full" and self.spec.layers[layout.index].block
 
     def _weight_bytes(self, layout: LayerLayout, item: int) -> float:
         """Bytes of the weight block range `item` of a layer gathers (16-bit)."""
@@ -138,9 +146,8 @@ class Par4DEmitter:
 
     # ---- one micro-batch ---------------------------------------------------------------------
     def _recompute_gathers(self, j: int) -> list[_Gather]:
-        if self.cfg.recompute != "full":
-            return []
-        return [g for g in self._gather_list(list(reversed(self.layouts)), j, "re") if g.layer not in self.cached]
+        recomputed = [lay for lay in reversed(self.layouts) if self._recomputed(lay)]
+        return [g for g in self._gather_list(recomputed, j, "re") if g.layer not in self.cached]
 
     def microbatch(self, j: int, last: bool) -> list[Instruction]:
         # Gathers in the order they are needed, into the next micro-batch's first: the
@@ -273,7 +280,7 @@ class Par4DEmitter:
     def _backward_layer(self, layout: LayerLayout, j: int, sequence, position) -> list[Instruction]:
         out: list[Instruction] = []
         recompute = self.cfg.recompute
-        if recompute == "full":
+        if self._recomputed(layout):
             # The layer's forward runs again (priced inside its backward Works): its weights
             # gathered again unless cached, its output all-reduces again.
             gathers = [g for g in sequence if g.layer == layout.index and g.handle.startswith("ag.re")]
@@ -367,14 +374,13 @@ class Par4DEmitter:
 
     def gathered_params(self) -> float:
         """Weights held gathered at the peak: every layer's when the backward reuses the
-        forward's (no full recomputation: Algorithm 1 keeps W), else the cached layers'
-        plus the two blocks in flight (the one computing and the one prefetched)."""
-        sizes = {lay.index: lay.gathered_params(self.grid) for lay in self.layouts if self._gathers(lay)}
-        if not sizes:
-            return 0.0
-        if self.cfg.recompute != "full":
-            return sum(sizes.values())
-        return sum(sizes[i] for i in self.cached) + 2 * max(sizes.values())
+        forward's (Algorithm 1 keeps W: no full recomputation, or a layer it does not re-run),
+        else the cached layers' plus the two recomputed ones in flight (the one computing and
+        the one prefetched)."""
+        layouts = [lay for lay in self.layouts if self._gathers(lay)]
+        kept = sum(lay.gathered_params(self.grid) for lay in layouts if lay.index in self.cached or not self._recomputed(lay))
+        regathered = [lay.gathered_params(self.grid) for lay in layouts if self._recomputed(lay)]
+        return kept + 2 * max(regathered, default=0.0)
 
 
 def par4d_program(
