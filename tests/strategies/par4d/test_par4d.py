@@ -256,6 +256,23 @@ def test_a_fixed_grid_plans_algorithm_1_with_its_overlaps():
     assert plan.details["memory_gib"] * 2**30 <= setup.cluster.usable_memory_bytes
 
 
+def test_full_recomputation_gathers_again_only_the_blocks_it_re_runs():
+    """The embedding and the head run once under full recomputation: their backward reuses
+    the forward's gathered weights (Algorithm 1, line 5), so only the blocks gather again,
+    and only blocks are cached (D)."""
+    base = (*TINY_GPT, "strategy=par4d", "strategy.grid=[1,1,8,1]", "strategy.recompute=full")
+    plan, setup = _plan(*base, "strategy.overlap=[all_gather]")  # asynchronous gathers carry their layer in their handle
+    layers = setup.model.units[0].layers
+    again = {
+        int(i.handle.split(".L")[1].split(".")[0])
+        for i in plan.program.classes[0].instructions
+        if isinstance(i, Collective) and i.handle and i.handle.startswith("ag.re.")
+    }
+    assert again == {index for index, layer in enumerate(layers) if layer.block} == {1, 2}
+    cached, _ = _plan(*base, "strategy.overlap=[cache]")
+    assert cached.details["cached_layers"] == 2  # both blocks; the embedding and head need none
+
+
 def test_each_overlap_lowers_the_iteration_time_on_gpt20b():
     times = []
     for overlap in (
