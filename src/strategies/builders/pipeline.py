@@ -30,7 +30,7 @@ from src.costmodel.memory import element_bytes, grad_bytes
 from src.mesh import Mesh, tensor_parallel
 from src.models.spec import ModelSpec
 from src.program import Collective, CollectiveOp, Compute, Hop, Instruction, Payload, Program, RankProgram, Recv, Send, Wait
-from src.strategies.builders.emit import TPConfig, backward_io, consumed, iteration_tail, produced, segment_pass
+from src.strategies.builders.emit import TPConfig, backward_io, consumed, iteration_tail, produced, range_io, segment_pass
 from src.strategies.builders.layout import axis_group, pipeline_pairs, stage_group
 from src.strategies.builders.stages import (
     Segment,
@@ -301,8 +301,7 @@ class PipelineEmitter:
             )
             compute = part[0]
             assert isinstance(compute, Compute), "a pass begins with its compute"
-            inputs = consumed(self.model, segment, microbatch) if layer == start else ()
-            outputs = produced(self.model, segment, microbatch) if layer == end - 1 else ()
+            inputs, outputs = range_io(self.model, segment, "fwd", microbatch, layer == start, layer == end - 1)
             out += [replace(compute, inputs=inputs, outputs=outputs), *part[1:]]
         return out
 
