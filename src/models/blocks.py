@@ -5,7 +5,7 @@ spec.py; bytes are 16-bit activations (layers.ACT_BYTES).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from src.models.layers import ACT_BYTES, embedding_layer, gemm, head_layer, memory, patch_embedding_layer, transformer_layer
@@ -50,6 +50,26 @@ def mlp_projector(tokens: int, d_in: int, d_hidden: int, d_out: int, name: str) 
         tp_allreduces=1,
         tp_comm_elems=tokens * d_out,
     )
+
+
+def per_images(layer: LayerSpec, images: int) -> LayerSpec:
+    """A per-image layer run on `images` images at once: every kernel's rows, every
+    moved byte and every kept activation scale; the parameters do not."""
+    if images == 1:
+        return layer
+    kernels = tuple(replace(k, m=k.m * images) if k.kind == "gemm" else replace(k, bytes=k.bytes * images) for k in layer.kernels)
+    a = layer.activations
+    activations = ActivationBytes(
+        a.replicated * images, a.split * images, a.attention * images, a.checkpoint * images, a.flash_attention * images
+    )
+    return replace(layer, kernels=kernels, activations=activations, tp_comm_elems=layer.tp_comm_elems * images)
+
+
+def scaled_per_images(layers: list[LayerSpec], images: int) -> tuple[LayerSpec, ...]:
+    """Per-image layers built for `images` images, keeping repeated layers one object
+    (the cost model caches by identity)."""
+    made: dict[int, LayerSpec] = {}
+    return tuple(made.setdefault(id(layer), per_images(layer, images)) for layer in layers)
 
 
 @dataclass(frozen=True)

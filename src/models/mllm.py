@@ -38,10 +38,10 @@ from dataclasses import dataclass, replace
 from functools import partial
 
 from src.errors import ConfigError
-from src.models.blocks import DecoderPreset, decoder_unit, mlp_projector, vit_layers
+from src.models.blocks import DecoderPreset, decoder_unit, mlp_projector, scaled_per_images, vit_layers
 from src.models.options import Options, divisible
 from src.models.sd21 import SD21, SD_TINY, VAE_FACTOR, SDShape, sd_unet_layers, vae_encoder_layers
-from src.models.spec import ActivationBytes, Architecture, LayerSpec, ModelSpec, UnitSpec
+from src.models.spec import Architecture, ModelSpec, UnitSpec
 
 LLAMA_VOCAB = 32000
 MLLM_SEQ_LEN = 8192
@@ -111,19 +111,6 @@ def _tiny(model: str) -> Scale:
 PROJECTORS = {"encoder": ("input_projector",), "generator": ("output_projector",)}
 
 
-def per_images(layer: LayerSpec, images: int) -> LayerSpec:
-    """A per-image layer run on `images` images at once: every kernel's rows, every
-    moved byte and every kept activation scale; the parameters do not."""
-    if images == 1:
-        return layer
-    kernels = tuple(replace(k, m=k.m * images) if k.kind == "gemm" else replace(k, bytes=k.bytes * images) for k in layer.kernels)
-    a = layer.activations
-    activations = ActivationBytes(
-        a.replicated * images, a.split * images, a.attention * images, a.checkpoint * images, a.flash_attention * images
-    )
-    return replace(layer, kernels=kernels, activations=activations, tp_comm_elems=layer.tp_comm_elems * images)
-
-
 def build_mllm(model: str, opts: Options, seq_len: int | None) -> ModelSpec:
     scale_name = opts.choice("scale", SCALES, "paper")
     preset = _tiny(model) if scale_name == "tiny" else _paper(model)
@@ -156,7 +143,7 @@ def build_mllm(model: str, opts: Options, seq_len: int | None) -> ModelSpec:
             f"({images * image_tokens}) exceed what the LLM's {seq}-token sequence holds (at most "
             f"{(seq - 1) // image_tokens} with a text token after them)"
         )
-    scale = partial(_scaled, images=images)
+    scale = partial(scaled_per_images, images=images)
     encoder = UnitSpec(
         name="encoder",
         layers=scale(
@@ -208,13 +195,6 @@ def build_mllm(model: str, opts: Options, seq_len: int | None) -> ModelSpec:
             "trained_when_frozen": PROJECTORS if train_projectors else {},
         },
     )
-
-
-def _scaled(layers: list[LayerSpec], images: int) -> tuple[LayerSpec, ...]:
-    """Per-image layers built for `images` images, keeping repeated layers one object
-    (the cost model caches by identity)."""
-    made: dict[int, LayerSpec] = {}
-    return tuple(made.setdefault(id(layer), per_images(layer, images)) for layer in layers)
 
 
 MLLM_BUILDERS = {model: partial(build_mllm, model) for model in LLMS}

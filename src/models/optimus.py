@@ -7,8 +7,9 @@ LLaVA-1.5-style projector as mllm.py). LLMs are Table 9's, on 2048-token sequenc
 ("In all experiments, we use sequence length 2048").
 
 Optimus does not give the image resolution: we use ViT-22B's own (224x224, patch 14:
-256 patch tokens + CLS), and one image per sequence (`images_per_sample`, recorded in
-extras for the planners; an encoder's sample is one image, the LLM's one sequence).
+256 patch tokens + CLS), and one image per sequence (`images_per_sample`): every encoder
+reads each of a sequence's images (its layers run on all of them at once, as mllm.py's
+per-image units do), and their tokens are the first of the LLM's sequence.
 
 `model.scale=tiny` keeps this structure (ViT blocks + the projector as the encoder's last
 layer, a GPT- or Llama-style LLM) at a few hundred KB for CPU runs of the real backend:
@@ -25,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from src.errors import ConfigError
-from src.models.blocks import DecoderPreset, decoder_unit, mlp_projector, vit_layers
+from src.models.blocks import DecoderPreset, decoder_unit, mlp_projector, scaled_per_images, vit_layers
 from src.models.gpt import GPT_PRESETS, GPT_VOCAB
 from src.models.options import Options, divisible
 from src.models.spec import Architecture, ModelSpec, UnitSpec
@@ -113,12 +114,12 @@ def build_optimus(opts: Options, seq_len: int | None) -> ModelSpec:
         encoders.append(
             UnitSpec(
                 name=unit_name,
-                layers=tuple(layers),
+                layers=scaled_per_images(layers, images_per_sample),
                 hidden=vit["hidden"],
                 heads=vit["heads"],
-                seq_len=image_tokens + 1,
-                output_elems=image_tokens * llm_preset.hidden,
-                arch=Architecture(image_size=image, patch_size=patch),
+                seq_len=images_per_sample * (image_tokens + 1),
+                output_elems=images_per_sample * image_tokens * llm_preset.hidden,
+                arch=Architecture(image_size=image, patch_size=patch, images=images_per_sample),
             )
         )
     llm = decoder_unit(llm_preset, seq, output_elems=0, dropout=opts.optional_flag("dropout"))

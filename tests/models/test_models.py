@@ -387,6 +387,20 @@ def test_mllm_images_per_sequence_scale_encoder_and_generator_work_not_weights()
     assert four.unit("llm").output_elems == 4 * one.unit("llm").output_elems
 
 
+def test_optimus_images_per_sample_scale_every_encoders_work_not_its_weights() -> None:
+    # Every encoder reads each of a sequence's images; the LLM's sequence is as long whatever
+    # they are (their tokens are inside it).
+    one = build_model({"name": "optimus", "encoders": ["vit_22b", "vit_5b"]})
+    three = build_model({"name": "optimus", "encoders": ["vit_22b", "vit_5b"], "images_per_sample": 3})
+    for name in ("encoder0", "encoder1"):
+        assert three.unit(name).params == one.unit(name).params
+        assert unit_flops(three, three.unit(name)).fwd == pytest.approx(3 * unit_flops(one, one.unit(name)).fwd)
+        assert three.unit(name).output_elems == 3 * one.unit(name).output_elems
+        assert three.unit(name).arch.images == 3
+    assert unit_flops(three, three.unit("llm")).fwd == unit_flops(one, one.unit("llm")).fwd
+    assert three.unit("llm").arch.image_tokens == 3 * one.unit("llm").arch.image_tokens
+
+
 def test_frozen_mllm_units_keep_their_projectors_training() -> None:
     spec = build_model({"name": "mllm_9b", "frozen": ["encoder", "llm", "generator"], "train_projectors": True})
     encoder, llm, generator = (spec.unit(n) for n in ("encoder", "llm", "generator"))
