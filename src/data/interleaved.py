@@ -24,7 +24,8 @@ plus attention terms in the image's tokens); its generator work is one generated
 per image at the model's fixed generation resolution (DistTrain §8); the LLM's work is
 fixed (the sequence length is). `relative_loads` turns costs into Work.load factors
 against the batch's mean sequence: the model's images_per_sequence sets the mean work
-every strategy prices, the data decides how it is spread over the batch.
+every strategy prices, the data decides how it is spread over the batch. Costs are kept
+per image too: a unit replicated over a TP group deals a micro-batch's images out whole.
 """
 
 from __future__ import annotations
@@ -125,18 +126,21 @@ def _poisson(rng: random.Random, lam: float) -> int:
     return k
 
 
-def encoder_cost(layout: Layout, per_token: float, per_token_squared: float) -> float:
-    """A sequence's encoder FLOPs: each image of t tokens (+ CLS) costs per_token * t +
-    per_token_squared * t^2 (its attention scores)."""
-    return sum(per_token * (s * s + 1) + per_token_squared * (s * s + 1) ** 2 for s in layout.image_sides)
+def encoder_costs(layout: Layout, per_token: float, per_token_squared: float) -> tuple[float, ...]:
+    """The encoder FLOPs of each of a sequence's images: an image of t tokens (+ CLS) costs
+    per_token * t + per_token_squared * t^2 (its attention scores)."""
+    return tuple(per_token * (s * s + 1) + per_token_squared * (s * s + 1) ** 2 for s in layout.image_sides)
 
 
-def generator_cost(layout: Layout) -> float:
-    """Every image of the sequence is generated at the model's fixed resolution."""
-    return float(layout.images)
+def generator_costs(layout: Layout) -> tuple[float, ...]:
+    """Every image of the sequence is generated at the model's fixed resolution: each costs
+    the same."""
+    return (1.0,) * layout.images
 
 
-def relative_loads(costs: Sequence[float]) -> list[float]:
-    """Costs relative to their mean (a batch whose sequences are alike has every load 1)."""
-    mean = sum(costs) / len(costs)
-    return [c / mean for c in costs]
+def relative_loads(costs: Sequence[tuple[float, ...]]) -> tuple[tuple[float, ...], tuple[tuple[float, ...], ...]]:
+    """Each sequence's cost (the sum of its images') and each of its images' costs, against
+    the batch's mean sequence: a batch whose sequences are alike has every load 1."""
+    totals = [sum(each) for each in costs]
+    mean = sum(totals) / len(totals)
+    return tuple(t / mean for t in totals), tuple(tuple(c / mean for c in each) for each in costs)

@@ -13,20 +13,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from src.data.interleaved import Layout, encoder_cost, generator_cost, relative_loads, sampler
+from src.data.interleaved import Layout, encoder_costs, generator_costs, relative_loads, sampler
 from src.errors import ConfigError
 from src.models.spec import ModelSpec
+
+
+PerImage = tuple[tuple[float, ...], ...]  # per sequence, each of its images' load
 
 
 @dataclass(frozen=True)
 class BatchLoads:
     """Each sequence of the step's batch: its encoder and generator loads (against the
-    batch's mean sequence; on given sample images, against the model's nominal one) and
-    its image count."""
+    batch's mean sequence; on given sample images, against the model's nominal one), its
+    image count and each of its images' share of its loads (`*_images`, summing to them)."""
 
     encoder: tuple[float, ...]
     generator: tuple[float, ...]
     images: tuple[int, ...]
+    encoder_images: PerImage
+    generator_images: PerImage
 
     @property
     def peak(self) -> dict[str, float]:
@@ -34,6 +39,9 @@ class BatchLoads:
 
     def of(self, unit: str) -> tuple[float, ...] | None:
         return {"encoder": self.encoder, "generator": self.generator}.get(unit)
+
+    def per_image(self, unit: str) -> PerImage | None:
+        return {"encoder": self.encoder_images, "generator": self.generator_images}.get(unit)
 
 
 def batch_loads(
@@ -46,8 +54,9 @@ def batch_loads(
     if sample_images is not None:
         return image_loads(sample_images, model.extras["images_per_sequence"])
     if data == "uniform":
-        ones = (1.0,) * batch
-        return BatchLoads(ones, ones, (model.extras["images_per_sequence"],) * batch)
+        images = model.extras["images_per_sequence"]
+        ones, alike = (1.0,) * batch, ((1.0 / images,) * images,) * batch
+        return BatchLoads(ones, ones, (images,) * batch, alike, alike)
     return layout_loads(model, sampler(model, seed).batch(batch, step))
 
 
@@ -63,11 +72,9 @@ def layout_loads(model: ModelSpec, layouts: Sequence[Layout]) -> BatchLoads:
                 quadratic += kernel.flops() / tokens**2
             else:
                 linear += kernel.flops() / tokens
-    return BatchLoads(
-        tuple(relative_loads([encoder_cost(l, linear, quadratic) for l in layouts])),
-        tuple(relative_loads([generator_cost(l) for l in layouts])),
-        tuple(l.images for l in layouts),
-    )
+    encoder_loads, encoder_images = relative_loads([encoder_costs(l, linear, quadratic) for l in layouts])
+    generator_loads, generator_images = relative_loads([generator_costs(l) for l in layouts])
+    return BatchLoads(encoder_loads, generator_loads, tuple(l.images for l in layouts), encoder_images, generator_images)
 
 
 def image_loads(images: tuple[int, ...], nominal: int) -> BatchLoads:
@@ -79,5 +86,5 @@ def image_loads(images: tuple[int, ...], nominal: int) -> BatchLoads:
             f"backend.data: the first step's {len(images)} samples hold no image: the plan prices the encoder and "
             f"generator by the images of that batch (give data whose first batch holds images)"
         )
-    loads = tuple(n / nominal for n in images)
-    return BatchLoads(loads, loads, images)
+    loads, each = tuple(n / nominal for n in images), tuple((1.0 / nominal,) * n for n in images)
+    return BatchLoads(loads, loads, images, each, each)

@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from src.data.interleaved import InterleavedData, encoder_cost, generator_cost, relative_loads, sampler
+from src.data.interleaved import InterleavedData, encoder_costs, generator_costs, relative_loads, sampler
 from src.models.registry import build_model
 from src.data.reorder import StageTimes, group_loads, interval_volumes, inter_reorder, lpt
 
@@ -70,11 +70,13 @@ def test_interleaved_layouts_are_seeded_skewed_and_fit_the_sequence() -> None:
 
 def test_loads_are_relative_to_the_batch_mean() -> None:
     batch = InterleavedData(seed=3, seq_len=8192, mean_images=4, base_side=16, side_spread=0.3).batch(64)
-    for costs in ([encoder_cost(layout, 1.0, 0.01) for layout in batch], [generator_cost(layout) for layout in batch]):
-        loads = relative_loads(costs)
+    for costs in ([encoder_costs(layout, 1.0, 0.01) for layout in batch], [generator_costs(layout) for layout in batch]):
+        loads, per_image = relative_loads(costs)
         assert statistics.mean(loads) == pytest.approx(1.0) and statistics.pstdev(loads) > 0.3
+        assert [len(each) for each in per_image] == [layout.images for layout in batch]
+        assert [sum(each) for each in per_image] == pytest.approx(loads)
     one = InterleavedData(seed=3, seq_len=8192, mean_images=4, base_side=16, side_spread=0.3).layout(0)
-    assert encoder_cost(one, 1.0, 0.0) == sum(s * s + 1 for s in one.image_sides)
+    assert encoder_costs(one, 1.0, 0.0) == tuple(s * s + 1 for s in one.image_sides)
 
 
 def test_the_default_image_size_spread_draws_the_layouts_it_drew_as_a_module_constant() -> None:

@@ -16,6 +16,7 @@ builds its classes with its own sample order.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Hashable, Mapping, Sequence
 
@@ -23,7 +24,7 @@ from src.batch_layout import BatchLayout
 from src.cluster import ClusterSpec
 from src.costmodel.compute import ComputeModel
 from src.data.balance import Balancer, Balancing, StageCosts
-from src.data.loads import batch_loads
+from src.data.loads import BatchLoads, PerImage, batch_loads
 from src.mesh import Mesh
 from src.models.spec import ModelSpec
 from src.program import Collective, Compute, Instruction, Plan, Program, RankProgram, compress_ranks
@@ -113,6 +114,32 @@ def replica_loads(sequence_loads: tuple[float, ...], batch: BatchLayout, order: 
     return tuple(tuple(mean_load(r, j) for j in range(batch.microbatches)) for r in range(batch.dp))
 
 
+def dealt_loads(
+    image_loads: PerImage, batch: BatchLayout, order: tuple[int, ...], shares: int, images: int
+) -> tuple[tuple[float, ...], ...]:
+    """loads[replica][microbatch] of a unit replicated over `shares` ranks of its TP group,
+    which deal each micro-batch's images out whole, as evenly as they go by count (as
+    stages.replicated_rows prices the mean micro-batch: one rank runs ceil(rows / shares)
+    of its `images`-a-sequence rows): the busiest rank's images against that rank's at the
+    mean. Where the images do not divide evenly a micro-batch of one more image can cost
+    its busiest rank nothing or a whole image more, which a load proportional to the
+    micro-batch's images does not see."""
+    at_mean = math.ceil(batch.micro_batch * images / shares) / images  # the busiest rank's share, in sequences
+
+    def busiest(replica: int, microbatch: int) -> float:
+        first = batch.first_sample(replica, microbatch)
+        held = [load for q in order[first : first + batch.micro_batch] for load in image_loads[q]]
+        size, extra = divmod(len(held), shares)
+        start, most = 0, 0.0
+        for rank in range(min(shares, len(held))):
+            end = start + size + (1 if rank < extra else 0)
+            most = max(most, sum(held[start:end]))
+            start = end
+        return most / at_mean
+
+    return tuple(tuple(busiest(r, j) for j in range(batch.microbatches)) for r in range(batch.dp))
+
+
 PER_IMAGE = "sequence's images"  # an MLLM's per_sample convention for units that work per image
 
 
@@ -161,7 +188,13 @@ def on_the_data(plan: Plan, request: PlanRequest) -> Plan:
         by_sequence[unit] = sequence_loads
     balancing = None if policy == "none" else Balancing(policy, Balancer(batch, stage_costs(program, request, per_image)))
     order = tuple(range(train.global_batch)) if balancing is None else balancing.order(by_sequence)
-    by_unit = {unit: replica_loads(by_sequence[unit], batch, order) for unit in per_image}
+    shares = {unit_plan.unit: unit_plan.row_shares for unit_plan in plan.units}
+    by_unit = {
+        unit: replica_loads(by_sequence[unit], batch, order)
+        if shares.get(unit, 1) == 1
+        else dealt_loads(_each_image(loads, unit), batch, order, shares[unit], model.unit(unit).arch.images)
+        for unit in per_image
+    }
     # A stage's ranks: tp x dp (a unit replicated over its stage's TP group splits rows there).
     mesh = megatron_mesh(first.mesh.size // (dp * first.mesh.degree("pp")), dp, len(program.classes))
     # Every stage of a replica's pipeline waits on the others: its stages are split alike.
@@ -189,6 +222,12 @@ def skewed(request: PlanRequest) -> bool:
     data (or the images a run sampled) is not uniform."""
     train = request.train
     return bool(_per_image(request.model)) and not (train.data == "uniform" and request.sample_images is None)
+
+
+def _each_image(loads: BatchLoads, unit: str) -> PerImage:
+    each = loads.per_image(unit)
+    assert each is not None, f"{unit} works per image"
+    return each
 
 
 def _per_image(model: ModelSpec) -> list[str]:

@@ -3,11 +3,15 @@ micro-batches carry the images they hold, as DistTrain's do on the same data."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
+from src.batch_layout import BatchLayout
 from src.errors import ConfigError
 from src.program import Compute
 from src.setup import plan_run, validate
+from src.strategies.builders.replicas import dealt_loads
 from src.sim.engine import simulate
 from tests.test_configs import compose_config
 
@@ -57,6 +61,37 @@ def test_a_replicated_stage_splits_by_replica_over_all_its_ranks():
     plan, _ = _priced("train.data=interleaved", "strategy.replicate=[encoder,generator]")
     encoder = [c for c in plan.program.classes if "encoder" in c.units]
     assert len(encoder) > 1 and sorted(r for c in encoder for r in c.ranks) == list(range(16))  # tp 8 x dp 2
+
+
+def test_a_replicated_unit_deals_a_micro_batch_s_images_out_whole():
+    # Two sequences of a batch whose mean is two images (each image 0.5 of the mean
+    # sequence), one a micro-batch, over four ranks: the busiest rank runs one image of the
+    # three-image sequence and the lone image of the other, as at the mean (ceil(2 / 4) = 1);
+    # loads proportional to the images would price them at 1.5 and 0.5.
+    batch = BatchLayout(2, 1, 1)
+    assert dealt_loads(((0.5, 0.5, 0.5), (0.5,)), batch, (0, 1), 4, 2) == ((1.0, 1.0),)
+    # Over two ranks the three images deal 2 + 1: the busiest runs two of the mean's one.
+    assert dealt_loads(((0.5, 0.5, 0.5), (0.5,)), batch, (0, 1), 2, 2) == ((2.0, 1.0),)
+    # Whole images of unequal cost: the busiest rank's are what the micro-batch costs.
+    assert dealt_loads(((1.0, 0.25, 0.25), ()), batch, (0, 1), 2, 2) == ((2.5, 0.0),)
+
+
+def test_a_replicated_generator_is_priced_by_its_busiest_rank_s_images():
+    plan, _ = _priced("train.data=interleaved", "strategy.replicate=[encoder,generator]")
+    loads = plan.sample_images
+    assert loads is not None
+    mean = sum(loads) / len(loads)
+    priced = sorted(
+        {
+            round(i.work.load, 9)
+            for c in plan.program.classes
+            for i in c.instructions
+            if isinstance(i, Compute) and i.work.unit == "generator" and i.work.phase == "fwd"
+        }
+    )
+    # Ten images a sequence on eight ranks: two on the busiest at the mean; a micro-batch
+    # of k images runs ceil(k / 8) there (every generated image costs the same).
+    assert priced == sorted({round(math.ceil(k / 8) * 10 / mean / 2, 9) for k in loads})
 
 
 def test_every_stage_of_a_replica_s_pipeline_is_split_alike():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from src.data.interleaved import encoder_cost, sampler
+from src.data.interleaved import encoder_costs, sampler
 from src.program import Compute
 from src.runtime.placement import placements
 from src.setup import plan_run, validate
@@ -29,7 +29,7 @@ def test_each_encoder_micro_batch_is_priced_for_the_sides_it_packs():
     quadratic = sum(k.flops() for layer in encoder.layers for k in layer.kernels if k.attention_core) / tokens**2
     linear = sum(k.flops() for layer in encoder.layers for k in layer.kernels if not k.attention_core) / tokens
     layouts = sampler(s.model, s.train.seed).batch(s.train.global_batch)
-    mean = sum(encoder_cost(layout, linear, quadratic) for layout in layouts) / len(layouts)
+    mean = sum(sum(encoder_costs(layout, linear, quadratic)) for layout in layouts) / len(layouts)
     data = dataset_for(s.model, s.train.seed, "synthetic", content=plan.sample_content)
     units = {u.unit: u for u in plan.units}
     pairs = []
