@@ -30,6 +30,7 @@ same policy.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping, Sequence
 
@@ -40,6 +41,8 @@ from src.errors import ConfigError
 
 if TYPE_CHECKING:  # numpy is imported where a batch is balanced: every plan imports this module, few balance
     import numpy as np
+
+    from src.data.loads import BatchLoads
 
 
 @dataclass(frozen=True)
@@ -53,13 +56,45 @@ class StageCosts:
     bwd_per_load: tuple[tuple[str, float], ...] = ()
 
 
+def busiest_share(images: Sequence[float], shares: int) -> float:
+    """The most a rank runs of `images` (each image's load) dealt out whole over `shares`
+    ranks, as evenly as they go by count: in order, the first len % shares ranks one more."""
+    size, extra = divmod(len(images), shares)
+    start, most = 0, 0.0
+    for rank in range(min(shares, len(images))):
+        end = start + size + (1 if rank < extra else 0)
+        most = max(most, sum(images[start:end]))
+        start = end
+    return most
+
+
+@dataclass(frozen=True)
+class Dealt:
+    """A unit replicated over `shares` ranks of its TP group that deals a micro-batch's
+    images out whole, built for `images` images a sequence: the busiest rank's images set
+    its time (stages.replicated_rows prices ceil(rows / shares) of them at the mean)."""
+
+    unit: str
+    shares: int
+    images: int
+
+    def load(self, image_loads: Sequence[float], sequences: int = 1) -> float:
+        """`sequences` sequences' images (each image's load against the mean sequence) as a
+        load against the mean micro-batch of that many sequences, on its busiest rank."""
+        at_mean = math.ceil(sequences * self.images / self.shares) / self.images
+        return busiest_share(image_loads, self.shares) / at_mean
+
+
 @dataclass(frozen=True)
 class Balancer:
     """The pipeline a batch is balanced for: how its replicas cut the batch (`layout`, no
-    sample groups: a group scored together cannot be split) and its stages' costs."""
+    sample groups: a group scored together cannot be split), its stages' costs, and the
+    units that deal a micro-batch's images out over their ranks (`dealt`: a sequence's load
+    on them is its images' on the busiest rank, as a micro-batch of it alone runs them)."""
 
     layout: BatchLayout
     stages: tuple[StageCosts, ...]
+    dealt: tuple[Dealt, ...] = ()
 
     def __post_init__(self) -> None:
         if self.layout.groups not in (None, self.layout.microbatches):
@@ -75,6 +110,21 @@ class Balancer:
         """The units whose loads the costs read."""
         names = {u for s in self.stages for u, _ in s.fwd_per_load + s.bwd_per_load}
         return tuple(sorted(names))
+
+    def sequence_loads(self, loads: BatchLoads) -> dict[str, tuple[float, ...]]:
+        """Each sequence's load on each unit the costs read: its images' on the busiest
+        rank for a unit of `dealt` (exact for micro-batches of one sequence; a micro-batch
+        of several is priced at their mean), its load against the mean sequence otherwise."""
+        dealt = {d.unit: d for d in self.dealt}
+        out = {}
+        for unit in self.units:
+            if unit in dealt:
+                each = loads.per_image(unit)
+                assert each is not None, f"{unit} works per image"
+                out[unit] = tuple(dealt[unit].load(images) for images in each)
+            else:
+                out[unit] = loads.of(unit) or ()
+        return out
 
     def order(self, policy: str, loads: Mapping[str, Sequence[float]]) -> tuple[int, ...]:
         """order[p]: which sequence (in data order) position p of the batch holds."""
@@ -186,6 +236,10 @@ class Balancing:
 
     def order(self, loads: Mapping[str, Sequence[float]]) -> tuple[int, ...]:
         return self.balancer.order(self.policy, loads)
+
+    def place(self, loads: BatchLoads) -> tuple[int, ...]:
+        """The order of a batch whose sequences weigh `loads`."""
+        return self.order(self.balancer.sequence_loads(loads))
 
 
 def vector_lpt(seconds: np.ndarray, members: Sequence[int] | range, groups: int) -> list[list[int]]:

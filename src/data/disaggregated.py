@@ -31,10 +31,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from src.data.balance import vector_lpt
 from src.data.reorder import StageTimes, inter_reorder, lpt
+
+if TYPE_CHECKING:
+    from src.data.loads import BatchLoads
 
 REORDERS = ("none", "intra", "inter", "both", "cost")
 # train.balance's policies as DistTrain's reorderings: its own algorithms are `reorder`.
@@ -82,6 +85,10 @@ class Reordering:
     def order(self, loads: Mapping[str, Sequence[float]]) -> tuple[int, ...]:
         """order[p]: which sequence (in data order) position p of the batch holds."""
         return self.assignment(loads["encoder"], loads["generator"]).positions
+
+    def place(self, loads: BatchLoads) -> tuple[int, ...]:
+        """The order of a batch whose sequences weigh `loads`."""
+        return self.assignment(loads.encoder, loads.generator).positions
 
     def assignment(self, enc: Sequence[float], gen: Sequence[float]) -> Assignment:
         """The positions of a batch's sequences (their encoder and generator loads)."""

@@ -223,7 +223,7 @@ class StepSamples:
         else:
             assert self.dataset.layouts is not None, "drawn images come from the sampler"
             loads = layout_loads(self.model, [self.dataset.layouts.layout(i) for i in indices])
-        return self.balancing.order({unit: loads.of(unit) or () for unit in self.balancing.units})
+        return self.balancing.place(loads)
 
     def step_samples(self, step: int) -> list[int]:
         """The indices of the step's samples, in data order."""

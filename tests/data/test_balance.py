@@ -10,7 +10,8 @@ import pytest
 
 from src.batch_layout import BatchLayout
 from src.config import train_from_config
-from src.data.balance import Balancer, StageCosts, vector_lpt
+from src.data.balance import Balancer, Dealt, StageCosts, busiest_share, vector_lpt
+from src.data.loads import BatchLoads
 from src.data.reorder import lpt
 from src.errors import ConfigError
 from src.setup import validate
@@ -92,3 +93,18 @@ def test_train_balance_is_checked_at_the_door():
     with pytest.raises(ConfigError, match=r"train.balance='fast'; choose one of \['none', 'reorder', 'cost'\]"):
         train_from_config({"global_batch": 8, "steps": 1, "balance": "fast"}, cluster)
     assert train_from_config({"global_batch": 8, "steps": 1}, cluster).balance is None
+
+
+def test_a_dealt_unit_weighs_a_sequence_by_its_busiest_rank_s_images():
+    # The generator replicated over 4 ranks, built for 2 images a sequence: the busiest rank
+    # runs ceil(2 / 4) = 1 image at the mean. Sequences of 3, 1 and 5 images (the batch's
+    # mean 3: each image a third of the mean sequence) run 1, 1 and 2 images there.
+    thirds = tuple((1 / 3,) * n for n in (3, 1, 5))
+    loads = BatchLoads((1.0, 1 / 3, 5 / 3), (1.0, 1 / 3, 5 / 3), (3, 1, 5), thirds, thirds)
+    dealt = Balancer(BatchLayout(3, 1), STAGES, (Dealt("generator", 4, 2),))
+    by_unit = dealt.sequence_loads(loads)
+    assert by_unit["generator"] == pytest.approx((2 / 3, 2 / 3, 4 / 3))
+    assert by_unit["encoder"] == loads.encoder  # split by TP: in proportion to its images
+    assert Balancer(BatchLayout(3, 1), STAGES).sequence_loads(loads)["generator"] == loads.generator
+    # Whole images of unequal loads over two ranks: the heavier half is the busiest's.
+    assert busiest_share((1.0, 0.25, 0.25), 2) == 1.25 and busiest_share((0.5,), 4) == 0.5 and busiest_share((), 2) == 0.0

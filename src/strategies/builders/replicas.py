@@ -16,14 +16,13 @@ builds its classes with its own sample order.
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from typing import Hashable, Mapping, Sequence
 
 from src.batch_layout import BatchLayout
 from src.cluster import ClusterSpec
 from src.costmodel.compute import ComputeModel
-from src.data.balance import Balancer, Balancing, StageCosts
+from src.data.balance import Balancer, Balancing, Dealt, StageCosts
 from src.data.loads import BatchLoads, PerImage, batch_loads
 from src.mesh import Mesh
 from src.models.spec import ModelSpec
@@ -114,28 +113,18 @@ def replica_loads(sequence_loads: tuple[float, ...], batch: BatchLayout, order: 
     return tuple(tuple(mean_load(r, j) for j in range(batch.microbatches)) for r in range(batch.dp))
 
 
-def dealt_loads(
-    image_loads: PerImage, batch: BatchLayout, order: tuple[int, ...], shares: int, images: int
-) -> tuple[tuple[float, ...], ...]:
-    """loads[replica][microbatch] of a unit replicated over `shares` ranks of its TP group,
-    which deal each micro-batch's images out whole, as evenly as they go by count (as
-    stages.replicated_rows prices the mean micro-batch: one rank runs ceil(rows / shares)
-    of its `images`-a-sequence rows): the busiest rank's images against that rank's at the
-    mean. Where the images do not divide evenly a micro-batch of one more image can cost
-    its busiest rank nothing or a whole image more, which a load proportional to the
-    micro-batch's images does not see."""
-    at_mean = math.ceil(batch.micro_batch * images / shares) / images  # the busiest rank's share, in sequences
+def dealt_loads(image_loads: PerImage, batch: BatchLayout, order: tuple[int, ...], dealt: Dealt) -> tuple[tuple[float, ...], ...]:
+    """loads[replica][microbatch] of a unit replicated over its TP group (`dealt`), which
+    deals each micro-batch's images out whole, as evenly as they go by count: the busiest
+    rank's images against that rank's at the mean (stages.replicated_rows prices ceil(rows /
+    shares) of them). Where the images do not divide evenly a micro-batch of one more image
+    can cost its busiest rank nothing or a whole image more, which a load proportional to
+    the micro-batch's images does not see."""
 
     def busiest(replica: int, microbatch: int) -> float:
         first = batch.first_sample(replica, microbatch)
         held = [load for q in order[first : first + batch.micro_batch] for load in image_loads[q]]
-        size, extra = divmod(len(held), shares)
-        start, most = 0, 0.0
-        for rank in range(min(shares, len(held))):
-            end = start + size + (1 if rank < extra else 0)
-            most = max(most, sum(held[start:end]))
-            start = end
-        return most / at_mean
+        return dealt.load(held, batch.micro_batch)
 
     return tuple(tuple(busiest(r, j) for j in range(batch.microbatches)) for r in range(batch.dp))
 
@@ -186,13 +175,18 @@ def on_the_data(plan: Plan, request: PlanRequest) -> Plan:
         sequence_loads = loads.of(unit)
         assert sequence_loads is not None, f"{unit} works per image"
         by_sequence[unit] = sequence_loads
-    balancing = None if policy == "none" else Balancing(policy, Balancer(batch, stage_costs(program, request, per_image)))
-    order = tuple(range(train.global_batch)) if balancing is None else balancing.order(by_sequence)
-    shares = {unit_plan.unit: unit_plan.row_shares for unit_plan in plan.units}
+    dealt = {
+        unit_plan.unit: Dealt(unit_plan.unit, unit_plan.row_shares, model.unit(unit_plan.unit).arch.images)
+        for unit_plan in plan.units
+        if unit_plan.unit in per_image and unit_plan.row_shares > 1
+    }
+    costs = stage_costs(program, request, per_image)
+    balancing = None if policy == "none" else Balancing(policy, Balancer(batch, costs, tuple(dealt.values())))
+    order = tuple(range(train.global_batch)) if balancing is None else balancing.place(loads)
     by_unit = {
-        unit: replica_loads(by_sequence[unit], batch, order)
-        if shares.get(unit, 1) == 1
-        else dealt_loads(_each_image(loads, unit), batch, order, shares[unit], model.unit(unit).arch.images)
+        unit: dealt_loads(_each_image(loads, unit), batch, order, dealt[unit])
+        if unit in dealt
+        else replica_loads(by_sequence[unit], batch, order)
         for unit in per_image
     }
     # A stage's ranks: tp x dp (a unit replicated over its stage's TP group splits rows there).

@@ -8,6 +8,7 @@ import math
 import pytest
 
 from src.batch_layout import BatchLayout
+from src.data.balance import Dealt
 from src.errors import ConfigError
 from src.program import Compute
 from src.setup import plan_run, validate
@@ -69,11 +70,11 @@ def test_a_replicated_unit_deals_a_micro_batch_s_images_out_whole():
     # three-image sequence and the lone image of the other, as at the mean (ceil(2 / 4) = 1);
     # loads proportional to the images would price them at 1.5 and 0.5.
     batch = BatchLayout(2, 1, 1)
-    assert dealt_loads(((0.5, 0.5, 0.5), (0.5,)), batch, (0, 1), 4, 2) == ((1.0, 1.0),)
+    assert dealt_loads(((0.5, 0.5, 0.5), (0.5,)), batch, (0, 1), Dealt("generator", 4, 2)) == ((1.0, 1.0),)
     # Over two ranks the three images deal 2 + 1: the busiest runs two of the mean's one.
-    assert dealt_loads(((0.5, 0.5, 0.5), (0.5,)), batch, (0, 1), 2, 2) == ((2.0, 1.0),)
+    assert dealt_loads(((0.5, 0.5, 0.5), (0.5,)), batch, (0, 1), Dealt("generator", 2, 2)) == ((2.0, 1.0),)
     # Whole images of unequal cost: the busiest rank's are what the micro-batch costs.
-    assert dealt_loads(((1.0, 0.25, 0.25), ()), batch, (0, 1), 2, 2) == ((2.5, 0.0),)
+    assert dealt_loads(((1.0, 0.25, 0.25), ()), batch, (0, 1), Dealt("encoder", 2, 2)) == ((2.5, 0.0),)
 
 
 def test_a_replicated_generator_is_priced_by_its_busiest_rank_s_images():
