@@ -101,8 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{' '.join(args.overrides or DEFAULT)}: {layout.dp} replicas x {layout.microbatches} micro-batches of {layout.micro_batch}")
     for batch in range(args.batches):
         drawn = batch_loads(model, train.seed, train.global_batch, train.data, None, batch)
-        loads = {unit: list(drawn.of(unit) or ()) for unit in balancer.units}
-        mean = {unit: [sum(v) / len(v)] * len(v) for unit, v in loads.items()}
+        loads = {unit: list(v) for unit, v in balancer.sequence_loads(drawn).items()}
+        mean = {unit: [1.0] * len(v) for unit, v in loads.items()}  # uniform data: every sequence the mean one
         identity = tuple(range(layout.global_batch))
         uniform = balancer.makespan(mean, identity)
         spans = {policy: balancer.makespan(loads, balancer.order(policy, loads)) for policy in ("none", "reorder", "cost")}
