@@ -2,8 +2,10 @@
 for MLLM-9B/15B/72B on 1152 A800s, batch 1920 (DistTrain's Figure 15 sizes). Target: at most
 100 ms of CPU per batch, so that a policy could run every iteration.
 
-- Megatron-LM: the plan's own balancer (src/data/balance.py) on the plan's pipeline, placing
-  the batch's 1920 sequences over its replicas and micro-batches;
+- Megatron-LM (the balancing figure's: the encoder and generator on stages of their own,
+  replicated over the TP group): the plan's own balancer (src/data/balance.py) on the plan's
+  pipeline, weighing the batch's 1920 sequences (a replicated unit's by its busiest GPU's
+  images) and placing them over its replicas and micro-batches;
 - DistTrain: its reordering (src/data/disaggregated.py), as its plan carries it, for the orchestration's
   best choice, the policy as DistTrain's reordering.
 
@@ -54,17 +56,19 @@ def fastest(work: Callable[[], object]) -> tuple[float, float]:
 
 
 def megatron(model: str) -> dict[str, tuple[float, float]]:
-    setup = configure(model, "strategy=megatron", "train.balance=cost")
+    setup = configure(
+        model, "strategy=megatron", "strategy.modality_stages=extra", "strategy.replicate=[encoder,generator]", "train.balance=cost"
+    )
     plan = plan_run(setup)
     assert isinstance(plan.balancing, Balancing), "an MLLM on interleaved data is balanced"
     train = setup.train
     loads = batch_loads(setup.model, train.seed, train.global_batch, train.data, None)
     balancer = plan.balancing.balancer
-    by_unit = {unit: loads.of(unit) or () for unit in balancer.units}
     layout = balancer.layout
     shape = f"dp {layout.dp}, {layout.microbatches} micro-batches of {layout.micro_batch}, {len(balancer.stages)} stages"
     print(f"  megatron {model}: {shape}")
-    return {policy: fastest(lambda: balancer.order(policy, by_unit)) for policy in BALANCE_POLICIES}
+    # As the planner and the real backend place a step's batch: its loads weighed, then ordered.
+    return {policy: fastest(lambda: Balancing(policy, balancer).place(loads)) for policy in BALANCE_POLICIES}
 
 
 def disttrain(model: str) -> dict[str, tuple[float, float]]:
@@ -83,7 +87,7 @@ def disttrain(model: str) -> dict[str, tuple[float, float]]:
     for policy in BALANCE_POLICIES:
         # What the plan carries and every step runs: its stage costs read once, the order per batch.
         reordering = Decision(request, orchestrator, loads, BALANCE_REORDERS[policy], opts.tp_overlap_chunks)._reordering(best)
-        out[policy] = fastest(lambda: reordering.order({"encoder": loads.encoder, "generator": loads.generator}))
+        out[policy] = fastest(lambda: reordering.place(loads))
     return out
 
 
