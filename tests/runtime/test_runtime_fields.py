@@ -439,6 +439,17 @@ def test_a_replicated_unit_s_rows_tp_does_not_divide_are_refused_naming_the_fix(
         _check(MLLM_REPLICATED + odd)
 
 
+def test_a_replicated_unit_on_interleaved_data_is_refused_naming_the_fix():
+    # The plan deals a micro-batch's images out over the TP group; the real backend deals whole
+    # sequences, which on interleaved data hold different images.
+    skewed = ["strategy.replicate=[encoder,generator]", "strategy.micro_batch_size=2", "train.data=interleaved"]
+    with pytest.raises(
+        ConfigError,
+        match=r"unit encoder is replicated over the 2 ranks.*interleaved.*train.data=uniform.*\[megatron: strategy.replicate\]",
+    ):
+        _check(MLLM_REPLICATED + skewed)
+
+
 def test_a_scattered_transfer_of_rows_tp_does_not_divide_is_refused_naming_the_fix():
     odd = ["strategy.tp=2", "strategy.sequence_parallel=false", "strategy.scatter_gather=true", "strategy.micro_batch_size=1"]
     with pytest.raises(ConfigError, match=r"1 rows over tp=2.*\[megatron: strategy.scatter_gather, strategy.micro_batch_size\]"):
