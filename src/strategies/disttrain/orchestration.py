@@ -42,8 +42,9 @@ from its units alone, reaches that time is not priced), and the best `keep` choi
 returned, best first: the planner times them against the batch's data (timing.py)
 and simulates the fastest.
 
-The ratio-based baseline (`ratio`) fixes n_u in proportion to each unit's FLOPs and picks
-the fastest TP/DP/PP within it the same way.
+The ratio-based baseline (`ratio`) gives each unit at most its FLOPs' share of the GPUs
+(rounded, at least one: §8.2.1, "allocates GPUs according to the computational demands
+(flops) of each module") and picks the fastest TP/DP/PP within it the same way.
 """
 
 from __future__ import annotations
@@ -273,8 +274,10 @@ class Orchestrator:
                 return None
             return replace(base, low=float(setting.tp * dp * given_pp), high=float(setting.tp * dp * given_pp))
         if unit in self.target:
-            pp = max(1, math.floor(self.target[unit] / (setting.tp * dp)))
-            if pp < pp_low or pp > blocks:
+            # At most the unit's FLOPs share of the GPUs (at least one GPU): its TP x DP x PP
+            # cannot exceed it, whatever DP the LLM's replicas would give the unit otherwise.
+            pp = math.floor(max(1, round(self.target[unit])) / (setting.tp * dp))
+            if pp < 1 or pp < pp_low or pp > blocks:
                 return None
             return replace(base, low=float(setting.tp * dp * pp), high=float(setting.tp * dp * pp))
         return base
