@@ -119,9 +119,7 @@ class Balancer:
         out = {}
         for unit in self.units:
             if unit in dealt:
-                each = loads.per_image(unit)
-                assert each is not None, f"{unit} works per image"
-                out[unit] = tuple(dealt[unit].load(images) for images in each)
+                out[unit] = tuple(dealt[unit].load(images) for images in loads.per_image(unit))
             else:
                 out[unit] = loads.of(unit) or ()
         return out

@@ -40,8 +40,9 @@ class BatchLoads:
     def of(self, unit: str) -> tuple[float, ...] | None:
         return {"encoder": self.encoder, "generator": self.generator}.get(unit)
 
-    def per_image(self, unit: str) -> PerImage | None:
-        return {"encoder": self.encoder_images, "generator": self.generator_images}.get(unit)
+    def per_image(self, unit: str) -> PerImage:
+        """Each sequence's images' loads on a unit that works per image (encoder, generator)."""
+        return {"encoder": self.encoder_images, "generator": self.generator_images}[unit]
 
 
 def batch_loads(

@@ -23,7 +23,7 @@ from src.batch_layout import BatchLayout
 from src.cluster import ClusterSpec
 from src.costmodel.compute import ComputeModel
 from src.data.balance import Balancer, Balancing, Dealt, StageCosts
-from src.data.loads import BatchLoads, PerImage, batch_loads
+from src.data.loads import PerImage, batch_loads
 from src.mesh import Mesh
 from src.models.spec import ModelSpec
 from src.program import Collective, Compute, Instruction, Plan, Program, RankProgram, compress_ranks
@@ -184,7 +184,7 @@ def on_the_data(plan: Plan, request: PlanRequest) -> Plan:
     balancing = None if policy == "none" else Balancing(policy, Balancer(batch, costs, tuple(dealt.values())))
     order = tuple(range(train.global_batch)) if balancing is None else balancing.place(loads)
     by_unit = {
-        unit: dealt_loads(_each_image(loads, unit), batch, order, dealt[unit])
+        unit: dealt_loads(loads.per_image(unit), batch, order, dealt[unit])
         if unit in dealt
         else replica_loads(by_sequence[unit], batch, order)
         for unit in per_image
@@ -216,12 +216,6 @@ def skewed(request: PlanRequest) -> bool:
     data (or the images a run sampled) is not uniform."""
     train = request.train
     return bool(_per_image(request.model)) and not (train.data == "uniform" and request.sample_images is None)
-
-
-def _each_image(loads: BatchLoads, unit: str) -> PerImage:
-    each = loads.per_image(unit)
-    assert each is not None, f"{unit} works per image"
-    return each
 
 
 def _per_image(model: ModelSpec) -> list[str]:
