@@ -8,8 +8,11 @@ below by the bytes it moves over HBM, and costs the device a fixed gap
 
 The framework issues every kernel from the host (eager PyTorch: module calls, the
 dispatcher, autograd), at host_forward_kernel_s per kernel of a forward and
-host_backward_kernel_s per kernel of a backward; one launch per layer and pass where it
-replays each layer from CUDA graphs (cluster.host_launch). A GPU runs behind its host, so a Work
+host_backward_kernel_s per kernel of a backward (both per kernel as kernel_launches counts
+them); under PyTorch AMP each cast it adds (a weight's and a bias's at their GEMM, a 16-bit
+copy of an fp32 normalisation's or loss's input, and each one's backward) at
+host_forward_kernel_s; one launch per layer and pass where it replays each layer from CUDA
+graphs (cluster.host_launch). A GPU runs behind its host, so a Work
 item takes the longer of its device time and its host time: small layers (narrow
 hidden sizes, few samples per device) are bound by the framework, large ones by the
 device. Where the host is the device (CPU workers: cluster.host_async false) the two
@@ -25,7 +28,7 @@ constants come from the cluster preset; nothing here is specific to a strategy.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from src.cluster import ClusterSpec
 from src.costmodel.memory import element_bytes, grad_bytes
@@ -43,17 +46,20 @@ FLASH_TILE = 128
 
 @dataclass(frozen=True)
 class Launches:
-    """Kernels one layer launches per micro-batch, by part (as LayerTimes)."""
+    """Kernels one layer launches per micro-batch, by part (as LayerTimes); `cast_*`: the
+    casts PyTorch AMP adds, by the part that runs them (a forward's, its backward's input
+    and weight parts')."""
 
     fwd: int = 0
     bwd_input: int = 0
     bwd_weight: int = 0
     core_fwd: int = 0
+    cast_fwd: int = 0
+    cast_bwd_input: int = 0
+    cast_bwd_weight: int = 0
 
     def __add__(self, other: "Launches") -> "Launches":
-        return Launches(
-            self.fwd + other.fwd, self.bwd_input + other.bwd_input, self.bwd_weight + other.bwd_weight, self.core_fwd + other.core_fwd
-        )
+        return Launches(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(Launches)))
 
 
 @dataclass(frozen=True)
@@ -71,22 +77,38 @@ class LayerTimes:
     def recompute(self, mode: str) -> float:
         return {"none": 0.0, "selective": self.core_fwd, "full": self.fwd}[mode]
 
-    def recompute_launches(self, mode: str) -> int:
-        return {"none": 0, "selective": self.launches.core_fwd, "full": self.launches.fwd}[mode]
+    def recompute_launches(self, mode: str) -> tuple[int, int]:
+        """(kernels, AMP casts) that recomputation re-runs in backward: the attention core
+        casts nothing (its inputs are 16-bit), a whole forward its casts again."""
+        launches = self.launches
+        return {"none": (0, 0), "selective": (launches.core_fwd, 0), "full": (launches.fwd, launches.cast_fwd)}[mode]
 
 
-def kernel_launches(kernel: Kernel) -> Launches:
+def kernel_launches(kernel: Kernel, amp: bool = False) -> Launches:
     """The kernels one of the layer's kernels launches per micro-batch: its forward; in
     backward one per input gradient (two for a product of activations, one more where
     FlashAttention recomputes its scores) and one for the weight gradient. A parameter
     gradient's reduction kernel (Kernel.grad_reduction_bytes) is not counted: the host's
     per-kernel times were measured on blocks that run them and are per kernel of this count
-    (src/models/grad_kernels.py)."""
+    (src/models/grad_kernels.py).
+
+    Under PyTorch AMP (`amp`) autocast adds casts, each a kernel of its own, where those
+    blocks (16-bit weights) ran none: a weighted GEMM casts its fp32 weight, and its bias
+    (a bias whose gradient is a reduction of its own: with one folded into a GEMM the bias
+    is not known to exist and its cast is not counted), and backward casts each one's
+    gradient back; an eager normalisation (one whose parameters' gradients are reduced by a
+    kernel of their own) runs in fp32, and the GEMM after it casts its output to 16 bits;
+    PyTorch's loss casts the logits up (each input cast's backward casts the gradient). On
+    one H200's host a block under AMP ran 9.8 more kernels in its forward and 12 more in
+    its backward than with bf16 weights, each 28-35 us of host time
+    (benchmarks/results/amp_host_h200.json), the forward kernels' host_forward_kernel_s."""
     core = 1 if kernel.attention_core else 0
+    input_casts = 1 if amp and (kernel.cross_entropy == "eager" or (kernel.norm_width and kernel.grad_reduction_bytes)) else 0
     if kernel.kind == "memory":
-        return Launches(1, 1, 0, core)
+        return Launches(1, 1, 0, core, input_casts, input_casts, 0)
+    weight_casts = (2 if kernel.grad_reduction_bytes else 1) if amp and kernel.has_weight else 0
     inputs = (1 if kernel.has_weight else 2) + (1 if kernel.backward_recompute else 0)
-    return Launches(1, inputs, 1 if kernel.has_weight else 0, core)
+    return Launches(1, inputs, 1 if kernel.has_weight else 0, core, input_casts + weight_casts, input_casts, weight_casts)
 
 
 def _amp_stream(kernel: Kernel, forward: float, backward: float, reduction: float) -> tuple[float, float, float]:
@@ -107,10 +129,10 @@ def _amp_stream(kernel: Kernel, forward: float, backward: float, reduction: floa
     return forward, backward, reduction
 
 
-def layer_launches(layer: LayerSpec) -> Launches:
+def layer_launches(layer: LayerSpec, amp: bool = False) -> Launches:
     total = Launches()
     for kernel in layer.kernels:
-        total += kernel_launches(kernel)
+        total += kernel_launches(kernel, amp)
     return total
 
 
@@ -173,7 +195,7 @@ class ComputeModel:
     ) -> LayerTimes:
         """Times of one kernel over `rows` samples' worth of input on one device; `causal`:
         FlashAttention under a causal mask, which skips the score tiles it hides."""
-        launches = kernel_launches(kernel)
+        launches = kernel_launches(kernel, self.amp)
         if kernel.kind == "memory":
             divisor = sharding.memory_divisor(kernel.tp_split)
             forward = kernel.bytes * rows / divisor
@@ -284,10 +306,11 @@ class ComputeModel:
         for index, layer in enumerate(layers):
             kernels = work.kernels if (work.kernels is not None and index == 0) else None
             t = self.layer_times(layer, rows, work.sharding, work.contrastive_batch, kernels, causal)
-            device, forward_kernels, backward_kernels = self._phase(work, t, layer.forward_only, model, unit, start + index)
+            device, forward_kernels, backward_kernels, casts = self._phase(work, t, layer.forward_only, model, unit, start + index)
             if self.cluster.host_launch == "graphed":  # one graph launch per layer and pass
-                forward_kernels, backward_kernels = min(forward_kernels, 1), min(backward_kernels, 1)
-            host = forward_kernels * self.cluster.host_forward_kernel_s + backward_kernels * self.cluster.host_backward_kernel_s
+                forward_kernels, backward_kernels, casts = min(forward_kernels, 1), min(backward_kernels, 1), 0
+            forward_rate, backward_rate = self.cluster.host_forward_kernel_s, self.cluster.host_backward_kernel_s
+            host = (forward_kernels + casts) * forward_rate + backward_kernels * backward_rate
             if work.chunks > 1:
                 host = self._chunk_host(work, layer, host)
             device, host = device * work.load, host * work.load + (fetch - waited if index == 0 else 0.0)
@@ -330,29 +353,33 @@ class ComputeModel:
         return moved / self.hbm + work.scatters * work.scatter_copies * self.cluster.kernel_overhead_s
 
     @staticmethod
-    def _phase(work: Work, t: LayerTimes, forward_only: bool, model: ModelSpec, unit: UnitSpec, layer: int) -> tuple[float, int, int]:
-        """(device seconds, forward kernels, backward kernels) of one layer in the work's phase."""
+    def _phase(
+        work: Work, t: LayerTimes, forward_only: bool, model: ModelSpec, unit: UnitSpec, layer: int
+    ) -> tuple[float, int, int, int]:
+        """(device seconds, forward kernels, backward kernels, AMP casts) of one layer in the
+        work's phase."""
         n = t.launches
         if forward_only:
-            return (t.fwd, n.fwd, 0) if work.phase in ("fwd", "interaction") else (0.0, 0, 0)
+            return (t.fwd, n.fwd, 0, n.cast_fwd) if work.phase in ("fwd", "interaction") else (0.0, 0, 0, 0)
         needs_input_grad = model.needs_input_grad(work.unit, layer)
         trains_weights = unit.trains(unit.layers[layer])
-        bwd_input, input_kernels = (t.bwd_input, n.bwd_input) if needs_input_grad else (0.0, 0)
-        bwd_weight, weight_kernels = (t.bwd_weight, n.bwd_weight) if trains_weights else (0.0, 0)
+        bwd_input, input_kernels, input_casts = (t.bwd_input, n.bwd_input, n.cast_bwd_input) if needs_input_grad else (0.0, 0, 0)
+        bwd_weight, weight_kernels, weight_casts = (t.bwd_weight, n.bwd_weight, n.cast_bwd_weight) if trains_weights else (0.0, 0, 0)
         # A layer with no backward at all (a frozen ViT under a trained projector) keeps
         # nothing to recompute.
         backward = needs_input_grad or trains_weights
         mode = unit.layers[layer].recompute_mode(work.recompute)
         recompute = t.recompute(mode) if backward else 0.0
-        recompute_kernels = t.recompute_launches(mode) if backward else 0
+        recompute_kernels, recompute_casts = t.recompute_launches(mode) if backward else (0, 0)
         if work.phase == "fwd":
-            return t.fwd, n.fwd, 0
+            return t.fwd, n.fwd, 0, n.cast_fwd
         if work.phase == "bwd":
-            return bwd_input + bwd_weight + recompute, recompute_kernels, input_kernels + weight_kernels
+            casts = recompute_casts + input_casts + weight_casts
+            return bwd_input + bwd_weight + recompute, recompute_kernels, input_kernels + weight_kernels, casts
         if work.phase == "bwd_input":
-            return bwd_input + recompute, recompute_kernels, input_kernels
+            return bwd_input + recompute, recompute_kernels, input_kernels, recompute_casts + input_casts
         if work.phase == "bwd_weight":
-            return bwd_weight, 0, weight_kernels
+            return bwd_weight, 0, weight_kernels, weight_casts
         if work.phase == "interaction":
-            return t.fwd + bwd_input + bwd_weight, n.fwd, input_kernels + weight_kernels
-        return 0.0, 0, 0
+            return t.fwd + bwd_input + bwd_weight, n.fwd, input_kernels + weight_kernels, n.cast_fwd + input_casts + weight_casts
+        return 0.0, 0, 0, 0

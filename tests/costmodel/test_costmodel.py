@@ -209,6 +209,33 @@ def test_a_layer_replayed_from_cuda_graphs_costs_the_host_one_launch_per_pass() 
         assert ComputeModel(graphed, "bf16").work_time(work, model) == pytest.approx(max(device, launch))
 
 
+def test_pytorch_amp_adds_its_casts_to_the_host_s_work_at_a_forward_kernel_s_cost() -> None:
+    """Under AMP a block's four Linears cast their weights and biases, its two eager
+    LayerNorms' outputs are cast for the GEMMs after them, and backward casts each back:
+    10 more operators each way, each at the forward kernel's host cost (measured: 9.8 and
+    12 more kernels, 28-35 us each on an H200's host). A framework that folds the biases'
+    and the norms' gradients into other kernels leaves only the weights' casts known."""
+    from src.models.grad_kernels import with_param_grad_kernels
+
+    layer = transformer_layer(8, 64, 2)  # host-bound
+    model = ModelSpec("m", (UnitSpec("llm", (layer,), 64, 2, 8, 8 * 64),))
+    eager = replace(CLUSTER, host_forward_kernel_s=30e-6, host_backward_kernel_s=60e-6)
+    amp = ComputeModel(replace(eager, amp=True), "bf16")
+    fused = with_param_grad_kernels(model, "fused")
+    for phase, kernels in (("fwd", 12 * 30e-6), ("bwd", 18 * 60e-6)):
+        work = Work("llm", phase, 1, (0, 1))
+        assert ComputeModel(eager, "bf16").work_time(work, model) == pytest.approx(kernels)
+        assert amp.work_time(work, model) == pytest.approx(kernels + 10 * 30e-6)
+        assert amp.work_time(work, fused) == pytest.approx(kernels + 4 * 30e-6)
+        fp32 = replace(eager, peak_flops={"fp32": 100e12})  # fp32 runs cast nothing
+        unchanged = ComputeModel(fp32, "fp32").work_time(work, model)
+        assert ComputeModel(replace(fp32, amp=True), "fp32").work_time(work, model) == unchanged
+    # Full recomputation re-runs the forward's casts in backward.
+    recomputed = Work("llm", "bwd", 1, (0, 1), recompute="full")
+    plain = ComputeModel(eager, "bf16").work_time(recomputed, model)
+    assert amp.work_time(recomputed, model) == pytest.approx(plain + 20 * 30e-6)
+
+
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_a_stepccl_chunk_issues_the_pass_once_and_its_paired_gemms_once_a_chunk(sequence_parallel: bool) -> None:
     """StepCCL cuts only the GEMMs paired with a TP collective (DistTrain §7): the host
