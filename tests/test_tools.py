@@ -44,3 +44,6 @@ def test_the_small_gpt_benchmark_refuses_without_a_gpu_and_prices_without_one():
     listed = _script("benchmarks/measure_list_collective_host.py", "--cuda")
     assert listed.returncode == 2
     assert listed.stderr.strip() == "error: --cuda needs a CUDA GPU, and torch sees none on this machine"
+    amp_host = _script("benchmarks/measure_amp_host.py")
+    assert amp_host.returncode == 2 and amp_host.stdout == ""
+    assert amp_host.stderr.strip() == "error: measure_amp_host needs a CUDA device, and none is visible"
