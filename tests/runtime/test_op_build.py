@@ -95,7 +95,10 @@ def test_a_stale_baton_no_longer_hangs_a_real_start():
     env = {**cli_env(), "DS_ACCELERATOR": "cpu"}
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert f"removing {baton}" in result.stderr and not baton.exists()
+    assert not baton.exists()
+    # Under pytest-xdist another test's start (under the same flock) may clear the baton
+    # first; then this start finds none and says nothing.
+    assert result.stderr == "" or f"removing {baton}" in result.stderr, result.stderr[-2000:]
 
 
 def test_a_process_waiting_on_anothers_build_lock_is_told(monkeypatch, tmp_path):
