@@ -275,7 +275,14 @@ def main() -> None:
         if not torch.cuda.is_available():
             print("error: benchmarks/small_gpt_gpu.py needs a CUDA GPU (or --sim-only), and torch sees none here", file=sys.stderr)
             sys.exit(2)
-    results: dict[str, Any] = {"cases": {}}
+    # Written as each part ends, so that a run stopped early (a lent GPU's time limit) keeps what
+    # it measured; "complete" says whether every case ran.
+    results: dict[str, Any] = {"complete": False, "cases": {}}
+
+    def save() -> None:
+        if args.out:
+            args.out.write_text(json.dumps(results, indent=1))
+
     for case in cases:
         results["cases"][case.name] = {
             "case": case.__dict__,
@@ -292,25 +299,11 @@ def main() -> None:
         if not args.plain_only:
             with tempfile.TemporaryDirectory() as tmp:
                 summaries = run_all(named, Path(tmp))
+        for name, harness in summaries.items():
+            results["cases"][name]["harness"] = harness_row(harness)
+        save()  # the harness's launch, before the plain loops run
         for case in cases:
             row = results["cases"][case.name]
-            harness = summaries.get(case.name)
-            if harness is None:
-                pass
-            elif "error" in harness:
-                row["harness"] = harness
-            else:
-                times = harness["measured"]["step_time_s"]
-                spans: dict[str, float] = {}
-                for name, seconds in harness["instructions_s"]:
-                    spans[name.split(" ")[0]] = spans.get(name.split(" ")[0], 0.0) + seconds
-                row["harness"] = {
-                    "step_s": statistics.median(times[2:]),
-                    "steps_s": times,
-                    "mfu": harness["mfu"],
-                    "breakdown_s": harness["breakdown_s"],
-                    "instruction_spans_s": spans,
-                }
             for variant in args.variants:  # the harness's way under "plain", the others beside it
                 measured = plain_loop(case, args.steps, variant)
                 if variant == VARIANTS[0]:
@@ -318,10 +311,29 @@ def main() -> None:
                 else:
                     row.setdefault("plain_variants", {})[variant] = measured
             print(json.dumps({case.name: summary_line(row)}), flush=True)
+            save()
     for name, row in results["cases"].items():
         print(f"{name:28s} {json.dumps(summary_line(row))}")
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=1))
+    results["complete"] = True
+    save()
+
+
+def harness_row(harness: dict[str, Any]) -> dict[str, Any]:
+    """The harness's step (the median after the first two), MFU and time by instruction kind,
+    from its run's summary; a failed launch's error as it came."""
+    if "error" in harness:
+        return harness
+    times = harness["measured"]["step_time_s"]
+    spans: dict[str, float] = {}
+    for name, seconds in harness["instructions_s"]:
+        spans[name.split(" ")[0]] = spans.get(name.split(" ")[0], 0.0) + seconds
+    return {
+        "step_s": statistics.median(times[2:]),
+        "steps_s": times,
+        "mfu": harness["mfu"],
+        "breakdown_s": harness["breakdown_s"],
+        "instruction_spans_s": spans,
+    }
 
 
 def summary_line(row: dict[str, Any]) -> dict[str, Any]:
