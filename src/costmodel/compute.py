@@ -98,10 +98,10 @@ def kernel_launches(kernel: Kernel, amp: bool = False) -> Launches:
     is not known to exist and its cast is not counted), and backward casts each one's
     gradient back; an eager normalisation (one whose parameters' gradients are reduced by a
     kernel of their own) runs in fp32, and the GEMM after it casts its output to 16 bits;
-    PyTorch's loss casts the logits up (each input cast's backward casts the gradient). On
-    one H200's host a block under AMP ran 9.8 more kernels in its forward and 12 more in
-    its backward than with bf16 weights, each 28-35 us of host time
-    (benchmarks/results/amp_host_h200.json), the forward kernels' host_forward_kernel_s."""
+    PyTorch's loss casts the logits up (each input cast's backward casts the gradient). The
+    host prices each at host_forward_kernel_s, in either pass: on one H200's host a block
+    under AMP ran 9.8 more kernels in its forward and 12 more in its backward than with bf16
+    weights, each 28-35 us of host time (benchmarks/results/amp_host_h200.json)."""
     core = 1 if kernel.attention_core else 0
     input_casts = 1 if amp and (kernel.cross_entropy == "eager" or (kernel.norm_width and kernel.grad_reduction_bytes)) else 0
     if kernel.kind == "memory":
