@@ -171,20 +171,23 @@ def kernel_counts(hidden: int, tokens: int) -> dict:
     return counts
 
 
+def device_header(script: str) -> dict:
+    """The GPU a measurement runs on, printed and as its results' first fields; without one,
+    `script` is refused in one line (exit 2)."""
+    if not torch.cuda.is_available():
+        print(f"error: {script} needs a CUDA device, and none is visible", file=sys.stderr)
+        sys.exit(2)
+    props = torch.cuda.get_device_properties(0)
+    print(f"{props.name}: {props.multi_processor_count} SMs, torch {torch.__version__}, cuda {torch.version.cuda}", flush=True)
+    return {"device": props.name, "torch": torch.__version__, "cuda": torch.version.cuda, "date": time.strftime("%Y-%m-%d")}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("error: calibrate_gpu_layers needs a CUDA device, and none is visible", file=sys.stderr)
-        sys.exit(2)
-    props = torch.cuda.get_device_properties(0)
-    print(f"{props.name}: {props.multi_processor_count} SMs, torch {torch.__version__}, cuda {torch.version.cuda}", flush=True)
     result = {
-        "device": props.name,
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "date": time.strftime("%Y-%m-%d"),
+        **device_header("calibrate_gpu_layers"),
         "kernels": kernel_costs(),
         "queued_gemms": queued_gemms(),
         "blocks": [block_times(h, t) for h, t in BLOCKS],

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from calibrate_gpu_layers import STACK, Block  # noqa: E402  (the calibration's block, unchanged)
+from calibrate_gpu_layers import STACK, Block, device_header  # noqa: E402  (the calibration's block, unchanged)
 
 # (hidden, tokens): where the device runs a block's kernels faster than the host issues them.
 SIZES = [(64, 256), (256, 1024), (512, 1024)]
@@ -148,16 +148,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("error: measure_amp_host needs a CUDA device, and none is visible", file=sys.stderr)
-        sys.exit(2)
-    props = torch.cuda.get_device_properties(0)
-    print(f"{props.name}: torch {torch.__version__}, cuda {torch.version.cuda}", flush=True)
     result = {
-        "device": props.name,
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "date": time.strftime("%Y-%m-%d"),
+        **device_header("measure_amp_host"),
         "stack": STACK,
         "operators_s": operator_host(),
         "blocks": [block_host(h, t, way) for h, t in SIZES for way in WAYS],
