@@ -47,3 +47,6 @@ def test_the_small_gpt_benchmark_refuses_without_a_gpu_and_prices_without_one():
     amp_host = _script("benchmarks/measure_amp_host.py")
     assert amp_host.returncode == 2 and amp_host.stdout == ""
     assert amp_host.stderr.strip() == "error: measure_amp_host needs a CUDA device, and none is visible"
+    kernels = _script("benchmarks/measure_memory_kernels.py")
+    assert kernels.returncode == 2 and kernels.stdout == ""
+    assert kernels.stderr.strip() == "error: measure_memory_kernels needs a CUDA device, and none is visible"

@@ -1,0 +1,96 @@
+"""The bandwidth PyTorch's memory-bound kernels reach on one GPU, kernel by kernel (torch + stdlib only).
+
+The presets price every memory-bound kernel at one rate, the device's memory bandwidth times
+its efficiency, which calibrate_gpu.py takes from a copy. On an H200 a small GPT's profile
+(benchmarks/results/small_gpt_h200.md) showed the kernels a transformer layer runs reaching
+less than a copy does: a GELU about 0.6 of the datasheet's bandwidth, the biases' gradient
+reductions over the tokens 0.25-0.4, growing with the rows a call reduces. This times each
+kind alone, on bf16 activations of a transformer's shapes (tokens x width), so that a preset's
+per-kind rates can come from a measurement:
+
+- copy (`clone`), add (a residual add), GELU forward and backward (tanh, as GPT's), LayerNorm
+  forward and backward (its input's gradient and its parameters' reduction), the sum over the
+  tokens (a bias's gradient) and softmax over the width;
+- per kind and shape: seconds (CUDA events, the median of 7 regions of many calls), the bytes
+  the kernel must move (read and written once) and the bandwidth that makes, and that over a
+  copy's of the same size.
+
+    python benchmarks/measure_memory_kernels.py [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from calibrate_gpu_layers import device_header, events_seconds  # noqa: E402
+
+TOKENS = [2048, 8192, 32768]
+WIDTHS = [2048, 8192]
+ELEMENT = 2  # bf16 bytes
+
+
+def kinds(tokens: int, width: int) -> dict[str, tuple[Callable[[], Any], float]]:
+    """Each kind's call on (tokens x width) bf16 tensors and the bytes it must move."""
+    x = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16)
+    y, dy = torch.randn_like(x), torch.randn_like(x)
+    weight = torch.randn(width, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn_like(weight)
+    _, mean, rstd = torch.ops.aten.native_layer_norm(x, [width], weight, bias, 1e-5)
+    n = float(tokens * width * ELEMENT)
+    return {
+        "copy": (lambda: x.clone(), 2 * n),
+        "add": (lambda: x + y, 3 * n),
+        "gelu": (lambda: F.gelu(x, approximate="tanh"), 2 * n),
+        "gelu_backward": (lambda: torch.ops.aten.gelu_backward(dy, x, approximate="tanh"), 3 * n),
+        "layer_norm": (lambda: F.layer_norm(x, (width,), weight, bias), 2 * n),
+        # The input's gradient (reads dy and x, writes dx) and the parameters' (reads them again).
+        "layer_norm_backward": (
+            lambda: torch.ops.aten.native_layer_norm_backward(dy, x, [width], mean, rstd, weight, bias, [True, True, True]),
+            5 * n,
+        ),
+        "sum_over_tokens": (lambda: dy.sum(0), n),
+        "softmax": (lambda: torch.softmax(x, dim=-1), 2 * n),
+    }
+
+
+def measure(tokens: int, width: int) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for kind, (call, moved) in kinds(tokens, width).items():
+        inner = max(1, int(2e-3 / (moved / 3e12)))  # about 2 ms of work a timed region
+        seconds = events_seconds(call, repeats=7, inner=inner)
+        rows.append({"kind": kind, "tokens": tokens, "width": width, "seconds": seconds, "bytes": moved, "bandwidth": moved / seconds})
+    copy = rows[0]["bandwidth"]
+    for row in rows:
+        row["of_copy"] = row["bandwidth"] / copy
+        print(
+            f"{row['kind']:20s} {tokens:6d} x {width:5d}: {row['seconds'] * 1e6:9.1f} us  "
+            f"{row['bandwidth'] / 1e12:5.2f} TB/s  {row['of_copy']:.2f} of a copy",
+            flush=True,
+        )
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    result = {
+        **device_header("measure_memory_kernels"),
+        "kernels": [row for tokens in TOKENS for width in WIDTHS for row in measure(tokens, width)],
+        "command": "python benchmarks/measure_memory_kernels.py --out memory_kernels.json",
+    }
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
