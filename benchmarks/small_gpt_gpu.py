@@ -226,10 +226,12 @@ def profiled(step: Any) -> dict[str, Any]:
     by_name: dict[str, list[float]] = {}
     by_kind: dict[str, float] = {}
     for a, b, name in kernels:
-        by_name.setdefault(name[:80], []).append(b - a)
+        by_name.setdefault(name[:160], []).append(b - a)
         kind = kernel_kind(name)
         by_kind[kind] = by_kind.get(kind, 0.0) + (b - a) / 1e6
-    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:12]
+    # Enough kernels to price each kind against its bytes (LayerNorm's passes, the loss's), with
+    # names long enough to tell a kernel's dtype and operator apart.
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:40]
     return {
         "by_kind_s": by_kind,
         "wall_s": wall,
