@@ -1,11 +1,16 @@
-"""Gradient reduction overlapped with the backward (Megatron-LM's --overlap-grad-reduce).
+"""Gradient reductions in flattened buckets.
 
 Where a plan reduces a layer's parameter gradients itself (a DP all-reduce naming them in
 `Collective.grads_of`, issued right after the step's last backward of that layer), the
 executor starts an asynchronous all-reduce of those gradients, flattened into one bucket,
-and finishes it at the plan's Wait, before the optimizer step; the unit's DeepSpeed
-engine then does not reduce them again (engines.make_engine). The bucket is averaged over
-the replicas, as DeepSpeed's own reduction averages.
+and finishes it at the plan's Wait, before the optimizer step (Megatron-LM's
+--overlap-grad-reduce); the unit's DeepSpeed engine then does not reduce them again
+(engines.make_engine). The bucket is averaged over the replicas, as DeepSpeed's own
+reduction averages.
+
+A tensor grid sums its gradients over z and over data parallelism at the end of the
+backward (`all_reduce_grads`): in buckets of one dtype up to PyTorch DDP's default size, one
+collective each, where one per tensor paid a collective's latency a parameter.
 """
 
 from __future__ import annotations
@@ -29,16 +34,43 @@ class GradBucket:
     def finish(self) -> None:
         if self.work is not None:
             self.work.wait()
-        self.flat.div_(self.replicas)
+        if self.replicas > 1:
+            self.flat.div_(self.replicas)
         offset = 0
         for grad in self.grads:
             grad.copy_(self.flat[offset : offset + grad.numel()].view_as(grad))
             offset += grad.numel()
 
 
-def start_reduction(layers: list[nn.Module], group: dist.ProcessGroup, replicas: int) -> GradBucket:
-    """Start the all-reduce of the layers' parameter gradients over their replicas."""
-    grads = [p.grad for layer in layers for p in layer.parameters() if p.requires_grad and p.grad is not None]
+# PyTorch DistributedDataParallel's default bucket (bucket_cap_mb=25): a bucket's flat copy is
+# the memory a reduction adds.
+BUCKET_BYTES = 25 * 2**20
+
+
+def start_bucket(grads: list[torch.Tensor], group: dist.ProcessGroup | None, replicas: int) -> GradBucket:
+    """Start the all-reduce of `grads`, flattened into one buffer, over their replicas."""
     flat = torch.cat([g.reshape(-1) for g in grads]) if grads else torch.zeros(0)
     work = dist.all_reduce(flat, group=group, async_op=True) if grads else None
     return GradBucket(work, flat, grads, replicas)
+
+
+def start_reduction(layers: list[nn.Module], group: dist.ProcessGroup, replicas: int) -> GradBucket:
+    """Start the all-reduce of the layers' parameter gradients over their replicas."""
+    grads = [p.grad for layer in layers for p in layer.parameters() if p.requires_grad and p.grad is not None]
+    return start_bucket(grads, group, replicas)
+
+
+def all_reduce_grads(grads: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
+    """Sum `grads` over `group` in place: buckets of one dtype up to BUCKET_BYTES (a larger
+    tensor alone), all in flight at once."""
+    buckets: list[list[torch.Tensor]] = []
+    open_bucket: dict[torch.dtype, tuple[list[torch.Tensor], int]] = {}
+    for grad in grads:
+        members, size = open_bucket.get(grad.dtype, ([], 0))
+        if members and size + grad.numel() * grad.element_size() > BUCKET_BYTES:
+            buckets.append(members)
+            members, size = [], 0
+        open_bucket[grad.dtype] = (members + [grad], size + grad.numel() * grad.element_size())
+    buckets += [members for members, _ in open_bucket.values()]
+    for bucket in [start_bucket(members, group, 1) for members in buckets]:
+        bucket.finish()

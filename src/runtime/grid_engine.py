@@ -11,6 +11,7 @@ refused on a grid (runtime.engines.check_clipping). Its checkpoint is each rank'
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from src.config import ContrastiveSpec, DeepSpeedSpec
@@ -41,9 +42,7 @@ class GridEngine(OwnEngine):
     def step(self) -> None:
         self.grid.finish_backward([self.module])
         if self.grid.dp.size > 1:
-            for param in self.params:
-                if param.grad is not None:
-                    param.grad.div_(self.grid.dp.size)
+            torch._foreach_div_([p.grad for p in self.params if p.grad is not None], self.grid.dp.size)
         self.optimizer.step()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()

@@ -30,6 +30,7 @@ from torch.nn import functional as F
 
 from src.program import GRID_OVERLAPS, GridLayer
 from src.runtime.comm import CLOCK, all_gather_single, reduce_scatter_single
+from src.runtime.grad_reduce import all_reduce_grads
 from src.runtime.modules.parallel import linear_shard
 
 
@@ -120,16 +121,13 @@ class Grid3D:
                     layer.drop_prefetch()
                     unique.add(id(layer.shard))
         self.finish_pending()
-        params = {id(p): p for module in modules for p in module.parameters() if p.grad is not None}
+        grads = {id(p): p.grad for module in modules for p in module.parameters() if p.grad is not None}
         if self.z.size > 1:
             with CLOCK.timed("tp"):
-                for key, param in params.items():
-                    if key not in unique:
-                        dist.all_reduce(param.grad, group=self.z.group)
+                all_reduce_grads([grad for key, grad in grads.items() if key not in unique], self.z.group)
         if self.dp.size > 1:
             with CLOCK.timed("dp"):
-                for param in params.values():
-                    dist.all_reduce(param.grad, group=self.dp.group)
+                all_reduce_grads(list(grads.values()), self.dp.group)
 
 
 def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
