@@ -62,15 +62,18 @@ def start_reduction(layers: list[nn.Module], group: dist.ProcessGroup, replicas:
 
 def all_reduce_grads(grads: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
     """Sum `grads` over `group` in place: buckets of one dtype up to BUCKET_BYTES (a larger
-    tensor alone), all in flight at once."""
-    buckets: list[list[torch.Tensor]] = []
-    open_bucket: dict[torch.dtype, tuple[list[torch.Tensor], int]] = {}
+    tensor alone), one after another, so that one bucket's flat copy is all it adds."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for grad in grads:
-        members, size = open_bucket.get(grad.dtype, ([], 0))
-        if members and size + grad.numel() * grad.element_size() > BUCKET_BYTES:
-            buckets.append(members)
-            members, size = [], 0
-        open_bucket[grad.dtype] = (members + [grad], size + grad.numel() * grad.element_size())
-    buckets += [members for members, _ in open_bucket.values()]
-    for bucket in [start_bucket(members, group, 1) for members in buckets]:
-        bucket.finish()
+        by_dtype.setdefault(grad.dtype, []).append(grad)
+    for same in by_dtype.values():
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for grad in same:
+            nbytes = grad.numel() * grad.element_size()
+            if bucket and size + nbytes > BUCKET_BYTES:
+                start_bucket(bucket, group, 1).finish()
+                bucket, size = [], 0
+            bucket.append(grad)
+            size += nbytes
+        start_bucket(bucket, group, 1).finish()
