@@ -111,3 +111,17 @@ def test_a_subset_is_printed_and_never_replaces_the_full_results(tmp_path, monke
     monkeypatch.setattr("sys.argv", ["heldout", "--only", "pm-ag2-64-64mib", "--out", str(tmp_path / "chosen")])
     heldout.main()
     assert (tmp_path / "chosen" / "heldout.json").exists()
+
+
+def test_a_collective_the_preset_measured_too_is_compared_campaign_to_campaign() -> None:
+    from dataclasses import replace
+
+    runs = {c.id: c for c in heldout.collective_runs(DATA)}
+    on_grid = runs["fr-ag1-16-4mib"]  # the first campaign; the table took the second's 6.494 ms
+    off_grid = replace(on_grid, id="between", mib=3)
+    rows = heldout.check_collectives([on_grid, off_grid])
+    assert rows[0]["preset_measured_s"] == pytest.approx(6.494e-3) and "preset_measured_s" not in rows[1]
+    summary = heldout.campaigns(rows)[rows[0]["series"]]
+    assert (summary["points"], summary["of"]) == (1, 2)
+    # Where the table measured the point the simulator returns it: the errors are the campaigns' difference.
+    assert summary["mape_pct"] == pytest.approx(summary["measurement_mape_pct"]) == pytest.approx(100 * (35.791 - 6.494) / 35.791)
