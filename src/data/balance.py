@@ -89,8 +89,8 @@ class Dealt:
 class Balancer:
     """The pipeline a batch is balanced for: how its replicas cut the batch (`layout`, no
     sample groups: a group scored together cannot be split), its stages' costs, and the
-    units that deal a micro-batch's images out over their ranks (`dealt`: a sequence's load
-    on them is its images' on the busiest rank, as a micro-batch of it alone runs them)."""
+    units that deal a micro-batch's images out over their ranks (`dealt`: where a micro-batch
+    holds one sequence, its load on them is its images' on the busiest rank)."""
 
     layout: BatchLayout
     stages: tuple[StageCosts, ...]
@@ -112,10 +112,13 @@ class Balancer:
         return tuple(sorted(names))
 
     def sequence_loads(self, loads: BatchLoads) -> dict[str, tuple[float, ...]]:
-        """Each sequence's load on each unit the costs read: its images' on the busiest
-        rank for a unit of `dealt` (exact for micro-batches of one sequence; a micro-batch
-        of several is priced at their mean), its load against the mean sequence otherwise."""
-        dealt = {d.unit: d for d in self.dealt}
+        """Each sequence's load on each unit the costs read: where micro-batches hold one
+        sequence, its images' on the busiest rank for a unit of `dealt` (exact); otherwise
+        its load against the mean sequence. A micro-batch of several deals their images out
+        together, so a sequence's rounding up to whole images on the busiest rank is not
+        its own: its images count in proportion (a sequence of one image weighs an eighth of
+        one of eight on eight ranks, where alone both cost the busiest rank one image)."""
+        dealt = {d.unit: d for d in self.dealt} if self.layout.micro_batch == 1 else {}
         out = {}
         for unit in self.units:
             if unit in dealt:

@@ -108,3 +108,20 @@ def test_a_dealt_unit_weighs_a_sequence_by_its_busiest_rank_s_images():
     assert Balancer(BatchLayout(3, 1), STAGES).sequence_loads(loads)["generator"] == loads.generator
     # Whole images of unequal loads over two ranks: the heavier half is the busiest's.
     assert busiest_share((1.0, 0.25, 0.25), 2) == 1.25 and busiest_share((0.5,), 4) == 0.5 and busiest_share((), 2) == 0.0
+
+
+def test_a_dealt_unit_weighs_the_sequences_of_a_shared_micro_batch_by_their_images():
+    # The generator replicated over 8 ranks, built for 8 images a sequence; micro-batches of two
+    # sequences of 1, 8, 8 and 15 images (each image an eighth of the mean sequence). Alone, a
+    # sequence of 1 image costs the busiest rank as much as one of 8: dealt together, the pair
+    # {15, 1} costs it 2 images, as {8, 8} does, and {15, 8} costs 3.
+    counts = (1, 8, 8, 15)
+    eighths = tuple((1 / 8,) * n for n in counts)
+    loads = BatchLoads((1.0,) * 4, tuple(n / 8 for n in counts), counts, tuple((1 / 4,) * n for n in counts), eighths)
+    dealt = Dealt("generator", 8, 8)
+    balancer = Balancer(BatchLayout(4, 1, 2), STAGES, (dealt,))
+    assert balancer.sequence_loads(loads)["generator"] == loads.generator
+    order = balancer.order("cost", balancer.sequence_loads(loads))
+    pairs = [sorted(counts[q] for q in order[p : p + 2]) for p in (0, 2)]
+    assert sorted(pairs) == [[1, 15], [8, 8]]
+    assert [dealt.load([x for q in order[p : p + 2] for x in eighths[q]], 2) for p in (0, 2)] == [1.0, 1.0]
