@@ -173,8 +173,9 @@ class ClusterSpec:
       stay fp32 (the real backend, PyTorch Lightning, Hugging Face's Trainer); false: the
       weights are kept in the training precision and the optimizer holds the fp32 master
       copy (Megatron-LM, DeepSpeed), cast once a step. Nothing under fp32.
-    host_async: the host queues work ahead of the device (GPUs): a Work item takes the
-      longer of its device and host times; false (CPU workers): they add up.
+    host_async: the host queues work ahead of the device (GPUs): each layer of a Work item
+      takes the longer of its device and host times, and the host issues ahead while the
+      device runs a device-bound layer; false (CPU workers): they add up.
     attention: the attention kernel of the testbed's software (flash | eager), the default
       of model.attention (src/models/attention.py).
     param_grad_kernels: how the testbed's software reduces biases' and normalisations'

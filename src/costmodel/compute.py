@@ -8,21 +8,23 @@ below by the bytes it moves over HBM, and costs the device a fixed gap
 
 The framework issues every kernel from the host (eager PyTorch: module calls, the
 dispatcher, autograd), at host_forward_kernel_s per kernel of a forward and
-host_backward_kernel_s per kernel of a backward (both per kernel as kernel_launches counts
-them); under PyTorch AMP each cast it adds (a weight's and a bias's at their GEMM, a 16-bit
-copy of an fp32 normalisation's or loss's input, and each one's backward) at
-host_forward_kernel_s; one launch per layer and pass where it replays each layer from CUDA
-graphs (cluster.host_launch). A GPU runs behind its host, so a Work
-item takes the longer of its device time and its host time: small layers (narrow
-hidden sizes, few samples per device) are bound by the framework, large ones by the
-device. Where the host is the device (CPU workers: cluster.host_async false) the two
+host_backward_kernel_s per kernel of a backward (both per kernel as kernel_launches
+counts them); under PyTorch AMP each cast it adds (a weight's and a bias's at their
+GEMM, a 16-bit copy of an fp32 normalisation's or loss's input, and each one's backward)
+at host_forward_kernel_s; one launch per layer and pass where it replays each layer from
+CUDA graphs (cluster.host_launch). A GPU runs behind its host, so a layer takes the
+longer of its device time and its host time: small layers (narrow hidden sizes, few
+samples per device) are bound by the framework, large ones by the device. Nothing inside
+a Work item blocks the host, so while the device runs a device-bound layer the host
+issues the next layers' kernels, and host-bound layers after it start that much sooner:
+a Work item is a flow of its layers (in the order it runs them) through the host, then
+the device. Where the host is the device (CPU workers: cluster.host_async false) the two
 add up, the host's part and the bandwidth-bound kernels too at the worker's share of the
-cores (oversubscription), as its GEMMs (the peak). Under
-ZeRO-3 the framework's hooks also fetch each module's parameters on the host
-(cluster.host_fetch_s per fetch, host_fetch_byte_s per byte fetched; host_list_entry_s per
-rank of a list collective's list, where the framework gathers and reduce-scatters through
-lists). All
-constants come from the cluster preset; nothing here is specific to a strategy.
+cores (oversubscription), as its GEMMs (the peak). Under ZeRO-3 the framework's hooks
+also fetch each module's parameters on the host (cluster.host_fetch_s per fetch,
+host_fetch_byte_s per byte fetched; host_list_entry_s per rank of a list collective's
+list, where the framework gathers and reduce-scatters through lists). All constants come
+from the cluster preset; nothing here is specific to a strategy.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from src.costmodel.optimizer_step import step_bytes
 from src.mesh import Sharding
 from src.models.spec import Kernel, LayerSpec, ModelSpec, UnitSpec
 from src.program import Work
+
+BACKWARD_PHASES = ("bwd", "bwd_input", "bwd_weight")  # the phases that run a work's layers last to first
 
 # FlashAttention's tile of query rows (kBlockM = 128 for head dimensions up to 128 on Ampere
 # and Hopper: Dao-AILab/flash-attention csrc/flash_attn/src/flash_fwd_launch_template.h,
@@ -283,12 +287,42 @@ class ComputeModel:
         self._work_cache[key] = seconds
         return seconds
 
+    def work_streams(self, work: Work, model: ModelSpec) -> tuple[float, float]:
+        """A Work item's device seconds and its host's, each from the work's start: the
+        work takes at least the longer of the two (exactly that for a single layer), however
+        its layers' kernels interleave. Where the host is the device (CPU workers) the
+        first is the whole time."""
+        serial, layers = self._streams(work, model.unit(work.unit), model)
+        if not self.cluster.host_async:
+            return serial + sum(device + host / self.core_share for device, host in layers), 0.0
+        return serial + sum(device for device, _ in layers), serial + sum(host for _, host in layers)
+
     def _price(self, work: Work, unit: UnitSpec, model: ModelSpec) -> float:
+        serial, layers = self._streams(work, unit, model)
+        if not self.cluster.host_async:
+            # CPU workers run what they issue, on the share of the cores that their
+            # arithmetic gets (the host figures are one worker's alone).
+            return serial + sum(device + host / self.core_share for device, host in layers)
+        issued = finished = 0.0  # when the host has issued the layers so far, and the device run them
+        for device, host in layers:
+            # The host issues a layer's kernels at its pace, the device runs each once it is
+            # issued and the kernels before it have run: a layer takes the longer of its
+            # device and host times from when both are free, and nothing inside a work
+            # blocks the host, so it goes ahead while the device runs a device-bound layer
+            # and the host-bound layers after it start their kernels that much sooner.
+            finished = max(finished + device, issued + max(device, host))
+            issued += host
+        return serial + finished
+
+    def _streams(self, work: Work, unit: UnitSpec, model: ModelSpec) -> tuple[float, list[tuple[float, float]]]:
+        """The device seconds that precede a work's layers (a blocking fetch, list copies),
+        then each layer's device and host seconds in the order the work runs them (a
+        backward last to first)."""
         start, end = work.layers
         layers = unit.layers[start:end]
         if work.phase == "optimizer":
             params = unit.trainable_params(start, end) / work.sharding.devices
-            return self.optimizer_time(params, work.shard, work.grad_shard) * work.load
+            return self.optimizer_time(params, work.shard, work.grad_shard) * work.load, []
         rows = work.samples * work.fraction
         causal = not unit.arch.per_image  # a unit that reads or makes images attends both ways
         # The framework's ZeRO-3 fetches (its module hooks) run on the host before the first
@@ -302,8 +336,11 @@ class ComputeModel:
         fetch += work.fetches * work.fetch_copies * self.cluster.host_list_entry_s
         scatter = work.scatters * work.scatter_copies * self.cluster.host_list_entry_s
         waited = fetch if work.fetch_blocking and self.cluster.host_async else 0.0
-        total = waited + self._fetch_copies(work) + self._scatter_copies(work)
-        for index, layer in enumerate(layers):
+        serial = waited + self._fetch_copies(work) + self._scatter_copies(work)
+        order = range(len(layers) - 1, -1, -1) if work.phase in BACKWARD_PHASES else range(len(layers))
+        streams = []
+        for position, index in enumerate(order):
+            layer = layers[index]
             kernels = work.kernels if (work.kernels is not None and index == 0) else None
             t = self.layer_times(layer, rows, work.sharding, work.contrastive_batch, kernels, causal)
             device, forward_kernels, backward_kernels, casts = self._phase(work, t, layer.forward_only, model, unit, start + index)
@@ -313,13 +350,10 @@ class ComputeModel:
             host = (forward_kernels + casts) * forward_rate + backward_kernels * backward_rate
             if work.chunks > 1:
                 host = self._chunk_host(work, layer, host)
-            device, host = device * work.load, host * work.load + (fetch - waited if index == 0 else 0.0)
-            host += scatter if index == len(layers) - 1 else 0.0
-            # The host queues a GPU's kernels ahead of it (layer by layer: a sum over any
-            # grouping of layers); CPU workers run what they issue, on the share of the
-            # cores that their arithmetic gets (the host figures are one worker's alone).
-            total += max(device, host) if self.cluster.host_async else device + host / self.core_share
-        return total
+            device, host = device * work.load, host * work.load + (fetch - waited if position == 0 else 0.0)
+            host += scatter if position == len(layers) - 1 else 0.0
+            streams.append((device, host))
+        return serial, streams
 
     def _chunk_host(self, work: Work, layer: LayerSpec, host: float) -> float:
         """A chunk's share of a layer's host seconds (Work.chunks): the pass's kernels are

@@ -196,6 +196,25 @@ def test_a_layer_costs_the_longer_of_device_and_host_time_on_a_gpu_and_both_on_a
     )  # 14 input-gradient + 4 weight-gradient kernels (eager)
 
 
+def test_the_host_issues_ahead_while_the_device_runs_a_device_bound_layer() -> None:
+    # A large layer (device-bound) and three tiny ones (host-bound) in one work: forward, the
+    # host issues the tiny layers' kernels while the device runs the large one, so their host
+    # time hides whole; backward runs them first, where nothing runs ahead to hide it.
+    big, tiny = transformer_layer(2048, 2048, 16), transformer_layer(8, 64, 2)
+    model = ModelSpec("m", (UnitSpec("llm", (big, tiny, tiny, tiny), 64, 2, 8, 8 * 64),))
+    gpu = ComputeModel(replace(CLUSTER, host_forward_kernel_s=30e-6, host_backward_kernel_s=60e-6), "bf16")
+    for phase in ("fwd", "bwd"):
+        alone = [gpu.work_streams(Work("llm", phase, 1, (i, i + 1)), model) for i in range(4)]
+        (big_device, big_host), (tiny_device, tiny_host) = alone[0], alone[1]
+        assert big_device > big_host + 3 * tiny_host and tiny_host > tiny_device
+        for i, (device, host) in enumerate(alone):  # a layer alone takes the longer of the two
+            assert gpu.work_time(Work("llm", phase, 1, (i, i + 1)), model) == pytest.approx(max(device, host))
+        work = Work("llm", phase, 1, (0, 4))
+        assert gpu.work_streams(work, model) == pytest.approx((big_device + 3 * tiny_device, big_host + 3 * tiny_host))
+        expected = big_device + 3 * tiny_device if phase == "fwd" else big_device + 3 * tiny_host
+        assert gpu.work_time(work, model) == pytest.approx(expected)
+
+
 def test_a_layer_replayed_from_cuda_graphs_costs_the_host_one_launch_per_pass() -> None:
     layer = transformer_layer(8, 64, 2)  # host-bound when issued kernel by kernel
     model = ModelSpec("m", (UnitSpec("llm", (layer,), 64, 2, 8, 8 * 64),))

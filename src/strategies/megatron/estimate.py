@@ -167,6 +167,22 @@ class _MeshCosts:
         return self._cache[key]
 
 
+@dataclass(frozen=True)
+class TimePrefix:
+    """Cumulative device, host and blocking TP collective seconds over a unit's layers, one
+    micro-batch. A segment of them runs as one Work, which takes at least the longer of its
+    device and host streams (exactly that for one layer: ComputeModel.work_streams), then
+    its collectives: a bound of the simulated time, as the search needs."""
+
+    device: list[float]
+    host: list[float]
+    comm: list[float]
+
+    def seconds(self, start: int, end: int) -> float:
+        streams = max(self.device[end] - self.device[start], self.host[end] - self.host[start])
+        return streams + self.comm[end] - self.comm[start]
+
+
 @dataclass
 class Passes:
     """One candidate's per-virtual-stage prices, one micro-batch each."""
@@ -248,6 +264,7 @@ class PipelineEstimator:
         self._live: dict[tuple, list[LiveCounts]] = {}
         self._schedules: dict[tuple, list[list[PipeOp]]] = {}
         self._prefix: dict[tuple, list[float]] = {}
+        self._time_prefixes: dict[tuple, TimePrefix] = {}
         self._activation_prefixes_cache: dict[tuple, dict[str, list[float]]] = {}
         self._largest: dict[tuple, float] = {}
 
@@ -367,13 +384,9 @@ class PipelineEstimator:
         return (phase, sharding, recompute, micro_batch, rows, mesh.tp_price[stage], (mesh, stage))
 
     def _unit_prefix(self, what, unit_name: str) -> list[float]:
-        """Cumulative sums over a unit's layers of `what`: 'params', 'trainable', per-sample
-        ('activations', sharding, recompute), or seconds of one micro-batch (_time_key:
-        phase, sharding, recompute, micro-batch, TP price class, and a mesh and stage of
-        that class to price the layer's TP all-reduces; rows: the share of the micro-batch a
-        rank runs, emit.TPConfig's)."""
-        # A time key's last entry only says where to price: it is left out of the cache key.
-        key = (what[:-1] if what[0] in ("fwd", "bwd") else what, unit_name)
+        """Cumulative sums over a unit's layers of `what`: 'params', 'trainable' or per-sample
+        ('activations', sharding, recompute)."""
+        key = (what, unit_name)
         prefix = self._prefix.get(key)
         if prefix is None:
             unit = self.model.unit(unit_name)
@@ -389,9 +402,37 @@ class PipelineEstimator:
             return float(layer.params)
         if what == "trainable":
             return float(unit.trainable_params(index, index + 1))
-        if what[0] == "activations":
-            _, sharding, recompute = what
-            return 0.0 if layer.forward_only else layer.kept_activations(sharding, recompute)
+        _, sharding, recompute = what
+        return 0.0 if layer.forward_only else layer.kept_activations(sharding, recompute)
+
+    def _time_prefix(self, what, unit_name: str) -> TimePrefix:
+        """A unit's layers' seconds of one micro-batch (_time_key: phase, sharding,
+        recompute, micro-batch, TP price class, and a mesh and stage of that class to price
+        the layer's TP all-reduces; rows: the share of the micro-batch a rank runs,
+        emit.TPConfig's), cumulated."""
+        # A time key's last entry only says where to price: it is left out of the cache key.
+        key = (what[:-1], unit_name)
+        prefix = self._time_prefixes.get(key)
+        if prefix is None:
+            unit = self.model.unit(unit_name)
+            device, host, comm = [0.0], [0.0], [0.0]
+            for index in range(unit.num_layers):
+                d, h, c = self._layer_seconds(what, unit, index)
+                device.append(device[-1] + d)
+                host.append(host[-1] + h)
+                comm.append(comm[-1] + c)
+            prefix = self._time_prefixes[key] = TimePrefix(device, host, comm)
+        return prefix
+
+    def _layer_time(self, what, unit: UnitSpec, index: int) -> float:
+        """One layer's seconds of one micro-batch (_time_key), its TP collectives' included."""
+        device, host, comm = self._layer_seconds(what, unit, index)
+        return max(device, host) + comm
+
+    def _layer_seconds(self, what, unit: UnitSpec, index: int) -> tuple[float, float, float]:
+        """One layer's device and host seconds (ComputeModel.work_streams) and its blocking
+        TP collectives'."""
+        layer = unit.layers[index]
         phase, sharding, recompute, micro_batch, rows, _, (mesh, stage) = what
         samples, fraction = share_of(micro_batch, rows)
         work = Work(
@@ -403,11 +444,12 @@ class PipelineEstimator:
             recompute=recompute if phase == "bwd" else "none",
             fraction=fraction,
         )
-        seconds = self.compute.work_time(work, self.model)
+        device, host = self.compute.work_streams(work, self.model)
+        comm = 0.0
         if sharding.degree("tp") > 1 and layer.tp_allreduces:
             count = layer.tp_collectives(phase == "bwd", work.recompute)
-            seconds += count * mesh.tp(stage, layer.tp_comm_elems * micro_batch * self.act_bytes)
-        return seconds
+            comm = count * mesh.tp(stage, layer.tp_comm_elems * micro_batch * self.act_bytes)
+        return device, host, comm
 
     # ---- time -----------------------------------------------------------------------------
     def passes(self, deg: Degrees, cfg: MegatronSettings, virtual: list[list[Segment]]) -> Passes:
@@ -416,7 +458,7 @@ class PipelineEstimator:
         pp, mb = deg.pp, deg.micro_batch
         runs = self.runs(deg, cfg.sequence_parallel, virtual)
         mesh = self._mesh(deg.tp, deg.dp, pp, runs)
-        prefixes: dict[tuple, list[float]] = {}
+        prefixes: dict[tuple, TimePrefix] = {}
 
         def seconds(phase: str, stage: int, segment: Segment) -> float:
             run = runs[stage]
@@ -425,8 +467,8 @@ class PipelineEstimator:
             if prefix is None:
                 recompute = cfg.recompute if phase == "bwd" else "none"
                 time_key = self._time_key(phase, run.sharding, recompute, mb, mesh, stage, run.rows)
-                prefix = prefixes[key] = self._unit_prefix(time_key, segment.unit)
-            return prefix[segment.layers[1]] - prefix[segment.layers[0]]
+                prefix = prefixes[key] = self._time_prefix(time_key, segment.unit)
+            return prefix.seconds(*segment.layers)
 
         fwd, bwd, hop, hop_back, grads_back = [], [], [], [], []
         for v, segments in enumerate(virtual):
@@ -475,10 +517,12 @@ class PipelineEstimator:
         for unit in units:
             trained = self.model.needs_backward(unit.name)
             for index in range(unit.num_layers):
-                segment = Segment(unit.name, (index, index + 1))
-                seconds = self._span(self._time_key("fwd", sharding, "none", deg.micro_batch, mesh, 0), segment)
+                # Each layer priced alone (not a difference of running sums, whose rounding
+                # would tell equal layers apart and decide the cut's ties).
+                seconds = self._layer_time(self._time_key("fwd", sharding, "none", deg.micro_batch, mesh, 0), unit, index)
                 if trained:
-                    seconds += self._span(self._time_key("bwd", sharding, cfg.recompute, deg.micro_batch, mesh, 0), segment)
+                    key = self._time_key("bwd", sharding, cfg.recompute, deg.micro_batch, mesh, 0)
+                    seconds += self._layer_time(key, unit, index)
                 out.append(seconds)
         return out
 
@@ -494,10 +538,10 @@ class PipelineEstimator:
         total = 0.0
         for unit in self.model.units:
             end = unit.num_layers
-            total += self._unit_prefix(self._time_key("fwd", sharding, "none", deg.micro_batch, mesh, 0), unit.name)[end]
+            total += self._time_prefix(self._time_key("fwd", sharding, "none", deg.micro_batch, mesh, 0), unit.name).seconds(0, end)
             if self.model.needs_backward(unit.name):
                 key = self._time_key("bwd", sharding, cfg.recompute, deg.micro_batch, mesh, 0)
-                total += self._unit_prefix(key, unit.name)[end]
+                total += self._time_prefix(key, unit.name).seconds(0, end)
         return self.microbatches(deg) * total / deg.pp * (1.0 - BOUND_SLACK)
 
     def quick_bound(self, deg: Degrees, cfg: MegatronSettings, passes: Passes) -> float:

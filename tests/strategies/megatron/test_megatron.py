@@ -394,6 +394,10 @@ def test_balanced_plan_cuts_encoder_and_llm_no_slower_than_the_even_cut() -> Non
 
     balanced = ranges(search.virtual_stages(Shape(deg, cfg.sequence_parallel, "interleaved"), cfg))
     assert _bottleneck(times, balanced) < _bottleneck(times, ranges(even))
+    # Equal layers are priced equal to the bit, so the cut's ties are the rule's, not rounding's.
+    llm = req.model.unit("llm")
+    blocks = [t for t, layer in zip(times[offsets["llm"] :], llm.layers) if layer.block]
+    assert len(blocks) > 1 and len(set(blocks)) == 1
     assert simulate(plan.program, req.model, req.cluster, req.train.precision).iteration_time > 0
 
 
