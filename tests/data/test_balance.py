@@ -117,7 +117,7 @@ def test_a_dealt_unit_weighs_the_sequences_of_a_shared_micro_batch_by_their_imag
     # {15, 1} costs it 2 images, as {8, 8} does, and {15, 8} costs 3.
     counts = (1, 8, 8, 15)
     eighths = tuple((1 / 8,) * n for n in counts)
-    loads = BatchLoads((1.0,) * 4, tuple(n / 8 for n in counts), counts, tuple((1 / 4,) * n for n in counts), eighths)
+    loads = BatchLoads((1.0,) * 4, tuple(n / 8 for n in counts), counts, tuple((1 / n,) * n for n in counts), eighths)
     dealt = Dealt("generator", 8, 8)
     balancer = Balancer(BatchLayout(4, 1, 2), STAGES, (dealt,))
     assert balancer.sequence_loads(loads)["generator"] == loads.generator
