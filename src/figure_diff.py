@@ -2,10 +2,12 @@
 
     python -m src.figure_diff BEFORE AFTER [--out diff.md]
 
-BEFORE and AFTER are directories holding one sweep directory per figure (each with the
-results.json the figure's multirun wrote, e.g. `python -m src.run -m +experiment=NAME
-hydra.sweep.dir=BEFORE/NAME`). Prints, per figure, each (group, series) value before and
-after, the change, and the paper's value.
+BEFORE and AFTER are directories holding, per figure, either the sweep directory its
+multirun wrote (NAME/results.json, e.g. `python -m src.run -m +experiment=NAME
+hydra.sweep.dir=BEFORE/NAME`) or its stored result (NAME.json, as
+benchmarks/results/figures keeps them: a copy of that directory from before a change, beside
+the one `python -m src.reproduce --rerun` rewrites). Prints, per figure, each (group, series)
+value before and after, the change, and the paper's value.
 """
 
 from __future__ import annotations
@@ -44,19 +46,35 @@ def figure_table(name: str, before: Path, after: Path) -> str:
     return "\n".join(lines)
 
 
+def figure_results(directory: Path) -> dict[str, Path]:
+    """Each figure's results file in `directory`, by name: a multirun's NAME/results.json, or
+    a stored NAME.json (one with a figure's rows: other files are left out) where there is no
+    such directory."""
+    found = {p.stem: p for p in directory.glob("*.json") if _is_figure(p)}
+    found.update({p.parent.name: p for p in directory.glob("*/results.json")})
+    return dict(sorted(found.items()))
+
+
+def _is_figure(path: Path) -> bool:
+    try:
+        results = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(results, dict) and "rows" in results and "metric" in results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("before", type=Path)
     parser.add_argument("after", type=Path)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    names = sorted(p.parent.name for p in args.after.glob("*/results.json"))
-    missing = [n for n in names if not (args.before / n / "results.json").exists()]
-    if not names:
-        parser.error(f"{args.after} holds no <figure>/results.json")
-    text = "\n\n".join(
-        figure_table(n, args.before / n / "results.json", args.after / n / "results.json") for n in names if n not in missing
-    )
+    after = figure_results(args.after)
+    if not after:
+        parser.error(f"{args.after} holds no <figure>/results.json and no <figure>.json")
+    before = figure_results(args.before)
+    missing = [n for n in after if n not in before]
+    text = "\n\n".join(figure_table(n, before[n], path) for n, path in after.items() if n not in missing)
     if missing:
         text += "\n\nOnly after: " + ", ".join(missing)
     if args.out:

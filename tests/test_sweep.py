@@ -118,6 +118,29 @@ def test_figure_diff_gives_before_after_change_and_paper(tmp_path) -> None:
     assert "| g | megatron | 1 | 1 | +0.0% | – |" in text
 
 
+def test_figure_diff_reads_stored_figures_beside_multirun_directories(tmp_path, monkeypatch, capsys) -> None:
+    import json
+
+    from src import figure_diff
+
+    def results(value: float) -> str:
+        return json.dumps({"metric": "mfu", "rows": [{"group": "g", "series": "s", "value": value, "paper": None}]})
+
+    before, after = tmp_path / "before", tmp_path / "after"
+    (before / "fig_b").mkdir(parents=True)
+    (after / "fig_b").mkdir(parents=True)
+    (before / "fig_a.json").write_text(results(0.4))  # as benchmarks/results/figures stores them
+    (after / "fig_a.json").write_text(results(0.5))
+    (before / "fig_b" / "results.json").write_text(results(2.0))  # as a multirun writes them
+    (after / "fig_b" / "results.json").write_text(results(1.0))
+    (after / "notes.json").write_text(json.dumps({"not": "a figure"}))
+    monkeypatch.setattr("sys.argv", ["figure_diff", str(before), str(after)])
+    figure_diff.main()
+    out = capsys.readouterr().out
+    assert "| g | s | 0.4 | 0.5 | +25.0% | – |" in out and "| g | s | 2 | 1 | -50.0% | – |" in out
+    assert "notes" not in out
+
+
 def test_fastest_of_runs_every_variant_and_keeps_the_fastest_skip_runs_none(tmp_path: Path) -> None:
     from src.sweep import figure_jobs, load_sweep, preset_hash, write_report
 
