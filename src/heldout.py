@@ -22,6 +22,7 @@ constant is set from these numbers: a gap is reported with what we believe cause
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -217,6 +218,7 @@ def check(runs: list[Run], data: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+@functools.cache  # composed once a preset: every collective of the file prices on one of a few
 def _preset(name: str) -> ClusterSpec:
     from src.config import composed
     from src.setup import validate

@@ -292,9 +292,9 @@ class ComputeModel:
         work takes at least the longer of the two (exactly that for a single layer), however
         its layers' kernels interleave. Where the host is the device (CPU workers) the
         first is the whole time."""
-        serial, layers = self._streams(work, model.unit(work.unit), model)
         if not self.cluster.host_async:
-            return serial + sum(device + host / self.core_share for device, host in layers), 0.0
+            return self.work_time(work, model), 0.0
+        serial, layers = self._streams(work, model.unit(work.unit), model)
         return serial + sum(device for device, _ in layers), serial + sum(host for _, host in layers)
 
     def _price(self, work: Work, unit: UnitSpec, model: ModelSpec) -> float:
