@@ -12,7 +12,7 @@ interleaved data or shards, a plan priced on the shards' images) they count that
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, Iterator
 
 from src.cluster import GIB, ClusterSpec
@@ -28,8 +28,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class UnitFlops:
-    """Per-sample matmul FLOPs of one unit: forward, backward, and what recomputation
-    adds in each mode."""
+    """Per-sample matmul FLOPs of one unit (or layer): forward, backward, and what
+    recomputation adds in each mode."""
 
     fwd: float
     bwd: float
@@ -37,28 +37,41 @@ class UnitFlops:
     recompute_selective: float
     backward_recompute: float = 0.0  # FlashAttention's QK^T re-run in backward (hardware FLOPs only)
 
+    def hardware(self, recompute: str, backward: bool) -> float:
+        """What the GPU computes: forward, backward and what `recompute` and the backward
+        re-run (nothing re-runs where no backward does)."""
+        extra = {"full": self.recompute_full, "selective": self.recompute_selective}.get(recompute, 0.0) + self.backward_recompute
+        return self.fwd + self.bwd + (extra if backward else 0.0)
+
+
+def layer_flops(model: ModelSpec, unit: UnitSpec, index: int, contrastive_batch: int = 1) -> UnitFlops:
+    """Per-sample matmul FLOPs of one layer of `unit`. Full recomputation re-runs the
+    blocks' forwards only (LayerSpec.block)."""
+    layer = unit.layers[index]
+    input_grad = model.needs_input_grad(unit.name, index)
+    fwd = bwd = core = rerun = blocks = 0.0
+    for kernel in layer.kernels:
+        flops = kernel.flops(contrastive_batch)
+        fwd += flops
+        if layer.forward_only:
+            continue
+        if layer.block:
+            blocks += flops
+        if kernel.attention_core and (input_grad or unit.trains(layer)):
+            core += flops
+        if kernel.backward_recompute and (input_grad or unit.trains(layer)):
+            rerun += flops
+        if input_grad:
+            bwd += flops if kernel.has_weight else 2 * flops
+        if kernel.has_weight and unit.trains(layer):
+            bwd += flops
+    return UnitFlops(fwd, bwd, recompute_full=blocks, recompute_selective=core, backward_recompute=rerun)
+
 
 def unit_flops(model: ModelSpec, unit: UnitSpec, contrastive_batch: int = 1) -> UnitFlops:
-    """Full recomputation re-runs the blocks' forwards only (LayerSpec.block)."""
-    fwd = bwd = core = rerun = blocks = 0.0
-    for index, layer in enumerate(unit.layers):
-        input_grad = model.needs_input_grad(unit.name, index)
-        for kernel in layer.kernels:
-            flops = kernel.flops(contrastive_batch)
-            fwd += flops
-            if layer.forward_only:
-                continue
-            if layer.block:
-                blocks += flops
-            if kernel.attention_core and (input_grad or unit.trains(layer)):
-                core += flops
-            if kernel.backward_recompute and (input_grad or unit.trains(layer)):
-                rerun += flops
-            if input_grad:
-                bwd += flops if kernel.has_weight else 2 * flops
-            if kernel.has_weight and unit.trains(layer):
-                bwd += flops
-    return UnitFlops(fwd, bwd, recompute_full=blocks, recompute_selective=core, backward_recompute=rerun)
+    """Per-sample matmul FLOPs of a unit: its layers' summed."""
+    layers = [layer_flops(model, unit, index, contrastive_batch) for index in range(unit.num_layers)]
+    return UnitFlops(*(sum(getattr(f, field.name) for f in layers) for field in fields(UnitFlops)))
 
 
 def counted_images(plan: Plan, images: float | None) -> float | None:
@@ -92,12 +105,8 @@ def iteration_flops(model: ModelSpec, plan: Plan, train: TrainSpec, images: floa
     sequence the run processed; None: what the plan prices)."""
     model_flops = hardware = 0.0
     for unit_plan, per_sample, samples in _unit_terms(model, plan, train, images):
-        extra = {"full": per_sample.recompute_full, "selective": per_sample.recompute_selective}.get(unit_plan.recompute, 0.0)
-        extra += per_sample.backward_recompute
-        if not model.needs_backward(unit_plan.unit):
-            extra = 0.0
         model_flops += samples * (per_sample.fwd + per_sample.bwd)
-        hardware += samples * (per_sample.fwd + per_sample.bwd + extra)
+        hardware += samples * per_sample.hardware(unit_plan.recompute, model.needs_backward(unit_plan.unit))
     return model_flops, hardware
 
 

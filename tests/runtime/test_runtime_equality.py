@@ -81,7 +81,7 @@ CASES = {
     + ["strategy=megatron", "strategy.tp=1", "strategy.pp=2", "strategy.micro_batch_size=2", "train.precision=fp16"],
 }
 # Megatron-LM balanced (Optimus App. B) on a GPT whose head is heavy enough that the stages of
-# equal time are not the even cut: the embedding and three blocks, then a block and the head.
+# equal FLOPs are not the even cut: the embedding (a lookup, no FLOPs) and four blocks, then the head.
 BALANCED_VOCAB = 4096
 BALANCED = GPT + [
     f"model.vocab={BALANCED_VOCAB}",
@@ -156,7 +156,7 @@ def test_an_fp16_step_whose_gradients_overflow_is_skipped_on_every_rank(runs, re
 
 def test_a_balanced_pipeline_cut_unevenly_trains_as_one_process(runs):
     plan = json.loads((runs["megatron_pp2_balanced"] / "summary.json").read_text())["plan"]
-    assert plan["units"]["llm"]["stage_layers"] == [[0, 4], [4, 6]]  # not the even [0, 3), [3, 6)
+    assert plan["units"]["llm"]["stage_layers"] == [[0, 5], [5, 6]]  # not the even [0, 3), [3, 6)
     gpt = _gpt(BALANCED_VOCAB)
     expected = reference_losses(gpt, 0, 8, STEPS, sensitive_optimizer())
     assert _losses(runs["megatron_pp2_balanced"]) == pytest.approx(expected, rel=TOLERANCE["fp32"])

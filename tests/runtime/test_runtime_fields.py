@@ -132,6 +132,7 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
     ("megatron", "modality_stages"): (MEGATRON, ["strategy.modality_stages=merged"], "run", EQUALITY),
     ("megatron", "uneven_pp"): (MEGATRON, ["strategy.uneven_pp=true"], "run", EQUALITY),
     ("megatron", "balance"): (MEGATRON, ["strategy.balance=true"], "run", EQUALITY),
+    ("megatron", "balance_by"): (MEGATRON, ["strategy.balance=true", "strategy.balance_by=time"], "run", EQUALITY),
     ("megatron", "scatter_gather"): (
         MEGATRON,
         ["strategy.tp=2", "strategy.sequence_parallel=false", "strategy.scatter_gather=true"],

@@ -13,6 +13,9 @@ from src.schedules.pipeline import SCHEDULES
 from src.strategies.builders.stages import main_unit
 
 CHOOSE_ON = ("mean", "data")
+# What the balanced cut equalises: each layer's FLOPs (Optimus Appendix B estimates a layer's
+# time so) or its simulated time (host-bound layers priced as such).
+BALANCE_BY = ("flops", "time")
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,7 @@ class MegatronOptions(MegatronChoices):
     modality_stages: str = "extra"
     uneven_pp: bool = False
     balance: bool = False
+    balance_by: str = "flops"
     scatter_gather: bool = True
     # Units replicated over their stage's TP group (DistTrain §2.1): whole on each of its
     # ranks, each on its share of a micro-batch's rows.
@@ -65,6 +69,8 @@ class MegatronOptions(MegatronChoices):
             value = getattr(self, key)
             if not isinstance(value, bool) and not (key == "sequence_parallel" and value is None):
                 raise ConfigError(f"strategy.{key} must be true or false, got {value!r}")
+        if self.balance_by not in BALANCE_BY:
+            raise ConfigError(f"strategy.balance_by={self.balance_by!r}; choose one of {list(BALANCE_BY)}")
         if self.balance and self.schedule == "gpipe":
             raise ConfigError(
                 "strategy.balance=true runs the interleaved 1F1B schedule (Optimus Appendix B), not strategy.schedule=gpipe"

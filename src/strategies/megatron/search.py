@@ -22,11 +22,12 @@ from src.cluster import gib
 from src.costmodel.compute import ComputeModel
 from src.costmodel.memory import memory_ladder, rank_memory
 from src.errors import ConfigError
+from src.metrics import layer_flops
 from src.program import Plan
 from src.progress import Progress
 from src.sim.cores import speedup_limit
 from src.sim.engine import compute_lower_bound, simulate
-from src.strategies.base import PlanRequest
+from src.strategies.base import Degrees, PlanRequest
 from src.strategies.megatron.options import MegatronOptions
 from src.strategies.megatron.estimate import MemoryTable, Passes, PipelineEstimator
 from src.strategies.megatron.programs import MegatronSettings, colocated_program, pipeline_program
@@ -210,15 +211,32 @@ class MegatronSearch:
                 self.even_cuts[key] = pipeline_segments(self.model, deg.pp, deg.vpp, settings.modality_stages, settings.uneven_pp)
             return self.even_cuts[key]
         # The cut depends on the layers' times (TP, its price, micro-batch, sequence
-        # parallelism, recomputation) and the number of virtual stages only.
-        times_key = (deg.tp, deg.dp, deg.pp, deg.micro_batch, settings.sequence_parallel, settings.recompute)
+        # parallelism, recomputation; their FLOPs only on recomputation) and the number of
+        # virtual stages only.
+        if self.opts.balance_by == "flops":
+            times_key: tuple = (settings.recompute,)
+        else:
+            times_key = (deg.tp, deg.dp, deg.pp, deg.micro_batch, settings.sequence_parallel, settings.recompute)
         times = self.chain_times.get(times_key)
         if times is None:
-            times = self.chain_times[times_key] = tuple(self.estimator.layer_times(self.chain, deg, settings))
+            times = self.chain_times[times_key] = tuple(self._chain_costs(deg, settings))
         cut_key = (times, deg.pp * deg.vpp)
         if cut_key not in self.balanced:
             self.balanced[cut_key] = chain_segments(self.chain, balanced_cuts(times, deg.pp * deg.vpp))
         return self.balanced[cut_key]
+
+    def _chain_costs(self, deg: Degrees, settings: MegatronSettings) -> list[float]:
+        """What the balanced cut equalises, layer by layer along the chain (strategy.balance_by):
+        per-sample FLOPs of a layer's forward, backward and recomputation, as Optimus
+        Appendix B estimates a layer's time, or its simulated seconds of one micro-batch."""
+        assert self.chain is not None, "only a balanced cut prices its chain"
+        if self.opts.balance_by == "time":
+            return self.estimator.layer_times(self.chain, deg, settings)
+        return [
+            layer_flops(self.model, unit, index).hardware(settings.recompute, self.model.needs_backward(unit.name))
+            for unit in self.chain
+            for index in range(unit.num_layers)
+        ]
 
     def memory_problem(self, candidate: Candidate) -> str:
         usable = self.cluster.usable_memory_bytes
@@ -368,6 +386,7 @@ class MegatronSearch:
                 "sequence_parallel": cfg.sequence_parallel,
                 "zero_stage": cfg.zero_stage,
                 "balance": self.chain is not None,
+                "balance_by": self.opts.balance_by if self.chain is not None else None,
                 "placement": "colocated" if self.contrastive else "pipeline",
             },
         )

@@ -14,6 +14,7 @@ from src import progress
 from src.config import train_from_config
 from src.costmodel.memory import memory_ladder, rank_memory
 from src.errors import ConfigError, PlanError
+from src.metrics import layer_flops
 from src.models.registry import build_model
 from src.program import Collective, Compute, Recv, Send
 from src.schedules.pipeline import build_schedule
@@ -370,7 +371,7 @@ def test_balanced_cut_meets_the_spec_vectors_and_brute_force() -> None:
 
 
 def test_balanced_plan_cuts_encoder_and_llm_no_slower_than_the_even_cut() -> None:
-    req = request(OPTIMUS_SMALL, "hopper", 1, 8, tp=2, pp=2, vpp=4, micro_batch_size=1, balance=True)
+    req = request(OPTIMUS_SMALL, "hopper", 1, 8, tp=2, pp=2, vpp=4, micro_batch_size=1, balance=True, balance_by="time")
     plan = planner_for("megatron")(req)
     assert plan.details["balance"] and plan.details["schedule"] == "interleaved"
     encoder, llm = plan.unit("encoder"), plan.unit("llm")
@@ -384,7 +385,7 @@ def test_balanced_plan_cuts_encoder_and_llm_no_slower_than_the_even_cut() -> Non
     cfg = MegatronSettings(
         "interleaved", plan.details["recompute"], plan.details["sequence_parallel"], plan.details["zero_stage"], False, "merged", False
     )
-    search = MegatronSearch(req, MegatronOptions(balance=True), contrastive=False, searched=False)
+    search = MegatronSearch(req, MegatronOptions(balance=True, balance_by="time"), contrastive=False, searched=False)
     deg = Degrees(2, 2, 2, 4, 1)
     times = search.estimator.layer_times(linear_chain(req.model), deg, cfg)
     offsets = {"encoder": 0, "llm": req.model.unit("encoder").num_layers}
@@ -399,6 +400,39 @@ def test_balanced_plan_cuts_encoder_and_llm_no_slower_than_the_even_cut() -> Non
     blocks = [t for t, layer in zip(times[offsets["llm"] :], llm.layers) if layer.block]
     assert len(blocks) > 1 and len(set(blocks)) == 1
     assert simulate(plan.program, req.model, req.cluster, req.train.precision).iteration_time > 0
+
+
+def _chain_ranges(plan, model) -> list[tuple[int, int]]:
+    """Each virtual stage's layers along the encoder-then-LLM chain."""
+    offset = model.unit("encoder").num_layers
+    encoder = list(plan.unit("encoder").stage_layers)
+    encoder += [(offset, offset)] * (len(plan.unit("llm").stage_layers) - len(encoder))
+    return [(a if b > a else offset + c, offset + d if d > c else b) for (a, b), (c, d) in zip(encoder, plan.unit("llm").stage_layers)]
+
+
+def test_the_balanced_cut_equalises_layer_flops_as_appendix_b_estimates_them() -> None:
+    # Optimus Appendix B: "t_i denotes the execution time of the i-th layer (estimated based on
+    # FLOPs)". ViT-3B's layers at 256 tokens are host-bound on TP 2: against a GPT-11B layer a
+    # block costs 12x as much in simulated time as in FLOPs, so the two costs cut the chain apart.
+    options = dict(tp=2, pp=2, vpp=4, micro_batch_size=1, balance=True)
+    by_flops = planner_for("megatron")(request(OPTIMUS_SMALL, "hopper", 1, 8, **options))
+    by_time = planner_for("megatron")(request(OPTIMUS_SMALL, "hopper", 1, 8, **options, balance_by="time"))
+    model = build_model(OPTIMUS_SMALL)
+    assert by_flops.details["balance_by"] == "flops" and by_time.details["balance_by"] == "time"
+    recompute = by_flops.details["recompute"]
+    flops = [
+        layer_flops(model, unit, index).hardware(recompute, model.needs_backward(unit.name))
+        for unit in linear_chain(model)
+        for index in range(unit.num_layers)
+    ]
+    assert _chain_ranges(by_flops, model) == balanced_cuts(flops, 8)
+    assert _chain_ranges(by_flops, model)[0] == (0, model.unit("encoder").num_layers + 6)  # the whole ViT and 6 LLM layers
+    assert _chain_ranges(by_time, model) != _chain_ranges(by_flops, model)
+
+
+def test_an_unknown_balance_cost_is_refused_in_one_line() -> None:
+    with pytest.raises(ConfigError, match=r"strategy.balance_by='seconds'; choose one of \['flops', 'time'\]"):
+        planner_for("megatron")(request(OPTIMUS_SMALL, "hopper", 1, 8, balance=True, balance_by="seconds"))
 
 
 def test_balance_needs_a_linear_chain_of_units() -> None:
