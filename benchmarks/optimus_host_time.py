@@ -6,8 +6,9 @@ pipeline stage at the LLM's TP (8): each of its kernels works on one micro-batch
 hundred image tokens split eight ways, a few microseconds of GPU time, while eager
 PyTorch spends `cluster.host_forward_kernel_s` / `host_backward_kernel_s` of host time to
 issue each one (the `hopper` preset's, measured on an H100 host for a transformer block).
-Megatron-LM balanced spreads those kernels over every stage, between the LLM's large
-kernels that hide them; Optimus gives the encoder its own, smaller TP. This script prices
+Megatron-LM balanced cuts the layers by their FLOPs (Appendix B), which leaves nearly all
+those kernels in one virtual stage at the same TP (models A-C); Optimus gives the encoder its
+own, smaller TP. This script prices
 each figure job of sweeps/optimus_fig15_weak_scaling.yaml (Megatron-LM's paper plan,
 Megatron-LM balanced, Optimus) twice: with the framework issuing each kernel (the preset's
 eager launch) and with each layer's passes replayed from CUDA graphs (cluster.host_launch=
