@@ -56,16 +56,25 @@ class StageCosts:
     bwd_per_load: tuple[tuple[str, float], ...] = ()
 
 
-def busiest_share(images: Sequence[float], shares: int) -> float:
-    """The most a rank runs of `images` (each image's load) dealt out whole over `shares`
-    ranks, as evenly as they go by count: in order, the first len % shares ranks one more."""
-    size, extra = divmod(len(images), shares)
-    start, most = 0, 0.0
-    for rank in range(min(shares, len(images))):
+def dealt_images(count: int, shares: int) -> tuple[range, ...]:
+    """Which of a micro-batch's `count` images (in sequence order) each of `shares` ranks
+    runs, dealt out whole as evenly as they go by count: contiguous blocks in order, the
+    first count % shares ranks one image more (ranks past the images run none). The plan
+    prices a replicated unit by these blocks (busiest_share) and the real backend runs them
+    (runtime.row_shares.dealt_slots)."""
+    size, extra = divmod(count, shares)
+    blocks, start = [], 0
+    for rank in range(shares):
         end = start + size + (1 if rank < extra else 0)
-        most = max(most, sum(images[start:end]))
+        blocks.append(range(start, end))
         start = end
-    return most
+    return tuple(blocks)
+
+
+def busiest_share(images: Sequence[float], shares: int) -> float:
+    """The most a rank runs of `images` (each image's load) dealt out over `shares` ranks
+    (dealt_images)."""
+    return max((sum(images[block.start : block.stop]) for block in dealt_images(len(images), shares) if block), default=0.0)
 
 
 @dataclass(frozen=True)

@@ -161,6 +161,17 @@ def token_mask(tokens: torch.Tensor, length: int) -> torch.Tensor:
     return torch.arange(length, device=tokens.device)[None, :] < tokens[:, None]
 
 
+def slot_token_mask(sides: torch.Tensor, slots: torch.Tensor, length: int) -> torch.Tensor:
+    """(rows, length): whether each position of a row is a token of one of its images that
+    `slots` (rows, capacity) marks, its images' `sides` (rows, capacity) in patches laid out
+    in order from the sequence's start (all its real slots: token_mask of its image_tokens)."""
+    sizes = sides**2
+    ends = sizes.cumsum(1)
+    positions = torch.arange(length, device=sides.device)[None, None, :]
+    inside = (positions >= (ends - sizes)[..., None]) & (positions < ends[..., None])
+    return (inside & slots[..., None]).any(1)
+
+
 def _resized(image: torch.Tensor, size: int) -> torch.Tensor:
     """A drawn picture at `size` pixels a side (itself at its own size)."""
     if image.shape[-1] == size:

@@ -161,20 +161,10 @@ def _check_priced_images(plan: Plan, dataset: InterleavedMLLM, data: str, batch:
 def _check_image_rows(plan: Plan, model: ModelSpec) -> None:
     """An interleaved micro-batch's images are rows of their own inside a unit that reads
     them: its stages pass their real images' token states, as many as the micro-batch holds;
-    tp > 1 replicates its layers, whose stages would pass them split among the TP peers. A
-    unit replicated over its TP group gives each rank whole sequences here, where the plan
-    prices a micro-batch's images dealt out over them (builders.replicas.dealt_loads): on
-    sequences of different image counts the two run different work."""
+    tp > 1 replicates its layers, whose stages would pass them split among the TP peers. (A
+    unit replicated over its TP group runs on one stage: runtime.row_shares deals it its
+    images.)"""
     for unit in plan.units:
-        if unit.row_shares > 1 and model.unit(unit.unit).arch.per_image:
-            raise PlanRefused(
-                f"unit {unit.unit} is replicated over the {unit.row_shares} ranks of its TP group on interleaved data: "
-                f"the plan prices each micro-batch's images dealt out over them, the real backend gives each rank "
-                f"whole sequences, whose image counts differ (it runs a replicated unit on uniform data: "
-                f"train.data=uniform, or without strategy.replicate)",
-                ("rows",),
-                (unit.unit,),
-            )
         if model.unit(unit.unit).arch.reads_images and unit.pp > 1 and unit.mesh.degree("tp") > 1:
             raise PlanRefused(
                 f"unit {unit.unit} on pp={unit.pp} with tp={unit.mesh.degree('tp')} and interleaved data: the real backend "

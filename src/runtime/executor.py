@@ -29,13 +29,13 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from src.data.interleaved_mllm import token_mask
+from src.data.interleaved_mllm import slot_token_mask, token_mask
 from src.errors import ConfigError
 from src.models.flows import chain_key
 from src.models.spec import ModelSpec, UnitSpec
@@ -55,6 +55,7 @@ from src.runtime.modules.grid3d import ZSharded
 from src.runtime.modules.parallel import tp_overlap
 from src.runtime.modules.units import unit_layers
 from src.runtime.placement import placements, tensor_replicas
+from src.runtime.row_shares import Share, dealt_slots
 from src.runtime.store import PayloadStore, row_shape
 from src.runtime.timing import StepTimer
 
@@ -145,6 +146,7 @@ class Executor:
         device: torch.device,
         precision: str,
         loss_scale: LossScale | None = None,
+        dealing: Mapping[str, int] | None = None,
     ) -> None:
         self.plan, self.model, self.rank, self.device = plan, model, rank, device
         self.precision, self.dtype = precision, DTYPES[precision]
@@ -153,6 +155,9 @@ class Executor:
         rank_program = self.program.class_of(rank)
         self.instructions: list[Instruction] = rank_program.instructions
         self.units, self.engines, self.groups, self.batch_for = units, engines, groups, batch_for
+        # The units that deal each micro-batch's images out over their row shares (on interleaved
+        # data: runtime.row_shares), and their shares.
+        self.dealing = dict(dealing or {})
         self.places = placements(plan, rank)
         self.grids = list({id(m.grid): m.grid for m in units.modules() if isinstance(m, ZSharded)}.values())
         # Layers where a backward starts: a forward is cut there too, so a backward that runs
@@ -174,7 +179,10 @@ class Executor:
 
     def _own_rows(self, unit: str, payload: Payload, tensor: torch.Tensor) -> Payload:
         """A payload a unit's pass makes, at the rows of the micro-batch this rank runs (a
-        unit replicated over its TP group runs a share of them: runtime.row_shares)."""
+        unit replicated over its TP group runs a share of them, or of their images, which it
+        holds at their places in the whole micro-batch: runtime.row_shares)."""
+        if unit in self.dealing:
+            return payload
         first = self.places[unit].first_row
         return payload.part(first, first + tensor.shape[0]) if first else payload
 
@@ -519,7 +527,10 @@ class Executor:
                 f"{collective.op} on {collective.group} pairs {len(collective.inputs)} inputs with {len(collective.outputs)} outputs"
             )
         for source, target in zip(collective.inputs, collective.outputs):
-            if collective.op == "all_gather":
+            dealer = self._dealer(source)
+            if collective.op == "all_gather" and dealer is not None:
+                self._gather_dealt(collective, source, target, dealer, ranks, group)
+            elif collective.op == "all_gather":
                 local = self.s.store.tensor(source).detach().to(self.dtype).contiguous()
                 parts = [torch.empty_like(local) for _ in ranks]
                 with CLOCK.timed(collective.kind):
@@ -543,6 +554,27 @@ class Executor:
             else:
                 raise ConfigError(f"the real backend does not carry payloads in a {collective.op}")
         return category
+
+    def _gather_dealt(
+        self, collective: Collective, source: Payload, target: Payload, dealer: str, ranks: tuple[int, ...], group: dist.ProcessGroup
+    ) -> None:
+        """The all-gather over TP of a payload whose ranks hold the shares of a dealing unit's
+        images (rank i share i, as a scattered transfer delivers them): each rank's images'
+        tokens (or the rows that read them), padded to the most any rank holds (an all-gather
+        takes equal parts), each placed at its images' places and added up (values of
+        different images; gradients of a sequence whose images two shares ran add up)."""
+        masks = [self._dealt_mask(source, dealer, Share(share, len(ranks))) for share in range(len(ranks))]
+        counts = [int(mask.sum()) for mask in masks]
+        local = _packed(self.s.store.tensor(source).detach().to(self.dtype), masks[ranks.index(self.rank)])
+        parts = [local[:0]] * len(ranks)
+        if max(counts):  # a micro-batch without an image has nothing to gather (every rank knows it from its batch)
+            padded = local.new_zeros((max(counts),) + local.shape[1:])
+            padded[: len(local)] = local
+            parts = [torch.empty_like(padded) for _ in ranks]
+            with CLOCK.timed(collective.kind):
+                dist.all_gather(parts, padded, group=group)
+        whole = torch.stack([_unpacked(part[:count], mask) for part, count, mask in zip(parts, counts, masks)]).sum(0)
+        (self.s.store.replace if target.whole == source.whole else self.s.store.put)(target, whole)
 
     def _broadcast(
         self, collective: Collective, source: Payload, target: Payload, ranks: tuple[int, ...], group: dist.ProcessGroup
@@ -573,8 +605,11 @@ class Executor:
         for message in messages:
             if message.dst == self.rank and message.received == message.sent:
                 continue  # it holds these rows under that name already (an encoder and the LLM colocated)
-            tensor = self.s.store.tensor(message.sent if message.sent.rows is not None else send.payload)
-            tensor = _packed(tensor, self._image_tokens(message.sent) if message.dst != self.rank else None)
+            if self._dealt_share(message.sent) is not None:
+                held = message.sent.whole  # its share's images, wherever their sequences are in the micro-batch
+            else:
+                held = message.sent if message.sent.rows is not None else send.payload
+            tensor = _packed(self.s.store.tensor(held), self._wire_mask(message.sent) if message.dst != self.rank else None)
             if not len(tensor):
                 continue  # no image: nothing travels (the receiver knows it from its own batch)
             tensor = tensor.detach().to(self.dtype).contiguous()
@@ -586,13 +621,15 @@ class Executor:
 
     def _recv(self, recv: Recv, route: Route, messages: tuple[Message, ...], category: str) -> str:
         """`messages`: what the route delivers into this rank's rows of the payload."""
-        posted: list[tuple[dist.Work | None, Message, torch.Tensor, torch.Tensor | None]] = []
+        posted: list[tuple[dist.Work | None, Payload, torch.Tensor, torch.Tensor | None]] = []
         for message in messages:
             if message.src == self.rank:
                 continue
             rows = message.received.rows
             count = rows[1] - rows[0] if rows is not None else self.unit_plan(message.received.unit).micro_batch
-            tokens = self._image_tokens(message.received)
+            tokens = self._wire_mask(message.received)
+            # A share of a dealing unit's images is held at their places in the whole micro-batch.
+            target = message.received.whole if self._dealt_share(message.received) is not None else message.received
             inside = self._packed_inside(message.received)
             if inside is not None:  # between an encoder's stages: its real images' token states, packed
                 shape = inside
@@ -603,13 +640,13 @@ class Executor:
             buffer = torch.empty(shape, dtype=self.dtype, device=self.device)
             group = self.groups.route(route.name)
             if not len(buffer):
-                posted.append((None, message, buffer, tokens))  # no image: nothing travels, every slot stays empty
+                posted.append((None, target, buffer, tokens))  # no image: nothing travels, every slot stays empty
             elif recv.blocking:
                 with CLOCK.timed(route.kind):
                     dist.recv(buffer, message.src, group=group)
-                posted.append((None, message, buffer, tokens))
+                posted.append((None, target, buffer, tokens))
             else:
-                posted.append((dist.irecv(buffer, message.src, group=group), message, buffer, tokens))
+                posted.append((dist.irecv(buffer, message.src, group=group), target, buffer, tokens))
         for message, tensor in self.s.local.pop((route.name, recv.payload.whole), []):
             self.s.store.put(message.received, tensor)
         if recv.blocking:
@@ -620,14 +657,17 @@ class Executor:
         return category
 
     def _finish_receives(self, posted: list) -> None:
-        for work, message, buffer, tokens in posted:
+        for work, target, buffer, tokens in posted:
             if work is not None:
                 work.wait()
-            self.s.store.put(message.received, _unpacked(buffer, tokens))
+            self.s.store.put(target, _unpacked(buffer, tokens))
 
-    def _packed_shape(self, payload: Payload, tokens: torch.Tensor) -> tuple[int, ...]:
-        """The real images' tokens of an encoder's hand-on: each of the LLM's width."""
-        return (int(tokens.sum()), self._consumer(payload.unit).hidden)
+    def _packed_shape(self, payload: Payload, mask: torch.Tensor) -> tuple[int, ...]:
+        """What travels of a payload under `mask` (_wire_mask): the images' tokens of an
+        encoder's hand-on, each of the LLM's width, or whole rows (a mask of rows)."""
+        if mask.dim() == 1:
+            return (int(mask.sum()),) + self._row_shape(payload)
+        return (int(mask.sum()), self._consumer(payload.unit).hidden)
 
     def _consumer(self, unit: str) -> UnitSpec:
         """The unit `unit` hands its output on to along a chain (an MLLM's encoder: its LLM)."""
@@ -643,6 +683,40 @@ class Executor:
             return None
         sides = self.batch_for(payload.unit, payload.microbatch).get("patch_sides")
         return None if sides is None else (1, int((sides**2 + 1).sum()), spec.hidden)
+
+    def _wire_mask(self, payload: Payload) -> torch.Tensor | None:
+        """What of a payload's rows travels (None: the rows as they are): a share of a
+        dealing unit's images (_dealt_mask), or an encoder's real images' tokens."""
+        dealt = self._dealt_share(payload)
+        return self._image_tokens(payload) if dealt is None else self._dealt_mask(payload, *dealt)
+
+    def _dealer(self, payload: Payload) -> str | None:
+        """The unit that deals its images out over its row shares (runtime.row_shares) whose
+        images a payload carries: what it hands on, or what it reads along a chain."""
+        if not self.dealing or payload.tensor != "x" or payload.layer != self.model.unit(payload.unit).num_layers:
+            return None
+        chained = [payload.unit] + [c for p, c in self.model.flows if p == payload.unit]
+        return next((unit for unit in chained if unit in self.dealing), None)
+
+    def _dealt_share(self, payload: Payload) -> tuple[str, Share] | None:
+        """The dealing unit and the share whose images a part of a payload carries: a
+        scattered transfer's rows share i stands for share i's images (runtime.row_shares)."""
+        dealer = self._dealer(payload)
+        if dealer is None or payload.rows is None:
+            return None
+        shares = self.dealing[dealer]
+        return dealer, Share(payload.rows[0] // (self.unit_plan(dealer).micro_batch // shares), shares)
+
+    def _dealt_mask(self, payload: Payload, dealer: str, share: Share) -> torch.Tensor:
+        """What carries `share`'s images of a payload's micro-batch: the tokens of its images
+        at their places in their sequences (what the dealing unit hands on), or the
+        sequences that hold them (what it reads), from the batch of a unit this rank runs."""
+        unit = payload.unit if payload.unit in self.places else self._consumer(payload.unit).name
+        sides = self.batch_for(unit, payload.microbatch)["image_sides"]
+        slots = dealt_slots(sides > 0, share)
+        if dealer == payload.unit:
+            return slot_token_mask(sides, slots, self._consumer(payload.unit).seq_len)
+        return slots.any(1)
 
     def _image_tokens(self, payload: Payload) -> torch.Tensor | None:
         """The image-token positions of a payload's rows where it is what an encoder hands on

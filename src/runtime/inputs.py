@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
@@ -22,7 +22,7 @@ from src.data.balance import Balancing
 from src.data.disaggregated import Reordering
 from src.data.interleaved import sampler
 from src.data.loads import image_loads, layout_loads
-from src.data.interleaved_mllm import InterleavedMLLM, image_tokens, token_mask
+from src.data.interleaved_mllm import InterleavedMLLM, image_tokens, slot_token_mask
 from src.data.shards import TarShards
 from src.data.synthetic import SyntheticImageText, SyntheticTokens, collate
 from src.data.synthetic_diffusion import SyntheticDiffusion
@@ -31,6 +31,7 @@ from src.errors import ConfigError
 from src.models.sd21 import LATENT_CHANNELS
 from src.models.spec import ModelSpec
 from src.program import Plan, UnitPlan
+from src.runtime.row_shares import Share, dealt_slots
 
 if TYPE_CHECKING:
     from src.runtime.preprocess import Producer
@@ -38,22 +39,29 @@ if TYPE_CHECKING:
 IGNORE = -100  # cross_entropy's ignore_index
 
 
-def batch_layout(plan: UnitPlan, global_batch: int) -> BatchLayout:
+def batch_layout(plan: UnitPlan, global_batch: int, deals: bool = False) -> BatchLayout:
     """How a rank's samples of the unit are cut from the step's batch: a replicated unit's
     row shares are its data group's replicas (row_shares.data_group: rows fastest), each taking its
-    share of every micro-batch of its TP group's replica."""
-    shares = plan.row_shares
+    share of every micro-batch of its TP group's replica; one that `deals` its images out
+    over them reads its TP group's replica's whole micro-batches."""
+    shares = 1 if deals else plan.row_shares
     return BatchLayout.of_replica_batch(global_batch, plan.batch_per_replica // shares, plan.micro_batch // shares, plan.sample_groups)
 
 
-def rank_reads(plan: Plan, global_batch: int, replica: Mapping[str, int]) -> dict[str, tuple[BatchLayout, int]]:
+def rank_reads(
+    plan: Plan, global_batch: int, replica: Mapping[str, int], shares: Mapping[str, Share] | None = None
+) -> dict[str, tuple[BatchLayout, int]]:
     """What each of a rank's units (`replica`: its replica in each) reads: the layout of
     the unit whose samples it takes (its own, or the one `samples_of` names) and the rank's
-    replica there."""
+    replica there; a unit that deals its images out over its row shares (`shares`: the
+    rank's, row_shares.image_shares) the whole micro-batches of its TP group's replica."""
     reads = {}
     for unit in replica:
         reader = plan.unit(unit).samples_of or unit
-        reads[unit] = (batch_layout(plan.unit(reader), global_batch), replica[reader])
+        if shares and reader in shares:
+            reads[unit] = (batch_layout(plan.unit(reader), global_batch, deals=True), replica[reader] // shares[reader].count)
+        else:
+            reads[unit] = (batch_layout(plan.unit(reader), global_batch), replica[reader])
     return reads
 
 
@@ -157,21 +165,27 @@ def tell_repeats(dataset: Any, global_batch: int, steps: int) -> None:
         )
 
 
-def unit_fields(model: ModelSpec, unit: str, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def unit_fields(model: ModelSpec, unit: str, batch: Mapping[str, torch.Tensor], share: Share | None = None) -> dict[str, torch.Tensor]:
     """What a unit reads: images (a ViT), token ids, and next-token targets when it ends
     in a language-model head (GPT; CoCa's captioner: the caption shifted by one); an SD
-    generator its target image (or latent, without the VAE), noise and timestep."""
+    generator its target image (or latent, without the VAE), noise and timestep. `share`:
+    the rank's share of the micro-batch's images, of a unit that deals them out over its
+    row shares (runtime.row_shares)."""
     spec = model.unit(unit)
     # Interleaved sequences (data.interleaved_mllm): the encoder takes the patches of the
-    # micro-batch's real images, packed, and their sides; the generator their slots' draws;
-    # every unit the image slots and the tokens they take in each sequence; each loss its
-    # normaliser.
+    # images it runs (the micro-batch's real ones, or those dealt to its share), packed, and
+    # their sides; the generator their slots' draws; every unit the slots of the images it
+    # runs, the sides of all the micro-batch's and the tokens they take in each sequence;
+    # each loss its normaliser.
     slots = batch.get("image_slots")
-    held: dict[str, torch.Tensor] = {} if slots is None else {"image_slots": slots, "image_tokens": image_tokens(batch)}
+    held: dict[str, torch.Tensor] = {}
+    if slots is not None:
+        slots = slots if share is None else dealt_slots(slots, share)
+        held = {"image_slots": slots, "image_sides": batch["image_sides"], "image_tokens": image_tokens(batch)}
     if spec.arch.reads_images:
         if slots is None:
             return {"images": batch["images"]}
-        packed = batch["patches"][token_mask(held["image_tokens"], batch["patches"].shape[1])]
+        packed = batch["patches"][slot_token_mask(batch["image_sides"], slots, batch["patches"].shape[1])]
         return {"patches": packed, "patch_sides": batch["image_sides"][slots]} | held
     if spec.kind == "contrastive":
         return {}
@@ -180,7 +194,9 @@ def unit_fields(model: ModelSpec, unit: str, batch: Mapping[str, torch.Tensor]) 
         keys = ("target" if vae else "latent", "noise", "timestep", "alpha")
         if slots is None:
             return {key: batch[key] for key in keys}
-        return {key: batch[key][slots] for key in keys} | held | {"loss_norm": batch["images_mean"]}
+        # A share's loss is its part of the micro-batch's, as a share of its rows would be.
+        norm = batch["images_mean"] / (1 if share is None else share.count)
+        return {key: batch[key][slots] for key in keys} | held | {"loss_norm": norm}
     out = {"ids": batch["ids"]}
     if spec.layers[-1].name in ("head", "caption_head"):
         if "targets" in batch:
@@ -201,7 +217,9 @@ class StepSamples:
     reads[unit]: the layout the unit reads its samples by and its replica there (rank_reads).
     order[p]: which of the step's samples (in data order) position p of the batch holds
     (a plan that reorders its batch); None: data order. balancing: the policy that placed
-    `order` for the first step, to place every step's batch by its own loads (Plan.balancing)."""
+    `order` for the first step, to place every step's batch by its own loads (Plan.balancing).
+    shares[unit]: the trainer's share of the images of a unit that deals them out over its
+    row shares (row_shares.image_shares)."""
 
     model: ModelSpec
     dataset: Any
@@ -209,6 +227,7 @@ class StepSamples:
     reads: Mapping[str, tuple[BatchLayout, int]]
     order: tuple[int, ...] | None = None
     balancing: Balancing | Reordering | None = None
+    shares: Mapping[str, Share] = field(default_factory=dict)
 
     def order_of(self, step: int) -> tuple[int, ...] | None:
         """The step's order: the plan's, or its balancing's on the step's sequences."""
@@ -247,7 +266,7 @@ class StepSamples:
                 key = tuple(step * self.global_batch + (p if order is None else order[p]) for p in positions)
                 if key not in rows:
                     rows[key] = collate([self.dataset[i] for i in key]) | {name: m.repeat(len(key)) for name, m in means.items()}
-                made[(unit, microbatch)] = unit_fields(self.model, unit, rows[key])
+                made[(unit, microbatch)] = unit_fields(self.model, unit, rows[key], self.shares.get(unit))
         return made
 
     def skipped(self) -> set[str]:

@@ -1,16 +1,36 @@
 """A unit replicated over its pipeline's TP group (its mesh's rows axis, src/mesh.py): each
-of those ranks holds the whole unit and runs an equal share of every micro-batch's rows.
+of those ranks holds the whole unit and runs an equal share of every micro-batch.
 
-Its ranks read their share of each micro-batch (rows share i of the TP group's micro-batch,
-as data-parallel replica i of the TP group's replica would), hold what they make at those
-rows of the micro-batch, so that the pipeline's scattered transfers carry them as they are,
-and reduce their gradients over every rank of the unit (its rows x dp ranks).
+On samples alike its share is rows: rows share i of the TP group's micro-batch (as
+data-parallel replica i of the TP group's replica would read them), and it holds what it
+makes at those rows of the micro-batch, so that the pipeline's scattered transfers carry
+them as they are. A unit that works per image (an MLLM's encoder and generator) on
+sequences of their own images (interleaved data) shares a micro-batch's images instead, as
+the plan prices it (data.balance.dealt_images): each rank reads the whole micro-batch, runs
+the images dealt to it and holds what it makes at their places in the whole micro-batch;
+what travels for share i of a scattered transfer is those images' tokens (runtime.executor).
+Either way its ranks reduce their gradients over every rank of the unit (its rows x dp
+ranks): they ran disjoint parts of the micro-batch's work.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
+
+from src.data.balance import dealt_images
 from src.mesh import ROWS, Mesh
-from src.program import UnitPlan
+from src.models.spec import ModelSpec
+from src.program import Plan, UnitPlan
+
+
+@dataclass(frozen=True)
+class Share:
+    """Share `index` of the `count` ranks a unit's micro-batches are shared over."""
+
+    index: int
+    count: int
 
 
 def data_group(mesh: Mesh, rank: int) -> tuple[int, ...]:
@@ -26,3 +46,25 @@ def first_row(plan: UnitPlan, rank: int) -> int:
     """The first row of each micro-batch that `rank` runs of the unit (0 unless replicated)."""
     shares = plan.row_shares
     return plan.mesh.coords(rank).get(ROWS, 0) * (plan.micro_batch // shares) if shares > 1 else 0
+
+
+def dealing_units(plan: Plan, model: ModelSpec) -> dict[str, int]:
+    """The units that deal each micro-batch's images out over their row shares on
+    interleaved data (replicated ones that work per image), and how many shares each has."""
+    return {u.unit: u.row_shares for u in plan.units if u.row_shares > 1 and model.unit(u.unit).arch.per_image}
+
+
+def image_shares(plan: Plan, rank: int, dealing: dict[str, int]) -> dict[str, Share]:
+    """`rank`'s share of the images of each dealing unit it runs (`dealing`: dealing_units)."""
+    return {unit.unit: Share(unit.mesh.coords(rank)[ROWS], dealing[unit.unit]) for unit in plan.units_on(rank) if unit.unit in dealing}
+
+
+def dealt_slots(slots: torch.Tensor, share: Share) -> torch.Tensor:
+    """The image slots (rows, capacity) of the images dealt to `share` of a micro-batch whose
+    real images fill `slots`: its images in sequence order (a row's real slots come first)
+    dealt out as the plan prices them (data.balance.dealt_images)."""
+    real = slots.flatten().nonzero()[:, 0]
+    block = dealt_images(len(real), share.count)[share.index]
+    out = torch.zeros(slots.numel(), dtype=torch.bool, device=slots.device)
+    out[real[block.start : block.stop]] = True
+    return out.view(slots.shape)

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from src.config import TorchBackendSpec
+from src.data.interleaved_mllm import InterleavedMLLM
 from src.metrics import iteration_flops, summarize
 from src.plan_io import PlannedRun, RunSettings, settings_record
 from src.program import Compute, Plan
@@ -48,6 +49,7 @@ from src.runtime.modules.units import build_units
 from src.runtime.peak import GEMM_SIZES, peak_gemm_flops
 from src.runtime.preprocess import Producer
 from src.runtime.placement import UnitPlacement, placements
+from src.runtime.row_shares import dealing_units, image_shares
 from src.runtime.timing import StepTimer
 from src.timeline import RankTimeline, Span, Timeline
 
@@ -245,13 +247,18 @@ def _build_worker(run: PlannedRun, backend: TorchBackendSpec, run_dir: Path, ran
     device = worker_device(dist.get_backend())
     CLOCK.device = device
     places = placements(plan, rank)
+    dataset = dataset_for(model, train.seed, backend.data, backend.data_errors, plan.sample_content)
+    # Sequences of their own images: a replicated unit that works per image deals them out.
+    dealing = dealing_units(plan, model) if isinstance(dataset, InterleavedMLLM) else {}
+    shares = image_shares(plan, rank, dealing)
     samples = StepSamples(
         model,
-        dataset_for(model, train.seed, backend.data, backend.data_errors, plan.sample_content),
+        dataset,
         train.global_batch,
-        rank_reads(plan, train.global_batch, {n: p.dp_ranks.index(rank) for n, p in places.items()}),
+        rank_reads(plan, train.global_batch, {n: p.dp_ranks.index(rank) for n, p in places.items()}, shares),
         plan.sample_order,
         plan.balancing,
+        shares,
     )
     producer = None
     if backend.preprocess == "disaggregated":  # started first: it works while the model is built
@@ -271,7 +278,7 @@ def _build_worker(run: PlannedRun, backend: TorchBackendSpec, run_dir: Path, ran
         time_deepspeed_comm()
     batches = Batches(samples, device, producer)
     loss_scale = LossScale.of(backend.deepspeed.fp16)
-    executor = Executor(plan, model, rank, units, engines, groups, batches, device, plan.precision, loss_scale)
+    executor = Executor(plan, model, rank, units, engines, groups, batches, device, plan.precision, loss_scale, dealing)
     pad_id = backend.contrastive.pad_id
     captions = (
         _CaptionSteps(run, places, units, batches, pad_id) if pad_id is not None and any(map(_has_caption_head, model.units)) else None

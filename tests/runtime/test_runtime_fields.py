@@ -440,15 +440,10 @@ def test_a_replicated_unit_s_rows_tp_does_not_divide_are_refused_naming_the_fix(
         _check(MLLM_REPLICATED + odd)
 
 
-def test_a_replicated_unit_on_interleaved_data_is_refused_naming_the_fix():
-    # The plan deals a micro-batch's images out over the TP group; the real backend deals whole
-    # sequences, which on interleaved data hold different images.
-    skewed = ["strategy.replicate=[encoder,generator]", "strategy.micro_batch_size=2", "train.data=interleaved"]
-    with pytest.raises(
-        ConfigError,
-        match=r"unit encoder is replicated over the 2 ranks.*interleaved.*train.data=uniform.*\[megatron: strategy.replicate\]",
-    ):
-        _check(MLLM_REPLICATED + skewed)
+def test_a_replicated_unit_on_interleaved_data_runs():
+    """Each rank of the TP group runs the images dealt to it, as the plan prices them
+    (runs: test_runtime_replicate, interleaved)."""
+    _check(MLLM_REPLICATED + ["strategy.replicate=[encoder,generator]", "strategy.micro_batch_size=2", "train.data=interleaved"])
 
 
 def test_a_scattered_transfer_of_rows_tp_does_not_divide_is_refused_naming_the_fix():

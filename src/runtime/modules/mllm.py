@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from src.models.flows import chain_key
-from src.data.interleaved_mllm import token_mask
+from src.data.interleaved_mllm import slot_token_mask, token_mask
 from src.runtime.modules.blocks import State, packed_lengths, with_images
 from src.runtime.modules.generator import COND
 from src.runtime.modules.parallel import TP, ColumnParallelLinear, RowParallelLinear
@@ -50,8 +50,8 @@ class Projector(nn.Module):
         out = self.fc2(F.gelu(self.fc1(tokens)))
         slots = state.get("image_slots")  # interleaved sequences: images by slot (data.interleaved_mllm)
         if self.role == "input":
-            if lengths is not None:  # each sequence's image tokens at its start, the rest of its row zero
-                mask = token_mask(state["image_tokens"], self.sequence)
+            if lengths is not None:  # the tokens of each image it ran at their places in its sequence, the rest zero
+                mask = slot_token_mask(state["image_sides"], state["image_slots"], self.sequence)
                 out = out.new_zeros(mask.shape + out.shape[-1:]).index_put((mask,), out[0])
             return {**state, "x": out.flatten(1)}
         if slots is not None:  # every image a sequence holds is generated under its condition
