@@ -10,7 +10,7 @@ import pytest
 
 from src.batch_layout import BatchLayout
 from src.config import train_from_config
-from src.data.balance import Balancer, Dealt, StageCosts, busiest_share, vector_lpt
+from src.data.balance import Balancer, Dealt, StageCosts, busiest_share, dealt_images, vector_lpt
 from src.data.loads import BatchLoads
 from src.data.reorder import lpt
 from src.errors import ConfigError
@@ -108,6 +108,21 @@ def test_a_dealt_unit_weighs_a_sequence_by_its_busiest_rank_s_images():
     assert Balancer(BatchLayout(3, 1), STAGES).sequence_loads(loads)["generator"] == loads.generator
     # Whole images of unequal loads over two ranks: the heavier half is the busiest's.
     assert busiest_share((1.0, 0.25, 0.25), 2) == 1.25 and busiest_share((0.5,), 4) == 0.5 and busiest_share((), 2) == 0.0
+
+
+def test_the_images_dealt_to_each_share_are_the_blocks_busiest_share_prices():
+    # The real backend runs these blocks (runtime.row_shares.dealt_slots); the plan prices the busiest.
+    loads = (0.5, 2.0, 0.25, 1.0, 0.75)
+    for shares in (1, 2, 3, 5, 8):
+        blocks = dealt_images(len(loads), shares)
+        assert len(blocks) == shares
+        assert [i for block in blocks for i in block] == list(range(len(loads)))  # every image once, in order
+        sizes = [len(block) for block in blocks]
+        assert sizes == sorted(sizes, reverse=True) and max(sizes) - min(sizes) <= 1  # the first ranks one more
+        assert busiest_share(loads, shares) == max(sum(loads[i] for i in block) for block in blocks)
+    assert dealt_images(5, 2) == (range(0, 3), range(3, 5))
+    assert dealt_images(1, 2) == (range(0, 1), range(1, 1))  # fewer images than shares: a rank runs none
+    assert dealt_images(0, 2) == (range(0, 0), range(0, 0))
 
 
 def test_a_dealt_unit_weighs_the_sequences_of_a_shared_micro_batch_by_their_images():

@@ -1,8 +1,11 @@
 """Megatron-LM with the encoder and generator replicated over their stages' TP group
 (DistTrain §2.1's rigid baseline) on six real workers, tp=2 x pp=3: each of a stage's two
-ranks runs the whole ViT (or U-Net) on its half of every micro-batch, hands its rows to the
-LLM's TP ranks (which all-gather them) and reduces its gradients over both; the first
-losses equal one process's. One launch of six workers."""
+ranks runs the whole ViT (or U-Net) on its share of every micro-batch, hands what it made
+to the LLM's TP ranks (which all-gather it) and reduces its gradients over both; the first
+losses equal one process's. On sequences alike a share is half the micro-batch's rows; on
+sequences of their own images (interleaved data, from a tar shard) it is the images dealt
+to it, as the plan prices them (runtime.row_shares): a share may run part of a sequence's
+images, or none. One launch of six workers."""
 
 from __future__ import annotations
 
@@ -11,15 +14,18 @@ from pathlib import Path
 
 import pytest
 
+from src.data.balance import dealt_images
 from src.models.registry import build_model
+from src.runtime.inputs import dataset_for
 from src.runtime.reference import reference_losses
-from tests.runtime.support import launch_cases, sensitive, sensitive_optimizer, summary_of
+from tests.runtime.support import launch_cases, mllm_shard, sensitive, sensitive_optimizer, summary_of
 
 pytestmark = pytest.mark.slow  # starts worker processes
 
 STEPS = 3
 BATCH = 8
 WORKERS = 6
+MICRO_BATCH = 2
 BASE = [
     "backend=torch",
     "cluster=local",
@@ -27,48 +33,88 @@ BASE = [
     "logger=none",
     "model=mllm_9b",
     "model.scale=tiny",
-    "train.data=uniform",
     f"train.global_batch={BATCH}",
     f"train.steps={STEPS}",
     "strategy=megatron",
     "strategy.tp=2",
     "strategy.pp=3",
-    "strategy.micro_batch_size=2",
+    f"strategy.micro_batch_size={MICRO_BATCH}",
     "strategy.sequence_parallel=false",
     "strategy.recompute=none",
     "strategy.replicate=[encoder,generator]",
     *sensitive(0.3),
 ]
+# Images per sample of the shard: micro-batch 0's three images deal 2 and 1, the second
+# sequence's split between the shares; micro-batch 1's one leaves the second share none;
+# micro-batch 2's one sequence of three deals 2 and 1; micro-batch 3 holds none.
+SHARD_IMAGES = [1, 2, 0, 1, 3, 0, 0, 0]
+# Every image at the encoder's nominal side (a shard's are).
+INTERLEAVED_MODEL = {"name": "mllm_9b", "scale": "tiny", "images_per_sequence": 2, "image_size_spread": 0}
 CASES = {
-    "replicated": ["strategy.zero_stage=0"],
+    "replicated": ["train.data=uniform", "strategy.zero_stage=0"],
     # The distributed optimizer's partitions span a replicated stage's TP and DP ranks.
-    "replicated_zero1": ["strategy.zero_stage=1"],
+    "replicated_zero1": ["train.data=uniform", "strategy.zero_stage=1"],
+    "interleaved": [
+        "train.data=interleaved",
+        "backend.data=SHARDS",
+        "model.images_per_sequence=2",
+        "model.image_size_spread=0",
+        "strategy.zero_stage=0",
+        "backend.timeout_s=60",  # a share left out of a collective fails the run soon
+    ],
 }
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
-    return launch_cases(tmp_path_factory.mktemp("replicate"), {name: BASE + extra for name, extra in CASES.items()}, WORKERS)
+def shards(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("shards")
+    mllm_shard(root / "shard-0.tar", SHARD_IMAGES)
+    return f"{root}/shard-*.tar"
 
 
 @pytest.fixture(scope="module")
-def reference() -> list[float]:
-    return reference_losses(build_model({"name": "mllm_9b", "scale": "tiny"}), 0, BATCH, STEPS, sensitive_optimizer(0.3))
+def runs(tmp_path_factory, shards) -> dict[str, Path]:
+    cases = {name: BASE + [o.replace("SHARDS", shards) for o in extra] for name, extra in CASES.items()}
+    return launch_cases(tmp_path_factory.mktemp("replicate"), cases, WORKERS)
+
+
+@pytest.fixture(scope="module")
+def references(shards) -> dict[str, list[float]]:
+    uniform = reference_losses(build_model({"name": "mllm_9b", "scale": "tiny"}), 0, BATCH, STEPS, sensitive_optimizer(0.3))
+    interleaved = reference_losses(
+        build_model(INTERLEAVED_MODEL), 0, BATCH, STEPS, sensitive_optimizer(0.3), data=shards, content="interleaved"
+    )
+    return {"uniform": uniform, "interleaved": interleaved}
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_first_losses_equal_the_single_process_reference(runs, reference, case):
+def test_first_losses_equal_the_single_process_reference(runs, references, case):
+    reference = references["interleaved" if case == "interleaved" else "uniform"]
     assert summary_of(runs[case])["measured"]["loss"] == pytest.approx(reference, rel=1e-4)
     assert reference[-1] != pytest.approx(reference[0], rel=1e-3)  # it trains, so equality says something
 
 
-def test_replicated_stages_split_rows_and_run_no_tp_collective(runs):
-    summary = summary_of(runs["replicated"])
+def test_the_shard_s_micro_batches_deal_unevenly_and_leave_a_share_none(shards):
+    """What the interleaved case's equality covers, read off its data: dealt images that
+    are not a rows share's, an uneven deal, and a share of no image."""
+    dataset = dataset_for(build_model(INTERLEAVED_MODEL), 0, shards, content="interleaved")
+    counts = [dataset.image_count(i) for i in range(BATCH)]
+    assert counts == SHARD_IMAGES
+    micro_batches = [counts[p : p + MICRO_BATCH] for p in range(0, BATCH, MICRO_BATCH)]
+    dealt = [[len(block) for block in dealt_images(sum(held), 2)] for held in micro_batches]
+    assert any(len(set(shares)) > 1 for shares in dealt)
+    assert any(sum(held) and 0 in shares for held, shares in zip(micro_batches, dealt))
+    assert any(shares != held for held, shares in zip(micro_batches, dealt))  # not the rows' images
+
+
+@pytest.mark.parametrize("case", ["replicated", "interleaved"])
+def test_replicated_stages_split_rows_and_run_no_tp_collective(runs, case):
+    summary = summary_of(runs[case])
     units = summary["plan"]["units"]
     for name in ("encoder", "generator"):
         assert units[name]["mesh"] == {"rows": 2, "dp": 1, "pp": 1} and units[name]["tp"] == 1
     assert units["llm"]["mesh"] == {"tp": 2, "dp": 1, "pp": 1}
-    trace = json.loads((runs["replicated"] / "trace.json").read_text())
+    trace = json.loads((runs[case] / "trace.json").read_text())
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     # The LLM's stage all-gathers the encoder's rows (forward) and the generator's gradients
     # (backward); the replicated stages gather nothing and hold no TP group.
