@@ -111,12 +111,14 @@ def _grad(leaf: torch.Tensor) -> torch.Tensor:
 
 def _packed(rows: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
     """An encoder's hand-on under interleaved data travels as its real images' tokens only
-    (`tokens`: each row's image-token positions; None: the rows as they are)."""
+    (`tokens`: each row's image-token positions, or which rows travel whole; None: the rows
+    as they are)."""
     return rows if tokens is None else rows.reshape(tokens.shape + (-1,))[tokens]
 
 
 def _unpacked(images: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
-    """The rows back from their real images' tokens, the other positions zero."""
+    """The rows back from their real images' tokens (or the rows that travelled), the other
+    positions zero."""
     return images if tokens is None else images.new_zeros(tokens.shape + images.shape[1:]).index_put_((tokens,), images).flatten(1)
 
 
@@ -563,7 +565,8 @@ class Executor:
         tokens (or the rows that read them), padded to the most any rank holds (an all-gather
         takes equal parts), each placed at its images' places and added up (values of
         different images; gradients of a sequence whose images two shares ran add up)."""
-        masks = [self._dealt_mask(source, dealer, Share(share, len(ranks))) for share in range(len(ranks))]
+        shares = self.dealing[dealer]  # the TP group's ranks: the dealing unit's row shares
+        masks = [self._dealt_mask(source, dealer, Share(share, shares)) for share in range(shares)]
         counts = [int(mask.sum()) for mask in masks]
         local = _packed(self.s.store.tensor(source).detach().to(self.dtype), masks[ranks.index(self.rank)])
         parts = [local[:0]] * len(ranks)
