@@ -61,7 +61,7 @@ def dealt_images(count: int, shares: int) -> tuple[range, ...]:
     runs, dealt out whole as evenly as they go by count: contiguous blocks in order, the
     first count % shares ranks one image more (ranks past the images run none). The plan
     prices a replicated unit by these blocks (busiest_share) and the real backend runs them
-    (runtime.row_shares.dealt_slots)."""
+    (data.interleaved_mllm.dealt_slots)."""
     size, extra = divmod(count, shares)
     blocks, start = [], 0
     for rank in range(shares):

@@ -32,6 +32,7 @@ from typing import Iterable, Mapping
 import torch
 import torch.nn.functional as F
 
+from src.data.balance import dealt_images
 from src.data.interleaved import InterleavedData
 from src.data.shards import TarShards, pixels, tokenize
 from src.data.synthetic_mllm import IGNORE, SyntheticMLLM
@@ -159,6 +160,17 @@ def image_tokens(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
 def token_mask(tokens: torch.Tensor, length: int) -> torch.Tensor:
     """(rows, length): whether each position of a row is one of its `tokens` first ones."""
     return torch.arange(length, device=tokens.device)[None, :] < tokens[:, None]
+
+
+def dealt_slots(slots: torch.Tensor, share: int, shares: int) -> torch.Tensor:
+    """The image slots (rows, capacity) of the images dealt to share `share` of `shares` of
+    a micro-batch whose real images fill `slots`: its images in sequence order (a row's real
+    slots come first) dealt out as the plan prices them (data.balance.dealt_images)."""
+    real = slots.flatten().nonzero()[:, 0]
+    block = dealt_images(len(real), shares)[share]
+    out = torch.zeros(slots.numel(), dtype=torch.bool, device=slots.device)
+    out[real[block.start : block.stop]] = True
+    return out.view(slots.shape)
 
 
 def slot_token_mask(sides: torch.Tensor, slots: torch.Tensor, length: int) -> torch.Tensor:

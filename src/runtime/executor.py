@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from src.data.interleaved_mllm import slot_token_mask, token_mask
+from src.data.interleaved_mllm import dealt_slots, slot_token_mask, token_mask
 from src.errors import ConfigError
 from src.models.flows import chain_key
 from src.models.spec import ModelSpec, UnitSpec
@@ -55,7 +55,7 @@ from src.runtime.modules.grid3d import ZSharded
 from src.runtime.modules.parallel import tp_overlap
 from src.runtime.modules.units import unit_layers
 from src.runtime.placement import placements, tensor_replicas
-from src.runtime.row_shares import Share, dealt_slots
+from src.runtime.row_shares import Share
 from src.runtime.store import PayloadStore, row_shape
 from src.runtime.timing import StepTimer
 
@@ -716,7 +716,7 @@ class Executor:
         sequences that hold them (what it reads), from the batch of a unit this rank runs."""
         unit = payload.unit if payload.unit in self.places else self._consumer(payload.unit).name
         sides = self.batch_for(unit, payload.microbatch)["image_sides"]
-        slots = dealt_slots(sides > 0, share)
+        slots = dealt_slots(sides > 0, share.index, share.count)
         if dealer == payload.unit:
             return slot_token_mask(sides, slots, self._consumer(payload.unit).seq_len)
         return slots.any(1)

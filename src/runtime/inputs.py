@@ -22,7 +22,7 @@ from src.data.balance import Balancing
 from src.data.disaggregated import Reordering
 from src.data.interleaved import sampler
 from src.data.loads import image_loads, layout_loads
-from src.data.interleaved_mllm import InterleavedMLLM, image_tokens, slot_token_mask
+from src.data.interleaved_mllm import InterleavedMLLM, dealt_slots, image_tokens, slot_token_mask
 from src.data.shards import TarShards
 from src.data.synthetic import SyntheticImageText, SyntheticTokens, collate
 from src.data.synthetic_diffusion import SyntheticDiffusion
@@ -31,7 +31,7 @@ from src.errors import ConfigError
 from src.models.sd21 import LATENT_CHANNELS
 from src.models.spec import ModelSpec
 from src.program import Plan, UnitPlan
-from src.runtime.row_shares import Share, dealt_slots
+from src.runtime.row_shares import Share
 
 if TYPE_CHECKING:
     from src.runtime.preprocess import Producer
@@ -180,7 +180,7 @@ def unit_fields(model: ModelSpec, unit: str, batch: Mapping[str, torch.Tensor], 
     slots = batch.get("image_slots")
     held: dict[str, torch.Tensor] = {}
     if slots is not None:
-        slots = slots if share is None else dealt_slots(slots, share)
+        slots = slots if share is None else dealt_slots(slots, share.index, share.count)
         held = {"image_slots": slots, "image_sides": batch["image_sides"], "image_tokens": image_tokens(batch)}
     if spec.arch.reads_images:
         if slots is None:

@@ -17,9 +17,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from src.data.balance import dealt_images
 from src.mesh import ROWS, Mesh
 from src.models.spec import ModelSpec
 from src.program import Plan, UnitPlan
@@ -57,14 +54,3 @@ def dealing_units(plan: Plan, model: ModelSpec) -> dict[str, int]:
 def image_shares(plan: Plan, rank: int, dealing: dict[str, int]) -> dict[str, Share]:
     """`rank`'s share of the images of each dealing unit it runs (`dealing`: dealing_units)."""
     return {unit.unit: Share(unit.mesh.coords(rank)[ROWS], dealing[unit.unit]) for unit in plan.units_on(rank) if unit.unit in dealing}
-
-
-def dealt_slots(slots: torch.Tensor, share: Share) -> torch.Tensor:
-    """The image slots (rows, capacity) of the images dealt to `share` of a micro-batch whose
-    real images fill `slots`: its images in sequence order (a row's real slots come first)
-    dealt out as the plan prices them (data.balance.dealt_images)."""
-    real = slots.flatten().nonzero()[:, 0]
-    block = dealt_images(len(real), share.count)[share.index]
-    out = torch.zeros(slots.numel(), dtype=torch.bool, device=slots.device)
-    out[real[block.start : block.stop]] = True
-    return out.view(slots.shape)

@@ -111,7 +111,7 @@ def test_a_dealt_unit_weighs_a_sequence_by_its_busiest_rank_s_images():
 
 
 def test_the_images_dealt_to_each_share_are_the_blocks_busiest_share_prices():
-    # The real backend runs these blocks (runtime.row_shares.dealt_slots); the plan prices the busiest.
+    # The real backend runs these blocks (data.interleaved_mllm.dealt_slots); the plan prices the busiest.
     loads = (0.5, 2.0, 0.25, 1.0, 0.75)
     for shares in (1, 2, 3, 5, 8):
         blocks = dealt_images(len(loads), shares)

@@ -11,7 +11,8 @@ import torch
 from src.data.balance import dealt_images
 from src.runtime.inputs import StepSamples, dataset_for, rank_reads
 from src.runtime.placement import placements
-from src.runtime.row_shares import Share, dealing_units, dealt_slots, image_shares
+from src.data.interleaved_mllm import dealt_slots
+from src.runtime.row_shares import dealing_units, image_shares
 from src.setup import plan_run, validate
 from tests.runtime.support import composed
 
@@ -36,10 +37,10 @@ REPLICATED = [
 
 def test_a_share_s_slots_are_its_dealt_block_of_the_micro_batch_s_images_in_sequence_order():
     slots = torch.tensor([[True, False, False], [True, True, True], [False, False, False], [True, True, False]])
-    dealt = [dealt_slots(slots, Share(i, 4)) for i in range(4)]
+    dealt = [dealt_slots(slots, i, 4) for i in range(4)]
     # Six images in order (row 0's, row 1's three, row 3's two) over four shares: 2, 2, 1, 1.
     assert [d.nonzero().tolist() for d in dealt] == [[[0, 0], [1, 0]], [[1, 1], [1, 2]], [[3, 0]], [[3, 1]]]
-    assert not dealt_slots(slots[:1], Share(1, 2)).any()  # one image over two shares: the second runs none
+    assert not dealt_slots(slots[:1], 1, 2).any()  # one image over two shares: the second runs none
 
 
 def test_each_rank_of_a_replicated_unit_reads_the_whole_micro_batch_and_runs_its_dealt_images():
