@@ -5,7 +5,8 @@ to the LLM's TP ranks (which all-gather it) and reduces its gradients over both;
 losses equal one process's. On sequences alike a share is half the micro-batch's rows; on
 sequences of their own images (interleaved data, from a tar shard) it is the images dealt
 to it, as the plan prices them (runtime.row_shares): a share may run part of a sequence's
-images, or none. One launch of six workers."""
+images, or none; so too under ZeRO-1 with the sequences placed by train.balance=cost. One
+launch of six workers."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 from src.data.balance import dealt_images
 from src.models.registry import build_model
 from src.runtime.inputs import dataset_for
+from src.plan_io import read_plan
 from src.runtime.reference import reference_losses
 from tests.runtime.support import launch_cases, mllm_shard, sensitive, sensitive_optimizer, summary_of
 
@@ -62,6 +64,16 @@ CASES = {
         "strategy.zero_stage=0",
         "backend.timeout_s=60",  # a share left out of a collective fails the run soon
     ],
+    # ZeRO-1's partitions over the dealt shares, and the cost policy placing the sequences.
+    "interleaved_zero1_cost": [
+        "train.data=interleaved",
+        "backend.data=SHARDS",
+        "model.images_per_sequence=2",
+        "model.image_size_spread=0",
+        "strategy.zero_stage=1",
+        "train.balance=cost",
+        "backend.timeout_s=60",
+    ],
 }
 
 
@@ -89,9 +101,14 @@ def references(shards) -> dict[str, list[float]]:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_first_losses_equal_the_single_process_reference(runs, references, case):
-    reference = references["interleaved" if case == "interleaved" else "uniform"]
+    reference = references["interleaved" if case.startswith("interleaved") else "uniform"]
     assert summary_of(runs[case])["measured"]["loss"] == pytest.approx(reference, rel=1e-4)
     assert reference[-1] != pytest.approx(reference[0], rel=1e-3)  # it trains, so equality says something
+
+
+def test_the_cost_policy_moved_the_sequences_it_trains_as_one_process(runs):
+    order = read_plan(runs["interleaved_zero1_cost"] / "plan.json").plan.sample_order
+    assert order is not None and sorted(order) == list(range(BATCH)) and list(order) != sorted(order)
 
 
 def test_the_shard_s_micro_batches_deal_unevenly_and_leave_a_share_none(shards):
