@@ -82,9 +82,9 @@ def table(outcomes: list[dict[str, Any]], title: str) -> str:
     lines = [
         f"# {title}",
         "",
-        "| rank | strategy | iteration s | vs best | MFU | samples/s | peak memory GiB | compute % | exposed comm "
+        "| rank | strategy | GPUs used | iteration s | vs best | MFU | samples/s | peak memory GiB | compute % | exposed comm "
         "(% of iteration) | bubbles % | plan |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     best = next((o["summary"]["iteration_time_s"] for o in outcomes if "summary" in o), None)
     for rank, outcome in enumerate((o for o in outcomes if "summary" in o), start=1):
@@ -94,7 +94,7 @@ def table(outcomes: list[dict[str, Any]], title: str) -> str:
         bubbles = sum(breakdown.get(k, 0.0) for k in BUBBLES)
         plan = plan_text({u: plan_facts(p) for u, p in s["plan"]["units"].items()})
         lines.append(
-            f"| {rank} | {outcome['strategy']} | {total:.4g} | {total / best:.2f}x | {100 * s['mfu']:.1f} % | "
+            f"| {rank} | {outcome['strategy']} | {s['devices']} | {total:.4g} | {total / best:.2f}x | {100 * s['mfu']:.1f} % | "
             f"{s['throughput_samples_per_s']:.4g} | {s['peak_memory_gib']:.1f} | "
             f"{100 * breakdown.get('compute', 0.0) / total:.0f} | {_exposed(breakdown, total)} | "
             f"{100 * bubbles / total:.0f} | {plan} |"
@@ -126,7 +126,9 @@ def bar_chart(outcomes: list[dict[str, Any]], title: str, path: Path) -> None:
 
 def write(outcomes: list[dict[str, Any]], config: dict[str, Any], out: Path) -> str:
     cluster = config["cluster"]
-    devices = next((o["summary"]["devices"] for o in outcomes if "summary" in o), None)
+    # The cluster's GPUs: a contender may leave some idle (DistTrain's orchestration can), which
+    # its row's "GPUs used" says.
+    devices = cluster["nodes"] * cluster["devices_per_node"] if any("summary" in o for o in outcomes) else None
     title = (
         f"{config['model']['name']} on {cluster['name']}"
         + (f" ({devices} devices)" if devices else "")

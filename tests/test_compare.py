@@ -63,6 +63,7 @@ def test_compare_ranks_priced_contenders_then_lists_refusals() -> None:
     assert len(priced) == 2 and priced == sorted(priced)
     text = table(outcomes, "t")
     assert "| 1 |" in text and "| 2 |" in text and "- distmm: " in text
+    assert all(f"| {o['strategy']} | {o['summary']['devices']} |" in text for o in outcomes if "summary" in o)
 
 
 @pytest.mark.slow
