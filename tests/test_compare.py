@@ -3,22 +3,25 @@ fastest chosen, the refusals named."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from src.compare import ScalingReport, compare, table
+from src.compare import ScalingReport, compare, table, write
 from src.config import plain_config
 from src.errors import ConfigError
 from src.setup import plan_run, validate
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 ROOT = CONF.parent
+STORED = ROOT / "benchmarks" / "results" / "comparison"
 SMALL_GPT = [
     "model=gpt",
     "model.preset=null",
@@ -100,3 +103,26 @@ def test_scaling_report_charts_each_strategy_over_device_counts(tmp_path: Path) 
     assert "| gpt on perlmutter (8 devices) | 8 |" in text and "| gpt on perlmutter (16 devices) | 16 |" in text
     assert "distmm" not in text
     assert (tmp_path / "scaling.png").stat().st_size > 0
+
+
+def _jobs(comparison: Path) -> list[list[str]]:
+    """The overrides of each job a comparison's multirun launches (its sweeper's grid)."""
+    params = yaml.safe_load(comparison.read_text())["hydra"]["sweeper"]["params"]
+    grid = [[f"{key}={value.strip()}" for value in str(values).split(",")] for key, values in params.items()]
+    return [[f"+comparison={comparison.stem}", *job] for job in itertools.product(*grid)]
+
+
+@pytest.mark.slow  # compare() prices its contenders in worker processes
+@pytest.mark.parametrize("comparison", sorted((CONF / "comparison").glob("*.yaml")), ids=lambda path: path.stem)
+def test_the_stored_comparison_tables_are_what_the_cost_model_gives_today(comparison: Path, tmp_path: Path) -> None:
+    """The cross-paper comparisons' tables (benchmarks/results/comparison, which its README's
+    paragraphs read) are the simulator's today: a change that moves them re-runs them."""
+    for job in _jobs(comparison):
+        config = composed("compare", *job)
+        text = write(compare(config), config, tmp_path)
+        cluster = config["cluster"]
+        name = f"{config['model']['name']}_{cluster['name']}_{cluster['nodes'] * cluster['devices_per_node']}.md"
+        assert (STORED / name).read_text() == text + "\n", (
+            f"benchmarks/results/comparison/{name} is stale: python -m src.compare -m +comparison={comparison.stem}, "
+            f"copy each job's compare.md and compare.png there and check the README's paragraphs"
+        )
