@@ -32,16 +32,21 @@ class FigureResults:
     labels: dict[str, str]
 
     def value(self, group: str, series: str, field: str) -> float | None:
-        """A row's field (dotted: a degree of its plan, `plan.llm.pp`); None where the row's
+        """A row's number (dotted: a degree of its plan, `plan.llm.pp`); None where the row's
         job did not run."""
+        value = self.field(group, series, field)
+        return None if value is None else float(value)
+
+    def field(self, group: str, series: str, field: str) -> Any:
+        """A row's field as stored (a number, or a setting's name: `plan.units.vision.recompute`);
+        None where the row's job did not run."""
         row = self.rows[(group, series)]
         if row.get("value") is None:
             return None
         try:
-            value = row[field] if field in row else lookup(row, field)
+            return row[field] if field in row else lookup(row, field)
         except (KeyError, TypeError):
             raise ConfigError(f"figure {self.name}: the row of {series} at {group!r} has no {field}") from None
-        return None if value is None else float(value)
 
     def largest(self, group: str, series: str, field: str) -> float | None:
         """The largest of a running time's repeated runs (the row's value is their least);

@@ -232,8 +232,8 @@ def _fill(
             stated = paper_value(spec, source.removeprefix("paper."), field_name, at or group, catalogue.paper)
             return "–".join(_number(v) for v in stated) if isinstance(stated, list) else _number(float(stated))
         percent = field_name.endswith("%")
-        value = None if results is None else results.value(at or group, source, field_name.removesuffix("%"))
-        return _number(value, percent)
+        value = None if results is None else results.field(at or group, source, field_name.removesuffix("%"))
+        return value if isinstance(value, str) else _number(None if value is None else float(value), percent)
 
     text = PLACEHOLDER.sub(fill, text)
     return ROW_PLACEHOLDER.sub(lambda m: row.get(m.group(1), "–"), text)

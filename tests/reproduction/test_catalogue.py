@@ -124,7 +124,7 @@ def test_every_placeholder_of_the_catalogues_resolves_against_the_stored_results
                     row = results.rows.get((at or group, source))
                     assert row is not None, (paper, row_id, source, at or group)
                     if row.get("value") is not None:
-                        results.value(at or group, source, field_name.removesuffix("%"))  # refused where it is gone
+                        results.field(at or group, source, field_name.removesuffix("%"))  # refused where it is gone
 
 
 def test_typed_numbers_are_found_outside_placeholders_and_names() -> None:
