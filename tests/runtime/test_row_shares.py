@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from src.data.balance import dealt_images
+from src.data.interleaved_mllm import dealt_slots
 from src.runtime.inputs import StepSamples, dataset_for, rank_reads
 from src.runtime.placement import placements
-from src.data.interleaved_mllm import dealt_slots
 from src.runtime.row_shares import dealing_units, image_shares
 from src.setup import plan_run, validate
 from tests.runtime.support import composed

@@ -426,13 +426,25 @@ def test_the_balanced_cut_equalises_layer_flops_as_appendix_b_estimates_them() -
         for index in range(unit.num_layers)
     ]
     assert _chain_ranges(by_flops, model) == balanced_cuts(flops, 8)
-    assert _chain_ranges(by_flops, model)[0] == (0, model.unit("encoder").num_layers + 6)  # the whole ViT and 6 LLM layers
+    assert _chain_ranges(by_flops, model)[0] == (0, model.unit("encoder").num_layers + 8)  # the whole ViT and 8 LLM layers
     assert _chain_ranges(by_time, model) != _chain_ranges(by_flops, model)
 
 
 def test_an_unknown_balance_cost_is_refused_in_one_line() -> None:
     with pytest.raises(ConfigError, match=r"strategy.balance_by='seconds'; choose one of \['flops', 'time'\]"):
         planner_for("megatron")(request(OPTIMUS_SMALL, "hopper", 1, 8, balance=True, balance_by="seconds"))
+
+
+def test_the_balanced_cut_keeps_the_prefix_that_is_fastest_then_most_even_as_alpa_s_dp_does() -> None:
+    # Eight light layers and two heavy ones in four ranges: the slowest range is a heavy layer
+    # (1) whichever way the light ones split; Alpa's DP takes the most even counts of them.
+    assert balanced_cuts([0.1] * 8 + [1, 1], 4) == [(0, 4), (4, 8), (8, 9), (9, 10)]
+    # Its prefixes are fastest first: forty light layers and twelve heavy ones in eleven ranges
+    # (the slowest two heavy ones together) keep the light ones in one range but the three that
+    # join the first heavy one (1.11 and 1.09 against 1.2 and 1), and pair heavy ones only at
+    # the end, where a prefix cannot avoid it.
+    cuts = balanced_cuts([0.03] * 40 + [1.0] * 12, 11)
+    assert [b - a for a, b in cuts] == [37, 4] + [1] * 7 + [2, 2]
 
 
 def test_balance_needs_a_linear_chain_of_units() -> None:
