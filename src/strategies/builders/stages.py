@@ -125,15 +125,17 @@ def balanced_cuts(times: Sequence[float], parts: int) -> list[tuple[int, int]]:
     squares = np.full((count + 1, parts + 1), np.inf)  # their ranges' squared layer counts, summed
     start = np.zeros((count + 1, parts + 1), dtype=int)  # where the last range begins
     slowest[0, 0] = squares[0, 0] = 0.0
+    ends, starts = np.arange(count + 1)[:, None], np.arange(count + 1)[None, :]
+    after = starts < ends  # a range [j, l) holds a layer
+    every = np.arange(count + 1)
+    # Every l at once for each s: worst[l, j] is the slowest range of the first l layers when
+    # the last range is [j, l).
     for s in range(1, parts + 1):
-        for end in range(s, count - (parts - s) + 1):
-            j = np.arange(s - 1, end)
-            worst = np.maximum(slowest[j, s - 1], prefix[end] - prefix[j])
-            fastest = worst.min()
-            tied = j[worst == fastest]
-            even = squares[tied, s - 1] + (end - tied) ** 2
-            best = int(np.argmin(even))
-            slowest[end, s], squares[end, s], start[end, s] = fastest, even[best], tied[best]
+        worst = np.where(after, np.maximum(slowest[None, :, s - 1], prefix[:, None] - prefix[None, :]), np.inf)
+        fastest = worst.min(axis=1)
+        even = np.where(worst == fastest[:, None], squares[None, :, s - 1] + (ends - starts) ** 2, np.inf)
+        best = even.argmin(axis=1)  # the first j of the most even
+        slowest[:, s], squares[:, s], start[:, s] = fastest, even[every, best], best
     cuts, end = [], count
     for s in range(parts, 0, -1):
         cuts.append((int(start[end, s]), end))

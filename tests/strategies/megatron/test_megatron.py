@@ -447,6 +447,37 @@ def test_the_balanced_cut_keeps_the_prefix_that_is_fastest_then_most_even_as_alp
     assert [b - a for a, b in cuts] == [37, 4] + [1] * 7 + [2, 2]
 
 
+def _alpa_recurrence(times: list[float], parts: int) -> list[tuple[int, int]]:
+    """Alpa's layer-clustering recurrence, state by state: for the first l layers in s
+    ranges the least slowest range, then the least sum of squared counts, the first j."""
+    prefix = [0.0]
+    for t in times:
+        prefix.append(prefix[-1] + t)
+    best: dict[tuple[int, int], tuple[float, float, int]] = {(0, 0): (0.0, 0.0, 0)}
+    for s in range(1, parts + 1):
+        for end in range(s, len(times) + 1):
+            options = [
+                (max(best[j, s - 1][0], prefix[end] - prefix[j]), best[j, s - 1][1] + (end - j) ** 2, j)
+                for j in range(s - 1, end)
+                if (j, s - 1) in best
+            ]
+            if options:
+                best[end, s] = min(options)
+    cuts, end = [], len(times)
+    for s in range(parts, 0, -1):
+        cuts.append((best[end, s][2], end))
+        end = cuts[-1][0]
+    return cuts[::-1]
+
+
+def test_the_balanced_cut_is_alpa_s_recurrence_on_random_layers() -> None:
+    rng = random.Random(7)
+    for _ in range(300):
+        times = [rng.choice([0.0, 0.03, 0.5, 1.0, 2.0]) if rng.random() < 0.7 else rng.random() for _ in range(rng.randint(1, 24))]
+        parts = rng.randint(1, len(times))
+        assert balanced_cuts(times, parts) == _alpa_recurrence(times, parts), (times, parts)
+
+
 def test_balance_needs_a_linear_chain_of_units() -> None:
     dual = {"name": "optimus", "encoders": ["vit_3b", "vit_5b"], "llm": "gpt_11b"}
     with pytest.raises(ConfigError, match=r"takes a single encoder, but optimus has 2 encoders feeding llm \(encoder0, encoder1\)"):
