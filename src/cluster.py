@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-import yaml
 
 from src.bounds import WHAT_IF, check_cluster
 from src.errors import ConfigError, expect_mapping, reject_unknown
+from src.gemm_measurements import GemmMeasurements, measured_gemms
+from src.measured_files import measured_file, read_yaml
 
 GIB = 1024**3
 MIB = 1024**2
@@ -211,6 +212,9 @@ class ClusterSpec:
     collective_measurements: the testbed's collective library as measured on it, by group
       size, buffer size and placement (conf/cluster/measured/); CommModel takes them over
       its model where they cover a collective, the model elsewhere. Empty: none public.
+    gemm_measurements: the device's GEMM library as measured on it, by shape
+      (conf/cluster/measured/gemm/): the compute model corrects the GEMM curve by them
+      (src/gemm_measurements.py) at the precisions they were measured at. None: the curve.
     """
 
     name: str
@@ -257,6 +261,7 @@ class ClusterSpec:
     cross_entropy: str = "eager"
     grad_accumulation: str = "fused"
     collective_measurements: tuple[CollectiveMeasurements, ...] = ()
+    gemm_measurements: GemmMeasurements | None = None
     sources: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -402,6 +407,7 @@ SOURCED = (
     "sync_skew_s",
     "sync_skew_build_s",
     "collective_measurements",
+    "gemm_measurements",
 )
 
 
@@ -516,6 +522,7 @@ def cluster_from_config(cfg: Mapping[str, Any]) -> ClusterSpec:
         cross_entropy=_mode("cross_entropy", cfg.get("cross_entropy"), CROSS_ENTROPY_MODES, name),
         grad_accumulation=_mode("grad_accumulation", cfg.get("grad_accumulation"), GRAD_ACCUMULATIONS, name),
         collective_measurements=tuple(measured_collectives(str(m), name) for m in _names(cfg.get("collective_measurements"), name)),
+        gemm_measurements=_gemm_measurements(cfg.get("gemm_measurements"), name),
         **{key: float(cfg[key]) for key in FLOAT_FIELDS},
     )
     check_cluster(spec, cfg.get(WHAT_IF, False))
@@ -613,14 +620,20 @@ def _names(value: Any, cluster: str) -> list[str]:
     return list(value)
 
 
+def _gemm_measurements(value: Any, cluster: str) -> GemmMeasurements | None:
+    if value is None or (isinstance(value, (list, tuple)) and not value):
+        return None
+    if not isinstance(value, (list, tuple)) or len(value) != 1 or not isinstance(value[0], str) or not value[0]:
+        raise ConfigError(
+            f"cluster.gemm_measurements names at most one table of conf/cluster/measured/gemm/ (the device's library), "
+            f"got {value!r} (cluster {cluster})"
+        )
+    return measured_gemms(value[0], cluster)
+
+
 def measured_collectives(name: str, cluster: str = "?") -> CollectiveMeasurements:
     """The measured tables of conf/cluster/measured/<name>.yaml, checked."""
-    path = MEASURED_DIR / f"{name}.yaml"
-    if not path.is_file():
-        known = sorted(p.stem for p in MEASURED_DIR.glob("*.yaml"))
-        raise ConfigError(
-            f"cluster {cluster} names collective measurements {name!r}: no conf/cluster/measured/{name}.yaml (known: {known})"
-        )
+    path = measured_file(MEASURED_DIR, "conf/cluster/measured", name, "collective measurements", cluster)
     return _read_measurements(path, path.stat().st_mtime_ns)
 
 
@@ -628,8 +641,7 @@ def measured_collectives(name: str, cluster: str = "?") -> CollectiveMeasurement
 def _read_measurements(path: Path, mtime_ns: int) -> CollectiveMeasurements:
     """A measured file, read once per version (every run validates its cluster)."""
     name = path.stem
-    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-    data = yaml.load(path.read_text(), Loader=loader)
+    data = read_yaml(path)
     where = f"conf/cluster/measured/{name}.yaml"
     if not isinstance(data, Mapping) or not isinstance(data.get("collectives"), Mapping):
         raise ConfigError(f"{where} must map `collectives` to measured tables")

@@ -30,6 +30,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "src.collector",
             "src.mesh",
             "src.cluster_profile",
+            "src.measured_files",
+            "src.gemm_measurements",
             "src.cluster",
             "src.config",
             "src.timeline",

@@ -2,7 +2,9 @@
 
 A GEMM runs at peak x efficiency, where the efficiency saturates in each of its
 dimensions (cluster.gemm_half_dim): a thin GEMM (small per-device batch, a dimension cut
-by an over-large TP degree) is slow, as DistMM §3.2 argues. Every kernel is also bounded
+by an over-large TP degree) is slow, as DistMM §3.2 argues. Where the preset holds its
+library's GEMMs measured by shape (cluster.gemm_measurements), they correct that curve
+(src/gemm_measurements.py). Every kernel is also bounded
 below by the bytes it moves over HBM, and costs the device a fixed gap
 (cluster.kernel_overhead_s).
 
@@ -35,6 +37,7 @@ from dataclasses import dataclass, fields
 from src.cluster import ClusterSpec
 from src.costmodel.memory import element_bytes, grad_bytes
 from src.costmodel.optimizer_step import step_bytes
+from src.gemm_measurements import GemmCorrection
 from src.mesh import Sharding
 from src.models.spec import Kernel, LayerSpec, ModelSpec, UnitSpec
 from src.program import Work
@@ -159,11 +162,20 @@ class ComputeModel:
         self._layer_cache: dict[tuple, LayerTimes] = {}
         self._work_cache: dict[tuple[int, Work], float] = {}
         self._models: dict[int, ModelSpec] = {}
+        table = cluster.gemm_measurements
+        self._measured = (
+            GemmCorrection(table, self._curve, cluster.peak_flops[precision], cluster.kernel_overhead_s)
+            if table is not None and precision in table.precisions
+            else None
+        )
 
-    def efficiency(self, m: float, n: float, k: float) -> float:
+    def _curve(self, m: float, n: float, k: float) -> float:
         half = self.cluster.gemm_half_dim
         sat = (m / (m + half)) * (n / (n + half)) * (k / (k + half))
         return self.cluster.gemm_max_efficiency * sat
+
+    def efficiency(self, m: float, n: float, k: float) -> float:
+        return self._curve(m, n, k) if self._measured is None else self._measured.efficiency(m, n, k)
 
     def gemm_time(self, m: float, n: float, k: float, batch: float = 1.0) -> float:
         if m <= 0 or n <= 0 or k <= 0 or batch <= 0:
