@@ -10,7 +10,9 @@ iteration time is the source's, or, where the source gives achieved teraFLOP/s p
 own FLOP count (Narayanan et al. 2021, Eq. 3) over that rate, or, where it gives tokens per
 second, the batch's tokens over that rate. Each collective of the file (a library's time on
 a machine, from runs its preset's measured tables did not take) is priced by the preset's
-communication model over that many consecutive ranks. Writes heldout.json and heldout.md
+communication model over that many consecutive ranks; each GEMM (a library's rate at one shape
+on one device, from campaigns the presets' GEMM curves and tables did not take) by the
+preset's compute model. Writes heldout.json and heldout.md
 under --out (with --only, a subset, only under an --out given): per run the published and
 simulated seconds and the error (negative: the simulator is faster), per source, series and
 preset the mean absolute error and how many runs fall on each side, and, per series of
@@ -76,11 +78,28 @@ class CollectiveRun:
     assumed: str = ""
 
 
+@dataclass(frozen=True)
+class GemmRun:
+    """A GEMM a source timed on one device of `cluster`: C[m, n] = A[m, k] @ B[k, n] at
+    `precision`, `published_tflops` TFLOP/s (2mnk over the time)."""
+
+    id: str
+    source: str
+    where: str
+    cluster: str
+    precision: str
+    m: int
+    n: int
+    k: int
+    published_tflops: float
+    assumed: str = ""
+
+
 def load(path: Path) -> tuple[dict[str, Any], list[Run]]:
     """The data file's sources and common settings, and its training runs."""
     data = yaml.safe_load(path.read_text())
     runs = [Run(**row) for row in data["runs"]]
-    cited = {r.source for r in runs} | {c["source"] for c in data.get("collectives") or []}
+    cited = {r.source for r in runs} | {c["source"] for key in ("collectives", "gemms") for c in data.get(key) or []}
     unknown = sorted(cited - set(data["sources"]))
     if unknown:
         raise ConfigError(f"{path}: runs cite sources {unknown} that `sources` does not list")
@@ -89,6 +108,10 @@ def load(path: Path) -> tuple[dict[str, Any], list[Run]]:
 
 def collective_runs(data: dict[str, Any]) -> list[CollectiveRun]:
     return [CollectiveRun(**row) for row in data.get("collectives") or []]
+
+
+def gemm_runs(data: dict[str, Any]) -> list[GemmRun]:
+    return [GemmRun(**row) for row in data.get("gemms") or []]
 
 
 def settings(run: Run, data: dict[str, Any]) -> dict[str, Any]:
@@ -279,6 +302,31 @@ def check_collectives(runs: list[CollectiveRun]) -> list[dict[str, Any]]:
     return rows
 
 
+def check_gemms(runs: list[GemmRun]) -> list[dict[str, Any]]:
+    """Each GEMM priced by its preset's compute model on one device."""
+    from src.costmodel.compute import ComputeModel
+
+    rows = []
+    for run in runs:
+        published = 2.0 * run.m * run.n * run.k / (run.published_tflops * 1e12)
+        simulated = ComputeModel(_preset(run.cluster), run.precision).gemm_time(run.m, run.n, run.k)
+        rows.append(
+            {
+                "id": run.id,
+                "source": run.source,
+                "where": run.where,
+                "series": f"{run.source}, {run.cluster} GEMM",
+                "preset": run.cluster,
+                "gpus": 1,
+                "assumed": run.assumed,
+                "published_s": published,
+                "simulated_s": simulated,
+                "error_pct": 100.0 * (simulated - published) / published,
+            }
+        )
+    return rows
+
+
 def campaigns(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per series of collectives: over the points the preset's own tables measured too, the
     simulator's mean absolute error and the tables' measurement's against the source (the
@@ -331,7 +379,7 @@ def table(
         "# Held-out public runs",
         "",
         "`python -m src.heldout`: each run priced with its source's configuration on the preset it ran on",
-        "(benchmarks/heldout/runs.yaml); each collective by the preset's communication model.",
+        "(benchmarks/heldout/runs.yaml); each collective by the preset's communication model, each GEMM by its compute model.",
         "Error = (simulated - published) / published: negative, the simulator is faster. A check: no constant is",
         "set from these numbers.",
         "",
@@ -380,9 +428,10 @@ def main() -> None:
         sys.exit(2)
     runs = [r for r in runs if args.only in r.id]
     collectives = [c for c in collective_runs(data) if args.only in c.id]
-    if not runs and not collectives:
+    gemms = [g for g in gemm_runs(data) if args.only in g.id]
+    if not runs and not collectives and not gemms:
         parser.error(f"--only {args.only!r} matches no run of {args.runs}")
-    rows = check(runs, data) + check_collectives(collectives)
+    rows = check(runs, data) + check_collectives(collectives) + check_gemms(gemms)
     summaries = {key: summarize(rows, key) for key in ("preset", "source", "series")}
     repeats = campaigns(rows)
     text = table(rows, summaries, data, repeats)

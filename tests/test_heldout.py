@@ -103,6 +103,20 @@ def test_a_held_out_collective_is_priced_by_its_preset_over_consecutive_ranks() 
     assert row["preset"] == "perlmutter" and row["published_s"] == pytest.approx(run.published_ms / 1e3)
 
 
+def test_a_held_out_gemm_is_priced_by_its_preset_s_compute_model_on_one_device() -> None:
+    from src.costmodel.compute import ComputeModel
+
+    runs = {g.id: g for g in heldout.gemm_runs(DATA)}
+    assert runs and {g.source for g in runs.values()} <= set(DATA["sources"])
+    run = runs["mamf-mi250x-v1"]
+    row = heldout.check_gemms([run])[0]
+    # 2mnk at 147.0 TFLOP/s: 3.917 ms published; the frontier preset's measured table prices it.
+    assert row["published_s"] == pytest.approx(2 * 1024 * 19968 * 14080 / 147.0e12)
+    model = ComputeModel(heldout._preset("frontier"), "bf16")
+    assert row["simulated_s"] == model.gemm_time(1024, 19968, 14080)
+    assert row["series"] == "stas00_mamf, frontier GEMM" and row["gpus"] == 1
+
+
 def test_a_subset_is_printed_and_never_replaces_the_full_results(tmp_path, monkeypatch, capsys) -> None:
     monkeypatch.setattr(heldout, "OUT", tmp_path / "default")
     monkeypatch.setattr("sys.argv", ["heldout", "--only", "pm-ag2-64-64mib"])
