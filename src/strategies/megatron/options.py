@@ -71,6 +71,11 @@ class MegatronOptions(MegatronChoices):
                 raise ConfigError(f"strategy.{key} must be true or false, got {value!r}")
         if self.balance_by not in BALANCE_BY:
             raise ConfigError(f"strategy.balance_by={self.balance_by!r}; choose one of {list(BALANCE_BY)}")
+        if self.balance_by != "flops" and not self.balance:
+            raise ConfigError(
+                f"strategy.balance_by={self.balance_by} prices the balanced cut's layers, which only strategy.balance=true makes "
+                f"(Megatron-LM's own cut is by layer count)"
+            )
         if self.balance and self.schedule == "gpipe":
             raise ConfigError(
                 "strategy.balance=true runs the interleaved 1F1B schedule (Optimus Appendix B), not strategy.schedule=gpipe"

@@ -433,6 +433,9 @@ def test_the_balanced_cut_equalises_layer_flops_as_appendix_b_estimates_them() -
 def test_an_unknown_balance_cost_is_refused_in_one_line() -> None:
     with pytest.raises(ConfigError, match=r"strategy.balance_by='seconds'; choose one of \['flops', 'time'\]"):
         planner_for("megatron")(request(OPTIMUS_SMALL, "hopper", 1, 8, balance=True, balance_by="seconds"))
+    # A cost for a cut that is not made would be ignored without a word: refused.
+    with pytest.raises(ConfigError, match=r"balance_by=time prices the balanced cut.s layers, which only strategy.balance=true"):
+        planner_for("megatron")(request(OPTIMUS_SMALL, "hopper", 1, 8, balance_by="time"))
 
 
 def test_the_balanced_cut_keeps_the_prefix_that_is_fastest_then_most_even_as_alpa_s_dp_does() -> None:
