@@ -23,12 +23,12 @@ import math
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Callable, Mapping
 
 from src.errors import ConfigError, reject_unknown
 from src.measured_files import measured_file, read_yaml
 
-# The weight of a measured shape: its squared distance to the powered 4, the distance's 8th.
+# A measured shape weighs 1 / distance^8: its squared distance to the 4th.
 INVERSE_POWER_HALF = 4
 GEMM_DIR = Path(__file__).resolve().parent.parent / "conf" / "cluster" / "measured" / "gemm"
 
@@ -66,7 +66,7 @@ class GemmCorrection:
     `overhead` is the per-kernel time a measured time includes beyond its arithmetic (the
     cost model adds it to every GEMM)."""
 
-    def __init__(self, table: GemmMeasurements, curve: Any, peak: float, overhead: float):
+    def __init__(self, table: GemmMeasurements, curve: Callable[[float, float, float], float], peak: float, overhead: float):
         self._curve = curve
         dims = [(p.m, p.n, p.k) for p in table.points]
         self._low = tuple(min(d[i] for d in dims) for i in range(3))
@@ -85,7 +85,7 @@ class GemmCorrection:
     def efficiency(self, m: float, n: float, k: float) -> float:
         capped = [min(d, high) for d, high in zip((m, n, k), self._high)]
         at = [math.log2(min(max(d, low), high)) for d, low, high in zip((m, n, k), self._low, self._high)]
-        return self._curve(*capped) * math.exp(self._error_at(at))
+        return min(1.0, self._curve(*capped) * math.exp(self._error_at(at)))
 
     def _error_at(self, at: list[float]) -> float:
         total = weights = 0.0
