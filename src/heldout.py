@@ -318,6 +318,7 @@ def check_gemms(runs: list[GemmRun]) -> list[dict[str, Any]]:
                 "series": f"{run.source}, {run.cluster} GEMM",
                 "preset": run.cluster,
                 "gpus": 1,
+                "gemm": True,
                 "assumed": run.assumed,
                 "published_s": published,
                 "simulated_s": simulated,
@@ -367,6 +368,13 @@ def summarize(rows: list[dict[str, Any]], key: str) -> dict[str, dict[str, Any]]
                 "simulated_slower": sum(e >= 0 for e in errors),
             }
     return out
+
+
+def summaries_of(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per preset, source and series. A preset's figure is its training runs and
+    collectives, whole systems; its GEMMs, one kernel each, count by source and series."""
+    systems = [r for r in rows if not r.get("gemm")]
+    return {"preset": summarize(systems, "preset"), **{key: summarize(rows, key) for key in ("source", "series")}}
 
 
 def table(
@@ -432,7 +440,7 @@ def main() -> None:
     if not runs and not collectives and not gemms:
         parser.error(f"--only {args.only!r} matches no run of {args.runs}")
     rows = check(runs, data) + check_collectives(collectives) + check_gemms(gemms)
-    summaries = {key: summarize(rows, key) for key in ("preset", "source", "series")}
+    summaries = summaries_of(rows)
     repeats = campaigns(rows)
     text = table(rows, summaries, data, repeats)
     # A subset never lands on the full results by default: the scorecard cites rows of that file.

@@ -114,7 +114,16 @@ def test_a_held_out_gemm_is_priced_by_its_preset_s_compute_model_on_one_device()
     assert row["published_s"] == pytest.approx(2 * 1024 * 19968 * 14080 / 147.0e12)
     model = ComputeModel(heldout._preset("frontier"), "bf16")
     assert row["simulated_s"] == model.gemm_time(1024, 19968, 14080)
-    assert row["series"] == "stas00_mamf, frontier GEMM" and row["gpus"] == 1
+    assert row["series"] == "stas00_mamf, frontier GEMM" and row["gpus"] == 1 and row["gemm"]
+
+
+def test_a_preset_s_summary_counts_whole_systems_not_its_gemms() -> None:
+    gemm = heldout.check_gemms([g for g in heldout.gemm_runs(DATA) if g.id == "mamf-h100-v1"])
+    collective = heldout.check_collectives([c for c in heldout.collective_runs(DATA) if c.id == "pm-ag2-64-64mib"])
+    summaries = heldout.summaries_of(gemm + collective)
+    assert set(summaries["preset"]) == {"perlmutter"}
+    assert set(summaries["series"]) == {"stas00_mamf, hopper GEMM", "pccl2025, perlmutter all_gather"}
+    assert set(summaries["source"]) == {"stas00_mamf", "pccl2025"}
 
 
 def test_a_subset_is_printed_and_never_replaces_the_full_results(tmp_path, monkeypatch, capsys) -> None:
