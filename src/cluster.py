@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-
 from src.bounds import WHAT_IF, check_cluster
 from src.errors import ConfigError, expect_mapping, reject_unknown
 from src.gemm_measurements import GemmMeasurements, measured_gemms
