@@ -53,6 +53,7 @@ PHYSICAL: dict[str, Bound] = {
     "intra_latency": LATENCY,
     "inter_latency": LATENCY,
     "kernel_overhead_s": HOST_COST,
+    "gemm_fixed_s": HOST_COST,
     "host_forward_kernel_s": HOST_COST,
     "host_backward_kernel_s": HOST_COST,
     "host_fetch_s": HOST_COST,

@@ -151,6 +151,9 @@ class ClusterSpec:
       collectives and transfers inside a node and across nodes.
     kernel_overhead_s: the device's fixed cost per kernel (its gap between kernels when the
       host keeps ahead; on CPU workers, whose host is the device, 0).
+    gemm_fixed_s: a GEMM kernel's fixed device time beyond that gap, whatever its size (its
+      tiles' operands in flight before the first multiply, the epilogue's stores after the
+      last): what keeps a small GEMM from running in proportion to its FLOPs.
     host_forward_kernel_s, host_backward_kernel_s: the framework's host time per kernel of a
       layer's forward and of its backward (module calls, dispatcher, autograd).
     host_launch: how the framework issues a layer's kernels: eager (each kernel at the
@@ -238,6 +241,7 @@ class ClusterSpec:
     # Every preset states these (cluster_from_config); a spec built by hand takes no SMs.
     collective_sm_fraction: float = 0.0
     p2p_sm_fraction: float = 0.0
+    gemm_fixed_s: float = 0.0
     oversubscription: dict[int, float] = field(default_factory=dict)
     core_handover_s: float = 0.0
     sync_skew_s: float = 0.0
@@ -359,6 +363,7 @@ FLOAT_FIELDS = (
     "intra_efficiency",
     "inter_efficiency",
     "kernel_overhead_s",
+    "gemm_fixed_s",
     "reserved_memory_gib",
     "collective_sm_fraction",
     "p2p_sm_fraction",
@@ -374,6 +379,7 @@ MAY_BE_ZERO = (
     "intra_latency",
     "inter_latency",
     "kernel_overhead_s",
+    "gemm_fixed_s",
     "reserved_memory_gib",
     "collective_sm_fraction",
     "p2p_sm_fraction",

@@ -302,14 +302,19 @@ def check_collectives(runs: list[CollectiveRun]) -> list[dict[str, Any]]:
     return rows
 
 
-def check_gemms(runs: list[GemmRun]) -> list[dict[str, Any]]:
-    """Each GEMM priced by its preset's compute model on one device."""
+def check_gemms(runs: list[GemmRun], kernel_timed: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
+    """Each GEMM priced by its preset's compute model on one device; for a source in
+    `kernel_timed` (a profiler's kernel duration, `gemm_timing: kernel`) without the gap the
+    model charges between kernels, which no kernel's duration holds."""
     from src.costmodel.compute import ComputeModel
 
     rows = []
     for run in runs:
         published = 2.0 * run.m * run.n * run.k / (run.published_tflops * 1e12)
-        simulated = ComputeModel(_preset(run.cluster), run.precision).gemm_time(run.m, run.n, run.k)
+        cluster = _preset(run.cluster)
+        simulated = ComputeModel(cluster, run.precision).gemm_time(run.m, run.n, run.k)
+        if run.source in kernel_timed:
+            simulated -= cluster.kernel_overhead_s
         rows.append(
             {
                 "id": run.id,
@@ -439,7 +444,8 @@ def main() -> None:
     gemms = [g for g in gemm_runs(data) if args.only in g.id]
     if not runs and not collectives and not gemms:
         parser.error(f"--only {args.only!r} matches no run of {args.runs}")
-    rows = check(runs, data) + check_collectives(collectives) + check_gemms(gemms)
+    kernel_timed = frozenset(name for name, source in data["sources"].items() if source.get("gemm_timing") == "kernel")
+    rows = check(runs, data) + check_collectives(collectives) + check_gemms(gemms, kernel_timed)
     summaries = summaries_of(rows)
     repeats = campaigns(rows)
     text = table(rows, summaries, data, repeats)

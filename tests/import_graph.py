@@ -59,6 +59,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "src.fuzz",
             "src.validate",
             "src.heldout",
+            "src.gemm_fixed",
             "src.figure_diff",
             "src.plan_diff",
             "src.reproduce",

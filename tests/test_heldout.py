@@ -117,6 +117,15 @@ def test_a_held_out_gemm_is_priced_by_its_preset_s_compute_model_on_one_device()
     assert row["series"] == "stas00_mamf, frontier GEMM" and row["gpus"] == 1 and row["gemm"]
 
 
+def test_a_gemm_timed_as_a_kernel_s_duration_is_compared_without_the_gap_between_kernels() -> None:
+    kernel_timed = frozenset(n for n, s in DATA["sources"].items() if s.get("gemm_timing") == "kernel")
+    assert kernel_timed == {"xla_matmul_table"}
+    run = next(g for g in heldout.gemm_runs(DATA) if g.source == "xla_matmul_table")
+    (stream,) = heldout.check_gemms([run])
+    (kernel,) = heldout.check_gemms([run], kernel_timed)
+    assert stream["simulated_s"] - kernel["simulated_s"] == pytest.approx(heldout._preset("hopper").kernel_overhead_s, rel=1e-9)
+
+
 def test_a_preset_s_summary_counts_whole_systems_not_its_gemms() -> None:
     gemm = heldout.check_gemms([g for g in heldout.gemm_runs(DATA) if g.id == "mamf-h100-v1"])
     collective = heldout.check_collectives([c for c in heldout.collective_runs(DATA) if c.id == "pm-ag2-64-64mib"])

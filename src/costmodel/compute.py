@@ -6,7 +6,8 @@ by an over-large TP degree) is slow, as DistMM §3.2 argues. Where the preset ho
 library's GEMMs measured by shape (cluster.gemm_measurements), they correct that curve
 (src/gemm_measurements.py). Every kernel is also bounded
 below by the bytes it moves over HBM, and costs the device a fixed gap
-(cluster.kernel_overhead_s).
+(cluster.kernel_overhead_s); a GEMM kernel a fixed time more (cluster.gemm_fixed_s: its
+tiles' first operands in flight, its epilogue), which sets a small GEMM's time.
 
 The framework issues every kernel from the host (eager PyTorch: module calls, the
 dispatcher, autograd), at host_forward_kernel_s per kernel of a forward and
@@ -162,9 +163,11 @@ class ComputeModel:
         self._layer_cache: dict[tuple, LayerTimes] = {}
         self._work_cache: dict[tuple[int, Work], float] = {}
         self._models: dict[int, ModelSpec] = {}
+        # A GEMM's time beyond its arithmetic: the per-kernel gap and a GEMM kernel's fixed time.
+        self._gemm_overhead = cluster.kernel_overhead_s + cluster.gemm_fixed_s
         table = cluster.gemm_measurements
         self._measured = (
-            GemmCorrection(table, self._curve, cluster.peak_flops[precision], cluster.kernel_overhead_s)
+            GemmCorrection(table, self._curve, cluster.peak_flops[precision], self._gemm_overhead)
             if table is not None and precision in table.precisions
             else None
         )
@@ -183,7 +186,7 @@ class ComputeModel:
         flops = 2.0 * m * n * k * batch
         compute = flops / (self.peak * self.efficiency(m, n, k))
         traffic = self.bytes_per_elem * (m * k + k * n + m * n) * batch / self.hbm
-        return max(compute, traffic) + self.cluster.kernel_overhead_s
+        return max(compute, traffic) + self._gemm_overhead
 
     def memory_time(self, nbytes: float) -> float:
         if nbytes <= 0:
