@@ -27,6 +27,8 @@ when the scorecard is written and checked to resolve when the catalogue loads:
   shows a fraction as a percentage);
 - `{measured.NAME:field}`: a field of the explanation's measurement (dotted for nesting);
 - `{config.SERIES:key}`, `{config.SERIES:key@group}`: the value an override of that preset's job sets;
+- `{paper.SERIES:field}`: the paper's value the preset's group states (`value`: of the figure's
+  metric, in `paper`; another field, in `paper_extra`), `%` after it as above;
 - `{ours}`, `{at}`: the row's own value and, for "up to" or "as low as", the group it is at.
 
 `sensitivity` entries name a preset sweeping one parameter (`range`, an id of ranges.yaml) and
@@ -442,7 +444,7 @@ def _check_evidence(
         elif source.startswith("config."):
             config_value(spec, source.removeprefix("config."), field_name, at or group, where)
         elif source.startswith("paper."):
-            paper_value(spec, source.removeprefix("paper."), field_name, at or group, where)
+            paper_value(spec, source.removeprefix("paper."), field_name.removesuffix("%"), at or group, where)
         else:
             if source not in spec.series:
                 raise ConfigError(f"{where}: evidence names series {source!r}, not one of {spec.name}'s {sorted(spec.series)}")

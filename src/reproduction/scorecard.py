@@ -228,10 +228,10 @@ def _fill(
             return _number(float(value)) if isinstance(value, (int, float)) else str(value)
         if source.startswith("config."):
             return config_value(spec, source.removeprefix("config."), field_name, at or group, catalogue.paper)
-        if source.startswith("paper."):
-            stated = paper_value(spec, source.removeprefix("paper."), field_name, at or group, catalogue.paper)
-            return "–".join(_number(v) for v in stated) if isinstance(stated, list) else _number(float(stated))
         percent = field_name.endswith("%")
+        if source.startswith("paper."):
+            stated = paper_value(spec, source.removeprefix("paper."), field_name.removesuffix("%"), at or group, catalogue.paper)
+            return "–".join(_number(v, percent) for v in stated) if isinstance(stated, list) else _number(float(stated), percent)
         value = None if results is None else results.field(at or group, source, field_name.removesuffix("%"))
         return value if isinstance(value, str) else _number(None if value is None else float(value), percent)
 

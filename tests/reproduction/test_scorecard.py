@@ -205,6 +205,21 @@ def test_scoring_a_catalogue(tmp_path: Path) -> None:
     assert (summary["hold"], summary["consistent"], summary["misses"]["implementation"]) == (2, 1, 1)
 
 
+def test_a_paper_cause_states_the_paper_s_values_the_preset_holds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import copy
+    import sys
+
+    module = sys.modules[__name__]
+    sweep, catalogue = copy.deepcopy(SWEEP), copy.deepcopy(CATALOGUE)
+    sweep["groups"][0] |= {"paper": {"new": 0.42}, "paper_extra": {"speed_up": {"new": [1.25, 1.45]}}}
+    explanation = "Table 1's {paper.new:value%} and {paper.new:value} against §1's {paper.new:speed_up}; ours {new:mfu%}"
+    catalogue["figures"][1]["miss"] = {"cause": "paper", "evidence": explanation}
+    monkeypatch.setattr(module, "SWEEP", sweep)
+    monkeypatch.setattr(module, "CATALOGUE", catalogue)
+    bare = next(r for r in scored(tmp_path).headlines if r.headline.id == "bare")
+    assert bare.cause == "paper" and bare.evidence == "Table 1's 42.0 % and 0.42 against §1's 1.25–1.45; ours 45.0 %"
+
+
 def test_a_row_is_not_judged_over_a_range_whose_sweep_has_not_run(tmp_path: Path) -> None:
     rows = {r.headline.id: r for r in scored(tmp_path, with_sweep=False).headlines}
     assert rows["large"].status == NOT_RUN and "no current results of toy_sens" in rows["large"].note
