@@ -64,6 +64,7 @@ CLUSTER_KNOBS = [
     "memory_bandwidth",
     "gemm_max_efficiency",
     "kernel_overhead_s",
+    "gemm_fixed_s",
 ]
 # Strategy knobs a user types, with the values to draw (others keep their defaults).
 KNOBS: dict[str, list[Any]] = {
