@@ -4,16 +4,20 @@ the HBM bandwidth and the per-kernel overhead (the `hopper` preset's were fitted
 On the one visible CUDA device, with CUDA events, warm-ups and the median of repeats:
 - GEMMs in `--dtype` over square and skinny shapes: achieved FLOP/s and the fraction of
   the datasheet peak; the cost model's GEMM time (its curve max_eff · Π_d d/(d + h) over
-  (m, n, k), bounded below by the HBM traffic, plus the launch overhead, both measured
-  here) is fitted to the measured times of the GEMMs slower than 100 us (below, timing one
-  kernel alone measures its launch) by a grid search over max_eff and h;
+  (m, n, k), bounded below by the HBM traffic measured here, plus what a GEMM takes beyond
+  its arithmetic: `--gemm-overhead-s`, the preset's kernel_overhead_s + gemm_fixed_s, else
+  the tiny kernel's time measured here) is fitted to the measured times of the GEMMs slower
+  than 100 us (below, timing one kernel alone measures its launch) by a grid search over
+  max_eff and h;
 - a large device-to-device copy (bytes read + written per second) against the datasheet
   HBM bandwidth;
 - the time of a tiny kernel (the fixed cost per launch).
 Prints a table and the preset lines; `--out` writes everything as JSON. Only torch and the
-standard library: it runs on a bare GPU machine.
+standard library: it runs on a bare GPU machine. `--refit FILE` fits a stored run's GEMMs
+again (no GPU), as after a change to what a GEMM costs beyond its arithmetic.
 
-    python benchmarks/calibrate_gpu.py [--peak 989e12] [--hbm 3350e9] [--out results.json]
+    python benchmarks/calibrate_gpu.py [--peak 989e12] [--hbm 3350e9] [--gemm-overhead-s S] [--out results.json]
+    python benchmarks/calibrate_gpu.py --refit results.json --gemm-overhead-s S [--out results.json]
 """
 
 from __future__ import annotations
@@ -93,13 +97,57 @@ def fit(
     return max_eff, half, errors
 
 
+def fit_summary(points: list[tuple[tuple[int, int, int], float]], peak: float, hbm: float, overhead: float, element: int) -> dict:
+    """The fit over the points slower than FIT_ABOVE_S, as the result file records it."""
+    fitted = [(shape, e) for shape, e in points if 2.0 * math.prod(shape) / (e * peak) > FIT_ABOVE_S]
+    max_eff, half, errors = fit(fitted, peak, hbm, overhead, element)
+    median, worst = statistics.median(errors), max(errors)
+    print(f"fit: max_eff {max_eff:.3f}, half_dim {half:.0f} (time error median {median:.1%}, max {worst:.1%})")
+    return {
+        "gemm_max_efficiency": max_eff,
+        "gemm_half_dim": half,
+        "method": "grid search minimising the squared log error of the cost model's GEMM time",
+        "gemm_overhead_s": overhead,
+        "fitted_shapes": len(fitted),
+        "fitted_above_s": FIT_ABOVE_S,
+        "median_relative_time_error": median,
+        "max_relative_time_error": worst,
+    }
+
+
+def refit(path: str, overhead: float, out: str | None) -> None:
+    """A stored run's GEMMs fitted again, each GEMM costing `overhead` beyond its arithmetic."""
+    with open(path) as f:
+        result = json.load(f)
+    points = [((g["m"], g["n"], g["k"]), g["efficiency"]) for g in result["gemms"]]
+    element = torch.tensor([], dtype=DTYPES[result["dtype"]]).element_size()
+    result["fit"] = fit_summary(points, result["datasheet_peak"], result["copy_bytes_per_s"], overhead, element)
+    result["fit"]["refit"] = f"python benchmarks/calibrate_gpu.py --refit {path} --gemm-overhead-s {overhead:g}"
+    if out:
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     parser.add_argument("--peak", type=float, default=989e12, help="datasheet dense peak in --dtype (H100 SXM)")
     parser.add_argument("--hbm", type=float, default=3350e9, help="datasheet HBM bandwidth, bytes/s (H100 SXM)")
+    parser.add_argument(
+        "--gemm-overhead-s",
+        type=float,
+        help="what a GEMM takes beyond its arithmetic in the preset (kernel_overhead_s + gemm_fixed_s), held by the fit; "
+        "default: the tiny kernel's time measured here",
+    )
+    parser.add_argument("--refit", help="a stored result file: fit its GEMMs again (needs --gemm-overhead-s; no GPU)")
     parser.add_argument("--out")
     args = parser.parse_args()
+    if args.refit:
+        if args.gemm_overhead_s is None or args.gemm_overhead_s < 0:
+            print("error: --refit needs --gemm-overhead-s, a GEMM's time beyond its arithmetic (0 or more seconds)", file=sys.stderr)
+            sys.exit(2)
+        refit(args.refit, args.gemm_overhead_s, args.out)
+        return
     if not torch.cuda.is_available():
         print("error: calibrate_gpu needs a CUDA device, and none is visible", file=sys.stderr)
         sys.exit(2)
@@ -126,8 +174,8 @@ def main() -> None:
     overhead = timed(many, repeats=5) / launches
     # Timing one kernel alone has a floor (launch and events, ~36 us on an H100) that a
     # queue of kernels in training does not pay: fit where the GEMM itself dominates.
-    fitted = [(shape, e) for shape, e in points if 2.0 * math.prod(shape) / (e * args.peak) > FIT_ABOVE_S]
-    max_eff, half, errors = fit(fitted, args.peak, copy, overhead, torch.tensor([], dtype=dtype).element_size())
+    gemm_overhead = overhead if args.gemm_overhead_s is None else args.gemm_overhead_s
+    summary = fit_summary(points, args.peak, copy, gemm_overhead, torch.tensor([], dtype=dtype).element_size())
     result = {
         "device": props.name,
         "sms": props.multi_processor_count,
@@ -137,26 +185,16 @@ def main() -> None:
         "datasheet_peak": args.peak,
         "datasheet_hbm": args.hbm,
         "gemms": [{"m": m, "n": n, "k": k, "efficiency": e} for (m, n, k), e in points],
-        "fit": {
-            "gemm_max_efficiency": max_eff,
-            "gemm_half_dim": half,
-            "method": "grid search minimising the squared log error of the cost model's GEMM time",
-            "fitted_shapes": len(fitted),
-            "fitted_above_s": FIT_ABOVE_S,
-            "median_relative_time_error": statistics.median(errors),
-            "max_relative_time_error": max(errors),
-        },
+        "fit": summary,
         "copy_bytes_per_s": copy,
         "memory_efficiency": copy / args.hbm,
         "kernel_overhead_s": overhead,
     }
-    print(
-        f"fit: max_eff {max_eff:.3f}, half_dim {half:.0f} (time error median {statistics.median(errors):.1%}, max {max(errors):.1%})"
-    )
     print(f"HBM copy {copy / 1e12:.2f} TB/s = {copy / args.hbm:.3f} of the datasheet; kernel overhead {overhead * 1e6:.1f} us")
     print("preset lines:")
     print(
-        f"  gemm_max_efficiency: {max_eff:.3f}\n  gemm_half_dim: {half:.0f}\n  memory_efficiency: {copy / args.hbm:.3f}\n"
+        f"  gemm_max_efficiency: {summary['gemm_max_efficiency']:.3f}\n  gemm_half_dim: {summary['gemm_half_dim']:.0f}\n"
+        f"  memory_efficiency: {copy / args.hbm:.3f}\n"
         f"  kernel_overhead_s: {overhead:.2e}"
     )
     if args.out:
