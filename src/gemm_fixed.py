@@ -29,7 +29,8 @@ from src.measured_files import read_yaml
 if TYPE_CHECKING:
     from src.cluster import ClusterSpec
 
-DEFAULT = Path(__file__).resolve().parent.parent / "conf" / "cluster" / "measured" / "gemm_fixed" / "hopper_xla_batched.yaml"
+CLUSTERS = Path(__file__).resolve().parent.parent / "conf" / "cluster"
+DEFAULT = CLUSTERS / "measured" / "gemm_fixed" / "hopper_xla_batched.yaml"
 STEP_S = 1e-8  # the fit's resolution: a hundredth of a microsecond
 TIMINGS = ("kernel", "stream")
 
@@ -71,6 +72,9 @@ def load(path: Path) -> GemmFile:
     for key in ("source", "cluster", "precision"):
         if not str(data.get(key) or "").strip():
             raise ConfigError(f"{where} must say its {key}")
+    presets = sorted(p.stem for p in CLUSTERS.glob("*.yaml"))
+    if data["cluster"] not in presets:
+        raise ConfigError(f"{where}: cluster {data['cluster']!r} is not a preset ({presets})")
     if data.get("timing") not in TIMINGS:
         raise ConfigError(f"{where}: timing is one of {list(TIMINGS)} (how its times were taken), got {data.get('timing')!r}")
     rows = data.get("gemms")

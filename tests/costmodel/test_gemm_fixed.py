@@ -68,6 +68,7 @@ def test_the_fit_finds_a_fixed_time_it_was_built_from() -> None:
 
 
 HEAD = "source: s\ncluster: hopper\nprecision: bf16\n"
+ROW = "gemms: [[2, 256, 256, 256, 1000000000000]]\n"
 
 
 @pytest.mark.parametrize(
@@ -75,8 +76,9 @@ HEAD = "source: s\ncluster: hopper\nprecision: bf16\n"
     [
         (HEAD + "timing: kernel\ngemms: [[2, 256, 256, 256]]\n", "a GEMM is \\[b, m, n, k, flop_per_s\\]"),
         (HEAD + "timing: kernel\ngemms: [[2, 256, 256, 0, 1000000000000]]\n", "whole and positive"),
-        ("cluster: hopper\nprecision: bf16\ntiming: kernel\ngemms: [[2, 256, 256, 256, 1000000000000]]\n", "must say its source"),
-        (HEAD + "timing: wall\ngemms: [[2, 256, 256, 256, 1000000000000]]\n", "timing is one of"),
+        ("cluster: hopper\nprecision: bf16\ntiming: kernel\n" + ROW, "must say its source"),
+        (HEAD + "timing: wall\n" + ROW, "timing is one of"),
+        ("source: s\ncluster: nonsense\nprecision: bf16\ntiming: kernel\n" + ROW, "not a preset"),
         (HEAD + "timing: kernel\ngemms: []\nextra: 1\n", "extra"),
     ],
 )
