@@ -1,4 +1,5 @@
-"""Tools refuse what they cannot do in one line: a GPU benchmark on a machine without one."""
+"""Tools refuse what they cannot do in one line: a GPU benchmark on a machine without one; the GPU
+calibration still refits a stored run there."""
 
 from __future__ import annotations
 
@@ -50,3 +51,24 @@ def test_the_small_gpt_benchmark_refuses_without_a_gpu_and_prices_without_one():
     kernels = _script("benchmarks/measure_memory_kernels.py")
     assert kernels.returncode == 2 and kernels.stdout == ""
     assert kernels.stderr.strip() == "error: measure_memory_kernels needs a CUDA device, and none is visible"
+
+
+def test_the_gpu_calibration_refits_a_stored_run_without_a_gpu(tmp_path, monkeypatch, capsys):
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("calibrate_gpu", REPO_ROOT / "benchmarks" / "calibrate_gpu.py")
+    assert spec is not None and spec.loader is not None
+    calibrate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(calibrate)
+    stored = REPO_ROOT / "benchmarks" / "results" / "hopper_h100_calibration.json"
+    monkeypatch.setattr(sys, "argv", ["calibrate_gpu.py", "--refit", str(stored)])
+    with pytest.raises(SystemExit) as exit_:
+        calibrate.main()
+    assert exit_.value.code == 2 and capsys.readouterr().err.count("\n") == 1
+    out = tmp_path / "refit.json"
+    monkeypatch.setattr(sys, "argv", ["calibrate_gpu.py", "--refit", str(stored), "--gemm-overhead-s", "0", "--out", str(out)])
+    calibrate.main()
+    refit, before = json.loads(out.read_text()), json.loads(stored.read_text())
+    assert refit["gemms"] == before["gemms"] and refit["fit"]["gemm_overhead_s"] == 0.0
+    assert refit["fit"]["gemm_half_dim"] != before["fit"]["gemm_half_dim"]  # what a GEMM costs beyond its arithmetic moves the fit
