@@ -97,8 +97,8 @@ def model_seconds(cluster: ClusterSpec, data: GemmFile, gemms: Sequence[BatchedG
     from src.costmodel.compute import ComputeModel
 
     compute = ComputeModel(replace(cluster, gemm_fixed_s=fixed_s), data.precision)
-    gap = cluster.kernel_overhead_s if data.timing == "kernel" else 0.0
-    return [compute.gemm_time(g.m, g.n, g.k, g.b) - gap for g in gemms]
+    timed = compute.gemm_duration if data.timing == "kernel" else compute.gemm_time
+    return [timed(g.m, g.n, g.k, g.b) for g in gemms]
 
 
 def fit(cluster: ClusterSpec, data: GemmFile) -> float:
@@ -113,20 +113,15 @@ def fit(cluster: ClusterSpec, data: GemmFile) -> float:
     return min((i * STEP_S for i in range(steps + 1)), key=error)
 
 
-def _cluster(name: str) -> ClusterSpec:
-    from src.config import composed
-    from src.setup import validate
-
-    return validate(composed([f"cluster={name}", "model=gpt", "strategy=ddp", "logger=none"])).cluster
-
-
 def main(argv: list[str] | None = None) -> int:
+    from src.setup import preset_cluster
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("file", nargs="?", type=Path, default=DEFAULT)
     args = parser.parse_args(argv)
     try:
         data = load(args.file)
-        cluster = _cluster(data.cluster)
+        cluster = preset_cluster(data.cluster)
         fixed = fit(cluster, data)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)

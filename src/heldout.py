@@ -24,20 +24,16 @@ constant is set from these numbers: a gap is reported with what we believe cause
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 
 from src.errors import ConfigError
-
-if TYPE_CHECKING:
-    from src.cluster import ClusterSpec
 
 REPO = Path(__file__).resolve().parent.parent
 RUNS = REPO / "benchmarks" / "heldout" / "runs.yaml"
@@ -241,14 +237,6 @@ def check(runs: list[Run], data: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-@functools.cache  # composed once a preset: every collective of the file prices on one of a few
-def _preset(name: str) -> ClusterSpec:
-    from src.config import composed
-    from src.setup import validate
-
-    return validate(composed([f"cluster={name}", "model=gpt", "strategy=ddp", "logger=none"])).cluster
-
-
 def collective_seconds(run: CollectiveRun) -> float:
     """Seconds of the collective on its preset, over that many consecutive ranks."""
     from dataclasses import replace
@@ -256,10 +244,12 @@ def collective_seconds(run: CollectiveRun) -> float:
     from src.cluster import MIB
     from src.costmodel.comm import CommModel
 
+    from src.setup import preset_cluster
+
     per_node = _devices_per_node(run.cluster)
     if run.ranks % per_node:
         raise ConfigError(f"collective {run.id}: {run.ranks} ranks is not a whole number of {per_node}-device {run.cluster} nodes")
-    cluster = replace(_preset(run.cluster), nodes=run.ranks // per_node)
+    cluster = replace(preset_cluster(run.cluster), nodes=run.ranks // per_node)
     return CommModel(cluster).collective_time(run.op, tuple(range(run.ranks)), run.mib * MIB)
 
 
@@ -269,9 +259,10 @@ def preset_measured_seconds(run: CollectiveRun) -> float | None:
     such point: there the simulator returns that measurement, so its error is the two
     campaigns' difference, which no model of one campaign can close."""
     from src.cluster import MIB
+    from src.setup import preset_cluster
 
     nbytes = run.mib * MIB
-    for measured in _preset(run.cluster).collective_measurements:
+    for measured in preset_cluster(run.cluster).collective_measurements:
         table = measured.collectives.get(run.op)
         if table is not None and run.ranks in table.groups and nbytes in table.sizes:
             return table.seconds[table.groups.index(run.ranks)][table.sizes.index(nbytes)]
@@ -307,14 +298,13 @@ def check_gemms(runs: list[GemmRun], kernel_timed: frozenset[str] = frozenset())
     `kernel_timed` (a profiler's kernel duration, `gemm_timing: kernel`) without the gap the
     model charges between kernels, which no kernel's duration holds."""
     from src.costmodel.compute import ComputeModel
+    from src.setup import preset_cluster
 
     rows = []
     for run in runs:
         published = 2.0 * run.m * run.n * run.k / (run.published_tflops * 1e12)
-        cluster = _preset(run.cluster)
-        simulated = ComputeModel(cluster, run.precision).gemm_time(run.m, run.n, run.k)
-        if run.source in kernel_timed:
-            simulated -= cluster.kernel_overhead_s
+        model = ComputeModel(preset_cluster(run.cluster), run.precision)
+        simulated = (model.gemm_duration if run.source in kernel_timed else model.gemm_time)(run.m, run.n, run.k)
         rows.append(
             {
                 "id": run.id,

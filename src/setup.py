@@ -4,6 +4,7 @@ plan read), and the run directory the backends, the workers and the launchers re
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -21,6 +22,7 @@ from src.config import (
     TrainSpec,
     backend_from_config,
     check_logger_and_run,
+    composed,
     positive_int,
     train_from_config,
 )
@@ -77,6 +79,13 @@ def validate(config: dict[str, Any]) -> Setup:
     backend = _backend(config)
     check_logger_and_run(config.get("logger") or {"name": "none"}, config.get("run") or {})
     return Setup(config, model, cluster, train, backend)
+
+
+@functools.cache  # composed once a preset: a tool pricing many kernels or collectives reads a few presets
+def preset_cluster(name: str) -> ClusterSpec:
+    """Cluster preset `name` as a run composes and checks it (a tool's way to a preset's
+    constants without a run of its own)."""
+    return validate(composed([f"cluster={name}", "model=gpt", "strategy=ddp", "logger=none"])).cluster
 
 
 def _backend(config: dict[str, Any]) -> TorchBackendSpec | None:

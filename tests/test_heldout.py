@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from src import heldout
+from src.setup import preset_cluster
 from src.errors import ConfigError
 
 DATA, RUNS = heldout.load(heldout.RUNS)
@@ -112,7 +113,7 @@ def test_a_held_out_gemm_is_priced_by_its_preset_s_compute_model_on_one_device()
     row = heldout.check_gemms([run])[0]
     # 2mnk at 147.0 TFLOP/s: 3.917 ms published; the frontier preset's measured table prices it.
     assert row["published_s"] == pytest.approx(2 * 1024 * 19968 * 14080 / 147.0e12)
-    model = ComputeModel(heldout._preset("frontier"), "bf16")
+    model = ComputeModel(preset_cluster("frontier"), "bf16")
     assert row["simulated_s"] == model.gemm_time(1024, 19968, 14080)
     assert row["series"] == "stas00_mamf, frontier GEMM" and row["gpus"] == 1 and row["gemm"]
 
@@ -123,7 +124,7 @@ def test_a_gemm_timed_as_a_kernel_s_duration_is_compared_without_the_gap_between
     run = next(g for g in heldout.gemm_runs(DATA) if g.source == "xla_matmul_table")
     (stream,) = heldout.check_gemms([run])
     (kernel,) = heldout.check_gemms([run], kernel_timed)
-    assert stream["simulated_s"] - kernel["simulated_s"] == pytest.approx(heldout._preset("hopper").kernel_overhead_s, rel=1e-9)
+    assert stream["simulated_s"] - kernel["simulated_s"] == pytest.approx(preset_cluster("hopper").kernel_overhead_s, rel=1e-9)
 
 
 def test_a_preset_s_summary_counts_whole_systems_not_its_gemms() -> None:

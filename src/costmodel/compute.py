@@ -188,6 +188,12 @@ class ComputeModel:
         traffic = self.bytes_per_elem * (m * k + k * n + m * n) * batch / self.hbm
         return max(compute, traffic) + self._gemm_overhead
 
+    def gemm_duration(self, m: float, n: float, k: float, batch: float = 1.0) -> float:
+        """A GEMM kernel's own duration, as a profiler records it: gemm_time less the gap
+        between kernels, which no kernel's duration holds."""
+        seconds = self.gemm_time(m, n, k, batch)
+        return seconds - self.cluster.kernel_overhead_s if seconds > 0 else 0.0
+
     def memory_time(self, nbytes: float) -> float:
         if nbytes <= 0:
             return 0.0
