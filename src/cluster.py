@@ -17,6 +17,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from src.bounds import WHAT_IF, check_cluster
 from src.errors import ConfigError, expect_mapping, reject_unknown
+from src.attention_measurements import AttentionMeasurements, measured_attention
 from src.gemm_measurements import GemmMeasurements, measured_gemms
 from src.measured_files import measured_file, read_yaml
 
@@ -37,8 +38,11 @@ MEASURED_DIR = Path(__file__).resolve().parent.parent / "conf" / "cluster" / "me
 CORRECTION_BASE_BYTES = 64
 
 
-# The attention kernels a run's software may have (model.attention; a preset states its era's).
-ATTENTION_MODES = ("flash", "eager")
+# The attention kernels a run's software may have (model.attention; a preset states its era's):
+# FlashAttention priced as its GEMMs on the device's curve (flash), or as a named version
+# measured on the device (flash1, flash2: the preset's attention_measurements), or eager.
+ATTENTION_MODES = ("flash", "flash1", "flash2", "eager")
+MEASURED_ATTENTION = ("flash1", "flash2")
 # How the software reduces biases' and normalisations' gradients over the tokens
 # (model.param_grad_kernels; a preset states its era's): kernels of their own, or folded into
 # the weight-gradient GEMM's epilogue and the normalisation's backward kernel.
@@ -179,8 +183,8 @@ class ClusterSpec:
     host_async: the host queues work ahead of the device (GPUs): each layer of a Work item
       takes the longer of its device and host times, and the host issues ahead while the
       device runs a device-bound layer; false (CPU workers): they add up.
-    attention: the attention kernel of the testbed's software (flash | eager), the default
-      of model.attention (src/models/attention.py).
+    attention: the attention kernel of the testbed's software (flash | flash1 | flash2 |
+      eager), the default of model.attention (src/models/attention.py).
     param_grad_kernels: how the testbed's software reduces biases' and normalisations'
       gradients (separate | fused), the default of model.param_grad_kernels
       (src/models/grad_kernels.py).
@@ -217,6 +221,10 @@ class ClusterSpec:
     gemm_measurements: the device's GEMM library as measured on it, by shape
       (conf/cluster/measured/gemm/): the compute model corrects the GEMM curve by them
       (src/gemm_measurements.py) at the precisions they were measured at. None: the curve.
+    attention_measurements: FlashAttention's kernels as measured on the device, by version,
+      mask, head dimension and sequence (conf/cluster/measured/attention/): the compute model
+      prices a core of a measured version by them (src/attention_measurements.py). None: no
+      version measured (model.attention=flash1|flash2 is refused).
     """
 
     name: str
@@ -265,6 +273,7 @@ class ClusterSpec:
     grad_accumulation: str = "fused"
     collective_measurements: tuple[CollectiveMeasurements, ...] = ()
     gemm_measurements: GemmMeasurements | None = None
+    attention_measurements: AttentionMeasurements | None = None
     sources: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -413,6 +422,7 @@ SOURCED = (
     "sync_skew_build_s",
     "collective_measurements",
     "gemm_measurements",
+    "attention_measurements",
 )
 
 
@@ -528,6 +538,7 @@ def cluster_from_config(cfg: Mapping[str, Any]) -> ClusterSpec:
         grad_accumulation=_mode("grad_accumulation", cfg.get("grad_accumulation"), GRAD_ACCUMULATIONS, name),
         collective_measurements=tuple(measured_collectives(str(m), name) for m in _names(cfg.get("collective_measurements"), name)),
         gemm_measurements=_gemm_measurements(cfg.get("gemm_measurements"), name),
+        attention_measurements=_attention_measurements(cfg.get("attention_measurements"), name),
         **{key: float(cfg[key]) for key in FLOAT_FIELDS},
     )
     check_cluster(spec, cfg.get(WHAT_IF, False))
@@ -625,15 +636,24 @@ def _names(value: Any, cluster: str) -> list[str]:
     return list(value)
 
 
-def _gemm_measurements(value: Any, cluster: str) -> GemmMeasurements | None:
+def _one_table(value: Any, key: str, what: str, cluster: str) -> str | None:
+    """The name of the one measured table cluster.<key> may name (a list of at most one)."""
     if value is None or (isinstance(value, (list, tuple)) and not value):
         return None
     if not isinstance(value, (list, tuple)) or len(value) != 1 or not isinstance(value[0], str) or not value[0]:
-        raise ConfigError(
-            f"cluster.gemm_measurements names at most one table of conf/cluster/measured/gemm/ (the device's library), "
-            f"got {value!r} (cluster {cluster})"
-        )
-    return measured_gemms(value[0], cluster)
+        raise ConfigError(f"cluster.{key} names at most one table of {what}, got {value!r} (cluster {cluster})")
+    return value[0]
+
+
+def _gemm_measurements(value: Any, cluster: str) -> GemmMeasurements | None:
+    name = _one_table(value, "gemm_measurements", "conf/cluster/measured/gemm/ (the device's library)", cluster)
+    return None if name is None else measured_gemms(name, cluster)
+
+
+def _attention_measurements(value: Any, cluster: str) -> AttentionMeasurements | None:
+    what = "conf/cluster/measured/attention/ (the device's FlashAttention kernels)"
+    name = _one_table(value, "attention_measurements", what, cluster)
+    return None if name is None else measured_attention(name, cluster)
 
 
 def measured_collectives(name: str, cluster: str = "?") -> CollectiveMeasurements:

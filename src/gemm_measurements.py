@@ -23,10 +23,10 @@ import math
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable
 
-from src.errors import ConfigError, reject_unknown
-from src.measured_files import measured_file, read_yaml
+from src.errors import ConfigError
+from src.measured_files import measured_file, read_table
 
 # A measured shape weighs 1 / distance^8: its squared distance to the 4th.
 INVERSE_POWER_HALF = 4
@@ -108,13 +108,7 @@ def measured_gemms(name: str, cluster: str = "?") -> GemmMeasurements:
 @functools.lru_cache(maxsize=8)
 def _read(path: Path, mtime_ns: int) -> GemmMeasurements:
     where = f"conf/cluster/measured/gemm/{path.name}"
-    data = read_yaml(path)
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{where} must map library, source, precisions and gemms")
-    reject_unknown(data, ["name", "library", "source", "precisions", "gemms"], f"key(s) of {where}")
-    for key in ("library", "source"):
-        if not str(data.get(key) or "").strip():
-            raise ConfigError(f"{where} must say its {key}")
+    data = read_table(path, where, ["name", "library", "source", "precisions", "gemms"], ("library", "source"))
     precisions = data.get("precisions")
     if not isinstance(precisions, list) or not precisions or not all(p in ("fp32", "bf16", "fp16") for p in precisions):
         raise ConfigError(f"{where}: precisions lists the precisions the times hold for (fp32, bf16, fp16), got {precisions!r}")

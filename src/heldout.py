@@ -55,6 +55,10 @@ class Run:
     published: dict[str, float]
     config: str = ""
     assumed: str = ""
+    seq_len: int | None = None  # the run's own sequence length where its source's varies
+
+    def seq(self, common: dict[str, Any]) -> int:
+        return int(self.seq_len or common["model"]["seq_len"])
 
 
 @dataclass(frozen=True)
@@ -175,7 +179,7 @@ def overrides(run: Run, common: dict[str, Any]) -> list[str]:
         f"model.cross_entropy={model['cross_entropy']}",
         f"model.grad_accumulation={model['grad_accumulation']}",
         f"model.dropout={_value(model['dropout'])}",
-        f"train.seq_len={model['seq_len']}",
+        f"train.seq_len={run.seq(common)}",
         f"train.global_batch={run.global_batch}",
         f"train.precision={common['precision']}",
         f"cluster={cluster}",
@@ -183,6 +187,8 @@ def overrides(run: Run, common: dict[str, Any]) -> list[str]:
         f"cluster.amp={_value(bool(common.get('amp', False)))}",
         "logger=none",
     ]
+    # What the source's machine has that its preset's does not (an A100's 40 GB and its HBM2).
+    out += [f"cluster.{key}={_value(value)}" for key, value in (common.get("cluster_settings") or {}).items()]
     strategy = dict(run.strategy)
     name = strategy.pop("name")
     out.append(f"strategy={name}")
@@ -223,7 +229,7 @@ def check(runs: list[Run], data: dict[str, Any]) -> list[dict[str, Any]]:
             "gpus": run.gpus,
             "assumed": run.assumed,
         }
-        published = published_seconds(run, common["model"]["seq_len"], common["model"]["vocab"], common.get("flops", "narayanan2021"))
+        published = published_seconds(run, run.seq(common), common["model"]["vocab"], common.get("flops", "narayanan2021"))
         row["published_s"] = published
         try:
             simulated = simulate_run(run, common)

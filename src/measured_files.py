@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from src.errors import ConfigError
+from src.errors import ConfigError, reject_unknown
 
 
 def measured_file(directory: Path, shown: str, name: str, what: str, cluster: str) -> Path:
@@ -23,3 +24,15 @@ def measured_file(directory: Path, shown: str, name: str, what: str, cluster: st
 def read_yaml(path: Path) -> Any:
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
     return yaml.load(path.read_text(), Loader=loader)
+
+
+def read_table(path: Path, where: str, keys: list[str], stated: tuple[str, ...]) -> Mapping[str, Any]:
+    """A measured table's mapping: only `keys`, each of `stated` a non-empty text."""
+    data = read_yaml(path)
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where} must map {', '.join(k for k in keys if k != 'name')}")
+    reject_unknown(data, keys, f"key(s) of {where}")
+    for key in stated:
+        if not str(data.get(key) or "").strip():
+            raise ConfigError(f"{where} must say its {key}")
+    return data

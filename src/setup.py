@@ -27,6 +27,7 @@ from src.config import (
     train_from_config,
 )
 from src.errors import ConfigError, PlanRefused, reject_unknown
+from src.models.attention import measured_versions
 from src.models.registry import build_model
 from src.models.spec import ModelSpec
 from src.plan_io import PLANNED_FROM, PlannedRun, RunSettings, read_plan, write_plan
@@ -76,9 +77,31 @@ def validate(config: dict[str, Any]) -> Setup:
     software |= software_settings(config["strategy"])
     model = build_model(config["model"], config["train"].get("seq_len"), **software)
     train = train_from_config(config["train"], cluster, model.default_global_batch, model.extras.get("data", ("uniform",)))
+    _check_measured_attention(model, cluster, train.precision)
     backend = _backend(config)
     check_logger_and_run(config.get("logger") or {"name": "none"}, config.get("run") or {})
     return Setup(config, model, cluster, train, backend)
+
+
+def _check_measured_attention(model: ModelSpec, cluster: ClusterSpec, precision: str) -> None:
+    """A FlashAttention version priced by its measured rates needs the device's table of it."""
+    versions = measured_versions(model)
+    if not versions:
+        return
+    table = cluster.attention_measurements
+    missing = sorted(versions - set(table.kernels if table else ()))
+    if missing:
+        has = "none" if table is None else "only " + ", ".join(table.kernels)
+        raise ConfigError(
+            f"model.attention={missing[0]} is priced by the device's measured FlashAttention rates; cluster {cluster.name} "
+            f"has {has} (conf/cluster/measured/attention/): use model.attention=flash"
+        )
+    assert table is not None
+    if precision not in table.precisions:
+        raise ConfigError(
+            f"model.attention={sorted(versions)[0]}: FlashAttention's rates on {cluster.name} are measured at "
+            f"{', '.join(table.precisions)}, not train.precision={precision}"
+        )
 
 
 @functools.cache  # composed once a preset: a tool pricing many kernels or collectives reads a few presets

@@ -32,6 +32,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "src.cluster_profile",
             "src.measured_files",
             "src.gemm_measurements",
+            "src.attention_measurements",
             "src.cluster",
             "src.config",
             "src.timeline",

@@ -79,11 +79,22 @@ def test_the_smallest_run_is_simulated_and_summed_up_by_source() -> None:
 def test_a_source_runs_on_its_own_preset_and_settings() -> None:
     small = BY_ID["fa-gpt3-355m"]
     common = heldout.settings(small, DATA)
-    assert common["cluster"] == "dgx_a100" and common["model"]["attention"] == "flash" and common["precision"] == "bf16"
-    assert {"model.vocab=50264", "model.attention=flash", "train.precision=bf16", "cluster.nodes=1"} <= set(
+    assert common["cluster"] == "dgx_a100" and common["model"]["attention"] == "flash1" and common["precision"] == "bf16"
+    assert {"model.vocab=50264", "model.attention=flash1", "train.precision=bf16", "cluster.nodes=1"} <= set(
         heldout.overrides(small, common)
     )
     assert heldout.settings(BY_ID["t1-1.7b"], DATA)["model"]["attention"] == "eager"  # the file's common settings
+
+
+def test_a_run_of_its_own_sequence_on_a_machine_its_preset_is_not_quite() -> None:
+    # MPT's A100 40GB table: 1B at 8192 tokens a sequence, 128 sequences at 107,799 tokens/s.
+    run = BY_ID["mpt-a100-40-1b-s8192-g8"]
+    common = heldout.settings(run, DATA)
+    assert run.seq(common) == 8192 and heldout.published_seconds(run, run.seq(common), 50368) == pytest.approx(128 * 8192 / 107799)
+    stated = set(heldout.overrides(run, common))
+    assert {"train.seq_len=8192", "cluster.memory_gib=40", "model.attention=flash1"} <= stated
+    assert "cluster.memory_bandwidth=1555000000000.0" in stated
+    assert heldout.settings(BY_ID["mpt-a100-80-1b-s8192-g8"], DATA).get("cluster_settings") is None  # the preset's own A100
 
 
 def test_tokens_per_second_become_the_batch_s_tokens_over_that_rate() -> None:

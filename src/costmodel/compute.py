@@ -194,6 +194,15 @@ class ComputeModel:
         seconds = self.gemm_time(m, n, k, batch)
         return seconds - self.cluster.kernel_overhead_s if seconds > 0 else 0.0
 
+    def _measured_attention(self, kernel: Kernel, m: float, n: float, k: float, batch: float, causal: bool) -> float:
+        """One product of a FlashAttention core (QK^T: k the head dimension and n the keys;
+        PV: the other way round) at its version's measured rate over that many keys."""
+        table = self.cluster.attention_measurements
+        assert table is not None, "setup.validate refuses a measured version the preset has no table of"
+        keys, head_dim = (n, k) if kernel.attention_scores else (k, n)
+        flops = 2.0 * m * n * k * batch * (0.5 if causal else 1.0)
+        return flops / table.rate(kernel.flash_kernel, causal, head_dim, keys)
+
     def memory_time(self, nbytes: float) -> float:
         if nbytes <= 0:
             return 0.0
@@ -244,7 +253,11 @@ class ComputeModel:
         # one's split by TP.
         out_split = "none" if kernel.tp_split == "k" else kernel.tp_split
         bwd_weight += self.memory_time(kernel.grad_reduction_bytes * rows / sharding.memory_divisor(out_split))
-        if causal and kernel.attention_core and kernel.name.startswith("attn_"):
+        if kernel.flash_kernel:
+            # A measured version's rate holds for its forward and backward alike and counts a
+            # causal core's FLOPs as half (src/attention_measurements.py).
+            fwd = bwd_input = self._measured_attention(kernel, m, n, k, batch, causal and kernel.name.startswith("attn_"))
+        elif causal and kernel.attention_core and kernel.name.startswith("attn_"):
             # A self-attention core's products over the s x s scores (QK^T: n = s; PV: k = s).
             tiles = math.ceil((n if kernel.attention_scores else k) / FLASH_TILE)
             ran = (tiles + 1) / (2 * tiles)

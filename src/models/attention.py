@@ -21,36 +21,53 @@ in 2023), so the 2021 DGX A100 runs of Narayanan et al. (dgx_a100) run eager, as
 in Par4D's era) and CPU workers; the 2024 systems on Ampere/Hopper (DistTrain's A800s and
 Optimus's H100s, both built on Megatron-LM; Par4D on Perlmutter's A100s with PyTorch 2's
 SDPA) run flash. None of the papers states it; model.attention=flash|eager sets it for a run.
+
+flash prices the core as the GEMMs it computes, on the device's GEMM curve. flash1 and flash2
+are the same algorithm run by a named version (FlashAttention 1, FlashAttention 2), priced by
+that version's rates as measured on the device (the preset's attention_measurements,
+src/attention_measurements.py): the versions differ by twice on an A100, where the curve
+gives both one rate; a preset without a table refuses them.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 
-from src.cluster import ATTENTION_MODES
+from src.cluster import ATTENTION_MODES, MEASURED_ATTENTION
 from src.models.spec import ActivationBytes, Kernel, LayerSpec, ModelSpec
 
-__all__ = ["ATTENTION_MODES", "with_attention"]
+__all__ = ["ATTENTION_MODES", "measured_versions", "with_attention"]
 
 
 def with_attention(spec: ModelSpec, mode: str) -> ModelSpec:
     """The model with every attention core run as `mode` (the builders make eager layers).
     Repeated layers stay one object: consumers cache by identity."""
-    return spec if mode == "eager" else spec.map_layers(_flash_layer)
+    if mode == "eager":
+        return spec
+    return spec.map_layers(partial(_flash_layer, version=mode if mode in MEASURED_ATTENTION else ""))
 
 
-def _flash_layer(layer: LayerSpec) -> LayerSpec:
+def _flash_layer(layer: LayerSpec, version: str) -> LayerSpec:
     if not any(kernel.attention_scores for kernel in layer.kernels):
         return layer
     a: ActivationBytes = layer.activations
-    kernels = tuple(_flash_kernel(kernel) for kernel in layer.kernels if not kernel.attention_dropout)
+    kernels = tuple(_flash_kernel(kernel, version) for kernel in layer.kernels if not kernel.attention_dropout)
     return replace(layer, kernels=kernels, activations=replace(a, attention=a.flash_attention))
 
 
-def _flash_kernel(kernel: Kernel) -> Kernel:
-    """The scores GEMM is recomputed in backward; the softmax moves nothing through HBM."""
+def _flash_kernel(kernel: Kernel, version: str) -> Kernel:
+    """The scores GEMM is recomputed in backward; the softmax moves nothing through HBM; a
+    measured version prices the core's two products."""
+    if kernel.attention_core and kernel.kind == "gemm":
+        kernel = replace(kernel, flash_kernel=version)
     if not kernel.attention_scores:
         return kernel
     if kernel.kind == "gemm":
         return replace(kernel, backward_recompute=True)
     return replace(kernel, bytes=0.0)
+
+
+def measured_versions(spec: ModelSpec) -> set[str]:
+    """The FlashAttention versions whose measured rates price the model's cores."""
+    return {kernel.flash_kernel for unit in spec.units for layer in unit.layers for kernel in layer.kernels if kernel.flash_kernel}

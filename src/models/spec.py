@@ -36,6 +36,8 @@ class Kernel:
     attention_scores: computes or normalises the s x s scores (QK^T, softmax), the tensors
       FlashAttention keeps in on-chip memory (src/models/attention.py).
     backward_recompute: backward re-runs this kernel's forward (FlashAttention's QK^T).
+    flash_kernel: the FlashAttention version whose measured rate prices this product of its
+      core (flash1 | flash2: the preset's attention_measurements); empty: the GEMM curve.
     skip_projection: projects the layer's input onto its output's channels and is added to
       the output (a residual block's 1x1 skip conv): it reads what the layer's first FC
       reads, not the previous kernel's output.
@@ -79,6 +81,7 @@ class Kernel:
     attention_core: bool = False
     attention_scores: bool = False
     backward_recompute: bool = False
+    flash_kernel: str = ""
     skip_projection: bool = False
     reads_embedding: bool = False
     norm_width: int = 0

@@ -36,7 +36,7 @@ def test_the_default_is_the_one_given(mode: str) -> None:
 
 
 def test_unknown_attention_is_a_config_error() -> None:
-    with pytest.raises(ConfigError, match=r"model.attention='xformers' is not one of: flash, eager"):
+    with pytest.raises(ConfigError, match=r"model.attention='xformers' is not one of: flash, flash1, flash2, eager"):
         build_model({**LONG_GPT, "attention": "xformers"})
 
 

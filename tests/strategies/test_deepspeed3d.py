@@ -32,7 +32,7 @@ def test_model_attention_set_by_hand_wins_and_null_takes_the_clusters():
 
 
 def test_a_bad_attention_kernel_is_one_line():
-    with pytest.raises(ConfigError, match=r"strategy.attention='fused'; choose one of \['flash', 'eager'\]"):
+    with pytest.raises(ConfigError, match=r"strategy.attention='fused'; choose one of \['flash', 'flash1', 'flash2', 'eager'\]"):
         validate(compose_config(*GPT_PERLMUTTER, "strategy=deepspeed3d", "strategy.attention=fused"))
 
 

@@ -1,0 +1,136 @@
+"""FlashAttention's measured rates on one device (conf/cluster/measured/attention/<name>.yaml).
+
+The preset's GEMM curve prices FlashAttention's core as the GEMMs it computes (QK^T with
+k = the head dimension, PV with n = it) at the curve's efficiency for those shapes. The
+kernels are not GEMMs: each streams key and value tiles through on-chip memory, runs the
+softmax between its two products and, in backward, recomputes the scores; how fast that
+goes is a property of the kernel's version, not of the GEMM library. Measured by their
+authors on an A100 80GB, FlashAttention 1's causal forward and backward reach 55-83 TFLOP/s
+at head dimension 128 and FlashAttention 2's 99-189, where the curve gives 95-142 to both.
+
+A table holds a kernel's rate (forward and backward FLOPs over their time, as the
+benchmark counts them: 4 b s^2 h d a forward, halved under a causal mask, 2.5 times that
+a backward) by mask, head dimension and sequence length. Between measured sequences the
+rate is interpolated in log2 of the length; past the ends it is the nearer end's (a
+sequence shorter than the shortest measured one runs at least as slowly: that end is an
+upper bound). Between measured head dimensions it is interpolated linearly in the
+dimension; past them, the nearer one's.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from src.errors import ConfigError
+from src.measured_files import measured_file, read_table
+
+ATTENTION_DIR = Path(__file__).resolve().parent.parent / "conf" / "cluster" / "measured" / "attention"
+MASKS = ("causal", "full")
+
+
+@dataclass(frozen=True)
+class RateSeries:
+    """One kernel's measured rates (FLOP/s) at one mask and head dimension, by sequence length."""
+
+    log_seqs: tuple[float, ...]
+    rates: tuple[float, ...]
+
+    def at(self, seq: float) -> float:
+        x = math.log2(max(seq, 1.0))
+        if x <= self.log_seqs[0]:
+            return self.rates[0]
+        if x >= self.log_seqs[-1]:
+            return self.rates[-1]
+        i = bisect.bisect_right(self.log_seqs, x)
+        x0, x1 = self.log_seqs[i - 1], self.log_seqs[i]
+        return self.rates[i - 1] + (self.rates[i] - self.rates[i - 1]) * (x - x0) / (x1 - x0)
+
+
+@dataclass(frozen=True)
+class AttentionMeasurements:
+    """FlashAttention kernels' measured rates on one device, at `precisions`."""
+
+    name: str
+    device: str
+    source: str
+    precisions: tuple[str, ...]
+    # kernel -> mask -> head dimension -> rates by sequence length
+    series: Mapping[str, Mapping[str, Mapping[int, RateSeries]]]
+
+    @property
+    def kernels(self) -> tuple[str, ...]:
+        return tuple(self.series)
+
+    def rate(self, kernel: str, causal: bool, head_dim: float, seq: float) -> float:
+        """FLOP/s of `kernel`'s forward and backward over `seq` keys at `head_dim`."""
+        by_dim = self.series[kernel]["causal" if causal else "full"]
+        dims = sorted(by_dim)
+        if head_dim <= dims[0]:
+            return by_dim[dims[0]].at(seq)
+        if head_dim >= dims[-1]:
+            return by_dim[dims[-1]].at(seq)
+        i = bisect.bisect_right(dims, head_dim)
+        d0, d1 = dims[i - 1], dims[i]
+        r0, r1 = by_dim[d0].at(seq), by_dim[d1].at(seq)
+        return r0 + (r1 - r0) * (head_dim - d0) / (d1 - d0)
+
+
+def measured_attention(name: str, cluster: str = "?") -> AttentionMeasurements:
+    """The measured table conf/cluster/measured/attention/<name>.yaml, checked."""
+    path = measured_file(ATTENTION_DIR, "conf/cluster/measured/attention", name, "attention measurements", cluster)
+    return _read(path, path.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _read(path: Path, mtime_ns: int) -> AttentionMeasurements:
+    where = f"conf/cluster/measured/attention/{path.name}"
+    keys = ["name", "device", "source", "method", "precisions", "sequences", "rates"]
+    data = read_table(path, where, keys, ("device", "source", "method"))
+    precisions = data.get("precisions")
+    if not isinstance(precisions, list) or not precisions or not all(p in ("bf16", "fp16") for p in precisions):
+        raise ConfigError(f"{where}: precisions lists the 16-bit precisions the rates hold for (bf16, fp16), got {precisions!r}")
+    seqs = data.get("sequences")
+    if (
+        not isinstance(seqs, list)
+        or len(seqs) < 2
+        or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in seqs)
+        or seqs != sorted(set(seqs))
+    ):
+        raise ConfigError(f"{where}: sequences lists two or more increasing positive lengths, got {seqs!r}")
+    rates = data.get("rates")
+    if not isinstance(rates, Mapping) or not rates:
+        raise ConfigError(f"{where}: rates maps each kernel to its masks' rates, got {rates!r}")
+    series = {str(kernel): _kernel_series(where, str(kernel), masks, seqs) for kernel, masks in rates.items()}
+    return AttentionMeasurements(
+        name=path.stem,
+        device=str(data["device"]),
+        source=str(data["source"]),
+        precisions=tuple(str(p) for p in precisions),
+        series=series,
+    )
+
+
+def _kernel_series(where: str, kernel: str, masks: Any, seqs: list[int]) -> dict[str, dict[int, RateSeries]]:
+    if not isinstance(masks, Mapping) or set(masks) != set(MASKS):
+        raise ConfigError(f"{where}: kernel {kernel} needs rates under both masks {list(MASKS)}, got {masks!r}")
+    out: dict[str, dict[int, RateSeries]] = {}
+    for mask in MASKS:
+        by_dim = masks[mask]
+        if not isinstance(by_dim, Mapping) or not by_dim:
+            raise ConfigError(f"{where}: {kernel}.{mask} maps head dimensions to rates, got {by_dim!r}")
+        out[mask] = {}
+        for dim, row in by_dim.items():
+            if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+                raise ConfigError(f"{where}: {kernel}.{mask}: a head dimension is a positive integer, got {dim!r}")
+            if not isinstance(row, list) or len(row) != len(seqs):
+                raise ConfigError(f"{where}: {kernel}.{mask}.{dim} lists one rate per sequence ({len(seqs)}), got {row!r}")
+            points = [(s, r) for s, r in zip(seqs, row) if r is not None]
+            if len(points) < 1 or any(isinstance(r, bool) or not isinstance(r, (int, float)) or r <= 0 for _, r in points):
+                raise ConfigError(f"{where}: {kernel}.{mask}.{dim}: rates are positive TFLOP/s (null: not measured), got {row!r}")
+            out[mask][dim] = RateSeries(tuple(math.log2(s) for s, _ in points), tuple(float(r) * 1e12 for _, r in points))
+    return out
