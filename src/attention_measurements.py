@@ -14,7 +14,10 @@ a backward) by mask, head dimension and sequence length. Between measured sequen
 rate is interpolated in log2 of the length; past the ends it is the nearer end's (a
 sequence shorter than the shortest measured one runs at least as slowly: that end is an
 upper bound). Between measured head dimensions it is interpolated linearly in the
-dimension; past them, the nearer one's.
+dimension; below the smallest, the smallest's. Past the largest the table says nothing
+(FlashAttention 1 and 2 stop at 128 and 256, the measurements at 128; a wider head, such
+as a VAE's one 512-wide head, runs another kernel): `covers` is false and the compute
+model prices that core on the curve.
 """
 
 from __future__ import annotations
@@ -66,13 +69,19 @@ class AttentionMeasurements:
     def kernels(self) -> tuple[str, ...]:
         return tuple(self.series)
 
+    def covers(self, kernel: str, causal: bool, head_dim: float) -> bool:
+        return head_dim <= max(self.series[kernel]["causal" if causal else "full"])
+
     def rate(self, kernel: str, causal: bool, head_dim: float, seq: float) -> float:
-        """FLOP/s of `kernel`'s forward and backward over `seq` keys at `head_dim`."""
+        """FLOP/s of `kernel`'s forward and backward over `seq` keys at `head_dim` (one the
+        table covers)."""
         by_dim = self.series[kernel]["causal" if causal else "full"]
         dims = sorted(by_dim)
         if head_dim <= dims[0]:
             return by_dim[dims[0]].at(seq)
-        if head_dim >= dims[-1]:
+        if head_dim > dims[-1]:
+            raise ValueError(f"head dimension {head_dim} is past the table's largest, {dims[-1]}")
+        if head_dim == dims[-1]:
             return by_dim[dims[-1]].at(seq)
         i = bisect.bisect_right(dims, head_dim)
         d0, d1 = dims[i - 1], dims[i]

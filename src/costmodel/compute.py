@@ -194,12 +194,17 @@ class ComputeModel:
         seconds = self.gemm_time(m, n, k, batch)
         return seconds - self.cluster.kernel_overhead_s if seconds > 0 else 0.0
 
-    def _measured_attention(self, kernel: Kernel, m: float, n: float, k: float, batch: float, causal: bool) -> float:
-        """One product of a FlashAttention core (QK^T: k the head dimension and n the keys;
-        PV: the other way round) at its version's measured rate over that many keys."""
+    def _measured_attention(self, kernel: Kernel, m: float, n: float, k: float, batch: float, causal: bool) -> float | None:
+        """One product of a FlashAttention core of a measured version (QK^T: k the head
+        dimension and n the keys; PV: the other way round) at that version's rate over that
+        many keys; None for any other kernel, or a head wider than the table measured."""
         table = self.cluster.attention_measurements
+        if not kernel.flash_kernel:
+            return None
         assert table is not None, "setup.validate refuses a measured version the preset has no table of"
         keys, head_dim = (n, k) if kernel.attention_scores else (k, n)
+        if not table.covers(kernel.flash_kernel, causal, head_dim):
+            return None
         flops = 2.0 * m * n * k * batch * (0.5 if causal else 1.0)
         return flops / table.rate(kernel.flash_kernel, causal, head_dim, keys)
 
@@ -253,10 +258,11 @@ class ComputeModel:
         # one's split by TP.
         out_split = "none" if kernel.tp_split == "k" else kernel.tp_split
         bwd_weight += self.memory_time(kernel.grad_reduction_bytes * rows / sharding.memory_divisor(out_split))
-        if kernel.flash_kernel:
+        measured = self._measured_attention(kernel, m, n, k, batch, causal and kernel.name.startswith("attn_"))
+        if measured is not None:
             # A measured version's rate holds for its forward and backward alike and counts a
             # causal core's FLOPs as half (src/attention_measurements.py).
-            fwd = bwd_input = self._measured_attention(kernel, m, n, k, batch, causal and kernel.name.startswith("attn_"))
+            fwd = bwd_input = measured
         elif causal and kernel.attention_core and kernel.name.startswith("attn_"):
             # A self-attention core's products over the s x s scores (QK^T: n = s; PV: k = s).
             tiles = math.ceil((n if kernel.attention_scores else k) / FLASH_TILE)

@@ -6,6 +6,7 @@ without a table, a precision it was not measured at or a bad table is refused in
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -42,9 +43,11 @@ def test_between_and_past_the_measured_points() -> None:
     assert table.rate("flash2", True, 128, 2048 * math.sqrt(2)) == pytest.approx(164e12)
     assert table.rate("flash2", True, 128, 65536) == table.rate("flash2", True, 128, 16384)
     assert table.rate("flash2", True, 128, 256) == table.rate("flash2", True, 128, 512)
-    # Head dimension 96, halfway between 64 (140) and 128 (155) at 2k; 256 runs as 128 does.
+    # Head dimension 96, halfway between 64 (140) and 128 (155) at 2k; 40 runs as 64 does; past 128 the
+    # table says nothing.
     assert table.rate("flash2", True, 96, 2048) == pytest.approx(147.5e12)
-    assert table.rate("flash2", True, 256, 2048) == table.rate("flash2", True, 128, 2048)
+    assert table.rate("flash2", True, 40, 2048) == table.rate("flash2", True, 64, 2048)
+    assert table.covers("flash2", True, 128) and not table.covers("flash2", True, 256)
     # A point the source's legend hides (FlashAttention-2, no mask, 128 at 1k) is interpolated from its neighbours.
     assert table.rate("flash2", False, 128, 1024) == table.rate("flash2", False, 128, 2048)
 
@@ -87,6 +90,15 @@ def test_a_measured_version_prices_its_core_at_the_measured_rate() -> None:
         assert bwd == pytest.approx(2.5 * fwd)  # two input gradients each and the recomputed scores
     # flash: the same core on the GEMM curve, which rates both versions alike
     assert {k.flash_kernel for k in _block("flash").kernels} == {""}
+
+
+def test_a_head_wider_than_the_table_measured_stays_on_the_curve() -> None:
+    compute = ComputeModel(preset_cluster("dgx_a100"), "bf16")
+    layer = _block("flash2")
+    scores = next(k for k in layer.kernels if k.attention_scores and k.kind == "gemm")
+    wide = replace(scores, k=512, batch=4)  # a VAE's one 512-wide head (four of them here)
+    on_curve = compute.kernel_times(replace(wide, flash_kernel=""), 1, Sharding(), 1, causal=True)
+    assert compute.kernel_times(wide, 1, Sharding(), 1, causal=True) == on_curve
 
 
 def test_a_measured_version_needs_its_preset_s_table_and_precision() -> None:
