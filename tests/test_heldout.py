@@ -97,6 +97,29 @@ def test_a_run_of_its_own_sequence_on_a_machine_its_preset_is_not_quite() -> Non
     assert heldout.settings(BY_ID["mpt-a100-80-1b-s8192-g8"], DATA).get("cluster_settings") is None  # the preset's own A100
 
 
+# MPT rows and the parameter count llm-foundry's README gives them (its NumParams column): the
+# layers and widths taken from the MPT yamls, the vocabulary, the biases and the learned
+# positions (which grow with the sequence) give back every one. The head counts, on which no
+# parameter depends, are the yamls' alone.
+MPT_PARAMS = {
+    "mpt-a100-80-1b-s2048-g8": 1_315_950_592,
+    "mpt-a100-80-1b-s1024-g8": 1_313_853_440,
+    "mpt-a100-80-7b-s2048-g8": 6_658_859_008,
+    "mpt-a100-80-30b-s2048-g8": 29_975_214_080,
+    "mpt-h100-70b-s2048-g64": 64_862_437_376,
+}
+
+
+@pytest.mark.parametrize("run_id, params", MPT_PARAMS.items())
+def test_an_mpt_row_is_the_model_its_table_counts(run_id: str, params: int) -> None:
+    from src.setup import validate
+    from tests.composing import composed
+
+    run = BY_ID[run_id]
+    model = validate(composed(heldout.overrides(run, heldout.settings(run, DATA)))).model
+    assert sum(unit.params for unit in model.units) == params
+
+
 def test_tokens_per_second_become_the_batch_s_tokens_over_that_rate() -> None:
     run = BY_ID["fa-gpt3-2.7b"]  # 512 sequences of 2048 tokens at 85k tokens/s
     assert heldout.published_seconds(run, 2048, 50264) == pytest.approx(512 * 2048 / 85000)
