@@ -27,13 +27,24 @@ import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from src.errors import ConfigError
 from src.measured_files import measured_file, read_table
 
 ATTENTION_DIR = Path(__file__).resolve().parent.parent / "conf" / "cluster" / "measured" / "attention"
 MASKS = ("causal", "full")
+
+
+def _clamped_line(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """y at x on the broken line through (xs, ys) (xs increasing), the nearer end's y past them."""
+    if x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        return ys[-1]
+    i = bisect.bisect_right(xs, x)
+    x0, x1 = xs[i - 1], xs[i]
+    return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - x0) / (x1 - x0)
 
 
 @dataclass(frozen=True)
@@ -44,14 +55,7 @@ class RateSeries:
     rates: tuple[float, ...]
 
     def at(self, seq: float) -> float:
-        x = math.log2(max(seq, 1.0))
-        if x <= self.log_seqs[0]:
-            return self.rates[0]
-        if x >= self.log_seqs[-1]:
-            return self.rates[-1]
-        i = bisect.bisect_right(self.log_seqs, x)
-        x0, x1 = self.log_seqs[i - 1], self.log_seqs[i]
-        return self.rates[i - 1] + (self.rates[i] - self.rates[i - 1]) * (x - x0) / (x1 - x0)
+        return _clamped_line(self.log_seqs, self.rates, math.log2(max(seq, 1.0)))
 
 
 @dataclass(frozen=True)
@@ -77,16 +81,9 @@ class AttentionMeasurements:
         table covers)."""
         by_dim = self.series[kernel]["causal" if causal else "full"]
         dims = sorted(by_dim)
-        if head_dim <= dims[0]:
-            return by_dim[dims[0]].at(seq)
         if head_dim > dims[-1]:
             raise ValueError(f"head dimension {head_dim} is past the table's largest, {dims[-1]}")
-        if head_dim == dims[-1]:
-            return by_dim[dims[-1]].at(seq)
-        i = bisect.bisect_right(dims, head_dim)
-        d0, d1 = dims[i - 1], dims[i]
-        r0, r1 = by_dim[d0].at(seq), by_dim[d1].at(seq)
-        return r0 + (r1 - r0) * (head_dim - d0) / (d1 - d0)
+        return _clamped_line(dims, [by_dim[d].at(seq) for d in dims], head_dim)
 
 
 def measured_attention(name: str, cluster: str = "?") -> AttentionMeasurements:

@@ -198,9 +198,9 @@ class ComputeModel:
         """One product of a FlashAttention core of a measured version (QK^T: k the head
         dimension and n the keys; PV: the other way round) at that version's rate over that
         many keys; None for any other kernel, or a head wider than the table measured."""
-        table = self.cluster.attention_measurements
         if not kernel.flash_kernel:
             return None
+        table = self.cluster.attention_measurements
         assert table is not None, "setup.validate refuses a measured version the preset has no table of"
         keys, head_dim = (n, k) if kernel.attention_scores else (k, n)
         if not table.covers(kernel.flash_kernel, causal, head_dim):
