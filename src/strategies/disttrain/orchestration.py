@@ -295,10 +295,11 @@ class Orchestrator:
         if tp * dp > self.N:
             return None
         # Activations grow linearly with b: skip what cannot fit before pricing it.
-        if b * self.peak[unit] * float(self.p.whole(unit, setting, 1, dp).kept[0]) >= self.usable:
+        one = self.p.whole(unit, setting, 1, dp)
+        if b * self.peak[unit] * float(one.kept[0] + one.transient[0]) >= self.usable:
             return None
         cost = self.p.whole(unit, setting, b, dp)
-        room = self.usable - self.peak[unit] * float(cost.kept[0])
+        room = self.usable - self.peak[unit] * float(cost.kept[0] + cost.transient[0])
         if room <= 0:
             return None
         # Model states shard over PP: PP >= states / room (continuous).
@@ -485,8 +486,11 @@ class Orchestrator:
         if found is None:
             stages = self.stages(choice)
             kept = stages.kept * self.peak[choice.unit]
+            # What a stage holds besides its forwards in flight: its model states and, for the
+            # moment a backward recomputes, that block's whole activations.
+            held = stages.states + stages.transient * self.peak[choice.unit]
             with np.errstate(divide="ignore"):
-                caps = np.where(kept > 0, (self.usable - stages.states) / kept, np.where(stages.states <= self.usable, INF, -INF))
+                caps = np.where(kept > 0, (self.usable - held) / kept, np.where(held <= self.usable, INF, -INF))
             hops = self.p.hops(choice.unit, choice.setting, choice.micro_batch, choice.dp, choice.pp)
             bwd = stages.bwd.reshape(-1, choice.pp).sum(axis=0)
             found = _Summary.of(
@@ -542,7 +546,7 @@ class Orchestrator:
         for c in choice:
             stages = self.stages(c)
             flight = np.minimum(depth - offset - np.arange(c.pp), m)
-            out[c.unit] = float((stages.states + flight * self.peak[c.unit] * stages.kept).max()) / GIB
+            out[c.unit] = float((stages.states + self.peak[c.unit] * (flight * stages.kept + stages.transient)).max()) / GIB
             offset += c.pp
         return out
 
@@ -559,7 +563,7 @@ class Orchestrator:
             for tp in self._tps(unit):
                 for setting in self.settings(unit, tp, 1):
                     cost = self.p.whole(unit, setting, 1, 1)
-                    kept = self.peak[unit] * float(cost.kept[0])
+                    kept = self.peak[unit] * float(cost.kept[0] + cost.transient[0])
                     need = float(cost.states[0]) / blocks + kept
                     if need < closest:
                         closest, lightest = need, setting

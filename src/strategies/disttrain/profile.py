@@ -31,7 +31,7 @@ import numpy as np
 from src.cluster import ClusterSpec
 from src.costmodel.comm import CommModel
 from src.costmodel.compute import ComputeModel
-from src.costmodel.memory import element_bytes, grad_bytes, model_state_bytes, zero_shards
+from src.costmodel.memory import element_bytes, grad_bytes, model_state_bytes, rematerialised_bytes, zero_shards
 from src.mesh import Sharding, tensor_parallel
 from src.models.flows import flows_of
 from src.models.spec import ModelSpec
@@ -77,6 +77,9 @@ class StageArrays:
     states: np.ndarray  # per stage: bytes of model states per GPU
     trainable: np.ndarray  # per stage: trainable parameters per GPU
     tail: np.ndarray  # per stage: gradient reduction, optimizer step, parameter gather
+    # per stage: bytes one micro-batch's backward brings back for a moment under full recompute
+    # (its largest block's whole activations, src.costmodel.memory.rematerialised_bytes)
+    transient: np.ndarray
 
     @property
     def pp(self) -> int:
@@ -225,7 +228,21 @@ class Profiler:
         per_trainable, per_fixed = self._state_coefficients(setting.zero_stage, dp)
         states = (per_trainable * trainable + per_fixed * fixed).reshape(vpp, pp).sum(axis=0)
         tail = self._tails(unit, tp, setting.zero_stage, dp, pp, vpp)
-        return StageArrays(self.cuts(unit, pp * vpp), fwd, bwd, act, states, trainable.reshape(vpp, pp).sum(axis=0), tail)
+        cuts = self.cuts(unit, pp * vpp)
+        transient = np.zeros(pp)
+        if setting.recompute == "full" and self.model.needs_backward(unit):
+            largest = self._rematerialised(unit, tp, setting.sequence_parallel)
+            chunks = np.array([largest[start:end].max(initial=0.0) for start, end in cuts]).reshape(vpp, pp)
+            # A TP pass in StepCCL's row chunks recomputes one chunk at a time.
+            transient = b * chunks.max(axis=0) / (self.chunks if tp > 1 else 1)
+        return StageArrays(cuts, fwd, bwd, act, states, trainable.reshape(vpp, pp).sum(axis=0), tail, transient)
+
+    @lru_cache(maxsize=None)
+    def _rematerialised(self, unit: str, tp: int, sequence_parallel: bool) -> np.ndarray:
+        """Per layer: one sequence's bytes full recomputation brings back while its backward
+        runs (a block's whole activations; none for the layers around the blocks)."""
+        sharding = tensor_parallel(tp, sequence_parallel)
+        return np.array([rematerialised_bytes([layer], sharding) for layer in self.model.unit(unit).layers])
 
     @lru_cache(maxsize=None)
     def _passes(self, unit: str, tp: int, sequence_parallel: bool, recompute: str, b: int, parts: int) -> tuple[np.ndarray, ...]:

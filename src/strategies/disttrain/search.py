@@ -182,7 +182,8 @@ class Decision:
 
     def _fits(self, choice: Choice, stages: list[StageArrays], orders: list[list[PipeOp]]) -> bool:
         """Each stage's model states and the most activations its order keeps at once
-        (each chunk's forward adds its own until its backward, at the unit's heaviest load)."""
+        (each chunk's forward adds its own until its backward, at the unit's heaviest load),
+        with what a backward under full recompute brings back for a moment."""
         usable = self.request.cluster.usable_memory_bytes
         first = 0
         for c, arrays in zip(choice, stages):
@@ -193,7 +194,7 @@ class Decision:
                     kept = float(arrays.activations[op.chunk * c.pp + stage])
                     live += kept if op.kind == "F" else -kept
                     most = max(most, live)
-                if float(arrays.states[stage]) + peak * most > usable:
+                if float(arrays.states[stage]) + peak * (most + float(arrays.transient[stage])) > usable:
                     return False
             first += c.pp
         return True

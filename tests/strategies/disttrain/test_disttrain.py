@@ -32,6 +32,8 @@ from src.strategies.disttrain.relaxation import RelaxedOption, Subproblems, solv
 from src.strategies.disttrain.schedule import Chain, chain_orders
 from src.strategies.disttrain.timing import dag_ends
 from src.strategies.disttrain.profile import Profiler, Setting
+from src.strategies.disttrain.search import SIMULATED
+from src.costmodel.memory import rematerialised_bytes
 from tests.composing import composed
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -204,6 +206,25 @@ def test_ratio_orchestration_is_no_better_than_algorithm_1_and_takes_the_flops_s
     assert disaggregated.details["simulated_s"] <= ratio.details["simulated_s"] + 1e-12
     gpus = {u.unit: u.mesh.size for u in ratio.units}
     assert gpus["encoder"] == 1 and gpus["generator"] <= 2 and gpus["llm"] <= 29
+
+
+def test_a_stage_under_full_recompute_keeps_room_for_the_block_its_backward_brings_back() -> None:
+    """A backward under full recompute re-runs its block's forward and holds that block's whole
+    activations for a moment (src.costmodel.memory, as the built Program's check counts them).
+    MLLM-72B's generator (a U-Net at 1024 px, ten images a sequence): the orchestration counts
+    them too, so every choice it times fits when built; without them Fig. 17's ratio-based plan
+    (96 A800s, 40 sequences) estimated its generator at 28 GiB and was refused built at 125."""
+    s = setup(
+        "model=mllm_72b", "cluster=a800", "cluster.nodes=12", "train.global_batch=40",
+        "model.images_per_sequence=10", "model.attention=flash2", "strategy.orchestration=ratio",
+    )  # fmt: skip
+    profiler = Profiler(s.model, s.cluster, s.train.precision, 1)
+    full, none = Setting(2, "full", True), Setting(2, "none", True)
+    largest = max(rematerialised_bytes([layer], full.sharding) for layer in s.model.unit("generator").layers)
+    assert profiler.stages("generator", full, 5, 2, 1).transient.tolist() == pytest.approx([5 * largest])
+    assert profiler.stages("generator", none, 5, 2, 1).transient.tolist() == [0.0]
+    timed = sorted((c for c in plan_run(s).details["search"]["candidates"]), key=lambda c: c["estimate_s"])[:SIMULATED]
+    assert all(c["simulated_s"] is not None for c in timed), timed
 
 
 # ---- the pipeline models -------------------------------------------------------------------
