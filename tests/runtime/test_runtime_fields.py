@@ -185,6 +185,7 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
         DISTTRAIN_RUNS,
     ),
     ("disttrain", "ranked"): (DISTTRAIN, ["strategy.ranked=2"], "run", DISTTRAIN_RUNS),
+    ("disttrain", "ranked_shapes"): (DISTTRAIN, ["strategy.ranked_shapes=2"], "run", DISTTRAIN_RUNS),
     ("disttrain", "recompute"): (DISTTRAIN, ["strategy.recompute=full"], "run", DISTTRAIN_RUNS),
     ("disttrain", "zero_stage"): (DISTTRAIN, ["strategy.zero_stage=0"], "run", DISTTRAIN_RUNS),
     ("disttrain", "encoder.tp"): (

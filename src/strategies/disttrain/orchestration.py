@@ -194,14 +194,17 @@ class Orchestrator:
         mode: str,
         peak_load: dict[str, float] | None = None,
         keep: int = 1,
+        shapes: int | None = None,
     ) -> None:
         """peak_load: the heaviest micro-batch's load per unit (data heterogeneity):
         memory is planned for its activations. keep: how many of the best integer
-        choices to return."""
+        choices to return; shapes: beside them, the best choice of each of this many best
+        distinct LLM shapes (the best few can be near-copies of one LLM shape, differing only
+        in the encoder's plan, which the data's skew slows alike)."""
         self.p, self.batch, self.N, self.fixed, self.mode = profiler, batch, devices, fixed, mode
         self.peak = peak_load or {u: 1.0 for u in UNITS}
         self.usable = profiler.cluster.usable_memory_bytes
-        self.keep = keep
+        self.keep, self.shapes = keep, shapes
         self.target = self._ratio_targets() if mode == "ratio" else {}
         self._summaries: dict[UnitChoice, _Summary] = {}
         self._choices: dict[tuple, list[UnitChoice]] = {}
@@ -367,11 +370,15 @@ class Orchestrator:
 
     def _recover(self, subproblems: Subproblems) -> Orchestration | None:
         kept: list[tuple[float, int, Choice]] = []  # a max-heap of the best `keep` by (-time)
+        shaped: dict[UnitChoice, tuple[float, int, Choice]] = {}  # the best choice per LLM shape
         seen: set[Choice] = set()
         microbatches: dict[Choice, int] = {}
         recovered, best_relaxed = 0, INF
         for relaxed, index, tau in subproblems.in_order():
+            # A choice at `bar` or slower can join neither the best `keep` nor the best shapes.
             bar = -kept[0][0] if len(kept) == self.keep else INF
+            if self.shapes:
+                bar = max(bar, max(t for t, _, _ in shaped.values()) if len(shaped) == self.shapes else INF)
             if relaxed * (1 + TOLERANCE) >= bar:
                 break
             dp_lm, picked = subproblems.locate(index)
@@ -391,9 +398,14 @@ class Orchestrator:
                     heapq.heappush(kept, entry)
                 elif entry > kept[0]:
                     heapq.heapreplace(kept, entry)
+                if self.shapes and (choice[1] not in shaped or estimate < shaped[choice[1]][0]):
+                    shaped[choice[1]] = (estimate, len(seen), choice)
+                    if len(shaped) > self.shapes:
+                        del shaped[max(shaped, key=lambda shape: shaped[shape][:2])]
         if not kept:
             return None
-        ranked = sorted(((-t, c) for t, _, c in kept), key=lambda x: x[0])
+        found = {c: -t for t, _, c in kept} | {c: t for t, _, c in shaped.values()}
+        ranked = sorted(((t, c) for c, t in found.items()), key=lambda x: x[0])
         return Orchestration(ranked, {c: microbatches[c] for _, c in ranked}, best_relaxed, {"recovered": recovered})
 
     def _llm_bound(self, picked: tuple[RelaxedOption, ...], tau: float, m: int) -> float:

@@ -12,7 +12,9 @@ multimodal LLMs. Every component can be switched off for the paper's ablations:
   (none, reorder = both, cost);
 - tp_overlap_chunks: StepCCL's TP overlap, 1 = off;
 - ranked: how many of the orchestration's best choices (at the mean load) are timed
-  against the batch's data (ours: the breadth of the choice on the data).
+  against the batch's data (ours: the breadth of the choice on the data);
+- ranked_shapes: beside them, the best choice of each of this many best distinct LLM
+  shapes (null: none), where the best few are near-copies of one LLM shape.
 
 The encoder, LLM and generator take their degrees from the orchestration (or by hand:
 strategy.llm.tp=8 ...); the Program is strategies.disttrain.programs'.
@@ -48,6 +50,7 @@ class DistTrainOptions:
     reorder: str | None = None  # None: train.balance's, else both (DistTrain's own)
     tp_overlap_chunks: int = 4
     ranked: int = RANKED
+    ranked_shapes: int | None = None
     recompute: str | None = None
     zero_stage: int | None = None
     encoder: Fixed = field(default_factory=Fixed)
@@ -60,6 +63,7 @@ class DistTrainOptions:
                 raise ConfigError(f"strategy.{key}={getattr(self, key)!r}; choose one of {list(allowed)}")
         check_positive("strategy.tp_overlap_chunks", self.tp_overlap_chunks, meaning=" (1 = no overlap)")
         check_positive("strategy.ranked", self.ranked, meaning=" (the orchestration's choices timed on the data)")
+        check_positive("strategy.ranked_shapes", self.ranked_shapes, optional=True, meaning=" (distinct LLM shapes also timed)")
         check_memory_options(self.recompute, self.zero_stage, "DistTrain's units run Megatron-LM's distributed optimizer (ZeRO-1)")
         for unit in UNITS:
             getattr(self, unit).check(f"strategy.{unit}")
@@ -128,7 +132,9 @@ def plan_disttrain_batches(request: PlanRequest, batches: Sequence[int]) -> list
     profiler = Profiler(model, cluster, train.precision, opts.tp_overlap_chunks)
     fixed = {u: _whole_unet(request, u, opts.fixed(u)) for u in UNITS}
 
-    orchestrator = Orchestrator(profiler, train.global_batch, cluster.devices, fixed, opts.orchestration, loads.peak, opts.ranked)
+    orchestrator = Orchestrator(
+        profiler, train.global_batch, cluster.devices, fixed, opts.orchestration, loads.peak, opts.ranked, opts.ranked_shapes
+    )
     found = orchestrator.solve()
     decision = Decision(request, orchestrator, loads, reorder, opts.tp_overlap_chunks)
     candidates = [Candidate(c, found.microbatches[c], t, opts.orchestration) for t, c in found.choices]

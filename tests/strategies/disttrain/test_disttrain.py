@@ -130,10 +130,11 @@ FIXED_OPTIONS = ["strategy.zero_stage=1"] + [
 ]
 
 
-def _orchestrator(s: Setup, mode: str = "disaggregated", keep: int = 1) -> Orchestrator:
+def _orchestrator(s: Setup, mode: str = "disaggregated", keep: int = 1, shapes: int | None = None) -> Orchestrator:
     opts = options_from(DistTrainOptions, s.config["strategy"])
     profiler = Profiler(s.model, s.cluster, s.train.precision, opts.tp_overlap_chunks)
-    return Orchestrator(profiler, s.train.global_batch, s.cluster.devices, {u: opts.fixed(u) for u in UNITS}, mode, keep=keep)
+    fixed = {u: opts.fixed(u) for u in UNITS}
+    return Orchestrator(profiler, s.train.global_batch, s.cluster.devices, fixed, mode, keep=keep, shapes=shapes)
 
 
 def test_orchestration_is_within_tolerance_of_brute_force() -> None:
@@ -166,6 +167,19 @@ def test_orchestration_is_within_tolerance_of_brute_force() -> None:
     assert orchestrator.time(choice, found.microbatches[choice]) == pytest.approx(estimate)
     assert best <= estimate <= best * (1 + TOLERANCE) + 1e-12
     assert found.search["subproblems"] > 0
+
+
+def test_ranked_shapes_adds_the_best_choice_of_each_of_the_best_distinct_llm_shapes() -> None:
+    """The 32-GPU request below: its best eight choices hold two LLM shapes. With eight
+    shapes asked for, eight distinct ones are returned beside them, in time order, and the best
+    is no slower (its pruning bar is the looser of the two)."""
+    s = setup("model=mllm_9b", "cluster=a800", "cluster.nodes=4", "train.global_batch=64", "train.data=uniform")
+    alone = _orchestrator(s, keep=8).solve()
+    shaped = _orchestrator(s, keep=8, shapes=8).solve()
+    assert len({c[1] for _, c in alone.choices}) == 2
+    assert len({c[1] for _, c in shaped.choices}) == 8 and len(shaped.choices) > 8
+    assert [t for t, _ in shaped.choices] == sorted(t for t, _ in shaped.choices)
+    assert shaped.choices[0][0] <= alone.choices[0][0]
 
 
 def test_the_relaxation_bounds_every_recovered_choice() -> None:
@@ -651,6 +665,7 @@ def test_a_reordering_and_a_balance_that_disagree_are_refused() -> None:
         ({"reorder": "sideways"}, "strategy.reorder"),
         ({"tp_overlap_chunks": 0}, "tp_overlap_chunks"),
         ({"ranked": 0}, r"strategy.ranked must be a positive integer \(the orchestration's choices timed on the data\), got 0"),
+        ({"ranked_shapes": 0}, r"strategy.ranked_shapes must be a positive integer or null \(distinct LLM shapes also timed\), got 0"),
     ],
 )
 def test_bad_options_are_named(options, match) -> None:
