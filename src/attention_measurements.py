@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from src.errors import ConfigError
-from src.measured_files import measured_file, read_table
+from src.measured_files import measured_file, read_table, table_precisions
 
 ATTENTION_DIR = Path(__file__).resolve().parent.parent / "conf" / "cluster" / "measured" / "attention"
 MASKS = ("causal", "full")
@@ -97,9 +97,7 @@ def _read(path: Path, mtime_ns: int) -> AttentionMeasurements:
     where = f"conf/cluster/measured/attention/{path.name}"
     keys = ["name", "device", "source", "method", "precisions", "sequences", "rates"]
     data = read_table(path, where, keys, ("device", "source", "method"))
-    precisions = data.get("precisions")
-    if not isinstance(precisions, list) or not precisions or not all(p in ("bf16", "fp16") for p in precisions):
-        raise ConfigError(f"{where}: precisions lists the 16-bit precisions the rates hold for (bf16, fp16), got {precisions!r}")
+    precisions = table_precisions(data, where, ("bf16", "fp16"), "16-bit precisions the rates")
     seqs = data.get("sequences")
     if (
         not isinstance(seqs, list)
@@ -116,7 +114,7 @@ def _read(path: Path, mtime_ns: int) -> AttentionMeasurements:
         name=path.stem,
         device=str(data["device"]),
         source=str(data["source"]),
-        precisions=tuple(str(p) for p in precisions),
+        precisions=precisions,
         series=series,
     )
 

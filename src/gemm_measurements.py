@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 from src.errors import ConfigError
-from src.measured_files import measured_file, read_table
+from src.measured_files import measured_file, read_table, table_precisions
 
 # A measured shape weighs 1 / distance^8: its squared distance to the 4th.
 INVERSE_POWER_HALF = 4
@@ -109,9 +109,7 @@ def measured_gemms(name: str, cluster: str = "?") -> GemmMeasurements:
 def _read(path: Path, mtime_ns: int) -> GemmMeasurements:
     where = f"conf/cluster/measured/gemm/{path.name}"
     data = read_table(path, where, ["name", "library", "source", "precisions", "gemms"], ("library", "source"))
-    precisions = data.get("precisions")
-    if not isinstance(precisions, list) or not precisions or not all(p in ("fp32", "bf16", "fp16") for p in precisions):
-        raise ConfigError(f"{where}: precisions lists the precisions the times hold for (fp32, bf16, fp16), got {precisions!r}")
+    precisions = table_precisions(data, where, ("fp32", "bf16", "fp16"), "precisions the times")
     rows = data.get("gemms")
     if not isinstance(rows, list) or not rows:
         raise ConfigError(f"{where}: gemms lists [m, n, k, ms] rows, got {rows!r}")
@@ -130,6 +128,6 @@ def _read(path: Path, mtime_ns: int) -> GemmMeasurements:
         name=path.stem,
         library=str(data["library"]),
         source=str(data["source"]),
-        precisions=tuple(str(p) for p in precisions),
+        precisions=precisions,
         points=tuple(points.values()),
     )

@@ -36,3 +36,12 @@ def read_table(path: Path, where: str, keys: list[str], stated: tuple[str, ...])
         if not str(data.get(key) or "").strip():
             raise ConfigError(f"{where} must say its {key}")
     return data
+
+
+def table_precisions(data: Mapping[str, Any], where: str, allowed: tuple[str, ...], what: str) -> tuple[str, ...]:
+    """A measured table's `precisions`: a non-empty list of `allowed` ones, which `what` (its
+    values) hold for."""
+    precisions = data.get("precisions")
+    if not isinstance(precisions, list) or not precisions or not all(p in allowed for p in precisions):
+        raise ConfigError(f"{where}: precisions lists the {what} hold for ({', '.join(allowed)}), got {precisions!r}")
+    return tuple(str(p) for p in precisions)
