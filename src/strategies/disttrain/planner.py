@@ -14,7 +14,7 @@ multimodal LLMs. Every component can be switched off for the paper's ablations:
 - ranked: how many of the orchestration's best choices (at the mean load) are timed
   against the batch's data (ours: the breadth of the choice on the data);
 - ranked_shapes: beside them, the best choice of each of this many best distinct LLM
-  shapes (null: none), where the best few are near-copies of one LLM shape.
+  shapes (null: none), since the best few can be near-copies of one LLM shape.
 
 The encoder, LLM and generator take their degrees from the orchestration (or by hand:
 strategy.llm.tp=8 ...); the Program is strategies.disttrain.programs'.
@@ -38,7 +38,7 @@ from src.strategies.base import PlanRequest, check_microbatch_count
 from src.data.disaggregated import BALANCE_REORDERS, REORDERS
 from src.strategies.disttrain.orchestration import UNITS, Fixed, Orchestrator
 from src.strategies.disttrain.profile import Profiler
-from src.strategies.disttrain.search import RANKED, SIMULATED, Candidate, Decision, memory_problem
+from src.strategies.disttrain.search import RANKED, RANKED_SHAPES, SIMULATED, Candidate, Decision, memory_problem
 from src.strategies.spec import AutoVariant, StrategySpec
 
 ORCHESTRATIONS = ("disaggregated", "ratio")
@@ -50,7 +50,7 @@ class DistTrainOptions:
     reorder: str | None = None  # None: train.balance's, else both (DistTrain's own)
     tp_overlap_chunks: int = 4
     ranked: int = RANKED
-    ranked_shapes: int | None = None
+    ranked_shapes: int | None = RANKED_SHAPES
     recompute: str | None = None
     zero_stage: int | None = None
     encoder: Fixed = field(default_factory=Fixed)

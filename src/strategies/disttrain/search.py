@@ -34,8 +34,11 @@ from src.strategies.disttrain.programs import Broker, UnitLayout, disttrain_prog
 from src.strategies.disttrain.timing import Hop, dag_ends
 
 # How many of the orchestration's choices are timed against the batch's data by default
-# (strategy.ranked), and how many of those (the best by that estimate) are simulated.
+# (strategy.ranked), of how many distinct LLM shapes the best choice is timed beside them
+# (strategy.ranked_shapes: the best few can be near-copies of one shape, which the data's
+# skew slows alike), and how many of those (the best by that estimate) are simulated.
 RANKED = 8
+RANKED_SHAPES = 8
 SIMULATED = 3
 
 

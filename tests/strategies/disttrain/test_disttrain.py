@@ -345,7 +345,8 @@ def test_the_plan_s_estimate_is_the_simulated_time_and_its_pick_the_fastest_simu
 
 @pytest.mark.parametrize("ranked", [1, 3])
 def test_ranked_is_how_many_of_the_orchestration_s_choices_are_timed_on_the_data(ranked: int) -> None:
-    plan = plan_run(setup(*SMALL, f"strategy.ranked={ranked}"))
+    """With no distinct LLM shapes asked for beside them (strategy.ranked_shapes=null)."""
+    plan = plan_run(setup(*SMALL, f"strategy.ranked={ranked}", "strategy.ranked_shapes=null"))
     timed = [c for c in plan.details["search"]["candidates"] if c["origin"] == "disaggregated"]
     assert len(timed) == ranked
 
