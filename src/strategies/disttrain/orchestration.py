@@ -183,6 +183,12 @@ class Orchestration:
     def best(self) -> Choice:
         return self.choices[0][1]
 
+    def joined(self, other: Orchestration) -> Orchestration:
+        """Both searches' choices, best first (this one's search record)."""
+        times = dict((c, t) for t, c in other.choices) | dict((c, t) for t, c in self.choices)
+        choices = sorted(((t, c) for c, t in times.items()), key=lambda x: x[0])
+        return Orchestration(choices, other.microbatches | self.microbatches, min(self.relaxed_s, other.relaxed_s), self.search)
+
 
 class Orchestrator:
     def __init__(

@@ -136,6 +136,11 @@ def plan_disttrain_batches(request: PlanRequest, batches: Sequence[int]) -> list
         profiler, train.global_batch, cluster.devices, fixed, opts.orchestration, loads.peak, opts.ranked, opts.ranked_shapes
     )
     found = orchestrator.solve()
+    if opts.ranked_shapes:
+        # The search for distinct shapes prunes against a looser bar, so its best `ranked`
+        # can differ from those the search for them alone keeps: both are timed, so that
+        # asking for shapes never drops a choice the estimate on the data would rank first.
+        found = found.joined(orchestrator.with_mode(opts.orchestration, opts.ranked).solve())
     decision = Decision(request, orchestrator, loads, reorder, opts.tp_overlap_chunks)
     candidates = [Candidate(c, found.microbatches[c], t, opts.orchestration) for t, c in found.choices]
     m = found.microbatches[found.best]
