@@ -178,6 +178,7 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
         DISTTRAIN_RUNS,
     ),
     ("disttrain", "reorder"): (DISTTRAIN, ["strategy.reorder=both"], "run", DISTTRAIN_RUNS),
+    ("disttrain", "plan_reorder"): (DISTTRAIN, ["strategy.plan_reorder=both", "strategy.reorder=none"], "run", DISTTRAIN_RUNS),
     ("disttrain", "tp_overlap_chunks"): (
         DISTTRAIN,
         ["strategy.llm.tp=2", "strategy.llm.sequence_parallel=false", "strategy.tp_overlap_chunks=4"],

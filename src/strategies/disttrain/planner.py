@@ -10,6 +10,8 @@ multimodal LLMs. Every component can be switched off for the paper's ablations:
 - reorder: none | intra (Algorithm 2) | inter (Algorithm 3) | both | cost (the cost model's
   balance, src/data/balance.py); the workload's train.balance, where given, says which
   (none, reorder = both, cost);
+- plan_reorder: the reordering the plan is chosen under (null: reorder's), then run with
+  reorder's order: an ablation of the order alone keeps DistTrain's plan (§8.2.2);
 - tp_overlap_chunks: StepCCL's TP overlap, 1 = off;
 - ranked: how many of the orchestration's best choices (at the mean load) are timed
   against the batch's data (ours: the breadth of the choice on the data);
@@ -48,6 +50,7 @@ ORCHESTRATIONS = ("disaggregated", "ratio")
 class DistTrainOptions:
     orchestration: str = "disaggregated"
     reorder: str | None = None  # None: train.balance's, else both (DistTrain's own)
+    plan_reorder: str | None = None  # None: reorder's
     tp_overlap_chunks: int = 4
     ranked: int = RANKED
     ranked_shapes: int | None = RANKED_SHAPES
@@ -58,8 +61,8 @@ class DistTrainOptions:
     generator: Fixed = field(default_factory=Fixed)
 
     def __post_init__(self) -> None:
-        for key, allowed in (("orchestration", ORCHESTRATIONS), ("reorder", REORDERS)):
-            if getattr(self, key) not in allowed and not (key == "reorder" and self.reorder is None):
+        for key, allowed in (("orchestration", ORCHESTRATIONS), ("reorder", REORDERS), ("plan_reorder", REORDERS)):
+            if getattr(self, key) not in allowed and not (key in ("reorder", "plan_reorder") and getattr(self, key) is None):
                 raise ConfigError(f"strategy.{key}={getattr(self, key)!r}; choose one of {list(allowed)}")
         check_positive("strategy.tp_overlap_chunks", self.tp_overlap_chunks, meaning=" (1 = no overlap)")
         check_positive("strategy.ranked", self.ranked, meaning=" (the orchestration's choices timed on the data)")
@@ -141,7 +144,7 @@ def plan_disttrain_batches(request: PlanRequest, batches: Sequence[int]) -> list
         # can differ from those the search for them alone keeps: both are timed, so that
         # asking for shapes never drops a choice the estimate on the data would rank first.
         found = found.joined(orchestrator.with_mode(opts.orchestration, opts.ranked).solve())
-    decision = Decision(request, orchestrator, loads, reorder, opts.tp_overlap_chunks)
+    decision = Decision(request, orchestrator, loads, opts.plan_reorder or reorder, opts.tp_overlap_chunks)
     candidates = [Candidate(c, found.microbatches[c], t, opts.orchestration) for t, c in found.choices]
     m = found.microbatches[found.best]
     candidates += [Candidate(c, m, t, f"{opts.orchestration}, interleaved") for t, c in orchestrator.interleavings(found.best, m)]
@@ -174,6 +177,8 @@ def plan_disttrain_batches(request: PlanRequest, batches: Sequence[int]) -> list
     if not simulated:
         raise PlanError(memory_problem(request, min(chosen, key=lambda c: c.estimate_s)))
     best = min(simulated, key=lambda c: c.simulated_s or math.inf)
+    if decision.reorder != reorder:
+        best = _decided(Decision(request, orchestrator, loads, reorder, opts.tp_overlap_chunks), best)
     search = found.search | {
         "ranked": len(candidates),
         "simulated": len(simulated),
@@ -183,13 +188,19 @@ def plan_disttrain_batches(request: PlanRequest, batches: Sequence[int]) -> list
     for batch in batches[1:]:
         again = replace(request, batch_index=batch)
         batch_data = batch_loads(model, train.seed, train.global_batch, train.data, request.sample_images, batch)
-        redo = Decision(again, orchestrator, batch_data, reorder, opts.tp_overlap_chunks)
-        candidate = Candidate(best.choice, best.microbatches, best.model_s, best.origin)
-        redo.estimate(candidate)
-        redo.build(candidate)
-        redo.simulate(candidate)
+        candidate = _decided(Decision(again, orchestrator, batch_data, reorder, opts.tp_overlap_chunks), best)
         plans.append(_plan(again, opts, batch_data, candidate, search, found.relaxed_s))
     return plans
+
+
+def _decided(decision: Decision, chosen: Candidate) -> Candidate:
+    """The chosen degrees and micro-batches, placed and simulated by `decision` (another
+    batch's data, or another order than the one the choice was made under)."""
+    candidate = Candidate(chosen.choice, chosen.microbatches, chosen.model_s, chosen.origin)
+    decision.estimate(candidate)
+    decision.build(candidate)
+    decision.simulate(candidate)
+    return candidate
 
 
 def _plan(request: PlanRequest, opts: DistTrainOptions, loads: BatchLoads, best: Candidate, search: dict, relaxed_s: float) -> Plan:
@@ -199,6 +210,7 @@ def _plan(request: PlanRequest, opts: DistTrainOptions, loads: BatchLoads, best:
         "orchestration": opts.orchestration,
         "data": train.data,
         "reorder": opts.reorder,
+        "plan_reorder": opts.plan_reorder or opts.reorder,
         "tp_overlap_chunks": opts.tp_overlap_chunks,
         "microbatches": best.microbatches,
         "brokers": [b.as_dict() | {"ranks": compress_ranks(b.ranks)} for b in best.brokers],
