@@ -341,9 +341,10 @@ class Orchestrator:
         return undominated(out)
 
     def with_mode(self, mode: str, keep: int) -> Orchestrator:
-        """The same request orchestrated another way, sharing what is priced."""
+        """The same request orchestrated another way, sharing what is priced (the options'
+        bases, the integer choices and their summaries depend on neither)."""
         other = Orchestrator(self.p, self.batch, self.N, self.fixed, mode, self.peak, keep)
-        other.bases = self.bases
+        other.bases, other._choices, other._summaries = self.bases, self._choices, self._summaries
         return other
 
     # ---- solve -----------------------------------------------------------------------------
