@@ -206,7 +206,8 @@ class Orchestrator:
         memory is planned for its activations. keep: how many of the best integer
         choices to return; shapes: beside them, the best choice of each of this many best
         distinct LLM shapes (the best few can be near-copies of one LLM shape, differing only
-        in the encoder's plan, which the data's skew slows alike)."""
+        in the encoder's plan, which the data's skew slows alike), and the best `keep` as a
+        search without shapes finds them."""
         self.p, self.batch, self.N, self.fixed, self.mode = profiler, batch, devices, fixed, mode
         self.peak = peak_load or {u: 1.0 for u in UNITS}
         self.usable = profiler.cluster.usable_memory_bytes
@@ -357,6 +358,11 @@ class Orchestrator:
         subproblems = Subproblems(spaces, self.batch, float(self.N)) if spaces else None
         bounded = time.perf_counter()
         found = self._recover(subproblems) if subproblems else None
+        if found is not None and subproblems is not None and self.shapes:
+            # The shapes' looser bar keeps other best `keep` than the search for them alone
+            # prunes to: both sets are returned, so asking for shapes drops none of the latter.
+            alone = self.with_mode(self.mode, self.keep)._recover(subproblems)
+            found = found if alone is None else found.joined(alone)
         done, done_cpu = time.perf_counter(), time.process_time()
         if found is None or subproblems is None:
             raise self._no_plan()

@@ -61,9 +61,14 @@ class DistTrainOptions:
     generator: Fixed = field(default_factory=Fixed)
 
     def __post_init__(self) -> None:
-        for key, allowed in (("orchestration", ORCHESTRATIONS), ("reorder", REORDERS), ("plan_reorder", REORDERS)):
-            if getattr(self, key) not in allowed and not (key in ("reorder", "plan_reorder") and getattr(self, key) is None):
-                raise ConfigError(f"strategy.{key}={getattr(self, key)!r}; choose one of {list(allowed)}")
+        for key, allowed, optional in (
+            ("orchestration", ORCHESTRATIONS, False),
+            ("reorder", REORDERS, True),
+            ("plan_reorder", REORDERS, True),
+        ):
+            value = getattr(self, key)
+            if value not in allowed and not (optional and value is None):
+                raise ConfigError(f"strategy.{key}={value!r}; choose one of {list(allowed)}")
         check_positive("strategy.tp_overlap_chunks", self.tp_overlap_chunks, meaning=" (1 = no overlap)")
         check_positive("strategy.ranked", self.ranked, meaning=" (the orchestration's choices timed on the data)")
         check_positive("strategy.ranked_shapes", self.ranked_shapes, optional=True, meaning=" (distinct LLM shapes also timed)")
@@ -139,11 +144,6 @@ def plan_disttrain_batches(request: PlanRequest, batches: Sequence[int]) -> list
         profiler, train.global_batch, cluster.devices, fixed, opts.orchestration, loads.peak, opts.ranked, opts.ranked_shapes
     )
     found = orchestrator.solve()
-    if opts.ranked_shapes:
-        # The search for distinct shapes prunes against a looser bar, so its best `ranked`
-        # can differ from those the search for them alone keeps: both are timed, so that
-        # asking for shapes never drops a choice the estimate on the data would rank first.
-        found = found.joined(orchestrator.with_mode(opts.orchestration, opts.ranked).solve())
     decision = Decision(request, orchestrator, loads, opts.plan_reorder or reorder, opts.tp_overlap_chunks)
     candidates = [Candidate(c, found.microbatches[c], t, opts.orchestration) for t, c in found.choices]
     m = found.microbatches[found.best]
