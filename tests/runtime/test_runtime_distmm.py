@@ -28,7 +28,7 @@ from tests.runtime.support import launch_cases, sensitive, sensitive_optimizer
 
 pytestmark = pytest.mark.slow  # starts worker processes
 
-STEPS, BATCH, CONTRASTIVE = 5, 12, 6  # two batch-sync groups per step
+STEPS, BATCH, CONTRASTIVE = 3, 12, 6  # two updates; two batch-sync groups per step
 FOUR_WORKERS = [
     "backend=torch",
     "cluster=local",

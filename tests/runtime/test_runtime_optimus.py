@@ -23,7 +23,7 @@ from tests.runtime.support import launch_cases, sensitive, sensitive_optimizer, 
 
 pytestmark = pytest.mark.slow  # starts worker processes
 
-STEPS = 5
+STEPS = 3  # two updates: each step's loss follows from the update before it
 BATCH = 8
 WORKERS = 4
 BASE = [
