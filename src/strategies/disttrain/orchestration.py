@@ -178,16 +178,20 @@ class Orchestration:
     microbatches: dict[Choice, int]
     relaxed_s: float
     search: dict = field(default_factory=dict)
+    # Joined with a search without distinct shapes: the choices that one keeps, best first.
+    alone: tuple[Choice, ...] = ()
 
     @property
     def best(self) -> Choice:
         return self.choices[0][1]
 
     def joined(self, other: Orchestration) -> Orchestration:
-        """Both searches' choices, best first (this one's search record)."""
+        """Both searches' choices, best first (this one's search record), `other`'s kept as
+        `alone`."""
         times = dict((c, t) for t, c in other.choices) | dict((c, t) for t, c in self.choices)
         choices = sorted(((t, c) for c, t in times.items()), key=lambda x: x[0])
-        return Orchestration(choices, other.microbatches | self.microbatches, min(self.relaxed_s, other.relaxed_s), self.search)
+        relaxed = min(self.relaxed_s, other.relaxed_s)
+        return Orchestration(choices, other.microbatches | self.microbatches, relaxed, self.search, tuple(c for _, c in other.choices))
 
 
 class Orchestrator:

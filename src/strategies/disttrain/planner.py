@@ -146,24 +146,27 @@ def plan_disttrain_batches(request: PlanRequest, batches: Sequence[int]) -> list
     found = orchestrator.solve()
     decision = Decision(request, orchestrator, loads, opts.plan_reorder or reorder, opts.tp_overlap_chunks)
     candidates = [Candidate(c, found.microbatches[c], t, opts.orchestration) for t, c in found.choices]
-    m = found.microbatches[found.best]
-    candidates += [Candidate(c, m, t, f"{opts.orchestration}, interleaved") for t, c in orchestrator.interleavings(found.best, m)]
-    ratio = None
-    if opts.orchestration != "ratio":
-        # The ratio-based plan is simulated beside ours: DistTrain's is never slower.
-        try:
-            found_ratio = orchestrator.with_mode("ratio", 1).solve()
-        except (ConfigError, PlanError):
-            found_ratio = None
-        if found_ratio is not None and found_ratio.best not in found.microbatches:
-            best_ratio = found_ratio.best
-            ratio = Candidate(best_ratio, found_ratio.microbatches[best_ratio], found_ratio.choices[0][0], "ratio")
-    for candidate in candidates + ([ratio] if ratio else []):
+    # The best choice interleaved, and so the best the search without shapes keeps: what that
+    # search alone would time (asking for shapes drops none of it).
+    alone = set(found.alone)
+    for first in dict.fromkeys([found.best, *found.alone[:1]]):
+        m = found.microbatches[first]
+        timed = {c.choice for c in candidates}
+        interleaved = [Candidate(c, m, t, f"{opts.orchestration}, interleaved") for t, c in orchestrator.interleavings(first, m)]
+        candidates += [c for c in interleaved if c.choice not in timed]
+        alone |= {c.choice for c in interleaved} if found.alone[:1] == (first,) else set()
+    # The ratio-based plan is simulated beside ours: DistTrain's is never slower.
+    ratio, apart = _ratio_plan(orchestrator, opts.orchestration, candidates), []
+    if ratio is not None and all(c.choice != ratio.choice for c in candidates):
+        apart = [ratio]
+    for candidate in candidates + apart:
         decision.estimate(candidate)
     ranked = sorted((c for c in candidates if math.isfinite(c.estimate_s)), key=lambda c: c.estimate_s)
-    chosen = ranked[:SIMULATED] + ([ratio] if ratio and math.isfinite(ratio.estimate_s) else [])
-    if ratio is not None:
-        candidates.append(ratio)
+    # The best by the estimate, those the search without shapes would simulate, and the ratio plan's.
+    picked = ranked[:SIMULATED] + [c for c in ranked if c.choice in alone][:SIMULATED]
+    picked += [ratio] if ratio is not None and math.isfinite(ratio.estimate_s) else []
+    chosen = list({id(c): c for c in picked}.values())
+    candidates += apart
     if not chosen:
         raise PlanError(
             f"disttrain: none of the orchestration's {len(candidates)} best choices holds in memory the forwards its "
@@ -191,6 +194,21 @@ def plan_disttrain_batches(request: PlanRequest, batches: Sequence[int]) -> list
         candidate = _decided(Decision(again, orchestrator, batch_data, reorder, opts.tp_overlap_chunks), best)
         plans.append(_plan(again, opts, batch_data, candidate, search, found.relaxed_s))
     return plans
+
+
+def _ratio_plan(orchestrator: Orchestrator, orchestration: str, candidates: list[Candidate]) -> Candidate | None:
+    """The ratio-based orchestration's best choice (§8.2.1's baseline): the candidate of that
+    choice where it is one, else one of its own; None where ours is that orchestration or it
+    finds no plan."""
+    if orchestration == "ratio":
+        return None
+    try:
+        found = orchestrator.with_mode("ratio", 1).solve()
+    except (ConfigError, PlanError):
+        return None
+    model_s, best = found.choices[0]
+    ours = [c for c in candidates if c.choice == best]
+    return ours[0] if ours else Candidate(best, found.microbatches[best], model_s, "ratio")
 
 
 def _decided(decision: Decision, chosen: Candidate) -> Candidate:

@@ -365,6 +365,20 @@ def test_asking_for_distinct_shapes_still_times_every_choice_the_best_ranked_alo
     assert alone < shaped
 
 
+def test_asking_for_distinct_shapes_simulates_every_plan_the_search_without_them_would() -> None:
+    """The shapes' choices can outrank, by the estimate on the data, the three the search
+    without them would simulate (on this request before both were simulated, one of them):
+    both sets are simulated, so asking for shapes never gives a slower plan."""
+
+    def simulated(*extra: str) -> set[str]:
+        search = plan_run(setup(*SMALL, "train.data=uniform", *extra)).details["search"]
+        return {repr(sorted(c["units"].items())) for c in search["candidates"] if c["simulated_s"] is not None}
+
+    alone, shaped = simulated("strategy.ranked_shapes=null"), simulated()
+    assert alone <= shaped
+    assert len(shaped) > len(alone)  # the shapes' own are simulated too
+
+
 def test_plan_reorder_runs_the_plan_chosen_under_it_in_another_order() -> None:
     """Fig. 18's ablations (§8.2.2): DistTrain's plan, chosen with its reordering, run in the
     data order; the order is the run's, the degrees the reordered plan's."""
