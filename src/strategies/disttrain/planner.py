@@ -154,11 +154,11 @@ def plan_disttrain_batches(request: PlanRequest, batches: Sequence[int]) -> list
         timed = {c.choice for c in candidates}
         interleaved = [Candidate(c, m, t, f"{opts.orchestration}, interleaved") for t, c in orchestrator.interleavings(first, m)]
         candidates += [c for c in interleaved if c.choice not in timed]
-        alone |= {c.choice for c in interleaved} if found.alone[:1] == (first,) else set()
+        if found.alone[:1] == (first,):
+            alone |= {c.choice for c in interleaved}
     # The ratio-based plan is simulated beside ours: DistTrain's is never slower.
-    ratio, apart = _ratio_plan(orchestrator, opts.orchestration, candidates), []
-    if ratio is not None and all(c.choice != ratio.choice for c in candidates):
-        apart = [ratio]
+    ratio = _ratio_plan(orchestrator, opts.orchestration, candidates)
+    apart = [ratio] if ratio is not None and not any(ratio is c for c in candidates) else []
     for candidate in candidates + apart:
         decision.estimate(candidate)
     ranked = sorted((c for c in candidates if math.isfinite(c.estimate_s)), key=lambda c: c.estimate_s)
