@@ -350,16 +350,21 @@ def _claim_table(
 ) -> dict[str, dict[str, float]] | None:
     """The check's values (group -> series -> value), each group's series read where
     `places[group]` puts them; None where a job did not run. `largest`: a running time
-    measured in repeated runs at the largest of them (the value, their least, elsewhere)."""
+    measured in repeated runs at the largest of them (the value, their least, elsewhere); with
+    the check's `per`, each over that series' value in the group."""
     check = claim.check
     table: dict[str, dict[str, float]] = {}
     for group in check["groups"]:
         table[group] = {}
+        base = _read(places[group], check["per"], claim.field, match) if "per" in check else 1.0
+        if not base:
+            return None
         for series in [check["series"], *check.get("than", [])]:
             value = _read(places[group], series, claim.field, match)
             if value is None:
                 return None
-            if largest and match is None:
+            value /= base
+            if largest and match is None and "per" not in check:
                 at = places[group](series)
                 spread = None if at is None else at[0].largest(at[1], series, claim.field)
                 value = value if spread is None else spread

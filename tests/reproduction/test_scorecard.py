@@ -122,6 +122,19 @@ CATALOGUE = {
                     "check": {"kind": "decreasing", "series": "new", "groups": ["small", "large"]},
                     "miss": {"cause": "implementation", "evidence": "gain {new:value@small} then {new:value@large}"},
                 },
+                {
+                    # new's time grows (2 then 3 s), its share of base's falls (2/3 then 1/2)
+                    "id": "share-falls",
+                    "claim": "new takes a smaller share of base's time on the larger size",
+                    "where": "§1",
+                    "check": {
+                        "kind": "decreasing",
+                        "series": "new",
+                        "per": "base",
+                        "field": "iteration_time_s",
+                        "groups": ["small", "large"],
+                    },
+                },
             ],
         },
         {
@@ -195,10 +208,11 @@ def test_scoring_a_catalogue(tmp_path: Path) -> None:
     claims = {c.claim.id: c for c in paper.claims}
     assert claims["wins"].status == HOLDS
     assert claims["shrinks"].status == MISSES and claims["shrinks"].miss == "implementation: gain 1.5 then 2"
+    assert claims["share-falls"].status == HOLDS  # read per base's time, not new's own
     assert not goal_met([paper])  # 2 of 7 hold
     text = markdown([paper], "results/", "../papers")
     assert "| up-to | Fig. 1 | largest speed-up | up to 2 | §1 | 2 (largest at large) | 1.67 | 1.00 | holds |  |" in text
-    assert "| toy | 7 | 2 (29 %) | 1 | 3 (43 %) | 1 | 1 | 0 | 2 | 0 | 1 / 2 |" in text
+    assert "| toy | 7 | 2 (29 %) | 1 | 3 (43 %) | 1 | 1 | 0 | 2 | 0 | 2 / 3 |" in text
     assert "| large | 1.5 | new's TP (a test) | 1: 1.33, 2: 1.67 | consistent |" in text
     assert "Goal: at least 45 % of the numeric headlines hold at the point value" in text
     summary = as_json([paper], "results/")["papers"]["toy"]
