@@ -526,7 +526,7 @@ def _claim(row: dict[str, Any], paper: str, figure: str, context: _Context) -> C
         {
             "preset": spec.name,
             "series": check["series"],
-            "over": [*check.get("than", []), *_as_list(check.get("per"))],
+            "over": list(_claim_over(check)),
             "field": field_name,
         },
         context,
@@ -541,11 +541,16 @@ def _claim(row: dict[str, Any], paper: str, figure: str, context: _Context) -> C
     return Claim(row["id"], paper, row.get("figure", figure), row["claim"], row["where"], spec.name, field_name, check, miss)
 
 
+def _claim_over(check: dict[str, Any]) -> tuple[str, ...]:
+    """The series a claim's check reads beside its own: those it is compared with, and the one
+    each is read per."""
+    return (*check.get("than", []), *_as_list(check.get("per")))
+
+
 def claim_locus(claim: Claim) -> Locus:
-    """The series and groups a claim's check reads, as a locus (its `over` the `than` and `per` series)."""
+    """The series and groups a claim's check reads, as a locus."""
     check = claim.check
-    over = (*check.get("than", []), *_as_list(check.get("per")))
-    return Locus(claim.preset, tuple(check["groups"]), check["series"], claim.field, over)
+    return Locus(claim.preset, tuple(check["groups"]), check["series"], claim.field, _claim_over(check))
 
 
 def _sensitivities(
