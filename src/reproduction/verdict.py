@@ -188,12 +188,16 @@ def check_claim(check: dict[str, Any], values: Table, largest: Table | None = No
         series = check["series"]
         pairs = list(zip(groups, groups[1:])) if kind == "increasing" else list(zip(groups[1:], groups))
         return all(_below(high[a][series], values[b][series]) for a, b in pairs)
+    if kind == "steady":  # every group within the rule's relative tolerance of the smallest
+        series = check["series"]
+        low = min(values[g][series] for g in groups)
+        return all(high[g][series] <= low + RELATIVE * abs(low) for g in groups)
     if kind == "largest_gap":
         if largest is not None:
             return check_claim(check, values) and check_claim(check, largest)
         gaps = {g: values[g][check["series"]] - values[g][check["than"][0]] for g in groups}
         return max(gaps, key=lambda g: gaps[g]) == check["at"]
-    raise ConfigError(f"unknown claim check {kind!r} (lowest, highest, increasing, decreasing, largest_gap)")
+    raise ConfigError(f"unknown claim check {kind!r} (lowest, highest, increasing, decreasing, steady, largest_gap)")
 
 
-CHECKS = ("lowest", "highest", "increasing", "decreasing", "largest_gap")
+CHECKS = ("lowest", "highest", "increasing", "decreasing", "steady", "largest_gap")

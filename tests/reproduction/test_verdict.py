@@ -76,6 +76,10 @@ def test_claim_checks() -> None:
     assert check_claim({"kind": "decreasing", "series": "x", "groups": ["b", "c"]}, table)
     assert check_claim({"kind": "largest_gap", "series": "y", "than": ["x"], "at": "c", "groups": groups}, table)
     assert not check_claim({"kind": "largest_gap", "series": "y", "than": ["x"], "at": "a", "groups": groups}, table)
+    # steady: every group within the rule's 10 % of the smallest
+    steady = {"a": {"x": 0.344}, "b": {"x": 0.346}, "c": {"x": 0.378}, "d": {"x": 0.380}}
+    assert check_claim({"kind": "steady", "series": "x", "groups": ["a", "b", "c"]}, steady)
+    assert not check_claim({"kind": "steady", "series": "x", "groups": ["a", "b", "d"]}, steady)
 
 
 @pytest.mark.parametrize(
