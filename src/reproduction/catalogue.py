@@ -9,9 +9,10 @@ whose results hold ours, and lists
   or one of its extra_metrics), optionally over another series' field in the same group
   (`over`, its field `over_field` if not the same; a list means the smallest of them, e.g. "the
   most memory-efficient baseline"); and why a miss misses (`miss`, see below);
-- claims: qualitative statements (who wins, which way a trend goes), their check and, like
-  a headline, why a miss misses; a check with `per: <series>` reads every series' field over
-  that series' in the same group (a speed-up over it, when the field is a time).
+- claims: qualitative statements (who wins, which way a trend goes, whether a value stays
+  steady: every group within the rule's 10 % of the smallest), their check (verdict.CHECKS)
+  and, like a headline, why a miss misses; a check with `per: <series>` reads every series'
+  field over that series' in the same group (a speed-up over it, when the field is a time).
 A figure's keys preset, series, field, kind and miss are its headlines' defaults.
 
 `miss` is one explanation or a list of them, tried in order: {cause, evidence} and, for
