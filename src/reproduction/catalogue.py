@@ -105,7 +105,7 @@ class Range:
 
     id: str
     parameter: str  # what it is, in words
-    override: str  # the Hydra key the sensitivity presets set
+    keys: tuple[str, ...]  # the Hydra key the sensitivity presets set, as each strategy of a comparison spells it
     values: tuple[str, ...]
     source: str  # why these values: a public convention, another paper, the paper's own hints
 
@@ -246,7 +246,10 @@ def load_ranges(directory: Path = CATALOGUE_DIR) -> dict[str, Range]:
             raise ConfigError(f"{where}: a range needs its source (a public convention, another paper, the paper's hints)")
         if entry["id"] in ranges:
             raise ConfigError(f"{where}: id appears more than once")
-        ranges[entry["id"]] = Range(entry["id"], entry["parameter"], entry["override"], texts, str(entry["source"]).strip())
+        keys = entry["override"] if isinstance(entry["override"], list) else [entry["override"]]
+        if not keys or not all(isinstance(k, str) and k for k in keys) or len(set(keys)) != len(keys):
+            raise ConfigError(f"{where}: override must be a Hydra key or a list of distinct ones, is {entry['override']!r}")
+        ranges[entry["id"]] = Range(entry["id"], entry["parameter"], tuple(keys), texts, str(entry["source"]).strip())
     return ranges
 
 
@@ -611,22 +614,22 @@ def _match(locus: Locus, spec: SweepSpec, declared: Range, context: _Context, wh
             series += [figure.normalize["by"]] if figure.normalize else []
     for name in fields - {"value"}:
         _check_field(spec, name, where)
-    key = declared.override
+    keys, key = declared.keys, " / ".join(declared.keys)
     out: dict[str, tuple[Setting, ...]] = {}
     for group in locus.groups:
         jobs = {name: job_overrides(figure, group, name) for name in dict.fromkeys(series)}
         wanted = {}
         for name, runs in jobs.items():
-            bare = [{k: v for k, v in job.items() if k != key} for job in runs]
+            bare = [_without(job, keys) for job in runs]
             if not bare or any(job != bare[0] for job in bare):
                 raise ConfigError(f"{where}: {figure.name}'s {name} jobs in {group!r} differ in more than {key} (or it has none)")
             wanted[name] = bare[0]
         at: dict[str, Setting] = {}
-        own = {runs[0][key] for runs in jobs.values() if len(runs) == 1 and key in runs[0]}
+        own = {value for runs in jobs.values() if len(runs) == 1 for value in _set_by(runs[0], keys)}
         if len(own) == 1 and (value := own.pop()) in declared.values:  # the figure's own setting
             at[value] = {name: (figure.name, group) for name in jobs}
         for candidate in spec.groups:
-            found = _matching(spec, candidate, wanted, jobs, key, (figure.name, group), must_run)
+            found = _matching(spec, candidate, wanted, jobs, keys, (figure.name, group), must_run)
             if found is None:
                 continue
             value, setting = found
@@ -637,7 +640,7 @@ def _match(locus: Locus, spec: SweepSpec, declared: Range, context: _Context, wh
             raise ConfigError(
                 f"{where}: {spec.name}'s groups (and {figure.name}'s own) matching {figure.name}'s {group!r} (its jobs of "
                 f"{list(wanted)} but for {key}) set {key} to {sorted(at)}, range {declared.id} declares "
-                f"{list(declared.values)}{_nearest_difference(spec, wanted, key)}"
+                f"{list(declared.values)}{_nearest_difference(spec, wanted, keys)}"
             )
         out[group] = tuple(at[v] for v in declared.values)
         if raw and not raw[figure.name] and any(preset == figure.name for setting in out[group] for preset, _ in setting.values()):
@@ -660,7 +663,7 @@ def _matching(
     group: dict[str, Any],
     wanted: dict[str, dict[str, str]],
     figure_jobs_of: dict[str, list[dict[str, str]]],
-    key: str,
+    keys: tuple[str, ...],
     figure_place: tuple[str, str],
     must_run: set[str],
 ) -> tuple[str, Setting] | None:
@@ -680,15 +683,24 @@ def _matching(
                 return None
             setting[series] = figure_place
             continue
-        if len(runs) != 1 or {k: v for k, v in runs[0].items() if k != key} != job:
+        if len(runs) != 1 or _without(runs[0], keys) != job:
             return None
-        if key in runs[0]:
-            values.add(runs[0][key])
+        values.update(_set_by(runs[0], keys))
         setting[series] = (spec.name, group["label"])
     return (values.pop(), setting) if len(values) == 1 else None
 
 
-def _nearest_difference(spec: SweepSpec, wanted: dict[str, dict[str, str]], key: str) -> str:
+def _without(job: dict[str, str], keys: tuple[str, ...]) -> dict[str, str]:
+    """A job's overrides but the range's parameter."""
+    return {k: v for k, v in job.items() if k not in keys}
+
+
+def _set_by(job: dict[str, str], keys: tuple[str, ...]) -> set[str]:
+    """The values a job sets the range's parameter to, under whichever of its spellings."""
+    return {job[k] for k in keys if k in job}
+
+
+def _nearest_difference(spec: SweepSpec, wanted: dict[str, dict[str, str]], keys: tuple[str, ...]) -> str:
     """What the closest sensitivity group's jobs set otherwise than the figure's (the drift to
     fix when a figure preset changed and its sweep did not)."""
     best: tuple[int, str] | None = None
@@ -698,7 +710,7 @@ def _nearest_difference(spec: SweepSpec, wanted: dict[str, dict[str, str]], key:
             runs = job_overrides(spec, group["label"], series)
             if len(runs) != 1:
                 continue
-            ours = {k: v for k, v in runs[0].items() if k != key}
+            ours = _without(runs[0], keys)
             differences += [
                 f"{series} {k}={ours.get(k, '(unset)')} (figure: {job.get(k, '(unset)')})"
                 for k in sorted(set(ours) | set(job))

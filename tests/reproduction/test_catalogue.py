@@ -209,6 +209,40 @@ def test_a_sensitivity_matches_each_value_of_its_range_to_a_group(tmp_path: Path
     assert (match.raw, match.normalize) == ({"tiny_sens": "value", "tiny_fig": "iteration_time_s"}, SWEEP["normalize"])
 
 
+def _both_spellings(label: str, new_tp: int, base_tp: int) -> dict:
+    return {
+        "label": label,
+        "overrides": ["train.global_batch=8"],
+        "series_overrides": {"new": [f"strategy.tp={new_tp}"], "base": [f"strategy.llm.tp={base_tp}"]},
+    }
+
+
+def test_a_range_spelled_per_strategy_is_set_alike_on_every_series(tmp_path: Path) -> None:
+    # One parameter under two Hydra keys (a Megatron-LM baseline's strategy.recompute, Optimus's
+    # strategy.llm.recompute): a group matches where every series sets it to one value, whichever key.
+    both = {"ranges": [{**RANGES["ranges"][0], "override": ["strategy.tp", "strategy.llm.tp"]}]}
+    groups = [_both_spellings("g1, tp 1", 1, 1), _both_spellings("g1, tp 4", 4, 4)]
+    catalogue(tmp_path, {**ROW, "miss": [UNSTATED]}, extra=SENSITIVITY_ENTRY, sweeps=(_with_sensitivity(groups=groups),))
+    (tmp_path / "cat" / "ranges.yaml").write_text(yaml.safe_dump(both))
+    cat = load(tmp_path)
+    assert cat.sensitivities["s1"].range.keys == ("strategy.tp", "strategy.llm.tp")
+    assert cat.sensitivities["s1"].matches["r1"].settings["g1"] == (
+        {"new": ("tiny_sens", "g1, tp 1"), "base": ("tiny_sens", "g1, tp 1")},
+        {"new": ("tiny_fig", "g1"), "base": ("tiny_fig", "g1")},
+        {"new": ("tiny_sens", "g1, tp 4"), "base": ("tiny_sens", "g1, tp 4")},
+    )
+    # the series set apart: the group is no setting of the range, and 4 is missing
+    mixed = [_both_spellings("g1, tp 1", 1, 1), _both_spellings("g1, tp 4", 4, 1)]
+    catalogue(tmp_path, {**ROW, "miss": [UNSTATED]}, extra=SENSITIVITY_ENTRY, sweeps=(_with_sensitivity(groups=mixed),))
+    (tmp_path / "cat" / "ranges.yaml").write_text(yaml.safe_dump(both))
+    with pytest.raises(ConfigError, match=re.escape("set strategy.tp / strategy.llm.tp to ['1', '2'], range tp declares")):
+        load(tmp_path)
+    bad = {"ranges": [{**RANGES["ranges"][0], "override": ["strategy.tp", "strategy.tp"]}]}
+    (tmp_path / "cat" / "ranges.yaml").write_text(yaml.safe_dump(bad))
+    with pytest.raises(ConfigError, match="override must be a Hydra key or a list of distinct ones"):
+        load(tmp_path)
+
+
 def _with_sensitivity(**change: Any) -> dict:
     return {**SENSITIVITY, **change}
 
