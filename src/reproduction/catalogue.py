@@ -35,8 +35,9 @@ when the scorecard is written and checked to resolve when the catalogue loads:
 
 `sensitivity` entries name a preset sweeping one parameter (`range`, an id of ranges.yaml) and
 the preset's groups are matched to a row's figure groups: a sensitivity group matches a figure
-group when every job of the row's series is the figure's but for the parameter; each figure
-group must find one match per value of the range.
+group when every job of the row's series is the figure's but for the parameter (under any of
+the range's keys, one value for every series); each figure group must find one match per value
+of the range.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ class Range:
 
     id: str
     parameter: str  # what it is, in words
-    keys: tuple[str, ...]  # the Hydra key the sensitivity presets set, as each strategy of a comparison spells it
+    keys: tuple[str, ...]  # the Hydra keys the sensitivity presets set it by, one per strategy's spelling
     values: tuple[str, ...]
     source: str  # why these values: a public convention, another paper, the paper's own hints
 
