@@ -615,7 +615,7 @@ def _match(locus: Locus, spec: SweepSpec, declared: Range, context: _Context, wh
             series += [figure.normalize["by"]] if figure.normalize else []
     for name in fields - {"value"}:
         _check_field(spec, name, where)
-    keys, key = declared.keys, " / ".join(declared.keys)
+    keys, shown = declared.keys, " / ".join(declared.keys)
     out: dict[str, tuple[Setting, ...]] = {}
     for group in locus.groups:
         jobs = {name: job_overrides(figure, group, name) for name in dict.fromkeys(series)}
@@ -623,7 +623,7 @@ def _match(locus: Locus, spec: SweepSpec, declared: Range, context: _Context, wh
         for name, runs in jobs.items():
             bare = [_without(job, keys) for job in runs]
             if not bare or any(job != bare[0] for job in bare):
-                raise ConfigError(f"{where}: {figure.name}'s {name} jobs in {group!r} differ in more than {key} (or it has none)")
+                raise ConfigError(f"{where}: {figure.name}'s {name} jobs in {group!r} differ in more than {shown} (or it has none)")
             wanted[name] = bare[0]
         at: dict[str, Setting] = {}
         own = {value for runs in jobs.values() if len(runs) == 1 for value in _set_by(runs[0], keys)}
@@ -635,12 +635,14 @@ def _match(locus: Locus, spec: SweepSpec, declared: Range, context: _Context, wh
                 continue
             value, setting = found
             if value in at:
-                raise ConfigError(f"{where}: {key}={value} matches {group!r} twice ({spec.name}'s {candidate['label']!r} and another)")
+                raise ConfigError(
+                    f"{where}: {shown}={value} matches {group!r} twice ({spec.name}'s {candidate['label']!r} and another)"
+                )
             at[value] = setting
         if sorted(at) != sorted(declared.values):
             raise ConfigError(
                 f"{where}: {spec.name}'s groups (and {figure.name}'s own) matching {figure.name}'s {group!r} (its jobs of "
-                f"{list(wanted)} but for {key}) set {key} to {sorted(at)}, range {declared.id} declares "
+                f"{list(wanted)} but for {shown}) set {shown} to {sorted(at)}, range {declared.id} declares "
                 f"{list(declared.values)}{_nearest_difference(spec, wanted, keys)}"
             )
         out[group] = tuple(at[v] for v in declared.values)

@@ -197,7 +197,7 @@ def check_claim(check: dict[str, Any], values: Table, largest: Table | None = No
             return check_claim(check, values) and check_claim(check, largest)
         gaps = {g: values[g][check["series"]] - values[g][check["than"][0]] for g in groups}
         return max(gaps, key=lambda g: gaps[g]) == check["at"]
-    raise ConfigError(f"unknown claim check {kind!r} (lowest, highest, increasing, decreasing, steady, largest_gap)")
+    raise ConfigError(f"unknown claim check {kind!r} ({', '.join(CHECKS)})")
 
 
 CHECKS = ("lowest", "highest", "increasing", "decreasing", "steady", "largest_gap")
