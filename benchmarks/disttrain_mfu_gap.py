@@ -34,13 +34,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 from src.config import composed
 from src.metrics import iteration_flops, summarize
 from src.plan_io import PlannedRun
-from src.program import Plan
+from src.program import Plan, UnitPlan
 from src.setup import Setup, plan_run, validate
 from src.sim.engine import simulate
 from src.timeline import BREAKDOWN_CATEGORIES, Timeline
 
 FIGURE = ["logger=none", "cluster=a800", "cluster.nodes=144", "train.global_batch=1920", "model.images_per_sequence=10"]
-MLLM = FIGURE + ["model=mllm_72b", "strategy=disttrain"]
+# DistTrain as Figure 15 runs it: the encoder and generator replicated over each TP group (§8.1, line 122).
+MLLM = FIGURE + ["model=mllm_72b", "strategy=disttrain", "strategy.replicate=[encoder,generator]"]
 # MLLM-72B's LLM (DistTrain Table 1: Llama3-70B's shapes, Llama 2's 32000-token vocabulary).
 LLM_ALONE = [
     "model=gpt",
@@ -88,7 +89,11 @@ def points(setup: Setup, plan: Plan, timeline: Timeline) -> dict[str, float]:
 
 
 def unit_plans(plan: Plan) -> str:
-    return "; ".join(f"{u.unit} tp{u.mesh.degree('tp')} pp{u.mesh.degree('pp')} dp{u.mesh.degree('dp')}" for u in plan.units)
+    def shape(u: UnitPlan) -> str:
+        rows = f" rows{u.row_shares}" if u.row_shares > 1 else ""
+        return f"{u.unit} tp{u.mesh.degree('tp')}{rows} pp{u.mesh.degree('pp')} dp{u.mesh.degree('dp')}"
+
+    return "; ".join(shape(u) for u in plan.units)
 
 
 def main() -> None:

@@ -33,11 +33,11 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping, Sequence
 
-from src.data.balance import vector_lpt
+from src.data.balance import Dealt, vector_lpt
 from src.data.reorder import StageTimes, inter_reorder, lpt
 
 if TYPE_CHECKING:
-    from src.data.loads import BatchLoads
+    from src.data.loads import BatchLoads, PerImage
 
 REORDERS = ("none", "intra", "inter", "both", "cost")
 # train.balance's policies as DistTrain's reorderings: its own algorithms are `reorder`.
@@ -143,6 +143,19 @@ class Reordering:
             for k, r in enumerate(range(first, first + width)):
                 out[r] = [slots[i][k] for i in order]
         return out
+
+
+def dealt_unit_loads(
+    assignment: Assignment, image_loads: PerImage, dp: int, microbatches: int, dealt: Dealt
+) -> tuple[tuple[float, ...], ...]:
+    """loads[replica][microbatch] of a unit with `dp` replicas, each replicated over its TP
+    group (`dealt`): its micro-batch's images dealt out whole over the group's GPUs, the
+    busiest GPU's against its share at the mean."""
+    b = assignment.dp_lm // dp
+    return tuple(
+        tuple(dealt.load([x for s in assignment.sequences(j, d * b, b) for x in image_loads[s]], b) for j in range(microbatches))
+        for d in range(dp)
+    )
 
 
 def unit_loads(assignment: Assignment, loads: Sequence[float], dp: int, microbatches: int) -> tuple[tuple[float, ...], ...]:

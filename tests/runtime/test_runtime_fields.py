@@ -271,6 +271,8 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
         "",
     ),
     ("disttrain", "generator.pp"): (DISTTRAIN, ["strategy.generator.pp=2"], "refused", ""),
+    # Priced by the simulator; the real backend hands a DistTrain unit's micro-batches over whole.
+    ("disttrain", "replicate"): (DISTTRAIN, ["strategy.replicate=[encoder,generator]", "strategy.generator.tp=2"], "refused", ""),
     ("disttrain", "generator.dp"): (DISTTRAIN, ["strategy.generator.dp=1"], "run", DISTTRAIN_RUNS),
     ("ddp", "zero_stage"): (DDP, ["strategy.zero_stage=3"], "run", EQUALITY),
     ("ddp", "micro_batch_size"): (DDP, ["strategy.micro_batch_size=2"], "run", EQUALITY),

@@ -63,7 +63,7 @@ from src.errors import ConfigError, PlanError
 from src.metrics import unit_flops
 from src.program import RECOMPUTE_MODES
 from src.strategies.base import MAX_MICROBATCHES, Degrees, check_microbatch_count, divisors
-from src.strategies.disttrain.profile import Profiler, Setting, StageArrays
+from src.strategies.disttrain.profile import BrokerEnd, Profiler, Setting, StageArrays
 from src.strategies.disttrain.relaxation import ROUNDING, RelaxedOption, Subproblems, undominated
 
 UNITS = ("encoder", "llm", "generator")
@@ -132,6 +132,11 @@ class UnitChoice:
 
 
 Choice = tuple[UnitChoice, UnitChoice, UnitChoice]
+
+
+def broker_end(c: UnitChoice) -> BrokerEnd:
+    """The unit's side of a hand-off, as the profile prices it."""
+    return (c.unit, c.tp, c.dp, c.micro_batch, c.setting.replicated)
 
 
 @dataclass(frozen=True)
@@ -205,14 +210,17 @@ class Orchestrator:
         peak_load: dict[str, float] | None = None,
         keep: int = 1,
         shapes: int | None = None,
+        replicate: tuple[str, ...] = (),
     ) -> None:
         """peak_load: the heaviest micro-batch's load per unit (data heterogeneity):
         memory is planned for its activations. keep: how many of the best integer
         choices to return; shapes: beside them, the best choice of each of this many best
         distinct LLM shapes (the best few can be near-copies of one LLM shape, differing only
         in the encoder's plan, which the data's skew slows alike), and the best `keep` as a
-        search without shapes finds them."""
+        search without shapes finds them. replicate: the units whose TP group replicates
+        them (profile.Setting.replicated) instead of splitting them."""
         self.p, self.batch, self.N, self.fixed, self.mode = profiler, batch, devices, fixed, mode
+        self.replicate = replicate
         self.peak = peak_load or {u: 1.0 for u in UNITS}
         self.usable = profiler.cluster.usable_memory_bytes
         self.keep, self.shapes = keep, shapes
@@ -236,10 +244,11 @@ class Orchestrator:
 
     def _tps(self, unit: str) -> list[int]:
         given = self.fixed[unit].tp
-        allowed = self.p.tp_degrees(unit)
+        allowed = self.p.tp_degrees(unit, unit in self.replicate)
         if given is not None:
             if given not in allowed:
-                raise ConfigError(f"strategy.{unit}.tp={given}: choose one of {allowed} (inside a node, dividing the unit's heads)")
+                why = "inside a node" if unit in self.replicate else "inside a node, dividing the unit's heads"
+                raise ConfigError(f"strategy.{unit}.tp={given}: choose one of {allowed} ({why})")
             return [given]
         return allowed
 
@@ -247,9 +256,13 @@ class Orchestrator:
         """Megatron-LM's options of a unit at this TP and DP, the given ones fixed. Sequence
         parallelism and scatter/gather change nothing without TP (Megatron-LM turns them
         off), the distributed optimizer nothing without DP (a single replica keeps
-        ZeRO-1's whole shard)."""
+        ZeRO-1's whole shard). A unit replicated over its TP group splits nothing: its
+        data-parallel replicas are its DP times its TP group's GPUs."""
         f = self.fixed[unit]
         modes = RECOMPUTE_MODES if f.recompute is None else (f.recompute,)
+        if unit in self.replicate and tp > 1:
+            zeros = [f.zero_stage] if f.zero_stage is not None else [0, 1]
+            return [Setting(tp, recompute, False, zero, replicated=True) for recompute, zero in itertools.product(modes, zeros)]
         sps = [False] if tp == 1 else [False, True] if f.sequence_parallel is None else [f.sequence_parallel]
         zeros = [f.zero_stage] if f.zero_stage is not None else ([0, 1] if dp > 1 else [1])
         out = []
@@ -283,6 +296,11 @@ class Orchestrator:
             return None
         pp_low, blocks = base.low / (setting.tp * dp), self.p.blocks(unit)
         given_pp = self.fixed[unit].pp
+        if setting.replicated:  # the whole unit on each GPU: one stage
+            gpus = setting.tp * dp
+            if pp_low > 1 + 1e-9 or (unit in self.target and max(1, round(self.target[unit])) < gpus):
+                return None
+            return replace(base, low=float(gpus), high=float(gpus))
         if given_pp is not None:
             if given_pp < pp_low or given_pp > blocks:
                 return None
@@ -348,7 +366,7 @@ class Orchestrator:
     def with_mode(self, mode: str, keep: int) -> Orchestrator:
         """The same request orchestrated another way, sharing what is priced (the options'
         bases, the integer choices and their summaries depend on neither)."""
-        other = Orchestrator(self.p, self.batch, self.N, self.fixed, mode, self.peak, keep)
+        other = Orchestrator(self.p, self.batch, self.N, self.fixed, mode, self.peak, keep, replicate=self.replicate)
         other.bases, other._choices, other._summaries = self.bases, self._choices, self._summaries
         return other
 
@@ -566,7 +584,7 @@ class Orchestrator:
         (programs.Broker): the side with fewer replicas sends or receives one message per
         replica of the other in turn, and a receiving replica's lead broadcasts what it
         got to its TP peers."""
-        return self.p.broker((src.unit, src.tp, src.dp, src.micro_batch), (dst.unit, dst.tp, dst.dp, dst.micro_batch))
+        return self.p.broker(broker_end(src), broker_end(dst))
 
     def memory_gib(self, choice: Choice, m: int) -> dict[str, float]:
         """Each unit's fullest GPU, as the orchestration estimates it."""

@@ -59,6 +59,9 @@ class DistTrainOptions:
     encoder: Fixed = field(default_factory=Fixed)
     llm: Fixed = field(default_factory=Fixed)
     generator: Fixed = field(default_factory=Fixed)
+    # Units whose TP group replicates them, each GPU its share of every micro-batch's images
+    # (§8.1, line 122: "whereas TP itself is not used"); () = TP splits them.
+    replicate: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for key, allowed, optional in (
@@ -75,6 +78,22 @@ class DistTrainOptions:
         check_memory_options(self.recompute, self.zero_stage, "DistTrain's units run Megatron-LM's distributed optimizer (ZeRO-1)")
         for unit in UNITS:
             getattr(self, unit).check(f"strategy.{unit}")
+        self._check_replicate()
+
+    def _check_replicate(self) -> None:
+        """Only the modules around the LLM, each once; each runs whole on one GPU, so on one stage."""
+        what = f"strategy.replicate={list(self.replicate)}"
+        allowed = [u for u in UNITS if u != "llm"]
+        if any(name not in allowed for name in self.replicate) or len(set(self.replicate)) != len(self.replicate):
+            raise ConfigError(f"{what}: the units replicated over their TP group are among {allowed}, each once")
+        object.__setattr__(self, "replicate", tuple(self.replicate))
+        for unit in self.replicate:
+            given: Fixed = getattr(self, unit)
+            if (given.pp or 1) > 1 or (given.vpp or 1) > 1:
+                raise ConfigError(
+                    f"{what}: a replicated {unit} runs whole on each GPU of its group, on one pipeline stage, "
+                    f"but strategy.{unit}.pp={given.pp} and .vpp={given.vpp}"
+                )
 
     def fixed(self, unit: str) -> Fixed:
         """A unit's options given by hand; the strategy-wide recompute and zero_stage
@@ -94,14 +113,15 @@ def _check_model(model: ModelSpec) -> None:
         )
 
 
-def _whole_unet(request: PlanRequest, unit: str, fixed: Fixed) -> Fixed:
+def _whole_unet(request: PlanRequest, unit: str, fixed: Fixed, replicated: bool) -> Fixed:
     """A U-Net unit (the generator) on tp=1 and one stage where the plan's backend runs
-    U-Nets whole (PlanRequest.limits); given degrees beyond that are refused."""
+    U-Nets whole (PlanRequest.limits); given degrees beyond that are refused. Replicated
+    over its TP group, it runs whole on each of the group's GPUs."""
     spec = request.model.unit(unit)
     if request.limits.split_unets or spec.kind != "unet":
         return fixed
-    request.limits.whole_unet(spec, fixed.tp or 1, fixed.pp or 1)
-    return replace(fixed, tp=1, pp=1)
+    request.limits.whole_unet(spec, 1 if replicated else fixed.tp or 1, fixed.pp or 1)
+    return replace(fixed, tp=fixed.tp if replicated else 1, pp=1)
 
 
 def reordering(given: str | None, balance: str | None) -> str:
@@ -138,10 +158,18 @@ def plan_disttrain_batches(request: PlanRequest, batches: Sequence[int]) -> list
     check_microbatch_count(busiest, 1, f"global batch {train.global_batch} over at most {cluster.devices} LLM replicas")
     loads = batch_loads(model, train.seed, train.global_batch, train.data, request.sample_images, request.batch_index)
     profiler = Profiler(model, cluster, train.precision, opts.tp_overlap_chunks)
-    fixed = {u: _whole_unet(request, u, opts.fixed(u)) for u in UNITS}
+    fixed = {u: _whole_unet(request, u, opts.fixed(u), u in opts.replicate) for u in UNITS}
 
     orchestrator = Orchestrator(
-        profiler, train.global_batch, cluster.devices, fixed, opts.orchestration, loads.peak, opts.ranked, opts.ranked_shapes
+        profiler,
+        train.global_batch,
+        cluster.devices,
+        fixed,
+        opts.orchestration,
+        loads.peak,
+        opts.ranked,
+        opts.ranked_shapes,
+        replicate=opts.replicate,
     )
     found = orchestrator.solve()
     decision = Decision(request, orchestrator, loads, opts.plan_reorder or reorder, opts.tp_overlap_chunks)
@@ -271,6 +299,7 @@ STRATEGY = StrategySpec(
         "sequence_parallel": "strategy.{unit}.sequence_parallel",
         "scatter": "strategy.{unit}.scatter_gather",
         "fraction": "strategy.tp_overlap_chunks",
+        "rows": "strategy.replicate",
     },
     auto_variants=(AutoVariant("disttrain"),),
 )

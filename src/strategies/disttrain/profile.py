@@ -19,11 +19,19 @@ end-of-iteration gradient reduction, optimizer step and parameter gather as
 TP overlap (StepCCL, DistTrain §7) prices a pass as the Program runs it: `n` row chunks
 whose collectives run under the next chunk's GEMMs, max(C_n + X/n, C_n/n + X) for
 compute C_n (n chunks of 1/n of the rows) and communication X.
+
+A unit replicated over its TP group (`Setting.replicated`, strategy.replicate: DistTrain
+§8.1, "we replicate the encoder and generator across the GPUs within the TP group to
+process different images, whereas TP itself is not used") holds the whole unit on each of
+the group's GPUs and runs its share of every micro-batch's images, dealt out whole
+(stages.replicated_rows: the busiest GPU's share sets the pace); it does no TP collective
+and reduces its gradients over the group's and the replicas' GPUs together. It runs on one
+pipeline stage (one GPU holds the whole unit).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import numpy as np
@@ -36,7 +44,8 @@ from src.mesh import Sharding, tensor_parallel
 from src.models.flows import flows_of
 from src.models.spec import ModelSpec
 from src.program import RECOMPUTE_MODES, Phase, Work
-from src.strategies.builders.stages import block_cuts, boundary_elems, stage_transfer
+from src.strategies.builders.emit import share_of
+from src.strategies.builders.stages import block_cuts, boundary_elems, replicated_rows, replicated_transfer, stage_transfer
 
 TP_DEGREES = (1, 2, 4, 8)
 
@@ -52,15 +61,22 @@ class Setting:
     zero_stage: int = 1
     scatter_gather: bool = True
     vpp: int = 1
+    replicated: bool = False  # the whole unit on each GPU of its TP group, the images dealt out
 
     @property
     def sharding(self) -> Sharding:
-        return tensor_parallel(self.tp, self.sequence_parallel)
+        return Sharding() if self.replicated else tensor_parallel(self.tp, self.sequence_parallel)
+
+    @property
+    def data_replicas(self) -> int:
+        """GPUs of one stage that hold the same parameters, per DP replica."""
+        return self.tp if self.replicated else 1
 
     def describe(self) -> str:
         return (
-            f"tp={self.tp} recompute={self.recompute} sp={'on' if self.sequence_parallel else 'off'} "
-            f"zero={self.zero_stage} sg={'on' if self.scatter_gather else 'off'} vpp={self.vpp}"
+            f"tp={self.tp}{' replicated' if self.replicated else ''} recompute={self.recompute} "
+            f"sp={'on' if self.sequence_parallel else 'off'} zero={self.zero_stage} "
+            f"sg={'on' if self.scatter_gather else 'off'} vpp={self.vpp}"
         )
 
 
@@ -100,6 +116,8 @@ class StageArrays:
 # all-reduces' latency and transfer seconds of the forward and of the backward (which
 # under full recompute re-runs the forward's).
 FWD, BWD, LATENCY, TRANSFER, BWD_LATENCY, BWD_TRANSFER, ACT, TRAINABLE, FIXED = range(9)
+# One side of a hand-off between units: (name, tp, dp, micro-batch, replicated over its TP group).
+BrokerEnd = tuple[str, int, int, int, bool]
 
 
 class Profiler:
@@ -110,14 +128,16 @@ class Profiler:
         self.comm = CommModel(cluster)
         self.act_bytes = element_bytes(precision)
         self.grad_bytes = grad_bytes(precision)
-        self._grids: dict[tuple[str, int, bool, int], dict[str, np.ndarray]] = {}
+        self._grids: dict[tuple[str, int, bool, int, bool], dict[str, np.ndarray]] = {}
         self.stages = lru_cache(maxsize=None)(self._stages)
 
-    def tp_degrees(self, unit: str) -> list[int]:
-        """TP inside one node, dividing a transformer's heads (a U-Net's TP splits channels)."""
+    def tp_degrees(self, unit: str, replicated: bool = False) -> list[int]:
+        """TP inside one node, dividing a transformer's heads (a U-Net's TP splits channels;
+        a unit replicated over the group splits nothing)."""
         spec = self.model.unit(unit)
         node = self.cluster.devices_per_node
-        return [t for t in TP_DEGREES if t <= node and (spec.kind != "transformer" or spec.heads % t == 0)]
+        splits = spec.kind == "transformer" and not replicated
+        return [t for t in TP_DEGREES if t <= node and (not splits or spec.heads % t == 0)]
 
     @lru_cache(maxsize=None)
     def blocks(self, unit: str) -> int:
@@ -131,17 +151,21 @@ class Profiler:
         return tuple(block_cuts(self.model.unit(unit), parts, uneven=True, what="pp"))
 
     # ---- the profile -----------------------------------------------------------------------
-    def _grid(self, unit: str, tp: int, sequence_parallel: bool, size: int) -> dict[str, np.ndarray]:
+    def _grid(self, unit: str, tp: int, sequence_parallel: bool, size: int, replicated: bool = False) -> dict[str, np.ndarray]:
         """The profile table of a unit at one sharding and micro-batch `size` (rows FWD
         ... FIXED: compute seconds as the pass runs them, its TP all-reduces' latency and
         transfer seconds, bytes kept per sequence, trainable and frozen parameters per TP
-        rank), per recompute mode."""
-        key = (unit, tp, sequence_parallel and tp > 1, size)
+        rank), per recompute mode. Replicated over `tp` GPUs: the busiest GPU's share of
+        the micro-batch, the whole unit's parameters."""
+        replicated = replicated and tp > 1
+        key = (unit, tp, sequence_parallel and tp > 1 and not replicated, size, replicated)
         if key not in self._grids:
-            self._grids[key] = self._price(unit, tensor_parallel(tp, sequence_parallel), size)
+            rows = replicated_rows(self.model.unit(unit), size, tp) if replicated else 1.0
+            sharding = Sharding() if replicated else tensor_parallel(tp, sequence_parallel)
+            self._grids[key] = self._price(unit, sharding, size, rows)
         return self._grids[key]
 
-    def _price(self, unit: str, sharding: Sharding, size: int) -> dict[str, np.ndarray]:
+    def _price(self, unit: str, sharding: Sharding, size: int, rows: float = 1.0) -> dict[str, np.ndarray]:
         spec, model = self.model.unit(unit), self.model
         tp = sharding.degree("tp")
         chunks = self.chunks if tp > 1 else 1
@@ -153,7 +177,7 @@ class Profiler:
             kept = not layer.forward_only and (spec.trains(layer) or model.needs_input_grad(unit, i))
             key = (id(layer), kept, model.needs_input_grad(unit, i), spec.trains(layer))
             if key not in memo:
-                memo[key] = self._layer(unit, i, size, sharding, chunks, backward, kept)
+                memo[key] = self._layer(unit, i, size, sharding, chunks, backward, kept, rows)
             for r, values in memo[key].items():
                 columns[r][:, i] = values
         trainable = np.array([spec.trainable_params(i, i + 1) / tp for i in range(count)])
@@ -165,17 +189,19 @@ class Profiler:
         return out
 
     def _layer(
-        self, unit: str, index: int, size: int, sharding: Sharding, chunks: int, backward: bool, kept: bool
+        self, unit: str, index: int, size: int, sharding: Sharding, chunks: int, backward: bool, kept: bool, rows: float = 1.0
     ) -> dict[str, tuple[float, ...]]:
         """(forward, backward, the forward's and the backward's TP all-reduce latency and
         transfer seconds, activation bytes per sequence) of one layer for `size`
-        sequences, per recompute mode."""
+        sequences, per recompute mode; `rows`: the share of them this GPU runs (a unit
+        replicated over its TP group), as the Program's Work runs it (emit.share_of)."""
         layer = self.model.unit(unit).layers[index]
         span = (index, index + 1)
         tp = sharding.degree("tp")
+        samples, fraction = share_of(size, rows)
 
         def seconds(phase: Phase, recompute: str = "none") -> float:
-            work = Work(unit, phase, size, span, sharding=sharding, recompute=recompute, fraction=1.0 / chunks, chunks=chunks)
+            work = Work(unit, phase, samples, span, sharding=sharding, recompute=recompute, fraction=fraction / chunks, chunks=chunks)
             return chunks * self.compute.work_time(work, self.model)
 
         fwd = seconds("fwd")
@@ -193,7 +219,7 @@ class Profiler:
                 forward * transfer,
                 back * latency,
                 back * transfer,
-                layer.kept_activations(sharding, r) if kept and backward else 0.0,
+                rows * layer.kept_activations(sharding, r) if kept and backward else 0.0,
             )
         return out
 
@@ -223,18 +249,25 @@ class Profiler:
     def _stages(self, unit: str, setting: Setting, b: int, dp: int, pp: int) -> StageArrays:
         """Every virtual stage of the unit cut into pp x vpp (block boundaries, unequal
         depths allowed), for micro-batches of b sequences."""
-        tp, vpp = setting.tp, setting.vpp
-        fwd, bwd, act, trainable, fixed = self._passes(unit, tp, setting.sequence_parallel, setting.recompute, b, pp * vpp)
-        per_trainable, per_fixed = self._state_coefficients(setting.zero_stage, dp)
+        if setting.replicated and pp * setting.vpp > 1:
+            raise ValueError(f"{unit} replicated over its TP group runs on one pipeline stage, not {pp} x {setting.vpp}")
+        vpp, replicas = setting.vpp, dp * setting.data_replicas
+        tp = 1 if setting.replicated else setting.tp  # the degree that splits the unit
+        fwd, bwd, act, trainable, fixed = self._passes(
+            unit, setting.tp, setting.sequence_parallel, setting.recompute, b, pp * vpp, setting.replicated
+        )
+        per_trainable, per_fixed = self._state_coefficients(setting.zero_stage, replicas)
         states = (per_trainable * trainable + per_fixed * fixed).reshape(vpp, pp).sum(axis=0)
-        tail = self._tails(unit, tp, setting.zero_stage, dp, pp, vpp)
+        tail = self._tails(unit, tp, setting.zero_stage, replicas, pp, vpp)
         cuts = self.cuts(unit, pp * vpp)
         transient = np.zeros(pp)
         if setting.recompute == "full" and self.model.needs_backward(unit):
             largest = self._rematerialised(unit, tp, setting.sequence_parallel)
             chunks = np.array([largest[start:end].max(initial=0.0) for start, end in cuts]).reshape(vpp, pp)
-            # A TP pass in StepCCL's row chunks recomputes one chunk at a time.
-            transient = b * chunks.max(axis=0) / (self.chunks if tp > 1 else 1)
+            # A TP pass in StepCCL's row chunks recomputes one chunk at a time; a replicated
+            # unit its busiest GPU's share of the micro-batch.
+            share = replicated_rows(self.model.unit(unit), b, setting.tp) if setting.replicated else 1.0
+            transient = b * share * chunks.max(axis=0) / (self.chunks if tp > 1 else 1)
         return StageArrays(cuts, fwd, bwd, act, states, trainable.reshape(vpp, pp).sum(axis=0), tail, transient)
 
     @lru_cache(maxsize=None)
@@ -245,28 +278,32 @@ class Profiler:
         return np.array([rematerialised_bytes([layer], sharding) for layer in self.model.unit(unit).layers])
 
     @lru_cache(maxsize=None)
-    def _passes(self, unit: str, tp: int, sequence_parallel: bool, recompute: str, b: int, parts: int) -> tuple[np.ndarray, ...]:
+    def _passes(
+        self, unit: str, tp: int, sequence_parallel: bool, recompute: str, b: int, parts: int, replicated: bool = False
+    ) -> tuple[np.ndarray, ...]:
         """Per virtual stage of `parts`: forward and backward seconds, activations kept,
         trainable and frozen parameters per TP rank, for micro-batches of b sequences:
-        priced at the powers of two around b and interpolated linearly. What the DP
-        degree and the optimizer's sharding leave alone, shared by all of them."""
+        priced at the powers of two around b and interpolated linearly (replicated over
+        `tp` GPUs: at b itself, whose busiest GPU's share of the images is not linear in
+        b). What the DP degree and the optimizer's sharding leave alone, shared by all of them."""
         cuts = np.array(self.cuts(unit, parts))
         lo, hi = cuts[:, 0], cuts[:, 1]
-        low = 1 << (b.bit_length() - 1)
-        below = self._grid(unit, tp, sequence_parallel, low)[recompute]
+        low = b if replicated else 1 << (b.bit_length() - 1)
+        below = self._grid(unit, tp, sequence_parallel, low, replicated)[recompute]
         sums = below[:, hi] - below[:, lo]
         if low != b:
             above = self._grid(unit, tp, sequence_parallel, 2 * low)[recompute]
             weight = (b - low) / low
             sums = (1 - weight) * sums + weight * (above[:, hi] - above[:, lo])
-        fwd = self._pass(sums[FWD], sums[LATENCY], sums[TRANSFER], tp)
+        split = 1 if replicated else tp
+        fwd = self._pass(sums[FWD], sums[LATENCY], sums[TRANSFER], split)
         backward = self.model.needs_backward(unit)
-        bwd = self._pass(sums[BWD], sums[BWD_LATENCY], sums[BWD_TRANSFER], tp) if backward else np.zeros(parts)
+        bwd = self._pass(sums[BWD], sums[BWD_LATENCY], sums[BWD_TRANSFER], split) if backward else np.zeros(parts)
         return fwd, bwd, sums[ACT] * b, sums[TRAINABLE], sums[FIXED]
 
     def whole(self, unit: str, setting: Setting, b: int, dp: int) -> StageArrays:
         """The unit on one stage (no interleaving)."""
-        return self.stages(unit, Setting(setting.tp, setting.recompute, setting.sequence_parallel, setting.zero_stage), b, dp, 1)
+        return self.stages(unit, replace(setting, scatter_gather=True, vpp=1), b, dp, 1)
 
     # ---- communication ---------------------------------------------------------------------
     @lru_cache(maxsize=None)
@@ -327,7 +364,10 @@ class Profiler:
     def hop(self, unit: str, setting: Setting, b: int, dp: int) -> float:
         """A boundary's transfer between two nodes: what the relaxation charges per stage."""
         nbytes = b * boundary_elems(self.model.unit(unit), 0) * self.act_bytes
-        transfer = stage_transfer(nbytes, setting.tp, setting.sequence_parallel, setting.scatter_gather)
+        if setting.replicated:
+            transfer = replicated_transfer(nbytes, setting.tp, replicated_rows(self.model.unit(unit), b, setting.tp))
+        else:
+            transfer = stage_transfer(nbytes, setting.tp, setting.sequence_parallel, setting.scatter_gather)
         _, sharing = self._pipeline_links(setting.tp, dp, 2, 0)
         return self.comm.p2p_time(0, self.cluster.devices_per_node, transfer.send_bytes, sharing) + self._gather(
             setting.tp, transfer.gather_bytes
@@ -337,13 +377,14 @@ class Profiler:
         return self.comm.collective_time("all_gather", tuple(range(tp)), nbytes) if nbytes else 0.0
 
     @lru_cache(maxsize=None)
-    def broker_parts(self, src: tuple[str, int, int, int], dst: tuple[str, int, int, int]) -> tuple[float, float]:
-        """Seconds of one micro-batch's hand-off from unit (name, tp, dp, micro-batch)
-        `src` to `dst`, and of its gradient back (programs.Broker): the side with fewer
-        replicas sends one sequence to each replica of the other in turn (its sends leave
-        one after another), or receives theirs at once; a receiving replica's lead
-        broadcasts what it got to its TP peers."""
-        (producer, src_tp, src_dp, src_b), (consumer, dst_tp, dst_dp, dst_b) = src, dst
+    def broker_parts(self, src: BrokerEnd, dst: BrokerEnd) -> tuple[float, float]:
+        """Seconds of one micro-batch's hand-off from unit (name, tp, dp, micro-batch,
+        replicated) `src` to `dst`, and of its gradient back (programs.Broker): the side
+        with fewer replicas sends one sequence to each replica of the other in turn (its
+        sends leave one after another), or receives theirs at once; a receiving replica's
+        lead broadcasts what it got to its TP peers, and a sending replica replicated over
+        its TP group first all-gathers its GPUs' shares."""
+        (producer, src_tp, src_dp, src_b, src_rep), (consumer, dst_tp, dst_dp, dst_b, dst_rep) = src, dst
         flow = next(f for f in flows_of(self.model) if (f.producer, f.consumer) == (producer, consumer))
         node = self.cluster.devices_per_node
         # The leads (first TP rank of each replica) of a node send and receive at once.
@@ -352,9 +393,11 @@ class Profiler:
         fan = max(src_dp, dst_dp) // min(src_dp, dst_dp)
         forward = message * (fan if src_dp < dst_dp else 1) + self._broadcast(dst_tp, dst_b * flow.elems)
         backward = message * (fan if dst_dp < src_dp else 1) + self._broadcast(src_tp, src_b * flow.elems)
+        forward += self._gather(src_tp, src_b * flow.elems * self.act_bytes) if src_rep else 0.0
+        backward += self._gather(dst_tp, dst_b * flow.elems * self.act_bytes) if dst_rep else 0.0
         return forward, backward
 
-    def broker(self, src: tuple[str, int, int, int], dst: tuple[str, int, int, int]) -> float:
+    def broker(self, src: BrokerEnd, dst: BrokerEnd) -> float:
         """The hand-off there and back."""
         return sum(self.broker_parts(src, dst))
 

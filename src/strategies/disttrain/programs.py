@@ -8,13 +8,19 @@ stages come first, then the LLM's, then the generator's, and every stage runs th
 schedule of its position in that pipeline (the encoder's first stage warms up with as
 many forwards as the whole depth needs).
 
+A unit replicated over its TP group (profile.Setting.replicated) is emitted as
+Megatron-LM's replicated stage (builders.stages.StageRun): each GPU of the group runs its
+share of every micro-batch's images, dealt out whole, on the whole unit, its Computes
+carrying the load of the busiest GPU's images (loads already are: search.Decision).
+
 Units of different DP meet at brokers: the unit-to-unit hand-off (the models' chain flows,
 payload "x") is a route by sample (strategies.builders.bridge) from the upstream unit's last stage
 to the downstream unit's first stage. A unit's micro-batch is DP_lm / DP_u sequences, so
 with DP_u dividing DP_lm the gcd(DP_a, DP_b) brokers are the leads of the side with fewer
 replicas: each gathers its group's rows (fan-in) or scatters them (fan-out) in sample
 order. Sends are eager (asynchronous); a receiving replica's lead shares what it got with
-its TP peers.
+its TP peers, and a sending replica replicated over its TP group first all-gathers its GPUs'
+shares (each GPU then keeps its own, as every GPU of it reads its micro-batch whole).
 
 Data heterogeneity: a replica of a unit whose micro-batches carry other loads than its
 peers' is a rank class of its own, its Computes carrying the load (Work.load) of the
@@ -33,9 +39,9 @@ from src.costmodel.memory import element_bytes
 from src.mesh import Mesh
 from src.models.flows import Flow, flows_of
 from src.models.spec import ModelSpec
-from src.program import Collective, Instruction, Payload, Program, Recv, Send
+from src.program import Collective, CollectiveOp, Instruction, Payload, Program, Recv, Send
 from src.strategies.builders.bridge import Side, bridge
-from src.strategies.builders.layout import megatron_mesh
+from src.strategies.builders.layout import axis_group, megatron_mesh
 from src.strategies.builders.pipeline import PipelineEmitter, PipelineSettings
 from src.strategies.builders.replicas import replica_classes
 from src.strategies.builders.stages import Segment
@@ -119,22 +125,25 @@ class _UnitLinks:
     def _flow(self, payload: Payload) -> Flow:
         return next(f for f in self.builder.flows if self.unit.unit in (f.producer, f.consumer) and payload.unit == f.producer)
 
+    def _shared(self, op: CollectiveOp, flow: Flow, payload: Payload) -> Collective:
+        """The boundary stage's TP group sharing one micro-batch's hand-off."""
+        stage = 0 if flow.consumer == self.unit.unit else self.unit.pp - 1
+        nbytes = self.unit.micro_batch * flow.elems * self.builder.act_bytes
+        return Collective(op, f"{self.unit.unit}.tp.s{stage}", nbytes, "broker", inputs=(payload,), outputs=(payload,))
+
     def receive(self, payload: Payload) -> list[Instruction]:
         flow = self._flow(payload)
         route = f"{flow.producer}>{flow.consumer}"
         out: list[Instruction] = [Recv(f"{route}.grad" if payload.grad else route, payload)]
         if self.unit.tp > 1:
-            stage = 0 if flow.consumer == self.unit.unit else self.unit.pp - 1
-            nbytes = self.unit.micro_batch * flow.elems * self.builder.act_bytes
-            out.append(
-                Collective("broadcast", f"{self.unit.unit}.tp.s{stage}", nbytes, "broker", inputs=(payload,), outputs=(payload,))
-            )
+            out.append(self._shared("broadcast", flow, payload))
         return out
 
     def send(self, payload: Payload) -> list[Instruction]:
         flow = self._flow(payload)
         route = f"{flow.producer}>{flow.consumer}"
-        return [Send(f"{route}.grad" if payload.grad else route, payload)]
+        gathered = [self._shared("all_gather", flow, payload)] if self.unit.setting.replicated else []
+        return [*gathered, Send(f"{route}.grad" if payload.grad else route, payload)]
 
 
 class _Builder:
@@ -165,6 +174,8 @@ class _Builder:
         first = 0
         for name in self.order:
             unit = self.units[name]
+            if unit.setting.replicated:  # its hand-offs' group: the emitter splits nothing over it
+                axis_group(program, self.cluster, f"{name}.tp.s0", unit.mesh, "tp", unit.mesh.rank(pp=0))
             emitter = PipelineEmitter(
                 self.model,
                 self.cluster,
@@ -179,6 +190,7 @@ class _Builder:
                     unit.setting.zero_stage,
                     tp_overlap_chunks=self.chunks,
                     scatter_gather=unit.setting.scatter_gather,
+                    replicate=(name,) if unit.setting.replicated else (),
                 ),
                 prefix=f"{name}.",
                 links=_UnitLinks(self, unit),

@@ -26,10 +26,12 @@ from src.program import Program, UnitPlan, compress_ranks
 from src.schedules.pipeline import PipeOp
 from src.sim.engine import simulate
 from src.strategies.base import PlanRequest
-from src.data.disaggregated import Assignment, Reordering, unit_loads
-from src.strategies.disttrain.orchestration import UNITS, Choice, Orchestrator, UnitChoice
+from src.data.balance import Dealt
+from src.data.disaggregated import Assignment, Reordering, dealt_unit_loads, unit_loads
+from src.strategies.disttrain.orchestration import UNITS, Choice, Orchestrator, UnitChoice, broker_end
 from src.strategies.disttrain.profile import StageArrays
 from src.strategies.disttrain.schedule import Chain, Deadlock, chain_orders
+from src.strategies.builders.layout import replicated_mesh
 from src.strategies.disttrain.programs import Broker, UnitLayout, disttrain_program, place
 from src.strategies.disttrain.timing import Hop, dag_ends
 
@@ -114,10 +116,7 @@ class Decision:
             return
         offsets = {layout.unit: layout.offset for layout in place(candidate.layouts)}
         hops = [self.o.p.hops(c.unit, c.setting, c.micro_batch, c.dp, c.pp, offsets[c.unit]) for c in choice]
-        brokers = [
-            self.o.p.broker_parts((a.unit, a.tp, a.dp, a.micro_batch), (b.unit, b.tp, b.dp, b.micro_batch))
-            for a, b in zip(choice, choice[1:])
-        ]
+        brokers = [self.o.p.broker_parts(broker_end(a), broker_end(b)) for a, b in zip(choice, choice[1:])]
         firsts = itertools.accumulate((c.pp for c in choice), initial=0)
         stage_orders = [orders[first : first + c.pp] for first, c in zip(firsts, choice)]
         ends = [0.0] * len(orders)
@@ -211,7 +210,14 @@ class Decision:
 
     def _layout(self, c: UnitChoice, assignment: Assignment, m: int) -> UnitLayout:
         per_sequence = self.loads.of(c.unit)
-        loads = ((1.0,) * m,) * c.dp if per_sequence is None else unit_loads(assignment, per_sequence, c.dp, m)
+        spec = self.request.model.unit(c.unit)
+        if per_sequence is None:
+            loads = ((1.0,) * m,) * c.dp
+        elif c.setting.replicated and spec.arch.per_image:
+            dealt = Dealt(c.unit, c.tp, spec.arch.images)
+            loads = dealt_unit_loads(assignment, self.loads.per_image(c.unit), c.dp, m, dealt)
+        else:
+            loads = unit_loads(assignment, per_sequence, c.dp, m)
         return UnitLayout(c.unit, c.dp, c.pp, c.micro_batch, c.setting, self.o.stages(c).layers, 0, loads)
 
     # ---- the Program -----------------------------------------------------------------------
@@ -246,8 +252,9 @@ def _groups(choice: Choice) -> list[range]:
 
 
 def _unit_plan(cluster, layout: UnitLayout, m: int) -> UnitPlan:
-    mesh = layout.mesh
     s = layout.setting
+    # A replicated unit's plan has the rows axis where the others have tp (layout.replicated_mesh).
+    mesh = replicated_mesh(layout.mesh, 0) if s.replicated else layout.mesh
     return UnitPlan(
         unit=layout.unit,
         mesh=mesh,

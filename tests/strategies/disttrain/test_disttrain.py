@@ -790,3 +790,58 @@ def test_impossible_plans_exit_2_with_one_line(tmp_path: Path, overrides, words)
     assert len(lines) == 1, lines
     assert all(w in lines[0] for w in words), lines[0]
     assert not (tmp_path / "summary.json").exists()
+
+
+# ---- a unit replicated over its TP group (§8.1: "whereas TP itself is not used") ----------
+def test_a_replicated_unit_prices_its_busiest_gpu_s_share_on_the_whole_unit() -> None:
+    """Two sequences' images dealt over two GPUs: each runs one sequence's worth on the whole
+    unit, as one GPU does one sequence; the parameters are the whole unit's, sharded by ZeRO
+    over the group's and the replicas' GPUs as a DP of twice as many, and reduced so."""
+    s = setup(*SMALL)
+    profiler = Profiler(s.model, s.cluster, s.train.precision, 4)
+    for unit in ("encoder", "generator"):
+        replicated = profiler.stages(unit, Setting(2, zero_stage=1, replicated=True), 2, 3, 1)
+        alone = profiler.stages(unit, Setting(1, zero_stage=1), 1, 3, 1)
+        assert replicated.fwd.tolist() == pytest.approx(alone.fwd.tolist())
+        assert replicated.bwd.tolist() == pytest.approx(alone.bwd.tolist())
+        assert replicated.activations.tolist() == pytest.approx(alone.activations.tolist())
+        six = profiler.stages(unit, Setting(1, zero_stage=1), 1, 6, 1)
+        assert replicated.states.tolist() == pytest.approx(six.states.tolist())
+        assert replicated.tail.tolist() == pytest.approx(six.tail.tolist())
+        assert replicated.states[0] > profiler.stages(unit, Setting(2, zero_stage=1), 2, 3, 1).states[0]
+
+
+def test_a_replicated_unit_does_no_tp_collective_and_its_plan_deals_its_rows() -> None:
+    s = setup(*SMALL, "strategy.replicate=[encoder,generator]", "strategy.generator.tp=2", "strategy.encoder.tp=2")
+    plan = plan_run(s)
+    units = by_unit(plan)
+    for unit in ("encoder", "generator"):
+        assert units[unit].row_shares == 2 and units[unit].mesh.degree("tp") == 1
+        collectives = [
+            i
+            for rp in plan.program.classes
+            if rp.units == (unit,)
+            for i in rp.instructions
+            if isinstance(i, Collective) and i.kind == "tp"
+        ]
+        assert collectives == []
+    # Its hand-offs: the sending side gathers its GPUs' shares, the receiving lead broadcasts.
+    ops = {i.op for rp in plan.program.classes if rp.units == ("encoder",) for i in rp.instructions if isinstance(i, Collective)}
+    assert "all_gather" in ops
+    simulated = simulate(plan.program, s.model, s.cluster, s.train.precision)
+    assert simulated.unit_breakdown()["generator"]["comm_tp"] == 0.0
+    # The orchestration's estimate prices the replicated units as the Program runs them.
+    assert plan.details["estimate_s"] == pytest.approx(simulated.iteration_time, rel=0.05)
+
+
+@pytest.mark.parametrize(
+    "overrides, problem",
+    [
+        (["strategy.replicate=[llm]"], "among"),
+        (["strategy.replicate=[encoder,encoder]"], "each once"),
+        (["strategy.replicate=[generator]", "strategy.generator.pp=2"], "one pipeline stage"),
+    ],
+)
+def test_a_replicated_unit_is_one_of_the_modules_around_the_llm_on_one_stage(overrides, problem) -> None:
+    with pytest.raises(ConfigError, match=problem):
+        options_from(DistTrainOptions, setup(*SMALL, *overrides).config["strategy"])
