@@ -37,9 +37,10 @@ SERIES = [
     "megatron=strategy=megatron strategy.modality_stages=extra strategy.replicate=[encoder,generator]",
     # The same search with its plan chosen on the first batch under each policy (strategy.choose_on).
     "megatron_on_data=strategy=megatron strategy.modality_stages=extra strategy.replicate=[encoder,generator] strategy.choose_on=data",
-    "disttrain=strategy=disttrain",
+    # DistTrain as its §8.1 runs: the encoder and generator replicated over each TP group (line 122).
+    "disttrain=strategy=disttrain strategy.replicate=[encoder,generator]",
     # The same orchestration with more of its choices timed on the first batch.
-    "disttrain_on_data=strategy=disttrain strategy.ranked=64",
+    "disttrain_on_data=strategy=disttrain strategy.replicate=[encoder,generator] strategy.ranked=64",
 ]
 # A plan chosen on the data replaces the one chosen at the mean load: its skew is that one's.
 SKEW_OF = ["megatron_on_data=megatron", "disttrain_on_data=disttrain"]

@@ -6,8 +6,9 @@ for MLLM-9B/15B/72B on 1152 A800s, batch 1920 (DistTrain's Figure 15 sizes). Tar
   replicated over the TP group): the plan's own balancer (src/data/balance.py) on the plan's
   pipeline, weighing the batch's 1920 sequences (a replicated unit's by its busiest GPU's
   images) and placing them over its replicas and micro-batches;
-- DistTrain: its reordering (src/data/disaggregated.py), as its plan carries it, for the orchestration's
-  best choice, the policy as DistTrain's reordering.
+- DistTrain (the balancing figure's: its encoder and generator replicated over each TP group): its
+  reordering (src/data/disaggregated.py), as its plan carries it, for the orchestration's best choice,
+  the policy as DistTrain's reordering.
 
 Each figure is the fastest of five runs by CPU time (time.process_time), wall time beside it:
 a loaded machine inflates wall time, not CPU time.
@@ -72,17 +73,19 @@ def megatron(model: str) -> dict[str, tuple[float, float]]:
 
 
 def disttrain(model: str) -> dict[str, tuple[float, float]]:
-    setup = configure(model, "strategy=disttrain")
+    setup = configure(model, "strategy=disttrain", "strategy.replicate=[encoder,generator]")
     opts = options_from(DistTrainOptions, setup.config["strategy"])
     train = setup.train
     loads = batch_loads(setup.model, train.seed, train.global_batch, train.data, None)
     profiler = Profiler(setup.model, setup.cluster, train.precision, opts.tp_overlap_chunks)
+    fixed = {u: opts.fixed(u) for u in UNITS}
     orchestrator = Orchestrator(
-        profiler, train.global_batch, setup.cluster.devices, {u: opts.fixed(u) for u in UNITS}, opts.orchestration, loads.peak
+        profiler, train.global_batch, setup.cluster.devices, fixed, opts.orchestration, loads.peak, replicate=opts.replicate
     )
     best = orchestrator.solve().best
     request = PlanRequest(setup.model, setup.cluster, train, setup.config["strategy"], None, LIMITS["sim"])
-    print(f"  disttrain {model}: " + ", ".join(f"{c.unit} dp {c.dp} pp {c.pp}" for c in best))
+    shapes = (f"{c.unit} dp {c.dp} pp {c.pp}{' replicated' if c.setting.replicated else ''}" for c in best)
+    print(f"  disttrain {model}: " + ", ".join(shapes))
     out = {}
     for policy in BALANCE_POLICIES:
         # What the plan carries and every step runs: its stage costs read once, the order per batch.

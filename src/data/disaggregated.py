@@ -20,7 +20,9 @@ once per step.
 - both: intra, then inter.
 - cost: the cost model's balance (src/data/balance.py, policy cost): vector LPT gives every
   LLM replica m sequences whose encoder seconds and generator seconds are balanced each on
-  its own, not in sum; then inter.
+  its own, not in sum; then slots whose shared encoder and generator micro-batches are
+  balanced (a micro-batch of several sequences costs their sum: more so where its images
+  are dealt out over a replicated unit's GPUs), ordered by Algorithm 3 and the order search.
 
 A plan carries its reordering (Reordering: the policy, the units' replicas and the stage
 costs it was decided on) so that the real backend places every step's batch the way the
@@ -126,8 +128,11 @@ class Reordering:
         out = [list(g) for g in groups]
         pipelines = []  # per pipeline: its first replica, slots, their stage times and Algorithm 3's order
         for first in range(0, self.dp_lm, width):
-            members = [sorted(out[r], key=lambda s: (-sizes[s], s)) for r in range(first, first + width)]
-            slots = list(zip(*members))
+            if self.policy == "cost" and width > 1:
+                slots = self._mixed_slots([out[r] for r in range(first, first + width)], enc, gen, b_me, b_mg)
+            else:
+                members = [sorted(out[r], key=lambda s: (-sizes[s], s)) for r in range(first, first + width)]
+                slots = list(zip(*members))
 
             def worst(slot: tuple[int, ...], loads: Sequence[float], b: int) -> float:
                 return max(sum(loads[s] for s in slot[i : i + b]) / b for i in range(0, width, b))
@@ -143,6 +148,34 @@ class Reordering:
             for k, r in enumerate(range(first, first + width)):
                 out[r] = [slots[i][k] for i in order]
         return out
+
+    def _mixed_slots(
+        self, members: list[list[int]], enc: Sequence[float], gen: Sequence[float], b_me: int, b_mg: int
+    ) -> list[tuple[int, ...]]:
+        """Slots of a pipeline's replicas (`members[k]`: replica k's sequences) whose shared
+        units' micro-batches are balanced, not of like sizes: a micro-batch of a unit shared
+        by b replicas (or replicated over its TP group, its images dealt out) costs the sum
+        of its sequences' loads, so the heaviest sequences are spread over the micro-batches.
+        Greedy, heaviest sequence first: each goes to the slot, among those its replica has
+        not filled, whose encoder and generator micro-batches it leaves the lightest."""
+        import numpy as np
+
+        width, m = len(members), len(members[0])
+        per_enc, per_gen = self.per_sequence
+        enc_sums, gen_sums = np.zeros((m, width // b_me)), np.zeros((m, width // b_mg))
+        free = np.ones((width, m), dtype=bool)
+        slots = np.zeros((m, width), dtype=np.int64)
+        placed = [(k, q) for k, seqs in enumerate(members) for q in seqs]
+        placed.sort(key=lambda kq: (-max(per_enc * enc[kq[1]], per_gen * gen[kq[1]]), kq[1]))
+        for k, q in placed:
+            e, g = k // b_me, k // b_mg
+            after = np.maximum(enc_sums[:, e] + per_enc * enc[q], gen_sums[:, g] + per_gen * gen[q])
+            j = int(np.argmin(np.where(free[k], after, np.inf)))
+            enc_sums[j, e] += per_enc * enc[q]
+            gen_sums[j, g] += per_gen * gen[q]
+            free[k, j] = False
+            slots[j, k] = q
+        return [tuple(int(q) for q in row) for row in slots]
 
 
 def dealt_unit_loads(

@@ -10,6 +10,7 @@ import pytest
 
 from src.data.interleaved import InterleavedData, encoder_costs, generator_costs, relative_loads, sampler
 from src.models.registry import build_model
+from src.data.disaggregated import Reordering, unit_loads
 from src.data.reorder import StageTimes, group_loads, interval_volumes, inter_reorder, lpt
 
 
@@ -95,3 +96,20 @@ def test_spread_zero_draws_every_image_at_the_nominal_side_from_the_same_stream(
     # The sides are drawn at spread 0 too: the captions that follow them are the same draws.
     kept = [(a, b) for a, b in zip(spread, flat) if a.images == b.images == 1]
     assert kept and all(a.caption_tokens == b.caption_tokens for a, b in kept)
+
+
+def test_the_cost_reordering_mixes_heavy_and_light_sequences_in_a_shared_micro_batch() -> None:
+    """Two LLM replicas share one generator replica, whose micro-batch of two sequences
+    costs their sum: Algorithm 3's slots of like sizes put the two heaviest together, the
+    cost policy spreads them (generator loads 4, 3, 1 and 0 against a mean of 2)."""
+    stages = ((0.1,), (1.0,), (1.0,))
+    gen = [4.0, 3.0, 1.0, 0.0]
+    enc = [1.0] * 4
+
+    def heaviest(policy: str) -> float:
+        reordering = Reordering(policy, 2, 2, 1, (0.1, 1.0), stages, stages)
+        assignment = reordering.assignment(enc, gen)
+        return max(max(row) for row in unit_loads(assignment, gen, 1, 2))
+
+    assert heaviest("cost") == 2.5
+    assert heaviest("both") == 3.5
