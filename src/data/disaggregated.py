@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from src.data.balance import Dealt, vector_lpt
 from src.data.reorder import StageTimes, inter_reorder, lpt
@@ -178,21 +178,25 @@ class Reordering:
         return [tuple(int(q) for q in row) for row in slots]
 
 
+def unit_loads(assignment: Assignment, loads: Sequence[float], dp: int, microbatches: int) -> tuple[tuple[float, ...], ...]:
+    """loads[replica][microbatch] of a unit with `dp` replicas: the mean load of the
+    sequences its micro-batch holds."""
+    return _per_microbatch(assignment, dp, microbatches, lambda held: sum(loads[s] for s in held) / len(held))
+
+
 def dealt_unit_loads(
     assignment: Assignment, image_loads: PerImage, dp: int, microbatches: int, dealt: Dealt
 ) -> tuple[tuple[float, ...], ...]:
     """loads[replica][microbatch] of a unit with `dp` replicas, each replicated over its TP
     group (`dealt`): its micro-batch's images dealt out whole over the group's GPUs, the
     busiest GPU's against its share at the mean."""
-    b = assignment.dp_lm // dp
-    return tuple(
-        tuple(dealt.load([x for s in assignment.sequences(j, d * b, b) for x in image_loads[s]], b) for j in range(microbatches))
-        for d in range(dp)
-    )
+    return _per_microbatch(assignment, dp, microbatches, lambda held: dealt.load([x for s in held for x in image_loads[s]], len(held)))
 
 
-def unit_loads(assignment: Assignment, loads: Sequence[float], dp: int, microbatches: int) -> tuple[tuple[float, ...], ...]:
-    """loads[replica][microbatch] of a unit with `dp` replicas: the mean load of the
-    sequences its micro-batch holds."""
+def _per_microbatch(
+    assignment: Assignment, dp: int, microbatches: int, weigh: Callable[[tuple[int, ...]], float]
+) -> tuple[tuple[float, ...], ...]:
+    """weigh(the sequences it holds) of every micro-batch of a unit with `dp` replicas, each
+    holding DP_lm / dp sequences of the LLM replicas' positions."""
     b = assignment.dp_lm // dp
-    return tuple(tuple(sum(loads[s] for s in assignment.sequences(j, d * b, b)) / b for j in range(microbatches)) for d in range(dp))
+    return tuple(tuple(weigh(assignment.sequences(j, d * b, b)) for j in range(microbatches)) for d in range(dp))
