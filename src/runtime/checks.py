@@ -81,14 +81,6 @@ def check_runnable(run: PlannedRun, data: str, data_errors: str = "fail") -> Non
                 ("sequence_parallel",),
                 (unit.unit,),
             )
-        if unit.row_shares > 1 and _hands_over_by_broker(plan, unit.unit):
-            raise PlanRefused(
-                f"unit {unit.unit} is replicated over the {unit.row_shares} GPUs of its TP group and hands its "
-                f"micro-batches to another unit's GPUs over a broker: the real backend moves a broker's micro-batches "
-                f"whole, not a replicated unit's shares of their images (the simulator prices it; it needs the unit unreplicated)",
-                ("rows",),
-                (unit.unit,),
-            )
         if unit.micro_batch % unit.row_shares:
             raise PlanRefused(
                 f"unit {unit.unit} is replicated over the {unit.row_shares} ranks of its TP group, which do not divide a "
@@ -153,16 +145,6 @@ def check_runnable(run: PlannedRun, data: str, data_errors: str = "fail") -> Non
             _check_distributed_optimizer(plan, rank_program.label, rank_program.ranks[0], rank_program.instructions)
             _check_gathered_batches(plan, rank_program.ranks[0], rank_program.instructions)
     check_message_order(plan)
-
-
-def _hands_over_by_broker(plan: Plan, unit: str) -> bool:
-    """Whether the unit's GPUs share a hand-off between units (a broker's gather or broadcast)."""
-    return any(
-        isinstance(i, Collective) and i.kind == "broker"
-        for rank_program in plan.program.classes
-        if unit in rank_program.units
-        for i in rank_program.instructions
-    )
 
 
 def _check_priced_images(plan: Plan, dataset: InterleavedMLLM, data: str, batch: int) -> None:

@@ -188,6 +188,17 @@ class Executor:
         first = self.places[unit].first_row
         return payload.part(first, first + tensor.shape[0]) if first else payload
 
+    def _own_input(self, unit: str, payload: Payload) -> Payload:
+        """What a unit's pass reads of an input payload: a unit replicated over its TP group
+        that shares the micro-batch's rows (not its images) reads its share's rows, where
+        a scattered transfer delivered just those and where a broker's hand-off between
+        units gave its group the whole micro-batch (DistTrain's)."""
+        plan = self.unit_plan(unit)
+        if plan.row_shares == 1 or unit in self.dealing or payload.rows is not None:
+            return payload
+        first = self.places[unit].first_row
+        return payload.part(first, first + plan.micro_batch // plan.row_shares)
+
     def _row_shape(self, payload: Payload) -> tuple[int, ...]:
         if payload.unit == self.model.interaction:
             return row_shape(self.model, payload)
@@ -328,7 +339,7 @@ class Executor:
         state = dict(self.batch_for(work.unit, j))
         leaves = {}
         for payload in compute.inputs:
-            leaf = self.s.store.tensor(payload).detach().requires_grad_(self.needs_backward(payload.unit))
+            leaf = self.s.store.tensor(self._own_input(work.unit, payload)).detach().requires_grad_(self.needs_backward(payload.unit))
             leaves[payload] = leaf
             state[input_key(work.unit, payload)] = leaf
         trains = self.needs_backward(work.unit)
@@ -379,7 +390,7 @@ class Executor:
         piece = (work.unit, j, compute.chunk)
         # The backward starts from what the forward handed on, seeded with the incoming
         # gradients, and from this rank's share of the loss where the pass ends in it.
-        starts = [(saved.outputs[grad.tensor], self.s.store.tensor(grad)) for grad in compute.inputs]
+        starts = [(saved.outputs[grad.tensor], self.s.store.tensor(self._own_input(work.unit, grad))) for grad in compute.inputs]
         starts += [(saved.outputs[key], seed) for key, seed in self.s.carried_grads.pop(piece, {}).items()]
         if "loss_share" in saved.outputs:
             share = saved.outputs["loss_share"]
@@ -608,11 +619,11 @@ class Executor:
         for message in messages:
             if message.dst == self.rank and message.received == message.sent:
                 continue  # it holds these rows under that name already (an encoder and the LLM colocated)
-            if self._dealt_share(message.sent) is not None:
+            if self._dealt_share(message.sent, route) is not None:
                 held = message.sent.whole  # its share's images, wherever their sequences are in the micro-batch
             else:
                 held = message.sent if message.sent.rows is not None else send.payload
-            tensor = _packed(self.s.store.tensor(held), self._wire_mask(message.sent) if message.dst != self.rank else None)
+            tensor = _packed(self.s.store.tensor(held), self._wire_mask(message.sent, route) if message.dst != self.rank else None)
             if not len(tensor):
                 continue  # no image: nothing travels (the receiver knows it from its own batch)
             tensor = tensor.detach().to(self.dtype).contiguous()
@@ -630,9 +641,9 @@ class Executor:
                 continue
             rows = message.received.rows
             count = rows[1] - rows[0] if rows is not None else self.unit_plan(message.received.unit).micro_batch
-            tokens = self._wire_mask(message.received)
+            tokens = self._wire_mask(message.received, route)
             # A share of a dealing unit's images is held at their places in the whole micro-batch.
-            target = message.received.whole if self._dealt_share(message.received) is not None else message.received
+            target = message.received.whole if self._dealt_share(message.received, route) is not None else message.received
             inside = self._packed_inside(message.received)
             if inside is not None:  # between an encoder's stages: its real images' token states, packed
                 shape = inside
@@ -687,10 +698,10 @@ class Executor:
         sides = self.batch_for(payload.unit, payload.microbatch).get("patch_sides")
         return None if sides is None else (1, int((sides**2 + 1).sum()), spec.hidden)
 
-    def _wire_mask(self, payload: Payload) -> torch.Tensor | None:
-        """What of a payload's rows travels (None: the rows as they are): a share of a
-        dealing unit's images (_dealt_mask), or an encoder's real images' tokens."""
-        dealt = self._dealt_share(payload)
+    def _wire_mask(self, payload: Payload, route: Route) -> torch.Tensor | None:
+        """What of a payload's rows travels over `route` (None: the rows as they are): a share
+        of a dealing unit's images (_dealt_mask), or an encoder's real images' tokens."""
+        dealt = self._dealt_share(payload, route)
         return self._image_tokens(payload) if dealt is None else self._dealt_mask(payload, *dealt)
 
     def _dealer(self, payload: Payload) -> str | None:
@@ -701,11 +712,14 @@ class Executor:
         chained = [payload.unit] + [c for p, c in self.model.flows if p == payload.unit]
         return next((unit for unit in chained if unit in self.dealing), None)
 
-    def _dealt_share(self, payload: Payload) -> tuple[str, Share] | None:
+    def _dealt_share(self, payload: Payload, route: Route) -> tuple[str, Share] | None:
         """The dealing unit and the share whose images a part of a payload carries: a
-        scattered transfer's rows share i stands for share i's images (runtime.row_shares)."""
+        scattered transfer's rows share i stands for share i's images (runtime.row_shares).
+        A broker's hand-off between units (DistTrain's) carries its sequences' rows as they
+        are: a replicated sender gathers its shares before it (_gather_dealt), a replicated
+        receiver's lead shares what it gets after it (_broadcast)."""
         dealer = self._dealer(payload)
-        if dealer is None or payload.rows is None:
+        if dealer is None or payload.rows is None or route.kind == "broker":
             return None
         shares = self.dealing[dealer]
         return dealer, Share(payload.rows[0] // (self.unit_plan(dealer).micro_batch // shares), shares)

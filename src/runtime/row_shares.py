@@ -9,8 +9,11 @@ sequences of their own images (interleaved data) shares a micro-batch's images i
 the plan prices it (data.balance.dealt_images): each rank reads the whole micro-batch, runs
 the images dealt to it and holds what it makes at their places in the whole micro-batch;
 what travels for share i of a scattered transfer is those images' tokens (runtime.executor).
-Either way its ranks reduce their gradients over every rank of the unit (its rows x dp
-ranks): they ran disjoint parts of the micro-batch's work.
+A unit of its own that hands over through a broker (DistTrain's) moves its micro-batches
+whole: its ranks all-gather their shares before the broker sends, and the broker shares
+what it receives with them, each reading its share of it. Either way its ranks reduce
+their gradients over every rank of the unit (its rows x dp ranks): they ran disjoint parts
+of the micro-batch's work.
 """
 
 from __future__ import annotations

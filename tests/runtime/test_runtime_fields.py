@@ -271,8 +271,14 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
         "",
     ),
     ("disttrain", "generator.pp"): (DISTTRAIN, ["strategy.generator.pp=2"], "refused", ""),
-    # Priced by the simulator; the real backend hands a DistTrain unit's micro-batches over whole.
-    ("disttrain", "replicate"): (DISTTRAIN, ["strategy.replicate=[encoder,generator]", "strategy.generator.tp=2"], "refused", ""),
+    # The encoder and generator replicated over their TP group, handing over through brokers.
+    ("disttrain", "replicate"): (
+        DISTTRAIN,
+        ["cluster.devices_per_node=6", "strategy.replicate=[encoder,generator]", "strategy.encoder.tp=2", "strategy.generator.tp=2"]
+        + ["strategy.llm.dp=2", "strategy.llm.tp=1", "strategy.llm.pp=1"],
+        "run",
+        "test_runtime_replicate",
+    ),
     ("disttrain", "generator.dp"): (DISTTRAIN, ["strategy.generator.dp=1"], "run", DISTTRAIN_RUNS),
     ("ddp", "zero_stage"): (DDP, ["strategy.zero_stage=3"], "run", EQUALITY),
     ("ddp", "micro_batch_size"): (DDP, ["strategy.micro_batch_size=2"], "run", EQUALITY),

@@ -1,12 +1,19 @@
-"""Megatron-LM with the encoder and generator replicated over their stages' TP group
-(DistTrain §2.1's rigid baseline) on six real workers, tp=2 x pp=3: each of a stage's two
-ranks runs the whole ViT (or U-Net) on its share of every micro-batch, hands what it made
-to the LLM's TP ranks (which all-gather it) and reduces its gradients over both; the first
-losses equal one process's. On sequences alike a share is half the micro-batch's rows; on
-sequences of their own images (interleaved data, from a tar shard) it is the images dealt
-to it, as the plan prices them (runtime.row_shares): a share may run part of a sequence's
-images, or none; so too under ZeRO-1 with the sequences placed by train.balance=cost. One
-launch of six workers."""
+"""An MLLM's encoder and generator replicated over their TP group on six real workers:
+each rank of the group runs the whole ViT (or U-Net) on its share of every micro-batch and
+reduces its gradients over the group's and the replicas' ranks; the first losses equal one
+process's. On sequences alike a share is half the micro-batch's rows; on sequences of their
+own images (interleaved data, from a tar shard) it is the images dealt to it, as the plan
+prices them (runtime.row_shares): a share may run part of a sequence's images, or none.
+
+- Megatron-LM (DistTrain §2.1's rigid baseline), tp=2 x pp=3: a replicated stage hands
+  what it made to the LLM's TP ranks (which all-gather it); so too under ZeRO-1 with the
+  sequences placed by train.balance=cost.
+- DistTrain as its §8.1 runs it (strategy.replicate): the encoder (2 ranks), the LLM (2
+  replicas of one rank) and the generator (2 ranks) on disjoint ranks, joined by brokers; a
+  replicated unit's ranks all-gather their shares before its broker sends the micro-batch
+  whole, and a receiving one's broker shares what it got with its peers.
+
+One launch of six workers."""
 
 from __future__ import annotations
 
@@ -28,15 +35,9 @@ STEPS = 3
 BATCH = 8
 WORKERS = 6
 MICRO_BATCH = 2
-BASE = [
-    "backend=torch",
-    "cluster=local",
-    f"cluster.devices_per_node={WORKERS}",
-    "logger=none",
+MEGATRON = [
     "model=mllm_9b",
     "model.scale=tiny",
-    f"train.global_batch={BATCH}",
-    f"train.steps={STEPS}",
     "strategy=megatron",
     "strategy.tp=2",
     "strategy.pp=3",
@@ -44,6 +45,27 @@ BASE = [
     "strategy.sequence_parallel=false",
     "strategy.recompute=none",
     "strategy.replicate=[encoder,generator]",
+]
+# Encoder and generator micro-batches of two sequences (one of each LLM replica's), each
+# dealt over its unit's two ranks.
+DISTTRAIN = [
+    "model=mllm_9b",
+    "model.scale=tiny",
+    "strategy=disttrain",
+    "strategy.replicate=[encoder,generator]",
+    "strategy.encoder.tp=2",
+    "strategy.generator.tp=2",
+    "strategy.llm.tp=1",
+    "strategy.llm.pp=1",
+    "strategy.llm.dp=2",
+]
+BASE = [
+    "backend=torch",
+    "cluster=local",
+    f"cluster.devices_per_node={WORKERS}",
+    "logger=none",
+    f"train.global_batch={BATCH}",
+    f"train.steps={STEPS}",
     *sensitive(0.3),
 ]
 # Images per sample of the shard: micro-batch 0's three images deal 2 and 1, the second
@@ -52,28 +74,18 @@ BASE = [
 SHARD_IMAGES = [1, 2, 0, 1, 3, 0, 0, 0]
 # Every image at the encoder's nominal side (a shard's are).
 INTERLEAVED_MODEL = {"name": "mllm_9b", "scale": "tiny", "images_per_sequence": 2, "image_size_spread": 0}
+SHARD = ["train.data=interleaved", "backend.data=SHARDS", "model.images_per_sequence=2", "model.image_size_spread=0"]
 CASES = {
-    "replicated": ["train.data=uniform", "strategy.zero_stage=0"],
+    "replicated": MEGATRON + ["train.data=uniform", "strategy.zero_stage=0"],
     # The distributed optimizer's partitions span a replicated stage's TP and DP ranks.
-    "replicated_zero1": ["train.data=uniform", "strategy.zero_stage=1"],
-    "interleaved": [
-        "train.data=interleaved",
-        "backend.data=SHARDS",
-        "model.images_per_sequence=2",
-        "model.image_size_spread=0",
-        "strategy.zero_stage=0",
-        "backend.timeout_s=60",  # a share left out of a collective fails the run soon
-    ],
+    "replicated_zero1": MEGATRON + ["train.data=uniform", "strategy.zero_stage=1"],
+    # A share left out of a collective fails the run soon.
+    "interleaved": MEGATRON + SHARD + ["strategy.zero_stage=0", "backend.timeout_s=60"],
     # ZeRO-1's partitions over the dealt shares, and the cost policy placing the sequences.
-    "interleaved_zero1_cost": [
-        "train.data=interleaved",
-        "backend.data=SHARDS",
-        "model.images_per_sequence=2",
-        "model.image_size_spread=0",
-        "strategy.zero_stage=1",
-        "train.balance=cost",
-        "backend.timeout_s=60",
-    ],
+    "interleaved_zero1_cost": MEGATRON + SHARD + ["strategy.zero_stage=1", "train.balance=cost", "backend.timeout_s=60"],
+    "disttrain": DISTTRAIN + ["train.data=uniform", "strategy.zero_stage=0", "strategy.reorder=none"],
+    "disttrain_interleaved": DISTTRAIN + SHARD + ["strategy.zero_stage=0", "strategy.reorder=none", "backend.timeout_s=60"],
+    "disttrain_interleaved_zero1_cost": DISTTRAIN + SHARD + ["strategy.zero_stage=1", "train.balance=cost", "backend.timeout_s=60"],
 }
 
 
@@ -101,13 +113,14 @@ def references(shards) -> dict[str, list[float]]:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_first_losses_equal_the_single_process_reference(runs, references, case):
-    reference = references["interleaved" if case.startswith("interleaved") else "uniform"]
+    reference = references["interleaved" if "train.data=interleaved" in CASES[case] else "uniform"]
     assert summary_of(runs[case])["measured"]["loss"] == pytest.approx(reference, rel=1e-4)
     assert reference[-1] != pytest.approx(reference[0], rel=1e-3)  # it trains, so equality says something
 
 
-def test_the_cost_policy_moved_the_sequences_it_trains_as_one_process(runs):
-    order = read_plan(runs["interleaved_zero1_cost"] / "plan.json").plan.sample_order
+@pytest.mark.parametrize("case", ["interleaved_zero1_cost", "disttrain_interleaved_zero1_cost"])
+def test_the_cost_policy_moved_the_sequences_it_trains_as_one_process(runs, case):
+    order = read_plan(runs[case] / "plan.json").plan.sample_order
     assert order is not None and sorted(order) == list(range(BATCH)) and list(order) != sorted(order)
 
 
@@ -137,3 +150,26 @@ def test_replicated_stages_split_rows_and_run_no_tp_collective(runs, case):
     # (backward); the replicated stages gather nothing and hold no TP group.
     gathers = {e["name"] for e in events if e.get("name", "").startswith("all_gather")}
     assert gathers == {"all_gather tp.s1"}, sorted(gathers)
+
+
+@pytest.mark.parametrize("case", ["disttrain", "disttrain_interleaved", "disttrain_interleaved_zero1_cost"])
+def test_disttrain_s_replicated_units_gather_their_shares_for_their_broker_and_share_what_it_receives(runs, case):
+    summary = summary_of(runs[case])
+    units = summary["plan"]["units"]
+    for name in ("encoder", "generator"):
+        assert units[name]["mesh"] == {"rows": 2, "dp": 1, "pp": 1} and units[name]["tp"] == 1
+    assert units["llm"]["mesh"] == {"tp": 1, "dp": 2, "pp": 1}
+    trace = json.loads((runs[case] / "trace.json").read_text())
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    collectives: dict[str, int] = {}
+    for e in events:
+        if e.get("name", "").split(" ")[0] in ("all_gather", "broadcast", "all_reduce", "reduce_scatter"):
+            collectives[e["name"]] = collectives.get(e["name"], 0) + 1
+    # Per micro-batch: the encoder's ranks gather their images' states for the broker to the
+    # LLM and share the gradient it brings back; the generator's share the LLM's states its
+    # broker receives and gather their gradients for it. No other collective inside a unit.
+    microbatches = units["encoder"]["num_microbatches"]
+    assert collectives == {
+        f"{op} {unit}.tp.s0": microbatches
+        for op, unit in (("all_gather", "encoder"), ("broadcast", "encoder"), ("broadcast", "generator"), ("all_gather", "generator"))
+    }
