@@ -21,6 +21,7 @@ from src.runtime.executor import input_key
 from src.data.interleaved_mllm import InterleavedMLLM
 from src.runtime.inputs import dataset_for, tell_repeats
 from src.runtime.layouts import layout_runtime
+from src.runtime.row_shares import dealing_units
 from src.runtime.modules.units import llama_style
 
 if TYPE_CHECKING:
@@ -81,14 +82,6 @@ def check_runnable(run: PlannedRun, data: str, data_errors: str = "fail") -> Non
                 ("sequence_parallel",),
                 (unit.unit,),
             )
-        if unit.micro_batch % unit.row_shares:
-            raise PlanRefused(
-                f"unit {unit.unit} is replicated over the {unit.row_shares} ranks of its TP group, which do not divide a "
-                f"micro-batch's {unit.micro_batch} rows: the real backend gives each rank an equal share of whole rows "
-                f"(it needs a micro_batch that tp divides)",
-                ("rows", "micro_batch"),
-                (unit.unit,),
-            )
         tp, seq = unit.mesh.degree("tp"), spec.seq_len
         if unit.sequence_parallel and seq % tp:
             raise PlanRefused(
@@ -122,8 +115,28 @@ def check_runnable(run: PlannedRun, data: str, data_errors: str = "fail") -> Non
         _check_priced_images(plan, dataset, data, run.train.global_batch)
         dataset.check(range(run.train.global_batch * run.train.steps))
         _check_image_rows(plan, model)
+    # A replicated unit's ranks share each micro-batch's rows, or deal out its images where it
+    # works per image on sequences of their own (runtime.row_shares): then rows need not divide.
+    dealing = frozenset(dealing_units(plan, model)) if interleaved else frozenset()
+    for unit in plan.units:
+        if unit.row_shares > 1 and unit.unit not in dealing and unit.micro_batch % unit.row_shares:
+            raise PlanRefused(
+                f"unit {unit.unit} is replicated over the {unit.row_shares} ranks of its TP group, which do not divide a "
+                f"micro-batch's {unit.micro_batch} rows: the real backend gives each rank an equal share of whole rows "
+                f"(it needs a micro_batch that tp divides, or sequences of their own images to deal out)",
+                ("rows", "micro_batch"),
+                (unit.unit,),
+            )
     for route in plan.program.routes.values():
         if isinstance(route, Hop) and route.scatter and route.rows % route.parts:
+            if any(u.row_shares > 1 for rank in (*route.a, *route.b) for u in plan.units_on(rank)):
+                raise PlanRefused(
+                    f"route {route.name} carries a replicated stage's shares of each micro-batch of {route.rows} rows "
+                    f"over tp={route.parts}, which does not divide them: the real backend sends each share's whole "
+                    f"rows (it needs a micro_batch that tp divides)",
+                    ("micro_batch",),
+                    tuple(u.unit for u in plan.units if u.row_shares > 1),
+                )
             raise PlanRefused(
                 f"route {route.name} scatters each micro-batch of {route.rows} rows over tp={route.parts}, which does "
                 f"not divide them: the real backend sends whole rows (it needs a route without scatter, or a "
@@ -137,7 +150,9 @@ def check_runnable(run: PlannedRun, data: str, data_errors: str = "fail") -> Non
         handles: set[str] = set()
         partitioned = tuple(u for u in rank_program.units if plan.unit(u).zero_stage in (1, 2))
         for instruction in rank_program.instructions:
-            _check_instruction(instruction, handles, rank_program.label, model.interaction, overlapped, partitioned, interleaved)
+            _check_instruction(
+                instruction, handles, rank_program.label, model.interaction, overlapped, partitioned, interleaved, dealing
+            )
         _check_backward_ranges(rank_program.label, rank_program.instructions)
         _check_kernel_ranges(rank_program.label, rank_program.instructions, model)
         _check_work_under_tp(rank_program.label, rank_program.instructions)
@@ -328,9 +343,11 @@ def _check_instruction(
     overlapped: bool,
     partitioned: tuple[str, ...],
     interleaved: bool,
+    dealing: frozenset[str],
 ) -> None:
     """`partitioned`: the class's units whose ZeRO-1/2 partitions a DP reduce-scatter serves;
-    `interleaved`: sequences hold their samples' images (a micro-batch's load is theirs)."""
+    `interleaved`: sequences hold their samples' images (a micro-batch's load is theirs);
+    `dealing`: the replicated units that deal each micro-batch's images out over their ranks."""
     if isinstance(instruction, Compute):
         work = instruction.work
         if work.phase not in PHASES:
@@ -342,8 +359,10 @@ def _check_instruction(
                 ("load",),
                 (work.unit,),
             )
-        chunks = round(1 / work.fraction)
-        if work.fraction != 1.0 and (abs(chunks * work.fraction - 1) > 1e-9 or work.sharding.degree("tp") == 1):
+        # A fraction is a chunk of a pass (StepCCL's, under TP) or, in a unit that deals its
+        # images out, the busiest rank's share of a micro-batch, which the rank runs once.
+        share = work.fraction * work.chunks  # of the micro-batch, by the pass's chunks together
+        if (abs(share - 1) > 1e-9 and work.unit not in dealing) or (work.chunks > 1 and work.sharding.degree("tp") == 1):
             raise PlanRefused(
                 f"{label}: {work.unit} layers {work.layers} run in chunks of fraction={work.fraction:.3g}: the real "
                 f"backend chunks a pass only to overlap its TP collectives, in a whole number of chunks (it needs "

@@ -261,16 +261,16 @@ class Executor:
                 return "marker"
             instruction = ranged
         phase = "bwd" if instruction.work.phase == BWD_INPUT else instruction.work.phase
-        if instruction.work.fraction != 1.0:
+        if instruction.work.chunks > 1:
             whole = self._whole_pass(instruction)
             if whole is None:
                 return "marker"
             instruction = whole
         if phase == "fwd":
-            with tp_overlap(round(1 / instruction.work.fraction)):
+            with tp_overlap(instruction.work.chunks):
                 self._forward(instruction)
         elif phase == "bwd":
-            with tp_overlap(round(1 / instruction.work.fraction)):
+            with tp_overlap(instruction.work.chunks):
                 self._backward(instruction)
         elif phase == "interaction":
             self._interaction(instruction)
@@ -328,7 +328,7 @@ class Executor:
         key = (compute.work.unit, compute.work.phase, compute.work.layers, compute.microbatch, compute.chunk)
         first = self.s.chunked.setdefault(key, [])
         first.append(compute)
-        if len(first) < round(1 / compute.work.fraction):
+        if len(first) < compute.work.chunks:
             return None
         del self.s.chunked[key]  # a later pass of the same key (a recomputed forward) starts afresh
         return replace(compute, inputs=first[0].inputs)

@@ -450,6 +450,24 @@ def test_a_replicated_unit_s_rows_tp_does_not_divide_are_refused_naming_the_fix(
         _check(MLLM_REPLICATED + odd)
 
 
+def test_a_replicated_stage_s_scattered_shares_of_fewer_rows_than_ranks_are_refused_naming_the_micro_batch():
+    # On sequences of their own images the stage deals one sequence's images out, but its
+    # scattered transfer to the LLM's TP ranks sends each share whole rows.
+    one = ["strategy.replicate=[encoder,generator]", "strategy.micro_batch_size=1", "train.data=interleaved"]
+    fix = r"replicated stage's shares of each micro-batch of 1 rows over tp=2.*\[megatron: strategy.micro_batch_size\]"
+    with pytest.raises(ConfigError, match=fix):
+        _check(MLLM_REPLICATED + one)
+
+
+def test_a_replicated_disttrain_unit_deals_out_micro_batches_of_fewer_sequences_than_ranks():
+    """Runs: test_runtime_replicate, disttrain_one_sequence (uniform data is refused above)."""
+    replicated = ["strategy.replicate=[encoder,generator]", "strategy.encoder.tp=2", "strategy.generator.tp=2"]
+    one = ["cluster.devices_per_node=6", "strategy.llm.tp=1", "strategy.llm.pp=2", "strategy.llm.dp=1", "train.data=interleaved"]
+    _check(DISTTRAIN + replicated + one)
+    with pytest.raises(ConfigError, match=r"unit encoder is replicated over the 2 ranks.*1 rows.*\[disttrain: strategy.replicate"):
+        _check(DISTTRAIN + replicated + one[:-1])
+
+
 def test_a_replicated_unit_on_interleaved_data_runs():
     """Each rank of the TP group runs the images dealt to it, as the plan prices them
     (runs: test_runtime_replicate, interleaved)."""

@@ -26,6 +26,7 @@ from src.data.balance import dealt_images
 from src.models.registry import build_model
 from src.runtime.inputs import dataset_for
 from src.plan_io import read_plan
+from src.program import Compute
 from src.runtime.reference import reference_losses
 from tests.runtime.support import launch_cases, mllm_shard, sensitive, sensitive_optimizer, summary_of
 
@@ -56,9 +57,11 @@ DISTTRAIN = [
     "strategy.encoder.tp=2",
     "strategy.generator.tp=2",
     "strategy.llm.tp=1",
-    "strategy.llm.pp=1",
-    "strategy.llm.dp=2",
 ]
+TWO_REPLICAS = ["strategy.llm.pp=1", "strategy.llm.dp=2"]
+# One LLM replica on two stages: the encoder's and generator's micro-batches hold one
+# sequence each, whose images their two ranks deal out (a rank may run none).
+ONE_REPLICA = ["strategy.llm.pp=2", "strategy.llm.dp=1"]
 BASE = [
     "backend=torch",
     "cluster=local",
@@ -74,18 +77,26 @@ BASE = [
 SHARD_IMAGES = [1, 2, 0, 1, 3, 0, 0, 0]
 # Every image at the encoder's nominal side (a shard's are).
 INTERLEAVED_MODEL = {"name": "mllm_9b", "scale": "tiny", "images_per_sequence": 2, "image_size_spread": 0}
-SHARD = ["train.data=interleaved", "backend.data=SHARDS", "model.images_per_sequence=2", "model.image_size_spread=0"]
+IN_ORDER = ["strategy.zero_stage=0", "strategy.reorder=none"]
+# A share left out of a collective fails the run soon (backend.timeout_s).
+SHARD = [
+    "train.data=interleaved",
+    "backend.data=SHARDS",
+    "model.images_per_sequence=2",
+    "model.image_size_spread=0",
+    "backend.timeout_s=60",
+]
 CASES = {
     "replicated": MEGATRON + ["train.data=uniform", "strategy.zero_stage=0"],
     # The distributed optimizer's partitions span a replicated stage's TP and DP ranks.
     "replicated_zero1": MEGATRON + ["train.data=uniform", "strategy.zero_stage=1"],
-    # A share left out of a collective fails the run soon.
-    "interleaved": MEGATRON + SHARD + ["strategy.zero_stage=0", "backend.timeout_s=60"],
+    "interleaved": MEGATRON + SHARD + ["strategy.zero_stage=0"],
     # ZeRO-1's partitions over the dealt shares, and the cost policy placing the sequences.
-    "interleaved_zero1_cost": MEGATRON + SHARD + ["strategy.zero_stage=1", "train.balance=cost", "backend.timeout_s=60"],
-    "disttrain": DISTTRAIN + ["train.data=uniform", "strategy.zero_stage=0", "strategy.reorder=none"],
-    "disttrain_interleaved": DISTTRAIN + SHARD + ["strategy.zero_stage=0", "strategy.reorder=none", "backend.timeout_s=60"],
-    "disttrain_interleaved_zero1_cost": DISTTRAIN + SHARD + ["strategy.zero_stage=1", "train.balance=cost", "backend.timeout_s=60"],
+    "interleaved_zero1_cost": MEGATRON + SHARD + ["strategy.zero_stage=1", "train.balance=cost"],
+    "disttrain": DISTTRAIN + TWO_REPLICAS + ["train.data=uniform", "strategy.zero_stage=0", "strategy.reorder=none"],
+    "disttrain_interleaved": DISTTRAIN + TWO_REPLICAS + SHARD + IN_ORDER,
+    "disttrain_interleaved_zero1_cost": DISTTRAIN + TWO_REPLICAS + SHARD + ["strategy.zero_stage=1", "train.balance=cost"],
+    "disttrain_one_sequence": DISTTRAIN + ONE_REPLICA + SHARD + IN_ORDER,
 }
 
 
@@ -159,6 +170,7 @@ def test_disttrain_s_replicated_units_gather_their_shares_for_their_broker_and_s
     for name in ("encoder", "generator"):
         assert units[name]["mesh"] == {"rows": 2, "dp": 1, "pp": 1} and units[name]["tp"] == 1
     assert units["llm"]["mesh"] == {"tp": 1, "dp": 2, "pp": 1}
+    assert units["encoder"]["micro_batch"] == units["generator"]["micro_batch"] == 2
     trace = json.loads((runs[case] / "trace.json").read_text())
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     collectives: dict[str, int] = {}
@@ -173,3 +185,14 @@ def test_disttrain_s_replicated_units_gather_their_shares_for_their_broker_and_s
         f"{op} {unit}.tp.s0": microbatches
         for op, unit in (("all_gather", "encoder"), ("broadcast", "encoder"), ("broadcast", "generator"), ("all_gather", "generator"))
     }
+
+
+def test_disttrain_s_replicated_units_deal_out_micro_batches_of_one_sequence(runs):
+    """The plan prices the busiest rank's share of a sequence's images (a fraction of a
+    micro-batch, not a chunk of a pass): each rank runs its dealt images once."""
+    units = summary_of(runs["disttrain_one_sequence"])["plan"]["units"]
+    assert units["encoder"]["micro_batch"] == units["generator"]["micro_batch"] == 1
+    assert units["encoder"]["mesh"]["rows"] == units["generator"]["mesh"]["rows"] == 2
+    program = read_plan(runs["disttrain_one_sequence"] / "plan.json").plan.program
+    passes = [i.work for c in program.classes for i in c.instructions if isinstance(i, Compute) and i.work.unit == "encoder"]
+    assert {w.fraction for w in passes if w.phase in ("fwd", "bwd")} == {0.5}
