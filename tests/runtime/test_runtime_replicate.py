@@ -11,7 +11,8 @@ prices them (runtime.row_shares): a share may run part of a sequence's images, o
 - DistTrain as its §8.1 runs it (strategy.replicate): the encoder (2 ranks), the LLM (2
   replicas of one rank) and the generator (2 ranks) on disjoint ranks, joined by brokers; a
   replicated unit's ranks all-gather their shares before its broker sends the micro-batch
-  whole, and a receiving one's broker shares what it got with its peers.
+  whole, and a receiving one's broker shares what it got with its peers; so too with
+  micro-batches of one sequence dealt over two GPUs, and with the encoder frozen.
 
 One launch of six workers."""
 
@@ -97,6 +98,8 @@ CASES = {
     "disttrain_interleaved": DISTTRAIN + TWO_REPLICAS + SHARD + IN_ORDER,
     "disttrain_interleaved_zero1_cost": DISTTRAIN + TWO_REPLICAS + SHARD + ["strategy.zero_stage=1", "train.balance=cost"],
     "disttrain_one_sequence": DISTTRAIN + ONE_REPLICA + SHARD + IN_ORDER,
+    # Fig. 19's frozen encoder: its broker still gathers the shares' states, and no gradient returns to it.
+    "disttrain_frozen_encoder": DISTTRAIN + TWO_REPLICAS + SHARD + IN_ORDER + ["model.frozen=[encoder]"],
 }
 
 
@@ -119,12 +122,22 @@ def references(shards) -> dict[str, list[float]]:
     interleaved = reference_losses(
         build_model(INTERLEAVED_MODEL), 0, BATCH, STEPS, sensitive_optimizer(0.3), data=shards, content="interleaved"
     )
-    return {"uniform": uniform, "interleaved": interleaved}
+    frozen = reference_losses(
+        build_model({**INTERLEAVED_MODEL, "frozen": ["encoder"]}),
+        0,
+        BATCH,
+        STEPS,
+        sensitive_optimizer(0.3),
+        data=shards,
+        content="interleaved",
+    )
+    return {"uniform": uniform, "interleaved": interleaved, "interleaved_frozen_encoder": frozen}
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_first_losses_equal_the_single_process_reference(runs, references, case):
-    reference = references["interleaved" if "train.data=interleaved" in CASES[case] else "uniform"]
+    data = "interleaved" if "train.data=interleaved" in CASES[case] else "uniform"
+    reference = references[data + ("_frozen_encoder" if "model.frozen=[encoder]" in CASES[case] else "")]
     assert summary_of(runs[case])["measured"]["loss"] == pytest.approx(reference, rel=1e-4)
     assert reference[-1] != pytest.approx(reference[0], rel=1e-3)  # it trains, so equality says something
 
@@ -196,3 +209,10 @@ def test_disttrain_s_replicated_units_deal_out_micro_batches_of_one_sequence(run
     program = read_plan(runs["disttrain_one_sequence"] / "plan.json").plan.program
     passes = [i.work for c in program.classes for i in c.instructions if isinstance(i, Compute) and i.work.unit == "encoder"]
     assert {w.fraction for w in passes if w.phase in ("fwd", "bwd")} == {0.5}
+
+
+def test_a_frozen_replicated_encoder_gathers_for_its_broker_and_gets_no_gradient_back(runs):
+    trace = json.loads((runs["disttrain_frozen_encoder"] / "trace.json").read_text())
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    encoder = {e["name"] for e in events if e.get("name", "").endswith(" encoder.tp.s0")}
+    assert encoder == {"all_gather encoder.tp.s0"}
