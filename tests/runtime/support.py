@@ -138,14 +138,18 @@ def mllm_shard(path: Path, images: list[int]) -> None:
                 tar.addfile(info, io.BytesIO(data))
 
 
-def descendants(pid: int) -> dict[int, str]:
+def _processes() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, name) of every process."""
+    rows = subprocess.run(["ps", "-eo", "pid=,ppid=,comm="], capture_output=True, text=True).stdout.splitlines()
+    return {int(pid): (int(parent), comm.strip()) for pid, parent, comm in (row.split(None, 2) for row in rows)}
+
+
+def descendants(pid: int, processes: dict[int, tuple[int, str]] | None = None) -> dict[int, str]:
     """pid -> name of every process below `pid` (a front door's forkserver, its workers
     forked from it, or its children)."""
-    rows = subprocess.run(["ps", "-eo", "pid=,ppid=,comm="], capture_output=True, text=True).stdout.splitlines()
     children: dict[int, list[tuple[int, str]]] = {}
-    for row in rows:
-        child, parent, comm = row.split(None, 2)
-        children.setdefault(int(parent), []).append((int(child), comm.strip()))
+    for child, (parent, comm) in (processes or _processes()).items():
+        children.setdefault(parent, []).append((child, comm))
     found, todo = {}, [pid]
     while todo:
         for child, comm in children.get(todo.pop(), []):
@@ -155,9 +159,16 @@ def descendants(pid: int) -> dict[int, str]:
 
 
 def workers_of(door_pid: int) -> dict[int, int]:
-    """rank -> pid of the workers a front door started (named mmdist-rank<r>)."""
-    found = descendants(door_pid).items()
-    return {int(comm.removeprefix("mmdist-rank")): pid for pid, comm in found if comm.startswith("mmdist-rank")}
+    """rank -> pid of the workers a front door started (named mmdist-rank<r>), not of a
+    process a worker forks, which carries the worker's name until it execs (a resource
+    tracker caught before its exec would be taken for the worker, and outlives it briefly)."""
+    processes = _processes()
+    found = descendants(door_pid, processes)
+    return {
+        int(comm.removeprefix("mmdist-rank")): pid
+        for pid, comm in found.items()
+        if comm.startswith("mmdist-rank") and not found.get(processes[pid][0], "").startswith("mmdist-rank")
+    }
 
 
 def alive(pid: int) -> bool:
