@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -58,7 +59,29 @@ STALL_BEATS = 4  # and at least this many missed beats: a tiny backend.timeout_s
 STALE_S = 5.0  # a live rank silent this long when a peer fails is named first: its peers failed waiting on it
 
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+PORT_SPAN = 16384  # how far below the ephemeral range a rendezvous port is drawn
+
+
 def free_port() -> int:
+    """A port nothing holds now for the workers' rendezvous, which rank 0 binds seconds
+    later: drawn below the kernel's ephemeral range, because the ports connections take for
+    themselves (every pair of gloo workers', another run's) come from that range, and one of
+    them taken there in between fails the start (EADDRINUSE). Where the range is not known,
+    or nothing below it is free, the kernel's pick."""
+    try:
+        low = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    draw = random.SystemRandom()
+    for _ in range(64 if low > 1024 else 0):
+        port = draw.randrange(max(1024, low - PORT_SPAN), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
