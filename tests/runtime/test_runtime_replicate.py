@@ -12,7 +12,8 @@ prices them (runtime.row_shares): a share may run part of a sequence's images, o
   replicas of one rank) and the generator (2 ranks) on disjoint ranks, joined by brokers; a
   replicated unit's ranks all-gather their shares before its broker sends the micro-batch
   whole, and a receiving one's broker shares what it got with its peers; so too with
-  micro-batches of one sequence dealt over two GPUs, and with the encoder frozen.
+  micro-batches of one sequence dealt over two GPUs, with the encoder frozen, with the
+  generator replicated alone, and with the LLM on tp=2 between them.
 
 One launch of six workers."""
 
@@ -48,21 +49,18 @@ MEGATRON = [
     "strategy.recompute=none",
     "strategy.replicate=[encoder,generator]",
 ]
+DISTTRAIN = ["model=mllm_9b", "model.scale=tiny", "strategy=disttrain", "strategy.generator.tp=2"]
+BOTH = ["strategy.replicate=[encoder,generator]", "strategy.encoder.tp=2"]
 # Encoder and generator micro-batches of two sequences (one of each LLM replica's), each
 # dealt over its unit's two ranks.
-DISTTRAIN = [
-    "model=mllm_9b",
-    "model.scale=tiny",
-    "strategy=disttrain",
-    "strategy.replicate=[encoder,generator]",
-    "strategy.encoder.tp=2",
-    "strategy.generator.tp=2",
-    "strategy.llm.tp=1",
-]
-TWO_REPLICAS = ["strategy.llm.pp=1", "strategy.llm.dp=2"]
+TWO_REPLICAS = ["strategy.llm.tp=1", "strategy.llm.pp=1", "strategy.llm.dp=2"]
 # One LLM replica on two stages: the encoder's and generator's micro-batches hold one
 # sequence each, whose images their two ranks deal out (a rank may run none).
-ONE_REPLICA = ["strategy.llm.pp=2", "strategy.llm.dp=1"]
+ONE_REPLICA = ["strategy.llm.tp=1", "strategy.llm.pp=2", "strategy.llm.dp=1"]
+# The generator replicated alone, after an encoder of two data-parallel replicas.
+GENERATOR_ONLY = ["strategy.replicate=[generator]", "strategy.encoder.dp=2"]
+# One LLM replica on tp=2 between the replicated units: its brokers' lead shares with a TP peer too.
+LLM_TP2 = ["strategy.llm.tp=2", "strategy.llm.pp=1", "strategy.llm.dp=1", "strategy.llm.sequence_parallel=false"]
 BASE = [
     "backend=torch",
     "cluster=local",
@@ -94,12 +92,14 @@ CASES = {
     "interleaved": MEGATRON + SHARD + ["strategy.zero_stage=0"],
     # ZeRO-1's partitions over the dealt shares, and the cost policy placing the sequences.
     "interleaved_zero1_cost": MEGATRON + SHARD + ["strategy.zero_stage=1", "train.balance=cost"],
-    "disttrain": DISTTRAIN + TWO_REPLICAS + ["train.data=uniform", "strategy.zero_stage=0", "strategy.reorder=none"],
-    "disttrain_interleaved": DISTTRAIN + TWO_REPLICAS + SHARD + IN_ORDER,
-    "disttrain_interleaved_zero1_cost": DISTTRAIN + TWO_REPLICAS + SHARD + ["strategy.zero_stage=1", "train.balance=cost"],
-    "disttrain_one_sequence": DISTTRAIN + ONE_REPLICA + SHARD + IN_ORDER,
+    "disttrain": DISTTRAIN + BOTH + TWO_REPLICAS + ["train.data=uniform", *IN_ORDER],
+    "disttrain_interleaved": DISTTRAIN + BOTH + TWO_REPLICAS + SHARD + IN_ORDER,
+    "disttrain_interleaved_zero1_cost": DISTTRAIN + BOTH + TWO_REPLICAS + SHARD + ["strategy.zero_stage=1", "train.balance=cost"],
+    "disttrain_one_sequence": DISTTRAIN + BOTH + ONE_REPLICA + SHARD + IN_ORDER,
     # Fig. 19's frozen encoder: its broker still gathers the shares' states, and no gradient returns to it.
-    "disttrain_frozen_encoder": DISTTRAIN + TWO_REPLICAS + SHARD + IN_ORDER + ["model.frozen=[encoder]"],
+    "disttrain_frozen_encoder": DISTTRAIN + BOTH + TWO_REPLICAS + SHARD + IN_ORDER + ["model.frozen=[encoder]"],
+    "disttrain_generator_only": DISTTRAIN + GENERATOR_ONLY + TWO_REPLICAS + SHARD + IN_ORDER,
+    "disttrain_llm_tp2": DISTTRAIN + BOTH + LLM_TP2 + SHARD + IN_ORDER,
 }
 
 
