@@ -88,6 +88,12 @@ def summary_of(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
+def trace_events(run_dir: Path) -> list[dict]:
+    """The events of a run's trace.json (a list, or an object holding them)."""
+    trace = json.loads((run_dir / "trace.json").read_text())
+    return trace["traceEvents"] if isinstance(trace, dict) else trace
+
+
 def with_a_peak(overrides: list[str]) -> list[str]:
     """`overrides`, with the cluster given a peak in the run's precision where it has none:
     the local preset's own figures (a host `src.calibrate` has not profiled) have no fp16

@@ -10,7 +10,6 @@ interleaved schedule. All runs share ONE launch of four workers.
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ from src.models.registry import build_model
 from src.plan_io import read_plan
 from src.program import Collective, Compute, RankProgram
 from src.runtime.reference import reference_losses
-from tests.runtime.support import launch_cases, sensitive, sensitive_optimizer, summary_of
+from tests.runtime.support import launch_cases, sensitive, sensitive_optimizer, summary_of, trace_events
 
 pytestmark = pytest.mark.slow  # starts worker processes
 
@@ -174,8 +173,7 @@ def test_encoder_kernels_run_inside_the_llm_pipeline_where_the_plan_places_them(
     plan = read_plan(run_dir).plan  # the plan the workers ran
     assert plan.details["kernels_in_bubbles"] > 0
     assert any("kernel ranges" in note for note in summary_of(run_dir)["measured_notes"])  # where their time is charged
-    trace = json.loads((run_dir / "trace.json").read_text())
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    events = trace_events(run_dir)
     pids = {e["args"]["name"].split(" (ranks")[0]: e["pid"] for e in events if e.get("name") == "process_name"}
     interleaved = 0
     for rank_program in plan.program.classes:

@@ -19,7 +19,7 @@ One launch of six workers."""
 
 from __future__ import annotations
 
-import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -30,7 +30,7 @@ from src.runtime.inputs import dataset_for
 from src.plan_io import read_plan
 from src.program import Compute
 from src.runtime.reference import reference_losses
-from tests.runtime.support import launch_cases, mllm_shard, sensitive, sensitive_optimizer, summary_of
+from tests.runtime.support import launch_cases, mllm_shard, sensitive, sensitive_optimizer, summary_of, trace_events
 
 pytestmark = pytest.mark.slow  # starts worker processes
 
@@ -38,6 +38,7 @@ STEPS = 3
 BATCH = 8
 WORKERS = 6
 MICRO_BATCH = 2
+COLLECTIVE_OPS = ("all_gather", "broadcast", "all_reduce", "reduce_scatter")
 MEGATRON = [
     "model=mllm_9b",
     "model.scale=tiny",
@@ -168,8 +169,7 @@ def test_replicated_stages_split_rows_and_run_no_tp_collective(runs, case):
     for name in ("encoder", "generator"):
         assert units[name]["mesh"] == {"rows": 2, "dp": 1, "pp": 1} and units[name]["tp"] == 1
     assert units["llm"]["mesh"] == {"tp": 2, "dp": 1, "pp": 1}
-    trace = json.loads((runs[case] / "trace.json").read_text())
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    events = trace_events(runs[case])
     # The LLM's stage all-gathers the encoder's rows (forward) and the generator's gradients
     # (backward); the replicated stages gather nothing and hold no TP group.
     gathers = {e["name"] for e in events if e.get("name", "").startswith("all_gather")}
@@ -184,12 +184,8 @@ def test_disttrain_s_replicated_units_gather_their_shares_for_their_broker_and_s
         assert units[name]["mesh"] == {"rows": 2, "dp": 1, "pp": 1} and units[name]["tp"] == 1
     assert units["llm"]["mesh"] == {"tp": 1, "dp": 2, "pp": 1}
     assert units["encoder"]["micro_batch"] == units["generator"]["micro_batch"] == 2
-    trace = json.loads((runs[case] / "trace.json").read_text())
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    collectives: dict[str, int] = {}
-    for e in events:
-        if e.get("name", "").split(" ")[0] in ("all_gather", "broadcast", "all_reduce", "reduce_scatter"):
-            collectives[e["name"]] = collectives.get(e["name"], 0) + 1
+    events = trace_events(runs[case])
+    collectives = Counter(e["name"] for e in events if e.get("name", "").split(" ")[0] in COLLECTIVE_OPS)
     # Per micro-batch: the encoder's ranks gather their images' states for the broker to the
     # LLM and share the gradient it brings back; the generator's share the LLM's states its
     # broker receives and gather their gradients for it. No other collective inside a unit.
@@ -212,7 +208,6 @@ def test_disttrain_s_replicated_units_deal_out_micro_batches_of_one_sequence(run
 
 
 def test_a_frozen_replicated_encoder_gathers_for_its_broker_and_gets_no_gradient_back(runs):
-    trace = json.loads((runs["disttrain_frozen_encoder"] / "trace.json").read_text())
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    events = trace_events(runs["disttrain_frozen_encoder"])
     encoder = {e["name"] for e in events if e.get("name", "").endswith(" encoder.tp.s0")}
     assert encoder == {"all_gather encoder.tp.s0"}

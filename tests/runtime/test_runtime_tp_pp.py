@@ -13,7 +13,7 @@ import pytest
 
 from src.models.registry import build_model
 from src.runtime.reference import reference_losses
-from tests.runtime.support import GPT, launch_cases, sensitive, sensitive_optimizer
+from tests.runtime.support import GPT, launch_cases, sensitive, sensitive_optimizer, trace_events
 
 pytestmark = pytest.mark.slow  # starts worker processes
 
@@ -54,7 +54,6 @@ def test_first_losses_equal_the_single_process_reference(runs, reference, case):
 
 def test_scattered_transfers_are_gathered_over_tp_on_both_stages(runs):
     for case in ("megatron_scatter_gather", "deepspeed3d_scatter_gather"):
-        trace = json.loads((runs[case] / "trace.json").read_text())
-        events = trace["traceEvents"] if isinstance(trace, dict) else trace
+        events = trace_events(runs[case])
         gathers = {e["name"] for e in events if e.get("name", "").startswith("all_gather tp.")}
         assert len(gathers) == 2, f"{case}: {sorted(gathers)}"  # activations into stage 1, gradients into stage 0
