@@ -13,6 +13,12 @@ it), and the spread of image sides (model.image_size_spread) of 0, 0.3 and 0.6 (
 image at the encoder's side; 0.3 gives DistTrain Fig. 5(b)'s 64-1024 tokens; 0.6 twice as
 wide). The sweep's other value stays at the figure's (10 images, spread 0.3).
 
+Optimus plans its own MLLMs (encoders feeding an LLM, no generator), so it has a case of its
+own: Figure 15's model B (ViT-22B + LLAMA-70B on 128 H100s, batch 64, Table 11's degrees)
+on interleaved data of the MLLM cases' image density, ten 256-token images in 8192 tokens
+(DistTrain §4.2) being 2.5 in Optimus's 2048, rounded up to whole images: 3 a sequence, at
+spread 0.3; Optimus beside Megatron-LM as Figure 15 runs it (the paper's plan and balanced).
+
 Writes benchmarks/results/balance/<case>/balance.{json,md} (python -m src.balance_study's
 files) and benchmarks/results/balance/README.md (every case's table).
 
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere: this repository's src
@@ -44,14 +51,48 @@ SERIES = [
 ]
 # A plan chosen on the data replaces the one chosen at the mean load: its skew is that one's.
 SKEW_OF = ["megatron_on_data=megatron", "disttrain_on_data=disttrain"]
-CASES: dict[str, tuple[list[str], int]] = {
-    "mllm_9b": (["model=mllm_9b", "model.images_per_sequence=10"], 16),
-    "mllm_15b": (["model=mllm_15b", "model.images_per_sequence=10"], 8),
-    "mllm_72b": (["model=mllm_72b", "model.images_per_sequence=10"], 8),
-    "mllm_9b_images_5": (["model=mllm_9b", "model.images_per_sequence=5"], 4),
-    "mllm_9b_images_20": (["model=mllm_9b", "model.images_per_sequence=20"], 4),
-    "mllm_9b_spread_0": (["model=mllm_9b", "model.images_per_sequence=10", "model.image_size_spread=0"], 4),
-    "mllm_9b_spread_0.6": (["model=mllm_9b", "model.images_per_sequence=10", "model.image_size_spread=0.6"], 4),
+A800 = "1152 A800s, batch 1920"
+
+
+@dataclass(frozen=True)
+class Case:
+    overrides: list[str]
+    batches: int
+    title: str = A800
+    series: list[str] = field(default_factory=lambda: SERIES)
+    skew_of: list[str] = field(default_factory=lambda: SKEW_OF)
+
+
+# Optimus's Figure 15, model B, as sweeps/optimus_fig15_weak_scaling.yaml runs it.
+OPTIMUS_B = [
+    "model=optimus",
+    "model.encoders=[vit_22b]",
+    "model.llm=llama_70b",
+    "cluster=hopper",
+    "cluster.nodes=16",
+    "train.global_batch=64",
+]
+TABLE_11 = "strategy.tp=8 strategy.micro_batch_size=2 strategy.pp=4"
+OPTIMUS_SERIES = [
+    f"megatron=strategy=megatron strategy.modality_stages=merged {TABLE_11} strategy.vpp=5",
+    f"balanced=strategy=megatron strategy.balance=true {TABLE_11} strategy.vpp=6",
+    "optimus=strategy=optimus strategy.llm.tp=8 strategy.llm.micro_batch_size=2 strategy.llm.pp=4",
+]
+CASES: dict[str, Case] = {
+    "mllm_9b": Case(BASE + ["model=mllm_9b", "model.images_per_sequence=10"], 16),
+    "mllm_15b": Case(BASE + ["model=mllm_15b", "model.images_per_sequence=10"], 8),
+    "mllm_72b": Case(BASE + ["model=mllm_72b", "model.images_per_sequence=10"], 8),
+    "mllm_9b_images_5": Case(BASE + ["model=mllm_9b", "model.images_per_sequence=5"], 4),
+    "mllm_9b_images_20": Case(BASE + ["model=mllm_9b", "model.images_per_sequence=20"], 4),
+    "mllm_9b_spread_0": Case(BASE + ["model=mllm_9b", "model.images_per_sequence=10", "model.image_size_spread=0"], 4),
+    "mllm_9b_spread_0.6": Case(BASE + ["model=mllm_9b", "model.images_per_sequence=10", "model.image_size_spread=0.6"], 4),
+    "optimus_b": Case(
+        ["logger=none", *OPTIMUS_B, "train.data=interleaved", "model.images_per_sample=3"],
+        8,
+        "Optimus Fig. 15 model B, 128 H100s, batch 64",
+        OPTIMUS_SERIES,
+        [],
+    ),
 }
 
 
@@ -61,9 +102,9 @@ def main() -> int:
     parser.add_argument("--only", choices=list(CASES), action="append")
     args = parser.parse_args()
     for case in args.only or list(CASES):
-        overrides, batches = CASES[case]
-        argv = [f"--batches={batches}", f"--jobs={args.jobs}", f"--out={OUT / case}", f"--title={case}, 1152 A800s, batch 1920"]
-        argv += [f"--series={s}" for s in SERIES] + [f"--skew-of={s}" for s in SKEW_OF] + BASE + overrides
+        spec = CASES[case]
+        argv = [f"--batches={spec.batches}", f"--jobs={args.jobs}", f"--out={OUT / case}", f"--title={case}, {spec.title}"]
+        argv += [f"--series={s}" for s in spec.series] + [f"--skew-of={s}" for s in spec.skew_of] + spec.overrides
         print(f"{case}: python -m src.balance_study {' '.join(argv)}", flush=True)
         if balance_study.main(argv) != 0:
             return 2

@@ -57,6 +57,8 @@ def price(job: Job, batches: int) -> dict[str, Any]:
         spec = strategy_for(strategy["name"])
         if spec.batches is None:
             raise ConfigError(f"strategy={strategy['name']} prices its plan at the mean load whatever the data: no batch to balance")
+        if job.policy != UNIFORM and setup.train.data == "uniform":
+            raise ConfigError("train.data=uniform: every sequence weighs the same, no batch to balance (train.data=interleaved)")
         request = PlanRequest(setup.model, setup.cluster, setup.train, strategy, None, LIMITS["sim"])
         plans = spec.batches(request, range(1 if job.policy == UNIFORM else batches))
         rows = []

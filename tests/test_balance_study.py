@@ -80,3 +80,11 @@ def test_a_strategy_priced_at_the_mean_load_is_refused_per_series(tmp_path):
     assert balance_study.main(argv + ["model=clip", "cluster=p3_16xlarge"]) == 0
     rows = json.loads((tmp_path / "balance.json").read_text())["rows"]
     assert all("no batch to balance" in r["reason"] for r in rows)
+
+
+def test_uniform_data_has_no_batch_to_balance(tmp_path):
+    argv = ["--batches=1", "--jobs=1", "--policies=none", f"--out={tmp_path}", f"--series={MEGATRON}", *SMALL, "train.data=uniform"]
+    assert balance_study.main(argv) == 0
+    rows = {r["policy"]: r for r in json.loads((tmp_path / "balance.json").read_text())["rows"]}
+    assert rows["none"]["reason"].startswith("train.data=uniform: every sequence weighs the same")
+    assert "reason" not in rows["uniform"]

@@ -73,6 +73,18 @@ IMAGE_SIZE_SPREAD = 0.3
 MAX_IMAGE_SIZE_SPREAD = 1.0
 
 
+def image_size_spread(opts: Options) -> float:
+    """model.image_size_spread: how far interleaved data's image sides spread (its sampler's
+    sigma), for every model whose sequences hold images of drawn sizes."""
+    return opts.number(
+        "image_size_spread",
+        IMAGE_SIZE_SPREAD,
+        0.0,
+        MAX_IMAGE_SIZE_SPREAD,
+        " (sigma of log image side; sides are clipped to half and twice the nominal, so beyond 1 most land on a bound)",
+    )
+
+
 @dataclass(frozen=True)
 class Scale:
     """Every width of one scale of an MLLM; `tiny` keeps the paper's structure (Llama style,
@@ -122,13 +134,7 @@ def build_mllm(model: str, opts: Options, seq_len: int | None) -> ModelSpec:
     cond_tokens = opts.positive_int("cond_tokens", preset.cond_tokens)
     vae_encode = opts.flag("vae_encode", True)
     images = opts.positive_int("images_per_sequence", 1)
-    spread = opts.number(
-        "image_size_spread",
-        IMAGE_SIZE_SPREAD,
-        0.0,
-        MAX_IMAGE_SIZE_SPREAD,
-        " (sigma of log image side; sides are clipped to half and twice the nominal, so beyond 1 most land on a bound)",
-    )
+    spread = image_size_spread(opts)
     train_projectors = opts.flag("train_projectors", False)
     divisible(opts, "encoder_image_size", encoder_image, "model.patch_size", patch)
     divisible(opts, "image_size", image, "the VAE and U-Net downsampling", IMAGE_MULTIPLE)

@@ -11,6 +11,12 @@ Optimus does not give the image resolution: we use ViT-22B's own (224x224, patch
 reads each of a sequence's images (its layers run on all of them at once, as mllm.py's
 per-image units do), and their tokens are the first of the LLM's sequence.
 
+The data (train.data) is uniform by default: every sequence holds `images_per_sample` images
+at the nominal side, as the paper's experiments are priced. With one encoder it can be
+interleaved, the MLLMs' LAION-like sequences (src/data/interleaved.py): images_per_sample
+images a sequence on average, their sides spread by `image_size_spread`, so that the
+encoder's load differs from sequence to sequence while the LLM's 2048 tokens do not.
+
 `model.scale=tiny` keeps this structure (ViT blocks + the projector as the encoder's last
 layer, a GPT- or Llama-style LLM) at a few hundred KB for CPU runs of the real backend:
 every encoder a 2-layer ViT of width 64 on 32px images (patch 8: 16 image tokens), every
@@ -28,6 +34,7 @@ from dataclasses import dataclass, replace
 from src.errors import ConfigError
 from src.models.blocks import DecoderPreset, decoder_unit, mlp_projector, scaled_per_images, vit_layers
 from src.models.gpt import GPT_PRESETS, GPT_VOCAB
+from src.models.mllm import image_size_spread
 from src.models.options import Options, divisible
 from src.models.spec import Architecture, ModelSpec, UnitSpec
 
@@ -96,6 +103,7 @@ def build_optimus(opts: Options, seq_len: int | None) -> ModelSpec:
     image = opts.positive_int("image_size", scale.image)
     patch = opts.positive_int("patch_size", scale.patch)
     images_per_sample = opts.positive_int("images_per_sample", 1)
+    spread = image_size_spread(opts)
     divisible(opts, "image_size", image, "model.patch_size", patch)
     seq = scale.seq_len if seq_len is None else seq_len
 
@@ -136,6 +144,11 @@ def build_optimus(opts: Options, seq_len: int | None) -> ModelSpec:
             "encoders": dict(zip(unit_names, names)),
             "images_per_sample": images_per_sample,
             "image_tokens": image_tokens,
-            "per_sample": {**{unit_name: "image" for unit_name in unit_names}, "llm": "sequence"},
+            "per_sample": {**{unit_name: "sequence's images" for unit_name in unit_names}, "llm": "sequence"},
+            # What the sequences can hold (train.data), the default first; interleaved data's
+            # sampler reads the mean and the spread. Its loads are one encoder's (BatchLoads).
+            "data": ("uniform", "interleaved") if len(unit_names) == 1 else ("uniform",),
+            "images_per_sequence": images_per_sample,
+            "image_size_spread": spread,
         },
     )

@@ -86,6 +86,11 @@ def dataset_for(model: ModelSpec, seed: int, source: str, errors: str = "fail", 
             raise ConfigError(f"backend.data={source!r}: the real backend has only synthetic data for {model.name} (use synthetic)")
         return SyntheticDiffusion(seed, model.unit("unet").arch.image_size)
     if names[-1] == "llm" and all(model.unit(n).arch.reads_images for n in names[:-1]):
+        if content != "uniform":
+            raise ConfigError(
+                f"train.data={content}: the real backend trains model {model.name} on uniform data only (each sequence's "
+                f"images at the nominal side); the simulator prices its interleaved data"
+            )
         return _encoders_llm_data(model, seed, source, names[:-1])
     raise ConfigError(
         f"the real backend has no data for model {model.name} (units {names}): it trains CLIP, CoCa, LiT, GPT, U-Nets and the MLLMs"

@@ -16,14 +16,14 @@ builds its classes with its own sample order.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Hashable, Mapping, Sequence
 
 from src.batch_layout import BatchLayout
 from src.cluster import ClusterSpec
 from src.costmodel.compute import ComputeModel
 from src.data.balance import Balancer, Balancing, Dealt, StageCosts
-from src.data.loads import PerImage, batch_loads
+from src.data.loads import BatchLoads, PerImage, batch_loads
 from src.mesh import Mesh
 from src.models.spec import ModelSpec
 from src.program import Collective, Compute, Instruction, Plan, Program, RankProgram, compress_ranks
@@ -62,7 +62,7 @@ def replica_classes(
         if tp_group is not None and len(classes) > 1:
             own = f"{tp_group}.d{replicas[0]}"
             program.add_group(make_group(cluster, own, mesh.slice(pp=stage, dp=replicas[0]), mesh.family("tp")))
-        which = f"replica {replicas[0]}" if len(replicas) == 1 else f"replicas {compress_ranks(tuple(replicas))}"
+        which = replica_names(replicas)
         held = {unit: per_replica[replicas[0]] for unit, per_replica in loads.items()}
         out.append(
             RankProgram(
@@ -74,6 +74,11 @@ def replica_classes(
             )
         )
     return out
+
+
+def replica_names(replicas: Sequence[int]) -> str:
+    """How a rank class's label names the data-parallel replicas it runs."""
+    return f"replica {replicas[0]}" if len(replicas) == 1 else f"replicas {compress_ranks(tuple(replicas))}"
 
 
 def localised(
@@ -165,28 +170,20 @@ def on_the_data(plan: Plan, request: PlanRequest) -> Plan:
         if policy != "none":
             plan.details["balance_policy"] = policy  # every sequence alike: nothing to move
         return plan
-    loads = batch_loads(model, train.seed, train.global_batch, train.data, request.sample_images, request.batch_index)
     first = plan.units[0]
     dp = first.mesh.degree("dp")
     batch = BatchLayout(train.global_batch, dp, first.micro_batch)
     program = plan.program
-    by_sequence = {}
-    for unit in per_image:
-        sequence_loads = loads.of(unit)
-        assert sequence_loads is not None, f"{unit} works per image"
-        by_sequence[unit] = sequence_loads
     dealt = {
         unit_plan.unit: Dealt(unit_plan.unit, unit_plan.row_shares, model.unit(unit_plan.unit).arch.images)
         for unit_plan in plan.units
         if unit_plan.unit in per_image and unit_plan.row_shares > 1
     }
-    costs = stage_costs(program, request, per_image)
-    balancing = None if policy == "none" else Balancing(policy, Balancer(batch, costs, tuple(dealt.values())))
-    order = tuple(range(train.global_batch)) if balancing is None else balancing.place(loads)
+    placed = place_batch(request, batch, stage_costs(program, request, per_image), tuple(dealt.values()))
     by_unit = {
-        unit: dealt_loads(loads.per_image(unit), batch, order, dealt[unit])
+        unit: dealt_loads(placed.loads.per_image(unit), batch, placed.order, dealt[unit])
         if unit in dealt
-        else replica_loads(by_sequence[unit], batch, order)
+        else replica_loads(placed.sequence_loads(unit), batch, placed.order)
         for unit in per_image
     }
     # A stage's ranks: tp x dp (a unit replicated over its stage's TP group splits rows there).
@@ -202,13 +199,48 @@ def on_the_data(plan: Plan, request: PlanRequest) -> Plan:
             program, request.cluster, mesh, stage, rank_program.instructions, held, group, label, units, rank_program.pipelined, alike
         )
     program.classes = classes
-    plan.sample_content = train.data
-    plan.sample_images = loads.images
-    plan.details["data"] = train.data
-    if balancing is not None:
-        plan.sample_order, plan.balancing = order, balancing
-        plan.details |= {"balance_policy": policy, "sample_order": list(order)}
+    placed.record(plan)
     return plan
+
+
+@dataclass(frozen=True)
+class PlacedBatch:
+    """A skewed global batch placed by the workload's balancing policy: each sequence's
+    loads, the order that puts them at the batch's positions, and the policy's Balancing
+    (None: the data order), which the plan carries so that the real backend places every
+    step's batch alike."""
+
+    data: str
+    policy: str
+    loads: BatchLoads
+    order: tuple[int, ...]
+    balancing: Balancing | None
+
+    def sequence_loads(self, unit: str) -> tuple[float, ...]:
+        loads = self.loads.of(unit)
+        assert loads is not None, f"{unit} works per image"
+        return loads
+
+    def record(self, plan: Plan) -> None:
+        """The plan's record of the data it is priced on and where its sequences run."""
+        plan.sample_content = self.data
+        plan.sample_images = self.loads.images
+        plan.details["data"] = self.data
+        if self.balancing is not None:
+            plan.sample_order, plan.balancing = self.order, self.balancing
+            plan.details |= {"balance_policy": self.policy, "sample_order": list(self.order)}
+
+
+def place_batch(request: PlanRequest, batch: BatchLayout, costs: tuple[StageCosts, ...], dealt: tuple[Dealt, ...] = ()) -> PlacedBatch:
+    """The request's global batch (train.data, or the images a run sampled) placed over
+    `batch`'s replicas and micro-batches by train.balance (none: the data order), the
+    policy reading the pipeline's stage `costs`."""
+    model, train = request.model, request.train
+    policy = train.balance or "none"
+    loads = batch_loads(model, train.seed, train.global_batch, train.data, request.sample_images, request.batch_index)
+    balancing = None if policy == "none" else Balancing(policy, Balancer(batch, costs, dealt))
+    order = tuple(range(train.global_batch)) if balancing is None else balancing.place(loads)
+    return PlacedBatch(train.data, policy, loads, order, balancing)
 
 
 def skewed(request: PlanRequest) -> bool:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Sequence
 
 from src.cluster import ClusterSpec, family_sharing
 from src.costmodel.comm import CommModel
@@ -75,10 +76,12 @@ class Layout:
     def rank(self, t: int, c: int, r: int, k: int, e: int) -> int:
         return self.llm.rank(tp=c * self.plan.tp + t, dp=r, pp=k * self.plan.pp + e)
 
-    def class_ranks(self, klass: int) -> tuple[int, ...]:
+    def class_ranks(self, klass: int, replicas: Sequence[int] | None = None) -> tuple[int, ...]:
+        """The ranks of rank class `klass` in every LLM replica, or in `replicas` only."""
         s, c = divmod(klass, self.columns)
         k, e = divmod(s, self.plan.pp)
-        return tuple(self.rank(t, c, r, k, e) for r in range(self.llm.degree("dp")) for t in range(self.plan.tp))
+        held = range(self.llm.degree("dp")) if replicas is None else replicas
+        return tuple(self.rank(t, c, r, k, e) for r in held for t in range(self.plan.tp))
 
     @cached_property
     def _encoder_mesh(self) -> Mesh:

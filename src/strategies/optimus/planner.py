@@ -27,7 +27,7 @@ import heapq
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from src.cluster import GIB, gib, family_sharing
 from src.collector import collector_paused
@@ -46,7 +46,8 @@ from src.strategies.optimus.llm import LLMBase, LLMPipelines
 from src.strategies.optimus.encoder import EncoderCosts, EncoderPlan, Layout, encoder_costs, encoder_stages
 from src.strategies.builders.emit import iteration_tail
 from src.strategies.builders.stages import Segment
-from src.strategies.optimus.programs import ClassEmitter, add_encoder_routes, class_program
+from src.strategies.optimus.programs import ClassEmitter, add_encoder_routes, class_label, class_program
+from src.strategies.optimus.data import Emission, on_batches
 from src.strategies.optimus.parallel import Ahead, complete
 from src.strategies.optimus.scheduler import BubbleScheduler, Candidate, Schedule, Tails, local_search, partitions
 from src.strategies.spec import AutoVariant, StrategySpec
@@ -84,11 +85,16 @@ class OptimusOptions:
 
 
 def plan_optimus(request: PlanRequest) -> Plan:
+    return plan_optimus_batches(request, (request.batch_index,))[0]
+
+
+def plan_optimus_batches(request: PlanRequest, batches: Sequence[int]) -> list[Plan]:
+    """The planner's plan, chosen once at the mean load, priced on each of `batches`."""
     with collector_paused():
-        return _plan(request)
+        return _plan(request, batches)
 
 
-def _plan(request: PlanRequest) -> Plan:
+def _plan(request: PlanRequest, batches: Sequence[int]) -> list[Plan]:
     opts = options_from(OptimusOptions, request.options)
     model, cluster, train = request.model, request.cluster, request.train
     llm, encoders = _llm_and_encoders(model)
@@ -103,7 +109,7 @@ def _plan(request: PlanRequest) -> Plan:
     # counts it. The rungs are tried fastest LLM alone first, so that the best plan rules
     # out the most rungs early; the plan kept is the fastest that fits over all rungs, on a
     # tie the one of the earlier rung of the ladder (as trying them in ladder order gives).
-    chosen: Plan | None = None
+    chosen: list[Plan] | None = None
     best: tuple[float, int] = (math.inf, -1)  # the chosen plan's latency and rung
     scheduled = 0
     rungs: list[dict[str, Any]] = []
@@ -148,8 +154,8 @@ def _plan(request: PlanRequest) -> Plan:
                 if (candidate.schedule.latency, index) >= best:
                     break
                 candidate = complete(ranked.reschedule, candidate)
-                emitted = _emit(request, opts, base, candidate, encoders, ranked, rejected, time.perf_counter() - started)
-                if isinstance(emitted, Plan):
+                emitted = _emit(request, opts, base, candidate, encoders, ranked, rejected, time.perf_counter() - started, batches)
+                if isinstance(emitted, list):
                     chosen, best = emitted, (candidate.schedule.latency, index)
                     break
                 rejected.append(emitted)
@@ -161,9 +167,10 @@ def _plan(request: PlanRequest) -> Plan:
     if chosen is None:
         raise PlanError(min(rejected)[1] if rejected else f"no LLM plan for {model.name}")
     progress.end(f"done: {scheduled} encoder plans scheduled")
-    chosen.details["llm"]["search"] = pipelines.choice.search
-    chosen.details["rungs"] = rungs
-    chosen.details["scheduler_s"] = time.perf_counter() - started
+    for plan in chosen:
+        plan.details["llm"]["search"] = pipelines.choice.search
+        plan.details["rungs"] = rungs
+        plan.details["scheduler_s"] = time.perf_counter() - started
     return chosen
 
 
@@ -473,10 +480,12 @@ def _emit(
     ranked: _Ranked,
     rejected: list[tuple[float, str]],
     scheduler_seconds: float,
-) -> Plan | tuple[float, str]:
-    """The candidate's plan, or why it does not fit memory: each class is checked as it is
-    emitted, so that a schedule too big stops at its first class over (emitting every
-    class of a 1024-GPU plan costs about a second)."""
+    batches: Sequence[int],
+) -> list[Plan] | tuple[float, str]:
+    """The candidate's plan priced on each of `batches` (data.on_batches), or why it does
+    not fit memory at the mean load: each class is checked as it is emitted, so that a
+    schedule too big stops at its first class over (emitting every class of a 1024-GPU plan
+    costs about a second)."""
     model, cluster, train = request.model, request.cluster, request.train
     layout, schedule = best.layout, best.schedule
     # A copy of the LLM's Program: the rung's other schedules may be emitted from it too.
@@ -485,7 +494,15 @@ def _emit(
     owner = {i: j for (j, _), i in schedule.mapping.items()}
     routes = {u: add_encoder_routes(model, cluster, train.precision, program, layout, best.costs, u, samples, owner) for u in encoders}
     emitter = ClassEmitter(
-        model, layout, best.costs, schedule, base.timeline.backward_points, routes, samples, train.precision, opts.encoder_zero_stage
+        model,
+        layout,
+        best.costs,
+        schedule,
+        base.timeline.backward_points,
+        routes,
+        samples,
+        train.precision,
+        opts.encoder_zero_stage,
     )
     enc_mesh = layout.encoder_mesh()
     counts = schedule.counts
@@ -521,8 +538,7 @@ def _emit(
     for p in placed:
         items[p.klass].append(p)
     for g in range(layout.classes):
-        s, _, e = layout.position(g)
-        rank_program = class_program(emitter, g, base.stages[s], items[g], f"stage {s} col {g % layout.columns} (encoder stage {e})")
+        rank_program = class_program(emitter, g, base.stages[layout.position(g)[0]], items[g], class_label(layout, g))
         problem = _class_memory_problem(request, units, rank_program, what)
         if problem is not None:
             return problem
@@ -577,7 +593,7 @@ def _emit(
         "not_scheduled": [{"pp": p.pp, "tp": p.tp, "floor_s": floor} for p, floor in ranked.not_scheduled()],
         "rejected": [message for _, message in rejected],
     }
-    return plan
+    return on_batches(plan, request, batches, Emission(emitter, base.stages, items))
 
 
 STRATEGY = StrategySpec(
@@ -597,4 +613,5 @@ STRATEGY = StrategySpec(
         "kernels": "strategy.fine_grained",
     },
     auto_variants=(AutoVariant("optimus"),),
+    batches=plan_optimus_batches,
 )

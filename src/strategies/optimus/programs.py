@@ -22,6 +22,7 @@ becomes (the global order of CheckEncLLMDep).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Mapping
 
 from src.cluster import ClusterSpec
 from src.costmodel.memory import element_bytes, grad_bytes
@@ -38,6 +39,7 @@ from src.cluster import family_sharing
 
 ENC_SEND, ENC_RECV, ENC_TP, ENC_DP = "enc_send", "enc_recv", "enc_tp", "enc_dp"
 LLM_GATHER, LLM_REDUCE = "llm.gather", "llm.reduce"
+Loads = Mapping[str, tuple[float, ...]]  # encoder -> load of each LLM micro-batch's sequences
 
 
 def to_llm(unit: str) -> str:
@@ -159,20 +161,24 @@ class ClassEmitter:
             return [Send(route, Payload(unit, end, i), stream=ENC_SEND)]
         return [Send(self.routes[unit].hops[e - 1], Payload(unit, start, i).gradient(), stream=ENC_SEND)] if e else []
 
-    def stage_pass(self, e: int, i: int, phase: Phase) -> list[Instruction]:
+    def stage_pass(self, e: int, i: int, phase: Phase, loads: Loads | None = None) -> list[Instruction]:
         out: list[Instruction] = []
         units = self.encoders if phase == "fwd" else [u for u in self.encoders if self.model.needs_backward(u)]
         for unit in units:
             out += self._input(unit, e, i, phase)
-            out += segment_pass(self.model, Segment(unit, self.costs.layers[unit][e]), phase, self.samples, i, self._tp(unit))
+            work = segment_pass(self.model, Segment(unit, self.costs.layers[unit][e]), phase, self.samples, i, self._tp(unit))
+            out += at_load(work, _load(loads, unit, i))
             out += self._output(unit, e, i, phase)
         return out
 
     # ---- items placed in bubbles ----------------------------------------------------------------
-    def placed(self, items: list[Placed]) -> tuple[dict[tuple[str, int], list[Instruction]], dict[int, list[Instruction]]]:
-        """Instructions per slot ((kind, op)) and per issue point (op), in time order. A
-        stage's first kernel of a unit for a micro-batch is preceded by its input's receive
-        (and by the wait for an all-reduce issued before it), its last followed by its send."""
+    def placed(
+        self, items: list[Placed], loads: Loads | None = None
+    ) -> tuple[dict[tuple[str, int], list[Instruction]], dict[int, list[Instruction]]]:
+        """Instructions per slot ((kind, op)) and per issue point (op), in time order, each
+        encoder kernel and all-reduce at its micro-batch's load (`loads`). A stage's first
+        kernel of a unit for a micro-batch is preceded by its input's receive (and by the
+        wait for an all-reduce issued before it), its last followed by its send."""
         slots: dict[tuple[str, int], list[Instruction]] = {}
         issues: dict[int, list[Instruction]] = {}
         e_of = self.layout.position(items[0].klass)[2] if items else 0
@@ -194,7 +200,15 @@ class ClassEmitter:
             kernels = sorted(q.item.kernel for q, _ in run)
             i = self.schedule.mapping[(p.pipeline, p.local)]
             layer = (p.item.layer, p.item.layer + 1)
-            work = Work(p.item.unit, p.phase, self.samples, layer, sharding=self.sharding, kernels=(kernels[0], kernels[-1] + 1))
+            work = Work(
+                p.item.unit,
+                p.phase,
+                self.samples,
+                layer,
+                sharding=self.sharding,
+                kernels=(kernels[0], kernels[-1] + 1),
+                load=_load(loads, p.item.unit, i),
+            )
             target = slots.setdefault(self._slot_key(p), [])
             key = (p.pipeline, p.local, p.phase, p.item.unit)
             indices = [index for _, index in run]
@@ -226,7 +240,7 @@ class ClassEmitter:
                     Collective(
                         "all_reduce",
                         group,
-                        item.nbytes,
+                        item.nbytes * _load(loads, item.unit, self.schedule.mapping[(p.pipeline, p.local)]),
                         "tp",
                         stream=ENC_TP,
                         blocking=False,
@@ -279,8 +293,47 @@ def _llm_layers(stage: Stage) -> tuple[str, tuple[int, int]] | None:
     return works[0].unit, (min(w.layers[0] for w in works), max(w.layers[1] for w in works))
 
 
-def class_program(emitter: ClassEmitter, klass: int, stage: Stage, items: list[Placed], label: str) -> RankProgram:
+def at_load(instructions: list[Instruction], load: float) -> list[Instruction]:
+    """One micro-batch's pass of an encoder at `load`: its compute, and the rows its TP
+    all-reduces move, scaled (a micro-batch of more image tokens moves that many more)."""
+    if load == 1.0:
+        return instructions
+    out: list[Instruction] = []
+    for instruction in instructions:
+        if isinstance(instruction, Compute):
+            instruction = replace(instruction, work=replace(instruction.work, load=load))
+        elif isinstance(instruction, Collective) and instruction.kind == "tp":
+            instruction = replace(instruction, bytes=instruction.bytes * load)
+        out.append(instruction)
+    return out
+
+
+def _load(loads: Loads | None, unit: str, microbatch: int) -> float:
+    return 1.0 if loads is None or unit not in loads else loads[unit][microbatch]
+
+
+def class_label(layout: Layout, klass: int) -> str:
+    s, _, e = layout.position(klass)
+    return f"stage {s} col {klass % layout.columns} (encoder stage {e})"
+
+
+@dataclass(frozen=True)
+class ReplicaLoads:
+    """LLM replicas whose micro-batches carry the same encoder loads, and those loads (per
+    encoder, by the LLM micro-batch each encoder micro-batch feeds)."""
+
+    replicas: tuple[int, ...]
+    loads: Loads
+
+
+def class_program(
+    emitter: ClassEmitter, klass: int, stage: Stage, items: list[Placed], label: str, on_data: ReplicaLoads | None = None
+) -> RankProgram:
+    """Rank class `klass`'s instructions over every LLM replica, or, `on_data`, over those
+    replicas only, with their micro-batches' loads (on the groups of every replica: the
+    caller gives a class its own, data.own_tp_groups)."""
     layout, schedule = emitter.layout, emitter.schedule
+    loads = on_data.loads if on_data is not None else None
     s, pipeline, e = layout.position(klass)
     mapping = schedule.mapping
     gather = [i for i in stage.tail if isinstance(i, Collective) and i.op == "all_gather"]
@@ -292,9 +345,9 @@ def class_program(emitter: ClassEmitter, klass: int, stage: Stage, items: list[P
     held = _llm_layers(stage)
     out: list[Instruction] = [replace(c, stream="dp", blocking=False, handle=LLM_GATHER, grads_of=held) for c in gather]
     for t in range(schedule.pre[pipeline]):
-        out += emitter.stage_pass(e, mapping[(pipeline, t)], "fwd")
+        out += emitter.stage_pass(e, mapping[(pipeline, t)], "fwd", loads)
     out += [Wait(LLM_GATHER)] if gather else []
-    slots, issues = emitter.placed(sorted(items, key=lambda p: (p.start, p.kind == "tp")))
+    slots, issues = emitter.placed(sorted(items, key=lambda p: (p.start, p.kind == "tp")), loads)
     for x, stage_op in enumerate(stage.ops):
         out += slots.get(("gap", x), []) + issues.get(x, [])
         bins = slots.get(("tp", x), [])
@@ -322,10 +375,9 @@ def class_program(emitter: ClassEmitter, klass: int, stage: Stage, items: list[P
             if (pipeline, t) not in schedule.fine_backward
         )
         for _, t in waiting:
-            out += emitter.stage_pass(e, mapping[(pipeline, t)], "bwd")
+            out += emitter.stage_pass(e, mapping[(pipeline, t)], "bwd", loads)
     out += [Wait(LLM_REDUCE)] if reduce else []
     out += rest + emitter.tail(e)
     units = tuple(emitter.encoders) + ("llm",)
-    return RankProgram(
-        ranks=layout.class_ranks(klass), instructions=out, label=label, units=units, pipelined=layout.llm.degree("pp") > 1
-    )
+    ranks = layout.class_ranks(klass, on_data.replicas if on_data is not None else None)
+    return RankProgram(ranks=ranks, instructions=out, label=label, units=units, pipelined=layout.llm.degree("pp") > 1)
