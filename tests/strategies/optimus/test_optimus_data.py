@@ -9,7 +9,6 @@ from src.batch_layout import BatchLayout
 from src.data.loads import batch_loads
 from src.errors import ConfigError
 from src.program import Collective, Compute
-from src.runtime.inputs import dataset_for
 from src.setup import LIMITS, plan_run, validate
 from src.sim.engine import simulate
 from src.strategies.base import PlanRequest
@@ -102,12 +101,6 @@ def test_a_balancing_policy_places_the_sequences(policy):
 def test_two_encoders_hold_uniform_data_only():
     with pytest.raises(ConfigError, match="samples hold uniform data"):
         validate(compose_config(*OPTIMUS, "model.encoders=[vit_3b,vit_5b]", "train.data=interleaved"))
-
-
-def test_the_real_backend_refuses_interleaved_data_for_these_models():
-    setup = validate(compose_config(*OPTIMUS, "model.scale=tiny", "train.data=interleaved"))
-    with pytest.raises(ConfigError, match="trains model optimus on uniform data only"):
-        dataset_for(setup.model, 0, "synthetic", content="interleaved")
 
 
 def test_one_schedule_is_priced_on_each_batch():
