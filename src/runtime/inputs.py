@@ -86,12 +86,7 @@ def dataset_for(model: ModelSpec, seed: int, source: str, errors: str = "fail", 
             raise ConfigError(f"backend.data={source!r}: the real backend has only synthetic data for {model.name} (use synthetic)")
         return SyntheticDiffusion(seed, model.unit("unet").arch.image_size)
     if names[-1] == "llm" and all(model.unit(n).arch.reads_images for n in names[:-1]):
-        if content != "uniform":
-            raise ConfigError(
-                f"train.data={content}: the real backend trains model {model.name} on uniform data only (each sequence's "
-                f"images at the nominal side); the simulator prices its interleaved data"
-            )
-        return _encoders_llm_data(model, seed, source, names[:-1])
+        return _encoders_llm_data(model, seed, source, names[:-1], content)
     raise ConfigError(
         f"the real backend has no data for model {model.name} (units {names}): it trains CLIP, CoCa, LiT, GPT, U-Nets and the MLLMs"
     )
@@ -135,15 +130,20 @@ def _mllm_data(model: ModelSpec, seed: int, source: str, errors: str, content: s
     return InterleavedMLLM(synthetic, patch, shards=TarShards(source, image, llm.seq_len, vocab, errors, images="several"))
 
 
-def _encoders_llm_data(model: ModelSpec, seed: int, source: str, encoders: list[str]) -> SyntheticMLLM:
+def _encoders_llm_data(model: ModelSpec, seed: int, source: str, encoders: list[str], content: str) -> SyntheticMLLM | InterleavedMLLM:
     """ViT encoders chained into an LLM (the multi-encoder MLLMs): one image per sequence, which
-    every encoder reads, its tokens of all encoders first in the sequence."""
+    every encoder reads, its tokens of all encoders first in the sequence; or, with one
+    encoder, interleaved sequences of none to several images as the simulator draws them."""
     llm = model.unit("llm")
+    if source != "synthetic":
+        raise ConfigError(f"backend.data={source!r}: the real backend has only synthetic data for {model.name} (use synthetic)")
+    if content != "uniform":
+        encoder = model.unit(encoders[0])
+        synthetic = SyntheticMLLM(seed, encoder.arch.image_size, model.extras["image_tokens"], llm.seq_len, llm.arch.vocab)
+        return InterleavedMLLM(synthetic, encoder.arch.patch_size, layouts=sampler(model, seed))
     images = llm.arch.images
     if images != 1:
         raise ConfigError(f"model.images_per_sample={images}: the real backend runs these MLLMs with one image per sequence")
-    if source != "synthetic":
-        raise ConfigError(f"backend.data={source!r}: the real backend has only synthetic data for {model.name} (use synthetic)")
     sizes = {model.unit(name).arch.image_size for name in encoders}
     if len(sizes) > 1:
         raise ConfigError(f"encoders {encoders} read images of sizes {sorted(sizes)}: the real backend gives them one image")

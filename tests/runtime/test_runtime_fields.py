@@ -571,8 +571,3 @@ def test_the_real_backend_trains_without_dropout_and_refuses_it_in_one_line():
     assert any(k.attention_dropout for layer in simulated.model.unit("llm").layers for k in layer.kernels)
     with pytest.raises(ConfigError, match="model.dropout=true"):
         check_runnable(PlannedRun(simulated.model, simulated.cluster, simulated.train, plan_run(simulated)), "synthetic")
-
-
-def test_optimus_s_mllm_on_interleaved_data_is_refused_in_one_line():
-    with pytest.raises(ConfigError, match=r"^train.data=interleaved: the real backend trains model optimus on uniform data only"):
-        _check([*OPTIMUS, "strategy.llm.dp=2", "strategy.llm.pp=2", "train.data=interleaved"])

@@ -4,7 +4,8 @@ work run where the bubble scheduler places it (before, after and between the LLM
 pipeline operations, layer kernels in its bubbles), trains exactly like one process: with
 one encoder, two encoders and a frozen encoder, with four LLM replicas under the distributed
 optimizer and two under ZeRO-0, and coarse-grained with TP and an
-interleaved schedule. All runs share ONE launch of four workers.
+interleaved schedule, and on interleaved data (sequences of none to several images, their
+sides spread) placed by the `cost` policy. All runs share ONE launch of four workers.
 """
 
 from __future__ import annotations
@@ -87,6 +88,21 @@ CASES: dict[str, tuple[dict, list[str]]] = {
             "strategy.llm.zero_stage=0",
         ],
     ),
+    # Interleaved data: each LLM replica's micro-batches hold their own sequences' images
+    # (two a sequence on average), placed by the cost policy; the loss of a micro-batch is its
+    # share of the step's, whatever tokens its images leave to score.
+    "interleaved_cost": (
+        {"images_per_sample": 2, "content": "interleaved"},
+        [
+            "model.images_per_sample=2",
+            "train.data=interleaved",
+            "train.balance=cost",
+            "strategy.llm.pp=2",
+            "strategy.llm.dp=2",
+            "strategy.llm.tp=1",
+            "strategy.llm.micro_batch_size=1",
+        ],
+    ),
     # Coarse-grained (no kernels in TP bins, which the runtime would not overlap): the
     # encoders before and after the LLM, LLM tp2 with sequence parallelism, interleaved.
     "coarse_tp2_interleaved": (
@@ -113,20 +129,28 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 
 
 @functools.cache
-def _reference(encoders: tuple[str, ...] = (), frozen: tuple[str, ...] = ()) -> list[float]:
-    options = {"name": "optimus", "scale": "tiny", "frozen": list(frozen), **({"encoders": list(encoders)} if encoders else {})}
-    return reference_losses(build_model(options), 0, BATCH, STEPS, sensitive_optimizer())
+def _reference(encoders: tuple[str, ...] = (), frozen: tuple[str, ...] = (), images: int = 1, content: str = "uniform") -> list[float]:
+    options = {
+        "name": "optimus",
+        "scale": "tiny",
+        "frozen": list(frozen),
+        "images_per_sample": images,
+        **({"encoders": list(encoders)} if encoders else {}),
+    }
+    return reference_losses(build_model(options), 0, BATCH, STEPS, sensitive_optimizer(), content=content)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_first_losses_equal_the_single_process_reference(runs, case):
     model = CASES[case][0]
     frozen = tuple(model.get("frozen", ()))
-    expected = _reference(tuple(model.get("encoders", ())), frozen)
+    expected = _reference(tuple(model.get("encoders", ())), frozen, model.get("images_per_sample", 1), model.get("content", "uniform"))
     losses = summary_of(runs[case])["measured"]["loss"]
     assert losses == pytest.approx(expected, rel=1e-4)
     assert expected[-1] != pytest.approx(expected[0], rel=1e-3)  # it trains, so equality says something
     if frozen:  # and freezing changes what it trains
+        assert expected != pytest.approx(_reference(), rel=1e-6)
+    if "content" in model:  # and the data is not uniform data's
         assert expected != pytest.approx(_reference(), rel=1e-6)
 
 
@@ -142,6 +166,15 @@ def test_four_llm_replicas_overlap_their_distributed_optimizer_s_collectives(run
             if isinstance(i, Collective) and i.grads_of is not None and i.grads_of[0] == "llm" and not i.blocking
         }
         assert own == {"reduce_scatter", "all_gather"}
+
+
+def test_interleaved_data_runs_each_replica_s_own_images_in_the_policy_s_order(runs):
+    """What the interleaved_cost losses say something about: the replicas' encoder work
+    carries their micro-batches' loads, and the cost policy moved the sequences."""
+    plan = read_plan(runs["interleaved_cost"]).plan
+    assert plan.details["balance_policy"] == "cost" and list(plan.sample_order) != list(range(BATCH))
+    loads = {i.work.load for c in plan.program.classes for i in c.instructions if isinstance(i, Compute) and i.work.unit == "encoder"}
+    assert len(loads) > 2 and len(plan.program.classes) == 2 * 2  # two LLM stages of one column, split by the two replicas
 
 
 def test_encoders_and_llm_share_every_worker_under_separate_plans(runs):

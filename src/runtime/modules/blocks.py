@@ -339,6 +339,15 @@ class LMHead(nn.Module):
 
     def forward(self, state: State) -> State:
         logits = self.proj(self.ln(unsplit_sequence(state["x"], self.tp)))
-        # Targets of -100 (CoCa's last caption position) are ignored.
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), state["targets"].reshape(-1))
-        return {**state, "loss": loss}
+        # Targets of -100 (CoCa's last caption position, an image's tokens) are ignored.
+        return {**state, "loss": next_token_loss(logits, state)}
+
+
+def next_token_loss(logits: torch.Tensor, state: State) -> torch.Tensor:
+    """The cross-entropy of `logits` against state['targets']: the mean over the scored
+    tokens, or on interleaved sequences (whose micro-batches score different numbers of
+    tokens) their sum over the step's mean scored tokens per row times the rows
+    (state['loss_norm']), so that a micro-batch's loss is its share of the step's."""
+    flat = logits.reshape(-1, logits.shape[-1]), state["targets"].reshape(-1)
+    norm = state.get("loss_norm")
+    return F.cross_entropy(*flat) if norm is None else F.cross_entropy(*flat, reduction="sum") / norm.sum()

@@ -16,7 +16,7 @@ from torch import nn
 
 from src.models.flows import chain_key
 from src.data.interleaved_mllm import slot_token_mask, token_mask
-from src.runtime.modules.blocks import State, packed_lengths, with_images
+from src.runtime.modules.blocks import State, next_token_loss, packed_lengths, with_images
 from src.runtime.modules.generator import COND
 from src.runtime.modules.parallel import TP, ColumnParallelLinear, RowParallelLinear
 
@@ -94,11 +94,7 @@ class ConditioningHead(nn.Module):
 
     def forward(self, state: State) -> State:
         x = self.norm(state["x"])
-        logits = self.proj(x)
-        flat = logits.reshape(-1, logits.shape[-1]), state["targets"].reshape(-1)
-        norm = state.get("loss_norm")  # interleaved sequences: the step's mean scored tokens, per row
-        loss = F.cross_entropy(*flat) if norm is None else F.cross_entropy(*flat, reduction="sum") / norm.sum()
-        out = {**state, "loss": loss}
+        out = {**state, "loss": next_token_loss(self.proj(x), state)}
         if self.hand_on:
             out["x"] = x[:, -self.hand_on :].flatten(1)
         return out
