@@ -90,7 +90,7 @@ class Reordering:
 
     def place(self, loads: BatchLoads) -> tuple[int, ...]:
         """The order of a batch whose sequences weigh `loads`."""
-        return self.assignment(loads.encoder, loads.generator).positions
+        return self.assignment(loads.by_unit["encoder"], loads.by_unit["generator"]).positions
 
     def assignment(self, enc: Sequence[float], gen: Sequence[float]) -> Assignment:
         """The positions of a batch's sequences (their encoder and generator loads)."""

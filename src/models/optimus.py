@@ -12,10 +12,11 @@ reads each of a sequence's images (its layers run on all of them at once, as mll
 per-image units do), and their tokens are the first of the LLM's sequence.
 
 The data (train.data) is uniform by default: every sequence holds `images_per_sample` images
-at the nominal side, as the paper's experiments are priced. With one encoder it can be
-interleaved, the MLLMs' LAION-like sequences (src/data/interleaved.py): images_per_sample
-images a sequence on average, their sides spread by `image_size_spread`, so that the
-encoder's load differs from sequence to sequence while the LLM's 2048 tokens do not.
+at the nominal side, as the paper's experiments are priced. It can be interleaved, the
+MLLMs' LAION-like sequences (src/data/interleaved.py): images_per_sample images a sequence
+on average, their sides spread by `image_size_spread`, each read by every encoder, so that
+an encoder's load differs from sequence to sequence (by its own FLOPs per token and per
+token squared) while the LLM's 2048 tokens do not.
 
 `model.scale=tiny` keeps this structure (ViT blocks + the projector as the encoder's last
 layer, a GPT- or Llama-style LLM) at a few hundred KB for CPU runs of the real backend:
@@ -146,8 +147,8 @@ def build_optimus(opts: Options, seq_len: int | None) -> ModelSpec:
             "image_tokens": image_tokens,
             "per_sample": {**{unit_name: "sequence's images" for unit_name in unit_names}, "llm": "sequence"},
             # What the sequences can hold (train.data), the default first; interleaved data's
-            # sampler reads the mean and the spread. Its loads are one encoder's (BatchLoads).
-            "data": ("uniform", "interleaved") if len(unit_names) == 1 else ("uniform",),
+            # sampler reads the mean and the spread (every encoder reads each image).
+            "data": ("uniform", "interleaved"),
             "images_per_sequence": images_per_sample,
             "image_size_spread": spread,
         },

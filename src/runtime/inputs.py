@@ -138,6 +138,11 @@ def _encoders_llm_data(model: ModelSpec, seed: int, source: str, encoders: list[
     if source != "synthetic":
         raise ConfigError(f"backend.data={source!r}: the real backend has only synthetic data for {model.name} (use synthetic)")
     if content != "uniform":
+        if len(encoders) > 1:
+            raise ConfigError(
+                f"train.data={content}: the real backend gives interleaved images to one encoder, model {model.name} "
+                f"has {len(encoders)} ({', '.join(encoders)}); the simulator prices it"
+            )
         encoder = model.unit(encoders[0])
         synthetic = SyntheticMLLM(seed, encoder.arch.image_size, model.extras["image_tokens"], llm.seq_len, llm.arch.vocab)
         return InterleavedMLLM(synthetic, encoder.arch.patch_size, layouts=sampler(model, seed))
@@ -243,7 +248,7 @@ class StepSamples:
             images = tuple(self.dataset.image_count(i) for i in indices)
             if not any(images):
                 return None  # no sequence weighs on the per-image units more than another
-            loads = image_loads(images, self.model.extras["images_per_sequence"])
+            loads = image_loads(self.model, images)
         else:
             assert self.dataset.layouts is not None, "drawn images come from the sampler"
             loads = layout_loads(self.model, [self.dataset.layouts.layout(i) for i in indices])

@@ -100,12 +100,14 @@ def test_a_dealt_unit_weighs_a_sequence_by_its_busiest_rank_s_images():
     # runs ceil(2 / 4) = 1 image at the mean. Sequences of 3, 1 and 5 images (the batch's
     # mean 3: each image a third of the mean sequence) run 1, 1 and 2 images there.
     thirds = tuple((1 / 3,) * n for n in (3, 1, 5))
-    loads = BatchLoads((1.0, 1 / 3, 5 / 3), (1.0, 1 / 3, 5 / 3), (3, 1, 5), thirds, thirds)
+    loads = BatchLoads(
+        {"encoder": (1.0, 1 / 3, 5 / 3), "generator": (1.0, 1 / 3, 5 / 3)}, (3, 1, 5), {"encoder": thirds, "generator": thirds}
+    )
     dealt = Balancer(BatchLayout(3, 1), STAGES, (Dealt("generator", 4, 2),))
     by_unit = dealt.sequence_loads(loads)
     assert by_unit["generator"] == pytest.approx((2 / 3, 2 / 3, 4 / 3))
-    assert by_unit["encoder"] == loads.encoder  # split by TP: in proportion to its images
-    assert Balancer(BatchLayout(3, 1), STAGES).sequence_loads(loads)["generator"] == loads.generator
+    assert by_unit["encoder"] == loads.by_unit["encoder"]  # split by TP: in proportion to its images
+    assert Balancer(BatchLayout(3, 1), STAGES).sequence_loads(loads)["generator"] == loads.by_unit["generator"]
     # Whole images of unequal loads over two ranks: the heavier half is the busiest's.
     assert busiest_share((1.0, 0.25, 0.25), 2) == 1.25 and busiest_share((0.5,), 4) == 0.5 and busiest_share((), 2) == 0.0
 
@@ -132,10 +134,14 @@ def test_a_dealt_unit_weighs_the_sequences_of_a_shared_micro_batch_by_their_imag
     # {15, 1} costs it 2 images, as {8, 8} does, and {15, 8} costs 3.
     counts = (1, 8, 8, 15)
     eighths = tuple((1 / 8,) * n for n in counts)
-    loads = BatchLoads((1.0,) * 4, tuple(n / 8 for n in counts), counts, tuple((1 / n,) * n for n in counts), eighths)
+    loads = BatchLoads(
+        {"encoder": (1.0,) * 4, "generator": tuple(n / 8 for n in counts)},
+        counts,
+        {"encoder": tuple((1 / n,) * n for n in counts), "generator": eighths},
+    )
     dealt = Dealt("generator", 8, 8)
     balancer = Balancer(BatchLayout(4, 1, 2), STAGES, (dealt,))
-    assert balancer.sequence_loads(loads)["generator"] == loads.generator
+    assert balancer.sequence_loads(loads)["generator"] == loads.by_unit["generator"]
     order = balancer.order("cost", balancer.sequence_loads(loads))
     pairs = [sorted(counts[q] for q in order[p : p + 2]) for p in (0, 2)]
     assert sorted(pairs) == [[1, 15], [8, 8]]

@@ -571,3 +571,9 @@ def test_the_real_backend_trains_without_dropout_and_refuses_it_in_one_line():
     assert any(k.attention_dropout for layer in simulated.model.unit("llm").layers for k in layer.kernels)
     with pytest.raises(ConfigError, match="model.dropout=true"):
         check_runnable(PlannedRun(simulated.model, simulated.cluster, simulated.train, plan_run(simulated)), "synthetic")
+
+
+def test_interleaved_data_for_two_encoders_is_refused_in_one_line():
+    two = [*OPTIMUS, "model.encoders=[vit_3b,vit_5b]", "strategy.llm.dp=2", "strategy.llm.pp=2", "train.data=interleaved"]
+    with pytest.raises(ConfigError, match=r"^train.data=interleaved: the real backend gives interleaved images to one encoder"):
+        _check(two)

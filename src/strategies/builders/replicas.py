@@ -23,9 +23,8 @@ from src.batch_layout import BatchLayout
 from src.cluster import ClusterSpec
 from src.costmodel.compute import ComputeModel
 from src.data.balance import Balancer, Balancing, Dealt, StageCosts
-from src.data.loads import BatchLoads, PerImage, batch_loads
+from src.data.loads import BatchLoads, PerImage, batch_loads, per_image_units
 from src.mesh import Mesh
-from src.models.spec import ModelSpec
 from src.program import Collective, Compute, Instruction, Plan, Program, RankProgram, compress_ranks
 from src.strategies.base import PlanRequest
 from src.strategies.builders.layout import make_group, megatron_mesh
@@ -134,9 +133,6 @@ def dealt_loads(image_loads: PerImage, batch: BatchLayout, order: tuple[int, ...
     return tuple(tuple(busiest(r, j) for j in range(batch.microbatches)) for r in range(batch.dp))
 
 
-PER_IMAGE = "sequence's images"  # an MLLM's per_sample convention for units that work per image
-
-
 def stage_costs(program: Program, request: PlanRequest, units: list[str]) -> tuple[StageCosts, ...]:
     """Each pipeline stage's seconds for one micro-batch at the mean load (its first, as the
     plan prices every one alike), the per-image `units`' part per unit of load."""
@@ -164,7 +160,7 @@ def on_the_data(plan: Plan, request: PlanRequest) -> Plan:
     balancing policy (train.balance; none: the data order); the plan itself where every
     sequence weighs the same."""
     model, train = request.model, request.train
-    per_image = _per_image(model)
+    per_image = per_image_units(model)
     policy = train.balance or "none"
     if not skewed(request):
         if policy != "none":
@@ -247,11 +243,7 @@ def skewed(request: PlanRequest) -> bool:
     """Whether the workload's sequences weigh differently: a unit works per image and the
     data (or the images a run sampled) is not uniform."""
     train = request.train
-    return bool(_per_image(request.model)) and not (train.data == "uniform" and request.sample_images is None)
-
-
-def _per_image(model: ModelSpec) -> list[str]:
-    return [u for u, sample in model.extras.get("per_sample", {}).items() if sample == PER_IMAGE]
+    return bool(per_image_units(request.model)) and not (train.data == "uniform" and request.sample_images is None)
 
 
 def on_batches(plan: Plan, request: PlanRequest, batches: Sequence[int]) -> list[Plan]:

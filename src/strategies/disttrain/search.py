@@ -104,7 +104,7 @@ class Decision:
         forwards its order keeps in flight."""
         choice, m = candidate.choice, candidate.microbatches
         candidate.reordering = self._reordering(choice)
-        candidate.assignment = candidate.reordering.assignment(self.loads.encoder, self.loads.generator)
+        candidate.assignment = candidate.reordering.assignment(self.loads.by_unit["encoder"], self.loads.by_unit["generator"])
         candidate.layouts = [self._layout(c, candidate.assignment, m) for c in choice]
         chain = Chain(tuple((c.pp, c.setting.vpp) for c in choice))
         try:

@@ -636,10 +636,11 @@ def test_given_sample_images_price_what_they_hold_and_drawn_ones_the_models_mean
     model = setup(*REAL).model
     images = (2, 1, 3, 0, 1, 2, 0, 0)
     given = batch_loads(model, 0, 8, "interleaved", images)
-    assert given.encoder == given.generator == (1.0, 0.5, 1.5, 0.0, 0.5, 1.0, 0.0, 0.0)
-    assert sum(given.encoder) == sum(images) / 2 and given.peak["encoder"] == 1.5
+    encoder, generator = given.by_unit["encoder"], given.by_unit["generator"]
+    assert encoder == generator == (1.0, 0.5, 1.5, 0.0, 0.5, 1.0, 0.0, 0.0)
+    assert sum(encoder) == sum(images) / 2 and given.peak["encoder"] == 1.5
     drawn = batch_loads(model, 0, 8, "interleaved", None)
-    assert sum(drawn.encoder) == pytest.approx(8) and sum(drawn.generator) == pytest.approx(8)
+    assert sum(drawn.by_unit["encoder"]) == pytest.approx(8) and sum(drawn.by_unit["generator"]) == pytest.approx(8)
     assert sum(drawn.images) / 8 != 2  # the batch's own mean is not the model's: the loads say the model's
 
 

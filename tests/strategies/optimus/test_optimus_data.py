@@ -7,7 +7,6 @@ import pytest
 
 from src.batch_layout import BatchLayout
 from src.data.loads import batch_loads
-from src.errors import ConfigError
 from src.program import Collective, Compute
 from src.setup import LIMITS, plan_run, validate
 from src.sim.engine import simulate
@@ -64,7 +63,7 @@ def test_each_llm_replica_runs_its_own_sequences_images():
     # The encoder's loads are the batch's sequences', replica by replica, in data order.
     train = setup.train
     loads = batch_loads(setup.model, train.seed, train.global_batch, "interleaved", None)
-    expected = replica_loads(loads.encoder, BatchLayout(train.global_batch, 2, 2), tuple(range(train.global_batch)))
+    expected = replica_loads(loads.by_unit["encoder"], BatchLayout(train.global_batch, 2, 2), tuple(range(train.global_batch)))
     assert len(set(expected)) == 2  # the two replicas carry different loads
     for ranks, by_microbatch in _encoder_loads(plan).items():
         replica = 0 if ranks in {c.ranks for c in plan.program.classes if "replica 0" in c.label} else 1
@@ -98,9 +97,19 @@ def test_a_balancing_policy_places_the_sequences(policy):
     assert plan.details["balance_policy"] == policy and plan.sample_order == tuple(order)
 
 
-def test_two_encoders_hold_uniform_data_only():
-    with pytest.raises(ConfigError, match="samples hold uniform data"):
-        validate(compose_config(*OPTIMUS, "model.encoders=[vit_3b,vit_5b]", "train.data=interleaved"))
+def test_each_encoder_carries_its_own_loads_of_the_same_images():
+    setup, plan, _ = _planned("train.data=interleaved", "model.encoders=[vit_3b,vit_5b]")
+    loads = batch_loads(setup.model, 0, 32, "interleaved", None)
+    first, second = loads.by_unit["encoder0"], loads.by_unit["encoder1"]
+    assert sum(first) == pytest.approx(32) and sum(second) == pytest.approx(32)  # each against its own mean
+    # The same images: the same heaviest sequence, weighed by each ViT's own FLOPs per token
+    # and per token squared (their widths differ, so their attention's share does).
+    assert max(range(32), key=first.__getitem__) == max(range(32), key=second.__getitem__) and first != second
+    carried = {
+        unit: {i.work.load for c in plan.program.classes for i in c.instructions if isinstance(i, Compute) and i.work.unit == unit}
+        for unit in ("encoder0", "encoder1")
+    }
+    assert len(carried["encoder0"]) > 1 and len(carried["encoder1"]) > 1 and carried["encoder0"] != carried["encoder1"]
 
 
 def test_one_schedule_is_priced_on_each_batch():
