@@ -17,7 +17,9 @@ gives no parameters; ours are stated here and are the only place they live):
 - caption tokens: round(exp(N(ln 20, 0.8))) clipped to [2, 200] (LAION captions are
   short with a long tail, Fig. 5(a)).
 - pairs are dropped from the end while the sequence would overflow `seq_len` (one image
-  always stays; its caption is cut if it alone overflows).
+  always stays; its caption is cut if it alone overflows); an image's tokens count once
+  per encoder that reads it (`copies`: Optimus's DualEnc MLLMs put both encoders' tokens of
+  each image in the sequence).
 
 Costs: a sequence's encoder work is the FLOPs of its images at their own sizes (linear
 plus attention terms in the image's tokens); its generator work is one generated image
@@ -32,7 +34,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from src.models.spec import ModelSpec
@@ -49,6 +51,9 @@ class Layout:
     image_sides: tuple[int, ...]
     caption_tokens: tuple[int, ...]
     seq_len: int
+    # Each image's tokens in the sequence: one set per encoder that reads it (left out of the
+    # repr, which digests of drawn layouts were taken of before it came).
+    copies: int = field(default=1, repr=False)
 
     @property
     def images(self) -> int:
@@ -56,7 +61,7 @@ class Layout:
 
     @property
     def image_tokens(self) -> int:
-        return sum(side * side for side in self.image_sides)
+        return self.copies * sum(side * side for side in self.image_sides)
 
     @property
     def text_tokens(self) -> int:
@@ -74,12 +79,15 @@ class InterleavedData:
     mean_images: float
     base_side: int  # patches per side of the encoder's nominal image
     side_spread: float  # sigma of log(image side)
+    copies: int = 1  # each image's tokens in the sequence: one set per encoder that reads it
 
     def __post_init__(self) -> None:
         if self.mean_images < 1:
             raise ValueError(f"mean_images={self.mean_images}: every sequence holds at least one image")
-        if self.base_side * self.base_side + CAPTION_RANGE[0] > self.seq_len:
-            raise ValueError(f"a {self.base_side}x{self.base_side}-patch image does not fit a {self.seq_len}-token sequence")
+        if self.copies * self.base_side * self.base_side + CAPTION_RANGE[0] > self.seq_len:
+            raise ValueError(
+                f"a {self.base_side}x{self.base_side}-patch image x{self.copies} does not fit a {self.seq_len}-token sequence"
+            )
 
     def layout(self, index: int) -> Layout:
         rng = random.Random(self.seed * 1_000_003 + index)
@@ -92,12 +100,13 @@ class InterleavedData:
             min(CAPTION_RANGE[1], max(CAPTION_RANGE[0], round(math.exp(rng.gauss(math.log(CAPTION_MEDIAN), CAPTION_SPREAD)))))
             for _ in range(count)
         ]
-        while len(sides) > 1 and sum(s * s for s in sides) + sum(captions) > self.seq_len:
+        copies = self.copies
+        while len(sides) > 1 and copies * sum(s * s for s in sides) + sum(captions) > self.seq_len:
             sides.pop()
             captions.pop()
-        sides[0] = min(sides[0], math.isqrt(self.seq_len - CAPTION_RANGE[0]))
-        captions[0] = min(captions[0], self.seq_len - sides[0] * sides[0])
-        return Layout(tuple(sides), tuple(captions), self.seq_len)
+        sides[0] = min(sides[0], math.isqrt((self.seq_len - CAPTION_RANGE[0]) // copies))
+        captions[0] = min(captions[0], self.seq_len - copies * sides[0] * sides[0])
+        return Layout(tuple(sides), tuple(captions), self.seq_len, copies)
 
     def batch(self, size: int, step: int = 0) -> list[Layout]:
         """The `size` sequences of global batch `step`, in data order."""
@@ -107,10 +116,14 @@ class InterleavedData:
 def sampler(model: ModelSpec, seed: int) -> InterleavedData:
     """An MLLM's sequences (model.images_per_sequence images on average, their sides spread
     by model.image_size_spread around the encoder's nominal side): what DistTrain's planner
-    prices and the real backend trains on (data.interleaved_mllm)."""
+    prices and the real backend trains on (data.interleaved_mllm). An image takes a set of
+    tokens per encoder that reads it (an Optimus DualEnc MLLM: two)."""
     side = round(model.extras["image_tokens"] ** 0.5)
     extras = model.extras
-    return InterleavedData(seed, model.unit("llm").seq_len, extras["images_per_sequence"], side, extras["image_size_spread"])
+    copies = sum(1 for u in model.per_image_units() if model.unit(u).arch.reads_images)
+    return InterleavedData(
+        seed, model.unit("llm").seq_len, extras["images_per_sequence"], side, extras["image_size_spread"], max(1, copies)
+    )
 
 
 def _poisson(rng: random.Random, lam: float) -> int:

@@ -20,14 +20,6 @@ from src.models.spec import ModelSpec
 
 
 PerImage = tuple[tuple[float, ...], ...]  # per sequence, each of its images' load
-PER_IMAGE = "sequence's images"  # a model's per_sample convention for the units that work per image
-
-
-def per_image_units(model: ModelSpec) -> list[str]:
-    """The units whose work is a sequence's images' (an MLLM's encoder and generator, an
-    Optimus MLLM's encoders), in the model's order."""
-    per_sample = model.extras.get("per_sample", {})
-    return [u.name for u in model.units if per_sample.get(u.name) == PER_IMAGE]
 
 
 @dataclass(frozen=True)
@@ -61,7 +53,7 @@ def batch_loads(
     prices the model's work)."""
     if sample_images is not None:
         return image_loads(model, sample_images)
-    units = per_image_units(model)
+    units = model.per_image_units()
     if data == "uniform":
         images = model.extras["images_per_sequence"]
         ones, alike = (1.0,) * batch, ((1.0 / images,) * images,) * batch
@@ -74,7 +66,7 @@ def layout_loads(model: ModelSpec, layouts: Sequence[Layout]) -> BatchLoads:
     unit that reads the images (a ViT) by their FLOPs at their own sides, one that generates
     them by their count (each at the model's fixed resolution)."""
     loads, per_image = {}, {}
-    for unit in per_image_units(model):
+    for unit in model.per_image_units():
         spec = model.unit(unit)
         if spec.arch.reads_images:
             costs = [encoder_costs(layout, *_token_flops(model, unit)) for layout in layouts]
@@ -110,5 +102,5 @@ def image_loads(model: ModelSpec, images: tuple[int, ...]) -> BatchLoads:
         )
     nominal = model.extras["images_per_sequence"]
     loads, each = tuple(n / nominal for n in images), tuple((1.0 / nominal,) * n for n in images)
-    units = per_image_units(model)
+    units = model.per_image_units()
     return BatchLoads({u: loads for u in units}, images, {u: each for u in units})

@@ -41,7 +41,7 @@ from src.errors import ConfigError
 from src.models.blocks import DecoderPreset, decoder_unit, mlp_projector, scaled_per_images, vit_layers
 from src.models.options import Options, divisible
 from src.models.sd21 import SD21, SD_TINY, VAE_FACTOR, SDShape, sd_unet_layers, vae_encoder_layers
-from src.models.spec import Architecture, ModelSpec, UnitSpec
+from src.models.spec import PER_IMAGE, Architecture, ModelSpec, UnitSpec
 
 LLAMA_VOCAB = 32000
 MLLM_SEQ_LEN = 8192
@@ -188,7 +188,7 @@ def build_mllm(model: str, opts: Options, seq_len: int | None) -> ModelSpec:
         f"+ Llama {llm_preset.layers}x{hidden} "
         f"on {seq} tokens + SD-2.1 at {image}px, {images} image(s) per sequence",
         extras={
-            "per_sample": {"encoder": "sequence's images", "llm": "sequence", "generator": "sequence's images"},
+            "per_sample": {"encoder": PER_IMAGE, "llm": "sequence", "generator": PER_IMAGE},
             "scale": scale_name,
             "images_per_sequence": images,
             "image_size_spread": spread,

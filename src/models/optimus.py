@@ -37,7 +37,7 @@ from src.models.blocks import DecoderPreset, decoder_unit, mlp_projector, scaled
 from src.models.gpt import GPT_PRESETS, GPT_VOCAB
 from src.models.mllm import image_size_spread
 from src.models.options import Options, divisible
-from src.models.spec import Architecture, ModelSpec, UnitSpec
+from src.models.spec import PER_IMAGE, Architecture, ModelSpec, UnitSpec
 
 
 # Table 8: width, depth, MLP dimension, heads (head dim 128).
@@ -145,7 +145,7 @@ def build_optimus(opts: Options, seq_len: int | None) -> ModelSpec:
             "encoders": dict(zip(unit_names, names)),
             "images_per_sample": images_per_sample,
             "image_tokens": image_tokens,
-            "per_sample": {**{unit_name: "sequence's images" for unit_name in unit_names}, "llm": "sequence"},
+            "per_sample": {**{unit_name: PER_IMAGE for unit_name in unit_names}, "llm": "sequence"},
             # What the sequences can hold (train.data), the default first; interleaved data's
             # sampler reads the mean and the spread (every encoder reads each image).
             "data": ("uniform", "interleaved"),

@@ -18,6 +18,9 @@ KernelKind = Literal["gemm", "memory"]
 TPSplit = Literal["n", "k", "batch", "none"]
 
 
+PER_IMAGE = "sequence's images"  # the per_sample convention (ModelSpec.extras) of a unit that works per image
+
+
 @dataclass(frozen=True)
 class Kernel:
     """One kernel of a layer's forward pass, for one sample.
@@ -330,6 +333,12 @@ class ModelSpec:
             if unit.name == name:
                 return unit
         raise KeyError(f"model {self.name} has no unit {name!r}; units: {[u.name for u in self.units]}")
+
+    def per_image_units(self) -> list[str]:
+        """The units whose work is a sequence's images (extras' per_sample says PER_IMAGE):
+        an MLLM's encoder and generator, an Optimus MLLM's encoders, in the model's order."""
+        per_sample = self.extras.get("per_sample", {})
+        return [u.name for u in self.units if per_sample.get(u.name) == PER_IMAGE]
 
     @property
     def params(self) -> int:

@@ -23,7 +23,7 @@ from src.batch_layout import BatchLayout
 from src.cluster import ClusterSpec
 from src.costmodel.compute import ComputeModel
 from src.data.balance import Balancer, Balancing, Dealt, StageCosts
-from src.data.loads import BatchLoads, PerImage, batch_loads, per_image_units
+from src.data.loads import BatchLoads, PerImage, batch_loads
 from src.mesh import Mesh
 from src.program import Collective, Compute, Instruction, Plan, Program, RankProgram, compress_ranks
 from src.strategies.base import PlanRequest
@@ -160,7 +160,7 @@ def on_the_data(plan: Plan, request: PlanRequest) -> Plan:
     balancing policy (train.balance; none: the data order); the plan itself where every
     sequence weighs the same."""
     model, train = request.model, request.train
-    per_image = per_image_units(model)
+    per_image = model.per_image_units()
     policy = train.balance or "none"
     if not skewed(request):
         if policy != "none":
@@ -243,7 +243,7 @@ def skewed(request: PlanRequest) -> bool:
     """Whether the workload's sequences weigh differently: a unit works per image and the
     data (or the images a run sampled) is not uniform."""
     train = request.train
-    return bool(per_image_units(request.model)) and not (train.data == "uniform" and request.sample_images is None)
+    return bool(request.model.per_image_units()) and not (train.data == "uniform" and request.sample_images is None)
 
 
 def on_batches(plan: Plan, request: PlanRequest, batches: Sequence[int]) -> list[Plan]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from src.batch_layout import BatchLayout
+from src.data.interleaved import InterleavedData, sampler
 from src.data.loads import batch_loads
 from src.program import Collective, Compute
 from src.setup import LIMITS, plan_run, validate
@@ -119,3 +120,15 @@ def test_one_schedule_is_priced_on_each_batch():
     assert first.details["partition"] == second.details["partition"]  # chosen once, at the mean load
     assert _encoder_loads(first) != _encoder_loads(second)  # each batch's sequences
     assert first.program is not second.program and len(first.program.classes) == len(second.program.classes) == 8
+
+
+def test_a_dual_encoder_sequence_holds_both_encoders_tokens_of_each_image():
+    setup = validate(compose_config(*OPTIMUS, "model.encoders=[vit_3b,vit_5b]", "train.data=interleaved"))
+    data = sampler(setup.model, 0)
+    assert data.copies == 2 and sampler(validate(compose_config(*OPTIMUS, "train.data=interleaved")).model, 0).copies == 1
+    layouts = data.batch(256)
+    assert all(layout.image_tokens == 2 * sum(s * s for s in layout.image_sides) for layout in layouts)
+    assert all(layout.padding >= 0 for layout in layouts)  # both encoders' tokens fit the 2048-token sequence
+    # The tail that would overflow drops images: one encoder's sequences keep more of them.
+    single = InterleavedData(0, 2048, 4, 16, 0.3)
+    assert sum(layout.images for layout in layouts) < sum(layout.images for layout in single.batch(256))
