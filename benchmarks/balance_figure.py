@@ -13,11 +13,13 @@ it), and the spread of image sides (model.image_size_spread) of 0, 0.3 and 0.6 (
 image at the encoder's side; 0.3 gives DistTrain Fig. 5(b)'s 64-1024 tokens; 0.6 twice as
 wide). The sweep's other value stays at the figure's (10 images, spread 0.3).
 
-Optimus plans its own MLLMs (encoders feeding an LLM, no generator), so it has a case of its
+Optimus plans its own MLLMs (encoders feeding an LLM, no generator), so it has cases of its
 own: Figure 15's model B (ViT-22B + LLAMA-70B on 128 H100s, batch 64, Table 11's degrees)
+and Figure 16's DualEnc(22B, 5B) (GPT-175B on 512 H100s, batch 256, Appendix D.3's degrees),
 on interleaved data of the MLLM cases' image density, ten 256-token images in 8192 tokens
 (DistTrain §4.2) being 2.5 in Optimus's 2048, rounded up to whole images: 3 a sequence, at
-spread 0.3; Optimus beside Megatron-LM as Figure 15 runs it (the paper's plan and balanced).
+spread 0.3 (each image read by both encoders of the DualEnc model); Optimus beside
+Megatron-LM as the figure's preset runs it (the paper's plan, and balanced for model B).
 
 Writes benchmarks/results/balance/<case>/balance.{json,md} (python -m src.balance_study's
 files) and benchmarks/results/balance/README.md (every case's table).
@@ -78,6 +80,13 @@ OPTIMUS_SERIES = [
     f"balanced=strategy=megatron strategy.balance=true {TABLE_11} strategy.vpp=6",
     "optimus=strategy=optimus strategy.llm.tp=8 strategy.llm.micro_batch_size=2 strategy.llm.pp=4",
 ]
+# Optimus's Figure 16, DualEnc(22B, 5B), as sweeps/optimus_fig16_multi_encoder.yaml runs it.
+DUALENC = ["model=optimus", "model.encoders=[vit_22b,vit_5b]", "model.llm=gpt_175b", "cluster=hopper", "cluster.nodes=64"]
+D3 = "strategy.tp=8 strategy.pp=8 strategy.micro_batch_size=2"
+DUALENC_SERIES = [
+    f"megatron=strategy=megatron strategy.modality_stages=merged {D3} strategy.vpp=12",
+    "optimus=strategy=optimus strategy.llm.tp=8 strategy.llm.pp=8 strategy.llm.micro_batch_size=2",
+]
 CASES: dict[str, Case] = {
     "mllm_9b": Case(BASE + ["model=mllm_9b", "model.images_per_sequence=10"], 16),
     "mllm_15b": Case(BASE + ["model=mllm_15b", "model.images_per_sequence=10"], 8),
@@ -91,6 +100,13 @@ CASES: dict[str, Case] = {
         8,
         "Optimus Fig. 15 model B, 128 H100s, batch 64",
         OPTIMUS_SERIES,
+        [],
+    ),
+    "optimus_dualenc": Case(
+        ["logger=none", *DUALENC, "train.global_batch=256", "train.data=interleaved", "model.images_per_sample=3"],
+        8,
+        "Optimus Fig. 16 DualEnc(22B, 5B), 512 H100s, batch 256",
+        DUALENC_SERIES,
         [],
     ),
 }
