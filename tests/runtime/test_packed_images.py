@@ -1,6 +1,7 @@
 """A ViT on images of different sides, packed along one row (runtime.modules.blocks): each
 image attends to itself alone, its patches embedded with its CLS and the learned positions
-resized to its side; at the nominal side, packing changes nothing."""
+resized to its side; at the nominal side, packing changes nothing. The LLM's embedding puts a
+row's image tokens first and keeps its text's."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from src.data.interleaved_mllm import patches_of
-from src.runtime.modules.blocks import Block, PatchEmbedding, packed_attention
+from src.models.flows import chain_key
+from src.runtime.modules.blocks import Block, PatchEmbedding, TokenEmbedding, packed_attention
+from src.runtime.modules.mllm import MultimodalEmbedding
 from src.runtime.modules.parallel import TP
 
 
@@ -47,3 +50,26 @@ def test_an_image_at_another_side_takes_the_positions_resized_to_it():
 def _spans(lengths: list[int]) -> list[tuple[int, int]]:
     starts = [sum(lengths[:i]) for i in range(len(lengths))]
     return [(a, a + n) for a, n in zip(starts, lengths)]
+
+
+def test_interleaved_rows_keep_their_text_s_token_embeddings_in_either_llm_embedding():
+    # Two rows of 8 positions whose images took 3 and 5 tokens: the projector hands each row's
+    # image tokens at their places, zeros elsewhere; the text after them keeps its embeddings.
+    torch.manual_seed(3)
+    ids = torch.randint(0, 32, (2, 8))
+    handed = torch.randn(2, 8, 16)
+    state = {
+        "ids": ids,
+        "image_slots": torch.ones(2, 1, dtype=torch.bool),
+        "image_tokens": torch.tensor([3, 5]),
+        chain_key("encoder"): handed,
+    }
+    mask = torch.arange(8)[None, :] < torch.tensor([3, 5])[:, None]
+    gpt = TokenEmbedding(32, 16, 8, TP(), ("encoder",))
+    x = gpt(state)["x"] - gpt.pos
+    torch.testing.assert_close(x[mask], handed[mask])
+    torch.testing.assert_close(x[~mask], gpt.tokens(ids)[~mask])
+    llama = MultimodalEmbedding(32, 16, ("encoder",))
+    y = llama(state)["x"]
+    torch.testing.assert_close(y[mask], handed[mask])
+    torch.testing.assert_close(y[~mask], llama.tokens(ids)[~mask])

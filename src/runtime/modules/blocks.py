@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from src.data.interleaved_mllm import token_mask
 from src.models.flows import chain_key
 from src.runtime.modules.parallel import TP, ColumnParallelLinear, RowParallelLinear, head_rows
 from src.runtime.modules.sequence import reduce_grad, split_sequence, unsplit_sequence
@@ -280,13 +281,19 @@ class PatchEmbedding(nn.Module):
 def with_images(x: torch.Tensor, state: State, sources: tuple[str, ...]) -> torch.Tensor:
     """Token embeddings x (batch, seq, hidden) whose first positions hold the image tokens
     that the units chained in (`sources`, in flow order) hand on flattened; x as it is
-    when none are handed in (a unit run alone)."""
+    when none are handed in (a unit run alone). On interleaved sequences (`image_slots`) the
+    one encoder's projector hands each row's image tokens at their places, the rest zero: a
+    row's first image_tokens positions take them, its text keeps its token embeddings."""
     keys = [chain_key(source) for source in sources]
     given = [key for key in keys if key in state]
     if not given:
         return x
     if len(given) < len(keys):
         raise ValueError(f"the embedding reads image tokens from {list(sources)} but got only {given}")
+    if state.get("image_slots") is not None:
+        (key,) = keys  # the real backend gives interleaved images to one encoder (runtime.inputs)
+        mask = token_mask(state["image_tokens"], x.shape[1])
+        return torch.where(mask[..., None], state[key].reshape(x.shape).to(x.dtype), x)
     images = torch.cat([state[key].reshape(x.shape[0], -1, x.shape[-1]).to(x.dtype) for key in keys], dim=1)
     return torch.cat([images, x[:, images.shape[1] :]], dim=1)
 

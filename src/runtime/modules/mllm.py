@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from src.models.flows import chain_key
-from src.data.interleaved_mllm import slot_token_mask, token_mask
+from src.data.interleaved_mllm import slot_token_mask
 from src.runtime.modules.blocks import State, next_token_loss, packed_lengths, with_images
 from src.runtime.modules.generator import COND
 from src.runtime.modules.parallel import TP, ColumnParallelLinear, RowParallelLinear
@@ -71,15 +71,7 @@ class MultimodalEmbedding(nn.Module):
         self.sources = sources
 
     def forward(self, state: State) -> State:
-        x = self.tokens(state["ids"])
-        slots = state.get("image_slots")
-        if slots is None or chain_key(self.sources[0]) not in state:
-            return {**state, "x": with_images(x, state, self.sources)}
-        # Interleaved sequences: a row's images fill its first image_tokens positions.
-        (source,) = self.sources
-        images = state[chain_key(source)].reshape(x.shape).to(x.dtype)
-        mask = token_mask(state["image_tokens"], x.shape[1])
-        return {**state, "x": torch.where(mask[..., None], images, x)}
+        return {**state, "x": with_images(self.tokens(state["ids"]), state, self.sources)}
 
 
 class ConditioningHead(nn.Module):
