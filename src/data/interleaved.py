@@ -37,6 +37,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from src.errors import ConfigError
 from src.models.spec import ModelSpec
 
 CAPTION_MEDIAN = 20  # tokens
@@ -120,10 +121,15 @@ def sampler(model: ModelSpec, seed: int) -> InterleavedData:
     tokens per encoder that reads it (an Optimus DualEnc MLLM: two)."""
     side = round(model.extras["image_tokens"] ** 0.5)
     extras = model.extras
-    copies = sum(1 for u in model.per_image_units() if model.unit(u).arch.reads_images)
-    return InterleavedData(
-        seed, model.unit("llm").seq_len, extras["images_per_sequence"], side, extras["image_size_spread"], max(1, copies)
-    )
+    copies = max(1, sum(1 for u in model.per_image_units() if model.unit(u).arch.reads_images))
+    seq = model.unit("llm").seq_len
+    if copies * side * side + CAPTION_RANGE[0] > seq:
+        raise ConfigError(
+            f"train.data=interleaved: one image at the nominal side takes {copies} x {side * side} tokens, which with a "
+            f"caption's {CAPTION_RANGE[0]} do not fit the LLM's {seq}-token sequence (model.image_size, model.patch_size "
+            f"or train.seq_len)"
+        )
+    return InterleavedData(seed, seq, extras["images_per_sequence"], side, extras["image_size_spread"], copies)
 
 
 def _poisson(rng: random.Random, lam: float) -> int:

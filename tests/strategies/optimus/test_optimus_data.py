@@ -8,6 +8,7 @@ import pytest
 from src.batch_layout import BatchLayout
 from src.data.interleaved import InterleavedData, sampler
 from src.data.loads import batch_loads
+from src.errors import ConfigError
 from src.program import Collective, Compute
 from src.setup import LIMITS, plan_run, validate
 from src.sim.engine import simulate
@@ -132,3 +133,16 @@ def test_a_dual_encoder_sequence_holds_both_encoders_tokens_of_each_image():
     # The tail that would overflow drops images: one encoder's sequences keep more of them.
     single = InterleavedData(0, 2048, 4, 16, 0.3)
     assert sum(layout.images for layout in layouts) < sum(layout.images for layout in single.batch(256))
+
+
+def test_images_too_large_for_interleaved_sequences_are_one_line():
+    # Two encoders' 1024 tokens of one 448-px image fill the 2048-token sequence: no room for text.
+    too_large = [
+        *OPTIMUS,
+        "model.encoders=[vit_3b,vit_5b]",
+        "model.images_per_sample=1",
+        "model.image_size=448",
+        "train.data=interleaved",
+    ]
+    with pytest.raises(ConfigError, match=r"one image at the nominal side takes 2 x 1024 tokens.*2048-token sequence"):
+        plan_run(validate(compose_config(*too_large)))
