@@ -5,7 +5,8 @@ pipeline operations, layer kernels in its bubbles), trains exactly like one proc
 one encoder, two encoders and a frozen encoder, with four LLM replicas under the distributed
 optimizer and two under ZeRO-0, and coarse-grained with TP and an
 interleaved schedule, and on interleaved data (sequences of none to several images, their
-sides spread) placed by the `cost` policy. All runs share ONE launch of four workers.
+sides spread) placed by the `cost` policy, where its Megatron-LM and ZeRO-3 baselines train
+on the same data like one process too. All runs share ONE launch of four workers.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ BASE = [
 # The LLM's four layers on four pipeline stages: its bubbles hold encoder kernels.
 PIPELINE = ["strategy.llm.pp=4", "strategy.llm.dp=1", "strategy.llm.tp=1", "strategy.llm.micro_batch_size=1"]
 TWO_ENCODERS = ["vit_3b", "vit_5b"]
+# Skewed data: two images a sequence on average, their sides spread, placed by the cost policy.
+INTERLEAVED = ["model.images_per_sample=2", "train.data=interleaved", "train.balance=cost"]
 _MODEL = build_model({"name": "optimus", "scale": "tiny", "encoders": TWO_ENCODERS})
 # (model options, strategy overrides)
 CASES: dict[str, tuple[dict, list[str]]] = {
@@ -94,15 +97,27 @@ CASES: dict[str, tuple[dict, list[str]]] = {
     "interleaved_cost": (
         {"images_per_sample": 2, "content": "interleaved"},
         [
-            "model.images_per_sample=2",
-            "train.data=interleaved",
-            "train.balance=cost",
+            *INTERLEAVED,
             "strategy.llm.pp=2",
             "strategy.llm.dp=2",
             "strategy.llm.tp=1",
             "strategy.llm.micro_batch_size=1",
         ],
     ),
+    # Its baselines on the same skewed data and policy: Megatron-LM with the encoder in the
+    # first of two stages (two replicas), and ZeRO-3 over the four workers.
+    "megatron_interleaved": (
+        {"images_per_sample": 2, "content": "interleaved"},
+        [
+            *INTERLEAVED,
+            "strategy=megatron",
+            "strategy.modality_stages=merged",
+            "strategy.tp=1",
+            "strategy.pp=2",
+            "strategy.micro_batch_size=1",
+        ],
+    ),
+    "zero3_interleaved": ({"images_per_sample": 2, "content": "interleaved"}, [*INTERLEAVED, "strategy=ddp", "strategy.zero_stage=3"]),
     # Coarse-grained (no kernels in TP bins, which the runtime would not overlap): the
     # encoders before and after the LLM, LLM tp2 with sequence parallelism, interleaved.
     "coarse_tp2_interleaved": (
