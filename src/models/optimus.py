@@ -143,13 +143,12 @@ def build_optimus(opts: Options, seq_len: int | None) -> ModelSpec:
         extras={
             "scale": scale_name,
             "encoders": dict(zip(unit_names, names)),
-            "images_per_sample": images_per_sample,
             "image_tokens": image_tokens,
             "per_sample": {**{unit_name: PER_IMAGE for unit_name in unit_names}, "llm": "sequence"},
             # What the sequences can hold (train.data), the default first; interleaved data's
             # sampler reads the mean and the spread (every encoder reads each image).
             "data": ("uniform", "interleaved"),
-            "images_per_sequence": images_per_sample,
+            "images_per_sequence": images_per_sample,  # model.images_per_sample: the mean interleaved data draws around
             "image_size_spread": spread,
         },
     )

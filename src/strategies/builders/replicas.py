@@ -161,10 +161,8 @@ def on_the_data(plan: Plan, request: PlanRequest) -> Plan:
     sequence weighs the same."""
     model, train = request.model, request.train
     per_image = model.per_image_units()
-    policy = train.balance or "none"
     if not skewed(request):
-        if policy != "none":
-            plan.details["balance_policy"] = policy  # every sequence alike: nothing to move
+        record_unskewed(plan, request)
         return plan
     first = plan.units[0]
     dp = first.mesh.degree("dp")
@@ -225,6 +223,12 @@ class PlacedBatch:
         if self.balancing is not None:
             plan.sample_order, plan.balancing = self.order, self.balancing
             plan.details |= {"balance_policy": self.policy, "sample_order": list(self.order)}
+
+
+def record_unskewed(plan: Plan, request: PlanRequest) -> None:
+    """Every sequence alike: the plan records the policy asked, which had nothing to move."""
+    if request.train.balance not in (None, "none"):
+        plan.details["balance_policy"] = request.train.balance
 
 
 def place_batch(request: PlanRequest, batch: BatchLayout, costs: tuple[StageCosts, ...], dealt: tuple[Dealt, ...] = ()) -> PlacedBatch:

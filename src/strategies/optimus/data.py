@@ -27,7 +27,15 @@ from src.data.balance import StageCosts
 from src.program import Collective, Instruction, Plan, Program, RankProgram
 from src.strategies.base import PlanRequest
 from src.strategies.builders.pipeline import Stage
-from src.strategies.builders.replicas import PlacedBatch, copy_to_place, place_batch, replica_loads, replica_names, skewed
+from src.strategies.builders.replicas import (
+    PlacedBatch,
+    copy_to_place,
+    place_batch,
+    record_unskewed,
+    replica_loads,
+    replica_names,
+    skewed,
+)
 from src.strategies.optimus.encoder import EncoderCosts, StageWork
 from src.strategies.optimus.programs import ClassEmitter, ReplicaLoads, class_label, class_program
 from src.strategies.optimus.scheduler import Placed
@@ -108,8 +116,7 @@ def on_batches(plan: Plan, request: PlanRequest, batches: Sequence[int], emissio
     for each, batch in zip(plans, batches):
         on_data = replica_classes(replace(request, batch_index=batch), emission.emitter)
         if on_data is None:
-            if request.train.balance not in (None, "none"):
-                each.details["balance_policy"] = request.train.balance  # every sequence alike: nothing to move
+            record_unskewed(each, request)
             continue
         classes, placed = on_data
         each.program.classes = emission.classes(each.program, classes)
