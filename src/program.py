@@ -277,6 +277,9 @@ class Hop(Route):
     # Megatron-LM's scatter/gather: position i of either side sends and receives only its
     # part scatter[i] (its TP index) of `parts` equal row blocks of a payload of `rows`
     # rows; the receiving stage all-gathers the rest over TP. () sends whole payloads.
+    # Fewer rows than parts leave no row block to a part: part i is then named by the
+    # rows [i, i + 1), its index, which a unit that deals its images out over its TP group
+    # reads as the share whose images the part carries (runtime.row_shares).
     scatter: tuple[int, ...] = ()
     rows: int = 0
     _peer: dict[int, int] = field(default_factory=dict, repr=False, compare=False)
@@ -299,7 +302,7 @@ class Hop(Route):
     def _one(self, src: int, dst: int, payload: Payload) -> tuple[Message, ...]:
         if not self.scatter:
             return (Message(src, dst, payload.whole, payload.whole, self.bytes),)
-        block = self.rows // self.parts
+        block = max(1, self.rows // self.parts)
         part = payload.whole.part(self._part[src] * block, (self._part[src] + 1) * block)
         return (Message(src, dst, part, part, self.bytes),)
 

@@ -129,7 +129,10 @@ def check_runnable(run: PlannedRun, data: str, data_errors: str = "fail") -> Non
             )
     for route in plan.program.routes.values():
         if isinstance(route, Hop) and route.scatter and route.rows % route.parts:
-            if any(u.row_shares > 1 for rank in (*route.a, *route.b) for u in plan.units_on(rank)):
+            replicated = {u.unit for rank in (*route.a, *route.b) for u in plan.units_on(rank) if u.row_shares > 1}
+            if replicated and replicated <= dealing:
+                continue  # its parts carry the dealt shares' images, not row blocks (program.Hop)
+            if replicated:
                 raise PlanRefused(
                     f"route {route.name} carries a replicated stage's shares of each micro-batch of {route.rows} rows "
                     f"over tp={route.parts}, which does not divide them: the real backend sends each share's whole "

@@ -722,7 +722,8 @@ class Executor:
         if dealer is None or payload.rows is None or route.kind == "broker":
             return None
         shares = self.dealing[dealer]
-        return dealer, Share(payload.rows[0] // (self.unit_plan(dealer).micro_batch // shares), shares)
+        block = max(1, self.unit_plan(dealer).micro_batch // shares)  # program.Hop's parts, by index where rows are fewer
+        return dealer, Share(payload.rows[0] // block, shares)
 
     def _dealt_mask(self, payload: Payload, dealer: str, share: Share) -> torch.Tensor:
         """What carries `share`'s images of a payload's micro-batch: the tokens of its images

@@ -450,15 +450,6 @@ def test_a_replicated_unit_s_rows_tp_does_not_divide_are_refused_naming_the_fix(
         _check(MLLM_REPLICATED + odd)
 
 
-def test_a_replicated_stage_s_scattered_shares_of_fewer_rows_than_ranks_are_refused_naming_the_micro_batch():
-    # On sequences of their own images the stage deals one sequence's images out, but its
-    # scattered transfer to the LLM's TP ranks sends each share whole rows.
-    one = ["strategy.replicate=[encoder,generator]", "strategy.micro_batch_size=1", "train.data=interleaved"]
-    fix = r"replicated stage's shares of each micro-batch of 1 rows over tp=2.*\[megatron: strategy.micro_batch_size\]"
-    with pytest.raises(ConfigError, match=fix):
-        _check(MLLM_REPLICATED + one)
-
-
 def test_a_replicated_disttrain_unit_deals_out_micro_batches_of_fewer_sequences_than_ranks():
     """Runs: test_runtime_replicate, disttrain_one_sequence (uniform data is refused above)."""
     replicated = ["strategy.replicate=[encoder,generator]", "strategy.encoder.tp=2", "strategy.generator.tp=2"]
@@ -468,10 +459,14 @@ def test_a_replicated_disttrain_unit_deals_out_micro_batches_of_fewer_sequences_
         _check(DISTTRAIN + replicated + one[:-1])
 
 
-def test_a_replicated_unit_on_interleaved_data_runs():
-    """Each rank of the TP group runs the images dealt to it, as the plan prices them
-    (runs: test_runtime_replicate, interleaved)."""
-    _check(MLLM_REPLICATED + ["strategy.replicate=[encoder,generator]", "strategy.micro_batch_size=2", "train.data=interleaved"])
+@pytest.mark.parametrize("micro_batch", [1, 2])
+def test_a_replicated_unit_on_interleaved_data_runs(micro_batch):
+    """Each rank of the TP group runs the images dealt to it, as the plan prices them, and
+    its part of a scattered transfer carries those images' tokens, also where a micro-batch
+    has fewer rows than ranks (runs: test_runtime_replicate, interleaved and
+    interleaved_one_sequence)."""
+    replicated = ["strategy.replicate=[encoder,generator]", f"strategy.micro_batch_size={micro_batch}"]
+    _check(MLLM_REPLICATED + replicated + ["train.data=interleaved"])
 
 
 def test_a_scattered_transfer_of_rows_tp_does_not_divide_is_refused_naming_the_fix():

@@ -7,7 +7,8 @@ prices them (runtime.row_shares): a share may run part of a sequence's images, o
 
 - Megatron-LM (DistTrain §2.1's rigid baseline), tp=2 x pp=3: a replicated stage hands
   what it made to the LLM's TP ranks (which all-gather it); so too under ZeRO-1 with the
-  sequences placed by train.balance=cost.
+  sequences placed by train.balance=cost, and with micro-batches of one sequence, fewer
+  rows than TP ranks, each rank's part of the hand-on the images dealt to it.
 - DistTrain as its §8.1 runs it (strategy.replicate): the encoder (2 ranks), the LLM (2
   replicas of one rank) and the generator (2 ranks) on disjoint ranks, joined by brokers; a
   replicated unit's ranks all-gather their shares before its broker sends the micro-batch
@@ -91,6 +92,11 @@ CASES = {
     # The distributed optimizer's partitions span a replicated stage's TP and DP ranks.
     "replicated_zero1": MEGATRON + ["train.data=uniform", "strategy.zero_stage=1"],
     "interleaved": MEGATRON + SHARD + ["strategy.zero_stage=0"],
+    # Micro-batches of one sequence (DistTrain's rigid baseline runs micro-batch 1, §8.1):
+    # fewer rows than TP ranks, so each part of a scattered transfer is a share's images.
+    "interleaved_one_sequence": [o for o in MEGATRON if not o.startswith("strategy.micro_batch_size")]
+    + SHARD
+    + ["strategy.micro_batch_size=1", "strategy.zero_stage=0"],
     # ZeRO-1's partitions over the dealt shares, and the cost policy placing the sequences.
     "interleaved_zero1_cost": MEGATRON + SHARD + ["strategy.zero_stage=1", "train.balance=cost"],
     "disttrain": DISTTRAIN + BOTH + TWO_REPLICAS + ["train.data=uniform", *IN_ORDER],
@@ -162,7 +168,7 @@ def test_the_shard_s_micro_batches_deal_unevenly_and_leave_a_share_none(shards):
     assert any(shares != held for held, shares in zip(micro_batches, dealt))  # not the rows' images
 
 
-@pytest.mark.parametrize("case", ["replicated", "interleaved"])
+@pytest.mark.parametrize("case", ["replicated", "interleaved", "interleaved_one_sequence"])
 def test_replicated_stages_split_rows_and_run_no_tp_collective(runs, case):
     summary = summary_of(runs[case])
     units = summary["plan"]["units"]
