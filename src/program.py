@@ -277,9 +277,10 @@ class Hop(Route):
     # Megatron-LM's scatter/gather: position i of either side sends and receives only its
     # part scatter[i] (its TP index) of `parts` equal row blocks of a payload of `rows`
     # rows; the receiving stage all-gathers the rest over TP. () sends whole payloads.
-    # Fewer rows than parts leave no row block to a part: part i is then named by the
-    # rows [i, i + 1), its index, which a unit that deals its images out over its TP group
-    # reads as the share whose images the part carries (runtime.row_shares).
+    # Where the rows do not divide into the parts, a part's rows only name its index
+    # (fewer rows than parts: [i, i + 1)), which the real backend reads as the share of
+    # images a dealing unit's part carries (runtime.row_shares), or else as an equal chunk
+    # of the flattened payload (Megatron-LM's split_tensor_into_1d_equal_chunks).
     scatter: tuple[int, ...] = ()
     rows: int = 0
     _peer: dict[int, int] = field(default_factory=dict, repr=False, compare=False)

@@ -140,13 +140,16 @@ def check_runnable(run: PlannedRun, data: str, data_errors: str = "fail") -> Non
                     ("micro_batch",),
                     tuple(u.unit for u in plan.units if u.row_shares > 1),
                 )
-            raise PlanRefused(
-                f"route {route.name} scatters each micro-batch of {route.rows} rows over tp={route.parts}, which does "
-                f"not divide them: the real backend sends whole rows (it needs a route without scatter, or a "
-                f"micro_batch that tp divides)",
-                ("scatter", "micro_batch"),
-                tuple(u.unit for u in plan.units if route.name.split(".")[0] == u.unit),  # a route is named for its unit
-            )
+            # Other parts are equal chunks of the flattened payload, as Megatron-LM's (runtime.executor),
+            # but for an encoder's hand-on of its real images' tokens, which travel packed.
+            if interleaved and any(model.unit(u.unit).arch.reads_images for rank in (*route.a, *route.b) for u in plan.units_on(rank)):
+                raise PlanRefused(
+                    f"route {route.name} scatters each micro-batch of {route.rows} rows over tp={route.parts}, which does "
+                    f"not divide them, next to an encoder on sequences of their own images: the real backend sends its "
+                    f"images' tokens in whole rows (it needs a route without scatter, or a micro_batch that tp divides)",
+                    ("scatter", "micro_batch"),
+                    tuple(u.unit for u in plan.units if route.name.split(".")[0] == u.unit),  # a route is named for its unit
+                )
     # DeepSpeed overlaps ZeRO-3's communication where the plan says so (engines.deepspeed_config).
     overlapped = any(u.zero_stage == 3 and u.overlap_comm for u in plan.units)
     for rank_program in plan.program.classes:

@@ -39,7 +39,7 @@ from src.data.interleaved_mllm import dealt_slots, slot_token_mask, token_mask
 from src.errors import ConfigError
 from src.models.flows import chain_key
 from src.models.spec import ModelSpec, UnitSpec
-from src.program import Collective, Compute, Instruction, Message, Payload, Plan, Recv, Route, Send, Wait
+from src.program import Collective, Compute, Hop, Instruction, Message, Payload, Plan, Recv, Route, Send, Wait
 from src.runtime.batch_rows import exchange_rows, placed_by_rows
 from src.runtime.comm import CLOCK, all_reduce
 from src.runtime.device import DTYPES, computing, synchronize
@@ -80,6 +80,8 @@ class _StepState:
     local: dict[tuple[str, Payload], list] = field(default_factory=dict)  # local messages, by route and payload
     pending: dict[str, tuple[str, list]] = field(default_factory=dict)  # handle -> (kind, posted receives)
     sends: list = field(default_factory=list)
+    # A scattered transfer's flat chunk of a payload (_flat_part), held until the TP all-gather rebuilds it.
+    flat_parts: dict[Payload, torch.Tensor] = field(default_factory=dict)
     loss: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
     stepped: set = field(default_factory=set)
     micro_steps: dict[int, list[int]] = field(default_factory=dict)  # engine -> its micro-batches in backward order
@@ -543,6 +545,8 @@ class Executor:
             dealer = self._dealer(source)
             if collective.op == "all_gather" and dealer is not None:
                 self._gather_dealt(collective, source, target, dealer, ranks, group)
+            elif collective.op == "all_gather" and source.whole in self.s.flat_parts:
+                self._gather_flat(collective, source, target, ranks, group)
             elif collective.op == "all_gather":
                 local = self.s.store.tensor(source).detach().to(self.dtype).contiguous()
                 parts = [torch.empty_like(local) for _ in ranks]
@@ -567,6 +571,18 @@ class Executor:
             else:
                 raise ConfigError(f"the real backend does not carry payloads in a {collective.op}")
         return category
+
+    def _gather_flat(
+        self, collective: Collective, source: Payload, target: Payload, ranks: tuple[int, ...], group: dist.ProcessGroup
+    ) -> None:
+        """The all-gather over TP that rebuilds a payload a scattered transfer delivered as
+        flat chunks (_flat_part): the chunks in TP order, viewed as the payload's rows."""
+        local = self.s.flat_parts.pop(source.whole)
+        parts = [torch.empty_like(local) for _ in ranks]
+        with CLOCK.timed(collective.kind):
+            dist.all_gather(parts, local, group=group)
+        rows = self.unit_plan(target.unit).micro_batch
+        self.s.store.replace(target.whole, torch.cat(parts).view((rows,) + self._row_shape(target)))
 
     def _gather_dealt(
         self, collective: Collective, source: Payload, target: Payload, dealer: str, ranks: tuple[int, ...], group: dist.ProcessGroup
@@ -619,11 +635,16 @@ class Executor:
         for message in messages:
             if message.dst == self.rank and message.received == message.sent:
                 continue  # it holds these rows under that name already (an encoder and the LLM colocated)
-            if self._dealt_share(message.sent, route) is not None:
-                held = message.sent.whole  # its share's images, wherever their sequences are in the micro-batch
+            flat = self._flat_part(message.sent, route)
+            if flat is not None:  # every rank of the stage holds the whole payload
+                index, parts = flat
+                tensor = self._flat_chunks(self.s.store.tensor(send.payload.whole), parts)[index]
             else:
-                held = message.sent if message.sent.rows is not None else send.payload
-            tensor = _packed(self.s.store.tensor(held), self._wire_mask(message.sent, route) if message.dst != self.rank else None)
+                if self._dealt_share(message.sent, route) is not None:
+                    held = message.sent.whole  # its share's images, wherever their sequences are in the micro-batch
+                else:
+                    held = message.sent if message.sent.rows is not None else send.payload
+                tensor = _packed(self.s.store.tensor(held), self._wire_mask(message.sent, route) if message.dst != self.rank else None)
             if not len(tensor):
                 continue  # no image: nothing travels (the receiver knows it from its own batch)
             tensor = tensor.detach().to(self.dtype).contiguous()
@@ -635,7 +656,7 @@ class Executor:
 
     def _recv(self, recv: Recv, route: Route, messages: tuple[Message, ...], category: str) -> str:
         """`messages`: what the route delivers into this rank's rows of the payload."""
-        posted: list[tuple[dist.Work | None, Payload, torch.Tensor, torch.Tensor | None]] = []
+        posted: list[tuple[dist.Work | None, Payload, torch.Tensor, torch.Tensor | None, bool]] = []
         for message in messages:
             if message.src == self.rank:
                 continue
@@ -645,7 +666,14 @@ class Executor:
             # A share of a dealing unit's images is held at their places in the whole micro-batch.
             target = message.received.whole if self._dealt_share(message.received, route) is not None else message.received
             inside = self._packed_inside(message.received)
-            if inside is not None:  # between an encoder's stages: its real images' token states, packed
+            chunk = self._flat_part(message.received, route)
+            flat = chunk is not None
+            shape: tuple[int, ...]
+            if chunk is not None:
+                target, tokens = message.received.whole, None
+                micro_batch = self.unit_plan(target.unit).micro_batch
+                shape = (self._flat_chunk_size(micro_batch, self._row_shape(target), chunk[1]),)
+            elif inside is not None:  # between an encoder's stages: its real images' token states, packed
                 shape = inside
             elif tokens is None:
                 shape = (count,) + self._row_shape(message.received)
@@ -654,13 +682,13 @@ class Executor:
             buffer = torch.empty(shape, dtype=self.dtype, device=self.device)
             group = self.groups.route(route.name)
             if not len(buffer):
-                posted.append((None, target, buffer, tokens))  # no image: nothing travels, every slot stays empty
+                posted.append((None, target, buffer, tokens, flat))  # no image: nothing travels, every slot stays empty
             elif recv.blocking:
                 with CLOCK.timed(route.kind):
                     dist.recv(buffer, message.src, group=group)
-                posted.append((None, target, buffer, tokens))
+                posted.append((None, target, buffer, tokens, flat))
             else:
-                posted.append((dist.irecv(buffer, message.src, group=group), target, buffer, tokens))
+                posted.append((dist.irecv(buffer, message.src, group=group), target, buffer, tokens, flat))
         for message, tensor in self.s.local.pop((route.name, recv.payload.whole), []):
             self.s.store.put(message.received, tensor)
         if recv.blocking:
@@ -671,10 +699,36 @@ class Executor:
         return category
 
     def _finish_receives(self, posted: list) -> None:
-        for work, target, buffer, tokens in posted:
+        for work, target, buffer, tokens, flat in posted:
             if work is not None:
                 work.wait()
-            self.s.store.put(target, _unpacked(buffer, tokens))
+            if flat:
+                self.s.flat_parts[target] = buffer
+            else:
+                self.s.store.put(target, _unpacked(buffer, tokens))
+
+    def _flat_part(self, payload: Payload, route: Route) -> tuple[int, int] | None:
+        """(which, of how many) equal chunks of the flattened payload a part of a scattered
+        transfer is, where the payload's rows do not divide into its parts (Megatron-LM's
+        split_tensor_into_1d_equal_chunks; program.Hop names such a part by its index); None
+        where a part is a block of rows or a dealing unit's share of images."""
+        if not isinstance(route, Hop) or not route.scatter or route.rows % route.parts == 0 or payload.rows is None:
+            return None
+        if self._dealt_share(payload, route) is not None:
+            return None
+        return payload.rows[0] // max(1, route.rows // route.parts), route.parts
+
+    @staticmethod
+    def _flat_chunk_size(rows: int, row: tuple[int, ...], parts: int) -> int:
+        numel = rows * torch.Size(row).numel()
+        if numel % parts:
+            raise ConfigError(f"a scattered transfer of {rows} x {row} values does not split into {parts} equal chunks")
+        return numel // parts
+
+    @classmethod
+    def _flat_chunks(cls, tensor: torch.Tensor, parts: int) -> torch.Tensor:
+        """A payload's values as `parts` equal chunks, one a row (_flat_part)."""
+        return tensor.reshape(parts, cls._flat_chunk_size(tensor.shape[0], tuple(tensor.shape[1:]), parts))
 
     def _packed_shape(self, payload: Payload, mask: torch.Tensor) -> tuple[int, ...]:
         """What travels of a payload under `mask` (_wire_mask): the images' tokens of an

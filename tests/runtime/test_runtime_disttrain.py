@@ -1,7 +1,8 @@
 """DistTrain on the real backend: a tiny MLLM (ViT encoder, Llama LLM, SD generator) whose
 three units sit on disjoint workers of different DP, joined by brokers, trains exactly like
 one process: with and without reordering the batch, and in each frozen setting of §8.3.
-All runs share ONE launch of four workers, but the ratio-based plan, which takes three.
+All runs share ONE launch of four workers, but the ratio-based plan, which takes three, and
+the pipelines whose scattered transfers split a micro-batch of one sequence, which take six.
 """
 
 from __future__ import annotations
@@ -66,10 +67,37 @@ CASES: dict[str, tuple[str, list[str]]] = {
 }
 
 
+# A unit on tp=2 x pp=2 (the others on a GPU each: six workers) whose micro-batch of one
+# sequence its stages send scattered over TP: each rank sends an equal chunk of the
+# flattened activation (Megatron-LM's split_tensor_into_1d_equal_chunks), which the next
+# stage all-gathers.
+SCATTERED = {
+    f"{unit}_tp2_pp2_scattered": (
+        "mllm_9b",
+        [
+            "cluster.devices_per_node=6",
+            "strategy.llm.dp=1",
+            "strategy.generator.tp=1",
+            "strategy.generator.pp=1",
+            f"strategy.{unit}.tp=2",
+            f"strategy.{unit}.pp=2",
+            f"strategy.{unit}.sequence_parallel=false",
+            f"strategy.{unit}.scatter_gather=true",
+            "strategy.tp_overlap_chunks=1",
+        ],
+    )
+    for unit in ("encoder", "llm")
+}
+ALL_CASES = CASES | SCATTERED
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    cases = {name: [f"model={model}"] + BASE + overrides for name, (model, overrides) in CASES.items()}
-    return launch_cases(tmp_path_factory.mktemp("disttrain"), cases, WORKERS)
+    def cases(named: dict[str, tuple[str, list[str]]]) -> dict[str, list[str]]:
+        return {name: [f"model={model}"] + BASE + overrides for name, (model, overrides) in named.items()}
+
+    root = tmp_path_factory.mktemp("disttrain")
+    return launch_cases(root, cases(CASES), WORKERS) | launch_cases(root, cases(SCATTERED), 6)
 
 
 # The ratio-based orchestration (§8.2.1's baseline) gives each unit at most its FLOPs' share
@@ -89,9 +117,9 @@ def _reference(name: str, frozen: tuple[str, ...] = ()) -> list[float]:
     return reference_losses(model, 0, BATCH, STEPS, sensitive_optimizer(0.3))
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", list(ALL_CASES))
 def test_first_losses_equal_the_single_process_reference(runs, case):
-    model = CASES[case][0]
+    model = ALL_CASES[case][0]
     frozen = tuple(FROZEN.get(case.removesuffix("_encoder_pp2"), ()))
     expected = _reference(model, frozen)
     losses = summary_of(runs[case])["measured"]["loss"]

@@ -241,7 +241,7 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
         "run",
         DISTTRAIN_RUNS,
     ),
-    # Scattered pipeline sends split a micro-batch's rows: one sequence over tp=2 is refused.
+    # Scattered pipeline sends of one sequence over tp=2: each rank an equal chunk of the flattened activation.
     **{
         ("disttrain", f"{u}.scatter_gather"): (
             DISTTRAIN,
@@ -256,8 +256,8 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
                 f"strategy.{u}.scatter_gather=true",
                 "strategy.tp_overlap_chunks=1",
             ],
-            "refused",
-            "",
+            "run",
+            DISTTRAIN_RUNS,
         )
         for u in ("encoder", "llm")
     },
@@ -469,10 +469,17 @@ def test_a_replicated_unit_on_interleaved_data_runs(micro_batch):
     _check(MLLM_REPLICATED + replicated + ["train.data=interleaved"])
 
 
-def test_a_scattered_transfer_of_rows_tp_does_not_divide_is_refused_naming_the_fix():
+def test_a_scattered_transfer_of_fewer_rows_than_tp_sends_equal_chunks_but_not_beside_an_encoder_of_skewed_images():
+    """Runs: test_runtime_tp_pp, megatron_scatter_gather_micro_batch_1. An encoder's hand-on
+    of its real images' tokens travels packed, in whole rows."""
     odd = ["strategy.tp=2", "strategy.sequence_parallel=false", "strategy.scatter_gather=true", "strategy.micro_batch_size=1"]
-    with pytest.raises(ConfigError, match=r"1 rows over tp=2.*\[megatron: strategy.scatter_gather, strategy.micro_batch_size\]"):
-        _check(MEGATRON + odd)
+    _check(MEGATRON + odd)
+    # The encoder on a TP stage of its own (the generator replicated: a U-Net runs whole).
+    stages = ["cluster.devices_per_node=8", "strategy.modality_stages=extra", "strategy.pp=4", "strategy.replicate=[generator]"]
+    skewed = [o for o in MLLM_SKEWED if not o.startswith("strategy.modality_stages")] + stages + odd
+    fix = r"1 rows over tp=2.*next to an encoder.*\[megatron: strategy.scatter_gather, strategy.micro_batch_size\]"
+    with pytest.raises(ConfigError, match=fix):
+        _check(skewed)
 
 
 @pytest.mark.slow  # long, not a process: six U-Net plans (4.5 s of CPU)

@@ -1,6 +1,8 @@
 """Loss equality of tensor x pipeline parallel plans on four workers (tp=2, pp=2): the
 pipeline transfers scattered over TP and gathered back (Megatron-LM's scatter/gather,
-Megatron-LM's and DeepSpeed-3D's default), and sequence parallelism with selective
+Megatron-LM's and DeepSpeed-3D's default; in rows, or in equal chunks of the flattened
+activation where a micro-batch of one sample has fewer rows than TP ranks), and sequence
+parallelism with selective
 recomputation, each train like one process (first 5 losses within 1e-4 relative).
 All plans run in ONE launch of four workers."""
 
@@ -30,6 +32,16 @@ CASES = {
         "strategy.recompute=selective",
     ],
     "deepspeed3d_scatter_gather": ["strategy=deepspeed3d", *TP_PP, "strategy.scatter_gather=true"],
+    # Micro-batches of one sample, fewer rows than TP ranks: each sends its equal chunk of the
+    # flattened activation, as Megatron-LM's split_tensor_into_1d_equal_chunks does.
+    "megatron_scatter_gather_micro_batch_1": [
+        "strategy=megatron",
+        "strategy.tp=2",
+        "strategy.pp=2",
+        "strategy.micro_batch_size=1",
+        "strategy.sequence_parallel=false",
+        "strategy.scatter_gather=true",
+    ],
 }
 
 
@@ -53,7 +65,7 @@ def test_first_losses_equal_the_single_process_reference(runs, reference, case):
 
 
 def test_scattered_transfers_are_gathered_over_tp_on_both_stages(runs):
-    for case in ("megatron_scatter_gather", "deepspeed3d_scatter_gather"):
+    for case in ("megatron_scatter_gather", "deepspeed3d_scatter_gather", "megatron_scatter_gather_micro_batch_1"):
         events = trace_events(runs[case])
         gathers = {e["name"] for e in events if e.get("name", "").startswith("all_gather tp.")}
         assert len(gathers) == 2, f"{case}: {sorted(gathers)}"  # activations into stage 1, gradients into stage 0
