@@ -8,7 +8,9 @@ line also goes to the `progress` logger, which the front door's logging config
 
 When the first line of a task is due: once its process's main thread has run FIRST_CPU_S
 on a CPU, or has waited FIRST_WAIT_S on something other than a CPU (a lock, a child
-process, a disk). Time spent waiting for a CPU on a busy machine counts for neither (the
+process, a disk), since the task began, or since the run it belongs to last said anything
+(`run_clock`: a run of several short tasks, planning then simulating, is not silent for
+longer than one long task). Time spent waiting for a CPU on a busy machine counts for neither (the
 kernel's scheduler statistics tell it apart, on Linux), because a refusal of bad input is
 one line on any machine: the checks ahead of a refusal run well under FIRST_CPU_S, however
 much a loaded machine stretches their wall time. Work that follows every check (a real
@@ -41,6 +43,7 @@ AT_ONCE_FIRST_S = 3.0  # work past every check speaks after this long
 BEAT_EVERY_S = 15.0  # a heartbeat speaks again after so long without a progress line
 LOG = logging.getLogger("progress")
 _last_line = [0.0]  # when any progress line was last printed (perf_counter)
+_quiet: list[Since | None] = [None]  # since when the run has said nothing: its start, then its last line
 _doing: list[str] = []  # the heartbeats' tasks, innermost last
 
 
@@ -58,7 +61,12 @@ class Since:
 
     def first_due(self, now: float) -> bool:
         """Whether the task has worked (FIRST_CPU_S) or waited (FIRST_WAIT_S) long enough
-        for its first line: time spent waiting for a CPU counts for neither."""
+        for its first line, or its run has without a line: time spent waiting for a CPU
+        counts for neither."""
+        quiet = _quiet[0]
+        return self._worked(now) or (quiet is not None and quiet._worked(now))
+
+    def _worked(self, now: float) -> bool:
         ran, queued = scheduled()
         ran, queued = ran - self.ran, queued - self.queued
         return ran >= FIRST_CPU_S or (now - self.wall) - ran - queued >= FIRST_WAIT_S
@@ -115,9 +123,22 @@ class Progress:
         return time.perf_counter() - self.since.wall
 
 
+@contextlib.contextmanager
+def run_clock() -> Iterator[None]:
+    """Around a run's work (the front door's): its tasks' first lines are due also once
+    the run has worked, or waited, long enough without any line."""
+    _quiet[0] = Since.now()
+    try:
+        yield
+    finally:
+        _quiet[0] = None
+
+
 def say(line: str, now: float | None = None) -> None:
     """A progress line on stderr and to the `progress` logger (run.log)."""
     _last_line[0] = time.perf_counter() if now is None else now
+    if _quiet[0] is not None:
+        _quiet[0] = Since.now()
     print(line, file=sys.stderr, flush=True)
     LOG.info(line)
 

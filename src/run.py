@@ -26,7 +26,7 @@ from src.backends import backend_for
 from src.collector import collector_paused
 from src.config import TRAIN_KEYS, plain_config
 from src.errors import ConfigError
-from src.progress import heartbeat
+from src.progress import heartbeat, run_clock
 from src.report import JobInfo
 from src.report.files import WriteError, unwritable_dir
 from src.runtime.errors import Terminated, TerminateSignal, WorkerFailure, signal_line
@@ -128,7 +128,7 @@ def execute(config: dict[str, Any], run_dir: Path, job: JobInfo, overrides: list
     # A simulated run builds one graph of long-lived objects (its plan, then its timeline)
     # and drops it when it ends: with the collector on between its phases, each phase's
     # first pass walks the whole graph again (0.3-0.4 s CPU of a 1024-GPU Optimus run).
-    with collector_paused() if config["backend"]["name"] == "sim" else contextlib.nullcontext():
+    with collector_paused() if config["backend"]["name"] == "sim" else contextlib.nullcontext(), run_clock():
         summary = _plan_and_run(config, run_dir, job, overrides)
     release(run_dir)
     return summary

@@ -75,6 +75,31 @@ def test_a_task_is_due_by_its_cpu_and_work_past_the_checks_by_wall_time(monkeypa
     assert checked.due()
 
 
+def test_a_run_of_short_tasks_speaks_once_it_worked_long_enough_without_a_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Planning then simulating, each under FIRST_CPU_S: the second speaks once the run has
+    worked FIRST_CPU_S since it began (or since its last line); outside a run, tasks keep
+    their own clocks."""
+    monkeypatch.setattr(progress, "EVERY_S", 0.0)
+    monkeypatch.setattr(progress, "CHECK_EVERY_S", 0.0)
+    monkeypatch.setattr(progress, "FIRST_CPU_S", 0.3)
+    monkeypatch.setattr(progress, "FIRST_WAIT_S", 60.0)
+
+    def two_tasks() -> bool:
+        _burn(0.2)  # planning
+        simulation = Progress("simulation")
+        _burn(0.2)
+        return simulation.due()
+
+    assert not two_tasks()
+    with progress.run_clock():
+        assert two_tasks()
+        progress.say("simulation: a line")  # the run's quiet starts over
+        assert not Progress("writing").due()
+    assert not two_tasks()
+
+
 def test_every_line_goes_to_the_progress_logger_and_says_what_runs(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
