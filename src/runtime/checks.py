@@ -127,28 +127,19 @@ def check_runnable(run: PlannedRun, data: str, data_errors: str = "fail") -> Non
                 ("rows", "micro_batch"),
                 (unit.unit,),
             )
+    # A scattered transfer whose rows its parts do not divide: a dealing unit's parts carry its
+    # shares' images (program.Hop); other parts are equal chunks of the flattened payload as it
+    # travels, as Megatron-LM's (runtime.executor), but for a replicated stage's shares of rows.
     for route in plan.program.routes.values():
         if isinstance(route, Hop) and route.scatter and route.rows % route.parts:
             replicated = {u.unit for rank in (*route.a, *route.b) for u in plan.units_on(rank) if u.row_shares > 1}
-            if replicated and replicated <= dealing:
-                continue  # its parts carry the dealt shares' images, not row blocks (program.Hop)
-            if replicated:
+            if not replicated <= dealing:
                 raise PlanRefused(
                     f"route {route.name} carries a replicated stage's shares of each micro-batch of {route.rows} rows "
                     f"over tp={route.parts}, which does not divide them: the real backend sends each share's whole "
                     f"rows (it needs a micro_batch that tp divides)",
                     ("micro_batch",),
                     tuple(u.unit for u in plan.units if u.row_shares > 1),
-                )
-            # Other parts are equal chunks of the flattened payload, as Megatron-LM's (runtime.executor),
-            # but for an encoder's hand-on of its real images' tokens, which travel packed.
-            if interleaved and any(model.unit(u.unit).arch.reads_images for rank in (*route.a, *route.b) for u in plan.units_on(rank)):
-                raise PlanRefused(
-                    f"route {route.name} scatters each micro-batch of {route.rows} rows over tp={route.parts}, which does "
-                    f"not divide them, next to an encoder on sequences of their own images: the real backend sends its "
-                    f"images' tokens in whole rows (it needs a route without scatter, or a micro_batch that tp divides)",
-                    ("scatter", "micro_batch"),
-                    tuple(u.unit for u in plan.units if route.name.split(".")[0] == u.unit),  # a route is named for its unit
                 )
     # DeepSpeed overlaps ZeRO-3's communication where the plan says so (engines.deepspeed_config).
     overlapped = any(u.zero_stage == 3 and u.overlap_comm for u in plan.units)

@@ -80,8 +80,9 @@ class _StepState:
     local: dict[tuple[str, Payload], list] = field(default_factory=dict)  # local messages, by route and payload
     pending: dict[str, tuple[str, list]] = field(default_factory=dict)  # handle -> (kind, posted receives)
     sends: list = field(default_factory=list)
-    # A scattered transfer's flat chunk of a payload (_flat_part), held until the TP all-gather rebuilds it.
-    flat_parts: dict[Payload, torch.Tensor] = field(default_factory=dict)
+    # A scattered transfer's flat chunk of a payload (_flat_part), held until the TP all-gather rebuilds it:
+    # (the chunk, the whole payload's shape on the wire, the mask it was packed by).
+    flat_parts: dict[Payload, tuple[torch.Tensor, tuple[int, ...], torch.Tensor | None]] = field(default_factory=dict)
     loss: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
     stepped: set = field(default_factory=set)
     micro_steps: dict[int, list[int]] = field(default_factory=dict)  # engine -> its micro-batches in backward order
@@ -576,13 +577,15 @@ class Executor:
         self, collective: Collective, source: Payload, target: Payload, ranks: tuple[int, ...], group: dist.ProcessGroup
     ) -> None:
         """The all-gather over TP that rebuilds a payload a scattered transfer delivered as
-        flat chunks (_flat_part): the chunks in TP order, viewed as the payload's rows."""
-        local = self.s.flat_parts.pop(source.whole)
-        parts = [torch.empty_like(local) for _ in ranks]
-        with CLOCK.timed(collective.kind):
-            dist.all_gather(parts, local, group=group)
-        rows = self.unit_plan(target.unit).micro_batch
-        self.s.store.replace(target.whole, torch.cat(parts).view((rows,) + self._row_shape(target)))
+        flat chunks (_flat_part): the chunks in TP order, viewed as the payload on the wire
+        and unpacked (an encoder's hand-on: its images' tokens back at their places)."""
+        local, shape, mask = self.s.flat_parts.pop(source.whole)
+        if local.numel():  # a micro-batch without an image has nothing to gather (every rank knows it)
+            parts = [torch.empty_like(local) for _ in ranks]
+            with CLOCK.timed(collective.kind):
+                dist.all_gather(parts, local, group=group)
+            local = torch.cat(parts)
+        self.s.store.replace(target.whole, _unpacked(local.view(shape), mask))
 
     def _gather_dealt(
         self, collective: Collective, source: Payload, target: Payload, dealer: str, ranks: tuple[int, ...], group: dist.ProcessGroup
@@ -638,7 +641,8 @@ class Executor:
             flat = self._flat_part(message.sent, route)
             if flat is not None:  # every rank of the stage holds the whole payload
                 index, parts = flat
-                tensor = self._flat_chunks(self.s.store.tensor(send.payload.whole), parts)[index]
+                _, mask = self._whole_on_wire(send.payload, route)
+                tensor = self._flat_chunks(_packed(self.s.store.tensor(send.payload.whole), mask), parts)[index]
             else:
                 if self._dealt_share(message.sent, route) is not None:
                     held = message.sent.whole  # its share's images, wherever their sequences are in the micro-batch
@@ -656,7 +660,7 @@ class Executor:
 
     def _recv(self, recv: Recv, route: Route, messages: tuple[Message, ...], category: str) -> str:
         """`messages`: what the route delivers into this rank's rows of the payload."""
-        posted: list[tuple[dist.Work | None, Payload, torch.Tensor, torch.Tensor | None, bool]] = []
+        posted: list[tuple[dist.Work | None, Payload, torch.Tensor, torch.Tensor | None, tuple[int, ...] | None]] = []
         for message in messages:
             if message.src == self.rank:
                 continue
@@ -667,12 +671,12 @@ class Executor:
             target = message.received.whole if self._dealt_share(message.received, route) is not None else message.received
             inside = self._packed_inside(message.received)
             chunk = self._flat_part(message.received, route)
-            flat = chunk is not None
+            flat: tuple[int, ...] | None = None  # the whole payload's shape on the wire, where a part is a flat chunk of it
             shape: tuple[int, ...]
             if chunk is not None:
-                target, tokens = message.received.whole, None
-                micro_batch = self.unit_plan(target.unit).micro_batch
-                shape = (self._flat_chunk_size(micro_batch, self._row_shape(target), chunk[1]),)
+                flat, tokens = self._whole_on_wire(message.received, route)
+                target = message.received.whole
+                shape = (self._flat_chunk_size(flat, chunk[1]),)
             elif inside is not None:  # between an encoder's stages: its real images' token states, packed
                 shape = inside
             elif tokens is None:
@@ -702,8 +706,8 @@ class Executor:
         for work, target, buffer, tokens, flat in posted:
             if work is not None:
                 work.wait()
-            if flat:
-                self.s.flat_parts[target] = buffer
+            if flat is not None:
+                self.s.flat_parts[target] = (buffer, flat, tokens)
             else:
                 self.s.store.put(target, _unpacked(buffer, tokens))
 
@@ -718,17 +722,29 @@ class Executor:
             return None
         return payload.rows[0] // max(1, route.rows // route.parts), route.parts
 
+    def _whole_on_wire(self, payload: Payload, route: Route) -> tuple[tuple[int, ...], torch.Tensor | None]:
+        """The shape of a whole payload as it travels over `route`, and the mask it is packed
+        by there (_wire_mask; None: as it is held)."""
+        whole = payload.whole
+        inside = self._packed_inside(whole)
+        if inside is not None:
+            return inside, None
+        mask = self._wire_mask(whole, route)
+        if mask is not None:
+            return self._packed_shape(whole, mask), mask
+        return (self.unit_plan(whole.unit).micro_batch,) + self._row_shape(whole), None
+
     @staticmethod
-    def _flat_chunk_size(rows: int, row: tuple[int, ...], parts: int) -> int:
-        numel = rows * torch.Size(row).numel()
+    def _flat_chunk_size(shape: tuple[int, ...], parts: int) -> int:
+        numel = torch.Size(shape).numel()
         if numel % parts:
-            raise ConfigError(f"a scattered transfer of {rows} x {row} values does not split into {parts} equal chunks")
+            raise ConfigError(f"a scattered transfer of shape {shape} does not split into {parts} equal chunks")
         return numel // parts
 
     @classmethod
     def _flat_chunks(cls, tensor: torch.Tensor, parts: int) -> torch.Tensor:
         """A payload's values as `parts` equal chunks, one a row (_flat_part)."""
-        return tensor.reshape(parts, cls._flat_chunk_size(tensor.shape[0], tuple(tensor.shape[1:]), parts))
+        return tensor.reshape(parts, cls._flat_chunk_size(tuple(tensor.shape), parts))
 
     def _packed_shape(self, payload: Payload, mask: torch.Tensor) -> tuple[int, ...]:
         """What travels of a payload under `mask` (_wire_mask): the images' tokens of an

@@ -8,7 +8,9 @@ prices them (runtime.row_shares): a share may run part of a sequence's images, o
 - Megatron-LM (DistTrain §2.1's rigid baseline), tp=2 x pp=3: a replicated stage hands
   what it made to the LLM's TP ranks (which all-gather it); so too under ZeRO-1 with the
   sequences placed by train.balance=cost, and with micro-batches of one sequence, fewer
-  rows than TP ranks, each rank's part of the hand-on the images dealt to it.
+  rows than TP ranks, each rank's part of the hand-on the images dealt to it; and with the
+  generator alone replicated after an encoder on a TP stage of its own, whose ranks each
+  send an equal chunk of the micro-batch's packed image tokens.
 - DistTrain as its §8.1 runs it (strategy.replicate): the encoder (2 ranks), the LLM (2
   replicas of one rank) and the generator (2 ranks) on disjoint ranks, joined by brokers; a
   replicated unit's ranks all-gather their shares before its broker sends the micro-batch
@@ -97,6 +99,13 @@ CASES = {
     "interleaved_one_sequence": [o for o in MEGATRON if not o.startswith("strategy.micro_batch_size")]
     + SHARD
     + ["strategy.micro_batch_size=1", "strategy.zero_stage=0"],
+    # The encoder on a TP stage of its own, the generator replicated, micro-batches of one
+    # sequence: the encoder's stage sends each TP rank's equal chunk of its packed image tokens.
+    "interleaved_encoder_tp2_one_sequence": [
+        o for o in MEGATRON if not o.startswith(("strategy.micro_batch_size", "strategy.replicate"))
+    ]
+    + SHARD
+    + ["strategy.micro_batch_size=1", "strategy.replicate=[generator]", "strategy.modality_stages=extra", "strategy.zero_stage=0"],
     # ZeRO-1's partitions over the dealt shares, and the cost policy placing the sequences.
     "interleaved_zero1_cost": MEGATRON + SHARD + ["strategy.zero_stage=1", "train.balance=cost"],
     "disttrain": DISTTRAIN + BOTH + TWO_REPLICAS + ["train.data=uniform", *IN_ORDER],
