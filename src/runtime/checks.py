@@ -22,7 +22,6 @@ from src.data.interleaved_mllm import InterleavedMLLM
 from src.runtime.inputs import dataset_for, tell_repeats
 from src.runtime.layouts import layout_runtime
 from src.runtime.row_shares import dealing_units
-from src.runtime.modules.units import llama_style
 
 if TYPE_CHECKING:
     from src.plan_io import PlannedRun
@@ -74,11 +73,10 @@ def check_runnable(run: PlannedRun, data: str, data_errors: str = "fail") -> Non
         layout = layout_runtime(unit)
         if layout is not None:
             layout.check(unit, spec)
-        mllm = llama_style(spec) is not None or any(layer.name.endswith("_projector") for layer in spec.layers)
-        if unit.sequence_parallel and mllm:
+        if unit.sequence_parallel and any(layer.name.endswith("_projector") for layer in spec.layers):
             raise PlanRefused(
-                f"unit {unit.unit}: the real backend runs sequence parallelism in GPT, ViT and CLIP units, "
-                f"not yet in an MLLM's Llama blocks and projectors (it needs sequence_parallel=false)",
+                f"unit {unit.unit}: the real backend runs sequence parallelism in GPT, ViT, CLIP and Llama units, "
+                f"not yet in an MLLM's projectors (it needs sequence_parallel=false)",
                 ("sequence_parallel",),
                 (unit.unit,),
             )

@@ -69,7 +69,7 @@ def test_interleaved_rows_keep_their_text_s_token_embeddings_in_either_llm_embed
     x = gpt(state)["x"] - gpt.pos
     torch.testing.assert_close(x[mask], handed[mask])
     torch.testing.assert_close(x[~mask], gpt.tokens(ids)[~mask])
-    llama = MultimodalEmbedding(32, 16, ("encoder",))
+    llama = MultimodalEmbedding(32, 16, ("encoder",), TP())
     y = llama(state)["x"]
     torch.testing.assert_close(y[mask], handed[mask])
     torch.testing.assert_close(y[~mask], llama.tokens(ids)[~mask])

@@ -51,11 +51,16 @@ CASES: dict[str, tuple[str, list[str]]] = {
     # The frozen ViT's stage runs no backward at all; its trained projector's stage does.
     "generator_only_encoder_pp2": ("mllm_9b", ["model.frozen=[encoder,llm]", "strategy.encoder.pp=2"]),
     # Grouped-query attention split over TP; TP collectives whole, then in 4 row chunks
-    # each all-reduced under the next chunk's GEMM (StepCCL, the default). Sequence
-    # parallelism, which the orchestrator would pick, the real backend runs in GPT, ViT and
-    # CLIP units only.
+    # each all-reduced under the next chunk's GEMM (StepCCL, the default).
     "llm_tp2_gqa": ("mllm_72b", ["strategy.llm.tp=2", "strategy.llm.sequence_parallel=false", "strategy.tp_overlap_chunks=1"]),
     "llm_tp2_gqa_overlap": ("mllm_72b", ["strategy.llm.tp=2", "strategy.llm.sequence_parallel=false"]),
+    # Sequence parallelism, which the orchestrator picks: the embedding keeps each rank's
+    # part of the tokens, the head reads them whole.
+    "llm_tp2_sequence_parallel": (
+        "mllm_9b",
+        ["strategy.llm.tp=2", "strategy.llm.sequence_parallel=true", "strategy.tp_overlap_chunks=1"],
+    ),
+    "llm_tp2_gqa_sequence_parallel_overlap": ("mllm_72b", ["strategy.llm.tp=2", "strategy.llm.sequence_parallel=true"]),
     # Chunked TP collectives in the forward that full recomputation re-runs in backward.
     "encoder_tp2_full_recompute_zero0": (
         "mllm_9b",

@@ -224,16 +224,19 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
         ("disttrain", f"{u}.zero_stage"): (DISTTRAIN, [f"strategy.{u}.zero_stage=0"], "run", DISTTRAIN_RUNS)
         for u in ("encoder", "llm", "generator")
     },
-    # Sequence parallelism the real backend runs in GPT, ViT and CLIP units, not an MLLM's.
-    **{
-        ("disttrain", f"{u}.sequence_parallel"): (
-            DISTTRAIN,
-            ["cluster.nodes=2", f"strategy.{u}.tp=2", f"strategy.{u}.sequence_parallel=true", "strategy.tp_overlap_chunks=1"],
-            "refused",
-            "",
-        )
-        for u in ("encoder", "llm")
-    },
+    # Sequence parallelism in the LLM's Llama blocks; not yet in the encoder's projector.
+    ("disttrain", "llm.sequence_parallel"): (
+        DISTTRAIN,
+        ["cluster.nodes=2", "strategy.llm.tp=2", "strategy.llm.sequence_parallel=true", "strategy.tp_overlap_chunks=1"],
+        "run",
+        DISTTRAIN_RUNS,
+    ),
+    ("disttrain", "encoder.sequence_parallel"): (
+        DISTTRAIN,
+        ["cluster.nodes=2", "strategy.encoder.tp=2", "strategy.encoder.sequence_parallel=true", "strategy.tp_overlap_chunks=1"],
+        "refused",
+        "",
+    ),
     # The U-Net runs on tp=1 (below), where sequence parallelism has nothing to split.
     ("disttrain", "generator.sequence_parallel"): (
         DISTTRAIN,
@@ -435,12 +438,14 @@ def test_a_plan_priced_with_16_bit_weights_is_refused():
     _check([*overrides, "train.precision=fp32"])
 
 
-def test_sequence_parallelism_in_an_mllm_is_refused_naming_the_fix():
-    # An MLLM's LLM on tp=2 of its own (Megatron-LM's tp would split the U-Net generator too,
+def test_sequence_parallelism_in_an_mllm_s_projector_is_refused_naming_the_fix():
+    # An MLLM's units on tp=2 of their own (Megatron-LM's tp would split the U-Net generator too,
     # which the planner keeps whole for the real backend: tests/strategies/test_backend_limits.py).
-    sequence_parallel = ["cluster.nodes=2", "strategy.llm.tp=2", "strategy.llm.sequence_parallel=true", "strategy.tp_overlap_chunks=1"]
-    with pytest.raises(ConfigError, match=r"Llama blocks.*sequence_parallel=false.*\[disttrain: strategy.llm.sequence_parallel\]"):
-        _check(DISTTRAIN + sequence_parallel)
+    llm = ["cluster.nodes=2", "strategy.llm.tp=2", "strategy.llm.sequence_parallel=true", "strategy.tp_overlap_chunks=1"]
+    _check(DISTTRAIN + llm)  # runs: test_runtime_disttrain, llm_tp2_sequence_parallel
+    encoder = ["cluster.nodes=2", "strategy.encoder.tp=2", "strategy.encoder.sequence_parallel=true", "strategy.tp_overlap_chunks=1"]
+    with pytest.raises(ConfigError, match=r"projectors.*sequence_parallel=false.*\[disttrain: strategy.encoder.sequence_parallel\]"):
+        _check(DISTTRAIN + encoder)
 
 
 def test_a_replicated_unit_s_rows_tp_does_not_divide_are_refused_naming_the_fix():

@@ -61,6 +61,8 @@ CASES: dict[str, list[str]] = {
     # them as the real images' rows only; the LLM's each take the image tokens from the broker.
     "encoder_tp2": DISTTRAIN + ["strategy.encoder.tp=2", "strategy.encoder.sequence_parallel=false"],
     "llm_tp2": DISTTRAIN + ["strategy.llm.tp=2", "strategy.llm.sequence_parallel=false"],
+    # Under sequence parallelism the embedding places each row's image tokens, then keeps its part.
+    "llm_tp2_sequence_parallel": DISTTRAIN + ["strategy.llm.tp=2", "strategy.llm.sequence_parallel=true"],
     "shards": DISTTRAIN + ["strategy.reorder=none", "backend.data=SHARDS"],
     # The encoder's two stages pass each micro-batch's real images' token states (none for
     # its micro-batch 3).

@@ -19,6 +19,7 @@ from src.data.interleaved_mllm import slot_token_mask
 from src.runtime.modules.blocks import State, next_token_loss, packed_lengths, with_images
 from src.runtime.modules.generator import COND
 from src.runtime.modules.parallel import TP, ColumnParallelLinear, RowParallelLinear
+from src.runtime.modules.sequence import split_sequence, unsplit_sequence
 
 
 class Projector(nn.Module):
@@ -63,29 +64,31 @@ class Projector(nn.Module):
 
 class MultimodalEmbedding(nn.Module):
     """Token embedding (rotary positions come later, in attention); the sequence's first
-    positions hold the image tokens of the encoders chained in (`sources`, in flow order)."""
+    positions hold the image tokens of the encoders chained in (`sources`, in flow order).
+    Under sequence parallelism each TP rank keeps its part of the tokens."""
 
-    def __init__(self, vocab: int, hidden: int, sources: tuple[str, ...]) -> None:
+    def __init__(self, vocab: int, hidden: int, sources: tuple[str, ...], tp: TP) -> None:
         super().__init__()
         self.tokens = nn.Embedding(vocab, hidden)
-        self.sources = sources
+        self.sources, self.tp = sources, tp
 
     def forward(self, state: State) -> State:
-        return {**state, "x": with_images(self.tokens(state["ids"]), state, self.sources)}
+        return {**state, "x": split_sequence(with_images(self.tokens(state["ids"]), state, self.sources), self.tp)}
 
 
 class ConditioningHead(nn.Module):
     """Llama's final RMSNorm and untied, bias-free output layer with the next-token loss;
-    the normed states of the last `hand_on` positions go on to the generator as 'x'."""
+    the normed states of the last `hand_on` positions go on to the generator as 'x'. Under
+    sequence parallelism it reads the whole sequence."""
 
-    def __init__(self, hidden: int, vocab: int, hand_on: int) -> None:
+    def __init__(self, hidden: int, vocab: int, hand_on: int, tp: TP) -> None:
         super().__init__()
         self.norm = nn.RMSNorm(hidden)
         self.proj = nn.Linear(hidden, vocab, bias=False)
-        self.hand_on = hand_on
+        self.hand_on, self.tp = hand_on, tp
 
     def forward(self, state: State) -> State:
-        x = self.norm(state["x"])
+        x = self.norm(unsplit_sequence(state["x"], self.tp))
         out = {**state, "loss": next_token_loss(self.proj(x), state)}
         if self.hand_on:
             out["x"] = x[:, -self.hand_on :].flatten(1)

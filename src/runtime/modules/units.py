@@ -63,9 +63,9 @@ def _layer(model: ModelSpec, unit: UnitSpec, index: int, tp: TP, contrastive: Co
         role = layer.name.removesuffix("_projector")
         return Projector(fc1.k, fc1.n, fc2.n, tp, role, sources[0] if sources else None, consumers[0] if consumers else 0)
     if layer.name == "embedding" and llama is not None:
-        return MultimodalEmbedding(unit.arch.vocab, unit.hidden, chain_sources(model, unit.name))
+        return MultimodalEmbedding(unit.arch.vocab, unit.hidden, chain_sources(model, unit.name), tp)
     if layer.name == "head" and llama is not None:
-        return ConditioningHead(unit.hidden, unit.arch.vocab, unit.output_elems // unit.hidden)
+        return ConditioningHead(unit.hidden, unit.arch.vocab, unit.output_elems // unit.hidden, tp)
     if layer.name == "embedding":
         return TokenEmbedding(unit.arch.vocab, unit.hidden, unit.seq_len, tp, chain_sources(model, unit.name))
     if layer.name == "block":
