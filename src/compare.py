@@ -5,7 +5,8 @@
 
 Composes the front door's config (any model, cluster and train override) and prices each
 of strategy=auto's contenders (each strategy descriptor's `auto_variants`;
-`strategy.contenders=[...]` picks some) in parallel on all cores. Writes, in the run
+`strategy.contenders=[...]` picks some) in parallel on all cores, saying on stderr how many
+are priced while it works. Writes, in the run
 directory, compare.md (ranked: iteration time, MFU, throughput, peak memory, breakdown,
 plan; then the contenders that do not apply or do not fit, with their one-line reason),
 compare.json and compare.png. A multirun adds scaling.md and scaling.png over its jobs in
@@ -27,6 +28,7 @@ from omegaconf import DictConfig
 
 from src.config import options_from, plain_config
 from src.errors import ConfigError
+from src.progress import heartbeat
 from src.report import plotting
 from src.strategies.auto import AutoOptions, Contender
 from src.sweep import plan_facts, plan_text
@@ -67,7 +69,14 @@ def compare(config: dict[str, Any]) -> list[dict[str, Any]]:
     validate(config)  # a bad model, cluster or batch is one line here, not one per contender
     contenders = options_from(AutoOptions, config["strategy"]).chosen()
     jobs = min(len(contenders), os.cpu_count() or 1)
-    outcomes = Parallel(n_jobs=jobs)(delayed(price_contender)(config, c) for c in contenders)
+    # Past every check: it speaks by wall time (the workers' own lines would each start their clock anew).
+    done: list[dict[str, Any]] = []
+    task = f"comparing {len(contenders)} strategies for {config['model'].get('name')} on {config['cluster'].get('name')}"
+    with heartbeat(task, at_once=True, detail=lambda: f"{len(done)} of {len(contenders)} priced"):
+        for outcome in Parallel(n_jobs=jobs, return_as="generator_unordered")(delayed(price_contender)(config, c) for c in contenders):
+            done.append(outcome)
+    order = [c.label for c in contenders]
+    outcomes = sorted(done, key=lambda o: order.index(o["strategy"]))
     priced = sorted((o for o in outcomes if "summary" in o), key=lambda o: o["summary"]["iteration_time_s"])
     return priced + [o for o in outcomes if "summary" not in o]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from src import progress
 from src.compare import ScalingReport, compare, table, write
 from src.config import plain_config
 from src.errors import ConfigError
@@ -58,9 +60,13 @@ def test_auto_rejects_unknown_contenders() -> None:
 
 
 @pytest.mark.slow
-def test_compare_ranks_priced_contenders_then_lists_refusals() -> None:
+def test_compare_ranks_priced_contenders_then_lists_refusals(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(progress, "AT_ONCE_FIRST_S", 0.0)  # past its checks it speaks by wall time
     config = composed("compare", *SMALL_GPT, "strategy.contenders=[megatron,par4d,distmm]")
     outcomes = compare(config)
+    assert re.search(r"^comparing 3 strategies for gpt on perlmutter \[\d+ s\]: [0-3] of 3 priced$", capsys.readouterr().err, re.M)
     assert [o["strategy"] for o in outcomes][-1] == "distmm" and "reason" in outcomes[-1]
     priced = [o["summary"]["iteration_time_s"] for o in outcomes if "summary" in o]
     assert len(priced) == 2 and priced == sorted(priced)
