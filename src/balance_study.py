@@ -28,6 +28,7 @@ from typing import Any, Sequence
 
 from src.config import BALANCE_POLICIES
 from src.errors import ConfigError
+from src.parallel_work import run_all
 
 DEFAULT_SERIES = ("megatron=strategy=megatron", "disttrain=strategy=disttrain")
 UNIFORM = "uniform"
@@ -187,14 +188,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parse(argv)
-        from joblib import Parallel, delayed
+        from joblib import delayed
 
         jobs = [
             Job(label, (*args.overrides, *overrides), policy)
             for label, overrides in args.series
             for policy in (UNIFORM, *args.policies)
         ]
-        outcomes = Parallel(n_jobs=min(args.jobs, len(jobs)))(delayed(price)(job, args.batches) for job in jobs)
+        task = f"pricing {len(jobs)} series and policies on {args.batches} batches"
+        outcomes = run_all(task, [delayed(price)(job, args.batches) for job in jobs], args.jobs)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -28,7 +28,7 @@ from omegaconf import DictConfig
 
 from src.config import options_from, plain_config
 from src.errors import ConfigError
-from src.progress import heartbeat
+from src.parallel_work import run_all
 from src.report import plotting
 from src.strategies.auto import AutoOptions, Contender
 from src.sweep import plan_facts, plan_text
@@ -57,7 +57,7 @@ def price_contender(config: dict[str, Any], contender: Contender) -> dict[str, A
 
 def compare(config: dict[str, Any]) -> list[dict[str, Any]]:
     """Every chosen contender's outcome, the fastest first, the refused last."""
-    from joblib import Parallel, delayed
+    from joblib import delayed
 
     if config["strategy"]["name"] != "auto":
         raise ConfigError(
@@ -68,15 +68,8 @@ def compare(config: dict[str, Any]) -> list[dict[str, Any]]:
 
     validate(config)  # a bad model, cluster or batch is one line here, not one per contender
     contenders = options_from(AutoOptions, config["strategy"]).chosen()
-    jobs = min(len(contenders), os.cpu_count() or 1)
-    # Past every check: it speaks by wall time (the workers' own lines would each start their clock anew).
-    done: list[dict[str, Any]] = []
     task = f"comparing {len(contenders)} strategies for {config['model'].get('name')} on {config['cluster'].get('name')}"
-    with heartbeat(task, at_once=True, detail=lambda: f"{len(done)} of {len(contenders)} priced"):
-        for outcome in Parallel(n_jobs=jobs, return_as="generator_unordered")(delayed(price_contender)(config, c) for c in contenders):
-            done.append(outcome)
-    order = [c.label for c in contenders]
-    outcomes = sorted(done, key=lambda o: order.index(o["strategy"]))
+    outcomes = run_all(task, [delayed(price_contender)(config, c) for c in contenders], os.cpu_count() or 1)
     priced = sorted((o for o in outcomes if "summary" in o), key=lambda o: o["summary"]["iteration_time_s"])
     return priced + [o for o in outcomes if "summary" not in o]
 

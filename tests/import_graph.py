@@ -27,6 +27,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "src.errors",
             "src.bounds",
             "src.progress",
+            "src.parallel_work",
             "src.collector",
             "src.mesh",
             "src.cluster_profile",

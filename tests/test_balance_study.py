@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
-from src import balance_study
+from src import balance_study, progress
 from src.balance_study import aggregate, percentile
 
 SMALL = ["logger=none", "model=mllm_9b", "model.images_per_sequence=10", "cluster=a800", "cluster.nodes=6", "train.global_batch=32"]
@@ -49,16 +50,19 @@ def test_a_series_whose_plan_depends_on_the_data_is_judged_against_the_skew_it_r
     assert "recovered" not in rows[("mean", "none")] and "against" not in rows[("mean", "none")]
 
 
-def test_a_small_study_runs_end_to_end(tmp_path, capsys):
+def test_a_small_study_runs_end_to_end(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(progress, "AT_ONCE_FIRST_S", 0.0)  # past its checks it speaks by wall time
     argv = ["--batches=2", "--jobs=1", "--policies=none,cost", f"--out={tmp_path}", f"--series={MEGATRON}", *SMALL]
     assert balance_study.main(argv) == 0
+    captured = capsys.readouterr()
+    assert re.search(r"^pricing 3 series and policies on 2 batches \[\d+ s\]: [0-3] of 3 done$", captured.err, re.M)
     record = json.loads((tmp_path / "balance.json").read_text())
     rows = {r["policy"]: r for r in record["rows"]}
     assert set(rows) == {"uniform", "none", "cost"} and rows["none"]["batches"] == 2 and rows["uniform"]["batches"] == 1
     times = {o["policy"]: [b["iteration_time_s"] for b in o["batches"]] for o in record["outcomes"]}
     assert times["none"][0] != times["none"][1]  # two batches of other sequences
     assert rows["cost"]["mean_s"] < rows["none"]["mean_s"] and rows["none"]["mean_s"] > rows["uniform"]["mean_s"]
-    assert "| megatron | cost | 2 |" in capsys.readouterr().out
+    assert "| megatron | cost | 2 |" in captured.out
 
 
 @pytest.mark.parametrize(

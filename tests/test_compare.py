@@ -66,7 +66,7 @@ def test_compare_ranks_priced_contenders_then_lists_refusals(
     monkeypatch.setattr(progress, "AT_ONCE_FIRST_S", 0.0)  # past its checks it speaks by wall time
     config = composed("compare", *SMALL_GPT, "strategy.contenders=[megatron,par4d,distmm]")
     outcomes = compare(config)
-    assert re.search(r"^comparing 3 strategies for gpt on perlmutter \[\d+ s\]: [0-3] of 3 priced$", capsys.readouterr().err, re.M)
+    assert re.search(r"^comparing 3 strategies for gpt on perlmutter \[\d+ s\]: [0-3] of 3 done$", capsys.readouterr().err, re.M)
     assert [o["strategy"] for o in outcomes][-1] == "distmm" and "reason" in outcomes[-1]
     priced = [o["summary"]["iteration_time_s"] for o in outcomes if "summary" in o]
     assert len(priced) == 2 and priced == sorted(priced)
