@@ -300,11 +300,15 @@ class Hop(Route):
     def parts(self) -> int:
         return len(set(self.scatter)) or 1
 
+    @property
+    def block(self) -> int:
+        """Rows that name a part: its row block, or 1 where the rows do not reach the parts."""
+        return max(1, self.rows // self.parts)
+
     def _one(self, src: int, dst: int, payload: Payload) -> tuple[Message, ...]:
         if not self.scatter:
             return (Message(src, dst, payload.whole, payload.whole, self.bytes),)
-        block = max(1, self.rows // self.parts)
-        part = payload.whole.part(self._part[src] * block, (self._part[src] + 1) * block)
+        part = payload.whole.part(self._part[src] * self.block, (self._part[src] + 1) * self.block)
         return (Message(src, dst, part, part, self.bytes),)
 
     def sends(self, rank: int, payload: Payload) -> tuple[Message, ...]:

@@ -85,7 +85,7 @@ class InterleavedData:
     def __post_init__(self) -> None:
         if self.mean_images < 1:
             raise ValueError(f"mean_images={self.mean_images}: every sequence holds at least one image")
-        if self.copies * self.base_side * self.base_side + CAPTION_RANGE[0] > self.seq_len:
+        if not nominal_fits(self.seq_len, self.base_side, self.copies):
             raise ValueError(
                 f"a {self.base_side}x{self.base_side}-patch image x{self.copies} does not fit a {self.seq_len}-token sequence"
             )
@@ -114,6 +114,12 @@ class InterleavedData:
         return [self.layout(step * size + i) for i in range(size)]
 
 
+def nominal_fits(seq_len: int, side: int, copies: int) -> bool:
+    """Whether one image at the nominal side (its tokens once per encoder) leaves room for
+    the shortest caption."""
+    return copies * side * side + CAPTION_RANGE[0] <= seq_len
+
+
 def sampler(model: ModelSpec, seed: int) -> InterleavedData:
     """An MLLM's sequences (model.images_per_sequence images on average, their sides spread
     by model.image_size_spread around the encoder's nominal side): what DistTrain's planner
@@ -123,7 +129,7 @@ def sampler(model: ModelSpec, seed: int) -> InterleavedData:
     extras = model.extras
     copies = max(1, sum(1 for u in model.per_image_units() if model.unit(u).arch.reads_images))
     seq = model.unit("llm").seq_len
-    if copies * side * side + CAPTION_RANGE[0] > seq:
+    if not nominal_fits(seq, side, copies):
         raise ConfigError(
             f"train.data=interleaved: one image at the nominal side takes {copies} x {side * side} tokens, which with a "
             f"caption's {CAPTION_RANGE[0]} do not fit the LLM's {seq}-token sequence (model.image_size, model.patch_size "

@@ -720,7 +720,7 @@ class Executor:
             return None
         if self._dealt_share(payload, route) is not None:
             return None
-        return payload.rows[0] // max(1, route.rows // route.parts), route.parts
+        return payload.rows[0] // route.block, route.parts
 
     def _whole_on_wire(self, payload: Payload, route: Route) -> tuple[tuple[int, ...], torch.Tensor | None]:
         """The shape of a whole payload as it travels over `route`, and the mask it is packed
