@@ -279,8 +279,9 @@ class Hop(Route):
     # rows; the receiving stage all-gathers the rest over TP. () sends whole payloads.
     # Where the rows do not divide into the parts, a part's rows only name its index
     # (fewer rows than parts: [i, i + 1)), which the real backend reads as the share of
-    # images a dealing unit's part carries (runtime.row_shares), or else as an equal chunk
-    # of the flattened payload (Megatron-LM's split_tensor_into_1d_equal_chunks).
+    # images a dealing unit's part carries or the block of rows a replicated unit's share
+    # runs (runtime.row_shares), or else as an equal chunk of the flattened payload
+    # (Megatron-LM's split_tensor_into_1d_equal_chunks).
     scatter: tuple[int, ...] = ()
     rows: int = 0
     _peer: dict[int, int] = field(default_factory=dict, repr=False, compare=False)

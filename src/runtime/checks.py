@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING
 
 from src.errors import ConfigError, PlanRefused
 from src.models.spec import ModelSpec
-from src.program import Collective, Compute, Hop, Plan, Recv, Send, Wait
+from src.program import Collective, Compute, Plan, Recv, Send, Wait
 from src.runtime.batch_rows import placed_by_rows
 from src.runtime.dist_optimizer import SHARDED
 from src.runtime.executor import input_key
 from src.data.interleaved_mllm import InterleavedMLLM
 from src.runtime.inputs import dataset_for, tell_repeats
 from src.runtime.layouts import layout_runtime
-from src.runtime.row_shares import dealing_units
+from src.runtime.row_shares import sharing_units
 
 if TYPE_CHECKING:
     from src.plan_io import PlannedRun
@@ -113,32 +113,7 @@ def check_runnable(run: PlannedRun, data: str, data_errors: str = "fail") -> Non
         _check_priced_images(plan, dataset, data, run.train.global_batch)
         dataset.check(range(run.train.global_batch * run.train.steps))
         _check_image_rows(plan, model)
-    # A replicated unit's ranks share each micro-batch's rows, or deal out its images where it
-    # works per image on sequences of their own (runtime.row_shares): then rows need not divide.
-    dealing = frozenset(dealing_units(plan, model)) if interleaved else frozenset()
-    for unit in plan.units:
-        if unit.row_shares > 1 and unit.unit not in dealing and unit.micro_batch % unit.row_shares:
-            raise PlanRefused(
-                f"unit {unit.unit} is replicated over the {unit.row_shares} ranks of its TP group, which do not divide a "
-                f"micro-batch's {unit.micro_batch} rows: the real backend gives each rank an equal share of whole rows "
-                f"(it needs a micro_batch that tp divides, or sequences of their own images to deal out)",
-                ("rows", "micro_batch"),
-                (unit.unit,),
-            )
-    # A scattered transfer whose rows its parts do not divide: a dealing unit's parts carry its
-    # shares' images (program.Hop); other parts are equal chunks of the flattened payload as it
-    # travels, as Megatron-LM's (runtime.executor), but for a replicated stage's shares of rows.
-    for route in plan.program.routes.values():
-        if isinstance(route, Hop) and route.scatter and route.rows % route.parts:
-            replicated = {u.unit for rank in (*route.a, *route.b) for u in plan.units_on(rank) if u.row_shares > 1}
-            if not replicated <= dealing:
-                raise PlanRefused(
-                    f"route {route.name} carries a replicated stage's shares of each micro-batch of {route.rows} rows "
-                    f"over tp={route.parts}, which does not divide them: the real backend sends each share's whole "
-                    f"rows (it needs a micro_batch that tp divides)",
-                    ("micro_batch",),
-                    tuple(u.unit for u in plan.units if u.row_shares > 1),
-                )
+    shared = frozenset(sharing_units(plan))
     # DeepSpeed overlaps ZeRO-3's communication where the plan says so (engines.deepspeed_config).
     overlapped = any(u.zero_stage == 3 and u.overlap_comm for u in plan.units)
     for rank_program in plan.program.classes:
@@ -146,7 +121,7 @@ def check_runnable(run: PlannedRun, data: str, data_errors: str = "fail") -> Non
         partitioned = tuple(u for u in rank_program.units if plan.unit(u).zero_stage in (1, 2))
         for instruction in rank_program.instructions:
             _check_instruction(
-                instruction, handles, rank_program.label, model.interaction, overlapped, partitioned, interleaved, dealing
+                instruction, handles, rank_program.label, model.interaction, overlapped, partitioned, interleaved, shared
             )
         _check_backward_ranges(rank_program.label, rank_program.instructions)
         _check_kernel_ranges(rank_program.label, rank_program.instructions, model)
@@ -338,11 +313,11 @@ def _check_instruction(
     overlapped: bool,
     partitioned: tuple[str, ...],
     interleaved: bool,
-    dealing: frozenset[str],
+    shared: frozenset[str],
 ) -> None:
     """`partitioned`: the class's units whose ZeRO-1/2 partitions a DP reduce-scatter serves;
     `interleaved`: sequences hold their samples' images (a micro-batch's load is theirs);
-    `dealing`: the replicated units that deal each micro-batch's images out over their ranks."""
+    `shared`: the units replicated over their TP group, whose ranks each run a share of a micro-batch."""
     if isinstance(instruction, Compute):
         work = instruction.work
         if work.phase not in PHASES:
@@ -354,10 +329,10 @@ def _check_instruction(
                 ("load",),
                 (work.unit,),
             )
-        # A fraction is a chunk of a pass (StepCCL's, under TP) or, in a unit that deals its
-        # images out, the busiest rank's share of a micro-batch, which the rank runs once.
+        # A fraction is a chunk of a pass (StepCCL's, under TP) or, in a unit replicated over
+        # its TP group, the busiest rank's share of a micro-batch, which the rank runs once.
         share = work.fraction * work.chunks  # of the micro-batch, by the pass's chunks together
-        if (abs(share - 1) > 1e-9 and work.unit not in dealing) or (work.chunks > 1 and work.sharding.degree("tp") == 1):
+        if (abs(share - 1) > 1e-9 and work.unit not in shared) or (work.chunks > 1 and work.sharding.degree("tp") == 1):
             raise PlanRefused(
                 f"{label}: {work.unit} layers {work.layers} run in chunks of fraction={work.fraction:.3g}: the real "
                 f"backend chunks a pass only to overlap its TP collectives, in a whole number of chunks (it needs "

@@ -35,9 +35,11 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
+from src.data.balance import dealt_images
 from src.data.interleaved_mllm import dealt_slots, slot_token_mask, token_mask
 from src.errors import ConfigError
 from src.models.flows import chain_key
+from src.mesh import ROWS
 from src.models.spec import ModelSpec, UnitSpec
 from src.program import Collective, Compute, Hop, Instruction, Message, Payload, Plan, Recv, Route, Send, Wait
 from src.runtime.batch_rows import exchange_rows, placed_by_rows
@@ -164,6 +166,7 @@ class Executor:
         # data: runtime.row_shares), and their shares.
         self.dealing = dict(dealing or {})
         self.places = placements(plan, rank)
+        self.row_routes: dict[str, bool] = {}  # whether a route carries a replicated unit's shares of rows
         self.grids = list({id(m.grid): m.grid for m in units.modules() if isinstance(m, ZSharded)}.values())
         # Layers where a backward starts: a forward is cut there too, so a backward that runs
         # part of a forward's layers (overlap_grad_reduce's last micro-batch, layer by layer)
@@ -186,21 +189,20 @@ class Executor:
         """A payload a unit's pass makes, at the rows of the micro-batch this rank runs (a
         unit replicated over its TP group runs a share of them, or of their images, which it
         holds at their places in the whole micro-batch: runtime.row_shares)."""
-        if unit in self.dealing:
+        rows = self.places[unit].rows
+        if unit in self.dealing or rows is None:
             return payload
-        first = self.places[unit].first_row
-        return payload.part(first, first + tensor.shape[0]) if first else payload
+        return payload.part(rows.start, rows.start + tensor.shape[0])
 
     def _own_input(self, unit: str, payload: Payload) -> Payload:
         """What a unit's pass reads of an input payload: a unit replicated over its TP group
         that shares the micro-batch's rows (not its images) reads its share's rows, where
         a scattered transfer delivered just those and where a broker's hand-off between
         units gave its group the whole micro-batch (DistTrain's)."""
-        plan = self.unit_plan(unit)
-        if plan.row_shares == 1 or unit in self.dealing or payload.rows is not None:
+        rows = self.places[unit].rows
+        if rows is None or unit in self.dealing or payload.rows is not None:
             return payload
-        first = self.places[unit].first_row
-        return payload.part(first, first + plan.micro_batch // plan.row_shares)
+        return payload.part(rows.start, rows.stop)
 
     def _row_shape(self, payload: Payload) -> tuple[int, ...]:
         if payload.unit == self.model.interaction:
@@ -550,11 +552,9 @@ class Executor:
                 self._gather_flat(collective, source, target, ranks, group)
             elif collective.op == "all_gather":
                 local = self.s.store.tensor(source).detach().to(self.dtype).contiguous()
-                parts = [torch.empty_like(local) for _ in ranks]
-                with CLOCK.timed(collective.kind):
-                    dist.all_gather(parts, local, group=group)
+                whole = self._gather_blocks(collective, local, ranks, group)
                 # In place (a scattered pipeline transfer's parts become the whole payload), or into another payload.
-                (self.s.store.replace if target.whole == source.whole else self.s.store.put)(target, torch.cat(parts))
+                (self.s.store.replace if target.whole == source.whole else self.s.store.put)(target, whole)
             elif collective.op == "reduce_scatter":
                 # gloo has no reduce-scatter: all-reduce, then keep this rank's rows.
                 total = self.s.store.tensor(source).detach().to(self.dtype, copy=True)
@@ -572,6 +572,41 @@ class Executor:
             else:
                 raise ConfigError(f"the real backend does not carry payloads in a {collective.op}")
         return category
+
+    def _gather_blocks(
+        self, collective: Collective, local: torch.Tensor, ranks: tuple[int, ...], group: dist.ProcessGroup
+    ) -> torch.Tensor:
+        """The all-gather of each rank's block of a micro-batch's rows, in TP order: equal
+        blocks, or a replicated unit's uneven shares (runtime.row_shares: the first ranks
+        one row more, a rank past the rows none), padded to the largest as an all-gather
+        takes equal parts and cut back to each rank's block."""
+        rows = self._group_rows(ranks)
+        if rows is not None and rows % len(ranks):
+            blocks = [len(block) for block in dealt_images(rows, len(ranks))]
+        else:
+            blocks = [len(local)] * len(ranks)
+        mine = blocks[ranks.index(self.rank)]
+        if len(local) != mine:
+            raise ConfigError(
+                f"{collective.op} on {collective.group}: rank {self.rank} holds {len(local)} rows of its block of {mine}"
+            )
+        padded = local
+        if mine < blocks[0]:
+            padded = local.new_zeros((blocks[0],) + local.shape[1:])
+            padded[:mine] = local
+        parts = [torch.empty_like(padded) for _ in ranks]
+        with CLOCK.timed(collective.kind):
+            dist.all_gather(parts, padded, group=group)
+        return torch.cat([part[:size] for part, size in zip(parts, blocks)])
+
+    def _group_rows(self, ranks: tuple[int, ...]) -> int | None:
+        """The micro-batch's rows that a group of this rank's splits into its blocks: those of
+        the unit whose TP group it is (or a replicated unit's group of row shares); None for
+        another group, whose ranks each hold as many."""
+        for unit in self.plan.units_on(self.rank):
+            if ranks in (unit.mesh.group("tp", self.rank), unit.mesh.group(ROWS, self.rank)):
+                return unit.micro_batch
+        return None
 
     def _gather_flat(
         self, collective: Collective, source: Payload, target: Payload, ranks: tuple[int, ...], group: dist.ProcessGroup
@@ -635,7 +670,7 @@ class Executor:
     # ---- point to point -----------------------------------------------------------------
     def _send(self, send: Send, route: Route, messages: tuple[Message, ...], category: str) -> str:
         """`messages`: what the route sends from this rank's rows of the payload."""
-        for message in messages:
+        for message in map(functools.partial(self._in_blocks, route), messages):
             if message.dst == self.rank and message.received == message.sent:
                 continue  # it holds these rows under that name already (an encoder and the LLM colocated)
             flat = self._flat_part(message.sent, route)
@@ -661,7 +696,7 @@ class Executor:
     def _recv(self, recv: Recv, route: Route, messages: tuple[Message, ...], category: str) -> str:
         """`messages`: what the route delivers into this rank's rows of the payload."""
         posted: list[tuple[dist.Work | None, Payload, torch.Tensor, torch.Tensor | None, tuple[int, ...] | None]] = []
-        for message in messages:
+        for message in map(functools.partial(self._in_blocks, route), messages):
             if message.src == self.rank:
                 continue
             rows = message.received.rows
@@ -718,9 +753,29 @@ class Executor:
         where a part is a block of rows or a dealing unit's share of images."""
         if not isinstance(route, Hop) or not route.scatter or route.rows % route.parts == 0 or payload.rows is None:
             return None
-        if self._dealt_share(payload, route) is not None:
+        if self._dealt_share(payload, route) is not None or self._shares_rows(route):
             return None
         return payload.rows[0] // route.block, route.parts
+
+    def _shares_rows(self, route: Hop) -> bool:
+        """Whether `route` carries a replicated unit's shares of rows (runtime.row_shares):
+        a unit on either side that is replicated over its TP group and deals no images."""
+        if route.name not in self.row_routes:
+            units = (u for rank in (*route.a, *route.b) for u in self.plan.units_on(rank))
+            self.row_routes[route.name] = any(u.row_shares > 1 and u.unit not in self.dealing for u in units)
+        return self.row_routes[route.name]
+
+    def _in_blocks(self, route: Route, message: Message) -> Message:
+        """A part of a scattered transfer whose micro-batch a replicated unit's shares split
+        unevenly (its TP group does not divide the rows): the block of rows share i runs
+        (data.balance.dealt_images), which program.Hop names by its index i."""
+        rows = message.sent.rows
+        if rows is None or not isinstance(route, Hop) or route.rows % route.parts == 0 or not self._shares_rows(route):
+            return message
+        block = dealt_images(route.rows, route.parts)[rows[0] // route.block]
+        return replace(
+            message, sent=message.sent.part(block.start, block.stop), received=message.received.part(block.start, block.stop)
+        )
 
     def _whole_on_wire(self, payload: Payload, route: Route) -> tuple[tuple[int, ...], torch.Tensor | None]:
         """The shape of a whole payload as it travels over `route`, and the mask it is packed

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 
 from src.batch_layout import BatchLayout
-from src.data.balance import Balancing
+from src.data.balance import Balancing, dealt_images
 from src.data.disaggregated import Reordering
 from src.data.interleaved import sampler
 from src.data.loads import image_loads, layout_loads
@@ -39,29 +39,22 @@ if TYPE_CHECKING:
 IGNORE = -100  # cross_entropy's ignore_index
 
 
-def batch_layout(plan: UnitPlan, global_batch: int, deals: bool = False) -> BatchLayout:
-    """How a rank's samples of the unit are cut from the step's batch: a replicated unit's
-    row shares are its data group's replicas (row_shares.data_group: rows fastest), each taking its
-    share of every micro-batch of its TP group's replica; one that `deals` its images out
-    over them reads its TP group's replica's whole micro-batches."""
-    shares = 1 if deals else plan.row_shares
-    return BatchLayout.of_replica_batch(global_batch, plan.batch_per_replica // shares, plan.micro_batch // shares, plan.sample_groups)
+def batch_layout(plan: UnitPlan, global_batch: int) -> BatchLayout:
+    """How a rank's samples of the unit are cut from the step's batch: its replica's
+    micro-batches (a unit replicated over its TP group: the group's replica's whole
+    micro-batches, of which each rank runs its share: runtime.row_shares)."""
+    return BatchLayout.of_replica_batch(global_batch, plan.batch_per_replica, plan.micro_batch, plan.sample_groups)
 
 
-def rank_reads(
-    plan: Plan, global_batch: int, replica: Mapping[str, int], shares: Mapping[str, Share] | None = None
-) -> dict[str, tuple[BatchLayout, int]]:
-    """What each of a rank's units (`replica`: its replica in each) reads: the layout of
-    the unit whose samples it takes (its own, or the one `samples_of` names) and the rank's
-    replica there; a unit that deals its images out over its row shares (`shares`: the
-    rank's, row_shares.image_shares) the whole micro-batches of its TP group's replica."""
+def rank_reads(plan: Plan, global_batch: int, replica: Mapping[str, int]) -> dict[str, tuple[BatchLayout, int]]:
+    """What each of a rank's units (`replica`: its place in each one's data group) reads:
+    the layout of the unit whose samples it takes (its own, or the one `samples_of` names)
+    and the rank's replica there (a replicated unit's data group runs its rows fastest:
+    row_shares.data_group)."""
     reads = {}
     for unit in replica:
-        reader = plan.unit(unit).samples_of or unit
-        if shares and reader in shares:
-            reads[unit] = (batch_layout(plan.unit(reader), global_batch, deals=True), replica[reader] // shares[reader].count)
-        else:
-            reads[unit] = (batch_layout(plan.unit(reader), global_batch), replica[reader])
+        reader = plan.unit(plan.unit(unit).samples_of or unit)
+        reads[unit] = (batch_layout(reader, global_batch), replica[reader.unit] // reader.row_shares)
     return reads
 
 
@@ -179,9 +172,11 @@ def unit_fields(model: ModelSpec, unit: str, batch: Mapping[str, torch.Tensor], 
     """What a unit reads: images (a ViT), token ids, and next-token targets when it ends
     in a language-model head (GPT; CoCa's captioner: the caption shifted by one); an SD
     generator its target image (or latent, without the VAE), noise and timestep. `share`:
-    the rank's share of the micro-batch's images, of a unit that deals them out over its
-    row shares (runtime.row_shares)."""
+    the rank's share of the micro-batch, of a unit replicated over its TP group: its
+    images where it deals them out (interleaved data), else its rows (runtime.row_shares)."""
     spec = model.unit(unit)
+    if share is not None and "image_slots" not in batch:
+        return _share_of_rows(unit_fields(model, unit, batch), share)
     # Interleaved sequences (data.interleaved_mllm): the encoder takes the patches of the
     # images it runs (the micro-batch's real ones, or those dealt to its share), packed, and
     # their sides; the generator their slots' draws; every unit the slots of the images it
@@ -219,6 +214,20 @@ def unit_fields(model: ModelSpec, unit: str, batch: Mapping[str, torch.Tensor], 
     return out
 
 
+def _share_of_rows(fields: dict[str, torch.Tensor], share: Share) -> dict[str, torch.Tensor]:
+    """`share`'s block of a micro-batch's rows (data.balance.dealt_images, as the plan prices
+    it), each loss normalised so that it is the share's part of the micro-batch's (a loss
+    over its rows' images, or their scored tokens, over the micro-batch's per share)."""
+    rows = len(next(iter(fields.values())))
+    block = dealt_images(rows, share.count)[share.index]
+    out = {key: value[block.start : block.stop] for key, value in fields.items()}
+    if "noise" in fields:
+        out["loss_norm"] = torch.full((rows,), 1 / share.count)
+    elif "targets" in fields:
+        out["loss_norm"] = (fields["targets"] != IGNORE).sum(1) / share.count
+    return out
+
+
 @dataclass(frozen=True)
 class StepSamples:
     """Every micro-batch one trainer reads in a step, cut from the step's global batch (CPU
@@ -228,8 +237,8 @@ class StepSamples:
     order[p]: which of the step's samples (in data order) position p of the batch holds
     (a plan that reorders its batch); None: data order. balancing: the policy that placed
     `order` for the first step, to place every step's batch by its own loads (Plan.balancing).
-    shares[unit]: the trainer's share of the images of a unit that deals them out over its
-    row shares (row_shares.image_shares)."""
+    shares[unit]: the trainer's share of each micro-batch of a unit replicated over its TP
+    group (row_shares.rank_shares)."""
 
     model: ModelSpec
     dataset: Any

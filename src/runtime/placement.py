@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from src.mesh import TENSOR_AXES
 from src.program import Plan
-from src.runtime.row_shares import data_group, first_row
+from src.runtime.row_shares import data_group, share_rows
 
 
 @dataclass(frozen=True)
@@ -17,7 +17,7 @@ class UnitPlacement:
     layers: frozenset[int]
     tp_ranks: tuple[int, ...]
     dp_ranks: tuple[int, ...]
-    first_row: int = 0  # of each micro-batch, where the rank runs a share of its rows
+    rows: range | None = None  # of each micro-batch, where the rank runs a share of its rows
 
     @property
     def tp(self) -> int:
@@ -37,7 +37,7 @@ def placements(plan: Plan, rank: int) -> dict[str, UnitPlacement]:
             frozenset(unit_plan.layers_on(rank)),
             mesh.group("tp", rank),
             data_group(mesh, rank),
-            first_row(unit_plan, rank),
+            share_rows(unit_plan, rank),
         )
     return out
 

@@ -49,7 +49,7 @@ from src.runtime.modules.units import build_units
 from src.runtime.peak import GEMM_SIZES, peak_gemm_flops
 from src.runtime.preprocess import Producer
 from src.runtime.placement import UnitPlacement, placements
-from src.runtime.row_shares import dealing_units, image_shares
+from src.runtime.row_shares import dealing_units, rank_shares
 from src.runtime.timing import StepTimer
 from src.timeline import RankTimeline, Span, Timeline
 
@@ -250,12 +250,12 @@ def _build_worker(run: PlannedRun, backend: TorchBackendSpec, run_dir: Path, ran
     dataset = dataset_for(model, train.seed, backend.data, backend.data_errors, plan.sample_content)
     # Sequences of their own images: a replicated unit that works per image deals them out.
     dealing = dealing_units(plan, model) if isinstance(dataset, InterleavedMLLM) else {}
-    shares = image_shares(plan, rank, dealing)
+    shares = rank_shares(plan, rank)
     samples = StepSamples(
         model,
         dataset,
         train.global_batch,
-        rank_reads(plan, train.global_batch, {n: p.dp_ranks.index(rank) for n, p in places.items()}, shares),
+        rank_reads(plan, train.global_batch, {n: p.dp_ranks.index(rank) for n, p in places.items()}),
         plan.sample_order,
         plan.balancing,
         shares,

@@ -448,20 +448,15 @@ def test_sequence_parallelism_in_an_mllm_s_projector_is_refused_naming_the_fix()
         _check(DISTTRAIN + encoder)
 
 
-def test_a_replicated_unit_s_rows_tp_does_not_divide_are_refused_naming_the_fix():
-    odd = ["strategy.replicate=[encoder,generator]", "strategy.micro_batch_size=1"]
-    fix = r"unit encoder is replicated over the 2 ranks.*1 rows.*\[megatron: strategy.replicate, strategy.micro_batch_size\]"
-    with pytest.raises(ConfigError, match=fix):
-        _check(MLLM_REPLICATED + odd)
-
-
-def test_a_replicated_disttrain_unit_deals_out_micro_batches_of_fewer_sequences_than_ranks():
-    """Runs: test_runtime_replicate, disttrain_one_sequence (uniform data is refused above)."""
+def test_a_replicated_unit_runs_micro_batches_its_tp_group_does_not_divide():
+    """Each rank runs its block of the rows, as the plan prices them (a rank past the rows
+    none); runs: test_runtime_replicate, replicated_one_sequence_zero1 and
+    disttrain_one_sequence_uniform (and interleaved: disttrain_one_sequence)."""
+    _check(MLLM_REPLICATED + ["strategy.replicate=[encoder,generator]", "strategy.micro_batch_size=1"])
     replicated = ["strategy.replicate=[encoder,generator]", "strategy.encoder.tp=2", "strategy.generator.tp=2"]
-    one = ["cluster.devices_per_node=6", "strategy.llm.tp=1", "strategy.llm.pp=2", "strategy.llm.dp=1", "train.data=interleaved"]
-    _check(DISTTRAIN + replicated + one)
-    with pytest.raises(ConfigError, match=r"unit encoder is replicated over the 2 ranks.*1 rows.*\[disttrain: strategy.replicate"):
-        _check(DISTTRAIN + replicated + one[:-1])
+    one = ["cluster.devices_per_node=6", "strategy.llm.tp=1", "strategy.llm.pp=2", "strategy.llm.dp=1"]
+    for data in ("uniform", "interleaved"):
+        _check(DISTTRAIN + replicated + one + [f"train.data={data}"])
 
 
 @pytest.mark.parametrize("micro_batch", [1, 2])

@@ -1,21 +1,23 @@
 """An MLLM's encoder and generator replicated over their TP group on six real workers:
 each rank of the group runs the whole ViT (or U-Net) on its share of every micro-batch and
 reduces its gradients over the group's and the replicas' ranks; the first losses equal one
-process's. On sequences alike a share is half the micro-batch's rows; on sequences of their
-own images (interleaved data, from a tar shard) it is the images dealt to it, as the plan
-prices them (runtime.row_shares): a share may run part of a sequence's images, or none.
+process's. On sequences alike a share is a block of the micro-batch's rows (half of them,
+or with micro-batches of one sequence the row or none); on sequences of their own images
+(interleaved data, from a tar shard) it is the images dealt to it, as the plan prices them
+(runtime.row_shares): a share may run part of a sequence's images, or none.
 
 - Megatron-LM (DistTrain §2.1's rigid baseline), tp=2 x pp=3: a replicated stage hands
   what it made to the LLM's TP ranks (which all-gather it); so too under ZeRO-1 with the
   sequences placed by train.balance=cost, and with micro-batches of one sequence, fewer
-  rows than TP ranks, each rank's part of the hand-on the images dealt to it; and with the
+  rows than TP ranks, each rank's part of the hand-on the images dealt to it (on sequences
+  alike under ZeRO-1, its block of rows: the row or none); and with the
   generator alone replicated after an encoder on a TP stage of its own, whose ranks each
   send an equal chunk of the micro-batch's packed image tokens.
 - DistTrain as its §8.1 runs it (strategy.replicate): the encoder (2 ranks), the LLM (2
   replicas of one rank) and the generator (2 ranks) on disjoint ranks, joined by brokers; a
   replicated unit's ranks all-gather their shares before its broker sends the micro-batch
   whole, and a receiving one's broker shares what it got with its peers; so too with
-  micro-batches of one sequence dealt over two GPUs, with the encoder frozen, with the
+  micro-batches of one sequence dealt over two GPUs (on sequences alike too), with the encoder frozen, with the
   generator replicated alone, and with the LLM on tp=2 between them.
 
 One launch of six workers."""
@@ -106,12 +108,17 @@ CASES = {
     ]
     + SHARD
     + ["strategy.micro_batch_size=1", "strategy.replicate=[generator]", "strategy.modality_stages=extra", "strategy.zero_stage=0"],
+    # Sequences alike in micro-batches of one: the first rank of the group runs the row, the
+    # second none; ZeRO-1's partitions span both.
+    "replicated_one_sequence_zero1": [o for o in MEGATRON if not o.startswith("strategy.micro_batch_size")]
+    + ["train.data=uniform", "strategy.micro_batch_size=1", "strategy.zero_stage=1"],
     # ZeRO-1's partitions over the dealt shares, and the cost policy placing the sequences.
     "interleaved_zero1_cost": MEGATRON + SHARD + ["strategy.zero_stage=1", "train.balance=cost"],
     "disttrain": DISTTRAIN + BOTH + TWO_REPLICAS + ["train.data=uniform", *IN_ORDER],
     "disttrain_interleaved": DISTTRAIN + BOTH + TWO_REPLICAS + SHARD + IN_ORDER,
     "disttrain_interleaved_zero1_cost": DISTTRAIN + BOTH + TWO_REPLICAS + SHARD + ["strategy.zero_stage=1", "train.balance=cost"],
     "disttrain_one_sequence": DISTTRAIN + BOTH + ONE_REPLICA + SHARD + IN_ORDER,
+    "disttrain_one_sequence_uniform": DISTTRAIN + BOTH + ONE_REPLICA + ["train.data=uniform", *IN_ORDER],
     # Fig. 19's frozen encoder: its broker still gathers the shares' states, and no gradient returns to it.
     "disttrain_frozen_encoder": DISTTRAIN + BOTH + TWO_REPLICAS + SHARD + IN_ORDER + ["model.frozen=[encoder]"],
     "disttrain_generator_only": DISTTRAIN + GENERATOR_ONLY + TWO_REPLICAS + SHARD + IN_ORDER,
@@ -177,7 +184,7 @@ def test_the_shard_s_micro_batches_deal_unevenly_and_leave_a_share_none(shards):
     assert any(shares != held for held, shares in zip(micro_batches, dealt))  # not the rows' images
 
 
-@pytest.mark.parametrize("case", ["replicated", "interleaved", "interleaved_one_sequence"])
+@pytest.mark.parametrize("case", ["replicated", "replicated_one_sequence_zero1", "interleaved", "interleaved_one_sequence"])
 def test_replicated_stages_split_rows_and_run_no_tp_collective(runs, case):
     summary = summary_of(runs[case])
     units = summary["plan"]["units"]

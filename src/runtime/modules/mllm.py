@@ -47,7 +47,9 @@ class Projector(nn.Module):
         else:
             assert self.source is not None, "an output projector reads the unit chained into it"
             inputs = state[chain_key(self.source)]
-            tokens = inputs.reshape(inputs.shape[0], -1, self.d_in)
+            tokens = inputs.reshape(
+                inputs.shape[0], inputs.shape[1:].numel() // self.d_in, self.d_in
+            )  # none where a share has no rows
         out = self.fc2(F.gelu(self.fc1(tokens)))
         slots = state.get("image_slots")  # interleaved sequences: images by slot (data.interleaved_mllm)
         if self.role == "input":
