@@ -20,26 +20,23 @@ from dataclasses import dataclass, replace
 from typing import Hashable, Mapping, Sequence
 
 from src.batch_layout import BatchLayout
-from src.cluster import ClusterSpec
 from src.costmodel.compute import ComputeModel
 from src.data.balance import Balancer, Balancing, Dealt, StageCosts
 from src.data.loads import BatchLoads, PerImage, batch_loads
 from src.mesh import Mesh
 from src.program import Collective, Compute, Instruction, Plan, Program, RankProgram, compress_ranks
 from src.strategies.base import PlanRequest
-from src.strategies.builders.layout import make_group, megatron_mesh
+from src.strategies.builders.layout import megatron_mesh
 
 Loads = Mapping[str, tuple[tuple[float, ...], ...]]  # unit -> loads[replica][microbatch]
 
 
 def replica_classes(
     program: Program,
-    cluster: ClusterSpec,
     mesh: Mesh,
     stage: int,
     instructions: list[Instruction],
     loads: Loads,
-    tp_group: str | None,
     label: str,
     units: tuple[str, ...],
     pipelined: bool = True,
@@ -49,7 +46,7 @@ def replica_classes(
     run alike: whose micro-batches carry the same loads of the units in `loads`, or, given
     `alike` (a key per replica), whose keys are equal (a stage's timing also follows the
     loads its pipeline neighbours carry: replicas are interchangeable only where their
-    whole pipeline is). Each class of several has its own TP group (`tp_group`: the stage's)."""
+    whole pipeline is). Each class of several runs its TP collectives on its own TP groups."""
     keys = alike if alike is not None else [tuple(loads[unit][replica] for unit in loads) for replica in range(mesh.degree("dp"))]
     classes: dict[Hashable, list[int]] = {}
     for replica, key in enumerate(keys):
@@ -57,21 +54,40 @@ def replica_classes(
     out = []
     for replicas in classes.values():
         ranks = tuple(r for replica in replicas for r in mesh.slice(pp=stage, dp=replica))
-        own = tp_group
-        if tp_group is not None and len(classes) > 1:
-            own = f"{tp_group}.d{replicas[0]}"
-            program.add_group(make_group(cluster, own, mesh.slice(pp=stage, dp=replicas[0]), mesh.family("tp")))
-        which = replica_names(replicas)
         held = {unit: per_replica[replicas[0]] for unit, per_replica in loads.items()}
+        localised = at_loads(instructions, held)
         out.append(
             RankProgram(
                 ranks=ranks,
-                instructions=localised(instructions, held, tp_group, own),
-                label=f"{label} {which}",
+                instructions=own_tp_groups(program, localised, ranks) if len(classes) > 1 else localised,
+                label=f"{label} {replica_names(replicas)}",
                 units=units,
                 pipelined=pipelined,
             )
         )
+    return out
+
+
+def own_tp_groups(program: Program, instructions: list[Instruction], ranks: tuple[int, ...]) -> list[Instruction]:
+    """`instructions` of a class of `ranks` whose collectives on its TP groups (a layer's,
+    a scattered transfer's all-gather) run on the TP groups of its own ranks (each group's
+    family member through ranks[0], named by its first rank): classes of one group whose
+    loads differ move different bytes at different times."""
+    tp_groups = {i.group for i in instructions if isinstance(i, Collective) and i.kind == "tp"}
+    renamed: dict[str, str] = {}
+    out: list[Instruction] = []
+    for instruction in instructions:
+        if isinstance(instruction, Collective) and instruction.group in tp_groups:
+            name = renamed.get(instruction.group)
+            if name is None:
+                group = program.groups[instruction.group]
+                member = next(m for m in group.family if ranks[0] in m) if group.family else group.ranks
+                name = instruction.group if member == group.ranks else f"{instruction.group}.r{member[0]}"
+                if name not in program.groups:
+                    program.add_group(replace(group, name=name, ranks=member))
+                renamed[instruction.group] = name
+            instruction = replace(instruction, group=name)
+        out.append(instruction)
     return out
 
 
@@ -80,13 +96,10 @@ def replica_names(replicas: Sequence[int]) -> str:
     return f"replica {replicas[0]}" if len(replicas) == 1 else f"replicas {compress_ranks(tuple(replicas))}"
 
 
-def localised(
-    instructions: list[Instruction], loads: Mapping[str, tuple[float, ...]], shared: str | None, own: str | None
-) -> list[Instruction]:
+def at_loads(instructions: list[Instruction], loads: Mapping[str, tuple[float, ...]]) -> list[Instruction]:
     """A stage's instructions as one replica runs them: each micro-batch's load on the
     forward and backward of the units in `loads`, on their compute and on the bytes of the
-    TP collectives that follow it (a micro-batch of more images moves that many more rows),
-    and its own TP group for the TP collectives."""
+    TP collectives that follow it (a micro-batch of more images moves that many more rows)."""
     out: list[Instruction] = []
     load = 1.0
     for instruction in instructions:
@@ -95,12 +108,8 @@ def localised(
             load = loads[work.unit][instruction.microbatch] if work.unit in loads and work.phase in ("fwd", "bwd") else 1.0
             if load != 1.0:
                 instruction = replace(instruction, work=replace(work, load=load))
-        elif isinstance(instruction, Collective):
-            if instruction.kind == "tp" and load != 1.0:
-                instruction = replace(instruction, bytes=instruction.bytes * load)
-            if shared is not None and instruction.group == shared and own != shared:
-                assert own is not None, "a class whose stage uses a shared TP group has its own"
-                instruction = replace(instruction, group=own)
+        elif isinstance(instruction, Collective) and instruction.kind == "tp" and load != 1.0:
+            instruction = replace(instruction, bytes=instruction.bytes * load)
         out.append(instruction)
     return out
 
@@ -187,11 +196,8 @@ def on_the_data(plan: Plan, request: PlanRequest) -> Plan:
     classes = []
     for stage, rank_program in enumerate(program.classes):
         held = {unit: by_unit[unit] for unit in rank_program.units if unit in by_unit}
-        group = f"tp.s{stage}" if f"tp.s{stage}" in program.groups else None
         label, units = rank_program.label, rank_program.units
-        classes += replica_classes(
-            program, request.cluster, mesh, stage, rank_program.instructions, held, group, label, units, rank_program.pipelined, alike
-        )
+        classes += replica_classes(program, mesh, stage, rank_program.instructions, held, label, units, rank_program.pipelined, alike)
     program.classes = classes
     placed.record(plan)
     return plan

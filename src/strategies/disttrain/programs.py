@@ -200,16 +200,7 @@ class _Builder:
                 label = unit.unit if unit.pp == 1 else f"{unit.unit} stage {stage}"
                 units = tuple(dict.fromkeys(s.unit for s in emitter.segments_of(stage)))
                 program.classes += replica_classes(
-                    program,
-                    self.cluster,
-                    unit.mesh,
-                    stage,
-                    built.instructions(),
-                    {unit.unit: unit.loads},
-                    emitter.tp_groups[stage],
-                    label,
-                    units,
-                    alike=alike[name],
+                    program, unit.mesh, stage, built.instructions(), {unit.unit: unit.loads}, label, units, alike=alike[name]
                 )
             first += unit.pp
         return program, brokers

@@ -24,12 +24,13 @@ from typing import Sequence
 
 from src.batch_layout import BatchLayout
 from src.data.balance import StageCosts
-from src.program import Collective, Instruction, Plan, Program, RankProgram
+from src.program import Plan, Program, RankProgram
 from src.strategies.base import PlanRequest
 from src.strategies.builders.pipeline import Stage
 from src.strategies.builders.replicas import (
     PlacedBatch,
     copy_to_place,
+    own_tp_groups,
     place_batch,
     record_unskewed,
     replica_loads,
@@ -64,27 +65,6 @@ def replica_classes(request: PlanRequest, emitter: ClassEmitter) -> tuple[list[R
         groups.setdefault(tuple(by_unit[u][replica] for u in emitter.encoders), []).append(replica)
     classes = [ReplicaLoads(tuple(members), {u: by_unit[u][members[0]] for u in emitter.encoders}) for members in groups.values()]
     return classes, placed
-
-
-def own_tp_groups(program: Program, instructions: list[Instruction], ranks: tuple[int, ...]) -> list[Instruction]:
-    """`instructions` of a class of `ranks` whose TP collectives run on the TP groups of
-    its own ranks (each group's family member through ranks[0], named by its first rank):
-    classes of one group whose loads differ move different bytes at different times."""
-    renamed: dict[str, str] = {}
-    out: list[Instruction] = []
-    for instruction in instructions:
-        if isinstance(instruction, Collective) and instruction.kind == "tp":
-            name = renamed.get(instruction.group)
-            if name is None:
-                group = program.groups[instruction.group]
-                member = next(m for m in group.family if ranks[0] in m) if group.family else group.ranks
-                name = instruction.group if member == group.ranks else f"{instruction.group}.r{member[0]}"
-                if name not in program.groups:
-                    program.add_group(replace(group, name=name, ranks=member))
-                renamed[instruction.group] = name
-            instruction = replace(instruction, group=name)
-        out.append(instruction)
-    return out
 
 
 @dataclass(frozen=True)

@@ -331,7 +331,7 @@ def class_program(
 ) -> RankProgram:
     """Rank class `klass`'s instructions over every LLM replica, or, `on_data`, over those
     replicas only, with their micro-batches' loads (on the groups of every replica: the
-    caller gives a class its own, data.own_tp_groups)."""
+    caller gives a class its own, builders.replicas.own_tp_groups)."""
     layout, schedule = emitter.layout, emitter.schedule
     loads = on_data.loads if on_data is not None else None
     s, pipeline, e = layout.position(klass)
