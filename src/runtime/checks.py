@@ -22,6 +22,7 @@ from src.data.interleaved_mllm import InterleavedMLLM
 from src.runtime.inputs import dataset_for, tell_repeats
 from src.runtime.layouts import layout_runtime
 from src.runtime.row_shares import sharing_units
+from src.runtime.tp_bins import find_bins
 
 if TYPE_CHECKING:
     from src.plan_io import PlannedRun
@@ -224,14 +225,16 @@ def _check_kernel_ranges(label: str, instructions: list, model: ModelSpec) -> No
 
 def _check_work_under_tp(label: str, instructions: list) -> None:
     """An asynchronous TP collective without payloads is a layer's own, which its modules
-    run inside the layer: the real backend overlaps one with what follows only inside a
-    pass that overlaps its own (StepCCL's row chunks, a tensor grid's kernel ranges). A
-    whole pass placed under it (encoder kernels in an LLM's TP bins, the LLM
-    under the encoders' all-reduces) would run after it, not beside it."""
+    run inside the layer: the real backend overlaps one with what follows inside a pass
+    that overlaps its own (StepCCL's row chunks, a tensor grid's kernel ranges), and runs
+    the work a plan places in a whole pass's TP bins while that pass's last TP collective
+    travels (runtime.tp_bins). A whole pass placed under any other (the LLM under an
+    encoder's all-reduces) would run after it, not beside it."""
+    binned = {i for bins in find_bins(instructions).values() for i in bins.work}
     issued: dict[str, str] = {}
     owner: dict[str, str] = {}  # the unit of the pass that issued each
     last_unit = ""
-    for instruction in instructions:
+    for index, instruction in enumerate(instructions):
         if isinstance(instruction, Compute):
             last_unit = instruction.work.unit
         if isinstance(instruction, Collective) and instruction.kind == "tp" and not instruction.blocking and instruction.handle:
@@ -240,7 +243,13 @@ def _check_work_under_tp(label: str, instructions: list) -> None:
                 owner[instruction.handle] = last_unit
         elif isinstance(instruction, Wait):
             issued.pop(instruction.handle, None)
-        elif isinstance(instruction, Compute) and issued and instruction.work.fraction == 1.0 and not instruction.work.sharding.grid:
+        elif (
+            isinstance(instruction, Compute)
+            and issued
+            and index not in binned
+            and instruction.work.fraction == 1.0
+            and not instruction.work.sharding.grid
+        ):
             handle, what = next(iter(issued.items()))
             raise PlanRefused(
                 f"{label}: {instruction.work.unit} layers {instruction.work.layers} {instruction.work.phase} run under "

@@ -55,9 +55,61 @@ class CommClock:
 CLOCK = CommClock()
 
 
-def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, kind: str) -> torch.Tensor:
+class TPBins:
+    """What a plan runs while a pass's TP collectives travel (Optimus's encoder kernels in
+    the TP bins of an LLM operation: runtime.tp_bins), run once the pass's last TP
+    collective is issued and before it is waited for. Running them at the last adds no
+    dependency the plan lacks: every TP peer has issued all of the pass's collectives before
+    it runs its own. The executor arms one pass at a time (`armed`) with the index of its
+    last TP collective, learned from its first run (`count`), whose work it runs after it."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.count = 0
+        self._at = -1
+        self._work: Callable[[], None] | None = None
+
+    @contextmanager
+    def armed(self, at: int, work: Callable[[], None]) -> Iterator[TPBins]:
+        """Count the TP collectives of the pass run inside; run `work` at the one of index
+        `at` (-1: none, the count being learned)."""
+        self.active, self.count, self._at, self._work = True, 0, at, work
+        try:
+            yield self
+        finally:
+            self.active, self._work = False, None
+
+    def issued(self) -> None:
+        """A TP collective of the armed pass is on its way: its bins run here if it is theirs
+        (their own collectives are theirs, not the pass's)."""
+        index, self.count = self.count, self.count + 1
+        if index == self._at and self._work is not None:
+            work, self._work, self.active = self._work, None, False
+            try:
+                work()
+            finally:
+                self.active = True
+
+
+BINS = TPBins()
+
+
+def collective(kind: str, issue: Callable[[bool], dist.Work | None]) -> None:
+    """Run a collective (`issue(async_op)`), timed by kind; a TP collective of a pass armed
+    with bins (BINS) travels while they run."""
+    if kind == "tp" and BINS.active:
+        work = issue(True)
+        BINS.issued()
+        with CLOCK.timed(kind):
+            assert work is not None, "an asynchronous collective returns its work"
+            work.wait()
+        return
     with CLOCK.timed(kind):
-        dist.all_reduce(tensor, group=group)
+        issue(False)
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, kind: str) -> torch.Tensor:
+    collective(kind, lambda async_op: dist.all_reduce(tensor, group=group, async_op=async_op))
     return tensor
 
 
@@ -74,6 +126,8 @@ def chunked_all_reduce(
         reduced.append(chunk)
     if then is not None:
         then()
+    if kind == "tp" and BINS.active:
+        BINS.issued()
     with CLOCK.timed(kind):
         for handle in handles:
             handle.wait()

@@ -33,6 +33,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
+from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import checkpoint
 
 from src.data.balance import dealt_images
@@ -43,7 +44,7 @@ from src.mesh import ROWS
 from src.models.spec import ModelSpec, UnitSpec
 from src.program import Collective, Compute, Hop, Instruction, Message, Payload, Plan, Recv, Route, Send, Wait
 from src.runtime.batch_rows import exchange_rows, placed_by_rows
-from src.runtime.comm import CLOCK, all_reduce
+from src.runtime.comm import BINS, CLOCK, all_reduce
 from src.runtime.device import DTYPES, computing, synchronize
 from src.runtime.engines import backward, point_reduction_at
 from src.runtime.dist_optimizer import DistributedOptimizer, Pending
@@ -60,6 +61,7 @@ from src.runtime.placement import placements, tensor_replicas
 from src.runtime.row_shares import Share
 from src.runtime.store import PayloadStore, row_shape
 from src.runtime.timing import StepTimer
+from src.runtime.tp_bins import Binned, find_bins
 
 State = dict[str, torch.Tensor]
 BWD_INPUT, BWD_WEIGHT = "bwd_input", "bwd_weight"  # a backward split into its input- and weight-gradient GEMMs (a tensor grid's)
@@ -106,6 +108,11 @@ def _carried(state: State, grad: bool) -> State:
     """What a U-Net's layers hand on besides 'x' (generator.handed_on), as leaves of the next
     piece of a pass run in pieces (Computes a plan cuts it into, parts a backward cuts)."""
     return {key: value.detach().requires_grad_(grad) for key, value in handed_on(state).items()}
+
+
+def _as_is(tensor: torch.Tensor) -> torch.Tensor:
+    """A saved tensor kept as it is (autograd's own saving)."""
+    return tensor
 
 
 def _grad(leaf: torch.Tensor) -> torch.Tensor:
@@ -181,6 +188,9 @@ class Executor:
         self.needs_backward = functools.cache(model.needs_backward)
         self.replicas = functools.cache(functools.partial(tensor_replicas, plan))
         self.runners = [self._runner(instruction) for instruction in self.instructions]
+        # Passes with work in their TP bins, and how many TP collectives each pass issues.
+        self.binned = find_bins(self.instructions)
+        self.tp_collectives: dict[tuple[str, str, tuple[int, int]], int] = {}
 
     def _dp(self, unit: str) -> int:
         return self.places[unit].dp
@@ -219,18 +229,69 @@ class Executor:
         # after it, and this drops what came before the step.
         CLOCK.take()
         at = LIFELINE.at_instruction  # where this rank is, for the driver to name if it stops
-        for index, run in enumerate(self.runners):
+        index = 0
+        while index < len(self.runners):
+            if index in self.binned:
+                index = self._run_binned(self.binned[index], timer)
+                continue
             at(index)
             start = time.perf_counter()
-            category = run()
+            category = self.runners[index]()
             synchronize(self.device)
             timer.record(start, time.perf_counter(), category, CLOCK.take())
+            index += 1
         LIFELINE.after_instructions()
         for work, _ in self.s.sends:
             work.wait()
         if self.loss_scale is not None and self.s.skip is None:  # a rank that steps no optimizer still agrees
             self._overflowed()
         return float(self.s.loss)
+
+    def _run_binned(self, binned: Binned, timer: StepTimer) -> int:
+        """A pass with work in its TP bins (runtime.tp_bins): the work runs, each instruction
+        timed as its own, while the pass's last TP collective travels (runtime.comm.BINS);
+        the pass's first run learns how many it issues and runs the work after it. The
+        pass's span ends where its bins begin; the rest of the pass (that collective's wait
+        and what follows it) is its first wait's. Returns the position after its waits."""
+        compute = self.instructions[binned.compute]
+        assert isinstance(compute, Compute), "a binned pass is a Compute"
+        key = (compute.work.unit, compute.work.phase, compute.work.layers)
+        at = LIFELINE.at_instruction
+        start = time.perf_counter()
+        resumed: list[float] = []
+
+        def bins() -> None:
+            synchronize(self.device)
+            now = time.perf_counter()
+            timer.record(start, now, "compute", CLOCK.take())
+            for index in binned.markers:
+                at(index)
+                timer.record(now, now, self.runners[index](), {})
+            # As between instructions: inside the pass's layer (an autograd Function's forward
+            # or backward, under its autocast) gradients are off and casts on, and under full
+            # recomputation its checkpoint would take the work's saved tensors for its own.
+            with torch.enable_grad(), torch.autocast(self.device.type, enabled=False), saved_tensors_hooks(_as_is, _as_is):
+                for index in binned.work:
+                    at(index)
+                    begin = time.perf_counter()
+                    category = self.runners[index]()
+                    synchronize(self.device)
+                    timer.record(begin, time.perf_counter(), category, CLOCK.take())
+            resumed.append(time.perf_counter())
+
+        at(binned.compute)
+        with BINS.armed(self.tp_collectives.get(key, 0) - 1, bins) as armed:
+            self.runners[binned.compute]()
+        self.tp_collectives[key] = armed.count
+        if not resumed:
+            bins()
+        synchronize(self.device)
+        end = time.perf_counter()
+        for n, index in enumerate(binned.waits):
+            at(index)
+            category = self.runners[index]()
+            timer.record(resumed[0] if n == 0 else end, end, "compute" if n == 0 else category, CLOCK.take() if n == 0 else {})
+        return binned.waits.stop
 
     def _runner(self, instruction: Instruction) -> Callable[[], str]:
         """What runs `instruction` in a step and returns its timing category. Decided once

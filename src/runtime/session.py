@@ -50,6 +50,7 @@ from src.runtime.peak import GEMM_SIZES, peak_gemm_flops
 from src.runtime.preprocess import Producer
 from src.runtime.placement import UnitPlacement, placements
 from src.runtime.row_shares import dealing_units, rank_shares
+from src.runtime.tp_bins import find_bins
 from src.runtime.timing import StepTimer
 from src.timeline import RankTimeline, Span, Timeline
 
@@ -494,6 +495,12 @@ def _notes(plan: Plan) -> list[str]:
         notes.append(
             "a layer the plan splits into kernel ranges (a tensor grid's FCs, encoder kernels in another unit's bubbles) runs "
             "whole where its last range stands: its time is measured there, its earlier ranges take none"
+        )
+    if any(find_bins(c.instructions) for c in plan.program.classes):
+        notes.append(
+            "the work a plan places in a pass's TP bins runs while the pass's last TP collective travels (a pass's first "
+            "run, which counts its collectives, runs it after the pass); what the pass does after that collective is "
+            "timed at its first wait"
         )
     return notes
 

@@ -342,8 +342,8 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
     ("optimus", "encoder.pp"): (OPTIMUS, ["strategy.encoder.pp=1"], "run", OPTIMUS_RUNS),
     ("optimus", "encoder_zero_stage"): (OPTIMUS, ["strategy.encoder_zero_stage=0"], "run", OPTIMUS_RUNS),
     # Fine-grained scheduling puts encoder kernels under the LLM's asynchronous TP
-    # all-reduces, which the runtime runs inside the LLM's layers: refused with tp > 1.
-    ("optimus", "fine_grained"): (OPTIMUS, ["strategy.llm.pp=2", "strategy.llm.tp=2", "strategy.fine_grained=true"], "refused", ""),
+    # all-reduces: they run while each pass's last TP collective travels (runtime.tp_bins).
+    ("optimus", "fine_grained"): (OPTIMUS, [*OPTIMUS_TP2[:2], "strategy.fine_grained=true"], "run", OPTIMUS_RUNS),
     ("optimus", "defer_warmup"): (OPTIMUS, ["strategy.defer_warmup=false"], "run", OPTIMUS_RUNS),
     ("optimus", "max_partitions"): (OPTIMUS, ["strategy.max_partitions=2"], "run", OPTIMUS_RUNS),
     ("optimus", "refine"): (OPTIMUS, ["strategy.refine=1"], "run", OPTIMUS_RUNS),

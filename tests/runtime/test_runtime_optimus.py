@@ -3,8 +3,8 @@ the encoders and the LLM colocated on every worker under separate plans, the enc
 work run where the bubble scheduler places it (before, after and between the LLM's
 pipeline operations, layer kernels in its bubbles), trains exactly like one process: with
 one encoder, two encoders and a frozen encoder, with four LLM replicas under the distributed
-optimizer and two under ZeRO-0, and coarse-grained with TP and an
-interleaved schedule, and on interleaved data (sequences of none to several images, their
+optimizer and two under ZeRO-0, fine-grained with the LLM on TP 2 (encoder kernels in its TP
+bins), coarse-grained with TP and an interleaved schedule, and on interleaved data (sequences of none to several images, their
 sides spread) placed by the `cost` policy, where its Megatron-LM and ZeRO-3 baselines train
 on the same data like one process too. All runs share ONE launch of four workers.
 """
@@ -20,6 +20,7 @@ from src.models.registry import build_model
 from src.plan_io import read_plan
 from src.program import Collective, Compute, RankProgram
 from src.runtime.reference import reference_losses
+from src.runtime.tp_bins import find_bins
 from tests.runtime.support import launch_cases, sensitive, sensitive_optimizer, summary_of, trace_events
 
 pytestmark = pytest.mark.slow  # starts worker processes
@@ -118,8 +119,21 @@ CASES: dict[str, tuple[dict, list[str]]] = {
         ],
     ),
     "zero3_interleaved": ({"images_per_sample": 2, "content": "interleaved"}, [*INTERLEAVED, "strategy=ddp", "strategy.zero_stage=3"]),
-    # Coarse-grained (no kernels in TP bins, which the runtime would not overlap): the
-    # encoders before and after the LLM, LLM tp2 with sequence parallelism, interleaved.
+    # Fine-grained with the LLM on tp2 (sequence parallelism, full recomputation): encoder
+    # kernels in the TP bins of LLM operations run while each pass's last TP collective travels.
+    "fine_grained_tp2": (
+        {"encoders": TWO_ENCODERS},
+        [
+            f"model.encoders=[{','.join(TWO_ENCODERS)}]",
+            "strategy.llm.pp=2",
+            "strategy.llm.dp=1",
+            "strategy.llm.tp=2",
+            "strategy.llm.micro_batch_size=1",
+            "strategy.llm.recompute=full",
+        ],
+    ),
+    # Coarse-grained: the encoders before and after the LLM, LLM tp2 with sequence
+    # parallelism, interleaved.
     "coarse_tp2_interleaved": (
         {},
         [
@@ -190,6 +204,17 @@ def test_interleaved_data_runs_each_replica_s_own_images_in_the_policy_s_order(r
     assert plan.details["balance_policy"] == "cost" and list(plan.sample_order) != list(range(BATCH))
     loads = {i.work.load for c in plan.program.classes for i in c.instructions if isinstance(i, Compute) and i.work.unit == "encoder"}
     assert len(loads) > 2 and len(plan.program.classes) == 2 * 2  # two LLM stages of one column, split by the two replicas
+
+
+def test_encoder_kernels_in_the_llm_s_tp_bins_run_while_its_collectives_travel(runs):
+    """What the fine_grained_tp2 losses say something about: its plan places encoder work
+    in the TP bins of LLM operations, forward and backward, and the run says how it ran them."""
+    run_dir = runs["fine_grained_tp2"]
+    plan = read_plan(run_dir).plan
+    binned = [(c, b) for c in plan.program.classes for b in find_bins(c.instructions).values()]
+    phases = {c.instructions[b.compute].work.phase for c, b in binned}  # type: ignore[union-attr]
+    assert phases == {"fwd", "bwd"}
+    assert any("TP bins" in note for note in summary_of(run_dir)["measured_notes"])
 
 
 def test_encoders_and_llm_share_every_worker_under_separate_plans(runs):

@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from src.runtime.comm import CLOCK, all_reduce
+from src.runtime.comm import all_reduce, collective
 
 SEQ = 1  # token states are (batch, sequence, hidden)
 
@@ -43,8 +43,8 @@ Move = Callable[[torch.Tensor, TP], torch.Tensor]
 
 def _gather(x: torch.Tensor, tp: TP) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(tp.size)]
-    with CLOCK.timed("tp"):
-        dist.all_gather(parts, x.contiguous(), group=tp.group)
+    local = x.contiguous()
+    collective("tp", lambda async_op: dist.all_gather(parts, local, group=tp.group, async_op=async_op))
     return torch.cat(parts, dim=SEQ)
 
 
