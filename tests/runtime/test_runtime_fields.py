@@ -224,7 +224,7 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
         ("disttrain", f"{u}.zero_stage"): (DISTTRAIN, [f"strategy.{u}.zero_stage=0"], "run", DISTTRAIN_RUNS)
         for u in ("encoder", "llm", "generator")
     },
-    # Sequence parallelism in the LLM's Llama blocks; not yet in the encoder's projector.
+    # Sequence parallelism in the LLM's Llama blocks; the encoder's 17 tokens split over no TP degree.
     ("disttrain", "llm.sequence_parallel"): (
         DISTTRAIN,
         ["cluster.nodes=2", "strategy.llm.tp=2", "strategy.llm.sequence_parallel=true", "strategy.tp_overlap_chunks=1"],
@@ -438,13 +438,14 @@ def test_a_plan_priced_with_16_bit_weights_is_refused():
     _check([*overrides, "train.precision=fp32"])
 
 
-def test_sequence_parallelism_in_an_mllm_s_projector_is_refused_naming_the_fix():
+def test_sequence_parallelism_in_an_mllm_s_encoder_is_refused_naming_the_fix():
     # An MLLM's units on tp=2 of their own (Megatron-LM's tp would split the U-Net generator too,
     # which the planner keeps whole for the real backend: tests/strategies/test_backend_limits.py).
     llm = ["cluster.nodes=2", "strategy.llm.tp=2", "strategy.llm.sequence_parallel=true", "strategy.tp_overlap_chunks=1"]
     _check(DISTTRAIN + llm)  # runs: test_runtime_disttrain, llm_tp2_sequence_parallel
     encoder = ["cluster.nodes=2", "strategy.encoder.tp=2", "strategy.encoder.sequence_parallel=true", "strategy.tp_overlap_chunks=1"]
-    with pytest.raises(ConfigError, match=r"projectors.*sequence_parallel=false.*\[disttrain: strategy.encoder.sequence_parallel\]"):
+    # A ViT's tokens (16 patches and a CLS) split over no TP degree, as Megatron-LM splits them.
+    with pytest.raises(ConfigError, match=r"encoder's 17 tokens evenly over TP.*set strategy.encoder.sequence_parallel=false"):
         _check(DISTTRAIN + encoder)
 
 

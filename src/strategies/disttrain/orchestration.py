@@ -249,13 +249,30 @@ class Orchestrator:
             if given not in allowed:
                 why = "inside a node" if unit in self.replicate else "inside a node, dividing the unit's heads"
                 raise ConfigError(f"strategy.{unit}.tp={given}: choose one of {allowed} ({why})")
-            return [given]
+            allowed = [given]
+        if self.fixed[unit].sequence_parallel and unit not in self.replicate:
+            split = [t for t in allowed if self._splits_sequence(unit, t)]
+            if len(split) < len(allowed) and max(split, default=1) == 1:
+                raise ConfigError(
+                    f"strategy.{unit}.sequence_parallel=true splits {unit}'s {self.p.model.unit(unit).seq_len} tokens "
+                    f"evenly over TP (as Megatron-LM does), which no TP degree of {allowed} above 1 divides: set "
+                    f"strategy.{unit}.sequence_parallel=false"
+                )
+            allowed = split
         return allowed
+
+    def _splits_sequence(self, unit: str, tp: int) -> bool:
+        """Whether Megatron-LM's sequence parallelism can split the unit's sequence over `tp`
+        ranks: evenly (Megatron-Core's split along the sequence asserts it divides), a
+        transformer's (a U-Net's has nothing to split)."""
+        spec = self.p.model.unit(unit)
+        return tp == 1 or spec.kind != "transformer" or spec.seq_len % tp == 0
 
     def settings(self, unit: str, tp: int, dp: int) -> list[Setting]:
         """Megatron-LM's options of a unit at this TP and DP, the given ones fixed. Sequence
         parallelism and scatter/gather change nothing without TP (Megatron-LM turns them
-        off), the distributed optimizer nothing without DP (a single replica keeps
+        off), and sequence parallelism needs a sequence TP divides (a ViT's 257 tokens: none
+        does), the distributed optimizer nothing without DP (a single replica keeps
         ZeRO-1's whole shard). A unit replicated over its TP group splits nothing: its
         data-parallel replicas are its DP times its TP group's GPUs."""
         f = self.fixed[unit]
@@ -263,7 +280,10 @@ class Orchestrator:
         if unit in self.replicate and tp > 1:
             zeros = [f.zero_stage] if f.zero_stage is not None else [0, 1]
             return [Setting(tp, recompute, False, zero, replicated=True) for recompute, zero in itertools.product(modes, zeros)]
-        sps = [False] if tp == 1 else [False, True] if f.sequence_parallel is None else [f.sequence_parallel]
+        if tp == 1 or not self._splits_sequence(unit, tp):
+            sps = [False]
+        else:
+            sps = [False, True] if f.sequence_parallel is None else [f.sequence_parallel]
         zeros = [f.zero_stage] if f.zero_stage is not None else ([0, 1] if dp > 1 else [1])
         out = []
         for recompute, sp, zero in itertools.product(modes, sps, zeros):
