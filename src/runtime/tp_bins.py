@@ -25,7 +25,7 @@ class Binned:
     waits: range
 
 
-def is_marker(instruction: Instruction) -> bool:
+def _is_marker(instruction: Instruction) -> bool:
     """An asynchronous TP collective that a layer runs inside its pass (no payloads)."""
     return (
         isinstance(instruction, Collective)
@@ -43,7 +43,7 @@ def find_bins(instructions: list[Instruction]) -> dict[int, Binned]:
         if not (isinstance(instruction, Compute) and _whole(instruction)):
             continue
         end = index + 1
-        while end < len(instructions) and is_marker(instructions[end]):
+        while end < len(instructions) and _is_marker(instructions[end]):
             end += 1
         handles = {i.handle for i in instructions[index + 1 : end] if isinstance(i, Collective)}
         if not handles:
@@ -54,6 +54,8 @@ def find_bins(instructions: list[Instruction]) -> dict[int, Binned]:
         last_wait = first_wait
         while last_wait < len(instructions) and _waits_for(instructions[last_wait], handles):
             last_wait += 1
+        if last_wait - first_wait != len(handles):  # not every marker waited for, together
+            continue
         work = range(end, first_wait)
         unit = instruction.work.unit
         if any(isinstance(instructions[i], Compute) and instructions[i].work.unit != unit for i in work):  # type: ignore[union-attr]

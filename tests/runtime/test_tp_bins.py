@@ -87,3 +87,10 @@ def test_work_in_a_whole_pass_s_tp_bins_runs_and_under_any_other_is_refused():
     assert find_bins(chunked) == {}
     with pytest.raises(PlanRefused, match=r"encoder layers \(0, 1\) fwd run under the asynchronous TP all_reduce"):
         _check_work_under_tp("stage 0", chunked)
+
+
+def test_bins_need_every_marker_waited_for():
+    unwaited = _pass_with_bins(1)[:-1]  # the all-reduce never waited for: no bins to run
+    assert find_bins(unwaited) == {}
+    with pytest.raises(PlanRefused, match="run under the asynchronous TP all_reduce"):
+        _check_work_under_tp("stage 0", unwaited)
