@@ -21,6 +21,13 @@ prints progress on stderr, and none stays silent for QUIET_MAX_S. A run still go
 times leave out the time a busy machine kept the draw waiting for a CPU, as src.progress
 does (run it with `nice` on a shared machine: the verdicts stay those of a quiet one). The
 test suite runs a few hundred draws; this script runs thousands.
+
+`--backend torch` draws the real backend's command lines instead (`backend=torch
+cluster=local`, the models at their tiny sizes, a few worker counts, the data kinds and the
+options only it refuses among the knobs) and takes each through the front door's steps up to
+the start of its workers (validate, plan, write the run directory, refuse what the backend
+cannot run or this machine's workers cannot hold: src.runtime.backend), starting none: each
+ends runnable, or refused in one line.
 """
 
 from __future__ import annotations
@@ -103,6 +110,25 @@ SHAPES = [
     "cluster.peak_flops=1e15",
     "cluster.peak_flops=[1e15]",
 ]
+# The real backend's draws: a model at its tiny size on this machine's workers, and the
+# knobs whose values only it refuses (data kinds, replicated units, fine-grained bins, precisions).
+TINY: dict[str, list[str]] = {
+    "gpt": ["model.preset=null", "model.layers=4", "model.hidden=64", "model.heads=4", "model.vocab=128", "train.seq_len=16"],
+    "unet": ["model.preset=unet_50m", "model.image_size=16"],
+}
+WORKERS = [1, 2, 3, 4, 4, 6, 8, 0]
+TORCH_KNOBS: dict[str, list[Any]] = {
+    "backend.workers": [2, 4, 8, 0],
+    "train.data": ["uniform", "interleaved", "skewed", 3],
+    "train.balance": ["none", "reorder", "cost", "best"],
+    "train.precision": ["fp32", "bf16", "fp16", "int4"],
+    "train.global_batch": [2, 4, 6, 8, 12, 0, -1, "x"],
+    "strategy.replicate": [[], ["encoder", "generator"], ["generator"], ["llm"], ["nobody"], "encoder"],
+    "strategy.fine_grained": [True, False, "x"],
+    "strategy.modality_stages": ["merged", "extra", "none"],
+    "strategy.scatter_gather": [True, False],
+    "strategy.overlap_grad_reduce": [True, False],
+}
 EXIT_REFUSED = (ConfigError, SimulationError)
 FAILED = ("broken", "slow", "silent")
 SAY_AFTER_S = FIRST_CPU_S + 2.0  # a run that used more CPU than this prints progress
@@ -128,19 +154,27 @@ def _composed(model: str, strategy: str, cluster: str) -> dict[str, Any]:
     return composed([f"model={model}", f"strategy={strategy}", f"cluster={cluster}", "logger=none"])
 
 
-def draw(rng: random.Random) -> list[str]:
-    """A command line: a model, a strategy and a cluster, with a few knobs set."""
-    model, strategy, cluster = (rng.choice(options(g)) for g in ("model", "strategy", "cluster"))
+def draw(rng: random.Random, backend: str = "sim") -> list[str]:
+    """A command line: a model, a strategy and a cluster, with a few knobs set (`backend`:
+    the simulator's over every cluster, or the real backend's on this machine's workers)."""
+    model, strategy = rng.choice(options("model")), rng.choice(options("strategy"))
+    cluster = rng.choice(options("cluster")) if backend == "sim" else "local"
     config = _composed(model, strategy, cluster)
     overrides = [f"model={model}", f"strategy={strategy}", f"cluster={cluster}"]
-    knobs: list[tuple[str, Sequence[Any]]] = [
-        ("cluster.nodes", NODES),
-        ("train.global_batch", BATCHES),
-        ("train.precision", PRECISIONS),
-        (f"cluster.{rng.choice(CLUSTER_KNOBS)}", CONSTANTS),
-        (f"cluster.peak_flops.{rng.choice(sorted(config['cluster']['peak_flops']))}", CONSTANTS),
-        ("", SHAPES),
-    ]
+    knobs: list[tuple[str, Sequence[Any]]]
+    if backend == "torch":
+        overrides += ["backend=torch", f"cluster.devices_per_node={rng.choice(WORKERS)}"]
+        overrides += TINY.get(model, ["model.scale=tiny"] if "scale" in config["model"] else [])
+        knobs = [(key, values) for key, values in TORCH_KNOBS.items() if not _absent(config, key)]
+    else:
+        knobs = [
+            ("cluster.nodes", NODES),
+            ("train.global_batch", BATCHES),
+            ("train.precision", PRECISIONS),
+            (f"cluster.{rng.choice(CLUSTER_KNOBS)}", CONSTANTS),
+            (f"cluster.peak_flops.{rng.choice(sorted(config['cluster']['peak_flops']))}", CONSTANTS),
+            ("", SHAPES),
+        ]
     knobs += [(f"strategy.{key}", values) for key, values in KNOBS.items() if key in config["strategy"]]
     knobs += [(f"model.{key}", values) for key, values in MODEL_KNOBS.items() if key in config["model"]]
     knobs += [(f"model.{tower}.{key}", values) for tower in TOWERS for key, values in MODEL_KNOBS.items() if tower in config["model"]]
@@ -234,9 +268,25 @@ def check(summary: dict[str, Any], config: dict[str, Any]) -> str:
     return ""
 
 
-def run_draw(overrides: list[str], limit_s: float) -> Outcome:
+def _up_to_workers(config: dict[str, Any], run_dir: Path) -> None:
+    """The front door's steps of a real-backend run up to its workers' start (src.run's
+    execute, src.runtime.backend.run_torch), starting none."""
+    from src.progress import run_clock
+    from src.run import plan_into
+    from src.runtime.backend import check_workers, ready
+    from src.setup import options_named, start_run_dir
+
+    start_run_dir(config, run_dir)
+    with run_clock():
+        planned, settings = plan_into(config, run_dir, JobInfo(run_name=config["run"]["name"]))
+        with options_named(planned.plan.strategy):
+            check_workers(planned.plan, ready(planned, settings, run_dir))
+
+
+def run_draw(overrides: list[str], limit_s: float, backend: str = "sim") -> Outcome:
     """One command line through the front door's steps, in process: its composition by
-    Hydra, the composed groups' check, validate, plan, simulate, write the run directory."""
+    Hydra, the composed groups' check, validate, plan, simulate, write the run directory
+    (the real backend's: up to its workers' start)."""
     from src.run import compose_config, config_of, execute
 
     start, start_cpu = time.perf_counter(), time.process_time()
@@ -252,8 +302,11 @@ def run_draw(overrides: list[str], limit_s: float) -> Outcome:
             contextlib.redirect_stderr(stderr),
         ):
             config = config_of(compose_config([*overrides, "logger=none"]))
-            summary = execute(config, Path(run_dir), JobInfo(run_name=config["run"]["name"]))
-        problem = check(summary, config)
+            if backend == "torch":
+                _up_to_workers(config, Path(run_dir))
+            else:
+                summary = execute(config, Path(run_dir), JobInfo(run_name=config["run"]["name"]))
+        problem = check(summary, config) if backend == "sim" else ""
         status, detail = ("broken", problem) if problem else ("ok", "")
     except EXIT_REFUSED as err:
         status, detail = "refused", str(err)
@@ -282,11 +335,11 @@ def run_draw(overrides: list[str], limit_s: float) -> Outcome:
     return Outcome(overrides, status, seconds, detail)
 
 
-def fuzz(draws: int, seed: int, limit_s: float, progress: bool = False) -> list[Outcome]:
+def fuzz(draws: int, seed: int, limit_s: float, progress: bool = False, backend: str = "sim") -> list[Outcome]:
     rng = random.Random(seed)
     outcomes = []
     for index in range(draws):
-        outcomes.append(run_draw(draw(rng), limit_s))
+        outcomes.append(run_draw(draw(rng, backend), limit_s, backend))
         if progress and (index + 1) % 50 == 0:
             print(f"{index + 1}/{draws} draws", file=sys.stderr, flush=True)
     return outcomes
@@ -297,8 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draws", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--limit-s", type=float, default=60.0)
+    parser.add_argument("--backend", choices=("sim", "torch"), default="sim")
     args = parser.parse_args(argv)
-    outcomes = fuzz(args.draws, args.seed, args.limit_s, progress=True)
+    outcomes = fuzz(args.draws, args.seed, args.limit_s, progress=True, backend=args.backend)
     counts = {s: sum(o.status == s for o in outcomes) for s in ("ok", "refused", "refused late", "long", "broken", "slow", "silent")}
     print(
         f"{args.draws} draws (seed {args.seed}): "

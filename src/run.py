@@ -31,6 +31,7 @@ from src.report import JobInfo
 from src.report.files import WriteError, unwritable_dir
 from src.runtime.errors import Terminated, TerminateSignal, WorkerFailure, signal_line
 from src.runtime.processes import kill_descendants, leave, signals_end_the_run
+from src.plan_io import PlannedRun, RunSettings
 from src.setup import job_info, options_named, prepare_run, start_run_dir, write_run_dir
 from src.sim.engine import SimulationError
 from src.write_failures import describe, is_write_failure, release, reserve, write_error_file
@@ -135,14 +136,22 @@ def execute(config: dict[str, Any], run_dir: Path, job: JobInfo, overrides: list
 
 
 def _plan_and_run(config: dict[str, Any], run_dir: Path, job: JobInfo, overrides: list[str] | None) -> dict[str, Any]:
-    # Building a big model and planning can take minutes, not every part with lines of its own.
-    with heartbeat(f"planning {config['strategy'].get('name')} for {config['model'].get('name')} on {config['cluster'].get('name')}"):
-        planned, settings = prepare_run(config, job, overrides)
-    write_run_dir(run_dir, planned, settings)
+    planned, settings = plan_into(config, run_dir, job, overrides)
     with heartbeat(f"importing backend={settings.backend}"):
         backend = backend_for(settings.backend)
     with options_named(planned.plan.strategy):
         return backend(planned, settings, run_dir)
+
+
+def plan_into(
+    config: dict[str, Any], run_dir: Path, job: JobInfo, overrides: list[str] | None = None
+) -> tuple[PlannedRun, RunSettings]:
+    """Plan the run (or read the plan `plan=DIR` names) and write it to the run directory."""
+    # Building a big model and planning can take minutes, not every part with lines of its own.
+    with heartbeat(f"planning {config['strategy'].get('name')} for {config['model'].get('name')} on {config['cluster'].get('name')}"):
+        planned, settings = prepare_run(config, job, overrides)
+    write_run_dir(run_dir, planned, settings)
+    return planned, settings
 
 
 # An absolute path: the `mmdist` script imports this module, where a relative one would be a package.
