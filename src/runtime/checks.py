@@ -16,12 +16,12 @@ from src.errors import ConfigError, PlanRefused
 from src.models.spec import ModelSpec
 from src.program import Collective, Compute, Plan, Recv, Send, Wait
 from src.runtime.batch_rows import placed_by_rows
-from src.runtime.dist_optimizer import SHARDED
+from src.runtime.dist_optimizer import SHARDED, named_ranges
 from src.runtime.executor import input_key
 from src.data.interleaved_mllm import InterleavedMLLM
 from src.runtime.inputs import dataset_for, tell_repeats
 from src.runtime.layouts import layout_runtime
-from src.runtime.row_shares import sharing_units
+from src.runtime.row_shares import data_group, sharing_units
 from src.runtime.tp_bins import find_bins
 
 if TYPE_CHECKING:
@@ -58,14 +58,6 @@ def check_runnable(run: PlannedRun, data: str, data_errors: str = "fail") -> Non
             )
     for unit in plan.units:
         spec = model.unit(unit.unit)
-        if unit.param_gather == "overlapped":
-            raise PlanRefused(
-                f"unit {unit.unit}: its distributed optimizer's parameter all-gather is chained into the next forward "
-                f"(Megatron-Core's --overlap-param-gather), which the simulator prices; the real backend gathers a step's "
-                f"parameters at its end, blocking (it needs param_gather=step_end)",
-                ("param_gather",),
-                (unit.unit,),
-            )
         if any(kernel.attention_dropout for layer in spec.layers for kernel in layer.kernels):
             raise ConfigError(
                 f"model.dropout=true (unit {unit.unit}): the real backend's blocks train without dropout, so that every "
@@ -128,7 +120,7 @@ def check_runnable(run: PlannedRun, data: str, data_errors: str = "fail") -> Non
         _check_kernel_ranges(rank_program.label, rank_program.instructions, model)
         _check_work_under_tp(rank_program.label, rank_program.instructions)
         if rank_program.ranks:
-            _check_distributed_optimizer(plan, rank_program.label, rank_program.ranks[0], rank_program.instructions)
+            _check_distributed_optimizer(plan, model, rank_program.label, rank_program.ranks[0], rank_program.instructions)
             _check_gathered_batches(plan, rank_program.ranks[0], rank_program.instructions)
     check_message_order(plan)
 
@@ -260,18 +252,15 @@ def _check_work_under_tp(label: str, instructions: list) -> None:
             )
 
 
-def _check_distributed_optimizer(plan: Plan, label: str, rank: int, instructions: list) -> None:
+def _check_distributed_optimizer(plan: Plan, model: ModelSpec, label: str, rank: int, instructions: list) -> None:
     """A DP reduce-scatter or all-gather that names its unit's layers is the executor's
     distributed optimizer's (runtime.dist_optimizer): Megatron-LM's, ZeRO-1 over a unit's
-    data-parallel replicas of a unit without a layout of its own (runtime.layouts), which reduce-scatters the gradients of all the
-    unit's layers a rank holds and all-gathers their parameters, once a step each (not layer
-    by layer, and not one without the other)."""
-    named: dict[str, dict[str, list[tuple[int, int]]]] = {}
-    for instruction in instructions:
-        if isinstance(instruction, Collective) and instruction.grads_of is not None and instruction.op in SHARDED:
-            owner, layers = instruction.grads_of
-            named.setdefault(owner, {op: [] for op in SHARDED})[instruction.op].append(layers)
-    for name, ops in named.items():
+    data-parallel replicas of a unit without a layout of its own (runtime.layouts). Once a
+    step it reduce-scatters the gradients of every layer of the unit a rank holds and
+    all-gathers their parameters, each op either whole (one collective naming all of them)
+    or layer by layer (one per layer with trained parameters), over the unit's
+    data-parallel group."""
+    for name, ops in named_ranges(instructions).items():
         unit = plan.unit(name)
         layout = layout_runtime(unit)  # which steps the unit with its own optimizer
         if unit.zero_stage != 1 or layout is not None:
@@ -283,13 +272,27 @@ def _check_distributed_optimizer(plan: Plan, label: str, rank: int, instructions
                 (name,),
             )
         held = unit.layers_on(rank)
+        spec = model.unit(name)
+        trained = sorted(layer for layer in held if spec.trainable_params(layer, layer + 1) > 0)
         for op, ranges in ops.items():
-            if len(ranges) != 1 or not all(ranges[0][0] <= layer < ranges[0][1] for layer in held):
+            whole = len(ranges) == 1 and all(ranges[0][0] <= layer < ranges[0][1] for layer in held)
+            if not whole and sorted(start for start, end in ranges if end == start + 1) != trained:
                 raise PlanRefused(
                     f"{label}: the {op}(s) of unit {name}'s layers {ranges}: the real backend's distributed optimizer "
-                    f"reduce-scatters a unit's gradients and all-gathers its parameters whole, once a step each, not "
-                    f"layer by layer (it needs blocking=true: DeepSpeed's ZeRO-1)",
-                    ("blocking", "zero_stage"),
+                    f"reduce-scatters a unit's gradients and all-gathers its parameters once a step, either whole or "
+                    f"layer by layer over the layers with trained parameters this rank holds ({trained})",
+                    ("zero_stage",),
+                    (name,),
+                )
+    for instruction in instructions:
+        if isinstance(instruction, Collective) and instruction.grads_of is not None and instruction.op in SHARDED:
+            name = instruction.grads_of[0]
+            ranks, replicas = tuple(plan.program.group_for(instruction.group, rank)), data_group(plan.unit(name).mesh, rank)
+            if ranks != tuple(replicas):
+                raise PlanRefused(
+                    f"{label}: unit {name}'s distributed optimizer {instruction.op}s over group {instruction.group} (ranks "
+                    f"{list(ranks)}), not over its data-parallel replicas {list(replicas)}, as the real backend's does",
+                    ("zero_stage",),
                     (name,),
                 )
 

@@ -2,27 +2,35 @@
 DeepSpeed engine's place.
 
 A unit whose plan reduce-scatters its gradients and all-gathers its parameters itself (DP
-collectives naming its layers, Collective.grads_of: an LLM sharing its ranks with encoders, whose reduce-scatter
-runs under the encoders' backward and whose all-gather under the next step's encoder
-forwards, Megatron-LM's --overlap-param-gather) steps here. Its trainable parameters are
-flattened into one buffer, Megatron-LM's and DeepSpeed's contiguous one, of which each
-data-parallel replica owns a contiguous shard (the buffer padded to a multiple of the
-replicas) and keeps the AdamW states of that shard only:
+collectives naming its layers, Collective.grads_of) steps here: an LLM sharing its ranks with
+encoders, whose reduce-scatter runs under the encoders' backward and whose all-gather under
+the next step's encoder forwards; and Megatron-LM's own --overlap-grad-reduce (each layer's
+gradients reduce-scattered as the last micro-batch's backward finishes them) and
+--overlap-param-gather (each layer's parameters gathered before its first forward of the
+next step). Its trainable parameters lie in buckets, Megatron-LM's contiguous buffers: one
+for all of them where the plan reduces and gathers them whole, one per layer where it goes
+layer by layer (Megatron-LM's buckets, which the simulator prices as layers). Each bucket is
+padded to a multiple of the data-parallel replicas, each replica owns a contiguous slice of
+every bucket and keeps the AdamW states of its slices only (its master shard: the slices side
+by side):
 
-- reduce-scatter: the gradients, flattened, reduced over the replicas, each keeping its
-  shard averaged as DeepSpeed averages (gloo has no reduce-scatter: an all-reduce whose
-  rank keeps its part, as elsewhere);
+- reduce-scatter: a bucket's gradients, flattened, reduced over the replicas, each keeping
+  its slice averaged as DeepSpeed averages (gloo has no reduce-scatter: an all-reduce whose
+  rank keeps its part, as elsewhere); a step's buckets the plan did not reduce are reduced
+  at its optimizer step;
 - step: the run's optimizer (backend.deepspeed.optimizer, its learning-rate schedule) on
-  the shard, the very update a whole optimizer makes there (it is elementwise). The buffer
-  holds the decayed parameters first and those exempt from decay (no_decay) after them, so
-  a shard is at most two pieces, one parameter group each;
-- all-gather: every replica's shard to every replica, copied into the parameters.
+  the shard, the very update a whole optimizer makes there (it is elementwise). A bucket
+  holds its decayed parameters first and those exempt from decay (no_decay) after them, so
+  a slice is at most two pieces, one parameter group each;
+- all-gather: every replica's slices of the buckets gathered, copied into the parameters.
 
 Each collective starts where its instruction stands and, asynchronous, is finished at the
 plan's Wait (Pending.finish); the forward after that Wait reads the gathered parameters.
 A checkpoint holds each rank's parameters, shard, optimizer states and schedule
-(runtime.own_engine's files, which runtime.checkpoint saves as a DeepSpeed engine's). It
-takes no gradient norm (the step's record says so: grad_norm null), so it refuses nothing
+(runtime.own_engine's files, which runtime.checkpoint saves as a DeepSpeed engine's); the
+parameters a step's forward will gather are gathered before it is saved, as Megatron-LM
+forces its parameter sync before a checkpoint (DistributedDataParallel.disable_forward_pre_hook).
+It takes no gradient norm (the step's record says so: grad_norm null), so it refuses nothing
 more than the pipelines it serves already do (clipping over a pipeline is refused).
 """
 
@@ -44,14 +52,23 @@ from src.runtime.own_engine import OwnEngine
 SHARDED = ("reduce_scatter", "all_gather")  # the distributed optimizer's collectives a plan may issue itself
 
 
-def sharded_units(plan: Plan, rank: int) -> set[str]:
+def named_ranges(instructions: list) -> dict[str, dict[str, list[tuple[int, int]]]]:
+    """Per unit, the layer ranges the distributed-optimizer collectives of `instructions`
+    name, by op."""
+    named: dict[str, dict[str, list[tuple[int, int]]]] = {}
+    for instruction in instructions:
+        if isinstance(instruction, Collective) and instruction.grads_of is not None and instruction.op in SHARDED:
+            unit, layers = instruction.grads_of
+            named.setdefault(unit, {op: [] for op in SHARDED})[instruction.op].append(layers)
+    return named
+
+
+def sharded_units(plan: Plan, rank: int) -> dict[str, bool]:
     """The units whose distributed optimizer `rank`'s instructions run (their DP
-    reduce-scatter or all-gather names their layers)."""
-    return {
-        instruction.grads_of[0]
-        for instruction in plan.program.class_of(rank).instructions
-        if isinstance(instruction, Collective) and instruction.grads_of is not None and instruction.op in SHARDED
-    }
+    reduce-scatter or all-gather names their layers), each with whether it goes layer by
+    layer (a bucket per layer) rather than whole."""
+    named = named_ranges(plan.program.class_of(rank).instructions)
+    return {unit: any(len(ranges) > 1 for ranges in ops.values()) for unit, ops in named.items()}
 
 
 @dataclass
@@ -72,73 +89,167 @@ class Pending:
         self.done = True
 
 
+@dataclass
+class _Bucket:
+    """Parameters reduced and gathered together: a flat buffer of `shard` elements a
+    replica, of which this replica owns [first, first + shard), held at `offset` of its
+    master shard."""
+
+    layers: range  # the unit's layers it holds the parameters of
+    params: list[nn.Parameter]  # decayed first, then exempt
+    decayed: int  # elements of the decayed ones
+    shard: int
+    first: int
+    offset: int
+    current: bool = True  # the parameters hold the master's values (gathered since the last step)
+
+    @property
+    def size(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+
 class DistributedOptimizer(OwnEngine):
     def __init__(
-        self, module: nn.Module, groups: ParallelGroups, settings: DeepSpeedSpec, contrastive: ContrastiveSpec, steps: int
+        self,
+        module: nn.ModuleList,
+        groups: ParallelGroups,
+        settings: DeepSpeedSpec,
+        contrastive: ContrastiveSpec,
+        steps: int,
+        layerwise: bool = False,
     ) -> None:
+        """`module`: the unit's layers (None where another rank holds one); `layerwise`: a
+        bucket per layer, else one for all."""
         ranks = groups.dp_ranks
         self.module, self.group, self.replicas = module, groups.dp, len(ranks)
         self.mpu = groups  # as a DeepSpeed engine's (runtime.engines.point_reduction_at reads them)
         spec = settings.optimizer
-        decayed, exempt = (group["params"] for group in parameter_groups(module, spec))
-        self.params = decayed + exempt
+        held = [(index, layer) for index, layer in enumerate(module) if layer is not None]
+        parts = (
+            [(range(index, index + 1), layer) for index, layer in held]
+            if layerwise
+            else [(range(held[0][0], held[-1][0] + 1), module)]
+        )
+        replica = ranks.index(dist.get_rank())
+        self.buckets: list[_Bucket] = []
+        offset = 0
+        for layers, part in parts:
+            decayed, exempt = (group["params"] for group in parameter_groups(part, spec))
+            size = sum(p.numel() for p in decayed + exempt)
+            if not size:
+                continue
+            shard = -(-size // self.replicas)
+            self.buckets.append(_Bucket(layers, decayed + exempt, sum(p.numel() for p in decayed), shard, replica * shard, offset))
+            offset += shard
+        self.params = [p for bucket in self.buckets for p in bucket.params]
         self.device = self.params[0].device
-        self.sizes = [p.numel() for p in self.params]
-        self.shard = -(-sum(self.sizes) // self.replicas)
-        self.first = ranks.index(dist.get_rank()) * self.shard
-        flat = self._flat([p.detach() for p in self.params])
-        self.master = flat[self.first : self.first + self.shard].float().clone()
-        # The shard's decayed piece and its exempt piece: parameters viewing the master shard.
-        split = min(max(sum(p.numel() for p in decayed) - self.first, 0), self.shard)
-        self.pieces = [nn.Parameter(self.master[:split]), nn.Parameter(self.master[split:])]
+        self.master = torch.cat([self._slice(b, self._flat(b, [p.detach() for p in b.params])) for b in self.buckets]).float()
+        # Each slice's decayed piece and its exempt piece: parameters viewing the master shard.
+        pieces: tuple[list[nn.Parameter], list[nn.Parameter]] = ([], [])
+        self.pieces: list[tuple[nn.Parameter, nn.Parameter]] = []
+        for bucket in self.buckets:
+            mine = self.master[bucket.offset : bucket.offset + bucket.shard]
+            split = min(max(bucket.decayed - bucket.first, 0), bucket.shard)
+            pair = (nn.Parameter(mine[:split]), nn.Parameter(mine[split:]))
+            self.pieces.append(pair)
+            for kept, piece in zip(pieces, pair):
+                if piece.numel():
+                    kept.append(piece)
         extras: list[dict] = [{}, {"weight_decay": 0.0}]
-        groups_of = [{"params": [piece], **extra} for piece, extra in zip(self.pieces, extras) if piece.numel()]
+        groups_of = [{"params": kept, **extra} for kept, extra in zip(pieces, extras) if kept]
         self.optimizer = new_optimizer(spec, groups_of)
         self.lr_scheduler = build_scheduler(self.optimizer, settings.scheduler, steps)
-        self._reduced: Pending | None = None
+        self._reduced: dict[int, Pending] = {}  # bucket index -> its reduction this step
 
-    def _flat(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        """The tensors side by side in one buffer of every replica's shard, zero-padded."""
-        flat = torch.zeros(self.shard * self.replicas, dtype=torch.float32, device=self.device)
-        torch.cat([t.reshape(-1).float() for t in tensors], out=flat[: sum(self.sizes)])
+    def _flat(self, bucket: _Bucket, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """A bucket's tensors side by side in one buffer of every replica's slice, zero-padded."""
+        flat = torch.zeros(bucket.shard * self.replicas, dtype=torch.float32, device=self.device)
+        torch.cat([t.reshape(-1).float() for t in tensors], out=flat[: bucket.size])
         return flat
 
-    def reduce_scatter(self) -> Pending:
-        """Start reducing the gradients; once finished, this replica's shard holds their mean."""
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        flat = self._flat(grads)
+    @staticmethod
+    def _slice(bucket: _Bucket, flat: torch.Tensor) -> torch.Tensor:
+        return flat[bucket.first : bucket.first + bucket.shard]
+
+    def _of(self, layers: tuple[int, int] | None) -> list[int]:
+        """The buckets holding the parameters of `layers` (None: all)."""
+        if layers is None:
+            return list(range(len(self.buckets)))
+        start, end = layers
+        return [i for i, b in enumerate(self.buckets) if b.layers.start < end and start < b.layers.stop]
+
+    def reduce_scatter(self, layers: tuple[int, int] | None = None) -> Pending:
+        """Start reducing the gradients of `layers` (None: all) in one collective; once
+        finished, this replica's slices hold their mean."""
+        return self._reduce(self._of(layers))
+
+    def all_gather(self, layers: tuple[int, int] | None = None) -> Pending:
+        """Start gathering every replica's slices of the buckets of `layers` (None: all) in
+        one collective; once finished, their parameters hold them."""
+        return self._gather(self._of(layers))
+
+    def _reduce(self, chosen: list[int]) -> Pending:
+        buckets = [self.buckets[i] for i in chosen]
+        if not buckets:  # layers without trained parameters (the checks let no plan name them)
+            return Pending(None, lambda: None)
+        flat = torch.cat([self._flat(b, [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]) for b in buckets])
         work = dist.all_reduce(flat, group=self.group, async_op=True)
 
         def keep() -> None:
-            grad = flat[self.first : self.first + self.shard].div_(self.replicas)
-            split = self.pieces[0].numel()
-            self.pieces[0].grad, self.pieces[1].grad = grad[:split], grad[split:]
+            at = 0
+            for i, bucket in zip(chosen, buckets):
+                grad = self._slice(bucket, flat[at : at + bucket.shard * self.replicas]).div_(self.replicas)
+                decayed, exempt = self.pieces[i]
+                decayed.grad, exempt.grad = grad[: decayed.numel()], grad[decayed.numel() :]
+                at += bucket.shard * self.replicas
 
-        self._reduced = Pending(work, keep)
-        return self._reduced
+        pending = Pending(work, keep)
+        self._reduced.update(dict.fromkeys(chosen, pending))
+        return pending
 
-    def all_gather(self) -> Pending:
-        """Start gathering every replica's shard; once finished, the parameters hold them."""
-        out = torch.empty(self.shard * self.replicas, dtype=self.master.dtype, device=self.master.device)
-        work = dist.all_gather(list(out.chunk(self.replicas)), self.master.detach(), group=self.group, async_op=True)
+    def _gather(self, chosen: list[int]) -> Pending:
+        buckets = [self.buckets[i] for i in chosen]
+        if not buckets:
+            return Pending(None, lambda: None)
+        local = torch.cat([self.master[b.offset : b.offset + b.shard] for b in buckets])
+        out = torch.empty(local.numel() * self.replicas, dtype=self.master.dtype, device=self.master.device)
+        work = dist.all_gather(list(out.chunk(self.replicas)), local.detach(), group=self.group, async_op=True)
 
         def copy() -> None:
+            per_replica = out.view(self.replicas, -1)  # each replica's slices, bucket after bucket
+            at = 0
             with torch.no_grad():
-                for param, piece in zip(self.params, out[: sum(self.sizes)].split(self.sizes)):
-                    param.copy_(piece.view_as(param))
+                for bucket in buckets:
+                    whole = per_replica[:, at : at + bucket.shard].reshape(-1)[: bucket.size]
+                    for param, piece in zip(bucket.params, whole.split([p.numel() for p in bucket.params])):
+                        param.copy_(piece.view_as(param))
+                    bucket.current = True
+                    at += bucket.shard
 
         return Pending(work, copy)
 
     def step(self) -> None:
-        """AdamW on this replica's shard, from the reduced gradients (reduced here if the
-        plan did not reduce them before, waited for if the plan did not wait)."""
-        (self._reduced or self.reduce_scatter()).finish()
-        self._reduced = None
+        """AdamW on this replica's shard, from the reduced gradients (the buckets the plan
+        did not reduce reduced here in one collective, those it did not wait for waited for)."""
+        left = [i for i in range(len(self.buckets)) if i not in self._reduced]
+        if left:
+            self._reduce(left)
+        for pending in self._reduced.values():
+            pending.finish()
+        self._reduced = {}
         self.optimizer.step()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.zero_grad()
+        for bucket in self.buckets:
+            bucket.current = False
+
+    def save_checkpoint(self, directory: str, tag: str, save_latest: bool = False) -> None:
+        stale = [i for i, b in enumerate(self.buckets) if not b.current]
+        if stale:  # what the next forward would gather: the saved parameters are the updated ones
+            self._gather(stale).finish()
+        super().save_checkpoint(directory, tag, save_latest)
 
     def _extra_state(self) -> dict[str, torch.Tensor]:
         return {"master": self.master.detach()}

@@ -588,7 +588,8 @@ class Executor:
         else:
             engine = self.engines[unit]
             assert isinstance(engine, DistributedOptimizer), "the plan's reduce-scatters and all-gathers are its optimizer's"
-            pending = engine.reduce_scatter() if collective.op == "reduce_scatter" else engine.all_gather()
+            named = (start, end)
+            pending = engine.reduce_scatter(named) if collective.op == "reduce_scatter" else engine.all_gather(named)
         if collective.blocking or collective.handle is None:
             pending.finish()
         else:

@@ -45,7 +45,7 @@ from src.runtime.lifeline import LIFELINE, REPORTING, SAVING, TRAINING
 from src.runtime.modules.parallel import TP
 from src.models.spec import ModelSpec, UnitSpec
 from src.runtime.layouts import LaidOut, layout_runtime
-from src.runtime.modules.units import build_units
+from src.runtime.modules.units import build_units, unit_layers
 from src.runtime.peak import GEMM_SIZES, peak_gemm_flops
 from src.runtime.preprocess import Producer
 from src.runtime.placement import UnitPlacement, placements
@@ -138,7 +138,7 @@ def _engines(
     units: torch.nn.ModuleDict,
     engine_groups: list[_EngineGroup],
     laid_out: dict[str, LaidOut],
-    sharded: dict[str, ParallelGroups],
+    sharded: dict[str, tuple[ParallelGroups, bool]],
     backend: TorchBackendSpec,
     steps: int,
 ) -> dict[str, Any]:
@@ -148,8 +148,10 @@ def _engines(
     engines: dict[str, Any] = {
         name: layout.engine(units[name], backend.deepspeed, backend.contrastive, steps) for name, layout in laid_out.items()
     }
-    for name, parallel in sharded.items():
-        engines[name] = DistributedOptimizer(units[name], parallel, backend.deepspeed, backend.contrastive, steps)
+    for name, (parallel, layerwise) in sharded.items():
+        engines[name] = DistributedOptimizer(
+            unit_layers(units, name), parallel, backend.deepspeed, backend.contrastive, steps, layerwise
+        )
     for group in engine_groups:
         engine = make_engine(torch.nn.ModuleDict({n: units[n] for n in group.names}), group.groups, group.settings)
         engines.update({n: engine for n in group.names})
@@ -270,7 +272,11 @@ def _build_worker(run: PlannedRun, backend: TorchBackendSpec, run_dir: Path, ran
         for name, p in places.items()
     }
     laid_out = _laid_out(run, places)
-    sharded = {n: _parallel(places[n], groups) for n in sharded_units(plan, rank) if _trains(model, n, places[n])}
+    sharded = {
+        n: (_parallel(places[n], groups), layerwise)
+        for n, layerwise in sharded_units(plan, rank).items()
+        if _trains(model, n, places[n])
+    }
     new_run()
     engine_groups = _engine_groups(run, places, groups, backend, set(laid_out) | set(sharded))
     units = _build(run, places, tp, engine_groups, device, laid_out, backend)

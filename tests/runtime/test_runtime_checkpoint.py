@@ -33,6 +33,19 @@ TP2_PP2 = [*FOUR_WORKERS, *GPT, "strategy=megatron", "strategy.tp=2", "strategy.
 CASES = {
     "megatron_tp2_pp2": TP2_PP2,
     "megatron_tp2_pp2_zero1_fp16": [*TP2_PP2, "strategy.zero_stage=1", "train.precision=fp16"],
+    # The executor's distributed optimizer, a bucket per layer, its parameters gathered by the
+    # next step's forward: the checkpoint gathers them first.
+    "megatron_pp2_dp2_zero1_overlapped": [
+        *FOUR_WORKERS,
+        *GPT,
+        "strategy=megatron",
+        "strategy.tp=1",
+        "strategy.pp=2",
+        "strategy.micro_batch_size=2",
+        "strategy.zero_stage=1",
+        "strategy.overlap_grad_reduce=true",
+        "strategy.overlap_param_gather=true",
+    ],
     "distmm_clip_2+2": [
         *FOUR_WORKERS,
         "strategy=distmm",

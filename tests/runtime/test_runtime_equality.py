@@ -51,6 +51,19 @@ CASES = {
         "strategy.zero_stage=0",
         "strategy.overlap_grad_reduce=true",
     ],
+    # Megatron-Core's overlaps under its distributed optimizer (the executor's, a bucket per
+    # layer): each layer's gradients reduce-scattered as the last backward finishes them, its
+    # parameters gathered before its first forward of the next step.
+    "megatron_dp2_distributed_optimizer_overlapped": GPT
+    + [
+        "strategy=megatron",
+        "strategy.tp=1",
+        "strategy.pp=1",
+        "strategy.micro_batch_size=2",
+        "strategy.zero_stage=1",
+        "strategy.overlap_grad_reduce=true",
+        "strategy.overlap_param_gather=true",
+    ],
     "megatron_pp2_recompute": GPT
     + ["strategy=megatron", "strategy.tp=1", "strategy.pp=2", "strategy.micro_batch_size=2", "strategy.recompute=full"],
     # Two micro-batches per step: ZeRO-3 accumulates their gradient partitions.

@@ -17,6 +17,7 @@ import yaml
 from src.config import ContrastiveSpec, DeepSpeedSpec
 from src.errors import ConfigError
 from src.plan_io import PlannedRun, read_plan, write_plan
+from src.program import Collective
 from src.runtime.checks import check_runnable
 from src.runtime.engines import EngineSettings, deepspeed_config
 from src.setup import options_named, plan_run, validate
@@ -122,12 +123,12 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
     ("megatron", "sequence_parallel"): (MEGATRON, ["strategy.tp=2", "strategy.sequence_parallel=true"], "run", EQUALITY),
     ("megatron", "zero_stage"): (MEGATRON, ["strategy.zero_stage=1"], "run", EQUALITY),
     ("megatron", "overlap_grad_reduce"): (MEGATRON, ["strategy.overlap_grad_reduce=true", "strategy.dp=2"], "run", EQUALITY),
-    # Priced by the simulator; the real backend gathers the parameters at the step's end.
+    # The executor's distributed optimizer, a bucket per layer.
     ("megatron", "overlap_param_gather"): (
         MEGATRON,
         ["strategy.overlap_param_gather=true", "strategy.zero_stage=1", "strategy.dp=2"],
-        "refused",
-        "",
+        "run",
+        EQUALITY,
     ),
     ("megatron", "modality_stages"): (MEGATRON, ["strategy.modality_stages=merged"], "run", EQUALITY),
     ("megatron", "uneven_pp"): (MEGATRON, ["strategy.uneven_pp=true"], "run", EQUALITY),
@@ -407,10 +408,23 @@ def test_a_precision_runs_for_real_or_is_refused_naming_it(precision):
         _check(overrides)
 
 
-def test_overlapped_reduce_scatter_of_the_distributed_optimizer_is_refused_naming_the_fix():
-    fix = r"reduce_scatter.*blocking=true.*\[megatron: strategy.overlap_grad_reduce, strategy.zero_stage\]"
-    with pytest.raises(ConfigError, match=fix):
-        _check(MEGATRON + ["strategy.overlap_grad_reduce=true", "strategy.dp=2", "strategy.zero_stage=1"])
+def test_a_distributed_optimizer_gathering_some_layers_only_is_refused_naming_them():
+    """Megatron-Core's overlaps under ZeRO-1 run as the executor's distributed optimizer,
+    whole or layer by layer; a plan whose gathers leave a layer out would train on stale
+    parameters, and is refused."""
+    overlaps = ["strategy.overlap_grad_reduce=true", "strategy.overlap_param_gather=true"]
+    overrides = MEGATRON + ["strategy.zero_stage=1", "strategy.dp=2", *overlaps]
+    _check(overrides)
+    setup = validate(composed(overrides))
+    plan = plan_run(setup)
+    first = plan.program.classes[0].instructions
+    gathers = [i for i in first if isinstance(i, Collective) and i.op == "all_gather" and i.grads_of is not None]
+    assert [g.grads_of for g in gathers][:2] == [("llm", (0, 1)), ("llm", (1, 2))]
+    left_out = gathers[1].handle
+    first[:] = [i for i in first if getattr(i, "handle", None) != left_out]
+    with pytest.raises(ConfigError, match=r"all_gather\(s\) of unit llm's layers .*layer by layer.*\[0, 1, 2\]"):
+        with options_named(plan.strategy):
+            check_runnable(PlannedRun(setup.model, setup.cluster, setup.train, plan), "synthetic")
 
 
 def test_fp16_with_zero_partitions_is_refused_naming_the_fix():

@@ -204,19 +204,29 @@ def iteration_tail(
     param_bytes: int,
     pending: Sequence[str] = (),
     gather_params: bool = True,
+    name_grads: bool = False,
 ) -> list[Instruction]:
     """Finish an iteration: wait for asynchronous gradient reductions (`pending`
     handles), reduce the rest (all-reduce; reduce-scatter under the distributed
     optimizer), step the optimizer on the local shard, and all-gather the updated
     16-bit parameters when the optimizer state (not the parameters) is sharded, unless
-    the next forward gathers them (`gather_params` false: pipeline.ParamGathers)."""
+    the next forward gathers them (`gather_params` false: pipeline.ParamGathers).
+    `name_grads`: the DP collectives are the plan's own distributed optimizer's, one per
+    unit naming the layers whose parameters it carries (Collective.grads_of)."""
     out: list[Instruction] = [Wait(h) for h in pending]
     params = trainable_params(model, segments, sharding.devices)
     if params == 0:
         return out
+    parts: list[tuple[tuple[str, tuple[int, int]] | None, float]] = [(None, params)]
+    if name_grads:
+        units = {seg.unit: [s for s in segments if s.unit == seg.unit] for seg in segments}
+        parts = [
+            ((unit, (min(s.layers[0] for s in own), max(s.layers[1] for s in own))), trainable_params(model, own, sharding.devices))
+            for unit, own in units.items()
+        ]
     if dp > 1 and dp_group is not None and not pending:
         op: CollectiveOp = "reduce_scatter" if zero_stage >= 1 else "all_reduce"
-        out.append(Collective(op, dp_group, params * grad_bytes, "dp"))
+        out += [Collective(op, dp_group, n * grad_bytes, "dp", grads_of=named) for named, n in parts if n]
     shards = zero_shards(dp, zero_stage)
     for segment in segments:
         if not model.unit(segment.unit).frozen:
@@ -226,5 +236,5 @@ def iteration_tail(
             out.append(Compute(work))
     # ZeRO-1/2 gather the updated parameters; ZeRO-3 gathers each layer's before it runs.
     if gather_params and zero_stage in (1, 2) and dp > 1 and dp_group is not None:
-        out.append(Collective("all_gather", dp_group, params * param_bytes, "dp"))
+        out += [Collective("all_gather", dp_group, n * param_bytes, "dp", grads_of=named) for named, n in parts if n]
     return out

@@ -22,15 +22,15 @@ it reduces its gradients over its TP x DP ranks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from src.cluster import ClusterSpec, family_sharing
 from src.costmodel.memory import element_bytes, grad_bytes
 from src.mesh import Mesh, tensor_parallel
 from src.models.spec import ModelSpec
-from src.program import Collective, CollectiveOp, Compute, Hop, Instruction, Payload, Program, RankProgram, Recv, Send, Wait
-from src.strategies.builders.emit import TPConfig, backward_io, consumed, iteration_tail, produced, range_io, segment_pass
+from src.program import Collective, CollectiveOp, Hop, Instruction, Payload, Program, RankProgram, Recv, Send, Wait
+from src.strategies.builders.emit import TPConfig, backward_io, consumed, iteration_tail, produced, segment_pass
 from src.strategies.builders.layout import axis_group, pipeline_pairs, stage_group
 from src.strategies.builders.stages import (
     Segment,
@@ -107,8 +107,8 @@ class ParamGathers:
         """`layers`: (unit, layer, bytes gathered) in forward order."""
         self._handles = [f"{prefix}pg{k}" for k in range(len(layers))]
         self._gathers: list[Instruction] = [
-            Collective("all_gather", group, nbytes, "dp", blocking=False, handle=handle)
-            for handle, (_, _, nbytes) in zip(self._handles, layers)
+            Collective("all_gather", group, nbytes, "dp", blocking=False, handle=handle, grads_of=(unit, (layer, layer + 1)))
+            for handle, (unit, layer, nbytes) in zip(self._handles, layers)
         ]
         self._index = {(unit, layer): k for k, (unit, layer, _) in enumerate(layers)}
 
@@ -230,6 +230,9 @@ class PipelineEmitter:
             self.act_bytes,
             self.pending[stage],
             gather_params=gathers is None,
+            # Reductions or gathers layer by layer are the plan's own distributed optimizer's:
+            # its other collectives name their layers too.
+            name_grads=self.cfg.zero_stage >= 1 and (gathers is not None or bool(self.pending[stage])),
         )
         return out
 
@@ -290,19 +293,14 @@ class PipelineEmitter:
 
     def _gathered_pass(self, segment: Segment, microbatch: int, chunk: int, stage: int, gathers: ParamGathers) -> list[Instruction]:
         """A segment's forward layer by layer, each after its parameters' gather (and
-        issuing the next's); the segment's payloads read by its first layer, written by its
-        last."""
-        start, end = segment.layers
+        issuing the next's), each reading what its layer reads (the token states the layer
+        before hands on among them) and writing what it writes."""
         out: list[Instruction] = []
-        for layer in range(start, end):
+        for layer in range(*segment.layers):
             out += gathers.before(segment.unit, layer)
-            part = segment_pass(
+            out += segment_pass(
                 self.model, Segment(segment.unit, (layer, layer + 1)), "fwd", self.cfg.micro_batch, microbatch, self._tp(stage), chunk
             )
-            compute = part[0]
-            assert isinstance(compute, Compute), "a pass begins with its compute"
-            inputs, outputs = range_io(self.model, segment, "fwd", microbatch, layer == start, layer == end - 1)
-            out += [replace(compute, inputs=inputs, outputs=outputs), *part[1:]]
         return out
 
     def _backward(self, v: int, op, reduce_into: str | None) -> list[Instruction]:
