@@ -138,16 +138,29 @@ def _check_priced_images(plan: Plan, dataset: InterleavedMLLM, data: str, batch:
 
 def _check_image_rows(plan: Plan, model: ModelSpec) -> None:
     """An interleaved micro-batch's images are rows of their own inside a unit that reads
-    them: its stages pass their real images' token states, as many as the micro-batch holds;
-    tp > 1 replicates its layers, whose stages would pass them split among the TP peers. (A
-    unit replicated over its TP group runs on one stage: runtime.row_shares deals it its
-    images.)"""
+    them: its stages pass their real images' token states, as many as the micro-batch holds.
+    With tp > 1 each TP peer holds them whole and passes them whole to its peer on the next
+    stage; sequence parallelism or a scattered transfer (scatter_gather) would pass them split
+    among the TP peers, which the real backend does not. (A unit replicated over its TP group
+    runs on one stage: runtime.row_shares deals it its images.)"""
+    scattered = {
+        payload.unit
+        for rank_program in plan.program.classes
+        for instruction in rank_program.instructions
+        if isinstance(instruction, Collective) and instruction.kind == "pp" and instruction.op == "all_gather"
+        for payload in instruction.inputs
+    }
     for unit in plan.units:
-        if model.unit(unit.unit).arch.reads_images and unit.pp > 1 and unit.mesh.degree("tp") > 1:
+        tp = unit.mesh.degree("tp")
+        if not (model.unit(unit.unit).arch.reads_images and unit.pp > 1 and tp > 1):
+            continue
+        split = "sequence parallelism" if unit.sequence_parallel else "a scattered transfer" if unit.unit in scattered else None
+        if split is not None:
             raise PlanRefused(
-                f"unit {unit.unit} on pp={unit.pp} with tp={unit.mesh.degree('tp')} and interleaved data: the real backend "
-                f"passes a micro-batch's images between pipeline stages of the unit that encodes them with tp=1 only",
-                ("pp", "tp"),
+                f"unit {unit.unit} on pp={unit.pp} with tp={tp} and interleaved data, by {split}: the real backend passes a "
+                f"micro-batch's images between pipeline stages of the unit that encodes them whole from each TP peer "
+                f"(it needs sequence_parallel=false and scatter_gather=false, or tp=1)",
+                ("sequence_parallel", "scatter", "tp"),
                 (unit.unit,),
             )
 

@@ -522,17 +522,22 @@ def test_optimus_llm_distributed_optimizer_over_replicas_runs_and_only_as_zero_1
             check_runnable(PlannedRun(setup.model, setup.cluster, setup.train, unsharded), "synthetic")
 
 
-def test_interleaved_data_refuses_an_encoder_on_pipeline_stages_of_tp_peers():
+def test_interleaved_data_refuses_an_encoder_passing_its_images_split_among_tp_peers():
+    """Each TP peer of an encoder on pipeline stages passes a micro-batch's images whole
+    (runs: test_runtime_interleaved, encoder_tp2_pp2); split among them by a scattered
+    transfer, they are refused naming the option."""
     interleaved = DISTTRAIN + [
         "train.data=interleaved",
         "model.image_size_spread=0",
         "strategy.generator.pp=1",
         "strategy.encoder.pp=2",
     ]
-    _check(interleaved)  # tp=1: its stages pass the real images' token states
-    with pytest.raises(ConfigError, match=r"unit encoder on pp=2 with tp=2 and interleaved data.*strategy.encoder.pp"):
-        wider = [o for o in interleaved if not o.startswith("cluster.devices_per_node")] + ["cluster.devices_per_node=8"]
-        _check(wider + ["strategy.encoder.tp=2", "strategy.encoder.sequence_parallel=false"])
+    _check(interleaved)  # tp=1
+    wider = [o for o in interleaved if not o.startswith("cluster.devices_per_node")] + ["cluster.devices_per_node=8"]
+    _check(wider + ["strategy.encoder.tp=2", "strategy.encoder.sequence_parallel=false"])
+    split = r"unit encoder on pp=2 with tp=2 and interleaved data, by a scattered transfer.*strategy.encoder.scatter_gather"
+    with pytest.raises(ConfigError, match=split):
+        _check(wider + ["strategy.encoder.tp=2", "strategy.encoder.sequence_parallel=false", "strategy.encoder.scatter_gather=true"])
 
 
 def test_interleaved_data_of_spread_image_sides_runs():

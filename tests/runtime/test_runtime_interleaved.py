@@ -73,6 +73,17 @@ CASES: dict[str, list[str]] = {
     "drawn_sides": DISTTRAIN + ["strategy.reorder=both", DRAWN],
     "drawn_sides_encoder_pp2": DISTTRAIN + ["strategy.reorder=none", "strategy.encoder.pp=2", DRAWN],
     "drawn_sides_encoder_tp2": DISTTRAIN + ["strategy.encoder.tp=2", "strategy.encoder.sequence_parallel=false", DRAWN],
+    # Both: each TP peer of the encoder's first stage passes the packed token states whole to
+    # its peer on the second (six workers: the encoder's four, the LLM's and the generator's).
+    "encoder_tp2_pp2": DISTTRAIN
+    + [
+        "cluster.devices_per_node=6",
+        "strategy.encoder.tp=2",
+        "strategy.encoder.pp=2",
+        "strategy.encoder.sequence_parallel=false",
+        "strategy.llm.dp=1",
+        "strategy.generator.dp=1",
+    ],
     "ddp_zero0_no_image": ["strategy=ddp", "strategy.zero_stage=0", "backend.data=SHARDS"],
     # Megatron-LM on the same data: its two replicas' micro-batches carry their own images
     # (rank classes per replica in the plan), the encoder in the first stage, the generator
@@ -134,9 +145,15 @@ def shards(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, shards) -> dict[str, Path]:
     cases = {name: BASE + [o.replace("SHARDS", shards) for o in overrides] for name, overrides in CASES.items()}
-    two = {name: overrides for name, overrides in cases.items() if "cluster.devices_per_node=2" in overrides}
+    by_workers: dict[int, dict[str, list[str]]] = {}
+    for name, overrides in cases.items():
+        workers = next((int(o.split("=")[1]) for o in overrides if o.startswith("cluster.devices_per_node=")), WORKERS)
+        by_workers.setdefault(workers, {})[name] = overrides
     root = tmp_path_factory.mktemp("interleaved")
-    return launch_cases(root, {n: o for n, o in cases.items() if n not in two}, WORKERS) | launch_cases(root, two, 2)
+    dirs: dict[str, Path] = {}
+    for workers, group in by_workers.items():  # one launch per worker count
+        dirs |= launch_cases(root, group, workers)
+    return dirs
 
 
 @functools.cache
