@@ -111,7 +111,8 @@ SHAPES = [
     "cluster.peak_flops=[1e15]",
 ]
 # The real backend's draws: a model at its tiny size on this machine's workers, and the
-# knobs whose values only it refuses (data kinds, replicated units, fine-grained bins, precisions).
+# knobs whose values only it refuses (data kinds, replicated units, fine-grained bins, precisions,
+# the distributed optimizer's overlaps, an encoder's TP and PP).
 TINY: dict[str, list[str]] = {
     "gpt": ["model.preset=null", "model.layers=4", "model.hidden=64", "model.heads=4", "model.vocab=128", "train.seq_len=16"],
     "unet": ["model.preset=unet_50m", "model.image_size=16"],
@@ -128,6 +129,10 @@ TORCH_KNOBS: dict[str, list[Any]] = {
     "strategy.modality_stages": ["merged", "extra", "none"],
     "strategy.scatter_gather": [True, False],
     "strategy.overlap_grad_reduce": [True, False],
+    "strategy.overlap_param_gather": [True, False],
+    "strategy.zero_stage": [0, 1, 3],
+    "strategy.encoder.tp": [1, 2],
+    "strategy.encoder.pp": [1, 2],
 }
 EXIT_REFUSED = (ConfigError, SimulationError)
 FAILED = ("broken", "slow", "silent")
