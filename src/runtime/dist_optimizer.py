@@ -30,13 +30,15 @@ A checkpoint holds each rank's parameters, shard, optimizer states and schedule
 (runtime.own_engine's files, which runtime.checkpoint saves as a DeepSpeed engine's); the
 parameters a step's forward will gather are gathered before it is saved, as Megatron-LM
 forces its parameter sync before a checkpoint (DistributedDataParallel.disable_forward_pre_hook).
-It takes no gradient norm (the step's record says so: grad_norm null), so it refuses nothing
-more than the pipelines it serves already do (clipping over a pipeline is refused).
+At each step it takes the gradient norm over its data- and tensor-parallel groups (each
+replica's slices, a parameter split over TP counted on each rank, a replicated one once), as
+a DeepSpeed engine reports its own, and clips by it (backend.deepspeed.gradient_clipping)
+where it holds every trained parameter (runtime.engines.check_clipping refuses the rest).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -46,7 +48,15 @@ from torch import nn
 from src.config import ContrastiveSpec, DeepSpeedSpec
 from src.program import Collective, Plan
 from src.runtime.engines import ParallelGroups
-from src.runtime.optimizer import build_scheduler, new_optimizer, parameter_groups
+from src.runtime.optimizer import (
+    build_scheduler,
+    clip_to,
+    mark_tensor_parallel,
+    new_optimizer,
+    parameter_groups,
+    squared_norm,
+    tp_count,
+)
 from src.runtime.own_engine import OwnEngine
 
 SHARDED = ("reduce_scatter", "all_gather")  # the distributed optimizer's collectives a plan may issue itself
@@ -102,6 +112,17 @@ class _Bucket:
     first: int
     offset: int
     current: bool = True  # the parameters hold the master's values (gathered since the last step)
+    counted: list[tuple[int, int, float]] = field(default_factory=list)  # slice ranges and their tp_count
+
+    def count(self, tp: int) -> None:
+        """Which ranges of this replica's slice hold which parameter's elements, each with
+        what its squared norm counts for (optimizer.tp_count); the padding none."""
+        at = 0
+        for param in self.params:
+            start, end = max(at, self.first), min(at + param.numel(), self.first + self.shard)
+            if start < end:
+                self.counted.append((start - self.first, end - self.first, tp_count(param, tp)))
+            at += param.numel()
 
     @property
     def size(self) -> int:
@@ -123,6 +144,8 @@ class DistributedOptimizer(OwnEngine):
         ranks = groups.dp_ranks
         self.module, self.group, self.replicas = module, groups.dp, len(ranks)
         self.mpu = groups  # as a DeepSpeed engine's (runtime.engines.point_reduction_at reads them)
+        self.max_norm = settings.gradient_clipping
+        mark_tensor_parallel(module)
         spec = settings.optimizer
         held = [(index, layer) for index, layer in enumerate(module) if layer is not None]
         parts = (
@@ -141,6 +164,8 @@ class DistributedOptimizer(OwnEngine):
             shard = -(-size // self.replicas)
             self.buckets.append(_Bucket(layers, decayed + exempt, sum(p.numel() for p in decayed), shard, replica * shard, offset))
             offset += shard
+        for bucket in self.buckets:
+            bucket.count(groups.get_model_parallel_world_size())
         self.params = [p for bucket in self.buckets for p in bucket.params]
         self.device = self.params[0].device
         self.master = torch.cat([self._slice(b, self._flat(b, [p.detach() for p in b.params])) for b in self.buckets]).float()
@@ -160,6 +185,8 @@ class DistributedOptimizer(OwnEngine):
         self.optimizer = new_optimizer(spec, groups_of)
         self.lr_scheduler = build_scheduler(self.optimizer, settings.scheduler, steps)
         self._reduced: dict[int, Pending] = {}  # bucket index -> its reduction this step
+        self._grads: dict[int, torch.Tensor] = {}  # bucket index -> this replica's slice of its reduced gradients
+        self._global_grad_norm: float | None = None
 
     def _flat(self, bucket: _Bucket, tensors: list[torch.Tensor]) -> torch.Tensor:
         """A bucket's tensors side by side in one buffer of every replica's slice, zero-padded."""
@@ -201,6 +228,7 @@ class DistributedOptimizer(OwnEngine):
                 grad = self._slice(bucket, flat[at : at + bucket.shard * self.replicas]).div_(self.replicas)
                 decayed, exempt = self.pieces[i]
                 decayed.grad, exempt.grad = grad[: decayed.numel()], grad[decayed.numel() :]
+                self._grads[i] = grad
                 at += bucket.shard * self.replicas
 
         pending = Pending(work, keep)
@@ -237,6 +265,9 @@ class DistributedOptimizer(OwnEngine):
         for pending in self._reduced.values():
             pending.finish()
         self._reduced = {}
+        self._global_grad_norm = self._norm()
+        clip_to(self.max_norm, self._global_grad_norm, list(self._grads.values()))
+        self._grads = {}
         self.optimizer.step()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
@@ -244,6 +275,20 @@ class DistributedOptimizer(OwnEngine):
         self.zero_grad()
         for bucket in self.buckets:
             bucket.current = False
+
+    def _norm(self) -> float:
+        """The reduced gradients' norm over the data-parallel group (each replica its slices)
+        and the tensor-parallel one (each parameter counted as optimizer.tp_count says)."""
+        views = [self._grads[i][start:end] for i, b in enumerate(self.buckets) for start, end, _ in b.counted]
+        counted = [count for b in self.buckets for _, _, count in b.counted]
+        total = squared_norm(views, counted) if views else torch.zeros((), dtype=torch.float64, device=self.device)
+        dist.all_reduce(total, group=self.group)
+        if self.mpu.tp is not None:
+            dist.all_reduce(total, group=self.mpu.tp)
+        return float(total.sqrt())
+
+    def get_global_grad_norm(self) -> float | None:
+        return self._global_grad_norm
 
     def save_checkpoint(self, directory: str, tag: str, save_latest: bool = False) -> None:
         stale = [i for i, b in enumerate(self.buckets) if not b.current]

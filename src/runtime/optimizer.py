@@ -119,23 +119,40 @@ def build_scheduler(optimizer: torch.optim.Optimizer, spec: SchedulerSpec | None
     return getattr(lr_schedules, spec.type)(optimizer, **scheduler_params(spec, steps))
 
 
+def squared_norm(grads: list[torch.Tensor], counted: list[float]) -> torch.Tensor:
+    """The sum of each gradient's squared norm times its count (fp64), in a few kernels for
+    the whole list, not four a tensor: a 1.3B GPT's 292 tensors made 1168, each 6 us or more
+    of a GPU host's time (benchmarks/results/amp_host_h200.json)."""
+    norms = torch.stack(torch._foreach_norm([g.detach().float() for g in grads])).double()
+    return (norms.square() * torch.tensor(counted, dtype=torch.float64, device=norms.device)).sum()
+
+
+def tp_count(param: nn.Parameter, tp: int) -> float:
+    """What a parameter's squared norm counts for in its TP group's: a parameter split over
+    TP ranks (mark_tensor_parallel) each rank's slice whole, a replicated one once in all."""
+    return 1.0 if getattr(param, "tensor_model_parallel", False) else 1.0 / tp
+
+
 def grad_norm(params: list[nn.Parameter], tp_group: Any, tp: int) -> float:
-    """The gradient norm of `params` over their tensor-parallel group: a parameter split over
-    TP ranks (mark_tensor_parallel) counts each rank's slice, a replicated one counts once."""
-    grads = [p.grad.detach().float() for p in params if p.grad is not None]
+    """The gradient norm of `params` over their tensor-parallel group (tp_count)."""
     params = [p for p in params if p.grad is not None]
     if not params:
         return 0.0
-    norms = torch.stack(torch._foreach_norm(grads)).double()
-    # A few kernels for the whole list, not four a parameter: a 1.3B GPT's 292 tensors made
-    # 1168, each 6 us or more of a GPU host's time (benchmarks/results/amp_host_h200.json).
-    counted = torch.tensor([1.0 if getattr(p, "tensor_model_parallel", False) else 1.0 / tp for p in params], dtype=torch.float64)
-    total = (norms.square() * counted.to(norms.device)).sum()
+    total = squared_norm([p.grad for p in params if p.grad is not None], [tp_count(p, tp) for p in params])
     if tp > 1:
         import torch.distributed as dist
 
         dist.all_reduce(total, group=tp_group)
     return float(total.sqrt())
+
+
+def clip_to(max_norm: float, norm: float, grads: list[torch.Tensor]) -> None:
+    """Scale gradients whose global norm is `norm` down to `max_norm` (> 0; else leave
+    them), by DeepSpeed's and Megatron-LM's coefficient."""
+    if max_norm > 0 and math.isfinite(norm):
+        coefficient = max_norm / (norm + 1e-6)
+        if coefficient < 1:
+            torch._foreach_mul_(grads, coefficient)
 
 
 def attach_zero0_norm(engine: Any, max_norm: float) -> None:
@@ -149,10 +166,7 @@ def attach_zero0_norm(engine: Any, max_norm: float) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         norm = grad_norm(params, groups.get_model_parallel_group(), groups.get_model_parallel_world_size())
         engine._global_grad_norm = norm
-        if max_norm > 0 and math.isfinite(norm):
-            coefficient = max_norm / (norm + 1e-6)  # DeepSpeed's and Megatron-LM's
-            if coefficient < 1:
-                torch._foreach_mul_([p.grad for p in params], coefficient)
+        clip_to(max_norm, norm, [p.grad for p in params if p.grad is not None])
 
     engine.optimizer.register_step_pre_hook(before_step)
 

@@ -35,8 +35,10 @@ class OwnEngine:
         for param in self.params:
             param.grad = None
 
-    def get_global_grad_norm(self) -> None:
-        """It takes none (runtime.step_metrics records grad_norm null)."""
+    def get_global_grad_norm(self) -> float | None:
+        """The last step's gradient norm over its data- and tensor-parallel groups, as a
+        DeepSpeed engine's; None where it takes none (runtime.step_metrics records grad_norm
+        null)."""
         return None
 
     def _extra_state(self) -> dict[str, torch.Tensor]:

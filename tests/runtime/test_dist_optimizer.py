@@ -1,12 +1,13 @@
 """The executor's distributed optimizer in one process (one replica owns every slice): its
 buckets per layer, an update equal to a whole AdamW's, parameters that take the update only
-when a gather brings it, and a checkpoint that holds the updated parameters even where the
-next forward would have gathered them. Two replicas train for real in
+when a gather brings it, a checkpoint that holds the updated parameters even where the
+next forward would have gathered them, and the gradient norm it takes and clips by. Two replicas train for real in
 test_runtime_equality.py (megatron_dp2_distributed_optimizer_overlapped)."""
 
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -50,6 +51,22 @@ def _whole_adamw(layers: nn.ModuleList) -> nn.ModuleList:
     _grads(whole)
     build_optimizer(whole, SETTINGS, ContrastiveSpec()).step()
     return whole
+
+
+def test_the_gradient_norm_is_the_whole_model_s_and_clipping_scales_the_update_as_one_optimizer_does(world):
+    clipped = replace(SETTINGS, gradient_clipping=0.1)
+    layers = _layers()
+    engine = DistributedOptimizer(layers, world, clipped, ContrastiveSpec(), steps=1, layerwise=True)
+    whole = copy.deepcopy(layers)
+    _grads(whole)
+    norm = torch.nn.utils.clip_grad_norm_(list(whole.parameters()), 0.1)
+    assert norm > 0.1  # it clips
+    build_optimizer(whole, clipped, ContrastiveSpec()).step()
+    _grads(layers)
+    engine.step()
+    engine.all_gather().finish()
+    assert engine.get_global_grad_norm() == pytest.approx(float(norm), rel=1e-6)
+    assert all(torch.allclose(p, e) for p, e in zip(layers.parameters(), whole.parameters()))
 
 
 def test_layer_by_layer_buckets_update_as_one_adamw_and_reach_the_parameters_when_gathered(world):

@@ -1,7 +1,8 @@
 """backend.deepspeed on two workers: gradient clipping and a warm-up schedule train as the
 single-process reference does (losses, learning rates, the model's gradient norm), at
-ZeRO-0 (the client optimizer's hook clips), ZeRO-2 (DeepSpeed clips) and Megatron-LM's
-tp=2 (each rank's slice of the split weights in the norm); a run stopped with a checkpoint
+ZeRO-0 (the client optimizer's hook clips), ZeRO-2 (DeepSpeed clips), Megatron-LM's
+tp=2 (each rank's slice of the split weights in the norm) and the executor's distributed
+optimizer (each replica's slices in the norm); a run stopped with a checkpoint
 and resumed trains on to the very numbers of one never stopped (the schedule's state
 included); every per-step metric is in metrics.jsonl. Clipping a plan whose parameters
 several engines hold is refused in one line."""
@@ -35,6 +36,17 @@ CASES = {
     "clip_zero0": CLIP + ["strategy=ddp", "strategy.zero_stage=0"],
     "clip_zero2": CLIP + ["strategy=ddp", "strategy.zero_stage=2"],
     "gpt_megatron_tp2": GPT + ["strategy=megatron", "strategy.tp=2", "strategy.pp=1"],
+    # The executor's distributed optimizer (Megatron-Core's overlaps under ZeRO-1): its norm
+    # over the replicas' slices, clipped by it.
+    "gpt_megatron_dp2_distributed_optimizer": GPT
+    + [
+        "strategy=megatron",
+        "strategy.tp=1",
+        "strategy.pp=1",
+        "strategy.zero_stage=1",
+        "strategy.overlap_grad_reduce=true",
+        "strategy.overlap_param_gather=true",
+    ],
 }
 METRICS = ("loss", "step_time_s", "lr", "grad_norm", "loss_scale", "samples_per_s", "tokens_per_s", "peak_memory_gib")
 
