@@ -17,7 +17,7 @@ from src.report.files import SUMMARY_FILE
 from src.runtime.checkpoint import check_resume
 from src.runtime.checks import check_runnable
 from src.runtime.driver import launch
-from src.runtime.engines import check_clipping
+from src.runtime.clipping import check_clipping
 
 
 def check_workers(plan: Plan, backend: TorchBackendSpec) -> None:

@@ -33,7 +33,7 @@ forces its parameter sync before a checkpoint (DistributedDataParallel.disable_f
 At each step it takes the gradient norm over its data- and tensor-parallel groups (each
 replica's slices, a parameter split over TP counted on each rank, a replicated one once), as
 a DeepSpeed engine reports its own, and clips by it (backend.deepspeed.gradient_clipping)
-where it holds every trained parameter (runtime.engines.check_clipping refuses the rest).
+where it holds every trained parameter (runtime.clipping refuses the rest).
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from src.runtime.optimizer import (
     clip_to,
     mark_tensor_parallel,
     new_optimizer,
+    over_stages,
     parameter_groups,
     squared_norm,
     tp_count,
@@ -266,7 +267,9 @@ class DistributedOptimizer(OwnEngine):
             pending.finish()
         self._reduced = {}
         self._global_grad_norm = self._norm()
-        clip_to(self.max_norm, self._global_grad_norm, list(self._grads.values()))
+        if self.max_norm > 0:
+            model_norm = over_stages(self._global_grad_norm, self.mpu.pp, self.device)
+            clip_to(self.max_norm, model_norm, list(self._grads.values()))
         self._grads = {}
         self.optimizer.step()
         if self.lr_scheduler is not None:

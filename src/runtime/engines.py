@@ -28,9 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from src.config import ContrastiveSpec, DeepSpeedSpec
-from src.errors import ConfigError
-from src.models.spec import ModelSpec
-from src.program import DEEPSPEED_PERSISTENCE_THRESHOLD, Plan, UnitPlan
+from src.program import DEEPSPEED_PERSISTENCE_THRESHOLD, UnitPlan
 from src.runtime.comm import CLOCK, all_gather_single, reduce_scatter_single
 from src.runtime.optimizer import OPTIMIZERS, attach_zero0_norm, build_optimizer, mark_tensor_parallel, scheduler_params
 from src.runtime.own_engine import OwnEngine
@@ -47,6 +45,9 @@ class ParallelGroups:
     dp_ranks: tuple[int, ...]
     tp: dist.ProcessGroup | None
     tp_ranks: tuple[int, ...]
+    # The same slice of the model's other pipeline stages, where the engine clips by the
+    # model's norm, its own reduced over them (runtime.clipping).
+    pp: dist.ProcessGroup | None = None
 
     def get_data_parallel_group(self) -> dist.ProcessGroup:
         return self.dp
@@ -339,39 +340,3 @@ def point_reduction_at(engine) -> None:
     from deepspeed.utils import groups
 
     groups.mpu = engine.mpu
-
-
-def check_clipping(plan: Plan, model: ModelSpec, settings: DeepSpeedSpec) -> None:
-    """gradient_clipping clips the model's global norm only where one engine holds every
-    trained parameter on every rank: DeepSpeed clips each engine by its own norm (a
-    pipeline's stages, towers on separate groups and units under different ZeRO settings
-    each have one), and a layout's optimizer may have none (runtime.layouts)."""
-    if settings.gradient_clipping <= 0:
-        return
-    from src.runtime.layouts import layout_runtime
-    from src.runtime.placement import placements
-
-    clip = f"backend.deepspeed.gradient_clipping={settings.gradient_clipping:g}"
-    trained = {u.name for u in model.units if u.trainable_params()}
-    for unit in plan.units:
-        layout = layout_runtime(unit)
-        if unit.unit in trained and layout is not None and not layout.clips:
-            raise ConfigError(f"{clip}: unit {unit.unit} lies on a {layout.name}, whose optimizer the real backend does not clip")
-    for rank in range(plan.devices):
-        places = placements(plan, rank)
-        held = {name for name, place in places.items() if model.unit(name).trainable_params() and place.layers}
-        keys = {(places[n].dp_ranks, places[n].tp_ranks, plan.unit(n).zero_stage, plan.unit(n).overlap_comm) for n in held}
-        partial = [n for n in held if len(places[n].layers) < model.unit(n).num_layers]
-        if held != trained or len(keys) > 1 or partial:
-            why = (
-                f"rank {rank} holds {sorted(held)} of the trained units {sorted(trained)}"
-                if held != trained
-                else f"rank {rank} holds part of unit {partial[0]}'s layers (a pipeline stage)"
-                if partial
-                else f"rank {rank}'s units {sorted(held)} sit on different data-parallel groups or ZeRO settings"
-            )
-            raise ConfigError(
-                f"{clip}: DeepSpeed clips each engine by its own gradient norm, and {why}, so no engine sees the "
-                f"model's; clipping needs one engine holding every trained parameter (pp=1, one data-parallel group "
-                f"and ZeRO setting for all units)"
-            )

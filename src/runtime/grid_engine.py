@@ -5,7 +5,7 @@ the grid sums the z-replicated parameters' gradients over z and every gradient o
 parallelism, and the engine averages the latter as DeepSpeed does (the executor runs each
 backward on its data-parallel degree times its part of the loss). Its optimizer and
 learning-rate schedule are a DeepSpeed engine's (runtime.optimizer); gradient clipping is
-refused on a grid (runtime.engines.check_clipping). Its checkpoint is each rank's own
+refused on a grid (runtime.clipping). Its checkpoint is each rank's own
 (runtime.own_engine).
 """
 

@@ -2,7 +2,8 @@
 
 torch requires every rank to create every group, in the same order, members or not; so
 every rank walks the same list: the Program's groups (each with its whole family) in name
-order, every unit mesh's TP and DP families (the engines' groups), then one group per
+order, every unit mesh's TP and DP families (the engines' groups; and PP, where the engines
+reduce their norm over a pipeline's stages), then one group per
 route over the ranks it connects. A route's messages travel in its own group: NCCL
 matches the point-to-point messages between two ranks by order only, and each route
 keeps its order (runtime.checks), while two routes between the same ranks need not.
@@ -26,7 +27,9 @@ def route_pairs(route: Route) -> list[tuple[int, int]]:
 
 
 class ProcessGroups:
-    def __init__(self, plan: Plan, timeout_s: float) -> None:
+    def __init__(self, plan: Plan, timeout_s: float, stages: bool = False) -> None:
+        """`stages`: also every unit mesh's PP family (the engines' norm reduced over a
+        pipeline's stages: runtime.clipping)."""
         self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         timeout = timedelta(seconds=timeout_s)
         program = plan.program
@@ -35,6 +38,7 @@ class ProcessGroups:
         ]
         for unit_plan in plan.units:
             families += [unit_plan.mesh.family("tp"), unit_plan.mesh.family("dp")]
+            families += [unit_plan.mesh.family("pp")] if stages else []
         for family in families:
             for members in family:
                 members = tuple(members)

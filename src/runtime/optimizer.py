@@ -146,6 +146,19 @@ def grad_norm(params: list[nn.Parameter], tp_group: Any, tp: int) -> float:
     return float(total.sqrt())
 
 
+def over_stages(norm: float, pp_group: Any, device: torch.device) -> float:
+    """The model's gradient norm from this stage's (`norm`) and the other stages' (None: this
+    engine holds the whole model). Every stage joins, whatever its norm (an inf or a NaN
+    carries over)."""
+    if pp_group is None:
+        return norm
+    import torch.distributed as dist
+
+    total = torch.tensor(norm * norm, dtype=torch.float64, device=device)
+    dist.all_reduce(total, group=pp_group)
+    return float(total.sqrt())
+
+
 def clip_to(max_norm: float, norm: float, grads: list[torch.Tensor]) -> None:
     """Scale gradients whose global norm is `norm` down to `max_norm` (> 0; else leave
     them), by DeepSpeed's and Megatron-LM's coefficient."""
@@ -165,8 +178,10 @@ def attach_zero0_norm(engine: Any, max_norm: float) -> None:
     def before_step(optimizer: torch.optim.Optimizer, *_: Any) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         norm = grad_norm(params, groups.get_model_parallel_group(), groups.get_model_parallel_world_size())
-        engine._global_grad_norm = norm
-        clip_to(max_norm, norm, [p.grad for p in params if p.grad is not None])
+        engine._global_grad_norm = norm  # the engine's own, as the step's metrics add it up
+        if max_norm > 0:
+            model_norm = over_stages(norm, groups.pp, engine.device)
+            clip_to(max_norm, model_norm, [p.grad for p in params if p.grad is not None])
 
     engine.optimizer.register_step_pre_hook(before_step)
 

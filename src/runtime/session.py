@@ -34,7 +34,15 @@ from src.runtime.checkpoint import Checkpoints, Resume, Saved, check_resume
 from src.runtime.comm import CLOCK
 from src.runtime.device import DTYPES, worker_device
 from src.runtime.dist_optimizer import DistributedOptimizer, sharded_units
-from src.runtime.engines import EngineSettings, ParallelGroups, make_engine, new_run, partitioned_at_init, time_deepspeed_comm
+from src.runtime.engines import (
+    EngineSettings,
+    ParallelGroups,
+    make_engine,
+    new_run,
+    partitioned_at_init,
+    time_deepspeed_comm,
+)
+from src.runtime.clipping import stage_clipping
 from src.runtime.loss_scale import LossScale
 from src.runtime.modules.contrastive import CaptionHead, scored_targets
 from src.runtime import step_metrics
@@ -82,13 +90,18 @@ def _trains(model: ModelSpec, name: str, place: UnitPlacement) -> bool:
     return sum(model.unit(name).trainable_params(i, i + 1) for i in place.layers) > 0
 
 
-def _parallel(place: UnitPlacement, groups: ProcessGroups) -> ParallelGroups:
+def _parallel(place: UnitPlacement, groups: ProcessGroups, pp: dist.ProcessGroup | None) -> ParallelGroups:
     tp = groups.get(place.tp_ranks) if place.tp > 1 else None
-    return ParallelGroups(groups.get(place.dp_ranks), place.dp_ranks, tp, place.tp_ranks)
+    return ParallelGroups(groups.get(place.dp_ranks), place.dp_ranks, tp, place.tp_ranks, pp)
 
 
 def _engine_groups(
-    run: PlannedRun, places: dict[str, UnitPlacement], groups: ProcessGroups, backend: TorchBackendSpec, own: set[str]
+    run: PlannedRun,
+    places: dict[str, UnitPlacement],
+    groups: ProcessGroups,
+    backend: TorchBackendSpec,
+    own: set[str],
+    pp: dist.ProcessGroup | None,
 ) -> list[_EngineGroup]:
     plan, model = run.plan, run.model
     by_group: dict[tuple, list[str]] = {}
@@ -103,7 +116,7 @@ def _engine_groups(
     for names in by_group.values():
         first = plan.unit(names[0])
         settings = EngineSettings.of(first, backend.deepspeed, backend.contrastive, run.train.steps)
-        parallel = _parallel(places[names[0]], groups)
+        parallel = _parallel(places[names[0]], groups, pp)
         out.append(_EngineGroup(names, parallel, settings))
     return out
 
@@ -266,19 +279,23 @@ def _build_worker(run: PlannedRun, backend: TorchBackendSpec, run_dir: Path, ran
     producer = None
     if backend.preprocess == "disaggregated":  # started first: it works while the model is built
         producer = Producer(samples, range(first, train.steps), backend.prefetch_steps, backend.timeout_s, rank)
-    groups = ProcessGroups(plan, backend.timeout_s)
+    # Clipping by the model's norm over a pipeline's stages (runtime.clipping): each
+    # engine reduces its norm over its rank's PP group, which every trained unit shares.
+    stages = backend.deepspeed.gradient_clipping > 0 and stage_clipping(plan, model)
+    groups = ProcessGroups(plan, backend.timeout_s, stages)
+    pp = groups.get(next(u.mesh for u in plan.units if model.unit(u.unit).trainable_params()).group("pp", rank)) if stages else None
     tp = {
         name: TP(p.tp, p.tp_ranks.index(rank), groups.get(p.tp_ranks), plan.unit(name).sequence_parallel) if p.tp > 1 else TP()
         for name, p in places.items()
     }
     laid_out = _laid_out(run, places)
     sharded = {
-        n: (_parallel(places[n], groups), layerwise)
+        n: (_parallel(places[n], groups, pp), layerwise)
         for n, layerwise in sharded_units(plan, rank).items()
         if _trains(model, n, places[n])
     }
     new_run()
-    engine_groups = _engine_groups(run, places, groups, backend, set(laid_out) | set(sharded))
+    engine_groups = _engine_groups(run, places, groups, backend, set(laid_out) | set(sharded), pp)
     units = _build(run, places, tp, engine_groups, device, laid_out, backend)
     engines = _engines(units, engine_groups, laid_out, sharded, backend, train.steps)
     if engine_groups:

@@ -1,11 +1,12 @@
 """backend.deepspeed on two workers: gradient clipping and a warm-up schedule train as the
 single-process reference does (losses, learning rates, the model's gradient norm), at
 ZeRO-0 (the client optimizer's hook clips), ZeRO-2 (DeepSpeed clips), Megatron-LM's
-tp=2 (each rank's slice of the split weights in the norm) and the executor's distributed
-optimizer (each replica's slices in the norm); a run stopped with a checkpoint
+tp=2 (each rank's slice of the split weights in the norm), a pipeline at ZeRO-0 (each
+stage's norm reduced over the stages) and the executor's distributed optimizer (each
+replica's slices in the norm); a run stopped with a checkpoint
 and resumed trains on to the very numbers of one never stopped (the schedule's state
 included); every per-step metric is in metrics.jsonl. Clipping a plan whose parameters
-several engines hold is refused in one line."""
+several engines hold, each clipping by its own norm, is refused in one line."""
 
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ CASES = {
     "clip_zero0": CLIP + ["strategy=ddp", "strategy.zero_stage=0"],
     "clip_zero2": CLIP + ["strategy=ddp", "strategy.zero_stage=2"],
     "gpt_megatron_tp2": GPT + ["strategy=megatron", "strategy.tp=2", "strategy.pp=1"],
+    # A pipeline at ZeRO-0: each stage's norm reduced over the stages, clipped by the model's.
+    "gpt_megatron_pp2": GPT + ["strategy=megatron", "strategy.tp=1", "strategy.pp=2", "strategy.zero_stage=0"],
     # The executor's distributed optimizer (Megatron-Core's overlaps under ZeRO-1): its norm
     # over the replicas' slices, clipped by it.
     "gpt_megatron_dp2_distributed_optimizer": GPT
@@ -101,10 +104,12 @@ def test_a_resumed_run_continues_the_schedule_exactly(runs):
         assert [r[key] for r in parts] == [r[key] for r in whole], key
 
 
-def test_clipping_is_refused_where_several_engines_hold_the_model(tmp_path: Path) -> None:
+def test_clipping_is_refused_where_several_engines_hold_the_model_and_clip_by_their_own_norms(tmp_path: Path) -> None:
     pipeline = GPT + ["strategy=megatron", "strategy.tp=1", "strategy.pp=2", "strategy.micro_batch_size=2"]
+    clipped = [*TWO_WORKERS, *pipeline, "backend.deepspeed.gradient_clipping=1.0"]
+    prepare_run_dir(tmp_path / "zero0", [*clipped, "strategy.zero_stage=0"])  # its hook takes the norm: reduced over the stages
     with pytest.raises(ConfigError, match=r"^backend.deepspeed.gradient_clipping=1: DeepSpeed clips each engine by its own"):
-        prepare_run_dir(tmp_path, [*TWO_WORKERS, *pipeline, "backend.deepspeed.gradient_clipping=1.0"])
+        prepare_run_dir(tmp_path / "zero1", [*clipped, "strategy.zero_stage=1"])  # DeepSpeed's ZeRO-1 clips inside its step
 
 
 def test_resuming_under_other_training_settings_is_refused(tmp_path: Path) -> None:

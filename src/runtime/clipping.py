@@ -1,0 +1,76 @@
+"""Which plans the real backend clips (backend.deepspeed.gradient_clipping), and by which
+norm: the model's, as one process clips it. Where one engine holds every trained parameter
+on every rank, its own norm is the model's; on a pipeline whose every rank holds its trained
+parameters in one engine whose norm the harness takes before the update, each stage's norm
+reduced over the stages is (runtime.optimizer.over_stages); anything else is refused in one
+line, since DeepSpeed's ZeRO-1/2/3 engines clip by their own norm inside their step.
+"""
+
+from __future__ import annotations
+
+from src.config import DeepSpeedSpec
+from src.errors import ConfigError
+from src.models.spec import ModelSpec
+from src.program import Plan
+from src.runtime.dist_optimizer import sharded_units
+from src.runtime.layouts import layout_runtime
+from src.runtime.placement import placements
+
+
+def stage_clipping(plan: Plan, model: ModelSpec) -> bool:
+    """Whether every rank clips by the model's gradient norm, its engine's reduced over the
+    pipeline's stages (ParallelGroups.pp): the trained units share one pipelined mesh and
+    every rank holds its trained parameters in one engine whose norm the harness takes
+    before the update (ZeRO-0's hook, runtime.optimizer; the plan's distributed optimizer,
+    runtime.dist_optimizer), so each rank joins one reduction of the norm a step. DeepSpeed's
+    ZeRO-1/2/3 engines clip by their own norm inside their step."""
+    trained = [u for u in plan.units if model.unit(u.unit).trainable_params()]
+    meshes = {u.mesh for u in trained}
+    if len(meshes) != 1 or meshes.pop().degree("pp") < 2 or any(layout_runtime(u) is not None for u in trained):
+        return False
+    for rank in range(plan.devices):
+        places = placements(plan, rank)
+        held = [n for n, place in places.items() if model.unit(n).trainable_params() and place.layers]
+        own = sharded_units(plan, rank)
+        keys = {(places[n].dp_ranks, places[n].tp_ranks, plan.unit(n).zero_stage, plan.unit(n).overlap_comm) for n in held}
+        if not held or len(keys) > 1 or any(n in own for n in held) and len(held) > 1:
+            return False
+        if any(n not in own and plan.unit(n).zero_stage != 0 for n in held):
+            return False
+    return True
+
+
+def check_clipping(plan: Plan, model: ModelSpec, settings: DeepSpeedSpec) -> None:
+    """gradient_clipping clips the model's global norm: where one engine holds every trained
+    parameter on every rank, by that engine's norm; on a pipeline whose every rank has one
+    engine whose norm the harness takes (stage_clipping), by that norm reduced over the
+    stages. Elsewhere DeepSpeed clips each engine by its own norm (a pipeline's stages under
+    ZeRO-1/2/3, towers on separate groups, units under different ZeRO settings each have
+    one), and a layout's optimizer may have none (runtime.layouts): refused."""
+    if settings.gradient_clipping <= 0 or stage_clipping(plan, model):
+        return
+    clip = f"backend.deepspeed.gradient_clipping={settings.gradient_clipping:g}"
+    trained = {u.name for u in model.units if u.trainable_params()}
+    for unit in plan.units:
+        layout = layout_runtime(unit)
+        if unit.unit in trained and layout is not None and not layout.clips:
+            raise ConfigError(f"{clip}: unit {unit.unit} lies on a {layout.name}, whose optimizer the real backend does not clip")
+    for rank in range(plan.devices):
+        places = placements(plan, rank)
+        held = {name for name, place in places.items() if model.unit(name).trainable_params() and place.layers}
+        keys = {(places[n].dp_ranks, places[n].tp_ranks, plan.unit(n).zero_stage, plan.unit(n).overlap_comm) for n in held}
+        partial = [n for n in held if len(places[n].layers) < model.unit(n).num_layers]
+        if held != trained or len(keys) > 1 or partial:
+            why = (
+                f"rank {rank} holds {sorted(held)} of the trained units {sorted(trained)}"
+                if held != trained
+                else f"rank {rank} holds part of unit {partial[0]}'s layers (a pipeline stage)"
+                if partial
+                else f"rank {rank}'s units {sorted(held)} sit on different data-parallel groups or ZeRO settings"
+            )
+            raise ConfigError(
+                f"{clip}: DeepSpeed clips each engine by its own gradient norm, and {why}, so no engine sees the "
+                f"model's; clipping needs one engine holding every trained parameter (pp=1, one data-parallel group "
+                f"and ZeRO setting for all units), or a pipeline whose every rank holds its trained parameters in one "
+                f"engine at zero_stage=0 or in the executor's distributed optimizer"
+            )
