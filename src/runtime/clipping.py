@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from src.config import DeepSpeedSpec
 from src.errors import ConfigError
+from src.mesh import Mesh
 from src.models.spec import ModelSpec
 from src.program import Plan
 from src.runtime.dist_optimizer import sharded_units
@@ -17,37 +18,38 @@ from src.runtime.layouts import layout_runtime
 from src.runtime.placement import placements
 
 
-def stage_clipping(plan: Plan, model: ModelSpec) -> bool:
-    """Whether every rank clips by the model's gradient norm, its engine's reduced over the
-    pipeline's stages (ParallelGroups.pp): the trained units share one pipelined mesh and
-    every rank holds its trained parameters in one engine whose norm the harness takes
-    before the update (ZeRO-0's hook, runtime.optimizer; the plan's distributed optimizer,
-    runtime.dist_optimizer), so each rank joins one reduction of the norm a step. DeepSpeed's
-    ZeRO-1/2/3 engines clip by their own norm inside their step."""
+def clipping_pipeline(plan: Plan, model: ModelSpec) -> Mesh | None:
+    """The pipeline over whose stages every rank reduces its engine's gradient norm to clip
+    by the model's (ParallelGroups.pp: its PP group), or None where the plan has none such:
+    a trained unit's mesh spans every rank on pipeline stages, and every rank holds its
+    trained parameters in one engine whose norm the harness takes before the update (ZeRO-0's
+    hook, runtime.optimizer; the plan's distributed optimizer, runtime.dist_optimizer), so
+    each rank joins one reduction of the norm a step. DeepSpeed's ZeRO-1/2/3 engines clip by
+    their own norm inside their step."""
     trained = [u for u in plan.units if model.unit(u.unit).trainable_params()]
-    meshes = {u.mesh for u in trained}
-    if len(meshes) != 1 or meshes.pop().degree("pp") < 2 or any(layout_runtime(u) is not None for u in trained):
-        return False
+    whole = [u.mesh for u in trained if u.mesh.size == plan.devices and u.mesh.degree("pp") > 1]
+    if not whole or any(layout_runtime(u) is not None for u in trained):
+        return None
     for rank in range(plan.devices):
         places = placements(plan, rank)
         held = [n for n, place in places.items() if model.unit(n).trainable_params() and place.layers]
         own = sharded_units(plan, rank)
         keys = {(places[n].dp_ranks, places[n].tp_ranks, plan.unit(n).zero_stage, plan.unit(n).overlap_comm) for n in held}
         if not held or len(keys) > 1 or any(n in own for n in held) and len(held) > 1:
-            return False
+            return None
         if any(n not in own and plan.unit(n).zero_stage != 0 for n in held):
-            return False
-    return True
+            return None
+    return whole[0]
 
 
 def check_clipping(plan: Plan, model: ModelSpec, settings: DeepSpeedSpec) -> None:
     """gradient_clipping clips the model's global norm: where one engine holds every trained
     parameter on every rank, by that engine's norm; on a pipeline whose every rank has one
-    engine whose norm the harness takes (stage_clipping), by that norm reduced over the
+    engine whose norm the harness takes (clipping_pipeline), by that norm reduced over the
     stages. Elsewhere DeepSpeed clips each engine by its own norm (a pipeline's stages under
     ZeRO-1/2/3, towers on separate groups, units under different ZeRO settings each have
     one), and a layout's optimizer may have none (runtime.layouts): refused."""
-    if settings.gradient_clipping <= 0 or stage_clipping(plan, model):
+    if settings.gradient_clipping <= 0 or clipping_pipeline(plan, model) is not None:
         return
     clip = f"backend.deepspeed.gradient_clipping={settings.gradient_clipping:g}"
     trained = {u.name for u in model.units if u.trainable_params()}

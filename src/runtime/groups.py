@@ -16,6 +16,7 @@ from typing import Sequence
 
 import torch.distributed as dist
 
+from src.mesh import Mesh
 from src.program import Hop, Plan, Route
 
 
@@ -27,9 +28,9 @@ def route_pairs(route: Route) -> list[tuple[int, int]]:
 
 
 class ProcessGroups:
-    def __init__(self, plan: Plan, timeout_s: float, stages: bool = False) -> None:
-        """`stages`: also every unit mesh's PP family (the engines' norm reduced over a
-        pipeline's stages: runtime.clipping)."""
+    def __init__(self, plan: Plan, timeout_s: float, pipeline: Mesh | None = None) -> None:
+        """`pipeline`: also its PP family (the engines' norm reduced over its stages:
+        runtime.clipping)."""
         self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         timeout = timedelta(seconds=timeout_s)
         program = plan.program
@@ -38,7 +39,7 @@ class ProcessGroups:
         ]
         for unit_plan in plan.units:
             families += [unit_plan.mesh.family("tp"), unit_plan.mesh.family("dp")]
-            families += [unit_plan.mesh.family("pp")] if stages else []
+        families += [pipeline.family("pp")] if pipeline is not None else []
         for family in families:
             for members in family:
                 members = tuple(members)

@@ -42,7 +42,7 @@ from src.runtime.engines import (
     partitioned_at_init,
     time_deepspeed_comm,
 )
-from src.runtime.clipping import stage_clipping
+from src.runtime.clipping import clipping_pipeline
 from src.runtime.loss_scale import LossScale
 from src.runtime.modules.contrastive import CaptionHead, scored_targets
 from src.runtime import step_metrics
@@ -281,9 +281,9 @@ def _build_worker(run: PlannedRun, backend: TorchBackendSpec, run_dir: Path, ran
         producer = Producer(samples, range(first, train.steps), backend.prefetch_steps, backend.timeout_s, rank)
     # Clipping by the model's norm over a pipeline's stages (runtime.clipping): each
     # engine reduces its norm over its rank's PP group, which every trained unit shares.
-    stages = backend.deepspeed.gradient_clipping > 0 and stage_clipping(plan, model)
-    groups = ProcessGroups(plan, backend.timeout_s, stages)
-    pp = groups.get(next(u.mesh for u in plan.units if model.unit(u.unit).trainable_params()).group("pp", rank)) if stages else None
+    pipeline = clipping_pipeline(plan, model) if backend.deepspeed.gradient_clipping > 0 else None
+    groups = ProcessGroups(plan, backend.timeout_s, pipeline)
+    pp = groups.get(pipeline.group("pp", rank)) if pipeline is not None else None
     tp = {
         name: TP(p.tp, p.tp_ranks.index(rank), groups.get(p.tp_ranks), plan.unit(name).sequence_parallel) if p.tp > 1 else TP()
         for name, p in places.items()

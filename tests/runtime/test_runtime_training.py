@@ -19,8 +19,10 @@ from src.config import DeepSpeedSpec, OptimizerSpec, SchedulerSpec
 from src.errors import ConfigError
 from src.models.registry import build_model
 from src.runtime.reference import ReferenceStep, reference_steps
+from src.runtime.step_metrics import tokens_per_sample
 from tests.runtime.support import CLIP, GPT, TWO_WORKERS, launch_cases, prepare_run_dir, sensitive
 
+MLLM = ["model=mllm_9b", "model.scale=tiny", "train.global_batch=8", "train.data=uniform"]
 STOP, STEPS = 2, 4
 CLIPPING, LR = 1.0, 0.5
 SCHEDULE = {"warmup_min_lr": 0.1, "warmup_max_lr": LR, "warmup_num_steps": 2, "warmup_type": "linear"}
@@ -37,8 +39,12 @@ CASES = {
     "clip_zero0": CLIP + ["strategy=ddp", "strategy.zero_stage=0"],
     "clip_zero2": CLIP + ["strategy=ddp", "strategy.zero_stage=2"],
     "gpt_megatron_tp2": GPT + ["strategy=megatron", "strategy.tp=2", "strategy.pp=1"],
-    # A pipeline at ZeRO-0: each stage's norm reduced over the stages, clipped by the model's.
+    # A pipeline at ZeRO-0: each stage's norm reduced over the stages, clipped by the model's;
+    # an MLLM's so too, its encoder and LLM on the first stage (one engine), its generator on
+    # the last.
     "gpt_megatron_pp2": GPT + ["strategy=megatron", "strategy.tp=1", "strategy.pp=2", "strategy.zero_stage=0"],
+    "mllm_megatron_pp2": MLLM
+    + ["strategy=megatron", "strategy.tp=1", "strategy.pp=2", "strategy.zero_stage=0", "strategy.modality_stages=merged"],
     # The executor's distributed optimizer (Megatron-Core's overlaps under ZeRO-1): its norm
     # over the replicas' slices, clipped by it.
     "gpt_megatron_dp2_distributed_optimizer": GPT
@@ -68,7 +74,8 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 def references() -> dict[str, list[ReferenceStep]]:
     clip = build_model({"name": "clip", "scale": "tiny"})
     gpt = build_model({"name": "gpt", "preset": None, "layers": 4, "hidden": 64, "heads": 4, "vocab": 128}, 16)
-    return {name: reference_steps(model, 0, 8, STEPS, DEEPSPEED) for name, model in (("clip", clip), ("gpt", gpt))}
+    mllm = build_model({"name": "mllm_9b", "scale": "tiny"})
+    return {name: reference_steps(model, 0, 8, STEPS, DEEPSPEED) for name, model in (("clip", clip), ("gpt", gpt), ("mllm", mllm))}
 
 
 def _steps(run_dir: Path) -> list[dict]:
@@ -94,7 +101,9 @@ def test_every_step_records_the_metrics_people_look_at(runs, case):
         assert all(isinstance(record[key], float) and record[key] > 0 for key in METRICS), record
         assert record["loss_scale"] == 1.0  # fp32: no loss scaling
         assert record["samples_per_s"] == pytest.approx(8 / record["step_time_s"])
-        assert record["tokens_per_s"] == pytest.approx(16 * record["samples_per_s"])  # CLIP's text, GPT's sequence: 16 tokens
+        # CLIP's text, GPT's sequence: 16 tokens; the MLLM's LLM sequence, its image tokens included.
+        tokens = tokens_per_sample(build_model({"name": "mllm_9b", "scale": "tiny"})) if case.startswith("mllm") else 16
+        assert record["tokens_per_s"] == pytest.approx(tokens * record["samples_per_s"])
 
 
 @pytest.mark.slow
