@@ -16,7 +16,7 @@ from src.errors import ConfigError, PlanRefused
 from src.models.spec import ModelSpec
 from src.program import Collective, Compute, Plan, Recv, Send, Wait
 from src.runtime.batch_rows import placed_by_rows
-from src.runtime.dist_optimizer import SHARDED, named_ranges
+from src.runtime.dist_optimizer import SHARDED, named_ranges, sharded_units
 from src.runtime.executor import input_key
 from src.data.interleaved_mllm import InterleavedMLLM
 from src.runtime.inputs import dataset_for, tell_repeats
@@ -47,12 +47,15 @@ def check_runnable(run: PlannedRun, data: str, data_errors: str = "fail") -> Non
             f"weights is not what it runs; set cluster.amp=true"
         )
     if plan.precision == "fp16":
-        zero = [u for u in plan.units if u.zero_stage > 0 and u.dp > 1]
+        # The executor's own distributed optimizer unscales what it reduced; DeepSpeed's ZeRO would not.
+        own = {unit for rp in plan.program.classes if rp.ranks for unit in sharded_units(plan, rp.ranks[0])}
+        zero = [u for u in plan.units if u.zero_stage > 0 and u.dp > 1 and u.unit not in own]
         if zero:
             raise PlanRefused(
                 f"precision=fp16 with ZeRO-{zero[0].zero_stage} (unit {zero[0].unit}: zero_stage={zero[0].zero_stage}): "
                 f"the real backend scales fp16 losses itself and unscales plain data parallelism's gradients, not "
-                f"ZeRO's partitions; it needs zero_stage=0 or precision=bf16",
+                f"DeepSpeed's ZeRO partitions; it needs zero_stage=0, precision=bf16, or the executor's distributed "
+                f"optimizer (Megatron-LM's overlap_grad_reduce or overlap_param_gather at zero_stage=1)",
                 ("zero_stage", "precision"),
                 (zero[0].unit,),
             )

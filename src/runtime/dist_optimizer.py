@@ -274,10 +274,26 @@ class DistributedOptimizer(OwnEngine):
         self.optimizer.step()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
         self.zero_grad()
         for bucket in self.buckets:
             bucket.current = False
+
+    def unscale(self, scale: float) -> None:
+        """fp16: take the loss scale off the gradients the plan reduced before the executor
+        took it off the parameters' (the rest are reduced from those at the step)."""
+        for i, pending in self._reduced.items():
+            pending.finish()
+            self._grads[i].mul_(1.0 / scale)
+
+    def zero_grad(self) -> None:
+        """Drop the step's gradients, reduced or not (an fp16 step that overflowed anywhere)."""
+        for pending in self._reduced.values():
+            pending.finish()
+        self._reduced, self._grads = {}, {}
+        for pair in self.pieces:
+            for piece in pair:
+                piece.grad = None
+        super().zero_grad()
 
     def _norm(self) -> float:
         """The reduced gradients' norm over the data-parallel group (each replica its slices)

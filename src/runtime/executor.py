@@ -525,11 +525,15 @@ class Executor:
     def _overflowed(self) -> bool:
         """fp16: whether any rank's gradients overflowed this step (every rank asks once,
         before its first optimizer step or at the end of its step). This rank's gradients are
-        unscaled in the same pass (ZeRO-0 reduces them in the step: linear in them); a step
-        that overflowed on any rank drops them."""
+        unscaled in the same pass (ZeRO-0 reduces them in the step: linear in them), and those
+        the plan's distributed optimizer reduced before; a step that overflowed on any rank
+        drops them."""
         assert self.loss_scale is not None, "only fp16 scales its loss"
         params = [p for p in self.units.parameters() if p.requires_grad]
         flag = unscale_and_check(params, self.loss_scale.scale, self.device)
+        for engine in {id(e): e for e in self.engines.values()}.values():
+            if isinstance(engine, DistributedOptimizer):  # what its plan reduced before
+                engine.unscale(self.loss_scale.scale)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         self.s.skip = bool(flag.item())
         self.loss_scale.update(self.s.skip)

@@ -25,6 +25,16 @@ STEPS = 5
 SENSITIVE = sensitive()
 # Every tensor partitioned: the tiny models' are all below DeepSpeed's default persistence threshold.
 ZERO3 = ["strategy=ddp", "strategy.zero_stage=3", "strategy.param_persistence_threshold=0"]
+# Megatron-Core's overlaps under its distributed optimizer (the executor's, a bucket per layer).
+SHARDED_OVERLAPPED = GPT + [
+    "strategy=megatron",
+    "strategy.tp=1",
+    "strategy.pp=1",
+    "strategy.micro_batch_size=2",
+    "strategy.zero_stage=1",
+    "strategy.overlap_grad_reduce=true",
+    "strategy.overlap_param_gather=true",
+]
 CASES = {
     "ddp_zero0": CLIP + ["strategy=ddp", "strategy.zero_stage=0"],
     "ddp_zero1": CLIP + ["strategy=ddp", "strategy.zero_stage=1"],
@@ -54,16 +64,10 @@ CASES = {
     # Megatron-Core's overlaps under its distributed optimizer (the executor's, a bucket per
     # layer): each layer's gradients reduce-scattered as the last backward finishes them, its
     # parameters gathered before its first forward of the next step.
-    "megatron_dp2_distributed_optimizer_overlapped": GPT
-    + [
-        "strategy=megatron",
-        "strategy.tp=1",
-        "strategy.pp=1",
-        "strategy.micro_batch_size=2",
-        "strategy.zero_stage=1",
-        "strategy.overlap_grad_reduce=true",
-        "strategy.overlap_param_gather=true",
-    ],
+    "megatron_dp2_distributed_optimizer_overlapped": SHARDED_OVERLAPPED,
+    # The same under fp16: the gradients it reduced before the loss scale was taken off the
+    # parameters' are unscaled too.
+    "megatron_dp2_distributed_optimizer_fp16": SHARDED_OVERLAPPED + ["train.precision=fp16"],
     "megatron_pp2_recompute": GPT
     + ["strategy=megatron", "strategy.tp=1", "strategy.pp=2", "strategy.micro_batch_size=2", "strategy.recompute=full"],
     # Two micro-batches per step: ZeRO-3 accumulates their gradient partitions.
@@ -105,8 +109,10 @@ BALANCED = GPT + [
     "strategy.micro_batch_size=2",
     "strategy.balance=true",
 ]
-# At this loss scale every step's gradients overflow fp16: each is skipped on every rank.
+# At this loss scale every step's gradients overflow fp16: each is skipped on every rank,
+# also by the executor's distributed optimizer, which drops what it reduced in the backward.
 OVERFLOW = GPT + ["strategy=ddp", "strategy.zero_stage=0", "train.precision=fp16", "backend.deepspeed.fp16.initial_scale_power=100"]
+OVERFLOW_SHARDED = SHARDED_OVERLAPPED + ["train.precision=fp16", "backend.deepspeed.fp16.initial_scale_power=100"]
 # The bf16 runs against a bf16 single-process reference: rounding the payloads that cross
 # ranks to bf16 (which the reference never does) may move the losses by about 1e-4 here.
 # (A contrastive loss is more sensitive: CLIP's features gathered in bf16 move it by ~4e-3
@@ -116,7 +122,7 @@ TOLERANCE = {"fp32": 1e-4, "bf16": 1e-3, "fp16": 1e-3}
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    all_cases = {**CASES, "fp16_overflow": OVERFLOW, "megatron_pp2_balanced": BALANCED}
+    all_cases = {**CASES, "fp16_overflow": OVERFLOW, "fp16_overflow_sharded": OVERFLOW_SHARDED, "megatron_pp2_balanced": BALANCED}
     cases = {name: TWO_WORKERS + overrides + [f"train.steps={STEPS}"] + SENSITIVE for name, overrides in all_cases.items()}
     return launch_cases(tmp_path_factory.mktemp("equality"), cases, 2)
 
@@ -164,6 +170,7 @@ def test_an_fp16_step_whose_gradients_overflow_is_skipped_on_every_rank(runs, re
     gpt = _gpt()
     never_updated = reference_losses(gpt, 0, 8, STEPS, sensitive_optimizer(1e-30), precision="fp16")
     assert _losses(runs["fp16_overflow"]) == pytest.approx(never_updated, rel=1e-3)
+    assert _losses(runs["fp16_overflow_sharded"]) == pytest.approx(never_updated, rel=1e-3)
     assert never_updated != pytest.approx(references[("gpt", "fp16")], rel=1e-3)
 
 
