@@ -15,7 +15,16 @@ from src.models.spec import ModelSpec
 from src.program import Plan
 from src.runtime.dist_optimizer import sharded_units
 from src.runtime.layouts import layout_runtime
-from src.runtime.placement import placements
+from src.runtime.placement import UnitPlacement, placements
+
+
+def _engines(plan: Plan, model: ModelSpec, rank: int) -> tuple[dict[str, UnitPlacement], list[str], set[tuple]]:
+    """What `rank` holds, the trained units it holds layers of, and the engines they fall
+    into (units on one data-parallel group and ZeRO setting share one: runtime.session)."""
+    places = placements(plan, rank)
+    held = [n for n, place in places.items() if model.unit(n).trainable_params() and place.layers]
+    keys = {(places[n].dp_ranks, places[n].tp_ranks, plan.unit(n).zero_stage, plan.unit(n).overlap_comm) for n in held}
+    return places, held, keys
 
 
 def clipping_pipeline(plan: Plan, model: ModelSpec) -> Mesh | None:
@@ -31,10 +40,8 @@ def clipping_pipeline(plan: Plan, model: ModelSpec) -> Mesh | None:
     if not whole or any(layout_runtime(u) is not None for u in trained):
         return None
     for rank in range(plan.devices):
-        places = placements(plan, rank)
-        held = [n for n, place in places.items() if model.unit(n).trainable_params() and place.layers]
+        _, held, keys = _engines(plan, model, rank)
         own = sharded_units(plan, rank)
-        keys = {(places[n].dp_ranks, places[n].tp_ranks, plan.unit(n).zero_stage, plan.unit(n).overlap_comm) for n in held}
         if not held or len(keys) > 1 or any(n in own for n in held) and len(held) > 1:
             return None
         if any(n not in own and plan.unit(n).zero_stage != 0 for n in held):
@@ -58,14 +65,12 @@ def check_clipping(plan: Plan, model: ModelSpec, settings: DeepSpeedSpec) -> Non
         if unit.unit in trained and layout is not None and not layout.clips:
             raise ConfigError(f"{clip}: unit {unit.unit} lies on a {layout.name}, whose optimizer the real backend does not clip")
     for rank in range(plan.devices):
-        places = placements(plan, rank)
-        held = {name for name, place in places.items() if model.unit(name).trainable_params() and place.layers}
-        keys = {(places[n].dp_ranks, places[n].tp_ranks, plan.unit(n).zero_stage, plan.unit(n).overlap_comm) for n in held}
+        places, held, keys = _engines(plan, model, rank)
         partial = [n for n in held if len(places[n].layers) < model.unit(n).num_layers]
-        if held != trained or len(keys) > 1 or partial:
+        if set(held) != trained or len(keys) > 1 or partial:
             why = (
                 f"rank {rank} holds {sorted(held)} of the trained units {sorted(trained)}"
-                if held != trained
+                if set(held) != trained
                 else f"rank {rank} holds part of unit {partial[0]}'s layers (a pipeline stage)"
                 if partial
                 else f"rank {rank}'s units {sorted(held)} sit on different data-parallel groups or ZeRO settings"
