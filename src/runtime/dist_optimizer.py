@@ -32,8 +32,11 @@ parameters a step's forward will gather are gathered before it is saved, as Mega
 forces its parameter sync before a checkpoint (DistributedDataParallel.disable_forward_pre_hook).
 At each step it takes the gradient norm over its data- and tensor-parallel groups (each
 replica's slices, a parameter split over TP counted on each rank, a replicated one once), as
-a DeepSpeed engine reports its own, and clips by it (backend.deepspeed.gradient_clipping)
-where it holds every trained parameter (runtime.clipping refuses the rest).
+a DeepSpeed engine reports its own, and clips by the model's (backend.deepspeed.gradient_clipping):
+its own where it holds every trained parameter, else its own reduced over the pipeline's
+stages (runtime.clipping says where; ParallelGroups.pp).
+Under fp16 the executor takes the loss scale off what it reduced before the overflow check
+(`unscale`), and a step that overflowed anywhere drops it (`zero_grad`).
 """
 
 from __future__ import annotations
