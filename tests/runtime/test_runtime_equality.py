@@ -65,9 +65,10 @@ CASES = {
     # layer): each layer's gradients reduce-scattered as the last backward finishes them, its
     # parameters gathered before its first forward of the next step.
     "megatron_dp2_distributed_optimizer_overlapped": SHARDED_OVERLAPPED,
-    # The same under fp16: the gradients it reduced before the loss scale was taken off the
-    # parameters' are unscaled too.
+    # The same under fp16 (the gradients it reduced before the loss scale was taken off the
+    # parameters' are unscaled too) and bf16.
     "megatron_dp2_distributed_optimizer_fp16": SHARDED_OVERLAPPED + ["train.precision=fp16"],
+    "megatron_dp2_distributed_optimizer_bf16": SHARDED_OVERLAPPED + ["train.precision=bf16"],
     "megatron_pp2_recompute": GPT
     + ["strategy=megatron", "strategy.tp=1", "strategy.pp=2", "strategy.micro_batch_size=2", "strategy.recompute=full"],
     # Two micro-batches per step: ZeRO-3 accumulates their gradient partitions.
