@@ -148,7 +148,11 @@ def published_seconds(run: Run, seq_len: int, vocab: int, flops: str = "narayana
         return FLOP_COUNTS[flops](run, seq_len, vocab) / (run.published["tflops_per_gpu"] * 1e12 * run.gpus)
     if "tokens_per_s" in run.published:
         return run.global_batch * seq_len / float(run.published["tokens_per_s"])
-    raise ConfigError(f"run {run.id}: published needs iteration_s, tflops_per_gpu or tokens_per_s, got {sorted(run.published)}")
+    if "tokens_per_gpu_s" in run.published:
+        return run.global_batch * seq_len / (float(run.published["tokens_per_gpu_s"]) * run.gpus)
+    raise ConfigError(
+        f"run {run.id}: published needs iteration_s, tflops_per_gpu, tokens_per_s or tokens_per_gpu_s, got {sorted(run.published)}"
+    )
 
 
 def _devices_per_node(cluster: str) -> int:
@@ -158,6 +162,9 @@ def _devices_per_node(cluster: str) -> int:
     if preset is None:
         raise ConfigError(f"no cluster preset {cluster!r} (conf/cluster/{cluster}.yaml)")
     return int(preset["devices_per_node"])
+
+
+ARCHITECTURE = ("style", "ffn", "kv_heads")
 
 
 def overrides(run: Run, common: dict[str, Any]) -> list[str]:
@@ -179,6 +186,11 @@ def overrides(run: Run, common: dict[str, Any]) -> list[str]:
         f"model.cross_entropy={model['cross_entropy']}",
         f"model.grad_accumulation={model['grad_accumulation']}",
         f"model.dropout={_value(model['dropout'])}",
+    ]
+    # The architecture where the source's models are not GPT-3's (a Llama's RMSNorm, SwiGLU MLP
+    # of its own width, grouped-query attention).
+    out += [f"model.{key}={model[key]}" for key in ARCHITECTURE if key in model]
+    out += [
         f"train.seq_len={run.seq(common)}",
         f"train.global_batch={run.global_batch}",
         f"train.precision={common['precision']}",

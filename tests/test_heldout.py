@@ -20,7 +20,7 @@ def test_every_run_cites_a_source_and_a_published_number() -> None:
     assert len(RUNS) == len(BY_ID) >= 26
     for run in RUNS:
         assert run.source in DATA["sources"] and run.where
-        assert set(run.published) & {"iteration_s", "tflops_per_gpu", "tokens_per_s"}
+        assert set(run.published) & {"iteration_s", "tflops_per_gpu", "tokens_per_s", "tokens_per_gpu_s"}
 
 
 def test_a_rate_per_gpu_becomes_seconds_by_narayanans_flop_count() -> None:
@@ -118,6 +118,23 @@ def test_an_mpt_row_is_the_model_its_table_counts(run_id: str, params: int) -> N
     run = BY_ID[run_id]
     model = validate(composed(heldout.overrides(run, heldout.settings(run, DATA)))).model
     assert sum(unit.params for unit in model.units) == params
+
+
+def test_a_llama_row_is_the_model_its_source_trains() -> None:
+    # FlagPerf's Llama-2-7B (Transformers' LlamaForCausalLM of its config.json): 6,738,415,616
+    # parameters, the released checkpoint's count.
+    from src.setup import validate
+    from tests.composing import composed
+
+    run = BY_ID["flagperf-a800-llama2-7b-zero3"]
+    stated = heldout.overrides(run, heldout.settings(run, DATA))
+    assert {"model.style=llama", "model.ffn=11008", "cluster=a800", "cluster.intra_bandwidth=200000000000.0"} <= set(stated)
+    assert sum(unit.params for unit in validate(composed(stated)).model.units) == 6_738_415_616
+
+
+def test_tokens_per_gpu_and_second_become_the_batch_s_tokens_over_every_gpu_s_rate() -> None:
+    run = BY_ID["flagperf-a800-aquila2-7b-dp8"]  # 72 sequences of 2048 tokens at 3936.8 tokens/s on each of 8 GPUs
+    assert heldout.published_seconds(run, 2048, 100008) == pytest.approx(72 * 2048 / (3936.8 * 8))
 
 
 def test_tokens_per_second_become_the_batch_s_tokens_over_that_rate() -> None:

@@ -107,7 +107,7 @@ def decoder_unit(preset: DecoderPreset, seq: int, output_elems: int, name: str =
     layers = (
         [embedding_layer(preset.vocab, preset.hidden, seq, positions=0 if llama else seq)]
         + [block] * preset.layers
-        + [head_layer(seq, preset.hidden, preset.vocab, tied=not llama)]
+        + [head_layer(seq, preset.hidden, preset.vocab, tied=not llama, norm_shift=not llama)]
     )
     return UnitSpec(
         name=name, layers=tuple(layers), hidden=preset.hidden, heads=preset.heads, seq_len=seq, output_elems=output_elems, arch=arch

@@ -183,7 +183,8 @@ def transformer_layer(
         gemm("fc2", seq, ffn, hidden, "k", bias=bias),
         residual("mlp_residual", seq * hidden),
     ]
-    params += hidden * up + b * up + ffn * hidden + b * hidden + norms * 2 * hidden
+    # A norm's scale, and its shift where the block has biases (LayerNorm); RMSNorm has no shift.
+    params += hidden * up + b * up + ffn * hidden + b * hidden + norms * (1 + b) * hidden
     split += ACT_BYTES * (seq * up + seq * ffn)
 
     return LayerSpec(
@@ -224,11 +225,20 @@ def patch_embedding_layer(
 
 
 def head_layer(
-    seq: int, hidden: int, out: int, *, tied: bool = False, norm: bool = True, loss_elems: int | None = None, name: str = "head"
+    seq: int,
+    hidden: int,
+    out: int,
+    *,
+    tied: bool = False,
+    norm: bool = True,
+    norm_shift: bool = True,
+    loss_elems: int | None = None,
+    name: str = "head",
 ) -> LayerSpec:
     """Final norm and an output projection (LM logits or a feature projection).
 
     tied=True shares the weight with the embedding: FLOPs count, parameters do not.
+    norm_shift=False is a final norm of a scale alone (RMSNorm).
     The loss is PyTorch's cross entropy (src/models/cross_entropy.py sets other software's),
     its saved 16-bit log-probabilities charged as activations split by TP (vocab-parallel).
     """
@@ -240,7 +250,7 @@ def head_layer(
     return LayerSpec(
         name=name,
         kernels=tuple(kernels),
-        params=(0 if tied else hidden * out) + (2 * hidden if norm else 0),
+        params=(0 if tied else hidden * out) + ((2 if norm_shift else 1) * hidden if norm else 0),
         activations=ActivationBytes(
             replicated=ACT_BYTES * seq * hidden, split=SAVED_BYTES["eager"] * loss_elems, checkpoint=ACT_BYTES * seq * hidden
         ),

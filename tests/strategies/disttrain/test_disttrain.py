@@ -197,7 +197,8 @@ def test_a_32_gpu_orchestration_is_what_it_was() -> None:
     skipped tiles, the loss Megatron-LM's fp32 cross entropy, the optimizer step its passes,
     StepCCL its copy engines, the embedding its dense gradient and the attention FlashAttention 2's
     measured rates, and when the encoder lost sequence parallelism at TP 2, which its 257
-    tokens do not allow: one choice of the eight gone, another of 5.4643 s in): solving
+    tokens do not allow: one choice of the eight gone, another of 5.4643 s in; the relaxed bound
+    when the LLM's RMSNorm lost the shift it never had, 65 x 4096 parameters): solving
     fewer of them (the bound) and pricing faster must leave them as they are."""
     s = setup("model=mllm_9b", "cluster=a800", "cluster.nodes=4", "train.global_batch=64", "train.data=uniform")
     found = _orchestrator(s, keep=8).solve()
@@ -209,7 +210,7 @@ def test_a_32_gpu_orchestration_is_what_it_was() -> None:
         "llm dp=1 pp=7 tp=4 recompute=none sp=on zero=1 sg=on vpp=1",
         "generator dp=1 pp=2 tp=1 recompute=none sp=off zero=1 sg=on vpp=1",
     ]
-    assert found.relaxed_s == pytest.approx(4.709902742264324, rel=1e-12)
+    assert found.relaxed_s == pytest.approx(4.709901888874765, rel=1e-12)
     assert found.search["solved"] < found.search["subproblems"]
 
 
