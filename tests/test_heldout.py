@@ -132,6 +132,21 @@ def test_a_llama_row_is_the_model_its_source_trains() -> None:
     assert sum(unit.params for unit in validate(composed(stated)).model.units) == 6_738_415_616
 
 
+def test_the_layout_flagperf_ran_out_of_memory_in_is_refused_for_memory() -> None:
+    # FlagPerf's Llama-3-8B ablation on one DGX A800: PP1DP8TP1 "OOM" beside the layouts it timed.
+    import dataclasses
+
+    from src.errors import ConfigError
+    from src.setup import plan_run, validate
+    from tests.composing import composed
+
+    timed = BY_ID["flagperf-a800-llama3-8b-pp2dp4tp1"]
+    out_of_memory = dataclasses.replace(timed, strategy={"name": "megatron", "tp": 1, "pp": 1})
+    with pytest.raises(ConfigError, match=r"needs .* GiB .* short by"):
+        plan_run(validate(composed(heldout.overrides(out_of_memory, heldout.settings(timed, DATA)))))
+    assert plan_run(validate(composed(heldout.overrides(timed, heldout.settings(timed, DATA))))).program
+
+
 def test_tokens_per_gpu_and_second_become_the_batch_s_tokens_over_every_gpu_s_rate() -> None:
     run = BY_ID["flagperf-a800-aquila2-7b-dp8"]  # 72 sequences of 2048 tokens at 3936.8 tokens/s on each of 8 GPUs
     assert heldout.published_seconds(run, 2048, 100008) == pytest.approx(72 * 2048 / (3936.8 * 8))
