@@ -95,6 +95,13 @@ class GemmRun:
     assumed: str = ""
 
 
+# A source's model settings (its `common.model`): the software's, then the architecture where its
+# models are not GPT-3's (overrides passes those on only where stated).
+SOFTWARE = ("vocab", "seq_len", "attention", "param_grad_kernels", "cross_entropy", "grad_accumulation", "dropout")
+ARCHITECTURE = ("style", "ffn", "kv_heads")
+MODEL_SETTINGS = frozenset(SOFTWARE + ARCHITECTURE)
+
+
 def load(path: Path) -> tuple[dict[str, Any], list[Run]]:
     """The data file's sources and common settings, and its training runs."""
     data = yaml.safe_load(path.read_text())
@@ -103,6 +110,18 @@ def load(path: Path) -> tuple[dict[str, Any], list[Run]]:
     unknown = sorted(cited - set(data["sources"]))
     if unknown:
         raise ConfigError(f"{path}: runs cite sources {unknown} that `sources` does not list")
+    stated = {"the file": data["common"]} | {name: source.get("common") or {} for name, source in data["sources"].items()}
+    for name, common in stated.items():
+        if "model" not in common:
+            continue  # the file's settings hold
+        # A source's model settings replace the file's whole: each software setting stated, and
+        # none that no run reads (a misspelt one would be dropped without a word).
+        model = set(common["model"])
+        missing, unread = sorted(set(SOFTWARE) - model), sorted(model - MODEL_SETTINGS)
+        if missing:
+            raise ConfigError(f"{path}: {name}'s model settings lack {missing}")
+        if unread:
+            raise ConfigError(f"{path}: {name}'s model settings {unread} are not ones a run reads: {sorted(MODEL_SETTINGS)}")
     return data, runs
 
 
@@ -162,9 +181,6 @@ def _devices_per_node(cluster: str) -> int:
     if preset is None:
         raise ConfigError(f"no cluster preset {cluster!r} (conf/cluster/{cluster}.yaml)")
     return int(preset["devices_per_node"])
-
-
-ARCHITECTURE = ("style", "ffn", "kv_heads")
 
 
 def overrides(run: Run, common: dict[str, Any]) -> list[str]:

@@ -68,6 +68,16 @@ def test_a_run_citing_no_listed_source_is_refused(tmp_path: Path) -> None:
         heldout.load(path)
 
 
+def test_a_source_s_model_settings_are_refused_incomplete_or_misspelt(tmp_path: Path) -> None:
+    path = tmp_path / "runs.yaml"
+    path.write_text(heldout.RUNS.read_text().replace("ffn: 28672, kv_heads: 8", "ffn: 28672, kv_head: 8", 1))
+    with pytest.raises(ConfigError, match=r"flagperf_h800_flagscale's model settings \['kv_head'\] are not ones a run reads"):
+        heldout.load(path)
+    path.write_text(heldout.RUNS.read_text().replace("seq_len: 4096, style: llama, ffn: 28672", "style: llama, ffn: 28672", 1))
+    with pytest.raises(ConfigError, match=r"flagperf_h800_flagscale's model settings lack \['seq_len'\]"):
+        heldout.load(path)
+
+
 def test_the_smallest_run_is_simulated_and_summed_up_by_source() -> None:
     rows = heldout.check([BY_ID["k22-22b-full"]], DATA)
     assert rows[0]["simulated_s"] > 0 and rows[0]["published_s"] == 1.42
