@@ -95,8 +95,8 @@ class GemmRun:
     assumed: str = ""
 
 
-# A source's model settings (its `common.model`): the software's, then the architecture where its
-# models are not GPT-3's (overrides passes those on only where stated).
+# A source's model settings (its `common.model`): the software's, each stated, then the
+# architecture where its models are not GPT-3's (passed on only where stated).
 SOFTWARE = ("vocab", "seq_len", "attention", "param_grad_kernels", "cross_entropy", "grad_accumulation", "dropout")
 ARCHITECTURE = ("style", "ffn", "kv_heads")
 MODEL_SETTINGS = frozenset(SOFTWARE + ARCHITECTURE)
@@ -190,22 +190,12 @@ def overrides(run: Run, common: dict[str, Any]) -> list[str]:
     if run.gpus % per_node:
         raise ConfigError(f"run {run.id}: {run.gpus} GPUs is not a whole number of {per_node}-GPU {cluster} nodes")
     model = common["model"]
-    out = [
-        "model=gpt",
-        "model.preset=null",
-        f"model.layers={run.layers}",
-        f"model.hidden={run.hidden}",
-        f"model.heads={run.heads}",
-        f"model.vocab={model['vocab']}",
-        f"model.attention={model['attention']}",
-        f"model.param_grad_kernels={model['param_grad_kernels']}",
-        f"model.cross_entropy={model['cross_entropy']}",
-        f"model.grad_accumulation={model['grad_accumulation']}",
-        f"model.dropout={_value(model['dropout'])}",
-    ]
-    # The architecture where the source's models are not GPT-3's (a Llama's RMSNorm, SwiGLU MLP
-    # of its own width, grouped-query attention).
-    out += [f"model.{key}={model[key]}" for key in ARCHITECTURE if key in model]
+    out = ["model=gpt", "model.preset=null", f"model.layers={run.layers}", f"model.hidden={run.hidden}", f"model.heads={run.heads}"]
+    # The software's settings (the sequence is the run's own: train.seq_len below), then the
+    # architecture where the source's models are not GPT-3's (a Llama's RMSNorm, SwiGLU MLP of
+    # its own width, grouped-query attention).
+    out += [f"model.{key}={_value(model[key])}" for key in SOFTWARE if key != "seq_len"]
+    out += [f"model.{key}={_value(model[key])}" for key in ARCHITECTURE if key in model]
     out += [
         f"train.seq_len={run.seq(common)}",
         f"train.global_batch={run.global_batch}",

@@ -41,7 +41,7 @@ Under fp16 the executor takes the loss scale off what it reduced before the over
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -107,7 +107,8 @@ class Pending:
 class _Bucket:
     """Parameters reduced and gathered together: a flat buffer of `shard` elements a
     replica, of which this replica owns [first, first + shard), held at `offset` of its
-    master shard."""
+    master shard; `counted`: which ranges of that slice hold which parameter's elements, each
+    with what its squared norm counts for (optimizer.tp_count; the padding none)."""
 
     layers: range  # the unit's layers it holds the parameters of
     params: list[nn.Parameter]  # decayed first, then exempt
@@ -115,22 +116,24 @@ class _Bucket:
     shard: int
     first: int
     offset: int
+    counted: list[tuple[int, int, float]]
     current: bool = True  # the parameters hold the master's values (gathered since the last step)
-    counted: list[tuple[int, int, float]] = field(default_factory=list)  # slice ranges and their tp_count
-
-    def count(self, tp: int) -> None:
-        """Which ranges of this replica's slice hold which parameter's elements, each with
-        what its squared norm counts for (optimizer.tp_count); the padding none."""
-        at = 0
-        for param in self.params:
-            start, end = max(at, self.first), min(at + param.numel(), self.first + self.shard)
-            if start < end:
-                self.counted.append((start - self.first, end - self.first, tp_count(param, tp)))
-            at += param.numel()
 
     @property
     def size(self) -> int:
         return sum(p.numel() for p in self.params)
+
+
+def _counted(params: list[nn.Parameter], first: int, shard: int, tp: int) -> list[tuple[int, int, float]]:
+    """The ranges of the slice [first, first + shard) of `params` side by side that each
+    parameter's elements fill, relative to the slice, with its tp_count."""
+    out, at = [], 0
+    for param in params:
+        start, end = max(at, first), min(at + param.numel(), first + shard)
+        if start < end:
+            out.append((start - first, end - first, tp_count(param, tp)))
+        at += param.numel()
+    return out
 
 
 class DistributedOptimizer(OwnEngine):
@@ -165,11 +168,10 @@ class DistributedOptimizer(OwnEngine):
             size = sum(p.numel() for p in decayed + exempt)
             if not size:
                 continue
-            shard = -(-size // self.replicas)
-            self.buckets.append(_Bucket(layers, decayed + exempt, sum(p.numel() for p in decayed), shard, replica * shard, offset))
+            shard, params = -(-size // self.replicas), decayed + exempt
+            counted = _counted(params, replica * shard, shard, groups.get_model_parallel_world_size())
+            self.buckets.append(_Bucket(layers, params, sum(p.numel() for p in decayed), shard, replica * shard, offset, counted))
             offset += shard
-        for bucket in self.buckets:
-            bucket.count(groups.get_model_parallel_world_size())
         self.params = [p for bucket in self.buckets for p in bucket.params]
         self.device = self.params[0].device
         self.master = torch.cat([self._slice(b, self._flat(b, [p.detach() for p in b.params])) for b in self.buckets]).float()
