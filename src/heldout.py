@@ -96,10 +96,13 @@ class GemmRun:
 
 
 # A source's model settings (its `common.model`): the software's, each stated, then the
-# architecture where its models are not GPT-3's (passed on only where stated).
+# architecture where its models are not GPT-3's (passed on only where stated), and for a
+# Llama's blocks which of their operations the software runs unfused (stated: it moves a
+# Llama block's time by several per cent).
 SOFTWARE = ("vocab", "seq_len", "attention", "param_grad_kernels", "cross_entropy", "grad_accumulation", "dropout")
 ARCHITECTURE = ("style", "ffn", "kv_heads")
-MODEL_SETTINGS = frozenset(SOFTWARE + ARCHITECTURE)
+LLAMA_SOFTWARE = ("unfused",)
+MODEL_SETTINGS = frozenset(SOFTWARE + ARCHITECTURE + LLAMA_SOFTWARE)
 
 
 def load(path: Path) -> tuple[dict[str, Any], list[Run]]:
@@ -117,7 +120,8 @@ def load(path: Path) -> tuple[dict[str, Any], list[Run]]:
         # A source's model settings replace the file's whole: each software setting stated, and
         # none that no run reads (a misspelt one would be dropped without a word).
         model = set(common["model"])
-        missing, unread = sorted(set(SOFTWARE) - model), sorted(model - MODEL_SETTINGS)
+        required = SOFTWARE + (LLAMA_SOFTWARE if common["model"].get("style") == "llama" else ())
+        missing, unread = sorted(set(required) - model), sorted(model - MODEL_SETTINGS)
         if missing:
             raise ConfigError(f"{path}: {name}'s model settings lack {missing}")
         if unread:
@@ -195,7 +199,7 @@ def overrides(run: Run, common: dict[str, Any]) -> list[str]:
     # architecture where the source's models are not GPT-3's (a Llama's RMSNorm, SwiGLU MLP of
     # its own width, grouped-query attention).
     out += [f"model.{key}={_value(model[key])}" for key in SOFTWARE if key != "seq_len"]
-    out += [f"model.{key}={_value(model[key])}" for key in ARCHITECTURE if key in model]
+    out += [f"model.{key}={_value(model[key])}" for key in ARCHITECTURE + LLAMA_SOFTWARE if key in model]
     out += [
         f"train.seq_len={run.seq(common)}",
         f"train.global_batch={run.global_batch}",
@@ -220,6 +224,8 @@ def overrides(run: Run, common: dict[str, Any]) -> list[str]:
 
 
 def _value(value: Any) -> str:
+    if isinstance(value, list):
+        return "[" + ",".join(map(str, value)) + "]"
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 

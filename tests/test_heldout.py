@@ -76,6 +76,10 @@ def test_a_source_s_model_settings_are_refused_incomplete_or_misspelt(tmp_path: 
     path.write_text(heldout.RUNS.read_text().replace("seq_len: 4096, style: llama, ffn: 28672", "style: llama, ffn: 28672", 1))
     with pytest.raises(ConfigError, match=r"flagperf_h800_flagscale's model settings lack \['seq_len'\]"):
         heldout.load(path)
+    # A Llama's software says which of its blocks' operations it runs unfused; a GPT's need not.
+    path.write_text(heldout.RUNS.read_text().replace("dropout: false, unfused: [rope, swiglu]}", "dropout: false}"))
+    with pytest.raises(ConfigError, match=r"flagperf_a800_flagscale's model settings lack \['unfused'\]"):
+        heldout.load(path)
 
 
 def test_the_smallest_run_is_simulated_and_summed_up_by_source() -> None:
@@ -94,6 +98,13 @@ def test_a_source_runs_on_its_own_preset_and_settings() -> None:
         heldout.overrides(small, common)
     )
     assert heldout.settings(BY_ID["t1-1.7b"], DATA)["model"]["attention"] == "eager"  # the file's common settings
+    # Transformers' Llama runs its blocks' elementwise operations unfused, FlagScale's legacy model two of them.
+    assert "model.unfused=[rmsnorm,rope,swiglu]" in heldout.overrides(*_with_settings("flagperf-a800-llama2-7b-zero3"))
+    assert "model.unfused=[rope,swiglu]" in heldout.overrides(*_with_settings("flagperf-h800-llama2-70b-tp8pp4"))
+
+
+def _with_settings(run_id: str) -> tuple[heldout.Run, dict]:
+    return BY_ID[run_id], heldout.settings(BY_ID[run_id], DATA)
 
 
 def test_a_run_of_its_own_sequence_on_a_machine_its_preset_is_not_quite() -> None:

@@ -93,9 +93,10 @@ class LayerTimes:
 
 
 def kernel_launches(kernel: Kernel, amp: bool = False) -> Launches:
-    """The kernels one of the layer's kernels launches per micro-batch: its forward; in
-    backward one per input gradient (two for a product of activations, one more where
-    FlashAttention recomputes its scores) and one for the weight gradient. A parameter
+    """The kernels one of the layer's kernels launches per micro-batch: its forward (an
+    unfused operation's steps: Kernel.launches, and as many in backward); in backward one
+    per input gradient (two for a product of activations, one more where FlashAttention
+    recomputes its scores) and one for the weight gradient. A parameter
     gradient's reduction kernel (Kernel.grad_reduction_bytes) is not counted: the host's
     per-kernel times were measured on blocks that run them and are per kernel of this count
     (src/models/grad_kernels.py).
@@ -113,7 +114,8 @@ def kernel_launches(kernel: Kernel, amp: bool = False) -> Launches:
     core = 1 if kernel.attention_core else 0
     input_casts = 1 if amp and (kernel.cross_entropy == "eager" or (kernel.norm_width and kernel.grad_reduction_bytes)) else 0
     if kernel.kind == "memory":
-        return Launches(1, 1, 0, core, input_casts, input_casts, 0)
+        n = kernel.launches
+        return Launches(n, n, 0, core * n, input_casts, input_casts, 0)
     weight_casts = (2 if kernel.grad_reduction_bytes else 1) if amp and kernel.has_weight else 0
     inputs = (1 if kernel.has_weight else 2) + (1 if kernel.backward_recompute else 0)
     return Launches(1, inputs, 1 if kernel.has_weight else 0, core, input_casts + weight_casts, input_casts, weight_casts)
@@ -129,7 +131,10 @@ def _amp_stream(kernel: Kernel, forward: float, backward: float, reduction: floa
     over its 4 forward; the cast's backward the other way, 6 over its 8). PyTorch's cross
     entropy runs in fp32 the same way (the logits cast up, the gradient cast back:
     src/models/cross_entropy.py). A fused framework's normalisation, and a fused or fp32
-    cross entropy, take and give their dtypes themselves."""
+    cross entropy, take and give their dtypes themselves, and an unfused operation's bytes
+    are counted in the dtypes its steps run (src/models/elementwise.py)."""
+    if kernel.launches > 1:
+        return forward, backward, reduction
     if kernel.residual:
         return forward * 10 / 6, backward * 10 / 6, reduction
     if kernel.cross_entropy == "eager" or (kernel.norm_width and kernel.grad_reduction_bytes):
@@ -208,10 +213,11 @@ class ComputeModel:
         flops = 2.0 * m * n * k * batch * (0.5 if causal else 1.0)
         return flops / table.rate(kernel.flash_kernel, causal, head_dim, keys)
 
-    def memory_time(self, nbytes: float) -> float:
+    def memory_time(self, nbytes: float, kernels: int = 1) -> float:
+        """`kernels` bandwidth-bound kernels moving `nbytes` among them."""
         if nbytes <= 0:
             return 0.0
-        return nbytes / self.hbm + self.cluster.kernel_overhead_s
+        return nbytes / self.hbm + kernels * self.cluster.kernel_overhead_s
 
     def _table_gradient(self, kernel: Kernel, sharding: Sharding) -> float:
         """A lookup table's dense gradient, once a micro-batch however many rows it looked up
@@ -241,8 +247,8 @@ class ComputeModel:
             backward, reduction = kernel.backward_moves * forward, kernel.grad_reduction_bytes * rows / divisor
             if self.amp:
                 forward, backward, reduction = _amp_stream(kernel, forward, backward, reduction)
-            fwd = self.memory_time(forward)
-            bwd = self.memory_time(backward)  # one kernel
+            fwd = self.memory_time(forward, kernel.launches)
+            bwd = self.memory_time(backward, kernel.launches)
             weight = self.memory_time(reduction) + self._table_gradient(kernel, sharding)
             return LayerTimes(fwd, bwd, weight, fwd if kernel.attention_core else 0.0, launches)
         m_div, n_div, k_div, batch_div = sharding.gemm_divisors(kernel.tp_split)

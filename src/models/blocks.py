@@ -102,7 +102,15 @@ def decoder_unit(preset: DecoderPreset, seq: int, output_elems: int, name: str =
         kv_heads=preset.kv_heads or preset.heads,
     )
     block = transformer_layer(
-        seq, preset.hidden, preset.heads, preset.ffn, kv_heads=preset.kv_heads, gated=llama, bias=not llama, dropout=dropout
+        seq,
+        preset.hidden,
+        preset.heads,
+        preset.ffn,
+        kv_heads=preset.kv_heads,
+        gated=llama,
+        bias=not llama,
+        dropout=dropout,
+        rotary=llama,
     )
     layers = (
         [embedding_layer(preset.vocab, preset.hidden, seq, positions=0 if llama else seq)]

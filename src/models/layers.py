@@ -83,11 +83,14 @@ def _attention(
     self_attention: bool,
     dropout: bool,
     bias: bool,
+    rotary: bool = False,
 ) -> list[Kernel]:
     head_dim = hidden // heads
     scores = heads * seq * kv_seq
     if self_attention:
         projections = [gemm(f"{prefix}qkv", seq, hidden, hidden + 2 * kv_dim, "n", bias=bias)]
+        if rotary:
+            projections += [_rotary(f"{prefix}rope_q", seq * hidden), _rotary(f"{prefix}rope_k", seq * kv_dim)]
     else:
         projections = [
             gemm(f"{prefix}q", seq, hidden, hidden, "n", bias=bias),
@@ -101,6 +104,13 @@ def _attention(
         gemm(f"{prefix}proj", seq, hidden, hidden, "k", bias=bias),
         residual(f"{prefix}residual", seq * hidden),
     ]
+
+
+def _rotary(name: str, elems: float) -> Kernel:
+    """Rotary position embedding of the queries' or the keys' `elems` values, one fused
+    kernel each (Megatron-Core's and Transformer Engine's, applied to each in turn): forward
+    reads and writes them, backward rotates the gradient back (reads and writes as many)."""
+    return Kernel(name, "memory", bytes=2 * ACT_BYTES * elems, tp_split="n", backward_moves=1.0, elementwise="rope")
 
 
 def _attention_dropout(prefix: str, scores: int) -> Kernel:
@@ -131,11 +141,15 @@ def transformer_layer(
     cross_seq: int | None = None,
     cross_hidden: int | None = None,
     dropout: bool = False,
+    rotary: bool = False,
     name: str = "block",
 ) -> LayerSpec:
     """A pre-norm transformer block: self-attention, optional cross-attention, MLP.
 
-    gated=True is a SwiGLU MLP (Llama); kv_heads < heads is grouped-query attention.
+    gated=True is a gated MLP; kv_heads < heads is grouped-query attention; rotary=True
+    rotates the self-attention's queries and keys (RoPE). A block without biases normalises
+    by RMSNorm, and a gated one is SwiGLU (Llama): kernels that software may run unfused
+    (src/models/elementwise.py), built fused here.
     Causal masking does not change the count (the usual MFU convention counts s² fully).
     dropout=True keeps Korthikanti's dropout masks and attention-dropout output (34sh +
     5as² for a GPT block, Megatron's default) and runs the attention dropout as a kernel of
@@ -151,8 +165,9 @@ def transformer_layer(
     up = 2 * ffn if gated else ffn
     b = 1 if bias else 0
 
-    kernels: list[Kernel] = [memory("ln1", seq * hidden, norm=hidden)]
-    kernels += _attention("attn_", seq, seq, hidden, heads, kv_dim, hidden, True, dropout, bias)
+    norm_op = "" if bias else "rmsnorm"
+    kernels: list[Kernel] = [replace(memory("ln1", seq * hidden, norm=hidden), elementwise=norm_op)]
+    kernels += _attention("attn_", seq, seq, hidden, heads, kv_dim, hidden, True, dropout, bias, rotary)
     params = hidden * (hidden + 2 * kv_dim) + b * (hidden + 2 * kv_dim) + hidden * hidden + b * hidden
     norms = 2
     # Two dropout masks (after attention, after the MLP) are replicated; attention dropout
@@ -166,7 +181,7 @@ def transformer_layer(
 
     if cross_seq is not None:
         cross_hidden = cross_hidden or hidden
-        kernels.append(memory("ln_cross", seq * hidden, norm=hidden))
+        kernels.append(replace(memory("ln_cross", seq * hidden, norm=hidden), elementwise=norm_op))
         kernels += _attention("xattn_", seq, cross_seq, hidden, heads, hidden, cross_hidden, False, dropout, bias)
         params += hidden * hidden + cross_hidden * 2 * hidden + hidden * hidden + b * 4 * hidden
         norms += 1
@@ -177,9 +192,9 @@ def transformer_layer(
         allreduces += 1
 
     kernels += [
-        memory("ln2", seq * hidden, norm=hidden),
+        replace(memory("ln2", seq * hidden, norm=hidden), elementwise=norm_op),
         gemm("fc1", seq, hidden, up, "n", bias=bias),
-        memory("act", seq * (up + ffn) / 2, "n"),
+        replace(memory("act", seq * (up + ffn) / 2, "n"), elementwise="swiglu" if gated and not bias else ""),
         gemm("fc2", seq, ffn, hidden, "k", bias=bias),
         residual("mlp_residual", seq * hidden),
     ]
@@ -243,7 +258,8 @@ def head_layer(
     its saved 16-bit log-probabilities charged as activations split by TP (vocab-parallel).
     """
     loss_elems = seq * out if loss_elems is None else loss_elems
-    kernels = ([memory("final_norm", seq * hidden, norm=hidden)] if norm else []) + [
+    final_norm = replace(memory("final_norm", seq * hidden, norm=hidden), elementwise="" if norm_shift else "rmsnorm")
+    kernels = ([final_norm] if norm else []) + [
         gemm("projection", seq, hidden, out, "n"),
         eager_loss(loss_elems),
     ]

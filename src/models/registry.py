@@ -3,8 +3,8 @@
 Every builder takes the config's Options and the training sequence length (train.seq_len,
 None = the model's default; only models with an LLM unit accept one). The registry then
 applies `model.attention`, `model.param_grad_kernels`, `model.cross_entropy`,
-`model.grad_accumulation` and `model.frozen`, which work for every model, and rejects keys
-nobody read.
+`model.grad_accumulation`, `model.unfused` and `model.frozen`, which work for every model
+(an unfused operation only where its blocks run it), and rejects keys nobody read.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from src.errors import ConfigError
 from src.models.attention import ATTENTION_MODES, with_attention
 from src.models.contrastive import build_clip, build_coca, build_lit
 from src.models.cross_entropy import CROSS_ENTROPY_MODES, with_cross_entropy
+from src.models.elementwise import with_unfused
 from src.models.gpt import build_gpt
 from src.models.grad_accumulation import GRAD_ACCUMULATIONS, with_grad_accumulation
 from src.models.grad_kernels import PARAM_GRAD_KERNELS, with_param_grad_kernels
@@ -61,10 +62,11 @@ def build_model(
     grad_kernels = opts.choice("param_grad_kernels", PARAM_GRAD_KERNELS, param_grad_kernels)
     loss = opts.choice("cross_entropy", CROSS_ENTROPY_MODES, cross_entropy)
     accumulation = opts.choice("grad_accumulation", GRAD_ACCUMULATIONS, grad_accumulation)
+    unfused = opts.names("unfused") or []
     frozen = opts.names("frozen")
     opts.finish(name)
     spec = with_cross_entropy(with_param_grad_kernels(with_attention(spec, mode), grad_kernels), loss)
-    spec = with_grad_accumulation(spec, accumulation)
+    spec = with_unfused(with_grad_accumulation(spec, accumulation), unfused)
     return spec if frozen is None else _freeze(spec, frozen)
 
 

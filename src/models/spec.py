@@ -69,6 +69,11 @@ class Kernel:
       writes the table's dense gradient (zero-filled, then the looked-up rows added: PyTorch's
       embedding backward), which the framework adds into the step's accumulated gradient,
       every micro-batch whatever model.grad_accumulation says (no GEMM accumulates it).
+    elementwise: a Llama block's operation that software runs fused or as PyTorch's
+      separate kernels (rmsnorm | rope | swiglu: src/models/elementwise.py); empty for
+      every other kernel.
+    launches: the kernels a memory-bound kernel's forward launches, and its backward as
+      many (an unfused operation's; its bytes are all of theirs).
     """
 
     name: str
@@ -95,6 +100,8 @@ class Kernel:
     cross_entropy: str = ""
     accumulation_pass: bool = False
     table: float = 0.0
+    elementwise: str = ""
+    launches: int = 1
 
     def flops(self, contrastive_batch: int = 1) -> float:
         """Forward FLOPs for one sample (0 for memory-bound kernels)."""

@@ -198,19 +198,20 @@ def test_a_32_gpu_orchestration_is_what_it_was() -> None:
     StepCCL its copy engines, the embedding its dense gradient and the attention FlashAttention 2's
     measured rates, and when the encoder lost sequence parallelism at TP 2, which its 257
     tokens do not allow: one choice of the eight gone, another of 5.4643 s in; the relaxed bound
-    when the LLM's RMSNorm lost the shift it never had, 65 x 4096 parameters): solving
-    fewer of them (the bound) and pricing faster must leave them as they are."""
+    when the LLM's RMSNorm lost the shift it never had, 65 x 4096 parameters; and when the
+    LLM's blocks gained their rotary embedding's kernels, 0.7 % on each): solving fewer of
+    them (the bound) and pricing faster must leave them as they are."""
     s = setup("model=mllm_9b", "cluster=a800", "cluster.nodes=4", "train.global_batch=64", "train.data=uniform")
     found = _orchestrator(s, keep=8).solve()
-    times = [5.369954417231, 5.379214352838, 5.455576474042, 5.464298116254, 5.465237038132, 5.473958680345, 5.474685434772]
-    assert [t for t, _ in found.choices] == pytest.approx([*times, 5.5170848829], rel=1e-11)
+    times = [5.408787759640, 5.418047695247, 5.493841030990, 5.502562673202, 5.503501595080, 5.512223237293, 5.512949991720]
+    assert [t for t, _ in found.choices] == pytest.approx([*times, 5.548866686964], rel=1e-11)
     assert [(c[1].tp, c[1].dp, c[1].pp) for _, c in found.choices] == [(4, 1, 7)] * 2 + [(2, 2, 7)] * 6
     assert [c.describe() for c in found.best] == [
         "encoder dp=1 pp=1 tp=1 recompute=none sp=off zero=1 sg=on vpp=1",
         "llm dp=1 pp=7 tp=4 recompute=none sp=on zero=1 sg=on vpp=1",
         "generator dp=1 pp=2 tp=1 recompute=none sp=off zero=1 sg=on vpp=1",
     ]
-    assert found.relaxed_s == pytest.approx(4.709901888874765, rel=1e-12)
+    assert found.relaxed_s == pytest.approx(4.743087423367556, rel=1e-12)
     assert found.search["solved"] < found.search["subproblems"]
 
 

@@ -1,0 +1,110 @@
+"""Which of a Llama block's elementwise operations the software runs unfused (model.unfused).
+
+The builders make them fused (src/models/layers.py), as Megatron-Core with Transformer
+Engine runs them: RMSNorm one kernel each way (Transformer Engine's or apex's), the rotary
+embedding one kernel for the queries and one for the keys (Megatron-Core's RoPE fusion, on
+by default since 2024: `--no-rope-fusion` turns it off), SwiGLU one kernel (its bias-SwiGLU
+fusion, `--no-bias-swiglu-fusion`). Software that writes an operation in PyTorch runs each
+of its steps as a kernel of its own, every step reading and writing the whole tensor, and
+keeps more for backward:
+
+rmsnorm: Hugging Face Transformers' LlamaRMSNorm: the input cast to fp32, squared, its
+  mean, plus epsilon and the reciprocal square root (one value a row), the fp32 input
+  scaled by it, cast back, times the weight: 8 kernels moving 36 bytes a value forward;
+  backward 60 (each step's gradient, and the fp32 input's two gradients summed); the fp32
+  input kept besides (4 bytes a value, replicated as the norm's input is).
+rope: `t * cos + rotate_half(t) * sin` (Transformers' and Megatron-LM's legacy models'),
+  for the queries and for the keys: the product with the cosines, the negated half, their
+  concatenation, the product with the sines, the sum: 5 kernels moving 20 bytes a value
+  each way (backward: the products' gradients, the negation's, the halves concatenated
+  again, the two paths' gradients summed); nothing kept (its factors are constants).
+  Megatron-LM's legacy copy of the result into a concatenation with its empty unrotated
+  part is left out.
+swiglu: `F.silu(gate) * up`: 2 kernels moving 10 bytes a value of the output forward (the
+  fused kernel: 6) and 18 backward (12); the SiLU's output kept besides (2 bytes a value,
+  split by TP as the MLP's are). A separate gate and up projection's input gradients
+  summed (Transformers') and a chunked input's gradients concatenated (Megatron-LM's
+  legacy MLP) are left out.
+
+Backward is charged as many launches as forward (autograd runs about as many). An unfused
+operation's bytes are counted in the dtypes its steps run, under PyTorch AMP too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from src.errors import ConfigError
+from src.models.spec import ActivationBytes, Kernel, LayerSpec, ModelSpec
+
+UNFUSABLE = ("rmsnorm", "rope", "swiglu")
+# Forward bytes a value of the operation's fused kernel moves, as the builders make it: RMSNorm
+# and RoPE read and write each 16-bit value; SwiGLU reads two for each it writes.
+FUSED_BYTES = {"rmsnorm": 4.0, "rope": 4.0, "swiglu": 6.0}
+
+
+@dataclass(frozen=True)
+class Unfused:
+    """An operation run step by step: bytes a value forward and backward, kernels each way,
+    bytes a value kept for backward beyond what the fused kernel keeps, and whether those lie
+    replicated across TP ranks (a norm's input) or split (the MLP's)."""
+
+    forward: float
+    backward: float
+    launches: int
+    saved: float = 0.0
+    replicated: bool = False
+
+
+UNFUSED = {
+    "rmsnorm": Unfused(36.0, 60.0, 8, saved=4.0, replicated=True),
+    "rope": Unfused(20.0, 20.0, 5),
+    "swiglu": Unfused(10.0, 18.0, 2, saved=2.0),
+}
+
+
+def with_unfused(spec: ModelSpec, ops: list[str]) -> ModelSpec:
+    """The model with the listed operations run unfused; an operation its blocks do not run
+    is refused (a GPT block's LayerNorm and GELU are one PyTorch kernel each already).
+    Repeated layers stay one object: consumers cache by identity."""
+    unknown = sorted(set(ops) - set(UNFUSABLE))
+    if unknown:
+        raise ConfigError(f"model.unfused={ops} names {unknown}: the operations are {', '.join(UNFUSABLE)}")
+    if not ops:
+        return spec
+    present = {kernel.elementwise for unit in spec.units for layer in unit.layers for kernel in layer.kernels}
+    absent = sorted(set(ops) - present)
+    if absent:
+        raise ConfigError(
+            f"model.unfused names {', '.join(absent)}, which model {spec.name} does not run (only Llama blocks run "
+            f"{', '.join(UNFUSABLE)})"
+        )
+    chosen = frozenset(ops)
+    return spec.map_layers(lambda layer: _unfused_layer(layer, chosen))
+
+
+def _unfused_layer(layer: LayerSpec, ops: frozenset[str]) -> LayerSpec:
+    kernels = [kernel for kernel in layer.kernels if kernel.elementwise in ops]
+    if not kernels:
+        return layer
+    replicated = split = 0.0
+    for kernel in kernels:
+        way = UNFUSED[kernel.elementwise]
+        kept = _values(kernel) * way.saved
+        replicated, split = (replicated + kept, split) if way.replicated else (replicated, split + kept)
+    a = layer.activations
+    return replace(
+        layer,
+        kernels=tuple(_unfused_kernel(kernel) if kernel.elementwise in ops else kernel for kernel in layer.kernels),
+        activations=ActivationBytes(a.replicated + replicated, a.split + split, a.attention, a.checkpoint, a.flash_attention),
+    )
+
+
+def _values(kernel: Kernel) -> float:
+    """The values a sample's operation works on (normalised, rotated, or the MLP's output)."""
+    return kernel.bytes / FUSED_BYTES[kernel.elementwise]
+
+
+def _unfused_kernel(kernel: Kernel) -> Kernel:
+    way = UNFUSED[kernel.elementwise]
+    return replace(kernel, bytes=_values(kernel) * way.forward, backward_moves=way.backward / way.forward, launches=way.launches)

@@ -1,0 +1,117 @@
+"""model.unfused: a Llama block's RMSNorm, rotary embedding and SwiGLU, fused as Megatron-Core
+with Transformer Engine runs them, or step by step as PyTorch code runs them."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from src.cluster import cluster_from_config
+from src.config import composed
+from src.costmodel.compute import ComputeModel, layer_launches
+from src.errors import ConfigError
+from src.mesh import Sharding, tensor_parallel
+from src.models.registry import build_model
+from src.models.spec import Kernel, LayerSpec
+from src.setup import validate
+
+SEQ, HIDDEN, HEADS, KV_HEADS, FFN = 1024, 1024, 16, 4, 2816
+LLAMA = {"name": "gpt", "preset": None, "layers": 2, "hidden": HIDDEN, "heads": HEADS, "vocab": 32000}
+LLAMA |= {"style": "llama", "ffn": FFN, "kv_heads": KV_HEADS}
+KV_DIM = KV_HEADS * HIDDEN // HEADS
+# The values each operation works on, per sample: the normalised ones, the rotated queries
+# and keys, the MLP's output.
+VALUES = {"ln1": SEQ * HIDDEN, "attn_rope_q": SEQ * HIDDEN, "attn_rope_k": SEQ * KV_DIM, "act": SEQ * FFN}
+
+
+def block(unfused: list[str]) -> LayerSpec:
+    return build_model({**LLAMA, "unfused": unfused}, SEQ).unit("llm").layers[1]
+
+
+def kernel(layer: LayerSpec, name: str) -> Kernel:
+    return next(k for k in layer.kernels if k.name == name)
+
+
+def priced(k: Kernel, amp: bool, sharding: Sharding = Sharding()) -> tuple[float, float]:
+    """A kernel's (forward, backward) bytes per value on hopper, read back from its times (each
+    of its launches one kernel gap)."""
+    cluster = replace(cluster_from_config(composed(["cluster=hopper"])["cluster"]), amp=amp)
+    times = ComputeModel(cluster, "bf16").kernel_times(k, 1, sharding, 1)
+    hbm, gaps = cluster.memory_bandwidth * cluster.memory_efficiency, k.launches * cluster.kernel_overhead_s
+    return (times.fwd - gaps) * hbm / VALUES[k.name], (times.bwd_input - gaps) * hbm / VALUES[k.name]
+
+
+@pytest.mark.parametrize(
+    ("name", "op", "fused", "unfused", "launches"),
+    [
+        ("ln1", "rmsnorm", (4, 8), (36, 60), 8),
+        ("attn_rope_q", "rope", (4, 4), (20, 20), 5),
+        ("attn_rope_k", "rope", (4, 4), (20, 20), 5),
+        ("act", "swiglu", (6, 12), (10, 18), 2),
+    ],
+)
+def test_each_operation_moves_its_bytes_a_value_in_its_kernels(
+    name: str, op: str, fused: tuple[int, int], unfused: tuple[int, int], launches: int
+) -> None:
+    """Fused: one kernel each way. Unfused: every step a kernel of its own reading and writing
+    the whole tensor, counted in the dtypes its steps run, so autocast adds nothing."""
+    one, many = kernel(block([]), name), kernel(block([op]), name)
+    assert (one.elementwise, one.launches, many.launches) == (op, 1, launches)
+    assert priced(one, amp=False) == pytest.approx(fused)
+    assert priced(many, amp=False) == pytest.approx(unfused)
+    assert priced(many, amp=True) == pytest.approx(unfused)
+
+
+def test_the_rotary_embedding_is_a_kernel_for_the_queries_and_one_for_the_keys_split_by_heads() -> None:
+    names = [k.name for k in block([]).kernels]
+    assert names[names.index("attn_qkv") + 1 : names.index("attn_qkv") + 3] == ["attn_rope_q", "attn_rope_k"]
+    tp = priced(kernel(block(["rope"]), "attn_rope_k"), amp=False, sharding=tensor_parallel(4))
+    assert (tp[0] * 4, tp[1] * 4) == pytest.approx((20, 20))
+
+
+def test_a_gpt_block_has_no_rotary_embedding_and_nothing_to_unfuse() -> None:
+    gpt = build_model({**LLAMA, "style": "gpt", "kv_heads": None, "ffn": None}, SEQ).unit("llm")
+    assert not any(k.elementwise for layer in gpt.layers for k in layer.kernels)
+    assert not any("rope" in k.name for layer in gpt.layers for k in layer.kernels)
+
+
+def test_unfused_operations_keep_more_for_backward_and_launch_their_steps() -> None:
+    """RMSNorm keeps its fp32 input (4 bytes a value, replicated across TP ranks as the norm's
+    input is), SwiGLU the SiLU's output (2 bytes a value of the MLP's output, split), RoPE
+    nothing (its factors are constants). The host issues every step: 7 more kernels a norm
+    each way, 4 more a rotation, 1 more for SwiGLU."""
+    fused, every = block([]), block(["rmsnorm", "rope", "swiglu"])
+    a, b = fused.activations, every.activations
+    assert b.replicated - a.replicated == pytest.approx(2 * 4 * SEQ * HIDDEN)
+    assert b.split - a.split == pytest.approx(2 * SEQ * FFN)
+    assert (b.attention, b.checkpoint, b.flash_attention) == (a.attention, a.checkpoint, a.flash_attention)
+    more = 2 * 7 + 2 * 4 + 1
+    assert layer_launches(every).fwd - layer_launches(fused).fwd == more
+    assert layer_launches(every).bwd_input - layer_launches(fused).bwd_input == more
+    assert block(["rope"]).activations == a
+
+
+def test_the_final_norm_is_unfused_with_the_blocks() -> None:
+    head = build_model({**LLAMA, "unfused": ["rmsnorm"]}, SEQ).unit("llm").layers[-1]
+    assert kernel(head, "final_norm").launches == 8
+
+
+@pytest.mark.parametrize(
+    ("model", "refusal"),
+    [
+        ({**LLAMA, "unfused": ["layernorm"]}, r"names \['layernorm'\]: the operations are rmsnorm, rope, swiglu"),
+        ({**LLAMA, "style": "gpt", "unfused": ["rope"]}, r"model.unfused names rope, which model gpt does not run"),
+        ({**LLAMA, "unfused": "rope"}, r"model.unfused='rope' must be a list of names"),
+    ],
+)
+def test_an_operation_nobody_runs_is_refused_in_one_line(model: dict, refusal: str) -> None:
+    with pytest.raises(ConfigError, match=refusal):
+        build_model(model, SEQ)
+
+
+def test_the_front_door_takes_it_from_the_models_that_have_llama_blocks() -> None:
+    layers = validate(composed(["model=mllm_9b", "model.scale=tiny", "model.unfused=[swiglu]"])).model.unit("llm").layers
+    assert kernel(layers[1], "act").launches == 2
+    with pytest.raises(ConfigError, match="which model clip does not run"):
+        validate(composed(["model=clip", "+model.unfused=[rmsnorm]"]))
