@@ -70,7 +70,8 @@ def test_a_run_citing_no_listed_source_is_refused(tmp_path: Path) -> None:
 
 def test_a_source_s_model_settings_are_refused_incomplete_or_misspelt(tmp_path: Path) -> None:
     path = tmp_path / "runs.yaml"
-    path.write_text(heldout.RUNS.read_text().replace("ffn: 28672, kv_heads: 8", "ffn: 28672, kv_head: 8", 1))
+    h800 = "vocab: 32000, seq_len: 4096, style: llama, ffn: 28672, kv_heads: 8"  # the H800 source's alone
+    path.write_text(heldout.RUNS.read_text().replace(h800, h800.replace("kv_heads", "kv_head")))
     with pytest.raises(ConfigError, match=r"flagperf_h800_flagscale's model settings \['kv_head'\] are not ones a run reads"):
         heldout.load(path)
     path.write_text(heldout.RUNS.read_text().replace("seq_len: 4096, style: llama, ffn: 28672", "style: llama, ffn: 28672", 1))
