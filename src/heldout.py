@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 from dataclasses import dataclass
@@ -229,15 +230,22 @@ def _value(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def simulate_run(run: Run, common: dict[str, Any]) -> float:
-    """Seconds of one simulated iteration of the run's plan."""
+def simulate_run(run: Run, common: dict[str, Any]) -> tuple[float, dict[str, float]]:
+    """Seconds of one simulated iteration of the run's plan, and where they go (the parts of
+    the summary's breakdown that are not zero, averaged over the ranks)."""
     from src.config import composed
     from src.setup import plan_run, validate
     from src.sim.engine import simulate
 
     setup = validate(composed(overrides(run, common)))
     plan = plan_run(setup)
-    return simulate(plan.program, setup.model, setup.cluster, plan.precision).iteration_time
+    timeline = simulate(plan.program, setup.model, setup.cluster, plan.precision)
+    return timeline.iteration_time, {kind: s for kind, s in timeline.mean_breakdown().items() if s > 0}
+
+
+def command(run: Run, common: dict[str, Any]) -> str:
+    """The front door's command that prices the run (its summary, trace and plan to read)."""
+    return " ".join(["python -m src.run", *map(shlex.quote, overrides(run, common))])
 
 
 def check(runs: list[Run], data: dict[str, Any]) -> list[dict[str, Any]]:
@@ -256,13 +264,17 @@ def check(runs: list[Run], data: dict[str, Any]) -> list[dict[str, Any]]:
         published = published_seconds(run, run.seq(common), common["model"]["vocab"], common.get("flops", "narayanan2021"))
         row["published_s"] = published
         try:
-            simulated = simulate_run(run, common)
+            simulated, parts = simulate_run(run, common)
         except (ConfigError, RuntimeError) as err:
             row["error"] = str(err).splitlines()[0]
         else:
-            row.update(simulated_s=simulated, error_pct=100.0 * (simulated - published) / published)
+            row.update(simulated_s=simulated, error_pct=100.0 * (simulated - published) / published, breakdown_s=parts)
+        row["command"] = command(run, common)
         rows.append(row)
-        shown = row.get("error") or f"published {published:.3f} s, simulated {row['simulated_s']:.3f} s ({row['error_pct']:+.1f} %)"
+        shown = row.get("error") or (
+            f"published {published:.3f} s, simulated {row['simulated_s']:.3f} s ({row['error_pct']:+.1f} %): "
+            + ", ".join(f"{kind} {s:.3g} s" for kind, s in row["breakdown_s"].items())
+        )
         print(f"{run.id}: {shown}", file=sys.stderr, flush=True)
     return rows
 

@@ -3,6 +3,7 @@ starts; one small run is simulated)."""
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import replace
 from pathlib import Path
 
@@ -86,6 +87,12 @@ def test_a_source_s_model_settings_are_refused_incomplete_or_misspelt(tmp_path: 
 def test_the_smallest_run_is_simulated_and_summed_up_by_source() -> None:
     rows = heldout.check([BY_ID["k22-22b-full"]], DATA)
     assert rows[0]["simulated_s"] > 0 and rows[0]["published_s"] == 1.42
+    # Where the simulated seconds go (they add up), and the front door's command that prices the run.
+    assert sum(rows[0]["breakdown_s"].values()) == pytest.approx(rows[0]["simulated_s"])
+    assert rows[0]["breakdown_s"]["compute"] > 0 and all(s > 0 for s in rows[0]["breakdown_s"].values())
+    run = BY_ID["k22-22b-full"]
+    assert shlex.split(rows[0]["command"])[:3] == ["python", "-m", "src.run"]
+    assert shlex.split(rows[0]["command"])[3:] == heldout.overrides(run, heldout.settings(run, DATA))
     summary = heldout.summarize(rows, "source")["korthikanti2022"]
     assert summary["runs"] == 1 and summary["mape_pct"] == pytest.approx(abs(rows[0]["error_pct"]))
     assert summary["simulated_faster"] + summary["simulated_slower"] == 1
