@@ -199,10 +199,15 @@ class ComputeModel:
         seconds = self.gemm_time(m, n, k, batch)
         return seconds - self.cluster.kernel_overhead_s if seconds > 0 else 0.0
 
-    def _measured_attention(self, kernel: Kernel, m: float, n: float, k: float, batch: float, causal: bool) -> float | None:
+    def _measured_attention(
+        self, kernel: Kernel, m: float, n: float, k: float, batch: float, causal: bool, groups: float
+    ) -> tuple[float, float] | None:
         """One product of a FlashAttention core of a measured version (QK^T: k the head
         dimension and n the keys; PV: the other way round) at that version's rate over that
-        many keys; None for any other kernel, or a head wider than the table measured."""
+        many keys, in its forward and in its backward (each scaled by how the kernel's grid of
+        `groups` samples x heads packs on the SMs against the benchmark's:
+        AttentionMeasurements.packing); None for any other kernel, or a head wider than the
+        table measured."""
         if not kernel.flash_kernel:
             return None
         table = self.cluster.attention_measurements
@@ -211,7 +216,9 @@ class ComputeModel:
         if not table.covers(kernel.flash_kernel, causal, head_dim):
             return None
         flops = 2.0 * m * n * k * batch * (0.5 if causal else 1.0)
-        return flops / table.rate(kernel.flash_kernel, causal, head_dim, keys)
+        seconds = flops / table.rate(kernel.flash_kernel, causal, head_dim, keys)
+        forward, backward = table.packing(kernel.flash_kernel, causal, head_dim, keys, groups)
+        return seconds * forward, seconds * backward
 
     def memory_time(self, nbytes: float, kernels: int = 1) -> float:
         """`kernels` bandwidth-bound kernels moving `nbytes` among them."""
@@ -236,10 +243,18 @@ class ComputeModel:
         return self.memory_time(params / grad_shard * self.step.grads + params / shard * self.step.shard)
 
     def kernel_times(
-        self, kernel: Kernel, rows: float, sharding: Sharding, contrastive_batch: int, causal: bool = False
+        self,
+        kernel: Kernel,
+        rows: float,
+        sharding: Sharding,
+        contrastive_batch: int,
+        causal: bool = False,
+        grid_rows: float | None = None,
     ) -> LayerTimes:
         """Times of one kernel over `rows` samples' worth of input on one device; `causal`:
-        FlashAttention under a causal mask, which skips the score tiles it hides."""
+        FlashAttention under a causal mask, which skips the score tiles it hides; `grid_rows`:
+        the samples one launch of an attention core holds where a pass is priced in parts
+        that launch it once (Work.chunks; default `rows`)."""
         launches = kernel_launches(kernel, self.amp)
         if kernel.kind == "memory":
             divisor = sharding.memory_divisor(kernel.tp_split)
@@ -264,11 +279,15 @@ class ComputeModel:
         # one's split by TP.
         out_split = "none" if kernel.tp_split == "k" else kernel.tp_split
         bwd_weight += self.memory_time(kernel.grad_reduction_bytes * rows / sharding.memory_divisor(out_split))
-        measured = self._measured_attention(kernel, m, n, k, batch, causal and kernel.name.startswith("attn_"))
+        groups = (rows if grid_rows is None else grid_rows) / m_div * batch
+        measured = self._measured_attention(kernel, m, n, k, batch, causal and kernel.name.startswith("attn_"), groups)
+        recomputed = None
         if measured is not None:
             # A measured version's rate holds for its forward and backward alike and counts a
-            # causal core's FLOPs as half (src/attention_measurements.py).
-            fwd = bwd_input = measured
+            # causal core's FLOPs as half (src/attention_measurements.py); the backward kernel
+            # recomputes the scores on its own grid.
+            fwd, bwd_input = measured
+            recomputed = bwd_input
         elif causal and kernel.attention_core and kernel.name.startswith("attn_"):
             # A self-attention core's products over the s x s scores (QK^T: n = s; PV: k = s).
             tiles = math.ceil((n if kernel.attention_scores else k) / FLASH_TILE)
@@ -279,7 +298,7 @@ class ComputeModel:
             bwd_input *= 2.0
         if kernel.backward_recompute:
             # FlashAttention's backward first recomputes the scores it did not keep.
-            bwd_input += fwd
+            bwd_input += fwd if recomputed is None else recomputed
         if kernel.has_weight and self.amp:
             # Autocast casts the fp32 weight where the forward uses it (read 4, write 2 bytes
             # an element); backward casts its gradient back (read 2, write 4) and adds it into
@@ -299,11 +318,13 @@ class ComputeModel:
         contrastive_batch: int = 1,
         kernels: tuple[int, int] | None = None,
         causal: bool = False,
+        grid_rows: float | None = None,
     ) -> LayerTimes:
         """A layer's times; `causal`: its unit's self-attention is causally masked, which
         FlashAttention (a layer whose scores GEMM recomputes in backward) turns into tiles
-        it skips; eager attention computes every score and masks them."""
-        key = (layer, samples, sharding, contrastive_batch, kernels, causal)
+        it skips; eager attention computes every score and masks them; `grid_rows`: as
+        kernel_times'."""
+        key = (layer, samples, sharding, contrastive_batch, kernels, causal, grid_rows)
         cached = self._layer_cache.get(key)
         if cached is not None:
             return cached
@@ -312,7 +333,7 @@ class ComputeModel:
         fwd = bwd_in = bwd_w = core = 0.0
         launches = Launches()
         for kernel in selected:
-            t = self.kernel_times(kernel, samples, sharding, contrastive_batch, flash_causal)
+            t = self.kernel_times(kernel, samples, sharding, contrastive_batch, flash_causal, grid_rows)
             fwd += t.fwd
             bwd_in += t.bwd_input
             bwd_w += t.bwd_weight
@@ -388,7 +409,9 @@ class ComputeModel:
         for position, index in enumerate(order):
             layer = layers[index]
             kernels = work.kernels if (work.kernels is not None and index == 0) else None
-            t = self.layer_times(layer, rows, work.sharding, work.contrastive_batch, kernels, causal)
+            # A pass priced in chunks launches its attention cores once, on all the chunks' rows.
+            grid_rows = rows * work.chunks if work.chunks > 1 else None
+            t = self.layer_times(layer, rows, work.sharding, work.contrastive_batch, kernels, causal, grid_rows)
             device, forward_kernels, backward_kernels, casts = self._phase(work, t, layer.forward_only, model, unit, start + index)
             if self.cluster.host_launch == "graphed":  # one graph launch per layer and pass
                 forward_kernels, backward_kernels, casts = min(forward_kernels, 1), min(backward_kernels, 1), 0

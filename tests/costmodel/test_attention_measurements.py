@@ -75,21 +75,52 @@ def _block(mode: str) -> LayerSpec:
 
 
 def test_a_measured_version_prices_its_core_at_the_measured_rate() -> None:
+    """On the benchmark's own grid (16,384 tokens: two samples of 8k, 16 heads of 128)."""
     cluster = preset_cluster("dgx_a100")
     compute = ComputeModel(cluster, "bf16")
-    s, d, heads = 8192, 128, 16
-    forward_flops = 4 * s * s * d * heads / 2  # the benchmark's count: causal, halved
+    s, d, heads, samples = 8192, 128, 16, 2
+    forward_flops = 4 * s * s * d * heads * samples / 2  # the benchmark's count: causal, halved
     for mode, tflops in (("flash1", 80), ("flash2", 182)):  # the table's causal 128 at 8k
         layer = _block(mode)
         core = [k for k in layer.kernels if k.attention_core and k.kind == "gemm"]
         assert {k.flash_kernel for k in core} == {mode}
-        times = [compute.kernel_times(k, 1, Sharding(), 1, causal=True) for k in core]
+        times = [compute.kernel_times(k, samples, Sharding(), 1, causal=True) for k in core]
         fwd = sum(t.fwd for t in times)
         bwd = sum(t.bwd_input for t in times)
         assert fwd == pytest.approx(forward_flops / (tflops * 1e12))
         assert bwd == pytest.approx(2.5 * fwd)  # two input gradients each and the recomputed scores
     # flash: the same core on the GEMM curve, which rates both versions alike
     assert {k.flash_kernel for k in _block("flash").kernels} == {""}
+
+
+def test_a_grid_of_few_heads_is_bound_by_its_longest_blocks() -> None:
+    """FlashAttention 2 at head dimension 128 (the table's grid): 2 x 16 heads of 8k fill the
+    A100's 216 forward slots as the benchmark did; a causal forward of one sample's 4 heads (TP 8
+    of 32) is 256 blocks of 1 to 64 key blocks, bound by the heaviest (1.7x the table's time);
+    its backward, heaviest first on 108 slots, less so. Other kernels and head dimensions keep
+    the measured rate, and a full mask's equal blocks lose only the last wave's slots."""
+    table = measured_attention("a100_flash_attention")
+    assert table.packing("flash2", True, 128, 8192, 32) == pytest.approx((1.0, 1.0))
+    forward, backward = table.packing("flash2", True, 128, 8192, 4)
+    assert forward == pytest.approx(1.70, abs=0.01) and 1.0 < backward < forward
+    by_heads = [table.packing("flash2", True, 128, 8192, g)[0] for g in (32, 16, 8, 4, 1)]
+    assert by_heads == sorted(by_heads)
+    assert table.packing("flash1", True, 128, 8192, 4) == (1.0, 1.0)
+    assert table.packing("flash2", True, 64, 8192, 4) == (1.0, 1.0)
+    # A full mask: the benchmark's 2048 equal blocks in 10 waves of 216, these 256 in 2.
+    full = table.packing("flash2", False, 128, 8192, 4)[0]
+    assert full == pytest.approx((2048 / (216 * 10)) / (256 / (216 * 2)), rel=1e-12)
+    # The compute model scales the core by it: TP 8's share of the heads.
+    compute = ComputeModel(preset_cluster("dgx_a100"), "bf16")
+    scores = next(k for k in _block("flash2").kernels if k.attention_scores and k.kind == "gemm")
+    whole = compute.kernel_times(scores, 2, Sharding(), 1, causal=True)
+    few = compute.kernel_times(replace(scores, batch=2), 1, Sharding(), 1, causal=True)  # 2 heads of one sample
+    # A sixteenth of the FLOPs, in more than a sixteenth of the time: the packing's share more.
+    assert few.fwd == pytest.approx(whole.fwd / 16 * table.packing("flash2", True, 128, 8192, 2)[0])
+    assert few.bwd_input == pytest.approx(whole.bwd_input / 16 * table.packing("flash2", True, 128, 8192, 2)[1])
+    # A pass priced in quarters that launches its core once (StepCCL's chunks) packs the whole grid.
+    quarter = compute.kernel_times(scores, 0.5, Sharding(), 1, causal=True, grid_rows=2)
+    assert quarter.fwd == pytest.approx(whole.fwd / 4) and quarter.bwd_input == pytest.approx(whole.bwd_input / 4)
 
 
 def test_a_head_wider_than_the_table_measured_stays_on_the_curve() -> None:
@@ -118,6 +149,9 @@ def test_a_measured_version_needs_its_preset_s_table_and_precision() -> None:
         (lambda d: d["rates"]["flash1"]["causal"].update({64: [1, 2]}), "one rate per sequence"),
         (lambda d: d["rates"]["flash1"]["causal"][64].__setitem__(0, -3), "rates are positive TFLOP/s"),
         (lambda d: d.update(precisions=["fp32"]), "16-bit precisions"),
+        (lambda d: d.pop("sms"), "a grid needs the device's sms and the benchmark's tokens and hidden"),
+        (lambda d: d["grid"]["flash2"][128]["forward"].update(rows=0), "forward and backward positive rows and per_sm"),
+        (lambda d: d["grid"].update(flash3={128: {}}), "grid.flash3 is not a rated kernel"),
     ],
 )
 def test_a_bad_table_is_refused_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change, message: str) -> None:
