@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from src.errors import ConfigError
-from src.models.spec import ActivationBytes, Kernel, LayerSpec, ModelSpec
+from src.models.spec import Kernel, LayerSpec, ModelSpec
 
 UNFUSABLE = ("rmsnorm", "rope", "swiglu")
 # Forward bytes a value of the operation's fused kernel moves, as the builders make it: RMSNorm
@@ -87,16 +87,15 @@ def _unfused_layer(layer: LayerSpec, ops: frozenset[str]) -> LayerSpec:
     kernels = [kernel for kernel in layer.kernels if kernel.elementwise in ops]
     if not kernels:
         return layer
-    replicated = split = 0.0
+    kept = {True: 0.0, False: 0.0}  # bytes kept beyond the fused kernels', replicated or split
     for kernel in kernels:
         way = UNFUSED[kernel.elementwise]
-        kept = _values(kernel) * way.saved
-        replicated, split = (replicated + kept, split) if way.replicated else (replicated, split + kept)
+        kept[way.replicated] += _values(kernel) * way.saved
     a = layer.activations
     return replace(
         layer,
         kernels=tuple(_unfused_kernel(kernel) if kernel.elementwise in ops else kernel for kernel in layer.kernels),
-        activations=ActivationBytes(a.replicated + replicated, a.split + split, a.attention, a.checkpoint, a.flash_attention),
+        activations=replace(a, replicated=a.replicated + kept[True], split=a.split + kept[False]),
     )
 
 

@@ -50,11 +50,19 @@ def gemm(
 
 
 def memory(
-    name: str, elems: float, split: TPSplit = "none", passes: int = 2, core: bool = False, scores: bool = False, norm: int = 0
+    name: str,
+    elems: float,
+    split: TPSplit = "none",
+    passes: int = 2,
+    core: bool = False,
+    scores: bool = False,
+    norm: int = 0,
+    op: str = "",
 ) -> Kernel:
     """A bandwidth-bound kernel reading and writing `elems` 16-bit values (`passes` moves);
     `norm`: a normalisation of that width (its parameters a module of their own, whose
-    gradients a second backward kernel reduces from the output's gradient and the input)."""
+    gradients a second backward kernel reduces from the output's gradient and the input);
+    `op`: the Llama operation it fuses, which software may run unfused (Kernel.elementwise)."""
     return Kernel(
         name,
         "memory",
@@ -64,6 +72,7 @@ def memory(
         attention_scores=scores,
         norm_width=norm,
         grad_reduction_bytes=2 * ACT_BYTES * elems if norm else 0.0,
+        elementwise=op,
     )
 
 
@@ -166,7 +175,7 @@ def transformer_layer(
     b = 1 if bias else 0
 
     norm_op = "" if bias else "rmsnorm"
-    kernels: list[Kernel] = [replace(memory("ln1", seq * hidden, norm=hidden), elementwise=norm_op)]
+    kernels: list[Kernel] = [memory("ln1", seq * hidden, norm=hidden, op=norm_op)]
     kernels += _attention("attn_", seq, seq, hidden, heads, kv_dim, hidden, True, dropout, bias, rotary)
     params = hidden * (hidden + 2 * kv_dim) + b * (hidden + 2 * kv_dim) + hidden * hidden + b * hidden
     norms = 2
@@ -181,7 +190,7 @@ def transformer_layer(
 
     if cross_seq is not None:
         cross_hidden = cross_hidden or hidden
-        kernels.append(replace(memory("ln_cross", seq * hidden, norm=hidden), elementwise=norm_op))
+        kernels.append(memory("ln_cross", seq * hidden, norm=hidden, op=norm_op))
         kernels += _attention("xattn_", seq, cross_seq, hidden, heads, hidden, cross_hidden, False, dropout, bias)
         params += hidden * hidden + cross_hidden * 2 * hidden + hidden * hidden + b * 4 * hidden
         norms += 1
@@ -192,9 +201,9 @@ def transformer_layer(
         allreduces += 1
 
     kernels += [
-        replace(memory("ln2", seq * hidden, norm=hidden), elementwise=norm_op),
+        memory("ln2", seq * hidden, norm=hidden, op=norm_op),
         gemm("fc1", seq, hidden, up, "n", bias=bias),
-        replace(memory("act", seq * (up + ffn) / 2, "n"), elementwise="swiglu" if gated and not bias else ""),
+        memory("act", seq * (up + ffn) / 2, "n", op="swiglu" if gated and not bias else ""),
         gemm("fc2", seq, ffn, hidden, "k", bias=bias),
         residual("mlp_residual", seq * hidden),
     ]
@@ -258,7 +267,7 @@ def head_layer(
     its saved 16-bit log-probabilities charged as activations split by TP (vocab-parallel).
     """
     loss_elems = seq * out if loss_elems is None else loss_elems
-    final_norm = replace(memory("final_norm", seq * hidden, norm=hidden), elementwise="" if norm_shift else "rmsnorm")
+    final_norm = memory("final_norm", seq * hidden, norm=hidden, op="" if norm_shift else "rmsnorm")
     kernels = ([final_norm] if norm else []) + [
         gemm("projection", seq, hidden, out, "n"),
         eager_loss(loss_elems),
