@@ -97,13 +97,15 @@ class GemmRun:
 
 
 # A source's model settings (its `common.model`): the software's, each stated, then the
-# architecture where its models are not GPT-3's (passed on only where stated), and for a
+# architecture where its models are not GPT-3's (passed on only where stated), for a
 # Llama's blocks which of their operations the software runs unfused (stated: it moves a
-# Llama block's time by several per cent).
+# Llama block's time by several per cent), and the copies its attention makes where its
+# source was read for them (passed on only where stated).
 SOFTWARE = ("vocab", "seq_len", "attention", "param_grad_kernels", "cross_entropy", "grad_accumulation", "dropout")
 ARCHITECTURE = ("style", "ffn", "kv_heads")
 LLAMA_SOFTWARE = ("unfused",)
-MODEL_SETTINGS = frozenset(SOFTWARE + ARCHITECTURE + LLAMA_SOFTWARE)
+READ_WHERE_STATED = ("attention_copies",)
+MODEL_SETTINGS = frozenset(SOFTWARE + ARCHITECTURE + LLAMA_SOFTWARE + READ_WHERE_STATED)
 
 
 def load(path: Path) -> tuple[dict[str, Any], list[Run]]:
@@ -198,9 +200,9 @@ def overrides(run: Run, common: dict[str, Any]) -> list[str]:
     out = ["model=gpt", "model.preset=null", f"model.layers={run.layers}", f"model.hidden={run.hidden}", f"model.heads={run.heads}"]
     # The software's settings (the sequence is the run's own: train.seq_len below), then the
     # architecture where the source's models are not GPT-3's (a Llama's RMSNorm, SwiGLU MLP of
-    # its own width, grouped-query attention).
+    # its own width, grouped-query attention), and the attention's copies where stated.
     out += [f"model.{key}={_value(model[key])}" for key in SOFTWARE if key != "seq_len"]
-    out += [f"model.{key}={_value(model[key])}" for key in ARCHITECTURE + LLAMA_SOFTWARE if key in model]
+    out += [f"model.{key}={_value(model[key])}" for key in ARCHITECTURE + LLAMA_SOFTWARE + READ_WHERE_STATED if key in model]
     out += [
         f"train.seq_len={run.seq(common)}",
         f"train.global_batch={run.global_batch}",

@@ -79,7 +79,7 @@ def test_a_source_s_model_settings_are_refused_incomplete_or_misspelt(tmp_path: 
     with pytest.raises(ConfigError, match=r"flagperf_h800_flagscale's model settings lack \['seq_len'\]"):
         heldout.load(path)
     # A Llama's software says which of its blocks' operations it runs unfused; a GPT's need not.
-    path.write_text(heldout.RUNS.read_text().replace("dropout: false, unfused: [rope, swiglu]}", "dropout: false}"))
+    path.write_text(heldout.RUNS.read_text().replace("dropout: false, unfused: [rope, swiglu],", "dropout: false,"))
     with pytest.raises(ConfigError, match=r"flagperf_a800_flagscale's model settings lack \['unfused'\]"):
         heldout.load(path)
 
@@ -109,6 +109,10 @@ def test_a_source_runs_on_its_own_preset_and_settings() -> None:
     # Transformers' Llama runs its blocks' elementwise operations unfused, FlagScale's legacy model two of them.
     assert "model.unfused=[rmsnorm,rope,swiglu]" in heldout.overrides(*_with_settings("flagperf-a800-llama2-7b-zero3"))
     assert "model.unfused=[rope,swiglu]" in heldout.overrides(*_with_settings("flagperf-h800-llama2-70b-tp8pp4"))
+    # The copies its legacy attention makes, stated where its source was read for them, passed on; none elsewhere.
+    h800 = heldout.overrides(*_with_settings("flagperf-h800-llama2-70b-tp8pp4"))
+    assert "model.attention_copies=[bshd,kv_repeat,rope_concat]" in h800
+    assert not any("attention_copies" in o for o in heldout.overrides(*_with_settings("flagperf-a800-llama2-7b-zero3")))
 
 
 def _with_settings(run_id: str) -> tuple[heldout.Run, dict]:

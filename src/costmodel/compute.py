@@ -256,6 +256,8 @@ class ComputeModel:
         the samples one launch of an attention core holds where a pass is priced in parts
         that launch it once (Work.chunks; default `rows`)."""
         launches = kernel_launches(kernel, self.amp)
+        if kernel.batch_transpose and (rows if grid_rows is None else grid_rows) <= 1:
+            return LayerTimes(0.0, 0.0, 0.0)
         if kernel.kind == "memory":
             divisor = sharding.memory_divisor(kernel.tp_split)
             forward = kernel.bytes * rows / divisor

@@ -3,8 +3,9 @@
 Every builder takes the config's Options and the training sequence length (train.seq_len,
 None = the model's default; only models with an LLM unit accept one). The registry then
 applies `model.attention`, `model.param_grad_kernels`, `model.cross_entropy`,
-`model.grad_accumulation`, `model.unfused` and `model.frozen`, which work for every model
-(an unfused operation only where its blocks run it), and rejects keys nobody read.
+`model.grad_accumulation`, `model.unfused`, `model.attention_copies` and `model.frozen`, which
+work for every model (an unfused operation or a copy only where its blocks run the step), and
+rejects keys nobody read.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 from src.errors import ConfigError
 from src.models.attention import ATTENTION_MODES, with_attention
+from src.models.attention_copies import with_attention_copies
 from src.models.contrastive import build_clip, build_coca, build_lit
 from src.models.cross_entropy import CROSS_ENTROPY_MODES, with_cross_entropy
 from src.models.elementwise import with_unfused
@@ -63,10 +65,11 @@ def build_model(
     loss = opts.choice("cross_entropy", CROSS_ENTROPY_MODES, cross_entropy)
     accumulation = opts.choice("grad_accumulation", GRAD_ACCUMULATIONS, grad_accumulation)
     unfused = opts.names("unfused") or []
+    copies = opts.names("attention_copies") or []
     frozen = opts.names("frozen")
     opts.finish(name)
     spec = with_cross_entropy(with_param_grad_kernels(with_attention(spec, mode), grad_kernels), loss)
-    spec = with_unfused(with_grad_accumulation(spec, accumulation), unfused)
+    spec = with_attention_copies(with_unfused(with_grad_accumulation(spec, accumulation), unfused), copies)
     return spec if frozen is None else _freeze(spec, frozen)
 
 

@@ -74,6 +74,9 @@ class Kernel:
       every other kernel.
     launches: the kernels a memory-bound kernel's forward launches, and its backward as
       many (an unfused operation's; its bytes are all of theirs).
+    batch_transpose: copies tensors between the [s, b] and [b, s] layouts, which moves
+      nothing where a micro-batch holds one sample: the transposed tensor is contiguous
+      already, and `.contiguous()` returns it (src/models/attention_copies.py).
     """
 
     name: str
@@ -102,6 +105,7 @@ class Kernel:
     table: float = 0.0
     elementwise: str = ""
     launches: int = 1
+    batch_transpose: bool = False
 
     def flops(self, contrastive_batch: int = 1) -> float:
         """Forward FLOPs for one sample (0 for memory-bound kernels)."""
