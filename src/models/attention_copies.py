@@ -7,7 +7,7 @@ cuDNN attention on Megatron-Core's [s, b] layout). Software that hands FlashAtte
 kernel reading and writing every 16-bit value, and its backward one more copying the
 gradient the other way (no saved tensor). Megatron-LM's legacy ParallelAttention with
 --use-flash-attn (megatron/model/transformer.py, as FlagScale's forks keep it at ed55532
-and 26cd664) makes every one listed here:
+and 26cd664) makes every one listed here, the rotary patch under its flag:
 
 bshd: the queries, keys and values copied into FlashAttention's [b, s] layout
   (`rearrange(x, 's b ... -> b s ...').contiguous()`) and its output back: 4 kernels,
