@@ -3,6 +3,7 @@ calibration still refits a stored run there."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -51,6 +52,15 @@ def test_the_small_gpt_benchmark_refuses_without_a_gpu_and_prices_without_one():
     kernels = _script("benchmarks/measure_memory_kernels.py")
     assert kernels.returncode == 2 and kernels.stdout == ""
     assert kernels.stderr.strip() == "error: measure_memory_kernels needs a CUDA device, and none is visible"
+    sustained = _script("benchmarks/sustained_load.py")
+    assert sustained.returncode == 2 and sustained.stdout == ""
+    assert sustained.stderr.strip() == "error: benchmarks/sustained_load.py needs a CUDA GPU (or --sim-only), and torch sees none here"
+    prices = json.loads(_script("benchmarks/sustained_load.py", "--sim-only").stdout)
+    assert set(prices["gemms"]) == {"llama70b-tp8-s8192", "gpt177b-tp8-s4096"}
+    assert all(row["sim_s"] > 0 for rows in prices["gemms"].values() for row in rows)
+    # Fewer heads leave FlashAttention 2's grid fewer blocks for the SMs: the rate a head falls.
+    per_head = [row["sim_fwd_s"] / row["heads"] for row in prices["attention"]]
+    assert [row["heads"] for row in prices["attention"]] == [2, 4, 8, 16, 32] and per_head == sorted(per_head, reverse=True)
 
 
 def test_the_gpu_calibration_refits_a_stored_run_without_a_gpu(tmp_path, monkeypatch, capsys):
@@ -72,3 +82,16 @@ def test_the_gpu_calibration_refits_a_stored_run_without_a_gpu(tmp_path, monkeyp
     refit, before = json.loads(out.read_text()), json.loads(stored.read_text())
     assert refit["gemms"] == before["gemms"] and refit["fit"]["gemm_overhead_s"] == 0.0
     assert refit["fit"]["gemm_half_dim"] != before["fit"]["gemm_half_dim"]  # what a GEMM costs beyond its arithmetic moves the fit
+
+
+def test_the_sustained_load_check_takes_its_rates_over_the_first_and_the_last_seconds():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sustained_load", REPO_ROOT / "benchmarks" / "sustained_load.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    # One FLOP a cycle: 0.1 s cycles for the first second, then the clocks fall to 0.125 s ones.
+    cycles = [0.1] * 10 + [0.125] * 40
+    early, late = module.rates_over(cycles, 1.0)
+    assert early == pytest.approx(10.0) and late == pytest.approx(8.0)
