@@ -78,7 +78,8 @@ def _copied(layer: LayerSpec, copies: frozenset[str]) -> LayerSpec:
     moved = queries if repeated else keys  # the keys and values the steps after a repeat see
     values, launches = 0.0, 0  # values read and written once each, copies
     if repeated:
-        # Reads the grouped keys and values, writes the repeated ones: half a copy of each.
+        # Keys and values each read grouped and written query-sized: (keys + queries) / 2
+        # values read and written apiece.
         values, launches = values + keys + queries, launches + 2
     if "rotary_patch" in copies:
         values, launches = values + queries + 2 * moved, launches + 3
