@@ -257,3 +257,18 @@ def test_a_collective_the_preset_measured_too_is_compared_campaign_to_campaign()
     assert (summary["points"], summary["of"]) == (1, 2)
     # Where the table measured the point the simulator returns it: the errors are the campaigns' difference.
     assert summary["mape_pct"] == pytest.approx(summary["measurement_mape_pct"]) == pytest.approx(100 * (35.791 - 6.494) / 35.791)
+
+
+def test_the_readme_s_standing_is_the_results_file_s() -> None:
+    """The README's opening figures per preset (runs, MAPE) are heldout.json's: a re-run that
+    moves them and leaves the prose behind fails here."""
+    import json
+    import re
+
+    readme = (heldout.RUNS.parent / "README.md").read_text()
+    standing = readme[readme.index("## Where it stands") : readme.index("## The log")]
+    stated = {name: (int(runs), float(mape)) for name, runs, mape in re.findall(r"`(\w+)` (\d+)[^,]*, ([\d.]+) %", standing)}
+    by_preset = json.loads((heldout.RUNS.parent.parent / "results" / "heldout.json").read_text())["by"]["preset"]
+    assert set(stated) == set(by_preset)
+    for name, (runs, mape) in stated.items():
+        assert (runs, mape) == (by_preset[name]["runs"], round(by_preset[name]["mape_pct"], 1)), name
