@@ -514,6 +514,10 @@ class UnitPlan:
     persistence_threshold: float = DEEPSPEED_PERSISTENCE_THRESHOLD
     # ZeRO-3's fetch as a DeepSpeed release ran it: per_tensor (before 0.5.5), coalesced, prefetched.
     zero3_fetch: str = "prefetched"
+    # The type a data-parallel reduction sends gradients in, where the planner sets one (ddp:
+    # DeepSpeed's communication_data_type or FSDP's reduce_dtype); None: its framework's own
+    # (src.costmodel.memory.grad_bytes).
+    grad_reduce_dtype: str | None = None
     # When the distributed optimizer all-gathers the updated parameters: at the step's end
     # (step_end), or layer by layer into the next forward (overlapped: Megatron-Core's
     # --overlap-param-gather, strategies/builders/pipeline.py's ParamGathers).

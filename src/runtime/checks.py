@@ -92,6 +92,13 @@ def check_runnable(run: PlannedRun, data: str, data_errors: str = "fail") -> Non
                 ("zero3_fetch",),
                 (unit.unit,),
             )
+        if unit.grad_reduce_dtype not in (None, "fp32") and unit.dp > 1:
+            raise PlanRefused(
+                f"unit {unit.unit}: grad_reduce_dtype={unit.grad_reduce_dtype}; the real backend reduces the fp32 "
+                f"gradients of its fp32 weights (fp32 or PyTorch AMP) in fp32 (it needs grad_reduce_dtype=fp32 or null)",
+                ("grad_reduce_dtype",),
+                (unit.unit,),
+            )
         if spec.kind == "unet" and (unit.tp > 1 or unit.pp > 1):
             raise PlanRefused(
                 f"unit {unit.unit} is a U-Net on tp={unit.tp} x pp={unit.pp}: the real backend runs a U-Net whole "

@@ -25,6 +25,13 @@ that of the `deepspeed_version` a run names, the current one when it names none)
 - prefetched (0.6.0 on, PR #1453): as above, the next module's prefetched on a side stream
   with `overlap_comm`.
 
+Gradients are reduced in `grad_reduce_dtype`, by default DeepSpeed's: its
+communication_data_type is the model's 16-bit type at every ZeRO stage unless a run sets one
+(deepspeed/runtime/engine.py, `communication_data_type`, since 0.5.8; before it, a ZeRO stage
+reduced its gradients in their own 16-bit type), and under PyTorch AMP
+(`cluster.amp`) the fp32 weights' gradients are fp32. PyTorch FSDP reduces in its
+MixedPrecision's reduce_dtype (Composer's DEFAULT: fp32; PURE: the 16-bit type).
+
 Memory is checked: the micro-batch (the whole per-replica batch unless fixed or too big)
 and recomputation (none, selective, full) are the least memory-saving that fit, as the
 other planners choose them; a plan that fits nowhere is refused with its numbers.
@@ -38,7 +45,7 @@ from typing import Sequence
 from src.batch_layout import BatchLayout
 from src.cluster import GIB, gib
 from src.config import check_positive, options_from
-from src.costmodel.memory import rank_memory
+from src.costmodel.memory import element_bytes, rank_memory
 from src.errors import ConfigError, PlanError
 from src.mesh import Mesh
 from src.program import DEEPSPEED_PERSISTENCE_THRESHOLD, RECOMPUTE_MODES, Instruction, Plan, Program, UnitPlan
@@ -55,6 +62,7 @@ DEEPSPEED_MAX_REUSE_DISTANCE = 1_000_000_000
 # merge commits of PR #1188, 2021-10-31, and PR #1453, 2022-01-20).
 ZERO3_FETCHES = ("per_tensor", "coalesced", "prefetched")
 ZERO3_FETCH_SINCE = ((0, 6, 0), "prefetched"), ((0, 5, 5), "coalesced")
+REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
@@ -68,6 +76,7 @@ class DDPOptions:
     param_persistence_threshold: int = DEEPSPEED_PERSISTENCE_THRESHOLD  # ZeRO-3: tensors this small stay whole on every rank
     deepspeed_version: str | None = None  # the DeepSpeed release the run names (X.Y.Z); null: the current one
     zero3_fetch: str | None = None  # per_tensor | coalesced | prefetched; null: the named release's
+    grad_reduce_dtype: str | None = None  # fp32 | bf16 | fp16; null: the model's type (fp32 under cluster.amp)
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):
@@ -85,6 +94,14 @@ class DDPOptions:
             raise ConfigError(f"strategy.deepspeed_version is a DeepSpeed release like 0.3.15, got {self.deepspeed_version!r}")
         if self.zero3_fetch is not None and self.zero3_fetch not in ZERO3_FETCHES:
             raise ConfigError(f"strategy.zero3_fetch={self.zero3_fetch!r}; choose one of {list(ZERO3_FETCHES)} or null")
+        if self.grad_reduce_dtype is not None and self.grad_reduce_dtype not in REDUCE_DTYPES:
+            raise ConfigError(f"strategy.grad_reduce_dtype={self.grad_reduce_dtype!r}; choose one of {list(REDUCE_DTYPES)} or null")
+
+    def reduce_dtype(self, precision: str, amp: bool) -> str:
+        """The gradients' type on the wire: the one set, else DeepSpeed's default."""
+        if self.grad_reduce_dtype is not None:
+            return self.grad_reduce_dtype
+        return "fp32" if amp else precision
 
     @property
     def fetch(self) -> str:
@@ -142,6 +159,7 @@ def _build(
     names = unit_order(model)
     # Only the current fetch prefetches (see the module's docstring).
     prefetch = float(opts.prefetch_bucket_size) if opts.fetch == "prefetched" else 0.0
+    reduce_dtype = opts.reduce_dtype(request.train.precision, request.cluster.amp)
     emitter = ColocatedEmitter(
         model,
         request.cluster,
@@ -162,6 +180,7 @@ def _build(
             )
             for name in names
         ],
+        reduce_bytes=element_bytes(reduce_dtype),
     )
     towers = emitter.towers()
     contrastive = model.interaction is not None
@@ -190,6 +209,7 @@ def _build(
             reuse_distance=float(opts.max_reuse_distance) if opts.zero_stage == 3 else 0.0,
             persistence_threshold=float(opts.param_persistence_threshold),
             zero3_fetch=opts.fetch if opts.zero_stage == 3 else "prefetched",
+            grad_reduce_dtype=reduce_dtype,
         )
         for name in names
     ]
@@ -206,6 +226,7 @@ def _build(
             "recompute": recompute,
             "overlap_comm": opts.overlap_comm,
             **({"zero3_fetch": opts.fetch} if opts.zero_stage == 3 else {}),
+            "grad_reduce_dtype": reduce_dtype,
         },
     )
     memory = rank_memory(program.classes[0], {u.unit: u for u in unit_plans}, model, request.train.precision)

@@ -90,10 +90,21 @@ class ColocatedUnit:
 
 
 class ColocatedEmitter:
-    def __init__(self, model: ModelSpec, cluster: ClusterSpec, precision: str, program: Program, units: list[ColocatedUnit]) -> None:
+    def __init__(
+        self,
+        model: ModelSpec,
+        cluster: ClusterSpec,
+        precision: str,
+        program: Program,
+        units: list[ColocatedUnit],
+        reduce_bytes: int | None = None,
+    ) -> None:
+        """`reduce_bytes`: a gradient element's bytes as the data-parallel reduction sends
+        it; None: as Megatron-LM keeps and reduces gradients (grad_bytes)."""
         self.model, self.cluster, self.program = model, cluster, program
         self.units = {u.unit: u for u in units}
-        self.act_bytes, self.grad_bytes = element_bytes(precision), grad_bytes(precision)
+        self.act_bytes = element_bytes(precision)
+        self.reduce_bytes = grad_bytes(precision) if reduce_bytes is None else reduce_bytes
         self.pending: list[str] = []
         self.reducing: dict[str, list[str]] = {u.unit: [] for u in units}  # below ZeRO-3: a unit's reductions in flight
         self.tp_group, self.dp_group = {}, {}
@@ -109,8 +120,8 @@ class ColocatedEmitter:
     def _pass(self, unit: str, phase: Phase, samples: int, microbatch: int, final: bool) -> list[Instruction]:
         """A unit's forward or backward; under ZeRO-3 with replicas, layer by layer: each
         layer's parameters all-gathered before it runs, its gradients reduce-scattered
-        after its backward (every micro-batch: ZeRO-3 keeps no whole gradients), in the
-        model's 16-bit type (DeepSpeed's default communication_data_type). `final`: the
+        after its backward (every micro-batch: ZeRO-3 keeps no whole gradients), in
+        `reduce_bytes` an element. `final`: the
         step's last micro-batch, whose backward overlap_comm reduces layer by layer below ZeRO-3."""
         spec, u = self.model.unit(unit), self.units[unit]
         dp = u.mesh.degree("dp")
@@ -150,7 +161,7 @@ class ColocatedEmitter:
                         Collective(
                             "reduce_scatter",
                             group,
-                            trainable * self.act_bytes,
+                            trainable * self.reduce_bytes,
                             "dp",
                             stream=REDUCE_STREAM,
                             blocking=False,
@@ -160,7 +171,7 @@ class ColocatedEmitter:
                     self.pending.append(handle)
                 else:
                     # Each collective pays the ring's latency.
-                    out.append(Collective("reduce_scatter", group, trainable * self.act_bytes / scatters, "dp", count=scatters))
+                    out.append(Collective("reduce_scatter", group, trainable * self.reduce_bytes / scatters, "dp", count=scatters))
         return out
 
     def _reducing_backward(self, unit: str, samples: int, microbatch: int) -> list[Instruction]:
@@ -180,7 +191,7 @@ class ColocatedEmitter:
                     Collective(
                         op,
                         group,
-                        trainable * self.grad_bytes,
+                        trainable * self.reduce_bytes,
                         "dp",
                         stream="dp",
                         blocking=False,
@@ -320,7 +331,7 @@ class ColocatedEmitter:
                 self.dp_group[names[0]],
                 mesh.degree("dp"),
                 u.zero_stage,
-                self.grad_bytes,
+                self.reduce_bytes,
                 self.act_bytes,
                 [*pending, *(h for n in names for h in self.reducing[n])],
             )

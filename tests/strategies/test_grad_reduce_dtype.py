@@ -1,0 +1,75 @@
+"""The type data parallelism reduces gradients in (strategy.grad_reduce_dtype): by default
+DeepSpeed's communication_data_type, the model's type at every ZeRO stage (fp32 under
+PyTorch AMP, whose weights are fp32); FSDP's reduce_dtype where a run sets it."""
+
+from __future__ import annotations
+
+import pytest
+
+from src.errors import ConfigError
+from src.program import Collective, Plan
+from src.setup import plan_run, validate
+from tests.composing import composed
+
+# A GPT of 2 blocks, hidden 512, on one 8-GPU node: every trained parameter's gradient is
+# reduced once a step (ZeRO 0-2) or once a micro-batch (ZeRO-3, one micro-batch here).
+BASE = [
+    "model=gpt",
+    "model.preset=null",
+    "model.layers=2",
+    "model.hidden=512",
+    "model.heads=8",
+    "model.vocab=1024",
+    "train.seq_len=128",
+    "cluster=dgx_a100",
+    "cluster.nodes=1",
+    "train.global_batch=8",
+    "train.precision=bf16",
+    "strategy=ddp",
+    "strategy.recompute=none",
+    "strategy.micro_batch_size=1",
+    "logger=none",
+]
+
+
+def _plan(*extra: str) -> Plan:
+    return plan_run(validate(composed(BASE + list(extra))))
+
+
+def _reduced_bytes(plan: Plan) -> float:
+    return sum(
+        i.bytes * i.count
+        for i in plan.program.classes[0].instructions
+        if isinstance(i, Collective) and i.op in ("all_reduce", "reduce_scatter")
+    )
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_the_default_reduces_in_the_model_type_and_fp32_doubles_the_bytes(stage: int) -> None:
+    default = _plan(f"strategy.zero_stage={stage}")
+    fp32 = _plan(f"strategy.zero_stage={stage}", "strategy.grad_reduce_dtype=fp32")
+    assert default.units[0].grad_reduce_dtype == "bf16" and fp32.units[0].grad_reduce_dtype == "fp32"
+    assert _reduced_bytes(default) > 0
+    assert _reduced_bytes(fp32) == pytest.approx(2 * _reduced_bytes(default))
+
+
+def test_under_amp_the_fp32_weights_gradients_are_reduced_in_fp32() -> None:
+    amp = _plan("strategy.zero_stage=3", "cluster.amp=true")
+    assert amp.units[0].grad_reduce_dtype == "fp32"
+    assert _reduced_bytes(amp) == pytest.approx(_reduced_bytes(_plan("strategy.zero_stage=3", "strategy.grad_reduce_dtype=fp32")))
+
+
+def test_megatron_keeps_reducing_bf16_models_gradients_in_fp32() -> None:
+    """Megatron-LM forces fp32 gradient reduction for bf16 (src.costmodel.memory.grad_bytes):
+    its units state no grad_reduce_dtype of their own."""
+    plan = plan_run(
+        validate(composed([*BASE[:-4], "strategy=megatron", "strategy.tp=1", "strategy.pp=1", "strategy.zero_stage=0", "logger=none"]))
+    )
+    assert plan.units[0].grad_reduce_dtype is None
+    assert _reduced_bytes(plan) == pytest.approx(_reduced_bytes(_plan("strategy.zero_stage=0", "strategy.grad_reduce_dtype=fp32")))
+
+
+def test_a_bad_type_is_refused_in_one_line() -> None:
+    with pytest.raises(ConfigError, match="^strategy.grad_reduce_dtype='int8'") as err:
+        _plan("strategy.grad_reduce_dtype=int8")
+    assert "\n" not in str(err.value)
