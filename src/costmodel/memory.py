@@ -43,6 +43,13 @@ def element_bytes(precision: str) -> int:
     return 4 if precision == "fp32" else 2
 
 
+def weight_bytes(precision: str, amp: bool) -> int:
+    """Bytes of one weight element as a collective moves it (ZeRO-3's gathers, the updated
+    parameters' all-gather): 16-bit weights', or fp32 under PyTorch AMP, which keeps fp32
+    weights and casts them at each use."""
+    return 4 if amp else element_bytes(precision)
+
+
 def grad_bytes(precision: str) -> int:
     """Bytes per gradient element as kept and reduced: Megatron-LM accumulates and
     all-reduces bf16 models' gradients in fp32 (it forces this for bf16), fp16 models'

@@ -11,6 +11,9 @@ from src.cluster import cluster_from_config
 from src.config import composed
 from src.costmodel.compute import ComputeModel
 from src.mesh import Sharding
+from src.program import Collective
+from src.setup import plan_run, validate
+from tests.composing import composed as composed_run
 from tests.models.test_grad_kernels import block, hopper
 
 
@@ -53,3 +56,31 @@ def test_pytorch_amp_keeps_the_residual_stream_in_fp32_and_an_eager_norm_too(mod
     assert ratio("ln1") == pytest.approx(norm)
     assert ratio("mlp_residual") == pytest.approx((10 / 6, 10 / 6))
     assert ratio("act") == pytest.approx((1.0, 1.0))
+
+
+def _gathered_bytes(*overrides: str) -> float:
+    """Bytes a rank all-gathers in one step (weights: ZeRO-3's fetches, the distributed
+    optimizer's updated parameters) of a 2-block GPT on one 8-GPU node, bf16."""
+    base = ["model=gpt", "model.preset=null", "model.layers=2", "model.hidden=512", "model.heads=8", "model.vocab=1024"]
+    base += ["train.seq_len=128", "train.global_batch=8", "train.precision=bf16", "cluster=dgx_a100", "cluster.nodes=1", "logger=none"]
+    plan = plan_run(validate(composed_run(base + list(overrides))))
+    return sum(
+        i.bytes * i.count for rp in plan.program.classes for i in rp.instructions if isinstance(i, Collective) and i.op == "all_gather"
+    )
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        ["strategy=ddp", "strategy.zero_stage=3", "strategy.recompute=none", "strategy.overlap_comm=true"],
+        ["strategy=ddp", "strategy.zero_stage=1"],
+        ["strategy=megatron", "strategy.tp=1", "strategy.pp=1", "strategy.zero_stage=1", "strategy.recompute=none"],
+    ],
+)
+def test_under_amp_the_gathered_weights_are_fp32(strategy: list[str]) -> None:
+    """PyTorch AMP keeps fp32 weights, so what gathers them (ZeRO-3's fetches, the updated
+    parameters after a sharded optimizer step) moves 4 bytes an element, as the real backend's
+    DeepSpeed and distributed optimizer do: twice the 16-bit weights' bytes."""
+    sixteen = _gathered_bytes(*strategy)
+    assert sixteen > 0
+    assert _gathered_bytes(*strategy, "cluster.amp=true") == pytest.approx(2 * sixteen)

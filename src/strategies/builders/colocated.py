@@ -16,7 +16,7 @@ from typing import Any, Sequence
 from dataclasses import dataclass, replace
 
 from src.cluster import ClusterSpec
-from src.costmodel.memory import element_bytes, grad_bytes, zero_shards
+from src.costmodel.memory import element_bytes, grad_bytes, weight_bytes, zero_shards
 from src.mesh import Mesh, tensor_parallel
 from src.models.spec import LayerSpec, ModelSpec
 from src.program import (
@@ -103,7 +103,7 @@ class ColocatedEmitter:
         it; None: as Megatron-LM keeps and reduces gradients (grad_bytes)."""
         self.model, self.cluster, self.program = model, cluster, program
         self.units = {u.unit: u for u in units}
-        self.act_bytes = element_bytes(precision)
+        self.act_bytes, self.weight_bytes = element_bytes(precision), weight_bytes(precision, cluster.amp)
         self.reduce_bytes = grad_bytes(precision) if reduce_bytes is None else reduce_bytes
         self.pending: list[str] = []
         self.reducing: dict[str, list[str]] = {u.unit: [] for u in units}  # below ZeRO-3: a unit's reductions in flight
@@ -144,7 +144,7 @@ class ColocatedEmitter:
             fetched, fetches = params[index], gathers[index]
             if again:
                 regathered = params[index] * sum(again) / sum(modules[index])
-                out.append(Collective("all_gather", group, regathered * self.act_bytes / len(again), "dp", count=len(again)))
+                out.append(Collective("all_gather", group, regathered * self.weight_bytes / len(again), "dp", count=len(again)))
                 fetched, fetches, blocked = fetched + regathered, fetches + len(again), True
             layer_pass = segment_pass(self.model, Segment(unit, (layer, layer + 1)), phase, samples, microbatch, self._tp(unit))
             copies = u.mesh.degree("dp") if u.fetch_per_tensor else 0
@@ -220,7 +220,7 @@ class ColocatedEmitter:
         if params[index] > prefetched:
             # Each all-gather pays the ring's latency.
             rest = params[index] - prefetched
-            out.append(Collective("all_gather", group, rest * self.act_bytes / gathers, "dp", count=gathers))
+            out.append(Collective("all_gather", group, rest * self.weight_bytes / gathers, "dp", count=gathers))
         if u.overlap_comm and index + 1 < len(params):
             ahead = min(params[index + 1], u.prefetch_params)
             if ahead:
@@ -228,7 +228,7 @@ class ColocatedEmitter:
                     Collective(
                         "all_gather",
                         group,
-                        ahead * self.act_bytes,
+                        ahead * self.weight_bytes,
                         "dp",
                         stream="dp",
                         blocking=False,
@@ -332,7 +332,7 @@ class ColocatedEmitter:
                 mesh.degree("dp"),
                 u.zero_stage,
                 self.reduce_bytes,
-                self.act_bytes,
+                self.weight_bytes,
                 [*pending, *(h for n in names for h in self.reducing[n])],
             )
         return out

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from src.cluster import ClusterSpec, family_sharing
-from src.costmodel.memory import element_bytes, grad_bytes
+from src.costmodel.memory import element_bytes, grad_bytes, weight_bytes
 from src.mesh import Mesh, tensor_parallel
 from src.models.spec import ModelSpec
 from src.program import Collective, CollectiveOp, Hop, Instruction, Payload, Program, RankProgram, Recv, Send, Wait
@@ -147,7 +147,7 @@ class PipelineEmitter:
         self.pp = mesh.degree("pp")
         self.dp = mesh.degree("dp")
         self.vpp = len(virtual) // self.pp
-        self.act_bytes = element_bytes(precision)
+        self.act_bytes, self.weight_bytes = element_bytes(precision), weight_bytes(precision, cluster.amp)
         self.grad_bytes = grad_bytes(precision)
         tp = mesh.degree("tp")
         self.sharding = tensor_parallel(tp, settings.sequence_parallel)
@@ -227,7 +227,7 @@ class PipelineEmitter:
             self.data_replicas(stage),
             self.cfg.zero_stage,
             self.grad_bytes,
-            self.act_bytes,
+            self.weight_bytes,
             self.pending[stage],
             gather_params=gathers is None,
             # Reductions or gathers layer by layer are the plan's own distributed optimizer's:
@@ -245,7 +245,7 @@ class PipelineEmitter:
         assert self.cfg.tp_overlap_chunks == 1, "a chunked pass is not cut into layers for the gathers"
         devices = self.runs[stage].sharding.devices
         layers = [
-            (seg.unit, layer, self.model.unit(seg.unit).trainable_params(layer, layer + 1) / devices * self.act_bytes)
+            (seg.unit, layer, self.model.unit(seg.unit).trainable_params(layer, layer + 1) / devices * self.weight_bytes)
             for seg in self.segments_of(stage)
             for layer in range(*seg.layers)
         ]

@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass
 
 from src.cluster import ClusterSpec
-from src.costmodel.memory import element_bytes, grad_bytes
+from src.costmodel.memory import element_bytes, grad_bytes, weight_bytes
 from src.mesh import Mesh, Sharding
 from src.models.flows import Flow, feature_boundary, flows_of
 from src.models.spec import ModelSpec
@@ -256,7 +256,7 @@ class _Separate:
             holders,
             0,
             grad_bytes(self.precision),
-            self.act_bytes,
+            weight_bytes(self.precision, self.cluster.amp),
         )
 
     # ---- tower-to-tower inputs (CoCa) ---------------------------------------------------------

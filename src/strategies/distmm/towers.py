@@ -17,7 +17,15 @@ from src.batch_layout import BatchLayout
 from src.cluster import gib, ClusterSpec, family_sharing
 from src.costmodel.comm import CommModel
 from src.costmodel.compute import ComputeModel
-from src.costmodel.memory import element_bytes, grad_bytes, memory_ladder, model_state_bytes, rematerialised_bytes, zero_shards
+from src.costmodel.memory import (
+    element_bytes,
+    grad_bytes,
+    memory_ladder,
+    model_state_bytes,
+    rematerialised_bytes,
+    weight_bytes,
+    zero_shards,
+)
 from src.errors import PlanError
 from src.models.spec import ModelSpec, UnitSpec
 from src.mesh import tensor_parallel
@@ -267,7 +275,9 @@ class TowerCosts:
             if plan.replicas > 1:
                 if plan.zero_stage >= 1:
                     seconds += self.comm.collective_time("reduce_scatter", group, params * grad_bytes(self.precision), sharing)
-                    seconds += self.comm.collective_time("all_gather", group, params * self.act_bytes, sharing)
+                    seconds += self.comm.collective_time(
+                        "all_gather", group, params * weight_bytes(self.precision, self.cluster.amp), sharing
+                    )
                 else:
                     seconds += self.comm.collective_time("all_reduce", group, params * grad_bytes(self.precision), sharing)
             shard = zero_shards(plan.replicas, plan.zero_stage).optimizer

@@ -39,7 +39,7 @@ import numpy as np
 from src.cluster import ClusterSpec
 from src.costmodel.comm import CommModel
 from src.costmodel.compute import ComputeModel
-from src.costmodel.memory import element_bytes, grad_bytes, model_state_bytes, rematerialised_bytes, zero_shards
+from src.costmodel.memory import element_bytes, grad_bytes, model_state_bytes, rematerialised_bytes, weight_bytes, zero_shards
 from src.mesh import Sharding, tensor_parallel
 from src.models.flows import flows_of
 from src.models.spec import ModelSpec
@@ -126,7 +126,7 @@ class Profiler:
         self.chunks = overlap_chunks
         self.compute = ComputeModel(cluster, precision)
         self.comm = CommModel(cluster)
-        self.act_bytes = element_bytes(precision)
+        self.act_bytes, self.weight_bytes = element_bytes(precision), weight_bytes(precision, cluster.amp)
         self.grad_bytes = grad_bytes(precision)
         self._grids: dict[tuple[str, int, bool, int, bool], dict[str, np.ndarray]] = {}
         self.stages = lru_cache(maxsize=None)(self._stages)
@@ -428,7 +428,7 @@ class Profiler:
                 if zero_stage >= 1:
                     priced[params] = self.comm.collective_time(
                         "reduce_scatter", ring, params * self.grad_bytes, sharing
-                    ) + self.comm.collective_time("all_gather", ring, params * self.act_bytes, sharing)
+                    ) + self.comm.collective_time("all_gather", ring, params * self.weight_bytes, sharing)
                 else:
                     priced[params] = self.comm.collective_time("all_reduce", ring, params * self.grad_bytes, sharing)
             out[stage] += priced.get(params, 0.0)

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from src.cluster import ClusterSpec, family_sharing
 from src.costmodel.comm import CommModel
 from src.costmodel.compute import ComputeModel
-from src.costmodel.memory import element_bytes, grad_bytes, model_state_bytes, rematerialised_bytes, zero_shards
+from src.costmodel.memory import element_bytes, grad_bytes, model_state_bytes, rematerialised_bytes, weight_bytes, zero_shards
 from src.mesh import Sharding, tensor_parallel
 from src.models.spec import ModelSpec, UnitSpec
 from src.program import Work
@@ -258,7 +258,7 @@ class PipelineEstimator:
         self.global_batch = global_batch
         self.replicate = replicate
         self.comm = CommModel(cluster)
-        self.act_bytes = element_bytes(precision)
+        self.act_bytes, self.weight_bytes = element_bytes(precision), weight_bytes(precision, cluster.amp)
         self.grad_bytes = grad_bytes(precision)
         self._meshes: dict[tuple[int, int, int, tuple[bool, ...]], _MeshCosts] = {}
         self._live: dict[tuple, list[LiveCounts]] = {}
@@ -624,7 +624,7 @@ class PipelineEstimator:
                     Work(segment.unit, "optimizer", 0, segment.layers, sharding=run.sharding, shard=shard), self.model
                 )
         if cfg.zero_stage == 1 and replicas > 1 and not cfg.overlap_param_gather:
-            seconds += mesh.dp(stage, "all_gather", params * self.act_bytes)
+            seconds += mesh.dp(stage, "all_gather", params * self.weight_bytes)
         return seconds
 
     def _mesh(self, tp: int, dp: int, pp: int, runs: list[StageRun]) -> _MeshCosts:

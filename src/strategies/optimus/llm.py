@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 
 from src.costmodel.comm import CommModel
 from src.costmodel.compute import ComputeModel
-from src.costmodel.memory import element_bytes, grad_bytes, memory_ladder, rank_memory
+from src.costmodel.memory import grad_bytes, memory_ladder, rank_memory, weight_bytes
 from src.models.spec import ModelSpec
 from src.errors import PlanError
 from src.program import Collective, Compute, Instruction, Program, RankProgram, UnitPlan
@@ -219,7 +219,7 @@ class LLMPipelines:
             emitter.dp,
             zero,
             grad_bytes(precision),
-            element_bytes(precision),
+            weight_bytes(precision, self.request.cluster.amp),
             emitter.pending[stage],
         )
 

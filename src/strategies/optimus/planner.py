@@ -35,7 +35,7 @@ from src.config import UnitCounts, check_positive, options_from
 from src.progress import Progress
 from src.costmodel.comm import CommModel
 from src.costmodel.compute import ComputeModel
-from src.costmodel.memory import element_bytes, grad_bytes, model_state_bytes, rank_memory, work_activation_bytes
+from src.costmodel.memory import grad_bytes, model_state_bytes, rank_memory, weight_bytes, work_activation_bytes
 from src.mesh import tensor_parallel
 from src.errors import ConfigError, PlanError
 from src.models.spec import ModelSpec
@@ -459,7 +459,7 @@ def _encoder_tails(
                 replicas,
                 opts.encoder_zero_stage,
                 grad_bytes(request.train.precision),
-                element_bytes(request.train.precision),
+                weight_bytes(request.train.precision, request.cluster.amp),
             )
             for i in tail:
                 if isinstance(i, Compute):
@@ -502,6 +502,7 @@ def _emit(
         routes,
         samples,
         train.precision,
+        cluster.amp,
         opts.encoder_zero_stage,
     )
     enc_mesh = layout.encoder_mesh()

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Mapping
 
 from src.cluster import ClusterSpec
-from src.costmodel.memory import element_bytes, grad_bytes
+from src.costmodel.memory import element_bytes, grad_bytes, weight_bytes
 from src.mesh import tensor_parallel
 from src.models.spec import ModelSpec
 from src.program import Collective, Compute, Hop, Instruction, Message, Payload, Phase, Program, RankProgram, Recv, Send, Wait, Work
@@ -129,12 +129,13 @@ class ClassEmitter:
         routes: dict[str, EncoderRoutes],
         samples: int,
         precision: str,
+        amp: bool,
         encoder_zero: int,
     ) -> None:
         self.model, self.layout, self.costs, self.schedule = model, layout, costs, schedule
         self.backward_points = backward_points
         self.routes, self.samples = routes, samples
-        self.act, self.grad = element_bytes(precision), grad_bytes(precision)
+        self.act, self.grad, self.weight = element_bytes(precision), grad_bytes(precision), weight_bytes(precision, amp)
         self.encoder_zero = encoder_zero
         self.sharding = tensor_parallel(layout.plan.tp)
         self.encoders = list(costs.layers)
@@ -279,7 +280,7 @@ class ClassEmitter:
                 self.layout.encoder_mesh().degree("dp"),
                 self.encoder_zero,
                 self.grad,
-                self.act,
+                self.weight,
             )
         return out
 

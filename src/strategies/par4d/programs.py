@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 from src.batch_layout import BatchLayout
 from src.cluster import ClusterSpec
-from src.costmodel.memory import element_bytes, grad_bytes
+from src.costmodel.memory import element_bytes, grad_bytes, weight_bytes
 from src.models.layers import ACT_BYTES
 from src.models.spec import ModelSpec
 from src.program import Collective, Compute, Instruction, Phase, Program, RankProgram, TensorGrid, UnitPlan, Wait, Work
@@ -94,7 +94,7 @@ class Par4DEmitter:
     ) -> None:
         self.model, self.grid, self.layouts, self.cfg, self.unit = model, grid, layouts, settings, unit
         self.spec = model.unit(unit)
-        self.act_bytes = element_bytes(precision)
+        self.act_bytes, self.weight_bytes = element_bytes(precision), weight_bytes(precision, cluster.amp)
         self.grad_bytes = grad_bytes(precision)
         mesh = grid.mesh()
         self.groups = {axis: axis_group(program, cluster, axis, mesh, axis, mesh.ranks[0]) for axis in ("x", "y", "z", "dp")}
@@ -124,11 +124,11 @@ class Par4DEmitter:
         return self.cfg.recompute == "full" and self.spec.layers[layout.index].block
 
     def _weight_bytes(self, layout: LayerLayout, item: int) -> float:
-        """Bytes of the weight block range `item` of a layer gathers (16-bit)."""
+        """Bytes of the weight block range `item` of a layer gathers."""
         fc = layout.fcs[item]
         if fc is not None:
-            return fc.k * fc.n / (self.grid.x * self.grid.y) * self.act_bytes
-        return layout.gathered_params(self.grid) * self.act_bytes if item == len(layout.fcs) - 1 else 0.0
+            return fc.k * fc.n / (self.grid.x * self.grid.y) * self.weight_bytes
+        return layout.gathered_params(self.grid) * self.weight_bytes if item == len(layout.fcs) - 1 else 0.0
 
     def _rows(self, fc: FC) -> float:
         return fc.m * self.cfg.micro_batch / self.grid.z
