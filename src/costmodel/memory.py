@@ -50,6 +50,16 @@ def weight_bytes(precision: str, amp: bool) -> int:
     return 4 if amp else element_bytes(precision)
 
 
+# The types a data-parallel reduction may send gradients in (a strategy's grad_reduce_dtype).
+REDUCE_DTYPES = ("fp32", "bf16", "fp16")
+
+
+def reduce_bytes(precision: str, grad_reduce_dtype: str | None) -> int:
+    """A gradient element's bytes as data parallelism reduces it: the type a strategy sets,
+    else as Megatron-LM keeps and reduces them (grad_bytes)."""
+    return grad_bytes(precision) if grad_reduce_dtype is None else element_bytes(grad_reduce_dtype)
+
+
 def grad_bytes(precision: str) -> int:
     """Bytes per gradient element as kept and reduced: Megatron-LM accumulates and
     all-reduces bf16 models' gradients in fp32 (it forces this for bf16), fp16 models'

@@ -45,7 +45,7 @@ from typing import Sequence
 from src.batch_layout import BatchLayout
 from src.cluster import GIB, gib
 from src.config import check_positive, options_from
-from src.costmodel.memory import element_bytes, rank_memory
+from src.costmodel.memory import REDUCE_DTYPES, element_bytes, rank_memory
 from src.errors import ConfigError, PlanError
 from src.mesh import Mesh
 from src.program import DEEPSPEED_PERSISTENCE_THRESHOLD, RECOMPUTE_MODES, Instruction, Plan, Program, UnitPlan
@@ -62,7 +62,6 @@ DEEPSPEED_MAX_REUSE_DISTANCE = 1_000_000_000
 # merge commits of PR #1188, 2021-10-31, and PR #1453, 2022-01-20).
 ZERO3_FETCHES = ("per_tensor", "coalesced", "prefetched")
 ZERO3_FETCH_SINCE = ((0, 6, 0), "prefetched"), ((0, 5, 5), "coalesced")
-REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 
 
 @dataclass(frozen=True)

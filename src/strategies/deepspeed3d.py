@@ -19,7 +19,12 @@ What separates it from today's Megatron-LM baseline is what that codebase runs:
   (megatron/model/gpt2_model.py: `output.float()`, its example scripts
   ds_pretrain_gpt2*.sh passing --fp16 and no --fp16-lm-cross-entropy);
 - weight gradients added into the 16-bit `.grad` by autograd every micro-batch (2020: before
-  Megatron-LM's gradient accumulation fusion).
+  Megatron-LM's gradient accumulation fusion);
+- gradients reduced over data parallelism in DeepSpeed's communication_data_type, the
+  model's 16-bit type (ZeRO-1's allreduce_bucket casts to it; deepspeed/runtime/engine.py's
+  default since 0.5.8; fp32 under PyTorch AMP), where Megatron-LM forces fp32 for bf16. The
+  codebase ran fp16 (DeepSpeed had no bf16 in 2021); a bf16 run such as Par4D's needs a
+  DeepSpeed with bf16 pipelines (0.6.4 on), which reduces in 16 bits too.
 The Programs are the Megatron pipeline's, built and searched by the Megatron planner
 with these settings fixed.
 """
@@ -30,6 +35,7 @@ from dataclasses import dataclass, replace
 
 from src.cluster import ATTENTION_MODES, CROSS_ENTROPY_MODES, GRAD_ACCUMULATIONS, PARAM_GRAD_KERNELS
 from src.config import options_from
+from src.costmodel.memory import REDUCE_DTYPES
 from src.errors import ConfigError
 from src.program import Plan
 from src.strategies.base import PlanRequest
@@ -58,6 +64,8 @@ class DeepSpeed3DOptions:
     # Its weight gradients accumulate through autograd's AccumulateGrad into the 16-bit `.grad`
     # (DeepSpeed's engine over Megatron-LM v1.1.5's layers, before gradient accumulation fusion).
     grad_accumulation: str | None = "hook"
+    # The type its gradients are reduced in; null: DeepSpeed's communication_data_type.
+    grad_reduce_dtype: str | None = None
 
     def __post_init__(self) -> None:
         for key, modes in (
@@ -69,8 +77,12 @@ class DeepSpeed3DOptions:
             value = getattr(self, key)
             if value is not None and value not in modes:
                 raise ConfigError(f"strategy.{key}={value!r}; choose one of {list(modes)} or null")
+        if self.grad_reduce_dtype is not None and self.grad_reduce_dtype not in REDUCE_DTYPES:
+            raise ConfigError(f"strategy.grad_reduce_dtype={self.grad_reduce_dtype!r}; choose one of {list(REDUCE_DTYPES)} or null")
 
-    def megatron_options(self) -> dict:
+    def megatron_options(self, precision: str, amp: bool) -> dict:
+        """Megatron-LM's options for this codebase, the gradients reduced in DeepSpeed's
+        type for the run's `precision` (fp32 weights' gradients under `amp`)."""
         return {
             "tp": self.tp,
             "pp": self.pp,
@@ -84,6 +96,7 @@ class DeepSpeed3DOptions:
             "overlap_grad_reduce": False,
             "uneven_pp": self.uneven_pp,
             "scatter_gather": self.scatter_gather,
+            "grad_reduce_dtype": self.grad_reduce_dtype or ("fp32" if amp else precision),
         }
 
 
@@ -107,7 +120,7 @@ def plan_deepspeed3d(request: PlanRequest) -> Plan:
             f"interaction (use strategy=megatron or distmm)"
         )
     try:
-        plan = plan_megatron(replace(request, options=opts.megatron_options()))
+        plan = plan_megatron(replace(request, options=opts.megatron_options(request.train.precision, request.cluster.amp)))
     except ConfigError as err:
         raise type(err)(f"deepspeed3d (Megatron-LM pipeline, ZeRO-1): {err}") from None
     plan.strategy = "deepspeed3d"

@@ -311,6 +311,8 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
     ("ddp", "zero3_fetch"): (DDP, ["strategy.zero_stage=3", "strategy.zero3_fetch=per_tensor"], "refused", ""),
     # The workers reduce the fp32 gradients of fp32 weights (fp32 or AMP): a 16-bit reduction is refused.
     ("ddp", "grad_reduce_dtype"): (DDP, ["strategy.grad_reduce_dtype=bf16"], "refused", ""),
+    ("megatron", "grad_reduce_dtype"): (MEGATRON, ["strategy.grad_reduce_dtype=bf16"], "refused", ""),
+    ("deepspeed3d", "grad_reduce_dtype"): (DS3D, ["strategy.dp=2", "strategy.grad_reduce_dtype=bf16"], "refused", ""),
     # Par4D runs in the simulator only: the real backend refuses its grid, naming every option.
     ("par4d", "grid"): (PAR4D, ["strategy.grid=[2,1,2,1]"], "run", PAR4D_RUNS),
     ("par4d", "model"): (PAR4D, ["strategy.model=agnostic"], "run", PAR4D_RUNS),

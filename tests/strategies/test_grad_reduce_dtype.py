@@ -73,3 +73,32 @@ def test_a_bad_type_is_refused_in_one_line() -> None:
     with pytest.raises(ConfigError, match="^strategy.grad_reduce_dtype='int8'") as err:
         _plan("strategy.grad_reduce_dtype=int8")
     assert "\n" not in str(err.value)
+
+
+PIPELINE = [*BASE[:-4], "strategy.tp=1", "strategy.pp=2", "strategy.micro_batch_size=1", "strategy.recompute=none", "logger=none"]
+
+
+def test_deepspeed3d_reduces_in_deepspeeds_16_bit_type_where_megatron_lm_forces_fp32() -> None:
+    """DeepSpeed-3D's ZeRO-1 casts its gradient buckets to communication_data_type (bf16):
+    half the bytes of its fp32 reduction, and of Megatron-LM's forced fp32 (the estimate
+    the search ranks by prices the same)."""
+    ds3d = plan_run(validate(composed(PIPELINE + ["strategy=deepspeed3d"])))
+    ds3d_fp32 = plan_run(validate(composed(PIPELINE + ["strategy=deepspeed3d", "strategy.grad_reduce_dtype=fp32"])))
+    megatron = plan_run(validate(composed(PIPELINE + ["strategy=megatron", "strategy.zero_stage=1", "strategy.vpp=1"])))
+    megatron_bf16 = plan_run(
+        validate(
+            composed(PIPELINE + ["strategy=megatron", "strategy.zero_stage=1", "strategy.vpp=1", "strategy.grad_reduce_dtype=bf16"])
+        )
+    )
+    assert ds3d.units[0].grad_reduce_dtype == "bf16" and megatron.units[0].grad_reduce_dtype is None
+    assert _reduced_bytes(ds3d) > 0
+    assert _reduced_bytes(ds3d_fp32) == pytest.approx(2 * _reduced_bytes(ds3d))
+    assert _reduced_bytes(megatron) == pytest.approx(_reduced_bytes(ds3d_fp32))
+    assert _reduced_bytes(megatron_bf16) == pytest.approx(_reduced_bytes(ds3d))
+
+
+@pytest.mark.parametrize("strategy", ["megatron", "deepspeed3d"])
+def test_a_bad_pipeline_type_is_refused_in_one_line(strategy: str) -> None:
+    with pytest.raises(ConfigError, match="strategy.grad_reduce_dtype='int8'") as err:
+        plan_run(validate(composed(PIPELINE + [f"strategy={strategy}", "strategy.grad_reduce_dtype=int8"])))
+    assert "\n" not in str(err.value)

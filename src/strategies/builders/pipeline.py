@@ -71,6 +71,7 @@ class PipelineSettings:
     scatter_gather: bool = False  # Megatron-LM's pipeline scatter/gather (stages.stage_transfer)
     replicate: tuple[str, ...] = ()  # units replicated over their stage's TP group (stages.StageRun)
     overlap_param_gather: bool = False  # the distributed optimizer's all-gather chained into the next forward (ParamGathers)
+    grad_reduce_bytes: int | None = None  # a gradient element's bytes as DP reduces it; None: memory.grad_bytes
 
 
 @dataclass
@@ -148,7 +149,7 @@ class PipelineEmitter:
         self.dp = mesh.degree("dp")
         self.vpp = len(virtual) // self.pp
         self.act_bytes, self.weight_bytes = element_bytes(precision), weight_bytes(precision, cluster.amp)
-        self.grad_bytes = grad_bytes(precision)
+        self.grad_bytes = grad_bytes(precision) if settings.grad_reduce_bytes is None else settings.grad_reduce_bytes
         tp = mesh.degree("tp")
         self.sharding = tensor_parallel(tp, settings.sequence_parallel)
         self.runs = stage_runs(model, virtual, self.pp, tp, settings.sequence_parallel, settings.micro_batch, settings.replicate)

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from src.cluster import ClusterSpec, family_sharing
 from src.costmodel.comm import CommModel
 from src.costmodel.compute import ComputeModel
-from src.costmodel.memory import element_bytes, grad_bytes, model_state_bytes, rematerialised_bytes, weight_bytes, zero_shards
+from src.costmodel.memory import element_bytes, model_state_bytes, reduce_bytes, rematerialised_bytes, weight_bytes, zero_shards
 from src.mesh import Sharding, tensor_parallel
 from src.models.spec import ModelSpec, UnitSpec
 from src.program import Work
@@ -253,13 +253,14 @@ class PipelineEstimator:
         global_batch: int,
         compute: ComputeModel,
         replicate: tuple[str, ...] = (),
+        grad_reduce_dtype: str | None = None,
     ) -> None:
         self.model, self.cluster, self.precision, self.compute = model, cluster, precision, compute
         self.global_batch = global_batch
         self.replicate = replicate
         self.comm = CommModel(cluster)
         self.act_bytes, self.weight_bytes = element_bytes(precision), weight_bytes(precision, cluster.amp)
-        self.grad_bytes = grad_bytes(precision)
+        self.grad_bytes = reduce_bytes(precision, grad_reduce_dtype)
         self._meshes: dict[tuple[int, int, int, tuple[bool, ...]], _MeshCosts] = {}
         self._live: dict[tuple, list[LiveCounts]] = {}
         self._schedules: dict[tuple, list[list[PipeOp]]] = {}

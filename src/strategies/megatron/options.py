@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from src.costmodel.memory import check_memory_options
+from src.costmodel.memory import REDUCE_DTYPES, check_memory_options
 from src.config import check_positive, options_from
 from src.errors import ConfigError
 from src.models.spec import ModelSpec
@@ -57,6 +57,9 @@ class MegatronOptions(MegatronChoices):
     # mean: the plan chosen as Megatron-LM's users choose it, at the mean load; data: the
     # search's ranking priced on the workload's first batch under its balancing policy.
     choose_on: str = "mean"
+    # The type data parallelism reduces gradients in; None: Megatron-LM's (fp32 for bf16,
+    # which it forces, the precision's otherwise). DeepSpeed-3D sets DeepSpeed's.
+    grad_reduce_dtype: str | None = None
 
     def __post_init__(self) -> None:
         for key in ("tp", "pp", "dp", "vpp", "micro_batch_size"):
@@ -89,6 +92,8 @@ class MegatronOptions(MegatronChoices):
                 f"(Megatron-LM requires --use-distributed-optimizer with it): it needs strategy.zero_stage=1, "
                 f"got {self.zero_stage}"
             )
+        if self.grad_reduce_dtype is not None and self.grad_reduce_dtype not in REDUCE_DTYPES:
+            raise ConfigError(f"strategy.grad_reduce_dtype={self.grad_reduce_dtype!r}; choose one of {list(REDUCE_DTYPES)} or null")
         if self.choose_on not in CHOOSE_ON:
             raise ConfigError(f"strategy.choose_on={self.choose_on!r}; choose one of {list(CHOOSE_ON)}")
         if any(not isinstance(name, str) for name in self.replicate) or len(set(self.replicate)) != len(self.replicate):

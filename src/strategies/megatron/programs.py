@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from src.cluster import ClusterSpec
+from src.costmodel.memory import reduce_bytes
 from src.mesh import Mesh
 from src.models.spec import ModelSpec
 from src.program import Instruction, Program, UnitPlan
@@ -36,6 +37,7 @@ class MegatronSettings:
     scatter_gather: bool = True  # pipeline sends of 1/tp plus a TP all-gather (stages.stage_transfer)
     replicate: tuple[str, ...] = ()  # units replicated over their stage's TP group (stages.StageRun)
     overlap_param_gather: bool = False  # the distributed optimizer's all-gather chained into the next forward
+    grad_reduce_dtype: str | None = None  # data parallelism's gradient type; None: Megatron-LM's (memory.grad_bytes)
 
 
 def pipeline_program(
@@ -61,6 +63,7 @@ def pipeline_program(
         scatter_gather=cfg.scatter_gather,
         replicate=cfg.replicate,
         overlap_param_gather=cfg.overlap_param_gather,
+        grad_reduce_bytes=reduce_bytes(precision, cfg.grad_reduce_dtype),
     )
     emitter = PipelineEmitter(model, cluster, precision, program, mesh, virtual, settings)
     for stage in range(pp):
@@ -107,6 +110,7 @@ def pipeline_unit_plans(
                 sequence_parallel=cfg.sequence_parallel and not replicated,
                 overlap_comm=cfg.overlap_grad_reduce,
                 param_gather="overlapped" if cfg.overlap_param_gather else "step_end",
+                grad_reduce_dtype=cfg.grad_reduce_dtype,
                 details={"pipeline_stages": stages},
             )
         )
@@ -147,6 +151,7 @@ def colocated_program(
             ColocatedUnit(name, mesh, cfg.recompute, cfg.zero_stage, cfg.sequence_parallel, overlap_comm=cfg.overlap_grad_reduce)
             for name in names
         ],
+        reduce_bytes=reduce_bytes(precision, cfg.grad_reduce_dtype),
     )
     towers = emitter.towers()
     emitter.query_routes(microbatches, {t: mb for t in towers}, {t: mb for t in towers}, with_keys=deg.dp == 1)
@@ -171,6 +176,7 @@ def colocated_program(
             recompute=cfg.recompute,
             sequence_parallel=cfg.sequence_parallel,
             overlap_comm=cfg.overlap_grad_reduce,
+            grad_reduce_dtype=cfg.grad_reduce_dtype,
         )
         for name in names
     ]

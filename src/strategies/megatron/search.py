@@ -95,7 +95,7 @@ class MegatronSearch:
         self.precision = request.train.precision
         self.compute = ComputeModel(self.cluster, self.precision)
         self.estimator = PipelineEstimator(
-            self.model, self.cluster, self.precision, request.train.global_batch, self.compute, opts.replicate
+            self.model, self.cluster, self.precision, request.train.global_batch, self.compute, opts.replicate, opts.grad_reduce_dtype
         )
         self.ladder = memory_ladder(opts.recompute, opts.zero_stage)
         self.stats = SearchStats()
@@ -151,6 +151,7 @@ class MegatronSearch:
                 self.opts.scatter_gather,
                 self.opts.replicate,
                 self.opts.overlap_param_gather,
+                self.opts.grad_reduce_dtype,
             )
             try:
                 candidate = self._check(shape, settings, step, tables)
