@@ -24,7 +24,7 @@ What separates it from today's Megatron-LM baseline is what that codebase runs:
   model's 16-bit type (ZeRO-1's allreduce_bucket casts to it; deepspeed/runtime/engine.py's
   default since 0.5.8; fp32 under PyTorch AMP), where Megatron-LM forces fp32 for bf16. The
   codebase ran fp16 (DeepSpeed had no bf16 in 2021); a bf16 run such as Par4D's needs a
-  DeepSpeed with bf16 pipelines (0.6.4 on), which reduces in 16 bits too.
+  DeepSpeed with bf16 pipelines (0.6.2 on, PR #1801), which reduces in 16 bits too.
 The Programs are the Megatron pipeline's, built and searched by the Megatron planner
 with these settings fixed.
 """
