@@ -67,16 +67,16 @@ def grad_bytes(precision: str) -> int:
     return 2 if precision == "fp16" else 4
 
 
-def state_bytes(precision: str, frozen: bool) -> StateBytes:
-    """16-bit training keeps 16-bit weights, gradients as grad_bytes() says, and fp32
-    master weights + two Adam moments; fp32 training keeps fp32 weights and gradients and
-    two moments. A frozen unit keeps only its weights."""
+def state_bytes(precision: str, frozen: bool, grads: int | None = None) -> StateBytes:
+    """16-bit training keeps 16-bit weights, gradients of `grads` bytes (None: as
+    grad_bytes() says), and fp32 master weights + two Adam moments; fp32 training keeps fp32
+    weights and gradients and two moments. A frozen unit keeps only its weights."""
     weights = float(element_bytes(precision))
     if frozen:
         return StateBytes(weights, 0.0, 0.0)
     if precision == "fp32":
         return StateBytes(4.0, 4.0, 8.0)
-    return StateBytes(weights, float(grad_bytes(precision)), 12.0)
+    return StateBytes(weights, float(grad_bytes(precision) if grads is None else grads), 12.0)
 
 
 @dataclass(frozen=True)
@@ -94,10 +94,13 @@ def zero_shards(dp: int, zero_stage: int) -> ZeroShards:
     return ZeroShards(dp if zero_stage >= 3 else 1, dp if zero_stage >= 2 else 1, dp if zero_stage >= 1 else 1)
 
 
-def model_state_bytes(params: float, precision: str, frozen: bool, zero_stage: int, dp: int) -> dict[str, float]:
-    """Per-device bytes of weights, gradients and optimizer state for `params` parameters
-    held by one model-parallel shard replicated `dp` times, sharded as zero_shards says."""
-    per, shards = state_bytes(precision, frozen), zero_shards(dp, zero_stage)
+def model_state_bytes(
+    params: float, precision: str, frozen: bool, zero_stage: int, dp: int, grads: int | None = None
+) -> dict[str, float]:
+    """Per-device bytes of weights, gradients (`grads` bytes each, None: grad_bytes) and
+    optimizer state for `params` parameters held by one model-parallel shard replicated `dp`
+    times, sharded as zero_shards says."""
+    per, shards = state_bytes(precision, frozen, grads), zero_shards(dp, zero_stage)
     return {
         "weights": params * per.weights / shards.weights,
         "grads": params * per.grads / shards.grads,
@@ -214,8 +217,11 @@ def rank_memory(rank_program: RankProgram, units: Mapping[str, UnitPlan], model:
         shards = sharding.devices
         trainable = unit.trainable_params(start, end) / shards
         fixed = sum(layer.params for layer in unit.layers[start:end]) / shards - trainable
+        # Gradients are kept in the type a strategy reduces them in where it sets one (DeepSpeed's
+        # ZeRO: 16-bit .grad and partitions, its gradient_accumulation_dtype the model's).
+        grads = None if plan.grad_reduce_dtype is None else element_bytes(plan.grad_reduce_dtype)
         for params, frozen in ((trainable, False), (fixed, True)):
-            for key, value in model_state_bytes(params, precision, frozen, plan.zero_stage, plan.data_replicas).items():
+            for key, value in model_state_bytes(params, precision, frozen, plan.zero_stage, plan.data_replicas, grads).items():
                 out[key] += value
     gathered = sum(units[name].gathered_params for name in {name for name, _ in held})
     if gathered:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from src.costmodel.memory import rank_memory
 from src.errors import ConfigError
 from src.program import Collective, Plan
 from src.setup import plan_run, validate
@@ -102,3 +103,17 @@ def test_a_bad_pipeline_type_is_refused_in_one_line(strategy: str) -> None:
     with pytest.raises(ConfigError, match="strategy.grad_reduce_dtype='int8'") as err:
         plan_run(validate(composed(PIPELINE + [f"strategy={strategy}", "strategy.grad_reduce_dtype=int8"])))
     assert "\n" not in str(err.value)
+
+
+def test_deepspeed_keeps_its_gradients_in_the_type_it_reduces_them_in() -> None:
+    """DeepSpeed's ZeRO keeps 16-bit .grads (its gradient_accumulation_dtype is the model's):
+    DeepSpeed-3D's unsharded ZeRO-1 gradients take half the bytes of fp32 ones."""
+    memory = {}
+    for name, extra in (("ds3d", ["strategy=deepspeed3d"]), ("fp32", ["strategy=deepspeed3d", "strategy.grad_reduce_dtype=fp32"])):
+        setup = validate(composed(PIPELINE + extra))
+        plan = plan_run(setup)
+        units = {u.unit: u for u in plan.units}
+        memory[name] = rank_memory(plan.program.classes[0], units, setup.model, "bf16")
+    assert memory["ds3d"]["grads"] > 0
+    assert memory["fp32"]["grads"] == pytest.approx(2 * memory["ds3d"]["grads"])
+    assert memory["fp32"]["weights"] == pytest.approx(memory["ds3d"]["weights"])

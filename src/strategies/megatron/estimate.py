@@ -303,7 +303,7 @@ class PipelineEstimator:
             for segment in segments:
                 trainable += self._span("trainable", segment)
                 params += self._span("params", segment)
-        out = model_state_bytes(trainable / shards, self.precision, False, zero_stage, dp)
+        out = model_state_bytes(trainable / shards, self.precision, False, zero_stage, dp, self.grad_bytes)
         for key, value in model_state_bytes(params / shards - trainable / shards, self.precision, True, zero_stage, dp).items():
             out[key] += value
         return out
