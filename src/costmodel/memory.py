@@ -54,6 +54,21 @@ def weight_bytes(precision: str, amp: bool) -> int:
 REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 
 
+def check_reduce_dtype(grad_reduce_dtype: str | None) -> None:
+    """A strategy's `grad_reduce_dtype` option: one of REDUCE_DTYPES or null."""
+    if grad_reduce_dtype is not None and grad_reduce_dtype not in REDUCE_DTYPES:
+        raise ConfigError(f"strategy.grad_reduce_dtype={grad_reduce_dtype!r}; choose one of {list(REDUCE_DTYPES)} or null")
+
+
+def deepspeed_reduce_dtype(grad_reduce_dtype: str | None, precision: str, amp: bool) -> str:
+    """The type DeepSpeed reduces (and keeps) gradients in: the one a run sets, else its
+    communication_data_type, the model's type (fp32 under PyTorch AMP: fp32 weights'
+    gradients)."""
+    if grad_reduce_dtype is not None:
+        return grad_reduce_dtype
+    return "fp32" if amp else precision
+
+
 def reduce_bytes(precision: str, grad_reduce_dtype: str | None) -> int:
     """A gradient element's bytes as data parallelism reduces it: the type a strategy sets,
     else as Megatron-LM keeps and reduces them (grad_bytes)."""

@@ -45,7 +45,7 @@ from typing import Sequence
 from src.batch_layout import BatchLayout
 from src.cluster import GIB, gib
 from src.config import check_positive, options_from
-from src.costmodel.memory import REDUCE_DTYPES, element_bytes, rank_memory
+from src.costmodel.memory import check_reduce_dtype, deepspeed_reduce_dtype, element_bytes, rank_memory
 from src.errors import ConfigError, PlanError
 from src.mesh import Mesh
 from src.program import DEEPSPEED_PERSISTENCE_THRESHOLD, RECOMPUTE_MODES, Instruction, Plan, Program, UnitPlan
@@ -93,14 +93,7 @@ class DDPOptions:
             raise ConfigError(f"strategy.deepspeed_version is a DeepSpeed release like 0.3.15, got {self.deepspeed_version!r}")
         if self.zero3_fetch is not None and self.zero3_fetch not in ZERO3_FETCHES:
             raise ConfigError(f"strategy.zero3_fetch={self.zero3_fetch!r}; choose one of {list(ZERO3_FETCHES)} or null")
-        if self.grad_reduce_dtype is not None and self.grad_reduce_dtype not in REDUCE_DTYPES:
-            raise ConfigError(f"strategy.grad_reduce_dtype={self.grad_reduce_dtype!r}; choose one of {list(REDUCE_DTYPES)} or null")
-
-    def reduce_dtype(self, precision: str, amp: bool) -> str:
-        """The gradients' type on the wire: the one set, else DeepSpeed's default."""
-        if self.grad_reduce_dtype is not None:
-            return self.grad_reduce_dtype
-        return "fp32" if amp else precision
+        check_reduce_dtype(self.grad_reduce_dtype)
 
     @property
     def fetch(self) -> str:
@@ -158,7 +151,7 @@ def _build(
     names = unit_order(model)
     # Only the current fetch prefetches (see the module's docstring).
     prefetch = float(opts.prefetch_bucket_size) if opts.fetch == "prefetched" else 0.0
-    reduce_dtype = opts.reduce_dtype(request.train.precision, request.cluster.amp)
+    reduce_dtype = deepspeed_reduce_dtype(opts.grad_reduce_dtype, request.train.precision, request.cluster.amp)
     emitter = ColocatedEmitter(
         model,
         request.cluster,

@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 
 from src.cluster import ATTENTION_MODES, CROSS_ENTROPY_MODES, GRAD_ACCUMULATIONS, PARAM_GRAD_KERNELS
 from src.config import options_from
-from src.costmodel.memory import REDUCE_DTYPES
+from src.costmodel.memory import check_reduce_dtype, deepspeed_reduce_dtype
 from src.errors import ConfigError
 from src.program import Plan
 from src.strategies.base import PlanRequest
@@ -77,8 +77,7 @@ class DeepSpeed3DOptions:
             value = getattr(self, key)
             if value is not None and value not in modes:
                 raise ConfigError(f"strategy.{key}={value!r}; choose one of {list(modes)} or null")
-        if self.grad_reduce_dtype is not None and self.grad_reduce_dtype not in REDUCE_DTYPES:
-            raise ConfigError(f"strategy.grad_reduce_dtype={self.grad_reduce_dtype!r}; choose one of {list(REDUCE_DTYPES)} or null")
+        check_reduce_dtype(self.grad_reduce_dtype)
 
     def megatron_options(self, precision: str, amp: bool) -> dict:
         """Megatron-LM's options for this codebase, the gradients reduced in DeepSpeed's
@@ -96,7 +95,7 @@ class DeepSpeed3DOptions:
             "overlap_grad_reduce": False,
             "uneven_pp": self.uneven_pp,
             "scatter_gather": self.scatter_gather,
-            "grad_reduce_dtype": self.grad_reduce_dtype or ("fp32" if amp else precision),
+            "grad_reduce_dtype": deepspeed_reduce_dtype(self.grad_reduce_dtype, precision, amp),
         }
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from src.costmodel.memory import REDUCE_DTYPES, check_memory_options
+from src.costmodel.memory import check_memory_options, check_reduce_dtype
 from src.config import check_positive, options_from
 from src.errors import ConfigError
 from src.models.spec import ModelSpec
@@ -92,8 +92,7 @@ class MegatronOptions(MegatronChoices):
                 f"(Megatron-LM requires --use-distributed-optimizer with it): it needs strategy.zero_stage=1, "
                 f"got {self.zero_stage}"
             )
-        if self.grad_reduce_dtype is not None and self.grad_reduce_dtype not in REDUCE_DTYPES:
-            raise ConfigError(f"strategy.grad_reduce_dtype={self.grad_reduce_dtype!r}; choose one of {list(REDUCE_DTYPES)} or null")
+        check_reduce_dtype(self.grad_reduce_dtype)
         if self.choose_on not in CHOOSE_ON:
             raise ConfigError(f"strategy.choose_on={self.choose_on!r}; choose one of {list(CHOOSE_ON)}")
         if any(not isinstance(name, str) for name in self.replicate) or len(set(self.replicate)) != len(self.replicate):
