@@ -130,12 +130,12 @@ def unit_utilisation(
     return {unit: flops[unit] / (busy * peak) for unit, busy in seconds.items() if busy > 0 and unit in flops}
 
 
-def attach_memory(timeline: Timeline, plan: Plan, model: ModelSpec, precision: str) -> None:
+def attach_memory(timeline: Timeline, plan: Plan, model: ModelSpec, precision: str, amp: bool) -> None:
     """Fill each rank class's memory from the plan (both backends report the estimate;
     the real backend adds what it measured)."""
     units = {u.unit: u for u in plan.units}
     for rank_timeline, rank_program in zip(timeline.ranks, plan.program.classes):
-        memory = rank_memory(rank_program, units, model, precision)
+        memory = rank_memory(rank_program, units, model, precision, amp)
         rank_timeline.memory = {k: v / GIB for k, v in memory.items()}
         rank_timeline.peak_memory_bytes = memory["total"]
 
@@ -206,7 +206,7 @@ def summarize(
     measured one); `images` the mean images per sequence the run processed, where the
     backend knows them (the real backend's measured steps'; None: what the plan prices)."""
     plan = run.plan
-    attach_memory(timeline, plan, run.model, plan.precision)
+    attach_memory(timeline, plan, run.model, plan.precision, run.cluster.amp)
     cluster = run.cluster
     if peak_flops is not None:
         # Measured with every worker computing at once: already each one's share.

@@ -54,6 +54,12 @@ def weight_bytes(precision: str, amp: bool) -> int:
 REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 
 
+def states_precision(precision: str, amp: bool) -> str:
+    """The precision whose model states a run keeps: PyTorch AMP keeps fp32 weights, fp32
+    gradients and two fp32 moments (no master copy), fp32 training's states."""
+    return "fp32" if amp else precision
+
+
 def check_reduce_dtype(grad_reduce_dtype: str | None) -> None:
     """A strategy's `grad_reduce_dtype` option: one of REDUCE_DTYPES or null."""
     if grad_reduce_dtype is not None and grad_reduce_dtype not in REDUCE_DTYPES:
@@ -215,10 +221,13 @@ def _outermost(held: dict[tuple[str, tuple[int, int]], Sharding]) -> dict[tuple[
     return {key: sharding for key, sharding in held.items() if key in kept}
 
 
-def rank_memory(rank_program: RankProgram, units: Mapping[str, UnitPlan], model: ModelSpec, precision: str) -> dict[str, float]:
+def rank_memory(
+    rank_program: RankProgram, units: Mapping[str, UnitPlan], model: ModelSpec, precision: str, amp: bool = False
+) -> dict[str, float]:
     """Bytes one rank of a class needs: the model states of every layer range it computes
     (sharded by its unit's TP, and under ZeRO by its data replicas: a unit replicated over
-    its TP group holds it whole and shards it over TP x DP) and its peak live activations."""
+    its TP group holds it whole and shards it over TP x DP) and its peak live activations.
+    `amp`: PyTorch AMP's fp32 states (states_precision) and fp32 gathered weights."""
     computes = [i for i in rank_program.instructions if isinstance(i, Compute)]
     held: dict[tuple[str, tuple[int, int]], Sharding] = {}
     for instruction in computes:
@@ -236,11 +245,13 @@ def rank_memory(rank_program: RankProgram, units: Mapping[str, UnitPlan], model:
         # ZeRO: 16-bit .grad and partitions, its gradient_accumulation_dtype the model's).
         grads = None if plan.grad_reduce_dtype is None else element_bytes(plan.grad_reduce_dtype)
         for params, frozen in ((trainable, False), (fixed, True)):
-            for key, value in model_state_bytes(params, precision, frozen, plan.zero_stage, plan.data_replicas, grads).items():
+            for key, value in model_state_bytes(
+                params, states_precision(precision, amp), frozen, plan.zero_stage, plan.data_replicas, grads
+            ).items():
                 out[key] += value
     gathered = sum(units[name].gathered_params for name in {name for name, _ in held})
     if gathered:
-        out["gathered"] = gathered * element_bytes(precision)
+        out["gathered"] = gathered * weight_bytes(precision, amp)
     recompute = {name: plan.recompute for name, plan in units.items()}
     out["activations"] = peak_activation_bytes(computes, model, recompute)
     out["total"] = sum(out.values())

@@ -221,7 +221,7 @@ def _build(
             "grad_reduce_dtype": reduce_dtype,
         },
     )
-    memory = rank_memory(program.classes[0], {u.unit: u for u in unit_plans}, model, request.train.precision)
+    memory = rank_memory(program.classes[0], {u.unit: u for u in unit_plans}, model, request.train.precision, request.cluster.amp)
     return plan, memory
 
 

@@ -7,9 +7,10 @@ from dataclasses import replace
 
 import pytest
 
-from src.cluster import cluster_from_config
+from src.cluster import GIB, cluster_from_config
 from src.config import composed
 from src.costmodel.compute import ComputeModel
+from src.costmodel.memory import rank_memory
 from src.mesh import Sharding
 from src.program import Collective
 from src.setup import plan_run, validate
@@ -84,3 +85,23 @@ def test_under_amp_the_gathered_weights_are_fp32(strategy: list[str]) -> None:
     sixteen = _gathered_bytes(*strategy)
     assert sixteen > 0
     assert _gathered_bytes(*strategy, "cluster.amp=true") == pytest.approx(2 * sixteen)
+
+
+def test_under_amp_the_model_states_are_fp32_trainings() -> None:
+    """PyTorch AMP keeps fp32 weights, fp32 gradients and two fp32 moments (16 bytes a
+    parameter, no master copy), where 16-bit training keeps 2 + 4 + 12 (Megatron-LM's
+    gradients); the planner reports the memory it counted so."""
+    base = ["model=gpt", "model.preset=null", "model.layers=2", "model.hidden=512", "model.heads=8", "model.vocab=1024"]
+    base += ["train.seq_len=128", "train.global_batch=8", "train.precision=bf16", "cluster=dgx_a100", "cluster.nodes=1", "logger=none"]
+    base += ["strategy=megatron", "strategy.tp=1", "strategy.pp=1", "strategy.zero_stage=0", "strategy.recompute=none"]
+    memory = {}
+    for amp in (False, True):
+        setup = validate(composed_run(base + [f"cluster.amp={str(amp).lower()}"]))
+        plan = plan_run(setup)
+        units = {u.unit: u for u in plan.units}
+        memory[amp] = rank_memory(plan.program.classes[0], units, setup.model, "bf16", amp)
+        assert list(plan.details["memory_gib"].values()) == [round(memory[amp]["total"] / GIB, 3)]
+    params = memory[False]["weights"] / 2
+    assert memory[False]["grads"] == pytest.approx(4 * params) and memory[False]["optimizer"] == pytest.approx(12 * params)
+    assert memory[True]["weights"] == pytest.approx(4 * params)
+    assert memory[True]["grads"] == pytest.approx(4 * params) and memory[True]["optimizer"] == pytest.approx(8 * params)

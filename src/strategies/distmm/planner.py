@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from src.cluster import GIB, gib
 from src.config import UnitCounts, check_positive, options_from
-from src.costmodel.memory import check_memory_options, memory_ladder, rank_memory
+from src.costmodel.memory import check_memory_options, memory_ladder, rank_memory, states_precision
 from src.errors import ConfigError, PlanError
 from src.models.spec import ModelSpec
 from src.program import Plan, Program, UnitPlan
@@ -171,7 +171,7 @@ def _short(
     if degrees.pp > 1:
         unit = request.model.unit(tower)
         whole = (0, unit.num_layers)
-        static = replica_state_bytes(unit, whole, degrees.tp, request.train.precision)
+        static = replica_state_bytes(unit, whole, degrees.tp, states_precision(request.train.precision, request.cluster.amp))
         samples = max_contrastive_batch(usable, static, activation_per_sample(unit, whole, degrees.tp, "full"), degrees.pp)
         bound = f" (DistMM-Pipe's (M·P - M_s)/(2·M_a) allows about {max(0, int(samples))} samples per group here)"
     return (
@@ -267,7 +267,7 @@ def _colocated(request: PlanRequest, opts: DistMMOptions, towers: list[str], gro
 
 def _peak_memory(request: PlanRequest, program: Program, plans: list[TowerPlan], colocated: bool) -> float:
     units = {u.unit: u for u in _unit_plans(request, plans, colocated)}
-    return max(rank_memory(rp, units, request.model, request.train.precision)["total"] for rp in program.classes)
+    return max(rank_memory(rp, units, request.model, request.train.precision, request.cluster.amp)["total"] for rp in program.classes)
 
 
 def _unit_plans(request: PlanRequest, plans: list[TowerPlan], colocated: bool) -> list[UnitPlan]:
@@ -296,7 +296,10 @@ def plan_distmm(request: PlanRequest) -> Plan:
         if unit.unit in estimates:
             unit.details["balancer_time_s"] = round(estimates[unit.unit], 6)
     by_name = {u.unit: u for u in units}
-    memory = {rp.label: rank_memory(rp, by_name, request.model, request.train.precision)["total"] for rp in program.classes}
+    memory = {
+        rp.label: rank_memory(rp, by_name, request.model, request.train.precision, request.cluster.amp)["total"]
+        for rp in program.classes
+    }
     worst = max(memory, key=lambda label: memory[label])
     if memory[worst] > request.cluster.usable_memory_bytes:
         raise PlanError(

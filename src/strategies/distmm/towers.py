@@ -23,6 +23,7 @@ from src.costmodel.memory import (
     memory_ladder,
     model_state_bytes,
     rematerialised_bytes,
+    states_precision,
     weight_bytes,
     zero_shards,
 )
@@ -117,6 +118,7 @@ def partition(unit: UnitSpec, cluster: ClusterSpec, precision: str, tp: int | No
     pipeline stages across nodes that fit. A degree given by hand is kept."""
     usable = cluster.usable_memory_bytes
     node = cluster.devices_per_node
+    precision = states_precision(precision, cluster.amp)  # only the model states read it below
     tps = [tp] if tp is not None else tp_degrees(unit, node)
     if pp is not None:
         candidates = [Degrees(t, pp) for t in tps]
@@ -188,7 +190,11 @@ class TowerCosts:
         worst = 0.0
         for stage, layers in enumerate(plan.stages):
             params = sum(layer.params for layer in unit.layers[layers[0] : layers[1]]) / plan.tp
-            states = sum(model_state_bytes(params, self.precision, unit.frozen, plan.zero_stage, plan.replicas).values())
+            states = sum(
+                model_state_bytes(
+                    params, states_precision(self.precision, self.cluster.amp), unit.frozen, plan.zero_stage, plan.replicas
+                ).values()
+            )
             activations = 0.0
             if self.model.needs_backward(unit.name):
                 live = _resident(plan.schedule, plan.pp, plan.groups, plan.microbatches)[stage]

@@ -39,7 +39,15 @@ import numpy as np
 from src.cluster import ClusterSpec
 from src.costmodel.comm import CommModel
 from src.costmodel.compute import ComputeModel
-from src.costmodel.memory import element_bytes, grad_bytes, model_state_bytes, rematerialised_bytes, weight_bytes, zero_shards
+from src.costmodel.memory import (
+    element_bytes,
+    grad_bytes,
+    model_state_bytes,
+    rematerialised_bytes,
+    states_precision,
+    weight_bytes,
+    zero_shards,
+)
 from src.mesh import Sharding, tensor_parallel
 from src.models.flows import flows_of
 from src.models.spec import ModelSpec
@@ -243,7 +251,10 @@ class Profiler:
     @lru_cache(maxsize=None)
     def _state_coefficients(self, zero_stage: int, dp: int) -> tuple[float, float]:
         """Bytes per trainable and per frozen parameter on one GPU (ZeRO over dp)."""
-        trainable, frozen = (sum(model_state_bytes(1.0, self.precision, f, zero_stage, dp).values()) for f in (False, True))
+        trainable, frozen = (
+            sum(model_state_bytes(1.0, states_precision(self.precision, self.cluster.amp), f, zero_stage, dp).values())
+            for f in (False, True)
+        )
         return trainable, frozen
 
     def _stages(self, unit: str, setting: Setting, b: int, dp: int, pp: int) -> StageArrays:

@@ -230,7 +230,7 @@ class Decision:
         )
         by_unit = {u.unit: u for u in layouts}
         candidate.units = [_unit_plan(cluster, by_unit[u], candidate.microbatches) for u in UNITS]
-        candidate.memory = _memory(candidate.program, candidate.units, model, train.precision)
+        candidate.memory = _memory(candidate.program, candidate.units, model, train.precision, cluster.amp)
 
     def fits(self, candidate: Candidate) -> bool:
         usable = self.request.cluster.usable_memory_bytes
@@ -275,12 +275,12 @@ def _unit_plan(cluster, layout: UnitLayout, m: int) -> UnitPlan:
     )
 
 
-def _memory(program: Program, units: Sequence[UnitPlan], model: ModelSpec, precision: str) -> dict[str, tuple[float, str]]:
+def _memory(program: Program, units: Sequence[UnitPlan], model: ModelSpec, precision: str, amp: bool) -> dict[str, tuple[float, str]]:
     """Every unit's fullest rank class as the Program holds it (loads included)."""
     by_name = {u.unit: u for u in units}
     worst: dict[str, tuple[float, str]] = {}
     for rank_program in program.classes:
-        need = rank_memory(rank_program, by_name, model, precision)["total"]
+        need = rank_memory(rank_program, by_name, model, precision, amp)["total"]
         unit = rank_program.units[0]
         if need > worst.get(unit, (0.0, ""))[0]:
             worst[unit] = (need, rank_program.label)

@@ -35,7 +35,15 @@ from dataclasses import dataclass, field
 from src.cluster import ClusterSpec, family_sharing
 from src.costmodel.comm import CommModel
 from src.costmodel.compute import ComputeModel
-from src.costmodel.memory import element_bytes, model_state_bytes, reduce_bytes, rematerialised_bytes, weight_bytes, zero_shards
+from src.costmodel.memory import (
+    element_bytes,
+    model_state_bytes,
+    reduce_bytes,
+    rematerialised_bytes,
+    states_precision,
+    weight_bytes,
+    zero_shards,
+)
 from src.mesh import Sharding, tensor_parallel
 from src.models.spec import ModelSpec, UnitSpec
 from src.program import Work
@@ -303,8 +311,9 @@ class PipelineEstimator:
             for segment in segments:
                 trainable += self._span("trainable", segment)
                 params += self._span("params", segment)
-        out = model_state_bytes(trainable / shards, self.precision, False, zero_stage, dp, self.grad_bytes)
-        for key, value in model_state_bytes(params / shards - trainable / shards, self.precision, True, zero_stage, dp).items():
+        states = states_precision(self.precision, self.cluster.amp)
+        out = model_state_bytes(trainable / shards, states, False, zero_stage, dp, self.grad_bytes)
+        for key, value in model_state_bytes(params / shards - trainable / shards, states, True, zero_stage, dp).items():
             out[key] += value
         return out
 

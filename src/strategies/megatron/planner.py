@@ -74,7 +74,7 @@ def plan_megatron_batches(request: PlanRequest, batches: Sequence[int]) -> list[
             plan.details["search"]["on_the_data"] = trials
         units = {u.unit: u for u in plan.units}
         plan.details["memory_gib"] = {
-            rp.label: round(rank_memory(rp, units, request.model, request.train.precision)["total"] / GIB, 3)
+            rp.label: round(rank_memory(rp, units, request.model, request.train.precision, request.cluster.amp)["total"] / GIB, 3)
             for rp in plan.program.classes
         }
     return plans

@@ -175,7 +175,7 @@ class MegatronSearch:
             candidate = Candidate(shape, settings, step, None, [], [])
             plan = self._build(candidate)
             units = {u.unit: u for u in plan.units}
-            candidate.memory = [rank_memory(rp, units, self.model, self.precision) for rp in plan.program.classes]
+            candidate.memory = [rank_memory(rp, units, self.model, self.precision, self.cluster.amp) for rp in plan.program.classes]
             candidate.labels = [rp.label for rp in plan.program.classes]
             worst = max(need["total"] for need in candidate.memory)
         else:

@@ -163,7 +163,10 @@ class LLMPipelines:
             details={"schedule": settings.schedule, "warmups": ",".join(map(str, warmups))},
         )
         memory = [
-            rank_memory(RankProgram(st.ranks, st.instructions()), {self.llm: plan}, model, train.precision)["total"] for st in stages
+            rank_memory(RankProgram(st.ranks, st.instructions()), {self.llm: plan}, model, train.precision, self.request.cluster.amp)[
+                "total"
+            ]
+            for st in stages
         ]
         return LLMBase(plan, priced.program, stages, timeline, memory, (reduce, optimizer, gather))
 

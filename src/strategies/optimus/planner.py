@@ -35,7 +35,7 @@ from src.config import UnitCounts, check_positive, options_from
 from src.progress import Progress
 from src.costmodel.comm import CommModel
 from src.costmodel.compute import ComputeModel
-from src.costmodel.memory import grad_bytes, model_state_bytes, rank_memory, weight_bytes, work_activation_bytes
+from src.costmodel.memory import grad_bytes, model_state_bytes, rank_memory, states_precision, weight_bytes, work_activation_bytes
 from src.mesh import tensor_parallel
 from src.errors import ConfigError, PlanError
 from src.models.spec import ModelSpec
@@ -186,7 +186,7 @@ def _class_memory_problem(
     """One emitted class's memory as the simulator counts it (an uneven split holds more
     encoder activations than the pruning's even one); `what`: the plan, for the message."""
     usable = request.cluster.usable_memory_bytes
-    need = rank_memory(rank_program, units, request.model, request.train.precision)["total"]
+    need = rank_memory(rank_program, units, request.model, request.train.precision, request.cluster.amp)["total"]
     if need <= usable:
         return None
     return (need - usable) / GIB, (
@@ -251,7 +251,11 @@ def _encoder_state_bytes(
         trainable = unit.trainable_params(start, end) / layout.plan.tp
         fixed = sum(layer.params for layer in unit.layers[start:end]) / layout.plan.tp - trainable
         for params, frozen in ((trainable, False), (fixed, True)):
-            total += sum(model_state_bytes(params, request.train.precision, frozen, opts.encoder_zero_stage, replicas).values())
+            total += sum(
+                model_state_bytes(
+                    params, states_precision(request.train.precision, request.cluster.amp), frozen, opts.encoder_zero_stage, replicas
+                ).values()
+            )
     return total
 
 

@@ -106,7 +106,7 @@ class _Planner:
         program, unit_plan = par4d_program(
             self.model, self.cluster, self.train.precision, batch, grid, layouts, settings, self.unit.name
         )
-        memory = rank_memory(program.classes[0], {self.unit.name: unit_plan}, self.model, self.train.precision)
+        memory = rank_memory(program.classes[0], {self.unit.name: unit_plan}, self.model, self.train.precision, self.cluster.amp)
         return program, unit_plan, memory
 
     def _micro_batches(self, grid: Grid) -> list[int]:
