@@ -243,7 +243,7 @@ def rank_memory(
         fixed = sum(layer.params for layer in unit.layers[start:end]) / shards - trainable
         # Gradients are kept in the type a strategy reduces them in where it sets one (DeepSpeed's
         # ZeRO: 16-bit .grad and partitions, its gradient_accumulation_dtype the model's).
-        grads = None if plan.grad_reduce_dtype is None else element_bytes(plan.grad_reduce_dtype)
+        grads = reduce_bytes(precision, plan.grad_reduce_dtype)
         for params, frozen in ((trainable, False), (fixed, True)):
             for key, value in model_state_bytes(
                 params, states_precision(precision, amp), frozen, plan.zero_stage, plan.data_replicas, grads

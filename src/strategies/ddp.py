@@ -45,7 +45,7 @@ from typing import Sequence
 from src.batch_layout import BatchLayout
 from src.cluster import GIB, gib
 from src.config import check_positive, options_from
-from src.costmodel.memory import check_reduce_dtype, deepspeed_reduce_dtype, element_bytes, rank_memory
+from src.costmodel.memory import check_reduce_dtype, deepspeed_reduce_dtype, rank_memory
 from src.errors import ConfigError, PlanError
 from src.mesh import Mesh
 from src.program import DEEPSPEED_PERSISTENCE_THRESHOLD, RECOMPUTE_MODES, Instruction, Plan, Program, UnitPlan
@@ -172,7 +172,7 @@ def _build(
             )
             for name in names
         ],
-        reduce_bytes=element_bytes(reduce_dtype),
+        grad_reduce_dtype=reduce_dtype,
     )
     towers = emitter.towers()
     contrastive = model.interaction is not None

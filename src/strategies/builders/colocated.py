@@ -16,7 +16,7 @@ from typing import Any, Sequence
 from dataclasses import dataclass, replace
 
 from src.cluster import ClusterSpec
-from src.costmodel.memory import element_bytes, grad_bytes, weight_bytes, zero_shards
+from src.costmodel.memory import element_bytes, reduce_bytes, weight_bytes, zero_shards
 from src.mesh import Mesh, tensor_parallel
 from src.models.spec import LayerSpec, ModelSpec
 from src.program import (
@@ -97,14 +97,14 @@ class ColocatedEmitter:
         precision: str,
         program: Program,
         units: list[ColocatedUnit],
-        reduce_bytes: int | None = None,
+        grad_reduce_dtype: str | None = None,
     ) -> None:
-        """`reduce_bytes`: a gradient element's bytes as the data-parallel reduction sends
-        it; None: as Megatron-LM keeps and reduces gradients (grad_bytes)."""
+        """`grad_reduce_dtype`: the type the data-parallel reduction sends gradients in;
+        None: Megatron-LM's (memory.reduce_bytes)."""
         self.model, self.cluster, self.program = model, cluster, program
         self.units = {u.unit: u for u in units}
         self.act_bytes, self.weight_bytes = element_bytes(precision), weight_bytes(precision, cluster.amp)
-        self.reduce_bytes = grad_bytes(precision) if reduce_bytes is None else reduce_bytes
+        self.reduce_bytes = reduce_bytes(precision, grad_reduce_dtype)
         self.pending: list[str] = []
         self.reducing: dict[str, list[str]] = {u.unit: [] for u in units}  # below ZeRO-3: a unit's reductions in flight
         self.tp_group, self.dp_group = {}, {}
@@ -121,7 +121,7 @@ class ColocatedEmitter:
         """A unit's forward or backward; under ZeRO-3 with replicas, layer by layer: each
         layer's parameters all-gathered before it runs, its gradients reduce-scattered
         after its backward (every micro-batch: ZeRO-3 keeps no whole gradients), in
-        `reduce_bytes` an element. `final`: the
+        the reduction's type. `final`: the
         step's last micro-batch, whose backward overlap_comm reduces layer by layer below ZeRO-3."""
         spec, u = self.model.unit(unit), self.units[unit]
         dp = u.mesh.degree("dp")

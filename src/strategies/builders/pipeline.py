@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from src.cluster import ClusterSpec, family_sharing
-from src.costmodel.memory import element_bytes, grad_bytes, weight_bytes
+from src.costmodel.memory import element_bytes, reduce_bytes, weight_bytes
 from src.mesh import Mesh, tensor_parallel
 from src.models.spec import ModelSpec
 from src.program import Collective, CollectiveOp, Hop, Instruction, Payload, Program, RankProgram, Recv, Send, Wait
@@ -71,7 +71,7 @@ class PipelineSettings:
     scatter_gather: bool = False  # Megatron-LM's pipeline scatter/gather (stages.stage_transfer)
     replicate: tuple[str, ...] = ()  # units replicated over their stage's TP group (stages.StageRun)
     overlap_param_gather: bool = False  # the distributed optimizer's all-gather chained into the next forward (ParamGathers)
-    grad_reduce_bytes: int | None = None  # a gradient element's bytes as DP reduces it; None: memory.grad_bytes
+    grad_reduce_dtype: str | None = None  # the type DP reduces gradients in; None: Megatron-LM's (memory.reduce_bytes)
 
 
 @dataclass
@@ -149,7 +149,7 @@ class PipelineEmitter:
         self.dp = mesh.degree("dp")
         self.vpp = len(virtual) // self.pp
         self.act_bytes, self.weight_bytes = element_bytes(precision), weight_bytes(precision, cluster.amp)
-        self.grad_bytes = grad_bytes(precision) if settings.grad_reduce_bytes is None else settings.grad_reduce_bytes
+        self.grad_bytes = reduce_bytes(precision, settings.grad_reduce_dtype)
         tp = mesh.degree("tp")
         self.sharding = tensor_parallel(tp, settings.sequence_parallel)
         self.runs = stage_runs(model, virtual, self.pp, tp, settings.sequence_parallel, settings.micro_batch, settings.replicate)

@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from src.cluster import ClusterSpec
-from src.costmodel.memory import reduce_bytes
 from src.mesh import Mesh
 from src.models.spec import ModelSpec
 from src.program import Instruction, Program, UnitPlan
@@ -63,7 +62,7 @@ def pipeline_program(
         scatter_gather=cfg.scatter_gather,
         replicate=cfg.replicate,
         overlap_param_gather=cfg.overlap_param_gather,
-        grad_reduce_bytes=reduce_bytes(precision, cfg.grad_reduce_dtype),
+        grad_reduce_dtype=cfg.grad_reduce_dtype,
     )
     emitter = PipelineEmitter(model, cluster, precision, program, mesh, virtual, settings)
     for stage in range(pp):
@@ -151,7 +150,7 @@ def colocated_program(
             ColocatedUnit(name, mesh, cfg.recompute, cfg.zero_stage, cfg.sequence_parallel, overlap_comm=cfg.overlap_grad_reduce)
             for name in names
         ],
-        reduce_bytes=reduce_bytes(precision, cfg.grad_reduce_dtype),
+        grad_reduce_dtype=cfg.grad_reduce_dtype,
     )
     towers = emitter.towers()
     emitter.query_routes(microbatches, {t: mb for t in towers}, {t: mb for t in towers}, with_keys=deg.dp == 1)
