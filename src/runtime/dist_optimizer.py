@@ -70,10 +70,15 @@ def named_ranges(instructions: list) -> dict[str, dict[str, list[tuple[int, int]
     """Per unit, the layer ranges the distributed-optimizer collectives of `instructions`
     name, by op."""
     named: dict[str, dict[str, list[tuple[int, int]]]] = {}
-    for instruction in instructions:
-        if isinstance(instruction, Collective) and instruction.grads_of is not None and instruction.op in SHARDED:
-            unit, layers = instruction.grads_of
-            named.setdefault(unit, {op: [] for op in SHARDED})[instruction.op].append(layers)
+    reduced = [(i.op, i.grads_of) for i in instructions if isinstance(i, Collective) and i.grads_of is not None]
+    for op, (unit, layers) in reduced:
+        if op in SHARDED:
+            named.setdefault(unit, {o: [] for o in SHARDED})[op].append(layers)
+    # A whole gradient all-reduced for a sharded optimizer is its reduction (DeepSpeed's pipeline
+    # engine; emit.dp_grad_op); elsewhere a named all-reduce is plain data parallelism's.
+    for op, (unit, layers) in reduced:
+        if op == "all_reduce" and unit in named:
+            named[unit]["reduce_scatter"].append(layers)
     return named
 
 

@@ -584,16 +584,19 @@ class Executor:
         assert collective.grads_of is not None, "a gradient reduction names its layers"
         unit, (start, end) = collective.grads_of
         pending: GradBucket | Pending
-        if collective.op == "all_reduce":
+        engine = self.engines.get(unit)
+        if collective.op == "all_reduce" and not isinstance(engine, DistributedOptimizer):
             ranks = self.program.group_for(collective.group, self.rank)
             # The range's layers this rank holds (a virtual pipeline stage holds every pp-th range).
             layers = [layer for layer in unit_layers(self.units, unit)[start:end] if layer is not None]
             pending = start_reduction(layers, self.groups.get(ranks), len(ranks))
         else:
-            engine = self.engines[unit]
             assert isinstance(engine, DistributedOptimizer), "the plan's reduce-scatters and all-gathers are its optimizer's"
             named = (start, end)
-            pending = engine.reduce_scatter(named) if collective.op == "reduce_scatter" else engine.all_gather(named)
+            # Its reduction all-reduces the whole gradient and keeps this replica's slice (gloo has
+            # no reduce-scatter): what a reduce-scatter asks, and an all-reduce under a sharded
+            # optimizer (DeepSpeed's pipeline engine) too.
+            pending = engine.all_gather(named) if collective.op == "all_gather" else engine.reduce_scatter(named)
         if collective.blocking or collective.handle is None:
             pending.finish()
         else:

@@ -5,9 +5,12 @@ optimizer", February 2021: a snapshot of Megatron-LM v1.1.5 inside DeepSpeed's p
 
 What separates it from today's Megatron-LM baseline is what that codebase runs:
 - DeepSpeed's pipeline engine's 1F1B schedule (TrainSchedule; no interleaving);
-- ZeRO stage 1 always (optimizer states sharded over data parallelism: gradients
-  reduced and parameters all-gathered after the pipeline flush, not overlapped with the
-  backward);
+- the optimizer states sharded over data parallelism (ZeRO-1; a bf16 run's BF16_Optimizer
+  shards them too), and the whole gradient all-reduced after the pipeline flush (its
+  engine's _exec_reduce_grads: buffered_allreduce_fallback, at DeepSpeed 0.3.15, 0.6.5 and
+  0.13.0), each replica then stepping its shard and all-gathering the updated parameters:
+  three gradients' worth of traffic where Megatron-LM's distributed optimizer moves two;
+  nothing overlapped with the backward;
 - no sequence parallelism (it came with Megatron-LM 3.0, 2022);
 - the pipeline partitioned by transformer layers (GPT2ModelPipe's
   partition_method='type:transformer'), so stages differ by at most one block;
@@ -93,6 +96,7 @@ class DeepSpeed3DOptions:
             "sequence_parallel": False,
             "zero_stage": 1,
             "overlap_grad_reduce": False,
+            "grad_all_reduce": True,
             "uneven_pp": self.uneven_pp,
             "scatter_gather": self.scatter_gather,
             "grad_reduce_dtype": deepspeed_reduce_dtype(self.grad_reduce_dtype, precision, amp),

@@ -79,6 +79,9 @@ CASES = {
     "ddp_zero3_overlap": GPT + [*ZERO3, "strategy.overlap_comm=true", "strategy.prefetch_bucket_size=1000"],
     "ddp_zero3_recompute": GPT + [*ZERO3, "strategy.recompute=selective"],
     "deepspeed3d_tp2": GPT + ["strategy=deepspeed3d", "strategy.tp=2", "strategy.pp=1", "strategy.micro_batch_size=2"],
+    # DeepSpeed's pipeline engine (deepspeed3d's grad_all_reduce): the whole gradient
+    # all-reduced over the two replicas, each stepping its slice and gathering the rest.
+    "deepspeed3d_dp2": GPT + ["strategy=deepspeed3d", "strategy.tp=1", "strategy.pp=1", "strategy.micro_batch_size=2"],
     # bf16 GEMMs (autocast, fp32 master weights and gradients); activations cross the
     # pipeline stage in bf16.
     "ddp_zero1_bf16": GPT + ["strategy=ddp", "strategy.zero_stage=1", "train.precision=bf16"],

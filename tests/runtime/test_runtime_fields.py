@@ -130,6 +130,13 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
         "run",
         EQUALITY,
     ),
+    # The executor's distributed optimizer all-reduces the whole gradient and steps its slice.
+    ("megatron", "grad_all_reduce"): (
+        MEGATRON,
+        ["strategy.grad_all_reduce=true", "strategy.zero_stage=1", "strategy.dp=2"],
+        "run",
+        EQUALITY,
+    ),
     ("megatron", "modality_stages"): (MEGATRON, ["strategy.modality_stages=merged"], "run", EQUALITY),
     ("megatron", "uneven_pp"): (MEGATRON, ["strategy.uneven_pp=true"], "run", EQUALITY),
     ("megatron", "balance"): (MEGATRON, ["strategy.balance=true"], "run", EQUALITY),

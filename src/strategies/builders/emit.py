@@ -193,6 +193,15 @@ def trainable_params(model: ModelSpec, segments: list[Segment], shards: int) -> 
     return sum(model.unit(s.unit).trainable_params(*s.layers) for s in segments) / shards
 
 
+def dp_grad_op(zero_stage: int, whole_grads: bool = False) -> CollectiveOp:
+    """The collective data parallelism reduces gradients with: an all-reduce, or a
+    reduce-scatter where the optimizer is sharded (ZeRO 1-3), unless `whole_grads`: DeepSpeed's
+    pipeline engine all-reduces the whole gradient after the flush under ZeRO-1 and its
+    BF16_Optimizer alike (PipelineEngine._exec_reduce_grads, buffered_allreduce_fallback, at
+    0.3.15, 0.6.5 and 0.13.0), each replica then stepping its shard and gathering the rest."""
+    return "reduce_scatter" if zero_stage >= 1 and not whole_grads else "all_reduce"
+
+
 def iteration_tail(
     model: ModelSpec,
     segments: list[Segment],
@@ -205,6 +214,7 @@ def iteration_tail(
     pending: Sequence[str] = (),
     gather_params: bool = True,
     name_grads: bool = False,
+    whole_grads: bool = False,
 ) -> list[Instruction]:
     """Finish an iteration: wait for asynchronous gradient reductions (`pending`
     handles), reduce the rest (all-reduce; reduce-scatter under the distributed
@@ -212,7 +222,9 @@ def iteration_tail(
     16-bit parameters when the optimizer state (not the parameters) is sharded, unless
     the next forward gathers them (`gather_params` false: pipeline.ParamGathers).
     `name_grads`: the DP collectives are the plan's own distributed optimizer's, one per
-    unit naming the layers whose parameters it carries (Collective.grads_of)."""
+    unit naming the layers whose parameters it carries (Collective.grads_of). `whole_grads`:
+    the reduction is an all-reduce of the whole gradient even where the optimizer is sharded
+    (dp_grad_op)."""
     out: list[Instruction] = [Wait(h) for h in pending]
     params = trainable_params(model, segments, sharding.devices)
     if params == 0:
@@ -225,7 +237,7 @@ def iteration_tail(
             for unit, own in units.items()
         ]
     if dp > 1 and dp_group is not None and not pending:
-        op: CollectiveOp = "reduce_scatter" if zero_stage >= 1 else "all_reduce"
+        op = dp_grad_op(zero_stage, whole_grads)
         out += [Collective(op, dp_group, n * grad_bytes, "dp", grads_of=named) for named, n in parts if n]
     shards = zero_shards(dp, zero_stage)
     for segment in segments:

@@ -29,8 +29,8 @@ from src.cluster import ClusterSpec, family_sharing
 from src.costmodel.memory import element_bytes, reduce_bytes, weight_bytes
 from src.mesh import Mesh, tensor_parallel
 from src.models.spec import ModelSpec
-from src.program import Collective, CollectiveOp, Hop, Instruction, Payload, Program, RankProgram, Recv, Send, Wait
-from src.strategies.builders.emit import TPConfig, backward_io, consumed, iteration_tail, produced, segment_pass
+from src.program import Collective, Hop, Instruction, Payload, Program, RankProgram, Recv, Send, Wait
+from src.strategies.builders.emit import TPConfig, backward_io, consumed, dp_grad_op, iteration_tail, produced, segment_pass
 from src.strategies.builders.layout import axis_group, pipeline_pairs, stage_group
 from src.strategies.builders.stages import (
     Segment,
@@ -72,6 +72,7 @@ class PipelineSettings:
     replicate: tuple[str, ...] = ()  # units replicated over their stage's TP group (stages.StageRun)
     overlap_param_gather: bool = False  # the distributed optimizer's all-gather chained into the next forward (ParamGathers)
     grad_reduce_dtype: str | None = None  # the type DP reduces gradients in; None: Megatron-LM's (memory.reduce_bytes)
+    grad_all_reduce: bool = False  # the whole gradient all-reduced under a sharded optimizer (emit.dp_grad_op)
 
 
 @dataclass
@@ -231,9 +232,11 @@ class PipelineEmitter:
             self.weight_bytes,
             self.pending[stage],
             gather_params=gathers is None,
-            # Reductions or gathers layer by layer are the plan's own distributed optimizer's:
-            # its other collectives name their layers too.
-            name_grads=self.cfg.zero_stage >= 1 and (gathers is not None or bool(self.pending[stage])),
+            # Reductions or gathers layer by layer, or a whole gradient all-reduced under a
+            # sharded optimizer, are the plan's own distributed optimizer's: its other
+            # collectives name their layers too.
+            name_grads=self.cfg.zero_stage >= 1 and (gathers is not None or bool(self.pending[stage]) or self.cfg.grad_all_reduce),
+            whole_grads=self.cfg.grad_all_reduce,
         )
         return out
 
@@ -364,7 +367,7 @@ class PipelineEmitter:
             params = unit.trainable_params(layer, layer + 1) / self.runs[stage].sharding.devices
             if params:
                 handle = f"grad.{segment.unit}.{layer}"
-                op_name: CollectiveOp = "reduce_scatter" if self.cfg.zero_stage >= 1 else "all_reduce"
+                op_name = dp_grad_op(self.cfg.zero_stage, self.cfg.grad_all_reduce)
                 out.append(
                     Collective(
                         op_name,

@@ -51,7 +51,7 @@ from src.schedules.pipeline import PipeOp, build_schedule
 from src.strategies.builders.layout import megatron_mesh, pipeline_pairs
 from src.strategies.megatron.programs import MegatronSettings
 from src.strategies.base import Degrees
-from src.strategies.builders.emit import share_of
+from src.strategies.builders.emit import dp_grad_op, share_of
 from src.strategies.builders.stages import (
     Segment,
     StageRun,
@@ -625,8 +625,7 @@ class PipelineEstimator:
         seconds = 0.0
         replicas = deg.dp * self.row_shares(run, deg)
         if replicas > 1 and not cfg.overlap_grad_reduce:
-            op = "reduce_scatter" if cfg.zero_stage >= 1 else "all_reduce"
-            seconds += mesh.dp(stage, op, params * self.grad_bytes)
+            seconds += mesh.dp(stage, dp_grad_op(cfg.zero_stage, cfg.grad_all_reduce), params * self.grad_bytes)
         shard = zero_shards(replicas, cfg.zero_stage).optimizer
         for segment in segments:
             if not self.model.unit(segment.unit).frozen:

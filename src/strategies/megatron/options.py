@@ -60,6 +60,11 @@ class MegatronOptions(MegatronChoices):
     # The type data parallelism reduces gradients in; None: Megatron-LM's (fp32 for bf16,
     # which it forces, the precision's otherwise). DeepSpeed-3D sets DeepSpeed's.
     grad_reduce_dtype: str | None = None
+    # Data parallelism all-reduces the whole gradient after the flush even where the optimizer
+    # is sharded, which then gathers the updated parameters: DeepSpeed's pipeline engine
+    # (_exec_reduce_grads, under ZeRO-1 and BF16_Optimizer alike), which DeepSpeed-3D sets.
+    # Megatron-LM's distributed optimizer reduce-scatters instead.
+    grad_all_reduce: bool = False
 
     def __post_init__(self) -> None:
         for key in ("tp", "pp", "dp", "vpp", "micro_batch_size"):
@@ -68,7 +73,15 @@ class MegatronOptions(MegatronChoices):
             raise ConfigError(f"strategy.schedule={self.schedule!r}; choose one of {list(SCHEDULES)} or null")
         if self.vpp is not None and self.vpp > 1 and self.schedule in ("gpipe", "1f1b"):
             raise ConfigError(f"strategy.vpp={self.vpp} needs the interleaved schedule, not strategy.schedule={self.schedule}")
-        for key in ("sequence_parallel", "overlap_grad_reduce", "overlap_param_gather", "uneven_pp", "balance", "scatter_gather"):
+        for key in (
+            "sequence_parallel",
+            "overlap_grad_reduce",
+            "overlap_param_gather",
+            "uneven_pp",
+            "balance",
+            "scatter_gather",
+            "grad_all_reduce",
+        ):
             value = getattr(self, key)
             if not isinstance(value, bool) and not (key == "sequence_parallel" and value is None):
                 raise ConfigError(f"strategy.{key} must be true or false, got {value!r}")
@@ -93,6 +106,12 @@ class MegatronOptions(MegatronChoices):
                 f"got {self.zero_stage}"
             )
         check_reduce_dtype(self.grad_reduce_dtype)
+        if self.grad_all_reduce and (self.overlap_grad_reduce or self.overlap_param_gather):
+            raise ConfigError(
+                "strategy.grad_all_reduce=true reduces the whole gradient after the pipeline's flush (DeepSpeed's pipeline "
+                "engine); it does not overlap the backward or the next forward: set strategy.overlap_grad_reduce and "
+                "strategy.overlap_param_gather false"
+            )
         if self.choose_on not in CHOOSE_ON:
             raise ConfigError(f"strategy.choose_on={self.choose_on!r}; choose one of {list(CHOOSE_ON)}")
         if any(not isinstance(name, str) for name in self.replicate) or len(set(self.replicate)) != len(self.replicate):

@@ -37,6 +37,7 @@ class MegatronSettings:
     replicate: tuple[str, ...] = ()  # units replicated over their stage's TP group (stages.StageRun)
     overlap_param_gather: bool = False  # the distributed optimizer's all-gather chained into the next forward
     grad_reduce_dtype: str | None = None  # data parallelism's gradient type; None: Megatron-LM's (memory.grad_bytes)
+    grad_all_reduce: bool = False  # the whole gradient all-reduced under a sharded optimizer (DeepSpeed's pipeline engine)
 
 
 def pipeline_program(
@@ -63,6 +64,7 @@ def pipeline_program(
         replicate=cfg.replicate,
         overlap_param_gather=cfg.overlap_param_gather,
         grad_reduce_dtype=cfg.grad_reduce_dtype,
+        grad_all_reduce=cfg.grad_all_reduce,
     )
     emitter = PipelineEmitter(model, cluster, precision, program, mesh, virtual, settings)
     for stage in range(pp):

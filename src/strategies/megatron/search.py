@@ -152,6 +152,7 @@ class MegatronSearch:
                 self.opts.replicate,
                 self.opts.overlap_param_gather,
                 self.opts.grad_reduce_dtype,
+                self.opts.grad_all_reduce,
             )
             try:
                 candidate = self._check(shape, settings, step, tables)

@@ -1,0 +1,66 @@
+"""DeepSpeed's pipeline engine reduces data parallelism's gradients by an all-reduce of the
+whole gradient after the flush even under a sharded optimizer (strategy.grad_all_reduce,
+which deepspeed3d sets), each replica then stepping its shard and all-gathering the updated
+parameters; Megatron-LM's distributed optimizer reduce-scatters instead."""
+
+from __future__ import annotations
+
+import pytest
+
+from src.errors import ConfigError
+from src.program import Collective, Plan
+from src.setup import plan_run, validate
+from tests.composing import composed
+
+# A GPT of 4 blocks on one 8-GPU node, TP 2, PP 2, so two data-parallel replicas per stage.
+BASE = [
+    "model=gpt",
+    "model.preset=null",
+    "model.layers=4",
+    "model.hidden=512",
+    "model.heads=8",
+    "model.vocab=1024",
+    "train.seq_len=128",
+    "cluster=dgx_a100",
+    "cluster.nodes=1",
+    "train.global_batch=8",
+    "train.precision=bf16",
+    "strategy.tp=2",
+    "strategy.pp=2",
+    "strategy.micro_batch_size=1",
+    "strategy.recompute=none",
+    "logger=none",
+]
+
+
+def _plan(*extra: str) -> Plan:
+    return plan_run(validate(composed(BASE + list(extra))))
+
+
+def _dp_bytes(plan: Plan) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for i in plan.program.classes[0].instructions:
+        if isinstance(i, Collective) and i.kind == "dp":
+            out[i.op] = out.get(i.op, 0.0) + i.bytes * i.count
+    return out
+
+
+def test_the_whole_gradient_is_all_reduced_then_the_parameters_gathered() -> None:
+    sharded = _dp_bytes(_plan("strategy=megatron", "strategy.zero_stage=1", "strategy.grad_reduce_dtype=bf16"))
+    whole = _dp_bytes(
+        _plan("strategy=megatron", "strategy.zero_stage=1", "strategy.grad_reduce_dtype=bf16", "strategy.grad_all_reduce=true")
+    )
+    assert set(sharded) == {"reduce_scatter", "all_gather"} and set(whole) == {"all_reduce", "all_gather"}
+    # The same gradient bytes enter each collective; an all-reduce moves twice a reduce-scatter's.
+    assert whole["all_reduce"] == pytest.approx(sharded["reduce_scatter"])
+    assert whole["all_gather"] == pytest.approx(sharded["all_gather"])
+
+
+def test_deepspeed3d_reduces_as_its_pipeline_engine() -> None:
+    ops = _dp_bytes(_plan("strategy=deepspeed3d"))
+    assert set(ops) == {"all_reduce", "all_gather"}
+
+
+def test_it_cannot_overlap_the_backward() -> None:
+    with pytest.raises(ConfigError, match="grad_all_reduce"):
+        _plan("strategy=megatron", "strategy.zero_stage=1", "strategy.grad_all_reduce=true", "strategy.overlap_grad_reduce=true")
