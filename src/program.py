@@ -518,6 +518,9 @@ class UnitPlan:
     # DeepSpeed's communication_data_type or FSDP's reduce_dtype); None: its framework's own
     # (src.costmodel.memory.grad_bytes).
     grad_reduce_dtype: str | None = None
+    # The type a second copy of the gradients accumulates in beside them (DeepSpeed's
+    # BF16_Optimizer: fp32); None: none (src.costmodel.memory.kept_grad_bytes).
+    grad_accum_dtype: str | None = None
     # When the distributed optimizer all-gathers the updated parameters: at the step's end
     # (step_end), or layer by layer into the next forward (overlapped: Megatron-Core's
     # --overlap-param-gather, strategies/builders/pipeline.py's ParamGathers).

@@ -81,6 +81,31 @@ def reduce_bytes(precision: str, grad_reduce_dtype: str | None) -> int:
     return grad_bytes(precision) if grad_reduce_dtype is None else element_bytes(grad_reduce_dtype)
 
 
+def check_accum_dtype(grad_accum_dtype: str | None) -> None:
+    """A strategy's `grad_accum_dtype` option: one of REDUCE_DTYPES or null."""
+    if grad_accum_dtype is not None and grad_accum_dtype not in REDUCE_DTYPES:
+        raise ConfigError(f"strategy.grad_accum_dtype={grad_accum_dtype!r}; choose one of {list(REDUCE_DTYPES)} or null")
+
+
+def deepspeed_accum_dtype(grad_accum_dtype: str | None, precision: str, amp: bool) -> str | None:
+    """The type DeepSpeed accumulates gradients in beside the model's 16-bit `.grad`s: the one
+    a run sets, else its BF16_Optimizer's fp32 for a bf16 model (data_types.grad_accum_dtype;
+    the optimizer every bf16 pipeline runs, 0.6.2 on), none otherwise (fp16's `.grad`s are
+    the accumulation; AMP's fp32 weights' too)."""
+    if grad_accum_dtype is not None:
+        return grad_accum_dtype
+    return "fp32" if precision == "bf16" and not amp else None
+
+
+def kept_grad_bytes(precision: str, grad_reduce_dtype: str | None, grad_accum_dtype: str | None = None) -> int:
+    """A gradient element's bytes as kept through a step: in the type it is reduced in
+    (reduce_bytes), plus a second copy where a framework accumulates in another type beside it
+    (DeepSpeed's BF16_Optimizer: each micro-batch's bf16 `.grad` added into an fp32 copy of every
+    gradient, neither sharded: 2 + 4 bytes)."""
+    extra = 0 if grad_accum_dtype is None else element_bytes(grad_accum_dtype)
+    return reduce_bytes(precision, grad_reduce_dtype) + extra
+
+
 def grad_bytes(precision: str) -> int:
     """Bytes per gradient element as kept and reduced: Megatron-LM accumulates and
     all-reduces bf16 models' gradients in fp32 (it forces this for bf16), fp16 models'
@@ -242,8 +267,9 @@ def rank_memory(
         trainable = unit.trainable_params(start, end) / shards
         fixed = sum(layer.params for layer in unit.layers[start:end]) / shards - trainable
         # Gradients are kept in the type a strategy reduces them in where it sets one (DeepSpeed's
-        # ZeRO: 16-bit .grad and partitions, its gradient_accumulation_dtype the model's).
-        grads = reduce_bytes(precision, plan.grad_reduce_dtype)
+        # ZeRO: 16-bit .grad and partitions, its gradient_accumulation_dtype the model's), and
+        # again in the type it accumulates them in beside that, where one does (BF16_Optimizer).
+        grads = kept_grad_bytes(precision, plan.grad_reduce_dtype, plan.grad_accum_dtype)
         for params, frozen in ((trainable, False), (fixed, True)):
             for key, value in model_state_bytes(
                 params, states_precision(precision, amp), frozen, plan.zero_stage, plan.data_replicas, grads

@@ -99,6 +99,13 @@ def check_runnable(run: PlannedRun, data: str, data_errors: str = "fail") -> Non
                 ("grad_reduce_dtype",),
                 (unit.unit,),
             )
+        if unit.grad_accum_dtype is not None:
+            raise PlanRefused(
+                f"unit {unit.unit}: grad_accum_dtype={unit.grad_accum_dtype}; the real backend accumulates the fp32 "
+                f"gradients of its fp32 weights in their own .grad, with no second copy (it needs grad_accum_dtype=null)",
+                ("grad_accum_dtype",),
+                (unit.unit,),
+            )
         if spec.kind == "unet" and (unit.tp > 1 or unit.pp > 1):
             raise PlanRefused(
                 f"unit {unit.unit} is a U-Net on tp={unit.tp} x pp={unit.pp}: the real backend runs a U-Net whole "

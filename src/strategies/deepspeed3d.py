@@ -27,7 +27,11 @@ What separates it from today's Megatron-LM baseline is what that codebase runs:
   model's 16-bit type (ZeRO-1's allreduce_bucket casts to it; deepspeed/runtime/engine.py's
   default since 0.5.8; fp32 under PyTorch AMP), where Megatron-LM forces fp32 for bf16. The
   codebase ran fp16 (DeepSpeed had no bf16 in 2021); a bf16 run such as Par4D's needs a
-  DeepSpeed with bf16 pipelines (0.6.2 on, PR #1801), which reduces in 16 bits too.
+  DeepSpeed with bf16 pipelines (0.6.2 on, PR #1801), which reduces in 16 bits too;
+- a bf16 model's gradients kept twice: those pipelines run BF16_Optimizer, which adds each
+  micro-batch's bf16 `.grad` into an fp32 copy of every gradient (update_hp_grads) and
+  all-reduces that copy (cast to bf16), neither sharded: 2 + 4 bytes a parameter
+  (grad_accum_dtype; bf16_optimizer.py at 0.6.5 and 0.13.0).
 The Programs are the Megatron pipeline's, built and searched by the Megatron planner
 with these settings fixed.
 """
@@ -38,7 +42,7 @@ from dataclasses import dataclass, replace
 
 from src.cluster import ATTENTION_MODES, CROSS_ENTROPY_MODES, GRAD_ACCUMULATIONS, PARAM_GRAD_KERNELS
 from src.config import options_from
-from src.costmodel.memory import check_reduce_dtype, deepspeed_reduce_dtype
+from src.costmodel.memory import check_accum_dtype, check_reduce_dtype, deepspeed_accum_dtype, deepspeed_reduce_dtype
 from src.errors import ConfigError
 from src.program import Plan
 from src.strategies.base import PlanRequest
@@ -69,6 +73,9 @@ class DeepSpeed3DOptions:
     grad_accumulation: str | None = "hook"
     # The type its gradients are reduced in; null: DeepSpeed's communication_data_type.
     grad_reduce_dtype: str | None = None
+    # The type a second copy of its gradients accumulates in; null: DeepSpeed's (its
+    # BF16_Optimizer's fp32 for a bf16 model, none otherwise: memory.deepspeed_accum_dtype).
+    grad_accum_dtype: str | None = None
 
     def __post_init__(self) -> None:
         for key, modes in (
@@ -81,6 +88,7 @@ class DeepSpeed3DOptions:
             if value is not None and value not in modes:
                 raise ConfigError(f"strategy.{key}={value!r}; choose one of {list(modes)} or null")
         check_reduce_dtype(self.grad_reduce_dtype)
+        check_accum_dtype(self.grad_accum_dtype)
 
     def megatron_options(self, precision: str, amp: bool) -> dict:
         """Megatron-LM's options for this codebase, the gradients reduced in DeepSpeed's
@@ -100,6 +108,7 @@ class DeepSpeed3DOptions:
             "uneven_pp": self.uneven_pp,
             "scatter_gather": self.scatter_gather,
             "grad_reduce_dtype": deepspeed_reduce_dtype(self.grad_reduce_dtype, precision, amp),
+            "grad_accum_dtype": deepspeed_accum_dtype(self.grad_accum_dtype, precision, amp),
         }
 
 

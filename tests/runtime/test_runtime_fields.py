@@ -320,6 +320,8 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
     ("ddp", "grad_reduce_dtype"): (DDP, ["strategy.grad_reduce_dtype=bf16"], "refused", ""),
     ("megatron", "grad_reduce_dtype"): (MEGATRON, ["strategy.grad_reduce_dtype=bf16"], "refused", ""),
     ("deepspeed3d", "grad_reduce_dtype"): (DS3D, ["strategy.dp=2", "strategy.grad_reduce_dtype=bf16"], "refused", ""),
+    ("megatron", "grad_accum_dtype"): (MEGATRON, ["strategy.grad_accum_dtype=fp32"], "refused", ""),
+    ("deepspeed3d", "grad_accum_dtype"): (DS3D, ["strategy.grad_accum_dtype=fp32"], "refused", ""),
     # Par4D runs in the simulator only: the real backend refuses its grid, naming every option.
     ("par4d", "grid"): (PAR4D, ["strategy.grid=[2,1,2,1]"], "run", PAR4D_RUNS),
     ("par4d", "model"): (PAR4D, ["strategy.model=agnostic"], "run", PAR4D_RUNS),

@@ -105,15 +105,29 @@ def test_a_bad_pipeline_type_is_refused_in_one_line(strategy: str) -> None:
     assert "\n" not in str(err.value)
 
 
-def test_deepspeed_keeps_its_gradients_in_the_type_it_reduces_them_in() -> None:
-    """DeepSpeed's ZeRO keeps 16-bit .grads (its gradient_accumulation_dtype is the model's):
-    DeepSpeed-3D's unsharded ZeRO-1 gradients take half the bytes of fp32 ones."""
-    memory = {}
-    for name, extra in (("ds3d", ["strategy=deepspeed3d"]), ("fp32", ["strategy=deepspeed3d", "strategy.grad_reduce_dtype=fp32"])):
-        setup = validate(composed(PIPELINE + extra))
+def test_deepspeed_keeps_its_gradients_in_the_type_it_reduces_them_in_and_bf16_an_fp32_copy() -> None:
+    """DeepSpeed keeps 16-bit .grads, and a bf16 model's BF16_Optimizer an fp32 copy of every
+    gradient beside them (neither sharded): 2 + 4 bytes a parameter for DeepSpeed-3D, 4 + 4
+    reduced in fp32, 2 + 2 with a bf16 copy."""
+    memory, units = {}, {}
+    cases = {
+        "ds3d": [],
+        "fp32": ["strategy.grad_reduce_dtype=fp32"],
+        "bf16_copy": ["strategy.grad_accum_dtype=bf16"],
+    }
+    for name, extra in cases.items():
+        setup = validate(composed(PIPELINE + ["strategy=deepspeed3d", *extra]))
         plan = plan_run(setup)
-        units = {u.unit: u for u in plan.units}
-        memory[name] = rank_memory(plan.program.classes[0], units, setup.model, "bf16")
+        units[name] = {u.unit: u for u in plan.units}
+        memory[name] = rank_memory(plan.program.classes[0], units[name], setup.model, "bf16")
+    assert next(iter(units["ds3d"].values())).grad_accum_dtype == "fp32"
     assert memory["ds3d"]["grads"] > 0
-    assert memory["fp32"]["grads"] == pytest.approx(2 * memory["ds3d"]["grads"])
+    assert memory["fp32"]["grads"] == pytest.approx(memory["ds3d"]["grads"] * 8 / 6)
+    assert memory["bf16_copy"]["grads"] == pytest.approx(memory["ds3d"]["grads"] * 4 / 6)
     assert memory["fp32"]["weights"] == pytest.approx(memory["ds3d"]["weights"])
+
+
+@pytest.mark.parametrize("extra", [["train.precision=fp16"], ["cluster.amp=true"]])
+def test_deepspeed_keeps_no_second_copy_for_fp16_or_under_amp(extra: list[str]) -> None:
+    plan = plan_run(validate(composed(PIPELINE + ["strategy=deepspeed3d", *extra])))
+    assert all(u.grad_accum_dtype is None for u in plan.units)

@@ -37,6 +37,7 @@ from src.costmodel.comm import CommModel
 from src.costmodel.compute import ComputeModel
 from src.costmodel.memory import (
     element_bytes,
+    kept_grad_bytes,
     model_state_bytes,
     reduce_bytes,
     rematerialised_bytes,
@@ -262,13 +263,15 @@ class PipelineEstimator:
         compute: ComputeModel,
         replicate: tuple[str, ...] = (),
         grad_reduce_dtype: str | None = None,
+        grad_accum_dtype: str | None = None,
     ) -> None:
         self.model, self.cluster, self.precision, self.compute = model, cluster, precision, compute
         self.global_batch = global_batch
         self.replicate = replicate
         self.comm = CommModel(cluster)
         self.act_bytes, self.weight_bytes = element_bytes(precision), weight_bytes(precision, cluster.amp)
-        self.grad_bytes = reduce_bytes(precision, grad_reduce_dtype)
+        self.grad_bytes = reduce_bytes(precision, grad_reduce_dtype)  # on the wire
+        self.kept_grad_bytes = kept_grad_bytes(precision, grad_reduce_dtype, grad_accum_dtype)  # in memory
         self._meshes: dict[tuple[int, int, int, tuple[bool, ...]], _MeshCosts] = {}
         self._live: dict[tuple, list[LiveCounts]] = {}
         self._schedules: dict[tuple, list[list[PipeOp]]] = {}
@@ -312,7 +315,7 @@ class PipelineEstimator:
                 trainable += self._span("trainable", segment)
                 params += self._span("params", segment)
         states = states_precision(self.precision, self.cluster.amp)
-        out = model_state_bytes(trainable / shards, states, False, zero_stage, dp, self.grad_bytes)
+        out = model_state_bytes(trainable / shards, states, False, zero_stage, dp, self.kept_grad_bytes)
         for key, value in model_state_bytes(params / shards - trainable / shards, states, True, zero_stage, dp).items():
             out[key] += value
         return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from src.costmodel.memory import check_memory_options, check_reduce_dtype
+from src.costmodel.memory import check_accum_dtype, check_memory_options, check_reduce_dtype
 from src.config import check_positive, options_from
 from src.errors import ConfigError
 from src.models.spec import ModelSpec
@@ -65,6 +65,9 @@ class MegatronOptions(MegatronChoices):
     # (_exec_reduce_grads, under ZeRO-1 and BF16_Optimizer alike), which DeepSpeed-3D sets.
     # Megatron-LM's distributed optimizer reduce-scatters instead.
     grad_all_reduce: bool = False
+    # The type a second copy of the gradients accumulates in beside the kept ones (DeepSpeed's
+    # BF16_Optimizer, which DeepSpeed-3D's bf16 runs set); None: none, as Megatron-LM.
+    grad_accum_dtype: str | None = None
 
     def __post_init__(self) -> None:
         for key in ("tp", "pp", "dp", "vpp", "micro_batch_size"):
@@ -106,6 +109,7 @@ class MegatronOptions(MegatronChoices):
                 f"got {self.zero_stage}"
             )
         check_reduce_dtype(self.grad_reduce_dtype)
+        check_accum_dtype(self.grad_accum_dtype)
         if self.grad_all_reduce and (self.overlap_grad_reduce or self.overlap_param_gather):
             raise ConfigError(
                 "strategy.grad_all_reduce=true reduces the whole gradient after the pipeline's flush (DeepSpeed's pipeline "

@@ -38,6 +38,7 @@ class MegatronSettings:
     overlap_param_gather: bool = False  # the distributed optimizer's all-gather chained into the next forward
     grad_reduce_dtype: str | None = None  # data parallelism's gradient type; None: Megatron-LM's (memory.grad_bytes)
     grad_all_reduce: bool = False  # the whole gradient all-reduced under a sharded optimizer (DeepSpeed's pipeline engine)
+    grad_accum_dtype: str | None = None  # a second copy of the gradients accumulated in this type (memory.kept_grad_bytes)
 
 
 def pipeline_program(
@@ -112,6 +113,7 @@ def pipeline_unit_plans(
                 overlap_comm=cfg.overlap_grad_reduce,
                 param_gather="overlapped" if cfg.overlap_param_gather else "step_end",
                 grad_reduce_dtype=cfg.grad_reduce_dtype,
+                grad_accum_dtype=cfg.grad_accum_dtype,
                 details={"pipeline_stages": stages},
             )
         )
@@ -178,6 +180,7 @@ def colocated_program(
             sequence_parallel=cfg.sequence_parallel,
             overlap_comm=cfg.overlap_grad_reduce,
             grad_reduce_dtype=cfg.grad_reduce_dtype,
+            grad_accum_dtype=cfg.grad_accum_dtype,
         )
         for name in names
     ]

@@ -95,7 +95,14 @@ class MegatronSearch:
         self.precision = request.train.precision
         self.compute = ComputeModel(self.cluster, self.precision)
         self.estimator = PipelineEstimator(
-            self.model, self.cluster, self.precision, request.train.global_batch, self.compute, opts.replicate, opts.grad_reduce_dtype
+            self.model,
+            self.cluster,
+            self.precision,
+            request.train.global_batch,
+            self.compute,
+            opts.replicate,
+            opts.grad_reduce_dtype,
+            opts.grad_accum_dtype,
         )
         self.ladder = memory_ladder(opts.recompute, opts.zero_stage)
         self.stats = SearchStats()
@@ -153,6 +160,7 @@ class MegatronSearch:
                 self.opts.overlap_param_gather,
                 self.opts.grad_reduce_dtype,
                 self.opts.grad_all_reduce,
+                self.opts.grad_accum_dtype,
             )
             try:
                 candidate = self._check(shape, settings, step, tables)
