@@ -5,8 +5,11 @@ optimizer", February 2021: a snapshot of Megatron-LM v1.1.5 inside DeepSpeed's p
 
 What separates it from today's Megatron-LM baseline is what that codebase runs:
 - DeepSpeed's pipeline engine's 1F1B schedule (TrainSchedule; no interleaving);
-- the optimizer states sharded over data parallelism (ZeRO-1; a bf16 run's BF16_Optimizer
-  shards them too), and the whole gradient all-reduced after the pipeline flush (its
+- the optimizer as its entry point configures it (examples/ds_pretrain_gpt2_pipe.sh with
+  examples/ds_config.json, no zero_optimization section: ZeRO stage 0, the whole optimizer
+  on every replica), except that a bf16 model's BF16_Optimizer shards the fp32 master weights
+  and moments over the replicas (ZeRO-1), and the whole gradient all-reduced after the
+  pipeline flush (its
   engine's _exec_reduce_grads: buffered_allreduce_fallback, at DeepSpeed 0.3.15, 0.6.5 and
   0.13.0), each replica then stepping its shard and all-gathering the updated parameters:
   three gradients' worth of traffic where Megatron-LM's distributed optimizer moves two;
@@ -58,6 +61,10 @@ class DeepSpeed3DOptions:
     micro_batch_size: int | None = None
     recompute: str | None = None
     uneven_pp: bool = True
+    # 0 or 1 (its pipeline engine refuses ZeRO-2 and 3); null: as the codebase's entry point
+    # runs: its ds_config.json has no zero_optimization section (stage 0: the whole optimizer
+    # on every replica), but a bf16 model's BF16_Optimizer shards its fp32 states (stage 1).
+    zero_stage: int | None = None
     # DeepSpeed's pipeline engine partitions activations across the TP ranks it sends them
     # from (is_pipe_partitioned) and gathers them on arrival, as Megatron's scatter/gather.
     scatter_gather: bool = True
@@ -89,6 +96,11 @@ class DeepSpeed3DOptions:
                 raise ConfigError(f"strategy.{key}={value!r}; choose one of {list(modes)} or null")
         check_reduce_dtype(self.grad_reduce_dtype)
         check_accum_dtype(self.grad_accum_dtype)
+        if self.zero_stage not in (None, 0, 1):
+            raise ConfigError(
+                f"strategy.zero_stage={self.zero_stage!r}: DeepSpeed's pipeline engine runs ZeRO stage 0 or 1 "
+                f"(stages 2 and 3 are incompatible with pipeline parallelism); choose 0, 1 or null"
+            )
 
     def megatron_options(self, precision: str, amp: bool) -> dict:
         """Megatron-LM's options for this codebase, the gradients reduced in DeepSpeed's
@@ -102,7 +114,7 @@ class DeepSpeed3DOptions:
             "schedule": "1f1b",
             "recompute": self.recompute,
             "sequence_parallel": False,
-            "zero_stage": 1,
+            "zero_stage": deepspeed_zero_stage(self.zero_stage, precision, amp),
             "overlap_grad_reduce": False,
             "grad_all_reduce": True,
             "uneven_pp": self.uneven_pp,
@@ -110,6 +122,15 @@ class DeepSpeed3DOptions:
             "grad_reduce_dtype": deepspeed_reduce_dtype(self.grad_reduce_dtype, precision, amp),
             "grad_accum_dtype": deepspeed_accum_dtype(self.grad_accum_dtype, precision, amp),
         }
+
+
+def deepspeed_zero_stage(zero_stage: int | None, precision: str, amp: bool) -> int:
+    """The ZeRO stage a run sets, else the codebase's: its entry point's config enables none,
+    and a bf16 model's BF16_Optimizer (every bf16 pipeline's, DeepSpeed 0.6.2 on) shards the
+    fp32 master weights and moments over the replicas as ZeRO-1 does."""
+    if zero_stage is not None:
+        return zero_stage
+    return 1 if precision == "bf16" and not amp else 0
 
 
 def software(options: dict) -> dict[str, str]:
@@ -134,7 +155,7 @@ def plan_deepspeed3d(request: PlanRequest) -> Plan:
     try:
         plan = plan_megatron(replace(request, options=opts.megatron_options(request.train.precision, request.cluster.amp)))
     except ConfigError as err:
-        raise type(err)(f"deepspeed3d (Megatron-LM pipeline, ZeRO-1): {err}") from None
+        raise type(err)(f"deepspeed3d (Megatron-LM pipeline in DeepSpeed's engine): {err}") from None
     plan.strategy = "deepspeed3d"
     return plan
 
@@ -148,6 +169,7 @@ STRATEGY = StrategySpec(
         "pp": "strategy.pp",
         "micro_batch": "strategy.micro_batch_size",
         "recompute": "strategy.recompute",
+        "zero_stage": "strategy.zero_stage",
         "scatter": "strategy.scatter_gather",
     },
     software=software,

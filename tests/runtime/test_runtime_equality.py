@@ -81,7 +81,8 @@ CASES = {
     "deepspeed3d_tp2": GPT + ["strategy=deepspeed3d", "strategy.tp=2", "strategy.pp=1", "strategy.micro_batch_size=2"],
     # DeepSpeed's pipeline engine (deepspeed3d's grad_all_reduce): the whole gradient
     # all-reduced over the two replicas, each stepping its slice and gathering the rest.
-    "deepspeed3d_dp2": GPT + ["strategy=deepspeed3d", "strategy.tp=1", "strategy.pp=1", "strategy.micro_batch_size=2"],
+    "deepspeed3d_dp2": GPT
+    + ["strategy=deepspeed3d", "strategy.tp=1", "strategy.pp=1", "strategy.micro_batch_size=2", "strategy.zero_stage=1"],
     # bf16 GEMMs (autocast, fp32 master weights and gradients); activations cross the
     # pipeline stage in bf16.
     "ddp_zero1_bf16": GPT + ["strategy=ddp", "strategy.zero_stage=1", "train.precision=bf16"],

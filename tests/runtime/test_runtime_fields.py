@@ -335,6 +335,7 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
     ("deepspeed3d", "micro_batch_size"): (DS3D, ["strategy.micro_batch_size=4"], "run", EQUALITY),
     ("deepspeed3d", "recompute"): (DS3D, ["strategy.recompute=full"], "run", EQUALITY),
     ("deepspeed3d", "uneven_pp"): (DS3D, ["strategy.uneven_pp=false"], "run", EQUALITY),
+    ("deepspeed3d", "zero_stage"): (DS3D, ["strategy.dp=2", "strategy.zero_stage=1"], "run", EQUALITY),
     ("deepspeed3d", "scatter_gather"): (DS3D, ["strategy.tp=2", "strategy.scatter_gather=true"], "run", TP_PP_RUNS),
     # The attention kernel the model is priced with; the workers' attention (PyTorch's SDPA) computes the same.
     ("deepspeed3d", "attention"): (DS3D, ["strategy.attention=flash"], "run", EQUALITY),

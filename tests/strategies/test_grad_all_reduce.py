@@ -64,3 +64,18 @@ def test_deepspeed3d_reduces_as_its_pipeline_engine() -> None:
 def test_it_cannot_overlap_the_backward() -> None:
     with pytest.raises(ConfigError, match="grad_all_reduce"):
         _plan("strategy=megatron", "strategy.zero_stage=1", "strategy.grad_all_reduce=true", "strategy.overlap_grad_reduce=true")
+
+
+@pytest.mark.parametrize(("precision", "stage", "ops"), [("bf16", 1, {"all_reduce", "all_gather"}), ("fp16", 0, {"all_reduce"})])
+def test_deepspeed3d_shards_its_optimizer_only_where_bf16_optimizer_does(precision: str, stage: int, ops: set[str]) -> None:
+    """The entry point's ds_config.json enables no ZeRO (stage 0: no gather after the step);
+    a bf16 model's BF16_Optimizer shards the fp32 states as ZeRO-1 does."""
+    plan = _plan("strategy=deepspeed3d", f"train.precision={precision}")
+    assert {u.zero_stage for u in plan.units} == {stage}
+    assert set(_dp_bytes(plan)) == ops
+
+
+def test_deepspeed3d_refuses_the_zero_stages_its_pipeline_engine_refuses() -> None:
+    with pytest.raises(ConfigError, match="^strategy.zero_stage=2: DeepSpeed's pipeline engine") as err:
+        _plan("strategy=deepspeed3d", "strategy.zero_stage=2")
+    assert "\n" not in str(err.value)
