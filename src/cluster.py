@@ -54,7 +54,7 @@ CROSS_ENTROPY_MODES = ("eager", "fp32", "fused")
 # How the software adds each micro-batch's weight gradients into the step's accumulated ones
 # (model.grad_accumulation; a preset states its era's): a pass of its own after the weight
 # gradient's GEMM, or inside that GEMM (src/models/grad_accumulation.py).
-GRAD_ACCUMULATIONS = ("hook", "fused")
+GRAD_ACCUMULATIONS = ("hook", "fused", "cast")
 # How a framework issues a layer's kernels (cluster.host_launch): one by one, or a layer's
 # forward and backward each replayed from a captured CUDA graph.
 HOST_LAUNCHES = ("eager", "graphed")
@@ -191,7 +191,7 @@ class ClusterSpec:
     cross_entropy: how the testbed's software computes the loss over the logits (eager |
       fp32 | fused), the default of model.cross_entropy (src/models/cross_entropy.py).
     grad_accumulation: how the testbed's software adds a micro-batch's weight gradients into
-      the accumulated ones (hook | fused), the default of model.grad_accumulation
+      the accumulated ones (hook | fused | cast), the default of model.grad_accumulation
       (src/models/grad_accumulation.py).
     collective_sm_fraction, p2p_sm_fraction: fraction of the device's SMs a collective's
       (resp. a send's or receive's) kernels hold while they run: NCCL runs one CTA per

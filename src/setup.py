@@ -74,7 +74,8 @@ def validate(config: dict[str, Any]) -> Setup:
         "cross_entropy": cluster.cross_entropy,
         "grad_accumulation": cluster.grad_accumulation,
     }
-    software |= software_settings(config["strategy"])
+    precision = config["train"].get("precision") or "auto"
+    software |= software_settings(config["strategy"], cluster.default_precision if precision == "auto" else precision, cluster.amp)
     model = build_model(config["model"], config["train"].get("seq_len"), **software)
     train = train_from_config(config["train"], cluster, model.default_global_batch, model.extras.get("data", ("uniform",)))
     _check_measured_attention(model, cluster, train.precision)

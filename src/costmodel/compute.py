@@ -162,9 +162,11 @@ class ComputeModel:
         self.bytes_per_elem = element_bytes(precision)
         self.amp = cluster.amp and precision != "fp32"  # PyTorch AMP over 16-bit GEMMs (fp32 runs cast nothing)
         self.step = step_bytes(precision, cluster.amp)
-        # A micro-batch's weight gradient added into the accumulated one in a pass of its own:
-        # the fresh gradient read, the buffer's element read and written.
-        self.accumulation_bytes = self.bytes_per_elem + 2.0 * grad_bytes(precision)
+        # A micro-batch's weight gradient added into the accumulated one in a pass of its own
+        # (hook): the fresh gradient read, the buffer's element read and written; or cast to
+        # fp32 first (cast): read, written as fp32, then added into an fp32 buffer.
+        hook = self.bytes_per_elem + 2.0 * grad_bytes(precision)
+        self.accumulation_bytes = {"hook": hook, "cast": self.bytes_per_elem + 4.0 + 3 * 4.0}
         self._layer_cache: dict[tuple, LayerTimes] = {}
         self._work_cache: dict[tuple[int, Work], float] = {}
         self._models: dict[int, ModelSpec] = {}
@@ -233,7 +235,7 @@ class ComputeModel:
         under PyTorch AMP an fp32 table's gradient, added into `.grad` (4 + 12 bytes)."""
         if not kernel.table:
             return 0.0
-        per_entry = 16.0 if self.amp else self.bytes_per_elem + self.accumulation_bytes
+        per_entry = 16.0 if self.amp else self.bytes_per_elem + self.accumulation_bytes["hook"]
         return self.memory_time(per_entry * kernel.table / sharding.devices)
 
     def optimizer_time(self, params: float, shard: int = 1, grad_shard: int = 1) -> float:
@@ -308,8 +310,8 @@ class ComputeModel:
             weights = k * n * batch
             fwd += self.memory_time(6.0 * weights)
             bwd_weight += self.memory_time(18.0 * weights)
-        elif kernel.accumulation_pass:
-            bwd_weight += self.memory_time(self.accumulation_bytes * k * n * batch)
+        elif kernel.accumulation:
+            bwd_weight += self.memory_time(self.accumulation_bytes[kernel.accumulation] * k * n * batch)
         return LayerTimes(fwd, bwd_input, bwd_weight, fwd if kernel.attention_core else 0.0, launches)
 
     def layer_times(

@@ -17,6 +17,11 @@ hook: the weight-gradient GEMM writes a fresh 16-bit gradient and a pass of its 
   accumulates a `.grad` the same way after the first micro-batch (AccumulateGrad), which
   DeepSpeed's and plain PyTorch training loops rely on; the first micro-batch's pass is
   priced too.
+cast: the 16-bit gradient cast to fp32 and added into an fp32 copy of the step's gradients:
+  read 2 bytes and write 4 (the cast), read 4 + 4 and write 4 (the add), 18 bytes an element.
+  DeepSpeed's BF16_Optimizer, which every bf16 pipeline of DeepSpeed runs (0.6.2 on), does it
+  after each micro-batch's backward (`update_hp_grads`: `hp_grad.add_(lp.grad.to(fp32))`,
+  bf16_optimizer.py at 0.6.5 and 0.13.0); DeepSpeed-3D's bf16 runs take it.
 fused: the weight-gradient GEMM accumulates into the fp32 buffer in its epilogue (apex's
   `fused_weight_gradient_mlp_cuda`, Transformer Engine's `fuse_wgrad_accumulation`):
   Megatron-LM since 2022 with fp32 accumulation, Megatron-Core. Nothing is added (the GEMM
@@ -44,4 +49,4 @@ def with_grad_accumulation(spec: ModelSpec, mode: str) -> ModelSpec:
     them fused). Repeated layers stay one object: consumers cache by identity."""
     if mode == "fused":
         return spec
-    return spec.map_kernels(lambda kernel: replace(kernel, accumulation_pass=True) if kernel.has_weight else kernel)
+    return spec.map_kernels(lambda kernel: replace(kernel, accumulation=mode) if kernel.has_weight else kernel)

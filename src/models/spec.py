@@ -62,9 +62,9 @@ class Kernel:
       (src/models/grad_kernels.py). Part of the weight gradient.
     cross_entropy: the loss over a vocabulary's logits, computed as this mode says
       (src/models/cross_entropy.py); empty for every other kernel.
-    accumulation_pass: a weighted product whose weight gradient the framework adds into the
-      step's accumulated gradient in a pass of its own, every micro-batch
-      (src/models/grad_accumulation.py); false where the GEMM accumulates it.
+    accumulation: how a weighted product's weight gradient joins the step's accumulated one in a
+      pass of its own, every micro-batch: hook (added into it) or cast (cast to fp32 and added
+      into an fp32 copy) (src/models/grad_accumulation.py); empty where the GEMM accumulates it.
     table: a lookup's table entries (rows x width, all of the layer's tables): its backward
       writes the table's dense gradient (zero-filled, then the looked-up rows added: PyTorch's
       embedding backward), which the framework adds into the step's accumulated gradient,
@@ -101,7 +101,7 @@ class Kernel:
     residual: bool = False
     grad_reduction_bytes: float = 0.0
     cross_entropy: str = ""
-    accumulation_pass: bool = False
+    accumulation: str = ""
     table: float = 0.0
     elementwise: str = ""
     launches: int = 1

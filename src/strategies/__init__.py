@@ -89,12 +89,12 @@ def planner_for(name: str) -> Planner:
     return strategy_for(name).planner
 
 
-def software_settings(strategy: dict) -> Mapping[str, str]:
-    """The model settings the software of `strategy` (its config group) fixes, where its
-    strategy models one codebase (model option -> value); none: the run's (the cluster
-    preset's)."""
+def software_settings(strategy: dict, precision: str, amp: bool) -> Mapping[str, str]:
+    """The model settings the software of `strategy` (its config group) fixes for a run in
+    `precision` (`amp`: under PyTorch AMP), where its strategy models one codebase (model
+    option -> value); none: the run's (the cluster preset's)."""
     rule = strategy_for(strategy["name"]).software
-    return {} if rule is None else rule(strategy)
+    return {} if rule is None else rule(strategy, precision, amp)
 
 
 def option_keys(strategy: str, fields: tuple[str, ...], units: tuple[str, ...] = ()) -> list[str]:

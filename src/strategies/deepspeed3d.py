@@ -75,9 +75,11 @@ class DeepSpeed3DOptions:
     attention: str | None = "eager"
     param_grad_kernels: str | None = "separate"
     cross_entropy: str | None = "fp32"
-    # Its weight gradients accumulate through autograd's AccumulateGrad into the 16-bit `.grad`
-    # (DeepSpeed's engine over Megatron-LM v1.1.5's layers, before gradient accumulation fusion).
-    grad_accumulation: str | None = "hook"
+    # How its weight gradients accumulate; null: the codebase's for the run's precision
+    # (software): autograd's AccumulateGrad into the 16-bit `.grad` (DeepSpeed's engine over
+    # Megatron-LM v1.1.5's layers, before gradient accumulation fusion), and for a bf16 model
+    # its BF16_Optimizer's cast into an fp32 copy after each micro-batch.
+    grad_accumulation: str | None = None
     # The type its gradients are reduced in; null: DeepSpeed's communication_data_type.
     grad_reduce_dtype: str | None = None
     # The type a second copy of its gradients accumulates in; null: DeepSpeed's (its
@@ -133,14 +135,15 @@ def deepspeed_zero_stage(zero_stage: int | None, precision: str, amp: bool) -> i
     return 1 if precision == "bf16" and not amp else 0
 
 
-def software(options: dict) -> dict[str, str]:
-    """The model settings this strategy's software fixes (the door builds the model with them)."""
+def software(options: dict, precision: str, amp: bool) -> dict[str, str]:
+    """The model settings this strategy's software fixes for a run in `precision` (the door
+    builds the model with them)."""
     opts = options_from(DeepSpeed3DOptions, options)
     settings = {
         "attention": opts.attention,
         "param_grad_kernels": opts.param_grad_kernels,
         "cross_entropy": opts.cross_entropy,
-        "grad_accumulation": opts.grad_accumulation,
+        "grad_accumulation": opts.grad_accumulation or ("cast" if precision == "bf16" and not amp else "hook"),
     }
     return {key: value for key, value in settings.items() if value is not None}
 

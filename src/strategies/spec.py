@@ -42,6 +42,6 @@ class StrategySpec:
     planner: Planner
     options: type | None = None
     plan_fields: Mapping[str, str] = field(default_factory=dict)
-    software: Callable[[dict], Mapping[str, str]] | None = None
+    software: Callable[[dict, str, bool], Mapping[str, str]] | None = None
     auto_variants: tuple[AutoVariant, ...] = ()
     batches: Callable[[PlanRequest, Sequence[int]], list[Plan]] | None = None

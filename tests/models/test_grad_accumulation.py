@@ -42,6 +42,16 @@ def test_a_hook_adds_each_weights_gradient_once_a_micro_batch_whatever_its_rows(
         assert (hooked.fwd, hooked.bwd_input) == (fused.fwd, fused.bwd_input)
 
 
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_a_cast_reads_the_16_bit_gradient_writes_it_as_fp32_and_adds_it_into_an_fp32_copy(precision: str) -> None:
+    """BF16_Optimizer's update_hp_grads: read 2 and write 4 bytes (the cast), read 4 + 4 and
+    write 4 (the add): 18 bytes a weight, per micro-batch."""
+    compute = ComputeModel(cluster(), precision)
+    hbm, gap = compute.cluster.memory_bandwidth * compute.cluster.memory_efficiency, compute.cluster.kernel_overhead_s
+    cast, fused = compute.layer_times(block("cast"), 8), compute.layer_times(block("fused"), 8)
+    assert cast.bwd_weight - fused.bwd_weight == pytest.approx(18.0 * BLOCK_WEIGHTS / hbm + 4 * gap)
+
+
 def test_tensor_parallelism_splits_the_pass_with_the_weights() -> None:
     compute = ComputeModel(cluster(), "fp16")
     extra = [
@@ -74,19 +84,22 @@ def test_an_embeddings_dense_gradient_is_added_once_a_micro_batch(mode: str, pre
         assert extra == pytest.approx(per_entry * embedding.params / tp / hbm + gap)
 
 
-def _mode(*overrides: str) -> bool:
+def _mode(*overrides: str) -> str:
     setup = validate(
         composed(
             ["model=gpt", "model.preset=null", "model.layers=2", "model.hidden=256", "model.heads=4", "model.vocab=1024", *overrides]
         )
     )
-    return any(k.accumulation_pass for layer in setup.model.unit("llm").layers for k in layer.kernels)
+    modes = {k.accumulation for layer in setup.model.unit("llm").layers for k in layer.kernels if k.has_weight}
+    assert len(modes) == 1
+    return modes.pop()
 
 
 def test_the_default_is_the_presets_software_a_strategys_codebase_or_the_models_option() -> None:
     """Megatron-LM with fp32 accumulation fuses it (hopper, a800, perlmutter); Megatron-LM of
     2021-22 in fp16, LitGPT, PyTorch loops and the real backend add it in a pass; DeepSpeed-3D's
-    codebase (2020) too, on any preset; model.grad_accumulation wins over both."""
+    codebase (2020) too, on any preset, and a bf16 model's BF16_Optimizer casts it into an fp32
+    copy; model.grad_accumulation wins over both."""
     presets = {
         name: cluster_from_config(composed([f"cluster={name}"])["cluster"]).grad_accumulation
         for name in ("hopper", "a800", "dgx_a100", "perlmutter", "frontier", "p3_16xlarge", "local")
@@ -100,10 +113,13 @@ def test_the_default_is_the_presets_software_a_strategys_codebase_or_the_models_
         "p3_16xlarge": "hook",
         "local": "hook",
     }
-    assert not _mode("cluster=perlmutter", "cluster.nodes=2")
-    assert _mode("cluster=perlmutter", "cluster.nodes=2", "strategy=deepspeed3d")
-    assert not _mode("cluster=perlmutter", "cluster.nodes=2", "strategy=deepspeed3d", "strategy.grad_accumulation=null")
-    assert not _mode("cluster=perlmutter", "cluster.nodes=2", "strategy=deepspeed3d", "model.grad_accumulation=fused")
+    perlmutter = ["cluster=perlmutter", "cluster.nodes=2"]
+    assert _mode(*perlmutter) == ""
+    assert _mode(*perlmutter, "strategy=deepspeed3d", "train.precision=bf16") == "cast"
+    assert _mode(*perlmutter, "strategy=deepspeed3d", "train.precision=fp16") == "hook"
+    assert _mode(*perlmutter, "strategy=deepspeed3d", "train.precision=bf16", "cluster.amp=true") == "hook"
+    assert _mode(*perlmutter, "strategy=deepspeed3d", "strategy.grad_accumulation=fused") == ""
+    assert _mode(*perlmutter, "strategy=deepspeed3d", "model.grad_accumulation=fused") == ""
 
 
 def test_the_hooked_model_keeps_repeated_layers_one_object_and_unweighted_ones_as_they_were() -> None:

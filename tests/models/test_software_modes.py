@@ -28,9 +28,9 @@ GPT = {"name": "gpt", "preset": None, "layers": 2, "hidden": 1024, "heads": 16, 
         (
             "grad_accumulation",
             "yes",
-            r"model.grad_accumulation='apex' is not one of: hook, fused",
-            r"cluster.grad_accumulation must be one of \['hook', 'fused'\], got 'yes'",
-            r"strategy.grad_accumulation='te'; choose one of \['hook', 'fused'\] or null",
+            r"model.grad_accumulation='apex' is not one of: hook, fused, cast",
+            r"cluster.grad_accumulation must be one of \['hook', 'fused', 'cast'\], got 'yes'",
+            r"strategy.grad_accumulation='te'; choose one of \['hook', 'fused', 'cast'\] or null",
         ),
     ],
 )
