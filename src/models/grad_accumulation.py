@@ -21,10 +21,11 @@ cast: the 16-bit gradient cast to fp32 and added into an fp32 copy of the step's
   read 2 bytes and write 4 (the cast), read 4 + 4 and write 4 (the add), 18 bytes an element.
   DeepSpeed's BF16_Optimizer, which every bf16 pipeline of DeepSpeed runs (0.6.2 on), does it
   after each micro-batch's backward (`update_hp_grads`: `hp_grad.add_(lp.grad.to(fp32))`,
-  bf16_optimizer.py at 0.6.5 and 0.13.0); DeepSpeed-3D's bf16 runs take it. The least any
-  such release does: 0.6.5 frees the bf16 `.grad`s before each backward, so autograd writes
-  fresh ones; 0.13.0 zeroes them instead (`clear_lp_grads`: `zero_()`), so autograd adds into
-  them too (2 bytes zeroed, 6 added: not priced, the release a run used being unstated).
+  bf16_optimizer.py at 0.6.5 and 0.13.0); DeepSpeed-3D's bf16 runs take it. As the releases up
+  to 0.12.0 run it (read at 0.6.5, 0.7.0, 0.8.0, 0.9.0, 0.9.5, 0.10.0, 0.12.0): they free the
+  bf16 `.grad`s before each backward (`clear_lp_grads`: `param.grad = None`), so autograd
+  writes fresh ones; 0.13.0 zeroes them instead (`zero_()`), so autograd adds into them too
+  (2 bytes zeroed, 6 added a micro-batch: not priced).
 fused: the weight-gradient GEMM accumulates into the fp32 buffer in its epilogue (apex's
   `fused_weight_gradient_mlp_cuda`, Transformer Engine's `fuse_wgrad_accumulation`):
   Megatron-LM since 2022 with fp32 accumulation, Megatron-Core. Nothing is added (the GEMM
