@@ -1,5 +1,5 @@
-"""DeepSpeed-3D: Megatron-LM's tensor parallelism inside DeepSpeed's pipeline engine with
-ZeRO-1 over data parallelism, as the codebase Par4D cites for it runs ([7]: DeepSpeedExamples'
+"""DeepSpeed-3D: Megatron-LM's tensor parallelism inside DeepSpeed's pipeline engine, over
+data parallelism, as the codebase Par4D cites for it runs ([7]: DeepSpeedExamples'
 `Megatron-LM-v1.1.5-3D_parallelism`, "3d parallelism with megatronlm and zero redundancy
 optimizer", February 2021: a snapshot of Megatron-LM v1.1.5 inside DeepSpeed's pipeline).
 
@@ -8,12 +8,12 @@ What separates it from today's Megatron-LM baseline is what that codebase runs:
 - the optimizer as its entry point configures it (examples/ds_pretrain_gpt2_pipe.sh with
   examples/ds_config.json, no zero_optimization section: ZeRO stage 0, the whole optimizer
   on every replica), except that a bf16 model's BF16_Optimizer shards the fp32 master weights
-  and moments over the replicas (ZeRO-1), and the whole gradient all-reduced after the
-  pipeline flush (its
-  engine's _exec_reduce_grads: buffered_allreduce_fallback, at DeepSpeed 0.3.15, 0.6.5 and
-  0.13.0), each replica then stepping its shard and all-gathering the updated parameters:
-  three gradients' worth of traffic where Megatron-LM's distributed optimizer moves two;
-  nothing overlapped with the backward;
+  and moments over the replicas (ZeRO-1);
+- the whole gradient all-reduced after the pipeline flush (its engine's _exec_reduce_grads:
+  buffered_allreduce_fallback, at DeepSpeed 0.3.15, 0.6.5 and 0.13.0), each replica then
+  stepping its shard and, where the optimizer is sharded, all-gathering the updated
+  parameters: three gradients' worth of traffic where Megatron-LM's distributed optimizer
+  moves two; nothing overlapped with the backward;
 - no sequence parallelism (it came with Megatron-LM 3.0, 2022);
 - the pipeline partitioned by transformer layers (GPT2ModelPipe's
   partition_method='type:transformer'), so stages differ by at most one block;
@@ -25,7 +25,8 @@ What separates it from today's Megatron-LM baseline is what that codebase runs:
   (megatron/model/gpt2_model.py: `output.float()`, its example scripts
   ds_pretrain_gpt2*.sh passing --fp16 and no --fp16-lm-cross-entropy);
 - weight gradients added into the 16-bit `.grad` by autograd every micro-batch (2020: before
-  Megatron-LM's gradient accumulation fusion);
+  Megatron-LM's gradient accumulation fusion), and for a bf16 model cast into an fp32 copy
+  after it (model.grad_accumulation's cast);
 - gradients reduced over data parallelism in DeepSpeed's communication_data_type, the
   model's 16-bit type (ZeRO-1's allreduce_bucket casts to it; deepspeed/runtime/engine.py's
   default since 0.5.8; fp32 under PyTorch AMP), where Megatron-LM forces fp32 for bf16. The
