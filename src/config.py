@@ -77,6 +77,13 @@ def positive_int(cfg: Mapping[str, Any], key: str, prefix: str) -> int:
     return typing.cast(int, value)
 
 
+def requested_precision(cfg: Mapping[str, Any], cluster: ClusterSpec) -> str:
+    """train.precision as a run asks for it: `auto` (the default) is the cluster preset's;
+    train_from_config checks the rest."""
+    precision = cfg.get("precision", "auto")
+    return cluster.default_precision if precision == "auto" else precision
+
+
 def train_from_config(
     cfg: Mapping[str, Any], cluster: ClusterSpec, default_batch: int | None = None, data: tuple[str, ...] = ("uniform",)
 ) -> TrainSpec:
@@ -95,9 +102,7 @@ def train_from_config(
     seq_len = cfg.get("seq_len")
     if seq_len is not None:
         seq_len = positive_int(cfg, "seq_len", "train")
-    precision = cfg.get("precision", "auto")
-    if precision == "auto":
-        precision = cluster.default_precision
+    precision = requested_precision(cfg, cluster)
     if precision not in PRECISIONS:
         raise ConfigError(f"train.precision={precision!r}; choose one of {list(PRECISIONS)} or auto")
     cluster.peak(precision)

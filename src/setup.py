@@ -24,6 +24,7 @@ from src.config import (
     check_logger_and_run,
     composed,
     positive_int,
+    requested_precision,
     train_from_config,
 )
 from src.errors import ConfigError, PlanRefused, reject_unknown
@@ -74,8 +75,7 @@ def validate(config: dict[str, Any]) -> Setup:
         "cross_entropy": cluster.cross_entropy,
         "grad_accumulation": cluster.grad_accumulation,
     }
-    precision = config["train"].get("precision") or "auto"
-    software |= software_settings(config["strategy"], cluster.default_precision if precision == "auto" else precision, cluster.amp)
+    software |= software_settings(config["strategy"], requested_precision(config["train"], cluster), cluster.amp)
     model = build_model(config["model"], config["train"].get("seq_len"), **software)
     train = train_from_config(config["train"], cluster, model.default_global_batch, model.extras.get("data", ("uniform",)))
     _check_measured_attention(model, cluster, train.precision)

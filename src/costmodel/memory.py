@@ -87,6 +87,12 @@ def check_accum_dtype(grad_accum_dtype: str | None) -> None:
         raise ConfigError(f"strategy.grad_accum_dtype={grad_accum_dtype!r}; choose one of {list(REDUCE_DTYPES)} or null")
 
 
+def deepspeed_bf16_optimizer(precision: str, amp: bool) -> bool:
+    """Whether DeepSpeed runs a model under its BF16_Optimizer (every bf16 pipeline from 0.6.2):
+    a bf16 model, not PyTorch AMP's fp32 weights."""
+    return precision == "bf16" and not amp
+
+
 def deepspeed_accum_dtype(grad_accum_dtype: str | None, precision: str, amp: bool) -> str | None:
     """The type DeepSpeed accumulates gradients in beside the model's 16-bit `.grad`s: the one
     a run sets, else its BF16_Optimizer's fp32 for a bf16 model (data_types.grad_accum_dtype;
@@ -94,7 +100,7 @@ def deepspeed_accum_dtype(grad_accum_dtype: str | None, precision: str, amp: boo
     the accumulation; AMP's fp32 weights' too)."""
     if grad_accum_dtype is not None:
         return grad_accum_dtype
-    return "fp32" if precision == "bf16" and not amp else None
+    return "fp32" if deepspeed_bf16_optimizer(precision, amp) else None
 
 
 def kept_grad_bytes(precision: str, grad_reduce_dtype: str | None, grad_accum_dtype: str | None = None) -> int:

@@ -46,7 +46,13 @@ from dataclasses import dataclass, replace
 
 from src.cluster import ATTENTION_MODES, CROSS_ENTROPY_MODES, GRAD_ACCUMULATIONS, PARAM_GRAD_KERNELS
 from src.config import options_from
-from src.costmodel.memory import check_accum_dtype, check_reduce_dtype, deepspeed_accum_dtype, deepspeed_reduce_dtype
+from src.costmodel.memory import (
+    check_accum_dtype,
+    check_reduce_dtype,
+    deepspeed_accum_dtype,
+    deepspeed_bf16_optimizer,
+    deepspeed_reduce_dtype,
+)
 from src.errors import ConfigError
 from src.program import Plan
 from src.strategies.base import PlanRequest
@@ -133,7 +139,7 @@ def deepspeed_zero_stage(zero_stage: int | None, precision: str, amp: bool) -> i
     fp32 master weights and moments over the replicas as ZeRO-1 does."""
     if zero_stage is not None:
         return zero_stage
-    return 1 if precision == "bf16" and not amp else 0
+    return 1 if deepspeed_bf16_optimizer(precision, amp) else 0
 
 
 def software(options: dict, precision: str, amp: bool) -> dict[str, str]:
@@ -144,7 +150,7 @@ def software(options: dict, precision: str, amp: bool) -> dict[str, str]:
         "attention": opts.attention,
         "param_grad_kernels": opts.param_grad_kernels,
         "cross_entropy": opts.cross_entropy,
-        "grad_accumulation": opts.grad_accumulation or ("cast" if precision == "bf16" and not amp else "hook"),
+        "grad_accumulation": opts.grad_accumulation or ("cast" if deepspeed_bf16_optimizer(precision, amp) else "hook"),
     }
     return {key: value for key, value in settings.items() if value is not None}
 

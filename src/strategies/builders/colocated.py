@@ -22,7 +22,6 @@ from src.models.spec import LayerSpec, ModelSpec
 from src.program import (
     DEEPSPEED_PERSISTENCE_THRESHOLD,
     Collective,
-    CollectiveOp,
     Compute,
     Instruction,
     Message,
@@ -33,7 +32,7 @@ from src.program import (
     Work,
 )
 from src.strategies.builders.contrastive import Holder, gathered_batch, local_queries, local_routes
-from src.strategies.builders.emit import TPConfig, iteration_tail, segment_pass
+from src.strategies.builders.emit import TPConfig, dp_grad_op, iteration_tail, segment_pass
 from src.strategies.builders.layout import axis_group
 from src.models.flows import unit_order
 from src.strategies.builders.stages import Segment
@@ -180,7 +179,7 @@ class ColocatedEmitter:
         spec, u = self.model.unit(unit), self.units[unit]
         group = self.dp_group[unit]
         assert group is not None, "gradients are reduced over a DP group of more than one rank"
-        op: CollectiveOp = "reduce_scatter" if u.zero_stage >= 1 else "all_reduce"
+        op = dp_grad_op(u.zero_stage)
         out: list[Instruction] = []
         for layer in reversed(range(spec.num_layers)):
             out += segment_pass(self.model, Segment(unit, (layer, layer + 1)), "bwd", samples, microbatch, self._tp(unit))
