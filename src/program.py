@@ -186,11 +186,14 @@ class Collective:
 @dataclass(unsafe_hash=True, slots=True)
 class Send:
     """Send the rows of `payload` that the route's table gives this rank, eagerly: it
-    starts as soon as its data and stream are ready."""
+    starts as soon as its data and stream are ready. `rendezvous`: it starts only once its
+    receiver has posted the matching Recv, and the stream that issues it waits until it
+    has landed (a synchronous two-rank broadcast, DeepSpeed's pipeline p2p); a Hop's only."""
 
     route: str
     payload: Payload
     stream: str = "send"
+    rendezvous: bool = False
 
 
 @dataclass(unsafe_hash=True, slots=True)

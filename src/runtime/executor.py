@@ -758,6 +758,9 @@ class Executor:
             tensor = tensor.detach().to(self.dtype).contiguous()
             if message.dst == self.rank:
                 self.s.local.setdefault((route.name, message.received.whole), []).append((message, tensor.clone()))
+            elif send.rendezvous:  # the stream waits until its receiver has it (DeepSpeed's pipeline p2p)
+                with CLOCK.timed(route.kind):
+                    dist.send(tensor, message.dst, group=self.groups.route(route.name))
             else:
                 self.s.sends.append((dist.isend(tensor, message.dst, group=self.groups.route(route.name)), tensor))
         return category

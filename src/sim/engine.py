@@ -312,6 +312,10 @@ class Simulator:
         # The posted receives by a send each still waits on (as they were posted).
         self.posted_on: dict[tuple[str, int, Payload], list[tuple[str, int, Payload]]] = {}
         self.waiting_for_send: dict[tuple[str, int, Payload], list[int]] = {}
+        # Rendezvous sends (Send.rendezvous), keyed as `sent`: when the receiver posted the
+        # matching receive, and the senders waiting for it to.
+        self.recv_posted: dict[tuple[str, int, Payload], float] = {}
+        self.waiting_for_post: dict[tuple[str, int, Payload], list[int]] = {}
         self.waiting_for_op: dict[int, list[int]] = {}
         self.ready: deque[int] = deque()
         self.collective_cost: dict[tuple, tuple[float, float]] = {}
@@ -616,9 +620,20 @@ class Simulator:
         key = (route.name, state.index, payload)
         if key in self.sent:
             raise SimulationError(f"{state.program.label} sends {instruction.payload} over {route.name} twice")
+        receiver_at = 0.0
+        if instruction.rendezvous:
+            if not isinstance(route, Hop):
+                raise SimulationError(f"a rendezvous send needs a Hop route; {route.name} is not one")
+            if key not in self.recv_posted:
+                self.waiting_for_post.setdefault(key, []).append(state.index)
+                return False
+            receiver_at = self.recv_posted.pop(key)
         op = self._issue(state, route.kind, stream)
         op.computed = state.computed
-        ready = _ready(op)
+        issued = _ready(op)
+        ready = max(issued, receiver_at)
+        if ready > issued and stream == COMPUTE_STREAM:
+            state.segments.append((issued, ready, PEER_WAIT))  # the receiver is not there yet
         seconds, nbytes, crosses = self.routes.send(route, state, payload)
         op.start, op.end, op.resolved = ready, ready + seconds, True
         if crosses and seconds > 0:
@@ -656,6 +671,7 @@ class Simulator:
         missing = [key for key in entries if key not in self.sent]
         blocking = instruction.blocking or stream == COMPUTE_STREAM
         if missing and blocking:
+            self._post(missing, max(state.stream_free(COMPUTE_STREAM), state.stream_free(stream)))
             self.waiting_for_send.setdefault(missing[0], []).append(state.index)
             return False
         recv_key = (route.name, state.index, payload)
@@ -667,6 +683,7 @@ class Simulator:
             state.handles[instruction.handle] = op
         if missing:
             # Posted before its sends (an irecv): it completes when the last one lands.
+            self._post(missing, _ready(op))
             self.posted_recvs[recv_key] = _PostedRecv(state.index, op, instruction, entries)
             for key in missing:
                 self.posted_on.setdefault(key, []).append(recv_key)
@@ -675,6 +692,15 @@ class Simulator:
         if blocking:
             state.blocker = op
         return True
+
+    def _post(self, missing: list[tuple[str, int, Payload]], at: float) -> None:
+        """A blocking receive waits at `at` for the sends `missing`: a rendezvous send
+        among them may now start (once; a receive retried after a wake posts nothing new)."""
+        for key in missing:
+            if key not in self.recv_posted:
+                self.recv_posted[key] = at
+                for waiter in self.waiting_for_post.pop(key, []):
+                    self._wake(waiter)
 
     def _complete_recv(
         self, state: _ClassState, op: _Op, recv: Recv, entries: dict[tuple[str, int, Payload], tuple[float, float]]

@@ -4,7 +4,10 @@ data parallelism, as the codebase Par4D cites for it runs ([7]: DeepSpeedExample
 optimizer", February 2021: a snapshot of Megatron-LM v1.1.5 inside DeepSpeed's pipeline).
 
 What separates it from today's Megatron-LM baseline is what that codebase runs:
-- DeepSpeed's pipeline engine's 1F1B schedule (TrainSchedule; no interleaving);
+- DeepSpeed's pipeline engine's 1F1B schedule (TrainSchedule; no interleaving), its exchanges
+  in the schedule's step order, a pass's sends opening the next step, each p2p.send a
+  broadcast over the two stages' group with async_op False, which the sender's stream waits
+  on until the receiver has posted its receive (p2p: deepspeed; at v0.3.15);
 - the optimizer as its entry point configures it (examples/ds_pretrain_gpt2_pipe.sh with
   examples/ds_config.json, no zero_optimization section: ZeRO stage 0, the whole optimizer
   on every replica), except that a bf16 model's BF16_Optimizer shards the fp32 master weights
@@ -126,6 +129,7 @@ class DeepSpeed3DOptions:
             "zero_stage": deepspeed_zero_stage(self.zero_stage, precision, amp),
             "overlap_grad_reduce": False,
             "grad_all_reduce": True,
+            "p2p": "deepspeed",
             "uneven_pp": self.uneven_pp,
             "scatter_gather": self.scatter_gather,
             "grad_reduce_dtype": deepspeed_reduce_dtype(self.grad_reduce_dtype, precision, amp),

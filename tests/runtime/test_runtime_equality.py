@@ -79,6 +79,10 @@ CASES = {
     "ddp_zero3_overlap": GPT + [*ZERO3, "strategy.overlap_comm=true", "strategy.prefetch_bucket_size=1000"],
     "ddp_zero3_recompute": GPT + [*ZERO3, "strategy.recompute=selective"],
     "deepspeed3d_tp2": GPT + ["strategy=deepspeed3d", "strategy.tp=2", "strategy.pp=1", "strategy.micro_batch_size=2"],
+    # DeepSpeed's pipeline engine's exchange (deepspeed3d's p2p): each send in its schedule
+    # step's order, a blocking send the receiver has posted for.
+    "deepspeed3d_pp2": GPT
+    + ["strategy=deepspeed3d", "strategy.tp=1", "strategy.pp=2", "strategy.micro_batch_size=2", "strategy.recompute=none"],
     # DeepSpeed's pipeline engine (deepspeed3d's grad_all_reduce): the whole gradient
     # all-reduced over the two replicas, each stepping its slice and gathering the rest.
     "deepspeed3d_dp2": GPT

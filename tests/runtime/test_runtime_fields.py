@@ -137,6 +137,8 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
         "run",
         EQUALITY,
     ),
+    # Each send in DeepSpeed's step order, the stream waiting until it has landed.
+    ("megatron", "p2p"): (MEGATRON, ["strategy.p2p=deepspeed", "strategy.schedule=1f1b"], "run", EQUALITY),
     ("megatron", "modality_stages"): (MEGATRON, ["strategy.modality_stages=merged"], "run", EQUALITY),
     ("megatron", "uneven_pp"): (MEGATRON, ["strategy.uneven_pp=true"], "run", EQUALITY),
     ("megatron", "balance"): (MEGATRON, ["strategy.balance=true"], "run", EQUALITY),

@@ -12,7 +12,7 @@ import pytest
 
 from src import progress
 from src.mesh import tensor_parallel
-from src.program import COMM_KINDS, Collective, Compute, Group, Program, RankProgram, Wait, Work
+from src.program import COMM_KINDS, Collective, Compute, Group, Hop, Program, RankProgram, Send, Wait, Work
 from src.sim.engine import SimulationError, simulate
 from src.timeline import BREAKDOWN_CATEGORIES, BUBBLE_CATEGORIES
 from tests.sim.test_sim_programs import (
@@ -33,6 +33,7 @@ from tests.sim.test_sim_programs import (
     build_par4d_mesh,
     link,
     make_cluster,
+    msg,
     p2p_s,
     recv,
     run,
@@ -385,6 +386,46 @@ def test_send_recv_on_compute_stream_add_up():
     assert timeline.iteration_time == pytest.approx(iteration, rel=REL)
     assert_breakdown(timeline_of(timeline, "left"), iteration, compute=2 * T_F1, comm_pp=d)
     assert_breakdown(timeline_of(timeline, "right"), iteration, compute=T_F1, comm_pp=d, bubble_imbalance=T_F1)
+
+
+def _rendezvous_pair(rendezvous: bool, receiver_passes: int) -> Program:
+    """Left computes a pass, sends over a Hop on its compute stream, computes again; right
+    computes `receiver_passes` passes before it receives."""
+    left = [Compute(F1), Send("m", msg("m"), stream="compute", rendezvous=rendezvous), Compute(F1)]
+    right = [Compute(F1)] * receiver_passes + [recv("m"), Compute(F1)]
+    program = two_ranks(left, right)
+    program.add_route(Hop("m", "pp", (0,), (1,), 4e6))
+    return program
+
+
+def test_a_rendezvous_send_waits_until_its_receiver_posts():
+    """DeepSpeed's pipeline p2p (a synchronous broadcast): the sender's stream waits for the
+    receiver to reach its receive, then for the data; an eager send goes at once."""
+    d = p2p_s(4e6, INTRA_BW, INTRA_LAT)
+    late = run(_rendezvous_pair(True, 2))
+    iteration = 3 * T_F1 + d
+    assert late.iteration_time == pytest.approx(iteration, rel=REL)
+    assert_breakdown(timeline_of(late, "left"), iteration, compute=2 * T_F1, comm_pp=d, bubble_imbalance=T_F1)
+    assert_breakdown(timeline_of(late, "right"), iteration, compute=3 * T_F1, comm_pp=d)
+    eager = run(_rendezvous_pair(False, 2))  # the data lands while right computes
+    assert eager.iteration_time == pytest.approx(3 * T_F1, rel=REL)
+    assert_breakdown(timeline_of(eager, "left"), 3 * T_F1, compute=2 * T_F1, comm_pp=d, idle=T_F1 - d)
+    assert_breakdown(timeline_of(eager, "right"), 3 * T_F1, compute=3 * T_F1)
+
+
+def test_a_rendezvous_send_to_a_receiver_already_waiting_goes_at_once():
+    d = p2p_s(4e6, INTRA_BW, INTRA_LAT)
+    timeline = run(_rendezvous_pair(True, 0))
+    iteration = 2 * T_F1 + d
+    assert timeline.iteration_time == pytest.approx(iteration, rel=REL)
+    assert_breakdown(timeline_of(timeline, "left"), iteration, compute=2 * T_F1, comm_pp=d)
+    assert_breakdown(timeline_of(timeline, "right"), iteration, compute=T_F1, comm_pp=d, bubble_imbalance=T_F1)
+
+
+def test_a_rendezvous_send_needs_a_hop():
+    program = two_ranks([send("m", stream="compute", rendezvous=True)], [recv("m")], messages=(("m", 0, 1),))
+    with pytest.raises(SimulationError, match="rendezvous send needs a Hop route"):
+        run(program)
 
 
 def test_preposted_irecv_exchange_runs():

@@ -29,7 +29,7 @@ from src.cluster import ClusterSpec, family_sharing
 from src.costmodel.memory import element_bytes, reduce_bytes, weight_bytes
 from src.mesh import Mesh, tensor_parallel
 from src.models.spec import ModelSpec
-from src.program import Collective, Hop, Instruction, Payload, Program, RankProgram, Recv, Send, Wait
+from src.program import COMPUTE_STREAM, Collective, Hop, Instruction, Payload, Program, RankProgram, Recv, Send, Wait
 from src.strategies.builders.emit import TPConfig, backward_io, consumed, dp_grad_op, iteration_tail, produced, segment_pass
 from src.strategies.builders.layout import axis_group, pipeline_pairs, stage_group
 from src.strategies.builders.stages import (
@@ -73,6 +73,7 @@ class PipelineSettings:
     overlap_param_gather: bool = False  # the distributed optimizer's all-gather chained into the next forward (ParamGathers)
     grad_reduce_dtype: str | None = None  # the type DP reduces gradients in; None: Megatron-LM's (memory.reduce_bytes)
     grad_all_reduce: bool = False  # the whole gradient all-reduced under a sharded optimizer (emit.dp_grad_op)
+    p2p: str = "eager"  # how stages exchange payloads (P2P_EXCHANGES: eager sends, or DeepSpeed's engine's)
 
 
 @dataclass
@@ -93,6 +94,51 @@ class Stage:
 
     def instructions(self) -> list[Instruction]:
         return self.head + [i for op in self.ops for i in op.instructions] + self.tail
+
+
+# eager: a stage sends what a pass made as soon as the pass ends, on a stream of its own.
+# deepspeed: DeepSpeed's pipeline engine (TrainSchedule and p2p.py at v0.3.15): a pass's sends
+# are the next schedule step's, each a synchronous two-rank broadcast (rendezvous_exchange).
+P2P_EXCHANGES = ("eager", "deepspeed")
+
+
+def rendezvous_exchange(ops: list[StageOp], hops: set[str]) -> list[Instruction]:
+    """DeepSpeed's pipeline engine's order of a stage's sends (TrainSchedule.steps at
+    v0.3.15): a step opens with its exchanges, a forward step's RecvActivation then SendGrad
+    of the step before, a backward step's SendActivation of the step before then RecvGrad.
+    Every pass is one step and the steps alternate, so what a pass made is sent at the start
+    of the next op, but for a gradient whose next op is a forward: after that forward's
+    receives. Each send is p2p.send, a broadcast over the two stages' group with async_op
+    False: the compute stream waits until the receiver has posted its receive and the data
+    has landed (Send.rendezvous). Rewrites `ops` in place; returns the last op's sends, which
+    DeepSpeed sends in the step after it (before the iteration's end)."""
+    carried: list[Send] = []
+    for op in ops:
+        sends = [i for i in op.instructions if isinstance(i, Send) and i.route in hops]
+        body = [i for i in op.instructions if not (isinstance(i, Send) and i.route in hops)]
+        opened: list[Instruction] = list(carried)
+        if getattr(op.op, "kind", None) == "F" and carried and all(s.payload.grad for s in carried):
+            received = _leading_receives(body, hops)
+            body = body[:received] + opened + body[received:]
+        else:
+            body = opened + body
+        op.instructions = body
+        carried = [Send(s.route, s.payload, stream=COMPUTE_STREAM, rendezvous=True) for s in sends]
+    return list(carried)
+
+
+def _leading_receives(instructions: list[Instruction], hops: set[str]) -> int:
+    """How many of `instructions` are the receives that open a pass: its hop receives and
+    the TP all-gathers that rebuild what they carried (a scattered transfer)."""
+    n = 0
+    for instruction in instructions:
+        if isinstance(instruction, Recv) and instruction.route in hops:
+            n += 1
+        elif n and isinstance(instruction, Collective) and instruction.kind == "pp" and instruction.inputs:
+            n += 1
+        else:
+            break
+    return n
 
 
 class ParamGathers:
@@ -220,8 +266,9 @@ class PipelineEmitter:
                 assert other is not None, f"a {op.kind} op in stage {stage}'s order and no handler for it"
                 instructions = other(op)
             out.ops.append(StageOp(op, instructions))
+        last_sends = rendezvous_exchange(out.ops, set(self.hops)) if self.cfg.p2p == "deepspeed" else []
         own = self.segments_of(stage)
-        out.tail = iteration_tail(
+        out.tail = last_sends + iteration_tail(
             self.model,
             own,
             self.runs[stage].sharding,

@@ -10,6 +10,7 @@ from src.config import check_positive, options_from
 from src.errors import ConfigError
 from src.models.spec import ModelSpec
 from src.schedules.pipeline import SCHEDULES
+from src.strategies.builders.pipeline import P2P_EXCHANGES
 from src.strategies.builders.stages import main_unit
 
 CHOOSE_ON = ("mean", "data")
@@ -68,6 +69,10 @@ class MegatronOptions(MegatronChoices):
     # The type a second copy of the gradients accumulates in beside the kept ones (DeepSpeed's
     # BF16_Optimizer, which DeepSpeed-3D's bf16 runs set); None: none, as Megatron-LM.
     grad_accum_dtype: str | None = None
+    # How stages exchange payloads (builders.pipeline.P2P_EXCHANGES): eager sends on a stream of
+    # their own, or DeepSpeed's pipeline engine's synchronous ones in its step order, which
+    # DeepSpeed-3D sets.
+    p2p: str = "eager"
 
     def __post_init__(self) -> None:
         for key in ("tp", "pp", "dp", "vpp", "micro_batch_size"):
@@ -115,6 +120,13 @@ class MegatronOptions(MegatronChoices):
                 "strategy.grad_all_reduce=true reduces the whole gradient after the pipeline's flush (DeepSpeed's pipeline "
                 "engine); it does not overlap the backward or the next forward: set strategy.overlap_grad_reduce and "
                 "strategy.overlap_param_gather false"
+            )
+        if self.p2p not in P2P_EXCHANGES:
+            raise ConfigError(f"strategy.p2p={self.p2p!r}; choose one of {list(P2P_EXCHANGES)}")
+        if self.p2p == "deepspeed" and self.schedule != "1f1b":
+            raise ConfigError(
+                f"strategy.p2p=deepspeed exchanges in the order of DeepSpeed's TrainSchedule, a 1F1B without virtual "
+                f"stages: set strategy.schedule=1f1b (got {self.schedule})"
             )
         if self.choose_on not in CHOOSE_ON:
             raise ConfigError(f"strategy.choose_on={self.choose_on!r}; choose one of {list(CHOOSE_ON)}")

@@ -39,6 +39,7 @@ class MegatronSettings:
     grad_reduce_dtype: str | None = None  # data parallelism's gradient type; None: Megatron-LM's (memory.grad_bytes)
     grad_all_reduce: bool = False  # the whole gradient all-reduced under a sharded optimizer (DeepSpeed's pipeline engine)
     grad_accum_dtype: str | None = None  # a second copy of the gradients accumulated in this type (memory.kept_grad_bytes)
+    p2p: str = "eager"  # how stages exchange payloads (builders.pipeline.P2P_EXCHANGES)
 
 
 def pipeline_program(
@@ -66,6 +67,7 @@ def pipeline_program(
         overlap_param_gather=cfg.overlap_param_gather,
         grad_reduce_dtype=cfg.grad_reduce_dtype,
         grad_all_reduce=cfg.grad_all_reduce,
+        p2p=cfg.p2p,
     )
     emitter = PipelineEmitter(model, cluster, precision, program, mesh, virtual, settings)
     for stage in range(pp):

@@ -161,6 +161,7 @@ class MegatronSearch:
                 self.opts.grad_reduce_dtype,
                 self.opts.grad_all_reduce,
                 self.opts.grad_accum_dtype,
+                self.opts.p2p,
             )
             try:
                 candidate = self._check(shape, settings, step, tables)
