@@ -11,26 +11,11 @@ from src.program import COMPUTE_STREAM, Compute, Plan, Recv, Send
 from src.setup import plan_run, validate
 from src.sim.engine import simulate
 from tests.composing import composed
+from tests.strategies.node_gpt import node_gpt
 
 PP, MICROBATCHES = 4, 6
 # A GPT of 8 blocks on one 8-GPU node at TP 2, PP 4 (one replica), so a stage sends and receives both ways.
-BASE = [
-    "model=gpt",
-    "model.preset=null",
-    "model.layers=8",
-    "model.hidden=512",
-    "model.heads=8",
-    "model.vocab=1024",
-    "train.seq_len=128",
-    "cluster=dgx_a100",
-    "cluster.nodes=1",
-    f"train.global_batch={MICROBATCHES}",
-    "strategy.tp=2",
-    f"strategy.pp={PP}",
-    "strategy.micro_batch_size=1",
-    "strategy.recompute=none",
-    "logger=none",
-]
+BASE = node_gpt(8, MICROBATCHES) + ["strategy.tp=2", f"strategy.pp={PP}", "strategy.micro_batch_size=1", "strategy.recompute=none"]
 
 
 def train_schedule(stage: int, stages: int, microbatches: int) -> list[tuple[str, int]]:

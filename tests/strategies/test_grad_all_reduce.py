@@ -11,25 +11,15 @@ from src.errors import ConfigError
 from src.program import Collective, Plan
 from src.setup import plan_run, validate
 from tests.composing import composed
+from tests.strategies.node_gpt import node_gpt
 
 # A GPT of 4 blocks on one 8-GPU node, TP 2, PP 2, so two data-parallel replicas per stage.
-BASE = [
-    "model=gpt",
-    "model.preset=null",
-    "model.layers=4",
-    "model.hidden=512",
-    "model.heads=8",
-    "model.vocab=1024",
-    "train.seq_len=128",
-    "cluster=dgx_a100",
-    "cluster.nodes=1",
-    "train.global_batch=8",
+BASE = node_gpt(4, 8) + [
     "train.precision=bf16",
     "strategy.tp=2",
     "strategy.pp=2",
     "strategy.micro_batch_size=1",
     "strategy.recompute=none",
-    "logger=none",
 ]
 
 

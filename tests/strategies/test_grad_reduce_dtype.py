@@ -11,26 +11,12 @@ from src.errors import ConfigError
 from src.program import Collective, Plan
 from src.setup import plan_run, validate
 from tests.composing import composed
+from tests.strategies.node_gpt import node_gpt
 
 # A GPT of 2 blocks, hidden 512, on one 8-GPU node: every trained parameter's gradient is
 # reduced once a step (ZeRO 0-2) or once a micro-batch (ZeRO-3, one micro-batch here).
-BASE = [
-    "model=gpt",
-    "model.preset=null",
-    "model.layers=2",
-    "model.hidden=512",
-    "model.heads=8",
-    "model.vocab=1024",
-    "train.seq_len=128",
-    "cluster=dgx_a100",
-    "cluster.nodes=1",
-    "train.global_batch=8",
-    "train.precision=bf16",
-    "strategy=ddp",
-    "strategy.recompute=none",
-    "strategy.micro_batch_size=1",
-    "logger=none",
-]
+MODEL = node_gpt(2, 8) + ["train.precision=bf16"]
+BASE = MODEL + ["strategy=ddp", "strategy.recompute=none", "strategy.micro_batch_size=1"]
 
 
 def _plan(*extra: str) -> Plan:
@@ -63,9 +49,7 @@ def test_under_amp_the_fp32_weights_gradients_are_reduced_in_fp32() -> None:
 def test_megatron_keeps_reducing_bf16_models_gradients_in_fp32() -> None:
     """Megatron-LM forces fp32 gradient reduction for bf16 (src.costmodel.memory.grad_bytes):
     its units state no grad_reduce_dtype of their own."""
-    plan = plan_run(
-        validate(composed([*BASE[:-4], "strategy=megatron", "strategy.tp=1", "strategy.pp=1", "strategy.zero_stage=0", "logger=none"]))
-    )
+    plan = plan_run(validate(composed([*MODEL, "strategy=megatron", "strategy.tp=1", "strategy.pp=1", "strategy.zero_stage=0"])))
     assert plan.units[0].grad_reduce_dtype is None
     assert _reduced_bytes(plan) == pytest.approx(_reduced_bytes(_plan("strategy.zero_stage=0", "strategy.grad_reduce_dtype=fp32")))
 
@@ -76,7 +60,7 @@ def test_a_bad_type_is_refused_in_one_line() -> None:
     assert "\n" not in str(err.value)
 
 
-PIPELINE = [*BASE[:-4], "strategy.tp=1", "strategy.pp=2", "strategy.micro_batch_size=1", "strategy.recompute=none", "logger=none"]
+PIPELINE = [*MODEL, "strategy.tp=1", "strategy.pp=2", "strategy.micro_batch_size=1", "strategy.recompute=none"]
 
 
 def test_deepspeed3d_reduces_in_deepspeeds_16_bit_type_where_megatron_lm_forces_fp32() -> None:
