@@ -7,7 +7,8 @@ What separates it from today's Megatron-LM baseline is what that codebase runs:
 - DeepSpeed's pipeline engine's 1F1B schedule (TrainSchedule; no interleaving), its exchanges
   in the schedule's step order, a pass's sends opening the next step, each p2p.send a
   broadcast over the two stages' group with async_op False, which the sender's stream waits
-  on until the receiver has posted its receive (p2p: deepspeed; at v0.3.15);
+  on until the receiver has posted its receive (p2p: deepspeed; at v0.3.15 and v0.6.5: 0.9.0
+  swapped each step's two exchanges);
 - the optimizer as its entry point configures it (examples/ds_pretrain_gpt2_pipe.sh with
   examples/ds_config.json, no zero_optimization section: ZeRO stage 0, the whole optimizer
   on every replica), except that a bf16 model's BF16_Optimizer shards the fp32 master weights

@@ -97,8 +97,8 @@ class Stage:
 
 
 # eager: a stage sends what a pass made as soon as the pass ends, on a stream of its own.
-# deepspeed: DeepSpeed's pipeline engine (TrainSchedule and p2p.py at v0.3.15): a pass's sends
-# are the next schedule step's, each a synchronous two-rank broadcast (rendezvous_exchange).
+# deepspeed: DeepSpeed's pipeline engine (TrainSchedule and p2p.py at v0.3.15, the same at v0.6.5):
+# a pass's sends are the next schedule step's, each a synchronous send (rendezvous_exchange).
 P2P_EXCHANGES = ("eager", "deepspeed")
 
 
@@ -109,9 +109,12 @@ def rendezvous_exchange(ops: list[StageOp], hops: set[str]) -> list[Instruction]
     Every pass is one step and the steps alternate, so what a pass made is sent at the start
     of the next op, but for a gradient whose next op is a forward: after that forward's
     receives. Each send is p2p.send, a broadcast over the two stages' group with async_op
-    False: the compute stream waits until the receiver has posted its receive and the data
-    has landed (Send.rendezvous). Rewrites `ops` in place; returns the last op's sends, which
-    DeepSpeed sends in the step after it (before the iteration's end)."""
+    False (v0.6.5: dist.send where torch has it): the compute stream waits until the receiver
+    has posted its receive and the data has landed (Send.rendezvous). DeepSpeed 0.9.0 (PR #2862)
+    swapped each step's two exchanges; the releases DeepSpeed-3D models (0.3.15 for fp16, the
+    first with bf16 pipelines, 0.6.x, for bf16) exchange as here. Rewrites `ops` in place;
+    returns the last op's sends, which DeepSpeed sends in the step after it (before the
+    iteration's end)."""
     carried: list[Send] = []
     for op in ops:
         sends = [i for i in op.instructions if isinstance(i, Send) and i.route in hops]
