@@ -422,6 +422,32 @@ def test_a_rendezvous_send_to_a_receiver_already_waiting_goes_at_once():
     assert_breakdown(timeline_of(timeline, "right"), iteration, compute=T_F1, comm_pp=d, bubble_imbalance=T_F1)
 
 
+def test_a_rendezvous_send_to_a_posted_irecv_goes_at_once():
+    """An asynchronous receive posted before a long pass lets the send land under it."""
+    d = p2p_s(4e6, INTRA_BW, INTRA_LAT)
+    left = [Send("m", msg("m"), stream="compute", rendezvous=True), Compute(F1)]
+    right = [recv("m", blocking=False, handle="h"), Compute(F1), Wait("h")]
+    program = two_ranks(left, right)
+    program.add_route(Hop("m", "pp", (0,), (1,), 4e6))
+    timeline = run(program)
+    assert timeline.iteration_time == pytest.approx(T_F1 + d, rel=REL)
+    assert_breakdown(timeline_of(timeline, "left"), T_F1 + d, compute=T_F1, comm_pp=d)
+    assert_breakdown(timeline_of(timeline, "right"), T_F1 + d, compute=T_F1, idle=d)
+
+
+def test_two_rendezvous_sends_facing_each_other_deadlock():
+    """Each side sends before it receives and waits for the other to post: DeepSpeed's step
+    order exists to avoid this."""
+    program = two_ranks(
+        [Send("a", msg("a"), stream="compute", rendezvous=True), recv("b")],
+        [Send("b", msg("b"), stream="compute", rendezvous=True), recv("a")],
+    )
+    program.add_route(Hop("a", "pp", (0,), (1,), 4e6))
+    program.add_route(Hop("b", "pp", (1,), (0,), 4e6))
+    with pytest.raises(SimulationError, match="deadlock: 2 rank classes cannot proceed"):
+        run(program)
+
+
 def test_a_rendezvous_send_needs_a_hop():
     program = two_ranks([send("m", stream="compute", rendezvous=True)], [recv("m")], messages=(("m", 0, 1),))
     with pytest.raises(SimulationError, match="rendezvous send needs a Hop route"):

@@ -90,6 +90,7 @@ def test_megatron_sends_as_each_pass_ends_unless_told_deepspeeds_order() -> None
     "extra, message",
     [
         (["strategy.p2p=nccl"], r"strategy.p2p='nccl'; choose one of \['eager', 'deepspeed'\]"),
+        (["strategy.p2p=deepspeed"], r"set strategy.schedule=1f1b \(got null, which leaves it to the search\)"),
         (
             ["strategy.p2p=deepspeed", "strategy.schedule=interleaved", "strategy.vpp=2"],
             r"strategy.p2p=deepspeed exchanges in the order of DeepSpeed's TrainSchedule, a 1F1B without virtual stages: "

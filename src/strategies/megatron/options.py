@@ -126,7 +126,7 @@ class MegatronOptions(MegatronChoices):
         if self.p2p == "deepspeed" and self.schedule != "1f1b":
             raise ConfigError(
                 f"strategy.p2p=deepspeed exchanges in the order of DeepSpeed's TrainSchedule, a 1F1B without virtual "
-                f"stages: set strategy.schedule=1f1b (got {self.schedule})"
+                f"stages: set strategy.schedule=1f1b (got {self.schedule or 'null, which leaves it to the search'})"
             )
         if self.choose_on not in CHOOSE_ON:
             raise ConfigError(f"strategy.choose_on={self.choose_on!r}; choose one of {list(CHOOSE_ON)}")
