@@ -18,10 +18,13 @@ A figure's keys preset, series, field, kind and miss are its headlines' defaults
 `miss` is one explanation or a list of them, tried in order: {cause, evidence} and, for
 `unstated`, the sensitivity sweeps (`sensitivity: [ids]`) over which the row is judged, for
 `simulator`, the measurements where the simulator errs the same way (`measured: {name: {file,
-row: {key: value}}}`). An `unstated` explanation explains a miss only when the paper's value is
-within what its declared range gives; one with `when: above` (or `below`) only where ours misses
-above (below) the paper's value, the side its measurement errs to; otherwise the next
-explanation does, else none.
+row: {key: value}}}`) and what in them says so (`errs: [[a, b], ...]`, each a field of a
+measurement, `measured.NAME:field`, or a number, and a below b: `[measured.small:error_pct, 0]`,
+the simulator faster than measured). An `unstated` explanation explains a miss only when the
+paper's value is within what its declared range gives; one with `when: above` (or `below`) only
+where ours misses above (below) the paper's value, the side its measurement errs to; a
+`simulator` one only where its measurements do err so (a re-measured file may not); otherwise
+the next explanation does, else none.
 
 An evidence text states no number of its own: every number comes from a placeholder, filled
 when the scorecard is written and checked to resolve when the catalogue loads:
@@ -131,6 +134,7 @@ class Explanation:
     sensitivity: tuple[str, ...] = ()  # unstated: the sensitivity sweeps' ids
     measured: dict[str, Measurement] = field(default_factory=dict)  # simulator: name -> measurement
     when: str = ""  # "above" / "below": it explains a headline only where ours misses on that side of the paper's value
+    errs: tuple[tuple[str | float, str | float], ...] = ()  # simulator: (a, b) pairs its measurements show a < b for
 
 
 @dataclass(frozen=True)
@@ -400,7 +404,7 @@ def _explanation(raw: Any, spec: SweepSpec, group: str, context: _Context, where
     if (
         not isinstance(raw, dict)
         or not {"cause", "evidence"} <= set(raw)
-        or set(raw) - {"cause", "evidence", "sensitivity", "measured", "when"}
+        or set(raw) - {"cause", "evidence", "sensitivity", "measured", "when", "errs"}
     ):
         raise ConfigError(f"{where}: a miss is {{cause, evidence}} (with sensitivity or measured), is {raw!r}")
     cause = raw["cause"]
@@ -423,9 +427,39 @@ def _explanation(raw: Any, spec: SweepSpec, group: str, context: _Context, where
     when = str(raw.get("when", ""))
     if when not in ("", "above", "below") or (when and not headline):
         raise ConfigError(f"{where}: when is 'above' or 'below' (a headline's side of the paper's value), is {when!r}")
+    errs = _errs(raw.get("errs"), measured, context, where)
+    if (cause == "simulator") != bool(errs):
+        raise ConfigError(f"{where}: a simulator cause says what in its measurements errs its way (errs), and only it does")
     evidence = " ".join(str(raw["evidence"]).split())
     _check_evidence(evidence, spec, group, measured, context, where, headline)
-    return Explanation(cause, evidence, sensitivity, measured, when)
+    return Explanation(cause, evidence, sensitivity, measured, when, errs)
+
+
+MEASURED_TERM = re.compile(r"measured\.(\w+):(\S+)")
+
+
+def _errs(raw: Any, measured: dict[str, Measurement], context: _Context, where: str) -> tuple[tuple[str | float, str | float], ...]:
+    """The (a, b) pairs of a simulator cause's `errs`, each term a measurement's field (which
+    must resolve) or a number."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or not all(isinstance(pair, list) and len(pair) == 2 for pair in raw):
+        raise ConfigError(f"{where}: errs is a list of [a, b] pairs (a below b), is {raw!r}")
+    out: list[tuple[str | float, str | float]] = []
+    for pair in raw:
+        terms: list[str | float] = []
+        for term in pair:
+            if isinstance(term, (int, float)) and not isinstance(term, bool):
+                terms.append(float(term))
+                continue
+            match = MEASURED_TERM.fullmatch(str(term))
+            if match is None or match.group(1) not in measured:
+                raise ConfigError(f"{where}: an errs term is a number or measured.NAME:field of {sorted(measured)}, is {term!r}")
+            measurement = measured[match.group(1)]
+            measured_value(measurement, match.group(2), context.measurement_file(measurement.file, where), where)
+            terms.append(str(term))
+        out.append((terms[0], terms[1]))
+    return tuple(out)
 
 
 def _check_evidence(

@@ -239,6 +239,30 @@ def _fill(
     return ROW_PLACEHOLDER.sub(lambda m: row.get(m.group(1), "–"), text)
 
 
+def _errs_otherwise(explanation: Explanation, catalogue: Catalogue) -> str:
+    """'' where a simulator cause's measurements err as it says (each pair of `errs` a below
+    b); else the first that does not, for the row's evidence."""
+    for pair in explanation.errs:
+        values = [_term(term, explanation, catalogue) for term in pair]
+        if not values[0][1] < values[1][1]:
+            (a, va), (b, vb) = values
+            below = b if isinstance(pair[1], float) else f"{b}, {_number(vb)}"
+            return f"the {explanation.cause} cause's measurement does not err its way: {a} is {_number(va)}, not below {below}"
+    return ""
+
+
+def _term(term: str | float, explanation: Explanation, catalogue: Catalogue) -> tuple[str, float]:
+    """(what it is, its value) of an `errs` term: a number, or a field of a measurement (named
+    by its file's row)."""
+    if isinstance(term, float):
+        return _number(term), term
+    name, field_name = term.removeprefix("measured.").split(":", 1)
+    measurement = explanation.measured[name]
+    value = float(measured_value(measurement, field_name, catalogue.measurements[measurement.file], catalogue.paper))
+    where = measurement.at or ", ".join(f"{v}" for v in measurement.row.values())
+    return f"{field_name} of {Path(measurement.file).name} ({where})", value
+
+
 def _swept(sensitivity: Sensitivity, row_id: str, locus: Locus, extreme: str, figures: Figures) -> Swept:
     """The row's quantity at each value of the range, at each of its figure groups (the
     largest or smallest of them for an extreme)."""
@@ -297,6 +321,10 @@ def score_headline(headline: Headline, figures: Figures, catalogue: Catalogue) -
     for explanation in headline.miss:
         if explanation.when and explanation.when != side:
             parts.append(f"ours misses {side} the paper's value, where the {explanation.cause} cause's measurement does not err")
+            continue
+        otherwise = _errs_otherwise(explanation, catalogue)
+        if otherwise:
+            parts.append(otherwise)
             continue
         evidence = _fill(explanation.evidence, explanation, fill_group, locus.preset, figures, catalogue, row)
         if explanation.cause != "unstated":
@@ -388,6 +416,10 @@ def score_claim(claim: Claim, figures: Figures, catalogue: Catalogue) -> ScoredC
     if holds:
         parts.append("holds at the least of the timed runs, not over their spread: the order turns with this machine's load")
     for explanation in claim.miss:
+        otherwise = _errs_otherwise(explanation, catalogue)
+        if otherwise:
+            parts.append(otherwise)
+            continue
         evidence = _fill(explanation.evidence, explanation, group, claim.preset, figures, catalogue, {})
         if explanation.cause != "unstated":
             return ScoredClaim(claim, False, MISSES, f"{explanation.cause}: {'; '.join([*parts, evidence])}")

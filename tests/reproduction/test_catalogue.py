@@ -186,13 +186,33 @@ def test_a_row_that_does_not_resolve_is_one_line_naming_it(tmp_path: Path, chang
     ],
 )
 def test_a_simulator_cause_names_a_measurement_that_resolves(tmp_path: Path, measured: dict, evidence: str, message: str) -> None:
-    row = {**ROW, "miss": {"cause": "simulator", "measured": measured, "evidence": evidence}}
+    errs = [[f"measured.{next(iter(measured))}:error_pct", 0]]
+    row = {**ROW, "miss": {"cause": "simulator", "measured": measured, "errs": errs, "evidence": evidence}}
     if not message:
         (headline,) = load(catalogue(tmp_path, row)).headlines
         assert headline.miss[0].measured["held"].row == {"id": "run-1"}
         return
     with pytest.raises(ConfigError, match=re.escape(message)):
         load(catalogue(tmp_path, row))
+
+
+HELD = {"held": {"file": "heldout.json", "row": {"id": "run-1"}}}
+
+
+@pytest.mark.parametrize(
+    ("cause", "errs", "message"),
+    [
+        ("simulator", None, "a simulator cause says what in its measurements errs its way (errs)"),
+        ("implementation", [["measured.held:error_pct", 0]], "and only it does"),
+        ("simulator", [["measured.held:error_pct"]], "errs is a list of [a, b] pairs"),
+        ("simulator", [["measured.other:error_pct", 0]], "an errs term is a number or measured.NAME:field"),
+        ("simulator", [["measured.held:mape_pct", 0]], "has no field 'mape_pct'"),
+    ],
+)
+def test_a_simulator_cause_says_how_its_measurement_errs(tmp_path: Path, cause: str, errs: list | None, message: str) -> None:
+    miss = {"cause": cause, "measured": HELD, "evidence": "ours"} | ({"errs": errs} if errs is not None else {})
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load(catalogue(tmp_path, {**ROW, "miss": miss}))
 
 
 def test_a_sensitivity_matches_each_value_of_its_range_to_a_group(tmp_path: Path) -> None:

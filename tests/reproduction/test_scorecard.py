@@ -89,6 +89,7 @@ CATALOGUE = {
                         "cause": "simulator",
                         "when": "below",  # the measurement's simulator errs low
                         "measured": {"held": {"file": "heldout.json", "row": {"id": "run-1"}}},
+                        "errs": [["measured.held:error_pct", 0]],
                         "evidence": "ours {new:mfu%} at {ours}; the simulator is {measured.held:error_pct} % off a published run",
                     },
                 },
@@ -104,6 +105,7 @@ CATALOGUE = {
                         "cause": "simulator",
                         "when": "below",
                         "measured": {"held": {"file": "heldout.json", "row": {"id": "run-1"}}},
+                        "errs": [["measured.held:error_pct", 0]],
                         "evidence": "the simulator is {measured.held:error_pct} % off a published run",
                     },
                 },
@@ -232,6 +234,21 @@ def test_a_paper_cause_states_the_paper_s_values_the_preset_holds(tmp_path: Path
     monkeypatch.setattr(module, "CATALOGUE", catalogue)
     bare = next(r for r in scored(tmp_path).headlines if r.headline.id == "bare")
     assert bare.cause == "paper" and bare.evidence == "Table 1's 42.0 % and 0.42 against §1's 1.25–1.45; ours 45.0 %"
+
+
+def test_a_simulator_cause_whose_measurement_errs_the_other_way_explains_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Measured again, the published run priced slower than it ran: the cause's own test fails
+    and the row reads not explained, saying which measurement."""
+    import sys
+
+    monkeypatch.setattr(sys.modules[__name__], "HELDOUT", {"rows": [{"id": "run-1", "error_pct": 3.5}]})
+    rows = {r.headline.id: r for r in scored(tmp_path).headlines}
+    assert rows["mfu"].status == MISSES and rows["mfu"].cause == NOT_EXPLAINED
+    assert rows["mfu"].evidence == (
+        "the simulator cause's measurement does not err its way: error_pct of heldout.json (run-1) is 3.5, not below 0"
+    )
 
 
 def test_a_row_is_not_judged_over_a_range_whose_sweep_has_not_run(tmp_path: Path) -> None:
