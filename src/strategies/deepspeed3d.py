@@ -77,7 +77,10 @@ class DeepSpeed3DOptions:
     # on every replica), but a bf16 model's BF16_Optimizer shards its fp32 states (stage 1).
     zero_stage: int | None = None
     # DeepSpeed's pipeline engine partitions activations across the TP ranks it sends them
-    # from (is_pipe_partitioned) and gathers them on arrival, as Megatron's scatter/gather.
+    # from (is_pipe_partitioned) and gathers them on arrival, as Megatron's scatter/gather; its
+    # gradients too from 0.5.8 (is_grad_partitioned, PR #1407), as the pipeline here prices both.
+    # Not priced: 0.3.15 (an fp16 run's release) sends each gradient whole, TP times the bytes,
+    # its receiver all-gathering its own saved output instead.
     scatter_gather: bool = True
     # The codebase's attention kernel (eager: its scores in memory), its parameter
     # gradients' reductions (separate: Megatron-LM v1.1.5's own layers and apex's LayerNorm)
