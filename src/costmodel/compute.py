@@ -165,8 +165,9 @@ class ComputeModel:
         # A micro-batch's weight gradient added into the accumulated one in a pass of its own
         # (hook): the fresh gradient read, the buffer's element read and written; or cast to
         # fp32 first (cast): read, written as fp32, then added into an fp32 buffer.
+        fp32 = element_bytes("fp32")
         hook = self.bytes_per_elem + 2.0 * grad_bytes(precision)
-        self.accumulation_bytes = {"hook": hook, "cast": self.bytes_per_elem + 4.0 + 3 * 4.0}
+        self.accumulation_bytes = {"hook": hook, "cast": self.bytes_per_elem + fp32 + 3.0 * fp32}
         self._layer_cache: dict[tuple, LayerTimes] = {}
         self._work_cache: dict[tuple[int, Work], float] = {}
         self._models: dict[int, ModelSpec] = {}

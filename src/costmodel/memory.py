@@ -60,10 +60,11 @@ def states_precision(precision: str, amp: bool) -> str:
     return "fp32" if amp else precision
 
 
-def check_reduce_dtype(grad_reduce_dtype: str | None) -> None:
-    """A strategy's `grad_reduce_dtype` option: one of REDUCE_DTYPES or null."""
-    if grad_reduce_dtype is not None and grad_reduce_dtype not in REDUCE_DTYPES:
-        raise ConfigError(f"strategy.grad_reduce_dtype={grad_reduce_dtype!r}; choose one of {list(REDUCE_DTYPES)} or null")
+def check_grad_dtype(option: str, dtype: str | None) -> None:
+    """A strategy's gradient-type option (grad_reduce_dtype, grad_accum_dtype): one of
+    REDUCE_DTYPES or null."""
+    if dtype is not None and dtype not in REDUCE_DTYPES:
+        raise ConfigError(f"strategy.{option}={dtype!r}; choose one of {list(REDUCE_DTYPES)} or null")
 
 
 def deepspeed_reduce_dtype(grad_reduce_dtype: str | None, precision: str, amp: bool) -> str:
@@ -79,12 +80,6 @@ def reduce_bytes(precision: str, grad_reduce_dtype: str | None) -> int:
     """A gradient element's bytes as data parallelism reduces it: the type a strategy sets,
     else as Megatron-LM keeps and reduces them (grad_bytes)."""
     return grad_bytes(precision) if grad_reduce_dtype is None else element_bytes(grad_reduce_dtype)
-
-
-def check_accum_dtype(grad_accum_dtype: str | None) -> None:
-    """A strategy's `grad_accum_dtype` option: one of REDUCE_DTYPES or null."""
-    if grad_accum_dtype is not None and grad_accum_dtype not in REDUCE_DTYPES:
-        raise ConfigError(f"strategy.grad_accum_dtype={grad_accum_dtype!r}; choose one of {list(REDUCE_DTYPES)} or null")
 
 
 def deepspeed_bf16_optimizer(precision: str, amp: bool) -> bool:

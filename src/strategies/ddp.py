@@ -45,7 +45,7 @@ from typing import Sequence
 from src.batch_layout import BatchLayout
 from src.cluster import GIB, gib
 from src.config import check_positive, options_from
-from src.costmodel.memory import check_reduce_dtype, deepspeed_reduce_dtype, rank_memory
+from src.costmodel.memory import check_grad_dtype, deepspeed_reduce_dtype, rank_memory
 from src.errors import ConfigError, PlanError
 from src.mesh import Mesh
 from src.program import DEEPSPEED_PERSISTENCE_THRESHOLD, RECOMPUTE_MODES, Instruction, Plan, Program, UnitPlan
@@ -93,7 +93,7 @@ class DDPOptions:
             raise ConfigError(f"strategy.deepspeed_version is a DeepSpeed release like 0.3.15, got {self.deepspeed_version!r}")
         if self.zero3_fetch is not None and self.zero3_fetch not in ZERO3_FETCHES:
             raise ConfigError(f"strategy.zero3_fetch={self.zero3_fetch!r}; choose one of {list(ZERO3_FETCHES)} or null")
-        check_reduce_dtype(self.grad_reduce_dtype)
+        check_grad_dtype("grad_reduce_dtype", self.grad_reduce_dtype)
 
     @property
     def fetch(self) -> str:

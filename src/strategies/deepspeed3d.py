@@ -51,8 +51,7 @@ from dataclasses import dataclass, replace
 from src.cluster import ATTENTION_MODES, CROSS_ENTROPY_MODES, GRAD_ACCUMULATIONS, PARAM_GRAD_KERNELS
 from src.config import options_from
 from src.costmodel.memory import (
-    check_accum_dtype,
-    check_reduce_dtype,
+    check_grad_dtype,
     deepspeed_accum_dtype,
     deepspeed_bf16_optimizer,
     deepspeed_reduce_dtype,
@@ -110,8 +109,8 @@ class DeepSpeed3DOptions:
             value = getattr(self, key)
             if value is not None and value not in modes:
                 raise ConfigError(f"strategy.{key}={value!r}; choose one of {list(modes)} or null")
-        check_reduce_dtype(self.grad_reduce_dtype)
-        check_accum_dtype(self.grad_accum_dtype)
+        check_grad_dtype("grad_reduce_dtype", self.grad_reduce_dtype)
+        check_grad_dtype("grad_accum_dtype", self.grad_accum_dtype)
         if self.zero_stage not in (None, 0, 1):
             raise ConfigError(
                 f"strategy.zero_stage={self.zero_stage!r}: DeepSpeed's pipeline engine runs ZeRO stage 0 or 1 "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from src.costmodel.memory import check_accum_dtype, check_memory_options, check_reduce_dtype
+from src.costmodel.memory import check_grad_dtype, check_memory_options
 from src.config import check_positive, options_from
 from src.errors import ConfigError
 from src.models.spec import ModelSpec
@@ -113,8 +113,8 @@ class MegatronOptions(MegatronChoices):
                 f"(Megatron-LM requires --use-distributed-optimizer with it): it needs strategy.zero_stage=1, "
                 f"got {self.zero_stage}"
             )
-        check_reduce_dtype(self.grad_reduce_dtype)
-        check_accum_dtype(self.grad_accum_dtype)
+        check_grad_dtype("grad_reduce_dtype", self.grad_reduce_dtype)
+        check_grad_dtype("grad_accum_dtype", self.grad_accum_dtype)
         if self.grad_all_reduce and (self.overlap_grad_reduce or self.overlap_param_gather):
             raise ConfigError(
                 "strategy.grad_all_reduce=true reduces the whole gradient after the pipeline's flush (DeepSpeed's pipeline "
