@@ -82,7 +82,8 @@ class CollectiveRun:
 @dataclass(frozen=True)
 class GemmRun:
     """A GEMM a source timed on one device of `cluster`: C[m, n] = A[m, k] @ B[k, n] at
-    `precision`, `published_tflops` TFLOP/s (2mnk over the time)."""
+    `precision`, `published_tflops` TFLOP/s (2bmnk over the time); `b` > 1: that many GEMMs of
+    the shape in one batched kernel."""
 
     id: str
     source: str
@@ -94,6 +95,7 @@ class GemmRun:
     k: int
     published_tflops: float
     assumed: str = ""
+    b: int = 1
 
 
 # A source's model settings (its `common.model`): the software's, each stated, then the
@@ -346,15 +348,15 @@ def check_gemms(runs: list[GemmRun], kernel_timed: frozenset[str] = frozenset())
 
     rows = []
     for run in runs:
-        published = 2.0 * run.m * run.n * run.k / (run.published_tflops * 1e12)
+        published = 2.0 * run.b * run.m * run.n * run.k / (run.published_tflops * 1e12)
         model = ComputeModel(preset_cluster(run.cluster), run.precision)
-        simulated = (model.gemm_duration if run.source in kernel_timed else model.gemm_time)(run.m, run.n, run.k)
+        simulated = (model.gemm_duration if run.source in kernel_timed else model.gemm_time)(run.m, run.n, run.k, run.b)
         rows.append(
             {
                 "id": run.id,
                 "source": run.source,
                 "where": run.where,
-                "series": f"{run.source}, {run.cluster} GEMM",
+                "series": f"{run.source}, {run.cluster} {'batched GEMMs' if run.b > 1 else 'GEMM'}",
                 "preset": run.cluster,
                 "gpus": 1,
                 "gemm": True,

@@ -8,6 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import yaml
 
 from src import heldout
 from src.setup import preset_cluster
@@ -15,6 +16,7 @@ from src.errors import ConfigError
 
 DATA, RUNS = heldout.load(heldout.RUNS)
 BY_ID = {r.id: r for r in RUNS}
+FITTED = heldout.REPO / "conf" / "cluster" / "measured" / "gemm_fixed" / "hopper_xla_batched.yaml"
 
 
 def test_every_run_cites_a_source_and_a_published_number() -> None:
@@ -224,6 +226,27 @@ def test_a_gemm_timed_as_a_kernel_s_duration_is_compared_without_the_gap_between
     (stream,) = heldout.check_gemms([run])
     (kernel,) = heldout.check_gemms([run], kernel_timed)
     assert stream["simulated_s"] - kernel["simulated_s"] == pytest.approx(preset_cluster("hopper").kernel_overhead_s, rel=1e-9)
+
+
+def test_a_batched_gemm_is_priced_as_its_gemms_in_one_kernel_and_summed_apart() -> None:
+    from src.costmodel.compute import ComputeModel
+
+    run = next(g for g in heldout.gemm_runs(DATA) if g.id == "xla-sm90-b4-512x256x2048")
+    assert run.b == 4
+    (row,) = heldout.check_gemms([run])
+    # Four 512 x 256 x 2048 GEMMs at 210.37 TFLOP/s together: 10.21 us, not a quarter of it.
+    assert row["published_s"] == pytest.approx(4 * 2 * 512 * 256 * 2048 / 210.37261442e12)
+    model = ComputeModel(preset_cluster("hopper"), "bf16")
+    assert row["simulated_s"] == model.gemm_time(512, 256, 2048, 4) != model.gemm_time(512, 256, 2048)
+    assert row["series"] == "xla_matmul_table, hopper batched GEMMs"
+
+
+def test_the_xla_table_is_held_out_whole_but_the_cubes_the_fixed_time_was_fitted_to() -> None:
+    table = {(g.b, g.m, g.n, g.k) for g in heldout.gemm_runs(DATA) if g.source == "xla_matmul_table"}
+    fitted = {tuple(entry[:4]) for entry in yaml.safe_load(FITTED.read_text())["gemms"]}
+    sides = (256, 512, 1024, 2048, 4096)
+    every = {(b, m, n, k) for b in (1, 2, 4) for m in sides for n in sides for k in sides}
+    assert fitted < every and table == every - fitted and len(table) == 365
 
 
 def test_a_preset_s_summary_counts_whole_systems_not_its_gemms() -> None:
