@@ -48,7 +48,7 @@ from src.config import check_positive, options_from
 from src.costmodel.memory import check_grad_dtype, deepspeed_reduce_dtype, rank_memory
 from src.errors import ConfigError, PlanError
 from src.mesh import Mesh
-from src.program import DEEPSPEED_PERSISTENCE_THRESHOLD, RECOMPUTE_MODES, Instruction, Plan, Program, UnitPlan
+from src.program import DEEPSPEED_PERSISTENCE_THRESHOLD, RECOMPUTE_MODES, Plan, Program, UnitPlan
 from src.strategies.builders.replicas import on_batches, on_the_data
 from src.strategies.base import PlanRequest, check_microbatch_count, microbatch_sizes
 from src.strategies.builders.colocated import ColocatedEmitter, ColocatedUnit
@@ -174,16 +174,7 @@ def _build(
         ],
         grad_reduce_dtype=reduce_dtype,
     )
-    towers = emitter.towers()
-    contrastive = model.interaction is not None
-    if contrastive:
-        emitter.query_routes(microbatches, {t: mb for t in towers}, {t: mb for t in towers}, with_keys=dp == 1)
-    instructions: list[Instruction] = []
-    for j in range(microbatches):
-        interaction = emitter.contrastive(j, emitter.dp_group[towers[0]], mb * dp, len(towers) * mb, mb * dp) if contrastive else []
-        instructions += emitter.microbatch(j, {t: mb for t in towers}, interaction, final=j == microbatches - 1)
-    instructions += emitter.tail()
-    program.classes.append(emitter.rank_program(instructions))
+    emitter.replicated_step(microbatches, mb, dp)
     unit_plans = [
         UnitPlan(
             unit=name,

@@ -274,6 +274,25 @@ class ColocatedEmitter:
                 out += self._pass(unit, "bwd", samples[unit], microbatch, final)
         return out
 
+    def replicated_step(self, microbatches: int, micro_batch: int, dp: int) -> None:
+        """One step of every tower replicated alike over `dp` replicas (`micro_batch` samples
+        of each a micro-batch): its micro-batches, each scoring the gathered contrastive batch
+        of its replicas where the model has a contrastive loss, then the tail; the program's
+        one rank class. Each device scores its local samples of every modality against the
+        gathered other: one similarity product per tower, hence towers x micro_batch rows."""
+        towers = self.towers()
+        share = {t: micro_batch for t in towers}
+        contrastive = self.model.interaction is not None
+        if contrastive:
+            self.query_routes(microbatches, share, share, with_keys=dp == 1)
+        instructions: list[Instruction] = []
+        for j in range(microbatches):
+            rows = micro_batch * dp
+            interaction = self.contrastive(j, self.dp_group[towers[0]], rows, len(towers) * micro_batch, rows) if contrastive else []
+            instructions += self.microbatch(j, share, interaction, final=j == microbatches - 1)
+        instructions += self.tail()
+        self.program.classes.append(self.rank_program(instructions))
+
     def contrastive(
         self, microbatch: int, group: str | None, rows: int, rows_scored: int, contrastive_batch: int
     ) -> list[Instruction]:

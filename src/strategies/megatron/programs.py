@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from src.cluster import ClusterSpec
 from src.mesh import Mesh
 from src.models.spec import ModelSpec
-from src.program import Instruction, Program, UnitPlan
+from src.program import Program, UnitPlan
 from src.schedules.pipeline import build_schedule
 from src.strategies.base import Degrees
 from src.strategies.builders.colocated import ColocatedEmitter, ColocatedUnit
@@ -158,16 +158,7 @@ def colocated_program(
         ],
         grad_reduce_dtype=cfg.grad_reduce_dtype,
     )
-    towers = emitter.towers()
-    emitter.query_routes(microbatches, {t: mb for t in towers}, {t: mb for t in towers}, with_keys=deg.dp == 1)
-    instructions: list[Instruction] = []
-    for j in range(microbatches):
-        # Each device scores its local samples of BOTH modalities against the gathered
-        # other modality: two similarity products, hence 2·mb rows.
-        interaction = emitter.contrastive(j, emitter.dp_group[towers[0]], mb * deg.dp, len(towers) * mb, mb * deg.dp)
-        instructions += emitter.microbatch(j, {t: mb for t in towers}, interaction, final=j == microbatches - 1)
-    instructions += emitter.tail()
-    program.classes.append(emitter.rank_program(instructions))
+    emitter.replicated_step(microbatches, mb, deg.dp)
     unit_plans = [
         UnitPlan(
             unit=name,
