@@ -98,6 +98,27 @@ class GemmRun:
     b: int = 1
 
 
+@dataclass(frozen=True)
+class KernelRun:
+    """A normalisation's pass a source timed alone on one device of `cluster` (with its
+    source's `cluster_settings`): `op` "layernorm" (PyTorch's LayerNorm, one kernel each way)
+    or "rmsnorm" (Transformers' LlamaRMSNorm, step by step as src/models/elementwise.py prices
+    it) over `rows` x `width` values of `dtype_bytes` bytes; `phase` "fwd", or "bwd" (the
+    input's gradient and the scale's); `published_ms` its time."""
+
+    id: str
+    source: str
+    where: str
+    cluster: str
+    op: str
+    phase: str
+    rows: int
+    width: int
+    dtype_bytes: int
+    published_ms: float
+    assumed: str = ""
+
+
 # A source's model settings (its `common.model`): the software's, each stated, then the
 # architecture where its models are not GPT-3's (passed on only where stated), for a
 # Llama's blocks which of their operations the software runs unfused (stated: it moves a
@@ -108,16 +129,20 @@ ARCHITECTURE = ("style", "ffn", "kv_heads")
 LLAMA_SOFTWARE = ("unfused",)
 READ_WHERE_STATED = ("attention_copies",)
 MODEL_SETTINGS = frozenset(SOFTWARE + ARCHITECTURE + LLAMA_SOFTWARE + READ_WHERE_STATED)
+# A held-out normalisation's kernel: the Llama operation its software may run unfused ("":
+# none, PyTorch's LayerNorm being one kernel each way).
+NORM_OPS = {"layernorm": "", "rmsnorm": "rmsnorm"}
 
 
 def load(path: Path) -> tuple[dict[str, Any], list[Run]]:
     """The data file's sources and common settings, and its training runs."""
     data = yaml.safe_load(path.read_text())
     runs = [Run(**row) for row in data["runs"]]
-    cited = {r.source for r in runs} | {c["source"] for key in ("collectives", "gemms") for c in data.get(key) or []}
+    cited = {r.source for r in runs} | {c["source"] for key in ("collectives", "gemms", "kernels") for c in data.get(key) or []}
     unknown = sorted(cited - set(data["sources"]))
     if unknown:
         raise ConfigError(f"{path}: runs cite sources {unknown} that `sources` does not list")
+    kernel_runs(data)  # each op and phase one the model prices
     stated = {"the file": data["common"]} | {name: source.get("common") or {} for name, source in data["sources"].items()}
     for name, common in stated.items():
         if "model" not in common:
@@ -140,6 +165,14 @@ def collective_runs(data: dict[str, Any]) -> list[CollectiveRun]:
 
 def gemm_runs(data: dict[str, Any]) -> list[GemmRun]:
     return [GemmRun(**row) for row in data.get("gemms") or []]
+
+
+def kernel_runs(data: dict[str, Any]) -> list[KernelRun]:
+    runs = [KernelRun(**row) for row in data.get("kernels") or []]
+    for run in runs:
+        if run.op not in NORM_OPS or run.phase not in ("fwd", "bwd"):
+            raise ConfigError(f"kernel {run.id}: op {run.op!r}, phase {run.phase!r}; ops are {list(NORM_OPS)}, phases fwd and bwd")
+    return runs
 
 
 def settings(run: Run, data: dict[str, Any]) -> dict[str, Any]:
@@ -351,21 +384,56 @@ def check_gemms(runs: list[GemmRun], kernel_timed: frozenset[str] = frozenset())
         published = 2.0 * run.b * run.m * run.n * run.k / (run.published_tflops * 1e12)
         model = ComputeModel(preset_cluster(run.cluster), run.precision)
         simulated = (model.gemm_duration if run.source in kernel_timed else model.gemm_time)(run.m, run.n, run.k, run.b)
-        rows.append(
-            {
-                "id": run.id,
-                "source": run.source,
-                "where": run.where,
-                "series": f"{run.source}, {run.cluster} {'batched GEMMs' if run.b > 1 else 'GEMM'}",
-                "preset": run.cluster,
-                "gpus": 1,
-                "gemm": True,
-                "assumed": run.assumed,
-                "published_s": published,
-                "simulated_s": simulated,
-                "error_pct": 100.0 * (simulated - published) / published,
-            }
-        )
+        series = f"{run.source}, {run.cluster} {'batched GEMMs' if run.b > 1 else 'GEMM'}"
+        rows.append(_one_device_row(run, series, "gemm", published, simulated))
+    return rows
+
+
+def _one_device_row(run: GemmRun | KernelRun, series: str, kind: str, published: float, simulated: float) -> dict[str, Any]:
+    """A row of one kernel on one device, marked `kind` ("gemm", "kernel"): a preset's
+    summary leaves such rows out."""
+    return {
+        "id": run.id,
+        "source": run.source,
+        "where": run.where,
+        "series": series,
+        "preset": run.cluster,
+        "gpus": 1,
+        kind: True,
+        "assumed": run.assumed,
+        "published_s": published,
+        "simulated_s": simulated,
+        "error_pct": 100.0 * (simulated - published) / published,
+    }
+
+
+def kernel_seconds(run: KernelRun, settings: dict[str, Any]) -> float:
+    """The pass as the compute model prices the model's own normalisation kernel (Transformers'
+    RMSNorm run step by step) over the run's values, on its preset with `settings`."""
+    from dataclasses import replace
+
+    from src.costmodel.compute import ComputeModel
+    from src.mesh import Sharding
+    from src.models.elementwise import unfused_kernel
+    from src.models.layers import ACT_BYTES, memory
+    from src.setup import preset_cluster
+
+    # A kernel of 16-bit values of `width` a row; wider values move as many more bytes.
+    kernel = memory(run.op, run.width * run.dtype_bytes / ACT_BYTES, norm=run.width, op=NORM_OPS[run.op])
+    if run.op == "rmsnorm":
+        kernel = unfused_kernel(kernel)
+    times = ComputeModel(replace(preset_cluster(run.cluster), **settings), "bf16").kernel_times(kernel, run.rows, Sharding(), 1)
+    return times.fwd if run.phase == "fwd" else times.bwd_input + times.bwd_weight
+
+
+def check_kernels(runs: list[KernelRun], data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each normalisation priced on its preset with its source's `cluster_settings`."""
+    rows = []
+    for run in runs:
+        published = run.published_ms / 1e3
+        settings = (data["sources"][run.source].get("common") or {}).get("cluster_settings") or {}
+        series = f"{run.source}, {run.cluster} {run.op} {run.phase}"
+        rows.append(_one_device_row(run, series, "kernel", published, kernel_seconds(run, settings)))
     return rows
 
 
@@ -413,8 +481,9 @@ def summarize(rows: list[dict[str, Any]], key: str) -> dict[str, dict[str, Any]]
 
 def summaries_of(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
     """Per preset, source and series. A preset's figure is its training runs and
-    collectives, whole systems; its GEMMs, one kernel each, count by source and series."""
-    systems = [r for r in rows if not r.get("gemm")]
+    collectives, whole systems; its GEMMs and normalisations, one kernel each, count by
+    source and series."""
+    systems = [r for r in rows if not (r.get("gemm") or r.get("kernel"))]
     return {"preset": summarize(systems, "preset"), **{key: summarize(rows, key) for key in ("source", "series")}}
 
 
@@ -478,10 +547,11 @@ def main() -> None:
     runs = [r for r in runs if args.only in r.id]
     collectives = [c for c in collective_runs(data) if args.only in c.id]
     gemms = [g for g in gemm_runs(data) if args.only in g.id]
-    if not runs and not collectives and not gemms:
+    kernels = [k for k in kernel_runs(data) if args.only in k.id]
+    if not runs and not collectives and not gemms and not kernels:
         parser.error(f"--only {args.only!r} matches no run of {args.runs}")
     kernel_timed = frozenset(name for name, source in data["sources"].items() if source.get("gemm_timing") == "kernel")
-    rows = check(runs, data) + check_collectives(collectives) + check_gemms(gemms, kernel_timed)
+    rows = check(runs, data) + check_collectives(collectives) + check_gemms(gemms, kernel_timed) + check_kernels(kernels, data)
     summaries = summaries_of(rows)
     repeats = campaigns(rows)
     text = table(rows, summaries, data, repeats)

@@ -249,13 +249,43 @@ def test_the_xla_table_is_held_out_whole_but_the_cubes_the_fixed_time_was_fitted
     assert fitted < every and table == every - fitted and len(table) == 365
 
 
+def test_a_held_out_normalisation_is_priced_as_the_model_s_own_kernel_on_its_device() -> None:
+    layernorm = next(k for k in heldout.kernel_runs(DATA) if k.id == "liger-h100nvl-layernorm-fwd-8192")
+    (row,) = heldout.check_kernels([layernorm], DATA)
+    # PyTorch's LayerNorm forward over 4096 x 8192 fp32 values reads and writes each once: 268 MB
+    # at the H100 NVL's 3.9 TB/s times the preset's memory efficiency, and one kernel's gap.
+    hopper = preset_cluster("hopper")
+    moved = 4096 * 8192 * 4 * 2
+    assert row["simulated_s"] == pytest.approx(moved / (3.9e12 * hopper.memory_efficiency) + hopper.kernel_overhead_s)
+    assert row["published_s"] == pytest.approx(0.140896e-3) and row["kernel"] and row["gpus"] == 1
+    # Transformers' RMSNorm, step by step, moves 36 bytes a 16-bit value forward in 8 kernels.
+    rmsnorm = next(k for k in heldout.kernel_runs(DATA) if k.id == "liger-h100nvl-rmsnorm-fwd-8192")
+    assert heldout.kernel_seconds(rmsnorm, {"memory_bandwidth": 3.9e12}) == pytest.approx(
+        2048 * 8192 * 36 / (3.9e12 * hopper.memory_efficiency) + 8 * hopper.kernel_overhead_s
+    )
+    backward = replace(rmsnorm, phase="bwd")
+    nvl = heldout.kernel_seconds(rmsnorm, {"memory_bandwidth": 3.9e12})
+    assert heldout.kernel_seconds(backward, {}) > heldout.kernel_seconds(rmsnorm, {}) > nvl
+
+
+def test_a_held_out_kernel_names_an_operation_the_model_prices(tmp_path) -> None:
+    data = yaml.safe_load(heldout.RUNS.read_text())
+    data["kernels"][0]["op"] = "softmax"
+    path = tmp_path / "runs.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match="op 'softmax'.*ops are \\['layernorm', 'rmsnorm'\\]"):
+        heldout.load(path)
+
+
 def test_a_preset_s_summary_counts_whole_systems_not_its_gemms() -> None:
     gemm = heldout.check_gemms([g for g in heldout.gemm_runs(DATA) if g.id == "mamf-h100-v1"])
+    kernel = heldout.check_kernels([k for k in heldout.kernel_runs(DATA) if k.id == "liger-h100nvl-layernorm-fwd-1024"], DATA)
     collective = heldout.check_collectives([c for c in heldout.collective_runs(DATA) if c.id == "pm-ag2-64-64mib"])
-    summaries = heldout.summaries_of(gemm + collective)
+    summaries = heldout.summaries_of(gemm + kernel + collective)
     assert set(summaries["preset"]) == {"perlmutter"}
-    assert set(summaries["series"]) == {"stas00_mamf, hopper GEMM", "pccl2025, perlmutter all_gather"}
-    assert set(summaries["source"]) == {"stas00_mamf", "pccl2025"}
+    series = {"stas00_mamf, hopper GEMM", "liger_h100_nvl, hopper layernorm fwd", "pccl2025, perlmutter all_gather"}
+    assert set(summaries["series"]) == series
+    assert set(summaries["source"]) == {"stas00_mamf", "liger_h100_nvl", "pccl2025"}
 
 
 def test_a_subset_is_printed_and_never_replaces_the_full_results(tmp_path, monkeypatch, capsys) -> None:

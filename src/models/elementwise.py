@@ -94,7 +94,7 @@ def _unfused_layer(layer: LayerSpec, ops: frozenset[str]) -> LayerSpec:
     a = layer.activations
     return replace(
         layer,
-        kernels=tuple(_unfused_kernel(kernel) if kernel.elementwise in ops else kernel for kernel in layer.kernels),
+        kernels=tuple(unfused_kernel(kernel) if kernel.elementwise in ops else kernel for kernel in layer.kernels),
         activations=replace(a, replicated=a.replicated + kept[True], split=a.split + kept[False]),
     )
 
@@ -104,6 +104,7 @@ def _values(kernel: Kernel) -> float:
     return kernel.bytes / FUSED_BYTES[kernel.elementwise]
 
 
-def _unfused_kernel(kernel: Kernel) -> Kernel:
+def unfused_kernel(kernel: Kernel) -> Kernel:
+    """The operation's kernel as its software runs it step by step (UNFUSED)."""
     way = UNFUSED[kernel.elementwise]
     return replace(kernel, bytes=_values(kernel) * way.forward, backward_moves=way.backward / way.forward, launches=way.launches)
