@@ -28,7 +28,7 @@ import json
 import shlex
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -137,12 +137,13 @@ NORM_OPS = {"layernorm": "", "rmsnorm": "rmsnorm"}
 def load(path: Path) -> tuple[dict[str, Any], list[Run]]:
     """The data file's sources and common settings, and its training runs."""
     data = yaml.safe_load(path.read_text())
-    runs = [Run(**row) for row in data["runs"]]
+    runs = typed_rows(Run, data["runs"], "run")
     cited = {r.source for r in runs} | {c["source"] for key in ("collectives", "gemms", "kernels") for c in data.get(key) or []}
     unknown = sorted(cited - set(data["sources"]))
     if unknown:
         raise ConfigError(f"{path}: runs cite sources {unknown} that `sources` does not list")
-    kernel_runs(data)  # each op and phase one the model prices
+    # Each row with its kind's keys; a kernel's op one the model prices.
+    collective_runs(data), gemm_runs(data), kernel_runs(data)
     stated = {"the file": data["common"]} | {name: source.get("common") or {} for name, source in data["sources"].items()}
     for name, common in stated.items():
         if "model" not in common:
@@ -159,16 +160,29 @@ def load(path: Path) -> tuple[dict[str, Any], list[Run]]:
     return data, runs
 
 
+def typed_rows(cls: type[Any], rows: list[dict[str, Any]], kind: str) -> list[Any]:
+    """The data file's rows of one kind as `cls`, each with that kind's keys, or one line
+    naming the row and the keys it lacks or that no such row has."""
+    known = {f.name for f in fields(cls)}
+    required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
+    for row in rows:
+        unknown, missing = sorted(set(row) - known), sorted(required - set(row))
+        if unknown or missing:
+            keys = f"unknown keys {unknown}, missing keys {missing}"
+            raise ConfigError(f"{kind} {row.get('id', '?')!r}: {keys}; a {kind} has {sorted(known)}")
+    return [cls(**row) for row in rows]
+
+
 def collective_runs(data: dict[str, Any]) -> list[CollectiveRun]:
-    return [CollectiveRun(**row) for row in data.get("collectives") or []]
+    return typed_rows(CollectiveRun, data.get("collectives") or [], "collective")
 
 
 def gemm_runs(data: dict[str, Any]) -> list[GemmRun]:
-    return [GemmRun(**row) for row in data.get("gemms") or []]
+    return typed_rows(GemmRun, data.get("gemms") or [], "gemm")
 
 
 def kernel_runs(data: dict[str, Any]) -> list[KernelRun]:
-    runs = [KernelRun(**row) for row in data.get("kernels") or []]
+    runs = typed_rows(KernelRun, data.get("kernels") or [], "kernel")
     for run in runs:
         if run.op not in NORM_OPS or run.phase not in ("fwd", "bwd"):
             raise ConfigError(f"kernel {run.id}: op {run.op!r}, phase {run.phase!r}; ops are {list(NORM_OPS)}, phases fwd and bwd")

@@ -277,6 +277,18 @@ def test_a_held_out_kernel_names_an_operation_the_model_prices(tmp_path) -> None
         heldout.load(path)
 
 
+@pytest.mark.parametrize("kind", ["runs", "collectives", "gemms", "kernels"])
+def test_a_row_with_a_key_its_kind_lacks_is_refused_in_one_line(tmp_path, kind: str) -> None:
+    data = yaml.safe_load(heldout.RUNS.read_text())
+    row = data[kind][0]
+    row["pubished"] = row.pop("id")
+    path = tmp_path / "runs.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match=r"'\?': unknown keys \['pubished'\], missing keys \['id'\]") as err:
+        heldout.load(path)
+    assert "\n" not in str(err.value)
+
+
 def test_a_preset_s_summary_counts_whole_systems_not_its_gemms() -> None:
     gemm = heldout.check_gemms([g for g in heldout.gemm_runs(DATA) if g.id == "mamf-h100-v1"])
     kernel = heldout.check_kernels([k for k in heldout.kernel_runs(DATA) if k.id == "liger-h100nvl-layernorm-fwd-1024"], DATA)
