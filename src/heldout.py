@@ -103,8 +103,9 @@ class KernelRun:
     """A normalisation's pass a source timed alone on one device of `cluster` (with its
     source's `cluster_settings`): `op` "layernorm" (PyTorch's LayerNorm, one kernel each way)
     or "rmsnorm" (Transformers' LlamaRMSNorm, step by step as src/models/elementwise.py prices
-    it) over `rows` x `width` values of `dtype_bytes` bytes; `phase` "fwd", or "bwd" (the
-    input's gradient and the scale's); `published_ms` its time."""
+    it) over `rows` x `width` values of `dtype_bytes` bytes; `phase` "fwd", "bwd" (the
+    input's gradient and the scale's), or "full" (the one, then the other); `published_ms` its
+    time."""
 
     id: str
     source: str
@@ -132,6 +133,7 @@ MODEL_SETTINGS = frozenset(SOFTWARE + ARCHITECTURE + LLAMA_SOFTWARE + READ_WHERE
 # A held-out normalisation's kernel: the Llama operation its software may run unfused ("":
 # none, PyTorch's LayerNorm being one kernel each way).
 NORM_OPS = {"layernorm": "", "rmsnorm": "rmsnorm"}
+PHASES = ("fwd", "bwd", "full")  # a held-out kernel's passes: forward, backward, or one after the other
 
 
 def load(path: Path) -> tuple[dict[str, Any], list[Run]]:
@@ -184,8 +186,8 @@ def gemm_runs(data: dict[str, Any]) -> list[GemmRun]:
 def kernel_runs(data: dict[str, Any]) -> list[KernelRun]:
     runs = typed_rows(KernelRun, data.get("kernels") or [], "kernel")
     for run in runs:
-        if run.op not in NORM_OPS or run.phase not in ("fwd", "bwd"):
-            raise ConfigError(f"kernel {run.id}: op {run.op!r}, phase {run.phase!r}; ops are {list(NORM_OPS)}, phases fwd and bwd")
+        if run.op not in NORM_OPS or run.phase not in PHASES:
+            raise ConfigError(f"kernel {run.id}: op {run.op!r}, phase {run.phase!r}; ops are {list(NORM_OPS)}, phases {list(PHASES)}")
     return runs
 
 
@@ -437,7 +439,8 @@ def kernel_seconds(run: KernelRun, settings: dict[str, Any]) -> float:
     if run.op == "rmsnorm":
         kernel = unfused_kernel(kernel)
     times = ComputeModel(replace(preset_cluster(run.cluster), **settings), "bf16").kernel_times(kernel, run.rows, Sharding(), 1)
-    return times.fwd if run.phase == "fwd" else times.bwd_input + times.bwd_weight
+    backward = times.bwd_input + times.bwd_weight
+    return {"fwd": times.fwd, "bwd": backward, "full": times.fwd + backward}[run.phase]
 
 
 def check_kernels(runs: list[KernelRun], data: dict[str, Any]) -> list[dict[str, Any]]:

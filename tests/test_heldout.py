@@ -266,6 +266,8 @@ def test_a_held_out_normalisation_is_priced_as_the_model_s_own_kernel_on_its_dev
     backward = replace(rmsnorm, phase="bwd")
     nvl = heldout.kernel_seconds(rmsnorm, {"memory_bandwidth": 3.9e12})
     assert heldout.kernel_seconds(backward, {}) > heldout.kernel_seconds(rmsnorm, {}) > nvl
+    full = heldout.kernel_seconds(replace(rmsnorm, phase="full"), {})
+    assert full == pytest.approx(heldout.kernel_seconds(backward, {}) + heldout.kernel_seconds(rmsnorm, {}))
 
 
 def test_a_held_out_kernel_names_an_operation_the_model_prices(tmp_path) -> None:
@@ -273,7 +275,7 @@ def test_a_held_out_kernel_names_an_operation_the_model_prices(tmp_path) -> None
     data["kernels"][0]["op"] = "softmax"
     path = tmp_path / "runs.yaml"
     path.write_text(yaml.safe_dump(data))
-    with pytest.raises(ConfigError, match="op 'softmax'.*ops are \\['layernorm', 'rmsnorm'\\]"):
+    with pytest.raises(ConfigError, match="op 'softmax'.*ops are \\['layernorm', 'rmsnorm'\\], phases \\['fwd', 'bwd', 'full'\\]"):
         heldout.load(path)
 
 
