@@ -9,8 +9,9 @@ kind alone, on bf16 activations of a transformer's shapes (tokens x width), so t
 per-kind rates can come from a measurement:
 
 - copy (`clone`), add (a residual add), GELU forward and backward (tanh, as GPT's), LayerNorm
-  forward and backward (its input's gradient and its parameters' reduction), the sum over the
-  tokens (a bias's gradient) and softmax over the width;
+  forward and backward (its input's gradient and its parameters' reduction), LayerNorm forward
+  over fp32 values (the held-out Liger rows' kernel), the sum over the tokens (a bias's
+  gradient) and softmax over the width;
 - per kind and shape: seconds (CUDA events, the median of 7 regions of many calls), the bytes
   the kernel must move (read and written once) and the bandwidth that makes, and that over a
   copy's of the same size.
@@ -44,6 +45,7 @@ def kinds(tokens: int, width: int) -> dict[str, tuple[Callable[[], Any], float]]
     weight = torch.randn(width, device="cuda", dtype=torch.bfloat16)
     bias = torch.randn_like(weight)
     _, mean, rstd = torch.ops.aten.native_layer_norm(x, [width], weight, bias, 1e-5)
+    x32, weight32, bias32 = x.float(), weight.float(), bias.float()
     n = float(tokens * width * ELEMENT)
     return {
         "copy": (lambda: x.clone(), 2 * n),
@@ -51,6 +53,10 @@ def kinds(tokens: int, width: int) -> dict[str, tuple[Callable[[], Any], float]]
         "gelu": (lambda: F.gelu(x, approximate="tanh"), 2 * n),
         "gelu_backward": (lambda: torch.ops.aten.gelu_backward(dy, x, approximate="tanh"), 3 * n),
         "layer_norm": (lambda: F.layer_norm(x, (width,), weight, bias), 2 * n),
+        # fp32, as the held-out LayerNorm rows of an H100 NVL and an A100 time it (benchmarks/heldout/
+        # README.md): the share of the datasheet it reaches here, against theirs, says whether a
+        # kernel's share carries over from one part to another.
+        "layer_norm_fp32": (lambda: F.layer_norm(x32, (width,), weight32, bias32), 4 * n),
         # The input's gradient (reads dy and x, writes dx) and the parameters' (reads them again).
         "layer_norm_backward": (
             lambda: torch.ops.aten.native_layer_norm_backward(dy, x, [width], mean, rstd, weight, bias, [True, True, True]),
