@@ -100,12 +100,13 @@ class GemmRun:
 
 @dataclass(frozen=True)
 class KernelRun:
-    """A normalisation's pass a source timed alone on one device of `cluster` (with its
-    source's `cluster_settings`): `op` "layernorm" (PyTorch's LayerNorm, one kernel each way)
-    or "rmsnorm" (Transformers' LlamaRMSNorm, step by step as src/models/elementwise.py prices
-    it) over `rows` x `width` values of `dtype_bytes` bytes; `phase` "fwd", "bwd" (the
-    input's gradient and the scale's), or "full" (the one, then the other); `published_ms` its
-    time."""
+    """A memory-bound operation's pass a source timed alone on one device of `cluster` (with
+    its source's `cluster_settings`): `op` "layernorm" (PyTorch's LayerNorm, one kernel each
+    way), "rmsnorm" (Transformers' LlamaRMSNorm, step by step as src/models/elementwise.py
+    prices it) or "cross_entropy" (PyTorch's, as src/models/cross_entropy.py's eager mode
+    prices it) over `rows` x `width` values of `dtype_bytes` bytes; `phase` "fwd", "bwd" (the
+    input's gradient, and a norm's scale's), or "full" (the one, then the other);
+    `published_ms` its time."""
 
     id: str
     source: str
@@ -130,9 +131,9 @@ ARCHITECTURE = ("style", "ffn", "kv_heads")
 LLAMA_SOFTWARE = ("unfused",)
 READ_WHERE_STATED = ("attention_copies",)
 MODEL_SETTINGS = frozenset(SOFTWARE + ARCHITECTURE + LLAMA_SOFTWARE + READ_WHERE_STATED)
-# A held-out normalisation's kernel: the Llama operation its software may run unfused ("":
-# none, PyTorch's LayerNorm being one kernel each way).
-NORM_OPS = {"layernorm": "", "rmsnorm": "rmsnorm"}
+# The memory-bound operations a held-out kernel may time: PyTorch's LayerNorm, Transformers'
+# RMSNorm run step by step, PyTorch's cross entropy (log_softmax then nll_loss).
+KERNEL_OPS = ("layernorm", "rmsnorm", "cross_entropy")
 PHASES = ("fwd", "bwd", "full")  # a held-out kernel's passes: forward, backward, or one after the other
 
 
@@ -186,8 +187,9 @@ def gemm_runs(data: dict[str, Any]) -> list[GemmRun]:
 def kernel_runs(data: dict[str, Any]) -> list[KernelRun]:
     runs = typed_rows(KernelRun, data.get("kernels") or [], "kernel")
     for run in runs:
-        if run.op not in NORM_OPS or run.phase not in PHASES:
-            raise ConfigError(f"kernel {run.id}: op {run.op!r}, phase {run.phase!r}; ops are {list(NORM_OPS)}, phases {list(PHASES)}")
+        if run.op not in KERNEL_OPS or run.phase not in PHASES:
+            known = f"ops are {list(KERNEL_OPS)}, phases {list(PHASES)}"
+            raise ConfigError(f"kernel {run.id}: op {run.op!r}, phase {run.phase!r}; {known}")
     return runs
 
 
@@ -424,27 +426,33 @@ def _one_device_row(run: GemmRun | KernelRun, series: str, kind: str, published:
 
 
 def kernel_seconds(run: KernelRun, settings: dict[str, Any]) -> float:
-    """The pass as the compute model prices the model's own normalisation kernel (Transformers'
-    RMSNorm run step by step) over the run's values, on its preset with `settings`."""
+    """The pass as the compute model prices the model's own kernel (a norm; Transformers'
+    RMSNorm run step by step; the loss, PyTorch's cross entropy) over the run's values, on its
+    preset with `settings`."""
     from dataclasses import replace
 
     from src.costmodel.compute import ComputeModel
     from src.mesh import Sharding
+    from src.models.cross_entropy import eager_loss
     from src.models.elementwise import unfused_kernel
     from src.models.layers import ACT_BYTES, memory
     from src.setup import preset_cluster
 
     # A kernel of 16-bit values of `width` a row; wider values move as many more bytes.
-    kernel = memory(run.op, run.width * run.dtype_bytes / ACT_BYTES, norm=run.width, op=NORM_OPS[run.op])
-    if run.op == "rmsnorm":
-        kernel = unfused_kernel(kernel)
+    values = run.width * run.dtype_bytes / ACT_BYTES
+    if run.op == "cross_entropy":
+        kernel = eager_loss(values)
+    elif run.op == "rmsnorm":
+        kernel = unfused_kernel(memory(run.op, values, norm=run.width, op="rmsnorm"))
+    else:
+        kernel = memory(run.op, values, norm=run.width)
     times = ComputeModel(replace(preset_cluster(run.cluster), **settings), "bf16").kernel_times(kernel, run.rows, Sharding(), 1)
     backward = times.bwd_input + times.bwd_weight
     return {"fwd": times.fwd, "bwd": backward, "full": times.fwd + backward}[run.phase]
 
 
 def check_kernels(runs: list[KernelRun], data: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each normalisation priced on its preset with its source's `cluster_settings`."""
+    """Each kernel priced on its preset with its source's `cluster_settings`."""
     rows = []
     for run in runs:
         published = run.published_ms / 1e3
@@ -498,8 +506,8 @@ def summarize(rows: list[dict[str, Any]], key: str) -> dict[str, dict[str, Any]]
 
 def summaries_of(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
     """Per preset, source and series. A preset's figure is its training runs and
-    collectives, whole systems; its GEMMs and normalisations, one kernel each, count by
-    source and series."""
+    collectives, whole systems; its GEMMs and memory-bound kernels, one operation each, count
+    by source and series."""
     systems = [r for r in rows if not (r.get("gemm") or r.get("kernel"))]
     return {"preset": summarize(systems, "preset"), **{key: summarize(rows, key) for key in ("source", "series")}}
 

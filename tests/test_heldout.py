@@ -270,12 +270,27 @@ def test_a_held_out_normalisation_is_priced_as_the_model_s_own_kernel_on_its_dev
     assert full == pytest.approx(heldout.kernel_seconds(backward, {}) + heldout.kernel_seconds(rmsnorm, {}))
 
 
+def test_a_held_out_loss_is_priced_as_pytorch_s_cross_entropy_over_its_logits() -> None:
+    from src.models.cross_entropy import LOGIT_BYTES
+
+    loss = next(k for k in heldout.kernel_runs(DATA) if k.id == "liger-h100nvl-cross_entropy-full-131072")
+    (row,) = heldout.check_kernels([loss], DATA)
+    # 16384 rows of 131,072 fp32 logits: log_softmax's read and write forward, nll_loss's dense
+    # gradient and log_softmax's backward: twice the 16-bit logit's 4 + 8 bytes.
+    hopper = preset_cluster("hopper")
+    forward, backward = LOGIT_BYTES["eager"]
+    moved = 16384 * 131072 * 2 * (forward + backward)
+    assert row["simulated_s"] == pytest.approx(moved / (3.9e12 * hopper.memory_efficiency) + 2 * hopper.kernel_overhead_s)
+    assert row["series"] == "liger_h100_nvl, hopper cross_entropy full"
+
+
 def test_a_held_out_kernel_names_an_operation_the_model_prices(tmp_path) -> None:
     data = yaml.safe_load(heldout.RUNS.read_text())
     data["kernels"][0]["op"] = "softmax"
     path = tmp_path / "runs.yaml"
     path.write_text(yaml.safe_dump(data))
-    with pytest.raises(ConfigError, match="op 'softmax'.*ops are \\['layernorm', 'rmsnorm'\\], phases \\['fwd', 'bwd', 'full'\\]"):
+    ops = "ops are \\['layernorm', 'rmsnorm', 'cross_entropy'\\], phases \\['fwd', 'bwd', 'full'\\]"
+    with pytest.raises(ConfigError, match=f"op 'softmax'.*{ops}"):
         heldout.load(path)
 
 
