@@ -11,7 +11,8 @@ per-kind rates can come from a measurement:
 - copy (`clone`), add (a residual add), GELU forward and backward (tanh, as GPT's), LayerNorm
   forward and backward (its input's gradient and its parameters' reduction), LayerNorm forward
   over fp32 values (the held-out Liger rows' kernel), the sum over the tokens (a bias's
-  gradient) and softmax over the width;
+  gradient) and softmax over the width; PyTorch's cross entropy over 4096 rows of 32768 and
+  131,072 fp32 logits each way (the held-out loss rows' operation);
 - per kind and shape: seconds (CUDA events, the median of 7 regions of many calls), the bytes
   the kernel must move (read and written once) and the bandwidth that makes, and that over a
   copy's of the same size.
@@ -36,6 +37,8 @@ from calibrate_gpu_layers import device_header, events_seconds  # noqa: E402
 TOKENS = [2048, 8192, 32768]
 WIDTHS = [2048, 8192]
 ELEMENT = 2  # bf16 bytes
+LOSS_ROWS = 4096  # rows of logits the loss is timed over, at each vocabulary size
+VOCABS = [32768, 131072]
 
 
 def kinds(tokens: int, width: int) -> dict[str, tuple[Callable[[], Any], float]]:
@@ -67,9 +70,25 @@ def kinds(tokens: int, width: int) -> dict[str, tuple[Callable[[], Any], float]]
     }
 
 
-def measure(tokens: int, width: int) -> list[dict[str, Any]]:
+def loss_kinds(rows: int, vocab: int) -> dict[str, tuple[Callable[[], Any], float]]:
+    """PyTorch's cross entropy over (rows x vocab) fp32 logits, as the held-out loss rows time
+    it (benchmarks/heldout/README.md), each way, with a copy of the logits first: the bytes the
+    model counts (log_softmax's one read and write forward; nll_loss's dense gradient, then
+    log_softmax's backward reading it and its output and writing the input's gradient)."""
+    logits = torch.randn(rows, vocab, device="cuda", requires_grad=True)
+    target = torch.randint(vocab, (rows,), device="cuda")
+    loss = F.cross_entropy(logits, target)
+    n = float(rows * vocab * 4)
+    return {
+        "copy": (lambda: logits.detach().clone(), 2 * n),
+        "cross_entropy_fp32": (lambda: F.cross_entropy(logits, target), 2 * n),
+        "cross_entropy_fp32_backward": (lambda: torch.autograd.grad(loss, logits, retain_graph=True), 4 * n),
+    }
+
+
+def measure(tokens: int, width: int, calls: dict[str, tuple[Callable[[], Any], float]]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
-    for kind, (call, moved) in kinds(tokens, width).items():
+    for kind, (call, moved) in calls.items():
         inner = max(1, int(2e-3 / (moved / 3e12)))  # about 2 ms of work a timed region
         seconds = events_seconds(call, repeats=7, inner=inner)
         rows.append({"kind": kind, "tokens": tokens, "width": width, "seconds": seconds, "bytes": moved, "bandwidth": moved / seconds})
@@ -91,7 +110,8 @@ def main() -> None:
     args = parser.parse_args()
     result = {
         **device_header("measure_memory_kernels"),
-        "kernels": [row for tokens in TOKENS for width in WIDTHS for row in measure(tokens, width)],
+        "kernels": [row for tokens in TOKENS for width in WIDTHS for row in measure(tokens, width, kinds(tokens, width))]
+        + [row for vocab in VOCABS for row in measure(LOSS_ROWS, vocab, loss_kinds(LOSS_ROWS, vocab))],
         "command": "python benchmarks/measure_memory_kernels.py --out memory_kernels.json",
     }
     if args.out:
