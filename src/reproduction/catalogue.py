@@ -127,6 +127,10 @@ class Measurement:
     at: str = ""
 
 
+# A term of a simulator cause's `errs`: a number, or (measurement name, field) of its measurements.
+ErrsTerm = float | tuple[str, str]
+
+
 @dataclass(frozen=True)
 class Explanation:
     cause: str
@@ -134,7 +138,7 @@ class Explanation:
     sensitivity: tuple[str, ...] = ()  # unstated: the sensitivity sweeps' ids
     measured: dict[str, Measurement] = field(default_factory=dict)  # simulator: name -> measurement
     when: str = ""  # "above" / "below": it explains a headline only where ours misses on that side of the paper's value
-    errs: tuple[tuple[str | float, str | float], ...] = ()  # simulator: (a, b) pairs its measurements show a < b for
+    errs: tuple[tuple[ErrsTerm, ErrsTerm], ...] = ()  # simulator: (a, b) pairs its measurements show a < b for
 
 
 @dataclass(frozen=True)
@@ -438,16 +442,16 @@ def _explanation(raw: Any, spec: SweepSpec, group: str, context: _Context, where
 MEASURED_TERM = re.compile(r"measured\.(\w+):(\S+)")
 
 
-def _errs(raw: Any, measured: dict[str, Measurement], context: _Context, where: str) -> tuple[tuple[str | float, str | float], ...]:
-    """The (a, b) pairs of a simulator cause's `errs`, each term a measurement's field (which
-    must resolve) or a number."""
+def _errs(raw: Any, measured: dict[str, Measurement], context: _Context, where: str) -> tuple[tuple[ErrsTerm, ErrsTerm], ...]:
+    """The (a, b) pairs of a simulator cause's `errs`, each term a number or a measurement's
+    field (its name and the field, which must resolve)."""
     if raw is None:
         return ()
     if not isinstance(raw, list) or not all(isinstance(pair, list) and len(pair) == 2 for pair in raw):
         raise ConfigError(f"{where}: errs is a list of [a, b] pairs (a below b), is {raw!r}")
-    out: list[tuple[str | float, str | float]] = []
+    out: list[tuple[ErrsTerm, ErrsTerm]] = []
     for pair in raw:
-        terms: list[str | float] = []
+        terms: list[ErrsTerm] = []
         for term in pair:
             if isinstance(term, (int, float)) and not isinstance(term, bool):
                 terms.append(float(term))
@@ -457,7 +461,7 @@ def _errs(raw: Any, measured: dict[str, Measurement], context: _Context, where: 
                 raise ConfigError(f"{where}: an errs term is a number or measured.NAME:field of {sorted(measured)}, is {term!r}")
             measurement = measured[match.group(1)]
             measured_value(measurement, match.group(2), context.measurement_file(measurement.file, where), where)
-            terms.append(str(term))
+            terms.append((match.group(1), match.group(2)))
         out.append((terms[0], terms[1]))
     return tuple(out)
 

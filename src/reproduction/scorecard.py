@@ -25,6 +25,7 @@ from src.reproduction.catalogue import (
     ROW_PLACEHOLDER,
     Catalogue,
     Claim,
+    ErrsTerm,
     Explanation,
     Headline,
     Locus,
@@ -251,12 +252,12 @@ def _errs_otherwise(explanation: Explanation, catalogue: Catalogue) -> str:
     return ""
 
 
-def _term(term: str | float, explanation: Explanation, catalogue: Catalogue) -> tuple[str, float]:
+def _term(term: ErrsTerm, explanation: Explanation, catalogue: Catalogue) -> tuple[str, float]:
     """(what it is, its value) of an `errs` term: a number, or a field of a measurement (named
     by its file's row)."""
     if isinstance(term, float):
         return _number(term), term
-    name, field_name = term.removeprefix("measured.").split(":", 1)
+    name, field_name = term
     measurement = explanation.measured[name]
     value = float(measured_value(measurement, field_name, catalogue.measurements[measurement.file], catalogue.paper))
     where = measurement.at or ", ".join(f"{v}" for v in measurement.row.values())
