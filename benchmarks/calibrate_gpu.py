@@ -187,14 +187,14 @@ def main() -> None:
         "gemms": [{"m": m, "n": n, "k": k, "efficiency": e} for (m, n, k), e in points],
         "fit": summary,
         "copy_bytes_per_s": copy,
-        "memory_efficiency": copy / args.hbm,
+        "copy_efficiency": copy / args.hbm,
         "kernel_overhead_s": overhead,
     }
     print(f"HBM copy {copy / 1e12:.2f} TB/s = {copy / args.hbm:.3f} of the datasheet; kernel overhead {overhead * 1e6:.1f} us")
     print("preset lines:")
     print(
         f"  gemm_max_efficiency: {summary['gemm_max_efficiency']:.3f}\n  gemm_half_dim: {summary['gemm_half_dim']:.0f}\n"
-        f"  memory_efficiency: {copy / args.hbm:.3f}\n"
+        f"  copy_efficiency: {copy / args.hbm:.3f}\n"
         f"  kernel_overhead_s: {overhead:.2e}"
     )
     if args.out:

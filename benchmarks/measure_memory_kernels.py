@@ -1,12 +1,12 @@
 """The bandwidth PyTorch's memory-bound kernels reach on one GPU, kernel by kernel (torch + stdlib only).
 
-The presets price every memory-bound kernel at one rate, the device's memory bandwidth times
-its efficiency, which calibrate_gpu.py takes from a copy. On an H200 a small GPT's profile
-(benchmarks/results/small_gpt_h200.md) showed the kernels a transformer layer runs reaching
-less than a copy does: a GELU about 0.6 of the datasheet's bandwidth, the biases' gradient
-reductions over the tokens 0.25-0.4, growing with the rows a call reduces. This times each
-kind alone, on bf16 activations of a transformer's shapes (tokens x width), so that a preset's
-per-kind rates can come from a measurement:
+The presets price a GEMM's operand traffic at a copy's rate (copy_efficiency, calibrate_gpu.py)
+and every other memory-bound kernel at one rate (memory_efficiency), which memory_kernel_rates.py
+takes from a profiled training step: on an H200 a small GPT's kernels reached less than a copy
+does (benchmarks/results/memory_kernel_rates_h200.json: GELU and LayerNorm's input gradient about
+0.6 of the datasheet's bandwidth, the reductions over the tokens 0.25-0.4, growing with the rows
+a call reduces). This times each kind alone, on bf16 activations of a transformer's shapes
+(tokens x width), on the preset's own device, so that per-kind rates can come from a measurement:
 
 - copy (`clone`), add (a residual add), GELU forward and backward (tanh, as GPT's), LayerNorm
   forward and backward (its input's gradient and its parameters' reduction), LayerNorm forward

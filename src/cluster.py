@@ -150,7 +150,12 @@ class ClusterSpec:
     gemm_max_efficiency, gemm_half_dim: achieved fraction of peak for a GEMM is
       max_efficiency * prod_d d/(d + half_dim) over its m, n, k: large GEMMs approach the
       maximum, thin ones (small per-device batch, over-partitioned TP) fall off.
-    memory_efficiency: achieved fraction of HBM bandwidth for bandwidth-bound kernels.
+    memory_efficiency: achieved fraction of HBM bandwidth for the framework's bandwidth-bound
+      kernels (elementwise, normalisation, loss, optimizer): what they reach in a training
+      step, below what a plain copy streams.
+    copy_efficiency: achieved fraction of HBM bandwidth of a large device copy: the rate a
+      GEMM streams its operands at where its traffic bounds it; 0 (a spec built by hand):
+      memory_efficiency.
     intra_efficiency, inter_efficiency: achieved fraction of the link bandwidth by
       collectives and transfers inside a node and across nodes.
     kernel_overhead_s: the device's fixed cost per kernel (its gap between kernels when the
@@ -250,6 +255,7 @@ class ClusterSpec:
     collective_sm_fraction: float = 0.0
     p2p_sm_fraction: float = 0.0
     gemm_fixed_s: float = 0.0
+    copy_efficiency: float = 0.0
     oversubscription: dict[int, float] = field(default_factory=dict)
     core_handover_s: float = 0.0
     sync_skew_s: float = 0.0
@@ -369,6 +375,7 @@ FLOAT_FIELDS = (
     "gemm_max_efficiency",
     "gemm_half_dim",
     "memory_efficiency",
+    "copy_efficiency",
     "intra_efficiency",
     "inter_efficiency",
     "kernel_overhead_s",
@@ -497,7 +504,7 @@ def cluster_from_config(cfg: Mapping[str, Any]) -> ClusterSpec:
         raise ConfigError(
             f"cluster.devices={devices} but nodes x devices_per_node = {cfg['nodes']} x {cfg['devices_per_node']} = {total}"
         )
-    for key in ("gemm_max_efficiency", "memory_efficiency", "intra_efficiency", "inter_efficiency"):
+    for key in ("gemm_max_efficiency", "memory_efficiency", "copy_efficiency", "intra_efficiency", "inter_efficiency"):
         if float(cfg[key]) > 1:
             raise ConfigError(f"cluster.{key} is a fraction of peak, got {cfg[key]} (cluster {name})")
     for key in ("collective_sm_fraction", "p2p_sm_fraction"):

@@ -95,3 +95,35 @@ def test_the_sustained_load_check_takes_its_rates_over_the_first_and_the_last_se
     cycles = [0.1] * 10 + [0.125] * 40
     early, late = module.rates_over(cycles, 1.0)
     assert early == pytest.approx(10.0) and late == pytest.approx(8.0)
+
+
+def test_memory_kernel_rates_divide_a_kernels_bytes_by_its_profiled_time(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("memory_kernel_rates", REPO_ROOT / "benchmarks" / "memory_kernel_rates.py")
+    assert spec is not None and spec.loader is not None
+    rates = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "memory_kernel_rates", rates)  # its dataclasses look their module up
+    spec.loader.exec_module(rates)
+    # 2 layers of hidden 64, 2 micro-batches of 128 tokens: a GELU moves 4 bytes over 128 x 256
+    # values, a LayerNorm's input gradient 12 (fp32 under autocast) over 128 x 64.
+    gelu, norm = 4 * 128 * 256, 12 * 128 * 64
+    kernels = [
+        {"name": "void at::native::GeluCUDAKernelImpl<bf16>", "count": 4, "total_s": 4 * gelu / 1e12},
+        {"name": "void at::native::layer_norm_grad_input_kernel_vectorized<", "count": 10, "total_s": 10 * norm / 2e12},
+        # launched a number of times the shape does not give: another kernel shares its name
+        {"name": "void at::native::GammaBetaBackwardCUDAKernelTemplate<float>", "count": 7, "total_s": 1.0},
+    ]
+    case = {"hidden": 64, "layers": 2, "seq": 128, "micro_batch": 1, "micro_batches": 2, "vocab": 256, "heads": 1}
+    profile = {"device": "GPU", "cases": {"tiny": {"case": case, "plain": {"profile": {"top_kernels": kernels}}}}}
+    rows = rates.kernel_rates(profile, 4e12)
+    assert [(r["kernel"], round(r["share"], 12)) for r in rows] == [("gelu forward", 0.25), ("layernorm input gradient", 0.5)]
+    path, out = tmp_path / "profile.json", tmp_path / "rates.json"
+    path.write_text(json.dumps(profile))
+    monkeypatch.setattr(sys, "argv", ["memory_kernel_rates.py", str(path), "--hbm", "4e12", "--out", str(out)])
+    rates.main()
+    assert json.loads(out.read_text())["median_share"] == pytest.approx(0.375)
+    monkeypatch.setattr(sys, "argv", ["memory_kernel_rates.py", str(path), "--hbm", "0"])
+    with pytest.raises(SystemExit) as exit_:
+        rates.main()
+    assert exit_.value.code == 2 and capsys.readouterr().err.count("\n") == 1

@@ -159,6 +159,9 @@ class ComputeModel:
         # bandwidth-bound kernels on their share of the cores, as their GEMMs (the peak).
         self.core_share = cluster.compute_share()
         self.hbm = cluster.memory_bandwidth * cluster.memory_efficiency * self.core_share
+        # A GEMM streams its operands' tiles as a copy streams memory, faster than the
+        # framework's elementwise and reduction kernels reach.
+        self.stream = cluster.memory_bandwidth * (cluster.copy_efficiency or cluster.memory_efficiency) * self.core_share
         self.bytes_per_elem = element_bytes(precision)
         self.amp = cluster.amp and precision != "fp32"  # PyTorch AMP over 16-bit GEMMs (fp32 runs cast nothing)
         self.step = step_bytes(precision, cluster.amp)
@@ -193,7 +196,7 @@ class ComputeModel:
             return 0.0
         flops = 2.0 * m * n * k * batch
         compute = flops / (self.peak * self.efficiency(m, n, k))
-        traffic = self.bytes_per_elem * (m * k + k * n + m * n) * batch / self.hbm
+        traffic = self.bytes_per_elem * (m * k + k * n + m * n) * batch / self.stream
         return max(compute, traffic) + self._gemm_overhead
 
     def gemm_duration(self, m: float, n: float, k: float, batch: float = 1.0) -> float:

@@ -65,6 +65,18 @@ def test_gemm_time_is_memory_bound_below_the_roofline() -> None:
     )
 
 
+def test_a_gemm_streams_at_a_copys_rate_and_other_memory_bound_kernels_at_theirs() -> None:
+    # Half the HBM for the framework's kernels, 0.9 of it for a copy: a GEMM bound by its
+    # operands' traffic (a vector times a matrix, at any GEMM efficiency) moves them at 0.9,
+    # an optimizer step's passes at 0.5.
+    cluster = replace(CLUSTER, memory_efficiency=0.5, copy_efficiency=0.9, gemm_half_dim=1e-6)
+    compute, unset = ComputeModel(cluster, "bf16"), ComputeModel(replace(cluster, copy_efficiency=0.0), "bf16")
+    m, n, k = 1, 16384, 16384
+    assert compute.gemm_time(m, n, k) == pytest.approx(2 * (m * k + k * n + m * n) / 0.9e12)
+    assert unset.gemm_time(m, n, k) == pytest.approx(2 * (m * k + k * n + m * n) / 0.5e12)
+    assert compute.memory_time(1e9) == pytest.approx(1e9 / 0.5e12)
+
+
 def test_ring_collectives_follow_the_alpha_beta_formulas() -> None:
     comm = CommModel(CLUSTER)
     inside = (0, 1, 2, 3)
