@@ -19,6 +19,7 @@ device was idle (the host's per-kernel cost, launch-bound) or busy (kernels slow
 
     WANDB_MODE=offline python benchmarks/small_gpt_gpu.py [--steps 10] [--only NAME ...] [--out results.json]
     python benchmarks/small_gpt_gpu.py --sim-only     # the simulator's column alone, no GPU needed
+    python benchmarks/small_gpt_gpu.py --sim-only --sim-override cluster.memory_bandwidth=1e14  # less its memory-bound time
 """
 
 from __future__ import annotations
@@ -265,6 +266,13 @@ def main() -> None:
     parser.add_argument("--sim-only", action="store_true", help="the simulator's column only (no GPU)")
     parser.add_argument("--plain-only", action="store_true", help="the plain loop and the simulator, not the harness")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=[VARIANTS[0]], help="the plain loop's ways")
+    parser.add_argument(
+        "--sim-override",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="overrides the simulator's columns take after the case's (e.g. cluster.memory_bandwidth=1e14: its GEMMs alone)",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     cases = [c for c in CASES if not args.only or any(c.name.startswith(o) for o in args.only)]
@@ -285,12 +293,20 @@ def main() -> None:
         if args.out:
             args.out.write_text(json.dumps(results, indent=1))
 
+    from src.errors import ConfigError
+    from src.run import compose_config
+
     for case in cases:
-        results["cases"][case.name] = {
-            "case": case.__dict__,
-            "sim_hopper": simulated(case.overrides()),
-            "sim_h200": simulated(case.overrides() + H200),
-        }
+        try:
+            compose_config(case.overrides() + H200 + args.sim_override)  # a key Hydra cannot compose: one line
+            results["cases"][case.name] = {
+                "case": case.__dict__,
+                "sim_hopper": simulated(case.overrides() + args.sim_override),
+                "sim_h200": simulated(case.overrides() + H200 + args.sim_override),
+            }
+        except ConfigError as err:
+            print(f"error: {case.name}: {err}", file=sys.stderr)
+            sys.exit(2)
     if not args.sim_only:
         from bench_runtime_gpu import run_all
 

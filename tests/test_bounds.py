@@ -52,6 +52,7 @@ def test_every_preset_is_within_the_bounds(cluster: str) -> None:
         ),
         ({"memory_bandwidth": 1}, r"^cluster\.memory_bandwidth=1 B/s is outside 1e\+08 to 1e\+14 B/s \("),
         ({"inter_latency": 5}, r"^cluster\.inter_latency=5 s is outside 0 to 0\.1 s \("),
+        ({"copy_efficiency": 1.5}, r"^cluster\.copy_efficiency is a fraction of peak, got 1\.5 \(cluster p3_16xlarge\)$"),
         ({"intra_bandwidth": 1e20}, r"^cluster\.intra_bandwidth=1e\+20 B/s is outside 1e\+06 to 1e\+13 B/s \("),
         ({"nodes": 99999999999999999999}, r"^cluster p3_16xlarge: 99999999999999999999 nodes x 8 devices, .+ 1048576 devices"),
     ],

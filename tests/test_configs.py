@@ -357,7 +357,7 @@ def test_cluster_yaml_numbers_are_positive(name: str) -> None:
     for key in FLOAT_FIELDS:
         assert isinstance(raw[key], (int, float)) and not isinstance(raw[key], bool), (key, raw[key])
         assert raw[key] >= 0, (key, raw[key])
-    for key in ("gemm_max_efficiency", "memory_efficiency", "intra_efficiency", "inter_efficiency"):
+    for key in ("gemm_max_efficiency", "memory_efficiency", "copy_efficiency", "intra_efficiency", "inter_efficiency"):
         assert 0 < raw[key] <= 1, (key, raw[key])
     assert 0 <= raw["reserved_memory_gib"] < raw["memory_gib"]
     if raw["devices"] is not None:

@@ -43,6 +43,16 @@ def test_the_small_gpt_benchmark_refuses_without_a_gpu_and_prices_without_one():
     assert priced.returncode == 0, priced.stderr
     (line,) = priced.stdout.strip().splitlines()
     assert line.startswith("h256-L4-mb4") and '"sim_hopper_s": ' in line and '"sim_h200_s": ' in line
+    # Without its memory-bound time the same step prices less; a key no config has, one line.
+    (bare,) = (
+        _script("benchmarks/small_gpt_gpu.py", "--sim-only", "--only", "h256", "--sim-override", "cluster.memory_bandwidth=1e14")
+        .stdout.strip()
+        .splitlines()
+    )
+    assert json.loads(bare.split(maxsplit=1)[1])["sim_h200_s"] < json.loads(line.split(maxsplit=1)[1])["sim_h200_s"]
+    misspelt = _script("benchmarks/small_gpt_gpu.py", "--sim-only", "--only", "h256", "--sim-override", "cluster.memory_bandwith=1e14")
+    assert misspelt.returncode == 2 and misspelt.stderr.startswith("error: h256-L4-mb4: Could not override 'cluster.memory_bandwith'")
+    assert len(misspelt.stderr.strip().splitlines()) == 1
     listed = _script("benchmarks/measure_list_collective_host.py", "--cuda")
     assert listed.returncode == 2
     assert listed.stderr.strip() == "error: --cuda needs a CUDA GPU, and torch sees none on this machine"
