@@ -4,8 +4,8 @@ Reads the kernel profiles `small_gpt_gpu.py` recorded on a lent GPU (one profile
 plain loop per case and way: each kernel's name, launches and total time) and, for the kernels
 whose bytes follow from the case's shape alone, divides those bytes by the time: GELU forward
 and backward over the MLP's activations, LayerNorm's forward, its input gradient and its affine
-parameters' reduction, the biases' gradients (one column sum over the tokens per Linear), and
-the fused AdamW over every parameter. Each rate is given as a share of the device's datasheet
+parameters' reduction, and the fused AdamW over every parameter (the biases' column sums share
+one kernel name across widths, whose bytes a line's launches do not fix). Each rate is given as a share of the device's datasheet
 bandwidth; the median over the kinds (each kind's median over its cases and ways, so that a
 kind profiled more often weighs no more) is what a preset's `memory_efficiency` takes (the rate the cost
 model gives every bandwidth-bound kernel of a layer, its optimizer and its loss), where a
