@@ -18,6 +18,7 @@ a call reduces). This times each kind alone, on bf16 activations of a transforme
   copy's of the same size.
 
     python benchmarks/measure_memory_kernels.py [--out results.json]
+    python benchmarks/memory_kernel_rates.py results.json --hbm 3.35e12   # the preset's rate, by its rule
 """
 
 from __future__ import annotations

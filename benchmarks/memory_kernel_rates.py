@@ -14,6 +14,10 @@ device copy's share (`calibrate_gpu.py`) is what a GEMM's operand stream reaches
     python benchmarks/memory_kernel_rates.py benchmarks/results/small_gpt_h200.json \
         benchmarks/results/small_gpt_variants_h200.json --hbm 4.8e12 \
         --out benchmarks/results/memory_kernel_rates_h200.json
+
+It also reads `measure_memory_kernels.py`'s kernels timed alone (each kind over a transformer's
+shapes, the bytes it counts), by the same rule: on a lent H100,
+`python benchmarks/memory_kernel_rates.py memory_kernels.json --hbm 3.35e12`.
 """
 
 from __future__ import annotations
@@ -135,9 +139,42 @@ def kernel_rates(profile: dict[str, Any], hbm: float) -> list[dict[str, Any]]:
     return rows
 
 
+def timed_rates(result: dict[str, Any], hbm: float) -> list[dict[str, Any]]:
+    """The kernels `measure_memory_kernels.py` timed alone, each kind at each shape, with the
+    bytes it counted; its copy is the preset's `copy_efficiency`, not one of the kinds."""
+    return [
+        {
+            "case": f"{row['tokens']} x {row['width']}",
+            "way": "alone",
+            "kernel": row["kind"],
+            "launches": 1,
+            "us_per_launch": 1e6 * row["seconds"],
+            "mb_per_launch": row["bytes"] / 1e6,
+            "tb_per_s": row["bandwidth"] / 1e12,
+            "share": row["bandwidth"] / hbm,
+        }
+        for row in result["kernels"]
+        if row["kind"] != "copy"
+    ]
+
+
+def rates_of(document: dict[str, Any], hbm: float) -> list[dict[str, Any]]:
+    """A small_gpt_gpu.py profile's kernels, or measure_memory_kernels.py's; none for anything else."""
+    if "cases" in document:
+        return kernel_rates(document, hbm)
+    if all("kind" in row and "bandwidth" in row for row in document.get("kernels", [{}])):
+        return timed_rates(document, hbm)
+    return []
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("profiles", type=Path, nargs="+", help="small_gpt_gpu.py --out files with their plain loops' profiles")
+    parser.add_argument(
+        "profiles",
+        type=Path,
+        nargs="+",
+        help="small_gpt_gpu.py --out files with their plain loops' profiles, or measure_memory_kernels.py --out files",
+    )
     parser.add_argument("--hbm", type=float, required=True, help="the device's datasheet HBM bandwidth, bytes/s")
     parser.add_argument("--out", type=Path, help="write the rates and their median share here (JSON)")
     args = parser.parse_args()
@@ -151,7 +188,7 @@ def main() -> None:
         except (OSError, ValueError) as err:
             parser.exit(2, f"cannot read the profile {path}: {err}\n")
         devices.add(profile.get("device"))
-        rows += [{"profile": path.name, **row} for row in kernel_rates(profile, args.hbm)]
+        rows += [{"profile": path.name, **row} for row in rates_of(profile, args.hbm)]
     if len(devices) > 1:
         parser.exit(2, f"the profiles come from different devices ({sorted(map(str, devices))}): one --hbm prices one device\n")
     if not rows:

@@ -4,6 +4,7 @@ calibration still refits a stored run there."""
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 
@@ -133,6 +134,17 @@ def test_memory_kernel_rates_divide_a_kernels_bytes_by_its_profiled_time(tmp_pat
     monkeypatch.setattr(sys, "argv", ["memory_kernel_rates.py", str(path), "--hbm", "4e12", "--out", str(out)])
     rates.main()
     assert json.loads(out.read_text())["median_share"] == pytest.approx(0.375)
+    # Kernels timed alone (measure_memory_kernels.py): the copy is not one of the kinds.
+    alone = {
+        "device": "GPU",
+        "kernels": [
+            {"kind": k, "tokens": 8, "width": 8, "seconds": 1.0, "bytes": b, "bandwidth": b}
+            for k, b in (("copy", 3.6e12), ("gelu", 2e12), ("add", 2.8e12))
+        ],
+    }
+    assert [r["kernel"] for r in rates.rates_of(alone, 4e12)] == ["gelu", "add"]
+    assert statistics.median(r["share"] for r in rates.rates_of(alone, 4e12)) == pytest.approx(0.6)
+    assert rates.rates_of({"device": "GPU", "rows": []}, 4e12) == []
     monkeypatch.setattr(sys, "argv", ["memory_kernel_rates.py", str(path), "--hbm", "0"])
     with pytest.raises(SystemExit) as exit_:
         rates.main()
