@@ -149,3 +149,22 @@ def test_memory_kernel_rates_divide_a_kernels_bytes_by_its_profiled_time(tmp_pat
     with pytest.raises(SystemExit) as exit_:
         rates.main()
     assert exit_.value.code == 2 and capsys.readouterr().err.count("\n") == 1
+
+
+@pytest.mark.slow  # a shell that imports torch
+def test_the_device_session_refuses_a_machine_without_a_gpu(tmp_path):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    run = subprocess.run(
+        ["bash", "benchmarks/device_session.sh", str(tmp_path / "out")],
+        cwd=REPO_ROOT,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr.strip() == "error: benchmarks/device_session.sh needs a CUDA GPU, and torch sees none here"
+    usage = subprocess.run(["bash", "benchmarks/device_session.sh"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert usage.returncode == 2 and usage.stderr.strip().startswith("usage: bash benchmarks/device_session.sh OUT_DIR")
