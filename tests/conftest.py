@@ -17,6 +17,21 @@ import pytest
 
 TESTS = Path(__file__).resolve().parent
 REPO_ROOT = TESTS.parent
+# The keys every run's summary.json holds, simulated or real (docs/running.md).
+SUMMARY_KEYS = (
+    "model",
+    "strategy",
+    "cluster",
+    "backend",
+    "devices",
+    "iteration_time_s",
+    "mfu",
+    "throughput_samples_per_s",
+    "tflops_per_device",
+    "breakdown_s",
+    "peak_memory_gib",
+    "plan",
+)
 CONF_DIR = REPO_ROOT / "conf"
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 # Test modules that import torch (or the real backend, which does) at their top: marked

@@ -20,23 +20,10 @@ import pytest
 import yaml
 
 from src.timeline import BREAKDOWN_CATEGORIES
+from tests.conftest import SUMMARY_KEYS
 
 pytestmark = pytest.mark.slow  # every test here starts the front door in a process
 
-REQUIRED_SUMMARY_KEYS = (
-    "model",
-    "strategy",
-    "cluster",
-    "backend",
-    "devices",
-    "iteration_time_s",
-    "mfu",
-    "throughput_samples_per_s",
-    "tflops_per_device",
-    "breakdown_s",
-    "peak_memory_gib",
-    "plan",
-)
 RUN_FILES = ("resolved.yaml", "summary.json", "metrics.jsonl", "trace.json")
 
 
@@ -83,7 +70,7 @@ def test_clip_megatron_writes_the_run_directory(clip_run) -> None:
 
 def test_summary_json_has_the_contract_fields(clip_run) -> None:
     _, _, s, _ = clip_run
-    missing = [k for k in REQUIRED_SUMMARY_KEYS if k not in s]
+    missing = [k for k in SUMMARY_KEYS if k not in s]
     assert not missing, f"summary.json lacks {missing}"
     assert (s["model"], s["strategy"], s["cluster"], s["backend"]) == ("clip", "megatron", "p3_16xlarge", "sim")
     assert s["devices"] == 64  # the default cluster: 8 p3.16xlarge x 8 V100

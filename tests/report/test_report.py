@@ -11,21 +11,7 @@ import pytest
 
 from src.report import JobInfo, RunFiles, format_step, format_summary, open_sinks, write_chrome_trace
 from src.timeline import BREAKDOWN_CATEGORIES, RankTimeline, Span, Timeline
-
-REQUIRED = (
-    "model",
-    "strategy",
-    "cluster",
-    "backend",
-    "devices",
-    "iteration_time_s",
-    "mfu",
-    "throughput_samples_per_s",
-    "tflops_per_device",
-    "breakdown_s",
-    "peak_memory_gib",
-    "plan",
-)
+from tests.conftest import SUMMARY_KEYS
 
 
 @pytest.fixture(autouse=True)
@@ -151,7 +137,7 @@ def test_summary_json_has_required_keys_and_is_byte_identical(tmp_path: Path) ->
     first = (tmp_path / "a" / "summary.json").read_bytes()
     assert first == (tmp_path / "b" / "summary.json").read_bytes()
     summary = json.loads(first)
-    assert set(REQUIRED) <= set(summary)
+    assert set(SUMMARY_KEYS) <= set(summary)
     assert set(summary["breakdown_s"]) == set(BREAKDOWN_CATEGORIES)
     assert summary["plan"]["units"]["vision"]["ranks"] == "0-7,64-71"
     assert not list((tmp_path / "a").glob(".*tmp"))  # the atomic write left no temp file
