@@ -90,7 +90,12 @@ def test_a_stale_baton_no_longer_hangs_a_real_start():
 
     build_deepspeed_ops()
     baton = op_cache_dir() / OP / BATON
-    baton.write_text("")
+    # Left as a killed builder leaves it: under the project's flock, so that no start of
+    # another test (pytest-xdist) is loading the op now. A baton written while one holds the
+    # flock is one that start never checked for: it waited on it forever.
+    with open(op_cache_dir() / LOCK_FILE, "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        baton.write_text("")
     code = "from src.runtime.op_build import prebuild_ops; prebuild_ops(wait_s=60)"
     env = {**cli_env(), "DS_ACCELERATOR": "cpu"}
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
