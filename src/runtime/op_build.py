@@ -10,7 +10,10 @@ extension builder. Left to their defaults, three things go wrong:
 - torch's builder marks a build in progress with a baton file (`lock` in the op's folder)
   that a killed builder leaves behind, and every later start waits on it forever. Every
   build here runs under the project's own flock, which the kernel releases when its holder
-  dies: a baton found while holding the flock is a dead builder's, and is removed;
+  dies: a baton found while holding the flock is a dead builder's, and is removed. One that
+  appears after that check (a process loading outside the flock) is waited on only while a
+  live process holds it open, as torch's builder holds its baton from taking it to
+  releasing it; then it is removed and the load tried once more;
 - nothing bounds the wait: the flock's wait ends after `wait_s` in one line naming the
   lock file and the process that holds it.
 Every process that loads the op (the front door's build, the forkserver, a worker under a
@@ -43,6 +46,7 @@ OP = "deepspeed_shm_comm"  # the folder torch's builder gives DeepSpeed's ShareM
 LOCK_FILE = "build.lock"  # the project's flock, one per cache folder
 BATON = "lock"  # torch's FileBaton in the op's folder
 BUILD_WAIT_S = 900.0  # a first build takes minutes on a few busy cores (388 s seen)
+DEAD_BATON_S = 5.0  # how long a baton no process holds open is waited on before it is removed
 WAIT_LINE_EVERY_S = 30.0
 POLL_S = 0.2
 LOAD_NOTICE = "deepspeed_shm_comm_op built successfully"
@@ -50,6 +54,10 @@ LOAD_NOTICE = "deepspeed_shm_comm_op built successfully"
 
 class OpBuildError(RuntimeError):
     """The op could not be built or loaded; the message says where and why, in one line."""
+
+
+class _DeadBaton(Exception):
+    """torch's builder was waiting on a baton no live process holds: removed, load again."""
 
 
 _loaded = False
@@ -158,11 +166,60 @@ def build_once(cache: Path, op: str, build: Callable[[], object], wait_s: float)
             baton.unlink()
         if not _built(cache, op):
             say(f"building DeepSpeed's CPU op, first start only (a few minutes): {cache / op}")
-        try:
-            build()
-        except Exception as err:  # a compiler's or loader's failure, whatever DeepSpeed raises for it
-            reason = (str(err).strip().splitlines() or [""])[0]
-            raise OpBuildError(f"DeepSpeed's CPU op in {cache / op} failed to build or load: {type(err).__name__}: {reason}") from err
+        for last in (False, True):
+            try:
+                with _dead_batons_removed(baton):
+                    build()
+                return
+            except _DeadBaton:
+                if last:
+                    raise OpBuildError(f"DeepSpeed's CPU op in {cache / op}: a dead builder's baton {baton} came back twice") from None
+            except Exception as err:  # a compiler's or loader's failure, whatever DeepSpeed raises for it
+                reason = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
+                raise OpBuildError(f"DeepSpeed's CPU op in {cache / op} failed to build or load: {reason}") from err
+
+
+@contextlib.contextmanager
+def _dead_batons_removed(baton: Path) -> Iterator[None]:
+    """While torch's builder runs here: its wait on `baton` ends, the baton removed, once no
+    live process has held it open for DEAD_BATON_S (torch's own wait has no end)."""
+    from torch.utils.file_baton import FileBaton
+
+    waits = FileBaton.wait
+
+    def wait(self: FileBaton) -> None:
+        if Path(self.lock_file_path) != baton or not Path("/proc").is_dir():
+            return waits(self)
+        unheld_since = None
+        while baton.exists():
+            now = time.monotonic()
+            if _held_open(baton):
+                unheld_since = None
+            elif unheld_since is None:
+                unheld_since = now
+            elif now - unheld_since >= DEAD_BATON_S:
+                say(f"removing {baton}: no process holds it (a builder that is gone, or one outside the project's lock)")
+                with contextlib.suppress(FileNotFoundError):
+                    baton.unlink()
+                raise _DeadBaton
+            time.sleep(self.wait_seconds)
+
+    FileBaton.wait = wait  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        FileBaton.wait = waits  # type: ignore[method-assign]
+
+
+def _held_open(path: Path) -> bool:
+    """Whether a live process has `path` open (Linux's /proc)."""
+    target = str(path)
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            with contextlib.suppress(OSError):
+                if any(os.readlink(fd.path) == target for fd in os.scandir(proc / "fd")):
+                    return True
+    return False
 
 
 def _acquire(lock: IO[str], path: Path, wait_s: float) -> None:

@@ -8,6 +8,8 @@ import fcntl
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -104,6 +106,56 @@ def test_a_stale_baton_no_longer_hangs_a_real_start():
     # Under pytest-xdist another test's start (under the same flock) may clear the baton
     # first; then this start finds none and says nothing.
     assert result.stderr == "" or f"removing {baton}" in result.stderr, result.stderr[-2000:]
+
+
+@pytest.mark.torch
+def test_a_baton_no_process_holds_is_removed_and_the_load_tried_again(monkeypatch, tmp_path, capsys):
+    """A baton written after the flock's holder checked for one (a process loading outside
+    the flock, then gone) ends torch's wait, which has no end of its own."""
+    from torch.utils.file_baton import FileBaton
+
+    monkeypatch.setattr(op_build, "DEAD_BATON_S", 0.0)
+    baton = tmp_path / OP / BATON
+    calls = []
+
+    def load() -> None:  # as torch's builder: take the baton, or wait for whoever holds it
+        calls.append(1)
+        if len(calls) == 1:
+            baton.parent.mkdir(parents=True, exist_ok=True)
+            baton.write_text("")  # closed at once: no process holds it
+        taken = FileBaton(str(baton))
+        if taken.try_acquire():
+            taken.release()
+        else:
+            taken.wait()
+
+    build_once(tmp_path, OP, load, wait_s=1.0)
+    assert len(calls) == 2 and not baton.exists()
+    assert f"removing {baton}: no process holds it" in capsys.readouterr().err
+
+
+@pytest.mark.torch
+def test_a_baton_a_live_process_holds_is_waited_on(monkeypatch, tmp_path, capsys):
+    from torch.utils.file_baton import FileBaton
+
+    monkeypatch.setattr(op_build, "DEAD_BATON_S", 0.0)
+    baton = tmp_path / OP / BATON
+    baton.parent.mkdir(parents=True)
+
+    def load() -> None:
+        held = os.open(baton, os.O_CREAT | os.O_EXCL)  # another builder's, open while it builds
+
+        def release() -> None:
+            time.sleep(0.3)
+            os.close(held)
+            os.remove(baton)
+
+        threading.Thread(target=release).start()
+        assert not FileBaton(str(baton)).try_acquire()
+        FileBaton(str(baton)).wait()  # returns once the holder releases it
+
+    build_once(tmp_path, OP, load, wait_s=1.0)
+    assert not baton.exists() and "removing" not in capsys.readouterr().err
 
 
 def test_a_process_waiting_on_anothers_build_lock_is_told(monkeypatch, tmp_path):
