@@ -134,11 +134,16 @@ def lock_wait(pids: Iterable[int]) -> str | None:
     holder = _holder(path) if path.exists() else ""
     if not holder.startswith("pid ") or int(holder[4:]) in pids:
         return None
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            if any(os.readlink(fd.path) == str(path) for fd in os.scandir(f"/proc/{pid}/fd")):
-                return f"waits for DeepSpeed's op build lock {path} (held by {holder})"
+    if any(_opens(pid, path) for pid in pids):
+        return f"waits for DeepSpeed's op build lock {path} (held by {holder})"
     return None
+
+
+def _opens(pid: int | str, path: Path) -> bool:
+    """Whether process `pid` has `path` open (Linux's /proc; False where it cannot be read)."""
+    with contextlib.suppress(OSError):
+        return any(os.readlink(fd.path) == str(path) for fd in os.scandir(f"/proc/{pid}/fd"))
+    return False
 
 
 def _built(cache: Path, op: str) -> bool:
@@ -212,14 +217,8 @@ def _dead_batons_removed(baton: Path) -> Iterator[None]:
 
 
 def _held_open(path: Path) -> bool:
-    """Whether a live process has `path` open (Linux's /proc)."""
-    target = str(path)
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            with contextlib.suppress(OSError):
-                if any(os.readlink(fd.path) == target for fd in os.scandir(proc / "fd")):
-                    return True
-    return False
+    """Whether a live process has `path` open."""
+    return any(_opens(proc.name, path) for proc in Path("/proc").iterdir() if proc.name.isdigit())
 
 
 def _acquire(lock: IO[str], path: Path, wait_s: float) -> None:
