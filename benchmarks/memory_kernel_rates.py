@@ -66,25 +66,37 @@ class KernelRule:
     kind: str
     words: tuple[str, ...]  # all in the (truncated) kernel name
     launch_bytes: Callable[[Shape, int], float]  # (shape, the way's LayerNorm element bytes)
+    # Its launches a micro-batch, where the bytes are a launch's; None: the bytes are the step's,
+    # however many launches split them (the optimizer's).
+    per_micro_batch: Callable[[Shape], int] | None
     ways: tuple[str, ...] = tuple(NORM_BYTES)  # the ways whose kernel of this name is this one
+
+
+def _per_layer(s: Shape) -> int:
+    return s.layers
+
+
+def _per_norm(s: Shape) -> int:  # two LayerNorms a layer and the final one
+    return 2 * s.layers + 1
 
 
 RULES = [
     # bf16 in, bf16 out over the MLP's tokens x 4h activations (both ways: the GEMM before it is bf16)
-    KernelRule("gelu forward", ("GeluCUDAKernelImpl",), lambda s, b: 4.0 * s.tokens * 4 * s.hidden),
+    KernelRule("gelu forward", ("GeluCUDAKernelImpl",), lambda s, b: 4.0 * s.tokens * 4 * s.hidden, _per_layer),
     # the incoming gradient and the input read, the input's gradient written
-    KernelRule("gelu backward", ("GeluBackward",), lambda s, b: 6.0 * s.tokens * 4 * s.hidden),
+    KernelRule("gelu backward", ("GeluBackward",), lambda s, b: 6.0 * s.tokens * 4 * s.hidden, _per_layer),
     # the input read and the output written (the rows' mean and reciprocal deviation are negligible)
-    KernelRule("layernorm forward", ("vectorized_layer_norm_kernel",), lambda s, b: 2.0 * b * s.tokens * s.hidden),
+    KernelRule("layernorm forward", ("vectorized_layer_norm_kernel",), lambda s, b: 2.0 * b * s.tokens * s.hidden, _per_norm),
     # the output's gradient and the input read, the input's gradient written
-    KernelRule("layernorm input gradient", ("layer_norm_grad_input",), lambda s, b: 3.0 * b * s.tokens * s.hidden),
+    KernelRule("layernorm input gradient", ("layer_norm_grad_input",), lambda s, b: 3.0 * b * s.tokens * s.hidden, _per_norm),
     # the output's gradient and the input read, reduced over the tokens
-    KernelRule("layernorm weight gradient", ("GammaBetaBackward",), lambda s, b: 2.0 * b * s.tokens * s.hidden),
+    KernelRule("layernorm weight gradient", ("GammaBetaBackward",), lambda s, b: 2.0 * b * s.tokens * s.hidden, _per_norm),
     # fp32 weights, gradients and moments: each read, all but the gradient written (28 bytes a parameter)
     KernelRule(
         "fused adamw",
         ("multi_tensor_apply_kernel",),
         lambda s, b: 28.0 * s.params,
+        None,
         ways=("autocast+fused_adamw",),
     ),
 ]
@@ -95,16 +107,8 @@ def rule_for(name: str, way: str) -> KernelRule | None:
 
 
 def launches_expected(rule: KernelRule, shape: Shape) -> int | None:
-    """How many launches of the kernel one step runs, where the rule's bytes are per launch
-    (the optimizer's bytes are the step's, however many launches it splits them into)."""
-    per_micro_batch = {
-        "gelu forward": shape.layers,
-        "gelu backward": shape.layers,
-        "layernorm forward": 2 * shape.layers + 1,
-        "layernorm input gradient": 2 * shape.layers + 1,
-        "layernorm weight gradient": 2 * shape.layers + 1,
-    }.get(rule.kind)
-    return None if per_micro_batch is None else per_micro_batch * shape.micro_batches
+    """How many launches of the kernel one step runs, where the rule's bytes are per launch."""
+    return None if rule.per_micro_batch is None else rule.per_micro_batch(shape) * shape.micro_batches
 
 
 def kernel_rates(profile: dict[str, Any], hbm: float) -> list[dict[str, Any]]:
