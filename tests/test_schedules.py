@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from src.errors import ConfigError
-from src.schedules.pipeline import build_schedule, in_flight, interleaved, one_f_one_b
+from src.schedules.pipeline import build_schedule, in_flight, interleaved, one_f_one_b, warmup_counts
 
 
 @pytest.mark.parametrize(
@@ -45,6 +45,19 @@ def test_interleaved_warmup_matches_megatron() -> None:
     assert [(op.chunk, op.microbatch) for op in orders[0][:8]] == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2), (1, 3)]
 
 
+@pytest.mark.parametrize("name,chunks", [("1f1b", 1), ("interleaved", 2)])
+def test_extra_warmup_deepens_every_stage_but_the_last(name, chunks) -> None:
+    stages, mbs = 4, 8
+    default = build_schedule(name, stages, mbs, chunks)
+    deeper = build_schedule(name, stages, mbs, chunks, extra_warmup=2)
+    assert [d - w for d, w in zip(warmup_counts(deeper), warmup_counts(default))] == [2, 2, 2, 0]
+    assert [in_flight(o) for o in deeper] == [in_flight(o) + (2 if s < stages - 1 else 0) for s, o in enumerate(default)]
+    # Past every forward a stage runs, the warm-up stops there: all forwards, then all backwards.
+    whole = build_schedule("1f1b", stages, mbs, extra_warmup=100)
+    assert [in_flight(o) for o in whole] == [mbs, mbs, mbs, 1]
+    assert build_schedule(name, stages, mbs, chunks, extra_warmup=0) == default
+
+
 def test_schedule_errors_name_the_numbers() -> None:
     with pytest.raises(ConfigError, match=r"micro-batches \(6\) divisible by pipeline stages \(4\)"):
         build_schedule("interleaved", 4, 6, 2)
@@ -52,3 +65,7 @@ def test_schedule_errors_name_the_numbers() -> None:
         build_schedule("1f1b", 4, 8, 2)
     with pytest.raises(ConfigError, match="unknown schedule"):
         build_schedule("zero_bubble", 4, 8)
+    with pytest.raises(ConfigError, match="-1 extra warm-up forwards"):
+        build_schedule("1f1b", 4, 8, extra_warmup=-1)
+    with pytest.raises(ConfigError, match="GPipe runs every forward first"):
+        build_schedule("gpipe", 4, 8, extra_warmup=1)

@@ -17,9 +17,15 @@ holds positions first_sample(r, j) ...):
   every stage's total (vector LPT: a sequence goes to the replica whose busiest stage it
   raises least), so the encoder's and the generator's stages are balanced each on its own
   rather than in sum; a replica's sequences form micro-batches of balanced stage times
-  (the same rule over its micro-batches); Algorithm 3 orders them.
+  (the same rule over its micro-batches); they run in Algorithm 3's order or spread out
+  (`spread`: heavy and light alternating evenly), whichever the replica's recurrence
+  prices shorter. Algorithm 3 fills the first stage's intervals; where the last stage
+  works per image, a heavy micro-batch there stalls every stage before it, and only a
+  queue in front of it (the schedule's extra warm-up) lets the light ones after it catch
+  up, which they do best spread out.
 
-The costs are linear in a micro-batch's load (a Work's compute scales with its load,
+The recurrence is the plan's 1F1B, its extra warm-up forwards included
+(schedules.pipeline). The costs are linear in a micro-batch's load (a Work's compute scales with its load,
 src/costmodel/compute.py): a stage's forward and backward seconds are a fixed part plus,
 per unit that works per image, seconds per unit of the micro-batch's mean load over its
 sequences. A planner reads these off its plan at the mean load (StageCosts per stage); the
@@ -43,6 +49,10 @@ if TYPE_CHECKING:  # numpy is imported where a batch is balanced: every plan imp
     import numpy as np
 
     from src.data.loads import BatchLoads
+
+
+# The golden ratio's fractional part: its multiples, mod 1, fill [0, 1) most evenly (spread).
+GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
 
 
 @dataclass(frozen=True)
@@ -104,6 +114,7 @@ class Balancer:
     layout: BatchLayout
     stages: tuple[StageCosts, ...]
     dealt: tuple[Dealt, ...] = ()
+    extra_warmup: int = 0  # the pipeline's warm-up forwards beyond 1F1B's (schedules.pipeline)
 
     def __post_init__(self) -> None:
         if self.layout.groups not in (None, self.layout.microbatches):
@@ -157,7 +168,8 @@ class Balancer:
                 self._cut(members) if self.layout.micro_batch == 1 else vector_lpt(seconds, members, self.layout.microbatches)
                 for members in replicas
             ]
-        return self._positions([self._ordered(mbs, fwd, bwd) for mbs in microbatches])
+        ordered = self._ordered if policy == "reorder" else self._ordered_by_cost
+        return self._positions([ordered(mbs, fwd, bwd) for mbs in microbatches])
 
     def makespan(self, loads: Mapping[str, Sequence[float]], order: Sequence[int]) -> float:
         """The cost model's iteration: the slowest replica's 1F1B recurrence over its
@@ -173,11 +185,15 @@ class Balancer:
         fwd, bwd = self._stage_parts(loads)
         for replica in range(layout.dp) if replicas is None else replicas:
             firsts = [layout.first_sample(replica, j) for j in range(layout.microbatches)]
-            sim = IntervalSim(len(self.stages), layout.microbatches)
-            for times in self._times([list(order[p : p + layout.micro_batch]) for p in firsts], fwd, bwd):
-                sim.place(times)
-            spans.append(sim.makespan)
+            spans.append(self._span(self._times([list(order[p : p + layout.micro_batch]) for p in firsts], fwd, bwd)))
         return spans
+
+    def _span(self, times: Sequence[StageTimes]) -> float:
+        """One replica's recurrence over its micro-batches' times, in that order."""
+        sim = IntervalSim(len(self.stages), len(times), self.extra_warmup)
+        for each in times:
+            sim.place(each)
+        return sim.makespan
 
     def times(self, sequences: Sequence[int], loads: Mapping[str, Sequence[float]]) -> StageTimes:
         """A micro-batch's stage times: each unit at its sequences' mean load."""
@@ -222,6 +238,14 @@ class Balancer:
         """Algorithm 3's order of a replica's micro-batches."""
         return [microbatches[i] for i in inter_reorder(self._times(microbatches, fwd, bwd))]
 
+    def _ordered_by_cost(self, microbatches: list[list[int]], fwd: np.ndarray, bwd: np.ndarray) -> list[list[int]]:
+        """Algorithm 3's order or the spread one, whichever the recurrence prices shorter
+        (Algorithm 3's on a tie)."""
+        times = self._times(microbatches, fwd, bwd)
+        orders = (inter_reorder(times), spread([sum(t.fwd) + sum(t.bwd) for t in times]))
+        best = min(orders, key=lambda order: self._span([times[i] for i in order]))
+        return [microbatches[i] for i in best]
+
     def _positions(self, replicas: list[list[list[int]]]) -> tuple[int, ...]:
         positions = [0] * self.layout.global_batch
         for replica, microbatches in enumerate(replicas):
@@ -250,6 +274,19 @@ class Balancing:
     def place(self, loads: BatchLoads) -> tuple[int, ...]:
         """The order of a batch whose sequences weigh `loads`."""
         return self.order(self.balancer.sequence_loads(loads))
+
+
+def spread(seconds: Sequence[float]) -> list[int]:
+    """An order of items weighing `seconds` in which every stretch holds heavy and light
+    alike: heaviest first (ties: the lower index), each at the next position of a
+    low-discrepancy sequence over the order (the golden ratio's multiples, mod 1)."""
+    n = len(seconds)
+    heaviest_first = sorted(range(n), key=lambda i: (-seconds[i], i))
+    positions = sorted(range(n), key=lambda r: ((r * GOLDEN) % 1.0, r))
+    order = [0] * n
+    for position, item in zip(positions, heaviest_first):
+        order[position] = item
+    return order
 
 
 def vector_lpt(seconds: np.ndarray, members: Sequence[int] | range, groups: int) -> list[list[int]]:

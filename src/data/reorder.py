@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from src.schedules.pipeline import PipeOp, one_f_one_b
+from src.schedules.pipeline import PipeOp, build_schedule
 
 
 def lpt(sizes: Sequence[float], groups: int, equal_count: bool = True) -> list[list[int]]:
@@ -44,10 +44,10 @@ def lpt(sizes: Sequence[float], groups: int, equal_count: bool = True) -> list[l
 
 
 @functools.lru_cache(maxsize=64)
-def _one_f_one_b(stages: int, microbatches: int) -> list[list[PipeOp]]:
+def _one_f_one_b(stages: int, microbatches: int, extra_warmup: int) -> list[list[PipeOp]]:
     """1F1B's orders, made once per shape: every replica's reordering walks the same ones
     (read, never changed)."""
-    return one_f_one_b(stages, microbatches)
+    return build_schedule("1f1b", stages, microbatches, extra_warmup=extra_warmup)
 
 
 def group_loads(sizes: Sequence[float], members: list[list[int]]) -> list[float]:
@@ -66,11 +66,12 @@ class IntervalSim:
     """1F1B over `stages` stages and `microbatches` positions, advanced as positions are
     filled: end(op) = max(end of the stage's previous op, end of its dependency) + its
     duration, where F(s, j) depends on F(s-1, j), B(s, j) on B(s+1, j) and B(p-1, j) on
-    F(p-1, j). Ops run only once their position is filled, in each stage's 1F1B order."""
+    F(p-1, j). Ops run only once their position is filled, in each stage's 1F1B order
+    (`extra_warmup`: that many more warm-up forwards on every stage but the last)."""
 
-    def __init__(self, stages: int, microbatches: int) -> None:
+    def __init__(self, stages: int, microbatches: int, extra_warmup: int = 0) -> None:
         self.p, self.m = stages, microbatches
-        self.orders = _one_f_one_b(stages, microbatches)
+        self.orders = _one_f_one_b(stages, microbatches, extra_warmup)
         self.next = [0] * stages
         self.free = [0.0] * stages
         # end of F(s, j) and B(s, j), None until run: indexed [stage][microbatch]

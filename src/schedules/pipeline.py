@@ -4,6 +4,15 @@ A schedule says, for each pipeline stage, the order of its forward and backward 
 over (virtual chunk, micro-batch). Planners turn these orders into instructions; the
 simulator and the runtime execute the same instructions, so there is one implementation
 of each schedule.
+
+1F1B bounds how far a stage runs ahead of the stages after it: stage s starts its first
+backward after p - s - 1 warm-up forwards, so one micro-batch queues in front of the last
+stage. Where the last stage's micro-batches take unequal times (an MLLM's generator on a
+stage of its own, each micro-batch as heavy as its sequences' images), a slow one stalls
+every stage before it and a quick one cannot give the time back. `extra_warmup` runs k
+more warm-up forwards on every stage but the last: k more micro-batches queue in front of
+it, which its quick micro-batches drain, at the memory of k more micro-batches' activations
+a stage.
 """
 
 from __future__ import annotations
@@ -89,16 +98,34 @@ def _warmup(warmups: Sequence[int] | None, stage: int, default: int, least: int,
     return warmups[stage]
 
 
-def build_schedule(name: str, stages: int, microbatches: int, chunks: int = 1) -> list[list[PipeOp]]:
+def build_schedule(name: str, stages: int, microbatches: int, chunks: int = 1, extra_warmup: int = 0) -> list[list[PipeOp]]:
+    """`extra_warmup`: more warm-up forwards on every stage but the last (the module's
+    docstring), up to every forward a stage runs."""
     if name not in SCHEDULES:
         raise ConfigError(f"unknown schedule {name!r}; choose one of {list(SCHEDULES)}")
     if name != "interleaved" and chunks != 1:
         raise ConfigError(f"virtual pipeline chunks (vpp={chunks}) need schedule=interleaved, not {name}")
+    if extra_warmup < 0 or (extra_warmup and name == "gpipe"):
+        raise ConfigError(f"{extra_warmup} extra warm-up forwards: a 1F1B schedule takes 0 or more (GPipe runs every forward first)")
     if name == "gpipe":
         return gpipe(stages, microbatches)
-    if name == "1f1b":
-        return one_f_one_b(stages, microbatches)
-    return interleaved(stages, microbatches, chunks)
+    default = one_f_one_b(stages, microbatches) if name == "1f1b" else interleaved(stages, microbatches, chunks)
+    if not extra_warmup:
+        return default
+    total = microbatches * chunks
+    warmups = [min(w + extra_warmup, total) if s < stages - 1 else w for s, w in enumerate(warmup_counts(default))]
+    return one_f_one_b(stages, microbatches, warmups) if name == "1f1b" else interleaved(stages, microbatches, chunks, warmups)
+
+
+def warmup_counts(orders: list[list[PipeOp]]) -> list[int]:
+    """Warm-up forwards per stage: those before its first backward but the one the
+    steady phase pairs with it (what `one_f_one_b` and `interleaved` take as `warmups`)."""
+    out = []
+    for order in orders:
+        first = next((i for i, op in enumerate(order) if op.kind == "B"), len(order))
+        forwards = sum(1 for op in order[:first] if op.kind == "F")
+        out.append(forwards - 1 if first < len(order) else forwards)
+    return out
 
 
 def in_flight(order: list[PipeOp]) -> int:

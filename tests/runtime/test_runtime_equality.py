@@ -51,6 +51,9 @@ CASES = {
     + ["strategy=megatron", "strategy.tp=1", "strategy.pp=2", "strategy.micro_batch_size=2", "strategy.schedule=1f1b"],
     "megatron_pp2_gpipe": GPT
     + ["strategy=megatron", "strategy.tp=1", "strategy.pp=2", "strategy.micro_batch_size=2", "strategy.schedule=gpipe"],
+    # Stage 0 runs three forwards ahead of its first backward, not one: what it sends queues.
+    "megatron_pp2_extra_warmup": GPT
+    + ["strategy=megatron", "strategy.tp=1", "strategy.pp=2", "strategy.micro_batch_size=1", "strategy.extra_warmup=2"],
     # Each layer's gradients all-reduced over dp 2 as the last micro-batch's backward finishes it.
     "megatron_dp2_overlap_grad_reduce": GPT
     + [

@@ -119,6 +119,7 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
     ("megatron", "vpp"): (MEGATRON, ["strategy.vpp=2", "strategy.schedule=interleaved"], "run", EQUALITY),
     ("megatron", "micro_batch_size"): (MEGATRON, ["strategy.micro_batch_size=4"], "run", EQUALITY),
     ("megatron", "schedule"): (MEGATRON, ["strategy.schedule=gpipe"], "run", EQUALITY),
+    ("megatron", "extra_warmup"): (MEGATRON, ["strategy.extra_warmup=2"], "run", EQUALITY),
     ("megatron", "recompute"): (MEGATRON, ["strategy.recompute=full"], "run", EQUALITY),
     ("megatron", "sequence_parallel"): (MEGATRON, ["strategy.tp=2", "strategy.sequence_parallel=true"], "run", EQUALITY),
     ("megatron", "zero_stage"): (MEGATRON, ["strategy.zero_stage=1"], "run", EQUALITY),

@@ -182,7 +182,8 @@ def on_the_data(plan: Plan, request: PlanRequest) -> Plan:
         for unit_plan in plan.units
         if unit_plan.unit in per_image and unit_plan.row_shares > 1
     }
-    placed = place_batch(request, batch, stage_costs(program, request, per_image), tuple(dealt.values()))
+    costs = stage_costs(program, request, per_image)
+    placed = place_batch(request, batch, costs, tuple(dealt.values()), plan.details.get("extra_warmup", 0))
     by_unit = {
         unit: dealt_loads(placed.loads.per_image(unit), batch, placed.order, dealt[unit])
         if unit in dealt
@@ -237,14 +238,17 @@ def record_unskewed(plan: Plan, request: PlanRequest) -> None:
         plan.details["balance_policy"] = request.train.balance
 
 
-def place_batch(request: PlanRequest, batch: BatchLayout, costs: tuple[StageCosts, ...], dealt: tuple[Dealt, ...] = ()) -> PlacedBatch:
+def place_batch(
+    request: PlanRequest, batch: BatchLayout, costs: tuple[StageCosts, ...], dealt: tuple[Dealt, ...] = (), extra_warmup: int = 0
+) -> PlacedBatch:
     """The request's global batch (train.data, or the images a run sampled) placed over
     `batch`'s replicas and micro-batches by train.balance (none: the data order), the
-    policy reading the pipeline's stage `costs`."""
+    policy reading the pipeline's stage `costs` (`extra_warmup`: its schedule's warm-up
+    forwards beyond 1F1B's)."""
     model, train = request.model, request.train
     policy = train.balance or "none"
     loads = batch_loads(model, train.seed, train.global_batch, train.data, request.sample_images, request.batch_index)
-    balancing = None if policy == "none" else Balancing(policy, Balancer(batch, costs, dealt))
+    balancing = None if policy == "none" else Balancing(policy, Balancer(batch, costs, dealt, extra_warmup))
     order = tuple(range(train.global_batch)) if balancing is None else balancing.place(loads)
     return PlacedBatch(train.data, policy, loads, order, balancing)
 

@@ -108,12 +108,12 @@ def live_counts(order: list[PipeOp], chunks: int) -> LiveCounts:
     )
 
 
-def steady_microbatches(schedule: str, pp: int, microbatches: int, vpp: int) -> int:
+def steady_microbatches(schedule: str, pp: int, microbatches: int, vpp: int, extra_warmup: int = 0) -> int:
     """Past a few rounds, 1F1B and its interleaved form only repeat their steady state:
     the in-flight counts of a longer schedule are those of this many micro-batches."""
     if schedule == "gpipe":
         return microbatches
-    warmup = 2 * (pp - 1) + (vpp - 1) * pp
+    warmup = 2 * (pp - 1) + (vpp - 1) * pp + extra_warmup
     rounds = -(-(warmup + pp * vpp) // (pp * vpp))
     return min(microbatches, rounds * pp)
 
@@ -292,19 +292,22 @@ class PipelineEstimator:
         return deg.tp if run.replicated else 1
 
     # ---- memory ---------------------------------------------------------------------------
-    def memory_table(self, deg: Degrees, schedule: str, sequence_parallel: bool, virtual: list[list[Segment]]) -> MemoryTable:
+    def memory_table(
+        self, deg: Degrees, schedule: str, sequence_parallel: bool, virtual: list[list[Segment]], extra_warmup: int = 0
+    ) -> MemoryTable:
         stages = [tuple(tuple(virtual[chunk * deg.pp + stage]) for chunk in range(deg.vpp)) for stage in range(deg.pp)]
         return MemoryTable(
             self,
             deg,
             self.runs(deg, sequence_parallel, virtual),
             stages,
-            self.schedule_profile(schedule, deg.pp, self.microbatches(deg), deg.vpp),
+            self.schedule_profile(schedule, deg.pp, self.microbatches(deg), deg.vpp, extra_warmup),
         )
 
     def memory(self, deg: Degrees, cfg: MegatronSettings, virtual: list[list[Segment]]) -> list[dict[str, float]]:
         """Per stage: weights, grads, optimizer, activations and total bytes of one rank."""
-        return self.memory_table(deg, cfg.schedule, cfg.sequence_parallel, virtual).need(cfg.recompute, cfg.zero_stage)
+        table = self.memory_table(deg, cfg.schedule, cfg.sequence_parallel, virtual, cfg.extra_warmup)
+        return table.need(cfg.recompute, cfg.zero_stage)
 
     def model_states(self, chunks: tuple[tuple[Segment, ...], ...], shards: int, zero_stage: int, dp: int) -> dict[str, float]:
         """Model states of a stage's layer ranges (rank_memory sums them range by range;
@@ -373,14 +376,14 @@ class PipelineEstimator:
             self._largest[key] = rematerialised_bytes(layers, sharding)
         return self._largest[key]
 
-    def _orders(self, schedule: str, pp: int, microbatches: int, vpp: int) -> list[list[PipeOp]]:
-        key = (schedule, pp, microbatches, vpp)
+    def _orders(self, schedule: str, pp: int, microbatches: int, vpp: int, extra_warmup: int) -> list[list[PipeOp]]:
+        key = (schedule, pp, microbatches, vpp, extra_warmup)
         if key not in self._schedules:
             self._schedules[key] = build_schedule(*key)
         return self._schedules[key]
 
-    def schedule_profile(self, schedule: str, pp: int, microbatches: int, vpp: int) -> list[LiveCounts]:
-        key = (schedule, pp, steady_microbatches(schedule, pp, microbatches, vpp), vpp)
+    def schedule_profile(self, schedule: str, pp: int, microbatches: int, vpp: int, extra_warmup: int = 0) -> list[LiveCounts]:
+        key = (schedule, pp, steady_microbatches(schedule, pp, microbatches, vpp, extra_warmup), vpp, extra_warmup)
         if key not in self._live:
             self._live[key] = [live_counts(order, vpp) for order in self._orders(*key)]
         return self._live[key]
@@ -560,7 +563,7 @@ class PipelineEstimator:
     def quick_bound(self, deg: Degrees, cfg: MegatronSettings, passes: Passes) -> float:
         pp, m = deg.pp, passes.microbatches
         fwd, bwd, hop, tail = passes.fwd, passes.bwd, passes.hop, passes.tail
-        profile = self.schedule_profile(cfg.schedule, pp, m, deg.vpp)
+        profile = self.schedule_profile(cfg.schedule, pp, m, deg.vpp, cfg.extra_warmup)
         best, ready = 0.0, 0.0  # ready: when micro-batch 0 can enter stage s's first chunk
         for stage in range(pp):
             end = ready + m * sum(fwd[c * pp + stage] + bwd[c * pp + stage] for c in range(deg.vpp))
@@ -579,7 +582,7 @@ class PipelineEstimator:
 
     def path_bound(self, deg: Degrees, cfg: MegatronSettings, passes: Passes) -> float:
         pp, vpp = deg.pp, deg.vpp
-        orders = self._orders(cfg.schedule, pp, passes.microbatches, vpp)
+        orders = self._orders(cfg.schedule, pp, passes.microbatches, vpp, cfg.extra_warmup)
         fwd, bwd, hop, grads_back = passes.fwd, passes.bwd, passes.hop, passes.grads_back
         last = len(fwd) - 1
         done: dict[tuple[str, int, int], float] = {}

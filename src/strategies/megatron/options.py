@@ -73,6 +73,9 @@ class MegatronOptions(MegatronChoices):
     # their own, or DeepSpeed's pipeline engine's synchronous ones in its step order, which
     # DeepSpeed-3D sets.
     p2p: str = "eager"
+    # Warm-up forwards beyond 1F1B's on every stage but the last (schedules.pipeline): micro-batches
+    # queued in front of a last stage whose micro-batches take unequal times (an MLLM's generator).
+    extra_warmup: int = 0
 
     def __post_init__(self) -> None:
         for key in ("tp", "pp", "dp", "vpp", "micro_batch_size"):
@@ -128,6 +131,18 @@ class MegatronOptions(MegatronChoices):
                 f"strategy.p2p=deepspeed exchanges in the order of DeepSpeed's TrainSchedule, a 1F1B without virtual "
                 f"stages: set strategy.schedule=1f1b (got {self.schedule or 'null, which leaves it to the search'})"
             )
+        if not isinstance(self.extra_warmup, int) or isinstance(self.extra_warmup, bool) or self.extra_warmup < 0:
+            raise ConfigError(f"strategy.extra_warmup must be an integer of 0 or more, got {self.extra_warmup!r}")
+        if self.extra_warmup and (self.schedule == "gpipe" or self.p2p == "deepspeed"):
+            why = (
+                "GPipe runs every forward first"
+                if self.schedule == "gpipe"
+                else (
+                    "DeepSpeed's engine pairs each send with the neighbour's next step (strategy.p2p=deepspeed), "
+                    "which a deeper warm-up would wait on forever"
+                )
+            )
+            raise ConfigError(f"strategy.extra_warmup={self.extra_warmup} deepens 1F1B's warm-up: {why}")
         if self.choose_on not in CHOOSE_ON:
             raise ConfigError(f"strategy.choose_on={self.choose_on!r}; choose one of {list(CHOOSE_ON)}")
         if any(not isinstance(name, str) for name in self.replicate) or len(set(self.replicate)) != len(self.replicate):

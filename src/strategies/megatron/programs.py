@@ -40,6 +40,7 @@ class MegatronSettings:
     grad_all_reduce: bool = False  # the whole gradient all-reduced under a sharded optimizer (DeepSpeed's pipeline engine)
     grad_accum_dtype: str | None = None  # a second copy of the gradients accumulated in this type (memory.kept_grad_bytes)
     p2p: str = "eager"  # how stages exchange payloads (builders.pipeline.P2P_EXCHANGES)
+    extra_warmup: int = 0  # warm-up forwards beyond 1F1B's on every stage but the last (schedules.pipeline)
 
 
 def pipeline_program(
@@ -54,7 +55,7 @@ def pipeline_program(
     """`virtual`: the pp x vpp virtual stages (stages.pipeline_segments, or a balanced cut)."""
     pp, vpp = deg.pp, deg.vpp
     mesh = megatron_mesh(deg.tp, deg.dp, pp)
-    orders = build_schedule(cfg.schedule, pp, deg.batch_layout(global_batch).microbatches, vpp)
+    orders = build_schedule(cfg.schedule, pp, deg.batch_layout(global_batch).microbatches, vpp, cfg.extra_warmup)
     program = Program(world_size=mesh.size, classes=[])
     settings = PipelineSettings(
         deg.micro_batch,

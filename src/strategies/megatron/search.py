@@ -162,6 +162,7 @@ class MegatronSearch:
                 self.opts.grad_all_reduce,
                 self.opts.grad_accum_dtype,
                 self.opts.p2p,
+                self.opts.extra_warmup,
             )
             try:
                 candidate = self._check(shape, settings, step, tables)
@@ -196,7 +197,9 @@ class MegatronSearch:
             key = tuple(tuple(stage) for stage in virtual)
             table = tables.get(key)
             if table is None:
-                table = tables[key] = self.estimator.memory_table(shape.degrees, shape.schedule, shape.sequence_parallel, virtual)
+                table = tables[key] = self.estimator.memory_table(
+                    shape.degrees, shape.schedule, shape.sequence_parallel, virtual, self.opts.extra_warmup
+                )
             worst = table.worst(settings.recompute, settings.zero_stage)
             if worst <= usable or self.closest is None or worst - usable < self.closest[0]:
                 candidate = Candidate(
@@ -393,6 +396,7 @@ class MegatronSearch:
                 "vpp": deg.vpp,
                 "micro_batch": deg.micro_batch,
                 "schedule": cfg.schedule,
+                "extra_warmup": cfg.extra_warmup,
                 "recompute": cfg.recompute,
                 "sequence_parallel": cfg.sequence_parallel,
                 "zero_stage": cfg.zero_stage,

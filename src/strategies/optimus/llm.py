@@ -26,7 +26,7 @@ from src.costmodel.memory import grad_bytes, memory_ladder, rank_memory, weight_
 from src.models.spec import ModelSpec
 from src.errors import PlanError
 from src.program import Collective, Compute, Instruction, Program, RankProgram, UnitPlan
-from src.schedules.pipeline import build_schedule, interleaved
+from src.schedules.pipeline import build_schedule, interleaved, warmup_counts
 from src.strategies.base import PlanRequest
 from src.strategies.builders.emit import iteration_tail
 from src.strategies.builders.layout import megatron_mesh
@@ -44,7 +44,6 @@ from src.strategies.optimus.timeline import (
     op_costs,
     stage_slots,
     time_pipeline,
-    warmup_counts,
 )
 
 

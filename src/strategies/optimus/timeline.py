@@ -29,7 +29,7 @@ from src.costmodel.comm import CommModel
 from src.costmodel.compute import ComputeModel
 from src.models.spec import ModelSpec
 from src.program import COMPUTE_STREAM, Collective, Compute, Hop, Program, Recv
-from src.schedules.pipeline import PipeOp, interleaved
+from src.schedules.pipeline import PipeOp, interleaved, warmup_counts
 from src.strategies.builders.pipeline import Stage
 
 EPS = 1e-9
@@ -179,17 +179,6 @@ def makespan(times: list[StageTimes]) -> float:
     return max(t.last for t in times)
 
 
-def warmup_counts(orders: list[list[PipeOp]]) -> list[int]:
-    """Warm-up forwards per stage: those before its first backward but the one the
-    steady phase pairs with it."""
-    out = []
-    for order in orders:
-        first = _first_backward(order)
-        forwards = sum(1 for op in order[:first] if op.kind == "F")
-        out.append(forwards - 1 if first < len(order) else forwards)
-    return out
-
-
 def deferred_warmups(microbatches: int, chunks: int, tables: list[CostTable], base: list[list[PipeOp]]) -> list[int]:
     """GetEncLLMDep's adjustment: the first stage runs as few warm-up forwards as keep the
     pipeline as short as Megatron's warm-up counts do, each step taking one forward off
@@ -218,10 +207,6 @@ def deferred_warmups(microbatches: int, chunks: int, tables: list[CostTable], ba
         else:
             return warmups
     return warmups
-
-
-def _first_backward(order: list[PipeOp]) -> int:
-    return next((i for i, op in enumerate(order) if op.kind == "B"), len(order))
 
 
 @dataclass

@@ -109,6 +109,25 @@ def test_memory_follows_the_schedule_and_the_memory_options() -> None:
         < one_f_one_b
     )
     assert peak(recompute="none", zero_stage=1, schedule="1f1b") < one_f_one_b
+    # Two more warm-up forwards: stage 0 holds 6 micro-batches' activations, not 4.
+    assert one_f_one_b < peak(recompute="none", zero_stage=0, schedule="1f1b", extra_warmup=2) < gpipe
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"extra_warmup": -1}, r"^strategy.extra_warmup must be an integer of 0 or more, got -1$"),
+        ({"extra_warmup": True}, r"^strategy.extra_warmup must be an integer of 0 or more, got True$"),
+        ({"extra_warmup": 2, "schedule": "gpipe"}, r"^strategy.extra_warmup=2 deepens 1F1B's warm-up: GPipe runs every forward"),
+        (
+            {"extra_warmup": 1, "p2p": "deepspeed", "schedule": "1f1b"},
+            r"^strategy.extra_warmup=1 deepens .*\(strategy.p2p=deepspeed\), which a deeper warm-up would wait on forever$",
+        ),
+    ],
+)
+def test_a_bad_extra_warmup_is_one_line(options: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        MegatronOptions(**options)
 
 
 def test_mllm_encoder_and_generator_are_extra_stages_or_merged() -> None:
@@ -282,6 +301,7 @@ def _sample_candidates(every: bool):
         (request(GPT_SMALL, "perlmutter", 3, 48), {"uneven_pp": True}, all_settings, [(1, 3, 4, 1, 1, "1f1b")]),
         (mllm, {}, some, [(8, 4, 2, 1, 1, "1f1b")]),
         (mllm, {"modality_stages": "merged"}, some, [(8, 2, 4, 2, 1, "interleaved")]),
+        (mllm, {"extra_warmup": 2}, some, [(8, 4, 2, 1, 1, "1f1b")]),
         (request(OPTIMUS_SMALL, "hopper", 1, 8), {"balance": True}, some, [(2, 2, 2, 3, 1, "interleaved")]),
     ]
     turn = itertools.count()
@@ -291,7 +311,9 @@ def _sample_candidates(every: bool):
                 for (recompute, zero), overlap in settings if every else [settings[next(turn) % len(settings)]]:
                     opts = MegatronOptions(overlap_grad_reduce=overlap, **extra)
                     shape = Shape(Degrees(tp, pp, dp, vpp, mb), sp, schedule)
-                    cfg = MegatronSettings(schedule, recompute, sp, zero, overlap, opts.modality_stages, opts.uneven_pp)
+                    cfg = MegatronSettings(
+                        schedule, recompute, sp, zero, overlap, opts.modality_stages, opts.uneven_pp, extra_warmup=opts.extra_warmup
+                    )
                     yield req, MegatronSearch(req, opts, contrastive=False, searched=True), shape, cfg
 
 
@@ -319,16 +341,18 @@ def test_estimated_memory_and_bounds_agree_with_the_built_program(every: bool) -
         path = search.estimator.path_bound(deg, cfg, passes)
         assert work <= stages * (1 + 1e-9) and stages <= path * (1 + 1e-9) and path <= time, (shape, cfg)
         checked += 1
-    assert checked == (8 * 12 + 6 * 3 if every else 8 + 6)
+    assert checked == (8 * 12 + 8 * 3 if every else 8 + 8)
 
 
-def test_long_schedules_hold_the_in_flight_counts_of_their_first_rounds() -> None:
+@pytest.mark.parametrize("extra", [0, 3])
+def test_long_schedules_hold_the_in_flight_counts_of_their_first_rounds(extra) -> None:
     for pp, vpp in [(2, 1), (4, 1), (3, 2), (4, 3), (8, 2)]:
         schedule = "interleaved" if vpp > 1 else "1f1b"
         for microbatches in range(pp, 12 * pp + 1, pp):
-            steady = steady_microbatches(schedule, pp, microbatches, vpp)
+            steady = steady_microbatches(schedule, pp, microbatches, vpp, extra)
             assert steady <= microbatches
-            for long, short in zip(build_schedule(schedule, pp, microbatches, vpp), build_schedule(schedule, pp, steady, vpp)):
+            longer = build_schedule(schedule, pp, microbatches, vpp, extra)
+            for long, short in zip(longer, build_schedule(schedule, pp, steady, vpp, extra)):
                 a, b = live_counts(long, vpp), live_counts(short, vpp)
                 assert (set(a.after_forward), set(a.before_backward)) == (set(b.after_forward), set(b.before_backward))
 

@@ -15,7 +15,7 @@ from src.costmodel.compute import ComputeModel
 from src.costmodel.memory import rank_memory
 from src.errors import ConfigError, PlanError
 from src.program import Compute, RankProgram
-from src.schedules.pipeline import interleaved, one_f_one_b
+from src.schedules.pipeline import interleaved, one_f_one_b, warmup_counts
 from src.setup import Setup, plan_run, validate
 from src.sim.engine import simulate
 from src.strategies.base import PlanRequest
@@ -28,7 +28,7 @@ from src.strategies.optimus.llm import LLMPipelines
 from src.strategies.optimus.planner import OptimusOptions, _llm_and_encoders, _RungJobs
 from src.strategies.optimus.encoder import EncoderPlan, Layout
 from src.strategies.optimus.scheduler import BubbleScheduler, partitions, spread
-from src.strategies.optimus.timeline import EPS, makespan, warmup_counts
+from src.strategies.optimus.timeline import EPS, makespan
 from src.config import options_from
 from tests.composing import composed
 
