@@ -53,6 +53,15 @@ SERIES = [
 ]
 # A plan chosen on the data replaces the one chosen at the mean load: its skew is that one's.
 SKEW_OF = ["megatron_on_data=megatron", "disttrain_on_data=disttrain"]
+# Megatron-LM's search with k more warm-up forwards on every stage but the last (strategy.extra_warmup),
+# k = 1, 2, 4 (not searched: each is a plan of its own, whose skew is Megatron-LM's 1F1B's).
+WARMUPS = (1, 2, 4)
+WARMUP_SERIES = [
+    f"megatron_warmup{k}=strategy=megatron strategy.modality_stages=extra strategy.replicate=[encoder,generator] "
+    f"strategy.extra_warmup={k}"
+    for k in WARMUPS
+]
+WARMUP_SKEW_OF = [f"megatron_warmup{k}=megatron" for k in WARMUPS]
 A800 = "1152 A800s, batch 1920"
 
 
@@ -88,9 +97,15 @@ DUALENC_SERIES = [
     "optimus=strategy=optimus strategy.llm.tp=8 strategy.llm.pp=8 strategy.llm.micro_batch_size=2",
 ]
 CASES: dict[str, Case] = {
-    "mllm_9b": Case(BASE + ["model=mllm_9b", "model.images_per_sequence=10"], 16),
-    "mllm_15b": Case(BASE + ["model=mllm_15b", "model.images_per_sequence=10"], 8),
-    "mllm_72b": Case(BASE + ["model=mllm_72b", "model.images_per_sequence=10"], 8),
+    "mllm_9b": Case(
+        BASE + ["model=mllm_9b", "model.images_per_sequence=10"], 16, A800, SERIES + WARMUP_SERIES, SKEW_OF + WARMUP_SKEW_OF
+    ),
+    "mllm_15b": Case(
+        BASE + ["model=mllm_15b", "model.images_per_sequence=10"], 8, A800, SERIES + WARMUP_SERIES, SKEW_OF + WARMUP_SKEW_OF
+    ),
+    "mllm_72b": Case(
+        BASE + ["model=mllm_72b", "model.images_per_sequence=10"], 8, A800, SERIES + WARMUP_SERIES, SKEW_OF + WARMUP_SKEW_OF
+    ),
     "mllm_9b_images_5": Case(BASE + ["model=mllm_9b", "model.images_per_sequence=5"], 4),
     "mllm_9b_images_20": Case(BASE + ["model=mllm_9b", "model.images_per_sequence=20"], 4),
     "mllm_9b_spread_0": Case(BASE + ["model=mllm_9b", "model.images_per_sequence=10", "model.image_size_spread=0"], 4),

@@ -168,8 +168,9 @@ class Balancer:
                 self._cut(members) if self.layout.micro_batch == 1 else vector_lpt(seconds, members, self.layout.microbatches)
                 for members in replicas
             ]
-        ordered = self._ordered if policy == "reorder" else self._ordered_by_cost
-        return self._positions([ordered(mbs, fwd, bwd) for mbs in microbatches])
+        if policy == "reorder":
+            return self._positions([self._ordered(mbs, fwd, bwd) for mbs in microbatches])
+        return self._positions(self._ordered_by_cost(microbatches, fwd, bwd))
 
     def makespan(self, loads: Mapping[str, Sequence[float]], order: Sequence[int]) -> float:
         """The cost model's iteration: the slowest replica's 1F1B recurrence over its
@@ -238,13 +239,21 @@ class Balancer:
         """Algorithm 3's order of a replica's micro-batches."""
         return [microbatches[i] for i in inter_reorder(self._times(microbatches, fwd, bwd))]
 
-    def _ordered_by_cost(self, microbatches: list[list[int]], fwd: np.ndarray, bwd: np.ndarray) -> list[list[int]]:
-        """Algorithm 3's order or the spread one, whichever the recurrence prices shorter
-        (Algorithm 3's on a tie)."""
-        times = self._times(microbatches, fwd, bwd)
-        orders = (inter_reorder(times), spread([sum(t.fwd) + sum(t.bwd) for t in times]))
-        best = min(orders, key=lambda order: self._span([times[i] for i in order]))
-        return [microbatches[i] for i in best]
+    def _ordered_by_cost(self, replicas: list[list[list[int]]], fwd: np.ndarray, bwd: np.ndarray) -> list[list[list[int]]]:
+        """Each replica's micro-batches in Algorithm 3's order or the spread one, whichever
+        its recurrence prices shorter (Algorithm 3's on a tie); every replica's two timed at
+        once (order_search.makespans)."""
+        import numpy as np
+
+        from src.data.order_search import makespans, time_tables
+
+        times = [self._times(microbatches, fwd, bwd) for microbatches in replicas]
+        firsts = [inter_reorder(each) for each in times]
+        spreads = [spread([sum(t.fwd) + sum(t.bwd) for t in each]) for each in times]
+        count = len(replicas)
+        spans = makespans(time_tables(times), np.tile(np.arange(count), 2), np.array(firsts + spreads), self.extra_warmup)
+        best = [first if spans[g] <= spans[count + g] else other for g, (first, other) in enumerate(zip(firsts, spreads))]
+        return [[microbatches[i] for i in order] for microbatches, order in zip(replicas, best)]
 
     def _positions(self, replicas: list[list[list[int]]]) -> tuple[int, ...]:
         positions = [0] * self.layout.global_batch

@@ -26,7 +26,7 @@ from typing import Sequence
 import numpy as np
 
 from src.data.reorder import StageTimes
-from src.schedules.pipeline import one_f_one_b
+from src.schedules.pipeline import build_schedule
 
 ROUNDS = 24
 # Candidates a round times over all the pipelines searched together, shared among them (each
@@ -52,8 +52,8 @@ class _Recurrence:
 
 
 @functools.lru_cache(maxsize=32)
-def _recurrence(stages: int, microbatches: int) -> _Recurrence:
-    orders = one_f_one_b(stages, microbatches)
+def _recurrence(stages: int, microbatches: int, extra_warmup: int) -> _Recurrence:
+    orders = build_schedule("1f1b", stages, microbatches, extra_warmup=extra_warmup)
     index: dict[tuple[int, str, int], int] = {}
     for s, order in enumerate(orders):
         for op in order:
@@ -98,13 +98,19 @@ def _recurrence(stages: int, microbatches: int) -> _Recurrence:
     return _Recurrence(count, tuple(levels), np.array([rows[o] for o in ranked]), np.array([positions[o] for o in ranked]))
 
 
-def makespans(tables: np.ndarray, pipelines: np.ndarray, orders: np.ndarray) -> np.ndarray:
-    """The 1F1B makespan of each candidate: `tables[g]` is pipeline g's time table (2 x
-    stages rows: each stage's forward then each stage's backward seconds; a column per
-    micro-batch), candidate c runs pipeline `pipelines[c]`'s micro-batches in the order
-    `orders[c]` (micro-batch indices by position)."""
+def time_tables(times: Sequence[Sequence[StageTimes]]) -> np.ndarray:
+    """Per pipeline a row per stage's forward, then per stage's backward; a column per
+    micro-batch (what `makespans` reads)."""
+    return np.array([[[*t.fwd, *t.bwd] for t in pipe] for pipe in times]).transpose(0, 2, 1)
+
+
+def makespans(tables: np.ndarray, pipelines: np.ndarray, orders: np.ndarray, extra_warmup: int = 0) -> np.ndarray:
+    """The 1F1B makespan of each candidate: `tables[g]` is pipeline g's time table
+    (`time_tables`), candidate c runs pipeline `pipelines[c]`'s micro-batches in the order
+    `orders[c]` (micro-batch indices by position); `extra_warmup`: the schedule's warm-up
+    forwards beyond 1F1B's (schedules.pipeline)."""
     stages, microbatches = tables.shape[1] // 2, tables.shape[2]
-    rec = _recurrence(stages, microbatches)
+    rec = _recurrence(stages, microbatches, extra_warmup)
     # Each operation's seconds under each candidate (its row, at the micro-batch its position
     # holds), which the levels turn into its end.
     ends = np.zeros((rec.ops + 1, len(pipelines)))
@@ -114,7 +120,7 @@ def makespans(tables: np.ndarray, pipelines: np.ndarray, orders: np.ndarray) -> 
     return ends.max(axis=0)
 
 
-def improve(times: Sequence[Sequence[StageTimes]], starts: Sequence[Sequence[int]]) -> list[list[int]]:
+def improve(times: Sequence[Sequence[StageTimes]], starts: Sequence[Sequence[int]], extra_warmup: int = 0) -> list[list[int]]:
     """Each pipeline's order (`times[g]`: its micro-batches' stage times, `starts[g]`: the
     order the search starts from), never slower by the recurrence than its start. The
     pipelines must share their numbers of stages and micro-batches."""
@@ -122,10 +128,9 @@ def improve(times: Sequence[Sequence[StageTimes]], starts: Sequence[Sequence[int
         return [list(start) for start in starts]
     orders = np.array([list(start) for start in starts], dtype=np.int64)
     count, microbatches = orders.shape
-    # Per pipeline: a row per stage's forward, then per stage's backward; a column per micro-batch.
-    tables = np.array([[[*t.fwd, *t.bwd] for t in pipe] for pipe in times]).transpose(0, 2, 1)
+    tables = time_tables(times)
     every = np.arange(count)
-    best = makespans(tables, every, orders)
+    best = makespans(tables, every, orders, extra_warmup)
     per = max(1, CANDIDATES // count)
     rng = np.random.default_rng(SEED)
     pipelines, rows = np.repeat(every, per), np.arange(count * per)
@@ -134,7 +139,7 @@ def improve(times: Sequence[Sequence[StageTimes]], starts: Sequence[Sequence[int
         second = (first + rng.integers(1, microbatches, size=count * per)) % microbatches  # another position
         candidates = orders[pipelines]  # a copy: fancy indexing
         candidates[rows, first], candidates[rows, second] = orders[pipelines, second], orders[pipelines, first]
-        spans = makespans(tables, pipelines, candidates).reshape(count, per)
+        spans = makespans(tables, pipelines, candidates, extra_warmup).reshape(count, per)
         pick = spans.argmin(axis=1)
         shortest = spans[every, pick]
         better = shortest < best

@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from src.data.order_search import improve, makespans
+from src.data.order_search import improve, makespans, time_tables
 from src.data.reorder import IntervalSim, StageTimes, inter_reorder
 
 
@@ -18,8 +18,8 @@ def _pipeline(rng: random.Random, stages: int, microbatches: int) -> list[StageT
     ]
 
 
-def _recurrence(times: list[StageTimes], order: list[int]) -> float:
-    sim = IntervalSim(len(times[0].fwd), len(times))
+def _recurrence(times: list[StageTimes], order: list[int], extra_warmup: int = 0) -> float:
+    sim = IntervalSim(len(times[0].fwd), len(times), extra_warmup)
     for j in order:
         sim.place(times[j])
     return sim.makespan
@@ -32,14 +32,17 @@ def _table(times: list[StageTimes]) -> list[list[float]]:
     ]
 
 
+@pytest.mark.parametrize("extra_warmup", [0, 2])
 @pytest.mark.parametrize("stages, microbatches", [(1, 1), (1, 4), (2, 2), (3, 7), (6, 5), (10, 24)])
-def test_makespans_are_interval_sims(stages: int, microbatches: int) -> None:
+def test_makespans_are_interval_sims(stages: int, microbatches: int, extra_warmup: int) -> None:
     rng = random.Random(stages * 100 + microbatches)
     pipes = [_pipeline(rng, stages, microbatches) for _ in range(3)]
     orders = [rng.sample(range(microbatches), microbatches) for _ in range(5)]
     which = [0, 1, 2, 1, 0]
-    got = makespans(np.array([_table(p) for p in pipes]), np.array(which), np.array(orders))
-    want = [_recurrence(pipes[g], order) for g, order in zip(which, orders)]
+    tables = time_tables(pipes)
+    assert tables.tolist() == [_table(p) for p in pipes]
+    got = makespans(tables, np.array(which), np.array(orders), extra_warmup)
+    want = [_recurrence(pipes[g], order, extra_warmup) for g, order in zip(which, orders)]
     assert got.tolist() == pytest.approx(want, rel=1e-12)
 
 

@@ -8,7 +8,8 @@ or with micro-batches of one sequence the row or none); on sequences of their ow
 
 - Megatron-LM (DistTrain §2.1's rigid baseline), tp=2 x pp=3: a replicated stage hands
   what it made to the LLM's TP ranks (which all-gather it); so too under ZeRO-1 with the
-  sequences placed by train.balance=cost, and with micro-batches of one sequence, fewer
+  sequences placed by train.balance=cost, under cost with two more warm-up forwards in
+  front of the generator's stage (strategy.extra_warmup), and with micro-batches of one sequence, fewer
   rows than TP ranks, each rank's part of the hand-on the images dealt to it (on sequences
   alike under ZeRO-1, its block of rows: the row or none); and with the
   generator alone replicated after an encoder on a TP stage of its own, whose ranks each
@@ -114,6 +115,11 @@ CASES = {
     + ["train.data=uniform", "strategy.micro_batch_size=1", "strategy.zero_stage=1"],
     # ZeRO-1's partitions over the dealt shares, and the cost policy placing the sequences.
     "interleaved_zero1_cost": MEGATRON + SHARD + ["strategy.zero_stage=1", "train.balance=cost"],
+    # Two more warm-up forwards on the encoder's and the LLM's stages, so sequences queue in front of
+    # the generator's; the cost policy ordering them for that schedule.
+    "interleaved_one_sequence_cost_extra_warmup": [o for o in MEGATRON if not o.startswith("strategy.micro_batch_size")]
+    + SHARD
+    + ["strategy.micro_batch_size=1", "strategy.zero_stage=0", "train.balance=cost", "strategy.extra_warmup=2"],
     "disttrain": DISTTRAIN + BOTH + TWO_REPLICAS + ["train.data=uniform", *IN_ORDER],
     "disttrain_interleaved": DISTTRAIN + BOTH + TWO_REPLICAS + SHARD + IN_ORDER,
     "disttrain_interleaved_zero1_cost": DISTTRAIN + BOTH + TWO_REPLICAS + SHARD + ["strategy.zero_stage=1", "train.balance=cost"],
