@@ -83,6 +83,7 @@ KNOBS: dict[str, list[Any]] = {
     "zero_stage": [0, 1, 2, 3, 4, -1, "x", NAN, [1]],
     "recompute": [None, "none", "selective", "full", "some", ["full"]],
     "schedule": ["1f1b", "gpipe", "interleaved", "zigzag", 3],
+    "extra_warmup": [0, 1, 3, 10**6, -1, "x", NAN, [2]],
     "sequence_parallel": [True, False, "yes", [True]],
     # A list (Par4D's grid, auto's contenders) or a mapping (a unit's degrees) where one goes.
     "grid": [None, [2, 2, 2, 1], [1, 1, 1, 64], [2, 2], 3, INF, "abc", [NAN, 1, 1, 1]],
