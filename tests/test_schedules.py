@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from src.errors import ConfigError
-from src.schedules.pipeline import build_schedule, in_flight, interleaved, one_f_one_b, warmup_counts
+from src.schedules.pipeline import PipeOp, build_schedule, in_flight, interleaved, one_f_one_b, warmup_counts
 
 
 @pytest.mark.parametrize(
@@ -45,17 +45,51 @@ def test_interleaved_warmup_matches_megatron() -> None:
     assert [(op.chunk, op.microbatch) for op in orders[0][:8]] == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2), (1, 3)]
 
 
-@pytest.mark.parametrize("name,chunks", [("1f1b", 1), ("interleaved", 2)])
-def test_extra_warmup_deepens_every_stage_but_the_last(name, chunks) -> None:
-    stages, mbs = 4, 8
-    default = build_schedule(name, stages, mbs, chunks)
-    deeper = build_schedule(name, stages, mbs, chunks, extra_warmup=2)
-    assert [d - w for d, w in zip(warmup_counts(deeper), warmup_counts(default))] == [2, 2, 2, 0]
-    assert [in_flight(o) for o in deeper] == [in_flight(o) + (2 if s < stages - 1 else 0) for s, o in enumerate(default)]
-    # Past every forward a stage runs, the warm-up stops there: all forwards, then all backwards.
-    whole = build_schedule("1f1b", stages, mbs, extra_warmup=100)
-    assert [in_flight(o) for o in whole] == [mbs, mbs, mbs, 1]
-    assert build_schedule(name, stages, mbs, chunks, extra_warmup=0) == default
+def _runs_to_the_end(orders: list[list[PipeOp]], chunks: int) -> bool:
+    """Whether every stage gets through its order: a pass runs once the pass it waits on
+    has (the previous virtual stage's forward; the next one's backward, or at the last
+    virtual stage its own forward)."""
+    stages, done, position = len(orders), set(), [0] * len(orders)
+    last = stages * chunks - 1
+    moved = True
+    while moved:
+        moved = False
+        for s, order in enumerate(orders):
+            while position[s] < len(order):
+                op = order[position[s]]
+                v = op.chunk * stages + s
+                need = ("F", v - 1, op.microbatch) if op.kind == "F" else ("B", v + 1, op.microbatch)
+                if op.kind == "F" and v == 0 or op.kind == "B" and v == last:
+                    need = None if op.kind == "F" else ("F", v, op.microbatch)
+                if need is not None and need not in done:
+                    break
+                done.add((op.kind, v, op.microbatch))
+                position[s] += 1
+                moved = True
+    return all(position[s] == len(order) for s, order in enumerate(orders))
+
+
+@pytest.mark.parametrize("stages, mbs", [(2, 2), (4, 8), (6, 5)])
+@pytest.mark.parametrize("extra", [0, 1, 2, 100])
+def test_extra_warmup_deepens_every_stage_but_the_last(stages, mbs, extra) -> None:
+    default = build_schedule("1f1b", stages, mbs)
+    deeper = build_schedule("1f1b", stages, mbs, extra_warmup=extra)
+    assert _runs_to_the_end(deeper, 1)
+    # Up to every forward a stage runs (then all forwards, then all backwards).
+    want = [min(in_flight(o) + (extra if s < stages - 1 else 0), mbs) for s, o in enumerate(default)]
+    assert [in_flight(o) for o in deeper] == want
+    assert warmup_counts(deeper)[-1] == warmup_counts(default)[-1] == 0
+
+
+def test_every_schedule_runs_to_the_end() -> None:
+    assert _runs_to_the_end(build_schedule("interleaved", 4, 8, 2), 2)
+    assert _runs_to_the_end(build_schedule("interleaved", 2, 4, 3), 3)
+    assert _runs_to_the_end(build_schedule("gpipe", 3, 4), 1)
+    # Deeper warm-ups on every interleaved stage but the last need not: its first chunk feeds stage 0's
+    # second, so stage 0 ahead waits on stage 3, which waits on stage 0's backward.
+    default = build_schedule("interleaved", 4, 8, 2)
+    deeper = interleaved(4, 8, 2, [w + (3 if s < 3 else 0) for s, w in enumerate(warmup_counts(default))])
+    assert not _runs_to_the_end(deeper, 2)
 
 
 def test_schedule_errors_name_the_numbers() -> None:
@@ -69,3 +103,5 @@ def test_schedule_errors_name_the_numbers() -> None:
         build_schedule("1f1b", 4, 8, extra_warmup=-1)
     with pytest.raises(ConfigError, match="GPipe runs every forward first"):
         build_schedule("gpipe", 4, 8, extra_warmup=1)
+    with pytest.raises(ConfigError, match="an interleaved last stage also runs the chain's middle"):
+        build_schedule("interleaved", 4, 8, 2, extra_warmup=1)

@@ -12,7 +12,8 @@ stage of its own, each micro-batch as heavy as its sequences' images), a slow on
 every stage before it and a quick one cannot give the time back. `extra_warmup` runs k
 more warm-up forwards on every stage but the last: k more micro-batches queue in front of
 it, which its quick micro-batches drain, at the memory of k more micro-batches' activations
-a stage.
+a stage. Not under interleaving: there the last stage also runs the chain's middle (its first
+chunk feeds stage 0's second), so stages before it running further ahead would wait on it.
 """
 
 from __future__ import annotations
@@ -99,22 +100,27 @@ def _warmup(warmups: Sequence[int] | None, stage: int, default: int, least: int,
 
 
 def build_schedule(name: str, stages: int, microbatches: int, chunks: int = 1, extra_warmup: int = 0) -> list[list[PipeOp]]:
-    """`extra_warmup`: more warm-up forwards on every stage but the last (the module's
-    docstring), up to every forward a stage runs."""
+    """`extra_warmup`: more warm-up forwards on every stage but the last of a 1F1B without
+    virtual stages (the module's docstring), up to every forward a stage runs."""
     if name not in SCHEDULES:
         raise ConfigError(f"unknown schedule {name!r}; choose one of {list(SCHEDULES)}")
     if name != "interleaved" and chunks != 1:
         raise ConfigError(f"virtual pipeline chunks (vpp={chunks}) need schedule=interleaved, not {name}")
-    if extra_warmup < 0 or (extra_warmup and name == "gpipe"):
-        raise ConfigError(f"{extra_warmup} extra warm-up forwards: a 1F1B schedule takes 0 or more (GPipe runs every forward first)")
+    if extra_warmup < 0 or (extra_warmup and (name == "gpipe" or chunks > 1)):
+        raise ConfigError(
+            f"{extra_warmup} extra warm-up forwards: a 1F1B schedule without virtual stages takes 0 or more (GPipe runs "
+            f"every forward first; an interleaved last stage also runs the chain's middle, so the stages before it cannot "
+            f"queue ahead of it)"
+        )
     if name == "gpipe":
         return gpipe(stages, microbatches)
-    default = one_f_one_b(stages, microbatches) if name == "1f1b" else interleaved(stages, microbatches, chunks)
+    if chunks > 1:
+        return interleaved(stages, microbatches, chunks)
+    default = one_f_one_b(stages, microbatches)
     if not extra_warmup:
         return default
-    total = microbatches * chunks
-    warmups = [min(w + extra_warmup, total) if s < stages - 1 else w for s, w in enumerate(warmup_counts(default))]
-    return one_f_one_b(stages, microbatches, warmups) if name == "1f1b" else interleaved(stages, microbatches, chunks, warmups)
+    warmups = [min(w + extra_warmup, microbatches) if s < stages - 1 else w for s, w in enumerate(warmup_counts(default))]
+    return one_f_one_b(stages, microbatches, warmups)
 
 
 def warmup_counts(orders: list[list[PipeOp]]) -> list[int]:

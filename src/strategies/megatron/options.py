@@ -133,10 +133,14 @@ class MegatronOptions(MegatronChoices):
             )
         if not isinstance(self.extra_warmup, int) or isinstance(self.extra_warmup, bool) or self.extra_warmup < 0:
             raise ConfigError(f"strategy.extra_warmup must be an integer of 0 or more, got {self.extra_warmup!r}")
-        if self.extra_warmup and (self.schedule == "gpipe" or self.p2p == "deepspeed"):
+        interleaved = self.schedule == "interleaved" or (self.vpp or 1) > 1
+        if self.extra_warmup and (self.schedule == "gpipe" or self.p2p == "deepspeed" or interleaved):
             why = (
                 "GPipe runs every forward first"
                 if self.schedule == "gpipe"
+                else "an interleaved schedule's last stage also runs the chain's middle (its first chunk feeds stage 0's "
+                "second), so the stages before it cannot queue ahead of it: set strategy.vpp=1"
+                if interleaved
                 else (
                     "DeepSpeed's engine pairs each send with the neighbour's next step (strategy.p2p=deepspeed), "
                     "which a deeper warm-up would wait on forever"

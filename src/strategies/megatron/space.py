@@ -117,10 +117,11 @@ def _vpp_choices(model: ModelSpec, opts: MegatronOptions, pp: int, microbatches:
     """1 (no interleaving), and the interleavings Megatron-LM runs: pp > 1, micro-batches
     a multiple of pp, pp x vpp dividing the main unit's blocks (also under the balanced
     cut, which could take any count: other counts can be set by hand). MLLMs with extra
-    modality stages do not interleave: their extra stages have one chunk."""
+    modality stages do not interleave: their extra stages have one chunk; nor does a 1F1B
+    with extra warm-up forwards (schedules.pipeline)."""
     if opts.vpp is not None:
         return [opts.vpp]
-    if contrastive or opts.schedule in ("gpipe", "1f1b") or pp == 1 or microbatches % pp:
+    if contrastive or opts.schedule in ("gpipe", "1f1b") or opts.extra_warmup or pp == 1 or microbatches % pp:
         return [1]
     if extra_stages(model, opts):
         return [1]

@@ -119,6 +119,7 @@ def test_memory_follows_the_schedule_and_the_memory_options() -> None:
         ({"extra_warmup": -1}, r"^strategy.extra_warmup must be an integer of 0 or more, got -1$"),
         ({"extra_warmup": True}, r"^strategy.extra_warmup must be an integer of 0 or more, got True$"),
         ({"extra_warmup": 2, "schedule": "gpipe"}, r"^strategy.extra_warmup=2 deepens 1F1B's warm-up: GPipe runs every forward"),
+        ({"extra_warmup": 2, "vpp": 2, "schedule": "interleaved"}, r"^strategy.extra_warmup=2 .* set strategy.vpp=1$"),
         (
             {"extra_warmup": 1, "p2p": "deepspeed", "schedule": "1f1b"},
             r"^strategy.extra_warmup=1 deepens .*\(strategy.p2p=deepspeed\), which a deeper warm-up would wait on forever$",
@@ -346,7 +347,9 @@ def test_estimated_memory_and_bounds_agree_with_the_built_program(every: bool) -
 
 @pytest.mark.parametrize("extra", [0, 3])
 def test_long_schedules_hold_the_in_flight_counts_of_their_first_rounds(extra) -> None:
-    for pp, vpp in [(2, 1), (4, 1), (3, 2), (4, 3), (8, 2)]:
+    for pp, vpp in [(2, 1), (4, 1), (8, 1), (3, 2), (4, 3), (8, 2)]:
+        if extra and vpp > 1:
+            continue  # extra warm-up forwards are 1F1B's only (schedules.pipeline)
         schedule = "interleaved" if vpp > 1 else "1f1b"
         for microbatches in range(pp, 12 * pp + 1, pp):
             steady = steady_microbatches(schedule, pp, microbatches, vpp, extra)
