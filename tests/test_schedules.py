@@ -57,13 +57,14 @@ def _runs_to_the_end(orders: list[list[PipeOp]], chunks: int) -> bool:
         for s, order in enumerate(orders):
             while position[s] < len(order):
                 op = order[position[s]]
-                v = op.chunk * stages + s
-                need = ("F", v - 1, op.microbatch) if op.kind == "F" else ("B", v + 1, op.microbatch)
-                if op.kind == "F" and v == 0 or op.kind == "B" and v == last:
-                    need = None if op.kind == "F" else ("F", v, op.microbatch)
+                v, j = op.chunk * stages + s, op.microbatch
+                if op.kind == "F":
+                    need = ("F", v - 1, j) if v > 0 else None
+                else:
+                    need = ("B", v + 1, j) if v < last else ("F", v, j)
                 if need is not None and need not in done:
                     break
-                done.add((op.kind, v, op.microbatch))
+                done.add((op.kind, v, j))
                 position[s] += 1
                 moved = True
     return all(position[s] == len(order) for s, order in enumerate(orders))
