@@ -116,10 +116,9 @@ def build_schedule(name: str, stages: int, microbatches: int, chunks: int = 1, e
         return gpipe(stages, microbatches)
     if chunks > 1:
         return interleaved(stages, microbatches, chunks)
-    default = one_f_one_b(stages, microbatches)
     if not extra_warmup:
-        return default
-    warmups = [min(w + extra_warmup, microbatches) if s < stages - 1 else w for s, w in enumerate(warmup_counts(default))]
+        return one_f_one_b(stages, microbatches)
+    warmups = [min(stages - s - 1 + extra_warmup, microbatches) for s in range(stages - 1)] + [0]
     return one_f_one_b(stages, microbatches, warmups)
 
 

@@ -133,25 +133,30 @@ class MegatronOptions(MegatronChoices):
             )
         if not isinstance(self.extra_warmup, int) or isinstance(self.extra_warmup, bool) or self.extra_warmup < 0:
             raise ConfigError(f"strategy.extra_warmup must be an integer of 0 or more, got {self.extra_warmup!r}")
-        interleaved = self.schedule == "interleaved" or (self.vpp or 1) > 1
-        if self.extra_warmup and (self.schedule == "gpipe" or self.p2p == "deepspeed" or interleaved):
-            why = (
-                "GPipe runs every forward first"
-                if self.schedule == "gpipe"
-                else "an interleaved schedule's last stage also runs the chain's middle (its first chunk feeds stage 0's "
-                "second), so the stages before it cannot queue ahead of it: set strategy.vpp=1"
-                if interleaved
-                else (
-                    "DeepSpeed's engine pairs each send with the neighbour's next step (strategy.p2p=deepspeed), "
-                    "which a deeper warm-up would wait on forever"
-                )
-            )
+        why = self._extra_warmup_refused()
+        if self.extra_warmup and why:
             raise ConfigError(f"strategy.extra_warmup={self.extra_warmup} deepens 1F1B's warm-up: {why}")
         if self.choose_on not in CHOOSE_ON:
             raise ConfigError(f"strategy.choose_on={self.choose_on!r}; choose one of {list(CHOOSE_ON)}")
         if any(not isinstance(name, str) for name in self.replicate) or len(set(self.replicate)) != len(self.replicate):
             raise ConfigError(f"strategy.replicate takes unit names, each once, got {list(self.replicate)}")
         object.__setattr__(self, "replicate", tuple(self.replicate))
+
+    def _extra_warmup_refused(self) -> str | None:
+        """Why these options' schedule takes no extra warm-up forwards (None: it does)."""
+        if self.schedule == "gpipe":
+            return "GPipe runs every forward first"
+        if self.schedule == "interleaved" or (self.vpp or 1) > 1:
+            return (
+                "an interleaved schedule's last stage also runs the chain's middle (its first chunk feeds stage 0's "
+                "second), so the stages before it cannot queue ahead of it: set strategy.vpp=1"
+            )
+        if self.p2p == "deepspeed":
+            return (
+                "DeepSpeed's engine pairs each send with the neighbour's next step (strategy.p2p=deepspeed), "
+                "which a deeper warm-up would wait on forever"
+            )
+        return None
 
     def check_replicate(self, model: ModelSpec) -> None:
         """A replicated unit is a pipeline stage of its own: a unit of the model other than
