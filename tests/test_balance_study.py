@@ -9,6 +9,10 @@ import pytest
 
 from src import balance_study, progress
 from src.balance_study import aggregate, percentile
+from src.config import composed
+from src.setup import LIMITS, validate
+from src.strategies.base import PlanRequest
+from src.strategies.disttrain.planner import plan_disttrain_batches
 
 SMALL = ["logger=none", "model=mllm_9b", "model.images_per_sequence=10", "cluster=a800", "cluster.nodes=6", "train.global_batch=32"]
 MEGATRON = "megatron=strategy=megatron strategy.tp=8 strategy.pp=3 strategy.micro_batch_size=1"
@@ -50,6 +54,36 @@ def test_a_series_whose_plan_depends_on_the_data_is_judged_against_the_skew_it_r
     assert "recovered" not in rows[("mean", "none")] and "against" not in rows[("mean", "none")]
 
 
+def test_a_plan_on_uniform_data_splits_what_skew_leaves_into_shape_and_placement():
+    outcomes = [
+        {"series": "s", "policy": "uniform", "batches": [_batch(10.0)]},
+        {"series": "s", "policy": "none", "batches": [_batch(13.0)], "plan_on_uniform": _batch(10.5)},
+        {"series": "s", "policy": "cost", "batches": [_batch(11.0)], "plan_on_uniform": _batch(10.8)},
+    ]
+    rows = {r["policy"]: r for r in aggregate(outcomes)}
+    assert rows["cost"]["plan_uniform_s"] == 10.8 and rows["cost"]["placement_s"] == pytest.approx(0.2)
+    assert "plan_uniform_s" not in rows["uniform"]
+    assert "| s | cost | 1 | 11.000 |" in balance_study.table(aggregate(outcomes), "t")
+    assert balance_study.table(aggregate(outcomes), "t").splitlines()[-1].endswith("| 10.800 | 0.200 |")
+
+
+def test_a_plan_chosen_on_skewed_data_keeps_its_choices_on_uniform_data():
+    """None among a strategy's batches: uniform data (strategies.base.on_batch), the plan's
+    degrees kept, every micro-batch at the mean load."""
+    overrides = [
+        *SMALL[:3], "model.scale=tiny", "model.images_per_sequence=2", "cluster=local", "cluster.devices_per_node=4",
+        "train.global_batch=8", "strategy=disttrain", "strategy.generator.pp=1", "train.balance=cost",
+    ]  # fmt: skip
+    setup = validate(composed(overrides))
+    request = PlanRequest(setup.model, setup.cluster, setup.train, setup.config["strategy"], None, LIMITS["sim"])
+    skewed, uniform = plan_disttrain_batches(request, (0, None))
+    assert (skewed.sample_content, uniform.sample_content) == ("interleaved", "uniform")
+    assert uniform.sample_images is None and len(set(skewed.sample_images or ())) > 1
+    assert [(u.unit, u.mesh, u.micro_batch, u.num_microbatches) for u in uniform.units] == [
+        (u.unit, u.mesh, u.micro_batch, u.num_microbatches) for u in skewed.units
+    ]
+
+
 def test_a_small_study_runs_end_to_end(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(progress, "AT_ONCE_FIRST_S", 0.0)  # past its checks it speaks by wall time
     argv = ["--batches=2", "--jobs=1", "--policies=none,cost", f"--out={tmp_path}", f"--series={MEGATRON}", *SMALL]
@@ -63,6 +97,10 @@ def test_a_small_study_runs_end_to_end(tmp_path, capsys, monkeypatch):
     assert times["none"][0] != times["none"][1]  # two batches of other sequences
     assert rows["cost"]["mean_s"] < rows["none"]["mean_s"] and rows["none"]["mean_s"] > rows["uniform"]["mean_s"]
     assert "| megatron | cost | 2 |" in captured.out
+    # Megatron-LM's plan is chosen at the mean load whatever the policy: on uniform data it is the uniform row's.
+    for policy in ("none", "cost"):
+        assert rows[policy]["plan_uniform_s"] == pytest.approx(rows["uniform"]["mean_s"], rel=1e-9)
+        assert rows[policy]["placement_s"] == pytest.approx(rows[policy]["mean_s"] - rows["uniform"]["mean_s"])
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
 from src.batch_layout import BatchLayout
@@ -90,6 +90,15 @@ class PlanRequest:
     sample_images: tuple[int, ...] | None = None
     limits: BackendLimits = BackendLimits()
     batch_index: int = 0
+
+
+def on_batch(request: PlanRequest, batch: int | None) -> PlanRequest:
+    """The request priced on global batch `batch` of the workload's data, or, for None, on
+    uniform data (every sequence at the mean): a plan's choices priced so show what its
+    shape costs without the skew it was chosen for."""
+    if batch is None:
+        return replace(request, train=replace(request.train, data="uniform"), sample_images=None)
+    return replace(request, batch_index=batch)
 
 
 Planner = Callable[[PlanRequest], Plan]

@@ -220,7 +220,7 @@ def plan_ddp(request: PlanRequest) -> Plan:
     return on_the_data(_plan_at_mean(request), request)
 
 
-def plan_ddp_batches(request: PlanRequest, batches: Sequence[int]) -> list[Plan]:
+def plan_ddp_batches(request: PlanRequest, batches: Sequence[int | None]) -> list[Plan]:
     return on_batches(_plan_at_mean(request), request, batches)
 
 

@@ -33,10 +33,11 @@ class StrategySpec:
     how it reduces parameter gradients, how it computes the loss); the door builds the
     model with them where the model's own option is unset.
     auto_variants: the contenders `strategy=auto` compares it as (none: auto leaves it out).
-    batches: plans once and prices that plan on each of the given global batches of the
-    workload's data (PlanRequest.batch_index), as a run keeps its choices from step to step:
-    how src.balance_study sees an iteration's spread (None: the strategy's plan is priced at
-    the mean load whatever the data)."""
+    batches: plans once, on the first of the given global batches of the workload's data
+    (PlanRequest.batch_index; None: uniform data, base.on_batch), and prices that plan on each
+    of them, as a run keeps its choices from step to step: how src.balance_study sees an
+    iteration's spread, and what a plan chosen for skewed data costs on uniform data (None:
+    the strategy's plan is priced at the mean load whatever the data)."""
 
     name: str
     planner: Planner
@@ -44,4 +45,4 @@ class StrategySpec:
     plan_fields: Mapping[str, str] = field(default_factory=dict)
     software: Callable[[dict, str, bool], Mapping[str, str]] | None = None
     auto_variants: tuple[AutoVariant, ...] = ()
-    batches: Callable[[PlanRequest, Sequence[int]], list[Plan]] | None = None
+    batches: Callable[[PlanRequest, Sequence[int | None]], list[Plan]] | None = None

@@ -25,7 +25,7 @@ from src.data.balance import Balancer, Balancing, Dealt, StageCosts
 from src.data.loads import BatchLoads, PerImage, batch_loads
 from src.mesh import Mesh
 from src.program import Collective, Compute, Instruction, Plan, Program, RankProgram, compress_ranks
-from src.strategies.base import PlanRequest
+from src.strategies.base import PlanRequest, on_batch
 from src.strategies.builders.layout import megatron_mesh
 
 Loads = Mapping[str, tuple[tuple[float, ...], ...]]  # unit -> loads[replica][microbatch]
@@ -260,12 +260,12 @@ def skewed(request: PlanRequest) -> bool:
     return bool(request.model.per_image_units()) and not (train.data == "uniform" and request.sample_images is None)
 
 
-def on_batches(plan: Plan, request: PlanRequest, batches: Sequence[int]) -> list[Plan]:
+def on_batches(plan: Plan, request: PlanRequest, batches: Sequence[int | None]) -> list[Plan]:
     """`plan` (at the mean load, as on_the_data takes it) priced on each of the workload's
     global `batches`: its choices made once, as a run keeps them from step to step. The
     first batch takes the plan itself, each other a copy made before it changes."""
     plans = [plan] + [copy_to_place(plan) for _ in batches[1:]]
-    return [on_the_data(each, replace(request, batch_index=batch)) for each, batch in zip(plans, batches)]
+    return [on_the_data(each, on_batch(request, batch)) for each, batch in zip(plans, batches)]
 
 
 def copy_to_place(plan: Plan) -> Plan:

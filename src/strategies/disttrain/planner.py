@@ -36,7 +36,7 @@ from src.data.loads import BatchLoads, batch_loads
 from src.errors import ConfigError, PlanError
 from src.models.spec import ModelSpec
 from src.program import Plan, compress_ranks
-from src.strategies.base import PlanRequest, check_microbatch_count
+from src.strategies.base import PlanRequest, check_microbatch_count, on_batch
 from src.data.disaggregated import BALANCE_REORDERS, REORDERS
 from src.strategies.disttrain.orchestration import UNITS, Fixed, Orchestrator
 from src.strategies.disttrain.profile import Profiler
@@ -141,11 +141,11 @@ def plan_disttrain(request: PlanRequest) -> Plan:
     return plan_disttrain_batches(request, (request.batch_index,))[0]
 
 
-def plan_disttrain_batches(request: PlanRequest, batches: Sequence[int]) -> list[Plan]:
+def plan_disttrain_batches(request: PlanRequest, batches: Sequence[int | None]) -> list[Plan]:
     """The plan for the first of `batches` (orchestrated and decided on its data), then the
     same degrees and micro-batches on each other batch, its sequences placed anew by the
     reordering (as DistTrain reorders every global batch; §6)."""
-    request = replace(request, batch_index=batches[0])
+    asked, request = request, on_batch(request, batches[0])
     if "data" in request.options:
         raise ConfigError("strategy.data is train.data now: the data is the workload's, the same for every strategy")
     opts = options_from(DistTrainOptions, request.options)
@@ -217,8 +217,8 @@ def plan_disttrain_batches(request: PlanRequest, batches: Sequence[int]) -> list
     }
     plans = [_plan(request, opts, loads, best, search, found.relaxed_s)]
     for batch in batches[1:]:
-        again = replace(request, batch_index=batch)
-        batch_data = batch_loads(model, train.seed, train.global_batch, train.data, request.sample_images, batch)
+        again = on_batch(asked, batch)
+        batch_data = batch_loads(model, train.seed, train.global_batch, again.train.data, again.sample_images, again.batch_index)
         candidate = _decided(Decision(again, orchestrator, batch_data, reorder, opts.tp_overlap_chunks), best)
         plans.append(_plan(again, opts, batch_data, candidate, search, found.relaxed_s))
     return plans

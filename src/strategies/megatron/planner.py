@@ -20,7 +20,7 @@ from src.costmodel.memory import rank_memory
 from src.errors import ConfigError, PlanError
 from src.program import Plan
 from src.sim.engine import simulate
-from src.strategies.base import PlanRequest
+from src.strategies.base import PlanRequest, on_batch
 from src.strategies.builders.replicas import copy_to_place, on_batches, on_the_data, skewed
 from src.strategies.builders.stages import Segment
 from src.strategies.megatron.options import MegatronOptions
@@ -57,15 +57,16 @@ def plan_megatron(request: PlanRequest) -> Plan:
     return plan_megatron_batches(request, (request.batch_index,))[0]
 
 
-def plan_megatron_batches(request: PlanRequest, batches: Sequence[int]) -> list[Plan]:
+def plan_megatron_batches(request: PlanRequest, batches: Sequence[int | None]) -> list[Plan]:
     """The search's plan, chosen once (at the mean load, or on the first of `batches` with
     strategy.choose_on=data), priced on each of `batches`."""
     opts = options_from(MegatronOptions, request.options)
     search, fitting = _fitting(request, opts)
     best = search.fastest(fitting)
     trials: list[dict] | None = None
-    if opts.choose_on == "data" and best.virtual is not None and skewed(request):
-        best, trials = _fastest_on_the_data(search, fitting, best, replace(request, batch_index=batches[0]))
+    first = on_batch(request, batches[0])
+    if opts.choose_on == "data" and best.virtual is not None and skewed(first):
+        best, trials = _fastest_on_the_data(search, fitting, best, first)
     assert best.plan is not None, "the fastest candidate was built"
     plans = [best.plan] * len(batches) if best.virtual is None else on_batches(best.plan, request, batches)
     for plan in plans:

@@ -25,7 +25,7 @@ from typing import Sequence
 from src.batch_layout import BatchLayout
 from src.data.balance import StageCosts
 from src.program import Plan, Program, RankProgram
-from src.strategies.base import PlanRequest
+from src.strategies.base import PlanRequest, on_batch
 from src.strategies.builders.pipeline import Stage
 from src.strategies.builders.replicas import (
     PlacedBatch,
@@ -88,13 +88,13 @@ class Emission:
         return out
 
 
-def on_batches(plan: Plan, request: PlanRequest, batches: Sequence[int], emission: Emission) -> list[Plan]:
+def on_batches(plan: Plan, request: PlanRequest, batches: Sequence[int | None], emission: Emission) -> list[Plan]:
     """`plan` (at the mean load) on each of the workload's global `batches`: its schedule
     kept, each replica's classes at its micro-batches' loads (the first batch takes the plan
     itself, each other a copy made before it changes)."""
     plans = [plan] + [copy_to_place(plan) for _ in batches[1:]]
     for each, batch in zip(plans, batches):
-        on_data = replica_classes(replace(request, batch_index=batch), emission.emitter)
+        on_data = replica_classes(on_batch(request, batch), emission.emitter)
         if on_data is None:
             record_unskewed(each, request)
             continue

@@ -88,13 +88,13 @@ def plan_optimus(request: PlanRequest) -> Plan:
     return plan_optimus_batches(request, (request.batch_index,))[0]
 
 
-def plan_optimus_batches(request: PlanRequest, batches: Sequence[int]) -> list[Plan]:
+def plan_optimus_batches(request: PlanRequest, batches: Sequence[int | None]) -> list[Plan]:
     """The planner's plan, chosen once at the mean load, priced on each of `batches`."""
     with collector_paused():
         return _plan(request, batches)
 
 
-def _plan(request: PlanRequest, batches: Sequence[int]) -> list[Plan]:
+def _plan(request: PlanRequest, batches: Sequence[int | None]) -> list[Plan]:
     opts = options_from(OptimusOptions, request.options)
     model, cluster, train = request.model, request.cluster, request.train
     llm, encoders = _llm_and_encoders(model)
@@ -484,7 +484,7 @@ def _emit(
     ranked: _Ranked,
     rejected: list[tuple[float, str]],
     scheduler_seconds: float,
-    batches: Sequence[int],
+    batches: Sequence[int | None],
 ) -> list[Plan] | tuple[float, str]:
     """The candidate's plan priced on each of `batches` (data.on_batches), or why it does
     not fit memory at the mean load: each class is checked as it is emitted, so that a
