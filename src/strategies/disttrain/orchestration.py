@@ -278,6 +278,8 @@ class Orchestrator:
         f = self.fixed[unit]
         modes = RECOMPUTE_MODES if f.recompute is None else (f.recompute,)
         if unit in self.replicate and tp > 1:
+            if (f.pp or 1) > 1 or (f.vpp or 1) > 1:
+                return []  # pipelined by hand: the unit runs at tp 1, where nothing is replicated
             zeros = [f.zero_stage] if f.zero_stage is not None else [0, 1]
             return [Setting(tp, recompute, False, zero, replicated=True) for recompute, zero in itertools.product(modes, zeros)]
         if tp == 1 or not self._splits_sequence(unit, tp):

@@ -81,7 +81,9 @@ class DistTrainOptions:
         self._check_replicate()
 
     def _check_replicate(self) -> None:
-        """Only the modules around the LLM, each once; each runs whole on one GPU, so on one stage."""
+        """Only the modules around the LLM, each once; each runs whole on every GPU of its TP
+        group, so on one stage (at tp 1 nothing is replicated: a stage of one GPU, which the
+        orchestration may pipeline, and a plan it chose can be given by hand)."""
         what = f"strategy.replicate={list(self.replicate)}"
         allowed = [u for u in UNITS if u != "llm"]
         if any(name not in allowed for name in self.replicate) or len(set(self.replicate)) != len(self.replicate):
@@ -89,10 +91,10 @@ class DistTrainOptions:
         object.__setattr__(self, "replicate", tuple(self.replicate))
         for unit in self.replicate:
             given: Fixed = getattr(self, unit)
-            if (given.pp or 1) > 1 or (given.vpp or 1) > 1:
+            if (given.tp or 1) > 1 and ((given.pp or 1) > 1 or (given.vpp or 1) > 1):
                 raise ConfigError(
                     f"{what}: a replicated {unit} runs whole on each GPU of its group, on one pipeline stage, "
-                    f"but strategy.{unit}.pp={given.pp} and .vpp={given.vpp}"
+                    f"but strategy.{unit}.tp={given.tp}, .pp={given.pp} and .vpp={given.vpp} (pipelined, it takes tp=1)"
                 )
 
     def fixed(self, unit: str) -> Fixed:

@@ -846,12 +846,21 @@ def test_a_replicated_unit_does_no_tp_collective_and_its_plan_deals_its_rows() -
     [
         (["strategy.replicate=[llm]"], "among"),
         (["strategy.replicate=[encoder,encoder]"], "each once"),
-        (["strategy.replicate=[generator]", "strategy.generator.pp=2"], "one pipeline stage"),
+        (["strategy.replicate=[generator]", "strategy.generator.tp=2", "strategy.generator.pp=2"], "one pipeline stage"),
     ],
 )
 def test_a_replicated_unit_is_one_of_the_modules_around_the_llm_on_one_stage(overrides, problem) -> None:
     with pytest.raises(ConfigError, match=problem):
         options_from(DistTrainOptions, setup(*SMALL, *overrides).config["strategy"])
+
+
+def test_a_replicated_unit_pipelined_by_hand_runs_at_tp_1_as_the_orchestration_may_choose() -> None:
+    """At tp 1 a unit's TP group is one GPU: nothing is replicated, and the orchestration may
+    give it several stages; a plan it chose can be given by hand."""
+    s = setup(*SMALL, "strategy.replicate=[encoder,generator]", "strategy.generator.pp=2")
+    units = by_unit(plan_run(s))
+    assert units["generator"].mesh.degree("pp") == 2 and units["generator"].mesh.degree("tp") == 1
+    assert units["generator"].row_shares == 1
 
 
 def test_sequence_parallelism_is_searched_only_where_tp_divides_the_unit_s_sequence() -> None:
