@@ -94,7 +94,7 @@ class PlanRequest:
 
 def on_batch(request: PlanRequest, batch: int | None) -> PlanRequest:
     """The request priced on global batch `batch` of the workload's data, or, for None, on
-    uniform data (every sequence at the mean): a plan's choices priced so show what its
+    uniform data (every sequence at the mean): a plan's choices priced there show what its
     shape costs without the skew it was chosen for."""
     if batch is None:
         return replace(request, train=replace(request.train, data="uniform"), sample_images=None)
