@@ -538,13 +538,32 @@ class Orchestrator:
         but for those whose `least_time` shows they take `bar` or more."""
         out = []
         enc, llm, gen = (self._pp_choices(unit, o, tau, m) for unit, o in zip(UNITS, picked))
-        for choice in itertools.product(enc, llm, gen):
-            if sum(c.devices for c in choice) > self.N or self.least_time(choice, m) * (1 - ROUNDING) >= bar:
+        for rounded in itertools.product(enc, llm, gen):
+            if sum(c.devices for c in rounded) > self.N or self.least_time(rounded, m) * (1 - ROUNDING) >= bar:
                 continue
-            estimate = self.time(choice, m)
-            if estimate is not None:
-                out.append((estimate, choice))
+            choice = self._recomputed(rounded, m)
+            if choice is not None:
+                out.append((self.pipeline_time(choice, m), choice))
         return out
+
+    def _recomputed(self, choice: Choice, m: int) -> Choice | None:
+        """The choice with each unit's recomputation the lightest (where it is searched) whose
+        stages hold the micro-batches 1F1B keeps in flight there; None if none does. The
+        relaxation sees one micro-batch a stage: of a unit's options that hold it at the same
+        fewest stages it keeps the least recomputation, which the deeper pipeline of an
+        integer choice can overflow (the units ahead of the LLM keep up to its depth in
+        flight); a heavier option there costs more compute, so the same sub-problem's
+        relaxed optimum bounds it."""
+        depth, first, units = sum(c.pp for c in choice), 0, []
+        for c in choice:
+            modes = RECOMPUTE_MODES if self.fixed[c.unit].recompute is None else (c.recompute,)
+            variants = (c if mode == c.recompute else replace(c, setting=replace(c.setting, recompute=mode)) for mode in modes)
+            fitting = next((v for v in variants if depth - first <= self.summary(v).depth_limit(m)), None)
+            if fitting is None:
+                return None
+            units.append(fitting)
+            first += c.pp
+        return units[0], units[1], units[2]
 
     # ---- pricing one integer choice --------------------------------------------------------
     def stages(self, choice: UnitChoice) -> StageArrays:
@@ -580,13 +599,16 @@ class Orchestrator:
     def time(self, choice: Choice, m: int) -> float | None:
         """The 1F1B model's iteration time of an integer choice (module docstring), or None
         if a stage's memory does not hold the micro-batches in flight there."""
-        summaries = [self.summary(c) for c in choice]
-        depth = sum(c.pp for c in choice)
-        first = 0
-        for c, summary in zip(choice, summaries):
-            if depth - first > summary.depth_limit(m):
+        depth, first = sum(c.pp for c in choice), 0
+        for c in choice:
+            if depth - first > self.summary(c).depth_limit(m):
                 return None
             first += c.pp
+        return self.pipeline_time(choice, m)
+
+    def pipeline_time(self, choice: Choice, m: int) -> float:
+        """The 1F1B model's iteration time of an integer choice that fits."""
+        summaries = [self.summary(c) for c in choice]
         fb: list[float] = []
         bwd: list[float] = []
         tail: list[float] = []

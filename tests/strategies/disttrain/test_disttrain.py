@@ -4,6 +4,7 @@ and the errors a user gets."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 import itertools
 import math
 import subprocess
@@ -16,7 +17,7 @@ import pytest
 from src.batch_layout import BatchLayout
 from src.config import options_from
 from src.errors import ConfigError
-from src.program import Collective, Compute, Table
+from src.program import RECOMPUTE_MODES, Collective, Compute, Table
 from src.runtime.placement import placements
 from src.setup import Setup, plan_run, validate
 from src.sim.engine import simulate
@@ -246,6 +247,34 @@ def test_a_stage_under_full_recompute_keeps_room_for_the_block_its_backward_brin
     assert profiler.stages("generator", none, 5, 2, 1).transient.tolist() == [0.0]
     timed = sorted((c for c in plan_run(s).details["search"]["candidates"]), key=lambda c: c["estimate_s"])[:SIMULATED]
     assert all(c["simulated_s"] is not None for c in timed), timed
+
+
+def test_a_pinned_deep_pipeline_gets_the_recomputation_its_in_flight_micro_batches_need() -> None:
+    """MLLM-72B on 96 A800s, skewed data, the encoder pinned to one GPU per replica ahead of an
+    eight-stage LLM: the encoder's first stage keeps nine micro-batches in flight, which it
+    holds only under full recomputation, which the relaxation (one micro-batch a stage, where
+    no recomputation holds it) does not pick. Every unit recomputes no more than its stages
+    need: the next lighter setting does not fit."""
+    s = setup(
+        "model=mllm_72b", "cluster=a800", "cluster.nodes=12", "train.global_batch=40", "model.images_per_sequence=10",
+        "strategy.encoder.tp=1", "strategy.encoder.pp=1", "strategy.encoder.dp=4", "strategy.llm.pp=8",
+        "strategy.llm.dp=4", "strategy.generator.tp=1", "strategy.generator.pp=1", "strategy.generator.dp=4",
+    )  # fmt: skip
+    opts = options_from(DistTrainOptions, s.config["strategy"])
+    loads = batch_loads(s.model, s.train.seed, s.train.global_batch, s.train.data, None, 0)
+    profiler = Profiler(s.model, s.cluster, s.train.precision, opts.tp_overlap_chunks)
+    fixed = {u: opts.fixed(u) for u in UNITS}
+    orchestrator = Orchestrator(profiler, s.train.global_batch, s.cluster.devices, fixed, "disaggregated", loads.peak, keep=4)
+    found = orchestrator.solve()
+    assert found is not None and found.best[0].recompute == "full"
+    for _, choice in found.choices:
+        m = found.microbatches[choice]
+        assert orchestrator.time(choice, m) is not None
+        for u, unit in enumerate(choice):
+            if unit.recompute != "none":
+                lighter = RECOMPUTE_MODES[RECOMPUTE_MODES.index(unit.recompute) - 1]
+                variant = replace(unit, setting=replace(unit.setting, recompute=lighter))
+                assert orchestrator.time((*choice[:u], variant, *choice[u + 1 :]), m) is None
 
 
 # ---- the pipeline models -------------------------------------------------------------------
