@@ -8,7 +8,7 @@ LLM's a divisor of the batch, the encoder's and generator's divisors of the LLM'
 unit's micro-batch b_u = DP_lm / DP_u sequences is whole) the remaining problem in the
 GPU counts (x, y, z) is convex, and is solved here exactly in closed form:
 
-    minimise  W + sum_u beta_u n_u + K max_u a_u / n_u
+    minimise  W + sum_u beta_u n_u + K max_u a_u / n_u  (+ the LLM's tail, relaxation.py)
     s.t.      L_u <= n_u <= U_u,  sum_u n_u <= N
 
 with W = sum_u F_u the warm-up (one micro-batch through every stage, F_u the unit's
@@ -31,7 +31,9 @@ shows the recovery would never reach).
 
 Integer recovery (not in the surviving text; ours): PP_u = floor or ceil of n_u / (TP_u
 DP_u) (within [1, blocks]), each rounding priced by the 1F1B model of `pipeline_time`:
-the first micro-batch there and back (every stage, every transfer), m - 1 more periods
+each unit at the lightest recomputation whose stages hold what they keep in flight (the
+relaxation sees one micro-batch a stage; a deeper pipeline keeps more at the units ahead
+of the LLM), the first micro-batch there and back (every stage, every transfer), m - 1 more periods
 of the steady state (its slowest stage, or the round trip a stage's in-flight
 micro-batches must cover: 1F1B keeps depth - g of them at stage g), and the stage that
 ends last with its gradient reduction; and every stage's memory with the micro-batches

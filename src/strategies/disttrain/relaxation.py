@@ -85,7 +85,8 @@ class Subproblems:
         self.k = np.array([float(batch // dp_lm - 1) for dp_lm, _ in spaces])  # K = m - 1
         tables = [[np.array([o.row() for o in options]) for options in units] for _, units in spaces]
         for units in tables:
-            # The LLM's tail ends the iteration: its stages hold most of the parameters.
+            # The LLM's tail ends the iteration (its stages hold most of the parameters), less
+            # the encoder's last backward it overlaps (`solve`).
             units[0][:, 5] = units[2][:, 5] = 0.0
         # Per unit, every block's options one after another, and where each block's begin.
         self.rows = [np.concatenate([units[u] for units in tables]) for u in range(3)]
@@ -93,7 +94,7 @@ class Subproblems:
         bounds = []
         for units, k in zip(tables, self.k.tolist()):
             a, low, high, beta, f, gamma = ([units[u][:, c].reshape(_AXES[u]) for u in range(3)] for c in range(len(_COLUMNS)))
-            bounds.append(relaxed_bound(a, low, high, beta, f[0] + f[1] + f[2], k, n, gamma).ravel())
+            bounds.append(relaxed_bound(a, low, high, beta, f[0] + f[1] + f[2], k, n, gamma, f[0]).ravel())
         self.bounds = np.concatenate(bounds)
         self.solved = 0
 
@@ -105,8 +106,11 @@ class Subproblems:
         return dp_lm, (units[0][e], units[1][l], units[2][g])
 
     def solve(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The closed-form optima and taus of these sub-problems: each column of
-        solve_relaxed alone, so the same to the last bit as solved among all of them."""
+        """Lower bounds of these sub-problems' optima, and their taus, each column alone
+        (the same to the last bit as solved among all of them). The LLM's tail ends the
+        iteration no sooner than the encoder's last backward, which takes at most the
+        encoder's F: the optimum with the tail less F_enc (never below 0) is at least both
+        solve_relaxed's optimum without the tail and its optimum with it less F_enc."""
         self.solved += indices.size
         block = np.searchsorted(self.starts, indices, side="right") - 1
         local = indices - self.starts[block]
@@ -118,9 +122,12 @@ class Subproblems:
         values, taus = np.empty(indices.size), np.empty(indices.size)
         for first in range(0, indices.size, RELAX_CHUNK):  # columns that stay in cache
             cut = slice(first, first + RELAX_CHUNK)
-            values[cut], taus[cut] = solve_relaxed(
-                a[:, cut], low[:, cut], high[:, cut], beta[:, cut], warm[:, cut].sum(axis=0), k[cut], self.n, gamma[:, cut]
-            )
+            columns = (a[:, cut], low[:, cut], high[:, cut], beta[:, cut], warm[:, cut].sum(axis=0), k[cut], self.n)
+            untailed, untailed_tau = solve_relaxed(*columns)
+            tailed, tailed_tau = solve_relaxed(*columns, gamma[:, cut])
+            tailed -= warm[0, cut]
+            values[cut] = np.maximum(untailed, tailed)
+            taus[cut] = np.where(tailed >= untailed, tailed_tau, untailed_tau)
         return values, taus
 
     def in_order(self) -> Iterator[tuple[float, int, float]]:
@@ -209,6 +216,7 @@ def relaxed_bound(
     k: float,
     n: float,
     gamma: Sequence[np.ndarray],
+    overlap: np.ndarray,
 ) -> np.ndarray:
     """A lower bound of solve_relaxed's optimum, its unit rows given as three arrays that
     broadcast together (a, low, high, beta, gamma; warm their W): no breakpoints, no sort.
@@ -218,7 +226,8 @@ def relaxed_bound(
     >= tau0, sum_u beta_u n_u(tau) >= max(C, B / tau) (C = sum_u beta_u L_u, B = sum_u
     beta_u a_u), and n_u(tau) <= n_u(tau0), so a tail gamma_u / n_u(tau) >= gamma_u /
     n_u(tau0). So the optimum is at least W + min over tau >= tau0 of phi(tau) = K tau +
-    max(C, B / tau), plus max_u gamma_u / n_u(tau0). phi is convex: K tau + B / tau up to
+    max(C, B / tau), plus max_u gamma_u / n_u(tau0) less `overlap` (Subproblems.solve's
+    encoder backward), never below 0. phi is convex: K tau + B / tau up to
     B / C (least at sqrt(B / K)), then increasing, so its minimum is at sqrt(B / K) clipped
     to [tau0, max(tau0, B / C)]. Infinite where the units' fewest GPUs exceed N; lowered
     by ROUNDING."""
@@ -234,7 +243,7 @@ def relaxed_bound(
         bound = warm + k * tau + np.maximum(c, b / tau)
         tails = [g / np.maximum(l, x / tau0) for g, l, x in zip(gamma, low, a) if np.any(g)]
         if tails:
-            bound = bound + (tails[0] if len(tails) == 1 else np.maximum.reduce(tails))
+            bound = bound + np.maximum(0.0, (tails[0] if len(tails) == 1 else np.maximum.reduce(tails)) - overlap)
         bound = np.where(fewest > n + 1e-6, INF, bound * (1 - ROUNDING))
         # A bound that does not evaluate is 0, which every optimum is at least.
         return np.nan_to_num(bound, nan=0.0, posinf=INF)
