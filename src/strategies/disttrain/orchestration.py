@@ -556,15 +556,14 @@ class Orchestrator:
         integer choice can overflow (the units ahead of the LLM keep up to its depth in
         flight); a heavier option there costs more compute, so the same sub-problem's
         relaxed optimum bounds it."""
-        depth, first, units = sum(c.pp for c in choice), 0, []
-        for c in choice:
+        units = []
+        for c, depth in zip(choice, _depths(choice)):
             modes = RECOMPUTE_MODES if self.fixed[c.unit].recompute is None else (c.recompute,)
             variants = (c if mode == c.recompute else replace(c, setting=replace(c.setting, recompute=mode)) for mode in modes)
-            fitting = next((v for v in variants if depth - first <= self.summary(v).depth_limit(m)), None)
+            fitting = next((v for v in variants if depth <= self.summary(v).depth_limit(m)), None)
             if fitting is None:
                 return None
             units.append(fitting)
-            first += c.pp
         return units[0], units[1], units[2]
 
     # ---- pricing one integer choice --------------------------------------------------------
@@ -601,11 +600,8 @@ class Orchestrator:
     def time(self, choice: Choice, m: int) -> float | None:
         """The 1F1B model's iteration time of an integer choice (module docstring), or None
         if a stage's memory does not hold the micro-batches in flight there."""
-        depth, first = sum(c.pp for c in choice), 0
-        for c in choice:
-            if depth - first > self.summary(c).depth_limit(m):
-                return None
-            first += c.pp
+        if any(depth > self.summary(c).depth_limit(m) for c, depth in zip(choice, _depths(choice))):
+            return None
         return self.pipeline_time(choice, m)
 
     def pipeline_time(self, choice: Choice, m: int) -> float:
@@ -634,13 +630,11 @@ class Orchestrator:
 
     def memory_gib(self, choice: Choice, m: int) -> dict[str, float]:
         """Each unit's fullest GPU, as the orchestration estimates it."""
-        depth = sum(c.pp for c in choice)
-        out, offset = {}, 0
-        for c in choice:
+        out = {}
+        for c, depth in zip(choice, _depths(choice)):
             stages = self.stages(c)
-            flight = np.minimum(depth - offset - np.arange(c.pp), m)
+            flight = np.minimum(depth - np.arange(c.pp), m)
             out[c.unit] = float((stages.states + self.peak[c.unit] * (flight * stages.kept + stages.transient)).max()) / GIB
-            offset += c.pp
         return out
 
     # ---- why nothing fits ----------------------------------------------------------------
@@ -681,6 +675,13 @@ class Orchestrator:
             f"{self.batch} (the LLM's DP must divide it, the encoder's and generator's the LLM's)"
             + (f" and the fixed degrees {fixed}" if fixed else "")
         )
+
+
+def _depths(choice: Choice) -> list[int]:
+    """Per unit: the pipeline's depth from the unit's first stage on, which bounds what
+    1F1B keeps in flight there."""
+    total = sum(c.pp for c in choice)
+    return [total - sum(c.pp for c in choice[:u]) for u in range(len(choice))]
 
 
 def pipeline_time(

@@ -131,11 +131,16 @@ FIXED_OPTIONS = ["strategy.zero_stage=1"] + [
 ]
 
 
-def _orchestrator(s: Setup, mode: str = "disaggregated", keep: int = 1, shapes: int | None = None) -> Orchestrator:
+def _orchestrator(
+    s: Setup, mode: str = "disaggregated", keep: int = 1, shapes: int | None = None, on_data: bool = False
+) -> Orchestrator:
+    """on_data: memory planned for batch 0's heaviest micro-batch, as the planner plans it."""
     opts = options_from(DistTrainOptions, s.config["strategy"])
     profiler = Profiler(s.model, s.cluster, s.train.precision, opts.tp_overlap_chunks)
     fixed = {u: opts.fixed(u) for u in UNITS}
-    return Orchestrator(profiler, s.train.global_batch, s.cluster.devices, fixed, mode, keep=keep, shapes=shapes)
+    peak = batch_loads(s.model, s.train.seed, s.train.global_batch, s.train.data, None, 0).peak if on_data else None
+    args = (profiler, s.train.global_batch, s.cluster.devices, fixed, mode, peak)
+    return Orchestrator(*args, keep=keep, shapes=shapes, replicate=opts.replicate)
 
 
 def test_orchestration_is_within_tolerance_of_brute_force() -> None:
@@ -261,11 +266,7 @@ def test_a_pinned_deep_pipeline_gets_the_recomputation_its_in_flight_micro_batch
         "strategy.encoder.tp=1", "strategy.encoder.pp=1", "strategy.encoder.dp=4", "strategy.llm.pp=8",
         "strategy.llm.dp=4", "strategy.generator.tp=1", "strategy.generator.pp=1", "strategy.generator.dp=4",
     )  # fmt: skip
-    opts = options_from(DistTrainOptions, s.config["strategy"])
-    loads = batch_loads(s.model, s.train.seed, s.train.global_batch, s.train.data, None, 0)
-    profiler = Profiler(s.model, s.cluster, s.train.precision, opts.tp_overlap_chunks)
-    fixed = {u: opts.fixed(u) for u in UNITS}
-    orchestrator = Orchestrator(profiler, s.train.global_batch, s.cluster.devices, fixed, "disaggregated", loads.peak, keep=4)
+    orchestrator = _orchestrator(s, keep=4, on_data=True)
     found = orchestrator.solve()
     assert found is not None and found.best[0].recompute == "full"
     for _, choice in found.choices:
@@ -289,12 +290,7 @@ def test_the_relaxation_lets_the_llm_tail_overlap_the_encoder_backward() -> None
         "model=mllm_9b", "cluster=a800", "cluster.nodes=144", "train.global_batch=1920", "model.images_per_sequence=3",
         "strategy.replicate=[encoder,generator]",
     )  # fmt: skip
-    opts = options_from(DistTrainOptions, s.config["strategy"])
-    loads = batch_loads(s.model, s.train.seed, s.train.global_batch, s.train.data, None, 0)
-    profiler = Profiler(s.model, s.cluster, s.train.precision, opts.tp_overlap_chunks)
-    fixed = {u: opts.fixed(u) for u in UNITS}
-    args = (profiler, 1920, s.cluster.devices, fixed, "disaggregated", loads.peak, opts.ranked, opts.ranked_shapes)
-    orchestrator = Orchestrator(*args, replicate=opts.replicate)
+    orchestrator = _orchestrator(s, keep=8, shapes=8, on_data=True)  # strategy.ranked, strategy.ranked_shapes
     found = orchestrator.solve()
     choice = (
         UnitChoice("encoder", 32, 1, 15, Setting(1, "full", False, 1)),
