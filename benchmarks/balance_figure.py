@@ -1,6 +1,6 @@
 """The balancing figure: every balancing policy for Megatron-LM (its plan chosen at the mean load,
 and chosen on the data: strategy.choose_on=data) and DistTrain (its orchestration's 8 best
-choices and the best of its 8 best distinct LLM shapes timed on the data, as by default, and 64
+choices and the best of its 32 best distinct LLM shapes timed on the data, as by default, and 64
 best choices: strategy.ranked) on MLLM-9B/15B/72B on 1152 A800s
 (global batch 1920, DistTrain's Figure 15 sizes), each plan priced on 16 (9B) or 8 global
 batches of interleaved data; then the skew swept for MLLM-9B over a range declared here before

@@ -7,7 +7,7 @@ nodes. Per size, three times:
   relaxations (those a bound of their optimum does not rule out: `solved` of all the
   sub-problems) and the integer recovery (what Table 2 times: CVXPY's 922 / 641 / 441 /
   133 ms). Target: at most 100 ms for 1296 GPUs and batch 1920; beside it the search as the
-  planner runs it by default (its best 8 choices, the best of its 8 best distinct LLM shapes
+  planner runs it by default (its best 8 choices, the best of its 32 best distinct LLM shapes
   and the best 8 of a search without shapes: strategy.ranked, strategy.ranked_shapes);
 - plan: the whole planner, profile and solve included, with the best choices timed
   against the batch's data and the top ones built and simulated. Target: at most 5 s

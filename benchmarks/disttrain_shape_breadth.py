@@ -1,0 +1,92 @@
+"""How many distinct LLM shapes DistTrain's planner must time on the data to find the best plan
+it can find: DistTrain Fig. 15's three sizes (MLLM-9B and MLLM-72B on 1152 A800s, MLLM-15B on
+1280, batch 1920, interleaved data of ten images a sequence), each planned with the best choice
+of its `ranked_shapes` best distinct LLM shapes at the mean load timed on batch 0's data
+(strategy.ranked_shapes), at several breadths and at every shape the orchestration recovers.
+
+The data's skew slows a deep LLM pipeline most (its heavy micro-batches fill and drain every
+stage), so the shapes that lead at the mean load are not those that lead on the data. Per
+breadth: the plan's simulated time, the rank at the mean load of its LLM shape among every
+shape's best choice, how many choices were timed on the data, and the plan's CPU time.
+Prints a markdown table and writes it with --out.
+
+    python benchmarks/disttrain_shape_breadth.py [--out benchmarks/results/disttrain_shape_breadth.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere: this repository's src
+
+from src.config import composed
+from src.setup import plan_run, validate
+
+FIGURE = [
+    "logger=none",
+    "cluster=a800",
+    "train.global_batch=1920",
+    "model.images_per_sequence=10",
+    "strategy=disttrain",
+    "strategy.replicate=[encoder,generator]",
+]
+SIZES = {
+    "MLLM-9B": ["model=mllm_9b", "cluster.nodes=144"],
+    "MLLM-15B": ["model=mllm_15b", "cluster.nodes=160"],
+    "MLLM-72B": ["model=mllm_72b", "cluster.nodes=144"],
+}
+BREADTHS = (8, 16, 32)
+EVERY = 100_000  # more distinct shapes than any of these clusters has: each one's best choice
+
+
+def llm_shape(record: dict) -> tuple:
+    llm = record["units"]["llm"]
+    return tuple(llm[k] for k in ("tp", "pp", "dp"))
+
+
+def run(size: list[str], breadth: int) -> tuple[dict, list[dict], float]:
+    cpu = time.process_time()
+    planned = plan_run(validate(composed(FIGURE + size + [f"strategy.ranked_shapes={breadth}"])))
+    return planned.details, planned.details["search"]["candidates"], time.process_time() - cpu
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    lines = [
+        "| model | shapes timed | plan simulated (s) | its LLM shape (TP, PP, DP) | its rank at the mean load "
+        "| choices timed on the data | plan CPU (s) |",
+        "|---|---:|---:|---|---:|---:|---:|",
+    ]
+    for name, size in SIZES.items():
+        every, candidates, every_cpu = run(size, EVERY)
+        # Each LLM shape's (degrees') best choice at the mean load, in the orchestration's order.
+        rank: dict[tuple, int] = {}
+        for record in sorted((c for c in candidates if c["origin"] == "disaggregated"), key=lambda c: c["model_s"]):
+            rank.setdefault(llm_shape(record), len(rank) + 1)
+        for breadth in BREADTHS:
+            details, timed, cpu = run(size, breadth)
+            lines.append(_row(name, str(breadth), details, timed, rank, cpu))
+        lines.append(_row(name, f"all {len(rank)}", every, candidates, rank, every_cpu))
+        print("\n".join(lines[-len(BREADTHS) - 1 :]), flush=True)
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        args.out.write_text(f"`python benchmarks/disttrain_shape_breadth.py`\n\n{table}\n")
+
+
+def _row(name: str, breadth: str, details: dict, timed: list[dict], rank: dict[tuple, int], cpu: float) -> str:
+    best = min((c for c in timed if c["simulated_s"] is not None), key=lambda c: c["simulated_s"])
+    shape = llm_shape(best)
+    return (
+        f"| {name} | {breadth} | {best['simulated_s']:.3f} | {shape[0]}, {shape[1]}, {shape[2]} | "
+        f"{rank.get(shape, '-')} | {len(timed)} | {cpu:.1f} |"
+    )
+
+
+if __name__ == "__main__":
+    main()
