@@ -38,7 +38,7 @@ from src.models.spec import ModelSpec
 from src.program import Plan, compress_ranks
 from src.strategies.base import PlanRequest, check_microbatch_count, on_batch
 from src.data.disaggregated import BALANCE_REORDERS, REORDERS
-from src.strategies.disttrain.orchestration import UNITS, Fixed, Orchestrator
+from src.strategies.disttrain.orchestration import UNITS, Choice, Fixed, Orchestrator
 from src.strategies.disttrain.profile import Profiler
 from src.strategies.disttrain.search import RANKED, RANKED_SHAPES, SIMULATED, Candidate, Decision, memory_problem
 from src.strategies.spec import AutoVariant, StrategySpec
@@ -180,10 +180,8 @@ def plan_disttrain_batches(request: PlanRequest, batches: Sequence[int | None]) 
     # search alone would time (asking for shapes drops none of it).
     alone = set(found.alone)
     for first in dict.fromkeys([found.best, *found.alone[:1]]):
-        m = found.microbatches[first]
-        timed = {c.choice for c in candidates}
-        interleaved = [Candidate(c, m, t, f"{opts.orchestration}, interleaved") for t, c in orchestrator.interleavings(first, m)]
-        candidates += [c for c in interleaved if c.choice not in timed]
+        interleaved = _interleavings(orchestrator, opts.orchestration, first, found.microbatches[first], candidates)
+        candidates += interleaved
         if found.alone[:1] == (first,):
             alone |= {c.choice for c in interleaved}
     # The ratio-based plan is simulated beside ours: DistTrain's is never slower.
@@ -191,7 +189,14 @@ def plan_disttrain_batches(request: PlanRequest, batches: Sequence[int | None]) 
     apart = [ratio] if ratio is not None and not any(ratio is c for c in candidates) else []
     for candidate in candidates + apart:
         decision.estimate(candidate)
-    ranked = sorted((c for c in candidates if math.isfinite(c.estimate_s)), key=lambda c: c.estimate_s)
+    # The data can rank first a choice the mean load does not: the best by the estimate
+    # interleaved too.
+    for leader in _ranked(candidates)[:SIMULATED]:
+        interleaved = _interleavings(orchestrator, opts.orchestration, leader.choice, leader.microbatches, candidates)
+        for candidate in interleaved:
+            decision.estimate(candidate)
+        candidates += interleaved
+    ranked = _ranked(candidates)
     # The best by the estimate, those the search without shapes would simulate, and the ratio plan's.
     picked = ranked[:SIMULATED] + [c for c in ranked if c.choice in alone][:SIMULATED]
     picked += [ratio] if ratio is not None and math.isfinite(ratio.estimate_s) else []
@@ -224,6 +229,17 @@ def plan_disttrain_batches(request: PlanRequest, batches: Sequence[int | None]) 
         candidate = _decided(Decision(again, orchestrator, batch_data, reorder, opts.tp_overlap_chunks), best)
         plans.append(_plan(again, opts, batch_data, candidate, search, found.relaxed_s))
     return plans
+
+
+def _interleavings(orchestrator: Orchestrator, orchestration: str, choice: Choice, m: int, timed: list[Candidate]) -> list[Candidate]:
+    """The choice with its LLM interleaved (Orchestrator.interleavings), but for those timed."""
+    known = {c.choice for c in timed}
+    return [Candidate(c, m, t, f"{orchestration}, interleaved") for t, c in orchestrator.interleavings(choice, m) if c not in known]
+
+
+def _ranked(candidates: list[Candidate]) -> list[Candidate]:
+    """The candidates that hold in memory, fastest first by the estimate on the data."""
+    return sorted((c for c in candidates if math.isfinite(c.estimate_s)), key=lambda c: c.estimate_s)
 
 
 def _ratio_plan(orchestrator: Orchestrator, orchestration: str, candidates: list[Candidate]) -> Candidate | None:
