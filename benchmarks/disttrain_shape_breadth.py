@@ -47,10 +47,10 @@ def llm_shape(record: dict) -> tuple:
     return tuple(llm[k] for k in ("tp", "pp", "dp"))
 
 
-def run(size: list[str], breadth: int) -> tuple[dict, list[dict], float]:
+def run(size: list[str], breadth: int) -> tuple[list[dict], float]:
     cpu = time.process_time()
     planned = plan_run(validate(composed(FIGURE + size + [f"strategy.ranked_shapes={breadth}"])))
-    return planned.details, planned.details["search"]["candidates"], time.process_time() - cpu
+    return planned.details["search"]["candidates"], time.process_time() - cpu
 
 
 def main() -> None:
@@ -63,15 +63,15 @@ def main() -> None:
         "|---|---:|---:|---|---:|---:|---:|",
     ]
     for name, size in SIZES.items():
-        every, candidates, every_cpu = run(size, EVERY)
+        candidates, every_cpu = run(size, EVERY)
         # Each LLM shape's (degrees') best choice at the mean load, in the orchestration's order.
         rank: dict[tuple, int] = {}
         for record in sorted((c for c in candidates if c["origin"] == "disaggregated"), key=lambda c: c["model_s"]):
             rank.setdefault(llm_shape(record), len(rank) + 1)
         for breadth in BREADTHS:
-            details, timed, cpu = run(size, breadth)
-            lines.append(_row(name, str(breadth), details, timed, rank, cpu))
-        lines.append(_row(name, f"all {len(rank)}", every, candidates, rank, every_cpu))
+            timed, cpu = run(size, breadth)
+            lines.append(_row(name, str(breadth), timed, rank, cpu))
+        lines.append(_row(name, f"all {len(rank)}", candidates, rank, every_cpu))
         print("\n".join(lines[-len(BREADTHS) - 1 :]), flush=True)
     table = "\n".join(lines)
     print(table)
@@ -79,7 +79,7 @@ def main() -> None:
         args.out.write_text(f"`python benchmarks/disttrain_shape_breadth.py`\n\n{table}\n")
 
 
-def _row(name: str, breadth: str, details: dict, timed: list[dict], rank: dict[tuple, int], cpu: float) -> str:
+def _row(name: str, breadth: str, timed: list[dict], rank: dict[tuple, int], cpu: float) -> str:
     best = min((c for c in timed if c["simulated_s"] is not None), key=lambda c: c["simulated_s"])
     shape = llm_shape(best)
     return (
