@@ -56,6 +56,7 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import numpy as np
 
@@ -67,6 +68,7 @@ from src.program import RECOMPUTE_MODES
 from src.strategies.base import MAX_MICROBATCHES, Degrees, check_microbatch_count, divisors
 from src.strategies.disttrain.profile import BrokerEnd, Profiler, Setting, StageArrays
 from src.strategies.disttrain.relaxation import ROUNDING, RelaxedOption, Subproblems, undominated
+from src.strategies.disttrain.schedule import Chain, Deadlock, chain_orders
 
 UNITS = ("encoder", "llm", "generator")
 INF = float("inf")
@@ -521,19 +523,34 @@ class Orchestrator:
     def interleavings(self, choice: Choice, m: int) -> list[tuple[float, Choice]]:
         """The choice with its LLM interleaved, where its vpp is searched: each vpp that
         Megatron-LM runs (pp > 1, m a multiple of pp, pp x vpp dividing the blocks), at
-        most MAX_VPPS of them (the fewest chunks: each adds transfers), priced by the 1F1B
-        model. (The encoder and the generator, shallow, interleave by hand.)"""
+        most MAX_VPPS of them (the fewest chunks: each adds transfers), each unit at the
+        lightest recomputation whose stages hold what the interleaved order keeps in flight
+        there, priced by the 1F1B model. (The encoder and the generator, shallow, interleave
+        by hand.)"""
         enc, llm, gen = choice
         blocks = self.p.blocks("llm")
         if self.fixed["llm"].vpp is not None or llm.pp == 1 or m % llm.pp:
             return []
         out = []
         for v in [v for v in range(2, blocks // llm.pp + 1) if blocks % (llm.pp * v) == 0][:MAX_VPPS]:
-            variant = (enc, replace(llm, setting=replace(llm.setting, vpp=v)), gen)
-            estimate = self.time(variant, m)
-            if estimate is not None:
-                out.append((estimate, variant))
+            variant = self._held((enc, replace(llm, setting=replace(llm.setting, vpp=v)), gen), m)
+            if variant is not None:
+                out.append((self.pipeline_time(variant, m), variant))
         return out
+
+    def _held(self, choice: Choice, m: int) -> Choice | None:
+        """`_recomputed` for an interleaved LLM: each unit's stages holding the forwards the
+        chain's exact orders keep in flight there; None if none does, or the orders wait on
+        each other. An interleaved stage s keeps (pp - s - 1) x 2 + (vpp - 1) x pp chunk
+        forwards, two chunks' worth more for each stage after its unit, and the units ahead
+        of it more for its deeper warm-up: more than 1F1B's depth count (`_depths`)."""
+        try:
+            orders = chain_orders(Chain(tuple((c.pp, c.setting.vpp) for c in choice)), m)
+        except Deadlock:
+            return None
+        firsts = itertools.accumulate((c.pp for c in choice), initial=0)
+        stage_orders = [orders[first : first + c.pp] for first, c in zip(firsts, choice)]
+        return self._lightest(choice, lambda k, v: self.stages(v).holds(stage_orders[k], self.peak[v.unit], self.usable))
 
     def _roundings(self, picked: tuple[RelaxedOption, ...], tau: float, m: int, bar: float) -> list[tuple[float, Choice]]:
         """The floor/ceil roundings of the relaxed PPs that fit, priced by the 1F1B model,
@@ -556,11 +573,17 @@ class Orchestrator:
         integer choice can overflow (the units ahead of the LLM keep up to its depth in
         flight); a heavier option there costs more compute, so the same sub-problem's
         relaxed optimum bounds it."""
+        depths = _depths(choice)
+        return self._lightest(choice, lambda k, v: depths[k] <= self.summary(v).depth_limit(m))
+
+    def _lightest(self, choice: Choice, holds: Callable[[int, UnitChoice], bool]) -> Choice | None:
+        """Each unit (the k-th of the chain) at the lightest recomputation (where it is
+        searched) that `holds(k, unit)` accepts; None if a unit has none."""
         units = []
-        for c, depth in zip(choice, _depths(choice)):
+        for k, c in enumerate(choice):
             modes = RECOMPUTE_MODES if self.fixed[c.unit].recompute is None else (c.recompute,)
             variants = (c if mode == c.recompute else replace(c, setting=replace(c.setting, recompute=mode)) for mode in modes)
-            fitting = next((v for v in variants if depth <= self.summary(v).depth_limit(m)), None)
+            fitting = next((v for v in variants if holds(k, v)), None)
             if fitting is None:
                 return None
             units.append(fitting)

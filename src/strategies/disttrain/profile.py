@@ -52,6 +52,7 @@ from src.mesh import Sharding, tensor_parallel
 from src.models.flows import flows_of
 from src.models.spec import ModelSpec
 from src.program import RECOMPUTE_MODES, Phase, Work
+from src.schedules.pipeline import PipeOp
 from src.strategies.builders.emit import share_of
 from src.strategies.builders.stages import block_cuts, boundary_elems, replicated_rows, replicated_transfer, stage_transfer
 
@@ -118,6 +119,21 @@ class StageArrays:
     def kept(self) -> np.ndarray:
         """Per pipeline stage: activations of one micro-batch through all its chunks."""
         return self.activations.reshape(-1, self.pp).sum(axis=0)
+
+    def holds(self, orders: list[list[PipeOp]], peak: float, usable: float) -> bool:
+        """Whether each stage (orders: its order of chunk forwards and backwards) holds its
+        model states and the most activations its order keeps at once (each chunk's forward
+        adds its own until its backward, at `peak` times the nominal load), with what a
+        backward under full recompute brings back for a moment, in `usable` bytes."""
+        for stage, order in enumerate(orders):
+            live = most = 0.0
+            for op in order:
+                kept = float(self.activations[op.chunk * self.pp + stage])
+                live += kept if op.kind == "F" else -kept
+                most = max(most, live)
+            if float(self.states[stage]) + peak * (most + float(self.transient[stage])) > usable:
+                return False
+        return True
 
 
 # Rows of a unit's profile table: per-layer prefix sums (column i: layers [0, i)). The TP

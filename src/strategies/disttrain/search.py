@@ -186,23 +186,11 @@ class Decision:
         return per_stage
 
     def _fits(self, choice: Choice, stages: list[StageArrays], orders: list[list[PipeOp]]) -> bool:
-        """Each stage's model states and the most activations its order keeps at once
-        (each chunk's forward adds its own until its backward, at the unit's heaviest load),
-        with what a backward under full recompute brings back for a moment."""
+        """Each stage's memory (StageArrays.holds) with the unit's heaviest load in flight."""
         usable = self.request.cluster.usable_memory_bytes
-        first = 0
-        for c, arrays in zip(choice, stages):
-            peak = self.loads.peak[c.unit]
-            for stage in range(c.pp):
-                live = most = 0.0
-                for op in orders[first + stage]:
-                    kept = float(arrays.activations[op.chunk * c.pp + stage])
-                    live += kept if op.kind == "F" else -kept
-                    most = max(most, live)
-                if float(arrays.states[stage]) + peak * (most + float(arrays.transient[stage])) > usable:
-                    return False
-            first += c.pp
-        return True
+        firsts = itertools.accumulate((c.pp for c in choice), initial=0)
+        units = zip(choice, stages, firsts)
+        return all(arrays.holds(orders[first : first + c.pp], self.loads.peak[c.unit], usable) for c, arrays, first in units)
 
     def _reordering(self, choice: Choice) -> Reordering:
         enc, llm, gen = choice

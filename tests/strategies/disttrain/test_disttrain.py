@@ -254,6 +254,28 @@ def test_the_choices_the_data_ranks_best_are_interleaved_too() -> None:
     assert best["simulated_s"] < min(plain)
 
 
+def test_an_interleaved_llm_gets_the_recomputation_its_deeper_warm_up_needs_ahead_of_it() -> None:
+    """MLLM-72B on 96 A800s, batch 40, skewed data: interleaving the LLM's five stages keeps
+    more micro-batches in flight at the encoder ahead of it than plain 1F1B does. A plain
+    choice whose encoder holds its in-flight micro-batches unrecomputed is offered
+    interleaved with that encoder under full recomputation, and that is the plan; offered as
+    the plain choice had it, its three interleavings did not fit (estimate infinite)."""
+    s = setup(
+        "model=mllm_72b", "cluster=a800", "cluster.nodes=12", "train.global_batch=40", "model.images_per_sequence=10",
+        "strategy.replicate=[encoder,generator]",
+    )  # fmt: skip
+    candidates = plan_run(s).details["search"]["candidates"]
+    interleaved = [c for c in candidates if c["units"]["llm"]["vpp"] > 1]
+    assert interleaved and all(math.isfinite(c["estimate_s"]) for c in interleaved)
+    best = min((c for c in candidates if c["simulated_s"] is not None), key=lambda c: c["simulated_s"])
+    plain = [c for c in candidates if c["units"]["llm"]["vpp"] == 1 and c["units"]["llm"]["pp"] == best["units"]["llm"]["pp"]]
+    assert best["units"]["llm"]["vpp"] == 2 and best["units"]["encoder"]["recompute"] == "full"
+    assert any(
+        c["units"]["encoder"]["recompute"] == "none" and c["units"]["encoder"]["dp"] == best["units"]["encoder"]["dp"]
+        and c["units"]["encoder"]["tp"] == best["units"]["encoder"]["tp"] for c in plain
+    )  # fmt: skip
+
+
 def test_a_stage_under_full_recompute_keeps_room_for_the_block_its_backward_brings_back() -> None:
     """A backward under full recompute re-runs its block's forward and holds that block's whole
     activations for a moment (src.costmodel.memory, as the built Program's check counts them).
