@@ -528,15 +528,22 @@ class Orchestrator:
         there, priced by the 1F1B model. (The encoder and the generator, shallow, interleave
         by hand.)"""
         enc, llm, gen = choice
-        blocks = self.p.blocks("llm")
-        if self.fixed["llm"].vpp is not None or llm.pp == 1 or m % llm.pp:
-            return []
         out = []
-        for v in [v for v in range(2, blocks // llm.pp + 1) if blocks % (llm.pp * v) == 0][:MAX_VPPS]:
+        for v in self.interleaved_vpps(choice, m):
             variant = self._held((enc, replace(llm, setting=replace(llm.setting, vpp=v)), gen), m)
             if variant is not None:
                 out.append((self.pipeline_time(variant, m), variant))
         return out
+
+    def interleaved_vpps(self, choice: Choice, m: int) -> list[int]:
+        """The vpps `interleavings` offers a choice: each Megatron-LM runs (pp > 1, m a
+        multiple of pp, pp x vpp dividing the blocks), the fewest MAX_VPPS; none where the
+        LLM's vpp is given or the choice is interleaved already."""
+        llm = choice[1]
+        if self.fixed["llm"].vpp is not None or llm.setting.vpp > 1 or llm.pp == 1 or m % llm.pp:
+            return []
+        blocks = self.p.blocks("llm")
+        return [v for v in range(2, blocks // llm.pp + 1) if blocks % (llm.pp * v) == 0][:MAX_VPPS]
 
     def _held(self, choice: Choice, m: int) -> Choice | None:
         """`_recomputed` for an interleaved LLM: each unit's stages holding the forwards the

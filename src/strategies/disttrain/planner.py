@@ -189,9 +189,10 @@ def plan_disttrain_batches(request: PlanRequest, batches: Sequence[int | None]) 
     apart = [ratio] if ratio is not None and not any(ratio is c for c in candidates) else []
     for candidate in candidates + apart:
         decision.estimate(candidate)
-    # The data can rank first a choice the mean load does not: the best by the estimate
-    # interleaved too.
-    for leader in _ranked(candidates)[:SIMULATED]:
+    # The data can rank first a choice the mean load does not: the best by the estimate that
+    # can be interleaved (a one-stage LLM cannot), interleaved too.
+    leaders = [c for c in _ranked(candidates) if orchestrator.interleaved_vpps(c.choice, c.microbatches)][:SIMULATED]
+    for leader in leaders:
         interleaved = _interleavings(orchestrator, opts.orchestration, leader.choice, leader.microbatches, candidates)
         for candidate in interleaved:
             decision.estimate(candidate)

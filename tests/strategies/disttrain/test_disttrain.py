@@ -254,6 +254,27 @@ def test_the_choices_the_data_ranks_best_are_interleaved_too() -> None:
     assert best["simulated_s"] < min(plain)
 
 
+def test_the_data_s_best_choices_that_can_interleave_are_interleaved() -> None:
+    """MLLM-15B on 96 A800s, batch 128, skewed data: the estimate's best plain choices put the
+    LLM on five stages (32 micro-batches, which five does not divide) or one, neither of which
+    Megatron-LM interleaves, so they took the three slots of the data's best and nothing of
+    theirs was interleaved (7.86 s). The best three that can be interleaved are: one of them,
+    LLM TP 2, PP 2 interleaved, is the plan, ranked below those by the estimate plain."""
+    s = setup(
+        "model=mllm_15b", "cluster=a800", "cluster.nodes=12", "train.global_batch=128", "model.images_per_sequence=10",
+        "strategy.replicate=[encoder,generator]",
+    )  # fmt: skip
+    candidates = plan_run(s).details["search"]["candidates"]
+    best = min((c for c in candidates if c["simulated_s"] is not None), key=lambda c: c["simulated_s"])
+    assert best["units"]["llm"]["vpp"] > 1 and best["simulated_s"] < 7.8
+
+    def degrees(c: dict) -> tuple:
+        return tuple((u["tp"], u["pp"], u["dp"]) for u in c["units"].values())
+
+    plain = sorted((c for c in candidates if c["units"]["llm"]["vpp"] == 1), key=lambda c: c["estimate_s"])
+    assert degrees(best) not in [degrees(c) for c in plain[:SIMULATED]]
+
+
 def test_an_interleaved_llm_gets_the_recomputation_its_deeper_warm_up_needs_ahead_of_it() -> None:
     """MLLM-72B on 96 A800s, batch 40, skewed data: interleaving the LLM's five stages keeps
     more micro-batches in flight at the encoder ahead of it than plain 1F1B does. A plain
