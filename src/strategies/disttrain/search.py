@@ -40,7 +40,7 @@ from src.strategies.disttrain.timing import Hop, dag_ends
 # (strategy.ranked_shapes: the best few can be near-copies of one shape, which the data's
 # skew slows alike), and how many of those (the best by that estimate) are simulated.
 # The skew costs a deep LLM pipeline most, so the data's best shape can rank well down at the
-# mean load: on DistTrain Fig. 15's MLLM-9B and MLLM-15B, 16th and 19th of about a thousand
+# mean load: on DistTrain Fig. 15's MLLM-9B and MLLM-15B, 18th and 19th of about a thousand
 # shapes, the best of all of them timed (benchmarks/disttrain_shape_breadth.py); 32 covers both.
 RANKED = 8
 RANKED_SHAPES = 32
