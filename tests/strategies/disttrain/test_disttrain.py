@@ -236,17 +236,24 @@ def test_ratio_orchestration_is_no_better_than_algorithm_1_and_takes_the_flops_s
     assert gpus["encoder"] == 1 and gpus["generator"] <= 2 and gpus["llm"] <= 29
 
 
+def _searched_on_96_a800s(model: str, batch: int) -> tuple[list[dict], dict]:
+    """The search's candidate records and the fastest simulated of them: `model` on 96 A800s,
+    ten images a sequence on skewed data, the encoder and generator replicated over each TP
+    group (DistTrain §8.1)."""
+    s = setup(
+        f"model={model}", "cluster=a800", "cluster.nodes=12", f"train.global_batch={batch}", "model.images_per_sequence=10",
+        "strategy.replicate=[encoder,generator]",
+    )  # fmt: skip
+    candidates = plan_run(s).details["search"]["candidates"]
+    return candidates, min((c for c in candidates if c["simulated_s"] is not None), key=lambda c: c["simulated_s"])
+
+
 def test_the_choices_the_data_ranks_best_are_interleaved_too() -> None:
     """MLLM-9B on 96 A800s, batch 128, skewed data: the orchestration's best choice at the mean
     load (a five-stage LLM) is interleaved as before, but the data ranks a two-stage LLM among
     its best, and interleaved that one runs fastest (4.64 s, against 4.82 s for the best plain
     choice, when only the mean load's best was interleaved)."""
-    s = setup(
-        "model=mllm_9b", "cluster=a800", "cluster.nodes=12", "train.global_batch=128", "model.images_per_sequence=10",
-        "strategy.replicate=[encoder,generator]",
-    )  # fmt: skip
-    candidates = plan_run(s).details["search"]["candidates"]
-    best = min((c for c in candidates if c["simulated_s"] is not None), key=lambda c: c["simulated_s"])
+    candidates, best = _searched_on_96_a800s("mllm_9b", 128)
     mean_load_best = min((c for c in candidates if c["origin"] == "disaggregated"), key=lambda c: c["model_s"])
     assert best["origin"] == "disaggregated, interleaved" and best["units"]["llm"]["vpp"] > 1
     assert best["units"]["llm"]["pp"] != mean_load_best["units"]["llm"]["pp"]
@@ -260,12 +267,7 @@ def test_the_data_s_best_choices_that_can_interleave_are_interleaved() -> None:
     Megatron-LM interleaves, so they took the three slots of the data's best and nothing of
     theirs was interleaved (7.86 s). The best three that can be interleaved are: one of them,
     LLM TP 2, PP 2 interleaved, is the plan, ranked below those by the estimate plain."""
-    s = setup(
-        "model=mllm_15b", "cluster=a800", "cluster.nodes=12", "train.global_batch=128", "model.images_per_sequence=10",
-        "strategy.replicate=[encoder,generator]",
-    )  # fmt: skip
-    candidates = plan_run(s).details["search"]["candidates"]
-    best = min((c for c in candidates if c["simulated_s"] is not None), key=lambda c: c["simulated_s"])
+    candidates, best = _searched_on_96_a800s("mllm_15b", 128)
     assert best["units"]["llm"]["vpp"] > 1 and best["simulated_s"] < 7.8
 
     def degrees(c: dict) -> tuple:
@@ -281,14 +283,9 @@ def test_an_interleaved_llm_gets_the_recomputation_its_deeper_warm_up_needs_ahea
     choice whose encoder holds its in-flight micro-batches unrecomputed is offered
     interleaved with that encoder under full recomputation, and that is the plan; offered as
     the plain choice had it, its three interleavings did not fit (estimate infinite)."""
-    s = setup(
-        "model=mllm_72b", "cluster=a800", "cluster.nodes=12", "train.global_batch=40", "model.images_per_sequence=10",
-        "strategy.replicate=[encoder,generator]",
-    )  # fmt: skip
-    candidates = plan_run(s).details["search"]["candidates"]
+    candidates, best = _searched_on_96_a800s("mllm_72b", 40)
     interleaved = [c for c in candidates if c["units"]["llm"]["vpp"] > 1]
     assert interleaved and all(math.isfinite(c["estimate_s"]) for c in interleaved)
-    best = min((c for c in candidates if c["simulated_s"] is not None), key=lambda c: c["simulated_s"])
     plain = [c for c in candidates if c["units"]["llm"]["vpp"] == 1 and c["units"]["llm"]["pp"] == best["units"]["llm"]["pp"]]
     assert best["units"]["llm"]["vpp"] == 2 and best["units"]["encoder"]["recompute"] == "full"
     assert any(
