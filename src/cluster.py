@@ -153,6 +153,10 @@ class ClusterSpec:
     memory_efficiency: achieved fraction of HBM bandwidth for the framework's bandwidth-bound
       kernels (elementwise, normalisation, loss, optimizer): what they reach in a training
       step, below what a plain copy streams.
+    shared_memory_per_block: the on-chip memory one thread block may take without opting in
+      (CUDA's and HIP's sharedMemPerBlock, bytes), which decides whether PyTorch's softmax
+      keeps a row on chip or reads it from memory again (src/models/cross_entropy.py); 0:
+      a CPU's, whose caches hold a row.
     copy_efficiency: achieved fraction of HBM bandwidth of a large device copy: the rate a
       GEMM streams its operands at where its traffic bounds it; 0 (a spec built by hand):
       memory_efficiency.
@@ -256,6 +260,7 @@ class ClusterSpec:
     p2p_sm_fraction: float = 0.0
     gemm_fixed_s: float = 0.0
     copy_efficiency: float = 0.0
+    shared_memory_per_block: float = 0.0
     oversubscription: dict[int, float] = field(default_factory=dict)
     core_handover_s: float = 0.0
     sync_skew_s: float = 0.0
@@ -389,6 +394,7 @@ FLOAT_FIELDS = (
     "host_fetch_s",
     "host_fetch_byte_s",
     "host_list_entry_s",
+    "shared_memory_per_block",
 )
 # May be zero: a latency or overhead too small to state, or no SMs taken by communication.
 MAY_BE_ZERO = (
@@ -405,6 +411,7 @@ MAY_BE_ZERO = (
     "host_fetch_s",
     "host_fetch_byte_s",
     "host_list_entry_s",
+    "shared_memory_per_block",
 )
 
 

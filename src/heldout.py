@@ -441,7 +441,7 @@ def kernel_seconds(run: KernelRun, settings: dict[str, Any]) -> float:
     # A kernel of 16-bit values of `width` a row; wider values move as many more bytes.
     values = run.width * run.dtype_bytes / ACT_BYTES
     if run.op == "cross_entropy":
-        kernel = eager_loss(values)
+        kernel = eager_loss(values, round(values))
     elif run.op == "rmsnorm":
         kernel = unfused_kernel(memory(run.op, values, norm=run.width, op="rmsnorm"))
     else:

@@ -40,6 +40,7 @@ from src.costmodel.memory import element_bytes, grad_bytes
 from src.costmodel.optimizer_step import step_bytes
 from src.gemm_measurements import GemmCorrection
 from src.mesh import Sharding
+from src.models.cross_entropy import LOGIT_BYTES, eager_logit_bytes
 from src.models.spec import Kernel, LayerSpec, ModelSpec, UnitSpec
 from src.program import Work
 
@@ -129,15 +130,15 @@ def _amp_stream(kernel: Kernel, forward: float, backward: float, reduction: floa
     normalisation (one whose parameters' gradients are a kernel of their own) runs in fp32,
     twice its bytes, and the GEMM after it casts its output (read 4, write 2 a value: 6 more
     over its 4 forward; the cast's backward the other way, 6 over its 8). PyTorch's cross
-    entropy runs in fp32 the same way (the logits cast up, the gradient cast back:
-    src/models/cross_entropy.py). A fused framework's normalisation, and a fused or fp32
-    cross entropy, take and give their dtypes themselves, and an unfused operation's bytes
-    are counted in the dtypes its steps run (src/models/elementwise.py)."""
+    entropy runs in fp32 too, priced by src/models/cross_entropy.py's eager_logit_bytes. A
+    fused framework's normalisation, and a fused or fp32 cross entropy, take and give their
+    dtypes themselves, and an unfused operation's bytes are counted in the dtypes its steps
+    run (src/models/elementwise.py)."""
     if kernel.launches > 1:
         return forward, backward, reduction
     if kernel.residual:
         return forward * 10 / 6, backward * 10 / 6, reduction
-    if kernel.cross_entropy == "eager" or (kernel.norm_width and kernel.grad_reduction_bytes):
+    if kernel.norm_width and kernel.grad_reduction_bytes:
         return 3.5 * forward, 2.75 * backward, 2.0 * reduction
     return forward, backward, reduction
 
@@ -232,6 +233,13 @@ class ComputeModel:
             return 0.0
         return nbytes / self.hbm + kernels * self.cluster.kernel_overhead_s
 
+    def _eager_loss_bytes(self, kernel: Kernel, logits: float, sharding: Sharding) -> tuple[float, float]:
+        """PyTorch's cross entropy over `logits` logits on one device, forward and backward:
+        its rows are the vocabulary's columns this device holds (src/models/cross_entropy.py)."""
+        row = kernel.vocab / sharding.gemm_divisors(kernel.tp_split)[1]
+        forward, backward = eager_logit_bytes(row, self.cluster.shared_memory_per_block, self.amp)
+        return logits * forward, logits * backward
+
     def _table_gradient(self, kernel: Kernel, sharding: Sharding) -> float:
         """A lookup table's dense gradient, once a micro-batch however many rows it looked up
         (Kernel.table, this device's share of the table): zero-filled in the weights' dtype,
@@ -268,7 +276,9 @@ class ComputeModel:
             divisor = sharding.memory_divisor(kernel.tp_split)
             forward = kernel.bytes * rows / divisor
             backward, reduction = kernel.backward_moves * forward, kernel.grad_reduction_bytes * rows / divisor
-            if self.amp:
+            if kernel.cross_entropy == "eager":
+                forward, backward = self._eager_loss_bytes(kernel, forward / LOGIT_BYTES["eager"][0], sharding)
+            elif self.amp:
                 forward, backward, reduction = _amp_stream(kernel, forward, backward, reduction)
             fwd = self.memory_time(forward, kernel.launches)
             bwd = self.memory_time(backward, kernel.launches)

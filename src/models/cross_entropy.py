@@ -5,16 +5,23 @@ A language model's loss reads a logit per token and vocabulary entry: 4096 token
 small model's other memory-bound kernels together. What it costs is the bytes its kernels
 move per logit, which depend on the software, not on the model:
 
-eager: PyTorch's `F.cross_entropy` on the 16-bit logits, `log_softmax` then `nll_loss`:
-  forward reads and writes each logit once (4 bytes); backward writes the dense gradient of
-  `nll_loss`, which `log_softmax`'s backward reads with the saved output to write the
-  input's gradient (8). Under PyTorch AMP autocast runs it in fp32 (src.costmodel.compute
-  prices that from `cluster.amp`): 14 bytes forward (the cast: read 2, write 4;
-  `log_softmax`: 8) and 22 backward (`nll_loss`'s fp32 gradient: 4; `log_softmax`'s: 12;
-  the cast back: 6). On one H200 (benchmarks/results/small_gpt_h200.md, the 1.7B case: 2.15 G
-  logits of a 131,072-entry vocabulary a step) the softmax and loss kernels took 8.2 ms,
-  about 16 bytes a logit at 90 % of its 4.8 TB/s, where the two `log_softmax` kernels are
-  priced at 20.
+eager: PyTorch's `F.cross_entropy` on the 16-bit logits, `log_softmax` then `nll_loss`
+  (pytorch/pytorch at 000cace: aten/src/ATen/native/cuda/SoftMax.cu's host_softmax and
+  host_softmax_backward). A block of threads takes a row. Where the row fits the block's
+  shared memory (cluster.shared_memory_per_block, CUDA's 48 KiB; and its length divides
+  into 16-byte vectors) or is short (up to 1024 values in 4 KiB: a warp's), forward reads
+  it once and writes the log-probabilities (4 bytes a 16-bit logit); where it does not (a
+  vocabulary of 131,072 16-bit logits is 256 KiB), the kernel reads it for its maximum,
+  again for its sum of exponentials and a third time for its output (8). Backward writes
+  `nll_loss`'s dense gradient (zero-filled, then the targets'), and `log_softmax`'s
+  backward reads it for its row sum, reads it and the saved output again and writes the
+  input's gradient, whatever the row: 5 passes (10 bytes). Under PyTorch AMP autocast runs
+  both in fp32, the row twice as wide in bytes: the cast up (read 2, write 4) and 8 or 16
+  forward, 20 and the cast back (read 4, write 2) backward. PyTorch's public kernel
+  campaign (Liger-Kernel's benchmark data, fp32 rows of 4096-131,072 logits: src.heldout)
+  moves those bytes at 0.82-0.88 of the A100's and the H100 NVL's datasheet forward, about
+  a copy's rate, and 0.49-0.56 backward, from 16,384 logits a row up; the compute model
+  prices both at the preset's memory_efficiency.
 fp32: Megatron-LM's vocab-parallel cross entropy on an fp32 copy of the logits, as it runs
   unless `--fp16-lm-cross-entropy` is given (megatron/model/gpt_model.py's
   `post_language_model_processing` of 2021, `output.float()`; Megatron-Core's
@@ -42,20 +49,42 @@ from dataclasses import replace
 from src.cluster import CROSS_ENTROPY_MODES
 from src.models.spec import Kernel, LayerSpec, ModelSpec
 
-__all__ = ["CROSS_ENTROPY_MODES", "LOGIT_BYTES", "SAVED_BYTES", "eager_loss", "with_cross_entropy"]
+__all__ = ["CROSS_ENTROPY_MODES", "LOGIT_BYTES", "SAVED_BYTES", "eager_logit_bytes", "eager_loss", "with_cross_entropy"]
 
-# Bytes each mode's forward and backward move per logit (16-bit logits; fp32 under autocast
-# is the compute model's, from cluster.amp).
-LOGIT_BYTES: dict[str, tuple[float, float]] = {"eager": (4.0, 8.0), "fp32": (38.0, 14.0), "fused": (2.0, 4.0)}
+# Bytes each mode's forward and backward move per logit (16-bit logits; for eager a row on
+# chip: eager_logit_bytes prices the others and fp32 under autocast).
+LOGIT_BYTES: dict[str, tuple[float, float]] = {"eager": (4.0, 10.0), "fp32": (38.0, 14.0), "fused": (2.0, 4.0)}
 # Bytes a logit each mode keeps for backward.
 SAVED_BYTES: dict[str, float] = {"eager": 2.0, "fp32": 4.0, "fused": 2.0}
 
 
-def eager_loss(logits: float) -> Kernel:
-    """The loss over `logits` values a sample as the builders make it: PyTorch's cross
-    entropy, vocab-parallel (split with TP's column split of the head)."""
+# Passes over a row of logits of PyTorch's log_softmax forward (a read and a write where the
+# row stays on chip; three reads and a write where not) and of its loss's backward.
+ON_CHIP_PASSES, OFF_CHIP_PASSES, BACKWARD_PASSES = 2, 4, 5
+WARP_ROW = (1024, 4096)  # the longest row a warp takes whole: values, bytes
+VECTOR_BYTES = 16  # the shared-memory kernel loads a row in float4 vectors
+
+
+def eager_loss(logits: float, vocab: int) -> Kernel:
+    """The loss over `logits` values a sample, in rows of `vocab`, as the builders make it:
+    PyTorch's cross entropy, vocab-parallel (split with TP's column split of the head)."""
     forward, backward = LOGIT_BYTES["eager"]
-    return Kernel("loss", "memory", bytes=logits * forward, tp_split="n", backward_moves=backward / forward, cross_entropy="eager")
+    return Kernel(
+        "loss", "memory", bytes=logits * forward, tp_split="n", backward_moves=backward / forward, cross_entropy="eager", vocab=vocab
+    )
+
+
+def eager_logit_bytes(row: float, shared_memory: float, amp: bool) -> tuple[float, float]:
+    """Bytes a logit PyTorch's cross entropy moves forward and backward over rows of `row`
+    logits, on a device whose thread block takes `shared_memory` bytes (0: a CPU, whose
+    caches hold a row); `amp`: autocast runs it in fp32 on 16-bit logits."""
+    value = 4.0 if amp else 2.0
+    warp = row <= WARP_ROW[0] and row * value <= WARP_ROW[1]
+    block = row * value < shared_memory and (row * value) % VECTOR_BYTES == 0
+    forward = (ON_CHIP_PASSES if not shared_memory or warp or block else OFF_CHIP_PASSES) * value
+    backward = BACKWARD_PASSES * value
+    cast = 6.0 if amp else 0.0  # autocast's copy up (read 2, write 4) and the gradient's back
+    return forward + cast, backward + cast
 
 
 def with_cross_entropy(spec: ModelSpec, mode: str) -> ModelSpec:

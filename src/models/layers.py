@@ -270,7 +270,7 @@ def head_layer(
     final_norm = memory("final_norm", seq * hidden, norm=hidden, op="" if norm_shift else "rmsnorm")
     kernels = ([final_norm] if norm else []) + [
         gemm("projection", seq, hidden, out, "n"),
-        eager_loss(loss_elems),
+        eager_loss(loss_elems, out),
     ]
     return LayerSpec(
         name=name,

@@ -62,6 +62,8 @@ class Kernel:
       (src/models/grad_kernels.py). Part of the weight gradient.
     cross_entropy: the loss over a vocabulary's logits, computed as this mode says
       (src/models/cross_entropy.py); empty for every other kernel.
+    vocab: the loss's row, a token's logits (its vocabulary), which tensor parallelism splits
+      as it splits the head's columns: whether PyTorch's softmax keeps a row on chip.
     accumulation: how a weighted product's weight gradient joins the step's accumulated one in a
       pass of its own, every micro-batch: hook (added into it) or cast (cast to fp32 and added
       into an fp32 copy) (src/models/grad_accumulation.py); empty where the GEMM accumulates it.
@@ -101,6 +103,7 @@ class Kernel:
     residual: bool = False
     grad_reduction_bytes: float = 0.0
     cross_entropy: str = ""
+    vocab: int = 0
     accumulation: str = ""
     table: float = 0.0
     elementwise: str = ""

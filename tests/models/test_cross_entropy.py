@@ -12,6 +12,7 @@ from src.cluster import cluster_from_config
 from src.config import composed
 from src.costmodel.compute import ComputeModel
 from src.mesh import Sharding, tensor_parallel
+from src.models.cross_entropy import eager_logit_bytes
 from src.models.registry import build_model
 from src.setup import validate
 
@@ -36,19 +37,37 @@ def priced(mode: str, amp: bool, sharding: Sharding = Sharding()) -> tuple[float
 
 @pytest.mark.parametrize(
     ("mode", "plain", "autocast"),
-    [("eager", (4, 8), (14, 22)), ("fp32", (38, 14), (38, 14)), ("fused", (2, 4), (2, 4))],
+    [("eager", (8, 10), (22, 26)), ("fp32", (38, 14), (38, 14)), ("fused", (2, 4), (2, 4))],
 )
 def test_each_mode_moves_its_bytes_a_logit_and_only_pytorchs_runs_in_fp32_under_autocast(
     mode: str, plain: tuple[int, int], autocast: tuple[int, int]
 ) -> None:
-    """PyTorch's cross entropy reads and writes each 16-bit logit once forward, and writes the
-    loss's gradient for log_softmax's backward to read with the saved output (4 and 8 bytes);
-    under autocast the logits are cast to fp32 first and the gradient cast back (14 and 22).
+    """PyTorch's cross entropy over rows of 32,000 16-bit logits (62.5 KiB, more than a CUDA
+    block's 48 KiB of shared memory) reads each row three times and writes it once forward;
+    backward writes the loss's gradient, which log_softmax's backward reads twice with the
+    saved output once, and writes the input's (8 and 10 bytes); under autocast the same in
+    fp32, the logits cast up first and the gradient cast back (22 and 26).
     Megatron-LM's casts them itself and runs max, subtract, exp, sum, normalise (38), then
     scales the saved softmax and casts back (14). A fused kernel reads them once and writes
     the gradient over them (2 and 4)."""
     assert priced(mode, amp=False) == pytest.approx(plain)
     assert priced(mode, amp=True) == pytest.approx(autocast)
+
+
+def test_pytorchs_softmax_reads_a_row_once_where_it_stays_on_chip() -> None:
+    """A row that fits a block's shared memory (and divides into 16-byte vectors), or a warp,
+    is read once forward; a longer one three times; backward reads it as often whatever it is.
+    Vocab-parallel ranks hold narrower rows: 32,000 logits over TP 2 fit as 16-bit values, not
+    as fp32 under autocast, which TP 4 brings on chip."""
+    assert eager_logit_bytes(16000, 49152, amp=False) == (4.0, 10.0)
+    assert eager_logit_bytes(16001, 49152, amp=False) == (8.0, 10.0)  # 32,002 bytes: not in float4s
+    assert eager_logit_bytes(1000, 49152, amp=False) == (4.0, 10.0)  # a warp's, whatever its alignment
+    assert eager_logit_bytes(1001, 49152, amp=False) == (4.0, 10.0)
+    assert eager_logit_bytes(131072, 0, amp=False) == (4.0, 10.0)  # a CPU's caches hold the row
+    assert eager_logit_bytes(24576, 65536, amp=False) == (4.0, 10.0)  # an MI250X's 64 KiB
+    assert priced("eager", amp=False, sharding=tensor_parallel(2)) == pytest.approx((4 / 2, 10 / 2))
+    assert priced("eager", amp=True, sharding=tensor_parallel(2)) == pytest.approx((22 / 2, 26 / 2))
+    assert priced("eager", amp=True, sharding=tensor_parallel(4)) == pytest.approx((14 / 4, 26 / 4))
 
 
 def test_vocab_parallelism_splits_the_loss_and_nothing_but_the_loss_changes() -> None:
