@@ -95,7 +95,7 @@ class LayerTimes:
 
 def kernel_launches(kernel: Kernel, amp: bool = False) -> Launches:
     """The kernels one of the layer's kernels launches per micro-batch: its forward (an
-    unfused operation's steps: Kernel.launches, and as many in backward); in backward one
+    unfused operation's steps: Kernel.launches, and Kernel.backward_launches); in backward one
     per input gradient (two for a product of activations, one more where FlashAttention
     recomputes its scores) and one for the weight gradient. A parameter
     gradient's reduction kernel (Kernel.grad_reduction_bytes) is not counted: the host's
@@ -116,7 +116,7 @@ def kernel_launches(kernel: Kernel, amp: bool = False) -> Launches:
     input_casts = 1 if amp and (kernel.cross_entropy == "eager" or (kernel.norm_width and kernel.grad_reduction_bytes)) else 0
     if kernel.kind == "memory":
         n = kernel.launches
-        return Launches(n, n, 0, core * n, input_casts, input_casts, 0)
+        return Launches(n, kernel.backward_launches or n, 0, core * n, input_casts, input_casts, 0)
     weight_casts = (2 if kernel.grad_reduction_bytes else 1) if amp and kernel.has_weight else 0
     inputs = (1 if kernel.has_weight else 2) + (1 if kernel.backward_recompute else 0)
     return Launches(1, inputs, 1 if kernel.has_weight else 0, core, input_casts + weight_casts, input_casts, weight_casts)
@@ -281,7 +281,7 @@ class ComputeModel:
             elif self.amp:
                 forward, backward, reduction = _amp_stream(kernel, forward, backward, reduction)
             fwd = self.memory_time(forward, kernel.launches)
-            bwd = self.memory_time(backward, kernel.launches)
+            bwd = self.memory_time(backward, kernel.backward_launches or kernel.launches)
             weight = self.memory_time(reduction) + self._table_gradient(kernel, sharding)
             return LayerTimes(fwd, bwd, weight, fwd if kernel.attention_core else 0.0, launches)
         m_div, n_div, k_div, batch_div = sharding.gemm_divisors(kernel.tp_split)

@@ -10,24 +10,31 @@ keeps more for backward:
 
 rmsnorm: Hugging Face Transformers' LlamaRMSNorm: the input cast to fp32, squared, its
   mean, plus epsilon and the reciprocal square root (one value a row), the fp32 input
-  scaled by it, cast back, times the weight: 8 kernels moving 36 bytes a value forward;
-  backward 60 (each step's gradient, and the fp32 input's two gradients summed); the fp32
-  input kept besides (4 bytes a value, replicated as the norm's input is).
+  scaled by it, cast back, times the weight: 8 kernels moving 36 bytes a value forward.
+  Backward, as autograd runs it (the ops a profiler lists, torch 2.13): the output's
+  gradient times the weight (4), cast to fp32 (6); the scaling's two gradients, times the
+  scale (8) and times the input then summed over the row (12, 4); the mean's gradient
+  divided out over the row (4), the square's (the input to the power 1: 8; times 2: 8;
+  times that gradient: 12), the input's two gradients summed (12) and cast back (6): 84
+  bytes a value in 14 kernels (three of them on one value a row); the weight's gradient the
+  output's gradient times the cast-back output, summed over the rows (6, 2), two kernels
+  more, whatever model.param_grad_kernels says. The fp32 input kept besides (4 bytes a
+  value, replicated as the norm's input is).
 rope: `t * cos + rotate_half(t) * sin` (Transformers' and Megatron-LM's legacy models'),
   for the queries and for the keys: the product with the cosines, the negated half, their
   concatenation, the product with the sines, the sum: 5 kernels moving 20 bytes a value
-  each way (backward: the products' gradients, the negation's, the halves concatenated
-  again, the two paths' gradients summed); nothing kept (its factors are constants).
-  Megatron-LM's legacy copy of the result into a concatenation with its empty unrotated
-  part is left out.
+  forward. Backward: the product with the sines (4), the negated half (2), each half's
+  gradient put back into a zero-filled whole (autograd's slice_backward: a fill and a copy,
+  4 each), the two summed (6), the product with the cosines (4) and the two paths summed
+  (6): 30 bytes in 9 kernels. Nothing kept (its factors are constants). Megatron-LM's legacy
+  copy of the result into a concatenation with its empty unrotated part is left out.
 swiglu: `F.silu(gate) * up`: 2 kernels moving 10 bytes a value of the output forward (the
-  fused kernel: 6) and 18 backward (12); the SiLU's output kept besides (2 bytes a value,
-  split by TP as the MLP's are). A separate gate and up projection's input gradients
-  summed (Transformers') and a chunked input's gradients concatenated (Megatron-LM's
-  legacy MLP) are left out.
+  fused kernel: 6) and 3 moving 18 backward (12: the two products' gradients and SiLU's);
+  the SiLU's output kept besides (2 bytes a value, split by TP as the MLP's are). A
+  separate gate and up projection's input gradients summed (Transformers') and a chunked
+  input's gradients concatenated (Megatron-LM's legacy MLP) are left out.
 
-Backward is charged as many launches as forward (autograd runs about as many). An unfused
-operation's bytes are counted in the dtypes its steps run, under PyTorch AMP too.
+An unfused operation's bytes are counted in the dtypes its steps run, under PyTorch AMP too.
 """
 
 from __future__ import annotations
@@ -45,21 +52,24 @@ FUSED_BYTES = {"rmsnorm": 4.0, "rope": 4.0, "swiglu": 6.0}
 
 @dataclass(frozen=True)
 class Unfused:
-    """An operation run step by step: bytes a value forward and backward, kernels each way,
-    bytes a value kept for backward beyond what the fused kernel keeps, and whether those lie
-    replicated across TP ranks (a norm's input) or split (the MLP's)."""
+    """An operation run step by step: bytes a value forward and its input's gradient
+    backward, kernels each way, bytes a value its parameter's gradient moves in kernels of
+    its own, bytes a value kept for backward beyond what the fused kernel keeps, and whether
+    those lie replicated across TP ranks (a norm's input) or split (the MLP's)."""
 
     forward: float
     backward: float
     launches: int
+    backward_launches: int
+    weight_gradient: float = 0.0
     saved: float = 0.0
     replicated: bool = False
 
 
 UNFUSED = {
-    "rmsnorm": Unfused(36.0, 60.0, 8, saved=4.0, replicated=True),
-    "rope": Unfused(20.0, 20.0, 5),
-    "swiglu": Unfused(10.0, 18.0, 2, saved=2.0),
+    "rmsnorm": Unfused(36.0, 84.0, 8, 14, weight_gradient=8.0, saved=4.0, replicated=True),
+    "rope": Unfused(20.0, 30.0, 5, 9),
+    "swiglu": Unfused(10.0, 18.0, 2, 3, saved=2.0),
 }
 
 
@@ -107,4 +117,12 @@ def _values(kernel: Kernel) -> float:
 def unfused_kernel(kernel: Kernel) -> Kernel:
     """The operation's kernel as its software runs it step by step (UNFUSED)."""
     way = UNFUSED[kernel.elementwise]
-    return replace(kernel, bytes=_values(kernel) * way.forward, backward_moves=way.backward / way.forward, launches=way.launches)
+    values = _values(kernel)
+    return replace(
+        kernel,
+        bytes=values * way.forward,
+        backward_moves=way.backward / way.forward,
+        launches=way.launches,
+        backward_launches=way.backward_launches,
+        grad_reduction_bytes=values * way.weight_gradient if way.weight_gradient else kernel.grad_reduction_bytes,
+    )

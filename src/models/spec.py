@@ -74,8 +74,9 @@ class Kernel:
     elementwise: a Llama block's operation that software runs fused or as PyTorch's
       separate kernels (rmsnorm | rope | swiglu: src/models/elementwise.py); empty for
       every other kernel.
-    launches: the kernels a memory-bound kernel's forward launches, and its backward as
-      many (an unfused operation's; its bytes are all of theirs).
+    launches: the kernels a memory-bound kernel's forward launches (an unfused operation's;
+      its bytes are all of theirs); backward_launches: its backward's where autograd runs
+      another count (0: as many).
     batch_transpose: copies tensors between the [s, b] and [b, s] layouts, which moves
       nothing where a micro-batch holds one sample: the transposed tensor is contiguous
       already, and `.contiguous()` returns it (src/models/attention_copies.py).
@@ -108,6 +109,7 @@ class Kernel:
     table: float = 0.0
     elementwise: str = ""
     launches: int = 1
+    backward_launches: int = 0
     batch_transpose: bool = False
 
     def flops(self, contrastive_batch: int = 1) -> float:

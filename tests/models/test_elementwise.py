@@ -38,26 +38,29 @@ def priced(k: Kernel, amp: bool, sharding: Sharding = Sharding()) -> tuple[float
     of its launches one kernel gap)."""
     cluster = replace(cluster_from_config(composed(["cluster=hopper"])["cluster"]), amp=amp)
     times = ComputeModel(cluster, "bf16").kernel_times(k, 1, sharding, 1)
-    hbm, gaps = cluster.memory_bandwidth * cluster.memory_efficiency, k.launches * cluster.kernel_overhead_s
-    return (times.fwd - gaps) * hbm / VALUES[k.name], (times.bwd_input - gaps) * hbm / VALUES[k.name]
+    hbm, gap = cluster.memory_bandwidth * cluster.memory_efficiency, cluster.kernel_overhead_s
+    forward, backward = times.fwd - k.launches * gap, times.bwd_input - (k.backward_launches or k.launches) * gap
+    return forward * hbm / VALUES[k.name], backward * hbm / VALUES[k.name]
 
 
 @pytest.mark.parametrize(
     ("name", "op", "fused", "unfused", "launches"),
     [
-        ("ln1", "rmsnorm", (4, 8), (36, 60), 8),
-        ("attn_rope_q", "rope", (4, 4), (20, 20), 5),
-        ("attn_rope_k", "rope", (4, 4), (20, 20), 5),
-        ("act", "swiglu", (6, 12), (10, 18), 2),
+        ("ln1", "rmsnorm", (4, 8), (36, 84), (8, 14)),
+        ("attn_rope_q", "rope", (4, 4), (20, 30), (5, 9)),
+        ("attn_rope_k", "rope", (4, 4), (20, 30), (5, 9)),
+        ("act", "swiglu", (6, 12), (10, 18), (2, 3)),
     ],
 )
 def test_each_operation_moves_its_bytes_a_value_in_its_kernels(
-    name: str, op: str, fused: tuple[int, int], unfused: tuple[int, int], launches: int
+    name: str, op: str, fused: tuple[int, int], unfused: tuple[int, int], launches: tuple[int, int]
 ) -> None:
     """Fused: one kernel each way. Unfused: every step a kernel of its own reading and writing
-    the whole tensor, counted in the dtypes its steps run, so autocast adds nothing."""
+    the whole tensor, as autograd runs them backward, counted in the dtypes its steps run, so
+    autocast adds nothing."""
     one, many = kernel(block([]), name), kernel(block([op]), name)
-    assert (one.elementwise, one.launches, many.launches) == (op, 1, launches)
+    assert (one.elementwise, one.launches, one.backward_launches) == (op, 1, 0)
+    assert (many.launches, many.backward_launches) == launches
     assert priced(one, amp=False) == pytest.approx(fused)
     assert priced(many, amp=False) == pytest.approx(unfused)
     assert priced(many, amp=True) == pytest.approx(unfused)
@@ -67,7 +70,7 @@ def test_the_rotary_embedding_is_a_kernel_for_the_queries_and_one_for_the_keys_s
     names = [k.name for k in block([]).kernels]
     assert names[names.index("attn_qkv") + 1 : names.index("attn_qkv") + 3] == ["attn_rope_q", "attn_rope_k"]
     tp = priced(kernel(block(["rope"]), "attn_rope_k"), amp=False, sharding=tensor_parallel(4))
-    assert (tp[0] * 4, tp[1] * 4) == pytest.approx((20, 20))
+    assert (tp[0] * 4, tp[1] * 4) == pytest.approx((20, 30))
 
 
 def test_a_gpt_block_has_no_rotary_embedding_and_nothing_to_unfuse() -> None:
@@ -80,16 +83,29 @@ def test_unfused_operations_keep_more_for_backward_and_launch_their_steps() -> N
     """RMSNorm keeps its fp32 input (4 bytes a value, replicated across TP ranks as the norm's
     input is), SwiGLU the SiLU's output (2 bytes a value of the MLP's output, split), RoPE
     nothing (its factors are constants). The host issues every step: 7 more kernels a norm
-    each way, 4 more a rotation, 1 more for SwiGLU."""
+    forward and 13 more backward, 4 and 8 more a rotation, 1 and 2 more for SwiGLU."""
     fused, every = block([]), block(["rmsnorm", "rope", "swiglu"])
     a, b = fused.activations, every.activations
     assert b.replicated - a.replicated == pytest.approx(2 * 4 * SEQ * HIDDEN)
     assert b.split - a.split == pytest.approx(2 * SEQ * FFN)
     assert (b.attention, b.checkpoint, b.flash_attention) == (a.attention, a.checkpoint, a.flash_attention)
-    more = 2 * 7 + 2 * 4 + 1
-    assert layer_launches(every).fwd - layer_launches(fused).fwd == more
-    assert layer_launches(every).bwd_input - layer_launches(fused).bwd_input == more
+    assert layer_launches(every).fwd - layer_launches(fused).fwd == 2 * 7 + 2 * 4 + 1
+    assert layer_launches(every).bwd_input - layer_launches(fused).bwd_input == 2 * 13 + 2 * 8 + 2
     assert block(["rope"]).activations == a
+
+
+def test_an_unfused_norm_reduces_its_weight_gradient_in_two_kernels_of_its_own_whatever_the_preset() -> None:
+    """Autograd multiplies the output's gradient by the cast-back output and sums it over the
+    rows (6 and 2 bytes a value), where the fused kernel folds it in (hopper: fused) or reduces
+    the gradient and the input in one kernel (separate: 4)."""
+    cluster = cluster_from_config(composed(["cluster=hopper"])["cluster"])
+    hbm, gap = cluster.memory_bandwidth * cluster.memory_efficiency, cluster.kernel_overhead_s
+    for grad_kernels in ("fused", "separate"):
+        norm = kernel(
+            build_model({**LLAMA, "unfused": ["rmsnorm"], "param_grad_kernels": grad_kernels}, SEQ).unit("llm").layers[1], "ln1"
+        )
+        weight = ComputeModel(cluster, "bf16").kernel_times(norm, 1, Sharding(), 1).bwd_weight
+        assert (weight - gap) * hbm / VALUES["ln1"] == pytest.approx(8)
 
 
 def test_the_final_norm_is_unfused_with_the_blocks() -> None:
