@@ -15,13 +15,17 @@ eager: PyTorch's `F.cross_entropy` on the 16-bit logits, `log_softmax` then `nll
   again for its sum of exponentials and a third time for its output (8). Backward writes
   `nll_loss`'s dense gradient (zero-filled, then the targets'), and `log_softmax`'s
   backward reads it for its row sum, reads it and the saved output again and writes the
-  input's gradient, whatever the row: 5 passes (10 bytes). Under PyTorch AMP autocast runs
-  both in fp32, the row twice as wide in bytes: the cast up (read 2, write 4) and 8 or 16
-  forward, 20 and the cast back (read 4, write 2) backward. PyTorch's public kernel
-  campaign (Liger-Kernel's benchmark data, fp32 rows of 4096-131,072 logits: src.heldout)
-  moves those bytes at 0.82-0.88 of the A100's and the H100 NVL's datasheet forward, about
-  a copy's rate, and 0.49-0.56 backward, from 16,384 logits a row up; the compute model
-  prices both at the preset's memory_efficiency.
+  input's gradient, whatever the row: 5 passes (10 bytes; pytorch/pytorch#145866, January
+  2025, a change that would cache it: "before this PR we were reading gradOutput twice").
+  The forward's shared-memory path is the one #145866 names as #122970's (2024); releases
+  before it read every row longer than a warp's three times, which only changes rows that
+  would fit (CoCa's captioning rows on `p3_16xlarge`, PyTorch 2.0.1, are too wide for it).
+  Under PyTorch AMP autocast runs both in fp32, the row twice as wide in bytes: the cast up
+  (read 2, write 4) and 8 or 16 forward, 20 and the cast back (read 4, write 2) backward.
+  PyTorch's public kernel campaign (Liger-Kernel's benchmark data, fp32 rows of
+  4096-131,072 logits: src.heldout) moves those bytes at 0.82-0.88 of the A100's and the
+  H100 NVL's datasheet forward, about a copy's rate, and 0.49-0.56 backward, from 16,384
+  logits a row up; the compute model prices both at the preset's memory_efficiency.
 fp32: Megatron-LM's vocab-parallel cross entropy on an fp32 copy of the logits, as it runs
   unless `--fp16-lm-cross-entropy` is given (megatron/model/gpt_model.py's
   `post_language_model_processing` of 2021, `output.float()`; Megatron-Core's
