@@ -196,7 +196,9 @@ class ComputeModel:
         if m <= 0 or n <= 0 or k <= 0 or batch <= 0:
             return 0.0
         flops = 2.0 * m * n * k * batch
-        compute = flops / (self.peak * self.efficiency(m, n, k))
+        # b GEMMs in one kernel launch b times the row tiles of one: they fill the device as
+        # one GEMM of b x m rows does (the curve's m factor), each still k deep.
+        compute = flops / (self.peak * self.efficiency(m * batch, n, k))
         traffic = self.bytes_per_elem * (m * k + k * n + m * n) * batch / self.stream
         return max(compute, traffic) + self._gemm_overhead
 

@@ -92,7 +92,7 @@ def test_a_bad_file_is_one_line(tmp_path: Path, text: str, message: str) -> None
 
 def test_the_command_fits_and_a_missing_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert gemm_fixed.main([]) == 0
-    assert "gemm_fixed_s fitted 5.18 us (preset states 5.20 us)" in capsys.readouterr().out
+    assert "gemm_fixed_s fitted 5.30 us (preset states 5.30 us)" in capsys.readouterr().out
     assert gemm_fixed.main([str(tmp_path / "none.yaml")]) == 2
     assert capsys.readouterr().err.count("\n") == 1
 
@@ -118,3 +118,19 @@ def test_the_hopper_curve_is_its_measurements_fitted_under_the_preset_s_own_gemm
     max_eff, half, _ = calibrate.fit(fitted, stored["datasheet_peak"], stored["copy_bytes_per_s"], overhead, 2)
     assert (max_eff, half) == (cluster.gemm_max_efficiency, cluster.gemm_half_dim)
     assert stored["fit"]["gemm_overhead_s"] == pytest.approx(overhead)  # as the stored file says it was fitted
+
+
+def test_the_a100_presets_curve_is_the_public_a100_gemms_fitted_as_the_model_prices_them() -> None:
+    """benchmarks/fit_a100_gemm_curve.py gives back what dgx_a100, a800 and perlmutter state,
+    each public GEMM priced as the cost model prices it (a bmm's b GEMMs as one of b x m rows)."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("fit_a100_gemm_curve", root / "benchmarks" / "fit_a100_gemm_curve.py")
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    max_efficiency, half_dim, _ = script.fit()
+    for name in ("dgx_a100", "a800", "perlmutter"):
+        cluster = _preset(name)
+        assert (cluster.gemm_max_efficiency, cluster.gemm_half_dim) == (max_efficiency, half_dim), name
