@@ -39,9 +39,7 @@ def log_errors(max_efficiency: float, half_dim: float) -> list[float]:
     """Each public GEMM's log of its priced time over its published time."""
     cluster = replace(preset_cluster("dgx_a100"), gemm_max_efficiency=max_efficiency, gemm_half_dim=half_dim)
     model = ComputeModel(cluster, "bf16")
-    return [
-        math.log(model.gemm_duration(m, n, k, b) * tflops * 1e12 / (2.0 * b * m * n * k)) for b, m, n, k, tflops in PUBLIC
-    ]
+    return [math.log(model.gemm_duration(m, n, k, b) * tflops * 1e12 / (2.0 * b * m * n * k)) for b, m, n, k, tflops in PUBLIC]
 
 
 def fit() -> tuple[float, float, list[float]]:
