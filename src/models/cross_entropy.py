@@ -55,18 +55,20 @@ from src.models.spec import Kernel, LayerSpec, ModelSpec
 
 __all__ = ["CROSS_ENTROPY_MODES", "LOGIT_BYTES", "SAVED_BYTES", "eager_logit_bytes", "eager_loss", "with_cross_entropy"]
 
-# Bytes each mode's forward and backward move per logit (16-bit logits; for eager a row on
-# chip: eager_logit_bytes prices the others and fp32 under autocast).
-LOGIT_BYTES: dict[str, tuple[float, float]] = {"eager": (4.0, 10.0), "fp32": (38.0, 14.0), "fused": (2.0, 4.0)}
-# Bytes a logit each mode keeps for backward.
-SAVED_BYTES: dict[str, float] = {"eager": 2.0, "fp32": 4.0, "fused": 2.0}
-
-
 # Passes over a row of logits of PyTorch's log_softmax forward (a read and a write where the
 # row stays on chip; three reads and a write where not) and of its loss's backward.
 ON_CHIP_PASSES, OFF_CHIP_PASSES, BACKWARD_PASSES = 2, 4, 5
 WARP_ROW = (1024, 4096)  # the longest row a warp takes whole: values, bytes
 VECTOR_BYTES = 16  # the shared-memory kernel loads a row in float4 vectors
+# Bytes each mode's forward and backward move per logit (16-bit logits; for eager a row on
+# chip: eager_logit_bytes prices the others and fp32 under autocast).
+LOGIT_BYTES: dict[str, tuple[float, float]] = {
+    "eager": (2.0 * ON_CHIP_PASSES, 2.0 * BACKWARD_PASSES),
+    "fp32": (38.0, 14.0),
+    "fused": (2.0, 4.0),
+}
+# Bytes a logit each mode keeps for backward.
+SAVED_BYTES: dict[str, float] = {"eager": 2.0, "fp32": 4.0, "fused": 2.0}
 
 
 def eager_loss(logits: float, vocab: int) -> Kernel:
