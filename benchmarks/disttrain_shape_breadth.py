@@ -10,7 +10,14 @@ breadth: the plan's simulated time, the rank at the mean load of its LLM shape a
 shape's best choice, how many choices were timed on the data, and the plan's CPU time.
 Prints a markdown table and writes it with --out.
 
+With --choices, the same sizes under the `cost` balancing policy, planned with each of several
+numbers of the orchestration's best choices at the mean load timed on the data
+(strategy.ranked; the shapes at their default): per breadth the plan's simulated time, its LLM
+shape, how many choices were timed and the plan's CPU time. A wider breadth is not always a
+faster plan: only the best three by the estimate on the data are simulated.
+
     python benchmarks/disttrain_shape_breadth.py [--out benchmarks/results/disttrain_shape_breadth.md]
+    python benchmarks/disttrain_shape_breadth.py --choices [--out benchmarks/results/disttrain_choice_breadth.md]
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ SIZES = {
     "MLLM-72B": ["model=mllm_72b", "cluster.nodes=144"],
 }
 BREADTHS = (8, 16, 32)
+CHOICE_BREADTHS = (8, 16, 32, 64, 128, 256)
 EVERY = 100_000  # more distinct shapes than any of these clusters has: each one's best choice
 
 
@@ -47,40 +55,69 @@ def llm_shape(record: dict) -> tuple:
     return tuple(llm[k] for k in ("tp", "pp", "dp"))
 
 
-def run(size: list[str], breadth: int) -> tuple[list[dict], float]:
+def run(size: list[str], *overrides: str) -> tuple[list[dict], float]:
     cpu = time.process_time()
-    planned = plan_run(validate(composed(FIGURE + size + [f"strategy.ranked_shapes={breadth}"])))
+    planned = plan_run(validate(composed(FIGURE + size + list(overrides))))
     return planned.details["search"]["candidates"], time.process_time() - cpu
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--choices", action="store_true", help="the choices timed (strategy.ranked) under train.balance=cost")
     args = parser.parse_args()
+    table = choice_breadths() if args.choices else shape_breadths()
+    print(table)
+    if args.out:
+        command = "python benchmarks/disttrain_shape_breadth.py" + (" --choices" if args.choices else "")
+        args.out.write_text(f"`{command}`\n\n{table}\n")
+
+
+def shape_breadths() -> str:
     lines = [
         "| model | shapes timed | plan simulated (s) | its LLM shape (TP, PP, DP) | its rank at the mean load "
         "| choices timed on the data | plan CPU (s) |",
         "|---|---:|---:|---|---:|---:|---:|",
     ]
     for name, size in SIZES.items():
-        candidates, every_cpu = run(size, EVERY)
+        candidates, every_cpu = run(size, f"strategy.ranked_shapes={EVERY}")
         # Each LLM shape's (degrees') best choice at the mean load, in the orchestration's order.
         rank: dict[tuple, int] = {}
         for record in sorted((c for c in candidates if c["origin"] == "disaggregated"), key=lambda c: c["model_s"]):
             rank.setdefault(llm_shape(record), len(rank) + 1)
         for breadth in BREADTHS:
-            timed, cpu = run(size, breadth)
+            timed, cpu = run(size, f"strategy.ranked_shapes={breadth}")
             lines.append(_row(name, str(breadth), timed, rank, cpu))
         lines.append(_row(name, f"all {len(rank)}", candidates, rank, every_cpu))
         print("\n".join(lines[-len(BREADTHS) - 1 :]), flush=True)
-    table = "\n".join(lines)
-    print(table)
-    if args.out:
-        args.out.write_text(f"`python benchmarks/disttrain_shape_breadth.py`\n\n{table}\n")
+    return "\n".join(lines)
+
+
+def choice_breadths() -> str:
+    lines = [
+        "| model | choices timed (strategy.ranked) | plan simulated (s) | its LLM shape (TP, PP, DP) | its generator (TP, DP) "
+        "| choices timed on the data | plan CPU (s) |",
+        "|---|---:|---:|---|---|---:|---:|",
+    ]
+    for name, size in SIZES.items():
+        for breadth in CHOICE_BREADTHS:
+            timed, cpu = run(size, "train.balance=cost", f"strategy.ranked={breadth}")
+            best = _simulated_best(timed)
+            llm, generator = llm_shape(best), best["units"]["generator"]
+            lines.append(
+                f"| {name} | {breadth} | {best['simulated_s']:.3f} | {llm[0]}, {llm[1]}, {llm[2]} | "
+                f"{generator['tp']}, {generator['dp']} | {len(timed)} | {cpu:.1f} |"
+            )
+            print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
+def _simulated_best(timed: list[dict]) -> dict:
+    return min((c for c in timed if c["simulated_s"] is not None), key=lambda c: c["simulated_s"])
 
 
 def _row(name: str, breadth: str, timed: list[dict], rank: dict[tuple, int], cpu: float) -> str:
-    best = min((c for c in timed if c["simulated_s"] is not None), key=lambda c: c["simulated_s"])
+    best = _simulated_best(timed)
     shape = llm_shape(best)
     return (
         f"| {name} | {breadth} | {best['simulated_s']:.3f} | {shape[0]}, {shape[1]}, {shape[2]} | "
