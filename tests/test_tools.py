@@ -168,3 +168,36 @@ def test_the_device_session_refuses_a_machine_without_a_gpu(tmp_path):
     assert run.stderr.strip() == "error: benchmarks/device_session.sh needs a CUDA GPU, and torch sees none here"
     usage = subprocess.run(["bash", "benchmarks/device_session.sh"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert usage.returncode == 2 and usage.stderr.strip().startswith("usage: bash benchmarks/device_session.sh OUT_DIR")
+
+
+def test_stepccl_pairing_exposes_what_a_transfer_longer_than_its_gemm_leaves(monkeypatch):
+    import importlib.util
+
+    from src.config import composed
+    from src.costmodel.comm import CommModel
+    from src.costmodel.compute import ComputeModel
+    from src.setup import validate
+
+    spec = importlib.util.spec_from_file_location("stepccl_pairing", REPO_ROOT / "benchmarks" / "stepccl_pairing.py")
+    assert spec is not None and spec.loader is not None
+    pairing = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "stepccl_pairing", pairing)  # its dataclasses look their module up
+    spec.loader.exec_module(pairing)
+    setup = validate(composed(pairing.CASE))
+    layer = next(layer for layer in setup.model.unit("llm").layers if layer.tp_allreduces)
+    found = pairing.pairs(layer, 8, ComputeModel(setup.cluster, "bf16"), CommModel(setup.cluster), 2)
+    # Under sequence parallelism: a gather before the QKV and FC1 GEMMs, a reduce-scatter after
+    # the projection and FC2.
+    assert [(p.collective, p.gemms) for p in found] == [
+        ("all_gather", ("attn_qkv",)),
+        ("reduce_scatter", ("attn_proj",)),
+        ("all_gather", ("fc1",)),
+        ("reduce_scatter", ("fc2",)),
+    ]
+    for p in found:
+        whole, paired = p.exposed(4, paired=False), p.exposed(4, paired=True)
+        assert whole == pytest.approx(p.transfer_s / 4)
+        assert paired == pytest.approx(whole + 0.75 * max(0.0, p.transfer_s - p.gemm_s))
+    proj, fc1 = found[1], found[2]
+    assert proj.transfer_s > proj.gemm_s and proj.exposed(4, paired=True) > proj.exposed(4, paired=False)
+    assert fc1.gemm_s > fc1.transfer_s and fc1.exposed(4, paired=True) == fc1.exposed(4, paired=False)
