@@ -30,6 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 from src.config import composed  # noqa: E402
 from src.costmodel.comm import CommModel  # noqa: E402
 from src.costmodel.compute import ComputeModel  # noqa: E402
+from src.mesh import Sharding, tensor_parallel  # noqa: E402
+from src.models.layers import ACT_BYTES  # noqa: E402
 from src.models.spec import Kernel, LayerSpec  # noqa: E402
 from src.setup import validate  # noqa: E402
 
@@ -50,11 +52,12 @@ class Pair:
         return first + (chunks - 1) / chunks * max(0.0, self.transfer_s - self.gemm_s)
 
 
-def pairs(layer: LayerSpec, tp: int, compute: ComputeModel, comm: CommModel, elem_bytes: int) -> list[Pair]:
+def pairs(layer: LayerSpec, tp: int, compute: ComputeModel, comm: CommModel) -> list[Pair]:
     """The layer's TP transfers in forward order, each with the GEMMs it overlaps: under
     sequence parallelism an all-gather precedes each run of column-parallel GEMMs and a
     reduce-scatter follows each row-parallel one."""
-    nbytes = layer.tp_comm_elems * elem_bytes
+    nbytes = layer.tp_comm_elems * ACT_BYTES
+    sharding = tensor_parallel(tp, sequence_parallel=True)
     ranks = list(range(tp))
     gather = comm.collective_time("all_gather", ranks, nbytes)
     scatter = comm.collective_time("reduce_scatter", ranks, nbytes)
@@ -67,17 +70,17 @@ def pairs(layer: LayerSpec, tp: int, compute: ComputeModel, comm: CommModel, ele
             column.append(kernel)
             continue
         if column:
-            out.append(_pair("all_gather", column, tp, compute, gather))
+            out.append(_pair("all_gather", column, sharding, compute, gather))
             column = []
-        out.append(_pair("reduce_scatter", [kernel], tp, compute, scatter))
+        out.append(_pair("reduce_scatter", [kernel], sharding, compute, scatter))
     return out
 
 
-def _pair(collective: str, gemms: list[Kernel], tp: int, compute: ComputeModel, transfer_s: float) -> Pair:
+def _pair(collective: str, gemms: list[Kernel], sharding: Sharding, compute: ComputeModel, transfer_s: float) -> Pair:
     seconds = 0.0
     for g in gemms:
-        n, k = (g.n // tp, g.k) if g.tp_split == "n" else (g.n, g.k // tp)
-        seconds += compute.gemm_duration(g.m, n, k, g.batch)
+        m_div, n_div, k_div, batch_div = sharding.gemm_divisors(g.tp_split)
+        seconds += compute.gemm_duration(g.m / m_div, g.n / n_div, g.k / k_div, g.batch / batch_div)
     return Pair(collective, tuple(g.name for g in gemms), seconds, transfer_s)
 
 
@@ -93,7 +96,7 @@ def main() -> None:
     print("| TP | transfer | GEMMs | GEMM | transfer time | exposed, a pass at a time | exposed, paired |")
     print("|---:|---|---|---:|---:|---:|---:|")
     for tp in args.tp:
-        found = pairs(layer, tp, compute, comm, 2)
+        found = pairs(layer, tp, compute, comm)
         for p in found:
             print(
                 f"| {tp} | {p.collective} | {', '.join(p.gemms)} | {p.gemm_s * 1e3:.3f} | {p.transfer_s * 1e3:.3f} | "

@@ -185,7 +185,7 @@ def test_stepccl_pairing_exposes_what_a_transfer_longer_than_its_gemm_leaves(mon
     spec.loader.exec_module(pairing)
     setup = validate(composed(pairing.CASE))
     layer = next(layer for layer in setup.model.unit("llm").layers if layer.tp_allreduces)
-    found = pairing.pairs(layer, 8, ComputeModel(setup.cluster, "bf16"), CommModel(setup.cluster), 2)
+    found = pairing.pairs(layer, 8, ComputeModel(setup.cluster, "bf16"), CommModel(setup.cluster))
     # Under sequence parallelism: a gather before the QKV and FC1 GEMMs, a reduce-scatter after
     # the projection and FC2.
     assert [(p.collective, p.gemms) for p in found] == [
