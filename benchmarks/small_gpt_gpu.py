@@ -243,9 +243,9 @@ def profiled(step: Any) -> dict[str, Any]:
     }
 
 
-KINDS = {  # a kernel's kind by the words its name holds, first match
-    "gemm": ("nvjet", "gemm", "cutlass", "xmma"),
+KINDS = {  # a kernel's kind by the words its name holds, first match (FlashAttention's names hold "cutlass")
     "attention": ("sdpa", "flash", "fmha"),
+    "gemm": ("nvjet", "gemm", "cutlass", "xmma"),
     "optimizer": ("multi_tensor", "fused_adam", "adam"),
     "copy_cast": ("copy",),
     "norm": ("layer_norm", "gammabeta", "rms"),

@@ -72,6 +72,14 @@ def test_the_small_gpt_benchmark_refuses_without_a_gpu_and_prices_without_one():
     # Fewer heads leave FlashAttention 2's grid fewer blocks for the SMs: the rate a head falls.
     per_head = [row["sim_fwd_s"] / row["heads"] for row in prices["attention"]]
     assert [row["heads"] for row in prices["attention"]] == [2, 4, 8, 16, 32] and per_head == sorted(per_head, reverse=True)
+    layer = _script("benchmarks/sustained_layer.py")
+    assert layer.returncode == 2 and layer.stdout == ""
+    assert layer.stderr.strip() == "error: benchmarks/sustained_layer.py needs a CUDA GPU (or --sim-only), and torch sees none here"
+    blocks = json.loads(_script("benchmarks/sustained_layer.py", "--sim-only").stdout)
+    assert set(blocks) == {"llama70b-tp8-s8192", "gpt177b-tp8-s4096", "llama7b-s4096"}
+    for priced in blocks.values():  # the H200's faster HBM shortens the memory-bound kernels alone
+        assert priced["h200"]["memory"] < priced["hopper"]["memory"] and priced["h200"]["attention"] == priced["hopper"]["attention"]
+        assert all(seconds > 0 for seconds in priced["hopper"].values())
 
 
 def test_the_gpu_calibration_refits_a_stored_run_without_a_gpu(tmp_path, monkeypatch, capsys):
@@ -106,6 +114,36 @@ def test_the_sustained_load_check_takes_its_rates_over_the_first_and_the_last_se
     cycles = [0.1] * 10 + [0.125] * 40
     early, late = module.rates_over(cycles, 1.0)
     assert early == pytest.approx(10.0) and late == pytest.approx(8.0)
+
+
+def _benchmark(name: str, monkeypatch):
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "benchmarks"))  # the benchmarks import their siblings
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "benchmarks" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)  # a dataclass looks its module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_sustained_layer_runs_the_gemms_the_sustained_load_check_cycles(monkeypatch):
+    layer, load = _benchmark("sustained_layer", monkeypatch), _benchmark("sustained_load", monkeypatch)
+    for block in layer.LAYERS:
+        if block.name in load.LAYERS:  # one TP rank's share: the same four GEMMs
+            assert [tuple(g) for g in layer.gemm_shapes(block)] == [tuple(g) for g in load.LAYERS[block.name]]
+    assert {block.name for block in layer.LAYERS} >= set(load.LAYERS)
+
+
+def test_a_flashattention_kernel_is_attention_though_its_name_holds_a_gemm_library(monkeypatch):
+    kinds = _benchmark("small_gpt_gpu", monkeypatch)
+    # As a profile of torch 2.11's SDPA on an H200 names them (benchmarks/results/sustained_layer_h200.json).
+    flash = "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<128, 64, 128, 8, 2, 4, 2, "
+    flash += "false, false, cutlass::bfloat16_t, Flash_kernel_traits<128, 64, 128, 8, cutlass::bfloat16_t>>"
+    assert kinds.kernel_kind(flash) == "attention"
+    assert kinds.kernel_kind("nvjet_tst_192x192_64x4_2x1_v_bz_coopB_TNN") == "gemm"
+    assert kinds.kernel_kind("void at::native::vectorized_layer_norm_kernel<c10::BFloat16, float>") == "norm"
 
 
 def test_memory_kernel_rates_divide_a_kernels_bytes_by_its_profiled_time(tmp_path, monkeypatch, capsys):

@@ -1,0 +1,329 @@
+"""A transformer layer's training step under sustained load on one GPU: whether its GEMMs keep
+the rate they reach alone (the rate the preset's GEMM curve was fitted on) once the device has
+run a training step's whole mix for many seconds, at the clocks its power draw leaves.
+
+benchmarks/sustained_load.py found a layer's GEMMs cycled back to back at 0.87-0.93 of their rate
+alone; a training step puts norms, attention and activations between its GEMMs, which draw less
+power. This runs one TP rank's share of a held-out run's layers (no collectives: one GPU),
+forward then backward, bf16 weights, FlashAttention 2:
+
+- fresh: steps each timed alone (a synchronize before each), and one profiled: each kernel
+  kind's device time (benchmarks/small_gpt_gpu.py's kinds);
+- sustained: steps back to back for --seconds with the queue kept full, the step time over the
+  first half second and the last two, then steps profiled with the load still on;
+- the step's GEMMs (forward x @ w, input gradient dy @ w.T, weight gradient x.T @ dy) each timed
+  alone as benchmarks/calibrate_gpu.py times the curve's GEMMs;
+- the simulator's price of the same block by kind (GEMMs, attention core, memory-bound kernels)
+  on `hopper` as it is and with the H200's datasheet HBM;
+- the SM clock, the board's power and the clock-limit reasons (NVML) sampled throughout.
+
+    python benchmarks/sustained_layer.py [--seconds 20] [--layers 4] [--only NAME] [--out results.json]
+    python benchmarks/sustained_layer.py --sim-only     # the simulator's prices of the blocks alone, no GPU needed
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # run as a script from anywhere: `src` is the repository's package
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmarks' timing and kinds
+
+HEAD_DIM = 128
+SUSTAINED_PROFILED = 3  # steps profiled with the load still on
+# The H200's datasheet HBM (benchmarks/small_gpt_gpu.py): the device this runs on, where it is one.
+H200 = ("cluster.memory_bandwidth=4800.0e9",)
+
+
+@dataclass(frozen=True)
+class Layer:
+    """A held-out run's block (the whole model's widths) and its TP degree: one rank's share runs."""
+
+    name: str
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    llama: bool  # RMSNorm and SwiGLU (its first GEMM twice as wide), else LayerNorm and GELU
+    seq: int
+    tp: int
+
+    @property
+    def rank_heads(self) -> int:
+        return self.heads // self.tp
+
+    @property
+    def rank_kv_heads(self) -> int:
+        return max(1, self.kv_heads // self.tp)
+
+    @property
+    def rank_ffn(self) -> int:
+        return self.ffn // self.tp
+
+
+LAYERS = (
+    # FlagPerf's Llama-3-70B under Megatron-Core: TP 8, sequence 8192, 64 heads in 8 groups.
+    Layer("llama70b-tp8-s8192", 8192, 64, 8, 28672, True, 8192, 8),
+    # Megatron-Core's weak-scaling GPT-177B: TP 8, sequence 4096, 96 heads.
+    Layer("gpt177b-tp8-s4096", 12288, 96, 96, 49152, False, 4096, 8),
+    # FlagPerf's Llama-2-7B under DeepSpeed ZeRO-3 on H800s: a whole layer a GPU, sequence 4096.
+    Layer("llama7b-s4096", 4096, 32, 32, 11008, True, 4096, 1),
+)
+
+
+def gemm_shapes(layer: Layer) -> list[tuple[str, int, int, int]]:
+    """(name, m, k, n) of a rank's forward GEMMs; each has two backward GEMMs of as many FLOPs."""
+    q, kv = layer.rank_heads * HEAD_DIM, layer.rank_kv_heads * HEAD_DIM
+    fc1 = 2 * layer.rank_ffn if layer.llama else layer.rank_ffn
+    s, h = layer.seq, layer.hidden
+    return [("qkv", s, h, q + 2 * kv), ("proj", s, q, h), ("fc1", s, h, fc1), ("fc2", s, layer.rank_ffn, h)]
+
+
+def priced_block(layer: Layer, overrides: tuple[str, ...] = ()) -> dict[str, float]:
+    """The simulator's seconds of one rank's block, forward and backward, by kind: its GEMMs, its
+    attention core, its memory-bound kernels (the model's own list: a Llama's rotary embedding
+    and a GPT's biases included, which the measured block does not run), on `hopper`."""
+    from src.cluster import cluster_from_config
+    from src.config import composed
+    from src.costmodel.compute import ComputeModel
+    from src.mesh import Sharding
+    from src.models.registry import build_model
+
+    model = ComputeModel(cluster_from_config(composed(["cluster=hopper", *overrides])["cluster"]), "bf16")
+    config = {"name": "gpt", "preset": None, "layers": 1, "hidden": layer.hidden, "heads": layer.heads, "vocab": 32000}
+    config |= {"kv_heads": layer.kv_heads, "ffn": layer.ffn, "attention": "flash2", "dropout": False}
+    config |= {"style": "llama"} if layer.llama else {}
+    block = next(unit_layer for unit_layer in build_model(config, layer.seq).unit("llm").layers if unit_layer.block)
+    sharding = Sharding((("tp", layer.tp),)) if layer.tp > 1 else Sharding()
+    priced = {"gemm": 0.0, "attention": 0.0, "memory": 0.0}
+    for kernel in block.kernels:
+        t = model.kernel_times(kernel, 1, sharding, 1, causal=True)
+        priced["attention" if kernel.attention_core else kernel.kind] += t.fwd + t.bwd_input + t.bwd_weight
+    return priced
+
+
+class Sampler:
+    """NVML's SM clock (MHz), board power (W) and clock-limit reasons, every `period` seconds."""
+
+    def __init__(self, period: float = 0.02) -> None:
+        import pynvml
+
+        pynvml.nvmlInit()
+        self.nvml, self.handle, self.period = pynvml, pynvml.nvmlDeviceGetHandleByIndex(0), period
+        self.samples: list[tuple[float, int, float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        nv = self.nvml
+        reasons = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or nv.nvmlDeviceGetCurrentClocksThrottleReasons
+        while not self._stop.is_set():
+            clock = nv.nvmlDeviceGetClockInfo(self.handle, nv.NVML_CLOCK_SM)
+            power = nv.nvmlDeviceGetPowerUsage(self.handle) / 1e3
+            self.samples.append((time.perf_counter(), clock, power, int(reasons(self.handle))))
+            time.sleep(self.period)
+
+    def between(self, start: float, end: float) -> dict[str, Any]:
+        window = [s for s in self.samples if start <= s[0] <= end]
+        if not window:
+            return {}
+        reasons: dict[str, int] = {}
+        for s in window:
+            reasons[hex(s[3])] = reasons.get(hex(s[3]), 0) + 1
+        return {
+            "samples": len(window),
+            "sm_mhz_median": statistics.median(s[1] for s in window),
+            "sm_mhz_min": min(s[1] for s in window),
+            "power_w_median": statistics.median(s[2] for s in window),
+            "power_w_max": max(s[2] for s in window),
+            "limit_reasons": reasons,  # NVML's bitmask: 0x4 software power cap, 0x20/0x40 thermal, 0x8 hardware slowdown
+        }
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def build_step(layer: Layer, layers: int) -> Any:
+    """A closure running `layers` blocks forward, then backward from a fixed output gradient."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    dev, bf16 = "cuda", torch.bfloat16
+    heads, kv_heads, ffn = layer.rank_heads, layer.rank_kv_heads, layer.rank_ffn
+    q_dim, kv_dim = heads * HEAD_DIM, kv_heads * HEAD_DIM
+
+    def weight(k: int, n: int) -> Any:
+        return (torch.randn(k, n, device=dev, dtype=bf16) * k**-0.5).requires_grad_()
+
+    blocks = [
+        {
+            "norm1": torch.ones(layer.hidden, device=dev, dtype=bf16, requires_grad=True),
+            "norm2": torch.ones(layer.hidden, device=dev, dtype=bf16, requires_grad=True),
+        }
+        | {name: weight(k, n) for name, _, k, n in gemm_shapes(layer)}
+        for _ in range(layers)
+    ]
+    params = [p for b in blocks for p in b.values()]
+
+    def norm(x: Any, w: Any) -> Any:
+        return F.rms_norm(x, (layer.hidden,), w) if layer.llama else F.layer_norm(x, (layer.hidden,), w)
+
+    def block(x: Any, p: dict[str, Any]) -> Any:
+        s = x.shape[0]
+        q, k, v = (norm(x, p["norm1"]) @ p["qkv"]).split([q_dim, kv_dim, kv_dim], dim=-1)
+        q = q.view(1, s, heads, HEAD_DIM).transpose(1, 2)
+        k, v = (t.view(1, s, kv_heads, HEAD_DIM).transpose(1, 2) for t in (k, v))
+        if kv_heads < heads:  # keys and values repeated to the heads, as Megatron-LM's legacy attention did
+            k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + o.transpose(1, 2).reshape(s, q_dim) @ p["proj"]
+        h = norm(x, p["norm2"]) @ p["fc1"]
+        h = F.silu(h[:, :ffn]) * h[:, ffn:] if layer.llama else F.gelu(h, approximate="tanh")
+        return x + h @ p["fc2"]
+
+    x0 = torch.randn(layer.seq, layer.hidden, device=dev, dtype=bf16)
+    grad = torch.randn(layer.seq, layer.hidden, device=dev, dtype=bf16)
+
+    def step() -> None:
+        x = x0
+        for p in blocks:
+            x = block(x, p)
+        x.backward(grad)
+        for p in params:
+            p.grad = None
+
+    return step
+
+
+def gemms_alone(layer: Layer) -> list[dict[str, Any]]:
+    """Each of a block's GEMMs as autograd runs it (forward x @ w, input gradient dy @ w.T,
+    weight gradient x.T @ dy), timed alone as benchmarks/calibrate_gpu.py times the curve's."""
+    import torch
+    from calibrate_gpu import timed
+
+    rows = []
+    for name, m, k, n in gemm_shapes(layer):
+        x, w, dy = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16) for shape in ((m, k), (k, n), (m, n)))
+        for way, run in (("fwd", lambda: x @ w), ("dgrad", lambda: dy @ w.T), ("wgrad", lambda: x.T @ dy)):
+            rows.append({"gemm": f"{name}.{way}", "m": m, "k": k, "n": n, "alone_s": timed(run, repeats=20)})
+    return rows
+
+
+def measure(layer: Layer, layers: int, seconds: float, sampler: Any) -> dict[str, Any]:
+    import torch
+    from calibrate_gpu import timed
+    from small_gpt_gpu import profiled
+    from sustained_load import EARLY_S, LATE_S, back_to_back, rates_over
+
+    row: dict[str, Any] = asdict(layer) | {"layers": layers, "gemms": gemms_alone(layer)}
+    row["gemms_alone_s"] = layers * sum(r["alone_s"] for r in row["gemms"])
+    row["sim_hopper_s"] = {kind: layers * t for kind, t in priced_block(layer).items()}
+    row["sim_h200_s"] = {kind: layers * t for kind, t in priced_block(layer, H200).items()}
+
+    step = build_step(layer, layers)
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    row["fresh_step_s"] = timed(step, repeats=5)
+    row["fresh_profile"] = profiled(step)
+    t1 = time.perf_counter()
+    cycles = back_to_back(step, seconds, depth=8)
+    t2 = time.perf_counter()
+    row["sustained_profile"] = profiled(lambda: [step() for _ in range(SUSTAINED_PROFILED)])
+    early, late = rates_over(cycles, 1.0)  # steps a second
+    row |= {"cycles": len(cycles), "early_step_s": 1.0 / early, "late_step_s": 1.0 / late}
+    bins: dict[int, list[float]] = {}  # the step time second by second: whether it still falls
+    clock = 0.0
+    for c in cycles:
+        bins.setdefault(int(clock), []).append(c)
+        clock += c
+    row["step_s_by_second"] = [statistics.median(b) for _, b in sorted(bins.items())]
+    if sampler is not None:
+        row |= {"fresh_nvml": sampler.between(t0, t1), "early_nvml": sampler.between(t1, t1 + EARLY_S)}
+        row["late_nvml"] = sampler.between(t2 - LATE_S, t2)
+    fresh = row["fresh_profile"].get("by_kind_s", {})
+    sustained = {kind: t / SUSTAINED_PROFILED for kind, t in row["sustained_profile"].get("by_kind_s", {}).items()}
+    row["sustained_by_kind_s"] = sustained
+    sim = row["sim_h200_s"]
+    print(
+        f"{layer.name} x{layers}: step fresh {row['fresh_step_s'] * 1e3:.2f} ms, sustained {row['early_step_s'] * 1e3:.2f} "
+        f"(first {EARLY_S} s) -> {row['late_step_s'] * 1e3:.2f} (last {LATE_S} s); simulator {sum(sim.values()) * 1e3:.2f} "
+        f"(H200), {sum(row['sim_hopper_s'].values()) * 1e3:.2f} (hopper)",
+        flush=True,
+    )
+    memory_kinds = [kind for kind in sustained if kind not in ("gemm", "attention")]
+    for label, kinds in (("gemm", ["gemm"]), ("attention", ["attention"]), ("memory-bound", memory_kinds)):
+        key = "memory" if label == "memory-bound" else label
+        print(
+            f"  {label}: fresh {sum(fresh.get(k, 0.0) for k in kinds) * 1e3:.2f} ms, sustained "
+            f"{sum(sustained.get(k, 0.0) for k in kinds) * 1e3:.2f}, simulator {sim[key] * 1e3:.2f}"
+            + (f", each alone {row['gemms_alone_s'] * 1e3:.2f}" if label == "gemm" else ""),
+            flush=True,
+        )
+    nvml = {k: row.get(f"{k}_nvml", {}) for k in ("fresh", "late")}
+    print(
+        f"  SM clock fresh {nvml['fresh'].get('sm_mhz_median')} MHz, late {nvml['late'].get('sm_mhz_median')}; "
+        f"power fresh {nvml['fresh'].get('power_w_median')} W, late {nvml['late'].get('power_w_median')}",
+        flush=True,
+    )
+    for key in ("fresh_profile", "sustained_profile"):
+        row[key]["top_kernels"] = row[key].get("top_kernels", [])[:12]
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=20.0, help="device time the steps run back to back")
+    parser.add_argument("--layers", type=int, default=4, help="blocks a step runs")
+    parser.add_argument("--only", action="append", choices=[layer.name for layer in LAYERS])
+    parser.add_argument("--sim-only", action="store_true", help="the simulator's price of each block by kind alone (no GPU)")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    if args.seconds <= 2.5 or args.layers < 1:
+        print(f"error: --seconds={args.seconds:g} must exceed 2.5 and --layers={args.layers} be at least 1", file=sys.stderr)
+        sys.exit(2)
+    chosen = [layer for layer in LAYERS if not args.only or layer.name in args.only]
+    if args.sim_only:
+        print(json.dumps({layer.name: {"hopper": priced_block(layer), "h200": priced_block(layer, H200)} for layer in chosen}))
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        print("error: benchmarks/sustained_layer.py needs a CUDA GPU (or --sim-only), and torch sees none here", file=sys.stderr)
+        sys.exit(2)
+    try:
+        sampler: Any = Sampler()
+    except Exception as err:  # NVML absent or refused: the timings stand without the clocks
+        print(f"NVML unavailable ({type(err).__name__}: {err}); no clock or power samples", flush=True)
+        sampler = None
+    result: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "seconds": args.seconds}
+    result["layers"] = []
+    for layer in chosen:
+        result["layers"].append(measure(layer, args.layers, args.seconds, sampler))
+        torch.cuda.empty_cache()
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=1))
+    if sampler is not None:
+        idle_start = time.perf_counter()
+        time.sleep(1.0)
+        result["idle_nvml"] = sampler.between(idle_start, time.perf_counter())
+        sampler.stop()
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
