@@ -17,7 +17,7 @@ forward then backward, bf16 weights, FlashAttention 2:
   on `hopper` as it is and with the H200's datasheet HBM;
 - the SM clock, the board's power and the clock-limit reasons (NVML) sampled throughout.
 
-    python benchmarks/sustained_layer.py [--seconds 20] [--layers 4] [--only NAME] [--out results.json]
+    python benchmarks/sustained_layer.py [--seconds 20] [--layers 4] [--only NAME] [--attention flash|cudnn] [--out results.json]
     python benchmarks/sustained_layer.py --sim-only     # the simulator's prices of the blocks alone, no GPU needed
 """
 
@@ -38,6 +38,12 @@ sys.path.insert(0, str(REPO))  # run as a script from anywhere: `src` is the rep
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmarks' timing and kinds
 
 HEAD_DIM = 128
+# PyTorch SDPA backends by name: FlashAttention 2, and cuDNN's fused attention (the kernels
+# Transformer Engine runs for Megatron-Core on Hopper).
+ATTENTION_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION"}
+# How the simulator prices each: FlashAttention 2 by its measured rates (flash2); cuDNN's as the
+# `hopper` preset prices Transformer Engine's fused attention (flash: the core's GEMMs on the curve).
+SIM_ATTENTION = {"flash": "flash2", "cudnn": "flash"}
 SUSTAINED_PROFILED = 3  # steps profiled with the load still on
 # The H200's datasheet HBM (benchmarks/small_gpt_gpu.py): the device this runs on, where it is one.
 H200 = ("cluster.memory_bandwidth=4800.0e9",)
@@ -87,10 +93,11 @@ def gemm_shapes(layer: Layer) -> list[tuple[str, int, int, int]]:
     return [("qkv", s, h, q + 2 * kv), ("proj", s, q, h), ("fc1", s, h, fc1), ("fc2", s, layer.rank_ffn, h)]
 
 
-def priced_block(layer: Layer, overrides: tuple[str, ...] = ()) -> dict[str, float]:
+def priced_block(layer: Layer, attention: str, overrides: tuple[str, ...] = ()) -> dict[str, float]:
     """The simulator's seconds of one rank's block, forward and backward, by kind: its GEMMs, its
-    attention core, its memory-bound kernels (the model's own list: a Llama's rotary embedding
-    and a GPT's biases included, which the measured block does not run), on `hopper`."""
+    attention core as the backend `attention` is priced (SIM_ATTENTION), its memory-bound kernels
+    (the model's own list: a Llama's rotary embedding and a GPT's biases included, which the
+    measured block does not run), on `hopper`."""
     from src.cluster import cluster_from_config
     from src.config import composed
     from src.costmodel.compute import ComputeModel
@@ -99,7 +106,7 @@ def priced_block(layer: Layer, overrides: tuple[str, ...] = ()) -> dict[str, flo
 
     model = ComputeModel(cluster_from_config(composed(["cluster=hopper", *overrides])["cluster"]), "bf16")
     config = {"name": "gpt", "preset": None, "layers": 1, "hidden": layer.hidden, "heads": layer.heads, "vocab": 32000}
-    config |= {"kv_heads": layer.kv_heads, "ffn": layer.ffn, "attention": "flash2", "dropout": False}
+    config |= {"kv_heads": layer.kv_heads, "ffn": layer.ffn, "attention": SIM_ATTENTION[attention], "dropout": False}
     config |= {"style": "llama"} if layer.llama else {}
     block = next(unit_layer for unit_layer in build_model(config, layer.seq).unit("llm").layers if unit_layer.block)
     sharding = Sharding((("tp", layer.tp),)) if layer.tp > 1 else Sharding()
@@ -153,8 +160,9 @@ class Sampler:
         self._thread.join()
 
 
-def build_step(layer: Layer, layers: int) -> Any:
-    """A closure running `layers` blocks forward, then backward from a fixed output gradient."""
+def build_step(layer: Layer, layers: int, attention: str = "flash") -> Any:
+    """A closure running `layers` blocks forward, then backward from a fixed output gradient, its
+    attention core on PyTorch's SDPA backend `attention` (ATTENTION_BACKENDS)."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -186,7 +194,7 @@ def build_step(layer: Layer, layers: int) -> Any:
         k, v = (t.view(1, s, kv_heads, HEAD_DIM).transpose(1, 2) for t in (k, v))
         if kv_heads < heads:  # keys and values repeated to the heads, as Megatron-LM's legacy attention did
             k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        with sdpa_kernel(getattr(SDPBackend, ATTENTION_BACKENDS[attention])):
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + o.transpose(1, 2).reshape(s, q_dim) @ p["proj"]
         h = norm(x, p["norm2"]) @ p["fc1"]
@@ -221,18 +229,19 @@ def gemms_alone(layer: Layer) -> list[dict[str, Any]]:
     return rows
 
 
-def measure(layer: Layer, layers: int, seconds: float, sampler: Any) -> dict[str, Any]:
+def measure(layer: Layer, layers: int, seconds: float, sampler: Any, attention: str) -> dict[str, Any]:
     import torch
     from calibrate_gpu import timed
     from small_gpt_gpu import profiled
     from sustained_load import EARLY_S, LATE_S, back_to_back, rates_over
 
-    row: dict[str, Any] = asdict(layer) | {"layers": layers, "gemms": gemms_alone(layer)}
+    row: dict[str, Any] = asdict(layer) | {"layers": layers, "attention_backend": attention, "gemms": gemms_alone(layer)}
     row["gemms_alone_s"] = layers * sum(r["alone_s"] for r in row["gemms"])
-    row["sim_hopper_s"] = {kind: layers * t for kind, t in priced_block(layer).items()}
-    row["sim_h200_s"] = {kind: layers * t for kind, t in priced_block(layer, H200).items()}
+    row["sim_attention"] = SIM_ATTENTION[attention]
+    row["sim_hopper_s"] = {kind: layers * t for kind, t in priced_block(layer, attention).items()}
+    row["sim_h200_s"] = {kind: layers * t for kind, t in priced_block(layer, attention, H200).items()}
 
-    step = build_step(layer, layers)
+    step = build_step(layer, layers, attention)
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -289,6 +298,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0, help="device time the steps run back to back")
     parser.add_argument("--layers", type=int, default=4, help="blocks a step runs")
     parser.add_argument("--only", action="append", choices=[layer.name for layer in LAYERS])
+    parser.add_argument("--attention", choices=list(ATTENTION_BACKENDS), default="flash", help="the attention core's SDPA backend")
     parser.add_argument("--sim-only", action="store_true", help="the simulator's price of each block by kind alone (no GPU)")
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -297,7 +307,11 @@ def main() -> None:
         sys.exit(2)
     chosen = [layer for layer in LAYERS if not args.only or layer.name in args.only]
     if args.sim_only:
-        print(json.dumps({layer.name: {"hopper": priced_block(layer), "h200": priced_block(layer, H200)} for layer in chosen}))
+        prices = {
+            layer.name: {"hopper": priced_block(layer, args.attention), "h200": priced_block(layer, args.attention, H200)}
+            for layer in chosen
+        }
+        print(json.dumps(prices))
         return
     import torch
 
@@ -310,9 +324,10 @@ def main() -> None:
         print(f"NVML unavailable ({type(err).__name__}: {err}); no clock or power samples", flush=True)
         sampler = None
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "seconds": args.seconds}
+    result["attention"] = args.attention
     result["layers"] = []
     for layer in chosen:
-        result["layers"].append(measure(layer, args.layers, args.seconds, sampler))
+        result["layers"].append(measure(layer, args.layers, args.seconds, sampler, args.attention))
         torch.cuda.empty_cache()
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=1))

@@ -80,6 +80,11 @@ def test_the_small_gpt_benchmark_refuses_without_a_gpu_and_prices_without_one():
     for priced in blocks.values():  # the H200's faster HBM shortens the memory-bound kernels alone
         assert priced["h200"]["memory"] < priced["hopper"]["memory"] and priced["h200"]["attention"] == priced["hopper"]["attention"]
         assert all(seconds > 0 for seconds in priced["hopper"].values())
+    # cuDNN's core priced as the preset prices Transformer Engine's (its GEMMs on the curve), which
+    # takes less than FlashAttention 2's measured rates give.
+    cudnn = json.loads(_script("benchmarks/sustained_layer.py", "--sim-only", "--attention", "cudnn").stdout)
+    assert all(cudnn[name]["hopper"]["attention"] < blocks[name]["hopper"]["attention"] for name in blocks)
+    assert all(cudnn[name]["hopper"]["gemm"] == blocks[name]["hopper"]["gemm"] for name in blocks)
 
 
 def test_the_gpu_calibration_refits_a_stored_run_without_a_gpu(tmp_path, monkeypatch, capsys):
