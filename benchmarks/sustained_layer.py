@@ -17,7 +17,8 @@ forward then backward, bf16 weights, FlashAttention 2:
   on `hopper` as it is and with the H200's datasheet HBM;
 - the SM clock, the board's power and the clock-limit reasons (NVML) sampled throughout.
 
-    python benchmarks/sustained_layer.py [--seconds 20] [--layers 4] [--only NAME] [--attention flash|cudnn] [--out results.json]
+    python benchmarks/sustained_layer.py [--seconds 20] [--layers 4] [--only NAME] [--attention flash|cudnn]
+                                         [--unfused] [--out results.json]
     python benchmarks/sustained_layer.py --sim-only     # the simulator's prices of the blocks alone, no GPU needed
 """
 
@@ -44,6 +45,8 @@ ATTENTION_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION"}
 # How the simulator prices each: FlashAttention 2 by its measured rates (flash2); cuDNN's as the
 # `hopper` preset prices Transformer Engine's fused attention (flash: the core's GEMMs on the curve).
 SIM_ATTENTION = {"flash": "flash2", "cudnn": "flash"}
+# What a Transformers Llama block runs step by step (src/models/elementwise.py).
+UNFUSED_OPS = ("rmsnorm", "rope", "swiglu")
 SUSTAINED_PROFILED = 3  # steps profiled with the load still on
 # The H200's datasheet HBM (benchmarks/small_gpt_gpu.py): the device this runs on, where it is one.
 H200 = ("cluster.memory_bandwidth=4800.0e9",)
@@ -93,11 +96,12 @@ def gemm_shapes(layer: Layer) -> list[tuple[str, int, int, int]]:
     return [("qkv", s, h, q + 2 * kv), ("proj", s, q, h), ("fc1", s, h, fc1), ("fc2", s, layer.rank_ffn, h)]
 
 
-def priced_block(layer: Layer, attention: str, overrides: tuple[str, ...] = ()) -> dict[str, float]:
+def priced_block(layer: Layer, attention: str, overrides: tuple[str, ...] = (), unfused: bool = False) -> dict[str, float]:
     """The simulator's seconds of one rank's block, forward and backward, by kind: its GEMMs, its
     attention core as the backend `attention` is priced (SIM_ATTENTION), its memory-bound kernels
     (the model's own list: a Llama's rotary embedding and a GPT's biases included, which the
-    measured block does not run), on `hopper`."""
+    measured block does not run), on `hopper`; `unfused`: as the model prices Transformers' Llama
+    (model.unfused, its norms' parameter gradients reduced in kernels of their own)."""
     from src.cluster import cluster_from_config
     from src.config import composed
     from src.costmodel.compute import ComputeModel
@@ -105,9 +109,11 @@ def priced_block(layer: Layer, attention: str, overrides: tuple[str, ...] = ()) 
     from src.models.registry import build_model
 
     model = ComputeModel(cluster_from_config(composed(["cluster=hopper", *overrides])["cluster"]), "bf16")
-    config = {"name": "gpt", "preset": None, "layers": 1, "hidden": layer.hidden, "heads": layer.heads, "vocab": 32000}
+    config: dict[str, Any] = {"name": "gpt", "preset": None, "layers": 1, "hidden": layer.hidden, "heads": layer.heads}
+    config["vocab"] = 32000
     config |= {"kv_heads": layer.kv_heads, "ffn": layer.ffn, "attention": SIM_ATTENTION[attention], "dropout": False}
     config |= {"style": "llama"} if layer.llama else {}
+    config |= {"unfused": list(UNFUSED_OPS), "param_grad_kernels": "separate"} if unfused else {}
     block = next(unit_layer for unit_layer in build_model(config, layer.seq).unit("llm").layers if unit_layer.block)
     sharding = Sharding((("tp", layer.tp),)) if layer.tp > 1 else Sharding()
     priced = {"gemm": 0.0, "attention": 0.0, "memory": 0.0}
@@ -160,9 +166,12 @@ class Sampler:
         self._thread.join()
 
 
-def build_step(layer: Layer, layers: int, attention: str = "flash") -> Any:
+def build_step(layer: Layer, layers: int, attention: str = "flash", unfused: bool = False) -> Any:
     """A closure running `layers` blocks forward, then backward from a fixed output gradient, its
-    attention core on PyTorch's SDPA backend `attention` (ATTENTION_BACKENDS)."""
+    attention core on PyTorch's SDPA backend `attention` (ATTENTION_BACKENDS). `unfused` (Llama
+    blocks): Transformers' LlamaDecoderLayer's operations as it writes them, each step a kernel
+    of its own (LlamaRMSNorm, rotate_half's rotary embedding, SiLU times the up projection), with
+    its separate query, key, value, gate and up projections."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -174,35 +183,55 @@ def build_step(layer: Layer, layers: int, attention: str = "flash") -> Any:
     def weight(k: int, n: int) -> Any:
         return (torch.randn(k, n, device=dev, dtype=bf16) * k**-0.5).requires_grad_()
 
+    h = layer.hidden
+    shapes = {name: (k, n) for name, _, k, n in gemm_shapes(layer)}
+    if unfused:
+        shapes = {"q": (h, q_dim), "k": (h, kv_dim), "v": (h, kv_dim), "proj": shapes["proj"]}
+        shapes |= {"gate": (h, ffn), "up": (h, ffn), "fc2": (ffn, h)}
     blocks = [
-        {
-            "norm1": torch.ones(layer.hidden, device=dev, dtype=bf16, requires_grad=True),
-            "norm2": torch.ones(layer.hidden, device=dev, dtype=bf16, requires_grad=True),
-        }
-        | {name: weight(k, n) for name, _, k, n in gemm_shapes(layer)}
+        {name: torch.ones(h, device=dev, dtype=bf16, requires_grad=True) for name in ("norm1", "norm2")}
+        | {name: weight(k, n) for name, (k, n) in shapes.items()}
         for _ in range(layers)
     ]
     params = [p for b in blocks for p in b.values()]
+    angles = torch.outer(torch.arange(layer.seq, device=dev), 10000.0 ** -(torch.arange(0, HEAD_DIM, 2, device=dev) / HEAD_DIM))
+    cos, sin = (f(torch.cat((angles, angles), dim=-1)).to(bf16) for f in (torch.cos, torch.sin))
 
     def norm(x: Any, w: Any) -> Any:
-        return F.rms_norm(x, (layer.hidden,), w) if layer.llama else F.layer_norm(x, (layer.hidden,), w)
+        if unfused:  # LlamaRMSNorm
+            x32 = x.to(torch.float32)
+            return w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
+        return F.rms_norm(x, (h,), w) if layer.llama else F.layer_norm(x, (h,), w)
+
+    def rotary(t: Any) -> Any:  # Transformers' apply_rotary_pos_emb on [1, heads, s, d]
+        half = HEAD_DIM // 2
+        return t * cos + torch.cat((-t[..., half:], t[..., :half]), dim=-1) * sin
 
     def block(x: Any, p: dict[str, Any]) -> Any:
         s = x.shape[0]
-        q, k, v = (norm(x, p["norm1"]) @ p["qkv"]).split([q_dim, kv_dim, kv_dim], dim=-1)
+        normed = norm(x, p["norm1"])
+        if unfused:
+            q, k, v = normed @ p["q"], normed @ p["k"], normed @ p["v"]
+        else:
+            q, k, v = (normed @ p["qkv"]).split([q_dim, kv_dim, kv_dim], dim=-1)
         q = q.view(1, s, heads, HEAD_DIM).transpose(1, 2)
         k, v = (t.view(1, s, kv_heads, HEAD_DIM).transpose(1, 2) for t in (k, v))
+        if unfused:
+            q, k = rotary(q), rotary(k)
         if kv_heads < heads:  # keys and values repeated to the heads, as Megatron-LM's legacy attention did
             k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
         with sdpa_kernel(getattr(SDPBackend, ATTENTION_BACKENDS[attention])):
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + o.transpose(1, 2).reshape(s, q_dim) @ p["proj"]
-        h = norm(x, p["norm2"]) @ p["fc1"]
-        h = F.silu(h[:, :ffn]) * h[:, ffn:] if layer.llama else F.gelu(h, approximate="tanh")
-        return x + h @ p["fc2"]
+        normed = norm(x, p["norm2"])
+        if unfused:
+            return x + (F.silu(normed @ p["gate"]) * (normed @ p["up"])) @ p["fc2"]
+        m = normed @ p["fc1"]
+        m = F.silu(m[:, :ffn]) * m[:, ffn:] if layer.llama else F.gelu(m, approximate="tanh")
+        return x + m @ p["fc2"]
 
-    x0 = torch.randn(layer.seq, layer.hidden, device=dev, dtype=bf16)
-    grad = torch.randn(layer.seq, layer.hidden, device=dev, dtype=bf16)
+    x0 = torch.randn(layer.seq, h, device=dev, dtype=bf16)
+    grad = torch.randn(layer.seq, h, device=dev, dtype=bf16)
 
     def step() -> None:
         x = x0
@@ -229,7 +258,7 @@ def gemms_alone(layer: Layer) -> list[dict[str, Any]]:
     return rows
 
 
-def measure(layer: Layer, layers: int, seconds: float, sampler: Any, attention: str) -> dict[str, Any]:
+def measure(layer: Layer, layers: int, seconds: float, sampler: Any, attention: str, unfused: bool) -> dict[str, Any]:
     import torch
     from calibrate_gpu import timed
     from small_gpt_gpu import profiled
@@ -238,10 +267,11 @@ def measure(layer: Layer, layers: int, seconds: float, sampler: Any, attention: 
     row: dict[str, Any] = asdict(layer) | {"layers": layers, "attention_backend": attention, "gemms": gemms_alone(layer)}
     row["gemms_alone_s"] = layers * sum(r["alone_s"] for r in row["gemms"])
     row["sim_attention"] = SIM_ATTENTION[attention]
-    row["sim_hopper_s"] = {kind: layers * t for kind, t in priced_block(layer, attention).items()}
-    row["sim_h200_s"] = {kind: layers * t for kind, t in priced_block(layer, attention, H200).items()}
+    row["unfused"] = unfused
+    row["sim_hopper_s"] = {kind: layers * t for kind, t in priced_block(layer, attention, unfused=unfused).items()}
+    row["sim_h200_s"] = {kind: layers * t for kind, t in priced_block(layer, attention, H200, unfused).items()}
 
-    step = build_step(layer, layers, attention)
+    step = build_step(layer, layers, attention, unfused)
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -299,6 +329,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4, help="blocks a step runs")
     parser.add_argument("--only", action="append", choices=[layer.name for layer in LAYERS])
     parser.add_argument("--attention", choices=list(ATTENTION_BACKENDS), default="flash", help="the attention core's SDPA backend")
+    parser.add_argument("--unfused", action="store_true", help="Llama blocks as Transformers writes them, step by step")
     parser.add_argument("--sim-only", action="store_true", help="the simulator's price of each block by kind alone (no GPU)")
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -306,9 +337,16 @@ def main() -> None:
         print(f"error: --seconds={args.seconds:g} must exceed 2.5 and --layers={args.layers} be at least 1", file=sys.stderr)
         sys.exit(2)
     chosen = [layer for layer in LAYERS if not args.only or layer.name in args.only]
+    if args.unfused and not all(layer.llama for layer in chosen):
+        others = ", ".join(layer.name for layer in chosen if not layer.llama)
+        print(f"error: --unfused runs Transformers' Llama block, and {others} is not one (--only a Llama block)", file=sys.stderr)
+        sys.exit(2)
     if args.sim_only:
         prices = {
-            layer.name: {"hopper": priced_block(layer, args.attention), "h200": priced_block(layer, args.attention, H200)}
+            layer.name: {
+                "hopper": priced_block(layer, args.attention, unfused=args.unfused),
+                "h200": priced_block(layer, args.attention, H200, args.unfused),
+            }
             for layer in chosen
         }
         print(json.dumps(prices))
@@ -324,10 +362,10 @@ def main() -> None:
         print(f"NVML unavailable ({type(err).__name__}: {err}); no clock or power samples", flush=True)
         sampler = None
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "seconds": args.seconds}
-    result["attention"] = args.attention
+    result |= {"attention": args.attention, "unfused": args.unfused}
     result["layers"] = []
     for layer in chosen:
-        result["layers"].append(measure(layer, args.layers, args.seconds, sampler, args.attention))
+        result["layers"].append(measure(layer, args.layers, args.seconds, sampler, args.attention, args.unfused))
         torch.cuda.empty_cache()
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=1))

@@ -85,6 +85,13 @@ def test_the_small_gpt_benchmark_refuses_without_a_gpu_and_prices_without_one():
     cudnn = json.loads(_script("benchmarks/sustained_layer.py", "--sim-only", "--attention", "cudnn").stdout)
     assert all(cudnn[name]["hopper"]["attention"] < blocks[name]["hopper"]["attention"] for name in blocks)
     assert all(cudnn[name]["hopper"]["gemm"] == blocks[name]["hopper"]["gemm"] for name in blocks)
+    # Transformers' step-by-step operations move more bytes than the fused kernels; a GPT block has none.
+    llamas = ("--only", "llama7b-s4096", "--only", "llama70b-tp8-s8192")
+    unfused = json.loads(_script("benchmarks/sustained_layer.py", "--sim-only", "--unfused", *llamas).stdout)
+    assert all(unfused[name]["hopper"]["memory"] > blocks[name]["hopper"]["memory"] for name in unfused)
+    gpt = _script("benchmarks/sustained_layer.py", "--sim-only", "--unfused")
+    assert gpt.returncode == 2 and gpt.stdout == "" and len(gpt.stderr.strip().splitlines()) == 1
+    assert gpt.stderr.startswith("error: --unfused runs Transformers' Llama block, and gpt177b-tp8-s4096 is not one")
 
 
 def test_the_gpu_calibration_refits_a_stored_run_without_a_gpu(tmp_path, monkeypatch, capsys):
