@@ -8,7 +8,10 @@
 # 1. memory-bound kernels timed alone, and the median share of the datasheet's bandwidth they
 #    reach (a preset's memory_efficiency, by benchmarks/memory_kernel_rates.py's rule);
 # 2. this device's GEMM curve, copy rate and kernel gap (benchmarks/calibrate_gpu.py);
-# 3. a layer's GEMMs one at a time and back to back for seconds (benchmarks/sustained_load.py).
+# 3. a layer's GEMMs one at a time and back to back for seconds (benchmarks/sustained_load.py);
+# 4. whole blocks forward and backward, fresh and back to back at the power cap, with PyTorch's
+#    FlashAttention 2 and with cuDNN's fused attention, beside the simulator's price by kind
+#    (benchmarks/sustained_layer.py).
 # HBM_BYTES_PER_S is the device's datasheet bandwidth: by default an H200's 4.8e12 where the
 # device says it is one, else an H100 SXM's 3.35e12.
 set -u
@@ -36,8 +39,10 @@ step() {  # a name, a time limit in seconds, then the command; its output kept b
     echo "   exit $?; $(tail -n 1 "$out/$label.log")"
 }
 
-step memory_kernels 150 python benchmarks/measure_memory_kernels.py --out "$out/memory_kernels.json"
+step memory_kernels 120 python benchmarks/measure_memory_kernels.py --out "$out/memory_kernels.json"
 [ -s "$out/memory_kernels.json" ] && step memory_rates 30 \
     python benchmarks/memory_kernel_rates.py "$out/memory_kernels.json" --hbm "$hbm" --out "$out/memory_rates.json"
-step calibrate 150 python benchmarks/calibrate_gpu.py --hbm "$hbm" --out "$out/calibration.json"
-step sustained 200 python benchmarks/sustained_load.py --out "$out/sustained.json"
+step calibrate 120 python benchmarks/calibrate_gpu.py --hbm "$hbm" --out "$out/calibration.json"
+step sustained 120 python benchmarks/sustained_load.py --out "$out/sustained.json"
+step blocks_flash 70 python benchmarks/sustained_layer.py --seconds 10 --out "$out/blocks_flash.json"
+step blocks_cudnn 70 python benchmarks/sustained_layer.py --seconds 10 --attention cudnn --out "$out/blocks_cudnn.json"

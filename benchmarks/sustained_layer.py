@@ -5,14 +5,15 @@ run a training step's whole mix for many seconds, at the clocks its power draw l
 benchmarks/sustained_load.py found a layer's GEMMs cycled back to back at 0.87-0.93 of their rate
 alone; a training step puts norms, attention and activations between its GEMMs, which draw less
 power. This runs one TP rank's share of a held-out run's layers (no collectives: one GPU),
-forward then backward, bf16 weights, FlashAttention 2:
+forward then backward, bf16 weights, the attention core on PyTorch's FlashAttention 2 or cuDNN's
+fused attention (--attention), Llama blocks fused or as Transformers writes them (--unfused):
 
 - fresh: steps each timed alone (a synchronize before each), and one profiled: each kernel
   kind's device time (benchmarks/small_gpt_gpu.py's kinds);
 - sustained: steps back to back for --seconds with the queue kept full, the step time over the
   first half second and the last two, then steps profiled with the load still on;
 - the step's GEMMs (forward x @ w, input gradient dy @ w.T, weight gradient x.T @ dy) each timed
-  alone as benchmarks/calibrate_gpu.py times the curve's GEMMs;
+  alone as benchmarks/calibrate_gpu.py times the curve's GEMMs, and with the step's weights;
 - the simulator's price of the same block by kind (GEMMs, attention core, memory-bound kernels)
   on `hopper` as it is and with the H200's datasheet HBM;
 - the SM clock, the board's power and the clock-limit reasons (NVML) sampled throughout.
@@ -246,15 +247,24 @@ def build_step(layer: Layer, layers: int, attention: str = "flash", unfused: boo
 
 def gemms_alone(layer: Layer) -> list[dict[str, Any]]:
     """Each of a block's GEMMs as autograd runs it (forward x @ w, input gradient dy @ w.T,
-    weight gradient x.T @ dy), timed alone as benchmarks/calibrate_gpu.py times the curve's."""
+    weight gradient x.T @ dy), timed alone as benchmarks/calibrate_gpu.py times the curve's (its
+    operands drawn from N(0, 1)), and, where a weight is an operand, again with the weight scaled
+    as the step's are (by k^-1/2): whether the operands' values alone move a GEMM's time (the
+    power its bits draw)."""
     import torch
     from calibrate_gpu import timed
 
     rows = []
     for name, m, k, n in gemm_shapes(layer):
         x, w, dy = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16) for shape in ((m, k), (k, n), (m, n)))
-        for way, run in (("fwd", lambda: x @ w), ("dgrad", lambda: dy @ w.T), ("wgrad", lambda: x.T @ dy)):
-            rows.append({"gemm": f"{name}.{way}", "m": m, "k": k, "n": n, "alone_s": timed(run, repeats=20)})
+        small = w * k**-0.5
+        for way, run, scaled in (
+            ("fwd", lambda: x @ w, lambda: x @ small),
+            ("dgrad", lambda: dy @ w.T, lambda: dy @ small.T),
+            ("wgrad", lambda: x.T @ dy, None),
+        ):
+            row = {"gemm": f"{name}.{way}", "m": m, "k": k, "n": n, "alone_s": timed(run, repeats=20)}
+            rows.append(row | ({"alone_step_weights_s": timed(scaled, repeats=20)} if scaled else {}))
     return rows
 
 
@@ -266,6 +276,9 @@ def measure(layer: Layer, layers: int, seconds: float, sampler: Any, attention: 
 
     row: dict[str, Any] = asdict(layer) | {"layers": layers, "attention_backend": attention, "gemms": gemms_alone(layer)}
     row["gemms_alone_s"] = layers * sum(r["alone_s"] for r in row["gemms"])
+    weighted = [r for r in row["gemms"] if "alone_step_weights_s" in r]
+    random_s, scaled_s = (sum(r[key] for r in weighted) for key in ("alone_s", "alone_step_weights_s"))
+    row["weight_gemms_alone_over_step_weights"] = random_s / scaled_s
     row["sim_attention"] = SIM_ATTENTION[attention]
     row["unfused"] = unfused
     row["sim_hopper_s"] = {kind: layers * t for kind, t in priced_block(layer, attention, unfused=unfused).items()}
@@ -309,7 +322,12 @@ def measure(layer: Layer, layers: int, seconds: float, sampler: Any, attention: 
         print(
             f"  {label}: fresh {sum(fresh.get(k, 0.0) for k in kinds) * 1e3:.2f} ms, sustained "
             f"{sum(sustained.get(k, 0.0) for k in kinds) * 1e3:.2f}, simulator {sim[key] * 1e3:.2f}"
-            + (f", each alone {row['gemms_alone_s'] * 1e3:.2f}" if label == "gemm" else ""),
+            + (
+                f", each alone {row['gemms_alone_s'] * 1e3:.2f} (with the step's weights "
+                f"{1 / row['weight_gemms_alone_over_step_weights']:.3f} of the time)"
+                if label == "gemm"
+                else ""
+            ),
             flush=True,
         )
     nvml = {k: row.get(f"{k}_nvml", {}) for k in ("fresh", "late")}
