@@ -148,6 +148,18 @@ def test_the_sustained_layer_runs_the_gemms_the_sustained_load_check_cycles(monk
     assert {block.name for block in layer.LAYERS} >= set(load.LAYERS)
 
 
+def test_the_clock_sampler_summarises_the_samples_inside_a_window(monkeypatch):
+    layer = _benchmark("sustained_layer", monkeypatch)
+    sampler = layer.Sampler.__new__(layer.Sampler)  # without NVML: the samples set by hand
+    # (time, SM MHz, board W, clock-limit reasons): idle at boost, then capped by power (0x4).
+    sampler.samples = [(0.0, 1980, 120.0, 0), (1.0, 1980, 300.0, 0), (2.0, 1620, 690.0, 4), (3.0, 1590, 694.0, 4)]
+    late = sampler.between(1.5, 3.0)
+    assert late["samples"] == 2 and late["sm_mhz_median"] == 1605 and late["sm_mhz_min"] == 1590
+    assert late["power_w_max"] == 694.0 and late["limit_reasons"] == {"0x4": 2}
+    assert sampler.between(0.0, 3.0)["limit_reasons"] == {"0x0": 2, "0x4": 2}
+    assert sampler.between(5.0, 6.0) == {}
+
+
 def test_a_flashattention_kernel_is_attention_though_its_name_holds_a_gemm_library(monkeypatch):
     kinds = _benchmark("small_gpt_gpu", monkeypatch)
     # As a profile of torch 2.11's SDPA on an H200 names them (benchmarks/results/sustained_layer_h200.json).
