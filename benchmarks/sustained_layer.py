@@ -306,12 +306,26 @@ def measure(layer: Layer, layers: int, seconds: float, sampler: Any, attention: 
     if sampler is not None:
         row |= {"fresh_nvml": sampler.between(t0, t1), "early_nvml": sampler.between(t1, t1 + EARLY_S)}
         row["late_nvml"] = sampler.between(t2 - LATE_S, t2)
-    fresh = row["fresh_profile"].get("by_kind_s", {})
-    sustained = {kind: t / SUSTAINED_PROFILED for kind, t in row["sustained_profile"].get("by_kind_s", {}).items()}
-    row["sustained_by_kind_s"] = sustained
-    sim = row["sim_h200_s"]
+    row["sustained_by_kind_s"] = {kind: t / SUSTAINED_PROFILED for kind, t in row["sustained_profile"].get("by_kind_s", {}).items()}
+    report(layer.name, row)
+    for key in ("fresh_profile", "sustained_profile"):
+        row[key]["top_kernels"] = row[key].get("top_kernels", [])[:12]
+    return row
+
+
+def report(name: str, row: dict[str, Any]) -> None:
+    """A block's lines: its step fresh and sustained beside the simulator's, then by kind, then
+    the clocks and power."""
+    from sustained_load import EARLY_S, LATE_S
+
+    fresh, sustained, sim, layers = (
+        row["fresh_profile"].get("by_kind_s", {}),
+        row["sustained_by_kind_s"],
+        row["sim_h200_s"],
+        row["layers"],
+    )
     print(
-        f"{layer.name} x{layers}: step fresh {row['fresh_step_s'] * 1e3:.2f} ms, sustained {row['early_step_s'] * 1e3:.2f} "
+        f"{name} x{layers}: step fresh {row['fresh_step_s'] * 1e3:.2f} ms, sustained {row['early_step_s'] * 1e3:.2f} "
         f"(first {EARLY_S} s) -> {row['late_step_s'] * 1e3:.2f} (last {LATE_S} s); simulator {sum(sim.values()) * 1e3:.2f} "
         f"(H200), {sum(row['sim_hopper_s'].values()) * 1e3:.2f} (hopper)",
         flush=True,
@@ -336,9 +350,6 @@ def measure(layer: Layer, layers: int, seconds: float, sampler: Any, attention: 
         f"power fresh {nvml['fresh'].get('power_w_median')} W, late {nvml['late'].get('power_w_median')}",
         flush=True,
     )
-    for key in ("fresh_profile", "sustained_profile"):
-        row[key]["top_kernels"] = row[key].get("top_kernels", [])[:12]
-    return row
 
 
 def main() -> None:

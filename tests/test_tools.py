@@ -160,6 +160,18 @@ def test_the_clock_sampler_summarises_the_samples_inside_a_window(monkeypatch):
     assert sampler.between(5.0, 6.0) == {}
 
 
+def test_the_sustained_layer_reports_a_stored_run_by_kind(monkeypatch, capsys):
+    layer = _benchmark("sustained_layer", monkeypatch)
+    stored = json.loads((REPO_ROOT / "benchmarks" / "results" / "sustained_layer_weights_h200.json").read_text())
+    row = stored["layers"][0]
+    layer.report(row["name"], row)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"llama70b-tp8-s8192 x4: step fresh {row['fresh_step_s'] * 1e3:.2f} ms")
+    assert [line.split(":")[0] for line in lines[1:4]] == ["  gemm", "  attention", "  memory-bound"]
+    assert f"simulator {row['sim_h200_s']['gemm'] * 1e3:.2f}" in lines[1] and "with the step's weights 1.029" in lines[1]
+    assert lines[4].startswith("  SM clock fresh")
+
+
 def test_a_flashattention_kernel_is_attention_though_its_name_holds_a_gemm_library(monkeypatch):
     kinds = _benchmark("small_gpt_gpu", monkeypatch)
     # As a profile of torch 2.11's SDPA on an H200 names them (benchmarks/results/sustained_layer_h200.json).
