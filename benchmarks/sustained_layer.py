@@ -307,9 +307,7 @@ def measure(layer: Layer, layers: int, seconds: float, sampler: Any, attention: 
         row |= {"fresh_nvml": sampler.between(t0, t1), "early_nvml": sampler.between(t1, t1 + EARLY_S)}
         row["late_nvml"] = sampler.between(t2 - LATE_S, t2)
     row["sustained_by_kind_s"] = {kind: t / SUSTAINED_PROFILED for kind, t in row["sustained_profile"].get("by_kind_s", {}).items()}
-    report(layer.name, row)
-    for key in ("fresh_profile", "sustained_profile"):
-        row[key]["top_kernels"] = row[key].get("top_kernels", [])[:12]
+    report(layer.name, row)  # the profiles keep their 40 largest kernels: a step's memory-bound kernels to size by shape
     return row
 
 
