@@ -33,11 +33,13 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere: `src` is the repository's package
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmarks' timing and kinds
+from small_gpt_gpu import H200  # the H200's datasheet: the device this runs on, where it is one
 
 HEAD_DIM = 128
 # PyTorch SDPA backends by name: FlashAttention 2, and cuDNN's fused attention (the kernels
@@ -49,8 +51,6 @@ SIM_ATTENTION = {"flash": "flash2", "cudnn": "flash"}
 # What a Transformers Llama block runs step by step (src/models/elementwise.py).
 UNFUSED_OPS = ("rmsnorm", "rope", "swiglu")
 SUSTAINED_PROFILED = 3  # steps profiled with the load still on
-# The H200's datasheet HBM (benchmarks/small_gpt_gpu.py): the device this runs on, where it is one.
-H200 = ("cluster.memory_bandwidth=4800.0e9",)
 
 
 @dataclass(frozen=True)
@@ -97,19 +97,17 @@ def gemm_shapes(layer: Layer) -> list[tuple[str, int, int, int]]:
     return [("qkv", s, h, q + 2 * kv), ("proj", s, q, h), ("fc1", s, h, fc1), ("fc2", s, layer.rank_ffn, h)]
 
 
-def priced_block(layer: Layer, attention: str, overrides: tuple[str, ...] = (), unfused: bool = False) -> dict[str, float]:
+def priced_block(layer: Layer, attention: str, overrides: Sequence[str] = (), unfused: bool = False) -> dict[str, float]:
     """The simulator's seconds of one rank's block, forward and backward, by kind: its GEMMs, its
     attention core as the backend `attention` is priced (SIM_ATTENTION), its memory-bound kernels
     (the model's own list: a Llama's rotary embedding and a GPT's biases included, which the
     measured block does not run), on `hopper`; `unfused`: as the model prices Transformers' Llama
     (model.unfused, its norms' parameter gradients reduced in kernels of their own)."""
-    from src.cluster import cluster_from_config
-    from src.config import composed
-    from src.costmodel.compute import ComputeModel
     from src.mesh import Sharding
     from src.models.registry import build_model
+    from sustained_load import compute_model
 
-    model = ComputeModel(cluster_from_config(composed(["cluster=hopper", *overrides])["cluster"]), "bf16")
+    model = compute_model("cluster=hopper", *overrides)
     config: dict[str, Any] = {"name": "gpt", "preset": None, "layers": 1, "hidden": layer.hidden, "heads": layer.heads}
     config["vocab"] = 32000
     config |= {"kv_heads": layer.kv_heads, "ffn": layer.ffn, "attention": SIM_ATTENTION[attention], "dropout": False}

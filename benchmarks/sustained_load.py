@@ -51,14 +51,19 @@ HEAD_DIM = 128
 EARLY_S, LATE_S = 0.5, 2.0
 
 
-def priced_gemms(cluster: str = "hopper") -> dict[str, list[dict[str, Any]]]:
-    """The simulator's seconds for each GEMM (its time in a queue of kernels: the per-kernel gap
-    included), bf16 on `cluster`."""
+def compute_model(*overrides: str) -> Any:
+    """The simulator's compute model, bf16, of the cluster the overrides compose."""
     from src.cluster import cluster_from_config
     from src.config import composed
     from src.costmodel.compute import ComputeModel
 
-    model = ComputeModel(cluster_from_config(composed([f"cluster={cluster}"])["cluster"]), "bf16")
+    return ComputeModel(cluster_from_config(composed(list(overrides))["cluster"]), "bf16")
+
+
+def priced_gemms(cluster: str = "hopper") -> dict[str, list[dict[str, Any]]]:
+    """The simulator's seconds for each GEMM (its time in a queue of kernels: the per-kernel gap
+    included), bf16 on `cluster`."""
+    model = compute_model(f"cluster={cluster}")
     return {
         layer: [{"gemm": g, "m": m, "k": k, "n": n, "sim_s": model.gemm_time(m, n, k)} for g, m, k, n in gemms]
         for layer, gemms in LAYERS.items()
@@ -68,13 +73,10 @@ def priced_gemms(cluster: str = "hopper") -> dict[str, list[dict[str, Any]]]:
 def priced_attention(seq: int, cluster: str = "hopper") -> list[dict[str, Any]]:
     """The simulator's forward and backward seconds of a causal FlashAttention 2 core over one
     sequence of `seq` tokens, at each of HEADS heads of HEAD_DIM."""
-    from src.cluster import cluster_from_config
-    from src.config import composed
-    from src.costmodel.compute import ComputeModel
     from src.mesh import Sharding
     from src.models.registry import build_model
 
-    model = ComputeModel(cluster_from_config(composed([f"cluster={cluster}"])["cluster"]), "bf16")
+    model = compute_model(f"cluster={cluster}")
     out = []
     for heads in HEADS:
         spec = build_model(

@@ -29,6 +29,19 @@ def _script(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=REPO_ROOT, env=cli_env(), capture_output=True, text=True, timeout=180)
 
 
+def _benchmark(name: str, monkeypatch):
+    """A benchmark script loaded as a module, its sibling scripts importable."""
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "benchmarks"))  # the benchmarks import their siblings
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "benchmarks" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)  # a dataclass looks its module up
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.mark.slow  # subprocesses that import torch
 def test_the_small_gpt_benchmark_refuses_without_a_gpu_and_prices_without_one():
     torch = pytest.importorskip("torch")
@@ -95,13 +108,7 @@ def test_the_small_gpt_benchmark_refuses_without_a_gpu_and_prices_without_one():
 
 
 def test_the_gpu_calibration_refits_a_stored_run_without_a_gpu(tmp_path, monkeypatch, capsys):
-    import importlib.util
-    import json
-
-    spec = importlib.util.spec_from_file_location("calibrate_gpu", REPO_ROOT / "benchmarks" / "calibrate_gpu.py")
-    assert spec is not None and spec.loader is not None
-    calibrate = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(calibrate)
+    calibrate = _benchmark("calibrate_gpu", monkeypatch)
     stored = REPO_ROOT / "benchmarks" / "results" / "hopper_h100_calibration.json"
     monkeypatch.setattr(sys, "argv", ["calibrate_gpu.py", "--refit", str(stored)])
     with pytest.raises(SystemExit) as exit_:
@@ -115,29 +122,12 @@ def test_the_gpu_calibration_refits_a_stored_run_without_a_gpu(tmp_path, monkeyp
     assert refit["fit"]["gemm_half_dim"] != before["fit"]["gemm_half_dim"]  # what a GEMM costs beyond its arithmetic moves the fit
 
 
-def test_the_sustained_load_check_takes_its_rates_over_the_first_and_the_last_seconds():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("sustained_load", REPO_ROOT / "benchmarks" / "sustained_load.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+def test_the_sustained_load_check_takes_its_rates_over_the_first_and_the_last_seconds(monkeypatch):
+    module = _benchmark("sustained_load", monkeypatch)
     # One FLOP a cycle: 0.1 s cycles for the first second, then the clocks fall to 0.125 s ones.
     cycles = [0.1] * 10 + [0.125] * 40
     early, late = module.rates_over(cycles, 1.0)
     assert early == pytest.approx(10.0) and late == pytest.approx(8.0)
-
-
-def _benchmark(name: str, monkeypatch):
-    import importlib.util
-
-    monkeypatch.syspath_prepend(str(REPO_ROOT / "benchmarks"))  # the benchmarks import their siblings
-    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "benchmarks" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, name, module)  # a dataclass looks its module up
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_the_sustained_layer_runs_the_gemms_the_sustained_load_check_cycles(monkeypatch):
@@ -183,13 +173,7 @@ def test_a_flashattention_kernel_is_attention_though_its_name_holds_a_gemm_libra
 
 
 def test_memory_kernel_rates_divide_a_kernels_bytes_by_its_profiled_time(tmp_path, monkeypatch, capsys):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("memory_kernel_rates", REPO_ROOT / "benchmarks" / "memory_kernel_rates.py")
-    assert spec is not None and spec.loader is not None
-    rates = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "memory_kernel_rates", rates)  # its dataclasses look their module up
-    spec.loader.exec_module(rates)
+    rates = _benchmark("memory_kernel_rates", monkeypatch)
     # 2 layers of hidden 64, 2 micro-batches of 128 tokens: a GELU moves 4 bytes over 128 x 256
     # values, a LayerNorm's input gradient 12 (fp32 under autocast) over 128 x 64.
     gelu, norm = 4 * 128 * 256, 12 * 128 * 64
@@ -245,18 +229,12 @@ def test_the_device_session_refuses_a_machine_without_a_gpu(tmp_path):
 
 
 def test_stepccl_pairing_exposes_what_a_transfer_longer_than_its_gemm_leaves(monkeypatch):
-    import importlib.util
-
     from src.config import composed
     from src.costmodel.comm import CommModel
     from src.costmodel.compute import ComputeModel
     from src.setup import validate
 
-    spec = importlib.util.spec_from_file_location("stepccl_pairing", REPO_ROOT / "benchmarks" / "stepccl_pairing.py")
-    assert spec is not None and spec.loader is not None
-    pairing = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "stepccl_pairing", pairing)  # its dataclasses look their module up
-    spec.loader.exec_module(pairing)
+    pairing = _benchmark("stepccl_pairing", monkeypatch)
     setup = validate(composed(pairing.CASE))
     layer = next(layer for layer in setup.model.unit("llm").layers if layer.tp_allreduces)
     found = pairing.pairs(layer, 8, ComputeModel(setup.cluster, "bf16"), CommModel(setup.cluster))
