@@ -5,9 +5,10 @@ c + 1's transfer under chunk c's GEMM: an all-gather under the GEMM it feeds, a 
 under the GEMM that produces it (§7, line 106). Where a transfer is longer than its GEMM, the
 difference is exposed at every chunk but the first ("when TP communication is longer than
 GEMM, fusing them cannot fully hide the communication overhead", line 108; the LLM backbone
-has no module without a dependency to hide it under). The simulator prices the overlap a
-pass at a time (`builders.emit._overlapped_pass`): chunk c's collectives of every layer of the
-stage under chunk c + 1's compute of every layer, which exposes only the first chunks.
+has no module without a dependency to hide it under). The simulator prices the pairs so
+(`LayerSpec.tp_pairs`, `Collective.beside`); before, it priced the overlap a pass at a time:
+chunk c's collectives of every layer of the stage under chunk c + 1's compute of every
+layer, which exposed only the last chunk's transfers (the table's "a pass at a time").
 
 For one layer's forward of DistTrain Fig. 22's case (MLLM-9B's LLM, one micro-batch of a
 sequence, sequence parallelism, bf16, the `a800` preset), per TP degree: each pair's GEMM

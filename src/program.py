@@ -167,7 +167,11 @@ class Collective:
     or all-gather, the layers whose gradients and parameters the plan's distributed
     optimizer (ZeRO-1) moves where the plan places it (Optimus's LLM).
     `sms`: its kernels hold SMs while it runs (NCCL's), so compute beside it is slower;
-    False where the GPU's copy engines move the data (DistTrain's StepCCL, §7)."""
+    False where the GPU's copy engines move the data (DistTrain's StepCCL, §7).
+    `beside`: an asynchronous transfer paired with GEMMs (StepCCL's pairs, emit's
+    overlapped pass): the chunk of each product it runs beside, on one of the `count`
+    layers, the transfer split evenly among them. Each pair runs in lock step, so what of a
+    transfer outlasts its product holds the compute stream back by that much."""
 
     op: CollectiveOp
     group: str
@@ -181,6 +185,7 @@ class Collective:
     outputs: tuple[Payload, ...] = ()
     grads_of: tuple[str, tuple[int, int]] | None = None
     sms: bool = True
+    beside: tuple[Work, ...] = ()
 
 
 @dataclass(unsafe_hash=True, slots=True)

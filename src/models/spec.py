@@ -16,6 +16,7 @@ from src.mesh import Sharding
 
 KernelKind = Literal["gemm", "memory"]
 TPSplit = Literal["n", "k", "batch", "none"]
+Pairing = tuple[Literal["fwd", "bwd"], int]  # a pass and a kernel's index: a GEMM a TP transfer runs beside (LayerSpec.tp_pairs)
 
 
 PER_IMAGE = "sequence's images"  # the per_sample convention (ModelSpec.extras) of a unit that works per image
@@ -204,6 +205,35 @@ class LayerSpec:
         if backward and self.recompute_mode(recompute) == "full":
             return 2 * self.tp_allreduces
         return self.tp_allreduces
+
+    def tp_pairs(self, backward: bool, recompute: str, sequence_parallel: bool) -> tuple[tuple[Pairing, ...], ...] | None:
+        """StepCCL's pairs (DistTrain §7: each collective cut into chunks beside the GEMM it
+        feeds or follows) of one pass: for each TP collective `tp_collectives` counts, in
+        order, the (pass, kernel index) of the weighted GEMMs its transfer runs beside,
+        the transfer split evenly among them. An all-reduce follows a row-parallel product
+        in forward and a column-parallel one's input gradient in backward; under sequence
+        parallelism it is a reduce-scatter after the row-parallel product and an all-gather
+        before the next column-parallel one (forward), an all-gather before the row-parallel
+        product's backward and a reduce-scatter after the column-parallel one's (backward).
+        A fully recomputed backward runs its forward's pairs first. None where the layer's
+        row- and column-parallel products are not one each per collective (cross-attention's
+        memory projection, a convolution)."""
+        rows = [i for i, kern in enumerate(self.kernels) if kern.kind == "gemm" and kern.has_weight and kern.tp_split == "k"]
+        cols = [i for i, kern in enumerate(self.kernels) if kern.kind == "gemm" and kern.has_weight and kern.tp_split == "n"]
+        count = self.tp_allreduces
+        if not count or len(rows) != count or len(cols) != count:
+            return None
+        forward: tuple[tuple[Pairing, ...], ...]
+        own: tuple[tuple[Pairing, ...], ...]
+        if sequence_parallel:
+            forward = tuple((("fwd", rows[i]), ("fwd", cols[(i + 1) % count])) for i in range(count))
+            own = tuple((("bwd", rows[i]), ("bwd", cols[i])) for i in range(count))
+        else:
+            forward = tuple((("fwd", rows[i]),) for i in range(count))
+            own = tuple((("bwd", cols[i]),) for i in range(count))
+        if not backward:
+            return forward
+        return (forward + own) if self.recompute_mode(recompute) == "full" else own
 
     def fetched_modules(self, persistence_threshold: float) -> tuple[int, ...]:
         """Parameters of each module ZeRO-3 fetches to run this layer, in forward order:

@@ -53,6 +53,7 @@ from src.program import (
     COMPUTE_STREAM,
     Collective,
     Compute,
+    Group,
     Hop,
     Instruction,
     Message,
@@ -526,8 +527,39 @@ class Simulator:
             state.handles[instruction.handle] = op
         if instruction.blocking or instruction.stream == COMPUTE_STREAM:
             state.blocker = op
+        elif instruction.beside:
+            self._outlasting(state, instruction, group)
         self._try_resolve(key)
         return True
+
+    def _parts(self, instruction: Collective, group: Group) -> tuple[float, float]:
+        """(latency, transfer) seconds of one of the instruction's collectives on its group."""
+        rows = instruction.op == "all_to_all" and bool(instruction.inputs or instruction.outputs)
+        cost_key = (instruction.op, group.name, instruction.bytes, rows)
+        parts = self.collective_cost.get(cost_key)
+        if parts is None:
+            # An all-to-all carrying rows (a batch-sync) runs as the real backend runs it:
+            # the group's row layout gathered first, then the padded pieces swapped.
+            price = self.comm.row_exchange_parts if rows else functools.partial(self.comm.collective_parts, instruction.op)
+            parts = self.collective_cost[cost_key] = price(group.ranks, instruction.bytes, group.sharing)
+        return parts
+
+    def _outlasting(self, state: _ClassState, instruction: Collective, group: Group) -> None:
+        """A transfer paired with GEMM chunks (Collective.beside) holds the compute stream
+        back by what of it each product's chunk does not cover, on each of its `count`
+        layers: exposed communication of its kind, where the stream stands now."""
+        latency, transfer = self._parts(instruction, group)
+        share = (latency + transfer) / len(instruction.beside)
+        exposed = instruction.count * sum(
+            max(0.0, share - self.compute.work_streams(work, self.model)[0]) for work in instruction.beside
+        )
+        if exposed <= 0.0:
+            return
+        start = state.stream_free(COMPUTE_STREAM)
+        end = state.free[COMPUTE_STREAM] = start + exposed
+        category = f"comm_{instruction.kind}"
+        state.segments.append((start, end, category))
+        state.spans.append(Span(COMPUTE_STREAM, start, end, f"{instruction.op} {group.name} beyond its GEMM", category))
 
     def _participants(self, group_name: str) -> tuple[int, ...]:
         cached = self.participants.get(group_name)
@@ -562,14 +594,7 @@ class Simulator:
             del self.arrival_of[id(op)]
         instruction = arrival.instruction
         group = self.program.groups[key[0]]
-        rows = instruction.op == "all_to_all" and bool(instruction.inputs or instruction.outputs)
-        cost_key = (instruction.op, group.name, instruction.bytes, rows)
-        parts = self.collective_cost.get(cost_key)
-        if parts is None:
-            # An all-to-all carrying rows (a batch-sync) runs as the real backend runs it:
-            # the group's row layout gathered first, then the padded pieces swapped.
-            price = self.comm.row_exchange_parts if rows else functools.partial(self.comm.collective_parts, instruction.op)
-            parts = self.collective_cost[cost_key] = price(group.ranks, instruction.bytes, group.sharing)
+        parts = self._parts(instruction, group)
         latency, transfer = parts[0] * instruction.count, parts[1] * instruction.count
         # Its members reach it as far apart as they drifted since they last synchronized;
         # the wait is the collective's. A count stands for collectives spread over that

@@ -316,3 +316,28 @@ def test_zero3_fetches_each_module_above_the_persistence_threshold_once_per_pass
 def test_a_persistence_threshold_that_is_no_count_of_elements_is_one_line(value: str) -> None:
     with pytest.raises(ConfigError, match=r"^strategy.param_persistence_threshold must be a non-negative integer \(elements\), got "):
         _zero3(4, f"strategy.param_persistence_threshold={value}")
+
+
+def _after_a_paired_transfer(beside: tuple[Work, ...]) -> tuple[float, float]:
+    """Ten 2 ms GEMMs issued after a 1e9 B all-reduce on a copy-engine stream that is
+    paired with `beside` (StepCCL's pair): (when they end, the transfer's time)."""
+    cluster = make_cluster(nodes=1, devices_per_node=2)
+    collective = Collective("all_reduce", "tp", 1e9, "tp", stream="tp", blocking=False, handle="h", sms=False, beside=beside)
+    program = Program(world_size=2, classes=[RankProgram((0, 1), [collective, *[Compute(F1)] * 10, Wait("h")], label="both")])
+    program.add_group(Group("tp", (0, 1)))
+    timeline = simulate(program, MODEL, cluster, PRECISION)
+    end = max(s.end for s in timeline.ranks[0].spans if s.category == "compute")
+    return end, CommModel(cluster).collective_time("all_reduce", (0, 1), 1e9)
+
+
+def test_a_paired_transfer_holds_compute_back_by_what_outlasts_its_gemm() -> None:
+    """Unpaired, the transfer hides under all ten GEMMs; paired with one 2 ms GEMM chunk it
+    hides under that one only, and what is left waits on the compute stream (DistTrain §7:
+    "when TP communication is longer than GEMM, ... cannot fully hide"); split over two
+    GEMMs, half of it beside each."""
+    free, transfer = _after_a_paired_transfer(())
+    assert free == pytest.approx(20 * MS, rel=REL) and transfer > 2 * MS
+    one, _ = _after_a_paired_transfer((F1,))
+    assert one == pytest.approx(20 * MS + transfer - 2 * MS, rel=REL)
+    two, _ = _after_a_paired_transfer((F1, F1))
+    assert two == pytest.approx(20 * MS + 2 * max(0.0, transfer / 2 - 2 * MS), rel=REL)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from src.costmodel.memory import zero_shards
 from src.mesh import Sharding
 from src.models.flows import flows_of, outputs_of
-from src.models.spec import ModelSpec
+from src.models.spec import LayerSpec, ModelSpec, Pairing
 from src.program import Collective, CollectiveOp, Compute, Instruction, Payload, Phase, Wait, Work
 from src.strategies.builders.stages import Segment
 
@@ -130,16 +130,31 @@ def segment_pass(
     out: list[Instruction] = [Compute(work, microbatch=microbatch, chunk=chunk, inputs=inputs, outputs=outputs)]
     if tp.sharding.degree("tp") == 1 or tp.group is None:
         return out
+    if tp.overlap_chunks > 1:
+        kinds = _tp_layer_kinds(unit.layers, segment.layers)
+        if kinds:
+            return _overlapped_pass(work, microbatch, chunk, inputs, outputs, tp, tp.group, kinds)
+        return out
     by_size: dict[int, int] = {}
     for layer in unit.layers[segment.layers[0] : segment.layers[1]]:
         if layer.tp_allreduces:
             count = layer.tp_collectives(backward, work.recompute)
             by_size[layer.tp_comm_elems] = by_size.get(layer.tp_comm_elems, 0) + count
-    if by_size and tp.overlap_chunks > 1:
-        return _overlapped_pass(work, microbatch, chunk, inputs, outputs, tp, tp.group, by_size)
     for elems, count in sorted(by_size.items()):
         out.append(Collective("all_reduce", tp.group, elems * samples * tp.act_bytes, "tp", stream="compute", count=count))
     return out
+
+
+def _tp_layer_kinds(layers: Sequence[LayerSpec], span: tuple[int, int]) -> list[tuple[int, LayerSpec, int]]:
+    """The span's layers that run TP collectives, one entry per distinct layer: (the index
+    of its first occurrence, the layer, how many times the span holds it)."""
+    kinds: dict[int, tuple[int, LayerSpec, int]] = {}
+    for index in range(*span):
+        layer = layers[index]
+        if layer.tp_allreduces:
+            first, _, count = kinds.get(id(layer), (index, layer, 0))
+            kinds[id(layer)] = (first, layer, count + 1)
+    return list(kinds.values())
 
 
 def _overlapped_pass(
@@ -150,42 +165,69 @@ def _overlapped_pass(
     outputs: tuple[Payload, ...],
     tp: TPConfig,
     group: str,
-    by_size: dict[int, int],
+    kinds: list[tuple[int, LayerSpec, int]],
 ) -> list[Instruction]:
     """StepCCL's overlap: the pass runs as `overlap_chunks` row chunks; each chunk's TP
     collectives start on their own stream when the chunk's GEMMs end, under the next
-    chunk's GEMMs, and the pass ends when the last one has landed. Pricing a whole
-    segment this way exposes the same last-chunk communication per layer as chunking
-    layer by layer does, for layers alike; smaller chunks run less efficient GEMMs.
-    StepCCL moves the data with the GPU's copy engines, "without using any SM at all"
-    (§7, line 105), so its collectives do not slow the GEMMs they run beside; only the
-    GEMMs paired with a collective are cut (line 106), the rest of the pass is issued once
-    (Work.chunks)."""
+    chunk's, and the pass ends when the last one has landed. StepCCL moves the data with
+    the GPU's copy engines, "without using any SM at all" (§7, line 105), so its
+    collectives do not slow the GEMMs they run beside; only the GEMMs paired with a
+    collective are cut (line 106), the rest of the pass is issued once (Work.chunks).
+    Each transfer is paired with its own GEMM (LayerSpec.tp_pairs: "decomposing the single
+    GEMM and the corresponding communication into several smaller pairs", line 106): a
+    chunk's transfer hides under that GEMM's next chunk only, so what outlasts it is exposed
+    (Collective.beside), "when TP communication is longer than GEMM, fusing them cannot fully
+    hide the communication overhead" (line 108); the last chunk's transfers are exposed
+    whole. A layer whose products do not pair one to one with its collectives keeps the
+    pass-wide overlap."""
     n = tp.overlap_chunks
     part = replace(work, fraction=work.fraction / n, chunks=n)
+    backward = work.phase in ("bwd", "bwd_input")
+    chunk_rows = (part.samples, part.sharding, part.fraction)
     out: list[Instruction] = []
     handles: list[str] = []
     for c in range(n):
         out.append(
             Compute(part, microbatch=microbatch, chunk=chunk, inputs=inputs if c == 0 else (), outputs=outputs if c == n - 1 else ())
         )
-        for elems, count in sorted(by_size.items()):
-            handle = f"tp.{work.unit}.{work.phase}.{microbatch}.{chunk}.{c}.{elems}"
-            out.append(
-                Collective(
-                    "all_reduce",
-                    group,
-                    elems * work.samples * tp.act_bytes / n,
-                    "tp",
-                    stream="tp",
-                    blocking=False,
-                    handle=handle,
-                    count=count,
-                    sms=False,
+        for first, layer, count in kinds:
+            nbytes = layer.tp_comm_elems * work.samples * tp.act_bytes / n
+            pairs = layer.tp_pairs(backward, work.recompute, tp.sharding.sequence_parallel)
+            transfers: list[tuple[int, tuple[Work, ...]]]
+            if pairs is None:
+                transfers = [(count * layer.tp_collectives(backward, work.recompute), ())]
+            else:
+                last = c == n - 1
+                transfers = [(count, () if last else paired_gemms(work.unit, first, *chunk_rows, pair, part.load)) for pair in pairs]
+            for p, (repeats, beside) in enumerate(transfers):
+                handle = f"tp.{work.unit}.{work.phase}.{microbatch}.{chunk}.{c}.{first}.{p}"
+                out.append(
+                    Collective(
+                        "all_reduce",
+                        group,
+                        nbytes,
+                        "tp",
+                        stream="tp",
+                        blocking=False,
+                        handle=handle,
+                        count=repeats,
+                        sms=False,
+                        beside=beside,
+                    )
                 )
-            )
-            handles.append(handle)
+                handles.append(handle)
     return out + [Wait(h) for h in handles]
+
+
+def paired_gemms(
+    unit: str, layer: int, samples: int, sharding: Sharding, fraction: float, pair: tuple[Pairing, ...], load: float = 1.0
+) -> tuple[Work, ...]:
+    """The chunk (`fraction` of the rows) of each GEMM a TP transfer is paired with, on one
+    layer: that product's forward, or its backward (both gradients), alone."""
+    return tuple(
+        Work(unit, phase, samples, (layer, layer + 1), sharding=sharding, kernels=(kernel, kernel + 1), fraction=fraction, load=load)
+        for phase, kernel in pair
+    )
 
 
 def trainable_params(model: ModelSpec, segments: list[Segment], shards: int) -> float:

@@ -109,7 +109,8 @@ def at_loads(instructions: list[Instruction], loads: Mapping[str, tuple[float, .
             if load != 1.0:
                 instruction = replace(instruction, work=replace(work, load=load))
         elif isinstance(instruction, Collective) and instruction.kind == "tp" and load != 1.0:
-            instruction = replace(instruction, bytes=instruction.bytes * load)
+            beside = tuple(replace(work, load=load) for work in instruction.beside)
+            instruction = replace(instruction, bytes=instruction.bytes * load, beside=beside)
         out.append(instruction)
     return out
 

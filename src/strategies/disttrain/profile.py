@@ -53,7 +53,7 @@ from src.models.flows import flows_of
 from src.models.spec import ModelSpec
 from src.program import RECOMPUTE_MODES, Phase, Work
 from src.schedules.pipeline import PipeOp
-from src.strategies.builders.emit import share_of
+from src.strategies.builders.emit import paired_gemms, share_of
 from src.strategies.builders.stages import block_cuts, boundary_elems, replicated_rows, replicated_transfer, stage_transfer
 
 TP_DEGREES = (1, 2, 4, 8)
@@ -139,7 +139,7 @@ class StageArrays:
 # Rows of a unit's profile table: per-layer prefix sums (column i: layers [0, i)). The TP
 # all-reduces' latency and transfer seconds of the forward and of the backward (which
 # under full recompute re-runs the forward's).
-FWD, BWD, LATENCY, TRANSFER, BWD_LATENCY, BWD_TRANSFER, ACT, TRAINABLE, FIXED = range(9)
+FWD, BWD, LATENCY, TRANSFER, BWD_LATENCY, BWD_TRANSFER, EXCESS, BWD_EXCESS, ACT, TRAINABLE, FIXED = range(11)
 # One side of a hand-off between units: (name, tp, dp, micro-batch, replicated over its TP group).
 BrokerEnd = tuple[str, int, int, int, bool]
 
@@ -216,9 +216,11 @@ class Profiler:
         self, unit: str, index: int, size: int, sharding: Sharding, chunks: int, backward: bool, kept: bool, rows: float = 1.0
     ) -> dict[str, tuple[float, ...]]:
         """(forward, backward, the forward's and the backward's TP all-reduce latency and
-        transfer seconds, activation bytes per sequence) of one layer for `size`
-        sequences, per recompute mode; `rows`: the share of them this GPU runs (a unit
-        replicated over its TP group), as the Program's Work runs it (emit.share_of)."""
+        transfer seconds, what of a chunk's paired transfers outlasts their GEMMs' chunks in
+        forward and in backward (emit's overlapped pass), activation bytes per sequence) of
+        one layer for `size` sequences, per recompute mode; `rows`: the share of them this
+        GPU runs (a unit replicated over its TP group), as the Program's Work runs it
+        (emit.share_of)."""
         layer = self.model.unit(unit).layers[index]
         span = (index, index + 1)
         tp = sharding.degree("tp")
@@ -233,6 +235,18 @@ class Profiler:
         if layer.tp_allreduces and tp > 1:
             group = tuple(range(tp))
             latency, transfer = self.comm.collective_parts("all_reduce", group, layer.tp_comm_elems * size * self.act_bytes)
+
+        def outlasting(backward_pass: bool, recompute: str) -> float:
+            pairs = layer.tp_pairs(backward_pass, recompute, sharding.sequence_parallel) if chunks > 1 and transfer else None
+            if pairs is None:
+                return 0.0
+            share = [(latency + transfer / chunks) / len(pair) for pair in pairs]
+            return sum(
+                max(0.0, part - self.compute.work_streams(gemm, self.model)[0])
+                for pair, part in zip(pairs, share)
+                for gemm in paired_gemms(unit, index, samples, sharding, fraction / chunks, pair)
+            )
+
         out: dict[str, tuple[float, ...]] = {}
         for r in RECOMPUTE_MODES:
             forward, back = layer.tp_collectives(False, r), layer.tp_collectives(True, r)
@@ -243,16 +257,20 @@ class Profiler:
                 forward * transfer,
                 back * latency,
                 back * transfer,
+                outlasting(False, r),
+                outlasting(True, r) if backward else 0.0,
                 rows * layer.kept_activations(sharding, r) if kept and backward else 0.0,
             )
         return out
 
     # ---- stages from the profile -----------------------------------------------------------
-    def _pass(self, compute: np.ndarray, latency: np.ndarray, transfer: np.ndarray, tp: int) -> np.ndarray:
+    def _pass(self, compute: np.ndarray, latency: np.ndarray, transfer: np.ndarray, excess: np.ndarray, tp: int) -> np.ndarray:
         """A stage's pass as emit.segment_pass runs it: compute, then its TP collectives on
         the compute stream; or StepCCL's n row chunks, each chunk's collectives (each with
         its whole latency and 1/n of the transfer) on their own stream under the next
-        chunk's compute, which they do not slow (StepCCL's copy engines hold no SMs)."""
+        chunk's compute, which they do not slow (StepCCL's copy engines hold no SMs), what
+        of each transfer but the last chunk's outlasts its paired GEMM (`excess`, a chunk's)
+        holding the compute stream back."""
         n = self.chunks if tp > 1 else 1
         if n == 1:
             return compute + latency + transfer
@@ -260,7 +278,7 @@ class Profiler:
         done = part.copy()  # the first chunk's compute ends
         landed = done + comm  # and its collectives
         for _ in range(n - 1):
-            done = done + part
+            done = done + excess + part
             landed = np.maximum(done, landed) + comm
         return np.where(latency + transfer > 0, landed, compute)
 
@@ -323,9 +341,9 @@ class Profiler:
             weight = (b - low) / low
             sums = (1 - weight) * sums + weight * (above[:, hi] - above[:, lo])
         split = 1 if replicated else tp
-        fwd = self._pass(sums[FWD], sums[LATENCY], sums[TRANSFER], split)
+        fwd = self._pass(sums[FWD], sums[LATENCY], sums[TRANSFER], sums[EXCESS], split)
         backward = self.model.needs_backward(unit)
-        bwd = self._pass(sums[BWD], sums[BWD_LATENCY], sums[BWD_TRANSFER], split) if backward else np.zeros(parts)
+        bwd = self._pass(sums[BWD], sums[BWD_LATENCY], sums[BWD_TRANSFER], sums[BWD_EXCESS], split) if backward else np.zeros(parts)
         return fwd, bwd, sums[ACT] * b, sums[TRAINABLE], sums[FIXED]
 
     def whole(self, unit: str, setting: Setting, b: int, dp: int) -> StageArrays:

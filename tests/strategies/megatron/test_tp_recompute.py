@@ -1,12 +1,14 @@
 """Full recompute re-runs a layer's forward in its backward, TP collectives included
 (Megatron-LM's tensor_parallel.checkpoint, torch.utils.checkpoint): a fully recomputed
-block's backward pays 4 TP all-reduces where a kept or selectively recomputed one pays 2."""
+block's backward pays 4 TP all-reduces where a kept or selectively recomputed one pays 2,
+each beside the GEMM StepCCL pairs it with."""
 
 from __future__ import annotations
 
 import pytest
 
 from src.costmodel.comm import CommModel
+from src.models.layers import transformer_layer
 from src.models.registry import build_model
 from src.program import Collective, Compute
 from src.sim.engine import simulate
@@ -62,3 +64,25 @@ def test_the_simulator_prices_them_on_the_compute_stream() -> None:
     }
     assert tp_s["kept"] == pytest.approx(4 * BLOCKS * MICROBATCHES * one, rel=1e-9)
     assert tp_s["full"] == pytest.approx(6 * BLOCKS * MICROBATCHES * one, rel=1e-9)
+
+
+def test_a_layer_s_stepccl_pairs_name_the_gemm_beside_each_collective() -> None:
+    """A block's forward all-reduces follow its row-parallel products (attention's output
+    projection, fc2); its backward's follow the column-parallel ones' input gradients (qkv,
+    fc1); under sequence parallelism each is a reduce-scatter beside one product and an
+    all-gather beside the next; a fully recomputed backward pairs its forward's first."""
+    block = transformer_layer(2048, 1024, 16, gated=True, bias=False, rotary=True)
+    index = {kernel.name: i for i, kernel in enumerate(block.kernels)}
+    qkv, proj, fc1, fc2 = index["attn_qkv"], index["attn_proj"], index["fc1"], index["fc2"]
+    assert block.tp_pairs(False, "none", False) == ((("fwd", proj),), (("fwd", fc2),))
+    assert block.tp_pairs(True, "selective", False) == ((("bwd", qkv),), (("bwd", fc1),))
+    assert block.tp_pairs(False, "none", True) == ((("fwd", proj), ("fwd", fc1)), (("fwd", fc2), ("fwd", qkv)))
+    assert block.tp_pairs(True, "none", True) == ((("bwd", proj), ("bwd", qkv)), (("bwd", fc2), ("bwd", fc1)))
+    for backward in (False, True):
+        for recompute in ("none", "selective", "full"):
+            for sequence_parallel in (False, True):
+                pairs = block.tp_pairs(backward, recompute, sequence_parallel)
+                assert pairs is not None and len(pairs) == block.tp_collectives(backward, recompute)
+    assert block.tp_pairs(True, "full", False)[:2] == block.tp_pairs(False, "full", False)
+    # Cross-attention projects another unit's memory too: its products do not pair one to one.
+    assert transformer_layer(256, 1024, 16, cross_seq=77, cross_hidden=768).tp_pairs(False, "none", False) is None
