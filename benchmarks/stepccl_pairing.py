@@ -11,10 +11,12 @@ chunk c's collectives of every layer of the stage under chunk c + 1's compute of
 layer, which exposed only the last chunk's transfers (the table's "a pass at a time").
 
 For one layer's forward of DistTrain Fig. 22's case (MLLM-9B's LLM, one micro-batch of a
-sequence, sequence parallelism, bf16, the `a800` preset), per TP degree: each pair's GEMM
-and transfer, as the cost model prices them, and the forward's exposed transfer both ways.
-With n chunks a pair of transfer c and GEMM g (whole, not per chunk) exposes c / n paired
-with the GEMM it feeds or follows, plus (n - 1) / n x max(0, c - g).
+sequence, sequence parallelism, bf16, the `a800` preset), per TP degree: each of the layer's
+pairs as the simulator prices them (`LayerSpec.tp_pairs`: an all-reduce's volume, half of it
+the reduce-scatter beside the row-parallel product, half the all-gather beside the next
+column-parallel one), a chunk's GEMM and its share of the chunk's transfer, and what the
+forward exposes both ways. With n chunks a pair of chunk transfer c and chunk GEMM g
+exposes c (the last chunk's) a pass at a time, and paired c + (n - 1) x max(0, c - g).
 
     python benchmarks/stepccl_pairing.py [--chunks 4] [--tp 4 8]
 """
@@ -31,58 +33,43 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 from src.config import composed  # noqa: E402
 from src.costmodel.comm import CommModel  # noqa: E402
 from src.costmodel.compute import ComputeModel  # noqa: E402
-from src.mesh import Sharding, tensor_parallel  # noqa: E402
+from src.mesh import tensor_parallel  # noqa: E402
 from src.models.layers import ACT_BYTES  # noqa: E402
-from src.models.spec import Kernel, LayerSpec  # noqa: E402
+from src.models.spec import ModelSpec  # noqa: E402
 from src.setup import validate  # noqa: E402
+from src.strategies.builders.emit import paired_gemms  # noqa: E402
 
 CASE = ["logger=none", "model=mllm_9b", "cluster=a800"]
 
 
 @dataclass(frozen=True)
 class Pair:
-    collective: str  # all_gather (before the GEMMs it feeds) or reduce_scatter (after the GEMM that produces it)
-    gemms: tuple[str, ...]
-    gemm_s: float
-    transfer_s: float
+    collective: int  # which of the pass's TP collectives (an all-reduce's volume)
+    gemm: str
+    gemm_s: float  # the GEMM's chunk
+    transfer_s: float  # its share of the chunk's transfer
 
     def exposed(self, chunks: int, paired: bool) -> float:
-        first = self.transfer_s / chunks
         if not paired:
-            return first
-        return first + (chunks - 1) / chunks * max(0.0, self.transfer_s - self.gemm_s)
+            return self.transfer_s
+        return self.transfer_s + (chunks - 1) * max(0.0, self.transfer_s - self.gemm_s)
 
 
-def pairs(layer: LayerSpec, tp: int, compute: ComputeModel, comm: CommModel) -> list[Pair]:
-    """The layer's TP transfers in forward order, each with the GEMMs it overlaps: under
-    sequence parallelism an all-gather precedes each run of column-parallel GEMMs and a
-    reduce-scatter follows each row-parallel one."""
-    nbytes = layer.tp_comm_elems * ACT_BYTES
+def pairs(model: ModelSpec, tp: int, chunks: int, compute: ComputeModel, comm: CommModel) -> list[Pair]:
+    """The forward pairs of the LLM's first block at `tp` under sequence parallelism, one
+    sequence a micro-batch, each priced as the simulator's overlapped pass prices it."""
+    unit = model.unit("llm")
+    index, layer = next((i, layer) for i, layer in enumerate(unit.layers) if layer.tp_allreduces)
     sharding = tensor_parallel(tp, sequence_parallel=True)
-    ranks = list(range(tp))
-    gather = comm.collective_time("all_gather", ranks, nbytes)
-    scatter = comm.collective_time("reduce_scatter", ranks, nbytes)
-    out: list[Pair] = []
-    column: list[Kernel] = []
-    for kernel in layer.kernels:
-        if kernel.kind != "gemm" or kernel.tp_split not in ("n", "k"):
-            continue
-        if kernel.tp_split == "n":
-            column.append(kernel)
-            continue
-        if column:
-            out.append(_pair("all_gather", column, sharding, compute, gather))
-            column = []
-        out.append(_pair("reduce_scatter", [kernel], sharding, compute, scatter))
+    pass_pairs = layer.tp_pairs(False, "none", True)
+    assert pass_pairs is not None, "a Llama block pairs each collective with its products"
+    latency, transfer = comm.collective_parts("all_reduce", tuple(range(tp)), layer.tp_comm_elems * ACT_BYTES / chunks)
+    out = []
+    for number, pair in enumerate(pass_pairs):
+        share = (latency + transfer) / len(pair)
+        for (_, kernel), gemm in zip(pair, paired_gemms("llm", index, 1, sharding, 1 / chunks, pair)):
+            out.append(Pair(number, layer.kernels[kernel].name, compute.work_streams(gemm, model)[0], share))
     return out
-
-
-def _pair(collective: str, gemms: list[Kernel], sharding: Sharding, compute: ComputeModel, transfer_s: float) -> Pair:
-    seconds = 0.0
-    for g in gemms:
-        m_div, n_div, k_div, batch_div = sharding.gemm_divisors(g.tp_split)
-        seconds += compute.gemm_duration(g.m / m_div, g.n / n_div, g.k / k_div, g.batch / batch_div)
-    return Pair(collective, tuple(g.name for g in gemms), seconds, transfer_s)
 
 
 def main() -> None:
@@ -91,16 +78,15 @@ def main() -> None:
     parser.add_argument("--tp", type=int, nargs="+", default=[4, 8])
     args = parser.parse_args()
     setup = validate(composed(CASE))
-    layer = next(layer for layer in setup.model.unit("llm").layers if layer.tp_allreduces)
     compute, comm = ComputeModel(setup.cluster, "bf16"), CommModel(setup.cluster)
     print(f"MLLM-9B's LLM block ({setup.model.unit('llm').seq_len} tokens, one sequence), a800, {args.chunks} chunks; ms")
-    print("| TP | transfer | GEMMs | GEMM | transfer time | exposed, a pass at a time | exposed, paired |")
-    print("|---:|---|---|---:|---:|---:|---:|")
+    print("| TP | collective | GEMM | GEMM's chunk | transfer's share of a chunk | exposed, a pass at a time | exposed, paired |")
+    print("|---:|---:|---|---:|---:|---:|---:|")
     for tp in args.tp:
-        found = pairs(layer, tp, compute, comm)
+        found = pairs(setup.model, tp, args.chunks, compute, comm)
         for p in found:
             print(
-                f"| {tp} | {p.collective} | {', '.join(p.gemms)} | {p.gemm_s * 1e3:.3f} | {p.transfer_s * 1e3:.3f} | "
+                f"| {tp} | {p.collective} | {p.gemm} | {p.gemm_s * 1e3:.3f} | {p.transfer_s * 1e3:.3f} | "
                 f"{p.exposed(args.chunks, False) * 1e3:.3f} | {p.exposed(args.chunks, True) * 1e3:.3f} |"
             )
         whole = sum(p.exposed(args.chunks, False) for p in found)

@@ -236,20 +236,13 @@ def test_stepccl_pairing_exposes_what_a_transfer_longer_than_its_gemm_leaves(mon
 
     pairing = _benchmark("stepccl_pairing", monkeypatch)
     setup = validate(composed(pairing.CASE))
-    layer = next(layer for layer in setup.model.unit("llm").layers if layer.tp_allreduces)
-    found = pairing.pairs(layer, 8, ComputeModel(setup.cluster, "bf16"), CommModel(setup.cluster))
-    # Under sequence parallelism: a gather before the QKV and FC1 GEMMs, a reduce-scatter after
-    # the projection and FC2.
-    assert [(p.collective, p.gemms) for p in found] == [
-        ("all_gather", ("attn_qkv",)),
-        ("reduce_scatter", ("attn_proj",)),
-        ("all_gather", ("fc1",)),
-        ("reduce_scatter", ("fc2",)),
-    ]
+    found = pairing.pairs(setup.model, 8, 4, ComputeModel(setup.cluster, "bf16"), CommModel(setup.cluster))
+    # Under sequence parallelism each all-reduce's volume is a reduce-scatter after a
+    # row-parallel product and an all-gather before the next column-parallel one.
+    assert [(p.collective, p.gemm) for p in found] == [(0, "attn_proj"), (0, "fc1"), (1, "fc2"), (1, "attn_qkv")]
     for p in found:
-        whole, paired = p.exposed(4, paired=False), p.exposed(4, paired=True)
-        assert whole == pytest.approx(p.transfer_s / 4)
-        assert paired == pytest.approx(whole + 0.75 * max(0.0, p.transfer_s - p.gemm_s))
-    proj, fc1 = found[1], found[2]
+        assert p.exposed(4, paired=False) == p.transfer_s
+        assert p.exposed(4, paired=True) == pytest.approx(p.transfer_s + 3 * max(0.0, p.transfer_s - p.gemm_s))
+    proj, fc1 = found[0], found[1]
     assert proj.transfer_s > proj.gemm_s and proj.exposed(4, paired=True) > proj.exposed(4, paired=False)
     assert fc1.gemm_s > fc1.transfer_s and fc1.exposed(4, paired=True) == fc1.exposed(4, paired=False)
