@@ -131,9 +131,9 @@ def segment_pass(
     if tp.sharding.degree("tp") == 1 or tp.group is None:
         return out
     if tp.overlap_chunks > 1:
-        kinds = _tp_layer_kinds(unit.layers, segment.layers)
-        if kinds:
-            return _overlapped_pass(work, microbatch, chunk, inputs, outputs, tp, tp.group, kinds)
+        transfers = _tp_transfers(unit.layers, segment.layers, backward, work.recompute, tp.sharding.sequence_parallel)
+        if transfers:
+            return _overlapped_pass(work, microbatch, chunk, inputs, outputs, tp, tp.group, transfers)
         return out
     by_size: dict[int, int] = {}
     for layer in unit.layers[segment.layers[0] : segment.layers[1]]:
@@ -145,16 +145,41 @@ def segment_pass(
     return out
 
 
-def _tp_layer_kinds(layers: Sequence[LayerSpec], span: tuple[int, int]) -> list[tuple[int, LayerSpec, int]]:
-    """The span's layers that run TP collectives, one entry per distinct layer: (the index
-    of its first occurrence, the layer, how many times the span holds it)."""
-    kinds: dict[int, tuple[int, LayerSpec, int]] = {}
+@dataclass(frozen=True)
+class _Transfer:
+    """TP collectives of a pass alike: `count` of `elems` elements per sample, each beside
+    the GEMMs `pair` names on its layer (the first of the span's layers that runs it,
+    `layer`), or unpaired (None: layers whose products do not pair with their collectives,
+    gathered by size)."""
+
+    elems: int
+    count: int
+    layer: int = 0
+    pair: tuple[Pairing, ...] | None = None
+
+
+def _tp_transfers(
+    layers: Sequence[LayerSpec], span: tuple[int, int], backward: bool, recompute: str, sequence_parallel: bool
+) -> list[_Transfer]:
+    """The span's TP collectives in one pass: one entry per pair of each distinct layer
+    (LayerSpec.tp_pairs), the unpaired ones one entry per size."""
+    paired: dict[int, tuple[int, LayerSpec, int]] = {}
+    unpaired: dict[int, int] = {}
     for index in range(*span):
         layer = layers[index]
-        if layer.tp_allreduces:
-            first, _, count = kinds.get(id(layer), (index, layer, 0))
-            kinds[id(layer)] = (first, layer, count + 1)
-    return list(kinds.values())
+        if not layer.tp_allreduces:
+            continue
+        if layer.tp_pairs(backward, recompute, sequence_parallel) is None:
+            unpaired[layer.tp_comm_elems] = unpaired.get(layer.tp_comm_elems, 0) + layer.tp_collectives(backward, recompute)
+            continue
+        first, _, count = paired.get(id(layer), (index, layer, 0))
+        paired[id(layer)] = (first, layer, count + 1)
+    out = [
+        _Transfer(layer.tp_comm_elems, count, first, pair)
+        for first, layer, count in paired.values()
+        for pair in layer.tp_pairs(backward, recompute, sequence_parallel) or ()
+    ]
+    return out + [_Transfer(elems, count) for elems, count in sorted(unpaired.items())]
 
 
 def _overlapped_pass(
@@ -165,7 +190,7 @@ def _overlapped_pass(
     outputs: tuple[Payload, ...],
     tp: TPConfig,
     group: str,
-    kinds: list[tuple[int, LayerSpec, int]],
+    transfers: list[_Transfer],
 ) -> list[Instruction]:
     """StepCCL's overlap: the pass runs as `overlap_chunks` row chunks; each chunk's TP
     collectives start on their own stream when the chunk's GEMMs end, under the next
@@ -182,7 +207,6 @@ def _overlapped_pass(
     pass-wide overlap."""
     n = tp.overlap_chunks
     part = replace(work, fraction=work.fraction / n, chunks=n)
-    backward = work.phase in ("bwd", "bwd_input")
     chunk_rows = (part.samples, part.sharding, part.fraction)
     out: list[Instruction] = []
     handles: list[str] = []
@@ -190,32 +214,28 @@ def _overlapped_pass(
         out.append(
             Compute(part, microbatch=microbatch, chunk=chunk, inputs=inputs if c == 0 else (), outputs=outputs if c == n - 1 else ())
         )
-        for first, layer, count in kinds:
-            nbytes = layer.tp_comm_elems * work.samples * tp.act_bytes / n
-            pairs = layer.tp_pairs(backward, work.recompute, tp.sharding.sequence_parallel)
-            transfers: list[tuple[int, tuple[Work, ...]]]
-            if pairs is None:
-                transfers = [(count * layer.tp_collectives(backward, work.recompute), ())]
-            else:
-                last = c == n - 1
-                transfers = [(count, () if last else paired_gemms(work.unit, first, *chunk_rows, pair, part.load)) for pair in pairs]
-            for p, (repeats, beside) in enumerate(transfers):
-                handle = f"tp.{work.unit}.{work.phase}.{microbatch}.{chunk}.{c}.{first}.{p}"
-                out.append(
-                    Collective(
-                        "all_reduce",
-                        group,
-                        nbytes,
-                        "tp",
-                        stream="tp",
-                        blocking=False,
-                        handle=handle,
-                        count=repeats,
-                        sms=False,
-                        beside=beside,
-                    )
+        for number, transfer in enumerate(transfers):
+            beside = (
+                ()
+                if transfer.pair is None or c == n - 1
+                else paired_gemms(work.unit, transfer.layer, *chunk_rows, transfer.pair, part.load)
+            )
+            handle = f"tp.{work.unit}.{work.phase}.{microbatch}.{chunk}.{c}.{number}"
+            out.append(
+                Collective(
+                    "all_reduce",
+                    group,
+                    transfer.elems * work.samples * tp.act_bytes / n,
+                    "tp",
+                    stream="tp",
+                    blocking=False,
+                    handle=handle,
+                    count=transfer.count,
+                    sms=False,
+                    beside=beside,
                 )
-                handles.append(handle)
+            )
+            handles.append(handle)
     return out + [Wait(h) for h in handles]
 
 

@@ -828,6 +828,22 @@ def test_each_stepccl_transfer_hides_under_its_own_gemm_only() -> None:
     assert plan.details["estimate_s"] == pytest.approx(times[0], rel=0.02)
 
 
+def test_collectives_that_pair_with_no_gemm_are_gathered_by_size() -> None:
+    """SD 2.1's U-Net on TP 2 (convolutions, cross-attention): its layers' products do not pair
+    one to one with their collectives, so each chunk of a pass runs them under the next chunk
+    pass-wide, one collective per size, as without pairs."""
+    s = setup(*SMALL, "train.data=uniform", "strategy.generator.tp=2", "strategy.generator.sequence_parallel=false")
+    generator = s.model.unit("generator")
+    sizes = {layer.tp_comm_elems for layer in generator.layers if layer.tp_allreduces}
+    per_chunk: dict[str, int] = {}
+    for rp in plan_run(s).program.classes:
+        for i in rp.instructions:
+            if rp.units == ("generator",) and isinstance(i, Collective) and i.kind == "tp" and not i.beside:
+                key = i.handle.rsplit(".", 1)[0]
+                per_chunk[key] = per_chunk.get(key, 0) + 1
+    assert per_chunk and max(per_chunk.values()) <= len(sizes)
+
+
 def test_frozen_units_plan_and_simulate() -> None:
     s = setup(*SMALL, "model.frozen=[encoder,llm]", "model.train_projectors=true")
     plan = plan_run(s)
