@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from src.runtime.driver import free_port
 from src.runtime.modules.blocks import Attention
-from src.runtime.modules.parallel import TP, ColumnParallelLinear, RowParallelLinear
+from src.runtime.modules.parallel import TP, ColumnParallelLinear, RowParallelLinear, tp_overlap
 from tests.runtime.support import run_forked
 
 HIDDEN, HEADS, TOKENS, BATCH = 8, 4, 5, 3
@@ -111,3 +111,53 @@ def test_a_shard_is_drawn_alone_with_the_values_of_the_whole_weight() -> None:
     bound = 1 / 256**0.5
     assert weight.abs().max() <= bound and weight.abs().max() > 0.99 * bound
     assert abs(float(weight.mean())) < 0.01 * bound and float(weight.std()) == pytest.approx(bound / 3**0.5, rel=0.02)
+
+
+SP_TOKENS = 6  # three a rank: StepCCL's 2 chunks cut each rank's part unevenly (2 + 1), its 3 evenly
+
+
+def _sp_run(tp: TP, chunks: int) -> dict:
+    """Under sequence parallelism, a column-parallel layer on this rank's part of the
+    sequence and a row-parallel one on its slice of the features, in `chunks` StepCCL pairs."""
+    torch.manual_seed(0)
+    column, row = ColumnParallelLinear(HIDDEN, 2 * HIDDEN, tp), RowParallelLinear(2 * HIDDEN, HIDDEN, tp)
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(BATCH, SP_TOKENS, HIDDEN, generator=generator)
+    features = torch.randn(BATCH, SP_TOKENS, 2 * HIDDEN, generator=generator)
+    part = SP_TOKENS // tp.size
+    inputs = {"column": x[:, tp.rank * part : (tp.rank + 1) * part], "row": features[..., _column_slice(tp.rank)]}
+    out = {}
+    with tp_overlap(chunks):
+        for name, layer in (("column", column), ("row", row)):
+            x = inputs[name].clone().requires_grad_()
+            y = layer(x)
+            (y * torch.randn(y.shape, generator=generator)).sum().backward()
+            out[name] = {"y": y.detach(), "dx": x.grad, "params": {k: p.grad for k, p in layer.named_parameters()}}
+    return out
+
+
+def _sp_worker(rank: int, port: int, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        tp = TP(2, rank, dist.new_group([0, 1]), sequence_parallel=True)
+        torch.save({chunks: _sp_run(tp, chunks) for chunks in (1, 2, 3)}, f"{out}/rank{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_stepccl_s_chunks_under_sequence_parallelism_equal_the_whole_gather_and_scatter(tmp_path: Path) -> None:
+    """The gather before a column-parallel GEMM and the reduce-scatter after a row-parallel
+    one, cut into chunks paired with the GEMM and put back in the sequence's order, give
+    what the whole gather and scatter give: outputs, input and weight gradients."""
+    run_forked(_sp_worker, (free_port(), str(tmp_path)), 2)
+    for rank in range(2):
+        runs = torch.load(tmp_path / f"rank{rank}.pt")
+        for chunks in (2, 3):
+            for name in ("column", "row"):
+                whole, cut = runs[1][name], runs[chunks][name]
+                torch.testing.assert_close(cut["y"], whole["y"])
+                torch.testing.assert_close(cut["dx"], whole["dx"])
+                for key, grad in whole["params"].items():
+                    torch.testing.assert_close(cut["params"][key], grad)

@@ -6,7 +6,8 @@ Row-parallel: each rank holds a slice of the input features; the partial product
 summed (all-reduce in forward) and the bias added once after the sum.
 
 Under sequence parallelism (runtime.modules.sequence) a column-parallel layer gathers the
-sequence of its input and a row-parallel one scatters its output's sequence.
+sequence of its input and a row-parallel one scatters its output's sequence; under
+StepCCL's overlap, in chunks paired with the GEMM (runtime.modules.stepccl).
 
 Only a rank's shard of a weight is ever materialised: each row is drawn from its own
 seed (taken off the global RNG, which every TP degree consumes identically), so a shard
@@ -25,6 +26,7 @@ from torch import nn
 
 from src.runtime.comm import all_reduce, chunked_all_reduce
 from src.runtime.modules.sequence import TP, gather_sequence, reduce_grad, scatter_sequence
+from src.runtime.modules.stepccl import gathered_column, scattered_row
 
 
 @dataclass
@@ -141,6 +143,8 @@ class ColumnParallelLinear(nn.Module):
         if self.tp.size == 1:
             return torch.nn.functional.linear(x, self.weight, self.bias)
         if self.tp.sequence_parallel and self.token_states:
+            if OVERLAP.chunks > 1:
+                return gathered_column(x, self.weight, self.bias, self.tp, OVERLAP.chunks)
             # The gather's backward reduce-scatters the input gradient's partial sums.
             return torch.nn.functional.linear(gather_sequence(x, self.tp), self.weight, self.bias)
         return _ColumnParallel.apply(x, self.weight, self.bias, self.tp)
@@ -162,7 +166,10 @@ class RowParallelLinear(nn.Module):
         if self.tp.size == 1:
             return torch.nn.functional.linear(x, self.weight, self.bias)
         if self.tp.sequence_parallel:
-            y = scatter_sequence(x @ self.weight.t(), self.tp)
+            if OVERLAP.chunks > 1:
+                y = scattered_row(x, self.weight, self.tp, OVERLAP.chunks)
+            else:
+                y = scatter_sequence(x @ self.weight.t(), self.tp)
             return y if self.bias is None else y + reduce_grad(self.bias, self.tp)
         return _RowParallel.apply(x, self.weight, self.bias, self.tp)
 
