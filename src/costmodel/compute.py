@@ -374,6 +374,12 @@ class ComputeModel:
         self._work_cache[key] = seconds
         return seconds
 
+    def outlasting(self, transfer_s: float, gemms: tuple[Work, ...], model: ModelSpec) -> float:
+        """Device seconds by which a transfer split evenly beside GEMM chunks (StepCCL's pair,
+        Collective.beside) outlasts them: what each share leaves after its GEMM's chunk."""
+        share = transfer_s / len(gemms)
+        return sum(max(0.0, share - self.work_streams(gemm, model)[0]) for gemm in gemms)
+
     def work_streams(self, work: Work, model: ModelSpec) -> tuple[float, float]:
         """A Work item's device seconds and its host's, each from the work's start: the
         work takes at least the longer of the two (exactly that for a single layer), however

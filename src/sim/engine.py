@@ -549,10 +549,7 @@ class Simulator:
         back by what of it each product's chunk does not cover, on each of its `count`
         layers: exposed communication of its kind, where the stream stands now."""
         latency, transfer = self._parts(instruction, group)
-        share = (latency + transfer) / len(instruction.beside)
-        exposed = instruction.count * sum(
-            max(0.0, share - self.compute.work_streams(work, self.model)[0]) for work in instruction.beside
-        )
+        exposed = instruction.count * self.compute.outlasting(latency + transfer, instruction.beside, self.model)
         if exposed <= 0.0:
             return
         start = state.stream_free(COMPUTE_STREAM)

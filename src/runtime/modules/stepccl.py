@@ -38,6 +38,25 @@ def _by_rank(rows: torch.Tensor, ranks: int) -> torch.Tensor:
     return rows.reshape(rows.shape[0], ranks, -1, *rows.shape[2:])
 
 
+def _rank_major(rows: torch.Tensor) -> torch.Tensor:
+    """(batch, ranks, n, ...) as (batch, ranks x n, ...): _by_rank undone."""
+    return rows.reshape(rows.shape[0], -1, *rows.shape[3:])
+
+
+def _reduce_async(partial: torch.Tensor, tp: TP) -> tuple[torch.Tensor, dist.Work]:
+    partial = partial.contiguous()
+    return partial, dist.all_reduce(partial, group=tp.group, async_op=True)
+
+
+def _own_parts(reduced: list[tuple[torch.Tensor, dist.Work]], tp: TP) -> torch.Tensor:
+    """Each reduced chunk's rows of this rank, once it has landed, in sequence order."""
+    own = []
+    for partial, handle in reduced:
+        _wait(handle)
+        own.append(_by_rank(partial, tp.size)[:, tp.rank])
+    return torch.cat(own, dim=SEQ)
+
+
 class _GatheredColumn(torch.autograd.Function):
     """y = gather_sequence(x) @ W^T + b, the gather cut into chunks paired with the GEMM."""
 
@@ -52,28 +71,20 @@ class _GatheredColumn(torch.autograd.Function):
             outputs.append(_by_rank(torch.nn.functional.linear(rows, weight, bias), tp.size))
         ctx.save_for_backward(weight, *gathered)
         ctx.tp, ctx.has_bias = tp, bias is not None
-        out = torch.cat(outputs, dim=2)
-        return out.reshape(out.shape[0], -1, *out.shape[3:])
+        return _rank_major(torch.cat(outputs, dim=2))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         weight, *gathered = ctx.saved_tensors
         tp = ctx.tp
         sizes = [rows.shape[SEQ] // tp.size for rows in gathered]
-        grads = [g.reshape(g.shape[0], -1, *g.shape[3:]) for g in _by_rank(grad, tp.size).split(sizes, dim=2)]
-        reduced = []
-        for g in grads:
-            partial = (g @ weight).contiguous()
-            reduced.append((partial, dist.all_reduce(partial, group=tp.group, async_op=True)))
+        grads = [_rank_major(g) for g in _by_rank(grad, tp.size).split(sizes, dim=2)]
+        reduced = [_reduce_async(g @ weight, tp) for g in grads]
         grad_w = torch.zeros_like(weight)
         for g, rows in zip(grads, gathered):
             grad_w += g.flatten(0, -2).t() @ rows.flatten(0, -2)
         grad_b = grad.flatten(0, -2).sum(0) if ctx.has_bias else None
-        own = []
-        for partial, handle in reduced:
-            _wait(handle)
-            own.append(_by_rank(partial, tp.size)[:, tp.rank])
-        return torch.cat(own, dim=SEQ), grad_w, grad_b, None, None
+        return _own_parts(reduced, tp), grad_w, grad_b, None, None
 
 
 class _ScatteredRow(torch.autograd.Function):
@@ -81,18 +92,11 @@ class _ScatteredRow(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, tp: TP, chunks: int) -> torch.Tensor:
-        pieces = [p.reshape(p.shape[0], -1, *p.shape[3:]) for p in _by_rank(x, tp.size).tensor_split(chunks, dim=2)]
-        reduced = []
-        for piece in pieces:
-            partial = (piece @ weight.t()).contiguous()
-            reduced.append((partial, dist.all_reduce(partial, group=tp.group, async_op=True)))
-        own = []
-        for partial, handle in reduced:
-            _wait(handle)
-            own.append(_by_rank(partial, tp.size)[:, tp.rank])
+        pieces = [_rank_major(p) for p in _by_rank(x, tp.size).tensor_split(chunks, dim=2)]
+        reduced = [_reduce_async(piece @ weight.t(), tp) for piece in pieces]
         ctx.save_for_backward(weight, *pieces)
         ctx.tp = tp
-        return torch.cat(own, dim=SEQ)
+        return _own_parts(reduced, tp)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -106,8 +110,7 @@ class _ScatteredRow(torch.autograd.Function):
             rows = torch.cat(parts, dim=SEQ)
             grad_x.append(_by_rank(rows @ weight, tp.size))
             grad_w += rows.flatten(0, -2).t() @ piece.flatten(0, -2)
-        out = torch.cat(grad_x, dim=2)
-        return out.reshape(out.shape[0], -1, *out.shape[3:]), grad_w, None, None
+        return _rank_major(torch.cat(grad_x, dim=2)), grad_w, None, None
 
 
 def gathered_column(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tp: TP, chunks: int) -> torch.Tensor:

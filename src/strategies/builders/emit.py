@@ -163,22 +163,21 @@ def _tp_transfers(
 ) -> list[_Transfer]:
     """The span's TP collectives in one pass: one entry per pair of each distinct layer
     (LayerSpec.tp_pairs), the unpaired ones one entry per size."""
-    paired: dict[int, tuple[int, LayerSpec, int]] = {}
-    unpaired: dict[int, int] = {}
+    kinds: dict[int, tuple[int, LayerSpec, int]] = {}  # id -> (first index, layer, occurrences)
     for index in range(*span):
         layer = layers[index]
-        if not layer.tp_allreduces:
-            continue
-        if layer.tp_pairs(backward, recompute, sequence_parallel) is None:
-            unpaired[layer.tp_comm_elems] = unpaired.get(layer.tp_comm_elems, 0) + layer.tp_collectives(backward, recompute)
-            continue
-        first, _, count = paired.get(id(layer), (index, layer, 0))
-        paired[id(layer)] = (first, layer, count + 1)
-    out = [
-        _Transfer(layer.tp_comm_elems, count, first, pair)
-        for first, layer, count in paired.values()
-        for pair in layer.tp_pairs(backward, recompute, sequence_parallel) or ()
-    ]
+        if layer.tp_allreduces:
+            first, _, count = kinds.get(id(layer), (index, layer, 0))
+            kinds[id(layer)] = (first, layer, count + 1)
+    out: list[_Transfer] = []
+    unpaired: dict[int, int] = {}
+    for first, layer, count in kinds.values():
+        pairs = layer.tp_pairs(backward, recompute, sequence_parallel)
+        if pairs is None:
+            collectives = count * layer.tp_collectives(backward, recompute)
+            unpaired[layer.tp_comm_elems] = unpaired.get(layer.tp_comm_elems, 0) + collectives
+        else:
+            out += [_Transfer(layer.tp_comm_elems, count, first, pair) for pair in pairs]
     return out + [_Transfer(elems, count) for elems, count in sorted(unpaired.items())]
 
 

@@ -240,11 +240,10 @@ class Profiler:
             pairs = layer.tp_pairs(backward_pass, recompute, sharding.sequence_parallel) if chunks > 1 and transfer else None
             if pairs is None:
                 return 0.0
-            share = [(latency + transfer / chunks) / len(pair) for pair in pairs]
+            chunk_s = latency + transfer / chunks
             return sum(
-                max(0.0, part - self.compute.work_streams(gemm, self.model)[0])
-                for pair, part in zip(pairs, share)
-                for gemm in paired_gemms(unit, index, samples, sharding, fraction / chunks, pair)
+                self.compute.outlasting(chunk_s, paired_gemms(unit, index, samples, sharding, fraction / chunks, pair), self.model)
+                for pair in pairs
             )
 
         out: dict[str, tuple[float, ...]] = {}
