@@ -42,7 +42,13 @@ from src.strategies.disttrain.timing import Hop, dag_ends
 # The skew costs a deep LLM pipeline most, so the data's best shape can rank well down at the
 # mean load: on DistTrain Fig. 15's MLLM-9B and MLLM-15B, 18th and 19th of about a thousand
 # shapes, the best of all of them timed (benchmarks/disttrain_shape_breadth.py); 32 covers both.
-RANKED = 8
+# Which choices the data ranks first is not the shape alone (a generator replicated wider, its
+# micro-batches of several sequences dealt out, absorbs a heavy sequence): timed from 8 to 256
+# under train.balance=cost (benchmarks/results/disttrain_choice_breadth.md), Fig. 15's MLLM-9B
+# finds its plan at 64 (5.229 -> 5.046 s; it ranks 55th at the mean load), and doubling further
+# gains at most 0.6 % a doubling (MLLM-15B 7.827 -> 7.781 -> 7.753 s at 128 and 256) for 1.3-2.2x
+# the plan's CPU.
+RANKED = 64
 RANKED_SHAPES = 32
 SIMULATED = 3
 

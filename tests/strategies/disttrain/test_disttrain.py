@@ -239,13 +239,13 @@ def test_ratio_orchestration_is_no_better_than_algorithm_1_and_takes_the_flops_s
     assert gpus["encoder"] == 1 and gpus["generator"] <= 2 and gpus["llm"] <= 29
 
 
-def _searched_on_96_a800s(model: str, batch: int) -> tuple[list[dict], dict]:
+def _searched_on_96_a800s(model: str, batch: int, images: int = 10) -> tuple[list[dict], dict]:
     """The search's candidate records and the fastest simulated of them: `model` on 96 A800s,
-    ten images a sequence on skewed data, the encoder and generator replicated over each TP
-    group (DistTrain §8.1)."""
+    `images` images a sequence on skewed data, the encoder and generator replicated over each
+    TP group (DistTrain §8.1)."""
     s = setup(
-        f"model={model}", "cluster=a800", "cluster.nodes=12", f"train.global_batch={batch}", "model.images_per_sequence=10",
-        "strategy.replicate=[encoder,generator]",
+        f"model={model}", "cluster=a800", "cluster.nodes=12", f"train.global_batch={batch}",
+        f"model.images_per_sequence={images}", "strategy.replicate=[encoder,generator]",
     )  # fmt: skip
     candidates = plan_run(s).details["search"]["candidates"]
     return candidates, min((c for c in candidates if c["simulated_s"] is not None), key=lambda c: c["simulated_s"])
@@ -280,20 +280,43 @@ def test_the_data_s_best_choices_that_can_interleave_are_interleaved() -> None:
     assert degrees(best) not in [degrees(c) for c in plain[:SIMULATED]]
 
 
+def test_every_choice_that_can_interleave_is_interleaved_past_near_copies_of_one_shape() -> None:
+    """MLLM-9B on 96 A800s, batch 128, twenty images a sequence: of the 64 choices timed, the
+    best plain ones by the estimate are near-copies of a few LLM shapes (the encoder's or the
+    generator's plan differing), and the shape whose interleaving is the plan, LLM TP 2, PP 2,
+    ranks below the first three that can be interleaved; with those three alone interleaved the
+    plan was plain (5.54 s, where interleaving every one gives 5.26 s)."""
+    candidates, best = _searched_on_96_a800s("mllm_9b", 128, images=20)
+    assert best["units"]["llm"]["vpp"] > 1 and best["simulated_s"] < 5.4
+
+    def llm(c: dict) -> tuple:
+        return tuple(c["units"]["llm"][k] for k in ("tp", "pp", "dp"))
+
+    staged = (c for c in candidates if c["units"]["llm"]["vpp"] == 1 and c["units"]["llm"]["pp"] > 1)
+    plain = sorted(staged, key=lambda c: c["estimate_s"])
+    assert llm(best) not in [llm(c) for c in plain[:3]] and llm(best) in [llm(c) for c in plain]
+
+
 def test_an_interleaved_llm_gets_the_recomputation_its_deeper_warm_up_needs_ahead_of_it() -> None:
     """MLLM-72B on 96 A800s, batch 40, skewed data: interleaving the LLM's five stages keeps
     more micro-batches in flight at the encoder ahead of it than plain 1F1B does. A plain
     choice whose encoder holds its in-flight micro-batches unrecomputed is offered
-    interleaved with that encoder under full recomputation, and that is the plan; offered as
-    the plain choice had it, its three interleavings did not fit (estimate infinite)."""
+    interleaved with that encoder under full recomputation (13.11 s simulated, the plan
+    when eight choices were timed; with 64, a two-stage LLM interleaved five ways, 12.79 s);
+    offered as the plain choice had it, its three interleavings did not fit (estimate
+    infinite)."""
     candidates, best = _searched_on_96_a800s("mllm_72b", 40)
     interleaved = [c for c in candidates if c["units"]["llm"]["vpp"] > 1]
     assert interleaved and all(math.isfinite(c["estimate_s"]) for c in interleaved)
-    plain = [c for c in candidates if c["units"]["llm"]["vpp"] == 1 and c["units"]["llm"]["pp"] == best["units"]["llm"]["pp"]]
-    assert best["units"]["llm"]["vpp"] == 2 and best["units"]["encoder"]["recompute"] == "full"
+    assert best["units"]["llm"]["vpp"] > 1
+
+    def encoder(c: dict) -> tuple:
+        return c["units"]["encoder"]["tp"], c["units"]["encoder"]["dp"]
+
+    five = [c for c in interleaved if c["units"]["llm"]["pp"] == 5 and c["units"]["encoder"]["recompute"] == "full"]
+    plain = [c for c in candidates if c["units"]["llm"]["vpp"] == 1 and c["units"]["llm"]["pp"] == 5]
     assert any(
-        c["units"]["encoder"]["recompute"] == "none" and c["units"]["encoder"]["dp"] == best["units"]["encoder"]["dp"]
-        and c["units"]["encoder"]["tp"] == best["units"]["encoder"]["tp"] for c in plain
+        c["units"]["encoder"]["recompute"] == "none" and encoder(c) == encoder(f) for c in plain for f in five
     )  # fmt: skip
 
 
@@ -476,10 +499,11 @@ def test_asking_for_distinct_shapes_still_times_every_choice_the_best_ranked_alo
     """The search for distinct LLM shapes prunes against a looser bar and keeps other best
     eight at the mean load than the search for them alone (on this request, and on MLLM-15B
     on 96 A800s, where the one it drops is the data's best: 3.819 s against 3.860 s); the
-    planner times both."""
+    planner times both. Eight of them timed: this request's orchestration returns fewer than
+    the default's 64, all of which both searches time."""
 
     def timed(*extra: str) -> set[str]:
-        plan = plan_run(setup(*SMALL, *extra))
+        plan = plan_run(setup(*SMALL, "strategy.ranked=8", *extra))
         return {repr(sorted(c["units"].items())) for c in plan.details["search"]["candidates"] if c["origin"] == "disaggregated"}
 
     alone, shaped = timed("strategy.ranked_shapes=null"), timed()
