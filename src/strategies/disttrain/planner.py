@@ -195,8 +195,8 @@ def plan_disttrain_batches(request: PlanRequest, batches: Sequence[int | None]) 
     # the generator's plan differing), and an interleaving ranks apart from its plain choice
     # (Fig. 17's MLLM-15B on 96 A800s: the plan, LLM TP 2, PP 2 interleaved five ways, 4.22 s,
     # interleaves a choice that the best eight plain ones that can interleave leave out at 64
-    # timed, 4.28 s without it). It doubles the estimates and about the plan's CPU (MLLM-9B on
-    # 1152 A800s under train.balance=cost: 233 candidates against 115, 30 s against 15-17).
+    # timed, 4.28 s without it). It more than doubles the estimates and the plan's CPU (MLLM-9B on
+    # 1152 A800s under train.balance=cost: 233 candidates against 100, 30 s against 14).
     leaders = [c for c in _ranked(candidates) if orchestrator.interleaved_vpps(c.choice, c.microbatches)]
     for leader in leaders:
         interleaved = _interleavings(orchestrator, opts.orchestration, leader.choice, leader.microbatches, candidates)
