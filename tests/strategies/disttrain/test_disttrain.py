@@ -268,8 +268,9 @@ def test_the_data_s_best_choices_that_can_interleave_are_interleaved() -> None:
     """MLLM-15B on 96 A800s, batch 128, skewed data: the estimate's best plain choices put the
     LLM on five stages (32 micro-batches, which five does not divide) or one, neither of which
     Megatron-LM interleaves, so they took the three slots of the data's best and nothing of
-    theirs was interleaved (7.86 s). The best three that can be interleaved are: one of them,
-    LLM TP 2, PP 2 interleaved, is the plan, ranked below those by the estimate plain."""
+    theirs was interleaved (7.86 s). Those that can be interleaved are (every one timed, now):
+    one of them, LLM TP 2, PP 2 interleaved, is the plan, ranked below those by the estimate
+    plain."""
     candidates, best = _searched_on_96_a800s("mllm_15b", 128)
     assert best["units"]["llm"]["vpp"] > 1 and best["simulated_s"] < 7.8
 
