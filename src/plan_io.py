@@ -45,7 +45,8 @@ RUN_FORMAT = "mmdist-run"
 # 3: run.json's backend.deepspeed and backend.contrastive (lr, weight_decay, adam_eps and
 # initial_loss_scale moved there); 4: a unit's tensor grid layout in one field (UnitPlan.grid);
 # 5: Plan.balancing names its kind (a pipeline's balancing policy or DistTrain's reordering)
-VERSION = 5
+# 6: DistTrain's reordering carries its chain of units (the orders its search prices)
+VERSION = 6
 HEADER = ("format", "version", "world_size")
 PLANNED_FROM = ("model", "strategy", "cluster", "train")  # the config groups a plan is made from
 

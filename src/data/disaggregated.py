@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from src.data.balance import Dealt, vector_lpt
 from src.data.reorder import StageTimes, inter_reorder, lpt
+from src.schedules.chain import Chain
 
 if TYPE_CHECKING:
     from src.data.loads import BatchLoads, PerImage
@@ -62,8 +63,10 @@ class Assignment:
 class Reordering:
     """A plan's reordering, redone on every step's batch. per_sequence: the encoder's and
     the generator's seconds (forward and backward) per sequence at unit load; fwd, bwd:
-    every stage's seconds for one micro-batch at unit load, the encoder's stages, the
-    LLM's, then the generator's (a slot's encoder and generator stages scale with its load)."""
+    every virtual stage's seconds for one micro-batch at unit load, the encoder's, the
+    LLM's, then the generator's (a slot's encoder and generator stages scale with its
+    load); chain: the units' stages and virtual stages per stage, whose orders the
+    pipeline runs (schedules.chain)."""
 
     policy: str
     dp_lm: int
@@ -72,12 +75,16 @@ class Reordering:
     per_sequence: tuple[float, float]
     fwd: tuple[tuple[float, ...], ...]
     bwd: tuple[tuple[float, ...], ...]
+    chain: Chain
 
     def __post_init__(self) -> None:
         if self.policy not in REORDERS:
             raise ValueError(f"reordering {self.policy!r}: one of {list(REORDERS)}")
         if len(self.fwd) != 3 or len(self.bwd) != 3:
             raise ValueError(f"a reordering's stages are the encoder's, the LLM's and the generator's, not {len(self.fwd)} units")
+        virtual = [pp * vpp for pp, vpp in self.chain.units]
+        if virtual != [len(f) for f in self.fwd] or virtual != [len(b) for b in self.bwd]:
+            raise ValueError(f"a chain of {virtual} virtual stages per unit over {[len(f) for f in self.fwd]} stages' times")
 
     @property
     def units(self) -> tuple[str, ...]:
@@ -99,14 +106,20 @@ class Reordering:
         seconds = np.column_stack([self.per_sequence[0] * np.asarray(enc), self.per_sequence[1] * np.asarray(gen)])
         count, dp_lm = len(seconds), self.dp_lm
         sizes = seconds.sum(axis=1).tolist()
-        if self.policy in ("intra", "both"):
-            groups = [sorted(g) for g in lpt(sizes, dp_lm, equal_count=True)]
-        elif self.policy == "cost":
-            groups = vector_lpt(seconds, range(count), dp_lm)
+        if self.policy == "cost":
+            # The cost model's slots, or DistTrain's own (Algorithms 2 and 3), each order searched
+            # on: whichever's slowest pipeline the recurrence prices shorter (on a tie the
+            # balanced, whose heaviest micro-batch is the lighter).
+            balanced = self._inter(vector_lpt(seconds, range(count), dp_lm), sizes, enc, gen, mixed=True)
+            own = self._inter([sorted(g) for g in lpt(sizes, dp_lm, equal_count=True)], sizes, enc, gen, mixed=False)
+            groups = min((balanced, own), key=lambda placed: placed[1])[0]
         else:
-            groups = [list(range(r, count, dp_lm)) for r in range(dp_lm)]  # replica r's data-order sequences
-        if self.policy in ("inter", "both", "cost"):
-            groups = self._inter(groups, sizes, enc, gen)
+            if self.policy in ("intra", "both"):
+                groups = [sorted(g) for g in lpt(sizes, dp_lm, equal_count=True)]
+            else:
+                groups = [list(range(r, count, dp_lm)) for r in range(dp_lm)]  # replica r's data-order sequences
+            if self.policy in ("inter", "both"):
+                groups = self._inter(groups, sizes, enc, gen, mixed=False)[0]
         positions = [0] * count
         for r, members in enumerate(groups):
             for j, sequence in enumerate(members):
@@ -120,15 +133,20 @@ class Reordering:
         bwd = tuple(b * scale for scale, stages in zip(scales, self.bwd) for b in stages)
         return StageTimes(fwd, bwd)
 
-    def _inter(self, groups: list[list[int]], sizes: Sequence[float], enc: Sequence[float], gen: Sequence[float]) -> list[list[int]]:
+    def _inter(
+        self, groups: list[list[int]], sizes: Sequence[float], enc: Sequence[float], gen: Sequence[float], mixed: bool
+    ) -> tuple[list[list[int]], float]:
         """Algorithm 3 over each pipeline of LLM replicas joined through a shared encoder or
-        generator replica, on its slots' stage times (a slot's unit takes its slowest replica's load)."""
+        generator replica, on its slots' stage times (a slot's unit takes its slowest
+        replica's load); the slots of like sizes, or balanced (`mixed`). Under policy cost
+        the order is searched on from Algorithm 3's, and the slowest pipeline's recurrence
+        is returned beside the groups (NaN otherwise)."""
         b_me, b_mg = self.dp_lm // self.dp_me, self.dp_lm // self.dp_mg
         width = b_me * b_mg // math.gcd(b_me, b_mg)
         out = [list(g) for g in groups]
         pipelines = []  # per pipeline: its first replica, slots, their stage times and Algorithm 3's order
         for first in range(0, self.dp_lm, width):
-            if self.policy == "cost" and width > 1:
+            if mixed and width > 1:
                 slots = self._mixed_slots([out[r] for r in range(first, first + width)], enc, gen, b_me, b_mg)
             else:
                 members = [sorted(out[r], key=lambda s: (-sizes[s], s)) for r in range(first, first + width)]
@@ -140,14 +158,19 @@ class Reordering:
             times = [self._slot_times(worst(slot, enc, b_me), worst(slot, gen, b_mg)) for slot in slots]
             pipelines.append((first, slots, times, inter_reorder(times)))
         orders = [order for *_, order in pipelines]
+        span = math.nan
         if self.policy == "cost":  # the cost model's order: searched on from Algorithm 3's
-            from src.data.order_search import improve  # numpy's: imported where it runs
+            import numpy as np
 
-            orders = improve([times for _, _, times, _ in pipelines], orders)
+            from src.data.order_search import improve, makespans, time_tables  # numpy's: imported where it runs
+
+            tables = [times for _, _, times, _ in pipelines]
+            orders = improve(tables, orders, chain=self.chain)
+            span = float(makespans(time_tables(tables), np.arange(len(orders)), np.array(orders), chain=self.chain).max())
         for (first, slots, _, _), order in zip(pipelines, orders):
             for k, r in enumerate(range(first, first + width)):
                 out[r] = [slots[i][k] for i in order]
-        return out
+        return out, span
 
     def _mixed_slots(
         self, members: list[list[int]], enc: Sequence[float], gen: Sequence[float], b_me: int, b_mg: int

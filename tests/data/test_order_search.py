@@ -9,6 +9,7 @@ import pytest
 
 from src.data.order_search import improve, makespans, time_tables
 from src.data.reorder import IntervalSim, StageTimes, inter_reorder
+from src.schedules.chain import Chain, chain_orders
 
 
 def _pipeline(rng: random.Random, stages: int, microbatches: int) -> list[StageTimes]:
@@ -85,3 +86,45 @@ def test_nothing_to_search() -> None:
     one = [StageTimes((1.0,), (1.0,))]
     assert improve([one], [[0]]) == [[0]]
     assert improve([], []) == []
+
+
+def _replayed(chain: Chain, times: list[StageTimes], order: list[int]) -> float:
+    """The chain's devices run their orders (schedules.chain), position p holding micro-batch
+    order[p]: an operation ends its duration after the later of its device's previous one and
+    the one it waits for (a forward the previous virtual stage's forward, a backward the next
+    one's backward, the last one's its own forward). Replayed op by op, as the devices would."""
+    devices = chain_orders(chain, len(order))
+    virtual_of = chain.virtual_of()
+    last = sum(pp * vpp for pp, vpp in chain.units) - 1
+    ends: dict[tuple[str, int, int], float] = {}
+    clock, at = [0.0] * len(devices), [0] * len(devices)
+    while any(k < len(ops) for k, ops in zip(at, devices)):
+        for d, ops in enumerate(devices):
+            while at[d] < len(ops):
+                op = ops[at[d]]
+                v, j = virtual_of[d][op.chunk], op.microbatch
+                waits = (("F", v - 1, j) if v else None) if op.kind == "F" else ("B", v + 1, j) if v < last else ("F", v, j)
+                if waits is not None and waits not in ends:
+                    break
+                seconds = (times[order[j]].fwd if op.kind == "F" else times[order[j]].bwd)[v]
+                clock[d] = ends[(op.kind, v, j)] = max(clock[d], ends[waits] if waits else 0.0) + seconds
+                at[d] += 1
+    return max(clock)
+
+
+@pytest.mark.parametrize("units, microbatches", [(((1, 1), (2, 2), (1, 1)), 8), (((2, 1), (2, 3)), 6), (((1, 1), (4, 2), (2, 1)), 8)])
+def test_makespans_run_an_interleaved_chain_s_own_orders(units: tuple[tuple[int, int], ...], microbatches: int) -> None:
+    """A chain whose devices run several virtual stages (DistTrain's interleaved LLM) is priced
+    by the devices' own orders, not as one 1F1B chain of its virtual stages: a device that runs
+    two of them runs them one after the other."""
+    chain = Chain(units)
+    virtual = sum(pp * vpp for pp, vpp in units)
+    rng = random.Random(virtual * 10 + microbatches)
+    pipes = [_pipeline(rng, virtual, microbatches) for _ in range(2)]
+    orders = [rng.sample(range(microbatches), microbatches) for _ in range(4)]
+    which = [0, 1, 1, 0]
+    got = makespans(time_tables(pipes), np.array(which), np.array(orders), chain=chain)
+    want = [_replayed(chain, pipes[g], order) for g, order in zip(which, orders)]
+    assert got.tolist() == pytest.approx(want, rel=1e-12)
+    as_devices = makespans(time_tables(pipes), np.array(which), np.array(orders))
+    assert (got > as_devices + 1e-9).all()  # the virtual stages share devices

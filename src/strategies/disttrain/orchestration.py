@@ -68,7 +68,7 @@ from src.program import RECOMPUTE_MODES
 from src.strategies.base import MAX_MICROBATCHES, Degrees, check_microbatch_count, divisors
 from src.strategies.disttrain.profile import BrokerEnd, Profiler, Setting, StageArrays
 from src.strategies.disttrain.relaxation import ROUNDING, RelaxedOption, Subproblems, undominated
-from src.strategies.disttrain.schedule import Chain, Deadlock, chain_orders
+from src.schedules.chain import Chain, Deadlock, chain_orders
 
 UNITS = ("encoder", "llm", "generator")
 INF = float("inf")

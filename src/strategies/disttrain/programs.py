@@ -3,7 +3,7 @@
 Each unit (encoder, LLM, generator) is a pipeline of its own over a (tp, dp, pp) mesh on a
 contiguous block of ranks (widest TP first, so no TP group crosses a node), emitted by
 strategies.builders.pipeline, with vpp virtual stages per stage where it interleaves.
-Together they form one end-to-end 1F1B pipeline (schedule.chain_orders): the encoder's
+Together they form one end-to-end 1F1B pipeline (schedules.chain.chain_orders): the encoder's
 stages come first, then the LLM's, then the generator's, and every stage runs the
 schedule of its position in that pipeline (the encoder's first stage warms up with as
 many forwards as the whole depth needs).
@@ -46,7 +46,7 @@ from src.strategies.builders.pipeline import PipelineEmitter, PipelineSettings
 from src.strategies.builders.replicas import replica_classes
 from src.strategies.builders.stages import Segment
 from src.strategies.disttrain.profile import Setting
-from src.strategies.disttrain.schedule import Chain, chain_orders
+from src.schedules.chain import Chain, chain_orders
 
 
 @dataclass(frozen=True)

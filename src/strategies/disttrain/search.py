@@ -30,7 +30,7 @@ from src.data.balance import Dealt
 from src.data.disaggregated import Assignment, Reordering, dealt_unit_loads, unit_loads
 from src.strategies.disttrain.orchestration import UNITS, Choice, Orchestrator, UnitChoice, broker_end
 from src.strategies.disttrain.profile import StageArrays
-from src.strategies.disttrain.schedule import Chain, Deadlock, chain_orders
+from src.schedules.chain import Chain, Deadlock, chain_orders
 from src.strategies.builders.layout import replicated_mesh
 from src.strategies.disttrain.programs import Broker, UnitLayout, disttrain_program, place
 from src.strategies.disttrain.timing import Hop, dag_ends
@@ -203,7 +203,8 @@ class Decision:
         stages = {c.unit: self.o.stages(c) for c in choice}
         per_sequence = (float(stages[enc.unit].fb.sum()) / enc.micro_batch, float(stages[gen.unit].fb.sum()) / gen.micro_batch)
         fwd, bwd = (tuple(tuple(getattr(stages[u], phase).tolist()) for u in UNITS) for phase in ("fwd", "bwd"))
-        return Reordering(self.reorder, llm.dp, enc.dp, gen.dp, per_sequence, fwd, bwd)
+        chain = Chain(tuple((c.pp, c.setting.vpp) for c in choice))
+        return Reordering(self.reorder, llm.dp, enc.dp, gen.dp, per_sequence, fwd, bwd, chain)
 
     def _layout(self, c: UnitChoice, assignment: Assignment, m: int) -> UnitLayout:
         per_sequence = self.loads.of(c.unit)

@@ -1,7 +1,7 @@
 """The end-to-end pipeline's iteration as DistTrain's Program runs it, for the planner's
 best few choices (the orchestration's 1F1B model ranks many; this times a few closely).
 
-Every stage runs its schedule order (schedule.chain_orders: one end-to-end 1F1B, a
+Every stage runs its schedule order (schedules.chain.chain_orders: one end-to-end 1F1B, a
 unit's stages interleaved where it holds several chunks); an operation starts when its
 stage is free and its input has arrived: a forward when the previous stage's
 forward of its micro-batch has crossed over (a unit's own hop, or a broker between

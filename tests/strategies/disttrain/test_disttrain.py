@@ -30,7 +30,7 @@ from src.schedules.pipeline import interleaved, one_f_one_b
 from src.strategies.builders.bridge import Side, pieces
 from src.strategies.disttrain.orchestration import TOLERANCE, UNITS, Fixed, Orchestrator, UnitChoice, pipeline_time
 from src.strategies.disttrain.relaxation import RelaxedOption, Subproblems, solve_relaxed
-from src.strategies.disttrain.schedule import Chain, chain_orders
+from src.schedules.chain import Chain, chain_orders
 from src.strategies.disttrain.timing import dag_ends
 from src.strategies.disttrain.profile import Profiler, Setting
 from src.strategies.disttrain.search import SIMULATED
