@@ -22,7 +22,10 @@ once per step.
   LLM replica m sequences whose encoder seconds and generator seconds are balanced each on
   its own, not in sum; then slots whose shared encoder and generator micro-batches are
   balanced (a micro-batch of several sequences costs their sum: more so where its images
-  are dealt out over a replicated unit's GPUs), ordered by Algorithm 3 and the order search.
+  are dealt out over a replicated unit's GPUs), ordered by Algorithm 3 and the order search;
+  or both's placement, its order searched on likewise, where the recurrence of the chain's
+  own orders (order_search: an interleaved LLM's virtual stages on their stages) prices its
+  slowest pipeline shorter.
 
 A plan carries its reordering (Reordering: the policy, the units' replicas and the stage
 costs it was decided on) so that the real backend places every step's batch the way the
