@@ -1,5 +1,5 @@
-"""A search over the order of pipelines' micro-batches, judged by the 1F1B recurrence of every
-candidate order at once.
+"""A search over the order of pipelines' micro-batches, judged by the pipeline's recurrence of
+every candidate order at once.
 
 Algorithm 3 (src/data/reorder.py) orders a pipeline's micro-batches by their first stage's
 forward alone. Where the loads that vary weigh on later stages too (an MLLM's generator after
@@ -11,9 +11,10 @@ each pipeline's order, keeping the swap that shortens that pipeline's recurrence
 for a 1F1B chain), and none where none does. The devices' orders are the pipeline's own: a
 1F1B chain's (with the schedule's extra warm-up forwards), or a chain of units some of whose
 devices run several virtual stages interleaved (schedules.chain: DistTrain's LLM), where a
-forward of virtual stage v waits for v - 1's and a backward for v + 1's. Every candidate of every pipeline of one shape is timed
-in one pass over the recurrence's dependency levels (numpy over the candidates), so a round
-costs a few milliseconds however many pipelines it searches.
+forward of virtual stage v waits for v - 1's and a backward for v + 1's. Every candidate of
+every pipeline of one shape is timed in one pass over the recurrence's dependency levels
+(numpy over the candidates), so a round costs a few milliseconds however many pipelines it
+searches.
 
 The work is fixed (rounds and candidates), not timed, and the random swaps come from a fixed
 seed: the same stage times give the same orders, as the real backend needs to place each

@@ -167,3 +167,11 @@ def test_the_cost_reordering_is_never_slower_by_its_recurrence_than_disttrain_s_
 
 def _positions(groups: list[list[int]], dp_lm: int) -> tuple[int, ...]:
     return tuple(groups[r][j] for j in range(len(groups[0])) for r in range(dp_lm))
+
+
+def test_a_reordering_s_chain_must_match_its_stages_times() -> None:
+    """The recurrence runs the chain's orders over the stages' times: an LLM of two stages of
+    two virtual stages each needs four LLM stage times, not three."""
+    stages = ((0.1,), (1.0, 1.0, 1.0), (1.0,))
+    with pytest.raises(ValueError, match=r"a chain of \[1, 4, 1\] virtual stages per unit over \[1, 3, 1\]"):
+        Reordering("cost", 2, 2, 1, (0.1, 1.0), stages, stages, Chain(((1, 1), (2, 2), (1, 1))))

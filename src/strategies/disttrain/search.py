@@ -45,8 +45,8 @@ from src.strategies.disttrain.timing import Hop, dag_ends
 # Which choices the data ranks first is not the shape alone (a generator replicated wider, its
 # micro-batches of several sequences dealt out, absorbs a heavy sequence): timed from 8 to 256
 # under train.balance=cost (benchmarks/results/disttrain_choice_breadth.md), Fig. 15's MLLM-9B
-# finds its plan at 64 (5.229 -> 5.046 s; it ranks 55th at the mean load), and doubling further
-# gains at most 0.6 % a doubling (MLLM-15B 7.827 -> 7.781 -> 7.753 s at 128 and 256) for 1.0-2.1x
+# finds its plan at 64 (4.900 -> 4.773 s; it ranks 55th at the mean load), and doubling further
+# gains at most 1.1 % a doubling (MLLM-15B 7.827 -> 7.741 -> 7.724 s at 128 and 256) for 1.3-1.9x
 # the plan's CPU.
 RANKED = 64
 RANKED_SHAPES = 32
