@@ -40,8 +40,9 @@ from src.strategies.disttrain.timing import Hop, dag_ends
 # (strategy.ranked_shapes: the best few can be near-copies of one shape, which the data's
 # skew slows alike), and how many of those (the best by that estimate) are simulated.
 # The skew costs a deep LLM pipeline most, so the data's best shape can rank well down at the
-# mean load: on DistTrain Fig. 15's MLLM-9B and MLLM-15B, 18th and 19th of about a thousand
-# shapes, the best of all of them timed (benchmarks/disttrain_shape_breadth.py); 32 covers both.
+# mean load: on DistTrain Fig. 15's MLLM-15B 17th of about a thousand shapes, the best of all of
+# them timed beside the 64 choices below (benchmarks/disttrain_shape_breadth.py: 8.333 s at 8
+# shapes, 8.170 at 16, 7.890 at 32 and at all); 32 covers it (MLLM-9B's leads at 64 choices).
 # Which choices the data ranks first is not the shape alone (a generator replicated wider, its
 # micro-batches of several sequences dealt out, absorbs a heavy sequence): timed from 8 to 256
 # under train.balance=cost (benchmarks/results/disttrain_choice_breadth.md), Fig. 15's MLLM-9B
