@@ -114,11 +114,11 @@ class Reordering:
             # on: whichever's slowest pipeline the recurrence prices shorter (on a tie the
             # balanced, whose heaviest micro-batch is the lighter).
             balanced = self._inter(vector_lpt(seconds, range(count), dp_lm), sizes, enc, gen, mixed=True)
-            own = self._inter([sorted(g) for g in lpt(sizes, dp_lm, equal_count=True)], sizes, enc, gen, mixed=False)
+            own = self._inter(self._intra(sizes), sizes, enc, gen, mixed=False)
             groups = min((balanced, own), key=lambda placed: placed[1])[0]
         else:
             if self.policy in ("intra", "both"):
-                groups = [sorted(g) for g in lpt(sizes, dp_lm, equal_count=True)]
+                groups = self._intra(sizes)
             else:
                 groups = [list(range(r, count, dp_lm)) for r in range(dp_lm)]  # replica r's data-order sequences
             if self.policy in ("inter", "both"):
@@ -128,6 +128,10 @@ class Reordering:
             for j, sequence in enumerate(members):
                 positions[j * dp_lm + r] = sequence
         return Assignment(tuple(positions), dp_lm)
+
+    def _intra(self, sizes: Sequence[float]) -> list[list[int]]:
+        """Algorithm 2: equal-count LPT over the LLM replicas, each keeping its sequences in data order."""
+        return [sorted(g) for g in lpt(sizes, self.dp_lm, equal_count=True)]
 
     def _slot_times(self, enc: float, gen: float) -> StageTimes:
         """A micro-batch slot's stage times at its encoder and generator loads."""

@@ -64,8 +64,7 @@ def _recurrence(chain: Chain, microbatches: int, extra_warmup: int) -> _Recurren
         orders = chain_orders(chain, microbatches)
     else:
         orders = build_schedule("1f1b", chain.depth, microbatches, extra_warmup=extra_warmup)
-    virtual_of = chain.virtual_of()
-    stages = sum(len(chunks) for chunks in virtual_of)
+    virtual_of, stages = chain.virtual_of(), chain.virtual_stages
     index: dict[tuple[str, int, int], int] = {}  # (kind, virtual stage, micro-batch)
     for device, order in enumerate(orders):
         for op in order:
@@ -126,7 +125,7 @@ def makespans(
     beyond 1F1B's (schedules.pipeline)."""
     stages, microbatches = tables.shape[1] // 2, tables.shape[2]
     chain = chain or Chain(((stages, 1),))
-    assert sum(pp * vpp for pp, vpp in chain.units) == stages, f"a chain of {chain.units} over {stages} virtual stages' times"
+    assert chain.virtual_stages == stages, f"a chain of {chain.units} over {stages} virtual stages' times"
     rec = _recurrence(chain, microbatches, extra_warmup)
     # Each operation's seconds under each candidate (its row, at the micro-batch its position
     # holds), which the levels turn into its end.

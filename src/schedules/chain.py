@@ -40,6 +40,10 @@ class Chain:
     def depth(self) -> int:
         return sum(pp for pp, _ in self.units)
 
+    @property
+    def virtual_stages(self) -> int:
+        return sum(pp * vpp for pp, vpp in self.units)
+
     def virtual_of(self) -> list[list[int]]:
         """Per stage of the chain, its chunks' virtual stages (chain numbering)."""
         out: list[list[int]] = []

@@ -95,7 +95,7 @@ def _replayed(chain: Chain, times: list[StageTimes], order: list[int]) -> float:
     one's backward, the last one's its own forward). Replayed op by op, as the devices would."""
     devices = chain_orders(chain, len(order))
     virtual_of = chain.virtual_of()
-    last = sum(pp * vpp for pp, vpp in chain.units) - 1
+    last = chain.virtual_stages - 1
     ends: dict[tuple[str, int, int], float] = {}
     clock, at = [0.0] * len(devices), [0] * len(devices)
     while any(k < len(ops) for k, ops in zip(at, devices)):
@@ -118,7 +118,7 @@ def test_makespans_run_an_interleaved_chain_s_own_orders(units: tuple[tuple[int,
     by the devices' own orders, not as one 1F1B chain of its virtual stages: a device that runs
     two of them runs them one after the other."""
     chain = Chain(units)
-    virtual = sum(pp * vpp for pp, vpp in units)
+    virtual = chain.virtual_stages
     rng = random.Random(virtual * 10 + microbatches)
     pipes = [_pipeline(rng, virtual, microbatches) for _ in range(2)]
     orders = [rng.sample(range(microbatches), microbatches) for _ in range(4)]

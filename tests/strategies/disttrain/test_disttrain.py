@@ -440,7 +440,7 @@ def test_an_interleaved_unit_alone_runs_megatron_lm_s_order() -> None:
 def test_an_interleaved_unit_inside_the_chain_never_deadlocks(units, m) -> None:
     chain = Chain(units)
     orders = chain_orders(chain, m)
-    virtual = sum(pp * vpp for pp, vpp in units)
+    virtual = chain.virtual_stages
     rng = np.random.default_rng(len(units) + m)
     for _ in range(5):  # any durations run the orders through (stage_ends raises on a deadlock)
         fwd = [[float(rng.uniform(0.2, 3.0))] * m for _ in range(virtual)]
