@@ -4,6 +4,7 @@ ours beside it, and whether it holds.
     python -m src.reproduce                    # all four papers, from the stored figure results
     python -m src.reproduce paper=disttrain    # one paper
     python -m src.reproduce --rerun [--jobs 2] # re-run every figure preset the catalogue names first
+    python -m src.reproduce --rerun-stale      # re-run only those whose stored results are not current
 
 Reads the headline catalogue (benchmarks/reproduction/<paper>.yaml and the declared ranges of
 ranges.yaml, or --catalogue; the presets it names from sweeps/, or --sweeps), each figure's
@@ -14,6 +15,9 @@ and writes reproduction.md, .json and .png under --out (default benchmarks/resul
 paper: reproduction_<paper>.* in outputs/reproduction). --rerun runs
 each figure afresh in outputs/reproduction/<preset> (its jobs' logs there), printing one line
 per figure, and stores its results.json and plot in the results directory before scoring.
+--rerun-stale re-runs only the figures with no current results (none stored, or stored by
+another version of the preset: after a sweep file is edited or added); a change of code leaves
+stored results current, so it needs --rerun.
 --papers DIR: the folder holding the papers' texts (each catalogue's `text` file), which the
 scorecard then cites there; the repository holds none of them, so by default it cites their
 file names alone.
@@ -44,7 +48,11 @@ SCORECARD = REPO / "benchmarks" / "results"  # the committed scorecard: all pape
 def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("selection", nargs="?", default=None, help="paper=<name>: one paper of the catalogue")
-    parser.add_argument("--rerun", action="store_true", help="re-run the figure presets first (progress per figure)")
+    rerun = parser.add_mutually_exclusive_group()
+    rerun.add_argument("--rerun", action="store_true", help="re-run the figure presets first (progress per figure)")
+    rerun.add_argument(
+        "--rerun-stale", action="store_true", help="re-run only the figure presets whose stored results are not current"
+    )
     parser.add_argument("--jobs", type=int, default=2, help="figures run at once with --rerun (default 2)")
     parser.add_argument("--results", type=Path, default=STORE, help="figure results to read (and, with --rerun, write)")
     parser.add_argument("--out", type=Path, default=None, help="where the scorecard goes (default: see above)")
@@ -123,8 +131,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.papers is not None:
             check_papers(args.papers, catalogues)
         names = list(dict.fromkeys(name for c in catalogues for name in c.presets()))
-        if args.rerun:
-            errors = rerun([presets[name] for name in names], presets, args.results, args.jobs)
+        if args.rerun or args.rerun_stale:
+            chosen = [name for name in names if args.rerun or stale(presets[name], args.results)]
+            if not chosen:
+                print(f"every figure has current results in {args.results}: none re-run", flush=True)
+            errors = rerun([presets[name] for name in chosen], presets, args.results, args.jobs) if chosen else []
             if errors:
                 print("error: " + "; ".join(errors), file=sys.stderr)
                 return 2

@@ -97,6 +97,19 @@ def test_the_committed_store_holds_current_results_of_every_preset_the_catalogue
     assert {name: why for name in sorted(names) if (why := stale(presets[name], STORE))} == {}
 
 
+def test_rerun_stale_runs_nothing_where_every_figure_is_current(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["paper=distmm", "--rerun-stale", "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "none re-run" in printed and "re-running" not in printed
+    assert (tmp_path / "reproduction_distmm.json").is_file()
+
+
+def test_rerun_and_rerun_stale_are_refused_together(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--rerun", "--rerun-stale"])
+    assert exit_info.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+
+
 def test_an_unknown_paper_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["paper=distrain"]) == 2
     assert "unknown selection 'paper=distrain'" in one_error_line(capsys)
@@ -163,3 +176,9 @@ def test_one_small_figure_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixtu
     # from the stored results alone, without --rerun, the same scorecard
     assert main(args(dirs, "paper=tiny")) == 0
     assert json.loads((dirs["out"] / "reproduction_tiny.json").read_text())["papers"]["tiny"]["rows"] == scorecard["rows"]
+    # --rerun-stale re-runs a figure whose stored results are gone, and only it
+    (dirs["results"] / "tiny_tp.json").unlink()
+    capsys.readouterr()
+    assert main(args(dirs, "paper=tiny", "--rerun-stale", "--jobs", "1")) == 0
+    assert "re-running 1 figures" in capsys.readouterr().out
+    assert json.loads((dirs["results"] / "tiny_tp.json").read_text())["preset_hash"] == stored["preset_hash"]
