@@ -53,8 +53,8 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     rerun.add_argument(
         "--rerun-stale", action="store_true", help="re-run only the figure presets whose stored results are not current"
     )
-    parser.add_argument("--jobs", type=int, default=2, help="figures run at once with --rerun (default 2)")
-    parser.add_argument("--results", type=Path, default=STORE, help="figure results to read (and, with --rerun, write)")
+    parser.add_argument("--jobs", type=int, default=2, help="figures run at once with --rerun or --rerun-stale (default 2)")
+    parser.add_argument("--results", type=Path, default=STORE, help="figure results to read (and write, when re-running)")
     parser.add_argument("--out", type=Path, default=None, help="where the scorecard goes (default: see above)")
     parser.add_argument("--catalogue", type=Path, default=CATALOGUE_DIR, help="the headline catalogue, <paper>.yaml each")
     parser.add_argument("--sweeps", type=Path, default=SWEEPS_DIR, help="the figure presets the catalogue names")
