@@ -212,19 +212,20 @@ def test_a_32_gpu_orchestration_is_what_it_was() -> None:
     overlap the encoder's last backward; and when the A100 curve was refitted with a batched
     GEMM's b GEMMs filling the device as one of b x m rows, 0.9 % on each; and when each StepCCL
     transfer was paired with its own GEMM, the TP 4 choices 0.7 % slower, three TP 2 ones
-    in, the bound 0.07 % up): solving fewer of them (the bound) and pricing faster
+    in, the bound 0.07 % up; and when the A100 presets took an A100's gap between kernels,
+    1.33 us for 1.18, 0.05 % on each): solving fewer of them (the bound) and pricing faster
     must leave them as they are."""
     s = setup("model=mllm_9b", "cluster=a800", "cluster.nodes=4", "train.global_batch=64", "train.data=uniform")
     found = _orchestrator(s, keep=8).solve()
-    times = [5.605314228341, 5.614032421797, 5.615389020842, 5.624107214298, 5.627904583746, 5.660435898143, 5.685727378553]
-    assert [t for t, _ in found.choices] == pytest.approx([*times, 5.698337546030], rel=1e-11)
+    times = [5.607859758341, 5.616577561797, 5.617941942636, 5.626659746092, 5.630381065540, 5.663000148143, 5.690300388553]
+    assert [t for t, _ in found.choices] == pytest.approx([*times, 5.702834506030], rel=1e-11)
     assert [(c[1].tp, c[1].dp, c[1].pp) for _, c in found.choices] == [(2, 2, 7)] * 6 + [(4, 1, 7)] * 2
     assert [c.describe() for c in found.best] == [
         "encoder dp=1 pp=1 tp=1 recompute=none sp=off zero=1 sg=on vpp=1",
         "llm dp=2 pp=7 tp=2 recompute=none sp=on zero=1 sg=on vpp=1",
         "generator dp=2 pp=1 tp=1 recompute=none sp=off zero=1 sg=on vpp=1",
     ]
-    assert found.relaxed_s == pytest.approx(4.922475734737246, rel=1e-12)
+    assert found.relaxed_s == pytest.approx(4.924656376270089, rel=1e-12)
     assert found.search["solved"] < found.search["subproblems"]
 
 
@@ -285,8 +286,10 @@ def test_every_choice_that_can_interleave_is_interleaved_past_near_copies_of_one
     """MLLM-9B on 96 A800s, batch 128, twenty images a sequence: of the 64 choices timed, the
     best plain ones by the estimate are near-copies of a few LLM shapes (the encoder's or the
     generator's plan differing), and the shape whose interleaving is the plan, LLM TP 2, PP 2,
-    ranks below the first three that can be interleaved; with those three alone interleaved the
-    plan was plain (5.54 s, where interleaving every one gives 5.26 s)."""
+    ranks below the first two, near-copies of another shape; with only the first few
+    interleaved, such copies crowd it out (with the first three alone, before the A100 presets
+    took an A100's gap between kernels, the plan was plain: 5.54 s, where interleaving every
+    one gives 5.26 s)."""
     candidates, best = _searched_on_96_a800s("mllm_9b", 128, images=20)
     assert best["units"]["llm"]["vpp"] > 1 and best["simulated_s"] < 5.4
 
@@ -295,7 +298,7 @@ def test_every_choice_that_can_interleave_is_interleaved_past_near_copies_of_one
 
     staged = (c for c in candidates if c["units"]["llm"]["vpp"] == 1 and c["units"]["llm"]["pp"] > 1)
     plain = sorted(staged, key=lambda c: c["estimate_s"])
-    assert llm(best) not in [llm(c) for c in plain[:3]] and llm(best) in [llm(c) for c in plain]
+    assert llm(plain[0]) == llm(plain[1]) != llm(best) and llm(best) in [llm(c) for c in plain]
 
 
 def test_an_interleaved_llm_gets_the_recomputation_its_deeper_warm_up_needs_ahead_of_it() -> None:
@@ -366,7 +369,7 @@ def test_a_pinned_deep_pipeline_gets_the_recomputation_its_in_flight_micro_batch
 
 def test_the_relaxation_lets_the_llm_tail_overlap_the_encoder_backward() -> None:
     """MLLM-9B on 1152 A800s, three images a sequence: the 1F1B model prices one choice at
-    4.575 s (encoder 32 GPUs under full recompute, LLM TP 2 DP 480, generator replicated over
+    4.577 s (encoder 32 GPUs under full recompute, LLM TP 2 DP 480, generator replicated over
     80 pairs), its LLM's 0.48 s tail partly under the encoder's last backward. Charging the
     whole tail put its sub-problem's relaxation at 4.785 s, above the time, and the search
     stopped before it once recomputation let more choices fit; the relaxation is a lower
@@ -382,7 +385,7 @@ def test_the_relaxation_lets_the_llm_tail_overlap_the_encoder_backward() -> None
         UnitChoice("llm", 480, 1, 1, Setting(2, "none", True, 1)),
         UnitChoice("generator", 80, 1, 6, Setting(2, "none", False, 1, replicated=True)),
     )
-    assert orchestrator.time(choice, 4) == pytest.approx(4.575, abs=1e-3)
+    assert orchestrator.time(choice, 4) == pytest.approx(4.577, abs=1e-3)
     assert choice in dict((c, t) for t, c in found.choices)
     assert found.relaxed_s <= found.choices[0][0]
 
