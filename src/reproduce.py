@@ -16,8 +16,9 @@ paper: reproduction_<paper>.* in outputs/reproduction). --rerun runs
 each figure afresh in outputs/reproduction/<preset> (its jobs' logs there), printing one line
 per figure, and stores its results.json and plot in the results directory before scoring.
 --rerun-stale re-runs only the figures with no current results (none stored, or stored by
-another version of the preset: after a sweep file is edited or added); a change of code leaves
-stored results current, so it needs --rerun.
+another version of the preset: after a sweep file is edited or added, or a value of a cluster
+preset or measured table its jobs run on changes); a change of code leaves stored results
+current, so it needs --rerun.
 --papers DIR: the folder holding the papers' texts (each catalogue's `text` file), which the
 scorecard then cites there; the repository holds none of them, so by default it cites their
 file names alone.

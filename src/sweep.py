@@ -28,8 +28,9 @@ largest kept beside it (`timed_spread`: the scorecard judges a running time over
 every other value is the first repeat's, and repeats that disagree on the iteration time
 are a failed row), notes (why the settings are what they are).
 
-results.json carries the preset's fingerprint (`preset_hash`, over every job's overrides
-and the reported metrics), so a reader can tell results of another version of the preset.
+results.json carries the preset's fingerprint (`preset_hash`, over every job's overrides,
+the reported metrics and the values of the cluster presets the jobs run on), so a reader can
+tell results of another version of the preset, or of its clusters.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from typing import Any
 
 import yaml
 
+from src.cluster_inputs import cluster_inputs
 from src.errors import ConfigError
 from src.report import plotting
 from src.report.files import SUMMARY_FILE
@@ -191,9 +193,12 @@ def figure_jobs(spec: SweepSpec) -> list[FigureJob]:
 
 
 def preset_hash(spec: SweepSpec) -> str:
-    """A fingerprint of what a figure's results depend on: its jobs and reported metrics."""
+    """A fingerprint of what a figure's results depend on: its jobs, reported metrics and the
+    values of the cluster presets (and their measured tables) the jobs run on."""
+    jobs = figure_jobs(spec)
     content = {
-        "jobs": [[job.group, job.series, job.variant, list(job.overrides)] for job in figure_jobs(spec)],
+        "jobs": [[job.group, job.series, job.variant, list(job.overrides)] for job in jobs],
+        "clusters": cluster_inputs(job.overrides for job in jobs),
         "metric": spec.metric,
         "normalize": spec.normalize,
         "extra_metrics": spec.extra_metrics,

@@ -32,6 +32,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "src.mesh",
             "src.cluster_profile",
             "src.measured_files",
+            "src.cluster_inputs",
             "src.gemm_measurements",
             "src.attention_measurements",
             "src.cluster",

@@ -188,6 +188,50 @@ def test_fastest_of_runs_every_variant_and_keeps_the_fastest_skip_runs_none(tmp_
     assert preset_hash(load_sweep(path)) != results["preset_hash"]
 
 
+def test_the_fingerprint_follows_the_cluster_presets_values_not_their_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Results priced on a preset whose constants (or measured tables) changed are another
+    version; its sources' wording, or a preset no job runs on, is not."""
+    import shutil
+
+    from src import cluster_inputs
+    from src.sweep import load_sweep, preset_hash
+
+    clusters = tmp_path / "conf" / "cluster"
+    shutil.copytree(cluster_inputs.CLUSTERS, clusters)
+    shutil.copy(cluster_inputs.CLUSTERS.parent / "config.yaml", clusters.parent / "config.yaml")
+    monkeypatch.setattr(cluster_inputs, "CLUSTERS", clusters)
+    sweep = {
+        "name": "fp",
+        "title": "fp",
+        "source": "a test",
+        "metric": "iteration_time_s",
+        "base": ["model=gpt"],
+        "series": {"a": ["cluster=perlmutter"], "b": []},
+        "groups": [{"label": "g"}],
+    }
+    path = tmp_path / "fp.yaml"
+    path.write_text(yaml.safe_dump(sweep))
+
+    def fingerprint() -> str:
+        cluster_inputs._values.cache_clear()
+        return preset_hash(load_sweep(path))
+
+    def edit(name: str, old: str, new: str) -> None:
+        file = clusters / name
+        assert old in file.read_text()
+        file.write_text(file.read_text().replace(old, new, 1))
+
+    first = fingerprint()
+    edit("perlmutter.yaml", 'kernel_overhead_s: "RRZE', 'kernel_overhead_s: "Reworded: RRZE')
+    edit("hopper.yaml", "kernel_overhead_s: 1.2e-6", "kernel_overhead_s: 9.9e-6")  # no job runs on hopper
+    assert fingerprint() == first
+    edit("p3_16xlarge.yaml", "kernel_overhead_s: 1.2e-6", "kernel_overhead_s: 9.9e-6")  # series b: the default cluster
+    second = fingerprint()
+    assert second != first
+    edit("measured/perlmutter_nccl.yaml", "16: [0.222,", "16: [0.223,")  # a measured table perlmutter names
+    assert fingerprint() not in (first, second)
+
+
 def test_timed_repeats_take_the_least_running_time_and_refuse_repeats_that_disagree(tmp_path: Path) -> None:
     from src.errors import ConfigError
     from src.sweep import figure_jobs, load_sweep, write_report

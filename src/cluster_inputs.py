@@ -1,0 +1,69 @@
+"""The cluster presets a figure's jobs run on, as its fingerprint holds them (src.sweep.preset_hash):
+each preset's values and the measured tables it names, their sources and comments aside, so that
+results priced on a preset whose constants have changed since read as another version.
+
+A job runs on the last `cluster=NAME` among its overrides (conf/config.yaml's default cluster
+without one), with the measured tables the preset names unless an override names others
+(`cluster.collective_measurements=[...]` and the like). A host profile that `local` resolves at run
+time by the machine's CPU is not a file the job names, and is left out."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from src.measured_files import read_yaml
+
+CLUSTERS = Path(__file__).resolve().parent.parent / "conf" / "cluster"
+# Each list of measured tables a preset names, and the folder under conf/cluster/ its tables are in.
+TABLE_FOLDERS = {
+    "collective_measurements": "measured",
+    "gemm_measurements": "measured/gemm",
+    "attention_measurements": "measured/attention",
+}
+DESCRIPTIVE_KEYS = ("sources", "source")
+
+
+@functools.cache
+def default_cluster() -> str:
+    defaults = read_yaml(CLUSTERS.parent / "config.yaml")["defaults"]
+    return next(entry["cluster"] for entry in defaults if isinstance(entry, dict) and "cluster" in entry)
+
+
+@functools.cache
+def _values(path: Path) -> Any:
+    """A YAML file's values without its descriptive text (None where there is no such file: the
+    run itself names what is missing)."""
+    if not path.is_file():
+        return None
+    data = read_yaml(path)
+    return {k: v for k, v in data.items() if k not in DESCRIPTIVE_KEYS} if isinstance(data, dict) else data
+
+
+def _listed(value: str) -> list[str]:
+    return [name.strip() for name in value.strip().strip("[]").split(",") if name.strip()]
+
+
+def job_inputs(overrides: Sequence[str]) -> dict[str, Any]:
+    """The preset one job runs on and the measured tables it prices with, by their paths under
+    conf/cluster/."""
+    settings = dict(o.split("=", 1) for o in overrides if "=" in o)
+    name = settings.get("cluster") or default_cluster()
+    preset = _values(CLUSTERS / f"{name}.yaml")
+    inputs: dict[str, Any] = {f"{name}.yaml": preset}
+    for key, folder in TABLE_FOLDERS.items():
+        given = settings.get(f"cluster.{key}")
+        tables = _listed(given) if given is not None else (preset or {}).get(key) or []
+        for table in tables:
+            inputs[f"{folder}/{table}.yaml"] = _values(CLUSTERS / folder / f"{table}.yaml")
+    return inputs
+
+
+def cluster_inputs(jobs: Iterable[Sequence[str]]) -> dict[str, Any]:
+    """Every preset and measured table the jobs (each its overrides) run on."""
+    inputs: dict[str, Any] = {}
+    for overrides in jobs:
+        inputs.update(job_inputs(overrides))
+    return inputs
