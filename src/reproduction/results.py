@@ -87,7 +87,8 @@ def load_results(spec: SweepSpec, directory: Path) -> FigureResults:
     if raw.get("preset_hash") != wanted:
         raise ConfigError(
             f"{shown} was written by another version of preset {spec.name} (fingerprint {raw.get('preset_hash')}, "
-            f"sweeps/{spec.name}.yaml now gives {wanted}): run `python -m src.reproduce --rerun`"
+            f"sweeps/{spec.name}.yaml and the cluster presets it runs on now give {wanted}): "
+            "run `python -m src.reproduce --rerun-stale`"
         )
     rows = {(r["group"], r["series"]): r for r in raw["rows"]}
     return FigureResults(spec.name, path, rows, raw.get("labels", {}))
