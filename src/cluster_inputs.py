@@ -14,14 +14,21 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from src.attention_measurements import ATTENTION_DIR
+from src.cluster import MEASURED_DIR
+from src.gemm_measurements import GEMM_DIR
 from src.measured_files import read_yaml
 
-CLUSTERS = Path(__file__).resolve().parent.parent / "conf" / "cluster"
-# Each list of measured tables a preset names, and the folder under conf/cluster/ its tables are in.
+CLUSTERS = MEASURED_DIR.parent
+# Each list of measured tables a preset names, and the folder under conf/cluster/ its tables are in
+# (where src.cluster, src.gemm_measurements and src.attention_measurements read them).
 TABLE_FOLDERS = {
-    "collective_measurements": "measured",
-    "gemm_measurements": "measured/gemm",
-    "attention_measurements": "measured/attention",
+    key: folder.relative_to(CLUSTERS).as_posix()
+    for key, folder in (
+        ("collective_measurements", MEASURED_DIR),
+        ("gemm_measurements", GEMM_DIR),
+        ("attention_measurements", ATTENTION_DIR),
+    )
 }
 DESCRIPTIVE_KEYS = ("sources", "source")
 
