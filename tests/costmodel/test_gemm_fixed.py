@@ -4,6 +4,7 @@ src.gemm_fixed fits to its measured file, and a bad file is one line."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -120,17 +121,22 @@ def test_the_hopper_curve_is_its_measurements_fitted_under_the_preset_s_own_gemm
     assert stored["fit"]["gemm_overhead_s"] == pytest.approx(overhead)  # as the stored file says it was fitted
 
 
-def test_the_a100_presets_curve_is_the_public_a100_gemms_fitted_as_the_model_prices_them() -> None:
-    """benchmarks/fit_a100_gemm_curve.py gives back what dgx_a100, a800 and perlmutter state,
-    each public GEMM priced as the cost model prices it (a bmm's b GEMMs as one of b x m rows)."""
+@pytest.mark.parametrize(("fitted", "presets"), [("dgx_a100", ("dgx_a100", "a800", "perlmutter")), ("p3_16xlarge", ("p3_16xlarge",))])
+def test_a_presets_curve_is_its_public_gemms_fitted_as_the_model_prices_them(
+    fitted: str, presets: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """benchmarks/fit_gemm_curve.py gives back what the presets state: the A100 presets' curve
+    from the public A100 GEMMs (a bmm's b GEMMs priced as one of b x m rows), the V100's from
+    its measured table, the curve alone."""
     import importlib.util
 
     root = Path(__file__).resolve().parents[2]
-    spec = importlib.util.spec_from_file_location("fit_a100_gemm_curve", root / "benchmarks" / "fit_a100_gemm_curve.py")
+    spec = importlib.util.spec_from_file_location("fit_gemm_curve", root / "benchmarks" / "fit_gemm_curve.py")
     assert spec is not None and spec.loader is not None
     script = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, script)  # its dataclass looks its module up
     spec.loader.exec_module(script)
-    max_efficiency, half_dim, _ = script.fit()
-    for name in ("dgx_a100", "a800", "perlmutter"):
+    max_efficiency, half_dim, _ = script.fit(fitted)
+    for name in presets:
         cluster = _preset(name)
         assert (cluster.gemm_max_efficiency, cluster.gemm_half_dim) == (max_efficiency, half_dim), name

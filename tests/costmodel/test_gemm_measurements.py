@@ -44,7 +44,16 @@ def test_the_frontier_table_prices_its_source_rows_as_measured(m: int, n: int, k
 
 
 def test_the_presets_with_tables_are_found() -> None:
-    assert PRESETS_WITH_TABLES == ["frontier"]
+    assert PRESETS_WITH_TABLES == ["frontier", "p3_16xlarge"]
+
+
+def test_the_v100_table_keeps_the_gemms_its_rule_keeps() -> None:
+    """Its header's rule: a GEMM whose FLOPs over its fp16 operands' bytes reach the V100's
+    125 TFLOP/s over its copy rate (0.90 x 900 GB/s); 41 of the sheet's 83 shapes."""
+    table = measured_gemms("v100_deepbench")
+    ridge = 125e12 / (0.90 * 900e9)
+    assert len(table.points) == 41
+    assert all(p.flops / (2.0 * (p.m * p.k + p.k * p.n + p.m * p.n)) >= ridge for p in table.points)
 
 
 @pytest.mark.parametrize("preset", PRESETS_WITH_TABLES)
