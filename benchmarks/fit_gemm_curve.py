@@ -1,6 +1,6 @@
 """A GPU preset's GEMM curve (gemm_max_efficiency, gemm_half_dim), fitted to public GEMMs.
 
-    python benchmarks/fit_gemm_curve.py [PRESET]     # dgx_a100 (the default) or p3_16xlarge
+    python benchmarks/fit_gemm_curve.py [PRESET]     # dgx_a100 (the default), p3_16xlarge or frontier
 
 The curve is the grid point of least squared log-time error, each GEMM priced as the cost model
 prices it, the curve alone (a preset's measured table, which corrects the curve at its shapes,
@@ -12,8 +12,9 @@ left out of the pricing it is fitted to):
   EleutherAI/cookbook's sizing benchmark (two of them batched: `torch.bmm` over micro-batch x
   heads), each a kernel's duration (`ComputeModel.gemm_duration`: a batched kernel's b GEMMs
   fill the device as one of b x m rows).
-- `p3_16xlarge`: its measured table (conf/cluster/measured/gemm/v100_deepbench.yaml), each time
-  host-timed over back-to-back calls, so priced with the gap between kernels
+- a preset with a measured table (`p3_16xlarge`: conf/cluster/measured/gemm/v100_deepbench.yaml;
+  `frontier`: frontier_rocblas.yaml): its GEMMs, each time taken around the call (host-timed
+  over back-to-back calls; events around each), so priced with the gap between kernels
   (`ComputeModel.gemm_time`).
 """
 

@@ -121,13 +121,16 @@ def test_the_hopper_curve_is_its_measurements_fitted_under_the_preset_s_own_gemm
     assert stored["fit"]["gemm_overhead_s"] == pytest.approx(overhead)  # as the stored file says it was fitted
 
 
-@pytest.mark.parametrize(("fitted", "presets"), [("dgx_a100", ("dgx_a100", "a800", "perlmutter")), ("p3_16xlarge", ("p3_16xlarge",))])
+@pytest.mark.parametrize(
+    ("fitted", "presets"),
+    [("dgx_a100", ("dgx_a100", "a800", "perlmutter")), ("p3_16xlarge", ("p3_16xlarge",)), ("frontier", ("frontier",))],
+)
 def test_a_presets_curve_is_its_public_gemms_fitted_as_the_model_prices_them(
     fitted: str, presets: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """benchmarks/fit_gemm_curve.py gives back what the presets state: the A100 presets' curve
-    from the public A100 GEMMs (a bmm's b GEMMs priced as one of b x m rows), the V100's from
-    its measured table, the curve alone."""
+    from the public A100 GEMMs (a bmm's b GEMMs priced as one of b x m rows), the V100's and the
+    MI250X's from their measured tables, the curve alone."""
     import importlib.util
 
     root = Path(__file__).resolve().parents[2]
