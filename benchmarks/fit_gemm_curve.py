@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 
 from src.costmodel.compute import ComputeModel
 from src.cluster import ClusterSpec
+from src.cluster_profile import PRESET_DIR, preset_file
 from src.setup import preset_cluster
 
 
@@ -69,14 +70,19 @@ def _preset(name: str) -> ClusterSpec:
     return preset_cluster(name)
 
 
+def fitted_presets() -> list[str]:
+    """The presets whose curve this fits: dgx_a100 and those with a measured GEMM table."""
+    names = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+    return [n for n in names if n == "dgx_a100" or (preset_file(n) or {}).get("gemm_measurements")]
+
+
 @functools.lru_cache(maxsize=4)
 def public_gemms(preset: str) -> tuple[PublicGemm, ...]:
     """The public GEMMs a preset's curve is fitted to."""
     if preset == "dgx_a100":
         return PUBLIC_A100
     table = _preset(preset).gemm_measurements
-    if table is None:
-        raise SystemExit(f"error: {preset} has no measured GEMM table (gemm_measurements) and no public GEMMs here")
+    assert table is not None, "fitted_presets() holds only presets with a table"
     return tuple(PublicGemm(1, p.m, p.n, p.k, p.seconds, with_gap=True) for p in table.points)
 
 
@@ -96,7 +102,7 @@ def fit(preset: str = "dgx_a100") -> tuple[float, float, list[float]]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("preset", nargs="?", default="dgx_a100")
+    parser.add_argument("preset", nargs="?", default="dgx_a100", help="one of %(choices)s", choices=fitted_presets())
     preset = parser.parse_args().preset
     max_efficiency, half_dim, errors = fit(preset)
     rms = 100 * math.sqrt(sum(e * e for e in errors) / len(errors))

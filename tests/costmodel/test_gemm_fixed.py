@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -121,6 +122,19 @@ def test_the_hopper_curve_is_its_measurements_fitted_under_the_preset_s_own_gemm
     assert stored["fit"]["gemm_overhead_s"] == pytest.approx(overhead)  # as the stored file says it was fitted
 
 
+def _fit_script(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """benchmarks/fit_gemm_curve.py as a module."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("fit_gemm_curve", root / "benchmarks" / "fit_gemm_curve.py")
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, script)  # its dataclass looks its module up
+    spec.loader.exec_module(script)
+    return script
+
+
 @pytest.mark.parametrize(
     ("fitted", "presets"),
     [("dgx_a100", ("dgx_a100", "a800", "perlmutter")), ("p3_16xlarge", ("p3_16xlarge",)), ("frontier", ("frontier",))],
@@ -131,15 +145,20 @@ def test_a_presets_curve_is_its_public_gemms_fitted_as_the_model_prices_them(
     """benchmarks/fit_gemm_curve.py gives back what the presets state: the A100 presets' curve
     from the public A100 GEMMs (a bmm's b GEMMs priced as one of b x m rows), the V100's and the
     MI250X's from their measured tables, the curve alone."""
-    import importlib.util
-
-    root = Path(__file__).resolve().parents[2]
-    spec = importlib.util.spec_from_file_location("fit_gemm_curve", root / "benchmarks" / "fit_gemm_curve.py")
-    assert spec is not None and spec.loader is not None
-    script = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, script)  # its dataclass looks its module up
-    spec.loader.exec_module(script)
-    max_efficiency, half_dim, _ = script.fit(fitted)
+    max_efficiency, half_dim, _ = _fit_script(monkeypatch).fit(fitted)
     for name in presets:
         cluster = _preset(name)
         assert (cluster.gemm_max_efficiency, cluster.gemm_half_dim) == (max_efficiency, half_dim), name
+
+
+@pytest.mark.parametrize("preset", ["hopper", "no_such_preset"])
+def test_the_fit_refuses_a_preset_it_has_no_gemms_for_in_one_line(
+    preset: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = _fit_script(monkeypatch)
+    monkeypatch.setattr(sys, "argv", ["fit_gemm_curve.py", preset])
+    with pytest.raises(SystemExit) as exit_info:
+        script.main()
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert preset in error and "dgx_a100" in error and "p3_16xlarge" in error
