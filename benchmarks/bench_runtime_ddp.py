@@ -47,6 +47,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere: `src` is the repository's package
 
+from src.report.files import output_dir  # noqa: E402
 from src.runtime.driver import free_port, stop, worker_env  # noqa: E402
 from src.setup import validate  # noqa: E402
 
@@ -257,7 +258,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=60, help=f"steps per run (the first {WARMUP} are dropped)")
-    parser.add_argument("--out", type=Path, default=REPO / "outputs" / "bench_runtime_ddp")
+    parser.add_argument("--out", type=output_dir, default=REPO / "outputs" / "bench_runtime_ddp")
     parser.add_argument("--plain", type=Path, help=argparse.SUPPRESS)  # a worker of the plain loop
     args, overrides = parser.parse_known_args()
     if args.plain:

@@ -35,6 +35,7 @@ from src.config import composed
 from src.metrics import iteration_flops, summarize
 from src.plan_io import PlannedRun
 from src.program import Plan, UnitPlan
+from src.report.files import output_file
 from src.setup import Setup, plan_run, validate
 from src.sim.engine import simulate
 from src.timeline import BREAKDOWN_CATEGORIES, Timeline
@@ -98,7 +99,7 @@ def unit_plans(plan: Plan) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=None, help="also write the table here")
+    parser.add_argument("--out", type=output_file, default=None, help="also write the table here")
     args = parser.parse_args()
     wall, cpu = time.perf_counter(), time.process_time()
     runs: dict[str, tuple[Setup, Plan, Timeline]] = {
@@ -150,6 +151,7 @@ def main() -> None:
     print(text)
     print(f"({time.perf_counter() - wall:.0f} s wall, {time.process_time() - cpu:.0f} s CPU)")
     if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)
 
 

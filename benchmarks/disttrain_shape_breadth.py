@@ -30,6 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere: this repository's src
 
 from src.config import composed
+from src.report.files import output_file
 from src.setup import plan_run, validate
 
 FIGURE = [
@@ -63,13 +64,14 @@ def run(size: list[str], *overrides: str) -> tuple[list[dict], float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path)
+    parser.add_argument("--out", type=output_file)
     parser.add_argument("--choices", action="store_true", help="the choices timed (strategy.ranked) under train.balance=cost")
     args = parser.parse_args()
     table = choice_breadths() if args.choices else shape_breadths()
     print(table)
     if args.out:
         command = "python benchmarks/disttrain_shape_breadth.py" + (" --choices" if args.choices else "")
+        args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(f"`{command}`\n\n{table}\n")
 
 

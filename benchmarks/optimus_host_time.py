@@ -28,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere: this repository's src
 
 from src.config import composed
+from src.report.files import output_file
 from src.setup import plan_run, validate
 from src.sim.engine import simulate
 from src.sweep import figure_jobs, load_sweep
@@ -50,7 +51,7 @@ def priced(overrides: list[str]) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=None, help="also write the table here")
+    parser.add_argument("--out", type=output_file, default=None, help="also write the table here")
     args = parser.parse_args()
     wall, cpu = time.perf_counter(), time.process_time()
     jobs = [job for job in figure_jobs(load_sweep(SWEEP)) if job.series in SERIES]
@@ -85,6 +86,7 @@ def main() -> None:
     print(text)
     print(f"({time.perf_counter() - wall:.0f} s wall, {time.process_time() - cpu:.0f} s CPU)")
     if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)
 
 

@@ -33,6 +33,7 @@ from typing import Any, Sequence
 from src.config import BALANCE_POLICIES
 from src.errors import ConfigError
 from src.parallel_work import run_all
+from src.report.files import output_dir
 
 DEFAULT_SERIES = ("megatron=strategy=megatron", "disttrain=strategy=disttrain")
 UNIFORM = "uniform"
@@ -167,7 +168,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="LABEL=REFERENCE (repeatable): series LABEL's skew and speed-ups measured against REFERENCE's uniform and none rows",
     )
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="jobs priced at once")
-    parser.add_argument("--out", type=Path, default=Path("outputs/balance_study"), help="where balance.json and balance.md go")
+    parser.add_argument("--out", type=output_dir, default=Path("outputs/balance_study"), help="where balance.json and balance.md go")
     parser.add_argument("--title", default="Balancing policies on skewed data")
     parser.add_argument("overrides", nargs="*", help="the front door's overrides every series shares (model=..., cluster=...)")
     args = parser.parse_args(argv)

@@ -72,6 +72,7 @@ import yaml
 
 from src.cluster_profile import PROFILE_DIR, host_cpu_model, profile_path
 from src.costmodel.comm import lag_wait
+from src.report.files import output_file
 
 SQUARES = (64, 128, 256, 512, 1024)
 THIN = ((16, 512, 512), (64, 2048, 512), (256, 128, 1024), (2048, 64, 64))  # (m, n, k): small batches, narrow heads
@@ -684,7 +685,7 @@ def calibrate(workers: int) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=4, help="the most workers runs will start (backend.workers)")
-    parser.add_argument("--out", type=Path, default=None, help=f"profile file (default: {OUT_DIR}/local-<cpu>.yaml)")
+    parser.add_argument("--out", type=output_file, default=None, help=f"profile file (default: {OUT_DIR}/local-<cpu>.yaml)")
     parser.add_argument(
         "--update",
         action="store_true",

@@ -17,6 +17,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from src.report.files import output_file
+
 
 def _rows(path: Path) -> dict[tuple[str, str], dict[str, Any]]:
     results = json.loads(path.read_text())
@@ -67,7 +69,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("before", type=Path)
     parser.add_argument("after", type=Path)
-    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--out", type=output_file, default=None)
     args = parser.parse_args()
     after = figure_results(args.after)
     if not after:
@@ -78,6 +80,7 @@ def main() -> None:
     if missing:
         text += "\n\nOnly after: " + ", ".join(missing)
     if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text + "\n")
     print(text)
 

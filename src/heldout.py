@@ -35,6 +35,7 @@ from typing import Any
 import yaml
 
 from src.errors import ConfigError
+from src.report.files import output_dir
 
 REPO = Path(__file__).resolve().parent.parent
 RUNS = REPO / "benchmarks" / "heldout" / "runs.yaml"
@@ -561,7 +562,7 @@ def table(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=Path, default=RUNS)
-    parser.add_argument("--out", type=Path, help="where heldout.json and heldout.md go (default benchmarks/results)")
+    parser.add_argument("--out", type=output_dir, help="where heldout.json and heldout.md go (default benchmarks/results)")
     parser.add_argument("--only", default="", help="the runs whose id contains this: printed, written only under an --out given")
     args = parser.parse_args()
     try:

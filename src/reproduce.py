@@ -41,6 +41,7 @@ from src.reproduction.catalogue import CATALOGUE_DIR, SWEEPS_DIR, Catalogue, Pre
 from src.reproduction.results import STORE, load_results, stale
 from src.reproduction.scorecard import paper_section, score, summary_table, write
 from src.sweep import REPO, SweepSpec, figure_jobs, multirun_command
+from src.report.files import output_dir
 
 RUNS = Path("outputs") / "reproduction"
 SCORECARD = REPO / "benchmarks" / "results"  # the committed scorecard: all papers
@@ -56,7 +57,7 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     )
     parser.add_argument("--jobs", type=int, default=2, help="figures run at once with --rerun or --rerun-stale (default 2)")
     parser.add_argument("--results", type=Path, default=STORE, help="figure results to read (and write, when re-running)")
-    parser.add_argument("--out", type=Path, default=None, help="where the scorecard goes (default: see above)")
+    parser.add_argument("--out", type=output_dir, default=None, help="where the scorecard goes (default: see above)")
     parser.add_argument("--catalogue", type=Path, default=CATALOGUE_DIR, help="the headline catalogue, <paper>.yaml each")
     parser.add_argument("--sweeps", type=Path, default=SWEEPS_DIR, help="the figure presets the catalogue names")
     parser.add_argument("--papers", type=Path, default=None, help="the folder of the papers' texts, for the scorecard to cite")

@@ -49,7 +49,7 @@ import yaml
 from src.cluster_inputs import cluster_inputs
 from src.errors import ConfigError
 from src.report import plotting
-from src.report.files import SUMMARY_FILE
+from src.report.files import SUMMARY_FILE, output_dir
 from src.setup import ERROR_FILE
 
 REPO = Path(__file__).resolve().parent.parent
@@ -459,7 +459,7 @@ def sweep_from_command_line(argv: list[str] | None, description: str) -> tuple[S
     multirun failed."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("sweep", type=Path, help="a sweep file in sweeps/")
-    parser.add_argument("--out", type=Path, default=None, help="output directory (default outputs/sweeps/<name>)")
+    parser.add_argument("--out", type=output_dir, default=None, help="output directory (default outputs/sweeps/<name>)")
     args, overrides = parser.parse_known_args(argv)
     try:
         spec = load_sweep(args.sweep)

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from src.report import plotting
+from src.report.files import output_dir
 from src.timeline import BREAKDOWN_CATEGORIES, Timeline
 
 # Two sizes of one GPT (a transformer's GEMMs and collectives; custom sizes need no preset),
@@ -281,7 +282,7 @@ def _write_repriced(stored: Path, out: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("validation"))
+    parser.add_argument("--out", type=output_dir, default=Path("validation"))
     parser.add_argument("--steps", type=int, default=6, help="real steps per case (the first is warm-up)")
     parser.add_argument("--only", default="", help="run the cases whose name contains this")
     parser.add_argument(

@@ -6,6 +6,7 @@ one line naming the path and the errno, which the front door prints (exit 2)."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import errno
 import json
@@ -48,9 +49,34 @@ def unwritable_dir(path: Path) -> str | None:
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".mmdist-probe-", dir=existing))
     except OSError as err:
-        where = "" if existing == path else f" (at {existing})"
-        return f"cannot create {path}: {err.strerror} (errno {err.errno}, {errno.errorcode.get(err.errno or 0, '?')}){where}"
+        why = f"{err.strerror} (errno {err.errno}, {errno.errorcode.get(err.errno or 0, '?')})"
+        return f"cannot write in {path}: {why}" if existing == path else f"cannot create {path}: {why} (at {existing})"
     return None
+
+
+def output_dir(value: str) -> Path:
+    """argparse's type of a tool's --out directory: refused when it is parsed, before any
+    work, where it cannot be created or written in (the tool would otherwise end its work in
+    a traceback)."""
+    path = Path(value)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{path} is a file; give a directory")
+    problem = unwritable_dir(path)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return path
+
+
+def output_file(value: str) -> Path:
+    """argparse's type of a tool's --out file: refused when it is parsed where it names a
+    directory or its directory cannot be created or written in (the tool creates it)."""
+    path = Path(value)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{path} is a directory; give a file")
+    problem = unwritable_dir(path.parent)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return path
 
 
 class RunLogHandler(logging.FileHandler):

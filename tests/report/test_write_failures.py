@@ -4,9 +4,11 @@ where the directory allows it and no summary.json."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
-from src.report.files import RunFiles, WriteError, unwritable_dir
+from src.report.files import RunFiles, WriteError, output_dir, output_file, unwritable_dir
 from tests.conftest import run_cli
 
 
@@ -25,6 +27,32 @@ def test_a_directory_under_a_file_cannot_be_created(tmp_path):
     )
     assert unwritable_dir(tmp_path / "new" / "run") is None and not (tmp_path / "new").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["file"]  # the probe is gone
+
+
+def test_a_tools_out_path_is_refused_when_it_is_parsed(tmp_path, capsys):
+    """The tools' --out (heldout, reproduce, sweep, figure_diff, the benchmarks): a path they
+    could not write is refused before any work, in argparse's one line (exit 2)."""
+    (tmp_path / "file").write_text("")
+    not_a_dir = "Not a directory (errno 20, ENOTDIR)"
+    for kind, value, problem in [
+        (output_dir, f"{tmp_path}/file", f"{tmp_path}/file is a file; give a directory"),
+        (output_dir, f"{tmp_path}/file/run", f"cannot create {tmp_path}/file/run: {not_a_dir} (at {tmp_path}/file)"),
+        (output_file, str(tmp_path), f"{tmp_path} is a directory; give a file"),
+        (output_file, f"{tmp_path}/file/x.md", f"cannot write in {tmp_path}/file: {not_a_dir}"),
+    ]:
+        with pytest.raises(argparse.ArgumentTypeError) as raised:
+            kind(value)
+        assert str(raised.value) == problem
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dir", type=output_dir)
+    parser.add_argument("--file", type=output_file)
+    parsed = parser.parse_args(["--dir", f"{tmp_path}/new/run", "--file", f"{tmp_path}/new2/x.md"])
+    assert (parsed.dir, parsed.file) == (tmp_path / "new" / "run", tmp_path / "new2" / "x.md")
+    assert [p.name for p in tmp_path.iterdir()] == ["file"]  # nothing made, no probe left
+    with pytest.raises(SystemExit) as exited:
+        parser.parse_args(["--file", str(tmp_path)])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(f"argument --file: {tmp_path} is a directory; give a file")
 
 
 @pytest.mark.slow  # the front door in a subprocess
