@@ -26,7 +26,7 @@ import hydra
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from src.config import options_from, plain_config
+from src.config import options_from, plain_config, unknown_option
 from src.errors import ConfigError
 from src.parallel_work import run_all
 from src.report import plotting
@@ -212,4 +212,8 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    problem = unknown_option(sys.argv[1:], "compare")
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
     main()

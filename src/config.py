@@ -10,7 +10,7 @@ import types
 from pathlib import Path
 import typing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Mapping, Sequence, TypeVar, cast
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -501,11 +501,32 @@ def plain_config(cfg: DictConfig) -> dict[str, Any]:
     return cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))
 
 
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+def unknown_option(args: Sequence[str], config_name: str = "config") -> str | None:
+    """The first override naming an option its config group has no file for (`model=clp`;
+    each of a multirun's `+experiment=a,b`), as the one line the doors print, or None. Hydra
+    reports it in several lines and exits 1, and a multirun reaches Hydra before any check of
+    ours. Hydra's own groups (hydra/..., which its plugins extend), keys (`model.layers=`)
+    and sweep functions (`choice(...)`) are left to Hydra."""
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        group = key.lstrip("+~")
+        directory = CONF_DIR / group
+        if not sep or arg.startswith("-") or group.startswith("hydra") or not directory.is_dir() or "(" in value:
+            continue
+        options = sorted(p.stem for p in directory.glob("*.yaml"))
+        for option in value.split(","):
+            if option not in options and option != "null":
+                return f"In '{config_name}': Could not find '{group}/{option}'; choose one of {', '.join(options)}"
+    return None
+
+
 def composed(overrides: list[str]) -> dict[str, Any]:
     """The project's config composed with `overrides`, as plain_config gives it: what a
     tool or benchmark hands `src.setup.validate` without going through the front door."""
     from hydra import compose, initialize_config_dir
 
-    conf = Path(__file__).resolve().parent.parent / "conf"
-    with initialize_config_dir(config_dir=str(conf), version_base=None):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         return plain_config(compose(config_name="config", overrides=overrides))

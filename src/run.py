@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 
 from src.backends import backend_for
 from src.collector import collector_paused
-from src.config import TRAIN_KEYS, plain_config
+from src.config import TRAIN_KEYS, plain_config, unknown_option
 from src.errors import ConfigError
 from src.progress import heartbeat, run_clock
 from src.report import JobInfo
@@ -220,6 +220,9 @@ def _say_failed(run_dir: Path, line: str) -> None:
 
 def cli() -> None:
     """`python -m src.run ARGS`, and the `mmdist` command (pyproject.toml's scripts)."""
+    problem = unknown_option(sys.argv[1:])
+    if problem:
+        _refuse(problem)
     refuse_bad_overrides(sys.argv[1:])
     main()
 

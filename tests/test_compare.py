@@ -75,17 +75,26 @@ def test_compare_ranks_priced_contenders_then_lists_refusals(
     assert all(f"| {o['strategy']} | {o['summary']['devices']} |" in text for o in outcomes if "summary" in o)
 
 
+def _compare(*args: str) -> subprocess.CompletedProcess:
+    """`python -m src.compare ARGS` from the repository root, its output captured."""
+    return subprocess.run([sys.executable, "-m", "src.compare", *args], cwd=ROOT, capture_output=True, text=True)
+
+
 @pytest.mark.slow
 def test_compare_refuses_a_single_strategy_in_one_line(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "src.compare", "strategy=megatron", f"hydra.run.dir={tmp_path}"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
+    done = _compare("strategy=megatron", f"hydra.run.dir={tmp_path}")
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         "error: src.compare prices every strategy; strategy=megatron picks one (choose some with strategy.contenders=[...])"
+    ]
+
+
+@pytest.mark.slow
+def test_compare_names_a_comparison_it_has_not_in_one_line(tmp_path: Path) -> None:
+    done = _compare("-m", "+comparison=nope", f"hydra.sweep.dir={tmp_path}")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "error: In 'compare': Could not find 'comparison/nope'; choose one of clip_v100_a100, gpt20b_perlmutter, mllm15b_a800_h100"
     ]
 
 
