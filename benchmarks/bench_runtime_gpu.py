@@ -120,11 +120,13 @@ def plain_loop(batch: int, steps: int) -> tuple[list[float], list[dict[str, floa
 
 
 def main() -> None:
+    from src.report.files import output_file  # a path it could not write, refused before the GPU's time
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[64])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--clip-only", action="store_true", help="skip the tiny runs of every strategy")
-    parser.add_argument("--out", type=Path)
+    parser.add_argument("--out", type=output_file)
     args = parser.parse_args()
     import torch
 
@@ -195,6 +197,7 @@ def main() -> None:
         }
         print(json.dumps({batch: {k: v for k, v in results["clip"][batch].items() if k != "harness_losses"}}, indent=1), flush=True)
     if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1))
 
 

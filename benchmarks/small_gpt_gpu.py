@@ -260,6 +260,8 @@ def kernel_kind(name: str) -> str:
 
 
 def main() -> None:
+    from src.report.files import output_file  # a path it could not write, refused before the GPU's time
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--only", nargs="+", help="cases whose name starts with one of these")
@@ -273,7 +275,7 @@ def main() -> None:
         metavar="KEY=VALUE",
         help="overrides the simulator's columns take after the case's (e.g. cluster.memory_bandwidth=1e14: its GEMMs alone)",
     )
-    parser.add_argument("--out", type=Path)
+    parser.add_argument("--out", type=output_file)
     args = parser.parse_args()
     cases = [c for c in CASES if not args.only or any(c.name.startswith(o) for o in args.only)]
     if not cases:
@@ -291,6 +293,7 @@ def main() -> None:
 
     def save() -> None:
         if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(results, indent=1))
 
     from src.errors import ConfigError

@@ -349,6 +349,8 @@ def report(name: str, row: dict[str, Any]) -> None:
 
 
 def main() -> None:
+    from src.report.files import output_file  # a path it could not write, refused before the GPU's time
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=20.0, help="device time the steps run back to back")
     parser.add_argument("--layers", type=int, default=4, help="blocks a step runs")
@@ -356,7 +358,7 @@ def main() -> None:
     parser.add_argument("--attention", choices=list(ATTENTION_BACKENDS), default="flash", help="the attention core's SDPA backend")
     parser.add_argument("--unfused", action="store_true", help="Llama blocks as Transformers writes them, step by step")
     parser.add_argument("--sim-only", action="store_true", help="the simulator's price of each block by kind alone (no GPU)")
-    parser.add_argument("--out")
+    parser.add_argument("--out", type=output_file)
     args = parser.parse_args()
     if args.seconds <= 2.5 or args.layers < 1:
         print(f"error: --seconds={args.seconds:g} must exceed 2.5 and --layers={args.layers} be at least 1", file=sys.stderr)
@@ -393,6 +395,7 @@ def main() -> None:
         result["layers"].append(measure(layer, args.layers, args.seconds, sampler, args.attention, args.unfused))
         torch.cuda.empty_cache()
         if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(result, indent=1))
     if sampler is not None:
         idle_start = time.perf_counter()
@@ -400,6 +403,7 @@ def main() -> None:
         result["idle_nvml"] = sampler.between(idle_start, time.perf_counter())
         sampler.stop()
     if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
 
 

@@ -214,11 +214,13 @@ def measure_attention(seq: int, priced: list[dict[str, Any]]) -> list[dict[str, 
 
 
 def main() -> None:
+    from src.report.files import output_file  # a path it could not write, refused before the GPU's time
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=10.0, help="device time each layer's GEMMs cycle back to back")
     parser.add_argument("--seq", type=int, default=8192, help="tokens of the attention's one sequence")
     parser.add_argument("--sim-only", action="store_true", help="the simulator's prices alone (no GPU)")
-    parser.add_argument("--out")
+    parser.add_argument("--out", type=output_file)
     args = parser.parse_args()
     bad = [
         f"--seconds={args.seconds:g} must exceed the {LATE_S:g} s the late rate is taken over" if args.seconds <= LATE_S else "",
@@ -241,6 +243,7 @@ def main() -> None:
     result = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__, "seconds": args.seconds}
     result |= {"gemms": measure_gemms(args.seconds, gemms), "attention": measure_attention(args.seq, attention)}
     if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
 
 
