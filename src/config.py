@@ -509,14 +509,22 @@ def unknown_option(args: Sequence[str], config_name: str = "config") -> str | No
     each of a multirun's `+experiment=a,b`), as the one line the doors print, or None. Hydra
     reports it in several lines and exits 1, and a multirun reaches Hydra before any check of
     ours. Hydra's own groups (hydra/..., which its plugins extend), keys (`model.layers=`)
-    and sweep functions (`choice(...)`) are left to Hydra."""
+    and sweep functions (`choice(...)`) are left to Hydra; so is every option where
+    `hydra.searchpath` adds config directories other than local ones (a package's)."""
+    roots = [CONF_DIR]
+    for arg in args:
+        if arg.lstrip("+").startswith("hydra.searchpath="):
+            entries = [e.strip() for e in arg.partition("=")[2].strip("[]").split(",") if e.strip()]
+            if not all(e.startswith("file://") for e in entries):
+                return None
+            roots += [Path(e.removeprefix("file://")) for e in entries]
     for arg in args:
         key, sep, value = arg.partition("=")
         group = key.lstrip("+~")
-        directory = CONF_DIR / group
-        if not sep or arg.startswith("-") or group.startswith("hydra") or not directory.is_dir() or "(" in value:
+        directories = [root / group for root in roots if (root / group).is_dir()]
+        if not sep or arg.startswith("-") or group.startswith("hydra") or not directories or "(" in value:
             continue
-        options = sorted(p.stem for p in directory.glob("*.yaml"))
+        options = sorted({p.stem for directory in directories for p in directory.glob("*.yaml")})
         for option in value.split(","):
             if option not in options and option != "null":
                 return f"In '{config_name}': Could not find '{group}/{option}'; choose one of {', '.join(options)}"

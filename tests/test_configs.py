@@ -371,13 +371,19 @@ def test_cluster_yaml_numbers_are_positive(name: str) -> None:
         (["+experiment=nope"], "In 'config': Could not find 'experiment/nope'; choose one of distmm_fig10_placement"),
         (["model=gpt", "model.layers=2", "cluster=local", "hydra/launcher=joblib", "strategy=null"], None),
         (["model=choice(clip,coca)"], None),
+        (["hydra.searchpath=[file://{mine}]", "-m", "strategy=toy,megatron"], None),
+        (["hydra.searchpath=[file://{mine}]", "strategy=toi"], "In 'config': Could not find 'strategy/toi'; choose one of auto"),
+        (["hydra.searchpath=[pkg://theirs.conf]", "strategy=toi"], None),
     ],
 )
-def test_an_option_its_group_lacks_is_named_before_hydra_sees_it(args: list[str], problem: str | None) -> None:
+def test_an_option_its_group_lacks_is_named_before_hydra_sees_it(args: list[str], problem: str | None, tmp_path: Path) -> None:
     """The doors' check of group options (src.config.unknown_option): a multirun's too, which
     Hydra would answer in several lines and exit 1; keys, Hydra's own groups and sweep
-    functions are Hydra's to judge."""
+    functions are Hydra's to judge, and a user's own config directory (hydra.searchpath)
+    adds its options."""
     from src.config import unknown_option
 
-    found = unknown_option(args)
+    (tmp_path / "strategy").mkdir()
+    (tmp_path / "strategy" / "toy.yaml").write_text("name: toy\n")
+    found = unknown_option([arg.replace("{mine}", str(tmp_path)) for arg in args])
     assert found == problem if problem is None else (found or "").startswith(problem)
