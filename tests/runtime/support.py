@@ -178,11 +178,23 @@ def workers_of(door_pid: int) -> dict[int, int]:
 
 
 def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(") ", 1)[1][0] != "Z"  # a zombie has exited
-    except FileNotFoundError:
-        return False
+    return bool(still_alive([pid]))
+
+
+def still_alive(pids: Iterable[int]) -> dict[int, str]:
+    """pid -> its name, state and parent, of each of `pids` not yet exited (a zombie has):
+    what an assertion that they were stopped shows when one was not."""
+    found = {}
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except FileNotFoundError:
+            continue
+        head, rest = stat.rsplit(") ", 1)  # the name, in parentheses, may hold ") " itself
+        state, parent = rest.split()[:2]
+        if state != "Z":
+            found[pid] = f"{head.split(' (', 1)[1]} state {state} parent {parent}"
+    return found
 
 
 def start_door(run_dir: Path, overrides: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:

@@ -15,7 +15,7 @@ import tarfile
 import time
 
 from tests.conftest import run_cli
-from tests.runtime.support import CLIP, TWO_WORKERS, alive, build_deepspeed_ops, door_at_its_first_step, finish
+from tests.runtime.support import CLIP, TWO_WORKERS, build_deepspeed_ops, door_at_its_first_step, finish, still_alive
 
 pytestmark = pytest.mark.slow  # starts worker processes
 
@@ -116,7 +116,8 @@ def test_ctrl_c_stops_every_worker_and_exits_130(tmp_path):
     assert re.fullmatch(expected, line), line
     assert "Traceback" not in stderr
     assert (tmp_path / "error.txt").read_text() == line.removeprefix("error: ") + "\n"
-    assert not any(map(alive, workers.values())) and not (tmp_path / "summary.json").exists()
+    assert not still_alive(workers.values()), still_alive(workers.values())
+    assert not (tmp_path / "summary.json").exists()
 
 
 def test_a_killed_worker_is_named_first_not_the_peers_it_broke(tmp_path):
@@ -125,4 +126,5 @@ def test_a_killed_worker_is_named_first_not_the_peers_it_broke(tmp_path):
     stderr = finish(driver)
     assert driver.returncode == 1
     assert stderr.strip().splitlines()[-1] == "error: rank 1: worker killed by signal SIGKILL (exit code -9)"
-    assert not any(map(alive, workers.values())) and not (tmp_path / "summary.json").exists()
+    assert not still_alive(workers.values()), still_alive(workers.values())
+    assert not (tmp_path / "summary.json").exists()

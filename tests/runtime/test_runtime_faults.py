@@ -35,6 +35,7 @@ from tests.runtime.support import (
     kill_all,
     launch_cases,
     start_door,
+    still_alive,
     build_deepspeed_ops,
     summary_of,
     wait_for,
@@ -132,7 +133,8 @@ def test_a_stopped_rank_is_named_with_where_it_stopped_before_any_peer_times_out
     where = r"in step \d+, (at instruction \d+ of \d+ \(.+\)|before its first instruction|after its last instruction)"
     assert re.fullmatch(rf"error: rank 1 stopped making progress: {silent} while {where}; all workers stopped", lines[-1]), lines[-1]
     assert not any("rank 0" in line or "Traceback" in line for line in lines), lines  # the stalled rank first, its peers' fates unsaid
-    assert not any(map(alive, workers.values())) and not (tmp_path / "summary.json").exists()
+    assert not still_alive(workers.values()), still_alive(workers.values())
+    assert not (tmp_path / "summary.json").exists()
 
 
 def _stopped_in_one_line(door, started: dict[int, str], run_dir: Path, sig: int, line: str) -> None:
