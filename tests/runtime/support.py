@@ -188,7 +188,7 @@ def still_alive(pids: Iterable[int]) -> dict[int, str]:
     for pid in pids:
         try:
             stat = Path(f"/proc/{pid}/stat").read_text()
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # gone before or while it was read
             continue
         head, rest = stat.rsplit(") ", 1)  # the name, in parentheses, may hold ") " itself
         state, parent = rest.split()[:2]
