@@ -27,7 +27,8 @@ from dataclasses import dataclass, replace
 
 from src.costmodel.compute import ComputeModel
 from src.cluster import ClusterSpec
-from src.cluster_profile import PRESET_DIR, preset_file
+from src.cluster_profile import preset_file
+from src.config import group_options
 from src.setup import preset_cluster
 
 
@@ -72,8 +73,7 @@ def _preset(name: str) -> ClusterSpec:
 
 def fitted_presets() -> list[str]:
     """The presets whose curve this fits: dgx_a100 and those with a measured GEMM table."""
-    names = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
-    return [n for n in names if n == "dgx_a100" or (preset_file(n) or {}).get("gemm_measurements")]
+    return [n for n in group_options("cluster") if n == "dgx_a100" or (preset_file(n) or {}).get("gemm_measurements")]
 
 
 @functools.lru_cache(maxsize=4)

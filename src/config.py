@@ -504,6 +504,11 @@ def plain_config(cfg: DictConfig) -> dict[str, Any]:
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 
+def group_options(group: str, roots: Sequence[Path] = (CONF_DIR,)) -> list[str]:
+    """The options of config group `group`: its YAML files under each root's `group/`."""
+    return sorted({p.stem for root in roots for p in (root / group).glob("*.yaml")})
+
+
 def unknown_option(args: Sequence[str], config_name: str = "config") -> str | None:
     """The first override naming an option its config group has no file for (`model=clp`;
     each of a multirun's `+experiment=a,b`), as the one line the doors print, or None. Hydra
@@ -521,10 +526,11 @@ def unknown_option(args: Sequence[str], config_name: str = "config") -> str | No
     for arg in args:
         key, sep, value = arg.partition("=")
         group = key.lstrip("+~")
-        directories = [root / group for root in roots if (root / group).is_dir()]
-        if not sep or arg.startswith("-") or group.startswith("hydra") or not directories or "(" in value:
+        if not sep or arg.startswith("-") or group.startswith("hydra") or "(" in value:
             continue
-        options = sorted({p.stem for directory in directories for p in directory.glob("*.yaml")})
+        if not any((root / group).is_dir() for root in roots):
+            continue
+        options = group_options(group, roots)
         for option in value.split(","):
             if option not in options and option != "null":
                 return f"In '{config_name}': Could not find '{group}/{option}'; choose one of {', '.join(options)}"

@@ -47,13 +47,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from src.config import composed
+from src.config import composed, group_options
 from src.errors import ConfigError
 from src.progress import FIRST_CPU_S, scheduled
 from src.report import JobInfo
 from src.sim.engine import SimulationError
 
-CONF = Path(__file__).resolve().parent.parent / "conf"
 
 NAN, INF = float("nan"), float("inf")
 HUGE = 99999999999999999999  # past any index (2^63)
@@ -151,10 +150,6 @@ class Outcome:
     detail: str = ""
 
 
-def options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
-
-
 @functools.lru_cache(maxsize=None)
 def _composed(model: str, strategy: str, cluster: str) -> dict[str, Any]:
     return composed([f"model={model}", f"strategy={strategy}", f"cluster={cluster}", "logger=none"])
@@ -163,8 +158,8 @@ def _composed(model: str, strategy: str, cluster: str) -> dict[str, Any]:
 def draw(rng: random.Random, backend: str = "sim") -> list[str]:
     """A command line: a model, a strategy and a cluster, with a few knobs set (`backend`:
     the simulator's over every cluster, or the real backend's on this machine's workers)."""
-    model, strategy = rng.choice(options("model")), rng.choice(options("strategy"))
-    cluster = rng.choice(options("cluster")) if backend == "sim" else "local"
+    model, strategy = rng.choice(group_options("model")), rng.choice(group_options("strategy"))
+    cluster = rng.choice(group_options("cluster")) if backend == "sim" else "local"
     config = _composed(model, strategy, cluster)
     overrides = [f"model={model}", f"strategy={strategy}", f"cluster={cluster}"]
     knobs: list[tuple[str, Sequence[Any]]]

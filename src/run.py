@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 
 from src.backends import backend_for
 from src.collector import collector_paused
-from src.config import TRAIN_KEYS, plain_config, unknown_option
+from src.config import CONF_DIR, TRAIN_KEYS, plain_config, unknown_option
 from src.errors import ConfigError
 from src.progress import heartbeat, run_clock
 from src.report import JobInfo
@@ -37,7 +37,6 @@ from src.sim.engine import SimulationError
 from src.write_failures import describe, is_write_failure, release, reserve, write_error_file
 
 log = logging.getLogger("src.run")
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 # The groups every run has, each a mapping; the Hydra groups among them name their option.
 GROUPS = ("model", "strategy", "cluster", "backend", "logger", "train", "run")
 NAMED_GROUPS = ("model", "strategy", "cluster", "backend", "run")

@@ -15,7 +15,7 @@ import pytest
 from src.bounds import MAX_LAYERS, MAX_SIZE
 from src.cluster import cluster_from_config
 from src.errors import ConfigError
-from src.fuzz import options
+from src.config import group_options
 from src.models.registry import build_model
 from src.setup import validate
 from tests.composing import composed
@@ -37,7 +37,7 @@ def _cluster(**figures: Any) -> dict[str, Any]:
     return config
 
 
-@pytest.mark.parametrize("cluster", options("cluster"))
+@pytest.mark.parametrize("cluster", group_options("cluster"))
 def test_every_preset_is_within_the_bounds(cluster: str) -> None:
     cluster_from_config(_preset(cluster))
 
