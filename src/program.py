@@ -453,6 +453,7 @@ class GridLayer:
 
 
 GRID_OVERLAPS = ("all_reduce", "reduce_scatter", "all_gather", "cache")
+GRID_GATHERS = ("paper", "lightning")  # how a grid's weights are gathered (strategies.par4d.programs)
 TENSOR_GRID_AXES = ("x", "y", "z")
 
 
@@ -465,16 +466,20 @@ class TensorGrid:
     weight gradient's GEMM; reduce_scatter: weight gradients reduced in flight; all_gather:
     the next weight block prefetched; cache: gathered weights kept for the recomputation).
     cached_layers: with cache on, the layers whose recomputation reuses the forward's
-    gathered weights."""
+    gathered weights. gathers: paper (Algorithm 1's, the gathered weights kept for the
+    backward, one prefetch chain) or lightning (AxoNN's Lightning strategy's)."""
 
     layers: tuple[GridLayer, ...]
     overlaps: tuple[str, ...] = ()
     cached_layers: tuple[int, ...] = ()
+    gathers: str = "paper"
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.overlaps) - set(GRID_OVERLAPS))
         if unknown:
             raise ValueError(f"tensor grid overlaps {unknown}: choose from {list(GRID_OVERLAPS)}")
+        if self.gathers not in GRID_GATHERS:
+            raise ValueError(f"tensor grid gathers {self.gathers!r}: choose from {list(GRID_GATHERS)}")
 
 
 @dataclass

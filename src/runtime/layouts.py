@@ -79,6 +79,13 @@ class TensorGridRuntime:
         assert unit.grid is not None, f"unit {unit.unit} lies on no tensor grid"
         x, y, z = (unit.mesh.degree(axis) for axis in ("x", "y", "z"))
         where = f"unit {unit.unit} on the tensor grid {unit.mesh.shape()}"
+        if unit.grid.gathers != "paper":
+            raise PlanRefused(
+                f"{where}: gathers={unit.grid.gathers}: the real backend's grid layers gather as Algorithm 1 does (one "
+                f"prefetch chain, the gathered weights kept for the backward); AxoNN's Lightning order runs in the simulator only",
+                ("gathers",),
+                (unit.unit,),
+            )
         if spec.kind == "unet":
             # Built as rank 0 of each axis builds it (no groups: nothing communicates).
             grid = Grid3D(Axis(x), Axis(y), Axis(z), Axis(unit.mesh.degree("dp")), layers=unit.grid.layers)

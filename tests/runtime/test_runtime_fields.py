@@ -332,6 +332,8 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
     ("par4d", "overlap"): (PAR4D, ["strategy.overlap=[]"], "run", PAR4D_RUNS),
     ("par4d", "micro_batch_size"): (PAR4D, ["strategy.micro_batch_size=2"], "run", PAR4D_RUNS),
     ("par4d", "recompute"): (PAR4D, ["strategy.recompute=none"], "run", PAR4D_RUNS),
+    # AxoNN's Lightning order is the simulator's alone: the grid layers gather as Algorithm 1 does.
+    ("par4d", "gathers"): (PAR4D, ["strategy.gathers=lightning", "strategy.overlap=[all_reduce,all_gather]"], "refused", ""),
     ("deepspeed3d", "tp"): (DS3D, ["strategy.tp=2", "strategy.pp=1"], "run", EQUALITY),
     ("deepspeed3d", "pp"): (DS3D, ["strategy.pp=2"], "run", EQUALITY),
     ("deepspeed3d", "dp"): (DS3D, ["strategy.dp=2"], "run", EQUALITY),

@@ -21,7 +21,7 @@ from src.config import check_positive, options_from
 from src.costmodel.compute import ComputeModel
 from src.costmodel.memory import element_bytes, rank_memory
 from src.errors import ConfigError, PlanError
-from src.program import GRID_OVERLAPS, RECOMPUTE_MODES, Plan, Program, UnitPlan
+from src.program import GRID_GATHERS, GRID_OVERLAPS, RECOMPUTE_MODES, Plan, Program, UnitPlan
 from src.sim.engine import simulate
 from src.strategies.base import PlanRequest, check_microbatch_count, microbatch_sizes
 from src.strategies.par4d.layout import Grid, LayerLayout, UnitGrid
@@ -40,6 +40,7 @@ class Par4DOptions:
     overlap: tuple[str, ...] = field(default=GRID_OVERLAPS)
     micro_batch_size: int | None = None  # samples per replica per micro-batch; null: searched
     recompute: str | None = None  # none | selective | full; null: the least that fits
+    gathers: str = "paper"  # paper | lightning: how the weights are gathered (par4d.programs)
 
     def __post_init__(self) -> None:
         if self.grid is not None:
@@ -58,6 +59,13 @@ class Par4DOptions:
         object.__setattr__(self, "overlap", tuple(overlap))
         if self.recompute is not None and self.recompute not in RECOMPUTE_MODES:
             raise ConfigError(f"strategy.recompute={self.recompute!r}; choose one of {list(RECOMPUTE_MODES)} or null")
+        if self.gathers not in GRID_GATHERS:
+            raise ConfigError(f"strategy.gathers={self.gathers!r}; choose one of {list(GRID_GATHERS)}")
+        if self.gathers == "lightning" and "cache" in overlap:
+            raise ConfigError(
+                "strategy.gathers=lightning with cache in strategy.overlap: AxoNN's Lightning strategy caches no gathered "
+                "weights; drop cache from strategy.overlap"
+            )
 
 
 @dataclass(frozen=True)
@@ -129,7 +137,7 @@ class _Planner:
         closest: tuple[float, str] | None = None
         for mb in self._micro_batches(grid):
             for recompute in ladder:
-                settings = Par4DSettings(mb, recompute, overlap)
+                settings = Par4DSettings(mb, recompute, overlap, gathers=self.opts.gathers)
                 _, unit_plan, memory = self._build(grid, layouts, settings, microbatches=1)
                 if memory["total"] > self.usable:
                     short = memory["total"] - self.usable
@@ -155,7 +163,7 @@ class _Planner:
             if room < 0:
                 break
             cached += 1
-        return Par4DSettings(settings.micro_batch, settings.recompute, settings.overlap, cached)
+        return replace(settings, cached_layers=cached)
 
     def _memory_problem(self, grid: Grid, settings: Par4DSettings, memory: dict[str, float]) -> str:
         parts = ", ".join(f"{k} {gib(memory[k])}" for k in ("weights", "grads", "optimizer", "gathered", "activations") if k in memory)
@@ -283,6 +291,7 @@ STRATEGY = StrategySpec(
         "mesh": "strategy.grid",
         "micro_batch": "strategy.micro_batch_size",
         "recompute": "strategy.recompute",
+        "gathers": "strategy.gathers",
     },
     auto_variants=(AutoVariant("par4d"),),
 )

@@ -23,6 +23,18 @@ Overlaps (§IV), each one switchable:
 Without an overlap the collective blocks the compute stream where it is issued. Each axis
 has one communication stream (NCCL runs a communicator's collectives in order).
 
+How the weights are gathered (`Par4DSettings.gathers`):
+  paper      as §IV describes it: one prefetch chain (C) through the forward and the
+             recomputation in the order the weights are used, the gathered W kept for the
+             backward (Algorithm 1).
+  lightning  as AxoNN's Lightning strategy runs LitGPT (axonn c5ef65d, 2024-07-09, through
+             release 0.2.0): a gather is prefetched only by the use of the one before it in
+             a fixed order, the model's registration order forward (LitGPT registers its
+             output head before its blocks) and its reverse backward; a weight that is not
+             the prefetched one is gathered on the spot, the compute stream waiting; each
+             FC's backward gathers its W again (only the shard is saved); nothing is cached.
+             Each forward and backward ends by waiting for what is in flight.
+
 What Algorithm 1 leaves out but a transformer on the grid needs (runtime.modules.gpt3d
 runs exactly these): a LayerNorm over the hidden width, split over its FC's input axis b,
 all-reduces its rows' statistics over b forward and backward; the embedding table, its
@@ -68,6 +80,7 @@ class Par4DSettings:
     recompute: str  # none | selective | full
     overlap: frozenset[str]
     cached_layers: int = 0  # layers whose gathered weights the recompute reuses (D)
+    gathers: str = "paper"  # paper | lightning: how the weights are gathered (module docstring)
 
 
 @dataclass(frozen=True)
@@ -78,6 +91,72 @@ class _Gather:
     item: int
     bytes: float
     handle: str
+
+
+class _Chain:
+    """The paper's prefetch (C): the gathers in the order the weights are used, each waited
+    before its GEMM with the next one issued then; without (C) each gather blocks."""
+
+    def __init__(self, group: str, sequence: list[_Gather], overlap: bool, issued: set[str]) -> None:
+        self.group, self.sequence, self.overlap, self.issued = group, sequence, overlap, issued
+        self.position = {g.handle: i for i, g in enumerate(sequence)}
+
+    def need(self, gather: _Gather) -> list[Instruction]:
+        if not self.overlap or gather.handle not in self.position:
+            return [Collective("all_gather", self.group, gather.bytes, "tp", stream="z")]
+        out: list[Instruction] = []
+        index = self.position[gather.handle]
+        for ahead in self.sequence[index : index + 2]:
+            if ahead.handle not in self.issued:
+                self.issued.add(ahead.handle)
+                out.append(Collective("all_gather", self.group, ahead.bytes, "tp", stream="z", blocking=False, handle=ahead.handle))
+        out.append(Wait(gather.handle))
+        return out
+
+    def close(self) -> list[Instruction]:
+        return []
+
+
+class _ModuleOrder:
+    """AxoNN's weight cache and its prefetch iterator (gathers=lightning): using the weight
+    in the cache waits for it and lets the iterator issue the next of its order; any other
+    weight is gathered on the spot."""
+
+    def __init__(self, group: str, prefix: str) -> None:
+        self.group, self.prefix = group, prefix
+        self.order: list[_Gather] = []
+        self.next = self.issued = 0
+        self.held: dict[tuple[int, int], str] = {}
+
+    def start(self, order: list[_Gather]) -> list[Instruction]:
+        """A new iterator over `order`, which issues its first gather at once."""
+        self.order, self.next = order, 0
+        return self._advance()
+
+    def _advance(self) -> list[Instruction]:
+        if self.next >= len(self.order):
+            return []
+        gather = self.order[self.next]
+        self.next += 1
+        key = (gather.layer, gather.item)
+        if key in self.held:
+            return []
+        handle = f"{self.prefix}.{self.issued}"
+        self.issued += 1
+        self.held[key] = handle
+        return [Collective("all_gather", self.group, gather.bytes, "tp", stream="z", blocking=False, handle=handle)]
+
+    def need(self, gather: _Gather) -> list[Instruction]:
+        handle = self.held.pop((gather.layer, gather.item), None)
+        if handle is None:
+            return [Collective("all_gather", self.group, gather.bytes, "tp", stream="z")]
+        return [Wait(handle), *self._advance()]
+
+    def close(self) -> list[Instruction]:
+        """The context's end synchronizes the device: what is in flight is waited, the cache emptied."""
+        out: list[Instruction] = [Wait(handle) for handle in self.held.values()]
+        self.held.clear()
+        return out
 
 
 class Par4DEmitter:
@@ -150,34 +229,43 @@ class Par4DEmitter:
         return [g for g in self._gather_list(recomputed, j, "re") if g.layer not in self.cached]
 
     def microbatch(self, j: int, last: bool) -> list[Instruction]:
+        if self.cfg.gathers == "lightning" and "all_gather" in self.cfg.overlap and self.grid.z > 1:
+            return self._lightning_microbatch(j)
         # Gathers in the order they are needed, into the next micro-batch's first: the
         # prefetch (C) walks this list one ahead.
         sequence = self._gather_list(self.layouts, j, "fwd") + self._recompute_gathers(j)
         if not last:
             sequence += self._gather_list(self.layouts, j + 1, "fwd")[:1]
-        position = {g.handle: i for i, g in enumerate(sequence)}
+        chain = _Chain(self._group("z") if self.grid.z > 1 else "", sequence, "all_gather" in self.cfg.overlap, self._issued)
         out: list[Instruction] = []
         for layout in self.layouts:
-            out += self._forward_layer(layout, j, sequence, position)
+            out += self._forward_layer(layout, j, chain)
         for layout in reversed(self.layouts):
-            out += self._backward_layer(layout, j, sequence, position)
-        out += [Wait(h) for h in self._pending_rs]
-        self._pending_rs = []
-        return out
+            out += self._backward_layer(layout, j, chain)
+        return out + self._wait_reduce_scatters()
 
-    def _gather(self, gather: _Gather, sequence: list[_Gather], position: dict[str, int]) -> list[Instruction]:
-        """The all-gather of `gather`'s weights before its GEMM: blocking, or (C) waited
-        after the previous FC's compute, with the next one issued now."""
-        group = self._group("z")
-        if "all_gather" not in self.cfg.overlap:
-            return [Collective("all_gather", group, gather.bytes, "tp", stream="z")]
-        out: list[Instruction] = []
-        index = position[gather.handle]
-        for ahead in sequence[index : index + 2]:
-            if ahead.handle not in self._issued:
-                self._issued.add(ahead.handle)
-                out.append(Collective("all_gather", group, ahead.bytes, "tp", stream="z", blocking=False, handle=ahead.handle))
-        out.append(Wait(gather.handle))
+    def _lightning_microbatch(self, j: int) -> list[Instruction]:
+        """The micro-batch as AxoNN's Lightning strategy runs it: the forward under one
+        iterator in registration order; the backward under the forward's (which issues its
+        first gather) replaced by one in the reverse order."""
+        fcs = [g for g in self._gather_list(self.layouts, j, "order") if self.layouts[g.layer].fcs[g.item] is not None]
+        head = [g for g in fcs if g.layer == self.layouts[-1].index]
+        order = head + [g for g in fcs if g.layer != self.layouts[-1].index]
+        forward = _ModuleOrder(self._group("z"), f"ag.fwd.mb{j}")
+        out = forward.start(order)
+        for layout in self.layouts:
+            out += self._forward_layer(layout, j, forward)
+        out += forward.close()
+        backward = _ModuleOrder(self._group("z"), f"ag.bwd.mb{j}")
+        out += backward.start(order) + backward.start(order[::-1])
+        for layout in reversed(self.layouts):
+            out += self._backward_layer(layout, j, backward)
+        out += backward.close()
+        return out + self._wait_reduce_scatters()
+
+    def _wait_reduce_scatters(self) -> list[Instruction]:
+        out: list[Instruction] = [Wait(h) for h in self._pending_rs]
+        self._pending_rs = []
         return out
 
     def _work(self, layout: LayerLayout, phase: Phase, item: int, recompute: str = "none") -> Work:
@@ -191,16 +279,15 @@ class Par4DEmitter:
             kernels=layout.ranges[item],
         )
 
-    def _forward_layer(self, layout: LayerLayout, j: int, sequence, position) -> list[Instruction]:
+    def _forward_layer(self, layout: LayerLayout, j: int, gathers: _Chain | _ModuleOrder) -> list[Instruction]:
         segment = Segment(self.unit, (layout.index, layout.index + 1))
-        # This micro-batch's own (the sequence ends with the next one's first, prefetched).
-        gathers = {g.item: g for g in sequence if g.layer == layout.index and g.handle.startswith(f"ag.fwd.mb{j}.")}
+        needed = {g.item: g for g in self._gather_list([layout], j, "fwd")}
         out: list[Instruction] = []
         last = len(layout.fcs) - 1
         out += self._input_gather(layout)
         for item, fc in enumerate(layout.fcs):
-            if item in gathers:
-                out += self._gather(gathers[item], sequence, position)
+            if item in needed:
+                out += gathers.need(needed[item])
             out += self._norm_stats(layout, item)
             inputs, outputs = range_io(self.model, segment, "fwd", j, item == 0, item == last)
             out.append(Compute(self._work(layout, "fwd", item), microbatch=j, inputs=inputs, outputs=outputs))
@@ -277,16 +364,16 @@ class Par4DEmitter:
             return []
         return [Collective("all_gather", group, self._rows(fc) * fc.n * self.act_bytes, "tp", stream=axis)]
 
-    def _backward_layer(self, layout: LayerLayout, j: int, sequence, position) -> list[Instruction]:
+    def _backward_layer(self, layout: LayerLayout, j: int, gathers: _Chain | _ModuleOrder) -> list[Instruction]:
         out: list[Instruction] = []
         recompute = self.cfg.recompute
         if self._recomputed(layout):
             # The layer's forward runs again (priced inside its backward Works): its weights
             # gathered again unless cached, its output all-reduces again.
-            gathers = [g for g in sequence if g.layer == layout.index and g.handle.startswith("ag.re")]
             out += self._input_gather(layout)
-            for gather in gathers:
-                out += self._gather(gather, sequence, position)
+            if layout.index not in self.cached:
+                for gather in self._gather_list([layout], j, "re"):
+                    out += gathers.need(gather)
             for fc in layout.fcs:
                 out += self._output_collectives(fc)
         out += self._output_grad_gather(layout)
@@ -295,6 +382,7 @@ class Par4DEmitter:
             fc = layout.fcs[item]
             if fc is not None:
                 out += self._resplit(fc, fc.axes()[1])
+            out += self._backward_gather(layout, item, j, gathers)
             inputs, outputs = range_io(self.model, segment, "bwd", j, item == 0, item == len(layout.fcs) - 1)
             out.append(Compute(self._work(layout, "bwd_input", item, recompute), microbatch=j, inputs=inputs, outputs=outputs))
             out += self._norm_stats(layout, item)
@@ -316,6 +404,12 @@ class Par4DEmitter:
                 out += self._embedding_grad_gather(fc)
             out += self._reduce_scatter(layout, item, j)
         return out
+
+    def _backward_gather(self, layout: LayerLayout, item: int, j: int, gathers: _Chain | _ModuleOrder) -> list[Instruction]:
+        """gathers=lightning: an FC's backward gathers its W again (AxoNN saves the shard)."""
+        if self.cfg.gathers != "lightning" or layout.fcs[item] is None or not self._gathers(layout):
+            return []
+        return gathers.need(_Gather(layout.index, item, self._weight_bytes(layout, item), f"ag.bwd.mb{j}.L{layout.index}.{item}"))
 
     def _output_grad_gather(self, layout: LayerLayout) -> list[Instruction]:
         """A replicated first layer's output gradient, sliced over the axis the next FC
@@ -376,8 +470,12 @@ class Par4DEmitter:
         """Weights held gathered at the peak: every layer's when the backward reuses the
         forward's (Algorithm 1 keeps W: no full recomputation, or a layer it does not re-run),
         else the cached layers' plus the two recomputed ones in flight (the one computing and
-        the one prefetched)."""
+        the one prefetched); under gathers=lightning two layers' (priced whole, an upper bound
+        on the FCs in use and in flight)."""
         layouts = [lay for lay in self.layouts if self._gathers(lay)]
+        if self.cfg.gathers == "lightning":
+            # Nothing kept: the one in use and the one in flight.
+            return 2 * max((lay.gathered_params(self.grid) for lay in layouts), default=0.0)
         kept = sum(lay.gathered_params(self.grid) for lay in layouts if lay.index in self.cached or not self._recomputed(lay))
         regathered = [lay.gathered_params(self.grid) for lay in layouts if self._recomputed(lay)]
         return kept + 2 * max(regathered, default=0.0)
@@ -417,6 +515,7 @@ def par4d_program(
             layers=tuple(layout.placement() for layout in layouts),
             overlaps=tuple(sorted(settings.overlap)),
             cached_layers=tuple(sorted(emitter.cached)),
+            gathers=settings.gathers,
         ),
         details={
             "grid": grid.label(),
@@ -425,6 +524,7 @@ def par4d_program(
             "grid_z": grid.z,
             "overlap": sorted(settings.overlap),
             "cached_layers": len(emitter.cached),
+            "gathers": settings.gathers,
         },
     )
     return program, plan

@@ -273,6 +273,34 @@ def test_full_recomputation_gathers_again_only_the_blocks_it_re_runs():
     assert cached.details["cached_layers"] == 2  # both blocks; the embedding and head need none
 
 
+def test_lightning_gathers_follow_axonns_cache_and_iterator():
+    """gathers=lightning: the forward's iterator starts at the head (LitGPT registers it
+    before its blocks), so every block's gather blocks until the head uses its prefetch; the
+    backward's runs in reverse and each FC's backward gathers its W again. Derived by hand for
+    the tiny GPT (embedding, two blocks of 4 FCs, head) on G_z = 8, full recomputation:
+    forward 9 blocking (the embedding's table and 8 block FCs) and 2 issued ahead (the head's,
+    then block 1's first, left unused); backward 8 blocking (per block: the recomputation's
+    first two FCs, the backward's last two) and 10 issued ahead. The paper's chain: 18 gathers
+    (10 forward, 8 recomputed), every one issued ahead."""
+    base = (*TINY_GPT, "strategy=par4d", "strategy.grid=[1,1,8,1]", "strategy.recompute=full")
+    overlaps = "strategy.overlap=[all_reduce,reduce_scatter,all_gather]"
+    counts = {}
+    for gathers in ("paper", "lightning"):
+        plan, _ = _plan(*base, overlaps, f"strategy.gathers={gathers}")
+        issued = [
+            i for i in plan.program.classes[0].instructions if isinstance(i, Collective) and i.op == "all_gather" and i.group == "z"
+        ]
+        counts[gathers] = (sum(i.blocking for i in issued), sum(not i.blocking for i in issued))
+    assert counts == {"paper": (0, 18), "lightning": (17, 12)}
+
+
+def test_lightning_gathers_refuse_a_cache_axonns_lightning_strategy_lacks():
+    with pytest.raises(ConfigError, match="strategy.gathers=lightning with cache in strategy.overlap"):
+        _plan(*TINY_GPT, "strategy=par4d", "strategy.grid=[1,1,8,1]", "strategy.gathers=lightning")
+    with pytest.raises(ConfigError, match="strategy.gathers='axonn'; choose one of"):
+        _plan(*TINY_GPT, "strategy=par4d", "strategy.gathers=axonn")
+
+
 def test_each_overlap_lowers_the_iteration_time_on_gpt20b():
     times = []
     for overlap in (
