@@ -47,7 +47,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere: `src` is the repository's package
 
-from src.report.files import output_dir  # noqa: E402
+from src.out_paths import output_dir  # noqa: E402
 from src.runtime.driver import free_port, stop, worker_env  # noqa: E402
 from src.setup import validate  # noqa: E402
 

@@ -120,7 +120,7 @@ def plain_loop(batch: int, steps: int) -> tuple[list[float], list[dict[str, floa
 
 
 def main() -> None:
-    from src.report.files import output_file  # a path it could not write, refused before the GPU's time
+    from src.out_paths import output_file, write_file  # a path it could not write, refused before the GPU's time
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[64])
@@ -197,8 +197,7 @@ def main() -> None:
         }
         print(json.dumps({batch: {k: v for k, v in results["clip"][batch].items() if k != "harness_losses"}}, indent=1), flush=True)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=1))
+        write_file(args.out, json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

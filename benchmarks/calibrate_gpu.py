@@ -27,8 +27,12 @@ import json
 import math
 import statistics
 import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: src.out_paths, standard library only
+from src.out_paths import output_file, write_file  # noqa: E402
 
 SQUARE = [128, 256, 512, 1024, 2048, 4096, 8192, 12288, 16384]
 THIN = [64, 128, 256, 512, 1024, 2048]
@@ -115,7 +119,7 @@ def fit_summary(points: list[tuple[tuple[int, int, int], float]], peak: float, h
     }
 
 
-def refit(path: str, overhead: float, out: str | None) -> None:
+def refit(path: str, overhead: float, out: Path | None) -> None:
     """A stored run's GEMMs fitted again, each GEMM costing `overhead` beyond its arithmetic."""
     with open(path) as f:
         result = json.load(f)
@@ -124,8 +128,7 @@ def refit(path: str, overhead: float, out: str | None) -> None:
     result["fit"] = fit_summary(points, result["datasheet_peak"], result["copy_bytes_per_s"], overhead, element)
     result["fit"]["refit"] = f"python benchmarks/calibrate_gpu.py --refit {path} --gemm-overhead-s {overhead:g}"
     if out:
-        with open(out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_file(out, json.dumps(result, indent=1))
 
 
 def main() -> None:
@@ -140,7 +143,7 @@ def main() -> None:
         "default: the tiny kernel's time measured here",
     )
     parser.add_argument("--refit", help="a stored result file: fit its GEMMs again (needs --gemm-overhead-s; no GPU)")
-    parser.add_argument("--out")
+    parser.add_argument("--out", type=output_file)
     args = parser.parse_args()
     if args.refit:
         if args.gemm_overhead_s is None or args.gemm_overhead_s < 0:
@@ -198,8 +201,7 @@ def main() -> None:
         f"  kernel_overhead_s: {overhead:.2e}"
     )
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_file(args.out, json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

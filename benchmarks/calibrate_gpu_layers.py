@@ -26,10 +26,14 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: src.out_paths, standard library only
+from src.out_paths import output_file, write_file  # noqa: E402
 
 PEAK_BF16 = 989e12  # H100 SXM datasheet, dense
 SQUARE = [256, 512, 1024, 2048, 4096, 8192]
@@ -184,7 +188,7 @@ def device_header(script: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out")
+    parser.add_argument("--out", type=output_file)
     args = parser.parse_args()
     result = {
         **device_header("calibrate_gpu_layers"),
@@ -195,8 +199,7 @@ def main() -> None:
         "command": "python benchmarks/calibrate_gpu_layers.py --out h100_layers.json",
     }
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_file(args.out, json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from src.config import composed
 from src.metrics import iteration_flops, summarize
 from src.plan_io import PlannedRun
 from src.program import Plan, UnitPlan
-from src.report.files import output_file
+from src.out_paths import output_file, write_file
 from src.setup import Setup, plan_run, validate
 from src.sim.engine import simulate
 from src.timeline import BREAKDOWN_CATEGORIES, Timeline
@@ -151,8 +151,7 @@ def main() -> None:
     print(text)
     print(f"({time.perf_counter() - wall:.0f} s wall, {time.process_time() - cpu:.0f} s CPU)")
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+        write_file(args.out, text)
 
 
 if __name__ == "__main__":

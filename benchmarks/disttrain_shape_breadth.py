@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere: this repository's src
 
 from src.config import composed
-from src.report.files import output_file
+from src.out_paths import output_file, write_file
 from src.setup import plan_run, validate
 
 FIGURE = [
@@ -71,8 +71,7 @@ def main() -> None:
     print(table)
     if args.out:
         command = "python benchmarks/disttrain_shape_breadth.py" + (" --choices" if args.choices else "")
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(f"`{command}`\n\n{table}\n")
+        write_file(args.out, f"`{command}`\n\n{table}\n")
 
 
 def shape_breadths() -> str:

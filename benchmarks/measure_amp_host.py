@@ -34,7 +34,9 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: src.out_paths, standard library only
 from calibrate_gpu_layers import STACK, Block, device_header  # noqa: E402  (the calibration's block, unchanged)
+from src.out_paths import output_file, write_file  # noqa: E402
 
 # (hidden, tokens): where the device runs a block's kernels faster than the host issues them.
 SIZES = [(64, 256), (256, 1024), (512, 1024)]
@@ -146,7 +148,7 @@ def operator_host() -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out")
+    parser.add_argument("--out", type=output_file)
     args = parser.parse_args()
     result = {
         **device_header("measure_amp_host"),
@@ -156,7 +158,7 @@ def main() -> None:
         "command": "python benchmarks/measure_amp_host.py --out amp_host.json",
     }
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        write_file(args.out, json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

@@ -37,6 +37,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: src.out_paths, standard library only
+from src.out_paths import output_file, write_file  # noqa: E402
+
 REPEATS = 15
 
 
@@ -82,7 +85,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=1536, help="the group's size: the list's length (default 1536)")
     parser.add_argument("--cuda", action="store_true", help="also measure a GPU copy's launch per entry (needs a GPU)")
-    parser.add_argument("--out", type=Path, default=None, help="also write the figures here (JSON)")
+    parser.add_argument("--out", type=output_file, default=None, help="also write the figures here (JSON)")
     args = parser.parse_args()
     problem = f"--ranks must be at least 2, got {args.ranks}" if args.ranks < 2 else None
     if args.cuda and not torch.cuda.is_available():
@@ -142,7 +145,7 @@ def main() -> None:
     scatter = figures["deepspeed_scatter_list"]["wall_s_per_rank"] + figures["c10d_entry_without_launch"]["wall_s_per_rank"]
     print(f"per rank, a list all-gather: {gather * 1e6:.2f} us; a list reduce-scatter: {scatter * 1e6:.2f} us (no launch)")
     if args.out:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        write_file(args.out, json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -33,7 +33,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: src.out_paths, standard library only
 from calibrate_gpu_layers import device_header, events_seconds  # noqa: E402
+from src.out_paths import output_file, write_file  # noqa: E402
 
 TOKENS = [2048, 8192, 32768]
 WIDTHS = [2048, 8192]
@@ -107,7 +109,7 @@ def measure(tokens: int, width: int, calls: dict[str, tuple[Callable[[], Any], f
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out")
+    parser.add_argument("--out", type=output_file)
     args = parser.parse_args()
     result = {
         **device_header("measure_memory_kernels"),
@@ -116,7 +118,7 @@ def main() -> None:
         "command": "python benchmarks/measure_memory_kernels.py --out memory_kernels.json",
     }
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        write_file(args.out, json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

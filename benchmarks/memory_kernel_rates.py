@@ -31,6 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: src.out_paths, standard library only
+from src.out_paths import output_file, write_file  # noqa: E402
+
 # The profile's ways (small_gpt_gpu.py VARIANTS): autocast keeps fp32 weights and runs LayerNorm in
 # fp32 (its input, the residual stream, is fp32); bf16_weights runs every layer kernel in bf16.
 NORM_BYTES = {"autocast": 4, "autocast+fused_adamw": 4, "bf16_weights+fused_adamw": 2}
@@ -180,7 +183,7 @@ def main() -> None:
         help="small_gpt_gpu.py --out files with their plain loops' profiles, or measure_memory_kernels.py --out files",
     )
     parser.add_argument("--hbm", type=float, required=True, help="the device's datasheet HBM bandwidth, bytes/s")
-    parser.add_argument("--out", type=Path, help="write the rates and their median share here (JSON)")
+    parser.add_argument("--out", type=output_file, help="write the rates and their median share here (JSON)")
     args = parser.parse_args()
     if args.hbm <= 0:
         parser.exit(2, f"--hbm must be a positive bandwidth in bytes/s, got {args.hbm}\n")
@@ -221,7 +224,7 @@ def main() -> None:
             "median_share": median,
             "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
         }
-        args.out.write_text(json.dumps(summary, indent=1) + "\n")
+        write_file(args.out, json.dumps(summary, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere: this repository's src
 
 from src.config import composed
-from src.report.files import output_file
+from src.out_paths import output_file, write_file
 from src.setup import plan_run, validate
 from src.sim.engine import simulate
 from src.sweep import figure_jobs, load_sweep
@@ -86,8 +86,7 @@ def main() -> None:
     print(text)
     print(f"({time.perf_counter() - wall:.0f} s wall, {time.process_time() - cpu:.0f} s CPU)")
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+        write_file(args.out, text)
 
 
 if __name__ == "__main__":

@@ -260,7 +260,7 @@ def kernel_kind(name: str) -> str:
 
 
 def main() -> None:
-    from src.report.files import output_file  # a path it could not write, refused before the GPU's time
+    from src.out_paths import output_file, write_file  # a path it could not write, refused before the GPU's time
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
@@ -293,8 +293,7 @@ def main() -> None:
 
     def save() -> None:
         if args.out:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(results, indent=1))
+            write_file(args.out, json.dumps(results, indent=1))
 
     from src.errors import ConfigError
     from src.run import compose_config

@@ -349,7 +349,7 @@ def report(name: str, row: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    from src.report.files import output_file  # a path it could not write, refused before the GPU's time
+    from src.out_paths import output_file, write_file  # a path it could not write, refused before the GPU's time
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=20.0, help="device time the steps run back to back")
@@ -395,16 +395,14 @@ def main() -> None:
         result["layers"].append(measure(layer, args.layers, args.seconds, sampler, args.attention, args.unfused))
         torch.cuda.empty_cache()
         if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(result, indent=1))
+            write_file(args.out, json.dumps(result, indent=1))
     if sampler is not None:
         idle_start = time.perf_counter()
         time.sleep(1.0)
         result["idle_nvml"] = sampler.between(idle_start, time.perf_counter())
         sampler.stop()
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        write_file(args.out, json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

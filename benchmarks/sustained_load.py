@@ -214,7 +214,7 @@ def measure_attention(seq: int, priced: list[dict[str, Any]]) -> list[dict[str, 
 
 
 def main() -> None:
-    from src.report.files import output_file  # a path it could not write, refused before the GPU's time
+    from src.out_paths import output_file, write_file  # a path it could not write, refused before the GPU's time
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=10.0, help="device time each layer's GEMMs cycle back to back")
@@ -243,8 +243,7 @@ def main() -> None:
     result = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__, "seconds": args.seconds}
     result |= {"gemms": measure_gemms(args.seconds, gemms), "attention": measure_attention(args.seq, attention)}
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        write_file(args.out, json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

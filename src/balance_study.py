@@ -33,7 +33,7 @@ from typing import Any, Sequence
 from src.config import BALANCE_POLICIES
 from src.errors import ConfigError
 from src.parallel_work import run_all
-from src.report.files import output_dir
+from src.out_paths import output_dir
 
 DEFAULT_SERIES = ("megatron=strategy=megatron", "disttrain=strategy=disttrain")
 UNIFORM = "uniform"

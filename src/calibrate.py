@@ -72,7 +72,7 @@ import yaml
 
 from src.cluster_profile import PROFILE_DIR, host_cpu_model, profile_path
 from src.costmodel.comm import lag_wait
-from src.report.files import output_file
+from src.out_paths import output_file
 
 SQUARES = (64, 128, 256, 512, 1024)
 THIN = ((16, 512, 512), (64, 2048, 512), (256, 128, 1024), (2048, 64, 64))  # (m, n, k): small batches, narrow heads

@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from src.report.files import output_file
+from src.out_paths import output_file, write_file
 
 
 def _rows(path: Path) -> dict[tuple[str, str], dict[str, Any]]:
@@ -80,8 +80,7 @@ def main() -> None:
     if missing:
         text += "\n\nOnly after: " + ", ".join(missing)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+        write_file(args.out, text + "\n")
     print(text)
 
 

@@ -35,7 +35,7 @@ from typing import Any
 import yaml
 
 from src.errors import ConfigError
-from src.report.files import output_dir
+from src.out_paths import output_dir
 
 REPO = Path(__file__).resolve().parent.parent
 RUNS = REPO / "benchmarks" / "heldout" / "runs.yaml"

@@ -41,7 +41,7 @@ from src.reproduction.catalogue import CATALOGUE_DIR, SWEEPS_DIR, Catalogue, Pre
 from src.reproduction.results import STORE, load_results, stale
 from src.reproduction.scorecard import paper_section, score, summary_table, write
 from src.sweep import REPO, SweepSpec, figure_jobs, multirun_command
-from src.report.files import output_dir
+from src.out_paths import output_dir
 
 RUNS = Path("outputs") / "reproduction"
 SCORECARD = REPO / "benchmarks" / "results"  # the committed scorecard: all papers

@@ -28,7 +28,8 @@ from src.config import CONF_DIR, TRAIN_KEYS, plain_config, unknown_option
 from src.errors import ConfigError
 from src.progress import heartbeat, run_clock
 from src.report import JobInfo
-from src.report.files import WriteError, unwritable_dir
+from src.report.files import WriteError
+from src.out_paths import unwritable_dir
 from src.runtime.errors import Terminated, TerminateSignal, WorkerFailure, signal_line
 from src.runtime.processes import kill_descendants, leave, signals_end_the_run
 from src.plan_io import PlannedRun, RunSettings

@@ -49,7 +49,8 @@ import yaml
 from src.cluster_inputs import cluster_inputs
 from src.errors import ConfigError
 from src.report import plotting
-from src.report.files import SUMMARY_FILE, output_dir
+from src.report.files import SUMMARY_FILE
+from src.out_paths import output_dir
 from src.setup import ERROR_FILE
 
 REPO = Path(__file__).resolve().parent.parent

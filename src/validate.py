@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from src.report import plotting
-from src.report.files import output_dir
+from src.out_paths import output_dir
 from src.timeline import BREAKDOWN_CATEGORIES, Timeline
 
 # Two sizes of one GPT (a transformer's GEMMs and collectives; custom sizes need no preset),

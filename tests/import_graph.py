@@ -25,6 +25,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "foundation",
         (
             "src.errors",
+            "src.out_paths",
             "src.bounds",
             "src.progress",
             "src.parallel_work",

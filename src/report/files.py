@@ -6,13 +6,11 @@ one line naming the path and the errno, which the front door prints (exit 2)."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import errno
 import json
 import logging
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
@@ -40,43 +38,6 @@ def writing(path: Path) -> Iterator[None]:
         raise
     except OSError as err:
         raise WriteError(write_failure(err, path)) from None
-
-
-def unwritable_dir(path: Path) -> str | None:
-    """Why a directory cannot be created or written in, or None: a probe directory is made
-    and removed in its nearest existing ancestor (permissions alone would pass root)."""
-    existing = next(p for p in (path, *path.parents) if os.path.lexists(p))
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".mmdist-probe-", dir=existing))
-    except OSError as err:
-        why = f"{err.strerror} (errno {err.errno}, {errno.errorcode.get(err.errno or 0, '?')})"
-        return f"cannot write in {path}: {why}" if existing == path else f"cannot create {path}: {why} (at {existing})"
-    return None
-
-
-def output_dir(value: str) -> Path:
-    """argparse's type of a tool's --out directory: refused when it is parsed, before any
-    work, where it cannot be created or written in (the tool would otherwise end its work in
-    a traceback)."""
-    path = Path(value)
-    if path.exists() and not path.is_dir():
-        raise argparse.ArgumentTypeError(f"{path} is a file; give a directory")
-    problem = unwritable_dir(path)
-    if problem:
-        raise argparse.ArgumentTypeError(problem)
-    return path
-
-
-def output_file(value: str) -> Path:
-    """argparse's type of a tool's --out file: refused when it is parsed where it names a
-    directory or its directory cannot be created or written in (the tool creates it)."""
-    path = Path(value)
-    if path.is_dir():
-        raise argparse.ArgumentTypeError(f"{path} is a directory; give a file")
-    problem = unwritable_dir(path.parent)
-    if problem:
-        raise argparse.ArgumentTypeError(problem)
-    return path
 
 
 class RunLogHandler(logging.FileHandler):

@@ -5,11 +5,28 @@ where the directory allows it and no summary.json."""
 from __future__ import annotations
 
 import argparse
+import ast
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from src.report.files import RunFiles, WriteError, output_dir, output_file, unwritable_dir
+import src.out_paths
+from src.out_paths import output_dir, output_file, unwritable_dir, write_file
+from src.report.files import RunFiles, WriteError
 from tests.conftest import run_cli
+
+REPO = Path(__file__).resolve().parents[2]
+# Scripts for a bare GPU machine: torch and the standard library only, src.out_paths their one import of the repository's.
+GPU_SCRIPTS = (
+    "calibrate_gpu",
+    "calibrate_gpu_layers",
+    "measure_amp_host",
+    "measure_memory_kernels",
+    "measure_list_collective_host",
+    "memory_kernel_rates",
+)
 
 
 def test_a_full_disk_is_one_line_naming_the_record(tmp_path):
@@ -53,6 +70,38 @@ def test_a_tools_out_path_is_refused_when_it_is_parsed(tmp_path, capsys):
         parser.parse_args(["--file", str(tmp_path)])
     assert exited.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith(f"argument --file: {tmp_path} is a directory; give a file")
+
+
+def test_write_file_creates_the_directory_output_file_let_be_missing(tmp_path):
+    write_file(tmp_path / "new" / "deeper" / "x.json", "{}")
+    assert (tmp_path / "new" / "deeper" / "x.json").read_text() == "{}"
+
+
+def test_out_paths_needs_the_standard_library_only():
+    """The GPU machine's scripts import it where only torch is installed."""
+    tree = ast.parse(Path(src.out_paths.__file__).read_text())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    assert imported - {"__future__"} <= set(sys.stdlib_module_names), imported
+
+
+@pytest.mark.slow  # each script in a subprocess (torch imported)
+@pytest.mark.parametrize("script", GPU_SCRIPTS)
+def test_a_gpu_scripts_out_path_is_refused_before_its_work(script, tmp_path):
+    (tmp_path / "file").write_text("")
+    args = ["--hbm", "1"] if script == "memory_kernel_rates" else []  # its required option, then no profile at all
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / f"{script}.py"), *args, "--out", f"{tmp_path}/file/x.json"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .endswith(f"argument --out: cannot write in {tmp_path}/file: Not a directory (errno 20, ENOTDIR)")
+    ), proc.stderr
 
 
 @pytest.mark.slow  # the front door in a subprocess
