@@ -25,11 +25,11 @@ GRID_AXES = (*TENSOR_GRID_AXES, "dp")  # X innermost
 
 
 def build_grid(unit: UnitPlan) -> Grid3D:
-    """The unit's grid, its groups made by every rank, with the plan's overlaps and cached layers."""
+    """The unit's grid, its groups made by every rank, with the plan's overlaps, cached layers and gather order."""
     assert unit.grid is not None, f"unit {unit.unit} lies on no tensor grid"
     degrees = tuple(unit.mesh.degree(axis) for axis in GRID_AXES)
     layout = unit.grid
-    return Grid3D.build(degrees, frozenset(layout.overlaps), frozenset(layout.cached_layers), layout.layers)  # type: ignore[arg-type]
+    return Grid3D.build(degrees, frozenset(layout.overlaps), frozenset(layout.cached_layers), layout.layers, layout.gathers)  # type: ignore[arg-type]
 
 
 class GridEngine(OwnEngine):

@@ -59,7 +59,7 @@ class _GridUnit:
         return module
 
     def link(self, layers: nn.ModuleList) -> None:
-        link_prefetches(layers)
+        link_prefetches(layers, self.grid)
 
     def engine(self, module: nn.Module, settings: DeepSpeedSpec, contrastive: ContrastiveSpec, steps: int) -> OwnEngine:
         return GridEngine(module, self.grid, settings, contrastive, steps)
@@ -79,10 +79,10 @@ class TensorGridRuntime:
         assert unit.grid is not None, f"unit {unit.unit} lies on no tensor grid"
         x, y, z = (unit.mesh.degree(axis) for axis in ("x", "y", "z"))
         where = f"unit {unit.unit} on the tensor grid {unit.mesh.shape()}"
-        if unit.grid.gathers != "paper":
+        if unit.grid.gathers == "lightning" and spec.kind == "unet":
             raise PlanRefused(
-                f"{where}: gathers={unit.grid.gathers}: the real backend's grid layers gather as Algorithm 1 does (one "
-                f"prefetch chain, the gathered weights kept for the backward); AxoNN's Lightning order runs in the simulator only",
+                f"{where}: gathers=lightning is AxoNN's Lightning strategy for LitGPT's GPTs; the real backend runs a U-Net's "
+                f"grid layers with gathers=paper",
                 ("gathers",),
                 (unit.unit,),
             )

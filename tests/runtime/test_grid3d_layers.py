@@ -3,7 +3,8 @@ processes as (G_x, G_y, G_z, G_data) = (2,2,2,1) and (2,2,1,2), two chained laye
 second transposed, reading the first's output layout) give each rank its slice of the
 whole outputs, input gradients and weight and bias gradients, with every overlap on and
 off; under activation checkpointing caching the gathered weights (D) halves the z
-all-gathers. A U-Net's GroupNorm whose groups straddle ranks equals nn.GroupNorm."""
+all-gathers. A U-Net's GroupNorm whose groups straddle ranks equals nn.GroupNorm. A GPT
+under AxoNN's Lightning gather order gathers as often as its plan says."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from torch.utils.checkpoint import checkpoint
 from src.runtime.driver import free_port
 from src.runtime.modules.parallel import linear_shard
 from src.program import GRID_OVERLAPS
-from src.runtime.modules.grid3d import Axis, Conv3D, Grid3D, Linear3D, axis_part
+from src.runtime.modules.gpt3d import Block3D, Embedding3D, Head3D
+from src.runtime.modules.grid3d import Axis, Conv3D, Grid3D, Linear3D, axis_part, link_prefetches
 from src.runtime.modules.unet3d import GroupNorm3D
 from tests.runtime.support import run_forked
 
@@ -129,7 +131,23 @@ def _check_split_group_norm(grid: Grid3D) -> None:
     torch.testing.assert_close(norm.bias.grad, whole.bias.grad[channels])
 
 
-def _worker(rank: int, port: int) -> None:
+def _lightning_gathers(degrees: tuple[int, int, int, int]) -> int:
+    """A two-block GPT's step (blocks checkpointed, as full recomputation runs them) under
+    gather_order=lightning: the z all-gathers it issued."""
+    grid = Grid3D.build(degrees, frozenset(GRID_OVERLAPS) - {"cache"}, gather_order="lightning")
+    torch.manual_seed(0)
+    layers = nn.ModuleList([Embedding3D(128, 64, 16, grid), Block3D(64, 4, grid), Block3D(64, 4, grid), Head3D(64, 128, grid)])
+    link_prefetches(layers, grid)
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
+    state = layers[0]({"ids": ids, "targets": ids})
+    for block in layers[1:3]:
+        state = checkpoint(block, state, use_reentrant=False)
+    layers[3](state)["loss"].backward()
+    grid.finish_pending()
+    return grid.gathers
+
+
+def _worker(rank: int, port: int, lightning_gathers: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=8)
     try:
         grids = [Grid3D.build(degrees) for degrees in GRIDS]
@@ -145,6 +163,7 @@ def _worker(rank: int, port: int) -> None:
             gathers["cache" in overlap] = grid.gathers
         assert gathers == {False: 4, True: 2}, gathers
         _check_split_group_norm(grids[0])
+        assert _lightning_gathers(GRIDS[0]) == lightning_gathers
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -152,4 +171,22 @@ def _worker(rank: int, port: int) -> None:
 
 @pytest.mark.slow
 def test_linear3d_and_conv3d_equal_nn_linear_and_conv2d_on_two_grids_with_overlaps_on_and_off() -> None:
-    run_forked(_worker, (free_port(),), 8)
+    run_forked(_worker, (free_port(), _planned_lightning_gathers()), 8)
+
+
+def _planned_lightning_gathers() -> int:
+    """The z all-gathers of the same GPT's plan on G = (2,2,2,1), one micro-batch."""
+    from src.program import Collective
+    from src.setup import plan_run, validate
+    from tests.test_configs import compose_config
+
+    overrides = [
+        *("model=gpt", "model.preset=null", "model.layers=2", "model.hidden=64", "model.heads=4", "model.vocab=128"),
+        *("train.seq_len=16", "train.global_batch=4", "cluster=perlmutter", "cluster.nodes=2", "strategy=par4d"),
+        *("strategy.grid=[2,2,2,1]", "strategy.recompute=full", "strategy.gathers=lightning"),
+        "strategy.overlap=[all_reduce,reduce_scatter,all_gather]",
+    ]
+    plan = plan_run(validate(compose_config(*overrides)))
+    assert plan.units[0].num_microbatches == 1
+    instructions = plan.program.classes[0].instructions
+    return sum(1 for i in instructions if isinstance(i, Collective) and i.op == "all_gather" and i.group == "z")

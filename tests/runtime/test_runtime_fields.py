@@ -332,8 +332,7 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
     ("par4d", "overlap"): (PAR4D, ["strategy.overlap=[]"], "run", PAR4D_RUNS),
     ("par4d", "micro_batch_size"): (PAR4D, ["strategy.micro_batch_size=2"], "run", PAR4D_RUNS),
     ("par4d", "recompute"): (PAR4D, ["strategy.recompute=none"], "run", PAR4D_RUNS),
-    # AxoNN's Lightning order is the simulator's alone: the grid layers gather as Algorithm 1 does.
-    ("par4d", "gathers"): (PAR4D, ["strategy.gathers=lightning", "strategy.overlap=[all_reduce,all_gather]"], "refused", ""),
+    ("par4d", "gathers"): (PAR4D, ["strategy.gathers=lightning", "strategy.overlap=[all_reduce,all_gather]"], "run", PAR4D_RUNS),
     ("deepspeed3d", "tp"): (DS3D, ["strategy.tp=2", "strategy.pp=1"], "run", EQUALITY),
     ("deepspeed3d", "pp"): (DS3D, ["strategy.pp=2"], "run", EQUALITY),
     ("deepspeed3d", "dp"): (DS3D, ["strategy.dp=2"], "run", EQUALITY),
@@ -518,8 +517,11 @@ def test_a_unet_runs_on_each_rank_and_on_a_grid_unless_z_cannot_shard_a_weight()
     unet = ["model=unet", "model.preset=unet_50m", "model.image_size=16", "train.global_batch=8"]
     for zero_stage in range(4):  # runs: tests/runtime/test_runtime_equality.py
         _check(WORKERS + unet + ["strategy=ddp", f"strategy.zero_stage={zero_stage}"])
-    # On a grid it runs: tests/runtime/test_runtime_par4d_unet.py.
-    _check(WORKERS + unet + ["strategy=par4d", "strategy.grid=[2,2,1,1]", "strategy.micro_batch_size=2"])
+    # On a grid it runs: tests/runtime/test_runtime_par4d_unet.py; AxoNN's Lightning order is LitGPT's, a GPT's.
+    on_grid = WORKERS + unet + ["strategy=par4d", "strategy.grid=[2,2,1,1]", "strategy.micro_batch_size=2"]
+    _check(on_grid)
+    with pytest.raises(ConfigError, match="gathers=lightning is AxoNN's Lightning strategy for LitGPT's GPTs.*strategy.gathers"):
+        _check(on_grid + ["strategy.gathers=lightning", "strategy.overlap=[all_gather]"])
     five = ["backend=torch", "cluster=local", "cluster.devices_per_node=5", "logger=none"]
     z5 = ["train.global_batch=10", "strategy=par4d", "strategy.grid=[1,1,5,1]", "strategy.micro_batch_size=5"]
     with pytest.raises(ConfigError, match=r"layer 0 \(conv_in\).*G_z=5: G_z divides neither the block's 27 rows nor its 32 columns"):

@@ -1,6 +1,7 @@
 """Par4D on the real backend: the 3D-parallel GPT (runtime.modules.gpt3d) on 8 workers,
 as grids (2,2,2,1) and (2,2,1,2), every overlap on and off, with and without full
-recomputation (the cache, D, serving it), a grid the planner ranks, and bf16 and fp16:
+recomputation (the cache, D, serving it), AxoNN's Lightning gather order, a grid the planner
+ranks, and bf16 and fp16:
 the first 3 losses equal the single-process reference within 1e-4 relative (1e-3 in
 bf16/fp16, against a reference in the same precision). All in ONE launch of eight workers."""
 
@@ -28,6 +29,12 @@ CASES = {
     "data2_overlaps_full_recompute_bf16": ["strategy.grid=[2,2,1,2]", "strategy.recompute=full", "train.precision=bf16"],
     "data2_no_overlap_fp16": ["strategy.grid=[2,2,1,2]", "strategy.recompute=none", NO_OVERLAP, "train.precision=fp16"],
     "ranked_agnostic_selective": ["strategy.model=agnostic", "strategy.top_k=2", "strategy.recompute=selective"],
+    "z2_lightning_full_recompute": [
+        "strategy.grid=[2,2,2,1]",
+        "strategy.recompute=full",
+        "strategy.gathers=lightning",
+        "strategy.overlap=[all_reduce,reduce_scatter,all_gather]",
+    ],
 }
 PRECISION = {"data2_overlaps_full_recompute_bf16": "bf16", "data2_no_overlap_fp16": "fp16"}  # the others fp32
 

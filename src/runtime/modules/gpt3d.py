@@ -104,7 +104,25 @@ class _Lookup(torch.autograd.Function):
         grad_table.index_add_(0, index.reshape(-1), both)
         ctx.layer.reduce_weight_grad(grad_table)
         ctx.layer.release()
+        if ctx.layer.grid.gather_order == "lightning":
+            ctx.layer.grid.close()  # the backward's end
         return None, None, None
+
+
+class _BackwardStart(torch.autograd.Function):
+    """gather_order=lightning: the loss's backward opens the backward's iterators, the
+    forward-order one (which issues its first gather) replaced by the reverse-order one."""
+
+    @staticmethod
+    def forward(ctx, loss: torch.Tensor, grid: Grid3D) -> torch.Tensor:
+        ctx.grid = grid
+        return loss.view_as(loss)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.grid.start(ctx.grid.module_order)
+        ctx.grid.start(ctx.grid.module_order[::-1])
+        return grad, None
 
 
 class Embedding3D(ZSharded):
@@ -128,6 +146,8 @@ class Embedding3D(ZSharded):
         self.shard = nn.Parameter(block[axis_part(block.shape[0], grid.z)].clone())
 
     def forward(self, state: State) -> State:
+        if self.grid.gather_order == "lightning":
+            self.grid.start(self.grid.module_order)  # the forward's iterator
         ids = samples_of(state["ids"], self.grid.z)
         positions = self.vocab + torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
         lookups = _Lookup.apply(torch.stack([ids, positions], dim=-1), self.shard, self)
@@ -205,7 +225,11 @@ class Head3D(nn.Module):
         target = logits.gather(-1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1) * held
         sums = sum_over(torch.stack([(logits - peak).exp().sum(-1), target], dim=-1), self.grid.x, replicated=True)
         losses = sums[..., 0].log() + peak.squeeze(-1) - sums[..., 1]
-        return {**state, "loss": losses.sum() / (losses.numel() * self.grid.z.size)}
+        loss = losses.sum() / (losses.numel() * self.grid.z.size)
+        if self.grid.gather_order == "lightning":
+            self.grid.close()  # the forward's end
+            loss = _BackwardStart.apply(loss, self.grid)
+        return {**state, "loss": loss}
 
 
 GRID_LAYERS = ("embedding", "block", "head")  # the layers grid_layer builds

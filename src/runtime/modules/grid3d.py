@@ -57,6 +57,13 @@ class Grid3D:
     layers: tuple[GridLayer, ...] = ()  # how the plan lays each layer of the unit out
     pending: list = field(default_factory=list)
     gathers: int = 0  # z all-gathers issued, for tests of prefetching and caching
+    # How the weights are gathered (TensorGrid.gathers): paper, each layer prefetching the next
+    # (C); lightning, AxoNN's Lightning strategy's cache and iterator (start, take, close).
+    gather_order: str = "paper"
+    module_order: list = field(default_factory=list)  # lightning: the Linear layers in registration order
+    iterator: list = field(default_factory=list)
+    position: int = 0
+    held: dict = field(default_factory=dict)  # lightning: id(layer) -> its gather in flight
 
     @classmethod
     def build(
@@ -65,6 +72,7 @@ class Grid3D:
         overlap: frozenset[str] = frozenset(),
         cached_layers: frozenset[int] | None = None,
         layers: tuple[GridLayer, ...] = (),
+        gather_order: str = "paper",
     ) -> Grid3D:
         """Every group of the grid (X innermost, then Y, Z, data: rank = i + G_x(j + G_y(k +
         G_z d))), made collectively by every rank; this rank's own axes."""
@@ -90,19 +98,60 @@ class Grid3D:
                     mine = Axis(degree, members.index(rank), group)
             axes.append(mine)
         x, y, z, dp = axes
-        return cls(x, y, z, dp, frozenset(overlap), cached_layers, layers)
+        return cls(x, y, z, dp, frozenset(overlap), cached_layers, layers, gather_order=gather_order)
 
     def with_overlap(self, overlap: frozenset[str]) -> Grid3D:
         """The same groups with other overlaps on (nothing in flight, no gathers counted)."""
-        return Grid3D(self.x, self.y, self.z, self.dp, frozenset(overlap), self.cached_layers, self.layers)
+        return Grid3D(
+            self.x, self.y, self.z, self.dp, frozenset(overlap), self.cached_layers, self.layers, gather_order=self.gather_order
+        )
 
     def replicated(self) -> Grid3D:
         """The grid as a layer replicated on the tensor grid sees it (a U-Net's stem: rows
         still split over z, weights z-sharded): no x or y, the same reduce-scatters in flight."""
-        return Grid3D(Axis(), Axis(), self.z, self.dp, self.overlap, self.cached_layers, self.layers, self.pending)
+        return Grid3D(
+            Axis(),
+            Axis(),
+            self.z,
+            self.dp,
+            self.overlap,
+            self.cached_layers,
+            self.layers,
+            self.pending,
+            gather_order=self.gather_order,
+        )
 
     def axis(self, name: str) -> Axis:
         return getattr(self, name)
+
+    def start(self, order: list[ZSharded]) -> None:
+        """gather_order=lightning: a new iterator over `order`, which issues its first gather
+        at once (AxoNN's optimize_communication and overlap_all_gathers_for_checkpointed_forward)."""
+        if "all_gather" in self.overlap:
+            self.iterator, self.position = order, 0
+            self._advance()
+
+    def _advance(self) -> None:
+        if self.position >= len(self.iterator):
+            return
+        layer = self.iterator[self.position]
+        self.position += 1
+        if id(layer) not in self.held:
+            self.held[id(layer)] = _gather(layer.shard, self.z)
+            self.gathers += self.z.size > 1
+
+    def take(self, layer: ZSharded) -> _InFlight | None:
+        """The layer's gather the iterator issued, if it did (the iterator then issues its next)."""
+        inflight = self.held.pop(id(layer), None)
+        if inflight is not None:
+            self._advance()
+        return inflight
+
+    def close(self) -> None:
+        """The end of a pass: what is in flight is waited and dropped (AxoNN synchronizes the device)."""
+        for inflight in self.held.values():
+            inflight.result()
+        self.held.clear()
 
     def finish_pending(self) -> None:
         """Wait for the reduce-scatters left in flight (B) and add them to the shards' gradients."""
@@ -188,7 +237,10 @@ class _Linear3D(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, shard: torch.Tensor, bias: torch.Tensor | None, layer: Linear3D) -> torch.Tensor:
         dtype = _gemm_dtype(x)
         x_gemm, weight = x.to(dtype), layer.block().to(dtype)
-        ctx.save_for_backward(x_gemm, weight)
+        if layer.grid.gather_order == "lightning":
+            ctx.save_for_backward(x_gemm)  # the shard only: the backward gathers the block again
+        else:
+            ctx.save_for_backward(x_gemm, weight)
         ctx.layer, ctx.has_bias, ctx.input_dtype = layer, bias is not None, x.dtype
         out = x_gemm @ weight
         rows = layer.grid.axis(layer.rows_axis)
@@ -199,8 +251,9 @@ class _Linear3D(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        x, weight = ctx.saved_tensors
         layer: Linear3D = ctx.layer
+        x, *kept = ctx.saved_tensors
+        weight = kept[0] if kept else layer.block().to(x.dtype)
         grid = layer.grid
         cols = grid.axis(layer.cols_axis)
         grad = grad.to(weight.dtype)
@@ -248,6 +301,12 @@ class ZSharded(nn.Module):
 
     def gathered_weight(self) -> torch.Tensor:
         """This rank's whole block: cached (D), prefetched (C) or gathered now."""
+        if self.grid.gather_order == "lightning":
+            inflight = self.grid.take(self)
+            if inflight is None:  # not the one the iterator issued: gathered on the spot
+                inflight = _gather(self.shard, self.grid.z)
+                self.grid.gathers += self.grid.z.size > 1
+            return inflight.result()
         if self._cached is not None:
             weight = self._cached
         else:
@@ -393,11 +452,18 @@ def fc_axes(transposed: bool) -> tuple[str, str]:
     return ("y", "x") if transposed else ("x", "y")
 
 
-def link_prefetches(layers: nn.Module) -> None:
-    """Each z-sharded weight prefetches the next one in forward order (overlap C)."""
+def link_prefetches(layers: nn.ModuleList, grid: Grid3D) -> None:
+    """Each z-sharded weight prefetches the next one in forward order (overlap C); under
+    gather_order=lightning the grid's iterator walks the Linear layers in LitGPT's
+    registration order instead, its output head's before its blocks'."""
     sharded = [m for m in layers.modules() if isinstance(m, ZSharded)]
     for layer, following in zip(sharded, sharded[1:]):
         layer.prefetches(following)
+
+    def linears(module: nn.Module) -> list[ZSharded]:
+        return [m for m in module.modules() if isinstance(m, Linear3D)]
+
+    grid.module_order = linears(layers[-1]) + [m for layer in layers[:-1] for m in linears(layer)]
 
 
 def narrow_cache(layer: nn.Module, index: int, grid: Grid3D) -> None:
