@@ -161,6 +161,8 @@ def load(path: Path) -> tuple[dict[str, Any], list[Run]]:
             raise ConfigError(f"{path}: {name}'s model settings lack {missing}")
         if unread:
             raise ConfigError(f"{path}: {name}'s model settings {unread} are not ones a run reads: {sorted(MODEL_SETTINGS)}")
+    for run in runs:  # its overrides (its GPUs on its preset's nodes), refused before any run is priced
+        overrides(run, settings(run, data))
     return data, runs
 
 
@@ -248,8 +250,10 @@ def overrides(run: Run, common: dict[str, Any]) -> list[str]:
     """The front door's overrides for the run's stated configuration."""
     cluster = str(common.get("cluster", DEFAULT_CLUSTER))
     per_node = _devices_per_node(cluster)
-    if run.gpus % per_node:
-        raise ConfigError(f"run {run.id}: {run.gpus} GPUs is not a whole number of {per_node}-GPU {cluster} nodes")
+    # A run on part of one node (a single GPU, a model-parallel group) takes that many of its devices.
+    part = run.gpus < per_node and per_node % run.gpus == 0
+    if run.gpus % per_node and not part:
+        raise ConfigError(f"run {run.id}: {run.gpus} GPUs is neither whole {per_node}-GPU {cluster} nodes nor a part of one")
     model = common["model"]
     out = ["model=gpt", "model.preset=null", f"model.layers={run.layers}", f"model.hidden={run.hidden}", f"model.heads={run.heads}"]
     # The software's settings (the sequence is the run's own: train.seq_len below), then the
@@ -262,7 +266,7 @@ def overrides(run: Run, common: dict[str, Any]) -> list[str]:
         f"train.global_batch={run.global_batch}",
         f"train.precision={common['precision']}",
         f"cluster={cluster}",
-        f"cluster.nodes={run.gpus // per_node}",
+        *(["cluster.nodes=1", f"cluster.devices_per_node={run.gpus}"] if part else [f"cluster.nodes={run.gpus // per_node}"]),
         f"cluster.amp={_value(bool(common.get('amp', False)))}",
         "logger=none",
     ]

@@ -60,8 +60,21 @@ def test_overrides_state_the_runs_configuration() -> None:
     assert "strategy.sequence_parallel=true" in heldout.overrides(BY_ID["k22-22b-sel-sp"], DATA["common"])
     zero3 = heldout.overrides(BY_ID["t2-zero3-175b-384"], DATA["common"])
     assert {"strategy=ddp", "strategy.zero_stage=3"} <= set(zero3) and not any("schedule" in o for o in zero3)
-    with pytest.raises(ConfigError, match="12 GPUs is not a whole number of 8-GPU"):
+    with pytest.raises(ConfigError, match="12 GPUs is neither whole 8-GPU dgx_a100 nodes nor a part of one"):
         heldout.overrides(replace(BY_ID["t1-1.7b"], gpus=12), DATA["common"])
+    with pytest.raises(ConfigError, match="3 GPUs is neither whole 8-GPU dgx_a100 nodes nor a part of one"):
+        heldout.overrides(replace(BY_ID["t1-1.7b"], gpus=3), DATA["common"])
+    # Part of a node: that many of its devices (a single GPU, a model-parallel group).
+    part = heldout.overrides(replace(BY_ID["t1-1.7b"], gpus=4), DATA["common"])
+    assert {"cluster.nodes=1", "cluster.devices_per_node=4"} <= set(part)
+
+
+def test_a_run_whose_gpus_its_preset_cannot_hold_is_refused_when_the_file_is_read(tmp_path: Path) -> None:
+    path = tmp_path / "runs.yaml"
+    one_gpu = "layers: 40, hidden: 1536, heads: 16, gpus: 1,"
+    path.write_text(heldout.RUNS.read_text().replace(one_gpu, one_gpu.replace("gpus: 1", "gpus: 3")))
+    with pytest.raises(ConfigError, match="run adlr-v1-1.2b: 3 GPUs is neither whole 8-GPU p3_16xlarge nodes nor a part of one"):
+        heldout.load(path)
 
 
 def test_a_run_citing_no_listed_source_is_refused(tmp_path: Path) -> None:
