@@ -93,6 +93,14 @@ class _Gather:
     handle: str
 
 
+def _weight_gather(group: str, gather: _Gather, handle: str | None = None) -> Collective:
+    """A z all-gather of `gather`'s weights: blocking where it is needed, or issued ahead
+    under `handle` and waited later."""
+    if handle is None:
+        return Collective("all_gather", group, gather.bytes, "tp", stream="z")
+    return Collective("all_gather", group, gather.bytes, "tp", stream="z", blocking=False, handle=handle)
+
+
 class _Chain:
     """The paper's prefetch (C): the gathers in the order the weights are used, each waited
     before its GEMM with the next one issued then; without (C) each gather blocks."""
@@ -103,18 +111,15 @@ class _Chain:
 
     def need(self, gather: _Gather) -> list[Instruction]:
         if not self.overlap or gather.handle not in self.position:
-            return [Collective("all_gather", self.group, gather.bytes, "tp", stream="z")]
+            return [_weight_gather(self.group, gather)]
         out: list[Instruction] = []
         index = self.position[gather.handle]
         for ahead in self.sequence[index : index + 2]:
             if ahead.handle not in self.issued:
                 self.issued.add(ahead.handle)
-                out.append(Collective("all_gather", self.group, ahead.bytes, "tp", stream="z", blocking=False, handle=ahead.handle))
+                out.append(_weight_gather(self.group, ahead, ahead.handle))
         out.append(Wait(gather.handle))
         return out
-
-    def close(self) -> list[Instruction]:
-        return []
 
 
 class _ModuleOrder:
@@ -144,12 +149,12 @@ class _ModuleOrder:
         handle = f"{self.prefix}.{self.issued}"
         self.issued += 1
         self.held[key] = handle
-        return [Collective("all_gather", self.group, gather.bytes, "tp", stream="z", blocking=False, handle=handle)]
+        return [_weight_gather(self.group, gather, handle)]
 
     def need(self, gather: _Gather) -> list[Instruction]:
         handle = self.held.pop((gather.layer, gather.item), None)
         if handle is None:
-            return [Collective("all_gather", self.group, gather.bytes, "tp", stream="z")]
+            return [_weight_gather(self.group, gather)]
         return [Wait(handle), *self._advance()]
 
     def close(self) -> list[Instruction]:
