@@ -45,8 +45,9 @@ RUN_FORMAT = "mmdist-run"
 # 3: run.json's backend.deepspeed and backend.contrastive (lr, weight_decay, adam_eps and
 # initial_loss_scale moved there); 4: a unit's tensor grid layout in one field (UnitPlan.grid);
 # 5: Plan.balancing names its kind (a pipeline's balancing policy or DistTrain's reordering)
-# 6: DistTrain's reordering carries its chain of units (the orders its search prices)
-VERSION = 6
+# 6: DistTrain's reordering carries its chain of units (the orders its search prices);
+# 7: a tensor grid's weight gathered where it is needed is listed (Collective.listed)
+VERSION = 7
 HEADER = ("format", "version", "world_size")
 PLANNED_FROM = ("model", "strategy", "cluster", "train")  # the config groups a plan is made from
 

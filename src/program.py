@@ -171,7 +171,11 @@ class Collective:
     `beside`: an asynchronous transfer paired with GEMMs (StepCCL's pairs, emit's
     overlapped pass): the chunk of each product it runs beside, on one of the `count`
     layers, the transfer split evenly among them. Each pair runs in lock step, so what of a
-    transfer outlasts its product holds the compute stream back by that much."""
+    transfer outlasts its product holds the compute stream back by that much.
+    `listed`: a blocking all-gather into a list of the group's parts, concatenated after it
+    (AxoNN's on-the-spot weight gather: PyTorch's list all_gather copies its flat buffer out
+    to each part, then `torch.cat` copies the parts into one tensor): the rank's device
+    copies the gathered bytes twice before the work that waits for it runs."""
 
     op: CollectiveOp
     group: str
@@ -186,6 +190,11 @@ class Collective:
     grads_of: tuple[str, tuple[int, int]] | None = None
     sms: bool = True
     beside: tuple[Work, ...] = ()
+    listed: bool = False
+
+    def __post_init__(self) -> None:
+        if self.listed and (self.op != "all_gather" or not self.blocking):
+            raise ValueError(f"{self.op} on {self.group}: only a blocking all_gather is gathered into a list (listed)")
 
 
 @dataclass(unsafe_hash=True, slots=True)

@@ -229,6 +229,13 @@ class ComputeModel:
         forward, backward = table.packing(kernel.flash_kernel, causal, head_dim, keys, groups)
         return seconds * forward, seconds * backward
 
+    def listed_gather_copies(self, nbytes: float, parts: int) -> float:
+        """Device seconds of an all-gather into a list of `parts` tensors, concatenated
+        (Collective.listed): the flat buffer's `nbytes` copied out part by part, then the parts
+        copied into one tensor (each read and written), `parts` + 1 copy kernels; copies
+        stream at a device copy's rate."""
+        return 4.0 * nbytes / self.stream + (parts + 1) * self.cluster.kernel_overhead_s
+
     def memory_time(self, nbytes: float, kernels: int = 1) -> float:
         """`kernels` bandwidth-bound kernels moving `nbytes` among them."""
         if nbytes <= 0:

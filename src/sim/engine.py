@@ -92,6 +92,8 @@ class _Op:
     transfer and is priced as starting late at the full rate (None otherwise).
     computed: the compute its class had done since it last synchronized (its last
     collective or receive) when it issued this one: how far it may lag its peers.
+    copies: the device seconds of copies the compute stream runs once it has waited for it
+    (a listed all-gather's: Collective.listed).
     """
 
     kind: str
@@ -105,6 +107,7 @@ class _Op:
     compute_ready: float = 0.0
     nic_from: float | None = None
     computed: float = 0.0
+    copies: float = 0.0
 
 
 def _ready(op: _Op) -> float:
@@ -428,6 +431,11 @@ class Simulator:
             return self._wait_on(blocker, state)
         state.blocker = None
         self._record_wait(state, state.stream_free(COMPUTE_STREAM), blocker)
+        if blocker.copies:
+            # A listed all-gather's copies run once it has landed, before the work that waits for it.
+            start = state.stream_free(COMPUTE_STREAM)
+            end = self._device_end(state, start, blocker.copies)
+            self._occupy_compute(state, Span(COMPUTE_STREAM, start, end, "copy out and concatenate", "compute"))
         return True
 
     def _step(self, state: _ClassState, instruction: Instruction) -> bool:
@@ -452,27 +460,11 @@ class Simulator:
         seconds = self.compute.work_time(work, self.model)
         if self.compute_scale:  # shared cores (src.sim.cores): this span's share
             seconds *= self.compute_scale.get((state.index, state.ip), 1.0)
-        end = start + seconds
-        if self.collective_rate < 1.0:
-            end = state.collective_busy.stretched_end(start, end - start, self.collective_rate)
-        if self.p2p_rate < 1.0:
-            end = state.p2p_busy.stretched_end(start, end - start, self.p2p_rate)
-        state.free[COMPUTE_STREAM] = end
-        state.computed += end - start
-        state.segments.append((start, end, "compute"))
+        end = self._device_end(state, start, seconds)
         if self.cores_shared:
             self.compute_spans.append(ComputeSpan((state.index, state.ip), start, end, state.per_node))
-        state.spans.append(
-            Span(
-                COMPUTE_STREAM,
-                start,
-                end,
-                f"{work.phase} {work.unit} L{work.layers[0]}-{work.layers[1]}",
-                "compute",
-                work.unit,
-                instruction.microbatch,
-            )
-        )
+        name = f"{work.phase} {work.unit} L{work.layers[0]}-{work.layers[1]}"
+        self._occupy_compute(state, Span(COMPUTE_STREAM, start, end, name, "compute", work.unit, instruction.microbatch))
         if work.phase in ("bwd", "bwd_input", "bwd_weight", "interaction") and state.first_backward is None:
             state.first_backward = start
         if work.phase in ("fwd", "interaction"):
@@ -482,6 +474,24 @@ class Simulator:
                 state.first_pass = start
             state.last_pass = end
         return True
+
+    def _device_end(self, state: _ClassState, start: float, seconds: float) -> float:
+        """When `seconds` of device work on the compute stream from `start` end, slowed where
+        collectives or transfers hold SMs."""
+        end = start + seconds
+        if self.collective_rate < 1.0:
+            end = state.collective_busy.stretched_end(start, end - start, self.collective_rate)
+        if self.p2p_rate < 1.0:
+            end = state.p2p_busy.stretched_end(start, end - start, self.p2p_rate)
+        return end
+
+    @staticmethod
+    def _occupy_compute(state: _ClassState, span: Span) -> None:
+        """The compute stream busy computing over `span`."""
+        state.free[COMPUTE_STREAM] = span.end
+        state.computed += span.end - span.start
+        state.segments.append((span.start, span.end, "compute"))
+        state.spans.append(span)
 
     def _issue(self, state: _ClassState, kind: str, stream: str) -> _Op:
         """A new operation on `stream`, queued behind the stream's previous operation."""
@@ -521,6 +531,8 @@ class Simulator:
             )
         op = self._issue(state, instruction.kind, instruction.stream)
         op.computed = state.computed
+        if instruction.listed:
+            op.copies = self.compute.listed_gather_copies(instruction.bytes, len(group.ranks))
         arrival.ops[state.index] = op
         self.arrival_of[id(op)] = key
         if instruction.handle:

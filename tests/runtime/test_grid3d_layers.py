@@ -131,9 +131,10 @@ def _check_split_group_norm(grid: Grid3D) -> None:
     torch.testing.assert_close(norm.bias.grad, whole.bias.grad[channels])
 
 
-def _lightning_gathers(degrees: tuple[int, int, int, int]) -> int:
+def _lightning_gathers(degrees: tuple[int, int, int, int]) -> tuple[int, int]:
     """A two-block GPT's step (blocks checkpointed, as full recomputation runs them) under
-    gather_order=lightning: the z all-gathers it issued."""
+    gather_order=lightning: the z all-gathers it issued, and of them those gathered where
+    needed into a list."""
     grid = Grid3D.build(degrees, frozenset(GRID_OVERLAPS) - {"cache"}, gather_order="lightning")
     torch.manual_seed(0)
     layers = nn.ModuleList([Embedding3D(128, 64, 16, grid), Block3D(64, 4, grid), Block3D(64, 4, grid), Head3D(64, 128, grid)])
@@ -144,16 +145,19 @@ def _lightning_gathers(degrees: tuple[int, int, int, int]) -> int:
         state = checkpoint(block, state, use_reentrant=False)
     layers[3](state)["loss"].backward()
     grid.finish_pending()
-    return grid.gathers
+    return grid.gathers, grid.listed
 
 
-def _worker(rank: int, port: int, lightning_gathers: int) -> None:
+def _worker(rank: int, port: int, lightning_gathers: tuple[int, int]) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=8)
     try:
         grids = [Grid3D.build(degrees) for degrees in GRIDS]
         for grid in grids:
             for overlap in (frozenset(), frozenset(GRID_OVERLAPS)):
-                _check(grid.with_overlap(overlap), recompute=False)
+                checked = grid.with_overlap(overlap)
+                _check(checked, recompute=False)
+                # Without C each weight is gathered where it is needed, into a list of the shards.
+                assert checked.listed == (0 if "all_gather" in overlap else checked.gathers), (overlap, checked.listed)
                 _check_conv(grid.with_overlap(overlap))
         # Checkpointed: each layer's forward runs twice; D serves the second from its cache.
         gathers = {}
@@ -174,8 +178,9 @@ def test_linear3d_and_conv3d_equal_nn_linear_and_conv2d_on_two_grids_with_overla
     run_forked(_worker, (free_port(), _planned_lightning_gathers()), 8)
 
 
-def _planned_lightning_gathers() -> int:
-    """The z all-gathers of the same GPT's plan on G = (2,2,2,1), one micro-batch."""
+def _planned_lightning_gathers() -> tuple[int, int]:
+    """The z all-gathers of the same GPT's plan on G = (2,2,2,1), one micro-batch, and of
+    them those gathered where needed into a list (Collective.listed)."""
     from src.program import Collective
     from src.setup import plan_run, validate
     from tests.test_configs import compose_config
@@ -189,4 +194,5 @@ def _planned_lightning_gathers() -> int:
     plan = plan_run(validate(compose_config(*overrides)))
     assert plan.units[0].num_microbatches == 1
     instructions = plan.program.classes[0].instructions
-    return sum(1 for i in instructions if isinstance(i, Collective) and i.op == "all_gather" and i.group == "z")
+    gathers = [i for i in instructions if isinstance(i, Collective) and i.op == "all_gather" and i.group == "z"]
+    return len(gathers), sum(g.listed for g in gathers)

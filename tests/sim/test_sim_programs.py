@@ -613,7 +613,7 @@ def grid_family(axis: int, grid: tuple[int, int, int, int]) -> list[tuple[int, .
     return groups
 
 
-def build_par4d(ar_x_bytes: float) -> Program:
+def build_par4d(ar_x_bytes: float, listed: bool = False) -> Program:
     grid4 = GRID + (1,)
     program = Program(world_size=8, classes=[])
     names = {}
@@ -636,10 +636,14 @@ def build_par4d(ar_x_bytes: float) -> Program:
                 label=f"r{r}",
                 units=("fc",),
                 instructions=[
-                    # forward: gather the weight shard over z (asynchronous, then wait), GEMM,
-                    # all-reduce the partial outputs over y
-                    Collective("all_gather", gz, S_AG_Z, "tp", stream="z", blocking=False, handle="ag_z"),
-                    Wait("ag_z"),
+                    # forward: gather the weight shard over z (asynchronous, then wait; or
+                    # blocking into a list, then concatenated), GEMM, all-reduce the partial
+                    # outputs over y
+                    *(
+                        [Collective("all_gather", gz, S_AG_Z, "tp", stream="z", listed=True)]
+                        if listed
+                        else [Collective("all_gather", gz, S_AG_Z, "tp", stream="z", blocking=False, handle="ag_z"), Wait("ag_z")]
+                    ),
                     Compute(fwd),
                     Collective("all_reduce", gy, S_AR_Y, "tp", stream="compute"),
                     # backward: input gradient, its all-reduce over x overlapped with the weight
@@ -711,6 +715,35 @@ def test_par4d_layer_overlaps_async_all_reduce_with_weight_gradient(ar_x_bytes):
         assert exposed_x == 0.0
     else:
         assert exposed_x == pytest.approx(1.02 * MS)
+
+
+def test_a_listed_gather_copies_its_bytes_twice_before_the_work_that_waits_for_it():
+    """AxoNN's on-the-spot gather: the flat buffer copied out to the list's parts, then the
+    parts concatenated, each read and written at a device copy's rate, as compute."""
+    stream = 1e12 * 0.5
+    cluster = make_cluster(memory_bandwidth=1e12, copy_efficiency=0.5)
+    F = gemm_s(1000, 1000, 1000)
+    t_ag = gather_s(2, S_AG_Z, min(INTRA_BW, INTER_BW / 4), INTER_LAT)
+    t_ary = all_reduce_s(2, S_AR_Y, INTRA_BW, INTRA_LAT)
+    t_rs = gather_s(2, S_RS_Z, min(INTRA_BW, INTER_BW / 4), INTER_LAT)
+    copies = 4 * S_AG_Z / stream
+    assert copies == pytest.approx(0.16 * MS)
+    timeline = simulate(build_par4d(1e8, listed=True), MODEL, cluster, PRECISION)
+    iteration = t_ag + copies + F + t_ary + 2 * F + t_rs
+    assert timeline.iteration_time == pytest.approx(iteration, rel=REL)
+    for rank_timeline in timeline.ranks:
+        assert_breakdown(rank_timeline, iteration, compute=copies + 3 * F, comm_tp=t_ag + t_ary + t_rs)
+        (copy,) = [s for s in rank_timeline.spans if s.name == "copy out and concatenate"]
+        assert copy.start == pytest.approx(t_ag) and copy.end - copy.start == pytest.approx(copies)
+
+
+def test_only_a_blocking_all_gather_is_listed():
+    for bad in (
+        dict(op="reduce_scatter"),
+        dict(op="all_gather", blocking=False, handle="h"),
+    ):
+        with pytest.raises(ValueError, match="only a blocking all_gather"):
+            Collective(group="z0", bytes=1.0, kind="tp", listed=True, **bad)
 
 
 # =========================================================================================
@@ -801,19 +834,21 @@ P4_F = gemm_s(1000, 500, 500)  # 0.5 ms, each of fwd, dX, dW
 P4_AG = gather_s(2, 1000 * 1000 / 4 * 2, min(INTRA_BW, INTER_BW / 4), INTER_LAT)  # z spans the 2 nodes: 0.125 ms
 P4_RS = P4_AG
 P4_AR = all_reduce_s(2, 1000 * 500 * 2, INTRA_BW, INTRA_LAT)  # x and y stay in a node: 0.03 ms
+P4_COPY = 4 * 1000 * 1000 / 4 * 2 / 1e18  # a blocking gather's copy-out and concatenation
 # Adam on each rank's 1/8 of the weights (HBM-bound), bf16: averaging and zeroing its fp32
 # gradients (12 bytes a parameter), then norm, Adam and the bf16 copy (4 + 28 + 6).
 P4_OPT = 2 * 1e6 / 8 * (12 + 38) / 1e18
 
 
 @pytest.mark.parametrize(
-    "overlap, recompute, cached, expected",
+    "overlap, recompute, cached, listed, expected",
     [
-        # No overlap: per layer AG + F + AR forward; dX + AR + dW + RS backward.
-        ((), "none", 0, 2 * (P4_AG + P4_F + P4_AR) + 2 * (P4_F + P4_AR + P4_F + P4_RS)),
+        # No overlap: per layer AG + F + AR forward; dX + AR + dW + RS backward. Each gather
+        # blocks, into a list of the shards then concatenated (P4_COPY).
+        ((), "none", 0, 2, 2 * (P4_AG + P4_F + P4_AR) + 2 * (P4_F + P4_AR + P4_F + P4_RS)),
         # B + C: layer 1's gather hides under layer 0's GEMM; layer 1's reduce-scatter under
         # layer 0's backward; layer 0's is waited at the end.
-        (("reduce_scatter", "all_gather"), "none", 0, P4_AG + 2 * (P4_F + P4_AR) + 2 * (2 * P4_F + P4_AR) + P4_RS),
+        (("reduce_scatter", "all_gather"), "none", 0, 0, P4_AG + 2 * (P4_F + P4_AR) + 2 * (2 * P4_F + P4_AR) + P4_RS),
         # A + B under full recompute: each backward gathers its weights again (layer 0's
         # queued behind layer 1's reduce-scatter on the z stream), re-runs the forward and its
         # all-reduce; dX's all-reduce hides under dW.
@@ -821,25 +856,31 @@ P4_OPT = 2 * 1e6 / 8 * (12 + 38) / 1e18
             ("all_reduce", "reduce_scatter"),
             "full",
             0,
+            4,
             2 * (P4_AG + P4_F + P4_AR) + (P4_AG + P4_AR + 3 * P4_F) + (P4_RS + P4_AG + P4_AR + 3 * P4_F) + P4_RS,
         ),
         # + D: both layers' gathered weights are cached, the recompute gathers nothing.
-        (("all_reduce", "reduce_scatter", "cache"), "full", 2, 2 * (P4_AG + P4_F + P4_AR) + 2 * (P4_AR + 3 * P4_F) + P4_RS),
+        (("all_reduce", "reduce_scatter", "cache"), "full", 2, 2, 2 * (P4_AG + P4_F + P4_AR) + 2 * (P4_AR + 3 * P4_F) + P4_RS),
         # All four: C prefetches the recompute's gathers too, so caching saves no time here.
         (
             ("all_reduce", "reduce_scatter", "all_gather", "cache"),
             "full",
             2,
+            0,
             P4_AG + 2 * (P4_F + P4_AR) + 2 * (P4_AR + 3 * P4_F) + P4_RS,
         ),
     ],
 )
-def test_par4d_planned_program_prices_each_overlap_by_hand(overlap, recompute, cached, expected):
+def test_par4d_planned_program_prices_each_overlap_by_hand(overlap, recompute, cached, listed, expected):
     assert P4_F == pytest.approx(0.5 * MS) and P4_AG == pytest.approx(0.125 * MS) and P4_AR == pytest.approx(0.03 * MS)
-    timeline = simulate(build_par4d_planned(overlap, recompute, cached), PAR4D_MODEL, CLUSTER, PRECISION)
-    expected += P4_OPT
+    program = build_par4d_planned(overlap, recompute, cached)
+    for rank in program.classes:
+        gathers = [i for i in rank.instructions if isinstance(i, Collective) and i.op == "all_gather"]
+        assert [g.listed for g in gathers] == [g.blocking for g in gathers] and sum(g.listed for g in gathers) == listed
+    timeline = simulate(program, PAR4D_MODEL, CLUSTER, PRECISION)
+    expected += P4_OPT + listed * P4_COPY
     assert timeline.iteration_time == pytest.approx(expected, rel=REL)
     (ranks,) = timeline.ranks
     assert ranks.ranks == tuple(range(8))
-    compute = 2 * 3 * P4_F + (2 * P4_F if recompute == "full" else 0.0) + P4_OPT
+    compute = 2 * 3 * P4_F + (2 * P4_F if recompute == "full" else 0.0) + P4_OPT + listed * P4_COPY
     assert_breakdown(ranks, expected, compute=compute, comm_tp=expected - compute)

@@ -57,6 +57,7 @@ class Grid3D:
     layers: tuple[GridLayer, ...] = ()  # how the plan lays each layer of the unit out
     pending: list = field(default_factory=list)
     gathers: int = 0  # z all-gathers issued, for tests of prefetching and caching
+    listed: int = 0  # of them, gathered where needed into a list of the shards (_gather's listed)
     # How the weights are gathered (TensorGrid.gathers): paper, each layer prefetching the next
     # (C); lightning, AxoNN's Lightning strategy's cache and iterator (start, take, close).
     gather_order: str = "paper"
@@ -137,8 +138,13 @@ class Grid3D:
         layer = self.iterator[self.position]
         self.position += 1
         if id(layer) not in self.held:
-            self.held[id(layer)] = _gather(layer.shard, self.z)
-            self.gathers += self.z.size > 1
+            self.held[id(layer)] = self.gather(layer.shard)
+
+    def gather(self, shard: torch.Tensor, listed: bool = False) -> _InFlight:
+        """Start a weight's z all-gather (counted)."""
+        self.gathers += self.z.size > 1
+        self.listed += listed and self.z.size > 1
+        return _gather(shard, self.z, listed)
 
     def take(self, layer: ZSharded) -> _InFlight | None:
         """The layer's gather the iterator issued, if it did (the iterator then issues its next)."""
@@ -200,12 +206,14 @@ def _nccl(axis: Axis) -> bool:
     return dist.get_backend(axis.group) == "nccl"
 
 
-def _gather(shard: torch.Tensor, axis: Axis) -> _InFlight:
-    """Start the z all-gather of a weight shard (rows concatenated)."""
+def _gather(shard: torch.Tensor, axis: Axis, listed: bool = False) -> _InFlight:
+    """Start the z all-gather of a weight shard (rows concatenated): into one tensor, or
+    (`listed`, a gather where the weight is needed) into a list of the shards then
+    concatenated, as AxoNN's `_gather` does (Collective.listed); gloo gathers into a list."""
     local = shard.detach().contiguous()
     if axis.size == 1:
         return _InFlight(None, lambda: local)
-    if _nccl(axis):
+    if _nccl(axis) and not listed:
         out = torch.empty((axis.size * local.shape[0],) + tuple(local.shape[1:]), dtype=local.dtype, device=local.device)
         return _InFlight(all_gather_single(out, local, group=axis.group, async_op=True), lambda: out)
     parts = [torch.empty_like(local) for _ in range(axis.size)]
@@ -294,23 +302,23 @@ class ZSharded(nn.Module):
         of the module tree, so neither its parameters nor its state repeat under this one."""
         object.__setattr__(self, "next", layer)
 
-    def prefetch(self) -> None:
+    def prefetch(self, listed: bool = False) -> None:
         if self._inflight is None and self._cached is None:
-            self._inflight = _gather(self.shard, self.grid.z)
-            self.grid.gathers += self.grid.z.size > 1
+            self._inflight = self.grid.gather(self.shard, listed)
 
     def gathered_weight(self) -> torch.Tensor:
         """This rank's whole block: cached (D), prefetched (C) or gathered now."""
         if self.grid.gather_order == "lightning":
             inflight = self.grid.take(self)
             if inflight is None:  # not the one the iterator issued: gathered on the spot
-                inflight = _gather(self.shard, self.grid.z)
-                self.grid.gathers += self.grid.z.size > 1
+                inflight = self.grid.gather(self.shard, listed=True)
             return inflight.result()
         if self._cached is not None:
             weight = self._cached
         else:
-            self.prefetch()
+            # Without C the weight is gathered where it is needed; with C the chain issued it,
+            # or issues the first of its order now.
+            self.prefetch(listed="all_gather" not in self.grid.overlap)
             assert self._inflight is not None
             weight = self._inflight.result()
             self._inflight = None

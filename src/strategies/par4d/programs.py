@@ -94,10 +94,11 @@ class _Gather:
 
 
 def _weight_gather(group: str, gather: _Gather, handle: str | None = None) -> Collective:
-    """A z all-gather of `gather`'s weights: blocking where it is needed, or issued ahead
-    under `handle` and waited later."""
+    """A z all-gather of `gather`'s weights: issued ahead under `handle` and waited later
+    (AxoNN's prefetch, into one tensor), or where it is needed, blocking, into a list of the
+    shards then concatenated (AxoNN's `_gather`)."""
     if handle is None:
-        return Collective("all_gather", group, gather.bytes, "tp", stream="z")
+        return Collective("all_gather", group, gather.bytes, "tp", stream="z", listed=True)
     return Collective("all_gather", group, gather.bytes, "tp", stream="z", blocking=False, handle=handle)
 
 
