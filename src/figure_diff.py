@@ -7,7 +7,9 @@ multirun wrote (NAME/results.json, e.g. `python -m src.run -m +experiment=NAME
 hydra.sweep.dir=BEFORE/NAME`) or its stored result (NAME.json, as
 benchmarks/results/figures keeps them: a copy of that directory from before a change, beside
 the one `python -m src.reproduce --rerun` rewrites). Prints, per figure, each (group, series)
-value before and after, the change, and the paper's value.
+value before and after, the change, and the paper's value; with --changed only the rows
+that moved (by 0.05 % or more, or from or to no value), the figures none of whose rows did
+named in one line.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ def _value(row: dict[str, Any] | None) -> str:
     return f"{row['value']:.3g}"
 
 
-def figure_table(name: str, before: Path, after: Path) -> str:
+def figure_table(name: str, before: Path, after: Path, changed: bool = False) -> str | None:
+    """The figure's rows before and after; with `changed`, only those that moved (None if
+    none did)."""
     old, new = _rows(before), _rows(after)
     metric = json.loads(after.read_text())["metric"]
     lines = [f"## {name} ({metric})", "", "| group | series | before | after | change | paper |", "|---|---|---|---|---|---|"]
@@ -42,10 +46,12 @@ def figure_table(name: str, before: Path, after: Path) -> str:
         change = "–"
         if a and b and a.get("value") and b.get("value") is not None:
             change = f"{100 * (b['value'] / a['value'] - 1):+.1f}%"
+        if changed and _value(a) == _value(b) and change in ("+0.0%", "-0.0%", "–"):
+            continue
         paper = (b or a or {}).get("paper")
         paper_text = "–" if paper is None else "–".join(f"{p:g}" for p in paper) if isinstance(paper, list) else f"{paper:g}"
         lines.append(f"| {key[0]} | {key[1]} | {_value(a)} | {_value(b)} | {change} | {paper_text} |")
-    return "\n".join(lines)
+    return None if changed and len(lines) == 4 else "\n".join(lines)
 
 
 def figure_results(directory: Path) -> dict[str, Path]:
@@ -70,13 +76,18 @@ def main() -> None:
     parser.add_argument("before", type=Path)
     parser.add_argument("after", type=Path)
     parser.add_argument("--out", type=output_file, default=None)
+    parser.add_argument("--changed", action="store_true", help="only the rows that moved")
     args = parser.parse_args()
     after = figure_results(args.after)
     if not after:
         parser.error(f"{args.after} holds no <figure>/results.json and no <figure>.json")
     before = figure_results(args.before)
     missing = [n for n in after if n not in before]
-    text = "\n\n".join(figure_table(n, before[n], path) for n, path in after.items() if n not in missing)
+    tables = {n: figure_table(n, before[n], path, args.changed) for n, path in after.items() if n not in missing}
+    text = "\n\n".join(table for table in tables.values() if table is not None)
+    unchanged = [n for n, table in tables.items() if table is None]
+    if unchanged:
+        text += ("\n\n" if text else "") + "Unchanged: " + ", ".join(unchanged)
     if missing:
         text += "\n\nOnly after: " + ", ".join(missing)
     if args.out:

@@ -141,6 +141,30 @@ def test_figure_diff_reads_stored_figures_beside_multirun_directories(tmp_path, 
     assert "notes" not in out
 
 
+def test_figure_diff_changed_keeps_the_rows_that_moved_and_names_the_figures_that_did_not(tmp_path, monkeypatch, capsys) -> None:
+    import json
+
+    from src import figure_diff
+
+    def results(*values: float | None) -> str:
+        rows = [{"group": "g", "series": f"s{i}", "value": v, "paper": None} for i, v in enumerate(values)]
+        return json.dumps({"metric": "mfu", "rows": rows})
+
+    before, after = tmp_path / "before", tmp_path / "after"
+    before.mkdir()
+    after.mkdir()
+    (before / "moved.json").write_text(results(1.0, 2.0, 3.0, None))
+    (after / "moved.json").write_text(results(1.0, 2.0004, 3.3, 4.0))  # 0.02 % is not a move; none -> 4 is
+    (before / "still.json").write_text(results(5.0))
+    (after / "still.json").write_text(results(5.0))
+    monkeypatch.setattr("sys.argv", ["figure_diff", str(before), str(after), "--changed"])
+    figure_diff.main()
+    out = capsys.readouterr().out
+    assert "| g | s2 | 3 | 3.3 | +10.0% | – |" in out and "| g | s3 | – | 4 | – | – |" in out
+    assert "| g | s0 |" not in out and "| g | s1 |" not in out
+    assert "## still" not in out and out.rstrip().endswith("Unchanged: still")
+
+
 def test_fastest_of_runs_every_variant_and_keeps_the_fastest_skip_runs_none(tmp_path: Path) -> None:
     from src.sweep import figure_jobs, load_sweep, preset_hash, write_report
 
