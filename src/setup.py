@@ -65,11 +65,11 @@ def validate(config: dict[str, Any]) -> Setup:
         # with one process): model.dropout null reads as false there, and the plan says so.
         config = {**config, "model": {**config["model"], "dropout": False}}
     cluster = cluster_from_config(config["cluster"])
-    # The attention kernel, the parameter gradients' reductions, the loss's kernels and how
-    # weight gradients are accumulated are the software's: the model's option if set, else
-    # that of the codebase the strategy models (DeepSpeed-3D's), else the cluster preset's
-    # (its testbed's era).
-    software = {
+    # The attention kernel, the parameter gradients' reductions, the loss's kernels, how
+    # weight gradients are accumulated and which operations run unfused are the software's:
+    # the model's option if set, else that of the codebase the strategy models
+    # (DeepSpeed-3D's), else the cluster preset's (its testbed's era; every operation fused).
+    software: dict[str, Any] = {
         "attention": cluster.attention,
         "param_grad_kernels": cluster.param_grad_kernels,
         "cross_entropy": cluster.cross_entropy,

@@ -1,4 +1,4 @@
-"""Which of a Llama block's elementwise operations the software runs unfused (model.unfused).
+"""Which of a block's elementwise operations the software runs unfused (model.unfused).
 
 The builders make them fused (src/models/layers.py), as Megatron-Core with Transformer
 Engine runs them: RMSNorm one kernel each way (Transformer Engine's or apex's), the rotary
@@ -34,6 +34,15 @@ swiglu: `F.silu(gate) * up`: 2 kernels moving 10 bytes a value of the output for
   separate gate and up projection's input gradients summed (Transformers') and a chunked
   input's gradients concatenated (Megatron-LM's legacy MLP) are left out.
 
+softmax: eager attention's scale-mask-softmax (the builders: one kernel each way, Megatron-LM's
+  fused scaled_upper_triang_masked_softmax) as Megatron-LM v1.1.5 runs it without
+  `--scaled-upper-triang-masked-softmax-fusion` (off by default) or in any 16-bit type but fp16
+  (its fused path takes fp16 inputs only): the causal mask filled into the scores in place
+  (`masked_fill_`), then `torch.nn.Softmax`: 8 bytes a score in 2 kernels forward (the fused
+  kernel: 4); backward the softmax's gradient (8, as fused) and the mask filled into it (4):
+  12 bytes in 2 kernels. Nothing more kept (the fill is in place, the mask one tensor for all).
+  Only eager attention runs it: FlashAttention's softmax never reaches memory.
+
 An unfused operation's bytes are counted in the dtypes its steps run, under PyTorch AMP too.
 """
 
@@ -44,10 +53,10 @@ from dataclasses import dataclass, replace
 from src.errors import ConfigError
 from src.models.spec import Kernel, LayerSpec, ModelSpec
 
-UNFUSABLE = ("rmsnorm", "rope", "swiglu")
-# Forward bytes a value of the operation's fused kernel moves, as the builders make it: RMSNorm
-# and RoPE read and write each 16-bit value; SwiGLU reads two for each it writes.
-FUSED_BYTES = {"rmsnorm": 4.0, "rope": 4.0, "swiglu": 6.0}
+UNFUSABLE = ("rmsnorm", "rope", "swiglu", "softmax")
+# Forward bytes a value of the operation's fused kernel moves, as the builders make it: RMSNorm,
+# RoPE and the softmax read and write each 16-bit value; SwiGLU reads two for each it writes.
+FUSED_BYTES = {"rmsnorm": 4.0, "rope": 4.0, "swiglu": 6.0, "softmax": 4.0}
 
 
 @dataclass(frozen=True)
@@ -70,31 +79,34 @@ UNFUSED = {
     "rmsnorm": Unfused(36.0, 84.0, 8, 14, weight_gradient=8.0, saved=4.0, replicated=True),
     "rope": Unfused(20.0, 30.0, 5, 9),
     "swiglu": Unfused(10.0, 18.0, 2, 3, saved=2.0),
+    "softmax": Unfused(8.0, 12.0, 2, 2),
 }
 
 
-def with_unfused(spec: ModelSpec, ops: list[str]) -> ModelSpec:
+def with_unfused(spec: ModelSpec, ops: list[str], software: bool = False) -> ModelSpec:
     """The model with the listed operations run unfused; an operation its blocks do not run
-    is refused (a GPT block's LayerNorm and GELU are one PyTorch kernel each already).
-    Repeated layers stay one object: consumers cache by identity."""
+    is refused (a GPT block's LayerNorm and GELU are one PyTorch kernel each already), unless
+    `software` (a codebase's own setting, for whichever of them the model runs: a softmax
+    under FlashAttention runs in no kernel of its own). Repeated layers stay one object:
+    consumers cache by identity."""
     unknown = sorted(set(ops) - set(UNFUSABLE))
     if unknown:
         raise ConfigError(f"model.unfused={ops} names {unknown}: the operations are {', '.join(UNFUSABLE)}")
-    if not ops:
-        return spec
-    present = {kernel.elementwise for unit in spec.units for layer in unit.layers for kernel in layer.kernels}
+    present = {kernel.elementwise for unit in spec.units for layer in unit.layers for kernel in layer.kernels if kernel.bytes}
     absent = sorted(set(ops) - present)
-    if absent:
+    if absent and not software:
         raise ConfigError(
             f"model.unfused names {', '.join(absent)}, which model {spec.name} does not run (only Llama blocks run "
-            f"{', '.join(UNFUSABLE)})"
+            f"rmsnorm, rope and swiglu, and only eager attention a softmax of its own)"
         )
-    chosen = frozenset(ops)
+    chosen = frozenset(ops) & present
+    if not chosen:
+        return spec
     return spec.map_layers(lambda layer: _unfused_layer(layer, chosen))
 
 
 def _unfused_layer(layer: LayerSpec, ops: frozenset[str]) -> LayerSpec:
-    kernels = [kernel for kernel in layer.kernels if kernel.elementwise in ops]
+    kernels = [kernel for kernel in layer.kernels if kernel.elementwise in ops and kernel.bytes]
     if not kernels:
         return layer
     kept = {True: 0.0, False: 0.0}  # bytes kept beyond the fused kernels', replicated or split
@@ -104,7 +116,7 @@ def _unfused_layer(layer: LayerSpec, ops: frozenset[str]) -> LayerSpec:
     a = layer.activations
     return replace(
         layer,
-        kernels=tuple(unfused_kernel(kernel) if kernel.elementwise in ops else kernel for kernel in layer.kernels),
+        kernels=tuple(unfused_kernel(kernel) if kernel in kernels else kernel for kernel in layer.kernels),
         activations=replace(a, replicated=a.replicated + kept[True], split=a.split + kept[False]),
     )
 

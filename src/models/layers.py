@@ -62,7 +62,7 @@ def memory(
     """A bandwidth-bound kernel reading and writing `elems` 16-bit values (`passes` moves);
     `norm`: a normalisation of that width (its parameters a module of their own, whose
     gradients a second backward kernel reduces from the output's gradient and the input);
-    `op`: the Llama operation it fuses, which software may run unfused (Kernel.elementwise)."""
+    `op`: the operation it fuses, which software may run unfused (Kernel.elementwise)."""
     return Kernel(
         name,
         "memory",
@@ -107,7 +107,7 @@ def _attention(
         ]
     return projections + [
         gemm(f"{prefix}scores", seq, head_dim, kv_seq, "batch", weight=False, batch=heads, core=True, scores=True),
-        memory(f"{prefix}softmax", scores, "batch", core=True, scores=True),
+        memory(f"{prefix}softmax", scores, "batch", core=True, scores=True, op="softmax"),
         *([_attention_dropout(prefix, scores)] if dropout else []),
         gemm(f"{prefix}context", seq, kv_seq, head_dim, "batch", weight=False, batch=heads, core=True),
         gemm(f"{prefix}proj", seq, hidden, hidden, "k", bias=bias),

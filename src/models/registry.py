@@ -50,11 +50,13 @@ def build_model(
     param_grad_kernels: str = "separate",
     cross_entropy: str = "eager",
     grad_accumulation: str = "fused",
+    unfused: tuple[str, ...] = (),
 ) -> ModelSpec:
     """Build the ModelSpec the Hydra `model` group describes (as a plain dict); `attention`,
     `param_grad_kernels`, `cross_entropy` and `grad_accumulation` (the cluster preset's) are
     the defaults of model.attention, model.param_grad_kernels, model.cross_entropy and
-    model.grad_accumulation."""
+    model.grad_accumulation, and `unfused` (a codebase's: those of its operations the model
+    runs) of model.unfused."""
     opts = Options(model_cfg)
     name = opts.choice("name", MODEL_NAMES)
     if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0):
@@ -64,12 +66,13 @@ def build_model(
     grad_kernels = opts.choice("param_grad_kernels", PARAM_GRAD_KERNELS, param_grad_kernels)
     loss = opts.choice("cross_entropy", CROSS_ENTROPY_MODES, cross_entropy)
     accumulation = opts.choice("grad_accumulation", GRAD_ACCUMULATIONS, grad_accumulation)
-    unfused = opts.names("unfused") or []
+    named = opts.names("unfused")
     copies = opts.names("attention_copies") or []
     frozen = opts.names("frozen")
     opts.finish(name)
     spec = with_cross_entropy(with_param_grad_kernels(with_attention(spec, mode), grad_kernels), loss)
-    spec = with_attention_copies(with_unfused(with_grad_accumulation(spec, accumulation), unfused), copies)
+    ops, software = (list(unfused), True) if named is None else (named, False)
+    spec = with_attention_copies(with_unfused(with_grad_accumulation(spec, accumulation), ops, software), copies)
     return spec if frozen is None else _freeze(spec, frozen)
 
 

@@ -72,9 +72,9 @@ class Kernel:
       writes the table's dense gradient (zero-filled, then the looked-up rows added: PyTorch's
       embedding backward), which the framework adds into the step's accumulated gradient,
       every micro-batch whatever model.grad_accumulation says (no GEMM accumulates it).
-    elementwise: a Llama block's operation that software runs fused or as PyTorch's
-      separate kernels (rmsnorm | rope | swiglu: src/models/elementwise.py); empty for
-      every other kernel.
+    elementwise: an operation that software runs fused or as PyTorch's separate kernels
+      (a Llama block's rmsnorm | rope | swiglu, eager attention's softmax:
+      src/models/elementwise.py); empty for every other kernel.
     launches: the kernels a memory-bound kernel's forward launches (an unfused operation's;
       its bytes are all of theirs); backward_launches: its backward's where autograd runs
       another count (0: as many).

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Iterator, Mapping, MutableMapping
+from typing import Any
 
 from src.errors import ConfigError
 from src.strategies.base import Planner, PlanRequest
@@ -89,7 +90,7 @@ def planner_for(name: str) -> Planner:
     return strategy_for(name).planner
 
 
-def software_settings(strategy: dict, precision: str, amp: bool) -> Mapping[str, str]:
+def software_settings(strategy: dict, precision: str, amp: bool) -> Mapping[str, Any]:
     """The model settings the software of `strategy` (its config group) fixes for a run in
     `precision` (`amp`: under PyTorch AMP), where its strategy models one codebase (model
     option -> value); none: the run's (the cluster preset's)."""

@@ -47,6 +47,7 @@ with these settings fixed.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 from src.cluster import ATTENTION_MODES, CROSS_ENTROPY_MODES, GRAD_ACCUMULATIONS, PARAM_GRAD_KERNELS
 from src.config import options_from
@@ -57,6 +58,7 @@ from src.costmodel.memory import (
     deepspeed_reduce_dtype,
 )
 from src.errors import ConfigError
+from src.models.elementwise import UNFUSABLE
 from src.program import Plan
 from src.strategies.base import PlanRequest
 from src.strategies.megatron.planner import plan_megatron
@@ -93,6 +95,11 @@ class DeepSpeed3DOptions:
     # Megatron-LM v1.1.5's layers, before gradient accumulation fusion), and for a bf16 model
     # its BF16_Optimizer's cast into an fp32 copy after each micro-batch.
     grad_accumulation: str | None = None
+    # The operations it runs as PyTorch's separate kernels (src/models/elementwise.py): its
+    # scale-mask-softmax, as Megatron-LM v1.1.5 runs it without the fusion flag (off by
+    # default, and the example script sets none) and in bf16 whatever the flag (its fused
+    # path takes fp16 inputs only); model.unfused wins.
+    unfused: tuple[str, ...] | None = ("softmax",)
     # The type its gradients are reduced in; null: DeepSpeed's communication_data_type.
     grad_reduce_dtype: str | None = None
     # The type a second copy of its gradients accumulates in; null: DeepSpeed's (its
@@ -109,6 +116,10 @@ class DeepSpeed3DOptions:
             value = getattr(self, key)
             if value is not None and value not in modes:
                 raise ConfigError(f"strategy.{key}={value!r}; choose one of {list(modes)} or null")
+        named = list(self.unfused or ())
+        unknown = sorted(set(named) - set(UNFUSABLE))
+        if unknown:
+            raise ConfigError(f"strategy.unfused={named} names {unknown}: the operations are {', '.join(UNFUSABLE)}")
         check_grad_dtype("grad_reduce_dtype", self.grad_reduce_dtype)
         check_grad_dtype("grad_accum_dtype", self.grad_accum_dtype)
         if self.zero_stage not in (None, 0, 1):
@@ -149,7 +160,7 @@ def deepspeed_zero_stage(zero_stage: int | None, precision: str, amp: bool) -> i
     return 1 if deepspeed_bf16_optimizer(precision, amp) else 0
 
 
-def software(options: dict, precision: str, amp: bool) -> dict[str, str]:
+def software(options: dict, precision: str, amp: bool) -> dict[str, Any]:
     """The model settings this strategy's software fixes for a run in `precision` (the door
     builds the model with them)."""
     opts = options_from(DeepSpeed3DOptions, options)
@@ -159,7 +170,7 @@ def software(options: dict, precision: str, amp: bool) -> dict[str, str]:
         "cross_entropy": opts.cross_entropy,
         "grad_accumulation": opts.grad_accumulation or ("cast" if deepspeed_bf16_optimizer(precision, amp) else "hook"),
     }
-    return {key: value for key, value in settings.items() if value is not None}
+    return {key: value for key, value in settings.items() if value is not None} | {"unfused": tuple(opts.unfused or ())}
 
 
 def plan_deepspeed3d(request: PlanRequest) -> Plan:

@@ -30,8 +30,8 @@ class StrategySpec:
     field is written 'unit.field'.
     software: where the strategy models one codebase, the model settings that codebase's
     software fixes, from its config group: model option -> value (its attention kernel,
-    how it reduces parameter gradients, how it computes the loss); the door builds the
-    model with them where the model's own option is unset.
+    how it reduces parameter gradients, how it computes the loss, the operations it runs
+    unfused); the door builds the model with them where the model's own option is unset.
     auto_variants: the contenders `strategy=auto` compares it as (none: auto leaves it out).
     batches: plans once, on the first of the given global batches of the workload's data
     (PlanRequest.batch_index; None: uniform data, base.on_batch), and prices that plan on each
@@ -43,6 +43,6 @@ class StrategySpec:
     planner: Planner
     options: type | None = None
     plan_fields: Mapping[str, str] = field(default_factory=dict)
-    software: Callable[[dict, str, bool], Mapping[str, str]] | None = None
+    software: Callable[[dict, str, bool], Mapping[str, Any]] | None = None
     auto_variants: tuple[AutoVariant, ...] = ()
     batches: Callable[[PlanRequest, Sequence[int | None]], list[Plan]] | None = None

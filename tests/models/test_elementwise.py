@@ -1,5 +1,6 @@
-"""model.unfused: a Llama block's RMSNorm, rotary embedding and SwiGLU, fused as Megatron-Core
-with Transformer Engine runs them, or step by step as PyTorch code runs them."""
+"""model.unfused: a Llama block's RMSNorm, rotary embedding and SwiGLU and eager attention's
+softmax, fused as Megatron-Core with Transformer Engine (and Megatron-LM's fused softmax)
+runs them, or step by step as PyTorch code runs them."""
 
 from __future__ import annotations
 
@@ -73,10 +74,50 @@ def test_the_rotary_embedding_is_a_kernel_for_the_queries_and_one_for_the_keys_s
     assert (tp[0] * 4, tp[1] * 4) == pytest.approx((20, 30))
 
 
-def test_a_gpt_block_has_no_rotary_embedding_and_nothing_to_unfuse() -> None:
-    gpt = build_model({**LLAMA, "style": "gpt", "kv_heads": None, "ffn": None}, SEQ).unit("llm")
-    assert not any(k.elementwise for layer in gpt.layers for k in layer.kernels)
+GPT = {**LLAMA, "style": "gpt", "kv_heads": None, "ffn": None}
+
+
+def test_a_gpt_block_has_no_rotary_embedding_and_only_its_softmax_to_unfuse() -> None:
+    gpt = build_model(GPT, SEQ).unit("llm")
+    assert {k.elementwise for layer in gpt.layers for k in layer.kernels} == {"", "softmax"}
     assert not any("rope" in k.name for layer in gpt.layers for k in layer.kernels)
+
+
+def test_an_unfused_softmax_fills_the_mask_in_a_kernel_of_its_own_each_way() -> None:
+    """masked_fill_ then softmax: 8 bytes a score in 2 kernels forward (fused: 4 in 1), the
+    softmax's gradient then the mask filled into it backward, 12 in 2 (fused: 8 in 1); the
+    scores are HEADS x SEQ x SEQ a sample, nothing more kept."""
+    fused = build_model({**GPT, "unfused": []}, SEQ).unit("llm").layers[1]
+    unfused = build_model({**GPT, "unfused": ["softmax"]}, SEQ).unit("llm").layers[1]
+    cluster = cluster_from_config(composed(["cluster=hopper"])["cluster"])
+    hbm, gap = cluster.memory_bandwidth * cluster.memory_efficiency, cluster.kernel_overhead_s
+    scores = HEADS * SEQ * SEQ
+    for layer, launches, moved in ((fused, (1, 0), (4, 8)), (unfused, (2, 2), (8, 12))):
+        softmax = kernel(layer, "attn_softmax")
+        times = ComputeModel(cluster, "bf16").kernel_times(softmax, 1, Sharding(), 1)
+        assert (softmax.launches, softmax.backward_launches) == launches
+        forward, backward = times.fwd - launches[0] * gap, times.bwd_input - (launches[1] or launches[0]) * gap
+        assert (forward * hbm / scores, backward * hbm / scores) == pytest.approx(moved)
+    assert unfused.activations == fused.activations
+
+
+def test_flash_attention_runs_no_softmax_of_its_own_to_unfuse() -> None:
+    with pytest.raises(ConfigError, match="only eager attention a softmax of its own"):
+        build_model({**GPT, "attention": "flash", "unfused": ["softmax"]}, SEQ)
+    # A codebase's own setting holds for what the model runs: nothing, under FlashAttention.
+    flash = build_model({**GPT, "attention": "flash", "unfused": None}, SEQ, unfused=("softmax",)).unit("llm").layers[1]
+    assert kernel(flash, "attn_softmax").launches == 1
+
+
+def test_deepspeed3d_runs_its_codebases_softmax_unfused_unless_the_model_says() -> None:
+    """Megatron-LM v1.1.5's scale-mask-softmax fusion is off by default and takes fp16 only."""
+    base = ["model=gpt", "model.preset=gpt_5b", "cluster=perlmutter", "strategy=deepspeed3d", "train.precision=bf16"]
+    for extra, launches in (([], 2), (["model.unfused=[]"], 1), (["strategy.unfused=[]"], 1), (["strategy=megatron"], 1)):
+        layers = validate(composed([*base, *extra])).model.unit("llm").layers
+        softmax = next((k for k in layers[1].kernels if k.name == "attn_softmax"), None)
+        assert softmax is not None and softmax.launches == launches, extra
+    with pytest.raises(ConfigError, match=r"strategy.unfused=\['gelu'\] names \['gelu'\]"):
+        validate(composed([*base, "strategy.unfused=[gelu]"]))
 
 
 def test_unfused_operations_keep_more_for_backward_and_launch_their_steps() -> None:

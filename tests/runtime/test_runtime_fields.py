@@ -348,6 +348,8 @@ FIELDS: dict[tuple[str, str], tuple[list[str], list[str], str, str]] = {
     ("deepspeed3d", "cross_entropy"): (DS3D, ["strategy.cross_entropy=fused"], "run", EQUALITY),
     # How each micro-batch's weight gradients are added into the step's is priced; autograd accumulates them the same.
     ("deepspeed3d", "grad_accumulation"): (DS3D, ["strategy.grad_accumulation=fused"], "run", EQUALITY),
+    # Which operations are priced as separate kernels; the workers compute the same softmax either way.
+    ("deepspeed3d", "unfused"): (DS3D, ["strategy.unfused=[]"], "run", EQUALITY),
     ("optimus", "llm.tp"): (OPTIMUS, ["strategy.llm.pp=2", "strategy.llm.tp=2", "strategy.fine_grained=false"], "run", OPTIMUS_RUNS),
     ("optimus", "llm.pp"): (OPTIMUS, ["strategy.llm.pp=4"], "run", OPTIMUS_RUNS),
     ("optimus", "llm.dp"): (OPTIMUS, ["strategy.llm.pp=2", "strategy.llm.dp=2", "strategy.llm.zero_stage=0"], "run", OPTIMUS_RUNS),
