@@ -308,7 +308,9 @@ def command(run: Run, common: dict[str, Any]) -> str:
     return " ".join(["python -m src.run", *map(shlex.quote, overrides(run, common))])
 
 
-def check(runs: list[Run], data: dict[str, Any]) -> list[dict[str, Any]]:
+def check(runs: list[Run], data: dict[str, Any], commands: bool = False) -> list[dict[str, Any]]:
+    """Each run priced on its preset, its line printed as it goes (with `commands`, the front
+    door's command that prices it under it)."""
     rows = []
     for run in runs:
         common = settings(run, data)
@@ -336,6 +338,8 @@ def check(runs: list[Run], data: dict[str, Any]) -> list[dict[str, Any]]:
             + ", ".join(f"{kind} {s:.3g} s" for kind, s in row["breakdown_s"].items())
         )
         print(f"{run.id}: {shown}", file=sys.stderr, flush=True)
+        if commands:
+            print(f"  {row['command']}", file=sys.stderr, flush=True)
     return rows
 
 
@@ -567,7 +571,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=Path, default=RUNS)
     parser.add_argument("--out", type=output_dir, help="where heldout.json and heldout.md go (default benchmarks/results)")
-    parser.add_argument("--only", default="", help="the runs whose id contains this: printed, written only under an --out given")
+    parser.add_argument(
+        "--only",
+        default="",
+        help="the runs whose id contains this: printed (a training run with the front door's command that prices it), "
+        "written only under an --out given",
+    )
     args = parser.parse_args()
     try:
         data, runs = load(args.runs)
@@ -581,7 +590,8 @@ def main() -> None:
     if not runs and not collectives and not gemms and not kernels:
         parser.error(f"--only {args.only!r} matches no run of {args.runs}")
     kernel_timed = frozenset(name for name, source in data["sources"].items() if source.get("gemm_timing") == "kernel")
-    rows = check(runs, data) + check_collectives(collectives) + check_gemms(gemms, kernel_timed) + check_kernels(kernels, data)
+    rows = check(runs, data, commands=bool(args.only)) + check_collectives(collectives)
+    rows += check_gemms(gemms, kernel_timed) + check_kernels(kernels, data)
     summaries = summaries_of(rows)
     repeats = campaigns(rows)
     text = table(rows, summaries, data, repeats)

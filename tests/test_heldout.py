@@ -338,6 +338,15 @@ def test_a_subset_is_printed_and_never_replaces_the_full_results(tmp_path, monke
     assert (tmp_path / "chosen" / "heldout.json").exists()
 
 
+def test_a_chosen_training_run_is_printed_with_the_command_that_prices_it(capsys) -> None:
+    data, runs = heldout.load(heldout.RUNS)
+    (run,) = [r for r in runs if r.id == "k22-22b-sel-sp"]
+    heldout.check([run], data, commands=True)
+    line, command = capsys.readouterr().err.splitlines()
+    assert line.startswith("k22-22b-sel-sp: published 1.100 s") and command == "  " + heldout.command(run, heldout.settings(run, data))
+    assert command.strip().startswith("python -m src.run model=gpt ")
+
+
 def test_a_collective_the_preset_measured_too_is_compared_campaign_to_campaign() -> None:
     from dataclasses import replace
 
