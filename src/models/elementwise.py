@@ -106,7 +106,10 @@ def with_unfused(spec: ModelSpec, ops: list[str], software: bool = False) -> Mod
 
 
 def _unfused_layer(layer: LayerSpec, ops: frozenset[str]) -> LayerSpec:
-    kernels = [kernel for kernel in layer.kernels if kernel.elementwise in ops and kernel.bytes]
+    def unfusing(kernel: Kernel) -> bool:  # a softmax FlashAttention runs moves nothing of its own
+        return kernel.elementwise in ops and bool(kernel.bytes)
+
+    kernels = [kernel for kernel in layer.kernels if unfusing(kernel)]
     if not kernels:
         return layer
     kept = {True: 0.0, False: 0.0}  # bytes kept beyond the fused kernels', replicated or split
@@ -116,7 +119,7 @@ def _unfused_layer(layer: LayerSpec, ops: frozenset[str]) -> LayerSpec:
     a = layer.activations
     return replace(
         layer,
-        kernels=tuple(unfused_kernel(kernel) if kernel in kernels else kernel for kernel in layer.kernels),
+        kernels=tuple(unfused_kernel(kernel) if unfusing(kernel) else kernel for kernel in layer.kernels),
         activations=replace(a, replicated=a.replicated + kept[True], split=a.split + kept[False]),
     )
 
