@@ -490,7 +490,7 @@ def cluster_from_config(cfg: Mapping[str, Any]) -> ClusterSpec:
     """Build and validate a ClusterSpec from the `cluster` config group."""
     name = cfg.get("name", "?")
     stated = [f.name for f in dataclasses.fields(ClusterSpec) if f.name not in ("ring_protocols", "tree_protocols")]
-    reject_unknown(cfg, stated + ["devices", "profile", "collectives", WHAT_IF], "cluster key(s)")
+    reject_unknown(cfg, stated + ["devices", "profile", "profile_cpu", "collectives", WHAT_IF], "cluster key(s)")
     for key, example in (("peak_flops", "peak_flops.bf16=312e12"), ("sources", "sources.memory_gib='datasheet'")):
         expect_mapping(cfg.get(key) or {}, f"cluster.{key}", f"cluster.{example}")
     cfg, profile_note = with_host_profile(cfg)
@@ -763,23 +763,36 @@ def _collective_efficiency(table: Any, cluster: str) -> dict[str, float]:
 
 def with_host_profile(cfg: Mapping[str, Any]) -> tuple[Mapping[str, Any], str]:
     """A preset with `profile: <name>` takes the figures `python -m src.calibrate` measured
-    on this host's CPU model, if a profile has them; the note says which were used. The
+    on this host's CPU model (or on the one `profile_cpu` names: pricing what another host
+    measured), if a profile has them; the note says which were used. The
     links were measured with as many workers running as the node has (`by_workers`: each
     count's figures; workers sharing cores wait on each other at every step), so a node
     of k workers takes the figures of the largest count measured up to k. A figure the run
     sets otherwise than the preset's file (a command-line override) stays the run's."""
-    from src.cluster_profile import host_cpu_model, host_profile, preset_file, profile_path
+    from src.cluster_profile import host_cpu_model, host_profile, preset_file, profile_path, profiled_cpu_models
 
-    name = cfg.get("profile")
+    name, cpu = cfg.get("profile"), cfg.get("profile_cpu")
+    if cpu is not None and (not isinstance(cpu, str) or not cpu.strip()):
+        raise ConfigError(f"cluster.profile_cpu must be a CPU model as a profile names it, got {cpu!r}")
     if name is None:
+        if cpu is not None:
+            raise ConfigError(
+                f"cluster.profile_cpu={cpu!r} names a host profile, but cluster {cfg.get('name')} takes none (profile: null)"
+            )
         return cfg, ""
-    measured = host_profile(str(name))
+    measured = host_profile(str(name), cpu)
     if measured is None:
+        if cpu is not None:
+            raise ConfigError(
+                f"cluster.profile_cpu={cpu!r}: no profile conf/cluster/profiles/{profile_path(str(name), cpu).name}; "
+                f"{name}'s profiles were measured on {profiled_cpu_models(str(name)) or 'no CPU'}"
+            )
         return cfg, (
             f"no profile for this host's CPU ({host_cpu_model()}): the preset's own figures; "
             f"`python -m src.calibrate` writes {profile_path(str(name)).name}"
         )
-    note = f"measured on this CPU model: conf/cluster/profiles/{profile_path(str(name)).name}"
+    where = "this CPU model" if cpu is None else f"{cpu} (cluster.profile_cpu; this host: {host_cpu_model()})"
+    note = f"measured on {where}: conf/cluster/profiles/{profile_path(str(name), cpu).name}"
     by_workers = {int(k): v for k, v in dict(measured.get("by_workers") or {}).items()}
     figures = {k: v for k, v in measured.items() if k != "by_workers"}
     workers = cfg.get("devices_per_node")

@@ -36,10 +36,17 @@ def profile_path(preset: str = "local", cpu_model: str | None = None) -> Path:
     return PROFILE_DIR / f"{preset}-{slug}.yaml"
 
 
-def host_profile(preset: str) -> dict[str, Any] | None:
-    """The preset figures measured on this host's CPU model, if a profile has them."""
-    path = profile_path(preset)
+def host_profile(preset: str, cpu_model: str | None = None) -> dict[str, Any] | None:
+    """The preset figures measured on a CPU model (this host's by default), if a profile has them."""
+    path = profile_path(preset, cpu_model)
     return _this_version(_preset_figures, path) if path.exists() else None
+
+
+def profiled_cpu_models(preset: str) -> list[str]:
+    """The CPU models a profile of `preset` was measured on, as their profiles name them."""
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    paths = PROFILE_DIR.glob(f"{preset}-*.yaml")
+    return sorted(str(yaml.load(path.read_text(), Loader=loader)["host"]["cpu_model"]) for path in paths)
 
 
 def _this_version(read: Callable[[Path, int, int], Any], path: Path) -> Any:

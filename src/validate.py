@@ -1,7 +1,7 @@
 """The simulator against real runs of the same Program, on this machine.
 
     python -m src.validate [--out validation] [--steps 6] [--only megatron]
-    python -m src.validate --reprice benchmarks/results/validation/validation.json
+    python -m src.validate --reprice benchmarks/results/validation/validation.json [--host 'CPU model']
 
 
 Each case of the grid (every strategy the real backend runs, on 2 and 4 workers, two model
@@ -13,9 +13,11 @@ Writes validation.json, validation.md and validation.png under --out. The `local
 preset's figures come from `python -m src.calibrate`.
 
 `--reprice FILE` runs nothing: it prices every case of a stored validation.json again with
-the simulator as it is now (on the `local` preset and this host's profile) and sets the new
+the simulator as it is now (on the `local` preset) and sets the new
 predictions against the stored measurements, so that a change to the cost model is checked
-against the measurements it was not made from. The table it writes says that it re-priced.
+against the measurements it was not made from. It prices them with the profile of the CPU model
+that measured them (the file's `host`, which every run records; `--host` for an older file), not
+this host's. The table it writes says that it re-priced, and with which profile.
 
 Timings are this machine's: run it when nothing else loads the cores (validation.json
 records the load averages at the end).
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from src.errors import ConfigError
 from src.report import plotting
 from src.out_paths import output_dir
 from src.timeline import BREAKDOWN_CATEGORIES, Timeline
@@ -96,7 +99,15 @@ def grid() -> list[Case]:
                     "strategy.micro_batch_size=2",
                     "strategy.schedule=1f1b",
                 ],
-                "deepspeed3d": ["strategy=deepspeed3d", "strategy.tp=1", "strategy.pp=2", "strategy.micro_batch_size=2"],
+                # priced with PyTorch's fused softmax, which the workers' attention runs, not the unfused one of
+                # DeepSpeed-3D's codebase (strategy.unfused)
+                "deepspeed3d": [
+                    "strategy=deepspeed3d",
+                    "strategy.tp=1",
+                    "strategy.pp=2",
+                    "strategy.micro_batch_size=2",
+                    "model.unfused=[]",
+                ],
             }
             for label, strategy in strategies.items():
                 cases.append(Case(f"{size}/{label}", workers, tuple(model + strategy)))
@@ -155,14 +166,16 @@ def simulated(overrides: list[str]) -> tuple[dict[str, Any], Timeline]:
     return summarize(PlannedRun(setup.model, setup.cluster, setup.train, plan), timeline), timeline
 
 
-def predict(case: Case) -> dict[str, Any]:
-    """The simulator's summary of one case, in this process (what `backend=sim` reports)."""
-    return simulated([*case.overrides, "cluster=local", f"cluster.devices_per_node={case.workers}"])[0]
+def predict(case: Case, cpu_model: str | None = None) -> dict[str, Any]:
+    """The simulator's summary of one case, in this process (what `backend=sim` reports), with
+    the host profile of `cpu_model` (default: this host's)."""
+    host = [f"cluster.profile_cpu='{cpu_model}'"] if cpu_model is not None else []
+    return simulated([*case.overrides, "cluster=local", f"cluster.devices_per_node={case.workers}", *host])[0]
 
 
-def reprice(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The stored rows with their predictions priced again; a row without a measurement
-    stays as it was."""
+def reprice(rows: list[dict[str, Any]], cpu_model: str | None = None) -> list[dict[str, Any]]:
+    """The stored rows with their predictions priced again, with the profile of the CPU model
+    that measured them; a row without a measurement stays as it was."""
     cases = {(c.name, c.workers): c for c in grid()}
     out = []
     for row in rows:
@@ -170,7 +183,7 @@ def reprice(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if "measured_s" not in row or case is None:
             out.append(row)
             continue
-        predicted = predict(case)
+        predicted = predict(case, cpu_model)
         p, m = predicted["iteration_time_s"], row["measured_s"]
         out.append({**row, "predicted_s": p, "error_pct": 100.0 * (p - m) / m, "predicted_breakdown_s": _categories(predicted)})
     return out
@@ -257,14 +270,42 @@ def _load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def _write_repriced(stored: Path, out: Path) -> None:
+def _host() -> dict[str, Any]:
+    """The host that measures: its CPU model names the profile its runs are priced with."""
+    import os
+
+    from src.cluster_profile import host_cpu_model
+
+    return {"cpu_model": host_cpu_model(), "cores": os.cpu_count()}
+
+
+def measuring_cpu(before: dict[str, Any], stored: Path, given: str | None) -> str:
+    """The CPU model that measured a stored validation: the one it records, or the one given;
+    stored measurements priced with another host's profile would say nothing of the simulator."""
+    from src.cluster_profile import profiled_cpu_models
+
+    recorded = (before.get("host") or {}).get("cpu_model")
+    if recorded is not None and given is not None and given != recorded:
+        raise ConfigError(f"--host {given!r}: {stored} was measured on {recorded!r}")
+    cpu = recorded or given
+    if cpu is None:
+        raise ConfigError(
+            f"{stored} does not say which CPU measured it: pass --host 'CPU model' "
+            f"(local's profiles were measured on {profiled_cpu_models('local')})"
+        )
+    return str(cpu)
+
+
+def _write_repriced(stored: Path, out: Path, given_host: str | None = None) -> None:
     if not stored.is_file():
-        raise SystemExit(f"error: --reprice {stored}: no such file")
+        raise ConfigError(f"--reprice {stored}: no such file")
     before = json.loads(stored.read_text())
-    rows = reprice(before["rows"])
+    cpu = measuring_cpu(before, stored, given_host)
+    rows = reprice(before["rows"], cpu)
     fast, slow = sign_split(rows)
     summary = {
         "repriced_from": str(stored),
+        "host": before.get("host") or {"cpu_model": cpu},
         "stored_mape_pct": before.get("mape_pct"),
         "rows": rows,
         "mape_pct": mape(rows),
@@ -274,7 +315,10 @@ def _write_repriced(stored: Path, out: Path) -> None:
     }
     out.mkdir(parents=True, exist_ok=True)
     (out / "repriced.json").write_text(json.dumps(summary, indent=2) + "\n")
-    header = f"Re-priced by the current simulator against the measurements stored in {stored} (no case was run again).\n\n"
+    header = (
+        f"Re-priced by the current simulator against the measurements stored in {stored} (no case was run again), "
+        f"with the profile of the CPU that measured them ({cpu}).\n\n"
+    )
     text = header + table(rows)
     (out / "repriced.md").write_text(text + "\n")
     print(text)
@@ -288,9 +332,18 @@ def main() -> None:
     parser.add_argument(
         "--reprice", type=Path, default=None, help="a stored validation.json: price its cases again, run nothing, write under --out"
     )
+    parser.add_argument(
+        "--host", default=None, help="with --reprice: the CPU model that measured a file recording none (its profile prices it)"
+    )
     args = parser.parse_args()
+    if args.host is not None and args.reprice is None:
+        parser.error("--host goes with --reprice (a run records its own host)")
     if args.reprice is not None:
-        _write_repriced(args.reprice, args.out)
+        try:
+            _write_repriced(args.reprice, args.out, args.host)
+        except ConfigError as error:
+            print(f"error: {error}", file=sys.stderr)
+            raise SystemExit(2) from None
         return
     if args.steps < 2:
         parser.error(f"--steps {args.steps}: at least 2 (the first step is warm-up and not measured)")
@@ -308,7 +361,14 @@ def main() -> None:
         print(f"[{index + 1}/{len(cases)}] {case.name} on {case.workers} workers: {shown}", file=sys.stderr, flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     fast, slow = sign_split(rows)
-    summary = {"rows": rows, "mape_pct": mape(rows), "predicted_faster": fast, "predicted_slower": slow, "load": _load()}
+    summary = {
+        "rows": rows,
+        "mape_pct": mape(rows),
+        "predicted_faster": fast,
+        "predicted_slower": slow,
+        "load": _load(),
+        "host": _host(),
+    }
     (args.out / "validation.json").write_text(json.dumps(summary, indent=2) + "\n")
     text = table(rows)
     (args.out / "validation.md").write_text(text + "\n")

@@ -119,6 +119,25 @@ def test_local_takes_the_profile_of_this_cpu_model_only(tmp_path: Path, monkeypa
     assert cluster_from_config({**LOCAL, "profile": None}).peak("fp32") == fallback.peak("fp32")
 
 
+def test_local_takes_another_cpu_models_profile_where_profile_cpu_names_it(tmp_path: Path, monkeypatch) -> None:
+    # Pricing what another host measured: its CPU model's profile, whatever this host is.
+    monkeypatch.setattr(cluster_profile, "PROFILE_DIR", tmp_path)
+    other = "Other(R) CPU 9000"
+    profile = {"host": {"cpu_model": other}, "preset": {"peak_flops": {"fp32": 70e9, "bf16": 10e9}}}
+    cluster_profile.profile_path("local", other).write_text(yaml.safe_dump(profile))
+    assert "no profile for this host's CPU" in cluster_from_config(LOCAL).sources["profile"]
+    cluster = cluster_from_config({**LOCAL, "profile_cpu": other})
+    assert cluster.peak_flops == {"fp32": 70e9, "bf16": 10e9}
+    assert cluster.sources["profile"].startswith(f"measured on {other} (cluster.profile_cpu; this host: ")
+    measured_on = r"local's profiles were measured on \['Other\(R\) CPU 9000'\]"
+    with pytest.raises(ConfigError, match=r"profile_cpu='Nine': no profile .*local-nine\.yaml; " + measured_on):
+        cluster_from_config({**LOCAL, "profile_cpu": "Nine"})
+    with pytest.raises(ConfigError, match="takes none"):
+        cluster_from_config({**LOCAL, "profile": None, "profile_cpu": other})
+    with pytest.raises(ConfigError, match="profile_cpu must be a CPU model"):
+        cluster_from_config({**LOCAL, "profile_cpu": 3})
+
+
 def test_bad_oversubscription_is_one_line() -> None:
     with pytest.raises(ConfigError, match=r"cluster.oversubscription.4=1.5"):
         cluster_from_config({**LOCAL, "profile": None, "oversubscription": {4: 1.5}})
