@@ -15,6 +15,7 @@ import yaml
 
 from src.backends import BACKENDS
 from src.cluster import ClusterSpec, cluster_from_config
+from src.costmodel.memory import element_bytes
 from src.config import (
     TOP_LEVEL,
     TorchBackendSpec,
@@ -75,8 +76,9 @@ def validate(config: dict[str, Any]) -> Setup:
         "cross_entropy": cluster.cross_entropy,
         "grad_accumulation": cluster.grad_accumulation,
     }
-    software |= software_settings(config["strategy"], requested_precision(config["train"], cluster), cluster.amp)
-    model = build_model(config["model"], config["train"].get("seq_len"), **software)
+    precision = requested_precision(config["train"], cluster)
+    software |= software_settings(config["strategy"], precision, cluster.amp)
+    model = build_model(config["model"], config["train"].get("seq_len"), **software, activation_bytes=element_bytes(precision))
     train = train_from_config(config["train"], cluster, model.default_global_batch, model.extras.get("data", ("uniform",)))
     _check_measured_attention(model, cluster, train.precision)
     backend = _backend(config)

@@ -15,12 +15,14 @@ from dataclasses import replace
 from typing import Any
 
 from src.errors import ConfigError
+from src.models.activation_bytes import with_activation_bytes
 from src.models.attention import ATTENTION_MODES, with_attention
 from src.models.attention_copies import with_attention_copies
 from src.models.contrastive import build_clip, build_coca, build_lit
 from src.models.cross_entropy import CROSS_ENTROPY_MODES, with_cross_entropy
 from src.models.elementwise import with_unfused
 from src.models.gpt import build_gpt
+from src.models.layers import ACT_BYTES
 from src.models.grad_accumulation import GRAD_ACCUMULATIONS, with_grad_accumulation
 from src.models.grad_kernels import PARAM_GRAD_KERNELS, with_param_grad_kernels
 from src.models.mllm import MLLM_BUILDERS
@@ -51,12 +53,13 @@ def build_model(
     cross_entropy: str = "eager",
     grad_accumulation: str = "fused",
     unfused: tuple[str, ...] = (),
+    activation_bytes: int = ACT_BYTES,
 ) -> ModelSpec:
     """Build the ModelSpec the Hydra `model` group describes (as a plain dict); `attention`,
     `param_grad_kernels`, `cross_entropy` and `grad_accumulation` (the cluster preset's) are
     the defaults of model.attention, model.param_grad_kernels, model.cross_entropy and
     model.grad_accumulation, and `unfused` (a codebase's: those of its operations the model
-    runs) of model.unfused."""
+    runs) of model.unfused; `activation_bytes`: the training precision's element size."""
     opts = Options(model_cfg)
     name = opts.choice("name", MODEL_NAMES)
     if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0):
@@ -73,6 +76,7 @@ def build_model(
     spec = with_cross_entropy(with_param_grad_kernels(with_attention(spec, mode), grad_kernels), loss)
     ops, software = (list(unfused), True) if named is None else (named, False)
     spec = with_attention_copies(with_unfused(with_grad_accumulation(spec, accumulation), ops, software), copies)
+    spec = with_activation_bytes(spec, activation_bytes)
     return spec if frozen is None else _freeze(spec, frozen)
 
 

@@ -57,7 +57,6 @@ from dataclasses import dataclass
 from src.batch_layout import BatchLayout
 from src.cluster import ClusterSpec
 from src.costmodel.memory import element_bytes, grad_bytes, weight_bytes
-from src.models.layers import ACT_BYTES
 from src.models.spec import ModelSpec
 from src.program import Collective, Compute, Instruction, Phase, Program, RankProgram, TensorGrid, UnitPlan, Wait, Work
 from src.strategies.builders.emit import range_io
@@ -358,8 +357,7 @@ class Par4DEmitter:
         input), split over the previous FC's output axis, all-gathered whole."""
         if layout.gather_input is None:
             return []
-        elems = self.spec.layers[layout.index].activations.checkpoint / ACT_BYTES
-        nbytes = elems * self.cfg.micro_batch / self.grid.z * self.act_bytes
+        nbytes = self.spec.layers[layout.index].activations.checkpoint * self.cfg.micro_batch / self.grid.z
         return [Collective("all_gather", self._group(layout.gather_input), nbytes, "tp", stream=layout.gather_input)]
 
     def _resplit(self, fc: FC, axis: str) -> list[Instruction]:
