@@ -6,7 +6,17 @@ Real-backend workers are CPU processes with one thread each, sharing the host's 
 talking over gloo. This measures what the simulator needs to price them, the way training
 runs them (spawned processes, gloo, F.linear):
 - GEMM throughput of one worker alone, by shape (square and thin, as the models' layers
-  and small micro-batches make them) and dtype: the peak and the efficiency curve;
+  and small micro-batches make them) and dtype: the 16-bit peaks;
+- a training step of the real backend's transformer block at the validation grid's two GPT
+  sizes (forward, backward and a fused AdamW step), profiled op by op (torch.profiler): its
+  fp32 GEMMs by shape give the fp32 peak and the efficiency curve, and its bandwidth-bound
+  kinds (GELU forward and backward, LayerNorm forward and backward with its parameters'
+  gradients, AdamW's 28 bytes a parameter; fp32, each tensor read or written once) their
+  rates; a copy of the step's activations timed alone is the worker's memory bandwidth
+  (copies stream at it: copy_efficiency 1) and the median kind's share of it the rate of every
+  bandwidth-bound kernel (memory_efficiency), as the GPU presets take theirs from a profiled
+  step. On a worker's one thread a step's GEMMs and kinds run slower than the same timed alone
+  (caches the step's other tensors share, the backward's transposed operands);
 - oversubscription: the per-worker rate of a large GEMM when 1, 2, ... workers compute at
   once (past the core count each gets a share of a core);
 - gloo all-reduce time by message size and group size, and point-to-point ping-pong time
@@ -97,6 +107,12 @@ SKEW_REPEATS = 5  # the wait after a long block moves most from one measurement 
 HANDOVER_GEMMS = (1, 4, 16, 64)
 HANDOVER_ROUNDS = 12
 DTYPES = ("fp32", "bf16", "fp16")
+# A step of the validation grid's GPT blocks (src.validate's gpt-s and gpt-m: hidden, heads, and
+# a micro-batch of 8 sequences of 64 and 128 tokens), profiled over STEP_PROFILED steps after
+# STEP_WARMUP.
+STEP_BLOCKS = ((128, 4, 8, 64), (384, 8, 8, 128))
+STEP_WARMUP, STEP_PROFILED = 3, 10
+FP32 = 4
 
 
 def _rate(m: int, n: int, k: int, dtype_name: str, min_seconds: float = 0.15) -> float:
@@ -110,6 +126,88 @@ def _rate(m: int, n: int, k: int, dtype_name: str, min_seconds: float = 0.15) ->
         torch.nn.functional.linear(a, b)
         reps += 1
     return 2.0 * m * n * k * reps / elapsed
+
+
+def step_kernel_bytes(op: str, tokens: int, hidden: int, params: int) -> tuple[str, float] | None:
+    """The kind and the bytes (fp32, each tensor read or written once) of one call of a
+    profiled op of a GPT block's step; None for an op that is not a bandwidth-bound kind."""
+    values, wide = tokens * hidden * FP32, tokens * 4 * hidden * FP32
+    return {
+        "aten::gelu": ("gelu", 2.0 * wide),
+        "aten::gelu_backward": ("gelu_backward", 3.0 * wide),
+        "aten::native_layer_norm": ("layer_norm", 2.0 * values),
+        # the input's gradient (the output's gradient and the input read, written) and the
+        # parameters' (the two read again, reduced over the tokens)
+        "aten::native_layer_norm_backward": ("layer_norm_backward", 5.0 * values),
+        "aten::_fused_adamw_": ("adamw", 28.0 * params),
+    }.get(op)
+
+
+def gemm_shape(op: str, shapes: list[list[int]]) -> tuple[int, int, int] | None:
+    """(m, n, k) of a profiled mm (a, b) or addmm (bias, a, b); None for another op."""
+    operands = {"aten::mm": shapes[:2], "aten::addmm": shapes[1:3]}.get(op)
+    if operands is None or any(len(s) != 2 for s in operands):
+        return None
+    (m, k), (_, n) = operands
+    return m, n, k
+
+
+def _step_profile() -> dict[str, list[dict[str, Any]]]:
+    """A profiled step of the real backend's block: each fp32 GEMM's shape and rate, each
+    bandwidth-bound kind's seconds per call, and a copy's rate over the step's activations
+    timed alone."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from src.runtime.modules.blocks import Block
+    from src.runtime.modules.parallel import TP
+
+    gemms, kernels, copies = [], [], []
+    for hidden, heads, batch, seq in STEP_BLOCKS:
+        block = Block(hidden, heads, TP(), causal=True)
+        optimizer = torch.optim.AdamW(block.parameters(), fused=True)  # the real backend's (src/runtime/optimizer.py)
+        x = torch.randn(batch, seq, hidden, requires_grad=True)
+        params = sum(p.numel() for p in block.parameters())
+
+        def step() -> None:
+            optimizer.zero_grad()
+            block({"x": x})["x"].sum().backward()
+            optimizer.step()
+
+        for _ in range(STEP_WARMUP):
+            step()
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            for _ in range(STEP_PROFILED):
+                step()
+        for event in prof.key_averages(group_by_input_shape=True):
+            seconds = event.self_cpu_time_total * 1e-6 / event.count
+            shape = gemm_shape(event.key, event.input_shapes)
+            if shape is not None:
+                m, n, k = shape
+                gemms.append({"m": m, "n": n, "k": k, "flops_per_s": 2.0 * m * n * k / seconds})
+            kind = step_kernel_bytes(event.key, batch * seq, hidden, params)
+            if kind is not None:
+                kernels.append({"op": event.key, "kind": kind[0], "hidden": hidden, "bytes": kind[1], "seconds": seconds})
+        for width in (hidden, 4 * hidden):
+            values = torch.randn(batch * seq, width)
+            values.clone()
+            reps, start = 0, time.perf_counter()
+            while (elapsed := time.perf_counter() - start) < 0.1:
+                values.clone()
+                reps += 1
+            copies.append({"bytes": 2.0 * values.numel() * FP32, "bytes_per_s": 2.0 * values.numel() * FP32 * reps / elapsed})
+    return {"gemms": gemms, "kernels": kernels, "copies": copies}
+
+
+def memory_figures(measured: dict[str, list[dict[str, Any]]]) -> dict[str, float]:
+    """The preset's bandwidth figures: a copy's median rate is the memory bandwidth, and the
+    median over the kinds of each kind's median rate in the step its share of it."""
+    bandwidth = statistics.median(c["bytes_per_s"] for c in measured["copies"])
+    rates: dict[str, list[float]] = {}
+    for k in measured["kernels"]:
+        rates.setdefault(k["kind"], []).append(k["bytes"] / k["seconds"])
+    share = statistics.median(statistics.median(r) for r in rates.values()) / bandwidth
+    return {"memory_bandwidth": float(f"{bandwidth:.4g}"), "copy_efficiency": 1.0, "memory_efficiency": round(share, 3)}
 
 
 def _timed(op, repeats: int = REPEATS) -> float:
@@ -139,6 +237,8 @@ def _worker(rank: int, world: int, port: int, task: str, results: Any) -> None:
             results[rank] = [(m, n, k, d, _rate(m, n, k, d)) for d in DTYPES for m, n, k in shapes]
         elif task == "host":
             results[rank] = _host_costs()
+        elif task == "step":
+            results[rank] = _step_profile()
         elif task == "zero3":
             results[rank] = _zero3()
         elif task == "sync":
@@ -627,9 +727,13 @@ def calibrate(workers: int) -> dict[str, Any]:
         peak, efficiency, half = fit_gemm_curve([(m, n, k, rate) for m, n, k, dt, rate in shapes if dt == d])
         preset["peak_flops"][d] = float(f"{peak:.4g}")
         curves[d] = (efficiency, half)
-    # One efficiency curve per preset: the default precision's.
-    preset["gemm_max_efficiency"] = round(curves["fp32"][0], 3)
-    preset["gemm_half_dim"] = round(curves["fp32"][1], 1)
+    # One efficiency curve per preset, the default precision's (fp32): as a step runs its GEMMs.
+    step = _spawn("step", 1)[0]
+    peak, efficiency, half = fit_gemm_curve([(g["m"], g["n"], g["k"], g["flops_per_s"]) for g in step["gemms"]])
+    preset["peak_flops"]["fp32"] = float(f"{peak:.4g}")
+    preset["gemm_max_efficiency"] = round(efficiency, 3)
+    preset["gemm_half_dim"] = round(half, 1)
+    preset.update(memory_figures(step))
     for k, rates in concurrent.items():
         # A share above 1 is the noise of two short measurements (k workers cannot beat one alone).
         preset["oversubscription"][k] = min(1.0, round(statistics.fmean(rates[r]["fp32"] for r in rates) / alone["fp32"], 3))
@@ -663,6 +767,7 @@ def calibrate(workers: int) -> dict[str, Any]:
         "preset": preset,
         "fits": {
             "gemm": {d: {"max_efficiency": curves[d][0], "half_dim": curves[d][1]} for d in DTYPES},
+            "gemm_in_step_fp32": {"peak": peak, "max_efficiency": efficiency, "half_dim": half},
         },
         "measured": {
             "gemm_alone": [{"m": m, "n": n, "k": k, "dtype": d, "flops": rate} for m, n, k, d, rate in shapes],
@@ -673,6 +778,7 @@ def calibrate(workers: int) -> dict[str, Any]:
                 for k, sync in syncs.items()
             },
             "handover_by_workers": {k: {r: dict(h) for r, h in handover.items()} for k, handover in handovers.items()},
+            "step": {"blocks_hidden_heads_batch_seq": [list(b) for b in STEP_BLOCKS], **step},
             "host_block": {"hidden_heads_tokens": list(HOST_BLOCK), **host},
             "zero3_by_width": {
                 "blocks_heads_tokens": [ZERO3_BLOCKS, ZERO3_HEADS, ZERO3_TOKENS],

@@ -138,6 +138,31 @@ def test_local_takes_another_cpu_models_profile_where_profile_cpu_names_it(tmp_p
         cluster_from_config({**LOCAL, "profile_cpu": 3})
 
 
+def test_a_profiled_steps_gemms_and_bandwidth_bound_kinds() -> None:
+    from src.calibrate import gemm_shape, memory_figures, step_kernel_bytes
+
+    # addmm(bias, a, b) and mm(a, b): (m, n, k); a batched or another op is none.
+    assert gemm_shape("aten::addmm", [[384], [512, 128], [128, 384]]) == (512, 384, 128)
+    assert gemm_shape("aten::mm", [[128, 512], [512, 384]]) == (128, 384, 512)
+    assert gemm_shape("aten::bmm", [[2, 3, 4], [2, 4, 5]]) is None
+    assert gemm_shape("aten::mm", [[2, 3, 4], [2, 4, 5]]) is None
+    # 512 tokens of width 128 in fp32: GELU over the MLP's 4h reads and writes 2 x 1 MiB.
+    assert step_kernel_bytes("aten::gelu", 512, 128, 0) == ("gelu", 2.0 * 512 * 512 * 4)
+    assert step_kernel_bytes("aten::native_layer_norm_backward", 512, 128, 0) == ("layer_norm_backward", 5.0 * 512 * 128 * 4)
+    assert step_kernel_bytes("aten::_fused_adamw_", 512, 128, 1000) == ("adamw", 28000.0)
+    assert step_kernel_bytes("aten::add", 512, 128, 0) is None
+    measured = {
+        "copies": [{"bytes_per_s": r} for r in (60e9, 80e9, 100e9)],
+        "kernels": [
+            {"kind": "gelu", "bytes": 8e6, "seconds": 1e-3},  # 8 GB/s
+            {"kind": "gelu", "bytes": 12e6, "seconds": 1e-3},  # 12: the kind's median 10
+            {"kind": "layer_norm", "bytes": 16e6, "seconds": 1e-3},
+            {"kind": "adamw", "bytes": 40e6, "seconds": 1e-3},
+        ],
+    }
+    assert memory_figures(measured) == {"memory_bandwidth": 80e9, "copy_efficiency": 1.0, "memory_efficiency": 0.2}
+
+
 def test_bad_oversubscription_is_one_line() -> None:
     with pytest.raises(ConfigError, match=r"cluster.oversubscription.4=1.5"):
         cluster_from_config({**LOCAL, "profile": None, "oversubscription": {4: 1.5}})
