@@ -729,6 +729,12 @@ def calibrate(workers: int) -> dict[str, Any]:
         curves[d] = (efficiency, half)
     # One efficiency curve per preset, the default precision's (fp32): as a step runs its GEMMs.
     step = _spawn("step", 1)[0]
+    if not step["gemms"] or not step["kernels"]:
+        raise SystemExit(
+            f"error: the profiled step shows {len(step['gemms'])} fp32 GEMMs and {len(step['kernels'])} bandwidth-bound "
+            f"kernels of the kinds src.calibrate names (aten::mm, aten::addmm; aten::gelu, aten::native_layer_norm, ...): "
+            f"this torch names its ops otherwise"
+        )
     peak, efficiency, half = fit_gemm_curve([(g["m"], g["n"], g["k"], g["flops_per_s"]) for g in step["gemms"]])
     preset["peak_flops"]["fp32"] = float(f"{peak:.4g}")
     preset["gemm_max_efficiency"] = round(efficiency, 3)

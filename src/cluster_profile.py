@@ -46,7 +46,7 @@ def profiled_cpu_models(preset: str) -> list[str]:
     """The CPU models a profile of `preset` was measured on, as their profiles name them."""
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
     paths = PROFILE_DIR.glob(f"{preset}-*.yaml")
-    return sorted(str(yaml.load(path.read_text(), Loader=loader)["host"]["cpu_model"]) for path in paths)
+    return sorted(str((yaml.load(path.read_text(), Loader=loader).get("host") or {}).get("cpu_model", path.stem)) for path in paths)
 
 
 def _this_version(read: Callable[[Path, int, int], Any], path: Path) -> Any:
