@@ -75,12 +75,12 @@ import os
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import yaml
 
-from src.cluster_profile import PROFILE_DIR, host_cpu_model, profile_path
+from src.cluster_profile import PROFILE_DIR, host_identity, profile_path
 from src.costmodel.comm import lag_wait
 from src.out_paths import output_file
 
@@ -115,17 +115,23 @@ STEP_WARMUP, STEP_PROFILED = 3, 10
 FP32 = 4
 
 
+def _seconds_per_call(call: Callable[[], Any], min_seconds: float) -> float:
+    """Seconds one call takes, called back to back for at least `min_seconds` after one
+    untimed call (which allocates and picks its kernel)."""
+    call()
+    reps, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < min_seconds:
+        call()
+        reps += 1
+    return elapsed / reps
+
+
 def _rate(m: int, n: int, k: int, dtype_name: str, min_seconds: float = 0.15) -> float:
     import torch
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
     a, b = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
-    torch.nn.functional.linear(a, b)  # the first call allocates and picks a kernel
-    reps, start = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < min_seconds:
-        torch.nn.functional.linear(a, b)
-        reps += 1
-    return 2.0 * m * n * k * reps / elapsed
+    return 2.0 * m * n * k / _seconds_per_call(lambda: torch.nn.functional.linear(a, b), min_seconds)
 
 
 def step_kernel_bytes(op: str, tokens: int, hidden: int, params: int) -> tuple[str, float] | None:
@@ -190,12 +196,8 @@ def _step_profile() -> dict[str, list[dict[str, Any]]]:
                 kernels.append({"op": event.key, "kind": kind[0], "hidden": hidden, "bytes": kind[1], "seconds": seconds})
         for width in (hidden, 4 * hidden):
             values = torch.randn(batch * seq, width)
-            values.clone()
-            reps, start = 0, time.perf_counter()
-            while (elapsed := time.perf_counter() - start) < 0.1:
-                values.clone()
-                reps += 1
-            copies.append({"bytes": 2.0 * values.numel() * FP32, "bytes_per_s": 2.0 * values.numel() * FP32 * reps / elapsed})
+            moved = 2.0 * values.numel() * FP32
+            copies.append({"bytes": moved, "bytes_per_s": moved / _seconds_per_call(values.clone, 0.1)})
     return {"gemms": gemms, "kernels": kernels, "copies": copies}
 
 
@@ -281,15 +283,7 @@ def _host_costs() -> dict[str, float]:
     def step() -> None:
         block({"x": x})["x"].sum().backward()
 
-    seconds = {}
-    for name, fn in (("forward", forward), ("forward_backward", step)):
-        fn()
-        reps, start = 0, time.perf_counter()
-        while (elapsed := time.perf_counter() - start) < 0.5:
-            fn()
-            reps += 1
-        seconds[name] = elapsed / reps
-    return seconds
+    return {name: _seconds_per_call(fn, 0.5) for name, fn in (("forward", forward), ("forward_backward", step))}
 
 
 def _zero3() -> dict[int, dict[str, float]]:
@@ -764,8 +758,7 @@ def calibrate(workers: int) -> dict[str, Any]:
 
     return {
         "host": {
-            "cpu_model": host_cpu_model(),
-            "cores": os.cpu_count(),
+            **host_identity(),
             "torch": str(torch.__version__),
             "date": datetime.date.today().isoformat(),
             "workers": workers,

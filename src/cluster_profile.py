@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 import platform
 import re
 from pathlib import Path
@@ -29,6 +30,11 @@ def host_cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def host_identity() -> dict[str, Any]:
+    """What names this host's profile and a measurement made on it: its CPU model and cores."""
+    return {"cpu_model": host_cpu_model(), "cores": os.cpu_count()}
 
 
 def profile_path(preset: str = "local", cpu_model: str | None = None) -> Path:

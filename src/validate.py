@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from src.cluster_profile import host_identity
 from src.errors import ConfigError
 from src.report import plotting
 from src.out_paths import output_dir
@@ -270,15 +271,6 @@ def _load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def _host() -> dict[str, Any]:
-    """The host that measures: its CPU model names the profile its runs are priced with."""
-    import os
-
-    from src.cluster_profile import host_cpu_model
-
-    return {"cpu_model": host_cpu_model(), "cores": os.cpu_count()}
-
-
 def measuring_cpu(before: dict[str, Any], stored: Path, given: str | None) -> str:
     """The CPU model that measured a stored validation: the one it records, or the one given;
     stored measurements priced with another host's profile would say nothing of the simulator."""
@@ -367,7 +359,7 @@ def main() -> None:
         "predicted_faster": fast,
         "predicted_slower": slow,
         "load": _load(),
-        "host": _host(),
+        "host": host_identity(),
     }
     (args.out / "validation.json").write_text(json.dumps(summary, indent=2) + "\n")
     text = table(rows)
