@@ -8,7 +8,9 @@ random swaps of two micro-batches of its slowest replica, each kept where the re
 recurrence gets shorter. Where that search finds nothing, no order of the replica's
 micro-batches does much better: what is left is the micro-batches' own loads (with one
 sequence per micro-batch a permutation cannot even them out), and the bottleneck stage's
-idle time says where it goes.
+idle time says where it goes. Under plain 1F1B with one sequence a micro-batch it also prints
+the floor no placement of the batch goes below (src.data.placement_bound) and so the most of
+skew's cost any balancing policy could win back.
 
     python benchmarks/balance_order_bound.py                 # MLLM-72B, Megatron-LM, 1152 A800s
     python benchmarks/balance_order_bound.py model=mllm_9b   # any override of the run
@@ -29,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 from src.config import plain_config  # noqa: E402
 from src.data.balance import Balancing  # noqa: E402
 from src.data.loads import batch_loads  # noqa: E402
+from src.data.placement_bound import placement_bound, why_no_bound  # noqa: E402
 from src.errors import ConfigError, PlanError  # noqa: E402
 from src.run import compose_config  # noqa: E402
 from src.setup import plan_run, validate  # noqa: E402
@@ -119,6 +122,12 @@ def main(argv: list[str] | None = None) -> int:
             f"  recovered: {recovered}; slowest replica {slowest} "
             f"after {args.swaps} swaps {per_replica[slowest]:.3f} -> {found:.3f} s ({cpu:.1f} s CPU)"
         )
+        floor = placement_bound(balancer, loads)
+        if floor is None:
+            print(f"  no placement floor: {why_no_bound(balancer)}")
+        else:
+            most = f"at most {(spans['none'] - floor) / skew:.0%} of skew's cost" if skew > 0 else "no skew cost"
+            print(f"  no placement goes below {floor:.2f} s: {most} is recoverable by any balancing policy")
         busy, busy_uniform = stage_busy(balancer, loads, order, slowest), stage_busy(balancer, mean, identity, 0)
         neck = max(range(len(busy)), key=busy.__getitem__)
         print(

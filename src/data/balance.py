@@ -200,6 +200,13 @@ class Balancer:
         """A micro-batch's stage times: each unit at its sequences' mean load."""
         return self._times([list(sequences)], *self._stage_parts(loads))[0]
 
+    def times_alone(self, loads: Mapping[str, Sequence[float]]) -> tuple[np.ndarray, np.ndarray]:
+        """Per sequence and stage, its forward and backward seconds as a micro-batch of its own."""
+        import numpy as np
+
+        fwd, bwd = self._stage_parts(loads)
+        return fwd * self.layout.micro_batch + np.array(self._fixed_fwd), bwd * self.layout.micro_batch + np.array(self._fixed_bwd)
+
     def _stage_parts(self, loads: Mapping[str, Sequence[float]]) -> tuple[np.ndarray, np.ndarray]:
         """Per sequence and stage, its share of a micro-batch's forward and backward seconds
         beyond the fixed part (a micro-batch's time is the fixed part plus its sequences')."""
