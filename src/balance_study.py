@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from src.cluster_inputs import presets_fingerprint
 from src.config import BALANCE_POLICIES
 from src.errors import ConfigError
 from src.parallel_work import run_all
@@ -218,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     record = {
         "title": args.title,
         "overrides": args.overrides,
+        "series": {label: list(overrides) for label, overrides in args.series},
+        "presets": presets_fingerprint(job.overrides for job in jobs),
         "batches": args.batches,
         "skew_of": args.skew_of,
         "rows": rows,

@@ -10,6 +10,8 @@ time by the machine's CPU is not a file the job names, and is left out."""
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -74,3 +76,9 @@ def cluster_inputs(jobs: Iterable[Sequence[str]]) -> dict[str, Any]:
     for overrides in jobs:
         inputs.update(job_inputs(overrides))
     return inputs
+
+
+def presets_fingerprint(jobs: Iterable[Sequence[str]]) -> str:
+    """A fingerprint of every preset and measured table the jobs run on: stored results priced
+    on presets whose constants have changed since carry another."""
+    return hashlib.sha256(json.dumps(cluster_inputs(jobs), sort_keys=True).encode()).hexdigest()[:16]

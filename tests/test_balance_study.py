@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+from pathlib import Path
 
 import pytest
 
 from src import balance_study, progress
 from src.balance_study import aggregate, percentile
+from src.cluster_inputs import presets_fingerprint
 from src.config import composed
 from src.setup import LIMITS, validate
 from src.strategies.base import PlanRequest
 from src.strategies.disttrain.planner import plan_disttrain_batches
 
+REPO = Path(__file__).resolve().parent.parent
 SMALL = ["logger=none", "model=mllm_9b", "model.images_per_sequence=10", "cluster=a800", "cluster.nodes=6", "train.global_batch=32"]
 MEGATRON = "megatron=strategy=megatron strategy.tp=8 strategy.pp=3 strategy.micro_batch_size=1"
 
@@ -97,6 +101,8 @@ def test_a_small_study_runs_end_to_end(tmp_path, capsys, monkeypatch):
     assert times["none"][0] != times["none"][1]  # two batches of other sequences
     assert rows["cost"]["mean_s"] < rows["none"]["mean_s"] and rows["none"]["mean_s"] > rows["uniform"]["mean_s"]
     assert "| megatron | cost | 2 |" in captured.out
+    assert record["series"] == {"megatron": MEGATRON.split("=", 1)[1].split()}
+    assert record["presets"] == presets_fingerprint([[*SMALL, *record["series"]["megatron"]]])
     # Megatron-LM's plan is chosen at the mean load whatever the policy: on uniform data it is the uniform row's.
     for policy in ("none", "cost"):
         assert rows[policy]["plan_uniform_s"] == pytest.approx(rows["uniform"]["mean_s"], rel=1e-9)
@@ -130,3 +136,38 @@ def test_uniform_data_has_no_batch_to_balance(tmp_path):
     rows = {r["policy"]: r for r in json.loads((tmp_path / "balance.json").read_text())["rows"]}
     assert rows["none"]["reason"].startswith("train.data=uniform: every sequence weighs the same")
     assert "reason" not in rows["uniform"]
+
+
+STORED = sorted((REPO / "benchmarks" / "results" / "balance").glob("*/balance.json"))
+
+
+@pytest.mark.parametrize("stored", STORED, ids=lambda p: p.parent.name)
+def test_the_stored_balancing_figure_is_of_todays_presets(stored):
+    """A preset's constants changed since the balancing figure was priced leave it stale: re-run
+    `python benchmarks/balance_figure.py --only NAME`, as the scorecard's figures are re-run."""
+    record = json.loads(stored.read_text())
+    jobs = [[*record["overrides"], *overrides] for overrides in record["series"].values()]
+    assert record["presets"] == presets_fingerprint(jobs), f"re-run python benchmarks/balance_figure.py --only {stored.parent.name}"
+
+
+def test_a_changed_preset_changes_the_fingerprint(tmp_path, monkeypatch):
+    from src import cluster_inputs
+
+    jobs = [["cluster=a800", "model=mllm_9b"]]
+    before = presets_fingerprint(jobs)
+    copy = tmp_path / "cluster"
+    shutil.copytree(cluster_inputs.CLUSTERS, copy)
+    monkeypatch.setattr(cluster_inputs, "CLUSTERS", copy)
+    cluster_inputs._values.cache_clear()
+    try:
+        assert presets_fingerprint(jobs) == before  # the same files elsewhere
+        preset = copy / "a800.yaml"
+        text = preset.read_text()
+        preset.write_text(text.replace("# device gap per kernel", "# a comment changed, not a value", 1))
+        cluster_inputs._values.cache_clear()
+        assert presets_fingerprint(jobs) == before
+        preset.write_text(text.replace("kernel_overhead_s: 1.33e-6", "kernel_overhead_s: 1.5e-6", 1))
+        cluster_inputs._values.cache_clear()
+        assert presets_fingerprint(jobs) != before
+    finally:
+        cluster_inputs._values.cache_clear()
