@@ -126,8 +126,13 @@ def main(argv: list[str] | None = None) -> int:
         if floor is None:
             print(f"  no placement floor: {why_no_bound(balancer)}")
         else:
-            most = f"at most {(spans['none'] - floor) / skew:.0%} of skew's cost" if skew > 0 else "no skew cost"
-            print(f"  no placement goes below {floor:.2f} s: {most} is recoverable by any balancing policy")
+            most = f"at most {(spans['none'] - floor.seconds) / skew:.0%} of skew's cost" if skew > 0 else "no skew cost"
+            heavier = sum(g > floor.steady for g in floor.last) / len(floor.last)
+            print(f"  no placement goes below {floor.seconds:.2f} s: {most} is recoverable by any balancing policy")
+            print(
+                f"  ({heavier:.0%} of the sequences cost the last stage more than a step of the stage before it: "
+                f"up to {max(floor.last):.2f} s against {floor.steady:.2f})"
+            )
         busy, busy_uniform = stage_busy(balancer, loads, order, slowest), stage_busy(balancer, mean, identity, 0)
         neck = max(range(len(busy)), key=busy.__getitem__)
         print(

@@ -4,6 +4,7 @@ calibration still refits a stored run there."""
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -246,3 +247,19 @@ def test_stepccl_pairing_exposes_what_a_transfer_longer_than_its_gemm_leaves(mon
     proj, fc1 = found[0], found[1]
     assert proj.transfer_s > proj.gemm_s and proj.exposed(4, paired=True) > proj.exposed(4, paired=False)
     assert fc1.gemm_s > fc1.transfer_s and fc1.exposed(4, paired=True) == fc1.exposed(4, paired=False)
+
+
+def test_the_order_bound_benchmark_prints_the_placement_floor(monkeypatch, capsys):
+    """benchmarks/balance_order_bound.py on a small MLLM-9B plan: each policy, the search past
+    cost's order, and the floor no placement goes below, which the recovered shares sit under;
+    with extra warm-up forwards it says why there is none."""
+    bound = _benchmark("balance_order_bound", monkeypatch)
+    small = ["--batches=1", "--swaps=20", "model=mllm_9b", "cluster.nodes=6", "train.global_batch=48"]
+    assert bound.main(small) == 0
+    out = capsys.readouterr().out
+    recovered = re.search(r"recovered: reorder (-?\d+)%, cost (-?\d+)%", out)
+    most = re.search(r"no placement goes below [\d.]+ s: at most (\d+)% of skew's cost is recoverable", out)
+    assert recovered and most, out
+    assert max(int(recovered[1]), int(recovered[2])) <= int(most[1])
+    assert bound.main([*small, "strategy.extra_warmup=1"]) == 0
+    assert "no placement floor: 1 warm-up forwards beyond 1F1B's" in capsys.readouterr().out

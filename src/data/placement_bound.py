@@ -31,6 +31,7 @@ the placement chooses G_i itself: no floor is given there.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 if TYPE_CHECKING:
@@ -48,9 +49,20 @@ def why_no_bound(balancer: Balancer) -> str | None:
     return None
 
 
-def placement_bound(balancer: Balancer, loads: Mapping[str, Sequence[float]]) -> float | None:
-    """The floor (module docstring) under every placement of the batch of these loads, in
-    seconds of the balancer's recurrence; None where `why_no_bound` gives a reason."""
+@dataclass(frozen=True)
+class Floor:
+    """The floor (module docstring) and what it is made of: `seconds` under every placement;
+    `steady` (c), the stage before the last's backward and forward a steady-state step; `last`
+    (G_i), each sequence's forward and backward on the last stage, in data order."""
+
+    seconds: float
+    steady: float
+    last: tuple[float, ...]
+
+
+def placement_bound(balancer: Balancer, loads: Mapping[str, Sequence[float]]) -> Floor | None:
+    """The floor under every placement of the batch of these loads, in seconds of the
+    balancer's recurrence; None where `why_no_bound` gives a reason."""
     if why_no_bound(balancer) is not None:
         return None
     import numpy as np
@@ -61,4 +73,5 @@ def placement_bound(balancer: Balancer, loads: Mapping[str, Sequence[float]]) ->
     steady = backward[:, before].min() + forward[:, before].min()
     ends = forward[:, : before + 1].sum(axis=1).min() + backward[:, : before + 1].sum(axis=1).min()
     edges = max(0.0, steady - pair.min()) + forward[:, before].max()
-    return float(ends - edges + np.maximum(steady, pair).sum() / balancer.layout.dp)
+    seconds = ends - edges + np.maximum(steady, pair).sum() / balancer.layout.dp
+    return Floor(float(seconds), float(steady), tuple(pair.tolist()))
