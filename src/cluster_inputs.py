@@ -78,7 +78,12 @@ def cluster_inputs(jobs: Iterable[Sequence[str]]) -> dict[str, Any]:
     return inputs
 
 
+def fingerprint(content: Any) -> str:
+    """A short digest of what stored results depend on (JSON values, keys in order)."""
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def presets_fingerprint(jobs: Iterable[Sequence[str]]) -> str:
     """A fingerprint of every preset and measured table the jobs run on: stored results priced
     on presets whose constants have changed since carry another."""
-    return hashlib.sha256(json.dumps(cluster_inputs(jobs), sort_keys=True).encode()).hexdigest()[:16]
+    return fingerprint(cluster_inputs(jobs))

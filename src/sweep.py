@@ -36,7 +36,6 @@ tell results of another version of the preset, or of its clusters.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import subprocess
 import sys
@@ -46,7 +45,7 @@ from typing import Any
 
 import yaml
 
-from src.cluster_inputs import cluster_inputs
+from src.cluster_inputs import cluster_inputs, fingerprint
 from src.errors import ConfigError
 from src.report import plotting
 from src.report.files import SUMMARY_FILE
@@ -205,7 +204,7 @@ def preset_hash(spec: SweepSpec) -> str:
         "extra_metrics": spec.extra_metrics,
         **({"timed": {"repeats": spec.repeats, "metrics": spec.timed_metrics}} if spec.timed_metrics else {}),
     }
-    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
+    return fingerprint(content)
 
 
 def find_sweep_file(figure: str) -> Path:
