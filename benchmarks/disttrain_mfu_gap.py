@@ -31,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere: this repository's src
 
+from src.cluster_inputs import priced_on
 from src.config import composed
 from src.metrics import iteration_flops, summarize
 from src.plan_io import PlannedRun
@@ -147,6 +148,7 @@ def main() -> None:
     for name, (setup, plan, timeline) in runs.items():
         summary = summarize(PlannedRun(setup.model, setup.cluster, setup.train, plan), timeline)
         lines.append(f"- {name}: {timeline.iteration_time:.2f} s, MFU {100 * summary['mfu']:.1f} %, {unit_plans(plan)}")
+    lines += ["", priced_on([FIGURE])]
     text = "\n".join(lines) + "\n"
     print(text)
     print(f"({time.perf_counter() - wall:.0f} s wall, {time.process_time() - cpu:.0f} s CPU)")

@@ -29,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere: this repository's src
 
+from src.cluster_inputs import priced_on
 from src.config import composed
 from src.out_paths import output_file, write_file
 from src.setup import plan_run, validate
@@ -67,7 +68,7 @@ def main() -> None:
     parser.add_argument("--out", type=output_file)
     parser.add_argument("--choices", action="store_true", help="the choices timed (strategy.ranked) under train.balance=cost")
     args = parser.parse_args()
-    table = choice_breadths() if args.choices else shape_breadths()
+    table = (choice_breadths() if args.choices else shape_breadths()) + f"\n\n{priced_on([FIGURE])}"
     print(table)
     if args.out:
         command = "python benchmarks/disttrain_shape_breadth.py" + (" --choices" if args.choices else "")

@@ -27,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere: this repository's src
 
+from src.cluster_inputs import priced_on
 from src.config import composed
 from src.out_paths import output_file, write_file
 from src.setup import plan_run, validate
@@ -82,6 +83,7 @@ def main() -> None:
                 f"| {group} | {launch} | {megatron:.3f} | {encoder:.3f} | {balanced:.3f} | {optimus:.3f} "
                 f"| {megatron / optimus:.2f} | {balanced / optimus:.2f} |"
             )
+    lines += ["", priced_on(job.overrides for job in jobs)]
     text = "\n".join(lines) + "\n"
     print(text)
     print(f"({time.perf_counter() - wall:.0f} s wall, {time.process_time() - cpu:.0f} s CPU)")

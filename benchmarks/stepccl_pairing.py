@@ -18,7 +18,7 @@ column-parallel one), a chunk's GEMM and its share of the chunk's transfer, and 
 forward exposes both ways. With n chunks a pair of chunk transfer c and chunk GEMM g
 exposes c (the last chunk's) a pass at a time, and paired c + (n - 1) x max(0, c - g).
 
-    python benchmarks/stepccl_pairing.py [--chunks 4] [--tp 4 8]
+    python benchmarks/stepccl_pairing.py [--chunks 4] [--tp 4 8] [--out benchmarks/results/stepccl_pairing.md]
 """
 
 from __future__ import annotations
@@ -30,12 +30,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere: this repository's src
 
+from src.cluster_inputs import priced_on  # noqa: E402
 from src.config import composed  # noqa: E402
 from src.costmodel.comm import CommModel  # noqa: E402
 from src.costmodel.compute import ComputeModel  # noqa: E402
 from src.mesh import tensor_parallel  # noqa: E402
 from src.models.layers import ACT_BYTES  # noqa: E402
 from src.models.spec import ModelSpec  # noqa: E402
+from src.out_paths import output_file, write_file  # noqa: E402
 from src.setup import validate  # noqa: E402
 from src.strategies.builders.emit import paired_gemms  # noqa: E402
 
@@ -76,22 +78,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--tp", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--out", type=output_file, default=None, help="also write the table here")
     args = parser.parse_args()
     setup = validate(composed(CASE))
     compute, comm = ComputeModel(setup.cluster, "bf16"), CommModel(setup.cluster)
-    print(f"MLLM-9B's LLM block ({setup.model.unit('llm').seq_len} tokens, one sequence), a800, {args.chunks} chunks; ms")
-    print("| TP | collective | GEMM | GEMM's chunk | transfer's share of a chunk | exposed, a pass at a time | exposed, paired |")
-    print("|---:|---:|---|---:|---:|---:|---:|")
+    lines = [
+        f"MLLM-9B's LLM block ({setup.model.unit('llm').seq_len} tokens, one sequence), a800, {args.chunks} chunks; ms",
+        "| TP | collective | GEMM | GEMM's chunk | transfer's share of a chunk | exposed, a pass at a time | exposed, paired |",
+        "|---:|---:|---|---:|---:|---:|---:|",
+    ]
     for tp in args.tp:
         found = pairs(setup.model, tp, args.chunks, compute, comm)
         for p in found:
-            print(
+            lines.append(
                 f"| {tp} | {p.collective} | {p.gemm} | {p.gemm_s * 1e3:.3f} | {p.transfer_s * 1e3:.3f} | "
                 f"{p.exposed(args.chunks, False) * 1e3:.3f} | {p.exposed(args.chunks, True) * 1e3:.3f} |"
             )
         whole = sum(p.exposed(args.chunks, False) for p in found)
         paired = sum(p.exposed(args.chunks, True) for p in found)
-        print(f"| {tp} | the forward | | | | {whole * 1e3:.3f} | {paired * 1e3:.3f} |")
+        lines.append(f"| {tp} | the forward | | | | {whole * 1e3:.3f} | {paired * 1e3:.3f} |")
+    lines += ["", priced_on([CASE])]
+    text = "\n".join(lines)
+    print(text)
+    if args.out is not None:
+        command = f"python benchmarks/stepccl_pairing.py --chunks {args.chunks} --tp {' '.join(map(str, args.tp))}"
+        write_file(args.out, f"`{command}`\n\n{text}\n")
 
 
 if __name__ == "__main__":

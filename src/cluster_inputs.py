@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -87,3 +88,28 @@ def presets_fingerprint(jobs: Iterable[Sequence[str]]) -> str:
     """A fingerprint of every preset and measured table the jobs run on: stored results priced
     on presets whose constants have changed since carry another."""
     return fingerprint(cluster_inputs(jobs))
+
+
+# The line a stored result of the simulator ends with (src.cluster_inputs.priced_on): the preset files
+# it was priced on, by their paths under conf/cluster/, and their fingerprint then.
+PRICED_ON = re.compile(r"^Priced on conf/cluster/ (?P<files>\S.*) \(presets fingerprint (?P<digest>[0-9a-f]{16})\)\.$", re.M)
+
+
+def priced_on(jobs: Iterable[Sequence[str]]) -> str:
+    """The line a stored result ends with, naming the presets and measured tables its jobs ran on
+    and their fingerprint, so that a later change of their constants shows it stale
+    (tests/test_stored_results.py)."""
+    inputs = cluster_inputs(jobs)
+    return f"Priced on conf/cluster/ {', '.join(inputs)} (presets fingerprint {fingerprint(inputs)})."
+
+
+def stale_stamp(text: str) -> str | None:
+    """Why a stored result's `priced_on` line is not of today's presets, or None where it is."""
+    stamps = PRICED_ON.findall(text)
+    if len(stamps) != 1:
+        return f"{len(stamps)} lines 'Priced on conf/cluster/ ...' where one is expected"
+    files, digest = stamps[0]
+    today = fingerprint({name: _values(CLUSTERS / name) for name in files.split(", ")})
+    if today != digest:
+        return f"priced on {files} at fingerprint {digest}; today's is {today}"
+    return None

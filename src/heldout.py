@@ -568,6 +568,8 @@ def table(
 
 
 def main() -> None:
+    from src.cluster_inputs import priced_on
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=Path, default=RUNS)
     parser.add_argument("--out", type=output_dir, help="where heldout.json and heldout.md go (default benchmarks/results)")
@@ -595,6 +597,8 @@ def main() -> None:
     summaries = summaries_of(rows)
     repeats = campaigns(rows)
     text = table(rows, summaries, data, repeats)
+    # The presets every row was priced on, so that a later change of their constants shows the results stale.
+    text += "\n\n" + priced_on([f"cluster={preset}"] for preset in sorted({row["preset"] for row in rows}))
     # A subset never lands on the full results by default: the scorecard cites rows of that file.
     out = args.out or (None if args.only else OUT)
     if out is not None:
