@@ -7,8 +7,13 @@ around it are; past the largest buffer the largest one's bandwidth holds (time i
 to S); below the smallest buffer the caller takes the library's model, capped by the
 smallest buffer's measured time (a smaller message does not take longer). Outside the
 measured group sizes, or next to a point the source has no usable time for, there is no
-measured time and the library's model prices the collective. An all-reduce with no table
-of its own runs as a ring does: a reduce-scatter, then an all-gather of the same buffer.
+measured time and the library's model prices the collective. A reduce-scatter with no table
+of its own takes the all-gather's: NCCL and RCCL run both on the same ring, n - 1 steps of
+S / n bytes, the reduction done in each step's kernel, and their tuning models (NCCL's
+src/graph/tuning.cc) and ours price the two alike, so a machine whose all-gathers run slower
+than that model runs its reduce-scatters so too. An all-reduce with no table of its own runs
+as a ring does only where both halves were measured: a reduce-scatter, then an all-gather
+of the same buffer (elsewhere the library's model, whose trees an all-reduce may take).
 
 A group inside one node, smaller than the node, takes the placement table instead: the bus
 bandwidth measured for that many devices whose ranks are `stride` apart.
@@ -67,6 +72,10 @@ def measured_seconds(measured: CollectiveMeasurements, op: str, group: int, nbyt
     table = measured.collectives.get(op)
     if table is not None:
         parts: list[MeasuredCollective] = [table]
+    elif op == "reduce_scatter" and "all_gather" in measured.collectives:
+        # The same ring the other way: n - 1 steps of S / n bytes, each reduced on the fly in the
+        # step's kernel; the libraries' tuning models, and ours, price the two alike.
+        parts = [measured.collectives["all_gather"]]
     elif op == "all_reduce" and {"reduce_scatter", "all_gather"} <= set(measured.collectives):
         parts = [measured.collectives["reduce_scatter"], measured.collectives["all_gather"]]
     else:

@@ -125,6 +125,25 @@ def test_groups_the_tables_do_not_cover_take_the_model_and_an_all_reduce_is_both
     assert sum(comm.collective_parts("all_reduce", whole, nbytes)) == pytest.approx(expected)
 
 
+def test_a_reduce_scatter_without_a_table_takes_the_all_gathers_and_an_all_reduce_the_model() -> None:
+    """Perlmutter measured NCCL's all-gathers only: its reduce-scatters, the same ring the other
+    way, take that table; its all-reduces, whose halves were not both measured, the model."""
+    cluster = _cluster("perlmutter", nodes=32)
+    comm, model = CommModel(cluster), CommModel(replace(cluster, collective_measurements=()))
+    gathers = cluster.collective_measurements[0].collectives
+    assert "reduce_scatter" not in gathers
+    whole = tuple(range(128))
+    for nbytes in (4 * MIB, 64 * MIB):
+        measured = table_seconds(gathers["all_gather"], 128, nbytes)
+        assert sum(comm.collective_parts("reduce_scatter", whole, nbytes)) == pytest.approx(measured)
+        # The model prices the two alike, the machine ran them slower than it.
+        assert sum(model.collective_parts("reduce_scatter", whole, nbytes)) == pytest.approx(
+            sum(model.collective_parts("all_gather", whole, nbytes))
+        )
+        assert measured > sum(model.collective_parts("reduce_scatter", whole, nbytes))
+    assert comm.collective_parts("all_reduce", whole, 64 * MIB) == model.collective_parts("all_reduce", whole, 64 * MIB)
+
+
 def test_a_group_inside_a_node_runs_at_its_placements_measured_bandwidth() -> None:
     cluster = _cluster("frontier")
     comm, model = CommModel(cluster), CommModel(replace(cluster, collective_measurements=()))
