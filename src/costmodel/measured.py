@@ -11,9 +11,15 @@ measured time and the library's model prices the collective. A reduce-scatter wi
 of its own takes the all-gather's: NCCL and RCCL run both on the same ring, n - 1 steps of
 S / n bytes, the reduction done in each step's kernel, and their tuning models (NCCL's
 src/graph/tuning.cc) and ours price the two alike, so a machine whose all-gathers run slower
-than that model runs its reduce-scatters so too. An all-reduce with no table of its own runs
-as a ring does only where both halves were measured: a reduce-scatter, then an all-gather
-of the same buffer (elsewhere the library's model, whose trees an all-reduce may take).
+than that model runs its reduce-scatters so too (NCCL 2.21 runs its all-gathers on that ring
+alone where the machine has neither NVLink SHARP nor CollNet). An all-reduce with no table of
+its own runs as a ring does where the reduce-scatter was measured: a reduce-scatter, then an
+all-gather of the same buffer over the same ring, each phase priced as the measured
+reduce-scatter. Not as the measured all-gather: RCCL runs its all-gathers by algorithms of
+their own (MSCCL schedules for AllGather on MI250X, ROCm/rccl PRs 930 and 1414), whose slow
+spots on Frontier (an all-gather of 16 MiB over 256 GCDs taking 112 ms, where the reduce-scatter
+of that buffer over the same ranks takes 4.4 ms) its reduce-scatters do not share. Elsewhere
+the library's model, whose trees an all-reduce may take.
 
 A group inside one node, smaller than the node, takes the placement table instead: the bus
 bandwidth measured for that many devices whose ranks are `stride` apart.
@@ -76,8 +82,9 @@ def measured_seconds(measured: CollectiveMeasurements, op: str, group: int, nbyt
         # The same ring the other way: n - 1 steps of S / n bytes, each reduced on the fly in the
         # step's kernel; the libraries' tuning models, and ours, price the two alike.
         parts = [measured.collectives["all_gather"]]
-    elif op == "all_reduce" and {"reduce_scatter", "all_gather"} <= set(measured.collectives):
-        parts = [measured.collectives["reduce_scatter"], measured.collectives["all_gather"]]
+    elif op == "all_reduce" and "reduce_scatter" in measured.collectives:
+        # A ring's two phases, each what the measured reduce-scatter moves over the same ring.
+        parts = [measured.collectives["reduce_scatter"]] * 2
     else:
         return None
     total = 0.0
