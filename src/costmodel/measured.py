@@ -15,10 +15,12 @@ than that model runs its reduce-scatters so too (NCCL 2.21 runs its all-gathers 
 alone where the machine has neither NVLink SHARP nor CollNet). An all-reduce with no table of
 its own runs as a ring does where the reduce-scatter was measured: a reduce-scatter, then an
 all-gather of the same buffer over the same ring, each phase priced as the measured
-reduce-scatter. Not as the measured all-gather: RCCL runs its all-gathers by algorithms of
-their own (MSCCL schedules for AllGather on MI250X, ROCm/rccl PRs 930 and 1414), whose slow
-spots on Frontier (an all-gather of 16 MiB over 256 GCDs taking 112 ms, where the reduce-scatter
-of that buffer over the same ranks takes 4.4 ms) its reduce-scatters do not share. Elsewhere
+reduce-scatter, so that both come from one campaign. On Frontier, the one preset with both
+tables, they are two campaigns', and the all-gather table's collapses where a rank's share is
+64-256 KiB across nodes (16 MiB over 256 GCDs: 112 ms) where the reduce-scatter table's does
+not (4.4 ms), nor a later all-gather campaign of the same artifact (data/all_gather_3 at
+5a6353f: 2.7-3.8 ms at 4-32 MiB over 128 GCDs, against the table's 4.3-51 ms): the collapse
+is a campaign's, which an all-reduce priced half from each table took half of. Elsewhere
 the library's model, whose trees an all-reduce may take.
 
 A group inside one node, smaller than the node, takes the placement table instead: the bus
@@ -83,7 +85,8 @@ def measured_seconds(measured: CollectiveMeasurements, op: str, group: int, nbyt
         # step's kernel; the libraries' tuning models, and ours, price the two alike.
         parts = [measured.collectives["all_gather"]]
     elif op == "all_reduce" and "reduce_scatter" in measured.collectives:
-        # A ring's two phases, each what the measured reduce-scatter moves over the same ring.
+        # A ring's two phases, each what the measured reduce-scatter moves over the same ring, from
+        # one campaign (the all-gather table's may be another's: see above).
         parts = [measured.collectives["reduce_scatter"]] * 2
     else:
         return None
