@@ -7,9 +7,9 @@ around it are; past the largest buffer the largest one's bandwidth holds (time i
 to S); below the smallest buffer the caller takes the library's model, capped by the
 smallest buffer's measured time (a smaller message does not take longer). Outside the
 measured group sizes, or next to a point the source has no usable time for, there is no
-measured time and the library's model prices the collective. A reduce-scatter with no table
-of its own takes the all-gather's: NCCL and RCCL run both on the same ring, n - 1 steps of
-S / n bytes, the reduction done in each step's kernel, and their tuning models (NCCL's
+measured time and the library's model prices the collective. A reduce-scatter with no table of
+its own takes the all-gather's: NCCL and RCCL run both on the same ring, n - 1 steps of S / n
+bytes, the reduction done in each step's kernel, and their tuning models (NCCL's
 src/graph/tuning.cc) and ours price the two alike, so a machine whose all-gathers run slower
 than that model runs its reduce-scatters so too (NCCL 2.21 runs its all-gathers on that ring
 alone where the machine has neither NVLink SHARP nor CollNet). An all-reduce with no table of
@@ -19,9 +19,10 @@ reduce-scatter, so that both come from one campaign. On Frontier, the one preset
 tables, they are two campaigns', and the all-gather table's collapses where a rank's share is
 64-256 KiB across nodes (16 MiB over 256 GCDs: 112 ms) where the reduce-scatter table's does
 not (4.4 ms), nor a later all-gather campaign of the same artifact (data/all_gather_3 at
-5a6353f: 2.7-3.8 ms at 4-32 MiB over 128 GCDs, against the table's 4.3-51 ms): the collapse
-is a campaign's, which an all-reduce priced half from each table took half of. Elsewhere
-the library's model, whose trees an all-reduce may take.
+5a6353f, which its curated data of cfad79d leaves out: 2.7-3.8 ms at 4-32 MiB over 128 GCDs,
+against the table's 4.3-51 ms): the collapse is a campaign's, which an all-reduce priced half
+from each table took half of. Elsewhere the library's model, whose trees an all-reduce may
+take.
 
 A group inside one node, smaller than the node, takes the placement table instead: the bus
 bandwidth measured for that many devices whose ranks are `stride` apart.
