@@ -78,28 +78,22 @@ def measured_seconds(measured: CollectiveMeasurements, op: str, group: int, nbyt
     """The measured time of `op` over `group` consecutive ranks on `nbytes`, None where
     the tables do not cover it; below the smallest measured buffer, the library's model
     (`modelled` seconds) up to that buffer's measured time."""
-    table = measured.collectives.get(op)
-    if table is not None:
-        parts: list[MeasuredCollective] = [table]
-    elif op == "reduce_scatter" and "all_gather" in measured.collectives:
+    table, phases = measured.collectives.get(op), 1
+    if table is None and op == "reduce_scatter":
         # The same ring the other way: n - 1 steps of S / n bytes, each reduced on the fly in the
         # step's kernel; the libraries' tuning models, and ours, price the two alike.
-        parts = [measured.collectives["all_gather"]]
-    elif op == "all_reduce" and "reduce_scatter" in measured.collectives:
+        table = measured.collectives.get("all_gather")
+    elif table is None and op == "all_reduce":
         # A ring's two phases, each what the measured reduce-scatter moves over the same ring, from
         # one campaign (the all-gather table's may be another's: see above).
-        parts = [measured.collectives["reduce_scatter"]] * 2
-    else:
+        table, phases = measured.collectives.get("reduce_scatter"), 2
+    if table is None:
         return None
-    total = 0.0
-    for part in parts:
-        seconds = table_seconds(part, group, nbytes)
-        if seconds is None:
-            return None
-        total += seconds
-    if any(nbytes < part.sizes[0] for part in parts):
-        return min(total, modelled)
-    return total
+    seconds = table_seconds(table, group, nbytes)
+    if seconds is None:
+        return None
+    total = phases * seconds
+    return min(total, modelled) if nbytes < table.sizes[0] else total
 
 
 def placement_bandwidth(measured: CollectiveMeasurements, ranks: Sequence[int]) -> float | None:
